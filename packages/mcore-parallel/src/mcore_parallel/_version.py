@@ -1,0 +1,12 @@
+"""Version of the installed mcore-parallel distribution."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+__all__ = ["__version__"]
+
+try:
+    __version__: str = version("mcore-parallel")
+except PackageNotFoundError:  # running from a source tree without installation
+    __version__ = "0.0.0+source"

@@ -1,0 +1,64 @@
+"""Description of a rank's block of a global tensor, shared by parallel layers and checkpoints.
+
+Tensor-parallel layers and the distributed optimizer hold shards of tensors whose full
+("global") value no single rank has. :class:`ShardedTensor` records which block a rank holds so
+that mcore-ckpt can save it and load it back under another parallel layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_parallel.errors import ParallelConfigError
+
+__all__ = ["ShardedTensor"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedTensor:
+    """A rectangular block of a global tensor held by this rank.
+
+    Attributes:
+        local: The block held by this rank; ``local.shape[d] + global_offset[d] <=
+            global_shape[d]`` for every dimension ``d``.
+        global_shape: Shape of the full tensor across all ranks.
+        global_offset: Index of ``local[0, 0, ...]`` inside the full tensor.
+        replica_id: 0 for the rank that owns this block when saving; other ranks holding an
+            identical copy (data-parallel replicas) use a positive id and are not written.
+
+    Raises:
+        ParallelConfigError: If the ranks of the shapes disagree or the block does not fit.
+    """
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    replica_id: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.local, torch.Tensor):
+            raise ParallelConfigError(
+                f"local must be a torch.Tensor, got {type(self.local).__name__}"
+            )
+        shape, offset = tuple(self.global_shape), tuple(self.global_offset)
+        if not (len(shape) == len(offset) == self.local.dim()):
+            raise ParallelConfigError(
+                f"global_shape={shape}, global_offset={offset} and local.shape="
+                f"{tuple(self.local.shape)} must have the same number of dimensions"
+            )
+        for dim, (size, off, n) in enumerate(zip(shape, offset, self.local.shape)):
+            if off < 0 or off + n > size:
+                raise ParallelConfigError(
+                    f"dimension {dim}: block [{off}, {off + n}) does not fit in global size {size}"
+                )
+        if self.replica_id < 0:
+            raise ParallelConfigError(f"replica_id={self.replica_id} must be >= 0")
+        object.__setattr__(self, "global_shape", shape)
+        object.__setattr__(self, "global_offset", offset)
+
+    @property
+    def is_full(self) -> bool:
+        """Whether this block covers the whole global tensor."""
+        return tuple(self.local.shape) == self.global_shape
