@@ -1,0 +1,114 @@
+"""Session matrix of the mcore monorepo: `uv run nox -l` lists it, `uv run nox -t tests` tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2024.10.9"
+nox.options.default_venv_backend = "uv"
+nox.options.error_on_external_run = True
+nox.options.sessions = []
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+from workspace import PACKAGES, dependency_closure  # noqa: E402
+
+# Per-package test environments: the kernels run under the Triton interpreter on CPU.
+TEST_ENV = {"kernels": {"TRITON_INTERPRET": "1"}}
+
+
+def _sync(session: nox.Session, *args: str) -> None:
+    """Install from the lock into this session's venv (and nothing more)."""
+    env = {"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}
+    session.run_install("uv", "sync", "--locked", *args, env=env, external=True)
+
+
+def _test_session(name: str) -> None:
+    @nox.session(name=f"tests-{name}", tags=["tests"])
+    def tests(session: nox.Session) -> None:
+        _sync(session, "--package", f"mcore-{name}", "--group", "test")
+        # pytest exits 5 when it collects nothing: that is a failure here, as any non-zero code.
+        session.run(
+            "pytest",
+            f"packages/mcore-{name}/tests",
+            "-p",
+            "no:cacheprovider",
+            *session.posargs,
+            env=TEST_ENV.get(name, {}),
+        )
+
+    tests.__doc__ = f"Test mcore-{name} in a venv holding only it and its declared dependencies."
+
+
+for _name in PACKAGES:
+    _test_session(_name)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check + format check, and the dependency-boundary check with its tests."""
+    _sync(session, "--only-group", "dev")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("python", "tools/check_boundaries.py")
+    session.run("pytest", "tools/tests", "-q", "-p", "no:cacheprovider")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over the sources of all packages."""
+    _sync(session, "--all-packages", "--group", "dev")
+    session.run("mypy", *(f"packages/mcore-{name}/src" for name in PACKAGES))
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Sphinx docs with warnings as errors (SKIP_AUTODOC=true: prose only)."""
+    _sync(session, "--only-group", "docs")
+    out = ROOT / "docs" / "_build" / "html"
+    shutil.rmtree(ROOT / "docs" / "api-guide" / "reference", ignore_errors=True)
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", str(out))
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build every wheel, then install each alone and check it pulls only its declared edges."""
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for name in PACKAGES:
+        session.run("uv", "build", "--package", f"mcore-{name}", "--no-sources", "-o", str(dist), external=True)
+    wheels = {name: next(dist.glob(f"mcore_{name}-*.whl")) for name in PACKAGES}
+    for name, wheel in wheels.items():
+        venv = Path(session.create_tmp()) / f"wheel-{name}"
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run("uv", "venv", "--quiet", str(venv), external=True)
+        python = str(venv / "bin" / "python")
+        # Siblings resolve from dist/ (no mcore-* exists on the index): --find-links dist.
+        session.run(
+            "uv", "pip", "install", "--quiet", "--python", python, "--find-links", str(dist),
+            str(wheel), external=True, env={"UV_LINK_MODE": "symlink"},
+        )
+        listed = session.run(
+            "uv", "pip", "list", "--python", python, "--format", "json", external=True, silent=True
+        )
+        installed = {p["name"] for p in json.loads(listed) if p["name"].startswith("mcore-")}
+        allowed = {f"mcore-{n}" for n in dependency_closure(name)}
+        if installed - allowed:
+            session.error(f"mcore-{name} wheel pulled undeclared packages: {sorted(installed - allowed)}")
+        for dep in installed:
+            version = next(p["version"] for p in json.loads(listed) if p["name"] == dep)
+            expected = wheels[dep.removeprefix("mcore-")].name.split("-")[1]
+            if version != expected:
+                session.error(f"{dep} {version} was installed, not the {expected} from dist/")
+        session.run(python, "-c", f"import mcore_{name}; print(mcore_{name}.__name__, mcore_{name}.__version__)", external=True)
+        shutil.rmtree(venv, ignore_errors=True)
+    session.log(f"built and checked {len(wheels)} wheels in {dist}")
+
+
