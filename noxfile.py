@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -83,7 +82,16 @@ def build(session: nox.Session) -> None:
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     for name in PACKAGES:
-        session.run("uv", "build", "--package", f"mcore-{name}", "--no-sources", "-o", str(dist), external=True)
+        session.run(
+            "uv",
+            "build",
+            "--package",
+            f"mcore-{name}",
+            "--no-sources",
+            "-o",
+            str(dist),
+            external=True,
+        )
     wheels = {name: next(dist.glob(f"mcore_{name}-*.whl")) for name in PACKAGES}
     for name, wheel in wheels.items():
         venv = Path(session.create_tmp()) / f"wheel-{name}"
@@ -92,8 +100,17 @@ def build(session: nox.Session) -> None:
         python = str(venv / "bin" / "python")
         # Siblings resolve from dist/ (no mcore-* exists on the index): --find-links dist.
         session.run(
-            "uv", "pip", "install", "--quiet", "--python", python, "--find-links", str(dist),
-            str(wheel), external=True, env={"UV_LINK_MODE": "symlink"},
+            "uv",
+            "pip",
+            "install",
+            "--quiet",
+            "--python",
+            python,
+            "--find-links",
+            str(dist),
+            str(wheel),
+            external=True,
+            env={"UV_LINK_MODE": "symlink"},
         )
         listed = session.run(
             "uv", "pip", "list", "--python", python, "--format", "json", external=True, silent=True
@@ -101,14 +118,19 @@ def build(session: nox.Session) -> None:
         installed = {p["name"] for p in json.loads(listed) if p["name"].startswith("mcore-")}
         allowed = {f"mcore-{n}" for n in dependency_closure(name)}
         if installed - allowed:
-            session.error(f"mcore-{name} wheel pulled undeclared packages: {sorted(installed - allowed)}")
+            session.error(
+                f"mcore-{name} wheel pulled undeclared packages: {sorted(installed - allowed)}"
+            )
         for dep in installed:
             version = next(p["version"] for p in json.loads(listed) if p["name"] == dep)
             expected = wheels[dep.removeprefix("mcore-")].name.split("-")[1]
             if version != expected:
                 session.error(f"{dep} {version} was installed, not the {expected} from dist/")
-        session.run(python, "-c", f"import mcore_{name}; print(mcore_{name}.__name__, mcore_{name}.__version__)", external=True)
+        session.run(
+            python,
+            "-c",
+            f"import mcore_{name}; print(mcore_{name}.__name__, mcore_{name}.__version__)",
+            external=True,
+        )
         shutil.rmtree(venv, ignore_errors=True)
     session.log(f"built and checked {len(wheels)} wheels in {dist}")
-
-

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workspace import ROOT, declared  # noqa: E402
+from workspace import ROOT, declared
 
 # Distributions whose import name is not their normalised name with "-" -> "_".
 IMPORT_NAMES: dict[str, set[str]] = {
@@ -98,7 +98,9 @@ def check_package(package_dir: Path) -> list[Violation]:
                     reason = "belongs to an optional extra and must be imported lazily"
                 else:
                     reason = f"is not declared by {package_dir.name}"
-                violations.append(Violation(path.relative_to(package_dir.parent.parent), line, module, reason))
+                violations.append(
+                    Violation(path.relative_to(package_dir.parent.parent), line, module, reason)
+                )
     return violations
 
 

@@ -10,8 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import check_boundaries  # noqa: E402
-import workspace  # noqa: E402
+import check_boundaries
+import workspace
 
 
 def _package(root: Path, name: str, deps: list[str], *, extras=None, test=None, src="", tests=""):
@@ -21,7 +21,7 @@ def _package(root: Path, name: str, deps: list[str], *, extras=None, test=None, 
     extras_toml = ""
     if extras:
         extras_toml = "[project.optional-dependencies]\n" + "".join(
-            f'{k} = {v!r}\n'.replace("'", '"') for k, v in extras.items()
+            f"{k} = {v!r}\n".replace("'", '"') for k, v in extras.items()
         )
     (pkg / "pyproject.toml").write_text(
         textwrap.dedent(
@@ -43,7 +43,12 @@ def _package(root: Path, name: str, deps: list[str], *, extras=None, test=None, 
 
 def test_declared_sibling_and_stdlib_pass(tmp_path):
     _package(tmp_path, "leaf", ["torch>=2"], src="import os\nimport torch\n")
-    pkg = _package(tmp_path, "top", ["mcore-leaf>=0.1,<0.2", "numpy"], src="import json\nimport mcore_leaf\nfrom numpy import linalg\n")
+    pkg = _package(
+        tmp_path,
+        "top",
+        ["mcore-leaf>=0.1,<0.2", "numpy"],
+        src="import json\nimport mcore_leaf\nfrom numpy import linalg\n",
+    )
     assert check_boundaries.check_package(pkg) == []
 
 
@@ -75,8 +80,12 @@ def test_extra_must_be_imported_lazily(tmp_path):
 
 def test_test_group_allowed_only_in_tests(tmp_path):
     pkg = _package(
-        tmp_path, "top", [], test=["pytest", "transformers"],
-        src="import transformers\n", tests="import pytest\nimport transformers\n",
+        tmp_path,
+        "top",
+        [],
+        test=["pytest", "transformers"],
+        src="import transformers\n",
+        tests="import pytest\nimport transformers\n",
     )
     violations = check_boundaries.check_package(pkg)
     assert [(v.path.parts[-3], v.module) for v in violations] == [("src", "transformers")]
