@@ -1,0 +1,455 @@
+"""Attention of new tokens over a paged KV cache (decode and chunked prefill).
+
+Every query token attends to the first ``context_lens[t]`` positions of its own sequence, whose
+keys and values live in fixed-size blocks of a shared cache addressed through a per-token block
+table. The Triton path splits each token's context into chunks of a fixed ``split_size``
+(split-KV, as in FlashDecoding), computes a partial softmax per chunk, then merges the chunks in
+a fixed order. Because the split boundaries and the merge order depend only on the token's own
+context length, never on how many tokens share the launch, a token's output is the same whatever
+the batch composition (batch invariance by construction).
+
+Shapes:
+
+- ``q``: ``[T, Hq, D]`` (new tokens, already rotated by RoPE)
+- ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, Hkv, D]``, ``Hq`` a multiple of ``Hkv``
+- ``block_tables``: ``[T, max_blocks]`` int32, the physical block of each logical block
+- ``context_lens``: ``[T]`` int32, positions ``0 .. context_lens[t] - 1`` are attended
+- returns ``[T, Hq, D]`` in ``q.dtype``
+
+Dispatch: Triton on CUDA, the torch reference on CPU; ``MCORE_KERNELS_BACKEND=torch|triton``
+overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a linux-only dependency
+    triton = None
+    tl = None
+
+__all__ = [
+    "DEFAULT_SPLIT_SIZE",
+    "paged_attention",
+    "paged_attention_reference",
+    "paged_attention_triton",
+]
+
+DEFAULT_SPLIT_SIZE = 256
+"""Context positions handled by one split-KV program (a multiple of the KV block size)."""
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    if q.dim() != 3:
+        raise KernelShapeError(f"q has shape {tuple(q.shape)}; expected [T, Hq, D]")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise KernelShapeError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+            "[num_blocks, block_size, Hkv, D]"
+        )
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise KernelShapeError(
+            f"k_cache head dim {k_cache.shape[3]} differs from q head dim {head_dim}"
+        )
+    if num_q_heads % num_kv_heads != 0:
+        raise KernelShapeError(
+            f"q has {num_q_heads} heads, not a multiple of the {num_kv_heads} KV heads"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_tokens:
+        raise KernelShapeError(
+            f"block_tables has shape {tuple(block_tables.shape)}; expected [{num_tokens}, max_blocks]"
+        )
+    if context_lens.shape != (num_tokens,):
+        raise KernelShapeError(
+            f"context_lens has shape {tuple(context_lens.shape)}; expected ({num_tokens},)"
+        )
+    if q.dtype not in _SUPPORTED_DTYPES or k_cache.dtype not in _SUPPORTED_DTYPES:
+        raise KernelDtypeError(
+            f"q dtype {q.dtype} / cache dtype {k_cache.dtype}; expected float32, float16 or bfloat16"
+        )
+    if block_tables.dtype not in (torch.int32, torch.int64) or context_lens.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        raise KernelDtypeError(
+            f"block_tables dtype {block_tables.dtype} / context_lens dtype {context_lens.dtype}; "
+            "expected int32 or int64"
+        )
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    split_size: int = DEFAULT_SPLIT_SIZE,
+) -> torch.Tensor:
+    """Plain torch paged attention: gather each token's context and apply a masked softmax.
+
+    Args:
+        q: Query of the new tokens, ``[T, Hq, D]``.
+        k_cache: Key cache, ``[num_blocks, block_size, Hkv, D]``.
+        v_cache: Value cache, same shape as ``k_cache``.
+        block_tables: Physical block of each logical block of each token, ``[T, max_blocks]``.
+        context_lens: Number of attended positions per token, ``[T]``, each at least 1.
+        scale: Softmax scale applied to the dot products.
+        split_size: Accepted for signature parity with the Triton path; the reference does not
+            split the context.
+
+    Returns:
+        The attention output, ``[T, Hq, D]`` in ``q.dtype``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match the layout above.
+        KernelDtypeError: If a dtype is unsupported.
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    del split_size
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return q.new_empty(q.shape)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    # Host sync is fine here: the reference is the CPU path and the test oracle.
+    max_context = int(context_lens.max())
+    used_blocks = -(-max_context // block_size)
+    tables = block_tables[:, :used_blocks].long()
+    length = used_blocks * block_size
+    keys = k_cache[tables].reshape(num_tokens, length, num_kv_heads, head_dim).float()
+    values = v_cache[tables].reshape(num_tokens, length, num_kv_heads, head_dim).float()
+    group = num_q_heads // num_kv_heads
+    keys = keys.repeat_interleave(group, dim=2)
+    values = values.repeat_interleave(group, dim=2)
+    scores = torch.einsum("thd,tlhd->thl", q.float(), keys) * scale
+    positions = torch.arange(length, device=q.device)
+    visible = positions[None, :] < context_lens[:, None].to(q.device)
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("thl,tlhd->thd", probs, values)
+    return out.to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_split_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        block_tables_ptr,
+        context_lens_ptr,
+        partial_out_ptr,
+        partial_max_ptr,
+        partial_sum_ptr,
+        scale,
+        stride_q_token,
+        stride_q_head,
+        stride_k_block,
+        stride_k_slot,
+        stride_k_head,
+        stride_v_block,
+        stride_v_slot,
+        stride_v_head,
+        stride_table_token,
+        num_q_heads,
+        num_splits,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        SPLIT_SIZE: tl.constexpr,
+        USE_DOT: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        context = tl.load(context_lens_ptr + token).to(tl.int32)
+        group_offsets = tl.arange(0, GROUP_PAD)
+        dim_offsets = tl.arange(0, HEAD_DIM_PAD)
+        slot_offsets = tl.arange(0, BLOCK_SIZE)
+        group_mask = group_offsets < GROUP
+        dim_mask = dim_offsets < HEAD_DIM
+        heads = kv_head * GROUP + group_offsets
+        q = tl.load(
+            q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dim_offsets[None, :],
+            mask=group_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        running_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        split_start = split * SPLIT_SIZE
+        remaining = tl.minimum(tl.maximum(context - split_start, 0), SPLIT_SIZE)
+        num_blocks = (remaining + BLOCK_SIZE - 1) // BLOCK_SIZE
+        for i in range(0, num_blocks):
+            block_start = split_start + i * BLOCK_SIZE
+            physical = tl.load(
+                block_tables_ptr + token * stride_table_token + block_start // BLOCK_SIZE
+            ).to(tl.int64)
+            positions = block_start + slot_offsets
+            valid = positions < context
+            kv_mask = valid[:, None] & dim_mask[None, :]
+            k = tl.load(
+                k_ptr
+                + physical * stride_k_block
+                + slot_offsets[:, None] * stride_k_slot
+                + kv_head * stride_k_head
+                + dim_offsets[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(tl.float32)
+            v = tl.load(
+                v_ptr
+                + physical * stride_v_block
+                + slot_offsets[:, None] * stride_v_slot
+                + kv_head * stride_v_head
+                + dim_offsets[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(tl.float32)
+            if USE_DOT:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            correction = tl.exp(running_max - new_max)
+            probs = tl.exp(scores - new_max[:, None])
+            running_sum = running_sum * correction + tl.sum(probs, axis=1)
+            if USE_DOT:
+                update = tl.dot(probs, v, input_precision="ieee")
+            else:
+                update = tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
+            acc = acc * correction[:, None] + update
+            running_max = new_max
+        # Row layout of the partials: [T, Hq, num_splits] (+ [D] for the outputs).
+        row = (token * num_q_heads + heads) * num_splits + split
+        tl.store(partial_max_ptr + row, running_max, mask=group_mask)
+        tl.store(partial_sum_ptr + row, running_sum, mask=group_mask)
+        tl.store(
+            partial_out_ptr + row[:, None] * HEAD_DIM + dim_offsets[None, :],
+            acc,
+            mask=group_mask[:, None] & dim_mask[None, :],
+        )
+
+    @triton.jit
+    def _paged_attention_merge_kernel(
+        partial_out_ptr,
+        partial_max_ptr,
+        partial_sum_ptr,
+        out_ptr,
+        stride_out_token,
+        stride_out_head,
+        num_q_heads,
+        num_splits,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        dim_offsets = tl.arange(0, HEAD_DIM_PAD)
+        dim_mask = dim_offsets < HEAD_DIM
+        base = (token * num_q_heads + head) * num_splits
+        # Split 0 always holds data (context_lens >= 1), so the running max is finite from here.
+        total_max = tl.load(partial_max_ptr + base)
+        total_sum = tl.load(partial_sum_ptr + base)
+        acc = tl.load(partial_out_ptr + base * HEAD_DIM + dim_offsets, mask=dim_mask, other=0.0)
+        for split in range(1, num_splits):
+            split_max = tl.load(partial_max_ptr + base + split)
+            split_sum = tl.load(partial_sum_ptr + base + split)
+            split_out = tl.load(
+                partial_out_ptr + (base + split) * HEAD_DIM + dim_offsets, mask=dim_mask, other=0.0
+            )
+            new_max = tl.maximum(total_max, split_max)
+            old_weight = tl.exp(total_max - new_max)
+            split_weight = tl.exp(split_max - new_max)
+            total_sum = total_sum * old_weight + split_sum * split_weight
+            acc = acc * old_weight + split_out * split_weight
+            total_max = new_max
+        out = acc / total_sum
+        tl.store(
+            out_ptr + token * stride_out_token + head * stride_out_head + dim_offsets,
+            out.to(out_ptr.dtype.element_ty),
+            mask=dim_mask,
+        )
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    split_size: int = DEFAULT_SPLIT_SIZE,
+) -> torch.Tensor:
+    """Split-KV Triton paged attention; launch shapes are fixed by the table width (graph-safe).
+
+    The number of splits is ``ceil(max_blocks * block_size / split_size)``, taken from the block
+    table width rather than from the context lengths, so the launch never reads a device value
+    and can be captured in a CUDA graph.
+
+    Args:
+        q: Query of the new tokens, ``[T, Hq, D]``.
+        k_cache: Key cache, ``[num_blocks, block_size, Hkv, D]``, last dim contiguous.
+        v_cache: Value cache, same shape as ``k_cache``.
+        block_tables: Physical block of each logical block of each token, ``[T, max_blocks]``.
+        context_lens: Number of attended positions per token, ``[T]``, each at least 1.
+        scale: Softmax scale applied to the dot products.
+        split_size: Context positions per split; a multiple of the block size.
+
+    Returns:
+        The attention output, ``[T, Hq, D]`` in ``q.dtype``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match or ``split_size`` is not a positive
+            multiple of the block size.
+        KernelDtypeError: If a dtype is unsupported.
+        KernelBackendError: If Triton is not installed.
+    """
+    if triton is None:
+        raise KernelBackendError("backend='triton' requested but triton is not installed")
+    _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
+    del num_blocks_total
+    if block_size != triton.next_power_of_2(block_size):
+        raise KernelShapeError(f"k_cache block size {block_size}; expected a power of two")
+    if split_size <= 0 or split_size % block_size != 0:
+        raise KernelShapeError(
+            f"split_size={split_size}; expected a positive multiple of the block size {block_size}"
+        )
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise KernelShapeError("k_cache and v_cache must have a contiguous last dimension")
+    block_tables = block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+    max_context = block_tables.shape[1] * block_size
+    num_splits = max(1, -(-max_context // split_size))
+    group = num_q_heads // num_kv_heads
+    partial_out = torch.empty(
+        (num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+    )
+    partial_max = torch.empty(
+        (num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device
+    )
+    partial_sum = torch.empty_like(partial_max)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    # tl.dot needs every operand dimension >= 16; smaller KV blocks take the broadcast-sum path.
+    use_dot = block_size >= 16
+    group_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
+    _paged_attention_split_kernel[(num_tokens, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        partial_out,
+        partial_max,
+        partial_sum,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        num_q_heads,
+        num_splits,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        SPLIT_SIZE=split_size,
+        USE_DOT=use_dot,
+    )
+    _paged_attention_merge_kernel[(num_tokens, num_q_heads)](
+        partial_out,
+        partial_max,
+        partial_sum,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_q_heads,
+        num_splits,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+    )
+    return out
+
+
+def _backend_for(q: torch.Tensor) -> str:
+    requested = os.environ.get("MCORE_KERNELS_BACKEND")
+    if requested is not None:
+        if requested not in ("torch", "triton"):
+            raise KernelBackendError(
+                f"MCORE_KERNELS_BACKEND={requested!r}; expected 'torch' or 'triton'"
+            )
+        return requested
+    return "triton" if q.is_cuda and triton is not None else "torch"
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    split_size: int = DEFAULT_SPLIT_SIZE,
+) -> torch.Tensor:
+    """Attention of new tokens over a paged KV cache, dispatched to Triton or torch.
+
+    Args:
+        q: Query of the new tokens, ``[T, Hq, D]``.
+        k_cache: Key cache, ``[num_blocks, block_size, Hkv, D]``.
+        v_cache: Value cache, same shape as ``k_cache``.
+        block_tables: Physical block of each logical block of each token, ``[T, max_blocks]``.
+        context_lens: Number of attended positions per token, ``[T]``, each at least 1.
+        scale: Softmax scale applied to the dot products.
+        split_size: Context positions per split-KV program (Triton path).
+
+    Returns:
+        The attention output, ``[T, Hq, D]`` in ``q.dtype``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match the layout above.
+        KernelDtypeError: If a dtype is unsupported.
+        KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names an unknown or unavailable backend.
+    """
+    if _backend_for(q) == "triton":
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_tables, context_lens, scale=scale, split_size=split_size
+        )
+    return paged_attention_reference(
+        q, k_cache, v_cache, block_tables, context_lens, scale=scale, split_size=split_size
+    )
