@@ -1,5 +1,6 @@
 """mcore-kernels: Triton kernels, each with a torch reference of the same signature."""
 
+from mcore_kernels import reference
 from mcore_kernels._version import __version__
 from mcore_kernels.errors import (
     KernelBackendError,
@@ -7,13 +8,21 @@ from mcore_kernels.errors import (
     KernelDtypeError,
     KernelError,
     KernelShapeError,
+    KernelValueError,
 )
+from mcore_kernels.rms_norm import RMSNorm, rms_norm
+from mcore_kernels.token_logprobs import token_logprobs
 
 __all__ = [
     "__version__",
+    "rms_norm",
+    "RMSNorm",
+    "token_logprobs",
+    "reference",
     "KernelError",
     "KernelShapeError",
     "KernelDtypeError",
     "KernelDeviceError",
     "KernelBackendError",
+    "KernelValueError",
 ]

@@ -13,6 +13,7 @@ __all__ = [
     "KernelDtypeError",
     "KernelDeviceError",
     "KernelBackendError",
+    "KernelValueError",
 ]
 
 
@@ -34,3 +35,7 @@ class KernelDeviceError(KernelError, ValueError):
 
 class KernelBackendError(KernelError, RuntimeError):
     """The requested kernel backend cannot run here."""
+
+
+class KernelValueError(KernelError, ValueError):
+    """An argument has a value outside its valid range (a target id, a temperature ...)."""

@@ -1,0 +1,151 @@
+"""Argument checks shared by the kernels and their references."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mcore_kernels.errors import (
+    KernelDeviceError,
+    KernelDtypeError,
+    KernelShapeError,
+    KernelValueError,
+)
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "check_tensor",
+    "check_same_device",
+    "check_rms_norm_args",
+    "check_token_logprobs_args",
+]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""Floating dtypes accepted by the kernels (float64 runs on the torch reference only)."""
+
+
+def check_tensor(name: str, value: object) -> torch.Tensor:
+    """Return ``value`` if it is a tensor, else raise a typed error naming ``name``."""
+    if not isinstance(value, torch.Tensor):
+        raise KernelDtypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """Raise :class:`KernelDeviceError` unless every non-None tensor shares one device."""
+    present = {name: t for name, t in tensors.items() if t is not None}
+    devices = {name: t.device for name, t in present.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise KernelDeviceError(f"tensor arguments must share one device, got {listing}")
+
+
+def _check_float(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise KernelDtypeError(
+            f"{name}.dtype={tensor.dtype} is not supported; expected one of {FLOAT_DTYPES}"
+        )
+
+
+def check_rms_norm_args(x: object, weight: object, eps: object, residual: object) -> None:
+    """Validate the arguments of ``rms_norm``.
+
+    Args:
+        x: input, ``[..., hidden]``.
+        weight: scale, ``[hidden]``.
+        eps: variance epsilon, a finite float ``>= 0``.
+        residual: None or a tensor of the shape and dtype of ``x``.
+
+    Raises:
+        KernelDtypeError: a tensor argument is not a tensor or has an unsupported dtype.
+        KernelShapeError: shapes do not line up.
+        KernelDeviceError: tensors live on different devices.
+        KernelValueError: ``eps`` is negative or not finite.
+    """
+    x = check_tensor("x", x)
+    weight = check_tensor("weight", weight)
+    _check_float("x", x)
+    _check_float("weight", weight)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise KernelShapeError(
+            f"x.shape={tuple(x.shape)} must have a non-empty last (hidden) dimension"
+        )
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise KernelShapeError(
+            f"weight.shape={tuple(weight.shape)} does not match x.shape={tuple(x.shape)}; "
+            f"expected ({x.shape[-1]},)"
+        )
+    if (
+        isinstance(eps, bool)
+        or not isinstance(eps, (int, float))
+        or not math.isfinite(eps)
+        or eps < 0
+    ):
+        raise KernelValueError(f"eps={eps!r} must be a finite number >= 0")
+    if residual is not None:
+        residual = check_tensor("residual", residual)
+        if residual.shape != x.shape:
+            raise KernelShapeError(
+                f"residual.shape={tuple(residual.shape)} must equal x.shape={tuple(x.shape)}"
+            )
+        if residual.dtype != x.dtype:
+            raise KernelDtypeError(f"residual.dtype={residual.dtype} must equal x.dtype={x.dtype}")
+    check_same_device(x=x, weight=weight, residual=residual)
+
+
+def check_token_logprobs_args(
+    logits: object,
+    targets: object,
+    temperature: object,
+    ignore_index: object,
+    vocab_size: int | None = None,
+) -> None:
+    """Validate the arguments of ``token_logprobs``, except target ranges (see below).
+
+    Args:
+        logits: ``[..., V]`` floating logits (a vocabulary shard under tensor parallelism).
+        targets: integer tensor of shape ``logits.shape[:-1]``.
+        temperature: finite float ``> 0``.
+        ignore_index: integer marking rows to skip.
+        vocab_size: size of the full vocabulary when it differs from ``logits.shape[-1]``.
+
+    Raises:
+        KernelDtypeError: wrong tensor types or dtypes.
+        KernelShapeError: ``targets`` does not match the leading dimensions of ``logits``.
+        KernelDeviceError: ``logits`` and ``targets`` live on different devices.
+        KernelValueError: ``temperature`` is not a finite positive number, ``ignore_index`` is
+            not an integer, or a target lies outside ``[0, vocab_size)`` without being
+            ``ignore_index``.
+    """
+    logits = check_tensor("logits", logits)
+    targets = check_tensor("targets", targets)
+    _check_float("logits", logits)
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise KernelDtypeError(
+            f"targets.dtype={targets.dtype} is not supported; expected torch.int64 or torch.int32"
+        )
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise KernelShapeError(
+            f"logits.shape={tuple(logits.shape)} must have a non-empty last (vocab) dimension"
+        )
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise KernelShapeError(
+            f"targets.shape={tuple(targets.shape)} must equal logits.shape[:-1]={tuple(logits.shape[:-1])}"
+        )
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise KernelValueError(f"temperature={temperature!r} must be a positive finite number")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise KernelValueError(f"temperature={temperature!r} must be a positive finite number")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise KernelValueError(f"ignore_index={ignore_index!r} must be an int")
+    check_same_device(logits=logits, targets=targets)
+    vocab = logits.shape[-1] if vocab_size is None else vocab_size
+    if targets.numel() > 0:
+        # One host sync: a silent out-of-range gather would return garbage log-probs.
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+        if bool(bad.any()):
+            first = int(targets[bad].flatten()[0])
+            raise KernelValueError(
+                f"targets holds {first}, outside [0, {vocab}) and not ignore_index={ignore_index}"
+            )

@@ -1,0 +1,119 @@
+"""Plain torch references of every kernel, with the signatures of the public functions.
+
+They define the numerics the Triton kernels are tested against, run on any device, support
+float64 (for ``torch.autograd.gradcheck``) and differentiate through torch autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mcore_kernels._validation import check_rms_norm_args, check_token_logprobs_args
+from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
+
+__all__ = ["rms_norm_reference", "token_logprobs_reference"]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Residual add + RMSNorm in plain torch.
+
+    ``h = x + residual`` is computed in the input dtype (as Hugging Face Llama/Qwen models do),
+    then ``y = h * rsqrt(mean(h**2) + eps) * weight`` in float32 (float64 for float64 input) and
+    cast once to the dtype of ``x``.
+
+    Args:
+        x: ``[..., hidden]`` input.
+        weight: ``[hidden]`` scale.
+        eps: added to the mean square before the reciprocal square root.
+        residual: optional tensor shaped like ``x`` added to it first.
+
+    Returns:
+        ``y`` shaped like ``x``; with ``residual``, the pair ``(y, x + residual)``.
+
+    Raises:
+        KernelDtypeError: unsupported dtypes or a residual dtype different from ``x``.
+        KernelShapeError: ``weight`` or ``residual`` do not match ``x``.
+        KernelDeviceError: tensors on different devices.
+        KernelValueError: ``eps`` negative or not finite.
+    """
+    check_rms_norm_args(x, weight, eps, residual)
+    hidden = x if residual is None else x + residual
+    compute = _compute_dtype(x.dtype)
+    h = hidden.to(compute)
+    rstd = torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    y = (h * rstd * weight.to(compute)).to(x.dtype)
+    return y if residual is None else (y, hidden)
+
+
+def token_logprobs_reference(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the target tokens (and entropies) in plain torch.
+
+    Computes ``log_softmax(logits / temperature)[target]`` per row in float32 (float64 for
+    float64 logits). With ``group``, ``logits`` is this rank's contiguous vocabulary shard (rank
+    ``r`` of ``tp`` holds ids ``[r * V, (r + 1) * V)``) and ``targets`` are global ids.
+
+    Args:
+        logits: ``[..., V]`` logits, or this rank's shard of them.
+        targets: integer ids shaped ``logits.shape[:-1]``.
+        temperature: logits are divided by it before the softmax.
+        group: tensor-parallel process group over which the vocabulary is sharded.
+        return_entropy: also return the entropy of each row's distribution.
+        ignore_index: rows whose target equals it give 0 (and 0 entropy) and no gradient.
+
+    Returns:
+        float32 (float64 for float64 logits) log-probabilities shaped like ``targets``; with
+        ``return_entropy`` the pair ``(logprobs, entropy)``.
+
+    Raises:
+        KernelDtypeError: unsupported dtypes.
+        KernelShapeError: ``targets`` does not match ``logits``.
+        KernelDeviceError: tensors on different devices.
+        KernelValueError: bad ``temperature`` or a target out of the vocabulary.
+    """
+    rank, world = group_rank_and_size(group)
+    shard = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() > 0 else 0
+    check_token_logprobs_args(logits, targets, temperature, ignore_index, vocab_size=shard * world)
+    lead_shape = targets.shape
+    z = logits.reshape(-1, shard).to(_compute_dtype(logits.dtype)) / temperature
+    flat_targets = targets.reshape(-1).long()
+    valid = flat_targets != ignore_index
+    local_ids = flat_targets - rank * shard
+    in_shard = valid & (local_ids >= 0) & (local_ids < shard)
+    gathered = z.gather(1, local_ids.clamp(0, shard - 1).unsqueeze(1)).squeeze(1)
+    target_logit = torch.where(in_shard, gathered, torch.zeros_like(gathered))
+    lse = torch.logsumexp(z, dim=-1)
+    expected = None
+    if return_entropy:
+        finite_lse = torch.isfinite(lse)
+        safe_lse = torch.where(finite_lse, lse, torch.zeros_like(lse))
+        probs = torch.exp(z - safe_lse.unsqueeze(1))
+        # exp(-inf) * -inf would be nan; such tokens contribute nothing to the expectation.
+        weighted = torch.where(probs > 0, probs * z, torch.zeros_like(z))
+        expected = torch.where(finite_lse, weighted.sum(dim=-1), torch.zeros_like(lse))
+    lse, target_logit, expected = combine_shard_stats(lse, target_logit, expected, group)
+    zeros = torch.zeros_like(lse)
+    logprobs = torch.where(valid, target_logit - lse, zeros).reshape(lead_shape)
+    if not return_entropy:
+        return logprobs
+    assert expected is not None
+    entropy = torch.where(valid, lse - expected, zeros).reshape(lead_shape)
+    return logprobs, entropy
