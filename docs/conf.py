@@ -42,7 +42,7 @@ else:
     extensions.append("autodoc2")
     autodoc2_packages = [
         {
-            "path": str(ROOT / "packages" / f"mcore-{name}" / "src" / f"mcore_{name}"),
+            "path": f"../packages/mcore-{name}/src/mcore_{name}",
             "module": f"mcore_{name}",
         }
         for name in PACKAGES
@@ -52,7 +52,6 @@ else:
     autodoc2_docstring_parser_regexes = [(r".*", "google_docstrings")]
     autodoc2_hidden_objects = ["private", "dunder", "inherited"]
     autodoc2_hidden_regexes = [r".*\._version\..*", r".*\.__version__"]
-    autodoc2_module_all_regexes = [rf"mcore_{name}" for name in PACKAGES]
     autodoc2_class_docstring = "merge"
     autodoc2_index_template = """API reference
 =============
