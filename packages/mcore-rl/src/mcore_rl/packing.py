@@ -1,0 +1,430 @@
+"""Sequence packing: bin packing of variable-length sequences, packed batches, DP balance.
+
+Packing puts several sequences in one fixed-size row (a bin) so that training forwards no
+padding. :func:`pack_sequences` chooses the bins, :class:`PackingContext` builds the packed
+tensors (positions restart per sequence, ``cu_seqlens`` padded to a fixed length so the shapes
+do not change between steps, which CUDA graphs need), :func:`distribute_bins` gives every
+data-parallel rank the same number of bins with balanced token work.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from mcore_rl.errors import PackingError
+
+__all__ = [
+    "PackingAlgorithm",
+    "PackingInfo",
+    "PackingContext",
+    "pack_sequences",
+    "distribute_bins",
+]
+
+PackingAlgorithm = Literal["ffd", "mffd", "next_fit"]
+"""Bin-packing algorithms: first-fit-decreasing, modified FFD, and next-fit for comparison."""
+
+DEFAULT_TOKEN_BUDGET = 4096
+"""Tokens per bin when neither ``bin_size`` nor ``token_budget`` is given."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackingInfo:
+    """Which sequences share which bin."""
+
+    bins: tuple[tuple[int, ...], ...]
+    """For every bin, the indices of its sequences (into ``lengths``), in packed order."""
+    bin_size: int
+    """Capacity of every bin in tokens."""
+    lengths: tuple[int, ...]
+    """Length of every sequence."""
+    algorithm: str
+    """The algorithm that produced the bins."""
+
+    @property
+    def num_bins(self) -> int:
+        """Number of bins.
+
+        Returns:
+            The count.
+        """
+        return len(self.bins)
+
+    @property
+    def bin_tokens(self) -> list[int]:
+        """Tokens used in every bin.
+
+        Returns:
+            One count per bin.
+        """
+        return [sum(self.lengths[i] for i in b) for b in self.bins]
+
+    @property
+    def efficiency(self) -> float:
+        """Fraction of bin capacity holding real tokens.
+
+        Returns:
+            ``sum(lengths) / (num_bins * bin_size)``, 1.0 for no bins.
+        """
+        if not self.bins:
+            return 1.0
+        return sum(self.lengths) / (self.num_bins * self.bin_size)
+
+
+def _check_lengths(lengths: Sequence[int]) -> list[int]:
+    values = [int(n) for n in lengths]
+    bad = [n for n in values if n <= 0]
+    if bad:
+        raise PackingError(f"lengths hold {bad[0]}, expected every length > 0")
+    return values
+
+
+def pack_sequences(
+    lengths: Sequence[int],
+    bin_size: int | None = None,
+    max_sequences_per_bin: int | None = None,
+    algorithm: PackingAlgorithm = "ffd",
+    *,
+    token_budget: int | None = None,
+    pad_multiple: int = 8,
+) -> PackingInfo:
+    """Packs sequences into bins of ``bin_size`` tokens.
+
+    Without ``bin_size``, the bin size is the token budget (default 4096, but no more than
+    all tokens together), raised to the longest sequence and rounded up to ``pad_multiple``.
+
+    - ``"ffd"``: first-fit-decreasing, at most ``11/9 OPT + 6/9`` bins (Dósa, 2007).
+    - ``"mffd"``: modified FFD (Johnson and Garey, 1985): items above half a bin open bins,
+      then items in (1/3, 1/2] and pairs of items in (1/6, 1/3] are matched into them from
+      the emptiest bin, then FFD places the rest (bound ``71/60 OPT + 1``).
+    - ``"next_fit"``: next-fit in the given order, kept as a baseline.
+
+    Args:
+        lengths: Length of every sequence in tokens, each > 0.
+        bin_size: Capacity of a bin; None derives it.
+        max_sequences_per_bin: Most sequences in one bin; None for no limit.
+        algorithm: Which algorithm.
+        token_budget: Tokens per bin wanted when ``bin_size`` is None.
+        pad_multiple: The derived bin size is a multiple of this.
+
+    Returns:
+        The packing.
+
+    Raises:
+        PackingError: If a length is not positive, a sequence is longer than ``bin_size``, a
+            limit is not positive or ``algorithm`` is unknown.
+    """
+    sizes = _check_lengths(lengths)
+    if max_sequences_per_bin is not None and max_sequences_per_bin < 1:
+        raise PackingError(f"max_sequences_per_bin={max_sequences_per_bin} must be >= 1")
+    if pad_multiple < 1:
+        raise PackingError(f"pad_multiple={pad_multiple} must be >= 1")
+    longest = max(sizes, default=1)
+    if bin_size is None:
+        if token_budget is not None and token_budget < 1:
+            raise PackingError(f"token_budget={token_budget} must be >= 1")
+        budget = min(token_budget or DEFAULT_TOKEN_BUDGET, max(sum(sizes), 1))
+        bin_size = math.ceil(max(budget, longest) / pad_multiple) * pad_multiple
+    elif bin_size < longest:
+        raise PackingError(
+            f"bin_size={bin_size} is smaller than the longest sequence ({longest} tokens)"
+        )
+    limit = max_sequences_per_bin or len(sizes) or 1
+    if algorithm == "ffd":
+        bins = _first_fit_decreasing(sizes, range(len(sizes)), bin_size, limit, [])
+    elif algorithm == "mffd":
+        bins = _modified_first_fit_decreasing(sizes, bin_size, limit)
+    elif algorithm == "next_fit":
+        bins = _next_fit(sizes, bin_size, limit)
+    else:
+        raise PackingError(
+            f"algorithm={algorithm!r} is unknown, expected 'ffd', 'mffd' or 'next_fit'"
+        )
+    return PackingInfo(
+        bins=tuple(tuple(b) for b in bins),
+        bin_size=bin_size,
+        lengths=tuple(sizes),
+        algorithm=algorithm,
+    )
+
+
+def _first_fit_decreasing(
+    sizes: list[int],
+    items: Sequence[int] | range,
+    capacity: int,
+    limit: int,
+    bins: list[list[int]],
+) -> list[list[int]]:
+    free = [capacity - sum(sizes[i] for i in b) for b in bins]
+    for item in sorted(items, key=lambda i: (-sizes[i], i)):
+        for b, room in enumerate(free):
+            if sizes[item] <= room and len(bins[b]) < limit:
+                bins[b].append(item)
+                free[b] -= sizes[item]
+                break
+        else:
+            bins.append([item])
+            free.append(capacity - sizes[item])
+    return bins
+
+
+def _modified_first_fit_decreasing(sizes: list[int], capacity: int, limit: int) -> list[list[int]]:
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    large = [i for i in order if sizes[i] * 2 > capacity]
+    medium = [i for i in order if capacity < sizes[i] * 3 and sizes[i] * 2 <= capacity]
+    small = [i for i in order if capacity < sizes[i] * 6 and sizes[i] * 3 <= capacity]
+    bins = [[i] for i in large]
+    free = [capacity - sizes[i] for i in large]
+    placed: set[int] = set()
+    # From the emptiest large bin backwards: the largest medium item that fits.
+    for b in reversed(range(len(bins))):
+        for i in medium:
+            if i not in placed and sizes[i] <= free[b] and len(bins[b]) < limit:
+                bins[b].append(i)
+                free[b] -= sizes[i]
+                placed.add(i)
+                break
+    # Then pairs of small items: the smallest one plus the largest one that still fits.
+    for b in reversed(range(len(bins))):
+        remaining = [i for i in small if i not in placed]
+        if len(remaining) < 2 or len(bins[b]) + 2 > limit:
+            continue
+        smallest, second = remaining[-1], remaining[-2]
+        if sizes[smallest] + sizes[second] > free[b]:
+            continue
+        bins[b].append(smallest)
+        free[b] -= sizes[smallest]
+        placed.add(smallest)
+        partner = next(i for i in remaining if i not in placed and sizes[i] <= free[b])
+        bins[b].append(partner)
+        free[b] -= sizes[partner]
+        placed.add(partner)
+    rest = [i for i in order if i not in placed and i not in set(large)]
+    return _first_fit_decreasing(sizes, rest, capacity, limit, bins)
+
+
+def _next_fit(sizes: list[int], capacity: int, limit: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    room = 0
+    for i, size in enumerate(sizes):
+        if not bins or size > room or len(bins[-1]) >= limit:
+            bins.append([])
+            room = capacity
+        bins[-1].append(i)
+        room -= size
+    return bins
+
+
+def distribute_bins(info: PackingInfo, dp_size: int) -> list[list[int]]:
+    """Assigns bins to data-parallel ranks: equal bin counts, balanced token work.
+
+    Bins are taken in decreasing token count and each goes to the rank with the least work
+    that still has room (longest-processing-time first). When the bin count is not a multiple
+    of ``dp_size`` the missing places hold ``-1``: an empty bin, all padding, no loss, so every
+    rank runs the same number of microbatches and the gradient collectives stay matched.
+
+    Args:
+        info: The packing.
+        dp_size: Number of data-parallel ranks.
+
+    Returns:
+        For every rank, its bin indices (``-1`` for an empty bin), the same count per rank.
+
+    Raises:
+        PackingError: If ``dp_size`` is not positive.
+    """
+    if dp_size < 1:
+        raise PackingError(f"dp_size={dp_size} must be >= 1")
+    per_rank = max(1, math.ceil(info.num_bins / dp_size))
+    tokens = info.bin_tokens
+    heap = [(0, rank) for rank in range(dp_size)]
+    assignment: list[list[int]] = [[] for _ in range(dp_size)]
+    for b in sorted(range(info.num_bins), key=lambda b: (-tokens[b], b)):
+        full = []
+        while True:
+            work, rank = heapq.heappop(heap)
+            if len(assignment[rank]) < per_rank:
+                break
+            full.append((work, rank))
+        assignment[rank].append(b)
+        heapq.heappush(heap, (work + tokens[b], rank))
+        for entry in full:
+            heapq.heappush(heap, entry)
+    for bins in assignment:
+        bins.sort()
+        bins.extend([-1] * (per_rank - len(bins)))
+    return assignment
+
+
+@dataclass(kw_only=True, slots=True)
+class PackingContext:
+    """Packed tensors of some bins, ready for a training forward.
+
+    Positions ``q`` of a packed row are prediction positions: ``target_ids[q]`` is the token
+    that follows ``input_ids[q]`` in the same sequence, and ``loss_mask[q]`` is 1 when that
+    token is a completion token. Padding forms a final segment of every row.
+    """
+
+    input_ids: torch.Tensor
+    """Packed tokens, int64 ``[num_bins, bin_size]``."""
+    position_ids: torch.Tensor
+    """Positions restarting at 0 for every sequence, int64 ``[num_bins, bin_size]``."""
+    target_ids: torch.Tensor
+    """Next token within the sequence (pad elsewhere), int64 ``[num_bins, bin_size]``."""
+    loss_mask: torch.Tensor
+    """1.0 where the target is a completion token, float32 ``[num_bins, bin_size]``."""
+    advantages: torch.Tensor
+    """Advantage of the target's sequence on loss positions, float32 ``[num_bins, bin_size]``."""
+    cu_seqlens: torch.Tensor
+    """Cumulative sequence starts per row, padding included as the last segment and repeated
+    to a fixed length ``max_sequences_per_bin + 2``, int32 ``[num_bins, max_sequences_per_bin + 2]``."""
+    max_seqlen: int
+    """Upper bound of a segment length (the bin size), fixed so shapes never change."""
+    bin_indices: list[int]
+    """The bins of the :class:`PackingInfo` these rows hold (``-1`` for an empty bin)."""
+    info: PackingInfo
+    """The packing the rows come from."""
+    prompt_lengths: list[int]
+    """Prompt length of every sequence of the packing (indexed like ``info.lengths``)."""
+
+    @classmethod
+    def build(
+        cls,
+        sequences: Sequence[Sequence[int]],
+        prompt_lengths: Sequence[int],
+        advantages: Sequence[float] | torch.Tensor,
+        info: PackingInfo,
+        *,
+        bin_indices: Sequence[int] | None = None,
+        max_sequences_per_bin: int | None = None,
+        pad_id: int = 0,
+    ) -> PackingContext:
+        """Builds the packed rows of some bins.
+
+        Args:
+            sequences: Every sequence (prompt followed by completion), indexed like
+                ``info.lengths``.
+            prompt_lengths: Prompt tokens of every sequence, at least 1.
+            advantages: One advantage per sequence.
+            info: The packing.
+            bin_indices: Which bins to build (``-1`` for an empty bin); None for all.
+            max_sequences_per_bin: Fixed ``cu_seqlens`` width; None uses the fullest bin.
+            pad_id: Token id of padding.
+
+        Returns:
+            The context.
+
+        Raises:
+            PackingError: If the inputs do not match ``info`` or a bin holds more sequences
+                than ``max_sequences_per_bin``.
+        """
+        if len(sequences) != len(info.lengths) or len(prompt_lengths) != len(info.lengths):
+            raise PackingError(
+                f"got {len(sequences)} sequences and {len(prompt_lengths)} prompt lengths, "
+                f"expected {len(info.lengths)} (the packing's sequence count)"
+            )
+        if len(advantages) != len(info.lengths):
+            raise PackingError(
+                f"got {len(advantages)} advantages, expected {len(info.lengths)} (one per sequence)"
+            )
+        for i, seq in enumerate(sequences):
+            if len(seq) != info.lengths[i] or not 1 <= prompt_lengths[i] <= len(seq):
+                raise PackingError(
+                    f"sequence {i} has {len(seq)} tokens and prompt length {prompt_lengths[i]}, "
+                    f"expected {info.lengths[i]} tokens and 1 <= prompt length <= that"
+                )
+        chosen = list(range(info.num_bins)) if bin_indices is None else list(bin_indices)
+        fullest = max((len(info.bins[b]) for b in chosen if b >= 0), default=1)
+        width = max_sequences_per_bin or fullest
+        if fullest > width:
+            raise PackingError(
+                f"a bin holds {fullest} sequences, more than max_sequences_per_bin={width}"
+            )
+        rows, size = len(chosen), info.bin_size
+        input_ids = torch.full((rows, size), pad_id, dtype=torch.long)
+        target_ids = torch.full((rows, size), pad_id, dtype=torch.long)
+        position_ids = torch.zeros((rows, size), dtype=torch.long)
+        loss_mask = torch.zeros((rows, size))
+        packed_advantages = torch.zeros((rows, size))
+        cu_seqlens = torch.full((rows, width + 2), size, dtype=torch.int32)
+        for row, b in enumerate(chosen):
+            offset = 0
+            cu_seqlens[row, 0] = 0
+            members = info.bins[b] if b >= 0 else ()
+            for k, i in enumerate(members):
+                tokens = torch.as_tensor(list(sequences[i]), dtype=torch.long)
+                n, p = len(tokens), int(prompt_lengths[i])
+                input_ids[row, offset : offset + n] = tokens
+                target_ids[row, offset : offset + n - 1] = tokens[1:]
+                position_ids[row, offset : offset + n] = torch.arange(n)
+                loss_mask[row, offset + p - 1 : offset + n - 1] = 1.0
+                packed_advantages[row, offset + p - 1 : offset + n - 1] = float(advantages[i])
+                offset += n
+                cu_seqlens[row, k + 1] = offset
+            position_ids[row, offset:] = torch.arange(size - offset)
+        return cls(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            target_ids=target_ids,
+            loss_mask=loss_mask,
+            advantages=packed_advantages,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=size,
+            bin_indices=chosen,
+            info=info,
+            prompt_lengths=[int(p) for p in prompt_lengths],
+        )
+
+    def scatter(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Places per-completion-token values (e.g. inference log-probs) on the packed rows.
+
+        Args:
+            values: For every sequence of the packing, one value per completion token.
+
+        Returns:
+            Float32 ``[num_bins, bin_size]``, zero outside loss positions.
+        """
+        out = torch.zeros(self.loss_mask.shape)
+        for row, _b, offset, i in self._segments():
+            p, n = self.prompt_lengths[i], self.info.lengths[i]
+            out[row, offset + p - 1 : offset + n - 1] = values[i].float()
+        return out
+
+    def gather(self, packed: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Reads per-completion-token values back from packed rows.
+
+        Args:
+            packed: ``[num_bins, bin_size]`` values at prediction positions.
+
+        Returns:
+            Sequence index -> its completion-token values, for the sequences of these rows.
+        """
+        out = {}
+        for row, _b, offset, i in self._segments():
+            p, n = self.prompt_lengths[i], self.info.lengths[i]
+            out[i] = packed[row, offset + p - 1 : offset + n - 1]
+        return out
+
+    def _segments(self):
+        for row, b in enumerate(self.bin_indices):
+            if b < 0:
+                continue
+            offset = 0
+            for i in self.info.bins[b]:
+                yield row, b, offset, i
+                offset += self.info.lengths[i]
+
+    @property
+    def num_tokens(self) -> int:
+        """Loss tokens in these rows.
+
+        Returns:
+            The count.
+        """
+        return int(self.loss_mask.sum().item())
