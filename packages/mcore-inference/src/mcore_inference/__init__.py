@@ -1,11 +1,36 @@
 """mcore-inference: a dynamic inference engine over a paged KV cache."""
 
 from mcore_inference._version import __version__
-from mcore_inference.errors import EngineClosedError, InferenceError, InvalidRequestError
+from mcore_inference.block_allocator import BlockAllocator
+from mcore_inference.config import InferenceConfig, SamplingParams
+from mcore_inference.engine import InferenceEngine
+from mcore_inference.errors import (
+    BlockAllocatorError,
+    EngineClosedError,
+    InferenceConfigError,
+    InferenceError,
+    InvalidRequestError,
+    KVCacheExhaustedError,
+    TokenizerError,
+)
+from mcore_inference.kv_cache import PagedKVCache
+from mcore_inference.request import FinishReason, GenerationResult, RequestStatus
 
 __all__ = [
     "__version__",
+    "InferenceEngine",
+    "InferenceConfig",
+    "SamplingParams",
+    "GenerationResult",
+    "RequestStatus",
+    "FinishReason",
+    "BlockAllocator",
+    "PagedKVCache",
     "InferenceError",
     "InvalidRequestError",
     "EngineClosedError",
+    "InferenceConfigError",
+    "KVCacheExhaustedError",
+    "BlockAllocatorError",
+    "TokenizerError",
 ]

@@ -7,7 +7,15 @@ and ``except ValueError`` work.
 
 from __future__ import annotations
 
-__all__ = ["InferenceError", "InvalidRequestError", "EngineClosedError"]
+__all__ = [
+    "InferenceError",
+    "InvalidRequestError",
+    "EngineClosedError",
+    "InferenceConfigError",
+    "KVCacheExhaustedError",
+    "BlockAllocatorError",
+    "TokenizerError",
+]
 
 
 class InferenceError(Exception):
@@ -20,3 +28,19 @@ class InvalidRequestError(InferenceError, ValueError):
 
 class EngineClosedError(InferenceError, RuntimeError):
     """The engine was closed and cannot serve requests."""
+
+
+class InferenceConfigError(InferenceError, ValueError):
+    """An :class:`mcore_inference.InferenceConfig` field holds an invalid value."""
+
+
+class KVCacheExhaustedError(InferenceError, MemoryError):
+    """The block allocator has fewer free KV blocks than requested."""
+
+
+class BlockAllocatorError(InferenceError, ValueError):
+    """A KV block was freed twice or does not belong to the allocator."""
+
+
+class TokenizerError(InferenceError, RuntimeError):
+    """A tokenizer is needed but none is configured, or it cannot be loaded."""

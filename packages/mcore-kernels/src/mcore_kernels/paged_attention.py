@@ -22,10 +22,9 @@ overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
 
 try:
@@ -406,17 +405,6 @@ def paged_attention_triton(
     return out
 
 
-def _backend_for(q: torch.Tensor) -> str:
-    requested = os.environ.get("MCORE_KERNELS_BACKEND")
-    if requested is not None:
-        if requested not in ("torch", "triton"):
-            raise KernelBackendError(
-                f"MCORE_KERNELS_BACKEND={requested!r}; expected 'torch' or 'triton'"
-            )
-        return requested
-    return "triton" if q.is_cuda and triton is not None else "torch"
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -444,9 +432,10 @@ def paged_attention(
     Raises:
         KernelShapeError: If the shapes do not match the layout above.
         KernelDtypeError: If a dtype is unsupported.
-        KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names an unknown or unavailable backend.
+        KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names an unknown backend or one that
+            cannot run on these tensors.
     """
-    if _backend_for(q) == "triton":
+    if use_triton(q, k_cache, v_cache):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, context_lens, scale=scale, split_size=split_size
         )

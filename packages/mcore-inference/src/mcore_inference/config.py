@@ -1,0 +1,197 @@
+"""Configuration of the engine (:class:`InferenceConfig`) and of each request (:class:`SamplingParams`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_inference.errors import InferenceConfigError, InvalidRequestError
+
+__all__ = ["InferenceConfig", "SamplingParams"]
+
+
+def _check_positive(name: str, value: int, error: type[Exception]) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise error(f"{name}={value!r}; expected a positive integer")
+
+
+@dataclass(kw_only=True, slots=True)
+class InferenceConfig:
+    """Sizes, memory and execution knobs of an :class:`mcore_inference.InferenceEngine`.
+
+    Raises:
+        InferenceConfigError: If a field holds an invalid value.
+    """
+
+    max_batch_size: int = 64
+    """Most requests decoding (or prefilling) at the same time."""
+    max_sequence_length: int = 2048
+    """Most tokens of one request, prompt plus generated tokens."""
+    block_size: int = 16
+    """Tokens per KV-cache block (a power of two)."""
+    num_blocks: int | None = None
+    """KV-cache blocks to allocate (one more is reserved as the padding scratch block)."""
+    kv_memory_bytes: int | None = None
+    """KV-cache memory budget in bytes, used when ``num_blocks`` is None."""
+    max_tokens_per_step: int = 2048
+    """Token budget of one step: decode tokens first, then prefill chunks (>= max_batch_size)."""
+    prefill_chunk_size: int = 512
+    """Most prompt tokens of one request computed in one step (chunked prefill)."""
+    attention_split_size: int = 256
+    """Context positions per split of the split-KV attention kernel (a multiple of block_size)."""
+    use_cuda_graphs: bool = True
+    """Replay CUDA graphs for pure-decode steps on a CUDA model (ignored on the CPU)."""
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    """Padded decode batch sizes to capture; None captures 1, 2, 4, 8 then multiples of 16."""
+    kv_dtype: torch.dtype | None = None
+    """Dtype of the KV cache; None uses the dtype of the model's parameters."""
+    tokenizer_path: str | None = None
+    """Path of a ``tokenizer.json`` (or a directory holding one) for string stop words and text."""
+    seed: int = 0
+    """Seed from which requests without their own seed draw one (in arrival order)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_batch_size",
+            "max_sequence_length",
+            "block_size",
+            "max_tokens_per_step",
+            "prefill_chunk_size",
+            "attention_split_size",
+        ):
+            _check_positive(name, getattr(self, name), InferenceConfigError)
+        if self.block_size & (self.block_size - 1):
+            raise InferenceConfigError(f"block_size={self.block_size}; expected a power of two")
+        if self.attention_split_size % self.block_size:
+            raise InferenceConfigError(
+                f"attention_split_size={self.attention_split_size}; expected a multiple of "
+                f"block_size={self.block_size}"
+            )
+        if self.max_tokens_per_step < self.max_batch_size:
+            raise InferenceConfigError(
+                f"max_tokens_per_step={self.max_tokens_per_step}; expected at least "
+                f"max_batch_size={self.max_batch_size} so every decoding request fits a step"
+            )
+        if self.num_blocks is not None:
+            _check_positive("num_blocks", self.num_blocks, InferenceConfigError)
+        if self.kv_memory_bytes is not None:
+            _check_positive("kv_memory_bytes", self.kv_memory_bytes, InferenceConfigError)
+        if self.cuda_graph_batch_sizes is not None:
+            sizes = tuple(self.cuda_graph_batch_sizes)
+            for size in sizes:
+                _check_positive("cuda_graph_batch_sizes entry", size, InferenceConfigError)
+            if not sizes or max(sizes) > self.max_batch_size:
+                raise InferenceConfigError(
+                    f"cuda_graph_batch_sizes={sizes}; expected a non-empty tuple with entries at "
+                    f"most max_batch_size={self.max_batch_size}"
+                )
+            self.cuda_graph_batch_sizes = tuple(sorted(set(sizes)))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise InferenceConfigError(f"seed={self.seed!r}; expected a non-negative integer")
+
+    @property
+    def max_blocks_per_sequence(self) -> int:
+        """Width of a block table: blocks needed by the longest sequence."""
+        return -(-self.max_sequence_length // self.block_size)
+
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """The padded decode batch sizes to capture.
+
+        Returns:
+            Sorted batch sizes, the configured ones or 1, 2, 4, 8 then multiples of 16 up to
+            ``max_batch_size`` (which is always included).
+        """
+        if self.cuda_graph_batch_sizes is not None:
+            return self.cuda_graph_batch_sizes
+        sizes = {size for size in (1, 2, 4, 8) if size <= self.max_batch_size}
+        sizes.update(range(16, self.max_batch_size + 1, 16))
+        sizes.add(self.max_batch_size)
+        return tuple(sorted(sizes))
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    Log-probability convention: ``GenerationResult.logprobs[i]`` is
+    ``log_softmax(logits / temperature)[token_i]`` over the full vocabulary, before top-k/top-p
+    truncation, i.e. ``mcore_kernels.token_logprobs(logits, tokens, temperature=temperature)``
+    on a training forward; greedy requests (temperature 0) report temperature 1.
+
+    Raises:
+        InvalidRequestError: If a field holds an invalid value.
+    """
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0 disables."""
+    top_p: float = 1.0
+    """Sample among the smallest set of tokens whose probability reaches top_p; 1 disables."""
+    seed: int | None = None
+    """Seed of this request's sampling; None draws one from the engine's seed."""
+    max_tokens: int = 16
+    """Most tokens to generate (0 returns at once with finish reason length)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the request (the stop token is kept in the output)."""
+    stop_words: tuple[tuple[int, ...] | str, ...] = ()
+    """Token sequences (all tokens consecutively) or strings (with a tokenizer) that end it."""
+    return_logprobs: bool = False
+    """Return the log-probability of every generated token."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (the engine calls it again when a request arrives).
+
+        Raises:
+            InvalidRequestError: If a field holds an invalid value; the message names it.
+        """
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature < 1e6:
+            raise InvalidRequestError(
+                f"temperature={self.temperature!r}; expected a number >= 0 (0 is greedy)"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k={self.top_k!r}; expected an integer >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p={self.top_p!r}; expected a number in (0, 1]")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
+        ):
+            raise InvalidRequestError(f"seed={self.seed!r}; expected None or an integer >= 0")
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or self.max_tokens < 0
+        ):
+            raise InvalidRequestError(f"max_tokens={self.max_tokens!r}; expected an integer >= 0")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        for token in self.stop_token_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequestError(
+                    f"stop_token_ids entry {token!r}; expected a non-negative integer"
+                )
+        words: list[tuple[int, ...] | str] = []
+        for word in self.stop_words:
+            if isinstance(word, str):
+                if not word:
+                    raise InvalidRequestError("stop_words entry ''; expected a non-empty string")
+                words.append(word)
+                continue
+            sequence = tuple(word)
+            if not sequence or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in sequence
+            ):
+                raise InvalidRequestError(
+                    f"stop_words entry {word!r}; expected a string or a non-empty sequence of "
+                    "non-negative token ids"
+                )
+            words.append(sequence)
+        self.stop_words = tuple(words)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax (temperature 0)."""
+        return self.temperature == 0.0

@@ -1,0 +1,541 @@
+"""InferenceEngine: continuous batching with chunked prefill over a paged KV cache."""
+
+from __future__ import annotations
+
+import gc
+import random
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from mcore_inference.block_allocator import BlockAllocator
+from mcore_inference.config import InferenceConfig, SamplingParams
+from mcore_inference.cuda_graphs import DecodeGraphRunner
+from mcore_inference.errors import EngineClosedError, InvalidRequestError
+from mcore_inference.kv_cache import PagedKVCache
+from mcore_inference.request import FinishReason, GenerationResult, Request, RequestStatus
+from mcore_inference.sampling import sample_tokens, sampling_uniform
+from mcore_inference.stopping import StopCriteria
+from mcore_inference.tokenizer import load_tokenizer
+from mcore_kernels import token_logprobs
+
+__all__ = ["InferenceEngine"]
+
+
+class InferenceEngine:
+    """Serves generation requests on a ``GPTModel`` with continuous batching.
+
+    Each :meth:`step` admits waiting requests whose whole KV footprint (prompt plus
+    ``max_tokens``) fits in free blocks, so an admitted request never runs out of cache; gives
+    every decoding request one token; then fills the rest of the token budget with prefill
+    chunks; runs one forward over all those tokens flattened in one row; samples the requests
+    whose tokens are all computed; and retires the finished ones. Requests join and leave
+    between steps.
+
+    The engine owns the KV cache, the decode CUDA graphs and their memory pool; the model is
+    only called (its modules are never changed). :meth:`close` (or leaving the ``with`` block)
+    releases all of it.
+
+    Args:
+        model: A single-rank ``mcore_models.GPTModel`` (or any module with the same forward,
+            ``compute_logits`` and ``config``).
+        config: Engine configuration (default: ``InferenceConfig()``).
+
+    Raises:
+        InferenceConfigError: If the config is invalid.
+        TokenizerError: If ``config.tokenizer_path`` cannot be loaded.
+    """
+
+    def __init__(self, model: Any, config: InferenceConfig | None = None) -> None:
+        self.model = model
+        self.config = config = config if config is not None else InferenceConfig()
+        model_config = model.config
+        parameter = next(model.parameters())
+        self.device = parameter.device
+        self.vocab_size: int = model_config.vocab_size
+        kv_dtype = config.kv_dtype or parameter.dtype
+        num_kv_heads, head_dim = model_config.num_kv_heads, model_config.kv_channels
+        bytes_per_block = (
+            2
+            * model_config.num_layers
+            * config.block_size
+            * num_kv_heads
+            * head_dim
+            * torch.empty((), dtype=kv_dtype).element_size()
+        )
+        if config.num_blocks is not None:
+            usable = config.num_blocks
+        elif config.kv_memory_bytes is not None:
+            usable = max(1, config.kv_memory_bytes // bytes_per_block)
+        else:
+            usable = config.max_batch_size * config.max_blocks_per_sequence
+        self.allocator = BlockAllocator(usable + 1)
+        self.kv_cache: PagedKVCache | None = PagedKVCache(
+            num_layers=model_config.num_layers,
+            num_blocks=usable + 1,
+            block_size=config.block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=kv_dtype,
+            device=self.device,
+            split_size=config.attention_split_size,
+        )
+        self._block_tables = torch.zeros(
+            (config.max_batch_size, config.max_blocks_per_sequence),
+            dtype=torch.int32,
+            device=self.device,
+        )
+        self._free_slots = list(range(config.max_batch_size - 1, -1, -1))
+        self._graphs: DecodeGraphRunner | None = None
+        if config.use_cuda_graphs and self.device.type == "cuda":
+            self._graphs = DecodeGraphRunner(
+                model, self.kv_cache, config.graph_batch_sizes(), config.max_blocks_per_sequence
+            )
+        self.tokenizer: Any = (
+            load_tokenizer(config.tokenizer_path) if config.tokenizer_path is not None else None
+        )
+        self._seed_source = random.Random(config.seed)
+        self._next_id = 0
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._unreported: list[Request] = []
+        self._stops: dict[int, StopCriteria] = {}
+        self._closed = False
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for KV blocks."""
+        return len(self._waiting)
+
+    @property
+    def num_active(self) -> int:
+        """Requests holding KV blocks."""
+        return len(self._active)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting, active, or finished but not yet reported.
+
+        Returns:
+            True if :meth:`step` has work to do or results to report.
+        """
+        return bool(self._waiting or self._active or self._unreported)
+
+    def close(self) -> None:
+        """Abort every request and release the KV cache, CUDA graphs and their memory pool.
+
+        Idempotent. Afterwards weak references to the cache and graph objects die at the next
+        ``gc.collect()`` and the engine's device memory is back with the allocator.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._waiting.clear()
+        self._active.clear()
+        self._unreported.clear()
+        self._stops.clear()
+        if self._graphs is not None:
+            self._graphs.close()
+            self._graphs = None
+        if self.kv_cache is not None:
+            self.kv_cache.clear_step()
+            self.kv_cache = None
+        del self._block_tables
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> InferenceEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine is closed; build a new InferenceEngine")
+
+    # ------------------------------------------------------------------------------ requests
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request.
+
+        An invalid request (empty prompt, token ids outside the vocabulary, a prompt longer
+        than ``max_sequence_length``, invalid parameters, a footprint larger than the whole
+        cache) does not raise: it is recorded as FAILED with finish reason ``error`` and a
+        message, and reported by the next :meth:`step`, so the other requests go on.
+
+        Args:
+            prompt: Prompt token ids.
+            params: Sampling parameters (default: ``SamplingParams()``).
+
+        Returns:
+            The request id.
+
+        Raises:
+            EngineClosedError: If the engine is closed.
+        """
+        self._check_open()
+        request_id = self._next_id
+        self._next_id += 1
+        params = params if params is not None else SamplingParams()
+        prompt_list = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
+        valid_params = isinstance(params, SamplingParams)
+        request = Request(
+            request_id=request_id,
+            prompt=prompt_list if isinstance(prompt_list, list) else [],
+            params=params if valid_params else SamplingParams(),
+            seed=self._request_seed(params if valid_params else None),
+            max_new_tokens=0,
+        )
+        try:
+            self._validate(prompt_list, params)
+        except InvalidRequestError as exc:
+            request.status, request.finish_reason = RequestStatus.FAILED, FinishReason.ERROR
+            request.error = str(exc)
+            self._unreported.append(request)
+            return request_id
+        request.max_new_tokens = min(
+            params.max_tokens, self.config.max_sequence_length - len(request.prompt)
+        )
+        if request.max_new_tokens == 0:
+            self._finish(request, FinishReason.LENGTH)
+            return request_id
+        self._stops[request_id] = StopCriteria(
+            params, self._decode if self.tokenizer is not None else None
+        )
+        self._waiting.append(request)
+        return request_id
+
+    def _request_seed(self, params: SamplingParams | None) -> int:
+        # Drawn for every request (seeded or not), so unseeded requests get the same seeds
+        # whatever the seeds of the others.
+        drawn = self._seed_source.getrandbits(63)
+        return params.seed if params is not None and params.seed is not None else drawn
+
+    def _validate(self, prompt: Any, params: Any) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params={params!r}; expected a SamplingParams")
+        params.validate()
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequestError(f"prompt={prompt!r}; expected a non-empty list of token ids")
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)]
+        bad += [t for t in prompt if isinstance(t, int) and not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token {bad[0]!r}; expected integer ids in [0, {self.vocab_size})"
+            )
+        limit = self.config.max_sequence_length
+        if len(prompt) > limit:
+            raise InvalidRequestError(
+                f"prompt length {len(prompt)}; expected at most max_sequence_length={limit}"
+            )
+        if self.tokenizer is None and any(isinstance(w, str) for w in params.stop_words):
+            raise InvalidRequestError(
+                f"stop_words={params.stop_words!r} holds strings; expected token sequences or "
+                "an engine with tokenizer_path"
+            )
+        new_tokens = min(params.max_tokens, limit - len(prompt))
+        needed = self._blocks_needed(len(prompt), new_tokens)
+        if needed > self.allocator.capacity:
+            raise InvalidRequestError(
+                f"prompt length {len(prompt)} + max_tokens {new_tokens} needs {needed} KV blocks; "
+                f"expected at most the cache's {self.allocator.capacity}"
+            )
+
+    def _blocks_needed(self, prompt_len: int, new_tokens: int) -> int:
+        # The last generated token is never fed back, so it needs no cache slot.
+        positions = prompt_len + max(new_tokens, 1) - 1
+        return -(-positions // self.config.block_size)
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a waiting or active request and free its blocks.
+
+        Its final result (status FINISHED, finish reason ``aborted``) is reported by the next
+        :meth:`step`.
+
+        Args:
+            request_id: Id from :meth:`add_request`.
+
+        Returns:
+            True if the request was running or waiting, False if unknown or already done.
+
+        Raises:
+            EngineClosedError: If the engine is closed.
+        """
+        self._check_open()
+        for request in self._waiting:
+            if request.request_id == request_id:
+                self._waiting.remove(request)
+                self._finish(request, FinishReason.ABORTED)
+                return True
+        for request in self._active:
+            if request.request_id == request_id:
+                self._finish(request, FinishReason.ABORTED)
+                return True
+        return False
+
+    def _finish(self, request: Request, reason: FinishReason, *, error: str | None = None) -> None:
+        if request.status == RequestStatus.ACTIVE:
+            self._active.remove(request)
+            self.allocator.free(request.blocks)
+            self._free_slots.append(request.slot)
+            request.blocks, request.slot = [], -1
+        request.finish_reason = reason
+        request.status = (
+            RequestStatus.FAILED if reason == FinishReason.ERROR else RequestStatus.FINISHED
+        )
+        request.error = error
+        self._stops.pop(request.request_id, None)
+        self._unreported.append(request)
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=False)
+
+    def _snapshot(self, request: Request) -> GenerationResult:
+        text = self._decode(request.output) if self.tokenizer is not None else None
+        return request.result(text)
+
+    # --------------------------------------------------------------------------------- steps
+
+    def step(self) -> list[GenerationResult]:
+        """Run one engine step.
+
+        Returns:
+            Snapshots of the requests that got a token or finished (or failed) in this step;
+            a finished request is reported once and then forgotten by the engine.
+
+        Raises:
+            EngineClosedError: If the engine is closed.
+        """
+        self._check_open()
+        return [self._snapshot(r) for r in self._step()]
+
+    def _step(self) -> list[Request]:
+        reports, self._unreported = self._unreported, []
+        self._admit()
+        batch = self._schedule()
+        if not batch:
+            return reports
+        try:
+            sampled = self._forward_and_sample(batch)
+        except Exception as exc:  # a failed step fails its requests, never the engine
+            message = f"step failed: {type(exc).__name__}: {exc}"
+            for request, _ in batch:
+                self._finish(request, FinishReason.ERROR, error=message)
+            if self.kv_cache is not None:
+                self.kv_cache.clear_step()
+            reports += self._unreported
+            self._unreported = []
+            return reports
+        for request, count in batch:
+            request.num_computed += count
+        for request, token, logprob in sampled:
+            request.output.append(token)
+            if logprob is not None:
+                request.logprobs.append(logprob)
+            reason = self._stops[request.request_id].check(request.output)
+            if reason is None and len(request.output) >= request.max_new_tokens:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._finish(request, reason)
+            else:
+                reports.append(request)
+        reports += self._unreported
+        self._unreported = []
+        return reports
+
+    def _admit(self) -> None:
+        # First come, first served: the head waits until its whole footprint fits, so a long
+        # request is never starved by later short ones.
+        while self._waiting and self._free_slots:
+            request = self._waiting[0]
+            needed = self._blocks_needed(len(request.prompt), request.max_new_tokens)
+            if needed > self.allocator.num_free:
+                return
+            self._waiting.popleft()
+            request.blocks = self.allocator.allocate(needed)
+            request.slot = self._free_slots.pop()
+            row = torch.zeros(self.config.max_blocks_per_sequence, dtype=torch.int32)
+            row[:needed] = torch.tensor(request.blocks, dtype=torch.int32)
+            self._block_tables[request.slot].copy_(row)
+            request.status = RequestStatus.ACTIVE
+            self._active.append(request)
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        budget = self.config.max_tokens_per_step
+        batch: list[tuple[Request, int]] = []
+        for request in self._active:
+            if request.num_tokens - request.num_computed == 1:
+                batch.append((request, 1))
+        budget -= len(batch)
+        for request in self._active:
+            remaining = request.num_tokens - request.num_computed
+            if remaining > 1 and budget > 0:
+                count = min(remaining, self.config.prefill_chunk_size, budget)
+                batch.append((request, count))
+                budget -= count
+        return batch
+
+    @torch.no_grad()
+    def _forward_and_sample(
+        self, batch: list[tuple[Request, int]]
+    ) -> list[tuple[Request, int, float | None]]:
+        assert self.kv_cache is not None
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[Request] = []
+        for request, count in batch:
+            start = request.num_computed
+            if count == 1:
+                tokens.append(request.token_at(start))
+            else:
+                tokens.extend((request.prompt + request.output)[start : start + count])
+            positions.extend(range(start, start + count))
+            slots.extend([request.slot] * count)
+            if start + count == request.num_tokens:
+                sample_rows.append(len(tokens) - 1)
+                sampling.append(request)
+        device = self.device
+        input_ids = torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True)
+        position_ids = torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True)
+        token_slots = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
+        block_size = self.config.block_size
+        tables = self._block_tables.index_select(0, token_slots)
+        blocks = tables.gather(1, (position_ids // block_size)[:, None])[:, 0]
+        slot_mapping = blocks.long() * block_size + position_ids % block_size
+        context_lens = (position_ids + 1).to(torch.int32)
+        graphs = self._graphs
+        if graphs is not None and len(tokens) == len(batch) <= graphs.max_batch_size:
+            logits = graphs.run(input_ids, position_ids, slot_mapping, tables, context_lens)
+        else:
+            self.kv_cache.set_step(slot_mapping, tables, context_lens)
+            try:
+                hidden = self.model(
+                    input_ids[None], position_ids[None], kv_cache=self.kv_cache, return_hidden=True
+                )
+            finally:
+                self.kv_cache.clear_step()
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=device)
+            logits = self.model.compute_logits(hidden[0].index_select(0, rows))
+        if not sampling:
+            return []
+        params = [r.params for r in sampling]
+        uniforms = [sampling_uniform(r.seed, len(r.output)) for r in sampling]
+        new_tokens = sample_tokens(logits, params, uniforms)
+        logprob_rows = [i for i, p in enumerate(params) if p.return_logprobs]
+        logprobs: dict[int, float] = {}
+        if logprob_rows:
+            index = torch.tensor(logprob_rows, dtype=torch.long, device=device)
+            temperatures = torch.tensor(
+                [params[i].temperature or 1.0 for i in logprob_rows], device=device
+            )
+            # logprobs of the sampling distribution at the request's temperature (greedy: 1).
+            values = token_logprobs(
+                logits.index_select(0, index).float() / temperatures[:, None],
+                new_tokens.index_select(0, index),
+            )
+            assert isinstance(values, torch.Tensor)
+            logprobs = dict(zip(logprob_rows, values.tolist()))
+        token_list = new_tokens.tolist()
+        return [(r, token_list[i], logprobs.get(i)) for i, r in enumerate(sampling)]
+
+    # ---------------------------------------------------------------------------- generation
+
+    def _params_list(
+        self, count: int, params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams | None]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params] * count
+        params_list = list(params)
+        if len(params_list) != count:
+            raise InvalidRequestError(
+                f"params has {len(params_list)} entries; expected one per prompt ({count})"
+            )
+        return list(params_list)
+
+    def _drive(self, request_ids: list[int]) -> Iterator[list[Request]]:
+        pending = set(request_ids)
+        others: list[Request] = []
+        try:
+            while pending:
+                if not (self._waiting or self._active or self._unreported):
+                    raise RuntimeError(f"requests {sorted(pending)} were lost by the engine")
+                mine = []
+                for request in self._step():
+                    if request.request_id in pending:
+                        mine.append(request)
+                        if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+                            pending.discard(request.request_id)
+                    elif request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+                        others.append(request)
+                yield mine
+        finally:
+            # Requests added through add_request by the caller keep their final report.
+            self._unreported.extend(others)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt and wait until all are done.
+
+        Args:
+            prompts: Prompt token ids, one list per request.
+            params: One SamplingParams for all, one per prompt, or None for the defaults.
+
+        Returns:
+            One result per prompt, in the order of ``prompts``. Invalid requests come back
+            FAILED with a message; the others are unaffected.
+
+        Raises:
+            EngineClosedError: If the engine is closed.
+            InvalidRequestError: If ``params`` is a list whose length differs from ``prompts``.
+        """
+        self._check_open()
+        params_list = self._params_list(len(prompts), params)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        finals: dict[int, GenerationResult] = {}
+        for updated in self._drive(ids):
+            for request in updated:
+                if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+                    finals[request.request_id] = self._snapshot(request)
+        return [finals[i] for i in ids]
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[GenerationResult]:
+        """Generate for every prompt, yielding a snapshot whenever a request changes.
+
+        Args:
+            prompts: Prompt token ids, one list per request.
+            params: One SamplingParams for all, one per prompt, or None for the defaults.
+
+        Yields:
+            A result snapshot of a request after each new token; its last snapshot has
+            ``done`` True. Requests are identified by ``request_id``, in the order of
+            ``prompts`` starting at the first id returned.
+
+        Raises:
+            EngineClosedError: If the engine is closed.
+            InvalidRequestError: If ``params`` is a list whose length differs from ``prompts``.
+        """
+        self._check_open()
+        params_list = self._params_list(len(prompts), params)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        for updated in self._drive(ids):
+            for request in updated:
+                yield self._snapshot(request)

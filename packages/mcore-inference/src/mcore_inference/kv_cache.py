@@ -1,0 +1,111 @@
+"""Paged KV cache: the engine's implementation of the model's ``KVCache`` protocol."""
+
+from __future__ import annotations
+
+import torch
+
+from mcore_kernels.paged_attention import paged_attention
+
+__all__ = ["PagedKVCache"]
+
+
+class PagedKVCache:
+    """Keys and values of every layer in fixed-size blocks shared by all requests.
+
+    Before each forward the engine calls :meth:`set_step` with the step's metadata: where each
+    new token's key/value goes (``slot_mapping``), the block table row of each token's request
+    and each token's context length (its position + 1). :meth:`attend` then writes the new keys
+    and values and runs :func:`mcore_kernels.paged_attention.paged_attention`, so every token
+    sees exactly its own request's history. Both operations have fixed shapes for a fixed number
+    of tokens and never read device values on the host, so a decode step can be captured in a
+    CUDA graph with the metadata tensors as static inputs.
+
+    Args:
+        num_layers: Decoder layers of the model.
+        num_blocks: Blocks per layer (block 0 is the scratch block of padded rows).
+        block_size: Tokens per block.
+        num_kv_heads: Key/value heads.
+        head_dim: Channels per head.
+        dtype: Storage dtype.
+        device: Storage device.
+        split_size: Split size of the split-KV attention kernel.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        split_size: int,
+    ) -> None:
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.split_size = split_size
+        self._slot_mapping: torch.Tensor | None = None
+        self._block_tables: torch.Tensor | None = None
+        self._context_lens: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the key and value storage."""
+        return self.keys.nbytes + self.values.nbytes
+
+    def set_step(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+    ) -> None:
+        """Install the metadata of the next forward.
+
+        Args:
+            slot_mapping: int64 ``[T]`` flat slot (``block * block_size + offset``) of each new
+                token.
+            block_tables: int32 ``[T, max_blocks]`` block table row of each token's request.
+            context_lens: int32 ``[T]`` positions each token attends to (its position + 1).
+        """
+        self._slot_mapping = slot_mapping
+        self._block_tables = block_tables
+        self._context_lens = context_lens
+
+    def clear_step(self) -> None:
+        """Drop the references to the step metadata."""
+        self._slot_mapping = self._block_tables = self._context_lens = None
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
+    ) -> torch.Tensor:
+        """Store the new keys/values of a layer and attend each new token over its history.
+
+        Args:
+            layer_idx: Index of the decoder layer (0-based).
+            q: ``[T, Hq, D]`` new queries after RoPE.
+            k: ``[T, Hkv, D]`` new keys after RoPE.
+            v: ``[T, Hkv, D]`` new values.
+            scale: Multiplier of the query-key products.
+
+        Returns:
+            ``[T, Hq, D]`` attention output in the dtype of ``q``.
+
+        Raises:
+            RuntimeError: If no step metadata was installed with :meth:`set_step`.
+        """
+        if self._slot_mapping is None or self._block_tables is None or self._context_lens is None:
+            raise RuntimeError("PagedKVCache.attend called before set_step()")
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        flat_shape = (-1, *keys.shape[2:])
+        keys.view(flat_shape).index_copy_(0, self._slot_mapping, k.to(keys.dtype))
+        values.view(flat_shape).index_copy_(0, self._slot_mapping, v.to(values.dtype))
+        return paged_attention(
+            q,
+            keys,
+            values,
+            self._block_tables,
+            self._context_lens,
+            scale=scale,
+            split_size=self.split_size,
+        )
