@@ -106,8 +106,9 @@ def token_logprobs_reference(
         finite_lse = torch.isfinite(lse)
         safe_lse = torch.where(finite_lse, lse, torch.zeros_like(lse))
         probs = torch.exp(z - safe_lse.unsqueeze(1))
-        # exp(-inf) * -inf would be nan; such tokens contribute nothing to the expectation.
-        weighted = torch.where(probs > 0, probs * z, torch.zeros_like(z))
+        # exp(-inf) * -inf would be nan (in the value and the gradient): masked logits
+        # contribute nothing to the expectation.
+        weighted = probs * torch.where(probs > 0, z, torch.zeros_like(z))
         expected = torch.where(finite_lse, weighted.sum(dim=-1), torch.zeros_like(lse))
     lse, target_logit, expected = combine_shard_stats(lse, target_logit, expected, group)
     zeros = torch.zeros_like(lse)

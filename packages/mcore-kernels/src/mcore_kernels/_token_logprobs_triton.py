@@ -1,0 +1,244 @@
+"""Triton kernels of ``token_logprobs``: chunked online log-sum-exp forward, fused backward.
+
+Forward: one program per row streams the row's logits in chunks of ``BLOCK_V`` (a function of
+the vocabulary size only), keeping a running maximum, the running sum of ``exp(z - max)`` and,
+for the entropy, the running sum of ``exp(z - max) * z``; every value is upcast to float32 in
+registers, so no float32 copy of the logits is ever made. The per-row statistics of a
+vocabulary shard are combined across the tensor-parallel group in torch (a few floats per row).
+
+Backward: one program per row writes ``d(logits)`` in the logits' dtype, the only
+logits-sized buffer of the whole computation:
+``dz = g_logprob * (onehot - p) - g_entropy * p * (z - E[z])`` with ``p = exp(z - lse)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from mcore_kernels._triton_utils import round_to
+from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
+
+__all__ = ["MAX_BLOCK_V", "token_logprobs_triton"]
+
+MAX_BLOCK_V = 4096
+"""Widest vocabulary chunk a program holds in registers at once."""
+
+
+def _block_and_warps(vocab: int) -> tuple[int, int]:
+    block = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
+    warps = 8 if block >= 2048 else 4
+    return block, warps
+
+
+@triton.jit
+def _token_logprobs_fwd_kernel(
+    logits_ptr,
+    target_ptr,
+    lse_ptr,
+    target_logit_ptr,
+    expected_ptr,
+    row_stride,
+    vocab,
+    inv_temperature,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    cols = tl.arange(0, BLOCK_V)
+    running_max = -float("inf")
+    running_sum = 0.0
+    running_weighted = 0.0
+    for start in range(0, vocab, BLOCK_V):
+        offs = start + cols
+        z = (
+            tl.load(row_ptr + offs, mask=offs < vocab, other=-float("inf")).to(tl.float32)
+            * inv_temperature
+        )
+        new_max = tl.maximum(running_max, tl.max(z, axis=0))
+        # While every logit so far is -inf the shift is undefined; keep the sums at zero.
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        scale = tl.exp(running_max - shift)
+        exps = tl.exp(z - shift)
+        running_sum = running_sum * scale + tl.sum(exps, axis=0)
+        if WITH_ENTROPY:
+            # exp(-inf) * -inf would be nan: masked logits contribute nothing.
+            weighted = exps * tl.where(exps > 0.0, z, 0.0)
+            running_weighted = running_weighted * scale + tl.sum(weighted, axis=0)
+        running_max = new_max
+    lse = running_max + tl.log(running_sum)
+    tl.store(lse_ptr + row, lse)
+    target = tl.load(target_ptr + row)
+    has_target = target >= 0
+    target_logit = tl.load(row_ptr + tl.maximum(target, 0), mask=has_target, other=0.0).to(
+        tl.float32
+    )
+    tl.store(target_logit_ptr + row, tl.where(has_target, target_logit * inv_temperature, 0.0))
+    if WITH_ENTROPY:
+        expected = tl.where(running_sum > 0.0, running_weighted / running_sum, 0.0)
+        tl.store(expected_ptr + row, expected)
+
+
+@triton.jit
+def _token_logprobs_bwd_kernel(
+    logits_ptr,
+    target_ptr,
+    lse_ptr,
+    expected_ptr,
+    grad_logprob_ptr,
+    grad_entropy_ptr,
+    grad_logits_ptr,
+    row_stride,
+    vocab,
+    inv_temperature,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    out_ptr = grad_logits_ptr + row * vocab
+    cols = tl.arange(0, BLOCK_V)
+    target = tl.load(target_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    grad_logprob = tl.load(grad_logprob_ptr + row)
+    if WITH_ENTROPY:
+        grad_entropy = tl.load(grad_entropy_ptr + row)
+        expected = tl.load(expected_ptr + row)
+    for start in range(0, vocab, BLOCK_V):
+        offs = start + cols
+        mask = offs < vocab
+        z = tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32) * inv_temperature
+        probs = tl.exp(z - lse)
+        dz = tl.where(offs == target, grad_logprob, 0.0) - grad_logprob * probs
+        if WITH_ENTROPY:
+            dz -= grad_entropy * probs * (tl.where(probs > 0.0, z, 0.0) - expected)
+        tl.store(
+            out_ptr + offs,
+            round_to(dz * inv_temperature, grad_logits_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+
+def _launch_forward(
+    logits: torch.Tensor, local_targets: torch.Tensor, inv_temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    rows, vocab = logits.shape
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    target_logit = torch.empty_like(lse)
+    expected = torch.empty_like(lse) if with_entropy else lse
+    if rows > 0:
+        block, warps = _block_and_warps(vocab)
+        _token_logprobs_fwd_kernel[(rows,)](
+            logits,
+            local_targets,
+            lse,
+            target_logit,
+            expected,
+            logits.stride(0),
+            vocab,
+            inv_temperature,
+            WITH_ENTROPY=with_entropy,
+            BLOCK_V=block,
+            num_warps=warps,
+        )
+    return lse, target_logit, expected if with_entropy else None
+
+
+class _TokenLogprobsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, inv_temperature, group, with_entropy, ignore_index):  # type: ignore[override]
+        rank, _ = group_rank_and_size(group)
+        vocab = logits.shape[1]
+        flat_targets = targets.long()
+        valid = flat_targets != ignore_index
+        local = flat_targets - rank * vocab
+        in_shard = valid & (local >= 0) & (local < vocab)
+        local_targets = torch.where(in_shard, local, torch.full_like(local, -1))
+        lse, target_logit, expected = _launch_forward(
+            logits, local_targets, inv_temperature, with_entropy
+        )
+        lse, target_logit, expected = combine_shard_stats(lse, target_logit, expected, group)
+        zeros = torch.zeros_like(lse)
+        logprobs = torch.where(valid, target_logit - lse, zeros)
+        ctx.save_for_backward(
+            logits, local_targets, lse, expected if expected is not None else lse, valid
+        )
+        ctx.inv_temperature = inv_temperature
+        ctx.with_entropy = with_entropy
+        if not with_entropy:
+            return logprobs
+        assert expected is not None
+        return logprobs, torch.where(valid, lse - expected, zeros)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy=None):  # type: ignore[override]
+        logits, local_targets, lse, expected, valid = ctx.saved_tensors
+        rows, vocab = logits.shape
+        zeros = torch.zeros_like(lse)
+        # Ignored rows get zero coefficients, hence exactly zero gradient.
+        grad_logprobs = torch.where(valid, grad_logprobs.float(), zeros).contiguous()
+        with_entropy = ctx.with_entropy and grad_entropy is not None
+        grad_entropy = (
+            torch.where(valid, grad_entropy.float(), zeros).contiguous() if with_entropy else zeros
+        )
+        grad_logits = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
+        if rows > 0:
+            block, warps = _block_and_warps(vocab)
+            _token_logprobs_bwd_kernel[(rows,)](
+                logits,
+                local_targets,
+                lse,
+                expected,
+                grad_logprobs,
+                grad_entropy,
+                grad_logits,
+                logits.stride(0),
+                vocab,
+                ctx.inv_temperature,
+                WITH_ENTROPY=with_entropy,
+                BLOCK_V=block,
+                num_warps=warps,
+            )
+        return grad_logits, None, None, None, None, None
+
+
+def token_logprobs_triton(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Target log-probabilities (and entropies) through the Triton kernels.
+
+    Arguments are those of :func:`mcore_kernels.token_logprobs`, already validated.
+
+    Args:
+        logits: ``[..., V]`` logits or this rank's vocabulary shard.
+        targets: global token ids shaped ``logits.shape[:-1]``.
+        temperature: logits are divided by it before the softmax.
+        group: tensor-parallel process group of the vocabulary shards, or None.
+        return_entropy: also return the entropy of each row.
+        ignore_index: rows whose target equals it give 0 and no gradient.
+
+    Returns:
+        float32 log-probabilities shaped like ``targets``; with ``return_entropy`` the pair
+        ``(logprobs, entropy)``.
+    """
+    lead_shape = targets.shape
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = _TokenLogprobsFunction.apply(
+        flat, targets.reshape(-1), 1.0 / temperature, group, return_entropy, ignore_index
+    )
+    if not return_entropy:
+        return out.reshape(lead_shape)
+    logprobs, entropy = out
+    return logprobs.reshape(lead_shape), entropy.reshape(lead_shape)

@@ -1,0 +1,33 @@
+"""Helpers shared by the Triton kernels."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["round_to"]
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """Cast float32 ``x`` to ``dtype`` rounding to nearest even.
+
+    bfloat16 is rounded with integer arithmetic because the Triton interpreter truncates in its
+    own float32 to bfloat16 conversion; the result is bitwise what the GPU's conversion gives,
+    so interpreter tests check the GPU numerics.
+
+    Args:
+        x: float32 tensor.
+        dtype: destination dtype.
+
+    Returns:
+        ``x`` in ``dtype``.
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+        # NaN payloads in the low half would otherwise round up into infinity.
+        rounded = tl.where(x != x, bits | 0x400000, rounded)
+        return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
