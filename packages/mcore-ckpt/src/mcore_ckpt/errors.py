@@ -12,6 +12,12 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
     "CheckpointVersionError",
+    "CheckpointMismatchError",
+    "CheckpointConfigError",
+    "CheckpointTypeError",
+    "CheckpointExistsError",
+    "AsyncSaveError",
+    "CheckpointWriteError",
 ]
 
 
@@ -29,3 +35,27 @@ class CheckpointCorruptError(CheckpointError, ValueError):
 
 class CheckpointVersionError(CheckpointError, ValueError):
     """The checkpoint format version cannot be read by this release."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The state dict to load into does not match what the checkpoint holds."""
+
+
+class CheckpointConfigError(CheckpointError, ValueError):
+    """An argument has a value outside of what it accepts."""
+
+
+class CheckpointTypeError(CheckpointError, TypeError):
+    """An argument or a state dict value has a type that cannot be checkpointed."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint with the requested name already exists."""
+
+
+class AsyncSaveError(CheckpointError, RuntimeError):
+    """A background save failed; raised by ``wait()`` and by the next save or load."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a checkpoint failed; the previous checkpoint is untouched."""
