@@ -1,0 +1,63 @@
+"""``fused_rs_add_rmsnorm_ag``: the public entry point and the choice of its path."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mcore_kernels.comm._validation import check_fused_args
+from mcore_kernels.comm.availability import (
+    log_fallback_once,
+    symmetric_memory_unavailable_reason,
+)
+from mcore_kernels.comm.fallback import rs_add_rmsnorm_ag_collectives
+
+__all__ = ["fused_rs_add_rmsnorm_ag"]
+
+
+def fused_rs_add_rmsnorm_ag(
+    partial: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group: dist.ProcessGroup | None,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the tensor-parallel partials, add the residual, RMS-normalise, on every rank.
+
+    The result equals ``reduce_scatter(partial) -> + residual -> rms_norm -> all_gather``: for
+    every token ``h = sum_over_ranks(partial) + residual`` (the sum rounded to the input dtype,
+    then the add rounded to it, as :func:`mcore_kernels.rms_norm` does) and
+    ``y = h * rsqrt(mean(h**2) + eps) * weight`` computed in float32.
+
+    Args:
+        partial: ``[tokens, hidden]``, this rank's partial output of a row-parallel matmul; the
+            true activation is the sum of ``partial`` over the ranks of ``group``. float16,
+            bfloat16 or float32.
+        residual: ``[tokens, hidden]``, the full residual stream (every token, every hidden
+            unit), identical on every rank of ``group``, same dtype as ``partial``. Not modified
+            unless passed as ``out[1]``.
+        weight: ``[hidden]`` RMSNorm scale.
+        eps: added to the mean square before the reciprocal square root.
+        group: the tensor-parallel process group; None means the default group.
+        out: optional pair ``(normed_out, residual_out)`` of ``[tokens, hidden]`` tensors of the
+            input dtype written in place; ``residual_out`` may be ``residual`` itself.
+
+    Returns:
+        ``(normed, new_residual)``: ``normed`` is the RMS-normalised activation of all tokens
+        (the input of the next layer) and ``new_residual`` is ``sum + residual`` for all tokens,
+        both ``[tokens, hidden]`` in the input dtype and identical on every rank.
+
+    Raises:
+        KernelDtypeError: a tensor argument is not a tensor or has an unsupported dtype.
+        KernelShapeError: shapes do not line up.
+        KernelDeviceError: tensors live on different devices.
+        KernelValueError: ``eps`` out of range, ``group`` not a process group, or
+            torch.distributed not initialised.
+    """
+    pair = check_fused_args(partial, residual, weight, eps, group, out)
+    reason = symmetric_memory_unavailable_reason(partial, group)
+    if reason is not None:
+        log_fallback_once(reason)
+    return rs_add_rmsnorm_ag_collectives(partial, residual, weight, float(eps), group, pair)
