@@ -4,14 +4,36 @@ from mcore_models._version import __version__
 from mcore_models.errors import (
     AttentionBackendError,
     CheckpointFormatError,
+    KVCacheError,
     ModelConfigError,
     ModelError,
+    ModelInputError,
+    PackedSeqError,
 )
+from mcore_models.gpt import (
+    ContiguousKVCache,
+    GPTConfig,
+    GPTModel,
+    KVCache,
+    RopeScaling,
+    preset_names,
+)
+from mcore_models.packed_seq import PackedSeqParams
 
 __all__ = [
     "__version__",
+    "GPTConfig",
+    "GPTModel",
+    "RopeScaling",
+    "PackedSeqParams",
+    "KVCache",
+    "ContiguousKVCache",
+    "preset_names",
     "ModelError",
     "ModelConfigError",
     "CheckpointFormatError",
     "AttentionBackendError",
+    "ModelInputError",
+    "PackedSeqError",
+    "KVCacheError",
 ]

@@ -7,7 +7,15 @@ and ``except ValueError`` work.
 
 from __future__ import annotations
 
-__all__ = ["ModelError", "ModelConfigError", "CheckpointFormatError", "AttentionBackendError"]
+__all__ = [
+    "ModelError",
+    "ModelConfigError",
+    "CheckpointFormatError",
+    "AttentionBackendError",
+    "ModelInputError",
+    "PackedSeqError",
+    "KVCacheError",
+]
 
 
 class ModelError(Exception):
@@ -24,3 +32,15 @@ class CheckpointFormatError(ModelError, ValueError):
 
 class AttentionBackendError(ModelError, ValueError):
     """The selected attention backend cannot serve the request."""
+
+
+class ModelInputError(ModelError, ValueError):
+    """An argument of a model's forward pass has the wrong shape, dtype or value."""
+
+
+class PackedSeqError(ModelError, ValueError):
+    """Packed-sequence boundaries are malformed or do not match the input."""
+
+
+class KVCacheError(ModelError, ValueError):
+    """A KV cache request does not fit the cache (too long, wrong layer or shape)."""

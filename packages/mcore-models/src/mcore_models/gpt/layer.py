@@ -1,0 +1,141 @@
+"""Grouped-query self-attention and the pre-norm decoder layer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mcore_kernels import RMSNorm
+from mcore_models.gpt.attention_backends import AttentionMask, attend, max_attention_logits
+from mcore_models.gpt.config import GPTConfig
+from mcore_models.gpt.kv_cache import KVCache
+from mcore_models.gpt.mlp import build_mlp
+from mcore_models.gpt.rope import apply_rotary
+
+__all__ = ["Attention", "DecoderLayer"]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE, optional QKV bias and optional QK-norm.
+
+    ``num_heads`` and ``num_kv_heads`` are the heads this module computes: all of them, or this
+    rank's share after tensor-parallel sharding.
+
+    Args:
+        config: Model config.
+        layer_idx: Index of the decoder layer (0-based), passed to the KV cache.
+    """
+
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        hidden, dim, dtype = config.hidden_size, config.kv_channels, config.dtype
+        self.layer_idx = layer_idx
+        self.head_dim = dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.scale = dim**-0.5
+        self.config = config
+        self.max_logits: torch.Tensor | None = None
+        """Running maximum pre-softmax logit per local query head since the last reset."""
+        bias = config.add_qkv_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * dim, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * dim, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * dim, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.num_heads * dim, hidden, bias=False, dtype=dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_layernorm:
+            self.q_norm = RMSNorm(dim, config.norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(dim, config.norm_eps, dtype=dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask | None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Attend causally.
+
+        Args:
+            x: ``[B, T, hidden]`` normalised hidden states.
+            cos: ``[B, T, head_dim // 2]`` RoPE cosines.
+            sin: ``[B, T, head_dim // 2]`` RoPE sines.
+            mask: Mask of the forward pass (None when ``kv_cache`` attends).
+            kv_cache: Caller-owned cache that stores keys/values and attends, or None.
+
+        Returns:
+            ``[B, T, hidden]`` output of the output projection.
+        """
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            out = kv_cache.attend(self.layer_idx, q[0], k[0], v[0], scale=self.scale)[None]
+        else:
+            assert mask is not None
+            if self.config.qk_clip_tracking:
+                self._record_max_logits(max_attention_logits(q, k, mask, self.scale))
+            out = attend(self.config.attention_backend, q, k, v, mask, self.scale)
+        return self.o_proj(out.flatten(-2))
+
+    def _record_max_logits(self, step_max: torch.Tensor) -> None:
+        if self.max_logits is None:
+            self.max_logits = step_max
+        else:
+            self.max_logits = torch.maximum(self.max_logits, step_max)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer layer: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``.
+
+    The residual stream is carried separately from each block's output so that the residual
+    add fuses into the following RMSNorm (``mcore_kernels.rms_norm(x, w, residual=r)``).
+
+    Args:
+        config: Model config.
+        layer_idx: Index of the layer (0-based).
+    """
+
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_norm = RMSNorm(config.hidden_size, config.norm_eps, dtype=config.dtype)
+        self.self_attention = Attention(config, layer_idx)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.norm_eps, dtype=config.dtype)
+        self.mlp = build_mlp(config, layer_idx)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask | None,
+        kv_cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the layer.
+
+        Args:
+            hidden: Output of the previous block (the embeddings for the first layer).
+            residual: Residual stream before ``hidden`` is added, None for the first layer.
+            cos: RoPE cosines.
+            sin: RoPE sines.
+            mask: Mask of the forward pass.
+            kv_cache: Caller-owned KV cache, or None.
+
+        Returns:
+            ``(mlp_output, residual)``; the layer's output is their sum.
+        """
+        if residual is None:
+            residual = hidden
+            x = self.input_norm(hidden)
+        else:
+            x, residual = self.input_norm(hidden, residual)
+        attention_out = self.self_attention(x, cos, sin, mask, kv_cache)
+        x, residual = self.post_attention_norm(attention_out, residual)
+        return self.mlp(x), residual

@@ -1,0 +1,73 @@
+"""Description of several sequences packed into one row of tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_models.errors import PackedSeqError
+
+__all__ = ["PackedSeqParams"]
+
+
+@dataclass(slots=True)
+class PackedSeqParams:
+    """Boundaries of the sequences packed into one row ``input_ids[0]``.
+
+    Sequence ``i`` occupies tokens ``cu_seqlens[i]:cu_seqlens[i + 1]``. Attention never crosses
+    a boundary, and when no ``position_ids`` are given positions restart at 0 in each sequence.
+    """
+
+    cu_seqlens: torch.Tensor
+    """int32 (or int64) ``[n + 1]`` cumulative sequence lengths, starting at 0."""
+    max_seqlen: int
+    """Length of the longest packed sequence."""
+
+    def __post_init__(self) -> None:
+        cu = self.cu_seqlens
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
+            raise PackedSeqError(
+                f"cu_seqlens={cu!r} must be a 1-D integer tensor with at least 2 entries"
+            )
+        if cu.dtype not in (torch.int32, torch.int64):
+            raise PackedSeqError(f"cu_seqlens.dtype={cu.dtype} must be torch.int32 or torch.int64")
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        if int(cu[0]) != 0 or min(lengths) < 0:
+            raise PackedSeqError(f"cu_seqlens={cu.tolist()} must start at 0 and never decrease")
+        if int(self.max_seqlen) < max(lengths):
+            raise PackedSeqError(
+                f"max_seqlen={self.max_seqlen} is smaller than the longest sequence "
+                f"({max(lengths)})"
+            )
+
+    @property
+    def total_tokens(self) -> int:
+        """Number of tokens covered by the packed sequences (``cu_seqlens[-1]``)."""
+        return int(self.cu_seqlens[-1])
+
+    def segment_ids(self, device: torch.device | None = None) -> torch.Tensor:
+        """Give every token the index of its sequence.
+
+        Args:
+            device: Device of the result (default: that of ``cu_seqlens``).
+
+        Returns:
+            int64 tensor ``[total_tokens]``.
+        """
+        cu = self.cu_seqlens.to(device=device, dtype=torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+
+    def position_ids(self, device: torch.device | None = None) -> torch.Tensor:
+        """Positions that restart at 0 at the start of every sequence.
+
+        Args:
+            device: Device of the result (default: that of ``cu_seqlens``).
+
+        Returns:
+            int64 tensor ``[1, total_tokens]``.
+        """
+        cu = self.cu_seqlens.to(device=device, dtype=torch.int64)
+        segments = self.segment_ids(device)
+        return (torch.arange(segments.numel(), device=cu.device) - cu[segments])[None]
