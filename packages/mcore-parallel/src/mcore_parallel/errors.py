@@ -7,7 +7,15 @@ and ``except ValueError`` work.
 
 from __future__ import annotations
 
-__all__ = ["ParallelError", "ParallelConfigError", "ParallelStateError"]
+__all__ = [
+    "ParallelError",
+    "ParallelConfigError",
+    "ParallelStateError",
+    "ParallelTypeError",
+    "DistributedRunError",
+    "DistributedTimeoutError",
+    "OptimizerStateError",
+]
 
 
 class ParallelError(Exception):
@@ -20,3 +28,19 @@ class ParallelConfigError(ParallelError, ValueError):
 
 class ParallelStateError(ParallelError, RuntimeError):
     """An operation needs process groups that are not initialised or were destroyed."""
+
+
+class ParallelTypeError(ParallelError, TypeError):
+    """An argument has the wrong type (e.g. a state that is not a ParallelState)."""
+
+
+class DistributedRunError(ParallelError, RuntimeError):
+    """A rank spawned by :func:`mcore_parallel.testing.run_distributed` failed or died."""
+
+
+class DistributedTimeoutError(ParallelError, TimeoutError):
+    """Ranks spawned by :func:`mcore_parallel.testing.run_distributed` ran past the timeout."""
+
+
+class OptimizerStateError(ParallelError, ValueError):
+    """An optimizer state dict lacks an entry or holds a block of the wrong size."""
