@@ -1,6 +1,6 @@
 """mcore-kernels: Triton kernels, each with a torch reference of the same signature."""
 
-from mcore_kernels import reference
+from mcore_kernels import reference, tensor_ops
 from mcore_kernels._version import __version__
 from mcore_kernels.errors import (
     KernelBackendError,
@@ -19,6 +19,7 @@ __all__ = [
     "RMSNorm",
     "token_logprobs",
     "reference",
+    "tensor_ops",
     "KernelError",
     "KernelShapeError",
     "KernelDtypeError",

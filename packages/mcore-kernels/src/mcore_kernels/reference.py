@@ -12,7 +12,13 @@ import torch.distributed as dist
 from mcore_kernels._validation import check_rms_norm_args, check_token_logprobs_args
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
 
-__all__ = ["rms_norm_reference", "token_logprobs_reference"]
+__all__ = [
+    "rms_norm_reference",
+    "token_logprobs_reference",
+    "slice_after_reference",
+    "merge_reference",
+    "masked_update_reference",
+]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -118,3 +124,63 @@ def token_logprobs_reference(
     assert expected is not None
     entropy = torch.where(valid, lse - expected, zeros).reshape(lead_shape)
     return logprobs, entropy
+
+
+def slice_after_reference(inp: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :func:`slice_after` (reads ``pos`` on the host).
+
+    Args:
+        inp: ``[n, ...]`` source rows.
+        pos: one-element integer tensor, the first row of ``inp`` to copy.
+        out: ``[m, ...]`` destination, written in place.
+
+    Returns:
+        ``out``.
+    """
+    start = min(max(int(pos.reshape(()).item()), 0), inp.shape[0])
+    count = min(inp.shape[0] - start, out.shape[0])
+    if count > 0:
+        out[:count].copy_(inp[start : start + count])
+    return out
+
+
+def merge_reference(
+    a: torch.Tensor, b: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Torch reference of :func:`merge` (reads ``pos`` on the host).
+
+    Args:
+        a: ``[n_a, ...]`` rows kept before ``pos``.
+        b: ``[n_b, ...]`` rows written from ``pos`` on.
+        pos: one-element integer tensor.
+        out: destination, or None to write into ``a``.
+
+    Returns:
+        The destination tensor.
+    """
+    target = a if out is None else out
+    start = min(max(int(pos.reshape(()).item()), 0), a.shape[0])
+    if start > 0 and target is not a:
+        target[:start].copy_(a[:start])
+    count = min(b.shape[0], target.shape[0] - start)
+    if count > 0:
+        target[start : start + count].copy_(b[:count])
+    return target
+
+
+def masked_update_reference(
+    states: torch.Tensor, idx: torch.Tensor, new_states: torch.Tensor
+) -> torch.Tensor:
+    """Torch reference of :func:`masked_update`.
+
+    Args:
+        states: ``[num_states, ...]`` table updated in place.
+        idx: ``[k]`` slot of each new row, ``-1`` to skip it.
+        new_states: ``[k, ...]`` rows to write.
+
+    Returns:
+        ``states``.
+    """
+    keep = (idx >= 0) & (idx < states.shape[0])
+    states[idx[keep].long()] = new_states[keep]
+    return states

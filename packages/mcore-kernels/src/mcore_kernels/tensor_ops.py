@@ -1,0 +1,213 @@
+"""Row copies steered by device tensors: no host synchronisation, capturable in CUDA graphs.
+
+Inference engines replaying CUDA graphs keep batch boundaries in device tensors (how many
+requests are in prefill, which state slot each request owns). These ops move rows of the first
+dimension according to such tensors without reading them on the host, so a captured graph
+stays valid when the boundary changes between replays. The operation set follows Megatron-LM's
+inference ``tensor_ops`` (``tensor_get_slice_after``, ``tensor_merge``, ``tensor_masked_update``
+in ``megatron/core/inference/contexts/attention_context/triton/tensor_ops.py``).
+
+Copies are bitwise (tensors are reinterpreted as integers of their element size), so any dtype
+works and NaN payloads survive. The Triton kernels clamp ``pos`` into range and skip state
+indices outside ``[0, num_states)``, because validating them would need a host sync; pass
+``check_bounds=True`` to have them validated (with a sync) and rejected with an error instead.
+The torch references read ``pos`` on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore_kernels._backend import use_triton
+from mcore_kernels._validation import check_same_device, check_tensor
+from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
+from mcore_kernels.reference import masked_update_reference, merge_reference, slice_after_reference
+
+__all__ = [
+    "slice_after",
+    "merge",
+    "masked_update",
+]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_rows(
+    name: str, tensor: object, reference_name: str, reference: torch.Tensor
+) -> torch.Tensor:
+    tensor = check_tensor(name, tensor)
+    if tensor.dim() != reference.dim() or tensor.shape[1:] != reference.shape[1:]:
+        raise KernelShapeError(
+            f"{name}.shape={tuple(tensor.shape)} must match {reference_name}.shape={tuple(reference.shape)} "
+            "in every dimension but the first"
+        )
+    if tensor.dtype != reference.dtype:
+        raise KernelDtypeError(
+            f"{name}.dtype={tensor.dtype} must equal {reference_name}.dtype={reference.dtype}"
+        )
+    return tensor
+
+
+def _check_index(name: str, value: object, *, scalar: bool) -> torch.Tensor:
+    index = check_tensor(name, value)
+    if index.dtype not in _INDEX_DTYPES:
+        raise KernelDtypeError(
+            f"{name}.dtype={index.dtype} is not supported; expected torch.int32 or torch.int64"
+        )
+    if scalar and index.numel() != 1:
+        raise KernelShapeError(f"{name}.shape={tuple(index.shape)} must hold exactly one element")
+    if not scalar and index.dim() != 1:
+        raise KernelShapeError(f"{name}.shape={tuple(index.shape)} must be one-dimensional")
+    return index
+
+
+def _check_output(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dim() < 1:
+        raise KernelShapeError(f"{name} must have at least one dimension, got a scalar")
+    if not tensor.is_contiguous():
+        raise KernelShapeError(f"{name} must be contiguous: it is written in place")
+
+
+def _check_pos(pos: torch.Tensor, upper: int, upper_name: str) -> None:
+    value = int(pos.reshape(()).item())
+    if not 0 <= value <= upper:
+        raise KernelValueError(f"pos={value} is outside [0, {upper}] ({upper_name})")
+
+
+def slice_after(
+    inp: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, *, check_bounds: bool = False
+) -> torch.Tensor:
+    """Copy ``inp[pos:]`` into the first rows of ``out``, with ``pos`` read on the device.
+
+    ``k = min(n - pos, m)`` rows are copied; the other rows of ``out`` keep their values.
+
+    Args:
+        inp: ``[n, ...]`` source rows.
+        pos: one-element int32/int64 tensor on the device of ``inp``; clamped into ``[0, n]``.
+        out: ``[m, ...]`` contiguous destination of the same trailing shape and dtype.
+        check_bounds: read ``pos`` on the host and raise if it lies outside ``[0, n]`` (a host
+            sync: not for CUDA graph capture).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        KernelShapeError: shapes do not line up, ``pos`` is not one element, or ``out`` is not
+            contiguous.
+        KernelDtypeError: dtypes differ or ``pos`` is not an integer tensor.
+        KernelDeviceError: tensors on different devices.
+        KernelValueError: with ``check_bounds``, ``pos`` out of range.
+    """
+    inp = check_tensor("inp", inp)
+    out = _check_rows("out", out, "inp", inp)
+    pos = _check_index("pos", pos, scalar=True)
+    _check_output("out", out)
+    check_same_device(inp=inp, pos=pos, out=out)
+    if check_bounds:
+        _check_pos(pos, inp.shape[0], "inp.shape[0]")
+    if use_triton(inp, pos, out):
+        from mcore_kernels._tensor_ops_triton import slice_after_triton
+
+        return slice_after_triton(inp, pos, out)
+    return slice_after_reference(inp, pos, out)
+
+
+def merge(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    pos: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    check_bounds: bool = False,
+) -> torch.Tensor:
+    """Write ``a[:pos]`` followed by ``b`` into ``out``, with ``pos`` read on the device.
+
+    Rows ``[0, pos)`` of ``out`` get ``a[:pos]``; rows ``[pos, pos + k)`` get ``b[:k]`` with
+    ``k = min(n_b, m - pos)``; later rows keep their values. With ``out=None`` the merge happens
+    in place in ``a`` (then ``m = n_a``).
+
+    Args:
+        a: ``[n_a, ...]`` rows kept before ``pos``.
+        b: ``[n_b, ...]`` rows written from ``pos`` on.
+        pos: one-element int32/int64 tensor on the device; clamped into ``[0, n_a]``.
+        out: ``[m, ...]`` contiguous destination with ``m >= n_a``, or None for ``a``.
+        check_bounds: read ``pos`` on the host and raise if it lies outside ``[0, n_a]`` (a
+            host sync: not for CUDA graph capture).
+
+    Returns:
+        The destination tensor.
+
+    Raises:
+        KernelShapeError: shapes do not line up, ``out`` has fewer rows than ``a``, ``pos`` is
+            not one element, or the destination is not contiguous.
+        KernelDtypeError: dtypes differ or ``pos`` is not an integer tensor.
+        KernelDeviceError: tensors on different devices.
+        KernelValueError: with ``check_bounds``, ``pos`` out of range.
+    """
+    a = check_tensor("a", a)
+    b = _check_rows("b", b, "a", a)
+    pos = _check_index("pos", pos, scalar=True)
+    if out is None:
+        _check_output("a", a)
+    else:
+        out = _check_rows("out", out, "a", a)
+        _check_output("out", out)
+        if out.shape[0] < a.shape[0]:
+            raise KernelShapeError(
+                f"out.shape[0]={out.shape[0]} must be >= a.shape[0]={a.shape[0]}"
+            )
+    check_same_device(a=a, b=b, pos=pos, out=out)
+    if check_bounds:
+        _check_pos(pos, a.shape[0], "a.shape[0]")
+    if use_triton(a, b, pos):
+        from mcore_kernels._tensor_ops_triton import merge_triton
+
+        return merge_triton(a, b, pos, out)
+    return merge_reference(a, b, pos, out)
+
+
+def masked_update(
+    states: torch.Tensor, idx: torch.Tensor, new_states: torch.Tensor, *, check_bounds: bool = False
+) -> torch.Tensor:
+    """Scatter rows: ``states[idx[i]] = new_states[i]`` for every ``i`` with ``idx[i] != -1``.
+
+    Works for any number of trailing dimensions (2-D, 3-D, 4-D state tables ...). Two rows with
+    the same valid index race; callers pass distinct slots.
+
+    Args:
+        states: ``[num_states, ...]`` contiguous table updated in place.
+        idx: ``[k]`` int32/int64 slots on the device; ``-1`` (and, without ``check_bounds``, any
+            index outside ``[0, num_states)``) skips the row.
+        new_states: ``[k, ...]`` rows of the same trailing shape and dtype as ``states``.
+        check_bounds: read ``idx`` on the host and raise on indices outside
+            ``[-1, num_states)`` (a host sync: not for CUDA graph capture).
+
+    Returns:
+        ``states``.
+
+    Raises:
+        KernelShapeError: shapes do not line up or ``states`` is not contiguous.
+        KernelDtypeError: dtypes differ or ``idx`` is not an integer tensor.
+        KernelDeviceError: tensors on different devices.
+        KernelValueError: with ``check_bounds``, an index out of range.
+    """
+    states = check_tensor("states", states)
+    new_states = _check_rows("new_states", new_states, "states", states)
+    idx = _check_index("idx", idx, scalar=False)
+    _check_output("states", states)
+    if idx.shape[0] != new_states.shape[0]:
+        raise KernelShapeError(
+            f"idx.shape={tuple(idx.shape)} must have new_states.shape[0]={new_states.shape[0]} rows"
+        )
+    check_same_device(states=states, idx=idx, new_states=new_states)
+    if check_bounds and idx.numel() > 0:
+        bad = (idx < -1) | (idx >= states.shape[0])
+        if bool(bad.any()):
+            raise KernelValueError(
+                f"idx holds {int(idx[bad][0])}, outside [0, {states.shape[0]}) and not -1 (states.shape[0])"
+            )
+    if use_triton(states, idx, new_states):
+        from mcore_kernels._tensor_ops_triton import masked_update_triton
+
+        return masked_update_triton(states, idx, new_states)
+    return masked_update_reference(states, idx, new_states)
