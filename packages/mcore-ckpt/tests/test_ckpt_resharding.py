@@ -1,0 +1,236 @@
+"""Resharding on 4 real gloo ranks: TP=2 x DP=2 -> TP=4 / TP=1, optimizer state DP=4 -> 2, 3, 1.
+
+One spawn of 4 ranks runs every distributed phase (spawning is the expensive part); the tests
+then check its results against slices of the reference tensors, and load the same checkpoints
+again in this process (no torch.distributed) under further layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import mcore_ckpt
+from mcore_ckpt.errors import CheckpointMismatchError
+from mcore_ckpt.layout import resolve_checkpoint_dir
+from mcore_parallel.sharding import ShardedTensor
+from mcore_parallel.state import initialize
+from mcore_parallel.testing import run_distributed
+
+# name -> (shape, dtype, tensor-parallel split dimension or None for replicated)
+MODEL = {
+    "embedding.weight": ((8, 6), torch.float32, 0),
+    "layers.0.qkv.weight": ((12, 6), torch.float32, 0),
+    "layers.0.proj.weight": ((6, 12), torch.bfloat16, 1),
+    "layers.0.proj.bias": ((6,), torch.float32, None),
+    "layers.0.norm.weight": ((6,), torch.float32, None),
+}
+OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def reference_model() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return {
+        name: torch.randn(shape, generator=generator).to(dtype)
+        for name, (shape, dtype, _) in MODEL.items()
+    }
+
+
+def reference_optimizer_buffers() -> dict[str, torch.Tensor]:
+    """Flat fp32 state buffers covering all parameters back to back, as a distributed optimizer holds them."""
+    generator = torch.Generator().manual_seed(99)
+    numel = sum(math.prod(shape) for shape, _, _ in MODEL.values())
+    return {key: torch.randn(numel, generator=generator) for key in OPTIMIZER_KEYS}
+
+
+def param_ranges() -> dict[str, tuple[int, int]]:
+    ranges, start = {}, 0
+    for name, (shape, _, _) in MODEL.items():
+        ranges[name] = (start, start + math.prod(shape))
+        start += math.prod(shape)
+    return ranges
+
+
+def tp_shard(full: dict[str, torch.Tensor], tp_rank: int, tp: int, dp_rank: int) -> dict:
+    """This rank's model blocks under tensor parallelism tp (replicas get replica_id > 0)."""
+    out = {}
+    for name, (shape, _, dim) in MODEL.items():
+        tensor = full[name]
+        if dim is None:
+            out[name] = ShardedTensor(
+                tensor.clone(), shape, (0,) * len(shape), replica_id=tp_rank + tp * dp_rank
+            )
+            continue
+        size = shape[dim] // tp
+        offset = [0] * len(shape)
+        offset[dim] = tp_rank * size
+        block = tensor.narrow(dim, tp_rank * size, size).clone()
+        out[name] = ShardedTensor(block, shape, tuple(offset), replica_id=dp_rank)
+    return out
+
+
+def dp_shard_optimizer(buffers: dict[str, torch.Tensor], dp_rank: int, dp: int) -> dict:
+    """This rank's range of the flat state buffers, as per-parameter 1-D blocks (views)."""
+    total = next(iter(buffers.values())).numel()
+    per_rank = -(-total // dp)
+    lo_rank, hi_rank = dp_rank * per_rank, min(total, (dp_rank + 1) * per_rank)
+    state: dict = {}
+    for name, (start, end) in param_ranges().items():
+        lo, hi = max(start, lo_rank), min(end, hi_rank)
+        if lo >= hi:
+            continue
+        state[name] = {
+            key: ShardedTensor(buffers[key][lo:hi], (end - start,), (lo - start,))
+            for key in OPTIMIZER_KEYS
+        }
+    return {"state": state, "step": 11}
+
+
+def _locals(tree: dict) -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in _locals(value).items()})
+        elif isinstance(value, ShardedTensor):
+            out[key] = value.local
+        else:
+            out[key] = value
+    return out
+
+
+def _distributed_phases(root: str) -> dict:
+    state = initialize(tp=2)
+    rank = state.rank
+    reference = reference_model()
+    results: dict = {"tp_rank": state.tp_rank, "dp_rank": state.dp_rank}
+
+    tp_root = Path(root) / "tp"
+    saved = {"model": tp_shard(reference, state.tp_rank, 2, state.dp_rank), "iteration": 7}
+    mcore_ckpt.save(tp_root, saved, state=state)
+
+    zeros = {name: torch.zeros_like(t) for name, t in reference.items()}
+    as_tp4 = {"model": tp_shard(zeros, rank, 4, 0)}
+    mcore_ckpt.load(tp_root, as_tp4)
+    results["tp4"] = _locals(as_tp4)
+
+    as_tp1 = {"model": {name: t.clone() for name, t in zeros.items()}, "iteration": None}
+    mcore_ckpt.load(tp_root, as_tp1)
+    results["tp1"] = _locals(as_tp1)
+
+    # A key missing on one rank only must fail on every rank instead of hanging the others.
+    wrong = {"model": {"embedding.weight": zeros["embedding.weight"].clone()}}
+    if rank == 1:
+        wrong = {"model": {"missing.weight": torch.zeros(3)}}
+    try:
+        mcore_ckpt.load(tp_root, wrong)
+        results["mismatch_error"] = None
+    except CheckpointMismatchError as error:
+        results["mismatch_error"] = str(error)
+
+    buffers = reference_optimizer_buffers()
+    live = {key: t.clone() for key, t in buffers.items()}
+    handle = mcore_ckpt.save(
+        Path(root) / "opt", {"optimizer": dp_shard_optimizer(live, rank, 4)}, async_save=True
+    )
+    for tensor in live.values():  # changes after save() returned must not reach the checkpoint
+        tensor.add_(1000.0)
+    handle.wait()
+
+    target = {key: torch.zeros_like(t) for key, t in buffers.items()}
+    as_dp2 = {"optimizer": dp_shard_optimizer(target, rank % 2, 2)}
+    mcore_ckpt.load(Path(root) / "opt", as_dp2)
+    results["dp2"] = _locals(as_dp2)
+    state.destroy()
+    return results
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resharding")
+    return root, run_distributed(_distributed_phases, 4, str(root))
+
+
+def _expected_block(name: str, tp_rank: int, tp: int) -> torch.Tensor:
+    shape, _, dim = MODEL[name]
+    full = reference_model()[name]
+    if dim is None:
+        return full
+    size = shape[dim] // tp
+    return full.narrow(dim, tp_rank * size, size)
+
+
+def test_tp2_dp2_checkpoint_loads_as_tp4_blocks(distributed):
+    _, results = distributed
+    for rank, result in enumerate(results):
+        for name in MODEL:
+            got = result["tp4"][f"model.{name}"]
+            assert torch.equal(got, _expected_block(name, rank, 4)), (rank, name)
+
+
+def test_tp2_dp2_checkpoint_loads_as_tp1_full_tensors(distributed):
+    _, results = distributed
+    reference = reference_model()
+    for result in results:
+        for name in MODEL:
+            assert torch.equal(result["tp1"][f"model.{name}"], reference[name]), name
+        assert result["tp1"]["iteration"] == 7
+
+
+def test_dp_replicas_and_tp_replicated_tensors_are_written_once(distributed):
+    root, _ = distributed
+    info = mcore_ckpt.read_checkpoint_info(resolve_checkpoint_dir(root / "tp"))
+    for name, (_, _, dim) in MODEL.items():
+        assert len(info.tensors[f"model.{name}"].chunks) == (1 if dim is None else 2), name
+    assert info.layout == {"world_size": 4, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 2}
+
+
+def test_multi_rank_checkpoint_loads_in_a_single_process(distributed):
+    root, _ = distributed
+    reference = reference_model()
+    target = {"model": {name: torch.zeros_like(t) for name, t in reference.items()}}
+    mcore_ckpt.load(root / "tp", target)
+    for name in MODEL:
+        assert torch.equal(target["model"][name], reference[name]), name
+
+
+def test_key_missing_on_one_rank_fails_on_every_rank(distributed):
+    _, results = distributed
+    messages = [r["mismatch_error"] for r in results]
+    assert all(m is not None for m in messages)
+    assert "missing.weight" in messages[1]
+    assert all("rank 1" in m for i, m in enumerate(messages) if i != 1)
+
+
+def test_optimizer_state_saved_dp4_async_loads_as_dp2_with_values_at_save(distributed):
+    _, results = distributed
+    buffers = reference_optimizer_buffers()
+    expected_dp2 = [_locals({"optimizer": dp_shard_optimizer(buffers, r, 2)}) for r in (0, 1)]
+    for rank, result in enumerate(results):
+        got = result["dp2"]
+        expected = expected_dp2[rank % 2]
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[key], value), (rank, key)
+            else:
+                assert got[key] == value
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+def test_optimizer_state_saved_dp4_loads_as_other_dp_in_one_process(distributed, dp):
+    root, _ = distributed
+    buffers = reference_optimizer_buffers()
+    for dp_rank in range(dp):
+        target = {
+            "optimizer": dp_shard_optimizer(
+                {k: torch.zeros_like(t) for k, t in buffers.items()}, dp_rank, dp
+            )
+        }
+        mcore_ckpt.load(root / "opt", target)
+        expected = _locals({"optimizer": dp_shard_optimizer(buffers, dp_rank, dp)})
+        for key, value in _locals(target).items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, expected[key]), (dp_rank, key)
