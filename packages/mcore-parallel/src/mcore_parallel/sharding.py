@@ -13,7 +13,10 @@ import torch
 
 from mcore_parallel.errors import ParallelConfigError
 
-__all__ = ["ShardedTensor"]
+__all__ = ["ShardedTensor", "set_partition_dim", "get_partition_dims", "PARTITION_AXES"]
+
+PARTITION_AXES = ("tp", "ep")
+"""Parallel dimensions along which a parameter can be partitioned."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +65,45 @@ class ShardedTensor:
     def is_full(self) -> bool:
         """Whether this block covers the whole global tensor."""
         return tuple(self.local.shape) == self.global_shape
+
+
+def set_partition_dim(tensor: torch.Tensor, dim: int, *, axis: str = "tp") -> None:
+    """Records that ``tensor`` holds this rank's chunk of a global tensor along ``dim``.
+
+    The global tensor is split into equal chunks along ``dim`` over the ranks of ``axis``
+    (``"tp"``: tensor parallel, ``"ep"``: expert parallel), chunk ``i`` on the rank of index
+    ``i``. :func:`mcore_parallel.checkpointing.sharded_state_dict` reads this back.
+
+    Args:
+        tensor: A parameter or buffer (the attribute lives on the tensor object).
+        dim: The partitioned dimension of ``tensor``.
+        axis: The parallel dimension it is partitioned over; one of ``PARTITION_AXES``.
+
+    Raises:
+        ParallelConfigError: If ``axis`` is unknown, ``dim`` is out of range, or ``tensor`` is
+            already partitioned along ``dim`` over another axis.
+    """
+    if axis not in PARTITION_AXES:
+        raise ParallelConfigError(f"axis={axis!r} must be one of {PARTITION_AXES}")
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ParallelConfigError(
+            f"dim={dim} is out of range for a tensor of shape {tuple(tensor.shape)}"
+        )
+    dims = dict(get_partition_dims(tensor))
+    dim %= tensor.dim()
+    if dim in dims.values() and dims.get(axis) != dim:
+        raise ParallelConfigError(f"dimension {dim} is already partitioned: {dims}")
+    dims[axis] = dim
+    tensor.mcore_partition_dims = dims  # type: ignore[attr-defined]
+
+
+def get_partition_dims(tensor: torch.Tensor) -> dict[str, int]:
+    """Returns the partitioned dimensions recorded by :func:`set_partition_dim`.
+
+    Args:
+        tensor: A parameter or buffer.
+
+    Returns:
+        A mapping from parallel axis (``"tp"``, ``"ep"``) to dimension; empty if replicated.
+    """
+    return dict(getattr(tensor, "mcore_partition_dims", {}))
