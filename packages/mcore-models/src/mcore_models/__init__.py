@@ -18,6 +18,11 @@ from mcore_models.gpt import (
     RopeScaling,
     preset_names,
 )
+from mcore_models.gpt.qk_clip import (
+    attention_logit_maxima,
+    clip_qk,
+    reset_attention_logit_maxima,
+)
 from mcore_models.packed_seq import PackedSeqParams
 
 __all__ = [
@@ -29,6 +34,9 @@ __all__ = [
     "KVCache",
     "ContiguousKVCache",
     "preset_names",
+    "clip_qk",
+    "attention_logit_maxima",
+    "reset_attention_logit_maxima",
     "ModelError",
     "ModelConfigError",
     "CheckpointFormatError",
