@@ -113,7 +113,7 @@ def test_clip_qk_rejects_bad_arguments_and_untracked_models():
         clip_qk(model, 5.0)
     with pytest.raises(ModelConfigError, match="threshold=0"):
         clip_qk(model, 0)
-    with pytest.raises(ModelConfigError, match="alpha=1.5"):
+    with pytest.raises(ModelConfigError, match=r"alpha=1\.5"):
         clip_qk(model, 5.0, alpha=1.5)
     with pytest.raises(ModelConfigError, match="qk_clip_tracking=False"):
         clip_qk(GPTModel(GPTConfig.from_name("tiny")), 5.0)
