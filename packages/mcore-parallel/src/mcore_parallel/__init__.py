@@ -10,6 +10,13 @@ from mcore_parallel.errors import (
     ParallelTypeError,
 )
 from mcore_parallel.state import ParallelState, initialize
+from mcore_parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RNGStatesTracker,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    model_parallel_seed,
+)
 
 __all__ = [
     "__version__",
@@ -21,4 +28,9 @@ __all__ = [
     "DistributedTimeoutError",
     "ParallelState",
     "initialize",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "RNGStatesTracker",
+    "model_parallel_seed",
 ]
