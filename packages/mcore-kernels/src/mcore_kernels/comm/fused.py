@@ -26,6 +26,14 @@ def fused_rs_add_rmsnorm_ag(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the tensor-parallel partials, add the residual, RMS-normalise, on every rank.
 
+    On CUDA tensors of an NCCL group whose ranks share a host, Triton kernels read the peers'
+    partial sums through symmetric memory (one-shot for small token counts, two-shot for larger
+    ones); otherwise (CPU and gloo, several hosts, no symmetric memory in this torch) the
+    collective sequence runs and the reason is logged once at INFO level on the
+    ``mcore_kernels.comm`` logger. Symmetric buffers are allocated at the first call for a
+    (group, dtype, hidden) and reused; that first call is collective and must not happen during
+    CUDA graph capture, later calls with at most as many tokens are capturable.
+
     The result equals ``reduce_scatter(partial) -> + residual -> rms_norm -> all_gather``: for
     every token ``h = sum_over_ranks(partial) + residual`` (the sum rounded to the input dtype,
     then the add rounded to it, as :func:`mcore_kernels.rms_norm` does) and
@@ -58,6 +66,15 @@ def fused_rs_add_rmsnorm_ag(
     """
     pair = check_fused_args(partial, residual, weight, eps, group, out)
     reason = symmetric_memory_unavailable_reason(partial, group)
-    if reason is not None:
-        log_fallback_once(reason)
+    if reason is None:
+        # Imported here: it needs Triton, which CPU-only installs may lack.
+        from mcore_kernels.comm.symmetric import get_workspace, symmetric_rs_add_rmsnorm_ag
+
+        workspace = get_workspace(group, partial)
+        if not isinstance(workspace, str):
+            return symmetric_rs_add_rmsnorm_ag(
+                partial, residual, weight, float(eps), workspace, out=pair
+            )
+        reason = workspace
+    log_fallback_once(reason)
     return rs_add_rmsnorm_ag_collectives(partial, residual, weight, float(eps), group, pair)

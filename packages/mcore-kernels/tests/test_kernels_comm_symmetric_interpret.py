@@ -1,0 +1,195 @@
+"""The symmetric-memory kernels' arithmetic and barrier bookkeeping under the Triton interpreter.
+
+The peers are emulated in one process: each rank's symmetric buffers are CPU tensors and the
+pointer tables hold their addresses, exactly as the GPU path builds them from the rendezvous.
+Ranks run one after the other, so the test fills what the first barrier guarantees (every
+peer's staging buffer) and gives every signal slot the credits the peers would send; afterwards
+each slot must hold those credits again (every program sent and took exactly one signal per
+barrier).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from mcore_kernels.reference import rms_norm_reference
+
+_RUNS_TRITON = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not _RUNS_TRITON, reason="needs TRITON_INTERPRET=1")
+
+_EPS = 1e-5
+_CAPACITY_ROWS = 16
+
+
+def _peers(world: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    partials = [torch.randn(tokens, hidden, generator=generator).to(dtype) for _ in range(world)]
+    residual = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    weight = (torch.rand(hidden, generator=generator) + 0.5).to(dtype)
+    return {"partials": partials, "residual": residual, "weight": weight}
+
+
+def _expected(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 sum in rank order, rounded once, then the residual add + RMSNorm reference."""
+    total = torch.zeros_like(case["partials"][0], dtype=torch.float32)
+    for partial in case["partials"]:
+        total += partial.float()
+    reduced = total.to(case["residual"].dtype)
+    return rms_norm_reference(reduced, case["weight"], _EPS, residual=case["residual"])
+
+
+def _symmetric_buffers(world: int, hidden: int, dtype: torch.dtype, barriers: int) -> dict:
+    from mcore_kernels.comm.symmetric_kernels import SIGNAL_PAD_SLOTS
+
+    staging = [torch.zeros(_CAPACITY_ROWS, hidden, dtype=dtype) for _ in range(world)]
+    output = [torch.zeros(2, _CAPACITY_ROWS, hidden, dtype=dtype) for _ in range(world)]
+    credits = torch.zeros(SIGNAL_PAD_SLOTS // world, world, dtype=torch.int32)
+    credits += barriers
+    signal = []
+    for rank in range(world):
+        pad = credits.clone()
+        pad[:, rank] = 0
+        signal.append(pad.reshape(-1))
+    return {
+        "staging": staging,
+        "output": output,
+        "signal": signal,
+        "staging_table": torch.tensor([t.data_ptr() for t in staging], dtype=torch.int64),
+        "output_table": torch.tensor([t.data_ptr() for t in output], dtype=torch.int64),
+        "signal_table": torch.tensor([t.data_ptr() for t in signal], dtype=torch.int64),
+        "initial_signal": [pad.clone() for pad in signal],
+    }
+
+
+def _run_one_shot(case: dict, world: int) -> tuple[list, dict]:
+    from mcore_kernels.comm.symmetric_kernels import launch_one_shot
+
+    tokens, hidden = case["residual"].shape
+    buffers = _symmetric_buffers(world, hidden, case["residual"].dtype, barriers=2)
+    for rank in range(world):
+        buffers["staging"][rank][:tokens] = case["partials"][rank]
+    results = []
+    for rank in range(world):
+        normed = torch.empty_like(case["residual"])
+        new_residual = torch.empty_like(case["residual"])
+        launch_one_shot(
+            case["partials"][rank],
+            case["residual"],
+            case["weight"],
+            _EPS,
+            normed,
+            new_residual,
+            buffers["staging_table"],
+            buffers["signal_table"],
+            rank,
+            world,
+        )
+        results.append((normed, new_residual))
+    return results, buffers
+
+
+def _run_two_shot(case: dict, world: int) -> tuple[list, dict]:
+    from mcore_kernels.comm.symmetric_kernels import launch_two_shot
+
+    tokens, hidden = case["residual"].shape
+    buffers = _symmetric_buffers(world, hidden, case["residual"].dtype, barriers=2)
+    for rank in range(world):
+        buffers["staging"][rank][:tokens] = case["partials"][rank]
+    outputs = [
+        (torch.empty_like(case["residual"]), torch.empty_like(case["residual"]))
+        for _ in range(world)
+    ]
+    for phase in ("reduce", "gather"):
+        for rank in range(world):
+            launch_two_shot(
+                case["partials"][rank],
+                case["residual"],
+                case["weight"],
+                _EPS,
+                outputs[rank][0],
+                outputs[rank][1],
+                buffers["staging_table"],
+                buffers["output_table"],
+                buffers["signal_table"],
+                rank,
+                world,
+                _CAPACITY_ROWS,
+                reduce=phase == "reduce",
+                gather=phase == "gather",
+            )
+    return outputs, buffers
+
+
+_CASES = [
+    # (world, tokens, hidden, dtype): odd hidden sizes exercise the column mask, token counts
+    # that no world size divides exercise the last slice's missing rows.
+    (2, 1, 48, torch.bfloat16),
+    (2, 5, 40, torch.float32),
+    (4, 7, 24, torch.float16),
+    (3, 4, 33, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(("world", "tokens", "hidden", "dtype"), _CASES)
+def test_one_shot_matches_reference_bitwise_on_every_rank(
+    world: int, tokens: int, hidden: int, dtype: torch.dtype
+) -> None:
+    case = _peers(world, tokens, hidden, dtype, seed=tokens * 7 + hidden)
+    expected_normed, expected_residual = _expected(case)
+    results, _ = _run_one_shot(case, world)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for normed, new_residual in results:
+        assert torch.equal(new_residual, expected_residual)
+        torch.testing.assert_close(normed, expected_normed, rtol=tolerance, atol=tolerance)
+        assert torch.equal(normed, results[0][0])
+
+
+@pytest.mark.parametrize(("world", "tokens", "hidden", "dtype"), _CASES)
+def test_two_shot_matches_reference_bitwise_on_every_rank(
+    world: int, tokens: int, hidden: int, dtype: torch.dtype
+) -> None:
+    case = _peers(world, tokens, hidden, dtype, seed=tokens * 11 + hidden)
+    expected_normed, expected_residual = _expected(case)
+    results, _ = _run_two_shot(case, world)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for normed, new_residual in results:
+        assert torch.equal(new_residual, expected_residual)
+        torch.testing.assert_close(normed, expected_normed, rtol=tolerance, atol=tolerance)
+        assert torch.equal(normed, results[0][0])
+
+
+def test_one_shot_and_two_shot_agree_bitwise() -> None:
+    case = _peers(4, 6, 32, torch.bfloat16, seed=3)
+    one, _ = _run_one_shot(case, 4)
+    two, _ = _run_two_shot(case, 4)
+    for (normed_a, residual_a), (normed_b, residual_b) in zip(one, two, strict=True):
+        assert torch.equal(normed_a, normed_b)
+        assert torch.equal(residual_a, residual_b)
+
+
+@pytest.mark.parametrize("strategy", ["one_shot", "two_shot"])
+def test_barrier_sends_and_takes_one_signal_per_program_and_barrier(strategy: str) -> None:
+    world, tokens = 3, 5
+    case = _peers(world, tokens, 16, torch.float32, seed=5)
+    run = _run_one_shot if strategy == "one_shot" else _run_two_shot
+    _, buffers = run(case, world)
+    programs = tokens if strategy == "one_shot" else -(-tokens // world)
+    for rank in range(world):
+        pad = buffers["signal"][rank].view(-1, world)
+        initial = buffers["initial_signal"][rank].view(-1, world)
+        # Programs that ran: credits consumed and re-sent by the peers; the others untouched.
+        assert torch.equal(pad, initial)
+        assert int(pad[:programs].sum()) == 2 * programs * (world - 1)
+
+
+def test_staging_buffer_holds_this_ranks_partial_after_the_call() -> None:
+    world, tokens, hidden = 2, 3, 16
+    case = _peers(world, tokens, hidden, torch.bfloat16, seed=9)
+    _, buffers = _run_one_shot(case, world)
+    for rank in range(world):
+        assert torch.equal(buffers["staging"][rank][:tokens], case["partials"][rank])
