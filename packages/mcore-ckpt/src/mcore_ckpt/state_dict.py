@@ -1,7 +1,8 @@
 """Walks nested state dicts into flat entries that a checkpoint stores, and back.
 
 A state dict is a tree of ``dict`` and ``list`` containers whose leaves are tensors,
-:class:`~mcore_parallel.sharding.ShardedTensor` blocks or picklable Python objects. Values with
+:class:`~mcore_parallel.sharding.ShardedTensor` blocks or picklable Python objects. A container
+without any tensor inside (a config dict, a list of numbers) is one object leaf. Values with
 a ``sharded_state_dict()`` method (a distributed optimizer, for instance) are expanded into the
 state dict they return; on load, their ``load_sharded_state_dict(sd)`` receives it back.
 """
@@ -72,6 +73,16 @@ def _is_stateful(value: Any) -> bool:
     return callable(getattr(value, "sharded_state_dict", None)) and not isinstance(
         value, (dict, list, torch.Tensor, ShardedTensor)
     )
+
+
+def _holds_tensors(node: Any) -> bool:
+    if isinstance(node, (torch.Tensor, ShardedTensor)) or _is_stateful(node):
+        return True
+    if isinstance(node, dict):
+        return any(_holds_tensors(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_holds_tensors(v) for v in node)
+    return False
 
 
 def sync_params(state_dict: Any) -> None:
@@ -150,7 +161,7 @@ def _walk(
                 )
             expanded.append((value, sub))
             value = sub
-        if isinstance(value, (dict, list)) and len(value) > 0:
+        if isinstance(value, (dict, list)) and _holds_tensors(value):
             yield from _walk(value, fqn + SEPARATOR, expanded)
         else:
             yield fqn, node, key, value
