@@ -19,6 +19,12 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from workspace import PACKAGES, dependency_closure  # noqa: E402
 
+_LIST_DISTRIBUTIONS = (
+    "import importlib.metadata as m, json, re; "
+    "print(json.dumps({re.sub(r'[-_.]+', '-', d.metadata['Name']).lower(): d.version "
+    "for d in m.distributions()}))"
+)
+
 # Per-package test environments: the kernels run under the Triton interpreter on CPU.
 TEST_ENV = {"kernels": {"TRITON_INTERPRET": "1"}}
 
@@ -112,20 +118,23 @@ def build(session: nox.Session) -> None:
             external=True,
             env={"UV_LINK_MODE": "symlink"},
         )
-        listed = session.run(
-            "uv", "pip", "list", "--python", python, "--format", "json", external=True, silent=True
-        )
-        installed = {p["name"] for p in json.loads(listed) if p["name"].startswith("mcore-")}
+        # The installed distributions, read by the venv's own interpreter (last output line).
+        report = session.run(python, "-c", _LIST_DISTRIBUTIONS, external=True, silent=True)
+        versions = json.loads(report.strip().splitlines()[-1])
+        installed = {dist_name for dist_name in versions if dist_name.startswith("mcore-")}
         allowed = {f"mcore-{n}" for n in dependency_closure(name)}
         if installed - allowed:
             session.error(
                 f"mcore-{name} wheel pulled undeclared packages: {sorted(installed - allowed)}"
             )
+        if installed != allowed:
+            session.error(
+                f"mcore-{name} wheel is missing declared packages: {sorted(allowed - installed)}"
+            )
         for dep in installed:
-            version = next(p["version"] for p in json.loads(listed) if p["name"] == dep)
             expected = wheels[dep.removeprefix("mcore-")].name.split("-")[1]
-            if version != expected:
-                session.error(f"{dep} {version} was installed, not the {expected} from dist/")
+            if versions[dep] != expected:
+                session.error(f"{dep} {versions[dep]} was installed, not the {expected} from dist/")
         session.run(
             python,
             "-c",
