@@ -1,0 +1,261 @@
+"""Fused residual add + RMSNorm: Triton (through the interpreter on CPU) against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mcore_kernels
+from mcore_kernels import RMSNorm, rms_norm
+from mcore_kernels.errors import (
+    KernelBackendError,
+    KernelDeviceError,
+    KernelDtypeError,
+    KernelShapeError,
+    KernelValueError,
+)
+from mcore_kernels.reference import rms_norm_reference
+
+# A single row, odd 3-D shapes (the issue's (5, 123, 123) is interpreted once per dtype family
+# below, as 615 programs are slow to interpret) and a row wider than MAX_BLOCK (looped variant).
+SHAPES = [(1, 64), (2, 7, 123), (3, 9000)]
+ISSUE_SHAPE = (5, 123, 123)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Output tolerances: float32 differs only by reduction order; half dtypes by one rounding step.
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def torch_backend(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "torch")
+
+
+def _inputs(shape, dtype, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * scale).to(dtype)
+    residual = (torch.randn(shape, generator=gen) * scale).to(dtype)
+    weight = (1.0 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    return x, residual, weight
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [(shape, dtype) for shape in SHAPES for dtype in DTYPES] + [(ISSUE_SHAPE, torch.bfloat16)],
+    ids=str,
+)
+def test_triton_forward_matches_reference(triton_backend, shape, dtype):
+    x, residual, weight = _inputs(shape, dtype)
+    y, hidden = rms_norm(x, weight, 1e-6, residual=residual)
+    y_ref, hidden_ref = rms_norm_reference(x, weight, 1e-6, residual=residual)
+    assert y.dtype == dtype and hidden.dtype == dtype and y.shape == x.shape
+    # x + residual is rounded once to the input dtype, exactly as torch does it.
+    assert torch.equal(hidden, hidden_ref)
+    torch.testing.assert_close(y, y_ref, atol=ATOL[dtype], rtol=ATOL[dtype])
+    y_plain = rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(
+        y_plain, rms_norm_reference(x, weight, 1e-6), atol=ATOL[dtype], rtol=ATOL[dtype]
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "with_residual"),
+    [(shape, True) for shape in [*SHAPES, ISSUE_SHAPE]] + [(shape, False) for shape in SHAPES],
+    ids=str,
+)
+def test_triton_gradients_match_reference_in_float32(triton_backend, shape, with_residual):
+    x, residual, weight = _inputs(shape, torch.float32, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    grad_y = torch.randn(shape, generator=gen)
+    grad_hidden = torch.randn(shape, generator=gen)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, residual, weight)]
+        if with_residual:
+            y, hidden = fn(leaves[0], leaves[2], 1e-6, residual=leaves[1])
+            # Both outputs carry gradient: the residual stream continues to the next layer.
+            torch.autograd.backward([y, hidden], [grad_y, grad_hidden])
+        else:
+            fn(leaves[0], leaves[2], 1e-6).backward(grad_y)
+        return [leaf.grad for leaf in leaves]
+
+    grads = run(rms_norm)
+    grads_ref = run(rms_norm_reference)
+    for got, expected in zip(grads, grads_ref, strict=True):
+        if expected is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_reference_gradients_pass_gradcheck_in_float64():
+    x, residual, weight = (
+        t.double().requires_grad_() for t in _inputs((3, 7), torch.float32, seed=3)
+    )
+
+    def both_outputs(x, weight, residual):
+        y, hidden = rms_norm_reference(x, weight, 1e-6, residual=residual)
+        return y, hidden
+
+    assert torch.autograd.gradcheck(both_outputs, (x, weight, residual))
+    assert torch.autograd.gradcheck(lambda x, w: rms_norm_reference(x, w, 1e-6), (x, weight))
+
+
+@pytest.mark.parametrize("hidden", [96, 9000])
+def test_triton_rows_are_bitwise_batch_invariant(triton_backend, hidden):
+    x, residual, weight = _inputs((6, hidden), torch.bfloat16, seed=4)
+    grad = _inputs((6, hidden), torch.bfloat16, seed=5)[0]
+
+    def forward_backward(rows):
+        xs = x[:rows].clone().requires_grad_()
+        y, _ = rms_norm(xs, weight, 1e-6, residual=residual[:rows])
+        y.backward(grad[:rows])
+        return y, xs.grad
+
+    y_all, dx_all = forward_backward(6)
+    y_few, dx_few = forward_backward(2)
+    assert torch.equal(y_all[:2], y_few)
+    assert torch.equal(dx_all[:2], dx_few)
+
+
+def test_triton_weight_gradient_is_deterministic(triton_backend):
+    x, residual, weight = _inputs((37, 80), torch.float32, seed=6)
+
+    def weight_grad():
+        w = weight.clone().requires_grad_()
+        y, hidden = rms_norm(x, w, 1e-6, residual=residual)
+        (y * hidden).sum().backward()
+        return w.grad
+
+    assert torch.equal(weight_grad(), weight_grad())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_extreme_values_accumulate_in_float32(monkeypatch, backend):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", backend)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # Squares of these overflow float16; a zero row exercises the eps floor.
+    x = torch.tensor([[60000.0, -60000.0, 30000.0, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float16)
+    weight = torch.ones(4, dtype=torch.float16)
+    y = rms_norm(x, weight, 1e-6)
+    expected = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.double(), expected, atol=2e-3, rtol=2e-3)
+
+
+def test_rms_norm_module_matches_hugging_face_llama_rmsnorm(torch_backend):
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    hf = llama.LlamaRMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(1.0 + 0.1 * torch.randn(48))
+    ours = RMSNorm(48, eps=1e-5)
+    assert list(ours.state_dict()) == list(hf.state_dict()) == ["weight"]
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 5, 48)
+    residual = torch.randn(2, 5, 48)
+    torch.testing.assert_close(ours(x), hf(x), atol=1e-6, rtol=1e-6)
+    y, hidden = ours(x, residual)
+    torch.testing.assert_close(hidden, x + residual, atol=0, rtol=0)
+    torch.testing.assert_close(y, hf(x + residual), atol=1e-6, rtol=1e-6)
+
+
+def test_rms_norm_module_triton_path_matches_torch_path(monkeypatch):
+    module = RMSNorm(40, eps=1e-6)
+    x = torch.randn(3, 40)
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "torch")
+    expected = module(x)
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.testing.assert_close(module(x), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_empty_leading_dimension_returns_empty(triton_backend):
+    x = torch.randn(0, 16, requires_grad=True)
+    weight = torch.ones(16, requires_grad=True)
+    y, hidden = rms_norm(x, weight, residual=torch.zeros(0, 16))
+    assert y.shape == (0, 16) and hidden.shape == (0, 16)
+    y.sum().backward()
+    assert torch.equal(weight.grad, torch.zeros(16))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        ({"weight": torch.ones(7)}, KernelShapeError, "weight.shape=(7,)"),
+        ({"weight": torch.ones(2, 8)}, KernelShapeError, "weight.shape=(2, 8)"),
+        ({"residual": torch.ones(3, 4)}, KernelShapeError, "residual.shape=(3, 4)"),
+        (
+            {"residual": torch.ones(2, 8, dtype=torch.float16)},
+            KernelDtypeError,
+            "residual.dtype=torch.float16",
+        ),
+        ({"x": torch.ones(2, 8, dtype=torch.int32)}, KernelDtypeError, "x.dtype=torch.int32"),
+        ({"x": [1.0] * 8}, KernelDtypeError, "x must be a torch.Tensor"),
+        ({"eps": -1.0}, KernelValueError, "eps=-1.0"),
+        ({"eps": float("nan")}, KernelValueError, "eps=nan"),
+        ({"weight": torch.ones(8, device="meta")}, KernelDeviceError, "weight on meta"),
+        ({"x": torch.ones(2, 0)}, KernelShapeError, "x.shape=(2, 0)"),
+    ],
+)
+def test_bad_arguments_raise_typed_errors_naming_them(kwargs, error, fragment):
+    args = {"x": torch.ones(2, 8), "weight": torch.ones(8), "eps": 1e-6, "residual": None}
+    args.update(kwargs)
+    with pytest.raises(error) as info:
+        rms_norm(args["x"], args["weight"], args["eps"], residual=args["residual"])
+    assert fragment in str(info.value)
+
+
+def test_module_rejects_bad_hidden_size():
+    with pytest.raises(KernelValueError, match="hidden_size=0"):
+        RMSNorm(0)
+
+
+def test_unknown_backend_variable_raises(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "cuda-please")
+    with pytest.raises(KernelBackendError, match="MCORE_KERNELS_BACKEND='cuda-please'"):
+        rms_norm(torch.ones(2, 8), torch.ones(8))
+
+
+def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(KernelBackendError, match="TRITON_INTERPRET=1"):
+        rms_norm(torch.ones(2, 8), torch.ones(8))
+
+
+def test_public_names_are_exported():
+    assert mcore_kernels.rms_norm is rms_norm
+    assert mcore_kernels.RMSNorm is RMSNorm
+    assert mcore_kernels.reference.rms_norm_reference is rms_norm_reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(4096, 4096), (7, 65536), (5, 123, 123)], ids=str)
+def test_cuda_triton_matches_reference(shape):
+    x, residual, weight = (t.cuda() for t in _inputs(shape, torch.bfloat16, seed=7))
+    y, hidden = rms_norm(x, weight, 1e-6, residual=residual)
+    y_ref, hidden_ref = rms_norm_reference(x, weight, 1e-6, residual=residual)
+    assert torch.equal(hidden, hidden_ref)
+    torch.testing.assert_close(y, y_ref, atol=1.6e-2, rtol=1.6e-2)
+    xs, rs, ws = (t.float().requires_grad_() for t in (x, residual, weight))
+    grad = torch.randn_like(xs)
+    rms_norm(xs, ws, 1e-6, residual=rs)[0].backward(grad)
+    xr, rr, wr = (t.float().requires_grad_() for t in (x, residual, weight))
+    rms_norm_reference(xr, wr, 1e-6, residual=rr)[0].backward(grad)
+    torch.testing.assert_close(xs.grad, xr.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ws.grad, wr.grad, atol=1e-2, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rows_are_bitwise_batch_invariant():
+    x, residual, weight = (t.cuda() for t in _inputs((1024, 4096), torch.bfloat16, seed=8))
+    full, _ = rms_norm(x, weight, 1e-6, residual=residual)
+    few, _ = rms_norm(x[:3], weight, 1e-6, residual=residual[:3])
+    assert torch.equal(full[:3], few)
