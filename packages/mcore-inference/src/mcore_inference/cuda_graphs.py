@@ -18,6 +18,15 @@ from mcore_inference.kv_cache import PagedKVCache
 
 __all__ = ["DecodeGraphRunner"]
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _CAPTURE_STREAMS[index]
+
 
 class DecodeGraphRunner:
     """Captures (lazily, per bucket) and replays the decode forward of ``model`` over ``cache``.
@@ -88,14 +97,16 @@ class DecodeGraphRunner:
         # Warm up on a side stream (lazy initialisation and Triton compilation must not be
         # recorded); padded inputs make the warm-up write only into the scratch block.
         self._pad_inputs()
-        stream = torch.cuda.Stream()
+        # NOTE: one side stream for every warm-up and capture: each new stream would get its
+        # own cuBLAS workspace, which the allocator keeps for the life of the process.
+        stream = _capture_stream(self._input_ids.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self._forward(batch)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             logits = self._forward(batch)
         self._cache.clear_step()
         self._graphs[batch] = (graph, logits)

@@ -1,0 +1,128 @@
+"""GPU only: CUDA-graph decode equals eager decode; teardown returns every byte and object."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from mcore_inference import InferenceConfig, InferenceEngine, RequestStatus, SamplingParams
+from mcore_models.gpt.config import GPTConfig
+from mcore_models.gpt.model import GPTModel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = GPTConfig.from_name(
+        "tiny",
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=3,
+        num_attention_heads=8,
+        num_query_groups=2,
+        ffn_hidden_size=256,
+        seed=3,
+    )
+    return GPTModel(config, device="cuda").eval()
+
+
+def _prompts(count, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (count,), generator=generator).tolist()
+    return [torch.randint(0, 512, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _config(**overrides):
+    fields = dict(
+        max_batch_size=8,
+        max_sequence_length=128,
+        block_size=16,
+        max_tokens_per_step=64,
+        prefill_chunk_size=32,
+        attention_split_size=32,
+    )
+    fields.update(overrides)
+    return InferenceConfig(**fields)
+
+
+def _mixed_params(count):
+    return [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.8,
+            top_p=0.9,
+            seed=i,
+            max_tokens=10 + 3 * i,
+            return_logprobs=True,
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize("buckets", [(1, 2, 3, 4, 5, 6), (8,)], ids=["exact", "padded"])
+def test_cuda_graph_decode_equals_eager(model, buckets):
+    prompts, params = _prompts(6), _mixed_params(6)
+    with InferenceEngine(model, _config(use_cuda_graphs=False)) as eager:
+        expected = eager.generate(prompts, params)
+    with InferenceEngine(model, _config(cuda_graph_batch_sizes=buckets)) as graphed:
+        actual = graphed.generate(prompts, params)
+        assert graphed._graphs is not None and graphed._graphs.captured
+    for a, e in zip(actual, expected):
+        assert a.tokens == e.tokens
+        torch.testing.assert_close(a.logprobs, e.logprobs, atol=1e-4, rtol=0)
+
+
+def _run_engine_and_close(model, prompts, params):
+    engine = InferenceEngine(model, _config())
+    results = engine.generate(prompts, params)
+    refs = [
+        weakref.ref(engine.kv_cache),
+        weakref.ref(engine.kv_cache.keys),
+        weakref.ref(engine.kv_cache.values),
+        weakref.ref(engine._graphs),
+    ]
+    assert engine._graphs.captured
+    engine.close()
+    return results, refs
+
+
+def test_close_frees_cache_graphs_and_pool_back_to_the_pre_engine_level(model):
+    prompts, params = _prompts(8, seed=1), _mixed_params(8)
+    # A first engine compiles kernels and creates library workspaces that live for the process.
+    _run_engine_and_close(model, prompts, params)
+    gc.collect()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    results, refs = _run_engine_and_close(model, prompts, params)
+    gc.collect()
+    torch.cuda.synchronize()
+    assert all(ref() is None for ref in refs)
+    assert torch.cuda.memory_allocated() == baseline
+    assert all(r.status == RequestStatus.FINISHED for r in results)
+
+
+def test_five_back_to_back_generate_calls_keep_allocated_memory_flat(model):
+    prompts, params = _prompts(8, seed=2), _mixed_params(8)
+    with InferenceEngine(model, _config()) as engine:
+        levels = []
+        first = None
+        for _ in range(5):
+            results = engine.generate(prompts, params)
+            first = first or [r.tokens for r in results]
+            assert [r.tokens for r in results] == first
+            torch.cuda.synchronize()
+            levels.append(torch.cuda.memory_allocated())
+    assert levels == [levels[0]] * 5
+
+
+def test_model_modules_and_parameters_untouched_by_graph_capture(model):
+    modules = [(name, type(m)) for name, m in model.named_modules()]
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with InferenceEngine(model, _config()) as engine:
+        engine.generate(_prompts(4, seed=3), _mixed_params(4))
+    assert [(name, type(m)) for name, m in model.named_modules()] == modules
+    assert all(torch.equal(p, params[name]) for name, p in model.named_parameters())
