@@ -30,8 +30,9 @@ class ArithmeticTask(Task):
     """
 
     name = "arithmetic"
+    alphabet = "0123456789+-*="
 
-    def __init__(self, max_operand: int = 9, ops: str = "+", partial_credit: float = 0.3) -> None:
+    def __init__(self, max_operand: int = 9, ops: str = "+", partial_credit: float = 0.1) -> None:
         if max_operand < 0:
             raise TaskError(f"max_operand={max_operand} must be >= 0")
         if not ops or not set(ops) <= set(_OPS):

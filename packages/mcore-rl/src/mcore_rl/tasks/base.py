@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_rl.errors import TaskError
+from mcore_rl.tokenizer import DEFAULT_ALPHABET
 
 __all__ = [
     "Problem",
@@ -40,6 +41,8 @@ class Task:
 
     name = "task"
     """Registry name of the task."""
+    alphabet = DEFAULT_ALPHABET
+    """Characters the task's prompts and answers use (the tokenizer's vocabulary)."""
 
     def generate(self, rng: random.Random) -> Problem:
         """Draws one problem.

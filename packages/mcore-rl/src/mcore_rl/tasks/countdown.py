@@ -28,6 +28,7 @@ class CountdownTask(Task):
     """
 
     name = "countdown"
+    alphabet = "0123456789+-*()=,:>C"
 
     def __init__(self, num_numbers: int = 3, max_number: int = 9, format_credit: float = 0.1):
         if num_numbers < 2:

@@ -74,6 +74,7 @@ class SortTask(_ListTask):
     """
 
     name = "sort"
+    alphabet = "0123456789,:=S"
     prefix = "S"
 
     def _transform(self, values: list[int]) -> list[int]:
@@ -90,6 +91,7 @@ class ReverseTask(_ListTask):
     """
 
     name = "reverse"
+    alphabet = "0123456789,:=R"
     prefix = "R"
 
     def _transform(self, values: list[int]) -> list[int]:

@@ -1,0 +1,105 @@
+"""Metrics of a run on disk: one JSON line per step, a summary line, and the PNG plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsLog", "summary_line", "plot_metrics"]
+
+
+class MetricsLog:
+    """Appends one JSON object per step to ``metrics.jsonl``.
+
+    Args:
+        path: The JSONL file.
+        first_step: Lines of steps at or after this are dropped on open (a resumed run rewrites
+            the steps it repeats, so the file never holds a step twice).
+    """
+
+    def __init__(self, path: str | Path, first_step: int = 0) -> None:
+        self.path = Path(path)
+        self.records: list[dict[str, Any]] = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line.strip():
+                    record = json.loads(line)
+                    if record["step"] < first_step:
+                        self.records.append(record)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("w") as handle:
+            for record in self.records:
+                handle.write(json.dumps(record) + "\n")
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Writes one step's metrics.
+
+        Args:
+            record: The metrics (JSON-serialisable, with a ``step`` key).
+        """
+        self.records.append(record)
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    """One line describing a step.
+
+    Args:
+        record: The step's metrics.
+
+    Returns:
+        The line.
+    """
+    times = sum(v for k, v in record.items() if k.startswith("time/") and k != "time/elapsed")
+    parts = [
+        f"step {int(record['step']):4d}",
+        f"reward {record['reward/mean']:.3f}",
+        f"acc {record['reward/accuracy']:.3f}",
+        f"len {record['response/length']:.2f}",
+        f"kl {record.get('kl', 0.0):.4f}",
+        f"entropy {record.get('entropy', 0.0):.3f}",
+        f"loss {record.get('loss', 0.0):+.4f}",
+        f"pack {record['packing/efficiency']:.2f}",
+        f"{times:.2f}s",
+        f"{record.get('time/elapsed', 0.0):.0f}s total",
+    ]
+    return " | ".join(parts)
+
+
+def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Plots reward, KL and response length against the step into a PNG.
+
+    Args:
+        records: Per-step metrics.
+        path: The PNG file.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    panels = [
+        ("reward/mean", "mean reward"),
+        ("kl", "KL to reference"),
+        ("response/length", "response length"),
+    ]
+    figure, axes = plt.subplots(1, len(panels), figsize=(12, 3.2))
+    for axis, (key, title) in zip(axes, panels):
+        values = [r.get(key, math.nan) for r in records]
+        axis.plot(steps, values)
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

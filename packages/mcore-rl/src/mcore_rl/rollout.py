@@ -1,0 +1,152 @@
+"""Rollouts: prompts split over the data-parallel ranks, sampled by the inference engine.
+
+Every rank builds an :class:`mcore_inference.InferenceEngine` over the policy model for the
+step, generates ``group_size`` completions for each of its prompts, scores them, closes the
+engine (its KV cache and CUDA graphs are released before training) and all-gathers the
+rollouts over the regular data-parallel group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
+from mcore_rl.errors import RLStateError
+from mcore_rl.reference import unwrap_model
+from mcore_rl.tasks import Problem, Task
+from mcore_rl.tokenizer import CharTokenizer
+
+__all__ = ["Rollout", "generate_rollouts", "shard_range"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Rollout:
+    """One sampled completion with everything training needs."""
+
+    prompt_index: int
+    """Index of the problem among the step's problems."""
+    prompt_ids: list[int]
+    """Prompt token ids (bos first)."""
+    completion_ids: list[int]
+    """Generated token ids (eos included when the completion stopped)."""
+    inference_logprobs: list[float]
+    """Log-probs the inference engine sampled the completion with."""
+    reward: float
+    """The task's reward in [0, 1]."""
+    finish_reason: str
+    """Why generation stopped (``stop_token`` or ``length``)."""
+    text: str
+    """The decoded completion."""
+
+
+def shard_range(count: int, rank: int, size: int) -> tuple[int, int]:
+    """Contiguous, balanced share ``[start, end)`` of ``count`` items for ``rank`` of ``size``.
+
+    Args:
+        count: Items to split.
+        rank: This rank.
+        size: Number of ranks.
+
+    Returns:
+        ``(start, end)``; the first ``count % size`` ranks get one more item.
+    """
+    base, extra = divmod(count, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def generate_rollouts(
+    model: nn.Module,
+    problems: Sequence[Problem],
+    *,
+    task: Task,
+    tokenizer: CharTokenizer,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    parallel_generation_tasks: int = 512,
+    use_cuda_graphs: bool = True,
+    dp_group: Any = None,
+    require_stop: bool = True,
+) -> list[Rollout]:
+    """Generates and scores ``group_size`` completions per problem, split over DP ranks.
+
+    Args:
+        model: The policy (wrapped or not); only its forward is called.
+        problems: All problems of the step, identical on every rank.
+        task: Scores completions.
+        tokenizer: Encodes prompts and decodes completions.
+        group_size: Completions per problem.
+        max_new_tokens: Most tokens per completion.
+        temperature: Sampling temperature.
+        seed: Seed of this rank's sampling for this step.
+        parallel_generation_tasks: Most requests given to the engine at once.
+        use_cuda_graphs: Let the engine capture decode CUDA graphs.
+        dp_group: The regular data-parallel group; None for a single rank.
+        require_stop: Completions cut at ``max_new_tokens`` without eos earn reward 0.
+
+    Returns:
+        The rollouts of every rank, grouped by problem (``group_size`` consecutive rollouts per
+        problem, problems in order), identical on every rank.
+
+    Raises:
+        RLStateError: If the engine failed a request.
+    """
+    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+    dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+    start, end = shard_range(len(problems), dp_rank, dp_size)
+    mine = [(i, problems[i]) for i in range(start, end) for _ in range(group_size)]
+    prompts = [tokenizer.encode(p.prompt) for _, p in mine]
+    local: list[Rollout] = []
+    if mine:
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        batch = min(parallel_generation_tasks, len(mine))
+        config = InferenceConfig(
+            max_batch_size=batch,
+            max_sequence_length=longest,
+            block_size=16,
+            attention_split_size=256,
+            max_tokens_per_step=max(2048, batch),
+            use_cuda_graphs=use_cuda_graphs,
+            seed=seed,
+        )
+        params = SamplingParams(
+            temperature=temperature,
+            max_tokens=max_new_tokens,
+            stop_token_ids=(tokenizer.eos_id,),
+            return_logprobs=True,
+        )
+        engine = InferenceEngine(unwrap_model(model), config)
+        try:
+            results = []
+            for offset in range(0, len(prompts), parallel_generation_tasks):
+                results.extend(engine.generate(prompts[offset : offset + batch], params))
+        finally:
+            engine.close()
+        for (index, problem), prompt, result in zip(mine, prompts, results):
+            if result.error is not None or result.logprobs is None:
+                raise RLStateError(f"the inference engine failed a request: {result.error}")
+            text = tokenizer.decode(result.tokens)
+            stopped = bool(result.tokens) and result.tokens[-1] == tokenizer.eos_id
+            local.append(
+                Rollout(
+                    prompt_index=index,
+                    prompt_ids=prompt,
+                    completion_ids=list(result.tokens),
+                    inference_logprobs=list(result.logprobs),
+                    reward=task.reward(problem, text) if stopped or not require_stop else 0.0,
+                    finish_reason=str(getattr(result.finish_reason, "value", result.finish_reason)),
+                    text=text,
+                )
+            )
+    if dp_size == 1:
+        return local
+    gathered: list[Any] = [None] * dp_size
+    dist.all_gather_object(gathered, local, group=dp_group)
+    return [rollout for part in gathered for rollout in part]
