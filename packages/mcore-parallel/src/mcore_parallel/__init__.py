@@ -1,9 +1,19 @@
 """mcore-parallel: model and data parallelism on real torch.distributed process groups."""
 
 from mcore_parallel._version import __version__
+from mcore_parallel.distributed import (
+    DDPConfig,
+    DistributedDataParallel,
+    DistributedOptimizer,
+    OptimizerConfig,
+    build_fsdp_mesh,
+    fully_shard_model,
+    fully_shard_optimizer,
+)
 from mcore_parallel.errors import (
     DistributedRunError,
     DistributedTimeoutError,
+    OptimizerStateError,
     ParallelConfigError,
     ParallelError,
     ParallelStateError,
@@ -26,6 +36,7 @@ __all__ = [
     "ParallelTypeError",
     "DistributedRunError",
     "DistributedTimeoutError",
+    "OptimizerStateError",
     "ParallelState",
     "initialize",
     "ColumnParallelLinear",
@@ -33,4 +44,11 @@ __all__ = [
     "VocabParallelEmbedding",
     "RNGStatesTracker",
     "model_parallel_seed",
+    "DDPConfig",
+    "OptimizerConfig",
+    "DistributedDataParallel",
+    "DistributedOptimizer",
+    "build_fsdp_mesh",
+    "fully_shard_model",
+    "fully_shard_optimizer",
 ]

@@ -1,0 +1,401 @@
+"""AdamW with fp32 main parameters and optimizer state sharded over data-parallel ranks (ZeRO-1).
+
+Each bucket of the DDP buffers is split into ``dp`` equal contiguous shards; rank ``r`` owns
+shard ``r`` of every bucket. Gradients arrive by reduce-scatter (only the owned shard is
+reduced), the step updates the owned fp32 main parameters with AdamW, and the
+result is written into the parameter buffer and all-gathered, synchronously or overlapped with
+the next forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mcore_parallel.distributed.buffers import Bucket
+from mcore_parallel.distributed.config import OptimizerConfig
+from mcore_parallel.distributed.ddp import DistributedDataParallel
+from mcore_parallel.distributed.offload import move_tensor
+from mcore_parallel.errors import (
+    OptimizerStateError,
+    ParallelStateError,
+    ParallelTypeError,
+)
+from mcore_parallel.sharding import ShardedTensor
+
+__all__ = ["DistributedOptimizer", "adamw_update"]
+
+_STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
+
+
+def adamw_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """Applies one AdamW update in place (decoupled weight decay, bias-corrected moments).
+
+    The formula and operation order are those of the single-tensor path of
+    ``torch.optim.AdamW`` (Loshchilov and Hutter, "Decoupled Weight Decay Regularization",
+    ICLR 2019); owning it keeps the optimizer state in plain tensors that can be sharded,
+    offloaded and checkpointed without the torch optimizer's bookkeeping.
+
+    Args:
+        param: fp32 parameter, updated in place.
+        grad: Its gradient.
+        exp_avg: First moment, updated in place.
+        exp_avg_sq: Second moment, updated in place.
+        step: Number of this step, starting at 1.
+        lr: Learning rate.
+        betas: Decay rates of the two moments.
+        eps: Added to the denominator.
+        weight_decay: Decoupled weight decay coefficient.
+    """
+    beta1, beta2 = betas
+    param.mul_(1.0 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+@dataclass(eq=False)
+class _ParamShard:
+    """The part ``[start, end)`` of a flattened parameter that this rank updates."""
+
+    name: str
+    param: nn.Parameter
+    bucket: Bucket
+    start: int
+    end: int
+    main_param: torch.Tensor | None
+    exp_avg: torch.Tensor | None
+    exp_avg_sq: torch.Tensor | None
+
+    def grad(self) -> torch.Tensor:
+        return self.param.main_grad.view(-1)[self.start : self.end]  # type: ignore[attr-defined]
+
+    def model_slice(self) -> torch.Tensor:
+        return self.param.data.view(-1)[self.start : self.end]
+
+
+class DistributedOptimizer:
+    """AdamW over a :class:`DistributedDataParallel` model, sharded when the model asks for it.
+
+    With ``use_distributed_optimizer=True`` in the model's DDPConfig, each rank holds fp32 main
+    parameters and Adam moments only for its shard of every bucket; otherwise every rank holds
+    them for all parameters (plain data parallelism with fp32 master weights). The update is
+    elementwise AdamW (:func:`adamw_update`, the formula of ``torch.optim.AdamW``), so the
+    sharded step equals the unsharded one.
+
+    Args:
+        model: The DDP-wrapped model.
+        config: AdamW hyper-parameters; defaults to ``OptimizerConfig()``.
+
+    Raises:
+        ParallelTypeError: If ``model`` is not a DistributedDataParallel or ``config`` not an
+            OptimizerConfig.
+    """
+
+    def __init__(
+        self, model: DistributedDataParallel, config: OptimizerConfig | None = None
+    ) -> None:
+        if not isinstance(model, DistributedDataParallel):
+            raise ParallelTypeError(
+                f"model must be a DistributedDataParallel, got {type(model).__name__}"
+            )
+        config = OptimizerConfig() if config is None else config
+        if not isinstance(config, OptimizerConfig):
+            raise ParallelTypeError(
+                f"config must be an OptimizerConfig, got {type(config).__name__}"
+            )
+        self.model = model
+        self.config = config
+        self.sharded = model.num_shards > 1
+        """Whether the state is split over the data-parallel ranks."""
+        shard_index = model.dp_rank if self.sharded else 0
+        names = {p: n for n, p in model.module.named_parameters() if p in model.param_bucket}
+        self._shards: list[_ParamShard] = []
+        for buffer in model.param_grad_buffers:
+            for bucket in buffer.buckets:
+                low, high = bucket.shard_range(shard_index)
+                for param in bucket.params:
+                    p_start, p_end = buffer.param_range[param]
+                    start, end = max(low, p_start) - p_start, min(high, p_end) - p_start
+                    main = exp_avg = exp_avg_sq = None
+                    if start >= end:
+                        start = end = 0
+                    else:
+                        source = param.detach().view(-1)[start:end]
+                        main = source.to(torch.float32, copy=True)
+                        exp_avg, exp_avg_sq = torch.zeros_like(main), torch.zeros_like(main)
+                    self._shards.append(
+                        _ParamShard(
+                            names[param], param, bucket, start, end, main, exp_avg, exp_avg_sq
+                        )
+                    )
+        self.lr = config.lr
+        """Learning rate of the next step (assign to schedule it)."""
+        self.step_count = 0
+        """Number of optimizer steps taken (restored by :meth:`load_sharded_state_dict`)."""
+        self._state_offloaded = False
+
+    # ---------------------------------------------------------------- stepping
+
+    def step(self) -> float:
+        """Synchronises gradients, takes one AdamW step on the owned shard and syncs parameters.
+
+        Returns:
+            The global gradient norm (over all data-parallel shards), before clipping.
+
+        Raises:
+            ParallelStateError: If optimizer state or buffers are offloaded.
+        """
+        if self._state_offloaded or self.model.offloaded:
+            raise ParallelStateError(
+                "step() while state is offloaded; call reload_from_cpu() first"
+            )
+        self.model.finish_grad_sync()
+        # The shards are about to be overwritten: no all-gather may still read them.
+        self.model.finish_param_sync()
+        owned = [s for s in self._shards if s.main_param is not None]
+        grads = [s.grad().float() for s in owned]
+        grad_norm = self._global_norm(grads)
+        if self.config.clip_grad > 0.0 and grad_norm > self.config.clip_grad:
+            scale = self.config.clip_grad / (grad_norm + 1e-6)
+            grads = [grad * scale for grad in grads]
+        self.step_count += 1
+        with torch.no_grad():
+            for shard, grad in zip(owned, grads):
+                adamw_update(
+                    shard.main_param,  # type: ignore[arg-type]
+                    grad,
+                    shard.exp_avg,  # type: ignore[arg-type]
+                    shard.exp_avg_sq,  # type: ignore[arg-type]
+                    step=self.step_count,
+                    lr=self.lr,
+                    betas=self.config.betas,
+                    eps=self.config.eps,
+                    weight_decay=self.config.weight_decay,
+                )
+                shard.model_slice().copy_(shard.main_param)  # type: ignore[arg-type]
+        self.model.mark_params_updated()
+        self.model.start_param_sync()
+        return grad_norm
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        total = torch.zeros((), dtype=torch.float64, device=self.model.device)
+        for grad in grads:
+            total += grad.double().pow(2).sum()
+        if self.sharded:
+            dist.all_reduce(total, group=self.model.dp_group)
+        return math.sqrt(float(total))
+
+    def zero_grad(self) -> None:
+        """Zeroes the model's gradient buffers."""
+        self.model.zero_grad_buffer()
+
+    # ---------------------------------------------------------------- parameter sync
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """Starts (or with ``force_sync`` completes) the parameter all-gather; see the model's.
+
+        Args:
+            force_sync: Finish every pending all-gather before returning.
+        """
+        self.model.start_param_sync(force_sync=force_sync)
+
+    def enable_forward_pre_hook(self) -> None:
+        """Enables the model's parameter-sync forward pre-hooks (idempotent)."""
+        self.model.enable_forward_pre_hook()
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Disables the model's parameter-sync forward pre-hooks; never raises.
+
+        Args:
+            param_sync: Then finish every pending all-gather.
+        """
+        self.model.disable_forward_pre_hook(param_sync=param_sync)
+
+    def param_sync_hooks_disabled(self) -> contextlib.AbstractContextManager[None]:
+        """Returns the model's context with hooks off and parameters synchronised.
+
+        Returns:
+            A context manager that restores the previous hook state on exit.
+        """
+        return self.model.param_sync_hooks_disabled()
+
+    # ---------------------------------------------------------------- offload
+
+    def offload_to_cpu(
+        self, *, optimizer_state: bool = True, grads: bool = True, params: bool = True
+    ) -> None:
+        """Moves optimizer state and the model's buffers to host memory.
+
+        Parameters are synchronised first. Offloaded parts are bit-identical after
+        :meth:`reload_from_cpu`.
+
+        Args:
+            optimizer_state: Offload fp32 main parameters and Adam moments.
+            grads: Offload the model's gradient buffers.
+            params: Offload the model's parameter buffers (keep False to run the model, e.g.
+                for generation, while the optimizer state is away).
+        """
+        self.model.offload_to_cpu(params=params, grads=grads)
+        if optimizer_state and not self._state_offloaded:
+            self._move_state(torch.device("cpu"))
+            self._state_offloaded = True
+
+    def reload_from_cpu(self) -> None:
+        """Moves everything offloaded back to the device; a no-op when nothing is."""
+        self.model.reload_from_cpu()
+        if self._state_offloaded:
+            self._move_state(self.model.device)
+            self._state_offloaded = False
+
+    @contextlib.contextmanager
+    def offloaded(
+        self, *, optimizer_state: bool = True, grads: bool = True, params: bool = False
+    ) -> Iterator[None]:
+        """Context in which the given parts live in host memory; reloaded on exit.
+
+        Args:
+            optimizer_state: Offload fp32 main parameters and Adam moments.
+            grads: Offload the gradient buffers.
+            params: Offload the parameter buffers (off by default so the model still runs).
+
+        Yields:
+            None.
+        """
+        self.offload_to_cpu(optimizer_state=optimizer_state, grads=grads, params=params)
+        try:
+            yield
+        finally:
+            self.reload_from_cpu()
+
+    def _move_state(self, device: torch.device) -> None:
+        for shard in self._shards:
+            for key in _STATE_KEYS:
+                tensor = getattr(shard, key)
+                if tensor is not None:
+                    setattr(shard, key, move_tensor(tensor, device))
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Returns this rank's optimizer state as blocks of 1-D global tensors.
+
+        Layout (every parameter by its name in ``model.module.named_parameters()``)::
+
+            {"step": int,
+             "param_state": {name: {"main_param": ShardedTensor,
+                                    "exp_avg": ShardedTensor,
+                                    "exp_avg_sq": ShardedTensor}}}
+
+        Each ShardedTensor is this rank's contiguous range of the flattened fp32 tensor:
+        ``global_shape=(numel,)``, ``global_offset=(start,)``; a rank owning nothing of a
+        parameter holds an empty block. Without sharding every rank holds the full tensor and
+        ``replica_id`` is the dp rank. The ``local`` tensors alias the live state, so a loader
+        may fill them in place. Parameters are synchronised first.
+
+        Returns:
+            The nested state dict.
+
+        Raises:
+            ParallelStateError: If the optimizer state is offloaded.
+        """
+        if self._state_offloaded:
+            raise ParallelStateError("sharded_state_dict() while offloaded; reload first")
+        self.model.finish_param_sync()
+        replica_id = 0 if self.sharded else self.model.dp_rank
+        param_state: dict[str, dict[str, ShardedTensor]] = {}
+        for shard in self._shards:
+            numel = shard.param.numel()
+            leaves = {}
+            for key, local in zip(_STATE_KEYS, self._local_state(shard)):
+                leaves[key] = ShardedTensor(local, (numel,), (shard.start,), replica_id)
+            param_state[shard.name] = leaves
+        return {"step": self.step_count, "param_state": param_state}
+
+    def _local_state(self, shard: _ParamShard) -> tuple[torch.Tensor, ...]:
+        if shard.main_param is None:
+            empty = torch.empty(0, dtype=torch.float32, device=self.model.device)
+            return empty, empty, empty
+        return shard.main_param, shard.exp_avg, shard.exp_avg_sq  # type: ignore[return-value]
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads state shaped like :meth:`sharded_state_dict` and refreshes the model weights.
+
+        Leaves may be ShardedTensor blocks or plain tensors of this rank's block shape. All
+        entries are validated before anything is written, so a bad state dict changes nothing.
+        The model parameters are then set from the loaded fp32 main parameters and
+        all-gathered.
+
+        Args:
+            state_dict: The state dict, e.g. filled in by a checkpoint load.
+
+        Raises:
+            OptimizerStateError: If a key is missing or a block has the wrong size.
+            ParallelStateError: If the optimizer state is offloaded.
+        """
+        if self._state_offloaded:
+            raise ParallelStateError("load_sharded_state_dict() while offloaded; reload first")
+        if not isinstance(state_dict, dict) or "param_state" not in state_dict:
+            raise OptimizerStateError(
+                "state_dict must be a dict with keys 'step' and 'param_state', got "
+                f"{type(state_dict).__name__} with keys {sorted(getattr(state_dict, 'keys', list)())}"
+            )
+        step = state_dict.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise OptimizerStateError(f"state_dict['step']={step!r}; expected an int >= 0")
+        self.model.finish_param_sync()
+        plan = []
+        for shard in self._shards:
+            entry = state_dict["param_state"].get(shard.name)
+            if not isinstance(entry, dict):
+                raise OptimizerStateError(
+                    f"state_dict['param_state'] lacks parameter {shard.name!r}"
+                )
+            for key, target in zip(_STATE_KEYS, self._local_state(shard)):
+                if key not in entry:
+                    raise OptimizerStateError(
+                        f"state_dict['param_state'][{shard.name!r}] lacks {key!r}"
+                    )
+                value = entry[key]
+                local = value.local if isinstance(value, ShardedTensor) else value
+                if not isinstance(local, torch.Tensor) or local.numel() != target.numel():
+                    got = (
+                        tuple(local.shape)
+                        if isinstance(local, torch.Tensor)
+                        else type(local).__name__
+                    )
+                    raise OptimizerStateError(
+                        f"state_dict['param_state'][{shard.name!r}][{key!r}] has shape {got}; "
+                        f"expected {target.numel()} elements [{shard.start}, {shard.end}) of "
+                        f"{shard.param.numel()}"
+                    )
+                plan.append((target, local))
+        with torch.no_grad():
+            for target, local in plan:
+                if target.data_ptr() != local.data_ptr():
+                    target.copy_(local.reshape(-1))
+        self.step_count = step
+        for shard in self._shards:
+            if shard.main_param is not None:
+                shard.model_slice().copy_(shard.main_param)
+        self.model.mark_params_updated()
+        self.model.start_param_sync(force_sync=True)
