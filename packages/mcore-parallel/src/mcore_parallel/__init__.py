@@ -1,6 +1,7 @@
 """mcore-parallel: model and data parallelism on real torch.distributed process groups."""
 
 from mcore_parallel._version import __version__
+from mcore_parallel.checkpointing import sharded_state_dict
 from mcore_parallel.distributed import (
     DDPConfig,
     DistributedDataParallel,
@@ -19,6 +20,8 @@ from mcore_parallel.errors import (
     ParallelStateError,
     ParallelTypeError,
 )
+from mcore_parallel.pipeline import ScheduleOutput, forward_backward
+from mcore_parallel.sharding import ShardedTensor
 from mcore_parallel.state import ParallelState, initialize
 from mcore_parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -44,6 +47,10 @@ __all__ = [
     "VocabParallelEmbedding",
     "RNGStatesTracker",
     "model_parallel_seed",
+    "forward_backward",
+    "ScheduleOutput",
+    "sharded_state_dict",
+    "ShardedTensor",
     "DDPConfig",
     "OptimizerConfig",
     "DistributedDataParallel",
