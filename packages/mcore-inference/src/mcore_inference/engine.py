@@ -82,8 +82,10 @@ class InferenceEngine:
             device=self.device,
             split_size=config.attention_split_size,
         )
+        # One row per request slot plus a last row of scratch blocks for padded graph rows.
+        self._padding_row = config.max_batch_size
         self._block_tables = torch.zeros(
-            (config.max_batch_size, config.max_blocks_per_sequence),
+            (config.max_batch_size + 1, config.max_blocks_per_sequence),
             dtype=torch.int32,
             device=self.device,
         )
@@ -91,7 +93,11 @@ class InferenceEngine:
         self._graphs: DecodeGraphRunner | None = None
         if config.use_cuda_graphs and self.device.type == "cuda":
             self._graphs = DecodeGraphRunner(
-                model, self.kv_cache, config.graph_batch_sizes(), config.max_blocks_per_sequence
+                model,
+                self.kv_cache,
+                self._block_tables,
+                self._padding_row,
+                config.graph_batch_sizes(),
             )
         self.tokenizer: Any = (
             load_tokenizer(config.tokenizer_path) if config.tokenizer_path is not None else None
@@ -407,22 +413,15 @@ class InferenceEngine:
                 sample_rows.append(len(tokens) - 1)
                 sampling.append(request)
         device = self.device
-        input_ids = torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True)
-        position_ids = torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True)
-        token_slots = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
-        block_size = self.config.block_size
-        tables = self._block_tables.index_select(0, token_slots)
-        blocks = tables.gather(1, (position_ids // block_size)[:, None])[:, 0]
-        slot_mapping = blocks.long() * block_size + position_ids % block_size
-        context_lens = (position_ids + 1).to(torch.int32)
+        inputs = torch.tensor([tokens, positions, slots], dtype=torch.long).to(device)
         graphs = self._graphs
         if graphs is not None and len(tokens) == len(batch) <= graphs.max_batch_size:
-            logits = graphs.run(input_ids, position_ids, slot_mapping, tables, context_lens)
+            logits = graphs.run(inputs)
         else:
-            self.kv_cache.set_step(slot_mapping, tables, context_lens)
+            self.kv_cache.prepare_step(self._block_tables, inputs[1], inputs[2])
             try:
                 hidden = self.model(
-                    input_ids[None], position_ids[None], kv_cache=self.kv_cache, return_hidden=True
+                    inputs[0][None], inputs[1][None], kv_cache=self.kv_cache, return_hidden=True
                 )
             finally:
                 self.kv_cache.clear_step()
@@ -431,7 +430,10 @@ class InferenceEngine:
         if not sampling:
             return []
         params = [r.params for r in sampling]
-        uniforms = [sampling_uniform(r.seed, len(r.output)) for r in sampling]
+        uniforms = [
+            0.0 if p.greedy else sampling_uniform(r.seed, len(r.output))
+            for r, p in zip(sampling, params)
+        ]
         new_tokens = sample_tokens(logits, params, uniforms)
         logprob_rows = [i for i, p in enumerate(params) if p.return_logprobs]
         logprobs: dict[int, float] = {}

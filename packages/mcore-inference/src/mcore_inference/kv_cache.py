@@ -72,6 +72,24 @@ class PagedKVCache:
         self._block_tables = block_tables
         self._context_lens = context_lens
 
+    def prepare_step(
+        self, block_tables: torch.Tensor, positions: torch.Tensor, table_rows: torch.Tensor
+    ) -> None:
+        """Derive and install the step metadata from positions and block table rows.
+
+        Pure device ops with shapes fixed by ``T`` (no host reads), so it can run inside a
+        CUDA graph.
+
+        Args:
+            block_tables: int32 ``[rows, max_blocks]`` block table of every request slot.
+            positions: int64 ``[T]`` position of each new token.
+            table_rows: int64 ``[T]`` row of ``block_tables`` of each token's request.
+        """
+        tables = block_tables.index_select(0, table_rows)
+        blocks = tables.gather(1, (positions // self.block_size)[:, None])[:, 0]
+        slot_mapping = blocks.long() * self.block_size + positions % self.block_size
+        self.set_step(slot_mapping, tables, (positions + 1).to(torch.int32))
+
     def clear_step(self) -> None:
         """Drop the references to the step metadata."""
         self._slot_mapping = self._block_tables = self._context_lens = None
