@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from mcore_ckpt import errors as errors_module
@@ -58,6 +59,19 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
         yield
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """The exception of the first failing rank inside DCP's wrapper, or ``error`` itself."""
+    failures = getattr(error, "failures", None)
+    if isinstance(error, CheckpointException) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return error
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def _check_optional_int(name: str, value: Any, minimum: int) -> None:
@@ -240,8 +254,11 @@ def _write_and_commit(
                 process_group=comm.group,
                 no_dist=not comm.distributed,
             )
-    except Exception as caught:
-        raise CheckpointWriteError(f"writing {temporary} failed: {caught}") from caught
+    except (Exception, CheckpointException) as caught:
+        cause = _first_failure(caught)
+        if isinstance(cause, CheckpointError):
+            raise cause from caught
+        raise CheckpointWriteError(f"writing {temporary} failed: {_describe(cause)}") from caught
 
     report: tuple[dict[str, tuple[int, int]] | None, str | None]
     try:
@@ -348,14 +365,17 @@ def load(
                 process_group=comm.group,
                 no_dist=not comm.distributed,
             )
-    except CheckpointError:
-        raise
-    except Exception as caught:
+    except (Exception, CheckpointException) as caught:
+        cause = _first_failure(caught)
+        if isinstance(cause, CheckpointError):
+            raise cause from caught
         try:
             check_file_checksums(info)
         except CheckpointCorruptError as culprit:
-            raise CheckpointCorruptError(f"{culprit} (loading failed: {caught})") from caught
-        raise CheckpointCorruptError(f"loading {directory} failed: {caught}") from caught
+            raise CheckpointCorruptError(
+                f"{culprit} (loading failed: {_describe(cause)})"
+            ) from caught
+        raise CheckpointCorruptError(f"loading {directory} failed: {_describe(cause)}") from caught
     for fqn in object_names:
         entry = entries[fqn]
         entry.container[entry.key] = planner.loaded_objects[fqn]
