@@ -104,9 +104,13 @@ class GPTConfig:
     """Recompute each decoder layer in the backward pass instead of storing its activations."""
     seed: int = 1234
     """Seed of the weight initialisation (the same seed gives the same weights at any TP size)."""
+    sequence_parallel: bool = False
+    """Under TP > 1, split activations outside attention/MLP along the sequence over the TP
+    ranks (Korthikanti et al., 2022); the sequence length must be divisible by the TP size."""
     inference_fuse_tp_communication: bool = False
     """Under TP > 1 and without autograd, replace all-reduce + residual add + RMSNorm after the
-    row-parallel projections by one fused reduce-scatter + add + RMSNorm + all-gather."""
+    row-parallel projections by one fused reduce-scatter + add + RMSNorm + all-gather
+    (``mcore_kernels.comm.fused_rs_add_rmsnorm_ag``). Ignored under sequence parallelism."""
     qk_clip_tracking: bool = False
     """Record the maximum pre-softmax attention logit of every head during forward (for
     :func:`mcore_models.clip_qk`)."""

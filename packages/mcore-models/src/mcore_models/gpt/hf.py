@@ -323,7 +323,6 @@ def load_hf(
     if state is not None and state.tp_size > 1:
         from mcore_models.gpt.parallelize import parallelize
 
-        model.state = state
         parallelize(model, state)
     return model
 

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from mcore_kernels import RMSNorm
+from mcore_kernels.comm import fused_rs_add_rmsnorm_ag
 from mcore_models.gpt.attention_backends import AttentionMask, attend, max_attention_logits
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.kv_cache import KVCache
 from mcore_models.gpt.mlp import build_mlp
 from mcore_models.gpt.rope import apply_rotary
 
-__all__ = ["Attention", "DecoderLayer"]
+__all__ = ["Attention", "DecoderLayer", "add_rms_norm"]
 
 
 class Attention(nn.Module):
@@ -55,6 +58,8 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         mask: AttentionMask | None,
         kv_cache: KVCache | None = None,
+        *,
+        reduce_output: bool = True,
     ) -> torch.Tensor:
         """Attend causally.
 
@@ -64,9 +69,11 @@ class Attention(nn.Module):
             sin: ``[B, T, head_dim // 2]`` RoPE sines.
             mask: Mask of the forward pass (None when ``kv_cache`` attends).
             kv_cache: Caller-owned cache that stores keys/values and attends, or None.
+            reduce_output: With a row-parallel ``o_proj``, False returns this rank's partial
+                sum instead of the reduced output.
 
         Returns:
-            ``[B, T, hidden]`` output of the output projection.
+            ``[B, T, hidden]`` output of the output projection (or its partial sum).
         """
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
@@ -81,7 +88,9 @@ class Attention(nn.Module):
             if self.config.qk_clip_tracking:
                 self._record_max_logits(max_attention_logits(q, k, mask, self.scale))
             out = attend(self.config.attention_backend, q, k, v, mask, self.scale)
-        return self.o_proj(out.flatten(-2))
+        if reduce_output:
+            return self.o_proj(out.flatten(-2))
+        return F.linear(out.flatten(-2), self.o_proj.weight)
 
     def _record_max_logits(self, step_max: torch.Tensor) -> None:
         if self.max_logits is None:
@@ -117,6 +126,8 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         mask: AttentionMask | None,
         kv_cache: KVCache | None = None,
+        *,
+        fused_group: dist.ProcessGroup | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the layer.
 
@@ -127,15 +138,64 @@ class DecoderLayer(nn.Module):
             sin: RoPE sines.
             mask: Mask of the forward pass.
             kv_cache: Caller-owned KV cache, or None.
+            fused_group: Tensor-parallel group when the fused reduce-scatter + add + RMSNorm +
+                all-gather replaces the row-parallel reductions; ``hidden`` (unless it is the
+                embedding) and the returned output are then unreduced partial sums.
 
         Returns:
-            ``(mlp_output, residual)``; the layer's output is their sum.
+            ``(block_output, residual)``; the layer's output is their sum.
         """
-        if residual is None:
-            residual = hidden
-            x = self.input_norm(hidden)
-        else:
-            x, residual = self.input_norm(hidden, residual)
-        attention_out = self.self_attention(x, cos, sin, mask, kv_cache)
-        x, residual = self.post_attention_norm(attention_out, residual)
-        return self.mlp(x), residual
+        partial_group = fused_group if residual is not None else None
+        x, residual = add_rms_norm(self.input_norm, hidden, residual, partial_group=partial_group)
+        attention_out = self.self_attention(
+            x, cos, sin, mask, kv_cache, reduce_output=fused_group is None
+        )
+        x, residual = add_rms_norm(
+            self.post_attention_norm, attention_out, residual, partial_group=fused_group
+        )
+        if fused_group is None:
+            return self.mlp(x), residual
+        return self.mlp(x, reduce_output=False), residual
+
+    def supports_fused_reduction(self) -> bool:
+        """Whether the MLP can return a tensor-parallel partial sum (see ``build_mlp``).
+
+        Returns:
+            True when the fused TP communication path may be used for this layer.
+        """
+        return bool(getattr(self.mlp, "supports_partial_output", False))
+
+
+def add_rms_norm(
+    norm: RMSNorm,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    *,
+    partial_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add a block's output to the residual stream and normalise the sum.
+
+    Args:
+        norm: The RMSNorm to apply.
+        hidden: Block output ``[..., H]`` (a TP partial sum when ``partial_group`` is given).
+        residual: Residual stream, or None when ``hidden`` starts the stream.
+        partial_group: Tensor-parallel group over which ``hidden`` still has to be summed;
+            the sum, add and norm then run as one fused collective.
+
+    Returns:
+        ``(normed, new_residual)``.
+    """
+    if residual is None:
+        return norm(hidden), hidden
+    if partial_group is not None:
+        shape = hidden.shape
+        normed, new_residual = fused_rs_add_rmsnorm_ag(
+            hidden.reshape(-1, shape[-1]),
+            residual.reshape(-1, shape[-1]),
+            norm.weight,
+            norm.eps,
+            partial_group,
+        )
+        return normed.view(shape), new_residual.view(shape)
+    normed, new_residual = norm(hidden, residual)
+    return normed, new_residual

@@ -18,6 +18,9 @@ class SwiGLUMLP(nn.Module):
         config: Model config (hidden and FFN sizes, dtype).
     """
 
+    supports_partial_output = True
+    """``forward(x, reduce_output=False)`` returns the unreduced row-parallel partial sum."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         hidden, ffn, dtype = config.hidden_size, config.ffn_hidden_size, config.dtype
@@ -25,24 +28,30 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, ffn, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, reduce_output: bool = True) -> torch.Tensor:
         """Apply the MLP.
 
         Args:
             x: ``[..., hidden]`` normalised hidden states.
+            reduce_output: With a row-parallel ``down_proj``, False returns this rank's
+                partial sum instead of the reduced output (for a fused reduction downstream).
 
         Returns:
-            ``[..., hidden]`` output (a partial sum when ``down_proj`` is a row-parallel layer
-            that skips its reduction).
+            ``[..., hidden]`` output, or this rank's partial sum.
         """
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        activation = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        if reduce_output:
+            return self.down_proj(activation)
+        return F.linear(activation, self.down_proj.weight)
 
 
 def build_mlp(config: GPTConfig, layer_idx: int) -> nn.Module:
     """Build the MLP of one decoder layer.
 
     This is the single place where a layer's MLP type is chosen, so that other block types
-    (such as mixture-of-experts) plug in here without touching the decoder layer.
+    (such as mixture-of-experts) plug in here without touching the decoder layer. A block may
+    accept ``forward(x, *, reduce_output=False)`` returning a tensor-parallel partial sum; the
+    decoder layer only asks that of blocks whose ``supports_partial_output`` is True.
 
     Args:
         config: Model config.

@@ -15,7 +15,7 @@ from mcore_models.errors import ModelInputError, PackedSeqError
 from mcore_models.gpt.attention_backends import build_attention_mask
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.kv_cache import KVCache
-from mcore_models.gpt.layer import DecoderLayer
+from mcore_models.gpt.layer import DecoderLayer, add_rms_norm
 from mcore_models.gpt.rope import RotaryEmbedding
 from mcore_models.packed_seq import PackedSeqParams
 
@@ -56,10 +56,8 @@ class GPTModel(nn.Module):
         super().__init__()
         self.config = config
         self.state = state
-        self.vocab_parallel = False
-        """True once the embedding and output layer are vocab-sharded (set by parallelize)."""
         self.tp_group: Any = None
-        """Tensor-parallel process group once parallelized, else None."""
+        """Tensor-parallel process group once parallelized (vocabulary-sharded), else None."""
         target = torch.device(device) if device is not None else torch.empty(0).device
         # NOTE: build on the meta device and materialise once, so that large models do not
         # pay for torch's default initialisation before ours (or before loading weights).
@@ -139,6 +137,7 @@ class GPTModel(nn.Module):
             )
         hidden = self.embedding(input_ids)
         cos, sin = self.rotary(position_ids)
+        fused_group = self._fused_reduction_group()
         residual: torch.Tensor | None = None
         recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
@@ -147,14 +146,32 @@ class GPTModel(nn.Module):
                     layer, hidden, residual, cos, sin, mask, kv_cache, use_reentrant=False
                 )
             else:
-                hidden, residual = layer(hidden, residual, cos, sin, mask, kv_cache)
-        if residual is None:
-            hidden = self.final_norm(hidden)
-        else:
-            hidden = self.final_norm(hidden, residual)[0]
+                hidden, residual = layer(
+                    hidden, residual, cos, sin, mask, kv_cache, fused_group=fused_group
+                )
+        hidden, _ = add_rms_norm(self.final_norm, hidden, residual, partial_group=fused_group)
+        if self.config.sequence_parallel and self.tp_group is not None:
+            from mcore_models.gpt.parallelize import gather_sequence
+
+            hidden = gather_sequence(hidden, self.tp_group)
         if return_hidden:
             return hidden
         return self.compute_logits(hidden, gather=gather_logits)
+
+    def _fused_reduction_group(self) -> Any:
+        """The TP group when the fused reduce-scatter/add/norm/all-gather path applies."""
+        if (
+            self.tp_group is None
+            or not self.config.inference_fuse_tp_communication
+            or self.config.sequence_parallel
+            or torch.is_grad_enabled()
+            or not all(
+                isinstance(layer, DecoderLayer) and layer.supports_fused_reduction()
+                for layer in self.layers
+            )
+        ):
+            return None
+        return self.tp_group
 
     def output_weight(self) -> torch.Tensor:
         """The weight of the output layer (the embedding weight when tied).
@@ -177,12 +194,14 @@ class GPTModel(nn.Module):
             float32 ``[..., vocab_size]`` logits, or ``[..., vocab_size / tp]`` when
             ``gather`` is False under tensor parallelism.
         """
-        logits = F.linear(hidden, self.output_weight()).float()
-        if gather and self.vocab_parallel:
-            from mcore_models.gpt.parallelize import gather_vocab_shards
+        if self.tp_group is None:
+            return F.linear(hidden, self.output_weight()).float()
+        from mcore_models.gpt.parallelize import gather_vocab_shards, vocab_parallel_logits
 
+        logits = vocab_parallel_logits(hidden, self.output_weight(), self.tp_group)
+        if gather:
             logits = gather_vocab_shards(logits, self.tp_group)
-        return logits
+        return logits.float()
 
     def _check_inputs(
         self,
@@ -220,6 +239,13 @@ class GPTModel(nn.Module):
                 )
             if position_ids is None:
                 raise ModelInputError("position_ids=None: kv_cache needs explicit positions")
+        if self.config.sequence_parallel and self.tp_group is not None:
+            tp = self.state.tp_size if self.state is not None else 1
+            if seq_len % tp:
+                raise ModelInputError(
+                    f"input_ids.shape={tuple(input_ids.shape)}: with sequence_parallel=True the "
+                    f"sequence length must be divisible by the tensor-parallel size {tp}"
+                )
         if position_ids is None:
             if packed is not None:
                 return packed.position_ids(input_ids.device)
