@@ -66,6 +66,15 @@ def _time_graph(fn: Callable[[], object], calls: int, replays: int) -> float:
     return statistics.median(samples)
 
 
+def _agreement_text(agreement: dict[str, object]) -> str:
+    if agreement["bitwise_equal_to_nccl"]:
+        return "bitwise equal"
+    return (
+        f"max diff {agreement['normed_max_abs_diff_vs_nccl']:.3g} (normed), "
+        f"{agreement['residual_max_abs_diff_vs_nccl']:.3g} (residual)"
+    )
+
+
 def main() -> None:
     """Parse arguments, measure every variant and shape, write JSON and Markdown on rank 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -88,8 +97,10 @@ def main() -> None:
         for tokens in TOKENS:
             generator = torch.Generator(device="cuda").manual_seed(rank)
             partial = torch.randn(tokens, hidden, device="cuda", generator=generator).bfloat16()
-            residual = torch.randn(tokens, hidden, device="cuda").bfloat16()
-            weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+            # The residual stream and the weight are the same on every rank, as in a model.
+            shared = torch.Generator(device="cuda").manual_seed(1234)
+            residual = torch.randn(tokens, hidden, device="cuda", generator=shared).bfloat16()
+            weight = (torch.rand(hidden, device="cuda", generator=shared) + 0.5).bfloat16()
             workspace = get_workspace(None, partial)
             assert not isinstance(workspace, str), workspace
             reduced = torch.empty_like(partial)
@@ -119,6 +130,20 @@ def main() -> None:
                     p, r, w, EPS, None
                 ),
             }
+            fused_out = fused_rs_add_rmsnorm_ag(partial, residual, weight, EPS, None)
+            nccl_out = rs_add_rmsnorm_ag_collectives(partial, residual, weight, EPS, None)
+            agreement = {
+                "normed_max_abs_diff_vs_nccl": float(
+                    (fused_out[0].float() - nccl_out[0].float()).abs().max()
+                ),
+                "residual_max_abs_diff_vs_nccl": float(
+                    (fused_out[1].float() - nccl_out[1].float()).abs().max()
+                ),
+                "bitwise_equal_to_nccl": bool(
+                    torch.equal(fused_out[0], nccl_out[0])
+                    and torch.equal(fused_out[1], nccl_out[1])
+                ),
+            }
             times = {
                 name: _time_graph(fn, args.calls, args.replays) for name, fn in variants.items()
             }
@@ -126,6 +151,7 @@ def main() -> None:
                 "tokens": tokens,
                 "hidden": hidden,
                 "us": times,
+                "agreement": agreement,
                 "speedup_vs_nccl_rs_ag": times["nccl_rs_ag"] / times["fused"],
                 "speedup_vs_nccl_allreduce": times["nccl_allreduce"] / times["fused"],
             }
@@ -150,8 +176,8 @@ def main() -> None:
             f"{device} x{world}, bf16, {report['method']}; times in microseconds per call.",
             "",
             "| hidden | tokens | nccl rs+norm+ag | nccl allreduce+norm | one-shot | two-shot "
-            "| fused (auto) | vs rs+ag | vs allreduce |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| fused (auto) | vs rs+ag | vs allreduce | output vs NCCL |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for row in rows:
             t = row["us"]
@@ -159,7 +185,8 @@ def main() -> None:
                 f"| {row['hidden']} | {row['tokens']} | {t['nccl_rs_ag']:.1f} | "
                 f"{t['nccl_allreduce']:.1f} | {t['symm_one_shot']:.1f} | "
                 f"{t['symm_two_shot']:.1f} | {t['fused']:.1f} | "
-                f"{row['speedup_vs_nccl_rs_ag']:.2f}x | {row['speedup_vs_nccl_allreduce']:.2f}x |"
+                f"{row['speedup_vs_nccl_rs_ag']:.2f}x | {row['speedup_vs_nccl_allreduce']:.2f}x | "
+                f"{_agreement_text(row['agreement'])} |"
             )
         (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     dist.destroy_process_group()

@@ -193,3 +193,21 @@ def test_staging_buffer_holds_this_ranks_partial_after_the_call() -> None:
     _, buffers = _run_one_shot(case, world)
     for rank in range(world):
         assert torch.equal(buffers["staging"][rank][:tokens], case["partials"][rank])
+
+
+@pytest.mark.parametrize("strategy", ["one_shot", "two_shot"])
+def test_programs_that_loop_over_several_rows_cover_every_token_once(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mcore_kernels.comm import symmetric_kernels
+
+    # Fewer programs than rows, as on a GPU with more tokens than MAX_PROGRAMS.
+    monkeypatch.setattr(symmetric_kernels, "MAX_PROGRAMS", 2)
+    world, tokens = 2, 7
+    case = _peers(world, tokens, 24, torch.bfloat16, seed=13)
+    expected_normed, expected_residual = _expected(case)
+    run = _run_one_shot if strategy == "one_shot" else _run_two_shot
+    results, _ = run(case, world)
+    for normed, new_residual in results:
+        assert torch.equal(new_residual, expected_residual)
+        torch.testing.assert_close(normed, expected_normed, rtol=2e-2, atol=2e-2)

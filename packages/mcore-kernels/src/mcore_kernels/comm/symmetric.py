@@ -27,15 +27,21 @@ from mcore_kernels.comm.symmetric_kernels import (
 from mcore_kernels.errors import KernelShapeError, KernelValueError
 
 __all__ = [
-    "ONE_SHOT_MAX_TOKENS",
+    "ONE_SHOT_MAX_TOKEN_RANKS",
     "MIN_CAPACITY_ROWS",
     "SymmetricWorkspace",
     "get_workspace",
     "symmetric_rs_add_rmsnorm_ag",
 ]
 
-ONE_SHOT_MAX_TOKENS = 64
-"""Token counts up to this use the one-shot kernel, larger ones the two-shot kernel."""
+ONE_SHOT_MAX_TOKEN_RANKS = 1024
+"""One-shot runs while ``tokens * world`` is at most this, two-shot beyond.
+
+Each rank reads ``tokens * world`` rows of peers' partials in one-shot against about
+``tokens`` rows in two-shot, which pays a second exchange of the outputs. On 2 x H200 the
+one-shot kernel was the faster one at every measured size up to 512 tokens (see
+docs/benchmarks/comm.md); larger groups switch earlier, a choice not yet measured.
+"""
 
 MIN_CAPACITY_ROWS = 512
 """Rows a new workspace holds at least (more when a call needs more)."""
@@ -222,7 +228,9 @@ def symmetric_rs_add_rmsnorm_ag(
     else:
         normed, new_residual = torch.empty_like(partial), torch.empty_like(partial)
     if strategy == "auto":
-        strategy = "one_shot" if tokens <= ONE_SHOT_MAX_TOKENS else "two_shot"
+        strategy = (
+            "one_shot" if tokens * workspace.world <= ONE_SHOT_MAX_TOKEN_RANKS else "two_shot"
+        )
     if strategy == "one_shot":
         launch_one_shot(
             partial,

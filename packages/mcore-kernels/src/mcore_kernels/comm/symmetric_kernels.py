@@ -33,29 +33,30 @@ __all__ = [
     "two_shot_kernel",
 ]
 
-MAX_PROGRAMS = 64
-"""Most programs a launch uses: all must be resident at once, since they wait on each other."""
+MAX_PROGRAMS = 128
+"""Most programs a launch uses: fewer than the multiprocessors of a GPU, one program each."""
 
 SIGNAL_PAD_SLOTS = MAX_PROGRAMS * 8
 """int32 counters in each rank's signal pad: one per (program, source rank) pair."""
 
 
 @triton.jit
-def _barrier(signal_table, pid, rank, WORLD: tl.constexpr, WORLD_POW2: tl.constexpr):
-    peers = tl.arange(0, WORLD_POW2)
-    is_peer = (peers < WORLD) & (peers != rank)
-    remote_pads = tl.load(signal_table + peers, mask=peers < WORLD, other=0)
-    remote_slots = remote_pads.to(tl.pointer_type(tl.int32)) + pid * WORLD + rank
-    local_pad = tl.load(signal_table + rank).to(tl.pointer_type(tl.int32))
-    local_slots = local_pad + pid * WORLD + peers
-    # Every thread's stores of this program must precede the release below.
+def _barrier(signal_table, pid, rank, WORLD: tl.constexpr):
+    # Scalar atomics, one peer at a time: Triton executes them once per program, and a spin
+    # loop over a scalar compiles where one carrying a tensor of counters does not.
+    local_pad = tl.load(signal_table + rank).to(tl.pointer_type(tl.int32)) + pid * WORLD
+    # Every thread's stores of this program must precede the releases below.
     tl.debug_barrier()
-    tl.atomic_add(remote_slots, 1, mask=is_peer, sem="release", scope="sys")
-    arrived = tl.atomic_add(local_slots, 0, mask=is_peer, sem="acquire", scope="sys")
-    while tl.min(tl.where(is_peer, arrived, 1), axis=0) < 1:
-        arrived = tl.atomic_add(local_slots, 0, mask=is_peer, sem="acquire", scope="sys")
-    tl.atomic_add(local_slots, -1, mask=is_peer, sem="relaxed", scope="sys")
-    # Loads of peers' data by any thread of this program come after the acquire above.
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            remote_pad = tl.load(signal_table + peer).to(tl.pointer_type(tl.int32))
+            tl.atomic_add(remote_pad + pid * WORLD + rank, 1, sem="release", scope="sys")
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            while tl.atomic_add(local_pad + peer, 0, sem="acquire", scope="sys") < 1:
+                pass
+            tl.atomic_add(local_pad + peer, -1, sem="relaxed", scope="sys")
+    # Loads of peers' data by any thread of this program come after the acquires above.
     tl.debug_barrier()
 
 
@@ -109,9 +110,9 @@ def one_shot_kernel(
     rank,
     tokens,
     hidden,
+    rows_per_program,
     eps,
     WORLD: tl.constexpr,
-    WORLD_POW2: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """Every rank reduces, adds and normalises all tokens itself (small token counts).
@@ -127,19 +128,23 @@ def one_shot_kernel(
     col_mask = cols < hidden
     dtype = partial_ptr.dtype.element_ty
     own_staging = tl.load(staging_table + rank).to(tl.pointer_type(dtype))
-    for row in range(pid, tokens, programs):
-        offsets = row * hidden + cols
-        values = tl.load(partial_ptr + offsets, mask=col_mask)
-        tl.store(own_staging + offsets, values, mask=col_mask)
-    _barrier(signal_table, pid, rank, WORLD, WORLD_POW2)
+    for step in range(rows_per_program):
+        row = pid + step * programs
+        if row < tokens:
+            offsets = row * hidden + cols
+            values = tl.load(partial_ptr + offsets, mask=col_mask)
+            tl.store(own_staging + offsets, values, mask=col_mask)
+    _barrier(signal_table, pid, rank, WORLD)
     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    for row in range(pid, tokens, programs):
-        normed, h, offsets = _reduce_add_norm_row(
-            row, staging_table, residual_ptr, weight, hidden, eps, cols, col_mask, WORLD
-        )
-        tl.store(normed_out_ptr + offsets, normed, mask=col_mask)
-        tl.store(residual_out_ptr + offsets, h, mask=col_mask)
-    _barrier(signal_table, pid, rank, WORLD, WORLD_POW2)
+    for step in range(rows_per_program):
+        row = pid + step * programs
+        if row < tokens:
+            normed, h, offsets = _reduce_add_norm_row(
+                row, staging_table, residual_ptr, weight, hidden, eps, cols, col_mask, WORLD
+            )
+            tl.store(normed_out_ptr + offsets, normed, mask=col_mask)
+            tl.store(residual_out_ptr + offsets, h, mask=col_mask)
+    _barrier(signal_table, pid, rank, WORLD)
 
 
 @triton.jit
@@ -156,10 +161,10 @@ def two_shot_kernel(
     tokens,
     hidden,
     slice_rows,
+    rows_per_program,
     capacity_rows,
     eps,
     WORLD: tl.constexpr,
-    WORLD_POW2: tl.constexpr,
     BLOCK_H: tl.constexpr,
     REDUCE: tl.constexpr,
     GATHER: tl.constexpr,
@@ -181,18 +186,20 @@ def two_shot_kernel(
     dtype = partial_ptr.dtype.element_ty
     if REDUCE:
         own_staging = tl.load(staging_table + rank).to(tl.pointer_type(dtype))
-        for local in range(pid, slice_rows, programs):
+        for step in range(rows_per_program):
+            local = pid + step * programs
             for owner in tl.static_range(WORLD):
                 row = owner * slice_rows + local
-                if row < tokens:
+                if (row < tokens) & (local < slice_rows):
                     offsets = row * hidden + cols
                     values = tl.load(partial_ptr + offsets, mask=col_mask)
                     tl.store(own_staging + offsets, values, mask=col_mask)
-        _barrier(signal_table, pid, rank, WORLD, WORLD_POW2)
+        _barrier(signal_table, pid, rank, WORLD)
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        for local in range(pid, slice_rows, programs):
+        for step in range(rows_per_program):
+            local = pid + step * programs
             row = rank * slice_rows + local
-            if row < tokens:
+            if (row < tokens) & (local < slice_rows):
                 normed, h, offsets = _reduce_add_norm_row(
                     row, staging_table, residual_ptr, weight, hidden, eps, cols, col_mask, WORLD
                 )
@@ -201,12 +208,13 @@ def two_shot_kernel(
                     tl.store(output + offsets, normed, mask=col_mask)
                     tl.store(output + capacity_rows * hidden + offsets, h, mask=col_mask)
     if GATHER:
-        _barrier(signal_table, pid, rank, WORLD, WORLD_POW2)
+        _barrier(signal_table, pid, rank, WORLD)
         own_output = tl.load(output_table + rank).to(tl.pointer_type(dtype))
-        for local in range(pid, slice_rows, programs):
+        for step in range(rows_per_program):
+            local = pid + step * programs
             for owner in tl.static_range(WORLD):
                 row = owner * slice_rows + local
-                if row < tokens:
+                if (row < tokens) & (local < slice_rows):
                     offsets = row * hidden + cols
                     normed = tl.load(own_output + offsets, mask=col_mask)
                     h = tl.load(own_output + capacity_rows * hidden + offsets, mask=col_mask)
@@ -249,7 +257,8 @@ def launch_one_shot(
     """
     tokens, hidden = partial.shape
     block, warps = _block_and_warps(hidden)
-    one_shot_kernel[(min(tokens, MAX_PROGRAMS),)](
+    programs = min(tokens, MAX_PROGRAMS)
+    one_shot_kernel[(programs,)](
         partial,
         residual,
         weight,
@@ -260,9 +269,9 @@ def launch_one_shot(
         rank,
         tokens,
         hidden,
+        -(-tokens // programs),
         eps,
         WORLD=world,
-        WORLD_POW2=triton.next_power_of_2(world),
         BLOCK_H=block,
         num_warps=warps,
     )
@@ -307,7 +316,8 @@ def launch_two_shot(
     tokens, hidden = partial.shape
     slice_rows = -(-tokens // world)
     block, warps = _block_and_warps(hidden)
-    two_shot_kernel[(min(slice_rows, MAX_PROGRAMS),)](
+    programs = min(slice_rows, MAX_PROGRAMS)
+    two_shot_kernel[(programs,)](
         partial,
         residual,
         weight,
@@ -320,10 +330,10 @@ def launch_two_shot(
         tokens,
         hidden,
         slice_rows,
+        -(-slice_rows // programs),
         capacity_rows,
         eps,
         WORLD=world,
-        WORLD_POW2=triton.next_power_of_2(world),
         BLOCK_H=block,
         REDUCE=reduce,
         GATHER=gather,
