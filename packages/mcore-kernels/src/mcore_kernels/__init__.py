@@ -1,6 +1,6 @@
 """mcore-kernels: Triton kernels, each with a torch reference of the same signature."""
 
-from mcore_kernels import reference, tensor_ops
+from mcore_kernels import comm, reference, tensor_ops
 from mcore_kernels._version import __version__
 from mcore_kernels.errors import (
     KernelBackendError,
@@ -20,6 +20,7 @@ __all__ = [
     "token_logprobs",
     "reference",
     "tensor_ops",
+    "comm",
     "KernelError",
     "KernelShapeError",
     "KernelDtypeError",
