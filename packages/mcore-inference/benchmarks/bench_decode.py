@@ -1,0 +1,211 @@
+"""Decode throughput of InferenceEngine against transformers ``generate`` and the HBM roofline.
+
+Workload (docs/benchmarks/inference.md): a Qwen2.5-0.5B-shaped GPT with random bf16 weights,
+``--prompt-len`` random prompt tokens per request, ``--new-tokens`` greedy tokens, batch sizes
+1 and 64..512. Decode time is the time of a run generating ``new_tokens + 1`` tokens minus the
+time of a run generating 1 token (prefill and first token), for both engines, on the same
+weights (exported with ``GPTModel.to_hf`` and loaded by transformers) in the same process.
+
+Roofline: one decode step must read every parameter once plus the KV cache of every request
+(at the mean context length); divided by the device-to-device copy bandwidth measured in the
+same run, it bounds the tokens per second.
+
+Run from the repository root on one GPU::
+
+    export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
+    python3 packages/mcore-inference/benchmarks/bench_decode.py --out $OUT/inference
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
+from mcore_models import GPTConfig, GPTModel
+
+
+def _copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    repeats = 20
+    start.record()
+    for _ in range(repeats):
+        target.copy_(source)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / repeats
+    del source, target
+    return 2 * (1 << 30) / seconds
+
+
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _mcore_decode_seconds(model, prompts, new_tokens, *, use_cuda_graphs) -> tuple[float, float]:
+    batch, prompt_len = len(prompts), len(prompts[0])
+    config = InferenceConfig(
+        max_batch_size=batch,
+        max_sequence_length=prompt_len + new_tokens + 16,
+        block_size=16,
+        max_tokens_per_step=max(batch * prompt_len, batch),
+        prefill_chunk_size=prompt_len,
+        use_cuda_graphs=use_cuda_graphs,
+        cuda_graph_batch_sizes=(batch,),
+    )
+    with InferenceEngine(model, config) as engine:
+        engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+        prefill = _timed(
+            lambda: engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+        )
+        full = _timed(
+            lambda: engine.generate(
+                prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens + 1)
+            )
+        )
+    gc.collect()
+    return full - prefill, prefill
+
+
+def _hf_decode_seconds(hf_model, prompts, new_tokens) -> tuple[float, float]:
+    input_ids = torch.tensor(prompts, device="cuda")
+    mask = torch.ones_like(input_ids)
+
+    def run(count: int) -> None:
+        hf_model.generate(
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=count,
+            min_new_tokens=count,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+    run(4)  # warm-up
+    prefill = _timed(lambda: run(1))
+    full = _timed(lambda: run(new_tokens + 1))
+    return full - prefill, prefill
+
+
+def main() -> None:
+    """Run the benchmark and write ``decode.json`` and ``decode.md`` under ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--preset", default="qwen2.5-0.5b")
+    parser.add_argument("--batch-sizes", default="1,64,128,256,512")
+    parser.add_argument("--hf-batch-sizes", default="1,64,256")
+    parser.add_argument("--eager-batch-sizes", default="1,64")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    hf_batch_sizes = {int(b) for b in args.hf_batch_sizes.split(",") if b}
+    eager_batch_sizes = {int(b) for b in args.eager_batch_sizes.split(",") if b}
+
+    config = GPTConfig.from_name(args.preset)
+    model = GPTModel(config, device=device).eval()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.kv_channels * 2
+    bandwidth = _copy_bandwidth(device)
+    generator = torch.Generator().manual_seed(0)
+    all_prompts = torch.randint(
+        0, config.vocab_size, (max(batch_sizes), args.prompt_len), generator=generator
+    ).tolist()
+
+    hf_model = None
+    if hf_batch_sizes:
+        import transformers
+
+        checkpoint = tempfile.mkdtemp(prefix="bench_decode_")
+        model.to_hf(checkpoint)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoint, dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).to(device)
+        hf_model.eval()
+
+    rows = []
+    for batch in batch_sizes:
+        prompts = all_prompts[:batch]
+        generated = batch * args.new_tokens
+        mean_context = args.prompt_len + args.new_tokens / 2
+        step_bytes = param_bytes + batch * mean_context * kv_bytes_per_token
+        roofline = batch / (step_bytes / bandwidth)
+        decode, prefill = _mcore_decode_seconds(
+            model, prompts, args.new_tokens, use_cuda_graphs=True
+        )
+        row = {
+            "batch": batch,
+            "mcore_tokens_per_s": generated / decode,
+            "mcore_decode_s": decode,
+            "mcore_prefill_s": prefill,
+            "roofline_tokens_per_s": roofline,
+            "fraction_of_roofline": generated / decode / roofline,
+        }
+        if batch in eager_batch_sizes:
+            eager, _ = _mcore_decode_seconds(model, prompts, args.new_tokens, use_cuda_graphs=False)
+            row["mcore_eager_tokens_per_s"] = generated / eager
+        if hf_model is not None and batch in hf_batch_sizes:
+            hf_decode, hf_prefill = _hf_decode_seconds(hf_model, prompts, args.new_tokens)
+            row["hf_tokens_per_s"] = generated / hf_decode
+            row["hf_prefill_s"] = hf_prefill
+            row["speedup_vs_hf"] = hf_decode / decode
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    result = {
+        "benchmark": "decode",
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "dtype": str(config.dtype),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "parameter_bytes": param_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "rows": rows,
+    }
+    (out / "decode.json").write_text(json.dumps(result, indent=2))
+    lines = [
+        f"Decode, {args.preset} shape (random bf16 weights), prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, greedy; {result['device']}, copy "
+        f"{bandwidth / 1e12:.2f} TB/s.",
+        "",
+        "| batch | mcore tok/s | mcore eager tok/s | HF tok/s | vs HF | roofline tok/s | of roofline |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        eager = row.get("mcore_eager_tokens_per_s")
+        hf = row.get("hf_tokens_per_s")
+        speedup = row.get("speedup_vs_hf")
+        lines.append(
+            f"| {row['batch']} | {row['mcore_tokens_per_s']:.0f} | "
+            f"{f'{eager:.0f}' if eager else '-'} | {f'{hf:.0f}' if hf else '-'} | "
+            f"{f'{speedup:.1f}x' if speedup else '-'} | {row['roofline_tokens_per_s']:.0f} | "
+            f"{100 * row['fraction_of_roofline']:.0f}% |"
+        )
+    (out / "decode.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
