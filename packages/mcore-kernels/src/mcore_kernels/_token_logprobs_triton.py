@@ -78,7 +78,7 @@ def _token_logprobs_fwd_kernel(
     )
     tl.store(target_logit_ptr + row, tl.where(has_target, target_logit * inv_temperature, 0.0))
     if WITH_ENTROPY:
-        expected = tl.where(running_sum > 0.0, running_weighted / running_sum, 0.0)
+        expected = running_weighted / tl.where(running_sum > 0.0, running_sum, 1.0)
         tl.store(expected_ptr + row, expected)
 
 

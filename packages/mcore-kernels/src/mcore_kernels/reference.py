@@ -106,7 +106,15 @@ def token_logprobs_reference(
     in_shard = valid & (local_ids >= 0) & (local_ids < shard)
     gathered = z.gather(1, local_ids.clamp(0, shard - 1).unsqueeze(1)).squeeze(1)
     target_logit = torch.where(in_shard, gathered, torch.zeros_like(gathered))
-    lse = torch.logsumexp(z, dim=-1)
+    # A row whose (shard of the) logits is all -inf has lse -inf; logsumexp's own gradient
+    # there would be nan, so such rows take it from a harmless stand-in row instead.
+    all_masked = z.amax(dim=-1) == -float("inf")
+    stand_in = torch.where(all_masked.unsqueeze(1), torch.zeros_like(z), z)
+    lse = torch.where(
+        all_masked,
+        torch.full_like(all_masked, -float("inf"), dtype=z.dtype),
+        torch.logsumexp(stand_in, dim=-1),
+    )
     expected = None
     if return_entropy:
         finite_lse = torch.isfinite(lse)
