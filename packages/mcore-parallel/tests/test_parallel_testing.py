@@ -81,3 +81,14 @@ def test_invalid_arguments_raise(kwargs, name):
     world_size = kwargs.pop("world_size")
     with pytest.raises(ParallelConfigError, match=name):
         run_distributed(_all_reduce_rank, world_size, 1.0, **kwargs)
+
+
+def _read_env(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_ranks_see_the_callers_current_environment(monkeypatch):
+    # Start the rank process server first, then change the environment.
+    run_distributed(_read_env, 1, "MCORE_TEST_FLAG")
+    monkeypatch.setenv("MCORE_TEST_FLAG", "set-after-start")
+    assert run_distributed(_read_env, 2, "MCORE_TEST_FLAG") == ["set-after-start"] * 2

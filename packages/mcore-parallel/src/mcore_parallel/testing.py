@@ -68,7 +68,11 @@ def _worker(
     results: Any,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    environ: dict[str, str],
 ) -> None:
+    # The forkserver's environment dates from its start; ranks see the caller's current one.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -134,7 +138,8 @@ def run_distributed(
     Each rank initialises torch.distributed (``MASTER_ADDR``/``MASTER_PORT`` on a free local
     port, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set; under NCCL rank ``r`` uses
     ``cuda:r``), calls ``fn(*args)``, destroys the process group and sends back the return
-    value. Tensors in return values come back on the CPU.
+    value. Ranks see the caller's ``os.environ`` and ``sys.path`` as of this call. Tensors in
+    return values come back on the CPU.
 
     Args:
         fn: A picklable (module-level) function; it may call
@@ -163,7 +168,7 @@ def run_distributed(
     processes = [
         context.Process(
             target=_worker,
-            args=(rank, world_size, port, backend, timeout, results, fn, args),
+            args=(rank, world_size, port, backend, timeout, results, fn, args, dict(os.environ)),
             name=f"mcore-rank-{rank}",
             daemon=True,
         )
