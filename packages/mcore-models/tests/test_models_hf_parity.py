@@ -138,3 +138,37 @@ def test_from_hf_names_the_tensor_with_a_mismatched_shape(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointFormatError, match=r"model\.layers\.0\.mlp\.down_proj\.weight"):
         GPTModel.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3-8b", "qwen2.5-7b", "qwen3-0.6b"])
+def test_preset_config_round_trips_through_transformers_config(name):
+    from mcore_models import GPTConfig
+    from mcore_models.gpt.hf import config_from_hf, config_to_hf
+
+    config = GPTConfig.from_name(name)
+    hf_config = transformers.AutoConfig.for_model(**config_to_hf(config))
+    assert config_from_hf(hf_config.to_dict()) == config
+
+
+def test_config_from_hf_reads_the_transformers_4_rope_layout():
+    from mcore_models.gpt.hf import config_from_hf
+
+    legacy = {
+        "model_type": "llama",
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+    config = config_from_hf(legacy)
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling is not None and config.rope_scaling.factor == 32.0

@@ -183,25 +183,31 @@ class GPTModel(nn.Module):
             return self.embedding.weight
         return self.output_layer.weight
 
-    def compute_logits(self, hidden: torch.Tensor, *, gather: bool = True) -> torch.Tensor:
-        """Project final-normed hidden states to float32 logits.
+    def compute_logits(
+        self, hidden: torch.Tensor, *, gather: bool = True, upcast: bool = True
+    ) -> torch.Tensor:
+        """Project final-normed hidden states to logits.
 
         Args:
-            hidden: ``[..., hidden]`` output of ``forward(..., return_hidden=True)``.
+            hidden: ``[..., hidden]`` output of ``forward(..., return_hidden=True)`` (the full
+                sequence, also under sequence parallelism).
             gather: Under tensor parallelism, all-gather the vocabulary shards (default).
+            upcast: Return float32 (default); False keeps the parameter dtype, for a log-prob
+                head such as ``mcore_kernels.token_logprobs`` that reads bf16 logits directly.
 
         Returns:
-            float32 ``[..., vocab_size]`` logits, or ``[..., vocab_size / tp]`` when
-            ``gather`` is False under tensor parallelism.
+            ``[..., vocab_size]`` logits, or ``[..., vocab_size / tp]`` when ``gather`` is
+            False under tensor parallelism.
         """
         if self.tp_group is None:
-            return F.linear(hidden, self.output_weight()).float()
-        from mcore_models.gpt.parallelize import gather_vocab_shards, vocab_parallel_logits
+            logits = F.linear(hidden, self.output_weight())
+        else:
+            from mcore_models.gpt.parallelize import gather_vocab_shards, vocab_parallel_logits
 
-        logits = vocab_parallel_logits(hidden, self.output_weight(), self.tp_group)
-        if gather:
-            logits = gather_vocab_shards(logits, self.tp_group)
-        return logits.float()
+            logits = vocab_parallel_logits(hidden, self.output_weight(), self.tp_group)
+            if gather:
+                logits = gather_vocab_shards(logits, self.tp_group)
+        return logits.float() if upcast else logits
 
     def _check_inputs(
         self,
