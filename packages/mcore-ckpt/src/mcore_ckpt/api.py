@@ -351,6 +351,8 @@ def load(
             check_file_sizes(info)
         entries, expanded = flatten_state_dict(state_dict)
         blocks, object_names = _match(entries, info)
+        reader = RemapFileSystemReader(directory)
+        reader.read_metadata()
     except CheckpointError as caught:
         error = caught
     _raise_agreed(comm, error)
@@ -360,7 +362,7 @@ def load(
         with _quiet_single_process():
             dcp.load(
                 {},
-                storage_reader=RemapFileSystemReader(directory),
+                storage_reader=reader,
                 planner=planner,
                 process_group=comm.group,
                 no_dist=not comm.distributed,

@@ -249,6 +249,9 @@ class BlockLoadPlanner(DefaultLoadPlanner):
 class RemapFileSystemReader(FileSystemReader):
     """A DCP file-system reader that unpickles the storage metadata through the rename table.
 
+    The metadata is read once and cached, so reading it before handing the reader to DCP
+    surfaces its errors with their own types (DCP folds them into an assertion message).
+
     Args:
         path: The checkpoint directory.
     """
@@ -256,6 +259,7 @@ class RemapFileSystemReader(FileSystemReader):
     def __init__(self, path: str | Path) -> None:
         super().__init__(path)
         self._directory = Path(path)
+        self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Reads ``.metadata`` with :class:`~mcore_ckpt.compat.RemapUnpickler`.
@@ -271,6 +275,8 @@ class RemapFileSystemReader(FileSystemReader):
             CheckpointCorruptError: If the file is missing, truncated or not DCP metadata.
             CheckpointVersionError: If it names a class that no longer exists.
         """
+        if self._metadata is not None:
+            return self._metadata
         target = self._directory / DCP_METADATA_FILE
         try:
             with open(target, "rb") as stream:
@@ -288,4 +294,5 @@ class RemapFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         if metadata.storage_meta is not None and hasattr(self, "load_id"):
             metadata.storage_meta.load_id = self.load_id
+        self._metadata = metadata
         return metadata
