@@ -27,7 +27,8 @@ class ParamSyncHooks:
     """Registers, records and removes the parameter-sync forward pre-hooks of one DDP.
 
     Enabling and disabling are idempotent, so calls always balance: ``enable`` twice leaves one
-    hook per module, ``disable`` when nothing is registered does nothing and never raises. The
+    hook per owner module, ``disable`` when nothing is registered does nothing and never
+    raises. The
     record keeps modules only through weak references, so a module deleted from the tree is not
     kept alive by its hook.
 
@@ -69,9 +70,13 @@ class ParamSyncHooks:
         ]
 
     def enable(self) -> None:
-        """Registers one forward pre-hook on every owner module; a no-op when enabled."""
-        if self.enabled:
-            return
+        """Hooks exactly the current owner modules, one hook each.
+
+        Recorded handles are removed first, so calling it again after the tree changed moves
+        the hooks to the modules that own bucketed parameters now; calling it twice in a row
+        leaves the same single hook per owner.
+        """
+        self.disable()
         ddp = self._ddp()
         if ddp is None:
             return
