@@ -213,3 +213,27 @@ def test_empty_microbatches_raise():
 def test_non_scalar_loss_raises():
     with pytest.raises(ParallelConfigError, match="scalar"):
         forward_backward(nn.Linear(2, 2), [torch.zeros(1, 2)], loss_func=lambda output, _: output)
+
+
+def test_num_microbatches_takes_items_from_an_iterator():
+    rows = (2, 3, 1)
+    reference = _reference(rows)
+    model = nn.Sequential(*_layers())
+    endless = iter(_microbatches(rows) + _microbatches((5, 5)))
+    out = forward_backward(
+        model, endless, num_microbatches=3, loss_func=_loss, forward_step=_forward_step
+    )
+    assert len(out.losses) == 3
+    for loss, expected in zip(out.losses, reference["losses"]):
+        _close(loss, expected)
+
+
+@pytest.mark.parametrize(("count", "match"), [(0, "num_microbatches=0"), (5, "yielded 3")])
+def test_bad_num_microbatches_raises(count, match):
+    with pytest.raises(ParallelConfigError, match=match):
+        forward_backward(
+            nn.Linear(2, 2),
+            iter([torch.zeros(1, 2)] * 3),
+            num_microbatches=count,
+            loss_func=_loss,
+        )

@@ -11,9 +11,10 @@ so the accumulated gradient is that of the mean loss.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import torch
@@ -102,9 +103,10 @@ class _Stage:
 
 def forward_backward(
     model: Any,
-    microbatches: Sequence[Any],
+    microbatches: Iterable[Any],
     *,
     state: ParallelState | None = None,
+    num_microbatches: int | None = None,
     loss_func: LossFunc | None = None,
     forward_step: ForwardStep = default_forward_step,
     forward_only: bool = False,
@@ -120,9 +122,11 @@ def forward_backward(
 
     Args:
         model: This stage's module (passed through to ``forward_step``).
-        microbatches: One item per microbatch, given on every stage: the first stage feeds it
-            to the model, the last one to ``loss_func`` (e.g. a dict with inputs and labels).
+        microbatches: One item per microbatch (a sequence or an iterator), given on every
+            stage: the first stage feeds it to the model, the last one to ``loss_func`` (e.g.
+            a dict with inputs and labels).
         state: Parallel state; None runs without pipelining.
+        num_microbatches: How many items to take from ``microbatches``; None takes them all.
         loss_func: ``loss_func(output, microbatch)`` returning a scalar loss, called on the
             last stage. None (with ``forward_only``) collects the outputs instead.
         forward_step: ``forward_step(model, input_tensor, microbatch)`` returning the stage's
@@ -140,12 +144,12 @@ def forward_backward(
         than the last.
 
     Raises:
-        ParallelConfigError: If there are no microbatches, ``loss_func`` is None without
-            ``forward_only``, or ``loss_func`` returns a non-scalar.
+        ParallelConfigError: If there are no microbatches or fewer than ``num_microbatches``,
+            ``loss_func`` is None without ``forward_only``, or ``loss_func`` returns a
+            non-scalar.
     """
+    microbatches = _take(microbatches, num_microbatches)
     num_microbatches = len(microbatches)
-    if num_microbatches < 1:
-        raise ParallelConfigError("microbatches is empty; expected at least one microbatch")
     if loss_func is None and not forward_only:
         raise ParallelConfigError(
             "loss_func=None collects outputs and needs forward_only=True (got forward_only=False)"
@@ -174,6 +178,22 @@ def forward_backward(
             else:
                 _run_1f1b(stage, channel, state, microbatches)
     return result
+
+
+def _take(microbatches: Iterable[Any], count: int | None) -> list[Any]:
+    if count is None:
+        items = list(microbatches)
+    elif isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ParallelConfigError(f"num_microbatches={count!r} must be a positive integer")
+    else:
+        items = list(islice(iter(microbatches), count))
+        if len(items) < count:
+            raise ParallelConfigError(
+                f"microbatches yielded {len(items)} items, fewer than num_microbatches={count}"
+            )
+    if not items:
+        raise ParallelConfigError("microbatches is empty; expected at least one microbatch")
+    return items
 
 
 def _run_no_pipelining(stage: _Stage, microbatches: Sequence[Any]) -> None:
