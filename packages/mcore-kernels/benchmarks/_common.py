@@ -1,0 +1,107 @@
+"""Shared helpers of the mcore-kernels benchmarks: timing, copy bandwidth, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def device_info() -> dict[str, Any]:
+    """Describe the GPU and the software stack of this run."""
+    props = torch.cuda.get_device_properties(0)
+    import triton
+
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "multiprocessors": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def bench_ms(fn: Callable[[], Any], *, graph: bool = False) -> float:
+    """Median milliseconds of ``fn`` by ``triton.testing.do_bench`` (or its CUDA-graph variant)."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    if graph:
+        return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def copy_bandwidth_tbs(num_bytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth in TB/s, counting the bytes read and written."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * num_bytes / (ms * 1e-3) / 1e12
+
+
+def peak_extra_bytes(fn: Callable[[], Any]) -> int:
+    """Peak bytes allocated by ``fn`` beyond what was allocated before it (results included)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    del out
+    return int(extra)
+
+
+def allow_many_recompiles() -> None:
+    """Let torch.compile specialise on every benchmarked shape instead of falling back to eager."""
+    import torch._dynamo
+
+    for name in (
+        "cache_size_limit",
+        "recompile_limit",
+        "accumulated_cache_size_limit",
+        "accumulated_recompile_limit",
+    ):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 1024)
+
+
+def load_liger() -> tuple[Any, str | None]:
+    """Import Liger-Kernel's ops if installed; return (module, None) or (None, reason)."""
+    try:
+        import liger_kernel.ops as liger_ops
+    except Exception as exc:
+        return None, f"liger-kernel not importable: {exc!r}"
+    return liger_ops, None
+
+
+def write_results(out: Path, name: str, payload: dict[str, Any], table: str) -> None:
+    """Write ``<name>.json`` and ``<name>.md`` into the directory ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (out / f"{name}.md").write_text(table)
+    print(table, flush=True)
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    """Render a Markdown table (floats with 3 significant decimals)."""
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "—"
+        if isinstance(value, float):
+            return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def quick() -> bool:
+    """Whether ``MCORE_BENCH_QUICK=1`` asks for the reduced shape set."""
+    return os.environ.get("MCORE_BENCH_QUICK", "0") == "1"
