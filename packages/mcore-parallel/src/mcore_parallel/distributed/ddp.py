@@ -380,6 +380,7 @@ class DistributedDataParallel(nn.Module):
 
     # ---------------------------------------------------------------- offload
 
+    @torch.inference_mode(False)
     def offload_to_cpu(self, *, params: bool = True, grads: bool = True) -> None:
         """Moves the parameter and/or gradient buffers to host memory, freeing device memory.
 
@@ -408,6 +409,7 @@ class DistributedDataParallel(nn.Module):
         for buffer in self.param_grad_buffers:
             buffer.bind_views()
 
+    @torch.inference_mode(False)
     def reload_from_cpu(self) -> None:
         """Moves offloaded buffers back to the device, bit for bit; a no-op when none is."""
         if "grads" in self._offloaded:

@@ -14,6 +14,10 @@ def move_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     devices match, so dropping the input really frees its memory once nothing else refers to
     it. Host copies of CUDA tensors are pinned so that the way back is a fast DMA.
 
+    Called under ``torch.inference_mode(False)`` by the offload methods: state moved while a
+    caller is in inference mode must not become inference tensors, which training could no
+    longer update.
+
     Args:
         tensor: The tensor to move.
         device: Destination device.

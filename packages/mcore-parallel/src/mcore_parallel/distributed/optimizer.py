@@ -243,6 +243,7 @@ class DistributedOptimizer:
 
     # ---------------------------------------------------------------- offload
 
+    @torch.inference_mode(False)
     def offload_to_cpu(
         self, *, optimizer_state: bool = True, grads: bool = True, params: bool = True
     ) -> None:
@@ -262,6 +263,7 @@ class DistributedOptimizer:
             self._move_state(torch.device("cpu"))
             self._state_offloaded = True
 
+    @torch.inference_mode(False)
     def reload_from_cpu(self) -> None:
         """Moves everything offloaded back to the device; a no-op when nothing is."""
         self.model.reload_from_cpu()
