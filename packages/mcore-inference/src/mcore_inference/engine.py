@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -323,9 +324,10 @@ class InferenceEngine:
             EngineClosedError: If the engine is closed.
         """
         self._check_open()
-        return [self._snapshot(r) for r in self._step()]
+        return [self._snapshot(r) for r in self._step(progress=True)]
 
-    def _step(self) -> list[Request]:
+    def _step(self, *, progress: bool) -> list[Request]:
+        """One step; returns the finished requests, plus the ones that got a token if ``progress``."""
         reports, self._unreported = self._unreported, []
         self._admit()
         batch = self._schedule()
@@ -344,16 +346,19 @@ class InferenceEngine:
             return reports
         for request, count in batch:
             request.num_computed += count
+        stops = self._stops
         for request, token, logprob in sampled:
-            request.output.append(token)
+            output = request.output
+            output.append(token)
             if logprob is not None:
                 request.logprobs.append(logprob)
-            reason = self._stops[request.request_id].check(request.output)
-            if reason is None and len(request.output) >= request.max_new_tokens:
+            criteria = stops[request.request_id]
+            reason = criteria.check(output) if criteria.active else None
+            if reason is None and len(output) >= request.max_new_tokens:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(request, reason)
-            else:
+            elif progress:
                 reports.append(request)
         reports += self._unreported
         self._unreported = []
@@ -362,33 +367,45 @@ class InferenceEngine:
     def _admit(self) -> None:
         # First come, first served: the head waits until its whole footprint fits, so a long
         # request is never starved by later short ones.
+        admitted: list[Request] = []
         while self._waiting and self._free_slots:
             request = self._waiting[0]
             needed = self._blocks_needed(len(request.prompt), request.max_new_tokens)
             if needed > self.allocator.num_free:
-                return
+                break
             self._waiting.popleft()
             request.blocks = self.allocator.allocate(needed)
             request.slot = self._free_slots.pop()
-            row = torch.zeros(self.config.max_blocks_per_sequence, dtype=torch.int32)
-            row[:needed] = torch.tensor(request.blocks, dtype=torch.int32)
-            self._block_tables[request.slot].copy_(row)
             request.status = RequestStatus.ACTIVE
             self._active.append(request)
+            admitted.append(request)
+        if admitted:
+            rows = torch.zeros(
+                (len(admitted), self.config.max_blocks_per_sequence), dtype=torch.int32
+            )
+            for row, request in zip(rows, admitted):
+                row[: len(request.blocks)] = torch.tensor(request.blocks, dtype=torch.int32)
+            slots = torch.tensor([r.slot for r in admitted], device=self.device)
+            self._block_tables.index_copy_(0, slots, rows.to(self.device))
 
     def _schedule(self) -> list[tuple[Request, int]]:
         budget = self.config.max_tokens_per_step
         batch: list[tuple[Request, int]] = []
+        prefilling: list[tuple[Request, int]] = []
         for request in self._active:
-            if request.num_tokens - request.num_computed == 1:
+            remaining = len(request.prompt) + len(request.output) - request.num_computed
+            if remaining == 1:
                 batch.append((request, 1))
+            else:
+                prefilling.append((request, remaining))
         budget -= len(batch)
-        for request in self._active:
-            remaining = request.num_tokens - request.num_computed
-            if remaining > 1 and budget > 0:
-                count = min(remaining, self.config.prefill_chunk_size, budget)
-                batch.append((request, count))
-                budget -= count
+        chunk = self.config.prefill_chunk_size
+        for request, remaining in prefilling:
+            if budget <= 0:
+                break
+            count = min(remaining, chunk, budget)
+            batch.append((request, count))
+            budget -= count
         return batch
 
     @torch.no_grad()
@@ -403,17 +420,26 @@ class InferenceEngine:
         sampling: list[Request] = []
         for request, count in batch:
             start = request.num_computed
-            if count == 1:
-                tokens.append(request.token_at(start))
+            end = start + count
+            prompt, output = request.prompt, request.output
+            num_tokens = len(prompt) + len(output)
+            if end == num_tokens and count == 1:  # decode: feed the newest token
+                tokens.append(output[-1] if output else prompt[-1])
+                positions.append(start)
+                slots.append(request.slot)
             else:
-                tokens.extend((request.prompt + request.output)[start : start + count])
-            positions.extend(range(start, start + count))
-            slots.extend([request.slot] * count)
-            if start + count == request.num_tokens:
+                tokens.extend((prompt + output)[start:end])
+                positions.extend(range(start, end))
+                slots.extend([request.slot] * count)
+            if end == num_tokens:
                 sample_rows.append(len(tokens) - 1)
                 sampling.append(request)
         device = self.device
-        inputs = torch.tensor([tokens, positions, slots], dtype=torch.long).to(device)
+        # array('q') converts the lists in C; torch.tensor over nested lists is several times slower.
+        packed = array("q", tokens)
+        packed.extend(positions)
+        packed.extend(slots)
+        inputs = torch.frombuffer(packed, dtype=torch.long).view(3, len(tokens)).to(device)
         graphs = self._graphs
         if graphs is not None and len(tokens) == len(batch) <= graphs.max_batch_size:
             logits = graphs.run(inputs)
@@ -431,7 +457,7 @@ class InferenceEngine:
             return []
         params = [r.params for r in sampling]
         uniforms = [
-            0.0 if p.greedy else sampling_uniform(r.seed, len(r.output))
+            sampling_uniform(r.seed, len(r.output)) if p.temperature else 0.0
             for r, p in zip(sampling, params)
         ]
         new_tokens = sample_tokens(logits, params, uniforms)
@@ -466,7 +492,7 @@ class InferenceEngine:
             )
         return list(params_list)
 
-    def _drive(self, request_ids: list[int]) -> Iterator[list[Request]]:
+    def _drive(self, request_ids: list[int], *, progress: bool) -> Iterator[list[Request]]:
         pending = set(request_ids)
         others: list[Request] = []
         try:
@@ -474,7 +500,7 @@ class InferenceEngine:
                 if not (self._waiting or self._active or self._unreported):
                     raise RuntimeError(f"requests {sorted(pending)} were lost by the engine")
                 mine = []
-                for request in self._step():
+                for request in self._step(progress=progress):
                     if request.request_id in pending:
                         mine.append(request)
                         if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
@@ -509,7 +535,7 @@ class InferenceEngine:
         params_list = self._params_list(len(prompts), params)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         finals: dict[int, GenerationResult] = {}
-        for updated in self._drive(ids):
+        for updated in self._drive(ids, progress=False):
             for request in updated:
                 if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
                     finals[request.request_id] = self._snapshot(request)
@@ -538,6 +564,6 @@ class InferenceEngine:
         self._check_open()
         params_list = self._params_list(len(prompts), params)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        for updated in self._drive(ids):
+        for updated in self._drive(ids, progress=True):
             for request in updated:
                 yield self._snapshot(request)

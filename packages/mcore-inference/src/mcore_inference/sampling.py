@@ -80,7 +80,7 @@ def sample_tokens(
         int64 ``[N]`` token ids on the logits' device.
     """
     tokens = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+    rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
     if not rows:
         return tokens
     device = logits.device

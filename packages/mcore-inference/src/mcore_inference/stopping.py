@@ -28,6 +28,8 @@ class StopCriteria:
         # NOTE: one character can take several byte-level tokens (up to 4 in UTF-8), so the
         # decoded tail must span 4 tokens per character of the longest stop string.
         self._tail_tokens = 4 * max((len(s) for s in self._strings), default=0) + 4
+        self.active = bool(self._stop_ids or self._sequences or self._strings)
+        """False when the request has no stop token, stop word or stop string."""
 
     @property
     def needs_tokenizer(self) -> bool:
