@@ -29,9 +29,12 @@ def _block_and_warps(hidden: int) -> tuple[int, int]:
     return block, warps
 
 
-def _backward_programs(device: torch.device, rows: int) -> int:
+def _backward_programs(device: torch.device, rows: int, block: int) -> int:
     if device.type == "cuda":
-        slots = torch.cuda.get_device_properties(device).multi_processor_count * 2
+        # Measured on H200 (benchmarks/tune_launch_configs.py): one 16-warp program per SM is
+        # best for 8192-wide rows, eight 8-warp programs per SM for 2048-wide rows.
+        per_sm = min(8, max(1, 8192 // block))
+        slots = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
     else:
         # The interpreter runs programs one after another; a few are enough to exercise the split.
         slots = 4
@@ -265,11 +268,11 @@ def rms_norm_backward(
     dx = torch.empty((rows, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
     if rows == 0:
         return dx.reshape(hidden_states.shape), torch.zeros_like(weight)
-    programs = _backward_programs(hidden_states.device, rows)
+    block, warps = _block_and_warps(hidden)
+    programs = _backward_programs(hidden_states.device, rows, block)
     rows_per_program = triton.cdiv(rows, programs)
     programs = triton.cdiv(rows, rows_per_program)
     partial = torch.empty((programs, hidden), dtype=torch.float32, device=hidden_states.device)
-    block, warps = _block_and_warps(hidden)
     _rms_norm_bwd_kernel[(programs,)](
         dy2,
         dh2,
