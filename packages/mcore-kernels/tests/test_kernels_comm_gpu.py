@@ -110,7 +110,7 @@ def _gpu_rank(rank: int, world: int, port: int, results: Any) -> None:
         )
         from mcore_kernels.comm import fused_rs_add_rmsnorm_ag, rs_add_rmsnorm_ag_collectives
         from mcore_kernels.comm.symmetric import (
-            ONE_SHOT_MAX_TOKEN_RANKS,
+            choose_strategy,
             get_workspace,
             symmetric_rs_add_rmsnorm_ag,
         )
@@ -156,7 +156,7 @@ def _gpu_rank(rank: int, world: int, port: int, results: Any) -> None:
                     "bitwise_same_on_all_ranks": _same_on_all_ranks(normed)
                     and _same_on_all_ranks(new_residual),
                     "public_equals_forced": torch.equal(public[0], normed)
-                    if (strategy == "one_shot") == (tokens * world <= ONE_SHOT_MAX_TOKEN_RANKS)
+                    if strategy == choose_strategy(tokens, world)
                     else True,
                 }
         observed.update(_graph_checks(rank, world))

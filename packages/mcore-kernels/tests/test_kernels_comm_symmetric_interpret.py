@@ -11,6 +11,7 @@ barrier).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -211,3 +212,104 @@ def test_programs_that_loop_over_several_rows_cover_every_token_once(
     for normed, new_residual in results:
         assert torch.equal(new_residual, expected_residual)
         torch.testing.assert_close(normed, expected_normed, rtol=2e-2, atol=2e-2)
+
+
+def _single_rank_workspace(hidden: int, dtype: torch.dtype) -> Any:
+    """A one-rank workspace over CPU tensors, as ``get_workspace`` builds one on GPUs."""
+    from mcore_kernels.comm.symmetric import SymmetricWorkspace
+
+    buffers = _symmetric_buffers(1, hidden, dtype, barriers=0)
+    return SymmetricWorkspace(
+        rank=0,
+        world=1,
+        capacity_rows=_CAPACITY_ROWS,
+        buffers=(*buffers["staging"], *buffers["output"], *buffers["signal"]),
+        handles=(),
+        staging_table=buffers["staging_table"],
+        output_table=buffers["output_table"],
+        signal_table=buffers["signal_table"],
+    )
+
+
+@pytest.mark.parametrize("strategy", ["auto", "one_shot", "two_shot"])
+def test_symmetric_entry_writes_out_in_place_including_the_residual(strategy: str) -> None:
+    from mcore_kernels.comm.symmetric import symmetric_rs_add_rmsnorm_ag
+
+    case = _peers(1, 5, 24, torch.bfloat16, seed=21)
+    expected_normed, expected_residual = _expected(case)
+    workspace = _single_rank_workspace(24, torch.bfloat16)
+    residual = case["residual"].clone()
+    normed_out = torch.empty_like(residual)
+    returned = symmetric_rs_add_rmsnorm_ag(
+        case["partials"][0],
+        residual,
+        case["weight"],
+        _EPS,
+        workspace,
+        out=(normed_out, residual),
+        strategy=strategy,
+    )
+    assert returned[0] is normed_out and returned[1] is residual
+    assert torch.equal(residual, expected_residual)
+    torch.testing.assert_close(normed_out, expected_normed, rtol=2e-2, atol=2e-2)
+
+
+def test_symmetric_entry_copies_into_non_contiguous_out() -> None:
+    from mcore_kernels.comm.symmetric import symmetric_rs_add_rmsnorm_ag
+
+    case = _peers(1, 4, 16, torch.float32, seed=22)
+    expected_normed, expected_residual = _expected(case)
+    workspace = _single_rank_workspace(16, torch.float32)
+    normed_out = torch.empty(16, 4).t()
+    residual_out = torch.empty(16, 4).t()
+    symmetric_rs_add_rmsnorm_ag(
+        case["partials"][0],
+        case["residual"],
+        case["weight"],
+        _EPS,
+        workspace,
+        out=(normed_out, residual_out),
+    )
+    assert torch.equal(residual_out, expected_residual)
+    torch.testing.assert_close(normed_out, expected_normed, rtol=1e-5, atol=1e-5)
+
+
+def test_symmetric_entry_rejects_unknown_strategy_and_too_many_tokens() -> None:
+    from mcore_kernels.comm.symmetric import symmetric_rs_add_rmsnorm_ag
+    from mcore_kernels.errors import KernelShapeError, KernelValueError
+
+    workspace = _single_rank_workspace(8, torch.float32)
+    weight = torch.ones(8)
+    with pytest.raises(KernelValueError, match="strategy='three_shot'"):
+        symmetric_rs_add_rmsnorm_ag(
+            torch.zeros(2, 8), torch.zeros(2, 8), weight, _EPS, workspace, strategy="three_shot"
+        )
+    rows = _CAPACITY_ROWS + 1
+    with pytest.raises(KernelShapeError, match=f"{rows} tokens"):
+        symmetric_rs_add_rmsnorm_ag(
+            torch.zeros(rows, 8), torch.zeros(rows, 8), weight, _EPS, workspace
+        )
+
+
+@pytest.mark.parametrize(
+    ("tokens", "world", "expected"),
+    [(512, 2, "one_shot"), (4096, 2, "one_shot"), (256, 4, "one_shot"), (257, 4, "two_shot")],
+)
+def test_strategy_choice_keeps_one_shot_for_two_ranks_and_small_calls(
+    tokens: int, world: int, expected: str
+) -> None:
+    from mcore_kernels.comm.symmetric import choose_strategy
+
+    assert choose_strategy(tokens, world) == expected
+
+
+def test_unavailable_reason_names_cpu_tensors_and_a_forced_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mcore_kernels.comm.availability import symmetric_memory_unavailable_reason
+
+    assert "cpu" in str(symmetric_memory_unavailable_reason(torch.zeros(2, 8), None))
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "torch")
+    assert "MCORE_KERNELS_BACKEND=torch" in str(
+        symmetric_memory_unavailable_reason(torch.zeros(2, 8), None)
+    )

@@ -28,6 +28,7 @@ from mcore_kernels.errors import KernelShapeError, KernelValueError
 
 __all__ = [
     "ONE_SHOT_MAX_TOKEN_RANKS",
+    "choose_strategy",
     "MIN_CAPACITY_ROWS",
     "SymmetricWorkspace",
     "get_workspace",
@@ -35,13 +36,30 @@ __all__ = [
 ]
 
 ONE_SHOT_MAX_TOKEN_RANKS = 1024
-"""One-shot runs while ``tokens * world`` is at most this, two-shot beyond.
+"""In groups of more than two ranks, one-shot runs while ``tokens * world`` is at most this."""
 
-Each rank reads ``tokens * world`` rows of peers' partials in one-shot against about
-``tokens`` rows in two-shot, which pays a second exchange of the outputs. On 2 x H200 the
-one-shot kernel was the faster one at every measured size up to 512 tokens (see
-docs/benchmarks/comm.md); larger groups switch earlier, a choice not yet measured.
-"""
+
+def choose_strategy(tokens: int, world: int) -> str:
+    """Pick the kernel for a call: ``"one_shot"`` or ``"two_shot"``.
+
+    Per rank, one-shot moves ``(world - 1) * tokens`` rows over NVLink (it reads every peer's
+    partial rows), two-shot about ``3 * (world - 1) / world * tokens`` (it reads a slice of the
+    peers' partials and writes the normalised rows and the new residual rows into every peer).
+    With two ranks one-shot moves less at any size, and it was the faster kernel at every size
+    measured on 2 x H200 (docs/benchmarks/comm.md); with more ranks two-shot takes over for
+    large token counts, at a threshold not yet measured.
+
+    Args:
+        tokens: rows of the call.
+        world: ranks in the group.
+
+    Returns:
+        The strategy name.
+    """
+    if world <= 2 or tokens * world <= ONE_SHOT_MAX_TOKEN_RANKS:
+        return "one_shot"
+    return "two_shot"
+
 
 MIN_CAPACITY_ROWS = 512
 """Rows a new workspace holds at least (more when a call needs more)."""
@@ -228,9 +246,7 @@ def symmetric_rs_add_rmsnorm_ag(
     else:
         normed, new_residual = torch.empty_like(partial), torch.empty_like(partial)
     if strategy == "auto":
-        strategy = (
-            "one_shot" if tokens * workspace.world <= ONE_SHOT_MAX_TOKEN_RANKS else "two_shot"
-        )
+        strategy = choose_strategy(tokens, workspace.world)
     if strategy == "one_shot":
         launch_one_shot(
             partial,
