@@ -160,6 +160,13 @@ def _gpu_rank(rank: int, world: int, port: int, results: Any) -> None:
                     else True,
                 }
         observed.update(_graph_checks(rank, world))
+        # Once every rank is done, each signal sent has been taken: all counters are back at 0
+        # (a signal sent by several threads of a program, or lost, would leave them off).
+        torch.cuda.synchronize()
+        dist.barrier()
+        signal_pad = get_workspace(None, _inputs(world, rank, 1, 4096, step=0)["partial"])
+        assert not isinstance(signal_pad, str)
+        observed["signals_balanced"] = bool((signal_pad.buffers[2] == 0).all())
         observed["fallback_log"] = messages
         dist.destroy_process_group()
         payload = io.BytesIO()
@@ -241,3 +248,8 @@ def test_cuda_graph_capture_and_replay_match_eager(gpu_run: list[dict[str, Any]]
     for per_rank in gpu_run:
         assert per_rank["graph_replay_tokens8"]
         assert per_rank["graph_replay_tokens256"]
+
+
+def test_every_barrier_signal_is_sent_once_and_taken_once(gpu_run: list[dict[str, Any]]) -> None:
+    for per_rank in gpu_run:
+        assert per_rank["signals_balanced"]
