@@ -20,9 +20,9 @@ WIDTH, LAYERS = 8, 4
 VARIABLE_ROWS = (2, 3, 2, 1, 2, 3)
 
 
-def _layers() -> list[nn.Module]:
+def _layers(count: int = LAYERS) -> list[nn.Module]:
     torch.manual_seed(0)
-    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)]
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(count)]
 
 
 def _microbatches(rows: tuple[int, ...]) -> list[dict]:
@@ -84,6 +84,34 @@ def _run(state, rows, tensor_shape):
     }
 
 
+def _run_interleaved(state, chunks_per_rank: int, microbatch_count: int, forward_only: bool):
+    pp, rank = state.pp_size, state.pp_rank
+    layers = _layers(pp * chunks_per_rank)
+    indices = [c * pp + rank for c in range(chunks_per_rank)]
+    chunks = [nn.Sequential(layers[i]) for i in indices]
+    rows = (2,) * microbatch_count
+    out = forward_backward(
+        chunks,
+        _microbatches(rows),
+        state=state,
+        forward_step=_forward_step,
+        loss_func=None if forward_only else _loss,
+        forward_only=forward_only,
+        tensor_shape=(2, WIDTH),
+    )
+    grads = (
+        {}
+        if forward_only
+        else {i: [p.grad.clone() for p in chunk.parameters()] for i, chunk in zip(indices, chunks)}
+    )
+    return {
+        "last": state.is_last_stage,
+        "losses": out.losses,
+        "outputs": out.outputs,
+        "grads": grads,
+    }
+
+
 def _pipeline_worker() -> dict:
     pp4 = initialize(pp=4)
     result = {"pp4": _run(pp4, VARIABLE_ROWS, None)}
@@ -113,11 +141,20 @@ def _pipeline_worker() -> dict:
     pp2 = initialize(pp=2)
     result["pp2"] = _run(pp2, (2, 2, 2, 2), (2, WIDTH))
     result["pp2"]["dp_rank"] = pp2.dp_rank
+    result["interleaved"] = {
+        "pp2_vp2_m4": _run_interleaved(pp2, 2, 4, False),
+        "pp2_vp2_m2": _run_interleaved(pp2, 2, 2, False),
+        "pp2_vp3_m6_forward_only": _run_interleaved(pp2, 3, 6, True),
+    }
+    pp2.destroy()
+    pp4 = initialize(pp=4)
+    result["interleaved"]["pp4_vp2_m8"] = _run_interleaved(pp4, 2, 8, False)
+    result["interleaved"]["pp4_vp2_m4"] = _run_interleaved(pp4, 2, 4, False)
     return result
 
 
-def _reference(rows):
-    layers = _layers()
+def _reference(rows, layer_count: int = LAYERS):
+    layers = _layers(layer_count)
     full = nn.Sequential(*layers)
     losses, outputs = [], []
     for microbatch in _microbatches(rows):
@@ -142,7 +179,7 @@ def _close(actual, expected):
     assert torch.allclose(actual, expected, rtol=1e-5, atol=1e-6), (actual - expected).abs().max()
 
 
-def _check_against_reference(results, reference):
+def _check_against_reference(results, reference, layer_count: int = LAYERS):
     seen_layers = set()
     for result in results:
         if result["last"]:
@@ -155,7 +192,7 @@ def _check_against_reference(results, reference):
             seen_layers.add(index)
             for grad, expected in zip(grads, reference["grads"][index]):
                 _close(grad, expected)
-    assert seen_layers == set(range(LAYERS))
+    assert seen_layers == set(range(layer_count))
 
 
 def test_pp2_1f1b_with_4_microbatches_matches_no_pipelining_on_one_rank(ranks):
@@ -237,3 +274,39 @@ def test_bad_num_microbatches_raises(count, match):
             num_microbatches=count,
             loss_func=_loss,
         )
+
+
+@pytest.mark.parametrize(
+    ("case", "layer_count", "microbatch_count"),
+    [("pp2_vp2_m4", 4, 4), ("pp2_vp2_m2", 4, 2), ("pp4_vp2_m8", 8, 8), ("pp4_vp2_m4", 8, 4)],
+)
+def test_interleaved_1f1b_matches_no_pipelining_on_one_rank(
+    ranks, case, layer_count, microbatch_count
+):
+    reference = _reference((2,) * microbatch_count, layer_count)
+    _check_against_reference([r["interleaved"][case] for r in ranks], reference, layer_count)
+
+
+def test_interleaved_forward_only_collects_outputs_on_last_stage(ranks):
+    reference = _reference((2,) * 6, 6)
+    for result in ranks:
+        run = result["interleaved"]["pp2_vp3_m6_forward_only"]
+        if run["last"]:
+            assert len(run["outputs"]) == 6
+            for output, expected in zip(run["outputs"], reference["outputs"]):
+                _close(output, expected)
+        else:
+            assert run["outputs"] == []
+
+
+def test_model_chunks_without_pipelining_run_as_one_model():
+    rows = (2, 1)
+    reference = _reference(rows)
+    layers = _layers()
+    chunks = [nn.Sequential(*layers[:2]), nn.Sequential(*layers[2:])]
+    out = forward_backward(chunks, _microbatches(rows), loss_func=_loss, forward_step=_forward_step)
+    for loss, expected in zip(out.losses, reference["losses"]):
+        _close(loss, expected)
+    for layer, expected in zip(layers, reference["grads"].values()):
+        for grad, ref in zip((p.grad for p in layer.parameters()), expected):
+            _close(grad, ref)

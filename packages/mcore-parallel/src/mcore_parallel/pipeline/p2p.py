@@ -21,6 +21,10 @@ from mcore_parallel.state import ParallelState
 
 __all__ = ["PipelineChannel"]
 
+# Tags keep activations and gradients apart where both travel between the same two ranks in one
+# exchange (pp=2 with interleaving); NCCL ignores tags and relies on the fixed op order instead.
+_FORWARD_TAG, _BACKWARD_TAG = 0, 1
+
 _MAX_DIMS = 8
 # Order defines the header's dtype code; both ends run the same code.
 _DTYPES = (
@@ -183,3 +187,55 @@ class PipelineChannel:
             return None
         spec = self._incoming_spec()
         return self._exchange(grad, self.state.pp_prev_rank, spec)
+
+    def exchange(
+        self,
+        output: torch.Tensor | None,
+        input_grad: torch.Tensor | None,
+        *,
+        recv_prev: bool,
+        recv_next: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Sends forward and backward and receives from both neighbours in one batch.
+
+        The interleaved schedule's step; it needs a fixed ``tensor_shape``. Neighbours wrap
+        around (the last stage's next is the first stage), since model chunks continue there.
+
+        Args:
+            output: Activation for the next stage, or None.
+            input_grad: Gradient for the previous stage, or None.
+            recv_prev: Whether to receive an activation from the previous stage.
+            recv_next: Whether to receive a gradient from the next stage.
+
+        Returns:
+            The received activation and gradient (None where not received).
+
+        Raises:
+            ParallelConfigError: If the channel has no fixed ``tensor_shape``.
+        """
+        if self.tensor_shape is None:
+            raise ParallelConfigError(
+                "interleaved pipelining needs a fixed tensor_shape (got tensor_shape=None)"
+            )
+        prev_rank, next_rank = self.state.pp_prev_rank, self.state.pp_next_rank
+        received_input = received_grad = None
+        ops = []
+        # One fixed order on every rank: with pp=2 both messages between two ranks then match.
+        if output is not None:
+            ops.append(
+                dist.P2POp(dist.isend, output.detach().contiguous(), next_rank, tag=_FORWARD_TAG)
+            )
+        if recv_prev:
+            received_input = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, received_input, prev_rank, tag=_FORWARD_TAG))
+        if input_grad is not None:
+            ops.append(
+                dist.P2POp(dist.isend, input_grad.contiguous(), prev_rank, tag=_BACKWARD_TAG)
+            )
+        if recv_next:
+            received_grad = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, received_grad, next_rank, tag=_BACKWARD_TAG))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return received_input, received_grad

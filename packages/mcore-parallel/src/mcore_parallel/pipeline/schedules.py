@@ -1,4 +1,4 @@
-"""Forward/backward schedules over microbatches: no pipelining and 1F1B.
+"""Forward/backward schedules over microbatches: no pipelining, 1F1B and interleaved 1F1B.
 
 The one-forward-one-backward (1F1B) schedule runs ``pp_size - pp_rank - 1`` warm-up forwards,
 then alternates one forward and one backward, then drains the remaining backwards, so a stage
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mcore_parallel.errors import ParallelConfigError
+from mcore_parallel.pipeline.interleaved import run_interleaved
 from mcore_parallel.pipeline.p2p import PipelineChannel
 from mcore_parallel.state import ParallelState
 
@@ -118,10 +119,14 @@ def forward_backward(
 
     Without pipeline parallelism (``state`` None or ``pp_size == 1``) the microbatches run one
     after the other; otherwise the 1F1B schedule exchanges activations and gradients with the
-    neighbouring stages. Every stage must call it with the same number of microbatches.
+    neighbouring stages. Given a list of model chunks (virtual stages: chunk ``c`` of pipeline
+    rank ``r`` is stage ``c * pp + r``) the interleaved 1F1B schedule runs instead; it needs a
+    fixed ``tensor_shape`` and a number of microbatches divisible by ``pp_size``. Every stage
+    must call it with the same number of microbatches.
 
     Args:
-        model: This stage's module (passed through to ``forward_step``).
+        model: This stage's module, or a list of its model chunks (each passed through to
+            ``forward_step``).
         microbatches: One item per microbatch (a sequence or an iterator), given on every
             stage: the first stage feeds it to the model, the last one to ``loss_func`` (e.g.
             a dict with inputs and labels).
@@ -137,7 +142,8 @@ def forward_backward(
             activation, which allows different sequence lengths per microbatch.
         dtype: Dtype of the activations when ``tensor_shape`` is given.
         no_sync: Factory of a context manager entered around every backward pass but the last
-            (e.g. a data-parallel wrapper's ``no_sync``), so gradients are reduced once.
+            (e.g. a data-parallel wrapper's ``no_sync``), so gradients are reduced once; with
+            model chunks, around every backward pass of a chunk but its last.
 
     Returns:
         The per-microbatch losses, or outputs when ``loss_func`` is None; empty on stages other
@@ -145,8 +151,9 @@ def forward_backward(
 
     Raises:
         ParallelConfigError: If there are no microbatches or fewer than ``num_microbatches``,
-            ``loss_func`` is None without ``forward_only``, or ``loss_func`` returns a
-            non-scalar.
+            ``loss_func`` is None without ``forward_only``, ``loss_func`` returns a
+            non-scalar, ``model`` is an empty list, or the interleaved schedule's
+            requirements are not met.
     """
     microbatches = _take(microbatches, num_microbatches)
     num_microbatches = len(microbatches)
@@ -154,29 +161,38 @@ def forward_backward(
         raise ParallelConfigError(
             "loss_func=None collects outputs and needs forward_only=True (got forward_only=False)"
         )
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not chunks:
+        raise ParallelConfigError("model is an empty list; expected at least one model chunk")
     result = ScheduleOutput()
     pipelined = state is not None and state.pp_size > 1
-    stage = _Stage(
-        model=model,
-        forward_step=forward_step,
-        loss_func=loss_func,
-        forward_only=forward_only,
-        is_last=not pipelined or state.is_last_stage,  # type: ignore[union-attr]
-        num_microbatches=num_microbatches,
-        no_sync=no_sync,
-        result=result,
-    )
+    holds_last_stage = not pipelined or state.is_last_stage  # type: ignore[union-attr]
+    stages = [
+        _Stage(
+            model=chunk,
+            forward_step=forward_step,
+            loss_func=loss_func,
+            forward_only=forward_only,
+            is_last=holds_last_stage and index == len(chunks) - 1,
+            num_microbatches=num_microbatches,
+            no_sync=no_sync,
+            result=result,
+        )
+        for index, chunk in enumerate(chunks)
+    ]
     grad_mode = torch.no_grad() if forward_only else nullcontext()
     with grad_mode:
         if not pipelined:
-            _run_no_pipelining(stage, microbatches)
+            _run_no_pipelining(stages, microbatches)
+            return result
+        assert state is not None
+        channel = PipelineChannel(state, tensor_shape=tensor_shape, dtype=dtype)
+        if len(stages) > 1:
+            run_interleaved(stages, channel, state, microbatches, forward_only=forward_only)
+        elif forward_only:
+            _run_forward_only(stages[0], channel, microbatches)
         else:
-            assert state is not None
-            channel = PipelineChannel(state, tensor_shape=tensor_shape, dtype=dtype)
-            if forward_only:
-                _run_forward_only(stage, channel, microbatches)
-            else:
-                _run_1f1b(stage, channel, state, microbatches)
+            _run_1f1b(stages[0], channel, state, microbatches)
     return result
 
 
@@ -196,11 +212,15 @@ def _take(microbatches: Iterable[Any], count: int | None) -> list[Any]:
     return items
 
 
-def _run_no_pipelining(stage: _Stage, microbatches: Sequence[Any]) -> None:
+def _run_no_pipelining(stages: list[_Stage], microbatches: Sequence[Any]) -> None:
+    # Model chunks on one rank form a single model: chain them without cutting the graph.
     for microbatch in microbatches:
-        output = stage.forward(None, microbatch)
-        if not stage.forward_only:
-            stage.backward(None, output, None)
+        output = None
+        for stage in stages:
+            output = stage.forward(output, microbatch)
+        assert output is not None
+        if not stages[-1].forward_only:
+            stages[-1].backward(None, output, None)
 
 
 def _run_forward_only(stage: _Stage, channel: PipelineChannel, microbatches: Sequence[Any]) -> None:
