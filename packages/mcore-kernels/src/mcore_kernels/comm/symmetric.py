@@ -65,29 +65,43 @@ MIN_CAPACITY_ROWS = 512
 """Rows a new workspace holds at least (more when a call needs more)."""
 
 
-@dataclass
+@dataclass(kw_only=True, slots=True)
 class SymmetricWorkspace:
-    """One rank's symmetric buffers of a group and the peers' address tables.
-
-    Args:
-        rank: this rank's index in the group.
-        world: the group size.
-        capacity_rows: tokens the buffers hold.
-        buffers: the local symmetric tensors (staging, output, signal), kept alive here.
-        handles: the rendezvous handles, kept alive here.
-        staging_table: ``int64[world]`` addresses of the staging buffers.
-        output_table: ``int64[world]`` addresses of the output buffers.
-        signal_table: ``int64[world]`` addresses of the signal pads.
-    """
+    """One rank's symmetric buffers of a group and the tables of the peers' addresses."""
 
     rank: int
+    """This rank's index in the group."""
     world: int
+    """The group size."""
     capacity_rows: int
+    """Tokens the staging buffer (and each half of the output buffer) holds."""
     buffers: tuple[torch.Tensor, ...]
+    """The local symmetric tensors (staging, output, signal pad), kept alive here."""
     handles: tuple[object, ...]
+    """The rendezvous handles, kept alive here."""
     staging_table: torch.Tensor
+    """``int64[world]`` addresses of every rank's ``[capacity_rows, hidden]`` staging buffer."""
     output_table: torch.Tensor
+    """``int64[world]`` addresses of every rank's ``[2, capacity_rows, hidden]`` output buffer."""
     signal_table: torch.Tensor
+    """``int64[world]`` addresses of every rank's int32 signal pad."""
+
+    def __post_init__(self) -> None:
+        """Check that the tables have one entry per rank.
+
+        Raises:
+            KernelShapeError: a table's length differs from ``world``.
+            KernelValueError: ``rank`` is outside ``[0, world)``.
+        """
+        if not 0 <= self.rank < self.world:
+            raise KernelValueError(f"rank={self.rank} must lie in [0, world={self.world})")
+        for name in ("staging_table", "output_table", "signal_table"):
+            table = getattr(self, name)
+            if table.shape != (self.world,) or table.dtype != torch.int64:
+                raise KernelShapeError(
+                    f"{name} is {tuple(table.shape)} {table.dtype}; expected ({self.world},) "
+                    "torch.int64"
+                )
 
 
 _workspaces: dict[tuple[str, int, torch.dtype, int], SymmetricWorkspace] = {}

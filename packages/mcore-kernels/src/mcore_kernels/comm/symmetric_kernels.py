@@ -121,6 +121,23 @@ def one_shot_kernel(
     buffer, meets program ``p`` of every peer, reduces those rows from all staging buffers and
     writes both outputs locally, then meets the peers again so that no staging buffer is
     overwritten by the next call while a peer still reads it.
+
+    Args:
+        partial_ptr: this rank's contiguous ``[tokens, hidden]`` partial sum.
+        residual_ptr: contiguous ``[tokens, hidden]`` residual (its dtype is the output dtype).
+        weight_ptr: ``[hidden]`` RMSNorm scale.
+        normed_out_ptr: contiguous ``[tokens, hidden]`` output of the normalised rows.
+        residual_out_ptr: contiguous ``[tokens, hidden]`` output of ``sum + residual``.
+        staging_table: ``int64[WORLD]`` addresses of the ranks' ``[capacity, hidden]`` staging
+            buffers.
+        signal_table: ``int64[WORLD]`` addresses of the ranks' int32 signal pads.
+        rank: this rank's index in the group.
+        tokens: rows to process.
+        hidden: row length.
+        rows_per_program: ``ceil(tokens / programs)``.
+        eps: added to the mean square.
+        WORLD: the group size.
+        BLOCK_H: ``hidden`` rounded up to a power of two.
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -178,6 +195,29 @@ def two_shot_kernel(
     the peers again and copies the gathered rows out. ``REDUCE`` and ``GATHER`` select the two
     halves; a GPU launch runs both, the single-process emulation runs them one after the other
     for all ranks.
+
+    Args:
+        partial_ptr: this rank's contiguous ``[tokens, hidden]`` partial sum.
+        residual_ptr: contiguous ``[tokens, hidden]`` residual (its dtype is the output dtype).
+        weight_ptr: ``[hidden]`` RMSNorm scale.
+        normed_out_ptr: contiguous ``[tokens, hidden]`` output of the normalised rows.
+        residual_out_ptr: contiguous ``[tokens, hidden]`` output of ``sum + residual``.
+        staging_table: ``int64[WORLD]`` addresses of the ranks' ``[capacity, hidden]`` staging
+            buffers.
+        output_table: ``int64[WORLD]`` addresses of the ranks' ``[2, capacity_rows, hidden]``
+            output buffers.
+        signal_table: ``int64[WORLD]`` addresses of the ranks' int32 signal pads.
+        rank: this rank's index in the group.
+        tokens: rows to process.
+        hidden: row length.
+        slice_rows: ``ceil(tokens / WORLD)``, the rows each rank owns.
+        rows_per_program: ``ceil(slice_rows / programs)``.
+        capacity_rows: rows of each half of an output buffer.
+        eps: added to the mean square.
+        WORLD: the group size.
+        BLOCK_H: ``hidden`` rounded up to a power of two.
+        REDUCE: run the first half.
+        GATHER: run the second half.
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
