@@ -120,10 +120,25 @@ def _pp_worker() -> dict:
         loss_func=_loss,
         forward_step=_forward_step,
     )
+    # Interleaved: rank r holds layers r and 2 + r as two chunks (virtual stages r, 2 + r).
+    chunks = [
+        nn.Sequential(_stage_layers()[i]).to(state.device)
+        for i in (state.pp_rank, 2 + state.pp_rank)
+    ]
+    interleaved = forward_backward(
+        chunks,
+        _microbatches(state.device),
+        state=state,
+        loss_func=_loss,
+        forward_step=_forward_step,
+        tensor_shape=(BATCH, HIDDEN),
+    )
     return {
         "pp_rank": state.pp_rank,
         "losses": out.losses,
         "grads": [p.grad for p in model.parameters()],
+        "interleaved_losses": interleaved.losses,
+        "interleaved_grads": [[p.grad for p in chunk.parameters()] for chunk in chunks],
     }
 
 
@@ -165,7 +180,7 @@ def test_nccl_tp2_mlp_sequence_parallel_and_embedding_match_one_gpu():
         _close(sp["db2"], tp["db2"])
 
 
-def test_nccl_pp2_1f1b_matches_one_gpu():
+def test_nccl_pp2_1f1b_and_interleaved_match_one_gpu():
     results = run_distributed(_pp_worker, 2, backend="nccl")
     layers = _stage_layers()
     full = nn.Sequential(*layers).cuda()
@@ -185,3 +200,10 @@ def test_nccl_pp2_1f1b_matches_one_gpu():
         _close(grad, expected)
     for grad, expected in zip(by_stage[1]["grads"], expected_grads[half:]):
         _close(grad, expected)
+    for loss, expected in zip(by_stage[1]["interleaved_losses"], losses):
+        _close(loss, expected)
+    per_layer = [[p.grad for p in layer.parameters()] for layer in layers]
+    for rank, result in by_stage.items():
+        for chunk_grads, layer_index in zip(result["interleaved_grads"], (rank, 2 + rank)):
+            for grad, expected in zip(chunk_grads, per_layer[layer_index]):
+                _close(grad, expected)
