@@ -313,3 +313,24 @@ def test_unavailable_reason_names_cpu_tensors_and_a_forced_backend(
     assert "MCORE_KERNELS_BACKEND=torch" in str(
         symmetric_memory_unavailable_reason(torch.zeros(2, 8), None)
     )
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "world", "fragment"),
+    [
+        (4096, 16384, 8, None),
+        (1, 4096, 9, "9 ranks"),
+        (1, 16385, 2, "hidden=16385"),
+        (4097, 4096, 2, "tokens=4097"),
+    ],
+)
+def test_size_limits_send_larger_calls_to_the_collective_path(
+    tokens: int, hidden: int, world: int, fragment: str | None
+) -> None:
+    from mcore_kernels.comm.availability import size_limit_reason
+
+    reason = size_limit_reason(tokens, hidden, world)
+    if fragment is None:
+        assert reason is None
+    else:
+        assert reason is not None and fragment in reason

@@ -13,6 +13,8 @@ from mcore_kernels._backend import selected_backend
 __all__ = [
     "MAX_WORLD_SIZE",
     "MAX_HIDDEN",
+    "MAX_TOKENS",
+    "size_limit_reason",
     "symmetric_memory_unavailable_reason",
     "log_fallback_once",
 ]
@@ -24,6 +26,10 @@ MAX_WORLD_SIZE = 8
 
 MAX_HIDDEN = 16384
 """Largest hidden size: one program holds a whole row in registers."""
+
+MAX_TOKENS = 4096
+"""Largest token count served: it bounds the symmetric buffers (three of ``tokens x hidden``
+per rank) and keeps the kernels' 32-bit offsets far from overflow."""
 
 _logged_reasons: set[str] = set()
 
@@ -63,11 +69,27 @@ def symmetric_memory_unavailable_reason(
         return f"torch {torch.__version__} has no torch.distributed._symmetric_memory"
     if not hasattr(symm_mem, "empty") or not hasattr(symm_mem, "rendezvous"):
         return f"torch {torch.__version__} lacks symmetric_memory.empty/rendezvous"
-    world = dist.get_world_size(group)
+    tokens, hidden = partial.shape
+    return size_limit_reason(tokens, hidden, dist.get_world_size(group))
+
+
+def size_limit_reason(tokens: int, hidden: int, world: int) -> str | None:
+    """Say which size limit of the symmetric-memory kernels a call exceeds, if any.
+
+    Args:
+        tokens: rows of the call.
+        hidden: row length.
+        world: ranks in the group.
+
+    Returns:
+        None when every limit holds, else a sentence naming the limit.
+    """
     if world > MAX_WORLD_SIZE:
         return f"the group has {world} ranks; the kernels serve at most {MAX_WORLD_SIZE}"
-    if partial.shape[1] > MAX_HIDDEN:
-        return f"hidden={partial.shape[1]} exceeds the kernels' limit of {MAX_HIDDEN}"
+    if hidden > MAX_HIDDEN:
+        return f"hidden={hidden} exceeds the kernels' limit of {MAX_HIDDEN}"
+    if tokens > MAX_TOKENS:
+        return f"tokens={tokens} exceeds the symmetric workspace limit of {MAX_TOKENS}"
     return None
 
 
