@@ -1,5 +1,9 @@
 """Resharding on 4 real gloo ranks: TP=2 x DP=2 -> TP=4 / TP=1, optimizer state DP=4 -> 2, 3, 1.
 
+The last phases use the real DistributedDataParallel + DistributedOptimizer of mcore-parallel
+with overlapped parameter all-gather: the save must force the pending all-gather, and the
+optimizer state saved under DP=4 must load under DP=2 and in one process.
+
 One spawn of 4 ranks runs every distributed phase (spawning is the expensive part); the tests
 then check its results against slices of the reference tensors, and load the same checkpoints
 again in this process (no torch.distributed) under further layouts.
@@ -12,10 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import mcore_ckpt
 from mcore_ckpt.errors import CheckpointMismatchError
 from mcore_ckpt.layout import resolve_checkpoint_dir
+from mcore_parallel.distributed import (
+    DDPConfig,
+    DistributedDataParallel,
+    DistributedOptimizer,
+    OptimizerConfig,
+)
 from mcore_parallel.sharding import ShardedTensor
 from mcore_parallel.state import initialize
 from mcore_parallel.testing import run_distributed
@@ -144,6 +155,61 @@ def _distributed_phases(root: str) -> dict:
     mcore_ckpt.load(Path(root) / "opt", as_dp2)
     results["dp2"] = _locals(as_dp2)
     state.destroy()
+    results.update(_distributed_optimizer_phases(root))
+    return results
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 20), nn.Tanh(), nn.Linear(20, 7), nn.Linear(7, 3))
+
+
+DDP_CONFIG = {
+    "bucket_size": 60,
+    "use_distributed_optimizer": True,
+    "overlap_grad_reduce": True,
+    "overlap_param_gather": True,
+}
+OPTIM = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _distributed_optimizer_phases(root: str) -> dict:
+    results: dict = {}
+    dp4 = initialize()
+    model = DistributedDataParallel(make_mlp(), DDPConfig(**DDP_CONFIG), state=dp4)
+    optimizer = DistributedOptimizer(model, OptimizerConfig(**OPTIM))
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x, y = torch.randn(8, 5, generator=generator), torch.randn(8, 3, generator=generator)
+        rows = slice(2 * dp4.rank, 2 * dp4.rank + 2)
+        optimizer.zero_grad()
+        (model(x[rows]) - y[rows]).pow(2).mean().backward()
+        optimizer.step()
+    # The all-gather of the updated parameters is still pending (overlapped with the next
+    # forward): saving the DDP model alone must force it.
+    results["stale_before_save"] = any(b.param_stale for b in model.buckets)
+    mcore_ckpt.save(Path(root) / "weights", {"model": model}, state=dp4)
+    mcore_ckpt.save(
+        Path(root) / "dist_opt", {"model": model.module, "optimizer": optimizer}, state=dp4
+    )
+    dp4.destroy()
+
+    dp2 = initialize(tp=2)  # dp=2 groups {0, 2} and {1, 3}
+    model = DistributedDataParallel(make_mlp(), DDPConfig(**DDP_CONFIG), state=dp2)
+    optimizer = DistributedOptimizer(model, OptimizerConfig(**OPTIM))
+    mcore_ckpt.load(
+        Path(root) / "dist_opt", {"model": model.module, "optimizer": optimizer}, state=dp2
+    )
+    model.finish_param_sync()
+    loaded = optimizer.sharded_state_dict()
+    results["dp2_step"] = loaded["step"]
+    results["dp2_blocks"] = {
+        f"{name}.{key}": (leaf.global_offset[0], leaf.local.clone())
+        for name, leaves in loaded["param_state"].items()
+        for key, leaf in leaves.items()
+    }
+    results["dp2_params"] = {k: v.detach().clone() for k, v in model.module.named_parameters()}
+    dp2.destroy()
     return results
 
 
@@ -234,3 +300,49 @@ def test_optimizer_state_saved_dp4_loads_as_other_dp_in_one_process(distributed,
         for key, value in _locals(target).items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, expected[key]), (dp_rank, key)
+
+
+def _saved_optimizer_in_one_process(root: Path) -> dict:
+    names = [name for name, _ in make_mlp().named_parameters()]
+    shapes = dict((n, p.shape) for n, p in make_mlp().named_parameters())
+    target = {
+        "model": {name: torch.zeros(shapes[name]) for name in names},
+        "optimizer": {
+            "step": None,
+            "param_state": {
+                name: {
+                    key: torch.zeros(shapes[name].numel())
+                    for key in ("main_param", "exp_avg", "exp_avg_sq")
+                }
+                for name in names
+            },
+        },
+    }
+    mcore_ckpt.load(root / "dist_opt", target)
+    return target
+
+
+def test_saving_a_ddp_model_forces_its_pending_param_all_gather(distributed):
+    root, results = distributed
+    assert all(r["stale_before_save"] for r in results)  # the case under test did arise
+    saved = _saved_optimizer_in_one_process(root)
+    weights = {name: torch.zeros_like(t) for name, t in saved["model"].items()}
+    mcore_ckpt.load(root / "weights", {"model": weights})
+    for name, tensor in weights.items():
+        main = saved["optimizer"]["param_state"][name]["main_param"]
+        assert torch.equal(tensor.reshape(-1), main), name
+        assert torch.equal(saved["model"][name], tensor), name
+
+
+def test_distributed_optimizer_state_saved_under_dp4_loads_under_dp2(distributed):
+    root, results = distributed
+    saved = _saved_optimizer_in_one_process(root)
+    assert saved["optimizer"]["step"] == 2
+    for result in results:
+        assert result["dp2_step"] == 2
+        for fqn, (offset, local) in result["dp2_blocks"].items():
+            name, key = fqn.rsplit(".", 1)
+            full = saved["optimizer"]["param_state"][name][key]
+            assert torch.equal(local, full[offset : offset + local.numel()]), fqn
+        for name, param in result["dp2_params"].items():
+            assert torch.equal(param, saved["model"][name]), name

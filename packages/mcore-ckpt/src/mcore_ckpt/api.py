@@ -108,7 +108,7 @@ def _split_entries(entries: dict[str, Entry]) -> tuple[dict[str, Block], dict[st
     blocks = {
         e.fqn: Block(e.local, e.global_shape, e.global_offset)
         for e in entries.values()
-        if e.is_tensor and not e.is_replica
+        if e.is_tensor and not e.is_replica and not e.is_empty_block
     }
     objects = {e.fqn: e.value for e in entries.values() if not e.is_tensor}
     return blocks, objects
@@ -130,8 +130,10 @@ def save(
     calls it without torch.distributed). Tensors are written whole, or as this rank's block
     when given as :class:`~mcore_parallel.sharding.ShardedTensor` (blocks with a positive
     ``replica_id`` are skipped). Other leaves are pickled once (they must be equal on every
-    rank). Values with a ``start_param_sync`` method are synced first; values with a
-    ``sharded_state_dict`` method are saved as the dict it returns.
+    rank). Values with a ``start_param_sync`` method (a distributed optimizer overlapping its
+    parameter all-gather) are synced first with ``force_sync=True``; values with a
+    ``sharded_state_dict`` method are saved as the dict it returns, other ``nn.Module`` values
+    as :func:`mcore_parallel.checkpointing.sharded_state_dict` over ``state``.
 
     The checkpoint is written into a temporary directory, flushed, renamed to
     ``path/step_<n>`` and then named by ``path/latest``; a crash at any moment leaves the
@@ -141,7 +143,8 @@ def save(
         path: The checkpoint root; created if missing.
         state_dict: Nested dicts and lists of tensors, sharded tensors and objects.
         state: The :class:`~mcore_parallel.ParallelState` of the caller, recorded as the
-            layout; optional.
+            layout and used to shard ``nn.Module`` values; None for a single process or
+            modules held whole.
         async_save: Stage to host memory, return an :class:`AsyncSave` handle at once and write
             in a background thread.
         keep_last: After committing, delete all but this many newest checkpoints.
@@ -170,7 +173,7 @@ def save(
     objects: dict[str, Any] = {}
     try:
         sync_params(state_dict)
-        entries, _ = flatten_state_dict(state_dict)
+        entries, _ = flatten_state_dict(state_dict, state)
         blocks, objects = _split_entries(entries)
     except CheckpointError as caught:
         error = caught
@@ -322,8 +325,9 @@ def load(
     Args:
         path: A checkpoint directory, or a root whose ``latest`` marker names one.
         state_dict: The structure to fill, shaped like the one saved (any layout).
-        state: The caller's :class:`~mcore_parallel.ParallelState`; optional, unused beyond
-            symmetry with :func:`save` (all ranks of the default group take part).
+        state: The caller's :class:`~mcore_parallel.ParallelState`, over which ``nn.Module``
+            values are sharded; None loads modules whole. All ranks of the default group take
+            part either way.
         verify: Also check the CRC-32 of every file before reading.
 
     Returns:
@@ -337,7 +341,6 @@ def load(
             shape differs.
         AsyncSaveError: If an earlier asynchronous save of this process failed unnoticed.
     """
-    del state
     drain_pending()
     comm = Communicator()
     error: BaseException | None = None
@@ -349,7 +352,7 @@ def load(
             check_file_checksums(info, names)
         else:
             check_file_sizes(info)
-        entries, expanded = flatten_state_dict(state_dict)
+        entries, expanded = flatten_state_dict(state_dict, state)
         blocks, object_names = _match(entries, info)
         reader = RemapFileSystemReader(directory)
         reader.read_metadata()
@@ -413,5 +416,6 @@ def _match(entries: dict[str, Entry], info: CheckpointInfo) -> tuple[dict[str, B
                 f"state_dict[{fqn!r}] has global shape {tuple(entry.global_shape)}, the "
                 f"checkpoint {info.path} holds shape {stored_tensor.shape}"
             )
-        blocks[fqn] = Block(entry.local, tuple(entry.global_shape), tuple(entry.global_offset))
+        if not entry.is_empty_block:
+            blocks[fqn] = Block(entry.local, tuple(entry.global_shape), tuple(entry.global_offset))
     return blocks, objects

@@ -4,18 +4,23 @@ A state dict is a tree of ``dict`` and ``list`` containers whose leaves are tens
 :class:`~mcore_parallel.sharding.ShardedTensor` blocks or picklable Python objects. A container
 without any tensor inside (a config dict, a list of numbers) is one object leaf. Values with
 a ``sharded_state_dict()`` method (a distributed optimizer, for instance) are expanded into the
-state dict they return; on load, their ``load_sharded_state_dict(sd)`` receives it back.
+state dict they return; on load, their ``load_sharded_state_dict(sd)`` receives it back. An ``nn.Module`` without such
+a method is expanded by :func:`mcore_parallel.checkpointing.sharded_state_dict` (tensor-parallel
+weights become their blocks; the blocks alias the parameters, so loading fills them in place).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from mcore_ckpt.errors import CheckpointTypeError
+from mcore_parallel.checkpointing import sharded_state_dict as module_sharded_state_dict
 from mcore_parallel.sharding import ShardedTensor
 
 __all__ = ["Entry", "flatten_state_dict", "sync_params"]
@@ -68,11 +73,29 @@ class Entry:
         """Whether another rank writes this block (a positive ``replica_id``)."""
         return isinstance(self.value, ShardedTensor) and self.value.replica_id > 0
 
+    @property
+    def is_empty_block(self) -> bool:
+        """Whether this rank holds no element of a non-empty global tensor (nothing to move)."""
+        return self.local.numel() == 0 and math.prod(self.global_shape) > 0
+
 
 def _is_stateful(value: Any) -> bool:
-    return callable(getattr(value, "sharded_state_dict", None)) and not isinstance(
-        value, (dict, list, torch.Tensor, ShardedTensor)
-    )
+    if isinstance(value, (dict, list, torch.Tensor, ShardedTensor)):
+        return False
+    return isinstance(value, nn.Module) or callable(getattr(value, "sharded_state_dict", None))
+
+
+def _expand(value: Any, fqn: str, state: Any) -> dict[str, Any]:
+    if callable(getattr(value, "sharded_state_dict", None)):
+        sub = value.sharded_state_dict()
+    else:
+        sub = module_sharded_state_dict(value, state)
+    if not isinstance(sub, dict):
+        raise CheckpointTypeError(
+            f"{type(value).__name__}.sharded_state_dict() at {fqn!r} must return a dict, got "
+            f"{type(sub).__name__}"
+        )
+    return sub
 
 
 def _holds_tensors(node: Any) -> bool:
@@ -111,13 +134,15 @@ def sync_params(state_dict: Any) -> None:
 
 
 def flatten_state_dict(
-    state_dict: dict[str, Any],
+    state_dict: dict[str, Any], state: Any = None
 ) -> tuple[dict[str, Entry], list[tuple[Any, dict[str, Any]]]]:
     """Flattens a nested state dict into entries keyed by dotted path.
 
     Args:
         state_dict: Nested dicts and lists of tensors, sharded tensors and objects. Dict keys
             must be strings or integers.
+        state: The :class:`~mcore_parallel.ParallelState` that modules are sharded over, or
+            None for modules held whole.
 
     Returns:
         The entries by path, and the expanded stateful objects with the state dict each
@@ -131,7 +156,7 @@ def flatten_state_dict(
         raise CheckpointTypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     entries: dict[str, Entry] = {}
     expanded: list[tuple[Any, dict[str, Any]]] = []
-    for fqn, container, key, value in _walk(state_dict, "", expanded):
+    for fqn, container, key, value in _walk(state_dict, "", expanded, state):
         if fqn in entries:
             raise CheckpointTypeError(
                 f"state_dict has two leaves at path {fqn!r}; a key containing "
@@ -142,7 +167,10 @@ def flatten_state_dict(
 
 
 def _walk(
-    node: dict[Any, Any] | list[Any], prefix: str, expanded: list[tuple[Any, dict[str, Any]]]
+    node: dict[Any, Any] | list[Any],
+    prefix: str,
+    expanded: list[tuple[Any, dict[str, Any]]],
+    state: Any,
 ) -> Iterator[tuple[str, Any, Any, Any]]:
     items = node.items() if isinstance(node, dict) else enumerate(node)
     for key, value in items:
@@ -153,15 +181,10 @@ def _walk(
             )
         fqn = f"{prefix}{key}"
         if _is_stateful(value):
-            sub = value.sharded_state_dict()
-            if not isinstance(sub, dict):
-                raise CheckpointTypeError(
-                    f"{type(value).__name__}.sharded_state_dict() at {fqn!r} must return a "
-                    f"dict, got {type(sub).__name__}"
-                )
+            sub = _expand(value, fqn, state)
             expanded.append((value, sub))
             value = sub
         if isinstance(value, (dict, list)) and _holds_tensors(value):
-            yield from _walk(value, fqn + SEPARATOR, expanded)
+            yield from _walk(value, fqn + SEPARATOR, expanded, state)
         else:
             yield fqn, node, key, value
