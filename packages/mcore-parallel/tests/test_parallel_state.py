@@ -149,6 +149,28 @@ def test_world_size_1_is_all_ones_and_default_is_cleared_on_destroy():
     }
 
 
+def _initialize_from_environment() -> dict:
+    # run_distributed initialised torch.distributed; start over as a torchrun-launched script.
+    dist.destroy_process_group()
+    state = initialize(tp=2, backend="gloo")
+    result = {"world_size": state.world_size, "tp_ranks": state.tp_ranks}
+    state.destroy()
+    result["default_destroyed"] = not dist.is_initialized()
+    return result
+
+
+def test_initialize_sets_up_torch_distributed_from_the_environment():
+    results = run_distributed(_initialize_from_environment, 2)
+    assert results == [{"world_size": 2, "tp_ranks": [0, 1], "default_destroyed": True}] * 2
+
+
+def test_initialize_without_environment_raises(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ParallelStateError, match="RANK"):
+        initialize()
+
+
 def test_set_default_rejects_non_state():
     with pytest.raises(ParallelTypeError, match="ParallelState"):
         state_module.set_default("tp=2")

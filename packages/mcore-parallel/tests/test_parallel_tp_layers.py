@@ -15,7 +15,9 @@ from mcore_parallel.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     allreduce_sequence_parallel_grads,
+    gather_from_sequence_parallel_region,
     model_parallel_seed,
+    scatter_to_sequence_parallel_region,
 )
 from mcore_parallel.testing import run_distributed
 
@@ -99,10 +101,29 @@ def _unsplit_chain(state, data):
     return row(col(data["x"])).detach()
 
 
+def _sequence_mappings(state, data) -> dict:
+    # Sequence along dim 1 here ([b, s, h]) to exercise sequence_dim.
+    x = data["x"].transpose(0, 1).contiguous().requires_grad_()
+    scattered = scatter_to_sequence_parallel_region(x, state.tp_group, sequence_dim=1)
+    (scattered * (state.tp_rank + 1)).sum().backward()
+    chunk = x.detach().chunk(2, dim=1)[state.tp_rank].clone().requires_grad_()
+    gathered = gather_from_sequence_parallel_region(
+        chunk, state.tp_group, sequence_dim=1, tensor_parallel_output_grad=False
+    )
+    (gathered * data["x"].transpose(0, 1)).sum().backward()
+    return {
+        "scattered": scattered.detach(),
+        "scatter_grad": x.grad,
+        "gathered": gathered.detach(),
+        "gather_grad": chunk.grad,
+    }
+
+
 def _tp_worker() -> dict:
     state = initialize(tp=2)
     data = _inputs()
     result = {
+        "sequence_mappings": _sequence_mappings(state, data),
         "tp_rank": state.tp_rank,
         "dp_rank": state.dp_rank,
         "mlp": _mlp(state, data, sequence_parallel=False),
@@ -203,6 +224,21 @@ def test_sequence_parallel_embedding_returns_sequence_chunk(ranks, reference):
         r = result["tp_rank"]
         _close(result["emb_sp"]["out"], reference["out"].chunk(2, dim=0)[r])
         _close(result["emb_sp"]["dw"], reference["dtable"].chunk(2, dim=0)[r])
+
+
+def test_sequence_scatter_and_gather_along_dim_1_with_their_gradients(ranks):
+    x = _inputs()["x"].transpose(0, 1)
+    for result in ranks:
+        mappings, r = result["sequence_mappings"], result["tp_rank"]
+        _close(mappings["scattered"], x.chunk(2, dim=1)[r])
+        # The scattered chunk's gradient is (rank + 1) on each rank, gathered back in order.
+        expected = torch.cat(
+            [torch.full_like(c, i + 1.0) for i, c in enumerate(x.chunk(2, dim=1))], dim=1
+        )
+        _close(mappings["scatter_grad"], expected)
+        _close(mappings["gathered"], x)
+        # Without tensor_parallel_output_grad the gradient is only split, not summed.
+        _close(mappings["gather_grad"], x.chunk(2, dim=1)[r])
 
 
 def test_gather_output_and_scattered_input_give_full_result(ranks, reference):
