@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_models import ContiguousKVCache, GPTConfig, GPTModel, ModelConfigError, PackedSeqParams
+from mcore_models import (
+    ContiguousKVCache,
+    GPTConfig,
+    GPTModel,
+    ModelConfigError,
+    ModelInputError,
+    PackedSeqParams,
+)
 from mcore_models.gpt.parallelize import full_state_dict, parallelize
 from mcore_parallel import initialize
 from mcore_parallel.sharding import get_partition_dims
@@ -93,12 +100,19 @@ def _all_checks(checkpoint_dir: str, export_dir: str) -> dict[str, float]:
     with torch.no_grad():
         hf_logits = hf(IDS)
     hf.to_hf(export_dir)
+    custom_mlp = GPTModel(CONFIGS["llama"])
+    custom_mlp.layers[1].mlp = torch.nn.Identity()
     messages = []
-    for model in (hf, GPTModel(GPTConfig.from_name("tiny", num_query_groups=1))):
+    for model in (hf, GPTModel(GPTConfig.from_name("tiny", num_query_groups=1)), custom_mlp):
         try:
             parallelize(model, state)
         except ModelConfigError as error:
             messages.append(str(error))
+    sequence_parallel = GPTModel(CONFIGS["llama"].replace(sequence_parallel=True), state)
+    try:
+        sequence_parallel(IDS[:, :7])
+    except ModelInputError as error:
+        messages.append(str(error))
     return {"hf_logits": hf_logits, "messages": messages, **errors}
 
 
@@ -120,9 +134,11 @@ def test_tensor_parallel_matches_single_rank(tmp_path):
         expected = hf_model(IDS).logits
     for rank, result in enumerate(results):
         torch.testing.assert_close(result.pop("hf_logits"), expected, atol=1e-4, rtol=0)
-        already, indivisible = result.pop("messages")
+        already, indivisible, custom, sequence = result.pop("messages")
         assert "already parallelized" in already
         assert "num_query_groups=1 must be divisible" in indivisible
+        assert "MLP of type Identity" in custom
+        assert "sequence_parallel=True" in sequence
         for key, error in result.items():
             tolerance = 1e-4 if key.startswith("grads") else 2e-5
             assert error < tolerance, (rank, key, error)

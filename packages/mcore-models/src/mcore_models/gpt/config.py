@@ -112,8 +112,8 @@ class GPTConfig:
     row-parallel projections by one fused reduce-scatter + add + RMSNorm + all-gather
     (``mcore_kernels.comm.fused_rs_add_rmsnorm_ag``). Ignored under sequence parallelism."""
     qk_clip_tracking: bool = False
-    """Record the maximum pre-softmax attention logit of every head during forward (for
-    :func:`mcore_models.clip_qk`)."""
+    """Record the maximum pre-softmax attention logit of every head in each forward pass
+    without a KV cache (for :func:`mcore_models.clip_qk`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):

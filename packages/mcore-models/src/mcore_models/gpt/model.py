@@ -256,12 +256,14 @@ class GPTModel(nn.Module):
             if packed is not None:
                 return packed.position_ids(input_ids.device)
             return torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
-        if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (
-            batch,
-            seq_len,
+        if (
+            not isinstance(position_ids, torch.Tensor)
+            or tuple(position_ids.shape) != (batch, seq_len)
+            or position_ids.dtype.is_floating_point
         ):
             raise ModelInputError(
-                f"position_ids={_describe(position_ids)} must have the shape of input_ids "
+                f"position_ids={_describe(position_ids)} must be an integer tensor shaped like "
+                "input_ids "
                 f"{tuple(input_ids.shape)}"
             )
         return position_ids

@@ -129,6 +129,9 @@ def parallelize(model_or_config: GPTModel | GPTConfig, state: ParallelState) -> 
     Returns:
         The same model object, now holding this rank's shards.
 
+    MLP blocks other than :class:`~mcore_models.gpt.mlp.SwiGLUMLP` are sharded by calling
+    their own ``parallelize(state)`` method (reading ``config.sequence_parallel`` themselves).
+
     Raises:
         ModelConfigError: If heads, query groups, FFN size or vocabulary are not divisible by
             the TP size, the model is already parallelized, or an MLP type cannot be sharded.
@@ -158,14 +161,18 @@ def parallelize(model_or_config: GPTModel | GPTConfig, state: ParallelState) -> 
                 # Each rank normalises other heads with the shared weight: partial gradients.
                 _mark_partial_gradient(norm.weight)
         mlp = layer.mlp
-        if not isinstance(mlp, SwiGLUMLP):
+        if isinstance(mlp, SwiGLUMLP):
+            mlp.gate_proj = _column(mlp.gate_proj, state, sp)  # type: ignore[assignment]
+            mlp.up_proj = _column(mlp.up_proj, state, sp)  # type: ignore[assignment]
+            mlp.down_proj = _row(mlp.down_proj, state, sp)  # type: ignore[assignment]
+        elif callable(getattr(mlp, "parallelize", None)):
+            # Other MLP blocks (e.g. mixture-of-experts) shard themselves.
+            mlp.parallelize(state)  # type: ignore[operator]
+        else:
             raise ModelConfigError(
                 f"layer {layer.layer_idx} has an MLP of type {type(mlp).__name__}, which "
-                "parallelize cannot shard"
+                "parallelize cannot shard (it has no parallelize(state) method)"
             )
-        mlp.gate_proj = _column(mlp.gate_proj, state, sp)  # type: ignore[assignment]
-        mlp.up_proj = _column(mlp.up_proj, state, sp)  # type: ignore[assignment]
-        mlp.down_proj = _row(mlp.down_proj, state, sp)  # type: ignore[assignment]
         if sp:
             _mark_partial_gradient(layer.input_norm.weight)
             _mark_partial_gradient(layer.post_attention_norm.weight)
