@@ -126,7 +126,11 @@ def _rewrite_file(checkpoint: Path, name: str, payload: bytes) -> None:
     (checkpoint / name).write_bytes(payload)
     metadata_path = checkpoint / METADATA_FILE
     raw = json.loads(metadata_path.read_text())
-    raw["files"][name] = {"size": len(payload), "crc32": zlib.crc32(payload)}
+    raw["files"][name] = {
+        "size": len(payload),
+        "segment_bytes": 1 << 30,
+        "crc32": [zlib.crc32(payload)],
+    }
     metadata_path.write_text(json.dumps(raw))
 
 

@@ -263,7 +263,7 @@ def _write_and_commit(
             raise cause from caught
         raise CheckpointWriteError(f"writing {temporary} failed: {_describe(cause)}") from caught
 
-    report: tuple[dict[str, tuple[int, int]] | None, str | None]
+    report: tuple[dict[str, FileInfo] | None, str | None]
     try:
         files = sorted(p for p in temporary.iterdir() if p.is_file())
         report = (checksum_files(files[comm.rank :: comm.world_size]), None)
@@ -280,9 +280,7 @@ def _write_and_commit(
         try:
             tensors, object_names = _storage_info(planner.metadata)
             files_info = {
-                n: FileInfo(size, crc)
-                for part, _ in reports
-                for n, (size, crc) in (part or {}).items()
+                name: file_info for part, _ in reports for name, file_info in (part or {}).items()
             }
             write_checkpoint_info(
                 CheckpointInfo(

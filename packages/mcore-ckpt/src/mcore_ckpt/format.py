@@ -82,15 +82,18 @@ class TensorInfo:
 
 @dataclass(frozen=True, slots=True)
 class FileInfo:
-    """Size and checksum of one file of a checkpoint.
+    """Size and checksums of one file of a checkpoint.
 
     Attributes:
         size: Length in bytes.
-        crc32: CRC-32 of the content.
+        crc32: CRC-32 of each consecutive segment of ``segment_bytes`` bytes (the last one may
+            be shorter); segments let large files hash in parallel and locate damage.
+        segment_bytes: Length of a checksum segment.
     """
 
     size: int
-    crc32: int
+    crc32: tuple[int, ...]
+    segment_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +169,10 @@ def write_checkpoint_info(info: CheckpointInfo) -> None:
             for fqn, t in info.tensors.items()
         },
         "objects": list(info.objects),
-        "files": {name: {"size": f.size, "crc32": f.crc32} for name, f in info.files.items()},
+        "files": {
+            name: {"size": f.size, "segment_bytes": f.segment_bytes, "crc32": list(f.crc32)}
+            for name, f in info.files.items()
+        },
     }
     target = info.path / METADATA_FILE
     with open(target, "w", encoding="utf-8") as stream:
@@ -194,7 +200,10 @@ def _read_v1(path: Path, raw: dict[str, Any]) -> CheckpointInfo:
         layout={k: int(v) for k, v in raw["layout"].items()},
         tensors=tensors,
         objects=tuple(raw["objects"]),
-        files={n: FileInfo(int(f["size"]), int(f["crc32"])) for n, f in raw["files"].items()},
+        files={
+            n: FileInfo(int(f["size"]), tuple(int(c) for c in f["crc32"]), int(f["segment_bytes"]))
+            for n, f in raw["files"].items()
+        },
     )
 
 

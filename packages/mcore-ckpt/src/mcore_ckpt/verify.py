@@ -1,8 +1,9 @@
 """Checks that a checkpoint's files are all present, complete and intact.
 
-Sizes are checked before every load (cheap); CRC-32 checksums, recorded at save, are checked by
-``mcore-ckpt validate`` and by ``load(..., verify=True)``, or to find the culprit after a failed
-load.
+Sizes are checked before every load (cheap); CRC-32 checksums of fixed-size segments, recorded
+at save, are checked by ``mcore-ckpt validate`` and by ``load(..., verify=True)``, or to find the
+culprit after a failed load. Segments hash in parallel threads (zlib releases the GIL on large
+buffers), so hashing keeps up with a fast disk.
 """
 
 from __future__ import annotations
@@ -13,47 +14,71 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mcore_ckpt.errors import CheckpointCorruptError
-from mcore_ckpt.format import CheckpointInfo
+from mcore_ckpt.format import CheckpointInfo, FileInfo
 
-__all__ = ["file_crc32", "checksum_files", "check_file_sizes", "check_file_checksums"]
+__all__ = [
+    "SEGMENT_BYTES",
+    "segment_crc32",
+    "checksum_files",
+    "check_file_sizes",
+    "check_file_checksums",
+]
 
+SEGMENT_BYTES = 256 << 20
 _READ_BYTES = 16 << 20
 
 
-def file_crc32(path: Path) -> int:
-    """CRC-32 of a file's content.
+def _threads() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def segment_crc32(path: Path, start: int, length: int) -> int:
+    """CRC-32 of ``length`` bytes of a file from ``start``.
 
     Args:
         path: The file.
+        start: Offset of the first byte.
+        length: Number of bytes (fewer if the file ends first).
 
     Returns:
         The checksum as an unsigned 32-bit integer.
     """
     crc = 0
+    buffer = bytearray(min(_READ_BYTES, max(length, 1)))
+    view = memoryview(buffer)
     with open(path, "rb", buffering=0) as stream:
-        buffer = bytearray(_READ_BYTES)
-        view = memoryview(buffer)
-        while True:
-            n = stream.readinto(buffer)
+        stream.seek(start)
+        left = length
+        while left > 0:
+            n = stream.readinto(view[: min(left, len(buffer))])
             if not n:
-                return crc & 0xFFFFFFFF
-            # zlib releases the GIL on large buffers, so several files hash in parallel.
+                break
             crc = zlib.crc32(view[:n], crc)
+            left -= n
+    return crc & 0xFFFFFFFF
 
 
-def checksum_files(paths: list[Path], threads: int = 4) -> dict[str, tuple[int, int]]:
-    """Sizes and checksums of several files, hashed in parallel threads.
+def _segments(size: int) -> list[tuple[int, int]]:
+    return [(start, min(SEGMENT_BYTES, size - start)) for start in range(0, size, SEGMENT_BYTES)]
+
+
+def checksum_files(paths: list[Path]) -> dict[str, FileInfo]:
+    """Sizes and segment checksums of several files, hashed in parallel threads.
 
     Args:
         paths: The files.
-        threads: Number of hashing threads.
 
     Returns:
-        File name to ``(size, crc32)``.
+        File name to its :class:`~mcore_ckpt.format.FileInfo`.
     """
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths) or 1))) as pool:
-        crcs = list(pool.map(file_crc32, paths))
-    return {p.name: (p.stat().st_size, crc) for p, crc in zip(paths, crcs)}
+    sizes = {p: p.stat().st_size for p in paths}
+    jobs = [(p, start, length) for p in paths for start, length in _segments(sizes[p])]
+    with ThreadPoolExecutor(max_workers=_threads()) as pool:
+        crcs = list(pool.map(lambda job: segment_crc32(*job), jobs))
+    per_file: dict[Path, list[int]] = {p: [] for p in paths}
+    for (path, _, _), crc in zip(jobs, crcs):
+        per_file[path].append(crc)
+    return {p.name: FileInfo(sizes[p], tuple(per_file[p]), SEGMENT_BYTES) for p in paths}
 
 
 def check_file_sizes(info: CheckpointInfo) -> None:
@@ -88,15 +113,31 @@ def check_file_checksums(info: CheckpointInfo, names: list[str] | None = None) -
         names: Files to check; all recorded files when None.
 
     Raises:
-        CheckpointCorruptError: Naming the first missing, resized or altered file.
+        CheckpointCorruptError: Naming the first missing, resized or altered file and the byte
+            range of the damaged segment.
     """
     check_file_sizes(info)
     selected = sorted(info.files) if names is None else sorted(names)
-    found = checksum_files([info.path / n for n in selected])
-    for name in selected:
-        expected = info.files[name]
-        if found[name][1] != expected.crc32:
+    jobs = [
+        (name, start, length)
+        for name in selected
+        for start, length in _segments_of(info.files[name])
+    ]
+    with ThreadPoolExecutor(max_workers=_threads()) as pool:
+        crcs = list(pool.map(lambda job: segment_crc32(info.path / job[0], job[1], job[2]), jobs))
+    index: dict[str, int] = {}
+    for (name, start, length), crc in zip(jobs, crcs):
+        i = index.get(name, 0)
+        index[name] = i + 1
+        expected = info.files[name].crc32
+        if i >= len(expected) or crc != expected[i]:
+            want = f"{expected[i]:08x}" if i < len(expected) else "no checksum"
             raise CheckpointCorruptError(
-                f"{info.path / name} is corrupt: CRC-32 {found[name][1]:08x}, expected "
-                f"{expected.crc32:08x}"
+                f"{info.path / name} is corrupt: CRC-32 {crc:08x} of bytes "
+                f"[{start}, {start + length}), expected {want}"
             )
+
+
+def _segments_of(recorded: FileInfo) -> list[tuple[int, int]]:
+    step = recorded.segment_bytes
+    return [(start, min(step, recorded.size - start)) for start in range(0, recorded.size, step)]
