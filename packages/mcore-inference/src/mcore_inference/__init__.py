@@ -11,7 +11,7 @@ from mcore_inference.errors import (
     InferenceError,
     InvalidRequestError,
     KVCacheExhaustedError,
-    TokenizerError,
+    TokenizerUnavailableError,
 )
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.request import FinishReason, GenerationResult, RequestStatus
@@ -32,5 +32,5 @@ __all__ = [
     "InferenceConfigError",
     "KVCacheExhaustedError",
     "BlockAllocatorError",
-    "TokenizerError",
+    "TokenizerUnavailableError",
 ]

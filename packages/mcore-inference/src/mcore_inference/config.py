@@ -34,8 +34,9 @@ class InferenceConfig:
     """KV-cache blocks to allocate (one more is reserved as the padding scratch block)."""
     kv_memory_bytes: int | None = None
     """KV-cache memory budget in bytes, used when ``num_blocks`` is None."""
-    max_tokens_per_step: int = 2048
-    """Token budget of one step: decode tokens first, then prefill chunks (>= max_batch_size)."""
+    max_tokens_per_step: int | None = None
+    """Token budget of one step: decode tokens first, then prefill chunks (>= max_batch_size);
+    None means max(2048, max_batch_size)."""
     prefill_chunk_size: int = 512
     """Most prompt tokens of one request computed in one step (chunked prefill)."""
     attention_split_size: int = 256
@@ -52,6 +53,8 @@ class InferenceConfig:
     """Seed from which requests without their own seed draw one (in arrival order)."""
 
     def __post_init__(self) -> None:
+        if self.max_tokens_per_step is None and isinstance(self.max_batch_size, int):
+            self.max_tokens_per_step = max(2048, self.max_batch_size)
         for name in (
             "max_batch_size",
             "max_sequence_length",
@@ -68,6 +71,7 @@ class InferenceConfig:
                 f"attention_split_size={self.attention_split_size}; expected a multiple of "
                 f"block_size={self.block_size}"
             )
+        assert self.max_tokens_per_step is not None
         if self.max_tokens_per_step < self.max_batch_size:
             raise InferenceConfigError(
                 f"max_tokens_per_step={self.max_tokens_per_step}; expected at least "

@@ -46,7 +46,7 @@ class InferenceEngine:
 
     Raises:
         InferenceConfigError: If the config is invalid.
-        TokenizerError: If ``config.tokenizer_path`` cannot be loaded.
+        TokenizerUnavailableError: If ``config.tokenizer_path`` cannot be loaded.
     """
 
     def __init__(self, model: Any, config: InferenceConfig | None = None) -> None:
@@ -389,7 +389,7 @@ class InferenceEngine:
             self._block_tables.index_copy_(0, slots, rows.to(self.device))
 
     def _schedule(self) -> list[tuple[Request, int]]:
-        budget = self.config.max_tokens_per_step
+        budget = self.config.max_tokens_per_step or self.config.max_batch_size
         batch: list[tuple[Request, int]] = []
         prefilling: list[tuple[Request, int]] = []
         for request in self._active:

@@ -14,7 +14,7 @@ __all__ = [
     "InferenceConfigError",
     "KVCacheExhaustedError",
     "BlockAllocatorError",
-    "TokenizerError",
+    "TokenizerUnavailableError",
 ]
 
 
@@ -42,5 +42,5 @@ class BlockAllocatorError(InferenceError, ValueError):
     """A KV block was freed twice or does not belong to the allocator."""
 
 
-class TokenizerError(InferenceError, RuntimeError):
+class TokenizerUnavailableError(InferenceError, RuntimeError):
     """A tokenizer is needed but none is configured, or it cannot be loaded."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mcore_inference.errors import TokenizerError
+from mcore_inference.errors import TokenizerUnavailableError
 
 __all__ = ["load_tokenizer"]
 
@@ -20,12 +20,12 @@ def load_tokenizer(path: str | Path) -> Any:
         A ``tokenizers.Tokenizer``.
 
     Raises:
-        TokenizerError: If ``tokenizers`` is not installed (extra ``hf``) or no file is found.
+        TokenizerUnavailableError: If ``tokenizers`` is not installed (extra ``hf``) or no file is found.
     """
     try:
         from tokenizers import Tokenizer
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        raise TokenizerError(
+        raise TokenizerUnavailableError(
             "tokenizer_path is set but the tokenizers package is missing; install "
             "mcore-inference[hf]"
         ) from exc
@@ -33,5 +33,7 @@ def load_tokenizer(path: str | Path) -> Any:
     if file.is_dir():
         file = file / "tokenizer.json"
     if not file.is_file():
-        raise TokenizerError(f"tokenizer_path={str(path)!r}; expected a tokenizer.json file")
+        raise TokenizerUnavailableError(
+            f"tokenizer_path={str(path)!r}; expected a tokenizer.json file"
+        )
     return Tokenizer.from_file(str(file))
