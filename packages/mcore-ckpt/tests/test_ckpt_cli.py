@@ -1,0 +1,52 @@
+"""``mcore-ckpt inspect`` and ``validate`` on the committed v1 fixture."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mcore_ckpt.cli import main
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "v1"
+
+
+def test_inspect_lists_tensors_with_shape_dtype_sharding_and_versions(capsys):
+    assert main(["inspect", str(FIXTURE)]) == 0
+    out = capsys.readouterr().out
+    assert "format      v1, step 3" in out
+    assert "mcore-ckpt 0.1.0" in out and "torch " in out
+    lines = {
+        line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("  ")
+    }
+    assert lines["model.embedding.weight"][:2] == ["4x3", "float32"]
+    assert " ".join(lines["model.embedding.weight"][2:6]) == "2 chunks along dim"
+    assert lines["model.proj.weight"][:2] == ["2x4", "bfloat16"]
+    assert lines["model.norm.weight"][2] == "whole"
+    assert "optimizer.step" in lines and "config" in lines
+
+
+def test_inspect_json_is_machine_readable(capsys):
+    assert main(["inspect", "--json", str(FIXTURE)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["format_version"] == 1
+    assert report["layout"] == {"world_size": 2}
+    assert report["tensors"]["model.proj.weight"] == {
+        "shape": [2, 4],
+        "dtype": "bfloat16",
+        "sharding": "2 chunks along dim 1",
+        "bytes": 16,
+    }
+    assert report["total_bytes"] == sum(report["files"].values())
+
+
+def test_validate_accepts_the_fixture(capsys):
+    assert main(["validate", str(FIXTURE / "step_000000003")]) == 0
+    assert capsys.readouterr().out.startswith("OK ")
+
+
+def test_unknown_command_is_a_usage_error():
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", str(FIXTURE)])
+    assert exit_info.value.code == 2
