@@ -330,22 +330,35 @@ def load_hf(
 def save_hf(model: GPTModel, directory: str | os.PathLike[str]) -> None:
     """Write a model as a Hugging Face checkpoint (see :meth:`GPTModel.to_hf`).
 
+    Each file is written under a temporary name and renamed into place, so an interrupted
+    export never leaves a truncated ``model.safetensors`` behind. Under tensor parallelism the
+    shards are gathered, rank 0 of the TP group writes, and every rank returns once the files
+    exist.
+
     Args:
         model: The model (sharded models are gathered first).
         directory: Output directory.
     """
-    if model.tp_group is not None:
+    group = model.tp_group
+    if group is not None:
         from mcore_models.gpt.parallelize import full_state_dict
 
         state_dict = full_state_dict(model)
-        if torch.distributed.get_rank(model.tp_group) != 0:
-            return
+        if torch.distributed.get_rank(group) == 0:
+            _write_hf(state_dict, model.config, Path(directory))
+        torch.distributed.barrier(group=group)
     else:
-        state_dict = dict(model.state_dict())
-    out = Path(directory)
+        _write_hf(dict(model.state_dict()), model.config, Path(directory))
+
+
+def _write_hf(state_dict: dict[str, torch.Tensor], config: GPTConfig, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {
         hf_name(name): tensor.detach().to("cpu").contiguous() for name, tensor in state_dict.items()
     }
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
+    weights_tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
+    config_tmp = out / "config.json.tmp"
+    config_tmp.write_text(json.dumps(config_to_hf(config), indent=2) + "\n")
+    os.replace(weights_tmp, out / "model.safetensors")
+    os.replace(config_tmp, out / "config.json")
