@@ -172,6 +172,11 @@ def fully_shard_model(
                     f"{torch.__version__}"
                 )
             set_divide_factor(float(mesh.size()))
+            force_sum = getattr(expert, "set_force_sum_reduction_for_comms", None)
+            if dist.get_backend() != "nccl" and force_sum is not None:
+                # A custom divide factor makes FSDP2 reduce with PREMUL_SUM, which gloo lacks;
+                # SUM then divide gives the same gradients.
+                force_sum(True)
     for unit in (shard_units or _default_shard_units)(module):
         fully_shard(unit, mesh=mesh, **options)
     fully_shard(module, mesh=mesh, **options)
