@@ -163,9 +163,26 @@ def test_tied_embeddings_share_the_output_weight():
     assert model.output_weight() is model.embedding.weight
 
 
-def test_flex_backward_on_cpu_raises_backend_error(model):
-    with pytest.raises(AttentionBackendError, match="flex"):
-        _with_backend(model, "flex")(_ids(1, 4))
+def test_flex_trains_on_cpu_with_the_gradients_of_eager():
+    config = GPTConfig.from_name("tiny")
+    ids = _ids(1, 9)
+    packed = PackedSeqParams(torch.tensor([0, 4, 9], dtype=torch.int32), 5)
+    grads = []
+    for backend in ("eager", "flex"):
+        model = GPTModel(config.replace(attention_backend=backend))
+        model(ids, packed_seq_params=packed).logsumexp(-1).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-6)
+
+
+def test_unknown_backend_set_after_construction_raises(model):
+    model.config.attention_backend = "te"
+    try:
+        with pytest.raises(AttentionBackendError, match="attention_backend='te'"):
+            model(_ids(1, 4))
+    finally:
+        model.config.attention_backend = "sdpa"
 
 
 def test_bad_input_ids_raise_model_input_error(model):

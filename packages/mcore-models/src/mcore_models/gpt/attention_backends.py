@@ -121,7 +121,8 @@ def attend(
     Args:
         backend: "sdpa" (torch scaled_dot_product_attention: flash or memory-efficient kernels;
             packed rows run one sequence at a time), "flex" (FlexAttention with a document
-            block mask) or "eager" (explicit softmax, the reference).
+            block mask; on CPU with autograd, where FlexAttention has no backward, the eager
+            kernel applies the same mask) or "eager" (explicit softmax, the reference).
         q: ``[B, T, Hq, D]`` queries.
         k: ``[B, T, Hkv, D]`` keys.
         v: ``[B, T, Hkv, D]`` values.
@@ -132,8 +133,7 @@ def attend(
         ``[B, T, Hq, D]`` attention output in the dtype of ``q``.
 
     Raises:
-        AttentionBackendError: If the backend is unknown, its mask was not prepared, or it
-            cannot run on this device with autograd (FlexAttention on CPU).
+        AttentionBackendError: If the backend is unknown or its mask was not prepared.
     """
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = q.shape[1] != k.shape[1]
@@ -164,12 +164,11 @@ def attend(
                 "backend"
             )
         if not q.is_cuda and torch.is_grad_enabled() and q.requires_grad:
-            raise AttentionBackendError(
-                "attention_backend='flex' cannot run backward on a CPU tensor (torch's "
-                "FlexAttention has no CPU backward); run under torch.no_grad() or choose "
-                "'sdpa' or 'eager'"
-            )
-        out = _flex_attention(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=gqa)
+            # NOTE: torch's FlexAttention has no CPU backward; on CPU with autograd the same
+            # causal document mask is applied by the eager kernel instead.
+            out = _eager_attention(q, k, v, mask, scale)
+        else:
+            out = _flex_attention(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=gqa)
     elif backend == "eager":
         out = _eager_attention(q, k, v, mask, scale)
     else:
