@@ -320,7 +320,7 @@ def load_hf(
             f"tensor {hf_name(missing[0])!r} is missing from the checkpoint at {str(directory)!r} "
             f"({len(missing)} missing in all)"
         )
-    if state is not None and state.tp_size > 1:
+    if state is not None:
         from mcore_models.gpt.parallelize import parallelize
 
         parallelize(model, state)
