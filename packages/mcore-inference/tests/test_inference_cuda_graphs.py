@@ -126,3 +126,27 @@ def test_model_modules_and_parameters_untouched_by_graph_capture(model):
         engine.generate(_prompts(4, seed=3), _mixed_params(4))
     assert [(name, type(m)) for name, m in model.named_modules()] == modules
     assert all(torch.equal(p, params[name]) for name, p in model.named_parameters())
+
+
+def test_graphs_follow_weights_updated_in_place_and_reallocated(model):
+    prompts, params = _prompts(4, seed=4), _mixed_params(4)
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+    try:
+        with InferenceEngine(model, _config()) as engine:
+            engine.generate(prompts, params)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.5)  # in place: the captured graphs read the new values
+            in_place = engine.generate(prompts, params)
+            # Re-allocate every weight (an offload round trip): graphs must be recaptured.
+            model.to("cpu")
+            model.to("cuda")
+            moved = engine.generate(prompts, params)
+        with InferenceEngine(model, _config(use_cuda_graphs=False)) as eager:
+            expected = eager.generate(prompts, params)
+    finally:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(original[name])
+    assert [r.tokens for r in in_place] == [r.tokens for r in expected]
+    assert [r.tokens for r in moved] == [r.tokens for r in expected]

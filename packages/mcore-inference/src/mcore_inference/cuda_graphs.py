@@ -63,6 +63,29 @@ class DecodeGraphRunner:
         self._inputs = padding.clone()
         self._pool: Any = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._weight_addresses = self._current_weight_addresses()
+
+    def _current_weight_addresses(self) -> tuple[int, ...]:
+        tensors = [*self._model.parameters(), *self._model.buffers()]
+        return tuple(t.data_ptr() for t in tensors)
+
+    def drop_if_weights_moved(self) -> bool:
+        """Drop the captured graphs if a parameter or buffer of the model changed storage.
+
+        Graphs read weights at the addresses seen at capture: in-place updates (optimizer
+        steps, ``load_state_dict``) are picked up, but re-allocated weights (offload to the
+        CPU and back, ``model.to``) would leave them reading freed memory.
+
+        Returns:
+            True if the graphs were dropped (they are recaptured on demand).
+        """
+        addresses = self._current_weight_addresses()
+        if addresses == self._weight_addresses:
+            return False
+        self._release_graphs()
+        self._pool = torch.cuda.graph_pool_handle()
+        self._weight_addresses = addresses
+        return True
 
     @property
     def max_batch_size(self) -> int:
@@ -125,11 +148,14 @@ class DecodeGraphRunner:
         graph.replay()
         return logits[:count]
 
-    def close(self) -> None:
-        """Drop every graph, static buffer and the memory pool."""
+    def _release_graphs(self) -> None:
         for graph, _ in self._graphs.values():
             graph.reset()
         self._graphs.clear()
+
+    def close(self) -> None:
+        """Drop every graph, static buffer and the memory pool."""
+        self._release_graphs()
         self._pool = None
         self._model = None
         self._cache = None  # type: ignore[assignment]

@@ -36,7 +36,9 @@ class InferenceEngine:
     between steps.
 
     The engine owns the KV cache, the decode CUDA graphs and their memory pool; the model is
-    only called (its modules are never changed). :meth:`close` (or leaving the ``with`` block)
+    only called (its modules are never changed). Weights may be updated in place between
+    calls (graphs see the new values); if they are re-allocated (offloaded and reloaded), the
+    graphs are dropped and recaptured at the next call. :meth:`close` (or leaving the ``with`` block)
     releases all of it.
 
     Args:
@@ -324,7 +326,13 @@ class InferenceEngine:
             EngineClosedError: If the engine is closed.
         """
         self._check_open()
+        self._revalidate_graphs()
         return [self._snapshot(r) for r in self._step(progress=True)]
+
+    def _revalidate_graphs(self) -> None:
+        # Once per public call, not per step: weights cannot move while the engine runs.
+        if self._graphs is not None:
+            self._graphs.drop_if_weights_moved()
 
     def _step(self, *, progress: bool) -> list[Request]:
         """One step; returns the finished requests, plus the ones that got a token if ``progress``."""
@@ -532,6 +540,7 @@ class InferenceEngine:
             InvalidRequestError: If ``params`` is a list whose length differs from ``prompts``.
         """
         self._check_open()
+        self._revalidate_graphs()
         params_list = self._params_list(len(prompts), params)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         finals: dict[int, GenerationResult] = {}
@@ -562,6 +571,7 @@ class InferenceEngine:
             InvalidRequestError: If ``params`` is a list whose length differs from ``prompts``.
         """
         self._check_open()
+        self._revalidate_graphs()
         params_list = self._params_list(len(prompts), params)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         for updated in self._drive(ids, progress=True):
