@@ -1,6 +1,6 @@
 """Sweep the launch parameters of the mcore-kernels Triton kernels on one GPU.
 
-Times the raw kernels (no autograd) for a few block sizes, warp counts and backward grid sizes,
+Times the raw kernels (no autograd) for a few block sizes, warp counts, pipelining depths and\nbackward grid sizes,
 so that the defaults in ``_rms_norm_triton.py`` and ``_token_logprobs_triton.py`` can be chosen
 from measurements. Writes ``launch_configs.json`` and ``launch_configs.md``.
 
@@ -69,15 +69,23 @@ def sweep_rms_backward(rows: int, hidden: int) -> list[dict]:
     dx = torch.empty_like(h)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     block = min(triton.next_power_of_2(hidden), rms.MAX_BLOCK)
+    warp_choices = (8, 16) if block >= 8192 else (4, 8)
     out = []
     for per_sm in (1, 2, 4, 8):
         programs = min(rows, sms * per_sm)
         rows_per_program = triton.cdiv(rows, programs)
         programs = triton.cdiv(rows, rows_per_program)
         partial = torch.empty(programs, hidden, device=DEVICE, dtype=torch.float32)
-        for warps in (4, 8, 16):
-            ms = bench_ms(
-                lambda warps=warps, programs=programs, rows_per_program=rows_per_program, partial=partial: (
+        for warps in warp_choices:
+            for stages in (1, 2, 3):
+
+                def launch(
+                    warps=warps,
+                    stages=stages,
+                    programs=programs,
+                    rows_per_program=rows_per_program,
+                    partial=partial,
+                ):
                     rms._rms_norm_bwd_kernel[(programs,)](
                         dy,
                         dh,
@@ -93,86 +101,63 @@ def sweep_rms_backward(rows: int, hidden: int) -> list[dict]:
                         HAS_DHIDDEN_OUT=True,
                         BLOCK=block,
                         SINGLE_BLOCK=hidden <= block,
+                        NUM_STAGES=stages,
                         num_warps=warps,
-                    ),
-                    partial.sum(0),
+                    )
+                    return partial.sum(0)
+
+                out.append(
+                    {
+                        "kernel": "rms_bwd",
+                        "shape": f"{rows}x{hidden}",
+                        "programs_per_sm": per_sm,
+                        "warps": warps,
+                        "stages": stages,
+                        "ms": bench_ms(launch),
+                    }
                 )
-            )
-            out.append(
-                {
-                    "kernel": "rms_bwd",
-                    "shape": f"{rows}x{hidden}",
-                    "programs_per_sm": per_sm,
-                    "warps": warps,
-                    "ms": ms,
-                }
-            )
     return out
 
 
 def sweep_logprobs(rows: int, vocab: int) -> list[dict]:
     logits = torch.randn(rows, vocab, device=DEVICE, dtype=torch.bfloat16)
     targets = torch.randint(0, vocab, (rows,), device=DEVICE)
-    lse, tl_, ex = (torch.empty(rows, device=DEVICE) for _ in range(3))
-    grad_logits = torch.empty_like(logits)
-    g = torch.ones(rows, device=DEVICE)
+    stats = [torch.empty(rows, device=DEVICE) for _ in range(5)]
     out = []
-    for block in (2048, 4096, 8192):
-        for warps in (4, 8, 16):
-            for entropy in (False, True):
-                ms = bench_ms(
-                    lambda block=block, warps=warps, entropy=entropy: lp._token_logprobs_fwd_kernel[
-                        (rows,)
-                    ](
-                        logits,
-                        targets,
-                        lse,
-                        tl_,
-                        ex,
-                        vocab,
-                        vocab,
-                        1.0,
-                        WITH_ENTROPY=entropy,
-                        BLOCK_V=block,
-                        num_warps=warps,
+    for block in (4096, 8192):
+        for warps in (4, 8):
+            for stages in (1, 2, 3):
+                for entropy in (False, True):
+                    ms = bench_ms(
+                        lambda block=block, warps=warps, entropy=entropy, stages=stages: (
+                            lp._token_logprobs_fwd_kernel[(rows,)](
+                                logits,
+                                targets,
+                                *stats,
+                                vocab,
+                                vocab,
+                                0,
+                                -100,
+                                1.0,
+                                WITH_ENTROPY=entropy,
+                                FULL_VOCAB=True,
+                                BLOCK_V=block,
+                                NUM_STAGES=stages,
+                                num_warps=warps,
+                            )
+                        )
                     )
-                )
-                out.append(
-                    {
-                        "kernel": "lp_fwd",
-                        "shape": f"{rows}x{vocab}",
-                        "block": block,
-                        "warps": warps,
-                        "entropy": entropy,
-                        "ms": ms,
-                    }
-                )
-            ms = bench_ms(
-                lambda block=block, warps=warps: lp._token_logprobs_bwd_kernel[(rows,)](
-                    logits,
-                    targets,
-                    lse,
-                    ex,
-                    g,
-                    g,
-                    grad_logits,
-                    vocab,
-                    vocab,
-                    1.0,
-                    WITH_ENTROPY=False,
-                    BLOCK_V=block,
-                    num_warps=warps,
-                )
-            )
-            out.append(
-                {
-                    "kernel": "lp_bwd",
-                    "shape": f"{rows}x{vocab}",
-                    "block": block,
-                    "warps": warps,
-                    "ms": ms,
-                }
-            )
+                    out.append(
+                        {
+                            "kernel": "lp_fwd",
+                            "shape": f"{rows}x{vocab}",
+                            "block": block,
+                            "warps": warps,
+                            "stages": stages,
+                            "entropy": entropy,
+                            "ms": ms,
+                        }
+                    )
     return out
 
 
@@ -190,7 +175,7 @@ def main() -> None:
     args = parser.parse_args()
     results = run_sweeps([(8192, 8192), (16384, 2048)], (8192, 151936))
     payload = {**device_info(), "results": results}
-    keys = ["kernel", "shape", "block", "warps", "programs_per_sm", "entropy", "ms"]
+    keys = ["kernel", "shape", "block", "warps", "programs_per_sm", "stages", "entropy", "ms"]
     table = markdown_table(keys, [[r.get(k) for k in keys] for r in results])
     write_results(args.out, "launch_configs", payload, table)
 

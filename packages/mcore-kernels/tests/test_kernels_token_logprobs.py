@@ -184,6 +184,21 @@ def test_bad_arguments_raise_typed_errors_naming_them(kwargs, error, fragment):
     assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_check_targets_false_skips_the_range_check(monkeypatch, backend):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", backend)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    logits, targets = _logits_and_targets((3,), 40, torch.float32, seed=13)
+    bad = targets.clone()
+    bad[2] = 40
+    with pytest.raises(KernelValueError, match="targets holds 40"):
+        token_logprobs(logits, bad)
+    unchecked = token_logprobs(logits, bad, check_targets=False)
+    torch.testing.assert_close(
+        unchecked[:2], token_logprobs(logits[:2], targets[:2]), atol=0, rtol=0
+    )
+
+
 def test_public_names_are_exported():
     assert mcore_kernels.token_logprobs is token_logprobs
     assert mcore_kernels.reference.token_logprobs_reference is token_logprobs_reference
@@ -344,3 +359,22 @@ def test_cuda_backward_allocates_one_logits_sized_buffer():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     assert extra < 1.01 * logits.numel() * logits.element_size()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_capture_skips_the_host_sync_and_replays():
+    logits, targets = (t.cuda() for t in _logits_and_targets((16,), 5000, torch.bfloat16, seed=14))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        token_logprobs(logits, targets)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = token_logprobs(logits, targets)
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(
+        captured, token_logprobs_reference(logits, targets), atol=1e-4, rtol=1e-5
+    )

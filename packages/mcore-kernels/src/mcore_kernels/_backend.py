@@ -8,6 +8,7 @@ is how the test suite checks them without a GPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -23,6 +24,7 @@ BACKEND_ENV = "MCORE_KERNELS_BACKEND"
 _BACKENDS = ("torch", "triton")
 
 
+@functools.lru_cache(maxsize=1)
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 

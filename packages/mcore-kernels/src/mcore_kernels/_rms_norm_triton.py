@@ -11,16 +11,27 @@ how many rows share the launch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from mcore_kernels._triton_utils import round_to
 
-__all__ = ["MAX_BLOCK", "rms_norm_triton", "rms_norm_forward", "rms_norm_backward"]
+__all__ = [
+    "BACKWARD_STAGES",
+    "MAX_BLOCK",
+    "rms_norm_triton",
+    "rms_norm_forward",
+    "rms_norm_backward",
+]
 
 MAX_BLOCK = 8192
 """Widest row held in registers; wider rows are processed in chunks of this many elements."""
+
+BACKWARD_STAGES = 1
+"""Software-pipelining depth of the backward's loop over rows (``tl.range(num_stages=...)``)."""
 
 
 def _block_and_warps(hidden: int) -> tuple[int, int]:
@@ -29,12 +40,22 @@ def _block_and_warps(hidden: int) -> tuple[int, int]:
     return block, warps
 
 
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _backward_programs(device: torch.device, rows: int, block: int) -> int:
     if device.type == "cuda":
         # Measured on H200 (benchmarks/tune_launch_configs.py): one 16-warp program per SM is
         # best for 8192-wide rows, eight 8-warp programs per SM for 2048-wide rows.
         per_sm = min(8, max(1, 8192 // block))
-        slots = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+        slots = (
+            _multiprocessors(
+                device.index if device.index is not None else torch.cuda.current_device()
+            )
+            * per_sm
+        )
     else:
         # The interpreter runs programs one after another; a few are enough to exercise the split.
         slots = 4
@@ -120,6 +141,7 @@ def _rms_norm_bwd_kernel(
     HAS_DHIDDEN_OUT: tl.constexpr,
     BLOCK: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     program = tl.program_id(0)
     first = program.to(tl.int64) * rows_per_program
@@ -130,7 +152,8 @@ def _rms_norm_bwd_kernel(
         mask = cols < hidden
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK], dtype=tl.float32)
-        for i in range(0, count):
+        # Pipelining keeps the next rows' loads in flight while this row is reduced.
+        for i in tl.range(0, count, num_stages=NUM_STAGES):
             row64 = first + i
             dy = tl.load(dy_ptr + row64 * hidden + cols, mask=mask, other=0.0).to(tl.float32)
             h = tl.load(hidden_ptr + row64 * hidden_row_stride + cols, mask=mask, other=0.0).to(
@@ -288,6 +311,7 @@ def rms_norm_backward(
         HAS_DHIDDEN_OUT=dhidden_out is not None,
         BLOCK=block,
         SINGLE_BLOCK=hidden <= block,
+        NUM_STAGES=BACKWARD_STAGES,
         num_warps=warps,
     )
     return dx.reshape(hidden_states.shape), partial.sum(dim=0).to(weight.dtype)

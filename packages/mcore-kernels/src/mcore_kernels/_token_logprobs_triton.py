@@ -21,10 +21,13 @@ import triton.language as tl
 from mcore_kernels._triton_utils import round_to
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
 
-__all__ = ["MAX_BLOCK_V", "token_logprobs_triton"]
+__all__ = ["FORWARD_STAGES", "MAX_BLOCK_V", "token_logprobs_triton"]
 
 MAX_BLOCK_V = 4096
 """Widest vocabulary chunk a program holds in registers at once."""
+
+FORWARD_STAGES = 1
+"""Software-pipelining depth of the forward's vocabulary loop (``tl.range(num_stages=...)``)."""
 
 
 def _block_and_warps(vocab: int, *, backward: bool) -> tuple[int, int]:
@@ -39,15 +42,21 @@ def _block_and_warps(vocab: int, *, backward: bool) -> tuple[int, int]:
 @triton.jit
 def _token_logprobs_fwd_kernel(
     logits_ptr,
-    target_ptr,
+    targets_ptr,
     lse_ptr,
-    target_logit_ptr,
     expected_ptr,
+    target_logit_ptr,
+    logprobs_ptr,
+    entropy_ptr,
     row_stride,
     vocab,
+    vocab_start,
+    ignore_index,
     inv_temperature,
     WITH_ENTROPY: tl.constexpr,
+    FULL_VOCAB: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
@@ -55,7 +64,7 @@ def _token_logprobs_fwd_kernel(
     running_max = -float("inf")
     running_sum = 0.0
     running_weighted = 0.0
-    for start in range(0, vocab, BLOCK_V):
+    for start in tl.range(0, vocab, BLOCK_V, num_stages=NUM_STAGES):
         offs = start + cols
         z = (
             tl.load(row_ptr + offs, mask=offs < vocab, other=-float("inf")).to(tl.float32)
@@ -73,22 +82,30 @@ def _token_logprobs_fwd_kernel(
             running_weighted = running_weighted * scale + tl.sum(weighted, axis=0)
         running_max = new_max
     lse = running_max + tl.log(running_sum)
-    tl.store(lse_ptr + row, lse)
-    target = tl.load(target_ptr + row)
-    has_target = target >= 0
-    target_logit = tl.load(row_ptr + tl.maximum(target, 0), mask=has_target, other=0.0).to(
+    expected = running_weighted / tl.where(running_sum > 0.0, running_sum, 1.0)
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    valid = target != ignore_index
+    local = target - vocab_start
+    in_shard = valid & (local >= 0) & (local < vocab)
+    target_logit = tl.load(row_ptr + tl.where(in_shard, local, 0), mask=in_shard, other=0.0).to(
         tl.float32
     )
-    tl.store(target_logit_ptr + row, tl.where(has_target, target_logit * inv_temperature, 0.0))
+    target_logit = tl.where(in_shard, target_logit * inv_temperature, 0.0)
+    tl.store(lse_ptr + row, lse)
     if WITH_ENTROPY:
-        expected = running_weighted / tl.where(running_sum > 0.0, running_sum, 1.0)
         tl.store(expected_ptr + row, expected)
+    if FULL_VOCAB:
+        tl.store(logprobs_ptr + row, tl.where(valid, target_logit - lse, 0.0))
+        if WITH_ENTROPY:
+            tl.store(entropy_ptr + row, tl.where(valid, lse - expected, 0.0))
+    else:
+        tl.store(target_logit_ptr + row, target_logit)
 
 
 @triton.jit
 def _token_logprobs_bwd_kernel(
     logits_ptr,
-    target_ptr,
+    targets_ptr,
     lse_ptr,
     expected_ptr,
     grad_logprob_ptr,
@@ -96,6 +113,8 @@ def _token_logprobs_bwd_kernel(
     grad_logits_ptr,
     row_stride,
     vocab,
+    vocab_start,
+    ignore_index,
     inv_temperature,
     WITH_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -104,18 +123,21 @@ def _token_logprobs_bwd_kernel(
     row_ptr = logits_ptr + row * row_stride
     out_ptr = grad_logits_ptr + row * vocab
     cols = tl.arange(0, BLOCK_V)
-    target = tl.load(target_ptr + row)
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    # Ignored rows get zero coefficients, hence exactly zero gradient.
+    valid = target != ignore_index
+    local = target - vocab_start
     lse = tl.load(lse_ptr + row)
-    grad_logprob = tl.load(grad_logprob_ptr + row)
+    grad_logprob = tl.where(valid, tl.load(grad_logprob_ptr + row).to(tl.float32), 0.0)
     if WITH_ENTROPY:
-        grad_entropy = tl.load(grad_entropy_ptr + row)
+        grad_entropy = tl.where(valid, tl.load(grad_entropy_ptr + row).to(tl.float32), 0.0)
         expected = tl.load(expected_ptr + row)
     for start in range(0, vocab, BLOCK_V):
         offs = start + cols
         mask = offs < vocab
         z = tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32) * inv_temperature
         probs = tl.exp(z - lse)
-        dz = tl.where(offs == target, grad_logprob, 0.0) - grad_logprob * probs
+        dz = tl.where(offs == local, grad_logprob, 0.0) - grad_logprob * probs
         if WITH_ENTROPY:
             dz -= grad_entropy * probs * (tl.where(probs > 0.0, z, 0.0) - expected)
         tl.store(
@@ -125,74 +147,74 @@ def _token_logprobs_bwd_kernel(
         )
 
 
-def _launch_forward(
-    logits: torch.Tensor, local_targets: torch.Tensor, inv_temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    rows, vocab = logits.shape
-    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    target_logit = torch.empty_like(lse)
-    expected = torch.empty_like(lse) if with_entropy else lse
-    if rows > 0:
-        block, warps = _block_and_warps(vocab, backward=False)
-        _token_logprobs_fwd_kernel[(rows,)](
-            logits,
-            local_targets,
-            lse,
-            target_logit,
-            expected,
-            logits.stride(0),
-            vocab,
-            inv_temperature,
-            WITH_ENTROPY=with_entropy,
-            BLOCK_V=block,
-            num_warps=warps,
-        )
-    return lse, target_logit, expected if with_entropy else None
-
-
 class _TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, inv_temperature, group, with_entropy, ignore_index):  # type: ignore[override]
-        rank, _ = group_rank_and_size(group)
-        vocab = logits.shape[1]
-        flat_targets = targets.long()
-        valid = flat_targets != ignore_index
-        local = flat_targets - rank * vocab
-        in_shard = valid & (local >= 0) & (local < vocab)
-        local_targets = torch.where(in_shard, local, torch.full_like(local, -1))
-        lse, target_logit, expected = _launch_forward(
-            logits, local_targets, inv_temperature, with_entropy
+        rank, world = group_rank_and_size(group)
+        rows, vocab = logits.shape
+        vocab_start = rank * vocab
+        full_vocab = world == 1
+        stats = torch.empty(
+            (3 if with_entropy else 2, rows), dtype=torch.float32, device=logits.device
         )
-        lse, target_logit, expected = combine_shard_stats(lse, target_logit, expected, group)
-        zeros = torch.zeros_like(lse)
-        logprobs = torch.where(valid, target_logit - lse, zeros)
-        ctx.save_for_backward(
-            logits, local_targets, lse, expected if expected is not None else lse, valid
-        )
+        lse, target_logit = stats[0], stats[1]
+        expected = stats[2] if with_entropy else lse
+        logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty_like(logprobs) if with_entropy else logprobs
+        if rows > 0:
+            block, warps = _block_and_warps(vocab, backward=False)
+            _token_logprobs_fwd_kernel[(rows,)](
+                logits,
+                targets,
+                lse,
+                expected,
+                target_logit,
+                logprobs,
+                entropy,
+                logits.stride(0),
+                vocab,
+                vocab_start,
+                ignore_index,
+                inv_temperature,
+                WITH_ENTROPY=with_entropy,
+                FULL_VOCAB=full_vocab,
+                BLOCK_V=block,
+                NUM_STAGES=FORWARD_STAGES,
+                num_warps=warps,
+            )
+        if not full_vocab:
+            lse, target_logit, global_expected = combine_shard_stats(
+                lse, target_logit, expected if with_entropy else None, group
+            )
+            valid = targets != ignore_index
+            zeros = torch.zeros_like(lse)
+            logprobs = torch.where(valid, target_logit - lse, zeros)
+            if with_entropy:
+                assert global_expected is not None
+                expected = global_expected
+                entropy = torch.where(valid, lse - expected, zeros)
+        ctx.save_for_backward(logits, targets, lse, expected)
         ctx.inv_temperature = inv_temperature
         ctx.with_entropy = with_entropy
+        ctx.vocab_start = vocab_start
+        ctx.ignore_index = ignore_index
         if not with_entropy:
             return logprobs
-        assert expected is not None
-        return logprobs, torch.where(valid, lse - expected, zeros)
+        return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy=None):  # type: ignore[override]
-        logits, local_targets, lse, expected, valid = ctx.saved_tensors
+        logits, targets, lse, expected = ctx.saved_tensors
         rows, vocab = logits.shape
-        zeros = torch.zeros_like(lse)
-        # Ignored rows get zero coefficients, hence exactly zero gradient.
-        grad_logprobs = torch.where(valid, grad_logprobs.float(), zeros).contiguous()
         with_entropy = ctx.with_entropy and grad_entropy is not None
-        grad_entropy = (
-            torch.where(valid, grad_entropy.float(), zeros).contiguous() if with_entropy else zeros
-        )
+        grad_logprobs = grad_logprobs.contiguous()
+        grad_entropy = grad_entropy.contiguous() if with_entropy else grad_logprobs
         grad_logits = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
         if rows > 0:
             block, warps = _block_and_warps(vocab, backward=True)
             _token_logprobs_bwd_kernel[(rows,)](
                 logits,
-                local_targets,
+                targets,
                 lse,
                 expected,
                 grad_logprobs,
@@ -200,6 +222,8 @@ class _TokenLogprobsFunction(torch.autograd.Function):
                 grad_logits,
                 logits.stride(0),
                 vocab,
+                ctx.vocab_start,
+                ctx.ignore_index,
                 ctx.inv_temperature,
                 WITH_ENTROPY=with_entropy,
                 BLOCK_V=block,

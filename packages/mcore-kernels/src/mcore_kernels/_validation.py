@@ -100,8 +100,9 @@ def check_token_logprobs_args(
     temperature: object,
     ignore_index: object,
     vocab_size: int | None = None,
+    check_targets: bool = True,
 ) -> None:
-    """Validate the arguments of ``token_logprobs``, except target ranges (see below).
+    """Validate the arguments of ``token_logprobs``.
 
     Args:
         logits: ``[..., V]`` floating logits (a vocabulary shard under tensor parallelism).
@@ -109,6 +110,8 @@ def check_token_logprobs_args(
         temperature: finite float ``> 0``.
         ignore_index: integer marking rows to skip.
         vocab_size: size of the full vocabulary when it differs from ``logits.shape[-1]``.
+        check_targets: check the target ids against the vocabulary (a host sync on CUDA); the
+            check is skipped while a CUDA graph is being captured.
 
     Raises:
         KernelDtypeError: wrong tensor types or dtypes.
@@ -141,7 +144,8 @@ def check_token_logprobs_args(
         raise KernelValueError(f"ignore_index={ignore_index!r} must be an int")
     check_same_device(logits=logits, targets=targets)
     vocab = logits.shape[-1] if vocab_size is None else vocab_size
-    if targets.numel() > 0:
+    capturing = logits.is_cuda and torch.cuda.is_current_stream_capturing()
+    if check_targets and not capturing and targets.numel() > 0:
         # One host sync: a silent out-of-range gather would return garbage log-probs.
         bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
         if bool(bad.any()):

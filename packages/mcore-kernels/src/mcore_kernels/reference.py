@@ -70,6 +70,7 @@ def token_logprobs_reference(
     group: dist.ProcessGroup | None = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
+    check_targets: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of the target tokens (and entropies) in plain torch.
 
@@ -84,6 +85,9 @@ def token_logprobs_reference(
         group: tensor-parallel process group over which the vocabulary is sharded.
         return_entropy: also return the entropy of each row's distribution.
         ignore_index: rows whose target equals it give 0 (and 0 entropy) and no gradient.
+        check_targets: raise on targets outside the vocabulary; this reads a flag on the host
+            (a sync on CUDA) and is skipped during CUDA graph capture. With False, out-of-range
+            targets give meaningless values instead of an error.
 
     Returns:
         float32 (float64 for float64 logits) log-probabilities shaped like ``targets``; with
@@ -97,7 +101,14 @@ def token_logprobs_reference(
     """
     rank, world = group_rank_and_size(group)
     shard = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() > 0 else 0
-    check_token_logprobs_args(logits, targets, temperature, ignore_index, vocab_size=shard * world)
+    check_token_logprobs_args(
+        logits,
+        targets,
+        temperature,
+        ignore_index,
+        vocab_size=shard * world,
+        check_targets=check_targets,
+    )
     lead_shape = targets.shape
     z = logits.reshape(-1, shard).to(_compute_dtype(logits.dtype)) / temperature
     flat_targets = targets.reshape(-1).long()

@@ -21,6 +21,7 @@ def token_logprobs(
     group: dist.ProcessGroup | None = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
+    check_targets: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of the target tokens, ``log_softmax(logits / temperature)[target]``.
 
@@ -38,6 +39,9 @@ def token_logprobs(
         group: tensor-parallel process group over which the vocabulary is sharded, or None.
         return_entropy: also return the entropy of each row's distribution.
         ignore_index: rows whose target equals it give 0 (and 0 entropy) and no gradient.
+        check_targets: raise on targets outside the vocabulary; this reads a flag on the host
+            (a sync on CUDA) and is skipped during CUDA graph capture. With False, out-of-range
+            targets give meaningless values instead of an error.
 
     Returns:
         float32 log-probabilities shaped like ``targets``; with ``return_entropy`` the pair
@@ -52,7 +56,14 @@ def token_logprobs(
     """
     _, world = group_rank_and_size(group)
     shard = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() > 0 else 0
-    check_token_logprobs_args(logits, targets, temperature, ignore_index, vocab_size=shard * world)
+    check_token_logprobs_args(
+        logits,
+        targets,
+        temperature,
+        ignore_index,
+        vocab_size=shard * world,
+        check_targets=check_targets,
+    )
     if logits.dtype != torch.float64 and use_triton(logits, targets):
         from mcore_kernels._token_logprobs_triton import token_logprobs_triton
 
@@ -71,4 +82,5 @@ def token_logprobs(
         group=group,
         return_entropy=return_entropy,
         ignore_index=ignore_index,
+        check_targets=False,  # checked above
     )
