@@ -224,3 +224,13 @@ def test_config_rejects_invalid_fields(field, value, match):
 def test_unknown_preset_name_raises():
     with pytest.raises(ModelConfigError, match="name='gpt-5'"):
         GPTConfig.from_name("gpt-5")
+
+
+def test_replace_derives_head_dim_and_groups_again_when_width_changes():
+    config = GPTConfig.from_name("tiny", num_query_groups=None)
+    wider = config.replace(hidden_size=128, num_attention_heads=8)
+    assert (wider.head_dim, wider.num_query_groups) == (16, 8)
+    gqa = GPTConfig.from_name("tiny").replace(hidden_size=128)
+    assert (gqa.head_dim, gqa.num_query_groups) == (32, 2)
+    explicit = GPTConfig.from_name("tiny", head_dim=8).replace(hidden_size=128)
+    assert explicit.head_dim == 8

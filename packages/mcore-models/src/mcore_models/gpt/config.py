@@ -185,6 +185,11 @@ class GPTConfig:
     def replace(self, **changes: Any) -> GPTConfig:
         """Return a copy with some fields changed (validated again).
 
+        Derived defaults follow the change: when ``hidden_size`` or ``num_attention_heads``
+        changes, a ``head_dim`` that equalled ``hidden_size // num_attention_heads`` is derived
+        again, and a ``num_query_groups`` that equalled ``num_attention_heads`` (plain
+        multi-head attention) follows the new head count, unless those fields are changed too.
+
         Args:
             **changes: Field names and their new values.
 
@@ -194,6 +199,13 @@ class GPTConfig:
         Raises:
             ModelConfigError: If a changed value is invalid.
         """
+        if "hidden_size" in changes or "num_attention_heads" in changes:
+            if "head_dim" not in changes and (
+                self.kv_channels == self.hidden_size // self.num_attention_heads
+            ):
+                changes["head_dim"] = None
+            if "num_query_groups" not in changes and self.num_kv_heads == self.num_attention_heads:
+                changes["num_query_groups"] = None
         return dataclasses.replace(self, **changes)
 
     def num_parameters(self) -> int:
