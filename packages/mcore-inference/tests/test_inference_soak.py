@@ -78,7 +78,7 @@ def test_random_soak_every_request_ends_with_a_status_and_all_blocks_return():
                 if result.done:
                     assert result.request_id not in finals, "a request was reported twice"
                     finals[result.request_id] = result
-            held = sum(len(r.blocks) for r in engine._active)
+            held = sum(len(r.blocks) for r in engine.scheduler.active)
             assert engine.allocator.num_free + held == engine.allocator.capacity
         assert engine.num_active == engine.num_waiting == 0
         assert engine.allocator.num_free == engine.allocator.capacity

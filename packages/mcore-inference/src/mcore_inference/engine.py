@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import random
 from array import array
-from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ from mcore_inference.errors import EngineClosedError, InvalidRequestError
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.request import FinishReason, GenerationResult, Request, RequestStatus
 from mcore_inference.sampling import sample_tokens, sampling_uniform
+from mcore_inference.scheduler import Scheduler
 from mcore_inference.stopping import StopCriteria
 from mcore_inference.tokenizer import load_tokenizer
 from mcore_kernels import token_logprobs
@@ -85,21 +85,14 @@ class InferenceEngine:
             device=self.device,
             split_size=config.attention_split_size,
         )
-        # One row per request slot plus a last row of scratch blocks for padded graph rows.
-        self._padding_row = config.max_batch_size
-        self._block_tables = torch.zeros(
-            (config.max_batch_size + 1, config.max_blocks_per_sequence),
-            dtype=torch.int32,
-            device=self.device,
-        )
-        self._free_slots = list(range(config.max_batch_size - 1, -1, -1))
+        self.scheduler: Scheduler | None = Scheduler(config, self.allocator, self.device)
         self._graphs: DecodeGraphRunner | None = None
         if config.use_cuda_graphs and self.device.type == "cuda":
             self._graphs = DecodeGraphRunner(
                 model,
                 self.kv_cache,
-                self._block_tables,
-                self._padding_row,
+                self.scheduler.block_tables,
+                self.scheduler.padding_row,
                 config.graph_batch_sizes(),
             )
         self.tokenizer: Any = (
@@ -107,8 +100,6 @@ class InferenceEngine:
         )
         self._seed_source = random.Random(config.seed)
         self._next_id = 0
-        self._waiting: deque[Request] = deque()
-        self._active: list[Request] = []
         self._unreported: list[Request] = []
         self._stops: dict[int, StopCriteria] = {}
         self._closed = False
@@ -123,12 +114,12 @@ class InferenceEngine:
     @property
     def num_waiting(self) -> int:
         """Requests queued for KV blocks."""
-        return len(self._waiting)
+        return len(self.scheduler.waiting) if self.scheduler is not None else 0
 
     @property
     def num_active(self) -> int:
         """Requests holding KV blocks."""
-        return len(self._active)
+        return len(self.scheduler.active) if self.scheduler is not None else 0
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, active, or finished but not yet reported.
@@ -136,7 +127,7 @@ class InferenceEngine:
         Returns:
             True if :meth:`step` has work to do or results to report.
         """
-        return bool(self._waiting or self._active or self._unreported)
+        return bool(self.num_waiting or self.num_active or self._unreported)
 
     def close(self) -> None:
         """Abort every request and release the KV cache, CUDA graphs and their memory pool.
@@ -147,8 +138,6 @@ class InferenceEngine:
         if self._closed:
             return
         self._closed = True
-        self._waiting.clear()
-        self._active.clear()
         self._unreported.clear()
         self._stops.clear()
         if self._graphs is not None:
@@ -157,7 +146,9 @@ class InferenceEngine:
         if self.kv_cache is not None:
             self.kv_cache.clear_step()
             self.kv_cache = None
-        del self._block_tables
+        if self.scheduler is not None:
+            self.scheduler.clear()
+            self.scheduler = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -221,7 +212,8 @@ class InferenceEngine:
         self._stops[request_id] = StopCriteria(
             params, self._decode if self.tokenizer is not None else None
         )
-        self._waiting.append(request)
+        assert self.scheduler is not None
+        self.scheduler.waiting.append(request)
         return request_id
 
     def _request_seed(self, params: SamplingParams | None) -> int:
@@ -253,17 +245,13 @@ class InferenceEngine:
                 "an engine with tokenizer_path"
             )
         new_tokens = min(params.max_tokens, limit - len(prompt))
-        needed = self._blocks_needed(len(prompt), new_tokens)
+        assert self.scheduler is not None
+        needed = self.scheduler.blocks_needed(len(prompt), new_tokens)
         if needed > self.allocator.capacity:
             raise InvalidRequestError(
                 f"prompt length {len(prompt)} + max_tokens {new_tokens} needs {needed} KV blocks; "
                 f"expected at most the cache's {self.allocator.capacity}"
             )
-
-    def _blocks_needed(self, prompt_len: int, new_tokens: int) -> int:
-        # The last generated token is never fed back, so it needs no cache slot.
-        positions = prompt_len + max(new_tokens, 1) - 1
-        return -(-positions // self.config.block_size)
 
     def abort(self, request_id: int) -> bool:
         """Stop a waiting or active request and free its blocks.
@@ -281,23 +269,16 @@ class InferenceEngine:
             EngineClosedError: If the engine is closed.
         """
         self._check_open()
-        for request in self._waiting:
-            if request.request_id == request_id:
-                self._waiting.remove(request)
-                self._finish(request, FinishReason.ABORTED)
-                return True
-        for request in self._active:
-            if request.request_id == request_id:
-                self._finish(request, FinishReason.ABORTED)
-                return True
-        return False
+        assert self.scheduler is not None
+        request = self.scheduler.find(request_id)
+        if request is None:
+            return False
+        self._finish(request, FinishReason.ABORTED)
+        return True
 
     def _finish(self, request: Request, reason: FinishReason, *, error: str | None = None) -> None:
-        if request.status == RequestStatus.ACTIVE:
-            self._active.remove(request)
-            self.allocator.free(request.blocks)
-            self._free_slots.append(request.slot)
-            request.blocks, request.slot = [], -1
+        if self.scheduler is not None:
+            self.scheduler.release(request)
         request.finish_reason = reason
         request.status = (
             RequestStatus.FAILED if reason == FinishReason.ERROR else RequestStatus.FINISHED
@@ -337,8 +318,9 @@ class InferenceEngine:
     def _step(self, *, progress: bool) -> list[Request]:
         """One step; returns the finished requests, plus the ones that got a token if ``progress``."""
         reports, self._unreported = self._unreported, []
-        self._admit()
-        batch = self._schedule()
+        assert self.scheduler is not None
+        self.scheduler.admit()
+        batch = self.scheduler.schedule()
         if not batch:
             return reports
         try:
@@ -372,55 +354,11 @@ class InferenceEngine:
         self._unreported = []
         return reports
 
-    def _admit(self) -> None:
-        # First come, first served: the head waits until its whole footprint fits, so a long
-        # request is never starved by later short ones.
-        admitted: list[Request] = []
-        while self._waiting and self._free_slots:
-            request = self._waiting[0]
-            needed = self._blocks_needed(len(request.prompt), request.max_new_tokens)
-            if needed > self.allocator.num_free:
-                break
-            self._waiting.popleft()
-            request.blocks = self.allocator.allocate(needed)
-            request.slot = self._free_slots.pop()
-            request.status = RequestStatus.ACTIVE
-            self._active.append(request)
-            admitted.append(request)
-        if admitted:
-            rows = torch.zeros(
-                (len(admitted), self.config.max_blocks_per_sequence), dtype=torch.int32
-            )
-            for row, request in zip(rows, admitted):
-                row[: len(request.blocks)] = torch.tensor(request.blocks, dtype=torch.int32)
-            slots = torch.tensor([r.slot for r in admitted], device=self.device)
-            self._block_tables.index_copy_(0, slots, rows.to(self.device))
-
-    def _schedule(self) -> list[tuple[Request, int]]:
-        budget = self.config.max_tokens_per_step or self.config.max_batch_size
-        batch: list[tuple[Request, int]] = []
-        prefilling: list[tuple[Request, int]] = []
-        for request in self._active:
-            remaining = len(request.prompt) + len(request.output) - request.num_computed
-            if remaining == 1:
-                batch.append((request, 1))
-            else:
-                prefilling.append((request, remaining))
-        budget -= len(batch)
-        chunk = self.config.prefill_chunk_size
-        for request, remaining in prefilling:
-            if budget <= 0:
-                break
-            count = min(remaining, chunk, budget)
-            batch.append((request, count))
-            budget -= count
-        return batch
-
     @torch.no_grad()
     def _forward_and_sample(
         self, batch: list[tuple[Request, int]]
     ) -> list[tuple[Request, int, float | None]]:
-        assert self.kv_cache is not None
+        assert self.kv_cache is not None and self.scheduler is not None
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -452,7 +390,7 @@ class InferenceEngine:
         if graphs is not None and len(tokens) == len(batch) <= graphs.max_batch_size:
             logits = graphs.run(inputs)
         else:
-            self.kv_cache.prepare_step(self._block_tables, inputs[1], inputs[2])
+            self.kv_cache.prepare_step(self.scheduler.block_tables, inputs[1], inputs[2])
             try:
                 hidden = self.model(
                     inputs[0][None], inputs[1][None], kv_cache=self.kv_cache, return_hidden=True
@@ -505,7 +443,7 @@ class InferenceEngine:
         others: list[Request] = []
         try:
             while pending:
-                if not (self._waiting or self._active or self._unreported):
+                if not self.has_unfinished():
                     raise RuntimeError(f"requests {sorted(pending)} were lost by the engine")
                 mine = []
                 for request in self._step(progress=progress):

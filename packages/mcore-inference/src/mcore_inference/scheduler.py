@@ -1,0 +1,145 @@
+"""Admission and per-step scheduling: which requests hold KV blocks and which tokens run."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from mcore_inference.block_allocator import BlockAllocator
+from mcore_inference.config import InferenceConfig
+from mcore_inference.request import Request, RequestStatus
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler:
+    """Waiting queue, active set, KV blocks and block-table rows of the engine's requests.
+
+    Admission is first come, first served and reserves a request's whole footprint (prompt plus
+    the tokens it may generate), so an admitted request never runs out of cache and nothing is
+    ever preempted; the head of the queue waits until it fits, so a long request is never
+    starved by later short ones. Each step gives every decoding request one token, then fills
+    the rest of the token budget with prefill chunks in admission order.
+
+    Args:
+        config: Engine configuration (batch size, block size, budgets).
+        allocator: Allocator of the KV blocks.
+        device: Device of the block table.
+    """
+
+    def __init__(
+        self, config: InferenceConfig, allocator: BlockAllocator, device: torch.device
+    ) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.padding_row = config.max_batch_size
+        """Block-table row holding only the scratch block, read by padded graph rows."""
+        self.block_tables = torch.zeros(
+            (config.max_batch_size + 1, config.max_blocks_per_sequence),
+            dtype=torch.int32,
+            device=device,
+        )
+        """int32 ``[max_batch_size + 1, max_blocks]``: one row per request slot, then padding."""
+        self.waiting: deque[Request] = deque()
+        """Requests queued for blocks, oldest first."""
+        self.active: list[Request] = []
+        """Requests holding blocks, in admission order."""
+        self._free_slots = list(range(config.max_batch_size - 1, -1, -1))
+
+    def blocks_needed(self, prompt_len: int, new_tokens: int) -> int:
+        """KV blocks of a request's whole footprint.
+
+        Args:
+            prompt_len: Prompt tokens.
+            new_tokens: Tokens it may generate.
+
+        Returns:
+            The number of blocks; the last generated token is never fed back, so it needs no
+            cache slot.
+        """
+        positions = prompt_len + max(new_tokens, 1) - 1
+        return -(-positions // self.config.block_size)
+
+    def admit(self) -> None:
+        """Move waiting requests to the active set while slots and blocks allow."""
+        admitted: list[Request] = []
+        while self.waiting and self._free_slots:
+            request = self.waiting[0]
+            needed = self.blocks_needed(len(request.prompt), request.max_new_tokens)
+            if needed > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            request.blocks = self.allocator.allocate(needed)
+            request.slot = self._free_slots.pop()
+            request.status = RequestStatus.ACTIVE
+            self.active.append(request)
+            admitted.append(request)
+        if admitted:
+            rows = torch.zeros(
+                (len(admitted), self.config.max_blocks_per_sequence), dtype=torch.int32
+            )
+            for row, request in zip(rows, admitted):
+                row[: len(request.blocks)] = torch.tensor(request.blocks, dtype=torch.int32)
+            device = self.block_tables.device
+            slots = torch.tensor([r.slot for r in admitted], device=device)
+            self.block_tables.index_copy_(0, slots, rows.to(device))
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """Pick the tokens of the next step.
+
+        Returns:
+            ``(request, number of tokens)`` pairs: all decoding requests first (one token
+            each), then prefill chunks within the remaining budget.
+        """
+        budget = self.config.max_tokens_per_step or self.config.max_batch_size
+        batch: list[tuple[Request, int]] = []
+        prefilling: list[tuple[Request, int]] = []
+        for request in self.active:
+            remaining = len(request.prompt) + len(request.output) - request.num_computed
+            if remaining == 1:
+                batch.append((request, 1))
+            else:
+                prefilling.append((request, remaining))
+        budget -= len(batch)
+        chunk = self.config.prefill_chunk_size
+        for request, remaining in prefilling:
+            if budget <= 0:
+                break
+            count = min(remaining, chunk, budget)
+            batch.append((request, count))
+            budget -= count
+        return batch
+
+    def release(self, request: Request) -> None:
+        """Remove a request from the queue or the active set, freeing its blocks and slot.
+
+        Args:
+            request: A waiting or active request (others are left alone).
+        """
+        if request.status == RequestStatus.ACTIVE:
+            self.active.remove(request)
+            self.allocator.free(request.blocks)
+            self._free_slots.append(request.slot)
+            request.blocks, request.slot = [], -1
+        elif request.status == RequestStatus.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+
+    def find(self, request_id: int) -> Request | None:
+        """Look up a waiting or active request.
+
+        Args:
+            request_id: Id from ``add_request``.
+
+        Returns:
+            The request, or None if it is neither waiting nor active.
+        """
+        for request in (*self.waiting, *self.active):
+            if request.request_id == request_id:
+                return request
+        return None
+
+    def clear(self) -> None:
+        """Forget every request (on engine close)."""
+        self.waiting.clear()
+        self.active.clear()
