@@ -115,3 +115,30 @@ def test_loss_inputs_are_validated():
         grpo_loss(x, x, x, x, num_global_tokens=0, config=cfg, ref_logprobs=x)
     with pytest.raises(RLConfigError, match=r"clip_low=1\.5"):
         LossConfig(clip_low=1.5)
+
+
+def test_entropy_bonus_lowers_loss_by_coefficient_times_mean_entropy():
+    lp, old, adv, mask, _, _ = _inputs(24, seed=3)
+    entropy = torch.rand(24, dtype=torch.float64, requires_grad=True)
+    plain, _ = grpo_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        num_global_tokens=10.0,
+        config=LossConfig(importance_sampling_cap=None),
+        entropy=entropy,
+    )
+    bonus, _ = grpo_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        num_global_tokens=10.0,
+        config=LossConfig(importance_sampling_cap=None, entropy_coef=0.3),
+        entropy=entropy,
+    )
+    expected = 0.3 * (entropy * mask).sum().item() / 10.0
+    assert plain.item() - bonus.item() == pytest.approx(expected, rel=1e-5)
+    (grad,) = torch.autograd.grad(bonus, entropy)
+    torch.testing.assert_close(grad, -0.3 * mask / 10.0, check_dtype=False)

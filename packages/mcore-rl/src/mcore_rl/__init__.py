@@ -1,11 +1,77 @@
 """mcore-rl: GRPO post-training end to end."""
 
 from mcore_rl._version import __version__
-from mcore_rl.errors import PackingError, RLConfigError, RLError
+from mcore_rl.advantages import compute_advantages
+from mcore_rl.config import GRPOConfig
+from mcore_rl.errors import (
+    PackingError,
+    RLCheckpointError,
+    RLConfigError,
+    RLError,
+    RLInputError,
+    RLStateError,
+    TaskError,
+    TokenizerError,
+)
+from mcore_rl.loss import LossConfig, grpo_loss, kl_k3
+from mcore_rl.packing import PackingContext, PackingInfo, distribute_bins, pack_sequences
+from mcore_rl.presets import PRESETS, preset
+from mcore_rl.reference import ReferenceWeights
+from mcore_rl.rollout import Rollout, generate_rollouts
+from mcore_rl.run import RunResult, run_grpo
+from mcore_rl.tasks import (
+    ArithmeticTask,
+    CountdownTask,
+    FunctionTask,
+    Problem,
+    ReverseTask,
+    SortTask,
+    Task,
+    available_tasks,
+    get_task,
+    register_task,
+    sample_problems,
+)
+from mcore_rl.tokenizer import CharTokenizer
+from mcore_rl.worker import GRPOWorker
 
 __all__ = [
     "__version__",
     "RLError",
     "RLConfigError",
     "PackingError",
+    "TaskError",
+    "TokenizerError",
+    "RLInputError",
+    "RLStateError",
+    "RLCheckpointError",
+    "GRPOConfig",
+    "PRESETS",
+    "preset",
+    "run_grpo",
+    "RunResult",
+    "GRPOWorker",
+    "ReferenceWeights",
+    "Rollout",
+    "generate_rollouts",
+    "compute_advantages",
+    "LossConfig",
+    "grpo_loss",
+    "kl_k3",
+    "pack_sequences",
+    "PackingInfo",
+    "PackingContext",
+    "distribute_bins",
+    "CharTokenizer",
+    "Task",
+    "Problem",
+    "FunctionTask",
+    "ArithmeticTask",
+    "CountdownTask",
+    "SortTask",
+    "ReverseTask",
+    "register_task",
+    "get_task",
+    "available_tasks",
+    "sample_problems",
 ]

@@ -53,6 +53,9 @@ class GRPOConfig:
     """Override of the preset's hidden size."""
     num_layers: int | None = None
     """Override of the preset's layer count."""
+    vocab_size: int | None = None
+    """Model vocabulary; None uses the task tokenizer's (a larger one only costs time, which
+    benchmarks want to measure)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype."""
 
@@ -97,6 +100,8 @@ class GRPOConfig:
     """Upper clip of the ratio: ``1 + clip_high``."""
     kl_beta: float = 0.0
     """Weight of the k3 KL to the reference (the initial weights); 0 skips reference log-probs."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the loss."""
     importance_sampling_cap: float | None = 2.0
     """Cap of the truncated importance weight against inference log-probs; None turns it off."""
 
@@ -153,7 +158,7 @@ class GRPOConfig:
                 f"lr={self.lr}, weight_decay={self.weight_decay}, clip_grad={self.clip_grad} "
                 "must all be >= 0"
             )
-        for name in ("hidden_size", "num_layers"):
+        for name in ("hidden_size", "num_layers", "vocab_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise RLConfigError(f"{name}={value} must be >= 1 or None")

@@ -26,6 +26,8 @@ class LossConfig:
     """The ratio is clipped above at ``1 + clip_high`` (clip-higher, DAPO arXiv:2503.14476)."""
     kl_beta: float = 0.0
     """Weight of the k3 KL penalty to the reference policy; 0 turns it off."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus (needs ``entropy`` with grad); keeps exploration alive."""
     importance_sampling_cap: float | None = 2.0
     """Cap of the truncated importance weight between training and inference log-probs; None
     turns the correction off."""
@@ -37,6 +39,8 @@ class LossConfig:
             raise RLConfigError(f"clip_high={self.clip_high} must be >= 0")
         if self.kl_beta < 0.0:
             raise RLConfigError(f"kl_beta={self.kl_beta} must be >= 0")
+        if self.entropy_coef < 0.0:
+            raise RLConfigError(f"entropy_coef={self.entropy_coef} must be >= 0")
         if self.importance_sampling_cap is not None and self.importance_sampling_cap <= 0.0:
             raise RLConfigError(
                 f"importance_sampling_cap={self.importance_sampling_cap} must be > 0 or None"
@@ -74,7 +78,8 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Computes the GRPO loss of one microbatch and its metrics.
 
-    Per token: ``w * (-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + beta * k3)``
+    Per token: ``w * (-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + beta * k3
+    - entropy_coef * H)``
     with ``r = exp(logprobs - old_logprobs)`` and the truncated importance weight
     ``w = min(exp(old_logprobs - inference_logprobs), cap)`` (1 when either is None). The loss
     is the masked token sum divided by ``num_global_tokens``.
@@ -89,7 +94,8 @@ def grpo_loss(
         config: The loss hyper-parameters.
         ref_logprobs: Reference log-probs; required when ``config.kl_beta > 0``.
         inference_logprobs: Log-probs the inference engine reported while sampling.
-        entropy: Per-token entropy of the policy, only logged.
+        entropy: Per-token entropy of the policy under the current weights: logged, and
+            rewarded with ``config.entropy_coef`` (then it must carry grad).
 
     Returns:
         ``(loss, metrics)``; each metric is a masked token sum divided by
@@ -118,6 +124,8 @@ def grpo_loss(
         raise RLInputError(f"num_global_tokens={num_global_tokens} must be > 0")
     if config.kl_beta > 0.0 and ref_logprobs is None:
         raise RLInputError(f"ref_logprobs is None but kl_beta={config.kl_beta} > 0")
+    if config.entropy_coef > 0.0 and entropy is None:
+        raise RLInputError(f"entropy is None but entropy_coef={config.entropy_coef} > 0")
 
     mask = loss_mask.float()
     old = old_logprobs.detach().float()
@@ -142,6 +150,8 @@ def grpo_loss(
     metrics["clip_fraction"] = (ratio.detach() != clipped.detach()).float()
     metrics["ratio"] = ratio.detach()
     if entropy is not None:
+        if config.entropy_coef > 0.0:
+            per_token = per_token - config.entropy_coef * entropy.float()
         metrics["entropy"] = entropy.detach().float()
     loss = (per_token * mask).sum() / num_global_tokens
     summed = {k: (v * mask).sum() / num_global_tokens for k, v in metrics.items()}

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from mcore_ckpt import load, save
 from mcore_models import GPTConfig, GPTModel
-from mcore_parallel import ParallelState
+from mcore_parallel import ParallelState, forward_backward
 from mcore_parallel.distributed.config import DDPConfig, OptimizerConfig
 from mcore_parallel.distributed.ddp import DistributedDataParallel
 from mcore_parallel.distributed.optimizer import DistributedOptimizer
@@ -100,9 +100,8 @@ class GRPOWorker:
         self.task = build_task(config)
         self.tokenizer = CharTokenizer(self.task.alphabet)
         torch.manual_seed(config.seed)
-        model = GPTModel(
-            _model_config(config, self.tokenizer.vocab_size), state, device=self.device
-        )
+        vocab_size = max(config.vocab_size or 0, self.tokenizer.vocab_size)
+        model = GPTModel(_model_config(config, vocab_size), state, device=self.device)
         ddp_config = DDPConfig(use_distributed_optimizer=True, overlap_param_gather=True)
         self.model = DistributedDataParallel(model, ddp_config, state)
         self.optimizer = DistributedOptimizer(
@@ -119,6 +118,7 @@ class GRPOWorker:
             clip_low=config.clip_low,
             clip_high=config.clip_high,
             kl_beta=config.kl_beta,
+            entropy_coef=config.entropy_coef,
             importance_sampling_cap=config.importance_sampling_cap,
         )
         self.dp_size = state.dp_size
@@ -210,7 +210,7 @@ class GRPOWorker:
             start = time.perf_counter()
             with self.reference.use_reference_weights():
                 for minibatch in minibatches:
-                    minibatch["ref"] = self._forward_rows(minibatch["context"])[0]
+                    minibatch["ref"] = self._forward_rows(minibatch["context"])
             times["reference"] = time.perf_counter() - start
 
         phase("train")
@@ -284,56 +284,62 @@ class GRPOWorker:
         metrics["packing/bins_per_rank"] = float(input_rows(minibatches[0]["context"]))
         return minibatches
 
-    def _forward_rows(self, context: PackingContext) -> tuple[torch.Tensor, torch.Tensor]:
-        # Forward-only pass over this rank's rows (pipeline size 1: a plain loop of forwards).
-        logprobs, entropies = [], []
-        with torch.no_grad():
-            for row in range(context.input_ids.shape[0]):
-                lp, ent = row_logprobs(
-                    self.model,
-                    context,
-                    row,
-                    temperature=self.config.temperature,
-                    device=self.device,
-                )
-                logprobs.append(lp.float().cpu())
-                entropies.append(ent.float().cpu())
-        return torch.stack(logprobs), torch.stack(entropies)
+    def _row_forward(self, context: PackingContext, with_entropy: bool) -> Callable[..., Any]:
+        def forward_step(model: Any, input_tensor: Any, row: int) -> Any:
+            del input_tensor  # pipeline size 1: every row starts from its tokens
+            logprobs, entropy = row_logprobs(
+                model, context, row, temperature=self.config.temperature, device=self.device
+            )
+            return (logprobs, entropy) if with_entropy else logprobs
+
+        return forward_step
+
+    def _forward_rows(self, context: PackingContext) -> torch.Tensor:
+        # The forward-only schedule (loss_func=None) collects one output per microbatch (row).
+        result = forward_backward(
+            self.model,
+            list(range(context.input_ids.shape[0])),
+            forward_step=self._row_forward(context, with_entropy=False),
+            loss_func=None,
+            forward_only=True,
+        )
+        return torch.stack([output.float().cpu() for output in result.outputs])
 
     def _old_logprobs(self, minibatch: dict[str, Any]) -> None:
-        minibatch["old"], minibatch["entropy"] = self._forward_rows(minibatch["context"])
+        minibatch["old"] = self._forward_rows(minibatch["context"])
 
     def _train_minibatch(self, minibatch: dict[str, Any], sums: dict[str, torch.Tensor]) -> float:
         context: PackingContext = minibatch["context"]
-        rows = context.input_ids.shape[0]
-        self.model.zero_grad_buffer()
-        for row in range(rows):
-            sync = self.model.no_sync() if row < rows - 1 else contextlib.nullcontext()
-            with sync:
-                logprobs, _ = row_logprobs(
-                    self.model,
-                    context,
-                    row,
-                    temperature=self.config.temperature,
-                    device=self.device,
-                )
-                loss, metrics = grpo_loss(
-                    logprobs,
-                    self._row(row, minibatch["old"]),
-                    self._row(row, context.advantages),
-                    self._row(row, context.loss_mask),
-                    num_global_tokens=minibatch["num_global_tokens"],
-                    config=self.loss_config,
-                    ref_logprobs=self._row(row, minibatch["ref"]) if "ref" in minibatch else None,
-                    inference_logprobs=self._row(row, minibatch["inference"]),
-                    entropy=self._row(row, minibatch["entropy"]),
-                )
-                # DDP averages gradients over the DP ranks; the loss is already normalised by
-                # the global token count, so undo the average to keep a global token mean.
-                (loss * self.dp_size).backward()
-            metrics["loss"] = loss.detach()
+        rows = int(context.input_ids.shape[0])
+
+        def loss_func(output: Any, row: int) -> torch.Tensor:
+            logprobs, entropy = output
+            loss, metrics = grpo_loss(
+                logprobs,
+                self._row(row, minibatch["old"]),
+                self._row(row, context.advantages),
+                self._row(row, context.loss_mask),
+                num_global_tokens=minibatch["num_global_tokens"],
+                config=self.loss_config,
+                ref_logprobs=self._row(row, minibatch["ref"]) if "ref" in minibatch else None,
+                inference_logprobs=self._row(row, minibatch["inference"]),
+                entropy=entropy,
+            )
+            metrics["loss"] = loss
             for name, value in metrics.items():
                 sums[name] = sums.get(name, torch.zeros((), device=self.device)) + value.detach()
+            # The schedule divides each loss by the row count and DDP averages over the DP
+            # ranks; the loss already is a share of the global token mean, so undo both.
+            return loss * (rows * self.dp_size)
+
+        self.model.zero_grad_buffer()
+        forward_backward(
+            self.model,
+            list(range(rows)),
+            forward_step=self._row_forward(context, with_entropy=True),
+            loss_func=loss_func,
+            no_sync=self.model.no_sync,
+        )
         return self.optimizer.step()
 
     def _row(self, row: int, tensor: torch.Tensor) -> torch.Tensor:

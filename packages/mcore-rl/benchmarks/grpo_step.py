@@ -1,0 +1,155 @@
+"""One GRPO step of a ~1B policy, phase by phase: 512 sequences x 512 tokens on one GPU.
+
+Generation runs through the mcore-inference engine (CUDA graphs on) with prompts of
+``--prompt-tokens`` random ids and no stop token, so every sequence is exactly
+``--prompt-tokens + --new-tokens`` long; log-probs, reference log-probs (weights swapped in
+from pinned host memory) and the training step run through the same code as ``mcore-rl grpo``.
+
+The reference point is NeMo-RL's CI bound for this shape, 13.4 s per step on 4 GPUs, as
+quoted in the project's benchmark targets (``BENCHMARKS.md``, row "rl"); it is quoted, not
+measured here, because NeMo-RL is not installed on the lent GPU.
+
+Run from the repository root::
+
+    export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
+    python3 packages/mcore-rl/benchmarks/grpo_step.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import GRPOConfig
+from mcore_rl.distributed import init_worker_state
+from mcore_rl.rollout import Rollout
+from mcore_rl.worker import GRPOWorker
+
+NEMO_RL_BOUND_S = 13.4
+
+
+def _generate(worker: GRPOWorker, prompts: list[list[int]], new_tokens: int) -> list[Rollout]:
+    from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
+    from mcore_rl.reference import unwrap_model
+
+    config = InferenceConfig(
+        max_batch_size=len(prompts),
+        max_sequence_length=len(prompts[0]) + new_tokens,
+        max_tokens_per_step=max(8192, len(prompts)),
+        use_cuda_graphs=worker.config.use_cuda_graphs,
+        seed=worker.config.seed,
+    )
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, return_logprobs=True)
+    engine = InferenceEngine(unwrap_model(worker.model), config)
+    try:
+        results = engine.generate(prompts, params)
+    finally:
+        engine.close()
+    rng = random.Random(0)
+    return [
+        Rollout(
+            prompt_index=i // worker.config.group_size,
+            prompt_ids=list(p),
+            completion_ids=list(r.tokens),
+            inference_logprobs=list(r.logprobs or []),
+            reward=rng.random(),
+            finish_reason="length",
+            text="",
+        )
+        for i, (p, r) in enumerate(zip(prompts, results))
+    ]
+
+
+def main() -> None:
+    """Runs warm-up and measured steps and writes JSON and Markdown results."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for results.json / results.md")
+    parser.add_argument("--model", default="llama-3.2-1b")
+    parser.add_argument("--vocab-size", type=int, default=128256)
+    parser.add_argument("--sequences", type=int, default=512)
+    parser.add_argument("--group-size", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--microbatch-tokens", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up")
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+    config = GRPOConfig(
+        model=args.model,
+        vocab_size=args.vocab_size,
+        dtype="bfloat16" if torch.cuda.is_available() else "float32",
+        device=args.device,
+        num_prompts=args.sequences // args.group_size,
+        group_size=args.group_size,
+        max_new_tokens=args.new_tokens,
+        max_tokens_per_microbatch=args.microbatch_tokens,
+        kl_beta=0.01,
+        progress=False,
+    )
+    state = init_worker_state(config)
+    worker = GRPOWorker(config, state)
+    rng = random.Random(0)
+    vocab = args.vocab_size
+    prompts = []
+    for _ in range(config.num_prompts):
+        prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
+        prompts.extend([prompt] * config.group_size)
+
+    def sync() -> None:
+        if worker.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    measured = []
+    for step in range(args.steps + 1):
+        times: dict[str, float] = {}
+        sync()
+        start = time.perf_counter()
+        with worker._generation_mode():
+            rollouts = _generate(worker, prompts, args.new_tokens)
+        sync()
+        times["generate"] = time.perf_counter() - start
+        worker.train_on_rollouts(rollouts, times)
+        sync()
+        times["total"] = time.perf_counter() - start
+        if step > 0:
+            measured.append(times)
+    phases = list(measured[0])
+    mean = {p: sum(m[p] for m in measured) / len(measured) for p in phases}
+    device = torch.cuda.get_device_name() if worker.device.type == "cuda" else "cpu"
+    result = {
+        "device": device,
+        "model": args.model,
+        "vocab_size": vocab,
+        "sequences": args.sequences,
+        "tokens_per_sequence": args.prompt_tokens + args.new_tokens,
+        "microbatch_tokens": args.microbatch_tokens,
+        "seconds": mean,
+        "steps": measured,
+        "nemo_rl_bound_s_4_gpus": NEMO_RL_BOUND_S,
+        "ratio_to_nemo_rl_bound": mean["total"] / NEMO_RL_BOUND_S,
+        "peak_allocated_gib": (torch.cuda.max_memory_allocated() / 2**30)
+        if worker.device.type == "cuda"
+        else 0.0,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    rows = ["| phase | seconds |", "|---|---|"] + [f"| {p} | {mean[p]:.2f} |" for p in phases]
+    header = (
+        f"GRPO step, {args.model} (vocab {vocab}), {args.sequences} x "
+        f"{args.prompt_tokens + args.new_tokens} tokens, {device}; NeMo-RL CI bound "
+        f"{NEMO_RL_BOUND_S} s on 4 GPUs (ratio {result['ratio_to_nemo_rl_bound']:.2f})\n\n"
+    )
+    (out / "results.md").write_text(header + "\n".join(rows) + "\n")
+    print(header + "\n".join(rows))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Data parallelism: two ranks train exactly like one, rollouts are gathered over DP."""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mcore_parallel.testing import run_distributed
+from mcore_rl.config import GRPOConfig
+from mcore_rl.distributed import init_worker_state
+from mcore_rl.reference import unwrap_model
+from mcore_rl.rollout import Rollout
+from mcore_rl.worker import GRPOWorker
+
+TINY = dict(
+    hidden_size=32,
+    num_layers=1,
+    num_prompts=4,
+    group_size=3,
+    max_new_tokens=2,
+    kl_beta=0.1,
+    lr=1e-2,
+    progress=False,
+    device="cpu",
+)
+
+
+def _fixed_rollouts(vocab_size):
+    rng = random.Random(0)
+    rollouts = []
+    for prompt in range(5):
+        prompt_ids = [1] + [rng.randrange(3, vocab_size) for _ in range(rng.randint(2, 6))]
+        for _ in range(3):
+            completion = [rng.randrange(3, vocab_size) for _ in range(rng.randint(1, 5))]
+            rollouts.append(
+                Rollout(
+                    prompt_index=prompt,
+                    prompt_ids=prompt_ids,
+                    completion_ids=completion,
+                    inference_logprobs=[-rng.uniform(2.5, 3.5) for _ in completion],
+                    reward=rng.choice([0.0, 0.1, 1.0]),
+                    finish_reason="stop_token",
+                    text="",
+                )
+            )
+    return rollouts
+
+
+def _train_fixed(max_tokens_per_microbatch):
+    config = GRPOConfig(**TINY, max_tokens_per_microbatch=max_tokens_per_microbatch)
+    worker = GRPOWorker(config, init_worker_state(config))
+    metrics = worker.train_on_rollouts(_fixed_rollouts(worker.tokenizer.vocab_size))
+    worker.optimizer.start_param_sync(force_sync=True)
+    params = {n: p.detach().clone() for n, p in unwrap_model(worker.model).named_parameters()}
+    return metrics, params
+
+
+def _two_ranks():
+    metrics, params = _train_fixed(16)
+    worker = GRPOWorker(GRPOConfig(**TINY), init_worker_state(GRPOConfig(**TINY)))
+    step = worker.step(0)
+    return metrics, params, step, dist.get_world_size()
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    return run_distributed(_two_ranks, 2)
+
+
+def test_two_ranks_with_small_microbatches_train_like_one_rank(two_rank_results):
+    single_metrics, single_params = _train_fixed(4096)
+    dist.destroy_process_group()
+    for metrics, params, _, world in two_rank_results:
+        assert world == 2
+        assert metrics["packing/bins_per_rank"] > 1  # several microbatches per rank
+        for name in ("loss", "kl", "entropy", "reward/mean", "clip_fraction"):
+            assert abs(metrics[name] - single_metrics[name]) < 1e-5, name
+        for name, value in single_params.items():
+            torch.testing.assert_close(params[name], value, atol=1e-6, rtol=1e-5)
+
+
+def test_rollouts_are_split_and_gathered_over_dp(two_rank_results):
+    steps = [{k: v for k, v in r[2].items() if not k.startswith("time/")} for r in two_rank_results]
+    assert steps[0] == steps[1]
+    assert steps[0]["rollouts"] == TINY["num_prompts"] * TINY["group_size"]

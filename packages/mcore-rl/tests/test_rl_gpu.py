@@ -1,0 +1,35 @@
+"""On a GPU: 20 GRPO steps with CUDA graphs, allocated memory flat at every step start."""
+
+import pytest
+import torch
+
+from mcore_rl.config import GRPOConfig
+from mcore_rl.run import run_grpo
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_twenty_steps_with_cuda_graphs_keep_step_start_memory_within_one_percent(tmp_path):
+    config = GRPOConfig(
+        device="cuda",
+        hidden_size=256,
+        num_layers=4,
+        num_steps=20,
+        target_reward=None,
+        use_cuda_graphs=True,
+        offload_optimizer=True,
+        kl_beta=0.01,
+        num_prompts=32,
+        group_size=8,
+        progress=False,
+        plot=False,
+        checkpoint_every=10,
+        run_dir=str(tmp_path),
+    )
+    records = run_grpo(config).records
+    allocated = [r["memory/allocated_bytes"] for r in records]
+    assert len(allocated) == 20 and allocated[1] > 0
+    for step, value in enumerate(allocated[1:], start=1):
+        assert abs(value - allocated[1]) <= 0.01 * allocated[1], (step, allocated)
+    assert records[-1]["reward/mean"] >= 0.0
