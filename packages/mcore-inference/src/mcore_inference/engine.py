@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+import warnings
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -386,10 +387,22 @@ class InferenceEngine:
         packed.extend(positions)
         packed.extend(slots)
         inputs = torch.frombuffer(packed, dtype=torch.long).view(3, len(tokens)).to(device)
+        logits = None
         graphs = self._graphs
         if graphs is not None and len(tokens) == len(batch) <= graphs.max_batch_size:
-            logits = graphs.run(inputs)
-        else:
+            try:
+                logits = graphs.run(inputs)
+            except Exception as exc:
+                # A model that cannot be captured still serves, eagerly; the warning says why.
+                warnings.warn(
+                    f"CUDA graph decode failed ({type(exc).__name__}: {exc}); the engine "
+                    "decodes eagerly from now on",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                graphs.close()
+                self._graphs = None
+        if logits is None:
             self.kv_cache.prepare_step(self.scheduler.block_tables, inputs[1], inputs[2])
             try:
                 hidden = self.model(
@@ -397,10 +410,10 @@ class InferenceEngine:
                 )
             finally:
                 self.kv_cache.clear_step()
+            if not sampling:
+                return []
             rows = torch.tensor(sample_rows, dtype=torch.long, device=device)
             logits = self.model.compute_logits(hidden[0].index_select(0, rows))
-        if not sampling:
-            return []
         params = [r.params for r in sampling]
         uniforms = [
             sampling_uniform(r.seed, len(r.output)) if p.temperature else 0.0
