@@ -11,6 +11,7 @@ from mcore_models import (
     GPTConfig,
     GPTModel,
     KVCache,
+    KVCacheError,
     ModelConfigError,
     ModelInputError,
     PackedSeqError,
@@ -109,9 +110,21 @@ def test_kv_cache_overflow_raises_and_keeps_contents(model):
     cache = ContiguousKVCache(model.config, max_seq_len=4)
     with torch.no_grad():
         model(_ids(1, 3), torch.arange(3)[None], kv_cache=cache)
-        with pytest.raises(Exception, match="max_seq_len=4"):
+        with pytest.raises(KVCacheError, match="max_seq_len=4"):
             model(_ids(1, 2), torch.tensor([[3, 4]]), kv_cache=cache)
     assert cache.length(0) == 3
+
+
+def test_kv_cache_rejects_keys_that_do_not_match_the_cached_tokens():
+    config = GPTConfig.from_name("tiny")
+    cache = ContiguousKVCache(config, max_seq_len=8)
+    q, k = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
+    cache.attend(0, q, k, k, scale=0.25)
+    with pytest.raises(KVCacheError, match="call reset"):
+        cache.attend(0, q, k.double(), k.double(), scale=0.25)
+    assert cache.length(0) == 2
+    cache.reset()
+    assert cache.attend(0, q.double(), k.double(), k.double(), scale=0.25).dtype == torch.float64
 
 
 def test_kv_cache_requires_positions_and_single_row(model):

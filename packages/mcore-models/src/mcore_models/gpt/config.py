@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mcore_models.errors import ModelConfigError
+
+if TYPE_CHECKING:
+    from mcore_models.moe.config import MoEConfig
 
 __all__ = ["ATTENTION_BACKENDS", "GPTConfig", "RopeScaling"]
 
@@ -114,6 +117,9 @@ class GPTConfig:
     qk_clip_tracking: bool = False
     """Record the maximum pre-softmax attention logit of every head in each forward pass
     without a KV cache (for :func:`mcore_models.clip_qk`)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts MLP (a :class:`mcore_models.MoEConfig` or a dict of its fields), or
+    None for dense MLPs in every layer."""
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
@@ -169,6 +175,14 @@ class GPTConfig:
                 f"attention_backend={self.attention_backend!r} is unknown; expected one of "
                 f"{ATTENTION_BACKENDS}"
             )
+        if self.moe is not None:
+            # Imported here: mcore_models.moe builds on this module.
+            from mcore_models.moe.config import MoEConfig
+
+            if isinstance(self.moe, dict):
+                self.moe = MoEConfig(**self.moe)
+            if not isinstance(self.moe, MoEConfig):
+                raise ModelConfigError(f"moe={self.moe!r} must be a MoEConfig, a dict or None")
 
     @property
     def kv_channels(self) -> int:

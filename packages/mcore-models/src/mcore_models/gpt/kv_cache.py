@@ -103,8 +103,8 @@ class ContiguousKVCache:
             ``[T, Hq, D]`` attention output.
 
         Raises:
-            KVCacheError: If the layer index is out of range, the shapes disagree or the cache
-                would overflow (the cache is left unchanged).
+            KVCacheError: If the layer index is out of range, the shapes disagree (also with
+                the cached tokens) or the cache would overflow (the cache is left unchanged).
         """
         if not 0 <= layer_idx < self.num_layers:
             raise KVCacheError(f"layer_idx={layer_idx} is outside [0, {self.num_layers})")
@@ -119,7 +119,17 @@ class ContiguousKVCache:
                 f"{new} new tokens after {start} cached exceed max_seq_len={self.max_seq_len}"
             )
         keys, values = self._keys[layer_idx], self._values[layer_idx]
-        if keys is None or keys.shape[1:] != k.shape[1:] or keys.dtype != k.dtype:
+        mismatch = keys is not None and (
+            keys.shape[1:] != k.shape[1:] or keys.dtype != k.dtype or keys.device != k.device
+        )
+        if mismatch and start > 0:
+            assert keys is not None
+            raise KVCacheError(
+                f"k of shape {tuple(k.shape)} ({k.dtype}, {k.device}) does not match the "
+                f"{start} cached tokens of layer {layer_idx} ({tuple(keys.shape[1:])}, "
+                f"{keys.dtype}, {keys.device}); call reset() first"
+            )
+        if keys is None or mismatch:
             keys = k.new_empty((self.max_seq_len, *k.shape[1:]))
             values = v.new_empty((self.max_seq_len, *v.shape[1:]))
             self._keys[layer_idx], self._values[layer_idx] = keys, values

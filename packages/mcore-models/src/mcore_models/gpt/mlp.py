@@ -58,7 +58,13 @@ def build_mlp(config: GPTConfig, layer_idx: int) -> nn.Module:
         layer_idx: Index of the decoder layer (0-based).
 
     Returns:
-        A module mapping ``[..., hidden]`` to ``[..., hidden]``.
+        A module mapping ``[..., hidden]`` to ``[..., hidden]``: a
+        :class:`~mcore_models.moe.layer.MoELayer` where ``config.moe`` makes the layer a MoE
+        layer, else a :class:`SwiGLUMLP`.
     """
-    del layer_idx  # every layer is dense today; MoE configs will choose per layer
+    if config.moe is not None and config.moe.is_moe_layer(layer_idx):
+        # Imported here: mcore_models.moe builds on this module.
+        from mcore_models.moe.layer import MoELayer
+
+        return MoELayer(config, layer_idx)
     return SwiGLUMLP(config)

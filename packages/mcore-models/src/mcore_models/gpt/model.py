@@ -75,7 +75,7 @@ class GPTModel(nn.Module):
             config.kv_channels, config.rope_theta, config.rope_scaling, device=target
         )
         self._initialize_weights(target)
-        if state is not None and state.tp_size > 1:
+        if state is not None and (state.tp_size > 1 or state.ep_size > 1):
             from mcore_models.gpt.parallelize import parallelize
 
             parallelize(self, state)
@@ -90,6 +90,11 @@ class GPTModel(nn.Module):
                 param.zero_()
             elif self.config.perform_initialization:
                 param.normal_(0.0, self.config.init_std, generator=generator)
+        for module in self.modules():
+            # Buffers materialised by to_empty() hold garbage; modules that own some reset them.
+            reset_buffers = getattr(module, "reset_buffers", None)
+            if callable(reset_buffers):
+                reset_buffers()
 
     def forward(
         self,

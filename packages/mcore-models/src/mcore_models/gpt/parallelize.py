@@ -124,7 +124,8 @@ def parallelize(model_or_config: GPTModel | GPTConfig, state: ParallelState) -> 
     Args:
         model_or_config: An unsharded :class:`~mcore_models.GPTModel`, or a config from which
             one is built (from ``config.seed``) first.
-        state: Parallel state; with ``tp_size == 1`` the model is returned unchanged.
+        state: Parallel state; with ``tp_size == 1`` only mixture-of-experts layers change
+            (their experts are split over the expert-parallel group).
 
     Returns:
         The same model object, now holding this rank's shards.
@@ -142,6 +143,10 @@ def parallelize(model_or_config: GPTModel | GPTConfig, state: ParallelState) -> 
     model.state = state
     tp = state.tp_size
     if tp == 1:
+        # Only mixture-of-experts layers have something to shard (experts over ep).
+        for layer in model.layers:
+            if callable(getattr(layer.mlp, "parallelize", None)):
+                layer.mlp.parallelize(state)  # type: ignore[operator]
         return model
     if model.tp_group is not None:
         raise ModelConfigError("model is already parallelized; parallelize a whole model")

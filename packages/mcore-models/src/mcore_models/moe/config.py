@@ -1,0 +1,164 @@
+"""Configuration of the mixture-of-experts MLP (:class:`MoEConfig`, a field of GPTConfig)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mcore_models.errors import ModelConfigError
+
+__all__ = ["DISPATCHERS", "ROUTER_SCORES", "MoEConfig"]
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+"""Names accepted by :attr:`MoEConfig.router_score`."""
+
+DISPATCHERS = ("alltoall", "allgather")
+"""Names accepted by :attr:`MoEConfig.dispatcher`."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """Mixture-of-experts MLP of a GPT decoder (set as ``GPTConfig(moe=MoEConfig(...))``).
+
+    Each token is sent to the ``top_k`` experts its router scores highest; their SwiGLU outputs
+    are summed with the router weights, plus an optional always-on shared expert.
+    """
+
+    num_experts: int = 8
+    """Number of routed experts in each MoE layer."""
+    top_k: int = 2
+    """Number of experts each token is routed to."""
+    expert_ffn_hidden_size: int | None = None
+    """Inner width of each routed expert's SwiGLU; None means ``GPTConfig.ffn_hidden_size``."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Inner width of the shared expert every token goes through; 0 means no shared expert."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output by ``sigmoid(linear(x))`` (Qwen2-MoE)."""
+    router_score: str = "softmax"
+    """Score function of the router: "softmax" (Mixtral, Qwen) or "sigmoid" (DeepSeek-V3)."""
+    router_expert_bias: bool = False
+    """Add a per-expert bias buffer to the scores when choosing experts (not to the weights),
+    for auxiliary-loss-free load balancing (DeepSeek-V3); see ``MoELayer.update_expert_bias``."""
+    normalize_top_k: bool = True
+    """Rescale the ``top_k`` routing weights of each token to sum to one."""
+    aux_loss_coeff: float = 0.0
+    """Coefficient of the Switch-Transformer load-balancing loss; 0 turns it off."""
+    z_loss_coeff: float = 0.0
+    """Coefficient of the router z-loss (ST-MoE); 0 turns it off."""
+    capacity_factor: float | None = None
+    """None routes every token (dropless); a number gives each expert
+    ``ceil(tokens * top_k / num_experts * capacity_factor)`` fixed slots per rank (drop-and-pad):
+    assignments past an expert's capacity are dropped, unused slots are zero padding."""
+    decode_capacity_factor: float | None = None
+    """Capacity factor while decode expert padding is on (see
+    :func:`mcore_models.set_decode_expert_padding`); None means ``num_experts / top_k``, which
+    gives every expert room for every token and so drops nothing."""
+    dispatcher: str = "alltoall"
+    """Token dispatcher over the expert-parallel group: "alltoall" (general) or "allgather"
+    (small expert-parallel sizes; every EP rank must then hold the same number of tokens)."""
+    grouped_gemm: bool = True
+    """Compute experts with ``torch._grouped_mm`` where this torch and device provide it;
+    False always uses a loop over experts."""
+    layer_step: int = 1
+    """Every ``layer_step``-th layer is a MoE layer (layers ``i`` with ``(i + 1) % step == 0``)."""
+    dense_layers: tuple[int, ...] = ()
+    """Indices of layers that keep a dense MLP of ``GPTConfig.ffn_hidden_size``."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "layer_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ModelConfigError(f"MoEConfig.{name}={value!r} must be a positive int")
+        if self.top_k > self.num_experts:
+            raise ModelConfigError(
+                f"MoEConfig.top_k={self.top_k} must not exceed num_experts={self.num_experts}"
+            )
+        if self.expert_ffn_hidden_size is not None and self.expert_ffn_hidden_size <= 0:
+            raise ModelConfigError(
+                f"MoEConfig.expert_ffn_hidden_size={self.expert_ffn_hidden_size} must be positive"
+            )
+        if self.shared_expert_ffn_hidden_size < 0:
+            raise ModelConfigError(
+                "MoEConfig.shared_expert_ffn_hidden_size="
+                f"{self.shared_expert_ffn_hidden_size} must be >= 0"
+            )
+        if self.shared_expert_gate and self.shared_expert_ffn_hidden_size == 0:
+            raise ModelConfigError(
+                "MoEConfig.shared_expert_gate=True needs a shared expert; expected "
+                "shared_expert_ffn_hidden_size > 0"
+            )
+        if self.router_score not in ROUTER_SCORES:
+            raise ModelConfigError(
+                f"MoEConfig.router_score={self.router_score!r} is unknown; expected one of "
+                f"{ROUTER_SCORES}"
+            )
+        if self.dispatcher not in DISPATCHERS:
+            raise ModelConfigError(
+                f"MoEConfig.dispatcher={self.dispatcher!r} is unknown; expected one of "
+                f"{DISPATCHERS}"
+            )
+        for name in ("aux_loss_coeff", "z_loss_coeff"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ModelConfigError(f"MoEConfig.{name}={value!r} must be a finite float >= 0")
+        for name in ("capacity_factor", "decode_capacity_factor"):
+            check_capacity_factor(f"MoEConfig.{name}", getattr(self, name))
+        self.dense_layers = tuple(self.dense_layers)
+        if any(not isinstance(i, int) or i < 0 for i in self.dense_layers):
+            raise ModelConfigError(
+                f"MoEConfig.dense_layers={self.dense_layers!r} must hold layer indices >= 0"
+            )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` has a MoE MLP (else a dense one).
+
+        Args:
+            layer_idx: Index of the decoder layer (0-based).
+
+        Returns:
+            True for a MoE layer.
+        """
+        return layer_idx not in self.dense_layers and (layer_idx + 1) % self.layer_step == 0
+
+    @property
+    def default_decode_capacity_factor(self) -> float:
+        """Capacity factor of decode padding: ``decode_capacity_factor`` or ``E / top_k``."""
+        if self.decode_capacity_factor is not None:
+            return self.decode_capacity_factor
+        return self.num_experts / self.top_k
+
+
+def check_capacity_factor(name: str, value: float | None) -> None:
+    """Validate a capacity factor.
+
+    Args:
+        name: Name of the argument, for the message.
+        value: The capacity factor, or None (dropless).
+
+    Raises:
+        ModelConfigError: If the value is not None and not a positive finite number.
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelConfigError(f"{name}={value!r} must be a positive float or None")
+    if not (value > 0 and math.isfinite(value)):
+        raise ModelConfigError(f"{name}={value!r} must be a positive finite float or None")
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Slots per expert for ``num_tokens`` tokens (as Megatron-Core's ``get_capacity``).
+
+    Args:
+        num_tokens: Tokens routed on this rank.
+        top_k: Experts per token.
+        num_experts: Number of experts.
+        factor: Capacity factor.
+
+    Returns:
+        ``ceil(num_tokens * top_k / num_experts * factor)``, at least 1 and at most
+        ``num_tokens`` (an expert never gets a token twice).
+    """
+    # The epsilon keeps num_experts / top_k from rounding up to one slot more than needed.
+    capacity = math.ceil(num_tokens * top_k / num_experts * factor - 1e-9)
+    return max(1, min(capacity, num_tokens))

@@ -1,0 +1,263 @@
+"""Token dispatch of a MoE layer: permute tokens to their experts and combine the results.
+
+Two dispatchers move tokens over the expert-parallel (EP) group, after Megatron-Core's
+``MoEAllGatherTokenDispatcher`` and ``MoEAlltoAllTokenDispatcher``:
+
+- all-to-all (general): each rank sorts its ``T * top_k`` routing assignments by expert and
+  sends every EP rank the tokens of the experts it holds; outputs travel back the same way.
+- all-gather (small EP): every rank gathers all tokens and routing decisions of the group,
+  runs its own experts on the assignments that chose them, and the partial outputs are
+  reduce-scattered back.
+
+Both run dropless (variable group sizes; the all-to-all exchanges its split sizes on the host)
+or drop-and-pad (every expert gets ``capacity`` slots per source rank; fixed shapes, no host
+sync, as CUDA graphs need). Assignments past an expert's capacity are dropped in token order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mcore_models.moe.experts import GroupedExperts
+from mcore_parallel.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+__all__ = ["all_to_all", "dispatch_and_combine"]
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        output_splits: list[int] | None,
+        input_splits: list[int] | None,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        x = x.contiguous()
+        rows = x.shape[0] if output_splits is None else sum(output_splits)
+        out = x.new_empty((rows, *x.shape[1:]))
+        dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        back = _AllToAll.apply(grad, ctx.input_splits, ctx.output_splits, ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    output_splits: list[int] | None = None,
+    input_splits: list[int] | None = None,
+) -> torch.Tensor:
+    """Differentiable ``all_to_all_single`` along dimension 0.
+
+    Args:
+        x: Rows to send, grouped by destination rank.
+        group: Process group.
+        output_splits: Rows received from each rank; None splits evenly.
+        input_splits: Rows sent to each rank; None splits evenly.
+
+    Returns:
+        The received rows, grouped by source rank. The backward pass sends gradients back.
+    """
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+def _capacity_slots(experts: torch.Tensor, valid: torch.Tensor, num_experts: int, capacity: int):
+    """Slot ``expert * capacity + position`` of each assignment; dropped ones get the last slot.
+
+    ``position`` counts earlier assignments (in token order) to the same expert.
+    """
+    one_hot = F.one_hot(experts, num_experts) * valid[:, None]
+    position = (one_hot.cumsum(0) * one_hot).sum(dim=1) - 1
+    keep = valid & (position < capacity)
+    return torch.where(keep, experts * capacity + position, num_experts * capacity)
+
+
+def _run_padded(
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    num_slots: int,
+    run: Any,
+) -> torch.Tensor:
+    """Scatter assignments into ``num_slots`` slots, run them, gather outputs (zero if dropped)."""
+    hidden = tokens.shape[-1]
+    # One extra trash row takes the dropped assignments, so shapes never depend on the routing.
+    buffer = tokens.new_zeros(num_slots + 1, hidden).index_add(0, slots, tokens)[:num_slots]
+    outputs = run(buffer)
+    outputs = torch.cat([outputs, outputs.new_zeros(1, hidden)])
+    return outputs.index_select(0, slots)
+
+
+def _padded_local(experts_module: GroupedExperts, capacity: int):
+    def run(buffer: torch.Tensor) -> torch.Tensor:
+        local = experts_module.num_experts
+        return experts_module.forward_padded(buffer.view(local, capacity, -1)).flatten(0, 1)
+
+    return run
+
+
+def _regroup_index(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Row order turning ``[source, expert]``-major rows into ``[expert, source]``-major rows."""
+    starts = (counts.flatten().cumsum(0) - counts.flatten()).view_as(counts)
+    pieces = [
+        torch.arange(int(starts[src, e]), int(starts[src, e] + counts[src, e]))
+        for e in range(counts.shape[1])
+        for src in range(counts.shape[0])
+    ]
+    return torch.cat(pieces).to(device)
+
+
+def _dropless_alltoall(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    tokens_of: torch.Tensor,
+    experts_module: GroupedExperts,
+    num_experts: int,
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    order = torch.argsort(experts, stable=True)
+    permuted = x.index_select(0, tokens_of[order])
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, experts, torch.ones_like(experts))
+    if group is None:
+        return experts_module(permuted, counts), order, counts
+    ep = dist.get_world_size(group)
+    local = num_experts // ep
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)
+    host = torch.stack([counts, received_counts]).cpu()
+    send_splits = host[0].view(ep, local).sum(1).tolist()
+    received_matrix = host[1].view(ep, local)
+    receive_splits = received_matrix.sum(1).tolist()
+    received = all_to_all(permuted, group, receive_splits, send_splits)
+    regroup = _regroup_index(received_matrix, x.device)
+    outputs = experts_module(received.index_select(0, regroup), received_matrix.sum(0).to(x.device))
+    restored = torch.empty_like(outputs).index_copy(0, regroup, outputs)
+    return all_to_all(restored, group, send_splits, receive_splits), order, counts
+
+
+def dispatch_and_combine(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    experts_module: GroupedExperts,
+    *,
+    num_experts: int,
+    capacity: int | None,
+    dispatcher: str,
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send every token to its experts, run them, and sum their weighted outputs per token.
+
+    Args:
+        x: ``[T, hidden]`` this rank's tokens.
+        weights: ``[T, top_k]`` routing weights.
+        experts: ``[T, top_k]`` chosen (global) expert indices.
+        experts_module: This rank's experts (``num_experts / ep`` of them, consecutive).
+        num_experts: Total number of experts.
+        capacity: Slots per expert and source rank (drop-and-pad), or None (dropless).
+        dispatcher: "alltoall" or "allgather".
+        group: Expert-parallel group, or None without expert parallelism.
+
+    Returns:
+        ``([T, hidden]`` combined output, ``[num_experts]`` int64 assignments per expert of
+        this rank's tokens before any drop).
+    """
+    top_k = experts.shape[1]
+    if group is not None and dispatcher == "allgather":
+        return _allgather(
+            x,
+            weights,
+            experts,
+            experts_module,
+            num_experts=num_experts,
+            capacity=capacity,
+            group=group,
+        )
+    flat_experts = experts.reshape(-1)
+    flat_weights = weights.reshape(-1, 1)
+    tokens_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k)
+    combined = x.new_zeros(x.shape)
+    if capacity is None:
+        outputs, order, counts = _dropless_alltoall(
+            x, flat_experts, tokens_of, experts_module, num_experts, group
+        )
+        combined = combined.index_add(0, tokens_of[order], outputs * flat_weights[order])
+        return combined, counts
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+    valid = torch.ones_like(flat_experts, dtype=torch.bool)
+    slots = _capacity_slots(flat_experts, valid, num_experts, capacity)
+    if group is None:
+        run = _padded_local(experts_module, capacity)
+    else:
+        run = _padded_alltoall(experts_module, capacity, group)
+    outputs = _run_padded(x.index_select(0, tokens_of), slots, num_experts * capacity, run)
+    return combined.index_add(0, tokens_of, outputs * flat_weights), counts
+
+
+def _padded_alltoall(experts_module: GroupedExperts, capacity: int, group: dist.ProcessGroup):
+    def run(buffer: torch.Tensor) -> torch.Tensor:
+        ep, local, hidden = dist.get_world_size(group), experts_module.num_experts, buffer.shape[-1]
+        received = all_to_all(buffer, group).view(ep, local, capacity, hidden)
+        grouped = received.transpose(0, 1).reshape(local, ep * capacity, hidden)
+        outputs = experts_module.forward_padded(grouped).view(local, ep, capacity, hidden)
+        return all_to_all(outputs.transpose(0, 1).reshape(-1, hidden), group)
+
+    return run
+
+
+def _allgather(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    experts_module: GroupedExperts,
+    *,
+    num_experts: int,
+    capacity: int | None,
+    group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    top_k = experts.shape[1]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, experts.reshape(-1), torch.ones_like(experts.reshape(-1)))
+    # Each rank's gradient of the gathered tensors covers its own experts only: reduce-scatter.
+    all_x = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True)
+    all_weights = gather_from_sequence_parallel_region(
+        weights, group, tensor_parallel_output_grad=True
+    )
+    all_experts = gather_from_sequence_parallel_region(experts, group)
+    local = experts_module.num_experts
+    first = dist.get_rank(group) * local
+    flat_experts = all_experts.reshape(-1) - first
+    valid = (flat_experts >= 0) & (flat_experts < local)
+    flat_experts = torch.where(valid, flat_experts, 0)
+    flat_weights = all_weights.reshape(-1, 1)
+    tokens_of = torch.arange(all_x.shape[0], device=x.device).repeat_interleave(top_k)
+    combined = all_x.new_zeros(all_x.shape)
+    if capacity is None:
+        # Non-local assignments sort after the local ones and are cut off.
+        keys = torch.where(valid, flat_experts, local)
+        order = torch.argsort(keys, stable=True)
+        local_counts = torch.zeros(local + 1, dtype=torch.int64, device=x.device)
+        local_counts.scatter_add_(0, keys, torch.ones_like(keys))
+        kept = order[: int(local_counts[:local].sum())]
+        outputs = experts_module(all_x.index_select(0, tokens_of[kept]), local_counts[:local])
+        combined = combined.index_add(0, tokens_of[kept], outputs * flat_weights[kept])
+    else:
+        ep = dist.get_world_size(group)
+        slots = _capacity_slots(flat_experts, valid, local, ep * capacity)
+        run = _padded_local(experts_module, ep * capacity)
+        outputs = _run_padded(all_x.index_select(0, tokens_of), slots, local * ep * capacity, run)
+        combined = combined.index_add(0, tokens_of, outputs * flat_weights)
+    return reduce_scatter_to_sequence_parallel_region(combined, group), counts

@@ -1,0 +1,113 @@
+"""The routed experts of a MoE layer: SwiGLU MLPs stored as stacked 3-D weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GroupedExperts", "grouped_mm_supported"]
+
+_GROUPED_MM_PROBES: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward on this device and dtype.
+
+    The answer is probed once per (device type, dtype) with a tiny problem, because support
+    depends on the torch build and GPU (torch 2.8+ on CUDA needs bf16 and Hopper or newer).
+
+    Args:
+        device: Device of the tokens and weights.
+        dtype: Dtype of the tokens and weights.
+
+    Returns:
+        True when the grouped GEMM is usable.
+    """
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_PROBES:
+        supported = hasattr(torch, "_grouped_mm")
+        if supported:
+            try:
+                a = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+                b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                offsets = torch.tensor([8, 16], device=device, dtype=torch.int32)
+                torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets).sum().backward()
+            except (RuntimeError, NotImplementedError, TypeError):
+                supported = False
+        _GROUPED_MM_PROBES[key] = supported
+    return _GROUPED_MM_PROBES[key]
+
+
+class GroupedExperts(nn.Module):
+    """``num_local_experts`` SwiGLU MLPs (``down(silu(gate(x)) * up(x))``) held as 3-D weights.
+
+    Weights are laid out like stacked ``nn.Linear`` weights: ``gate_proj`` and ``up_proj``
+    ``[E, ffn, hidden]``, ``down_proj`` ``[E, hidden, ffn]``.
+
+    Args:
+        num_experts: Number of experts held (all of them, or this rank's share after
+            expert-parallel sharding).
+        hidden_size: Width of the input and output.
+        ffn_hidden_size: Inner width of each expert.
+        dtype: Dtype of the weights.
+        grouped_gemm: Use ``torch._grouped_mm`` for variable-size groups where available.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        dtype: torch.dtype,
+        *,
+        grouped_gemm: bool = True,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.grouped_gemm = grouped_gemm
+        shape = (num_experts, ffn_hidden_size, hidden_size)
+        self.gate_proj = nn.Parameter(torch.empty(shape, dtype=dtype))
+        self.up_proj = nn.Parameter(torch.empty(shape, dtype=dtype))
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, ffn_hidden_size, dtype=dtype)
+        )
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Run variable-size groups of tokens through their experts (dropless).
+
+        Args:
+            tokens: ``[M, hidden]`` tokens sorted by expert.
+            counts: ``[num_experts]`` int64 number of tokens of each expert (sums to ``M``).
+
+        Returns:
+            ``[M, hidden]`` expert outputs in the order of ``tokens``.
+        """
+        if self.grouped_gemm and grouped_mm_supported(tokens.device, tokens.dtype):
+            offsets = counts.cumsum(0).to(torch.int32)
+            gate = torch._grouped_mm(tokens, self.gate_proj.transpose(-2, -1), offs=offsets)
+            up = torch._grouped_mm(tokens, self.up_proj.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(
+                F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets
+            )
+        outputs = []
+        # NOTE: the loop needs the group sizes on the host (one device sync per call).
+        for expert, chunk in enumerate(tokens.split(counts.tolist())):
+            activation = F.silu(F.linear(chunk, self.gate_proj[expert])) * F.linear(
+                chunk, self.up_proj[expert]
+            )
+            outputs.append(F.linear(activation, self.down_proj[expert]))
+        return torch.cat(outputs) if outputs else tokens.new_zeros(tokens.shape)
+
+    def forward_padded(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Run fixed-capacity groups through their experts with batched GEMMs (no host sync).
+
+        Args:
+            tokens: ``[num_experts, capacity, hidden]`` slots of each expert (padding is zero).
+
+        Returns:
+            ``[num_experts, capacity, hidden]`` outputs.
+        """
+        gate = torch.bmm(tokens, self.gate_proj.transpose(1, 2))
+        up = torch.bmm(tokens, self.up_proj.transpose(1, 2))
+        return torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))
