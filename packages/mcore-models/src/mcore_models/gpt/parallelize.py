@@ -146,7 +146,7 @@ def parallelize(model_or_config: GPTModel | GPTConfig, state: ParallelState) -> 
         # Only mixture-of-experts layers have something to shard (experts over ep).
         for layer in model.layers:
             if callable(getattr(layer.mlp, "parallelize", None)):
-                layer.mlp.parallelize(state)  # type: ignore[operator]
+                layer.mlp.parallelize(state)  # type: ignore[operator, union-attr]
         return model
     if model.tp_group is not None:
         raise ModelConfigError("model is already parallelized; parallelize a whole model")
