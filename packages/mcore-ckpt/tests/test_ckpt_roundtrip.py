@@ -182,3 +182,13 @@ def test_loading_a_tensor_where_an_object_was_saved_raises(tmp_path):
 def test_loading_from_an_empty_directory_raises_not_found(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
         mcore_ckpt.load(tmp_path, {"x": torch.zeros(1)})
+
+
+def test_root_without_latest_marker_loads_the_newest_committed_checkpoint(tmp_path):
+    # A crash between the rename of the first checkpoint and the marker update leaves this.
+    mcore_ckpt.save(tmp_path, {"x": torch.tensor(1.0)})
+    mcore_ckpt.save(tmp_path, {"x": torch.tensor(2.0)})
+    (tmp_path / LATEST_FILE).unlink()
+    target = {"x": torch.tensor(0.0)}
+    info = mcore_ckpt.load(tmp_path, target)
+    assert info.step == 1 and target["x"].item() == 2.0

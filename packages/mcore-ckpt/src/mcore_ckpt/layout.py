@@ -106,7 +106,8 @@ def resolve_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
     """Finds the checkpoint directory that ``path`` designates.
 
     Args:
-        path: A checkpoint directory, or a root holding a ``latest`` marker.
+        path: A checkpoint directory, or a root: its ``latest`` marker names the checkpoint;
+            without a marker (a crash right after the first commit) the newest committed one.
 
     Returns:
         The checkpoint directory.
@@ -121,9 +122,12 @@ def resolve_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
         return directory
     name = read_latest(directory)
     if name is None:
+        committed = committed_checkpoints(directory)
+        if committed:
+            return committed[-1][1]
         raise CheckpointNotFoundError(
             f"path={str(directory)!r} holds no committed checkpoint: neither {METADATA_FILE} "
-            f"nor a {LATEST_FILE!r} marker"
+            f"nor a {LATEST_FILE!r} marker nor a committed step_<n> directory"
         )
     target = directory / name
     if not (target / METADATA_FILE).is_file():
