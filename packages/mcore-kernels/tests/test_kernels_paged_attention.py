@@ -76,30 +76,31 @@ def test_reference_matches_dense_attention_over_gathered_blocks():
 
 @needs_triton
 @pytest.mark.parametrize(
-    ("dtype", "block_size", "head_dim", "heads", "atol"),
+    ("dtype", "block_size", "split_size", "head_dim", "heads", "atol"),
     [
-        (torch.float32, 4, 8, (4, 2), 1e-5),
-        (torch.float32, 16, 24, (7, 1), 1e-5),
-        (torch.bfloat16, 16, 16, (6, 3), 2e-2),
+        (torch.float32, 4, 8, 8, (4, 2), 1e-5),  # broadcast-sum path (tiles of 8)
+        (torch.float32, 4, 32, 8, (4, 2), 1e-5),  # tl.dot tiles spanning 8 blocks
+        (torch.float32, 16, 32, 24, (7, 1), 1e-5),
+        (torch.bfloat16, 16, 32, 16, (6, 3), 2e-2),
     ],
 )
-def test_triton_matches_reference(dtype, block_size, head_dim, heads, atol):
+def test_triton_matches_reference(dtype, block_size, split_size, head_dim, heads, atol):
     num_q_heads, num_kv_heads = heads
     # Context lengths cover one position, exact block/split boundaries and several splits.
-    lens = [1, block_size, block_size + 1, 2 * block_size + 3, 4 * block_size]
+    lens = [1, block_size, block_size + 1, 2 * block_size + 3, 4 * block_size, split_size + 1]
     q, k_cache, v_cache, tables, lens_t = _random_paged_problem(
         lens,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         block_size=block_size,
-        max_blocks=4,
+        max_blocks=max(lens) // block_size + 1,
         dtype=dtype,
     )
     scale = head_dim**-0.5
     expected = paged_attention_reference(q, k_cache, v_cache, tables, lens_t, scale=scale)
     actual = paged_attention_triton(
-        q, k_cache, v_cache, tables, lens_t, scale=scale, split_size=2 * block_size
+        q, k_cache, v_cache, tables, lens_t, scale=scale, split_size=split_size
     )
     assert actual.dtype == dtype
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=atol)

@@ -177,6 +177,7 @@ if triton is not None:
         HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         SPLIT_SIZE: tl.constexpr,
+        TILE: tl.constexpr,
         USE_DOT: tl.constexpr,
     ):
         token = tl.program_id(0)
@@ -185,7 +186,7 @@ if triton is not None:
         context = tl.load(context_lens_ptr + token).to(tl.int32)
         group_offsets = tl.arange(0, GROUP_PAD)
         dim_offsets = tl.arange(0, HEAD_DIM_PAD)
-        slot_offsets = tl.arange(0, BLOCK_SIZE)
+        tile_offsets = tl.arange(0, TILE)
         group_mask = group_offsets < GROUP
         dim_mask = dim_offsets < HEAD_DIM
         heads = kv_head * GROUP + group_offsets
@@ -199,19 +200,19 @@ if triton is not None:
         acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
         split_start = split * SPLIT_SIZE
         remaining = tl.minimum(tl.maximum(context - split_start, 0), SPLIT_SIZE)
-        num_blocks = (remaining + BLOCK_SIZE - 1) // BLOCK_SIZE
-        for i in range(0, num_blocks):
-            block_start = split_start + i * BLOCK_SIZE
-            physical = tl.load(
-                block_tables_ptr + token * stride_table_token + block_start // BLOCK_SIZE
-            ).to(tl.int64)
-            positions = block_start + slot_offsets
+        num_tiles = (remaining + TILE - 1) // TILE
+        table = block_tables_ptr + token * stride_table_token
+        for i in range(0, num_tiles):
+            # A tile may span several KV blocks: gather each position's physical block.
+            positions = split_start + i * TILE + tile_offsets
             valid = positions < context
+            physical = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            slots = positions % BLOCK_SIZE
             kv_mask = valid[:, None] & dim_mask[None, :]
             k = tl.load(
                 k_ptr
-                + physical * stride_k_block
-                + slot_offsets[:, None] * stride_k_slot
+                + physical[:, None] * stride_k_block
+                + slots[:, None] * stride_k_slot
                 + kv_head * stride_k_head
                 + dim_offsets[None, :],
                 mask=kv_mask,
@@ -219,8 +220,8 @@ if triton is not None:
             ).to(tl.float32)
             v = tl.load(
                 v_ptr
-                + physical * stride_v_block
-                + slot_offsets[:, None] * stride_v_slot
+                + physical[:, None] * stride_v_block
+                + slots[:, None] * stride_v_slot
                 + kv_head * stride_v_head
                 + dim_offsets[None, :],
                 mask=kv_mask,
@@ -333,8 +334,6 @@ def paged_attention_triton(
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
     del num_blocks_total
-    if block_size != triton.next_power_of_2(block_size):
-        raise KernelShapeError(f"k_cache block size {block_size}; expected a power of two")
     if split_size <= 0 or split_size % block_size != 0:
         raise KernelShapeError(
             f"split_size={split_size}; expected a positive multiple of the block size {block_size}"
@@ -358,8 +357,10 @@ def paged_attention_triton(
     )
     partial_sum = torch.empty_like(partial_max)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    # tl.dot needs every operand dimension >= 16; smaller KV blocks take the broadcast-sum path.
-    use_dot = block_size >= 16
+    # Context positions per loop iteration: a power of two dividing split_size, so the
+    # accumulation order depends on split_size only. tl.dot needs every dimension >= 16.
+    tile = min(64, split_size & -split_size)
+    use_dot = tile >= 16
     group_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     _paged_attention_split_kernel[(num_tokens, num_kv_heads, num_splits)](
         q,
@@ -388,6 +389,7 @@ def paged_attention_triton(
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         SPLIT_SIZE=split_size,
+        TILE=tile,
         USE_DOT=use_dot,
     )
     _paged_attention_merge_kernel[(num_tokens, num_q_heads)](
