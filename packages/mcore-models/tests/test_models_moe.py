@@ -1,0 +1,241 @@
+"""MoE layer on one rank: routing against a plain-torch reference, drop-and-pad, aux losses,
+the decode padding switch, grouped GEMM against the loop, config validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mcore_models import GPTConfig, GPTModel, ModelConfigError, ModelInputError
+from mcore_models.moe import MoEConfig, MoELayer, set_decode_expert_padding
+from mcore_models.moe.config import expert_capacity
+
+HIDDEN = 32
+
+
+def _layer(**moe_fields) -> MoELayer:
+    fields = dict(num_experts=4, top_k=2)
+    fields.update(moe_fields)
+    config = GPTConfig.from_name(
+        "tiny", hidden_size=HIDDEN, ffn_hidden_size=48, moe=MoEConfig(**fields)
+    )
+    torch.manual_seed(0)
+    layer = MoELayer(config, 0)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0.0, 0.3)
+    return layer
+
+
+def _reference(layer: MoELayer, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+    """Token-by-token mixture of experts, written independently of the layer's dispatch."""
+    moe = layer.moe_config
+    tokens = x.reshape(-1, HIDDEN)
+    logits = (tokens @ layer.router.weight.T).float()
+    scores = logits.softmax(-1) if moe.router_score == "softmax" else logits.sigmoid()
+    out = torch.zeros_like(tokens)
+    used = [0] * moe.num_experts
+    experts = layer.experts
+    for t in range(tokens.shape[0]):
+        chosen = scores[t].topk(moe.top_k).indices.tolist()
+        weights = scores[t, chosen]
+        if moe.normalize_top_k:
+            weights = weights / weights.sum()
+        for e, w in zip(chosen, weights):
+            if capacity is not None:
+                used[e] += 1
+                if used[e] > capacity:
+                    continue
+            h = F.silu(experts.gate_proj[e] @ tokens[t]) * (experts.up_proj[e] @ tokens[t])
+            out[t] += w * (experts.down_proj[e] @ h)
+    if layer.shared_expert is not None:
+        shared = layer.shared_expert(tokens)
+        if layer.shared_expert_gate is not None:
+            shared = torch.sigmoid(layer.shared_expert_gate(tokens)) * shared
+        out = out + shared
+    return out.view_as(x)
+
+
+X = torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"normalize_top_k": False, "shared_expert_ffn_hidden_size": 24, "shared_expert_gate": True},
+        {"router_score": "sigmoid", "top_k": 3},
+    ],
+    ids=["mixtral", "qwen2_moe_shared", "sigmoid"],
+)
+def test_dropless_layer_matches_token_by_token_reference(fields):
+    layer = _layer(**fields)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(X), _reference(layer, X), atol=1e-5, rtol=1e-5)
+    assert int(layer.tokens_per_expert.sum()) == X.shape[0] * X.shape[1] * layer.moe_config.top_k
+
+
+def test_capacity_factor_drops_assignments_past_capacity_in_token_order():
+    layer = _layer(capacity_factor=0.5)
+    tokens = X.shape[0] * X.shape[1]
+    capacity = expert_capacity(tokens, 2, 4, 0.5)
+    assert capacity == math.ceil(tokens * 2 / 4 * 0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(X), _reference(layer, X, capacity), atol=1e-5, rtol=1e-5)
+        assert (layer(X) - _reference(layer, X)).abs().max() > 1e-3  # something was dropped
+
+
+def test_decode_padding_with_default_capacity_factor_equals_dropless():
+    layer = _layer(capacity_factor=None)
+    model = torch.nn.Sequential(layer)
+    with torch.no_grad():
+        dropless = layer(X)
+        with set_decode_expert_padding(model, True):
+            assert layer.decode_padding and layer.capacity_factor == 4 / 2
+            padded = layer(X)
+    torch.testing.assert_close(padded, dropless, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_padding_gradients_equal_dropless():
+    layer = _layer(shared_expert_ffn_hidden_size=16)
+    layer(X).square().sum().backward()
+    expected = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    with set_decode_expert_padding(layer, True):
+        layer(X).square().sum().backward()
+    for name, param in layer.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], atol=1e-4, rtol=1e-4)
+
+
+def test_padding_switch_restored_after_exception_and_metadata_cleared():
+    layer = _layer(decode_capacity_factor=3.0)
+    with torch.no_grad():
+        layer(X)
+    assert layer.tokens_per_expert is not None
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        set_decode_expert_padding(layer, True, capacity_factor=1.5),
+    ):
+        assert layer.tokens_per_expert is None
+        assert layer.capacity_factor == 1.5
+        with torch.no_grad():
+            layer(X)
+        raise RuntimeError("boom")
+    assert layer.decode_padding is False
+    assert layer.decode_capacity_factor == 3.0
+    assert layer.capacity_factor is None
+    assert layer.tokens_per_expert is None
+
+
+def test_nested_padding_switch_restores_each_level():
+    layer = _layer()
+    with set_decode_expert_padding(layer, True, capacity_factor=2.5):
+        with set_decode_expert_padding(layer, False):
+            assert layer.capacity_factor is None
+        assert layer.decode_padding and layer.capacity_factor == 2.5
+    assert not layer.decode_padding and layer.decode_capacity_factor == 2.0
+
+
+def test_padding_switch_rejects_bad_capacity_factor_and_leaves_layers_unchanged():
+    layer = _layer()
+    with pytest.raises(ModelConfigError, match="capacity_factor=-1"):
+        set_decode_expert_padding(layer, True, capacity_factor=-1.0)
+    assert layer.decode_padding is False
+
+
+def test_load_balancing_loss_matches_switch_formula_and_trains_router():
+    coeff = 0.1
+    layer = _layer(aux_loss_coeff=coeff)
+    tokens = X.reshape(-1, HIDDEN)
+    layer(X).sum().backward()
+    with_aux = layer.router.weight.grad.clone()
+    # Switch Transformer eq. 4: coeff * E * sum_i f_i * P_i, f_i over the T * k assignments.
+    weight = layer.router.weight.detach().clone().requires_grad_(True)
+    probs = (tokens @ weight.T).softmax(-1)
+    chosen = probs.topk(2).indices
+    fraction = torch.stack([(chosen == e).sum() for e in range(4)]).float() / chosen.numel()
+    formula = coeff * 4 * (fraction * probs.mean(0)).sum()
+    torch.testing.assert_close(layer.router.aux_loss, formula.detach())
+    formula.backward()
+    layer.zero_grad()
+    layer.moe_config.aux_loss_coeff = 0.0
+    layer(X).sum().backward()
+    torch.testing.assert_close(
+        with_aux, layer.router.weight.grad + weight.grad, atol=1e-5, rtol=1e-5
+    )
+
+
+def test_z_loss_matches_formula():
+    layer = _layer(z_loss_coeff=0.01)
+    layer(X)
+    logits = X.reshape(-1, HIDDEN) @ layer.router.weight.detach().T
+    expected = 0.01 * torch.logsumexp(logits, -1).square().mean()
+    torch.testing.assert_close(layer.router.aux_loss, expected)
+
+
+def test_grouped_gemm_equals_expert_loop_forward_and_backward():
+    layer = _layer()
+    results = []
+    for grouped in (True, False):
+        layer.experts.grouped_gemm = grouped
+        layer.zero_grad()
+        out = layer(X)
+        out.square().sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in layer.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_expert_bias_changes_selection_not_weights_and_update_balances():
+    layer = _layer(router_expert_bias=True)
+    with torch.no_grad():
+        before = layer.router(X.reshape(-1, HIDDEN))
+        layer.router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))
+        after = layer.router(X.reshape(-1, HIDDEN))
+        assert (after.experts == 3).any(dim=1).all()
+        scores = before.scores.gather(1, after.experts)
+        torch.testing.assert_close(after.weights, scores / scores.sum(-1, keepdim=True))
+        layer.router.expert_bias.zero_()
+        layer(X)
+        counts = layer.tokens_per_expert.float()
+        layer.update_expert_bias(0.5)
+        torch.testing.assert_close(
+            layer.router.expert_bias, 0.5 * torch.sign(counts.mean() - counts)
+        )
+
+
+def test_gpt_model_with_moe_builds_dense_and_moe_layers_and_zeroes_expert_bias():
+    moe = MoEConfig(num_experts=4, top_k=1, dense_layers=(0,), router_expert_bias=True)
+    model = GPTModel(GPTConfig.from_name("tiny", num_layers=3, moe=moe))
+    kinds = [type(layer.mlp).__name__ for layer in model.layers]
+    assert kinds == ["SwiGLUMLP", "MoELayer", "MoELayer"]
+    assert all(layer.mlp.router.expert_bias.eq(0).all() for layer in model.layers[1:])
+    assert GPTConfig.from_name("tiny", moe={"num_experts": 2, "top_k": 1}).moe == MoEConfig(
+        num_experts=2, top_k=1
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"top_k": 5}, "top_k=5"),
+        ({"num_experts": 0}, "num_experts=0"),
+        ({"router_score": "relu"}, "router_score='relu'"),
+        ({"dispatcher": "ring"}, "dispatcher='ring'"),
+        ({"capacity_factor": 0.0}, "capacity_factor=0.0"),
+        ({"aux_loss_coeff": -1.0}, "aux_loss_coeff=-1.0"),
+        ({"shared_expert_gate": True}, "shared_expert_gate=True"),
+    ],
+)
+def test_moe_config_rejects_invalid_fields(fields, message):
+    with pytest.raises(ModelConfigError, match=message):
+        MoEConfig(**{"num_experts": 4, "top_k": 2, **fields})
+
+
+def test_moe_layer_rejects_wrong_hidden_size():
+    with pytest.raises(ModelInputError, match="hidden_size=32"):
+        _layer()(torch.zeros(3, 7))
