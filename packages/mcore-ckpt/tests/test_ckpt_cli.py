@@ -1,4 +1,4 @@
-"""``mcore-ckpt inspect`` and ``validate`` on the committed v1 fixture."""
+"""``mcore-ckpt inspect``, ``validate`` and ``convert`` on the committed v1 fixture."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from mcore_ckpt.cli import main
 
@@ -48,5 +49,17 @@ def test_validate_accepts_the_fixture(capsys):
 
 def test_unknown_command_is_a_usage_error():
     with pytest.raises(SystemExit) as exit_info:
-        main(["convert", str(FIXTURE)])
+        main(["export", str(FIXTURE)])
     assert exit_info.value.code == 2
+
+
+def test_convert_writes_full_tensors_and_objects_into_one_torch_file(tmp_path, capsys):
+    output = tmp_path / "full.pt"
+    assert main(["convert", str(FIXTURE), str(output)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    flat = torch.load(output, weights_only=False)
+    assert torch.equal(flat["model.embedding.weight"], (torch.arange(12.0) / 4).reshape(4, 3))
+    assert flat["model.proj.weight"].dtype == torch.bfloat16
+    assert flat["optimizer.step"] == 3
+    assert flat["config"] == {"name": "fixture-v1", "lr": 0.001}
+    assert [p.name for p in tmp_path.iterdir()] == ["full.pt"]

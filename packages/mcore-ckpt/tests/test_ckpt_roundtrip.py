@@ -192,3 +192,31 @@ def test_root_without_latest_marker_loads_the_newest_committed_checkpoint(tmp_pa
     target = {"x": torch.tensor(0.0)}
     info = mcore_ckpt.load(tmp_path, target)
     assert info.step == 1 and target["x"].item() == 2.0
+
+
+class PendingParamGather:
+    """Holds parameters whose all-gather is in flight until ``start_param_sync`` forces it,
+    the contract of mcore-parallel's DistributedOptimizer and DistributedDataParallel."""
+
+    def __init__(self, param: torch.Tensor, gathered: torch.Tensor) -> None:
+        self.param = param
+        self.gathered = gathered
+        self.calls: list[bool] = []
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        self.calls.append(force_sync)
+        if force_sync:
+            self.param.copy_(self.gathered)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_pending_param_sync_is_forced_before_tensors_are_read(tmp_path, async_save):
+    param = torch.zeros(4)
+    owner = PendingParamGather(param, torch.arange(4.0))
+    result = mcore_ckpt.save(tmp_path, {"w": param, "owner": owner}, async_save=async_save)
+    if async_save:
+        result.wait()
+    assert owner.calls == [True]
+    target = {"w": torch.zeros(4)}
+    mcore_ckpt.load(tmp_path, target)
+    assert torch.equal(target["w"], torch.arange(4.0))

@@ -4,6 +4,7 @@ from mcore_ckpt._version import __version__
 from mcore_ckpt.api import load, save
 from mcore_ckpt.async_save import AsyncSave, release_staging_buffers
 from mcore_ckpt.compat import class_renames, register_class_rename, unregister_class_rename
+from mcore_ckpt.consolidate import convert_to_torch_file, load_consolidated
 from mcore_ckpt.errors import (
     AsyncSaveError,
     CheckpointConfigError,
@@ -23,6 +24,8 @@ __all__ = [
     "__version__",
     "save",
     "load",
+    "load_consolidated",
+    "convert_to_torch_file",
     "AsyncSave",
     "release_staging_buffers",
     "register_class_rename",

@@ -1,4 +1,4 @@
-"""The ``mcore-ckpt`` command: ``inspect PATH`` and ``validate PATH``."""
+"""The ``mcore-ckpt`` command: ``inspect PATH``, ``validate PATH`` and ``convert PATH OUTPUT``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from mcore_ckpt._version import __version__
+from mcore_ckpt.consolidate import convert_to_torch_file
 from mcore_ckpt.errors import CheckpointError
 from mcore_ckpt.inspection import format_report, inspect_checkpoint, validate_checkpoint
 
@@ -32,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     validate = commands.add_parser("validate", help="check that all shards are present and intact")
     validate.add_argument("path", help="checkpoint directory or root with a 'latest' marker")
+    convert = commands.add_parser(
+        "convert", help="write all tensors in full and all objects into one torch.save file"
+    )
+    convert.add_argument("path", help="checkpoint directory or root with a 'latest' marker")
+    convert.add_argument("output", help="the .pt file to write (flat dict by dotted path)")
     return parser
 
 
@@ -50,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "inspect":
             report = inspect_checkpoint(args.path)
             print(json.dumps(report, indent=1) if args.json else format_report(report))
+        elif args.command == "convert":
+            written = convert_to_torch_file(args.path, args.output)
+            print(f"wrote {written} ({written.stat().st_size} bytes)")
         else:
             info = validate_checkpoint(args.path)
             print(
