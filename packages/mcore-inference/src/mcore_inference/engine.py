@@ -403,7 +403,9 @@ class InferenceEngine:
                 graphs.close()
                 self._graphs = None
         if logits is None:
-            self.kv_cache.prepare_step(self.scheduler.block_tables, inputs[1], inputs[2])
+            self.kv_cache.prepare_step(
+                self.scheduler.block_tables, inputs[1], inputs[2], max_context=max(positions) + 1
+            )
             try:
                 hidden = self.model(
                     inputs[0][None], inputs[1][None], kv_cache=self.kv_cache, return_hidden=True

@@ -73,7 +73,12 @@ class PagedKVCache:
         self._context_lens = context_lens
 
     def prepare_step(
-        self, block_tables: torch.Tensor, positions: torch.Tensor, table_rows: torch.Tensor
+        self,
+        block_tables: torch.Tensor,
+        positions: torch.Tensor,
+        table_rows: torch.Tensor,
+        *,
+        max_context: int | None = None,
     ) -> None:
         """Derive and install the step metadata from positions and block table rows.
 
@@ -84,7 +89,13 @@ class PagedKVCache:
             block_tables: int32 ``[rows, max_blocks]`` block table of every request slot.
             positions: int64 ``[T]`` position of each new token.
             table_rows: int64 ``[T]`` row of ``block_tables`` of each token's request.
+            max_context: Largest position + 1 of the step when known on the host (eager
+                steps): the tables are cut to the blocks it needs, so the attention launches
+                only the splits that can hold data. Results do not change (empty splits add
+                exact zeros).
         """
+        if max_context is not None:
+            block_tables = block_tables[:, : -(-max_context // self.block_size)]
         tables = block_tables.index_select(0, table_rows)
         blocks = tables.gather(1, (positions // self.block_size)[:, None])[:, 0]
         slot_mapping = blocks.long() * self.block_size + positions % self.block_size
