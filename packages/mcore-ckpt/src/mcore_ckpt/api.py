@@ -175,7 +175,7 @@ def save(
         sync_params(state_dict)
         entries, _ = flatten_state_dict(state_dict, state)
         blocks, objects = _split_entries(entries)
-    except CheckpointError as caught:
+    except Exception as caught:  # every rank must learn of it, or the others would hang
         error = caught
     _raise_agreed(comm, error)
 
@@ -183,7 +183,7 @@ def save(
     if comm.is_coordinator:
         try:
             target = _prepare_root(root, step)
-        except (CheckpointError, OSError) as caught:
+        except Exception as caught:
             error = caught
     _raise_agreed(comm, error)
     name, temporary = comm.broadcast(target)
@@ -267,7 +267,7 @@ def _write_and_commit(
     try:
         files = sorted(p for p in temporary.iterdir() if p.is_file())
         report = (checksum_files(files[comm.rank :: comm.world_size]), None)
-    except OSError as caught:
+    except Exception as caught:  # every rank must learn of it, or the others would hang
         report = (None, f"checksumming {temporary} failed: {caught}")
     reports = comm.all_gather(report)
     for rank, (_, message) in enumerate(reports):
@@ -280,7 +280,9 @@ def _write_and_commit(
         try:
             tensors, object_names = _storage_info(planner.metadata)
             files_info = {
-                name: file_info for part, _ in reports for name, file_info in (part or {}).items()
+                file_name: file_info
+                for part, _ in reports
+                for file_name, file_info in (part or {}).items()
             }
             write_checkpoint_info(
                 CheckpointInfo(
@@ -297,10 +299,18 @@ def _write_and_commit(
                 )
             )
             commit(temporary, root, name)
-            if keep_last is not None:
-                apply_retention(root, keep_last)
-        except OSError as caught:
+        except Exception as caught:
             error = CheckpointWriteError(f"committing {temporary} as {final} failed: {caught}")
+        if error is None and keep_last is not None:
+            try:
+                apply_retention(root, keep_last)
+            except OSError as caught:
+                # The new checkpoint is committed; failing the save would misreport it.
+                warnings.warn(
+                    f"keep_last={keep_last}: deleting old checkpoints of {root} failed: {caught}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
     _raise_agreed(comm, error)
     return final
 
@@ -354,7 +364,7 @@ def load(
         blocks, object_names = _match(entries, info)
         reader = RemapFileSystemReader(directory)
         reader.read_metadata()
-    except CheckpointError as caught:
+    except Exception as caught:  # every rank must learn of it, or the others would hang
         error = caught
     _raise_agreed(comm, error)
 
