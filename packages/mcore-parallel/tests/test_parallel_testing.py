@@ -26,6 +26,7 @@ def _all_reduce_rank(scale: float) -> dict:
 
 def _fail_on_rank_1(pid_dir: str) -> int:
     Path(pid_dir, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    dist.barrier()  # both pids are on disk before anything fails
     if dist.get_rank() == 1:
         raise KeyError("deliberate failure on rank 1")
     # Rank 0 blocks in a collective that rank 1 never joins; it must still be cleaned up.
@@ -35,6 +36,7 @@ def _fail_on_rank_1(pid_dir: str) -> int:
 
 def _hang_on_rank_1(pid_dir: str) -> int:
     Path(pid_dir, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    dist.barrier()
     if dist.get_rank() == 1:
         time.sleep(600)
     return 0
@@ -68,8 +70,8 @@ def test_failure_names_rank_with_traceback_and_leaves_no_process(tmp_path):
 def test_timeout_raises_and_leaves_no_process(tmp_path):
     start = time.monotonic()
     with pytest.raises(DistributedTimeoutError, match=r"ranks \[1\]"):
-        run_distributed(_hang_on_rank_1, 2, str(tmp_path), timeout=6)
-    assert time.monotonic() - start < 30
+        run_distributed(_hang_on_rank_1, 2, str(tmp_path), timeout=10)
+    assert time.monotonic() - start < 40
     _assert_pids_gone(tmp_path, 2)
 
 

@@ -62,7 +62,8 @@ def _deserialize(payload: bytes) -> Any:
 def _worker(
     rank: int,
     world_size: int,
-    port: int,
+    store_port: int,
+    env_port: int,
     backend: str,
     timeout: float,
     results: Any,
@@ -75,7 +76,7 @@ def _worker(
     os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        MASTER_PORT=str(env_port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -86,8 +87,15 @@ def _worker(
     try:
         if "nccl" in backend:
             torch.cuda.set_device(rank)
+        store = dist.TCPStore(
+            "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=timeout)
+        )
         dist.init_process_group(
-            backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            backend=backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
         )
         value = fn(*args)
         payload = _serialize(value)
@@ -135,10 +143,12 @@ def run_distributed(
 ) -> list[Any]:
     """Runs ``fn(*args)`` on ``world_size`` freshly spawned ranks of one process group.
 
-    Each rank initialises torch.distributed (``MASTER_ADDR``/``MASTER_PORT`` on a free local
-    port, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set; under NCCL rank ``r`` uses
-    ``cuda:r``), calls ``fn(*args)``, destroys the process group and sends back the return
-    value. Ranks see the caller's ``os.environ`` and ``sys.path`` as of this call. Tensors in
+    Each rank initialises torch.distributed through a rendezvous store served by the calling
+    process on a port the OS assigns (so concurrent runs cannot collide), with ``RANK``,
+    ``WORLD_SIZE`` and ``LOCAL_RANK`` set (under NCCL rank ``r`` uses ``cuda:r``), calls
+    ``fn(*args)``, destroys the process group and sends back the return value.
+    ``MASTER_ADDR``/``MASTER_PORT`` name another free local port, for a function that tears
+    the group down and initialises from the environment itself. Ranks see the caller's ``os.environ`` and ``sys.path`` as of this call. Tensors in
     return values come back on the CPU.
 
     Args:
@@ -164,11 +174,15 @@ def run_distributed(
         raise ParallelConfigError(f"timeout={timeout!r} must be a positive number of seconds")
     context = _context()
     results = context.Queue()
-    port = free_port()
+    # Port 0: the OS picks a free port while binding, with no window for another run to take it.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
+    worker_args = (store.port, free_port(), backend, timeout, results, fn, args, dict(os.environ))
     processes = [
         context.Process(
             target=_worker,
-            args=(rank, world_size, port, backend, timeout, results, fn, args, dict(os.environ)),
+            args=(rank, world_size, *worker_args),
             name=f"mcore-rank-{rank}",
             daemon=True,
         )
