@@ -14,11 +14,26 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["Bucket", "ParamAndGradBuffer"]
+__all__ = ["Bucket", "CommGroup", "ParamAndGradBuffer"]
 
 # Shards start on multiples of this many elements so that each rank's part of a collective is
 # aligned for the interconnect (256 bytes for fp32).
 _SHARD_ALIGNMENT = 64
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """A process group with this rank's view of it.
+
+    Attributes:
+        group: The group (None is the default group).
+        size: Number of ranks in it.
+        rank: This rank's index in it.
+    """
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
 
 
 @dataclass(eq=False)
@@ -95,7 +110,11 @@ class ParamAndGradBuffer:
         grad_dtype: dtype of the gradient buffer (float32 when reducing in fp32).
         device: Device of both buffers.
         bucket_size: Elements after which a new bucket starts (a parameter never spans two).
-        num_shards: Number of optimizer shards; every bucket's size is padded to a multiple.
+        comm: Group over which the gradients are reduced (and parameters gathered).
+        shard: Split each bucket into ``comm.size`` optimizer shards (distributed optimizer);
+            every bucket's size is then padded to a multiple of ``64 x comm.size``.
+        grad_scale: Factor applied to the reduced gradients (1.0: none).
+        is_expert: Whether the parameters are expert-parallel (reduced over expert-DP).
         first_bucket_index: Index given to this buffer's first bucket.
     """
 
@@ -107,12 +126,20 @@ class ParamAndGradBuffer:
         grad_dtype: torch.dtype,
         device: torch.device,
         bucket_size: int,
-        num_shards: int,
+        comm: CommGroup,
+        shard: bool,
+        grad_scale: float,
+        is_expert: bool,
         first_bucket_index: int,
     ) -> None:
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
-        self.num_shards = num_shards
+        self.comm = comm
+        self.num_shards = comm.size if shard else 1
+        self.shard_index = comm.rank if shard else 0
+        """Index of the shard this rank updates (0 when unsharded)."""
+        self.grad_scale = grad_scale
+        self.is_expert = is_expert
         self.param_range: dict[torch.nn.Parameter, tuple[int, int]] = {}
         """Buffer range ``[start, end)`` of each parameter."""
         self.param_bucket: dict[torch.nn.Parameter, Bucket] = {}

@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mcore_parallel.distributed.buffers import Bucket, ParamAndGradBuffer
+from mcore_parallel.distributed.buffers import Bucket, CommGroup, ParamAndGradBuffer
 from mcore_parallel.distributed.config import DDPConfig
 from mcore_parallel.distributed.hooks import ParamSyncHooks
 from mcore_parallel.distributed.offload import move_tensor
 from mcore_parallel.errors import ParallelConfigError, ParallelStateError, ParallelTypeError
+from mcore_parallel.sharding import get_partition_dims
 
 __all__ = ["DistributedDataParallel"]
 
@@ -31,7 +32,13 @@ class DistributedDataParallel(nn.Module):
     on every rank: with ``overlap_grad_reduce`` as soon as a bucket and all buckets before it are
     complete during backward, otherwise in :meth:`finish_grad_sync`. Gradients end up averaged
     over the group. Dense gradients are reduced over the data x context group when ``state`` has
-    one (context-parallel ranks see different tokens of the same sequences).
+    one (context-parallel ranks see different tokens of the same sequences). Parameters
+    partitioned over ``"ep"`` (:func:`~mcore_parallel.sharding.set_partition_dim`) go to
+    separate buffers reduced over the expert-data-parallel group and divided by the dense dp
+    size. Parameters marked ``sequence_parallel = True`` have their gradients summed over the
+    tensor-parallel group in :meth:`finish_grad_sync` (``param.grad`` stays None, so
+    ``allreduce_sequence_parallel_grads`` is not needed with this wrapper). The groups used
+    are in ``tp_comm`` and ``ep_comm`` (None without a state).
 
     Args:
         module: The model. Its parameters must all live on one device.
@@ -56,7 +63,8 @@ class DistributedDataParallel(nn.Module):
             raise ParallelTypeError(f"config must be a DDPConfig, got {type(config).__name__}")
         self.module = module
         self.config = config
-        self.dp_group, self.dp_size, self.dp_rank = _data_parallel_group(state)
+        dense, expert, self.tp_comm, self.ep_comm = _comm_groups(state)
+        self.dp_group, self.dp_size, self.dp_rank = dense.group, dense.size, dense.rank
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ParallelConfigError("module has no parameter with requires_grad=True to train")
@@ -68,27 +76,41 @@ class DistributedDataParallel(nn.Module):
         self.device: torch.device = devices.pop()
         """Device of the parameter and gradient buffers."""
         self.num_shards = self.dp_size if config.use_distributed_optimizer else 1
-        """Number of optimizer shards per bucket (the dp size under a distributed optimizer)."""
+        """Number of optimizer shards of dense buckets (the dp size under ZeRO-1)."""
 
         bucket_size = config.resolved_bucket_size(self.dp_size)
-        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
+        groups: dict[tuple[torch.dtype, torch.dtype, bool], list[nn.Parameter]] = {}
         # Reverse registration order approximates the order in which gradients arrive.
         for param in reversed(params):
             grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else param.dtype
-            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+            is_expert = "ep" in get_partition_dims(param)
+            if is_expert and expert is None:
+                raise ParallelConfigError(
+                    "a parameter is partitioned over 'ep' (expert parallel) but state has no "
+                    "expert_dp_group; pass the ParallelState from initialize(ep=...)"
+                )
+            groups.setdefault((param.dtype, grad_dtype, is_expert), []).append(param)
         self.param_grad_buffers: list[ParamAndGradBuffer] = []
-        """One contiguous buffer per (parameter dtype, gradient dtype)."""
+        """One contiguous buffer per (parameter dtype, gradient dtype, expert or dense)."""
         self.buckets: list[Bucket] = []
         """All buckets of all buffers; collectives are issued in this order (gradients) and in
         reverse order (parameters)."""
-        for (param_dtype, grad_dtype), group_params in by_dtype.items():
+        for (param_dtype, grad_dtype, is_expert), group_params in groups.items():
+            comm = expert if is_expert else dense
+            assert comm is not None
+            # Gradients end up divided by the dense dp size: expert parameters already summed
+            # the contributions of their expert-parallel peers' tokens.
+            reduced_by = comm.size if config.average_in_collective else 1
             buffer = ParamAndGradBuffer(
                 group_params,
                 param_dtype=param_dtype,
                 grad_dtype=grad_dtype,
                 device=self.device,
                 bucket_size=bucket_size,
-                num_shards=self.num_shards,
+                comm=comm,
+                shard=config.use_distributed_optimizer,
+                grad_scale=reduced_by / self.dp_size,
+                is_expert=is_expert,
                 first_bucket_index=len(self.buckets),
             )
             self.param_grad_buffers.append(buffer)
@@ -183,18 +205,19 @@ class DistributedDataParallel(nn.Module):
     def _launch_grad_collective(self, bucket: Bucket) -> None:
         bucket.grad_launched = True
         self._next_grad_bucket = bucket.index + 1
-        if self.dp_size == 1:
+        comm = bucket.buffer.comm
+        if comm.size == 1:
             return
         op = dist.ReduceOp.AVG if self.config.average_in_collective else dist.ReduceOp.SUM
         grads = bucket.grad_view()
-        if self.config.use_distributed_optimizer:
-            start, end = bucket.shard_range(self.dp_rank)
+        if bucket.buffer.num_shards > 1:
+            start, end = bucket.shard_range(comm.rank)
             shard = bucket.buffer.grad_data[start:end]
             bucket.grad_work = dist.reduce_scatter_tensor(
-                shard, grads, op=op, group=self.dp_group, async_op=True
+                shard, grads, op=op, group=comm.group, async_op=True
             )
         else:
-            bucket.grad_work = dist.all_reduce(grads, op=op, group=self.dp_group, async_op=True)
+            bucket.grad_work = dist.all_reduce(grads, op=op, group=comm.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Completes the reduction of every bucket (launching those not launched yet).
@@ -214,8 +237,9 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             if bucket.grad_work is not None:
                 bucket.grad_work.wait()
-            if self.dp_size > 1 and not self.config.average_in_collective:
-                self._local_grad_range(bucket).mul_(1.0 / self.dp_size)
+            if bucket.buffer.grad_scale != 1.0:
+                self._local_grad_range(bucket).mul_(bucket.buffer.grad_scale)
+        self._allreduce_sequence_parallel_grads()
         if self.config.check_for_nan_in_grad:
             for position, buffer in enumerate(self.param_grad_buffers):
                 if not torch.isfinite(buffer.grad_data).all():
@@ -228,9 +252,27 @@ class DistributedDataParallel(nn.Module):
         self._next_grad_bucket = 0
         self._grad_sync_done = True
 
+    def _allreduce_sequence_parallel_grads(self) -> None:
+        # Replicated parameters applied to a sequence chunk (norm weights, the bias of a
+        # sequence-parallel row layer) hold partial gradients on each tp rank. Summing whole
+        # main_grads is correct for the reduced (owned) ranges; other ranges are never read.
+        if self.tp_comm is None or self.tp_comm.size == 1:
+            return
+        grads = [
+            p.main_grad  # type: ignore[attr-defined]
+            for p in self.param_bucket
+            if getattr(p, "sequence_parallel", False)
+        ]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.tp_comm.group)
+        for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(chunk.view_as(grad))
+
     def _local_grad_range(self, bucket: Bucket) -> torch.Tensor:
-        if self.config.use_distributed_optimizer:
-            start, end = bucket.shard_range(self.dp_rank)
+        if bucket.buffer.num_shards > 1:
+            start, end = bucket.shard_range(bucket.buffer.shard_index)
             return bucket.buffer.grad_data[start:end]
         return bucket.grad_view()
 
@@ -275,9 +317,8 @@ class DistributedDataParallel(nn.Module):
 
         Called by the distributed optimizer after it wrote the updated shards.
         """
-        if self.num_shards > 1:
-            for bucket in self.buckets:
-                bucket.param_stale = True
+        for bucket in self.buckets:
+            bucket.param_stale = bucket.buffer.num_shards > 1
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """Starts the all-gather of updated parameter shards (distributed optimizer only).
@@ -300,11 +341,11 @@ class DistributedDataParallel(nn.Module):
         for bucket in reversed(self.buckets[up_to:]):
             if not bucket.param_stale or bucket.param_work is not None:
                 continue
-            start, end = bucket.shard_range(self.dp_rank)
+            start, end = bucket.shard_range(bucket.buffer.shard_index)
             bucket.param_work = dist.all_gather_into_tensor(
                 bucket.param_view(),
                 bucket.buffer.param_data[start:end],
-                group=self.dp_group,
+                group=bucket.buffer.comm.group,
                 async_op=True,
             )
 
@@ -428,21 +469,32 @@ class DistributedDataParallel(nn.Module):
         return frozenset(self._offloaded)
 
 
-def _data_parallel_group(state: Any) -> tuple[dist.ProcessGroup | None, int, int]:
+def _comm_groups(
+    state: Any,
+) -> tuple[CommGroup, CommGroup | None, CommGroup | None, CommGroup | None]:
+    """Dense data-parallel, expert data-parallel, tensor- and expert-parallel groups."""
     if state is None:
         if not dist.is_initialized():
             raise ParallelStateError(
                 "state=None needs torch.distributed initialised (the world is the dp group)"
             )
-        return None, dist.get_world_size(), dist.get_rank()
-    for prefix in ("dp_cp", "dp"):
-        if hasattr(state, f"{prefix}_group"):
-            return (
-                getattr(state, f"{prefix}_group"),
-                int(getattr(state, f"{prefix}_size")),
-                int(getattr(state, f"{prefix}_rank")),
-            )
-    raise ParallelTypeError(
-        f"state must be a ParallelState (with dp_group, dp_size, dp_rank) or None, "
-        f"got {type(state).__name__}"
-    )
+        return CommGroup(None, dist.get_world_size(), dist.get_rank()), None, None, None
+
+    def view(prefix: str) -> CommGroup | None:
+        if not hasattr(state, f"{prefix}_group"):
+            return None
+        return CommGroup(
+            getattr(state, f"{prefix}_group"),
+            int(getattr(state, f"{prefix}_size")),
+            int(getattr(state, f"{prefix}_rank")),
+        )
+
+    # Context-parallel ranks see other tokens of the same sequences: dense gradients are
+    # reduced over data x context.
+    dense = view("dp_cp") or view("dp")
+    if dense is None:
+        raise ParallelTypeError(
+            f"state must be a ParallelState (with dp_group, dp_size, dp_rank) or None, "
+            f"got {type(state).__name__}"
+        )
+    return dense, view("expert_dp"), view("tp"), view("ep")

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mcore_parallel.distributed.buffers import Bucket
+from mcore_parallel.distributed.buffers import Bucket, ParamAndGradBuffer
 from mcore_parallel.distributed.config import OptimizerConfig
 from mcore_parallel.distributed.ddp import DistributedDataParallel
 from mcore_parallel.distributed.offload import move_tensor
@@ -28,7 +28,7 @@ from mcore_parallel.errors import (
     ParallelStateError,
     ParallelTypeError,
 )
-from mcore_parallel.sharding import ShardedTensor
+from mcore_parallel.sharding import ShardedTensor, get_partition_dims
 
 __all__ = ["DistributedOptimizer", "adamw_update"]
 
@@ -87,12 +87,35 @@ class _ParamShard:
     main_param: torch.Tensor | None
     exp_avg: torch.Tensor | None
     exp_avg_sq: torch.Tensor | None
+    global_numel: int
+    """Length of the parameter's global 1-D state tensor (all tp/ep partitions)."""
+    global_base: int
+    """Offset of this rank's flattened local parameter in that tensor."""
+    replica_id: int
+    """0 on the one rank that saves (and counts in the norm) this block."""
 
     def grad(self) -> torch.Tensor:
         return self.param.main_grad.view(-1)[self.start : self.end]  # type: ignore[attr-defined]
 
     def model_slice(self) -> torch.Tensor:
         return self.param.data.view(-1)[self.start : self.end]
+
+
+def _global_layout(
+    model: DistributedDataParallel, buffer: ParamAndGradBuffer, param: nn.Parameter
+) -> tuple[int, int, int]:
+    """Global 1-D length, this rank's base offset and replica id of a parameter's state."""
+    dims = get_partition_dims(param)
+    tp, ep = model.tp_comm, model.ep_comm
+    tp_split = tp is not None and tp.size > 1 and "tp" in dims
+    ep_split = ep is not None and ep.size > 1 and buffer.is_expert
+    tp_count, tp_index = (tp.size, tp.rank) if tp_split else (1, 0)  # type: ignore[union-attr]
+    ep_count, ep_index = (ep.size, ep.rank) if ep_split else (1, 0)  # type: ignore[union-attr]
+    numel = param.numel()
+    base = (ep_index * tp_count + tp_index) * numel
+    tp_replica = tp.rank if tp is not None and not tp_split else 0
+    dp_replica = buffer.comm.rank if buffer.num_shards == 1 else 0
+    return numel * tp_count * ep_count, base, tp_replica * buffer.comm.size + dp_replica
 
 
 class DistributedOptimizer:
@@ -129,13 +152,13 @@ class DistributedOptimizer:
         self.config = config
         self.sharded = model.num_shards > 1
         """Whether the state is split over the data-parallel ranks."""
-        shard_index = model.dp_rank if self.sharded else 0
         names = {p: n for n, p in model.module.named_parameters() if p in model.param_bucket}
         self._shards: list[_ParamShard] = []
         for buffer in model.param_grad_buffers:
             for bucket in buffer.buckets:
-                low, high = bucket.shard_range(shard_index)
+                low, high = bucket.shard_range(buffer.shard_index)
                 for param in bucket.params:
+                    numel, base, replica_id = _global_layout(model, buffer, param)
                     p_start, p_end = buffer.param_range[param]
                     start, end = max(low, p_start) - p_start, min(high, p_end) - p_start
                     main = exp_avg = exp_avg_sq = None
@@ -147,7 +170,17 @@ class DistributedOptimizer:
                         exp_avg, exp_avg_sq = torch.zeros_like(main), torch.zeros_like(main)
                     self._shards.append(
                         _ParamShard(
-                            names[param], param, bucket, start, end, main, exp_avg, exp_avg_sq
+                            names[param],
+                            param,
+                            bucket,
+                            start,
+                            end,
+                            main,
+                            exp_avg,
+                            exp_avg_sq,
+                            numel,
+                            base,
+                            replica_id,
                         )
                     )
         self.lr = config.lr
@@ -176,7 +209,7 @@ class DistributedOptimizer:
         self.model.finish_param_sync()
         owned = [s for s in self._shards if s.main_param is not None]
         grads = [s.grad().float() for s in owned]
-        grad_norm = self._global_norm(grads)
+        grad_norm = self._global_norm([g for s, g in zip(owned, grads) if s.replica_id == 0])
         if self.config.clip_grad > 0.0 and grad_norm > self.config.clip_grad:
             scale = self.config.clip_grad / (grad_norm + 1e-6)
             grads = [grad * scale for grad in grads]
@@ -200,13 +233,15 @@ class DistributedOptimizer:
         return grad_norm
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        # Every gradient element is counted on exactly one rank of the world (replica 0 of its
+        # block), so one sum over the world covers dp shards, tp/ep partitions and pp stages.
         total = torch.zeros((), dtype=torch.float64, device=self.model.device)
         if grads:
             # One fused kernel per dtype group instead of a reduction per tensor.
             norms = torch._foreach_norm(grads)
             total += torch.stack(norms).double().pow(2).sum()
-        if self.sharded:
-            dist.all_reduce(total, group=self.model.dp_group)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(total)
         return math.sqrt(float(total))
 
     def zero_grad(self) -> None:
@@ -313,8 +348,13 @@ class DistributedOptimizer:
         Each ShardedTensor is this rank's contiguous range of the flattened fp32 tensor:
         ``global_shape=(numel,)``, ``global_offset=(start,)``; a rank owning nothing of a
         parameter holds an empty block. Without sharding every rank holds the full tensor and
-        ``replica_id`` is the dp rank. The ``local`` tensors alias the live state, so a loader
-        may fill them in place. Parameters are synchronised first.
+        ``replica_id`` is the dp rank. A parameter partitioned over tp or ep (see
+        :func:`~mcore_parallel.sharding.set_partition_dim`) has as global tensor the
+        concatenation of the flattened local tensors in (ep, tp) rank order, so its state
+        reshards across dp sizes but not across tp/ep sizes; tp replicas of an unpartitioned
+        parameter get a positive ``replica_id``. Names must be unique across pipeline stages.
+        The ``local`` tensors alias the live state, so a loader may fill them in place.
+        Parameters are synchronised first.
 
         Returns:
             The nested state dict.
@@ -325,13 +365,16 @@ class DistributedOptimizer:
         if self._state_offloaded:
             raise ParallelStateError("sharded_state_dict() while offloaded; reload first")
         self.model.finish_param_sync()
-        replica_id = 0 if self.sharded else self.model.dp_rank
         param_state: dict[str, dict[str, ShardedTensor]] = {}
         for shard in self._shards:
-            numel = shard.param.numel()
             leaves = {}
             for key, local in zip(_STATE_KEYS, self._local_state(shard)):
-                leaves[key] = ShardedTensor(local, (numel,), (shard.start,), replica_id)
+                leaves[key] = ShardedTensor(
+                    local,
+                    (shard.global_numel,),
+                    (shard.global_base + shard.start,),
+                    shard.replica_id,
+                )
             param_state[shard.name] = leaves
         return {"step": self.step_count, "param_state": param_state}
 
