@@ -72,6 +72,7 @@ def test_cuda_graph_decode_equals_eager(model, buckets):
         actual = graphed.generate(prompts, params)
         assert graphed._graphs is not None and graphed._graphs.captured
     for a, e in zip(actual, expected):
+        assert a.status == RequestStatus.FINISHED and len(a.tokens) > 0
         assert a.tokens == e.tokens
         torch.testing.assert_close(a.logprobs, e.logprobs, atol=1e-4, rtol=0)
 
@@ -150,3 +151,20 @@ def test_graphs_follow_weights_updated_in_place_and_reallocated(model):
                 p.copy_(original[name])
     assert [r.tokens for r in in_place] == [r.tokens for r in expected]
     assert [r.tokens for r in moved] == [r.tokens for r in expected]
+
+
+def test_moe_cuda_graph_decode_equals_eager_and_restores_routing_mode():
+    from mcore_models.moe import moe_layers
+
+    config = GPTConfig.from_name("tiny", num_layers=2, moe={"num_experts": 4, "top_k": 2}, seed=8)
+    moe_model = GPTModel(config, device="cuda").eval()
+    modes = [layer.decode_padding for layer in moe_layers(moe_model)]
+    prompts, params = _prompts(5, seed=5), _mixed_params(5)
+    with InferenceEngine(moe_model, _config(use_cuda_graphs=False)) as eager:
+        expected = eager.generate(prompts, params)
+    with InferenceEngine(moe_model, _config()) as graphed:
+        actual = graphed.generate(prompts, params)
+        assert graphed._graphs is not None and graphed._graphs.captured
+    assert [layer.decode_padding for layer in moe_layers(moe_model)] == modes
+    assert all(r.status == RequestStatus.FINISHED for r in actual)
+    assert [r.tokens for r in actual] == [r.tokens for r in expected]

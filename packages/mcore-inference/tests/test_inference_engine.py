@@ -342,3 +342,13 @@ def test_params_list_length_mismatch_raises(model):
         pytest.raises(InvalidRequestError, match="2 entries"),
     ):
         engine.generate(_prompts([3, 3, 3]), [SamplingParams()] * 2)
+
+
+def test_moe_model_greedy_generation_equals_naive_argmax_loop():
+    moe = {"num_experts": 4, "top_k": 2}
+    moe_model = GPTModel(GPTConfig.from_name("tiny", num_layers=2, moe=moe, seed=9)).eval()
+    prompts = _prompts([4, 11], seed=16)
+    with InferenceEngine(moe_model, _config()) as engine:
+        results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == _naive_greedy(moe_model, prompt, 6)

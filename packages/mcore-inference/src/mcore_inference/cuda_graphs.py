@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mcore_inference.kv_cache import PagedKVCache
+from mcore_models.moe import set_decode_expert_padding
 
 __all__ = ["DecodeGraphRunner"]
 
@@ -112,17 +113,20 @@ class DecodeGraphRunner:
         # NOTE: one side stream for every warm-up and capture: each new stream would get its
         # own cuBLAS workspace, which the allocator keeps for the life of the process.
         stream = _capture_stream(self._inputs.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(batch)
-        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                logits = self._forward(batch)
-        finally:
-            self._cache.clear_step()
+        # MoE layers route with fixed-shape drop-and-pad while their kernels are recorded
+        # (dropless routing sizes buffers on the host); the layers' previous mode is restored.
+        with set_decode_expert_padding(self._model, True):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(batch)
+            torch.cuda.current_stream().wait_stream(stream)
+            try:
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                    logits = self._forward(batch)
+            finally:
+                self._cache.clear_step()
         self._graphs[batch] = (graph, logits)
         return graph, logits
 
