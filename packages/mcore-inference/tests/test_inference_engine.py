@@ -352,3 +352,12 @@ def test_moe_model_greedy_generation_equals_naive_argmax_loop():
         results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
     for prompt, result in zip(prompts, results):
         assert result.tokens == _naive_greedy(moe_model, prompt, 6)
+
+
+def test_tensor_prompt_is_served_like_a_list(model):
+    prompt = _prompts([6], seed=17)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    with InferenceEngine(model, _config()) as engine:
+        as_list, as_tensor = engine.generate([prompt, torch.tensor(prompt)], params)
+    assert as_tensor.status == RequestStatus.FINISHED
+    assert as_tensor.tokens == as_list.tokens == _naive_greedy(model, prompt, 3)

@@ -175,7 +175,7 @@ class InferenceEngine:
         message, and reported by the next :meth:`step`, so the other requests go on.
 
         Args:
-            prompt: Prompt token ids.
+            prompt: Prompt token ids (a list, tuple or 1-D integer tensor).
             params: Sampling parameters (default: ``SamplingParams()``).
 
         Returns:
@@ -188,6 +188,12 @@ class InferenceEngine:
         request_id = self._next_id
         self._next_id += 1
         params = params if params is not None else SamplingParams()
+        if (
+            isinstance(prompt, torch.Tensor)
+            and prompt.dim() == 1
+            and not prompt.is_floating_point()
+        ):
+            prompt = prompt.tolist()
         prompt_list = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
         valid_params = isinstance(params, SamplingParams)
         request = Request(
