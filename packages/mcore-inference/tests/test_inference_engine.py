@@ -329,11 +329,17 @@ def test_close_releases_the_cache_and_refuses_new_work(model):
     engine.close()
 
 
-def test_model_module_tree_is_unchanged_by_generation(model):
-    before = [(name, type(m)) for name, m in model.named_modules()]
+def test_model_modules_weights_mode_and_hooks_are_unchanged_by_generation(model):
+    modules = [(name, type(m)) for name, m in model.named_modules()]
+    weights = {name: p.detach().clone() for name, p in model.state_dict().items()}
+    hooks = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
+    training = [m.training for m in model.modules()]
     with InferenceEngine(model, _config()) as engine:
         engine.generate(_prompts([5]), SamplingParams(max_tokens=3))
-    assert [(name, type(m)) for name, m in model.named_modules()] == before
+    assert [(name, type(m)) for name, m in model.named_modules()] == modules
+    assert all(torch.equal(t, weights[name]) for name, t in model.state_dict().items())
+    assert [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()] == hooks
+    assert [m.training for m in model.modules()] == training
 
 
 def test_params_list_length_mismatch_raises(model):
