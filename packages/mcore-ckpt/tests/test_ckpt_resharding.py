@@ -29,6 +29,11 @@ from mcore_parallel.distributed import (
 )
 from mcore_parallel.sharding import ShardedTensor
 from mcore_parallel.state import initialize
+from mcore_parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from mcore_parallel.testing import run_distributed
 
 # name -> (shape, dtype, tensor-parallel split dimension or None for replicated)
@@ -121,6 +126,7 @@ def _distributed_phases(root: str) -> dict:
     tp_root = Path(root) / "tp"
     saved = {"model": tp_shard(reference, state.tp_rank, 2, state.dp_rank), "iteration": 7}
     mcore_ckpt.save(tp_root, saved, state=state)
+    mcore_ckpt.save(Path(root) / "tp_model", {"model": TPBlock(state, SAVED_SEEDS)}, state=state)
 
     zeros = {name: torch.zeros_like(t) for name, t in reference.items()}
     as_tp4 = {"model": tp_shard(zeros, rank, 4, 0)}
@@ -156,7 +162,34 @@ def _distributed_phases(root: str) -> dict:
     results["dp2"] = _locals(as_dp2)
     state.destroy()
     results.update(_distributed_optimizer_phases(root))
+
+    tp4 = initialize(tp=4)
+    block = TPBlock(tp4, OTHER_SEEDS)
+    mcore_ckpt.load(Path(root) / "tp_model", {"model": block}, state=tp4)
+    with torch.no_grad():
+        results["tp4_model_output"] = block(TOKENS)
+    tp4.destroy()
     return results
+
+
+SAVED_SEEDS, OTHER_SEEDS = (1, 2, 3), (11, 12, 13)
+TOKENS = torch.tensor([[0, 5, 9, 15], [3, 3, 12, 7]])
+
+
+class TPBlock(nn.Module):
+    """Embedding -> column-parallel -> row-parallel -> LayerNorm, split over the tp group."""
+
+    def __init__(self, state, seeds: tuple[int, int, int]) -> None:
+        super().__init__()
+        self.embedding = VocabParallelEmbedding(16, 8, state=state, seed=seeds[0])
+        self.fc1 = ColumnParallelLinear(8, 12, state=state, gather_output=False, seed=seeds[1])
+        self.fc2 = RowParallelLinear(12, 8, state=state, input_is_parallel=True, seed=seeds[2])
+        self.norm = nn.LayerNorm(8)
+        with torch.no_grad():
+            self.norm.weight.copy_(torch.linspace(0.5, 1.5, 8) * seeds[0])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc2(torch.tanh(self.fc1(self.embedding(tokens)))))
 
 
 def make_mlp() -> nn.Module:
@@ -346,3 +379,25 @@ def test_distributed_optimizer_state_saved_under_dp4_loads_under_dp2(distributed
             assert torch.equal(local, full[offset : offset + local.numel()]), fqn
         for name, param in result["dp2_params"].items():
             assert torch.equal(param, saved["model"][name]), name
+
+
+def test_tp2_model_of_real_tp_layers_loads_under_tp4_and_computes_the_same(distributed):
+    _, results = distributed
+    with torch.no_grad():
+        expected = TPBlock(None, SAVED_SEEDS)(TOKENS)
+        before_load = TPBlock(None, OTHER_SEEDS)(TOKENS)
+    assert not torch.allclose(before_load, expected)  # the load is what makes them agree
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(
+            result["tp4_model_output"], expected, atol=1e-6, rtol=1e-5, msg=f"rank {rank}"
+        )
+
+
+def test_tp2_model_of_real_tp_layers_loads_into_a_single_process_model(distributed):
+    root, _ = distributed
+    block = TPBlock(None, OTHER_SEEDS)
+    mcore_ckpt.load(root / "tp_model", {"model": block})
+    with torch.no_grad():
+        torch.testing.assert_close(
+            block(TOKENS), TPBlock(None, SAVED_SEEDS)(TOKENS), atol=1e-6, rtol=1e-5
+        )
