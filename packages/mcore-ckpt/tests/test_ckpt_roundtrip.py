@@ -220,3 +220,14 @@ def test_pending_param_sync_is_forced_before_tensors_are_read(tmp_path, async_sa
     target = {"w": torch.zeros(4)}
     mcore_ckpt.load(tmp_path, target)
     assert torch.equal(target["w"], torch.arange(4.0))
+
+
+def test_several_writer_threads_split_files_and_round_trip(tmp_path):
+    saved = {f"w{i}": torch.full((64, 64), float(i)) for i in range(6)}
+    path = mcore_ckpt.save(tmp_path, saved, io_threads=3)
+    assert len(list(path.glob("*.distcp"))) == 3
+    mcore_ckpt.validate_checkpoint(path)
+    target = {name: torch.zeros(64, 64) for name in saved}
+    mcore_ckpt.load(tmp_path, target, verify=True)
+    for name, tensor in saved.items():
+        assert torch.equal(target[name], tensor), name
