@@ -138,6 +138,17 @@ def test_triton_rows_are_bitwise_batch_invariant(triton_backend):
     assert torch.equal(full[0][:2], few[0]) and torch.equal(full[1][:2], few[1])
 
 
+def test_strided_inputs_match_contiguous_copies(triton_backend):
+    logits, targets = _logits_and_targets((6,), 90, torch.float32, seed=15)
+    strided_logits = logits[::2]  # a row stride of two rows
+    strided_targets = torch.stack([targets, targets], dim=1)[::2, 0]  # element stride of four
+    assert not strided_targets.is_contiguous()
+    expected = token_logprobs(strided_logits.contiguous(), strided_targets.contiguous())
+    torch.testing.assert_close(
+        token_logprobs(strided_logits, strided_targets), expected, atol=0, rtol=0
+    )
+
+
 def test_only_logprobs_are_returned_without_entropy(triton_backend):
     logits, targets = _logits_and_targets((2, 2), 50, torch.float32, seed=7)
     logprobs = token_logprobs(logits, targets)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mcore_kernels._triton_utils import round_to
+from mcore_kernels._triton_utils import on_device_of, round_to
 
 __all__ = [
     "BACKWARD_STAGES",
@@ -360,4 +360,6 @@ def rms_norm_triton(
     Returns:
         ``y``; with ``residual``, the pair ``(y, x + residual)``.
     """
-    return _RMSNormFunction.apply(x, weight, residual, float(eps))
+    # The autograd engine runs the backward on the device's own thread, with it current.
+    with on_device_of(x):
+        return _RMSNormFunction.apply(x, weight, residual, float(eps))

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mcore_kernels._triton_utils import on_device_of
+
 __all__ = ["slice_after_triton", "merge_triton", "masked_update_triton"]
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -96,9 +98,10 @@ def slice_after_triton(inp: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) 
     """
     src, dst = _as_bits(inp), _as_bits(out)
     if dst.shape[0] > 0 and dst.shape[1] > 0:
-        _slice_after_kernel[(dst.shape[0],)](
-            src, pos, dst, src.shape[0], dst.shape[1], BLOCK=_block(dst.shape[1])
-        )
+        with on_device_of(dst):
+            _slice_after_kernel[(dst.shape[0],)](
+                src, pos, dst, src.shape[0], dst.shape[1], BLOCK=_block(dst.shape[1])
+            )
     return out
 
 
@@ -119,17 +122,18 @@ def merge_triton(
     target = a if out is None else out
     src_a, src_b, dst = _as_bits(a), _as_bits(b), _as_bits(target)
     if dst.shape[0] > 0 and dst.shape[1] > 0:
-        _merge_kernel[(dst.shape[0],)](
-            src_a,
-            src_b,
-            pos,
-            dst,
-            src_a.shape[0],
-            src_b.shape[0],
-            dst.shape[1],
-            IN_PLACE=out is None,
-            BLOCK=_block(dst.shape[1]),
-        )
+        with on_device_of(dst):
+            _merge_kernel[(dst.shape[0],)](
+                src_a,
+                src_b,
+                pos,
+                dst,
+                src_a.shape[0],
+                src_b.shape[0],
+                dst.shape[1],
+                IN_PLACE=out is None,
+                BLOCK=_block(dst.shape[1]),
+            )
     return target
 
 
@@ -148,7 +152,8 @@ def masked_update_triton(
     """
     dst, src = _as_bits(states), _as_bits(new_states)
     if src.shape[0] > 0 and src.shape[1] > 0:
-        _masked_update_kernel[(src.shape[0],)](
-            dst, idx, src, dst.shape[0], dst.shape[1], BLOCK=_block(dst.shape[1])
-        )
+        with on_device_of(dst):
+            _masked_update_kernel[(src.shape[0],)](
+                dst, idx, src, dst.shape[0], dst.shape[1], BLOCK=_block(dst.shape[1])
+            )
     return states

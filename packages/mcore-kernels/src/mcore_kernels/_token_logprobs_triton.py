@@ -18,7 +18,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from mcore_kernels._triton_utils import round_to
+from mcore_kernels._triton_utils import on_device_of, round_to
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
 
 __all__ = ["FORWARD_STAGES", "MAX_BLOCK_V", "token_logprobs_triton"]
@@ -262,9 +262,16 @@ def token_logprobs_triton(
     flat = logits.reshape(-1, vocab)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    out = _TokenLogprobsFunction.apply(
-        flat, targets.reshape(-1), 1.0 / temperature, group, return_entropy, ignore_index
-    )
+    # The autograd engine runs the backward on the device's own thread, with it current.
+    with on_device_of(logits):
+        out = _TokenLogprobsFunction.apply(
+            flat,
+            targets.reshape(-1).contiguous(),
+            1.0 / temperature,
+            group,
+            return_entropy,
+            ignore_index,
+        )
     if not return_entropy:
         return out.reshape(lead_shape)
     logprobs, entropy = out

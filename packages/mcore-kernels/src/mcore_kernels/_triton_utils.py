@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["round_to"]
+__all__ = ["on_device_of", "round_to"]
+
+
+def on_device_of(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Return a context making ``tensor``'s GPU current (Triton launches on the current device).
+
+    Args:
+        tensor: any tensor argument of the launch.
+
+    Returns:
+        ``torch.cuda.device(tensor.device)`` for CUDA tensors, else a no-op context.
+    """
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit
