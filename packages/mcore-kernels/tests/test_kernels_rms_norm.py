@@ -16,6 +16,9 @@ from mcore_kernels.errors import (
 )
 from mcore_kernels.reference import rms_norm_reference
 
+# Every CPU test here may run the Triton kernels through the interpreter (see conftest.py).
+pytestmark = pytest.mark.interpreter
+
 # A single row, odd 3-D shapes (the (5, 123, 123) is interpreted once per dtype family
 # below, as 615 programs are slow to interpret) and a row wider than MAX_BLOCK (looped variant).
 SHAPES = [(1, 64), (2, 7, 123), (3, 9000)]

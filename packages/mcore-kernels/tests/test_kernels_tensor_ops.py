@@ -16,6 +16,9 @@ from mcore_kernels.errors import (
 from mcore_kernels.reference import masked_update_reference, merge_reference, slice_after_reference
 from mcore_kernels.tensor_ops import masked_update, merge, slice_after
 
+# Every CPU test here may run the Triton kernels through the interpreter (see conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
 TRAILING = [(5,), (3, 4), (2, 3, 2)]  # 2-D, 3-D and 4-D tensors
 

@@ -23,6 +23,9 @@ from mcore_kernels.errors import (
 )
 from mcore_kernels.reference import token_logprobs_reference
 
+# Every CPU test here may run the Triton kernels through the interpreter (see conftest.py).
+pytestmark = pytest.mark.interpreter
+
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
 # (leading shape, vocab, dtype, temperature): the vocabularies of GPT-2 and Qwen2.5 with few
 # rows, an odd vocabulary smaller than one chunk, leading dims, temperature below one.

@@ -7,6 +7,7 @@ from torch import nn
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels._validation import check_rms_norm_args
+from mcore_kernels.errors import KernelValueError
 from mcore_kernels.reference import rms_norm_reference
 
 __all__ = ["rms_norm", "RMSNorm"]
@@ -75,12 +76,10 @@ class RMSNorm(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        from mcore_kernels.errors import KernelValueError
-
         super().__init__()
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
             raise KernelValueError(f"hidden_size={hidden_size!r} must be a positive int")
-        if not isinstance(eps, (int, float)) or eps < 0:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             raise KernelValueError(f"eps={eps!r} must be a number >= 0")
         self.hidden_size = hidden_size
         self.eps = float(eps)
