@@ -124,4 +124,4 @@ def test_cli_generate_prints_the_engine_result(checkpoint, capsys):
             tokens = tokens[: tokens.index(eos) + 1]
         assert record["tokens"] == tokens
         assert record["text"] == " ".join(f"w{t}" for t in tokens)
-        assert record["status"] == "finished"
+        assert record["status"] == "FINISHED"

@@ -11,20 +11,20 @@ __all__ = ["FinishReason", "GenerationResult", "Request", "RequestStatus"]
 
 
 class RequestStatus(str, enum.Enum):
-    """Where a request is in its lifecycle."""
+    """Where a request is in its lifecycle (values are the upper-case names)."""
 
-    WAITING = "waiting"
+    WAITING = "WAITING"
     """Queued: no KV blocks yet."""
-    ACTIVE = "active"
+    ACTIVE = "ACTIVE"
     """Holding KV blocks: prefilling or decoding."""
-    FINISHED = "finished"
+    FINISHED = "FINISHED"
     """Done (length, stop token, stop word or aborted); its blocks are free."""
-    FAILED = "failed"
+    FAILED = "FAILED"
     """Rejected or broken by an error; ``GenerationResult.error`` says why."""
 
 
 class FinishReason(str, enum.Enum):
-    """Why a request stopped."""
+    """Why a request stopped (values are the lower-case names, e.g. ``"stop_word"``)."""
 
     LENGTH = "length"
     """``max_tokens`` generated or ``max_sequence_length`` reached."""
