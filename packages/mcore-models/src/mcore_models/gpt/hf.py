@@ -33,8 +33,12 @@ SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-"""Hugging Face ``model_type`` -> architecture class name."""
+"""Hugging Face ``model_type`` -> architecture class name (the last three are MoE families,
+translated by :mod:`mcore_models.moe.hf`)."""
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -169,6 +173,10 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         dtype=dtype,
     )
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        from mcore_models.moe.hf import moe_fields_from_hf
+
+        fields.update(moe_fields_from_hf(hf))
     fields.update(overrides)
     return GPTConfig(**fields)
 
@@ -227,6 +235,10 @@ def config_to_hf(config: GPTConfig) -> dict[str, Any]:
         hf["mlp_bias"] = False
     else:
         hf["use_sliding_window"] = False
+    if config.moe is not None:
+        from mcore_models.moe.hf import moe_config_to_hf
+
+        hf = moe_config_to_hf(config, hf)
     return hf
 
 
@@ -284,8 +296,22 @@ def load_hf(
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     handles: dict[Path, Any] = {}
+    experts = None
+    if config.moe is not None:
+        from mcore_models.moe.hf import ExpertLoader
+
+        experts = ExpertLoader(params)
+
+    def read(name: str) -> torch.Tensor:
+        file = files[name]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        return handles[file].get_tensor(name)
+
     try:
         for name in sorted(files):
+            if experts is not None and experts.load(name, read):
+                continue
             target = mcore_name(name)
             if target is None or (target == "output_layer.weight" and config.tie_word_embeddings):
                 if target is None and not name.endswith("rotary_emb.inv_freq"):
@@ -299,10 +325,7 @@ def load_hf(
                     f"tensor {name!r} of the checkpoint has no place in the model (expected "
                     f"{target!r} to exist)"
                 )
-            file = files[name]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt")
-            tensor = handles[file].get_tensor(name)
+            tensor = read(name)
             param = params[target]
             if tuple(tensor.shape) != tuple(param.shape):
                 raise CheckpointFormatError(
@@ -314,6 +337,9 @@ def load_hf(
             loaded.add(target)
     finally:
         handles.clear()
+    if experts is not None:
+        experts.check_experts_complete()
+        loaded |= experts.loaded
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointFormatError(
@@ -352,13 +378,18 @@ def save_hf(model: GPTModel, directory: str | os.PathLike[str]) -> None:
 
 
 def _write_hf(state_dict: dict[str, torch.Tensor], config: GPTConfig, out: Path) -> None:
+    hf_config = config_to_hf(config)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        hf_name(name): tensor.detach().to("cpu").contiguous() for name, tensor in state_dict.items()
-    }
+    named: dict[str, torch.Tensor] = {}
+    if config.moe is not None:
+        from mcore_models.moe.hf import moe_tensors_to_hf
+
+        named, state_dict = moe_tensors_to_hf(state_dict, config, hf_config["model_type"])
+    named.update((hf_name(name), tensor) for name, tensor in state_dict.items())
+    tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named.items()}
     weights_tmp = out / "model.safetensors.tmp"
     save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
     config_tmp = out / "config.json.tmp"
-    config_tmp.write_text(json.dumps(config_to_hf(config), indent=2) + "\n")
+    config_tmp.write_text(json.dumps(hf_config, indent=2) + "\n")
     os.replace(weights_tmp, out / "model.safetensors")
     os.replace(config_tmp, out / "config.json")

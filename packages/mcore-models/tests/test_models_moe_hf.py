@@ -1,0 +1,106 @@
+"""Hugging Face parity for MoE families: tiny random Mixtral, Qwen2-MoE and Qwen3-MoE built with
+transformers, loaded with GPTModel.from_hf (logits equal) and exported back with to_hf."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mcore_models import CheckpointFormatError, GPTConfig, GPTModel
+from mcore_models.moe import MoEConfig, MoELayer
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    num_experts_per_tok=2,
+)
+
+
+def _hf_model(kind: str):
+    torch.manual_seed(0)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(**COMMON, intermediate_size=40, num_local_experts=4)
+        model = transformers.MixtralForCausalLM(config)
+    elif kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(
+            **COMMON,
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=4,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+        )
+        model = transformers.Qwen2MoeForCausalLM(config)
+    else:
+        config = transformers.Qwen3MoeConfig(
+            **COMMON,
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            num_experts=4,
+            head_dim=16,
+            norm_topk_prob=True,
+        )
+        model = transformers.Qwen3MoeForCausalLM(config)
+    model = model.float().eval()
+    with torch.no_grad():
+        # Routers start at zero in some families and norms at one: randomise everything so
+        # that a swapped expert, projection or norm cannot pass.
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_from_hf_matches_transformers_logits_and_to_hf_round_trips(kind, tmp_path):
+    hf_model = _hf_model(kind)
+    hf_model.save_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+        model = GPTModel.from_hf(tmp_path / "hf").eval()
+        torch.testing.assert_close(model(ids), expected, atol=2e-5, rtol=2e-5)
+    moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoELayer)]
+    assert len(moe_layers) == (1 if kind == "qwen2_moe" else 2)
+    model.to_hf(tmp_path / "export")
+    written = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert written["model_type"] == kind
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        torch.testing.assert_close(exported[name], tensor, atol=0, rtol=0)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_from_hf_names_missing_expert(tmp_path):
+    hf_model = _hf_model("mixtral")
+    hf_model.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        CheckpointFormatError, match=re.escape("expert 3 of 'layers.1.mlp.experts.down_proj'")
+    ):
+        GPTModel.from_hf(tmp_path)
+
+
+def test_to_hf_rejects_moe_options_without_hf_counterpart(tmp_path):
+    moe = MoEConfig(num_experts=4, top_k=2, router_score="sigmoid")
+    model = GPTModel(GPTConfig.from_name("tiny", moe=moe))
+    with pytest.raises(CheckpointFormatError, match="router_score='sigmoid'"):
+        model.to_hf(tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
