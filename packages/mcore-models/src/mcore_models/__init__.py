@@ -23,6 +23,7 @@ from mcore_models.gpt.qk_clip import (
     clip_qk,
     reset_attention_logit_maxima,
 )
+from mcore_models.moe import DecodeExpertPadding, MoEConfig, MoELayer, set_decode_expert_padding
 from mcore_models.packed_seq import PackedSeqParams
 
 __all__ = [
@@ -44,4 +45,8 @@ __all__ = [
     "ModelInputError",
     "PackedSeqError",
     "KVCacheError",
+    "MoEConfig",
+    "MoELayer",
+    "set_decode_expert_padding",
+    "DecodeExpertPadding",
 ]
