@@ -16,7 +16,7 @@ from mcore_parallel.distributed import (
     DistributedOptimizer,
     OptimizerConfig,
 )
-from mcore_parallel.errors import ParallelConfigError, ParallelTypeError
+from mcore_parallel.errors import GradientNotFiniteError, ParallelConfigError, ParallelTypeError
 from mcore_parallel.testing import run_distributed
 
 STEPS = 3
@@ -118,9 +118,23 @@ def no_sync_runs() -> dict[bool, dict[str, object]]:
     return {overlap: accumulate_with_no_sync(overlap) for overlap in (False, True)}
 
 
+def nan_gradient_error() -> str:
+    model = DistributedDataParallel(make_model(), DDPConfig(check_for_nan_in_grad=True))
+    x, y = make_batches()[0]
+    if torch.distributed.get_rank() == 0:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    loss_fn(model, x, y).backward()
+    try:
+        model.finish_grad_sync()
+    except GradientNotFiniteError as error:
+        return str(error)
+    return "no error"
+
+
 def all_runs() -> dict[str, object]:
     # One process group for every check: spawning ranks dominates the suite's time.
-    return {"trained": train_all_configs(), "no_sync": no_sync_runs()}
+    return {"trained": train_all_configs(), "no_sync": no_sync_runs(), "nan": nan_gradient_error()}
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +201,12 @@ def test_three_steps_match_single_process_adamw_on_nccl():
                 torch.testing.assert_close(
                     results[name][key], value, atol=1e-5, rtol=1e-4, msg=f"{name} {rank} {key}"
                 )
+
+
+def test_non_finite_gradient_raises_on_every_rank(runs):
+    # Only rank 0 saw a NaN; after the reduction every rank holds it and raises.
+    for result in runs:
+        assert "NaN or Inf" in result["nan"]
 
 
 def test_bucket_default_size_follows_dp():

@@ -14,6 +14,7 @@ from mcore_parallel.distributed import (
 from mcore_parallel.errors import (
     DistributedRunError,
     DistributedTimeoutError,
+    GradientNotFiniteError,
     OptimizerStateError,
     ParallelConfigError,
     ParallelError,
@@ -40,6 +41,7 @@ __all__ = [
     "DistributedRunError",
     "DistributedTimeoutError",
     "OptimizerStateError",
+    "GradientNotFiniteError",
     "ParallelState",
     "initialize",
     "ColumnParallelLinear",

@@ -15,6 +15,7 @@ __all__ = [
     "DistributedRunError",
     "DistributedTimeoutError",
     "OptimizerStateError",
+    "GradientNotFiniteError",
 ]
 
 
@@ -44,3 +45,7 @@ class DistributedTimeoutError(ParallelError, TimeoutError):
 
 class OptimizerStateError(ParallelError, ValueError):
     """An optimizer state dict lacks an entry or holds a block of the wrong size."""
+
+
+class GradientNotFiniteError(ParallelError, FloatingPointError):
+    """A reduced gradient holds NaN or Inf (``DDPConfig.check_for_nan_in_grad``)."""

@@ -48,7 +48,6 @@ class Bucket:
         numel: Number of elements, padding included (a multiple of the number of shards).
         pending_grads: Parameters whose gradient has not arrived in this backward pass.
         grad_work: Handle of the in-flight gradient collective, if any.
-        grad_launched: Whether this backward pass's gradient collective was launched.
         param_work: Handle of the in-flight parameter all-gather, if any.
         param_stale: Whether the optimizer updated this rank's shard since the last gather.
     """
@@ -60,7 +59,6 @@ class Bucket:
     numel: int
     pending_grads: set[torch.nn.Parameter] = field(default_factory=set)
     grad_work: dist.Work | None = None
-    grad_launched: bool = False
     param_work: dist.Work | None = None
     param_stale: bool = False
 
@@ -97,7 +95,6 @@ class Bucket:
         """Forgets which gradients arrived, ready for the next backward pass."""
         self.pending_grads = set(self.params)
         self.grad_work = None
-        self.grad_launched = False
 
 
 class ParamAndGradBuffer:

@@ -16,7 +16,12 @@ from mcore_parallel.distributed.buffers import Bucket, CommGroup, ParamAndGradBu
 from mcore_parallel.distributed.config import DDPConfig
 from mcore_parallel.distributed.hooks import ParamSyncHooks
 from mcore_parallel.distributed.offload import move_tensor
-from mcore_parallel.errors import ParallelConfigError, ParallelStateError, ParallelTypeError
+from mcore_parallel.errors import (
+    GradientNotFiniteError,
+    ParallelConfigError,
+    ParallelStateError,
+    ParallelTypeError,
+)
 from mcore_parallel.sharding import get_partition_dims
 
 __all__ = ["DistributedDataParallel"]
@@ -203,7 +208,6 @@ class DistributedDataParallel(nn.Module):
             self._launch_grad_collective(bucket)
 
     def _launch_grad_collective(self, bucket: Bucket) -> None:
-        bucket.grad_launched = True
         self._next_grad_bucket = bucket.index + 1
         comm = bucket.buffer.comm
         if comm.size == 1:
@@ -227,8 +231,8 @@ class DistributedDataParallel(nn.Module):
         second call without a new backward pass does nothing.
 
         Raises:
-            FloatingPointError: With ``check_for_nan_in_grad``, if a reduced gradient is not
-                finite (names the buffer).
+            GradientNotFiniteError: With ``check_for_nan_in_grad``, if a reduced gradient is
+                not finite (names the buffer).
         """
         if self._grad_sync_done:
             return
@@ -243,7 +247,7 @@ class DistributedDataParallel(nn.Module):
         if self.config.check_for_nan_in_grad:
             for position, buffer in enumerate(self.param_grad_buffers):
                 if not torch.isfinite(buffer.grad_data).all():
-                    raise FloatingPointError(
+                    raise GradientNotFiniteError(
                         f"gradient buffer {position} ({buffer.grad_dtype}) holds NaN or Inf "
                         f"after reduction on dp rank {self.dp_rank}"
                     )
