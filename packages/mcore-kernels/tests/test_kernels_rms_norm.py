@@ -96,6 +96,19 @@ def test_triton_gradients_match_reference_in_float32(triton_backend, shape, with
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_triton_handles_hidden_size_65536(triton_backend):
+    x, residual, weight = (t.requires_grad_() for t in _inputs((2, 65536), torch.float32, seed=9))
+    y, hidden = rms_norm(x, weight, 1e-6, residual=residual)
+    (y.sum() + hidden.pow(2).sum()).backward()
+    grads = [t.grad for t in (x, residual, weight)]
+    leaves = [t.detach().clone().requires_grad_() for t in (x, residual, weight)]
+    y_ref, hidden_ref = rms_norm_reference(leaves[0], leaves[2], 1e-6, residual=leaves[1])
+    (y_ref.sum() + hidden_ref.pow(2).sum()).backward()
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    for got, leaf in zip(grads, leaves, strict=True):
+        torch.testing.assert_close(got, leaf.grad, atol=1e-4, rtol=1e-4)
+
+
 def test_reference_gradients_pass_gradcheck_in_float64():
     x, residual, weight = (
         t.double().requires_grad_() for t in _inputs((3, 7), torch.float32, seed=3)
