@@ -36,10 +36,10 @@ _STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
 
 
 def adamw_update(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
     *,
     step: int,
     lr: float,
@@ -47,32 +47,37 @@ def adamw_update(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """Applies one AdamW update in place (decoupled weight decay, bias-corrected moments).
+    """Applies one AdamW update in place to lists of tensors (one fused kernel per operation).
 
-    The formula and operation order are those of the single-tensor path of
+    Decoupled weight decay and bias-corrected moments, with the formula and operation order of
     ``torch.optim.AdamW`` (Loshchilov and Hutter, "Decoupled Weight Decay Regularization",
-    ICLR 2019); owning it keeps the optimizer state in plain tensors that can be sharded,
-    offloaded and checkpointed without the torch optimizer's bookkeeping.
+    ICLR 2019). Owning the update keeps the optimizer state in plain tensors that can be
+    sharded, offloaded and checkpointed without the torch optimizer's bookkeeping.
 
     Args:
-        param: fp32 parameter, updated in place.
-        grad: Its gradient.
-        exp_avg: First moment, updated in place.
-        exp_avg_sq: Second moment, updated in place.
+        params: fp32 parameters, updated in place.
+        grads: Their gradients.
+        exp_avgs: First moments, updated in place.
+        exp_avg_sqs: Second moments, updated in place.
         step: Number of this step, starting at 1.
         lr: Learning rate.
         betas: Decay rates of the two moments.
         eps: Added to the denominator.
         weight_decay: Decoupled weight decay coefficient.
     """
+    if not params:
+        return
     beta1, beta2 = betas
-    param.mul_(1.0 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
     bias_correction1 = 1.0 - beta1**step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / bias_correction1)
 
 
 @dataclass(eq=False)
@@ -214,19 +219,20 @@ class DistributedOptimizer:
             scale = self.config.clip_grad / (grad_norm + 1e-6)
             grads = [grad * scale for grad in grads]
         self.step_count += 1
+        mains = [s.main_param for s in owned]
         with torch.no_grad():
-            for shard, grad in zip(owned, grads):
-                adamw_update(
-                    shard.main_param,  # type: ignore[arg-type]
-                    grad,
-                    shard.exp_avg,  # type: ignore[arg-type]
-                    shard.exp_avg_sq,  # type: ignore[arg-type]
-                    step=self.step_count,
-                    lr=self.lr,
-                    betas=self.config.betas,
-                    eps=self.config.eps,
-                    weight_decay=self.config.weight_decay,
-                )
+            adamw_update(
+                mains,  # type: ignore[arg-type]
+                grads,
+                [s.exp_avg for s in owned],  # type: ignore[misc]
+                [s.exp_avg_sq for s in owned],  # type: ignore[misc]
+                step=self.step_count,
+                lr=self.lr,
+                betas=self.config.betas,
+                eps=self.config.eps,
+                weight_decay=self.config.weight_decay,
+            )
+            for shard in owned:
                 shard.model_slice().copy_(shard.main_param)  # type: ignore[arg-type]
         self.model.mark_params_updated()
         self.model.start_param_sync()
