@@ -1,0 +1,240 @@
+"""MoE layer forward + backward throughput against a dense SwiGLU of the same active parameters.
+
+Each case times ``MoELayer`` (dropless with ``torch._grouped_mm``, dropless with a loop over
+experts, and drop-and-pad with capacity factor 1.25) in the same run on the same GPU as its
+peers: a dense :class:`~mcore_models.gpt.mlp.SwiGLUMLP` whose FFN width is ``top_k *
+expert_ffn`` (the same active matmul parameters per token, router aside) and, where the
+installed transformers has it, the equivalent sparse MoE block of transformers (Mixtral or
+Qwen3-MoE) with its eager and its ``grouped_mm`` experts kernels. Inputs are bf16 ``[tokens, hidden]`` random activations; the backward pass gets a
+fixed random output gradient. Reports ms per forward + backward, tokens/s, active TFLOP/s
+(6 FLOPs per active matmul parameter and token) and the throughput ratio to the dense layer.
+
+Run from the repository root on the GPU machine::
+
+    export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
+    python3 packages/mcore-models/benchmarks/bench_moe.py --out $OUT/moe
+
+``--smoke`` runs tiny shapes on the CPU once (a check that the script works, not a result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mcore_models import GPTConfig, MoEConfig, MoELayer
+from mcore_models.gpt.mlp import SwiGLUMLP
+
+CASES = {
+    # Mixtral-8x7B layer shape (Jiang et al., 2024): 8 experts, top-2, FFN 14336.
+    "mixtral-8x7b": dict(hidden=4096, experts=8, top_k=2, ffn=14336, tokens=8192),
+    # Qwen3-30B-A3B layer shape (Qwen3 technical report): 128 experts, top-8, FFN 768.
+    "qwen3-30b-a3b": dict(hidden=2048, experts=128, top_k=8, ffn=768, tokens=8192),
+}
+SMOKE = {"smoke": dict(hidden=64, experts=4, top_k=2, ffn=32, tokens=64)}
+
+
+def _moe(case: dict[str, int], device: torch.device, **moe_fields: Any) -> nn.Module:
+    moe = MoEConfig(
+        num_experts=case["experts"],
+        top_k=case["top_k"],
+        expert_ffn_hidden_size=case["ffn"],
+        **moe_fields,
+    )
+    config = GPTConfig(hidden_size=case["hidden"], ffn_hidden_size=case["ffn"], moe=moe)
+    return _init(MoELayer(config, 0), device)
+
+
+def _dense(case: dict[str, int], device: torch.device) -> nn.Module:
+    config = GPTConfig(hidden_size=case["hidden"], ffn_hidden_size=case["top_k"] * case["ffn"])
+    return _init(SwiGLUMLP(config), device)
+
+
+def _hf_block(case: dict[str, int], device: torch.device, experts: str) -> nn.Module:
+    import transformers
+
+    common = dict(
+        hidden_size=case["hidden"],
+        num_experts_per_tok=case["top_k"],
+        num_attention_heads=8,
+        num_hidden_layers=1,
+    )
+    if case["top_k"] == 2:
+        config = transformers.MixtralConfig(
+            **common, intermediate_size=case["ffn"], num_local_experts=case["experts"]
+        )
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+    else:
+        config = transformers.Qwen3MoeConfig(
+            **common,
+            moe_intermediate_size=case["ffn"],
+            num_experts=case["experts"],
+            norm_topk_prob=True,
+        )
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+            Qwen3MoeSparseMoeBlock as Block,
+        )
+    # transformers 5 picks the experts kernel from this config attribute ("eager", "grouped_mm").
+    config._experts_implementation = experts
+    return _init(Block(config), device)
+
+
+def _init(module: nn.Module, device: torch.device) -> nn.Module:
+    module = module.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.normal_(0.0, 0.02)
+    return module
+
+
+def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, iters: int) -> float:
+    """Milliseconds per forward + backward (CUDA events on GPU, wall clock on CPU)."""
+    inputs = x.requires_grad_(True)
+    shaped = inputs if not getattr(module, "wants_3d", False) else inputs[None]
+
+    def step() -> None:
+        out = module(shaped)
+        out = out.reshape(grad.shape)
+        out.backward(grad)
+        module.zero_grad(set_to_none=True)
+        inputs.grad = None
+
+    for _ in range(warmup):
+        step()
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+    begin = time.perf_counter()
+    for _ in range(iters):
+        step()
+    return (time.perf_counter() - begin) * 1e3 / iters
+
+
+def run_case(name: str, case: dict[str, int], device: torch.device, smoke: bool) -> list[dict]:
+    """Time every implementation of one case.
+
+    Args:
+        name: Case name.
+        case: Shapes (hidden, experts, top_k, ffn, tokens).
+        device: Device.
+        smoke: Tiny single-iteration run.
+
+    Returns:
+        One row per implementation.
+    """
+    warmup, iters = (1, 1) if smoke else (3, 10)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(case["tokens"], case["hidden"], device=device, dtype=dtype, generator=generator)
+    grad = torch.randn_like(x)
+    builders: dict[str, Callable[[], nn.Module]] = {
+        "dense SwiGLU (same active params)": lambda: _dense(case, device),
+        "mcore MoELayer dropless, grouped GEMM": lambda: _moe(case, device),
+        "mcore MoELayer dropless, expert loop": lambda: _moe(case, device, grouped_gemm=False),
+        "mcore MoELayer drop-and-pad (capacity 1.25)": lambda: _moe(
+            case, device, capacity_factor=1.25
+        ),
+        "transformers sparse MoE block (eager experts)": lambda: _wants_3d(
+            _hf_block(case, device, "eager")
+        ),
+        "transformers sparse MoE block (grouped_mm experts)": lambda: _wants_3d(
+            _hf_block(case, device, "grouped_mm")
+        ),
+    }
+    active = 3 * case["hidden"] * case["ffn"] * case["top_k"]
+    rows = []
+    for implementation, build in builders.items():
+        row: dict[str, Any] = {"case": name, "implementation": implementation, **case}
+        try:
+            module = build()
+            ms = _time(module, x.detach().clone(), grad, warmup, iters)
+            row.update(
+                ms=ms,
+                tokens_per_s=case["tokens"] / ms * 1e3,
+                active_tflops=6 * active * case["tokens"] / ms / 1e9,
+            )
+            del module
+        except Exception as exc:  # a peer that cannot run here is reported, not fatal
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        rows.append(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dense = rows[0].get("ms")
+    for row in rows:
+        if dense and "ms" in row:
+            row["throughput_vs_dense"] = dense / row["ms"]
+    return rows
+
+
+def _wants_3d(module: nn.Module) -> nn.Module:
+    module.wants_3d = True  # type: ignore[assignment]
+    return module
+
+
+def _markdown(device_name: str, rows: list[dict]) -> str:
+    lines = [
+        f"MoE layer forward + backward on {device_name} (bf16 on GPU)",
+        "",
+        "| case | implementation | tokens | ms | tokens/s | active TFLOP/s | vs dense |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if "ms" not in row:
+            lines.append(
+                f"| {row['case']} | {row['implementation']} | {row['tokens']} | "
+                f"error: {row['error'][:60]} | | | |"
+            )
+            continue
+        lines.append(
+            f"| {row['case']} | {row['implementation']} | {row['tokens']} | {row['ms']:.2f} | "
+            f"{row['tokens_per_s']:,.0f} | {row['active_tflops']:.0f} | "
+            f"{row.get('throughput_vs_dense', float('nan')):.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and write ``moe.json`` and ``moe.md`` under ``--out``.
+
+    Args:
+        argv: Command-line arguments (default ``sys.argv``).
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    rows: list[dict] = []
+    for name, case in (SMOKE if args.smoke else CASES).items():
+        rows.extend(run_case(name, case, device, args.smoke))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "device": device_name,
+        "torch": torch.__version__,
+        "dtype": "bfloat16" if device.type == "cuda" else "float32",
+        "rows": rows,
+    }
+    (out / "moe.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "moe.md").write_text(_markdown(device_name, rows))
+    print(_markdown(device_name, rows))
+
+
+if __name__ == "__main__":
+    main()
