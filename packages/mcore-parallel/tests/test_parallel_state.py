@@ -1,12 +1,14 @@
 """ParallelState: group layout on 8 ranks, world size 1, invalid layouts, destroy and default."""
 
+import os
+
 import pytest
 import torch.distributed as dist
 
 from mcore_parallel import state as state_module
 from mcore_parallel.errors import ParallelConfigError, ParallelStateError, ParallelTypeError
 from mcore_parallel.state import initialize
-from mcore_parallel.testing import run_distributed
+from mcore_parallel.testing import free_port, run_distributed
 
 _INVALID_LAYOUTS = [
     {"tp": 3},  # 8 ranks not divisible by 3
@@ -150,7 +152,11 @@ def test_world_size_1_is_all_ones_and_default_is_cleared_on_destroy():
 
 
 def _initialize_from_environment() -> dict:
-    # run_distributed initialised torch.distributed; start over as a torchrun-launched script.
+    # run_distributed initialised torch.distributed; start over as a torchrun-launched script,
+    # on a port picked just now (a port picked in the parent could be taken by then).
+    port = [free_port() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    os.environ["MASTER_PORT"] = str(port[0])
     dist.destroy_process_group()
     state = initialize(tp=2, backend="gloo")
     result = {"world_size": state.world_size, "tp_ranks": state.tp_ranks}

@@ -14,6 +14,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import secrets
 import socket
 import time
 import traceback
@@ -63,6 +64,7 @@ def _worker(
     rank: int,
     world_size: int,
     store_port: int,
+    store_prefix: str,
     env_port: int,
     backend: str,
     timeout: float,
@@ -87,8 +89,13 @@ def _worker(
     try:
         if "nccl" in backend:
             torch.cuda.set_device(rank)
-        store = dist.TCPStore(
-            "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=timeout)
+        # A per-run key prefix: a foreign process that reaches this port by mistake (after
+        # its own free-port race) cannot mix its keys with this run's.
+        store = dist.PrefixStore(
+            store_prefix,
+            dist.TCPStore(
+                "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=timeout)
+            ),
         )
         dist.init_process_group(
             backend=backend,
@@ -178,7 +185,17 @@ def run_distributed(
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )
-    worker_args = (store.port, free_port(), backend, timeout, results, fn, args, dict(os.environ))
+    worker_args = (
+        store.port,
+        f"run-{secrets.token_hex(8)}",
+        free_port(),
+        backend,
+        timeout,
+        results,
+        fn,
+        args,
+        dict(os.environ),
+    )
     processes = [
         context.Process(
             target=_worker,
