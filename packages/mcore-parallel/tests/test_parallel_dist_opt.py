@@ -16,7 +16,7 @@ from mcore_parallel.distributed import (
     DistributedOptimizer,
     OptimizerConfig,
 )
-from mcore_parallel.errors import OptimizerStateError
+from mcore_parallel.errors import OptimizerStateError, ParallelConfigError, ParallelStateError
 from mcore_parallel.sharding import ShardedTensor
 from mcore_parallel.testing import run_distributed
 
@@ -113,6 +113,32 @@ def sharded_checks() -> dict[str, object]:
     )
     train(model, optimizer, batches[2:], rank, world)
     out["continued"] = params_of(model)
+
+    # The wrapper's state dict is the module's, synchronised, and loading keeps the buffers.
+    overlapped = DistributedDataParallel(
+        make_model(),
+        DDPConfig(bucket_size=60, use_distributed_optimizer=True, overlap_param_gather=True),
+    )
+    overlapped_optimizer = DistributedOptimizer(overlapped, OptimizerConfig(**OPTIM))
+    train(overlapped, overlapped_optimizer, batches[:1], rank, world)
+    overlapped_optimizer.zero_grad()
+    loss_fn(overlapped, *batches[1]).backward()
+    overlapped_optimizer.step()  # parameters stale now: only the first all-gather in flight
+    model_sd = overlapped.state_dict()
+    out["state_dict_keys"] = sorted(model_sd) == sorted(overlapped.module.state_dict())
+    main = assemble_global(overlapped_optimizer.sharded_state_dict())
+    out["state_dict_synced"] = all(
+        torch.equal(main[f"{n}/main_param"], t.reshape(-1)) for n, t in model_sd.items()
+    )
+    storage = [b.param_data.data_ptr() for b in overlapped.param_grad_buffers]
+    overlapped.load_state_dict(make_model().state_dict())
+    out["load_keeps_buffers"] = storage == [
+        b.param_data.data_ptr() for b in overlapped.param_grad_buffers
+    ] and all(
+        torch.equal(a, b) for a, b in zip(overlapped.module.parameters(), make_model().parameters())
+    )
+    with pytest.raises(ParallelConfigError, match="assign=True"):
+        overlapped.load_state_dict(make_model().state_dict(), assign=True)
 
     # Bad state dicts change nothing.
     before = optimizer.sharded_state_dict()
@@ -257,6 +283,17 @@ def test_resharded_state_continues_training_exactly(results, what):
     expected, _ = reference()
     for r in results:
         assert_params_close(r[what], expected, what)
+
+
+@pytest.mark.parametrize("key", ["state_dict_keys", "state_dict_synced", "load_keeps_buffers"])
+def test_model_state_dict_is_synchronised_and_loads_in_place(results, key):
+    assert all(r[key] for r in results)
+
+
+def test_ddp_without_state_or_process_group_raises():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ParallelStateError, match="state=None"):
+        DistributedDataParallel(make_model(), DDPConfig())
 
 
 def test_bad_state_dict_raises_and_changes_nothing(results):
