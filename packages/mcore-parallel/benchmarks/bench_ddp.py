@@ -1,4 +1,4 @@
-"""Data-parallel training step of a ~1B-parameter transformer on 2 GPUs: mcore DDP and
+"""Data-parallel training step of a ~1B-parameter transformer on 2-8 GPUs: mcore DDP and
 DistributedOptimizer (overlap off/on) against ``torch.nn.parallel.DistributedDataParallel``.
 
 Every variant trains the same model (20 ``nn.TransformerEncoderLayer`` of width 2048, FFN 8192,
@@ -11,9 +11,9 @@ AdamW. Peers, in the same run on the same GPUs:
 - ``mcore_dist_opt``: ZeRO-1 (reduce-scatter, sharded AdamW, all-gather), no overlap.
 - ``mcore_dist_opt_overlap``: ZeRO-1 with overlapped reduce-scatter and parameter all-gather.
 
-Reported: median step time (slowest rank), tokens/s over both GPUs, peak allocated memory.
+Reported: median step time (slowest rank), tokens/s over all GPUs, peak allocated memory.
 
-Run from the repository root (2 GPUs):
+Run from the repository root (2 GPUs; ``--gpus 4`` for four):
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
     python3 packages/mcore-parallel/benchmarks/bench_ddp.py --out $OUT/ddp.json
@@ -79,13 +79,15 @@ VARIANTS: dict[str, dict[str, bool] | None] = {
 
 def _model(shapes: Shapes, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    layers = [
-        nn.TransformerEncoderLayer(
-            shapes.hidden, shapes.heads, shapes.ffn, dropout=0.0, batch_first=True
-        )
-        for _ in range(shapes.layers)
-    ]
-    return nn.Sequential(*layers).to(device)
+    # Initialising on the device avoids minutes of CPU initialisation of 1B parameters.
+    with device:
+        layers = [
+            nn.TransformerEncoderLayer(
+                shapes.hidden, shapes.heads, shapes.ffn, dropout=0.0, batch_first=True
+            )
+            for _ in range(shapes.layers)
+        ]
+        return nn.Sequential(*layers)
 
 
 def _sync(device: torch.device) -> None:
@@ -166,7 +168,7 @@ def _worker(shapes: Shapes) -> list[dict[str, Any]]:
             {
                 "variant": name,
                 "step_ms": ms,
-                "tokens_per_s": 2 * shapes.batch * shapes.seq / (ms / 1e3),
+                "tokens_per_s": dist.get_world_size() * shapes.batch * shapes.seq / (ms / 1e3),
                 "peak_allocated_gib": peak / 2**30,
                 "parameters": params,
             }
@@ -207,20 +209,22 @@ def _markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    """Runs the benchmark on 2 GPUs and writes the JSON and a Markdown table next to it."""
+    """Runs the benchmark on ``--gpus`` GPUs and writes the JSON and a Markdown table next to it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="path of the JSON result")
     parser.add_argument(
         "--cpu-smoke", action="store_true", help="tiny shapes on 2 gloo CPU ranks (no timing value)"
     )
+    parser.add_argument("--gpus", type=int, default=2, help="data-parallel GPUs (2 to 8)")
     args = parser.parse_args()
     shapes = SMOKE if args.cpu_smoke else Shapes()
     backend = "gloo" if args.cpu_smoke else "nccl"
-    rows = run_distributed(_worker, 2, shapes, backend=backend, timeout=600)[0]
+    gpus = 2 if args.cpu_smoke else args.gpus
+    rows = run_distributed(_worker, gpus, shapes, backend=backend, timeout=600)[0]
     result = {
         "benchmark": "ddp",
         "device": "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(0),
-        "gpus": 2,
+        "gpus": gpus,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "shapes": {**asdict(shapes), "dtype": "float32 + bf16 autocast"},
