@@ -76,8 +76,12 @@ def test_two_ranks_with_small_microbatches_train_like_one_rank(two_rank_results)
         assert metrics["packing/bins_per_rank"] > 1  # several microbatches per rank
         for name in ("loss", "kl", "entropy", "reward/mean", "clip_fraction"):
             assert abs(metrics[name] - single_metrics[name]) < 1e-5, name
+        # The gradient norm sees any error in the loss scaling (Adam's update would not).
+        assert metrics["grad_norm"] == pytest.approx(single_metrics["grad_norm"], rel=1e-5)
         for name, value in single_params.items():
-            torch.testing.assert_close(params[name], value, atol=1e-6, rtol=1e-5)
+            # Adam's first step is about lr * sign(grad): near-zero gradients flip with
+            # rounding, so parameters agree to a small fraction of lr (1e-2).
+            torch.testing.assert_close(params[name], value, atol=1e-4, rtol=0)
 
 
 def test_rollouts_are_split_and_gathered_over_dp(two_rank_results):

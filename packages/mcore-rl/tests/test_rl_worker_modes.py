@@ -77,5 +77,5 @@ def test_step_failure_restores_hooks_offload_and_weights(worker):
 def test_no_engine_or_kv_cache_survives_generation(worker):
     worker.step(0)
     gc.collect()
-    alive = [o for o in gc.get_objects() if isinstance(o, InferenceEngine | PagedKVCache)]
+    alive = [o for o in gc.get_objects() if type(o) in (InferenceEngine, PagedKVCache)]
     assert alive == []

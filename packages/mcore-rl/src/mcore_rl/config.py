@@ -14,8 +14,10 @@ __all__ = ["GRPOConfig"]
 class GRPOConfig:
     """A GRPO run: model, task, rollouts, loss, optimiser, packing, workers, run directory.
 
-    The defaults are the main job: a tiny GPT trained from scratch on single-digit addition on
-    the CPU, which reaches a mean reward of 0.9 within minutes.
+    The defaults are the main job: a tiny GPT trained from scratch on the addition of digits
+    0 to 3 on the CPU, which reaches a mean reward of 0.9 within minutes. The entropy bonus
+    keeps every prompt's group diverse until its answer is found: without it the policy
+    collapses onto wrong answers for some prompts, whose groups then give no signal.
     """
 
     # ---------------------------------------------------------------- run
@@ -41,6 +43,9 @@ class GRPOConfig:
     """Steps averaged for ``target_reward``."""
     checkpoint_every: int = 50
     """Save a checkpoint every this many steps (and at the end); 0 saves only at the end."""
+    cpu_threads: int | None = 1
+    """Intra-op threads of torch on the CPU (1 is fastest for the tiny default model); None
+    keeps torch's default."""
     progress: bool = True
     """Show rich progress bars for the phases of each step."""
     plot: bool = True
@@ -62,7 +67,7 @@ class GRPOConfig:
     # ---------------------------------------------------------------- task
     task: str = "arithmetic"
     """Registered task name (``arithmetic``, ``countdown``, ``sort``, ``reverse`` or a user task)."""
-    max_operand: int = 4
+    max_operand: int = 3
     """Arithmetic: operands are drawn from ``[0, max_operand]``."""
     ops: str = "+"
     """Arithmetic: operators to draw from."""
@@ -74,9 +79,9 @@ class GRPOConfig:
     """Sort and reverse: longest list."""
 
     # ---------------------------------------------------------------- rollouts
-    num_prompts: int = 32
+    num_prompts: int = 16
     """Prompts per step (split over the data-parallel ranks)."""
-    group_size: int = 8
+    group_size: int = 16
     """Completions sampled per prompt (G)."""
     max_new_tokens: int = 3
     """Most tokens per completion."""
@@ -100,13 +105,13 @@ class GRPOConfig:
     """Upper clip of the ratio: ``1 + clip_high``."""
     kl_beta: float = 0.0
     """Weight of the k3 KL to the reference (the initial weights); 0 skips reference log-probs."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.1
     """Weight of the entropy bonus in the loss."""
     importance_sampling_cap: float | None = 2.0
     """Cap of the truncated importance weight against inference log-probs; None turns it off."""
 
     # ---------------------------------------------------------------- optimiser and packing
-    lr: float = 2e-3
+    lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
@@ -158,7 +163,7 @@ class GRPOConfig:
                 f"lr={self.lr}, weight_decay={self.weight_decay}, clip_grad={self.clip_grad} "
                 "must all be >= 0"
             )
-        for name in ("hidden_size", "num_layers", "vocab_size"):
+        for name in ("hidden_size", "num_layers", "vocab_size", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise RLConfigError(f"{name}={value} must be >= 1 or None")

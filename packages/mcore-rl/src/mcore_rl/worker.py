@@ -97,6 +97,8 @@ class GRPOWorker:
         self.config = config
         self.state = state
         self.device = torch.device(state.device)
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self.task = build_task(config)
         self.tokenizer = CharTokenizer(self.task.alphabet)
         torch.manual_seed(config.seed)
