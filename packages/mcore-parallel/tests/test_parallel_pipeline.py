@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_parallel.errors import ParallelConfigError
-from mcore_parallel.pipeline import forward_backward
+from mcore_parallel.pipeline import allreduce_tied_embedding_grads, forward_backward
 from mcore_parallel.state import initialize
 from mcore_parallel.testing import run_distributed
 
@@ -150,6 +150,10 @@ def _pipeline_worker() -> dict:
     pp4 = initialize(pp=4)
     result["interleaved"]["pp4_vp2_m8"] = _run_interleaved(pp4, 2, 8, False)
     result["interleaved"]["pp4_vp2_m4"] = _run_interleaved(pp4, 2, 4, False)
+    tied = nn.Parameter(torch.zeros(3))
+    tied.grad = torch.full((3,), float(pp4.pp_rank + 1))
+    allreduce_tied_embedding_grads([tied], pp4)
+    result["tied"] = {"pp_rank": pp4.pp_rank, "grad": tied.grad}
     return result
 
 
@@ -310,3 +314,11 @@ def test_model_chunks_without_pipelining_run_as_one_model():
     for layer, expected in zip(layers, reference["grads"].values()):
         for grad, ref in zip((p.grad for p in layer.parameters()), expected):
             _close(grad, ref)
+
+
+def test_tied_embedding_grads_sum_over_first_and_last_stage_only(ranks):
+    for result in ranks:
+        stage, grad = result["tied"]["pp_rank"], result["tied"]["grad"]
+        # Stages 0 and 3 hold the tied copies (grads 1 and 4); middle stages keep their own.
+        expected = 5.0 if stage in (0, 3) else stage + 1.0
+        assert torch.equal(grad, torch.full((3,), expected))
