@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mcore_parallel.distributed.buffers import Bucket, ParamAndGradBuffer
+from mcore_parallel.distributed.buffers import ParamAndGradBuffer
 from mcore_parallel.distributed.config import OptimizerConfig
 from mcore_parallel.distributed.ddp import DistributedDataParallel
 from mcore_parallel.distributed.offload import move_tensor
@@ -86,7 +86,6 @@ class _ParamShard:
 
     name: str
     param: nn.Parameter
-    bucket: Bucket
     start: int
     end: int
     main_param: torch.Tensor | None
@@ -177,7 +176,6 @@ class DistributedOptimizer:
                         _ParamShard(
                             names[param],
                             param,
-                            bucket,
                             start,
                             end,
                             main,
