@@ -1,6 +1,7 @@
 """Expert parallelism on 2 gloo ranks: EP=2 equals EP=1 (logits and gradients) for both token
 dispatchers, dropless, decode-padded and with drops; all-gather equals all-to-all; MoE under
-TP=2 equals one rank. One ``run_distributed`` call checks everything (one process group)."""
+TP=2 equals one rank; a Hugging Face checkpoint loads under EP=2. One ``run_distributed`` call
+checks everything (one process group)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def _compare(config: GPTConfig, state, padded: bool) -> tuple[float, float, torc
     return logit_error, grad_error, logits.detach()
 
 
-def _all_checks() -> dict[str, float]:
+def _all_checks(checkpoint_dir: str) -> dict[str, float]:
     state = initialize(ep=2)
     errors: dict[str, float] = {}
     outputs: dict[str, torch.Tensor] = {}
@@ -92,6 +93,11 @@ def _all_checks() -> dict[str, float]:
     sharded = GPTModel(_config(), state)
     experts = sharded.layers[0].mlp.experts
     errors["local_experts"] = float(experts.gate_proj.shape[0] != 2 or experts.num_experts != 2)
+    # A Hugging Face (Qwen2-MoE) checkpoint loads whole, then keeps this rank's experts.
+    with torch.no_grad():
+        loaded = GPTModel.from_hf(checkpoint_dir, state=state)(IDS[state.ep_rank])
+        whole = GPTModel.from_hf(checkpoint_dir)(IDS[state.ep_rank])
+    errors["logits/from_hf_ep2"] = _max_error(loaded, whole)
     state.destroy()
     tp_state = initialize(tp=2)
     with torch.no_grad():
@@ -102,7 +108,8 @@ def _all_checks() -> dict[str, float]:
     return errors
 
 
-def test_expert_parallel_equals_single_rank_for_both_dispatchers_and_padding_modes():
-    for rank_errors in run_distributed(_all_checks, 2):
+def test_expert_parallel_equals_single_rank_for_both_dispatchers_and_padding_modes(tmp_path):
+    GPTModel(_config()).to_hf(tmp_path)
+    for rank_errors in run_distributed(_all_checks, 2, str(tmp_path)):
         for name, error in rank_errors.items():
             assert error < 2e-5, f"{name}: max error {error}"
