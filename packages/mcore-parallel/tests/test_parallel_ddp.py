@@ -132,9 +132,27 @@ def nan_gradient_error() -> str:
     return "no error"
 
 
+def launched_during_backward() -> dict[bool, tuple[int, int]]:
+    counts = {}
+    for overlap in (False, True):
+        model = DistributedDataParallel(
+            make_model(), DDPConfig(bucket_size=200, overlap_grad_reduce=overlap)
+        )
+        x, y = make_batches()[0]
+        loss_fn(model, x, y).backward()
+        counts[overlap] = (sum(b.grad_work is not None for b in model.buckets), len(model.buckets))
+        model.finish_grad_sync()
+    return counts
+
+
 def all_runs() -> dict[str, object]:
     # One process group for every check: spawning ranks dominates the suite's time.
-    return {"trained": train_all_configs(), "no_sync": no_sync_runs(), "nan": nan_gradient_error()}
+    return {
+        "trained": train_all_configs(),
+        "no_sync": no_sync_runs(),
+        "nan": nan_gradient_error(),
+        "launched": launched_during_backward(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +219,13 @@ def test_three_steps_match_single_process_adamw_on_nccl():
                 torch.testing.assert_close(
                     results[name][key], value, atol=1e-5, rtol=1e-4, msg=f"{name} {rank} {key}"
                 )
+
+
+def test_overlap_launches_every_bucket_during_backward(runs):
+    for result in runs:
+        launched, buckets = result["launched"][True]
+        assert buckets > 1 and launched == buckets
+        assert result["launched"][False] == (0, buckets)
 
 
 def test_non_finite_gradient_raises_on_every_rank(runs):
