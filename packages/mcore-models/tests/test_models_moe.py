@@ -239,3 +239,30 @@ def test_moe_config_rejects_invalid_fields(fields, message):
 def test_moe_layer_rejects_wrong_hidden_size():
     with pytest.raises(ModelInputError, match="hidden_size=32"):
         _layer()(torch.zeros(3, 7))
+
+
+def test_num_parameters_and_flops_per_token_count_moe_layers():
+    moe = MoEConfig(
+        num_experts=4,
+        top_k=2,
+        expert_ffn_hidden_size=24,
+        shared_expert_ffn_hidden_size=16,
+        shared_expert_gate=True,
+        dense_layers=(0,),
+    )
+    config = GPTConfig.from_name("tiny", num_layers=3, moe=moe)
+    model = GPTModel(config)
+    assert config.num_parameters() == sum(p.numel() for p in model.parameters())
+    dense = config.replace(moe=None)
+    # Per MoE layer a token uses the router, 2 of 4 experts and the gated shared expert
+    # instead of the dense MLP.
+    layer = model.layers[1].mlp
+    active = (
+        layer.router.weight.numel()
+        + sum(p.numel() for p in layer.experts.parameters()) // 2
+        + sum(p.numel() for p in layer.shared_expert.parameters())
+        + layer.shared_expert_gate.weight.numel()
+    )
+    dense_mlp = sum(p.numel() for p in model.layers[0].mlp.parameters())
+    expected = dense.flops_per_token(16) + 6 * 2 * (active - dense_mlp)
+    assert config.flops_per_token(16) == expected

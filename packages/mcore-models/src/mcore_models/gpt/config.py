@@ -239,15 +239,25 @@ class GPTConfig:
             attention += dim * (heads + 2 * groups)
         if self.qk_layernorm:
             attention += 2 * dim
-        layer = attention + 3 * hidden * self.ffn_hidden_size + 2 * hidden
+        layers = sum(
+            attention + 2 * hidden + self._mlp_parameters(i, active=False)
+            for i in range(self.num_layers)
+        )
         embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embeddings + hidden
+        return layers + embeddings + hidden
+
+    def _mlp_parameters(self, layer_idx: int, *, active: bool) -> int:
+        """Parameters of one layer's MLP: all of them, or those one token uses (``active``)."""
+        if self.moe is None or not self.moe.is_moe_layer(layer_idx):
+            return 3 * self.hidden_size * self.ffn_hidden_size
+        return self.moe.mlp_parameters(self.hidden_size, self.ffn_hidden_size, active=active)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward) at sequence length ``seq_len``.
 
         Uses the PaLM accounting (Chowdhery et al., 2022, appendix B): 6 FLOPs per matmul
-        parameter (the output layer included, the embedding lookup not) plus
+        parameter (the output layer included, the embedding lookup not; for MoE layers the
+        parameters one token uses: router, ``top_k`` experts, shared expert) plus
         ``12 * layers * heads * head_dim * seq_len`` for the attention products, without
         discounting the causal mask, so that figures compare with published MFU numbers.
 
@@ -263,8 +273,10 @@ class GPTConfig:
             self.num_kv_heads,
             self.kv_channels,
         )
-        per_layer = hidden * dim * (2 * heads + 2 * groups) + 3 * hidden * self.ffn_hidden_size
-        matmul_params = self.num_layers * per_layer + self.vocab_size * hidden
+        attention = hidden * dim * (2 * heads + 2 * groups)
+        matmul_params = self.vocab_size * hidden + sum(
+            attention + self._mlp_parameters(i, active=True) for i in range(self.num_layers)
+        )
         return 6.0 * matmul_params + 12.0 * self.num_layers * heads * dim * seq_len
 
     @classmethod

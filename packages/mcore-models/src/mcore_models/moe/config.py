@@ -120,6 +120,24 @@ class MoEConfig:
         """
         return layer_idx not in self.dense_layers and (layer_idx + 1) % self.layer_step == 0
 
+    def mlp_parameters(self, hidden_size: int, ffn_hidden_size: int, *, active: bool) -> int:
+        """Parameters of one MoE MLP (router, experts, shared expert and its gate).
+
+        Args:
+            hidden_size: Width of the residual stream.
+            ffn_hidden_size: ``GPTConfig.ffn_hidden_size`` (the expert width when
+                ``expert_ffn_hidden_size`` is None).
+            active: Count only the ``top_k`` experts one token uses instead of all.
+
+        Returns:
+            The number of parameters.
+        """
+        ffn = self.expert_ffn_hidden_size or ffn_hidden_size
+        experts = self.top_k if active else self.num_experts
+        shared = 3 * hidden_size * self.shared_expert_ffn_hidden_size
+        gate = hidden_size if self.shared_expert_gate else 0
+        return experts * 3 * hidden_size * ffn + self.num_experts * hidden_size + shared + gate
+
     @property
     def default_decode_capacity_factor(self) -> float:
         """Capacity factor of decode padding: ``decode_capacity_factor`` or ``E / top_k``."""
