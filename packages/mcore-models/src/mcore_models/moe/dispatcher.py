@@ -73,6 +73,13 @@ def all_to_all(
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
 
+def _token_of_assignment(num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
+    """Token index of each of the ``num_tokens * top_k`` flattened routing assignments."""
+    # Integer division instead of repeat_interleave, whose repeat count would be copied to the
+    # device: nothing here may synchronise inside a CUDA graph capture.
+    return torch.arange(num_tokens * top_k, device=device) // top_k
+
+
 def _capacity_slots(experts: torch.Tensor, valid: torch.Tensor, num_experts: int, capacity: int):
     """Slot ``expert * capacity + position`` of each assignment; dropped ones get the last slot.
 
@@ -187,7 +194,7 @@ def dispatch_and_combine(
         )
     flat_experts = experts.reshape(-1)
     flat_weights = weights.reshape(-1, 1)
-    tokens_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k)
+    tokens_of = _token_of_assignment(x.shape[0], top_k, x.device)
     combined = x.new_zeros(x.shape)
     if capacity is None:
         outputs, order, counts = _dropless_alltoall(
@@ -243,7 +250,7 @@ def _allgather(
     valid = (flat_experts >= 0) & (flat_experts < local)
     flat_experts = torch.where(valid, flat_experts, 0)
     flat_weights = all_weights.reshape(-1, 1)
-    tokens_of = torch.arange(all_x.shape[0], device=x.device).repeat_interleave(top_k)
+    tokens_of = _token_of_assignment(all_x.shape[0], top_k, x.device)
     combined = all_x.new_zeros(all_x.shape)
     if capacity is None:
         # Non-local assignments sort after the local ones and are cut off.
