@@ -79,3 +79,18 @@ def test_no_engine_or_kv_cache_survives_generation(worker):
     gc.collect()
     alive = [o for o in gc.get_objects() if type(o) in (InferenceEngine, PagedKVCache)]
     assert alive == []
+
+
+def test_failed_checkpoint_save_keeps_hooks_and_weights(worker, tmp_path):
+    worker.step(0)
+    worker.optimizer.start_param_sync(force_sync=True)
+    before = _weights(worker)
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the checkpoint root should be")
+    with pytest.raises(OSError):
+        worker.save_checkpoint(blocker, 1)
+    assert worker.model.param_sync_hooks.enabled
+    after = _weights(worker)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    worker.save_checkpoint(tmp_path / "ok", 1)  # and the worker can still save
+    assert (tmp_path / "ok" / "latest").exists()

@@ -283,7 +283,7 @@ class GRPOWorker:
                 }
             )
         metrics["packing/efficiency"] = float(sum(efficiencies) / len(efficiencies))
-        metrics["packing/bins_per_rank"] = float(input_rows(minibatches[0]["context"]))
+        metrics["packing/bins_per_rank"] = float(minibatches[0]["context"].input_ids.shape[0])
         return minibatches
 
     def _row_forward(self, context: PackingContext, with_entropy: bool) -> Callable[..., Any]:
@@ -396,18 +396,6 @@ class GRPOWorker:
             load(root, state, state=self.state)
         self.reference.load_state_dict(reference)
         return int(state["step"])
-
-
-def input_rows(context: PackingContext) -> int:
-    """Number of packed rows (microbatches) of a context.
-
-    Args:
-        context: The packed rows.
-
-    Returns:
-        The row count.
-    """
-    return int(context.input_ids.shape[0])
 
 
 def _rollout_metrics(rollouts: list[Rollout], rewards: torch.Tensor) -> dict[str, float]:
