@@ -71,7 +71,7 @@ def summary_line(record: dict[str, Any]) -> str:
 
 
 def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Plots reward, KL and response length against the step into a PNG.
+    """Plots reward, KL (entropy when no KL was computed) and response length into a PNG.
 
     Args:
         records: Per-step metrics.
@@ -86,9 +86,10 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
+    has_kl = any("kl" in r for r in records)
     panels = [
         ("reward/mean", "mean reward"),
-        ("kl", "KL to reference"),
+        ("kl", "KL to reference") if has_kl else ("entropy", "entropy (no KL: kl_beta=0)"),
         ("response/length", "response length"),
     ]
     figure, axes = plt.subplots(1, len(panels), figsize=(12, 3.2))
