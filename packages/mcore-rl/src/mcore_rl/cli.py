@@ -70,9 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_grpo_args(args[1:])
     result = run_grpo(config)
     last = result.records[-1] if result.records else {}
-    print(
-        f"run {result.run_dir}: {len(result.records)} steps, "
-        f"reward {last.get('reward/mean', float('nan')):.3f}, "
-        f"{result.seconds:.0f} s, target reached: {result.reached_target}"
-    )
+    if result.is_main:
+        print(
+            f"run {result.run_dir}: {len(result.records)} steps, "
+            f"reward {last.get('reward/mean', float('nan')):.3f}, "
+            f"{result.seconds:.0f} s, target reached: {result.reached_target}"
+        )
     return 0 if result.reached_target or config.target_reward is None else 1

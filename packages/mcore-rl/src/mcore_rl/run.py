@@ -32,6 +32,8 @@ class RunResult:
     """Whether the mean reward over the window reached ``target_reward``."""
     seconds: float
     """Wall time of this invocation."""
+    is_main: bool
+    """Whether this process wrote the run directory (rank 0, or the Ray driver)."""
 
 
 def _reached(records: list[dict[str, Any]], config: GRPOConfig) -> bool:
@@ -135,4 +137,5 @@ def run_grpo(config: GRPOConfig, workers: WorkerGroup | None = None) -> RunResul
         records=records,
         reached_target=_reached(records, config),
         seconds=time.perf_counter() - began,
+        is_main=group.is_main,
     )
