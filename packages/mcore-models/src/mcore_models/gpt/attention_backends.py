@@ -52,6 +52,8 @@ class AttentionMask:
 
 
 _compiled_flex: Callable[..., torch.Tensor] | None = None
+# Shapes whose compilation failed once; they run uncompiled from then on.
+_flex_compile_failures: set[tuple[Any, ...]] = set()
 
 
 def _flex_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -64,9 +66,25 @@ def _flex_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             return flex_attention(*args, **kwargs)
+    signature = (*(tuple(a.shape) for a in args[:3]), args[0].dtype)
+    if signature in _flex_compile_failures:
+        return flex_attention(*args, **kwargs)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(*args, **kwargs)
+    try:
+        return _compiled_flex(*args, **kwargs)
+    except Exception as error:  # any Inductor/Dynamo failure is recoverable here
+        # NOTE: some torch releases cannot lower flex attention for every shape and mask
+        # (seen on torch 2.11 with packed document masks: "NoValidChoicesError"). The uncompiled
+        # flex_attention computes the same result, only slower; fall back for this signature.
+        _flex_compile_failures.add(signature)
+        warnings.warn(
+            f"compiled flex attention failed for q/k/v shapes {signature[:3]} "
+            f"({type(error).__name__}); using uncompiled flex_attention for them",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return flex_attention(*args, **kwargs)
 
 
 def build_attention_mask(
