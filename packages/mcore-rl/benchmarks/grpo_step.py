@@ -110,7 +110,7 @@ def main() -> None:
         times: dict[str, float] = {}
         sync()
         start = time.perf_counter()
-        with worker._generation_mode():
+        with worker.generation_mode():
             rollouts = _generate(worker, prompts, args.new_tokens)
         sync()
         times["generate"] = time.perf_counter() - start

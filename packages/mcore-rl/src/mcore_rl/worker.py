@@ -154,7 +154,7 @@ class GRPOWorker:
         problems = sample_problems(
             self.task, cfg.num_prompts, derive_seed(cfg.seed, step, "prompts")
         )
-        with self._generation_mode():
+        with self.generation_mode():
             rollouts = generate_rollouts(
                 self.model,
                 problems,
@@ -230,9 +230,17 @@ class GRPOWorker:
     # ------------------------------------------------------------------ phases
 
     @contextlib.contextmanager
-    def _generation_mode(self) -> Iterator[None]:
-        # Generation must see complete parameters and no forward pre-hook may run inside the
-        # engine (a hook waiting on a collective cannot be captured in a CUDA graph).
+    def generation_mode(self) -> Iterator[None]:
+        """Context for generation: parameters synchronised, hooks off, optionally offloaded.
+
+        Generation must see complete parameters, and no forward pre-hook may run inside the
+        engine (a hook waiting on a collective cannot be captured in a CUDA graph). With
+        ``offload_optimizer`` the optimizer state and gradients live in host memory inside.
+        Everything is restored on exit, also on exceptions.
+
+        Yields:
+            None.
+        """
         with contextlib.ExitStack() as stack:
             self.optimizer.start_param_sync(force_sync=True)
             stack.enter_context(self.optimizer.param_sync_hooks_disabled())
