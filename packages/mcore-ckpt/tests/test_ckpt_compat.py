@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
+import io
 import json
 import pickle
 import sys
@@ -12,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 
 import mcore_ckpt
-from mcore_ckpt.errors import CheckpointVersionError
+from mcore_ckpt.compat import load_pickle
+from mcore_ckpt.errors import CheckpointCorruptError, CheckpointVersionError
 from mcore_ckpt.format import DCP_METADATA_FILE, METADATA_FILE, READERS
 from mcore_parallel.sharding import ShardedTensor
 
@@ -166,3 +169,73 @@ def test_storage_metadata_pickled_as_a_removed_subclass_loads_after_a_rename(tmp
     finally:
         mcore_ckpt.unregister_class_rename("legacy_dcp_planner.MCoreMetadata")
     assert torch.equal(target["w"], torch.arange(6.0))
+
+
+# TensorProperties pickles as NEWOBJ + BUILD(state tuple); torch releases differ in the tuple's
+# length (5 fields up to torch 2.11, strides appended in 2.15). These helpers write the state
+# an older (first 5 fields) or a newer (one more field appended) torch would have written,
+# whatever torch runs the test.
+_CORE_FIELDS = 5
+_STATE_OF = {
+    "older torch": lambda state: state[:_CORE_FIELDS],
+    "newer torch": lambda state: (*state, ("field-of-a-later-torch",)),
+    "damaged": lambda state: state[:3],
+}
+
+
+class _StatePickler(pickle.Pickler):
+    def __init__(self, file, fit):
+        super().__init__(file, protocol=4)
+        self._fit = fit
+
+    def reducer_override(self, obj):
+        if type(obj) is TensorProperties:
+            return copyreg.__newobj__, (TensorProperties,), self._fit(tuple(obj.__getstate__()))
+        return NotImplemented
+
+
+def _pickle_as_written_by(obj, writer: str) -> bytes:
+    buffer = io.BytesIO()
+    _StatePickler(buffer, _STATE_OF[writer]).dump(obj)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("writer", ["older torch", "newer torch"])
+def test_tensor_properties_pickled_by_another_torch_unpickle_as_this_torchs_class(writer):
+    written = TensorProperties(dtype=torch.bfloat16, pin_memory=True)
+    loaded = load_pickle(io.BytesIO(_pickle_as_written_by(written, writer)))
+    assert type(loaded) is TensorProperties
+    core = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+    assert [getattr(loaded, f) for f in core] == [getattr(written, f) for f in core]
+    assert pickle.loads(pickle.dumps(loaded)) == loaded
+
+
+@pytest.mark.parametrize("writer", ["older torch", "newer torch"])
+def test_checkpoint_whose_storage_metadata_another_torch_wrote_loads_and_validates(
+    tmp_path, writer
+):
+    state = {
+        "w": torch.arange(6.0),
+        "h": ShardedTensor(torch.linspace(-1, 1, 8).to(torch.bfloat16), (8,), (0,)),
+    }
+    checkpoint = mcore_ckpt.save(tmp_path, state)
+    metadata = pickle.loads((checkpoint / DCP_METADATA_FILE).read_bytes())
+    _rewrite_file(checkpoint, DCP_METADATA_FILE, _pickle_as_written_by(metadata, writer))
+    mcore_ckpt.validate_checkpoint(tmp_path)
+    target = {
+        "w": torch.zeros(6),
+        "h": ShardedTensor(torch.zeros(8, dtype=torch.bfloat16), (8,), (0,)),
+    }
+    mcore_ckpt.load(tmp_path, target)
+    assert torch.equal(target["w"], torch.arange(6.0))
+    assert torch.equal(target["h"].local, torch.linspace(-1, 1, 8).to(torch.bfloat16))
+
+
+def test_storage_metadata_with_a_damaged_tensor_properties_state_names_the_file(tmp_path):
+    checkpoint = mcore_ckpt.save(tmp_path, {"w": torch.arange(6.0)})
+    metadata = pickle.loads((checkpoint / DCP_METADATA_FILE).read_bytes())
+    _rewrite_file(checkpoint, DCP_METADATA_FILE, _pickle_as_written_by(metadata, "damaged"))
+    with pytest.raises(
+        CheckpointCorruptError, match=r"\.metadata is unreadable.*at least 5 fields"
+    ):
+        mcore_ckpt.load(tmp_path, {"w": torch.zeros(6)})

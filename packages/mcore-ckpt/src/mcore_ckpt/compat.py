@@ -7,16 +7,29 @@ users met this when ``MCoreMetadata``/``MCoreSavePlan`` subclasses stored in the
 stopped matching newer code. Every unpickling in mcore-ckpt goes through :class:`RemapUnpickler`,
 which looks each class up in a rename table first and otherwise fails with a message saying how
 to register the replacement.
+
+The same unpickler also reconciles DCP's ``TensorProperties`` across torch releases: its pickled
+state is a tuple whose length grows when torch adds a field (torch 2.15 appended ``strides`` to
+the five fields of earlier releases), and each release's ``__setstate__`` unpacks only the
+lengths it knows, so storage metadata written by a newer torch would not load on an older one.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pickle
 import threading
 from typing import IO, Any
 
-from mcore_ckpt.errors import CheckpointConfigError, CheckpointTypeError, CheckpointVersionError
+from torch.distributed.checkpoint.metadata import TensorProperties
+
+from mcore_ckpt.errors import (
+    CheckpointConfigError,
+    CheckpointCorruptError,
+    CheckpointTypeError,
+    CheckpointVersionError,
+)
 
 __all__ = [
     "RemapUnpickler",
@@ -91,6 +104,44 @@ def class_renames() -> dict[str, str]:
     return out
 
 
+# dtype, layout, requires_grad, memory-format code and pin_memory: the state of every torch
+# release this package supports, in this order; later releases only append fields.
+_TENSOR_PROPERTIES_CORE_FIELDS = 5
+
+
+@functools.cache
+def _local_tensor_properties_state() -> tuple[Any, ...]:
+    return tuple(TensorProperties().__getstate__())
+
+
+def _fit_tensor_properties_state(state: Any) -> tuple[Any, ...]:
+    """Cuts or pads a pickled ``TensorProperties`` state to the length this torch unpacks."""
+    if not isinstance(state, tuple) or len(state) < _TENSOR_PROPERTIES_CORE_FIELDS:
+        raise CheckpointCorruptError(
+            f"state={state!r} of a pickled TensorProperties: expected a tuple of at least "
+            f"{_TENSOR_PROPERTIES_CORE_FIELDS} fields (dtype, layout, requires_grad, memory "
+            f"format, pin_memory)"
+        )
+    local = _local_tensor_properties_state()
+    # Fields appended by a newer torch are dropped: this torch's DCP cannot use them, and the
+    # only one so far (strides) adds nothing for the contiguous chunks that mcore-ckpt stores.
+    # Fields this torch appended take their defaults, as for a checkpoint of an older torch.
+    return state[: len(local)] + local[len(state) :]
+
+
+class _TensorPropertiesOfAnyTorch(TensorProperties):
+    """Unpickles into a plain ``TensorProperties`` from the state of any torch release."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        fitted = _fit_tensor_properties_state(state)
+        # The object becomes the exact DCP class, so that type checks, comparisons and any
+        # later pickling treat it as one that this torch wrote.
+        self.__class__ = TensorProperties  # type: ignore[assignment]
+        TensorProperties.__setstate__(self, fitted)
+
+
 class RemapUnpickler(pickle.Unpickler):
     """An unpickler that resolves classes through the rename table.
 
@@ -110,7 +161,9 @@ class RemapUnpickler(pickle.Unpickler):
             name: Qualified name stored in the pickle.
 
         Returns:
-            The class (or function) to use.
+            The class (or function) to use; DCP's ``TensorProperties`` comes back as a
+            stand-in that accepts the pickled state of any torch release and turns into a
+            plain ``TensorProperties``.
 
         Raises:
             CheckpointVersionError: If the class cannot be found and no rename is registered.
@@ -118,18 +171,20 @@ class RemapUnpickler(pickle.Unpickler):
         with _LOCK:
             target = _RENAMES.get((module, name))
         if isinstance(target, type):
-            return target
-        if target is not None:
-            module, name = target
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError) as error:
-            raise CheckpointVersionError(
-                f"the checkpoint refers to class {module}.{name}, which this environment "
-                f"cannot import ({error}); it was renamed or removed since the checkpoint was "
-                f"written. Register its replacement before loading: "
-                f"mcore_ckpt.register_class_rename({f'{module}.{name}'!r}, NewClass)"
-            ) from error
+            found = target
+        else:
+            if target is not None:
+                module, name = target
+            try:
+                found = super().find_class(module, name)
+            except (ImportError, AttributeError) as error:
+                raise CheckpointVersionError(
+                    f"the checkpoint refers to class {module}.{name}, which this environment "
+                    f"cannot import ({error}); it was renamed or removed since the checkpoint "
+                    f"was written. Register its replacement before loading: "
+                    f"mcore_ckpt.register_class_rename({f'{module}.{name}'!r}, NewClass)"
+                ) from error
+        return _TensorPropertiesOfAnyTorch if found is TensorProperties else found
 
 
 def load_pickle(file: IO[bytes], **kwargs: Any) -> Any:
