@@ -1,12 +1,17 @@
-"""Version of the installed mcore-ckpt distribution."""
+"""Version of mcore-ckpt: the installed distribution's, else the source tree's pyproject.toml."""
 
 from __future__ import annotations
 
+import re
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 __all__ = ["__version__"]
 
 try:
     __version__: str = version("mcore-ckpt")
-except PackageNotFoundError:  # running from a source tree without installation
-    __version__ = "0.0.0+source"
+except PackageNotFoundError:
+    # Running from a source checkout on PYTHONPATH (as on GPU machines), not installed.
+    _pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    _match = re.search(r'^version = "([^"]+)"', _pyproject.read_text(), re.MULTILINE)
+    __version__ = _match.group(1) if _match else "0.0.0+unknown"
