@@ -12,6 +12,11 @@ Two dispatchers move tokens over the expert-parallel (EP) group, after Megatron-
 Both run dropless (variable group sizes; the all-to-all exchanges its split sizes on the host)
 or drop-and-pad (every expert gets ``capacity`` slots per source rank; fixed shapes, no host
 sync, as CUDA graphs need). Assignments past an expert's capacity are dropped in token order.
+
+Dropless routing accepts a different number of tokens on every EP rank, zero included (the
+all-gather pads to the group's largest count first). Drop-and-pad routing derives the capacity
+from the local token count, so every EP rank must bring the same number of tokens; the
+inference engine pads its steps to the group's largest count for that.
 """
 
 from __future__ import annotations
@@ -238,6 +243,9 @@ def _allgather(
     top_k = experts.shape[1]
     counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, experts.reshape(-1), torch.ones_like(experts.reshape(-1)))
+    num_tokens = x.shape[0]
+    if capacity is None:
+        x, weights, experts = _pad_to_group_max(x, weights, experts, num_experts, group)
     # Each rank's gradient of the gathered tensors covers its own experts only: reduce-scatter.
     all_x = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True)
     all_weights = gather_from_sequence_parallel_region(
@@ -267,4 +275,29 @@ def _allgather(
         run = _padded_local(experts_module, ep * capacity)
         outputs = _run_padded(all_x.index_select(0, tokens_of), slots, local * ep * capacity, run)
         combined = combined.index_add(0, tokens_of, outputs * flat_weights)
-    return reduce_scatter_to_sequence_parallel_region(combined, group), counts
+    return reduce_scatter_to_sequence_parallel_region(combined, group)[:num_tokens], counts
+
+
+def _pad_to_group_max(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad this rank's tokens to the most tokens of any EP rank (the gathers need equal sizes).
+
+    Padding rows choose expert ``num_experts``, which no rank holds, so they are never run.
+    Dropless routing only: it syncs with the host anyway, drop-and-pad must not (CUDA graphs),
+    so there every rank must bring the same number of tokens.
+    """
+    size = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+    sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=x.device)
+    dist.all_gather_into_tensor(sizes, size, group=group)
+    missing = int(sizes.max()) - x.shape[0]
+    if missing == 0:
+        return x, weights, experts
+    x = torch.cat([x, x.new_zeros(missing, x.shape[1])])
+    weights = torch.cat([weights, weights.new_zeros(missing, weights.shape[1])])
+    experts = torch.cat([experts, experts.new_full((missing, experts.shape[1]), num_experts)])
+    return x, weights, experts
