@@ -100,6 +100,12 @@ class OptimizerConfig:
     clip_grad: float = 0.0
     """Clip the global gradient norm to this value before the step; ``0`` disables clipping."""
 
+    reshardable_state_dict: bool = False
+    """Make ``sharded_state_dict()`` without arguments return the reshardable form: blocks of
+    the global parameters that load under any tp, ep and dp size, at the cost of a dp
+    all-gather and a full copy of the local shard's state (see
+    :meth:`~mcore_parallel.distributed.optimizer.DistributedOptimizer.sharded_state_dict`)."""
+
     def __post_init__(self) -> None:
         if not self.lr >= 0.0:
             raise ParallelConfigError(f"lr={self.lr} must be >= 0")
@@ -110,5 +116,9 @@ class OptimizerConfig:
             raise ParallelConfigError(f"eps={self.eps} must be > 0")
         if not self.weight_decay >= 0.0:
             raise ParallelConfigError(f"weight_decay={self.weight_decay} must be >= 0")
+        if not isinstance(self.reshardable_state_dict, bool):
+            raise ParallelConfigError(
+                f"reshardable_state_dict={self.reshardable_state_dict!r} must be a bool"
+            )
         if not self.clip_grad >= 0.0:
             raise ParallelConfigError(f"clip_grad={self.clip_grad} must be >= 0 (0 disables)")

@@ -23,6 +23,11 @@ from mcore_parallel.distributed.buffers import ParamAndGradBuffer
 from mcore_parallel.distributed.config import OptimizerConfig
 from mcore_parallel.distributed.ddp import DistributedDataParallel
 from mcore_parallel.distributed.offload import move_tensor
+from mcore_parallel.distributed.reshardable_state import (
+    gather_shard_ranges,
+    global_block_layout,
+    shard_ranges,
+)
 from mcore_parallel.errors import (
     OptimizerStateError,
     ParallelStateError,
@@ -97,6 +102,8 @@ class _ParamShard:
     """Offset of this rank's flattened local parameter in that tensor."""
     replica_id: int
     """0 on the one rank that saves (and counts in the norm) this block."""
+    buffer: ParamAndGradBuffer
+    """The buffer holding the parameter (its group and shard layout)."""
 
     def grad(self) -> torch.Tensor:
         return self.param.main_grad.view(-1)[self.start : self.end]  # type: ignore[attr-defined]
@@ -184,6 +191,7 @@ class DistributedOptimizer:
                             numel,
                             base,
                             replica_id,
+                            buffer,
                         )
                     )
         self.lr = config.lr
@@ -339,8 +347,8 @@ class DistributedOptimizer:
                 if tensor is not None:
                     setattr(shard, key, move_tensor(tensor, device))
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """Returns this rank's optimizer state as blocks of 1-D global tensors.
+    def sharded_state_dict(self, reshardable: bool | None = None) -> dict[str, Any]:
+        """Returns this rank's optimizer state as ShardedTensor blocks of global tensors.
 
         Layout (every parameter by its name in ``model.module.named_parameters()``)::
 
@@ -349,16 +357,37 @@ class DistributedOptimizer:
                                     "exp_avg": ShardedTensor,
                                     "exp_avg_sq": ShardedTensor}}}
 
-        Each ShardedTensor is this rank's contiguous range of the flattened fp32 tensor:
-        ``global_shape=(numel,)``, ``global_offset=(start,)``; a rank owning nothing of a
-        parameter holds an empty block. Without sharding every rank holds the full tensor and
-        ``replica_id`` is the dp rank. A parameter partitioned over tp or ep (see
-        :func:`~mcore_parallel.sharding.set_partition_dim`) has as global tensor the
-        concatenation of the flattened local tensors in (ep, tp) rank order, so its state
+        Two forms of the blocks exist.
+
+        Flat form (``reshardable=False``): each ShardedTensor is this rank's contiguous range of
+        the flattened fp32 tensor, ``global_shape=(numel,)``, ``global_offset=(start,)``; a
+        rank owning nothing of a parameter holds an empty block. Without sharding every rank
+        holds the full tensor and ``replica_id`` is the dp rank. A parameter partitioned over
+        tp or ep (see :func:`~mcore_parallel.sharding.set_partition_dim`) has as global tensor
+        the concatenation of the flattened local tensors in (ep, tp) rank order, so this form
         reshards across dp sizes but not across tp/ep sizes; tp replicas of an unpartitioned
-        parameter get a positive ``replica_id``. Names must be unique across pipeline stages.
-        The ``local`` tensors alias the live state, so a loader may fill them in place.
-        Parameters are synchronised first.
+        parameter get a positive ``replica_id``. The ``local`` tensors alias the live state
+        (no copy, no communication).
+
+        Reshardable form (``reshardable=True``): each parameter's state is first all-gathered
+        over its data-parallel group (expert-DP for expert parameters) into the full local
+        shard, shaped like the parameter, and described as a block of the GLOBAL parameter
+        with the parameter's partition dims, exactly like the model weights of
+        :func:`mcore_parallel.checkpointing.sharded_state_dict`. ``replica_id`` is 0 on one
+        data-parallel rank (and one tp rank for a parameter not split over tp). This form
+        loads under any tp, ep and dp size. Memory: the gather runs one parameter at a time
+        (one collective per parameter, transient buffers of about ``dp x 3 x`` the rank's
+        range), but the returned dict holds a full fp32 copy of the local shard's
+        main parameter and both moments, i.e. ``12`` bytes per element of the rank's local
+        (tp/ep-sharded) model, ``dp`` times the sharded state, until it is released. Without
+        data-parallel sharding the blocks alias the live state instead.
+
+        Names must be unique across pipeline stages. Parameters are synchronised first.
+
+        Args:
+            reshardable: Return the reshardable form; None takes
+                ``config.reshardable_state_dict`` (what a checkpoint library gets when it calls
+                this method without arguments).
 
         Returns:
             The nested state dict.
@@ -368,9 +397,14 @@ class DistributedOptimizer:
         """
         if self._state_offloaded:
             raise ParallelStateError("sharded_state_dict() while offloaded; reload first")
+        if reshardable is None:
+            reshardable = self.config.reshardable_state_dict
         self.model.finish_param_sync()
         param_state: dict[str, dict[str, ShardedTensor]] = {}
         for shard in self._shards:
+            if reshardable:
+                param_state[shard.name] = self._global_blocks(shard)
+                continue
             leaves = {}
             for key, local in zip(_STATE_KEYS, self._local_state(shard)):
                 leaves[key] = ShardedTensor(
@@ -382,6 +416,29 @@ class DistributedOptimizer:
             param_state[shard.name] = leaves
         return {"step": self.step_count, "param_state": param_state}
 
+    def _global_blocks(self, shard: _ParamShard) -> dict[str, ShardedTensor]:
+        """The parameter's full local-shard state as blocks of the global parameter."""
+        param, buffer = shard.param, shard.buffer
+        if buffer.num_shards == 1:
+            full = [t.view(-1) for t in self._local_state(shard)]
+        else:
+            ranges = shard_ranges(buffer, param)
+            full = gather_shard_ranges(
+                list(self._local_state(shard)), ranges, buffer.comm, param.numel()
+            )
+        dims = get_partition_dims(param)
+        tp = self.model.tp_comm
+        global_shape, global_offset = global_block_layout(
+            tuple(param.shape), dims, {"tp": tp, "ep": self.model.ep_comm}
+        )
+        replica_id = buffer.comm.rank
+        if "tp" not in dims and tp is not None:
+            replica_id = replica_id * tp.size + tp.rank
+        return {
+            key: ShardedTensor(tensor.view(param.shape), global_shape, global_offset, replica_id)
+            for key, tensor in zip(_STATE_KEYS, full)
+        }
+
     def _local_state(self, shard: _ParamShard) -> tuple[torch.Tensor, ...]:
         if shard.main_param is None:
             empty = torch.empty(0, dtype=torch.float32, device=self.model.device)
@@ -391,7 +448,10 @@ class DistributedOptimizer:
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads state shaped like :meth:`sharded_state_dict` and refreshes the model weights.
 
-        Leaves may be ShardedTensor blocks or plain tensors of this rank's block shape. All
+        Either form is accepted, per leaf: a block with as many elements as the local parameter
+        is its full local shard (reshardable form), of which this rank keeps its data-parallel
+        range without any communication; a block with as many elements as that range is the
+        range itself (flat form). Leaves may be ShardedTensor blocks or plain tensors. All
         entries are validated before anything is written, so a bad state dict changes nothing.
         The model parameters are then set from the loaded fp32 main parameters and
         all-gathered.
@@ -426,27 +486,30 @@ class DistributedOptimizer:
                     raise OptimizerStateError(
                         f"state_dict['param_state'][{shard.name!r}] lacks {key!r}"
                     )
-                value = entry[key]
-                local = value.local if isinstance(value, ShardedTensor) else value
-                if not isinstance(local, torch.Tensor) or local.numel() != target.numel():
-                    got = (
-                        tuple(local.shape)
-                        if isinstance(local, torch.Tensor)
-                        else type(local).__name__
-                    )
-                    raise OptimizerStateError(
-                        f"state_dict['param_state'][{shard.name!r}][{key!r}] has shape {got}; "
-                        f"expected {target.numel()} elements [{shard.start}, {shard.end}) of "
-                        f"{shard.param.numel()}"
-                    )
-                plan.append((target, local))
+                plan.append((target, self._owned_range(shard, key, entry[key])))
         with torch.no_grad():
-            for target, local in plan:
-                if target.data_ptr() != local.data_ptr():
-                    target.copy_(local.reshape(-1))
+            for target, source in plan:
+                if target.data_ptr() != source.data_ptr():
+                    target.copy_(source)
         self.step_count = step
         for shard in self._shards:
             if shard.main_param is not None:
                 shard.model_slice().copy_(shard.main_param)
         self.model.mark_params_updated()
         self.model.start_param_sync(force_sync=True)
+
+    def _owned_range(self, shard: _ParamShard, key: str, value: Any) -> torch.Tensor:
+        """This rank's range of a loaded leaf in either form, flattened; validates its size."""
+        local = value.local if isinstance(value, ShardedTensor) else value
+        owned = shard.end - shard.start
+        full = shard.param.numel()
+        if isinstance(local, torch.Tensor) and local.numel() == full:
+            return local.reshape(-1)[shard.start : shard.end]
+        if isinstance(local, torch.Tensor) and local.numel() == owned:
+            return local.reshape(-1)
+        got = tuple(local.shape) if isinstance(local, torch.Tensor) else type(local).__name__
+        raise OptimizerStateError(
+            f"state_dict['param_state'][{shard.name!r}][{key!r}] has shape {got}; expected "
+            f"the local shard ({full} elements) or this rank's range [{shard.start}, "
+            f"{shard.end}) of it ({owned} elements)"
+        )
