@@ -21,7 +21,13 @@ import triton.language as tl
 from mcore_kernels._triton_utils import on_device_of, round_to
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
 
-__all__ = ["FORWARD_STAGES", "MAX_BLOCK_V", "token_logprobs_triton"]
+__all__ = [
+    "FORWARD_STAGES",
+    "MAX_BLOCK_V",
+    "token_logprobs_triton",
+    "token_logprobs_forward",
+    "token_logprobs_backward",
+]
 
 MAX_BLOCK_V = 4096
 """Widest vocabulary chunk a program holds in registers at once."""
@@ -147,56 +153,138 @@ def _token_logprobs_bwd_kernel(
         )
 
 
+def token_logprobs_forward(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    inv_temperature: float,
+    group: dist.ProcessGroup | None,
+    with_entropy: bool,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on ``[rows, V]`` logits and combine the shards' statistics.
+
+    Args:
+        logits: ``[rows, V]`` logits (or this rank's vocabulary shard), unit stride in ``V``.
+        targets: ``[rows]`` contiguous global token ids.
+        inv_temperature: ``1 / temperature``.
+        group: tensor-parallel process group of the vocabulary shards, or None.
+        with_entropy: also compute the entropy.
+        ignore_index: rows whose target equals it give 0.
+
+    Returns:
+        ``(logprobs, entropy, lse, expected)``, float32 ``[rows]`` each: ``lse`` and
+        ``expected`` are the full vocabulary's log-sum-exp and expected logit that the backward
+        needs. Without ``with_entropy``, ``entropy`` and ``expected`` alias other outputs.
+    """
+    rank, world = group_rank_and_size(group)
+    rows, vocab = logits.shape
+    full_vocab = world == 1
+    stats = torch.empty((3 if with_entropy else 2, rows), dtype=torch.float32, device=logits.device)
+    lse, target_logit = stats[0], stats[1]
+    expected = stats[2] if with_entropy else lse
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(logprobs) if with_entropy else logprobs
+    if rows > 0:
+        block, warps = _block_and_warps(vocab, backward=False)
+        _token_logprobs_fwd_kernel[(rows,)](
+            logits,
+            targets,
+            lse,
+            expected,
+            target_logit,
+            logprobs,
+            entropy,
+            logits.stride(0),
+            vocab,
+            rank * vocab,
+            ignore_index,
+            inv_temperature,
+            WITH_ENTROPY=with_entropy,
+            FULL_VOCAB=full_vocab,
+            BLOCK_V=block,
+            NUM_STAGES=FORWARD_STAGES,
+            num_warps=warps,
+        )
+    if not full_vocab:
+        lse, target_logit, global_expected = combine_shard_stats(
+            lse, target_logit, expected if with_entropy else None, group
+        )
+        valid = targets != ignore_index
+        zeros = torch.zeros_like(lse)
+        logprobs = torch.where(valid, target_logit - lse, zeros)
+        if with_entropy:
+            assert global_expected is not None
+            expected = global_expected
+            entropy = torch.where(valid, lse - expected, zeros)
+        else:
+            entropy, expected = logprobs, lse
+    return logprobs, entropy, lse, expected
+
+
+def token_logprobs_backward(
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    expected: torch.Tensor,
+    inv_temperature: float,
+    vocab_start: int,
+    ignore_index: int,
+) -> torch.Tensor:
+    """Launch the backward kernel: ``d(logits)`` in the logits' dtype.
+
+    Args:
+        grad_logprobs: ``[rows]`` gradient of the log-probabilities.
+        grad_entropy: ``[rows]`` gradient of the entropy, or None.
+        logits: ``[rows, V]`` logits of the forward.
+        targets: ``[rows]`` global token ids.
+        lse: ``[rows]`` full-vocabulary log-sum-exp from the forward.
+        expected: ``[rows]`` full-vocabulary expected logit (any ``[rows]`` tensor without entropy).
+        inv_temperature: ``1 / temperature``.
+        vocab_start: global id of this shard's first column.
+        ignore_index: rows whose target equals it get no gradient.
+
+    Returns:
+        ``[rows, V]`` gradient of ``logits``.
+    """
+    rows, vocab = logits.shape
+    with_entropy = grad_entropy is not None
+    grad_logprobs = grad_logprobs.contiguous()
+    grad_entropy = grad_entropy.contiguous() if grad_entropy is not None else grad_logprobs
+    grad_logits = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
+    if rows > 0:
+        block, warps = _block_and_warps(vocab, backward=True)
+        _token_logprobs_bwd_kernel[(rows,)](
+            logits,
+            targets,
+            lse,
+            expected,
+            grad_logprobs,
+            grad_entropy,
+            grad_logits,
+            logits.stride(0),
+            vocab,
+            vocab_start,
+            ignore_index,
+            inv_temperature,
+            WITH_ENTROPY=with_entropy,
+            BLOCK_V=block,
+            num_warps=warps,
+        )
+    return grad_logits
+
+
 class _TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, inv_temperature, group, with_entropy, ignore_index):  # type: ignore[override]
-        rank, world = group_rank_and_size(group)
-        rows, vocab = logits.shape
-        vocab_start = rank * vocab
-        full_vocab = world == 1
-        stats = torch.empty(
-            (3 if with_entropy else 2, rows), dtype=torch.float32, device=logits.device
+        logprobs, entropy, lse, expected = token_logprobs_forward(
+            logits, targets, inv_temperature, group, with_entropy, ignore_index
         )
-        lse, target_logit = stats[0], stats[1]
-        expected = stats[2] if with_entropy else lse
-        logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        entropy = torch.empty_like(logprobs) if with_entropy else logprobs
-        if rows > 0:
-            block, warps = _block_and_warps(vocab, backward=False)
-            _token_logprobs_fwd_kernel[(rows,)](
-                logits,
-                targets,
-                lse,
-                expected,
-                target_logit,
-                logprobs,
-                entropy,
-                logits.stride(0),
-                vocab,
-                vocab_start,
-                ignore_index,
-                inv_temperature,
-                WITH_ENTROPY=with_entropy,
-                FULL_VOCAB=full_vocab,
-                BLOCK_V=block,
-                NUM_STAGES=FORWARD_STAGES,
-                num_warps=warps,
-            )
-        if not full_vocab:
-            lse, target_logit, global_expected = combine_shard_stats(
-                lse, target_logit, expected if with_entropy else None, group
-            )
-            valid = targets != ignore_index
-            zeros = torch.zeros_like(lse)
-            logprobs = torch.where(valid, target_logit - lse, zeros)
-            if with_entropy:
-                assert global_expected is not None
-                expected = global_expected
-                entropy = torch.where(valid, lse - expected, zeros)
         ctx.save_for_backward(logits, targets, lse, expected)
         ctx.inv_temperature = inv_temperature
         ctx.with_entropy = with_entropy
-        ctx.vocab_start = vocab_start
+        ctx.vocab_start = group_rank_and_size(group)[0] * logits.shape[1]
         ctx.ignore_index = ignore_index
         if not with_entropy:
             return logprobs
@@ -205,30 +293,17 @@ class _TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy=None):  # type: ignore[override]
         logits, targets, lse, expected = ctx.saved_tensors
-        rows, vocab = logits.shape
-        with_entropy = ctx.with_entropy and grad_entropy is not None
-        grad_logprobs = grad_logprobs.contiguous()
-        grad_entropy = grad_entropy.contiguous() if with_entropy else grad_logprobs
-        grad_logits = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
-        if rows > 0:
-            block, warps = _block_and_warps(vocab, backward=True)
-            _token_logprobs_bwd_kernel[(rows,)](
-                logits,
-                targets,
-                lse,
-                expected,
-                grad_logprobs,
-                grad_entropy,
-                grad_logits,
-                logits.stride(0),
-                vocab,
-                ctx.vocab_start,
-                ctx.ignore_index,
-                ctx.inv_temperature,
-                WITH_ENTROPY=with_entropy,
-                BLOCK_V=block,
-                num_warps=warps,
-            )
+        grad_logits = token_logprobs_backward(
+            grad_logprobs,
+            grad_entropy if ctx.with_entropy else None,
+            logits,
+            targets,
+            lse,
+            expected,
+            ctx.inv_temperature,
+            ctx.vocab_start,
+            ctx.ignore_index,
+        )
         return grad_logits, None, None, None, None, None
 
 

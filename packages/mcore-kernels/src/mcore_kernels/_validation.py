@@ -19,6 +19,7 @@ __all__ = [
     "check_same_device",
     "check_rms_norm_args",
     "check_token_logprobs_args",
+    "check_target_range",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -143,13 +144,31 @@ def check_token_logprobs_args(
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise KernelValueError(f"ignore_index={ignore_index!r} must be an int")
     check_same_device(logits=logits, targets=targets)
-    vocab = logits.shape[-1] if vocab_size is None else vocab_size
-    capturing = logits.is_cuda and torch.cuda.is_current_stream_capturing()
-    if check_targets and not capturing and targets.numel() > 0:
-        # One host sync: a silent out-of-range gather would return garbage log-probs.
-        bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-        if bool(bad.any()):
-            first = int(targets[bad].flatten()[0])
-            raise KernelValueError(
-                f"targets holds {first}, outside [0, {vocab}) and not ignore_index={ignore_index}"
-            )
+    if check_targets:
+        vocab = logits.shape[-1] if vocab_size is None else vocab_size
+        check_target_range(targets, vocab, ignore_index)
+
+
+def check_target_range(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise if a target lies outside ``[0, vocab_size)`` without being ``ignore_index``.
+
+    Reads one flag on the host (a sync on CUDA); skipped while a CUDA graph is being captured.
+
+    Args:
+        targets: integer token ids.
+        vocab_size: size of the full vocabulary.
+        ignore_index: id marking rows to skip.
+
+    Raises:
+        KernelValueError: a target is out of range.
+    """
+    capturing = targets.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing or targets.numel() == 0:
+        return
+    # One host sync: a silent out-of-range gather would return garbage log-probs.
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+    if bool(bad.any()):
+        first = int(targets[bad].flatten()[0])
+        raise KernelValueError(
+            f"targets holds {first}, outside [0, {vocab_size}) and not ignore_index={ignore_index}"
+        )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
 
@@ -429,7 +430,9 @@ def paged_attention(
         split_size: Context positions per split-KV program (Triton path).
 
     Returns:
-        The attention output, ``[T, Hq, D]`` in ``q.dtype``.
+        The attention output, ``[T, Hq, D]`` in ``q.dtype``. Under ``torch.compile`` the call
+        is the opaque custom op ``torch.ops.mcore_kernels.paged_attention`` (inference only: no
+        backward).
 
     Raises:
         KernelShapeError: If the shapes do not match the layout above.
@@ -437,6 +440,27 @@ def paged_attention(
         KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names an unknown backend or one that
             cannot run on these tensors.
     """
+    if _compile.compiling():
+        _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+        if _compile.CUSTOM_OPS:
+            return _paged_attention_op(
+                q, k_cache, v_cache, block_tables, context_lens, float(scale), split_size
+            )
+        return _compile.run_eagerly(
+            _paged_attention_run, q, k_cache, v_cache, block_tables, context_lens, scale, split_size
+        )
+    return _paged_attention_run(q, k_cache, v_cache, block_tables, context_lens, scale, split_size)
+
+
+def _paged_attention_run(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    split_size: int,
+) -> torch.Tensor:
     if use_triton(q, k_cache, v_cache):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, context_lens, scale=scale, split_size=split_size
@@ -444,3 +468,26 @@ def paged_attention(
     return paged_attention_reference(
         q, k_cache, v_cache, block_tables, context_lens, scale=scale, split_size=split_size
     )
+
+
+@_compile.custom_op(
+    "paged_attention",
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+    "float scale, int split_size) -> Tensor",
+)
+def _paged_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    split_size: int,
+) -> torch.Tensor:
+    out = _paged_attention_run(q, k_cache, v_cache, block_tables, context_lens, scale, split_size)
+    # The fake implementation promises a contiguous result, whatever the layout of ``q``.
+    return out.contiguous()
+
+
+if _compile.CUSTOM_OPS:
+    _paged_attention_op.register_fake(lambda q, *args: q.new_empty(q.shape))

@@ -99,7 +99,7 @@ def token_logprobs_reference(
         KernelDeviceError: tensors on different devices.
         KernelValueError: bad ``temperature`` or a target out of the vocabulary.
     """
-    rank, world = group_rank_and_size(group)
+    _, world = group_rank_and_size(group)
     shard = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() > 0 else 0
     check_token_logprobs_args(
         logits,
@@ -109,6 +109,42 @@ def token_logprobs_reference(
         vocab_size=shard * world,
         check_targets=check_targets,
     )
+    logprobs, entropy, _, _ = token_logprobs_parts(
+        logits, targets, temperature, group, return_entropy, ignore_index
+    )
+    if not return_entropy:
+        return logprobs
+    assert entropy is not None
+    return logprobs, entropy
+
+
+def token_logprobs_parts(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    group: dist.ProcessGroup | None,
+    return_entropy: bool,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """The reference's results and the per-row statistics its backward depends on.
+
+    Arguments are those of :func:`token_logprobs_reference`, already validated.
+
+    Args:
+        logits: ``[..., V]`` logits, or this rank's shard of them.
+        targets: integer ids shaped ``logits.shape[:-1]``.
+        temperature: logits are divided by it before the softmax.
+        group: tensor-parallel process group over which the vocabulary is sharded.
+        return_entropy: also compute the entropy and the expected logit.
+        ignore_index: rows whose target equals it give 0.
+
+    Returns:
+        ``(logprobs, entropy, lse, expected)``: the first two shaped like ``targets``, the
+        full-vocabulary log-sum-exp and expected logit of every row flattened to ``[N]``;
+        ``entropy`` and ``expected`` are None without ``return_entropy``.
+    """
+    rank, _ = group_rank_and_size(group)
+    shard = logits.shape[-1]
     lead_shape = targets.shape
     z = logits.reshape(-1, shard).to(_compute_dtype(logits.dtype)) / temperature
     flat_targets = targets.reshape(-1).long()
@@ -138,11 +174,10 @@ def token_logprobs_reference(
     lse, target_logit, expected = combine_shard_stats(lse, target_logit, expected, group)
     zeros = torch.zeros_like(lse)
     logprobs = torch.where(valid, target_logit - lse, zeros).reshape(lead_shape)
-    if not return_entropy:
-        return logprobs
-    assert expected is not None
-    entropy = torch.where(valid, lse - expected, zeros).reshape(lead_shape)
-    return logprobs, entropy
+    entropy = None
+    if expected is not None:
+        entropy = torch.where(valid, lse - expected, zeros).reshape(lead_shape)
+    return logprobs, entropy, lse, expected
 
 
 def slice_after_reference(inp: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
+from mcore_kernels._rms_norm_op import rms_norm_via_op
 from mcore_kernels._validation import check_rms_norm_args
 from mcore_kernels.errors import KernelValueError
 from mcore_kernels.reference import rms_norm_reference
@@ -26,7 +28,9 @@ def rms_norm(
     do); the normalisation ``h * rsqrt(mean(h**2) + eps) * weight`` runs in float32 and is cast
     once to the dtype of ``x``. Runs the Triton kernel on CUDA tensors and the torch reference
     on CPU tensors (see ``MCORE_KERNELS_BACKEND``). Each row's result is bitwise independent of
-    the number of rows.
+    the number of rows. Under ``torch.compile`` the call is the opaque custom op
+    ``torch.ops.mcore_kernels.rms_norm_fwd`` (with a registered backward), so it compiles with
+    ``fullgraph=True``.
 
     Args:
         x: ``[..., hidden]`` input, float16, bfloat16 or float32 (float64 on the reference).
@@ -45,6 +49,16 @@ def rms_norm(
         KernelBackendError: ``MCORE_KERNELS_BACKEND`` asks for a backend that cannot run.
     """
     check_rms_norm_args(x, weight, eps, residual)
+    if _compile.compiling():
+        if _compile.CUSTOM_OPS:
+            return rms_norm_via_op(x, weight, eps, residual)
+        return _compile.run_eagerly(_rms_norm_eager, x, weight, eps, residual)
+    return _rms_norm_eager(x, weight, eps, residual)
+
+
+def _rms_norm_eager(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if x.dtype != torch.float64 and use_triton(*tensors):
         from mcore_kernels._rms_norm_triton import rms_norm_triton

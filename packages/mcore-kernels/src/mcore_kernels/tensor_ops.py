@@ -12,12 +12,17 @@ works and NaN payloads survive. The Triton kernels clamp ``pos`` into range and 
 indices outside ``[0, num_states)``, because validating them would need a host sync; pass
 ``check_bounds=True`` to have them validated (with a sync) and rejected with an error instead.
 The torch references read ``pos`` on the host.
+
+Under ``torch.compile`` each op is an opaque in-place custom op (``torch.ops.mcore_kernels.
+slice_after_``, ``merge_``, ``masked_update_``) that declares the tensor it writes, so the
+functions compile with ``fullgraph=True``; they are not differentiable.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._validation import check_same_device, check_tensor
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
@@ -103,6 +108,17 @@ def slice_after(
     pos = _check_index("pos", pos, scalar=True)
     _check_output("out", out)
     check_same_device(inp=inp, pos=pos, out=out)
+    if _compile.compiling():
+        if _compile.CUSTOM_OPS:
+            _slice_after_op(inp, pos, out, check_bounds)
+            return out
+        return _compile.run_eagerly(_slice_after_run, inp, pos, out, check_bounds)
+    return _slice_after_run(inp, pos, out, check_bounds)
+
+
+def _slice_after_run(
+    inp: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, check_bounds: bool
+) -> torch.Tensor:
     if check_bounds:
         _check_pos(pos, inp.shape[0], "inp.shape[0]")
     if use_triton(inp, pos, out):
@@ -110,6 +126,17 @@ def slice_after(
 
         return slice_after_triton(inp, pos, out)
     return slice_after_reference(inp, pos, out)
+
+
+@_compile.custom_op(
+    "slice_after_",
+    "(Tensor inp, Tensor pos, Tensor(a!) out, bool check_bounds) -> ()",
+    mutates_args=("out",),
+)
+def _slice_after_op(
+    inp: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, check_bounds: bool
+) -> None:
+    _slice_after_run(inp, pos, out, check_bounds)
 
 
 def merge(
@@ -157,6 +184,25 @@ def merge(
                 f"out.shape[0]={out.shape[0]} must be >= a.shape[0]={a.shape[0]}"
             )
     check_same_device(a=a, b=b, pos=pos, out=out)
+    if _compile.compiling():
+        if _compile.CUSTOM_OPS:
+            # The op writes one declared tensor: ``a`` for an in-place merge, else ``out``.
+            if out is None:
+                _merge_op(a, None, b, pos, check_bounds)
+                return a
+            _merge_op(out, a, b, pos, check_bounds)
+            return out
+        return _compile.run_eagerly(_merge_run, a, b, pos, out, check_bounds)
+    return _merge_run(a, b, pos, out, check_bounds)
+
+
+def _merge_run(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    pos: torch.Tensor,
+    out: torch.Tensor | None,
+    check_bounds: bool,
+) -> torch.Tensor:
     if check_bounds:
         _check_pos(pos, a.shape[0], "a.shape[0]")
     if use_triton(a, b, pos):
@@ -164,6 +210,24 @@ def merge(
 
         return merge_triton(a, b, pos, out)
     return merge_reference(a, b, pos, out)
+
+
+@_compile.custom_op(
+    "merge_",
+    "(Tensor(a!) dst, Tensor? a, Tensor b, Tensor pos, bool check_bounds) -> ()",
+    mutates_args=("dst",),
+)
+def _merge_op(
+    dst: torch.Tensor,
+    a: torch.Tensor | None,
+    b: torch.Tensor,
+    pos: torch.Tensor,
+    check_bounds: bool,
+) -> None:
+    if a is None:
+        _merge_run(dst, b, pos, None, check_bounds)
+    else:
+        _merge_run(a, b, pos, dst, check_bounds)
 
 
 def masked_update(
@@ -200,6 +264,17 @@ def masked_update(
             f"idx.shape={tuple(idx.shape)} must have new_states.shape[0]={new_states.shape[0]} rows"
         )
     check_same_device(states=states, idx=idx, new_states=new_states)
+    if _compile.compiling():
+        if _compile.CUSTOM_OPS:
+            _masked_update_op(states, idx, new_states, check_bounds)
+            return states
+        return _compile.run_eagerly(_masked_update_run, states, idx, new_states, check_bounds)
+    return _masked_update_run(states, idx, new_states, check_bounds)
+
+
+def _masked_update_run(
+    states: torch.Tensor, idx: torch.Tensor, new_states: torch.Tensor, check_bounds: bool
+) -> torch.Tensor:
     if check_bounds and idx.numel() > 0:
         bad = (idx < -1) | (idx >= states.shape[0])
         if bool(bad.any()):
@@ -211,3 +286,21 @@ def masked_update(
 
         return masked_update_triton(states, idx, new_states)
     return masked_update_reference(states, idx, new_states)
+
+
+@_compile.custom_op(
+    "masked_update_",
+    "(Tensor(a!) states, Tensor idx, Tensor new_states, bool check_bounds) -> ()",
+    mutates_args=("states",),
+)
+def _masked_update_op(
+    states: torch.Tensor, idx: torch.Tensor, new_states: torch.Tensor, check_bounds: bool
+) -> None:
+    _masked_update_run(states, idx, new_states, check_bounds)
+
+
+if _compile.CUSTOM_OPS:
+    # In-place ops return nothing: their fake implementations have nothing to compute.
+    _slice_after_op.register_fake(lambda inp, pos, out, check_bounds: None)
+    _merge_op.register_fake(lambda dst, a, b, pos, check_bounds: None)
+    _masked_update_op.register_fake(lambda states, idx, new_states, check_bounds: None)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
+from mcore_kernels._token_logprobs_op import token_logprobs_via_op
 from mcore_kernels._validation import check_token_logprobs_args
 from mcore_kernels._vocab_parallel import group_rank_and_size
 from mcore_kernels.reference import token_logprobs_reference
@@ -62,8 +64,30 @@ def token_logprobs(
         temperature,
         ignore_index,
         vocab_size=shard * world,
-        check_targets=check_targets,
+        # Under torch.compile the range check (a host sync) runs inside the op.
+        check_targets=check_targets and not _compile.compiling(),
     )
+    if _compile.compiling():
+        if _compile.CUSTOM_OPS:
+            return token_logprobs_via_op(
+                logits,
+                targets,
+                temperature,
+                _compile.group_name(group),
+                return_entropy,
+                ignore_index,
+                check_targets,
+            )
+        return _compile.run_eagerly(
+            token_logprobs,
+            logits,
+            targets,
+            temperature=temperature,
+            group=group,
+            return_entropy=return_entropy,
+            ignore_index=ignore_index,
+            check_targets=check_targets,
+        )
     if logits.dtype != torch.float64 and use_triton(logits, targets):
         from mcore_kernels._token_logprobs_triton import token_logprobs_triton
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mcore_kernels import _compile
 from mcore_kernels.comm._validation import check_fused_args
 from mcore_kernels.comm.availability import (
     log_fallback_once,
@@ -39,6 +40,10 @@ def fused_rs_add_rmsnorm_ag(
     then the add rounded to it, as :func:`mcore_kernels.rms_norm` does) and
     ``y = h * rsqrt(mean(h**2) + eps) * weight`` computed in float32.
 
+    Under ``torch.compile`` the call is the opaque custom op
+    ``torch.ops.mcore_kernels.fused_rs_add_rmsnorm_ag`` (the group travels by name; ``out`` is
+    filled by a copy after it): inference only, no backward.
+
     Args:
         partial: ``[tokens, hidden]``, this rank's partial output of a row-parallel matmul; the
             true activation is the sum of ``partial`` over the ranks of ``group``. float16,
@@ -65,6 +70,28 @@ def fused_rs_add_rmsnorm_ag(
             torch.distributed not initialised.
     """
     pair = check_fused_args(partial, residual, weight, eps, group, out)
+    if _compile.compiling():
+        if not _compile.CUSTOM_OPS:
+            return _compile.run_eagerly(_fused_run, partial, residual, weight, eps, group, pair)
+        normed, new_residual = _fused_op(
+            partial, residual, weight, float(eps), _compile.group_name(group)
+        )
+        if pair is None:
+            return normed, new_residual
+        pair[0].copy_(normed)
+        pair[1].copy_(new_residual)
+        return pair
+    return _fused_run(partial, residual, weight, eps, group, pair)
+
+
+def _fused_run(
+    partial: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group: dist.ProcessGroup | None,
+    pair: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     reason = symmetric_memory_unavailable_reason(partial, group)
     if reason is None:
         # Imported here: it needs Triton, which CPU-only installs may lack.
@@ -78,3 +105,19 @@ def fused_rs_add_rmsnorm_ag(
         reason = workspace
     log_fallback_once(reason)
     return rs_add_rmsnorm_ag_collectives(partial, residual, weight, float(eps), group, pair)
+
+
+@_compile.custom_op(
+    "fused_rs_add_rmsnorm_ag",
+    "(Tensor partial, Tensor residual, Tensor weight, float eps, str group_name) -> (Tensor, Tensor)",
+)
+def _fused_op(
+    partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fused_run(partial, residual, weight, eps, _compile.resolve_group(group_name), None)
+
+
+if _compile.CUSTOM_OPS:
+    _fused_op.register_fake(
+        lambda partial, *args: (partial.new_empty(partial.shape), partial.new_empty(partial.shape))
+    )
