@@ -15,6 +15,7 @@ from mcore_inference.block_allocator import BlockAllocator
 from mcore_inference.config import InferenceConfig, SamplingParams
 from mcore_inference.cuda_graphs import DecodeGraphRunner
 from mcore_inference.errors import EngineClosedError, InvalidRequestError
+from mcore_inference.expert_parallel import ExpertParallelSync, find_expert_parallel_group
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.request import FinishReason, GenerationResult, Request, RequestStatus
 from mcore_inference.sampling import sample_tokens, sampling_uniform
@@ -41,6 +42,16 @@ class InferenceEngine:
     calls (graphs see the new values); if they are re-allocated (offloaded and reloaded), the
     graphs are dropped and recaptured at the next call. :meth:`close` (or leaving the ``with`` block)
     releases all of it.
+
+    Under expert parallelism (the model's MoE layers hold an EP group of more than one rank)
+    every step is collective over the EP group: the ranks agree on the step in one small
+    all-reduce, a rank without work runs a padding-only forward (token 0 at position 0 in the
+    scratch block, touching no request's cache) while a peer still has tokens, and
+    :meth:`generate` returns on all of them at the first step in which no rank has work. Every
+    EP rank must therefore call :meth:`generate` (possibly with no prompts) or :meth:`stream`
+    the same number of times. Decode CUDA graphs are replayed only when every rank can, with
+    the bucket of the largest batch; drop-and-pad MoE routing gets the same token count on
+    every rank.
 
     Args:
         model: A single-rank ``mcore_models.GPTModel`` (or any module with the same forward,
@@ -96,6 +107,10 @@ class InferenceEngine:
                 self.scheduler.padding_row,
                 config.graph_batch_sizes(),
             )
+        ep_group = find_expert_parallel_group(model)
+        self._ep: ExpertParallelSync | None = (
+            ExpertParallelSync(model, ep_group, self.device) if ep_group is not None else None
+        )
         self.tokenizer: Any = (
             load_tokenizer(config.tokenizer_path) if config.tokenizer_path is not None else None
         )
@@ -122,6 +137,16 @@ class InferenceEngine:
         """Requests holding KV blocks."""
         return len(self.scheduler.active) if self.scheduler is not None else 0
 
+    @property
+    def group_has_work(self) -> bool:
+        """Under expert parallelism, whether any EP rank ran tokens in the last step.
+
+        Always False without expert parallelism. A loop over :meth:`step` under expert
+        parallelism runs until neither :meth:`has_unfinished` nor this is true, after at least
+        one step.
+        """
+        return self._ep is not None and self._ep.group_has_work
+
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, active, or finished but not yet reported.
 
@@ -141,6 +166,7 @@ class InferenceEngine:
         self._closed = True
         self._unreported.clear()
         self._stops.clear()
+        self._ep = None
         if self._graphs is not None:
             self._graphs.close()
             self._graphs = None
@@ -306,6 +332,10 @@ class InferenceEngine:
     def step(self) -> list[GenerationResult]:
         """Run one engine step.
 
+        Under expert parallelism the step is collective over the EP group: every EP rank
+        calls it, also without work of its own, until no rank has any (see
+        :attr:`group_has_work`).
+
         Returns:
             Snapshots of the requests that got a token or finished (or failed) in this step;
             a finished request is reported once and then forgotten by the engine.
@@ -328,11 +358,14 @@ class InferenceEngine:
         assert self.scheduler is not None
         self.scheduler.admit()
         batch = self.scheduler.schedule()
-        if not batch:
+        if not batch and self._ep is None:
             return reports
         try:
             sampled = self._forward_and_sample(batch)
         except Exception as exc:  # a failed step fails its requests, never the engine
+            if not batch:  # an idle EP rank's padding forward failed: nothing to fail but it
+                self._unreported = reports + self._unreported
+                raise
             message = f"step failed: {type(exc).__name__}: {exc}"
             for request, _ in batch:
                 self._finish(request, FinishReason.ERROR, error=message)
@@ -388,16 +421,36 @@ class InferenceEngine:
                 sample_rows.append(len(tokens) - 1)
                 sampling.append(request)
         device = self.device
+        graphs = self._graphs
+        use_graphs = graphs is not None and len(tokens) == len(batch) <= graphs.max_batch_size
+        num_real = len(tokens)
+        pad_to = num_real
+        if self._ep is not None:
+            agreement = self._ep.agree(
+                num_real, graphs.max_batch_size if use_graphs and graphs is not None else None
+            )
+            if agreement.max_tokens == 0:
+                return []
+            use_graphs = agreement.use_graphs
+            if use_graphs or self._ep.needs_equal_tokens:
+                pad_to = agreement.max_tokens
+            else:
+                pad_to = max(num_real, 1)
+            if pad_to > num_real:
+                # Padding rows: token 0 at position 0 through the scratch-block table row.
+                padding = pad_to - num_real
+                tokens.extend([0] * padding)
+                positions.extend([0] * padding)
+                slots.extend([self.scheduler.padding_row] * padding)
         # array('q') converts the lists in C; torch.tensor over nested lists is several times slower.
         packed = array("q", tokens)
         packed.extend(positions)
         packed.extend(slots)
         inputs = torch.frombuffer(packed, dtype=torch.long).view(3, len(tokens)).to(device)
         logits = None
-        graphs = self._graphs
-        if graphs is not None and len(tokens) == len(batch) <= graphs.max_batch_size:
+        if use_graphs and graphs is not None:
             try:
-                logits = graphs.run(inputs)
+                logits = graphs.run(inputs)[:num_real]
             except Exception as exc:
                 # A model that cannot be captured still serves, eagerly; the warning says why.
                 warnings.warn(
@@ -422,6 +475,8 @@ class InferenceEngine:
                 return []
             rows = torch.tensor(sample_rows, dtype=torch.long, device=device)
             logits = self.model.compute_logits(hidden[0].index_select(0, rows))
+        elif not sampling:  # an idle EP rank replayed a padding-only graph
+            return []
         params = [r.params for r in sampling]
         uniforms = [
             sampling_uniform(r.seed, len(r.output)) if p.temperature else 0.0
@@ -462,9 +517,12 @@ class InferenceEngine:
     def _drive(self, request_ids: list[int], *, progress: bool) -> Iterator[list[Request]]:
         pending = set(request_ids)
         others: list[Request] = []
+        # Under expert parallelism a rank steps (at least once) until no EP rank has work,
+        # so every rank runs the same number of forwards and returns at the same step.
+        synced = self._ep is not None
         try:
-            while pending:
-                if not self.has_unfinished():
+            while pending or synced:
+                if pending and not self.has_unfinished():
                     raise RuntimeError(f"requests {sorted(pending)} were lost by the engine")
                 mine = []
                 for request in self._step(progress=progress):
@@ -475,6 +533,8 @@ class InferenceEngine:
                     elif request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
                         others.append(request)
                 yield mine
+                if synced and not pending and not self.group_has_work:
+                    break
         finally:
             # Requests added through add_request by the caller keep their final report.
             self._unreported.extend(others)
@@ -489,6 +549,9 @@ class InferenceEngine:
         Args:
             prompts: Prompt token ids, one list per request.
             params: One SamplingParams for all, one per prompt, or None for the defaults.
+
+        Under expert parallelism this is collective over the EP group: every EP rank calls it
+        (with its own prompts, possibly none) and it returns when no rank has work left.
 
         Returns:
             One result per prompt, in the order of ``prompts``. Invalid requests come back

@@ -1,0 +1,99 @@
+"""Lock-step engine steps across an expert-parallel (EP) group.
+
+Every MoE layer of an expert-parallel model exchanges tokens with its EP peers (all-to-all or
+all-gather), so every rank of the group must run the same number of forwards, and with
+drop-and-pad routing (CUDA-graph decode, or a ``capacity_factor``) the same number of tokens.
+Each rank serves its own requests, so before each step the ranks agree, in one all-reduce of
+three integers over the EP group, on the largest token count of the step, whether every rank
+can replay a decode CUDA graph, and the largest graph batch all of them hold. A rank with no
+work then runs a padding-only forward while a peer still has tokens, and generation ends on
+every rank at the first step in which no rank has any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_models.moe import moe_layers
+
+__all__ = ["ExpertParallelSync", "StepAgreement", "find_expert_parallel_group"]
+
+
+def find_expert_parallel_group(model: Any) -> dist.ProcessGroup | None:
+    """The expert-parallel group of a model's MoE layers, if it has more than one rank.
+
+    Args:
+        model: The served model (any module).
+
+    Returns:
+        The EP group of the first expert-parallel MoE layer, or None for a dense model, an
+        unsharded MoE model or an EP group of one rank.
+    """
+    for layer in moe_layers(model):
+        group = layer.ep_group
+        if group is not None and dist.get_world_size(group) > 1:
+            return group
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class StepAgreement:
+    """What the ranks of an EP group agreed on for one step."""
+
+    max_tokens: int
+    """Most tokens any rank runs in the step; 0 means no rank has work."""
+    use_graphs: bool
+    """Whether every rank replays a decode CUDA graph (of the bucket of ``max_tokens``)."""
+
+
+class ExpertParallelSync:
+    """Per-step agreement of an engine with its EP peers.
+
+    Cost: one all-reduce (MAX) of three int64 values over the EP group per engine step, plus
+    reading the result on the host (the engine reads its sampled tokens on the host every step
+    anyway). Ranks without work pay a padding-only forward per step while a peer decodes.
+
+    Args:
+        model: The served model; its MoE layers give the EP group and their routing mode.
+        group: The EP group (from :func:`find_expert_parallel_group`).
+        device: Device of the all-reduced tensor (the model's: CUDA under NCCL, CPU under gloo).
+    """
+
+    def __init__(self, model: Any, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self._layers = moe_layers(model)
+        self._buffer = torch.zeros(3, dtype=torch.int64, device=device)
+        self.group_has_work = False
+        """Whether any rank of the group ran tokens in the last agreed step."""
+
+    @property
+    def needs_equal_tokens(self) -> bool:
+        """Whether drop-and-pad routing is on, so every rank must run the same token count."""
+        return any(layer.capacity_factor is not None for layer in self._layers)
+
+    def agree(self, num_tokens: int, graph_batch_size: int | None) -> StepAgreement:
+        """Exchange this rank's step with its peers (collective over the EP group).
+
+        Args:
+            num_tokens: Tokens this rank has for the step (0 when idle).
+            graph_batch_size: Largest batch this rank's decode graphs serve if this rank's
+                step could replay one (pure decode or idle), else None.
+
+        Returns:
+            The step every rank of the group runs.
+        """
+        graphable = graph_batch_size is not None
+        # MAX of (tokens, cannot replay, -largest graph batch): the largest step, whether any
+        # rank needs the eager path, and the smallest graph limit, in one collective.
+        values = (num_tokens, 0 if graphable else 1, -(graph_batch_size or 0))
+        self._buffer.copy_(torch.tensor(values, dtype=torch.int64))
+        dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self.group)
+        max_tokens, eager, negative_limit = self._buffer.tolist()
+        self.group_has_work = max_tokens > 0
+        use_graphs = not eager and 0 < max_tokens <= -negative_limit
+        return StepAgreement(max_tokens=max_tokens, use_graphs=use_graphs)

@@ -1,0 +1,118 @@
+"""Generation under expert parallelism (ep=2 on 2 gloo ranks) with different prompts, different
+max_tokens and different numbers of requests per rank (zero included): it completes, every rank
+runs the same number of forwards, and each rank's greedy results equal a single-process (EP=1)
+engine over the same weights. One ``run_distributed`` call checks every case."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
+from mcore_models import GPTConfig, GPTModel, MoEConfig
+from mcore_parallel import initialize
+from mcore_parallel.testing import run_distributed
+
+VOCAB = 64
+
+ROUNDS: list[tuple[list[tuple[list[int], int]], list[tuple[list[int], int]]]] = [
+    # (rank 0's requests, rank 1's requests); a request is (prompt, max_tokens).
+    ([([3, 9, 4], 1)], [([5, 6, 7, 8, 9, 10, 11], 6), ([12, 2], 4)]),
+    ([], [([7, 1, 7, 1], 6), ([30], 3)]),
+    ([([40, 41, 42, 43, 44], 6), ([9, 9], 2), ([17, 3, 8], 5)], []),
+    ([([21, 22], 6)], [([50, 51, 52], 1)]),
+]
+"""Successive ``generate`` calls, each made by both ranks."""
+
+MOE_VARIANTS = {
+    "alltoall-dropless": {"dispatcher": "alltoall"},
+    "allgather-dropless": {"dispatcher": "allgather"},
+    # Capacity num_experts / top_k leaves room for every token (nothing dropped), but the
+    # capacity follows the token count, so the ranks must run equal counts.
+    "alltoall-drop-and-pad": {"dispatcher": "alltoall", "capacity_factor": 2.0},
+    "allgather-drop-and-pad": {"dispatcher": "allgather", "capacity_factor": 2.0},
+}
+
+
+def _engine_config() -> InferenceConfig:
+    return InferenceConfig(
+        max_batch_size=4,
+        max_sequence_length=32,
+        block_size=4,
+        attention_split_size=8,
+        # A small budget splits the longer prompts into chunks over several steps.
+        max_tokens_per_step=6,
+        prefill_chunk_size=4,
+        use_cuda_graphs=False,
+    )
+
+
+def _generate(engine: InferenceEngine, requests: list[tuple[list[int], int]]) -> list:
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, return_logprobs=True) for _, n in requests
+    ]
+    results = engine.generate([prompt for prompt, _ in requests], params)
+    return [(r.tokens, r.logprobs, str(r.finish_reason)) for r in results]
+
+
+def _count_call(counter: list[int], *_: object) -> None:
+    counter[0] += 1
+
+
+def _expert_parallel_against_single_process() -> dict:
+    torch.set_num_threads(1)
+    state = initialize(ep=2)
+    rank = state.ep_rank
+    report: dict = {}
+    for name, changes in MOE_VARIANTS.items():
+        moe = MoEConfig(num_experts=4, top_k=2, **changes)
+        config = GPTConfig.from_name("tiny", vocab_size=VOCAB, moe=moe, seed=11)
+        reference = GPTModel(config).eval()
+        sharded = GPTModel(config, state).eval()
+        forwards = [0]
+        hook = sharded.register_forward_pre_hook(partial(_count_call, forwards))
+        got, expected = [], []
+        with InferenceEngine(sharded, _engine_config()) as engine:
+            for requests in ROUNDS:
+                got.append(_generate(engine, requests[rank]))
+            group_has_work_after = engine.group_has_work
+        hook.remove()
+        with InferenceEngine(reference, _engine_config()) as engine:
+            for requests in ROUNDS:
+                expected.append(_generate(engine, requests[rank]))
+        report[name] = {
+            "got": got,
+            "expected": expected,
+            "forwards": forwards[0],
+            "group_has_work_after": group_has_work_after,
+        }
+    return report
+
+
+def _tokens_and_logprobs_match(got: list, expected: list) -> bool:
+    for got_round, expected_round in zip(got, expected, strict=True):
+        for (tokens, logprobs, reason), (tokens_ref, logprobs_ref, reason_ref) in zip(
+            got_round, expected_round, strict=True
+        ):
+            if tokens != tokens_ref or reason != reason_ref:
+                return False
+            if not torch.allclose(torch.tensor(logprobs), torch.tensor(logprobs_ref), atol=1e-4):
+                return False
+    return True
+
+
+def test_generation_under_expert_parallelism_with_uneven_work_matches_single_process():
+    reports = run_distributed(_expert_parallel_against_single_process, 2, timeout=240)
+    for rank, report in enumerate(reports):
+        assert set(report) == set(MOE_VARIANTS)
+        for name, result in report.items():
+            counts = [len(requests[rank]) for requests in ROUNDS]
+            assert [len(round_) for round_ in result["got"]] == counts, name
+            lengths = [[len(tokens) for tokens, _, _ in round_] for round_ in result["got"]]
+            assert lengths == [[n for _, n in requests[rank]] for requests in ROUNDS], name
+            assert _tokens_and_logprobs_match(result["got"], result["expected"]), name
+            assert not result["group_has_work_after"], name
+    for name in MOE_VARIANTS:
+        # Lock step: the MoE collectives of every forward pair up across the EP ranks.
+        assert reports[0][name]["forwards"] == reports[1][name]["forwards"] > 0, name
