@@ -1,25 +1,19 @@
 """The collective path of ``fused_rs_add_rmsnorm_ag`` on real gloo groups of 2 and 4 ranks.
 
-mcore-kernels may not depend on mcore-parallel, so the ranks are started by a small helper
-below. Each spawned group runs every multi-rank check once and returns its observations; the
+mcore-kernels may not depend on mcore-parallel, so the ranks are started by the suite's own
+helper (``_kernels_spawn.run_ranks``). Each spawned group runs every multi-rank check once and returns its observations; the
 tests then assert on them against a single-process torch reference.
 """
 
 from __future__ import annotations
 
-import io
 import logging
-import multiprocessing as mp
-import queue
-import socket
-import traceback
-from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _kernels_spawn import run_ranks
 
 from mcore_kernels.comm import fused_rs_add_rmsnorm_ag, rs_add_rmsnorm_ag_collectives
 from mcore_kernels.errors import (
@@ -33,68 +27,6 @@ _TIMEOUT_S = 60.0
 _EPS = 1e-6
 # (tokens, hidden): a single decode token, a count no world size divides, a larger batch.
 _SHAPES = ((1, 16), (5, 48), (8, 32))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _rank_main(
-    rank: int, world: int, port: int, fn: Callable[[int, int], Any], results: Any
-) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=_TIMEOUT_S),
-        )
-        value = fn(rank, world)
-        dist.destroy_process_group()
-        # Bytes, not tensors: the queue would pass tensors as shared-memory handles that die
-        # with this process.
-        payload = io.BytesIO()
-        torch.save(value, payload)
-        results.put((rank, "ok", payload.getvalue()))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def run_gloo_ranks(fn: Callable[[int, int], Any], world: int) -> list[Any]:
-    """Run ``fn(rank, world)`` on ``world`` gloo ranks; return the values by rank.
-
-    Forked children start in milliseconds (no fresh interpreter importing torch), which keeps
-    the suite inside its budget; every child is joined or killed before returning.
-    """
-    context = mp.get_context("fork")
-    results = context.Queue()
-    port = _free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(rank, world, port, fn, results))
-        for rank in range(world)
-    ]
-    for process in processes:
-        process.start()
-    values: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, status, value = results.get(timeout=_TIMEOUT_S * 2)
-            if status == "error":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            values[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    except queue.Empty as exc:
-        raise AssertionError(f"ranks did not report within {_TIMEOUT_S * 2} s") from exc
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
-    return [values[rank] for rank in range(world)]
 
 
 def _inputs(
@@ -187,7 +119,7 @@ def _checks_on_rank(rank: int, world: int) -> dict[str, Any]:
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def gloo_run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     world = request.param
-    return world, run_gloo_ranks(_checks_on_rank, world)
+    return world, run_ranks(_checks_on_rank, world, timeout_s=_TIMEOUT_S)
 
 
 def test_fallback_matches_single_process_reference(

@@ -6,18 +6,13 @@ multicast stays off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=
 
 from __future__ import annotations
 
-import io
 import logging
-import os
-import socket
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
+from _kernels_spawn import run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -25,12 +20,6 @@ _EPS = 1e-6
 # (tokens, hidden): decode sizes on the one-shot side, prefill sizes on the two-shot side,
 # token counts no world size divides.
 _SHAPES = ((1, 4096), (8, 4096), (33, 8192), (128, 8192), (301, 4096), (512, 8192))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _inputs(world: int, rank: int, tokens: int, hidden: int, step: int) -> dict[str, Any]:
@@ -92,118 +81,89 @@ def _graph_checks(rank: int, world: int) -> dict[str, bool]:
     return observed
 
 
-def _gpu_rank(rank: int, world: int, port: int, results: Any) -> None:
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
-    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-    # Other test modules turn the interpreter on for the whole session; these ranks compile
-    # the kernels for the GPU, so switch it off before they are imported here.
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group(
-            "nccl",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=120),
-            device_id=torch.device("cuda", rank),
-        )
-        from mcore_kernels.comm import fused_rs_add_rmsnorm_ag, rs_add_rmsnorm_ag_collectives
-        from mcore_kernels.comm.symmetric import (
-            choose_strategy,
-            get_workspace,
-            symmetric_rs_add_rmsnorm_ag,
-        )
+def _gpu_checks(rank: int, world: int) -> dict[str, Any]:
+    from mcore_kernels.comm import fused_rs_add_rmsnorm_ag, rs_add_rmsnorm_ag_collectives
+    from mcore_kernels.comm.symmetric import (
+        choose_strategy,
+        get_workspace,
+        symmetric_rs_add_rmsnorm_ag,
+    )
 
-        messages: list[str] = []
-        handler = logging.Handler()
-        handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-        logging.getLogger("mcore_kernels.comm").addHandler(handler)
-        logging.getLogger("mcore_kernels.comm").setLevel(logging.INFO)
-        observed: dict[str, Any] = {"diffs": {}}
-        for tokens, hidden in _SHAPES:
-            case = _inputs(world, rank, tokens, hidden, step=tokens)
-            expected = _reference(case)
-            nccl = rs_add_rmsnorm_ag_collectives(
-                case["partial"], case["residual"], case["weight"], _EPS, None
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("mcore_kernels.comm").addHandler(handler)
+    logging.getLogger("mcore_kernels.comm").setLevel(logging.INFO)
+    observed: dict[str, Any] = {"diffs": {}}
+    for tokens, hidden in _SHAPES:
+        case = _inputs(world, rank, tokens, hidden, step=tokens)
+        expected = _reference(case)
+        nccl = rs_add_rmsnorm_ag_collectives(
+            case["partial"], case["residual"], case["weight"], _EPS, None
+        )
+        public = fused_rs_add_rmsnorm_ag(
+            case["partial"], case["residual"], case["weight"], _EPS, None
+        )
+        workspace = get_workspace(None, case["partial"])
+        assert not isinstance(workspace, str), workspace
+        for strategy in ("one_shot", "two_shot"):
+            normed, new_residual = symmetric_rs_add_rmsnorm_ag(
+                case["partial"],
+                case["residual"],
+                case["weight"],
+                _EPS,
+                workspace,
+                strategy=strategy,
             )
-            public = fused_rs_add_rmsnorm_ag(
-                case["partial"], case["residual"], case["weight"], _EPS, None
-            )
-            workspace = get_workspace(None, case["partial"])
-            assert not isinstance(workspace, str), workspace
-            for strategy in ("one_shot", "two_shot"):
-                normed, new_residual = symmetric_rs_add_rmsnorm_ag(
-                    case["partial"],
-                    case["residual"],
-                    case["weight"],
-                    _EPS,
-                    workspace,
-                    strategy=strategy,
-                )
-                key = f"{strategy}_t{tokens}_h{hidden}"
-                observed["diffs"][key] = {
-                    "residual_equals_reference": torch.equal(new_residual, expected[1]),
-                    "normed_max_abs_diff_vs_reference": float(
-                        (normed.float() - expected[0].float()).abs().max()
-                    ),
-                    "normed_max_abs_diff_vs_nccl": float(
-                        (normed.float() - nccl[0].float()).abs().max()
-                    ),
-                    "residual_max_abs_diff_vs_nccl": float(
-                        (new_residual.float() - nccl[1].float()).abs().max()
-                    ),
-                    "bitwise_same_on_all_ranks": _same_on_all_ranks(normed)
-                    and _same_on_all_ranks(new_residual),
-                    "public_equals_forced": torch.equal(public[0], normed)
-                    if strategy == choose_strategy(tokens, world)
-                    else True,
-                }
-        observed.update(_graph_checks(rank, world))
-        # Once every rank is done, each signal sent has been taken: all counters are back at 0
-        # (a signal sent by several threads of a program, or lost, would leave them off).
-        torch.cuda.synchronize()
-        dist.barrier()
-        signal_pad = get_workspace(None, _inputs(world, rank, 1, 4096, step=0)["partial"])
-        assert not isinstance(signal_pad, str)
-        observed["signals_balanced"] = bool((signal_pad.buffers[2] == 0).all())
-        observed["fallback_log"] = messages
-        dist.destroy_process_group()
-        payload = io.BytesIO()
-        torch.save(observed, payload)
-        results.put((rank, "ok", payload.getvalue()))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+            key = f"{strategy}_t{tokens}_h{hidden}"
+            observed["diffs"][key] = {
+                "residual_equals_reference": torch.equal(new_residual, expected[1]),
+                "normed_max_abs_diff_vs_reference": float(
+                    (normed.float() - expected[0].float()).abs().max()
+                ),
+                "normed_max_abs_diff_vs_nccl": float(
+                    (normed.float() - nccl[0].float()).abs().max()
+                ),
+                "residual_max_abs_diff_vs_nccl": float(
+                    (new_residual.float() - nccl[1].float()).abs().max()
+                ),
+                "bitwise_same_on_all_ranks": _same_on_all_ranks(normed)
+                and _same_on_all_ranks(new_residual),
+                "public_equals_forced": torch.equal(public[0], normed)
+                if strategy == choose_strategy(tokens, world)
+                else True,
+            }
+    observed.update(_graph_checks(rank, world))
+    # Once every rank is done, each signal sent has been taken: all counters are back at 0
+    # (a signal sent by several threads of a program, or lost, would leave them off).
+    torch.cuda.synchronize()
+    dist.barrier()
+    signal_pad = get_workspace(None, _inputs(world, rank, 1, 4096, step=0)["partial"])
+    assert not isinstance(signal_pad, str)
+    observed["signals_balanced"] = bool((signal_pad.buffers[2] == 0).all())
+    observed["fallback_log"] = messages
+    return observed
 
 
 @pytest.fixture(scope="module")
 def gpu_run() -> list[dict[str, Any]]:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs at least two CUDA GPUs")
-    world = torch.cuda.device_count()
-    context = torch_mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    processes = [
-        context.Process(target=_gpu_rank, args=(rank, world, port, results))
-        for rank in range(world)
-    ]
-    for process in processes:
-        process.start()
-    values: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, status, value = results.get(timeout=600)
-            if status == "error":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            values[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
-    return [values[rank] for rank in range(world)]
+    # Other test modules turn the interpreter on for the whole session; these ranks compile
+    # the kernels for the GPU, so it is switched off before they import mcore_kernels.
+    env = {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "TRITON_INTERPRET": "0",
+    }
+    return run_ranks(
+        _gpu_checks,
+        torch.cuda.device_count(),
+        backend="nccl",
+        start_method="spawn",
+        timeout_s=300,
+        env=env,
+    )
 
 
 def test_symmetric_path_runs_without_falling_back(gpu_run: list[dict[str, Any]]) -> None:

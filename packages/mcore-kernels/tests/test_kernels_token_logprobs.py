@@ -3,15 +3,12 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+from _kernels_spawn import run_ranks
 
 import mcore_kernels
 from mcore_kernels import token_logprobs
@@ -224,81 +221,36 @@ _TP_VOCAB = 2 * 1500
 _TP_TIMEOUT_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _vocab_parallel_rank(rank: int, world: int, port: int, results) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=_TP_TIMEOUT_S),
-        )
-        logits, targets = _logits_and_targets((5,), _TP_VOCAB, torch.float32, seed=9)
-        logits[0, :2000] = -float("inf")  # rank 0's shard is entirely masked in this row
-        targets[1] = 10  # target on rank 0
-        targets[2] = _TP_VOCAB - 1  # target on the last rank
-        targets[3] = -100
-        shard = _TP_VOCAB // world
-        observed = {}
-        for backend in ("torch", "triton"):
-            os.environ["MCORE_KERNELS_BACKEND"] = backend
-            local = logits[:, rank * shard : (rank + 1) * shard].clone().requires_grad_()
-            logprobs, entropy = token_logprobs(
-                local, targets, temperature=0.9, group=dist.group.WORLD, return_entropy=True
-            )
-            (logprobs.sum() + 0.5 * entropy.sum()).backward()
-            # numpy arrays travel by value; queued tensors would point at the exiting child's memory.
-            observed[backend] = (
-                logprobs.detach().numpy(),
-                entropy.detach().numpy(),
-                local.grad.numpy(),
-            )
-        results.put((rank, observed, None))
-    except Exception:
-        results.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def test_vocab_parallel_shards_match_full_vocabulary_on_gloo(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    world = 2
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_vocab_parallel_rank, args=(r, world, port, results))
-        for r in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        gathered = {}
-        for _ in range(world):
-            rank, observed, error = results.get(timeout=_TP_TIMEOUT_S)
-            assert error is None, f"rank {rank} failed:\n{error}"
-            gathered[rank] = {
-                key: [torch.from_numpy(a) for a in arrays] for key, arrays in observed.items()
-            }
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-
+def _vocab_parallel_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     logits, targets = _logits_and_targets((5,), _TP_VOCAB, torch.float32, seed=9)
-    logits[0, :2000] = -float("inf")
-    targets[1] = 10
-    targets[2] = _TP_VOCAB - 1
+    logits[0, :2000] = -float("inf")  # rank 0's shard is entirely masked in this row
+    targets[1] = 10  # target on rank 0
+    targets[2] = _TP_VOCAB - 1  # target on the last rank
     targets[3] = -100
+    return logits, targets
+
+
+def _vocab_parallel_rank(rank: int, world: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    logits, targets = _vocab_parallel_inputs()
+    shard = _TP_VOCAB // world
+    observed = {}
+    for backend in ("torch", "triton"):
+        os.environ["MCORE_KERNELS_BACKEND"] = backend
+        local = logits[:, rank * shard : (rank + 1) * shard].clone().requires_grad_()
+        logprobs, entropy = token_logprobs(
+            local, targets, temperature=0.9, group=dist.group.WORLD, return_entropy=True
+        )
+        (logprobs.sum() + 0.5 * entropy.sum()).backward()
+        observed[backend] = (logprobs.detach(), entropy.detach(), local.grad)
+    return observed
+
+
+def test_vocab_parallel_shards_match_full_vocabulary_on_gloo():
+    world = 2
+    gathered = run_ranks(
+        _vocab_parallel_rank, world, timeout_s=_TP_TIMEOUT_S, env={"TRITON_INTERPRET": "1"}
+    )
+    logits, targets = _vocab_parallel_inputs()
     full = logits.clone().requires_grad_()
     logprobs, entropy = token_logprobs_reference(
         full, targets, temperature=0.9, return_entropy=True
