@@ -1,5 +1,5 @@
 """DistributedOptimizer's reshardable state dict: saved under TP=2 x DP=2, loaded under
-TP=1 x DP=4 and TP=4 x DP=1.
+TP=1 x DP=4 and TP=4 x DP=1; expert state saved under EP=2 loaded under EP=4 and EP=1.
 
 One spawn of 4 gloo ranks trains a column-/row-parallel MLP for two steps, takes the
 reshardable state dict, moves its blocks as a checkpoint would (every rank gets the full
@@ -25,6 +25,7 @@ from mcore_parallel.distributed import (
     OptimizerConfig,
 )
 from mcore_parallel.errors import OptimizerStateError, ParallelConfigError
+from mcore_parallel.sharding import set_partition_dim
 from mcore_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mcore_parallel.testing import run_distributed
 
@@ -201,7 +202,60 @@ def reshard_checks() -> dict:
         train(model, optimizer, data[2:], state.dp_rank, state.dp_size)
         out[f"{name}_continued"] = full_params(model, state)
         state.destroy()
+    expert_checks(out)
     return out
+
+
+EXPERTS, EXPERT_SHAPE = 4, (8, 16)
+
+
+class ExpertLayer(nn.Module):
+    """Stacked expert weights partitioned over ep along dim 0, and a dense router."""
+
+    def __init__(self, state) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.router = nn.Linear(EXPERT_SHAPE[1], EXPERTS)
+        local = EXPERTS // state.ep_size
+        full = torch.randn(EXPERTS, *EXPERT_SHAPE, generator=torch.Generator().manual_seed(7))
+        self.experts = nn.Parameter(full[state.ep_rank * local : (state.ep_rank + 1) * local])
+        set_partition_dim(self.experts, 0, axis="ep")
+
+    def loss(self, state) -> torch.Tensor:
+        local = EXPERTS // state.ep_size
+        weights = torch.randn(EXPERTS, *EXPERT_SHAPE, generator=torch.Generator().manual_seed(8))
+        mine = weights[state.ep_rank * local : (state.ep_rank + 1) * local]
+        return (self.experts * mine).pow(2).sum() + self.router.weight.tanh().sum()
+
+
+def expert_checks(out: dict) -> None:
+    """Expert state (reduced over expert-dp) moves from EP=2 to EP=4 and EP=1 unchanged."""
+    config = DDPConfig(bucket_size=0, use_distributed_optimizer=True)
+    for ep in (2, 4, 1):
+        state = initialize(ep=ep)
+        model = DistributedDataParallel(ExpertLayer(state), config, state)
+        optimizer = DistributedOptimizer(model, OptimizerConfig(**OPTIM))
+        if ep == 2:
+            for _ in range(2):
+                optimizer.zero_grad()
+                model.module.loss(state).backward()
+                optimizer.step()
+            flat = optimizer.sharded_state_dict()
+            out["ep_straddling"] = straddling(flat, model)
+            # Dim-0 chunks flattened back to back are the flattened global tensor.
+            out["ep_saved_flat"] = assemble(optimizer_blocks(flat))
+            saved = optimizer.sharded_state_dict(reshardable=True)
+            out["ep_saved"] = assemble(optimizer_blocks(saved))
+            out["ep_replica_zero_counts"] = replica_zero_counts(saved)
+        else:
+            target = optimizer.sharded_state_dict(reshardable=True)
+            fill_blocks(target, out["ep_saved"])
+            target["step"] = 2
+            optimizer.load_sharded_state_dict(target)
+            loaded = optimizer.sharded_state_dict(reshardable=True)
+            out[f"ep{ep}_loaded"] = assemble(optimizer_blocks(loaded))
+            out[f"ep{ep}_weights"] = full_params(model, state)
+        state.destroy()
 
 
 def reference():
@@ -319,3 +373,28 @@ def test_leaf_of_wrong_size_raises_and_changes_nothing(results):
 def test_reshardable_state_dict_config_must_be_bool():
     with pytest.raises(ParallelConfigError, match="reshardable_state_dict='yes'"):
         OptimizerConfig(reshardable_state_dict="yes")
+
+
+def test_expert_state_blocks_are_global_expert_tensors_written_once(results):
+    assert any(r["ep_straddling"] for r in results)  # expert-dp ranges really are partial
+    for rank, result in enumerate(results):
+        assert result["ep_saved"].keys() == result["ep_saved_flat"].keys()
+        for key, flat in result["ep_saved_flat"].items():
+            saved = result["ep_saved"][key]
+            assert torch.equal(saved.reshape(-1), flat), (rank, key)
+        experts = [k for k in result["ep_saved"] if k.startswith("experts/")]
+        assert all(result["ep_saved"][k].shape == (EXPERTS, *EXPERT_SHAPE) for k in experts)
+    counts = results[0]["ep_replica_zero_counts"]
+    # Experts: one block per ep rank; router weight and bias: one block each.
+    assert len(counts) == (2 + 2) * 3 and set(counts.values()) == {1}
+
+
+@pytest.mark.parametrize("ep", [4, 1])
+def test_expert_state_saved_ep2_loads_under_other_ep_exactly(results, ep):
+    for rank, result in enumerate(results):
+        loaded = result[f"ep{ep}_loaded"]
+        assert loaded.keys() == result["ep_saved"].keys()
+        for key, value in result["ep_saved"].items():
+            assert torch.equal(loaded[key], value), (rank, ep, key)
+        for name, weight in result[f"ep{ep}_weights"].items():
+            assert torch.equal(weight, result["ep_saved"][f"{name}/main_param"]), (rank, name)
