@@ -4,6 +4,10 @@ Every rank builds an :class:`mcore_inference.InferenceEngine` over the policy mo
 step, generates ``group_size`` completions for each of its prompts, scores them, closes the
 engine (its KV cache and CUDA graphs are released before training) and all-gathers the
 rollouts over the regular data-parallel group.
+
+Under expert parallelism the engines of an EP group step together (see
+:class:`mcore_inference.InferenceEngine`), so every rank builds one, also without prompts of its
+own, and calls ``generate`` as many times as the rank with the largest shard.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
+from mcore_inference import (
+    InferenceConfig,
+    InferenceEngine,
+    SamplingParams,
+    find_expert_parallel_group,
+)
 from mcore_rl.errors import RLStateError
 from mcore_rl.reference import unwrap_model
 from mcore_rl.tasks import Problem, Task
@@ -104,9 +113,14 @@ def generate_rollouts(
     mine = [(i, problems[i]) for i in range(start, end) for _ in range(group_size)]
     prompts = [tokenizer.encode(p.prompt) for _, p in mine]
     local: list[Rollout] = []
-    if mine:
-        longest = max(len(p) for p in prompts) + max_new_tokens
-        batch = min(parallel_generation_tasks, len(mine))
+    policy = unwrap_model(model)
+    # EP peers must make the same generate calls: as many as the largest shard needs.
+    expert_parallel = find_expert_parallel_group(policy) is not None
+    largest_shard = -(-len(problems) // dp_size) * group_size
+    calls = -(-(largest_shard if expert_parallel else len(mine)) // parallel_generation_tasks)
+    if calls:
+        longest = max((len(p) for p in prompts), default=1) + max_new_tokens
+        batch = max(1, min(parallel_generation_tasks, len(mine)))
         config = InferenceConfig(
             max_batch_size=batch,
             max_sequence_length=longest,
@@ -122,10 +136,11 @@ def generate_rollouts(
             stop_token_ids=(tokenizer.eos_id,),
             return_logprobs=True,
         )
-        engine = InferenceEngine(unwrap_model(model), config)
+        engine = InferenceEngine(policy, config)
         try:
             results = []
-            for offset in range(0, len(prompts), parallel_generation_tasks):
+            for call in range(calls):
+                offset = call * parallel_generation_tasks
                 results.extend(engine.generate(prompts[offset : offset + batch], params))
         finally:
             engine.close()
