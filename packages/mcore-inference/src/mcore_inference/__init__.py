@@ -13,6 +13,7 @@ from mcore_inference.errors import (
     KVCacheExhaustedError,
     TokenizerUnavailableError,
 )
+from mcore_inference.expert_parallel import find_expert_parallel_group
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.request import FinishReason, GenerationResult, RequestStatus
 
@@ -26,6 +27,7 @@ __all__ = [
     "FinishReason",
     "BlockAllocator",
     "PagedKVCache",
+    "find_expert_parallel_group",
     "InferenceError",
     "InvalidRequestError",
     "EngineClosedError",
