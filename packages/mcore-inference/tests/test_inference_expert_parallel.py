@@ -1,12 +1,14 @@
 """Generation under expert parallelism (ep=2 on 2 gloo ranks) with different prompts, different
 max_tokens and different numbers of requests per rank (zero included): it completes, every rank
 runs the same number of forwards, and each rank's greedy results equal a single-process (EP=1)
-engine over the same weights. One ``run_distributed`` call checks every case."""
+engine over the same weights. One ``run_distributed`` call checks every case. A GPU test (2
+GPUs, NCCL) checks the same with decode CUDA graphs, whose buckets the ranks agree on."""
 
 from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
@@ -35,7 +37,7 @@ MOE_VARIANTS = {
 }
 
 
-def _engine_config() -> InferenceConfig:
+def _engine_config(use_cuda_graphs: bool = False) -> InferenceConfig:
     return InferenceConfig(
         max_batch_size=4,
         max_sequence_length=32,
@@ -44,7 +46,8 @@ def _engine_config() -> InferenceConfig:
         # A small budget splits the longer prompts into chunks over several steps.
         max_tokens_per_step=6,
         prefill_chunk_size=4,
-        use_cuda_graphs=False,
+        use_cuda_graphs=use_cuda_graphs,
+        cuda_graph_batch_sizes=(1, 2, 4),
     )
 
 
@@ -54,6 +57,35 @@ def _generate(engine: InferenceEngine, requests: list[tuple[list[int], int]]) ->
     ]
     results = engine.generate([prompt for prompt, _ in requests], params)
     return [(r.tokens, r.logprobs, str(r.finish_reason)) for r in results]
+
+
+def _stream(engine: InferenceEngine, requests: list[tuple[list[int], int]]) -> list:
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, return_logprobs=True) for _, n in requests
+    ]
+    finals = {}
+    for snapshot in engine.stream([prompt for prompt, _ in requests], params):
+        if snapshot.done:
+            finals[snapshot.request_id] = snapshot
+    ordered = [finals[i] for i in sorted(finals)]
+    return [(r.tokens, r.logprobs, str(r.finish_reason)) for r in ordered]
+
+
+def _step_loop(engine: InferenceEngine, requests: list[tuple[list[int], int]]) -> list:
+    ids = [
+        engine.add_request(
+            prompt, SamplingParams(temperature=0.0, max_tokens=n, return_logprobs=True)
+        )
+        for prompt, n in requests
+    ]
+    finals = {}
+    while True:
+        for snapshot in engine.step():
+            if snapshot.done:
+                finals[snapshot.request_id] = snapshot
+        if not engine.has_unfinished() and not engine.group_has_work:
+            break
+    return [(finals[i].tokens, finals[i].logprobs, str(finals[i].finish_reason)) for i in ids]
 
 
 def _count_call(counter: list[int], *_: object) -> None:
@@ -77,10 +109,17 @@ def _expert_parallel_against_single_process() -> dict:
             for requests in ROUNDS:
                 got.append(_generate(engine, requests[rank]))
             group_has_work_after = engine.group_has_work
+            if name == "alltoall-dropless":
+                streamed = _stream(engine, ROUNDS[1][rank])
+                stepped = _step_loop(engine, ROUNDS[0][rank])
         hook.remove()
         with InferenceEngine(reference, _engine_config()) as engine:
             for requests in ROUNDS:
                 expected.append(_generate(engine, requests[rank]))
+        if name == "alltoall-dropless":
+            # stream() and a step() loop pair up with the peers like generate().
+            got += [streamed, stepped]
+            expected += [expected[1], expected[0]]
         report[name] = {
             "got": got,
             "expected": expected,
@@ -90,14 +129,14 @@ def _expert_parallel_against_single_process() -> dict:
     return report
 
 
-def _tokens_and_logprobs_match(got: list, expected: list) -> bool:
+def _tokens_and_logprobs_match(got: list, expected: list, atol: float = 1e-4) -> bool:
     for got_round, expected_round in zip(got, expected, strict=True):
         for (tokens, logprobs, reason), (tokens_ref, logprobs_ref, reason_ref) in zip(
             got_round, expected_round, strict=True
         ):
             if tokens != tokens_ref or reason != reason_ref:
                 return False
-            if not torch.allclose(torch.tensor(logprobs), torch.tensor(logprobs_ref), atol=1e-4):
+            if not torch.allclose(torch.tensor(logprobs), torch.tensor(logprobs_ref), atol=atol):
                 return False
     return True
 
@@ -107,12 +146,47 @@ def test_generation_under_expert_parallelism_with_uneven_work_matches_single_pro
     for rank, report in enumerate(reports):
         assert set(report) == set(MOE_VARIANTS)
         for name, result in report.items():
-            counts = [len(requests[rank]) for requests in ROUNDS]
+            rounds = [*ROUNDS, ROUNDS[1], ROUNDS[0]] if name == "alltoall-dropless" else ROUNDS
+            counts = [len(requests[rank]) for requests in rounds]
             assert [len(round_) for round_ in result["got"]] == counts, name
             lengths = [[len(tokens) for tokens, _, _ in round_] for round_ in result["got"]]
-            assert lengths == [[n for _, n in requests[rank]] for requests in ROUNDS], name
+            assert lengths == [[n for _, n in requests[rank]] for requests in rounds], name
             assert _tokens_and_logprobs_match(result["got"], result["expected"]), name
             assert not result["group_has_work_after"], name
     for name in MOE_VARIANTS:
         # Lock step: the MoE collectives of every forward pair up across the EP ranks.
         assert reports[0][name]["forwards"] == reports[1][name]["forwards"] > 0, name
+
+
+def _graphs_against_eager_single_process() -> dict:
+    state = initialize(ep=2)
+    rank = state.ep_rank
+    report: dict = {}
+    for name in ("alltoall-dropless", "allgather-dropless"):
+        moe = MoEConfig(num_experts=4, top_k=2, **MOE_VARIANTS[name])
+        config = GPTConfig.from_name("tiny", vocab_size=VOCAB, moe=moe, seed=11)
+        reference = GPTModel(config).cuda().eval()
+        sharded = GPTModel(config, state).cuda().eval()
+        got, expected = [], []
+        with InferenceEngine(sharded, _engine_config(use_cuda_graphs=True)) as engine:
+            for requests in ROUNDS:
+                got.append(_generate(engine, requests[rank]))
+            captured = engine._graphs.captured if engine._graphs is not None else ()
+        with InferenceEngine(reference, _engine_config()) as engine:
+            for requests in ROUNDS:
+                expected.append(_generate(engine, requests[rank]))
+        report[name] = {"got": got, "expected": expected, "captured": captured}
+    return report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_graph_decode_under_expert_parallelism_with_uneven_batches_matches_single_process():
+    reports = run_distributed(_graphs_against_eager_single_process, 2, backend="nccl")
+    for report in reports:
+        for name, result in report.items():
+            assert result["captured"], name
+            assert _tokens_and_logprobs_match(result["got"], result["expected"], atol=1e-3), name
+    for name in reports[0]:
+        # Every rank replays the bucket of the larger batch, so both captured the same ones.
+        assert reports[0][name]["captured"] == reports[1][name]["captured"], name
