@@ -546,12 +546,12 @@ class InferenceEngine:
     ) -> list[GenerationResult]:
         """Generate for every prompt and wait until all are done.
 
+        Under expert parallelism this is collective over the EP group: every EP rank calls it
+        (with its own prompts, possibly none) and it returns when no rank has work left.
+
         Args:
             prompts: Prompt token ids, one list per request.
             params: One SamplingParams for all, one per prompt, or None for the defaults.
-
-        Under expert parallelism this is collective over the EP group: every EP rank calls it
-        (with its own prompts, possibly none) and it returns when no rank has work left.
 
         Returns:
             One result per prompt, in the order of ``prompts``. Invalid requests come back
@@ -578,6 +578,8 @@ class InferenceEngine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[GenerationResult]:
         """Generate for every prompt, yielding a snapshot whenever a request changes.
+
+        Under expert parallelism this is collective over the EP group, like :meth:`generate`.
 
         Args:
             prompts: Prompt token ids, one list per request.
