@@ -71,6 +71,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def train(model, optimizer, steps, dp_rank, dp) -> None:
     for x, y in steps:
+        x, y = x.to(model.device), y.to(model.device)
         rows = slice(dp_rank * len(x) // dp, (dp_rank + 1) * len(x) // dp)
         optimizer.zero_grad()
         (model(x[rows]) - y[rows]).pow(2).mean().backward()
@@ -79,14 +80,14 @@ def train(model, optimizer, steps, dp_rank, dp) -> None:
 
 
 def build(state, seeds, **optim):
-    model = DistributedDataParallel(TPMLP(state, seeds), DDPConfig(**DDP), state)
+    model = DistributedDataParallel(TPMLP(state, seeds).to(state.device), DDPConfig(**DDP), state)
     return model, DistributedOptimizer(model, OptimizerConfig(**OPTIM, **optim))
 
 
 def assemble(blocks: dict) -> dict[str, torch.Tensor]:
     """All-gathers every rank's replica-0 blocks into full global tensors (NaN where none)."""
     mine = [
-        (key, leaf.global_shape, leaf.global_offset, leaf.local.detach().clone())
+        (key, leaf.global_shape, leaf.global_offset, leaf.local.detach().cpu().clone())
         for key, leaf in blocks.items()
         if leaf.replica_id == 0
     ]
@@ -398,3 +399,46 @@ def test_expert_state_saved_ep2_loads_under_other_ep_exactly(results, ep):
             assert torch.equal(loaded[key], value), (rank, ep, key)
         for name, weight in result[f"ep{ep}_weights"].items():
             assert torch.equal(weight, result["ep_saved"][f"{name}/main_param"]), (rank, name)
+
+
+def gpu_reshard_checks() -> dict:
+    """TP=1 x DP=2 -> TP=2 x DP=1 on two GPUs over NCCL."""
+    out: dict = {}
+    data = batches()
+    dp2 = initialize()
+    model, optimizer = build(dp2, SAVED_SEEDS)
+    train(model, optimizer, data[:2], dp2.dp_rank, dp2.dp_size)
+    out["saved"] = assemble(optimizer_blocks(optimizer.sharded_state_dict(reshardable=True)))
+    out["saved_flat"] = assemble(optimizer_blocks(optimizer.sharded_state_dict()))
+    train(model, optimizer, data[2:], dp2.dp_rank, dp2.dp_size)
+    out["continued"] = full_params(model, dp2)
+    dp2.destroy()
+    tp2 = initialize(tp=2)
+    model, optimizer = build(tp2, OTHER_SEEDS)
+    target = optimizer.sharded_state_dict(reshardable=True)
+    fill_blocks(target, out["saved"])
+    target["step"] = 2
+    optimizer.load_sharded_state_dict(target)
+    out["loaded"] = assemble(optimizer_blocks(optimizer.sharded_state_dict(reshardable=True)))
+    train(model, optimizer, data[2:], tp2.dp_rank, tp2.dp_size)
+    out["resharded_continued"] = full_params(model, tp2)
+    tp2.destroy()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
+def test_nccl_state_saved_dp2_loads_under_tp2_and_continues():
+    results = run_distributed(gpu_reshard_checks, 2, backend="nccl", timeout=300.0)
+    for rank, result in enumerate(results):
+        # Under TP=1 the flat form's global tensors are the flattened parameters.
+        for key, value in result["saved"].items():
+            assert torch.equal(value.reshape(-1), result["saved_flat"][key]), (rank, key)
+            assert torch.equal(result["loaded"][key], value), (rank, key)
+        for name, value in result["continued"].items():
+            # cuBLAS picks reduction orders per shape: ten times the CPU tolerance.
+            torch.testing.assert_close(
+                result["resharded_continued"][name], value, atol=1e-5, rtol=1e-4, msg=name
+            )
