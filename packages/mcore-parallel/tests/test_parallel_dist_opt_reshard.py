@@ -9,7 +9,8 @@ takes one more step everywhere.
 References: the TP=2 run's state in the flat form (an independent code path), reassembled into
 full tensors from the known tensor-parallel split of each parameter; and single-process
 ``torch.optim.AdamW`` on the unsharded model. Data movement is compared exactly; trained values
-with ``atol=1e-6, rtol=1e-5`` (fp32; tp and dp change only the order of summations).
+with ``atol=1e-6, rtol=1e-5`` (fp32; tp and dp change only the order of summations). A GPU test
+repeats DP=2 -> TP=2 over NCCL on two GPUs.
 """
 
 import pytest
