@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
+from mcore_inference.expert_parallel import ExpertParallelSync
 from mcore_models import GPTConfig, GPTModel, MoEConfig
 from mcore_parallel import initialize
 from mcore_parallel.testing import run_distributed
@@ -126,7 +127,27 @@ def _expert_parallel_against_single_process() -> dict:
             "forwards": forwards[0],
             "group_has_work_after": group_has_work_after,
         }
+    report["agreements"] = _agreements(sharded, state, rank)
     return report
+
+
+AGREEMENT_CASES = [
+    # ((rank 0's tokens, graph sizes), (rank 1's tokens, graph sizes)) -> (max tokens, graphs)
+    (((3, (1, 2, 4)), (0, (1, 2, 4))), (3, True)),
+    (((3, (1, 2, 4)), (1, None)), (3, False)),  # rank 1 prefills: everyone runs eagerly
+    (((2, (1, 2, 4)), (2, (1, 2, 8))), (2, False)),  # different buckets: eager
+    (((6, (1, 2, 4)), (1, (1, 2, 4))), (6, False)),  # larger than every graph
+    (((0, (1, 2)), (0, None)), (0, False)),  # nobody has work
+]
+
+
+def _agreements(model: GPTModel, state, rank: int) -> list[tuple[int, bool, bool]]:
+    sync = ExpertParallelSync(model, state.ep_group, torch.device("cpu"))
+    outcomes = []
+    for inputs, _ in AGREEMENT_CASES:
+        agreement = sync.agree(*inputs[rank])
+        outcomes.append((agreement.max_tokens, agreement.use_graphs, sync.group_has_work))
+    return outcomes
 
 
 def _tokens_and_logprobs_match(got: list, expected: list, atol: float = 1e-4) -> bool:
@@ -143,7 +164,9 @@ def _tokens_and_logprobs_match(got: list, expected: list, atol: float = 1e-4) ->
 
 def test_generation_under_expert_parallelism_with_uneven_work_matches_single_process():
     reports = run_distributed(_expert_parallel_against_single_process, 2, timeout=240)
+    expected_agreements = [(n, graphs, n > 0) for _, (n, graphs) in AGREEMENT_CASES]
     for rank, report in enumerate(reports):
+        assert report.pop("agreements") == expected_agreements, rank
         assert set(report) == set(MOE_VARIANTS)
         for name, result in report.items():
             rounds = [*ROUNDS, ROUNDS[1], ROUNDS[0]] if name == "alltoall-dropless" else ROUNDS

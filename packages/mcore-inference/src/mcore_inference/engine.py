@@ -49,9 +49,10 @@ class InferenceEngine:
     scratch block, touching no request's cache) while a peer still has tokens, and
     :meth:`generate` returns on all of them at the first step in which no rank has work. Every
     EP rank must therefore call :meth:`generate` (possibly with no prompts) or :meth:`stream`
-    the same number of times. Decode CUDA graphs are replayed only when every rank can, with
-    the bucket of the largest batch; drop-and-pad MoE routing gets the same token count on
-    every rank.
+    the same number of times. Decode CUDA graphs are replayed only when every rank can and all
+    have the same graph batch sizes (the same ``max_batch_size`` and
+    ``cuda_graph_batch_sizes``), with the bucket of the largest batch; drop-and-pad MoE
+    routing gets the same token count on every rank.
 
     Args:
         model: A single-rank ``mcore_models.GPTModel`` (or any module with the same forward,
@@ -427,7 +428,7 @@ class InferenceEngine:
         pad_to = num_real
         if self._ep is not None:
             agreement = self._ep.agree(
-                num_real, graphs.max_batch_size if use_graphs and graphs is not None else None
+                num_real, graphs.batch_sizes if use_graphs and graphs is not None else None
             )
             if agreement.max_tokens == 0:
                 return []

@@ -4,14 +4,15 @@ Every MoE layer of an expert-parallel model exchanges tokens with its EP peers (
 all-gather), so every rank of the group must run the same number of forwards, and with
 drop-and-pad routing (CUDA-graph decode, or a ``capacity_factor``) the same number of tokens.
 Each rank serves its own requests, so before each step the ranks agree, in one all-reduce of
-three integers over the EP group, on the largest token count of the step, whether every rank
-can replay a decode CUDA graph, and the largest graph batch all of them hold. A rank with no
-work then runs a padding-only forward while a peer still has tokens, and generation ends on
-every rank at the first step in which no rank has any.
+four integers over the EP group, on the largest token count of the step and whether every rank
+can replay a decode CUDA graph from the same list of graph batch sizes (so all pick the same
+bucket). A rank with no work then runs a padding-only forward while a peer still has tokens,
+and generation ends on every rank at the first step in which no rank has any.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,13 +48,13 @@ class StepAgreement:
     max_tokens: int
     """Most tokens any rank runs in the step; 0 means no rank has work."""
     use_graphs: bool
-    """Whether every rank replays a decode CUDA graph (of the bucket of ``max_tokens``)."""
+    """Whether every rank replays a decode CUDA graph (of the same bucket of ``max_tokens``)."""
 
 
 class ExpertParallelSync:
     """Per-step agreement of an engine with its EP peers.
 
-    Cost: one all-reduce (MAX) of three int64 values over the EP group per engine step, plus
+    Cost: one all-reduce (MAX) of four int64 values over the EP group per engine step, plus
     reading the result on the host (the engine reads its sampled tokens on the host every step
     anyway). Ranks without work pay a padding-only forward per step while a peer decodes.
 
@@ -67,7 +68,7 @@ class ExpertParallelSync:
         self.group = group
         self.size = dist.get_world_size(group)
         self._layers = moe_layers(model)
-        self._buffer = torch.zeros(3, dtype=torch.int64, device=device)
+        self._buffer = torch.zeros(4, dtype=torch.int64, device=device)
         self.group_has_work = False
         """Whether any rank of the group ran tokens in the last agreed step."""
 
@@ -76,24 +77,28 @@ class ExpertParallelSync:
         """Whether drop-and-pad routing is on, so every rank must run the same token count."""
         return any(layer.capacity_factor is not None for layer in self._layers)
 
-    def agree(self, num_tokens: int, graph_batch_size: int | None) -> StepAgreement:
+    def agree(self, num_tokens: int, graph_batch_sizes: tuple[int, ...] | None) -> StepAgreement:
         """Exchange this rank's step with its peers (collective over the EP group).
 
         Args:
             num_tokens: Tokens this rank has for the step (0 when idle).
-            graph_batch_size: Largest batch this rank's decode graphs serve if this rank's
+            graph_batch_sizes: The batch sizes of this rank's decode graphs if this rank's
                 step could replay one (pure decode or idle), else None.
 
         Returns:
-            The step every rank of the group runs.
+            The step every rank of the group runs. Graphs are used only when every rank can
+            replay one and all have the same batch sizes, so every rank pads to the same
+            bucket of ``max_tokens``.
         """
-        graphable = graph_batch_size is not None
-        # MAX of (tokens, cannot replay, -largest graph batch): the largest step, whether any
-        # rank needs the eager path, and the smallest graph limit, in one collective.
-        values = (num_tokens, 0 if graphable else 1, -(graph_batch_size or 0))
+        sizes = graph_batch_sizes or ()
+        fingerprint = zlib.crc32(repr(tuple(sizes)).encode())
+        # MAX of (tokens, cannot replay, fingerprint, -fingerprint): the largest step, whether
+        # any rank needs the eager path, and whether all graph size lists agree.
+        values = (num_tokens, 0 if sizes else 1, fingerprint, -fingerprint)
         self._buffer.copy_(torch.tensor(values, dtype=torch.int64))
         dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self.group)
-        max_tokens, eager, negative_limit = self._buffer.tolist()
+        max_tokens, eager, largest, negative_smallest = self._buffer.tolist()
         self.group_has_work = max_tokens > 0
-        use_graphs = not eager and 0 < max_tokens <= -negative_limit
+        same_sizes = largest == -negative_smallest
+        use_graphs = not eager and same_sizes and 0 < max_tokens <= max(sizes, default=0)
         return StepAgreement(max_tokens=max_tokens, use_graphs=use_graphs)
