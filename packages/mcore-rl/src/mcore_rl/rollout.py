@@ -117,10 +117,12 @@ def generate_rollouts(
     # EP peers must make the same generate calls: as many as the largest shard needs.
     expert_parallel = find_expert_parallel_group(policy) is not None
     largest_shard = -(-len(problems) // dp_size) * group_size
-    calls = -(-(largest_shard if expert_parallel else len(mine)) // parallel_generation_tasks)
+    requests = largest_shard if expert_parallel else len(mine)
+    calls = -(-requests // parallel_generation_tasks)
     if calls:
         longest = max((len(p) for p in prompts), default=1) + max_new_tokens
-        batch = max(1, min(parallel_generation_tasks, len(mine)))
+        # The same batch size on every EP rank gives them the same decode graph buckets.
+        batch = min(parallel_generation_tasks, requests)
         config = InferenceConfig(
             max_batch_size=batch,
             max_sequence_length=longest,
