@@ -82,8 +82,10 @@ def run_ranks(
         world: number of ranks.
         *args: further arguments of ``fn``.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
-        start_method: ``"fork"`` starts in milliseconds (no fresh interpreter importing torch);
-            CUDA needs ``"spawn"``.
+        start_method: ``"fork"`` starts in milliseconds (no fresh interpreter importing torch)
+            but may not be used once this process has run a backward pass (autograd's worker
+            threads do not survive a fork); ``"forkserver"`` then (its server imports torch and
+            Dynamo once per session); CUDA needs ``"spawn"``.
         timeout_s: process-group timeout; the parent waits twice as long for the results.
         env: environment variables set in each child before it joins the group.
 
@@ -94,6 +96,8 @@ def run_ranks(
         AssertionError: a rank raised (its traceback is in the message) or did not report.
     """
     context = mp.get_context(start_method)
+    if start_method == "forkserver":
+        context.set_forkserver_preload(["torch", "torch._dynamo", "mcore_kernels"])
     results = context.Queue()
     port = _free_port()
     processes = [

@@ -248,7 +248,11 @@ def _vocab_parallel_rank(rank: int, world: int) -> dict[str, tuple[torch.Tensor,
 def test_vocab_parallel_shards_match_full_vocabulary_on_gloo():
     world = 2
     gathered = run_ranks(
-        _vocab_parallel_rank, world, timeout_s=_TP_TIMEOUT_S, env={"TRITON_INTERPRET": "1"}
+        _vocab_parallel_rank,
+        world,
+        start_method="forkserver",
+        timeout_s=_TP_TIMEOUT_S,
+        env={"TRITON_INTERPRET": "1"},
     )
     logits, targets = _vocab_parallel_inputs()
     full = logits.clone().requires_grad_()

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from mcore_kernels._compile import compiling
 from mcore_kernels.errors import (
     KernelDeviceError,
     KernelDtypeError,
@@ -127,6 +128,8 @@ def _check_out(out: object, partial: torch.Tensor) -> tuple[torch.Tensor, torch.
             raise KernelDeviceError(
                 f"out[{index}] is on {tensor.device} but partial is on {partial.device}"
             )
-    if pair[0].data_ptr() == pair[1].data_ptr():
+    # Dynamo cannot trace data_ptr(); while it traces, the same tensor object stands for it.
+    same = pair[0] is pair[1] if compiling() else pair[0].data_ptr() == pair[1].data_ptr()
+    if same:
         raise KernelValueError("out[0] and out[1] must be different tensors, got the same memory")
     return pair
