@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mcore_kernels._triton_utils import on_device_of, round_to
+from mcore_kernels._triton_utils import as_rows, on_device_of, round_to
 
 __all__ = [
     "BACKWARD_STAGES",
@@ -217,11 +217,6 @@ def _rms_norm_bwd_kernel(
                 tl.store(partial_row + offs, dw + dy * normed, mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    flat = t.reshape(-1, t.shape[-1])
-    return flat if flat.stride(-1) == 1 else flat.contiguous()
-
-
 def rms_norm_forward(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -239,8 +234,8 @@ def rms_norm_forward(
         float32 reciprocal RMS of each row, ``[rows]``.
     """
     hidden = x.shape[-1]
-    x2 = _rows(x)
-    r2 = _rows(residual) if residual is not None else x2
+    x2 = as_rows(x)
+    r2 = as_rows(residual) if residual is not None else x2
     rows = x2.shape[0]
     y = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     h = torch.empty_like(y) if residual is not None else x2
@@ -289,7 +284,7 @@ def rms_norm_backward(
         weight's dtype.
     """
     hidden = hidden_states.shape[-1]
-    h2 = _rows(hidden_states)
+    h2 = as_rows(hidden_states)
     dy2 = dy.reshape(-1, hidden).contiguous()
     dh2 = dhidden_out.reshape(-1, hidden).contiguous() if dhidden_out is not None else dy2
     rows = h2.shape[0]

@@ -49,13 +49,11 @@ def _token_logprobs_fwd(
         check_target_range(targets, vocab * world, ignore_index)
     if _triton(logits, targets):
         from mcore_kernels._token_logprobs_triton import token_logprobs_forward
-        from mcore_kernels._triton_utils import on_device_of
+        from mcore_kernels._triton_utils import as_rows, on_device_of
 
-        flat = logits.reshape(-1, vocab)
-        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
         with on_device_of(logits):
             logprobs, entropy, lse, expected = token_logprobs_forward(
-                flat,
+                as_rows(logits),
                 targets.reshape(-1).contiguous(),
                 1.0 / temperature,
                 group,
@@ -102,15 +100,13 @@ def _token_logprobs_bwd(
     flat_targets = targets.reshape(-1).contiguous()
     if _triton(logits, targets):
         from mcore_kernels._token_logprobs_triton import token_logprobs_backward
-        from mcore_kernels._triton_utils import on_device_of
+        from mcore_kernels._triton_utils import as_rows, on_device_of
 
-        flat = logits.reshape(-1, vocab)
-        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
         with on_device_of(logits):
             grad = token_logprobs_backward(
                 grad_logprobs.reshape(-1),
                 grad_entropy.reshape(-1) if grad_entropy is not None else None,
-                flat,
+                as_rows(logits),
                 flat_targets,
                 lse,
                 expected,

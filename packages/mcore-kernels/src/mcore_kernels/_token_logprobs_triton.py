@@ -18,7 +18,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from mcore_kernels._triton_utils import on_device_of, round_to
+from mcore_kernels._triton_utils import as_rows, on_device_of, round_to
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
 
 __all__ = [
@@ -333,10 +333,7 @@ def token_logprobs_triton(
         ``(logprobs, entropy)``.
     """
     lead_shape = targets.shape
-    vocab = logits.shape[-1]
-    flat = logits.reshape(-1, vocab)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    flat = as_rows(logits)
     # The autograd engine runs the backward on the device's own thread, with it current.
     with on_device_of(logits):
         out = _TokenLogprobsFunction.apply(

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["on_device_of", "round_to"]
+__all__ = ["on_device_of", "round_to", "as_rows"]
 
 
 def on_device_of(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -21,6 +21,19 @@ def on_device_of(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
         ``torch.cuda.device(tensor.device)`` for CUDA tensors, else a no-op context.
     """
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Return ``tensor`` as ``[rows, last_dim]`` with a unit stride along the last dimension.
+
+    Args:
+        tensor: any tensor with at least one dimension.
+
+    Returns:
+        A view when the layout allows one, else a contiguous copy.
+    """
+    flat = tensor.reshape(-1, tensor.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
 @triton.jit

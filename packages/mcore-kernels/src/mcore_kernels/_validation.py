@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
+from mcore_kernels._vocab_parallel import group_rank_and_size
 from mcore_kernels.errors import (
     KernelDeviceError,
     KernelDtypeError,
@@ -17,6 +19,8 @@ __all__ = [
     "FLOAT_DTYPES",
     "check_tensor",
     "check_same_device",
+    "check_dtype",
+    "check_eps",
     "check_rms_norm_args",
     "check_token_logprobs_args",
     "check_target_range",
@@ -42,11 +46,41 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
         raise KernelDeviceError(f"tensor arguments must share one device, got {listing}")
 
 
-def _check_float(name: str, tensor: torch.Tensor) -> None:
-    if tensor.dtype not in FLOAT_DTYPES:
+def check_dtype(
+    name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...] = FLOAT_DTYPES
+) -> None:
+    """Raise :class:`KernelDtypeError` naming ``name`` unless ``tensor.dtype`` is ``allowed``.
+
+    Args:
+        name: the argument's name, for the message.
+        tensor: the argument.
+        allowed: the accepted dtypes.
+
+    Raises:
+        KernelDtypeError: the dtype is not accepted.
+    """
+    if tensor.dtype not in allowed:
         raise KernelDtypeError(
-            f"{name}.dtype={tensor.dtype} is not supported; expected one of {FLOAT_DTYPES}"
+            f"{name}.dtype={tensor.dtype} is not supported; expected one of {allowed}"
         )
+
+
+def check_eps(eps: object) -> None:
+    """Raise :class:`KernelValueError` unless ``eps`` is a finite number ``>= 0``.
+
+    Args:
+        eps: the variance epsilon of an RMSNorm.
+
+    Raises:
+        KernelValueError: ``eps`` is not a number, negative or not finite.
+    """
+    if (
+        isinstance(eps, bool)
+        or not isinstance(eps, (int, float))
+        or not math.isfinite(eps)
+        or eps < 0
+    ):
+        raise KernelValueError(f"eps={eps!r} must be a finite number >= 0")
 
 
 def check_rms_norm_args(x: object, weight: object, eps: object, residual: object) -> None:
@@ -66,8 +100,8 @@ def check_rms_norm_args(x: object, weight: object, eps: object, residual: object
     """
     x = check_tensor("x", x)
     weight = check_tensor("weight", weight)
-    _check_float("x", x)
-    _check_float("weight", weight)
+    check_dtype("x", x)
+    check_dtype("weight", weight)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise KernelShapeError(
             f"x.shape={tuple(x.shape)} must have a non-empty last (hidden) dimension"
@@ -77,13 +111,7 @@ def check_rms_norm_args(x: object, weight: object, eps: object, residual: object
             f"weight.shape={tuple(weight.shape)} does not match x.shape={tuple(x.shape)}; "
             f"expected ({x.shape[-1]},)"
         )
-    if (
-        isinstance(eps, bool)
-        or not isinstance(eps, (int, float))
-        or not math.isfinite(eps)
-        or eps < 0
-    ):
-        raise KernelValueError(f"eps={eps!r} must be a finite number >= 0")
+    check_eps(eps)
     if residual is not None:
         residual = check_tensor("residual", residual)
         if residual.shape != x.shape:
@@ -100,7 +128,7 @@ def check_token_logprobs_args(
     targets: object,
     temperature: object,
     ignore_index: object,
-    vocab_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
     check_targets: bool = True,
 ) -> None:
     """Validate the arguments of ``token_logprobs``.
@@ -110,7 +138,8 @@ def check_token_logprobs_args(
         targets: integer tensor of shape ``logits.shape[:-1]``.
         temperature: finite float ``> 0``.
         ignore_index: integer marking rows to skip.
-        vocab_size: size of the full vocabulary when it differs from ``logits.shape[-1]``.
+        group: the vocabulary-parallel group: the full vocabulary is ``logits.shape[-1]``
+            times its size.
         check_targets: check the target ids against the vocabulary (a host sync on CUDA); the
             check is skipped while a CUDA graph is being captured.
 
@@ -124,7 +153,7 @@ def check_token_logprobs_args(
     """
     logits = check_tensor("logits", logits)
     targets = check_tensor("targets", targets)
-    _check_float("logits", logits)
+    check_dtype("logits", logits)
     if targets.dtype not in (torch.int64, torch.int32):
         raise KernelDtypeError(
             f"targets.dtype={targets.dtype} is not supported; expected torch.int64 or torch.int32"
@@ -145,8 +174,7 @@ def check_token_logprobs_args(
         raise KernelValueError(f"ignore_index={ignore_index!r} must be an int")
     check_same_device(logits=logits, targets=targets)
     if check_targets:
-        vocab = logits.shape[-1] if vocab_size is None else vocab_size
-        check_target_range(targets, vocab, ignore_index)
+        check_target_range(targets, logits.shape[-1] * group_rank_and_size(group)[1], ignore_index)
 
 
 def check_target_range(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:

@@ -99,14 +99,12 @@ def token_logprobs_reference(
         KernelDeviceError: tensors on different devices.
         KernelValueError: bad ``temperature`` or a target out of the vocabulary.
     """
-    _, world = group_rank_and_size(group)
-    shard = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() > 0 else 0
     check_token_logprobs_args(
         logits,
         targets,
         temperature,
         ignore_index,
-        vocab_size=shard * world,
+        group=group,
         check_targets=check_targets,
     )
     logprobs, entropy, _, _ = token_logprobs_parts(

@@ -9,7 +9,6 @@ from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._token_logprobs_op import token_logprobs_via_op
 from mcore_kernels._validation import check_token_logprobs_args
-from mcore_kernels._vocab_parallel import group_rank_and_size
 from mcore_kernels.reference import token_logprobs_reference
 
 __all__ = ["token_logprobs"]
@@ -56,14 +55,12 @@ def token_logprobs(
         KernelValueError: bad ``temperature`` or a target outside the vocabulary.
         KernelBackendError: ``MCORE_KERNELS_BACKEND`` asks for a backend that cannot run.
     """
-    _, world = group_rank_and_size(group)
-    shard = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() > 0 else 0
     check_token_logprobs_args(
         logits,
         targets,
         temperature,
         ignore_index,
-        vocab_size=shard * world,
+        group=group,
         # Under torch.compile the range check (a host sync) runs inside the op.
         check_targets=check_targets and not _compile.compiling(),
     )

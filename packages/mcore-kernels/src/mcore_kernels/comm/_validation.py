@@ -6,12 +6,11 @@ correct program, so a bad call raises on every rank instead of leaving peers blo
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from mcore_kernels._compile import compiling
+from mcore_kernels._validation import check_dtype, check_eps, check_tensor
 from mcore_kernels.errors import (
     KernelDeviceError,
     KernelDtypeError,
@@ -23,12 +22,6 @@ __all__ = ["COMM_DTYPES", "check_fused_args"]
 
 COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Activation dtypes accepted by :func:`mcore_kernels.comm.fused_rs_add_rmsnorm_ag`."""
-
-
-def _check_tensor(name: str, value: object) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise KernelDtypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
 
 
 def check_fused_args(
@@ -59,13 +52,10 @@ def check_fused_args(
         KernelValueError: ``eps`` is negative or not finite, ``group`` is not a process group,
             or torch.distributed is not initialised.
     """
-    partial = _check_tensor("partial", partial)
-    residual = _check_tensor("residual", residual)
-    weight = _check_tensor("weight", weight)
-    if partial.dtype not in COMM_DTYPES:
-        raise KernelDtypeError(
-            f"partial.dtype={partial.dtype} is not supported; expected one of {COMM_DTYPES}"
-        )
+    partial = check_tensor("partial", partial)
+    residual = check_tensor("residual", residual)
+    weight = check_tensor("weight", weight)
+    check_dtype("partial", partial, COMM_DTYPES)
     if partial.dim() != 2 or partial.shape[0] == 0 or partial.shape[1] == 0:
         raise KernelShapeError(
             f"partial.shape={tuple(partial.shape)} must be a non-empty [tokens, hidden]"
@@ -79,10 +69,7 @@ def check_fused_args(
             f"residual.shape={tuple(residual.shape)} must equal "
             f"partial.shape={tuple(partial.shape)} (the full residual on every rank)"
         )
-    if weight.dtype not in COMM_DTYPES:
-        raise KernelDtypeError(
-            f"weight.dtype={weight.dtype} is not supported; expected one of {COMM_DTYPES}"
-        )
+    check_dtype("weight", weight, COMM_DTYPES)
     if weight.dim() != 1 or weight.shape[0] != partial.shape[1]:
         raise KernelShapeError(
             f"weight.shape={tuple(weight.shape)} does not match "
@@ -93,13 +80,7 @@ def check_fused_args(
             raise KernelDeviceError(
                 f"{name} is on {tensor.device} but partial is on {partial.device}"
             )
-    if (
-        isinstance(eps, bool)
-        or not isinstance(eps, (int, float))
-        or not math.isfinite(eps)
-        or eps < 0
-    ):
-        raise KernelValueError(f"eps={eps!r} must be a finite number >= 0")
+    check_eps(eps)
     pair = None if out is None else _check_out(out, partial)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise KernelValueError(
@@ -117,7 +98,7 @@ def _check_out(out: object, partial: torch.Tensor) -> tuple[torch.Tensor, torch.
         raise KernelShapeError(
             f"out={type(out).__name__} must be None or a pair (normed_out, residual_out)"
         )
-    pair = (_check_tensor("out[0]", out[0]), _check_tensor("out[1]", out[1]))
+    pair = (check_tensor("out[0]", out[0]), check_tensor("out[1]", out[1]))
     for index, tensor in enumerate(pair):
         if tensor.shape != partial.shape or tensor.dtype != partial.dtype:
             raise KernelShapeError(
