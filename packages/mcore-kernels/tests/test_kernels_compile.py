@@ -3,7 +3,7 @@
 Each entry point is compiled with ``fullgraph=True`` (any graph break fails) on the ``eager`` and
 ``aot_eager`` backends, with the torch reference dispatch and with the Triton kernels
 (interpreted on CPU), and compared against the same call run eagerly. Inductor, the compiler
-that choked on a traced Triton kernel on GPU, is checked on CPU with the Triton dispatch.
+that choked on a traced Triton kernel on GPU, is checked on CPU too.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def _grads(outputs, inputs, seed=0):
 
 
 def _leaves(*tensors):
+    """Fresh leaves that keep each input's strides (``clone`` preserves a permuted layout)."""
     return [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
 
 
@@ -296,8 +297,20 @@ def _training_block(x, weight, residual, logits, targets):
     return y * 2, hidden + 1, logprobs - 1, entropy
 
 
-def test_inductor_compiles_the_triton_dispatch_with_eager_values_and_gradients(monkeypatch):
-    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+@pytest.mark.parametrize(
+    ("dispatch_name", "layout"),
+    [("triton", "contiguous"), ("triton", "permuted"), ("torch", "permuted")],
+)
+def test_inductor_compiles_kernels_with_eager_values_and_gradients(
+    monkeypatch, dispatch_name, layout
+):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", dispatch_name)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    inputs = (*_rms_norm_inputs(torch.float32), *_token_logprobs_inputs(torch.float32))
+    x, weight, residual = _rms_norm_inputs(torch.float32)
+    logits, targets = _token_logprobs_inputs(torch.float32)
+    if layout == "permuted":
+        # The ops return contiguous tensors whatever the input layout, as their fakes promise.
+        x = x.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+        logits, targets = logits[:, :-1], targets[:, :-1]
+    inputs = (x, weight, residual, logits, targets)
     _check_matches_eager(_training_block, inputs, "inductor")

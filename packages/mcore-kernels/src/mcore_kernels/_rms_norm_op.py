@@ -49,7 +49,9 @@ def _rms_norm_fwd(
         rstd = torch.rsqrt(h.pow(2).mean(dim=-1) + eps)
         y = (h * rstd.unsqueeze(-1) * weight.to(compute)).to(x.dtype)
         rstd = rstd.reshape(-1)
-    return y, (hidden_states if residual is not None else x.new_empty(0)), rstd
+    # Elementwise results follow the layout of a permuted input; the fake promises contiguous.
+    hidden_out = hidden_states.contiguous() if residual is not None else x.new_empty(0)
+    return y.contiguous(), hidden_out, rstd
 
 
 @_compile.custom_op(
@@ -91,12 +93,12 @@ if _compile.CUSTOM_OPS:
     @_rms_norm_fwd.register_fake
     def _(x, weight, residual, eps):
         rstd_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        hidden = torch.empty_like(x) if residual is not None else x.new_empty(0)
-        return torch.empty_like(x), hidden, x.new_empty(_rows(x), dtype=rstd_dtype)
+        hidden = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+        return x.new_empty(x.shape), hidden, x.new_empty(_rows(x), dtype=rstd_dtype)
 
     @_rms_norm_bwd.register_fake
     def _(dy, dhidden, hidden, weight, rstd):
-        return torch.empty_like(hidden), torch.empty_like(weight)
+        return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
 
     def _setup_context(ctx, inputs, output):
         x, weight, residual, _ = inputs

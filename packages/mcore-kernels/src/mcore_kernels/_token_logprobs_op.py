@@ -144,7 +144,7 @@ if _compile.CUSTOM_OPS:
 
     @_token_logprobs_bwd.register_fake
     def _(grad_logprobs, grad_entropy, logits, targets, lse, expected, *args):
-        return torch.empty_like(logits)
+        return logits.new_empty(logits.shape)
 
     def _setup_context(ctx, inputs, output):
         logits, targets, temperature, group_name, with_entropy, ignore_index, _ = inputs
