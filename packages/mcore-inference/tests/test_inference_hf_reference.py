@@ -112,6 +112,7 @@ def test_cli_generate_prints_the_engine_result(checkpoint, capsys):
     )
     assert status == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [record["prompt"] for record in records] == ["w3 w9 w27", "w100"]
     config = InferenceConfig(max_batch_size=2, max_sequence_length=64)
     with InferenceEngine(model, config) as engine:
         expected = engine.generate(
@@ -125,3 +126,4 @@ def test_cli_generate_prints_the_engine_result(checkpoint, capsys):
         assert record["tokens"] == tokens
         assert record["text"] == " ".join(f"w{t}" for t in tokens)
         assert record["status"] == "FINISHED"
+        assert len(tokens) > 0
