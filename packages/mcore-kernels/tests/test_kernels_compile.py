@@ -48,7 +48,8 @@ def _grads(outputs, inputs, seed=0):
     """Gradients of a fixed random projection of ``outputs`` with respect to ``inputs``."""
     generator = torch.Generator().manual_seed(seed)
     total = sum(
-        (out.float() * torch.randn(out.shape, generator=generator)).sum() for out in outputs
+        (out.float() * torch.randn(out.shape, generator=generator).to(out.device)).sum()
+        for out in outputs
     )
     return torch.autograd.grad(total, inputs)
 
@@ -314,3 +315,26 @@ def test_inductor_compiles_kernels_with_eager_values_and_gradients(
         logits, targets = logits[:, :-1], targets[:, :-1]
     inputs = (x, weight, residual, logits, targets)
     _check_matches_eager(_training_block, inputs, "inductor")
+
+
+# --- GPU: the Inductor path that failed on an H200 -----------------------------------------
+
+
+def _decoder_like_block(x, weight, residual, logits, targets):
+    y, hidden = rms_norm(x, weight, 1e-5, residual=residual)
+    z = rms_norm(hidden, weight, 1e-5)
+    logprobs, entropy = token_logprobs(logits, targets, temperature=0.9, return_entropy=True)
+    return y * 2, z, logprobs - 1, entropy
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_inductor_compiles_triton_kernels_with_eager_values_and_gradients():
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 64, 2048, generator=generator).bfloat16().cuda()
+    weight = (torch.rand(2048, generator=generator) + 0.5).bfloat16().cuda()
+    residual = torch.randn(4, 64, 2048, generator=generator).bfloat16().cuda()
+    logits = (torch.randn(4, 64, 32000, generator=generator) * 3).bfloat16().cuda()
+    targets = torch.randint(0, 32000, (4, 64), generator=generator).cuda()
+    inputs = (x, weight, residual, logits[:, :-1], targets[:, :-1])
+    _check_matches_eager(_decoder_like_block, inputs, "inductor", **TOLERANCES[torch.bfloat16])

@@ -13,9 +13,9 @@ indices outside ``[0, num_states)``, because validating them would need a host s
 ``check_bounds=True`` to have them validated (with a sync) and rejected with an error instead.
 The torch references read ``pos`` on the host.
 
-Under ``torch.compile`` each op is an opaque in-place custom op (``torch.ops.mcore_kernels.
-slice_after_``, ``merge_``, ``masked_update_``) that declares the tensor it writes, so the
-functions compile with ``fullgraph=True``; they are not differentiable.
+Under ``torch.compile`` each function is an opaque in-place custom op
+(``torch.ops.mcore_kernels.slice_after_``, ``merge_``, ``masked_update_``) that declares the
+tensor it writes, so the functions compile with ``fullgraph=True``; they are not differentiable.
 """
 
 from __future__ import annotations
