@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from mcore_rl.errors import RLConfigError
 
@@ -167,6 +167,21 @@ class GRPOConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise RLConfigError(f"{name}={value} must be >= 1 or None")
+        # tyro checks these choices on the command line; the Python API needs the same check.
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise RLConfigError(f"{name}={value!r} is unknown, expected one of {choices}")
+        # The loss settings fail here rather than after the workers and the model are built.
+        if not 0.0 <= self.clip_low < 1.0:
+            raise RLConfigError(f"clip_low={self.clip_low} must be in [0, 1)")
+        for name in ("clip_high", "kl_beta", "entropy_coef"):
+            if getattr(self, name) < 0.0:
+                raise RLConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.importance_sampling_cap is not None and self.importance_sampling_cap <= 0.0:
+            raise RLConfigError(
+                f"importance_sampling_cap={self.importance_sampling_cap} must be > 0 or None"
+            )
 
     def replace(self, **changes: Any) -> GRPOConfig:
         """Returns a copy with some fields changed (validated again).
@@ -195,3 +210,11 @@ class GRPOConfig:
             Field name -> value.
         """
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    name: get_args(hint)
+    for name, hint in get_type_hints(GRPOConfig).items()
+    if get_origin(hint) is Literal
+}
+"""Field name -> the values its ``Literal`` annotation allows."""

@@ -43,12 +43,20 @@ class InProcessWorkers:
 
     Args:
         config: The run config.
+
+    Raises:
+        RLError: If the worker cannot be built (unknown task or model, ...); a process group
+            this object created is destroyed first, so the process can start another run.
     """
 
     def __init__(self, config: GRPOConfig) -> None:
         self._owns_group = not dist.is_initialized()
         self.state = init_worker_state(config)
-        self.worker = GRPOWorker(config, self.state)
+        try:
+            self.worker = GRPOWorker(config, self.state)
+        except BaseException:
+            self.close()
+            raise
         self.is_main = dist.get_rank() == 0
 
     def step(self, step: int, on_phase: PhaseCallback | None = None) -> dict[str, float]:

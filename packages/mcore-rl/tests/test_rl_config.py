@@ -1,0 +1,51 @@
+"""GRPOConfig rejects bad values when it is built; a worker that fails to build leaks nothing."""
+
+import pytest
+import torch.distributed as dist
+
+from mcore_rl.config import GRPOConfig
+from mcore_rl.errors import RLConfigError, TaskError
+from mcore_rl.run import run_grpo
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("device", "gpu"),
+        ("mode", "threads"),
+        ("dtype", "float16"),
+        ("advantage_estimator", "ppo"),
+        ("packing_algorithm", "best_fit"),
+    ],
+)
+def test_choice_fields_reject_values_outside_their_literal(field, value):
+    with pytest.raises(RLConfigError, match=f"{field}='{value}' is unknown"):
+        GRPOConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("clip_low", 1.0),
+        ("clip_low", -0.1),
+        ("clip_high", -0.1),
+        ("kl_beta", -0.5),
+        ("entropy_coef", -1.0),
+        ("importance_sampling_cap", 0.0),
+    ],
+)
+def test_loss_fields_are_validated_by_the_config(field, value):
+    with pytest.raises(RLConfigError, match=f"{field}={value}"):
+        GRPOConfig(**{field: value})
+
+
+def test_replace_validates_the_new_values():
+    with pytest.raises(RLConfigError, match="device='tpu'"):
+        GRPOConfig().replace(device="tpu")
+
+
+def test_failed_worker_build_leaves_no_process_group(tmp_path):
+    config = GRPOConfig(task="no-such-task", device="cpu", progress=False, run_dir=str(tmp_path))
+    with pytest.raises(TaskError, match="task='no-such-task' is not registered"):
+        run_grpo(config)
+    assert not dist.is_initialized()
