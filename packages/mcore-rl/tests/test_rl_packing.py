@@ -122,3 +122,10 @@ def test_packing_context_empty_bin_is_all_padding():
     assert ctx.cu_seqlens[1].tolist() == [0, 4, 4]
     with pytest.raises(PackingError, match="expected 1"):
         PackingContext.build([[1, 2, 3], [1]], [1, 1], [1.0, 1.0], info)
+
+
+def test_packing_context_rejects_bin_indices_out_of_range():
+    info = pack_sequences([3, 2], 4)
+    for bad in (info.num_bins, -2):
+        with pytest.raises(PackingError, match=f"bin_indices holds {bad}"):
+            PackingContext.build([[1, 2, 3], [1, 2]], [1, 1], [1.0, 1.0], info, bin_indices=[bad])

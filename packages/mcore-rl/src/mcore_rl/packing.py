@@ -321,8 +321,8 @@ class PackingContext:
             The context.
 
         Raises:
-            PackingError: If the inputs do not match ``info`` or a bin holds more sequences
-                than ``max_sequences_per_bin``.
+            PackingError: If the inputs do not match ``info``, a bin index is out of range or
+                a bin holds more sequences than ``max_sequences_per_bin``.
         """
         if len(sequences) != len(info.lengths) or len(prompt_lengths) != len(info.lengths):
             raise PackingError(
@@ -340,6 +340,12 @@ class PackingContext:
                     f"expected {info.lengths[i]} tokens and 1 <= prompt length <= that"
                 )
         chosen = list(range(info.num_bins)) if bin_indices is None else list(bin_indices)
+        bad = [b for b in chosen if not -1 <= b < info.num_bins]
+        if bad:
+            raise PackingError(
+                f"bin_indices holds {bad[0]}, expected -1 (an empty bin) or a bin index in "
+                f"[0, {info.num_bins})"
+            )
         fullest = max((len(info.bins[b]) for b in chosen if b >= 0), default=1)
         width = max_sequences_per_bin or fullest
         if fullest > width:
