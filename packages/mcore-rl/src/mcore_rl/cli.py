@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import tyro
 
+from mcore_rl.config import GRPOConfig
 from mcore_rl.presets import PRESETS, preset
 from mcore_rl.run import run_grpo
 
@@ -28,7 +29,7 @@ def _split_preset(args: Sequence[str]) -> tuple[str, list[str]]:
     return name, rest
 
 
-def parse_grpo_args(args: Sequence[str]):
+def parse_grpo_args(args: Sequence[str]) -> GRPOConfig:
     """Builds the run config from command-line arguments.
 
     ``--preset NAME`` picks the defaults; every :class:`~mcore_rl.config.GRPOConfig` field is

@@ -78,8 +78,8 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Computes the GRPO loss of one microbatch and its metrics.
 
-    Per token: ``w * (-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + beta * k3
-    - entropy_coef * H)``
+    Per token: ``w * (-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + beta * k3)
+    - entropy_coef * H`` (the entropy bonus is not importance-weighted)
     with ``r = exp(logprobs - old_logprobs)`` and the truncated importance weight
     ``w = min(exp(old_logprobs - inference_logprobs), cap)`` (1 when either is None). The loss
     is the masked token sum divided by ``num_global_tokens``.
