@@ -113,3 +113,33 @@ def test_tokenizer_round_trip_and_errors():
         tokenizer.encode("x")
     with pytest.raises(TokenizerError, match="id=999"):
         tokenizer.decode([999])
+
+
+def test_registered_callable_task_brings_its_alphabet_to_the_tokenizer():
+    def generate(rng):
+        word = "".join(rng.choice("abc") for _ in range(3))
+        return Problem(prompt=f"{word}?", target=word[::-1])
+
+    register_task(
+        "reverse-letters-test",
+        generate,
+        lambda p, c: float(c == p.target),
+        alphabet="abc?",
+        overwrite=True,
+    )
+    task = get_task("reverse-letters-test")
+    assert task.alphabet == "abc?"
+    problem = task.generate(random.Random(1))
+    tokenizer = CharTokenizer(task.alphabet)
+    ids = tokenizer.encode(problem.prompt + problem.target)
+    assert tokenizer.decode(ids) == problem.prompt + problem.target
+    with pytest.raises(TokenizerError):  # the default alphabet has no letters a, b
+        CharTokenizer().encode("ab")
+
+
+def test_register_task_rejects_a_bad_alphabet_and_registers_nothing():
+    with pytest.raises(TaskError, match="alphabet='aa'"):
+        register_task(
+            "bad-alphabet-test", lambda rng: Problem("a", "a"), lambda p, c: 0.0, alphabet="aa"
+        )
+    assert "bad-alphabet-test" not in available_tasks()

@@ -103,6 +103,10 @@ class FunctionTask(Task):
         name: Registry name.
         generate: ``generate(rng) -> Problem``.
         verify: ``verify(problem, completion) -> float`` in [0, 1].
+        alphabet: Characters of the prompts and answers (the tokenizer's vocabulary).
+
+    Raises:
+        TaskError: If ``alphabet`` is empty or repeats a character.
     """
 
     def __init__(
@@ -110,8 +114,12 @@ class FunctionTask(Task):
         name: str,
         generate: Callable[[random.Random], Problem],
         verify: Callable[[Problem, str], float],
+        *,
+        alphabet: str = DEFAULT_ALPHABET,
     ) -> None:
+        _check_alphabet(name, alphabet)
         self.name = name
+        self.alphabet = alphabet
         self._generate = generate
         self._verify = verify
 
@@ -148,6 +156,14 @@ class FunctionTask(Task):
         return self._verify(problem, completion)
 
 
+def _check_alphabet(name: str, alphabet: str) -> None:
+    if not alphabet or len(set(alphabet)) != len(alphabet):
+        raise TaskError(
+            f"alphabet={alphabet!r} of task {name!r} must be a non-empty string of distinct "
+            "characters"
+        )
+
+
 _REGISTRY: dict[str, Callable[..., Task]] = {}
 
 
@@ -157,6 +173,7 @@ def register_task(
     verify: Callable[[Problem, str], float] | None = None,
     *,
     overwrite: bool = False,
+    alphabet: str = DEFAULT_ALPHABET,
 ) -> None:
     """Registers a task under a name.
 
@@ -168,9 +185,12 @@ def register_task(
         factory: A Task factory, or a generator ``rng -> Problem`` when ``verify`` is given.
         verify: The verifier ``(problem, completion) -> reward`` of a generator.
         overwrite: Whether replacing an existing name is allowed.
+        alphabet: With ``verify``: the characters of the task's prompts and answers (the
+            tokenizer's vocabulary); a Task factory sets its own ``alphabet``.
 
     Raises:
-        TaskError: If ``name`` is taken and ``overwrite`` is false, or ``factory`` is not callable.
+        TaskError: If ``name`` is taken and ``overwrite`` is false, ``factory`` is not
+            callable, or ``alphabet`` is empty or repeats a character.
     """
     if name in _REGISTRY and not overwrite:
         raise TaskError(f"name={name!r} is already registered; pass overwrite=True to replace it")
@@ -179,8 +199,14 @@ def register_task(
     if verify is None:
         _REGISTRY[name] = factory  # type: ignore[assignment]
     else:
+        _check_alphabet(name, alphabet)
         generate, verifier = factory, verify
-        _REGISTRY[name] = lambda: FunctionTask(name, generate, verifier)  # type: ignore[arg-type]
+        _REGISTRY[name] = lambda: FunctionTask(
+            name,
+            generate,  # type: ignore[arg-type]
+            verifier,
+            alphabet=alphabet,
+        )
 
 
 def get_task(name: str, **options: Any) -> Task:
