@@ -285,6 +285,21 @@ def test_stream_yields_growing_snapshots_ending_with_the_generate_result(model):
         assert mine[-1].done and mine[-1].tokens == expected.tokens
 
 
+def test_closing_a_stream_early_aborts_its_requests_and_frees_their_blocks(model):
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    with InferenceEngine(model, _config()) as engine:
+        stream = engine.stream(_prompts([4, 9], seed=18), params)
+        first = next(stream)
+        assert not first.done
+        assert engine.allocator.num_free < engine.allocator.capacity
+        stream.close()
+        assert not engine.has_unfinished()
+        assert engine.allocator.num_free == engine.allocator.capacity
+        prompt = _prompts([6], seed=19)[0]
+        (after,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3))
+    assert after.tokens == _naive_greedy(model, prompt, 3)
+
+
 class _FailingOnceModel(torch.nn.Module):
     """Delegates to a real model but raises in one chosen forward call (fault injection)."""
 

@@ -6,7 +6,8 @@ import gc
 import random
 import warnings
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import closing
 from typing import Any
 
 import torch
@@ -515,7 +516,9 @@ class InferenceEngine:
             )
         return list(params_list)
 
-    def _drive(self, request_ids: list[int], *, progress: bool) -> Iterator[list[Request]]:
+    def _drive(
+        self, request_ids: list[int], *, progress: bool
+    ) -> Generator[list[Request], None, None]:
         pending = set(request_ids)
         others: list[Request] = []
         # Under expert parallelism a rank steps (at least once) until no EP rank has work,
@@ -539,6 +542,18 @@ class InferenceEngine:
         finally:
             # Requests added through add_request by the caller keep their final report.
             self._unreported.extend(others)
+            if pending and not self._closed:
+                self._drop(pending)
+
+    def _drop(self, request_ids: set[int]) -> None:
+        # The caller left before these requests ended (a stream closed early, an exception):
+        # nobody will read them, so they must not keep KV blocks and run on in later steps.
+        assert self.scheduler is not None
+        for request_id in request_ids:
+            request = self.scheduler.find(request_id)
+            if request is not None:
+                self._finish(request, FinishReason.ABORTED)
+        self._unreported = [r for r in self._unreported if r.request_id not in request_ids]
 
     def generate(
         self,
@@ -567,10 +582,11 @@ class InferenceEngine:
         params_list = self._params_list(len(prompts), params)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         finals: dict[int, GenerationResult] = {}
-        for updated in self._drive(ids, progress=False):
-            for request in updated:
-                if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
-                    finals[request.request_id] = self._snapshot(request)
+        with closing(self._drive(ids, progress=False)) as steps:
+            for updated in steps:
+                for request in updated:
+                    if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+                        finals[request.request_id] = self._snapshot(request)
         return [finals[i] for i in ids]
 
     def stream(
@@ -589,7 +605,8 @@ class InferenceEngine:
         Yields:
             A result snapshot of a request after each new token; its last snapshot has
             ``done`` True. Requests are identified by ``request_id``, in the order of
-            ``prompts`` starting at the first id returned.
+            ``prompts`` starting at the first id returned. Closing the iterator early (a
+            ``break`` out of the loop) aborts the unfinished requests and frees their blocks.
 
         Raises:
             EngineClosedError: If the engine is closed.
@@ -599,6 +616,7 @@ class InferenceEngine:
         self._revalidate_graphs()
         params_list = self._params_list(len(prompts), params)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        for updated in self._drive(ids, progress=True):
-            for request in updated:
-                yield self._snapshot(request)
+        with closing(self._drive(ids, progress=True)) as steps:
+            for updated in steps:
+                for request in updated:
+                    yield self._snapshot(request)
