@@ -101,20 +101,6 @@ class Request:
         """Prompt plus generated tokens."""
         return len(self.prompt) + len(self.output)
 
-    def token_at(self, position: int) -> int:
-        """Token id at a position of the prompt-then-output sequence.
-
-        Args:
-            position: 0-based position, below ``num_tokens``.
-
-        Returns:
-            The token id.
-        """
-        prompt_len = len(self.prompt)
-        return (
-            self.prompt[position] if position < prompt_len else self.output[position - prompt_len]
-        )
-
     def result(self, text: str | None = None) -> GenerationResult:
         """Snapshot the request as a result (lists are copied).
 

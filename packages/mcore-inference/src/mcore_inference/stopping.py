@@ -31,11 +31,6 @@ class StopCriteria:
         self.active = bool(self._stop_ids or self._sequences or self._strings)
         """False when the request has no stop token, stop word or stop string."""
 
-    @property
-    def needs_tokenizer(self) -> bool:
-        """True when string stop words are present."""
-        return bool(self._strings)
-
     def check(self, output: Sequence[int]) -> FinishReason | None:
         """Decide whether the generated tokens end the request.
 
