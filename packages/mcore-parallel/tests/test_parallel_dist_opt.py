@@ -25,8 +25,8 @@ OPTIM = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(5, 20), nn.Tanh(), nn.Linear(20, 7), nn.Linear(7, 3))
 
 
@@ -140,6 +140,16 @@ def sharded_checks() -> dict[str, object]:
     with pytest.raises(ParallelConfigError, match="assign=True"):
         overlapped.load_state_dict(make_model().state_dict(), assign=True)
 
+    # Weights loaded into the wrapper after the optimizer was built are what training starts
+    # from (the optimizer's fp32 main parameters follow them).
+    pretrained = DistributedDataParallel(
+        make_model(), DDPConfig(bucket_size=60, use_distributed_optimizer=True)
+    )
+    pretrained_optimizer = DistributedOptimizer(pretrained, OptimizerConfig(**OPTIM))
+    pretrained.load_state_dict(make_model(seed=1).state_dict())
+    train(pretrained, pretrained_optimizer, batches, rank, world)
+    out["loaded_then_trained"] = params_of(pretrained)
+
     # Bad state dicts change nothing.
     before = optimizer.sharded_state_dict()
     snapshot = {
@@ -222,8 +232,8 @@ def sharded_checks() -> dict[str, object]:
     return out
 
 
-def reference(steps: int = 3, clip: float = 0.0):
-    model = make_model()
+def reference(steps: int = 3, clip: float = 0.0, seed: int = 0):
+    model = make_model(seed)
     optimizer = torch.optim.AdamW(model.parameters(), **OPTIM)
     norms = []
     for x, y in make_batches(steps):
@@ -288,6 +298,12 @@ def test_resharded_state_continues_training_exactly(results, what):
 @pytest.mark.parametrize("key", ["state_dict_keys", "state_dict_synced", "load_keeps_buffers"])
 def test_model_state_dict_is_synchronised_and_loads_in_place(results, key):
     assert all(r[key] for r in results)
+
+
+def test_training_starts_from_weights_loaded_after_the_optimizer_was_built(results):
+    expected, _ = reference(seed=1)
+    for r in results:
+        assert_params_close(r["loaded_then_trained"], expected, "loaded_then_trained")
 
 
 def test_ddp_without_state_or_process_group_raises():

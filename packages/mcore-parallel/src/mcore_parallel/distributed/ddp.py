@@ -5,6 +5,7 @@ parameter all-gather for a distributed optimizer, finished lazily by forward pre
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -133,6 +134,9 @@ class DistributedDataParallel(nn.Module):
         ]
         self.param_sync_hooks = ParamSyncHooks(self)
         """Record of the forward pre-hooks that finish parameter all-gathers."""
+        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Optimizers built over this model keep their own fp32 copies of the parameters;
+        # load_state_dict refreshes them, or the next step would restore the old weights.
         if config.use_distributed_optimizer and config.overlap_param_gather:
             self.param_sync_hooks.enable()
 
@@ -169,6 +173,9 @@ class DistributedDataParallel(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Loads into the wrapped module in place (the buffers keep their storage).
 
+        The fp32 main parameters of every ``DistributedOptimizer`` built over this model are
+        refreshed from the loaded parameters, so the next step starts from them.
+
         Args:
             state_dict: A state dict of the wrapped module.
             strict: Whether keys must match exactly.
@@ -183,7 +190,11 @@ class DistributedDataParallel(nn.Module):
         if assign:
             raise ParallelConfigError("assign=True would detach parameters from the DDP buffers")
         self.finish_param_sync()
-        return self.module.load_state_dict(state_dict, strict=strict)
+        result = self.module.load_state_dict(state_dict, strict=strict)
+        loaded = {name for name, _ in self.module.named_parameters() if name in state_dict}
+        for optimizer in list(self._optimizers):
+            optimizer.reload_model_params(loaded)
+        return result
 
     # ---------------------------------------------------------------- gradients
 

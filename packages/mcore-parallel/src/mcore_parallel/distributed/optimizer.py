@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,6 +199,7 @@ class DistributedOptimizer:
         self.step_count = 0
         """Number of optimizer steps taken (restored by :meth:`load_sharded_state_dict`)."""
         self._state_offloaded = False
+        model._optimizers.add(self)
 
     # ---------------------------------------------------------------- stepping
 
@@ -255,6 +256,25 @@ class DistributedOptimizer:
         if dist.get_world_size() > 1:
             dist.all_reduce(total)
         return math.sqrt(float(total))
+
+    def reload_model_params(self, names: Collection[str] | None = None) -> None:
+        """Copies the model's current parameters into the fp32 main parameters.
+
+        Needed after the model's weights were changed in place outside the optimizer (loaded
+        from a checkpoint, synchronised from a trainer); otherwise the next :meth:`step`
+        writes the old main parameters back over them. The model's ``load_state_dict`` calls
+        it for the parameters it loaded. The Adam moments and the step count are kept.
+
+        Args:
+            names: Names (as in ``model.module.named_parameters()``) of the parameters to
+                refresh; None refreshes all. Refreshing only the changed ones keeps the fp32
+                precision of the others when the model holds low-precision parameters.
+        """
+        self.model.finish_param_sync()
+        with torch.no_grad():
+            for shard in self._shards:
+                if shard.main_param is not None and (names is None or shard.name in names):
+                    shard.main_param.copy_(shard.model_slice())
 
     def zero_grad(self) -> None:
         """Zeroes the model's gradient buffers."""
