@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mcore_inference import PagedKVCache
+from mcore_inference import KVCacheStepError, PagedKVCache
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.kv_cache import ContiguousKVCache
 
@@ -65,5 +65,6 @@ def test_attend_without_step_metadata_raises():
         device=torch.device("cpu"),
         split_size=4,
     )
-    with pytest.raises(RuntimeError, match="set_step"):
+    with pytest.raises(RuntimeError, match="set_step") as raised:
         paged.attend(0, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), scale=1)
+    assert isinstance(raised.value, KVCacheStepError)

@@ -11,6 +11,7 @@ from mcore_inference.errors import (
     InferenceError,
     InvalidRequestError,
     KVCacheExhaustedError,
+    KVCacheStepError,
     TokenizerUnavailableError,
 )
 from mcore_inference.expert_parallel import find_expert_parallel_group
@@ -33,6 +34,7 @@ __all__ = [
     "EngineClosedError",
     "InferenceConfigError",
     "KVCacheExhaustedError",
+    "KVCacheStepError",
     "BlockAllocatorError",
     "TokenizerUnavailableError",
 ]

@@ -15,6 +15,7 @@ __all__ = [
     "KVCacheExhaustedError",
     "BlockAllocatorError",
     "TokenizerUnavailableError",
+    "KVCacheStepError",
 ]
 
 
@@ -44,3 +45,7 @@ class BlockAllocatorError(InferenceError, ValueError):
 
 class TokenizerUnavailableError(InferenceError, RuntimeError):
     """A tokenizer is needed but none is configured, or it cannot be loaded."""
+
+
+class KVCacheStepError(InferenceError, RuntimeError):
+    """The paged KV cache was used for attention without the metadata of a step."""

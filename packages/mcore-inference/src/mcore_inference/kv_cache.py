@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mcore_inference.errors import KVCacheStepError
 from mcore_kernels.paged_attention import paged_attention
 
 __all__ = ["PagedKVCache"]
@@ -121,10 +122,14 @@ class PagedKVCache:
             ``[T, Hq, D]`` attention output in the dtype of ``q``.
 
         Raises:
-            RuntimeError: If no step metadata was installed with :meth:`set_step`.
+            KVCacheStepError: If no step metadata was installed with :meth:`set_step` or
+                :meth:`prepare_step`.
         """
         if self._slot_mapping is None or self._block_tables is None or self._context_lens is None:
-            raise RuntimeError("PagedKVCache.attend called before set_step()")
+            raise KVCacheStepError(
+                f"PagedKVCache.attend(layer_idx={layer_idx}) called without step metadata; "
+                "expected set_step() or prepare_step() before the forward"
+            )
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         flat_shape = (-1, *keys.shape[2:])
         keys.view(flat_shape).index_copy_(0, self._slot_mapping, k.to(keys.dtype))
