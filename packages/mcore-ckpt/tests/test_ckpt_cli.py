@@ -63,3 +63,11 @@ def test_convert_writes_full_tensors_and_objects_into_one_torch_file(tmp_path, c
     assert flat["optimizer.step"] == 3
     assert flat["config"] == {"name": "fixture-v1", "lr": 0.001}
     assert [p.name for p in tmp_path.iterdir()] == ["full.pt"]
+
+
+@pytest.mark.parametrize("where", ["missing_dir", "is_a_dir"])
+def test_convert_to_an_unwritable_output_exits_1_naming_it(tmp_path, capsys, where):
+    output = tmp_path / "absent" / "full.pt" if where == "missing_dir" else tmp_path
+    assert main(["convert", str(FIXTURE), str(output)]) == 1
+    err = capsys.readouterr().err
+    assert "CheckpointWriteError" in err and f"output={str(output)!r}" in err

@@ -48,8 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name; ``sys.argv[1:]`` when None.
 
     Returns:
-        0 on success, 1 when the checkpoint is missing, unreadable or damaged (the message
-        names the file at fault), 2 on a usage error.
+        0 on success, 1 when the checkpoint is missing, unreadable or damaged or the output of
+        ``convert`` cannot be written (the message names the file at fault), 2 on a usage
+        error.
     """
     args = build_parser().parse_args(argv)
     try:

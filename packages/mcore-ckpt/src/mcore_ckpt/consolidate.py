@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from mcore_ckpt.api import load
+from mcore_ckpt.errors import CheckpointWriteError
 from mcore_ckpt.format import read_checkpoint_info
 from mcore_ckpt.layout import resolve_checkpoint_dir
 
@@ -59,6 +60,8 @@ def convert_to_torch_file(path: str | os.PathLike[str], output: str | os.PathLik
     Raises:
         CheckpointNotFoundError: If ``path`` holds no committed checkpoint.
         CheckpointCorruptError: If a file of the checkpoint is damaged.
+        CheckpointWriteError: If ``output`` cannot be written (missing directory, a directory
+            in its place, no space); an existing ``output`` is left as it was.
     """
     target = Path(output)
     flat = load_consolidated(path)
@@ -69,6 +72,10 @@ def convert_to_torch_file(path: str | os.PathLike[str], output: str | os.PathLik
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, target)
+    except OSError as error:
+        raise CheckpointWriteError(
+            f"output={str(target)!r} could not be written: {error}"
+        ) from error
     finally:
         temporary.unlink(missing_ok=True)
     return target
