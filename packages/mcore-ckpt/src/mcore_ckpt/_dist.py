@@ -84,18 +84,3 @@ class Communicator:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value, group=self.group)
         return out
-
-    def first_error(self, error: BaseException | None) -> str | None:
-        """Shares every rank's error so that all ranks stop together instead of hanging.
-
-        Args:
-            error: The exception this rank hit in the phase just finished, or None.
-
-        Returns:
-            A message naming the first failing rank and its error, or None if no rank failed.
-        """
-        messages = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
-        for rank, message in enumerate(messages):
-            if message is not None:
-                return f"rank {rank}: {message}"
-        return None
