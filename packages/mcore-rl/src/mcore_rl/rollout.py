@@ -25,7 +25,7 @@ from mcore_inference import (
     SamplingParams,
     find_expert_parallel_group,
 )
-from mcore_rl.errors import RLStateError
+from mcore_rl.errors import RLInputError, RLStateError
 from mcore_rl.reference import unwrap_model
 from mcore_rl.tasks import Problem, Task
 from mcore_rl.tokenizer import CharTokenizer
@@ -105,8 +105,19 @@ def generate_rollouts(
         problem, problems in order), identical on every rank.
 
     Raises:
+        RLInputError: If ``group_size``, ``max_new_tokens`` or ``parallel_generation_tasks``
+            is below 1 or ``temperature`` is not positive.
         RLStateError: If the engine failed a request.
     """
+    for name, value in (
+        ("group_size", group_size),
+        ("max_new_tokens", max_new_tokens),
+        ("parallel_generation_tasks", parallel_generation_tasks),
+    ):
+        if value < 1:
+            raise RLInputError(f"{name}={value} must be >= 1")
+    if not temperature > 0.0:
+        raise RLInputError(f"temperature={temperature} must be > 0")
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
     start, end = shard_range(len(problems), dp_rank, dp_size)
