@@ -1,16 +1,27 @@
-"""Two Ray actors in a placement group run GRPO steps over torch.distributed."""
+"""Two Ray actors in a placement group run GRPO steps over torch.distributed; a failed
+setup releases them."""
 
 import json
 
 import pytest
 
 from mcore_rl.config import GRPOConfig
+from mcore_rl.errors import TaskError
 from mcore_rl.run import run_grpo
 
 ray = pytest.importorskip("ray")
 
 
-def test_two_actor_ray_run_trains_and_checkpoints(tmp_path):
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def test_two_actor_ray_run_trains_and_checkpoints(ray_cluster, tmp_path):
     config = GRPOConfig(
         mode="ray",
         num_workers=2,
@@ -27,11 +38,7 @@ def test_two_actor_ray_run_trains_and_checkpoints(tmp_path):
         checkpoint_every=0,
         run_dir=str(tmp_path),
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        result = run_grpo(config)
-    finally:
-        ray.shutdown()
+    result = run_grpo(config)
     assert [r["step"] for r in result.records] == [0, 1]
     for record in result.records:
         assert record["rollouts"] == 8  # both ranks' shares gathered over DP
@@ -39,3 +46,18 @@ def test_two_actor_ray_run_trains_and_checkpoints(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").exists()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1]
+
+
+def test_failed_actor_setup_removes_the_placement_group(ray_cluster, tmp_path):
+    config = GRPOConfig(
+        mode="ray",
+        num_workers=2,
+        device="cpu",
+        task="no-such-task",
+        progress=False,
+        run_dir=str(tmp_path),
+    )
+    with pytest.raises(TaskError, match="task='no-such-task' is not registered"):
+        run_grpo(config)
+    groups = ray.util.placement_group_table().values()
+    assert groups and all(group["state"] == "REMOVED" for group in groups)

@@ -142,6 +142,10 @@ class RayWorkerGroup:
 
     Args:
         config: The run config.
+
+    Raises:
+        RLError: If the workers cannot be built (raised from inside an actor); the actors and
+            the placement group are released first.
     """
 
     is_main = True
@@ -158,26 +162,33 @@ class RayWorkerGroup:
         gpus = 1 if backend_for(config) == "nccl" else 0
         bundle = {"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}
         self.placement_group = placement_group([bundle] * config.num_workers, strategy="PACK")
-        ray.get(self.placement_group.ready())
-        actor_class = ray.remote(_Actor)
-        self.actors: list[Any] = [
-            actor_class.options(
-                num_cpus=1,
-                num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement_group, placement_group_bundle_index=rank
-                ),
-            ).remote()
-            for rank in range(config.num_workers)
-        ]
-        addr, port = ray.get(self.actors[0].address.remote())
-        fields = config.to_dict()
-        self.pids = ray.get(
-            [
-                actor.setup.remote(fields, rank, config.num_workers, addr, port)
-                for rank, actor in enumerate(self.actors)
+        self.actors: list[Any] = []
+        try:
+            ray.get(self.placement_group.ready())
+            actor_class = ray.remote(_Actor)
+            self.actors = [
+                actor_class.options(
+                    num_cpus=1,
+                    num_gpus=gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.placement_group, placement_group_bundle_index=rank
+                    ),
+                ).remote()
+                for rank in range(config.num_workers)
             ]
-        )
+            addr, port = ray.get(self.actors[0].address.remote())
+            fields = config.to_dict()
+            self.pids = ray.get(
+                [
+                    actor.setup.remote(fields, rank, config.num_workers, addr, port)
+                    for rank, actor in enumerate(self.actors)
+                ]
+            )
+        except BaseException:
+            # A failed setup (unknown task or model ...) must not leave actors holding the
+            # placement group's resources in a driver that goes on.
+            self._release()
+            raise
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         return self._ray.get([getattr(a, method).remote(*args) for a in self.actors])
@@ -221,9 +232,12 @@ class RayWorkerGroup:
         try:
             self._all("shutdown")
         finally:
-            for actor in self.actors:
-                self._ray.kill(actor)
-            self._remove_placement_group(self.placement_group)
+            self._release()
+
+    def _release(self) -> None:
+        for actor in self.actors:
+            self._ray.kill(actor)
+        self._remove_placement_group(self.placement_group)
 
 
 def make_workers(config: GRPOConfig) -> WorkerGroup:
