@@ -108,6 +108,11 @@ def _all_checks(checkpoint_dir: str, export_dir: str) -> dict[str, float]:
             parallelize(model, state)
         except ModelConfigError as error:
             messages.append(str(error))
+    # The rejected model is left whole: layer 0 (before the bad MLP) was not sharded.
+    errors["rejected_model_untouched"] = float(
+        type(custom_mlp.layers[0].self_attention.q_proj) is not torch.nn.Linear
+        or custom_mlp.state is not None
+    )
     sequence_parallel = GPTModel(CONFIGS["llama"].replace(sequence_parallel=True), state)
     try:
         sequence_parallel(IDS[:, :7])

@@ -140,9 +140,9 @@ def parallelize(model_or_config: GPTModel | GPTConfig, state: ParallelState) -> 
     from mcore_models.gpt.model import GPTModel
 
     model = model_or_config if isinstance(model_or_config, GPTModel) else GPTModel(model_or_config)
-    model.state = state
     tp = state.tp_size
     if tp == 1:
+        model.state = state
         # Only mixture-of-experts layers have something to shard (experts over ep).
         for layer in model.layers:
             if callable(getattr(layer.mlp, "parallelize", None)):
@@ -152,6 +152,16 @@ def parallelize(model_or_config: GPTModel | GPTConfig, state: ParallelState) -> 
         raise ModelConfigError("model is already parallelized; parallelize a whole model")
     config = model.config
     _check_divisible(config, tp)
+    # Every check runs before the first layer is sharded, so an error leaves the model whole.
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        mlp = layer.mlp
+        if not isinstance(mlp, SwiGLUMLP) and not callable(getattr(mlp, "parallelize", None)):
+            raise ModelConfigError(
+                f"layer {layer.layer_idx} has an MLP of type {type(mlp).__name__}, which "
+                "parallelize cannot shard (it has no parallelize(state) method)"
+            )
+    model.state = state
     sp = config.sequence_parallel
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
@@ -170,14 +180,9 @@ def parallelize(model_or_config: GPTModel | GPTConfig, state: ParallelState) -> 
             mlp.gate_proj = _column(mlp.gate_proj, state, sp)  # type: ignore[assignment]
             mlp.up_proj = _column(mlp.up_proj, state, sp)  # type: ignore[assignment]
             mlp.down_proj = _row(mlp.down_proj, state, sp)  # type: ignore[assignment]
-        elif callable(getattr(mlp, "parallelize", None)):
+        else:
             # Other MLP blocks (e.g. mixture-of-experts) shard themselves.
             mlp.parallelize(state)  # type: ignore[operator]
-        else:
-            raise ModelConfigError(
-                f"layer {layer.layer_idx} has an MLP of type {type(mlp).__name__}, which "
-                "parallelize cannot shard (it has no parallelize(state) method)"
-            )
         if sp:
             _mark_partial_gradient(layer.input_norm.weight)
             _mark_partial_gradient(layer.post_attention_norm.weight)
