@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_parallel.errors import ParallelConfigError
+from mcore_parallel.errors import ParallelConfigError, ParallelTypeError
 
 __all__ = ["ShardedTensor", "set_partition_dim", "get_partition_dims", "PARTITION_AXES"]
 
@@ -32,7 +32,9 @@ class ShardedTensor:
             identical copy (data-parallel replicas) use a positive id and are not written.
 
     Raises:
-        ParallelConfigError: If the ranks of the shapes disagree or the block does not fit.
+        ParallelTypeError: If ``local`` is not a tensor or ``replica_id`` not an integer.
+        ParallelConfigError: If the ranks of the shapes disagree, the block does not fit or
+            ``replica_id`` is negative.
     """
 
     local: torch.Tensor
@@ -42,7 +44,7 @@ class ShardedTensor:
 
     def __post_init__(self) -> None:
         if not isinstance(self.local, torch.Tensor):
-            raise ParallelConfigError(
+            raise ParallelTypeError(
                 f"local must be a torch.Tensor, got {type(self.local).__name__}"
             )
         shape, offset = tuple(self.global_shape), tuple(self.global_offset)
@@ -54,8 +56,14 @@ class ShardedTensor:
         for dim, (size, off, n) in enumerate(zip(shape, offset, self.local.shape)):
             if off < 0 or off + n > size:
                 raise ParallelConfigError(
-                    f"dimension {dim}: block [{off}, {off + n}) does not fit in global size {size}"
+                    f"global_offset={offset} with local.shape={tuple(self.local.shape)} does not "
+                    f"fit in global_shape={shape}: dimension {dim} spans [{off}, {off + n})"
                 )
+        if isinstance(self.replica_id, bool) or not isinstance(self.replica_id, int):
+            raise ParallelTypeError(
+                f"replica_id={self.replica_id!r} must be an int, got "
+                f"{type(self.replica_id).__name__}"
+            )
         if self.replica_id < 0:
             raise ParallelConfigError(f"replica_id={self.replica_id} must be >= 0")
         object.__setattr__(self, "global_shape", shape)
