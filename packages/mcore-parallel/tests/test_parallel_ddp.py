@@ -243,6 +243,7 @@ def test_bucket_default_size_follows_dp():
     ("kwargs", "match"),
     [
         ({"bucket_size": -1}, "bucket_size=-1"),
+        ({"bucket_size": 1.5e6}, "bucket_size=1500000.0"),
         ({"overlap_param_gather": True}, "overlap_param_gather"),
     ],
 )

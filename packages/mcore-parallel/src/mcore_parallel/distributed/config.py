@@ -57,9 +57,14 @@ class DDPConfig:
     """Raise when a reduced gradient holds NaN or Inf (costs one reduction per buffer)."""
 
     def __post_init__(self) -> None:
-        if self.bucket_size is not None and self.bucket_size < 0:
+        if self.bucket_size is not None and (
+            isinstance(self.bucket_size, bool)
+            or not isinstance(self.bucket_size, int)
+            or self.bucket_size < 0
+        ):
             raise ParallelConfigError(
-                f"bucket_size={self.bucket_size} must be None (default), 0 (one bucket) or > 0"
+                f"bucket_size={self.bucket_size!r} must be None (default), 0 (one bucket) or a "
+                "positive int (elements)"
             )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ParallelConfigError(
