@@ -155,8 +155,9 @@ def run_distributed(
     ``WORLD_SIZE`` and ``LOCAL_RANK`` set (under NCCL rank ``r`` uses ``cuda:r``), calls
     ``fn(*args)``, destroys the process group and sends back the return value.
     ``MASTER_ADDR``/``MASTER_PORT`` name another free local port, for a function that tears
-    the group down and initialises from the environment itself. Ranks see the caller's ``os.environ`` and ``sys.path`` as of this call. Tensors in
-    return values come back on the CPU.
+    the group down and initialises from the environment itself. Ranks see the caller's
+    ``os.environ`` and ``sys.path`` as of this call. Tensors in return values come back on
+    the CPU.
 
     Args:
         fn: A picklable (module-level) function; it may call

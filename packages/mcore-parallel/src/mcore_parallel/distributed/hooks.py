@@ -28,9 +28,8 @@ class ParamSyncHooks:
 
     Enabling and disabling are idempotent, so calls always balance: ``enable`` twice leaves one
     hook per owner module, ``disable`` when nothing is registered does nothing and never
-    raises. The
-    record keeps modules only through weak references, so a module deleted from the tree is not
-    kept alive by its hook.
+    raises. The record keeps modules only through weak references, so a module deleted from
+    the tree is not kept alive by its hook.
 
     Args:
         ddp: The wrapper whose buckets the hooks synchronise.
