@@ -102,6 +102,9 @@ def test_stop_string_needs_the_whole_string_in_the_decoded_tail():
         ("stop_token_ids", (-2,)),
         ("stop_words", ((),)),
         ("stop_words", ("",)),
+        ("stop_words", "</s>"),
+        ("stop_words", (1, 2)),
+        ("stop_token_ids", 7),
     ],
 )
 def test_invalid_sampling_params_name_the_field(field, value):

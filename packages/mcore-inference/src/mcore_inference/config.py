@@ -171,6 +171,14 @@ class SamplingParams:
             or self.max_tokens < 0
         ):
             raise InvalidRequestError(f"max_tokens={self.max_tokens!r}; expected an integer >= 0")
+        for name in ("stop_token_ids", "stop_words"):
+            value = getattr(self, name)
+            # A bare string or int here is a common slip (stop_words="</s>" would stop at
+            # each of its characters): ask for the sequence instead of guessing.
+            if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+                raise InvalidRequestError(
+                    f"{name}={value!r}; expected a tuple or list of entries, e.g. ({value!r},)"
+                )
         self.stop_token_ids = tuple(self.stop_token_ids)
         for token in self.stop_token_ids:
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
@@ -184,7 +192,7 @@ class SamplingParams:
                     raise InvalidRequestError("stop_words entry ''; expected a non-empty string")
                 words.append(word)
                 continue
-            sequence = tuple(word)
+            sequence = tuple(word) if isinstance(word, (tuple, list)) else ()
             if not sequence or any(
                 isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in sequence
             ):
