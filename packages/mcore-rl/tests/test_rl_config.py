@@ -1,11 +1,14 @@
 """GRPOConfig rejects bad values when it is built; a worker that fails to build leaks nothing."""
 
+import random
+
 import pytest
 import torch.distributed as dist
 
 from mcore_rl.config import GRPOConfig
 from mcore_rl.errors import RLConfigError, TaskError
 from mcore_rl.run import run_grpo
+from mcore_rl.worker import build_task
 
 
 @pytest.mark.parametrize(
@@ -49,3 +52,19 @@ def test_failed_worker_build_leaves_no_process_group(tmp_path):
     with pytest.raises(TaskError, match="task='no-such-task' is not registered"):
         run_grpo(config)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "low"),
+    [("num_numbers", 1, 2), ("max_list_length", 1, 2), ("max_operand", -1, 0), ("num_steps", 0, 1)],
+)
+def test_count_fields_name_their_minimum(field, value, low):
+    with pytest.raises(RLConfigError, match=f"{field}={value} must be >= {low}"):
+        GRPOConfig(**{field: value})
+
+
+def test_smallest_task_options_build_their_tasks():
+    for task in ("countdown", "sort", "reverse", "arithmetic"):
+        config = GRPOConfig(task=task, num_numbers=2, max_list_length=2, max_operand=0)
+        problem = build_task(config).generate(random.Random(0))
+        assert problem.prompt and problem.target

@@ -72,11 +72,11 @@ class GRPOConfig:
     ops: str = "+"
     """Arithmetic: operators to draw from."""
     num_numbers: int = 3
-    """Countdown: numbers offered per prompt."""
+    """Countdown: numbers offered per prompt (at least 2)."""
     max_number: int = 9
     """Countdown: largest number offered."""
     max_list_length: int = 4
-    """Sort and reverse: longest list."""
+    """Sort and reverse: longest list (at least 2, the shortest list drawn)."""
 
     # ---------------------------------------------------------------- rollouts
     num_prompts: int = 16
@@ -127,25 +127,27 @@ class GRPOConfig:
     """Bin-packing algorithm."""
 
     def __post_init__(self) -> None:
-        positive = (
-            "num_workers",
-            "num_steps",
-            "target_window",
-            "num_prompts",
-            "group_size",
-            "max_new_tokens",
-            "parallel_generation_tasks",
-            "minibatches_per_step",
-            "max_tokens_per_microbatch",
-            "max_operand",
-            "num_numbers",
-            "max_number",
-            "max_list_length",
-        )
-        for name in positive:
+        # The task minimums are those of the task classes, checked here so that a bad value
+        # fails before the workers are built.
+        minimums = {
+            "num_workers": 1,
+            "num_steps": 1,
+            "target_window": 1,
+            "num_prompts": 1,
+            "group_size": 1,
+            "max_new_tokens": 1,
+            "parallel_generation_tasks": 1,
+            "minibatches_per_step": 1,
+            "max_tokens_per_microbatch": 1,
+            "max_operand": 0,
+            "num_numbers": 2,
+            "max_number": 1,
+            "max_list_length": 2,
+        }
+        for name, low in minimums.items():
             value = getattr(self, name)
-            if value < 1 and not (name == "max_operand" and value == 0):
-                raise RLConfigError(f"{name}={value} must be >= 1")
+            if value < low:
+                raise RLConfigError(f"{name}={value} must be >= {low}")
         if self.group_size < 2:
             raise RLConfigError(f"group_size={self.group_size} must be >= 2 for group advantages")
         if self.checkpoint_every < 0:
