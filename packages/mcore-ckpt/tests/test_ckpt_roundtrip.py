@@ -149,6 +149,20 @@ def test_out_of_range_arguments_raise_naming_them(tmp_path, kwargs, name):
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda root: mcore_ckpt.save(None, {"x": torch.ones(1)}), "path=None"),
+        (lambda root: mcore_ckpt.save(root, {"x": torch.ones(1)}, async_save="no"), "async_save"),
+        (lambda root: mcore_ckpt.load(root, {"x": torch.ones(1)}, verify=1), "verify=1"),
+    ],
+)
+def test_wrongly_typed_path_or_flag_raises_naming_it(tmp_path, call, match):
+    with pytest.raises(CheckpointTypeError, match=match):
+        call(tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
 def test_state_dict_that_is_not_a_dict_raises(tmp_path):
     with pytest.raises(CheckpointTypeError, match="state_dict must be a dict"):
         mcore_ckpt.save(tmp_path, [torch.ones(1)])  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from mcore_ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointMismatchError,
+    CheckpointTypeError,
     CheckpointWriteError,
 )
 from mcore_ckpt.format import (
@@ -79,6 +80,13 @@ def _check_optional_int(name: str, value: Any, minimum: int) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise CheckpointConfigError(f"{name}={value!r} must be None or an integer >= {minimum}")
+
+
+def _check_path_and_flag(path: Any, flag_name: str, flag: Any) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointTypeError(f"path={path!r} must be a str or os.PathLike")
+    if not isinstance(flag, bool):
+        raise CheckpointTypeError(f"{flag_name}={flag!r} must be a bool")
 
 
 def _layout(state: Any, comm: Communicator) -> dict[str, int]:
@@ -157,7 +165,8 @@ def save(
 
     Raises:
         CheckpointConfigError: If ``keep_last``, ``step`` or ``io_threads`` is out of range.
-        CheckpointTypeError: If ``state_dict`` is not a dict of the supported containers.
+        CheckpointTypeError: If ``path`` is not a str or path, ``async_save`` not a bool, or
+            ``state_dict`` not a dict of the supported containers.
         CheckpointExistsError: If the checkpoint of ``step`` already exists.
         CheckpointWriteError: If writing failed (the previous checkpoint is untouched).
         AsyncSaveError: If an earlier asynchronous save of this process failed unnoticed.
@@ -165,6 +174,7 @@ def save(
     _check_optional_int("keep_last", keep_last, 1)
     _check_optional_int("step", step, 0)
     _check_optional_int("io_threads", io_threads, 1)
+    _check_path_and_flag(path, "async_save", async_save)
     drain_pending()
     root = Path(path)
     comm = Communicator()
@@ -347,8 +357,10 @@ def load(
         CheckpointCorruptError: If a file is missing, truncated or altered (named).
         CheckpointMismatchError: If a key is missing from the checkpoint or its kind or global
             shape differs.
+        CheckpointTypeError: If ``path`` is not a str or path or ``verify`` not a bool.
         AsyncSaveError: If an earlier asynchronous save of this process failed unnoticed.
     """
+    _check_path_and_flag(path, "verify", verify)
     drain_pending()
     comm = Communicator()
     error: BaseException | None = None
