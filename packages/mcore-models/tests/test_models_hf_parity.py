@@ -130,6 +130,16 @@ def test_from_hf_rejects_unsupported_architecture(tmp_path):
         GPTModel.from_hf(tmp_path)
 
 
+def test_from_hf_names_a_missing_config_key(tmp_path):
+    hf_model = _hf_model("llama")
+    hf_model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["intermediate_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointFormatError, match=r"lacks \['intermediate_size'\]"):
+        GPTModel.from_hf(tmp_path)
+
+
 def test_from_hf_names_the_tensor_with_a_mismatched_shape(tmp_path):
     hf_model = _hf_model("llama")
     hf_model.save_pretrained(tmp_path)

@@ -40,6 +40,14 @@ SUPPORTED_MODEL_TYPES = {
 """Hugging Face ``model_type`` -> architecture class name (the last three are MoE families,
 translated by :mod:`mcore_models.moe.hf`)."""
 
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
+
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 # (mcore pattern, Hugging Face pattern); ``{i}`` is the layer index.
@@ -129,6 +137,12 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         raise CheckpointFormatError(
             f"model_type={model_type!r} is not supported; expected one of "
             f"{sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    missing = [key for key in _REQUIRED_KEYS if key not in hf]
+    if missing:
+        raise CheckpointFormatError(
+            f"config.json (model_type={model_type!r}) lacks {missing}; expected every one of "
+            f"{list(_REQUIRED_KEYS)}"
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointFormatError(
