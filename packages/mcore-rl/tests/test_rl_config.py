@@ -68,3 +68,12 @@ def test_smallest_task_options_build_their_tasks():
         config = GRPOConfig(task=task, num_numbers=2, max_list_length=2, max_operand=0)
         problem = build_task(config).generate(random.Random(0))
         assert problem.prompt and problem.target
+
+
+def test_loss_config_carries_the_loss_fields():
+    config = GRPOConfig(
+        clip_low=0.1, clip_high=0.3, kl_beta=0.02, entropy_coef=0.0, importance_sampling_cap=None
+    )
+    loss = config.loss_config()
+    assert (loss.clip_low, loss.clip_high, loss.kl_beta) == (0.1, 0.3, 0.02)
+    assert (loss.entropy_coef, loss.importance_sampling_cap) == (0.0, None)

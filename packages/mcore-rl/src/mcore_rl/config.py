@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from mcore_rl.errors import RLConfigError
+from mcore_rl.loss import LossConfig
 
 __all__ = ["GRPOConfig"]
 
@@ -175,15 +176,25 @@ class GRPOConfig:
             if value not in choices:
                 raise RLConfigError(f"{name}={value!r} is unknown, expected one of {choices}")
         # The loss settings fail here rather than after the workers and the model are built.
-        if not 0.0 <= self.clip_low < 1.0:
-            raise RLConfigError(f"clip_low={self.clip_low} must be in [0, 1)")
-        for name in ("clip_high", "kl_beta", "entropy_coef"):
-            if getattr(self, name) < 0.0:
-                raise RLConfigError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.importance_sampling_cap is not None and self.importance_sampling_cap <= 0.0:
-            raise RLConfigError(
-                f"importance_sampling_cap={self.importance_sampling_cap} must be > 0 or None"
-            )
+        self.loss_config()
+
+    def loss_config(self) -> LossConfig:
+        """Returns the loss hyper-parameters of this run.
+
+        Returns:
+            The :class:`~mcore_rl.loss.LossConfig` of the clip, KL, entropy and importance
+            sampling fields.
+
+        Raises:
+            RLConfigError: If one of those fields is invalid.
+        """
+        return LossConfig(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            kl_beta=self.kl_beta,
+            entropy_coef=self.entropy_coef,
+            importance_sampling_cap=self.importance_sampling_cap,
+        )
 
     def replace(self, **changes: Any) -> GRPOConfig:
         """Returns a copy with some fields changed (validated again).

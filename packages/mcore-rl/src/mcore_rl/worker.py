@@ -27,7 +27,7 @@ from mcore_parallel.distributed.optimizer import DistributedOptimizer
 from mcore_rl.advantages import compute_advantages
 from mcore_rl.config import GRPOConfig
 from mcore_rl.logprobs import row_logprobs
-from mcore_rl.loss import LossConfig, grpo_loss
+from mcore_rl.loss import grpo_loss
 from mcore_rl.memory import allocated_bytes, live_tensor_bytes
 from mcore_rl.packing import PackingContext, distribute_bins, pack_sequences
 from mcore_rl.reference import ReferenceWeights, unwrap_model
@@ -116,13 +116,7 @@ class GRPOWorker:
             ),
         )
         self.reference = ReferenceWeights(self.model, optimizer=self.optimizer)
-        self.loss_config = LossConfig(
-            clip_low=config.clip_low,
-            clip_high=config.clip_high,
-            kl_beta=config.kl_beta,
-            entropy_coef=config.entropy_coef,
-            importance_sampling_cap=config.importance_sampling_cap,
-        )
+        self.loss_config = config.loss_config()
         self.dp_size = state.dp_size
         self.dp_rank = state.dp_rank
         self.track_live_tensors = False
