@@ -1,6 +1,7 @@
 """InferenceConfig validation and derived values."""
 
 import pytest
+import torch
 
 from mcore_inference import InferenceConfig, InferenceConfigError
 
@@ -17,6 +18,8 @@ from mcore_inference import InferenceConfig, InferenceConfigError
         (dict(max_batch_size=8, cuda_graph_batch_sizes=(4, 16)), "cuda_graph_batch_sizes"),
         (dict(cuda_graph_batch_sizes=()), "cuda_graph_batch_sizes"),
         (dict(seed=-1), "seed=-1"),
+        (dict(kv_dtype="bfloat16"), "kv_dtype='bfloat16'"),
+        (dict(kv_dtype=torch.int8), "kv_dtype=torch.int8"),
     ],
 )
 def test_invalid_config_names_the_field_and_value(fields, message):

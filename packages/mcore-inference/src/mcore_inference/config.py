@@ -91,6 +91,13 @@ class InferenceConfig:
                     f"most max_batch_size={self.max_batch_size}"
                 )
             self.cuda_graph_batch_sizes = tuple(sorted(set(sizes)))
+        if self.kv_dtype is not None and (
+            not isinstance(self.kv_dtype, torch.dtype) or not self.kv_dtype.is_floating_point
+        ):
+            raise InferenceConfigError(
+                f"kv_dtype={self.kv_dtype!r}; expected None or a floating-point torch.dtype "
+                "(e.g. torch.bfloat16)"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InferenceConfigError(f"seed={self.seed!r}; expected a non-negative integer")
 
