@@ -8,7 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from mcore_parallel.distributed import fully_shard_model, fully_shard_optimizer, is_fsdp_param
+from mcore_parallel.distributed import (
+    build_fsdp_mesh,
+    fully_shard_model,
+    fully_shard_optimizer,
+    is_fsdp_param,
+)
 from mcore_parallel.errors import ParallelConfigError, ParallelTypeError
 from mcore_parallel.testing import run_distributed
 
@@ -171,6 +176,14 @@ def optimizer_checks() -> dict[str, str]:
         fully_shard_model(make_model(), replicate_size=3)
     except ParallelConfigError as error:
         out["bad_replicate"] = str(error)
+    try:
+        fully_shard_model(make_model(), expert_parallel_size=2)
+    except ParallelConfigError as error:
+        out["ep_without_experts"] = str(error)
+    try:
+        fully_shard_model(make_model(), build_fsdp_mesh(), replicate_size=2)
+    except ParallelConfigError as error:
+        out["replicate_with_mesh"] = str(error)
     return out
 
 
@@ -244,6 +257,8 @@ def test_expert_gradients_are_averaged_over_full_data_parallel_size(results):
         ("partial", "misses trainable parameters"),
         ("experts_without_ep", "expert_parallel_size=1"),
         ("bad_replicate", "replicate_size=3"),
+        ("ep_without_experts", "expert_parallel_size=2 needs expert_modules"),
+        ("replicate_with_mesh", "replicate_size=2 only applies when device_mesh is None"),
     ],
 )
 def test_misuse_raises_config_error(results, key, match):

@@ -139,8 +139,9 @@ def fully_shard_model(
 
     Raises:
         ParallelTypeError: If ``module`` is not an ``nn.Module``.
-        ParallelConfigError: If the sizes do not divide the world or experts are given without
-            expert parallelism.
+        ParallelConfigError: If the sizes do not divide the world, experts are given without
+            expert parallelism or expert parallelism without experts, or ``replicate_size`` is
+            given together with a ``device_mesh``.
         ParallelStateError: If torch.distributed is not initialised.
     """
     if not isinstance(module, nn.Module):
@@ -151,6 +152,16 @@ def fully_shard_model(
         raise ParallelConfigError(
             "expert_modules given with expert_parallel_size=1; experts then shard like any "
             "other module, pass them through shard_units instead"
+        )
+    if expert_modules is None and expert_parallel_size != 1:
+        raise ParallelConfigError(
+            f"expert_parallel_size={expert_parallel_size} needs expert_modules (the expert "
+            "submodules to shard over the expert-data-parallel submesh)"
+        )
+    if device_mesh is not None and replicate_size != 1:
+        raise ParallelConfigError(
+            f"replicate_size={replicate_size} only applies when device_mesh is None; the given "
+            "device_mesh already fixes the layout"
         )
     mesh = (
         device_mesh if device_mesh is not None else build_fsdp_mesh(replicate_size=replicate_size)
