@@ -227,6 +227,10 @@ def test_llama_3_2_1b_preset_has_the_published_parameter_count():
         ("dtype", "int8", "dtype='int8'"),
         ("hidden_size", 0, "hidden_size=0"),
         ("norm_eps", 0.0, "norm_eps=0.0"),
+        ("ffn_hidden_size", 96.0, "ffn_hidden_size=96.0"),
+        ("num_query_groups", 2.0, "num_query_groups=2.0"),
+        ("head_dim", 16.0, "head_dim=16.0"),
+        ("max_position_embeddings", 0, "max_position_embeddings=0"),
     ],
 )
 def test_config_rejects_invalid_fields(field, value, match):

@@ -132,14 +132,23 @@ class GPTConfig:
             raise ModelConfigError(
                 f"dtype={self.dtype!r} is not supported; expected float32, bfloat16 or float16"
             )
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "ffn_hidden_size",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ModelConfigError(f"{name}={value!r} must be a positive int")
-        if self.ffn_hidden_size <= 0:
-            raise ModelConfigError(f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        for name in ("num_query_groups", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ModelConfigError(f"{name}={value!r} must be an int")
         if self.num_query_groups <= 0 or self.num_attention_heads % self.num_query_groups:
             raise ModelConfigError(
                 f"num_query_groups={self.num_query_groups} must be positive and divide "
@@ -164,10 +173,6 @@ class GPTConfig:
             )
         if self.norm_eps <= 0:
             raise ModelConfigError(f"norm_eps={self.norm_eps} must be positive")
-        if self.max_position_embeddings <= 0:
-            raise ModelConfigError(
-                f"max_position_embeddings={self.max_position_embeddings} must be positive"
-            )
         if not (self.init_std > 0 and math.isfinite(self.init_std)):
             raise ModelConfigError(f"init_std={self.init_std} must be a positive finite float")
         if self.attention_backend not in ATTENTION_BACKENDS:
