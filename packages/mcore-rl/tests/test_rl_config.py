@@ -1,8 +1,10 @@
-"""GRPOConfig rejects bad values when it is built; a worker that fails to build leaks nothing."""
+"""GRPOConfig rejects bad values when it is built; in-process workers leave no process group
+or thread setting behind."""
 
 import random
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from mcore_rl.config import GRPOConfig
@@ -77,3 +79,28 @@ def test_loss_config_carries_the_loss_fields():
     loss = config.loss_config()
     assert (loss.clip_low, loss.clip_high, loss.kl_beta) == (0.1, 0.3, 0.02)
     assert (loss.entropy_coef, loss.importance_sampling_cap) == (0.0, None)
+
+
+def test_in_process_run_restores_the_torch_thread_count(tmp_path):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        config = GRPOConfig(
+            cpu_threads=1,
+            device="cpu",
+            hidden_size=32,
+            num_layers=1,
+            num_prompts=2,
+            group_size=2,
+            max_new_tokens=2,
+            num_steps=1,
+            target_reward=None,
+            progress=False,
+            plot=False,
+            checkpoint_every=0,
+            run_dir=str(tmp_path),
+        )
+        run_grpo(config)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -45,8 +45,8 @@ class GRPOConfig:
     checkpoint_every: int = 50
     """Save a checkpoint every this many steps (and at the end); 0 saves only at the end."""
     cpu_threads: int | None = 1
-    """Intra-op threads of torch on the CPU (1 is fastest for the tiny default model); None
-    keeps torch's default."""
+    """Intra-op threads of torch on the CPU (1 is fastest for the tiny default model), restored
+    when an in-process run ends; None keeps torch's default."""
     progress: bool = True
     """Show rich progress bars for the phases of each step."""
     plot: bool = True

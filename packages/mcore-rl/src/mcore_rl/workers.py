@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from mcore_rl.config import GRPOConfig
@@ -51,6 +52,8 @@ class InProcessWorkers:
 
     def __init__(self, config: GRPOConfig) -> None:
         self._owns_group = not dist.is_initialized()
+        # The worker sets torch's process-wide thread count (cpu_threads); close() restores it.
+        self._num_threads = torch.get_num_threads()
         self.state = init_worker_state(config)
         try:
             self.worker = GRPOWorker(config, self.state)
@@ -92,7 +95,8 @@ class InProcessWorkers:
         return self.worker.load_checkpoint(root)
 
     def close(self) -> None:
-        """Destroys the process group when this object created it."""
+        """Restores torch's thread count and destroys the process group if this object made it."""
+        torch.set_num_threads(self._num_threads)
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
