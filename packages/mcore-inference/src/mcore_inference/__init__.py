@@ -13,6 +13,7 @@ from mcore_inference.errors import (
     KVCacheExhaustedError,
     KVCacheStepError,
     TokenizerUnavailableError,
+    UnsupportedModelError,
 )
 from mcore_inference.expert_parallel import find_expert_parallel_group
 from mcore_inference.kv_cache import PagedKVCache
@@ -37,4 +38,5 @@ __all__ = [
     "KVCacheStepError",
     "BlockAllocatorError",
     "TokenizerUnavailableError",
+    "UnsupportedModelError",
 ]

@@ -15,7 +15,7 @@ import torch
 from mcore_inference.block_allocator import BlockAllocator
 from mcore_inference.config import InferenceConfig, SamplingParams
 from mcore_inference.cuda_graphs import DecodeGraphRunner
-from mcore_inference.errors import EngineClosedError, InvalidRequestError
+from mcore_inference.errors import EngineClosedError, InvalidRequestError, UnsupportedModelError
 from mcore_inference.expert_parallel import ExpertParallelSync, find_expert_parallel_group
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.request import FinishReason, GenerationResult, Request, RequestStatus
@@ -62,10 +62,20 @@ class InferenceEngine:
 
     Raises:
         InferenceConfigError: If the config is invalid.
+        UnsupportedModelError: If the model is sharded over a tensor-parallel group.
         TokenizerUnavailableError: If ``config.tokenizer_path`` cannot be loaded.
     """
 
     def __init__(self, model: Any, config: InferenceConfig | None = None) -> None:
+        tp_group = getattr(model, "tp_group", None)
+        if tp_group is not None:
+            # The cache is sized for every KV head of the config, a TP rank computes only its
+            # share: every step would fail. Refuse at once instead.
+            raise UnsupportedModelError(
+                f"model={type(model).__name__} is sharded over a tensor-parallel group of "
+                f"{torch.distributed.get_world_size(tp_group)} ranks; expected a single-rank "
+                "or expert-parallel model"
+            )
         self.model = model
         self.config = config = config if config is not None else InferenceConfig()
         model_config = model.config

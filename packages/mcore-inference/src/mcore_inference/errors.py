@@ -16,6 +16,7 @@ __all__ = [
     "BlockAllocatorError",
     "TokenizerUnavailableError",
     "KVCacheStepError",
+    "UnsupportedModelError",
 ]
 
 
@@ -49,3 +50,7 @@ class TokenizerUnavailableError(InferenceError, RuntimeError):
 
 class KVCacheStepError(InferenceError, RuntimeError):
     """The paged KV cache was used for attention without the metadata of a step."""
+
+
+class UnsupportedModelError(InferenceError, ValueError):
+    """The engine cannot serve this model (e.g. one sharded over tensor parallelism)."""
