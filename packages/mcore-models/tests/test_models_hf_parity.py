@@ -120,6 +120,20 @@ def test_from_hf_reads_sharded_checkpoints_with_an_index(tmp_path):
         torch.testing.assert_close(model(ids), hf_model(ids).logits, atol=1e-4, rtol=0)
 
 
+def test_to_hf_over_a_sharded_checkpoint_replaces_it(tmp_path):
+    _hf_model("llama").save_pretrained(tmp_path, max_shard_size="40KB")
+    model = GPTModel.from_hf(tmp_path).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(0.5)
+    model.to_hf(tmp_path)
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    ids = _tokens(1, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(GPTModel.from_hf(tmp_path)(ids), model(ids), atol=0, rtol=0)
+
+
 def test_from_hf_rejects_unsupported_architecture(tmp_path):
     hf_model = _hf_model("llama")
     hf_model.save_pretrained(tmp_path)

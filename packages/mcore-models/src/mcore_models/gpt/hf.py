@@ -407,3 +407,12 @@ def _write_hf(state_dict: dict[str, torch.Tensor], config: GPTConfig, out: Path)
     config_tmp.write_text(json.dumps(hf_config, indent=2) + "\n")
     os.replace(weights_tmp, out / "model.safetensors")
     os.replace(config_tmp, out / "config.json")
+    # A sharded checkpoint exported here before would still be read through its index (by
+    # from_hf and by transformers) instead of the new weights; drop it and its shards, as
+    # transformers' save_pretrained does.
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        for shard in set(json.loads(index.read_text())["weight_map"].values()):
+            if re.fullmatch(r"model-\d+-of-\d+\.safetensors", shard):
+                (out / shard).unlink(missing_ok=True)
+        index.unlink()

@@ -308,7 +308,9 @@ class GPTModel(nn.Module):
         """Write ``config.json`` and ``model.safetensors`` that transformers loads.
 
         Under tensor parallelism the shards are gathered and rank 0 of the tensor-parallel
-        group writes the files (every rank must call this).
+        group writes the files (every rank must call this). A sharded safetensors checkpoint
+        already in ``directory`` (its index and ``model-*-of-*.safetensors`` shards) is
+        replaced, so that loaders read the new weights.
 
         Args:
             directory: Output directory (created if missing).
