@@ -165,7 +165,8 @@ def test_extreme_values_accumulate_in_float32(monkeypatch, backend):
 
 
 def test_rms_norm_module_matches_hugging_face_llama_rmsnorm(torch_backend):
-    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    from transformers.models.llama import modeling_llama as llama
+
     hf = llama.LlamaRMSNorm(48, eps=1e-5)
     with torch.no_grad():
         hf.weight.copy_(1.0 + 0.1 * torch.randn(48))
