@@ -114,6 +114,8 @@ def build(session: nox.Session) -> None:
             python,
             "--find-links",
             str(dist),
+            # Same name and version as an earlier build: never reuse uv's cached copy of a sibling.
+            *(f"--refresh-package=mcore-{n}" for n in PACKAGES),
             str(wheel),
             external=True,
             env={"UV_LINK_MODE": "symlink"},
