@@ -298,6 +298,9 @@ def test_without_seed_layers_draw_from_global_rng_like_any_module():
         (lambda: RowParallelLinear(4, -2), "out_features=-2"),
         (lambda: VocabParallelEmbedding(8, 0), "embedding_dim=0"),
         (lambda: RowParallelLinear(4, 4, sequence_parallel=True), "input_is_parallel"),
+        (lambda: ColumnParallelLinear(4, 4, sequence_dim=-1), "sequence_dim=-1"),
+        (lambda: RowParallelLinear(4, 4, sequence_dim=1.0), "sequence_dim=1.0"),
+        (lambda: VocabParallelEmbedding(8, 4, sequence_dim=True), "sequence_dim=True"),
     ],
 )
 def test_invalid_layer_arguments_raise(build, match):

@@ -25,10 +25,16 @@ __all__ = ["ParallelState", "initialize", "get_default", "set_default"]
 _DIMENSIONS = ("tp", "cp", "ep", "dp", "pp", "expert_dp", "dp_cp", "mp")
 
 
-def _check_positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ParallelConfigError(f"{name}={value!r} must be a positive integer")
+def _check_int_at_least(name: str, value: object, minimum: int) -> int:
+    """Returns ``value`` if it is an int (not a bool) >= ``minimum``, else raises."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ParallelConfigError(f"{name}={value!r} must be {expected}")
     return value
+
+
+def _check_positive(name: str, value: object) -> int:
+    return _check_int_at_least(name, value, 1)
 
 
 def _groups_along(grid: torch.Tensor, axes: Sequence[int]) -> list[list[int]]:

@@ -17,7 +17,7 @@ from torch import nn
 
 from mcore_parallel.errors import ParallelConfigError, ParallelTypeError
 from mcore_parallel.sharding import set_partition_dim
-from mcore_parallel.state import ParallelState
+from mcore_parallel.state import ParallelState, _check_int_at_least, _check_positive
 from mcore_parallel.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -53,12 +53,6 @@ def default_init_method(tensor: torch.Tensor) -> torch.Tensor:
         ``tensor``.
     """
     return nn.init.normal_(tensor, mean=0.0, std=_DEFAULT_INIT_STD)
-
-
-def _check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ParallelConfigError(f"{name}={value!r} must be a positive integer")
-    return value
 
 
 def _tp(state: ParallelState | None) -> tuple[int, int, Any]:
@@ -147,14 +141,14 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.in_features = _check_size("in_features", in_features)
-        self.out_features = _check_size("out_features", out_features)
+        self.in_features = _check_positive("in_features", in_features)
+        self.out_features = _check_positive("out_features", out_features)
         tp_size, tp_rank, self._group = _tp(state)
         self.tp_size = tp_size
         self.out_features_per_rank = _check_divisible("out_features", out_features, tp_size)
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
-        self.sequence_dim = sequence_dim
+        self.sequence_dim = _check_int_at_least("sequence_dim", sequence_dim, 0)
         self.weight = _sharded_parameter(
             (out_features, in_features),
             0,
@@ -253,8 +247,8 @@ class RowParallelLinear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.in_features = _check_size("in_features", in_features)
-        self.out_features = _check_size("out_features", out_features)
+        self.in_features = _check_positive("in_features", in_features)
+        self.out_features = _check_positive("out_features", out_features)
         if sequence_parallel and not input_is_parallel:
             raise ParallelConfigError(
                 "sequence_parallel=True needs input_is_parallel=True (got input_is_parallel="
@@ -265,7 +259,7 @@ class RowParallelLinear(nn.Module):
         self.in_features_per_rank = _check_divisible("in_features", in_features, tp_size)
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
-        self.sequence_dim = sequence_dim
+        self.sequence_dim = _check_int_at_least("sequence_dim", sequence_dim, 0)
         self.weight = _sharded_parameter(
             (out_features, in_features),
             1,
@@ -357,8 +351,8 @@ class VocabParallelEmbedding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.num_embeddings = _check_size("num_embeddings", num_embeddings)
-        self.embedding_dim = _check_size("embedding_dim", embedding_dim)
+        self.num_embeddings = _check_positive("num_embeddings", num_embeddings)
+        self.embedding_dim = _check_positive("embedding_dim", embedding_dim)
         tp_size, tp_rank, self._group = _tp(state)
         self.tp_size = tp_size
         per_rank = _check_divisible("num_embeddings", num_embeddings, tp_size)
@@ -367,7 +361,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + per_rank
         """One past the last vocabulary index held by this rank."""
         self.sequence_parallel = sequence_parallel
-        self.sequence_dim = sequence_dim
+        self.sequence_dim = _check_int_at_least("sequence_dim", sequence_dim, 0)
         self.weight = _sharded_parameter(
             (num_embeddings, embedding_dim),
             0,
