@@ -27,6 +27,18 @@ def model() -> GPTModel:
     return GPTModel(GPTConfig.from_name("tiny", add_qkv_bias=True)).eval()
 
 
+@pytest.fixture(autouse=True)
+def _restore_backend(request):
+    """Tests switch the shared model's backend; restore it so no test depends on the order."""
+    if "model" not in request.fixturenames:
+        yield
+        return
+    shared = request.getfixturevalue("model")
+    backend = shared.config.attention_backend
+    yield
+    shared.config.attention_backend = backend
+
+
 def _ids(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(seed))
 
