@@ -32,6 +32,7 @@ from torch import nn
 
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
+from mcore_models.moe.experts import grouped_mm_supported
 
 CASES = {
     # Mixtral-8x7B layer shape (Jiang et al., 2024): 8 experts, top-2, FFN 14336.
@@ -124,7 +125,24 @@ def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, i
     return (time.perf_counter() - begin) * 1e3 / iters
 
 
-def run_case(name: str, case: dict[str, int], device: torch.device, smoke: bool) -> list[dict]:
+def _profile(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, title: str) -> str:
+    """Top operators by device time of two forward + backward steps, as a text table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if x.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    _time(module, x, grad, warmup=1, iters=1)
+    with profile(activities=activities) as prof:
+        _time(module, x, grad, warmup=0, iters=2)
+    key = "self_cuda_time_total" if x.device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
+    return f"== {title}\n{table}\n"
+
+
+def run_case(
+    name: str, case: dict[str, int], device: torch.device, smoke: bool, profiles: list[str] | None
+) -> list[dict]:
     """Time every implementation of one case.
 
     Args:
@@ -132,6 +150,7 @@ def run_case(name: str, case: dict[str, int], device: torch.device, smoke: bool)
         case: Shapes (hidden, experts, top_k, ffn, tokens).
         device: Device.
         smoke: Tiny single-iteration run.
+        profiles: When a list, a profiler table of each mcore implementation is appended.
 
     Returns:
         One row per implementation.
@@ -162,6 +181,9 @@ def run_case(name: str, case: dict[str, int], device: torch.device, smoke: bool)
         try:
             module = build()
             ms = _time(module, x.detach().clone(), grad, warmup, iters)
+            if profiles is not None and implementation.startswith("mcore"):
+                title = f"{name}: {implementation}"
+                profiles.append(_profile(module, x.detach().clone(), grad, title))
             row.update(
                 ms=ms,
                 tokens_per_s=case["tokens"] / ms * 1e3,
@@ -217,20 +239,28 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run")
+    parser.add_argument(
+        "--profile", action="store_true", help="also write moe_profile.txt (top operators)"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     rows: list[dict] = []
+    profiles: list[str] | None = [] if args.profile else None
     for name, case in (SMOKE if args.smoke else CASES).items():
-        rows.extend(run_case(name, case, device, args.smoke))
+        rows.extend(run_case(name, case, device, args.smoke, profiles))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     result = {
         "device": device_name,
         "torch": torch.__version__,
-        "dtype": "bfloat16" if device.type == "cuda" else "float32",
+        "dtype": str(dtype).removeprefix("torch."),
+        "grouped_mm_supported": grouped_mm_supported(device, dtype),
         "rows": rows,
     }
+    if profiles is not None:
+        (out / "moe_profile.txt").write_text("".join(profiles))
     (out / "moe.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "moe.md").write_text(_markdown(device_name, rows))
     print(_markdown(device_name, rows))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from mcore_models import GPTConfig, GPTModel, ModelConfigError, ModelInputError
 from mcore_models.moe import MoEConfig, MoELayer, set_decode_expert_padding
 from mcore_models.moe.config import expert_capacity
+from mcore_models.moe.experts import grouped_mm_supported
 
 HIDDEN = 32
 
@@ -76,6 +77,23 @@ def test_dropless_layer_matches_token_by_token_reference(fields):
     with torch.no_grad():
         torch.testing.assert_close(layer(X), _reference(layer, X), atol=1e-5, rtol=1e-5)
     assert int(layer.tokens_per_expert.sum()) == X.shape[0] * X.shape[1] * layer.moe_config.top_k
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "drop-and-pad"])
+def test_input_and_weight_gradients_match_token_by_token_reference(capacity_factor):
+    # The dispatch has hand-written backward passes (gathers instead of atomic scatters).
+    layer = _layer(capacity_factor=capacity_factor, shared_expert_ffn_hidden_size=16)
+    tokens = X.shape[0] * X.shape[1]
+    capacity = None if capacity_factor is None else expert_capacity(tokens, 2, 4, capacity_factor)
+    upstream = torch.randn(X.shape, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for forward in (layer, lambda x: _reference(layer, x, capacity)):
+        layer.zero_grad()
+        x = X.clone().requires_grad_(True)
+        (forward(x) * upstream).sum().backward()
+        grads.append([x.grad, *(p.grad.clone() for p in layer.parameters())])
+    for got, expected in zip(*grads):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_capacity_factor_drops_assignments_past_capacity_in_token_order():
@@ -176,15 +194,30 @@ def test_z_loss_matches_formula():
     torch.testing.assert_close(layer.router.aux_loss, expected)
 
 
-def test_grouped_gemm_equals_expert_loop_forward_and_backward():
+@pytest.mark.parametrize("loss", ["square", "sum"], ids=["dense-grad", "expanded-grad"])
+def test_grouped_gemm_equals_expert_loop_forward_and_backward(loss, monkeypatch):
+    # torch >= 2.9 runs torch._grouped_mm on the CPU too: the grouped path must really run
+    # (the probe once rejected every device), also for the zero-stride gradient of sum().
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 9):
+        assert grouped_mm_supported(X.device, X.dtype)
+    calls = []
+    real = torch._grouped_mm
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
     layer = _layer()
     results = []
     for grouped in (True, False):
         layer.experts.grouped_gemm = grouped
         layer.zero_grad()
         out = layer(X)
-        out.square().sum().backward()
+        (out.square().sum() if loss == "square" else out.sum()).backward()
         results.append((out.detach(), [p.grad.clone() for p in layer.parameters()]))
+        if grouped:
+            assert len(calls) >= 3 or not grouped_mm_supported(X.device, X.dtype)
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

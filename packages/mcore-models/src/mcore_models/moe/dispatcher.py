@@ -78,11 +78,64 @@ def all_to_all(
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
 
-def _token_of_assignment(num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
-    """Token index of each of the ``num_tokens * top_k`` flattened routing assignments."""
-    # Integer division instead of repeat_interleave, whose repeat count would be copied to the
-    # device: nothing here may synchronise inside a CUDA graph capture.
-    return torch.arange(num_tokens * top_k, device=device) // top_k
+def _inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inverse`` with ``inverse[order[i]] == i`` (a scatter, no second sort)."""
+    positions = torch.arange(order.numel(), device=order.device)
+    return torch.empty_like(order).scatter_(0, order, positions)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``rows[index]`` for a permutation ``index``; the backward gathers with its inverse.
+
+    Equal to ``index_select``, whose backward scatters with atomic adds; a gather is
+    deterministic and cheaper.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _ExpandTokens(torch.autograd.Function):
+    """``x[order // top_k]``: one copy of each token per assignment, in ``order``.
+
+    The backward gathers each token's ``top_k`` copies through the inverse of ``order`` and
+    sums them in one reduction (``index_select``'s backward would scatter with atomic adds).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return x.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (inverse,) = ctx.saved_tensors
+        rows = grad.index_select(0, inverse)
+        summed = rows.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1)
+        return summed, None, None, None
+
+
+def _weighted_sum(per_assignment: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k weights[t, k] * per_assignment[t * top_k + k]``.
+
+    Each token's ``top_k`` expert outputs are summed in one reduction (no atomics, so the
+    result is deterministic and the same on every routing path).
+    """
+    num_tokens, top_k = weights.shape
+    rows = per_assignment.view(num_tokens, top_k, per_assignment.shape[-1])
+    return (rows * weights.unsqueeze(-1)).sum(dim=1)
 
 
 def _capacity_slots(experts: torch.Tensor, valid: torch.Tensor, num_experts: int, capacity: int):
@@ -97,15 +150,33 @@ def _capacity_slots(experts: torch.Tensor, valid: torch.Tensor, num_experts: int
 
 
 def _run_padded(
-    tokens: torch.Tensor,
+    x: torch.Tensor,
+    top_k: int,
     slots: torch.Tensor,
     num_slots: int,
     run: Any,
 ) -> torch.Tensor:
-    """Scatter assignments into ``num_slots`` slots, run them, gather outputs (zero if dropped)."""
-    hidden = tokens.shape[-1]
-    # One extra trash row takes the dropped assignments, so shapes never depend on the routing.
-    buffer = tokens.new_zeros(num_slots + 1, hidden).index_add(0, slots, tokens)[:num_slots]
+    """Fill ``num_slots`` expert slots with tokens, run them, return per-assignment outputs.
+
+    Args:
+        x: ``[T, hidden]`` tokens.
+        top_k: Assignments per token (assignment ``a`` belongs to token ``a // top_k``).
+        slots: ``[T * top_k]`` slot of each assignment, ``num_slots`` when dropped.
+        num_slots: Number of real slots.
+        run: Maps the ``[num_slots, hidden]`` slot buffer to the experts' outputs.
+
+    Returns:
+        ``[T * top_k, hidden]`` output of each assignment (zero when dropped).
+    """
+    num_assignments, hidden = slots.shape[0], x.shape[-1]
+    # Which assignment fills each slot (a gather, no atomics). Dropped assignments all land
+    # in one extra trash slot, so shapes never depend on the routing; empty slots read a
+    # zero row appended to the tokens.
+    filler = torch.full((num_slots + 1,), num_assignments, dtype=slots.dtype, device=x.device)
+    filler.scatter_(0, slots, torch.arange(num_assignments, device=x.device))
+    filler = filler[:num_slots]
+    rows = torch.where(filler < num_assignments, filler // top_k, x.shape[0])
+    buffer = torch.cat([x, x.new_zeros(1, hidden)]).index_select(0, rows)
     outputs = run(buffer)
     outputs = torch.cat([outputs, outputs.new_zeros(1, hidden)])
     return outputs.index_select(0, slots)
@@ -121,29 +192,33 @@ def _padded_local(experts_module: GroupedExperts, capacity: int):
 
 def _regroup_index(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Row order turning ``[source, expert]``-major rows into ``[expert, source]``-major rows."""
-    starts = (counts.flatten().cumsum(0) - counts.flatten()).view_as(counts)
-    pieces = [
-        torch.arange(int(starts[src, e]), int(starts[src, e] + counts[src, e]))
-        for e in range(counts.shape[1])
-        for src in range(counts.shape[0])
-    ]
-    return torch.cat(pieces).to(device)
+    # ``counts`` lives on the host; the index is built there in a few vectorised ops.
+    flat = counts.flatten()
+    starts = (flat.cumsum(0) - flat).view_as(counts)
+    block_starts = starts.t().flatten()
+    lengths = counts.t().flatten()
+    out_starts = lengths.cumsum(0) - lengths
+    total = int(lengths.sum())
+    shift = torch.repeat_interleave(block_starts - out_starts, lengths, output_size=total)
+    return (torch.arange(total) + shift).to(device)
 
 
 def _dropless_alltoall(
     x: torch.Tensor,
     experts: torch.Tensor,
-    tokens_of: torch.Tensor,
+    top_k: int,
     experts_module: GroupedExperts,
     num_experts: int,
     group: dist.ProcessGroup | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert outputs of the assignments sorted by expert, the sort's inverse, and the counts."""
     order = torch.argsort(experts, stable=True)
-    permuted = x.index_select(0, tokens_of[order])
+    inverse = _inverse_permutation(order)
+    permuted = _ExpandTokens.apply(x, order, inverse, top_k)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, experts, torch.ones_like(experts))
     if group is None:
-        return experts_module(permuted, counts), order, counts
+        return experts_module(permuted, counts), inverse, counts
     ep = dist.get_world_size(group)
     local = num_experts // ep
     received_counts = torch.empty_like(counts)
@@ -154,9 +229,11 @@ def _dropless_alltoall(
     receive_splits = received_matrix.sum(1).tolist()
     received = all_to_all(permuted, group, receive_splits, send_splits)
     regroup = _regroup_index(received_matrix, x.device)
-    outputs = experts_module(received.index_select(0, regroup), received_matrix.sum(0).to(x.device))
-    restored = torch.empty_like(outputs).index_copy(0, regroup, outputs)
-    return all_to_all(restored, group, send_splits, receive_splits), order, counts
+    ungroup = _inverse_permutation(regroup)
+    grouped = _PermuteRows.apply(received, regroup, ungroup)
+    outputs = experts_module(grouped, received_matrix.sum(0).to(x.device))
+    restored = _PermuteRows.apply(outputs, ungroup, regroup)
+    return all_to_all(restored, group, send_splits, receive_splits), inverse, counts
 
 
 def dispatch_and_combine(
@@ -198,15 +275,14 @@ def dispatch_and_combine(
             group=group,
         )
     flat_experts = experts.reshape(-1)
-    flat_weights = weights.reshape(-1, 1)
-    tokens_of = _token_of_assignment(x.shape[0], top_k, x.device)
-    combined = x.new_zeros(x.shape)
     if capacity is None:
-        outputs, order, counts = _dropless_alltoall(
-            x, flat_experts, tokens_of, experts_module, num_experts, group
+        outputs, inverse, counts = _dropless_alltoall(
+            x, flat_experts, top_k, experts_module, num_experts, group
         )
-        combined = combined.index_add(0, tokens_of[order], outputs * flat_weights[order])
-        return combined, counts
+        # Back from expert order to assignment order (``order`` is the inverse of ``inverse``).
+        order = _inverse_permutation(inverse)
+        per_assignment = _PermuteRows.apply(outputs, inverse, order)
+        return _weighted_sum(per_assignment, weights), counts
     counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
     valid = torch.ones_like(flat_experts, dtype=torch.bool)
@@ -215,8 +291,8 @@ def dispatch_and_combine(
         run = _padded_local(experts_module, capacity)
     else:
         run = _padded_alltoall(experts_module, capacity, group)
-    outputs = _run_padded(x.index_select(0, tokens_of), slots, num_experts * capacity, run)
-    return combined.index_add(0, tokens_of, outputs * flat_weights), counts
+    per_assignment = _run_padded(x, top_k, slots, num_experts * capacity, run)
+    return _weighted_sum(per_assignment, weights), counts
 
 
 def _padded_alltoall(experts_module: GroupedExperts, capacity: int, group: dist.ProcessGroup):
@@ -257,24 +333,26 @@ def _allgather(
     flat_experts = all_experts.reshape(-1) - first
     valid = (flat_experts >= 0) & (flat_experts < local)
     flat_experts = torch.where(valid, flat_experts, 0)
-    flat_weights = all_weights.reshape(-1, 1)
-    tokens_of = _token_of_assignment(all_x.shape[0], top_k, x.device)
-    combined = all_x.new_zeros(all_x.shape)
     if capacity is None:
-        # Non-local assignments sort after the local ones and are cut off.
+        # Non-local assignments sort after the local ones and are cut off; they read the
+        # zero row appended to the outputs.
         keys = torch.where(valid, flat_experts, local)
         order = torch.argsort(keys, stable=True)
         local_counts = torch.zeros(local + 1, dtype=torch.int64, device=x.device)
         local_counts.scatter_add_(0, keys, torch.ones_like(keys))
-        kept = order[: int(local_counts[:local].sum())]
-        outputs = experts_module(all_x.index_select(0, tokens_of[kept]), local_counts[:local])
-        combined = combined.index_add(0, tokens_of[kept], outputs * flat_weights[kept])
+        num_kept = int(local_counts[:local].sum())
+        kept = order[:num_kept]
+        outputs = experts_module(all_x.index_select(0, kept // top_k), local_counts[:local])
+        position = _inverse_permutation(order)
+        rows = torch.where(position < num_kept, position, num_kept)
+        outputs = torch.cat([outputs, outputs.new_zeros(1, outputs.shape[-1])])
+        per_assignment = outputs.index_select(0, rows)
     else:
         ep = dist.get_world_size(group)
         slots = _capacity_slots(flat_experts, valid, local, ep * capacity)
         run = _padded_local(experts_module, ep * capacity)
-        outputs = _run_padded(all_x.index_select(0, tokens_of), slots, local * ep * capacity, run)
-        combined = combined.index_add(0, tokens_of, outputs * flat_weights)
+        per_assignment = _run_padded(all_x, top_k, slots, local * ep * capacity, run)
+    combined = _weighted_sum(per_assignment, all_weights)
     return reduce_scatter_to_sequence_parallel_region(combined, group)[:num_tokens], counts
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,15 +30,40 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if key not in _GROUPED_MM_PROBES:
         supported = hasattr(torch, "_grouped_mm")
         if supported:
+            # Autograd on even when the first call comes from inference code (the answer is
+            # cached); a dense output gradient, as the layer's wrapper guarantees.
             try:
-                a = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
-                b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                offsets = torch.tensor([8, 16], device=device, dtype=torch.int32)
-                torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets).sum().backward()
+                with torch.inference_mode(False), torch.enable_grad():
+                    a = torch.randn(32, 16, device=device, dtype=dtype, requires_grad=True)
+                    b = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                    offsets = torch.tensor([16, 32], device=device, dtype=torch.int32)
+                    out = _grouped_linear(a, b, offsets)
+                    out.backward(torch.ones_like(out))
             except (RuntimeError, NotImplementedError, TypeError):
                 supported = False
         _GROUPED_MM_PROBES[key] = supported
     return _GROUPED_MM_PROBES[key]
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient.
+
+    ``torch._grouped_mm``'s backward rejects gradients with zero strides (the expanded
+    gradient of ``out.sum()``, for instance).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows ``offsets[g-1]:offsets[g]`` of ``x`` times ``weight[g].T`` (a grouped ``F.linear``)."""
+    return _DenseGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
 
 
 class GroupedExperts(nn.Module):
@@ -85,11 +112,9 @@ class GroupedExperts(nn.Module):
         """
         if self.grouped_gemm and grouped_mm_supported(tokens.device, tokens.dtype):
             offsets = counts.cumsum(0).to(torch.int32)
-            gate = torch._grouped_mm(tokens, self.gate_proj.transpose(-2, -1), offs=offsets)
-            up = torch._grouped_mm(tokens, self.up_proj.transpose(-2, -1), offs=offsets)
-            return torch._grouped_mm(
-                F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets
-            )
+            gate = _grouped_linear(tokens, self.gate_proj, offsets)
+            up = _grouped_linear(tokens, self.up_proj, offsets)
+            return _grouped_linear(F.silu(gate) * up, self.down_proj, offsets)
         outputs = []
         # NOTE: the loop needs the group sizes on the host (one device sync per call).
         for expert, chunk in enumerate(tokens.split(counts.tolist())):
