@@ -94,7 +94,7 @@ def _gpu_checks(rank: int, world: int) -> dict[str, Any]:
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("mcore_kernels.comm").addHandler(handler)
     logging.getLogger("mcore_kernels.comm").setLevel(logging.INFO)
-    observed: dict[str, Any] = {"diffs": {}}
+    observed: dict[str, Any] = {"diffs": {}, "world": world}
     for tokens, hidden in _SHAPES:
         case = _inputs(world, rank, tokens, hidden, step=tokens)
         expected = _reference(case)
@@ -182,9 +182,13 @@ def test_symmetric_residual_equals_float32_rank_order_reference_bitwise(
 def test_symmetric_matches_nccl_sequence(gpu_run: list[dict[str, Any]]) -> None:
     for per_rank in gpu_run:
         for key, diff in per_rank["diffs"].items():
-            # bfloat16 outputs of order 1-4: one or two units in the last place.
-            assert diff["normed_max_abs_diff_vs_nccl"] <= 6.3e-2, (key, diff)
-            assert diff["residual_max_abs_diff_vs_nccl"] <= 6.3e-2, (key, diff)
+            # bfloat16 outputs of order 1-4: one or two units in the last place. NCCL's ring
+            # rounds its running sum to bfloat16 at each of its world - 1 hops, so its own
+            # error (not ours: the residual equals the float32 reference bitwise) grows with
+            # the group; the bound against NCCL scales with the hops.
+            hops = per_rank["world"] - 1
+            assert diff["normed_max_abs_diff_vs_nccl"] <= 6.3e-2 * hops, (key, diff)
+            assert diff["residual_max_abs_diff_vs_nccl"] <= 6.3e-2 * hops, (key, diff)
             assert diff["normed_max_abs_diff_vs_reference"] <= 6.3e-2, (key, diff)
 
 

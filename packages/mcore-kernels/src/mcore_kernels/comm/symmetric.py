@@ -35,8 +35,9 @@ __all__ = [
     "symmetric_rs_add_rmsnorm_ag",
 ]
 
-ONE_SHOT_MAX_TOKEN_RANKS = 1024
-"""In groups of more than two ranks, one-shot runs while ``tokens * world`` is at most this."""
+ONE_SHOT_MAX_TOKEN_RANKS = 256
+"""In groups of more than two ranks, one-shot runs while ``tokens * world`` is at most this
+(measured on 4 x H200, see :func:`choose_strategy`)."""
 
 
 def choose_strategy(tokens: int, world: int) -> str:
@@ -46,8 +47,9 @@ def choose_strategy(tokens: int, world: int) -> str:
     partial rows), two-shot about ``3 * (world - 1) / world * tokens`` (it reads a slice of the
     peers' partials and writes the normalised rows and the new residual rows into every peer).
     With two ranks one-shot moves less at any size, and it was the faster kernel at every size
-    measured on 2 x H200 (docs/benchmarks/comm.md); with more ranks two-shot takes over for
-    large token counts, at a threshold not yet measured.
+    measured on 2 x H200 (docs/benchmarks/comm.md). On 4 x H200 two-shot was faster from 128
+    tokens on at hidden 4096 and 8192 and one-shot up to 32, hence the threshold of
+    ``tokens * world <= 256`` for one-shot in groups of more than two ranks.
 
     Args:
         tokens: rows of the call.
