@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from mcore_models.moe.experts import GroupedExperts
 from mcore_parallel.tensor_parallel.mappings import (
