@@ -66,6 +66,28 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     return _DenseGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
 
 
+class _BatchedLinear(torch.autograd.Function):
+    """``x[e] @ weight[e].T`` for every expert ``e`` (a batched ``F.linear``).
+
+    Autograd through ``torch.bmm(x, weight.transpose(1, 2))`` yields the weight gradient as a
+    transposed view, which the gradient accumulation then copies into the parameter's layout
+    (a strided copy of every expert weight, 36% of a drop-and-pad step on an H200); here the
+    weight gradient is computed in the parameter's layout directly.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return torch.bmm(x, weight.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
+
+
 class GroupedExperts(nn.Module):
     """``num_local_experts`` SwiGLU MLPs (``down(silu(gate(x)) * up(x))``) held as 3-D weights.
 
@@ -133,6 +155,6 @@ class GroupedExperts(nn.Module):
         Returns:
             ``[num_experts, capacity, hidden]`` outputs.
         """
-        gate = torch.bmm(tokens, self.gate_proj.transpose(1, 2))
-        up = torch.bmm(tokens, self.up_proj.transpose(1, 2))
-        return torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))
+        gate = _BatchedLinear.apply(tokens, self.gate_proj)
+        up = _BatchedLinear.apply(tokens, self.up_proj)
+        return _BatchedLinear.apply(F.silu(gate) * up, self.down_proj)
