@@ -299,3 +299,15 @@ def test_num_parameters_and_flops_per_token_count_moe_layers():
     dense_mlp = sum(p.numel() for p in model.layers[0].mlp.parameters())
     expected = dense.flops_per_token(16) + 6 * 2 * (active - dense_mlp)
     assert config.flops_per_token(16) == expected
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "drop-and-pad"])
+def test_zero_tokens_forward_and_backward(capacity_factor):
+    # An expert-parallel rank may bring no tokens; the hand-written backward passes too.
+    layer = _layer(capacity_factor=capacity_factor)
+    x = torch.zeros(0, HIDDEN, requires_grad=True)
+    out = layer(x)
+    assert out.shape == (0, HIDDEN)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, HIDDEN)
+    assert all(p.grad is None or not p.grad.any() for p in layer.parameters())

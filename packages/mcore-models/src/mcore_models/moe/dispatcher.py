@@ -115,14 +115,14 @@ class _ExpandTokens(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int
     ) -> torch.Tensor:
         ctx.save_for_backward(inverse)
-        ctx.top_k = top_k
+        ctx.top_k, ctx.num_tokens = top_k, x.shape[0]
         return x.index_select(0, order // top_k)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (inverse,) = ctx.saved_tensors
         rows = grad.index_select(0, inverse)
-        summed = rows.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1)
+        summed = rows.view(ctx.num_tokens, ctx.top_k, grad.shape[-1]).sum(dim=1)
         return summed, None, None, None
 
 
@@ -166,7 +166,7 @@ class _FillSlots(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, top_k: int
     ) -> torch.Tensor:
         ctx.save_for_backward(slots)
-        ctx.top_k = top_k
+        ctx.top_k, ctx.num_tokens = top_k, x.shape[0]
         return torch.cat([x, x.new_zeros(1, x.shape[-1])]).index_select(0, rows)
 
     @staticmethod
@@ -174,7 +174,8 @@ class _FillSlots(torch.autograd.Function):
         (slots,) = ctx.saved_tensors
         padded = torch.cat([grad, grad.new_zeros(1, grad.shape[-1])])
         per_assignment = padded.index_select(0, slots)
-        return per_assignment.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None, None
+        rows = per_assignment.view(ctx.num_tokens, ctx.top_k, grad.shape[-1])
+        return rows.sum(dim=1), None, None, None
 
 
 class _ReadSlots(torch.autograd.Function):
