@@ -77,6 +77,21 @@ def all_to_all(
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
 
+def _sum_token_copies(
+    grad: torch.Tensor, index: torch.Tensor, num_tokens: int, top_k: int
+) -> torch.Tensor:
+    """Gradient of the tokens: gather each assignment's row of ``grad`` through ``index``
+    (assignment ``a`` of token ``a // top_k``) and sum every token's ``top_k`` rows at once."""
+    rows = grad.index_select(0, index)
+    return rows.view(num_tokens, top_k, grad.shape[-1]).sum(dim=1)
+
+
+def _count(indices: torch.Tensor, size: int) -> torch.Tensor:
+    """int64 ``[size]`` occurrences of each index (``bincount`` without its host sync)."""
+    counts = torch.zeros(size, dtype=torch.int64, device=indices.device)
+    return counts.scatter_add_(0, indices, torch.ones_like(indices))
+
+
 def _inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """``inverse`` with ``inverse[order[i]] == i`` (a scatter, no second sort)."""
     positions = torch.arange(order.numel(), device=order.device)
@@ -121,9 +136,7 @@ class _ExpandTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (inverse,) = ctx.saved_tensors
-        rows = grad.index_select(0, inverse)
-        summed = rows.view(ctx.num_tokens, ctx.top_k, grad.shape[-1]).sum(dim=1)
-        return summed, None, None, None
+        return _sum_token_copies(grad, inverse, ctx.num_tokens, ctx.top_k), None, None, None
 
 
 def _weighted_sum(per_assignment: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -173,9 +186,7 @@ class _FillSlots(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (slots,) = ctx.saved_tensors
         padded = torch.cat([grad, grad.new_zeros(1, grad.shape[-1])])
-        per_assignment = padded.index_select(0, slots)
-        rows = per_assignment.view(ctx.num_tokens, ctx.top_k, grad.shape[-1])
-        return rows.sum(dim=1), None, None, None
+        return _sum_token_copies(padded, slots, ctx.num_tokens, ctx.top_k), None, None, None
 
 
 class _ReadSlots(torch.autograd.Function):
@@ -258,15 +269,15 @@ def _dropless_alltoall(
     experts_module: GroupedExperts,
     num_experts: int,
     group: dist.ProcessGroup | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Expert outputs of the assignments sorted by expert, the sort's inverse, and the counts."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert outputs of the assignments sorted by expert, the sort order, its inverse, and the
+    counts per expert."""
     order = torch.argsort(experts, stable=True)
     inverse = _inverse_permutation(order)
     permuted = _ExpandTokens.apply(x, order, inverse, top_k)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, experts, torch.ones_like(experts))
+    counts = _count(experts, num_experts)
     if group is None:
-        return experts_module(permuted, counts), inverse, counts
+        return experts_module(permuted, counts), order, inverse, counts
     ep = dist.get_world_size(group)
     local = num_experts // ep
     received_counts = torch.empty_like(counts)
@@ -281,7 +292,8 @@ def _dropless_alltoall(
     grouped = _PermuteRows.apply(received, regroup, ungroup)
     outputs = experts_module(grouped, received_matrix.sum(0).to(x.device))
     restored = _PermuteRows.apply(outputs, ungroup, regroup)
-    return all_to_all(restored, group, send_splits, receive_splits), inverse, counts
+    outputs = all_to_all(restored, group, send_splits, receive_splits)
+    return outputs, order, inverse, counts
 
 
 def dispatch_and_combine(
@@ -324,15 +336,13 @@ def dispatch_and_combine(
         )
     flat_experts = experts.reshape(-1)
     if capacity is None:
-        outputs, inverse, counts = _dropless_alltoall(
+        outputs, order, inverse, counts = _dropless_alltoall(
             x, flat_experts, top_k, experts_module, num_experts, group
         )
-        # Back from expert order to assignment order (``order`` is the inverse of ``inverse``).
-        order = _inverse_permutation(inverse)
+        # Back from expert order to assignment order.
         per_assignment = _PermuteRows.apply(outputs, inverse, order)
         return _weighted_sum(per_assignment, weights), counts
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+    counts = _count(flat_experts, num_experts)
     valid = torch.ones_like(flat_experts, dtype=torch.bool)
     slots = _capacity_slots(flat_experts, valid, num_experts, capacity)
     if group is None:
@@ -365,8 +375,7 @@ def _allgather(
     group: dist.ProcessGroup,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     top_k = experts.shape[1]
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, experts.reshape(-1), torch.ones_like(experts.reshape(-1)))
+    counts = _count(experts.reshape(-1), num_experts)
     num_tokens = x.shape[0]
     if capacity is None:
         x, weights, experts = _pad_to_group_max(x, weights, experts, num_experts, group)
@@ -386,8 +395,7 @@ def _allgather(
         # zero row appended to the outputs.
         keys = torch.where(valid, flat_experts, local)
         order = torch.argsort(keys, stable=True)
-        local_counts = torch.zeros(local + 1, dtype=torch.int64, device=x.device)
-        local_counts.scatter_add_(0, keys, torch.ones_like(keys))
+        local_counts = _count(keys, local + 1)
         num_kept = int(local_counts[:local].sum())
         kept = order[:num_kept]
         outputs = experts_module(all_x.index_select(0, kept // top_k), local_counts[:local])
