@@ -186,3 +186,35 @@ def test_get_default_without_state_raises():
     state_module.set_default(None)
     with pytest.raises(ParallelStateError, match="set_default"):
         state_module.get_default()
+
+
+def _etp_layouts() -> dict:
+    # tp=2 dense, experts over ep=4 with etp=1: every rank holds whole experts of its own.
+    narrow = initialize(tp=2, ep=4, etp=1)
+    result = {
+        "rank": narrow.rank,
+        "narrow": {n: getattr(narrow, f"{n}_ranks") for n in ("tp", "ep", "etp", "expert_dp")},
+    }
+    # Default etp = tp: the expert layout of earlier versions (experts replicated over tp).
+    default = initialize(tp=2, ep=2)
+    result["default"] = {n: getattr(default, f"{n}_ranks") for n in ("tp", "ep", "etp")}
+    try:
+        initialize(tp=2, ep=8, etp=1)
+    except ParallelConfigError as error:
+        result["error"] = str(error)
+    return result
+
+
+def test_expert_tensor_parallel_size_reshapes_only_the_expert_groups():
+    results = run_distributed(_etp_layouts, 4)
+    for result in results:
+        rank = result["rank"]
+        assert result["narrow"] == {
+            "tp": [rank - rank % 2, rank - rank % 2 + 1],
+            "ep": [0, 1, 2, 3],
+            "etp": [rank],
+            "expert_dp": [rank],
+        }
+        assert result["default"]["etp"] == result["default"]["tp"]
+        assert result["default"]["ep"] == [rank % 2, rank % 2 + 2]
+        assert "ep*etp = 8*1" in result["error"] and "tp*cp*dp" in result["error"]

@@ -23,14 +23,21 @@ __all__ = ["sharded_state_dict"]
 def _axis(state: ParallelState, axis: str) -> tuple[int, int]:
     if axis == "tp":
         return state.tp_size, state.tp_rank
+    if axis == "etp":
+        return state.etp_size, state.etp_rank
     return state.ep_size, state.ep_rank
 
 
 def _replica_id(state: ParallelState, axes: set[str]) -> int:
     """Index of this rank among the ranks of its pipeline stage holding the same block."""
-    # Expert weights are replicated over expert_dp; dense ones over dp x cp, which contains
-    # the expert-parallel ranks (ep is carved out of dp * cp).
-    replica = state.expert_dp_rank if "ep" in axes else state.dp_cp_rank
+    # Expert weights are replicated over expert_dp (x etp when not split over it); dense ones
+    # over dp x cp (x tp when not split over it).
+    if "ep" in axes or "etp" in axes:
+        replica = state.expert_dp_rank
+        if "etp" not in axes:
+            replica = replica * state.etp_size + state.etp_rank
+        return replica
+    replica = state.dp_cp_rank
     if "tp" not in axes:
         replica = replica * state.tp_size + state.tp_rank
     return replica

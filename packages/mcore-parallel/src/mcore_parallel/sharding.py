@@ -15,7 +15,7 @@ from mcore_parallel.errors import ParallelConfigError, ParallelTypeError
 
 __all__ = ["ShardedTensor", "set_partition_dim", "get_partition_dims", "PARTITION_AXES"]
 
-PARTITION_AXES = ("tp", "ep")
+PARTITION_AXES = ("tp", "ep", "etp")
 """Parallel dimensions along which a parameter can be partitioned."""
 
 
@@ -79,7 +79,7 @@ def set_partition_dim(tensor: torch.Tensor, dim: int, *, axis: str = "tp") -> No
     """Records that ``tensor`` holds this rank's chunk of a global tensor along ``dim``.
 
     The global tensor is split into equal chunks along ``dim`` over the ranks of ``axis``
-    (``"tp"``: tensor parallel, ``"ep"``: expert parallel), chunk ``i`` on the rank of index
+    (``"tp"``: tensor parallel, ``"ep"``: expert parallel, ``"etp"``: expert tensor parallel), chunk ``i`` on the rank of index
     ``i``. :func:`mcore_parallel.checkpointing.sharded_state_dict` reads this back.
 
     Args:

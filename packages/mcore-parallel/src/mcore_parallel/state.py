@@ -3,7 +3,10 @@
 Ranks are laid out in the order tp-cp-ep-dp-pp with the tensor-parallel ranks contiguous, as in
 Megatron-Core: the dense groups (tp, cp, dp, pp) come from a ``pp x dp x cp x tp`` grid of global
 ranks, and the expert groups carve ``ep`` out of ``dp * cp`` from a ``pp x expert_dp x ep x tp``
-grid of the same ranks, with ``expert_dp = dp * cp / ep``.
+grid of the same ranks, with ``expert_dp = dp * cp / ep``. With an expert tensor-parallel size
+``etp`` other than ``tp`` (Megatron's ETP), the expert grid is ``pp x expert_dp x ep x etp`` with
+``expert_dp = tp * cp * dp / (ep * etp)``: experts' FFNs are split over ``etp`` ranks, and the
+dense tensor-parallel group is unchanged.
 
 Libraries take a :class:`ParallelState` as an argument. :func:`get_default` and
 :func:`set_default` exist only so that scripts can avoid passing it around.
@@ -22,7 +25,7 @@ from mcore_parallel.errors import ParallelConfigError, ParallelStateError, Paral
 
 __all__ = ["ParallelState", "initialize", "get_default", "set_default"]
 
-_DIMENSIONS = ("tp", "cp", "ep", "dp", "pp", "expert_dp", "dp_cp", "mp")
+_DIMENSIONS = ("tp", "cp", "ep", "etp", "dp", "pp", "expert_dp", "dp_cp", "mp")
 
 
 def _check_int_at_least(name: str, value: object, minimum: int) -> int:
@@ -169,6 +172,26 @@ class ParallelState:
     def ep_ranks(self) -> list[int]:
         """Global ranks of this rank's expert-parallel group."""
         return list(self._ranks["ep"])
+
+    @property
+    def etp_group(self) -> dist.ProcessGroup:
+        """Expert tensor-parallel group (ranks splitting each expert's FFN); ``tp`` by default."""
+        return self._group("etp")
+
+    @property
+    def etp_size(self) -> int:
+        """Number of expert tensor-parallel ranks."""
+        return len(self._ranks["etp"])
+
+    @property
+    def etp_rank(self) -> int:
+        """This rank's index in its expert tensor-parallel group."""
+        return self._rank_in("etp")
+
+    @property
+    def etp_ranks(self) -> list[int]:
+        """Global ranks of this rank's expert tensor-parallel group."""
+        return list(self._ranks["etp"])
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -328,17 +351,22 @@ class ParallelState:
         return groups
 
 
-def _validate_layout(world_size: int, tp: int, pp: int, cp: int, ep: int) -> int:
+def _validate_layout(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: int) -> int:
     model_size = tp * pp * cp
     if world_size % model_size != 0:
         raise ParallelConfigError(
             f"world_size={world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_size}"
         )
     dp = world_size // model_size
-    if (dp * cp) % ep != 0:
+    if etp == tp and (dp * cp) % ep != 0:
         raise ParallelConfigError(
             f"ep={ep} must divide dp*cp = {dp}*{cp} = {dp * cp} (world_size={world_size}, "
             f"tp={tp}, pp={pp}, cp={cp})"
+        )
+    if (tp * cp * dp) % (ep * etp) != 0:
+        raise ParallelConfigError(
+            f"ep*etp = {ep}*{etp} must divide tp*cp*dp = {tp}*{cp}*{dp} = {tp * cp * dp} "
+            f"(world_size={world_size}, pp={pp})"
         )
     return dp
 
@@ -369,7 +397,13 @@ def _new_group(members: list[int], rank: int) -> dist.ProcessGroup | None:
 
 
 def initialize(
-    tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, backend: str | None = None
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    backend: str | None = None,
+    *,
+    etp: int | None = None,
 ) -> ParallelState:
     """Creates the process groups of a tp x cp x dp x pp layout (plus expert groups).
 
@@ -384,6 +418,8 @@ def initialize(
         ep: Expert-parallel size; must divide ``dp * cp``.
         backend: Backend used when torch.distributed must be initialised here; default
             ``"nccl"`` when CUDA is available, else ``"gloo"``. Ignored otherwise.
+        etp: Expert tensor-parallel size (default ``tp``); ``ep * etp`` must divide
+            ``tp * cp * dp``.
 
     Returns:
         This rank's :class:`ParallelState`; ``dp = world_size / (tp * pp * cp)``.
@@ -396,19 +432,20 @@ def initialize(
     """
     for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         _check_positive(name, value)
+    etp = tp if etp is None else _check_positive("etp", etp)
     owns_default_group = not dist.is_initialized()
     if owns_default_group:
         _init_default_group(backend)
     world_size = dist.get_world_size()
     try:
-        dp = _validate_layout(world_size, tp, pp, cp, ep)
+        dp = _validate_layout(world_size, tp, pp, cp, ep, etp)
     except ParallelConfigError:
         if owns_default_group:
             dist.destroy_process_group()
         raise
     rank = dist.get_rank()
     dense = torch.arange(world_size).reshape(pp, dp, cp, tp)
-    expert = torch.arange(world_size).reshape(pp, dp * cp // ep, ep, tp)
+    expert = torch.arange(world_size).reshape(pp, tp * cp * dp // (ep * etp), ep, etp)
     layouts: dict[str, list[list[int]]] = {
         "tp": _groups_along(dense, [3]),
         "cp": _groups_along(dense, [2]),
@@ -417,6 +454,7 @@ def initialize(
         "dp_cp": _groups_along(dense, [1, 2]),
         "mp": _groups_along(dense, [0, 3]),
         "ep": _groups_along(expert, [2]),
+        "etp": _groups_along(expert, [3]),
         "expert_dp": _groups_along(expert, [1]),
     }
     groups: dict[str, dist.ProcessGroup] = {}
