@@ -16,7 +16,8 @@ from mcore_models import (
     ModelInputError,
     PackedSeqParams,
 )
-from mcore_models.gpt.parallelize import full_state_dict, parallelize
+from mcore_models import parallelize
+from mcore_models.gather import gather_full_tensors
 from mcore_parallel import initialize
 from mcore_parallel.sharding import get_partition_dims
 from mcore_parallel.tensor_parallel.layers import allreduce_sequence_parallel_grads
@@ -31,6 +32,12 @@ CONFIGS = {
     "qwen2": GPTConfig.from_name("tiny", add_qkv_bias=True, tie_word_embeddings=True, seed=12),
     "qwen3": GPTConfig.from_name("tiny", qk_layernorm=True, seed=13),
 }
+
+
+def _sharded(config: GPTConfig, state) -> GPTModel:
+    model = parallelize(GPTModel(config), state)
+    assert isinstance(model, GPTModel)
+    return model
 
 
 def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,7 +69,7 @@ def _all_checks(checkpoint_dir: str, export_dir: str) -> dict[str, float]:
         for sequence_parallel in (False, True):
             cfg = config.replace(sequence_parallel=sequence_parallel)
             reference = GPTModel(cfg)
-            sharded = GPTModel(cfg, state)
+            sharded = _sharded(cfg, state)
             key = f"{name}/sp={sequence_parallel}"
             ref_logits, tp_logits = reference(IDS), sharded(IDS)
             errors[f"logits/{key}"] = _max_error(tp_logits, ref_logits)
@@ -71,12 +78,12 @@ def _all_checks(checkpoint_dir: str, export_dir: str) -> dict[str, float]:
             allreduce_sequence_parallel_grads(sharded, state)
             errors[f"grads/{key}"] = _gradient_errors(reference, sharded, rank)
         with torch.no_grad():
-            sharded = GPTModel(config, state).eval()
+            sharded = _sharded(config, state).eval()
             reference = GPTModel(config).eval()
             expected = reference(IDS)
             shard = sharded(IDS, gather_logits=False)
             errors[f"vocab_shard/{name}"] = _max_error(shard, expected.chunk(2, dim=-1)[rank])
-            fused = GPTModel(config.replace(inference_fuse_tp_communication=True), state)
+            fused = _sharded(config.replace(inference_fuse_tp_communication=True), state)
             errors[f"fused_comm/{name}"] = _max_error(fused(IDS), sharded(IDS))
             errors[f"fused_comm_vs_tp1/{name}"] = _max_error(fused(IDS), expected)
             lengths = [3, 5, 4]
@@ -92,14 +99,14 @@ def _all_checks(checkpoint_dir: str, export_dir: str) -> dict[str, float]:
             for t in range(5, 8):
                 steps.append(sharded(IDS[:1, t : t + 1], torch.tensor([[t]]), kv_cache=cache))
             errors[f"kv_cache/{name}"] = _max_error(torch.cat(steps, dim=1), expected[:1])
-            full = full_state_dict(sharded)
+            _, full = gather_full_tensors([sharded], state, every_rank=True)
             errors[f"full_state_dict/{name}"] = max(
                 _max_error(full[k], v) for k, v in reference.state_dict().items()
             )
     hf = GPTModel.from_hf(checkpoint_dir, state=state)
     with torch.no_grad():
         hf_logits = hf(IDS)
-    hf.to_hf(export_dir)
+    hf.to_hf(export_dir, state=state)
     custom_mlp = GPTModel(CONFIGS["llama"])
     custom_mlp.layers[1].mlp = torch.nn.Identity()
     messages = []
@@ -111,9 +118,9 @@ def _all_checks(checkpoint_dir: str, export_dir: str) -> dict[str, float]:
     # The rejected model is left whole: layer 0 (before the bad MLP) was not sharded.
     errors["rejected_model_untouched"] = float(
         type(custom_mlp.layers[0].self_attention.q_proj) is not torch.nn.Linear
-        or custom_mlp.state is not None
+        or custom_mlp.tp_group is not None
     )
-    sequence_parallel = GPTModel(CONFIGS["llama"].replace(sequence_parallel=True), state)
+    sequence_parallel = _sharded(CONFIGS["llama"].replace(sequence_parallel=True), state)
     try:
         sequence_parallel(IDS[:, :7])
     except ModelInputError as error:
@@ -143,7 +150,7 @@ def test_tensor_parallel_matches_single_rank(tmp_path):
         assert "already parallelized" in already
         assert "num_query_groups=1 must be divisible" in indivisible
         assert "MLP of type Identity" in custom
-        assert "sequence_parallel=True" in sequence
+        assert "sequence parallelism" in sequence and "(2, 7)" in sequence
         for key, error in result.items():
             tolerance = 1e-4 if key.startswith("grads") else 2e-5
             assert error < tolerance, (rank, key, error)

@@ -25,6 +25,13 @@ from mcore_models.gpt.qk_clip import (
 )
 from mcore_models.moe import DecodeExpertPadding, MoEConfig, MoELayer, set_decode_expert_padding
 from mcore_models.packed_seq import PackedSeqParams
+from mcore_models.parallelize import (
+    PipelineLayout,
+    build_pipeline_stages,
+    materialize,
+    parallelize,
+    stage_layer_ranges,
+)
 
 __all__ = [
     "__version__",
@@ -49,4 +56,9 @@ __all__ = [
     "MoELayer",
     "set_decode_expert_padding",
     "DecodeExpertPadding",
+    "PipelineLayout",
+    "build_pipeline_stages",
+    "materialize",
+    "parallelize",
+    "stage_layer_ranges",
 ]

@@ -14,9 +14,12 @@ from safetensors.torch import save_file
 
 from mcore_models.errors import CheckpointFormatError
 from mcore_models.gpt.config import GPTConfig, RopeScaling
+from mcore_models.hf_io import HFPiece, SafetensorsReader, read_into
+from mcore_models.init import iter_placed
 
 if TYPE_CHECKING:
     from mcore_models.gpt.model import GPTModel
+    from mcore_models.parallelize import PipelineLayout
     from mcore_parallel.state import ParallelState
 
 __all__ = [
@@ -24,6 +27,7 @@ __all__ = [
     "config_from_hf",
     "config_to_hf",
     "hf_name",
+    "hf_pieces",
     "load_hf",
     "mcore_name",
     "save_hf",
@@ -256,20 +260,37 @@ def config_to_hf(config: GPTConfig) -> dict[str, Any]:
     return hf
 
 
-def _checkpoint_files(directory: Path) -> dict[str, Path]:
-    """Map every tensor name of a checkpoint to the safetensors file holding it."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: directory / file for name, file in weight_map.items()}
-    single = directory / "model.safetensors"
-    if not single.is_file():
-        raise CheckpointFormatError(
-            f"path={str(directory)!r} holds neither model.safetensors nor "
-            "model.safetensors.index.json"
-        )
-    with safe_open(str(single), framework="pt") as handle:
-        return {name: single for name in handle.keys()}  # noqa: SIM118
+def hf_pieces(
+    name: str, global_shape: tuple[int, ...], config: GPTConfig, model_type: str
+) -> list[HFPiece]:
+    """The checkpoint tensors that compose one global mcore tensor.
+
+    Args:
+        name: Canonical mcore name (its name in the whole, unsharded model).
+        global_shape: Shape of the global tensor.
+        config: Model config.
+        model_type: Hugging Face ``model_type`` of the checkpoint.
+
+    Returns:
+        The pieces (one for a dense tensor; one per expert for expert weights).
+    """
+    if config.moe is not None:
+        from mcore_models.moe.hf import moe_hf_pieces
+
+        pieces = moe_hf_pieces(name, global_shape, config, model_type)
+        if pieces is not None:
+            return pieces
+    return [HFPiece(hf_name(name), tuple(slice(0, n) for n in global_shape))]
+
+
+def _expected_hf_names(cls: type[GPTModel], config: GPTConfig, model_type: str) -> set[str]:
+    """Every checkpoint tensor name a whole model of ``config`` reads (metadata only)."""
+    whole = cls(config, device="meta")
+    names: set[str] = set()
+    for name, param in whole.named_parameters():
+        for piece in hf_pieces(whole.canonical_name(name), tuple(param.shape), config, model_type):
+            names.add(piece.hf_name)
+    return names
 
 
 def load_hf(
@@ -279,140 +300,205 @@ def load_hf(
     state: ParallelState | None = None,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
+    sequence_parallel: bool | None = None,
+    pipeline: PipelineLayout | None = None,
+    reader: SafetensorsReader | None = None,
     **config_overrides: Any,
-) -> GPTModel:
+) -> GPTModel | list[GPTModel]:
     """Load a Hugging Face checkpoint into a new model (see :meth:`GPTModel.from_hf`).
+
+    The model is built on the meta device, parallelized for ``state``, and each rank reads
+    only its slices of the checkpoint tensors (safetensors' slice API), so the peak host
+    memory of a rank is about its shard of the weights.
 
     Args:
         cls: The model class to build.
         path: Checkpoint directory.
-        state: Parallel state, or None.
+        state: Parallel state, or None for the whole model on one rank.
         dtype: Parameter dtype, default the checkpoint's.
-        device: Device of the parameters.
+        device: Device of the parameters (default ``state.device`` or the default device).
+        sequence_parallel: See :func:`mcore_models.parallelize`.
+        pipeline: Pipeline layout (virtual stages, layer split) under pipeline parallelism.
+        reader: An open checkpoint to read from (default: opened from ``path``).
         **config_overrides: GPTConfig fields to set.
 
     Returns:
-        The model, sharded under tensor parallelism.
+        The model, this rank's pipeline stage, or its list of chunks (virtual stages).
 
     Raises:
         CheckpointFormatError: If the checkpoint is unsupported or does not match.
     """
+    from mcore_models.materialize import materialize_module
+    from mcore_models.parallelize import parallelize
+
     directory = Path(path)
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise CheckpointFormatError(f"path={str(directory)!r} has no config.json")
+    hf_config = json.loads(config_file.read_text())
     overrides = dict(config_overrides, perform_initialization=False)
     if dtype is not None:
         overrides["dtype"] = dtype
-    config = config_from_hf(json.loads(config_file.read_text()), **overrides)
-    model = cls(config, device=device)
-    files = _checkpoint_files(directory)
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    handles: dict[Path, Any] = {}
-    experts = None
-    if config.moe is not None:
-        from mcore_models.moe.hf import ExpertLoader
-
-        experts = ExpertLoader(params)
-
-    def read(name: str) -> torch.Tensor:
-        file = files[name]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt")
-        return handles[file].get_tensor(name)
-
-    try:
-        for name in sorted(files):
-            if experts is not None and experts.load(name, read):
-                continue
-            target = mcore_name(name)
-            if target is None or (target == "output_layer.weight" and config.tie_word_embeddings):
-                if target is None and not name.endswith("rotary_emb.inv_freq"):
-                    raise CheckpointFormatError(
-                        f"tensor {name!r} of the checkpoint has no place in a "
-                        f"{config_to_hf(config)['model_type']} GPTModel"
-                    )
-                continue
-            if target not in params:
-                raise CheckpointFormatError(
-                    f"tensor {name!r} of the checkpoint has no place in the model (expected "
-                    f"{target!r} to exist)"
-                )
-            tensor = read(name)
-            param = params[target]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise CheckpointFormatError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}; the model expects "
-                    f"{tuple(param.shape)} for {target!r}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(target)
-    finally:
-        handles.clear()
-    if experts is not None:
-        experts.check_experts_complete()
-        loaded |= experts.loaded
-    missing = sorted(set(params) - loaded)
-    if missing:
+    config = config_from_hf(hf_config, **overrides)
+    model_type = hf_config["model_type"]
+    reader = reader or SafetensorsReader(directory)
+    unexpected = sorted(
+        name
+        for name in set(reader.files) - _expected_hf_names(cls, config, model_type)
+        if not name.endswith("rotary_emb.inv_freq")
+        and not (name == "lm_head.weight" and config.tie_word_embeddings)
+    )
+    if unexpected:
         raise CheckpointFormatError(
-            f"tensor {hf_name(missing[0])!r} is missing from the checkpoint at {str(directory)!r} "
-            f"({len(missing)} missing in all)"
+            f"tensor {unexpected[0]!r} of the checkpoint has no place in a {model_type} "
+            f"GPTModel ({len(unexpected)} unexpected in all)"
         )
+    model = cls(config, device="meta")
+    result: GPTModel | list[GPTModel] = model
     if state is not None:
-        from mcore_models.gpt.parallelize import parallelize
+        result = parallelize(model, state, sequence_parallel=sequence_parallel, pipeline=pipeline)
+    target = device if device is not None else (state.device if state is not None else None)
+    target = torch.device(target) if target is not None else torch.empty(0).device
+    try:
+        for chunk in result if isinstance(result, list) else [result]:
+            materialize_module(
+                chunk, target, seed=config.seed, init_std=config.init_std, initialize=False
+            )
+            for _, param, where in iter_placed(chunk):
+                pieces = hf_pieces(where.name, where.global_shape, config, model_type)
+                read_into(param.data, where, pieces, reader)
+    finally:
+        reader.close()
+    return result
 
-        parallelize(model, state)
-    return model
 
-
-def save_hf(model: GPTModel, directory: str | os.PathLike[str]) -> None:
+def save_hf(
+    model: GPTModel | list[GPTModel],
+    directory: str | os.PathLike[str],
+    *,
+    state: ParallelState | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
     """Write a model as a Hugging Face checkpoint (see :meth:`GPTModel.to_hf`).
 
-    Each file is written under a temporary name and renamed into place, so an interrupted
-    export never leaves a truncated ``model.safetensors`` behind. Under tensor parallelism the
-    shards are gathered, rank 0 of the TP group writes, and every rank returns once the files
-    exist.
+    Works from any layout: every parameter is gathered to full on the rank that writes its
+    pipeline stage (tensor, expert and expert-tensor shards over their groups, one tensor at a
+    time), each stage's writer writes its own safetensors shard files, and global rank 0 writes
+    ``config.json`` and ``model.safetensors.index.json`` (or a single ``model.safetensors``
+    when one file holds everything). Files are written under temporary names and renamed into
+    place, so an interrupted export never leaves a truncated file behind. Every rank of the
+    layout must call it.
 
     Args:
-        model: The model (sharded models are gathered first).
+        model: The model, stage, or list of chunks (all chunks of this rank).
         directory: Output directory.
+        state: Parallel state of a parallelized model (None: a whole model on one rank).
+        max_shard_bytes: Upper bound of one safetensors file.
     """
-    group = model.tp_group
-    if group is not None:
-        from mcore_models.gpt.parallelize import full_state_dict
+    from mcore_models.gather import gather_full_tensors
 
-        state_dict = full_state_dict(model)
-        if torch.distributed.get_rank(group) == 0:
-            _write_hf(state_dict, model.config, Path(directory))
-        torch.distributed.barrier(group=group)
-    else:
-        _write_hf(dict(model.state_dict()), model.config, Path(directory))
-
-
-def _write_hf(state_dict: dict[str, torch.Tensor], config: GPTConfig, out: Path) -> None:
+    chunks = model if isinstance(model, list) else [model]
+    config = chunks[0].config
+    out = Path(directory)
     hf_config = config_to_hf(config)
-    out.mkdir(parents=True, exist_ok=True)
-    named: dict[str, torch.Tensor] = {}
-    if config.moe is not None:
-        from mcore_models.moe.hf import moe_tensors_to_hf
+    writer, tensors = gather_full_tensors(chunks, state)
+    file_names: list[str] = []
+    if writer:
+        named: dict[str, torch.Tensor] = {}
+        if config.moe is not None:
+            from mcore_models.moe.hf import moe_tensors_to_hf
 
-        named, state_dict = moe_tensors_to_hf(state_dict, config, hf_config["model_type"])
-    named.update((hf_name(name), tensor) for name, tensor in state_dict.items())
-    tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named.items()}
-    weights_tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
-    config_tmp = out / "config.json.tmp"
-    config_tmp.write_text(json.dumps(hf_config, indent=2) + "\n")
-    os.replace(weights_tmp, out / "model.safetensors")
-    os.replace(config_tmp, out / "config.json")
-    # A sharded checkpoint exported here before would still be read through its index (by
-    # from_hf and by transformers) instead of the new weights; drop it and its shards, as
-    # transformers' save_pretrained does.
+            named, tensors = moe_tensors_to_hf(tensors, config, hf_config["model_type"])
+        named.update((hf_name(name), tensor) for name, tensor in tensors.items())
+        file_names = _write_shards(named, out, max_shard_bytes, _writer_tag(state))
+    _finish_export(out, hf_config, file_names, state)
+
+
+def _writer_tag(state: ParallelState | None) -> str:
+    return "0" if state is None else str(state.pp_rank)
+
+
+def _write_shards(
+    named: dict[str, torch.Tensor], out: Path, max_shard_bytes: int, tag: str
+) -> list[str]:
+    """Write tensors into temporary shard files; return their names."""
+    out.mkdir(parents=True, exist_ok=True)
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(named):
+        tensor = named[name].detach().to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensor
+        size += nbytes
+    names = []
+    for index, group in enumerate(groups):
+        file = f"part-{tag}-{index}.safetensors.tmp"
+        save_file(group, str(out / file), metadata={"format": "pt"})
+        names.append(file)
+    return names
+
+
+def _finish_export(
+    out: Path, hf_config: dict[str, Any], file_names: list[str], state: ParallelState | None
+) -> None:
+    """Rank 0 names the shards, writes the index and config, and removes stale files."""
+    import torch.distributed as dist
+
+    distributed = state is not None and dist.is_initialized() and dist.get_world_size() > 1
+    all_files = [file_names]
+    if distributed:
+        gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, file_names)
+        all_files = gathered
+    if not distributed or dist.get_rank() == 0:
+        temporaries = [name for names in all_files for name in names]
+        _publish(out, hf_config, temporaries)
+    if distributed:
+        dist.barrier()
+
+
+def _publish(out: Path, hf_config: dict[str, Any], temporaries: list[str]) -> None:
+    # A previous export's index and shards would still be read instead of the new weights.
     index = out / "model.safetensors.index.json"
     if index.is_file():
         for shard in set(json.loads(index.read_text())["weight_map"].values()):
             if re.fullmatch(r"model-\d+-of-\d+\.safetensors", shard):
                 (out / shard).unlink(missing_ok=True)
         index.unlink()
+    if len(temporaries) == 1:
+        os.replace(out / temporaries[0], out / "model.safetensors")
+    else:
+        (out / "model.safetensors").unlink(missing_ok=True)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for number, temporary in enumerate(sorted(temporaries), start=1):
+            final = f"model-{number:05d}-of-{len(temporaries):05d}.safetensors"
+            with safe_open(str(out / temporary), framework="pt") as handle:
+                keys = list(handle.keys())
+                for key in keys:
+                    weight_map[key] = final
+                    tensor_slice = handle.get_slice(key)
+                    shape = tensor_slice.get_shape()
+                    numel = 1
+                    for size in shape:
+                        numel *= size
+                    total += numel * _dtype_bytes(tensor_slice.get_dtype())
+            os.replace(out / temporary, out / final)
+        index_tmp = out / "model.safetensors.index.json.tmp"
+        index_tmp.write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            + "\n"
+        )
+        os.replace(index_tmp, index)
+    config_tmp = out / "config.json.tmp"
+    config_tmp.write_text(json.dumps(hf_config, indent=2) + "\n")
+    os.replace(config_tmp, out / "config.json")
+
+
+def _dtype_bytes(name: str) -> int:
+    return {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}.get(
+        name, 4
+    )

@@ -12,10 +12,11 @@ from mcore_kernels.comm import fused_rs_add_rmsnorm_ag
 from mcore_models.gpt.attention_backends import AttentionMask, attend, max_attention_logits
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.kv_cache import KVCache
-from mcore_models.gpt.mlp import build_mlp
+from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.gpt.rope import apply_rotary
+from mcore_models.moe.layer import MoELayer
 
-__all__ = ["Attention", "DecoderLayer", "add_rms_norm"]
+__all__ = ["Attention", "DecoderLayer", "add_rms_norm", "build_mlp"]
 
 
 class Attention(nn.Module):
@@ -199,3 +200,25 @@ def add_rms_norm(
         return normed.view(shape), new_residual.view(shape)
     normed, new_residual = norm(hidden, residual)
     return normed, new_residual
+
+
+def build_mlp(config: GPTConfig, layer_idx: int) -> nn.Module:
+    """Build the MLP of one decoder layer.
+
+    This is the single place where a layer's MLP type is chosen, so that other block types
+    (such as mixture-of-experts) plug in here without touching the decoder layer. A block may
+    accept ``forward(x, *, reduce_output=False)`` returning a tensor-parallel partial sum; the
+    decoder layer only asks that of blocks whose ``supports_partial_output`` is True.
+
+    Args:
+        config: Model config.
+        layer_idx: Index of the decoder layer (0-based).
+
+    Returns:
+        A module mapping ``[..., hidden]`` to ``[..., hidden]``: a
+        :class:`~mcore_models.moe.layer.MoELayer` where ``config.moe`` makes the layer a MoE
+        layer, else a :class:`SwiGLUMLP`.
+    """
+    if config.moe is not None and config.moe.is_moe_layer(layer_idx):
+        return MoELayer(config, layer_idx)
+    return SwiGLUMLP(config)

@@ -1,4 +1,4 @@
-"""The feed-forward block of a decoder layer and the factory every layer builds it through."""
+"""The dense feed-forward block of a decoder layer (SwiGLU)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import nn
 
 from mcore_models.gpt.config import GPTConfig
 
-__all__ = ["SwiGLUMLP", "build_mlp"]
+__all__ = ["SwiGLUMLP"]
 
 
 class SwiGLUMLP(nn.Module):
@@ -43,28 +43,3 @@ class SwiGLUMLP(nn.Module):
         if reduce_output:
             return self.down_proj(activation)
         return F.linear(activation, self.down_proj.weight)
-
-
-def build_mlp(config: GPTConfig, layer_idx: int) -> nn.Module:
-    """Build the MLP of one decoder layer.
-
-    This is the single place where a layer's MLP type is chosen, so that other block types
-    (such as mixture-of-experts) plug in here without touching the decoder layer. A block may
-    accept ``forward(x, *, reduce_output=False)`` returning a tensor-parallel partial sum; the
-    decoder layer only asks that of blocks whose ``supports_partial_output`` is True.
-
-    Args:
-        config: Model config.
-        layer_idx: Index of the decoder layer (0-based).
-
-    Returns:
-        A module mapping ``[..., hidden]`` to ``[..., hidden]``: a
-        :class:`~mcore_models.moe.layer.MoELayer` where ``config.moe`` makes the layer a MoE
-        layer, else a :class:`SwiGLUMLP`.
-    """
-    if config.moe is not None and config.moe.is_moe_layer(layer_idx):
-        # Imported here: mcore_models.moe builds on this module.
-        from mcore_models.moe.layer import MoELayer
-
-        return MoELayer(config, layer_idx)
-    return SwiGLUMLP(config)

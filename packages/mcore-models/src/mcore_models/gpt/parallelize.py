@@ -1,17 +1,16 @@
-"""Tensor and sequence parallelism for GPTModel, applied from mcore-parallel's layers.
+"""Tensor and sequence parallelism for a GPT model or pipeline stage (mcore-parallel's layers).
 
-``parallelize(model, state)`` replaces, in place, every projection of a whole (unsharded)
-model by its mcore-parallel counterpart holding this rank's shard, after torchtitan's
-``parallelize_llama`` (github.com/pytorch/torchtitan). Query, key and value projections and the
-MLP gate/up projections are split by output features (whole heads per rank), the attention
-output and MLP down projections by input features, the embedding and output layer by
-vocabulary. Because the shards are cut from the whole weights, a model built or loaded whole
-and then parallelized computes what the unsharded model computes, at any TP size.
+:func:`parallelize_gpt` replaces, in place, every projection of an unsharded model by its
+mcore-parallel counterpart holding this rank's shard, after torchtitan's ``parallelize_llama``
+(github.com/pytorch/torchtitan). Query, key and value projections and the MLP gate/up
+projections are split by output features (whole heads per rank), the attention output and MLP
+down projections by input features, the embedding and output layer by vocabulary. On a
+meta-device model only the local shapes are created; on a materialised one the shards are cut
+from the whole weights, so it computes what the unsharded model computes, at any TP size.
+The output head's communication (copy to the TP region, vocabulary all-gather, sequence
+all-gather) is installed as modules of the model, so its forward has no parallel branches.
 
-:class:`~mcore_models.GPTModel` calls ``parallelize`` itself when given a state with
-``tp_size > 1``, as does :meth:`~mcore_models.GPTModel.from_hf`.
-
-With ``config.sequence_parallel`` activations between the projections are split along the
+With sequence parallelism the activations between the projections are split along the
 sequence (dimension 1) over the TP ranks. Replicated weights that then see only part of the
 tokens (RMSNorm weights), and the per-head QK-norm weights under TP, are marked
 ``param.sequence_parallel = True``: after backward call
@@ -30,8 +29,9 @@ from mcore_models.errors import ModelConfigError
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.layer import DecoderLayer
 from mcore_models.gpt.mlp import SwiGLUMLP
+from mcore_models.moe.layer import MoELayer
+from mcore_models.moe.parallelize import parallelize_moe
 from mcore_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from mcore_parallel.sharding import get_partition_dims
 from mcore_parallel.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -43,11 +43,11 @@ if TYPE_CHECKING:
     from mcore_parallel.state import ParallelState
 
 __all__ = [
-    "full_state_dict",
+    "CopyToTensorParallel",
+    "GatherSequence",
+    "GatherVocabShards",
     "gather_sequence",
-    "gather_vocab_shards",
-    "parallelize",
-    "vocab_parallel_logits",
+    "parallelize_gpt",
 ]
 
 _SEQUENCE_DIM = 1
@@ -118,53 +118,47 @@ def _mark_partial_gradient(param: torch.Tensor) -> None:
     param.sequence_parallel = True  # type: ignore[attr-defined]
 
 
-def parallelize(model_or_config: GPTModel | GPTConfig, state: ParallelState) -> GPTModel:
-    """Shard a whole model over the tensor-parallel group of ``state`` (in place).
+def parallelize_gpt(model: GPTModel, state: ParallelState, *, sequence_parallel: bool) -> None:
+    """Apply tensor (and sequence) parallelism to a GPT model or pipeline stage, in place.
+
+    Works on a model whose parameters live on the meta device (only this rank's shapes are
+    created, nothing is allocated or copied) and on a materialised one (this rank's slices are
+    copied out of the whole weights). Mixture-of-experts layers are sharded by
+    :func:`mcore_models.moe.parallelize.parallelize_moe` (experts over ep / etp).
 
     Args:
-        model_or_config: An unsharded :class:`~mcore_models.GPTModel`, or a config from which
-            one is built (from ``config.seed``) first.
-        state: Parallel state; with ``tp_size == 1`` only mixture-of-experts layers change
-            (their experts are split over the expert-parallel group).
-
-    Returns:
-        The same model object, now holding this rank's shards.
-
-    MLP blocks other than :class:`~mcore_models.gpt.mlp.SwiGLUMLP` are sharded by calling
-    their own ``parallelize(state)`` method (reading ``config.sequence_parallel`` themselves).
+        model: An unsharded model or stage.
+        state: Parallel state.
+        sequence_parallel: Split the activations between the tensor-parallel regions along the
+            sequence.
 
     Raises:
         ModelConfigError: If heads, query groups, FFN size or vocabulary are not divisible by
             the TP size, the model is already parallelized, or an MLP type cannot be sharded.
     """
-    from mcore_models.gpt.model import GPTModel
-
-    model = model_or_config if isinstance(model_or_config, GPTModel) else GPTModel(model_or_config)
     tp = state.tp_size
-    if tp == 1:
-        model.state = state
-        # Only mixture-of-experts layers have something to shard (experts over ep).
-        for layer in model.layers:
-            if callable(getattr(layer.mlp, "parallelize", None)):
-                layer.mlp.parallelize(state)  # type: ignore[operator, union-attr]
-        return model
     if model.tp_group is not None:
         raise ModelConfigError("model is already parallelized; parallelize a whole model")
     config = model.config
-    _check_divisible(config, tp)
+    if tp > 1:
+        _check_divisible(config, tp)
     # Every check runs before the first layer is sharded, so an error leaves the model whole.
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         mlp = layer.mlp
-        if not isinstance(mlp, SwiGLUMLP) and not callable(getattr(mlp, "parallelize", None)):
+        if not isinstance(mlp, (SwiGLUMLP, MoELayer)):
             raise ModelConfigError(
                 f"layer {layer.layer_idx} has an MLP of type {type(mlp).__name__}, which "
-                "parallelize cannot shard (it has no parallelize(state) method)"
+                "parallelize cannot shard (expected SwiGLUMLP or MoELayer)"
             )
-    model.state = state
-    sp = config.sequence_parallel
+    sp = sequence_parallel and tp > 1
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
+        mlp = layer.mlp
+        if isinstance(mlp, MoELayer):
+            parallelize_moe(mlp, state, sequence_parallel=sp)
+        if tp == 1:
+            continue
         attention = layer.self_attention
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(attention, name, _column(getattr(attention, name), state, sp))
@@ -175,34 +169,101 @@ def parallelize(model_or_config: GPTModel | GPTConfig, state: ParallelState) -> 
             if norm is not None:
                 # Each rank normalises other heads with the shared weight: partial gradients.
                 _mark_partial_gradient(norm.weight)
-        mlp = layer.mlp
         if isinstance(mlp, SwiGLUMLP):
             mlp.gate_proj = _column(mlp.gate_proj, state, sp)  # type: ignore[assignment]
             mlp.up_proj = _column(mlp.up_proj, state, sp)  # type: ignore[assignment]
             mlp.down_proj = _row(mlp.down_proj, state, sp)  # type: ignore[assignment]
-        else:
-            # Other MLP blocks (e.g. mixture-of-experts) shard themselves.
-            mlp.parallelize(state)  # type: ignore[operator]
         if sp:
             _mark_partial_gradient(layer.input_norm.weight)
             _mark_partial_gradient(layer.post_attention_norm.weight)
-    if sp:
+    if tp == 1:
+        return
+    if sp and model.final_norm is not None:
         _mark_partial_gradient(model.final_norm.weight)
-    embedding = model.embedding
-    model.embedding = VocabParallelEmbedding(  # type: ignore[assignment]
-        config.vocab_size,
-        config.hidden_size,
-        state=state,
-        sequence_parallel=sp,
-        sequence_dim=_SEQUENCE_DIM,
-        init_method=_copy_of(embedding.weight),
-        dtype=embedding.weight.dtype,
-        device=embedding.weight.device,
-    )
+    if model.embedding is not None:
+        embedding = model.embedding
+        model.embedding = VocabParallelEmbedding(
+            config.vocab_size,
+            config.hidden_size,
+            state=state,
+            sequence_parallel=sp,
+            sequence_dim=_SEQUENCE_DIM,
+            init_method=_copy_of(embedding.weight),  # type: ignore[arg-type]
+            dtype=embedding.weight.dtype,  # type: ignore[union-attr]
+            device=embedding.weight.device,  # type: ignore[union-attr]
+        )
     if model.output_layer is not None:
-        model.output_layer = _column(model.output_layer, state, False)  # type: ignore[assignment]
+        model.output_layer = _column(model.output_layer, state, False)  # type: ignore[arg-type]
+    if model.post_process:
+        model.logits_input = CopyToTensorParallel(state.tp_group)
+        model.logits_gather = GatherVocabShards(state.tp_group)
+        if sp:
+            model.sequence_gather = GatherSequence(state.tp_group)
     model.tp_group = state.tp_group
-    return model
+    model.sequence_parallel_size = tp if sp else 1
+
+
+class CopyToTensorParallel(nn.Module):
+    """Identity forward, gradient summed over the TP group (input of a vocab-parallel head).
+
+    Args:
+        group: Tensor-parallel group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Args:
+            hidden: Replicated activations.
+
+        Returns:
+            The same values.
+        """
+        return copy_to_tensor_parallel_region(hidden, self.group)
+
+
+class GatherVocabShards(nn.Module):
+    """All-gather vocabulary-sharded logits (differentiable); ``group`` is the TP group.
+
+    Args:
+        group: Tensor-parallel group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        """Args:
+            logits: ``[..., V / tp]`` shard.
+
+        Returns:
+            ``[..., V]`` logits.
+        """
+        return gather_from_tensor_parallel_region(logits, self.group)
+
+
+class GatherSequence(nn.Module):
+    """All-gather sequence-parallel hidden states along dimension 1 (gradient split back).
+
+    Args:
+        group: Tensor-parallel group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Args:
+            hidden: ``[B, T / tp, H]``.
+
+        Returns:
+            ``[B, T, H]``.
+        """
+        return gather_sequence(hidden, self.group)
 
 
 def gather_sequence(hidden: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -218,57 +279,3 @@ def gather_sequence(hidden: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     return gather_from_sequence_parallel_region(
         hidden, group, sequence_dim=_SEQUENCE_DIM, tensor_parallel_output_grad=False
     )
-
-
-def vocab_parallel_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup
-) -> torch.Tensor:
-    """Logits of this rank's vocabulary shard from replicated hidden states.
-
-    Args:
-        hidden: ``[..., H]`` hidden states, identical on every rank.
-        weight: ``[V / tp, H]`` this rank's output weight shard.
-        group: Tensor-parallel group (the gradient of ``hidden`` is summed over it).
-
-    Returns:
-        ``[..., V / tp]`` logits in the dtype of ``hidden``.
-    """
-    return torch.nn.functional.linear(copy_to_tensor_parallel_region(hidden, group), weight)
-
-
-def gather_vocab_shards(logits: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather vocabulary-sharded logits (differentiable).
-
-    Args:
-        logits: ``[..., V / tp]`` shard.
-        group: Tensor-parallel group.
-
-    Returns:
-        ``[..., V]`` logits.
-    """
-    return gather_from_tensor_parallel_region(logits, group)
-
-
-def full_state_dict(model: GPTModel) -> dict[str, torch.Tensor]:
-    """Gather every tensor-parallel shard into whole tensors (collective over the TP group).
-
-    Args:
-        model: A parallelized model.
-
-    Returns:
-        Unsharded state dict with the names of an unsharded model.
-    """
-    group = model.tp_group
-    world = dist.get_world_size(group)
-    params = dict(model.named_parameters())
-    full: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        dims = get_partition_dims(params[name]) if name in params else {}
-        if "tp" not in dims:
-            full[name] = tensor
-            continue
-        dim = dims["tp"]
-        chunks = [torch.empty_like(tensor) for _ in range(world)]
-        dist.all_gather(chunks, tensor.contiguous(), group=group)
-        full[name] = torch.cat(chunks, dim=dim)
-    return full

@@ -68,9 +68,14 @@ class RotaryEmbedding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        self._spec = (head_dim, theta, scaling)
         inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute the frequencies in place (after the module moved off the meta device)."""
+        self.inv_freq = rope_inverse_frequencies(*self._spec).to(self.inv_freq.device)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute ``cos`` and ``sin`` of the rotation angles.

@@ -16,6 +16,7 @@ import torch
 
 from mcore_models.errors import CheckpointFormatError
 from mcore_models.gpt.config import GPTConfig
+from mcore_models.hf_io import HFPiece
 from mcore_models.moe.config import MoEConfig
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "ExpertLoader",
     "moe_config_to_hf",
     "moe_fields_from_hf",
+    "moe_hf_pieces",
     "moe_tensors_to_hf",
 ]
 
@@ -302,3 +304,44 @@ def moe_tensors_to_hf(
         else:
             rest[name] = tensor
     return hf, rest
+
+
+def moe_hf_pieces(
+    name: str, global_shape: tuple[int, ...], config: GPTConfig, model_type: str
+) -> list[HFPiece] | None:
+    """The checkpoint tensors composing a global MoE tensor (see :mod:`mcore_models.hf_io`).
+
+    Args:
+        name: Canonical mcore name (e.g. ``"layers.1.mlp.experts.gate_proj"``).
+        global_shape: Shape of the global tensor.
+        config: Model config.
+        model_type: Hugging Face ``model_type`` of the checkpoint.
+
+    Returns:
+        One piece per expert for expert weights, one for the router and shared expert, or
+        None if ``name`` is not a MoE tensor.
+    """
+    block = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+    projections = {v: k for k, v in _MIXTRAL_PROJECTIONS.items()} if model_type == "mixtral" else {}
+    whole = tuple(slice(0, n) for n in global_shape)
+    expert = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)", name)
+    if expert:
+        layer, projection = expert.groups()
+        hf_projection = projections.get(projection, projection)
+        return [
+            HFPiece(
+                f"model.layers.{layer}.{block}.experts.{index}.{hf_projection}.weight",
+                (
+                    index,
+                    *whole[1:],
+                ),
+            )
+            for index in range(global_shape[0])
+        ]
+    router = re.fullmatch(r"layers\.(\d+)\.mlp\.router\.weight", name)
+    if router:
+        return [HFPiece(f"model.layers.{router.group(1)}.{block}.gate.weight", whole)]
+    shared = re.fullmatch(r"layers\.(\d+)\.mlp\.(shared_expert\..+|shared_expert_gate\..+)", name)
+    if shared:
+        return [HFPiece(f"model.layers.{shared.group(1)}.mlp.{shared.group(2)}", whole)]
+    return None

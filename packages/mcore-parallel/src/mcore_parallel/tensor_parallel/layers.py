@@ -83,6 +83,17 @@ def _sharded_parameter(
     dtype: torch.dtype | None,
     device: torch.device | str | None,
 ) -> nn.Parameter:
+    if device is not None and torch.device(device).type == "meta":
+        # Built on the meta device (large models): no master weight, only this rank's shape;
+        # the caller materialises and initialises the shard later.
+        local = list(shape)
+        local[partition_dim] //= tp_size
+        param = nn.Parameter(
+            torch.empty(local, dtype=dtype or torch.get_default_dtype(), device="meta")
+        )
+        if tp_size > 1:
+            set_partition_dim(param, partition_dim, axis="tp")
+        return param
     master = torch.empty(shape, dtype=torch.float32)
     if seed is None:
         init_method(master)
