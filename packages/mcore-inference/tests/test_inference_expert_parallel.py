@@ -18,7 +18,7 @@ from mcore_inference import (
     UnsupportedModelError,
 )
 from mcore_inference.expert_parallel import ExpertParallelSync
-from mcore_models import GPTConfig, GPTModel, MoEConfig
+from mcore_models import GPTConfig, GPTModel, MoEConfig, parallelize
 from mcore_parallel import initialize
 from mcore_parallel.testing import run_distributed
 
@@ -107,7 +107,7 @@ def _expert_parallel_against_single_process() -> dict:
         moe = MoEConfig(num_experts=4, top_k=2, **changes)
         config = GPTConfig.from_name("tiny", vocab_size=VOCAB, moe=moe, seed=11)
         reference = GPTModel(config).eval()
-        sharded = GPTModel(config, state).eval()
+        sharded = parallelize(GPTModel(config), state).eval()
         forwards = [0]
         hook = sharded.register_forward_pre_hook(partial(_count_call, forwards))
         got, expected = [], []
@@ -204,7 +204,7 @@ def _graphs_against_eager_single_process() -> dict:
         moe = MoEConfig(num_experts=4, top_k=2, **MOE_VARIANTS[name])
         config = GPTConfig.from_name("tiny", vocab_size=VOCAB, moe=moe, seed=11)
         reference = GPTModel(config).cuda().eval()
-        sharded = GPTModel(config, state).cuda().eval()
+        sharded = parallelize(GPTModel(config, device="cuda"), state).eval()
         got, expected = [], []
         with InferenceEngine(sharded, _engine_config(use_cuda_graphs=True)) as engine:
             for requests in ROUNDS:

@@ -160,7 +160,9 @@ def test_from_hf_names_the_tensor_with_a_mismatched_shape(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["intermediate_size"] = FFN + 8
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointFormatError, match=r"model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight"
+    ):
         GPTModel.from_hf(tmp_path)
 
 

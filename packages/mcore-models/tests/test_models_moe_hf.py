@@ -93,7 +93,8 @@ def test_from_hf_names_missing_expert(tmp_path):
     del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(
-        CheckpointFormatError, match=re.escape("expert 3 of 'layers.1.mlp.experts.down_proj'")
+        CheckpointFormatError,
+        match=re.escape("'model.layers.1.block_sparse_moe.experts.3.w2.weight' is missing"),
     ):
         GPTModel.from_hf(tmp_path)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mcore_models import GPTConfig, GPTModel
+from mcore_models import GPTConfig, GPTModel, parallelize
 from mcore_models.moe import MoEConfig, set_decode_expert_padding
 from mcore_parallel import initialize
 from mcore_parallel.sharding import get_partition_dims
@@ -44,7 +44,7 @@ def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def _compare(config: GPTConfig, state, padded: bool) -> tuple[float, float, torch.Tensor]:
     """Errors of an expert-parallel model against one rank that sees every rank's tokens."""
     rank, ep = state.ep_rank, state.ep_size
-    reference, sharded = GPTModel(config), GPTModel(config, state)
+    reference, sharded = GPTModel(config), parallelize(GPTModel(config), state)
     with set_decode_expert_padding(reference, padded), set_decode_expert_padding(sharded, padded):
         # The reference runs each rank's tokens separately: aux losses and capacities are
         # per rank under expert parallelism as well.

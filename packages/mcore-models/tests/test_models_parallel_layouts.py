@@ -19,7 +19,6 @@ from mcore_models import (
     GPTModel,
     ModelConfigError,
     PackedSeqParams,
-    PipelineLayout,
     build_pipeline_stages,
     parallelize,
 )

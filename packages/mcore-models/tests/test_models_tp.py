@@ -15,8 +15,8 @@ from mcore_models import (
     ModelConfigError,
     ModelInputError,
     PackedSeqParams,
+    parallelize,
 )
-from mcore_models import parallelize
 from mcore_models.gather import gather_full_tensors
 from mcore_parallel import initialize
 from mcore_parallel.sharding import get_partition_dims

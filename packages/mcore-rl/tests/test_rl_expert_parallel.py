@@ -13,7 +13,7 @@ from functools import partial
 
 import torch.distributed as dist
 
-from mcore_models import GPTConfig, GPTModel, MoEConfig
+from mcore_models import GPTConfig, GPTModel, MoEConfig, parallelize
 from mcore_parallel import initialize
 from mcore_parallel.testing import run_distributed
 from mcore_rl.rollout import generate_rollouts, shard_range
@@ -53,7 +53,7 @@ def _rollouts_under_expert_parallelism() -> dict:
     tokenizer = CharTokenizer(task.alphabet)
     moe = MoEConfig(num_experts=4, top_k=2)
     config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, moe=moe, seed=7)
-    model = GPTModel(config, state).eval()
+    model = parallelize(GPTModel(config), state).eval()
     calls: list[tuple[list[int], list[int]]] = []
     forwards = [0]
     handles = [

@@ -27,11 +27,11 @@ from mcore_models.moe import DecodeExpertPadding, MoEConfig, MoELayer, set_decod
 from mcore_models.packed_seq import PackedSeqParams
 from mcore_models.parallelize import (
     PipelineLayout,
-    build_pipeline_stages,
     materialize,
     parallelize,
     stage_layer_ranges,
 )
+from mcore_models.stages import build_pipeline_stages
 
 __all__ = [
     "__version__",

@@ -24,17 +24,15 @@ import torch
 from torch import nn
 
 from mcore_models.errors import ModelConfigError
-from mcore_models.gpt.config import GPTConfig
-from mcore_models.gpt.model import GPTModel
 from mcore_models.gpt.parallelize import parallelize_gpt
 from mcore_models.materialize import materialize_module, place_parameters
 
 if TYPE_CHECKING:
+    from mcore_models.gpt.model import GPTModel
     from mcore_parallel.state import ParallelState
 
 __all__ = [
     "PipelineLayout",
-    "build_pipeline_stages",
     "materialize",
     "parallelize",
     "stage_layer_ranges",
@@ -117,7 +115,7 @@ def _split(model: GPTModel, state: ParallelState, layout: PipelineLayout) -> lis
     chunks = []
     for chunk in range(layout.virtual_stages):
         stage = chunk * pp + rank
-        part = GPTModel(
+        part = type(model)(
             model.config,
             device="meta",
             layers=ranges[stage],
@@ -201,44 +199,3 @@ def materialize(model: GPTModel | list[GPTModel], device: torch.device | str | N
             init_std=config.init_std,
             initialize=config.perform_initialization,
         )
-
-
-def build_pipeline_stages(
-    config: GPTConfig,
-    state: ParallelState,
-    *,
-    virtual_stages: int = 1,
-    layout: tuple[int, ...] | None = None,
-    sequence_parallel: bool | None = None,
-    device: torch.device | str | None = None,
-) -> list[GPTModel]:
-    """Build this rank's pipeline chunk(s) of a model, sharded and initialised.
-
-    The model is built on the meta device, split, sharded, and only this rank's blocks are
-    allocated and initialised, with the values the unsharded model gets from ``config.seed``.
-
-    Args:
-        config: Model config.
-        state: Parallel state.
-        virtual_stages: Model chunks per pipeline rank.
-        layout: Decoder layers of every stage (``pp * virtual_stages`` entries); None splits
-            evenly.
-        sequence_parallel: See :func:`parallelize`.
-        device: Device of the parameters (default ``state.device``).
-
-    Returns:
-        This rank's chunks, first chunk first (one per virtual stage).
-
-    Raises:
-        ModelConfigError: If the layout does not fit the model.
-    """
-    pipeline = PipelineLayout(virtual_stages=virtual_stages, layers_per_stage=layout)
-    result = parallelize(
-        GPTModel(config, device="meta"),
-        state,
-        sequence_parallel=sequence_parallel,
-        pipeline=pipeline,
-    )
-    chunks = result if isinstance(result, list) else [result]
-    materialize(chunks, device if device is not None else state.device)
-    return chunks

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_ckpt import load, save
-from mcore_models import GPTConfig, GPTModel
+from mcore_models import GPTConfig, GPTModel, parallelize
 from mcore_parallel import ParallelState, forward_backward
 from mcore_parallel.distributed.config import DDPConfig, OptimizerConfig
 from mcore_parallel.distributed.ddp import DistributedDataParallel
@@ -103,7 +103,8 @@ class GRPOWorker:
         self.tokenizer = CharTokenizer(self.task.alphabet)
         torch.manual_seed(config.seed)
         vocab_size = max(config.vocab_size or 0, self.tokenizer.vocab_size)
-        model = GPTModel(_model_config(config, vocab_size), state, device=self.device)
+        model = GPTModel(_model_config(config, vocab_size), device=self.device)
+        parallelize(model, state)
         ddp_config = DDPConfig(use_distributed_optimizer=True, overlap_param_gather=True)
         self.model = DistributedDataParallel(model, ddp_config, state)
         self.optimizer = DistributedOptimizer(

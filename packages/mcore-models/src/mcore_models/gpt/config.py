@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mcore_models.errors import ModelConfigError
+from mcore_models.gpt.presets import PRESETS
 
 if TYPE_CHECKING:
     from mcore_models.moe.config import MoEConfig
@@ -299,8 +300,6 @@ class GPTConfig:
         Raises:
             ModelConfigError: If the name is unknown or an override is invalid.
         """
-        from mcore_models.gpt.presets import PRESETS
-
         key = name.lower()
         if key not in PRESETS:
             raise ModelConfigError(

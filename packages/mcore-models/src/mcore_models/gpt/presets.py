@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mcore_models.gpt.config import RopeScaling
-
 __all__ = ["PRESETS", "preset_names"]
 
 
@@ -38,7 +36,7 @@ def _llama_3_2_1b() -> dict[str, Any]:
         num_query_groups=8,
         ffn_hidden_size=8192,
         rope_theta=500000.0,
-        rope_scaling=RopeScaling(
+        rope_scaling=dict(
             factor=32.0,
             low_freq_factor=1.0,
             high_freq_factor=4.0,
