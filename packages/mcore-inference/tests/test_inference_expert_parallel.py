@@ -136,7 +136,9 @@ def _expert_parallel_against_single_process() -> dict:
     # The same ranks as a TP=2 group: a tensor-parallel model is refused up front.
     state.destroy()
     tp_state = initialize(tp=2)
-    tp_model = GPTModel(GPTConfig.from_name("tiny", vocab_size=VOCAB, seed=11), tp_state)
+    tp_model = parallelize(
+        GPTModel(GPTConfig.from_name("tiny", vocab_size=VOCAB, seed=11)), tp_state
+    )
     try:
         InferenceEngine(tp_model, _engine_config())
     except UnsupportedModelError as error:

@@ -90,7 +90,7 @@ def _all_checks(checkpoint_dir: str) -> dict[str, float]:
     errors["logits/alltoall/drop"], errors["grads/alltoall/drop"], _ = _compare(
         dropping, state, False
     )
-    sharded = GPTModel(_config(), state)
+    sharded = parallelize(GPTModel(_config()), state)
     experts = sharded.layers[0].mlp.experts
     errors["local_experts"] = float(experts.gate_proj.shape[0] != 2 or experts.num_experts != 2)
     # A Hugging Face (Qwen2-MoE) checkpoint loads whole, then keeps this rank's experts.
@@ -102,7 +102,7 @@ def _all_checks(checkpoint_dir: str) -> dict[str, float]:
     tp_state = initialize(tp=2)
     with torch.no_grad():
         errors["logits/tp2"] = _max_error(
-            GPTModel(_config(), tp_state)(IDS[0]), GPTModel(_config())(IDS[0])
+            parallelize(GPTModel(_config()), tp_state)(IDS[0]), GPTModel(_config())(IDS[0])
         )
     tp_state.destroy()
     return errors

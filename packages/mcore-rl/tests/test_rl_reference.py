@@ -33,7 +33,7 @@ def _context():
 
 def _swap_round_trip_on_two_ranks():
     state = initialize()
-    model = GPTModel(GPTConfig.from_name("tiny", **CONFIG), state)
+    model = GPTModel(GPTConfig.from_name("tiny", **CONFIG))
     ddp = DistributedDataParallel(
         model, DDPConfig(use_distributed_optimizer=True, overlap_param_gather=True), state
     )
