@@ -114,8 +114,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         group_of = {p: i for i, group in enumerate(self.param_groups) for p in group["params"]}
         self.sharded = model.num_shards > 1
         """Whether the state is split over the data-parallel ranks."""
-        self.shards: list[ParamShard] = build_shards(model, group_of)
-        """This rank's part of every parameter and its fp32 state, in bucket order."""
+        self._shards: list[ParamShard] = build_shards(model, group_of)
         self.step_count = 0
         """Number of optimizer steps taken (restored by the load methods)."""
         self._state_offloaded = False
@@ -125,6 +124,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._load_hook = model.module.register_load_state_dict_post_hook(
             functools.partial(_refresh_after_load, weakref.ref(self), dict(names))
         )
+
+    @property
+    def shards(self) -> list[ParamShard]:
+        """This rank's part of every parameter and its fp32 state, in bucket order."""
+        return self._shards
 
     @property
     def lr(self) -> float:
@@ -163,7 +167,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model.finish_grad_sync()
         # The shards are about to be overwritten: no all-gather may still read them.
         self.model.finish_param_sync()
-        owned = [s for s in self.shards if s.main_param is not None]
+        owned = [s for s in self._shards if s.main_param is not None]
         grads = [s.grad().float() for s in owned]
         counted = [(s.buffer.is_expert, g) for s, g in zip(owned, grads) if s.replica_id == 0]
         grad_norm = global_grad_norm(
@@ -200,7 +204,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 forward pass, with ``overlap_param_gather``).
         """
         with torch.no_grad():
-            for shard in self.shards:
+            for shard in self._shards:
                 if shard.main_param is not None:
                     shard.model_slice().copy_(shard.main_param)
         self.model.mark_params_updated()
@@ -225,7 +229,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _copy_model_to_main(self, names: Collection[str] | None) -> None:
         with torch.no_grad():
-            for shard in self.shards:
+            for shard in self._shards:
                 if shard.main_param is not None and (names is None or shard.name in names):
                     shard.main_param.copy_(shard.model_slice())
 
@@ -431,7 +435,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.reload_from_cpu()
 
     def _move_state(self, device: torch.device) -> None:
-        for shard in self.shards:
+        for shard in self._shards:
             for key in STATE_KEYS:
                 tensor = getattr(shard, key)
                 if tensor is not None:
