@@ -58,20 +58,20 @@ def reference(q, k, v, grad, cu, causal):
         for a, b in zip(bounds, bounds[1:])
     ]
     out = torch.cat(outs, dim=2)
-    out.backward(grad.double())
+    # A scalar loss: backward(grad) would import sympy (seconds) on the first call.
+    (out * grad.double()).sum().backward()
     return out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()
 
 
-def distributed_case(name: str, method: str) -> dict:
-    cp = torch.distributed.get_world_size()
-    state = initialize(cp=cp)
+def distributed_case(state, name: str, method: str) -> dict:
+    cp = state.size("cp")
     group, rank = state.group("cp"), state.rank_in("cp")
     q, k, v, grad, cu, causal = make_inputs(name, cp)
     local = [split_sequence(t, cp, rank, dim=2, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
     out = context_parallel_attention(
         *local, group, causal=causal, cu_seqlens=cu, method=method
     )
-    out.backward(split_sequence(grad, cp, rank, dim=2, cu_seqlens=cu))
+    (out * split_sequence(grad, cp, rank, dim=2, cu_seqlens=cu)).sum().backward()
     gathered = [gather_sequence(t, group, dim=2, cu_seqlens=cu) for t in (out.detach(),)]
     gathered += [gather_sequence(t.grad, group, dim=2, cu_seqlens=cu) for t in local]
     expected = reference(q, k, v, grad, cu, causal)
@@ -82,8 +82,9 @@ def distributed_case(name: str, method: str) -> dict:
 
 
 def all_cases() -> dict:
+    state = initialize(cp=torch.distributed.get_world_size())
     return {
-        f"{name}/{method}": distributed_case(name, method)
+        f"{name}/{method}": distributed_case(state, name, method)
         for name in CASES
         for method in ("ring", "all_gather")
     }
@@ -105,3 +106,30 @@ def results_for(cp: int) -> list[dict]:
 def test_context_parallel_attention_equals_single_process(name, cp, method):
     for errors in results_for(cp):
         assert max(errors[f"{name}/{method}"].values()) < ATOL, errors[f"{name}/{method}"]
+
+
+def test_rank_holds_chunks_r_and_2cp_minus_1_minus_r():
+    tokens = torch.arange(16).unsqueeze(0)
+    assert split_sequence(tokens, 2, 0).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert split_sequence(tokens, 2, 1).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    assert split_sequence(tokens, 4, 1).tolist() == [[2, 3, 12, 13]]
+
+
+def test_packed_sequences_split_one_by_one_with_positions_and_local_boundaries():
+    cu = torch.tensor([0, 8, 24])
+    tokens = torch.arange(24).unsqueeze(0)
+    assert split_sequence(tokens, 2, 0, cu_seqlens=cu).tolist() == [
+        [0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23]
+    ]
+    assert position_ids(24, 2, 0, cu_seqlens=cu).tolist() == [0, 1, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15]
+    assert position_ids(24, 2, 1, cu_seqlens=cu).tolist() == [2, 3, 4, 5, 4, 5, 6, 7, 8, 9, 10, 11]
+    assert local_cu_seqlens(cu, 2).tolist() == [0, 4, 12]
+
+
+def test_lengths_that_do_not_split_into_2cp_chunks_raise():
+    with pytest.raises(ParallelConfigError, match=r"\[6\].*2 \* cp = 4"):
+        split_sequence(torch.zeros(1, 14), 2, 0, cu_seqlens=torch.tensor([0, 8, 14]))
+    with pytest.raises(ParallelConfigError, match="sequence length 10"):
+        position_ids(10, 2, 1)
+    with pytest.raises(ParallelConfigError, match="cp_rank=2"):
+        split_sequence(torch.zeros(1, 8), 2, 2)

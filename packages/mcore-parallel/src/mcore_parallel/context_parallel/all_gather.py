@@ -28,8 +28,11 @@ class _GatherKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, kv: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
         size = dist.get_world_size(group)
-        gathered = torch.empty((size, *kv.shape), dtype=kv.dtype, device=kv.device)
+        gathered = torch.empty(
+            (size * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device
+        )
         dist.all_gather_into_tensor(gathered, kv.contiguous(), group=group)
+        gathered = gathered.view(size, *kv.shape)
         ctx.group = group
         # [cp, 2, B, H, T, D] -> [2, B, H, cp * T, D], rank blocks in rank order.
         return gathered.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
@@ -39,10 +42,10 @@ class _GatherKV(torch.autograd.Function):
         size = dist.get_world_size(ctx.group)
         two, batch, heads, total, dim = grad.shape
         blocks = grad.reshape(two, batch, heads, size, total // size, dim).permute(3, 0, 1, 2, 4, 5)
-        blocks = blocks.contiguous()
         # Sum in fp32: every rank's queries contributed to every block.
-        local = torch.empty(blocks.shape[1:], dtype=torch.float32, device=grad.device)
-        dist.reduce_scatter_tensor(local, blocks.float(), group=ctx.group)
+        blocks = blocks.float().contiguous().flatten(0, 1)
+        local = torch.empty(blocks.shape[0] // size, *blocks.shape[1:], dtype=torch.float32, device=grad.device)
+        dist.reduce_scatter_tensor(local, blocks, group=ctx.group)
         return local.to(grad.dtype), None
 
 
