@@ -218,3 +218,39 @@ def test_expert_tensor_parallel_size_reshapes_only_the_expert_groups():
         assert result["default"]["etp"] == result["default"]["tp"]
         assert result["default"]["ep"] == [rank % 2, rank % 2 + 2]
         assert "ep*etp = 8*1" in result["error"] and "tp*cp*dp" in result["error"]
+
+
+def _accessor_checks() -> dict:
+    state = initialize(tp=2, cp=2)
+    result: dict = {"rank": state.rank, "rank_is_global_int": isinstance(state.rank, int)}
+    result["same"] = all(
+        state.group(name) is getattr(state, f"{name}_group")
+        and state.size(name) == getattr(state, f"{name}_size") == len(state.ranks(name))
+        and state.rank_in(name) == getattr(state, f"{name}_rank")
+        and state.ranks(name) == getattr(state, f"{name}_ranks")
+        and state.ranks(name)[state.rank_in(name)] == state.rank
+        for name in state_module.DIMENSIONS
+    )
+    result["cp"] = (state.ranks("cp"), state.rank_in("cp"), state.size("cp"))
+    result["hasattr_unknown"] = hasattr(state, "foo_group") or hasattr(state, "tp_colour")
+    try:
+        state.size("tensor")
+    except ParallelConfigError as error:
+        result["error"] = str(error)
+    state.destroy()
+    try:
+        state.group("cp")
+    except ParallelStateError as error:
+        result["destroyed"] = str(error)
+    return result
+
+
+def test_one_accessor_serves_every_dimension_and_the_attribute_spellings():
+    for result in run_distributed(_accessor_checks, 4):
+        rank = result["rank"]
+        assert result["rank_is_global_int"] and result["same"]
+        # tp=2 contiguous, cp=2 next: cp partners differ by 2.
+        assert result["cp"] == ([rank % 2, rank % 2 + 2], rank // 2, 2)
+        assert not result["hasattr_unknown"]
+        assert "name='tensor'" in result["error"] and "'expert_dp'" in result["error"]
+        assert "group('cp')" in result["destroyed"] and "destroy()" in result["destroyed"]

@@ -17,15 +17,19 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from mcore_parallel.errors import ParallelConfigError, ParallelStateError, ParallelTypeError
 
-__all__ = ["ParallelState", "initialize", "get_default", "set_default"]
+__all__ = ["DIMENSIONS", "ParallelState", "initialize", "get_default", "set_default"]
 
-_DIMENSIONS = ("tp", "cp", "ep", "etp", "dp", "pp", "expert_dp", "dp_cp", "mp")
+DIMENSIONS = ("tp", "cp", "ep", "etp", "dp", "pp", "expert_dp", "dp_cp", "mp")
+"""Names of the parallel dimensions a :class:`ParallelState` has a group for, in creation order."""
+
+_ATTRIBUTE_ACCESSORS = {"group": "group", "size": "size", "rank": "rank_in", "ranks": "ranks"}
 
 
 def _check_int_at_least(name: str, value: object, minimum: int) -> int:
@@ -57,11 +61,18 @@ def _default_backend() -> str:
 class ParallelState:
     """Process groups, sizes and ranks of one parallel layout.
 
-    Build it with :func:`initialize`. For each dimension ``x`` in tp (tensor), cp (context),
-    ep (expert), dp (data), pp (pipeline), expert_dp (data parallel of expert weights), dp_cp
-    (data x context, over which dense gradients are reduced) and mp (model parallel, tp x pp)
-    it exposes ``<x>_group``, ``<x>_size``, ``<x>_rank`` and ``<x>_ranks`` (the global ranks of
-    this rank's group, ascending).
+    Build it with :func:`initialize`. One accessor serves every dimension of :data:`DIMENSIONS`:
+    tp (tensor), cp (context), ep (expert), etp (expert tensor), dp (data), pp (pipeline),
+    expert_dp (data parallel of expert weights), dp_cp (data x context, over which dense
+    gradients are reduced) and mp (model parallel, tp x pp)::
+
+        state.group("tp"); state.size("cp"); state.rank_in("ep"); state.ranks("dp")
+
+    :attr:`rank` is this process's global rank (an int), so the index inside a dimension's
+    group is :meth:`rank_in`. The attribute spellings ``state.<dim>_group``, ``<dim>_size``,
+    ``<dim>_rank`` (the index in the group) and ``<dim>_ranks`` resolve to the same
+    accessors, e.g. ``state.tp_size == state.size("tp")``. Unknown names raise
+    :class:`~mcore_parallel.errors.ParallelConfigError` listing the valid ones.
 
     Args:
         groups: For each dimension name, this rank's process group.
@@ -72,6 +83,45 @@ class ParallelState:
         device: Device of this rank's computation.
         owns_default_group: Whether :meth:`destroy` also tears down the default process group.
     """
+
+    if TYPE_CHECKING:
+        # The attribute spellings resolved by __getattr__, declared for type checkers.
+        tp_group: dist.ProcessGroup
+        tp_size: int
+        tp_rank: int
+        tp_ranks: list[int]
+        cp_group: dist.ProcessGroup
+        cp_size: int
+        cp_rank: int
+        cp_ranks: list[int]
+        ep_group: dist.ProcessGroup
+        ep_size: int
+        ep_rank: int
+        ep_ranks: list[int]
+        etp_group: dist.ProcessGroup
+        etp_size: int
+        etp_rank: int
+        etp_ranks: list[int]
+        dp_group: dist.ProcessGroup
+        dp_size: int
+        dp_rank: int
+        dp_ranks: list[int]
+        pp_group: dist.ProcessGroup
+        pp_size: int
+        pp_rank: int
+        pp_ranks: list[int]
+        expert_dp_group: dist.ProcessGroup
+        expert_dp_size: int
+        expert_dp_rank: int
+        expert_dp_ranks: list[int]
+        dp_cp_group: dist.ProcessGroup
+        dp_cp_size: int
+        dp_cp_rank: int
+        dp_cp_ranks: list[int]
+        mp_group: dist.ProcessGroup
+        mp_size: int
+        mp_rank: int
+        mp_ranks: list[int]
 
     def __init__(
         self,
@@ -103,195 +153,88 @@ class ParallelState:
         )
         return f"ParallelState(rank={self.rank}/{self.world_size}, {sizes}, device={self.device})"
 
-    def _group(self, name: str) -> dist.ProcessGroup:
+    def _check_name(self, name: object) -> str:
+        if not isinstance(name, str) or name not in DIMENSIONS:
+            raise ParallelConfigError(
+                f"name={name!r} is not a parallel dimension; expected one of {list(DIMENSIONS)}"
+            )
+        return name
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """Returns this rank's process group of one parallel dimension.
+
+        Args:
+            name: One of :data:`DIMENSIONS` (``"tp"``, ``"cp"``, ``"ep"``, ``"etp"``, ``"dp"``,
+                ``"pp"``, ``"expert_dp"``, ``"dp_cp"``, ``"mp"``).
+
+        Returns:
+            The group.
+
+        Raises:
+            ParallelConfigError: If ``name`` is not a dimension.
+            ParallelStateError: If the state was destroyed.
+        """
+        name = self._check_name(name)
         if self._destroyed:
             raise ParallelStateError(
-                f"{name}_group requested after destroy(); call initialize() again"
+                f"group({name!r}) requested after destroy(); call initialize() again"
             )
         return self._groups[name]
 
-    def _rank_in(self, name: str) -> int:
-        return self._ranks[name].index(self.rank)
+    def size(self, name: str) -> int:
+        """Returns the number of ranks of this rank's group of one dimension.
 
-    @property
-    def tp_group(self) -> dist.ProcessGroup:
-        """Tensor-parallel group (contiguous global ranks)."""
-        return self._group("tp")
+        Args:
+            name: One of :data:`DIMENSIONS`.
 
-    @property
-    def tp_size(self) -> int:
-        """Number of tensor-parallel ranks."""
-        return len(self._ranks["tp"])
+        Returns:
+            The group size.
 
-    @property
-    def tp_rank(self) -> int:
-        """This rank's index in its tensor-parallel group."""
-        return self._rank_in("tp")
+        Raises:
+            ParallelConfigError: If ``name`` is not a dimension.
+        """
+        return len(self._ranks[self._check_name(name)])
 
-    @property
-    def tp_ranks(self) -> list[int]:
-        """Global ranks of this rank's tensor-parallel group."""
-        return list(self._ranks["tp"])
+    def rank_in(self, name: str) -> int:
+        """Returns this rank's index in its group of one dimension.
 
-    @property
-    def cp_group(self) -> dist.ProcessGroup:
-        """Context-parallel group (ranks sharing a sequence split)."""
-        return self._group("cp")
+        Named ``rank_in`` because :attr:`rank` is (and stays) this process's global rank.
 
-    @property
-    def cp_size(self) -> int:
-        """Number of context-parallel ranks."""
-        return len(self._ranks["cp"])
+        Args:
+            name: One of :data:`DIMENSIONS`.
 
-    @property
-    def cp_rank(self) -> int:
-        """This rank's index in its context-parallel group."""
-        return self._rank_in("cp")
+        Returns:
+            The index, in ``[0, size(name))``.
 
-    @property
-    def cp_ranks(self) -> list[int]:
-        """Global ranks of this rank's context-parallel group."""
-        return list(self._ranks["cp"])
+        Raises:
+            ParallelConfigError: If ``name`` is not a dimension.
+        """
+        return self._ranks[self._check_name(name)].index(self.rank)
 
-    @property
-    def ep_group(self) -> dist.ProcessGroup:
-        """Expert-parallel group (ranks holding different experts)."""
-        return self._group("ep")
+    def ranks(self, name: str) -> list[int]:
+        """Returns the global ranks of this rank's group of one dimension, ascending.
 
-    @property
-    def ep_size(self) -> int:
-        """Number of expert-parallel ranks."""
-        return len(self._ranks["ep"])
+        Args:
+            name: One of :data:`DIMENSIONS`.
 
-    @property
-    def ep_rank(self) -> int:
-        """This rank's index in its expert-parallel group."""
-        return self._rank_in("ep")
+        Returns:
+            A new list of global ranks.
 
-    @property
-    def ep_ranks(self) -> list[int]:
-        """Global ranks of this rank's expert-parallel group."""
-        return list(self._ranks["ep"])
+        Raises:
+            ParallelConfigError: If ``name`` is not a dimension.
+        """
+        return list(self._ranks[self._check_name(name)])
 
-    @property
-    def etp_group(self) -> dist.ProcessGroup:
-        """Expert tensor-parallel group (ranks splitting each expert's FFN); ``tp`` by default."""
-        return self._group("etp")
-
-    @property
-    def etp_size(self) -> int:
-        """Number of expert tensor-parallel ranks."""
-        return len(self._ranks["etp"])
-
-    @property
-    def etp_rank(self) -> int:
-        """This rank's index in its expert tensor-parallel group."""
-        return self._rank_in("etp")
-
-    @property
-    def etp_ranks(self) -> list[int]:
-        """Global ranks of this rank's expert tensor-parallel group."""
-        return list(self._ranks["etp"])
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        """Data-parallel group of dense weights (excluding context parallelism)."""
-        return self._group("dp")
-
-    @property
-    def dp_size(self) -> int:
-        """Number of data-parallel ranks."""
-        return len(self._ranks["dp"])
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's index in its data-parallel group."""
-        return self._rank_in("dp")
-
-    @property
-    def dp_ranks(self) -> list[int]:
-        """Global ranks of this rank's data-parallel group."""
-        return list(self._ranks["dp"])
-
-    @property
-    def pp_group(self) -> dist.ProcessGroup:
-        """Pipeline-parallel group (the stages of this rank's pipeline)."""
-        return self._group("pp")
-
-    @property
-    def pp_size(self) -> int:
-        """Number of pipeline stages."""
-        return len(self._ranks["pp"])
-
-    @property
-    def pp_rank(self) -> int:
-        """This rank's pipeline stage."""
-        return self._rank_in("pp")
-
-    @property
-    def pp_ranks(self) -> list[int]:
-        """Global ranks of the stages of this rank's pipeline, first stage first."""
-        return list(self._ranks["pp"])
-
-    @property
-    def expert_dp_group(self) -> dist.ProcessGroup:
-        """Data-parallel group of expert weights (``dp * cp / ep`` ranks)."""
-        return self._group("expert_dp")
-
-    @property
-    def expert_dp_size(self) -> int:
-        """Number of ranks holding the same experts."""
-        return len(self._ranks["expert_dp"])
-
-    @property
-    def expert_dp_rank(self) -> int:
-        """This rank's index in its expert-data-parallel group."""
-        return self._rank_in("expert_dp")
-
-    @property
-    def expert_dp_ranks(self) -> list[int]:
-        """Global ranks of this rank's expert-data-parallel group."""
-        return list(self._ranks["expert_dp"])
-
-    @property
-    def dp_cp_group(self) -> dist.ProcessGroup:
-        """Data x context-parallel group, over which dense gradients are reduced."""
-        return self._group("dp_cp")
-
-    @property
-    def dp_cp_size(self) -> int:
-        """Number of ranks in the data x context-parallel group."""
-        return len(self._ranks["dp_cp"])
-
-    @property
-    def dp_cp_rank(self) -> int:
-        """This rank's index in its data x context-parallel group."""
-        return self._rank_in("dp_cp")
-
-    @property
-    def dp_cp_ranks(self) -> list[int]:
-        """Global ranks of this rank's data x context-parallel group."""
-        return list(self._ranks["dp_cp"])
-
-    @property
-    def mp_group(self) -> dist.ProcessGroup:
-        """Model-parallel group: the tp x pp ranks that together hold one model replica."""
-        return self._group("mp")
-
-    @property
-    def mp_size(self) -> int:
-        """Number of ranks in the model-parallel group."""
-        return len(self._ranks["mp"])
-
-    @property
-    def mp_rank(self) -> int:
-        """This rank's index in its model-parallel group."""
-        return self._rank_in("mp")
-
-    @property
-    def mp_ranks(self) -> list[int]:
-        """Global ranks of this rank's model-parallel group."""
-        return list(self._ranks["mp"])
+    def __getattr__(self, attribute: str) -> Any:
+        # Only called when normal lookup fails: maps the spellings ``<dim>_group``,
+        # ``<dim>_size``, ``<dim>_rank`` and ``<dim>_ranks`` onto the accessors.
+        dim, _, field = attribute.rpartition("_")
+        accessor = _ATTRIBUTE_ACCESSORS.get(field)
+        if accessor is None or dim not in DIMENSIONS or "_ranks" not in self.__dict__:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {attribute!r}"
+            )
+        return getattr(self, accessor)(dim)
 
     @property
     def embedding_group(self) -> dist.ProcessGroup | None:
@@ -303,22 +246,22 @@ class ParallelState:
     @property
     def is_first_stage(self) -> bool:
         """Whether this rank runs the first pipeline stage."""
-        return self.pp_rank == 0
+        return self.rank_in("pp") == 0
 
     @property
     def is_last_stage(self) -> bool:
         """Whether this rank runs the last pipeline stage."""
-        return self.pp_rank == self.pp_size - 1
+        return self.rank_in("pp") == self.size("pp") - 1
 
     @property
     def pp_prev_rank(self) -> int:
         """Global rank of the previous pipeline stage (wraps around from the first stage)."""
-        return self._ranks["pp"][(self.pp_rank - 1) % self.pp_size]
+        return self._ranks["pp"][(self.rank_in("pp") - 1) % self.size("pp")]
 
     @property
     def pp_next_rank(self) -> int:
         """Global rank of the next pipeline stage (wraps around from the last stage)."""
-        return self._ranks["pp"][(self.pp_rank + 1) % self.pp_size]
+        return self._ranks["pp"][(self.rank_in("pp") + 1) % self.size("pp")]
 
     @property
     def is_destroyed(self) -> bool:
@@ -460,7 +403,7 @@ def initialize(
     groups: dict[str, dist.ProcessGroup] = {}
     ranks: dict[str, list[int]] = {}
     # Every rank creates every group in the same order, as new_group requires.
-    for name in _DIMENSIONS:
+    for name in DIMENSIONS:
         for members in layouts[name]:
             group = _new_group(members, rank)
             if group is not None:

@@ -35,8 +35,11 @@ def default_bucket_size(dp_size: int) -> int:
 class DDPConfig:
     """How :class:`~mcore_parallel.distributed.ddp.DistributedDataParallel` buffers and reduces."""
 
-    grad_reduce_in_fp32: bool = False
-    """Accumulate and reduce gradients in float32 even when parameters are bf16/fp16."""
+    grad_reduce_in_fp32: bool | None = None
+    """Accumulate and reduce gradients in float32 even when parameters are bf16/fp16. None (the
+    default) means True for bf16/fp16 parameters (fp32 gradient accumulation is the default for
+    low-precision models) and the parameter's own dtype otherwise; False keeps bf16/fp16
+    gradients (half the gradient memory, lossy accumulation)."""
 
     overlap_grad_reduce: bool = False
     """Launch each bucket's reduction asynchronously as soon as its gradients are complete."""
@@ -57,6 +60,11 @@ class DDPConfig:
     """Raise when a reduced gradient holds NaN or Inf (costs one reduction per buffer)."""
 
     def __post_init__(self) -> None:
+        if self.grad_reduce_in_fp32 is not None and not isinstance(self.grad_reduce_in_fp32, bool):
+            raise ParallelConfigError(
+                f"grad_reduce_in_fp32={self.grad_reduce_in_fp32!r} must be None (fp32 for "
+                "bf16/fp16 parameters), True or False"
+            )
         if self.bucket_size is not None and (
             isinstance(self.bucket_size, bool)
             or not isinstance(self.bucket_size, int)
@@ -100,7 +108,12 @@ class OptimizerConfig:
     """Term added to the denominator for numerical stability."""
 
     weight_decay: float = 0.01
-    """Decoupled weight decay (AdamW), applied to every parameter."""
+    """Decoupled weight decay (AdamW), applied to every parameter unless
+    ``exclude_from_weight_decay`` or explicit parameter groups say otherwise."""
+
+    exclude_from_weight_decay: bool = False
+    """Without explicit parameter groups, apply no weight decay to norms, biases and
+    embeddings (the rule of :func:`~mcore_parallel.distributed.param_groups.no_weight_decay_names`)."""
 
     clip_grad: float = 0.0
     """Clip the global gradient norm to this value before the step; ``0`` disables clipping."""
@@ -121,6 +134,10 @@ class OptimizerConfig:
             raise ParallelConfigError(f"eps={self.eps} must be > 0")
         if not self.weight_decay >= 0.0:
             raise ParallelConfigError(f"weight_decay={self.weight_decay} must be >= 0")
+        if not isinstance(self.exclude_from_weight_decay, bool):
+            raise ParallelConfigError(
+                f"exclude_from_weight_decay={self.exclude_from_weight_decay!r} must be a bool"
+            )
         if not isinstance(self.reshardable_state_dict, bool):
             raise ParallelConfigError(
                 f"reshardable_state_dict={self.reshardable_state_dict!r} must be a bool"

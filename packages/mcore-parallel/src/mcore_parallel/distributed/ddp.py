@@ -5,7 +5,6 @@ parameter all-gather for a distributed optimizer, finished lazily by forward pre
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,10 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mcore_parallel.distributed.buffers import Bucket, CommGroup, ParamAndGradBuffer
+from mcore_parallel.distributed.buffers import Bucket, ParamAndGradBuffer
 from mcore_parallel.distributed.config import DDPConfig
+from mcore_parallel.distributed.groups import DataParallelGroups
 from mcore_parallel.distributed.hooks import ParamSyncHooks
-from mcore_parallel.distributed.offload import move_tensor
+from mcore_parallel.distributed.offload import move_buffers
+from mcore_parallel.distributed.param_sync import ParamSync
 from mcore_parallel.errors import (
     GradientNotFiniteError,
     ParallelConfigError,
@@ -32,7 +33,8 @@ class DistributedDataParallel(nn.Module):
     """Wraps a module for data-parallel training over the data-parallel group of ``state``.
 
     Trainable parameters become views into contiguous buffers grouped by dtype; each gradient is
-    accumulated into ``param.main_grad`` (float32 with ``grad_reduce_in_fp32``) by a
+    accumulated into ``param.main_grad`` (float32 for bf16/fp16 parameters unless
+    ``grad_reduce_in_fp32=False``) by a
     post-accumulate-grad hook, which leaves ``param.grad`` as None. Buckets of the gradient
     buffer are all-reduced (or reduce-scattered under a distributed optimizer) in a fixed order
     on every rank: with ``overlap_grad_reduce`` as soon as a bucket and all buckets before it are
@@ -40,17 +42,20 @@ class DistributedDataParallel(nn.Module):
     over the group. Dense gradients are reduced over the data x context group when ``state`` has
     one (context-parallel ranks see different tokens of the same sequences). Parameters
     partitioned over ``"ep"`` (:func:`~mcore_parallel.sharding.set_partition_dim`) go to
-    separate buffers reduced over the expert-data-parallel group and divided by the dense dp
-    size. Parameters marked ``sequence_parallel = True`` have their gradients summed over the
+    separate buffers reduced over the expert-data-parallel group and divided by the dense
+    data x context size, like the dense ones: each expert's gradient already sums the
+    contributions of the tokens its expert-parallel peers sent it, so the sum over expert-DP
+    covers every data x context rank's tokens once. Parameters marked ``sequence_parallel = True`` have their gradients summed over the
     tensor-parallel group in :meth:`finish_grad_sync` (``param.grad`` stays None, so
     ``allreduce_sequence_parallel_grads`` is not needed with this wrapper). The groups used
-    are in ``tp_comm`` and ``ep_comm`` (None without a state).
+    are in :attr:`groups` (``tp_comm`` and ``ep_comm`` are shortcuts).
 
     Args:
         module: The model. Its parameters must all live on one device.
         config: Buffering and communication options; defaults to ``DDPConfig()``.
-        state: A :class:`~mcore_parallel.state.ParallelState`; None uses the whole world as the
-            data-parallel group.
+        state: A :class:`~mcore_parallel.state.ParallelState`; a ``ProcessGroup``, the
+            data-parallel group of a model trained on a subset of the world; or None, which
+            uses the whole world as the data-parallel group.
 
     Raises:
         ParallelTypeError: If ``module`` is not an ``nn.Module`` or ``config`` not a DDPConfig.
@@ -69,7 +74,10 @@ class DistributedDataParallel(nn.Module):
             raise ParallelTypeError(f"config must be a DDPConfig, got {type(config).__name__}")
         self.module = module
         self.config = config
-        dense, expert, self.tp_comm, self.ep_comm = _comm_groups(state)
+        self.groups = DataParallelGroups.of(state)
+        """The groups gradients are reduced over, and the model-parallel ones."""
+        dense, expert = self.groups.dense, self.groups.expert
+        self.tp_comm, self.ep_comm = self.groups.tp, self.groups.ep
         self.dp_group, self.dp_size, self.dp_rank = dense.group, dense.size, dense.rank
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
@@ -88,7 +96,7 @@ class DistributedDataParallel(nn.Module):
         groups: dict[tuple[torch.dtype, torch.dtype, bool], list[nn.Parameter]] = {}
         # Reverse registration order approximates the order in which gradients arrive.
         for param in reversed(params):
-            grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else param.dtype
+            grad_dtype = _grad_dtype(param.dtype, config.grad_reduce_in_fp32)
             is_expert = "ep" in get_partition_dims(param)
             if is_expert and expert is None:
                 raise ParallelConfigError(
@@ -104,8 +112,8 @@ class DistributedDataParallel(nn.Module):
         for (param_dtype, grad_dtype, is_expert), group_params in groups.items():
             comm = expert if is_expert else dense
             assert comm is not None
-            # Gradients end up divided by the dense dp size: expert parameters already summed
-            # the contributions of their expert-parallel peers' tokens.
+            # Expert gradients end up divided by the dense (dp x cp) size too: each already sums
+            # the contributions of its expert-parallel peers' tokens.
             reduced_by = comm.size if config.average_in_collective else 1
             buffer = ParamAndGradBuffer(
                 group_params,
@@ -132,11 +140,9 @@ class DistributedDataParallel(nn.Module):
         self._grad_hook_handles = [
             p.register_post_accumulate_grad_hook(self._accumulate_grad) for p in params
         ]
-        self.param_sync_hooks = ParamSyncHooks(self)
+        self._param_sync = ParamSync(self.buckets)
+        self.param_sync_hooks = ParamSyncHooks(module, self.param_bucket, self.finish_param_sync)
         """Record of the forward pre-hooks that finish parameter all-gathers."""
-        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
-        # Optimizers built over this model keep their own fp32 copies of the parameters;
-        # load_state_dict refreshes them, or the next step would restore the old weights.
         if config.use_distributed_optimizer and config.overlap_param_gather:
             self.param_sync_hooks.enable()
 
@@ -173,8 +179,9 @@ class DistributedDataParallel(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Loads into the wrapped module in place (the buffers keep their storage).
 
-        The fp32 main parameters of every ``DistributedOptimizer`` built over this model are
-        refreshed from the loaded parameters, so the next step starts from them.
+        The load runs the wrapped module's ``load_state_dict`` post-hooks; a
+        ``DistributedOptimizer`` built over this model registers one that refreshes its fp32
+        main parameters from the loaded parameters, so the next step starts from them.
 
         Args:
             state_dict: A state dict of the wrapped module.
@@ -190,11 +197,7 @@ class DistributedDataParallel(nn.Module):
         if assign:
             raise ParallelConfigError("assign=True would detach parameters from the DDP buffers")
         self.finish_param_sync()
-        result = self.module.load_state_dict(state_dict, strict=strict)
-        loaded = {name for name, _ in self.module.named_parameters() if name in state_dict}
-        for optimizer in list(self._optimizers):
-            optimizer.reload_model_params(loaded)
-        return result
+        return self.module.load_state_dict(state_dict, strict=strict)
 
     # ---------------------------------------------------------------- gradients
 
@@ -332,8 +335,7 @@ class DistributedDataParallel(nn.Module):
 
         Called by the distributed optimizer after it wrote the updated shards.
         """
-        for bucket in self.buckets:
-            bucket.param_stale = bucket.buffer.num_shards > 1
+        self._param_sync.mark_updated()
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """Starts the all-gather of updated parameter shards (distributed optimizer only).
@@ -349,20 +351,7 @@ class DistributedDataParallel(nn.Module):
         if force_sync or not (self.config.overlap_param_gather and self.param_sync_hooks.enabled):
             self.finish_param_sync()
             return
-        self._dispatch_param_gather(up_to=len(self.buckets) - 1)
-
-    def _dispatch_param_gather(self, up_to: int) -> None:
-        # Forward order is the reverse of the gradient order; dispatch in that strict order.
-        for bucket in reversed(self.buckets[up_to:]):
-            if not bucket.param_stale or bucket.param_work is not None:
-                continue
-            start, end = bucket.shard_range(bucket.buffer.shard_index)
-            bucket.param_work = dist.all_gather_into_tensor(
-                bucket.param_view(),
-                bucket.buffer.param_data[start:end],
-                group=bucket.buffer.comm.group,
-                async_op=True,
-            )
+        self._param_sync.dispatch(up_to=len(self.buckets) - 1)
 
     def finish_param_sync(self, bucket: Bucket | None = None) -> None:
         """Waits until parameters are complete: one bucket (and those before it) or all.
@@ -371,22 +360,12 @@ class DistributedDataParallel(nn.Module):
             bucket: The bucket whose parameters a module is about to use; None finishes every
                 bucket. After finishing a bucket, the next one in forward order is prefetched.
         """
-        target = 0 if bucket is None else bucket.index
-        if not any(b.param_stale for b in self.buckets[target:]):
-            return
-        self._dispatch_param_gather(up_to=target)
-        for pending in reversed(self.buckets[target:]):
-            if pending.param_work is not None:
-                pending.param_work.wait()
-                pending.param_work = None
-            pending.param_stale = False
-        if target > 0:
-            self._dispatch_param_gather(up_to=target - 1)
+        self._param_sync.finish(bucket)
 
     @property
     def param_sync_pending(self) -> bool:
         """Whether some parameters still wait for their all-gather."""
-        return any(b.param_stale for b in self.buckets)
+        return self._param_sync.pending
 
     def enable_forward_pre_hook(self) -> None:
         """Registers the forward pre-hooks that finish parameter all-gathers (idempotent).
@@ -436,7 +415,6 @@ class DistributedDataParallel(nn.Module):
 
     # ---------------------------------------------------------------- offload
 
-    @torch.inference_mode(False)
     def offload_to_cpu(self, *, params: bool = True, grads: bool = True) -> None:
         """Moves the parameter and/or gradient buffers to host memory, freeing device memory.
 
@@ -449,34 +427,22 @@ class DistributedDataParallel(nn.Module):
             grads: Offload the gradient buffers (in-flight reductions are finished first).
         """
         self.finish_param_sync()
+        params = params and "params" not in self._offloaded
+        grads = grads and "grads" not in self._offloaded
         cpu = torch.device("cpu")
-        if grads and "grads" not in self._offloaded:
-            for bucket in self.buckets:
-                if bucket.grad_work is not None:
-                    bucket.grad_work.wait()
-                    bucket.grad_work = None
-            for buffer in self.param_grad_buffers:
-                buffer.grad_data = move_tensor(buffer.grad_data, cpu)
-            self._offloaded.add("grads")
-        if params and "params" not in self._offloaded:
-            for buffer in self.param_grad_buffers:
-                buffer.param_data = move_tensor(buffer.param_data, cpu)
-            self._offloaded.add("params")
-        for buffer in self.param_grad_buffers:
-            buffer.bind_views()
+        move_buffers(self.param_grad_buffers, self.buckets, cpu, params=params, grads=grads)
+        self._offloaded |= {name for name, moved in (("params", params), ("grads", grads)) if moved}
 
-    @torch.inference_mode(False)
     def reload_from_cpu(self) -> None:
         """Moves offloaded buffers back to the device, bit for bit; a no-op when none is."""
-        if "grads" in self._offloaded:
-            for buffer in self.param_grad_buffers:
-                buffer.grad_data = move_tensor(buffer.grad_data, self.device)
-        if "params" in self._offloaded:
-            for buffer in self.param_grad_buffers:
-                buffer.param_data = move_tensor(buffer.param_data, self.device)
+        move_buffers(
+            self.param_grad_buffers,
+            self.buckets,
+            self.device,
+            params="params" in self._offloaded,
+            grads="grads" in self._offloaded,
+        )
         self._offloaded.clear()
-        for buffer in self.param_grad_buffers:
-            buffer.bind_views()
 
     @property
     def offloaded(self) -> frozenset[str]:
@@ -484,32 +450,9 @@ class DistributedDataParallel(nn.Module):
         return frozenset(self._offloaded)
 
 
-def _comm_groups(
-    state: Any,
-) -> tuple[CommGroup, CommGroup | None, CommGroup | None, CommGroup | None]:
-    """Dense data-parallel, expert data-parallel, tensor- and expert-parallel groups."""
-    if state is None:
-        if not dist.is_initialized():
-            raise ParallelStateError(
-                "state=None needs torch.distributed initialised (the world is the dp group)"
-            )
-        return CommGroup(None, dist.get_world_size(), dist.get_rank()), None, None, None
-
-    def view(prefix: str) -> CommGroup | None:
-        if not hasattr(state, f"{prefix}_group"):
-            return None
-        return CommGroup(
-            getattr(state, f"{prefix}_group"),
-            int(getattr(state, f"{prefix}_size")),
-            int(getattr(state, f"{prefix}_rank")),
-        )
-
-    # Context-parallel ranks see other tokens of the same sequences: dense gradients are
-    # reduced over data x context.
-    dense = view("dp_cp") or view("dp")
-    if dense is None:
-        raise ParallelTypeError(
-            f"state must be a ParallelState (with dp_group, dp_size, dp_rank) or None, "
-            f"got {type(state).__name__}"
-        )
-    return dense, view("expert_dp"), view("tp"), view("ep")
+def _grad_dtype(param_dtype: torch.dtype, reduce_in_fp32: bool | None) -> torch.dtype:
+    """Gradient buffer dtype: float32 for low-precision parameters unless told otherwise."""
+    if reduce_in_fp32 is None:
+        low_precision = param_dtype in (torch.bfloat16, torch.float16)
+        return torch.float32 if low_precision else param_dtype
+    return torch.float32 if reduce_in_fp32 else param_dtype

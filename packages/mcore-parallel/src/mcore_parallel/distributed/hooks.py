@@ -2,15 +2,19 @@
 
 Production RL runs broke when hook removal walked the *live* module tree: modules added or
 deleted after registration (CUDA-graph runners attached to layers) left orphaned handles or
-raised ``KeyError`` (see ``seeds/rl-worker-lessons.md``). Here the record of handles is the
-only source of truth: hooks are registered on the modules that directly own bucketed
-parameters, every handle is remembered, and disabling removes exactly the recorded handles.
+raised ``KeyError``. Here the record of handles is the only source of truth: hooks are
+registered on the modules that directly own bucketed parameters, every handle is remembered,
+and disabling removes exactly the recorded handles.
+
+The hooks know nothing of the data-parallel wrapper: they are given the module tree, the bucket
+of every parameter and a callback that finishes one bucket's all-gather.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -18,25 +22,38 @@ from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
     from mcore_parallel.distributed.buffers import Bucket
-    from mcore_parallel.distributed.ddp import DistributedDataParallel
 
 __all__ = ["ParamSyncHooks"]
 
 
 class ParamSyncHooks:
-    """Registers, records and removes the parameter-sync forward pre-hooks of one DDP.
+    """Registers, records and removes the parameter-sync forward pre-hooks of one model.
 
     Enabling and disabling are idempotent, so calls always balance: ``enable`` twice leaves one
     hook per owner module, ``disable`` when nothing is registered does nothing and never
-    raises. The record keeps modules only through weak references, so a module deleted from
-    the tree is not kept alive by its hook.
+    raises. The record and the hooks keep modules and the callback's owner only through weak
+    references, so neither a deleted module nor the wrapper is kept alive by a hook.
 
     Args:
-        ddp: The wrapper whose buckets the hooks synchronise.
+        module: The root of the module tree to hook.
+        param_bucket: The bucket of every parameter whose all-gather the hooks finish.
+        finish_bucket: Called with a bucket before a module using its parameters runs; a bound
+            method is held through a weak reference.
     """
 
-    def __init__(self, ddp: DistributedDataParallel) -> None:
-        self._ddp = weakref.ref(ddp)
+    def __init__(
+        self,
+        module: nn.Module,
+        param_bucket: Mapping[nn.Parameter, Bucket],
+        finish_bucket: Callable[[Bucket], None],
+    ) -> None:
+        self._root = weakref.ref(module)
+        self._param_bucket = param_bucket
+        self._finish: Callable[[], Callable[[Bucket], None] | None]
+        if hasattr(finish_bucket, "__self__"):
+            self._finish = weakref.WeakMethod(finish_bucket)  # type: ignore[arg-type]
+        else:
+            self._finish = lambda: finish_bucket
         self._handles: list[RemovableHandle] = []
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -59,13 +76,13 @@ class ParamSyncHooks:
         Returns:
             The modules, in ``modules()`` order.
         """
-        ddp = self._ddp()
-        if ddp is None:
+        root = self._root()
+        if root is None:
             return []
         return [
             module
-            for module in ddp.module.modules()
-            if any(p in ddp.param_bucket for p in module.parameters(recurse=False))
+            for module in root.modules()
+            if any(p in self._param_bucket for p in module.parameters(recurse=False))
         ]
 
     def enable(self) -> None:
@@ -76,21 +93,18 @@ class ParamSyncHooks:
         leaves the same single hook per owner.
         """
         self.disable()
-        ddp = self._ddp()
-        if ddp is None:
-            return
         handles: list[RemovableHandle] = []
         try:
             for module in self.owners():
                 buckets = sorted(
                     {
-                        ddp.param_bucket[p]
+                        self._param_bucket[p]
                         for p in module.parameters(recurse=False)
-                        if p in ddp.param_bucket
+                        if p in self._param_bucket
                     },
                     key=lambda b: -b.index,
                 )
-                hook = functools.partial(_finish_param_sync_hook, self._ddp, tuple(buckets))
+                hook = functools.partial(_finish_buckets_hook, self._finish, tuple(buckets))
                 handles.append(module.register_forward_pre_hook(hook))
                 self._modules.add(module)
         except BaseException:
@@ -108,14 +122,14 @@ class ParamSyncHooks:
             handle.remove()
 
 
-def _finish_param_sync_hook(
-    ddp_ref: weakref.ref[DistributedDataParallel],
+def _finish_buckets_hook(
+    finish: Callable[[], Callable[[Bucket], None] | None],
     buckets: tuple[Bucket, ...],
     module: nn.Module,
     args: Any,
 ) -> None:
-    ddp = ddp_ref()
-    if ddp is None:
+    callback = finish()
+    if callback is None:
         return
     for bucket in buckets:
-        ddp.finish_param_sync(bucket)
+        callback(bucket)

@@ -1,0 +1,121 @@
+"""Attention of a block of queries against a block of keys, forward and backward, in fp32.
+
+Plain torch matmuls with an explicit log-sum-exp, so that partial results over different key
+blocks merge exactly (online softmax) and the backward pass can be recomputed block by block
+from the final log-sum-exp, as FlashAttention does (Dao et al., "FlashAttention", NeurIPS
+2022). Grouped-query attention is handled by viewing the ``Hq`` query heads as ``Hkv`` groups
+of ``Hq / Hkv``, never by repeating keys and values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["block_forward", "block_backward", "merge_into"]
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    batch, heads, length, dim = q.shape
+    return q.view(batch, kv_heads, heads // kv_heads, length, dim)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    # Fully masked rows have lse = -inf; 0 there keeps exp(-inf - 0) = 0 instead of NaN.
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _probabilities(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    lse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = _grouped(q, k.shape[1]) @ k.unsqueeze(2).transpose(-1, -2) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    else:
+        lse = lse.view(scores.shape[:-1])
+    return torch.exp(scores - _finite(lse).unsqueeze(-1)), lse
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output and log-sum-exp of queries over one key block.
+
+    Args:
+        q: Queries ``[B, Hq, Tq, D]`` (fp32).
+        k: Keys ``[B, Hkv, Tk, D]`` (fp32).
+        v: Values ``[B, Hkv, Tk, D]`` (fp32).
+        mask: Boolean ``[Tq, Tk]``, True where a query may attend a key; None for all.
+        scale: Factor applied to the scores.
+
+    Returns:
+        The normalised output ``[B, Hq, Tq, D]`` over this block and its log-sum-exp
+        ``[B, Hq, Tq]`` (``-inf`` for rows with no allowed key, whose output is 0).
+    """
+    probs, lse = _probabilities(q, k, mask, scale, None)
+    out = probs @ v.unsqueeze(2)
+    batch, heads, length, dim = q.shape
+    return out.view(batch, heads, length, dim), lse.view(batch, heads, length)
+
+
+def block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    delta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the final log-sum-exp of the queries' rows.
+
+    Args:
+        q: Queries ``[B, Hq, Tq, D]`` (fp32).
+        k: Keys ``[B, Hkv, Tk, D]`` (fp32).
+        v: Values ``[B, Hkv, Tk, D]`` (fp32).
+        mask: Boolean ``[Tq, Tk]`` or None, as in the forward pass.
+        scale: Factor applied to the scores.
+        lse: Log-sum-exp of each query row over ALL key blocks ``[B, Hq, Tq]``.
+        grad_out: Gradient of the final output ``[B, Hq, Tq, D]`` (fp32).
+        delta: ``(grad_out * out).sum(-1)`` of the final output ``[B, Hq, Tq]``.
+
+    Returns:
+        This block's contributions to the gradients of ``q``, ``k`` and ``v``.
+    """
+    kv_heads = k.shape[1]
+    probs, _ = _probabilities(q, k, mask, scale, lse)
+    grad_out_g = _grouped(grad_out, kv_heads)
+    grad_v = (probs.transpose(-1, -2) @ grad_out_g).sum(dim=2)
+    grad_probs = grad_out_g @ v.unsqueeze(2).transpose(-1, -2)
+    grad_scores = probs * (grad_probs - delta.view(probs.shape[:-1]).unsqueeze(-1))
+    grad_q = (grad_scores @ k.unsqueeze(2)) * scale
+    grad_k = (grad_scores.transpose(-1, -2) @ _grouped(q, kv_heads)).sum(dim=2) * scale
+    return grad_q.view(q.shape), grad_k, grad_v
+
+
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merges a block's normalised output into the running output (online softmax).
+
+    Args:
+        out: Running output ``[B, H, T, D]``.
+        lse: Running log-sum-exp ``[B, H, T]``.
+        block_out: The block's output.
+        block_lse: The block's log-sum-exp.
+
+    Returns:
+        The merged output and log-sum-exp.
+    """
+    merged = torch.logaddexp(lse, block_lse)
+    safe = _finite(merged)
+    out = out * torch.exp(lse - safe).unsqueeze(-1) + block_out * torch.exp(
+        block_lse - safe
+    ).unsqueeze(-1)
+    return out, merged
