@@ -1,5 +1,7 @@
-"""Hugging Face parity for MoE families: tiny random Mixtral, Qwen2-MoE and Qwen3-MoE built with
-transformers, loaded with GPTModel.from_hf (logits equal) and exported back with to_hf."""
+"""Hugging Face parity for MoE families: tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and dots.llm1
+(DeepSeek-V3 routing: sigmoid scores, expert score-correction bias, group-limited top-k, routed
+scaling) built with transformers, loaded with GPTModel.from_hf (logits equal) and exported back
+with to_hf."""
 
 from __future__ import annotations
 
@@ -43,6 +45,22 @@ def _hf_model(kind: str):
             mlp_only_layers=[0],
         )
         model = transformers.Qwen2MoeForCausalLM(config)
+    elif kind == "dots1":
+        config = transformers.Dots1Config(
+            **{**COMMON, "num_experts_per_tok": 4},
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            head_dim=16,
+            n_routed_experts=16,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            sliding_window=None,
+        )
+        model = transformers.Dots1ForCausalLM(config)
     else:
         config = transformers.Qwen3MoeConfig(
             **COMMON,
@@ -59,10 +77,14 @@ def _hf_model(kind: str):
         # that a swapped expert, projection or norm cannot pass.
         for param in model.parameters():
             param.normal_(0.0, 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # Large enough to change which experts (and groups) win.
+                buffer.normal_(0.0, 0.5)
     return model
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "dots1"])
 def test_from_hf_matches_transformers_logits_and_to_hf_round_trips(kind, tmp_path):
     hf_model = _hf_model(kind)
     hf_model.save_pretrained(tmp_path / "hf")
@@ -72,7 +94,11 @@ def test_from_hf_matches_transformers_logits_and_to_hf_round_trips(kind, tmp_pat
         model = GPTModel.from_hf(tmp_path / "hf").eval()
         torch.testing.assert_close(model(ids), expected, atol=2e-5, rtol=2e-5)
     moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoELayer)]
-    assert len(moe_layers) == (1 if kind == "qwen2_moe" else 2)
+    assert len(moe_layers) == (1 if kind in ("qwen2_moe", "dots1") else 2)
+    if kind == "dots1":
+        moe = model.config.moe
+        assert (moe.router_num_groups, moe.router_group_top_k) == (4, 2)
+        assert moe.router_score == "sigmoid" and moe.router_scaling_factor == 2.5
     model.to_hf(tmp_path / "export")
     written = json.loads((tmp_path / "export" / "config.json").read_text())
     assert written["model_type"] == kind
@@ -101,6 +127,6 @@ def test_from_hf_names_missing_expert(tmp_path):
 def test_to_hf_rejects_moe_options_without_hf_counterpart(tmp_path):
     moe = MoEConfig(num_experts=4, top_k=2, router_score="sigmoid")
     model = GPTModel(GPTConfig.from_name("tiny", moe=moe))
-    with pytest.raises(CheckpointFormatError, match="router_score='sigmoid'"):
+    with pytest.raises(CheckpointFormatError, match="router_expert_bias=True"):
         model.to_hf(tmp_path)
     assert not (tmp_path / "model.safetensors").exists()

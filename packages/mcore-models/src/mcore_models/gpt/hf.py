@@ -36,8 +36,9 @@ SUPPORTED_MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "dots1": "Dots1ForCausalLM",
 }
-"""Hugging Face ``model_type`` -> architecture class name (the last three are MoE families,
+"""Hugging Face ``model_type`` -> architecture class name (the last four are MoE families,
 translated by :mod:`mcore_models.moe.hf`)."""
 
 _REQUIRED_KEYS = (
@@ -187,7 +188,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         dtype=dtype,
     )
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "dots1"):
         from mcore_models.moe.hf import moe_fields_from_hf
 
         fields.update(moe_fields_from_hf(hf))
@@ -314,7 +315,7 @@ def load_hf(
     if config.moe is not None:
         from mcore_models.moe.hf import ExpertLoader
 
-        experts = ExpertLoader(params)
+        experts = ExpertLoader(params, dict(model.named_buffers()))
 
     def read(name: str) -> torch.Tensor:
         file = files[name]

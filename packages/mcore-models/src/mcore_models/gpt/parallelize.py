@@ -143,23 +143,29 @@ def parallelize(model_or_config: GPTModel | GPTConfig, state: ParallelState) -> 
     tp = state.tp_size
     if tp == 1:
         model.state = state
-        # Only mixture-of-experts layers have something to shard (experts over ep).
+        # Only mixture-of-experts layers have something to shard (experts over ep / etp).
+        from mcore_models.moe.layer import MoELayer
+        from mcore_models.moe.parallelize import parallelize_moe
+
         for layer in model.layers:
-            if callable(getattr(layer.mlp, "parallelize", None)):
-                layer.mlp.parallelize(state)  # type: ignore[operator, union-attr]
+            if isinstance(layer.mlp, MoELayer):
+                parallelize_moe(layer.mlp, state, sequence_parallel=False)
         return model
     if model.tp_group is not None:
         raise ModelConfigError("model is already parallelized; parallelize a whole model")
     config = model.config
     _check_divisible(config, tp)
     # Every check runs before the first layer is sharded, so an error leaves the model whole.
+    from mcore_models.moe.layer import MoELayer
+    from mcore_models.moe.parallelize import parallelize_moe
+
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         mlp = layer.mlp
-        if not isinstance(mlp, SwiGLUMLP) and not callable(getattr(mlp, "parallelize", None)):
+        if not isinstance(mlp, (SwiGLUMLP, MoELayer)):
             raise ModelConfigError(
                 f"layer {layer.layer_idx} has an MLP of type {type(mlp).__name__}, which "
-                "parallelize cannot shard (it has no parallelize(state) method)"
+                "parallelize cannot shard"
             )
     model.state = state
     sp = config.sequence_parallel
@@ -181,8 +187,8 @@ def parallelize(model_or_config: GPTModel | GPTConfig, state: ParallelState) -> 
             mlp.up_proj = _column(mlp.up_proj, state, sp)  # type: ignore[assignment]
             mlp.down_proj = _row(mlp.down_proj, state, sp)  # type: ignore[assignment]
         else:
-            # Other MLP blocks (e.g. mixture-of-experts) shard themselves.
-            mlp.parallelize(state)  # type: ignore[operator]
+            assert isinstance(mlp, MoELayer)
+            parallelize_moe(mlp, state, sequence_parallel=sp)
         if sp:
             _mark_partial_gradient(layer.input_norm.weight)
             _mark_partial_gradient(layer.post_attention_norm.weight)
