@@ -13,7 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mcore_models import CheckpointFormatError, GPTConfig, GPTModel
+from mcore_models.hf_io import SafetensorsReader, read_into
+from mcore_models.init import GlobalSlice
 from mcore_models.moe import MoEConfig, MoELayer
+from mcore_models.moe.hf import moe_hf_pieces
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,3 +133,61 @@ def test_to_hf_rejects_moe_options_without_hf_counterpart(tmp_path):
     with pytest.raises(CheckpointFormatError, match="router_expert_bias=True"):
         model.to_hf(tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def _dots1_like_model() -> GPTModel:
+    moe = MoEConfig(
+        num_experts=4,
+        top_k=2,
+        expert_ffn_hidden_size=8,
+        shared_expert_ffn_hidden_size=16,
+        router_score="sigmoid",
+        router_expert_bias=True,
+        router_num_groups=2,
+        router_group_top_k=1,
+        router_scaling_factor=2.0,
+        dense_layers=(0,),
+    )
+    model = GPTModel(GPTConfig.from_name("tiny", qk_layernorm=True, seed=4, moe=moe))
+    with torch.no_grad():
+        for layer in model.layers:
+            if isinstance(layer.mlp, MoELayer):
+                layer.mlp.router.expert_bias.normal_()
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["dots1", "mixtral"])
+def test_moe_hf_pieces_read_only_the_local_block(model_type, tmp_path):
+    if model_type == "dots1":
+        model = _dots1_like_model()
+    else:
+        model = GPTModel(GPTConfig.from_name("tiny", seed=4, moe=MoEConfig(num_experts=4)))
+    model.to_hf(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == model_type
+    reader = SafetensorsReader(tmp_path)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    checked = 0
+    for name, whole in tensors.items():
+        pieces = moe_hf_pieces(name, tuple(whole.shape), model.config, model_type)
+        if pieces is None:
+            assert ".experts." not in name and ".router." not in name
+            continue
+        # Expert rank 1 of 2 along the experts, expert-TP rank 1 of 2 along the FFN width.
+        offset = [0] * whole.dim()
+        local_shape = list(whole.shape)
+        if ".experts." in name:
+            ffn_dim = 2
+            for dim in (0, ffn_dim):
+                local_shape[dim] //= 2
+                offset[dim] = local_shape[dim]
+        local = torch.full(local_shape, float("nan"), dtype=whole.dtype)
+        where = GlobalSlice(name, tuple(whole.shape), tuple(offset))
+        before = reader.bytes_read
+        read_into(local, where, pieces, reader)
+        expected = whole.detach()[where.box(tuple(local_shape))]
+        torch.testing.assert_close(local, expected, atol=0, rtol=0)
+        assert reader.bytes_read - before == local.numel() * local.element_size()
+        checked += 1
+    # dots1: one MoE layer (experts x2, router weight and bias, shared expert x3);
+    # Mixtral: two MoE layers (experts x2, router).
+    assert checked == (7 if model_type == "dots1" else 6)
