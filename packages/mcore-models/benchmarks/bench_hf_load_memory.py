@@ -19,6 +19,7 @@ import json
 import platform
 import resource
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,12 +33,31 @@ from mcore_parallel import initialize
 from mcore_parallel.testing import run_distributed
 
 
-def _rss_mib() -> float:
+def _rss_mib(field: str = "VmRSS") -> float:
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+class _AnonPeak:
+    """Samples RssAnon (memory not backed by files: tensors, not the mmapped checkpoint)."""
+
+    def __init__(self) -> None:
+        self.peak = _rss_mib("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss_mib("RssAnon"))
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _rss_mib("RssAnon"))
 
 
 def _peak_mib() -> float:
@@ -95,10 +115,13 @@ def _load(directory: str, tp: int, pp: int) -> dict:
     state = initialize(tp=tp, pp=pp) if tp * pp > 1 else None
     gc.collect()
     before = _rss_mib()
+    anon_before = _rss_mib("RssAnon")
+    sampler = _AnonPeak()
     reader = SafetensorsReader(directory)
     start = time.perf_counter()
     model = GPTModel.from_hf(directory, state=state, dtype=torch.bfloat16, device="cpu")
     seconds = time.perf_counter() - start
+    anon_peak = sampler.stop()
     assert isinstance(model, GPTModel)
     del reader
     held = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -109,6 +132,7 @@ def _load(directory: str, tp: int, pp: int) -> dict:
         "rss_before_mib": round(before, 1),
         "peak_rss_mib": round(_peak_mib(), 1),
         "peak_above_start_mib": round(_peak_mib() - before, 1),
+        "anon_peak_above_start_mib": round(anon_peak - anon_before, 1),
         "held_mib": round(held / 2**20, 1),
         "load_seconds": round(seconds, 2),
     }
@@ -143,18 +167,22 @@ def main() -> None:
         f"# from_hf peak host memory, {args.preset} ({config.num_parameters() / 1e9:.2f}B, bf16,"
         f" {result['checkpoint_mib']:.0f} MiB checkpoint), {result['device']}",
         "",
-        "| layout | rank (tp, pp) | peak RSS above start (MiB) | shard held (MiB) | "
-        "ratio to unsharded | load s |",
-        "|---|---|---|---|---|---|",
-        f"| unsharded | 0 | {whole['peak_above_start_mib']} | {whole['held_mib']} | 1.00 | "
+        "Peak RSS counts the pages of the memory-mapped checkpoint a rank touched (file-backed, "
+        "reclaimable); anonymous RSS is the memory the rank allocated (its tensors).",
+        "",
+        "| layout | rank (tp, pp) | peak RSS above start (MiB) | peak anonymous RSS (MiB) | "
+        "shard held (MiB) | RSS ratio to unsharded | load s |",
+        "|---|---|---|---|---|---|---|",
+        f"| unsharded | 0 | {whole['peak_above_start_mib']} | "
+        f"{whole['anon_peak_above_start_mib']} | {whole['held_mib']} | 1.00 | "
         f"{whole['load_seconds']} |",
     ]
     for rank in sharded:
         ratio = rank["peak_above_start_mib"] / whole["peak_above_start_mib"]
         lines.append(
             f"| tp=2 pp=2 | {rank['rank']} ({rank['tp_rank']}, {rank['pp_rank']}) | "
-            f"{rank['peak_above_start_mib']} | {rank['held_mib']} | {ratio:.2f} | "
-            f"{rank['load_seconds']} |"
+            f"{rank['peak_above_start_mib']} | {rank['anon_peak_above_start_mib']} | "
+            f"{rank['held_mib']} | {ratio:.2f} | {rank['load_seconds']} |"
         )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

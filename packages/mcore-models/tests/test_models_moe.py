@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_models import GPTConfig, GPTModel, ModelConfigError, ModelInputError
-from mcore_models.moe import MoEConfig, MoELayer, set_decode_expert_padding
+from mcore_models.moe import MoEConfig, MoELayer, group_limited_top_k, set_decode_expert_padding
 from mcore_models.moe.config import expert_capacity
 from mcore_models.moe.experts import grouped_mm_supported
 
@@ -50,7 +50,9 @@ def _reference(layer: MoELayer, x: torch.Tensor, capacity: int | None = None) ->
                 used[e] += 1
                 if used[e] > capacity:
                     continue
-            h = F.silu(experts.gate_proj[e] @ tokens[t]) * (experts.up_proj[e] @ tokens[t])
+            h = F.silu(experts.gate_up_proj[e, 0] @ tokens[t]) * (
+                experts.gate_up_proj[e, 1] @ tokens[t]
+            )
             out[t] += w * (experts.down_proj[e] @ h)
     if layer.shared_expert is not None:
         shared = layer.shared_expert(tokens)
@@ -219,7 +221,8 @@ def test_grouped_gemm_equals_expert_loop_forward_and_backward(loss, monkeypatch)
         (out.square().sum() if loss == "square" else out.sum()).backward()
         results.append((out.detach(), [p.grad.clone() for p in layer.parameters()]))
         if grouped:
-            assert len(calls) >= 3 or not grouped_mm_supported(X.device, X.dtype)
+            # One GEMM for gate and up together, one for down.
+            assert len(calls) >= 2 or not grouped_mm_supported(X.device, X.dtype)
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -264,6 +267,13 @@ def test_gpt_model_with_moe_builds_dense_and_moe_layers_and_zeroes_expert_bias()
         ({"capacity_factor": 0.0}, "capacity_factor=0.0"),
         ({"aux_loss_coeff": -1.0}, "aux_loss_coeff=-1.0"),
         ({"shared_expert_gate": True}, "shared_expert_gate=True"),
+        ({"router_num_groups": 3}, "router_num_groups=3 must divide num_experts=4"),
+        ({"router_num_groups": 2, "router_group_top_k": 3}, "router_group_top_k=3"),
+        (
+            {"top_k": 3, "router_num_groups": 4, "router_group_top_k": 2},
+            "top_k=3 exceeds the 2 experts",
+        ),
+        ({"router_scaling_factor": 0.0}, "router_scaling_factor=0.0"),
     ],
 )
 def test_moe_config_rejects_invalid_fields(fields, message):
@@ -313,3 +323,11 @@ def test_zero_tokens_forward_and_backward(capacity_factor):
     out.sum().backward()
     assert x.grad is not None and x.grad.shape == (0, HIDDEN)
     assert all(p.grad is None or not p.grad.any() for p in layer.parameters())
+
+
+def test_group_limited_top_k_picks_only_from_the_best_groups():
+    # Groups of two: group scores (sum of the two best) 1.1, 0.3, 1.0, 0.9; the two best
+    # groups are 0 and 2, so expert 7 (the single best score) is excluded.
+    choice = torch.tensor([[0.6, 0.5, 0.2, 0.1, 0.55, 0.45, 0.0, 0.9]])
+    assert group_limited_top_k(choice, 3, 4, 2).tolist() == [[0, 4, 1]]
+    assert group_limited_top_k(choice, 3, 1, 1).tolist() == [[7, 0, 4]]

@@ -1,5 +1,7 @@
-"""Hugging Face parity for MoE families: tiny random Mixtral, Qwen2-MoE and Qwen3-MoE built with
-transformers, loaded with GPTModel.from_hf (logits equal) and exported back with to_hf."""
+"""Hugging Face parity for MoE families: tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and dots.llm1
+(DeepSeek-V3 routing: sigmoid scores, expert score-correction bias, group-limited top-k, routed
+scaling) built with transformers, loaded with GPTModel.from_hf (logits equal) and exported back
+with to_hf."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mcore_models import CheckpointFormatError, GPTConfig, GPTModel
+from mcore_models.hf_io import SafetensorsReader, read_into
+from mcore_models.init import GlobalSlice
 from mcore_models.moe import MoEConfig, MoELayer
+from mcore_models.moe.hf import moe_hf_pieces
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,6 +48,22 @@ def _hf_model(kind: str):
             mlp_only_layers=[0],
         )
         model = transformers.Qwen2MoeForCausalLM(config)
+    elif kind == "dots1":
+        config = transformers.Dots1Config(
+            **{**COMMON, "num_experts_per_tok": 4},
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            head_dim=16,
+            n_routed_experts=16,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            sliding_window=None,
+        )
+        model = transformers.Dots1ForCausalLM(config)
     else:
         config = transformers.Qwen3MoeConfig(
             **COMMON,
@@ -59,10 +80,14 @@ def _hf_model(kind: str):
         # that a swapped expert, projection or norm cannot pass.
         for param in model.parameters():
             param.normal_(0.0, 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # Large enough to change which experts (and groups) win.
+                buffer.normal_(0.0, 0.5)
     return model
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "dots1"])
 def test_from_hf_matches_transformers_logits_and_to_hf_round_trips(kind, tmp_path):
     hf_model = _hf_model(kind)
     hf_model.save_pretrained(tmp_path / "hf")
@@ -72,7 +97,11 @@ def test_from_hf_matches_transformers_logits_and_to_hf_round_trips(kind, tmp_pat
         model = GPTModel.from_hf(tmp_path / "hf").eval()
         torch.testing.assert_close(model(ids), expected, atol=2e-5, rtol=2e-5)
     moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoELayer)]
-    assert len(moe_layers) == (1 if kind == "qwen2_moe" else 2)
+    assert len(moe_layers) == (1 if kind in ("qwen2_moe", "dots1") else 2)
+    if kind == "dots1":
+        moe = model.config.moe
+        assert (moe.router_num_groups, moe.router_group_top_k) == (4, 2)
+        assert moe.router_score == "sigmoid" and moe.router_scaling_factor == 2.5
     model.to_hf(tmp_path / "export")
     written = json.loads((tmp_path / "export" / "config.json").read_text())
     assert written["model_type"] == kind
@@ -102,6 +131,64 @@ def test_from_hf_names_missing_expert(tmp_path):
 def test_to_hf_rejects_moe_options_without_hf_counterpart(tmp_path):
     moe = MoEConfig(num_experts=4, top_k=2, router_score="sigmoid")
     model = GPTModel(GPTConfig.from_name("tiny", moe=moe))
-    with pytest.raises(CheckpointFormatError, match="router_score='sigmoid'"):
+    with pytest.raises(CheckpointFormatError, match="router_expert_bias=True"):
         model.to_hf(tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def _dots1_like_model() -> GPTModel:
+    moe = MoEConfig(
+        num_experts=4,
+        top_k=2,
+        expert_ffn_hidden_size=8,
+        shared_expert_ffn_hidden_size=16,
+        router_score="sigmoid",
+        router_expert_bias=True,
+        router_num_groups=2,
+        router_group_top_k=1,
+        router_scaling_factor=2.0,
+        dense_layers=(0,),
+    )
+    model = GPTModel(GPTConfig.from_name("tiny", qk_layernorm=True, seed=4, moe=moe))
+    with torch.no_grad():
+        for layer in model.layers:
+            if isinstance(layer.mlp, MoELayer):
+                layer.mlp.router.expert_bias.normal_()
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["dots1", "mixtral"])
+def test_moe_hf_pieces_read_only_the_local_block(model_type, tmp_path):
+    if model_type == "dots1":
+        model = _dots1_like_model()
+    else:
+        model = GPTModel(GPTConfig.from_name("tiny", seed=4, moe=MoEConfig(num_experts=4)))
+    model.to_hf(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == model_type
+    reader = SafetensorsReader(tmp_path)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    checked = 0
+    for name, whole in tensors.items():
+        pieces = moe_hf_pieces(name, tuple(whole.shape), model.config, model_type)
+        if pieces is None:
+            assert ".experts." not in name and ".router." not in name
+            continue
+        # Expert rank 1 of 2 along the experts, expert-TP rank 1 of 2 along the FFN width.
+        offset = [0] * whole.dim()
+        local_shape = list(whole.shape)
+        if ".experts." in name:
+            ffn_dim = 2
+            for dim in (0, ffn_dim):
+                local_shape[dim] //= 2
+                offset[dim] = local_shape[dim]
+        local = torch.full(local_shape, float("nan"), dtype=whole.dtype)
+        where = GlobalSlice(name, tuple(whole.shape), tuple(offset))
+        before = reader.bytes_read
+        read_into(local, where, pieces, reader)
+        expected = whole.detach()[where.box(tuple(local_shape))]
+        torch.testing.assert_close(local, expected, atol=0, rtol=0)
+        assert reader.bytes_read - before == local.numel() * local.element_size()
+        checked += 1
+    # dots1: one MoE layer (experts x2, router weight and bias, shared expert x3);
+    # Mixtral: two MoE layers (experts x2, router).
+    assert checked == (7 if model_type == "dots1" else 6)

@@ -92,7 +92,7 @@ def _all_checks(checkpoint_dir: str) -> dict[str, float]:
     )
     sharded = parallelize(GPTModel(_config()), state)
     experts = sharded.layers[0].mlp.experts
-    errors["local_experts"] = float(experts.gate_proj.shape[0] != 2 or experts.num_experts != 2)
+    errors["local_experts"] = float(experts.gate_up_proj.shape[0] != 2 or experts.num_experts != 2)
     # A Hugging Face (Qwen2-MoE) checkpoint loads whole, then keeps this rank's experts.
     with torch.no_grad():
         loaded = GPTModel.from_hf(checkpoint_dir, state=state)(IDS[state.ep_rank])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from mcore_models import GPTConfig
-from mcore_models.moe import MoEConfig
+from mcore_models.moe import MoEConfig, parallelize_moe
 from mcore_models.moe.layer import MoELayer
 from mcore_parallel import initialize
 from mcore_parallel.testing import run_distributed
@@ -29,7 +29,7 @@ def _errors_with_uneven_tokens() -> dict[tuple[str, tuple[int, int]], tuple[floa
             parameter.data.normal_(0.0, 0.05)
         sharded = MoELayer(config, 0)
         sharded.load_state_dict(reference.state_dict())
-        sharded.parallelize(state)
+        parallelize_moe(sharded, state, sequence_parallel=False)
         for counts in TOKENS_PER_RANK:
             generator = torch.Generator().manual_seed(10 * counts[0] + counts[1])
             x = torch.randn(counts[state.ep_rank], config.hidden_size, generator=generator)

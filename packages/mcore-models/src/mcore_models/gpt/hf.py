@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from mcore_models.errors import CheckpointFormatError
 from mcore_models.gpt.config import GPTConfig, RopeScaling
 from mcore_models.hf_io import HFPiece, SafetensorsReader, read_into
-from mcore_models.init import iter_placed
+from mcore_models.init import GlobalSlice, iter_placed
 
 if TYPE_CHECKING:
     from mcore_models.gpt.model import GPTModel
@@ -40,8 +40,9 @@ SUPPORTED_MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "dots1": "Dots1ForCausalLM",
 }
-"""Hugging Face ``model_type`` -> architecture class name (the last three are MoE families,
+"""Hugging Face ``model_type`` -> architecture class name (the last four are MoE families,
 translated by :mod:`mcore_models.moe.hf`)."""
 
 _REQUIRED_KEYS = (
@@ -191,7 +192,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         dtype=dtype,
     )
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "dots1"):
         from mcore_models.moe.hf import moe_fields_from_hf
 
         fields.update(moe_fields_from_hf(hf))
@@ -287,10 +288,30 @@ def _expected_hf_names(cls: type[GPTModel], config: GPTConfig, model_type: str) 
     """Every checkpoint tensor name a whole model of ``config`` reads (metadata only)."""
     whole = cls(config, device="meta")
     names: set[str] = set()
-    for name, param in whole.named_parameters():
-        for piece in hf_pieces(whole.canonical_name(name), tuple(param.shape), config, model_type):
+    for _tensor, where in _loadable(whole, config, model_type):
+        for piece in hf_pieces(where.name, where.global_shape, config, model_type):
             names.add(piece.hf_name)
     return names
+
+
+def _loadable(
+    chunk: GPTModel, config: GPTConfig, model_type: str
+) -> list[tuple[torch.Tensor, GlobalSlice]]:
+    """Parameters and checkpointed buffers (e.g. routers' expert biases) with their places."""
+    found = [(param, where) for _, param, where in iter_placed(chunk)]
+    if config.moe is None:
+        return found
+    from mcore_models.moe.hf import moe_hf_pieces
+
+    params = dict(chunk.named_parameters())
+    for name, buffer in chunk.state_dict(keep_vars=True).items():
+        if name in params:
+            continue
+        canonical = chunk.canonical_name(name)
+        shape = tuple(buffer.shape)
+        if moe_hf_pieces(canonical, shape, config, model_type) is not None:
+            found.append((buffer, GlobalSlice(canonical, shape, (0,) * len(shape))))
+    return found
 
 
 def load_hf(
@@ -364,9 +385,9 @@ def load_hf(
             materialize_module(
                 chunk, target, seed=config.seed, init_std=config.init_std, initialize=False
             )
-            for _, param, where in iter_placed(chunk):
+            for tensor, where in _loadable(chunk, config, model_type):
                 pieces = hf_pieces(where.name, where.global_shape, config, model_type)
-                read_into(param.data, where, pieces, reader)
+                read_into(tensor.data, where, pieces, reader)
     finally:
         reader.close()
     return result

@@ -41,6 +41,15 @@ class MoEConfig:
     for auxiliary-loss-free load balancing (DeepSeek-V3); see ``MoELayer.update_expert_bias``."""
     normalize_top_k: bool = True
     """Rescale the ``top_k`` routing weights of each token to sum to one."""
+    router_num_groups: int = 1
+    """Expert groups of group-limited routing (DeepSeek-V3's ``n_group``): the experts are cut
+    into this many consecutive groups and each token picks its experts from the
+    ``router_group_top_k`` groups whose two best scores sum highest; 1 turns it off."""
+    router_group_top_k: int = 1
+    """Groups each token may choose experts from (DeepSeek-V3's ``topk_group``)."""
+    router_scaling_factor: float = 1.0
+    """Factor applied to the routing weights after normalisation (DeepSeek-V3's
+    ``routed_scaling_factor``)."""
     aux_loss_coeff: float = 0.0
     """Coefficient of the Switch-Transformer load-balancing loss; 0 turns it off."""
     z_loss_coeff: float = 0.0
@@ -65,13 +74,25 @@ class MoEConfig:
     """Indices of layers that keep a dense MLP of ``GPTConfig.ffn_hidden_size``."""
 
     def __post_init__(self) -> None:
-        for name in ("num_experts", "top_k", "layer_step"):
+        for name in (
+            "num_experts",
+            "top_k",
+            "layer_step",
+            "router_num_groups",
+            "router_group_top_k",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ModelConfigError(f"MoEConfig.{name}={value!r} must be a positive int")
         if self.top_k > self.num_experts:
             raise ModelConfigError(
                 f"MoEConfig.top_k={self.top_k} must not exceed num_experts={self.num_experts}"
+            )
+        self._check_groups()
+        if not (self.router_scaling_factor > 0 and math.isfinite(self.router_scaling_factor)):
+            raise ModelConfigError(
+                f"MoEConfig.router_scaling_factor={self.router_scaling_factor!r} must be a "
+                "positive finite float"
             )
         if self.expert_ffn_hidden_size is not None and self.expert_ffn_hidden_size <= 0:
             raise ModelConfigError(
@@ -107,6 +128,23 @@ class MoEConfig:
         if any(not isinstance(i, int) or i < 0 for i in self.dense_layers):
             raise ModelConfigError(
                 f"MoEConfig.dense_layers={self.dense_layers!r} must hold layer indices >= 0"
+            )
+
+    def _check_groups(self) -> None:
+        groups, chosen = self.router_num_groups, self.router_group_top_k
+        if self.num_experts % groups:
+            raise ModelConfigError(
+                f"MoEConfig.router_num_groups={groups} must divide num_experts={self.num_experts}"
+            )
+        if chosen > groups:
+            raise ModelConfigError(
+                f"MoEConfig.router_group_top_k={chosen} must not exceed router_num_groups={groups}"
+            )
+        reachable = chosen * (self.num_experts // groups)
+        if self.top_k > reachable:
+            raise ModelConfigError(
+                f"MoEConfig.top_k={self.top_k} exceeds the {reachable} experts of the "
+                f"router_group_top_k={chosen} groups a token may choose from"
             )
 
     def is_moe_layer(self, layer_idx: int) -> bool:

@@ -91,16 +91,21 @@ class _BatchedLinear(torch.autograd.Function):
 class GroupedExperts(nn.Module):
     """``num_local_experts`` SwiGLU MLPs (``down(silu(gate(x)) * up(x))``) held as 3-D weights.
 
-    Weights are laid out like stacked ``nn.Linear`` weights: ``gate_proj`` and ``up_proj``
-    ``[E, ffn, hidden]``, ``down_proj`` ``[E, hidden, ffn]``.
+    ``gate_up_proj`` is ``[E, 2, ffn, hidden]`` (index 0 of dimension 1 the gate projection,
+    index 1 the up projection, each laid out like an ``nn.Linear`` weight) and ``down_proj``
+    ``[E, hidden, ffn]``. Gate and up run as one GEMM through the ``[E, 2 * ffn, hidden]`` view;
+    an expert tensor-parallel split cuts dimension 2 of ``gate_up_proj`` and of ``down_proj``
+    into even contiguous slices, so every rank's shard keeps that layout.
 
     Args:
         num_experts: Number of experts held (all of them, or this rank's share after
             expert-parallel sharding).
         hidden_size: Width of the input and output.
-        ffn_hidden_size: Inner width of each expert.
+        ffn_hidden_size: Inner width of each expert (this rank's share under expert tensor
+            parallelism).
         dtype: Dtype of the weights.
         grouped_gemm: Use ``torch._grouped_mm`` for variable-size groups where available.
+        device: Device of the weights (``"meta"`` for construction without memory).
     """
 
     def __init__(
@@ -111,16 +116,26 @@ class GroupedExperts(nn.Module):
         dtype: torch.dtype,
         *,
         grouped_gemm: bool = True,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.grouped_gemm = grouped_gemm
-        shape = (num_experts, ffn_hidden_size, hidden_size)
-        self.gate_proj = nn.Parameter(torch.empty(shape, dtype=dtype))
-        self.up_proj = nn.Parameter(torch.empty(shape, dtype=dtype))
-        self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, ffn_hidden_size, dtype=dtype)
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2, ffn_hidden_size, hidden_size, dtype=dtype, device=device)
         )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, ffn_hidden_size, dtype=dtype, device=device)
+        )
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        """Inner width of each expert held here."""
+        return self.down_proj.shape[-1]
+
+    def _gate_up_weight(self) -> torch.Tensor:
+        """``[E, 2 * ffn, hidden]`` view of ``gate_up_proj`` (gate rows first)."""
+        return self.gate_up_proj.flatten(1, 2)
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Run variable-size groups of tokens through their experts (dropless).
@@ -132,17 +147,17 @@ class GroupedExperts(nn.Module):
         Returns:
             ``[M, hidden]`` expert outputs in the order of ``tokens``.
         """
+        ffn = self.ffn_hidden_size
         if self.grouped_gemm and grouped_mm_supported(tokens.device, tokens.dtype):
             offsets = counts.cumsum(0).to(torch.int32)
-            gate = _grouped_linear(tokens, self.gate_proj, offsets)
-            up = _grouped_linear(tokens, self.up_proj, offsets)
-            return _grouped_linear(F.silu(gate) * up, self.down_proj, offsets)
+            gate_up = _grouped_linear(tokens, self._gate_up_weight(), offsets)
+            activation = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
+            return _grouped_linear(activation, self.down_proj, offsets)
         outputs = []
         # NOTE: the loop needs the group sizes on the host (one device sync per call).
         for expert, chunk in enumerate(tokens.split(counts.tolist())):
-            activation = F.silu(F.linear(chunk, self.gate_proj[expert])) * F.linear(
-                chunk, self.up_proj[expert]
-            )
+            gate_up = F.linear(chunk, self._gate_up_weight()[expert])
+            activation = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
             outputs.append(F.linear(activation, self.down_proj[expert]))
         return torch.cat(outputs) if outputs else tokens.new_zeros(tokens.shape)
 
@@ -155,6 +170,7 @@ class GroupedExperts(nn.Module):
         Returns:
             ``[num_experts, capacity, hidden]`` outputs.
         """
-        gate = _BatchedLinear.apply(tokens, self.gate_proj)
-        up = _BatchedLinear.apply(tokens, self.up_proj)
-        return _BatchedLinear.apply(F.silu(gate) * up, self.down_proj)
+        ffn = self.ffn_hidden_size
+        gate_up = _BatchedLinear.apply(tokens, self._gate_up_weight())
+        activation = F.silu(gate_up[..., :ffn]) * gate_up[..., ffn:]
+        return _BatchedLinear.apply(activation, self.down_proj)

@@ -1,9 +1,14 @@
-"""Hugging Face interop of MoE models: Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""Hugging Face interop of MoE models: Mixtral, Qwen2-MoE, Qwen3-MoE and dots.llm1.
 
 Checkpoints store one tensor per expert and projection (``experts.{e}.w1.weight`` in
-Mixtral, ``experts.{e}.gate_proj.weight`` in Qwen); :class:`~mcore_models.moe.MoELayer` holds
-each projection of all experts as one 3-D tensor. This module translates configs and tensor
-names in both directions; :mod:`mcore_models.gpt.hf` calls it for MoE model types.
+Mixtral, ``experts.{e}.gate_proj.weight`` in the others); :class:`~mcore_models.moe.MoELayer`
+holds the gate and up projections of all experts as one ``[E, 2, ffn, hidden]`` tensor and the
+down projections as one ``[E, hidden, ffn]`` tensor. dots.llm1 (``dots1``) routes like
+DeepSeek-V3: sigmoid scores, an expert score-correction bias used for the choice only,
+group-limited top-k and a routed scaling factor, with Qwen3's attention (QK-norm, full
+rotary). This module translates configs and tensor names in both directions;
+:mod:`mcore_models.gpt.hf` calls it for MoE model types, and :func:`moe_hf_pieces` tells the
+sharded loader which checkpoint tensors compose each global MoE tensor.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ MOE_MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "dots1": "Dots1ForCausalLM",
 }
 """Hugging Face MoE ``model_type`` -> architecture class name."""
 
@@ -41,10 +47,44 @@ _EXPERT = re.compile(
     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight"
 )
 _ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight")
+_BIAS = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias")
 _SHARED = re.compile(
-    r"model\.layers\.(\d+)\.mlp\.(shared_expert\.(?:gate_proj|up_proj|down_proj)|"
-    r"shared_expert_gate)\.weight"
+    r"model\.layers\.(\d+)\.mlp\.(shared_experts?)\.(gate_proj|up_proj|down_proj)\.weight"
 )
+_SHARED_GATE = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight")
+_SLOT = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+}
+
+
+def _dots1_fields(hf: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("attention_bias", False):
+        raise CheckpointFormatError(
+            "attention_bias=True is not supported for dots1 (its o_proj has a bias too); "
+            "expected False"
+        )
+    layer_types = hf.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise CheckpointFormatError(
+            f"layer_types={layer_types!r}: sliding-window layers are not supported; expected "
+            "every layer 'full_attention'"
+        )
+    ffn = int(hf["moe_intermediate_size"])
+    moe = MoEConfig(
+        **common,
+        expert_ffn_hidden_size=ffn,
+        shared_expert_ffn_hidden_size=ffn * int(hf.get("n_shared_experts") or 0),
+        router_score="sigmoid",
+        router_expert_bias=True,
+        normalize_top_k=bool(hf.get("norm_topk_prob", False)),
+        router_num_groups=int(hf.get("n_group") or 1),
+        router_group_top_k=int(hf.get("topk_group") or 1),
+        router_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        dense_layers=tuple(range(int(hf.get("first_k_dense_replace") or 0))),
+    )
+    return dict(moe=moe, add_qkv_bias=False, qk_layernorm=True)
 
 
 def moe_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +100,7 @@ def moe_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         CheckpointFormatError: If the config uses an unsupported option.
     """
     model_type = hf["model_type"]
-    num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    num_experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
     if not num_experts:
         raise CheckpointFormatError(f"model_type={model_type!r} config has no expert count")
     common: dict[str, Any] = dict(
@@ -73,6 +113,8 @@ def moe_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             )
         moe = MoEConfig(**common, expert_ffn_hidden_size=int(hf["intermediate_size"]))
         return dict(moe=moe, add_qkv_bias=False, qk_layernorm=False)
+    if model_type == "dots1":
+        return _dots1_fields(hf, common)
     shared = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
     moe = MoEConfig(
         **common,
@@ -88,10 +130,62 @@ def moe_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(moe=moe, add_qkv_bias=bool(hf.get("attention_bias", False)), qk_layernorm=True)
 
 
+def _moe_model_type(config: GPTConfig) -> str:
+    moe = config.moe
+    assert moe is not None
+    if moe.router_score == "sigmoid":
+        return "dots1"
+    if config.qk_layernorm:
+        return "qwen3_moe"
+    if moe.shared_expert_ffn_hidden_size > 0:
+        return "qwen2_moe"
+    return "mixtral"
+
+
+def _dots1_to_hf(config: GPTConfig, hf: dict[str, Any], ffn: int) -> dict[str, Any]:
+    moe = config.moe
+    assert moe is not None
+    first_dense = len(moe.dense_layers)
+    problems = []
+    if not moe.router_expert_bias:
+        problems.append("router_expert_bias=True")
+    if not config.qk_layernorm or config.add_qkv_bias:
+        problems.append("qk_layernorm=True and add_qkv_bias=False")
+    if moe.shared_expert_ffn_hidden_size == 0 or moe.shared_expert_ffn_hidden_size % ffn:
+        problems.append("a shared expert whose width is a multiple of the expert width")
+    if moe.shared_expert_gate:
+        problems.append("shared_expert_gate=False")
+    if moe.layer_step != 1 or moe.dense_layers != tuple(range(first_dense)):
+        problems.append("dense layers only as a prefix (layer_step=1)")
+    if problems:
+        raise CheckpointFormatError(
+            f"router_score='sigmoid' exports as dots1, which needs {', '.join(problems)}; got "
+            f"router_expert_bias={moe.router_expert_bias}, qk_layernorm={config.qk_layernorm}, "
+            f"add_qkv_bias={config.add_qkv_bias}, shared_expert_ffn_hidden_size="
+            f"{moe.shared_expert_ffn_hidden_size}, shared_expert_gate={moe.shared_expert_gate}, "
+            f"dense_layers={moe.dense_layers}, layer_step={moe.layer_step}"
+        )
+    hf.pop("use_sliding_window", None)
+    hf.update(
+        n_routed_experts=moe.num_experts,
+        moe_intermediate_size=ffn,
+        n_shared_experts=moe.shared_expert_ffn_hidden_size // ffn,
+        norm_topk_prob=moe.normalize_top_k,
+        n_group=moe.router_num_groups,
+        topk_group=moe.router_group_top_k,
+        routed_scaling_factor=moe.router_scaling_factor,
+        first_k_dense_replace=first_dense,
+        sliding_window=None,
+        layer_types=["full_attention"] * config.num_layers,
+    )
+    return hf
+
+
 def moe_config_to_hf(config: GPTConfig, hf: dict[str, Any]) -> dict[str, Any]:
     """Turn the dense ``config.json`` dictionary of a MoE GPTConfig into its MoE family's.
 
-    The family is Qwen3-MoE with QK-norm, Qwen2-MoE with a shared expert, Mixtral otherwise.
+    The family is dots1 with a sigmoid router, Qwen3-MoE with QK-norm, Qwen2-MoE with a
+    shared expert, Mixtral otherwise.
 
     Args:
         config: The config (``config.moe`` set).
@@ -106,17 +200,7 @@ def moe_config_to_hf(config: GPTConfig, hf: dict[str, Any]) -> dict[str, Any]:
     moe = config.moe
     assert moe is not None
     ffn = moe.expert_ffn_hidden_size or config.ffn_hidden_size
-    if moe.router_score != "softmax" or moe.router_expert_bias:
-        raise CheckpointFormatError(
-            f"router_score={moe.router_score!r}, router_expert_bias={moe.router_expert_bias}: "
-            "Mixtral/Qwen MoE checkpoints need a softmax router without expert bias"
-        )
-    if config.qk_layernorm:
-        model_type = "qwen3_moe"
-    elif moe.shared_expert_ffn_hidden_size > 0:
-        model_type = "qwen2_moe"
-    else:
-        model_type = "mixtral"
+    model_type = _moe_model_type(config)
     for key in ("mlp_bias", "use_sliding_window"):
         hf.pop(key, None)
     hf.update(
@@ -126,6 +210,16 @@ def moe_config_to_hf(config: GPTConfig, hf: dict[str, Any]) -> dict[str, Any]:
         output_router_logits=False,
         router_aux_loss_coef=moe.aux_loss_coeff,
     )
+    if model_type == "dots1":
+        return _dots1_to_hf(config, hf, ffn)
+    grouped = (moe.router_num_groups, moe.router_group_top_k, moe.router_scaling_factor)
+    if moe.router_expert_bias or grouped != (1, 1, 1.0):
+        raise CheckpointFormatError(
+            f"router_expert_bias={moe.router_expert_bias}, router_num_groups="
+            f"{moe.router_num_groups}, router_group_top_k={moe.router_group_top_k}, "
+            f"router_scaling_factor={moe.router_scaling_factor}: {model_type} checkpoints need a "
+            "plain softmax top-k router (no expert bias, one group, scaling 1)"
+        )
     if model_type == "mixtral":
         if not moe.normalize_top_k or moe.dense_layers or moe.layer_step != 1:
             raise CheckpointFormatError(
@@ -162,40 +256,124 @@ def moe_config_to_hf(config: GPTConfig, hf: dict[str, Any]) -> dict[str, Any]:
     return hf
 
 
+def _block(model_type: str, layer: str) -> str:
+    """Checkpoint prefix of the MoE block of a layer."""
+    return f"model.layers.{layer}.{'block_sparse_moe' if model_type == 'mixtral' else 'mlp'}"
+
+
+def _expert_names(model_type: str) -> dict[str, str]:
+    """mcore projection -> checkpoint projection name of one expert."""
+    if model_type == "mixtral":
+        return {v: k for k, v in _MIXTRAL_PROJECTIONS.items()}
+    return {name: name for name in _MIXTRAL_PROJECTIONS.values()}
+
+
+def _shared_name(model_type: str) -> str:
+    return "shared_experts" if model_type == "dots1" else "shared_expert"
+
+
+_MCORE_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_MCORE_ROUTER = re.compile(r"layers\.(\d+)\.mlp\.router\.(weight|expert_bias)")
+_MCORE_SHARED = re.compile(
+    r"layers\.(\d+)\.mlp\.(?:shared_expert\.(gate_proj|up_proj|down_proj)|"
+    r"(shared_expert_gate))\.weight"
+)
+
+
+def moe_hf_pieces(
+    name: str, global_shape: tuple[int, ...], config: GPTConfig, model_type: str
+) -> list[HFPiece] | None:
+    """The checkpoint tensors composing one global MoE tensor, for sharded loading.
+
+    Args:
+        name: Canonical name (in the unsharded, unpipelined model), e.g.
+            ``"layers.3.mlp.experts.gate_up_proj"``.
+        global_shape: Shape of the global tensor.
+        config: Model config.
+        model_type: Hugging Face ``model_type`` of the checkpoint.
+
+    Returns:
+        The pieces (one per expert and projection for expert weights), or None if ``name`` is
+        not a MoE tensor.
+    """
+    del config  # The names and shapes say everything; kept for the loader's uniform call.
+    match = _MCORE_EXPERTS.fullmatch(name)
+    if match:
+        layer, projection = match.groups()
+        block = _block(model_type, layer)
+        names = _expert_names(model_type)
+        whole = [slice(0, size) for size in global_shape]
+        if projection == "down_proj":
+            return [
+                HFPiece(f"{block}.experts.{e}.{names['down_proj']}.weight", (e, *whole[1:]))
+                for e in range(global_shape[0])
+            ]
+        return [
+            HFPiece(f"{block}.experts.{e}.{names[part]}.weight", (e, index, *whole[2:]))
+            for e in range(global_shape[0])
+            for index, part in enumerate(("gate_proj", "up_proj"))
+        ]
+    match = _MCORE_ROUTER.fullmatch(name)
+    if match:
+        layer, kind = match.groups()
+        hf_kind = "weight" if kind == "weight" else "e_score_correction_bias"
+        region = tuple(slice(0, size) for size in global_shape)
+        return [HFPiece(f"{_block(model_type, layer)}.gate.{hf_kind}", region)]
+    match = _MCORE_SHARED.fullmatch(name)
+    if match:
+        layer, projection, gate = match.groups()
+        part = "shared_expert_gate" if gate else f"{_shared_name(model_type)}.{projection}"
+        region = tuple(slice(0, size) for size in global_shape)
+        return [HFPiece(f"model.layers.{layer}.mlp.{part}.weight", region)]
+    return None
+
+
 class ExpertLoader:
     """Loads the MoE tensors of a Hugging Face checkpoint into a whole (unsharded) model.
 
     Args:
         params: ``dict(model.named_parameters())``.
+        buffers: ``dict(model.named_buffers())`` (the routers' expert biases).
     """
 
-    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
-        self._params = params
-        self._slices: dict[str, set[int]] = {}
+    def __init__(
+        self,
+        params: dict[str, torch.nn.Parameter],
+        buffers: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self._params: dict[str, torch.Tensor] = {**(buffers or {}), **params}
+        self._slices: dict[str, set[tuple[int, int | None]]] = {}
         self.loaded: set[str] = set()
-        """Names of fully loaded parameters."""
+        """Names of fully loaded parameters and buffers."""
 
     @staticmethod
-    def target(name: str) -> tuple[str, int | None] | None:
+    def target(name: str) -> tuple[str, tuple[int, int | None] | None] | None:
         """Where a checkpoint tensor goes.
 
         Args:
             name: Hugging Face tensor name.
 
         Returns:
-            ``(parameter name, expert index or None)``, or None if it is not a MoE tensor.
+            ``(parameter name, (expert, gate/up index or None) or None)``, or None if it is
+            not a MoE tensor.
         """
         match = _EXPERT.fullmatch(name)
         if match:
             layer, expert, projection = match.groups()
-            projection = _MIXTRAL_PROJECTIONS.get(projection, projection)
-            return f"layers.{layer}.mlp.experts.{projection}", int(expert)
+            target, index = _SLOT[_MIXTRAL_PROJECTIONS.get(projection, projection)]
+            return f"layers.{layer}.mlp.experts.{target}", (int(expert), index)
         match = _ROUTER.fullmatch(name)
         if match:
             return f"layers.{match.group(1)}.mlp.router.weight", None
+        match = _BIAS.fullmatch(name)
+        if match:
+            return f"layers.{match.group(1)}.mlp.router.expert_bias", None
         match = _SHARED.fullmatch(name)
         if match:
-            return f"layers.{match.group(1)}.mlp.{match.group(2)}.weight", None
+            return f"layers.{match.group(1)}.mlp.shared_expert.{match.group(3)}.weight", None
+        match = _SHARED_GATE.fullmatch(name)
+        if match:
+            return f"layers.{match.group(1)}.mlp.shared_expert_gate.weight", None
         return None
 
     def load(self, name: str, read: Callable[[str], torch.Tensor]) -> bool:
@@ -215,18 +393,20 @@ class ExpertLoader:
         where = self.target(name)
         if where is None:
             return False
-        target, expert = where
+        target, slot = where
         if target not in self._params:
             raise CheckpointFormatError(
                 f"tensor {name!r} of the checkpoint has no place in the model (expected "
                 f"{target!r} to exist)"
             )
         param = self._params[target]
-        if expert is not None and expert >= param.shape[0]:
+        if slot is not None and slot[0] >= param.shape[0]:
             raise CheckpointFormatError(
-                f"tensor {name!r} is for expert {expert}; the model has {param.shape[0]} experts"
+                f"tensor {name!r} is for expert {slot[0]}; the model has {param.shape[0]} experts"
             )
-        destination = param if expert is None else param[expert]
+        destination = param
+        if slot is not None:
+            destination = param[slot[0]] if slot[1] is None else param[slot[0], slot[1]]
         tensor = read(name)
         if tuple(tensor.shape) != tuple(destination.shape):
             raise CheckpointFormatError(
@@ -235,12 +415,13 @@ class ExpertLoader:
             )
         with torch.no_grad():
             destination.copy_(tensor)
-        if expert is None:
+        if slot is None:
             self.loaded.add(target)
-        else:
-            self._slices.setdefault(target, set()).add(expert)
-            if len(self._slices[target]) == param.shape[0]:
-                self.loaded.add(target)
+            return True
+        self._slices.setdefault(target, set()).add(slot)
+        parts = 2 if target.endswith("gate_up_proj") else 1
+        if len(self._slices[target]) == param.shape[0] * parts:
+            self.loaded.add(target)
         return True
 
     def check_experts_complete(self) -> None:
@@ -249,12 +430,16 @@ class ExpertLoader:
         Raises:
             CheckpointFormatError: Naming the first missing expert tensor.
         """
-        for target, experts in sorted(self._slices.items()):
-            missing = sorted(set(range(self._params[target].shape[0])) - experts)
+        for target, slots in sorted(self._slices.items()):
+            parts = (0, 1) if target.endswith("gate_up_proj") else (None,)
+            expected = {(e, p) for e in range(self._params[target].shape[0]) for p in parts}
+            missing = sorted(expected - slots, key=lambda slot: (slot[0], slot[1] or 0))
             if missing:
+                expert, part = missing[0]
+                projection = {0: "gate_proj", 1: "up_proj", None: "down_proj"}[part]
                 raise CheckpointFormatError(
-                    f"expert {missing[0]} of {target!r} is missing from the checkpoint "
-                    f"({len(missing)} experts missing)"
+                    f"expert {expert} of {target!r} ({projection}) is missing from the "
+                    f"checkpoint ({len(missing)} expert tensors missing)"
                 )
 
 
@@ -266,7 +451,7 @@ def moe_tensors_to_hf(
     Args:
         state_dict: Whole (unsharded) state dict of a GPTModel with MoE layers.
         config: Its config.
-        model_type: "mixtral", "qwen2_moe" or "qwen3_moe".
+        model_type: "mixtral", "qwen2_moe", "qwen3_moe" or "dots1".
 
     Returns:
         ``(hf_tensors, rest)``: the MoE tensors under Hugging Face names (one per expert and
@@ -276,72 +461,31 @@ def moe_tensors_to_hf(
         CheckpointFormatError: If the experts are split over expert parallelism.
     """
     assert config.moe is not None
-    block = "block_sparse_moe" if model_type == "mixtral" else "mlp"
-    projections = {v: k for k, v in _MIXTRAL_PROJECTIONS.items()} if model_type == "mixtral" else {}
+    names = _expert_names(model_type)
     hf: dict[str, torch.Tensor] = {}
     rest: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
-        expert = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)", name)
-        router = re.fullmatch(r"layers\.(\d+)\.mlp\.router\.weight", name)
-        shared = re.fullmatch(
-            r"layers\.(\d+)\.mlp\.(shared_expert\..+|shared_expert_gate\..+)", name
-        )
+        expert = _MCORE_EXPERTS.fullmatch(name)
+        router = _MCORE_ROUTER.fullmatch(name)
+        shared = _MCORE_SHARED.fullmatch(name)
         if expert:
             layer, projection = expert.groups()
             if tensor.shape[0] != config.moe.num_experts:
                 raise CheckpointFormatError(
                     f"{name!r} holds {tensor.shape[0]} of {config.moe.num_experts} experts; "
-                    "export needs every expert (build or load the model without expert "
-                    "parallelism)"
+                    "export needs every expert (gather the expert-parallel shards first)"
                 )
+            prefix = f"{_block(model_type, layer)}.experts"
             for index, weight in enumerate(tensor.unbind(0)):
-                hf_projection = projections.get(projection, projection)
-                hf[f"model.layers.{layer}.{block}.experts.{index}.{hf_projection}.weight"] = weight
-        elif router:
-            hf[f"model.layers.{router.group(1)}.{block}.gate.weight"] = tensor
-        elif shared:
-            hf[f"model.layers.{shared.group(1)}.mlp.{shared.group(2)}"] = tensor
+                if projection == "down_proj":
+                    hf[f"{prefix}.{index}.{names['down_proj']}.weight"] = weight
+                else:
+                    hf[f"{prefix}.{index}.{names['gate_proj']}.weight"] = weight[0]
+                    hf[f"{prefix}.{index}.{names['up_proj']}.weight"] = weight[1]
+        elif router or shared:
+            pieces = moe_hf_pieces(name, tuple(tensor.shape), config, model_type)
+            assert pieces is not None
+            hf[pieces[0].hf_name] = tensor
         else:
             rest[name] = tensor
     return hf, rest
-
-
-def moe_hf_pieces(
-    name: str, global_shape: tuple[int, ...], config: GPTConfig, model_type: str
-) -> list[HFPiece] | None:
-    """The checkpoint tensors composing a global MoE tensor (see :mod:`mcore_models.hf_io`).
-
-    Args:
-        name: Canonical mcore name (e.g. ``"layers.1.mlp.experts.gate_proj"``).
-        global_shape: Shape of the global tensor.
-        config: Model config.
-        model_type: Hugging Face ``model_type`` of the checkpoint.
-
-    Returns:
-        One piece per expert for expert weights, one for the router and shared expert, or
-        None if ``name`` is not a MoE tensor.
-    """
-    block = "block_sparse_moe" if model_type == "mixtral" else "mlp"
-    projections = {v: k for k, v in _MIXTRAL_PROJECTIONS.items()} if model_type == "mixtral" else {}
-    whole = tuple(slice(0, n) for n in global_shape)
-    expert = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)", name)
-    if expert:
-        layer, projection = expert.groups()
-        hf_projection = projections.get(projection, projection)
-        return [
-            HFPiece(
-                f"model.layers.{layer}.{block}.experts.{index}.{hf_projection}.weight",
-                (
-                    index,
-                    *whole[1:],
-                ),
-            )
-            for index in range(global_shape[0])
-        ]
-    router = re.fullmatch(r"layers\.(\d+)\.mlp\.router\.weight", name)
-    if router:
-        return [HFPiece(f"model.layers.{router.group(1)}.{block}.gate.weight", whole)]
-    shared = re.fullmatch(r"layers\.(\d+)\.mlp\.(shared_expert\..+|shared_expert_gate\..+)", name)
-    if shared:
-        return [HFPiece(f"model.layers.{shared.group(1)}.mlp.{shared.group(2)}", whole)]
-    return None

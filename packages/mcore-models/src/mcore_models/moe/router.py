@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from mcore_models.moe.config import MoEConfig
 
-__all__ = ["RouterOutput", "TopKRouter", "load_balancing_loss", "z_loss"]
+__all__ = ["RouterOutput", "TopKRouter", "group_limited_top_k", "load_balancing_loss", "z_loss"]
 
 
 @dataclass(slots=True)
@@ -28,8 +29,20 @@ class RouterOutput:
     """``[T, num_experts]`` float32 scores (softmax or sigmoid of the logits)."""
 
 
+def _global_tokens(num_tokens: int, device: torch.device, group: dist.ProcessGroup | None):
+    total = torch.tensor(float(num_tokens), device=device)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return total
+
+
 def load_balancing_loss(
-    scores: torch.Tensor, experts: torch.Tensor, num_experts: int, coeff: float
+    scores: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    coeff: float,
+    *,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Switch-Transformer load-balancing loss (Fedus et al., 2021, eq. 4).
 
@@ -38,35 +51,78 @@ def load_balancing_loss(
     tokens (scores normalised to sum to one per token), as in Megatron-Core's
     ``switch_load_balancing_loss_func``.
 
+    With ``group`` (the tensor-parallel group under sequence parallelism, where each rank
+    routes a chunk of the sequence) ``f_i`` and the token count are summed over the group and
+    each rank returns its share of the loss of all the group's tokens: the shares sum to that
+    loss, and so do the router gradients once the sequence-parallel gradients are reduced.
+
     Args:
         scores: ``[T, E]`` router scores.
         experts: ``[T, top_k]`` chosen experts.
         num_experts: ``E``.
         coeff: Loss coefficient.
+        group: Group whose ranks route parts of one batch of tokens, or None.
 
     Returns:
-        Scalar float32 loss.
+        Scalar float32 loss (this rank's share with ``group``).
     """
     probs = scores / scores.sum(dim=-1, keepdim=True)
     counts = torch.zeros(num_experts, dtype=torch.float32, device=scores.device)
     counts.scatter_add_(
         0, experts.reshape(-1), torch.ones_like(experts.reshape(-1), dtype=counts.dtype)
     )
-    fraction = counts / experts.numel()
-    return coeff * num_experts * (fraction * probs.mean(dim=0)).sum()
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    total = _global_tokens(scores.shape[0], scores.device, group)
+    fraction = counts / (total * experts.shape[-1])
+    return coeff * num_experts * (fraction * probs.sum(dim=0) / total).sum()
 
 
-def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+def z_loss(
+    logits: torch.Tensor, coeff: float, *, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Router z-loss (Zoph et al., 2022, ST-MoE eq. 5): ``coeff * mean(logsumexp(logits)^2)``.
 
     Args:
         logits: ``[T, E]`` float32 router logits.
         coeff: Loss coefficient.
+        group: As in :func:`load_balancing_loss`: the mean runs over the group's tokens and
+            this rank returns its share.
 
     Returns:
-        Scalar float32 loss.
+        Scalar float32 loss (this rank's share with ``group``).
     """
-    return coeff * torch.logsumexp(logits, dim=-1).square().mean()
+    total = _global_tokens(logits.shape[0], logits.device, group)
+    return coeff * torch.logsumexp(logits, dim=-1).square().sum() / total
+
+
+def group_limited_top_k(
+    choice: torch.Tensor, top_k: int, num_groups: int, group_top_k: int
+) -> torch.Tensor:
+    """Indices of the ``top_k`` best experts, taken from each token's best expert groups.
+
+    The ``E`` experts form ``num_groups`` consecutive groups; a group's score is the sum of
+    its two highest expert scores (DeepSeek-V3, arXiv:2412.19437, section 2.1.2) and every
+    token keeps the experts of its ``group_top_k`` best groups. With one group this is a plain
+    top-k.
+
+    Args:
+        choice: ``[T, E]`` float32 selection scores.
+        top_k: Experts per token.
+        num_groups: Number of expert groups.
+        group_top_k: Groups kept per token.
+
+    Returns:
+        ``[T, top_k]`` int64 expert indices, best first.
+    """
+    if num_groups > 1:
+        tokens, num_experts = choice.shape
+        grouped = choice.view(tokens, num_groups, num_experts // num_groups)
+        best_two = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        keep = torch.zeros(tokens, num_groups, dtype=torch.bool, device=choice.device)
+        keep.scatter_(1, best_two.topk(group_top_k, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(tokens, num_experts)
+    return torch.topk(choice, top_k, dim=-1).indices
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -109,7 +165,11 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
         self.aux_loss: torch.Tensor | None = None
-        """Detached sum of the auxiliary losses of the last forward pass that computed them."""
+        """Detached sum of the auxiliary losses of the last forward pass that computed them
+        (this rank's share under sequence parallelism)."""
+        self.token_group: dist.ProcessGroup | None = None
+        """Group of ranks routing chunks of one sequence (sequence parallelism), over which
+        the auxiliary losses are normalised; set by ``parallelize_moe``."""
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -137,19 +197,28 @@ class TopKRouter(nn.Module):
         else:
             scores = torch.sigmoid(logits)
         choice = scores if self.expert_bias is None else scores + self.expert_bias
-        experts = torch.topk(choice, config.top_k, dim=-1).indices
+        experts = group_limited_top_k(
+            choice, config.top_k, config.router_num_groups, config.router_group_top_k
+        )
         weights = scores.gather(1, experts)
         if config.normalize_top_k:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            # The epsilon keeps sigmoid scores that all underflow from dividing by zero.
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if config.router_scaling_factor != 1.0:
+            weights = weights * config.router_scaling_factor
         weights = weights.to(x.dtype)
         if torch.is_grad_enabled() and (config.aux_loss_coeff > 0 or config.z_loss_coeff > 0):
             aux = logits.new_zeros(())
             if config.aux_loss_coeff > 0:
                 aux = aux + load_balancing_loss(
-                    scores, experts, config.num_experts, config.aux_loss_coeff
+                    scores,
+                    experts,
+                    config.num_experts,
+                    config.aux_loss_coeff,
+                    group=self.token_group,
                 )
             if config.z_loss_coeff > 0:
-                aux = aux + z_loss(logits, config.z_loss_coeff)
+                aux = aux + z_loss(logits, config.z_loss_coeff, group=self.token_group)
             self.aux_loss = aux.detach()
             weights = _AttachAuxLoss.apply(weights, aux)
         return RouterOutput(weights=weights, experts=experts, logits=logits, scores=scores)
