@@ -146,6 +146,7 @@ def parallelize(
     *,
     sequence_parallel: bool | None = None,
     pipeline: PipelineLayout | None = None,
+    context_parallel_method: str = "ring",
 ) -> GPTModel | list[GPTModel]:
     """Apply the parallel layout of ``state`` to a whole model.
 
@@ -157,6 +158,10 @@ def parallelize(
             regions; default ``model.config.sequence_parallel``.
         pipeline: Virtual stages and layer split when ``state.pp_size > 1`` (or virtual
             stages on one rank); default one even chunk per pipeline rank.
+        context_parallel_method: With ``state.cp_size > 1``, ``"ring"`` (default) or
+            ``"all_gather"`` attention over the context-parallel group. The model then takes
+            this rank's load-balanced tokens (``mcore_parallel.context_parallel.split_sequence``)
+            with their ``position_ids`` and the full row's ``packed_seq_params``.
 
     Returns:
         The parallelized model: this rank's stage, or the list of its model chunks when
@@ -169,12 +174,18 @@ def parallelize(
     """
     sp = model.config.sequence_parallel if sequence_parallel is None else sequence_parallel
     layout = pipeline or PipelineLayout()
+    if context_parallel_method not in ("ring", "all_gather"):
+        raise ModelConfigError(
+            f"context_parallel_method={context_parallel_method!r} must be 'ring' or 'all_gather'"
+        )
     if state.pp_size > 1 or layout.virtual_stages > 1:
         chunks = _split(model, state, layout)
     else:
         chunks = [model]
     for chunk in chunks:
-        parallelize_gpt(chunk, state, sequence_parallel=sp)
+        parallelize_gpt(
+            chunk, state, sequence_parallel=sp, context_parallel_method=context_parallel_method
+        )
         place_parameters(chunk, state, chunk.canonical_name)
     return chunks if layout.virtual_stages > 1 else chunks[0]
 

@@ -33,6 +33,8 @@ class AttentionMask:
     """``(start, end)`` of every packed sequence, on the host, for per-sequence kernels."""
     block_mask: Any = None
     """FlexAttention BlockMask (only for the "flex" backend)."""
+    cu_seqlens: torch.Tensor | None = None
+    """Under context parallelism: boundaries of the packed sequences of the full row."""
 
     def dense(self, device: torch.device) -> torch.Tensor:
         """Build the boolean ``[T, T]`` mask (True where a query may attend to a key).

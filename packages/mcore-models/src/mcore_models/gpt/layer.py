@@ -46,6 +46,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * dim, bias=bias, dtype=dtype)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * dim, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(self.num_heads * dim, hidden, bias=False, dtype=dtype)
+        self.core_attention: nn.Module | None = None
+        """Replacement of the local attention kernel (``parallelize`` installs context-parallel
+        attention here); called as ``core_attention(q, k, v, mask, scale)``."""
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_layernorm:
@@ -88,7 +91,10 @@ class Attention(nn.Module):
             assert mask is not None
             if self.config.qk_clip_tracking:
                 self._record_max_logits(max_attention_logits(q, k, mask, self.scale))
-            out = attend(self.config.attention_backend, q, k, v, mask, self.scale)
+            if self.core_attention is not None:
+                out = self.core_attention(q, k, v, mask, self.scale)
+            else:
+                out = attend(self.config.attention_backend, q, k, v, mask, self.scale)
         if reduce_output:
             return self.o_proj(out.flatten(-2))
         return F.linear(out.flatten(-2), self.o_proj.weight)

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mcore_kernels import RMSNorm, token_logprobs
 from mcore_models.errors import ModelConfigError, ModelInputError, PackedSeqError
-from mcore_models.gpt.attention_backends import build_attention_mask
+from mcore_models.gpt.attention_backends import AttentionMask, build_attention_mask
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.kv_cache import KVCache
 from mcore_models.gpt.layer import DecoderLayer, add_rms_norm
@@ -89,6 +89,10 @@ class GPTModel(nn.Module):
         self.sequence_parallel_size = 1
         """Sequence-parallel split of the activations (set by ``parallelize``): a stage that
         receives hidden states sees ``T / sequence_parallel_size`` of the ``T`` positions."""
+        self.context_parallel_size = 1
+        """Context-parallel size (set by ``parallelize``): the model gets this rank's
+        ``T / cp`` tokens (``mcore_parallel.context_parallel.split_sequence``) with their
+        positions, and ``packed_seq_params`` of the full row."""
         target = torch.device(device) if device is not None else torch.empty(0).device
         with torch.device("meta"):
             self.embedding: nn.Module | None = (
@@ -210,7 +214,10 @@ class GPTModel(nn.Module):
         position_ids = self._check_inputs(input_ids, position_ids, packed_seq_params, kv_cache)
         seq_len = position_ids.shape[1]
         mask = None
-        if kv_cache is None:
+        if self.context_parallel_size > 1:
+            cu = packed_seq_params.cu_seqlens if packed_seq_params is not None else None
+            mask = AttentionMask(seq_len=seq_len, cu_seqlens=cu)
+        elif kv_cache is None:
             mask = build_attention_mask(
                 self.config.attention_backend, seq_len, position_ids.device, packed_seq_params
             )
@@ -345,9 +352,12 @@ class GPTModel(nn.Module):
                 raise PackedSeqError(
                     f"input_ids.shape={tuple(input_ids.shape)}: packed input needs B == 1"
                 )
-            if packed.total_tokens != seq_len:
+            full = seq_len * self.context_parallel_size
+            if packed.total_tokens != full:
                 raise PackedSeqError(
-                    f"cu_seqlens[-1]={packed.total_tokens} must equal the number of tokens T={seq_len}"
+                    f"cu_seqlens[-1]={packed.total_tokens} must equal the number of tokens "
+                    f"T={full}"
+                    + (" of the full row (context parallelism)" if full != seq_len else "")
                 )
         if kv_cache is not None:
             if batch != 1:
@@ -363,6 +373,14 @@ class GPTModel(nn.Module):
                 f"input_ids.shape={tuple(input_ids.shape)}: with sequence parallelism the "
                 f"sequence length must be divisible by the tensor-parallel size {sp}"
             )
+        if self.context_parallel_size > 1:
+            if kv_cache is not None:
+                raise ModelInputError("kv_cache is not supported under context parallelism")
+            if position_ids is None:
+                raise ModelInputError(
+                    "position_ids=None: under context parallelism pass this rank's positions "
+                    "(mcore_parallel.context_parallel.position_ids)"
+                )
         if position_ids is None:
             if packed is not None:
                 return packed.position_ids(input_ids.device)

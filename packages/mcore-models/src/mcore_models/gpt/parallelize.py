@@ -27,6 +27,7 @@ from torch import nn
 
 from mcore_models.errors import ModelConfigError
 from mcore_models.gpt.config import GPTConfig
+from mcore_models.gpt.context_parallel import ContextParallelAttention
 from mcore_models.gpt.layer import DecoderLayer
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.layer import MoELayer
@@ -118,7 +119,13 @@ def _mark_partial_gradient(param: torch.Tensor) -> None:
     param.sequence_parallel = True  # type: ignore[attr-defined]
 
 
-def parallelize_gpt(model: GPTModel, state: ParallelState, *, sequence_parallel: bool) -> None:
+def parallelize_gpt(
+    model: GPTModel,
+    state: ParallelState,
+    *,
+    sequence_parallel: bool,
+    context_parallel_method: str = "ring",
+) -> None:
     """Apply tensor (and sequence) parallelism to a GPT model or pipeline stage, in place.
 
     Works on a model whose parameters live on the meta device (only this rank's shapes are
@@ -131,13 +138,16 @@ def parallelize_gpt(model: GPTModel, state: ParallelState, *, sequence_parallel:
         state: Parallel state.
         sequence_parallel: Split the activations between the tensor-parallel regions along the
             sequence.
+        context_parallel_method: Under ``state.cp_size > 1``, ``"ring"`` or ``"all_gather"``
+            attention over the context-parallel group (installed as each attention's
+            ``core_attention``).
 
     Raises:
         ModelConfigError: If heads, query groups, FFN size or vocabulary are not divisible by
             the TP size, the model is already parallelized, or an MLP type cannot be sharded.
     """
     tp = state.tp_size
-    if model.tp_group is not None:
+    if model.tp_group is not None or model.context_parallel_size > 1:
         raise ModelConfigError("model is already parallelized; parallelize a whole model")
     config = model.config
     if tp > 1:
@@ -152,8 +162,13 @@ def parallelize_gpt(model: GPTModel, state: ParallelState, *, sequence_parallel:
                 "parallelize cannot shard (expected SwiGLUMLP or MoELayer)"
             )
     sp = sequence_parallel and tp > 1
+    cp = state.cp_size
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
+        if cp > 1:
+            layer.self_attention.core_attention = ContextParallelAttention(
+                state.cp_group, context_parallel_method
+            )
         mlp = layer.mlp
         if isinstance(mlp, MoELayer):
             parallelize_moe(mlp, state, sequence_parallel=sp)
@@ -176,6 +191,7 @@ def parallelize_gpt(model: GPTModel, state: ParallelState, *, sequence_parallel:
         if sp:
             _mark_partial_gradient(layer.input_norm.weight)
             _mark_partial_gradient(layer.post_attention_norm.weight)
+    model.context_parallel_size = cp
     if tp == 1:
         return
     if sp and model.final_norm is not None:
