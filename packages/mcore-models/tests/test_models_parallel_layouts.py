@@ -281,3 +281,51 @@ def test_stages_built_from_layer_ranges_chain_to_the_whole_model():
     with torch.no_grad():
         chained = last(first(ids))
     torch.testing.assert_close(chained, expected, atol=1e-5, rtol=0)
+
+
+MOE_CONFIG = GPTConfig.from_name(
+    "tiny",
+    hidden_size=32,
+    seed=23,
+    moe=dict(
+        num_experts=4,
+        top_k=2,
+        expert_ffn_hidden_size=16,
+        shared_expert_ffn_hidden_size=16,
+        shared_expert_gate=True,
+    ),
+)
+
+
+def _expert_layout(checkpoint: str) -> dict:
+    state = initialize(tp=2, ep=2, etp=2)
+    chunks = build_pipeline_stages(MOE_CONFIG, state)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = chunks[0](ids)
+    reads = _spy_reads(SafetensorsReader)
+    loaded = GPTModel.from_hf(checkpoint, state=state)
+    _, full = gather_full_tensors([loaded], state, every_rank=True)
+    return {
+        "weights": _weights_error(state, chunks, MOE_CONFIG),
+        "logits": logits,
+        "reads": reads,
+        "loaded": full,
+    }
+
+
+def test_moe_model_at_tp2_ep2_etp2_has_the_same_weights_logits_and_sliced_hf_load(tmp_path):
+    whole = GPTModel(MOE_CONFIG)
+    whole.to_hf(tmp_path / "hf")
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = whole(ids)
+    reference = whole.state_dict()
+    for result in run_distributed(_expert_layout, 4, str(tmp_path / "hf")):
+        assert result["weights"] == 0.0
+        torch.testing.assert_close(result["logits"], expected, atol=2e-5, rtol=0)
+        for name, tensor in result["loaded"].items():
+            torch.testing.assert_close(tensor, reference[name], atol=0, rtol=0)
+        for name, numel, full in result["reads"]:
+            if ".experts." in name:  # an expert's FFN is split over etp: never read whole
+                assert numel < full, (name, numel, full)
