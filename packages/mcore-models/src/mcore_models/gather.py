@@ -78,7 +78,7 @@ def gather_full_tensors(
         for name, tensor in chunk.state_dict().items():
             param = params.get(name)
             where = global_slice(param) if param is not None else None
-            if where is not None and where.name != canonical(name) and name.startswith("output"):
+            if name.startswith("output_layer.") and canonical(name).startswith("embedding."):
                 continue  # the tied copy of a last stage: the first stage exports the weight
             full = _full(param, state) if param is not None else tensor
             if keep:
