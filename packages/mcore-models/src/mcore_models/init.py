@@ -126,20 +126,21 @@ def fill_normal_block(local: torch.Tensor, where: GlobalSlice, *, seed: int, std
     columns = where.global_shape[-1] if where.global_shape else 1
     col0 = where.global_offset[-1] if where.global_shape else 0
     ncols = local_shape[-1] if local_shape else 1
-    rows = _local_rows(where, local_shape)
+    rows = _local_rows(where, local_shape)  # ascending: row-major order of the leading dims
     flat = local.view(-1, ncols) if local_shape else local.view(1, 1)
     generator = torch.Generator(device=local.device)
-    block_rows = rows // ROWS_PER_BLOCK
     total_rows = math.prod(where.global_shape[:-1]) if where.global_shape else 1
-    for block in torch.unique(block_rows).tolist():
+    blocks = torch.unique_consecutive(rows // ROWS_PER_BLOCK)
+    bounds = torch.searchsorted(rows, torch.cat([blocks, blocks[-1:] + 1]) * ROWS_PER_BLOCK)
+    for index, block in enumerate(blocks.tolist()):
+        lo, hi = int(bounds[index]), int(bounds[index + 1])
         first = block * ROWS_PER_BLOCK
         count = min(ROWS_PER_BLOCK, total_rows - first)
         generator.manual_seed(block_seed(seed, where.name, block))
         values = torch.empty(count, columns, dtype=torch.float32, device=local.device)
         values.normal_(0.0, std, generator=generator)
-        mine = (block_rows == block).nonzero().squeeze(1)
-        picked = values[(rows[mine] - first).to(local.device), col0 : col0 + ncols]
-        flat[mine.to(local.device)] = picked.to(local.dtype)
+        picked = values[(rows[lo:hi] - first).to(local.device), col0 : col0 + ncols]
+        flat[lo:hi] = picked.to(local.dtype)
 
 
 def iter_placed(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, GlobalSlice]]:

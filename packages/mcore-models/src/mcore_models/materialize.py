@@ -12,7 +12,7 @@ layout-independent initialisation, so every layout starts from the same full wei
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -61,8 +61,26 @@ def place_parameters(
         set_global_slice(param, GlobalSlice(canonical(name), tuple(shape), tuple(offset)))
 
 
-def _param_attributes(module: nn.Module) -> dict[str, dict[str, Any]]:
-    return {name: dict(vars(param)) for name, param in module.named_parameters()}
+def _allocate(module: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer storage on ``device`` (uninitialised).
+
+    Unlike ``Module.to_empty`` this allocates with ``torch.empty`` directly: the meta path of
+    ``empty_like`` runs a Python reference that imports sympy (seconds per process), and the
+    attributes recorded on each parameter (partition dims, global slices) are kept.
+    """
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            fresh = nn.Parameter(
+                torch.empty(param.shape, dtype=param.dtype, device=device),
+                requires_grad=param.requires_grad,
+            )
+            fresh.__dict__.update(vars(param))
+            sub._parameters[name] = fresh
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                sub._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
 
 
 @torch.no_grad()
@@ -88,11 +106,7 @@ def materialize_module(
         init_std: Standard deviation of the normal initialisation.
         initialize: False only allocates (for loaders that overwrite every parameter).
     """
-    attributes = _param_attributes(module)
-    module.to_empty(device=device)
-    for name, param in module.named_parameters():
-        for key, value in attributes.get(name, {}).items():
-            setattr(param, key, value)
+    _allocate(module, torch.device(device))
     if initialize:
         for param in module.parameters():
             initialize_parameter(param, seed=seed, init_std=init_std)

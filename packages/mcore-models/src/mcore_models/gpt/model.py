@@ -95,8 +95,14 @@ class GPTModel(nn.Module):
         positions, and ``packed_seq_params`` of the full row."""
         target = torch.device(device) if device is not None else torch.empty(0).device
         with torch.device("meta"):
+            # NOTE: `_weight` skips nn.Embedding's normal_ init, which on the meta device runs
+            # a Python decomposition that imports torch._dynamo (~20 s without bytecode caches).
             self.embedding: nn.Module | None = (
-                nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
+                nn.Embedding(
+                    config.vocab_size,
+                    config.hidden_size,
+                    _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=config.dtype),
+                )
                 if pre_process
                 else None
             )
