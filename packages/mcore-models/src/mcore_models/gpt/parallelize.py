@@ -231,7 +231,9 @@ class CopyToTensorParallel(nn.Module):
         self.group = group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Args:
+        """Return the activations unchanged (the gradient is summed over the group).
+
+        Args:
             hidden: Replicated activations.
 
         Returns:
@@ -252,7 +254,9 @@ class GatherVocabShards(nn.Module):
         self.group = group
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        """Args:
+        """Gather the full vocabulary.
+
+        Args:
             logits: ``[..., V / tp]`` shard.
 
         Returns:
@@ -273,7 +277,9 @@ class GatherSequence(nn.Module):
         self.group = group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Args:
+        """Gather the full sequence.
+
+        Args:
             hidden: ``[B, T / tp, H]``.
 
         Returns:
