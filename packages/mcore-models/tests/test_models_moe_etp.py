@@ -19,7 +19,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from mcore_models import GPTConfig, GPTModel, ModelConfigError
+from mcore_models import GPTConfig, GPTModel, ModelConfigError, parallelize
 from mcore_models.moe import MoEConfig, MoELayer, parallelize_moe
 from mcore_parallel import initialize
 from mcore_parallel.sharding import get_partition_dims
@@ -187,7 +187,7 @@ def _meta_and_gpt_checks() -> dict[str, float]:
     config = _config("alltoall", None, True).replace(seed=9)
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(state.dp_rank))
     with torch.no_grad():
-        sharded = GPTModel(config, state)(ids)
+        sharded = parallelize(GPTModel(config), state)(ids)
         whole = GPTModel(config.replace(sequence_parallel=False))(ids)
     results["gpt_sp_tp2/logits"] = _max_error(sharded, whole)
     state.destroy()
