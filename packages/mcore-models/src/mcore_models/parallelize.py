@@ -18,7 +18,7 @@ rank's shards is ever allocated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -132,7 +132,7 @@ def _split(model: GPTModel, state: ParallelState, layout: PipelineLayout) -> lis
                 part.output_layer = model.output_layer
             elif part.output_layer is not None and model.embedding is not None:
                 # Tied embedding on a last stage without it: start from a copy.
-                source = model.embedding.weight
+                source = cast(torch.Tensor, model.embedding.weight)
                 copy = nn.Linear(source.shape[1], source.shape[0], bias=False, device=source.device)
                 copy.weight = nn.Parameter(source.detach().clone())
                 part.output_layer = copy

@@ -324,7 +324,9 @@ class GPTModel(nn.Module):
         logits = self.compute_logits(hidden, gather=False, upcast=False)
         group = getattr(self.logits_gather, "group", None)
         flat = logits.reshape(-1, logits.shape[-1])
-        return token_logprobs(flat, labels.reshape(-1), group=group).view(labels.shape)
+        logprobs = token_logprobs(flat, labels.reshape(-1), group=group)
+        assert isinstance(logprobs, torch.Tensor)
+        return logprobs.view(labels.shape)
 
     def _check_inputs(
         self,

@@ -19,7 +19,7 @@ tokens (RMSNorm weights), and the per-head QK-norm weights under TP, are marked
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -197,16 +197,16 @@ def parallelize_gpt(
     if sp and model.final_norm is not None:
         _mark_partial_gradient(model.final_norm.weight)
     if model.embedding is not None:
-        embedding = model.embedding
+        weight = cast(torch.Tensor, model.embedding.weight)
         model.embedding = VocabParallelEmbedding(
             config.vocab_size,
             config.hidden_size,
             state=state,
             sequence_parallel=sp,
             sequence_dim=_SEQUENCE_DIM,
-            init_method=_copy_of(embedding.weight),  # type: ignore[arg-type]
-            dtype=embedding.weight.dtype,  # type: ignore[union-attr]
-            device=embedding.weight.device,  # type: ignore[union-attr]
+            init_method=_copy_of(weight),
+            dtype=weight.dtype,
+            device=weight.device,
         )
     if model.output_layer is not None:
         model.output_layer = _column(model.output_layer, state, False)  # type: ignore[arg-type]
