@@ -1,14 +1,62 @@
-"""Helpers shared by the Triton kernels."""
+"""Helpers shared by the Triton kernels: the optional import, devices, layouts, rounding.
+
+Triton is a Linux-only dependency. The kernel modules define their kernels with :func:`jit`,
+which is ``triton.jit`` where Triton is installed and leaves the function a plain (never called)
+Python function elsewhere, so the package imports everywhere and the torch references run.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
-__all__ = ["on_device_of", "round_to", "as_rows"]
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a linux-only dependency
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+
+__all__ = [
+    "as_rows",
+    "device_limits",
+    "jit",
+    "next_power_of_2",
+    "on_device_of",
+    "round_to",
+    "tl",
+    "triton",
+]
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def jit(fn: Callable[..., Any]) -> Any:
+    """Compile ``fn`` with ``triton.jit`` when Triton is installed, else return it unchanged.
+
+    Args:
+        fn: the kernel function.
+
+    Returns:
+        The Triton ``JITFunction``, or ``fn`` where Triton is missing.
+    """
+    return triton.jit(fn) if triton is not None else fn
+
+
+def next_power_of_2(n: int) -> int:
+    """Return the smallest power of two ``>= n`` (1 for ``n <= 1``).
+
+    Args:
+        n: a non-negative int.
+
+    Returns:
+        The power of two.
+    """
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def on_device_of(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -18,9 +66,31 @@ def on_device_of(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
         tensor: any tensor argument of the launch.
 
     Returns:
-        ``torch.cuda.device(tensor.device)`` for CUDA tensors, else a no-op context.
+        ``torch.cuda.device(tensor.device)`` for a CUDA tensor on another GPU than the current
+        one, else a shared no-op context (the common case costs no device switch).
     """
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+    if tensor.is_cuda and tensor.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return _SAME_DEVICE
+
+
+@functools.cache
+def device_limits(device: torch.device) -> tuple[int, int]:
+    """Return ``(multiprocessors, shared memory bytes per block)`` of a device, cached.
+
+    Args:
+        device: a CUDA device, or the CPU (the interpreter: 4 "multiprocessors").
+
+    Returns:
+        The multiprocessor count and the opt-in shared-memory limit of one block.
+    """
+    if device.type != "cuda":
+        return 4, 228 * 1024
+    props = torch.cuda.get_device_properties(device)
+    # torch < 2.5 lacks the opt-in limit; 48 KiB is what every CUDA GPU grants a block.
+    return props.multi_processor_count, int(
+        getattr(props, "shared_memory_per_block_optin", 48 * 1024)
+    )
 
 
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -36,7 +106,7 @@ def as_rows(tensor: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
-@triton.jit
+@jit
 def round_to(x, dtype: tl.constexpr):
     """Cast float32 ``x`` to ``dtype`` rounding to nearest even.
 
