@@ -60,6 +60,13 @@ def measure(rows: int, vocab: int, liger_ops) -> dict[str, Any]:
         forward["liger"] = lambda: liger_ops.LigerCrossEntropyFunction.apply(
             logits, targets, None, -100, 0.0, 0.0, "none"
         )
+        # Liger's no-grad per-token log-prob kernel (GRPO): logits [B, L + 1, V], last row unused.
+        from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
+
+        padded = torch.empty(1, rows + 1, vocab, device="cuda", dtype=torch.bfloat16)
+        padded[0, :rows] = logits
+        ids = targets.unsqueeze(0)
+        forward["liger-logp"] = lambda: fused_selective_log_softmax(padded, ids, 1.0)
     result: dict[str, Any] = {
         "rows": rows,
         "vocab": vocab,
@@ -141,7 +148,7 @@ def main() -> None:
         "torch ms",
         "vs torch",
     ]
-    header += ["liger ms", "vs liger"] if has_liger else []
+    header += ["liger CE ms", "vs liger CE", "liger logp ms", "vs liger logp"] if has_liger else []
     header += [
         "mcore+H ms",
         "torch+H ms",
@@ -162,7 +169,9 @@ def main() -> None:
             e["fwd_ms"]["torch"],
             e["speedup_fwd"]["torch"],
         ]
-        row += [e["fwd_ms"]["liger"], e["speedup_fwd"]["liger"]] if has_liger else []
+        if has_liger:
+            row += [e["fwd_ms"]["liger"], e["speedup_fwd"]["liger"]]
+            row += [e["fwd_ms"]["liger-logp"], e["speedup_fwd"]["liger-logp"]]
         row += [
             e["fwd_ms"]["mcore+entropy"],
             e["fwd_ms"]["torch+entropy"],

@@ -16,6 +16,7 @@ Usage: ``python3 packages/mcore-kernels/benchmarks/tune_launch_configs.py --out 
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import math
 from functools import partial
@@ -26,8 +27,10 @@ import torch
 from _common import device_info, markdown_table, write_results
 from triton.testing import do_bench
 
-from mcore_kernels import rms_norm as rms
-from mcore_kernels import token_logprobs as lp
+# The package exports functions named like these modules: fetch the modules themselves.
+rms = importlib.import_module("mcore_kernels.rms_norm")
+lp = importlib.import_module("mcore_kernels.token_logprobs")
+
 
 HIDDEN = (2048, 4096, 8192)
 ROWS = (256, 4096, 16384)

@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - triton is a linux-only dependency
     tl = None  # type: ignore[assignment]
 
 __all__ = [
+    "CachedLauncher",
     "as_rows",
     "device_limits",
     "jit",
@@ -35,16 +36,101 @@ __all__ = [
 _SAME_DEVICE = contextlib.nullcontext()
 
 
-def jit(fn: Callable[..., Any]) -> Any:
+def jit(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     """Compile ``fn`` with ``triton.jit`` when Triton is installed, else return it unchanged.
 
     Args:
-        fn: the kernel function.
+        fn: the kernel function (None to use ``jit(**options)`` as a decorator).
+        **options: keyword arguments of ``triton.jit`` (``do_not_specialize`` ...).
 
     Returns:
         The Triton ``JITFunction``, or ``fn`` where Triton is missing.
     """
-    return triton.jit(fn) if triton is not None else fn
+    if fn is None:
+        return lambda inner: jit(inner, **options)
+    return triton.jit(fn, **options) if triton is not None else fn
+
+
+_INT32 = range(-(2**31), 2**31)
+
+
+class CachedLauncher:
+    """Launch a Triton kernel, skipping ``JITFunction.run``'s per-call work after the first call.
+
+    ``kernel[grid](...)`` binds the arguments, reads the runtime settings, computes the
+    specialisation key and looks the compiled kernel up on every call: tens of microseconds of
+    Python on the slower hosts of GPU machines, more than a small kernel runs. The first call
+    of every distinct specialisation goes through that path and keeps the compiled kernel; later
+    calls rebuild only the specialisation (each tensor's dtype and 16-byte alignment, each
+    int's ``== 1``, ``% 16`` and 32-bit range, the constexpr values and warps) and launch the
+    binary on the current stream. Launch hooks (profilers such as Proton) see only the first
+    call. Should the compiled kernel's calling convention not be the expected one (another
+    Triton release), the first fast call raises, and this launcher falls back for good to
+    ``kernel[grid](...)``. Under ``TRITON_INTERPRET=1`` every call is interpreted.
+
+    Args:
+        fn: the ``@triton.jit`` kernel; its constexpr parameters must come after the others.
+    """
+
+    __slots__ = ("_fast", "_fn", "_kernels", "_names")
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+        self._kernels: dict[tuple, tuple[Any, tuple]] = {}
+        self._fast = True
+        self._names = tuple(getattr(fn, "arg_names", ()))
+
+    def __call__(
+        self,
+        grid: tuple[int, ...],
+        args: tuple,
+        constexprs: dict[str, Any],
+        num_warps: int,
+        device_index: int,
+    ) -> None:
+        """Launch ``fn[grid](*args, **constexprs, num_warps=num_warps)``.
+
+        Args:
+            grid: the launch grid (one to three program counts).
+            args: the runtime arguments in signature order.
+            constexprs: every constexpr argument by name.
+            num_warps: warps per program.
+            device_index: the CUDA device of the tensors (the current device).
+        """
+        key: list = [num_warps, device_index, *constexprs.values()]
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                key.append(arg.dtype)
+                key.append(arg.data_ptr() & 15)
+            elif type(arg) is int:
+                key.append((arg == 1, arg & 15, arg in _INT32))
+            else:
+                key.append(type(arg))
+        cache_key = tuple(key)
+        entry = self._kernels.get(cache_key)
+        if entry is not None and self._fast:
+            kernel, tail = entry
+            try:
+                kernel.run(
+                    grid[0],
+                    grid[1] if len(grid) > 1 else 1,
+                    grid[2] if len(grid) > 2 else 1,
+                    torch._C._cuda_getCurrentRawStream(device_index),
+                    kernel.function,
+                    kernel.packed_metadata,
+                    None,
+                    None,
+                    None,
+                    *args,
+                    *tail,
+                )
+                return
+            except Exception:
+                self._fast = False
+        kernel = self._fn[grid](*args, **constexprs, num_warps=num_warps)
+        if all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
+            tail = tuple(constexprs[name] for name in self._names[len(args) :])
+            self._kernels[cache_key] = (kernel, tail)
 
 
 def next_power_of_2(n: int) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ from torch import nn
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
-    as_rows,
+    CachedLauncher,
     device_limits,
     jit,
     next_power_of_2,
@@ -308,6 +309,11 @@ def _sum_partials_kernel(
     tl.store(out_ptr + cols, round_to(total, out_ptr.dtype.element_ty), mask=col_mask)
 
 
+_FORWARD = CachedLauncher(_rms_norm_fwd_kernel)
+_BACKWARD = CachedLauncher(_rms_norm_bwd_kernel)
+_SUM_PARTIALS = CachedLauncher(_sum_partials_kernel)
+
+
 def _forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -320,37 +326,37 @@ def _forward(
 
     ``config`` overrides the table's launch parameters (the tuner's sweep).
     """
+    # Contiguous tensors go to the kernel as they are (rows of ``hidden`` elements): no
+    # reshapes or views on the hot path; other layouts are copied once.
     hidden = x.shape[-1]
-    x2 = as_rows(x)
-    r2 = as_rows(residual) if residual is not None else x2
-    rows = x2.shape[0]
-    y = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-    h = torch.empty_like(y) if residual is not None else x2
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if store_rstd else y
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if residual is not None and not residual.is_contiguous():
+        residual = residual.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    rows = x.numel() // hidden
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else x
+    rstd = x.new_empty(rows, dtype=torch.float32) if store_rstd else y
     if rows > 0:
         block, single, chosen, _ = _launch(hidden, x.device)
         config = config or chosen
-        _rms_norm_fwd_kernel[(-(-rows // config.fwd_rows),)](
-            x2,
-            r2,
-            weight,
-            y,
-            h,
-            rstd,
-            rows,
-            x2.stride(0),
-            r2.stride(0),
-            hidden,
-            eps,
-            HAS_RESIDUAL=residual is not None,
-            STORE_RSTD=store_rstd,
-            BLOCK_M=config.fwd_rows,
-            BLOCK=block,
-            SINGLE_BLOCK=single,
-            num_warps=config.fwd_warps,
+        r = residual if residual is not None else x
+        _FORWARD(
+            (-(-rows // config.fwd_rows),),
+            (x, r, weight, y, h, rstd, rows, hidden, hidden, hidden, eps),
+            {
+                "HAS_RESIDUAL": residual is not None,
+                "STORE_RSTD": store_rstd,
+                "BLOCK_M": config.fwd_rows,
+                "BLOCK": block,
+                "SINGLE_BLOCK": single,
+            },
+            config.fwd_warps,
+            x.get_device(),
         )
-    hidden_states = h.view(x.shape) if residual is not None else x
-    return y.view(x.shape), hidden_states, rstd
+    return y, h, rstd
 
 
 def _backward(
@@ -366,54 +372,50 @@ def _backward(
     ``config`` overrides the table's launch parameters (the tuner's sweep).
     """
     hidden = hidden_states.shape[-1]
-    h2 = as_rows(hidden_states)
-    dy2 = dy.reshape(-1, hidden).contiguous()
-    dh2 = dhidden_out.reshape(-1, hidden).contiguous() if dhidden_out is not None else dy2
-    rows = h2.shape[0]
+    h2 = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
+    dy2 = dy if dy.is_contiguous() else dy.contiguous()
+    dh2 = dy2
+    if dhidden_out is not None:
+        dh2 = dhidden_out if dhidden_out.is_contiguous() else dhidden_out.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    rows = h2.numel() // hidden
     device = hidden_states.device
-    dx = torch.empty((rows, hidden), dtype=hidden_states.dtype, device=device)
+    dx = torch.empty_like(h2)
     if rows == 0:
-        return dx.view(hidden_states.shape), torch.zeros_like(weight)
+        return dx, torch.zeros_like(weight)
     block, single, chosen, cap = _launch(hidden, device)
     if config is not None:
         cap = device_limits(device)[0] * config.bwd_programs_per_sm
     config = config or chosen
     programs = min(-(-rows // config.bwd_rows), cap)
     final = programs == 1 and single
-    dweight = torch.empty(hidden, dtype=weight.dtype, device=device)
-    partial = (
-        dweight if final else torch.empty((programs, hidden), dtype=torch.float32, device=device)
-    )
+    dweight = torch.empty_like(weight)
+    partial = dweight if final else weight.new_empty((programs, hidden), dtype=torch.float32)
     streamed = 3 if dhidden_out is not None else 2
-    _rms_norm_bwd_kernel[(programs,)](
-        dy2,
-        dh2,
-        h2,
-        weight,
-        rstd,
-        dx,
-        partial,
-        rows,
-        h2.stride(0),
-        hidden,
-        HAS_DHIDDEN_OUT=dhidden_out is not None,
-        BLOCK_M=config.bwd_rows,
-        BLOCK=block,
-        SINGLE_BLOCK=single,
-        NUM_STAGES=_backward_stages(config, block, streamed, device) if single else 1,
-        FINAL=final,
-        num_warps=config.bwd_warps,
+    _BACKWARD(
+        (programs,),
+        (dy2, dh2, h2, weight, rstd, dx, partial, rows, hidden, hidden),
+        {
+            "HAS_DHIDDEN_OUT": dhidden_out is not None,
+            "BLOCK_M": config.bwd_rows,
+            "BLOCK": block,
+            "SINGLE_BLOCK": single,
+            "NUM_STAGES": _backward_stages(config, block, streamed, device) if single else 1,
+            "FINAL": final,
+        },
+        config.bwd_warps,
+        hidden_states.get_device(),
     )
     if not final:
-        _sum_partials_kernel[(-(-hidden // _PARTIAL_SUM_COLS),)](
-            partial,
-            dweight,
-            programs,
-            hidden,
-            BLOCK_P=_PARTIAL_SUM_ROWS,
-            BLOCK_H=_PARTIAL_SUM_COLS,
+        _SUM_PARTIALS(
+            (-(-hidden // _PARTIAL_SUM_COLS),),
+            (partial, dweight, programs, hidden),
+            {"BLOCK_P": _PARTIAL_SUM_ROWS, "BLOCK_H": _PARTIAL_SUM_COLS},
+            4,
+            hidden_states.get_device(),
         )
-    return dx.view(hidden_states.shape), dweight
+    return dx, dweight
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -527,29 +529,29 @@ _rms_norm_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _plainly_valid(x: object, weight: object, eps: object, residual: object) -> bool:
+def _plainly_valid(x: Any, weight: Any, eps: Any, residual: Any) -> bool:
     """Cheap check of the common valid call; False sends the call through the full checks."""
-    return (
-        type(eps) is float
-        and 0.0 <= eps < math.inf
-        and isinstance(x, torch.Tensor)
-        and isinstance(weight, torch.Tensor)
-        and x.dtype in _KERNEL_DTYPES
-        and weight.dtype in _KERNEL_DTYPES
-        and weight.dim() == 1
-        and x.dim() >= 1
-        and x.shape[-1] == weight.shape[0] != 0
-        and x.device == weight.device
-        and (
-            residual is None
-            or (
-                isinstance(residual, torch.Tensor)
-                and residual.dtype == x.dtype
-                and residual.shape == x.shape
-                and residual.device == x.device
+    try:
+        return (
+            type(eps) is float
+            and 0.0 <= eps < math.inf
+            and x.dtype in _KERNEL_DTYPES
+            and weight.dtype in _KERNEL_DTYPES
+            and weight.dim() == 1
+            and x.dim() >= 1
+            and x.shape[-1] == weight.shape[0] != 0
+            and x.device == weight.device
+            and (
+                residual is None
+                or (
+                    residual.dtype == x.dtype
+                    and residual.shape == x.shape
+                    and residual.device == x.device
+                )
             )
         )
-    )
+    except AttributeError:  # not tensors: the full checks name the argument
+        return False
 
 
 def rms_norm(

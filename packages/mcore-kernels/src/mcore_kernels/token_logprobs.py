@@ -30,7 +30,15 @@ import torch.distributed as dist
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import as_rows, jit, next_power_of_2, on_device_of, round_to, tl
+from mcore_kernels._triton_utils import (
+    CachedLauncher,
+    as_rows,
+    jit,
+    next_power_of_2,
+    on_device_of,
+    round_to,
+    tl,
+)
 from mcore_kernels._validation import check_target_range, check_token_logprobs_args
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
 from mcore_kernels.reference import token_logprobs_parts, token_logprobs_reference
@@ -100,9 +108,10 @@ def _token_logprobs_fwd_kernel(
     running_sum = 0.0
     running_weighted = 0.0
     # First chunk: masked below the row start (and at its end for short rows).
-    z = tl.load(base + cols, mask=(cols >= lead) & (cols < end), other=-float("inf"))
+    head = tl.load(base + cols, mask=(cols >= lead) & (cols < end), other=-float("inf"))
+    z = head.to(tl.float32) * inv_temperature
     running_max, running_sum, running_weighted = _lse_step(
-        z.to(tl.float32) * inv_temperature, running_max, running_sum, running_weighted, WITH_ENTROPY
+        z, running_max, running_sum, running_weighted, WITH_ENTROPY
     )
     full_end = (end // BLOCK_V) * BLOCK_V
     for start in tl.range(BLOCK_V, full_end, BLOCK_V, num_stages=NUM_STAGES):
@@ -112,13 +121,10 @@ def _token_logprobs_fwd_kernel(
         )
     if (full_end >= BLOCK_V) & (full_end < end):
         offs = full_end + cols
-        z = tl.load(base + offs, mask=offs < end, other=-float("inf"))
+        tail = tl.load(base + offs, mask=offs < end, other=-float("inf"))
+        z = tail.to(tl.float32) * inv_temperature
         running_max, running_sum, running_weighted = _lse_step(
-            z.to(tl.float32) * inv_temperature,
-            running_max,
-            running_sum,
-            running_weighted,
-            WITH_ENTROPY,
+            z, running_max, running_sum, running_weighted, WITH_ENTROPY
         )
     lse = running_max + tl.log(running_sum)
     target = tl.load(targets_ptr + row).to(tl.int64)
@@ -212,6 +218,17 @@ def _token_logprobs_bwd_kernel(
         tl.store(out + offs, round_to(dz * inv_temperature, out_dtype), mask=mask)
 
 
+_FORWARD = CachedLauncher(_token_logprobs_fwd_kernel)
+
+
+def _row_stride(logits: torch.Tensor) -> int:
+    """Elements between rows: contiguous logits of any rank, or ``[rows, V]`` with strided rows."""
+    return logits.shape[-1] if logits.is_contiguous() else logits.stride(0)
+
+
+_BACKWARD = CachedLauncher(_token_logprobs_bwd_kernel)
+
+
 def _forward(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -221,54 +238,65 @@ def _forward(
     ignore_index: int,
     launch: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward on ``[rows, V]`` logits and combine the shards' statistics.
+    """Launch the forward and combine the shards' statistics.
 
-    Returns ``(logprobs, entropy, lse, expected)``, float32 ``[rows]`` each, the last two over
+    ``logits`` is contiguous or ``[rows, V]`` with unit stride in ``V``; ``targets`` is
+    contiguous with one id per row. Returns ``(logprobs, entropy, lse, expected)``, float32
+    shaped like ``targets`` each, the last two over
     the full vocabulary; without ``with_entropy``, ``entropy`` and ``expected`` alias ``lse``.
     ``launch`` overrides ``(BLOCK_V, warps, stages)`` (the tuner's sweep).
     """
     rank, world = group_rank_and_size(group)
-    rows, vocab = logits.shape
-    stats = torch.empty((4 if with_entropy else 2, rows), dtype=torch.float32, device=logits.device)
+    vocab = logits.shape[-1]
+    rows = targets.numel()
+    # Results take the targets' shape directly: no reshapes on the hot path.
+    stats = logits.new_empty((4 if with_entropy else 2, *targets.shape), dtype=torch.float32)
     if rows > 0:
         block, warps = _block_and_warps(vocab, False)
         stages = FORWARD_STAGES
         if launch is not None:
             block, warps, stages = launch
-        _token_logprobs_fwd_kernel[(rows,)](
-            logits,
-            targets,
-            stats,
-            rows,
-            logits.stride(0),
-            vocab,
-            rank * vocab,
-            vocab * world,
-            ignore_index,
-            inv_temperature,
-            WITH_ENTROPY=with_entropy,
-            FULL_VOCAB=world == 1,
-            ALIGN=_ALIGN_BYTES // logits.element_size(),
-            BLOCK_V=block,
-            NUM_STAGES=stages,
-            num_warps=warps,
+        _FORWARD(
+            (rows,),
+            (
+                logits,
+                targets,
+                stats,
+                rows,
+                _row_stride(logits),
+                vocab,
+                rank * vocab,
+                vocab * world,
+                ignore_index,
+                inv_temperature,
+            ),
+            {
+                "WITH_ENTROPY": with_entropy,
+                "FULL_VOCAB": world == 1,
+                "ALIGN": _ALIGN_BYTES // logits.element_size(),
+                "BLOCK_V": block,
+                "NUM_STAGES": stages,
+            },
+            warps,
+            logits.get_device(),
         )
-    lse = stats[1]
     if world == 1:
         if with_entropy:
-            return stats[0], stats[2], lse, stats[3]
-        return stats[0], lse, lse, lse
-    lse, target_logit, expected = combine_shard_stats(
-        lse, stats[0], stats[3] if with_entropy else None, group
+            logprobs, lse, entropy, expected = stats.unbind(0)
+            return logprobs, entropy, lse, expected
+        logprobs, lse = stats.unbind(0)
+        return logprobs, lse, lse, lse
+    lse, target_logit, global_expected = combine_shard_stats(
+        stats[1], stats[0], stats[3] if with_entropy else None, group
     )
     valid = targets != ignore_index
     zeros = torch.zeros_like(lse)
     out_of_range = valid & ((targets < 0) | (targets >= vocab * world))
     logprobs = torch.where(valid, target_logit - lse, zeros)
     logprobs = torch.where(out_of_range, torch.full_like(lse, float("nan")), logprobs)
-    if expected is None:
+    if global_expected is None:
         return logprobs, lse, lse, lse
-    return logprobs, torch.where(valid, lse - expected, zeros), lse, expected
+    return logprobs, torch.where(valid, lse - global_expected, zeros), lse, global_expected
 
 
 def _backward(
@@ -283,38 +311,53 @@ def _backward(
     ignore_index: int,
     launch: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch the backward: ``d(logits)`` of ``[rows, V]`` logits, with the logits' strides.
+    """Launch the backward: ``d(logits)`` with the logits' shape and strides.
 
     ``launch`` overrides ``(BLOCK_V, warps)`` (the tuner's sweep).
     """
-    rows, vocab = logits.shape
-    if logits.stride(0) < vocab:
-        # Rows that share memory (an expanded tensor) cannot share a gradient buffer.
-        logits = logits.contiguous()
-    grad_logprobs = grad_logprobs.contiguous()
-    grad_entropy = grad_entropy.contiguous() if grad_entropy is not None else grad_logprobs
-    grad_logits = torch.empty_strided(
-        (rows, vocab), logits.stride(), dtype=logits.dtype, device=logits.device
-    )
+    vocab = logits.shape[-1]
+    rows = targets.numel()
+    if logits.is_contiguous():
+        grad_logits = torch.empty_like(logits)
+    else:
+        if logits.stride(0) < vocab:
+            # Rows that share memory (an expanded tensor) cannot share a gradient buffer.
+            logits = logits.contiguous()
+        # The gradient keeps the logits' row stride, so both rows share one alignment.
+        grad_logits = torch.empty_strided(
+            logits.shape, logits.stride(), dtype=logits.dtype, device=logits.device
+        )
+    if not grad_logprobs.is_contiguous():
+        grad_logprobs = grad_logprobs.contiguous()
+    if grad_entropy is None:
+        grad_entropy = grad_logprobs
+    elif not grad_entropy.is_contiguous():
+        grad_entropy = grad_entropy.contiguous()
     if rows > 0:
         block, warps = launch or _block_and_warps(vocab, True)
-        _token_logprobs_bwd_kernel[(rows,)](
-            logits,
-            targets,
-            lse,
-            expected,
-            grad_logprobs,
-            grad_entropy,
-            grad_logits,
-            logits.stride(0),
-            vocab,
-            vocab_start,
-            ignore_index,
-            inv_temperature,
-            WITH_ENTROPY=grad_entropy is not grad_logprobs,
-            ALIGN=_ALIGN_BYTES // logits.element_size(),
-            BLOCK_V=block,
-            num_warps=warps,
+        _BACKWARD(
+            (rows,),
+            (
+                logits,
+                targets,
+                lse,
+                expected,
+                grad_logprobs,
+                grad_entropy,
+                grad_logits,
+                _row_stride(logits),
+                vocab,
+                vocab_start,
+                ignore_index,
+                inv_temperature,
+            ),
+            {
+                "WITH_ENTROPY": grad_entropy is not grad_logprobs,
+                "ALIGN": _ALIGN_BYTES // logits.element_size(),
+                "BLOCK_V": block,
+            },
+            warps,
+            logits.get_device(),
         )
     return grad_logits
 
@@ -328,7 +371,7 @@ class _TokenLogprobsFunction(torch.autograd.Function):
         ctx.save_for_backward(logits, targets, lse, expected)
         ctx.inv_temperature = inv_temperature
         ctx.with_entropy = with_entropy
-        ctx.vocab_start = group_rank_and_size(group)[0] * logits.shape[1]
+        ctx.vocab_start = group_rank_and_size(group)[0] * logits.shape[-1]
         ctx.ignore_index = ignore_index
         return (logprobs, entropy) if with_entropy else logprobs
 
@@ -590,23 +633,20 @@ def token_logprobs(
             return_entropy=return_entropy,
             ignore_index=ignore_index,
         )
-    lead_shape = targets.shape
-    flat_logits = as_rows(logits)
-    flat_targets = targets.reshape(-1)
-    if flat_targets.stride(0) != 1:
-        flat_targets = flat_targets.contiguous()
+    if not logits.is_contiguous():
+        logits = as_rows(logits)
+    if not targets.is_contiguous():
+        targets = targets.contiguous()
     inv_temperature = 1.0 / temperature
     with on_device_of(logits):
         if torch.is_grad_enabled() and logits.requires_grad:
             out = _TokenLogprobsFunction.apply(
-                flat_logits, flat_targets, inv_temperature, group, return_entropy, ignore_index
+                logits, targets, inv_temperature, group, return_entropy, ignore_index
             )
         else:
             logprobs, entropy, _, _ = _forward(
-                flat_logits, flat_targets, inv_temperature, group, return_entropy, ignore_index
+                logits, targets, inv_temperature, group, return_entropy, ignore_index
             )
             out = (logprobs, entropy) if return_entropy else logprobs
-    if not return_entropy:
-        return out.view(lead_shape)
-    logprobs, entropy = out
-    return logprobs.view(lead_shape), entropy.view(lead_shape)
+    # The results already have the targets' shape, also where strided logits became rows.
+    return out
