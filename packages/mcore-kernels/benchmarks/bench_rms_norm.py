@@ -13,6 +13,7 @@ Usage: ``python3 packages/mcore-kernels/benchmarks/bench_rms_norm.py --out DIR``
 from __future__ import annotations
 
 import argparse
+import importlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -177,9 +178,12 @@ def main() -> None:
         }
         results.append(entry)
         print(entry, flush=True)
+    launchers = importlib.import_module("mcore_kernels.rms_norm")
     payload = {
         **device_info(),
         "benchmark": "residual add + RMSNorm, bf16",
+        # Whether the launches went through the cached compiled kernels (see CachedLauncher).
+        "cached_launch": launchers._FORWARD._fast and launchers._BACKWARD._fast,
         "copy_tbs": copy_tbs,
         "liger": liger_missing or "liger-kernel " + _liger_version(),
         "results": results,

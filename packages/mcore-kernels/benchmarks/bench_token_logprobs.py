@@ -12,6 +12,7 @@ Usage: ``python3 packages/mcore-kernels/benchmarks/bench_token_logprobs.py --out
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -131,9 +132,11 @@ def main() -> None:
         entry["fraction_of_read_once"] = entry["read_once_ms"] / mcore
         results.append(entry)
         print(entry, flush=True)
+    launchers = importlib.import_module("mcore_kernels.token_logprobs")
     payload = {
         **device_info(),
         "benchmark": "token log-probs of bf16 logits",
+        "cached_launch": launchers._FORWARD._fast and launchers._BACKWARD._fast,
         "copy_tbs": copy_tbs,
         "liger": liger_missing or "liger-kernel available",
         "results": results,
