@@ -1,6 +1,6 @@
 """Fused residual add + RMSNorm: Triton kernels, launchers, autograd function, custom ops, API.
 
-Forward: each program normalises ``FWD_ROWS`` rows held in registers; rows wider than
+Forward: each program normalises ``fwd_rows`` rows held in registers; rows wider than
 ``MAX_BLOCK`` take a looped variant that streams the row twice (mean square, then normalise).
 Backward, two stages: a grid of at most ``programs_per_sm * multiprocessors`` programs walks the
 row blocks in a fixed stride, writes ``d(x)`` of every row and one float32 partial weight
@@ -12,9 +12,11 @@ outputs are bitwise the same whatever the number of rows in the call.
 How a launch configuration is chosen: :data:`LAUNCH_CONFIGS` maps the row block width (the
 hidden size rounded up to a power of two, at most ``MAX_BLOCK``) to the rows per forward
 program and its warps, and to the rows per backward iteration, its warps, programs per
-multiprocessor and software-pipelining depth. The numbers come from the sweep in
-``benchmarks/tune_launch_configs.py`` on an H200 and are looked up once per (hidden size, device)
-and cached, so a call does no configuration work. The number of rows never enters the choice.
+multiprocessor and software-pipelining depth. The numbers were chosen with the sweep of
+``benchmarks/tune_launch_configs.py`` on an H200 (which picks, per width, the least geometric
+mean of time over the fastest time across 256, 4096 and 16384 rows) and are looked up once per
+(hidden size, device) and cached, so a call does no configuration work. The number of rows
+never enters the choice. Launches go through :class:`~mcore_kernels._triton_utils.CachedLauncher`.
 
 Eager calls go straight to the Triton launchers (through :class:`_RMSNormFunction` when a
 gradient is needed); only while ``torch.compile`` traces a call does it become the custom op
@@ -52,7 +54,7 @@ MAX_BLOCK = 8192
 """Widest row held in registers; wider rows are processed in chunks of this many elements."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RMSNormLaunch:
     """Launch parameters of the add + RMSNorm kernels for one row block width."""
 
