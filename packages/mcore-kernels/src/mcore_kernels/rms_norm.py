@@ -496,7 +496,7 @@ def _rms_norm_bwd_op(
 
 
 @_rms_norm_fwd_op.register_fake
-def _(x, weight, residual, eps):
+def _rms_norm_fwd_fake(x, weight, residual, eps):
     rows = math.prod(x.shape[:-1])
     stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     hidden = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
@@ -504,7 +504,7 @@ def _(x, weight, residual, eps):
 
 
 @_rms_norm_bwd_op.register_fake
-def _(dy, dhidden, hidden, weight, rstd, eps):
+def _rms_norm_bwd_fake(dy, dhidden, hidden, weight, rstd, eps):
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
 
 

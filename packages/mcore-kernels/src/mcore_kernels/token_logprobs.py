@@ -502,7 +502,9 @@ def _token_logprobs_bwd_op(
 
 
 @_token_logprobs_fwd_op.register_fake
-def _(logits, targets, temperature, group_name, with_entropy, ignore_index, check_targets):
+def _token_logprobs_fwd_fake(
+    logits, targets, temperature, group_name, with_entropy, ignore_index, check_targets
+):
     dtype = _stats_dtype(logits.dtype)
     rows = targets.numel()
     logprobs = logits.new_empty(targets.shape, dtype=dtype)
@@ -512,7 +514,7 @@ def _(logits, targets, temperature, group_name, with_entropy, ignore_index, chec
 
 
 @_token_logprobs_bwd_op.register_fake
-def _(grad_logprobs, grad_entropy, logits, targets, lse, expected, *args):
+def _token_logprobs_bwd_fake(grad_logprobs, grad_entropy, logits, targets, lse, expected, *args):
     return logits.new_empty(logits.shape)
 
 
