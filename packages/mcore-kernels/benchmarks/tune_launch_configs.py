@@ -1,8 +1,14 @@
 """Sweep the launch parameters of the mcore-kernels Triton kernels on one GPU.
 
-Times the raw kernels (no autograd) for a few block sizes, warp counts, pipelining depths and\nbackward grid sizes,
-so that the defaults in ``_rms_norm_triton.py`` and ``_token_logprobs_triton.py`` can be chosen
-from measurements. Writes ``launch_configs.json`` and ``launch_configs.md``.
+For add + RMSNorm it times the forward and the backward launchers (no autograd) of every
+candidate :class:`~mcore_kernels.rms_norm.RMSNormLaunch` at each hidden size of the benchmark
+table and several row counts, and picks per hidden size the candidate with the smallest
+geometric mean of its time relative to the fastest candidate of each row count (the number of
+rows cannot enter the choice: block shapes depend on the hidden size only, which keeps every
+row's result independent of the batch). For token log-probs it sweeps the vocabulary chunk,
+warps and pipelining depth. Writes ``launch_configs.json`` and ``launch_configs.md``, whose
+"chosen" rows are what ``LAUNCH_CONFIGS`` in ``rms_norm.py`` and ``_block_and_warps`` in
+``token_logprobs.py`` hold.
 
 Usage: ``python3 packages/mcore-kernels/benchmarks/tune_launch_configs.py --out DIR``
 """
@@ -10,174 +16,196 @@ Usage: ``python3 packages/mcore-kernels/benchmarks/tune_launch_configs.py --out 
 from __future__ import annotations
 
 import argparse
+import importlib
+import itertools
+import math
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
-import triton
-from _common import bench_ms, device_info, markdown_table, write_results
+from _common import device_info, markdown_table, write_results
+from triton.testing import do_bench
 
-from mcore_kernels import _rms_norm_triton as rms
-from mcore_kernels import _token_logprobs_triton as lp
+# The package exports functions named like these modules: fetch the modules themselves.
+rms = importlib.import_module("mcore_kernels.rms_norm")
+lp = importlib.import_module("mcore_kernels.token_logprobs")
 
-DEVICE = "cuda"
+
+HIDDEN = (2048, 4096, 8192)
+ROWS = (256, 4096, 16384)
 
 
-def sweep_rms_forward(rows: int, hidden: int) -> list[dict]:
-    x = torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16)
-    r = torch.randn_like(x)
-    w = torch.randn(hidden, device=DEVICE, dtype=torch.bfloat16)
-    y, h = torch.empty_like(x), torch.empty_like(x)
-    rstd = torch.empty(rows, device=DEVICE, dtype=torch.float32)
-    out = []
-    for block in sorted({min(triton.next_power_of_2(hidden), b) for b in (4096, 8192)}):
-        for warps in (4, 8, 16, 32):
-            ms = bench_ms(
-                lambda block=block, warps=warps: rms._rms_norm_fwd_kernel[(rows,)](
-                    x,
-                    r,
-                    w,
-                    y,
-                    h,
-                    rstd,
-                    hidden,
-                    hidden,
-                    hidden,
-                    1e-6,
-                    HAS_RESIDUAL=True,
-                    BLOCK=block,
-                    SINGLE_BLOCK=hidden <= block,
-                    num_warps=warps,
+def _ms(fn) -> float:
+    return float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
+
+
+def _timed(fn) -> float | None:
+    try:
+        return _ms(fn)
+    except Exception as exc:  # a candidate that does not compile (shared memory, registers)
+        print(f"skipped: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        return None
+
+
+def _choose(times: dict[Any, dict[int, float | None]]) -> tuple[Any, float]:
+    """Candidate with the least geometric mean of time / fastest time over the row counts."""
+    rows = {r for per_rows in times.values() for r in per_rows}
+    best = {r: min(t[r] for t in times.values() if t.get(r) is not None) for r in rows}
+    scores = {
+        cand: math.exp(sum(math.log(t[r] / best[r]) for r in rows) / len(rows))
+        for cand, t in times.items()
+        if all(t.get(r) is not None for r in rows)
+    }
+    chosen = min(scores, key=scores.__getitem__)
+    return chosen, scores[chosen]
+
+
+def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
+    for hidden in HIDDEN:
+        fwd: dict[tuple, dict[int, float | None]] = {}
+        bwd: dict[tuple, dict[int, float | None]] = {}
+        for rows in ROWS:
+            x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+            r, dy, dh = (torch.randn_like(x) for _ in range(3))
+            w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+            _, h, rstd = rms._forward(x, w, 1e-6, r, True)
+            for fwd_rows, warps in itertools.product((1, 2, 4), (4, 8, 16)):
+                cfg = rms.RMSNormLaunch(
+                    fwd_rows=fwd_rows,
+                    fwd_warps=warps,
+                    bwd_rows=1,
+                    bwd_warps=4,
+                    bwd_programs_per_sm=1,
+                    bwd_stages=1,
                 )
-            )
-            out.append(
-                {
-                    "kernel": "rms_fwd",
-                    "shape": f"{rows}x{hidden}",
-                    "block": block,
-                    "warps": warps,
-                    "ms": ms,
-                }
-            )
-    return out
-
-
-def sweep_rms_backward(rows: int, hidden: int) -> list[dict]:
-    h = torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16)
-    dy, dh = torch.randn_like(h), torch.randn_like(h)
-    w = torch.randn(hidden, device=DEVICE, dtype=torch.bfloat16)
-    rstd = torch.rand(rows, device=DEVICE, dtype=torch.float32)
-    dx = torch.empty_like(h)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    block = min(triton.next_power_of_2(hidden), rms.MAX_BLOCK)
-    warp_choices = (8, 16) if block >= 8192 else (4, 8)
-    out = []
-    for per_sm in (1, 2, 4, 8):
-        programs = min(rows, sms * per_sm)
-        rows_per_program = triton.cdiv(rows, programs)
-        programs = triton.cdiv(rows, rows_per_program)
-        partial = torch.empty(programs, hidden, device=DEVICE, dtype=torch.float32)
-        for warps in warp_choices:
-            for stages in (1, 2, 3):
-
-                def launch(
-                    warps=warps,
-                    stages=stages,
-                    programs=programs,
-                    rows_per_program=rows_per_program,
-                    partial=partial,
-                ):
-                    rms._rms_norm_bwd_kernel[(programs,)](
-                        dy,
-                        dh,
-                        h,
-                        w,
-                        rstd,
-                        dx,
-                        partial,
-                        hidden,
-                        rows,
-                        rows_per_program,
-                        hidden,
-                        HAS_DHIDDEN_OUT=True,
-                        BLOCK=block,
-                        SINGLE_BLOCK=hidden <= block,
-                        NUM_STAGES=stages,
-                        num_warps=warps,
-                    )
-                    return partial.sum(0)
-
-                out.append(
-                    {
-                        "kernel": "rms_bwd",
-                        "shape": f"{rows}x{hidden}",
-                        "programs_per_sm": per_sm,
-                        "warps": warps,
-                        "stages": stages,
-                        "ms": bench_ms(launch),
-                    }
+                fwd.setdefault((fwd_rows, warps), {})[rows] = _timed(
+                    partial(rms._forward, x, w, 1e-6, r, True, cfg)
                 )
-    return out
-
-
-def sweep_logprobs(rows: int, vocab: int) -> list[dict]:
-    logits = torch.randn(rows, vocab, device=DEVICE, dtype=torch.bfloat16)
-    targets = torch.randint(0, vocab, (rows,), device=DEVICE)
-    stats = [torch.empty(rows, device=DEVICE) for _ in range(5)]
-    out = []
-    for block in (4096, 8192):
-        for warps in (4, 8):
-            for stages in (1, 2, 3):
-                for entropy in (False, True):
-                    ms = bench_ms(
-                        lambda block=block, warps=warps, entropy=entropy, stages=stages: (
-                            lp._token_logprobs_fwd_kernel[(rows,)](
-                                logits,
-                                targets,
-                                *stats,
-                                vocab,
-                                vocab,
-                                0,
-                                -100,
-                                1.0,
-                                WITH_ENTROPY=entropy,
-                                FULL_VOCAB=True,
-                                BLOCK_V=block,
-                                NUM_STAGES=stages,
-                                num_warps=warps,
-                            )
-                        )
-                    )
-                    out.append(
+            warp_choices = (4, 8) if hidden <= 2048 else (8, 16)
+            for bwd_rows, warps, per_sm, stages in itertools.product(
+                (1, 2, 4), warp_choices, (1, 2, 4), (1, 3)
+            ):
+                cfg = rms.RMSNormLaunch(
+                    fwd_rows=1,
+                    fwd_warps=4,
+                    bwd_rows=bwd_rows,
+                    bwd_warps=warps,
+                    bwd_programs_per_sm=per_sm,
+                    bwd_stages=stages,
+                )
+                bwd.setdefault((bwd_rows, warps, per_sm, stages), {})[rows] = _timed(
+                    partial(rms._backward, dy, dh, h, w, rstd, cfg)
+                )
+        for kind, times, names in (
+            ("rms_fwd", fwd, ("rows", "warps")),
+            ("rms_bwd", bwd, ("rows", "warps", "programs_per_sm", "stages")),
+        ):
+            for cand, per_rows in times.items():
+                for rows, ms in per_rows.items():
+                    entries.append(
                         {
-                            "kernel": "lp_fwd",
-                            "shape": f"{rows}x{vocab}",
-                            "block": block,
-                            "warps": warps,
-                            "stages": stages,
-                            "entropy": entropy,
+                            "kernel": kind,
+                            "shape": f"{rows}x{hidden}",
+                            **dict(zip(names, cand, strict=True)),
                             "ms": ms,
                         }
                     )
-    return out
+            best, score = _choose(times)
+            chosen.append(
+                [
+                    kind,
+                    hidden,
+                    ", ".join(f"{n}={v}" for n, v in zip(names, best, strict=True)),
+                    score,
+                ]
+            )
+            print(kind, hidden, best, score, flush=True)
 
 
-def run_sweeps(rms_shapes, logprobs_shape) -> list[dict]:
-    results = []
-    for rows, hidden in rms_shapes:
-        results += sweep_rms_forward(rows, hidden)
-        results += sweep_rms_backward(rows, hidden)
-    return results + sweep_logprobs(*logprobs_shape)
+def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:
+    shapes = ((1024, 151936), (8192, 151936), (8192, 50257))
+    fwd: dict[tuple, dict[int, float | None]] = {}
+    bwd: dict[tuple, dict[int, float | None]] = {}
+    for index, (rows, vocab) in enumerate(shapes):
+        logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
+        targets = torch.randint(0, vocab, (rows,), device="cuda")
+        _, _, lse, _ = lp._forward(logits, targets, 1.0, None, False, -100)
+        grad = torch.randn(rows, device="cuda")
+        for block, warps, stages in itertools.product((2048, 4096, 8192), (4, 8, 16), (1,)):
+            fwd.setdefault((block, warps, stages), {})[index] = _timed(
+                partial(
+                    lp._forward, logits, targets, 1.0, None, False, -100, (block, warps, stages)
+                )
+            )
+        for block, warps in itertools.product((2048, 4096, 8192), (4, 8, 16)):
+            bwd.setdefault((block, warps), {})[index] = _timed(
+                partial(
+                    lp._backward,
+                    grad,
+                    None,
+                    logits,
+                    targets,
+                    lse,
+                    lse,
+                    1.0,
+                    0,
+                    -100,
+                    (block, warps),
+                )
+            )
+        del logits
+    for kind, times, names in (
+        ("logprobs_fwd", fwd, ("block_v", "warps", "stages")),
+        ("logprobs_bwd", bwd, ("block_v", "warps")),
+    ):
+        for cand, per_shape in times.items():
+            for index, ms in per_shape.items():
+                rows, vocab = shapes[index]
+                entries.append(
+                    {
+                        "kernel": kind,
+                        "shape": f"{rows}x{vocab}",
+                        **dict(zip(names, cand, strict=True)),
+                        "ms": ms,
+                    }
+                )
+        best, score = _choose(times)
+        chosen.append(
+            [kind, "all", ", ".join(f"{n}={v}" for n, v in zip(names, best, strict=True)), score]
+        )
+        print(kind, best, score, flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="directory for the result files")
+    parser.add_argument("--only", choices=("rms", "logprobs"), help="sweep one kernel family")
     args = parser.parse_args()
-    results = run_sweeps([(8192, 8192), (16384, 2048)], (8192, 151936))
-    payload = {**device_info(), "results": results}
-    keys = ["kernel", "shape", "block", "warps", "programs_per_sm", "stages", "entropy", "ms"]
-    table = markdown_table(keys, [[r.get(k) for k in keys] for r in results])
-    write_results(args.out, "launch_configs", payload, table)
+    entries: list[dict] = []
+    chosen: list[list[Any]] = []
+    if args.only in (None, "rms"):
+        sweep_rms(entries, chosen)
+        _write(args.out, entries, chosen)
+    if args.only in (None, "logprobs"):
+        sweep_logprobs(entries, chosen)
+        _write(args.out, entries, chosen)
+
+
+def _write(out: Path, entries: list[dict], chosen: list[list[Any]]) -> None:
+    payload = {
+        **device_info(),
+        "benchmark": "launch-parameter sweep",
+        "chosen": chosen,
+        "results": entries,
+    }
+    table = (
+        f"Launch-parameter sweep on {payload['device']} (bf16). Chosen per hidden size (vocabulary "
+        "for log-probs): least geometric mean of time / fastest time over the row counts "
+        f"{ROWS} (score 1.0 = fastest at every row count).\n\n"
+        + markdown_table(["kernel", "hidden", "chosen", "score"], chosen)
+    )
+    write_results(out, "launch_configs", payload, table)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from _kernels_spawn import run_ranks
 
-from mcore_kernels import _compile, rms_norm, token_logprobs
+from mcore_kernels import rms_norm, token_logprobs
 from mcore_kernels.comm import fused_rs_add_rmsnorm_ag
 from mcore_kernels.errors import KernelShapeError, KernelValueError
 from mcore_kernels.paged_attention import paged_attention
@@ -116,9 +116,13 @@ def test_token_logprobs_compiles_in_one_graph_with_eager_values_and_gradients(
     )
 
 
+def _checked_token_logprobs(logits, targets):
+    return token_logprobs(logits, targets, check_targets=True)
+
+
 def test_compiled_token_logprobs_raises_the_typed_error_on_an_out_of_range_target(dispatch):
     logits, targets = _token_logprobs_inputs(torch.float32)
-    compiled = torch.compile(_token_logprobs_block, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(_checked_token_logprobs, backend="aot_eager", fullgraph=True)
     compiled(logits, targets)
     targets[0, 0] = 300
     with pytest.raises(KernelValueError, match="targets holds 300"):
@@ -214,21 +218,6 @@ def test_traced_graph_holds_opaque_ops_and_no_triton_kernel(monkeypatch):
     called = {name.split(".")[1] for name in targets_called if name.startswith("mcore_kernels.")}
     assert called == {"rms_norm_fwd", "token_logprobs_fwd", "slice_after_", "paged_attention"}
     assert not any("triton" in name for name in targets_called)
-
-
-def test_without_custom_ops_compile_breaks_the_graph_and_matches_eager(monkeypatch, dispatch):
-    monkeypatch.setattr(_compile, "CUSTOM_OPS", False)
-    inputs = _rms_norm_inputs(torch.float32)
-    with pytest.raises(torch._dynamo.exc.Unsupported):
-        torch.compile(_rms_norm_block, backend="eager", fullgraph=True)(*inputs)
-    torch._dynamo.reset()
-    _check_matches_eager(_rms_norm_block, inputs, "aot_eager", fullgraph=False)
-    _check_matches_eager(
-        _token_logprobs_block, _token_logprobs_inputs(torch.float32), "aot_eager", fullgraph=False
-    )
-    inputs = _paged_attention_inputs()
-    compiled = torch.compile(_paged_attention_block, backend="aot_eager")
-    torch.testing.assert_close(compiled(*inputs)[0], _paged_attention_block(*inputs)[0])
 
 
 # --- process groups: vocabulary-parallel log-probs and the fused TP communication -------------

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 import pytest
 import torch
 import torch.distributed as dist
 from _kernels_spawn import run_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mcore_kernels
 from mcore_kernels import token_logprobs
@@ -191,23 +193,67 @@ def test_bad_arguments_raise_typed_errors_naming_them(kwargs, error, fragment):
             args["targets"],
             temperature=args["temperature"],
             ignore_index=args["ignore_index"],
+            check_targets=True,
         )
     assert fragment in str(info.value)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_check_targets_false_skips_the_range_check(monkeypatch, backend):
+def test_out_of_range_target_gives_nan_by_default_and_raises_when_checked(monkeypatch, backend):
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", backend)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    logits, targets = _logits_and_targets((3,), 40, torch.float32, seed=13)
+    logits, targets = _logits_and_targets((4,), 40, torch.float32, seed=13)
     bad = targets.clone()
-    bad[2] = 40
+    bad[2], bad[3] = 40, -7
     with pytest.raises(KernelValueError, match="targets holds 40"):
-        token_logprobs(logits, bad)
-    unchecked = token_logprobs(logits, bad, check_targets=False)
+        token_logprobs(logits, bad, check_targets=True)
+    logprobs, entropy = token_logprobs(logits, bad, return_entropy=True)
+    assert torch.isnan(logprobs[2:]).all()
     torch.testing.assert_close(
-        unchecked[:2], token_logprobs(logits[:2], targets[:2]), atol=0, rtol=0
+        logprobs[:2], token_logprobs(logits[:2], targets[:2]), atol=0, rtol=0
     )
+    # The entropy does not depend on the target: it stays finite and right.
+    torch.testing.assert_close(entropy, _entropy(logits).float(), atol=2e-5, rtol=1e-5)
+
+
+class _HostSyncProbe(TorchDispatchMode):
+    """Fails on every aten op that copies a device value to the host (a sync on CUDA)."""
+
+    SYNCING: ClassVar[set] = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.is_nonzero.default,
+        torch.ops.aten.equal.default,
+        torch.ops.aten.allclose.default,
+        torch.ops.aten.masked_select.default,
+        torch.ops.aten.unique_consecutive.default,
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNCING:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_default_call_reads_nothing_back_to_the_host(monkeypatch, backend):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", backend)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    logits, targets = _logits_and_targets((2, 3), 300, torch.float32, seed=21)
+    targets[0, 1] = -100
+    leaf = logits.clone().requires_grad_()
+    with _HostSyncProbe() as probe:
+        logprobs, entropy = token_logprobs(leaf, targets, temperature=0.9, return_entropy=True)
+        (logprobs.sum() + entropy.sum()).backward()
+    assert probe.seen == []
+    with _HostSyncProbe() as probe:
+        token_logprobs(logits, targets, check_targets=True)
+    # The probe does see the opt-in check's read.
+    assert probe.seen
 
 
 def test_public_names_are_exported():

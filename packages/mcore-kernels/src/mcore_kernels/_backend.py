@@ -56,7 +56,8 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     """Decide whether the Triton kernel should handle these tensors.
 
     Args:
-        *tensors: the tensor arguments of the kernel call (all on one device).
+        *tensors: the tensor arguments of the kernel call (all on one device, as the callers'
+            argument checks ensure; only the first is looked at).
 
     Returns:
         True to launch the Triton kernel, False to run the torch reference.
@@ -65,7 +66,10 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         KernelBackendError: ``MCORE_KERNELS_BACKEND=triton`` was requested but Triton is not
             installed, or the tensors are on the CPU without ``TRITON_INTERPRET=1``.
     """
-    on_cuda = all(t.is_cuda for t in tensors)
+    on_cuda = tensors[0].is_cuda
+    if not os.environ.get(BACKEND_ENV):
+        # The common case, kept to two attribute reads and one dictionary lookup.
+        return on_cuda and _triton_available()
     backend = selected_backend()
     if backend == "torch":
         return False
@@ -75,10 +79,9 @@ def use_triton(*tensors: torch.Tensor) -> bool:
                 f"{BACKEND_ENV}=triton but the triton package is not installed"
             )
         if not on_cuda and not _interpreting():
-            device = tensors[0].device if tensors else "cpu"
             raise KernelBackendError(
-                f"{BACKEND_ENV}=triton with tensors on {device}: Triton needs CUDA tensors or "
-                "TRITON_INTERPRET=1 to run on the CPU"
+                f"{BACKEND_ENV}=triton with tensors on {tensors[0].device}: Triton needs CUDA "
+                "tensors or TRITON_INTERPRET=1 to run on the CPU"
             )
         return True
     return on_cuda and _triton_available()

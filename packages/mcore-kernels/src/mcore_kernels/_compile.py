@@ -5,48 +5,34 @@ graph; that re-emission is a second compiler our kernels were never written for 
 torch 2.11 with a ``CompilationError`` inside ``round_to``). Every public entry point therefore
 checks :func:`compiling` and, while Dynamo traces it, calls a ``torch.library`` custom op
 instead of the kernel: the graph holds one opaque node with a fake implementation (shapes and
-dtypes only) and, for differentiable kernels, a registered backward, and the op's real
-implementation is the eager entry point, run when the compiled graph executes. Outside
-compilation nothing changes: the eager path pays one ``torch.compiler.is_compiling()`` call.
-
-On a torch without ``torch.library.custom_op`` and ``register_autograd`` (older than 2.4, below
-what mcore supports, kept as a guard) the entry points fall back to ``torch.compiler.disable``,
-which makes Dynamo break the graph around the call and run it eagerly.
+dtypes only) and, for differentiable kernels, a registered backward; the op picks the Triton
+kernel or the torch reference when the compiled graph runs. Outside compilation the custom ops
+are never called: an eager call pays one ``torch.compiler.is_compiling()`` check and none of the
+dispatcher's custom-op overhead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
-    "CUSTOM_OPS",
     "NAMESPACE",
+    "autograd_inside_op",
     "compiling",
     "custom_op",
     "group_name",
     "resolve_group",
-    "run_eagerly",
 ]
 
 NAMESPACE = "mcore_kernels"
 """``torch.library`` namespace of the ops: ``torch.ops.mcore_kernels.<name>``."""
 
-CUSTOM_OPS = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
-"""Whether this torch registers custom ops; when False (or set False) compiled callers graph-break."""
-
-
-def compiling() -> bool:
-    """Return True while Dynamo traces the caller (never while a compiled graph runs).
-
-    Returns:
-        ``torch.compiler.is_compiling()`` where it exists, else False.
-    """
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
-    return bool(is_compiling()) if is_compiling is not None else False
+compiling: Callable[[], bool] = torch.compiler.is_compiling
+"""Return True while Dynamo traces the caller (never while a compiled graph runs)."""
 
 
 def custom_op(name: str, schema: str, *, mutates_args: tuple[str, ...] = ()) -> Callable:
@@ -61,25 +47,32 @@ def custom_op(name: str, schema: str, *, mutates_args: tuple[str, ...] = ()) -> 
         mutates_args: names of the arguments the op writes in place.
 
     Returns:
-        ``torch.library.custom_op(...)`` as a decorator; without custom ops, the identity.
+        ``torch.library.custom_op(...)`` as a decorator.
     """
-    if not CUSTOM_OPS:
-        return lambda fn: fn
     return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args, schema=schema)
 
 
-def run_eagerly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` outside the traced graph (a graph break): the fallback without custom ops.
+@contextlib.contextmanager
+def autograd_inside_op() -> Iterator[None]:
+    """Let autograd record inside a custom op's implementation.
 
-    Args:
-        fn: the eager entry point.
-        *args: its positional arguments.
-        **kwargs: its keyword arguments.
+    A custom op's implementation runs below the autograd dispatch keys, so ``enable_grad``
+    alone records nothing there. The backward ops of the torch dispatch differentiate the torch
+    reference (instead of keeping a second, hand-written backward formula) and need it back.
 
-    Returns:
-        Whatever ``fn`` returns.
+    Yields:
+        Nothing; autograd records inside the block.
     """
-    return torch.compiler.disable(fn)(*args, **kwargs)
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in (
+        torch._C.DispatchKey.AutogradCPU,
+        torch._C.DispatchKey.AutogradCUDA,
+        torch._C.DispatchKey.ADInplaceOrView,
+    ):
+        excluded = excluded.remove(key)
+    included = torch._C._dispatch_tls_local_include_set()
+    with torch._C._ForceDispatchKeyGuard(included, excluded), torch.enable_grad():
+        yield
 
 
 def group_name(group: dist.ProcessGroup | None) -> str:

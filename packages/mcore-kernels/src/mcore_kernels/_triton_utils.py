@@ -1,14 +1,148 @@
-"""Helpers shared by the Triton kernels."""
+"""Helpers shared by the Triton kernels: the optional import, devices, layouts, rounding.
+
+Triton is a Linux-only dependency. The kernel modules define their kernels with :func:`jit`,
+which is ``triton.jit`` where Triton is installed and leaves the function a plain (never called)
+Python function elsewhere, so the package imports everywhere and the torch references run.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
-__all__ = ["on_device_of", "round_to", "as_rows"]
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a linux-only dependency
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+
+__all__ = [
+    "CachedLauncher",
+    "as_rows",
+    "device_limits",
+    "jit",
+    "next_power_of_2",
+    "on_device_of",
+    "round_to",
+    "tl",
+    "triton",
+]
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def jit(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+    """Compile ``fn`` with ``triton.jit`` when Triton is installed, else return it unchanged.
+
+    Args:
+        fn: the kernel function (None to use ``jit(**options)`` as a decorator).
+        **options: keyword arguments of ``triton.jit`` (``do_not_specialize`` ...).
+
+    Returns:
+        The Triton ``JITFunction``, or ``fn`` where Triton is missing.
+    """
+    if fn is None:
+        return lambda inner: jit(inner, **options)
+    return triton.jit(fn, **options) if triton is not None else fn
+
+
+_INT32 = range(-(2**31), 2**31)
+
+
+class CachedLauncher:
+    """Launch a Triton kernel, skipping ``JITFunction.run``'s per-call work after the first call.
+
+    ``kernel[grid](...)`` binds the arguments, reads the runtime settings, computes the
+    specialisation key and looks the compiled kernel up on every call: tens of microseconds of
+    Python on the slower hosts of GPU machines, more than a small kernel runs. The first call
+    of every distinct specialisation goes through that path and keeps the compiled kernel; later
+    calls rebuild only the specialisation (each tensor's dtype and 16-byte alignment, each
+    int's ``== 1``, ``% 16`` and 32-bit range, the constexpr values and warps) and launch the
+    binary on the current stream. Launch hooks (profilers such as Proton) see only the first
+    call. Should the compiled kernel's calling convention not be the expected one (another
+    Triton release), the first fast call raises, and this launcher falls back for good to
+    ``kernel[grid](...)``. Under ``TRITON_INTERPRET=1`` every call is interpreted.
+
+    Args:
+        fn: the ``@triton.jit`` kernel; its constexpr parameters must come after the others.
+    """
+
+    __slots__ = ("_fast", "_fn", "_kernels", "_names")
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+        self._kernels: dict[tuple, tuple[Any, tuple]] = {}
+        self._fast = True
+        self._names = tuple(getattr(fn, "arg_names", ()))
+
+    def __call__(
+        self,
+        grid: tuple[int, ...],
+        args: tuple,
+        constexprs: dict[str, Any],
+        num_warps: int,
+        device_index: int,
+    ) -> None:
+        """Launch ``fn[grid](*args, **constexprs, num_warps=num_warps)``.
+
+        Args:
+            grid: the launch grid (one to three program counts).
+            args: the runtime arguments in signature order.
+            constexprs: every constexpr argument by name.
+            num_warps: warps per program.
+            device_index: the CUDA device of the tensors (the current device).
+        """
+        key: list = [num_warps, device_index, *constexprs.values()]
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                key.append(arg.dtype)
+                key.append(arg.data_ptr() & 15)
+            elif type(arg) is int:
+                key.append((arg == 1, arg & 15, arg in _INT32))
+            else:
+                key.append(type(arg))
+        cache_key = tuple(key)
+        entry = self._kernels.get(cache_key)
+        if entry is not None and self._fast:
+            kernel, tail = entry
+            try:
+                kernel.run(
+                    grid[0],
+                    grid[1] if len(grid) > 1 else 1,
+                    grid[2] if len(grid) > 2 else 1,
+                    torch._C._cuda_getCurrentRawStream(device_index),
+                    kernel.function,
+                    kernel.packed_metadata,
+                    None,
+                    None,
+                    None,
+                    *args,
+                    *tail,
+                )
+                return
+            except Exception:
+                self._fast = False
+        kernel = self._fn[grid](*args, **constexprs, num_warps=num_warps)
+        if all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
+            tail = tuple(constexprs[name] for name in self._names[len(args) :])
+            self._kernels[cache_key] = (kernel, tail)
+
+
+def next_power_of_2(n: int) -> int:
+    """Return the smallest power of two ``>= n`` (1 for ``n <= 1``).
+
+    Args:
+        n: a non-negative int.
+
+    Returns:
+        The power of two.
+    """
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def on_device_of(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -18,9 +152,31 @@ def on_device_of(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
         tensor: any tensor argument of the launch.
 
     Returns:
-        ``torch.cuda.device(tensor.device)`` for CUDA tensors, else a no-op context.
+        ``torch.cuda.device(tensor.device)`` for a CUDA tensor on another GPU than the current
+        one, else a shared no-op context (the common case costs no device switch).
     """
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+    if tensor.is_cuda and tensor.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return _SAME_DEVICE
+
+
+@functools.cache
+def device_limits(device: torch.device) -> tuple[int, int]:
+    """Return ``(multiprocessors, shared memory bytes per block)`` of a device, cached.
+
+    Args:
+        device: a CUDA device, or the CPU (the interpreter: 4 "multiprocessors").
+
+    Returns:
+        The multiprocessor count and the opt-in shared-memory limit of one block.
+    """
+    if device.type != "cuda":
+        return 4, 228 * 1024
+    props = torch.cuda.get_device_properties(device)
+    # torch < 2.5 lacks the opt-in limit; 48 KiB is what every CUDA GPU grants a block.
+    return props.multi_processor_count, int(
+        getattr(props, "shared_memory_per_block_optin", 48 * 1024)
+    )
 
 
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -36,7 +192,7 @@ def as_rows(tensor: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
-@triton.jit
+@jit
 def round_to(x, dtype: tl.constexpr):
     """Cast float32 ``x`` to ``dtype`` rounding to nearest even.
 

@@ -24,6 +24,8 @@ __all__ = [
     "check_rms_norm_args",
     "check_token_logprobs_args",
     "check_target_range",
+    "check_paged_attention_args",
+    "PAGED_ATTENTION_DTYPES",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -199,4 +201,67 @@ def check_target_range(targets: torch.Tensor, vocab_size: int, ignore_index: int
         first = int(targets[bad].flatten()[0])
         raise KernelValueError(
             f"targets holds {first}, outside [0, {vocab_size}) and not ignore_index={ignore_index}"
+        )
+
+
+PAGED_ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Dtypes of the queries and the KV cache accepted by ``paged_attention``."""
+
+
+def check_paged_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """Validate the arguments of ``paged_attention``.
+
+    Args:
+        q: ``[T, Hq, D]`` queries.
+        k_cache: ``[num_blocks, block_size, Hkv, D]`` keys.
+        v_cache: values shaped like ``k_cache``.
+        block_tables: ``[T, max_blocks]`` integer block table.
+        context_lens: ``[T]`` integer context lengths.
+
+    Raises:
+        KernelShapeError: shapes do not match this layout.
+        KernelDtypeError: a dtype is unsupported.
+    """
+    if q.dim() != 3:
+        raise KernelShapeError(f"q has shape {tuple(q.shape)}; expected [T, Hq, D]")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise KernelShapeError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+            "[num_blocks, block_size, Hkv, D]"
+        )
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise KernelShapeError(
+            f"k_cache head dim {k_cache.shape[3]} differs from q head dim {head_dim}"
+        )
+    if num_q_heads % num_kv_heads != 0:
+        raise KernelShapeError(
+            f"q has {num_q_heads} heads, not a multiple of the {num_kv_heads} KV heads"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_tokens:
+        raise KernelShapeError(
+            f"block_tables has shape {tuple(block_tables.shape)}; expected [{num_tokens}, max_blocks]"
+        )
+    if context_lens.shape != (num_tokens,):
+        raise KernelShapeError(
+            f"context_lens has shape {tuple(context_lens.shape)}; expected ({num_tokens},)"
+        )
+    if q.dtype not in PAGED_ATTENTION_DTYPES or k_cache.dtype not in PAGED_ATTENTION_DTYPES:
+        raise KernelDtypeError(
+            f"q dtype {q.dtype} / cache dtype {k_cache.dtype}; expected float32, float16 or bfloat16"
+        )
+    if block_tables.dtype not in (torch.int32, torch.int64) or context_lens.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        raise KernelDtypeError(
+            f"block_tables dtype {block_tables.dtype} / context_lens dtype {context_lens.dtype}; "
+            "expected int32 or int64"
         )

@@ -16,6 +16,8 @@ Shapes:
 - ``context_lens``: ``[T]`` int32, positions ``0 .. context_lens[t] - 1`` are attended
 - returns ``[T, Hq, D]`` in ``q.dtype``
 
+The file holds the Triton kernels, their launcher, the ``torch.library`` registration and the
+entry point; the torch reference lives in :mod:`mcore_kernels.reference` (re-exported here).
 Dispatch: Triton on CUDA, the torch reference on CPU; ``MCORE_KERNELS_BACKEND=torch|triton``
 overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
 """
@@ -26,14 +28,10 @@ import torch
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
-from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is a linux-only dependency
-    triton = None
-    tl = None
+from mcore_kernels._triton_utils import jit, next_power_of_2, tl, triton
+from mcore_kernels._validation import check_paged_attention_args
+from mcore_kernels.errors import KernelBackendError, KernelShapeError
+from mcore_kernels.reference import paged_attention_reference
 
 __all__ = [
     "DEFAULT_SPLIT_SIZE",
@@ -45,254 +43,151 @@ __all__ = [
 DEFAULT_SPLIT_SIZE = 256
 """Context positions handled by one split-KV program (a multiple of the KV block size)."""
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-
-def _check_inputs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-) -> None:
-    if q.dim() != 3:
-        raise KernelShapeError(f"q has shape {tuple(q.shape)}; expected [T, Hq, D]")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise KernelShapeError(
-            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
-            "[num_blocks, block_size, Hkv, D]"
-        )
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise KernelShapeError(
-            f"k_cache head dim {k_cache.shape[3]} differs from q head dim {head_dim}"
-        )
-    if num_q_heads % num_kv_heads != 0:
-        raise KernelShapeError(
-            f"q has {num_q_heads} heads, not a multiple of the {num_kv_heads} KV heads"
-        )
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_tokens:
-        raise KernelShapeError(
-            f"block_tables has shape {tuple(block_tables.shape)}; expected [{num_tokens}, max_blocks]"
-        )
-    if context_lens.shape != (num_tokens,):
-        raise KernelShapeError(
-            f"context_lens has shape {tuple(context_lens.shape)}; expected ({num_tokens},)"
-        )
-    if q.dtype not in _SUPPORTED_DTYPES or k_cache.dtype not in _SUPPORTED_DTYPES:
-        raise KernelDtypeError(
-            f"q dtype {q.dtype} / cache dtype {k_cache.dtype}; expected float32, float16 or bfloat16"
-        )
-    if block_tables.dtype not in (torch.int32, torch.int64) or context_lens.dtype not in (
-        torch.int32,
-        torch.int64,
-    ):
-        raise KernelDtypeError(
-            f"block_tables dtype {block_tables.dtype} / context_lens dtype {context_lens.dtype}; "
-            "expected int32 or int64"
-        )
-
-
-def paged_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    *,
-    scale: float,
-    split_size: int = DEFAULT_SPLIT_SIZE,
-) -> torch.Tensor:
-    """Plain torch paged attention: gather each token's context and apply a masked softmax.
-
-    Args:
-        q: Query of the new tokens, ``[T, Hq, D]``.
-        k_cache: Key cache, ``[num_blocks, block_size, Hkv, D]``.
-        v_cache: Value cache, same shape as ``k_cache``.
-        block_tables: Physical block of each logical block of each token, ``[T, max_blocks]``.
-        context_lens: Number of attended positions per token, ``[T]``, each at least 1.
-        scale: Softmax scale applied to the dot products.
-        split_size: Accepted for signature parity with the Triton path; the reference does not
-            split the context.
-
-    Returns:
-        The attention output, ``[T, Hq, D]`` in ``q.dtype``.
-
-    Raises:
-        KernelShapeError: If the shapes do not match the layout above.
-        KernelDtypeError: If a dtype is unsupported.
-    """
-    _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    del split_size
-    num_tokens, num_q_heads, head_dim = q.shape
-    if num_tokens == 0:
-        return q.new_empty(q.shape)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    # Host sync is fine here: the reference is the CPU path and the test oracle.
-    max_context = int(context_lens.max())
-    used_blocks = -(-max_context // block_size)
-    tables = block_tables[:, :used_blocks].long()
-    length = used_blocks * block_size
-    keys = k_cache[tables].reshape(num_tokens, length, num_kv_heads, head_dim).float()
-    values = v_cache[tables].reshape(num_tokens, length, num_kv_heads, head_dim).float()
-    group = num_q_heads // num_kv_heads
-    keys = keys.repeat_interleave(group, dim=2)
-    values = values.repeat_interleave(group, dim=2)
-    scores = torch.einsum("thd,tlhd->thl", q.float(), keys) * scale
-    positions = torch.arange(length, device=q.device)
-    visible = positions[None, :] < context_lens[:, None].to(q.device)
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("thl,tlhd->thd", probs, values)
-    return out.to(q.dtype)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _paged_attention_split_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        block_tables_ptr,
-        context_lens_ptr,
-        partial_out_ptr,
-        partial_max_ptr,
-        partial_sum_ptr,
-        scale,
-        stride_q_token,
-        stride_q_head,
-        stride_k_block,
-        stride_k_slot,
-        stride_k_head,
-        stride_v_block,
-        stride_v_slot,
-        stride_v_head,
-        stride_table_token,
-        num_q_heads,
-        num_splits,
-        GROUP: tl.constexpr,
-        GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        HEAD_DIM_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        SPLIT_SIZE: tl.constexpr,
-        TILE: tl.constexpr,
-        USE_DOT: tl.constexpr,
-    ):
-        token = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        context = tl.load(context_lens_ptr + token).to(tl.int32)
-        group_offsets = tl.arange(0, GROUP_PAD)
-        dim_offsets = tl.arange(0, HEAD_DIM_PAD)
-        tile_offsets = tl.arange(0, TILE)
-        group_mask = group_offsets < GROUP
-        dim_mask = dim_offsets < HEAD_DIM
-        heads = kv_head * GROUP + group_offsets
-        q = tl.load(
-            q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dim_offsets[None, :],
-            mask=group_mask[:, None] & dim_mask[None, :],
+@jit
+def _paged_attention_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    scale,
+    stride_q_token,
+    stride_q_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_table_token,
+    num_q_heads,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_lens_ptr + token).to(tl.int32)
+    group_offsets = tl.arange(0, GROUP_PAD)
+    dim_offsets = tl.arange(0, HEAD_DIM_PAD)
+    tile_offsets = tl.arange(0, TILE)
+    group_mask = group_offsets < GROUP
+    dim_mask = dim_offsets < HEAD_DIM
+    heads = kv_head * GROUP + group_offsets
+    q = tl.load(
+        q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dim_offsets[None, :],
+        mask=group_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    split_start = split * SPLIT_SIZE
+    remaining = tl.minimum(tl.maximum(context - split_start, 0), SPLIT_SIZE)
+    num_tiles = (remaining + TILE - 1) // TILE
+    table = block_tables_ptr + token * stride_table_token
+    for i in range(0, num_tiles):
+        # A tile may span several KV blocks: gather each position's physical block.
+        positions = split_start + i * TILE + tile_offsets
+        valid = positions < context
+        physical = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slots = positions % BLOCK_SIZE
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(
+            k_ptr
+            + physical[:, None] * stride_k_block
+            + slots[:, None] * stride_k_slot
+            + kv_head * stride_k_head
+            + dim_offsets[None, :],
+            mask=kv_mask,
             other=0.0,
         ).to(tl.float32)
-        running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        running_sum = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        split_start = split * SPLIT_SIZE
-        remaining = tl.minimum(tl.maximum(context - split_start, 0), SPLIT_SIZE)
-        num_tiles = (remaining + TILE - 1) // TILE
-        table = block_tables_ptr + token * stride_table_token
-        for i in range(0, num_tiles):
-            # A tile may span several KV blocks: gather each position's physical block.
-            positions = split_start + i * TILE + tile_offsets
-            valid = positions < context
-            physical = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            slots = positions % BLOCK_SIZE
-            kv_mask = valid[:, None] & dim_mask[None, :]
-            k = tl.load(
-                k_ptr
-                + physical[:, None] * stride_k_block
-                + slots[:, None] * stride_k_slot
-                + kv_head * stride_k_head
-                + dim_offsets[None, :],
-                mask=kv_mask,
-                other=0.0,
-            ).to(tl.float32)
-            v = tl.load(
-                v_ptr
-                + physical[:, None] * stride_v_block
-                + slots[:, None] * stride_v_slot
-                + kv_head * stride_v_head
-                + dim_offsets[None, :],
-                mask=kv_mask,
-                other=0.0,
-            ).to(tl.float32)
-            if USE_DOT:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            correction = tl.exp(running_max - new_max)
-            probs = tl.exp(scores - new_max[:, None])
-            running_sum = running_sum * correction + tl.sum(probs, axis=1)
-            if USE_DOT:
-                update = tl.dot(probs, v, input_precision="ieee")
-            else:
-                update = tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
-            acc = acc * correction[:, None] + update
-            running_max = new_max
-        # Row layout of the partials: [T, Hq, num_splits] (+ [D] for the outputs).
-        row = (token * num_q_heads + heads) * num_splits + split
-        tl.store(partial_max_ptr + row, running_max, mask=group_mask)
-        tl.store(partial_sum_ptr + row, running_sum, mask=group_mask)
-        tl.store(
-            partial_out_ptr + row[:, None] * HEAD_DIM + dim_offsets[None, :],
-            acc,
-            mask=group_mask[:, None] & dim_mask[None, :],
-        )
+        v = tl.load(
+            v_ptr
+            + physical[:, None] * stride_v_block
+            + slots[:, None] * stride_v_slot
+            + kv_head * stride_v_head
+            + dim_offsets[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)
+        if USE_DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        correction = tl.exp(running_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        if USE_DOT:
+            update = tl.dot(probs, v, input_precision="ieee")
+        else:
+            update = tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * correction[:, None] + update
+        running_max = new_max
+    # Row layout of the partials: [T, Hq, num_splits] (+ [D] for the outputs).
+    row = (token * num_q_heads + heads) * num_splits + split
+    tl.store(partial_max_ptr + row, running_max, mask=group_mask)
+    tl.store(partial_sum_ptr + row, running_sum, mask=group_mask)
+    tl.store(
+        partial_out_ptr + row[:, None] * HEAD_DIM + dim_offsets[None, :],
+        acc,
+        mask=group_mask[:, None] & dim_mask[None, :],
+    )
 
-    @triton.jit
-    def _paged_attention_merge_kernel(
-        partial_out_ptr,
-        partial_max_ptr,
-        partial_sum_ptr,
-        out_ptr,
-        stride_out_token,
-        stride_out_head,
-        num_q_heads,
-        num_splits,
-        HEAD_DIM: tl.constexpr,
-        HEAD_DIM_PAD: tl.constexpr,
-    ):
-        token = tl.program_id(0)
-        head = tl.program_id(1)
-        dim_offsets = tl.arange(0, HEAD_DIM_PAD)
-        dim_mask = dim_offsets < HEAD_DIM
-        base = (token * num_q_heads + head) * num_splits
-        # Split 0 always holds data (context_lens >= 1), so the running max is finite from here.
-        total_max = tl.load(partial_max_ptr + base)
-        total_sum = tl.load(partial_sum_ptr + base)
-        acc = tl.load(partial_out_ptr + base * HEAD_DIM + dim_offsets, mask=dim_mask, other=0.0)
-        for split in range(1, num_splits):
-            split_max = tl.load(partial_max_ptr + base + split)
-            split_sum = tl.load(partial_sum_ptr + base + split)
-            split_out = tl.load(
-                partial_out_ptr + (base + split) * HEAD_DIM + dim_offsets, mask=dim_mask, other=0.0
-            )
-            new_max = tl.maximum(total_max, split_max)
-            old_weight = tl.exp(total_max - new_max)
-            split_weight = tl.exp(split_max - new_max)
-            total_sum = total_sum * old_weight + split_sum * split_weight
-            acc = acc * old_weight + split_out * split_weight
-            total_max = new_max
-        out = acc / total_sum
-        tl.store(
-            out_ptr + token * stride_out_token + head * stride_out_head + dim_offsets,
-            out.to(out_ptr.dtype.element_ty),
-            mask=dim_mask,
+
+@jit
+def _paged_attention_merge_kernel(
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    out_ptr,
+    stride_out_token,
+    stride_out_head,
+    num_q_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    dim_offsets = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dim_offsets < HEAD_DIM
+    base = (token * num_q_heads + head) * num_splits
+    # Split 0 always holds data (context_lens >= 1), so the running max is finite from here.
+    total_max = tl.load(partial_max_ptr + base)
+    total_sum = tl.load(partial_sum_ptr + base)
+    acc = tl.load(partial_out_ptr + base * HEAD_DIM + dim_offsets, mask=dim_mask, other=0.0)
+    for split in range(1, num_splits):
+        split_max = tl.load(partial_max_ptr + base + split)
+        split_sum = tl.load(partial_sum_ptr + base + split)
+        split_out = tl.load(
+            partial_out_ptr + (base + split) * HEAD_DIM + dim_offsets, mask=dim_mask, other=0.0
         )
+        new_max = tl.maximum(total_max, split_max)
+        old_weight = tl.exp(total_max - new_max)
+        split_weight = tl.exp(split_max - new_max)
+        total_sum = total_sum * old_weight + split_sum * split_weight
+        acc = acc * old_weight + split_out * split_weight
+        total_max = new_max
+    out = acc / total_sum
+    tl.store(
+        out_ptr + token * stride_out_token + head * stride_out_head + dim_offsets,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_mask,
+    )
 
 
 def paged_attention_triton(
@@ -331,7 +226,7 @@ def paged_attention_triton(
     """
     if triton is None:
         raise KernelBackendError("backend='triton' requested but triton is not installed")
-    _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
     del num_blocks_total
@@ -357,12 +252,12 @@ def paged_attention_triton(
         (num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device
     )
     partial_sum = torch.empty_like(partial_max)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    head_dim_pad = max(16, next_power_of_2(head_dim))
     # Context positions per loop iteration: a power of two dividing split_size, so the
     # accumulation order depends on split_size only. tl.dot needs every dimension >= 16.
     tile = min(64, split_size & -split_size)
     use_dot = tile >= 16
-    group_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
+    group_pad = max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group)
     _paged_attention_split_kernel[(num_tokens, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -441,13 +336,9 @@ def paged_attention(
             cannot run on these tensors.
     """
     if _compile.compiling():
-        _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
-        if _compile.CUSTOM_OPS:
-            return _paged_attention_op(
-                q, k_cache, v_cache, block_tables, context_lens, float(scale), split_size
-            )
-        return _compile.run_eagerly(
-            _paged_attention_run, q, k_cache, v_cache, block_tables, context_lens, scale, split_size
+        check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+        return _paged_attention_op(
+            q, k_cache, v_cache, block_tables, context_lens, float(scale), split_size
         )
     return _paged_attention_run(q, k_cache, v_cache, block_tables, context_lens, scale, split_size)
 
@@ -489,5 +380,4 @@ def _paged_attention_op(
     return out.contiguous()
 
 
-if _compile.CUSTOM_OPS:
-    _paged_attention_op.register_fake(lambda q, *args: q.new_empty(q.shape))
+_paged_attention_op.register_fake(lambda q, *args: q.new_empty(q.shape))

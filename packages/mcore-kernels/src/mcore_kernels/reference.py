@@ -9,12 +9,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mcore_kernels._validation import check_rms_norm_args, check_token_logprobs_args
+from mcore_kernels._validation import (
+    check_paged_attention_args,
+    check_rms_norm_args,
+    check_token_logprobs_args,
+)
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
 
 __all__ = [
     "rms_norm_reference",
+    "rms_norm_parts",
     "token_logprobs_reference",
+    "token_logprobs_parts",
+    "paged_attention_reference",
     "slice_after_reference",
     "merge_reference",
     "masked_update_reference",
@@ -54,12 +61,33 @@ def rms_norm_reference(
         KernelValueError: ``eps`` negative or not finite.
     """
     check_rms_norm_args(x, weight, eps, residual)
+    y, hidden, _ = rms_norm_parts(x, weight, eps, residual)
+    return y if residual is None else (y, hidden)
+
+
+def rms_norm_parts(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference's result and the statistics its backward depends on.
+
+    Arguments are those of :func:`rms_norm_reference`, already validated.
+
+    Args:
+        x: ``[..., hidden]`` input.
+        weight: ``[hidden]`` scale.
+        eps: added to the mean square before the reciprocal square root.
+        residual: optional tensor shaped like ``x``.
+
+    Returns:
+        ``(y, hidden, rstd)``: the output, the normalised input ``x + residual`` (``x`` itself
+        without residual) and the reciprocal RMS of every row, ``[..., 1]`` in the compute dtype.
+    """
     hidden = x if residual is None else x + residual
     compute = _compute_dtype(x.dtype)
     h = hidden.to(compute)
     rstd = torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
     y = (h * rstd * weight.to(compute)).to(x.dtype)
-    return y if residual is None else (y, hidden)
+    return y, hidden, rstd
 
 
 def token_logprobs_reference(
@@ -70,7 +98,7 @@ def token_logprobs_reference(
     group: dist.ProcessGroup | None = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
-    check_targets: bool = True,
+    check_targets: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of the target tokens (and entropies) in plain torch.
 
@@ -86,8 +114,8 @@ def token_logprobs_reference(
         return_entropy: also return the entropy of each row's distribution.
         ignore_index: rows whose target equals it give 0 (and 0 entropy) and no gradient.
         check_targets: raise on targets outside the vocabulary; this reads a flag on the host
-            (a sync on CUDA) and is skipped during CUDA graph capture. With False, out-of-range
-            targets give meaningless values instead of an error.
+            (a sync on CUDA) and is skipped during CUDA graph capture. Off by default: a target
+            outside ``[0, vocab)`` that is not ``ignore_index`` gives a NaN log-probability.
 
     Returns:
         float32 (float64 for float64 logits) log-probabilities shaped like ``targets``; with
@@ -141,7 +169,7 @@ def token_logprobs_parts(
         full-vocabulary log-sum-exp and expected logit of every row flattened to ``[N]``;
         ``entropy`` and ``expected`` are None without ``return_entropy``.
     """
-    rank, _ = group_rank_and_size(group)
+    rank, world = group_rank_and_size(group)
     shard = logits.shape[-1]
     lead_shape = targets.shape
     z = logits.reshape(-1, shard).to(_compute_dtype(logits.dtype)) / temperature
@@ -171,7 +199,11 @@ def token_logprobs_parts(
         expected = torch.where(finite_lse, weighted.sum(dim=-1), torch.zeros_like(lse))
     lse, target_logit, expected = combine_shard_stats(lse, target_logit, expected, group)
     zeros = torch.zeros_like(lse)
-    logprobs = torch.where(valid, target_logit - lse, zeros).reshape(lead_shape)
+    # A target outside the vocabulary (checked on the device, no host sync) gives NaN.
+    out_of_range = valid & ((flat_targets < 0) | (flat_targets >= shard * world))
+    logprobs = torch.where(valid, target_logit - lse, zeros)
+    logprobs = torch.where(out_of_range, torch.full_like(lse, float("nan")), logprobs)
+    logprobs = logprobs.reshape(lead_shape)
     entropy = None
     if expected is not None:
         entropy = torch.where(valid, lse - expected, zeros).reshape(lead_shape)
@@ -236,3 +268,57 @@ def masked_update_reference(
     keep = (idx >= 0) & (idx < states.shape[0])
     states[idx[keep].long()] = new_states[keep]
     return states
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    split_size: int = 256,
+) -> torch.Tensor:
+    """Plain torch paged attention: gather each token's context and apply a masked softmax.
+
+    Args:
+        q: Query of the new tokens, ``[T, Hq, D]``.
+        k_cache: Key cache, ``[num_blocks, block_size, Hkv, D]``.
+        v_cache: Value cache, same shape as ``k_cache``.
+        block_tables: Physical block of each logical block of each token, ``[T, max_blocks]``.
+        context_lens: Number of attended positions per token, ``[T]``, each at least 1.
+        scale: Softmax scale applied to the dot products.
+        split_size: Accepted for signature parity with the Triton path; the reference does not
+            split the context.
+
+    Returns:
+        The attention output, ``[T, Hq, D]`` in ``q.dtype``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match the layout above.
+        KernelDtypeError: If a dtype is unsupported.
+    """
+    check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    del split_size
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return q.new_empty(q.shape)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    # Host sync is fine here: the reference is the CPU path and the test oracle.
+    max_context = int(context_lens.max())
+    used_blocks = -(-max_context // block_size)
+    tables = block_tables[:, :used_blocks].long()
+    length = used_blocks * block_size
+    keys = k_cache[tables].reshape(num_tokens, length, num_kv_heads, head_dim).float()
+    values = v_cache[tables].reshape(num_tokens, length, num_kv_heads, head_dim).float()
+    group = num_q_heads // num_kv_heads
+    keys = keys.repeat_interleave(group, dim=2)
+    values = values.repeat_interleave(group, dim=2)
+    scores = torch.einsum("thd,tlhd->thl", q.float(), keys) * scale
+    positions = torch.arange(length, device=q.device)
+    visible = positions[None, :] < context_lens[:, None].to(q.device)
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("thl,tlhd->thd", probs, values)
+    return out.to(q.dtype)

@@ -1,18 +1,559 @@
-"""Fused residual add + RMSNorm: the public function and the ``RMSNorm`` module."""
+"""Fused residual add + RMSNorm: Triton kernels, launchers, autograd function, custom ops, API.
+
+Forward: each program normalises ``fwd_rows`` rows held in registers; rows wider than
+``MAX_BLOCK`` take a looped variant that streams the row twice (mean square, then normalise).
+Backward, two stages: a grid of at most ``programs_per_sm * multiprocessors`` programs walks the
+row blocks in a fixed stride, writes ``d(x)`` of every row and one float32 partial weight
+gradient per program; a second kernel sums the partials in program order and rounds once to the
+weight dtype (a single program writes the weight gradient directly). The weight gradient is
+therefore deterministic, and every block shape depends on the hidden size only, so a row's
+outputs are bitwise the same whatever the number of rows in the call.
+
+How a launch configuration is chosen: :data:`LAUNCH_CONFIGS` maps the row block width (the
+hidden size rounded up to a power of two, at most ``MAX_BLOCK``) to the rows per forward
+program and its warps, and to the rows per backward iteration, its warps, programs per
+multiprocessor and software-pipelining depth. The numbers were chosen with the sweep of
+``benchmarks/tune_launch_configs.py`` on an H200 (which picks, per width, the least geometric
+mean of time over the fastest time across 256, 4096 and 16384 rows) and are looked up once per
+(hidden size, device) and cached, so a call does no configuration work. The number of rows
+never enters the choice. Launches go through :class:`~mcore_kernels._triton_utils.CachedLauncher`.
+
+Eager calls go straight to the Triton launchers (through :class:`_RMSNormFunction` when a
+gradient is needed); only while ``torch.compile`` traces a call does it become the custom op
+``torch.ops.mcore_kernels.rms_norm_fwd`` with the registered backward ``rms_norm_bwd``.
+"""
 
 from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
-from mcore_kernels._rms_norm_op import rms_norm_via_op
+from mcore_kernels._triton_utils import (
+    CachedLauncher,
+    device_limits,
+    jit,
+    next_power_of_2,
+    on_device_of,
+    round_to,
+    tl,
+)
 from mcore_kernels._validation import check_rms_norm_args
 from mcore_kernels.errors import KernelValueError
-from mcore_kernels.reference import rms_norm_reference
+from mcore_kernels.reference import rms_norm_parts, rms_norm_reference
 
-__all__ = ["rms_norm", "RMSNorm"]
+__all__ = ["LAUNCH_CONFIGS", "MAX_BLOCK", "RMSNormLaunch", "rms_norm", "RMSNorm"]
+
+MAX_BLOCK = 8192
+"""Widest row held in registers; wider rows are processed in chunks of this many elements."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RMSNormLaunch:
+    """Launch parameters of the add + RMSNorm kernels for one row block width."""
+
+    fwd_rows: int
+    """Rows normalised by one forward program."""
+    fwd_warps: int
+    """Warps of a forward program."""
+    bwd_rows: int
+    """Rows a backward program handles per loop iteration."""
+    bwd_warps: int
+    """Warps of a backward program."""
+    bwd_programs_per_sm: int
+    """Backward programs per multiprocessor (the grid is at most this times the SM count)."""
+    bwd_stages: int
+    """Software-pipelining depth of the backward's row loop, when its buffers fit in shared
+    memory (else 1)."""
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise KernelValueError(f"{name}={value} must be a positive power of two")
+        for name in ("bwd_programs_per_sm", "bwd_stages"):
+            if getattr(self, name) < 1:
+                raise KernelValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
+    256: RMSNormLaunch(
+        fwd_rows=4, fwd_warps=4, bwd_rows=8, bwd_warps=4, bwd_programs_per_sm=4, bwd_stages=2
+    ),
+    1024: RMSNormLaunch(
+        fwd_rows=2, fwd_warps=4, bwd_rows=4, bwd_warps=4, bwd_programs_per_sm=4, bwd_stages=2
+    ),
+    2048: RMSNormLaunch(
+        fwd_rows=1, fwd_warps=8, bwd_rows=4, bwd_warps=8, bwd_programs_per_sm=2, bwd_stages=2
+    ),
+    4096: RMSNormLaunch(
+        fwd_rows=1, fwd_warps=8, bwd_rows=2, bwd_warps=8, bwd_programs_per_sm=2, bwd_stages=2
+    ),
+    8192: RMSNormLaunch(
+        fwd_rows=1, fwd_warps=16, bwd_rows=1, bwd_warps=16, bwd_programs_per_sm=1, bwd_stages=3
+    ),
+}
+"""Launch parameters by row block width: the entry of the smallest width ``>=`` the block is
+used (rows wider than ``MAX_BLOCK`` use the 8192 entry with one row per iteration)."""
+
+_PARTIAL_SUM_ROWS = 16
+_PARTIAL_SUM_COLS = 64
+
+
+@functools.lru_cache(maxsize=256)
+def _launch(hidden: int, device: torch.device) -> tuple[int, bool, RMSNormLaunch, int]:
+    """Return ``(block, single_block, config, backward program cap)`` for a hidden size."""
+    block = min(next_power_of_2(hidden), MAX_BLOCK)
+    config = LAUNCH_CONFIGS[min(w for w in LAUNCH_CONFIGS if w >= block)]
+    if hidden > block:
+        config = RMSNormLaunch(
+            fwd_rows=1,
+            fwd_warps=config.fwd_warps,
+            bwd_rows=1,
+            bwd_warps=config.bwd_warps,
+            bwd_programs_per_sm=config.bwd_programs_per_sm,
+            bwd_stages=1,
+        )
+    multiprocessors, _ = device_limits(device)
+    return block, hidden <= block, config, multiprocessors * config.bwd_programs_per_sm
+
+
+def _backward_stages(config: RMSNormLaunch, block: int, streamed: int, device: torch.device) -> int:
+    """Pipelining depth of the backward: each stage buffers one row block of every input."""
+    _, shared = device_limits(device)
+    stage_bytes = config.bwd_rows * block * streamed * 2
+    return config.bwd_stages if config.bwd_stages * stage_bytes <= shared - 16 * 1024 else 1
+
+
+@jit
+def _rms_norm_fwd_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    y_ptr,
+    hidden_out_ptr,
+    rstd_ptr,
+    rows,
+    x_row_stride,
+    residual_row_stride,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+):
+    first = tl.program_id(0).to(tl.int64) * BLOCK_M
+    cols = tl.arange(0, BLOCK)
+    if SINGLE_BLOCK:
+        row_ids = first + tl.arange(0, BLOCK_M)
+        row_mask = row_ids < rows
+        col_mask = cols < hidden
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + row_ids[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(
+                residual_ptr + row_ids[:, None] * residual_row_stride + cols[None, :],
+                mask=mask,
+                other=0.0,
+            )
+            # Rounded to the input dtype before normalising, as Hugging Face models do.
+            x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
+            tl.store(hidden_out_ptr + row_ids[:, None] * hidden + cols[None, :], x, mask=mask)
+        h = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / hidden + eps)
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = round_to(h * rstd[:, None] * w[None, :], y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row_ids[:, None] * hidden + cols[None, :], y, mask=mask)
+        if STORE_RSTD:
+            tl.store(rstd_ptr + row_ids, rstd, mask=row_mask)
+    else:
+        x_row = x_ptr + first * x_row_stride
+        r_row = residual_ptr + first * residual_row_stride
+        h_row = hidden_out_ptr + first * hidden
+        y_row = y_ptr + first * hidden
+        sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK):
+            offs = start + cols
+            mask = offs < hidden
+            x = tl.load(x_row + offs, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(r_row + offs, mask=mask, other=0.0)
+                x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
+                tl.store(h_row + offs, x, mask=mask)
+            h = x.to(tl.float32)
+            sum_sq += h * h
+        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / hidden + eps)
+        for start in range(0, hidden, BLOCK):
+            offs = start + cols
+            mask = offs < hidden
+            if HAS_RESIDUAL:
+                h = tl.load(h_row + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_row + offs, round_to(h * rstd * w, y_ptr.dtype.element_ty), mask=mask)
+        if STORE_RSTD:
+            tl.store(rstd_ptr + first, rstd)
+
+
+@jit
+def _rms_norm_bwd_kernel(
+    dy_ptr,
+    dhidden_out_ptr,
+    hidden_ptr,
+    weight_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dweight_ptr,
+    rows,
+    hidden_row_stride,
+    hidden,
+    HAS_DHIDDEN_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    FINAL: tl.constexpr,
+):
+    # Program p handles row blocks p, p + P, p + 2P ... and owns row p of the partials.
+    program = tl.program_id(0)
+    programs = tl.num_programs(0)
+    program64 = program.to(tl.int64)
+    # Every program has at least one row block: the grid never exceeds their number.
+    iterations = tl.cdiv(tl.cdiv(rows, BLOCK_M) - program, programs)
+    out_row = dweight_ptr + program64 * hidden
+    cols = tl.arange(0, BLOCK)
+    if SINGLE_BLOCK:
+        col_mask = cols < hidden
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
+        # Pipelining keeps the next row blocks' loads in flight while this one is reduced.
+        for i in tl.range(0, iterations, num_stages=NUM_STAGES):
+            row_ids = (program64 + i * programs) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = row_ids < rows
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = row_ids[:, None] * hidden + cols[None, :]
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            h = tl.load(
+                hidden_ptr + row_ids[:, None] * hidden_row_stride + cols[None, :],
+                mask=mask,
+                other=0.0,
+            ).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row_ids, mask=row_mask, other=0.0)
+            normed = h * rstd[:, None]
+            dyw = dy * w[None, :]
+            correction = tl.sum(dyw * normed, axis=1) / hidden
+            dx = rstd[:, None] * (dyw - normed * correction[:, None])
+            if HAS_DHIDDEN_OUT:
+                dx += tl.load(dhidden_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + offs, round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * normed
+        total = tl.sum(dw, axis=0)
+        if FINAL:
+            tl.store(out_row + cols, round_to(total, dweight_ptr.dtype.element_ty), mask=col_mask)
+        else:
+            tl.store(out_row + cols, total, mask=col_mask)
+    else:
+        for start in range(0, hidden, BLOCK):
+            offs = start + cols
+            tl.store(out_row + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < hidden)
+        for i in range(0, iterations):
+            row64 = program64 + i * programs
+            rstd = tl.load(rstd_ptr + row64)
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, hidden, BLOCK):
+                offs = start + cols
+                mask = offs < hidden
+                dy = tl.load(dy_ptr + row64 * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+                h = tl.load(hidden_ptr + row64 * hidden_row_stride + offs, mask=mask, other=0.0)
+                w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                acc += dy * w * h.to(tl.float32) * rstd
+            correction = tl.sum(acc, axis=0) / hidden
+            for start in range(0, hidden, BLOCK):
+                offs = start + cols
+                mask = offs < hidden
+                dy = tl.load(dy_ptr + row64 * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+                h = tl.load(hidden_ptr + row64 * hidden_row_stride + offs, mask=mask, other=0.0)
+                w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                normed = h.to(tl.float32) * rstd
+                dx = rstd * (dy * w - normed * correction)
+                if HAS_DHIDDEN_OUT:
+                    dh = tl.load(dhidden_out_ptr + row64 * hidden + offs, mask=mask, other=0.0)
+                    dx += dh.to(tl.float32)
+                dx_out = round_to(dx, dx_ptr.dtype.element_ty)
+                tl.store(dx_ptr + row64 * hidden + offs, dx_out, mask=mask)
+                dw = tl.load(out_row + offs, mask=mask, other=0.0)
+                tl.store(out_row + offs, dw + dy * normed, mask=mask)
+
+
+@jit
+def _sum_partials_kernel(
+    partial_ptr, out_ptr, programs, hidden, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    # Blocks of BLOCK_P partial rows are added in program order: the sum is deterministic.
+    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < hidden
+    acc = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
+    for start in range(0, programs, BLOCK_P):
+        part = start + tl.arange(0, BLOCK_P)
+        mask = (part < programs)[:, None] & col_mask[None, :]
+        offs = part.to(tl.int64)[:, None] * hidden + cols[None, :]
+        acc += tl.load(partial_ptr + offs, mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    tl.store(out_ptr + cols, round_to(total, out_ptr.dtype.element_ty), mask=col_mask)
+
+
+_FORWARD = CachedLauncher(_rms_norm_fwd_kernel)
+_BACKWARD = CachedLauncher(_rms_norm_bwd_kernel)
+_SUM_PARTIALS = CachedLauncher(_sum_partials_kernel)
+
+
+def _forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    store_rstd: bool,
+    config: RMSNormLaunch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward: ``(y, x + residual or x, rstd)``; ``rstd`` is ``y`` unless stored.
+
+    ``config`` overrides the table's launch parameters (the tuner's sweep).
+    """
+    # Contiguous tensors go to the kernel as they are (rows of ``hidden`` elements): no
+    # reshapes or views on the hot path; other layouts are copied once.
+    hidden = x.shape[-1]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if residual is not None and not residual.is_contiguous():
+        residual = residual.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    rows = x.numel() // hidden
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else x
+    rstd = x.new_empty(rows, dtype=torch.float32) if store_rstd else y
+    if rows > 0:
+        block, single, chosen, _ = _launch(hidden, x.device)
+        config = config or chosen
+        r = residual if residual is not None else x
+        _FORWARD(
+            (-(-rows // config.fwd_rows),),
+            (x, r, weight, y, h, rstd, rows, hidden, hidden, hidden, eps),
+            {
+                "HAS_RESIDUAL": residual is not None,
+                "STORE_RSTD": store_rstd,
+                "BLOCK_M": config.fwd_rows,
+                "BLOCK": block,
+                "SINGLE_BLOCK": single,
+            },
+            config.fwd_warps,
+            x.get_device(),
+        )
+    return y, h, rstd
+
+
+def _backward(
+    dy: torch.Tensor,
+    dhidden_out: torch.Tensor | None,
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    config: RMSNormLaunch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward: ``(d(hidden_states), d(weight))`` in the inputs' dtypes.
+
+    ``config`` overrides the table's launch parameters (the tuner's sweep).
+    """
+    hidden = hidden_states.shape[-1]
+    h2 = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
+    dy2 = dy if dy.is_contiguous() else dy.contiguous()
+    dh2 = dy2
+    if dhidden_out is not None:
+        dh2 = dhidden_out if dhidden_out.is_contiguous() else dhidden_out.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    rows = h2.numel() // hidden
+    device = hidden_states.device
+    dx = torch.empty_like(h2)
+    if rows == 0:
+        return dx, torch.zeros_like(weight)
+    block, single, chosen, cap = _launch(hidden, device)
+    if config is not None:
+        cap = device_limits(device)[0] * config.bwd_programs_per_sm
+    config = config or chosen
+    programs = min(-(-rows // config.bwd_rows), cap)
+    final = programs == 1 and single
+    dweight = torch.empty_like(weight)
+    partial = dweight if final else weight.new_empty((programs, hidden), dtype=torch.float32)
+    streamed = 3 if dhidden_out is not None else 2
+    _BACKWARD(
+        (programs,),
+        (dy2, dh2, h2, weight, rstd, dx, partial, rows, hidden, hidden),
+        {
+            "HAS_DHIDDEN_OUT": dhidden_out is not None,
+            "BLOCK_M": config.bwd_rows,
+            "BLOCK": block,
+            "SINGLE_BLOCK": single,
+            "NUM_STAGES": _backward_stages(config, block, streamed, device) if single else 1,
+            "FINAL": final,
+        },
+        config.bwd_warps,
+        hidden_states.get_device(),
+    )
+    if not final:
+        _SUM_PARTIALS(
+            (-(-hidden // _PARTIAL_SUM_COLS),),
+            (partial, dweight, programs, hidden),
+            {"BLOCK_P": _PARTIAL_SUM_ROWS, "BLOCK_H": _PARTIAL_SUM_COLS},
+            4,
+            hidden_states.get_device(),
+        )
+    return dx, dweight
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps):  # type: ignore[override]
+        y, hidden_states, rstd = _forward(x, weight, eps, residual, True)
+        ctx.save_for_backward(hidden_states, weight, rstd)
+        ctx.has_residual = residual is not None
+        # Without this, an unused output's gradient arrives as a materialised zero tensor.
+        ctx.set_materialize_grads(False)
+        return y if residual is None else (y, hidden_states)
+
+    @staticmethod
+    def backward(ctx, dy, dhidden_out=None):  # type: ignore[override]
+        hidden_states, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            if dhidden_out is None:
+                return None, None, None, None
+            dy = torch.zeros_like(hidden_states)
+        with on_device_of(hidden_states):
+            dh, dweight = _backward(dy, dhidden_out, hidden_states, weight, rstd)
+        dresidual = dh if ctx.has_residual and ctx.needs_input_grad[2] else None
+        return dh, dweight, dresidual, None
+
+
+# --- torch.compile: the custom ops -----------------------------------------------------------
+
+
+def _triton_dispatch(tensor: torch.Tensor) -> bool:
+    return tensor.dtype != torch.float64 and use_triton(tensor)
+
+
+@_compile.custom_op(
+    "rms_norm_fwd",
+    "(Tensor x, Tensor weight, Tensor? residual, float eps) -> (Tensor, Tensor, Tensor)",
+)
+def _rms_norm_fwd_op(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _triton_dispatch(x):
+        with on_device_of(x):
+            y, hidden_states, rstd = _forward(x, weight, eps, residual, True)
+    else:
+        y, hidden_states, rstd = rms_norm_parts(x, weight, eps, residual)
+    # Outputs of a custom op may not alias its inputs: without a residual the normalised input
+    # is ``x`` itself, which the autograd setup saves directly, and an empty tensor stands in.
+    hidden_out = hidden_states.contiguous() if residual is not None else x.new_empty(0)
+    return y.contiguous(), hidden_out, rstd.reshape(-1)
+
+
+@_compile.custom_op(
+    "rms_norm_bwd",
+    "(Tensor dy, Tensor? dhidden, Tensor hidden, Tensor weight, Tensor rstd, float eps) "
+    "-> (Tensor, Tensor)",
+)
+def _rms_norm_bwd_op(
+    dy: torch.Tensor,
+    dhidden: torch.Tensor | None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _triton_dispatch(hidden):
+        with on_device_of(hidden):
+            dx, dweight = _backward(dy, dhidden, hidden, weight, rstd)
+        return dx.contiguous(), dweight
+    # The torch dispatch differentiates the one reference instead of a second formula.
+    with _compile.autograd_inside_op():
+        leaves = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        y = rms_norm_reference(leaves[0], leaves[1], eps)
+        dx, dweight = torch.autograd.grad(y, leaves, dy)
+    if dhidden is not None:
+        dx = dx + dhidden
+    return dx.contiguous(), dweight
+
+
+@_rms_norm_fwd_op.register_fake
+def _rms_norm_fwd_fake(x, weight, residual, eps):
+    rows = math.prod(x.shape[:-1])
+    stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    hidden = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    return x.new_empty(x.shape), hidden, x.new_empty(rows, dtype=stats_dtype)
+
+
+@_rms_norm_bwd_op.register_fake
+def _rms_norm_bwd_fake(dy, dhidden, hidden, weight, rstd, eps):
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, residual, eps = inputs
+    _, hidden, rstd = output
+    ctx.has_residual = residual is not None
+    ctx.eps = eps
+    ctx.save_for_backward(hidden if residual is not None else x, weight, rstd)
+
+
+def _op_backward(ctx, dy, dhidden, _drstd):
+    hidden, weight, rstd = ctx.saved_tensors
+    dhidden = dhidden if ctx.has_residual else None
+    dx, dweight = _rms_norm_bwd_op(dy, dhidden, hidden, weight, rstd, ctx.eps)
+    return dx, dweight, dx if ctx.has_residual else None, None
+
+
+_rms_norm_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# --- public API ---------------------------------------------------------------------------------
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _plainly_valid(x: Any, weight: Any, eps: Any, residual: Any) -> bool:
+    """Cheap check of the common valid call; False sends the call through the full checks."""
+    try:
+        return (
+            type(eps) is float
+            and 0.0 <= eps < math.inf
+            and x.dtype in _KERNEL_DTYPES
+            and weight.dtype in _KERNEL_DTYPES
+            and weight.dim() == 1
+            and x.dim() >= 1
+            and x.shape[-1] == weight.shape[0] != 0
+            and x.device == weight.device
+            and (
+                residual is None
+                or (
+                    residual.dtype == x.dtype
+                    and residual.shape == x.shape
+                    and residual.device == x.device
+                )
+            )
+        )
+    except AttributeError:  # not tensors: the full checks name the argument
+        return False
 
 
 def rms_norm(
@@ -48,23 +589,24 @@ def rms_norm(
         KernelValueError: ``eps`` negative or not finite.
         KernelBackendError: ``MCORE_KERNELS_BACKEND`` asks for a backend that cannot run.
     """
-    check_rms_norm_args(x, weight, eps, residual)
     if _compile.compiling():
-        if _compile.CUSTOM_OPS:
-            return rms_norm_via_op(x, weight, eps, residual)
-        return _compile.run_eagerly(_rms_norm_eager, x, weight, eps, residual)
-    return _rms_norm_eager(x, weight, eps, residual)
-
-
-def _rms_norm_eager(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    tensors = (x, weight) if residual is None else (x, weight, residual)
-    if x.dtype != torch.float64 and use_triton(*tensors):
-        from mcore_kernels._rms_norm_triton import rms_norm_triton
-
-        return rms_norm_triton(x, weight, eps, residual=residual)
-    return rms_norm_reference(x, weight, eps, residual=residual)
+        check_rms_norm_args(x, weight, eps, residual)
+        y, hidden, _ = _rms_norm_fwd_op(x, weight, residual, float(eps))
+        return y if residual is None else (y, hidden)
+    if not _plainly_valid(x, weight, eps, residual):
+        check_rms_norm_args(x, weight, eps, residual)
+        eps = float(eps)
+    if x.dtype == torch.float64 or not use_triton(x):
+        return rms_norm_reference(x, weight, eps, residual=residual)
+    with on_device_of(x):
+        if torch.is_grad_enabled() and (
+            x.requires_grad
+            or weight.requires_grad
+            or (residual is not None and residual.requires_grad)
+        ):
+            return _RMSNormFunction.apply(x, weight, residual, eps)
+        y, hidden_states, _ = _forward(x, weight, eps, residual, False)
+    return y if residual is None else (y, hidden_states)
 
 
 class RMSNorm(nn.Module):

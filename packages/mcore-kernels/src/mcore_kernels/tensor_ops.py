@@ -7,7 +7,8 @@ stays valid when the boundary changes between replays. The operation set follows
 inference ``tensor_ops`` (``tensor_get_slice_after``, ``tensor_merge``, ``tensor_masked_update``
 in ``megatron/core/inference/contexts/attention_context/triton/tensor_ops.py``).
 
-Copies are bitwise (tensors are reinterpreted as integers of their element size), so any dtype
+The file holds the Triton kernels, their launchers, the ``torch.library`` registrations and
+the entry points; the torch references live in :mod:`mcore_kernels.reference`. Copies are bitwise (tensors are reinterpreted as integers of their element size), so any dtype
 works and NaN payloads survive. The Triton kernels clamp ``pos`` into range and skip state
 indices outside ``[0, num_states)``, because validating them would need a host sync; pass
 ``check_bounds=True`` to have them validated (with a sync) and rejected with an error instead.
@@ -20,10 +21,13 @@ tensor it writes, so the functions compile with ``fullgraph=True``; they are not
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
+from mcore_kernels._triton_utils import jit, next_power_of_2, on_device_of, tl
 from mcore_kernels._validation import check_same_device, check_tensor
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
 from mcore_kernels.reference import masked_update_reference, merge_reference, slice_after_reference
@@ -79,6 +83,122 @@ def _check_pos(pos: torch.Tensor, upper: int, upper_name: str) -> None:
         raise KernelValueError(f"pos={value} is outside [0, {upper}] ({upper_name})")
 
 
+# --- Triton kernels and launchers ----------------------------------------------------------
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAX_BLOCK = 4096
+
+
+def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """Flatten to ``[rows, row_size]`` integers of the element size (a view when contiguous)."""
+    rows = tensor.shape[0]
+    flat = tensor.contiguous().view(_BITS[tensor.element_size()])
+    return flat.reshape(rows, math.prod(tensor.shape[1:]))
+
+
+def _block(row_size: int) -> int:
+    return min(next_power_of_2(max(row_size, 1)), _MAX_BLOCK)
+
+
+@jit
+def _copy_row(src_row_ptr, dst_row_ptr, row_size, enabled, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    # A disabled row copies nothing: every lane is masked off.
+    limit = tl.where(enabled, row_size, 0)
+    for start in range(0, row_size, BLOCK):
+        offs = start + cols
+        mask = offs < limit
+        tl.store(dst_row_ptr + offs, tl.load(src_row_ptr + offs, mask=mask), mask=mask)
+
+
+@jit
+def _slice_after_kernel(inp_ptr, pos_ptr, out_ptr, inp_rows, row_size, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr).to(tl.int64), 0), inp_rows)
+    src = pos + row
+    enabled = src < inp_rows
+    src = tl.where(enabled, src, 0)
+    _copy_row(inp_ptr + src * row_size, out_ptr + row * row_size, row_size, enabled, BLOCK)
+
+
+@jit
+def _merge_kernel(
+    a_ptr,
+    b_ptr,
+    pos_ptr,
+    out_ptr,
+    a_rows,
+    b_rows,
+    row_size,
+    IN_PLACE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr).to(tl.int64), 0), a_rows)
+    from_a = row < pos
+    b_row = row - pos
+    from_b = (row >= pos) & (b_row < b_rows)
+    dst = out_ptr + row * row_size
+    if not IN_PLACE:
+        _copy_row(a_ptr + tl.where(from_a, row, 0) * row_size, dst, row_size, from_a, BLOCK)
+    _copy_row(b_ptr + tl.where(from_b, b_row, 0) * row_size, dst, row_size, from_b, BLOCK)
+
+
+@jit
+def _masked_update_kernel(states_ptr, idx_ptr, new_ptr, num_states, row_size, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    enabled = (slot >= 0) & (slot < num_states)
+    slot = tl.where(enabled, slot, 0)
+    _copy_row(new_ptr + row * row_size, states_ptr + slot * row_size, row_size, enabled, BLOCK)
+
+
+def _slice_after_triton(inp: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    src, dst = _as_bits(inp), _as_bits(out)
+    if dst.shape[0] > 0 and dst.shape[1] > 0:
+        with on_device_of(dst):
+            _slice_after_kernel[(dst.shape[0],)](
+                src, pos, dst, src.shape[0], dst.shape[1], BLOCK=_block(dst.shape[1])
+            )
+    return out
+
+
+def _merge_triton(
+    a: torch.Tensor, b: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
+    target = a if out is None else out
+    src_a, src_b, dst = _as_bits(a), _as_bits(b), _as_bits(target)
+    if dst.shape[0] > 0 and dst.shape[1] > 0:
+        with on_device_of(dst):
+            _merge_kernel[(dst.shape[0],)](
+                src_a,
+                src_b,
+                pos,
+                dst,
+                src_a.shape[0],
+                src_b.shape[0],
+                dst.shape[1],
+                IN_PLACE=out is None,
+                BLOCK=_block(dst.shape[1]),
+            )
+    return target
+
+
+def _masked_update_triton(
+    states: torch.Tensor, idx: torch.Tensor, new_states: torch.Tensor
+) -> torch.Tensor:
+    dst, src = _as_bits(states), _as_bits(new_states)
+    if src.shape[0] > 0 and src.shape[1] > 0:
+        with on_device_of(dst):
+            _masked_update_kernel[(src.shape[0],)](
+                dst, idx, src, dst.shape[0], dst.shape[1], BLOCK=_block(dst.shape[1])
+            )
+    return states
+
+
+# --- entry points and custom ops --------------------------------------------------------------
+
+
 def slice_after(
     inp: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, *, check_bounds: bool = False
 ) -> torch.Tensor:
@@ -109,10 +229,8 @@ def slice_after(
     _check_output("out", out)
     check_same_device(inp=inp, pos=pos, out=out)
     if _compile.compiling():
-        if _compile.CUSTOM_OPS:
-            _slice_after_op(inp, pos, out, check_bounds)
-            return out
-        return _compile.run_eagerly(_slice_after_run, inp, pos, out, check_bounds)
+        _slice_after_op(inp, pos, out, check_bounds)
+        return out
     return _slice_after_run(inp, pos, out, check_bounds)
 
 
@@ -122,9 +240,7 @@ def _slice_after_run(
     if check_bounds:
         _check_pos(pos, inp.shape[0], "inp.shape[0]")
     if use_triton(inp, pos, out):
-        from mcore_kernels._tensor_ops_triton import slice_after_triton
-
-        return slice_after_triton(inp, pos, out)
+        return _slice_after_triton(inp, pos, out)
     return slice_after_reference(inp, pos, out)
 
 
@@ -185,14 +301,12 @@ def merge(
             )
     check_same_device(a=a, b=b, pos=pos, out=out)
     if _compile.compiling():
-        if _compile.CUSTOM_OPS:
-            # The op writes one declared tensor: ``a`` for an in-place merge, else ``out``.
-            if out is None:
-                _merge_op(a, None, b, pos, check_bounds)
-                return a
-            _merge_op(out, a, b, pos, check_bounds)
-            return out
-        return _compile.run_eagerly(_merge_run, a, b, pos, out, check_bounds)
+        # The op writes one declared tensor: ``a`` for an in-place merge, else ``out``.
+        if out is None:
+            _merge_op(a, None, b, pos, check_bounds)
+            return a
+        _merge_op(out, a, b, pos, check_bounds)
+        return out
     return _merge_run(a, b, pos, out, check_bounds)
 
 
@@ -206,9 +320,7 @@ def _merge_run(
     if check_bounds:
         _check_pos(pos, a.shape[0], "a.shape[0]")
     if use_triton(a, b, pos):
-        from mcore_kernels._tensor_ops_triton import merge_triton
-
-        return merge_triton(a, b, pos, out)
+        return _merge_triton(a, b, pos, out)
     return merge_reference(a, b, pos, out)
 
 
@@ -265,10 +377,8 @@ def masked_update(
         )
     check_same_device(states=states, idx=idx, new_states=new_states)
     if _compile.compiling():
-        if _compile.CUSTOM_OPS:
-            _masked_update_op(states, idx, new_states, check_bounds)
-            return states
-        return _compile.run_eagerly(_masked_update_run, states, idx, new_states, check_bounds)
+        _masked_update_op(states, idx, new_states, check_bounds)
+        return states
     return _masked_update_run(states, idx, new_states, check_bounds)
 
 
@@ -282,9 +392,7 @@ def _masked_update_run(
                 f"idx holds {int(idx[bad][0])}, outside [0, {states.shape[0]}) and not -1 (states.shape[0])"
             )
     if use_triton(states, idx, new_states):
-        from mcore_kernels._tensor_ops_triton import masked_update_triton
-
-        return masked_update_triton(states, idx, new_states)
+        return _masked_update_triton(states, idx, new_states)
     return masked_update_reference(states, idx, new_states)
 
 
@@ -299,8 +407,7 @@ def _masked_update_op(
     _masked_update_run(states, idx, new_states, check_bounds)
 
 
-if _compile.CUSTOM_OPS:
-    # In-place ops return nothing: their fake implementations have nothing to compute.
-    _slice_after_op.register_fake(lambda inp, pos, out, check_bounds: None)
-    _merge_op.register_fake(lambda dst, a, b, pos, check_bounds: None)
-    _masked_update_op.register_fake(lambda states, idx, new_states, check_bounds: None)
+# In-place ops return nothing: their fake implementations have nothing to compute.
+_slice_after_op.register_fake(lambda inp, pos, out, check_bounds: None)
+_merge_op.register_fake(lambda dst, a, b, pos, check_bounds: None)
+_masked_update_op.register_fake(lambda states, idx, new_states, check_bounds: None)

@@ -1,17 +1,571 @@
-"""Per-token log-probabilities (and entropies) over a full or vocabulary-parallel vocabulary."""
+"""Per-token log-probabilities (and entropies): Triton kernels, launchers, autograd, custom ops.
+
+Forward: one program per row streams the row's logits in chunks of ``BLOCK_V`` (a function of
+the vocabulary size only), keeping a running maximum, the running sum of ``exp(z - max)`` and,
+for the entropy, the running sum of ``exp(z - max) * z``; every value is upcast to float32 in
+registers, so no float32 copy of the logits is ever made. The per-row statistics of a
+vocabulary shard are combined across the tensor-parallel group in torch (a few floats per row).
+
+Backward: one program per row writes ``d(logits)`` in the logits' dtype, the only logits-sized
+buffer of the whole computation:
+``dz = g_logprob * (onehot - p) - g_entropy * p * (z - E[z])`` with ``p = exp(z - lse)``.
+
+Rows of a vocabulary whose size in bytes is not a multiple of 16 (GPT-2's 50257) start at
+unaligned addresses: each row is walked from the 16-byte boundary below its start, with masks
+only on its first and last chunk, so the chunks between are unmasked 16-byte vector accesses.
+
+No host synchronisation by default: a target outside ``[0, vocab)`` that is not
+``ignore_index`` yields a NaN log-probability (a device-side check); ``check_targets=True``
+raises a :class:`~mcore_kernels.errors.KernelValueError` instead, at the cost of a host sync.
+Eager calls go straight to the launchers; while ``torch.compile`` traces a call it becomes the
+custom op ``torch.ops.mcore_kernels.token_logprobs_fwd`` with the registered backward.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
-from mcore_kernels._token_logprobs_op import token_logprobs_via_op
-from mcore_kernels._validation import check_token_logprobs_args
-from mcore_kernels.reference import token_logprobs_reference
+from mcore_kernels._triton_utils import (
+    CachedLauncher,
+    as_rows,
+    jit,
+    next_power_of_2,
+    on_device_of,
+    round_to,
+    tl,
+)
+from mcore_kernels._validation import check_target_range, check_token_logprobs_args
+from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
+from mcore_kernels.reference import token_logprobs_parts, token_logprobs_reference
 
-__all__ = ["token_logprobs"]
+__all__ = ["FORWARD_STAGES", "MAX_BLOCK_V", "token_logprobs"]
+
+MAX_BLOCK_V = 4096
+"""Widest vocabulary chunk a program holds in registers at once."""
+
+FORWARD_STAGES = 1
+"""Software-pipelining depth of the forward's vocabulary loop (``tl.range(num_stages=...)``)."""
+
+_ALIGN_BYTES = 16
+
+
+@functools.lru_cache(maxsize=64)
+def _block_and_warps(vocab: int, backward: bool) -> tuple[int, int]:
+    """Vocabulary chunk and warps of one program; a function of the vocabulary size only.
+
+    From the sweep of ``benchmarks/tune_launch_configs.py`` on an H200 (results under
+    ``benchmarks/results/nvidia-h200/launch_configs.md``): the forward streams fastest with
+    4096-wide chunks and 4 warps; the backward, which also writes the gradient, with 2048-wide
+    chunks and 16 warps (1.33 ms against 1.58 ms for 4096 and 8 warps at [8192, 151936] bf16,
+    and 16-21 % faster at [1024, 151936] and [8192, 50257]).
+    """
+    if backward:
+        block = min(next_power_of_2(vocab), 2048)
+        return block, 16 if block >= 2048 else 4
+    return min(next_power_of_2(vocab), MAX_BLOCK_V), 4
+
+
+@jit
+def _lse_step(z, running_max, running_sum, running_weighted, WITH_ENTROPY: tl.constexpr):
+    new_max = tl.maximum(running_max, tl.max(z, axis=0))
+    # While every logit so far is -inf the shift is undefined; keep the sums at zero.
+    shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+    scale = tl.exp(running_max - shift)
+    exps = tl.exp(z - shift)
+    running_sum = running_sum * scale + tl.sum(exps, axis=0)
+    if WITH_ENTROPY:
+        # exp(-inf) * -inf would be nan: masked logits contribute nothing.
+        weighted = exps * tl.where(exps > 0.0, z, 0.0)
+        running_weighted = running_weighted * scale + tl.sum(weighted, axis=0)
+    return new_max, running_sum, running_weighted
+
+
+@jit
+def _token_logprobs_fwd_kernel(
+    logits_ptr,
+    targets_ptr,
+    stats_ptr,
+    rows,
+    row_stride,
+    vocab,
+    vocab_start,
+    total_vocab,
+    ignore_index,
+    inv_temperature,
+    WITH_ENTROPY: tl.constexpr,
+    FULL_VOCAB: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    # stats rows: 0 log-prob (or the target logit of a shard), 1 lse, 2 entropy, 3 E[z].
+    row = tl.program_id(0).to(tl.int64)
+    row_start = row * row_stride
+    lead = row_start % ALIGN
+    base = logits_ptr + tl.multiple_of(row_start - lead, ALIGN)
+    end = vocab + lead
+    cols = tl.arange(0, BLOCK_V)
+    running_max = -float("inf")
+    running_sum = 0.0
+    running_weighted = 0.0
+    # First chunk: masked below the row start (and at its end for short rows).
+    head = tl.load(base + cols, mask=(cols >= lead) & (cols < end), other=-float("inf"))
+    z = head.to(tl.float32) * inv_temperature
+    running_max, running_sum, running_weighted = _lse_step(
+        z, running_max, running_sum, running_weighted, WITH_ENTROPY
+    )
+    full_end = (end // BLOCK_V) * BLOCK_V
+    for start in tl.range(BLOCK_V, full_end, BLOCK_V, num_stages=NUM_STAGES):
+        z = tl.load(base + start + cols).to(tl.float32) * inv_temperature
+        running_max, running_sum, running_weighted = _lse_step(
+            z, running_max, running_sum, running_weighted, WITH_ENTROPY
+        )
+    if (full_end >= BLOCK_V) & (full_end < end):
+        offs = full_end + cols
+        tail = tl.load(base + offs, mask=offs < end, other=-float("inf"))
+        z = tail.to(tl.float32) * inv_temperature
+        running_max, running_sum, running_weighted = _lse_step(
+            z, running_max, running_sum, running_weighted, WITH_ENTROPY
+        )
+    lse = running_max + tl.log(running_sum)
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    valid = target != ignore_index
+    local = target - vocab_start
+    in_shard = valid & (local >= 0) & (local < vocab)
+    target_logit = tl.load(
+        logits_ptr + row_start + tl.where(in_shard, local, 0), mask=in_shard, other=0.0
+    ).to(tl.float32)
+    target_logit = tl.where(in_shard, target_logit * inv_temperature, 0.0)
+    tl.store(stats_ptr + rows + row, lse)
+    if FULL_VOCAB:
+        # A target outside the vocabulary gives NaN: checked here, with no host sync.
+        out_of_range = valid & ((target < 0) | (target >= total_vocab))
+        logprob = tl.where(valid, target_logit - lse, 0.0)
+        tl.store(stats_ptr + row, tl.where(out_of_range, float("nan"), logprob))
+    else:
+        tl.store(stats_ptr + row, target_logit)
+    if WITH_ENTROPY:
+        expected = running_weighted / tl.where(running_sum > 0.0, running_sum, 1.0)
+        if FULL_VOCAB:
+            tl.store(stats_ptr + 2 * rows + row, tl.where(valid, lse - expected, 0.0))
+        tl.store(stats_ptr + 3 * rows + row, expected)
+
+
+@jit
+def _logits_grad(
+    z, column, local, lse, grad_logprob, grad_entropy, expected, WITH_ENTROPY: tl.constexpr
+):
+    probs = tl.exp(z - lse)
+    dz = tl.where(column == local, grad_logprob, 0.0) - grad_logprob * probs
+    if WITH_ENTROPY:
+        dz -= grad_entropy * probs * (tl.where(probs > 0.0, z, 0.0) - expected)
+    return dz
+
+
+@jit
+def _token_logprobs_bwd_kernel(
+    logits_ptr,
+    targets_ptr,
+    lse_ptr,
+    expected_ptr,
+    grad_logprob_ptr,
+    grad_entropy_ptr,
+    grad_logits_ptr,
+    row_stride,
+    vocab,
+    vocab_start,
+    ignore_index,
+    inv_temperature,
+    WITH_ENTROPY: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # The gradient has the logits' strides, so both rows share one alignment.
+    row = tl.program_id(0).to(tl.int64)
+    row_start = row * row_stride
+    lead = row_start % ALIGN
+    aligned = tl.multiple_of(row_start - lead, ALIGN)
+    base = logits_ptr + aligned
+    out = grad_logits_ptr + aligned
+    end = vocab + lead
+    cols = tl.arange(0, BLOCK_V)
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    # Ignored rows get zero coefficients, hence exactly zero gradient.
+    valid = target != ignore_index
+    local = target - vocab_start + lead
+    lse = tl.load(lse_ptr + row)
+    grad_logprob = tl.where(valid, tl.load(grad_logprob_ptr + row).to(tl.float32), 0.0)
+    grad_entropy = 0.0
+    expected = 0.0
+    if WITH_ENTROPY:
+        grad_entropy = tl.where(valid, tl.load(grad_entropy_ptr + row).to(tl.float32), 0.0)
+        expected = tl.load(expected_ptr + row)
+    out_dtype = grad_logits_ptr.dtype.element_ty
+    mask = (cols >= lead) & (cols < end)
+    z = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_temperature
+    dz = _logits_grad(z, cols, local, lse, grad_logprob, grad_entropy, expected, WITH_ENTROPY)
+    tl.store(out + cols, round_to(dz * inv_temperature, out_dtype), mask=mask)
+    full_end = (end // BLOCK_V) * BLOCK_V
+    for start in tl.range(BLOCK_V, full_end, BLOCK_V):
+        offs = start + cols
+        z = tl.load(base + offs).to(tl.float32) * inv_temperature
+        dz = _logits_grad(z, offs, local, lse, grad_logprob, grad_entropy, expected, WITH_ENTROPY)
+        tl.store(out + offs, round_to(dz * inv_temperature, out_dtype))
+    if (full_end >= BLOCK_V) & (full_end < end):
+        offs = full_end + cols
+        mask = offs < end
+        z = tl.load(base + offs, mask=mask, other=-float("inf")).to(tl.float32) * inv_temperature
+        dz = _logits_grad(z, offs, local, lse, grad_logprob, grad_entropy, expected, WITH_ENTROPY)
+        tl.store(out + offs, round_to(dz * inv_temperature, out_dtype), mask=mask)
+
+
+_FORWARD = CachedLauncher(_token_logprobs_fwd_kernel)
+
+
+def _row_stride(logits: torch.Tensor) -> int:
+    """Elements between rows: contiguous logits of any rank, or ``[rows, V]`` with strided rows."""
+    return logits.shape[-1] if logits.is_contiguous() else logits.stride(0)
+
+
+_BACKWARD = CachedLauncher(_token_logprobs_bwd_kernel)
+
+
+def _forward(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    inv_temperature: float,
+    group: dist.ProcessGroup | None,
+    with_entropy: bool,
+    ignore_index: int,
+    launch: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward and combine the shards' statistics.
+
+    ``logits`` is contiguous or ``[rows, V]`` with unit stride in ``V``; ``targets`` is
+    contiguous with one id per row. Returns ``(logprobs, entropy, lse, expected)``, float32
+    shaped like ``targets`` each, the last two over
+    the full vocabulary; without ``with_entropy``, ``entropy`` and ``expected`` alias ``lse``.
+    ``launch`` overrides ``(BLOCK_V, warps, stages)`` (the tuner's sweep).
+    """
+    rank, world = group_rank_and_size(group)
+    vocab = logits.shape[-1]
+    rows = targets.numel()
+    # Results take the targets' shape directly: no reshapes on the hot path.
+    stats = logits.new_empty((4 if with_entropy else 2, *targets.shape), dtype=torch.float32)
+    if rows > 0:
+        block, warps = _block_and_warps(vocab, False)
+        stages = FORWARD_STAGES
+        if launch is not None:
+            block, warps, stages = launch
+        _FORWARD(
+            (rows,),
+            (
+                logits,
+                targets,
+                stats,
+                rows,
+                _row_stride(logits),
+                vocab,
+                rank * vocab,
+                vocab * world,
+                ignore_index,
+                inv_temperature,
+            ),
+            {
+                "WITH_ENTROPY": with_entropy,
+                "FULL_VOCAB": world == 1,
+                "ALIGN": _ALIGN_BYTES // logits.element_size(),
+                "BLOCK_V": block,
+                "NUM_STAGES": stages,
+            },
+            warps,
+            logits.get_device(),
+        )
+    if world == 1:
+        if with_entropy:
+            logprobs, lse, entropy, expected = stats.unbind(0)
+            return logprobs, entropy, lse, expected
+        logprobs, lse = stats.unbind(0)
+        return logprobs, lse, lse, lse
+    lse, target_logit, global_expected = combine_shard_stats(
+        stats[1], stats[0], stats[3] if with_entropy else None, group
+    )
+    valid = targets != ignore_index
+    zeros = torch.zeros_like(lse)
+    out_of_range = valid & ((targets < 0) | (targets >= vocab * world))
+    logprobs = torch.where(valid, target_logit - lse, zeros)
+    logprobs = torch.where(out_of_range, torch.full_like(lse, float("nan")), logprobs)
+    if global_expected is None:
+        return logprobs, lse, lse, lse
+    return logprobs, torch.where(valid, lse - global_expected, zeros), lse, global_expected
+
+
+def _backward(
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    expected: torch.Tensor,
+    inv_temperature: float,
+    vocab_start: int,
+    ignore_index: int,
+    launch: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Launch the backward: ``d(logits)`` with the logits' shape and strides.
+
+    ``launch`` overrides ``(BLOCK_V, warps)`` (the tuner's sweep).
+    """
+    vocab = logits.shape[-1]
+    rows = targets.numel()
+    if logits.is_contiguous():
+        grad_logits = torch.empty_like(logits)
+    else:
+        if logits.stride(0) < vocab:
+            # Rows that share memory (an expanded tensor) cannot share a gradient buffer.
+            logits = logits.contiguous()
+        # The gradient keeps the logits' row stride, so both rows share one alignment.
+        grad_logits = torch.empty_strided(
+            logits.shape, logits.stride(), dtype=logits.dtype, device=logits.device
+        )
+    if not grad_logprobs.is_contiguous():
+        grad_logprobs = grad_logprobs.contiguous()
+    if grad_entropy is None:
+        grad_entropy = grad_logprobs
+    elif not grad_entropy.is_contiguous():
+        grad_entropy = grad_entropy.contiguous()
+    if rows > 0:
+        block, warps = launch or _block_and_warps(vocab, True)
+        _BACKWARD(
+            (rows,),
+            (
+                logits,
+                targets,
+                lse,
+                expected,
+                grad_logprobs,
+                grad_entropy,
+                grad_logits,
+                _row_stride(logits),
+                vocab,
+                vocab_start,
+                ignore_index,
+                inv_temperature,
+            ),
+            {
+                "WITH_ENTROPY": grad_entropy is not grad_logprobs,
+                "ALIGN": _ALIGN_BYTES // logits.element_size(),
+                "BLOCK_V": block,
+            },
+            warps,
+            logits.get_device(),
+        )
+    return grad_logits
+
+
+class _TokenLogprobsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, inv_temperature, group, with_entropy, ignore_index):  # type: ignore[override]
+        logprobs, entropy, lse, expected = _forward(
+            logits, targets, inv_temperature, group, with_entropy, ignore_index
+        )
+        ctx.save_for_backward(logits, targets, lse, expected)
+        ctx.inv_temperature = inv_temperature
+        ctx.with_entropy = with_entropy
+        ctx.vocab_start = group_rank_and_size(group)[0] * logits.shape[-1]
+        ctx.ignore_index = ignore_index
+        return (logprobs, entropy) if with_entropy else logprobs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy=None):  # type: ignore[override]
+        logits, targets, lse, expected = ctx.saved_tensors
+        with on_device_of(logits):
+            grad_logits = _backward(
+                grad_logprobs,
+                grad_entropy if ctx.with_entropy else None,
+                logits,
+                targets,
+                lse,
+                expected,
+                ctx.inv_temperature,
+                ctx.vocab_start,
+                ctx.ignore_index,
+            )
+        return grad_logits, None, None, None, None, None
+
+
+# --- torch.compile: the custom ops -----------------------------------------------------------
+
+
+def _triton_dispatch(logits: torch.Tensor) -> bool:
+    return logits.dtype != torch.float64 and use_triton(logits)
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@_compile.custom_op(
+    "token_logprobs_fwd",
+    "(Tensor logits, Tensor targets, float temperature, str group_name, bool with_entropy, "
+    "int ignore_index, bool check_targets) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _token_logprobs_fwd_op(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    group_name: str,
+    with_entropy: bool,
+    ignore_index: int,
+    check_targets: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    group = _compile.resolve_group(group_name)
+    if check_targets:
+        check_target_range(targets, logits.shape[-1] * group_rank_and_size(group)[1], ignore_index)
+    if _triton_dispatch(logits):
+        with on_device_of(logits):
+            logprobs, entropy, lse, expected = _forward(
+                as_rows(logits),
+                targets.reshape(-1).contiguous(),
+                1.0 / temperature,
+                group,
+                with_entropy,
+                ignore_index,
+            )
+        logprobs = logprobs.reshape(targets.shape)
+        entropy = entropy.reshape(targets.shape)
+    else:
+        parts = token_logprobs_parts(
+            logits, targets, temperature, group, with_entropy, ignore_index
+        )
+        logprobs, entropy, lse, expected = parts  # type: ignore[assignment]
+    # Outputs of a custom op may neither alias each other nor be None: copies and empty stand-ins.
+    empty = logprobs.new_empty(0)
+    return (
+        logprobs.clone(),
+        entropy.clone() if with_entropy else empty,
+        lse.clone(),
+        expected.clone() if with_entropy else empty.clone(),
+    )
+
+
+@_compile.custom_op(
+    "token_logprobs_bwd",
+    "(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, Tensor targets, Tensor lse, "
+    "Tensor expected, float temperature, str group_name, int ignore_index) -> Tensor",
+)
+def _token_logprobs_bwd_op(
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    expected: torch.Tensor,
+    temperature: float,
+    group_name: str,
+    ignore_index: int,
+) -> torch.Tensor:
+    group = _compile.resolve_group(group_name)
+    if _triton_dispatch(logits):
+        rank, _ = group_rank_and_size(group)
+        with on_device_of(logits):
+            grad = _backward(
+                grad_logprobs.reshape(-1),
+                grad_entropy.reshape(-1) if grad_entropy is not None else None,
+                as_rows(logits),
+                targets.reshape(-1).contiguous(),
+                lse,
+                expected,
+                1.0 / temperature,
+                rank * logits.shape[-1],
+                ignore_index,
+            )
+        return grad.reshape(logits.shape).contiguous()
+    # The torch dispatch differentiates the one reference instead of a second formula.
+    with _compile.autograd_inside_op():
+        leaf = logits.detach().requires_grad_()
+        with_entropy = grad_entropy is not None
+        logprobs, entropy, _, _ = token_logprobs_parts(
+            leaf, targets, temperature, group, with_entropy, ignore_index
+        )
+        outputs, grads = [logprobs], [grad_logprobs]
+        if entropy is not None and grad_entropy is not None:
+            outputs.append(entropy)
+            grads.append(grad_entropy)
+        (grad,) = torch.autograd.grad(outputs, leaf, grads)
+    return grad.contiguous()
+
+
+@_token_logprobs_fwd_op.register_fake
+def _token_logprobs_fwd_fake(
+    logits, targets, temperature, group_name, with_entropy, ignore_index, check_targets
+):
+    dtype = _stats_dtype(logits.dtype)
+    rows = targets.numel()
+    logprobs = logits.new_empty(targets.shape, dtype=dtype)
+    entropy = logits.new_empty(targets.shape if with_entropy else (0,), dtype=dtype)
+    expected = logits.new_empty((rows,) if with_entropy else (0,), dtype=dtype)
+    return logprobs, entropy, logits.new_empty((rows,), dtype=dtype), expected
+
+
+@_token_logprobs_bwd_op.register_fake
+def _token_logprobs_bwd_fake(grad_logprobs, grad_entropy, logits, targets, lse, expected, *args):
+    return logits.new_empty(logits.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, targets, temperature, group_name, with_entropy, ignore_index, _ = inputs
+    _, _, lse, expected = output
+    ctx.save_for_backward(logits, targets, lse, expected)
+    ctx.arguments = (temperature, group_name, ignore_index)
+    ctx.with_entropy = with_entropy
+
+
+def _op_backward(ctx, grad_logprobs, grad_entropy, _grad_lse, _grad_expected):
+    logits, targets, lse, expected = ctx.saved_tensors
+    grad_logits = _token_logprobs_bwd_op(
+        grad_logprobs,
+        grad_entropy if ctx.with_entropy else None,
+        logits,
+        targets,
+        lse,
+        expected if ctx.with_entropy else lse,
+        *ctx.arguments,
+    )
+    return grad_logits, None, None, None, None, None, None
+
+
+_token_logprobs_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# --- public API ---------------------------------------------------------------------------------
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+def _plainly_valid(
+    logits: object, targets: object, temperature: object, ignore_index: object
+) -> bool:
+    """Cheap check of the common valid call; False sends the call through the full checks."""
+    return (
+        type(temperature) is float
+        and 0.0 < temperature < float("inf")
+        and type(ignore_index) is int
+        and isinstance(logits, torch.Tensor)
+        and isinstance(targets, torch.Tensor)
+        and logits.dtype in _KERNEL_DTYPES
+        and targets.dtype in _TARGET_DTYPES
+        and logits.dim() >= 1
+        and logits.shape[-1] != 0
+        and targets.shape == logits.shape[:-1]
+        and targets.device == logits.device
+    )
 
 
 def token_logprobs(
@@ -22,7 +576,7 @@ def token_logprobs(
     group: dist.ProcessGroup | None = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
-    check_targets: bool = True,
+    check_targets: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of the target tokens, ``log_softmax(logits / temperature)[target]``.
 
@@ -30,7 +584,9 @@ def token_logprobs(
     of the logits is ever made, and its backward writes ``d(logits)`` into one logits-sized
     buffer. With ``group`` the logits are this rank's contiguous vocabulary shard (rank ``r`` of
     ``tp`` holds ids ``[r * V, (r + 1) * V)``); the per-row statistics are combined across the
-    group in rank order and the backward needs no communication.
+    group in rank order and the backward needs no communication. The default call never waits
+    for the GPU (no host synchronisation), so it overlaps with other work and is capturable in
+    a CUDA graph.
 
     Args:
         logits: ``[..., V]`` logits (float16, bfloat16, float32; float64 on the reference), or
@@ -40,9 +596,10 @@ def token_logprobs(
         group: tensor-parallel process group over which the vocabulary is sharded, or None.
         return_entropy: also return the entropy of each row's distribution.
         ignore_index: rows whose target equals it give 0 (and 0 entropy) and no gradient.
-        check_targets: raise on targets outside the vocabulary; this reads a flag on the host
-            (a sync on CUDA) and is skipped during CUDA graph capture. With False, out-of-range
-            targets give meaningless values instead of an error.
+        check_targets: opt-in check that raises on targets outside the vocabulary; it reads a
+            flag on the host (a sync on CUDA) and is skipped during CUDA graph capture. Without
+            it (the default) such a target is detected on the device and gives a NaN
+            log-probability, so a bad id never passes silently.
 
     Returns:
         float32 log-probabilities shaped like ``targets``; with ``return_entropy`` the pair
@@ -52,56 +609,52 @@ def token_logprobs(
         KernelDtypeError: unsupported dtypes.
         KernelShapeError: ``targets`` does not match ``logits``.
         KernelDeviceError: tensors on different devices.
-        KernelValueError: bad ``temperature`` or a target outside the vocabulary.
+        KernelValueError: bad ``temperature``, or with ``check_targets`` a target outside the
+            vocabulary.
         KernelBackendError: ``MCORE_KERNELS_BACKEND`` asks for a backend that cannot run.
     """
-    check_token_logprobs_args(
-        logits,
-        targets,
-        temperature,
-        ignore_index,
-        group=group,
-        # Under torch.compile the range check (a host sync) runs inside the op.
-        check_targets=check_targets and not _compile.compiling(),
-    )
     if _compile.compiling():
-        if _compile.CUSTOM_OPS:
-            return token_logprobs_via_op(
-                logits,
-                targets,
-                temperature,
-                _compile.group_name(group),
-                return_entropy,
-                ignore_index,
-                check_targets,
-            )
-        return _compile.run_eagerly(
-            token_logprobs,
+        # The range check (a host sync) runs inside the op, when the compiled graph runs.
+        check_token_logprobs_args(
+            logits, targets, temperature, ignore_index, group=group, check_targets=False
+        )
+        logprobs, entropy, _, _ = _token_logprobs_fwd_op(
+            logits,
+            targets,
+            float(temperature),
+            _compile.group_name(group),
+            return_entropy,
+            ignore_index,
+            check_targets,
+        )
+        return (logprobs, entropy) if return_entropy else logprobs
+    if check_targets or not _plainly_valid(logits, targets, temperature, ignore_index):
+        check_token_logprobs_args(
+            logits, targets, temperature, ignore_index, group=group, check_targets=check_targets
+        )
+    if logits.dtype == torch.float64 or not use_triton(logits):
+        return token_logprobs_reference(
             logits,
             targets,
             temperature=temperature,
             group=group,
             return_entropy=return_entropy,
             ignore_index=ignore_index,
-            check_targets=check_targets,
         )
-    if logits.dtype != torch.float64 and use_triton(logits, targets):
-        from mcore_kernels._token_logprobs_triton import token_logprobs_triton
-
-        return token_logprobs_triton(
-            logits,
-            targets,
-            temperature=float(temperature),
-            group=group,
-            return_entropy=return_entropy,
-            ignore_index=ignore_index,
-        )
-    return token_logprobs_reference(
-        logits,
-        targets,
-        temperature=temperature,
-        group=group,
-        return_entropy=return_entropy,
-        ignore_index=ignore_index,
-        check_targets=False,  # checked above
-    )
+    if not logits.is_contiguous():
+        logits = as_rows(logits)
+    if not targets.is_contiguous():
+        targets = targets.contiguous()
+    inv_temperature = 1.0 / temperature
+    with on_device_of(logits):
+        if torch.is_grad_enabled() and logits.requires_grad:
+            out = _TokenLogprobsFunction.apply(
+                logits, targets, inv_temperature, group, return_entropy, ignore_index
+            )
+        else:
+            logprobs, entropy, _, _ = _forward(
+                logits, targets, inv_temperature, group, return_entropy, ignore_index
+            )
+            out = (logprobs, entropy) if return_entropy else logprobs
+    # The results already have the targets' shape, also where strided logits became rows.
+    return out

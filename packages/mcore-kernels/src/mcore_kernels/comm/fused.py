@@ -71,8 +71,6 @@ def fused_rs_add_rmsnorm_ag(
     """
     pair = check_fused_args(partial, residual, weight, eps, group, out)
     if _compile.compiling():
-        if not _compile.CUSTOM_OPS:
-            return _compile.run_eagerly(_fused_run, partial, residual, weight, eps, group, pair)
         normed, new_residual = _fused_op(
             partial, residual, weight, float(eps), _compile.group_name(group)
         )
@@ -117,7 +115,6 @@ def _fused_op(
     return _fused_run(partial, residual, weight, eps, _compile.resolve_group(group_name), None)
 
 
-if _compile.CUSTOM_OPS:
-    _fused_op.register_fake(
-        lambda partial, *args: (partial.new_empty(partial.shape), partial.new_empty(partial.shape))
-    )
+_fused_op.register_fake(
+    lambda partial, *args: (partial.new_empty(partial.shape), partial.new_empty(partial.shape))
+)
