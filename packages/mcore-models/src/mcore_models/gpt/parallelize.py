@@ -19,7 +19,8 @@ tokens (RMSNorm weights), and the per-head QK-norm weights under TP, are marked
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,13 +44,7 @@ if TYPE_CHECKING:
     from mcore_models.gpt.model import GPTModel
     from mcore_parallel.state import ParallelState
 
-__all__ = [
-    "CopyToTensorParallel",
-    "GatherSequence",
-    "GatherVocabShards",
-    "gather_sequence",
-    "parallelize_gpt",
-]
+__all__ = ["TensorParallelMapping", "gather_sequence", "parallelize_gpt"]
 
 _SEQUENCE_DIM = 1
 
@@ -211,81 +206,46 @@ def parallelize_gpt(
     if model.output_layer is not None:
         model.output_layer = _column(model.output_layer, state, False)  # type: ignore[arg-type]
     if model.post_process:
-        model.logits_input = CopyToTensorParallel(state.tp_group)
-        model.logits_gather = GatherVocabShards(state.tp_group)
+        model.logits_input = TensorParallelMapping(copy_to_tensor_parallel_region, state.tp_group)
+        model.logits_gather = TensorParallelMapping(
+            gather_from_tensor_parallel_region, state.tp_group
+        )
         if sp:
-            model.sequence_gather = GatherSequence(state.tp_group)
+            model.sequence_gather = TensorParallelMapping(gather_sequence, state.tp_group)
     model.tp_group = state.tp_group
     model.sequence_parallel_size = tp if sp else 1
 
 
-class CopyToTensorParallel(nn.Module):
-    """Identity forward, gradient summed over the TP group (input of a vocab-parallel head).
+class TensorParallelMapping(nn.Module):
+    """A communication step of mcore-parallel over the tensor-parallel group, as a module.
+
+    ``parallelize`` installs these at the output head of a model (copy to the TP region,
+    all-gather of vocabulary shards, all-gather of the sequence), so the model's forward calls
+    modules and never branches on the layout.
 
     Args:
+        mapping: ``mapping(tensor, group)``, e.g.
+            ``mcore_parallel.tensor_parallel.mappings.copy_to_tensor_parallel_region``.
         group: Tensor-parallel group.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, mapping: Callable[[torch.Tensor, dist.ProcessGroup], torch.Tensor], group: Any
+    ) -> None:
         super().__init__()
+        self.mapping = mapping
         self.group = group
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Return the activations unchanged (the gradient is summed over the group).
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Apply the mapping.
 
         Args:
-            hidden: Replicated activations.
+            tensor: Input activations.
 
         Returns:
-            The same values.
+            The mapped tensor (differentiable).
         """
-        return copy_to_tensor_parallel_region(hidden, self.group)
-
-
-class GatherVocabShards(nn.Module):
-    """All-gather vocabulary-sharded logits (differentiable); ``group`` is the TP group.
-
-    Args:
-        group: Tensor-parallel group.
-    """
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.group = group
-
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        """Gather the full vocabulary.
-
-        Args:
-            logits: ``[..., V / tp]`` shard.
-
-        Returns:
-            ``[..., V]`` logits.
-        """
-        return gather_from_tensor_parallel_region(logits, self.group)
-
-
-class GatherSequence(nn.Module):
-    """All-gather sequence-parallel hidden states along dimension 1 (gradient split back).
-
-    Args:
-        group: Tensor-parallel group.
-    """
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.group = group
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Gather the full sequence.
-
-        Args:
-            hidden: ``[B, T / tp, H]``.
-
-        Returns:
-            ``[B, T, H]``.
-        """
-        return gather_sequence(hidden, self.group)
+        return self.mapping(tensor, self.group)
 
 
 def gather_sequence(hidden: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
