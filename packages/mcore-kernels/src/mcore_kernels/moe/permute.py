@@ -106,7 +106,9 @@ class PermuteTokensFunction(torch.autograd.Function):
         (slots,) = ctx.saved_tensors
         grad = grad.contiguous()
         if not ctx.triton:
-            rows = permute_tokens_reference(grad, slots).view(-1, ctx.top_k, grad.shape[-1])
+            rows = permute_tokens_reference(grad, slots).view(
+                slots.shape[0] // ctx.top_k, ctx.top_k, grad.shape[-1]
+            )
             return rows.sum(dim=1), None, None, None
         return _sum_rows(grad, slots, ctx.top_k, None), None, None, None
 
@@ -140,16 +142,21 @@ class UnpermuteCombineFunction(torch.autograd.Function):
             flat_w = weights.reshape(-1)
             if ctx.needs_input_grad[0]:
                 tokens = torch.where(fillers < 0, -1, fillers // top_k)
-                scale = torch.where(fillers < 0, 0, flat_w[fillers.clamp(min=0)])
+                padded_w = torch.cat([flat_w, flat_w.new_zeros(1)])
+                scale = padded_w[torch.where(fillers < 0, flat_w.shape[0], fillers)]
                 grad_y = permute_tokens_reference(grad, tokens) * scale.unsqueeze(-1).to(grad.dtype)
             if ctx.needs_input_grad[1]:
-                rows = permute_tokens_reference(y, slots).float().view(*weights.shape, -1)
+                rows = permute_tokens_reference(y, slots).float().view(*weights.shape, y.shape[-1])
                 grad_w = (rows * grad.float().unsqueeze(1)).sum(-1).to(weights.dtype)
             return grad_y, grad_w, None, None
         from mcore_kernels.moe._triton import weight_grad_kernel
 
         if ctx.needs_input_grad[0]:
-            grad_y = _gather_rows(grad, fillers, top_k, weights.reshape(-1))
+            if weights.numel():
+                grad_y = _gather_rows(grad, fillers, top_k, weights.reshape(-1))
+            else:
+                # No assignment: every row is padding.
+                grad_y = torch.zeros_like(y)
         if ctx.needs_input_grad[1]:
             out = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)
             if weights.numel():

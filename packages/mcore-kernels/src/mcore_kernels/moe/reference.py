@@ -86,7 +86,7 @@ def unpermute_combine_reference(
         ``[T, H]`` in the dtype of ``y``.
     """
     num_tokens, top_k = weights.shape
-    rows = permute_tokens_reference(y, slots).float().view(num_tokens, top_k, -1)
+    rows = permute_tokens_reference(y, slots).float().view(num_tokens, top_k, y.shape[-1])
     return (rows * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
 
 
