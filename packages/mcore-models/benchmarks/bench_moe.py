@@ -250,9 +250,15 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     factor = layer.capacity_factor
     if factor is None:
 
+        # The experts are a submodule, so that _time's zero_grad clears their gradients (else
+        # every step would add into the previous step's gradients).
         class Experts(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.experts = layer.experts
+
             def forward(self, rows: torch.Tensor) -> torch.Tensor:
-                return layer.experts(rows, counts)
+                return self.experts(rows, counts)
 
         module: nn.Module = Experts()
         rows = permuted
@@ -260,9 +266,13 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
         capacity = expert_capacity(x.shape[0], moe.top_k, moe.num_experts, factor)
 
         class Experts(nn.Module):  # type: ignore[no-redef]
+            def __init__(self) -> None:
+                super().__init__()
+                self.experts = layer.experts
+
             def forward(self, rows: torch.Tensor) -> torch.Tensor:
                 slots = rows.view(moe.num_experts, capacity, -1)
-                return layer.experts.forward_padded(slots).flatten(0, 1)
+                return self.experts.forward_padded(slots).flatten(0, 1)
 
         module = Experts()
         rows = torch.randn(moe.num_experts * capacity, x.shape[1], device=x.device, dtype=x.dtype)
