@@ -20,13 +20,28 @@ __all__ = ["PermuteRows", "capacity_slots", "count", "inverse_permutation", "run
 
 
 def count(indices: torch.Tensor, size: int) -> torch.Tensor:
-    """int64 ``[size]`` occurrences of each index (``bincount`` without its host sync)."""
+    """Occurrences of each index (``bincount`` without its host sync).
+
+    Args:
+        indices: int64 indices in ``[0, size)``.
+        size: Number of bins.
+
+    Returns:
+        int64 ``[size]`` counts.
+    """
     counts = torch.zeros(size, dtype=torch.int64, device=indices.device)
     return counts.scatter_add_(0, indices, torch.ones_like(indices))
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """``inverse`` with ``inverse[order[i]] == i`` (a scatter, no second sort)."""
+    """The inverse of a permutation (a scatter, no second sort).
+
+    Args:
+        order: int64 permutation of ``range(len(order))``.
+
+    Returns:
+        ``inverse`` with ``inverse[order[i]] == i``.
+    """
     positions = torch.arange(order.numel(), device=order.device)
     return torch.empty_like(order).scatter_(0, order, positions)
 
