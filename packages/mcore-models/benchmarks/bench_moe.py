@@ -249,7 +249,6 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     counts = torch.bincount(flat, minlength=moe.num_experts)
     factor = layer.capacity_factor
     if factor is None:
-
         # The experts are a submodule, so that _time's zero_grad clears their gradients (else
         # every step would add into the previous step's gradients).
         class Experts(nn.Module):
