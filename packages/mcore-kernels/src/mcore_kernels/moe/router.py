@@ -4,9 +4,9 @@ One Triton program handles a block of tokens: it computes the softmax or sigmoid
 each row of logits, adds the expert bias for the choice, picks the ``top_k`` experts by
 repeated arg-max, gathers, normalises and scales their weights and adds them to the per-expert
 counts (integer atomics, whose result does not depend on their order). The backward pass
-recomputes the scores from the logits and differentiates the weights (and the scores, which
-the auxiliary losses use) in torch: it gathers at distinct indices only, so it is
-deterministic.
+recomputes the scores from the logits and applies the closed-form gradient of the weights (and of the
+scores, which the auxiliary losses use) in a few torch operations: it scatters at distinct
+indices only, so it is deterministic.
 """
 
 from __future__ import annotations
@@ -108,25 +108,69 @@ class MoERouterFunction(torch.autograd.Function):
         grad_counts: Any,
     ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         logits, experts = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = logits.detach().requires_grad_(True)
-            if ctx.score == "softmax":
-                scores = torch.softmax(leaf, dim=-1)
-            else:
-                scores = torch.sigmoid(leaf)
-            weights = scores.gather(1, experts)
-            if ctx.normalize:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-            weights = weights * ctx.scaling
-            outputs, grads = [], []
-            for output, grad in ((weights, grad_weights), (scores, grad_scores)):
-                if grad is not None:
-                    outputs.append(output)
-                    grads.append(grad)
-            if not outputs:
-                return None, None, None, None, None, None
-            (grad_logits,) = torch.autograd.grad(outputs, leaf, grads)
-        return grad_logits, None, None, None, None, None
+        if grad_weights is None and grad_scores is None:
+            return None, None, None, None, None, None
+        return (
+            router_logits_grad(
+                logits,
+                experts,
+                grad_weights,
+                grad_scores,
+                score=ctx.score,
+                normalize=ctx.normalize,
+                scaling=ctx.scaling,
+            ),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def router_logits_grad(
+    logits: torch.Tensor,
+    experts: torch.Tensor,
+    grad_weights: torch.Tensor | None,
+    grad_scores: torch.Tensor | None,
+    *,
+    score: str,
+    normalize: bool,
+    scaling: float,
+) -> torch.Tensor:
+    """Gradient of the router's weights and scores with respect to its logits, in closed form.
+
+    With ``s`` the scores, ``w = scaling * s[e] / (sum s[e] + eps)`` (or ``scaling * s[e]``):
+    ``dL/ds[e_j] = scaling * (g_j - sum_k g_k * w'_k) / (sum s[e] + eps)`` with ``w'`` the
+    normalised weights (``scaling * g_j`` without normalisation), added at the chosen experts
+    (distinct per token, so a plain scatter) to the scores' own gradient; then the softmax or
+    sigmoid backward. A few tensor operations and no nested autograd call, so the backward costs
+    little host time.
+
+    Args:
+        logits: ``[T, E]`` float32 logits.
+        experts: ``[T, top_k]`` chosen experts.
+        grad_weights: ``[T, top_k]`` gradient of the weights, or None.
+        grad_scores: ``[T, E]`` gradient of the scores, or None.
+        score: "softmax" or "sigmoid".
+        normalize: Whether the weights were normalised.
+        scaling: The weights' scaling factor.
+
+    Returns:
+        ``[T, E]`` float32 gradient of the logits.
+    """
+    scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
+    grad = torch.zeros_like(scores) if grad_scores is None else grad_scores.float().clone()
+    if grad_weights is not None:
+        g = grad_weights.float() * scaling
+        chosen = scores.gather(1, experts)
+        if normalize:
+            total = chosen.sum(dim=-1, keepdim=True) + 1e-20
+            g = (g - (g * chosen / total).sum(dim=-1, keepdim=True)) / total
+        grad = grad + torch.zeros_like(scores).scatter_(1, experts, g)
+    if score == "softmax":
+        return scores * (grad - (grad * scores).sum(dim=-1, keepdim=True))
+    return grad * scores * (1.0 - scores)
 
 
 def moe_router(
