@@ -1,13 +1,18 @@
 """MoE layer forward + backward throughput against a dense SwiGLU of the same active parameters.
 
-Each case times ``MoELayer`` (dropless with ``torch._grouped_mm``, dropless with a loop over
-experts, and drop-and-pad with capacity factor 1.25) in the same run on the same GPU as its
-peers: a dense :class:`~mcore_models.gpt.mlp.SwiGLUMLP` whose FFN width is ``top_k *
-expert_ffn`` (the same active matmul parameters per token, router aside) and, where the
-installed transformers has it, the equivalent sparse MoE block of transformers (Mixtral or
-Qwen3-MoE) with its eager and its ``grouped_mm`` experts kernels. Inputs are bf16 ``[tokens, hidden]`` random activations; the backward pass gets a
-fixed random output gradient. Reports ms per forward + backward, tokens/s, active TFLOP/s
-(6 FLOPs per active matmul parameter and token) and the throughput ratio to the dense layer.
+Each case times ``MoELayer`` (dropless with ``torch._grouped_mm`` and the fused
+``mcore_kernels.moe`` router/permute/combine/SwiGLU kernels, the same with the kernels' torch
+references, dropless with a loop over experts where there are few experts, and drop-and-pad
+with capacity factor 1.25) in the same run on the same GPU as its peers: a dense
+:class:`~mcore_models.gpt.mlp.SwiGLUMLP` whose FFN width is ``top_k * expert_ffn`` (the same
+active matmul parameters per token, router aside) and the equivalent sparse MoE block of
+transformers (Mixtral or Qwen3-MoE) with its ``grouped_mm`` experts kernel (and its eager
+experts where there are few experts). Inputs are bf16 ``[tokens, hidden]`` random activations;
+the backward pass gets a fixed random output gradient. Reports ms per forward + backward,
+tokens/s, active TFLOP/s (6 FLOPs per active matmul parameter and token), the throughput ratio
+to the dense layer and, for the mcore layers, the share of the layer time spent outside the
+expert GEMMs (router, permutation, combine: ``1 - experts_ms / layer_ms``, with ``experts_ms``
+the forward + backward of the experts alone on the already permuted tokens).
 
 Run from the repository root on the GPU machine::
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -32,6 +38,7 @@ from torch import nn
 
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
+from mcore_models.moe.config import expert_capacity
 from mcore_models.moe.experts import grouped_mm_supported
 
 CASES = {
@@ -39,7 +46,13 @@ CASES = {
     "mixtral-8x7b": dict(hidden=4096, experts=8, top_k=2, ffn=14336, tokens=8192),
     # Qwen3-30B-A3B layer shape (Qwen3 technical report): 128 experts, top-8, FFN 768.
     "qwen3-30b-a3b": dict(hidden=2048, experts=128, top_k=8, ffn=768, tokens=8192),
+    # DeepSeek-V3 MoE layer shape (arXiv:2412.19437): 256 routed experts, top-8, FFN 2048,
+    # hidden 7168 (the shared expert and group-limited routing left out).
+    "deepseek-v3": dict(hidden=7168, experts=256, top_k=8, ffn=2048, tokens=8192),
+    "deepseek-v3-32k": dict(hidden=7168, experts=256, top_k=8, ffn=2048, tokens=32768),
 }
+FEW_EXPERTS = 16
+"""Cases with at most this many experts also time the loops over experts (slow otherwise)."""
 SMOKE = {"smoke": dict(hidden=64, experts=4, top_k=2, ffn=32, tokens=64)}
 
 
@@ -100,13 +113,22 @@ def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, i
     """Milliseconds per forward + backward (CUDA events on GPU, wall clock on CPU)."""
     inputs = x.requires_grad_(True)
     shaped = inputs if not getattr(module, "wants_3d", False) else inputs[None]
+    backend = getattr(module, "kernel_backend", None)
+    previous = os.environ.get("MCORE_KERNELS_BACKEND")
 
     def step() -> None:
+        if backend is not None:
+            os.environ["MCORE_KERNELS_BACKEND"] = backend
         out = module(shaped)
         out = out.reshape(grad.shape)
         out.backward(grad)
         module.zero_grad(set_to_none=True)
         inputs.grad = None
+        if backend is not None:
+            if previous is None:
+                os.environ.pop("MCORE_KERNELS_BACKEND", None)
+            else:
+                os.environ["MCORE_KERNELS_BACKEND"] = previous
 
     for _ in range(warmup):
         step()
@@ -160,24 +182,32 @@ def run_case(
     generator = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(case["tokens"], case["hidden"], device=device, dtype=dtype, generator=generator)
     grad = torch.randn_like(x)
+    few = case["experts"] <= FEW_EXPERTS
     builders: dict[str, Callable[[], nn.Module]] = {
         "dense SwiGLU (same active params)": lambda: _dense(case, device),
-        "mcore MoELayer dropless, grouped GEMM": lambda: _moe(case, device),
-        "mcore MoELayer dropless, expert loop": lambda: _moe(case, device, grouped_gemm=False),
-        "mcore MoELayer drop-and-pad (capacity 1.25)": lambda: _moe(
-            case, device, capacity_factor=1.25
+        "mcore MoELayer dropless, grouped GEMM, fused kernels": lambda: _moe(case, device),
+        "mcore MoELayer dropless, grouped GEMM, torch references": lambda: _backend(
+            _moe(case, device), "torch"
         ),
-        "transformers sparse MoE block (eager experts)": lambda: _wants_3d(
-            _hf_block(case, device, "eager")
+        "mcore MoELayer drop-and-pad (capacity 1.25), fused kernels": lambda: _moe(
+            case, device, capacity_factor=1.25
         ),
         "transformers sparse MoE block (grouped_mm experts)": lambda: _wants_3d(
             _hf_block(case, device, "grouped_mm")
         ),
     }
+    if few:
+        builders["mcore MoELayer dropless, expert loop"] = lambda: _moe(
+            case, device, grouped_gemm=False
+        )
+        builders["transformers sparse MoE block (eager experts)"] = lambda: _wants_3d(
+            _hf_block(case, device, "eager")
+        )
     active = 3 * case["hidden"] * case["ffn"] * case["top_k"]
     rows = []
     for implementation, build in builders.items():
         row: dict[str, Any] = {"case": name, "implementation": implementation, **case}
+        module: nn.Module | None = None
         try:
             module = build()
             ms = _time(module, x.detach().clone(), grad, warmup, iters)
@@ -189,10 +219,14 @@ def run_case(
                 tokens_per_s=case["tokens"] / ms * 1e3,
                 active_tflops=6 * active * case["tokens"] / ms / 1e9,
             )
-            del module
+            if isinstance(module, MoELayer) and module.experts.grouped_gemm:
+                experts_ms = _time_experts(module, x, warmup, iters)
+                row.update(experts_ms=experts_ms, non_gemm_share=1.0 - experts_ms / ms)
         except Exception as exc:  # a peer that cannot run here is reported, not fatal
             row["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
+        finally:
+            module = None
         rows.append(row)
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -201,6 +235,55 @@ def run_case(
         if dense and "ms" in row:
             row["throughput_vs_dense"] = dense / row["ms"]
     return rows
+
+
+def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> float:
+    """Milliseconds per forward + backward of the layer's experts alone, on the tokens already
+    permuted into expert order (dropless) or into their capacity slots (drop-and-pad)."""
+    moe = layer.moe_config
+    with torch.no_grad():
+        routing = layer.router(x)
+    flat = routing.experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    permuted = x.index_select(0, order // moe.top_k).detach()
+    counts = torch.bincount(flat, minlength=moe.num_experts)
+    factor = layer.capacity_factor
+    if factor is None:
+        # The experts are a submodule, so that _time's zero_grad clears their gradients (else
+        # every step would add into the previous step's gradients).
+        class Experts(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.experts = layer.experts
+
+            def forward(self, rows: torch.Tensor) -> torch.Tensor:
+                return self.experts(rows, counts)
+
+        module: nn.Module = Experts()
+        rows = permuted
+    else:
+        capacity = expert_capacity(x.shape[0], moe.top_k, moe.num_experts, factor)
+
+        class Experts(nn.Module):  # type: ignore[no-redef]
+            def __init__(self) -> None:
+                super().__init__()
+                self.experts = layer.experts
+
+            def forward(self, rows: torch.Tensor) -> torch.Tensor:
+                slots = rows.view(moe.num_experts, capacity, -1)
+                return self.experts.forward_padded(slots).flatten(0, 1)
+
+        module = Experts()
+        rows = torch.randn(moe.num_experts * capacity, x.shape[1], device=x.device, dtype=x.dtype)
+    grad = torch.randn_like(rows)
+    ms = _time(module, rows.clone(), grad, warmup, iters)
+    layer.zero_grad(set_to_none=True)
+    return ms
+
+
+def _backend(module: nn.Module, backend: str) -> nn.Module:
+    module.kernel_backend = backend  # type: ignore[assignment]
+    return module
 
 
 def _wants_3d(module: nn.Module) -> nn.Module:
@@ -212,20 +295,22 @@ def _markdown(device_name: str, rows: list[dict]) -> str:
     lines = [
         f"MoE layer forward + backward on {device_name} (bf16 on GPU)",
         "",
-        "| case | implementation | tokens | ms | tokens/s | active TFLOP/s | vs dense |",
-        "|---|---|---|---|---|---|---|",
+        "| case | implementation | tokens | ms | tokens/s | active TFLOP/s | vs dense | "
+        "outside expert GEMMs |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "ms" not in row:
             lines.append(
                 f"| {row['case']} | {row['implementation']} | {row['tokens']} | "
-                f"error: {row['error'][:60]} | | | |"
+                f"error: {row['error'][:60]} | | | | |"
             )
             continue
         lines.append(
             f"| {row['case']} | {row['implementation']} | {row['tokens']} | {row['ms']:.2f} | "
             f"{row['tokens_per_s']:,.0f} | {row['active_tflops']:.0f} | "
-            f"{row.get('throughput_vs_dense', float('nan')):.2f}x |"
+            f"{row.get('throughput_vs_dense', float('nan')):.2f}x | "
+            + (f"{100 * row['non_gemm_share']:.0f}% |" if "non_gemm_share" in row else "|")
         )
     return "\n".join(lines) + "\n"
 
@@ -239,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run")
+    parser.add_argument("--cases", nargs="*", help="case names to run (default: all)")
     parser.add_argument(
         "--profile", action="store_true", help="also write moe_profile.txt (top operators)"
     )
@@ -248,7 +334,10 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     profiles: list[str] | None = [] if args.profile else None
     for name, case in (SMOKE if args.smoke else CASES).items():
+        if args.cases and name not in args.cases:
+            continue
         rows.extend(run_case(name, case, device, args.smoke, profiles))
+        print(_markdown(device_name, rows), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

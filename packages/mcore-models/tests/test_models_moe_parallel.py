@@ -86,10 +86,15 @@ def _all_checks(checkpoint_dir: str) -> dict[str, float]:
             outputs[f"allgather/{mode}"], outputs[f"alltoall/{mode}"]
         )
     # Capacity 0.5 drops assignments; each source rank drops its own overflow, as one rank does.
-    dropping = _config(capacity_factor=0.5)
-    errors["logits/alltoall/drop"], errors["grads/alltoall/drop"], _ = _compare(
-        dropping, state, False
-    )
+    # Both dispatchers give every expert its capacity per source rank: same drops, same outputs.
+    dropped = {}
+    for dispatcher in ("alltoall", "allgather"):
+        dropping = _config(capacity_factor=0.5, dispatcher=dispatcher)
+        errors[f"logits/{dispatcher}/drop"], errors[f"grads/{dispatcher}/drop"], out = _compare(
+            dropping, state, False
+        )
+        dropped[dispatcher] = out
+    errors["allgather_vs_alltoall/drop"] = _max_error(dropped["allgather"], dropped["alltoall"])
     sharded = parallelize(GPTModel(_config()), state)
     experts = sharded.layers[0].mlp.experts
     errors["local_experts"] = float(experts.gate_up_proj.shape[0] != 2 or experts.num_experts != 2)

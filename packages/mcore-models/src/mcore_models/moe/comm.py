@@ -65,7 +65,11 @@ class ExpertComm:
         return self.etp_group is not None and self.etp_mode == "allreduce"
 
     def sources(self) -> int:
-        """Ranks whose tokens meet at one expert: EP size times ETP size when gathering."""
+        """Number of source ranks whose tokens meet at one expert.
+
+        Returns:
+            The EP size, times the ETP size when the ETP ranks gather their tokens.
+        """
         ep = 1 if self.ep_group is None else dist.get_world_size(self.ep_group)
         etp = dist.get_world_size(self.etp_group) if self.gathers_over_etp else 1
         return ep * etp

@@ -35,16 +35,15 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from mcore_kernels.moe import permute_tokens, unpermute_combine
 from mcore_models.moe.comm import ExpertComm, all_to_all, gather_rows, reduce_scatter_rows
 from mcore_models.moe.experts import GroupedExperts
 from mcore_models.moe.permute import (
-    ExpandTokens,
     PermuteRows,
     capacity_slots,
     count,
     inverse_permutation,
     run_padded,
-    weighted_sum,
 )
 from mcore_parallel.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -173,6 +172,7 @@ def dispatch_and_combine(
     capacity: int | None,
     dispatcher: str,
     comm: ExpertComm | None = None,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Send every token to its experts, run them, and sum their weighted outputs per token.
 
@@ -185,6 +185,7 @@ def dispatch_and_combine(
         capacity: Slots per expert and source rank (drop-and-pad), or None (dropless).
         dispatcher: "alltoall" or "allgather".
         comm: Groups of the layer, or None without expert or expert tensor parallelism.
+        counts: ``[num_experts]`` int64 assignments per expert if the router counted them.
 
     Returns:
         ``([T, hidden]`` combined output, ``[num_experts]`` int64 assignments per expert of
@@ -195,20 +196,19 @@ def dispatch_and_combine(
     if dispatcher == "allgather" and (comm.ep_group is not None or comm.gathers_over_etp):
         return _allgather(x, weights, experts, experts_module, num_experts, capacity, comm)
     flat_experts = experts.reshape(-1)
-    counts = count(flat_experts, num_experts)
+    if counts is None:
+        counts = count(flat_experts, num_experts)
     if capacity is None:
+        # Assignments in expert order; stable, so each expert sees its tokens in order.
         order = torch.argsort(flat_experts, stable=True)
         inverse = inverse_permutation(order)
-        permuted = ExpandTokens.apply(x, order, inverse, top_k)
+        permuted = permute_tokens(x, order // top_k, inverse, top_k)
         outputs = _dropless_alltoall(permuted, counts, experts_module, comm)
-        # Back from expert order to assignment order.
-        per_assignment = PermuteRows.apply(outputs, inverse, order)
-        return weighted_sum(per_assignment, weights), counts
+        return unpermute_combine(outputs, weights, inverse, order), counts
     valid = torch.ones_like(flat_experts, dtype=torch.bool)
     slots = capacity_slots(flat_experts, valid, num_experts, capacity)
     run = _padded_run(experts_module, capacity, comm, exchange=True)
-    per_assignment = run_padded(x, top_k, slots, num_experts * capacity, run)
-    return weighted_sum(per_assignment, weights), counts
+    return run_padded(x, weights, slots, num_experts * capacity, run), counts
 
 
 def _gather(
@@ -242,7 +242,6 @@ def _allgather(
     capacity: int | None,
     comm: ExpertComm,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    top_k = experts.shape[1]
     counts = count(experts.reshape(-1), num_experts)
     dropless = capacity is None
     sizes = [x.shape[0]]
@@ -271,14 +270,13 @@ def _allgather(
             outputs = experts_module(comm.enter_experts(rows), local_counts)
             return comm.leave_experts(outputs)
 
-        per_assignment = run_padded(x, top_k, slots, num_kept, run_kept)
+        combined = run_padded(x, weights, slots, num_kept, run_kept)
     else:
         assert capacity is not None
         sources = comm.sources()
         slots = capacity_slots(flat_experts, valid, local, capacity, sources)
         run = _padded_run(experts_module, capacity, comm, exchange=False)
-        per_assignment = run_padded(x, top_k, slots, local * sources * capacity, run)
-    combined = weighted_sum(per_assignment, weights)
+        combined = run_padded(x, weights, slots, local * sources * capacity, run)
     if comm.gathers_over_etp:
         assert comm.etp_group is not None
         combined = reduce_scatter_to_sequence_parallel_region(combined, comm.etp_group)

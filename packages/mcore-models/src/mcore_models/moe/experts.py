@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mcore_kernels.moe import swiglu
+
 __all__ = ["GroupedExperts", "grouped_mm_supported"]
 
 _GROUPED_MM_PROBES: dict[tuple[str, torch.dtype], bool] = {}
@@ -151,8 +153,7 @@ class GroupedExperts(nn.Module):
         if self.grouped_gemm and grouped_mm_supported(tokens.device, tokens.dtype):
             offsets = counts.cumsum(0).to(torch.int32)
             gate_up = _grouped_linear(tokens, self._gate_up_weight(), offsets)
-            activation = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
-            return _grouped_linear(activation, self.down_proj, offsets)
+            return _grouped_linear(swiglu(gate_up), self.down_proj, offsets)
         outputs = []
         # NOTE: the loop needs the group sizes on the host (one device sync per call).
         for expert, chunk in enumerate(tokens.split(counts.tolist())):
@@ -170,7 +171,6 @@ class GroupedExperts(nn.Module):
         Returns:
             ``[num_experts, capacity, hidden]`` outputs.
         """
-        ffn = self.ffn_hidden_size
         gate_up = _BatchedLinear.apply(tokens, self._gate_up_weight())
-        activation = F.silu(gate_up[..., :ffn]) * gate_up[..., ffn:]
+        activation = swiglu(gate_up.flatten(0, 1)).view(*gate_up.shape[:2], -1)
         return _BatchedLinear.apply(activation, self.down_proj)

@@ -133,6 +133,7 @@ class MoELayer(nn.Module):
             capacity=capacity,
             dispatcher=self.moe_config.dispatcher,
             comm=self.comm,
+            counts=routing.counts,
         )
         self.tokens_per_expert = counts.detach()
         if self.shared_expert is not None:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mcore_kernels.moe import moe_router
 from mcore_models.moe.config import MoEConfig
 
 __all__ = ["RouterOutput", "TopKRouter", "group_limited_top_k", "load_balancing_loss", "z_loss"]
@@ -27,6 +28,8 @@ class RouterOutput:
     """``[T, num_experts]`` float32 router logits."""
     scores: torch.Tensor
     """``[T, num_experts]`` float32 scores (softmax or sigmoid of the logits)."""
+    counts: torch.Tensor | None = None
+    """``[num_experts]`` int64 assignments per expert, when the fused router counted them."""
 
 
 def _global_tokens(num_tokens: int, device: torch.device, group: dist.ProcessGroup | None):
@@ -192,20 +195,19 @@ class TopKRouter(nn.Module):
         """
         config = self.config
         logits = F.linear(x, self.weight).float()
-        if config.router_score == "softmax":
-            scores = torch.softmax(logits, dim=-1)
+        counts = None
+        if config.router_num_groups == 1:
+            # One fused kernel: scores, top-k, weights, counts (torch reference on the CPU).
+            weights, experts, scores, counts = moe_router(
+                logits,
+                config.top_k,
+                score=config.router_score,
+                expert_bias=self.expert_bias,
+                normalize=config.normalize_top_k,
+                scaling=config.router_scaling_factor,
+            )
         else:
-            scores = torch.sigmoid(logits)
-        choice = scores if self.expert_bias is None else scores + self.expert_bias
-        experts = group_limited_top_k(
-            choice, config.top_k, config.router_num_groups, config.router_group_top_k
-        )
-        weights = scores.gather(1, experts)
-        if config.normalize_top_k:
-            # The epsilon keeps sigmoid scores that all underflow from dividing by zero.
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        if config.router_scaling_factor != 1.0:
-            weights = weights * config.router_scaling_factor
+            weights, experts, scores = self._route_grouped(logits)
         weights = weights.to(x.dtype)
         if torch.is_grad_enabled() and (config.aux_loss_coeff > 0 or config.z_loss_coeff > 0):
             aux = logits.new_zeros(())
@@ -221,4 +223,27 @@ class TopKRouter(nn.Module):
                 aux = aux + z_loss(logits, config.z_loss_coeff, group=self.token_group)
             self.aux_loss = aux.detach()
             weights = _AttachAuxLoss.apply(weights, aux)
-        return RouterOutput(weights=weights, experts=experts, logits=logits, scores=scores)
+        return RouterOutput(
+            weights=weights, experts=experts, logits=logits, scores=scores, counts=counts
+        )
+
+    def _route_grouped(
+        self, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Group-limited routing in torch: ``(weights, experts, scores)``."""
+        config = self.config
+        if config.router_score == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        experts = group_limited_top_k(
+            choice, config.top_k, config.router_num_groups, config.router_group_top_k
+        )
+        weights = scores.gather(1, experts)
+        if config.normalize_top_k:
+            # The epsilon keeps sigmoid scores that all underflow from dividing by zero.
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if config.router_scaling_factor != 1.0:
+            weights = weights * config.router_scaling_factor
+        return weights, experts, scores

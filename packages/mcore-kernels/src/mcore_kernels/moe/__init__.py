@@ -1,0 +1,13 @@
+"""Fused MoE kernels: router, token permutation, weighted combine and SwiGLU.
+
+Each operation is a Triton kernel launched through an ``autograd.Function`` whose backward is
+a kernel (or a recomputation) without atomic floating-point adds, with its torch reference in
+:mod:`mcore_kernels.moe.reference` (also the path for CPU tensors).
+"""
+
+from mcore_kernels.moe import reference
+from mcore_kernels.moe.permute import permute_tokens, unpermute_combine
+from mcore_kernels.moe.router import moe_router
+from mcore_kernels.moe.swiglu import swiglu
+
+__all__ = ["moe_router", "permute_tokens", "reference", "swiglu", "unpermute_combine"]

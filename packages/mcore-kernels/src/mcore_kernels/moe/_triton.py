@@ -1,0 +1,195 @@
+"""Triton kernels of the fused MoE operations (launchers in :mod:`mcore_kernels.moe`).
+
+All gathers read through an index and write each output element once: no atomics except the
+integer expert counts of the router, whose result does not depend on the order of the adds.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "gather_rows_kernel",
+    "router_kernel",
+    "sum_rows_kernel",
+    "swiglu_backward_kernel",
+    "swiglu_forward_kernel",
+    "weight_grad_kernel",
+]
+
+
+@triton.jit
+def router_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    experts_ptr,
+    scores_ptr,
+    counts_ptr,
+    num_tokens,
+    num_experts,
+    scaling,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):
+    """Scores, top-k, weights and counts of ``BLOCK_T`` tokens (one row of logits each)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_tokens
+    col_ok = cols < num_experts
+    mask = row_ok[:, None] & col_ok[None, :]
+    logits = tl.load(logits_ptr + rows[:, None] * num_experts + cols[None, :], mask=mask, other=0.0)
+    logits = tl.where(col_ok[None, :], logits.to(tl.float32), float("-inf"))
+    if SIGMOID:
+        scores = tl.where(col_ok[None, :], 1.0 / (1.0 + tl.exp(-logits)), 0.0)
+    else:
+        shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = shifted / tl.sum(shifted, axis=1)[:, None]
+    tl.store(scores_ptr + rows[:, None] * num_experts + cols[None, :], scores, mask=mask)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    choice = tl.where(col_ok[None, :], choice, float("-inf"))
+    ks = tl.arange(0, K_PAD)
+    picked_w = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    picked_e = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=1)
+        # First column holding the maximum (torch.topk's order for distinct scores).
+        index = tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        hit = cols[None, :] == index[:, None]
+        weight = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        picked_w = tl.where(ks[None, :] == j, weight[:, None], picked_w)
+        picked_e = tl.where(ks[None, :] == j, index[:, None], picked_e)
+        tl.atomic_add(counts_ptr + index, 1, mask=row_ok)
+        choice = tl.where(hit, float("-inf"), choice)
+    if NORMALIZE:
+        picked_w = picked_w / (tl.sum(picked_w, axis=1)[:, None] + 1e-20)
+    picked_w = picked_w * scaling
+    out_mask = row_ok[:, None] & (ks[None, :] < TOP_K)
+    offsets = rows[:, None] * TOP_K + ks[None, :]
+    tl.store(weights_ptr + offsets, picked_w, mask=out_mask)
+    tl.store(experts_ptr + offsets, picked_e.to(tl.int64), mask=out_mask)
+
+
+@triton.jit
+def gather_rows_kernel(
+    src_ptr,
+    index_ptr,
+    scale_ptr,
+    out_ptr,
+    hidden,
+    INDEX_DIV: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[r] = src[index[r] // INDEX_DIV] (* scale[index[r]])``, zero where index < 0."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < hidden
+    index = tl.load(index_ptr + row)
+    valid = index >= 0
+    source = tl.where(valid, index // INDEX_DIV, 0)
+    # A row mask as a column bound (the interpreter rejects scalar-and-vector masks).
+    limit = tl.where(valid, hidden, 0)
+    values = tl.load(src_ptr + source * hidden + cols, mask=cols < limit, other=0.0)
+    if HAS_SCALE:
+        # Index 0 always exists; invalid rows are zero already.
+        scale = tl.load(scale_ptr + tl.where(valid, index, 0))
+        values = (values.to(tl.float32) * scale.to(tl.float32)).to(values.dtype)
+    tl.store(out_ptr + row.to(tl.int64) * hidden + cols, values, mask=col_ok)
+
+
+@triton.jit
+def sum_rows_kernel(
+    src_ptr,
+    slots_ptr,
+    weights_ptr,
+    out_ptr,
+    hidden,
+    TOP_K: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[t] = sum_j (w[t, j] *) src[slots[t * TOP_K + j]]`` over valid slots, in float32."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(slots_ptr + token * TOP_K + j)
+        valid = slot >= 0
+        row = tl.where(valid, slot, 0).to(tl.int64)
+        limit = tl.where(valid, hidden, 0)
+        values = tl.load(src_ptr + row * hidden + cols, mask=cols < limit, other=0.0)
+        values = values.to(tl.float32)
+        if HAS_WEIGHTS:
+            values = values * tl.load(weights_ptr + token * TOP_K + j).to(tl.float32)
+        acc += values
+    tl.store(
+        out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok
+    )
+
+
+@triton.jit
+def weight_grad_kernel(
+    grad_ptr,
+    y_ptr,
+    slots_ptr,
+    out_ptr,
+    hidden,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[t, j] = dot(grad[t], y[slots[t * TOP_K + j]])`` (zero for dropped slots)."""
+    token = tl.program_id(0)
+    base = tl.arange(0, BLOCK_H)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(slots_ptr + token * TOP_K + j)
+        valid = slot >= 0
+        row = tl.where(valid, slot, 0).to(tl.int64)
+        limit = tl.where(valid, hidden, 0)
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_H):
+            cols = start + base
+            col_ok = cols < hidden
+            g = tl.load(grad_ptr + token.to(tl.int64) * hidden + cols, mask=col_ok, other=0.0)
+            y = tl.load(y_ptr + row * hidden + cols, mask=cols < limit, other=0.0)
+            acc += g.to(tl.float32) * y.to(tl.float32)
+        tl.store(out_ptr + token * TOP_K + j, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def swiglu_forward_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr):
+    """``out[m] = silu(gate_up[m, :F]) * gate_up[m, F:]`` for one row block of columns."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=ok, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def swiglu_backward_kernel(gate_up_ptr, grad_ptr, out_ptr, width, BLOCK: tl.constexpr):
+    """Gradient of :func:`swiglu_forward_kernel` with respect to ``gate_up``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=ok, other=0.0).to(tl.float32)
+    grad = tl.load(grad_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    silu = gate * sig
+    d_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = grad * silu
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * 2 * width + cols, d_gate.to(dtype), mask=ok)
+    tl.store(out_ptr + row * 2 * width + width + cols, d_up.to(dtype), mask=ok)

@@ -1,0 +1,232 @@
+"""Fused token permutation of MoE dispatch and the fused weighted combine, gathers only.
+
+:func:`permute_tokens` copies every token into the expert-buffer rows of its assignments
+(zero rows for padding); its backward sums each token's ``top_k`` row gradients in one
+kernel. :func:`unpermute_combine` reads each token's ``top_k`` expert outputs back and sums
+them with the routing weights in float32; its backward gathers the scaled output gradient
+into the buffer rows and takes one dot product per assignment for the weight gradient. Every
+pass reads through an index and writes each output element once: no atomics, so forward and
+backward are bitwise reproducible. See :mod:`mcore_kernels.moe.reference` for the index
+conventions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from mcore_kernels._backend import use_triton
+from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.moe.reference import permute_tokens_reference, unpermute_combine_reference
+
+__all__ = ["permute_tokens", "unpermute_combine"]
+
+
+def _block(hidden: int) -> int:
+    import triton
+
+    return min(2048, triton.next_power_of_2(max(hidden, 1)))
+
+
+def _device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def _gather_rows(
+    src: torch.Tensor, index: torch.Tensor, divisor: int, scale: torch.Tensor | None
+) -> torch.Tensor:
+    """``out[r] = src[index[r] // divisor] (* scale[index[r]])``, zero where ``index < 0``."""
+    import triton
+
+    from mcore_kernels.moe._triton import gather_rows_kernel
+
+    hidden = src.shape[1]
+    out = src.new_empty(index.shape[0], hidden)
+    if index.numel() and hidden:
+        block = _block(hidden)
+        with _device(src):
+            gather_rows_kernel[(index.shape[0], triton.cdiv(hidden, block))](
+                src,
+                index,
+                scale if scale is not None else src,
+                out,
+                hidden,
+                INDEX_DIV=divisor,
+                HAS_SCALE=scale is not None,
+                BLOCK_H=block,
+            )
+    return out
+
+
+def _sum_rows(
+    src: torch.Tensor, slots: torch.Tensor, top_k: int, weights: torch.Tensor | None
+) -> torch.Tensor:
+    """``out[t] = sum_j (w[t, j] *) src[slots[t * top_k + j]]`` over valid slots."""
+    import triton
+
+    from mcore_kernels.moe._triton import sum_rows_kernel
+
+    hidden = src.shape[1]
+    num_tokens = slots.shape[0] // top_k
+    out = src.new_empty(num_tokens, hidden)
+    if num_tokens and hidden:
+        block = _block(hidden)
+        with _device(src):
+            sum_rows_kernel[(num_tokens, triton.cdiv(hidden, block))](
+                src,
+                slots,
+                weights if weights is not None else src,
+                out,
+                hidden,
+                TOP_K=top_k,
+                HAS_WEIGHTS=weights is not None,
+                BLOCK_H=block,
+            )
+    return out
+
+
+class PermuteTokensFunction(torch.autograd.Function):
+    """Autograd wrapper of :func:`permute_tokens`."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, top_k: int
+    ) -> torch.Tensor:
+        ctx.save_for_backward(slots)
+        ctx.top_k = top_k
+        ctx.triton = use_triton(x, rows, slots)
+        if not ctx.triton:
+            return permute_tokens_reference(x, rows)
+        return _gather_rows(x, rows, 1, None)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (slots,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        if not ctx.triton:
+            rows = permute_tokens_reference(grad, slots).view(
+                slots.shape[0] // ctx.top_k, ctx.top_k, grad.shape[-1]
+            )
+            return rows.sum(dim=1), None, None, None
+        return _sum_rows(grad, slots, ctx.top_k, None), None, None, None
+
+
+class UnpermuteCombineFunction(torch.autograd.Function):
+    """Autograd wrapper of :func:`unpermute_combine`."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        y: torch.Tensor,
+        weights: torch.Tensor,
+        slots: torch.Tensor,
+        fillers: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(y, weights, slots, fillers)
+        ctx.triton = use_triton(y, weights, slots, fillers)
+        if not ctx.triton:
+            return unpermute_combine_reference(y, weights, slots)
+        return _sum_rows(y, slots, weights.shape[1], weights)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        y, weights, slots, fillers = ctx.saved_tensors
+        grad = grad.contiguous()
+        top_k = weights.shape[1]
+        grad_y = grad_w = None
+        if not ctx.triton:
+            flat_w = weights.reshape(-1)
+            if ctx.needs_input_grad[0]:
+                tokens = torch.where(fillers < 0, -1, fillers // top_k)
+                padded_w = torch.cat([flat_w, flat_w.new_zeros(1)])
+                scale = padded_w[torch.where(fillers < 0, flat_w.shape[0], fillers)]
+                grad_y = permute_tokens_reference(grad, tokens) * scale.unsqueeze(-1).to(grad.dtype)
+            if ctx.needs_input_grad[1]:
+                rows = permute_tokens_reference(y, slots).float().view(*weights.shape, y.shape[-1])
+                grad_w = (rows * grad.float().unsqueeze(1)).sum(-1).to(weights.dtype)
+            return grad_y, grad_w, None, None
+        from mcore_kernels.moe._triton import weight_grad_kernel
+
+        if ctx.needs_input_grad[0]:
+            if weights.numel():
+                grad_y = _gather_rows(grad, fillers, top_k, weights.reshape(-1))
+            else:
+                # No assignment: every row is padding.
+                grad_y = torch.zeros_like(y)
+        if ctx.needs_input_grad[1]:
+            out = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)
+            if weights.numel():
+                with _device(y):
+                    weight_grad_kernel[(weights.shape[0],)](
+                        grad, y, slots, out, y.shape[1], TOP_K=top_k, BLOCK_H=_block(y.shape[1])
+                    )
+            grad_w = out.to(weights.dtype)
+        return grad_y, grad_w, None, None
+
+
+def _check_index(name: str, index: torch.Tensor, length: int | None = None) -> None:
+    if index.dim() != 1 or index.dtype != torch.int64:
+        raise KernelDtypeError(
+            f"{name} must be a 1-D int64 tensor, got shape {tuple(index.shape)} and dtype "
+            f"{index.dtype}"
+        )
+    if length is not None and index.shape[0] != length:
+        raise KernelShapeError(f"{name}.shape={tuple(index.shape)} must be ({length},)")
+
+
+def permute_tokens(
+    x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """Copy tokens into the expert-buffer rows of their routing assignments.
+
+    Args:
+        x: ``[T, H]`` tokens.
+        rows: ``[R]`` int64 token of each buffer row, -1 for a zero padding row.
+        slots: ``[T * top_k]`` int64 buffer row of each assignment, -1 when dropped (the
+            inverse of ``rows``; the backward sums each token's rows through it).
+        top_k: Assignments per token.
+
+    Returns:
+        ``[R, H]`` buffer in the dtype of ``x``.
+
+    Raises:
+        KernelShapeError: If ``x`` is not 2-D or ``slots`` does not have ``T * top_k`` entries.
+        KernelDtypeError: If an index is not a 1-D int64 tensor.
+    """
+    if x.dim() != 2:
+        raise KernelShapeError(f"x.shape={tuple(x.shape)} must be [tokens, hidden]")
+    _check_index("rows", rows)
+    _check_index("slots", slots, x.shape[0] * top_k)
+    return PermuteTokensFunction.apply(x.contiguous(), rows, slots, top_k)
+
+
+def unpermute_combine(
+    y: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, fillers: torch.Tensor
+) -> torch.Tensor:
+    """Sum every token's expert outputs with its routing weights (float32 accumulation).
+
+    Args:
+        y: ``[R, H]`` expert outputs, one row per buffer row.
+        weights: ``[T, top_k]`` routing weights.
+        slots: ``[T * top_k]`` int64 buffer row of each assignment, -1 when dropped.
+        fillers: ``[R]`` int64 assignment held by each buffer row, -1 for padding (the
+            inverse of ``slots``; used by the backward).
+
+    Returns:
+        ``[T, H]`` in the dtype of ``y``; differentiable in ``y`` and ``weights``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match.
+        KernelDtypeError: If an index is not a 1-D int64 tensor.
+    """
+    if y.dim() != 2 or weights.dim() != 2:
+        raise KernelShapeError(
+            f"y.shape={tuple(y.shape)} and weights.shape={tuple(weights.shape)} must be 2-D"
+        )
+    _check_index("slots", slots, weights.numel())
+    _check_index("fillers", fillers, y.shape[0])
+    return UnpermuteCombineFunction.apply(y.contiguous(), weights.contiguous(), slots, fillers)

@@ -1,0 +1,103 @@
+"""Torch references of the fused MoE kernels (same signatures as the Triton launchers).
+
+Each function is the definition its kernel is tested against, and the path taken on tensors
+the Triton kernels do not handle (CPU tensors without ``TRITON_INTERPRET=1``).
+
+Conventions shared by the kernels: a token ``t`` of ``T`` has ``top_k`` routing assignments,
+assignment ``a = t * top_k + j``. ``slots[a]`` is the row of the expert buffer that holds
+assignment ``a`` (-1 when the assignment is dropped); ``rows[r]`` is the token copied into
+buffer row ``r`` and ``fillers[r]`` the assignment it holds (-1 for an empty padding row).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "moe_router_reference",
+    "permute_tokens_reference",
+    "swiglu_reference",
+    "unpermute_combine_reference",
+]
+
+
+def moe_router_reference(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    score: str = "softmax",
+    expert_bias: torch.Tensor | None = None,
+    normalize: bool = True,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scores, top-k choice, routing weights and expert counts of a batch of router logits.
+
+    Args:
+        logits: ``[T, E]`` float32 router logits.
+        top_k: Experts per token.
+        score: "softmax" or "sigmoid".
+        expert_bias: ``[E]`` float32 bias added to the scores for the choice only, or None.
+        normalize: Rescale each token's ``top_k`` weights to sum to one.
+        scaling: Factor applied to the weights last.
+
+    Returns:
+        ``(weights [T, top_k] float32, experts [T, top_k] int64 best first, scores [T, E]
+        float32, counts [E] int64)``.
+    """
+    scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
+    choice = scores if expert_bias is None else scores + expert_bias
+    experts = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * scaling
+    counts = torch.zeros(logits.shape[-1], dtype=torch.int64, device=logits.device)
+    counts.scatter_add_(0, experts.reshape(-1), torch.ones_like(experts.reshape(-1)))
+    return weights, experts, scores, counts
+
+
+def permute_tokens_reference(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Copy tokens into expert-buffer rows: ``out[r] = x[rows[r]]``, zero where ``rows[r] < 0``.
+
+    Args:
+        x: ``[T, H]`` tokens.
+        rows: ``[R]`` int64 token of each buffer row, or -1.
+
+    Returns:
+        ``[R, H]`` buffer in the dtype of ``x``.
+    """
+    padded = torch.cat([x, x.new_zeros(1, x.shape[-1])])
+    return padded.index_select(0, torch.where(rows < 0, x.shape[0], rows))
+
+
+def unpermute_combine_reference(
+    y: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """Weighted sum of each token's expert outputs: ``out[t] = sum_j w[t, j] * y[slots[t*k+j]]``.
+
+    Dropped assignments (``slots < 0``) contribute nothing. Accumulates in float32.
+
+    Args:
+        y: ``[R, H]`` expert outputs.
+        weights: ``[T, top_k]`` routing weights.
+        slots: ``[T * top_k]`` int64 buffer row of each assignment, or -1.
+
+    Returns:
+        ``[T, H]`` in the dtype of ``y``.
+    """
+    num_tokens, top_k = weights.shape
+    rows = permute_tokens_reference(y, slots).float().view(num_tokens, top_k, y.shape[-1])
+    return (rows * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
+
+
+def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a ``[M, 2F]`` tensor holding gate columns then up columns.
+
+    Args:
+        gate_up: ``[M, 2F]`` output of the fused gate/up projection.
+
+    Returns:
+        ``[M, F]`` in the dtype of ``gate_up`` (computed in float32).
+    """
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)

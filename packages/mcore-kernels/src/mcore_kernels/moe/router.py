@@ -1,0 +1,222 @@
+"""Fused MoE router: logits -> scores -> top-k -> weights (normalised, scaled) -> expert counts.
+
+One Triton program handles a block of tokens: it computes the softmax or sigmoid scores of
+each row of logits, adds the expert bias for the choice, picks the ``top_k`` experts by
+repeated arg-max, gathers, normalises and scales their weights and adds them to the per-expert
+counts (integer atomics, whose result does not depend on their order). The backward pass
+recomputes the scores from the logits and applies the closed-form gradient of the weights (and of the
+scores, which the auxiliary losses use) in a few torch operations: it scatters at distinct
+indices only, so it is deterministic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from mcore_kernels._backend import use_triton
+from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
+from mcore_kernels.moe.reference import moe_router_reference
+
+__all__ = ["moe_router"]
+
+_SCORES = ("softmax", "sigmoid")
+
+
+def _triton_router(
+    logits: torch.Tensor,
+    top_k: int,
+    score: str,
+    expert_bias: torch.Tensor | None,
+    normalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    import triton
+
+    from mcore_kernels.moe._triton import router_kernel
+
+    num_tokens, num_experts = logits.shape
+    weights = logits.new_empty(num_tokens, top_k)
+    experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    scores = torch.empty_like(logits)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=logits.device)
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(64, 4096 // block_e))
+    grid = (triton.cdiv(num_tokens, block_t),)
+    if num_tokens:
+        with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
+            router_kernel[grid](
+                logits,
+                expert_bias if expert_bias is not None else logits,
+                weights,
+                experts,
+                scores,
+                counts,
+                num_tokens,
+                num_experts,
+                float(scaling),
+                TOP_K=top_k,
+                K_PAD=triton.next_power_of_2(top_k),
+                BLOCK_T=block_t,
+                BLOCK_E=block_e,
+                SIGMOID=score == "sigmoid",
+                HAS_BIAS=expert_bias is not None,
+                NORMALIZE=normalize,
+            )
+    return weights, experts, scores, counts.to(torch.int64)
+
+
+class MoERouterFunction(torch.autograd.Function):
+    """Autograd wrapper of the fused router; differentiable in the logits."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        top_k: int,
+        score: str,
+        expert_bias: torch.Tensor | None,
+        normalize: bool,
+        scaling: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        tensors = (logits,) if expert_bias is None else (logits, expert_bias)
+        if use_triton(*tensors):
+            out = _triton_router(logits, top_k, score, expert_bias, normalize, scaling)
+        else:
+            with torch.no_grad():
+                out = moe_router_reference(
+                    logits,
+                    top_k,
+                    score=score,
+                    expert_bias=expert_bias,
+                    normalize=normalize,
+                    scaling=scaling,
+                )
+        ctx.save_for_backward(logits, out[1])
+        ctx.score, ctx.normalize, ctx.scaling = score, normalize, scaling
+        ctx.mark_non_differentiable(out[1], out[3])
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: Any,
+        grad_weights: torch.Tensor | None,
+        grad_experts: Any,
+        grad_scores: torch.Tensor | None,
+        grad_counts: Any,
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+        logits, experts = ctx.saved_tensors
+        if grad_weights is None and grad_scores is None:
+            return None, None, None, None, None, None
+        return (
+            router_logits_grad(
+                logits,
+                experts,
+                grad_weights,
+                grad_scores,
+                score=ctx.score,
+                normalize=ctx.normalize,
+                scaling=ctx.scaling,
+            ),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def router_logits_grad(
+    logits: torch.Tensor,
+    experts: torch.Tensor,
+    grad_weights: torch.Tensor | None,
+    grad_scores: torch.Tensor | None,
+    *,
+    score: str,
+    normalize: bool,
+    scaling: float,
+) -> torch.Tensor:
+    """Gradient of the router's weights and scores with respect to its logits, in closed form.
+
+    With ``s`` the scores, ``w = scaling * s[e] / (sum s[e] + eps)`` (or ``scaling * s[e]``):
+    ``dL/ds[e_j] = scaling * (g_j - sum_k g_k * w'_k) / (sum s[e] + eps)`` with ``w'`` the
+    normalised weights (``scaling * g_j`` without normalisation), added at the chosen experts
+    (distinct per token, so a plain scatter) to the scores' own gradient; then the softmax or
+    sigmoid backward. A few tensor operations and no nested autograd call, so the backward costs
+    little host time.
+
+    Args:
+        logits: ``[T, E]`` float32 logits.
+        experts: ``[T, top_k]`` chosen experts.
+        grad_weights: ``[T, top_k]`` gradient of the weights, or None.
+        grad_scores: ``[T, E]`` gradient of the scores, or None.
+        score: "softmax" or "sigmoid".
+        normalize: Whether the weights were normalised.
+        scaling: The weights' scaling factor.
+
+    Returns:
+        ``[T, E]`` float32 gradient of the logits.
+    """
+    scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
+    grad = torch.zeros_like(scores) if grad_scores is None else grad_scores.float().clone()
+    if grad_weights is not None:
+        g = grad_weights.float() * scaling
+        chosen = scores.gather(1, experts)
+        if normalize:
+            total = chosen.sum(dim=-1, keepdim=True) + 1e-20
+            g = (g - (g * chosen / total).sum(dim=-1, keepdim=True)) / total
+        grad = grad + torch.zeros_like(scores).scatter_(1, experts, g)
+    if score == "softmax":
+        return scores * (grad - (grad * scores).sum(dim=-1, keepdim=True))
+    return grad * scores * (1.0 - scores)
+
+
+def moe_router(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    score: str = "softmax",
+    expert_bias: torch.Tensor | None = None,
+    normalize: bool = True,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Route tokens: scores, top-k experts, routing weights and expert counts in one kernel.
+
+    Args:
+        logits: ``[T, E]`` float32 router logits (contiguous).
+        top_k: Experts per token (``1 <= top_k <= E``).
+        score: "softmax" or "sigmoid".
+        expert_bias: ``[E]`` float32 bias added to the scores for the choice only, or None.
+        normalize: Rescale each token's ``top_k`` weights to sum to one.
+        scaling: Factor applied to the weights last.
+
+    Returns:
+        ``(weights [T, top_k] float32, experts [T, top_k] int64 best first, scores [T, E]
+        float32, counts [E] int64)``; weights and scores are differentiable in ``logits``.
+
+    Raises:
+        KernelShapeError: If ``logits`` is not 2-D or ``expert_bias`` is not ``[E]``.
+        KernelDtypeError: If ``logits`` or ``expert_bias`` is not float32.
+        KernelValueError: If ``top_k`` or ``score`` is invalid.
+    """
+    if logits.dim() != 2:
+        raise KernelShapeError(f"logits.shape={tuple(logits.shape)} must be [tokens, experts]")
+    if logits.dtype != torch.float32:
+        raise KernelDtypeError(f"logits.dtype={logits.dtype} must be torch.float32")
+    num_experts = logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise KernelValueError(f"top_k={top_k!r} must be an int in [1, {num_experts}]")
+    if score not in _SCORES:
+        raise KernelValueError(f"score={score!r} must be one of {_SCORES}")
+    if expert_bias is not None:
+        if tuple(expert_bias.shape) != (num_experts,):
+            raise KernelShapeError(
+                f"expert_bias.shape={tuple(expert_bias.shape)} must be ({num_experts},)"
+            )
+        if expert_bias.dtype != torch.float32:
+            raise KernelDtypeError(f"expert_bias.dtype={expert_bias.dtype} must be torch.float32")
+    return MoERouterFunction.apply(
+        logits.contiguous(), top_k, score, expert_bias, normalize, float(scaling)
+    )

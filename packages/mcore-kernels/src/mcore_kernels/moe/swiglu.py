@@ -1,0 +1,83 @@
+"""Fused SwiGLU of the MoE experts' gate/up GEMM output: ``silu(gate) * up``.
+
+The gate/up projection runs as one GEMM whose ``[M, 2F]`` output holds the gate columns then
+the up columns; one kernel reads both halves once and writes the ``[M, F]`` activation (torch
+needs three passes), and one backward kernel writes the ``[M, 2F]`` gradient from the saved
+GEMM output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mcore_kernels._backend import use_triton
+from mcore_kernels.errors import KernelShapeError
+from mcore_kernels.moe.reference import swiglu_reference
+
+__all__ = ["swiglu"]
+
+
+def _launch(kernel: Any, gate_up: torch.Tensor, *args: torch.Tensor, out: torch.Tensor) -> None:
+    import triton
+
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    if rows == 0 or width == 0:
+        return
+    block = min(1024, triton.next_power_of_2(width))
+    grid = (rows, triton.cdiv(width, block))
+    if gate_up.is_cuda:
+        with torch.cuda.device(gate_up.device):
+            kernel[grid](gate_up, *args, out, width, BLOCK=block)
+    else:
+        kernel[grid](gate_up, *args, out, width, BLOCK=block)
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """Autograd wrapper of the fused SwiGLU kernels."""
+
+    @staticmethod
+    def forward(ctx: Any, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        if not use_triton(gate_up):
+            return swiglu_reference(gate_up)
+        from mcore_kernels.moe._triton import swiglu_forward_kernel
+
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        _launch(swiglu_forward_kernel, gate_up, out=out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        if not use_triton(gate_up, grad):
+            with torch.enable_grad():
+                leaf = gate_up.detach().requires_grad_(True)
+                (result,) = torch.autograd.grad(swiglu_reference(leaf), leaf, grad)
+            return result
+        from mcore_kernels.moe._triton import swiglu_backward_kernel
+
+        out = torch.empty_like(gate_up)
+        _launch(swiglu_backward_kernel, gate_up, grad, out=out)
+        return out
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused gate/up GEMM output, fused forward and backward.
+
+    Args:
+        gate_up: ``[M, 2F]`` with the gate columns first (a contiguous copy is made if needed).
+
+    Returns:
+        ``[M, F]`` in the dtype of ``gate_up`` (computed in float32).
+
+    Raises:
+        KernelShapeError: If ``gate_up`` is not 2-D with an even number of columns.
+    """
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise KernelShapeError(
+            f"gate_up.shape={tuple(gate_up.shape)} must be [rows, 2 * ffn] (gate then up)"
+        )
+    return SwiGLUFunction.apply(gate_up.contiguous())

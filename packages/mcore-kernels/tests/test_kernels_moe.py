@@ -1,0 +1,172 @@
+"""Fused MoE kernels (router, permute, combine, SwiGLU) through the Triton interpreter against
+their torch references: values, gradients, experts that receive no token, dropped and padding
+rows, and bitwise-equal repeated backward passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
+from mcore_kernels.moe import moe_router, permute_tokens, swiglu, unpermute_combine
+from mcore_kernels.moe.reference import (
+    moe_router_reference,
+    permute_tokens_reference,
+    swiglu_reference,
+    unpermute_combine_reference,
+)
+
+pytestmark = pytest.mark.interpreter
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "score", "bias", "normalize", "scaling"),
+    [
+        (8, 2, "softmax", False, True, 1.0),
+        (12, 3, "sigmoid", True, True, 2.5),
+        (6, 1, "softmax", False, False, 1.0),
+        (16, 4, "sigmoid", True, False, 0.5),
+    ],
+)
+def test_router_matches_reference_values_and_gradients(
+    num_experts, top_k, score, bias, normalize, scaling
+):
+    g = _generator(num_experts + top_k)
+    logits = torch.randn(37, num_experts, generator=g)
+    # Experts 0 and 1 never win: zero-token experts in the counts.
+    logits[:, :2] -= 50.0
+    expert_bias = torch.randn(num_experts, generator=g) * 0.1 if bias else None
+    kwargs = dict(score=score, expert_bias=expert_bias, normalize=normalize, scaling=scaling)
+    grad_w = torch.randn(37, top_k, generator=g)
+    grad_s = torch.randn(37, num_experts, generator=g)
+    results = []
+    for fn in (moe_router, moe_router_reference):
+        leaf = logits.clone().requires_grad_(True)
+        weights, experts, scores, counts = fn(leaf, top_k, **kwargs)
+        ((weights * grad_w).sum() + (scores * grad_s).sum()).backward()
+        results.append((weights.detach(), experts, scores.detach(), counts, leaf.grad))
+    (w, e, s, c, dl), (rw, re, rs, rc, rdl) = results
+    assert torch.equal(e, re) and torch.equal(c, rc)
+    assert c[:2].sum() == 0 and c.sum() == 37 * top_k
+    torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(s, rs, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dl, rdl, atol=1e-6, rtol=1e-5)
+
+
+def test_router_rejects_bad_arguments():
+    logits = torch.randn(4, 8)
+    with pytest.raises(KernelValueError, match="top_k=9"):
+        moe_router(logits, 9)
+    with pytest.raises(KernelValueError, match="score='relu'"):
+        moe_router(logits, 2, score="relu")
+    with pytest.raises(KernelDtypeError, match=r"logits\.dtype=torch\.bfloat16"):
+        moe_router(logits.bfloat16(), 2)
+    with pytest.raises(KernelShapeError, match=r"expert_bias.shape=\(7,\)"):
+        moe_router(logits, 2, expert_bias=torch.zeros(7))
+
+
+def _routing(num_tokens: int, top_k: int, num_experts: int, capacity: int | None, seed: int):
+    """Slots/rows/fillers of a dropless (sorted) or drop-and-pad layout, built in torch."""
+    g = _generator(seed)
+    # Experts 0..num_experts-2 only: the last expert gets no token.
+    experts = torch.stack(
+        [torch.randperm(num_experts - 1, generator=g)[:top_k] for _ in range(num_tokens)]
+    ).reshape(-1)
+    assignments = experts.numel()
+    if capacity is None:
+        order = torch.argsort(experts, stable=True)
+        slots = torch.empty_like(order).scatter_(0, order, torch.arange(assignments))
+        return slots, order // top_k, order
+    position = torch.zeros_like(experts)
+    seen: dict[int, int] = {}
+    for a, e in enumerate(experts.tolist()):
+        position[a] = seen.get(e, 0)
+        seen[e] = seen.get(e, 0) + 1
+    keep = position < capacity
+    slots = torch.where(keep, experts * capacity + position, -1)
+    fillers = torch.full((num_experts * capacity,), -1, dtype=torch.int64)
+    fillers[slots[keep]] = torch.arange(assignments)[keep]
+    rows = torch.where(fillers < 0, -1, fillers // top_k)
+    return slots, rows, fillers
+
+
+@pytest.mark.parametrize("capacity", [None, 2], ids=["dropless", "drop-and-pad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permute_and_combine_match_reference_values_and_gradients(capacity, dtype):
+    num_tokens, top_k, num_experts, hidden = 9, 2, 5, 40
+    slots, rows, fillers = _routing(num_tokens, top_k, num_experts, capacity, seed=3)
+    if capacity is not None:
+        assert (slots < 0).any() and (rows < 0).any()  # drops and padding rows
+    g = _generator(4)
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    weights = torch.rand(num_tokens, top_k, generator=g).to(dtype)
+    expert_w = torch.randn(hidden, hidden, generator=g).to(dtype) * 0.2
+    grad = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    results = []
+    for permute, combine in (
+        (permute_tokens, unpermute_combine),
+        (
+            lambda x, r, s, k: permute_tokens_reference(x, r),
+            lambda y, w, s, f: unpermute_combine_reference(y, w, s),
+        ),
+    ):
+        xl = x.clone().requires_grad_(True)
+        wl = weights.clone().requires_grad_(True)
+        buffer = permute(xl, rows, slots, top_k)
+        out = combine(buffer @ expert_w, wl, slots, fillers)
+        (out.float() * grad.float()).sum().backward()
+        results.append((buffer.detach(), out.detach(), xl.grad, wl.grad))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    assert torch.equal(results[0][0], results[1][0])
+    for mine, reference in zip(results[0][1:], results[1][1:]):
+        torch.testing.assert_close(mine.float(), reference.float(), **tol)
+
+
+def test_permute_and_combine_backward_is_bitwise_reproducible():
+    slots, rows, fillers = _routing(16, 4, 6, None, seed=5)
+    g = _generator(6)
+    x = torch.randn(16, 24, generator=g)
+    weights = torch.rand(16, 4, generator=g)
+    grads = []
+    for _ in range(2):
+        xl, wl = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        out = unpermute_combine(permute_tokens(xl, rows, slots, 4).sin(), wl, slots, fillers)
+        out.square().sum().backward()
+        grads.append((xl.grad, wl.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_permute_rejects_bad_indices():
+    x = torch.randn(3, 4)
+    with pytest.raises(KernelDtypeError, match="rows must be a 1-D int64"):
+        permute_tokens(x, torch.zeros(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int64), 2)
+    with pytest.raises(KernelShapeError, match=r"slots.shape=\(5,\) must be \(6,\)"):
+        permute_tokens(x, torch.zeros(6, dtype=torch.int64), torch.zeros(5, dtype=torch.int64), 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_matches_reference_values_and_gradients(dtype):
+    g = _generator(7)
+    gate_up = (torch.randn(11, 2 * 37, generator=g) * 2).to(dtype)
+    grad = torch.randn(11, 37, generator=g).to(dtype)
+    results = []
+    for fn in (swiglu, swiglu_reference):
+        leaf = gate_up.clone().requires_grad_(True)
+        out = fn(leaf)
+        out.backward(grad)
+        results.append((out.detach(), leaf.grad))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for mine, reference in zip(*results):
+        torch.testing.assert_close(mine.float(), reference.float(), **tol)
+    with pytest.raises(KernelShapeError, match=r"gate_up\.shape=\(11, 5\)"):
+        swiglu(torch.zeros(11, 5))
