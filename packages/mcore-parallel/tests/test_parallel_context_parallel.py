@@ -7,6 +7,8 @@ packed sequence for ``cu_seqlens``), with keys/values repeated for grouped-query
 Tolerance: fp32 inputs, ``atol=2e-5`` (the online-softmax merge sums in another order).
 """
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,10 +54,8 @@ def reference(q, k, v, grad, cu, causal):
     kr, vr = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     bounds = [0, q.shape[2]] if cu is None else cu.tolist()
     outs = [
-        F.scaled_dot_product_attention(
-            q[:, :, a:b], kr[:, :, a:b], vr[:, :, a:b], is_causal=causal
-        )
-        for a, b in zip(bounds, bounds[1:])
+        F.scaled_dot_product_attention(q[:, :, a:b], kr[:, :, a:b], vr[:, :, a:b], is_causal=causal)
+        for a, b in itertools.pairwise(bounds)
     ]
     out = torch.cat(outs, dim=2)
     # A scalar loss: backward(grad) would import sympy (seconds) on the first call.
@@ -68,9 +68,7 @@ def distributed_case(state, name: str, method: str) -> dict:
     group, rank = state.group("cp"), state.rank_in("cp")
     q, k, v, grad, cu, causal = make_inputs(name, cp)
     local = [split_sequence(t, cp, rank, dim=2, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(
-        *local, group, causal=causal, cu_seqlens=cu, method=method
-    )
+    out = context_parallel_attention(*local, group, causal=causal, cu_seqlens=cu, method=method)
     (out * split_sequence(grad, cp, rank, dim=2, cu_seqlens=cu)).sum().backward()
     gathered = [gather_sequence(t, group, dim=2, cu_seqlens=cu) for t in (out.detach(),)]
     gathered += [gather_sequence(t.grad, group, dim=2, cu_seqlens=cu) for t in local]
@@ -121,7 +119,20 @@ def test_packed_sequences_split_one_by_one_with_positions_and_local_boundaries()
     assert split_sequence(tokens, 2, 0, cu_seqlens=cu).tolist() == [
         [0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23]
     ]
-    assert position_ids(24, 2, 0, cu_seqlens=cu).tolist() == [0, 1, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15]
+    assert position_ids(24, 2, 0, cu_seqlens=cu).tolist() == [
+        0,
+        1,
+        6,
+        7,
+        0,
+        1,
+        2,
+        3,
+        12,
+        13,
+        14,
+        15,
+    ]
     assert position_ids(24, 2, 1, cu_seqlens=cu).tolist() == [2, 3, 4, 5, 4, 5, 6, 7, 8, 9, 10, 11]
     assert local_cu_seqlens(cu, 2).tolist() == [0, 4, 12]
 

@@ -182,8 +182,14 @@ def test_expert_parallel_training_equals_single_process_adamw():
         start, stop = result["local"]
         for sharded in (False, True):
             got = result[f"params_{sharded}"]
-            torch.testing.assert_close(got["router.weight"], net.router.weight.detach(), atol=ATOL, rtol=RTOL)
-            torch.testing.assert_close(got["router.bias"], net.router.bias.detach(), atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(
+                got["router.weight"], net.router.weight.detach(), atol=ATOL, rtol=RTOL
+            )
+            torch.testing.assert_close(
+                got["router.bias"], net.router.bias.detach(), atol=ATOL, rtol=RTOL
+            )
             torch.testing.assert_close(got["up"], net.up.detach()[start:stop], atol=ATOL, rtol=RTOL)
-            torch.testing.assert_close(got["down"], net.down.detach()[start:stop], atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(
+                got["down"], net.down.detach()[start:stop], atol=ATOL, rtol=RTOL
+            )
             assert result[f"norms_{sharded}"] == pytest.approx(norms, rel=1e-5)

@@ -51,7 +51,10 @@ def make_net() -> Net:
 def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(4)
     return [
-        (torch.randint(0, 11, (4, 5), generator=generator), torch.randn(4, 5, 3, generator=generator))
+        (
+            torch.randint(0, 11, (4, 5), generator=generator),
+            torch.randn(4, 5, 3, generator=generator),
+        )
         for _ in range(steps)
     ]
 
@@ -62,13 +65,16 @@ def loss_fn(net, tokens, target):
 
 def ddp_net() -> DistributedDataParallel:
     return DistributedDataParallel(
-        make_net(), DDPConfig(bucket_size=50, use_distributed_optimizer=True, overlap_grad_reduce=True)
+        make_net(),
+        DDPConfig(bucket_size=50, use_distributed_optimizer=True, overlap_grad_reduce=True),
     )
 
 
 def run_steps(model, optimizer, data, scheduler=None, distributed=True) -> list[float]:
     rank, world = (
-        (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
+        (torch.distributed.get_rank(), torch.distributed.get_world_size())
+        if distributed
+        else (0, 1)
     )
     lrs = []
     for tokens, target in data:
@@ -124,10 +130,10 @@ def distributed_runs() -> dict:
     out["grouped"] = params(model.module)
 
     model = ddp_net()
-    optimizer = DistributedOptimizer(model, OptimizerConfig(**OPTIM, exclude_from_weight_decay=True))
-    out["rule_groups"] = [
-        (len(g["params"]), g["weight_decay"]) for g in optimizer.param_groups
-    ]
+    optimizer = DistributedOptimizer(
+        model, OptimizerConfig(**OPTIM, exclude_from_weight_decay=True)
+    )
+    out["rule_groups"] = [(len(g["params"]), g["weight_decay"]) for g in optimizer.param_groups]
     run_steps(model, optimizer, data[:4])
     model.finish_param_sync()
     out["no_decay_rule"] = params(model.module)
@@ -249,14 +255,18 @@ def test_state_dict_has_torch_adamw_format_and_values(results):
     want = reference["state_dict"]
     for result in ranks:
         got = result["state_dict"]
-        assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in want["param_groups"]]
+        assert [g["params"] for g in got["param_groups"]] == [
+            g["params"] for g in want["param_groups"]
+        ]
         for key in ("lr", "betas", "eps", "weight_decay"):
             assert got["param_groups"][0][key] == want["param_groups"][0][key]
         assert set(got["state"]) == set(want["state"])
         for index, entry in want["state"].items():
             assert float(got["state"][index]["step"]) == float(entry["step"]) == 3.0
             for key in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(got["state"][index][key], entry[key], atol=ATOL, rtol=RTOL)
+                torch.testing.assert_close(
+                    got["state"][index][key], entry[key], atol=ATOL, rtol=RTOL
+                )
             assert got["state"][index]["main_param"].dtype == torch.float32
 
 
@@ -274,7 +284,9 @@ def bf16_default() -> dict:
     net = make_net().to(torch.bfloat16)
     model = DistributedDataParallel(net, DDPConfig(bucket_size=50))
     out["grad_dtypes"] = sorted({str(b.grad_dtype) for b in model.param_grad_buffers})
-    kept = DistributedDataParallel(make_net().to(torch.bfloat16), DDPConfig(grad_reduce_in_fp32=False))
+    kept = DistributedDataParallel(
+        make_net().to(torch.bfloat16), DDPConfig(grad_reduce_in_fp32=False)
+    )
     out["kept_dtypes"] = sorted({str(b.grad_dtype) for b in kept.param_grad_buffers})
     optimizer = DistributedOptimizer(model, OptimizerConfig(**OPTIM))
     masters = [p.detach().float().clone().requires_grad_() for p in net.parameters()]

@@ -231,9 +231,7 @@ class ParallelState:
         dim, _, field = attribute.rpartition("_")
         accessor = _ATTRIBUTE_ACCESSORS.get(field)
         if accessor is None or dim not in DIMENSIONS or "_ranks" not in self.__dict__:
-            raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute {attribute!r}"
-            )
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {attribute!r}")
         return getattr(self, accessor)(dim)
 
     @property

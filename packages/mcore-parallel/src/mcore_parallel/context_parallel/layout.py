@@ -11,6 +11,7 @@ sequence has ``cu_seqlens // cp`` as its boundaries.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -24,14 +25,18 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, cp_size: int) -> lis
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
         raise ParallelTypeError(
             f"cu_seqlens must be a 1-D integer tensor, got {type(cu_seqlens).__name__}"
-            + (f" of shape {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor) else "")
+            + (
+                f" of shape {tuple(cu_seqlens.shape)}"
+                if isinstance(cu_seqlens, torch.Tensor)
+                else ""
+            )
         )
     bounds = [int(b) for b in cu_seqlens.tolist()]
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
         raise ParallelConfigError(
             f"cu_seqlens={bounds} must start at 0 and end at the sequence length {total}"
         )
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
     bad = [n for n in lengths if n <= 0 or n % (2 * cp_size)]
     if bad:
         raise ParallelConfigError(
@@ -130,8 +135,6 @@ class ChunkLayout:
             size = self.local_len // 2
             return slice(half * size, (half + 1) * size)
         return torch.nonzero(self.tokens(rank)["half"] == half).flatten()
-
-
 
 
 def block_plan(

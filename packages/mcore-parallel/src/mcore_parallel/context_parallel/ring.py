@@ -69,7 +69,9 @@ def _put_rows(
     block_lse: torch.Tensor,
 ) -> None:
     if isinstance(index, slice):
-        merged_out, merged_lse = merge_into(out[..., index, :], lse[..., index], block_out, block_lse)
+        merged_out, merged_lse = merge_into(
+            out[..., index, :], lse[..., index], block_out, block_lse
+        )
         out[..., index, :] = merged_out
         lse[..., index] = merged_lse
         return
@@ -142,7 +144,9 @@ class RingAttentionFunction(torch.autograd.Function):
                     _take(vf, kv_index),
                     mask,
                     ctx.scale,
-                    lse[..., q_index] if isinstance(q_index, slice) else lse.index_select(-1, q_index),
+                    lse[..., q_index]
+                    if isinstance(q_index, slice)
+                    else lse.index_select(-1, q_index),
                     _take(grad_out, q_index),
                     delta[..., q_index]
                     if isinstance(q_index, slice)
