@@ -144,3 +144,37 @@ def test_lengths_that_do_not_split_into_2cp_chunks_raise():
         position_ids(10, 2, 1)
     with pytest.raises(ParallelConfigError, match="cp_rank=2"):
         split_sequence(torch.zeros(1, 8), 2, 2)
+
+
+def nccl_cases() -> dict:
+    # fp32 on the GPU: the plain torch block path against the float64 reference.
+    state = initialize(cp=torch.distributed.get_world_size())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = {}
+    for name in ("causal_gqa", "packed_gqa"):
+        for method in ("ring", "all_gather"):
+            cp, rank = state.size("cp"), state.rank_in("cp")
+            q, k, v, grad, cu, causal = make_inputs(name, cp)
+            local = [
+                split_sequence(t, cp, rank, dim=2, cu_seqlens=cu).cuda().requires_grad_()
+                for t in (q, k, v)
+            ]
+            out = context_parallel_attention(
+                *local, state.group("cp"), causal=causal, cu_seqlens=cu, method=method
+            )
+            (out * split_sequence(grad, cp, rank, dim=2, cu_seqlens=cu).cuda()).sum().backward()
+            group = state.group("cp")
+            got = [gather_sequence(out.detach(), group, dim=2, cu_seqlens=cu).cpu()]
+            got += [gather_sequence(t.grad, group, dim=2, cu_seqlens=cu).cpu() for t in local]
+            expected = reference(q, k, v, grad, cu, causal)
+            results[f"{name}/{method}"] = max(
+                float((a - b).abs().max()) for a, b in zip(got, expected)
+            )
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_context_parallel_attention_on_nccl_equals_single_process():
+    for errors in run_distributed(nccl_cases, 2, backend="nccl"):
+        assert max(errors.values()) < 1e-4, errors

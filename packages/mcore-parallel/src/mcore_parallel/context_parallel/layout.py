@@ -139,7 +139,7 @@ class ChunkLayout:
 
 def block_plan(
     layout: ChunkLayout, q_rank: int, kv_rank: int, causal: bool
-) -> list[tuple[slice | torch.Tensor, slice | torch.Tensor, torch.Tensor | None]]:
+) -> list[tuple[slice | torch.Tensor, slice | torch.Tensor, torch.Tensor | None, bool]]:
     """The non-empty sub-blocks of ``q_rank``'s queries against ``kv_rank``'s keys.
 
     Each rank's tokens form two chunk halves, so a pair of ranks has four sub-blocks. Under a
@@ -153,9 +153,11 @@ def block_plan(
         causal: Whether the attention is causal.
 
     Returns:
-        ``(query positions, key positions, mask or None)`` per sub-block to compute; the
-        positions are local to each rank (slices, or index tensors when packed); the mask is
-        ``[len(queries), len(keys)]``, True where attention is allowed.
+        ``(query positions, key positions, mask, is_causal)`` per sub-block to compute; the
+        positions are local to each rank (slices, or index tensors when packed). ``mask`` is
+        ``[len(queries), len(keys)]``, True where attention is allowed, or None when the
+        sub-block is either whole or (``is_causal``) exactly lower-triangular, the two shapes
+        fused attention kernels take without a mask.
     """
     plan = []
     q_tokens, kv_tokens = layout.tokens(q_rank), layout.tokens(kv_rank)
@@ -169,13 +171,13 @@ def block_plan(
             kv_index = layout.half_index(kv_rank, kv_half)
             diagonal = causal and kv_chunk == q_chunk
             mask: torch.Tensor | None = None
-            if layout.packed or diagonal:
+            if layout.packed:
                 q_pos, kv_pos = q_tokens["pos"][q_index], kv_tokens["pos"][kv_index]
                 q_seq, kv_seq = q_tokens["seq"][q_index], kv_tokens["seq"][kv_index]
                 mask = q_seq.unsqueeze(1) == kv_seq.unsqueeze(0)
                 if diagonal:
                     mask &= kv_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-            plan.append((q_index, kv_index, mask))
+            plan.append((q_index, kv_index, mask, diagonal and mask is None))
     return plan
 
 
