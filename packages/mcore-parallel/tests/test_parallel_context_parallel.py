@@ -135,6 +135,11 @@ def test_packed_sequences_split_one_by_one_with_positions_and_local_boundaries()
     ]
     assert position_ids(24, 2, 1, cu_seqlens=cu).tolist() == [2, 3, 4, 5, 4, 5, 6, 7, 8, 9, 10, 11]
     assert local_cu_seqlens(cu, 2).tolist() == [0, 4, 12]
+    # Empty segments (a fixed number of boundaries, padded) hold no tokens.
+    padded = torch.tensor([0, 8, 8, 24, 24])
+    assert torch.equal(
+        split_sequence(tokens, 2, 1, cu_seqlens=padded), split_sequence(tokens, 2, 1, cu_seqlens=cu)
+    )
 
 
 def test_lengths_that_do_not_split_into_2cp_chunks_raise():

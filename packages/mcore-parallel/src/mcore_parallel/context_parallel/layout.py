@@ -37,13 +37,14 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, cp_size: int) -> lis
             f"cu_seqlens={bounds} must start at 0 and end at the sequence length {total}"
         )
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
-    bad = [n for n in lengths if n <= 0 or n % (2 * cp_size)]
+    bad = [n for n in lengths if n < 0 or n % (2 * cp_size)]
     if bad:
         raise ParallelConfigError(
-            f"cu_seqlens={bounds} has sequence lengths {bad} that are not positive multiples of "
+            f"cu_seqlens={bounds} has sequence lengths {bad} that are not multiples of "
             f"2 * cp = {2 * cp_size}; pad each sequence to a multiple of 2 * cp"
         )
-    return lengths
+    # Empty segments (padding of a fixed number of boundaries) hold no tokens.
+    return [n for n in lengths if n > 0]
 
 
 @dataclass
@@ -58,7 +59,8 @@ class ChunkLayout:
         device: Device of the index tensors.
 
     Raises:
-        ParallelConfigError: If a sequence length is not a positive multiple of ``2 * cp_size``.
+        ParallelConfigError: If a sequence length is not a multiple of ``2 * cp_size`` (empty
+            sequences are allowed and hold no tokens).
         ParallelTypeError: If ``cu_seqlens`` is not a 1-D tensor.
     """
 
