@@ -155,7 +155,7 @@ def main() -> None:
     under_torchrun = "RANK" in os.environ
     if under_torchrun:
         config = {"batch": 1, "heads": 32, "kv_heads": 8, "head_dim": 128, "warmup": 3, "iters": 10}
-        config["seqs"] = args.seqs or [4096, 8192, 16384]
+        config["seqs"] = args.seqs or [8192, 16384, 32768]
         rows = _worker(config)
         cp, device = dist.get_world_size(), torch.cuda.get_device_name(0)
         is_writer = dist.get_rank() == 0

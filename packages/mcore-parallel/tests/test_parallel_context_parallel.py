@@ -21,6 +21,7 @@ from mcore_parallel.context_parallel import (
     position_ids,
     split_sequence,
 )
+from mcore_parallel.context_parallel.blocks import block_backward, block_forward
 from mcore_parallel.errors import ParallelConfigError
 from mcore_parallel.testing import run_distributed
 
@@ -183,3 +184,32 @@ def nccl_cases() -> dict:
 def test_context_parallel_attention_on_nccl_equals_single_process():
     for errors in run_distributed(nccl_cases, 2, backend="nccl"):
         assert max(errors.values()) < 1e-4, errors
+
+
+def test_long_blocks_are_processed_in_row_slices_with_the_same_result():
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 12, 8, generator=generator)
+    k, v = (torch.randn(2, 2, 10, 8, generator=generator) for _ in range(2))
+    mask = torch.rand(12, 10, generator=generator) > 0.3
+    mask[:, 0] = True
+    whole = block_forward(q, k, v, mask, 0.35)
+    sliced = block_forward(q, k, v, mask, 0.35, max_score_elements=2 * 4 * 10 * 5)
+    for a, b in zip(whole, sliced):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    grad, out, lse = torch.randn(q.shape, generator=generator), whole[0], whole[1]
+    delta = (grad * out).sum(-1)
+    grads = block_backward(q, k, v, mask, 0.35, lse, grad, delta, out)
+    sliced_grads = block_backward(
+        q, k, v, mask, 0.35, lse, grad, delta, out, max_score_elements=2 * 4 * 10 * 5
+    )
+    # The whole block against autograd through plain softmax attention.
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    scores = (q64 @ k64.repeat_interleave(2, 1).transpose(-1, -2) * 0.35).masked_fill(
+        ~mask, float("-inf")
+    )
+    expected = torch.softmax(scores, -1) @ v64.repeat_interleave(2, 1)
+    (expected * grad.double()).sum().backward()
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    for got, sliced_got, ref in zip(grads, sliced_grads, (q64.grad, k64.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sliced_got, got, atol=1e-6, rtol=1e-6)
