@@ -7,6 +7,8 @@ packed sequence for ``cu_seqlens``), with keys/values repeated for grouped-query
 Tolerance: fp32 inputs, ``atol=2e-5`` (the online-softmax merge sums in another order).
 """
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ from mcore_parallel.context_parallel import (
     position_ids,
     split_sequence,
 )
+from mcore_parallel.context_parallel.blocks import block_backward, block_forward
 from mcore_parallel.errors import ParallelConfigError
 from mcore_parallel.testing import run_distributed
 
@@ -52,10 +55,8 @@ def reference(q, k, v, grad, cu, causal):
     kr, vr = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     bounds = [0, q.shape[2]] if cu is None else cu.tolist()
     outs = [
-        F.scaled_dot_product_attention(
-            q[:, :, a:b], kr[:, :, a:b], vr[:, :, a:b], is_causal=causal
-        )
-        for a, b in zip(bounds, bounds[1:])
+        F.scaled_dot_product_attention(q[:, :, a:b], kr[:, :, a:b], vr[:, :, a:b], is_causal=causal)
+        for a, b in itertools.pairwise(bounds)
     ]
     out = torch.cat(outs, dim=2)
     # A scalar loss: backward(grad) would import sympy (seconds) on the first call.
@@ -68,9 +69,7 @@ def distributed_case(state, name: str, method: str) -> dict:
     group, rank = state.group("cp"), state.rank_in("cp")
     q, k, v, grad, cu, causal = make_inputs(name, cp)
     local = [split_sequence(t, cp, rank, dim=2, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(
-        *local, group, causal=causal, cu_seqlens=cu, method=method
-    )
+    out = context_parallel_attention(*local, group, causal=causal, cu_seqlens=cu, method=method)
     (out * split_sequence(grad, cp, rank, dim=2, cu_seqlens=cu)).sum().backward()
     gathered = [gather_sequence(t, group, dim=2, cu_seqlens=cu) for t in (out.detach(),)]
     gathered += [gather_sequence(t.grad, group, dim=2, cu_seqlens=cu) for t in local]
@@ -121,9 +120,27 @@ def test_packed_sequences_split_one_by_one_with_positions_and_local_boundaries()
     assert split_sequence(tokens, 2, 0, cu_seqlens=cu).tolist() == [
         [0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23]
     ]
-    assert position_ids(24, 2, 0, cu_seqlens=cu).tolist() == [0, 1, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15]
+    assert position_ids(24, 2, 0, cu_seqlens=cu).tolist() == [
+        0,
+        1,
+        6,
+        7,
+        0,
+        1,
+        2,
+        3,
+        12,
+        13,
+        14,
+        15,
+    ]
     assert position_ids(24, 2, 1, cu_seqlens=cu).tolist() == [2, 3, 4, 5, 4, 5, 6, 7, 8, 9, 10, 11]
     assert local_cu_seqlens(cu, 2).tolist() == [0, 4, 12]
+    # Empty segments (a fixed number of boundaries, padded) hold no tokens.
+    padded = torch.tensor([0, 8, 8, 24, 24])
+    assert torch.equal(
+        split_sequence(tokens, 2, 1, cu_seqlens=padded), split_sequence(tokens, 2, 1, cu_seqlens=cu)
+    )
 
 
 def test_lengths_that_do_not_split_into_2cp_chunks_raise():
@@ -133,3 +150,66 @@ def test_lengths_that_do_not_split_into_2cp_chunks_raise():
         position_ids(10, 2, 1)
     with pytest.raises(ParallelConfigError, match="cp_rank=2"):
         split_sequence(torch.zeros(1, 8), 2, 2)
+
+
+def nccl_cases() -> dict:
+    # fp32 on the GPU: the plain torch block path against the float64 reference.
+    state = initialize(cp=torch.distributed.get_world_size())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = {}
+    for name in ("causal_gqa", "packed_gqa"):
+        for method in ("ring", "all_gather"):
+            cp, rank = state.size("cp"), state.rank_in("cp")
+            q, k, v, grad, cu, causal = make_inputs(name, cp)
+            local = [
+                split_sequence(t, cp, rank, dim=2, cu_seqlens=cu).cuda().requires_grad_()
+                for t in (q, k, v)
+            ]
+            out = context_parallel_attention(
+                *local, state.group("cp"), causal=causal, cu_seqlens=cu, method=method
+            )
+            (out * split_sequence(grad, cp, rank, dim=2, cu_seqlens=cu).cuda()).sum().backward()
+            group = state.group("cp")
+            got = [gather_sequence(out.detach(), group, dim=2, cu_seqlens=cu).cpu()]
+            got += [gather_sequence(t.grad, group, dim=2, cu_seqlens=cu).cpu() for t in local]
+            expected = reference(q, k, v, grad, cu, causal)
+            results[f"{name}/{method}"] = max(
+                float((a - b).abs().max()) for a, b in zip(got, expected)
+            )
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_context_parallel_attention_on_nccl_equals_single_process():
+    for errors in run_distributed(nccl_cases, 2, backend="nccl"):
+        assert max(errors.values()) < 1e-4, errors
+
+
+def test_long_blocks_are_processed_in_row_slices_with_the_same_result():
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 12, 8, generator=generator)
+    k, v = (torch.randn(2, 2, 10, 8, generator=generator) for _ in range(2))
+    mask = torch.rand(12, 10, generator=generator) > 0.3
+    mask[:, 0] = True
+    whole = block_forward(q, k, v, mask, 0.35)
+    sliced = block_forward(q, k, v, mask, 0.35, max_score_elements=2 * 4 * 10 * 5)
+    for a, b in zip(whole, sliced):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    grad, out, lse = torch.randn(q.shape, generator=generator), whole[0], whole[1]
+    delta = (grad * out).sum(-1)
+    grads = block_backward(q, k, v, mask, 0.35, lse, grad, delta, out)
+    sliced_grads = block_backward(
+        q, k, v, mask, 0.35, lse, grad, delta, out, max_score_elements=2 * 4 * 10 * 5
+    )
+    # The whole block against autograd through plain softmax attention.
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    scores = (q64 @ k64.repeat_interleave(2, 1).transpose(-1, -2) * 0.35).masked_fill(
+        ~mask, float("-inf")
+    )
+    expected = torch.softmax(scores, -1) @ v64.repeat_interleave(2, 1)
+    (expected * grad.double()).sum().backward()
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    for got, sliced_got, ref in zip(grads, sliced_grads, (q64.grad, k64.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sliced_got, got, atol=1e-6, rtol=1e-6)

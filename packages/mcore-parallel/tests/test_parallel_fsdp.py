@@ -81,6 +81,24 @@ def train_sharded(**kwargs) -> dict[str, object]:
     }
 
 
+def train_bf16() -> dict[str, object]:
+    """A bf16 model under the default mixed precision: fp32 shards, bf16 compute, fp32 grads."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = fully_shard_model(make_model().to(torch.bfloat16))
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), **OPTIM), model)
+    out: dict[str, object] = {"param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+    for x, y in make_batches():
+        rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        optimizer.zero_grad()
+        prediction = model(x[rows].bfloat16())
+        out["compute_dtype"] = str(prediction.dtype)
+        (prediction.float() - y[rows]).pow(2).mean().backward()
+        out["grad_dtypes"] = sorted({str(p.grad.dtype) for p in model.parameters()})
+        optimizer.step()
+    out["params"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return out
+
+
 class MoENet(nn.Module):
     """A dense layer plus a per-expert-rank "expert" that sees every token of its ep group."""
 
@@ -194,6 +212,7 @@ def all_checks() -> dict[str, object]:
         "unit_per_layer_off": train_sharded(shard_units=lambda m: [], reshard_after_forward=False),
         "experts": expert_grads(ep=2),
         "errors": optimizer_checks(),
+        "bf16": train_bf16(),
     }
 
 
@@ -210,6 +229,35 @@ def reference_params() -> dict[str, torch.Tensor]:
         loss_fn(model, x, y).backward()
         optimizer.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def reference_bf16_params() -> dict[str, torch.Tensor]:
+    """fp32 master weights and AdamW; forward/backward of a bf16 copy of them per rank's rows."""
+    masters = make_model().to(torch.bfloat16).float()
+    optimizer = torch.optim.AdamW(masters.parameters(), **OPTIM)
+    for x, y in make_batches():
+        optimizer.zero_grad()
+        for x_rows, y_rows in zip(x.chunk(WORLD), y.chunk(WORLD)):
+            low = make_model().to(torch.bfloat16)
+            low.load_state_dict({k: v.bfloat16() for k, v in masters.state_dict().items()})
+            ((low(x_rows.bfloat16()).float() - y_rows).pow(2).mean() / WORLD).backward()
+            for master, param in zip(masters.parameters(), low.parameters()):
+                grad = param.grad.float()
+                master.grad = grad if master.grad is None else master.grad + grad
+        optimizer.step()
+    return {k: v.detach() for k, v in masters.state_dict().items()}
+
+
+def test_bf16_model_trains_with_fp32_shards_and_fp32_gradients(results):
+    expected = reference_bf16_params()
+    for result in results:
+        bf16 = result["bf16"]
+        assert bf16["param_dtypes"] == ["torch.float32"]
+        assert bf16["compute_dtype"] == "torch.bfloat16"
+        assert bf16["grad_dtypes"] == ["torch.float32"]
+        for name, value in expected.items():
+            # bf16 rounding of each rank's gradient is the only difference.
+            torch.testing.assert_close(bf16["params"][name], value, atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize("variant", ["fsdp", "hsdp", "unit_per_layer_off"])

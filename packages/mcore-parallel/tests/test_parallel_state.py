@@ -232,6 +232,11 @@ def _accessor_checks() -> dict:
         for name in state_module.DIMENSIONS
     )
     result["cp"] = (state.ranks("cp"), state.rank_in("cp"), state.size("cp"))
+    # state.rank stays the global int and also answers rank(name).
+    result["rank_call"] = [
+        state.rank(name) == state.rank_in(name) for name in state_module.DIMENSIONS
+    ]
+    result["rank_arithmetic"] = (state.rank + 1, f"{state.rank}", [10, 11, 12, 13][state.rank])
     result["hasattr_unknown"] = hasattr(state, "foo_group") or hasattr(state, "tp_colour")
     try:
         state.size("tensor")
@@ -251,6 +256,8 @@ def test_one_accessor_serves_every_dimension_and_the_attribute_spellings():
         assert result["rank_is_global_int"] and result["same"]
         # tp=2 contiguous, cp=2 next: cp partners differ by 2.
         assert result["cp"] == ([rank % 2, rank % 2 + 2], rank // 2, 2)
+        assert all(result["rank_call"])
+        assert result["rank_arithmetic"] == (rank + 1, str(rank), 10 + rank)
         assert not result["hasattr_unknown"]
         assert "name='tensor'" in result["error"] and "'expert_dp'" in result["error"]
         assert "group('cp')" in result["destroyed"] and "destroy()" in result["destroyed"]

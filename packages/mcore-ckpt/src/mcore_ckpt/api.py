@@ -48,6 +48,7 @@ from mcore_ckpt.layout import (
 from mcore_ckpt.planner import Block, BlockLoadPlanner, BlockSavePlanner, RemapFileSystemReader
 from mcore_ckpt.state_dict import Entry, flatten_state_dict, sync_params
 from mcore_ckpt.verify import check_file_checksums, check_file_sizes, checksum_files
+from mcore_parallel.state import ParallelState
 
 __all__ = ["save", "load"]
 
@@ -91,10 +92,8 @@ def _check_path_and_flag(path: Any, flag_name: str, flag: Any) -> None:
 
 def _layout(state: Any, comm: Communicator) -> dict[str, int]:
     layout = {"world_size": comm.world_size}
-    for dim in _LAYOUT_FIELDS:
-        size = getattr(state, f"{dim}_size", None)
-        if isinstance(size, int):
-            layout[dim] = size
+    if isinstance(state, ParallelState):
+        layout.update({dim: state.size(dim) for dim in _LAYOUT_FIELDS})
     return layout
 
 

@@ -22,10 +22,10 @@ __all__ = ["sharded_state_dict"]
 
 def _axis(state: ParallelState, axis: str) -> tuple[int, int]:
     if axis == "tp":
-        return state.tp_size, state.tp_rank
+        return state.size("tp"), state.rank_in("tp")
     if axis == "etp":
-        return state.etp_size, state.etp_rank
-    return state.ep_size, state.ep_rank
+        return state.size("etp"), state.rank_in("etp")
+    return state.size("ep"), state.rank_in("ep")
 
 
 def _replica_id(state: ParallelState, axes: set[str]) -> int:
@@ -33,13 +33,13 @@ def _replica_id(state: ParallelState, axes: set[str]) -> int:
     # Expert weights are replicated over expert_dp (x etp when not split over it); dense ones
     # over dp x cp (x tp when not split over it).
     if "ep" in axes or "etp" in axes:
-        replica = state.expert_dp_rank
+        replica = state.rank_in("expert_dp")
         if "etp" not in axes:
-            replica = replica * state.etp_size + state.etp_rank
+            replica = replica * state.size("etp") + state.rank_in("etp")
         return replica
-    replica = state.dp_cp_rank
+    replica = state.rank_in("dp_cp")
     if "tp" not in axes:
-        replica = replica * state.tp_size + state.tp_rank
+        replica = replica * state.size("tp") + state.rank_in("tp")
     return replica
 
 

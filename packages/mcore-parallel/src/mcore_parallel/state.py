@@ -15,7 +15,7 @@ Libraries take a :class:`ParallelState` as an argument. :func:`get_default` and
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from mcore_parallel.errors import ParallelConfigError, ParallelStateError, ParallelTypeError
 
-__all__ = ["DIMENSIONS", "ParallelState", "initialize", "get_default", "set_default"]
+__all__ = ["DIMENSIONS", "GlobalRank", "ParallelState", "initialize", "get_default", "set_default"]
 
 DIMENSIONS = ("tp", "cp", "ep", "etp", "dp", "pp", "expert_dp", "dp_cp", "mp")
 """Names of the parallel dimensions a :class:`ParallelState` has a group for, in creation order."""
@@ -58,6 +58,43 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+class GlobalRank(int):
+    """This process's global rank, an ``int`` that can also be called with a dimension name.
+
+    ``state.rank`` compares, formats, hashes and computes as the global rank it always was;
+    ``state.rank("tp")`` returns the index in the tensor-parallel group, the same as
+    ``state.rank_in("tp")``. Pickling gives a plain ``int``.
+
+    Args:
+        value: The global rank.
+        rank_in: The state's :meth:`ParallelState.rank_in`.
+    """
+
+    _rank_in: Callable[[str], int]
+
+    def __new__(cls, value: int, rank_in: Callable[[str], int]) -> GlobalRank:
+        rank = super().__new__(cls, value)
+        rank._rank_in = rank_in
+        return rank
+
+    def __call__(self, name: str) -> int:
+        """Returns this rank's index in its group of dimension ``name``.
+
+        Args:
+            name: One of :data:`DIMENSIONS`.
+
+        Returns:
+            The index.
+
+        Raises:
+            ParallelConfigError: If ``name`` is not a dimension.
+        """
+        return self._rank_in(name)
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        return int, (int(self),)
+
+
 class ParallelState:
     """Process groups, sizes and ranks of one parallel layout.
 
@@ -68,8 +105,9 @@ class ParallelState:
 
         state.group("tp"); state.size("cp"); state.rank_in("ep"); state.ranks("dp")
 
-    :attr:`rank` is this process's global rank (an int), so the index inside a dimension's
-    group is :meth:`rank_in`. The attribute spellings ``state.<dim>_group``, ``<dim>_size``,
+    :attr:`rank` is this process's global rank (an int, as always); the index inside a
+    dimension's group is :meth:`rank_in`, and ``state.rank(name)`` answers the same (the global
+    rank is a callable int, :class:`GlobalRank`), so both spellings work. The attribute spellings ``state.<dim>_group``, ``<dim>_size``,
     ``<dim>_rank`` (the index in the group) and ``<dim>_ranks`` resolve to the same
     accessors, e.g. ``state.tp_size == state.size("tp")``. Unknown names raise
     :class:`~mcore_parallel.errors.ParallelConfigError` listing the valid ones.
@@ -142,8 +180,8 @@ class ParallelState:
         """Device of this rank's computation: ``cuda:LOCAL_RANK`` under NCCL, else ``cpu``."""
         self.world_size: int = dist.get_world_size()
         """Number of ranks in the default process group."""
-        self.rank: int = dist.get_rank()
-        """Global rank of this process."""
+        self.rank: GlobalRank = GlobalRank(dist.get_rank(), self.rank_in)
+        """Global rank of this process: an int; ``state.rank(name)`` is ``rank_in(name)``."""
         self._owns_default_group = owns_default_group
         self._destroyed = False
 
@@ -231,9 +269,7 @@ class ParallelState:
         dim, _, field = attribute.rpartition("_")
         accessor = _ATTRIBUTE_ACCESSORS.get(field)
         if accessor is None or dim not in DIMENSIONS or "_ranks" not in self.__dict__:
-            raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute {attribute!r}"
-            )
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {attribute!r}")
         return getattr(self, accessor)(dim)
 
     @property

@@ -44,7 +44,9 @@ class _GatherKV(torch.autograd.Function):
         blocks = grad.reshape(two, batch, heads, size, total // size, dim).permute(3, 0, 1, 2, 4, 5)
         # Sum in fp32: every rank's queries contributed to every block.
         blocks = blocks.float().contiguous().flatten(0, 1)
-        local = torch.empty(blocks.shape[0] // size, *blocks.shape[1:], dtype=torch.float32, device=grad.device)
+        local = torch.empty(
+            blocks.shape[0] // size, *blocks.shape[1:], dtype=torch.float32, device=grad.device
+        )
         dist.reduce_scatter_tensor(local, blocks, group=ctx.group)
         return local.to(grad.dtype), None
 

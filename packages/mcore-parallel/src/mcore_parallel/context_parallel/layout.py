@@ -11,6 +11,7 @@ sequence has ``cu_seqlens // cp`` as its boundaries.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -24,21 +25,26 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, cp_size: int) -> lis
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
         raise ParallelTypeError(
             f"cu_seqlens must be a 1-D integer tensor, got {type(cu_seqlens).__name__}"
-            + (f" of shape {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor) else "")
+            + (
+                f" of shape {tuple(cu_seqlens.shape)}"
+                if isinstance(cu_seqlens, torch.Tensor)
+                else ""
+            )
         )
     bounds = [int(b) for b in cu_seqlens.tolist()]
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
         raise ParallelConfigError(
             f"cu_seqlens={bounds} must start at 0 and end at the sequence length {total}"
         )
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    bad = [n for n in lengths if n <= 0 or n % (2 * cp_size)]
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    bad = [n for n in lengths if n < 0 or n % (2 * cp_size)]
     if bad:
         raise ParallelConfigError(
-            f"cu_seqlens={bounds} has sequence lengths {bad} that are not positive multiples of "
+            f"cu_seqlens={bounds} has sequence lengths {bad} that are not multiples of "
             f"2 * cp = {2 * cp_size}; pad each sequence to a multiple of 2 * cp"
         )
-    return lengths
+    # Empty segments (padding of a fixed number of boundaries) hold no tokens.
+    return [n for n in lengths if n > 0]
 
 
 @dataclass
@@ -53,7 +59,8 @@ class ChunkLayout:
         device: Device of the index tensors.
 
     Raises:
-        ParallelConfigError: If a sequence length is not a positive multiple of ``2 * cp_size``.
+        ParallelConfigError: If a sequence length is not a multiple of ``2 * cp_size`` (empty
+            sequences are allowed and hold no tokens).
         ParallelTypeError: If ``cu_seqlens`` is not a 1-D tensor.
     """
 
@@ -132,11 +139,9 @@ class ChunkLayout:
         return torch.nonzero(self.tokens(rank)["half"] == half).flatten()
 
 
-
-
 def block_plan(
     layout: ChunkLayout, q_rank: int, kv_rank: int, causal: bool
-) -> list[tuple[slice | torch.Tensor, slice | torch.Tensor, torch.Tensor | None]]:
+) -> list[tuple[slice | torch.Tensor, slice | torch.Tensor, torch.Tensor | None, bool]]:
     """The non-empty sub-blocks of ``q_rank``'s queries against ``kv_rank``'s keys.
 
     Each rank's tokens form two chunk halves, so a pair of ranks has four sub-blocks. Under a
@@ -150,9 +155,11 @@ def block_plan(
         causal: Whether the attention is causal.
 
     Returns:
-        ``(query positions, key positions, mask or None)`` per sub-block to compute; the
-        positions are local to each rank (slices, or index tensors when packed); the mask is
-        ``[len(queries), len(keys)]``, True where attention is allowed.
+        ``(query positions, key positions, mask, is_causal)`` per sub-block to compute; the
+        positions are local to each rank (slices, or index tensors when packed). ``mask`` is
+        ``[len(queries), len(keys)]``, True where attention is allowed, or None when the
+        sub-block is either whole or (``is_causal``) exactly lower-triangular, the two shapes
+        fused attention kernels take without a mask.
     """
     plan = []
     q_tokens, kv_tokens = layout.tokens(q_rank), layout.tokens(kv_rank)
@@ -166,13 +173,13 @@ def block_plan(
             kv_index = layout.half_index(kv_rank, kv_half)
             diagonal = causal and kv_chunk == q_chunk
             mask: torch.Tensor | None = None
-            if layout.packed or diagonal:
+            if layout.packed:
                 q_pos, kv_pos = q_tokens["pos"][q_index], kv_tokens["pos"][kv_index]
                 q_seq, kv_seq = q_tokens["seq"][q_index], kv_tokens["seq"][kv_index]
                 mask = q_seq.unsqueeze(1) == kv_seq.unsqueeze(0)
                 if diagonal:
                     mask &= kv_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-            plan.append((q_index, kv_index, mask))
+            plan.append((q_index, kv_index, mask, diagonal and mask is None))
     return plan
 
 

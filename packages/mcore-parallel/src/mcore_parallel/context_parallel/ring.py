@@ -54,6 +54,10 @@ def _take(x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
     return x[..., index, :] if isinstance(index, slice) else x.index_select(-2, index)
 
 
+def _take_rows(x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+    return x[..., index] if isinstance(index, slice) else x.index_select(-1, index)
+
+
 def _add_at(x: torch.Tensor, index: slice | torch.Tensor, value: torch.Tensor) -> None:
     if isinstance(index, slice):
         x[..., index, :] += value
@@ -69,7 +73,9 @@ def _put_rows(
     block_lse: torch.Tensor,
 ) -> None:
     if isinstance(index, slice):
-        merged_out, merged_lse = merge_into(out[..., index, :], lse[..., index], block_out, block_lse)
+        merged_out, merged_lse = merge_into(
+            out[..., index, :], lse[..., index], block_out, block_lse
+        )
         out[..., index, :] = merged_out
         lse[..., index] = merged_lse
         return
@@ -105,9 +111,14 @@ class RingAttentionFunction(torch.autograd.Function):
             source = (ring.rank - step) % ring.size
             pending = ring.start(kv, _KV_TAG) if step < ring.size - 1 else None
             kf, vf = kv[0].float(), kv[1].float()
-            for q_index, kv_index, mask in block_plan(layout, ring.rank, source, causal):
+            for q_index, kv_index, mask, is_causal in block_plan(layout, ring.rank, source, causal):
                 block_out, block_lse = block_forward(
-                    _take(qf, q_index), _take(kf, kv_index), _take(vf, kv_index), mask, scale
+                    _take(qf, q_index),
+                    _take(kf, kv_index),
+                    _take(vf, kv_index),
+                    mask,
+                    scale,
+                    is_causal,
                 )
                 _put_rows(out, lse, q_index, block_out, block_lse)
             if pending is not None:
@@ -135,18 +146,20 @@ class RingAttentionFunction(torch.autograd.Function):
             pending = ring.start(kv, _KV_TAG) if step < ring.size - 1 else None
             kf, vf = kv[0].float(), kv[1].float()
             contribution = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for q_index, kv_index, mask in block_plan(ctx.layout, ring.rank, source, ctx.causal):
+            for q_index, kv_index, mask, is_causal in block_plan(
+                ctx.layout, ring.rank, source, ctx.causal
+            ):
                 dq, dk, dv = block_backward(
                     _take(qf, q_index),
                     _take(kf, kv_index),
                     _take(vf, kv_index),
                     mask,
                     ctx.scale,
-                    lse[..., q_index] if isinstance(q_index, slice) else lse.index_select(-1, q_index),
+                    _take_rows(lse, q_index),
                     _take(grad_out, q_index),
-                    delta[..., q_index]
-                    if isinstance(q_index, slice)
-                    else delta.index_select(-1, q_index),
+                    _take_rows(delta, q_index),
+                    _take(out, q_index),
+                    is_causal,
                 )
                 _add_at(grad_q, q_index, dq)
                 _add_at(contribution[0], kv_index, dk)

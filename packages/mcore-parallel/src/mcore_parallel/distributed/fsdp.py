@@ -114,6 +114,14 @@ def fully_shard_model(
 ) -> nn.Module:
     """Shards ``module`` in place with FSDP2 and returns it.
 
+    Mixed precision by default for low-precision models: when ``param_dtype`` is None and the
+    module's floating parameters are bf16 (or fp16), they are upcast to fp32 before sharding,
+    so the sharded parameters (what the optimizer updates) are fp32 main parameters, forward
+    and backward compute in the original dtype, and gradients are reduced and kept in fp32.
+    Memory per parameter with ``N`` ranks: ``4 / N`` (fp32 shard) ``+ 4 / N`` (fp32 gradient
+    shard) ``+ 8 / N`` (AdamW moments), plus the transient full bf16 parameters and gradients of
+    the unit being computed. Pass ``param_dtype`` explicitly to choose otherwise.
+
     Expert modules are sharded first over the expert-data-parallel submesh, then the other
     units (by default each element of every ``nn.ModuleList``), then the root. Gradients of
     expert parameters are divided by the full data-parallel size (not the expert-DP size),
@@ -131,8 +139,10 @@ def fully_shard_model(
         expert_parallel_size: Number of expert-parallel ranks (consecutive in rank order).
         reshard_after_forward: Free the gathered parameters after forward (re-gather in
             backward).
-        param_dtype: Compute dtype of gathered parameters (mixed precision); None keeps theirs.
-        reduce_dtype: dtype of the gradient reduce-scatter; None uses ``param_dtype``.
+        param_dtype: Compute dtype of gathered parameters (mixed precision); None keeps theirs,
+            except for bf16/fp16 models (see above).
+        reduce_dtype: dtype of the gradient reduce-scatter; None uses ``param_dtype`` (fp32 for
+            the default mixed precision of bf16/fp16 models).
 
     Returns:
         The same module, now FSDP-managed (its parameters are DTensors).
@@ -166,6 +176,8 @@ def fully_shard_model(
     mesh = (
         device_mesh if device_mesh is not None else build_fsdp_mesh(replicate_size=replicate_size)
     )
+    if param_dtype is None:
+        param_dtype, reduce_dtype = _upcast_low_precision(module, reduce_dtype)
     fully_shard, mixed_precision_policy = _fsdp_api()
     policy = mixed_precision_policy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward, "mp_policy": policy}
@@ -194,6 +206,20 @@ def fully_shard_model(
     return module
 
 
+def _upcast_low_precision(
+    module: nn.Module, reduce_dtype: torch.dtype | None
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """Upcasts an all-bf16/fp16 module's parameters to fp32; returns the policy's dtypes."""
+    dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1 or not dtypes <= {torch.bfloat16, torch.float16}:
+        return None, reduce_dtype
+    low = dtypes.pop()
+    with torch.no_grad():
+        for param in module.parameters():
+            param.data = param.data.float()
+    return low, torch.float32 if reduce_dtype is None else reduce_dtype
+
+
 def is_fsdp_param(param: torch.Tensor) -> bool:
     """Whether ``param`` is a sharded parameter created by ``fully_shard``.
 
@@ -218,6 +244,10 @@ def fully_shard_optimizer(
     ``fully_shard`` replaces every parameter by a sharded DTensor parameter, so an optimizer
     built before sharding silently updates stale tensors; this catches it. The optimizer state
     then holds only this rank's shards (torch optimizers allocate state like the parameter).
+    The optimizer is a plain torch optimizer, so its whole surface stays: ``param_groups``
+    (build them with
+    :func:`~mcore_parallel.distributed.param_groups.weight_decay_param_groups` for the no-decay
+    rule), ``state_dict``/``load_state_dict``, ``zero_grad`` and ``torch.optim.lr_scheduler``.
 
     Args:
         optimizer: A torch optimizer built from ``model.parameters()`` after sharding.

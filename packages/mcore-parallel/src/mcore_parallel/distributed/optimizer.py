@@ -13,10 +13,10 @@ The optimizer is a ``torch.optim.Optimizer``: ``param_groups`` (per-group ``lr``
 Memory per parameter of a bf16 model (the default mixed precision: bf16 parameters, fp32
 gradient accumulation, fp32 main parameters and moments), with ``d`` data-parallel ranks:
 2 bytes (bf16 parameter) + 4 (fp32 gradient) + 12 / d (fp32 main parameter, exp_avg,
-exp_avg_sq), i.e. 18 bytes unsharded and 6 + 12 / d with ``use_distributed_optimizer``; the
-same breakdown as Megatron-Core's distributed optimizer (its ``docs/source/api-guide/
-dist_optimizer.md``). An fp32 model holds 4 + 4 + 12 / d bytes (its parameters are the main
-parameters' source, but the optimizer still keeps its own copy so that the two never alias).
+exp_avg_sq), i.e. 18 bytes unsharded and 6 + 12 / d with ``use_distributed_optimizer``, as
+listed for Megatron-Core's distributed optimizer (Megatron Core developer guide, "Distributed
+Optimizer"). An fp32 model holds 4 + 4 + 12 / d bytes: the optimizer keeps its own fp32 copy
+of the parameters so that model tensors and optimizer state never alias.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def run_interleaved(
     Raises:
         ParallelConfigError: If the number of microbatches is not a multiple of ``pp_size``.
     """
-    pp, rank, vp = state.pp_size, state.pp_rank, len(stages)
+    pp, rank, vp = state.size("pp"), state.rank_in("pp"), len(stages)
     count = len(microbatches)
     if count % pp != 0:
         raise ParallelConfigError(

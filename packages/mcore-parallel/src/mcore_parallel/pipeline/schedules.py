@@ -165,7 +165,7 @@ def forward_backward(
     if not chunks:
         raise ParallelConfigError("model is an empty list; expected at least one model chunk")
     result = ScheduleOutput()
-    pipelined = state is not None and state.pp_size > 1
+    pipelined = state is not None and state.size("pp") > 1
     holds_last_stage = not pipelined or state.is_last_stage  # type: ignore[union-attr]
     stages = [
         _Stage(
@@ -233,7 +233,7 @@ def _run_1f1b(
     stage: _Stage, channel: PipelineChannel, state: ParallelState, microbatches: Sequence[Any]
 ) -> None:
     total = len(microbatches)
-    warmup = min(state.pp_size - state.pp_rank - 1, total)
+    warmup = min(state.size("pp") - state.rank_in("pp") - 1, total)
     inputs: deque[torch.Tensor | None] = deque()
     outputs: deque[torch.Tensor] = deque()
     for index in range(warmup):

@@ -31,7 +31,7 @@ def allreduce_tied_embedding_grads(
             are skipped).
         state: Parallel state.
     """
-    if state is None or state.pp_size == 1 or state.embedding_group is None:
+    if state is None or state.size("pp") == 1 or state.embedding_group is None:
         return
     for param in parameters:
         if param.grad is not None:

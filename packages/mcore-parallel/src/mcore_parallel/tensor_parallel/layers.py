@@ -62,7 +62,7 @@ def _tp(state: ParallelState | None) -> tuple[int, int, Any]:
         raise ParallelTypeError(
             f"state must be a ParallelState or None, got {type(state).__name__}"
         )
-    return state.tp_size, state.tp_rank, state.tp_group
+    return state.size("tp"), state.rank_in("tp"), state.group("tp")
 
 
 def _check_divisible(name: str, value: int, tp_size: int) -> int:
@@ -430,7 +430,7 @@ def allreduce_sequence_parallel_grads(module: nn.Module, state: ParallelState | 
         module: Module whose parameters to visit.
         state: Parallel state; None or tp size 1 makes this a no-op.
     """
-    if state is None or state.tp_size == 1:
+    if state is None or state.size("tp") == 1:
         return
     grads = [
         p.grad
@@ -440,6 +440,6 @@ def allreduce_sequence_parallel_grads(module: nn.Module, state: ParallelState | 
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    torch.distributed.all_reduce(flat, group=state.tp_group)
+    torch.distributed.all_reduce(flat, group=state.group("tp"))
     for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(chunk.view_as(grad))

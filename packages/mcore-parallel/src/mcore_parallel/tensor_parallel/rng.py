@@ -163,8 +163,8 @@ def model_parallel_seed(
     Returns:
         The tracker; use ``with tracker.fork():`` around dropout inside tp regions.
     """
-    tp_rank = state.tp_rank if state is not None else 0
-    ep_rank = state.ep_rank if state is not None else 0
+    tp_rank = state.rank_in("tp") if state is not None else 0
+    ep_rank = state.rank_in("ep") if state is not None else 0
     device = torch.device(device or (state.device if state is not None else "cpu"))
     tracker = RNGStatesTracker(device)
     if tracker.device.type == "cuda":
