@@ -24,6 +24,13 @@ _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
+def _shared_prefix_length(first: str, second: str) -> int:
+    for i, (a, b) in enumerate(zip(first, second)):
+        if a != b:
+            return i
+    return min(len(first), len(second))
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
@@ -66,9 +73,12 @@ class IncrementalDetokenizer:
         text = self._decode(tokens[self._prefix :])
         if not final and text.endswith(_REPLACEMENT):
             return ""
-        # NOTE: a tokenizer may normalise the window differently from its prefix; only a text
-        # that extends the prefix's text can be cut; otherwise the whole window is new.
-        delta = text[len(before) :] if text.startswith(before) else text
+        # NOTE: the window's text usually extends its prefix's; when it does not (the prefix
+        # ended in half a character, now completed), the text past their common part is new.
+        if text.startswith(before):
+            delta = text[len(before) :]
+        else:
+            delta = text[_shared_prefix_length(before, text) :]
         self._prefix, self._read = self._read, len(tokens)
         # Keep the decoded window short: drop tokens that are no longer context.
         if self._prefix > 64:
