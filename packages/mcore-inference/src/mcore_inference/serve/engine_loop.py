@@ -27,7 +27,7 @@ from mcore_inference.request import FinishReason, GenerationResult, RequestStatu
 __all__ = ["EngineLoop", "EngineLoopStoppedError", "LoopStats", "QueueFullError", "RequestHandle"]
 
 _THROUGHPUT_WINDOW_S = 10
-_CATCH_UP_TIMEOUT_S = 1.0
+_MAX_CATCH_UP_S = 0.05
 """Longest wait of the engine thread for the event loop to take the previous batch."""
 """Whole seconds over which :meth:`EngineLoop.generation_tokens_per_second` averages."""
 
@@ -227,7 +227,9 @@ class EngineLoop:
             while self._apply_commands(engine, by_id, ids, block=not engine.has_unfinished()):
                 if not engine.has_unfinished():
                     continue
+                started = time.perf_counter()
                 results = engine.step()
+                step_seconds = time.perf_counter() - started
                 updates = []
                 for result in results:
                     handle = by_id.get(result.request_id)
@@ -238,7 +240,7 @@ class EngineLoop:
                     updates.append((handle, result))
                 self._publish(engine, results)
                 if updates:
-                    self._post(updates)
+                    self._post(updates, catch_up=step_seconds)
         except Exception as exc:  # the engine broke: fail every open request and say why
             self._failure = f"engine loop failed: {type(exc).__name__}: {exc}"
         finally:
@@ -324,18 +326,22 @@ class EngineLoop:
             tokens = sum(count for second, count in self._window if now - span <= second < now)
         return tokens / span
 
-    def _post(self, updates: list[tuple[RequestHandle, GenerationResult]]) -> None:
+    def _post(
+        self, updates: list[tuple[RequestHandle, GenerationResult]], *, catch_up: float = 0.0
+    ) -> None:
         assert self._event_loop is not None
-        # NOTE: one batch in flight at most. Without this wait a CPU-bound engine thread keeps
-        # the GIL for whole switch intervals while the event loop, which gives the GIL up at
-        # every socket call, falls further and further behind. Waiting only for the previous
-        # batch keeps the event loop's work on batch N overlapped with engine step N + 1.
-        self._caught_up.wait(_CATCH_UP_TIMEOUT_S)
+        # NOTE: a CPU-bound engine thread keeps the GIL for whole switch intervals while the
+        # event loop, which gives it up at every socket call, falls further and further behind
+        # (tokens reach clients in bursts, seconds late). So before posting batch N + 1 the
+        # thread waits, for at most as long as its last step took, until the event loop has
+        # taken batch N: the event loop gets at least half of the time, and when it keeps up
+        # (the usual case on a GPU, where a step mostly waits on the device without the GIL)
+        # its work overlaps the next step and nothing waits.
+        self._caught_up.wait(min(catch_up, _MAX_CATCH_UP_S))
         self._caught_up.clear()
-        # A closed event loop raises RuntimeError: nobody is listening any more.
         try:
             self._event_loop.call_soon_threadsafe(self._deliver, updates)
-        except RuntimeError:
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
             self._caught_up.set()
 
     @staticmethod
