@@ -2,8 +2,10 @@
 
 Every engine call happens on that thread. HTTP handlers on the asyncio event loop hand it
 commands (add these requests, abort that one) through a queue; after each engine step the thread
-posts the new snapshots back to the event loop in one call. A snapshot holds all tokens so far,
-so a handler that falls behind simply reads the latest one: nothing queues up per token.
+posts the step's updates (``InferenceEngine.step_updates``: the new tokens of each request, its
+result once finished) back to the event loop in one call, which appends them to the requests'
+handles. A handler that falls behind finds several new tokens at its next wake-up and sends
+them together: nothing queues up per token.
 
 Back-pressure: requests that do not yet hold a batch slot (waiting in the engine or still in the
 command queue) are counted; a submission that would push the count past ``max_waiting_requests``
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 from mcore_inference.config import SamplingParams
 from mcore_inference.engine import InferenceEngine
-from mcore_inference.request import FinishReason, GenerationResult, RequestStatus
+from mcore_inference.request import FinishReason, GenerationResult, RequestStatus, TokenUpdate
 
 __all__ = ["EngineLoop", "EngineLoopStoppedError", "LoopStats", "QueueFullError", "RequestHandle"]
 
@@ -44,8 +46,8 @@ class EngineLoopStoppedError(RuntimeError):
 class RequestHandle:
     """The server-side end of one engine request (owned by the event loop).
 
-    The engine thread never touches these fields directly: it posts snapshots that the event
-    loop stores in :attr:`latest` before setting :attr:`notify`.
+    The engine thread never touches these fields directly: it posts updates that the event
+    loop appends here before setting :attr:`notify`.
     """
 
     prompt: list[int]
@@ -53,11 +55,15 @@ class RequestHandle:
     params: SamplingParams
     """Sampling parameters."""
     notify: asyncio.Event
-    """Set whenever :attr:`latest` changes (may be shared by the choices of one HTTP request)."""
-    latest: GenerationResult | None = None
-    """Newest snapshot, None before the first token."""
+    """Set whenever new tokens or the result arrive (shared by the choices of an HTTP request)."""
+    tokens: list[int] = field(default_factory=list)
+    """Generated tokens so far."""
+    logprobs: list[float] = field(default_factory=list)
+    """Their log-probabilities (when asked)."""
+    result: GenerationResult | None = None
+    """The final result once the request finished or failed."""
     finished: bool = False
-    """True once the final snapshot arrived or the request was aborted by the server."""
+    """True once the result arrived or the request was aborted by the server."""
     submitted_at: float = field(default_factory=time.perf_counter)
     """When the handler submitted it (``time.perf_counter``)."""
 
@@ -203,12 +209,15 @@ class EngineLoop:
         if self._thread is None or not self._thread.is_alive():
             self.engine.close()
 
-    def _deliver(self, updates: list[tuple[RequestHandle, GenerationResult]]) -> None:
-        for handle, result in updates:
+    def _deliver(self, updates: list[tuple[RequestHandle, TokenUpdate]]) -> None:
+        for handle, update in updates:
             if handle.finished:
                 continue
-            handle.latest = result
-            if result.done:
+            handle.tokens += update.new_tokens
+            if update.new_logprobs:
+                handle.logprobs += update.new_logprobs
+            if update.result is not None:
+                handle.result = update.result
                 handle.finished = True
                 self._live -= 1
             handle.notify.set()
@@ -228,17 +237,17 @@ class EngineLoop:
                 if not engine.has_unfinished():
                     continue
                 started = time.perf_counter()
-                results = engine.step()
+                step = engine.step_updates()
                 step_seconds = time.perf_counter() - started
                 updates = []
-                for result in results:
-                    handle = by_id.get(result.request_id)
+                for update in step:
+                    handle = by_id.get(update.request_id)
                     if handle is None:  # aborted by the server: nobody is waiting for it
                         continue
-                    if result.done:
-                        del by_id[result.request_id], ids[handle]
-                    updates.append((handle, result))
-                self._publish(engine, results)
+                    if update.result is not None:
+                        del by_id[update.request_id], ids[handle]
+                    updates.append((handle, update))
+                self._publish(engine, step)
                 if updates:
                     self._post(updates, catch_up=step_seconds)
         except Exception as exc:  # the engine broke: fail every open request and say why
@@ -288,12 +297,8 @@ class EngineLoop:
         except queue.Empty:
             return None
 
-    def _publish(self, engine: InferenceEngine, results: Sequence[GenerationResult]) -> None:
-        new_tokens = sum(
-            1
-            for r in results
-            if r.tokens and r.finish_reason not in (FinishReason.ABORTED, FinishReason.ERROR)
-        )
+    def _publish(self, engine: InferenceEngine, step: Sequence[TokenUpdate]) -> None:
+        new_tokens = sum(len(update.new_tokens) for update in step)
         if new_tokens:
             self._generated += new_tokens
             second = int(time.monotonic())
@@ -311,7 +316,7 @@ class EngineLoop:
             kv_blocks_used=capacity - engine.allocator.num_free,
             kv_blocks_total=capacity,
             generation_tokens_total=self._generated,
-            steps_total=self._stats.steps_total + (1 if results else 0),
+            steps_total=self._stats.steps_total + (1 if step else 0),
         )
 
     def generation_tokens_per_second(self) -> float:
@@ -327,7 +332,7 @@ class EngineLoop:
         return tokens / span
 
     def _post(
-        self, updates: list[tuple[RequestHandle, GenerationResult]], *, catch_up: float = 0.0
+        self, updates: list[tuple[RequestHandle, TokenUpdate]], *, catch_up: float = 0.0
     ) -> None:
         assert self._event_loop is not None
         # NOTE: a CPU-bound engine thread keeps the GIL for whole switch intervals while the
@@ -345,17 +350,17 @@ class EngineLoop:
             self._caught_up.set()
 
     @staticmethod
-    def _failed_result(handle: RequestHandle, request_id: int, message: str) -> GenerationResult:
-        latest = handle.latest
-        return GenerationResult(
+    def _failed_result(handle: RequestHandle, request_id: int, message: str) -> TokenUpdate:
+        result = GenerationResult(
             request_id=request_id,
             prompt=handle.prompt,
-            tokens=list(latest.tokens) if latest is not None else [],
+            tokens=[],
             logprobs=None,
             finish_reason=FinishReason.ERROR,
             status=RequestStatus.FAILED,
             error=message,
         )
+        return TokenUpdate(request_id=request_id, new_tokens=[], new_logprobs=None, result=result)
 
     def __repr__(self) -> str:
         return f"EngineLoop(running={self.running}, stats={self._stats})"

@@ -252,14 +252,14 @@ class GenerationJob:
     def _advance(self, choice: _Choice) -> ChoiceDelta | None:
         handle = choice.handle
         assert handle is not None
-        result = handle.latest
-        if result is None:
-            return None
-        if result.status == RequestStatus.FAILED:
+        result = handle.result
+        if result is not None and result.status == RequestStatus.FAILED:
             self.failed = True
             self.abort()
             raise GenerationError(result.error or "the engine failed the request")
-        tokens = result.tokens
+        tokens = handle.tokens
+        if choice.consumed == len(tokens) and result is None:
+            return None
         if choice.first_token_at is None and tokens:
             choice.first_token_at = time.perf_counter()
             if self._on_first_token is not None:
@@ -273,8 +273,7 @@ class GenerationJob:
             offset = stream.length
             text.append(stream.push(token))
             if logprobs:
-                assert result.logprobs is not None
-                delta.logprobs.append(result.logprobs[choice.consumed])
+                delta.logprobs.append(handle.logprobs[choice.consumed])
                 delta.token_texts.append(self._tokenizer.decode([token], skip_special_tokens=False))
                 delta.text_offsets.append(offset)
             choice.consumed += 1
@@ -282,7 +281,7 @@ class GenerationJob:
                 choice.finish_reason = "stop"
                 self._loop.abort(handle)
                 break
-        if choice.finish_reason is None and result.done:
+        if choice.finish_reason is None and result is not None:
             text.append(stream.finish())
             length = result.finish_reason == FinishReason.LENGTH and not stream.stopped
             choice.finish_reason = "length" if length else "stop"
