@@ -1,4 +1,5 @@
-"""``mcore-inference generate``: generate text with a Hugging Face checkpoint directory.
+"""``mcore-inference generate``: generate text with a Hugging Face checkpoint directory;
+``mcore-inference serve``: serve it over HTTP (see :mod:`mcore_inference.serve`).
 
 The directory needs ``config.json``, safetensors weights (loaded by
 ``mcore_models.GPTModel.from_hf``) and ``tokenizer.json`` (read with the ``tokenizers`` package,
@@ -18,6 +19,7 @@ import torch
 
 from mcore_inference.config import InferenceConfig, SamplingParams
 from mcore_inference.engine import InferenceEngine
+from mcore_inference.serve.cli import add_serve_arguments, run_serve
 
 __all__ = ["build_parser", "main"]
 
@@ -50,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-sequence-length", type=int, default=2048, help="prompt plus generated tokens"
     )
     generate.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    serve = commands.add_parser("serve", help="run an OpenAI-compatible HTTP server (extra: serve)")
+    add_serve_arguments(serve)
     return parser
 
 
@@ -70,11 +74,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0 when every request finished, 1 otherwise.
+        The exit status: 0 when every request finished (``serve``: after a graceful shutdown),
+        1 otherwise.
     """
     from mcore_models import GPTModel
 
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
     directory = Path(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = GPTModel.from_hf(directory, dtype=args.dtype, device=device).eval()

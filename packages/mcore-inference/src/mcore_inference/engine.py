@@ -18,7 +18,13 @@ from mcore_inference.cuda_graphs import DecodeGraphRunner
 from mcore_inference.errors import EngineClosedError, InvalidRequestError, UnsupportedModelError
 from mcore_inference.expert_parallel import ExpertParallelSync, find_expert_parallel_group
 from mcore_inference.kv_cache import PagedKVCache
-from mcore_inference.request import FinishReason, GenerationResult, Request, RequestStatus
+from mcore_inference.request import (
+    FinishReason,
+    GenerationResult,
+    Request,
+    RequestStatus,
+    TokenUpdate,
+)
 from mcore_inference.sampling import sample_tokens, sampling_uniform
 from mcore_inference.scheduler import Scheduler
 from mcore_inference.stopping import StopCriteria
@@ -358,6 +364,38 @@ class InferenceEngine:
         self._check_open()
         self._revalidate_graphs()
         return [self._snapshot(r) for r in self._step(progress=True)]
+
+    def step_updates(self) -> list[TokenUpdate]:
+        """Run one engine step and report only what changed (for token streaming).
+
+        Like :meth:`step`, but instead of a full snapshot of every request that progressed
+        (prompt and all tokens copied at every step) each update holds the tokens generated
+        since the request's previous update; the full result comes once, when it finishes.
+
+        Returns:
+            One update per request that got a token or finished (or failed) in this step.
+
+        Raises:
+            EngineClosedError: If the engine is closed.
+        """
+        self._check_open()
+        self._revalidate_graphs()
+        updates = []
+        for request in self._step(progress=True):
+            start = request.num_reported
+            request.num_reported = len(request.output)
+            done = request.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+            updates.append(
+                TokenUpdate(
+                    request_id=request.request_id,
+                    new_tokens=request.output[start:],
+                    new_logprobs=(
+                        request.logprobs[start:] if request.params.return_logprobs else None
+                    ),
+                    result=self._snapshot(request) if done else None,
+                )
+            )
+        return updates
 
     def _revalidate_graphs(self) -> None:
         # Once per public call, not per step: weights cannot move while the engine runs.

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from mcore_inference.config import SamplingParams
 
-__all__ = ["FinishReason", "GenerationResult", "Request", "RequestStatus"]
+__all__ = ["FinishReason", "GenerationResult", "Request", "RequestStatus", "TokenUpdate"]
 
 
 class RequestStatus(str, enum.Enum):
@@ -65,6 +65,20 @@ class GenerationResult:
         return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
 
 
+@dataclass(kw_only=True, slots=True)
+class TokenUpdate:
+    """What one request gained in one step (see ``InferenceEngine.step_updates``)."""
+
+    request_id: int
+    """Identifier returned by ``add_request``."""
+    new_tokens: list[int]
+    """Tokens generated since the request's previous update (usually one, possibly none)."""
+    new_logprobs: list[float] | None
+    """Their log-probabilities, or None if not asked."""
+    result: GenerationResult | None = None
+    """The final result once the request finished or failed, else None."""
+
+
 @dataclass(kw_only=True, slots=True, eq=False)
 class Request:
     """The engine's mutable state of one request (internal; users see GenerationResult)."""
@@ -95,6 +109,8 @@ class Request:
     """Why it stopped."""
     error: str | None = None
     """Error message when failed."""
+    num_reported: int = 0
+    """Generated tokens already handed out by ``InferenceEngine.step_updates``."""
 
     @property
     def num_tokens(self) -> int:

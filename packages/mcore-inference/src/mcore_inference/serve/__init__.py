@@ -1,0 +1,36 @@
+"""``mcore-inference serve``: an OpenAI-compatible HTTP server over the inference engine.
+
+The HTTP layer (starlette, uvicorn) comes with the ``serve`` extra and is imported only when an
+application is built or run; the protocol, the engine loop and the metrics are plain Python.
+
+Modules, one concern each: :mod:`~mcore_inference.serve.config` (options),
+:mod:`~mcore_inference.serve.protocol` (request validation), :mod:`~mcore_inference.serve.responses`
+(response bodies), :mod:`~mcore_inference.serve.text` (detokenization, stop strings),
+:mod:`~mcore_inference.serve.engine_loop` (the engine thread), :mod:`~mcore_inference.serve.generation`
+(one request's choices), :mod:`~mcore_inference.serve.metrics` (Prometheus text),
+:mod:`~mcore_inference.serve.app` (routes), :mod:`~mcore_inference.serve.server` (loading and
+running), :mod:`~mcore_inference.serve.cli` (command-line options).
+"""
+
+from mcore_inference.serve.app import ServerState, build_app
+from mcore_inference.serve.config import ServeConfig
+from mcore_inference.serve.engine_loop import EngineLoop, EngineLoopStoppedError, QueueFullError
+from mcore_inference.serve.generation import GenerationJob, ModelLimits
+from mcore_inference.serve.metrics import ServerMetrics
+from mcore_inference.serve.protocol import ProtocolError
+from mcore_inference.serve.server import load_server_state, serve
+
+__all__ = [
+    "EngineLoop",
+    "EngineLoopStoppedError",
+    "GenerationJob",
+    "ModelLimits",
+    "ProtocolError",
+    "QueueFullError",
+    "ServeConfig",
+    "ServerMetrics",
+    "ServerState",
+    "build_app",
+    "load_server_state",
+    "serve",
+]

@@ -1,0 +1,207 @@
+"""Load a checkpoint, build the engine and run the HTTP server until SIGTERM or SIGINT.
+
+Shutdown is uvicorn's graceful one: the listening socket closes, in-flight requests get up to
+``timeout_graceful_shutdown`` seconds to finish and are then cancelled (which aborts them in the
+engine), and the application's lifespan stops the engine loop and closes the engine, releasing
+the KV cache, CUDA graphs and their memory. The process then exits with status 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import signal
+import socket
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+import torch
+
+from mcore_inference.config import InferenceConfig
+from mcore_inference.engine import InferenceEngine
+from mcore_inference.errors import InferenceConfigError
+from mcore_inference.serve.app import ServerState, build_app
+from mcore_inference.serve.config import ServeConfig
+from mcore_inference.serve.engine_loop import EngineLoop
+from mcore_inference.serve.generation import ModelLimits
+from mcore_inference.serve.metrics import ServerMetrics
+
+__all__ = ["load_server_state", "model_summary", "serve"]
+
+
+def _architecture(directory: Path) -> str:
+    file = directory / "config.json"
+    if not file.is_file():
+        return "unknown architecture"
+    config = json.loads(file.read_text())
+    names = config.get("architectures") or [config.get("model_type", "unknown architecture")]
+    return str(names[0])
+
+
+def model_summary(state: ServerState, engine: InferenceEngine, directory: Path) -> str:
+    """One line describing the served model and the engine's sizes.
+
+    Args:
+        state: The server state.
+        engine: The engine.
+        directory: The checkpoint directory.
+
+    Returns:
+        The summary (architecture, parameters, shape, dtype, device, cache, batch, context).
+    """
+    model = engine.model
+    config = model.config
+    parameter = next(model.parameters())
+    count = sum(p.numel() for p in model.parameters())
+    limits = state.limits
+    return (
+        f"model {state.model_name!r}: {_architecture(directory)}, {count / 1e6:.2f}M parameters, "
+        f"{config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_attention_heads} heads ({config.num_kv_heads} KV), vocab {config.vocab_size}, "
+        f"{str(parameter.dtype).removeprefix('torch.')} on {parameter.device}; "
+        f"KV cache {limits.kv_blocks} blocks x {limits.block_size} tokens, "
+        f"batch {engine.config.max_batch_size}, context {limits.max_sequence_length} tokens"
+    )
+
+
+def load_server_state(config: ServeConfig) -> ServerState:
+    """Load the checkpoint and its tokenizer and build the engine, its loop and the metrics.
+
+    Args:
+        config: Server options.
+
+    Returns:
+        The state the routes need (the engine loop is not started yet).
+
+    Raises:
+        InferenceConfigError: If ``config.model`` is not a directory.
+        TokenizerUnavailableError: If the tokenizer cannot be loaded.
+        CheckpointFormatError: If the weights cannot be loaded.
+    """
+    from mcore_inference.hf_tokenizer import HFTokenizer
+    from mcore_models import GPTModel
+
+    directory = Path(config.model)
+    if not directory.is_dir():
+        raise InferenceConfigError(
+            f"model={config.model!r}; expected a Hugging Face checkpoint directory"
+        )
+    tokenizer = HFTokenizer(directory)
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = GPTModel.from_hf(directory, dtype=config.dtype, device=device).eval()
+    engine_config = InferenceConfig(
+        max_batch_size=config.max_batch_size,
+        max_sequence_length=config.max_sequence_length,
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+        max_tokens_per_step=config.max_tokens_per_step,
+        use_cuda_graphs=config.use_cuda_graphs,
+        seed=config.seed,
+    )
+    engine = InferenceEngine(model, engine_config)
+    loop = EngineLoop(engine, max_waiting_requests=config.max_waiting_requests)
+    name = config.served_model_name or directory.resolve().name
+    limits = ModelLimits(
+        vocab_size=model.config.vocab_size,
+        max_sequence_length=config.max_sequence_length,
+        block_size=config.block_size,
+        kv_blocks=engine.allocator.capacity,
+    )
+    return ServerState(
+        loop=loop,
+        tokenizer=tokenizer,
+        model_name=name,
+        limits=limits,
+        metrics=ServerMetrics(loop, name),
+        shutdown_timeout=max(60.0, config.timeout_graceful_shutdown),
+    )
+
+
+class _Signals:
+    """SIGTERM/SIGINT before the server runs exit at once; after it, they were handled.
+
+    uvicorn captures both signals while it serves, shuts down gracefully, restores the previous
+    handlers and raises the captured signal again; this handler is that previous handler, so the
+    re-raised signal ends nothing more and the process exits with status 0.
+    """
+
+    def __init__(self) -> None:
+        self.serving = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self.serving:
+            raise SystemExit(128 + signum)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def _run(server: Any, sock: socket.socket, address: str, out: TextIO) -> None:
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        print(
+            f"mcore-inference serve: listening on {address} (OpenAI API at {address}/v1)", file=out
+        )
+        out.flush()
+    await task
+
+
+def serve(config: ServeConfig, *, out: TextIO | None = None) -> int:
+    """Run the server until SIGTERM or SIGINT (needs the ``serve`` extra).
+
+    Prints the model summary once loaded and the address once listening.
+
+    Args:
+        config: Server options.
+        out: Stream of the startup lines (default: standard output).
+
+    Returns:
+        The exit status (0 after a graceful shutdown).
+    """
+    import uvicorn
+
+    out = out if out is not None else sys.stdout
+    signals = _Signals()
+    previous = {s: signal.signal(s, signals) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        state = load_server_state(config)
+        engine = state.loop.engine
+        print(
+            f"mcore-inference serve: {model_summary(state, engine, Path(config.model))}", file=out
+        )
+        sock = _listen(config.host, config.port)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        address = f"http://{shown}:{port}"
+        server = uvicorn.Server(
+            uvicorn.Config(
+                build_app(state),
+                log_level=config.log_level,
+                timeout_graceful_shutdown=config.timeout_graceful_shutdown,
+                access_log=False,
+                lifespan="on",
+            )
+        )
+        signals.serving = True
+        asyncio.run(_run(server, sock, address, out))
+        del engine, state
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        print("mcore-inference serve: stopped", file=out)
+        out.flush()
+        return 0 if server.started else 1
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)

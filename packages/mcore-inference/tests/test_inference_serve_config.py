@@ -1,0 +1,65 @@
+"""``ServeConfig`` validation and the ``mcore-inference serve`` options generated from it."""
+
+import dataclasses
+
+import pytest
+
+from mcore_inference import InferenceConfigError
+from mcore_inference.cli import build_parser
+from mcore_inference.serve import ServeConfig
+from mcore_inference.serve.cli import config_from_arguments
+
+
+def test_every_field_is_an_option_with_its_default_and_docstring(capsys):
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", "ckpt"])
+    assert config_from_arguments(args) == ServeConfig(model="ckpt")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    serve_help = " ".join(capsys.readouterr().out.split())
+    for field in dataclasses.fields(ServeConfig):
+        assert "--" + field.name.replace("_", "-") in serve_help
+    assert (
+        "Requests allowed to wait for a batch slot; beyond it new requests get 503." in serve_help
+    )
+    assert "(default: 256)" in serve_help
+
+
+def test_options_reach_the_config():
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "m",
+            "--port",
+            "0",
+            "--max-waiting-requests",
+            "3",
+            "--no-use-cuda-graphs",
+            "--served-model-name",
+            "x",
+            "--num-blocks",
+            "12",
+        ]
+    )
+    config = config_from_arguments(args)
+    assert (config.port, config.max_waiting_requests, config.use_cuda_graphs) == (0, 3, False)
+    assert (config.served_model_name, config.num_blocks) == ("x", 12)
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"model": ""}, "model"),
+        ({"port": 70000}, "port"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"num_blocks": -1}, "num_blocks"),
+        ({"max_waiting_requests": -1}, "max_waiting_requests"),
+        ({"timeout_graceful_shutdown": 1.5}, "timeout_graceful_shutdown"),
+        ({"log_level": "loud"}, "log_level"),
+        ({"served_model_name": ""}, "served_model_name"),
+    ],
+)
+def test_invalid_field_raises_naming_it(fields, name):
+    with pytest.raises(InferenceConfigError, match=name):
+        ServeConfig(**{"model": "ckpt", **fields})
