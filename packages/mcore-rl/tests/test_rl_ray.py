@@ -22,21 +22,22 @@ def ray_cluster():
 
 
 def test_two_actor_ray_run_trains_and_checkpoints(ray_cluster, tmp_path):
-    config = GRPOConfig(
-        mode="ray",
-        num_workers=2,
-        device="cpu",
-        hidden_size=32,
-        num_layers=1,
-        num_prompts=4,
-        group_size=2,
-        max_new_tokens=2,
-        num_steps=2,
-        target_reward=None,
-        progress=False,
-        plot=False,
-        checkpoint_every=0,
-        run_dir=str(tmp_path),
+    config = GRPOConfig.from_dict(
+        {
+            "run": {
+                "mode": "ray",
+                "num_workers": 2,
+                "device": "cpu",
+                "num_steps": 2,
+                "target_reward": None,
+                "progress": False,
+                "plot": False,
+                "checkpoint_every": 0,
+                "run_dir": str(tmp_path),
+            },
+            "model": {"hidden_size": 32, "num_layers": 1},
+            "rollout": {"num_prompts": 4, "group_size": 2, "max_new_tokens": 2},
+        }
     )
     result = run_grpo(config)
     assert [r["step"] for r in result.records] == [0, 1]
@@ -49,13 +50,17 @@ def test_two_actor_ray_run_trains_and_checkpoints(ray_cluster, tmp_path):
 
 
 def test_failed_actor_setup_removes_the_placement_group(ray_cluster, tmp_path):
-    config = GRPOConfig(
-        mode="ray",
-        num_workers=2,
-        device="cpu",
-        task="no-such-task",
-        progress=False,
-        run_dir=str(tmp_path),
+    config = GRPOConfig.from_dict(
+        {
+            "run": {
+                "mode": "ray",
+                "num_workers": 2,
+                "device": "cpu",
+                "progress": False,
+                "run_dir": str(tmp_path),
+            },
+            "task": {"name": "no-such-task"},
+        }
     )
     with pytest.raises(TaskError, match="task='no-such-task' is not registered"):
         run_grpo(config)
