@@ -1,5 +1,5 @@
 """Two Ray actors in a placement group run GRPO steps over torch.distributed; a failed
-setup releases them."""
+setup releases them; a run shuts down the Ray instance it started (and only that one)."""
 
 import json
 
@@ -12,17 +12,8 @@ from mcore_rl.run import run_grpo
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-def test_two_actor_ray_run_trains_and_checkpoints(ray_cluster, tmp_path):
-    config = GRPOConfig.from_dict(
+def _ray_config(run_dir, **run):
+    return GRPOConfig.from_dict(
         {
             "run": {
                 "mode": "ray",
@@ -33,13 +24,37 @@ def test_two_actor_ray_run_trains_and_checkpoints(ray_cluster, tmp_path):
                 "progress": False,
                 "plot": False,
                 "checkpoint_every": 0,
-                "run_dir": str(tmp_path),
+                "run_dir": str(run_dir),
+                **run,
             },
             "model": {"hidden_size": 32, "num_layers": 1},
             "rollout": {"num_prompts": 4, "group_size": 2, "max_new_tokens": 2},
         }
     )
-    result = run_grpo(config)
+
+
+def test_run_shuts_down_the_ray_instance_it_started(tmp_path):
+    # Runs first in this module, before the module's cluster fixture starts Ray. The actor's
+    # setup fails (cheapest path through Ray); close and failed setups share the release.
+    assert not ray.is_initialized()
+    config = _ray_config(tmp_path, num_workers=1).replace(task={"name": "no-such-task"})
+    with pytest.raises(TaskError, match="no-such-task"):
+        run_grpo(config)
+    assert not ray.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def test_two_actor_ray_run_trains_and_checkpoints(ray_cluster, tmp_path):
+    result = run_grpo(_ray_config(tmp_path))
+    assert ray.is_initialized()  # the caller's Ray instance is left running
     assert [r["step"] for r in result.records] == [0, 1]
     for record in result.records:
         assert record["rollouts"] == 8  # both ranks' shares gathered over DP

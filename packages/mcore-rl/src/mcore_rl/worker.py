@@ -28,7 +28,7 @@ from mcore_parallel.distributed.ddp import DistributedDataParallel
 from mcore_parallel.distributed.optimizer import DistributedOptimizer
 from mcore_rl.advantages import compute_advantages
 from mcore_rl.config import GRPOConfig
-from mcore_rl.errors import RLStateError
+from mcore_rl.errors import RLConfigError, RLStateError
 from mcore_rl.hf import ChatTokenizer, PromptTokenizer, copy_tokenizer_files
 from mcore_rl.logprobs import row_logprobs
 from mcore_rl.loss import grpo_loss
@@ -139,6 +139,11 @@ class GRPOWorker:
         self.tokenizer: PromptTokenizer
         self.hf_path = config.model.hf_path
         if self.hf_path is not None:
+            if not Path(self.hf_path).is_dir():
+                raise RLConfigError(
+                    f"model.hf_path={self.hf_path!r} is not a directory (expected a Hugging "
+                    "Face checkpoint with config.json, safetensors and tokenizer.json)"
+                )
             self.tokenizer = ChatTokenizer(
                 HFTokenizer(self.hf_path),
                 system_prompt=config.data.system_prompt,
