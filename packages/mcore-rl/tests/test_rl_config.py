@@ -168,7 +168,7 @@ def test_gpt_583m_preset_has_the_seed_report_shape():
 def test_hf_path_excludes_shape_overrides_and_datasets_need_it():
     with pytest.raises(RLConfigError, match="hidden_size=64 cannot change the shape"):
         ModelConfig(hf_path="/models/qwen", hidden_size=64)
-    with pytest.raises(RLConfigError, match="data.path='x.jsonl' needs model.hf_path"):
+    with pytest.raises(RLConfigError, match=r"data\.path='x\.jsonl' needs model\.hf_path"):
         GRPOConfig().replace(data={"path": "x.jsonl"})
 
 
@@ -177,7 +177,7 @@ def test_reward_weights_must_match_functions():
         RewardConfig(functions=("math", "format"), weights=(1.0,))
     with pytest.raises(RLConfigError, match="not all zero"):
         RewardConfig(functions=("math",), weights=(0.0,))
-    with pytest.raises(RLConfigError, match="timeout=0.0"):
+    with pytest.raises(RLConfigError, match=r"timeout=0\.0"):
         RewardConfig(timeout=0.0)
 
 
