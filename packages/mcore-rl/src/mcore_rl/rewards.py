@@ -200,6 +200,11 @@ def resolve_reward(name: str) -> RewardFunction:
     return function  # type: ignore[no-any-return]
 
 
+def _resolve_all(names: tuple[str, ...]) -> None:
+    for name in names:
+        resolve_reward(name)
+
+
 def _score_one(
     names: tuple[str, ...], weights: tuple[float, ...], completion: str, answer: str, prompt: str
 ) -> float | None:
@@ -274,10 +279,16 @@ class RewardScorer:
 
     def _score_in_pool(self, items: list[tuple[str, str, str]]) -> list[float | None]:
         if self._pool is None:
-            # NOTE: spawn, not fork: the worker process holds threads (torch, gloo) that a
-            # forked child would inherit in an unknown state.
-            context = multiprocessing.get_context("spawn")
+            # NOTE: forkserver, not fork: the worker process holds threads (torch, gloo) that a
+            # forked child would inherit in an unknown state. The server is a fresh process
+            # that imports this module once; pool processes (also the replacements after a
+            # timeout) fork from it without importing torch again.
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload([__name__])
             self._pool = context.Pool(self.num_workers)
+            # Wait for every process to import the rewards once, so that start-up time does
+            # not count against the first samples' timeouts.
+            self._pool.map(_resolve_all, [self.names] * self.num_workers, chunksize=1)
         pending = [
             self._pool.apply_async(_score_one, (self.names, self.weights, *item)) for item in items
         ]
