@@ -134,6 +134,7 @@ def test_cli_spells_sections_with_dots():
         4,
     )
 
+
 def test_cli_reports_unsupported_layouts_without_a_traceback(capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_grpo_args(["--train-parallel.tp", "2"])

@@ -124,7 +124,7 @@ def test_twenty_steps_raise_the_mean_reward(trained):
 
 
 def test_exports_every_ten_steps_with_the_tokenizer_files(trained, checkpoint):
-    result, run_dir = trained
+    result, _ = trained
     assert [p.name for p in result.hf_checkpoints] == ["step-000010", "step-000020"]
     for directory in result.hf_checkpoints:
         for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
