@@ -9,7 +9,8 @@ import torch.distributed as dist
 from mcore_parallel.testing import run_distributed
 from mcore_rl.cli import main
 from mcore_rl.config import GRPOConfig
-from mcore_rl.errors import RLCheckpointError
+from mcore_rl.errors import RLCheckpointError, RLError
+from mcore_rl.metrics import TensorBoardLog
 from mcore_rl.run import run_grpo
 from mcore_rl.workers import InProcessWorkers
 
@@ -150,3 +151,32 @@ def test_cli_value_errors_exit_2_without_traceback(capsys, args, message):
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert message in error and "Traceback" not in error
+
+
+def test_tensorboard_logs_every_step(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = _config(
+        run={"num_steps": 2, "run_dir": str(tmp_path), "tensorboard": True, "plot": False}
+    )
+    records = run_grpo(config).records
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("reward/mean")
+    assert [e.step for e in scalars] == [r["step"] for r in records]
+    # TensorBoard stores float32.
+    assert [e.value for e in scalars] == pytest.approx([r["reward/mean"] for r in records])
+
+
+def test_tensorboard_log_names_the_missing_extra_or_writes_events(tmp_path):
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(RLError, match="needs the tensorboard package"):
+            TensorBoardLog(tmp_path)
+    else:
+        log = TensorBoardLog(tmp_path)
+        log.append({"step": 0, "reward/mean": 0.5, "note": "text is skipped"})
+        log.close()
+        assert list(tmp_path.glob("events.out.tfevents.*"))

@@ -73,8 +73,8 @@ class RunConfig:
     checkpoint_every: int = 50
     """Save a resumable checkpoint every this many steps (and at the end); 0: only at the end."""
     hf_checkpoint_every: int = 0
-    """Export a Hugging Face checkpoint every this many steps; 0 exports only at the end (runs
-    from ``--model.hf-path`` always export at the end)."""
+    """Export a Hugging Face checkpoint every this many steps and at the end; 0: only at the
+    end of runs from ``model.hf_path``."""
     cpu_threads: int | None = 1
     """Intra-op threads of torch on the CPU (1 is fastest for the tiny default model), restored
     when an in-process run ends; None keeps torch's default."""

@@ -69,13 +69,24 @@ class TensorBoardLog:
     """
 
     def __init__(self, directory: str | Path) -> None:
+        self.check_available()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(directory))
+
+    @staticmethod
+    def check_available() -> None:
+        """Checks that TensorBoard logging can run (before a run builds its workers).
+
+        Raises:
+            RLConfigError: If the tensorboard package is not installed.
+        """
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            import tensorboard  # noqa: F401
         except ImportError:
             raise RLConfigError(
                 "run.tensorboard=True needs the tensorboard package: install mcore-rl[tensorboard]"
             ) from None
-        self.writer = SummaryWriter(log_dir=str(directory))
 
     def append(self, record: dict[str, Any]) -> None:
         """Logs one step's metrics.

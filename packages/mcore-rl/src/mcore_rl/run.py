@@ -109,6 +109,8 @@ def run_grpo(config: GRPOConfig, workers: WorkerGroup | None = None) -> RunResul
         raise RLCheckpointError(
             f"run_dir={str(run_dir)!r} holds no checkpoint to resume (no {checkpoints}/latest)"
         )
+    if run.tensorboard:
+        TensorBoardLog.check_available()
     owned = workers is None
     group = make_workers(config) if workers is None else workers
     exported: list[Path] = []

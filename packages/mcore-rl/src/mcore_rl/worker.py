@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -101,6 +102,14 @@ def _model_config(config: GRPOConfig, vocab_size: int) -> GPTConfig:
     return GPTConfig.from_name(model.name, **overrides)
 
 
+def _context_length(directory: str) -> int:
+    # max_position_embeddings of a checkpoint's config.json (GPTConfig's default without it).
+    file = Path(directory) / "config.json"
+    values = json.loads(file.read_text()) if file.is_file() else {}
+    found = values.get("max_position_embeddings")
+    return int(found) if isinstance(found, int) else GPTConfig().max_position_embeddings
+
+
 @dataclass(kw_only=True, slots=True)
 class Minibatch:
     """The rollouts of one optimizer step, packed into this rank's bins."""
@@ -138,6 +147,8 @@ class GRPOWorker:
         torch.manual_seed(config.run.seed)
         self.tokenizer: PromptTokenizer
         self.hf_path = config.model.hf_path
+        self.dataset: PromptDataset | None = None
+        # The prompts load (and fail on a bad dataset) before the weights do.
         if self.hf_path is not None:
             if not Path(self.hf_path).is_dir():
                 raise RLConfigError(
@@ -149,15 +160,16 @@ class GRPOWorker:
                 system_prompt=config.data.system_prompt,
                 chat_template=config.data.chat_template,
             )
+            self.eval_problems = self._load_prompts(_context_length(self.hf_path))
             model = GPTModel.from_hf(
                 self.hf_path, state=state, dtype=config.model.dtype, device=self.device
             )
         else:
             self.tokenizer = CharTokenizer(self.task.alphabet)
             vocab_size = max(config.model.vocab_size or 0, self.tokenizer.vocab_size)
-            model = GPTModel(_model_config(config, vocab_size), state, device=self.device)
-        self.dataset: PromptDataset | None = None
-        self.eval_problems = self._load_prompts(model.config.max_position_embeddings)
+            shape = _model_config(config, vocab_size)
+            self.eval_problems = self._load_prompts(shape.max_position_embeddings)
+            model = GPTModel(shape, state, device=self.device)
         ddp_config = DDPConfig(use_distributed_optimizer=True, overlap_param_gather=True)
         self.model = DistributedDataParallel(model, ddp_config, state)
         self.optimizer = DistributedOptimizer(self.model, config.optimizer)
