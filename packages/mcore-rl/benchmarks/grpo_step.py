@@ -42,8 +42,8 @@ def _generate(worker: GRPOWorker, prompts: list[list[int]], new_tokens: int) -> 
         max_batch_size=len(prompts),
         max_sequence_length=len(prompts[0]) + new_tokens,
         max_tokens_per_step=max(8192, len(prompts)),
-        use_cuda_graphs=worker.config.use_cuda_graphs,
-        seed=worker.config.seed,
+        use_cuda_graphs=worker.config.rollout.use_cuda_graphs,
+        seed=worker.config.run.seed,
     )
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, return_logprobs=True)
     engine = InferenceEngine(unwrap_model(worker.model), config)
@@ -54,7 +54,7 @@ def _generate(worker: GRPOWorker, prompts: list[list[int]], new_tokens: int) -> 
     rng = random.Random(0)
     return [
         Rollout(
-            prompt_index=i // worker.config.group_size,
+            prompt_index=i // worker.config.rollout.group_size,
             prompt_ids=list(p),
             completion_ids=list(r.tokens),
             inference_logprobs=list(r.logprobs or []),
@@ -80,26 +80,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
-    config = GRPOConfig(
-        model=args.model,
-        vocab_size=args.vocab_size,
-        dtype="bfloat16" if torch.cuda.is_available() else "float32",
-        device=args.device,
-        num_prompts=args.sequences // args.group_size,
-        group_size=args.group_size,
-        max_new_tokens=args.new_tokens,
-        max_tokens_per_microbatch=args.microbatch_tokens,
-        kl_beta=0.01,
-        progress=False,
+    config = GRPOConfig.from_dict(
+        {
+            "model": {
+                "name": args.model,
+                "vocab_size": args.vocab_size,
+                "dtype": "bfloat16" if torch.cuda.is_available() else "float32",
+            },
+            "run": {"device": args.device, "progress": False},
+            "rollout": {
+                "num_prompts": args.sequences // args.group_size,
+                "group_size": args.group_size,
+                "max_new_tokens": args.new_tokens,
+            },
+            "packing": {"max_tokens_per_microbatch": args.microbatch_tokens},
+            "loss": {"kl_beta": 0.01, "entropy_coef": 0.1},
+        }
     )
     state = init_worker_state(config)
     worker = GRPOWorker(config, state)
     rng = random.Random(0)
     vocab = args.vocab_size
     prompts = []
-    for _ in range(config.num_prompts):
+    for _ in range(config.rollout.num_prompts):
         prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
-        prompts.extend([prompt] * config.group_size)
+        prompts.extend([prompt] * config.rollout.group_size)
 
     def sync() -> None:
         if worker.device.type == "cuda":

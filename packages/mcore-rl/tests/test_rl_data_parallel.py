@@ -13,17 +13,13 @@ from mcore_rl.reference import unwrap_model
 from mcore_rl.rollout import Rollout
 from mcore_rl.worker import GRPOWorker
 
-TINY = dict(
-    hidden_size=32,
-    num_layers=1,
-    num_prompts=4,
-    group_size=3,
-    max_new_tokens=2,
-    kl_beta=0.1,
-    lr=1e-2,
-    progress=False,
-    device="cpu",
-)
+TINY = {
+    "model": {"hidden_size": 32, "num_layers": 1},
+    "rollout": {"num_prompts": 4, "group_size": 3, "max_new_tokens": 2},
+    "loss": {"kl_beta": 0.1, "entropy_coef": 0.1},
+    "optimizer": {"lr": 1e-2},
+    "run": {"progress": False, "device": "cpu"},
+}
 
 
 def _fixed_rollouts(vocab_size):
@@ -48,7 +44,9 @@ def _fixed_rollouts(vocab_size):
 
 
 def _train_fixed(max_tokens_per_microbatch):
-    config = GRPOConfig(**TINY, max_tokens_per_microbatch=max_tokens_per_microbatch)
+    config = GRPOConfig.from_dict(
+        {**TINY, "packing": {"max_tokens_per_microbatch": max_tokens_per_microbatch}}
+    )
     worker = GRPOWorker(config, init_worker_state(config))
     metrics = worker.train_on_rollouts(_fixed_rollouts(worker.tokenizer.vocab_size))
     worker.optimizer.start_param_sync(force_sync=True)
@@ -58,7 +56,8 @@ def _train_fixed(max_tokens_per_microbatch):
 
 def _two_ranks():
     metrics, params = _train_fixed(16)
-    worker = GRPOWorker(GRPOConfig(**TINY), init_worker_state(GRPOConfig(**TINY)))
+    config = GRPOConfig.from_dict(TINY)
+    worker = GRPOWorker(config, init_worker_state(config))
     step = worker.step(0)
     return metrics, params, step, dist.get_world_size()
 
@@ -87,4 +86,4 @@ def test_two_ranks_with_small_microbatches_train_like_one_rank(two_rank_results)
 def test_rollouts_are_split_and_gathered_over_dp(two_rank_results):
     steps = [{k: v for k, v in r[2].items() if not k.startswith("time/")} for r in two_rank_results]
     assert steps[0] == steps[1]
-    assert steps[0]["rollouts"] == TINY["num_prompts"] * TINY["group_size"]
+    assert steps[0]["rollouts"] == TINY["rollout"]["num_prompts"] * TINY["rollout"]["group_size"]

@@ -13,21 +13,26 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_twenty_steps_with_cuda_graphs_keep_step_start_memory_within_one_percent(tmp_path):
-    config = GRPOConfig(
-        device="cuda",
-        hidden_size=256,
-        num_layers=4,
-        num_steps=20,
-        target_reward=None,
-        use_cuda_graphs=True,
-        offload_optimizer=True,
-        kl_beta=0.01,
-        num_prompts=32,
-        group_size=8,
-        progress=False,
-        plot=False,
-        checkpoint_every=10,
-        run_dir=str(tmp_path),
+    config = GRPOConfig.from_dict(
+        {
+            "run": {
+                "device": "cuda",
+                "num_steps": 20,
+                "target_reward": None,
+                "progress": False,
+                "plot": False,
+                "checkpoint_every": 10,
+                "run_dir": str(tmp_path),
+            },
+            "model": {"hidden_size": 256, "num_layers": 4},
+            "rollout": {
+                "use_cuda_graphs": True,
+                "offload_optimizer": True,
+                "num_prompts": 32,
+                "group_size": 8,
+            },
+            "loss": {"kl_beta": 0.01, "entropy_coef": 0.1},
+        }
     )
     records = run_grpo(config).records
     allocated = [r["memory/allocated_bytes"] for r in records]

@@ -33,18 +33,20 @@ register_task(
 
 @pytest.fixture
 def worker():
-    config = GRPOConfig(
-        task="explode-test",
-        hidden_size=32,
-        num_layers=1,
-        num_prompts=2,
-        group_size=2,
-        max_new_tokens=2,
-        kl_beta=0.1,
-        offload_optimizer=True,
-        reward_requires_stop=False,
-        progress=False,
-        device="cpu",
+    config = GRPOConfig.from_dict(
+        {
+            "task": {"name": "explode-test"},
+            "model": {"hidden_size": 32, "num_layers": 1},
+            "rollout": {
+                "num_prompts": 2,
+                "group_size": 2,
+                "max_new_tokens": 2,
+                "offload_optimizer": True,
+                "reward_requires_stop": False,
+            },
+            "loss": {"kl_beta": 0.1, "entropy_coef": 0.1},
+            "run": {"progress": False, "device": "cpu"},
+        }
     )
     worker = GRPOWorker(config, init_worker_state(config))
     yield worker

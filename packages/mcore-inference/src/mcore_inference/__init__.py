@@ -16,6 +16,7 @@ from mcore_inference.errors import (
     UnsupportedModelError,
 )
 from mcore_inference.expert_parallel import find_expert_parallel_group
+from mcore_inference.hf_tokenizer import HFTokenizer
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.request import FinishReason, GenerationResult, RequestStatus
 
@@ -30,6 +31,7 @@ __all__ = [
     "BlockAllocator",
     "PagedKVCache",
     "find_expert_parallel_group",
+    "HFTokenizer",
     "InferenceError",
     "InvalidRequestError",
     "EngineClosedError",

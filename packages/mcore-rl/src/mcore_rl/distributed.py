@@ -35,7 +35,8 @@ def backend_for(config: GRPOConfig) -> str:
     Returns:
         ``"nccl"`` on CUDA, ``"gloo"`` on the CPU.
     """
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    device = config.run.device
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     return "nccl" if use_cuda else "gloo"
 
 

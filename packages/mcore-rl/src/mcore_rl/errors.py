@@ -16,6 +16,7 @@ __all__ = [
     "RLInputError",
     "RLStateError",
     "RLCheckpointError",
+    "RLDataError",
 ]
 
 
@@ -49,3 +50,7 @@ class RLStateError(RLError, RuntimeError):
 
 class RLCheckpointError(RLError, FileNotFoundError):
     """A run directory or checkpoint asked for by ``--resume`` does not exist."""
+
+
+class RLDataError(RLError, ValueError):
+    """A prompt dataset is missing, malformed, lacks a field, or is empty after filtering."""

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLog", "summary_line", "plot_metrics"]
+from mcore_rl.errors import RLConfigError
+
+__all__ = ["MetricsLog", "TensorBoardLog", "summary_line", "plot_metrics"]
 
 
 class MetricsLog:
@@ -44,6 +46,63 @@ class MetricsLog:
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
 
+    def rewrite_last(self, record: dict[str, Any]) -> None:
+        """Replaces the last step's line (the final evaluation joins the last step's metrics).
+
+        Args:
+            record: The new metrics of the last step.
+        """
+        self.records[-1] = record
+        with self.path.open("w") as handle:
+            for line in self.records:
+                handle.write(json.dumps(line) + "\n")
+
+
+class TensorBoardLog:
+    """Writes every numeric metric of a step as a TensorBoard scalar.
+
+    Args:
+        directory: The event file directory.
+
+    Raises:
+        RLConfigError: If the tensorboard package is not installed.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.check_available()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(directory))
+
+    @staticmethod
+    def check_available() -> None:
+        """Checks that TensorBoard logging can run (before a run builds its workers).
+
+        Raises:
+            RLConfigError: If the tensorboard package is not installed.
+        """
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise RLConfigError(
+                "run.tensorboard=True needs the tensorboard package: install mcore-rl[tensorboard]"
+            ) from None
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Logs one step's metrics.
+
+        Args:
+            record: The metrics (with a ``step`` key).
+        """
+        step = int(record["step"])
+        for name, value in record.items():
+            if name != "step" and isinstance(value, int | float):
+                self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        """Flushes and closes the event file."""
+        self.writer.close()
+
 
 def summary_line(record: dict[str, Any]) -> str:
     """One line describing a step.
@@ -64,6 +123,7 @@ def summary_line(record: dict[str, Any]) -> str:
         f"entropy {record.get('entropy', 0.0):.3f}",
         f"loss {record.get('loss', 0.0):+.4f}",
         f"pack {record['packing/efficiency']:.2f}",
+        *([f"eval pass@1 {record['eval/pass@1']:.3f}"] if "eval/pass@1" in record else []),
         f"{times:.2f}s",
         f"{record.get('time/elapsed', 0.0):.0f}s total",
     ]
@@ -71,7 +131,8 @@ def summary_line(record: dict[str, Any]) -> str:
 
 
 def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Plots reward, KL (entropy when no KL was computed) and response length into a PNG.
+    """Plots reward, KL (entropy when no KL was computed), response length and, when the run
+    evaluated, held-out pass@1 and mean reward into a PNG.
 
     Args:
         records: Per-step metrics.
@@ -92,10 +153,22 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
         ("kl", "KL to reference") if has_kl else ("entropy", "entropy (no KL: kl_beta=0)"),
         ("response/length", "response length"),
     ]
-    figure, axes = plt.subplots(1, len(panels), figsize=(12, 3.2))
+    evaluated = [r for r in records if "eval/pass@1" in r]
+    if evaluated:
+        panels.append(("eval", "held-out eval (greedy)"))
+    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for axis, (key, title) in zip(axes, panels):
-        values = [r.get(key, math.nan) for r in records]
-        axis.plot(steps, values)
+        if key == "eval":
+            for name, label in (("eval/pass@1", "pass@1"), ("eval/reward", "mean reward")):
+                axis.plot(
+                    [r["step"] + 1 for r in evaluated],
+                    [r[name] for r in evaluated],
+                    "o-",
+                    label=label,
+                )
+            axis.legend()
+        else:
+            axis.plot(steps, [r.get(key, math.nan) for r in records])
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)

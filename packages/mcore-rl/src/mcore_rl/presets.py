@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mcore_rl.config import GRPOConfig
+from mcore_parallel import OptimizerConfig
+from mcore_rl.config import (
+    GRPOConfig,
+    ModelConfig,
+    PackingConfig,
+    RolloutConfig,
+    RunConfig,
+    TaskConfig,
+)
 from mcore_rl.errors import RLConfigError
 
 __all__ = ["PRESETS", "preset"]
@@ -19,34 +27,63 @@ def tiny_arith() -> GRPOConfig:
     return GRPOConfig()
 
 
+def _gpu_optimizer(lr: float) -> OptimizerConfig:
+    return OptimizerConfig(lr=lr, betas=(0.9, 0.99), weight_decay=0.0, clip_grad=1.0)
+
+
 def countdown_0_5b() -> GRPOConfig:
     """A Qwen2.5-0.5B-shaped policy on countdown, for one GPU (bf16, CUDA graphs).
 
     The shapes are those of Qwen2.5-0.5B with the task vocabulary; the weights start from
     scratch (nothing is downloaded), so this preset exercises throughput and memory at scale.
+    To post-train the real model, add ``--model.hf-path DIR`` with a prompt dataset (see the
+    RL guide).
 
     Returns:
         The config.
     """
     return GRPOConfig(
-        model="qwen2.5-0.5b",
-        device="cuda",
-        dtype="bfloat16",
-        task="countdown",
-        num_prompts=64,
-        group_size=8,
-        max_new_tokens=16,
-        lr=1e-4,
-        target_reward=None,
-        num_steps=50,
-        checkpoint_every=25,
-        max_tokens_per_microbatch=8192,
+        run=RunConfig(device="cuda", target_reward=None, num_steps=50, checkpoint_every=25),
+        model=ModelConfig(name="qwen2.5-0.5b", dtype="bfloat16"),
+        task=TaskConfig(name="countdown"),
+        rollout=RolloutConfig(num_prompts=64, group_size=8, max_new_tokens=16),
+        optimizer=_gpu_optimizer(1e-4),
+        packing=PackingConfig(max_tokens_per_microbatch=8192),
+    )
+
+
+def gpt_583m() -> GRPOConfig:
+    """The seed report's RL policy shape: a ~583M GPT (24 layers, hidden 1152, 16 heads).
+
+    Multi-head attention, SwiGLU MLP of width 4608, untied input and output embeddings over a
+    32,000-token vocabulary: 583.4M parameters. From scratch on countdown in bf16 on one GPU.
+
+    Returns:
+        The config.
+    """
+    return GRPOConfig(
+        run=RunConfig(device="cuda", target_reward=None, num_steps=50, checkpoint_every=25),
+        model=ModelConfig(
+            name="tiny",
+            hidden_size=1152,
+            num_layers=24,
+            num_attention_heads=16,
+            num_query_groups=16,
+            ffn_hidden_size=4608,
+            vocab_size=32000,
+            dtype="bfloat16",
+        ),
+        task=TaskConfig(name="countdown"),
+        rollout=RolloutConfig(num_prompts=64, group_size=8, max_new_tokens=16),
+        optimizer=_gpu_optimizer(1e-4),
+        packing=PackingConfig(max_tokens_per_microbatch=8192),
     )
 
 
 PRESETS: dict[str, Callable[[], GRPOConfig]] = {
     "tiny-arith": tiny_arith,
     "countdown-0.5b": countdown_0_5b,
+    "gpt-583m": gpt_583m,
 }
 """Preset name -> function building its config."""
 

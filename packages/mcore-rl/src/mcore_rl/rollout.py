@@ -26,11 +26,11 @@ from mcore_inference import (
     find_expert_parallel_group,
 )
 from mcore_rl.errors import RLInputError, RLStateError
+from mcore_rl.hf import PromptTokenizer
 from mcore_rl.reference import unwrap_model
 from mcore_rl.tasks import Problem, Task
-from mcore_rl.tokenizer import CharTokenizer
 
-__all__ = ["Rollout", "generate_rollouts", "shard_range"]
+__all__ = ["Rollout", "evaluate_greedy", "generate_rollouts", "shard_range"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,7 +74,7 @@ def generate_rollouts(
     problems: Sequence[Problem],
     *,
     task: Task,
-    tokenizer: CharTokenizer,
+    tokenizer: PromptTokenizer,
     group_size: int,
     max_new_tokens: int,
     temperature: float,
@@ -122,7 +122,7 @@ def generate_rollouts(
     dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
     start, end = shard_range(len(problems), dp_rank, dp_size)
     mine = [(i, problems[i]) for i in range(start, end) for _ in range(group_size)]
-    prompts = [tokenizer.encode(p.prompt) for _, p in mine]
+    prompts = [tokenizer.encode_prompt(p.prompt) for _, p in mine]
     local: list[Rollout] = []
     policy = unwrap_model(model)
     # EP peers must make the same generate calls: as many as the largest shard needs.
@@ -146,7 +146,7 @@ def generate_rollouts(
         params = SamplingParams(
             temperature=temperature,
             max_tokens=max_new_tokens,
-            stop_token_ids=(tokenizer.eos_id,),
+            stop_token_ids=tokenizer.eos_token_ids,
             return_logprobs=True,
         )
         engine = InferenceEngine(policy, config)
@@ -157,18 +157,26 @@ def generate_rollouts(
                 results.extend(engine.generate(prompts[offset : offset + batch], params))
         finally:
             engine.close()
-        for (index, problem), prompt, result in zip(mine, prompts, results):
+        eos = set(tokenizer.eos_token_ids)
+        texts, stopped = [], []
+        for result in results:
             if result.error is not None or result.logprobs is None:
                 raise RLStateError(f"the inference engine failed a request: {result.error}")
-            text = tokenizer.decode(result.tokens)
-            stopped = bool(result.tokens) and result.tokens[-1] == tokenizer.eos_id
+            texts.append(tokenizer.decode(result.tokens))
+            stopped.append(bool(result.tokens) and result.tokens[-1] in eos)
+        scored = [i for i, done in enumerate(stopped) if done or not require_stop]
+        rewards = [0.0] * len(results)
+        values = task.score_batch([mine[i][1] for i in scored], [texts[i] for i in scored])
+        for position, score in zip(scored, values):
+            rewards[position] = score
+        for (index, _), prompt, result, text, reward in zip(mine, prompts, results, texts, rewards):
             local.append(
                 Rollout(
                     prompt_index=index,
                     prompt_ids=prompt,
                     completion_ids=list(result.tokens),
-                    inference_logprobs=list(result.logprobs),
-                    reward=task.reward(problem, text) if stopped or not require_stop else 0.0,
+                    inference_logprobs=list(result.logprobs or []),
+                    reward=reward,
                     finish_reason=str(getattr(result.finish_reason, "value", result.finish_reason)),
                     text=text,
                 )
@@ -178,3 +186,67 @@ def generate_rollouts(
     gathered: list[Any] = [None] * dp_size
     dist.all_gather_object(gathered, local, group=dp_group)
     return [rollout for part in gathered for rollout in part]
+
+
+def evaluate_greedy(
+    model: nn.Module,
+    problems: Sequence[Problem],
+    *,
+    task: Task,
+    tokenizer: PromptTokenizer,
+    max_new_tokens: int,
+    use_cuda_graphs: bool = True,
+    dp_group: Any = None,
+) -> dict[str, float]:
+    """Greedy pass@1 and mean reward on held-out problems, split over the DP ranks.
+
+    One greedy completion per problem; a completion passes when its reward is 1 (full marks).
+    Completions cut at ``max_new_tokens`` are scored as they are.
+
+    Args:
+        model: The policy (wrapped or not).
+        problems: The held-out problems, identical on every rank.
+        task: Scores completions.
+        tokenizer: Encodes prompts and decodes completions.
+        max_new_tokens: Most tokens per completion.
+        use_cuda_graphs: Let the engine capture decode CUDA graphs.
+        dp_group: The regular data-parallel group; None for a single rank.
+
+    Returns:
+        ``{"eval/pass@1", "eval/reward", "eval/prompts"}``, identical on every rank.
+    """
+    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+    dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+    start, end = shard_range(len(problems), dp_rank, dp_size)
+    mine = list(problems[start:end])
+    rewards: list[float] = []
+    if mine:
+        prompts = [tokenizer.encode_prompt(p.prompt) for p in mine]
+        config = InferenceConfig(
+            max_batch_size=len(prompts),
+            max_sequence_length=max(len(p) for p in prompts) + max_new_tokens,
+            block_size=16,
+            attention_split_size=256,
+            max_tokens_per_step=max(2048, len(prompts)),
+            use_cuda_graphs=use_cuda_graphs,
+        )
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=tokenizer.eos_token_ids
+        )
+        with InferenceEngine(unwrap_model(model), config) as engine:
+            results = engine.generate(prompts, params)
+        for result in results:
+            if result.error is not None:
+                raise RLStateError(f"the inference engine failed a request: {result.error}")
+        rewards = task.score_batch(mine, [tokenizer.decode(r.tokens) for r in results])
+    totals = [sum(rewards), float(sum(r >= 1.0 for r in rewards)), float(len(rewards))]
+    if dp_size > 1:
+        gathered: list[Any] = [None] * dp_size
+        dist.all_gather_object(gathered, totals, group=dp_group)
+        totals = [sum(part[i] for part in gathered) for i in range(3)]
+    count = max(totals[2], 1.0)
+    return {
+        "eval/reward": totals[0] / count,
+        "eval/pass@1": totals[1] / count,
+        "eval/prompts": totals[2],
+    }

@@ -72,6 +72,29 @@ class CharTokenizer:
             ids.append(self._ids[ch])
         return ids
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end a completion.
+
+        Returns:
+            ``(eos_id,)``.
+        """
+        return (self.eos_id,)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Encodes a prompt for generation: bos, then one id per character.
+
+        Args:
+            prompt: The prompt text.
+
+        Returns:
+            The token ids.
+
+        Raises:
+            TokenizerError: If ``prompt`` holds a character outside the alphabet.
+        """
+        return self.encode(prompt)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Decodes ids up to the first eos; bos and pad are skipped.
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,23 +21,28 @@ import torch
 import torch.distributed as dist
 
 from mcore_ckpt import load, save
+from mcore_inference import HFTokenizer
 from mcore_models import GPTConfig, GPTModel, parallelize
 from mcore_parallel import ParallelState, forward_backward
-from mcore_parallel.distributed.config import DDPConfig, OptimizerConfig
+from mcore_parallel.distributed.config import DDPConfig
 from mcore_parallel.distributed.ddp import DistributedDataParallel
 from mcore_parallel.distributed.optimizer import DistributedOptimizer
 from mcore_rl.advantages import compute_advantages
 from mcore_rl.config import GRPOConfig
+from mcore_rl.errors import RLConfigError, RLStateError
+from mcore_rl.hf import ChatTokenizer, PromptTokenizer, copy_tokenizer_files
 from mcore_rl.logprobs import row_logprobs
 from mcore_rl.loss import grpo_loss
 from mcore_rl.memory import allocated_bytes, live_tensor_bytes
 from mcore_rl.packing import PackingContext, distribute_bins, pack_sequences
+from mcore_rl.prompt_data import PromptDataset, load_prompt_dataset
 from mcore_rl.reference import ReferenceWeights, unwrap_model
-from mcore_rl.rollout import Rollout, generate_rollouts
-from mcore_rl.tasks import Task, get_task, sample_problems
+from mcore_rl.rewards import RewardScorer
+from mcore_rl.rollout import Rollout, evaluate_greedy, generate_rollouts
+from mcore_rl.tasks import DatasetTask, Problem, Task, get_task, sample_problems
 from mcore_rl.tokenizer import CharTokenizer
 
-__all__ = ["GRPOWorker", "build_task", "derive_seed"]
+__all__ = ["GRPOWorker", "Minibatch", "build_task", "derive_seed"]
 
 PhaseCallback = Callable[[str], None]
 """Called with the name of each phase as it starts (drives progress bars)."""
@@ -63,23 +70,60 @@ def build_task(config: GRPOConfig) -> Task:
     Returns:
         The task.
     """
+    if config.data.path is not None:
+        reward = config.reward
+        scorer = RewardScorer(
+            reward.functions, reward.weights, num_workers=reward.num_workers, timeout=reward.timeout
+        )
+        return DatasetTask(scorer)
+    task = config.task
     options: dict[str, dict[str, Any]] = {
-        "arithmetic": {"max_operand": config.max_operand, "ops": config.ops},
-        "countdown": {"num_numbers": config.num_numbers, "max_number": config.max_number},
-        "sort": {"max_length": config.max_list_length},
-        "reverse": {"max_length": config.max_list_length},
+        "arithmetic": {"max_operand": task.max_operand, "ops": task.ops},
+        "countdown": {"num_numbers": task.num_numbers, "max_number": task.max_number},
+        "sort": {"max_length": task.max_list_length},
+        "reverse": {"max_length": task.max_list_length},
     }
-    return get_task(config.task, **options.get(config.task, {}))
+    return get_task(task.name, **options.get(task.name, {}))
 
 
 def _model_config(config: GRPOConfig, vocab_size: int) -> GPTConfig:
-    overrides: dict[str, Any] = {"vocab_size": vocab_size, "seed": config.seed}
-    overrides["dtype"] = config.dtype
-    if config.hidden_size is not None:
-        overrides["hidden_size"] = config.hidden_size
-    if config.num_layers is not None:
-        overrides["num_layers"] = config.num_layers
-    return GPTConfig.from_name(config.model, **overrides)
+    model = config.model
+    overrides: dict[str, Any] = {"vocab_size": vocab_size, "seed": config.run.seed}
+    overrides["dtype"] = model.dtype
+    for name in (
+        "hidden_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_query_groups",
+        "ffn_hidden_size",
+    ):
+        if getattr(model, name) is not None:
+            overrides[name] = getattr(model, name)
+    return GPTConfig.from_name(model.name, **overrides)
+
+
+def _context_length(directory: str) -> int:
+    # max_position_embeddings of a checkpoint's config.json (GPTConfig's default without it).
+    file = Path(directory) / "config.json"
+    values = json.loads(file.read_text()) if file.is_file() else {}
+    found = values.get("max_position_embeddings")
+    return int(found) if isinstance(found, int) else GPTConfig().max_position_embeddings
+
+
+@dataclass(kw_only=True, slots=True)
+class Minibatch:
+    """The rollouts of one optimizer step, packed into this rank's bins."""
+
+    context: PackingContext
+    """Packed token ids, positions, loss mask and advantages of this rank's bins."""
+    inference_logprobs: torch.Tensor
+    """Log-probs the inference engine sampled with, scattered like the tokens."""
+    num_global_tokens: float
+    """Completion tokens of the minibatch over every rank (the loss normaliser)."""
+    old_logprobs: torch.Tensor | None = None
+    """Log-probs of the policy before the step (set by the old-logprob pass)."""
+    ref_logprobs: torch.Tensor | None = None
+    """Log-probs of the reference weights (set when ``loss.kl_beta > 0``)."""
 
 
 class GRPOWorker:
@@ -97,31 +141,150 @@ class GRPOWorker:
         self.config = config
         self.state = state
         self.device = torch.device(state.device)
-        if self.device.type == "cpu" and config.cpu_threads is not None:
-            torch.set_num_threads(config.cpu_threads)
+        if self.device.type == "cpu" and config.run.cpu_threads is not None:
+            torch.set_num_threads(config.run.cpu_threads)
         self.task = build_task(config)
-        self.tokenizer = CharTokenizer(self.task.alphabet)
-        torch.manual_seed(config.seed)
-        vocab_size = max(config.vocab_size or 0, self.tokenizer.vocab_size)
-        model = GPTModel(_model_config(config, vocab_size), device=self.device)
-        parallelize(model, state)
+        torch.manual_seed(config.run.seed)
+        self.tokenizer: PromptTokenizer
+        self.hf_path = config.model.hf_path
+        self.dataset: PromptDataset | None = None
+        # The prompts load (and fail on a bad dataset) before the weights do.
+        if self.hf_path is not None:
+            if not Path(self.hf_path).is_dir():
+                raise RLConfigError(
+                    f"model.hf_path={self.hf_path!r} is not a directory (expected a Hugging "
+                    "Face checkpoint with config.json, safetensors and tokenizer.json)"
+                )
+            self.tokenizer = ChatTokenizer(
+                HFTokenizer(self.hf_path),
+                system_prompt=config.data.system_prompt,
+                chat_template=config.data.chat_template,
+            )
+            self.eval_problems = self._load_prompts(_context_length(self.hf_path))
+            model = GPTModel.from_hf(
+                self.hf_path, state=state, dtype=config.model.dtype, device=self.device
+            )
+        else:
+            self.tokenizer = CharTokenizer(self.task.alphabet)
+            vocab_size = max(config.model.vocab_size or 0, self.tokenizer.vocab_size)
+            shape = _model_config(config, vocab_size)
+            self.eval_problems = self._load_prompts(shape.max_position_embeddings)
+            model = GPTModel(shape, device=self.device)
+            parallelize(model, state)
         ddp_config = DDPConfig(use_distributed_optimizer=True, overlap_param_gather=True)
         self.model = DistributedDataParallel(model, ddp_config, state)
-        self.optimizer = DistributedOptimizer(
-            self.model,
-            OptimizerConfig(
-                lr=config.lr,
-                betas=(0.9, 0.99),
-                weight_decay=config.weight_decay,
-                clip_grad=config.clip_grad,
-            ),
-        )
+        self.optimizer = DistributedOptimizer(self.model, config.optimizer)
         self.reference = ReferenceWeights(self.model, optimizer=self.optimizer)
-        self.loss_config = config.loss_config()
+        self.loss_config = config.loss
         self.dp_size = state.dp_size
         self.dp_rank = state.dp_rank
         self.track_live_tensors = False
         """Count live tensors at every step start (slow; used by tests on the CPU)."""
+
+    def _load_prompts(self, context_length: int) -> list[Problem]:
+        cfg = self.config
+        budget = context_length - cfg.rollout.max_new_tokens
+        if cfg.data.max_prompt_tokens is not None:
+            budget = min(budget, cfg.data.max_prompt_tokens)
+        if cfg.data.path is not None:
+            self.dataset = load_prompt_dataset(
+                cfg.data,
+                seed=cfg.run.seed,
+                fits=lambda prompt: len(self.tokenizer.encode_prompt(prompt)) <= budget,
+                eval_limit=cfg.eval.num_prompts,
+            )
+            return self.dataset.eval
+        # Procedural tasks: a fixed set drawn with its own seed stands in for a held-out split.
+        return sample_problems(self.task, cfg.eval.num_prompts, derive_seed(cfg.run.seed, "eval"))
+
+    def problems_for_step(self, step: int) -> list[Problem]:
+        """The prompts of a step, identical on every rank (they depend on the seed and step).
+
+        Args:
+            step: Step number.
+
+        Returns:
+            ``rollout.num_prompts`` problems.
+        """
+        count = self.config.rollout.num_prompts
+        if self.dataset is not None:
+            return self.dataset.problems_for_step(step, count)
+        return sample_problems(self.task, count, derive_seed(self.config.run.seed, step, "prompts"))
+
+    @property
+    def max_steps(self) -> int | None:
+        """Steps until a dataset's epochs are used up; None when unbounded.
+
+        Returns:
+            The step count or None.
+        """
+        if self.dataset is None:
+            return None
+        return self.dataset.max_steps(self.config.rollout.num_prompts)
+
+    def _dp_group(self) -> Any:
+        return self.state.dp_group if self.dp_size > 1 else None
+
+    def _sum_over_dp(self, value: float) -> float:
+        if self.dp_size == 1:
+            return float(value)
+        total = torch.tensor([float(value)])
+        dist.all_reduce(total, group=self.state.dp_group)
+        return float(total)
+
+    def _reward_failures(self) -> int:
+        return self.task.scorer.failures if isinstance(self.task, DatasetTask) else 0
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy pass@1 and mean reward on the held-out prompts (collective over DP).
+
+        Returns:
+            ``eval/pass@1``, ``eval/reward`` and ``eval/prompts``; empty without held-out
+            prompts.
+        """
+        if not self.eval_problems:
+            return {}
+        with self.generation_mode():
+            return evaluate_greedy(
+                self.model,
+                self.eval_problems,
+                task=self.task,
+                tokenizer=self.tokenizer,
+                max_new_tokens=self.config.rollout.max_new_tokens,
+                use_cuda_graphs=self.config.rollout.use_cuda_graphs,
+                dp_group=self._dp_group(),
+            )
+
+    def export_hf(self, directory: str | Path) -> Path:
+        """Writes the policy as a Hugging Face checkpoint (collective over DP).
+
+        ``config.json`` and ``model.safetensors`` come from ``GPTModel.to_hf``; the tokenizer
+        and generation files of ``model.hf_path`` are copied next to them, so transformers'
+        ``from_pretrained`` and ``mcore-inference generate`` load the directory as it is.
+
+        Args:
+            directory: Output directory.
+
+        Returns:
+            The directory.
+        """
+        directory = Path(directory)
+        self.optimizer.start_param_sync(force_sync=True)
+        if self.dp_rank == 0:
+            with self.optimizer.param_sync_hooks_disabled():
+                policy = unwrap_model(self.model)
+                assert isinstance(policy, GPTModel)
+                policy.to_hf(directory)
+            if self.hf_path is not None:
+                copy_tokenizer_files(self.hf_path, directory)
+        if self.dp_size > 1:
+            dist.barrier(group=self.state.dp_group)
+        return directory
+
+    def close(self) -> None:
+        """Stops the reward process pool, if any."""
+        if isinstance(self.task, DatasetTask):
+            self.task.scorer.close()
 
     # ------------------------------------------------------------------ one step
 
@@ -146,25 +309,28 @@ class GRPOWorker:
 
         phase("generate")
         start = time.perf_counter()
-        problems = sample_problems(
-            self.task, cfg.num_prompts, derive_seed(cfg.seed, step, "prompts")
-        )
+        rollout = cfg.rollout
+        failures = self._reward_failures()
         with self.generation_mode():
             rollouts = generate_rollouts(
                 self.model,
-                problems,
+                self.problems_for_step(step),
                 task=self.task,
                 tokenizer=self.tokenizer,
-                group_size=cfg.group_size,
-                max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                seed=derive_seed(cfg.seed, step, self.dp_rank, "sampling"),
-                parallel_generation_tasks=cfg.parallel_generation_tasks,
-                use_cuda_graphs=cfg.use_cuda_graphs,
-                dp_group=self.state.dp_group if self.dp_size > 1 else None,
-                require_stop=cfg.reward_requires_stop,
+                group_size=rollout.group_size,
+                max_new_tokens=rollout.max_new_tokens,
+                temperature=rollout.temperature,
+                seed=derive_seed(cfg.run.seed, step, self.dp_rank, "sampling"),
+                parallel_generation_tasks=rollout.parallel_generation_tasks,
+                use_cuda_graphs=rollout.use_cuda_graphs,
+                dp_group=self._dp_group(),
+                require_stop=rollout.reward_requires_stop,
             )
         times["generate"] = time.perf_counter() - start
+        if isinstance(self.task, DatasetTask):
+            metrics["reward/failures"] = self._sum_over_dp(self._reward_failures() - failures)
+            if step == 0 and self.dataset is not None:
+                metrics["data/skipped_prompts"] = float(self.dataset.skipped)
 
         metrics.update(self.train_on_rollouts(rollouts, times, phase))
         for name, seconds in times.items():
@@ -193,7 +359,9 @@ class GRPOWorker:
         times = {} if times is None else times
         metrics: dict[str, float] = {}
         rewards = torch.tensor([r.reward for r in rollouts])
-        advantages = compute_advantages(rewards, cfg.group_size, cfg.advantage_estimator)
+        advantages = compute_advantages(
+            rewards, cfg.rollout.group_size, cfg.rollout.advantage_estimator
+        )
         metrics.update(_rollout_metrics(rollouts, rewards))
 
         phase("logprobs")
@@ -202,12 +370,12 @@ class GRPOWorker:
         for minibatch in minibatches:
             self._old_logprobs(minibatch)
         times["logprobs"] = time.perf_counter() - start
-        if cfg.kl_beta > 0.0:
+        if cfg.loss.kl_beta > 0.0:
             phase("reference")
             start = time.perf_counter()
             with self.reference.use_reference_weights():
                 for minibatch in minibatches:
-                    minibatch["ref"] = self._forward_rows(minibatch["context"])
+                    minibatch.ref_logprobs = self._forward_rows(minibatch.context)
             times["reference"] = time.perf_counter() - start
 
         phase("train")
@@ -239,28 +407,28 @@ class GRPOWorker:
         with contextlib.ExitStack() as stack:
             self.optimizer.start_param_sync(force_sync=True)
             stack.enter_context(self.optimizer.param_sync_hooks_disabled())
-            if self.config.offload_optimizer:
+            if self.config.rollout.offload_optimizer:
                 stack.enter_context(self.optimizer.offloaded(optimizer_state=True, grads=True))
             yield
 
     def _pack(
         self, rollouts: list[Rollout], advantages: torch.Tensor, metrics: dict[str, float]
-    ) -> list[dict[str, Any]]:
-        cfg = self.config
-        groups = len(rollouts) // cfg.group_size
-        per_minibatch = -(-groups // cfg.minibatches_per_step)
-        minibatches: list[dict[str, Any]] = []
+    ) -> list[Minibatch]:
+        group_size = self.config.rollout.group_size
+        packing = self.config.packing
+        groups = len(rollouts) // group_size
+        per_minibatch = -(-groups // packing.minibatches_per_step)
+        minibatches: list[Minibatch] = []
         efficiencies = []
         for first in range(0, groups, per_minibatch):
-            chosen = list(
-                range(first * cfg.group_size, min(groups, first + per_minibatch) * cfg.group_size)
-            )
+            last = min(groups, first + per_minibatch)
+            chosen = list(range(first * group_size, last * group_size))
             sequences = [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in chosen]
             info = pack_sequences(
                 [len(s) for s in sequences],
-                max_sequences_per_bin=cfg.max_sequences_per_bin,
-                algorithm=cfg.packing_algorithm,
-                token_budget=cfg.max_tokens_per_microbatch,
+                max_sequences_per_bin=packing.max_sequences_per_bin,
+                algorithm=packing.algorithm,
+                token_budget=packing.max_tokens_per_microbatch,
             )
             efficiencies.append(info.efficiency)
             mine = distribute_bins(info, self.dp_size)[self.dp_rank]
@@ -270,30 +438,27 @@ class GRPOWorker:
                 advantages[chosen],
                 info,
                 bin_indices=mine,
-                max_sequences_per_bin=cfg.max_sequences_per_bin,
+                max_sequences_per_bin=packing.max_sequences_per_bin,
                 pad_id=self.tokenizer.pad_id,
             )
-            inference = context.scatter(
-                [torch.tensor(rollouts[i].inference_logprobs) for i in chosen]
-            )
             minibatches.append(
-                {
-                    "context": context,
-                    "inference": inference,
-                    "num_global_tokens": float(
-                        sum(len(rollouts[i].completion_ids) for i in chosen)
+                Minibatch(
+                    context=context,
+                    inference_logprobs=context.scatter(
+                        [torch.tensor(rollouts[i].inference_logprobs) for i in chosen]
                     ),
-                }
+                    num_global_tokens=float(sum(len(rollouts[i].completion_ids) for i in chosen)),
+                )
             )
         metrics["packing/efficiency"] = float(sum(efficiencies) / len(efficiencies))
-        metrics["packing/bins_per_rank"] = float(minibatches[0]["context"].input_ids.shape[0])
+        metrics["packing/bins_per_rank"] = float(minibatches[0].context.input_ids.shape[0])
         return minibatches
 
     def _row_forward(self, context: PackingContext, with_entropy: bool) -> Callable[..., Any]:
         def forward_step(model: Any, input_tensor: Any, row: int) -> Any:
             del input_tensor  # pipeline size 1: every row starts from its tokens
             logprobs, entropy = row_logprobs(
-                model, context, row, temperature=self.config.temperature, device=self.device
+                model, context, row, temperature=self.config.rollout.temperature, device=self.device
             )
             return (logprobs, entropy) if with_entropy else logprobs
 
@@ -310,24 +475,27 @@ class GRPOWorker:
         )
         return torch.stack([output.float().cpu() for output in result.outputs])
 
-    def _old_logprobs(self, minibatch: dict[str, Any]) -> None:
-        minibatch["old"] = self._forward_rows(minibatch["context"])
+    def _old_logprobs(self, minibatch: Minibatch) -> None:
+        minibatch.old_logprobs = self._forward_rows(minibatch.context)
 
-    def _train_minibatch(self, minibatch: dict[str, Any], sums: dict[str, torch.Tensor]) -> float:
-        context: PackingContext = minibatch["context"]
+    def _train_minibatch(self, minibatch: Minibatch, sums: dict[str, torch.Tensor]) -> float:
+        context = minibatch.context
         rows = int(context.input_ids.shape[0])
+        old, ref = minibatch.old_logprobs, minibatch.ref_logprobs
+        if old is None:
+            raise RLStateError("the old log-probs of a minibatch must be computed before training")
 
         def loss_func(output: Any, row: int) -> torch.Tensor:
             logprobs, entropy = output
             loss, metrics = grpo_loss(
                 logprobs,
-                self._row(row, minibatch["old"]),
+                self._row(row, old),
                 self._row(row, context.advantages),
                 self._row(row, context.loss_mask),
-                num_global_tokens=minibatch["num_global_tokens"],
+                num_global_tokens=minibatch.num_global_tokens,
                 config=self.loss_config,
-                ref_logprobs=self._row(row, minibatch["ref"]) if "ref" in minibatch else None,
-                inference_logprobs=self._row(row, minibatch["inference"]),
+                ref_logprobs=self._row(row, ref) if ref is not None else None,
+                inference_logprobs=self._row(row, minibatch.inference_logprobs),
                 entropy=entropy,
             )
             metrics["loss"] = loss

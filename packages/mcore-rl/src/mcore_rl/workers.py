@@ -34,6 +34,23 @@ class WorkerGroup(Protocol):
         """Loads the latest checkpoint on every rank and returns its step count."""
         ...
 
+    def evaluate(self) -> dict[str, float]:
+        """Greedy evaluation on the held-out prompts; rank 0's metrics."""
+        ...
+
+    def export_hf(self, directory: Path) -> None:
+        """Writes the policy as a Hugging Face checkpoint."""
+        ...
+
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (decisions that end the loop must match)."""
+        ...
+
+    @property
+    def max_steps(self) -> int | None:
+        """Steps until the prompt dataset's epochs are used up; None when unbounded."""
+        ...
+
     def close(self) -> None:
         """Releases the workers."""
         ...
@@ -94,9 +111,52 @@ class InProcessWorkers:
         """
         return self.worker.load_checkpoint(root)
 
+    def evaluate(self) -> dict[str, float]:
+        """Evaluates greedily on the held-out prompts.
+
+        Returns:
+            The evaluation metrics.
+        """
+        return self.worker.evaluate()
+
+    def export_hf(self, directory: Path) -> None:
+        """Writes a Hugging Face checkpoint.
+
+        Args:
+            directory: Output directory.
+        """
+        self.worker.export_hf(directory)
+
+    def agree(self, flag: bool) -> bool:
+        """Broadcasts rank 0's flag, so that every rank leaves the loop together.
+
+        Args:
+            flag: This rank's decision.
+
+        Returns:
+            Rank 0's decision.
+        """
+        if dist.get_world_size() == 1:
+            return flag
+        decision = torch.tensor([1.0 if flag else 0.0], device=self.worker.device)
+        dist.broadcast(decision, src=0)
+        return bool(decision.item())
+
+    @property
+    def max_steps(self) -> int | None:
+        """Steps until the dataset's epochs are used up.
+
+        Returns:
+            The step count or None.
+        """
+        return self.worker.max_steps
+
     def close(self) -> None:
         """Restores torch's thread count and destroys the process group if this object made it."""
         torch.set_num_threads(self._num_threads)
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.close()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -119,7 +179,7 @@ class _Actor:
             MASTER_ADDR=addr,
             MASTER_PORT=str(port),
         )
-        self.config = GRPOConfig(**config)
+        self.config = GRPOConfig.from_dict(config)
         self.state = init_worker_state(self.config)
         self.worker = GRPOWorker(self.config, self.state)
         return os.getpid()
@@ -133,16 +193,27 @@ class _Actor:
     def load_checkpoint(self, root: str) -> int:
         return self.worker.load_checkpoint(root)
 
+    def evaluate(self) -> dict[str, float]:
+        return self.worker.evaluate()
+
+    def export_hf(self, directory: str) -> None:
+        self.worker.export_hf(directory)
+
+    def max_steps(self) -> int | None:
+        return self.worker.max_steps
+
     def shutdown(self) -> None:
+        self.worker.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 class RayWorkerGroup:
-    """``config.num_workers`` Ray actors in one placement group, torch.distributed among them.
+    """``config.run.num_workers`` Ray actors in one placement group, torch.distributed among them.
 
     Generation and training are colocated: each actor generates its share of the rollouts
-    and trains on its bins. Ray is started locally when not initialised.
+    and trains on its bins. Ray is started locally when not initialised, and shut down again
+    by :meth:`close` in that case (a Ray instance the caller started is left running).
 
     Args:
         config: The run config.
@@ -161,13 +232,17 @@ class RayWorkerGroup:
 
         self._ray: Any = ray
         self._remove_placement_group = remove_placement_group
-        if not ray.is_initialized():
-            ray.init(num_cpus=max(2, config.num_workers), include_dashboard=False)
-        gpus = 1 if backend_for(config) == "nccl" else 0
-        bundle = {"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}
-        self.placement_group = placement_group([bundle] * config.num_workers, strategy="PACK")
+        self.started_ray = not ray.is_initialized()
+        """Whether this group started Ray (and therefore shuts it down on close)."""
+        num_workers = config.run.num_workers
         self.actors: list[Any] = []
+        self.placement_group: Any = None
         try:
+            if self.started_ray:
+                ray.init(num_cpus=max(2, num_workers), include_dashboard=False)
+            gpus = 1 if backend_for(config) == "nccl" else 0
+            bundle = {"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}
+            self.placement_group = placement_group([bundle] * num_workers, strategy="PACK")
             ray.get(self.placement_group.ready())
             actor_class = ray.remote(_Actor)
             self.actors = [
@@ -178,13 +253,13 @@ class RayWorkerGroup:
                         placement_group=self.placement_group, placement_group_bundle_index=rank
                     ),
                 ).remote()
-                for rank in range(config.num_workers)
+                for rank in range(num_workers)
             ]
             addr, port = ray.get(self.actors[0].address.remote())
             fields = config.to_dict()
             self.pids = ray.get(
                 [
-                    actor.setup.remote(fields, rank, config.num_workers, addr, port)
+                    actor.setup.remote(fields, rank, num_workers, addr, port)
                     for rank, actor in enumerate(self.actors)
                 ]
             )
@@ -231,17 +306,58 @@ class RayWorkerGroup:
         """
         return int(self._all("load_checkpoint", str(root))[0])
 
+    def evaluate(self) -> dict[str, float]:
+        """Evaluates on every actor.
+
+        Returns:
+            Rank 0's evaluation metrics.
+        """
+        return self._all("evaluate")[0]  # type: ignore[no-any-return]
+
+    def export_hf(self, directory: Path) -> None:
+        """Writes a Hugging Face checkpoint (every actor takes part).
+
+        Args:
+            directory: Output directory.
+        """
+        self._all("export_hf", str(directory))
+
+    def agree(self, flag: bool) -> bool:
+        """The driver decides alone.
+
+        Args:
+            flag: The driver's decision.
+
+        Returns:
+            ``flag``.
+        """
+        return flag
+
+    @property
+    def max_steps(self) -> int | None:
+        """Steps until the dataset's epochs are used up.
+
+        Returns:
+            The step count or None.
+        """
+        return self._ray.get(self.actors[0].max_steps.remote())  # type: ignore[no-any-return]
+
     def close(self) -> None:
-        """Tears down the process group, the actors and the placement group."""
+        """Tears down the process group, the actors, the placement group and a Ray it started."""
         try:
             self._all("shutdown")
         finally:
             self._release()
 
     def _release(self) -> None:
-        for actor in self.actors:
-            self._ray.kill(actor)
-        self._remove_placement_group(self.placement_group)
+        try:
+            for actor in self.actors:
+                self._ray.kill(actor)
+            if self.placement_group is not None:
+                self._remove_placement_group(self.placement_group)
+        finally:
+            if self.started_ray and self._ray.is_initialized():
+                self._ray.shutdown()
 
 
 def make_workers(config: GRPOConfig) -> WorkerGroup:
@@ -253,6 +369,6 @@ def make_workers(config: GRPOConfig) -> WorkerGroup:
     Returns:
         The workers.
     """
-    if config.mode == "ray":
+    if config.run.mode == "ray":
         return RayWorkerGroup(config)
     return InProcessWorkers(config)

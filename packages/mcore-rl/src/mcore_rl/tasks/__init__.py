@@ -11,6 +11,7 @@ from mcore_rl.tasks.base import (
     sample_problems,
 )
 from mcore_rl.tasks.countdown import CountdownTask
+from mcore_rl.tasks.dataset import DatasetTask
 from mcore_rl.tasks.sequences import ReverseTask, SortTask
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "FunctionTask",
     "ArithmeticTask",
     "CountdownTask",
+    "DatasetTask",
     "SortTask",
     "ReverseTask",
     "register_task",

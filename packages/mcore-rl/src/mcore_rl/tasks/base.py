@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,18 @@ class Task:
                 "expected a value in [0, 1]"
             )
         return value
+
+    def score_batch(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[float]:
+        """Scores completions, one :meth:`reward` each (tasks with slow rewards batch them).
+
+        Args:
+            problems: The problem of each completion.
+            completions: The completion texts.
+
+        Returns:
+            One reward in [0, 1] per completion.
+        """
+        return [self.reward(p, c) for p, c in zip(problems, completions)]
 
 
 class FunctionTask(Task):
