@@ -14,10 +14,12 @@ from mcore_inference.errors import (
     KVCacheStepError,
     TokenizerUnavailableError,
     UnsupportedModelError,
+    WeightUpdateError,
 )
 from mcore_inference.expert_parallel import find_expert_parallel_group
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.request import FinishReason, GenerationResult, RequestStatus
+from mcore_inference.weights import model_weight_shards
 
 __all__ = [
     "__version__",
@@ -30,6 +32,7 @@ __all__ = [
     "BlockAllocator",
     "PagedKVCache",
     "find_expert_parallel_group",
+    "model_weight_shards",
     "InferenceError",
     "InvalidRequestError",
     "EngineClosedError",
@@ -39,4 +42,5 @@ __all__ = [
     "BlockAllocatorError",
     "TokenizerUnavailableError",
     "UnsupportedModelError",
+    "WeightUpdateError",
 ]
