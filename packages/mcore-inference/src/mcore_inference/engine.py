@@ -372,9 +372,7 @@ class InferenceEngine:
             # Drawn for every request (seeded or not), so unseeded requests get the same seeds
             # whatever the seeds of the others.
             drawn = (
-                drawn_seeds[index]
-                if drawn_seeds is not None
-                else self._seed_source.getrandbits(63)
+                drawn_seeds[index] if drawn_seeds is not None else self._seed_source.getrandbits(63)
             )
             seed = params.seed if valid_params and params.seed is not None else drawn
             request = Request(
@@ -574,9 +572,7 @@ class InferenceEngine:
 
     def _decides_samples(self) -> bool:
         groups = self.groups
-        return groups.replica_group is None or (
-            torch.distributed.get_rank() == groups.sampler_rank
-        )
+        return groups.replica_group is None or (torch.distributed.get_rank() == groups.sampler_rank)
 
     def _take_unreported(self) -> list[Request]:
         taken, self._unreported = self._unreported, []

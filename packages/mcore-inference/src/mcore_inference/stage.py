@@ -194,7 +194,9 @@ def sample_microbatch(logits: torch.Tensor, microbatch: Microbatch) -> torch.Ten
         for r, p in zip(requests, params)
     ]
     new_tokens = sample_tokens(logits, params, uniforms)
-    samples = torch.full((2, len(requests)), float("nan"), dtype=torch.float64, device=logits.device)
+    samples = torch.full(
+        (2, len(requests)), float("nan"), dtype=torch.float64, device=logits.device
+    )
     samples[0] = new_tokens.to(torch.float64)
     logprob_rows = [i for i, p in enumerate(params) if p.return_logprobs]
     if logprob_rows:
