@@ -2,7 +2,8 @@
 the single-process engine: a mixed batch (chunked prefill, stop words and stop tokens, a seeded
 sampled request) gives the same tokens and logprobs; a request that fails validation on one
 rank fails with the same message on every rank; ``update_weights`` with the full tensors of
-other weights makes every layout generate what an engine built from those weights generates.
+other weights makes every layout generate what an engine built from those weights generates,
+and a tp=2 trainer's blocks do the same in tp=1 engines (and full tensors in a tp=2 engine).
 One ``run_distributed`` call per world size runs every layout of that size in turn."""
 
 from __future__ import annotations

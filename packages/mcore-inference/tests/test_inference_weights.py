@@ -108,8 +108,7 @@ def test_bad_weights_raise_a_typed_error_and_change_nothing(case, message):
     good = {name: p.detach().clone() + 1.0 for name, p in GPTModel(_config(99)).named_parameters()}
     # The first parameters in the plan are valid: a failure later must not leave them copied.
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    with _engine(model) as engine:
-        with pytest.raises(WeightUpdateError, match=message):
-            engine.update_weights(_bad_weights(case, good))
+    with _engine(model) as engine, pytest.raises(WeightUpdateError, match=message):
+        engine.update_weights(_bad_weights(case, good))
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), (case, name)

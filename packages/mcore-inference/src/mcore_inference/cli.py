@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage)
         return 0 if args and args[0] in ("-h", "--help") else 2
     options, run = COMMANDS[args[0]]
-    parsed = tyro.cli(
+    parsed: Any = tyro.cli(
         options, args=args[1:], prog=f"mcore-inference {args[0]}", description=options.__doc__
     )
     return run(parsed)

@@ -70,7 +70,7 @@ def _collect(weights: Any) -> dict[str, list[ShardedTensor]]:
 
 
 def _local_places(model: nn.Module) -> list[tuple[torch.Tensor, GlobalSlice]]:
-    places = []
+    places: list[tuple[torch.Tensor, GlobalSlice]] = []
     for name, param in model.named_parameters():
         where = global_slice(param)
         if where is None:  # a model that was never placed: its local tensors are global
@@ -108,7 +108,8 @@ def _plan(param: torch.Tensor, where: GlobalSlice, blocks: list[ShardedTensor]) 
         (offset, offset + size)
         for offset, size in zip(where.global_offset, param.shape, strict=True)
     )
-    copies, covered = [], []
+    copies: list[_Copy] = []
+    covered: list[_Box] = []
     for block in blocks:
         if tuple(block.global_shape) != tuple(where.global_shape):
             raise WeightUpdateError(
