@@ -5,7 +5,9 @@ Each subcommand is a dataclass of options plus a function that runs it, register
 and ``sampling`` sections are :class:`~mcore_inference.InferenceConfig` and
 :class:`~mcore_inference.SamplingParams` themselves, so every engine and sampling option exists
 on the command line with the configs' defaults (``--engine.max-batch-size``,
-``--sampling.temperature`` ...).
+``--sampling.temperature`` ...); options holding several values take them in a row
+(``--prompt "first" "second"``, ``--sampling.stop-words "." "!"``). A new subcommand (``serve``) is one
+more entry in :data:`COMMANDS`.
 
 ``generate`` needs ``config.json``, safetensors weights and ``tokenizer.json`` (extra ``hf``) in
 the directory; the end-of-sequence ids of ``generation_config.json`` / ``config.json`` stop
@@ -24,20 +26,13 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import torch
 
 from mcore_inference.config import InferenceConfig, SamplingParams
 from mcore_inference.engine import InferenceEngine
 from mcore_inference.errors import InferenceConfigError
-
-try:
-    import tyro
-except ImportError as exc:  # pragma: no cover - depends on the installed extras
-    raise ImportError(
-        "the mcore-inference command line needs tyro: pip install 'mcore-inference[cli]'"
-    ) from exc
 
 __all__ = ["COMMANDS", "GenerateArgs", "main", "run_generate"]
 
@@ -48,8 +43,8 @@ class GenerateArgs:
 
     model: str
     """Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json)."""
-    prompt: Annotated[tuple[str, ...], tyro.conf.UseAppendAction]
-    """Prompt text (repeat the option for a batch)."""
+    prompt: tuple[str, ...]
+    """Prompt texts (several in a row for a batch)."""
     tp: int = 1
     """Tensor-parallel size (under torchrun)."""
     pp: int = 1
@@ -166,6 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] not in COMMANDS:
         print(usage)
         return 0 if args and args[0] in ("-h", "--help") else 2
+    try:
+        import tyro
+    except ImportError as exc:  # pragma: no cover - depends on the installed extras
+        raise ImportError(
+            "the mcore-inference command line needs tyro: pip install 'mcore-inference[cli]'"
+        ) from exc
     options, run = COMMANDS[args[0]]
     parsed: Any = tyro.cli(
         options, args=args[1:], prog=f"mcore-inference {args[0]}", description=options.__doc__
