@@ -159,7 +159,7 @@ def _cli_on_ranks(argv: list[str]) -> str:
 def test_cli_generate_over_tensor_parallel_ranks_prints_the_single_process_result(checkpoint):
     from mcore_parallel.testing import run_distributed
 
-    directory, model = checkpoint
+    directory, _ = checkpoint
     argv = ["generate", "--model", str(directory), "--prompt", "w3 w9 w27", "w100", "w7 w7"]
     argv += ["--sampling.max-tokens", "5", "--sampling.temperature", "0", "--json"]
     outputs = run_distributed(_cli_on_ranks, 2, [*argv, "--tp", "2"], timeout=180)
