@@ -8,6 +8,7 @@ One ``run_distributed`` call per world size runs every layout of that size in tu
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mcore_inference import (
@@ -219,3 +220,57 @@ def _update_across_layouts(direction: str) -> dict:
         got = _summary(engine.generate(PROMPTS, params))
     state.destroy()
     return {"before": before, "got": got, "expected": expected}
+
+
+def _tensor_parallel_graphs() -> dict:
+    from mcore_kernels.comm import symmetric
+
+    state = initialize(tp=2)
+    config = _config()
+    params, expected = _reference_on(config, "cuda")
+    model = parallelize(GPTModel(config, device="cuda"), state).eval()
+    engine_config = InferenceConfig(
+        max_batch_size=4,
+        max_sequence_length=32,
+        block_size=4,
+        attention_split_size=8,
+        max_tokens_per_step=6,
+        prefill_chunk_size=4,
+        cuda_graph_batch_sizes=(1, 2, 4),
+    )
+    with InferenceEngine(model, engine_config, state=state) as engine:
+        got = _summary(engine.generate(PROMPTS, params))
+        captured = engine._graphs.captured if engine._graphs is not None else ()
+        description = engine.describe()
+        workspaces_while_open = len(symmetric._workspaces)
+    report = {
+        "got": got,
+        "expected": expected,
+        "captured": captured,
+        "description": description,
+        "workspaces_while_open": workspaces_while_open,
+        "workspaces_after_close": len(symmetric._workspaces) + len(symmetric._retired),
+    }
+    state.destroy()
+    return report
+
+
+def _reference_on(config: GPTConfig, device: str) -> tuple[list[SamplingParams], list]:
+    model = GPTModel(config, device=device).eval()
+    with InferenceEngine(model, _engine_config()) as engine:
+        free = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6))
+        params = _params(tuple(free[0].tokens[1:3]), free[2].tokens[1])
+        return params, _summary(engine.generate(PROMPTS, params))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tensor_parallel_graph_decode_uses_the_fused_collective_and_releases_it():
+    reports = run_distributed(_tensor_parallel_graphs, 2, backend="nccl", timeout=300)
+    for report in reports:
+        assert report["captured"]
+        assert _matches(report["got"], report["expected"], atol=1e-3)
+        assert report["description"]["tp_communication"].startswith("fused_rs_add_rmsnorm_ag")
+        if report["description"]["tp_communication"].endswith("(symmetric memory)"):
+            assert report["workspaces_while_open"] > 0
+        assert report["workspaces_after_close"] == 0
