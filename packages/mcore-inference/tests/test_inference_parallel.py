@@ -102,6 +102,7 @@ def _serve_layouts(layouts: list[tuple[str, dict, bool]]) -> dict:
             updated = engine.update_weights(_full_weights(other))
             got_other = _summary(engine.generate(PROMPTS, params_other))
             description = engine.describe()
+            aborted = _abort_in_flight(engine, params_other)
         report[name] = {
             "got": got,
             "expected": expected,
@@ -111,9 +112,28 @@ def _serve_layouts(layouts: list[tuple[str, dict, bool]]) -> dict:
             "got_other": got_other,
             "expected_other": expected_other,
             "description": description,
+            "aborted": aborted,
         }
         state.destroy()
     return report
+
+
+def _abort_in_flight(engine: InferenceEngine, params: list[SamplingParams]) -> dict:
+    """Abort a request after two steps (its tokens may be on a later stage); run the rest."""
+    ids = [engine.add_request(prompt, params[i]) for i, prompt in enumerate(PROMPTS[:3])]
+    finals = {}
+    for step in range(1000):
+        if step == 2:
+            engine.abort(ids[1])
+        for snapshot in engine.step():
+            if snapshot.done:
+                finals[snapshot.request_id] = snapshot
+        if step >= 2 and not engine.has_unfinished() and not engine.group_has_work:
+            break
+    return {
+        "results": _summary([finals[i] for i in ids]),
+        "all_blocks_free": engine.allocator.num_free == engine.allocator.capacity,
+    }
 
 
 def _matches(got: list, expected: list, atol: float = 1e-4) -> bool:
@@ -139,6 +159,11 @@ def _check(reports: list[dict], sizes: dict[str, dict]) -> None:
             assert _matches(result["got_other"], result["expected_other"]), where
             assert result["got_other"] != result["got"], where
             assert result["updated"] == result["local_parameters"] > 0, where
+            aborted = result["aborted"]["results"]
+            assert aborted[1][2] == "FinishReason.ABORTED", where
+            kept = [aborted[0], aborted[2]]
+            assert _matches(kept, [result["expected_other"][0], result["expected_other"][2]]), where
+            assert result["aborted"]["all_blocks_free"], where
             validated = result["validated"]
             assert validated[1][3] == RequestStatus.FAILED.value, where
             assert f"prompt token {BAD_TOKEN}" in validated[1][4], where

@@ -24,6 +24,7 @@ from mcore_inference.expert_parallel import (
     find_expert_parallel_group,
     find_expert_tensor_parallel_group,
 )
+from mcore_inference.intake import normalize_prompt, params_per_prompt, validate_request
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.request import FinishReason, GenerationResult, Request, RequestStatus
 from mcore_inference.scheduler import Scheduler
@@ -361,13 +362,7 @@ class InferenceEngine:
         requests, verdicts = [], []
         for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             params = params if params is not None else SamplingParams()
-            if (
-                isinstance(prompt, torch.Tensor)
-                and prompt.dim() == 1
-                and not prompt.is_floating_point()
-            ):
-                prompt = prompt.tolist()
-            prompt_list = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
+            prompt_list = normalize_prompt(prompt)
             valid_params = isinstance(params, SamplingParams)
             # Drawn for every request (seeded or not), so unseeded requests get the same seeds
             # whatever the seeds of the others.
@@ -412,35 +407,16 @@ class InferenceEngine:
         return [request.request_id for request in requests]
 
     def _validate(self, prompt: Any, params: Any) -> None:
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params={params!r}; expected a SamplingParams")
-        params.validate()
-        if not isinstance(prompt, list) or not prompt:
-            raise InvalidRequestError(f"prompt={prompt!r}; expected a non-empty list of token ids")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)]
-        bad += [t for t in prompt if isinstance(t, int) and not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token {bad[0]!r}; expected integer ids in [0, {self.vocab_size})"
-            )
-        limit = self.config.max_sequence_length
-        if len(prompt) > limit:
-            raise InvalidRequestError(
-                f"prompt length {len(prompt)}; expected at most max_sequence_length={limit}"
-            )
-        if self.tokenizer is None and any(isinstance(w, str) for w in params.stop_words):
-            raise InvalidRequestError(
-                f"stop_words={params.stop_words!r} holds strings; expected token sequences or "
-                "an engine with tokenizer_path"
-            )
-        new_tokens = min(params.max_tokens, limit - len(prompt))
         assert self.scheduler is not None
-        needed = self.scheduler.blocks_needed(len(prompt), new_tokens)
-        if needed > self.allocator.capacity:
-            raise InvalidRequestError(
-                f"prompt length {len(prompt)} + max_tokens {new_tokens} needs {needed} KV blocks; "
-                f"expected at most the cache's {self.allocator.capacity}"
-            )
+        validate_request(
+            prompt,
+            params,
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.config.max_sequence_length,
+            has_tokenizer=self.tokenizer is not None,
+            blocks_needed=self.scheduler.blocks_needed,
+            cache_blocks=self.allocator.capacity,
+        )
 
     def abort(self, request_id: int) -> bool:
         """Stop a waiting or active request and free its blocks.
@@ -615,18 +591,6 @@ class InferenceEngine:
 
     # ---------------------------------------------------------------------------- generation
 
-    def _params_list(
-        self, count: int, params: SamplingParams | Sequence[SamplingParams] | None
-    ) -> list[SamplingParams | None]:
-        if params is None or isinstance(params, SamplingParams):
-            return [params] * count
-        params_list = list(params)
-        if len(params_list) != count:
-            raise InvalidRequestError(
-                f"params has {len(params_list)} entries; expected one per prompt ({count})"
-            )
-        return list(params_list)
-
     def _drive(
         self, request_ids: list[int], *, progress: bool
     ) -> Generator[list[Request], None, None]:
@@ -672,7 +636,7 @@ class InferenceEngine:
         params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[int]:
         """Add this replica's share of the prompts (all of them without data parallelism)."""
-        params_list = self._params_list(len(prompts), params)
+        params_list = params_per_prompt(len(prompts), params)
         if self.groups.dp_group is None:
             return self._add_requests(list(prompts), params_list)
         # Every replica draws every seed, so a request's seed does not depend on the split.
