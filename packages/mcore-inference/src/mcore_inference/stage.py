@@ -57,7 +57,7 @@ class StageRunner:
         self.hidden_dtype = parameter.dtype
         self.hidden_size: int = model.config.hidden_size
 
-    def _inputs(self, microbatch: Microbatch | None, pad_to: int) -> tuple[torch.Tensor, int]:
+    def _inputs(self, microbatch: Microbatch | None, pad_to: int) -> tuple[torch.Tensor, int, int]:
         rows = Microbatch(entries=[])
         if microbatch is not None:
             rows.tokens = list(microbatch.tokens)
@@ -66,7 +66,8 @@ class StageRunner:
         num_real = rows.num_tokens
         if pad_to > num_real:
             rows.pad(pad_to - num_real, self.padding_row)
-        return rows.inputs(self.device), num_real
+        # Known on the host: the eager attention launches only the splits that can hold data.
+        return rows.inputs(self.device), num_real, max(rows.positions) + 1
 
     def run(
         self, microbatch: Microbatch | None, received: torch.Tensor | None, *, has_work: bool
@@ -111,7 +112,7 @@ class StageRunner:
                 pad_to = max(num_real, 1)
         if pad_to == 0:
             return None, None
-        inputs, num_real = self._inputs(microbatch, pad_to)
+        inputs, num_real, max_context = self._inputs(microbatch, pad_to)
         sampling = microbatch is not None and bool(microbatch.sampling)
         if use_graphs and graphs is not None:
             try:
@@ -127,13 +128,14 @@ class StageRunner:
                 )
                 graphs.close()
                 self.graphs = None
-        return self._eager(microbatch, inputs, num_real, received)
+        return self._eager(microbatch, inputs, num_real, max_context, received)
 
     def _eager(
         self,
         microbatch: Microbatch | None,
         inputs: torch.Tensor,
         num_real: int,
+        max_context: int,
         received: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         groups = self.groups
@@ -154,9 +156,7 @@ class StageRunner:
                 )
                 hidden = torch.cat([hidden.to(self.device), padding], dim=1)
             stage_input = hidden
-        self.kv_cache.prepare_step(
-            self.block_tables, inputs[1], inputs[2], max_context=int(inputs[1].max()) + 1
-        )
+        self.kv_cache.prepare_step(self.block_tables, inputs[1], inputs[2], max_context=max_context)
         try:
             output = self.model(
                 stage_input, inputs[1][None], kv_cache=self.kv_cache, return_hidden=True
