@@ -247,13 +247,11 @@ def _update_across_layouts(direction: str) -> dict:
     return {"before": before, "got": got, "expected": expected}
 
 
-def _tensor_parallel_graphs() -> dict:
+def _graph_layouts() -> dict:
     from mcore_kernels.comm import symmetric
 
-    state = initialize(tp=2)
     config = _config()
     params, expected = _reference_on(config, "cuda")
-    model = parallelize(GPTModel(config, device="cuda"), state).eval()
     engine_config = InferenceConfig(
         max_batch_size=4,
         max_sequence_length=32,
@@ -263,21 +261,25 @@ def _tensor_parallel_graphs() -> dict:
         prefill_chunk_size=4,
         cuda_graph_batch_sizes=(1, 2, 4),
     )
-    with InferenceEngine(model, engine_config, state=state) as engine:
-        got = _summary(engine.generate(PROMPTS, params))
-        captured = engine._graphs.captured if engine._graphs is not None else ()
-        description = engine.describe()
-        workspaces_while_open = len(symmetric._workspaces)
-    report = {
-        "got": got,
-        "expected": expected,
-        "captured": captured,
-        "description": description,
-        "workspaces_while_open": workspaces_while_open,
-        "workspaces_after_close": len(symmetric._workspaces) + len(symmetric._retired),
-    }
-    state.destroy()
-    return report
+    reports = {}
+    for name, sizes in (("tp2", {"tp": 2}), ("pp2", {"pp": 2})):
+        state = initialize(**sizes)
+        model = parallelize(GPTModel(config, device="cuda"), state).eval()
+        with InferenceEngine(model, engine_config, state=state) as engine:
+            got = _summary(engine.generate(PROMPTS, params))
+            captured = engine._graphs.captured if engine._graphs is not None else ()
+            description = engine.describe()
+            workspaces_while_open = len(symmetric._workspaces)
+        reports[name] = {
+            "got": got,
+            "expected": expected,
+            "captured": captured,
+            "description": description,
+            "workspaces_while_open": workspaces_while_open,
+            "workspaces_after_close": len(symmetric._workspaces) + len(symmetric._retired),
+        }
+        state.destroy()
+    return reports
 
 
 def _reference_on(config: GPTConfig, device: str) -> tuple[list[SamplingParams], list]:
@@ -290,12 +292,16 @@ def _reference_on(config: GPTConfig, device: str) -> tuple[list[SamplingParams],
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_tensor_parallel_graph_decode_uses_the_fused_collective_and_releases_it():
-    reports = run_distributed(_tensor_parallel_graphs, 2, backend="nccl", timeout=300)
-    for report in reports:
-        assert report["captured"]
-        assert _matches(report["got"], report["expected"], atol=1e-3)
-        assert report["description"]["tp_communication"].startswith("fused_rs_add_rmsnorm_ag")
-        if report["description"]["tp_communication"].endswith("(symmetric memory)"):
-            assert report["workspaces_while_open"] > 0
-        assert report["workspaces_after_close"] == 0
+def test_graph_decode_over_tensor_and_pipeline_parallel_ranks_matches_single_process():
+    """tp=2 replays the fused collective in its graphs and releases its buffers; pp=2 stages
+    replay their own graphs (the last stage from received hidden states)."""
+    results = run_distributed(_graph_layouts, 2, backend="nccl", timeout=300)
+    for reports in results:
+        for name, report in reports.items():
+            assert report["captured"], name
+            assert _matches(report["got"], report["expected"], atol=1e-3), name
+        tp = reports["tp2"]
+        assert tp["description"]["tp_communication"].startswith("fused_rs_add_rmsnorm_ag")
+        if tp["description"]["tp_communication"].endswith("(symmetric memory)"):
+            assert tp["workspaces_while_open"] > 0
+        assert tp["workspaces_after_close"] == 0

@@ -132,7 +132,7 @@ def describe_engine(engine: InferenceEngine) -> dict[str, Any]:
     elif engine.device.type != "cuda":
         cuda_graphs = f"off (model on {engine.device.type})"
     else:
-        cuda_graphs = "off (pipeline stages run eagerly)"
+        cuda_graphs = "off (capture failed; decoding eagerly)"
     schedule = (
         "one forward per step"
         if groups.pp_size == 1

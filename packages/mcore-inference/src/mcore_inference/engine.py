@@ -159,7 +159,7 @@ class InferenceEngine:
         )
         self.scheduler: Scheduler | None = Scheduler(config, self.allocator, self.device)
         graphs: DecodeGraphRunner | None = None
-        if config.use_cuda_graphs and self.device.type == "cuda" and groups.pp_size == 1:
+        if config.use_cuda_graphs and self.device.type == "cuda":
             graphs = DecodeGraphRunner(
                 model,
                 self.kv_cache,

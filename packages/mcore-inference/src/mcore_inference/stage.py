@@ -116,8 +116,10 @@ class StageRunner:
         sampling = microbatch is not None and bool(microbatch.sampling)
         if use_graphs and graphs is not None:
             try:
-                logits = graphs.run(inputs)[:num_real]
-                return None, logits if sampling else None
+                output = graphs.run(inputs, received)[:num_real]
+                if not self.groups.is_last_stage:
+                    return (output[None] if num_real else None), None
+                return None, output if sampling else None
             except Exception as exc:
                 # A model that cannot be captured still serves, eagerly; the warning says why.
                 warnings.warn(
