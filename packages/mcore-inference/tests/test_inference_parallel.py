@@ -82,14 +82,20 @@ def _full_weights(config: GPTConfig) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in GPTModel(config).named_parameters()}
 
 
-def _serve_layouts(layouts: list[tuple[str, dict, bool]]) -> dict:
+def _references(moe_flags: set[bool]) -> dict[bool, tuple]:
+    """Single-process results for both weight seeds, computed once in the test process."""
+    torch.set_num_threads(1)
+    return {
+        moe: (*_reference(_config(moe=moe)), *_reference(_config(seed=99, moe=moe)))
+        for moe in moe_flags
+    }
+
+
+def _serve_layouts(layouts: list[tuple[str, dict, bool]], references: dict[bool, tuple]) -> dict:
     torch.set_num_threads(1)
     report: dict = {}
-    references: dict[bool, tuple] = {}
     for name, sizes, moe in layouts:
         config, other = _config(moe=moe), _config(seed=99, moe=moe)
-        if moe not in references:
-            references[moe] = (*_reference(config), *_reference(other))
         params, expected, params_other, expected_other = references[moe]
         state = initialize(**sizes)
         model = parallelize(GPTModel(config), state).eval()
@@ -177,9 +183,12 @@ def _check(reports: list[dict], sizes: dict[str, dict]) -> None:
         assert all(r[name]["validated"] == reports[0][name]["validated"] for r in reports), name
 
 
-def _two_rank_checks(layouts: list[tuple[str, dict, bool]]) -> dict:
-    report = _serve_layouts(layouts)
-    across = {d: _update_across_layouts(d) for d in ("tp2_into_tp1", "tp1_into_tp2")}
+def _two_rank_checks(layouts: list[tuple[str, dict, bool]], references: dict) -> dict:
+    report = _serve_layouts(layouts, references)
+    _, _, params, expected = references[False]
+    across = {
+        d: _update_across_layouts(d, params, expected) for d in ("tp2_into_tp1", "tp1_into_tp2")
+    }
     return {"layouts": report, "across": across}
 
 
@@ -189,7 +198,7 @@ def test_tensor_pipeline_and_data_parallel_engines_match_single_process():
         ("pp2", {"pp": 2}, False),
         ("dp2", {}, False),
     ]
-    results = run_distributed(_two_rank_checks, 2, layouts, timeout=400)
+    results = run_distributed(_two_rank_checks, 2, layouts, _references({False}), timeout=400)
     # update_weights from a tp=2 trainer's blocks into tp=1 engines, and full tensors into a
     # tp=2 engine, generate what an engine built from those weights generates.
     for result in results:
@@ -212,7 +221,7 @@ def test_tensor_x_pipeline_and_tensor_x_expert_x_data_parallel_engines_match_sin
         # dense tp=2 and two data-parallel replicas in lock step.
         ("tp2_ep2_dp2", {"tp": 2, "ep": 2}, True),
     ]
-    reports = run_distributed(_serve_layouts, 4, layouts, timeout=400)
+    reports = run_distributed(_serve_layouts, 4, layouts, _references({False, True}), timeout=400)
     _check(
         reports,
         {
@@ -222,9 +231,8 @@ def test_tensor_x_pipeline_and_tensor_x_expert_x_data_parallel_engines_match_sin
     )
 
 
-def _update_across_layouts(direction: str) -> dict:
+def _update_across_layouts(direction: str, params: list, expected: list) -> dict:
     config, other = _config(), _config(seed=99)
-    params, expected = _reference(other)
     state = initialize(tp=2)
     if direction == "tp2_into_tp1":
         # A trainer holds the other weights over tp=2; each engine is a single-rank one.
