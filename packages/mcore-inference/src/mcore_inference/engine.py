@@ -530,7 +530,9 @@ class InferenceEngine:
         if logits is not None and mine is not None and self._decides_samples():
             samples = sample_microbatch(logits, mine)
         if pp > 1:
-            following = self._pipeline[groups.pp_rank - 1] if groups.pp_rank > 0 else None
+            # The microbatch that moves into this stage at the next step.
+            ahead = groups.pp_rank - 1
+            following = self._pipeline[ahead] if 0 <= ahead < len(self._pipeline) else None
             expects = following is not None and following.num_tokens > 0
             runner = self._runner
             self._stage_input = groups.exchange_stages(
