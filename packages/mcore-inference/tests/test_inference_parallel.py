@@ -28,9 +28,11 @@ BAD_TOKEN = 999
 """Put in request 1's prompt on the last rank only."""
 
 
-def _config(seed: int = 11, moe: bool = False) -> GPTConfig:
-    experts = MoEConfig(num_experts=4, top_k=2, dispatcher="alltoall") if moe else None
-    return GPTConfig.from_name("tiny", vocab_size=VOCAB, seed=seed, moe=experts)
+def _config(seed: int = 11, variant: str = "dense") -> GPTConfig:
+    """``dense``: the 2-layer tiny GPT; ``moe``: with 4 experts; ``deep``: 4 layers (pp=4)."""
+    experts = MoEConfig(num_experts=4, top_k=2, dispatcher="alltoall") if variant == "moe" else None
+    layers = 4 if variant == "deep" else 2
+    return GPTConfig.from_name("tiny", vocab_size=VOCAB, seed=seed, moe=experts, num_layers=layers)
 
 
 def _engine_config() -> InferenceConfig:
@@ -82,21 +84,21 @@ def _full_weights(config: GPTConfig) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in GPTModel(config).named_parameters()}
 
 
-def _references(moe_flags: set[bool]) -> dict[bool, tuple]:
+def _references(variants: set[str]) -> dict[str, tuple]:
     """Single-process results for both weight seeds, computed once in the test process."""
     torch.set_num_threads(1)
     return {
-        moe: (*_reference(_config(moe=moe)), *_reference(_config(seed=99, moe=moe)))
-        for moe in moe_flags
+        variant: (*_reference(_config(variant=variant)), *_reference(_config(99, variant)))
+        for variant in variants
     }
 
 
-def _serve_layouts(layouts: list[tuple[str, dict, bool]], references: dict[bool, tuple]) -> dict:
+def _serve_layouts(layouts: list[tuple[str, dict, str]], references: dict[str, tuple]) -> dict:
     torch.set_num_threads(1)
     report: dict = {}
-    for name, sizes, moe in layouts:
-        config, other = _config(moe=moe), _config(seed=99, moe=moe)
-        params, expected, params_other, expected_other = references[moe]
+    for name, sizes, variant in layouts:
+        config, other = _config(variant=variant), _config(99, variant)
+        params, expected, params_other, expected_other = references[variant]
         state = initialize(**sizes)
         model = parallelize(GPTModel(config), state).eval()
         prompts = [list(p) for p in PROMPTS]
@@ -183,9 +185,9 @@ def _check(reports: list[dict], sizes: dict[str, dict]) -> None:
         assert all(r[name]["validated"] == reports[0][name]["validated"] for r in reports), name
 
 
-def _two_rank_checks(layouts: list[tuple[str, dict, bool]], references: dict) -> dict:
+def _two_rank_checks(layouts: list[tuple[str, dict, str]], references: dict) -> dict:
     report = _serve_layouts(layouts, references)
-    _, _, params, expected = references[False]
+    _, _, params, expected = references["dense"]
     across = {
         d: _update_across_layouts(d, params, expected) for d in ("tp2_into_tp1", "tp1_into_tp2")
     }
@@ -194,11 +196,11 @@ def _two_rank_checks(layouts: list[tuple[str, dict, bool]], references: dict) ->
 
 def test_tensor_pipeline_and_data_parallel_engines_match_single_process():
     layouts = [
-        ("tp2", {"tp": 2}, False),
-        ("pp2", {"pp": 2}, False),
-        ("dp2", {}, False),
+        ("tp2", {"tp": 2}, "dense"),
+        ("pp2", {"pp": 2}, "dense"),
+        ("dp2", {}, "dense"),
     ]
-    results = run_distributed(_two_rank_checks, 2, layouts, _references({False}), timeout=400)
+    results = run_distributed(_two_rank_checks, 2, layouts, _references({"dense"}), timeout=400)
     # update_weights from a tp=2 trainer's blocks into tp=1 engines, and full tensors into a
     # tp=2 engine, generate what an engine built from those weights generates.
     for result in results:
@@ -214,19 +216,22 @@ def test_tensor_pipeline_and_data_parallel_engines_match_single_process():
     assert reports[1]["pp2"]["description"]["kv_cache"]["first_layer"] == 1
 
 
-def test_tensor_x_pipeline_and_tensor_x_expert_x_data_parallel_engines_match_single_process():
+def test_four_rank_layouts_match_single_process():
     layouts = [
-        ("tp2_pp2", {"tp": 2, "pp": 2}, False),
+        ("tp2_pp2", {"tp": 2, "pp": 2}, "dense"),
         # Expert tensor parallelism has not landed in mcore-models: experts over ep=2 with
         # dense tp=2 and two data-parallel replicas in lock step.
-        ("tp2_ep2_dp2", {"tp": 2, "ep": 2}, True),
+        ("tp2_ep2_dp2", {"tp": 2, "ep": 2}, "moe"),
+        ("pp4", {"pp": 4}, "deep"),
     ]
-    reports = run_distributed(_serve_layouts, 4, layouts, _references({False, True}), timeout=400)
+    references = _references({"dense", "moe", "deep"})
+    reports = run_distributed(_serve_layouts, 4, layouts, references, timeout=600)
     _check(
         reports,
         {
             "tp2_pp2": {"tp": 2, "pp": 2, "dp": 1},
             "tp2_ep2_dp2": {"tp": 2, "ep": 2, "dp": 2},
+            "pp4": {"pp": 4, "tp": 1},
         },
     )
 
