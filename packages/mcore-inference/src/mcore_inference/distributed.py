@@ -14,12 +14,15 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from mcore_inference.errors import InvalidRequestError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from mcore_parallel.state import ParallelState
 
 __all__ = ["EngineGroups", "RequestVerdict", "request_fingerprint"]
 
@@ -68,7 +71,7 @@ class EngineGroups:
             stage without ``state``, a model whose TP group differs from ``state``'s).
     """
 
-    def __init__(self, model: Any, state: Any | None, device: torch.device) -> None:
+    def __init__(self, model: Any, state: ParallelState | None, device: torch.device) -> None:
         self.device = device
         model_tp = getattr(model, "tp_group", None)
         whole = bool(getattr(model, "pre_process", True) and getattr(model, "post_process", True))

@@ -8,7 +8,7 @@ import random
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,9 @@ from mcore_inference.stage import StageRunner, sample_microbatch
 from mcore_inference.stopping import StopCriteria
 from mcore_inference.tokenizer import load_tokenizer
 from mcore_inference.weights import WeightSource, update_weights_in_place
+
+if TYPE_CHECKING:
+    from mcore_parallel.state import ParallelState
 
 __all__ = ["InferenceEngine"]
 
@@ -108,7 +111,11 @@ class InferenceEngine:
     """
 
     def __init__(
-        self, model: Any, config: InferenceConfig | None = None, *, state: Any | None = None
+        self,
+        model: Any,
+        config: InferenceConfig | None = None,
+        *,
+        state: ParallelState | None = None,
     ) -> None:
         if getattr(model, "sequence_parallel_size", 1) > 1:
             raise UnsupportedModelError(
