@@ -31,7 +31,7 @@ from mcore_inference.scheduler import Scheduler
 from mcore_inference.stage import StageRunner, sample_microbatch
 from mcore_inference.stopping import StopCriteria
 from mcore_inference.tokenizer import load_tokenizer
-from mcore_inference.weights import WeightSource, update_weights_in_place
+from mcore_inference.weights import WeightSource, update_weights_in_place, whole_model_names
 
 if TYPE_CHECKING:
     from mcore_parallel.state import ParallelState
@@ -201,6 +201,7 @@ class InferenceEngine:
         self._stops: dict[int, StopCriteria] = {}
         self._pipeline: deque[Microbatch | None] = deque()
         self._stage_input: torch.Tensor | None = None
+        self._weight_names: set[str] | None = None
         self._closed = False
         self._description = describe_engine(self)
         logger.info("InferenceEngine: %s", self._description)
@@ -334,7 +335,9 @@ class InferenceEngine:
             WeightUpdateError: If the weights do not fit the model (nothing is copied).
         """
         self._check_open()
-        return update_weights_in_place(self.model, weights)
+        if self._weight_names is None:
+            self._weight_names = whole_model_names(self.model)
+        return update_weights_in_place(self.model, weights, known_names=self._weight_names)
 
     # ------------------------------------------------------------------------------ requests
 

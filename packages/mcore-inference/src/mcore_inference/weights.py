@@ -21,7 +21,7 @@ from mcore_inference.errors import WeightUpdateError
 from mcore_models.init import GlobalSlice, global_slice
 from mcore_parallel.sharding import ShardedTensor
 
-__all__ = ["WeightSource", "model_weight_shards", "update_weights_in_place"]
+__all__ = ["WeightSource", "model_weight_shards", "update_weights_in_place", "whole_model_names"]
 
 WeightSource: TypeAlias = (
     "Mapping[str, torch.Tensor | ShardedTensor | Sequence[ShardedTensor]] "
@@ -147,13 +147,29 @@ def _plan(param: torch.Tensor, where: GlobalSlice, blocks: list[ShardedTensor]) 
     return copies
 
 
-def update_weights_in_place(model: nn.Module, weights: WeightSource) -> int:
+def whole_model_names(model: nn.Module) -> set[str]:
+    """Canonical parameter names of the whole model this model (or stage) belongs to.
+
+    Args:
+        model: A model or pipeline stage.
+
+    Returns:
+        The names (those of other stages and expert ranks included, when the model class can
+        be built on the meta device from its config; else only the local ones).
+    """
+    return _global_names(model, {where.name for _, where in _local_places(model)})
+
+
+def update_weights_in_place(
+    model: nn.Module, weights: WeightSource, *, known_names: set[str] | None = None
+) -> int:
     """Copy weights given in any layout into this rank's parameters, all or nothing.
 
     Args:
         model: A model (or pipeline stage) whose parameters carry global slices.
         weights: Canonical name -> full tensor, ShardedTensor, or list of ShardedTensors;
             a mapping or an iterable of pairs.
+        known_names: :func:`whole_model_names` of the model, when the caller keeps them.
 
     Returns:
         The number of local parameters updated.
@@ -166,7 +182,8 @@ def update_weights_in_place(model: nn.Module, weights: WeightSource) -> int:
     given = _collect(weights)
     places = _local_places(model)
     local_names = {where.name for _, where in places}
-    unknown = sorted(set(given) - _global_names(model, local_names))
+    known = known_names if known_names is not None else _global_names(model, local_names)
+    unknown = sorted(set(given) - known)
     if unknown:
         raise WeightUpdateError(
             f"weights hold {len(unknown)} names that are not parameters of the model "
