@@ -1,5 +1,6 @@
 """GPU only: CUDA-graph decode equals eager decode; teardown returns every byte and object."""
 
+import dataclasses
 import gc
 import warnings
 import weakref
@@ -176,3 +177,29 @@ def test_moe_cuda_graph_decode_equals_eager_and_restores_routing_mode():
     assert captured
     assert [layer.decode_padding for layer in moe_layers(moe_model)] == modes
     assert [r.tokens for r in actual] == [r.tokens for r in expected]
+
+
+def test_graphs_stay_valid_after_update_weights(model):
+    """Captured graphs read the new weights: same storages, no recapture, eager-equal results."""
+    config = model.config
+    other = GPTModel(dataclasses.replace(config, seed=77), device="cuda").eval()
+    weights = {name: p.detach().clone() for name, p in other.named_parameters()}
+    prompts = _prompts(6, seed=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, return_logprobs=True)
+    target = GPTModel(config, device="cuda").eval()
+    with InferenceEngine(target, _config()) as engine:
+        engine.generate(prompts, greedy)
+        captured = engine._graphs.captured
+        graph_runner = engine._graphs
+        assert captured
+        engine.update_weights(weights)
+        updated = engine.generate(prompts, greedy)
+        # The same graph objects replayed the new weights (nothing was dropped or recaptured).
+        assert engine._graphs is graph_runner and engine._graphs.captured == captured
+    with InferenceEngine(other, _config(use_cuda_graphs=False)) as engine:
+        expected = engine.generate(prompts, greedy)
+    for got, reference in zip(updated, expected, strict=True):
+        assert got.tokens == reference.tokens
+        assert torch.allclose(
+            torch.tensor(got.logprobs), torch.tensor(reference.logprobs), atol=1e-3
+        )

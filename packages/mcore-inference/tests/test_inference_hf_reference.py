@@ -101,10 +101,11 @@ def test_cli_generate_prints_the_engine_result(checkpoint, capsys):
             str(directory),
             "--prompt",
             "w3 w9 w27",
-            "--prompt",
             "w100",
-            "--max-tokens",
+            "--sampling.max-tokens",
             "6",
+            "--sampling.temperature",
+            "0",
             "--device",
             "cpu",
             "--json",
@@ -127,3 +128,41 @@ def test_cli_generate_prints_the_engine_result(checkpoint, capsys):
         assert record["text"] == " ".join(f"w{t}" for t in tokens)
         assert record["status"] == "FINISHED"
         assert len(tokens) > 0
+
+
+def test_cli_options_are_the_configs_with_their_defaults():
+    tyro = pytest.importorskip("tyro")
+    from mcore_inference.cli import GenerateArgs
+
+    args = tyro.cli(GenerateArgs, args=["--model", "m", "--prompt", "a b", "c"])
+    assert args.prompt == ("a b", "c")
+    assert args.engine == InferenceConfig()
+    assert args.sampling == SamplingParams()
+    changed = tyro.cli(
+        GenerateArgs,
+        args=["--model", "m", "--prompt", "a", "--sampling.top-k", "5", "--engine.block-size", "8"],
+    )
+    assert changed.sampling.top_k == 5 and changed.engine.block_size == 8
+
+
+def _cli_on_ranks(argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    torch.set_num_threads(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(argv)
+    return f"{status}\n{out.getvalue()}"
+
+
+def test_cli_generate_over_tensor_parallel_ranks_prints_the_single_process_result(checkpoint):
+    from mcore_parallel.testing import run_distributed
+
+    directory, _ = checkpoint
+    argv = ["generate", "--model", str(directory), "--prompt", "w3 w9 w27", "w100", "w7 w7"]
+    argv += ["--sampling.max-tokens", "5", "--sampling.temperature", "0", "--json"]
+    outputs = run_distributed(_cli_on_ranks, 2, [*argv, "--tp", "2"], timeout=180)
+    single = _cli_on_ranks([*argv, "--device", "cpu"])
+    assert outputs[0] == single and single.startswith("0\n") and len(single.splitlines()) == 4
+    assert outputs[1] == "0\n"  # rank 0 prints

@@ -4,18 +4,22 @@ import dataclasses
 
 import pytest
 
+import tyro
+
 from mcore_inference import InferenceConfigError
-from mcore_inference.cli import build_parser
+from mcore_inference.cli import COMMANDS, main
 from mcore_inference.serve import ServeConfig
-from mcore_inference.serve.cli import config_from_arguments
+
+
+def _parse(args: list[str]) -> ServeConfig:
+    options, _ = COMMANDS["serve"]
+    return tyro.cli(options, args=args)
 
 
 def test_every_field_is_an_option_with_its_default_and_docstring(capsys):
-    parser = build_parser()
-    args = parser.parse_args(["serve", "--model", "ckpt"])
-    assert config_from_arguments(args) == ServeConfig(model="ckpt")
+    assert _parse(["--model", "ckpt"]) == ServeConfig(model="ckpt")
     with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--help"])
+        main(["serve", "--help"])
     serve_help = " ".join(capsys.readouterr().out.split())
     for field in dataclasses.fields(ServeConfig):
         assert "--" + field.name.replace("_", "-") in serve_help
@@ -26,9 +30,8 @@ def test_every_field_is_an_option_with_its_default_and_docstring(capsys):
 
 
 def test_options_reach_the_config():
-    args = build_parser().parse_args(
+    config = _parse(
         [
-            "serve",
             "--model",
             "m",
             "--port",
@@ -42,7 +45,6 @@ def test_options_reach_the_config():
             "12",
         ]
     )
-    config = config_from_arguments(args)
     assert (config.port, config.max_waiting_requests, config.use_cuda_graphs) == (0, 3, False)
     assert (config.served_model_name, config.num_blocks) == ("x", 12)
 

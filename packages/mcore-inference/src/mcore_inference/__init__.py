@@ -14,11 +14,13 @@ from mcore_inference.errors import (
     KVCacheStepError,
     TokenizerUnavailableError,
     UnsupportedModelError,
+    WeightUpdateError,
 )
 from mcore_inference.expert_parallel import find_expert_parallel_group
 from mcore_inference.hf_tokenizer import HFTokenizer
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.request import FinishReason, GenerationResult, RequestStatus
+from mcore_inference.weights import model_weight_shards
 
 __all__ = [
     "__version__",
@@ -32,6 +34,7 @@ __all__ = [
     "PagedKVCache",
     "find_expert_parallel_group",
     "HFTokenizer",
+    "model_weight_shards",
     "InferenceError",
     "InvalidRequestError",
     "EngineClosedError",
@@ -41,4 +44,5 @@ __all__ = [
     "BlockAllocatorError",
     "TokenizerUnavailableError",
     "UnsupportedModelError",
+    "WeightUpdateError",
 ]

@@ -45,6 +45,10 @@ class InferenceConfig:
     """Replay CUDA graphs for pure-decode steps on a CUDA model (ignored on the CPU)."""
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Padded decode batch sizes to capture; None captures 1, 2, 4, 8 then multiples of 16."""
+    fuse_tp_communication: bool = True
+    """Under tensor parallelism, reduce each layer's output with the fused reduce-scatter + add
+    + RMSNorm + all-gather of mcore-kernels (symmetric memory when available, NCCL collectives
+    otherwise) instead of all-reduce, when the model supports it; see ``engine.describe()``."""
     kv_dtype: torch.dtype | None = None
     """Dtype of the KV cache; None uses the dtype of the model's parameters."""
     tokenizer_path: str | None = None
@@ -97,6 +101,10 @@ class InferenceConfig:
             raise InferenceConfigError(
                 f"kv_dtype={self.kv_dtype!r}; expected None or a floating-point torch.dtype "
                 "(e.g. torch.bfloat16)"
+            )
+        if not isinstance(self.fuse_tp_communication, bool):
+            raise InferenceConfigError(
+                f"fuse_tp_communication={self.fuse_tp_communication!r}; expected True or False"
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InferenceConfigError(f"seed={self.seed!r}; expected a non-negative integer")

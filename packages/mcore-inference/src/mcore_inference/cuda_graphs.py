@@ -33,7 +33,9 @@ class DecodeGraphRunner:
 
     A batch of ``n`` decode tokens runs in the graph of the smallest captured bucket ``>= n``.
     The graph reads one static ``[3, bucket]`` int64 input (token ids, positions, block table
-    rows) and derives the cache metadata inside the graph. Padded rows read token 0 at
+    rows) and derives the cache metadata inside the graph. On a pipeline stage without the
+    embedding it also reads a static ``[1, bucket, hidden]`` buffer of the previous stage's
+    hidden states, and a stage without the output layer returns hidden states, not logits. Padded rows read token 0 at
     position 0 through the table row ``padding_row``, which must stay all scratch blocks, so
     they write only into the scratch block and never touch a request's cache.
 
@@ -62,6 +64,15 @@ class DecodeGraphRunner:
         padding[2].fill_(padding_row)
         self._padding = padding
         self._inputs = padding.clone()
+        self._hidden: torch.Tensor | None = None
+        if not getattr(model, "pre_process", True):
+            parameter = next(model.parameters())
+            self._hidden = torch.zeros(
+                (1, largest, model.config.hidden_size),
+                dtype=parameter.dtype,
+                device=block_tables.device,
+            )
+        self._last_stage = bool(getattr(model, "post_process", True))
         self._pool: Any = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._weight_addresses = self._current_weight_addresses()
@@ -101,9 +112,10 @@ class DecodeGraphRunner:
     def _forward(self, batch: int) -> torch.Tensor:
         inputs = self._inputs[:, :batch]
         self._cache.prepare_step(self._block_tables, inputs[1], inputs[2])
-        hidden = self._model(
-            inputs[0][None], inputs[1][None], kv_cache=self._cache, return_hidden=True
-        )
+        stage_input = inputs[0][None] if self._hidden is None else self._hidden[:, :batch]
+        hidden = self._model(stage_input, inputs[1][None], kv_cache=self._cache, return_hidden=True)
+        if not self._last_stage:
+            return hidden[0]
         return self._model.compute_logits(hidden[0])
 
     def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -130,15 +142,18 @@ class DecodeGraphRunner:
         self._graphs[batch] = (graph, logits)
         return graph, logits
 
-    def run(self, inputs: torch.Tensor) -> torch.Tensor:
+    def run(self, inputs: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run one decode step of ``n <= max_batch_size`` tokens through a graph.
 
         Args:
             inputs: int64 ``[3, n]``: token ids, positions and block table rows.
+            hidden: ``[1, m, hidden]`` states from the previous stage (``m <= n``; the rest
+                are padding rows), on a stage without the embedding.
 
         Returns:
-            float32 logits ``[n, vocab]`` (a view of the graph's output, valid until the next
-            run).
+            float32 logits ``[n, vocab]``, or the stage's output hidden states ``[n, hidden]``
+            on a stage without the output layer (a view of the graph's output, valid until the
+            next run).
         """
         count = inputs.shape[1]
         bucket = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
@@ -149,6 +164,12 @@ class DecodeGraphRunner:
         self._inputs[:, :count].copy_(inputs)
         if count < bucket:
             self._inputs[:, count:bucket].copy_(self._padding[:, count:bucket])
+        if self._hidden is not None:
+            received = 0
+            if hidden is not None:
+                received = hidden.shape[1]
+                self._hidden[:, :received].copy_(hidden)
+            self._hidden[:, received:bucket].zero_()
         graph.replay()
         return logits[:count]
 
@@ -164,3 +185,4 @@ class DecodeGraphRunner:
         self._model = None
         self._cache = None  # type: ignore[assignment]
         self._block_tables = self._inputs = self._padding = None  # type: ignore[assignment]
+        self._hidden = None

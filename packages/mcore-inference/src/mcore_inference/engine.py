@@ -1,22 +1,30 @@
-"""InferenceEngine: continuous batching with chunked prefill over a paged KV cache."""
+"""InferenceEngine: continuous batching with chunked prefill over a paged KV cache, on any layout."""
 
 from __future__ import annotations
 
 import gc
+import logging
 import random
-import warnings
-from array import array
+from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mcore_inference.batch import Microbatch, build_microbatch
 from mcore_inference.block_allocator import BlockAllocator
 from mcore_inference.config import InferenceConfig, SamplingParams
 from mcore_inference.cuda_graphs import DecodeGraphRunner
+from mcore_inference.describe import describe_engine, release_symmetric_memory
+from mcore_inference.distributed import EngineGroups, RequestVerdict, request_fingerprint
 from mcore_inference.errors import EngineClosedError, InvalidRequestError, UnsupportedModelError
-from mcore_inference.expert_parallel import ExpertParallelSync, find_expert_parallel_group
+from mcore_inference.expert_parallel import (
+    ExpertParallelSync,
+    find_expert_parallel_group,
+    find_expert_tensor_parallel_group,
+)
+from mcore_inference.intake import normalize_prompt, params_per_prompt, validate_request
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.request import (
     FinishReason,
@@ -25,62 +33,101 @@ from mcore_inference.request import (
     RequestStatus,
     TokenUpdate,
 )
-from mcore_inference.sampling import sample_tokens, sampling_uniform
 from mcore_inference.scheduler import Scheduler
+from mcore_inference.stage import StageRunner, sample_microbatch
 from mcore_inference.stopping import StopCriteria
 from mcore_inference.tokenizer import load_tokenizer
-from mcore_kernels import token_logprobs
+from mcore_inference.weights import WeightSource, update_weights_in_place, whole_model_names
+
+if TYPE_CHECKING:
+    from mcore_parallel.state import ParallelState
 
 __all__ = ["InferenceEngine"]
 
+logger = logging.getLogger("mcore_inference")
+
+
+def _local_layers(model: Any) -> tuple[int, int]:
+    """``(first global layer index, number of layers)`` of a model or pipeline stage."""
+    layers = getattr(model, "layers", None)
+    if layers is None:  # a wrapper with GPTModel's forward: all layers of the config
+        return 0, model.config.num_layers
+    indices = [getattr(layer, "layer_idx", i) for i, layer in enumerate(layers)]
+    if indices and indices != list(range(indices[0], indices[0] + len(indices))):
+        raise UnsupportedModelError(
+            f"model holds layers {indices}; expected a contiguous range (one pipeline chunk "
+            "per rank: virtual pipeline stages are not served)"
+        )
+    return (indices[0] if indices else 0), len(indices)
+
 
 class InferenceEngine:
-    """Serves generation requests on a ``GPTModel`` with continuous batching.
+    """Serves generation requests on a ``GPTModel`` with continuous batching, on any layout.
 
     Each :meth:`step` admits waiting requests whose whole KV footprint (prompt plus
     ``max_tokens``) fits in free blocks, so an admitted request never runs out of cache; gives
-    every decoding request one token; then fills the rest of the token budget with prefill
-    chunks; runs one forward over all those tokens flattened in one row; samples the requests
-    whose tokens are all computed; and retires the finished ones. Requests join and leave
-    between steps.
+    decoding requests one token; then fills the rest of the token budget with prefill chunks;
+    runs one forward over all those tokens flattened in one row; samples the requests whose
+    tokens are all computed; and retires the finished ones. Requests join and leave between
+    steps.
 
     The engine owns the KV cache, the decode CUDA graphs and their memory pool; the model is
-    only called (its modules are never changed). Weights may be updated in place between
-    calls (graphs see the new values); if they are re-allocated (offloaded and reloaded), the
-    graphs are dropped and recaptured at the next call. :meth:`close` (or leaving the ``with`` block)
-    releases all of it.
+    only called (its modules are never changed). Weights may be updated in place between calls
+    (:meth:`update_weights`; graphs see the new values); if they are re-allocated (offloaded and
+    reloaded), the graphs are dropped and recaptured at the next call. :meth:`close` (or leaving
+    the ``with`` block) releases all of it, symmetric-memory buffers included.
 
-    Under expert parallelism (the model's MoE layers hold an EP group of more than one rank)
-    every step is collective over the EP group: the ranks agree on the step in one small
-    all-reduce, a rank without work runs a padding-only forward (token 0 at position 0 in the
-    scratch block, touching no request's cache) while a peer still has tokens, and
+    **Parallel layouts.** Pass the ``state`` the model was parallelized with
+    (``mcore_models.parallelize``). The ranks of one model replica (``tp x pp``) serve the same
+    requests with the same schedule: every rank of the replica calls the same methods with the
+    same arguments; new requests are validated on every rank and fail on all of them when they
+    fail on one (or differ between ranks); tokens are sampled on tensor rank 0 of the last
+    pipeline stage and broadcast. The KV cache holds only this rank's key/value heads (TP) and
+    layers (PP). Under pipeline parallelism each step moves every stage's microbatch one stage
+    on: the decoding requests are split into ``pp`` groups that follow each other through the
+    stages, so every stage works in every step (see docs/user-guide/inference.md). Under data
+    parallelism (``state.dp_size > 1``) :meth:`generate` is collective over the DP group: every
+    replica is given the same prompts, serves those of index ``i`` with ``i % dp == dp_rank``
+    and every rank returns all results in input order.
+
+    Under expert parallelism (MoE layers with an EP group of more than one rank, and an ETP
+    group) every step is collective over the EP (and ETP) groups: the ranks agree on the step in
+    one small all-reduce, a rank without work runs a padding-only forward (token 0 at position
+    0 in the scratch block, touching no request's cache) while a peer still has tokens, and
     :meth:`generate` returns on all of them at the first step in which no rank has work. Every
     EP rank must therefore call :meth:`generate` (possibly with no prompts) or :meth:`stream`
     the same number of times. Decode CUDA graphs are replayed only when every rank can and all
-    have the same graph batch sizes (the same ``max_batch_size`` and
-    ``cuda_graph_batch_sizes``), with the bucket of the largest batch; drop-and-pad MoE
-    routing gets the same token count on every rank.
+    have the same graph batch sizes, with the bucket of the largest batch.
 
     Args:
-        model: A single-rank ``mcore_models.GPTModel`` (or any module with the same forward,
-            ``compute_logits`` and ``config``).
+        model: A ``mcore_models.GPTModel`` (or any module with the same forward,
+            ``compute_logits``, ``layers`` and ``config``), whole or this rank's pipeline
+            stage, possibly parallelized.
         config: Engine configuration (default: ``InferenceConfig()``).
+        state: The ``mcore_parallel.ParallelState`` the model was parallelized with; needed
+            for pipeline and data parallelism. None serves a single-rank, tensor- or
+            expert-parallel model with each rank's own requests (no data-parallel split).
 
     Raises:
-        InferenceConfigError: If the config is invalid.
-        UnsupportedModelError: If the model is sharded over a tensor-parallel group.
+        InferenceConfigError: If the config is invalid or differs between the ranks of a
+            replica.
+        UnsupportedModelError: If the layout cannot be served (sequence or context
+            parallelism, virtual pipeline stages, a stage without ``state``).
         TokenizerUnavailableError: If ``config.tokenizer_path`` cannot be loaded.
     """
 
-    def __init__(self, model: Any, config: InferenceConfig | None = None) -> None:
-        tp_group = getattr(model, "tp_group", None)
-        if tp_group is not None:
-            # The cache is sized for every KV head of the config, a TP rank computes only its
-            # share: every step would fail. Refuse at once instead.
+    def __init__(
+        self,
+        model: Any,
+        config: InferenceConfig | None = None,
+        *,
+        state: ParallelState | None = None,
+    ) -> None:
+        if getattr(model, "sequence_parallel_size", 1) > 1:
             raise UnsupportedModelError(
-                f"model={type(model).__name__} is sharded over a tensor-parallel group of "
-                f"{torch.distributed.get_world_size(tp_group)} ranks; expected a single-rank "
-                "or expert-parallel model"
+                f"model={type(model).__name__} is parallelized with sequence parallelism; "
+                "expected parallelize(..., sequence_parallel=False) for inference (steps have "
+                "any token count)"
             )
         self.model = model
         self.config = config = config if config is not None else InferenceConfig()
@@ -88,11 +135,16 @@ class InferenceEngine:
         parameter = next(model.parameters())
         self.device = parameter.device
         self.vocab_size: int = model_config.vocab_size
+        self.groups = groups = EngineGroups(model, state, self.device)
+        first_layer, num_layers = _local_layers(model)
+        layers = getattr(model, "layers", None)
+        attention = getattr(layers[0], "self_attention", None) if layers else None
+        num_kv_heads = getattr(attention, "num_kv_heads", model_config.num_kv_heads)
+        head_dim = model_config.kv_channels
         kv_dtype = config.kv_dtype or parameter.dtype
-        num_kv_heads, head_dim = model_config.num_kv_heads, model_config.kv_channels
         bytes_per_block = (
             2
-            * model_config.num_layers
+            * max(num_layers, 1)
             * config.block_size
             * num_kv_heads
             * head_dim
@@ -104,9 +156,11 @@ class InferenceEngine:
             usable = max(1, config.kv_memory_bytes // bytes_per_block)
         else:
             usable = config.max_batch_size * config.max_blocks_per_sequence
+        # Stages with more layers fit fewer blocks in the same budget: the replica admits alike.
+        usable = groups.agree_on_config(repr(config), usable)
         self.allocator = BlockAllocator(usable + 1)
         self.kv_cache: PagedKVCache | None = PagedKVCache(
-            num_layers=model_config.num_layers,
+            num_layers=num_layers,
             num_blocks=usable + 1,
             block_size=config.block_size,
             num_kv_heads=num_kv_heads,
@@ -114,11 +168,12 @@ class InferenceEngine:
             dtype=kv_dtype,
             device=self.device,
             split_size=config.attention_split_size,
+            first_layer=first_layer,
         )
         self.scheduler: Scheduler | None = Scheduler(config, self.allocator, self.device)
-        self._graphs: DecodeGraphRunner | None = None
+        graphs: DecodeGraphRunner | None = None
         if config.use_cuda_graphs and self.device.type == "cuda":
-            self._graphs = DecodeGraphRunner(
+            graphs = DecodeGraphRunner(
                 model,
                 self.kv_cache,
                 self.scheduler.block_tables,
@@ -126,8 +181,22 @@ class InferenceEngine:
                 config.graph_batch_sizes(),
             )
         ep_group = find_expert_parallel_group(model)
+        etp_group = find_expert_tensor_parallel_group(model)
+        lockstep_groups = [g for g in (ep_group, etp_group) if g is not None]
         self._ep: ExpertParallelSync | None = (
-            ExpertParallelSync(model, ep_group, self.device) if ep_group is not None else None
+            ExpertParallelSync(model, lockstep_groups[0], self.device, tuple(lockstep_groups[1:]))
+            if lockstep_groups
+            else None
+        )
+        self._runner: StageRunner | None = StageRunner(
+            model,
+            self.kv_cache,
+            self.scheduler.block_tables,
+            self.scheduler.padding_row,
+            groups,
+            self._ep,
+            graphs,
+            config.fuse_tp_communication and groups.tp_group is not None,
         )
         self.tokenizer: Any = (
             load_tokenizer(config.tokenizer_path) if config.tokenizer_path is not None else None
@@ -136,9 +205,18 @@ class InferenceEngine:
         self._next_id = 0
         self._unreported: list[Request] = []
         self._stops: dict[int, StopCriteria] = {}
+        self._pipeline: deque[Microbatch | None] = deque()
+        self._stage_input: torch.Tensor | None = None
+        self._weight_names: set[str] | None = None
         self._closed = False
+        self._description = describe_engine(self)
+        logger.info("InferenceEngine: %s", self._description)
 
     # ----------------------------------------------------------------------------- lifecycle
+
+    @property
+    def _graphs(self) -> DecodeGraphRunner | None:
+        return self._runner.graphs if self._runner is not None else None
 
     @property
     def closed(self) -> bool:
@@ -157,7 +235,7 @@ class InferenceEngine:
 
     @property
     def group_has_work(self) -> bool:
-        """Under expert parallelism, whether any EP rank ran tokens in the last step.
+        """Under expert parallelism, whether any EP rank had work in the last step.
 
         Always False without expert parallelism. A loop over :meth:`step` under expert
         parallelism runs until neither :meth:`has_unfinished` nor this is true, after at least
@@ -166,34 +244,59 @@ class InferenceEngine:
         return self._ep is not None and self._ep.group_has_work
 
     def has_unfinished(self) -> bool:
-        """Whether any request is waiting, active, or finished but not yet reported.
+        """Whether any request is waiting, active, in the pipeline, or not yet reported.
 
         Returns:
             True if :meth:`step` has work to do or results to report.
         """
-        return bool(self.num_waiting or self.num_active or self._unreported)
+        return bool(
+            self.num_waiting or self.num_active or self._unreported or self._pipeline_busy()
+        )
+
+    def _pipeline_busy(self) -> bool:
+        return any(microbatch is not None for microbatch in self._pipeline)
+
+    def describe(self) -> dict[str, Any]:
+        """How this engine runs: layout, cache, CUDA graphs and the TP communication path.
+
+        Returns:
+            A dict (also logged at INFO on the ``mcore_inference`` logger at construction)
+            with keys ``tp``, ``pp``, ``dp``, ``ep``, ``etp``, ``kv_cache``, ``cuda_graphs``,
+            ``tp_communication`` (``"fused_rs_add_rmsnorm_ag (symmetric memory)"``,
+            ``"fused_rs_add_rmsnorm_ag (NCCL collectives: <reason>)"``, ``"all-reduce
+            (<reason>)"`` or ``"none"``) and ``pipeline_schedule``.
+        """
+        return dict(self._description)
 
     def close(self) -> None:
         """Abort every request and release the KV cache, CUDA graphs and their memory pool.
 
         Idempotent. Afterwards weak references to the cache and graph objects die at the next
-        ``gc.collect()`` and the engine's device memory is back with the allocator.
+        ``gc.collect()`` and the engine's device memory is back with the allocator; the
+        symmetric-memory buffers of the fused TP collective are released too (a later fused
+        call, e.g. by another engine on the same group, builds them again).
         """
         if self._closed:
             return
         self._closed = True
         self._unreported.clear()
         self._stops.clear()
+        self._pipeline.clear()
+        self._stage_input = None
         self._ep = None
-        if self._graphs is not None:
-            self._graphs.close()
-            self._graphs = None
+        if self._runner is not None:
+            if self._runner.graphs is not None:
+                self._runner.graphs.close()
+            self._runner.close()
+            self._runner = None
         if self.kv_cache is not None:
             self.kv_cache.clear_step()
             self.kv_cache = None
         if self.scheduler is not None:
             self.scheduler.clear()
             self.scheduler = None
+        if self.device.type == "cuda" and self.groups.tp_group is not None:
+            release_symmetric_memory(self.groups.tp_group)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -208,6 +311,40 @@ class InferenceEngine:
         if self._closed:
             raise EngineClosedError("the engine is closed; build a new InferenceEngine")
 
+    # ------------------------------------------------------------------------------- weights
+
+    def update_weights(self, weights: WeightSource) -> int:
+        """Copy new weights into the live model in place (same storages: graphs stay valid).
+
+        Weights may come in any layout: each entry is keyed by the parameter's canonical name
+        in the whole model (``"layers.3.mlp.up_proj.weight"``) and is a full tensor, a
+        ``mcore_parallel.sharding.ShardedTensor`` (a block with its global offset), or a list
+        of such blocks (e.g. the shards of every rank of a trainer with another TP layout).
+        Each local parameter (this rank's block of its global tensor) receives the intersection
+        with every given block. Everything is checked before the first copy: unknown names,
+        global shapes, dtypes, and that the blocks cover every local parameter entirely; on
+        any mismatch a :class:`~mcore_inference.errors.WeightUpdateError` is raised and the
+        old weights are intact. Names of parameters held by other pipeline stages or expert
+        ranks are accepted and skipped.
+
+        Call it between steps (not while a pipeline step runs on another rank of the replica);
+        it is local (no collective).
+
+        Args:
+            weights: A mapping or iterable of ``(name, tensor | ShardedTensor | list)``.
+
+        Returns:
+            The number of local parameters updated (all of them).
+
+        Raises:
+            EngineClosedError: If the engine is closed.
+            WeightUpdateError: If the weights do not fit the model (nothing is copied).
+        """
+        self._check_open()
+        if self._weight_names is None:
+            self._weight_names = whole_model_names(self.model)
+        return update_weights_in_place(self.model, weights, known_names=self._weight_names)
+
     # ------------------------------------------------------------------------------ requests
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -216,7 +353,8 @@ class InferenceEngine:
         An invalid request (empty prompt, token ids outside the vocabulary, a prompt longer
         than ``max_sequence_length``, invalid parameters, a footprint larger than the whole
         cache) does not raise: it is recorded as FAILED with finish reason ``error`` and a
-        message, and reported by the next :meth:`step`, so the other requests go on.
+        message, and reported by the next :meth:`step`, so the other requests go on. On a
+        model replica of several ranks this is collective: every rank adds the same request.
 
         Args:
             prompt: Prompt token ids (a list, tuple or 1-D integer tensor).
@@ -229,86 +367,80 @@ class InferenceEngine:
             EngineClosedError: If the engine is closed.
         """
         self._check_open()
-        request_id = self._next_id
-        self._next_id += 1
-        params = params if params is not None else SamplingParams()
-        if (
-            isinstance(prompt, torch.Tensor)
-            and prompt.dim() == 1
-            and not prompt.is_floating_point()
-        ):
-            prompt = prompt.tolist()
-        prompt_list = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
-        valid_params = isinstance(params, SamplingParams)
-        request = Request(
-            request_id=request_id,
-            prompt=prompt_list if isinstance(prompt_list, list) else [],
-            params=params if valid_params else SamplingParams(),
-            seed=self._request_seed(params if valid_params else None),
-            max_new_tokens=0,
-        )
-        try:
-            self._validate(prompt_list, params)
-        except InvalidRequestError as exc:
-            request.status, request.finish_reason = RequestStatus.FAILED, FinishReason.ERROR
-            request.error = str(exc)
-            self._unreported.append(request)
-            return request_id
-        request.max_new_tokens = min(
-            params.max_tokens, self.config.max_sequence_length - len(request.prompt)
-        )
-        if request.max_new_tokens == 0:
-            self._finish(request, FinishReason.LENGTH)
-            return request_id
-        self._stops[request_id] = StopCriteria(
-            params, self._decode if self.tokenizer is not None else None
-        )
-        assert self.scheduler is not None
-        self.scheduler.waiting.append(request)
-        return request_id
+        return self._add_requests([prompt], [params])[0]
 
-    def _request_seed(self, params: SamplingParams | None) -> int:
-        # Drawn for every request (seeded or not), so unseeded requests get the same seeds
-        # whatever the seeds of the others.
-        drawn = self._seed_source.getrandbits(63)
-        return params.seed if params is not None and params.seed is not None else drawn
+    def _add_requests(
+        self,
+        prompts: Sequence[Any],
+        params_list: Sequence[SamplingParams | None],
+        drawn_seeds: Sequence[int] | None = None,
+    ) -> list[int]:
+        requests, verdicts = [], []
+        for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            params = params if params is not None else SamplingParams()
+            prompt_list = normalize_prompt(prompt)
+            valid_params = isinstance(params, SamplingParams)
+            # Drawn for every request (seeded or not), so unseeded requests get the same seeds
+            # whatever the seeds of the others.
+            drawn = (
+                drawn_seeds[index] if drawn_seeds is not None else self._seed_source.getrandbits(63)
+            )
+            seed = params.seed if valid_params and params.seed is not None else drawn
+            request = Request(
+                request_id=self._next_id,
+                prompt=prompt_list if isinstance(prompt_list, list) else [],
+                params=params if valid_params else SamplingParams(),
+                seed=seed,
+                max_new_tokens=0,
+            )
+            self._next_id += 1
+            try:
+                self._validate(prompt_list, params)
+                error = None
+            except InvalidRequestError as exc:
+                error = str(exc)
+            requests.append(request)
+            verdicts.append(RequestVerdict(request_fingerprint(prompt_list, params), error))
+        decisions = self.groups.agree_on_requests(verdicts)
+        assert self.scheduler is not None
+        for request, error in zip(requests, decisions, strict=True):
+            if error is not None:
+                request.status, request.finish_reason = RequestStatus.FAILED, FinishReason.ERROR
+                request.error = error
+                self._unreported.append(request)
+                continue
+            params = request.params
+            request.max_new_tokens = min(
+                params.max_tokens, self.config.max_sequence_length - len(request.prompt)
+            )
+            if request.max_new_tokens == 0:
+                self._finish(request, FinishReason.LENGTH)
+                continue
+            self._stops[request.request_id] = StopCriteria(
+                params, self._decode if self.tokenizer is not None else None
+            )
+            self.scheduler.waiting.append(request)
+        return [request.request_id for request in requests]
 
     def _validate(self, prompt: Any, params: Any) -> None:
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params={params!r}; expected a SamplingParams")
-        params.validate()
-        if not isinstance(prompt, list) or not prompt:
-            raise InvalidRequestError(f"prompt={prompt!r}; expected a non-empty list of token ids")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)]
-        bad += [t for t in prompt if isinstance(t, int) and not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token {bad[0]!r}; expected integer ids in [0, {self.vocab_size})"
-            )
-        limit = self.config.max_sequence_length
-        if len(prompt) > limit:
-            raise InvalidRequestError(
-                f"prompt length {len(prompt)}; expected at most max_sequence_length={limit}"
-            )
-        if self.tokenizer is None and any(isinstance(w, str) for w in params.stop_words):
-            raise InvalidRequestError(
-                f"stop_words={params.stop_words!r} holds strings; expected token sequences or "
-                "an engine with tokenizer_path"
-            )
-        new_tokens = min(params.max_tokens, limit - len(prompt))
         assert self.scheduler is not None
-        needed = self.scheduler.blocks_needed(len(prompt), new_tokens)
-        if needed > self.allocator.capacity:
-            raise InvalidRequestError(
-                f"prompt length {len(prompt)} + max_tokens {new_tokens} needs {needed} KV blocks; "
-                f"expected at most the cache's {self.allocator.capacity}"
-            )
+        validate_request(
+            prompt,
+            params,
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.config.max_sequence_length,
+            has_tokenizer=self.tokenizer is not None,
+            blocks_needed=self.scheduler.blocks_needed,
+            cache_blocks=self.allocator.capacity,
+        )
 
     def abort(self, request_id: int) -> bool:
         """Stop a waiting or active request and free its blocks.
 
         Its final result (status FINISHED, finish reason ``aborted``) is reported by the next
-        :meth:`step`.
+        :meth:`step`. On a model replica of several ranks, call it on every rank between the
+        same steps. Blocks still written by a microbatch in the pipeline are freed when it
+        leaves the last stage.
 
         Args:
             request_id: Id from :meth:`add_request`.
@@ -329,7 +461,7 @@ class InferenceEngine:
 
     def _finish(self, request: Request, reason: FinishReason, *, error: str | None = None) -> None:
         if self.scheduler is not None:
-            self.scheduler.release(request)
+            self.scheduler.release(request, keep_blocks=request.in_flight > 0)
         request.finish_reason = reason
         request.status = (
             RequestStatus.FAILED if reason == FinishReason.ERROR else RequestStatus.FINISHED
@@ -350,9 +482,9 @@ class InferenceEngine:
     def step(self) -> list[GenerationResult]:
         """Run one engine step.
 
-        Under expert parallelism the step is collective over the EP group: every EP rank
-        calls it, also without work of its own, until no rank has any (see
-        :attr:`group_has_work`).
+        Collective over the model replica (every rank calls it) and, under expert
+        parallelism, over the EP group: every EP rank calls it, also without work of its own,
+        until no rank has any (see :attr:`group_has_work`).
 
         Returns:
             Snapshots of the requests that got a token or finished (or failed) in this step;
@@ -399,38 +531,104 @@ class InferenceEngine:
 
     def _revalidate_graphs(self) -> None:
         # Once per public call, not per step: weights cannot move while the engine runs.
-        if self._graphs is not None:
-            self._graphs.drop_if_weights_moved()
+        graphs = self._graphs
+        if graphs is not None:
+            graphs.drop_if_weights_moved()
 
     def _step(self, *, progress: bool) -> list[Request]:
-        """One step; returns the finished requests, plus the ones that got a token if ``progress``."""
+        """One step; returns the finished requests, plus the ones that got a token if ``progress``.
+
+        Every stage runs the microbatch at its position in ``self._pipeline`` (index = stage),
+        sends its output to the next stage while receiving its next input, and the microbatch
+        at the last stage leaves with its sampled tokens.
+        """
         reports, self._unreported = self._unreported, []
-        assert self.scheduler is not None
+        assert self.scheduler is not None and self._runner is not None
+        groups = self.groups
+        pp = groups.pp_size
         self.scheduler.admit()
-        batch = self.scheduler.schedule()
-        if not batch and self._ep is None:
+        # A pipeline splits the decoding requests into one group per stage.
+        max_decode = None if pp == 1 else -(-len(self.scheduler.active) // pp)
+        batch = self.scheduler.schedule(max_decode)
+        self._pipeline.appendleft(build_microbatch(batch) if batch else None)
+        mine = self._pipeline[groups.pp_rank] if groups.pp_rank < len(self._pipeline) else None
+        received, self._stage_input = self._stage_input, None
+        has_work = bool(self.num_waiting or self.num_active or self._pipeline_busy())
+        if mine is None and self._ep is None and pp == 1:
+            self._pipeline.pop()
             return reports
         try:
-            sampled = self._forward_and_sample(batch)
+            output, logits = self._runner.run(mine, received, has_work=has_work)
         except Exception as exc:  # a failed step fails its requests, never the engine
-            if not batch:  # an idle EP rank's padding forward failed: nothing to fail but it
+            if mine is None or groups.replica_size > 1 or self._ep is not None:
+                # Peers are inside collectives of this step: no recovery without them.
                 self._unreported = reports + self._unreported
                 raise
+            self._pipeline.pop()
             message = f"step failed: {type(exc).__name__}: {exc}"
-            for request, _ in batch:
-                self._finish(request, FinishReason.ERROR, error=message)
+            for request, _ in mine.entries:
+                request.in_flight -= 1
+                request.awaiting_token = False
+                if request.status == RequestStatus.ACTIVE:
+                    self._finish(request, FinishReason.ERROR, error=message)
             if self.kv_cache is not None:
                 self.kv_cache.clear_step()
-            reports += self._unreported
-            self._unreported = []
-            return reports
-        for request, count in batch:
-            request.num_computed += count
+            return reports + self._take_unreported()
+        samples = None
+        if logits is not None and mine is not None and self._decides_samples():
+            samples = sample_microbatch(logits, mine)
+        if pp > 1:
+            # The microbatch that moves into this stage at the next step.
+            ahead = groups.pp_rank - 1
+            following = self._pipeline[ahead] if 0 <= ahead < len(self._pipeline) else None
+            expects = following is not None and following.num_tokens > 0
+            runner = self._runner
+            self._stage_input = groups.exchange_stages(
+                output if not groups.is_last_stage and mine is not None else None,
+                (1, following.num_tokens, runner.hidden_size)
+                if expects and following is not None
+                else None,
+                runner.hidden_dtype,
+            )
+        if len(self._pipeline) == pp:
+            leaving = self._pipeline.pop()
+            if leaving is not None:
+                self._complete(leaving, samples, reports, progress=progress)
+        return reports + self._take_unreported()
+
+    def _decides_samples(self) -> bool:
+        groups = self.groups
+        return groups.replica_group is None or (torch.distributed.get_rank() == groups.sampler_rank)
+
+    def _take_unreported(self) -> list[Request]:
+        taken, self._unreported = self._unreported, []
+        return taken
+
+    def _complete(
+        self,
+        leaving: Microbatch,
+        samples: torch.Tensor | None,
+        reports: list[Request],
+        *,
+        progress: bool,
+    ) -> None:
+        """Apply a microbatch that left the last stage: tokens, stop decisions, freed blocks."""
+        assert self.scheduler is not None
+        for request, _ in leaving.entries:
+            request.in_flight -= 1
+            if request.in_flight == 0 and request.status != RequestStatus.ACTIVE:
+                self.scheduler.free_blocks(request)
+        if not leaving.sampling:
+            return
+        values = self.groups.broadcast_samples(samples, len(leaving.sampling)).tolist()
         stops = self._stops
-        for request, token, logprob in sampled:
+        for request, token, logprob in zip(leaving.sampling, values[0], values[1], strict=True):
+            request.awaiting_token = False
+            if request.status != RequestStatus.ACTIVE:
+                continue  # aborted while its tokens were in the pipeline
             output = request.output
-            output.append(token)
-            if logprob is not None:
+            output.append(int(token))
+            if request.params.return_logprobs:
                 request.logprobs.append(logprob)
             criteria = stops[request.request_id]
             reason = criteria.check(output) if criteria.active else None
@@ -440,129 +638,8 @@ class InferenceEngine:
                 self._finish(request, reason)
             elif progress:
                 reports.append(request)
-        reports += self._unreported
-        self._unreported = []
-        return reports
-
-    @torch.no_grad()
-    def _forward_and_sample(
-        self, batch: list[tuple[Request, int]]
-    ) -> list[tuple[Request, int, float | None]]:
-        assert self.kv_cache is not None and self.scheduler is not None
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sampling: list[Request] = []
-        for request, count in batch:
-            start = request.num_computed
-            end = start + count
-            prompt, output = request.prompt, request.output
-            num_tokens = len(prompt) + len(output)
-            if end == num_tokens and count == 1:  # decode: feed the newest token
-                tokens.append(output[-1] if output else prompt[-1])
-                positions.append(start)
-                slots.append(request.slot)
-            else:
-                tokens.extend((prompt + output)[start:end])
-                positions.extend(range(start, end))
-                slots.extend([request.slot] * count)
-            if end == num_tokens:
-                sample_rows.append(len(tokens) - 1)
-                sampling.append(request)
-        device = self.device
-        graphs = self._graphs
-        use_graphs = graphs is not None and len(tokens) == len(batch) <= graphs.max_batch_size
-        num_real = len(tokens)
-        pad_to = num_real
-        if self._ep is not None:
-            agreement = self._ep.agree(
-                num_real, graphs.batch_sizes if use_graphs and graphs is not None else None
-            )
-            if agreement.max_tokens == 0:
-                return []
-            use_graphs = agreement.use_graphs
-            if use_graphs or self._ep.needs_equal_tokens:
-                pad_to = agreement.max_tokens
-            else:
-                pad_to = max(num_real, 1)
-            if pad_to > num_real:
-                # Padding rows: token 0 at position 0 through the scratch-block table row.
-                padding = pad_to - num_real
-                tokens.extend([0] * padding)
-                positions.extend([0] * padding)
-                slots.extend([self.scheduler.padding_row] * padding)
-        # array('q') converts the lists in C; torch.tensor over nested lists is several times slower.
-        packed = array("q", tokens)
-        packed.extend(positions)
-        packed.extend(slots)
-        inputs = torch.frombuffer(packed, dtype=torch.long).view(3, len(tokens)).to(device)
-        logits = None
-        if use_graphs and graphs is not None:
-            try:
-                logits = graphs.run(inputs)[:num_real]
-            except Exception as exc:
-                # A model that cannot be captured still serves, eagerly; the warning says why.
-                warnings.warn(
-                    f"CUDA graph decode failed ({type(exc).__name__}: {exc}); the engine "
-                    "decodes eagerly from now on",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                graphs.close()
-                self._graphs = None
-        if logits is None:
-            self.kv_cache.prepare_step(
-                self.scheduler.block_tables, inputs[1], inputs[2], max_context=max(positions) + 1
-            )
-            try:
-                hidden = self.model(
-                    inputs[0][None], inputs[1][None], kv_cache=self.kv_cache, return_hidden=True
-                )
-            finally:
-                self.kv_cache.clear_step()
-            if not sampling:
-                return []
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=device)
-            logits = self.model.compute_logits(hidden[0].index_select(0, rows))
-        elif not sampling:  # an idle EP rank replayed a padding-only graph
-            return []
-        params = [r.params for r in sampling]
-        uniforms = [
-            sampling_uniform(r.seed, len(r.output)) if p.temperature else 0.0
-            for r, p in zip(sampling, params)
-        ]
-        new_tokens = sample_tokens(logits, params, uniforms)
-        logprob_rows = [i for i, p in enumerate(params) if p.return_logprobs]
-        logprobs: dict[int, float] = {}
-        if logprob_rows:
-            index = torch.tensor(logprob_rows, dtype=torch.long, device=device)
-            temperatures = torch.tensor(
-                [params[i].temperature or 1.0 for i in logprob_rows], device=device
-            )
-            # logprobs of the sampling distribution at the request's temperature (greedy: 1).
-            values = token_logprobs(
-                logits.index_select(0, index).float() / temperatures[:, None],
-                new_tokens.index_select(0, index),
-            )
-            assert isinstance(values, torch.Tensor)
-            logprobs = dict(zip(logprob_rows, values.tolist()))
-        token_list = new_tokens.tolist()
-        return [(r, token_list[i], logprobs.get(i)) for i, r in enumerate(sampling)]
 
     # ---------------------------------------------------------------------------- generation
-
-    def _params_list(
-        self, count: int, params: SamplingParams | Sequence[SamplingParams] | None
-    ) -> list[SamplingParams | None]:
-        if params is None or isinstance(params, SamplingParams):
-            return [params] * count
-        params_list = list(params)
-        if len(params_list) != count:
-            raise InvalidRequestError(
-                f"params has {len(params_list)} entries; expected one per prompt ({count})"
-            )
-        return list(params_list)
 
     def _drive(
         self, request_ids: list[int], *, progress: bool
@@ -603,6 +680,22 @@ class InferenceEngine:
                 self._finish(request, FinishReason.ABORTED)
         self._unreported = [r for r in self._unreported if r.request_id not in request_ids]
 
+    def _add_share(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[int]:
+        """Add this replica's share of the prompts (all of them without data parallelism)."""
+        params_list = params_per_prompt(len(prompts), params)
+        if self.groups.dp_group is None:
+            return self._add_requests(list(prompts), params_list)
+        # Every replica draws every seed, so a request's seed does not depend on the split.
+        drawn = [self._seed_source.getrandbits(63) for _ in prompts]
+        share = self.groups.my_share(len(prompts))
+        return self._add_requests(
+            [prompts[i] for i in share], [params_list[i] for i in share], [drawn[i] for i in share]
+        )
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -610,8 +703,11 @@ class InferenceEngine:
     ) -> list[GenerationResult]:
         """Generate for every prompt and wait until all are done.
 
-        Under expert parallelism this is collective over the EP group: every EP rank calls it
-        (with its own prompts, possibly none) and it returns when no rank has work left.
+        Collective over the model replica (every rank passes the same prompts). Under data
+        parallelism (an engine built with a ``state`` of ``dp_size > 1``) collective over the
+        DP group too: every replica passes the same prompts, serves its share and returns all
+        results. Under expert parallelism without data-parallel sharing, every EP rank calls
+        it (with its own prompts, possibly none) and it returns when no rank has work left.
 
         Args:
             prompts: Prompt token ids, one list per request.
@@ -619,7 +715,8 @@ class InferenceEngine:
 
         Returns:
             One result per prompt, in the order of ``prompts``. Invalid requests come back
-            FAILED with a message; the others are unaffected.
+            FAILED with a message; the others are unaffected. Under data parallelism the
+            ``request_id`` of a result is the one of the replica that served it.
 
         Raises:
             EngineClosedError: If the engine is closed.
@@ -627,15 +724,14 @@ class InferenceEngine:
         """
         self._check_open()
         self._revalidate_graphs()
-        params_list = self._params_list(len(prompts), params)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids = self._add_share(prompts, params)
         finals: dict[int, GenerationResult] = {}
         with closing(self._drive(ids, progress=False)) as steps:
             for updated in steps:
                 for request in updated:
                     if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
                         finals[request.request_id] = self._snapshot(request)
-        return [finals[i] for i in ids]
+        return self.groups.gather_over_data_parallel([finals[i] for i in ids], len(prompts))
 
     def stream(
         self,
@@ -644,7 +740,8 @@ class InferenceEngine:
     ) -> Iterator[GenerationResult]:
         """Generate for every prompt, yielding a snapshot whenever a request changes.
 
-        Under expert parallelism this is collective over the EP group, like :meth:`generate`.
+        Collective like :meth:`generate`; under data parallelism each replica yields the
+        snapshots of its own share (prompts of index ``i % dp == dp_rank``).
 
         Args:
             prompts: Prompt token ids, one list per request.
@@ -662,8 +759,7 @@ class InferenceEngine:
         """
         self._check_open()
         self._revalidate_graphs()
-        params_list = self._params_list(len(prompts), params)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids = self._add_share(prompts, params)
         with closing(self._drive(ids, progress=True)) as steps:
             for updated in steps:
                 for request in updated:

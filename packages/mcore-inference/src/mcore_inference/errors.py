@@ -17,6 +17,7 @@ __all__ = [
     "TokenizerUnavailableError",
     "KVCacheStepError",
     "UnsupportedModelError",
+    "WeightUpdateError",
 ]
 
 
@@ -53,4 +54,9 @@ class KVCacheStepError(InferenceError, RuntimeError):
 
 
 class UnsupportedModelError(InferenceError, ValueError):
-    """The engine cannot serve this model (e.g. one sharded over tensor parallelism)."""
+    """The engine cannot serve this model (e.g. sequence parallelism, virtual pipeline stages)."""
+
+
+class WeightUpdateError(InferenceError, ValueError):
+    """Weights given to ``InferenceEngine.update_weights`` do not fit the model (nothing was
+    copied)."""

@@ -13,6 +13,9 @@ __all__ = ["PagedKVCache"]
 class PagedKVCache:
     """Keys and values of every layer in fixed-size blocks shared by all requests.
 
+    Under tensor parallelism it holds this rank's key/value heads, under pipeline parallelism
+    only the layers of this rank's stage.
+
     Before each forward the engine calls :meth:`set_step` with the step's metadata: where each
     new token's key/value goes (``slot_mapping``), the block table row of each token's request
     and each token's context length (its position + 1). :meth:`attend` then writes the new keys
@@ -30,6 +33,8 @@ class PagedKVCache:
         dtype: Storage dtype.
         device: Storage device.
         split_size: Split size of the split-KV attention kernel.
+        first_layer: Global index of the first layer held (a pipeline stage holds the
+            ``num_layers`` layers from it); ``attend`` takes global layer indices.
     """
 
     def __init__(
@@ -43,12 +48,14 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         split_size: int,
+        first_layer: int = 0,
     ) -> None:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.split_size = split_size
+        self.first_layer = first_layer
         self._slot_mapping: torch.Tensor | None = None
         self._block_tables: torch.Tensor | None = None
         self._context_lens: torch.Tensor | None = None
@@ -112,8 +119,8 @@ class PagedKVCache:
         """Store the new keys/values of a layer and attend each new token over its history.
 
         Args:
-            layer_idx: Index of the decoder layer (0-based).
-            q: ``[T, Hq, D]`` new queries after RoPE.
+            layer_idx: Global index of the decoder layer (0-based).
+            q: ``[T, Hq, D]`` new queries after RoPE (this rank's heads).
             k: ``[T, Hkv, D]`` new keys after RoPE.
             v: ``[T, Hkv, D]`` new values.
             scale: Multiplier of the query-key products.
@@ -130,7 +137,8 @@ class PagedKVCache:
                 f"PagedKVCache.attend(layer_idx={layer_idx}) called without step metadata; "
                 "expected set_step() or prepare_step() before the forward"
             )
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        local = layer_idx - self.first_layer
+        keys, values = self.keys[local], self.values[local]
         flat_shape = (-1, *keys.shape[2:])
         keys.view(flat_shape).index_copy_(0, self._slot_mapping, k.to(keys.dtype))
         values.view(flat_shape).index_copy_(0, self._slot_mapping, v.to(values.dtype))

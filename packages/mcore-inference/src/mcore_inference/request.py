@@ -104,7 +104,12 @@ class Request:
     slot: int = -1
     """Row of the engine's block table while active."""
     num_computed: int = 0
-    """Tokens whose keys and values are in the cache."""
+    """Tokens whose keys and values are in the cache or on their way through the pipeline."""
+    awaiting_token: bool = False
+    """Its last scheduled tokens are still in the pipeline and will sample its next token."""
+    in_flight: int = 0
+    """Microbatches holding its tokens that have not left the last pipeline stage; its blocks
+    are freed only when this is 0 (a later stage still writes its keys and values)."""
     finish_reason: FinishReason | None = None
     """Why it stopped."""
     error: str | None = None

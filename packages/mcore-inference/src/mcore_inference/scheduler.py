@@ -85,21 +85,30 @@ class Scheduler:
             slots = torch.tensor([r.slot for r in admitted], device=device)
             self.block_tables.index_copy_(0, slots, rows.to(device))
 
-    def schedule(self) -> list[tuple[Request, int]]:
-        """Pick the tokens of the next step.
+    def schedule(self, max_decode: int | None = None) -> list[tuple[Request, int]]:
+        """Pick the tokens of the next step (or pipeline microbatch).
+
+        Requests waiting for a token still in the pipeline are skipped.
+
+        Args:
+            max_decode: Most decoding requests to take (None: all); a pipeline splits the
+                decoding requests into one group per stage with it.
 
         Returns:
-            ``(request, number of tokens)`` pairs: all decoding requests first (one token
+            ``(request, number of tokens)`` pairs: decoding requests first (one token
             each), then prefill chunks within the remaining budget.
         """
         budget = self.config.max_tokens_per_step or self.config.max_batch_size
         batch: list[tuple[Request, int]] = []
         prefilling: list[tuple[Request, int]] = []
         for request in self.active:
+            if request.awaiting_token:
+                continue
             remaining = len(request.prompt) + len(request.output) - request.num_computed
             if remaining == 1:
-                batch.append((request, 1))
-            else:
+                if max_decode is None or len(batch) < max_decode:
+                    batch.append((request, 1))
+            elif remaining > 1:
                 prefilling.append((request, remaining))
         budget -= len(batch)
         chunk = self.config.prefill_chunk_size
@@ -111,19 +120,31 @@ class Scheduler:
             budget -= count
         return batch
 
-    def release(self, request: Request) -> None:
+    def release(self, request: Request, *, keep_blocks: bool = False) -> None:
         """Remove a request from the queue or the active set, freeing its blocks and slot.
 
         Args:
             request: A waiting or active request (others are left alone).
+            keep_blocks: Keep its blocks and slot (a pipeline stage still writes into them);
+                free them later with :meth:`free_blocks`.
         """
         if request.status == RequestStatus.ACTIVE:
             self.active.remove(request)
+            if not keep_blocks:
+                self.free_blocks(request)
+        elif request.status == RequestStatus.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+
+    def free_blocks(self, request: Request) -> None:
+        """Return a request's blocks and block-table slot (once it left the active set).
+
+        Args:
+            request: A request removed with ``release(..., keep_blocks=True)``.
+        """
+        if request.slot >= 0:
             self.allocator.free(request.blocks)
             self._free_slots.append(request.slot)
             request.blocks, request.slot = [], -1
-        elif request.status == RequestStatus.WAITING and request in self.waiting:
-            self.waiting.remove(request)
 
     def find(self, request_id: int) -> Request | None:
         """Look up a waiting or active request.

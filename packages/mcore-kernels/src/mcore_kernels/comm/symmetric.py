@@ -107,7 +107,8 @@ class SymmetricWorkspace:
 
 
 _workspaces: dict[tuple[str, int, torch.dtype, int], SymmetricWorkspace] = {}
-_retired: list[SymmetricWorkspace] = []
+_retired: list[tuple[str, SymmetricWorkspace]] = []
+"""Workspaces replaced by larger ones, with their group name: CUDA graphs may still read them."""
 _unusable_groups: dict[str, str] = {}
 
 
@@ -212,9 +213,31 @@ def get_workspace(
     torch.cuda.synchronize(partial.device)
     dist.barrier(group=group)
     if workspace is not None:
-        _retired.append(workspace)
+        _retired.append((name, workspace))
     _workspaces[key] = built
     return built
+
+
+def release_workspaces(group: dist.ProcessGroup | None = None) -> int:
+    """Drop the workspaces of a group (current and retired) so their memory can be freed.
+
+    Local (no collective). Call it when nothing will replay a CUDA graph that captured the
+    workspaces; the next fused call on the group builds a new workspace (collectively).
+
+    Args:
+        group: the tensor-parallel process group (None: the default group).
+
+    Returns:
+        The number of workspaces dropped.
+    """
+    name = _group_name(group)
+    keys = [key for key in _workspaces if key[0] == name]
+    for key in keys:
+        del _workspaces[key]
+    kept = [(owner, workspace) for owner, workspace in _retired if owner != name]
+    count = len(keys) + len(_retired) - len(kept)
+    _retired[:] = kept
+    return count
 
 
 def symmetric_rs_add_rmsnorm_ag(

@@ -1,0 +1,108 @@
+"""Microbatches: the tokens of one engine step, flattened into one row, and their metadata."""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+import torch
+
+from mcore_inference.request import Request
+
+__all__ = ["Microbatch", "build_microbatch"]
+
+
+@dataclass(slots=True)
+class Microbatch:
+    """The tokens one step feeds through the model (through every pipeline stage in turn).
+
+    Built once, when the scheduler picks the tokens; every rank of a model replica builds the
+    same one. A request whose chunk ends at its last known token samples from this microbatch
+    (``sampling``, with the row of its last token in ``sample_rows``).
+    """
+
+    entries: list[tuple[Request, int]]
+    """``(request, number of tokens)`` in row order."""
+    tokens: list[int] = field(default_factory=list)
+    """Token ids (used by the first stage)."""
+    positions: list[int] = field(default_factory=list)
+    """Position of each token."""
+    table_rows: list[int] = field(default_factory=list)
+    """Block-table row of each token's request."""
+    sample_rows: list[int] = field(default_factory=list)
+    """Rows whose logits sample a token."""
+    sampling: list[Request] = field(default_factory=list)
+    """Requests that sample, in the order of ``sample_rows``."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the microbatch."""
+        return len(self.positions)
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether every request feeds exactly one token (a CUDA-graph step)."""
+        return bool(self.entries) and self.num_tokens == len(self.entries)
+
+    def pad(self, count: int, padding_row: int) -> None:
+        """Append ``count`` padding rows: token 0 at position 0 through the scratch-block row.
+
+        Args:
+            count: Rows to append.
+            padding_row: Block-table row that holds only the scratch block.
+        """
+        self.tokens.extend([0] * count)
+        self.positions.extend([0] * count)
+        self.table_rows.extend([padding_row] * count)
+
+    def inputs(self, device: torch.device) -> torch.Tensor:
+        """The int64 ``[3, T]`` tensor of token ids, positions and block-table rows.
+
+        Args:
+            device: Target device.
+
+        Returns:
+            The step's input tensor.
+        """
+        # array('q') converts the lists in C; torch.tensor over nested lists is several times slower.
+        packed = array("q", self.tokens)
+        packed.extend(self.positions)
+        packed.extend(self.table_rows)
+        return torch.frombuffer(packed, dtype=torch.long).view(3, self.num_tokens).to(device)
+
+
+def build_microbatch(batch: list[tuple[Request, int]]) -> Microbatch:
+    """Flatten the scheduled tokens and commit them to the requests.
+
+    Each request's ``num_computed`` advances by its token count at once (the tokens are on
+    their way), a request that will sample is marked ``awaiting_token`` until the sampled token
+    comes back, and ``in_flight`` counts the microbatches that still write its cache.
+
+    Args:
+        batch: ``(request, number of tokens)`` pairs from the scheduler.
+
+    Returns:
+        The microbatch.
+    """
+    microbatch = Microbatch(entries=batch)
+    tokens, positions, rows = microbatch.tokens, microbatch.positions, microbatch.table_rows
+    for request, count in batch:
+        start = request.num_computed
+        end = start + count
+        prompt, output = request.prompt, request.output
+        num_tokens = len(prompt) + len(output)
+        if end == num_tokens and count == 1:  # decode: feed the newest token
+            tokens.append(output[-1] if output else prompt[-1])
+            positions.append(start)
+            rows.append(request.slot)
+        else:
+            tokens.extend((prompt + output)[start:end])
+            positions.extend(range(start, end))
+            rows.extend([request.slot] * count)
+        if end == num_tokens:
+            microbatch.sample_rows.append(len(tokens) - 1)
+            microbatch.sampling.append(request)
+            request.awaiting_token = True
+        request.num_computed = end
+        request.in_flight += 1
+    return microbatch

@@ -1,0 +1,216 @@
+"""One rank's share of an engine step: its pipeline stage's forward and, on the last stage, sampling."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from mcore_inference.batch import Microbatch
+from mcore_inference.cuda_graphs import DecodeGraphRunner
+from mcore_inference.describe import fused_tp_communication
+from mcore_inference.distributed import EngineGroups
+from mcore_inference.expert_parallel import ExpertParallelSync
+from mcore_inference.kv_cache import PagedKVCache
+from mcore_inference.sampling import sample_tokens, sampling_uniform
+from mcore_kernels import token_logprobs
+
+__all__ = ["StageRunner", "sample_microbatch"]
+
+
+class StageRunner:
+    """Runs a microbatch through this rank's part of the model (eagerly or in a decode graph).
+
+    Args:
+        model: The model or this rank's pipeline stage.
+        kv_cache: The engine's paged cache (this rank's heads and layers).
+        block_tables: The scheduler's block table.
+        padding_row: Block-table row holding only the scratch block.
+        groups: The engine's process groups.
+        lockstep: Per-step agreement with expert-parallel peers, or None.
+        graphs: Decode CUDA graphs, or None.
+        fuse_tp_communication: Hold the model's fused TP reduction on during each step.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        kv_cache: PagedKVCache,
+        block_tables: torch.Tensor,
+        padding_row: int,
+        groups: EngineGroups,
+        lockstep: ExpertParallelSync | None,
+        graphs: DecodeGraphRunner | None,
+        fuse_tp_communication: bool = False,
+    ) -> None:
+        self.model = model
+        self.fuse_tp_communication = fuse_tp_communication
+        self.kv_cache = kv_cache
+        self.block_tables = block_tables
+        self.padding_row = padding_row
+        self.groups = groups
+        self.lockstep = lockstep
+        self.graphs = graphs
+        parameter = next(model.parameters())
+        self.device = parameter.device
+        self.hidden_dtype = parameter.dtype
+        self.hidden_size: int = model.config.hidden_size
+
+    def _inputs(self, microbatch: Microbatch | None, pad_to: int) -> tuple[torch.Tensor, int, int]:
+        rows = Microbatch(entries=[])
+        if microbatch is not None:
+            rows.tokens = list(microbatch.tokens)
+            rows.positions = list(microbatch.positions)
+            rows.table_rows = list(microbatch.table_rows)
+        num_real = rows.num_tokens
+        if pad_to > num_real:
+            rows.pad(pad_to - num_real, self.padding_row)
+        # Known on the host: the eager attention launches only the splits that can hold data.
+        return rows.inputs(self.device), num_real, max(rows.positions) + 1
+
+    def run(
+        self, microbatch: Microbatch | None, received: torch.Tensor | None, *, has_work: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run this stage's microbatch (collective with expert-parallel peers).
+
+        Args:
+            microbatch: The microbatch at this stage in this step, or None.
+            received: Its hidden states from the previous stage (not on the first stage).
+            has_work: Whether this rank has work beyond this step (for the EP agreement).
+
+        Returns:
+            ``(output, logits)``: the hidden states for the next stage (a non-last stage with
+            tokens) and the float32 logits of the sampling rows (the last stage), each or None.
+        """
+        with torch.no_grad(), fused_tp_communication(self.model, self.fuse_tp_communication):
+            return self._run(microbatch, received, has_work)
+
+    def _run(
+        self, microbatch: Microbatch | None, received: torch.Tensor | None, has_work: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        num_real = microbatch.num_tokens if microbatch is not None else 0
+        graphs = self.graphs
+        use_graphs = (
+            graphs is not None
+            and (microbatch is None or num_real == 0 or microbatch.is_decode)
+            and num_real <= graphs.max_batch_size
+        )
+        pad_to = num_real
+        if self.lockstep is not None:
+            agreement = self.lockstep.agree(
+                num_real,
+                graphs.batch_sizes if use_graphs and graphs is not None else None,
+                has_work=has_work,
+            )
+            if agreement.max_tokens == 0:
+                return None, None
+            use_graphs = agreement.use_graphs
+            if use_graphs or self.lockstep.needs_equal_tokens:
+                pad_to = agreement.max_tokens
+            else:
+                pad_to = max(num_real, 1)
+        if pad_to == 0:
+            return None, None
+        inputs, num_real, max_context = self._inputs(microbatch, pad_to)
+        sampling = microbatch is not None and bool(microbatch.sampling)
+        if use_graphs and graphs is not None:
+            try:
+                output = graphs.run(inputs, received)[:num_real]
+                if not self.groups.is_last_stage:
+                    return (output[None] if num_real else None), None
+                return None, output if sampling else None
+            except Exception as exc:
+                # A model that cannot be captured still serves, eagerly; the warning says why.
+                warnings.warn(
+                    f"CUDA graph decode failed ({type(exc).__name__}: {exc}); the engine "
+                    "decodes eagerly from now on",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                graphs.close()
+                self.graphs = None
+        return self._eager(microbatch, inputs, num_real, max_context, received)
+
+    def _eager(
+        self,
+        microbatch: Microbatch | None,
+        inputs: torch.Tensor,
+        num_real: int,
+        max_context: int,
+        received: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        groups = self.groups
+        if groups.is_first_stage:
+            stage_input = inputs[0][None]
+        else:
+            total = inputs.shape[1]
+            hidden = (
+                received
+                if received is not None
+                else torch.empty((1, 0, self.hidden_size), dtype=self.hidden_dtype)
+            )
+            if total > hidden.shape[1]:
+                padding = torch.zeros(
+                    (1, total - hidden.shape[1], self.hidden_size),
+                    dtype=self.hidden_dtype,
+                    device=self.device,
+                )
+                hidden = torch.cat([hidden.to(self.device), padding], dim=1)
+            stage_input = hidden
+        self.kv_cache.prepare_step(self.block_tables, inputs[1], inputs[2], max_context=max_context)
+        try:
+            output = self.model(
+                stage_input, inputs[1][None], kv_cache=self.kv_cache, return_hidden=True
+            )
+        finally:
+            self.kv_cache.clear_step()
+        if not groups.is_last_stage:
+            return (output[:, :num_real] if num_real else None), None
+        if microbatch is None or not microbatch.sampling:
+            return None, None
+        rows = torch.tensor(microbatch.sample_rows, dtype=torch.long, device=self.device)
+        return None, self.model.compute_logits(output[0].index_select(0, rows))
+
+    def close(self) -> None:
+        """Drop the references to the model, cache and graphs."""
+        self.graphs = None
+        self.model = self.kv_cache = self.block_tables = None  # type: ignore[assignment]
+
+
+def sample_microbatch(logits: torch.Tensor, microbatch: Microbatch) -> torch.Tensor:
+    """Sample the next token of every sampling request of a microbatch.
+
+    Args:
+        logits: float32 ``[n, vocab]`` logits of the sampling rows.
+        microbatch: The microbatch (its ``sampling`` requests, in row order).
+
+    Returns:
+        float64 ``[2, n]``: token ids and their log-probabilities (NaN where not asked), in a
+        form one broadcast carries to the other ranks.
+    """
+    requests = microbatch.sampling
+    params = [r.params for r in requests]
+    uniforms = [
+        sampling_uniform(r.seed, len(r.output)) if p.temperature else 0.0
+        for r, p in zip(requests, params)
+    ]
+    new_tokens = sample_tokens(logits, params, uniforms)
+    samples = torch.full(
+        (2, len(requests)), float("nan"), dtype=torch.float64, device=logits.device
+    )
+    samples[0] = new_tokens.to(torch.float64)
+    logprob_rows = [i for i, p in enumerate(params) if p.return_logprobs]
+    if logprob_rows:
+        index = torch.tensor(logprob_rows, dtype=torch.long, device=logits.device)
+        temperatures = torch.tensor(
+            [params[i].temperature or 1.0 for i in logprob_rows], device=logits.device
+        )
+        # logprobs of the sampling distribution at the request's temperature (greedy: 1).
+        values = token_logprobs(
+            logits.index_select(0, index).float() / temperatures[:, None],
+            new_tokens.index_select(0, index),
+        )
+        assert isinstance(values, torch.Tensor)
+        samples[1].index_copy_(0, index, values.to(torch.float64))
+    return samples
