@@ -3,7 +3,6 @@
 import dataclasses
 
 import pytest
-
 import tyro
 
 from mcore_inference import InferenceConfigError
