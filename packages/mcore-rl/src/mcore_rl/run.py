@@ -103,7 +103,7 @@ def run_grpo(config: GRPOConfig, workers: WorkerGroup | None = None) -> RunResul
     """
     began = time.perf_counter()
     run = config.run
-    run_dir = Path(run.run_dir or time.strftime("runs/grpo-%Y%m%d-%H%M%S"))
+    run_dir = Path(run.run_dir) if run.run_dir else _new_run_dir()
     checkpoints = run_dir / "checkpoints"
     if run.resume and not (checkpoints / "latest").exists():
         raise RLCheckpointError(
@@ -201,3 +201,13 @@ def run_grpo(config: GRPOConfig, workers: WorkerGroup | None = None) -> RunResul
         is_main=group.is_main,
         hf_checkpoints=exported,
     )
+
+
+def _new_run_dir() -> Path:
+    """A fresh ``runs/grpo-<time>`` directory name (suffixed when runs start in one second)."""
+    base = Path(time.strftime("runs/grpo-%Y%m%d-%H%M%S"))
+    candidate, number = base, 1
+    while candidate.exists():
+        number += 1
+        candidate = base.with_name(f"{base.name}-{number}")
+    return candidate
