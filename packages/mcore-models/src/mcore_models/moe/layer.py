@@ -88,6 +88,11 @@ class MoELayer(nn.Module):
         return None if self.comm is None else self.comm.ep_group
 
     @property
+    def etp_group(self) -> dist.ProcessGroup | None:
+        """Expert-parallel group once parallelized with ``ep_size > 1``, else None."""
+        return None if self.comm is None else self.comm.etp_group
+
+    @property
     def capacity_factor(self) -> float | None:
         """Capacity factor in effect: the decode one while padding is on, else the config's."""
         if self.decode_padding:
