@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import secrets
 import socket
@@ -69,13 +70,15 @@ def _worker(
     backend: str,
     timeout: float,
     results: Any,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
+    call: bytes,
     environ: dict[str, str],
 ) -> None:
     # The forkserver's environment dates from its start; ranks see the caller's current one.
     os.environ.clear()
     os.environ.update(environ)
+    # Unpickled only now: importing fn's module (and what it imports, e.g. Triton kernels that
+    # read TRITON_INTERPRET when decorated) must see the caller's environment.
+    fn, args = pickle.loads(call)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(env_port),
@@ -193,8 +196,7 @@ def run_distributed(
         backend,
         timeout,
         results,
-        fn,
-        args,
+        pickle.dumps((fn, args)),
         dict(os.environ),
     )
     processes = [
