@@ -161,7 +161,8 @@ def test_export_loads_in_transformers_and_generates_like_the_engine(trained, cap
         assert generated.tokens == expected
     # mcore-inference generate reads the exported directory as it is (tokenizer included).
     assert inference_main(["generate", "--model", str(directory), "--prompt", "1+2=",
-                           "--max-tokens", "4", "--device", "cpu", "--json"]) == 0  # fmt: skip
+                           "--sampling.max-tokens", "4", "--sampling.temperature", "0",
+                           "--device", "cpu", "--json"]) == 0  # fmt: skip
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["status"] == "FINISHED" and isinstance(record["text"], str)
 
