@@ -90,10 +90,12 @@ def test_submission_beyond_max_waiting_is_refused_whole(model):
         loop = EngineLoop(_engine(model), max_waiting_requests=2)
         loop.start()
         params = SamplingParams(max_tokens=4)
+        # Two batch slots and two waiting places: five requests are one too many ...
         with pytest.raises(QueueFullError, match="max_waiting_requests=2"):
-            loop.submit([([1], params)] * 3, asyncio.Event())
+            loop.submit([([1], params)] * 5, asyncio.Event())
         assert loop.num_waiting == 0
-        handles = loop.submit([([1], params)] * 2, asyncio.Event())
+        # ... four fit, submitted at once before the engine thread picks any of them up.
+        handles = loop.submit([([1], params)] * 4, asyncio.Event())
         await _until(lambda: all(h.finished for h in handles))
         await asyncio.to_thread(loop.stop)
         with pytest.raises(EngineLoopStoppedError):

@@ -7,9 +7,9 @@ result once finished) back to the event loop in one call, which appends them to 
 handles. A handler that falls behind finds several new tokens at its next wake-up and sends
 them together: nothing queues up per token.
 
-Back-pressure: requests that do not yet hold a batch slot (waiting in the engine or still in the
-command queue) are counted; a submission that would push the count past ``max_waiting_requests``
-is refused with :class:`QueueFullError` instead of growing the queue without bound.
+Back-pressure: the open requests beyond ``max_batch_size`` (those that cannot hold a batch slot,
+whether the engine already has them or they are still in the command queue) are counted; a
+submission that would push the count past ``max_waiting_requests`` is refused with :class:`QueueFullError` instead of growing the queue without bound.
 """
 
 from __future__ import annotations
@@ -172,8 +172,12 @@ class EngineLoop:
         """
         if not self.running:
             raise EngineLoopStoppedError(self._failure or "the engine loop is not running")
-        waiting = self.num_waiting
-        if waiting + len(requests) > self.max_waiting_requests:
+        # Counted against the batch size, not against the last published statistics: requests
+        # the engine thread has not picked up yet still get a free slot on its next iteration,
+        # so a burst of submissions faster than one engine step is not refused for them.
+        slots = self.engine.config.max_batch_size
+        waiting = max(0, self._live - slots)
+        if max(0, self._live + len(requests) - slots) > self.max_waiting_requests:
             raise QueueFullError(
                 f"{waiting} requests are waiting for a batch slot and this one adds "
                 f"{len(requests)}; the limit is max_waiting_requests={self.max_waiting_requests}"
