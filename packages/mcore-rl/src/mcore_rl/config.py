@@ -328,21 +328,62 @@ class EvalConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    """Sizes of a parallel layout; their product with ``dp`` is the world size."""
+    """Sizes of a parallel layout over the ranks of the run (tp x pp x cp x dp = world)."""
 
     tp: int = 1
     """Tensor-parallel size."""
     pp: int = 1
     """Pipeline-parallel size."""
+    vp: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B; training only)."""
     cp: int = 1
-    """Context-parallel size."""
+    """Context-parallel size (training only)."""
     ep: int = 1
     """Expert-parallel size (MoE models)."""
     dp: int | None = None
     """Data-parallel size; None takes what the world leaves after tp x pp x cp."""
+    sequence_parallel: bool = False
+    """Split the sequence over the tensor-parallel ranks between layers (training only)."""
 
     def __post_init__(self) -> None:
-        _check_minimums(self, {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 1})
+        _check_minimums(self, {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "dp": 1})
+        if self.vp > 1 and self.pp == 1:
+            raise RLConfigError(f"vp={self.vp} needs pp > 1 (virtual stages of a pipeline)")
+        if self.sequence_parallel and self.tp == 1:
+            raise RLConfigError("sequence_parallel=True needs tp > 1")
+
+    def data_parallel_size(self, world: int) -> int:
+        """The data-parallel size this layout gets on ``world`` ranks.
+
+        Args:
+            world: Number of ranks of the run.
+
+        Returns:
+            ``dp`` (given or implied).
+
+        Raises:
+            RLConfigError: If ``tp x pp x cp x dp`` does not equal ``world``.
+        """
+        model = self.tp * self.pp * self.cp
+        dp = self.dp if self.dp is not None else world // model
+        if model * dp != world or dp < 1:
+            raise RLConfigError(
+                f"tp={self.tp} x pp={self.pp} x cp={self.cp} x dp={self.dp} does not fill the "
+                f"{world} ranks of the run"
+            )
+        return dp
+
+    def same_model_layout(self, other: ParallelConfig) -> bool:
+        """Whether two layouts split the model the same way (tp, pp, vp, cp, ep, sp).
+
+        Args:
+            other: The other layout.
+
+        Returns:
+            True when both would hold the same blocks on every rank.
+        """
+        names = ("tp", "pp", "vp", "cp", "ep", "sequence_parallel")
+        return all(getattr(self, n) == getattr(other, n) for n in names)
 
 
 def _optimizer_defaults() -> OptimizerConfig:
@@ -388,9 +429,10 @@ class GRPOConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Greedy evaluation on held-out prompts."""
     train_parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Layout of training (today: data parallel only)."""
+    """Layout of training (tp, pp with virtual stages, ep, sequence parallelism, dp)."""
     infer_parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Layout of generation (today: data parallel only)."""
+    """Layout of generation on the same ranks (tp, pp, ep, dp); weights are resharded from
+    the training layout in memory after every optimizer step."""
 
     def __post_init__(self) -> None:
         for name, kind in _SECTIONS.items():
@@ -408,14 +450,23 @@ class GRPOConfig:
             value = getattr(self.loss, name)
             if not math.isfinite(value):
                 raise RLConfigError(f"loss.{name}={value} must be a finite number")
-        for name in ("train_parallel", "infer_parallel"):
-            layout: ParallelConfig = getattr(self, name)
-            for size in ("tp", "pp", "cp", "ep"):
-                if getattr(layout, size) != 1:
-                    raise RLConfigError(
-                        f"{name}.{size}={getattr(layout, size)} is not supported yet: GRPO "
-                        "runs data parallel only (tp = pp = cp = ep = 1)"
-                    )
+        inference = self.infer_parallel
+        for size in ("vp", "cp"):
+            if getattr(inference, size) != 1:
+                raise RLConfigError(
+                    f"infer_parallel.{size}={getattr(inference, size)} is not supported: the "
+                    "inference engine serves tp x pp x ep x dp layouts (vp = cp = 1)"
+                )
+        if inference.sequence_parallel:
+            raise RLConfigError(
+                "infer_parallel.sequence_parallel=True is not supported: the inference engine "
+                "runs without sequence parallelism"
+            )
+        if self.train_parallel.cp != 1:
+            raise RLConfigError(
+                f"train_parallel.cp={self.train_parallel.cp} is not supported yet: GRPO "
+                "trains at tp x pp x dp (x ep) layouts"
+            )
         if self.data.path is not None and self.model.hf_path is None:
             raise RLConfigError(
                 f"data.path={self.data.path!r} needs model.hf_path: prompt datasets are "

@@ -9,8 +9,10 @@ import torch
 import torch.distributed as dist
 
 from mcore_parallel import ParallelState
+from mcore_parallel.errors import ParallelConfigError
 from mcore_parallel.state import initialize
 from mcore_rl.config import GRPOConfig
+from mcore_rl.errors import RLConfigError
 
 __all__ = ["backend_for", "init_worker_state", "free_port"]
 
@@ -50,10 +52,13 @@ def init_worker_state(config: GRPOConfig) -> ParallelState:
         config: The run config.
 
     Returns:
-        This rank's parallel state (data parallel over every rank).
+        This rank's parallel state at the training layout (``train_parallel``).
+
+    Raises:
+        RLConfigError: If the training or generation layout does not fill the world.
     """
     if "RANK" in os.environ or dist.is_initialized():
-        return initialize(backend=backend_for(config))
+        return _initialize(config)
     single = {
         "RANK": "0",
         "WORLD_SIZE": "1",
@@ -64,7 +69,7 @@ def init_worker_state(config: GRPOConfig) -> ParallelState:
     saved = {name: os.environ.get(name) for name in single}
     os.environ.update(single)
     try:
-        return initialize(backend=backend_for(config))
+        return _initialize(config)
     finally:
         # The store is connected; leave the environment as the caller had it.
         for name, value in saved.items():
@@ -72,3 +77,24 @@ def init_worker_state(config: GRPOConfig) -> ParallelState:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _initialize(config: GRPOConfig) -> ParallelState:
+    layout = config.train_parallel
+    try:
+        state = initialize(
+            tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, backend=backend_for(config)
+        )
+    except ParallelConfigError as error:
+        raise RLConfigError(f"train_parallel: {error}") from None
+    world = dist.get_world_size()
+    try:
+        for name in ("train_parallel", "infer_parallel"):
+            section = getattr(config, name)
+            dp = section.data_parallel_size(world)
+            if section.dp is not None and section.dp != dp:
+                raise RLConfigError(f"{name}.dp={section.dp} does not fit {world} ranks")
+    except RLConfigError:
+        state.destroy()
+        raise
+    return state

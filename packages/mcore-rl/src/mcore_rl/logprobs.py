@@ -1,6 +1,8 @@
-"""Token log-probs of packed rows under the training forward."""
+"""Token log-probs of packed rows under the training forward (any pipeline stage, any tp)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,6 +14,15 @@ from mcore_rl.packing import PackingContext
 __all__ = ["row_logprobs"]
 
 
+def _stage(model: nn.Module) -> Any:
+    # The module whose forward runs: a data-parallel wrapper around one chunk, or the chunk.
+    inner = getattr(model, "module", model)
+    chunks = getattr(inner, "chunks", None)
+    if chunks is not None and len(chunks) == 1:
+        return chunks[0]
+    return inner
+
+
 def row_logprobs(
     model: nn.Module,
     context: PackingContext,
@@ -19,32 +30,45 @@ def row_logprobs(
     *,
     temperature: float = 1.0,
     device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs the model on one packed row and returns per-position log-probs and entropies.
+    input_tensor: torch.Tensor | None = None,
+    tp_group: Any = None,
+) -> torch.Tensor:
+    """Runs one packed row through the model (or a pipeline stage of it).
 
-    Position ``q`` holds the log-prob of ``context.target_ids[row, q]`` (the next token of the
-    same sequence) at ``temperature``; attention never crosses a sequence boundary.
+    Position ``q`` of the result holds the log-prob of ``context.target_ids[row, q]`` (the next
+    token of the same sequence) at ``temperature``; attention never crosses a sequence
+    boundary. Under tensor parallelism the vocabulary-parallel logits are never gathered: the
+    log-softmax statistics are combined over ``tp_group``.
 
     Args:
-        model: The policy (a DDP wrapper or a plain ``GPTModel``).
+        model: The policy, one of its pipeline chunks, or a data-parallel wrapper of either.
         context: The packed rows.
         row: Which row.
         temperature: Logits are divided by it, as during sampling.
         device: Device of the model.
+        input_tensor: Hidden states from the previous pipeline stage; None on the first stage.
+        tp_group: The tensor-parallel group the vocabulary is split over; None for tp = 1.
 
     Returns:
-        ``(logprobs, entropy)``, float32 ``[bin_size]`` each, on ``device``; differentiable
-        when grad is enabled.
+        On the last stage, float32 ``[2, bin_size]``: log-probs then entropies (differentiable
+        when grad is enabled); on other stages, the hidden states for the next stage.
     """
-    input_ids = context.input_ids[row : row + 1].to(device, non_blocking=True)
+    stage = _stage(model)
     position_ids = context.position_ids[row : row + 1].to(device, non_blocking=True)
     packed = PackedSeqParams(
         cu_seqlens=context.cu_seqlens[row].to(device, non_blocking=True),
         max_seqlen=context.max_seqlen,
     )
-    logits = model(input_ids, position_ids, packed_seq_params=packed)[0]
+    if input_tensor is None:
+        source = context.input_ids[row : row + 1].to(device, non_blocking=True)
+    else:
+        source = input_tensor
+    if not getattr(stage, "post_process", True):
+        return stage(source, position_ids, packed_seq_params=packed)
+    hidden = stage(source, position_ids, packed_seq_params=packed, return_hidden=True)
+    logits = stage.compute_logits(hidden[0], gather=False, upcast=False)
     targets = context.target_ids[row].to(device, non_blocking=True)
     logprobs, entropy = token_logprobs(
-        logits, targets, temperature=temperature, return_entropy=True
+        logits, targets, temperature=temperature, return_entropy=True, group=tp_group
     )
-    return logprobs, entropy
+    return torch.stack([logprobs, entropy])

@@ -1,9 +1,15 @@
 """Rollouts: prompts split over the data-parallel ranks, sampled by the inference engine.
 
-Every rank builds an :class:`mcore_inference.InferenceEngine` over the policy model for the
-step, generates ``group_size`` completions for each of its prompts, scores them, closes the
-engine (its KV cache and CUDA graphs are released before training) and all-gathers the
-rollouts over the regular data-parallel group.
+Every rank generates ``group_size`` completions for each prompt of its data-parallel shard and
+scores them, then the rollouts are all-gathered over the data-parallel group. The engine is
+either built over the policy model for the call and closed afterwards (its KV cache and CUDA
+graphs are released before training), or a long-lived engine is passed in (a separate inference
+model whose weights are updated in place between steps). The ranks of one model replica (tensor
+and pipeline parallel) run the same requests and get the same results.
+
+Every request samples with its own seed, derived from the call's seed and the request's place
+among all the step's requests, so the rollouts do not depend on the layout or on which rank
+generated them.
 
 Under expert parallelism the engines of an EP group step together (see
 :class:`mcore_inference.InferenceEngine`), so every rank builds one, also without prompts of its
@@ -14,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
@@ -25,12 +31,30 @@ from mcore_inference import (
     SamplingParams,
     find_expert_parallel_group,
 )
-from mcore_rl.errors import RLInputError, RLStateError
+from mcore_rl.errors import RLInputError, RLStateError, TokenizerError
 from mcore_rl.hf import PromptTokenizer
 from mcore_rl.reference import unwrap_model
+from mcore_rl.seeding import derive_seed
 from mcore_rl.tasks import Problem, Task
 
-__all__ = ["Rollout", "evaluate_greedy", "generate_rollouts", "shard_range"]
+if TYPE_CHECKING:
+    from mcore_parallel import ParallelState
+
+__all__ = ["Rollout", "evaluate_greedy", "generate_rollouts", "request_seed", "shard_range"]
+
+
+def request_seed(seed: int, prompt_index: int, sample: int) -> int:
+    """The sampling seed of one request: a pure function of the call's seed and its place.
+
+    Args:
+        seed: Seed of the step's sampling (the same on every rank).
+        prompt_index: Index of the prompt among the step's prompts.
+        sample: Index of the completion within the prompt's group.
+
+    Returns:
+        A non-negative 31-bit seed.
+    """
+    return derive_seed(seed, prompt_index, sample)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,8 +93,17 @@ def shard_range(count: int, rank: int, size: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+def _decode(tokenizer: PromptTokenizer, tokens: Sequence[int]) -> str | None:
+    # A model vocabulary padded to split over tensor-parallel ranks holds ids the tokenizer
+    # does not know; a completion sampling one is invalid (reward 0), not an error of the run.
+    try:
+        return tokenizer.decode(tokens)
+    except TokenizerError:
+        return None
+
+
 def generate_rollouts(
-    model: nn.Module,
+    model: nn.Module | None,
     problems: Sequence[Problem],
     *,
     task: Task,
@@ -83,22 +116,32 @@ def generate_rollouts(
     use_cuda_graphs: bool = True,
     dp_group: Any = None,
     require_stop: bool = True,
+    engine: InferenceEngine | None = None,
+    state: ParallelState | None = None,
 ) -> list[Rollout]:
     """Generates and scores ``group_size`` completions per problem, split over DP ranks.
 
     Args:
-        model: The policy (wrapped or not); only its forward is called.
+        model: The policy (wrapped or not); only its forward is called. Ignored (may be None)
+            when ``engine`` is given.
         problems: All problems of the step, identical on every rank.
         task: Scores completions.
         tokenizer: Encodes prompts and decodes completions.
         group_size: Completions per problem.
         max_new_tokens: Most tokens per completion.
         temperature: Sampling temperature.
-        seed: Seed of this rank's sampling for this step.
+        seed: Seed of the step's sampling, identical on every rank; request ``j`` of prompt
+            ``i`` samples with :func:`request_seed` ``(seed, i, j)``.
         parallel_generation_tasks: Most requests given to the engine at once.
         use_cuda_graphs: Let the engine capture decode CUDA graphs.
-        dp_group: The regular data-parallel group; None for a single rank.
+        dp_group: The data-parallel group of the generation layout; None for a single replica.
         require_stop: Completions cut at ``max_new_tokens`` without eos earn reward 0.
+            Completions holding an id the tokenizer cannot decode (the padding of a vocabulary
+            split over tensor-parallel ranks) always do.
+        engine: A long-lived engine to generate with (not closed here); None builds one over
+            ``model`` for this call.
+        state: Parallel state of ``model`` when it is tensor- or pipeline-parallel (passed to
+            the engine built here).
 
     Returns:
         The rollouts of every rank, grouped by problem (``group_size`` consecutive rollouts per
@@ -106,7 +149,8 @@ def generate_rollouts(
 
     Raises:
         RLInputError: If ``group_size``, ``max_new_tokens`` or ``parallel_generation_tasks``
-            is below 1 or ``temperature`` is not positive.
+            is below 1, ``temperature`` is not positive, or neither ``model`` nor ``engine``
+            is given.
         RLStateError: If the engine failed a request.
     """
     for name, value in (
@@ -118,74 +162,118 @@ def generate_rollouts(
             raise RLInputError(f"{name}={value} must be >= 1")
     if not temperature > 0.0:
         raise RLInputError(f"temperature={temperature} must be > 0")
+    if model is None and engine is None:
+        raise RLInputError("generate_rollouts needs a model or an engine (both are None)")
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
-    start, end = shard_range(len(problems), dp_rank, dp_size)
-    mine = [(i, problems[i]) for i in range(start, end) for _ in range(group_size)]
-    prompts = [tokenizer.encode_prompt(p.prompt) for _, p in mine]
-    local: list[Rollout] = []
-    policy = unwrap_model(model)
+    # With a parallel state (or a long-lived engine) the engine shares the requests over the
+    # data-parallel replicas itself and returns every result on every rank; otherwise each
+    # rank generates its shard of the prompts here and the rollouts are gathered.
+    engine_shares = engine is not None or state is not None
+    start, end = (
+        (0, len(problems)) if engine_shares else shard_range(len(problems), dp_rank, dp_size)
+    )
+    mine = [(i, j, problems[i]) for i in range(start, end) for j in range(group_size)]
+    prompts = [tokenizer.encode_prompt(p.prompt) for _, _, p in mine]
+    policy = engine.model if engine is not None else unwrap_model(model)  # type: ignore[arg-type]
     # EP peers must make the same generate calls: as many as the largest shard needs.
-    expert_parallel = find_expert_parallel_group(policy) is not None
+    expert_parallel = find_expert_parallel_group(policy) is not None and not engine_shares
     largest_shard = -(-len(problems) // dp_size) * group_size
     requests = largest_shard if expert_parallel else len(mine)
     calls = -(-requests // parallel_generation_tasks)
+    results: list[Any] = []
     if calls:
-        longest = max((len(p) for p in prompts), default=1) + max_new_tokens
-        # The same batch size on every EP rank gives them the same decode graph buckets.
+        params = [
+            SamplingParams(
+                temperature=temperature,
+                max_tokens=max_new_tokens,
+                stop_token_ids=tokenizer.eos_token_ids,
+                return_logprobs=True,
+                seed=request_seed(seed, index, sample),
+            )
+            for index, sample, _ in mine
+        ]
         batch = min(parallel_generation_tasks, requests)
-        config = InferenceConfig(
-            max_batch_size=batch,
-            max_sequence_length=longest,
-            block_size=16,
-            attention_split_size=256,
-            max_tokens_per_step=max(2048, batch),
-            use_cuda_graphs=use_cuda_graphs,
-            seed=seed,
-        )
-        params = SamplingParams(
-            temperature=temperature,
-            max_tokens=max_new_tokens,
-            stop_token_ids=tokenizer.eos_token_ids,
-            return_logprobs=True,
-        )
-        engine = InferenceEngine(policy, config)
+        owned = engine is None
+        if engine is None:
+            longest = max((len(p) for p in prompts), default=1) + max_new_tokens
+            # The same batch size on every EP rank gives them the same decode graph buckets.
+            config = InferenceConfig(
+                max_batch_size=batch,
+                max_sequence_length=longest,
+                block_size=16,
+                attention_split_size=256,
+                max_tokens_per_step=max(2048, batch),
+                use_cuda_graphs=use_cuda_graphs,
+                seed=seed,
+            )
+            engine = InferenceEngine(policy, config, state=state)
         try:
-            results = []
             for call in range(calls):
                 offset = call * parallel_generation_tasks
-                results.extend(engine.generate(prompts[offset : offset + batch], params))
-        finally:
-            engine.close()
-        eos = set(tokenizer.eos_token_ids)
-        texts, stopped = [], []
-        for result in results:
-            if result.error is not None or result.logprobs is None:
-                raise RLStateError(f"the inference engine failed a request: {result.error}")
-            texts.append(tokenizer.decode(result.tokens))
-            stopped.append(bool(result.tokens) and result.tokens[-1] in eos)
-        scored = [i for i, done in enumerate(stopped) if done or not require_stop]
-        rewards = [0.0] * len(results)
-        values = task.score_batch([mine[i][1] for i in scored], [texts[i] for i in scored])
-        for position, score in zip(scored, values):
-            rewards[position] = score
-        for (index, _), prompt, result, text, reward in zip(mine, prompts, results, texts, rewards):
-            local.append(
-                Rollout(
-                    prompt_index=index,
-                    prompt_ids=prompt,
-                    completion_ids=list(result.tokens),
-                    inference_logprobs=list(result.logprobs or []),
-                    reward=reward,
-                    finish_reason=str(getattr(result.finish_reason, "value", result.finish_reason)),
-                    text=text,
+                results.extend(
+                    engine.generate(
+                        prompts[offset : offset + batch], params[offset : offset + batch]
+                    )
                 )
-            )
-    if dp_size == 1:
+        finally:
+            if owned:
+                engine.close()
+    rewards = _score(results, mine, task, tokenizer, require_stop, engine_shares, dp_group)
+    local = [
+        Rollout(
+            prompt_index=index,
+            prompt_ids=prompt,
+            completion_ids=list(result.tokens),
+            inference_logprobs=list(result.logprobs or []),
+            reward=reward,
+            finish_reason=str(getattr(result.finish_reason, "value", result.finish_reason)),
+            text=_decode(tokenizer, result.tokens) or "",
+        )
+        for (index, _, _), prompt, result, reward in zip(mine, prompts, results, rewards)
+    ]
+    if dp_size == 1 or engine_shares:
         return local
     gathered: list[Any] = [None] * dp_size
     dist.all_gather_object(gathered, local, group=dp_group)
     return [rollout for part in gathered for rollout in part]
+
+
+def _score(
+    results: list[Any],
+    requests: list[tuple[int, int, Problem]],
+    task: Task,
+    tokenizer: PromptTokenizer,
+    require_stop: bool,
+    shared: bool,
+    dp_group: Any,
+) -> list[float]:
+    """Rewards of the results; with ``shared`` results (every rank holds all of them) each
+    data-parallel rank scores its share and the scores are all-gathered."""
+    eos = set(tokenizer.eos_token_ids)
+    for result in results:
+        if result.error is not None or result.logprobs is None:
+            raise RLStateError(f"the inference engine failed a request: {result.error}")
+    dp_size = dist.get_world_size(dp_group) if dp_group is not None and shared else 1
+    dp_rank = dist.get_rank(dp_group) if dp_size > 1 else 0
+    start, end = shard_range(len(results), dp_rank, dp_size)
+    rewards = [0.0] * (end - start)
+    scored, texts = [], []
+    for position in range(start, end):
+        tokens = results[position].tokens
+        text = _decode(tokenizer, tokens)
+        stopped = bool(tokens) and tokens[-1] in eos
+        if text is not None and (stopped or not require_stop):
+            scored.append(position)
+            texts.append(text)
+    values = task.score_batch([requests[i][2] for i in scored], texts)
+    for position, score in zip(scored, values):
+        rewards[position - start] = score
+    if dp_size == 1:
+        return rewards
+    gathered: list[Any] = [None] * dp_size
+    dist.all_gather_object(gathered, rewards, group=dp_group)
+    return [reward for part in gathered for reward in part]
 
 
 def evaluate_greedy(
@@ -197,6 +285,8 @@ def evaluate_greedy(
     max_new_tokens: int,
     use_cuda_graphs: bool = True,
     dp_group: Any = None,
+    engine: InferenceEngine | None = None,
+    state: ParallelState | None = None,
 ) -> dict[str, float]:
     """Greedy pass@1 and mean reward on held-out problems, split over the DP ranks.
 
@@ -210,7 +300,10 @@ def evaluate_greedy(
         tokenizer: Encodes prompts and decodes completions.
         max_new_tokens: Most tokens per completion.
         use_cuda_graphs: Let the engine capture decode CUDA graphs.
-        dp_group: The regular data-parallel group; None for a single rank.
+        dp_group: The data-parallel group of the generation layout; None for a single replica.
+        engine: A long-lived engine to generate with (not closed here); None builds one over
+            ``model`` for this call.
+        state: Parallel state of ``model`` when it is tensor- or pipeline-parallel.
 
     Returns:
         ``{"eval/pass@1", "eval/reward", "eval/prompts"}``, identical on every rank.
@@ -218,7 +311,10 @@ def evaluate_greedy(
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
     start, end = shard_range(len(problems), dp_rank, dp_size)
-    mine = list(problems[start:end])
+    # With a parallel state (or a long-lived engine) the engine shares the prompts over the
+    # data-parallel replicas and every rank gets all results; each rank scores its share.
+    engine_shares = engine is not None or state is not None
+    mine = list(problems) if engine_shares else list(problems[start:end])
     rewards: list[float] = []
     if mine:
         prompts = [tokenizer.encode_prompt(p.prompt) for p in mine]
@@ -233,12 +329,17 @@ def evaluate_greedy(
         params = SamplingParams(
             temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=tokenizer.eos_token_ids
         )
-        with InferenceEngine(unwrap_model(model), config) as engine:
+        if engine is not None:
             results = engine.generate(prompts, params)
+        else:
+            with InferenceEngine(unwrap_model(model), config, state=state) as owned:
+                results = owned.generate(prompts, params)
         for result in results:
             if result.error is not None:
                 raise RLStateError(f"the inference engine failed a request: {result.error}")
-        rewards = task.score_batch(mine, [tokenizer.decode(r.tokens) for r in results])
+        if engine_shares:
+            mine, results = mine[start:end], results[start:end]
+        rewards = task.score_batch(mine, [_decode(tokenizer, r.tokens) or "" for r in results])
     totals = [sum(rewards), float(sum(r >= 1.0 for r in rewards)), float(len(rewards))]
     if dp_size > 1:
         gathered: list[Any] = [None] * dp_size

@@ -9,8 +9,8 @@ token-normalised GRPO loss.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,24 +21,34 @@ import torch
 import torch.distributed as dist
 
 from mcore_ckpt import load, save
-from mcore_inference import HFTokenizer
-from mcore_models import GPTConfig, GPTModel, parallelize
+from mcore_inference import HFTokenizer, InferenceConfig
+from mcore_models import GPTConfig, GPTModel
+from mcore_models.gpt.hf import save_hf
 from mcore_parallel import ParallelState, forward_backward
 from mcore_parallel.distributed.config import DDPConfig
 from mcore_parallel.distributed.ddp import DistributedDataParallel
 from mcore_parallel.distributed.optimizer import DistributedOptimizer
+from mcore_parallel.sharding import ShardedTensor
 from mcore_rl.advantages import compute_advantages
 from mcore_rl.config import GRPOConfig
 from mcore_rl.errors import RLConfigError, RLStateError
 from mcore_rl.hf import ChatTokenizer, PromptTokenizer, copy_tokenizer_files
+from mcore_rl.inference_policy import InferencePolicy
 from mcore_rl.logprobs import row_logprobs
 from mcore_rl.loss import grpo_loss
 from mcore_rl.memory import allocated_bytes, live_tensor_bytes
 from mcore_rl.packing import PackingContext, distribute_bins, pack_sequences
+from mcore_rl.policy import (
+    PolicyChunks,
+    allreduce_shared_embedding_grads,
+    build_policy_chunks,
+    load_policy_chunks,
+)
 from mcore_rl.prompt_data import PromptDataset, load_prompt_dataset
-from mcore_rl.reference import ReferenceWeights, unwrap_model
+from mcore_rl.reference import ReferenceWeights
 from mcore_rl.rewards import RewardScorer
 from mcore_rl.rollout import Rollout, evaluate_greedy, generate_rollouts
+from mcore_rl.seeding import derive_seed
 from mcore_rl.tasks import DatasetTask, Problem, Task, get_task, sample_problems
 from mcore_rl.tokenizer import CharTokenizer
 
@@ -46,19 +56,6 @@ __all__ = ["GRPOWorker", "Minibatch", "build_task", "derive_seed"]
 
 PhaseCallback = Callable[[str], None]
 """Called with the name of each phase as it starts (drives progress bars)."""
-
-
-def derive_seed(*parts: int | str) -> int:
-    """Derives a 31-bit seed from parts, so every step and rank samples independently.
-
-    Args:
-        *parts: Seed, step, rank, purpose ...
-
-    Returns:
-        A non-negative seed.
-    """
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def build_task(config: GRPOConfig) -> Task:
@@ -88,6 +85,10 @@ def build_task(config: GRPOConfig) -> Task:
 
 def _model_config(config: GRPOConfig, vocab_size: int) -> GPTConfig:
     model = config.model
+    # The vocabulary splits evenly over the tensor-parallel ranks of both layouts (padding
+    # ids are never in the tokenizer: a completion sampling one scores 0).
+    multiple = math.lcm(config.train_parallel.tp, config.infer_parallel.tp)
+    vocab_size = -(-vocab_size // multiple) * multiple
     overrides: dict[str, Any] = {"vocab_size": vocab_size, "seed": config.run.seed}
     overrides["dtype"] = model.dtype
     for name in (
@@ -127,11 +128,15 @@ class Minibatch:
 
 
 class GRPOWorker:
-    """One rank of a GRPO run: the policy, its optimizer, the reference weights.
+    """One rank of a GRPO run: the policy at both layouts, its optimizer, the reference weights.
+
+    The policy trains at ``train_parallel`` (tensor, pipeline with virtual stages, expert and
+    data parallel; ``state`` is that layout) and generates at ``infer_parallel`` on the same
+    ranks; see :class:`~mcore_rl.inference_policy.InferencePolicy`.
 
     Args:
         config: The run config.
-        state: This rank's parallel state (its ``dp_group`` splits the prompts).
+        state: This rank's parallel state at the training layout.
 
     Raises:
         RLConfigError: If the config is invalid.
@@ -148,6 +153,7 @@ class GRPOWorker:
         self.tokenizer: PromptTokenizer
         self.hf_path = config.model.hf_path
         self.dataset: PromptDataset | None = None
+        layout = config.train_parallel
         # The prompts load (and fail on a bad dataset) before the weights do.
         if self.hf_path is not None:
             if not Path(self.hf_path).is_dir():
@@ -160,26 +166,69 @@ class GRPOWorker:
                 system_prompt=config.data.system_prompt,
                 chat_template=config.data.chat_template,
             )
-            self.eval_problems = self._load_prompts(_context_length(self.hf_path))
-            model = GPTModel.from_hf(
-                self.hf_path, state=state, dtype=config.model.dtype, device=self.device
+            context_length = _context_length(self.hf_path)
+            self.eval_problems = self._load_prompts(context_length)
+            chunks = load_policy_chunks(
+                self.hf_path,
+                state,
+                dtype=config.model.dtype,
+                virtual_stages=layout.vp,
+                sequence_parallel=layout.sequence_parallel,
+                device=self.device,
             )
         else:
             self.tokenizer = CharTokenizer(self.task.alphabet)
             vocab_size = max(config.model.vocab_size or 0, self.tokenizer.vocab_size)
             shape = _model_config(config, vocab_size)
-            self.eval_problems = self._load_prompts(shape.max_position_embeddings)
-            model = GPTModel(shape, device=self.device)
-            parallelize(model, state)
-        ddp_config = DDPConfig(use_distributed_optimizer=True, overlap_param_gather=True)
-        self.model = DistributedDataParallel(model, ddp_config, state)
+            context_length = shape.max_position_embeddings
+            self.eval_problems = self._load_prompts(context_length)
+            chunks = build_policy_chunks(
+                shape,
+                state,
+                virtual_stages=layout.vp,
+                sequence_parallel=layout.sequence_parallel,
+                device=self.device,
+            )
+        self.chunks = chunks
+        ddp_config = DDPConfig(
+            use_distributed_optimizer=True,
+            overlap_param_gather=True,
+            # The GRPO loss of a row is already its share of the global token mean.
+            average_over_data_parallel=False,
+        )
+        self.model = DistributedDataParallel(PolicyChunks(chunks), ddp_config, state)
         self.optimizer = DistributedOptimizer(self.model, config.optimizer)
         self.reference = ReferenceWeights(self.model, optimizer=self.optimizer)
         self.loss_config = config.loss
-        self.dp_size = state.dp_size
-        self.dp_rank = state.dp_rank
+        self.dp_size = state.size("dp")
+        self.dp_rank = state.rank_in("dp")
+        self.inference = InferencePolicy(
+            chunks,
+            state,
+            layout,
+            config.infer_parallel,
+            self._engine_config(context_length),
+        )
         self.track_live_tensors = False
         """Count live tensors at every step start (slow; used by tests on the CPU)."""
+
+    def _engine_config(self, context_length: int) -> InferenceConfig:
+        # The long-lived engine of a separate inference model: every rollout of a step fits one
+        # batch (up to parallel_generation_tasks), contexts up to the prompt budget.
+        rollout = self.config.rollout
+        world = dist.get_world_size()
+        replicas = self.config.infer_parallel.data_parallel_size(world)
+        per_replica = -(-rollout.num_prompts // replicas) * rollout.group_size
+        batch = max(1, min(rollout.parallel_generation_tasks, per_replica))
+        return InferenceConfig(
+            max_batch_size=batch,
+            max_sequence_length=context_length,
+            block_size=16,
+            attention_split_size=256,
+            max_tokens_per_step=max(2048, batch),
+            use_cuda_graphs=rollout.use_cuda_graphs,
+            seed=self.config.run.seed,
+        )
 
     def _load_prompts(self, context_length: int) -> list[Problem]:
         cfg = self.config
@@ -222,21 +271,23 @@ class GRPOWorker:
             return None
         return self.dataset.max_steps(self.config.rollout.num_prompts)
 
-    def _dp_group(self) -> Any:
-        return self.state.dp_group if self.dp_size > 1 else None
-
-    def _sum_over_dp(self, value: float) -> float:
-        if self.dp_size == 1:
-            return float(value)
-        total = torch.tensor([float(value)])
-        dist.all_reduce(total, group=self.state.dp_group)
-        return float(total)
+    def _sum_over_world(self, values: list[float]) -> list[float]:
+        if dist.get_world_size() == 1:
+            return values
+        total = torch.tensor(values, dtype=torch.float64, device=_collective_device(self.state))
+        dist.all_reduce(total)
+        return [float(v) for v in total.tolist()]
 
     def _reward_failures(self) -> int:
         return self.task.scorer.failures if isinstance(self.task, DatasetTask) else 0
 
+    def _counts_once(self) -> bool:
+        # One rank per generation replica reports what the replica did (its dp shard).
+        state = self.inference.state
+        return state.rank_in("tp") == 0 and state.is_last_stage
+
     def evaluate(self) -> dict[str, float]:
-        """Greedy pass@1 and mean reward on the held-out prompts (collective over DP).
+        """Greedy pass@1 and mean reward on the held-out prompts (collective).
 
         Returns:
             ``eval/pass@1``, ``eval/reward`` and ``eval/prompts``; empty without held-out
@@ -246,21 +297,25 @@ class GRPOWorker:
             return {}
         with self.generation_mode():
             return evaluate_greedy(
-                self.model,
+                self.inference.model,
                 self.eval_problems,
                 task=self.task,
                 tokenizer=self.tokenizer,
                 max_new_tokens=self.config.rollout.max_new_tokens,
                 use_cuda_graphs=self.config.rollout.use_cuda_graphs,
-                dp_group=self._dp_group(),
+                dp_group=self.inference.dp_group,
+                engine=self.inference.engine,
+                state=self.inference.state,
             )
 
     def export_hf(self, directory: str | Path) -> Path:
-        """Writes the policy as a Hugging Face checkpoint (collective over DP).
+        """Writes the policy as a Hugging Face checkpoint (collective).
 
-        ``config.json`` and ``model.safetensors`` come from ``GPTModel.to_hf``; the tokenizer
-        and generation files of ``model.hf_path`` are copied next to them, so transformers'
-        ``from_pretrained`` and ``mcore-inference generate`` load the directory as it is.
+        ``config.json`` and the safetensors shards come from ``mcore_models``' sharded export
+        (every pipeline stage writes its shard files; tensor-parallel blocks are gathered one
+        tensor at a time); the tokenizer and generation files of ``model.hf_path`` are copied
+        next to them, so transformers' ``from_pretrained`` and ``mcore-inference generate``
+        load the directory as it is.
 
         Args:
             directory: Output directory.
@@ -270,26 +325,29 @@ class GRPOWorker:
         """
         directory = Path(directory)
         self.optimizer.start_param_sync(force_sync=True)
-        if self.dp_rank == 0:
-            with self.optimizer.param_sync_hooks_disabled():
-                policy = unwrap_model(self.model)
-                assert isinstance(policy, GPTModel)
-                policy.to_hf(directory)
-            if self.hf_path is not None:
-                copy_tokenizer_files(self.hf_path, directory)
-        if self.dp_size > 1:
-            dist.barrier(group=self.state.dp_group)
+        with self.optimizer.param_sync_hooks_disabled():
+            chunks: Any = self.chunks if len(self.chunks) > 1 else self.chunks[0]
+            save_hf(chunks, directory, state=self.state)
+        if self.hf_path is not None and dist.get_rank() == 0:
+            copy_tokenizer_files(self.hf_path, directory)
+        if dist.get_world_size() > 1:
+            dist.barrier()
         return directory
 
     def close(self) -> None:
-        """Stops the reward process pool, if any."""
+        """Closes the inference engine and stops the reward process pool, if any."""
+        self.inference.close()
         if isinstance(self.task, DatasetTask):
             self.task.scorer.close()
 
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int, on_phase: PhaseCallback | None = None) -> dict[str, float]:
-        """Runs one GRPO step.
+        """Runs one GRPO step, top to bottom.
+
+        generate (at the generation layout) -> rewards -> advantages -> packing -> old and
+        reference log-probs (forward-only pipeline schedule) -> per minibatch: loss and
+        backward over the packed rows, optimizer step -> weight push to the generation layout.
 
         Args:
             step: The step number (0-based); prompts and sampling derive from it.
@@ -298,7 +356,6 @@ class GRPOWorker:
         Returns:
             The step's metrics (identical on every rank).
         """
-        cfg = self.config
         phase = on_phase or (lambda name: None)
         times: dict[str, float] = {}
         metrics: dict[str, float] = {"step": float(step)}
@@ -309,33 +366,64 @@ class GRPOWorker:
 
         phase("generate")
         start = time.perf_counter()
-        rollout = cfg.rollout
         failures = self._reward_failures()
+        rollouts = self.generate(step)
+        times["generate"] = time.perf_counter() - start
+        if isinstance(self.task, DatasetTask):
+            new_failures = self._reward_failures() - failures
+            counted = float(new_failures) if self._counts_once() else 0.0
+            metrics["reward/failures"] = self._sum_over_world([counted])[0]
+            if step == 0 and self.dataset is not None:
+                metrics["data/skipped_prompts"] = float(self.dataset.skipped)
+
+        metrics.update(self.train_on_rollouts(rollouts, times, phase))
+
+        phase("push")
         with self.generation_mode():
-            rollouts = generate_rollouts(
-                self.model,
+            pushed = self.inference.push()
+        times["push"] = pushed.seconds
+        moved = [float(pushed.bytes_sent), float(pushed.bytes_local)]
+        metrics["reshard/bytes_sent"], metrics["reshard/bytes_local"] = self._sum_over_world(moved)
+        metrics["reshard/seconds_max"] = self._max_over_world(pushed.seconds)
+        for name, seconds in times.items():
+            metrics[f"time/{name}"] = seconds
+        return metrics
+
+    def _max_over_world(self, value: float) -> float:
+        if dist.get_world_size() == 1:
+            return value
+        total = torch.tensor([value], dtype=torch.float64, device=_collective_device(self.state))
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        return float(total)
+
+    def generate(self, step: int) -> list[Rollout]:
+        """Samples and scores the step's rollouts at the generation layout (collective).
+
+        Args:
+            step: The step number.
+
+        Returns:
+            Every rollout of the step, grouped by prompt, identical on every rank.
+        """
+        cfg = self.config
+        rollout = cfg.rollout
+        with self.generation_mode():
+            return generate_rollouts(
+                self.inference.model,
                 self.problems_for_step(step),
                 task=self.task,
                 tokenizer=self.tokenizer,
                 group_size=rollout.group_size,
                 max_new_tokens=rollout.max_new_tokens,
                 temperature=rollout.temperature,
-                seed=derive_seed(cfg.run.seed, step, self.dp_rank, "sampling"),
+                seed=derive_seed(cfg.run.seed, step, "sampling"),
                 parallel_generation_tasks=rollout.parallel_generation_tasks,
                 use_cuda_graphs=rollout.use_cuda_graphs,
-                dp_group=self._dp_group(),
+                dp_group=self.inference.dp_group,
                 require_stop=rollout.reward_requires_stop,
+                engine=self.inference.engine,
+                state=self.inference.state,
             )
-        times["generate"] = time.perf_counter() - start
-        if isinstance(self.task, DatasetTask):
-            metrics["reward/failures"] = self._sum_over_dp(self._reward_failures() - failures)
-            if step == 0 and self.dataset is not None:
-                metrics["data/skipped_prompts"] = float(self.dataset.skipped)
-
-        metrics.update(self.train_on_rollouts(rollouts, times, phase))
-        for name, seconds in times.items():
-            metrics[f"time/{name}"] = seconds
-        return metrics
 
     def train_on_rollouts(
         self,
@@ -368,14 +456,14 @@ class GRPOWorker:
         start = time.perf_counter()
         minibatches = self._pack(rollouts, advantages, metrics)
         for minibatch in minibatches:
-            self._old_logprobs(minibatch)
+            minibatch.old_logprobs = self._forward_logprobs(minibatch.context)
         times["logprobs"] = time.perf_counter() - start
         if cfg.loss.kl_beta > 0.0:
             phase("reference")
             start = time.perf_counter()
             with self.reference.use_reference_weights():
                 for minibatch in minibatches:
-                    minibatch.ref_logprobs = self._forward_rows(minibatch.context)
+                    minibatch.ref_logprobs = self._forward_logprobs(minibatch.context)
             times["reference"] = time.perf_counter() - start
 
         phase("train")
@@ -385,8 +473,7 @@ class GRPOWorker:
         for minibatch in minibatches:
             grad_norms.append(self._train_minibatch(minibatch, sums))
         times["train"] = time.perf_counter() - start
-        totals = self._reduce_sums(sums, len(minibatches))
-        metrics.update(totals)
+        metrics.update(self._reduce_sums(sums, len(minibatches)))
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms))
         return metrics
 
@@ -411,15 +498,23 @@ class GRPOWorker:
                 stack.enter_context(self.optimizer.offloaded(optimizer_state=True, grads=True))
             yield
 
+    def _bin_multiple(self) -> int:
+        # The interleaved schedule runs a multiple of pp microbatches on every rank.
+        layout = self.config.train_parallel
+        return layout.pp if layout.vp > 1 else 1
+
     def _pack(
         self, rollouts: list[Rollout], advantages: torch.Tensor, metrics: dict[str, float]
     ) -> list[Minibatch]:
         group_size = self.config.rollout.group_size
         packing = self.config.packing
+        layout = self.config.train_parallel
         groups = len(rollouts) // group_size
         per_minibatch = -(-groups // packing.minibatches_per_step)
         minibatches: list[Minibatch] = []
         efficiencies = []
+        # Sequence parallelism splits every row over the tensor-parallel ranks.
+        pad_multiple = math.lcm(8, layout.tp) if layout.sequence_parallel else 8
         for first in range(0, groups, per_minibatch):
             last = min(groups, first + per_minibatch)
             chosen = list(range(first * group_size, last * group_size))
@@ -429,9 +524,12 @@ class GRPOWorker:
                 max_sequences_per_bin=packing.max_sequences_per_bin,
                 algorithm=packing.algorithm,
                 token_budget=packing.max_tokens_per_microbatch,
+                pad_multiple=pad_multiple,
             )
             efficiencies.append(info.efficiency)
             mine = distribute_bins(info, self.dp_size)[self.dp_rank]
+            multiple = self._bin_multiple()
+            mine = mine + [-1] * (-len(mine) % multiple)
             context = PackingContext.build(
                 sequences,
                 [len(rollouts[i].prompt_ids) for i in chosen],
@@ -454,39 +552,64 @@ class GRPOWorker:
         metrics["packing/bins_per_rank"] = float(minibatches[0].context.input_ids.shape[0])
         return minibatches
 
-    def _row_forward(self, context: PackingContext, with_entropy: bool) -> Callable[..., Any]:
-        def forward_step(model: Any, input_tensor: Any, row: int) -> Any:
-            del input_tensor  # pipeline size 1: every row starts from its tokens
-            logprobs, entropy = row_logprobs(
-                model, context, row, temperature=self.config.rollout.temperature, device=self.device
-            )
-            return (logprobs, entropy) if with_entropy else logprobs
+    def _schedule_model(self) -> Any:
+        return self.chunks if len(self.chunks) > 1 else self.chunks[0]
 
-        return forward_step
+    def _tensor_shape(self, context: PackingContext) -> tuple[int, ...] | None:
+        layout = self.config.train_parallel
+        if layout.pp == 1:
+            return None
+        tokens = int(context.input_ids.shape[1])
+        if layout.sequence_parallel:
+            tokens //= layout.tp
+        return (1, tokens, self.chunks[0].config.hidden_size)
 
-    def _forward_rows(self, context: PackingContext) -> torch.Tensor:
-        # The forward-only schedule (loss_func=None) collects one output per microbatch (row).
+    def _forward_logprobs(self, context: PackingContext) -> torch.Tensor | None:
+        # The forward-only schedule (loss_func=None) collects one output per row on the last
+        # stage: log-probs and entropies stacked as [2, bin_size].
         result = forward_backward(
-            self.model,
+            self._schedule_model(),
             list(range(context.input_ids.shape[0])),
-            forward_step=self._row_forward(context, with_entropy=False),
+            state=self.state,
+            forward_step=self._forward_step(context),
             loss_func=None,
             forward_only=True,
+            tensor_shape=self._tensor_shape(context),
+            dtype=_activation_dtype(self.chunks[0]),
         )
-        return torch.stack([output.float().cpu() for output in result.outputs])
+        if not result.outputs:
+            return None
+        return torch.stack([output[0].float().cpu() for output in result.outputs])
 
-    def _old_logprobs(self, minibatch: Minibatch) -> None:
-        minibatch.old_logprobs = self._forward_rows(minibatch.context)
+    def _forward_step(self, context: PackingContext) -> Callable[..., Any]:
+        temperature = self.config.rollout.temperature
+        tp_group = self.state.group("tp") if self.state.size("tp") > 1 else None
+
+        def forward_step(model: Any, input_tensor: Any, row: int) -> Any:
+            return row_logprobs(
+                model,
+                context,
+                row,
+                temperature=temperature,
+                device=self.device,
+                input_tensor=input_tensor,
+                tp_group=tp_group,
+            )
+
+        return forward_step
 
     def _train_minibatch(self, minibatch: Minibatch, sums: dict[str, torch.Tensor]) -> float:
         context = minibatch.context
         rows = int(context.input_ids.shape[0])
         old, ref = minibatch.old_logprobs, minibatch.ref_logprobs
-        if old is None:
+        last_stage = self.state.is_last_stage
+        if last_stage and old is None:
             raise RLStateError("the old log-probs of a minibatch must be computed before training")
+        counts = self.state.rank_in("tp") == 0 and last_stage
 
-        def loss_func(output: Any, row: int) -> torch.Tensor:
-            logprobs, entropy = output
+        def loss_func(output: torch.Tensor, row: int) -> torch.Tensor:
+            assert old is not None
+            logprobs, entropy = output[0], output[1]
             loss, metrics = grpo_loss(
                 logprobs,
                 self._row(row, old),
@@ -499,49 +622,66 @@ class GRPOWorker:
                 entropy=entropy,
             )
             metrics["loss"] = loss
-            for name, value in metrics.items():
-                sums[name] = sums.get(name, torch.zeros((), device=self.device)) + value.detach()
-            # The schedule divides each loss by the row count and DDP averages over the DP
-            # ranks; the loss already is a share of the global token mean, so undo both.
-            return loss * (rows * self.dp_size)
+            if counts:
+                for name, value in metrics.items():
+                    total = sums.get(name, torch.zeros((), device=self.device))
+                    sums[name] = total + value.detach()
+            # Each row's loss is its share of the minibatch's token mean over every rank:
+            # rows and data-parallel ranks are summed (average_microbatches=False, DDP with
+            # average_over_data_parallel=False), never averaged and undone.
+            return loss
 
         self.model.zero_grad_buffer()
         forward_backward(
-            self.model,
+            self._schedule_model(),
             list(range(rows)),
-            forward_step=self._row_forward(context, with_entropy=True),
+            state=self.state,
+            forward_step=self._forward_step(context),
             loss_func=loss_func,
             no_sync=self.model.no_sync,
+            tensor_shape=self._tensor_shape(context),
+            dtype=_activation_dtype(self.chunks[0]),
+            average_microbatches=False,
         )
+        allreduce_shared_embedding_grads(self.chunks, self.state)
         return self.optimizer.step()
 
     def _row(self, row: int, tensor: torch.Tensor) -> torch.Tensor:
         return tensor[row].to(self.device, non_blocking=True)
 
     def _reduce_sums(self, sums: dict[str, torch.Tensor], minibatches: int) -> dict[str, float]:
-        names = sorted(sums)
-        if not names:
-            return {}
-        packed = torch.stack([sums[n].float() for n in names])
-        if self.dp_size > 1:
-            dist.all_reduce(packed, group=self.state.dp_group)
+        # Every rank reduces the same names (those of grpo_loss); ranks that hold no loss
+        # contribute zeros.
+        names = sorted(_loss_metric_names(self.config) | set(sums))
+        values = [float(sums[n]) if n in sums else 0.0 for n in names]
+        totals = self._sum_over_world(values)
         # Every minibatch normalises by its own token count: average the minibatch means.
-        return {n: float(v) / minibatches for n, v in zip(names, packed.tolist())}
+        return {n: v / minibatches for n, v in zip(names, totals)}
 
     # ------------------------------------------------------------------ checkpoints
 
     def _checkpoint_state(self, step: int) -> dict[str, Any]:
+        policy = self.model.module
+        assert isinstance(policy, PolicyChunks)
+        model = policy.sharded_model_state(self.state)
+        reference = self.reference.state_dict()
         return {
-            "model": unwrap_model(self.model).state_dict(),
+            "model": model,
             "optimizer": self.optimizer,
-            "reference": self.reference.state_dict(),
+            "reference": {
+                name: ShardedTensor(
+                    reference[name], block.global_shape, block.global_offset, block.replica_id
+                )
+                for name, block in model.items()
+            },
             "step": step,
         }
 
     def save_checkpoint(self, root: str | Path, step: int) -> None:
         """Saves model, optimizer and reference weights as checkpoint ``step`` under ``root``.
 
-        Parameters are synchronised first (no all-gather in flight while saving).
+        Parameters are synchronised first (no all-gather in flight while saving). Tensors are
+        saved as blocks of the whole model, so the checkpoint records the layout it came from.
 
         Args:
             root: The checkpoint root (``<run_dir>/checkpoints``).
@@ -551,7 +691,7 @@ class GRPOWorker:
         save(root, self._checkpoint_state(step), state=self.state, step=step)
 
     def load_checkpoint(self, root: str | Path) -> int:
-        """Loads the latest checkpoint under ``root``.
+        """Loads the latest checkpoint under ``root`` and pushes the weights to generation.
 
         Args:
             root: The checkpoint root.
@@ -561,12 +701,37 @@ class GRPOWorker:
         """
         self.optimizer.start_param_sync(force_sync=True)
         state = self._checkpoint_state(0)
-        reference = {k: v.clone() for k, v in state["reference"].items()}
+        reference = {
+            name: ShardedTensor(
+                block.local.clone(), block.global_shape, block.global_offset, block.replica_id
+            )
+            for name, block in state["reference"].items()
+        }
         state["reference"] = reference
         with self.optimizer.param_sync_hooks_disabled():
             load(root, state, state=self.state)
-        self.reference.load_state_dict(reference)
+        self.reference.load_state_dict({n: b.local for n, b in reference.items()})
+        with self.generation_mode():
+            self.inference.push()
         return int(state["step"])
+
+
+def _loss_metric_names(config: GRPOConfig) -> set[str]:
+    # What grpo_loss reports for this config (every rank reduces the same names).
+    names = {"loss", "token_prob_error", "generation_kl", "clip_fraction", "ratio", "entropy"}
+    if config.loss.kl_beta > 0.0:
+        names.add("kl")
+    if config.loss.importance_sampling_cap is not None:
+        names.add("importance_weight")
+    return names
+
+
+def _collective_device(state: ParallelState) -> torch.device:
+    return torch.device(state.device)
+
+
+def _activation_dtype(chunk: GPTModel) -> torch.dtype:
+    return next(chunk.parameters()).dtype
 
 
 def _rollout_metrics(rollouts: list[Rollout], rewards: torch.Tensor) -> dict[str, float]:

@@ -50,6 +50,11 @@ class DDPConfig:
     average_in_collective: bool = False
     """Average with ``ReduceOp.AVG`` inside the collective instead of SUM then divide after."""
 
+    average_over_data_parallel: bool = True
+    """Gradients are the mean over the data-parallel ranks (the usual per-rank mean loss).
+    False sums them instead: for losses already normalised by a global count (a per-token loss
+    divided by the tokens of every rank, as in RL), so no factor has to be undone."""
+
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (ZeRO-1): reduce-scatter + all-gather."""
 
@@ -74,6 +79,9 @@ class DDPConfig:
                 f"bucket_size={self.bucket_size!r} must be None (default), 0 (one bucket) or a "
                 "positive int (elements)"
             )
+        for name in ("average_in_collective", "average_over_data_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParallelConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ParallelConfigError(
                 "overlap_param_gather=True needs use_distributed_optimizer=True: without a "

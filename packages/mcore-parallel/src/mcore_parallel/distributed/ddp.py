@@ -115,6 +115,8 @@ class DistributedDataParallel(nn.Module):
             # Expert gradients end up divided by the dense (dp x cp) size too: each already sums
             # the contributions of its expert-parallel peers' tokens.
             reduced_by = comm.size if config.average_in_collective else 1
+            # Summed gradients: undo only the collective's own averaging.
+            divide_by = self.dp_size if config.average_over_data_parallel else 1
             buffer = ParamAndGradBuffer(
                 group_params,
                 param_dtype=param_dtype,
@@ -123,7 +125,7 @@ class DistributedDataParallel(nn.Module):
                 bucket_size=bucket_size,
                 comm=comm,
                 shard=config.use_distributed_optimizer,
-                grad_scale=reduced_by / self.dp_size,
+                grad_scale=reduced_by / divide_by,
                 is_expert=is_expert,
                 first_bucket_index=len(self.buckets),
             )

@@ -94,7 +94,12 @@ def _global_layout(
     base = (ep_index * tp_count + tp_index) * numel
     tp_replica = tp.rank if tp is not None and not tp_split else 0
     dp_replica = buffer.comm.rank if buffer.num_shards == 1 else 0
-    return numel * tp_count * ep_count, base, tp_replica * buffer.comm.size + dp_replica
+    replica = tp_replica * buffer.comm.size + dp_replica
+    if getattr(param, "pipeline_shared_copy", False):
+        # A second pipeline stage's copy of a tied weight (the output layer tied to the
+        # embedding): the first stage's copy is the one saved and counted in the norm.
+        replica += (tp.size if tp is not None else 1) * buffer.comm.size
+    return numel * tp_count * ep_count, base, replica
 
 
 def build_shards(

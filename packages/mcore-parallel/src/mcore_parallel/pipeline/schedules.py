@@ -69,6 +69,7 @@ class _Stage:
     num_microbatches: int
     no_sync: Callable[[], AbstractContextManager[Any]] | None
     result: ScheduleOutput
+    average_microbatches: bool = True
     backward_count: int = 0
 
     def forward(self, input_tensor: torch.Tensor | None, microbatch: Any) -> torch.Tensor:
@@ -86,7 +87,7 @@ class _Stage:
                 f"loss_func must return a scalar, got a tensor of shape {tuple(loss.shape)}"
             )
         self.result.losses.append(loss.detach())
-        return loss / self.num_microbatches
+        return loss / self.num_microbatches if self.average_microbatches else loss
 
     def backward(
         self,
@@ -114,6 +115,7 @@ def forward_backward(
     tensor_shape: Sequence[int] | None = None,
     dtype: torch.dtype = torch.float32,
     no_sync: Callable[[], AbstractContextManager[Any]] | None = None,
+    average_microbatches: bool = True,
 ) -> ScheduleOutput:
     """Runs forward (and backward) passes of this pipeline stage over the microbatches.
 
@@ -144,6 +146,9 @@ def forward_backward(
         no_sync: Factory of a context manager entered around every backward pass but the last
             (e.g. a data-parallel wrapper's ``no_sync``), so gradients are reduced once; with
             model chunks, around every backward pass of a chunk but its last.
+        average_microbatches: Divide each loss by the number of microbatches (the gradient of
+            the mean loss, the default); False accumulates the gradient of their sum, for
+            losses that are already shares of a global normaliser (e.g. a token count).
 
     Returns:
         The per-microbatch losses, or outputs when ``loss_func`` is None; empty on stages other
@@ -177,6 +182,7 @@ def forward_backward(
             num_microbatches=num_microbatches,
             no_sync=no_sync,
             result=result,
+            average_microbatches=average_microbatches,
         )
         for index, chunk in enumerate(chunks)
     ]
