@@ -108,13 +108,22 @@ def test_to_dict_and_from_dict_round_trip():
     assert GRPOConfig.from_dict(config.to_dict()) == config
 
 
-@pytest.mark.parametrize("section", ["train_parallel", "infer_parallel"])
-@pytest.mark.parametrize("size", ["tp", "pp", "cp", "ep"])
-def test_model_parallel_layouts_are_not_supported_yet(section, size):
-    with pytest.raises(RLConfigError, match=f"{section}.{size}=2 is not supported yet"):
-        GRPOConfig().replace(**{section: {size: 2}})
+@pytest.mark.parametrize("size", ["tp", "pp", "vp", "cp", "ep", "dp"])
+def test_parallel_sizes_must_be_positive(size):
     with pytest.raises(RLConfigError, match=f"{size}=0 must be >= 1"):
         ParallelConfig(**{size: 0})
+
+
+def test_model_parallel_layouts_are_accepted_except_what_is_not_built():
+    config = GRPOConfig().replace(
+        train_parallel={"tp": 2, "pp": 2, "vp": 2, "ep": 2, "sequence_parallel": True},
+        infer_parallel={"tp": 2, "pp": 2, "ep": 2},
+    )
+    assert config.train_parallel.vp == 2 and config.infer_parallel.ep == 2
+    with pytest.raises(RLConfigError, match=r"train_parallel\.cp=2 is not supported yet"):
+        GRPOConfig().replace(train_parallel={"cp": 2})
+    with pytest.raises(RLConfigError, match=r"infer_parallel\.cp=2 is not supported"):
+        GRPOConfig().replace(infer_parallel={"cp": 2})
 
 
 def test_cli_spells_sections_with_dots():
@@ -135,12 +144,35 @@ def test_cli_spells_sections_with_dots():
     )
 
 
-def test_cli_reports_unsupported_layouts_without_a_traceback(capsys):
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--train-parallel.cp", "2"], "train_parallel.cp=2 is not supported yet"),
+        (["--infer-parallel.vp", "2", "--infer-parallel.pp", "2"], "infer_parallel.vp=2"),
+        (["--infer-parallel.sequence-parallel", "--infer-parallel.tp", "2"], "sequence_parallel"),
+        (["--train-parallel.vp", "2"], "vp=2 needs pp > 1"),
+        (["--train-parallel.sequence-parallel"], "sequence_parallel=True needs tp > 1"),
+    ],
+)
+def test_cli_reports_unsupported_layouts_without_a_traceback(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
-        parse_grpo_args(["--train-parallel.tp", "2"])
+        parse_grpo_args(args)
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
-    assert "train_parallel.tp=2 is not supported yet" in error and "Traceback" not in error
+    assert message in error and "Traceback" not in error
+
+
+def test_cli_takes_model_parallel_layouts():
+    config = parse_grpo_args(
+        ["--train-parallel.tp", "2", "--train-parallel.pp", "2", "--train-parallel.vp", "2",
+         "--infer-parallel.tp", "1", "--infer-parallel.pp", "2"]
+    )  # fmt: skip
+    train, infer = config.train_parallel, config.infer_parallel
+    assert (train.tp, train.pp, train.vp, infer.tp, infer.pp) == (2, 2, 2, 1, 2)
+    assert not train.same_model_layout(infer)
+    assert train.data_parallel_size(8) == 2 and infer.data_parallel_size(8) == 4
+    with pytest.raises(RLConfigError, match="does not fill the 6 ranks"):
+        train.data_parallel_size(6)
 
 
 def test_presets_build_and_keep_the_main_job_defaults():

@@ -111,11 +111,18 @@ def load_policy_chunks(
     return chunks
 
 
+def _is_tied_copy(chunk: GPTModel, name: str) -> bool:
+    # A last stage's output layer holding a copy of the tied embedding.
+    return (
+        name.startswith("output_layer.")
+        and not chunk.pre_process
+        and chunk.config.tie_word_embeddings
+    )
+
+
 def _parameter_name(chunk: GPTModel, name: str) -> str:
     # A tied copy keeps its local name: the canonical one belongs to the first stage's copy.
-    if name.startswith("output_layer.") and not chunk.pre_process:
-        return name
-    return chunk.canonical_name(name)
+    return name if _is_tied_copy(chunk, name) else chunk.canonical_name(name)
 
 
 class PolicyChunks(nn.Module):
@@ -180,7 +187,7 @@ class PolicyChunks(nn.Module):
                 block = blocks[name]
                 if not isinstance(block, ShardedTensor):
                     continue
-                if name.startswith("output_layer.") and not chunk.pre_process:
+                if _is_tied_copy(chunk, name):
                     block = ShardedTensor(
                         block.local,
                         block.global_shape,

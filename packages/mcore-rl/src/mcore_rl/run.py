@@ -18,7 +18,7 @@ from mcore_rl.workers import WorkerGroup, make_workers
 
 __all__ = ["RunResult", "run_grpo"]
 
-PHASES = ("generate", "logprobs", "reference", "train")
+PHASES = ("generate", "logprobs", "reference", "train", "push")
 
 
 @dataclass(kw_only=True, slots=True)
