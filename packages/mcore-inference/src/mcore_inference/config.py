@@ -51,6 +51,11 @@ class InferenceConfig:
     otherwise) instead of all-reduce, when the model supports it; see ``engine.describe()``."""
     kv_dtype: torch.dtype | None = None
     """Dtype of the KV cache; None uses the dtype of the model's parameters."""
+    fused_decode: bool = True
+    """Run a whole, unsharded dense ``GPTModel`` through the engine's fused forward (one GEMM
+    for q/k/v and one for gate/up over weight copies the engine keeps in sync, RoPE fused with
+    the cache write, fused SwiGLU; see ``mcore_inference.fused_decode``); False, or another
+    model, runs the model's own forward. Costs a second copy of those weights."""
     tokenizer_path: str | None = None
     """Path of a ``tokenizer.json`` (or a directory holding one) for string stop words and text."""
     seed: int = 0

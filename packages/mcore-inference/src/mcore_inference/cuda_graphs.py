@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from mcore_inference.fused_decode import FusedDecoder
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_models.moe import set_decode_expert_padding
 
@@ -45,6 +46,7 @@ class DecodeGraphRunner:
         block_tables: The engine's persistent int32 block table (fixed address).
         padding_row: Row of ``block_tables`` that holds only the scratch block.
         batch_sizes: Sorted padded batch sizes to capture.
+        decoder: The engine's fused forward of the model, or None for the model's own.
     """
 
     def __init__(
@@ -54,8 +56,10 @@ class DecodeGraphRunner:
         block_tables: torch.Tensor,
         padding_row: int,
         batch_sizes: tuple[int, ...],
+        decoder: FusedDecoder | None = None,
     ) -> None:
         self._model = model
+        self._decoder = decoder
         self._cache = cache
         self._block_tables = block_tables
         self.batch_sizes = batch_sizes
@@ -113,7 +117,12 @@ class DecodeGraphRunner:
         inputs = self._inputs[:, :batch]
         self._cache.prepare_step(self._block_tables, inputs[1], inputs[2])
         stage_input = inputs[0][None] if self._hidden is None else self._hidden[:, :batch]
-        hidden = self._model(stage_input, inputs[1][None], kv_cache=self._cache, return_hidden=True)
+        if self._decoder is not None:
+            hidden = self._decoder(stage_input, inputs[1][None], kv_cache=self._cache)
+        else:
+            hidden = self._model(
+                stage_input, inputs[1][None], kv_cache=self._cache, return_hidden=True
+            )
         if not self._last_stage:
             return hidden[0]
         return self._model.compute_logits(hidden[0])
@@ -183,6 +192,7 @@ class DecodeGraphRunner:
         self._release_graphs()
         self._pool = None
         self._model = None
+        self._decoder = None
         self._cache = None  # type: ignore[assignment]
         self._block_tables = self._inputs = self._padding = None  # type: ignore[assignment]
         self._hidden = None

@@ -24,6 +24,7 @@ from mcore_inference.expert_parallel import (
     find_expert_parallel_group,
     find_expert_tensor_parallel_group,
 )
+from mcore_inference.fused_decode import FusedDecoder, build_fused_decoder
 from mcore_inference.intake import normalize_prompt, params_per_prompt, validate_request
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.request import (
@@ -171,6 +172,7 @@ class InferenceEngine:
             first_layer=first_layer,
         )
         self.scheduler: Scheduler | None = Scheduler(config, self.allocator, self.device)
+        self._decoder: FusedDecoder | None = build_fused_decoder(model, config.fused_decode)
         graphs: DecodeGraphRunner | None = None
         if config.use_cuda_graphs and self.device.type == "cuda":
             graphs = DecodeGraphRunner(
@@ -179,6 +181,7 @@ class InferenceEngine:
                 self.scheduler.block_tables,
                 self.scheduler.padding_row,
                 config.graph_batch_sizes(),
+                self._decoder,
             )
         ep_group = find_expert_parallel_group(model)
         etp_group = find_expert_tensor_parallel_group(model)
@@ -197,6 +200,7 @@ class InferenceEngine:
             self._ep,
             graphs,
             config.fuse_tp_communication and groups.tp_group is not None,
+            self._decoder,
         )
         self.tokenizer: Any = (
             load_tokenizer(config.tokenizer_path) if config.tokenizer_path is not None else None
@@ -284,6 +288,7 @@ class InferenceEngine:
         self._pipeline.clear()
         self._stage_input = None
         self._ep = None
+        self._decoder = None
         if self._runner is not None:
             if self._runner.graphs is not None:
                 self._runner.graphs.close()
@@ -343,7 +348,10 @@ class InferenceEngine:
         self._check_open()
         if self._weight_names is None:
             self._weight_names = whole_model_names(self.model)
-        return update_weights_in_place(self.model, weights, known_names=self._weight_names)
+        updated = update_weights_in_place(self.model, weights, known_names=self._weight_names)
+        if self._decoder is not None:
+            self._decoder.refresh_now()
+        return updated
 
     # ------------------------------------------------------------------------------ requests
 
@@ -494,7 +502,7 @@ class InferenceEngine:
             EngineClosedError: If the engine is closed.
         """
         self._check_open()
-        self._revalidate_graphs()
+        self._revalidate_graphs(per_step=True)
         return [self._snapshot(r) for r in self._step(progress=True)]
 
     def step_updates(self) -> list[TokenUpdate]:
@@ -511,7 +519,7 @@ class InferenceEngine:
             EngineClosedError: If the engine is closed.
         """
         self._check_open()
-        self._revalidate_graphs()
+        self._revalidate_graphs(per_step=True)
         updates = []
         for request in self._step(progress=True):
             start = request.num_reported
@@ -529,8 +537,16 @@ class InferenceEngine:
             )
         return updates
 
-    def _revalidate_graphs(self) -> None:
+    def _revalidate_graphs(self, *, per_step: bool = False) -> None:
         # Once per public call, not per step: weights cannot move while the engine runs.
+        if self._decoder is not None:
+            # A generate/stream call copies the fused weights outright (one pass over them;
+            # broadcasts and `.data` writes do not bump version counters); a single step, which
+            # a serving loop calls per token, copies only after a counted change.
+            if per_step:
+                self._decoder.refresh()
+            else:
+                self._decoder.refresh_now()
         graphs = self._graphs
         if graphs is not None:
             graphs.drop_if_weights_moved()

@@ -12,6 +12,7 @@ from mcore_inference.cuda_graphs import DecodeGraphRunner
 from mcore_inference.describe import fused_tp_communication
 from mcore_inference.distributed import EngineGroups
 from mcore_inference.expert_parallel import ExpertParallelSync
+from mcore_inference.fused_decode import FusedDecoder
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.sampling import sample_tokens, sampling_uniform
 from mcore_kernels import token_logprobs
@@ -31,6 +32,7 @@ class StageRunner:
         lockstep: Per-step agreement with expert-parallel peers, or None.
         graphs: Decode CUDA graphs, or None.
         fuse_tp_communication: Hold the model's fused TP reduction on during each step.
+        decoder: The engine's fused forward of the model, or None for the model's own.
     """
 
     def __init__(
@@ -43,8 +45,10 @@ class StageRunner:
         lockstep: ExpertParallelSync | None,
         graphs: DecodeGraphRunner | None,
         fuse_tp_communication: bool = False,
+        decoder: FusedDecoder | None = None,
     ) -> None:
         self.model = model
+        self.decoder = decoder
         self.fuse_tp_communication = fuse_tp_communication
         self.kv_cache = kv_cache
         self.block_tables = block_tables
@@ -160,9 +164,12 @@ class StageRunner:
             stage_input = hidden
         self.kv_cache.prepare_step(self.block_tables, inputs[1], inputs[2], max_context=max_context)
         try:
-            output = self.model(
-                stage_input, inputs[1][None], kv_cache=self.kv_cache, return_hidden=True
-            )
+            if self.decoder is not None:
+                output = self.decoder(stage_input, inputs[1][None], kv_cache=self.kv_cache)
+            else:
+                output = self.model(
+                    stage_input, inputs[1][None], kv_cache=self.kv_cache, return_hidden=True
+                )
         finally:
             self.kv_cache.clear_step()
         if not groups.is_last_stage:
@@ -175,6 +182,7 @@ class StageRunner:
     def close(self) -> None:
         """Drop the references to the model, cache and graphs."""
         self.graphs = None
+        self.decoder = None
         self.model = self.kv_cache = self.block_tables = None  # type: ignore[assignment]
 
 
