@@ -27,6 +27,7 @@ from mcore_inference.expert_parallel import (
 from mcore_inference.fused_decode import FusedDecoder, build_fused_decoder
 from mcore_inference.intake import normalize_prompt, params_per_prompt, validate_request
 from mcore_inference.kv_cache import PagedKVCache
+from mcore_inference.readback import DeferredSamples, SampleReadback
 from mcore_inference.request import (
     FinishReason,
     GenerationResult,
@@ -210,6 +211,16 @@ class InferenceEngine:
         self._unreported: list[Request] = []
         self._stops: dict[int, StopCriteria] = {}
         self._pipeline: deque[Microbatch | None] = deque()
+        # One rank per replica, one stage, no EP lockstep: sampled tokens are read one step late.
+        self._readback: SampleReadback | None = (
+            SampleReadback(self.device)
+            if config.async_token_readback
+            and groups.pp_size == 1
+            and groups.replica_group is None
+            and self._ep is None
+            else None
+        )
+        self._deferred: DeferredSamples | None = None
         self._stage_input: torch.Tensor | None = None
         self._weight_names: set[str] | None = None
         self._closed = False
@@ -258,6 +269,12 @@ class InferenceEngine:
         )
 
     def _pipeline_busy(self) -> bool:
+        deferred = self._deferred
+        # Deferred tokens of requests that all ended (aborted) are work for nobody.
+        if deferred is not None and any(
+            request.status == RequestStatus.ACTIVE for request in deferred.microbatch.sampling
+        ):
+            return True
         return any(microbatch is not None for microbatch in self._pipeline)
 
     def describe(self) -> dict[str, Any]:
@@ -286,6 +303,7 @@ class InferenceEngine:
         self._unreported.clear()
         self._stops.clear()
         self._pipeline.clear()
+        self._deferred = None
         self._stage_input = None
         self._ep = None
         self._decoder = None
@@ -469,7 +487,10 @@ class InferenceEngine:
 
     def _finish(self, request: Request, reason: FinishReason, *, error: str | None = None) -> None:
         if self.scheduler is not None:
-            self.scheduler.release(request, keep_blocks=request.in_flight > 0)
+            # With deferred readback (one stage) the step still holding the request runs on
+            # the same stream as any later use of its blocks: they may be freed now.
+            keep_blocks = request.in_flight > 0 and self._readback is None
+            self.scheduler.release(request, keep_blocks=keep_blocks)
         request.finish_reason = reason
         request.status = (
             RequestStatus.FAILED if reason == FinishReason.ERROR else RequestStatus.FINISHED
@@ -562,20 +583,30 @@ class InferenceEngine:
         assert self.scheduler is not None and self._runner is not None
         groups = self.groups
         pp = groups.pp_size
+        if self._deferred is not None and self._deferred.ends_by_length:
+            # Read now the tokens that end requests by length, so their blocks are free for
+            # this step's admission exactly as in the synchronous engine (same batches).
+            self._complete_deferred(reports, progress=progress)
         self.scheduler.admit()
         # A pipeline splits the decoding requests into one group per stage.
         max_decode = None if pp == 1 else -(-len(self.scheduler.active) // pp)
         batch = self.scheduler.schedule(max_decode)
-        self._pipeline.appendleft(build_microbatch(batch) if batch else None)
+        microbatch = build_microbatch(batch) if batch else None
+        if microbatch is not None and microbatch.deferred_rows:
+            assert self._deferred is not None
+            microbatch.token_source = self._deferred.samples
+        self._pipeline.appendleft(microbatch)
         mine = self._pipeline[groups.pp_rank] if groups.pp_rank < len(self._pipeline) else None
         received, self._stage_input = self._stage_input, None
         has_work = bool(self.num_waiting or self.num_active or self._pipeline_busy())
         if mine is None and self._ep is None and pp == 1:
             self._pipeline.pop()
-            return reports
+            self._complete_deferred(reports, progress=progress)
+            return reports + self._take_unreported()
         try:
             output, logits = self._runner.run(mine, received, has_work=has_work)
         except Exception as exc:  # a failed step fails its requests, never the engine
+            self._complete_deferred(reports, progress=progress)
             if mine is None or groups.replica_size > 1 or self._ep is not None:
                 # Peers are inside collectives of this step: no recovery without them.
                 self._unreported = reports + self._unreported
@@ -608,9 +639,31 @@ class InferenceEngine:
             )
         if len(self._pipeline) == pp:
             leaving = self._pipeline.pop()
-            if leaving is not None:
+            if self._readback is not None and leaving is not None and leaving.sampling:
+                # Copy this step's tokens to the host in the background; read the previous
+                # step's (their copy came before this step's kernels) while the GPU works.
+                assert samples is not None
+                deferred = self._readback.start(leaving, samples)
+                self._complete_deferred(reports, progress=progress)
+                self._defer(deferred)
+            elif leaving is not None:
+                self._complete_deferred(reports, progress=progress)
                 self._complete(leaving, samples, reports, progress=progress)
         return reports + self._take_unreported()
+
+    def _complete_deferred(self, reports: list[Request], *, progress: bool) -> None:
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._complete(deferred.microbatch, deferred.wait(), reports, progress=progress)
+
+    def _defer(self, deferred: DeferredSamples) -> None:
+        for column, request in enumerate(deferred.microbatch.sampling):
+            if request.status == RequestStatus.ACTIVE:
+                request.deferred_index = column
+                request.awaiting_token = True
+                if len(request.output) + 1 >= request.max_new_tokens:
+                    deferred.ends_by_length = True
+        self._deferred = deferred
 
     def _decides_samples(self) -> bool:
         groups = self.groups
@@ -640,6 +693,7 @@ class InferenceEngine:
         stops = self._stops
         for request, token, logprob in zip(leaving.sampling, values[0], values[1], strict=True):
             request.awaiting_token = False
+            request.deferred_index = -1
             if request.status != RequestStatus.ACTIVE:
                 continue  # aborted while its tokens were in the pipeline
             output = request.output

@@ -103,6 +103,15 @@ class Scheduler:
         prefilling: list[tuple[Request, int]] = []
         for request in self.active:
             if request.awaiting_token:
+                # Its sampled token is still on the device: it may decode that token now when
+                # the token cannot end it by length (a stop token only ends it when read, and
+                # the step it then wasted wrote inside its footprint).
+                if (
+                    request.deferred_index >= 0
+                    and len(request.output) + 1 < request.max_new_tokens
+                    and (max_decode is None or len(batch) < max_decode)
+                ):
+                    batch.append((request, 1))
                 continue
             remaining = len(request.prompt) + len(request.output) - request.num_computed
             if remaining == 1:

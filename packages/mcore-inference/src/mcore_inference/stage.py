@@ -15,6 +15,7 @@ from mcore_inference.expert_parallel import ExpertParallelSync
 from mcore_inference.fused_decode import FusedDecoder
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.sampling import sample_tokens, sampling_uniform
+from mcore_inference.transfer import to_device
 from mcore_kernels import token_logprobs
 
 __all__ = ["StageRunner", "sample_microbatch"]
@@ -67,6 +68,9 @@ class StageRunner:
             rows.tokens = list(microbatch.tokens)
             rows.positions = list(microbatch.positions)
             rows.table_rows = list(microbatch.table_rows)
+            rows.deferred_rows = microbatch.deferred_rows
+            rows.deferred_columns = microbatch.deferred_columns
+            rows.token_source = microbatch.token_source
         num_real = rows.num_tokens
         if pad_to > num_real:
             rows.pad(pad_to - num_real, self.padding_row)
@@ -176,7 +180,7 @@ class StageRunner:
             return (output[:, :num_real] if num_real else None), None
         if microbatch is None or not microbatch.sampling:
             return None, None
-        rows = torch.tensor(microbatch.sample_rows, dtype=torch.long, device=self.device)
+        rows = to_device(microbatch.sample_rows, torch.long, self.device)
         return None, self.model.compute_logits(output[0].index_select(0, rows))
 
     def close(self) -> None:
@@ -199,8 +203,10 @@ def sample_microbatch(logits: torch.Tensor, microbatch: Microbatch) -> torch.Ten
     """
     requests = microbatch.sampling
     params = [r.params for r in requests]
+    # The index of the token being sampled is the number of tokens fed after the prompt: also
+    # right for a request whose previous token is still deferred (not in ``output`` yet).
     uniforms = [
-        sampling_uniform(r.seed, len(r.output)) if p.temperature else 0.0
+        sampling_uniform(r.seed, r.num_computed - len(r.prompt)) if p.temperature else 0.0
         for r, p in zip(requests, params)
     ]
     new_tokens = sample_tokens(logits, params, uniforms)
@@ -210,15 +216,21 @@ def sample_microbatch(logits: torch.Tensor, microbatch: Microbatch) -> torch.Ten
     samples[0] = new_tokens.to(torch.float64)
     logprob_rows = [i for i, p in enumerate(params) if p.return_logprobs]
     if logprob_rows:
-        index = torch.tensor(logprob_rows, dtype=torch.long, device=logits.device)
-        temperatures = torch.tensor(
-            [params[i].temperature or 1.0 for i in logprob_rows], device=logits.device
-        )
-        # logprobs of the sampling distribution at the request's temperature (greedy: 1).
-        values = token_logprobs(
-            logits.index_select(0, index).float() / temperatures[:, None],
-            new_tokens.index_select(0, index),
-        )
+        # Every row (the common case) needs no gather and no scatter.
+        every = len(logprob_rows) == len(params)
+        index = None if every else to_device(logprob_rows, torch.long, logits.device)
+        row_logits = logits if index is None else logits.index_select(0, index)
+        row_tokens = new_tokens if index is None else new_tokens.index_select(0, index)
+        # logprobs of the sampling distribution at the request's temperature (greedy: 1;
+        # a division by 1 changes no bit, so it is skipped).
+        temperatures = [params[i].temperature or 1.0 for i in logprob_rows]
+        scaled = row_logits.float()
+        if any(t != 1.0 for t in temperatures):
+            scaled = scaled / to_device(temperatures, torch.float32, logits.device)[:, None]
+        values = token_logprobs(scaled, row_tokens)
         assert isinstance(values, torch.Tensor)
-        samples[1].index_copy_(0, index, values.to(torch.float64))
+        if index is None:
+            samples[1].copy_(values)
+        else:
+            samples[1].index_copy_(0, index, values.to(torch.float64))
     return samples
