@@ -110,3 +110,18 @@ def test_continuing_request_is_fed_its_unread_token_on_the_device(model):
         expected = synchronous.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6))
     assert request.output == expected[0].tokens
     assert request.status == RequestStatus.FINISHED
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_deferred_readback_with_graphs_on_gpu_matches_the_synchronous_engine():
+    gpu_model = GPTModel(GPTConfig.from_name("tiny", vocab_size=64, seed=21)).eval().cuda()
+    prompts = _prompts(7, seed=3)
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.7, seed=i, max_tokens=4 + i, return_logprobs=True
+        )
+        for i in range(len(prompts))
+    ]
+    expected = _run(gpu_model, prompts, params, readback=False)
+    assert _run(gpu_model, prompts, params, readback=True) == expected
