@@ -124,7 +124,9 @@ class StageRunner:
         sampling = microbatch is not None and bool(microbatch.sampling)
         if use_graphs and graphs is not None:
             try:
-                output = graphs.run(inputs, received)[:num_real]
+                # Expert-parallel peers keep one graph per bucket (their contexts differ).
+                narrow = max_context if self.lockstep is None else None
+                output = graphs.run(inputs, received, max_context=narrow)[:num_real]
                 if not self.groups.is_last_stage:
                     return (output[None] if num_real else None), None
                 return None, output if sampling else None
