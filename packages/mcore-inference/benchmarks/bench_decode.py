@@ -10,6 +10,13 @@ Roofline: one decode step must read every parameter once plus the KV cache of ev
 (at the mean context length); divided by the device-to-device copy bandwidth measured in the
 same run, it bounds the tokens per second.
 
+Profile (``--profile-batch-sizes``): kernels (GPU activities) per decode step, GPU time per
+step and the GPU busy fraction, from torch.profiler traces of a warm engine with graphs on,
+plus the kernels of most GPU time (see ``_decode_profile.py``). ``--compare-unfused`` runs
+the engine with ``InferenceConfig(fused_decode=False)`` too (the model's own forward), and
+``--hf-static-batch-sizes`` adds transformers with ``cache_implementation="static"`` (it
+compiles its forward: slow to start, off by default).
+
 Run from the repository root on one GPU::
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
@@ -26,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from _decode_profile import profile_decode
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
 from mcore_models import GPTConfig, GPTModel
@@ -58,7 +66,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _mcore_decode_seconds(model, prompts, new_tokens, *, use_cuda_graphs) -> tuple[float, float]:
+def _mcore_decode_seconds(
+    model, prompts, new_tokens, *, use_cuda_graphs, fused_decode=True, profile_tokens=0
+) -> tuple[float, float, dict | None]:
     batch, prompt_len = len(prompts), len(prompts[0])
     config = InferenceConfig(
         max_batch_size=batch,
@@ -68,6 +78,7 @@ def _mcore_decode_seconds(model, prompts, new_tokens, *, use_cuda_graphs) -> tup
         prefill_chunk_size=prompt_len,
         use_cuda_graphs=use_cuda_graphs,
         cuda_graph_batch_sizes=(batch,),
+        fused_decode=fused_decode,
     )
     with InferenceEngine(model, config) as engine:
         engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
@@ -79,11 +90,16 @@ def _mcore_decode_seconds(model, prompts, new_tokens, *, use_cuda_graphs) -> tup
                 prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens + 1)
             )
         )
+        profile = (
+            profile_decode(engine, prompts, profile_tokens, SamplingParams)
+            if profile_tokens
+            else None
+        )
     gc.collect()
-    return full - prefill, prefill
+    return full - prefill, prefill, profile
 
 
-def _hf_decode_seconds(hf_model, prompts, new_tokens) -> tuple[float, float]:
+def _hf_decode_seconds(hf_model, prompts, new_tokens, **generate_options) -> tuple[float, float]:
     input_ids = torch.tensor(prompts, device="cuda")
     mask = torch.ones_like(input_ids)
 
@@ -95,6 +111,7 @@ def _hf_decode_seconds(hf_model, prompts, new_tokens) -> tuple[float, float]:
             min_new_tokens=count,
             do_sample=False,
             pad_token_id=0,
+            **generate_options,
         )
 
     run(4)  # warm-up
@@ -108,18 +125,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--preset", default="qwen2.5-0.5b")
-    parser.add_argument("--batch-sizes", default="1,64,128,256,512")
+    parser.add_argument("--batch-sizes", default="1,64,256,512")
     parser.add_argument("--hf-batch-sizes", default="1,64,256")
+    parser.add_argument("--hf-static-batch-sizes", default="")
     parser.add_argument("--eager-batch-sizes", default="1,64")
+    parser.add_argument("--profile-batch-sizes", default="1,64")
+    parser.add_argument("--profile-tokens", type=int, default=32)
+    parser.add_argument(
+        "--compare-unfused",
+        action="store_true",
+        help="also run the engine with InferenceConfig(fused_decode=False)",
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
     args = parser.parse_args()
+    started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     hf_batch_sizes = {int(b) for b in args.hf_batch_sizes.split(",") if b}
     eager_batch_sizes = {int(b) for b in args.eager_batch_sizes.split(",") if b}
+    hf_static_batch_sizes = {int(b) for b in args.hf_static_batch_sizes.split(",") if b}
+    profile_batch_sizes = {int(b) for b in args.profile_batch_sizes.split(",") if b}
 
     config = GPTConfig.from_name(args.preset)
     model = GPTModel(config, device=device).eval()
@@ -132,7 +160,7 @@ def main() -> None:
     ).tolist()
 
     hf_model = None
-    if hf_batch_sizes:
+    if hf_batch_sizes or hf_static_batch_sizes:
         import transformers
 
         checkpoint = tempfile.mkdtemp(prefix="bench_decode_")
@@ -142,15 +170,19 @@ def main() -> None:
         ).to(device)
         hf_model.eval()
 
-    rows = []
+    rows, profiles = [], []
     for batch in batch_sizes:
         prompts = all_prompts[:batch]
         generated = batch * args.new_tokens
         mean_context = args.prompt_len + args.new_tokens / 2
         step_bytes = param_bytes + batch * mean_context * kv_bytes_per_token
         roofline = batch / (step_bytes / bandwidth)
-        decode, prefill = _mcore_decode_seconds(
-            model, prompts, args.new_tokens, use_cuda_graphs=True
+        decode, prefill, profile = _mcore_decode_seconds(
+            model,
+            prompts,
+            args.new_tokens,
+            use_cuda_graphs=True,
+            profile_tokens=args.profile_tokens if batch in profile_batch_sizes else 0,
         )
         row = {
             "batch": batch,
@@ -160,14 +192,35 @@ def main() -> None:
             "roofline_tokens_per_s": roofline,
             "fraction_of_roofline": generated / decode / roofline,
         }
+        if profile is not None:
+            # Busy fraction against the unprofiled step time of the throughput run.
+            profile["gpu_busy_fraction_unprofiled"] = profile["gpu_us_per_step"] / (
+                1e6 * decode / args.new_tokens
+            )
+            profiles.append(profile)
+            row["kernels_per_step"] = profile["kernels_per_step"]
+            row["gpu_busy_fraction"] = profile["gpu_busy_fraction_unprofiled"]
+        if args.compare_unfused:
+            unfused, _, _ = _mcore_decode_seconds(
+                model, prompts, args.new_tokens, use_cuda_graphs=True, fused_decode=False
+            )
+            row["mcore_unfused_tokens_per_s"] = generated / unfused
         if batch in eager_batch_sizes:
-            eager, _ = _mcore_decode_seconds(model, prompts, args.new_tokens, use_cuda_graphs=False)
+            eager, _, _ = _mcore_decode_seconds(
+                model, prompts, args.new_tokens, use_cuda_graphs=False
+            )
             row["mcore_eager_tokens_per_s"] = generated / eager
         if hf_model is not None and batch in hf_batch_sizes:
             hf_decode, hf_prefill = _hf_decode_seconds(hf_model, prompts, args.new_tokens)
             row["hf_tokens_per_s"] = generated / hf_decode
             row["hf_prefill_s"] = hf_prefill
             row["speedup_vs_hf"] = hf_decode / decode
+        if hf_model is not None and batch in hf_static_batch_sizes:
+            static_decode, _ = _hf_decode_seconds(
+                hf_model, prompts, args.new_tokens, cache_implementation="static"
+            )
+            row["hf_static_tokens_per_s"] = generated / static_decode
+            row["speedup_vs_hf_static"] = static_decode / decode
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -183,6 +236,8 @@ def main() -> None:
         "kv_bytes_per_token": kv_bytes_per_token,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "rows": rows,
+        "profiles": profiles,
+        "elapsed_s": time.perf_counter() - started,
     }
     (out / "decode.json").write_text(json.dumps(result, indent=2))
     lines = [
@@ -190,19 +245,44 @@ def main() -> None:
         f"{args.new_tokens} new tokens, greedy; {result['device']}, copy "
         f"{bandwidth / 1e12:.2f} TB/s.",
         "",
-        "| batch | mcore tok/s | mcore eager tok/s | HF tok/s | vs HF | roofline tok/s | of roofline |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | mcore tok/s | unfused tok/s | eager tok/s | HF tok/s | vs HF | "
+        "HF static tok/s | vs HF static | roofline tok/s | of roofline | kernels/step | "
+        "GPU busy |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def cell(row: dict, key: str, fmt: str) -> str:
+        value = row.get(key)
+        return format(value, fmt) if value is not None else "-"
+
     for row in rows:
-        eager = row.get("mcore_eager_tokens_per_s")
-        hf = row.get("hf_tokens_per_s")
-        speedup = row.get("speedup_vs_hf")
         lines.append(
             f"| {row['batch']} | {row['mcore_tokens_per_s']:.0f} | "
-            f"{f'{eager:.0f}' if eager else '-'} | {f'{hf:.0f}' if hf else '-'} | "
-            f"{f'{speedup:.1f}x' if speedup else '-'} | {row['roofline_tokens_per_s']:.0f} | "
-            f"{100 * row['fraction_of_roofline']:.0f}% |"
+            f"{cell(row, 'mcore_unfused_tokens_per_s', '.0f')} | "
+            f"{cell(row, 'mcore_eager_tokens_per_s', '.0f')} | "
+            f"{cell(row, 'hf_tokens_per_s', '.0f')} | {cell(row, 'speedup_vs_hf', '.1f')} | "
+            f"{cell(row, 'hf_static_tokens_per_s', '.0f')} | "
+            f"{cell(row, 'speedup_vs_hf_static', '.1f')} | "
+            f"{row['roofline_tokens_per_s']:.0f} | {100 * row['fraction_of_roofline']:.0f}% | "
+            f"{cell(row, 'kernels_per_step', '.0f')} | {cell(row, 'gpu_busy_fraction', '.0%')} |"
         )
+    for profile in profiles:
+        lines += [
+            "",
+            f"Profile at batch {profile['batch']} ({profile['profiled_tokens']} decode steps): "
+            f"{profile['kernels_per_step']:.0f} GPU activities and "
+            f"{profile['gpu_us_per_step']:.0f} us of GPU time per step; wall "
+            f"{profile['wall_us_per_step']:.0f} us per step under the profiler.",
+            "",
+            "| kernel | per step | us per step |",
+            "|---|---:|---:|",
+        ]
+        lines += [
+            f"| `{k['name'][:80]}` | {k['per_step']:.1f} | {k['us_per_step']:.1f} |"
+            for k in profile["top_kernels"]
+        ]
+    lines.append("")
+    lines.append(f"Benchmark wall time {result['elapsed_s']:.0f} s.")
     (out / "decode.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -174,3 +174,25 @@ def test_split_size_not_multiple_of_block_raises_shape_error():
     )
     with pytest.raises(KernelShapeError, match="split_size=6"):
         paged_attention_triton(q, k_cache, v_cache, tables, lens, scale=1.0, split_size=6)
+
+
+@needs_triton
+def test_single_split_launch_equals_wide_table_bit_for_bit():
+    # Contexts within one split: a table cut to one split takes the single-launch path (no
+    # merge); the full-width table merges only the splits that hold data. Same bits.
+    q, k_cache, v_cache, tables, lens = _random_paged_problem(
+        [1, 5, 8],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=4,
+        max_blocks=8,
+        dtype=torch.float32,
+    )
+    wide = paged_attention_triton(q, k_cache, v_cache, tables, lens, scale=0.5, split_size=8)
+    narrow = paged_attention_triton(
+        q, k_cache, v_cache, tables[:, :2], lens, scale=0.5, split_size=8
+    )
+    assert torch.equal(wide, narrow)
+    expected = paged_attention_reference(q, k_cache, v_cache, tables, lens, scale=0.5)
+    torch.testing.assert_close(narrow, expected, atol=1e-5, rtol=1e-5)

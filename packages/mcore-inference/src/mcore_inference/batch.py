@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mcore_inference.request import Request
+from mcore_inference.transfer import to_device
 
 __all__ = ["Microbatch", "build_microbatch"]
 
@@ -33,6 +34,12 @@ class Microbatch:
     """Rows whose logits sample a token."""
     sampling: list[Request] = field(default_factory=list)
     """Requests that sample, in the order of ``sample_rows``."""
+    deferred_rows: list[int] = field(default_factory=list)
+    """Rows whose token is a sample still on the device (``token_source``)."""
+    deferred_columns: list[int] = field(default_factory=list)
+    """Column of ``token_source`` holding each of those rows' token."""
+    token_source: torch.Tensor | None = None
+    """float64 ``[2, n]`` samples of the previous step on the device, when rows read them."""
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +65,8 @@ class Microbatch:
     def inputs(self, device: torch.device) -> torch.Tensor:
         """The int64 ``[3, T]`` tensor of token ids, positions and block-table rows.
 
+        Rows in ``deferred_rows`` take their token from ``token_source`` on the device.
+
         Args:
             device: Target device.
 
@@ -68,7 +77,19 @@ class Microbatch:
         packed = array("q", self.tokens)
         packed.extend(self.positions)
         packed.extend(self.table_rows)
-        return torch.frombuffer(packed, dtype=torch.long).view(3, self.num_tokens).to(device)
+        count = self.num_tokens
+        deferred = len(self.deferred_rows)
+        packed.extend(self.deferred_rows)
+        packed.extend(self.deferred_columns)
+        # One host-to-device copy for the inputs and the deferred-token indices.
+        moved = to_device(torch.frombuffer(packed, dtype=torch.long), torch.long, device)
+        inputs = moved[: 3 * count].view(3, count)
+        if deferred:
+            assert self.token_source is not None
+            rows, columns = moved[3 * count :].view(2, deferred)
+            tokens = self.token_source[0].index_select(0, columns).long()
+            inputs[0].index_copy_(0, rows, tokens)
+        return inputs
 
 
 def build_microbatch(batch: list[tuple[Request, int]]) -> Microbatch:
@@ -91,7 +112,16 @@ def build_microbatch(batch: list[tuple[Request, int]]) -> Microbatch:
         end = start + count
         prompt, output = request.prompt, request.output
         num_tokens = len(prompt) + len(output)
-        if end == num_tokens and count == 1:  # decode: feed the newest token
+        if request.deferred_index >= 0 and end == num_tokens + 1 and count == 1:
+            # Decode of a token sampled in the previous step and not read yet: the device
+            # feeds it (see mcore_inference.readback).
+            microbatch.deferred_rows.append(len(tokens))
+            microbatch.deferred_columns.append(request.deferred_index)
+            tokens.append(0)
+            positions.append(start)
+            rows.append(request.slot)
+            num_tokens += 1
+        elif end == num_tokens and count == 1:  # decode: feed the newest token
             tokens.append(output[-1] if output else prompt[-1])
             positions.append(start)
             rows.append(request.slot)

@@ -51,6 +51,16 @@ class InferenceConfig:
     otherwise) instead of all-reduce, when the model supports it; see ``engine.describe()``."""
     kv_dtype: torch.dtype | None = None
     """Dtype of the KV cache; None uses the dtype of the model's parameters."""
+    async_token_readback: bool = True
+    """Read sampled tokens back to the host one step late (asynchronous copy into pinned memory),
+    feeding continuing requests their token on the device, so the host prepares the next step
+    while the GPU runs (see ``mcore_inference.readback``); results are unchanged. Used with one
+    rank per replica and one pipeline stage, without expert-parallel lockstep."""
+    fused_decode: bool = True
+    """Run a whole, unsharded dense ``GPTModel`` through the engine's fused forward (one GEMM
+    for q/k/v and one for gate/up over weight copies the engine keeps in sync, RoPE fused with
+    the cache write, fused SwiGLU; see ``mcore_inference.fused_decode``); False, or another
+    model, runs the model's own forward. Costs a second copy of those weights."""
     tokenizer_path: str | None = None
     """Path of a ``tokenizer.json`` (or a directory holding one) for string stop words and text."""
     seed: int = 0

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from mcore_inference.fused_decode import FusedDecoder
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_models.moe import set_decode_expert_padding
 
@@ -32,6 +33,9 @@ class DecodeGraphRunner:
     """Captures (lazily, per bucket) and replays the decode forward of ``model`` over ``cache``.
 
     A batch of ``n`` decode tokens runs in the graph of the smallest captured bucket ``>= n``.
+    While every token's context fits in one attention split (known on the host), a second graph
+    per bucket reads only the first split's columns of the block table: its attention is one
+    launch without a merge, and its results are the same bits.
     The graph reads one static ``[3, bucket]`` int64 input (token ids, positions, block table
     rows) and derives the cache metadata inside the graph. On a pipeline stage without the
     embedding it also reads a static ``[1, bucket, hidden]`` buffer of the previous stage's
@@ -45,6 +49,7 @@ class DecodeGraphRunner:
         block_tables: The engine's persistent int32 block table (fixed address).
         padding_row: Row of ``block_tables`` that holds only the scratch block.
         batch_sizes: Sorted padded batch sizes to capture.
+        decoder: The engine's fused forward of the model, or None for the model's own.
     """
 
     def __init__(
@@ -54,8 +59,10 @@ class DecodeGraphRunner:
         block_tables: torch.Tensor,
         padding_row: int,
         batch_sizes: tuple[int, ...],
+        decoder: FusedDecoder | None = None,
     ) -> None:
         self._model = model
+        self._decoder = decoder
         self._cache = cache
         self._block_tables = block_tables
         self.batch_sizes = batch_sizes
@@ -74,7 +81,10 @@ class DecodeGraphRunner:
             )
         self._last_stage = bool(getattr(model, "post_process", True))
         self._pool: Any = torch.cuda.graph_pool_handle()
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        """``(bucket, block-table width)`` -> graph and its output."""
+        self._full_width = block_tables.shape[1]
+        self._narrow_width = min(self._full_width, cache.split_size // cache.block_size)
         self._weight_addresses = self._current_weight_addresses()
 
     def _current_weight_addresses(self) -> tuple[int, ...]:
@@ -107,18 +117,23 @@ class DecodeGraphRunner:
     @property
     def captured(self) -> tuple[int, ...]:
         """Batch sizes captured so far."""
-        return tuple(sorted(self._graphs))
+        return tuple(sorted({batch for batch, _ in self._graphs}))
 
-    def _forward(self, batch: int) -> torch.Tensor:
+    def _forward(self, batch: int, width: int) -> torch.Tensor:
         inputs = self._inputs[:, :batch]
-        self._cache.prepare_step(self._block_tables, inputs[1], inputs[2])
+        self._cache.prepare_step(self._block_tables[:, :width], inputs[1], inputs[2])
         stage_input = inputs[0][None] if self._hidden is None else self._hidden[:, :batch]
-        hidden = self._model(stage_input, inputs[1][None], kv_cache=self._cache, return_hidden=True)
+        if self._decoder is not None:
+            hidden = self._decoder(stage_input, inputs[1][None], kv_cache=self._cache)
+        else:
+            hidden = self._model(
+                stage_input, inputs[1][None], kv_cache=self._cache, return_hidden=True
+            )
         if not self._last_stage:
             return hidden[0]
         return self._model.compute_logits(hidden[0])
 
-    def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm up outside the graph (lazy initialisation and Triton compilation must not be
         # recorded); padded inputs make the warm-up write only into the scratch block.
         self._inputs.copy_(self._padding)
@@ -132,23 +147,31 @@ class DecodeGraphRunner:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(batch)
+                    self._forward(batch, width)
             torch.cuda.current_stream().wait_stream(stream)
             try:
                 with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    logits = self._forward(batch)
+                    logits = self._forward(batch, width)
             finally:
                 self._cache.clear_step()
-        self._graphs[batch] = (graph, logits)
+        self._graphs[batch, width] = (graph, logits)
         return graph, logits
 
-    def run(self, inputs: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self,
+        inputs: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        *,
+        max_context: int | None = None,
+    ) -> torch.Tensor:
         """Run one decode step of ``n <= max_batch_size`` tokens through a graph.
 
         Args:
             inputs: int64 ``[3, n]``: token ids, positions and block table rows.
             hidden: ``[1, m, hidden]`` states from the previous stage (``m <= n``; the rest
                 are padding rows), on a stage without the embedding.
+            max_context: The step's largest position + 1 when known on the host: within one
+                attention split, the graph of the narrow block table runs.
 
         Returns:
             float32 logits ``[n, vocab]``, or the stage's output hidden states ``[n, hidden]``
@@ -157,9 +180,12 @@ class DecodeGraphRunner:
         """
         count = inputs.shape[1]
         bucket = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
-        entry = self._graphs.get(bucket)
+        width = self._full_width
+        if max_context is not None and max_context <= self._narrow_width * self._cache.block_size:
+            width = self._narrow_width
+        entry = self._graphs.get((bucket, width))
         if entry is None:
-            entry = self._capture(bucket)
+            entry = self._capture(bucket, width)
         graph, logits = entry
         self._inputs[:, :count].copy_(inputs)
         if count < bucket:
@@ -183,6 +209,7 @@ class DecodeGraphRunner:
         self._release_graphs()
         self._pool = None
         self._model = None
+        self._decoder = None
         self._cache = None  # type: ignore[assignment]
         self._block_tables = self._inputs = self._padding = None  # type: ignore[assignment]
         self._hidden = None

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from mcore_inference.fused_decode import fused_decoder_unsupported_reason
+
 if TYPE_CHECKING:
     from mcore_inference.engine import InferenceEngine
 
@@ -156,6 +158,7 @@ def describe_engine(engine: InferenceEngine) -> dict[str, Any]:
             "bytes": cache.nbytes,
         },
         "cuda_graphs": cuda_graphs,
+        "fused_decode": _fused_decode_summary(engine),
         "tp_communication": tp_communication_path(
             engine.model,
             config.fuse_tp_communication,
@@ -164,3 +167,12 @@ def describe_engine(engine: InferenceEngine) -> dict[str, Any]:
         ),
         "pipeline_schedule": schedule,
     }
+
+
+def _fused_decode_summary(engine: InferenceEngine) -> str:
+    decoder = engine._decoder
+    if decoder is not None:
+        return f"on (fused q/k/v and gate/up weight copies: {decoder.nbytes} bytes)"
+    if not engine.config.fused_decode:
+        return "off (InferenceConfig.fused_decode=False)"
+    return f"off ({fused_decoder_unsupported_reason(engine.model)})"

@@ -24,8 +24,10 @@ from mcore_inference.expert_parallel import (
     find_expert_parallel_group,
     find_expert_tensor_parallel_group,
 )
+from mcore_inference.fused_decode import FusedDecoder, build_fused_decoder
 from mcore_inference.intake import normalize_prompt, params_per_prompt, validate_request
 from mcore_inference.kv_cache import PagedKVCache
+from mcore_inference.readback import DeferredSamples, SampleReadback
 from mcore_inference.request import (
     FinishReason,
     GenerationResult,
@@ -171,6 +173,7 @@ class InferenceEngine:
             first_layer=first_layer,
         )
         self.scheduler: Scheduler | None = Scheduler(config, self.allocator, self.device)
+        self._decoder: FusedDecoder | None = build_fused_decoder(model, config.fused_decode)
         graphs: DecodeGraphRunner | None = None
         if config.use_cuda_graphs and self.device.type == "cuda":
             graphs = DecodeGraphRunner(
@@ -179,6 +182,7 @@ class InferenceEngine:
                 self.scheduler.block_tables,
                 self.scheduler.padding_row,
                 config.graph_batch_sizes(),
+                self._decoder,
             )
         ep_group = find_expert_parallel_group(model)
         etp_group = find_expert_tensor_parallel_group(model)
@@ -197,6 +201,7 @@ class InferenceEngine:
             self._ep,
             graphs,
             config.fuse_tp_communication and groups.tp_group is not None,
+            self._decoder,
         )
         self.tokenizer: Any = (
             load_tokenizer(config.tokenizer_path) if config.tokenizer_path is not None else None
@@ -206,6 +211,16 @@ class InferenceEngine:
         self._unreported: list[Request] = []
         self._stops: dict[int, StopCriteria] = {}
         self._pipeline: deque[Microbatch | None] = deque()
+        # One rank per replica, one stage, no EP lockstep: sampled tokens are read one step late.
+        self._readback: SampleReadback | None = (
+            SampleReadback(self.device)
+            if config.async_token_readback
+            and groups.pp_size == 1
+            and groups.replica_group is None
+            and self._ep is None
+            else None
+        )
+        self._deferred: DeferredSamples | None = None
         self._stage_input: torch.Tensor | None = None
         self._weight_names: set[str] | None = None
         self._closed = False
@@ -254,6 +269,12 @@ class InferenceEngine:
         )
 
     def _pipeline_busy(self) -> bool:
+        deferred = self._deferred
+        # Deferred tokens of requests that all ended (aborted) are work for nobody.
+        if deferred is not None and any(
+            request.status == RequestStatus.ACTIVE for request in deferred.microbatch.sampling
+        ):
+            return True
         return any(microbatch is not None for microbatch in self._pipeline)
 
     def describe(self) -> dict[str, Any]:
@@ -282,8 +303,10 @@ class InferenceEngine:
         self._unreported.clear()
         self._stops.clear()
         self._pipeline.clear()
+        self._deferred = None
         self._stage_input = None
         self._ep = None
+        self._decoder = None
         if self._runner is not None:
             if self._runner.graphs is not None:
                 self._runner.graphs.close()
@@ -343,7 +366,10 @@ class InferenceEngine:
         self._check_open()
         if self._weight_names is None:
             self._weight_names = whole_model_names(self.model)
-        return update_weights_in_place(self.model, weights, known_names=self._weight_names)
+        updated = update_weights_in_place(self.model, weights, known_names=self._weight_names)
+        if self._decoder is not None:
+            self._decoder.refresh_now()
+        return updated
 
     # ------------------------------------------------------------------------------ requests
 
@@ -461,7 +487,10 @@ class InferenceEngine:
 
     def _finish(self, request: Request, reason: FinishReason, *, error: str | None = None) -> None:
         if self.scheduler is not None:
-            self.scheduler.release(request, keep_blocks=request.in_flight > 0)
+            # With deferred readback (one stage) the step still holding the request runs on
+            # the same stream as any later use of its blocks: they may be freed now.
+            keep_blocks = request.in_flight > 0 and self._readback is None
+            self.scheduler.release(request, keep_blocks=keep_blocks)
         request.finish_reason = reason
         request.status = (
             RequestStatus.FAILED if reason == FinishReason.ERROR else RequestStatus.FINISHED
@@ -494,7 +523,7 @@ class InferenceEngine:
             EngineClosedError: If the engine is closed.
         """
         self._check_open()
-        self._revalidate_graphs()
+        self._revalidate_graphs(per_step=True)
         return [self._snapshot(r) for r in self._step(progress=True)]
 
     def step_updates(self) -> list[TokenUpdate]:
@@ -511,7 +540,7 @@ class InferenceEngine:
             EngineClosedError: If the engine is closed.
         """
         self._check_open()
-        self._revalidate_graphs()
+        self._revalidate_graphs(per_step=True)
         updates = []
         for request in self._step(progress=True):
             start = request.num_reported
@@ -529,8 +558,16 @@ class InferenceEngine:
             )
         return updates
 
-    def _revalidate_graphs(self) -> None:
+    def _revalidate_graphs(self, *, per_step: bool = False) -> None:
         # Once per public call, not per step: weights cannot move while the engine runs.
+        if self._decoder is not None:
+            # A generate/stream call copies the fused weights outright (one pass over them;
+            # broadcasts and `.data` writes do not bump version counters); a single step, which
+            # a serving loop calls per token, copies only after a counted change.
+            if per_step:
+                self._decoder.refresh()
+            else:
+                self._decoder.refresh_now()
         graphs = self._graphs
         if graphs is not None:
             graphs.drop_if_weights_moved()
@@ -546,20 +583,30 @@ class InferenceEngine:
         assert self.scheduler is not None and self._runner is not None
         groups = self.groups
         pp = groups.pp_size
+        if self._deferred is not None and self._deferred.ends_by_length:
+            # Read now the tokens that end requests by length, so their blocks are free for
+            # this step's admission exactly as in the synchronous engine (same batches).
+            self._complete_deferred(reports, progress=progress)
         self.scheduler.admit()
         # A pipeline splits the decoding requests into one group per stage.
         max_decode = None if pp == 1 else -(-len(self.scheduler.active) // pp)
         batch = self.scheduler.schedule(max_decode)
-        self._pipeline.appendleft(build_microbatch(batch) if batch else None)
+        microbatch = build_microbatch(batch) if batch else None
+        if microbatch is not None and microbatch.deferred_rows:
+            assert self._deferred is not None
+            microbatch.token_source = self._deferred.samples
+        self._pipeline.appendleft(microbatch)
         mine = self._pipeline[groups.pp_rank] if groups.pp_rank < len(self._pipeline) else None
         received, self._stage_input = self._stage_input, None
         has_work = bool(self.num_waiting or self.num_active or self._pipeline_busy())
         if mine is None and self._ep is None and pp == 1:
             self._pipeline.pop()
-            return reports
+            self._complete_deferred(reports, progress=progress)
+            return reports + self._take_unreported()
         try:
             output, logits = self._runner.run(mine, received, has_work=has_work)
         except Exception as exc:  # a failed step fails its requests, never the engine
+            self._complete_deferred(reports, progress=progress)
             if mine is None or groups.replica_size > 1 or self._ep is not None:
                 # Peers are inside collectives of this step: no recovery without them.
                 self._unreported = reports + self._unreported
@@ -592,9 +639,31 @@ class InferenceEngine:
             )
         if len(self._pipeline) == pp:
             leaving = self._pipeline.pop()
-            if leaving is not None:
+            if self._readback is not None and leaving is not None and leaving.sampling:
+                # Copy this step's tokens to the host in the background; read the previous
+                # step's (their copy came before this step's kernels) while the GPU works.
+                assert samples is not None
+                deferred = self._readback.start(leaving, samples)
+                self._complete_deferred(reports, progress=progress)
+                self._defer(deferred)
+            elif leaving is not None:
+                self._complete_deferred(reports, progress=progress)
                 self._complete(leaving, samples, reports, progress=progress)
         return reports + self._take_unreported()
+
+    def _complete_deferred(self, reports: list[Request], *, progress: bool) -> None:
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._complete(deferred.microbatch, deferred.wait(), reports, progress=progress)
+
+    def _defer(self, deferred: DeferredSamples) -> None:
+        for column, request in enumerate(deferred.microbatch.sampling):
+            if request.status == RequestStatus.ACTIVE:
+                request.deferred_index = column
+                request.awaiting_token = True
+                if len(request.output) + 1 >= request.max_new_tokens:
+                    deferred.ends_by_length = True
+        self._deferred = deferred
 
     def _decides_samples(self) -> bool:
         groups = self.groups
@@ -624,6 +693,7 @@ class InferenceEngine:
         stops = self._stops
         for request, token, logprob in zip(leaving.sampling, values[0], values[1], strict=True):
             request.awaiting_token = False
+            request.deferred_index = -1
             if request.status != RequestStatus.ACTIVE:
                 continue  # aborted while its tokens were in the pipeline
             output = request.output

@@ -6,6 +6,7 @@ import torch
 
 from mcore_inference.errors import KVCacheStepError
 from mcore_kernels.paged_attention import paged_attention
+from mcore_kernels.rotary_kv_write import rotary_kv_write
 
 __all__ = ["PagedKVCache"]
 
@@ -132,16 +133,65 @@ class PagedKVCache:
             KVCacheStepError: If no step metadata was installed with :meth:`set_step` or
                 :meth:`prepare_step`.
         """
-        if self._slot_mapping is None or self._block_tables is None or self._context_lens is None:
-            raise KVCacheStepError(
-                f"PagedKVCache.attend(layer_idx={layer_idx}) called without step metadata; "
-                "expected set_step() or prepare_step() before the forward"
-            )
+        self._check_step("attend", layer_idx)
+        assert self._slot_mapping is not None
         local = layer_idx - self.first_layer
         keys, values = self.keys[local], self.values[local]
         flat_shape = (-1, *keys.shape[2:])
         keys.view(flat_shape).index_copy_(0, self._slot_mapping, k.to(keys.dtype))
         values.view(flat_shape).index_copy_(0, self._slot_mapping, v.to(values.dtype))
+        return self._attend_stored(q, keys, values, scale)
+
+    def attend_rotary(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        """Like :meth:`attend` for queries and keys before RoPE, rotated in the same kernel.
+
+        One launch rotates the queries and keys and writes the keys and values into their
+        slots (:func:`mcore_kernels.rotary_kv_write.rotary_kv_write`), then the paged
+        attention runs: the engine's fused decoder calls this instead of rotating first.
+
+        Args:
+            layer_idx: Global index of the decoder layer (0-based).
+            q: ``[T, Hq, D]`` new queries before RoPE (strided views are fine).
+            k: ``[T, Hkv, D]`` new keys before RoPE.
+            v: ``[T, Hkv, D]`` new values.
+            cos: float32 ``[T, D // 2]`` RoPE cosines of the tokens' positions.
+            sin: float32 ``[T, D // 2]`` RoPE sines.
+            scale: Multiplier of the query-key products.
+
+        Returns:
+            ``[T, Hq, D]`` attention output in the dtype of ``q``.
+
+        Raises:
+            KVCacheStepError: If no step metadata was installed.
+        """
+        self._check_step("attend_rotary", layer_idx)
+        assert self._slot_mapping is not None
+        local = layer_idx - self.first_layer
+        keys, values = self.keys[local], self.values[local]
+        rotated = rotary_kv_write(q, k, v, cos, sin, keys, values, self._slot_mapping)
+        return self._attend_stored(rotated, keys, values, scale)
+
+    def _check_step(self, method: str, layer_idx: int) -> None:
+        if self._slot_mapping is None or self._block_tables is None or self._context_lens is None:
+            raise KVCacheStepError(
+                f"PagedKVCache.{method}(layer_idx={layer_idx}) called without step metadata; "
+                "expected set_step() or prepare_step() before the forward"
+            )
+
+    def _attend_stored(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        assert self._block_tables is not None and self._context_lens is not None
         return paged_attention(
             q,
             keys,

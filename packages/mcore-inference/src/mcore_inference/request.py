@@ -116,6 +116,9 @@ class Request:
     """Error message when failed."""
     num_reported: int = 0
     """Generated tokens already handed out by ``InferenceEngine.step_updates``."""
+    deferred_index: int = -1
+    """Column of its sampled, not yet read token in the engine's deferred samples (on the
+    device), or -1; such a request may decode that token before the host knows it."""
 
     @property
     def num_tokens(self) -> int:

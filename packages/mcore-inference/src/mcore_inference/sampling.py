@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from mcore_inference.config import SamplingParams
+from mcore_inference.transfer import to_device
 
 __all__ = ["sample_tokens", "sampling_uniform", "truncate_logits"]
 
@@ -84,16 +85,16 @@ def sample_tokens(
     if not rows:
         return tokens
     device = logits.device
-    index = torch.tensor(rows, device=device)
+    index = to_device(rows, torch.long, device)
     chosen = [params[i] for i in rows]
-    temperatures = torch.tensor([p.temperature for p in chosen], device=device)
+    temperatures = to_device([p.temperature for p in chosen], torch.float32, device)
     scaled = logits.index_select(0, index).float() / temperatures[:, None]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in chosen):
-        top_k = torch.tensor([p.top_k for p in chosen], device=device)
-        top_p = torch.tensor([p.top_p for p in chosen], dtype=torch.float32, device=device)
+        top_k = to_device([p.top_k for p in chosen], torch.long, device)
+        top_p = to_device([p.top_p for p in chosen], torch.float32, device)
         scaled = truncate_logits(scaled, top_k, top_p)
     cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
-    u = torch.tensor([uniforms[i] for i in rows], dtype=torch.float32, device=device)
+    u = to_device([uniforms[i] for i in rows], torch.float32, device)
     targets = u * cdf[:, -1]
     # The first token whose cumulative probability reaches the target: it has probability
     # > 0 because targets > 0.

@@ -9,6 +9,7 @@ import torch
 from mcore_inference.block_allocator import BlockAllocator
 from mcore_inference.config import InferenceConfig
 from mcore_inference.request import Request, RequestStatus
+from mcore_inference.transfer import to_device
 
 __all__ = ["Scheduler"]
 
@@ -82,8 +83,8 @@ class Scheduler:
             for row, request in zip(rows, admitted):
                 row[: len(request.blocks)] = torch.tensor(request.blocks, dtype=torch.int32)
             device = self.block_tables.device
-            slots = torch.tensor([r.slot for r in admitted], device=device)
-            self.block_tables.index_copy_(0, slots, rows.to(device))
+            slots = to_device([r.slot for r in admitted], torch.long, device)
+            self.block_tables.index_copy_(0, slots, to_device(rows, torch.int32, device))
 
     def schedule(self, max_decode: int | None = None) -> list[tuple[Request, int]]:
         """Pick the tokens of the next step (or pipeline microbatch).
@@ -103,6 +104,15 @@ class Scheduler:
         prefilling: list[tuple[Request, int]] = []
         for request in self.active:
             if request.awaiting_token:
+                # Its sampled token is still on the device: it may decode that token now when
+                # the token cannot end it by length (a stop token only ends it when read, and
+                # the step it then wasted wrote inside its footprint).
+                if (
+                    request.deferred_index >= 0
+                    and len(request.output) + 1 < request.max_new_tokens
+                    and (max_decode is None or len(batch) < max_decode)
+                ):
+                    batch.append((request, 1))
                 continue
             remaining = len(request.prompt) + len(request.output) - request.num_computed
             if remaining == 1:

@@ -12,8 +12,10 @@ from mcore_inference.cuda_graphs import DecodeGraphRunner
 from mcore_inference.describe import fused_tp_communication
 from mcore_inference.distributed import EngineGroups
 from mcore_inference.expert_parallel import ExpertParallelSync
+from mcore_inference.fused_decode import FusedDecoder
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.sampling import sample_tokens, sampling_uniform
+from mcore_inference.transfer import to_device
 from mcore_kernels import token_logprobs
 
 __all__ = ["StageRunner", "sample_microbatch"]
@@ -31,6 +33,7 @@ class StageRunner:
         lockstep: Per-step agreement with expert-parallel peers, or None.
         graphs: Decode CUDA graphs, or None.
         fuse_tp_communication: Hold the model's fused TP reduction on during each step.
+        decoder: The engine's fused forward of the model, or None for the model's own.
     """
 
     def __init__(
@@ -43,8 +46,10 @@ class StageRunner:
         lockstep: ExpertParallelSync | None,
         graphs: DecodeGraphRunner | None,
         fuse_tp_communication: bool = False,
+        decoder: FusedDecoder | None = None,
     ) -> None:
         self.model = model
+        self.decoder = decoder
         self.fuse_tp_communication = fuse_tp_communication
         self.kv_cache = kv_cache
         self.block_tables = block_tables
@@ -63,6 +68,9 @@ class StageRunner:
             rows.tokens = list(microbatch.tokens)
             rows.positions = list(microbatch.positions)
             rows.table_rows = list(microbatch.table_rows)
+            rows.deferred_rows = microbatch.deferred_rows
+            rows.deferred_columns = microbatch.deferred_columns
+            rows.token_source = microbatch.token_source
         num_real = rows.num_tokens
         if pad_to > num_real:
             rows.pad(pad_to - num_real, self.padding_row)
@@ -116,7 +124,9 @@ class StageRunner:
         sampling = microbatch is not None and bool(microbatch.sampling)
         if use_graphs and graphs is not None:
             try:
-                output = graphs.run(inputs, received)[:num_real]
+                # Expert-parallel peers keep one graph per bucket (their contexts differ).
+                narrow = max_context if self.lockstep is None else None
+                output = graphs.run(inputs, received, max_context=narrow)[:num_real]
                 if not self.groups.is_last_stage:
                     return (output[None] if num_real else None), None
                 return None, output if sampling else None
@@ -160,21 +170,25 @@ class StageRunner:
             stage_input = hidden
         self.kv_cache.prepare_step(self.block_tables, inputs[1], inputs[2], max_context=max_context)
         try:
-            output = self.model(
-                stage_input, inputs[1][None], kv_cache=self.kv_cache, return_hidden=True
-            )
+            if self.decoder is not None:
+                output = self.decoder(stage_input, inputs[1][None], kv_cache=self.kv_cache)
+            else:
+                output = self.model(
+                    stage_input, inputs[1][None], kv_cache=self.kv_cache, return_hidden=True
+                )
         finally:
             self.kv_cache.clear_step()
         if not groups.is_last_stage:
             return (output[:, :num_real] if num_real else None), None
         if microbatch is None or not microbatch.sampling:
             return None, None
-        rows = torch.tensor(microbatch.sample_rows, dtype=torch.long, device=self.device)
+        rows = to_device(microbatch.sample_rows, torch.long, self.device)
         return None, self.model.compute_logits(output[0].index_select(0, rows))
 
     def close(self) -> None:
         """Drop the references to the model, cache and graphs."""
         self.graphs = None
+        self.decoder = None
         self.model = self.kv_cache = self.block_tables = None  # type: ignore[assignment]
 
 
@@ -191,8 +205,10 @@ def sample_microbatch(logits: torch.Tensor, microbatch: Microbatch) -> torch.Ten
     """
     requests = microbatch.sampling
     params = [r.params for r in requests]
+    # The index of the token being sampled is the number of tokens fed after the prompt: also
+    # right for a request whose previous token is still deferred (not in ``output`` yet).
     uniforms = [
-        sampling_uniform(r.seed, len(r.output)) if p.temperature else 0.0
+        sampling_uniform(r.seed, r.num_computed - len(r.prompt)) if p.temperature else 0.0
         for r, p in zip(requests, params)
     ]
     new_tokens = sample_tokens(logits, params, uniforms)
@@ -202,15 +218,21 @@ def sample_microbatch(logits: torch.Tensor, microbatch: Microbatch) -> torch.Ten
     samples[0] = new_tokens.to(torch.float64)
     logprob_rows = [i for i, p in enumerate(params) if p.return_logprobs]
     if logprob_rows:
-        index = torch.tensor(logprob_rows, dtype=torch.long, device=logits.device)
-        temperatures = torch.tensor(
-            [params[i].temperature or 1.0 for i in logprob_rows], device=logits.device
-        )
-        # logprobs of the sampling distribution at the request's temperature (greedy: 1).
-        values = token_logprobs(
-            logits.index_select(0, index).float() / temperatures[:, None],
-            new_tokens.index_select(0, index),
-        )
+        # Every row (the common case) needs no gather and no scatter.
+        every = len(logprob_rows) == len(params)
+        index = None if every else to_device(logprob_rows, torch.long, logits.device)
+        row_logits = logits if index is None else logits.index_select(0, index)
+        row_tokens = new_tokens if index is None else new_tokens.index_select(0, index)
+        # logprobs of the sampling distribution at the request's temperature (greedy: 1;
+        # a division by 1 changes no bit, so it is skipped).
+        temperatures = [params[i].temperature or 1.0 for i in logprob_rows]
+        scaled = row_logits.float()
+        if any(t != 1.0 for t in temperatures):
+            scaled = scaled / to_device(temperatures, torch.float32, logits.device)[:, None]
+        values = token_logprobs(scaled, row_tokens)
         assert isinstance(values, torch.Tensor)
-        samples[1].index_copy_(0, index, values.to(torch.float64))
+        if index is None:
+            samples[1].copy_(values)
+        else:
+            samples[1].index_copy_(0, index, values.to(torch.float64))
     return samples

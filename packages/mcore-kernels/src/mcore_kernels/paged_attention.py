@@ -54,6 +54,7 @@ def _paged_attention_split_kernel(
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
+    out_ptr,
     scale,
     stride_q_token,
     stride_q_head,
@@ -64,6 +65,8 @@ def _paged_attention_split_kernel(
     stride_v_slot,
     stride_v_head,
     stride_table_token,
+    stride_out_token,
+    stride_out_head,
     num_q_heads,
     num_splits,
     GROUP: tl.constexpr,
@@ -74,6 +77,7 @@ def _paged_attention_split_kernel(
     SPLIT_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     USE_DOT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,6 +141,18 @@ def _paged_attention_split_kernel(
             update = tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
         acc = acc * correction[:, None] + update
         running_max = new_max
+    if SINGLE_SPLIT:
+        # The merge of a single split is this division (bit for bit): no partials, no merge.
+        out = acc / running_sum[:, None]
+        tl.store(
+            out_ptr
+            + token * stride_out_token
+            + heads[:, None] * stride_out_head
+            + dim_offsets[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=group_mask[:, None] & dim_mask[None, :],
+        )
+        return
     # Row layout of the partials: [T, Hq, num_splits] (+ [D] for the outputs).
     row = (token * num_q_heads + heads) * num_splits + split
     tl.store(partial_max_ptr + row, running_max, mask=group_mask)
@@ -153,6 +169,7 @@ def _paged_attention_merge_kernel(
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
+    context_lens_ptr,
     out_ptr,
     stride_out_token,
     stride_out_head,
@@ -160,9 +177,14 @@ def _paged_attention_merge_kernel(
     num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
+    # Splits past the token's context hold exact zeros (max -inf): merging them changes
+    # nothing, so only the splits that hold data are read. The launch stays fixed.
+    context = tl.load(context_lens_ptr + token).to(tl.int32)
+    used_splits = tl.minimum((context + SPLIT_SIZE - 1) // SPLIT_SIZE, num_splits)
     dim_offsets = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dim_offsets < HEAD_DIM
     base = (token * num_q_heads + head) * num_splits
@@ -170,7 +192,7 @@ def _paged_attention_merge_kernel(
     total_max = tl.load(partial_max_ptr + base)
     total_sum = tl.load(partial_sum_ptr + base)
     acc = tl.load(partial_out_ptr + base * HEAD_DIM + dim_offsets, mask=dim_mask, other=0.0)
-    for split in range(1, num_splits):
+    for split in range(1, used_splits):
         split_max = tl.load(partial_max_ptr + base + split)
         split_sum = tl.load(partial_sum_ptr + base + split)
         split_out = tl.load(
@@ -204,7 +226,10 @@ def paged_attention_triton(
 
     The number of splits is ``ceil(max_blocks * block_size / split_size)``, taken from the block
     table width rather than from the context lengths, so the launch never reads a device value
-    and can be captured in a CUDA graph.
+    and can be captured in a CUDA graph. With one split the split kernel normalises and writes
+    the output itself (one launch); otherwise the merge reads only the splits that hold a
+    token's context, whatever the table width. Neither changes a result bit: the merge of one
+    split is the same division, and empty splits add exact zeros.
 
     Args:
         q: Query of the new tokens, ``[T, Hq, D]``.
@@ -245,12 +270,12 @@ def paged_attention_triton(
     max_context = block_tables.shape[1] * block_size
     num_splits = max(1, -(-max_context // split_size))
     group = num_q_heads // num_kv_heads
-    partial_out = torch.empty(
-        (num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
-    )
-    partial_max = torch.empty(
-        (num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device
-    )
+    single = num_splits == 1
+    # One split (short contexts, or tables cut to the step's longest context) writes the
+    # output itself; the partials are then never touched.
+    partial_shape = (num_tokens, num_q_heads, 1 if single else num_splits)
+    partial_out = torch.empty((*partial_shape, head_dim), dtype=torch.float32, device=q.device)
+    partial_max = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
     partial_sum = torch.empty_like(partial_max)
     head_dim_pad = max(16, next_power_of_2(head_dim))
     # Context positions per loop iteration: a power of two dividing split_size, so the
@@ -267,6 +292,7 @@ def paged_attention_triton(
         partial_out,
         partial_max,
         partial_sum,
+        out,
         scale,
         q.stride(0),
         q.stride(1),
@@ -277,6 +303,8 @@ def paged_attention_triton(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
         num_q_heads,
         num_splits,
         GROUP=group,
@@ -287,11 +315,15 @@ def paged_attention_triton(
         SPLIT_SIZE=split_size,
         TILE=tile,
         USE_DOT=use_dot,
+        SINGLE_SPLIT=single,
     )
+    if single:
+        return out
     _paged_attention_merge_kernel[(num_tokens, num_q_heads)](
         partial_out,
         partial_max,
         partial_sum,
+        context_lens,
         out,
         out.stride(0),
         out.stride(1),
@@ -299,6 +331,7 @@ def paged_attention_triton(
         num_splits,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
+        SPLIT_SIZE=split_size,
     )
     return out
 

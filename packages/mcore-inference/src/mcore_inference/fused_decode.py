@@ -1,0 +1,211 @@
+"""The engine's fused forward of a whole dense ``GPTModel`` over its paged KV cache.
+
+The model's own forward runs each projection as its own GEMM and RoPE, the cache write and
+SwiGLU as a dozen small elementwise kernels per layer; at decode, where every kernel moves
+little data, the launches dominate. :class:`FusedDecoder` computes the same layers with:
+
+- one GEMM for q/k/v and one for gate/up, over concatenated weight copies that the decoder owns
+  (the model's parameters, names and checkpoints are unchanged);
+- RoPE, the key/value cache write and the query rotation in one kernel
+  (:func:`mcore_kernels.rotary_kv_write.rotary_kv_write`);
+- the fused residual-add + RMSNorm the model already uses, and the fused SwiGLU of
+  :mod:`mcore_kernels.moe` (one kernel reading the gate/up GEMM output once).
+
+The copies follow the model, always into the same buffers, so captured CUDA graphs, which
+read them, stay valid: the engine copies every source weight again at each ``generate`` or
+``stream`` call and after ``update_weights`` (:meth:`FusedDecoder.refresh_now`, one pass over
+those weights), and at each ``step`` only when a parameter's version counter or address
+changed since the last copy (:meth:`FusedDecoder.refresh`: optimizer steps, ``load_state_dict``,
+offloading and reloading are seen; writes through ``param.data`` or in-place broadcasts are
+not, they are picked up at the next ``generate``/``stream`` call or ``update_weights``).
+
+Only whole, unsharded models with the stock decoder layers are fused (:func:`build_fused_decoder`
+says why another is not); everything else runs the model's forward as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mcore_inference.kv_cache import PagedKVCache
+from mcore_kernels.moe.swiglu import swiglu
+from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
+from mcore_models.gpt.mlp import SwiGLUMLP
+
+__all__ = ["FusedDecoder", "build_fused_decoder", "fused_decoder_unsupported_reason"]
+
+
+@dataclass(slots=True)
+class _FusedLayer:
+    """Concatenated projection weights of one decoder layer."""
+
+    qkv_weight: torch.Tensor
+    """``[(Hq + 2 Hkv) * D, hidden]``: the q, k then v projection weights."""
+    qkv_bias: torch.Tensor | None
+    """``[(Hq + 2 Hkv) * D]`` biases, None without QKV bias."""
+    gate_up_weight: torch.Tensor
+    """``[2 * ffn, hidden]``: the gate then the up projection weights."""
+    split: tuple[int, int, int]
+    """Output widths of q, k and v."""
+
+
+def fused_decoder_unsupported_reason(model: Any) -> str | None:
+    """Why :class:`FusedDecoder` cannot serve ``model``, or None when it can.
+
+    Args:
+        model: The engine's model (or pipeline stage).
+
+    Returns:
+        A short reason, or None for a whole, unsharded ``GPTModel`` of stock dense decoder
+        layers (QK-norm and QKV bias included).
+    """
+    if not (getattr(model, "pre_process", False) and getattr(model, "post_process", False)):
+        return "not a whole model (a pipeline stage or another module)"
+    if getattr(model, "tp_group", None) is not None:
+        return "tensor-parallel model"
+    if getattr(model, "context_parallel_size", 1) != 1:
+        return "context-parallel model"
+    if getattr(model, "sequence_parallel_size", 1) != 1:
+        return "sequence-parallel model"
+    if not isinstance(getattr(model, "embedding", None), torch.nn.Embedding):
+        return "embedding is not a plain nn.Embedding"
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return "model has no decoder layers"
+    for layer in layers:
+        attention = getattr(layer, "self_attention", None)
+        mlp = getattr(layer, "mlp", None)
+        # Exact types: a subclass (another attention or block kind) may compute differently.
+        if type(layer) is not DecoderLayer or type(attention) is not Attention:
+            return f"layer {getattr(layer, 'layer_idx', '?')} is not a stock DecoderLayer"
+        if type(mlp) is not SwiGLUMLP:
+            return f"layer {layer.layer_idx} has a {type(mlp).__name__}, not a dense SwiGLUMLP"
+        if attention.core_attention is not None:
+            return f"layer {layer.layer_idx} replaces its core attention"
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
+        if any(type(p) is not torch.nn.Linear for p in (*projections, mlp.gate_proj, mlp.up_proj)):
+            return f"layer {layer.layer_idx} has sharded or custom projections"
+    return None
+
+
+class FusedDecoder:
+    """Forward of a whole dense ``GPTModel`` over a :class:`PagedKVCache` with fused kernels.
+
+    Same inputs and output as ``model(input_ids, position_ids, kv_cache=cache,
+    return_hidden=True)``; the logits come from ``model.compute_logits`` as before.
+
+    Args:
+        model: A model for which :func:`fused_decoder_unsupported_reason` is None.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._layers: list[_FusedLayer] = []
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """``(target view in a fused buffer, source parameter)`` pairs."""
+        for layer in model.layers:
+            attention, mlp = layer.self_attention, layer.mlp
+            sources = (attention.q_proj, attention.k_proj, attention.v_proj)
+            split = tuple(p.weight.shape[0] for p in sources)
+            qkv_weight = self._fuse([p.weight for p in sources])
+            qkv_bias = None
+            if attention.q_proj.bias is not None:
+                qkv_bias = self._fuse([p.bias for p in sources])
+            gate_up_weight = self._fuse([mlp.gate_proj.weight, mlp.up_proj.weight])
+            self._layers.append(_FusedLayer(qkv_weight, qkv_bias, gate_up_weight, split))  # type: ignore[arg-type]
+        self._signature = self._source_signature()
+
+    def _fuse(self, parameters: list[torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            buffer = torch.cat([p.detach() for p in parameters], dim=0)
+        offset = 0
+        for parameter in parameters:
+            rows = parameter.shape[0]
+            self._copies.append((buffer[offset : offset + rows], parameter))
+            offset += rows
+        return buffer
+
+    def _source_signature(self) -> tuple[tuple[int, int], ...]:
+        return tuple((source._version, source.data_ptr()) for _, source in self._copies)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the fused weight copies."""
+        return sum(target.nbytes for target, _ in self._copies)
+
+    def refresh(self) -> bool:
+        """Copy the model's weights again if any changed since the last copy.
+
+        Changes are seen through each parameter's version counter (every in-place update
+        through autograd-visible ops bumps it) and its storage address; writes through
+        ``param.data`` bypass the counter, so call :meth:`refresh_now` after those.
+
+        Returns:
+            True if the fused weights were copied.
+        """
+        signature = self._source_signature()
+        if signature == self._signature:
+            return False
+        self.refresh_now()
+        return True
+
+    def refresh_now(self) -> None:
+        """Copy every source weight into the fused buffers (same storages: graphs stay valid)."""
+        with torch.no_grad():
+            for target, source in self._copies:
+                target.copy_(source)
+        self._signature = self._source_signature()
+
+    def __call__(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, *, kv_cache: PagedKVCache
+    ) -> torch.Tensor:
+        """Run every layer and the final norm over the step's tokens.
+
+        Args:
+            input_ids: ``[1, T]`` token ids.
+            position_ids: ``[1, T]`` positions.
+            kv_cache: The engine's paged cache with the step's metadata installed.
+
+        Returns:
+            ``[1, T, hidden]`` final-normed hidden states (``return_hidden=True`` of the model).
+        """
+        model = self.model
+        hidden = model.embedding(input_ids[0])
+        cos, sin = model.rotary(position_ids[0])
+        residual: torch.Tensor | None = None
+        for layer, fused in zip(model.layers, self._layers, strict=True):
+            attention = layer.self_attention
+            x, residual = add_rms_norm(layer.input_norm, hidden, residual)
+            qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
+            q, k, v = (
+                part.unflatten(-1, (-1, attention.head_dim))
+                for part in qkv.split(fused.split, dim=-1)
+            )
+            if attention.q_norm is not None and attention.k_norm is not None:
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            out = kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
+            attention_out = attention.o_proj(out.flatten(-2))
+            x, residual = add_rms_norm(layer.post_attention_norm, attention_out, residual)
+            hidden = layer.mlp.down_proj(swiglu(F.linear(x, fused.gate_up_weight)))
+        hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
+        return hidden[None]
+
+
+def build_fused_decoder(model: Any, enabled: bool) -> FusedDecoder | None:
+    """The engine's fused decoder for ``model``, or None where it does not apply.
+
+    Args:
+        model: The engine's model.
+        enabled: ``InferenceConfig.fused_decode``.
+
+    Returns:
+        A :class:`FusedDecoder`, or None when disabled or unsupported (the model's own
+        forward then runs).
+    """
+    if not enabled or fused_decoder_unsupported_reason(model) is not None:
+        return None
+    return FusedDecoder(model)

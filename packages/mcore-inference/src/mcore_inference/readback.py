@@ -1,0 +1,99 @@
+"""Reading sampled tokens back to the host one step late, so the host never waits for the GPU.
+
+Without it, every engine step ends in a blocking device-to-host copy of the sampled tokens: the
+host waits for the whole step, then does its bookkeeping (stop checks, scheduling, building the
+next inputs) while the GPU idles. With it, step ``N`` starts an asynchronous copy of its
+samples into pinned host memory and records an event; the next step feeds those tokens to the
+model from the device (the requests that continue decoding need no host value), launches its
+own work, and only then reads step ``N``'s tokens, by which time the copy is normally done.
+
+Stop decisions therefore lag one step: a request whose token ``N`` is a stop token has already
+been scheduled for step ``N + 1``; that extra token is discarded (the request's cache holds
+room for it, see :meth:`mcore_inference.scheduler.Scheduler.schedule`) and results are exactly
+those of the synchronous engine. Requests that finish by length are never continued, and the
+engine reads such a step's tokens before admitting new requests, so the batches (and hence the
+results, bit for bit) are those of the synchronous engine unless a stop token or word ends a
+request (its blocks are then freed one step later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_inference.batch import Microbatch
+
+__all__ = ["DeferredSamples", "SampleReadback"]
+
+
+@dataclass(slots=True)
+class DeferredSamples:
+    """The samples of a step whose host copy may still be on its way."""
+
+    microbatch: Microbatch
+    """The step's microbatch (its ``sampling`` requests, in row order)."""
+    samples: torch.Tensor
+    """float64 ``[2, n]`` tokens and log-probabilities on the device (fed to the next step)."""
+    host: torch.Tensor
+    """Host copy of ``samples`` (pinned on CUDA), valid after :meth:`wait`."""
+    event: torch.cuda.Event | None
+    """Recorded after the copy on CUDA; None on the CPU (the copy is then synchronous)."""
+    ends_by_length: bool = False
+    """Whether a token of it is a request's last by length (the engine reads it before the
+    next admission)."""
+
+    def wait(self) -> torch.Tensor:
+        """Block until the host copy is complete.
+
+        Returns:
+            The float64 ``[2, n]`` host tensor.
+        """
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
+class SampleReadback:
+    """Starts the asynchronous host copies of sampled tokens, into reused pinned buffers.
+
+    Args:
+        device: The engine's device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: list[torch.Tensor] = []
+        self._next = 0
+
+    def _buffer(self, count: int) -> torch.Tensor:
+        # Two buffers in turn: the one of the previous step may still be read by the host.
+        pinned = self.device.type == "cuda"
+        if len(self._buffers) < 2:
+            self._buffers.append(torch.empty(0, dtype=torch.float64))
+        index, self._next = self._next, 1 - self._next
+        buffer = self._buffers[index]
+        if buffer.numel() < 2 * count:
+            buffer = torch.empty(2 * count, dtype=torch.float64, pin_memory=pinned)
+            self._buffers[index] = buffer
+        # A contiguous prefix: the copy goes straight into pinned memory.
+        return buffer[: 2 * count].view(2, count)
+
+    def start(self, microbatch: Microbatch, samples: torch.Tensor) -> DeferredSamples:
+        """Start copying a step's samples to the host.
+
+        Args:
+            microbatch: The step's microbatch.
+            samples: Its float64 ``[2, n]`` samples on the device.
+
+        Returns:
+            The deferred samples.
+        """
+        host = self._buffer(samples.shape[1])
+        if self.device.type != "cuda":
+            host.copy_(samples)
+            return DeferredSamples(microbatch, samples, host, None)
+        host.copy_(samples, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return DeferredSamples(microbatch, samples, host, event)

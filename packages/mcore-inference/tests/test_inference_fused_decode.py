@@ -1,0 +1,183 @@
+"""The engine's fused forward (fused q/k/v and gate/up GEMMs, RoPE fused with the cache write,
+fused SwiGLU) against the model's own forward, and its weight copies against weight changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, model_weight_shards
+from mcore_inference.fused_decode import FusedDecoder, fused_decoder_unsupported_reason
+from mcore_inference.kv_cache import PagedKVCache
+from mcore_models import GPTConfig, GPTModel
+
+PROMPTS = [[3, 9, 4, 7, 1], [12, 2], [5, 8, 13, 21, 34, 55, 6, 10, 11, 40, 41]]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=6, return_logprobs=True),
+    SamplingParams(temperature=0.9, top_k=12, seed=7, max_tokens=5, return_logprobs=True),
+    SamplingParams(temperature=0.0, max_tokens=7, return_logprobs=True),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _model(seed: int, *, bias_and_qk_norm: bool) -> GPTModel:
+    config = GPTConfig.from_name(
+        "tiny",
+        vocab_size=64,
+        seed=seed,
+        add_qkv_bias=bias_and_qk_norm,
+        qk_layernorm=bias_and_qk_norm,
+    )
+    model = GPTModel(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # Biases start at zero and norm weights at one: give them values a slip would show.
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "qkv_bias_qk_norm"])
+def model(request) -> GPTModel:
+    return _model(5, bias_and_qk_norm=request.param)
+
+
+def _engine(model: GPTModel, *, fused: bool) -> InferenceEngine:
+    config = InferenceConfig(
+        max_batch_size=4,
+        max_sequence_length=32,
+        block_size=4,
+        prefill_chunk_size=4,
+        attention_split_size=8,
+        fused_decode=fused,
+    )
+    return InferenceEngine(model, config)
+
+
+def _generate(model: GPTModel, *, fused: bool) -> list[tuple[list[int], list[float]]]:
+    with _engine(model, fused=fused) as engine:
+        assert (engine._decoder is not None) == fused
+        return [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
+
+
+def _assert_same_generations(actual, expected) -> None:
+    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(actual, expected):
+        assert tokens == expected_tokens
+        torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)
+
+
+def test_fused_engine_generates_what_the_model_forward_generates(model):
+    # Chunked prefill (chunks of 4), decode, greedy and seeded sampling, logprobs.
+    _assert_same_generations(_generate(model, fused=True), _generate(model, fused=False))
+
+
+def _cache(model: GPTModel) -> PagedKVCache:
+    config = model.config
+    return PagedKVCache(
+        num_layers=config.num_layers,
+        num_blocks=6,
+        block_size=4,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.kv_channels,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        split_size=8,
+    )
+
+
+def test_fused_forward_matches_model_hidden_states_and_cache_contents(model):
+    # Two requests of 6 and 3 tokens in rows 0 and 1 of the block table.
+    tables = torch.tensor([[1, 2, 0], [3, 4, 0]], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2])
+    rows = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1])
+    tokens = torch.tensor([[7, 3, 9, 1, 2, 60, 4, 4, 33]])
+    reference, fused = _cache(model), _cache(model)
+    with torch.no_grad():
+        reference.prepare_step(tables, positions, rows)
+        expected = model(tokens, positions[None], kv_cache=reference, return_hidden=True)
+        fused.prepare_step(tables, positions, rows)
+        actual = FusedDecoder(model)(tokens, positions[None], kv_cache=fused)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused.keys, reference.keys, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(fused.values, reference.values, atol=1e-6, rtol=1e-6)
+
+
+def test_update_weights_refreshes_the_fused_copies():
+    target = _model(99, bias_and_qk_norm=True)
+    expected = _generate(target, fused=False)
+    model = _model(11, bias_and_qk_norm=True)
+    with _engine(model, fused=True) as engine:
+        before = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
+        assert [t for t, _ in before] != [t for t, _ in expected]
+        engine.update_weights(model_weight_shards(target))
+        after = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
+    _assert_same_generations(after, expected)
+
+
+def test_in_place_weight_change_is_picked_up_at_the_next_call():
+    model = _model(3, bias_and_qk_norm=False)
+    with _engine(model, fused=True) as engine:
+        engine.generate(PROMPTS, PARAMS)
+        # What an optimizer step on a shared model does: in-place ops on the parameters.
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1.25)
+        after = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
+    _assert_same_generations(after, _generate(model, fused=False))
+
+
+def test_write_through_data_is_picked_up_at_the_next_generate_call():
+    model = _model(4, bias_and_qk_norm=False)
+    with _engine(model, fused=True) as engine:
+        engine.generate(PROMPTS, PARAMS)
+        # Writes through .data (and in-place broadcasts) leave the version counters alone.
+        for layer in model.layers:
+            layer.mlp.up_proj.weight.data.mul_(-1.0)
+            layer.self_attention.k_proj.weight.data.mul_(0.5)
+        after = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
+    _assert_same_generations(after, _generate(model, fused=False))
+
+
+def test_describe_says_whether_and_why_not_fused(model):
+    with _engine(model, fused=True) as engine:
+        assert engine.describe()["fused_decode"].startswith("on (")
+    with _engine(model, fused=False) as engine:
+        assert engine.describe()["fused_decode"] == "off (InferenceConfig.fused_decode=False)"
+    stage = GPTModel(model.config, layers=range(1), post_process=False)
+    assert "not a whole model" in fused_decoder_unsupported_reason(stage)
+    assert fused_decoder_unsupported_reason(model) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_cuda_graph_decode_matches_eager_model_forward_on_gpu():
+    model = _model(5, bias_and_qk_norm=True).cuda()
+    with _engine(model, fused=True) as engine:
+        actual = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
+        graphs = engine._graphs
+        assert graphs is not None and graphs.captured
+        # Contexts cross the first attention split (8 positions): both table widths ran.
+        assert len({width for _, width in graphs._graphs}) == 2
+    config = InferenceConfig(
+        max_batch_size=4,
+        max_sequence_length=32,
+        block_size=4,
+        prefill_chunk_size=4,
+        attention_split_size=8,
+        fused_decode=False,
+        use_cuda_graphs=False,
+        async_token_readback=False,
+    )
+    with InferenceEngine(model, config) as eager:
+        expected = [(r.tokens, r.logprobs) for r in eager.generate(PROMPTS, PARAMS)]
+    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(actual, expected):
+        assert tokens == expected_tokens
+        torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=0)

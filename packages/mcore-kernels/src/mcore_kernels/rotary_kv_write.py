@@ -1,0 +1,330 @@
+"""RoPE of the new queries and keys fused with the write of keys and values into a paged cache.
+
+A decode step of a decoder layer rotates its new queries and keys (RoPE, the "rotate half"
+layout of Hugging Face) and stores the keys and values into their cache slots. Unfused that is
+about a dozen small kernels per layer (casts of the tables, slices, products, a concatenation
+per tensor, an ``index_copy_`` per cache); this kernel does all of it in one launch: one
+program per (token, head) reads the head once, writes the rotated query into a new tensor or
+the rotated key and the value straight into the token's slot.
+
+The products round to the dtype of ``q`` exactly where the unfused expression
+``x1 * cos - x2 * sin`` does (each product, then the sum), so the results are those of the
+torch reference, bit for bit on the GPU. Shapes:
+
+- ``q``: ``[T, Hq, D]``; ``k``, ``v``: ``[T, Hkv, D]`` (strided views of a fused projection are
+  fine; the last dimension must be contiguous)
+- ``cos``, ``sin``: float32 ``[T, D // 2]``
+- ``k_cache``, ``v_cache``: one layer's ``[num_blocks, block_size, Hkv, D]``
+- ``slot_mapping``: int64 ``[T]``, ``block * block_size + offset`` of each token
+- returns the rotated queries ``[T, Hq, D]`` (contiguous, dtype of ``q``)
+
+Dispatch: Triton on CUDA, the torch reference on CPU; ``MCORE_KERNELS_BACKEND=torch|triton``
+overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore_kernels._backend import use_triton
+from mcore_kernels._triton_utils import jit, next_power_of_2, tl, triton
+from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
+
+__all__ = ["rotary_kv_write", "rotary_kv_write_reference", "rotary_kv_write_triton"]
+
+
+@jit
+def _rotate_half(x1, x2, cos, sin, DTYPE: tl.constexpr):
+    """``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` rounded to ``DTYPE`` after each op."""
+    a = (x1 * cos).to(DTYPE).to(tl.float32)
+    b = (x2 * sin).to(DTYPE).to(tl.float32)
+    c = (x2 * cos).to(DTYPE).to(tl.float32)
+    d = (x1 * sin).to(DTYPE).to(tl.float32)
+    return (a - b).to(DTYPE), (c + d).to(DTYPE)
+
+
+@jit
+def _rotary_kv_write_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_q_token,
+    stride_q_head,
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    stride_cos_token,
+    stride_sin_token,
+    stride_out_token,
+    stride_out_head,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
+    num_q_heads,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offsets = tl.arange(0, HALF_PAD)
+    mask = offsets < HALF
+    dtype = q_ptr.dtype.element_ty
+    # The tables are rounded to the activation dtype first, as the unfused expression does.
+    cos = tl.load(cos_ptr + token * stride_cos_token + offsets, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + token * stride_sin_token + offsets, mask=mask, other=0.0)
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
+    if head < num_q_heads:
+        source = q_ptr + token * stride_q_token + head * stride_q_head
+        x1 = tl.load(source + offsets, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(source + HALF + offsets, mask=mask, other=0.0).to(tl.float32)
+        first, second = _rotate_half(x1, x2, cos, sin, dtype)
+        target = q_out_ptr + token * stride_out_token + head * stride_out_head
+        tl.store(target + offsets, first, mask=mask)
+        tl.store(target + HALF + offsets, second, mask=mask)
+    else:
+        kv_head = head - num_q_heads
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        source = k_ptr + token * stride_k_token + kv_head * stride_k_head
+        x1 = tl.load(source + offsets, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(source + HALF + offsets, mask=mask, other=0.0).to(tl.float32)
+        first, second = _rotate_half(x1, x2, cos, sin, k_ptr.dtype.element_ty)
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        target = k_cache_ptr + slot * stride_kc_slot + kv_head * stride_kc_head
+        tl.store(target + offsets, first.to(cache_dtype), mask=mask)
+        tl.store(target + HALF + offsets, second.to(cache_dtype), mask=mask)
+        value_source = v_ptr + token * stride_v_token + kv_head * stride_v_head
+        value_target = v_cache_ptr + slot * stride_vc_slot + kv_head * stride_vc_head
+        value_dtype = v_cache_ptr.dtype.element_ty
+        low = tl.load(value_source + offsets, mask=mask, other=0.0)
+        high = tl.load(value_source + HALF + offsets, mask=mask, other=0.0)
+        tl.store(value_target + offsets, low.to(value_dtype), mask=mask)
+        tl.store(value_target + HALF + offsets, high.to(value_dtype), mask=mask)
+
+
+def _check_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0]:
+        raise KernelShapeError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected [T, Hq, D] "
+            "and two [T, Hkv, D]"
+        )
+    num_tokens, _, head_dim = q.shape
+    if head_dim % 2 or k.shape[2] != head_dim:
+        raise KernelShapeError(
+            f"head dims q {head_dim}, k {k.shape[2]}; expected equal and even head dims"
+        )
+    half = (num_tokens, head_dim // 2)
+    if tuple(cos.shape) != half or tuple(sin.shape) != half:
+        raise KernelShapeError(
+            f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}; expected [T, D // 2] = {half}"
+        )
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise KernelDtypeError(f"cos {cos.dtype}, sin {sin.dtype}; expected torch.float32")
+    if q.dtype != k.dtype or q.dtype != v.dtype or not q.dtype.is_floating_point:
+        raise KernelDtypeError(
+            f"q {q.dtype}, k {k.dtype}, v {v.dtype}; expected one floating-point dtype"
+        )
+    expected_cache = (k.shape[1], head_dim)
+    if (
+        k_cache.dim() != 4
+        or k_cache.shape != v_cache.shape
+        or tuple(k_cache.shape[2:]) != expected_cache
+    ):
+        raise KernelShapeError(
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}; expected two "
+            f"[num_blocks, block_size, {expected_cache[0]}, {expected_cache[1]}]"
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
+        raise KernelShapeError(
+            f"slot_mapping has shape {tuple(slot_mapping.shape)}; expected [{num_tokens}]"
+        )
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise KernelDtypeError(f"slot_mapping has dtype {slot_mapping.dtype}; expected int64")
+
+
+def _flat_slots(cache: torch.Tensor, name: str) -> torch.Tensor:
+    try:
+        return cache.view(-1, *cache.shape[2:])
+    except RuntimeError as error:
+        raise KernelShapeError(
+            f"{name} with strides {cache.stride()} cannot be viewed as [slots, Hkv, D]; "
+            "expected a contiguous layer of the cache"
+        ) from error
+
+
+def rotary_kv_write_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Torch reference of :func:`rotary_kv_write` (the unfused ops it replaces).
+
+    Args:
+        q: ``[T, Hq, D]`` new queries.
+        k: ``[T, Hkv, D]`` new keys.
+        v: ``[T, Hkv, D]`` new values.
+        cos: float32 ``[T, D // 2]`` RoPE cosines.
+        sin: float32 ``[T, D // 2]`` RoPE sines.
+        k_cache: One layer's key cache ``[num_blocks, block_size, Hkv, D]`` (written in place).
+        v_cache: One layer's value cache, shaped like ``k_cache`` (written in place).
+        slot_mapping: ``[T]`` flat cache slot of each token.
+
+    Returns:
+        The rotated queries ``[T, Hq, D]``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match the layout above.
+        KernelDtypeError: If a dtype is unsupported.
+    """
+    _check_args(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        c = cos.to(x.dtype)[:, None]
+        s = sin.to(x.dtype)[:, None]
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    slots = slot_mapping.long()
+    _flat_slots(k_cache, "k_cache").index_copy_(0, slots, rotate(k).to(k_cache.dtype))
+    _flat_slots(v_cache, "v_cache").index_copy_(0, slots, v.to(v_cache.dtype))
+    return rotate(q)
+
+
+def rotary_kv_write_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Triton path of :func:`rotary_kv_write`: one launch, fixed shapes (graph-safe).
+
+    Args:
+        q: ``[T, Hq, D]`` new queries.
+        k: ``[T, Hkv, D]`` new keys.
+        v: ``[T, Hkv, D]`` new values.
+        cos: float32 ``[T, D // 2]`` RoPE cosines.
+        sin: float32 ``[T, D // 2]`` RoPE sines.
+        k_cache: One layer's key cache ``[num_blocks, block_size, Hkv, D]`` (written in place).
+        v_cache: One layer's value cache, shaped like ``k_cache`` (written in place).
+        slot_mapping: ``[T]`` flat cache slot of each token.
+
+    Returns:
+        The rotated queries ``[T, Hq, D]``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match the layout above.
+        KernelDtypeError: If a dtype is unsupported.
+        KernelBackendError: If Triton is not installed.
+    """
+    if triton is None:
+        raise KernelBackendError("backend='triton' requested but triton is not installed")
+    _check_args(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    for name, tensor in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin)):
+        if tensor.stride(-1) != 1:
+            raise KernelShapeError(
+                f"{name} has strides {tensor.stride()}; expected a contiguous last dimension"
+            )
+    keys = _flat_slots(k_cache, "k_cache")
+    values = _flat_slots(v_cache, "v_cache")
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise KernelShapeError("k_cache and v_cache must have a contiguous last dimension")
+    half = head_dim // 2
+    _rotary_kv_write_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        out,
+        keys,
+        values,
+        slot_mapping.contiguous(),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        out.stride(0),
+        out.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        values.stride(0),
+        values.stride(1),
+        num_q_heads,
+        HALF=half,
+        HALF_PAD=next_power_of_2(half),
+        num_warps=1,
+    )
+    return out
+
+
+def rotary_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate new queries and keys by RoPE and store keys and values in their cache slots.
+
+    Args:
+        q: ``[T, Hq, D]`` new queries (after QK-norm, if any).
+        k: ``[T, Hkv, D]`` new keys.
+        v: ``[T, Hkv, D]`` new values.
+        cos: float32 ``[T, D // 2]`` RoPE cosines.
+        sin: float32 ``[T, D // 2]`` RoPE sines.
+        k_cache: One layer's key cache ``[num_blocks, block_size, Hkv, D]`` (written in place,
+            in its own dtype).
+        v_cache: One layer's value cache, shaped like ``k_cache`` (written in place).
+        slot_mapping: ``[T]`` flat cache slot (``block * block_size + offset``) of each token.
+
+    Returns:
+        The rotated queries ``[T, Hq, D]`` in the dtype of ``q``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match the layout above.
+        KernelDtypeError: If a dtype is unsupported.
+        KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names an unknown backend or one that
+            cannot run on these tensors.
+    """
+    if use_triton(q, k, v):
+        return rotary_kv_write_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    return rotary_kv_write_reference(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
