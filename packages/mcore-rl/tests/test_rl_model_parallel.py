@@ -29,6 +29,8 @@ TINY = {
     "run": {"progress": False, "device": "cpu", "target_reward": None, "plot": False},
 }
 STEPS = 3
+SHARED = {"dp4", "train tp2 dp2, infer tp2 dp2", "train pp2 dp2, infer tp1 pp2 dp2"}
+"""Layouts whose generation runs the training chunk itself."""
 LAYOUTS = {
     # name: (train_parallel, infer_parallel)
     "dp4": ({}, {}),
@@ -76,7 +78,14 @@ def _run_layouts(names):
                 for param in chunk.parameters():
                     where = global_slice(param)
                     blocks[where.name] = (where.box(tuple(param.shape)), param.detach().clone())
-        report[name] = {"steps": steps, "blocks": blocks}
+            inference = worker.inference
+            local = sum(p.numel() * p.element_size() for p in inference.model.parameters())
+        report[name] = {
+            "steps": steps,
+            "blocks": blocks,
+            "shared": inference.shared,
+            "local": local,
+        }
         worker.close()
         state.destroy()
     return report
@@ -99,6 +108,12 @@ def test_layout_trains_like_data_parallel(layouts, name):
             for key, value in _rollout_key(ref_metrics).items():
                 # fp32, different reduction orders (tp splits, pipeline): 1e-5 relative.
                 assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (key, step)
+        # The push writes each byte of this rank's generation blocks exactly once (received or
+        # copied locally) and nothing else; nothing moves when the engine runs the trained model.
+        for _, _, pushed in got["steps"]:
+            expected = 0 if got["shared"] else got["local"]
+            assert pushed.bytes_received + pushed.bytes_local == expected, (name, rank)
+        assert got["shared"] == (name in SHARED)
         # Every block this rank holds equals that region of the data-parallel run's weights.
         full = {key: tensor for key, (_, tensor) in reference["blocks"].items()}
         assert got["blocks"], name

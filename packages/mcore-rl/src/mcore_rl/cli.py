@@ -76,8 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments (default ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0 when the run finished (and reached its target, if it has one), 1 when
-        it missed its target, 2 on a usage or input error.
+        The exit status (rank 0; other ranks return 0): 0 when the run finished (and reached
+        its target, if it has one), 1 when it missed its target, 2 on a usage or input error.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help") or args[0] != "grpo":
@@ -96,4 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"reward {last.get('reward/mean', float('nan')):.3f}, "
             f"{result.seconds:.0f} s, target reached: {result.reached_target}"
         )
+    if not result.is_main:
+        # Under torchrun the first non-zero exit stops the other ranks: only rank 0 reports
+        # the outcome, after writing the summary.
+        return 0
     return 0 if result.reached_target or config.run.target_reward is None else 1
