@@ -21,6 +21,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from mcore_rl.config import GRPOConfig
 from mcore_rl.distributed import init_worker_state
+from mcore_rl.presets import preset
 from mcore_rl.rollout import Rollout
 from mcore_rl.worker import GRPOWorker
 
@@ -36,7 +38,6 @@ NEMO_RL_BOUND_S = 13.4
 
 def _generate(worker: GRPOWorker, prompts: list[list[int]], new_tokens: int) -> list[Rollout]:
     from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
-    from mcore_rl.reference import unwrap_model
 
     config = InferenceConfig(
         max_batch_size=len(prompts),
@@ -46,7 +47,7 @@ def _generate(worker: GRPOWorker, prompts: list[list[int]], new_tokens: int) -> 
         seed=worker.config.run.seed,
     )
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, return_logprobs=True)
-    engine = InferenceEngine(unwrap_model(worker.model), config)
+    engine = InferenceEngine(worker.inference.model, config)
     try:
         results = engine.generate(prompts, params)
     finally:
@@ -71,6 +72,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for results.json / results.md")
     parser.add_argument("--model", default="llama-3.2-1b")
+    parser.add_argument(
+        "--preset",
+        default=None,
+        help="start from an mcore-rl preset's model (e.g. gpt-583m) instead of --model",
+    )
     parser.add_argument("--vocab-size", type=int, default=128256)
     parser.add_argument("--sequences", type=int, default=512)
     parser.add_argument("--group-size", type=int, default=16)
@@ -80,13 +86,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    model: dict[str, object] = {"name": args.model, "vocab_size": args.vocab_size, "dtype": dtype}
+    if args.preset is not None:
+        model = {**asdict(preset(args.preset).model), "dtype": dtype}
+        args.model, args.vocab_size = args.preset, int(model["vocab_size"])  # type: ignore[call-overload]
     config = GRPOConfig.from_dict(
         {
-            "model": {
-                "name": args.model,
-                "vocab_size": args.vocab_size,
-                "dtype": "bfloat16" if torch.cuda.is_available() else "float32",
-            },
+            "model": model,
             "run": {"device": args.device, "progress": False},
             "rollout": {
                 "num_prompts": args.sequences // args.group_size,
@@ -121,6 +128,11 @@ def main() -> None:
         times["generate"] = time.perf_counter() - start
         worker.train_on_rollouts(rollouts, times)
         sync()
+        push = time.perf_counter()
+        with worker.generation_mode():
+            worker.inference.push()
+        sync()
+        times["push"] = time.perf_counter() - push
         times["total"] = time.perf_counter() - start
         if step > 0:
             measured.append(times)
@@ -144,14 +156,15 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
+    stem = "results" if args.preset is None else f"results-{args.preset}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     rows = ["| phase | seconds |", "|---|---|"] + [f"| {p} | {mean[p]:.2f} |" for p in phases]
     header = (
         f"GRPO step, {args.model} (vocab {vocab}), {args.sequences} x "
         f"{args.prompt_tokens + args.new_tokens} tokens, {device}; NeMo-RL CI bound "
         f"{NEMO_RL_BOUND_S} s on 4 GPUs (ratio {result['ratio_to_nemo_rl_bound']:.2f})\n\n"
     )
-    (out / "results.md").write_text(header + "\n".join(rows) + "\n")
+    (out / f"{stem}.md").write_text(header + "\n".join(rows) + "\n")
     print(header + "\n".join(rows))
     dist.destroy_process_group()
 
