@@ -63,10 +63,10 @@ class YarnScaling:
                 "YarnScaling.original_max_position_embeddings="
                 f"{self.original_max_position_embeddings} must be positive"
             )
-        if not 0 < self.beta_slow < self.beta_fast:
+        if not 0 < self.beta_slow <= self.beta_fast:
             raise ModelConfigError(
                 f"YarnScaling.beta_slow={self.beta_slow} and beta_fast={self.beta_fast}: expected "
-                "0 < beta_slow < beta_fast"
+                "0 < beta_slow <= beta_fast"
             )
         for name in ("mscale", "mscale_all_dim"):
             value = getattr(self, name)
