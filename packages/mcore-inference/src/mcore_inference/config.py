@@ -51,6 +51,11 @@ class InferenceConfig:
     otherwise) instead of all-reduce, when the model supports it; see ``engine.describe()``."""
     kv_dtype: torch.dtype | None = None
     """Dtype of the KV cache; None uses the dtype of the model's parameters."""
+    mla_latent_kv_cache: bool = True
+    """For Multi-head Latent Attention models: cache each token's latent and shared rotary
+    key (``kv_lora_rank + qk_rope_head_dim`` channels per layer) and decode with absorbed
+    weights; False caches the up-projected per-head keys and values like a multi-head model
+    (for comparison). Ignored for other models."""
     tokenizer_path: str | None = None
     """Path of a ``tokenizer.json`` (or a directory holding one) for string stop words and text."""
     seed: int = 0

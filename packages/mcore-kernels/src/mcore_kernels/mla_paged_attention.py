@@ -189,7 +189,10 @@ def _paged_mla_split_kernel(
         other=0.0,
     ).to(tl.float32)
     q_rope = tl.load(
-        q_rope_ptr + token * stride_qr_token + heads[:, None] * stride_qr_head + rope_offsets[None, :],
+        q_rope_ptr
+        + token * stride_qr_token
+        + heads[:, None] * stride_qr_head
+        + rope_offsets[None, :],
         mask=head_mask[:, None] & rope_mask[None, :],
         other=0.0,
     ).to(tl.float32)
@@ -205,7 +208,9 @@ def _paged_mla_split_kernel(
         positions = split_start + i * TILE + tile_offsets
         valid = positions < context
         physical = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = cache_ptr + physical * stride_cache_block + (positions % BLOCK_SIZE) * stride_cache_slot
+        rows = (
+            cache_ptr + physical * stride_cache_block + (positions % BLOCK_SIZE) * stride_cache_slot
+        )
         c_kv = tl.load(
             rows[:, None] + rank_offsets[None, :],
             mask=valid[:, None] & rank_mask[None, :],
