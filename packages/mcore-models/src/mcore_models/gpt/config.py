@@ -351,7 +351,8 @@ class GPTConfig:
 
         Args:
             name: One of :func:`preset_names` ("tiny", "llama-3.2-1b", "llama-3-8b",
-                "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b").
+                "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b",
+                "tiny-mla", "tiny-mla-moe", "deepseek-v3", "kimi-k2").
             **overrides: Fields to change in the preset.
 
         Returns:
