@@ -305,11 +305,14 @@ def paged_mla_attention_triton(
         (num_tokens, num_heads, num_splits), dtype=torch.float32, device=q_latent.device
     )
     partial_sum = torch.empty_like(partial_max)
-    tile = min(32, split_size & -split_size)
+    rank_pad = max(16, next_power_of_2(rank))
+    # Context positions per loop iteration: a power of two dividing split_size (so the
+    # accumulation order depends on split_size only), smaller for wide latents to bound the
+    # registers a [tile, rank] cache tile takes. tl.dot needs every dimension >= 16.
+    tile = min(16 if rank_pad >= 256 else 32, split_size & -split_size)
     use_dot = tile >= 16
     # Heads per program: a block of 16 (tl.dot's minimum) shares each loaded cache tile.
     heads = 16 if use_dot else min(16, next_power_of_2(num_heads))
-    rank_pad = max(16, next_power_of_2(rank))
     rope_pad = max(16, next_power_of_2(rope))
     grid = (num_tokens, -(-num_heads // heads), num_splits)
     _paged_mla_split_kernel[grid](

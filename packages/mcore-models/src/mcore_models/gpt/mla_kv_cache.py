@@ -12,10 +12,11 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from mcore_kernels.mla_paged_attention import paged_mla_attention
 from mcore_models.errors import KVCacheError
 from mcore_models.gpt.config import GPTConfig
 
-__all__ = ["ContiguousLatentKVCache", "LatentKVCache", "latent_attention_reference"]
+__all__ = ["ContiguousLatentKVCache", "LatentKVCache"]
 
 
 @runtime_checkable
@@ -49,41 +50,13 @@ class LatentKVCache(Protocol):
         ...
 
 
-def latent_attention_reference(
-    q_latent: torch.Tensor,
-    q_rope: torch.Tensor,
-    latents: torch.Tensor,
-    allowed: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    scale: float,
-) -> torch.Tensor:
-    """Absorbed MLA attention over contiguous latents, in float32.
-
-    Args:
-        q_latent: ``[T, H, R]``.
-        q_rope: ``[T, H, P]``.
-        latents: ``[S, R + P]`` cached ``c_kv`` then rotary key of every position.
-        allowed: bool ``[T, S]``, True where a query sees a position.
-        kv_lora_rank: ``R``.
-        scale: Multiplier of the scores.
-
-    Returns:
-        ``[T, H, R]`` in the dtype of ``q_latent``.
-    """
-    latents = latents.float()
-    c_kv, k_rope = latents[:, :kv_lora_rank], latents[:, kv_lora_rank:]
-    scores = torch.einsum("thr,sr->ths", q_latent.float(), c_kv)
-    scores = (scores + torch.einsum("thp,sp->ths", q_rope.float(), k_rope)) * scale
-    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-    return torch.einsum("ths,sr->thr", torch.softmax(scores, dim=-1), c_kv).to(q_latent.dtype)
-
-
 class ContiguousLatentKVCache:
-    """Latent KV cache of one sequence in preallocated contiguous buffers (the reference).
+    """Latent KV cache of one sequence in preallocated contiguous buffers.
 
     Stores ``kv_lora_rank + qk_rope_head_dim`` channels per token and layer, whatever the
-    number of heads. Every call appends ``T`` tokens; they attend causally.
+    number of heads. Every call appends ``T`` tokens; they attend causally, through
+    :func:`mcore_kernels.mla_paged_attention.paged_mla_attention` over the buffer seen as one
+    block.
 
     Args:
         config: Config of the MLA model the cache serves.
@@ -166,13 +139,21 @@ class ContiguousLatentKVCache:
             )
         latents = self._latents[layer_idx]
         if latents is None:
-            latents = c_kv.new_empty((self.max_seq_len, self.latent_dim))
+            # Zeros, not empty: masked positions must not hold NaN (0 * NaN in the sum).
+            latents = c_kv.new_zeros((self.max_seq_len, self.latent_dim))
             self._latents[layer_idx] = latents
         latents[start : start + new] = torch.cat((c_kv, k_rope), dim=-1).to(latents.dtype)
-        self._lengths[layer_idx] = end = start + new
-        allowed = torch.arange(end, device=c_kv.device)[None, :] <= (
-            start + torch.arange(new, device=c_kv.device)[:, None]
-        )
-        return latent_attention_reference(
-            q_latent, q_rope, latents[:end], allowed, kv_lora_rank=self.kv_lora_rank, scale=scale
-        )
+        self._lengths[layer_idx] = start + new
+        # The contiguous buffer is one block of max_seq_len slots; new token i sees positions
+        # 0 .. start + i.
+        table = torch.zeros((new, 1), dtype=torch.int32, device=c_kv.device)
+        context = start + 1 + torch.arange(new, dtype=torch.int32, device=c_kv.device)
+        return paged_mla_attention(
+            q_latent.to(latents.dtype),
+            q_rope.to(latents.dtype),
+            latents[None],
+            table,
+            context,
+            scale=scale,
+            split_size=self.max_seq_len,
+        ).to(q_latent.dtype)
