@@ -59,6 +59,14 @@ def test_published_presets_have_the_published_parameter_counts():
     # multi-token-prediction module is counted apart); Kimi K2 report: 1.04T in total.
     assert GPTConfig.from_name("deepseek-v3").num_parameters() == pytest.approx(671e9, rel=2e-3)
     assert GPTConfig.from_name("kimi-k2").num_parameters() == pytest.approx(1.04e12, rel=2e-2)
+    # Activated parameters per token: 37B (DeepSeek-V3 report) and 32B (Kimi K2 report); the
+    # PaLM accounting of flops_per_token counts matmul parameters, the embedding apart.
+    for name, activated in (("deepseek-v3", 37e9), ("kimi-k2", 32e9)):
+        config = GPTConfig.from_name(name)
+        products = 12 * config.num_layers * config.num_attention_heads * 160 * 1024
+        matmul = (config.flops_per_token(1024) - products) / 6
+        embedding = config.vocab_size * config.hidden_size
+        assert matmul + embedding == pytest.approx(activated, rel=3e-2), name
     mla = GPTConfig.from_name("deepseek-v3").mla
     # 576 cached channels per token and layer (kv_lora_rank 512 + rope key 64).
     assert mla.latent_dim == 576
