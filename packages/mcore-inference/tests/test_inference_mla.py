@@ -1,7 +1,8 @@
 """MLA models in the engine: greedy generation over the paged latent cache (absorbed weights)
 equals transformers' DeepseekV3ForCausalLM ``generate`` and the engine with an up-projected
 (MHA-equivalent) cache; the latent cache holds kv_lora_rank + qk_rope_head_dim channels per
-token and layer."""
+token and layer; a tp=2 engine running the Triton kernel (interpreter) equals the single-rank
+torch reference."""
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ import torch
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
 from mcore_inference.errors import KVCacheStepError
 from mcore_inference.latent_kv_cache import PagedLatentKVCache
-from mcore_models import GPTConfig, GPTModel
+from mcore_models import GPTConfig, GPTModel, parallelize
+from mcore_parallel import initialize
 from mcore_parallel.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -106,23 +108,27 @@ def test_latent_cache_refuses_per_head_keys():
         cache.attend(0, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), scale=1.0)
 
 
-def _greedy_with_logprobs() -> list[tuple[list[int], list[float]]]:
+def _greedy_with_logprobs(tp: int = 1) -> list[tuple[list[int], list[float]]]:
     torch.set_num_threads(1)
     model = GPTModel(GPTConfig.from_name("tiny-mla", init_std=0.1, seed=3)).eval()
-    with InferenceEngine(model, _config(True)) as engine:
+    state = None
+    if tp > 1:
+        state = initialize(tp=tp)
+        model = parallelize(model, state).eval()
+    with InferenceEngine(model, _config(True), state=state) as engine:
         params = SamplingParams(temperature=0.0, max_tokens=6, return_logprobs=True)
         results = engine.generate(PROMPTS[:2], params)
     return [(r.tokens, list(r.logprobs)) for r in results]
 
 
-def test_engine_with_the_triton_kernel_equals_the_torch_reference(monkeypatch):
+def test_tp2_engine_with_the_triton_kernel_equals_the_single_rank_torch_reference(monkeypatch):
     expected = _greedy_with_logprobs()
-    # Triton decides at import whether it interprets: the Triton run needs a fresh process.
+    # Triton decides at import whether it interprets: the Triton run needs fresh processes.
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    (actual,) = run_distributed(_greedy_with_logprobs, 1)
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(actual, expected):
-        assert tokens == ref_tokens
-        torch.testing.assert_close(
-            torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=0
-        )
+    for actual in run_distributed(_greedy_with_logprobs, 2, 2):
+        for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(actual, expected):
+            assert tokens == ref_tokens
+            torch.testing.assert_close(
+                torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=0
+            )
