@@ -105,3 +105,60 @@ def test_export_rejects_a_router_deepseek_v3_cannot_express(tmp_path):
     )
     with pytest.raises(CheckpointFormatError, match="router_score='sigmoid'"):
         GPTModel(config).to_hf(tmp_path)
+
+
+# config.json of deepseek-ai/DeepSeek-V3 on the Hugging Face Hub (transformers 4 layout).
+DEEPSEEK_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "ep_size": 1,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+}
+
+
+def test_published_deepseek_v3_config_translates_to_the_preset():
+    from mcore_models.gpt.hf import config_from_hf
+
+    assert config_from_hf(DEEPSEEK_V3_CONFIG) == GPTConfig.from_name("deepseek-v3")
+    quantized = dict(DEEPSEEK_V3_CONFIG, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(CheckpointFormatError, match="quant_method='fp8'"):
+        config_from_hf(quantized)

@@ -109,6 +109,12 @@ def mla_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         raise CheckpointFormatError(
             "attention_bias=True is not supported for deepseek_v3; expected False"
         )
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method")
+        raise CheckpointFormatError(
+            f"quantization_config (quant_method={method!r}) is not supported; expected an "
+            "unquantized checkpoint (dequantize the fp8 weights to bfloat16 first)"
+        )
     theta, yarn = _rope(hf)
     q_lora_rank = hf.get("q_lora_rank")
     mla = MLAConfig(

@@ -153,6 +153,7 @@ def _deepseek_v3_family(
         hidden_size=7168,
         num_layers=61,
         num_attention_heads=heads,
+        head_dim=192,
         ffn_hidden_size=18432,
         rope_theta=theta,
         norm_eps=1e-6,
