@@ -26,7 +26,7 @@ from mcore_inference.expert_parallel import (
 )
 from mcore_inference.intake import normalize_prompt, params_per_prompt, validate_request
 from mcore_inference.kv_cache import PagedKVCache
-from mcore_inference.latent_kv_cache import PagedLatentKVCache, kv_cache_shape
+from mcore_inference.latent_kv_cache import build_paged_kv_cache, kv_cache_shape
 from mcore_inference.request import (
     FinishReason,
     GenerationResult,
@@ -161,29 +161,17 @@ class InferenceEngine:
         # Stages with more layers fit fewer blocks in the same budget: the replica admits alike.
         usable = groups.agree_on_config(repr(config), usable)
         self.allocator = BlockAllocator(usable + 1)
-        self.kv_cache: PagedKVCache | None = (
-            PagedKVCache(
-                num_layers=num_layers,
-                num_blocks=usable + 1,
-                block_size=config.block_size,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                dtype=kv_dtype,
-                device=self.device,
-                split_size=config.attention_split_size,
-                first_layer=first_layer,
-            )
-            if copies == 2
-            else PagedLatentKVCache(
-                num_layers=num_layers,
-                num_blocks=usable + 1,
-                block_size=config.block_size,
-                latent_dim=head_dim,
-                dtype=kv_dtype,
-                device=self.device,
-                split_size=config.attention_split_size,
-                first_layer=first_layer,
-            )
+        self.kv_cache: PagedKVCache | None = build_paged_kv_cache(
+            latent=copies == 1,
+            num_layers=num_layers,
+            num_blocks=usable + 1,
+            block_size=config.block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=kv_dtype,
+            device=self.device,
+            split_size=config.attention_split_size,
+            first_layer=first_layer,
         )
         self.scheduler: Scheduler | None = Scheduler(config, self.allocator, self.device)
         graphs: DecodeGraphRunner | None = None

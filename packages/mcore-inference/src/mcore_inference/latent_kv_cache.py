@@ -18,7 +18,7 @@ from mcore_inference.errors import KVCacheStepError
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.mla_paged_attention import paged_mla_attention
 
-__all__ = ["PagedLatentKVCache", "kv_cache_shape"]
+__all__ = ["PagedLatentKVCache", "build_paged_kv_cache", "kv_cache_shape"]
 
 
 def kv_cache_shape(model_config: Any, attention: Any, latent: bool) -> tuple[int, int, int]:
@@ -40,6 +40,61 @@ def kv_cache_shape(model_config: Any, attention: Any, latent: bool) -> tuple[int
     heads = getattr(attention, "num_kv_heads", model_config.num_kv_heads)
     width = mla.qk_head_dim if mla is not None else model_config.kv_channels
     return heads, width, 2
+
+
+def build_paged_kv_cache(
+    *,
+    latent: bool,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    split_size: int,
+    first_layer: int = 0,
+) -> PagedKVCache:
+    """Build the engine's paged cache: per-head keys and values, or MLA latent rows.
+
+    Args:
+        latent: Build a :class:`PagedLatentKVCache` (``head_dim`` is then the latent width and
+            ``num_kv_heads`` is 1) instead of a :class:`~mcore_inference.kv_cache.PagedKVCache`.
+        num_layers: Decoder layers held.
+        num_blocks: Blocks per layer.
+        block_size: Tokens per block.
+        num_kv_heads: Key/value heads (1 for latents).
+        head_dim: Channels per head (the latent width for latents).
+        dtype: Storage dtype.
+        device: Storage device.
+        split_size: Split size of the split-KV attention kernels.
+        first_layer: Global index of the first layer held.
+
+    Returns:
+        The cache.
+    """
+    if latent:
+        return PagedLatentKVCache(
+            num_layers=num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            latent_dim=head_dim,
+            dtype=dtype,
+            device=device,
+            split_size=split_size,
+            first_layer=first_layer,
+        )
+    return PagedKVCache(
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=device,
+        split_size=split_size,
+        first_layer=first_layer,
+    )
 
 
 class PagedLatentKVCache(PagedKVCache):
