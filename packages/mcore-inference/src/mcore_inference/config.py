@@ -61,6 +61,11 @@ class InferenceConfig:
     for q/k/v and one for gate/up over weight copies the engine keeps in sync, RoPE fused with
     the cache write, fused SwiGLU; see ``mcore_inference.fused_decode``); False, or another
     model, runs the model's own forward. Costs a second copy of those weights."""
+    mla_latent_kv_cache: bool = True
+    """For Multi-head Latent Attention models: cache each token's latent and shared rotary
+    key (``kv_lora_rank + qk_rope_head_dim`` channels per layer) and decode with absorbed
+    weights; False caches the up-projected per-head keys and values like a multi-head model
+    (for comparison). Ignored for other models."""
     tokenizer_path: str | None = None
     """Path of a ``tokenizer.json`` (or a directory holding one) for string stop words and text."""
     seed: int = 0

@@ -28,6 +28,7 @@ from mcore_inference.fused_decode import FusedDecoder, build_fused_decoder
 from mcore_inference.intake import normalize_prompt, params_per_prompt, validate_request
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.readback import DeferredSamples, SampleReadback
+from mcore_inference.latent_kv_cache import build_paged_kv_cache, kv_cache_shape
 from mcore_inference.request import (
     FinishReason,
     GenerationResult,
@@ -141,11 +142,12 @@ class InferenceEngine:
         first_layer, num_layers = _local_layers(model)
         layers = getattr(model, "layers", None)
         attention = getattr(layers[0], "self_attention", None) if layers else None
-        num_kv_heads = getattr(attention, "num_kv_heads", model_config.num_kv_heads)
-        head_dim = model_config.kv_channels
+        num_kv_heads, head_dim, copies = kv_cache_shape(
+            model_config, attention, config.mla_latent_kv_cache
+        )
         kv_dtype = config.kv_dtype or parameter.dtype
         bytes_per_block = (
-            2
+            copies
             * max(num_layers, 1)
             * config.block_size
             * num_kv_heads
@@ -161,7 +163,8 @@ class InferenceEngine:
         # Stages with more layers fit fewer blocks in the same budget: the replica admits alike.
         usable = groups.agree_on_config(repr(config), usable)
         self.allocator = BlockAllocator(usable + 1)
-        self.kv_cache: PagedKVCache | None = PagedKVCache(
+        self.kv_cache: PagedKVCache | None = build_paged_kv_cache(
+            latent=copies == 1,
             num_layers=num_layers,
             num_blocks=usable + 1,
             block_size=config.block_size,

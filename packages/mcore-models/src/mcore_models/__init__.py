@@ -12,10 +12,14 @@ from mcore_models.errors import (
 )
 from mcore_models.gpt import (
     ContiguousKVCache,
+    ContiguousLatentKVCache,
     GPTConfig,
     GPTModel,
     KVCache,
+    LatentKVCache,
+    MLAConfig,
     RopeScaling,
+    YarnScaling,
     preset_names,
 )
 from mcore_models.gpt.qk_clip import (
@@ -41,6 +45,10 @@ __all__ = [
     "PackedSeqParams",
     "KVCache",
     "ContiguousKVCache",
+    "MLAConfig",
+    "YarnScaling",
+    "LatentKVCache",
+    "ContiguousLatentKVCache",
     "preset_names",
     "clip_qk",
     "attention_logit_maxima",

@@ -13,12 +13,16 @@ from mcore_models.errors import ModelConfigError
 from mcore_models.gpt.presets import PRESETS
 
 if TYPE_CHECKING:
+    from mcore_models.gpt.mla_config import MLAConfig
     from mcore_models.moe.config import MoEConfig
 
-__all__ = ["ATTENTION_BACKENDS", "GPTConfig", "RopeScaling"]
+__all__ = ["ATTENTION_BACKENDS", "ATTENTION_TYPES", "GPTConfig", "RopeScaling"]
 
 ATTENTION_BACKENDS = ("sdpa", "flex", "eager")
 """Names accepted by :attr:`GPTConfig.attention_backend`."""
+
+ATTENTION_TYPES = ("gqa", "mla")
+"""Names accepted by :attr:`GPTConfig.attention_type`."""
 
 _DTYPES = {
     "float32": torch.float32,
@@ -121,6 +125,15 @@ class GPTConfig:
     moe: MoEConfig | None = None
     """Mixture-of-experts MLP (a :class:`mcore_models.MoEConfig` or a dict of its fields), or
     None for dense MLPs in every layer."""
+    attention_type: str = "gqa"
+    """Attention of every layer: "gqa" (multi-head, grouped-query or multi-query attention
+    with ``num_query_groups`` key/value heads) or "mla" (Multi-head Latent Attention of
+    DeepSeek-V3 / Kimi K2, shaped by ``mla``)."""
+    mla: MLAConfig | None = None
+    """Shapes of Multi-head Latent Attention (a :class:`mcore_models.MLAConfig` or a dict of
+    its fields) when ``attention_type="mla"`` (None there means DeepSeek-V3's shapes); must be
+    None otherwise. ``rope_theta`` is its RoPE base, ``head_dim``/``num_query_groups``/
+    ``rope_scaling``/``add_qkv_bias``/``qk_layernorm`` do not apply to it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
@@ -189,6 +202,45 @@ class GPTConfig:
                 self.moe = MoEConfig(**self.moe)
             if not isinstance(self.moe, MoEConfig):
                 raise ModelConfigError(f"moe={self.moe!r} must be a MoEConfig, a dict or None")
+        self._check_mla()
+
+    def _check_mla(self) -> None:
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ModelConfigError(
+                f"attention_type={self.attention_type!r} is unknown; expected one of "
+                f"{ATTENTION_TYPES}"
+            )
+        if self.attention_type != "mla":
+            if self.mla is not None:
+                raise ModelConfigError(
+                    f"mla={self.mla!r} is set but attention_type={self.attention_type!r}; "
+                    "expected attention_type='mla' or mla=None"
+                )
+            return
+        # Imported here: the MLA config is only needed for MLA models.
+        from mcore_models.gpt.mla_config import MLAConfig
+
+        if self.mla is None:
+            self.mla = MLAConfig()
+        elif isinstance(self.mla, dict):
+            self.mla = MLAConfig(**self.mla)
+        if not isinstance(self.mla, MLAConfig):
+            raise ModelConfigError(f"mla={self.mla!r} must be an MLAConfig, a dict or None")
+        unsupported = [
+            name
+            for name, value in (
+                ("rope_scaling", self.rope_scaling),
+                ("add_qkv_bias", self.add_qkv_bias),
+                ("qk_layernorm", self.qk_layernorm),
+            )
+            if value
+        ]
+        if unsupported or self.num_kv_heads != self.num_attention_heads:
+            raise ModelConfigError(
+                f"attention_type='mla' does not take {unsupported or ['num_query_groups']}: "
+                "expected rope_scaling=None (use MLAConfig.yarn), add_qkv_bias=False, "
+                "qk_layernorm=False and num_query_groups=None"
+            )
 
     @property
     def kv_channels(self) -> int:
@@ -245,6 +297,8 @@ class GPTConfig:
             attention += dim * (heads + 2 * groups)
         if self.qk_layernorm:
             attention += 2 * dim
+        if self.mla is not None:
+            attention = self.mla.attention_parameters(hidden, heads)
         layers = sum(
             attention + 2 * hidden + self._mlp_parameters(i, active=False)
             for i in range(self.num_layers)
@@ -280,6 +334,12 @@ class GPTConfig:
             self.kv_channels,
         )
         attention = hidden * dim * (2 * heads + 2 * groups)
+        if self.mla is not None:
+            # Norm weights are not matmul parameters; the products use the mean head width.
+            mla = self.mla
+            attention = mla.attention_parameters(hidden, heads) - mla.kv_lora_rank
+            attention -= mla.q_lora_rank or 0
+            dim = (mla.qk_head_dim + mla.v_head_dim) // 2
         matmul_params = self.vocab_size * hidden + sum(
             attention + self._mlp_parameters(i, active=True) for i in range(self.num_layers)
         )
@@ -291,7 +351,8 @@ class GPTConfig:
 
         Args:
             name: One of :func:`preset_names` ("tiny", "llama-3.2-1b", "llama-3-8b",
-                "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b").
+                "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b",
+                "tiny-mla", "tiny-mla-moe", "deepseek-v3", "kimi-k2").
             **overrides: Fields to change in the preset.
 
         Returns:

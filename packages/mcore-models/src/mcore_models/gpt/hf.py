@@ -41,9 +41,11 @@ SUPPORTED_MODEL_TYPES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "dots1": "Dots1ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
-"""Hugging Face ``model_type`` -> architecture class name (the last four are MoE families,
-translated by :mod:`mcore_models.moe.hf`)."""
+"""Hugging Face ``model_type`` -> architecture class name (mixtral to dots1 are MoE families,
+translated by :mod:`mcore_models.moe.hf`; deepseek_v3 is MLA + MoE, translated by
+:mod:`mcore_models.gpt.mla_hf`)."""
 
 _REQUIRED_KEYS = (
     "vocab_size",
@@ -68,6 +70,12 @@ _NAME_PAIRS = [
     (
         r"layers\.(\d+)\.self_attention\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.(weight|bias)",
         r"model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.(weight|bias)",
+    ),
+    (
+        r"layers\.(\d+)\.self_attention\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|"
+        r"q_a_layernorm|kv_a_layernorm)\.(weight)",
+        r"model\.layers\.(\d+)\.self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|"
+        r"q_a_layernorm|kv_a_layernorm)\.(weight)",
     ),
     (
         r"layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight",
@@ -143,6 +151,10 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
             f"model_type={model_type!r} is not supported; expected one of "
             f"{sorted(SUPPORTED_MODEL_TYPES)}"
         )
+    if model_type == "deepseek_v3":
+        from mcore_models.gpt.mla_hf import mla_config_from_hf
+
+        return mla_config_from_hf(hf, **overrides)
     missing = [key for key in _REQUIRED_KEYS if key not in hf]
     if missing:
         raise CheckpointFormatError(
@@ -212,6 +224,10 @@ def config_to_hf(config: GPTConfig) -> dict[str, Any]:
     Returns:
         The dictionary.
     """
+    if config.mla is not None:
+        from mcore_models.gpt.mla_hf import mla_config_to_hf
+
+        return mla_config_to_hf(config, _DTYPE_NAMES[config.dtype])
     if config.qk_layernorm:
         model_type = "qwen3"
     elif config.add_qkv_bias:
@@ -314,6 +330,12 @@ def _loadable(
     return found
 
 
+def _is_extra_prediction_layer(name: str, config: GPTConfig, model_type: str) -> bool:
+    """DeepSeek-V3 checkpoints append multi-token-prediction layers after the last layer."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return model_type == "deepseek_v3" and match is not None and int(match[1]) >= config.num_layers
+
+
 def load_hf(
     cls: type[GPTModel],
     path: str | os.PathLike[str],
@@ -368,6 +390,7 @@ def load_hf(
         for name in set(reader.files) - _expected_hf_names(cls, config, model_type)
         if not name.endswith("rotary_emb.inv_freq")
         and not (name == "lm_head.weight" and config.tie_word_embeddings)
+        and not _is_extra_prediction_layer(name, config, model_type)
     )
     if unexpected:
         raise CheckpointFormatError(

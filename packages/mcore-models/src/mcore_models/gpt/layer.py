@@ -16,7 +16,7 @@ from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.gpt.rope import apply_rotary
 from mcore_models.moe.layer import MoELayer
 
-__all__ = ["Attention", "DecoderLayer", "add_rms_norm", "build_mlp"]
+__all__ = ["Attention", "DecoderLayer", "add_rms_norm", "build_attention", "build_mlp"]
 
 
 class Attention(nn.Module):
@@ -121,7 +121,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_norm = RMSNorm(config.hidden_size, config.norm_eps, dtype=config.dtype)
-        self.self_attention = Attention(config, layer_idx)
+        self.self_attention = build_attention(config, layer_idx)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.norm_eps, dtype=config.dtype)
         self.mlp = build_mlp(config, layer_idx)
 
@@ -206,6 +206,25 @@ def add_rms_norm(
         return normed.view(shape), new_residual.view(shape)
     normed, new_residual = norm(hidden, residual)
     return normed, new_residual
+
+
+def build_attention(config: GPTConfig, layer_idx: int) -> nn.Module:
+    """Build the attention of one decoder layer (chosen by ``config.attention_type``).
+
+    Args:
+        config: Model config.
+        layer_idx: Index of the decoder layer (0-based).
+
+    Returns:
+        An :class:`Attention` (multi-head / grouped-query) or, for ``attention_type="mla"``,
+        a :class:`~mcore_models.gpt.mla.MLAttention`.
+    """
+    if config.attention_type == "mla":
+        # Imported here: mcore_models.gpt.mla builds on this module's neighbours only.
+        from mcore_models.gpt.mla import MLAttention
+
+        return MLAttention(config, layer_idx)
+    return Attention(config, layer_idx)
 
 
 def build_mlp(config: GPTConfig, layer_idx: int) -> nn.Module:

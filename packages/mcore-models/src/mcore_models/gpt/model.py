@@ -17,6 +17,7 @@ from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.kv_cache import KVCache
 from mcore_models.gpt.layer import DecoderLayer, add_rms_norm
 from mcore_models.gpt.rope import RotaryEmbedding
+from mcore_models.gpt.yarn import MLARotaryEmbedding
 from mcore_models.materialize import materialize_module, place_parameters
 from mcore_models.packed_seq import PackedSeqParams
 from mcore_parallel.sharding import get_partition_dims
@@ -126,9 +127,11 @@ class GPTModel(nn.Module):
         """Applied to the logits when the full vocabulary is asked for (TP: all-gather)."""
         self.sequence_gather: nn.Module = nn.Identity()
         """Applied after the final norm (SP: all-gather the sequence)."""
-        self.rotary = RotaryEmbedding(
+        self.rotary: nn.Module = RotaryEmbedding(
             config.kv_channels, config.rope_theta, config.rope_scaling, device="meta"
         )
+        if config.mla is not None:
+            self.rotary = MLARotaryEmbedding(config.mla, config.rope_theta, device="meta")
         place_parameters(self, None, self.canonical_name)
         if target.type != "meta":
             materialize_module(

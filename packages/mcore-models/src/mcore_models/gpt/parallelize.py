@@ -29,7 +29,9 @@ from torch import nn
 from mcore_models.errors import ModelConfigError
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.context_parallel import ContextParallelAttention
-from mcore_models.gpt.layer import DecoderLayer
+from mcore_models.gpt.layer import Attention, DecoderLayer
+from mcore_models.gpt.mla import MLAttention
+from mcore_models.gpt.mla_parallelize import parallelize_mla_attention
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.layer import MoELayer
 from mcore_models.moe.parallelize import parallelize_moe
@@ -158,6 +160,11 @@ def parallelize_gpt(
             )
     sp = sequence_parallel and tp > 1
     cp = state.cp_size
+    if config.attention_type == "mla" and (cp > 1 or sp):
+        raise ModelConfigError(
+            f"cp={cp}, sequence_parallel={sp}: attention_type='mla' supports neither context "
+            "nor sequence parallelism; expected cp=1 and sequence_parallel=False"
+        )
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         if cp > 1:
@@ -170,15 +177,18 @@ def parallelize_gpt(
         if tp == 1:
             continue
         attention = layer.self_attention
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attention, name, _column(getattr(attention, name), state, sp))
-        attention.o_proj = _row(attention.o_proj, state, sp)  # type: ignore[assignment]
-        attention.num_heads //= tp
-        attention.num_kv_heads //= tp
-        for norm in (attention.q_norm, attention.k_norm):
-            if norm is not None:
-                # Each rank normalises other heads with the shared weight: partial gradients.
-                _mark_partial_gradient(norm.weight)
+        if isinstance(attention, MLAttention):
+            parallelize_mla_attention(
+                attention,
+                state,
+                column=_column,
+                row=_row,
+                mapping=TensorParallelMapping,
+                sequence_parallel=sp,
+            )
+        else:
+            assert isinstance(attention, Attention)
+            _parallelize_attention(attention, state, sp)
         if isinstance(mlp, SwiGLUMLP):
             mlp.gate_proj = _column(mlp.gate_proj, state, sp)  # type: ignore[assignment]
             mlp.up_proj = _column(mlp.up_proj, state, sp)  # type: ignore[assignment]
@@ -214,6 +224,20 @@ def parallelize_gpt(
             model.sequence_gather = TensorParallelMapping(gather_sequence, state.tp_group)
     model.tp_group = state.tp_group
     model.sequence_parallel_size = tp if sp else 1
+
+
+def _parallelize_attention(attention: Attention, state: ParallelState, sp: bool) -> None:
+    """Split the heads of a grouped-query attention block over the TP group, in place."""
+    tp = state.tp_size
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attention, name, _column(getattr(attention, name), state, sp))
+    attention.o_proj = _row(attention.o_proj, state, sp)  # type: ignore[assignment]
+    attention.num_heads //= tp
+    attention.num_kv_heads //= tp
+    for norm in (attention.q_norm, attention.k_norm):
+        if norm is not None:
+            # Each rank normalises other heads with the shared weight: partial gradients.
+            _mark_partial_gradient(norm.weight)
 
 
 class TensorParallelMapping(nn.Module):

@@ -6,7 +6,8 @@ largest pre-softmax logit ``S`` exceeded a threshold ``t``: with ``gamma = t / S
 rows are multiplied by ``gamma ** alpha`` and the key rows by ``gamma ** (1 - alpha)``, so the
 head's logits shrink by exactly ``gamma``. Under grouped-query attention several query heads
 share one key head; the key rows of a group use the smallest ``gamma`` of its heads, which keeps
-every head's logit at or below the threshold.
+every head's logit at or below the threshold. Multi-head Latent Attention blocks are clipped
+per head as :mod:`mcore_models.gpt.mla_qk_clip` describes (the shared rotary key is kept).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from torch import nn
 
 from mcore_models.errors import ModelConfigError, ModelInputError
 from mcore_models.gpt.layer import Attention
+from mcore_models.gpt.mla import MLAttention
+from mcore_models.gpt.mla_qk_clip import scale_mla_heads
 
 __all__ = ["attention_logit_maxima", "clip_qk", "reset_attention_logit_maxima"]
 
 
-def _attention_modules(model: nn.Module) -> list[Attention]:
-    modules = [m for m in model.modules() if isinstance(m, Attention)]
+def _attention_modules(model: nn.Module) -> list[Attention | MLAttention]:
+    modules = [m for m in model.modules() if isinstance(m, (Attention, MLAttention))]
     if not modules:
         raise ModelInputError(f"model={type(model).__name__} has no attention modules")
     return modules
@@ -112,7 +115,10 @@ def clip_qk(
     maxima = attention_logit_maxima(model, group=group)
     for module, head_max in zip(modules, maxima):
         gamma = torch.clamp(threshold / head_max, max=1.0)
-        if bool((gamma < 1.0).any()):
+        if bool((gamma < 1.0).any()) and isinstance(module, MLAttention):
+            scale_mla_heads(module, gamma, alpha)
+        elif bool((gamma < 1.0).any()):
+            assert isinstance(module, Attention)
             group_gamma = gamma.view(module.num_kv_heads, -1).amin(dim=1)
             _scale_head_rows(module.q_proj, gamma**alpha, module.head_dim)
             _scale_head_rows(module.k_proj, group_gamma ** (1.0 - alpha), module.head_dim)

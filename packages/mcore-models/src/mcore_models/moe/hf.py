@@ -269,7 +269,7 @@ def _expert_names(model_type: str) -> dict[str, str]:
 
 
 def _shared_name(model_type: str) -> str:
-    return "shared_experts" if model_type == "dots1" else "shared_expert"
+    return "shared_experts" if model_type in ("dots1", "deepseek_v3") else "shared_expert"
 
 
 _MCORE_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
