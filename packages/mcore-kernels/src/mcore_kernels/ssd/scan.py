@@ -1,0 +1,501 @@
+"""Mamba-2 chunked scan (SSD): Triton forward and backward kernels, autograd function, API.
+
+One program handles one (sequence, head) pair and walks its chunks in order, keeping the
+``[P, N]`` state in registers. Inside a chunk of ``L`` tokens, with ``a`` the running sum of
+``dt * A``, the output is the masked quadratic form ``(C B^T * exp(a_l - a_s) [s <= l]) (x dt)``
+plus the carried state's contribution ``exp(a_l) C_l S``; the state then moves on by
+``exp(a_last) S + sum_s exp(a_last - a_s) dt_s x_s B_s^T``. Chunks start at each sequence's
+first token, so packed sequences never mix and need no mask (``cu_seqlens``).
+
+The forward saves the state at the start of every chunk (float32, ``[chunks, H, P, N]``); the
+backward walks the chunks in reverse, recomputes the chunk's quadratic form from the saved
+state and carries the gradient of the state backwards. ``B`` and ``C`` gradients are written
+per head and summed over the heads of a group afterwards; ``A`` and ``D`` gradients per
+(sequence, head) and summed. All arithmetic is float32 (inputs are upcast after loading and
+matrix products run with ``input_precision="ieee"``), so results agree with the float32
+reference to rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mcore_kernels._backend import use_triton
+from mcore_kernels._triton_utils import jit, next_power_of_2, on_device_of, tl
+from mcore_kernels.ssd._checks import check_scan_args, default_cu_seqlens
+from mcore_kernels.ssd.reference import ssd_scan_reference
+
+__all__ = ["ssd_scan", "ssd_scan_triton"]
+
+
+@jit
+def _ssd_fwd_kernel(
+    x_ptr,
+    dt_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    d_ptr,
+    y_ptr,
+    init_ptr,
+    final_ptr,
+    chunk_states_ptr,
+    cu_ptr,
+    chunk_offsets_ptr,
+    heads,
+    head_dim,
+    state_size,
+    groups,
+    HEADS_PER_GROUP: tl.constexpr,
+    HAS_D: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    group = head // HEADS_PER_GROUP
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    offs_l = tl.arange(0, CHUNK)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < head_dim
+    mask_n = offs_n < state_size
+    mask_pn = mask_p[:, None] & mask_n[None, :]
+    state_off = (seq * heads + head) * head_dim * state_size
+    pn_off = offs_p[:, None] * state_size + offs_n[None, :]
+    decay_rate = tl.load(a_ptr + head).to(tl.float32)
+    skip = 0.0
+    if HAS_D:
+        skip = tl.load(d_ptr + head).to(tl.float32)
+    if HAS_INIT:
+        state = tl.load(init_ptr + state_off + pn_off, mask=mask_pn, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    chunk_base = 0
+    if STORE_CHUNK_STATES:
+        chunk_base = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+    num_chunks = tl.cdiv(end - start, CHUNK)
+    causal = offs_l[:, None] >= offs_l[None, :]
+    for ci in range(0, num_chunks):
+        c0 = start + ci * CHUNK
+        rows = c0 + offs_l
+        mask_l = rows < end
+        if STORE_CHUNK_STATES:
+            cs_off = ((chunk_base + ci) * heads + head) * head_dim * state_size
+            tl.store(chunk_states_ptr + cs_off + pn_off, state, mask=mask_pn)
+        x_off = (rows[:, None] * heads + head) * head_dim + offs_p[None, :]
+        mask_lp = mask_l[:, None] & mask_p[None, :]
+        x = tl.load(x_ptr + x_off, mask=mask_lp, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + rows * heads + head, mask=mask_l, other=0.0).to(tl.float32)
+        bc_off = (rows[:, None] * groups + group) * state_size + offs_n[None, :]
+        mask_ln = mask_l[:, None] & mask_n[None, :]
+        b = tl.load(b_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
+        c = tl.load(c_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
+        a = tl.cumsum(dt * decay_rate, axis=0)
+        a_last = tl.sum(tl.where(rows == tl.minimum(end, c0 + CHUNK) - 1, a, 0.0), axis=0)
+        xdt = x * dt[:, None]
+        scores = tl.dot(c, tl.trans(b), input_precision="ieee")
+        diff = tl.where(causal, a[:, None] - a[None, :], 0.0)
+        weights = tl.where(causal, scores * tl.exp(diff), 0.0)
+        y = tl.dot(weights, xdt, input_precision="ieee")
+        y += tl.exp(a)[:, None] * tl.dot(c, tl.trans(state), input_precision="ieee")
+        if HAS_D:
+            y += skip * x
+        tl.store(y_ptr + x_off, y, mask=mask_lp)
+        decay = tl.where(mask_l, tl.exp(a_last - a), 0.0)
+        state = tl.exp(a_last) * state + tl.dot(
+            tl.trans(xdt * decay[:, None]), b, input_precision="ieee"
+        )
+    tl.store(final_ptr + state_off + pn_off, state, mask=mask_pn)
+
+
+@jit
+def _ssd_bwd_kernel(
+    x_ptr,
+    dt_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    d_ptr,
+    dy_ptr,
+    dfinal_ptr,
+    chunk_states_ptr,
+    cu_ptr,
+    chunk_offsets_ptr,
+    dx_ptr,
+    ddt_ptr,
+    db_ptr,
+    dc_ptr,
+    da_ptr,
+    dd_ptr,
+    dinit_ptr,
+    heads,
+    head_dim,
+    state_size,
+    groups,
+    HEADS_PER_GROUP: tl.constexpr,
+    HAS_D: tl.constexpr,
+    HAS_DFINAL: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    group = head // HEADS_PER_GROUP
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    offs_l = tl.arange(0, CHUNK)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < head_dim
+    mask_n = offs_n < state_size
+    mask_pn = mask_p[:, None] & mask_n[None, :]
+    state_off = (seq * heads + head) * head_dim * state_size
+    pn_off = offs_p[:, None] * state_size + offs_n[None, :]
+    decay_rate = tl.load(a_ptr + head).to(tl.float32)
+    skip = 0.0
+    if HAS_D:
+        skip = tl.load(d_ptr + head).to(tl.float32)
+    if HAS_DFINAL:
+        dstate = tl.load(dfinal_ptr + state_off + pn_off, mask=mask_pn, other=0.0).to(tl.float32)
+    else:
+        dstate = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    chunk_base = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+    num_chunks = tl.cdiv(end - start, CHUNK)
+    causal = offs_l[:, None] >= offs_l[None, :]
+    da_total = 0.0
+    dd_total = 0.0
+    for k in range(0, num_chunks):
+        ci = num_chunks - 1 - k
+        c0 = start + ci * CHUNK
+        rows = c0 + offs_l
+        mask_l = rows < end
+        is_last = rows == tl.minimum(end, c0 + CHUNK) - 1
+        cs_off = ((chunk_base + ci) * heads + head) * head_dim * state_size
+        s0 = tl.load(chunk_states_ptr + cs_off + pn_off, mask=mask_pn, other=0.0)
+        x_off = (rows[:, None] * heads + head) * head_dim + offs_p[None, :]
+        mask_lp = mask_l[:, None] & mask_p[None, :]
+        x = tl.load(x_ptr + x_off, mask=mask_lp, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + x_off, mask=mask_lp, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + rows * heads + head, mask=mask_l, other=0.0).to(tl.float32)
+        bc_off = (rows[:, None] * groups + group) * state_size + offs_n[None, :]
+        mask_ln = mask_l[:, None] & mask_n[None, :]
+        b = tl.load(b_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
+        c = tl.load(c_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
+        a = tl.cumsum(dt * decay_rate, axis=0)
+        a_last = tl.sum(tl.where(is_last, a, 0.0), axis=0)
+        xdt = x * dt[:, None]
+        scores = tl.dot(c, tl.trans(b), input_precision="ieee")
+        diff = tl.where(causal, a[:, None] - a[None, :], 0.0)
+        mask_w = tl.where(causal, tl.exp(diff), 0.0)
+        weights = scores * mask_w
+        # Skip connection.
+        dx = skip * dy
+        if HAS_D:
+            dd_total += tl.sum(tl.sum(dy * x, axis=1), axis=0)
+        # Intra-chunk quadratic form.
+        dweights = tl.dot(dy, tl.trans(xdt), input_precision="ieee")
+        dxdt = tl.dot(tl.trans(weights), dy, input_precision="ieee")
+        dscores = dweights * mask_w
+        dc = tl.dot(dscores, b, input_precision="ieee")
+        db = tl.dot(tl.trans(dscores), c, input_precision="ieee")
+        q = dweights * weights
+        da = tl.sum(q, axis=1) - tl.sum(q, axis=0)
+        # Contribution of the state carried into the chunk.
+        ea = tl.where(mask_l, tl.exp(a), 0.0)
+        dc += ea[:, None] * tl.dot(dy, s0, input_precision="ieee")
+        y_off = ea[:, None] * tl.dot(c, tl.trans(s0), input_precision="ieee")
+        da += tl.sum(dy * y_off, axis=1)
+        ds0 = tl.dot(tl.trans(dy * ea[:, None]), c, input_precision="ieee")
+        # State passed to the next chunk.
+        decay = tl.where(mask_l, tl.exp(a_last - a), 0.0)
+        e_last = tl.exp(a_last)
+        dsb = tl.dot(b, tl.trans(dstate), input_precision="ieee")
+        dxdt += decay[:, None] * dsb
+        db += decay[:, None] * tl.dot(xdt, dstate, input_precision="ieee")
+        contrib = decay * tl.sum(xdt * dsb, axis=1)
+        da_last = tl.sum(contrib, axis=0) + e_last * tl.sum(tl.sum(dstate * s0, axis=1), axis=0)
+        da = da - contrib + tl.where(is_last, da_last, 0.0)
+        ds0 += e_last * dstate
+        # a = cumsum(dt * A): the gradient of each increment sums da over the later tokens.
+        da = tl.where(mask_l, da, 0.0)
+        grad_inc = tl.sum(da, axis=0) - tl.cumsum(da, axis=0) + da
+        ddt = grad_inc * decay_rate + tl.sum(dxdt * x, axis=1)
+        da_total += tl.sum(grad_inc * dt, axis=0)
+        dx += dxdt * dt[:, None]
+        tl.store(dx_ptr + x_off, dx, mask=mask_lp)
+        tl.store(ddt_ptr + rows * heads + head, ddt, mask=mask_l)
+        bh_off = (rows[:, None] * heads + head) * state_size + offs_n[None, :]
+        tl.store(db_ptr + bh_off, db, mask=mask_ln)
+        tl.store(dc_ptr + bh_off, dc, mask=mask_ln)
+        dstate = ds0
+    tl.store(dinit_ptr + state_off + pn_off, dstate, mask=mask_pn)
+    tl.store(da_ptr + seq * heads + head, da_total)
+    tl.store(dd_ptr + seq * heads + head, dd_total)
+
+
+def _blocks(head_dim: int, state_size: int) -> tuple[int, int]:
+    return max(16, next_power_of_2(head_dim)), max(16, next_power_of_2(state_size))
+
+
+def _chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, int]:
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    counts = (lengths + chunk_size - 1) // chunk_size
+    offsets = torch.zeros_like(cu_seqlens)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return offsets, int(offsets[-1].item())
+
+
+def _forward(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    chunk_size: int,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None,
+    save_chunk_states: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    heads, head_dim = x.shape[1], x.shape[2]
+    groups, state_size = B.shape[1], B.shape[2]
+    num_seqs = cu_seqlens.numel() - 1
+    y = torch.empty_like(x)
+    final = torch.empty((num_seqs, heads, head_dim, state_size), device=x.device)
+    offsets: torch.Tensor | None = None
+    chunk_states: torch.Tensor | None = None
+    if save_chunk_states:
+        offsets, total = _chunk_offsets(cu_seqlens, chunk_size)
+        chunk_states = torch.empty((total, heads, head_dim, state_size), device=x.device)
+    block_p, block_n = _blocks(head_dim, state_size)
+    with on_device_of(x):
+        _ssd_fwd_kernel[(num_seqs, heads)](
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D if D is not None else A,
+            y,
+            initial_states if initial_states is not None else final,
+            final,
+            chunk_states if chunk_states is not None else final,
+            cu_seqlens,
+            offsets if offsets is not None else cu_seqlens,
+            heads,
+            head_dim,
+            state_size,
+            groups,
+            HEADS_PER_GROUP=heads // groups,
+            HAS_D=D is not None,
+            HAS_INIT=initial_states is not None,
+            STORE_CHUNK_STATES=save_chunk_states,
+            CHUNK=chunk_size,
+            BLOCK_P=block_p,
+            BLOCK_N=block_n,
+        )
+    return y, final, chunk_states, offsets
+
+
+class _SSDScanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        D: torch.Tensor | None,
+        initial_states: torch.Tensor | None,
+        cu_seqlens: torch.Tensor,
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        y, final, chunk_states, offsets = _forward(
+            x, dt, A, B, C, D, chunk_size, cu_seqlens, initial_states, save_chunk_states=True
+        )
+        ctx.save_for_backward(x, dt, A, B, C, D, cu_seqlens, chunk_states, offsets)
+        ctx.chunk_size = chunk_size
+        ctx.has_init = initial_states is not None
+        ctx.init_dtype = initial_states.dtype if initial_states is not None else None
+        return y, final
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor, dfinal: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        x, dt, A, B, C, D, cu_seqlens, chunk_states, offsets = ctx.saved_tensors
+        tokens, heads, head_dim = x.shape
+        groups, state_size = B.shape[1], B.shape[2]
+        num_seqs = cu_seqlens.numel() - 1
+        dx = torch.empty_like(x, dtype=torch.float32)
+        ddt = torch.empty((tokens, heads), device=x.device)
+        db = torch.empty((tokens, heads, state_size), device=x.device)
+        dc = torch.empty_like(db)
+        da = torch.empty((num_seqs, heads), device=x.device)
+        dd = torch.empty_like(da)
+        dinit = torch.empty((num_seqs, heads, head_dim, state_size), device=x.device)
+        block_p, block_n = _blocks(head_dim, state_size)
+        with on_device_of(x):
+            _ssd_bwd_kernel[(num_seqs, heads)](
+                x,
+                dt,
+                A,
+                B,
+                C,
+                D if D is not None else A,
+                dy.contiguous(),
+                dfinal.contiguous() if dfinal is not None else dinit,
+                chunk_states,
+                cu_seqlens,
+                offsets,
+                dx,
+                ddt,
+                db,
+                dc,
+                da,
+                dd,
+                dinit,
+                heads,
+                head_dim,
+                state_size,
+                groups,
+                HEADS_PER_GROUP=heads // groups,
+                HAS_D=D is not None,
+                HAS_DFINAL=dfinal is not None,
+                CHUNK=ctx.chunk_size,
+                BLOCK_P=block_p,
+                BLOCK_N=block_n,
+            )
+        per_group = (tokens, groups, heads // groups, state_size)
+        grad_b = db.view(per_group).sum(2).to(B.dtype)
+        grad_c = dc.view(per_group).sum(2).to(C.dtype)
+        grad_d = dd.sum(0).to(D.dtype) if D is not None else None
+        grad_init = dinit.to(ctx.init_dtype) if ctx.has_init else None
+        return (
+            dx.to(x.dtype),
+            ddt.to(dt.dtype),
+            da.sum(0).to(A.dtype),
+            grad_b,
+            grad_c,
+            grad_d,
+            grad_init,
+            None,
+            None,
+        )
+
+
+def ssd_scan_triton(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked scan on the Triton kernels (same contract as :func:`ssd_scan`).
+
+    Without autograd (inference) the forward saves no chunk states and does no host
+    synchronisation, so it can be captured in a CUDA graph.
+
+    Args:
+        x: ``[T, H, P]`` inputs.
+        dt: ``[T, H]`` time steps.
+        A: ``[H]`` decay rates.
+        B: ``[T, G, N]`` input projections.
+        C: ``[T, G, N]`` output projections.
+        D: ``[H]`` skip weights or None.
+        chunk_size: Tokens per chunk (power of two >= 16).
+        cu_seqlens: ``[S + 1]`` sequence starts (int32 or int64; default one sequence).
+        initial_states: ``[S, H, P, N]`` or None.
+
+    Returns:
+        ``(y, final_states)``.
+    """
+    if cu_seqlens is None:
+        cu_seqlens = default_cu_seqlens(x.shape[0], x.device)
+    check_scan_args(x, dt, A, B, C, D, chunk_size, cu_seqlens, initial_states)
+    x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
+    A = A.contiguous().float()
+    if initial_states is not None:
+        initial_states = initial_states.contiguous()
+    tensors = [t for t in (x, dt, A, B, C, D, initial_states) if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        result = _SSDScanFunction.apply(
+            x, dt, A, B, C, D, initial_states, cu_seqlens.contiguous(), chunk_size
+        )
+        return result[0], result[1]
+    y, final, _, _ = _forward(
+        x, dt, A, B, C, D, chunk_size, cu_seqlens, initial_states, save_chunk_states=False
+    )
+    return y, final
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2 chunked scan over packed sequences, dispatched to Triton or torch.
+
+    Args:
+        x: ``[T, H, P]`` inputs of all packed tokens.
+        dt: ``[T, H]`` positive time steps (after bias, softplus and clamping).
+        A: ``[H]`` decay rates (negative).
+        B: ``[T, G, N]`` input projections (``G`` groups shared by ``H / G`` heads each).
+        C: ``[T, G, N]`` output projections.
+        D: ``[H]`` skip weights, or None.
+        chunk_size: Tokens per chunk (a power of two >= 16).
+        cu_seqlens: ``[S + 1]`` start offsets of the packed sequences; the state restarts at
+            each (default: one sequence).
+        initial_states: ``[S, H, P, N]`` state before each sequence (default zeros).
+
+    Returns:
+        ``(y, final_states)``: ``y`` ``[T, H, P]`` in ``x.dtype`` and float32
+        ``[S, H, P, N]`` states after each sequence. Differentiable in all tensor inputs.
+
+    Raises:
+        KernelShapeError: A shape does not match the layout.
+        KernelValueError: ``chunk_size`` or the head/group split is invalid.
+        KernelBackendError: ``MCORE_KERNELS_BACKEND`` asks for a backend that cannot run.
+    """
+    if use_triton(x):
+        return ssd_scan_triton(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            chunk_size=chunk_size,
+            cu_seqlens=cu_seqlens,
+            initial_states=initial_states,
+        )
+    return ssd_scan_reference(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens,
+        initial_states=initial_states,
+    )
