@@ -26,6 +26,8 @@ from mcore_inference.expert_parallel import (
 )
 from mcore_inference.intake import normalize_prompt, params_per_prompt, validate_request
 from mcore_inference.kv_cache import PagedKVCache
+from mcore_inference.mamba_graphs import HybridGraphRunner
+from mcore_inference.mamba_state import MambaStateCache, has_mamba_layers
 from mcore_inference.request import (
     FinishReason,
     GenerationResult,
@@ -138,7 +140,11 @@ class InferenceEngine:
         self.groups = groups = EngineGroups(model, state, self.device)
         first_layer, num_layers = _local_layers(model)
         layers = getattr(model, "layers", None)
-        attention = getattr(layers[0], "self_attention", None) if layers else None
+        # A hybrid model's first layer may have no attention: take the first that has one.
+        attention = next(
+            (a for a in (getattr(x, "self_attention", None) for x in layers or []) if a),
+            None,
+        )
         num_kv_heads = getattr(attention, "num_kv_heads", model_config.num_kv_heads)
         head_dim = model_config.kv_channels
         kv_dtype = config.kv_dtype or parameter.dtype
@@ -171,8 +177,14 @@ class InferenceEngine:
             first_layer=first_layer,
         )
         self.scheduler: Scheduler | None = Scheduler(config, self.allocator, self.device)
+        self.mamba_states: MambaStateCache | None = None
+        """Conv/SSM state slots of the Mamba layers (hybrid models only)."""
+        if has_mamba_layers(model):
+            self.mamba_states = MambaStateCache(model, config.max_batch_size, self.device)
+            self.scheduler.on_admit.append(self._admit_mamba_state)
+            self.scheduler.on_free.append(self._release_mamba_state)
         graphs: DecodeGraphRunner | None = None
-        if config.use_cuda_graphs and self.device.type == "cuda":
+        if config.use_cuda_graphs and self.device.type == "cuda" and self.mamba_states is None:
             graphs = DecodeGraphRunner(
                 model,
                 self.kv_cache,
@@ -198,6 +210,18 @@ class InferenceEngine:
             graphs,
             config.fuse_tp_communication and groups.tp_group is not None,
         )
+        if self.mamba_states is not None:
+            self._runner.mamba_states = self.mamba_states
+            if config.use_cuda_graphs and self.device.type == "cuda":
+                self._runner.hybrid_graphs = HybridGraphRunner(
+                    model,
+                    self.kv_cache,
+                    self.mamba_states,
+                    self.scheduler.block_tables,
+                    self.scheduler.padding_row,
+                    config.graph_batch_sizes(),
+                    config.graph_prefill_token_counts(),
+                )
         self.tokenizer: Any = (
             load_tokenizer(config.tokenizer_path) if config.tokenizer_path is not None else None
         )
@@ -211,6 +235,14 @@ class InferenceEngine:
         self._closed = False
         self._description = describe_engine(self)
         logger.info("InferenceEngine: %s", self._description)
+
+    def _admit_mamba_state(self, request: Request) -> None:
+        assert self.mamba_states is not None
+        self.mamba_states.admit(request.request_id)
+
+    def _release_mamba_state(self, request: Request) -> None:
+        if self.mamba_states is not None:
+            self.mamba_states.release(request.request_id)
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -292,6 +324,9 @@ class InferenceEngine:
         if self.kv_cache is not None:
             self.kv_cache.clear_step()
             self.kv_cache = None
+        if self.mamba_states is not None:
+            self.mamba_states.close()
+            self.mamba_states = None
         if self.scheduler is not None:
             self.scheduler.clear()
             self.scheduler = None
