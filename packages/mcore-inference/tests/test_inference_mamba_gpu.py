@@ -88,11 +88,16 @@ def test_decode_only_graphs_when_non_decode_graphs_are_off():
 
 def test_close_returns_graph_and_state_memory():
     model = _model()
+    prompts = _prompts(5, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    # A first engine compiles kernels and creates library workspaces that live for the process.
+    with InferenceEngine(model, _config()) as engine:
+        engine.generate(prompts, params)
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     engine = InferenceEngine(model, _config())
-    engine.generate(_prompts(5, seed=2), SamplingParams(temperature=0, max_tokens=6))
+    engine.generate(prompts, params)
     assert torch.cuda.memory_allocated() > before
     engine.close()
     del engine
