@@ -114,6 +114,9 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(
             inner, config.hidden_size, bias=config.mamba_proj_bias, dtype=dtype
         )
+        self.input_copy: nn.Module = nn.Identity()
+        """Applied to the mixer's input (tensor parallelism: identity forward, all-reduce of
+        the gradient); identity else."""
         self.output_reduce: nn.Module = nn.Identity()
         """Applied to out_proj's output (tensor parallelism: all-reduce); identity else."""
         self._init_ssm_parameters(config)
@@ -161,7 +164,7 @@ class Mamba2Mixer(nn.Module):
         batch, seq_len, _ = hidden.shape
         tokens = batch * seq_len
         inner, heads, groups = self.inner_size, self.num_heads, self.num_groups
-        projected = self.in_proj(hidden).reshape(tokens, -1)
+        projected = self.in_proj(self.input_copy(hidden)).reshape(tokens, -1)
         gate, xbc, dt = projected.split([inner, self.conv_dim, heads], dim=-1)
         if state is not None:
             cu_seqlens = state.cu_seqlens
