@@ -27,7 +27,7 @@ from mcore_kernels._triton_utils import jit, next_power_of_2, on_device_of, tl
 from mcore_kernels.ssd._checks import check_scan_args, default_cu_seqlens
 from mcore_kernels.ssd.reference import ssd_scan_reference
 
-__all__ = ["ssd_scan", "ssd_scan_triton"]
+__all__ = ["MAX_KERNEL_CHUNK", "ssd_scan", "ssd_scan_triton"]
 
 
 @jit
@@ -241,8 +241,19 @@ def _ssd_bwd_kernel(
     tl.store(dd_ptr + seq * heads + head, dd_total)
 
 
+MAX_KERNEL_CHUNK = 64
+"""Longest chunk a kernel program holds: a larger ``chunk_size`` runs in chunks of this size
+(same result up to rounding), which keeps the ``[chunk, chunk]`` and ``[chunk, N]`` tiles of
+the backward within registers and shared memory at ``P = 64``, ``N = 128``."""
+
+
 def _blocks(head_dim: int, state_size: int) -> tuple[int, int]:
     return max(16, next_power_of_2(head_dim)), max(16, next_power_of_2(state_size))
+
+
+def _launch_options(block_p: int, block_n: int) -> dict[str, int]:
+    # Chunks are walked one after the other: no software pipelining, more warps for big states.
+    return {"num_warps": 8 if block_p * block_n >= 4096 else 4, "num_stages": 1}
 
 
 def _chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, int]:
@@ -301,6 +312,7 @@ def _forward(
             CHUNK=chunk_size,
             BLOCK_P=block_p,
             BLOCK_N=block_n,
+            **_launch_options(block_p, block_n),
         )
     return y, final, chunk_states, offsets
 
@@ -372,6 +384,7 @@ class _SSDScanFunction(torch.autograd.Function):
                 CHUNK=ctx.chunk_size,
                 BLOCK_P=block_p,
                 BLOCK_N=block_n,
+                **_launch_options(block_p, block_n),
             )
         per_group = (tokens, groups, heads // groups, state_size)
         grad_b = db.view(per_group).sum(2).to(B.dtype)
@@ -425,6 +438,7 @@ def ssd_scan_triton(
     if cu_seqlens is None:
         cu_seqlens = default_cu_seqlens(x.shape[0], x.device)
     check_scan_args(x, dt, A, B, C, D, chunk_size, cu_seqlens, initial_states)
+    chunk_size = min(chunk_size, MAX_KERNEL_CHUNK)
     x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
     A = A.contiguous().float()
     if initial_states is not None:
