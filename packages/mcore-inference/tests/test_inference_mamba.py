@@ -10,6 +10,7 @@ import torch
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
 from mcore_inference.errors import BlockAllocatorError, KVCacheExhaustedError
+from mcore_inference.mamba_graphs import HybridGraphRunner
 from mcore_inference.mamba_state import StateSlotAllocator
 from mcore_models.mamba import HybridModel, hybrid_preset
 
@@ -63,6 +64,39 @@ def test_chunked_prefill_equals_one_shot_prefill(model, chunk):
         tokens, logprobs = _greedy_reference(model, prompt, 5)
         assert result.tokens == tokens
         torch.testing.assert_close(result.logprobs, logprobs, atol=1e-4, rtol=0)
+
+
+def test_graph_padding_of_decode_and_non_decode_steps_equals_eager(model):
+    """The graphs' padded static buffers (scratch slot, padding sequences), run uncaptured."""
+    params = SamplingParams(temperature=0, max_tokens=6, return_logprobs=True)
+    with _engine(model, 5, max_tokens_per_step=12) as engine:
+        eager = engine.generate(PROMPTS, params)
+    with _engine(model, 5, max_tokens_per_step=12) as engine:
+        runner = engine._runner
+        assert runner is not None and engine.mamba_states is not None
+        graphs = HybridGraphRunner(
+            model,
+            engine.kv_cache,
+            engine.mamba_states,
+            engine.scheduler.block_tables,
+            engine.scheduler.padding_row,
+            (1, 2, 4),
+            (8, 16),
+        )
+        steps = []
+
+        def padded(microbatch):
+            steps.append(graphs.bucket_of(microbatch))
+            return graphs.run_padded_eagerly(microbatch)
+
+        graphs.run = padded
+        runner.hybrid_graphs = graphs
+        padded_results = engine.generate(PROMPTS, params)
+    assert {decode for decode, _ in steps} == {True, False}
+    assert any(bucket == 16 for decode, bucket in steps if not decode)
+    for a, b in zip(eager, padded_results, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
 def test_state_slots_are_all_free_after_a_soak(model):

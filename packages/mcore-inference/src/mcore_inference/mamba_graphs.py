@@ -74,7 +74,8 @@ class HybridGraphRunner:
             (self.max_sequences,), states.scratch_slot, dtype=torch.long, device=device
         )
         self._sample_rows = torch.zeros(self.max_sequences, dtype=torch.long, device=device)
-        self._pool: Any = torch.cuda.graph_pool_handle()
+        self._pool: Any = None
+        """Memory pool of the graphs, created at the first capture."""
         self._graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._enabled = bool(getattr(model, "pre_process", True)) and bool(
             getattr(model, "post_process", True)
@@ -160,6 +161,8 @@ class HybridGraphRunner:
     def _capture(self, decode: bool, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm-up on padding only (writes the scratch KV block and scratch state slot).
         self._fill(None, decode, bucket)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         stream = _capture_stream(self._inputs.device)
         graph = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream())
@@ -175,6 +178,39 @@ class HybridGraphRunner:
         self._graphs[(decode, bucket)] = (graph, logits)
         return graph, logits
 
+    def bucket_of(self, microbatch: Microbatch) -> tuple[bool, int]:
+        """The graph a step replays.
+
+        Args:
+            microbatch: A step that :meth:`serves` accepts.
+
+        Returns:
+            ``(decode, bucket)``: whether it is a decode graph, and its batch or token bucket.
+        """
+        decode = microbatch.is_decode
+        buckets = self.batch_sizes if decode else self.token_counts
+        return decode, buckets[bisect.bisect_left(buckets, microbatch.num_tokens)]
+
+    def run_padded_eagerly(self, microbatch: Microbatch) -> torch.Tensor:
+        """Run a step through the graph's padded static buffers without capturing or replaying.
+
+        The same computation as :meth:`run` (on any device), for checking the padding against
+        unpadded eager steps where no GPU is available.
+
+        Args:
+            microbatch: A step that :meth:`serves` accepts.
+
+        Returns:
+            float32 logits of its sampling rows.
+        """
+        decode, bucket = self.bucket_of(microbatch)
+        self._fill(microbatch, decode, bucket)
+        try:
+            logits = self._forward(decode, bucket)
+        finally:
+            self._cache.clear_step()
+        return logits[: len(microbatch.sample_rows)]
+
     def run(self, microbatch: Microbatch) -> torch.Tensor:
         """Run one step in a graph (see :meth:`serves`).
 
@@ -185,9 +221,7 @@ class HybridGraphRunner:
             float32 logits of its sampling rows ``[len(sample_rows), vocab]`` (a view of the
             graph's output, valid until the next run).
         """
-        decode = microbatch.is_decode
-        buckets = self.batch_sizes if decode else self.token_counts
-        bucket = buckets[bisect.bisect_left(buckets, microbatch.num_tokens)]
+        decode, bucket = self.bucket_of(microbatch)
         entry = self._graphs.get((decode, bucket))
         if entry is None:
             entry = self._capture(decode, bucket)
