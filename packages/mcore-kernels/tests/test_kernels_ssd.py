@@ -65,8 +65,12 @@ def test_scan_packed_sequences_equal_separate_sequences():
         torch.testing.assert_close(f_packed[i], f[0], atol=1e-5, rtol=1e-5)
 
 
-def test_scan_backward_matches_reference_autograd():
-    x, dt, A, B, C, D, cu, init = _problem(heads=4, groups=1)
+@pytest.mark.parametrize("head_dim", [8, 40])
+def test_scan_backward_matches_reference_autograd(head_dim):
+    # head_dim 40 spans two programs of 32 rows each (the second one masked).
+    x, dt, A, B, C, D, cu, init = _problem(
+        heads=4 if head_dim == 8 else 2, groups=1, head_dim=head_dim
+    )
     g = torch.Generator().manual_seed(1)
     grads = []
     for scan in (ssd_scan_reference, ssd_scan_triton):

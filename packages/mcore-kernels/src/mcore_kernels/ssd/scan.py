@@ -1,7 +1,7 @@
 """Mamba-2 chunked scan (SSD): Triton forward and backward kernels, autograd function, API.
 
-One program handles one (sequence, head) pair and walks its chunks in order, keeping the
-``[P, N]`` state in registers. Inside a chunk of ``L`` tokens, with ``a`` the running sum of
+One program handles one (sequence, head, block of head-dim rows) and walks the sequence's
+chunks in order, keeping its rows of the ``[P, N]`` state in registers. Inside a chunk of ``L`` tokens, with ``a`` the running sum of
 ``dt * A``, the output is the masked quadratic form ``(C B^T * exp(a_l - a_s) [s <= l]) (x dt)``
 plus the carried state's contribution ``exp(a_l) C_l S``; the state then moves on by
 ``exp(a_last) S + sum_s exp(a_last - a_s) dt_s x_s B_s^T``. Chunks start at each sequence's
@@ -10,8 +10,8 @@ first token, so packed sequences never mix and need no mask (``cu_seqlens``).
 The forward saves the state at the start of every chunk (float32, ``[chunks, H, P, N]``); the
 backward walks the chunks in reverse, recomputes the chunk's quadratic form from the saved
 state and carries the gradient of the state backwards. ``B`` and ``C`` gradients are written
-per head and summed over the heads of a group afterwards; ``A`` and ``D`` gradients per
-(sequence, head) and summed. All arithmetic is float32 (inputs are upcast after loading and
+per head and head-dim block and summed over the heads of a group and the blocks afterwards;
+``dt``, ``A`` and ``D`` gradients per block (and sequence) and summed. All arithmetic is float32 (inputs are upcast after loading and
 matrix products run with ``input_precision="ieee"``), so results agree with the float32
 reference to rounding.
 """
@@ -58,11 +58,12 @@ def _ssd_fwd_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    p_block = tl.program_id(2)
     group = head // HEADS_PER_GROUP
     start = tl.load(cu_ptr + seq).to(tl.int64)
     end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     offs_l = tl.arange(0, CHUNK)
-    offs_p = tl.arange(0, BLOCK_P)
+    offs_p = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     mask_p = offs_p < head_dim
     mask_n = offs_n < state_size
@@ -135,6 +136,8 @@ def _ssd_bwd_kernel(
     da_ptr,
     dd_ptr,
     dinit_ptr,
+    num_tokens,
+    num_seqs,
     heads,
     head_dim,
     state_size,
@@ -148,11 +151,12 @@ def _ssd_bwd_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    p_block = tl.program_id(2)
     group = head // HEADS_PER_GROUP
     start = tl.load(cu_ptr + seq).to(tl.int64)
     end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     offs_l = tl.arange(0, CHUNK)
-    offs_p = tl.arange(0, BLOCK_P)
+    offs_p = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     mask_p = offs_p < head_dim
     mask_n = offs_n < state_size
@@ -231,14 +235,16 @@ def _ssd_bwd_kernel(
         da_total += tl.sum(grad_inc * dt, axis=0)
         dx += dxdt * dt[:, None]
         tl.store(dx_ptr + x_off, dx, mask=mask_lp)
-        tl.store(ddt_ptr + rows * heads + head, ddt, mask=mask_l)
-        bh_off = (rows[:, None] * heads + head) * state_size + offs_n[None, :]
+        part = p_block * num_tokens
+        tl.store(ddt_ptr + (part + rows) * heads + head, ddt, mask=mask_l)
+        bh_off = ((part + rows[:, None]) * heads + head) * state_size + offs_n[None, :]
         tl.store(db_ptr + bh_off, db, mask=mask_ln)
         tl.store(dc_ptr + bh_off, dc, mask=mask_ln)
         dstate = ds0
     tl.store(dinit_ptr + state_off + pn_off, dstate, mask=mask_pn)
-    tl.store(da_ptr + seq * heads + head, da_total)
-    tl.store(dd_ptr + seq * heads + head, dd_total)
+    part_seq = p_block * num_seqs + seq
+    tl.store(da_ptr + part_seq * heads + head, da_total)
+    tl.store(dd_ptr + part_seq * heads + head, dd_total)
 
 
 MAX_KERNEL_CHUNK = 64
@@ -247,8 +253,15 @@ MAX_KERNEL_CHUNK = 64
 the backward within registers and shared memory at ``P = 64``, ``N = 128``."""
 
 
-def _blocks(head_dim: int, state_size: int) -> tuple[int, int]:
-    return max(16, next_power_of_2(head_dim)), max(16, next_power_of_2(state_size))
+def _blocks(head_dim: int, state_size: int) -> tuple[int, int, int]:
+    """``(BLOCK_P, BLOCK_N, number of head-dim blocks)``.
+
+    The state's rows evolve independently (``x`` enters row ``p`` only), so the head
+    dimension is split over programs (32 rows each from 32 up) for more parallelism at the
+    cost of recomputing the chunk's ``C B^T`` in each.
+    """
+    block_p = 32 if head_dim >= 32 else 16
+    return block_p, max(16, next_power_of_2(state_size)), -(-head_dim // block_p)
 
 
 def _launch_options(block_p: int, block_n: int) -> dict[str, int]:
@@ -286,9 +299,9 @@ def _forward(
     if save_chunk_states:
         offsets, total = _chunk_offsets(cu_seqlens, chunk_size)
         chunk_states = torch.empty((total, heads, head_dim, state_size), device=x.device)
-    block_p, block_n = _blocks(head_dim, state_size)
+    block_p, block_n, p_blocks = _blocks(head_dim, state_size)
     with on_device_of(x):
-        _ssd_fwd_kernel[(num_seqs, heads)](
+        _ssd_fwd_kernel[(num_seqs, heads, p_blocks)](
             x,
             dt,
             A,
@@ -347,15 +360,16 @@ class _SSDScanFunction(torch.autograd.Function):
         groups, state_size = B.shape[1], B.shape[2]
         num_seqs = cu_seqlens.numel() - 1
         dx = torch.empty_like(x, dtype=torch.float32)
-        ddt = torch.empty((tokens, heads), device=x.device)
-        db = torch.empty((tokens, heads, state_size), device=x.device)
+        block_p, block_n, p_blocks = _blocks(head_dim, state_size)
+        # Per head-dim block partial gradients, summed below.
+        ddt = torch.empty((p_blocks, tokens, heads), device=x.device)
+        db = torch.empty((p_blocks, tokens, heads, state_size), device=x.device)
         dc = torch.empty_like(db)
-        da = torch.empty((num_seqs, heads), device=x.device)
+        da = torch.empty((p_blocks, num_seqs, heads), device=x.device)
         dd = torch.empty_like(da)
         dinit = torch.empty((num_seqs, heads, head_dim, state_size), device=x.device)
-        block_p, block_n = _blocks(head_dim, state_size)
         with on_device_of(x):
-            _ssd_bwd_kernel[(num_seqs, heads)](
+            _ssd_bwd_kernel[(num_seqs, heads, p_blocks)](
                 x,
                 dt,
                 A,
@@ -374,6 +388,8 @@ class _SSDScanFunction(torch.autograd.Function):
                 da,
                 dd,
                 dinit,
+                tokens,
+                num_seqs,
                 heads,
                 head_dim,
                 state_size,
@@ -386,15 +402,15 @@ class _SSDScanFunction(torch.autograd.Function):
                 BLOCK_N=block_n,
                 **_launch_options(block_p, block_n),
             )
-        per_group = (tokens, groups, heads // groups, state_size)
-        grad_b = db.view(per_group).sum(2).to(B.dtype)
-        grad_c = dc.view(per_group).sum(2).to(C.dtype)
-        grad_d = dd.sum(0).to(D.dtype) if D is not None else None
+        per_group = (p_blocks, tokens, groups, heads // groups, state_size)
+        grad_b = db.view(per_group).sum((0, 3)).to(B.dtype)
+        grad_c = dc.view(per_group).sum((0, 3)).to(C.dtype)
+        grad_d = dd.sum((0, 1)).to(D.dtype) if D is not None else None
         grad_init = dinit.to(ctx.init_dtype) if ctx.has_init else None
         return (
             dx.to(x.dtype),
-            ddt.to(dt.dtype),
-            da.sum(0).to(A.dtype),
+            ddt.sum(0).to(dt.dtype),
+            da.sum((0, 1)).to(A.dtype),
             grad_b,
             grad_c,
             grad_d,
