@@ -208,7 +208,10 @@ class InferenceEngine:
             groups,
             self._ep,
             graphs,
-            config.fuse_tp_communication and groups.tp_group is not None,
+            # Hybrid models reduce with plain all-reduces (no fused norm path).
+            config.fuse_tp_communication
+            and groups.tp_group is not None
+            and self.mamba_states is None,
         )
         if self.mamba_states is not None:
             self._runner.mamba_states = self.mamba_states
