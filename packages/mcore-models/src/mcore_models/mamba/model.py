@@ -76,9 +76,12 @@ class HybridModel(nn.Module):
         self.sequence_parallel_size = 1
         """Always 1: hybrid models are not sequence-parallel."""
         target = torch.device(device) if device is not None else torch.empty(0).device
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(config.seed)
-        with target:
+        devices = []
+        if target.type == "cuda":
+            devices = [target.index if target.index is not None else torch.cuda.current_device()]
+        # The initialisation draws from config.seed without disturbing the caller's generators.
+        with torch.random.fork_rng(devices=devices), target:
+            torch.manual_seed(config.seed)
             self.embedding: nn.Embedding | None = (
                 nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
                 if pre_process
@@ -95,9 +98,8 @@ class HybridModel(nn.Module):
                 self.output_layer = nn.Linear(
                     config.hidden_size, config.vocab_size, bias=False, dtype=config.dtype
                 )
-        if target.type != "meta":
-            self._initialize()
-        torch.random.set_rng_state(generator_state)
+            if target.type != "meta":
+                self._initialize()
         self.logits_input: nn.Module = nn.Identity()
         """Applied to hidden states before the output projection (TP: copy to the region)."""
         self.logits_gather: nn.Module = nn.Identity()
