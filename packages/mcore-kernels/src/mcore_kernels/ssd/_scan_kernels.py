@@ -33,6 +33,7 @@ def ssd_fwd_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """Forward of one (sequence, head, head-dim block): outputs and chunk-start states."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     p_block = tl.program_id(2)
@@ -126,6 +127,7 @@ def ssd_bwd_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """Backward of one (sequence, head, head-dim block), chunks in reverse order."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     p_block = tl.program_id(2)
