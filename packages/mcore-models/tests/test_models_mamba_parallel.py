@@ -2,6 +2,7 @@
 
 tp=2: logits and the gradient of every parameter slice equal the unsharded model's, on packed
 sequences. pp=2 through ``build_pipeline_stages``: the two stages chained equal the whole model.
+Both layouts run in one spawn of two gloo ranks.
 """
 
 from __future__ import annotations
@@ -80,10 +81,6 @@ def _tensor_parallel() -> bool:
     return True
 
 
-def test_tensor_parallel_two_ranks_equal_one_process():
-    assert run_distributed(_tensor_parallel, 2) == [True, True]
-
-
 def _pipeline() -> list[float]:
     state = initialize(pp=2)
     rank = state.pp_rank
@@ -100,11 +97,16 @@ def _pipeline() -> list[float]:
         return stage(hidden, packed_seq_params=packed).flatten().tolist()
 
 
-def test_pipeline_stages_chained_equal_the_whole_model():
+def _both_layouts() -> tuple[bool, list[float]]:
+    # One spawn of two ranks for both layouts: initialize() builds new groups each call.
+    return _tensor_parallel(), _pipeline()
+
+
+def test_tensor_parallel_and_pipeline_stages_equal_one_process():
     ids, packed, _ = _inputs()
     with torch.no_grad():
         expected = HybridModel(CONFIG)(ids, packed_seq_params=packed)
-    results = run_distributed(_pipeline, 2)
-    torch.testing.assert_close(
-        torch.tensor(results[1]).view_as(expected), expected, atol=1e-5, rtol=1e-5
-    )
+    results = run_distributed(_both_layouts, 2)
+    assert [tp_ok for tp_ok, _ in results] == [True, True]
+    chained = torch.tensor(results[1][1]).view_as(expected)
+    torch.testing.assert_close(chained, expected, atol=1e-5, rtol=1e-5)
