@@ -104,6 +104,9 @@ def test_state_slots_are_all_free_after_a_soak(model):
     with _engine(model, 3, max_batch_size=3) as engine:
         states = engine.mamba_states
         assert states is not None
+        # KV storage for the one attention layer of "M*M-" only; state slots per Mamba layer.
+        assert engine.kv_cache.keys.shape[0] == 1
+        assert sorted(states.ssm_states) == [0, 2]
         ids = []
         for i in range(14):
             length = int(torch.randint(1, 12, (1,), generator=generator))

@@ -147,6 +147,13 @@ class InferenceEngine:
         )
         num_kv_heads = getattr(attention, "num_kv_heads", model_config.num_kv_heads)
         head_dim = model_config.kv_channels
+        # Hybrid models: KV storage only for the layers that attend.
+        attention_layers: list[int] | None = None
+        if has_mamba_layers(model) and layers is not None:
+            attention_layers = [
+                layer.layer_idx for layer in layers if getattr(layer, "self_attention", None)
+            ]
+            num_layers = len(attention_layers)
         kv_dtype = config.kv_dtype or parameter.dtype
         bytes_per_block = (
             2
@@ -175,6 +182,7 @@ class InferenceEngine:
             device=self.device,
             split_size=config.attention_split_size,
             first_layer=first_layer,
+            layer_indices=attention_layers,
         )
         self.scheduler: Scheduler | None = Scheduler(config, self.allocator, self.device)
         self.mamba_states: MambaStateCache | None = None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from mcore_inference.errors import KVCacheStepError
+from mcore_inference.errors import InferenceConfigError, KVCacheStepError
 from mcore_kernels.paged_attention import paged_attention
 
 __all__ = ["PagedKVCache"]
@@ -35,6 +37,8 @@ class PagedKVCache:
         split_size: Split size of the split-KV attention kernel.
         first_layer: Global index of the first layer held (a pipeline stage holds the
             ``num_layers`` layers from it); ``attend`` takes global layer indices.
+        layer_indices: Global indices of the ``num_layers`` layers that attend, when they are
+            not a contiguous range (hybrid models: only their attention layers get storage).
     """
 
     def __init__(
@@ -49,7 +53,15 @@ class PagedKVCache:
         device: torch.device,
         split_size: int,
         first_layer: int = 0,
+        layer_indices: Sequence[int] | None = None,
     ) -> None:
+        self._local_layer: dict[int, int] | None = None
+        if layer_indices is not None:
+            if len(layer_indices) != num_layers:
+                raise InferenceConfigError(
+                    f"layer_indices={list(layer_indices)} must name num_layers={num_layers} layers"
+                )
+            self._local_layer = {layer: i for i, layer in enumerate(layer_indices)}
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
@@ -137,7 +149,10 @@ class PagedKVCache:
                 f"PagedKVCache.attend(layer_idx={layer_idx}) called without step metadata; "
                 "expected set_step() or prepare_step() before the forward"
             )
-        local = layer_idx - self.first_layer
+        if self._local_layer is not None:
+            local = self._local_layer[layer_idx]
+        else:
+            local = layer_idx - self.first_layer
         keys, values = self.keys[local], self.values[local]
         flat_shape = (-1, *keys.shape[2:])
         keys.view(flat_shape).index_copy_(0, self._slot_mapping, k.to(keys.dtype))
