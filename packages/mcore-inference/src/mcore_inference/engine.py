@@ -203,6 +203,11 @@ class InferenceEngine:
         ep_group = find_expert_parallel_group(model)
         etp_group = find_expert_tensor_parallel_group(model)
         lockstep_groups = [g for g in (ep_group, etp_group) if g is not None]
+        if lockstep_groups and self.mamba_states is not None:
+            raise UnsupportedModelError(
+                f"model={type(model).__name__} has Mamba layers and expert parallelism; "
+                "expected a hybrid model without expert-parallel MoE layers"
+            )
         self._ep: ExpertParallelSync | None = (
             ExpertParallelSync(model, lockstep_groups[0], self.device, tuple(lockstep_groups[1:]))
             if lockstep_groups
