@@ -167,3 +167,15 @@ def test_causal_conv1d_update_continues_a_prefill():
     for t in (5, 6):
         y = causal_conv1d_update(x[t : t + 1], slots, weight, bias, state_indices=torch.tensor([1]))
         torch.testing.assert_close(y[0], y_full[t])
+
+
+def test_scan_empty_sequences_keep_their_initial_state():
+    # CUDA-graph buckets pad with empty sequences: they must pass their state through.
+    x, dt, A, B, C, D, _, init = _problem(tokens=9, seqs=(4, 0, 5, 0))
+    cu = torch.tensor([0, 4, 4, 9, 9], dtype=torch.int32)
+    y_ref, f_ref = ssd_scan_recurrent(x, dt, A, B, C, D, cu_seqlens=cu, initial_states=init)
+    y, final = ssd_scan_triton(x, dt, A, B, C, D, chunk_size=16, cu_seqlens=cu, initial_states=init)
+    torch.testing.assert_close(y.double(), y_ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(final[1], init[1])
+    torch.testing.assert_close(final[3], init[3])
+    torch.testing.assert_close(final.double(), f_ref, atol=2e-5, rtol=1e-5)
