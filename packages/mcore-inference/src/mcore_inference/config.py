@@ -45,6 +45,10 @@ class InferenceConfig:
     """Replay CUDA graphs for pure-decode steps on a CUDA model (ignored on the CPU)."""
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Padded decode batch sizes to capture; None captures 1, 2, 4, 8 then multiples of 16."""
+    cuda_graph_prefill_token_counts: tuple[int, ...] | None = None
+    """Hybrid (Mamba) models: token-count buckets of the non-decode (prefill and mixed) steps
+    to capture as CUDA graphs; None captures 16, 32, 64 ... up to the step's token budget, an
+    empty tuple captures none (non-decode steps run eagerly)."""
     fuse_tp_communication: bool = True
     """Under tensor parallelism, reduce each layer's output with the fused reduce-scatter + add
     + RMSNorm + all-gather of mcore-kernels (symmetric memory when available, NCCL collectives
@@ -110,6 +114,13 @@ class InferenceConfig:
                     f"most max_batch_size={self.max_batch_size}"
                 )
             self.cuda_graph_batch_sizes = tuple(sorted(set(sizes)))
+        if self.cuda_graph_prefill_token_counts is not None:
+            counts = tuple(self.cuda_graph_prefill_token_counts)
+            for count in counts:
+                _check_positive(
+                    "cuda_graph_prefill_token_counts entry", count, InferenceConfigError
+                )
+            self.cuda_graph_prefill_token_counts = tuple(sorted(set(counts)))
         if self.kv_dtype is not None and (
             not isinstance(self.kv_dtype, torch.dtype) or not self.kv_dtype.is_floating_point
         ):
@@ -128,6 +139,23 @@ class InferenceConfig:
     def max_blocks_per_sequence(self) -> int:
         """Width of a block table: blocks needed by the longest sequence."""
         return -(-self.max_sequence_length // self.block_size)
+
+    def graph_prefill_token_counts(self) -> tuple[int, ...]:
+        """Token-count buckets of the non-decode CUDA graphs (hybrid models).
+
+        Returns:
+            Sorted token counts: the configured ones, or powers of two from 16 up to the step's
+            token budget (``max_tokens_per_step``, else ``max_batch_size``) and the budget.
+        """
+        if self.cuda_graph_prefill_token_counts is not None:
+            return self.cuda_graph_prefill_token_counts
+        budget = self.max_tokens_per_step or self.max_batch_size
+        counts = {budget}
+        count = 16
+        while count < budget:
+            counts.add(count)
+            count *= 2
+        return tuple(sorted(counts))
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """The padded decode batch sizes to capture.

@@ -27,8 +27,10 @@ from mcore_inference.expert_parallel import (
 from mcore_inference.fused_decode import FusedDecoder, build_fused_decoder
 from mcore_inference.intake import normalize_prompt, params_per_prompt, validate_request
 from mcore_inference.kv_cache import PagedKVCache
-from mcore_inference.readback import DeferredSamples, SampleReadback
 from mcore_inference.latent_kv_cache import build_paged_kv_cache, kv_cache_shape
+from mcore_inference.mamba_graphs import HybridGraphRunner
+from mcore_inference.mamba_state import MambaStateCache, has_mamba_layers
+from mcore_inference.readback import DeferredSamples, SampleReadback
 from mcore_inference.request import (
     FinishReason,
     GenerationResult,
@@ -141,10 +143,21 @@ class InferenceEngine:
         self.groups = groups = EngineGroups(model, state, self.device)
         first_layer, num_layers = _local_layers(model)
         layers = getattr(model, "layers", None)
-        attention = getattr(layers[0], "self_attention", None) if layers else None
+        # A hybrid model's first layer may have no attention: take the first that has one.
+        attention = next(
+            (a for a in (getattr(x, "self_attention", None) for x in layers or []) if a),
+            None,
+        )
         num_kv_heads, head_dim, copies = kv_cache_shape(
             model_config, attention, config.mla_latent_kv_cache
         )
+        # Hybrid models: KV storage only for the layers that attend.
+        attention_layers: list[int] | None = None
+        if has_mamba_layers(model) and layers is not None:
+            attention_layers = [
+                layer.layer_idx for layer in layers if getattr(layer, "self_attention", None)
+            ]
+            num_layers = len(attention_layers)
         kv_dtype = config.kv_dtype or parameter.dtype
         bytes_per_block = (
             copies
@@ -174,11 +187,18 @@ class InferenceEngine:
             device=self.device,
             split_size=config.attention_split_size,
             first_layer=first_layer,
+            layer_indices=attention_layers,
         )
         self.scheduler: Scheduler | None = Scheduler(config, self.allocator, self.device)
         self._decoder: FusedDecoder | None = build_fused_decoder(model, config.fused_decode)
+        self.mamba_states: MambaStateCache | None = None
+        """Conv/SSM state slots of the Mamba layers (hybrid models only)."""
+        if has_mamba_layers(model):
+            self.mamba_states = MambaStateCache(model, config.max_batch_size, self.device)
+            self.scheduler.on_admit.append(self._admit_mamba_state)
+            self.scheduler.on_free.append(self._release_mamba_state)
         graphs: DecodeGraphRunner | None = None
-        if config.use_cuda_graphs and self.device.type == "cuda":
+        if config.use_cuda_graphs and self.device.type == "cuda" and self.mamba_states is None:
             graphs = DecodeGraphRunner(
                 model,
                 self.kv_cache,
@@ -190,6 +210,11 @@ class InferenceEngine:
         ep_group = find_expert_parallel_group(model)
         etp_group = find_expert_tensor_parallel_group(model)
         lockstep_groups = [g for g in (ep_group, etp_group) if g is not None]
+        if lockstep_groups and self.mamba_states is not None:
+            raise UnsupportedModelError(
+                f"model={type(model).__name__} has Mamba layers and expert parallelism; "
+                "expected a hybrid model without expert-parallel MoE layers"
+            )
         self._ep: ExpertParallelSync | None = (
             ExpertParallelSync(model, lockstep_groups[0], self.device, tuple(lockstep_groups[1:]))
             if lockstep_groups
@@ -203,9 +228,24 @@ class InferenceEngine:
             groups,
             self._ep,
             graphs,
-            config.fuse_tp_communication and groups.tp_group is not None,
+            # Hybrid models reduce with plain all-reduces (no fused norm path).
+            config.fuse_tp_communication
+            and groups.tp_group is not None
+            and self.mamba_states is None,
             self._decoder,
         )
+        if self.mamba_states is not None:
+            self._runner.mamba_states = self.mamba_states
+            if config.use_cuda_graphs and self.device.type == "cuda":
+                self._runner.hybrid_graphs = HybridGraphRunner(
+                    model,
+                    self.kv_cache,
+                    self.mamba_states,
+                    self.scheduler.block_tables,
+                    self.scheduler.padding_row,
+                    config.graph_batch_sizes(),
+                    config.graph_prefill_token_counts(),
+                )
         self.tokenizer: Any = (
             load_tokenizer(config.tokenizer_path) if config.tokenizer_path is not None else None
         )
@@ -229,6 +269,14 @@ class InferenceEngine:
         self._closed = False
         self._description = describe_engine(self)
         logger.info("InferenceEngine: %s", self._description)
+
+    def _admit_mamba_state(self, request: Request) -> None:
+        assert self.mamba_states is not None
+        self.mamba_states.admit(request.request_id)
+
+    def _release_mamba_state(self, request: Request) -> None:
+        if self.mamba_states is not None:
+            self.mamba_states.release(request.request_id)
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -318,6 +366,9 @@ class InferenceEngine:
         if self.kv_cache is not None:
             self.kv_cache.clear_step()
             self.kv_cache = None
+        if self.mamba_states is not None:
+            self.mamba_states.close()
+            self.mamba_states = None
         if self.scheduler is not None:
             self.scheduler.clear()
             self.scheduler = None

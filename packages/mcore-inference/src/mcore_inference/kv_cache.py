@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from mcore_inference.errors import KVCacheStepError
+from mcore_inference.errors import InferenceConfigError, KVCacheStepError
 from mcore_kernels.paged_attention import paged_attention
 from mcore_kernels.rotary_kv_write import rotary_kv_write
 
@@ -36,6 +38,8 @@ class PagedKVCache:
         split_size: Split size of the split-KV attention kernel.
         first_layer: Global index of the first layer held (a pipeline stage holds the
             ``num_layers`` layers from it); ``attend`` takes global layer indices.
+        layer_indices: Global indices of the ``num_layers`` layers that attend, when they are
+            not a contiguous range (hybrid models: only their attention layers get storage).
     """
 
     def __init__(
@@ -50,7 +54,15 @@ class PagedKVCache:
         device: torch.device,
         split_size: int,
         first_layer: int = 0,
+        layer_indices: Sequence[int] | None = None,
     ) -> None:
+        self._local_layer: dict[int, int] | None = None
+        if layer_indices is not None:
+            if len(layer_indices) != num_layers:
+                raise InferenceConfigError(
+                    f"layer_indices={list(layer_indices)} must name num_layers={num_layers} layers"
+                )
+            self._local_layer = {layer: i for i, layer in enumerate(layer_indices)}
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
@@ -135,7 +147,7 @@ class PagedKVCache:
         """
         self._check_step("attend", layer_idx)
         assert self._slot_mapping is not None
-        local = layer_idx - self.first_layer
+        local = self._local_index(layer_idx)
         keys, values = self.keys[local], self.values[local]
         flat_shape = (-1, *keys.shape[2:])
         keys.view(flat_shape).index_copy_(0, self._slot_mapping, k.to(keys.dtype))
@@ -176,10 +188,16 @@ class PagedKVCache:
         """
         self._check_step("attend_rotary", layer_idx)
         assert self._slot_mapping is not None
-        local = layer_idx - self.first_layer
+        local = self._local_index(layer_idx)
         keys, values = self.keys[local], self.values[local]
         rotated = rotary_kv_write(q, k, v, cos, sin, keys, values, self._slot_mapping)
         return self._attend_stored(rotated, keys, values, scale)
+
+    def _local_index(self, layer_idx: int) -> int:
+        # Storage index of a global layer (hybrid models store only their attention layers).
+        if self._local_layer is not None:
+            return self._local_layer[layer_idx]
+        return layer_idx - self.first_layer
 
     def _check_step(self, method: str, layer_idx: int) -> None:
         if self._slot_mapping is None or self._block_tables is None or self._context_lens is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -47,6 +48,11 @@ class Scheduler:
         self.active: list[Request] = []
         """Requests holding blocks, in admission order."""
         self._free_slots = list(range(config.max_batch_size - 1, -1, -1))
+        self.on_admit: list[Callable[[Request], None]] = []
+        """Called with each request as it becomes active (per-request state such as the
+        Mamba state slots is allocated here)."""
+        self.on_free: list[Callable[[Request], None]] = []
+        """Called with each request whose blocks are freed (its other state goes too)."""
 
     def blocks_needed(self, prompt_len: int, new_tokens: int) -> int:
         """KV blocks of a request's whole footprint.
@@ -76,6 +82,8 @@ class Scheduler:
             request.status = RequestStatus.ACTIVE
             self.active.append(request)
             admitted.append(request)
+            for hook in self.on_admit:
+                hook(request)
         if admitted:
             rows = torch.zeros(
                 (len(admitted), self.config.max_blocks_per_sequence), dtype=torch.int32
@@ -152,6 +160,8 @@ class Scheduler:
             request: A request removed with ``release(..., keep_blocks=True)``.
         """
         if request.slot >= 0:
+            for hook in self.on_free:
+                hook(request)
             self.allocator.free(request.blocks)
             self._free_slots.append(request.slot)
             request.blocks, request.slot = [], -1

@@ -14,9 +14,12 @@ from mcore_inference.distributed import EngineGroups
 from mcore_inference.expert_parallel import ExpertParallelSync
 from mcore_inference.fused_decode import FusedDecoder
 from mcore_inference.kv_cache import PagedKVCache
+from mcore_inference.mamba_graphs import HybridGraphRunner
+from mcore_inference.mamba_state import MambaStateCache
 from mcore_inference.sampling import sample_tokens, sampling_uniform
 from mcore_inference.transfer import to_device
 from mcore_kernels import token_logprobs
+from mcore_models.mamba import MambaStepState
 
 __all__ = ["StageRunner", "sample_microbatch"]
 
@@ -61,6 +64,10 @@ class StageRunner:
         self.device = parameter.device
         self.hidden_dtype = parameter.dtype
         self.hidden_size: int = model.config.hidden_size
+        self.mamba_states: MambaStateCache | None = None
+        """State slots of a hybrid model's Mamba layers (set by the engine), else None."""
+        self.hybrid_graphs: HybridGraphRunner | None = None
+        """Decode and non-decode CUDA graphs of a hybrid model (set by the engine)."""
 
     def _inputs(self, microbatch: Microbatch | None, pad_to: int) -> tuple[torch.Tensor, int, int]:
         rows = Microbatch(entries=[])
@@ -97,6 +104,8 @@ class StageRunner:
     def _run(
         self, microbatch: Microbatch | None, received: torch.Tensor | None, has_work: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.mamba_states is not None:
+            return self._run_hybrid(microbatch, received)
         num_real = microbatch.num_tokens if microbatch is not None else 0
         graphs = self.graphs
         use_graphs = (
@@ -142,6 +151,34 @@ class StageRunner:
                 self.graphs = None
         return self._eager(microbatch, inputs, num_real, max_context, received)
 
+    def _run_hybrid(
+        self, microbatch: Microbatch | None, received: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A hybrid (Mamba) model's step: in a decode or non-decode graph when one fits."""
+        assert self.mamba_states is not None
+        if microbatch is None or microbatch.num_tokens == 0:
+            return None, None
+        graphs = self.hybrid_graphs
+        if graphs is not None and graphs.serves(microbatch):
+            try:
+                logits = graphs.run(microbatch)
+                return None, logits if microbatch.sampling else None
+            except Exception as exc:
+                warnings.warn(
+                    f"CUDA graph step failed ({type(exc).__name__}: {exc}); the engine runs "
+                    "hybrid steps eagerly from now on",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                graphs.close()
+                self.hybrid_graphs = None
+        inputs, num_real, max_context = self._inputs(microbatch, microbatch.num_tokens)
+        state = self.mamba_states.step_state(
+            [(request.request_id, count) for request, count in microbatch.entries],
+            decode=microbatch.is_decode,
+        )
+        return self._eager(microbatch, inputs, num_real, max_context, received, mamba_state=state)
+
     def _eager(
         self,
         microbatch: Microbatch | None,
@@ -149,6 +186,8 @@ class StageRunner:
         num_real: int,
         max_context: int,
         received: torch.Tensor | None,
+        *,
+        mamba_state: MambaStepState | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         groups = self.groups
         if groups.is_first_stage:
@@ -170,11 +209,16 @@ class StageRunner:
             stage_input = hidden
         self.kv_cache.prepare_step(self.block_tables, inputs[1], inputs[2], max_context=max_context)
         try:
-            if self.decoder is not None:
+            if self.decoder is not None and mamba_state is None:
                 output = self.decoder(stage_input, inputs[1][None], kv_cache=self.kv_cache)
             else:
+                extra = {"mamba_state": mamba_state} if mamba_state is not None else {}
                 output = self.model(
-                    stage_input, inputs[1][None], kv_cache=self.kv_cache, return_hidden=True
+                    stage_input,
+                    inputs[1][None],
+                    kv_cache=self.kv_cache,
+                    return_hidden=True,
+                    **extra,
                 )
         finally:
             self.kv_cache.clear_step()
@@ -189,6 +233,10 @@ class StageRunner:
         """Drop the references to the model, cache and graphs."""
         self.graphs = None
         self.decoder = None
+        if self.hybrid_graphs is not None:
+            self.hybrid_graphs.close()
+            self.hybrid_graphs = None
+        self.mamba_states = None
         self.model = self.kv_cache = self.block_tables = None  # type: ignore[assignment]
 
 

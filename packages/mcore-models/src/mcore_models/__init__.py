@@ -27,6 +27,7 @@ from mcore_models.gpt.qk_clip import (
     clip_qk,
     reset_attention_logit_maxima,
 )
+from mcore_models.mamba import HybridConfig, HybridModel, MambaStepState, hybrid_preset
 from mcore_models.moe import DecodeExpertPadding, MoEConfig, MoELayer, set_decode_expert_padding
 from mcore_models.packed_seq import PackedSeqParams
 from mcore_models.parallelize import (
@@ -61,6 +62,10 @@ __all__ = [
     "PackedSeqError",
     "KVCacheError",
     "MoEConfig",
+    "HybridConfig",
+    "HybridModel",
+    "MambaStepState",
+    "hybrid_preset",
     "MoELayer",
     "set_decode_expert_padding",
     "DecodeExpertPadding",

@@ -18,7 +18,7 @@ rank's shards is ever allocated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -172,8 +172,12 @@ def parallelize(
         ModelConfigError: If the layout does not fit the model (sizes not divisible, a bad
             layer split, a model that is already a stage or already parallelized).
     """
-    sp = model.config.sequence_parallel if sequence_parallel is None else sequence_parallel
+    from mcore_models.mamba.model import HybridModel
+
     layout = pipeline or PipelineLayout()
+    if isinstance(model, HybridModel):
+        return _parallelize_hybrid(model, state, layout)
+    sp = model.config.sequence_parallel if sequence_parallel is None else sequence_parallel
     if context_parallel_method not in ("ring", "all_gather"):
         raise ModelConfigError(
             f"context_parallel_method={context_parallel_method!r} must be 'ring' or 'all_gather'"
@@ -187,6 +191,19 @@ def parallelize(
             chunk, state, sequence_parallel=sp, context_parallel_method=context_parallel_method
         )
         place_parameters(chunk, state, chunk.canonical_name)
+    return chunks if layout.virtual_stages > 1 else chunks[0]
+
+
+def _parallelize_hybrid(model: Any, state: ParallelState, layout: PipelineLayout) -> Any:
+    """Pipeline split and tensor parallelism of a materialised hybrid Mamba model."""
+    from mcore_models.mamba.parallelize import parallelize_hybrid, split_hybrid_stages
+
+    if state.pp_size > 1 or layout.virtual_stages > 1:
+        chunks = split_hybrid_stages(model, state, layout)
+    else:
+        chunks = [model]
+    for chunk in chunks:
+        parallelize_hybrid(chunk, state)
     return chunks if layout.virtual_stages > 1 else chunks[0]
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.model import GPTModel
+from mcore_models.mamba.config import HybridConfig
 from mcore_models.parallelize import PipelineLayout, materialize, parallelize
 
 if TYPE_CHECKING:
@@ -17,21 +18,22 @@ __all__ = ["build_pipeline_stages"]
 
 
 def build_pipeline_stages(
-    config: GPTConfig,
+    config: GPTConfig | HybridConfig,
     state: ParallelState,
     *,
     virtual_stages: int = 1,
     layout: tuple[int, ...] | None = None,
     sequence_parallel: bool | None = None,
     device: torch.device | str | None = None,
-) -> list[GPTModel]:
+) -> list[Any]:
     """Build this rank's pipeline chunk(s) of a model, sharded and initialised.
 
     The model is built on the meta device, split, sharded, and only this rank's blocks are
     allocated and initialised, with the values the unsharded model gets from ``config.seed``.
 
     Args:
-        config: Model config.
+        config: Model config (a :class:`~mcore_models.mamba.HybridConfig` builds a hybrid
+            Mamba model, initialised whole on ``device`` and then split and sharded).
         state: Parallel state.
         virtual_stages: Model chunks per pipeline rank.
         layout: Decoder layers of every stage (``pp * virtual_stages`` entries); None splits
@@ -46,6 +48,13 @@ def build_pipeline_stages(
         ModelConfigError: If the layout does not fit the model.
     """
     pipeline = PipelineLayout(virtual_stages=virtual_stages, layers_per_stage=layout)
+    if isinstance(config, HybridConfig):
+        from mcore_models.mamba.model import HybridModel
+
+        # Hybrid models are initialised whole (from config.seed) and then split and sharded.
+        whole = HybridModel(config, device=device if device is not None else state.device)
+        hybrid = parallelize(cast(Any, whole), state, pipeline=pipeline)
+        return hybrid if isinstance(hybrid, list) else [hybrid]
     result = parallelize(
         GPTModel(config, device="meta"),
         state,

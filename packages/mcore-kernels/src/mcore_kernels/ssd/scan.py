@@ -1,0 +1,315 @@
+"""Mamba-2 chunked scan (SSD): Triton forward and backward kernels, autograd function, API.
+
+One program handles one (sequence, head, block of head-dim rows) and walks the sequence's
+chunks in order, keeping its rows of the ``[P, N]`` state in registers. Inside a chunk of ``L`` tokens, with ``a`` the running sum of
+``dt * A``, the output is the masked quadratic form ``(C B^T * exp(a_l - a_s) [s <= l]) (x dt)``
+plus the carried state's contribution ``exp(a_l) C_l S``; the state then moves on by
+``exp(a_last) S + sum_s exp(a_last - a_s) dt_s x_s B_s^T``. Chunks start at each sequence's
+first token, so packed sequences never mix and need no mask (``cu_seqlens``).
+
+The forward saves the state at the start of every chunk (float32, ``[chunks, H, P, N]``); the
+backward walks the chunks in reverse, recomputes the chunk's quadratic form from the saved
+state and carries the gradient of the state backwards. ``B`` and ``C`` gradients are written
+per head and head-dim block and summed over the heads of a group and the blocks afterwards;
+``dt``, ``A`` and ``D`` gradients per block (and sequence) and summed. All arithmetic is float32 (inputs are upcast after loading and
+matrix products run with ``input_precision="ieee"``), so results agree with the float32
+reference to rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mcore_kernels._backend import use_triton
+from mcore_kernels._triton_utils import next_power_of_2, on_device_of
+from mcore_kernels.ssd._checks import check_scan_args, default_cu_seqlens
+from mcore_kernels.ssd._scan_kernels import ssd_bwd_kernel, ssd_fwd_kernel
+from mcore_kernels.ssd.reference import ssd_scan_reference
+
+__all__ = ["MAX_KERNEL_CHUNK", "ssd_scan", "ssd_scan_triton"]
+
+
+MAX_KERNEL_CHUNK = 64
+"""Longest chunk a kernel program holds: a larger ``chunk_size`` runs in chunks of this size
+(same result up to rounding), which keeps the ``[chunk, chunk]`` and ``[chunk, N]`` tiles of
+the backward within registers and shared memory at ``P = 64``, ``N = 128``."""
+
+
+def _blocks(head_dim: int, state_size: int) -> tuple[int, int, int]:
+    """``(BLOCK_P, BLOCK_N, number of head-dim blocks)``.
+
+    The state's rows evolve independently (``x`` enters row ``p`` only), so the head
+    dimension is split over programs (32 rows each from 32 up) for more parallelism at the
+    cost of recomputing the chunk's ``C B^T`` in each.
+    """
+    block_p = 32 if head_dim >= 32 else 16
+    return block_p, max(16, next_power_of_2(state_size)), -(-head_dim // block_p)
+
+
+def _launch_options(block_p: int, block_n: int) -> dict[str, int]:
+    # Chunks are walked one after the other: no software pipelining, more warps for big states.
+    return {"num_warps": 8 if block_p * block_n >= 4096 else 4, "num_stages": 1}
+
+
+def _chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, int]:
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    counts = (lengths + chunk_size - 1) // chunk_size
+    offsets = torch.zeros_like(cu_seqlens)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return offsets, int(offsets[-1].item())
+
+
+def _forward(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    chunk_size: int,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None,
+    save_chunk_states: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    heads, head_dim = x.shape[1], x.shape[2]
+    groups, state_size = B.shape[1], B.shape[2]
+    num_seqs = cu_seqlens.numel() - 1
+    y = torch.empty_like(x)
+    final = torch.empty((num_seqs, heads, head_dim, state_size), device=x.device)
+    offsets: torch.Tensor | None = None
+    chunk_states: torch.Tensor | None = None
+    if save_chunk_states:
+        offsets, total = _chunk_offsets(cu_seqlens, chunk_size)
+        chunk_states = torch.empty((total, heads, head_dim, state_size), device=x.device)
+    block_p, block_n, p_blocks = _blocks(head_dim, state_size)
+    with on_device_of(x):
+        ssd_fwd_kernel[(num_seqs, heads, p_blocks)](
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D if D is not None else A,
+            y,
+            initial_states if initial_states is not None else final,
+            final,
+            chunk_states if chunk_states is not None else final,
+            cu_seqlens,
+            offsets if offsets is not None else cu_seqlens,
+            heads,
+            head_dim,
+            state_size,
+            groups,
+            HEADS_PER_GROUP=heads // groups,
+            HAS_D=D is not None,
+            HAS_INIT=initial_states is not None,
+            STORE_CHUNK_STATES=save_chunk_states,
+            CHUNK=chunk_size,
+            BLOCK_P=block_p,
+            BLOCK_N=block_n,
+            **_launch_options(block_p, block_n),
+        )
+    return y, final, chunk_states, offsets
+
+
+class _SSDScanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        D: torch.Tensor | None,
+        initial_states: torch.Tensor | None,
+        cu_seqlens: torch.Tensor,
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        y, final, chunk_states, offsets = _forward(
+            x, dt, A, B, C, D, chunk_size, cu_seqlens, initial_states, save_chunk_states=True
+        )
+        ctx.save_for_backward(x, dt, A, B, C, D, cu_seqlens, chunk_states, offsets)
+        ctx.chunk_size = chunk_size
+        ctx.has_init = initial_states is not None
+        ctx.init_dtype = initial_states.dtype if initial_states is not None else None
+        return y, final
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor, dfinal: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        x, dt, A, B, C, D, cu_seqlens, chunk_states, offsets = ctx.saved_tensors
+        tokens, heads, head_dim = x.shape
+        groups, state_size = B.shape[1], B.shape[2]
+        num_seqs = cu_seqlens.numel() - 1
+        dx = torch.empty_like(x, dtype=torch.float32)
+        block_p, block_n, p_blocks = _blocks(head_dim, state_size)
+        # Per head-dim block partial gradients, summed below.
+        ddt = torch.empty((p_blocks, tokens, heads), device=x.device)
+        db = torch.empty((p_blocks, tokens, heads, state_size), device=x.device)
+        dc = torch.empty_like(db)
+        da = torch.empty((p_blocks, num_seqs, heads), device=x.device)
+        dd = torch.empty_like(da)
+        dinit = torch.empty((num_seqs, heads, head_dim, state_size), device=x.device)
+        with on_device_of(x):
+            ssd_bwd_kernel[(num_seqs, heads, p_blocks)](
+                x,
+                dt,
+                A,
+                B,
+                C,
+                D if D is not None else A,
+                dy.contiguous(),
+                dfinal.contiguous() if dfinal is not None else dinit,
+                chunk_states,
+                cu_seqlens,
+                offsets,
+                dx,
+                ddt,
+                db,
+                dc,
+                da,
+                dd,
+                dinit,
+                tokens,
+                num_seqs,
+                heads,
+                head_dim,
+                state_size,
+                groups,
+                HEADS_PER_GROUP=heads // groups,
+                HAS_D=D is not None,
+                HAS_DFINAL=dfinal is not None,
+                CHUNK=ctx.chunk_size,
+                BLOCK_P=block_p,
+                BLOCK_N=block_n,
+                **_launch_options(block_p, block_n),
+            )
+        per_group = (p_blocks, tokens, groups, heads // groups, state_size)
+        grad_b = db.view(per_group).sum((0, 3)).to(B.dtype)
+        grad_c = dc.view(per_group).sum((0, 3)).to(C.dtype)
+        grad_d = dd.sum((0, 1)).to(D.dtype) if D is not None else None
+        grad_init = dinit.to(ctx.init_dtype) if ctx.has_init else None
+        return (
+            dx.to(x.dtype),
+            ddt.sum(0).to(dt.dtype),
+            da.sum((0, 1)).to(A.dtype),
+            grad_b,
+            grad_c,
+            grad_d,
+            grad_init,
+            None,
+            None,
+        )
+
+
+def ssd_scan_triton(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked scan on the Triton kernels (same contract as :func:`ssd_scan`).
+
+    Without autograd (inference) the forward saves no chunk states and does no host
+    synchronisation, so it can be captured in a CUDA graph.
+
+    Args:
+        x: ``[T, H, P]`` inputs.
+        dt: ``[T, H]`` time steps.
+        A: ``[H]`` decay rates.
+        B: ``[T, G, N]`` input projections.
+        C: ``[T, G, N]`` output projections.
+        D: ``[H]`` skip weights or None.
+        chunk_size: Tokens per chunk (power of two >= 16).
+        cu_seqlens: ``[S + 1]`` sequence starts (int32 or int64; default one sequence).
+        initial_states: ``[S, H, P, N]`` or None.
+
+    Returns:
+        ``(y, final_states)``.
+    """
+    if cu_seqlens is None:
+        cu_seqlens = default_cu_seqlens(x.shape[0], x.device)
+    check_scan_args(x, dt, A, B, C, D, chunk_size, cu_seqlens, initial_states)
+    chunk_size = min(chunk_size, MAX_KERNEL_CHUNK)
+    x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
+    A = A.contiguous().float()
+    if initial_states is not None:
+        initial_states = initial_states.contiguous()
+    tensors = [t for t in (x, dt, A, B, C, D, initial_states) if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        result = _SSDScanFunction.apply(
+            x, dt, A, B, C, D, initial_states, cu_seqlens.contiguous(), chunk_size
+        )
+        return result[0], result[1]
+    y, final, _, _ = _forward(
+        x, dt, A, B, C, D, chunk_size, cu_seqlens, initial_states, save_chunk_states=False
+    )
+    return y, final
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2 chunked scan over packed sequences, dispatched to Triton or torch.
+
+    Args:
+        x: ``[T, H, P]`` inputs of all packed tokens.
+        dt: ``[T, H]`` positive time steps (after bias, softplus and clamping).
+        A: ``[H]`` decay rates (negative).
+        B: ``[T, G, N]`` input projections (``G`` groups shared by ``H / G`` heads each).
+        C: ``[T, G, N]`` output projections.
+        D: ``[H]`` skip weights, or None.
+        chunk_size: Tokens per chunk (a power of two >= 16).
+        cu_seqlens: ``[S + 1]`` start offsets of the packed sequences; the state restarts at
+            each (default: one sequence).
+        initial_states: ``[S, H, P, N]`` state before each sequence (default zeros).
+
+    Returns:
+        ``(y, final_states)``: ``y`` ``[T, H, P]`` in ``x.dtype`` and float32
+        ``[S, H, P, N]`` states after each sequence. Differentiable in all tensor inputs.
+
+    Raises:
+        KernelShapeError: A shape does not match the layout.
+        KernelValueError: ``chunk_size`` or the head/group split is invalid.
+        KernelBackendError: ``MCORE_KERNELS_BACKEND`` asks for a backend that cannot run.
+    """
+    if use_triton(x):
+        return ssd_scan_triton(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            chunk_size=chunk_size,
+            cu_seqlens=cu_seqlens,
+            initial_states=initial_states,
+        )
+    return ssd_scan_reference(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens,
+        initial_states=initial_states,
+    )
