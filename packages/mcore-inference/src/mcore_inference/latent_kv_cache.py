@@ -54,6 +54,7 @@ def build_paged_kv_cache(
     device: torch.device,
     split_size: int,
     first_layer: int = 0,
+    layer_indices: list[int] | None = None,
 ) -> PagedKVCache:
     """Build the engine's paged cache: per-head keys and values, or MLA latent rows.
 
@@ -69,6 +70,8 @@ def build_paged_kv_cache(
         device: Storage device.
         split_size: Split size of the split-KV attention kernels.
         first_layer: Global index of the first layer held.
+        layer_indices: Global indices of the layers held when they are not contiguous (the
+            attention layers of a hybrid model); per-head caches only.
 
     Returns:
         The cache.
@@ -94,6 +97,7 @@ def build_paged_kv_cache(
         device=device,
         split_size=split_size,
         first_layer=first_layer,
+        layer_indices=layer_indices,
     )
 
 
