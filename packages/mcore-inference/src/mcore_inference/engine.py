@@ -38,6 +38,7 @@ from mcore_inference.stage import StageRunner, sample_microbatch
 from mcore_inference.stopping import StopCriteria
 from mcore_inference.tokenizer import load_tokenizer
 from mcore_inference.weights import WeightSource, update_weights_in_place, whole_model_names
+from mcore_kernels.batch_invariant import batch_invariant_mode
 
 if TYPE_CHECKING:
     from mcore_parallel.state import ParallelState
@@ -558,7 +559,8 @@ class InferenceEngine:
             self._pipeline.pop()
             return reports
         try:
-            output, logits = self._runner.run(mine, received, has_work=has_work)
+            with batch_invariant_mode(self.config.batch_invariant):
+                output, logits = self._runner.run(mine, received, has_work=has_work)
         except Exception as exc:  # a failed step fails its requests, never the engine
             if mine is None or groups.replica_size > 1 or self._ep is not None:
                 # Peers are inside collectives of this step: no recovery without them.

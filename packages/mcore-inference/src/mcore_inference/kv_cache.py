@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mcore_inference.errors import KVCacheStepError
+from mcore_kernels.batch_invariant import attention_batch_invariant, is_batch_invariant
 from mcore_kernels.paged_attention import paged_attention
 
 __all__ = ["PagedKVCache"]
@@ -142,6 +143,11 @@ class PagedKVCache:
         flat_shape = (-1, *keys.shape[2:])
         keys.view(flat_shape).index_copy_(0, self._slot_mapping, k.to(keys.dtype))
         values.view(flat_shape).index_copy_(0, self._slot_mapping, v.to(values.dtype))
+        if is_batch_invariant():
+            # The kernel of the packed training forward: same per-token reduction order.
+            return attention_batch_invariant(
+                q, keys, values, self._context_lens, scale=scale, block_tables=self._block_tables
+            )
         return paged_attention(
             q,
             keys,

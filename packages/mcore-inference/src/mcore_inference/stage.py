@@ -203,12 +203,16 @@ def sample_microbatch(logits: torch.Tensor, microbatch: Microbatch) -> torch.Ten
     logprob_rows = [i for i, p in enumerate(params) if p.return_logprobs]
     if logprob_rows:
         index = torch.tensor(logprob_rows, dtype=torch.long, device=logits.device)
-        temperatures = torch.tensor(
-            [params[i].temperature or 1.0 for i in logprob_rows], device=logits.device
+        # NOTE: multiplied by the float32 inverse, as token_logprobs(..., temperature=t) does
+        # on a training forward, so both give the same bits.
+        inverse_temperatures = torch.tensor(
+            [1.0 / (params[i].temperature or 1.0) for i in logprob_rows],
+            dtype=torch.float32,
+            device=logits.device,
         )
         # logprobs of the sampling distribution at the request's temperature (greedy: 1).
         values = token_logprobs(
-            logits.index_select(0, index).float() / temperatures[:, None],
+            logits.index_select(0, index).float() * inverse_temperatures[:, None],
             new_tokens.index_select(0, index),
         )
         assert isinstance(values, torch.Tensor)

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from mcore_kernels import RMSNorm, token_logprobs
 from mcore_models.errors import ModelConfigError, ModelInputError, PackedSeqError
 from mcore_models.gpt.attention_backends import AttentionMask, build_attention_mask
+from mcore_models.gpt.batch_invariant import with_batch_invariance
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.kv_cache import KVCache
 from mcore_models.gpt.layer import DecoderLayer, add_rms_norm
@@ -175,6 +176,7 @@ class GPTModel(nn.Module):
             return [self.output_layer.weight]  # type: ignore[list-item]
         return []
 
+    @with_batch_invariance
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -283,6 +285,7 @@ class GPTModel(nn.Module):
             return self.embedding.weight  # type: ignore[return-value]
         raise ModelInputError("this pipeline stage has no output layer (post_process=False)")
 
+    @with_batch_invariance
     def compute_logits(
         self, hidden: torch.Tensor, *, gather: bool = True, upcast: bool = True
     ) -> torch.Tensor:
