@@ -90,6 +90,7 @@ def _model_config(config: GRPOConfig, vocab_size: int) -> GPTConfig:
     model = config.model
     overrides: dict[str, Any] = {"vocab_size": vocab_size, "seed": config.run.seed}
     overrides["dtype"] = model.dtype
+    overrides["batch_invariant"] = model.batch_invariant
     for name in (
         "hidden_size",
         "num_layers",
@@ -162,7 +163,11 @@ class GRPOWorker:
             )
             self.eval_problems = self._load_prompts(_context_length(self.hf_path))
             model = GPTModel.from_hf(
-                self.hf_path, state=state, dtype=config.model.dtype, device=self.device
+                self.hf_path,
+                state=state,
+                dtype=config.model.dtype,
+                device=self.device,
+                batch_invariant=config.model.batch_invariant,
             )
         else:
             self.tokenizer = CharTokenizer(self.task.alphabet)
