@@ -15,7 +15,10 @@ Splits beyond a token's context (the launch has as many as the longest context n
 position: their partial has max ``-inf`` and sum 0 and merging it multiplies by exactly 1 and
 adds exactly 0, so a token's output is bitwise the same whatever the other tokens of the launch,
 whether it is a decode token, part of a prefill chunk of any size or a row of a packed training
-batch. Scores and accumulators are float32 (inputs upcast after loading).
+batch. Softmax statistics and accumulators are float32; with bf16/fp16 inputs the two tile
+products run on tensor cores (probabilities rounded to the input dtype for the second, as flash
+attention does), with float32 inputs (and in the Triton interpreter, whose bf16 ``tl.dot`` is
+not usable) in IEEE float32.
 
 Shapes: ``q [T, Hq, D]``; paged ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]`` with
 ``block_tables [T, max_blocks]``; packed ``k``/``v [S, Hkv, D]`` with ``kv_starts [T]``;
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mcore_kernels._backend import use_triton
+from mcore_kernels._backend import _interpreting, use_triton
 from mcore_kernels._triton_utils import jit, next_power_of_2, round_to, tl, triton
 from mcore_kernels.errors import KernelShapeError
 
@@ -78,6 +81,7 @@ def _split_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr,
     TILE_SIZE: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -91,7 +95,7 @@ def _split_kernel(
         q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
         mask=head_mask[:, None] & dim_mask[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
@@ -120,7 +124,7 @@ def _split_kernel(
             + dims[None, :],
             mask=kv_mask,
             other=0.0,
-        ).to(tl.float32)
+        )
         v = tl.load(
             v_ptr
             + block[:, None] * stride_v_block
@@ -129,14 +133,26 @@ def _split_kernel(
             + dims[None, :],
             mask=kv_mask,
             other=0.0,
-        ).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        )
+        if TENSOR_CORES:
+            # bf16/fp16 products on tensor cores with a float32 accumulator, the numerics of
+            # flash attention; every token's tile has the same shape and row layout.
+            scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+        else:
+            scores = (
+                tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                * scale
+            )
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         correction = tl.exp(running_max - new_max)
         probs = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        acc = acc * correction[:, None] + tl.dot(probs, v, input_precision="ieee")
+        if TENSOR_CORES:
+            update = tl.dot(probs.to(q.dtype), v.to(q.dtype))
+        else:
+            update = tl.dot(probs, v.to(tl.float32), input_precision="ieee")
+        acc = acc * correction[:, None] + update
         running_max = new_max
     row = (token * num_q_heads + heads) * num_splits + split
     tl.store(partial_max_ptr + row, running_max, mask=head_mask)
@@ -272,6 +288,7 @@ def _launch(
         HEAD_DIM_PAD=dim_pad,
         SPLIT=SPLIT_SIZE,
         TILE_SIZE=TILE,
+        TENSOR_CORES=q.dtype != torch.float32 and not _interpreting(),
     )
     _merge_kernel[(tokens, q_heads)](
         partial_out,
