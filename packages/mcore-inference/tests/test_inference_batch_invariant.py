@@ -1,5 +1,8 @@
 """Batch-invariant mode: engine tokens/log-probs independent of the batch and equal to training."""
 
+import functools
+import operator
+
 import pytest
 import torch
 
@@ -56,8 +59,10 @@ def _training_logprobs(model, prompts, results):
     lengths = torch.tensor([len(s) for s in sequences])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
     device = next(model.parameters()).device
-    ids = torch.tensor([sum(sequences, [])], device=device)
-    labels = torch.tensor([sum((s[1:] + [0] for s in sequences), [])], device=device)
+    ids = torch.tensor([functools.reduce(operator.iadd, sequences, [])], device=device)
+    labels = torch.tensor(
+        [functools.reduce(operator.iadd, ([*s[1:], 0] for s in sequences), [])], device=device
+    )
     packed = PackedSeqParams(cu_seqlens=cu.to(device), max_seqlen=int(lengths.max()))
     logprobs = model(ids, packed_seq_params=packed, labels=labels)[0].cpu()
     out = []
@@ -94,9 +99,7 @@ def test_tokens_and_logprobs_bitwise_equal_across_batches_and_chunk_sizes(
     assert alone.logprobs == reference_results[1].logprobs
 
 
-def test_packed_training_forward_equals_engine_logprobs_bitwise(
-    invariant_model, reference_results
-):
+def test_packed_training_forward_equals_engine_logprobs_bitwise(invariant_model, reference_results):
     training = _training_logprobs(invariant_model, PROMPTS, reference_results)
     for result, logprobs in zip(reference_results, training, strict=True):
         assert logprobs == result.logprobs

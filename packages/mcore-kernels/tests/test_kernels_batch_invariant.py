@@ -122,7 +122,7 @@ def test_mode_routes_linear_matmul_and_restores_on_exit(backend):
 
 
 def test_linear_rejects_mismatched_shapes():
-    with pytest.raises(KernelShapeError, match="weight.shape"):
+    with pytest.raises(KernelShapeError, match=r"weight\.shape"):
         linear_batch_invariant(torch.randn(2, 8), torch.randn(4, 7))
 
 
@@ -298,13 +298,21 @@ def test_gpu_bf16_packed_attention_equals_paged_attention():
     seq = torch.tensor([s for s, n in enumerate(lengths) for _ in range(n)])
     context = torch.tensor([i + 1 for n in lengths for i in range(n)], dtype=torch.int32)
     paged = attention_batch_invariant(
-        q, k_cache.cuda(), v_cache.cuda(), context.cuda(), scale=0.125,
+        q,
+        k_cache.cuda(),
+        v_cache.cuda(),
+        context.cuda(),
+        scale=0.125,
         block_tables=tables[seq].cuda(),
     )
     assert torch.equal(paged, packed)
     last = (torch.tensor(lengths).cumsum(0) - 1).cuda()
     decode = attention_batch_invariant(
-        q[last], k_cache.cuda(), v_cache.cuda(), context.cuda()[last], scale=0.125,
+        q[last],
+        k_cache.cuda(),
+        v_cache.cuda(),
+        context.cuda()[last],
+        scale=0.125,
         block_tables=tables[seq].cuda()[last],
     )
     assert torch.equal(decode, packed[last])

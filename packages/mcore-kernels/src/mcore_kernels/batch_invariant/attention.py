@@ -140,8 +140,7 @@ def _split_kernel(
             scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
         else:
             scores = (
-                tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                * scale
+                tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
             )
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -511,7 +510,12 @@ class _PackedAttention(torch.autograd.Function):
             for start, end in ctx.bounds:
                 sq, sk, sv = (t[start:end].transpose(0, 1)[None] for t in inputs)
                 out = F.scaled_dot_product_attention(
-                    sq, sk, sv, is_causal=True, scale=ctx.scale, enable_gqa=sq.shape[1] != sk.shape[1]
+                    sq,
+                    sk,
+                    sv,
+                    is_causal=True,
+                    scale=ctx.scale,
+                    enable_gqa=sq.shape[1] != sk.shape[1],
                 )
                 pieces.append(out[0].transpose(0, 1))
             recomputed = torch.cat(pieces)

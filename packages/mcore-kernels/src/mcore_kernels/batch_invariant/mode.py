@@ -47,10 +47,13 @@ def is_batch_invariant() -> bool:
 
 
 def _floats(*tensors: Any) -> bool:
-    return all(
-        isinstance(t, torch.Tensor) and t.dtype in _SUPPORTED and not t.is_complex()
-        for t in tensors
-    ) and len({t.dtype for t in tensors}) == 1
+    return (
+        all(
+            isinstance(t, torch.Tensor) and t.dtype in _SUPPORTED and not t.is_complex()
+            for t in tensors
+        )
+        and len({t.dtype for t in tensors}) == 1
+    )
 
 
 def _linear(x: Any, weight: Any, bias: Any = None) -> Any:
