@@ -1,6 +1,7 @@
 """Batch-invariant GEMMs, attention and mode: bitwise-equal rows whatever the batch."""
 
 import os
+import threading
 
 import pytest
 import torch
@@ -119,6 +120,25 @@ def test_mode_routes_linear_matmul_and_restores_on_exit(backend):
         assert torch.equal(torch.mm(x, weight.T), linear_batch_invariant(x, weight))
         raise RuntimeError("leaves the block")
     assert not is_batch_invariant()
+
+
+def test_mode_routes_bmm_and_grouped_mm_and_is_thread_local(backend):
+    generator = torch.Generator().manual_seed(10)
+    a = torch.randn(2, 6, 16, generator=generator)
+    b = torch.randn(2, 16, 8, generator=generator)
+    rows = a.flatten(0, 1)
+    ends = torch.tensor([4, 12], dtype=torch.int32)
+    seen = []
+    with batch_invariant_mode():
+        assert torch.equal(torch.bmm(a, b), bmm_batch_invariant(a, b))
+        assert torch.equal(a @ b, bmm_batch_invariant(a, b))
+        if hasattr(torch, "_grouped_mm"):
+            routed = torch._grouped_mm(rows, b, offs=ends)
+            assert torch.equal(routed, grouped_mm_batch_invariant(rows, b, ends))
+        worker = threading.Thread(target=lambda: seen.append(is_batch_invariant()))
+        worker.start()
+        worker.join()
+    assert seen == [False]
 
 
 def test_linear_rejects_mismatched_shapes():
