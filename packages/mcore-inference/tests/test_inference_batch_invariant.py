@@ -1,15 +1,15 @@
 """Batch-invariant mode: engine tokens/log-probs independent of the batch and equal to training."""
 
-import functools
-import operator
-
 import pytest
 import torch
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
-from mcore_models import MoEConfig, PackedSeqParams
+from mcore_kernels import token_logprobs
+from mcore_models import MoEConfig, PackedSeqParams, parallelize
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.model import GPTModel
+from mcore_parallel import initialize
+from mcore_parallel.testing import run_distributed
 
 VOCAB = 256
 
@@ -28,6 +28,10 @@ def _model(kind, device="cpu", dtype=torch.float32, invariant=True):
         "tiny", vocab_size=VOCAB, seed=1234, moe=moe, batch_invariant=invariant, dtype=dtype
     )
     return GPTModel(config, device=device).eval()
+
+
+def _flat(lists):
+    return [item for items in lists for item in items]
 
 
 def _prompts(lengths, seed=0):
@@ -59,10 +63,8 @@ def _training_logprobs(model, prompts, results):
     lengths = torch.tensor([len(s) for s in sequences])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
     device = next(model.parameters()).device
-    ids = torch.tensor([functools.reduce(operator.iadd, sequences, [])], device=device)
-    labels = torch.tensor(
-        [functools.reduce(operator.iadd, ([*s[1:], 0] for s in sequences), [])], device=device
-    )
+    ids = torch.tensor([_flat(sequences)], device=device)
+    labels = torch.tensor([_flat([*s[1:], 0] for s in sequences)], device=device)
     packed = PackedSeqParams(cu_seqlens=cu.to(device), max_seqlen=int(lengths.max()))
     logprobs = model(ids, packed_seq_params=packed, labels=labels)[0].cpu()
     out = []
@@ -112,8 +114,6 @@ def test_sampled_tokens_independent_of_batch_with_seeds(invariant_model):
     for one, many in zip(alone, together, strict=False):
         assert one.tokens == many.tokens and one.logprobs == many.logprobs
     # Log-probs at temperature 0.8 equal the training forward's token_logprobs(temperature=0.8).
-    from mcore_kernels import token_logprobs
-
     sequence = PROMPTS[0] + together[0].tokens
     with torch.no_grad():
         logits = invariant_model(torch.tensor([sequence]))[0]
@@ -137,6 +137,38 @@ def test_without_the_mode_training_and_engine_logprobs_differ():
     results = _generate(model, PROMPTS)
     training = _training_logprobs(model, PROMPTS, results)
     assert any(t != r.logprobs for t, r in zip(training, results, strict=True))
+
+
+def _tensor_parallel_run():
+    torch.set_num_threads(1)
+    state = initialize(tp=2)
+    model = parallelize(_model("dense"), state).eval()
+    fields = dict(max_batch_size=8, max_sequence_length=64, block_size=4, prefill_chunk_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=5, return_logprobs=True)
+    with InferenceEngine(model, InferenceConfig(**fields)) as engine:
+        together = engine.generate(PROMPTS, params)
+        alone = engine.generate(PROMPTS[1:2], params)
+    # The RL trainer's path: full-vocabulary logits of a packed row, then token_logprobs.
+    sequences = [p + r.tokens for p, r in zip(PROMPTS, together, strict=True)]
+    lengths = torch.tensor([len(s) for s in sequences])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+    packed = PackedSeqParams(cu_seqlens=cu, max_seqlen=int(lengths.max()))
+    with torch.no_grad():
+        logits = model(torch.tensor([_flat(sequences)]), packed_seq_params=packed)[0]
+    targets = torch.tensor(_flat([*s[1:], 0] for s in sequences))
+    training = token_logprobs(logits, targets)
+    pairs = []
+    for i, (prompt, result) in enumerate(zip(PROMPTS, together, strict=True)):
+        first = int(cu[i]) + len(prompt) - 1
+        pairs.append((training[first : first + len(result.tokens)].tolist(), result.logprobs))
+    return pairs, alone[0].logprobs, together[1].logprobs
+
+
+def test_tensor_parallel_engine_equals_training_forward_bitwise():
+    for pairs, alone, in_batch in run_distributed(_tensor_parallel_run, 2):
+        assert alone == in_batch
+        for training, engine in pairs:
+            assert training == engine
 
 
 @pytest.mark.gpu

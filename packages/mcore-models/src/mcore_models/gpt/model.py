@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mcore_kernels import RMSNorm, token_logprobs
+from mcore_kernels.batch_invariant import is_batch_invariant
 from mcore_models.errors import ModelConfigError, ModelInputError, PackedSeqError
 from mcore_models.gpt.attention_backends import AttentionMask, build_attention_mask
 from mcore_models.gpt.batch_invariant import with_batch_invariance
@@ -261,6 +262,8 @@ class GPTModel(nn.Module):
             or not self.config.inference_fuse_tp_communication
             or self.sequence_parallel_size > 1
             or torch.is_grad_enabled()
+            # The fused kernel normalises in its own order, unlike the training forward.
+            or is_batch_invariant()
             or not (self.pre_process and self.post_process)
             or not all(
                 isinstance(layer, DecoderLayer) and layer.supports_fused_reduction()
