@@ -6,9 +6,9 @@ row per token) or from the packed key/value rows of a training forward (``kv_sta
 row of the sequence's first token). Addressing is the only difference; the arithmetic is one
 code path:
 
-- the context is cut into splits of :data:`SPLIT_SIZE` positions (a constant, never derived
+- the context is cut into splits of ``SPLIT_SIZE`` positions (a constant, never derived
   from the batch or the launch); a program computes one split of one token and one key/value
-  head group in tiles of :data:`TILE` positions, ascending, with an online softmax;
+  head group in tiles of ``TILE`` positions, ascending, with an online softmax;
 - a second kernel merges a token's splits in ascending order.
 
 Splits beyond a token's context (the launch has as many as the longest context needs) hold no
@@ -27,27 +27,18 @@ Shapes: ``q [T, Hq, D]``; paged ``k_cache``/``v_cache [num_blocks, block_size, H
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 
 from mcore_kernels._backend import _interpreting, use_triton
 from mcore_kernels._triton_utils import jit, next_power_of_2, round_to, tl, triton
+from mcore_kernels.batch_invariant.attention_reference import (
+    SPLIT_SIZE,
+    TILE,
+    attention_batch_invariant_reference,
+)
 from mcore_kernels.errors import KernelShapeError
 
-__all__ = [
-    "SPLIT_SIZE",
-    "TILE",
-    "attention_batch_invariant",
-    "attention_batch_invariant_reference",
-    "packed_attention_batch_invariant",
-]
-
-SPLIT_SIZE = 512
-"""Context positions per split-KV program (fixed: part of the numerics of the mode)."""
-TILE = 32
-"""Context positions per loop iteration inside a split."""
+__all__ = ["SPLIT_SIZE", "TILE", "attention_batch_invariant"]
 
 
 @jit
@@ -304,101 +295,6 @@ def _launch(
     return out
 
 
-def _gather_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    tables: torch.Tensor | None,
-    kv_starts: torch.Tensor | None,
-    positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys/values ``[T, P, Hkv, D]`` at ``positions [T, P]`` (clamped to valid rows)."""
-    if tables is not None:
-        block_size = k.shape[1]
-        column = (positions // block_size).clamp(max=tables.shape[1] - 1)
-        blocks = tables.long().gather(1, column)
-        flat = blocks * block_size + positions % block_size
-        return k.flatten(0, 1)[flat], v.flatten(0, 1)[flat]
-    assert kv_starts is not None
-    rows = (kv_starts.long()[:, None] + positions).clamp(max=k.shape[0] - 1)
-    return k[rows], v[rows]
-
-
-def attention_batch_invariant_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    context_lens: torch.Tensor,
-    *,
-    scale: float,
-    block_tables: torch.Tensor | None = None,
-    kv_starts: torch.Tensor | None = None,
-    max_context: int | None = None,
-) -> torch.Tensor:
-    """Torch reference of :func:`attention_batch_invariant` (the same splits and tiles).
-
-    Every token runs the same sequence of fixed-shape tile operations (reductions over the
-    head dimension and over :data:`TILE` positions), so a row does not depend on the others.
-
-    Args:
-        q: ``[T, Hq, D]`` queries.
-        k: Paged ``[num_blocks, block_size, Hkv, D]`` cache or packed ``[S, Hkv, D]`` keys.
-        v: Values, shaped like ``k``.
-        context_lens: ``[T]`` attended positions per token.
-        scale: Multiplier of the query-key products.
-        block_tables: ``[T, max_blocks]`` (paged), or None.
-        kv_starts: ``[T]`` first key row of each token's sequence (packed), or None.
-        max_context: Upper bound of ``context_lens`` (default: read from the tensor).
-
-    Returns:
-        ``[T, Hq, D]`` in ``q.dtype``.
-    """
-    tokens, q_heads, dim = q.shape
-    kv_heads = k.shape[-2]
-    group = q_heads // kv_heads
-    if max_context is None:
-        max_context = int(context_lens.max()) if tokens else 1
-    num_splits = max(1, -(-max_context // SPLIT_SIZE))
-    qf = q.float().view(tokens, kv_heads, group, dim)
-    context = context_lens.long()
-    offsets = torch.arange(TILE, device=q.device)
-    partials = []
-    for split in range(num_splits):
-        running_max = q.new_full((tokens, kv_heads, group), float("-inf"), dtype=torch.float32)
-        running_sum = torch.zeros_like(running_max)
-        acc = q.new_zeros((tokens, kv_heads, group, dim), dtype=torch.float32)
-        for tile in range(SPLIT_SIZE // TILE):
-            start = split * SPLIT_SIZE + tile * TILE
-            if start >= max_context:
-                break
-            positions = (start + offsets).expand(tokens, TILE)
-            valid = positions < context[:, None]
-            keys, values = _gather_kv(k, v, block_tables, kv_starts, positions)
-            keys = keys.float().masked_fill(~valid[:, :, None, None], 0.0)
-            values = values.float().masked_fill(~valid[:, :, None, None], 0.0)
-            # [T, Hkv, G, TILE]: products summed over D, one fixed-length reduction per score.
-            scores = (qf[:, :, :, None, :] * keys.permute(0, 2, 1, 3)[:, :, None]).sum(-1)
-            scores = (scores * scale).masked_fill(~valid[:, None, None, :], float("-inf"))
-            new_max = torch.maximum(running_max, scores.amax(-1))
-            live = new_max > float("-inf")
-            safe_max = torch.where(live, new_max, 0.0)
-            correction = torch.where(live, torch.exp(running_max - safe_max), 1.0)
-            probs = torch.exp(scores - safe_max[..., None])
-            running_sum = running_sum * correction + probs.sum(-1)
-            update = (probs[..., None] * values.permute(0, 2, 1, 3)[:, :, None]).sum(-2)
-            acc = acc * correction[..., None] + update
-            running_max = new_max
-        partials.append((running_max, running_sum, acc))
-    total_max, total_sum, acc = partials[0]
-    for split_max, split_sum, split_acc in partials[1:]:
-        new_max = torch.maximum(total_max, split_max)
-        keep = torch.exp(total_max - new_max)
-        take = torch.exp(split_max - new_max)
-        total_sum = total_sum * keep + split_sum * take
-        acc = acc * keep[..., None] + split_acc * take[..., None]
-        total_max = new_max
-    return (acc / total_sum[..., None]).reshape(tokens, q_heads, dim).to(q.dtype)
-
-
 def attention_batch_invariant(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -466,102 +362,3 @@ def attention_batch_invariant(
         kv_starts=kv_starts,
         max_context=max_context,
     )
-
-
-class _PackedAttention(torch.autograd.Function):
-    """Invariant forward; backward through torch SDPA on each sequence (recomputed)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        bounds: tuple[tuple[int, int], ...],
-        scale: float,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(q, k, v)
-        ctx.bounds, ctx.scale = bounds, scale
-        starts = torch.empty(q.shape[0], dtype=torch.int32)
-        context = torch.empty(q.shape[0], dtype=torch.int32)
-        longest = 1
-        for start, end in bounds:
-            starts[start:end] = start
-            context[start:end] = torch.arange(1, end - start + 1, dtype=torch.int32)
-            longest = max(longest, end - start)
-        return attention_batch_invariant(
-            q,
-            k,
-            v,
-            context.to(q.device, non_blocking=True),
-            scale=scale,
-            kv_starts=starts.to(q.device, non_blocking=True),
-            max_context=longest,
-        )
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        from mcore_kernels.batch_invariant.mode import suspended
-
-        q, k, v = ctx.saved_tensors
-        with torch.enable_grad(), suspended():
-            inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
-            pieces = []
-            for start, end in ctx.bounds:
-                sq, sk, sv = (t[start:end].transpose(0, 1)[None] for t in inputs)
-                out = F.scaled_dot_product_attention(
-                    sq,
-                    sk,
-                    sv,
-                    is_causal=True,
-                    scale=ctx.scale,
-                    enable_gqa=sq.shape[1] != sk.shape[1],
-                )
-                pieces.append(out[0].transpose(0, 1))
-            recomputed = torch.cat(pieces)
-            grads = torch.autograd.grad(recomputed, inputs, grad)
-        return grads[0], grads[1], grads[2], None, None
-
-
-def packed_attention_batch_invariant(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bounds: list[tuple[int, int]] | tuple[tuple[int, int], ...],
-    *,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of packed sequences with the numerics of the paged engine path.
-
-    Token ``i`` of a sequence attends to the sequence's tokens ``0 .. i`` exactly as a decode
-    or prefill token at position ``i`` does through :func:`attention_batch_invariant` with a
-    paged cache. Differentiable: the backward recomputes the attention with torch SDPA.
-
-    Args:
-        q: ``[T, Hq, D]`` queries (after RoPE).
-        k: ``[T, Hkv, D]`` keys.
-        v: ``[T, Hkv, D]`` values.
-        bounds: ``(start, end)`` token range of every sequence, covering ``0 .. T`` in order.
-        scale: Multiplier of the query-key products.
-
-    Returns:
-        ``[T, Hq, D]`` in ``q.dtype``.
-
-    Raises:
-        KernelShapeError: If the shapes do not fit or the bounds do not cover the rows.
-    """
-    covered = 0
-    for start, end in bounds:
-        if start != covered or end < start:
-            raise KernelShapeError(
-                f"bounds={list(bounds)}: expected consecutive (start, end) ranges from 0"
-            )
-        covered = end
-    if covered != q.shape[0] or k.shape[0] != q.shape[0]:
-        raise KernelShapeError(
-            f"bounds cover {covered} tokens; q has {q.shape[0]} and k {k.shape[0]}"
-        )
-    nonempty = tuple((s, e) for s, e in bounds if e > s)
-    out = _PackedAttention.apply(q, k, v, nonempty, scale)
-    assert isinstance(out, torch.Tensor)
-    return out
