@@ -48,7 +48,9 @@ def attention_batch_invariant_reference(
     kv_starts: torch.Tensor | None = None,
     max_context: int | None = None,
 ) -> torch.Tensor:
-    """Torch reference of :func:`~mcore_kernels.batch_invariant.attention.attention_batch_invariant` (the same splits and tiles).
+    """Torch reference of the batch-invariant attention (the same splits and tiles).
+
+    The reference of :func:`~mcore_kernels.batch_invariant.attention.attention_batch_invariant`.
 
     Every token runs the same sequence of fixed-shape tile operations (reductions over the
     head dimension and over ``TILE`` positions), so a row does not depend on the others.

@@ -132,7 +132,8 @@ def _tiles(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
 def _check(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
     if a.dtype not in _SUPPORTED or b.dtype != a.dtype:
         raise KernelDtypeError(
-            f"{name}: a.dtype={a.dtype}, b.dtype={b.dtype}; expected one float dtype of {_SUPPORTED}"
+            f"{name}: a.dtype={a.dtype}, b.dtype={b.dtype}; expected one float dtype of "
+            f"{_SUPPORTED}"
         )
     if a.device != b.device:
         raise KernelShapeError(f"{name}: a is on {a.device} and b on {b.device}")

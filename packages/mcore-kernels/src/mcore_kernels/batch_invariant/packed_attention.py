@@ -86,8 +86,9 @@ def packed_attention_batch_invariant(
     """Causal attention of packed sequences with the numerics of the paged engine path.
 
     Token ``i`` of a sequence attends to the sequence's tokens ``0 .. i`` exactly as a decode
-    or prefill token at position ``i`` does through :func:`~mcore_kernels.batch_invariant.attention.attention_batch_invariant` with a
-    paged cache. Differentiable: the backward recomputes the attention with torch SDPA.
+    or prefill token at position ``i`` does through
+    :func:`~mcore_kernels.batch_invariant.attention.attention_batch_invariant` with a paged
+    cache. Differentiable: the backward recomputes the attention with torch SDPA.
 
     Args:
         q: ``[T, Hq, D]`` queries (after RoPE).
