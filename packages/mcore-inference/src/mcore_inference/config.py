@@ -74,6 +74,10 @@ class InferenceConfig:
     """Path of a ``tokenizer.json`` (or a directory holding one) for string stop words and text."""
     seed: int = 0
     """Seed from which requests without their own seed draw one (in arrival order)."""
+    batch_invariant: bool = False
+    """Run every step in ``mcore_kernels.batch_invariant`` mode (also on when the model's
+    ``config.batch_invariant`` is): a request's tokens and log-probs do not depend on the batch,
+    the prefill chunking or CUDA graph padding, and equal the training forward's bitwise."""
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_step is None and isinstance(self.max_batch_size, int):
@@ -131,6 +135,10 @@ class InferenceConfig:
         if not isinstance(self.fuse_tp_communication, bool):
             raise InferenceConfigError(
                 f"fuse_tp_communication={self.fuse_tp_communication!r}; expected True or False"
+            )
+        if not isinstance(self.batch_invariant, bool):
+            raise InferenceConfigError(
+                f"batch_invariant={self.batch_invariant!r}; expected True or False"
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InferenceConfigError(f"seed={self.seed!r}; expected a non-negative integer")

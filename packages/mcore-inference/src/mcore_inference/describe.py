@@ -175,4 +175,6 @@ def _fused_decode_summary(engine: InferenceEngine) -> str:
         return f"on (fused q/k/v and gate/up weight copies: {decoder.nbytes} bytes)"
     if not engine.config.fused_decode:
         return "off (InferenceConfig.fused_decode=False)"
+    if engine.config.batch_invariant or getattr(engine.model.config, "batch_invariant", False):
+        return "off (batch-invariant mode runs the model's own forward)"
     return f"off ({fused_decoder_unsupported_reason(engine.model)})"

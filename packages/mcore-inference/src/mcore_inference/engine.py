@@ -43,6 +43,7 @@ from mcore_inference.stage import StageRunner, sample_microbatch
 from mcore_inference.stopping import StopCriteria
 from mcore_inference.tokenizer import load_tokenizer
 from mcore_inference.weights import WeightSource, update_weights_in_place, whole_model_names
+from mcore_kernels.batch_invariant import batch_invariant_mode
 
 if TYPE_CHECKING:
     from mcore_parallel.state import ParallelState
@@ -190,7 +191,11 @@ class InferenceEngine:
             layer_indices=attention_layers,
         )
         self.scheduler: Scheduler | None = Scheduler(config, self.allocator, self.device)
-        self._decoder: FusedDecoder | None = build_fused_decoder(model, config.fused_decode)
+        # Batch-invariant numerics must be those of the training forward: the model's own.
+        invariant = config.batch_invariant or getattr(model_config, "batch_invariant", False)
+        self._decoder: FusedDecoder | None = build_fused_decoder(
+            model, config.fused_decode and not invariant
+        )
         self.mamba_states: MambaStateCache | None = None
         """Conv/SSM state slots of the Mamba layers (hybrid models only)."""
         if has_mamba_layers(model):
@@ -658,7 +663,8 @@ class InferenceEngine:
             self._complete_deferred(reports, progress=progress)
             return reports + self._take_unreported()
         try:
-            output, logits = self._runner.run(mine, received, has_work=has_work)
+            with batch_invariant_mode(self.config.batch_invariant):
+                output, logits = self._runner.run(mine, received, has_work=has_work)
         except Exception as exc:  # a failed step fails its requests, never the engine
             self._complete_deferred(reports, progress=progress)
             if mine is None or groups.replica_size > 1 or self._ep is not None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from mcore_inference.errors import InferenceConfigError, KVCacheStepError
+from mcore_kernels.batch_invariant import attention_batch_invariant, is_batch_invariant
 from mcore_kernels.paged_attention import paged_attention
 from mcore_kernels.rotary_kv_write import rotary_kv_write
 
@@ -210,6 +211,11 @@ class PagedKVCache:
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
     ) -> torch.Tensor:
         assert self._block_tables is not None and self._context_lens is not None
+        if is_batch_invariant():
+            # The kernel of the packed training forward: same per-token reduction order.
+            return attention_batch_invariant(
+                q, keys, values, self._context_lens, scale=scale, block_tables=self._block_tables
+            )
         return paged_attention(
             q,
             keys,

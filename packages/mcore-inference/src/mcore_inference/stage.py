@@ -271,12 +271,14 @@ def sample_microbatch(logits: torch.Tensor, microbatch: Microbatch) -> torch.Ten
         index = None if every else to_device(logprob_rows, torch.long, logits.device)
         row_logits = logits if index is None else logits.index_select(0, index)
         row_tokens = new_tokens if index is None else new_tokens.index_select(0, index)
-        # logprobs of the sampling distribution at the request's temperature (greedy: 1;
-        # a division by 1 changes no bit, so it is skipped).
-        temperatures = [params[i].temperature or 1.0 for i in logprob_rows]
+        # logprobs of the sampling distribution at the request's temperature (greedy: 1; a
+        # product with 1 changes no bit, so it is skipped).
+        # NOTE: multiplied by the float32 inverse, as token_logprobs(..., temperature=t) does
+        # on a training forward, so both give the same bits.
+        inverse = [1.0 / (params[i].temperature or 1.0) for i in logprob_rows]
         scaled = row_logits.float()
-        if any(t != 1.0 for t in temperatures):
-            scaled = scaled / to_device(temperatures, torch.float32, logits.device)[:, None]
+        if any(t != 1.0 for t in inverse):
+            scaled = scaled * to_device(inverse, torch.float32, logits.device)[:, None]
         values = token_logprobs(scaled, row_tokens)
         assert isinstance(values, torch.Tensor)
         if index is None:

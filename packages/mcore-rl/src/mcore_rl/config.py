@@ -141,10 +141,16 @@ class ModelConfig:
     time, which benchmarks want to measure)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype (a checkpoint is converted on load)."""
+    batch_invariant: bool = False
+    """Batch-invariant numerics in the policy's training forward and in the rollout engine
+    (``mcore_models.GPTConfig.batch_invariant``): their log-probs are bitwise equal, so
+    ``token_prob_error`` is 0 and the importance ratio is exactly 1 on-policy. Slower."""
 
     def __post_init__(self) -> None:
         _check_minimums(self, {name: 1 for name in _SHAPE_FIELDS})
         _check_choices(self)
+        if not isinstance(self.batch_invariant, bool):
+            raise RLConfigError(f"batch_invariant={self.batch_invariant!r} must be True or False")
         if self.hf_path is not None:
             shaped = [n for n in _SHAPE_FIELDS if getattr(self, n) is not None]
             if shaped:

@@ -84,6 +84,7 @@ def load_policy_chunks(
     virtual_stages: int = 1,
     sequence_parallel: bool = False,
     device: torch.device | str | None = None,
+    batch_invariant: bool = False,
 ) -> list[GPTModel]:
     """Loads this rank's chunks of a Hugging Face checkpoint, reading only its slices.
 
@@ -94,6 +95,7 @@ def load_policy_chunks(
         virtual_stages: Chunks per pipeline rank.
         sequence_parallel: Split the sequence over the tensor-parallel ranks between layers.
         device: Device of the parameters (default ``state.device``).
+        batch_invariant: Batch-invariant numerics (``GPTConfig.batch_invariant``).
 
     Returns:
         This rank's chunks, first stage first.
@@ -105,6 +107,7 @@ def load_policy_chunks(
         device=device if device is not None else state.device,
         sequence_parallel=sequence_parallel,
         pipeline=PipelineLayout(virtual_stages=virtual_stages),
+        batch_invariant=batch_invariant,
     )
     chunks = _as_list(built)
     _mark_shared_copies(chunks)

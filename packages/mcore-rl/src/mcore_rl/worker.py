@@ -91,6 +91,7 @@ def _model_config(config: GRPOConfig, vocab_size: int) -> GPTConfig:
     vocab_size = -(-vocab_size // multiple) * multiple
     overrides: dict[str, Any] = {"vocab_size": vocab_size, "seed": config.run.seed}
     overrides["dtype"] = model.dtype
+    overrides["batch_invariant"] = model.batch_invariant
     for name in (
         "hidden_size",
         "num_layers",
@@ -175,6 +176,7 @@ class GRPOWorker:
                 virtual_stages=layout.vp,
                 sequence_parallel=layout.sequence_parallel,
                 device=self.device,
+                batch_invariant=config.model.batch_invariant,
             )
         else:
             self.tokenizer = CharTokenizer(self.task.alphabet)

@@ -122,6 +122,11 @@ class GPTConfig:
     qk_clip_tracking: bool = False
     """Record the maximum pre-softmax attention logit of every head in each forward pass
     without a KV cache (for :func:`mcore_models.clip_qk`)."""
+    batch_invariant: bool = False
+    """Batch-invariant numerics (``mcore_kernels.batch_invariant``): GEMMs and attention reduce
+    every token in an order that does not depend on the batch, so the inference engine's
+    decode and the packed training forward give bitwise-identical log-probs. Slower; see the
+    user guide. Not supported with context parallelism."""
     moe: MoEConfig | None = None
     """Mixture-of-experts MLP (a :class:`mcore_models.MoEConfig` or a dict of its fields), or
     None for dense MLPs in every layer."""
@@ -177,6 +182,8 @@ class GPTConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.head_dim <= 0 or self.head_dim % 2:
             raise ModelConfigError(f"head_dim={self.head_dim} must be a positive even number")
+        if not isinstance(self.batch_invariant, bool):
+            raise ModelConfigError(f"batch_invariant={self.batch_invariant!r} must be a bool")
         if self.rope_theta <= 0:
             raise ModelConfigError(f"rope_theta={self.rope_theta} must be positive")
         if isinstance(self.rope_scaling, dict):

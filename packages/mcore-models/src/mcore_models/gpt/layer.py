@@ -8,8 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_kernels import RMSNorm
+from mcore_kernels.batch_invariant import is_batch_invariant
 from mcore_kernels.comm import fused_rs_add_rmsnorm_ag
 from mcore_models.gpt.attention_backends import AttentionMask, attend, max_attention_logits
+from mcore_models.gpt.batch_invariant import invariant_attention
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.kv_cache import KVCache
 from mcore_models.gpt.mlp import SwiGLUMLP
@@ -91,7 +93,9 @@ class Attention(nn.Module):
             assert mask is not None
             if self.config.qk_clip_tracking:
                 self._record_max_logits(max_attention_logits(q, k, mask, self.scale))
-            if self.core_attention is not None:
+            if is_batch_invariant():
+                out = invariant_attention(q, k, v, mask, self.scale)
+            elif self.core_attention is not None:
                 out = self.core_attention(q, k, v, mask, self.scale)
             else:
                 out = attend(self.config.attention_backend, q, k, v, mask, self.scale)

@@ -11,8 +11,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mcore_kernels import RMSNorm, token_logprobs
+from mcore_kernels.batch_invariant import is_batch_invariant
 from mcore_models.errors import ModelConfigError, ModelInputError, PackedSeqError
 from mcore_models.gpt.attention_backends import AttentionMask, build_attention_mask
+from mcore_models.gpt.batch_invariant import with_batch_invariance
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.kv_cache import KVCache
 from mcore_models.gpt.layer import DecoderLayer, add_rms_norm
@@ -178,6 +180,7 @@ class GPTModel(nn.Module):
             return [self.output_layer.weight]  # type: ignore[list-item]
         return []
 
+    @with_batch_invariance
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -262,6 +265,8 @@ class GPTModel(nn.Module):
             or not self.config.inference_fuse_tp_communication
             or self.sequence_parallel_size > 1
             or torch.is_grad_enabled()
+            # The fused kernel normalises in its own order, unlike the training forward.
+            or is_batch_invariant()
             or not (self.pre_process and self.post_process)
             or not all(
                 isinstance(layer, DecoderLayer) and layer.supports_fused_reduction()
@@ -286,6 +291,7 @@ class GPTModel(nn.Module):
             return self.embedding.weight  # type: ignore[return-value]
         raise ModelInputError("this pipeline stage has no output layer (post_process=False)")
 
+    @with_batch_invariance
     def compute_logits(
         self, hidden: torch.Tensor, *, gather: bool = True, upcast: bool = True
     ) -> torch.Tensor:

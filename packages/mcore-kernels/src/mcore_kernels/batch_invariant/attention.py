@@ -1,0 +1,364 @@
+"""Batch-invariant causal attention: one kernel for training, chunked prefill and decode.
+
+Every query token ``t`` attends to positions ``0 .. context_lens[t] - 1`` of its own sequence.
+Its keys and values are read either from a paged KV cache (the inference engine: a block table
+row per token) or from the packed key/value rows of a training forward (``kv_starts[t]``, the
+row of the sequence's first token). Addressing is the only difference; the arithmetic is one
+code path:
+
+- the context is cut into splits of ``SPLIT_SIZE`` positions (a constant, never derived
+  from the batch or the launch); a program computes one split of one token and one key/value
+  head group in tiles of ``TILE`` positions, ascending, with an online softmax;
+- a second kernel merges a token's splits in ascending order.
+
+Splits beyond a token's context (the launch has as many as the longest context needs) hold no
+position: their partial has max ``-inf`` and sum 0 and merging it multiplies by exactly 1 and
+adds exactly 0, so a token's output is bitwise the same whatever the other tokens of the launch,
+whether it is a decode token, part of a prefill chunk of any size or a row of a packed training
+batch. Softmax statistics and accumulators are float32; with bf16/fp16 inputs the two tile
+products run on tensor cores (probabilities rounded to the input dtype for the second, as flash
+attention does), with float32 inputs (and in the Triton interpreter, whose bf16 ``tl.dot`` is
+not usable) in IEEE float32.
+
+Shapes: ``q [T, Hq, D]``; paged ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]`` with
+``block_tables [T, max_blocks]``; packed ``k``/``v [S, Hkv, D]`` with ``kv_starts [T]``;
+``context_lens [T]``; output ``[T, Hq, D]`` in ``q.dtype``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore_kernels._backend import _interpreting, use_triton
+from mcore_kernels._triton_utils import jit, next_power_of_2, round_to, tl, triton
+from mcore_kernels.batch_invariant.attention_reference import (
+    SPLIT_SIZE,
+    TILE,
+    attention_batch_invariant_reference,
+)
+from mcore_kernels.errors import KernelShapeError
+
+__all__ = ["SPLIT_SIZE", "TILE", "attention_batch_invariant"]
+
+
+@jit
+def _split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    kv_starts_ptr,
+    context_lens_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    scale,
+    stride_q_token,
+    stride_q_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_table_token,
+    num_q_heads,
+    num_splits,
+    PAGED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLIT: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_lens_ptr + token).to(tl.int32)
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+    head_mask = tl.arange(0, GROUP_PAD) < GROUP
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
+        mask=head_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    first = split * SPLIT
+    count = tl.minimum(tl.maximum(context - first, 0), SPLIT)
+    offsets = tl.arange(0, TILE_SIZE)
+    for tile in range(0, tl.cdiv(count, TILE_SIZE)):
+        positions = first + tile * TILE_SIZE + offsets
+        valid = positions < context
+        if PAGED:
+            block = tl.load(
+                tables_ptr + token * stride_table_token + positions // BLOCK_SIZE,
+                mask=valid,
+                other=0,
+            ).to(tl.int64)
+            slot = (positions % BLOCK_SIZE).to(tl.int64)
+        else:
+            block = (tl.load(kv_starts_ptr + token).to(tl.int64) + positions).to(tl.int64)
+            slot = tl.zeros_like(block)
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(
+            k_ptr
+            + block[:, None] * stride_k_block
+            + slot[:, None] * stride_k_slot
+            + kv_head * stride_k_head
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr
+            + block[:, None] * stride_v_block
+            + slot[:, None] * stride_v_slot
+            + kv_head * stride_v_head
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if TENSOR_CORES:
+            # bf16/fp16 products on tensor cores with a float32 accumulator, the numerics of
+            # flash attention; every token's tile has the same shape and row layout.
+            scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+        else:
+            scores = (
+                tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            )
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        correction = tl.exp(running_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        if TENSOR_CORES:
+            update = tl.dot(probs.to(q.dtype), v.to(q.dtype))
+        else:
+            update = tl.dot(probs, v.to(tl.float32), input_precision="ieee")
+        acc = acc * correction[:, None] + update
+        running_max = new_max
+    row = (token * num_q_heads + heads) * num_splits + split
+    tl.store(partial_max_ptr + row, running_max, mask=head_mask)
+    tl.store(partial_sum_ptr + row, running_sum, mask=head_mask)
+    tl.store(
+        partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+        acc,
+        mask=head_mask[:, None] & dim_mask[None, :],
+    )
+
+
+@jit
+def _merge_kernel(
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    out_ptr,
+    stride_out_token,
+    stride_out_head,
+    num_q_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    base = (token * num_q_heads + head) * num_splits
+    # Split 0 always holds position 0, so the running max is finite from the start.
+    total_max = tl.load(partial_max_ptr + base)
+    total_sum = tl.load(partial_sum_ptr + base)
+    acc = tl.load(partial_out_ptr + base * HEAD_DIM + dims, mask=dim_mask, other=0.0)
+    for split in range(1, num_splits):
+        split_max = tl.load(partial_max_ptr + base + split)
+        split_sum = tl.load(partial_sum_ptr + base + split)
+        split_acc = tl.load(
+            partial_out_ptr + (base + split) * HEAD_DIM + dims, mask=dim_mask, other=0.0
+        )
+        new_max = tl.maximum(total_max, split_max)
+        keep = tl.exp(total_max - new_max)
+        take = tl.exp(split_max - new_max)
+        total_sum = total_sum * keep + split_sum * take
+        acc = acc * keep + split_acc * take
+        total_max = new_max
+    tl.store(
+        out_ptr + token * stride_out_token + head * stride_out_head + dims,
+        round_to(acc / total_sum, out_ptr.dtype.element_ty),
+        mask=dim_mask,
+    )
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_lens: torch.Tensor) -> None:
+    if q.dim() != 3 or k.shape != v.shape or k.shape[-1] != q.shape[-1]:
+        raise KernelShapeError(
+            f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}: expected q[T, Hq, D] "
+            "and equal k/v with the same D"
+        )
+    if q.shape[1] % k.shape[-2]:
+        raise KernelShapeError(
+            f"q has {q.shape[1]} heads, keys {k.shape[-2]}: expected a multiple (grouped query)"
+        )
+    if context_lens.shape != (q.shape[0],):
+        raise KernelShapeError(
+            f"context_lens.shape={tuple(context_lens.shape)}; expected [{q.shape[0]}]"
+        )
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: torch.Tensor | None,
+    kv_starts: torch.Tensor | None,
+    context_lens: torch.Tensor,
+    max_context: int,
+    scale: float,
+) -> torch.Tensor:
+    tokens, q_heads, dim = q.shape
+    out = torch.empty_like(q)
+    if tokens == 0:
+        return out
+    paged = tables is not None
+    if paged:
+        assert tables is not None
+        k4, v4 = k, v
+        table = tables.contiguous()
+        starts = context_lens
+        block_size = k.shape[1]
+    else:
+        assert kv_starts is not None
+        k4, v4 = k[:, None], v[:, None]
+        table = context_lens
+        starts = kv_starts.contiguous()
+        block_size = 1
+    kv_heads = k4.shape[2]
+    if k4.stride(-1) != 1 or v4.stride(-1) != 1:
+        raise KernelShapeError("keys and values must have a contiguous last dimension")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    num_splits = max(1, -(-max_context // SPLIT_SIZE))
+    group = q_heads // kv_heads
+    partial_out = q.new_empty((tokens, q_heads, num_splits, dim), dtype=torch.float32)
+    partial_max = q.new_empty((tokens, q_heads, num_splits), dtype=torch.float32)
+    partial_sum = torch.empty_like(partial_max)
+    dim_pad = max(16, next_power_of_2(dim))
+    _split_kernel[(tokens, kv_heads, num_splits)](
+        q,
+        k4,
+        v4,
+        table,
+        starts,
+        context_lens.contiguous(),
+        partial_out,
+        partial_max,
+        partial_sum,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k4.stride(0),
+        k4.stride(1),
+        k4.stride(2),
+        v4.stride(0),
+        v4.stride(1),
+        v4.stride(2),
+        table.stride(0),
+        q_heads,
+        num_splits,
+        PAGED=paged,
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        GROUP_PAD=max(16, next_power_of_2(group)),
+        HEAD_DIM=dim,
+        HEAD_DIM_PAD=dim_pad,
+        SPLIT=SPLIT_SIZE,
+        TILE_SIZE=TILE,
+        TENSOR_CORES=q.dtype != torch.float32 and not _interpreting(),
+    )
+    _merge_kernel[(tokens, q_heads)](
+        partial_out,
+        partial_max,
+        partial_sum,
+        out,
+        out.stride(0),
+        out.stride(1),
+        q_heads,
+        num_splits,
+        HEAD_DIM=dim,
+        HEAD_DIM_PAD=dim_pad,
+    )
+    return out
+
+
+def attention_batch_invariant(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    block_tables: torch.Tensor | None = None,
+    kv_starts: torch.Tensor | None = None,
+    max_context: int | None = None,
+) -> torch.Tensor:
+    """Causal attention whose value for a token never depends on the other tokens of the call.
+
+    Exactly one of ``block_tables`` (paged cache) and ``kv_starts`` (packed rows) is given.
+    Dispatch: Triton on CUDA, the torch reference on CPU (``MCORE_KERNELS_BACKEND`` overrides).
+
+    Args:
+        q: ``[T, Hq, D]`` queries (after RoPE).
+        k: Paged ``[num_blocks, block_size, Hkv, D]`` cache, or packed ``[S, Hkv, D]`` keys.
+        v: Values, shaped like ``k``.
+        context_lens: ``[T]`` int, each token attends to positions ``0 .. context_lens - 1``.
+        scale: Multiplier of the query-key products.
+        block_tables: ``[T, max_blocks]`` int physical block of each logical block (paged).
+        kv_starts: ``[T]`` int row of ``k`` holding position 0 of the token's sequence.
+        max_context: Host-known upper bound of ``context_lens`` (default: the table width
+            times the block size when paged, else ``S``); only the launch size depends on it.
+
+    Returns:
+        ``[T, Hq, D]`` in ``q.dtype``.
+
+    Raises:
+        KernelShapeError: If the shapes do not fit or not exactly one addressing is given.
+    """
+    _check(q, k, v, context_lens)
+    if (block_tables is None) == (kv_starts is None):
+        raise KernelShapeError(
+            "expected exactly one of block_tables (paged cache) and kv_starts (packed rows)"
+        )
+    if block_tables is not None and (k.dim() != 4 or block_tables.shape[0] != q.shape[0]):
+        raise KernelShapeError(
+            f"k{tuple(k.shape)}, block_tables{tuple(block_tables.shape)}: expected a 4-D cache "
+            f"and one table row per token ({q.shape[0]})"
+        )
+    if kv_starts is not None and (k.dim() != 3 or kv_starts.shape != (q.shape[0],)):
+        raise KernelShapeError(
+            f"k{tuple(k.shape)}, kv_starts{tuple(kv_starts.shape)}: expected packed [S, Hkv, D] "
+            f"keys and one start per token ({q.shape[0]})"
+        )
+    if max_context is None:
+        if block_tables is not None:
+            max_context = block_tables.shape[1] * k.shape[1]
+        else:
+            max_context = k.shape[0]
+    if use_triton(q, k, v):
+        if triton is None:  # pragma: no cover - use_triton already requires it
+            raise KernelShapeError("triton is not installed")
+        return _launch(q, k, v, block_tables, kv_starts, context_lens, max_context, scale)
+    return attention_batch_invariant_reference(
+        q,
+        k,
+        v,
+        context_lens,
+        scale=scale,
+        block_tables=block_tables,
+        kv_starts=kv_starts,
+        max_context=max_context,
+    )

@@ -1,0 +1,120 @@
+"""Packed-sequence causal attention with the numerics of the engine's batch-invariant kernel.
+
+The training forward of a packed row calls this: the forward is
+:func:`~mcore_kernels.batch_invariant.attention.attention_batch_invariant` reading the packed
+keys and values (one start row per token), so a token equals the engine's decode or prefill of
+the same sequence bitwise; the backward recomputes the attention with torch SDPA per sequence
+(gradients need no invariance).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mcore_kernels.batch_invariant.attention import attention_batch_invariant
+from mcore_kernels.errors import KernelShapeError
+
+__all__ = ["packed_attention_batch_invariant"]
+
+
+class _PackedAttention(torch.autograd.Function):
+    """Invariant forward; backward through torch SDPA on each sequence (recomputed)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bounds: tuple[tuple[int, int], ...],
+        scale: float,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v)
+        ctx.bounds, ctx.scale = bounds, scale
+        starts = torch.empty(q.shape[0], dtype=torch.int32)
+        context = torch.empty(q.shape[0], dtype=torch.int32)
+        longest = 1
+        for start, end in bounds:
+            starts[start:end] = start
+            context[start:end] = torch.arange(1, end - start + 1, dtype=torch.int32)
+            longest = max(longest, end - start)
+        return attention_batch_invariant(
+            q,
+            k,
+            v,
+            context.to(q.device, non_blocking=True),
+            scale=scale,
+            kv_starts=starts.to(q.device, non_blocking=True),
+            max_context=longest,
+        )
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        from mcore_kernels.batch_invariant.mode import suspended
+
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad(), suspended():
+            inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            pieces = []
+            for start, end in ctx.bounds:
+                sq, sk, sv = (t[start:end].transpose(0, 1)[None] for t in inputs)
+                out = F.scaled_dot_product_attention(
+                    sq,
+                    sk,
+                    sv,
+                    is_causal=True,
+                    scale=ctx.scale,
+                    enable_gqa=sq.shape[1] != sk.shape[1],
+                )
+                pieces.append(out[0].transpose(0, 1))
+            recomputed = torch.cat(pieces)
+            grads = torch.autograd.grad(recomputed, inputs, grad)
+        return grads[0], grads[1], grads[2], None, None
+
+
+def packed_attention_batch_invariant(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: list[tuple[int, int]] | tuple[tuple[int, int], ...],
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed sequences with the numerics of the paged engine path.
+
+    Token ``i`` of a sequence attends to the sequence's tokens ``0 .. i`` exactly as a decode
+    or prefill token at position ``i`` does through
+    :func:`~mcore_kernels.batch_invariant.attention.attention_batch_invariant` with a paged
+    cache. Differentiable: the backward recomputes the attention with torch SDPA.
+
+    Args:
+        q: ``[T, Hq, D]`` queries (after RoPE).
+        k: ``[T, Hkv, D]`` keys.
+        v: ``[T, Hkv, D]`` values.
+        bounds: ``(start, end)`` token range of every sequence, covering ``0 .. T`` in order.
+        scale: Multiplier of the query-key products.
+
+    Returns:
+        ``[T, Hq, D]`` in ``q.dtype``.
+
+    Raises:
+        KernelShapeError: If the shapes do not fit or the bounds do not cover the rows.
+    """
+    covered = 0
+    for start, end in bounds:
+        if start != covered or end < start:
+            raise KernelShapeError(
+                f"bounds={list(bounds)}: expected consecutive (start, end) ranges from 0"
+            )
+        covered = end
+    if covered != q.shape[0] or k.shape[0] != q.shape[0]:
+        raise KernelShapeError(
+            f"bounds cover {covered} tokens; q has {q.shape[0]} and k {k.shape[0]}"
+        )
+    nonempty = tuple((s, e) for s, e in bounds if e > s)
+    out = _PackedAttention.apply(q, k, v, nonempty, scale)
+    assert isinstance(out, torch.Tensor)
+    return out
