@@ -348,6 +348,7 @@ def paged_mla_attention_triton(
         partial_out,
         partial_max,
         partial_sum,
+        context_lens,
         out,
         out.stride(0),
         out.stride(1),
@@ -355,6 +356,7 @@ def paged_mla_attention_triton(
         num_splits,
         HEAD_DIM=rank,
         HEAD_DIM_PAD=rank_pad,
+        SPLIT_SIZE=split_size,
     )
     return out
 
