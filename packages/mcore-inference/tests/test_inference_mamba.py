@@ -67,7 +67,11 @@ def test_chunked_prefill_equals_one_shot_prefill(model, chunk):
 
 
 def test_graph_padding_of_decode_and_non_decode_steps_equals_eager(model):
-    """The graphs' padded static buffers (scratch slot, padding sequences), run uncaptured."""
+    """The graphs' padded static buffers (scratch slot, padding sequences), run uncaptured.
+
+    With asynchronous token readback (the default), decode rows take their token from the
+    previous step's samples on the device: the static buffers must be filled from there too.
+    """
     params = SamplingParams(temperature=0, max_tokens=6, return_logprobs=True)
     with _engine(model, 5, max_tokens_per_step=12) as engine:
         eager = engine.generate(PROMPTS, params)
@@ -84,9 +88,11 @@ def test_graph_padding_of_decode_and_non_decode_steps_equals_eager(model):
             (8, 16),
         )
         steps = []
+        deferred = []
 
         def padded(microbatch):
             steps.append(graphs.bucket_of(microbatch))
+            deferred.append(bool(microbatch.deferred_rows))
             return graphs.run_padded_eagerly(microbatch)
 
         graphs.run = padded
@@ -94,6 +100,8 @@ def test_graph_padding_of_decode_and_non_decode_steps_equals_eager(model):
         padded_results = engine.generate(PROMPTS, params)
     assert {decode for decode, _ in steps} == {True, False}
     assert any(bucket == 16 for decode, bucket in steps if not decode)
+    # Asynchronous readback: decode tokens still on the device fill the static inputs too.
+    assert any(deferred)
     for a, b in zip(eager, padded_results, strict=True):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)

@@ -6,12 +6,13 @@ chunks, or prefill mixed with decodes) of ``T`` tokens replays the non-decode gr
 smallest token bucket ``>= T`` (chunked convolution and scan over ``cu_seqlens``): short
 prefills then cost one graph launch instead of a few hundred kernel launches.
 
-Every graph reads static buffers: token ids, positions and block-table rows ``[3, bucket]``;
-``cu_seqlens`` and state slots of ``max_batch_size + 1`` sequences; and the rows whose logits
-are sampled. Requests fill the first sequences; the padding tokens form one more sequence on
-the scratch state slot (reading the scratch KV block), and the unused sequences are empty, so
-a graph's launch shape depends on its bucket only and nothing is read on the host. The logits
-are computed for the sampled rows only.
+Every graph reads static buffers: token ids, positions and block-table rows ``[3, bucket]``
+(a decode token sampled in the previous step and not yet read back is copied there on the
+device); ``cu_seqlens`` and state slots of ``max_batch_size + 1`` sequences; and the rows whose
+logits are sampled. Requests fill the first sequences; the padding tokens form one more
+sequence on the scratch state slot (reading the scratch KV block), and the unused sequences are
+empty, so a graph's launch shape depends on its bucket only and nothing is read on the host.
+The logits are computed for the sampled rows only.
 
 Graphs, buffers and the memory pool belong to this object; :meth:`HybridGraphRunner.close`
 releases them (the engine calls it at ``close()``).
@@ -129,13 +130,10 @@ class HybridGraphRunner:
 
     def _fill(self, microbatch: Microbatch | None, decode: bool, bucket: int) -> None:
         count = microbatch.num_tokens if microbatch is not None else 0
-        inputs = torch.tensor(
-            [microbatch.tokens, microbatch.positions, microbatch.table_rows]
-            if microbatch is not None
-            else [[], [], []],
-            dtype=torch.long,
-        ).reshape(3, count)
-        self._inputs[:, :count].copy_(inputs, non_blocking=True)
+        if microbatch is not None:
+            # Through Microbatch.inputs: rows whose token is a sample of the previous step still
+            # on the device (asynchronous readback) take it from there, not the host placeholder.
+            self._inputs[:, :count].copy_(microbatch.inputs(self._inputs.device))
         self._inputs[:, count:bucket].copy_(self._padding[:, count:bucket])
         scratch = self._states.scratch_slot
         offsets = [0]
