@@ -219,9 +219,10 @@ def test_tensor_pipeline_and_data_parallel_engines_match_single_process():
 def test_four_rank_layouts_match_single_process():
     layouts = [
         ("tp2_pp2", {"tp": 2, "pp": 2}, "dense"),
-        # Expert tensor parallelism has not landed in mcore-models: experts over ep=2 with
-        # dense tp=2 and two data-parallel replicas in lock step.
+        # Experts over ep=2 with dense tp=2 and two data-parallel replicas in lock step ...
         ("tp2_ep2_dp2", {"tp": 2, "ep": 2}, "moe"),
+        # ... and each expert also split over etp=2 (ep x etp = the 4 ranks).
+        ("tp2_ep2_etp2", {"tp": 2, "ep": 2, "etp": 2}, "moe"),
         ("pp4", {"pp": 4}, "deep"),
     ]
     references = _references({"dense", "moe", "deep"})
@@ -231,6 +232,7 @@ def test_four_rank_layouts_match_single_process():
         {
             "tp2_pp2": {"tp": 2, "pp": 2, "dp": 1},
             "tp2_ep2_dp2": {"tp": 2, "ep": 2, "dp": 2},
+            "tp2_ep2_etp2": {"tp": 2, "ep": 2, "dp": 2},
             "pp4": {"pp": 4, "tp": 1},
         },
     )
