@@ -87,7 +87,8 @@ def _mcore_decode_seconds(
         # A second warm-up whose decode contexts reach the timed run's longest: past the first
         # attention split it captures the full-table graph and compiles the multi-split
         # attention, which would otherwise land inside the timed run (one-time costs).
-        long_prompt = (prompts[0] * (1 + new_tokens // prompt_len))[: prompt_len + new_tokens - 4]
+        long_length = max(prompt_len, prompt_len + new_tokens - 4)
+        long_prompt = (prompts[0] * (2 + new_tokens // prompt_len))[:long_length]
         engine.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=4))
         prefill = _timed(
             lambda: engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
