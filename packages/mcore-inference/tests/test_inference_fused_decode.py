@@ -160,11 +160,14 @@ def test_describe_says_whether_and_why_not_fused(model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_cuda_graph_decode_matches_eager_model_forward_on_gpu():
     model = _model(5, bias_and_qk_norm=True).cuda()
+    # Decode steps of the two short prompts reach contexts 5..10, across the first attention
+    # split (8 positions): the narrow- and full-table graphs both run. With the 11-token prompt
+    # every decode step's context exceeds 8, so that call replays full-table graphs only.
+    calls = [(PROMPTS[:2], PARAMS[:2]), (PROMPTS, PARAMS)]
     with _engine(model, fused=True) as engine:
-        actual = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
+        actual = [[(r.tokens, r.logprobs) for r in engine.generate(*call)] for call in calls]
         graphs = engine._graphs
         assert graphs is not None and graphs.captured
-        # Contexts cross the first attention split (8 positions): both table widths ran.
         assert len({width for _, width in graphs._graphs}) == 2
     config = InferenceConfig(
         max_batch_size=4,
@@ -177,7 +180,10 @@ def test_fused_cuda_graph_decode_matches_eager_model_forward_on_gpu():
         async_token_readback=False,
     )
     with InferenceEngine(model, config) as eager:
-        expected = [(r.tokens, r.logprobs) for r in eager.generate(PROMPTS, PARAMS)]
-    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(actual, expected):
-        assert tokens == expected_tokens
-        torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=0)
+        expected = [[(r.tokens, r.logprobs) for r in eager.generate(*call)] for call in calls]
+    for actual_call, expected_call in zip(actual, expected, strict=True):
+        for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(
+            actual_call, expected_call, strict=True
+        ):
+            assert tokens == expected_tokens
+            torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=0)

@@ -7,9 +7,11 @@ per tensor, an ``index_copy_`` per cache); this kernel does all of it in one lau
 program per (token, head) reads the head once, writes the rotated query into a new tensor or
 the rotated key and the value straight into the token's slot.
 
-The products round to the dtype of ``q`` exactly where the unfused expression
-``x1 * cos - x2 * sin`` does (each product, then the sum), so the results are those of the
-torch reference, bit for bit on the GPU. Shapes:
+The products round to the dtype of ``q`` where the unfused expression ``x1 * cos - x2 * sin``
+does (each product, then the sum). The GPU compiler may still contract a product and the sum
+into one fused multiply-add, so the results agree with the torch reference to the rounding of
+the products and of the result in that dtype (about one ulp of ``|x1| + |x2|``), not bit for
+bit. Shapes:
 
 - ``q``: ``[T, Hq, D]``; ``k``, ``v``: ``[T, Hkv, D]`` (strided views of a fused projection are
   fine; the last dimension must be contiguous)
@@ -83,24 +85,24 @@ def _rotary_kv_write_kernel(
     cos = cos.to(dtype).to(tl.float32)
     sin = sin.to(dtype).to(tl.float32)
     if head < num_q_heads:
-        source = q_ptr + token * stride_q_token + head * stride_q_head
-        x1 = tl.load(source + offsets, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(source + HALF + offsets, mask=mask, other=0.0).to(tl.float32)
+        q_source = q_ptr + token * stride_q_token + head * stride_q_head
+        x1 = tl.load(q_source + offsets, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(q_source + HALF + offsets, mask=mask, other=0.0).to(tl.float32)
         first, second = _rotate_half(x1, x2, cos, sin, dtype)
-        target = q_out_ptr + token * stride_out_token + head * stride_out_head
-        tl.store(target + offsets, first, mask=mask)
-        tl.store(target + HALF + offsets, second, mask=mask)
+        q_target = q_out_ptr + token * stride_out_token + head * stride_out_head
+        tl.store(q_target + offsets, first, mask=mask)
+        tl.store(q_target + HALF + offsets, second, mask=mask)
     else:
         kv_head = head - num_q_heads
         slot = tl.load(slot_ptr + token).to(tl.int64)
-        source = k_ptr + token * stride_k_token + kv_head * stride_k_head
-        x1 = tl.load(source + offsets, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(source + HALF + offsets, mask=mask, other=0.0).to(tl.float32)
+        k_source = k_ptr + token * stride_k_token + kv_head * stride_k_head
+        x1 = tl.load(k_source + offsets, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(k_source + HALF + offsets, mask=mask, other=0.0).to(tl.float32)
         first, second = _rotate_half(x1, x2, cos, sin, k_ptr.dtype.element_ty)
         cache_dtype = k_cache_ptr.dtype.element_ty
-        target = k_cache_ptr + slot * stride_kc_slot + kv_head * stride_kc_head
-        tl.store(target + offsets, first.to(cache_dtype), mask=mask)
-        tl.store(target + HALF + offsets, second.to(cache_dtype), mask=mask)
+        k_target = k_cache_ptr + slot * stride_kc_slot + kv_head * stride_kc_head
+        tl.store(k_target + offsets, first.to(cache_dtype), mask=mask)
+        tl.store(k_target + HALF + offsets, second.to(cache_dtype), mask=mask)
         value_source = v_ptr + token * stride_v_token + kv_head * stride_v_head
         value_target = v_cache_ptr + slot * stride_vc_slot + kv_head * stride_vc_head
         value_dtype = v_cache_ptr.dtype.element_ty
