@@ -160,6 +160,8 @@ def test_cli_reports_unsupported_layouts_without_a_traceback(capsys, args, messa
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert message in error and "Traceback" not in error
+    # One line, like every other user error of the CLI (not tyro's box).
+    assert error.startswith("error: ") and len(error.strip().splitlines()) == 1, error
 
 
 def test_cli_takes_model_parallel_layouts():

@@ -6,6 +6,8 @@ model directory) print one line, ``error: ...``, and exit with status 2; no trac
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 from collections.abc import Sequence
 
@@ -64,9 +66,31 @@ def parse_grpo_args(args: Sequence[str]) -> GRPOConfig:
         "Default: a tiny GPT from scratch learns arithmetic on the CPU; "
         "--model.hf-path DIR --data.path FILE post-trains a Hugging Face checkpoint."
     )
-    return tyro.cli(
-        GRPOConfig, default=base, args=rest, prog="mcore-rl grpo", description=description
-    )
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return tyro.cli(
+                GRPOConfig, default=base, args=rest, prog="mcore-rl grpo", description=description
+            )
+    except SystemExit as exit:
+        if exit.code not in (0, None):
+            print(f"error: {_one_line(captured.getvalue())}", file=sys.stderr)
+        else:
+            sys.stderr.write(captured.getvalue())
+        raise
+
+
+def _one_line(report: str) -> str:
+    """tyro's boxed error report as one line: the box and the help pointer dropped."""
+    parts = []
+    for line in report.splitlines():
+        text = line.strip().strip("╭╮╰╯│─ ").strip()
+        if not text or text.startswith("For full helptext"):
+            continue
+        parts.append(text)
+    # The first part is the box title (e.g. "Value error"); the message follows.
+    message = " ".join(parts[1:] if len(parts) > 1 else parts)
+    return message.replace("Error parsing ", "") or "invalid arguments (see mcore-rl grpo --help)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
