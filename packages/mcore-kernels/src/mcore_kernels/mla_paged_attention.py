@@ -29,7 +29,7 @@ import torch
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import jit, next_power_of_2, tl, triton
 from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
-from mcore_kernels.paged_attention import DEFAULT_SPLIT_SIZE, _paged_attention_merge_kernel
+from mcore_kernels.paged_attention import DEFAULT_SPLIT_SIZE, merge_splits
 
 __all__ = [
     "check_paged_mla_attention_args",
@@ -344,20 +344,7 @@ def paged_mla_attention_triton(
         TILE=tile,
         USE_DOT=use_dot,
     )
-    _paged_attention_merge_kernel[(num_tokens, num_heads)](
-        partial_out,
-        partial_max,
-        partial_sum,
-        context_lens,
-        out,
-        out.stride(0),
-        out.stride(1),
-        num_heads,
-        num_splits,
-        HEAD_DIM=rank,
-        HEAD_DIM_PAD=rank_pad,
-        SPLIT_SIZE=split_size,
-    )
+    merge_splits(partial_out, partial_max, partial_sum, context_lens, out, split_size=split_size)
     return out
 
 

@@ -319,7 +319,34 @@ def paged_attention_triton(
     )
     if single:
         return out
-    _paged_attention_merge_kernel[(num_tokens, num_q_heads)](
+    merge_splits(partial_out, partial_max, partial_sum, context_lens, out, split_size=split_size)
+    return out
+
+
+def merge_splits(
+    partial_out: torch.Tensor,
+    partial_max: torch.Tensor,
+    partial_sum: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    split_size: int,
+) -> None:
+    """Merge the per-split partial results of a split-KV attention kernel into ``out``.
+
+    Shared by every split-KV kernel (paged and MLA): splits are merged in order, reading only
+    those that hold a token's context.
+
+    Args:
+        partial_out: float32 ``[T, H, S, D]`` normalised partial outputs.
+        partial_max: float32 ``[T, H, S]`` running maxima.
+        partial_sum: float32 ``[T, H, S]`` running sums.
+        context_lens: ``[T]`` attended positions per token.
+        out: ``[T, H, D]`` output, written in place.
+        split_size: Context positions per split.
+    """
+    num_tokens, num_heads, num_splits, head_dim = partial_out.shape
+    _paged_attention_merge_kernel[(num_tokens, num_heads)](
         partial_out,
         partial_max,
         partial_sum,
@@ -327,13 +354,12 @@ def paged_attention_triton(
         out,
         out.stride(0),
         out.stride(1),
-        num_q_heads,
+        num_heads,
         num_splits,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
         SPLIT_SIZE=split_size,
     )
-    return out
 
 
 def paged_attention(
