@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mcore_rl.errors import RLConfigError, RLInputError
-from mcore_rl.loss import LossConfig, grpo_loss
+from mcore_rl.loss import LossConfig, grpo_loss, grpo_loss_metric_names
 
 
 def _reference(lp, old, adv, mask, ref, inf, cfg, total):
@@ -142,3 +142,28 @@ def test_entropy_bonus_lowers_loss_by_coefficient_times_mean_entropy():
     assert plain.item() - bonus.item() == pytest.approx(expected, rel=1e-5)
     (grad,) = torch.autograd.grad(bonus, entropy)
     torch.testing.assert_close(grad, -0.3 * mask / 10.0, check_dtype=False)
+
+
+@pytest.mark.parametrize("cap", [None, 2.0])
+@pytest.mark.parametrize("reference", [False, True])
+@pytest.mark.parametrize("inference", [False, True])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_metric_names_equal_what_grpo_loss_returns(cap, reference, inference, entropy):
+    # Pipeline stages without a loss reduce these names; they must be grpo_loss's own.
+    lp = torch.full((4,), -1.0)
+    config = LossConfig(importance_sampling_cap=cap, entropy_coef=0.0, kl_beta=0.0)
+    _, metrics = grpo_loss(
+        lp,
+        lp,
+        torch.ones(4),
+        torch.ones(4),
+        num_global_tokens=4.0,
+        config=config,
+        ref_logprobs=lp if reference else None,
+        inference_logprobs=lp if inference else None,
+        entropy=torch.ones(4) if entropy else None,
+    )
+    names = grpo_loss_metric_names(
+        config, reference=reference, inference=inference, entropy=entropy
+    )
+    assert names == set(metrics) | {"loss"}

@@ -22,7 +22,6 @@ from mcore_models.reshard import Resharder, ReshardStats
 from mcore_parallel import ParallelState
 from mcore_parallel.state import initialize
 from mcore_rl.config import ParallelConfig
-from mcore_rl.errors import RLConfigError
 
 __all__ = ["InferencePolicy"]
 
@@ -64,8 +63,6 @@ class InferencePolicy:
             self.state = train_state
             self.model: GPTModel = train_chunks[0]
             return
-        if infer_layout.tp * infer_layout.pp * infer_layout.ep > world:
-            raise RLConfigError(f"infer_parallel={infer_layout} needs more than {world} ranks")
         self.state = initialize(tp=infer_layout.tp, pp=infer_layout.pp, ep=infer_layout.ep)
         self._owns_state = True
         config = train_chunks[0].config

@@ -13,7 +13,7 @@ import torch
 
 from mcore_rl.errors import RLConfigError, RLInputError
 
-__all__ = ["LossConfig", "grpo_loss", "kl_k3"]
+__all__ = ["LossConfig", "grpo_loss", "grpo_loss_metric_names", "kl_k3"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -156,3 +156,31 @@ def grpo_loss(
     loss = (per_token * mask).sum() / num_global_tokens
     summed = {k: (v * mask).sum() / num_global_tokens for k, v in metrics.items()}
     return loss, summed
+
+
+def grpo_loss_metric_names(
+    config: LossConfig, *, reference: bool, inference: bool, entropy: bool
+) -> set[str]:
+    """The metric names :func:`grpo_loss` returns, plus ``"loss"``, without calling it.
+
+    Ranks that compute no loss (pipeline stages before the last) reduce the same names.
+
+    Args:
+        config: The loss config.
+        reference: Whether ``ref_logprobs`` is given.
+        inference: Whether ``inference_logprobs`` is given.
+        entropy: Whether ``entropy`` is given.
+
+    Returns:
+        The names.
+    """
+    names = {"loss", "clip_fraction", "ratio"}
+    if reference:
+        names.add("kl")
+    if inference:
+        names |= {"token_prob_error", "generation_kl"}
+        if config.importance_sampling_cap is not None:
+            names.add("importance_weight")
+    if entropy:
+        names.add("entropy")
+    return names

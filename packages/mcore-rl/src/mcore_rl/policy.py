@@ -138,6 +138,7 @@ class PolicyChunks(nn.Module):
     def __init__(self, chunks: list[GPTModel]) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
+        self._typed_chunks = list(chunks)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the only chunk (a model without pipeline stages).
@@ -170,9 +171,9 @@ class PolicyChunks(nn.Module):
             ``(name, parameter)`` pairs, chunk by chunk.
         """
         del recurse, remove_duplicate
-        for chunk in self.chunks:
+        for chunk in self._typed_chunks:
             for name, param in chunk.named_parameters():
-                yield prefix + _parameter_name(chunk, name), param  # type: ignore[arg-type]
+                yield prefix + _parameter_name(chunk, name), param
 
     def sharded_model_state(self, state: ParallelState) -> dict[str, ShardedTensor]:
         """The parameters as blocks of the whole model's tensors, for mcore-ckpt.
@@ -184,7 +185,7 @@ class PolicyChunks(nn.Module):
             Whole-model name -> block (aliasing the live parameter; loading writes in place).
         """
         result: dict[str, ShardedTensor] = {}
-        for chunk in self.chunks:
+        for chunk in self._typed_chunks:
             blocks = sharded_state_dict(chunk, state)
             for name, _ in chunk.named_parameters():
                 block = blocks[name]

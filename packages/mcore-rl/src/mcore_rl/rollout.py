@@ -219,7 +219,13 @@ def generate_rollouts(
         finally:
             if owned:
                 engine.close()
-    rewards = _score(results, mine, task, tokenizer, require_stop, engine_shares, dp_group)
+    for result in results:
+        if result.error is not None or result.logprobs is None:
+            raise RLStateError(f"the inference engine failed a request: {result.error}")
+    texts = [_decode(tokenizer, result.tokens) for result in results]
+    # Shared results are on every rank: each rank of the run scores its share.
+    scorers = dist.group.WORLD if engine_shares and dist.is_initialized() else None
+    rewards = _score(results, texts, mine, task, tokenizer, require_stop, scorers)
     local = [
         Rollout(
             prompt_index=index,
@@ -228,9 +234,11 @@ def generate_rollouts(
             inference_logprobs=list(result.logprobs or []),
             reward=reward,
             finish_reason=str(getattr(result.finish_reason, "value", result.finish_reason)),
-            text=_decode(tokenizer, result.tokens) or "",
+            text=text or "",
         )
-        for (index, _, _), prompt, result, reward in zip(mine, prompts, results, rewards)
+        for (index, _, _), prompt, result, text, reward in zip(
+            mine, prompts, results, texts, rewards
+        )
     ]
     if dp_size == 1 or engine_shares:
         return local
@@ -241,38 +249,32 @@ def generate_rollouts(
 
 def _score(
     results: list[Any],
+    texts: list[str | None],
     requests: list[tuple[int, int, Problem]],
     task: Task,
     tokenizer: PromptTokenizer,
     require_stop: bool,
-    shared: bool,
-    dp_group: Any,
+    group: Any,
 ) -> list[float]:
-    """Rewards of the results; with ``shared`` results (every rank holds all of them) each
-    data-parallel rank scores its share and the scores are all-gathered."""
+    """Rewards of the results (0 for undecodable or, with ``require_stop``, unstopped ones);
+    with a ``group`` every rank of it scores its share and the scores are all-gathered."""
     eos = set(tokenizer.eos_token_ids)
-    for result in results:
-        if result.error is not None or result.logprobs is None:
-            raise RLStateError(f"the inference engine failed a request: {result.error}")
-    dp_size = dist.get_world_size(dp_group) if dp_group is not None and shared else 1
-    dp_rank = dist.get_rank(dp_group) if dp_size > 1 else 0
-    start, end = shard_range(len(results), dp_rank, dp_size)
+    size = dist.get_world_size(group) if group is not None else 1
+    start, end = shard_range(len(results), dist.get_rank(group) if size > 1 else 0, size)
     rewards = [0.0] * (end - start)
-    scored, texts = [], []
+    scored = []
     for position in range(start, end):
         tokens = results[position].tokens
-        text = _decode(tokenizer, tokens)
         stopped = bool(tokens) and tokens[-1] in eos
-        if text is not None and (stopped or not require_stop):
+        if texts[position] is not None and (stopped or not require_stop):
             scored.append(position)
-            texts.append(text)
-    values = task.score_batch([requests[i][2] for i in scored], texts)
+    values = task.score_batch([requests[i][2] for i in scored], [texts[i] or "" for i in scored])
     for position, score in zip(scored, values):
         rewards[position - start] = score
-    if dp_size == 1:
+    if size == 1:
         return rewards
-    gathered: list[Any] = [None] * dp_size
-    dist.all_gather_object(gathered, rewards, group=dp_group)
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, rewards, group=group)
     return [reward for part in gathered for reward in part]
 
 

@@ -35,7 +35,7 @@ from mcore_rl.errors import RLConfigError, RLStateError
 from mcore_rl.hf import ChatTokenizer, PromptTokenizer, copy_tokenizer_files
 from mcore_rl.inference_policy import InferencePolicy
 from mcore_rl.logprobs import row_logprobs
-from mcore_rl.loss import grpo_loss
+from mcore_rl.loss import grpo_loss, grpo_loss_metric_names
 from mcore_rl.memory import allocated_bytes, live_tensor_bytes
 from mcore_rl.packing import PackingContext, distribute_bins, pack_sequences
 from mcore_rl.policy import (
@@ -273,20 +273,15 @@ class GRPOWorker:
             return None
         return self.dataset.max_steps(self.config.rollout.num_prompts)
 
-    def _sum_over_world(self, values: list[float]) -> list[float]:
+    def _over_world(self, values: list[float], op: Any = dist.ReduceOp.SUM) -> list[float]:
         if dist.get_world_size() == 1:
             return values
-        total = torch.tensor(values, dtype=torch.float64, device=_collective_device(self.state))
-        dist.all_reduce(total)
+        total = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, op=op)
         return [float(v) for v in total.tolist()]
 
     def _reward_failures(self) -> int:
         return self.task.scorer.failures if isinstance(self.task, DatasetTask) else 0
-
-    def _counts_once(self) -> bool:
-        # One rank per generation replica reports what the replica did (its dp shard).
-        state = self.inference.state
-        return state.rank_in("tp") == 0 and state.is_last_stage
 
     def evaluate(self) -> dict[str, float]:
         """Greedy pass@1 and mean reward on the held-out prompts (collective).
@@ -372,9 +367,9 @@ class GRPOWorker:
         rollouts = self.generate(step)
         times["generate"] = time.perf_counter() - start
         if isinstance(self.task, DatasetTask):
-            new_failures = self._reward_failures() - failures
-            counted = float(new_failures) if self._counts_once() else 0.0
-            metrics["reward/failures"] = self._sum_over_world([counted])[0]
+            # Every rank scored its own share of the completions: the sum is the step's count.
+            new_failures = float(self._reward_failures() - failures)
+            metrics["reward/failures"] = self._over_world([new_failures])[0]
             if step == 0 and self.dataset is not None:
                 metrics["data/skipped_prompts"] = float(self.dataset.skipped)
 
@@ -385,18 +380,11 @@ class GRPOWorker:
             pushed = self.inference.push()
         times["push"] = pushed.seconds
         moved = [float(pushed.bytes_sent), float(pushed.bytes_local)]
-        metrics["reshard/bytes_sent"], metrics["reshard/bytes_local"] = self._sum_over_world(moved)
-        metrics["reshard/seconds_max"] = self._max_over_world(pushed.seconds)
+        metrics["reshard/bytes_sent"], metrics["reshard/bytes_local"] = self._over_world(moved)
+        metrics["reshard/seconds_max"] = self._over_world([pushed.seconds], dist.ReduceOp.MAX)[0]
         for name, seconds in times.items():
             metrics[f"time/{name}"] = seconds
         return metrics
-
-    def _max_over_world(self, value: float) -> float:
-        if dist.get_world_size() == 1:
-            return value
-        total = torch.tensor([value], dtype=torch.float64, device=_collective_device(self.state))
-        dist.all_reduce(total, op=dist.ReduceOp.MAX)
-        return float(total)
 
     def generate(self, step: int) -> list[Rollout]:
         """Samples and scores the step's rollouts at the generation layout (collective).
@@ -654,9 +642,12 @@ class GRPOWorker:
     def _reduce_sums(self, sums: dict[str, torch.Tensor], minibatches: int) -> dict[str, float]:
         # Every rank reduces the same names (those of grpo_loss); ranks that hold no loss
         # contribute zeros.
-        names = sorted(_loss_metric_names(self.config) | set(sums))
+        expected = grpo_loss_metric_names(
+            self.loss_config, reference=self.loss_config.kl_beta > 0.0, inference=True, entropy=True
+        )
+        names = sorted(expected | set(sums))
         values = [float(sums[n]) if n in sums else 0.0 for n in names]
-        totals = self._sum_over_world(values)
+        totals = self._over_world(values)
         # Every minibatch normalises by its own token count: average the minibatch means.
         return {n: v / minibatches for n, v in zip(names, totals)}
 
@@ -716,20 +707,6 @@ class GRPOWorker:
         with self.generation_mode():
             self.inference.push()
         return int(state["step"])
-
-
-def _loss_metric_names(config: GRPOConfig) -> set[str]:
-    # What grpo_loss reports for this config (every rank reduces the same names).
-    names = {"loss", "token_prob_error", "generation_kl", "clip_fraction", "ratio", "entropy"}
-    if config.loss.kl_beta > 0.0:
-        names.add("kl")
-    if config.loss.importance_sampling_cap is not None:
-        names.add("importance_weight")
-    return names
-
-
-def _collective_device(state: ParallelState) -> torch.device:
-    return torch.device(state.device)
 
 
 def _activation_dtype(chunk: GPTModel) -> torch.dtype:
