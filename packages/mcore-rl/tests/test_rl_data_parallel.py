@@ -43,12 +43,16 @@ def _fixed_rollouts(vocab_size):
     return rollouts
 
 
-def _train_fixed(max_tokens_per_microbatch):
+def _train_fixed(max_tokens_per_microbatch, *, recompute_old_logprobs=False, minibatches=1):
+    packing = {"max_tokens_per_microbatch": max_tokens_per_microbatch}
     config = GRPOConfig.from_dict(
-        {**TINY, "packing": {"max_tokens_per_microbatch": max_tokens_per_microbatch}}
+        {**TINY, "packing": {**packing, "minibatches_per_step": minibatches}}
     )
     worker = GRPOWorker(config, init_worker_state(config))
-    metrics = worker.train_on_rollouts(_fixed_rollouts(worker.tokenizer.vocab_size))
+    metrics = worker.train_on_rollouts(
+        _fixed_rollouts(worker.tokenizer.vocab_size),
+        recompute_old_logprobs=recompute_old_logprobs,
+    )
     worker.optimizer.start_param_sync(force_sync=True)
     params = {n: p.detach().clone() for n, p in unwrap_model(worker.model).named_parameters()}
     return metrics, params
@@ -87,3 +91,24 @@ def test_rollouts_are_split_and_gathered_over_dp(two_rank_results):
     steps = [{k: v for k, v in r[2].items() if not k.startswith("time/")} for r in two_rank_results]
     assert steps[0] == steps[1]
     assert steps[0]["rollouts"] == TINY["rollout"]["num_prompts"] * TINY["rollout"]["group_size"]
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_first_minibatch_reuses_the_training_forward_as_old_logprobs(minibatches):
+    # The step's first minibatch trains on the generating weights, so the training forward's
+    # own log-probs are its old log-probs; the separate forward-only pass gives the same step.
+    reused, reused_params = _train_fixed(16, minibatches=minibatches)
+    dist.destroy_process_group()
+    recomputed, recomputed_params = _train_fixed(
+        16, recompute_old_logprobs=True, minibatches=minibatches
+    )
+    dist.destroy_process_group()
+    if minibatches == 1:
+        assert reused["ratio"] == pytest.approx(1.0, abs=1e-6)
+    else:  # the second minibatch trains after one update: its ratio leaves 1
+        assert abs(reused["ratio"] - 1.0) > 1e-3
+    assert reused["clip_fraction"] == recomputed["clip_fraction"]
+    for name in ("loss", "kl", "entropy", "token_prob_error", "ratio", "grad_norm"):
+        assert reused[name] == pytest.approx(recomputed[name], rel=1e-6, abs=1e-7), name
+    for name, value in recomputed_params.items():
+        torch.testing.assert_close(reused_params[name], value, atol=1e-6, rtol=0)

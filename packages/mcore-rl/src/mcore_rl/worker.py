@@ -124,6 +124,9 @@ class Minibatch:
     """Completion tokens of the minibatch over every rank (the loss normaliser)."""
     old_logprobs: torch.Tensor | None = None
     """Log-probs of the policy before the step (set by the old-logprob pass)."""
+    old_from_training_forward: bool = False
+    """The weights have not changed since generation (the step's first minibatch): the old
+    log-probs are the training forward's own, detached, and no separate pass runs."""
     ref_logprobs: torch.Tensor | None = None
     """Log-probs of the reference weights (set when ``loss.kl_beta > 0``)."""
 
@@ -420,14 +423,23 @@ class GRPOWorker:
         rollouts: list[Rollout],
         times: dict[str, float] | None = None,
         on_phase: PhaseCallback | None = None,
+        *,
+        recompute_old_logprobs: bool = False,
     ) -> dict[str, float]:
         """Trains on gathered rollouts: advantages, packing, log-probs, optimizer steps.
+
+        The first minibatch trains on the weights that generated the rollouts, so its old
+        log-probs are the training forward's own (detached): the ratio is exactly 1 there and
+        the separate forward-only pass is skipped. Later minibatches (``minibatches_per_step >
+        1``) get theirs from that pass before the first optimizer step.
 
         Args:
             rollouts: The rollouts of every rank, ``group_size`` per prompt, identical on
                 every rank.
             times: Filled with the seconds of each phase.
             on_phase: Called with each phase's name as it starts.
+            recompute_old_logprobs: Run the forward-only pass for every minibatch, the first
+                included (slower; the result is the same up to rounding).
 
         Returns:
             Reward, loss, KL, entropy, mismatch and packing metrics (identical on every rank).
@@ -445,8 +457,11 @@ class GRPOWorker:
         phase("logprobs")
         start = time.perf_counter()
         minibatches = self._pack(rollouts, advantages, metrics)
-        for minibatch in minibatches:
-            minibatch.old_logprobs = self._forward_logprobs(minibatch.context)
+        for index, minibatch in enumerate(minibatches):
+            if index == 0 and not recompute_old_logprobs:
+                minibatch.old_from_training_forward = True
+            else:
+                minibatch.old_logprobs = self._forward_logprobs(minibatch.context)
         times["logprobs"] = time.perf_counter() - start
         if cfg.loss.kl_beta > 0.0:
             phase("reference")
@@ -593,16 +608,21 @@ class GRPOWorker:
         rows = int(context.input_ids.shape[0])
         old, ref = minibatch.old_logprobs, minibatch.ref_logprobs
         last_stage = self.state.is_last_stage
-        if last_stage and old is None:
+        reuse = minibatch.old_from_training_forward
+        if last_stage and old is None and not reuse:
             raise RLStateError("the old log-probs of a minibatch must be computed before training")
         counts = self.state.rank_in("tp") == 0 and last_stage
 
         def loss_func(output: torch.Tensor, row: int) -> torch.Tensor:
-            assert old is not None
             logprobs, entropy = output[0], output[1]
+            if reuse:
+                old_row = logprobs.detach()
+            else:
+                assert old is not None
+                old_row = self._row(row, old)
             loss, metrics = grpo_loss(
                 logprobs,
-                self._row(row, old),
+                old_row,
                 self._row(row, context.advantages),
                 self._row(row, context.loss_mask),
                 num_global_tokens=minibatch.num_global_tokens,
