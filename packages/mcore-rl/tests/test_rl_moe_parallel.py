@@ -10,10 +10,12 @@ from test_rl_model_parallel import STEPS, TINY, _rollout_key
 
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.init import global_slice
+from mcore_parallel import initialize
 from mcore_parallel.testing import run_distributed
 from mcore_rl.config import GRPOConfig, MoEModelConfig, ParallelConfig
 from mcore_rl.distributed import init_worker_state
 from mcore_rl.errors import RLConfigError
+from mcore_rl.policy import load_policy_chunks
 from mcore_rl.router_loss import ROUTER_LOSS_METRIC, RouterLoss
 from mcore_rl.worker import GRPOWorker
 
@@ -38,11 +40,14 @@ LAYOUTS = {
 }
 SHARED = {"dp4", "train ep2 dp4, infer ep2 dp4"}
 """Layouts whose generation runs the training chunk itself."""
+EXPORTED = "train tp2 sp ep2 etp1 dp2, infer tp2 ep2 etp2 dp2"
+"""Layout whose trained policy is exported as a Hugging Face checkpoint and loaded at ep2."""
 
 
 def _config(train, infer):
     sections = {name: dict(values) for name, values in TINY.items()}
-    sections["model"]["moe"] = dict(MOE)
+    # Two layers (one per stage of pp2) keep the six layouts within the test budget.
+    sections["model"] = {**sections["model"], "num_layers": 2, "moe": dict(MOE)}
     # Adam moves a weight by about lr x sign(gradient) when the gradient is far above eps, so
     # a rounding difference in a near-zero gradient (an expert that few tokens reach) can flip
     # a whole lr-sized update; eps 1e-6 (gradients here are ~1e-3) bounds that amplification.
@@ -50,7 +55,17 @@ def _config(train, infer):
     return GRPOConfig.from_dict({**sections, "train_parallel": train, "infer_parallel": infer})
 
 
-def _run_layouts(names):
+def _blocks(chunks):
+    blocks = {}
+    for chunk in chunks:
+        for param in chunk.parameters():
+            where = global_slice(param)
+            box = where.box(tuple(param.shape))
+            blocks[where.name] = (box, param.detach().clone(), tuple(where.global_shape))
+    return blocks
+
+
+def _run_layouts(names, export_dir):
     torch.set_num_threads(1)
     report = {}
     for name in names:
@@ -68,11 +83,7 @@ def _run_layouts(names):
             steps.append((tokens, metrics, pushed))
         worker.optimizer.start_param_sync(force_sync=True)
         with worker.optimizer.param_sync_hooks_disabled():
-            blocks = {}
-            for chunk in worker.chunks:
-                for param in chunk.parameters():
-                    where = global_slice(param)
-                    blocks[where.name] = (where.box(tuple(param.shape)), param.detach().clone())
+            blocks = _blocks(worker.chunks)
             inference = worker.inference
             local = sum(p.numel() * p.element_size() for p in inference.model.parameters())
             experts = [
@@ -87,14 +98,21 @@ def _run_layouts(names):
             "local": local,
             "inference_experts": experts,
         }
+        if name == EXPORTED:
+            worker.export_hf(export_dir)
         worker.close()
         state.destroy()
+    # The exported MoE policy loads at another expert layout, each rank reading its slices.
+    state = initialize(ep=2)
+    report["loaded"] = _blocks(load_policy_chunks(export_dir, state, dtype="float32"))
+    state.destroy()
     return report
 
 
 @pytest.fixture(scope="module")
-def layouts():
-    return run_distributed(_run_layouts, 4, list(LAYOUTS), timeout=600)
+def layouts(tmp_path_factory):
+    export_dir = str(tmp_path_factory.mktemp("moe_hf"))
+    return run_distributed(_run_layouts, 4, list(LAYOUTS), export_dir, timeout=600)
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "dp4"])
@@ -103,7 +121,7 @@ def test_moe_layout_trains_like_data_parallel(layouts, name):
     for rank in range(4):
         reference, got = layouts[rank]["dp4"], layouts[rank][name]
         # The generation model holds this rank's experts of the generation layout.
-        assert got["inference_experts"] == [MOE["num_experts"] // infer_ep] * 4, name
+        assert got["inference_experts"] == [MOE["num_experts"] // infer_ep] * 2, name
         for step, ((tokens, metrics, _), (ref_tokens, ref_metrics, _)) in enumerate(
             zip(got["steps"], reference["steps"])
         ):
@@ -120,11 +138,28 @@ def test_moe_layout_trains_like_data_parallel(layouts, name):
             expected = 0 if got["shared"] else got["local"]
             assert pushed.bytes_received + pushed.bytes_local == expected, (name, rank)
         assert got["shared"] == (name in SHARED)
-        full = {key: tensor for key, (_, tensor) in reference["blocks"].items()}
+        full = {key: tensor for key, (_, tensor, _) in reference["blocks"].items()}
         assert any(".experts." in key for key in got["blocks"]), name
-        for key, (box, tensor) in got["blocks"].items():
+        for key, (box, tensor, _) in got["blocks"].items():
             # Three Adam steps at lr 1e-2: weights agree to a small fraction of lr.
             torch.testing.assert_close(tensor, full[key][box], atol=2e-4, rtol=0)
+
+
+def test_exported_moe_policy_loads_at_another_expert_layout(layouts):
+    # The whole tensors of the exporting layout, assembled from every rank's blocks.
+    whole = {}
+    for report in layouts:
+        for key, (box, tensor, shape) in report[EXPORTED]["blocks"].items():
+            whole.setdefault(key, torch.full(shape, float("nan")))[box] = tensor
+    assert not any(t.isnan().any() for t in whole.values())
+    for rank, report in enumerate(layouts):
+        loaded = report["loaded"]
+        # At ep2 every rank reads two of the four experts of each layer.
+        experts = [tensor for key, (_, tensor, _) in loaded.items() if ".experts." in key]
+        assert experts and all(t.shape[0] == MOE["num_experts"] // 2 for t in experts), rank
+        assert set(loaded) == set(whole)
+        for key, (box, tensor, _) in loaded.items():
+            torch.testing.assert_close(tensor, whole[key][box], atol=0, rtol=0)
 
 
 def _reference_router_loss(x, weight, num_experts, top_k, aux_coeff, z_coeff):

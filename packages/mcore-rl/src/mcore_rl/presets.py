@@ -8,6 +8,7 @@ from mcore_parallel import OptimizerConfig
 from mcore_rl.config import (
     GRPOConfig,
     ModelConfig,
+    MoEModelConfig,
     PackingConfig,
     RolloutConfig,
     RunConfig,
@@ -25,6 +26,21 @@ def tiny_arith() -> GRPOConfig:
         The config (the defaults of :class:`GRPOConfig`).
     """
     return GRPOConfig()
+
+
+def tiny_moe_arith() -> GRPOConfig:
+    """The main job with a mixture-of-experts policy: 4 experts, top-2, dropless, on the CPU.
+
+    Every MLP of the tiny GPT becomes 4 routed SwiGLU experts (top-2 routing, a softmax router
+    with a load-balancing loss of coefficient 0.01 added to the GRPO loss). Under torchrun add
+    ``--train-parallel.ep 2`` (and ``--infer-parallel.ep 2``) to split the experts.
+
+    Returns:
+        The config.
+    """
+    return GRPOConfig(
+        model=ModelConfig(moe=MoEModelConfig(num_experts=4, top_k=2, aux_loss_coeff=0.01))
+    )
 
 
 def _gpu_optimizer(lr: float) -> OptimizerConfig:
@@ -82,6 +98,7 @@ def gpt_583m() -> GRPOConfig:
 
 PRESETS: dict[str, Callable[[], GRPOConfig]] = {
     "tiny-arith": tiny_arith,
+    "tiny-moe-arith": tiny_moe_arith,
     "countdown-0.5b": countdown_0_5b,
     "gpt-583m": gpt_583m,
 }
