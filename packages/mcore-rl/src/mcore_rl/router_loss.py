@@ -19,7 +19,7 @@ change to the loss function. Log-prob passes (no autograd) and generation comput
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ class RouterLoss:
         tp_rank: This rank's tensor-parallel rank at the training layout.
     """
 
-    def __init__(self, chunks: list[nn.Module], section: MoEModelConfig, *, tp_rank: int = 0):
+    def __init__(self, chunks: Sequence[nn.Module], section: MoEModelConfig, *, tp_rank: int = 0):
         self.section = section
         self._routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
         self._weight: float | None = None

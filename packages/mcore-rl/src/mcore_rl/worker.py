@@ -48,8 +48,8 @@ from mcore_rl.policy import (
 from mcore_rl.prompt_data import PromptDataset, load_prompt_dataset
 from mcore_rl.reference import ReferenceWeights
 from mcore_rl.rewards import RewardScorer
-from mcore_rl.router_loss import RouterLoss
 from mcore_rl.rollout import Rollout, evaluate_greedy, generate_rollouts
+from mcore_rl.router_loss import RouterLoss
 from mcore_rl.seeding import derive_seed
 from mcore_rl.tasks import DatasetTask, Problem, Task, get_task, sample_problems
 from mcore_rl.tokenizer import CharTokenizer
