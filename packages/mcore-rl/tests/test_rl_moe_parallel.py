@@ -12,10 +12,13 @@ from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.init import global_slice
 from mcore_parallel import initialize
 from mcore_parallel.testing import run_distributed
+from mcore_rl.cli import parse_grpo_args
 from mcore_rl.config import GRPOConfig, MoEModelConfig, ParallelConfig
 from mcore_rl.distributed import init_worker_state
 from mcore_rl.errors import RLConfigError
+from mcore_rl.moe_config import moe_config_for
 from mcore_rl.policy import load_policy_chunks
+from mcore_rl.presets import preset
 from mcore_rl.router_loss import ROUTER_LOSS_METRIC, RouterLoss
 from mcore_rl.worker import GRPOWorker
 
@@ -257,3 +260,24 @@ def test_expert_layout_must_fit_the_world():
     # The section round-trips through the dict form.
     moe = GRPOConfig.from_dict({"model": {"moe": MOE}})
     assert GRPOConfig.from_dict(moe.to_dict()) == moe
+
+
+def test_cli_spells_the_moe_section_and_expert_layouts():
+    config = parse_grpo_args(
+        [
+            "--preset", "tiny-moe-arith", "--model.moe.num-experts", "8",
+            "--model.moe.z-loss-coeff", "1e-3", "--train-parallel.tp", "2",
+            "--train-parallel.ep", "2", "--train-parallel.etp", "1", "--infer-parallel.ep", "4",
+        ]
+    )  # fmt: skip
+    moe = config.model.moe
+    assert (moe.num_experts, moe.top_k, moe.aux_loss_coeff, moe.z_loss_coeff) == (8, 2, 0.01, 1e-3)
+    assert (config.train_parallel.ep, config.train_parallel.expert_tp) == (2, 1)
+    assert (config.infer_parallel.ep, config.infer_parallel.expert_tp) == (4, 1)
+    # The preset is the main job with a MoE policy; the GPT built from it has its experts.
+    preset_config = preset("tiny-moe-arith")
+    assert preset_config.replace(model={"moe": {}}) == GRPOConfig()
+    shape = moe_config_for(preset_config.model.moe)
+    assert shape is not None and (shape.num_experts, shape.top_k) == (4, 2)
+    # The router computes no loss itself: RouterLoss adds it, weighted per row.
+    assert (shape.aux_loss_coeff, shape.z_loss_coeff) == (0.0, 0.0)
