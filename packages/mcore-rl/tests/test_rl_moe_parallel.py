@@ -20,6 +20,7 @@ from mcore_rl.moe_config import moe_config_for
 from mcore_rl.policy import load_policy_chunks
 from mcore_rl.presets import preset
 from mcore_rl.router_loss import ROUTER_LOSS_METRIC, RouterLoss
+from mcore_rl.run import run_grpo
 from mcore_rl.worker import GRPOWorker
 
 MOE = {
@@ -45,10 +46,14 @@ SHARED = {"dp4", "train ep2 dp4, infer ep2 dp4"}
 """Layouts whose generation runs the training chunk itself."""
 EXPORTED = "train tp2 sp ep2 etp1 dp2, infer tp2 ep2 etp2 dp2"
 """Layout whose trained policy is exported as a Hugging Face checkpoint and loaded at ep2."""
+RESUMED = "train ep2 dp4, infer tp1 dp4"
+"""Layout resumed from a checkpoint (expert weights and their optimizer state sharded over
+the expert-data-parallel ranks)."""
 
 
-def _config(train, infer):
+def _config(train, infer, **run):
     sections = {name: dict(values) for name, values in TINY.items()}
+    sections["run"] = {**sections["run"], **run}
     # Two layers (one per stage of pp2) keep the six layouts within the test budget.
     sections["model"] = {**sections["model"], "num_layers": 2, "moe": dict(MOE)}
     # Adam moves a weight by about lr x sign(gradient) when the gradient is far above eps, so
@@ -68,7 +73,19 @@ def _blocks(chunks):
     return blocks
 
 
-def _run_layouts(names, export_dir):
+def _comparable(record):
+    return {k: v for k, v in record.items() if not k.startswith(("time/", "memory/", "reshard/s"))}
+
+
+def _resume(root):
+    train, infer = LAYOUTS[RESUMED]
+    straight = run_grpo(_config(train, infer, num_steps=3, run_dir=f"{root}/straight"))
+    run_grpo(_config(train, infer, num_steps=2, run_dir=f"{root}/split"))
+    resumed = run_grpo(_config(train, infer, num_steps=3, run_dir=f"{root}/split", resume=True))
+    return [_comparable(r) for r in straight.records], [_comparable(r) for r in resumed.records]
+
+
+def _run_layouts(names, export_dir, run_root):
     torch.set_num_threads(1)
     report = {}
     for name in names:
@@ -109,13 +126,15 @@ def _run_layouts(names, export_dir):
     state = initialize(ep=2)
     report["loaded"] = _blocks(load_policy_chunks(export_dir, state, dtype="float32"))
     state.destroy()
+    report["resume"] = _resume(run_root)
     return report
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     export_dir = str(tmp_path_factory.mktemp("moe_hf"))
-    return run_distributed(_run_layouts, 4, list(LAYOUTS), export_dir, timeout=600)
+    run_root = str(tmp_path_factory.mktemp("moe_runs"))
+    return run_distributed(_run_layouts, 4, list(LAYOUTS), export_dir, run_root, timeout=600)
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "dp4"])
@@ -163,6 +182,14 @@ def test_exported_moe_policy_loads_at_another_expert_layout(layouts):
         assert set(loaded) == set(whole)
         for key, (box, tensor, _) in loaded.items():
             torch.testing.assert_close(tensor, whole[key][box], atol=0, rtol=0)
+
+
+def test_resumed_moe_run_reproduces_the_uninterrupted_run(layouts):
+    straight, resumed = layouts[0]["resume"]
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    assert ROUTER_LOSS_METRIC in resumed[-1]
+    # The resumed step sees the saved expert weights, optimizer and reference state exactly.
+    assert resumed == straight
 
 
 def _reference_router_loss(x, weight, num_experts, top_k, aux_coeff, z_coeff):
