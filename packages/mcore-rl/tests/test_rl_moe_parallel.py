@@ -21,7 +21,7 @@ from mcore_rl.policy import load_policy_chunks
 from mcore_rl.presets import preset
 from mcore_rl.router_loss import ROUTER_LOSS_METRIC, RouterLoss
 from mcore_rl.run import run_grpo
-from mcore_rl.worker import GRPOWorker
+from mcore_rl.worker import GRPOWorker, _model_config
 
 MOE = {
     "num_experts": 4,
@@ -308,3 +308,17 @@ def test_cli_spells_the_moe_section_and_expert_layouts():
     assert shape is not None and (shape.num_experts, shape.top_k) == (4, 2)
     # The router computes no loss itself: RouterLoss adds it, weighted per row.
     assert (shape.aux_loss_coeff, shape.z_loss_coeff) == (0.0, 0.0)
+
+
+def test_qwen3_moe_preset_has_the_published_shape():
+    config = preset("qwen3-moe-30b-a3b")
+    shape = _model_config(config, config.model.vocab_size)
+    assert shape.moe is not None and (shape.moe.num_experts, shape.moe.top_k) == (128, 8)
+    assert (shape.num_layers, shape.hidden_size, shape.head_dim) == (48, 2048, 128)
+    # The Qwen3-30B-A3B model card gives 30.5B parameters; tying the 151,936 x 2048 embedding
+    # to the output layer saves 0.31B of them.
+    untied = shape.num_parameters() + shape.vocab_size * shape.hidden_size
+    assert 30.4e9 < untied < 30.6e9
+    # Its experts split over 8 ranks, the layout it needs.
+    split = config.replace(train_parallel={"ep": 8}, infer_parallel={"ep": 8})
+    assert split.train_parallel.data_parallel_size(8) == 8
