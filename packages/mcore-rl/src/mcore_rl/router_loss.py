@@ -68,14 +68,19 @@ class RouterLoss:
         sequence_parallel = any(r.token_group is not None for r in self._routers)
         self._counts = sequence_parallel or tp_rank == 0
         self._total: torch.Tensor | None = None
+        # Decided by the model's config, not by this rank's layers: a pipeline stage without
+        # MoE layers still takes part in the metric's reduction.
+        moe_model = any(getattr(getattr(c, "config", None), "moe", None) for c in chunks)
+        self._active = moe_model and section.has_router_loss
         self._handles = []
-        if section.has_router_loss:
+        if self._active:
             self._handles = [r.register_forward_hook(self._hook) for r in self._routers]
 
     @property
     def active(self) -> bool:
-        """Whether the policy has routers and a positive loss coefficient."""
-        return bool(self._handles)
+        """Whether the policy is a MoE model and a loss coefficient is positive (the same on
+        every rank)."""
+        return self._active
 
     def _hook(self, router: nn.Module, args: Any, output: RouterOutput) -> RouterOutput | None:
         weight = self._weight
@@ -167,3 +172,4 @@ class RouterLoss:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._active = False
