@@ -4,6 +4,8 @@ loss included) and final weights of the data-parallel run with the same seed, th
 moves only each rank's slices, and the router loss added to the GRPO loss has the gradient of
 its definition."""
 
+import math
+
 import pytest
 import torch
 from test_rl_model_parallel import STEPS, TINY, _rollout_key
@@ -322,3 +324,33 @@ def test_qwen3_moe_preset_has_the_published_shape():
     # Its experts split over 8 ranks, the layout it needs.
     split = config.replace(train_parallel={"ep": 8}, infer_parallel={"ep": 8})
     assert split.train_parallel.data_parallel_size(8) == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_policy_trains_on_a_gpu_with_cuda_graphs(tmp_path):
+    config = GRPOConfig.from_dict(
+        {
+            "run": {
+                "device": "cuda",
+                "num_steps": 5,
+                "target_reward": None,
+                "progress": False,
+                "plot": False,
+                "run_dir": str(tmp_path),
+            },
+            "model": {
+                "hidden_size": 128,
+                "num_layers": 2,
+                "dtype": "bfloat16",
+                "moe": {"num_experts": 8, "top_k": 2, "aux_loss_coeff": 0.01, "z_loss_coeff": 1e-3},
+            },
+            "rollout": {"use_cuda_graphs": True, "num_prompts": 16, "group_size": 8},
+        }
+    )
+    records = run_grpo(config).records
+    assert len(records) == 5
+    for record in records:
+        assert math.isfinite(float(record["loss"])) and 0.0 <= float(record["reward/mean"]) <= 1.0
+        # Two layers of load balancing (about coefficient x 1 each when balanced) plus z-loss.
+        assert 0.0 < float(record[ROUTER_LOSS_METRIC]) < 1.0
