@@ -1,8 +1,9 @@
 """GRPO with a mixture-of-experts policy at expert (EP) and expert tensor (ETP) parallel layouts
 (gloo, world 4, fp32): every (training, generation) layout gives the rollouts, metrics (router
 loss included) and final weights of the data-parallel run with the same seed, the weight push
-moves only each rank's slices, and the router loss added to the GRPO loss has the gradient of
-its definition."""
+moves only each rank's slices, a resumed run equals the uninterrupted one, a policy exported
+at one expert layout loads at another, and the router loss added to the GRPO loss has the
+gradient of its definition."""
 
 import math
 
