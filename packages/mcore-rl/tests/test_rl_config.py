@@ -116,6 +116,7 @@ def test_parallel_sizes_must_be_positive(size):
 
 def test_model_parallel_layouts_are_accepted_except_what_is_not_built():
     config = GRPOConfig().replace(
+        model={"moe": {"num_experts": 4}},
         train_parallel={"tp": 2, "pp": 2, "vp": 2, "ep": 2, "sequence_parallel": True},
         infer_parallel={"tp": 2, "pp": 2, "ep": 2},
     )

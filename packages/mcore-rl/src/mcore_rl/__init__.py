@@ -27,12 +27,14 @@ from mcore_rl.errors import (
 )
 from mcore_rl.hf import ChatTokenizer, copy_tokenizer_files
 from mcore_rl.loss import LossConfig, grpo_loss, kl_k3
+from mcore_rl.moe_config import MoEModelConfig
 from mcore_rl.packing import PackingContext, PackingInfo, distribute_bins, pack_sequences
 from mcore_rl.presets import PRESETS, preset
 from mcore_rl.prompt_data import PromptDataset, load_prompt_dataset
 from mcore_rl.reference import ReferenceWeights
 from mcore_rl.rewards import REWARDS, RewardScorer, format_reward, math_reward
 from mcore_rl.rollout import Rollout, evaluate_greedy, generate_rollouts
+from mcore_rl.router_loss import RouterLoss
 from mcore_rl.run import RunResult, run_grpo
 from mcore_rl.tasks import (
     ArithmeticTask,
@@ -65,6 +67,7 @@ __all__ = [
     "GRPOConfig",
     "RunConfig",
     "ModelConfig",
+    "MoEModelConfig",
     "TaskConfig",
     "DataConfig",
     "RewardConfig",
@@ -94,6 +97,7 @@ __all__ = [
     "LossConfig",
     "grpo_loss",
     "kl_k3",
+    "RouterLoss",
     "pack_sequences",
     "PackingInfo",
     "PackingContext",

@@ -15,12 +15,14 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from mcore_parallel import OptimizerConfig
 from mcore_rl.errors import RLConfigError
 from mcore_rl.loss import LossConfig
+from mcore_rl.moe_config import MoEModelConfig, as_moe_section, check_expert_layouts
 
 __all__ = [
     "DataConfig",
     "EvalConfig",
     "GRPOConfig",
     "ModelConfig",
+    "MoEModelConfig",
     "PackingConfig",
     "ParallelConfig",
     "RewardConfig",
@@ -145,8 +147,11 @@ class ModelConfig:
     """Batch-invariant numerics in the policy's training forward and in the rollout engine
     (``mcore_models.GPTConfig.batch_invariant``): their log-probs are bitwise equal, so
     ``token_prob_error`` is 0 and the importance ratio is exactly 1 on-policy. Slower."""
+    moe: MoEModelConfig = field(default_factory=MoEModelConfig)
+    """Mixture-of-experts MLP (``--model.moe.num-experts``) and its router losses."""
 
     def __post_init__(self) -> None:
+        self.moe = as_moe_section(self.moe)
         _check_minimums(self, {name: 1 for name in _SHAPE_FIELDS})
         _check_choices(self)
         if not isinstance(self.batch_invariant, bool):
@@ -345,14 +350,18 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel size (training only)."""
     ep: int = 1
-    """Expert-parallel size (MoE models)."""
+    """Expert-parallel size (MoE models): experts split over ``ep`` ranks carved out of the
+    data x context-parallel ranks, as in Megatron."""
+    etp: int | None = None
+    """Expert tensor-parallel size (MoE models): each expert's FFN split over ``etp`` ranks;
+    None takes ``tp``. ``ep x etp`` must divide ``tp x cp x dp``."""
     dp: int | None = None
     """Data-parallel size; None takes what the world leaves after tp x pp x cp."""
     sequence_parallel: bool = False
     """Split the sequence over the tensor-parallel ranks between layers (training only)."""
 
     def __post_init__(self) -> None:
-        _check_minimums(self, {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "dp": 1})
+        _check_minimums(self, {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "etp": 1, "dp": 1})
         if self.vp > 1 and self.pp == 1:
             raise RLConfigError(f"vp={self.vp} needs pp > 1 (virtual stages of a pipeline)")
         if self.sequence_parallel and self.tp == 1:
@@ -377,10 +386,20 @@ class ParallelConfig:
                 f"tp={self.tp} x pp={self.pp} x cp={self.cp} x dp={self.dp} does not fill the "
                 f"{world} ranks of the run"
             )
+        if (self.tp * self.cp * dp) % (self.ep * self.expert_tp):
+            raise RLConfigError(
+                f"ep={self.ep} x etp={self.expert_tp} must divide tp={self.tp} x cp={self.cp} x "
+                f"dp={dp} (experts are split over ranks of the tensor and data-parallel grid)"
+            )
         return dp
 
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect (``etp``, or ``tp`` when None)."""
+        return self.tp if self.etp is None else self.etp
+
     def same_model_layout(self, other: ParallelConfig) -> bool:
-        """Whether two layouts split the model the same way (tp, pp, vp, cp, ep, sp).
+        """Whether two layouts split the model the same way (tp, pp, vp, cp, ep, etp, sp).
 
         Args:
             other: The other layout.
@@ -388,7 +407,7 @@ class ParallelConfig:
         Returns:
             True when both would hold the same blocks on every rank.
         """
-        names = ("tp", "pp", "vp", "cp", "ep", "sequence_parallel")
+        names = ("tp", "pp", "vp", "cp", "ep", "expert_tp", "sequence_parallel")
         return all(getattr(self, n) == getattr(other, n) for n in names)
 
 
@@ -481,6 +500,7 @@ class GRPOConfig:
             )
         if self.data.path is None and (self.data.eval_path is not None or self.data.eval_size):
             raise RLConfigError("data.eval_path and data.eval_size need data.path")
+        check_expert_layouts(self)
 
     def replace(self, **sections: Any) -> GRPOConfig:
         """Returns a copy with some sections changed (validated again).

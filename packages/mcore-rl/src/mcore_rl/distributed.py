@@ -83,7 +83,12 @@ def _initialize(config: GRPOConfig) -> ParallelState:
     layout = config.train_parallel
     try:
         state = initialize(
-            tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, backend=backend_for(config)
+            tp=layout.tp,
+            pp=layout.pp,
+            cp=layout.cp,
+            ep=layout.ep,
+            backend=backend_for(config),
+            etp=layout.etp,
         )
     except ParallelConfigError as error:
         raise RLConfigError(f"train_parallel: {error}") from None

@@ -63,7 +63,9 @@ class InferencePolicy:
             self.state = train_state
             self.model: GPTModel = train_chunks[0]
             return
-        self.state = initialize(tp=infer_layout.tp, pp=infer_layout.pp, ep=infer_layout.ep)
+        self.state = initialize(
+            tp=infer_layout.tp, pp=infer_layout.pp, ep=infer_layout.ep, etp=infer_layout.etp
+        )
         self._owns_state = True
         config = train_chunks[0].config
         built = parallelize(GPTModel(config, device="meta"), self.state, sequence_parallel=False)

@@ -37,6 +37,7 @@ from mcore_rl.inference_policy import InferencePolicy
 from mcore_rl.logprobs import row_logprobs
 from mcore_rl.loss import grpo_loss, grpo_loss_metric_names
 from mcore_rl.memory import allocated_bytes, live_tensor_bytes
+from mcore_rl.moe_config import moe_config_for
 from mcore_rl.packing import PackingContext, distribute_bins, pack_sequences
 from mcore_rl.policy import (
     PolicyChunks,
@@ -48,6 +49,7 @@ from mcore_rl.prompt_data import PromptDataset, load_prompt_dataset
 from mcore_rl.reference import ReferenceWeights
 from mcore_rl.rewards import RewardScorer
 from mcore_rl.rollout import Rollout, evaluate_greedy, generate_rollouts
+from mcore_rl.router_loss import RouterLoss
 from mcore_rl.seeding import derive_seed
 from mcore_rl.tasks import DatasetTask, Problem, Task, get_task, sample_problems
 from mcore_rl.tokenizer import CharTokenizer
@@ -101,6 +103,9 @@ def _model_config(config: GRPOConfig, vocab_size: int) -> GPTConfig:
     ):
         if getattr(model, name) is not None:
             overrides[name] = getattr(model, name)
+    moe = moe_config_for(model.moe)
+    if moe is not None:
+        overrides["moe"] = moe
     return GPTConfig.from_name(model.name, **overrides)
 
 
@@ -195,6 +200,7 @@ class GRPOWorker:
                 device=self.device,
             )
         self.chunks = chunks
+        self.router_loss = RouterLoss(chunks, config.model.moe, tp_rank=state.rank_in("tp"))
         ddp_config = DDPConfig(
             use_distributed_optimizer=True,
             overlap_param_gather=True,
@@ -337,6 +343,7 @@ class GRPOWorker:
     def close(self) -> None:
         """Closes the inference engine and stops the reward process pool, if any."""
         self.inference.close()
+        self.router_loss.close()
         if isinstance(self.task, DatasetTask):
             self.task.scorer.close()
 
@@ -479,6 +486,7 @@ class GRPOWorker:
             grad_norms.append(self._train_minibatch(minibatch, sums))
         times["train"] = time.perf_counter() - start
         metrics.update(self._reduce_sums(sums, len(minibatches)))
+        metrics.update(self.router_loss.take_metrics(self._over_world, len(minibatches)))
         metrics["grad_norm"] = float(sum(grad_norms) / len(grad_norms))
         return metrics
 
@@ -646,7 +654,9 @@ class GRPOWorker:
             self._schedule_model(),
             list(range(rows)),
             state=self.state,
-            forward_step=self._forward_step(context),
+            forward_step=self.router_loss.weighted_rows(
+                self._forward_step(context), context, minibatch.num_global_tokens
+            ),
             loss_func=loss_func,
             no_sync=self.model.no_sync,
             tensor_shape=self._tensor_shape(context),
