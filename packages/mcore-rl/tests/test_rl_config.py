@@ -120,8 +120,9 @@ def test_model_parallel_layouts_are_accepted_except_what_is_not_built():
         infer_parallel={"tp": 2, "pp": 2, "ep": 2},
     )
     assert config.train_parallel.vp == 2 and config.infer_parallel.ep == 2
-    with pytest.raises(RLConfigError, match=r"train_parallel\.cp=2 is not supported yet"):
-        GRPOConfig().replace(train_parallel={"cp": 2})
+    assert GRPOConfig().replace(train_parallel={"cp": 2, "tp": 2}).train_parallel.cp == 2
+    with pytest.raises(RLConfigError, match=r"batch_invariant=True with train_parallel\.cp=2"):
+        GRPOConfig().replace(train_parallel={"cp": 2}, model={"batch_invariant": True})
     with pytest.raises(RLConfigError, match=r"infer_parallel\.cp=2 is not supported"):
         GRPOConfig().replace(infer_parallel={"cp": 2})
 
@@ -147,7 +148,11 @@ def test_cli_spells_sections_with_dots():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--train-parallel.cp", "2"], "train_parallel.cp=2 is not supported yet"),
+        (["--infer-parallel.cp", "2"], "infer_parallel.cp=2 is not supported"),
+        (
+            ["--train-parallel.cp", "2", "--model.batch-invariant"],
+            "batch_invariant=True with train_parallel.cp=2",
+        ),
         (["--infer-parallel.vp", "2", "--infer-parallel.pp", "2"], "infer_parallel.vp=2"),
         (["--infer-parallel.sequence-parallel", "--infer-parallel.tp", "2"], "sequence_parallel"),
         (["--train-parallel.vp", "2"], "vp=2 needs pp > 1"),

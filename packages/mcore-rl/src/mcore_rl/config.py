@@ -343,7 +343,8 @@ class ParallelConfig:
     vp: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B; training only)."""
     cp: int = 1
-    """Context-parallel size (training only)."""
+    """Context-parallel size (training only): every packed sequence is split over cp ranks
+    (ring attention), each sequence padded to a multiple of ``2 cp`` tokens."""
     ep: int = 1
     """Expert-parallel size (MoE models)."""
     dp: int | None = None
@@ -435,7 +436,7 @@ class GRPOConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Greedy evaluation on held-out prompts."""
     train_parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Layout of training (tp, pp with virtual stages, ep, sequence parallelism, dp)."""
+    """Layout of training (tp, pp with virtual stages, cp, ep, sequence parallelism, dp)."""
     infer_parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Layout of generation on the same ranks (tp, pp, ep, dp); weights are resharded from
     the training layout in memory after every optimizer step."""
@@ -468,10 +469,11 @@ class GRPOConfig:
                 "infer_parallel.sequence_parallel=True is not supported: the inference engine "
                 "runs without sequence parallelism"
             )
-        if self.train_parallel.cp != 1:
+        if self.train_parallel.cp > 1 and self.model.batch_invariant:
             raise RLConfigError(
-                f"train_parallel.cp={self.train_parallel.cp} is not supported yet: GRPO "
-                "trains at tp x pp x dp (x ep) layouts"
+                f"model.batch_invariant=True with train_parallel.cp={self.train_parallel.cp} "
+                "is not supported: ring attention over the context-parallel ranks is not "
+                "batch-invariant; expected train_parallel.cp=1"
             )
         if self.data.path is not None and self.model.hf_path is None:
             raise RLConfigError(

@@ -31,6 +31,7 @@ from mcore_parallel.distributed.optimizer import DistributedOptimizer
 from mcore_parallel.sharding import ShardedTensor
 from mcore_rl.advantages import compute_advantages
 from mcore_rl.config import GRPOConfig
+from mcore_rl.context_parallel import packing_multiples, split_packed_rows, split_packing_context
 from mcore_rl.errors import RLConfigError, RLStateError
 from mcore_rl.hf import ChatTokenizer, PromptTokenizer, copy_tokenizer_files
 from mcore_rl.inference_policy import InferencePolicy
@@ -117,9 +118,10 @@ class Minibatch:
     """The rollouts of one optimizer step, packed into this rank's bins."""
 
     context: PackingContext
-    """Packed token ids, positions, loss mask and advantages of this rank's bins."""
+    """Packed token ids, positions, loss mask and advantages of this rank's bins (under context
+    parallelism, this rank's tokens of them)."""
     inference_logprobs: torch.Tensor
-    """Log-probs the inference engine sampled with, scattered like the tokens."""
+    """Log-probs the inference engine sampled with, scattered (and split) like the tokens."""
     num_global_tokens: float
     """Completion tokens of the minibatch over every rank (the loss normaliser)."""
     old_logprobs: torch.Tensor | None = None
@@ -131,8 +133,8 @@ class Minibatch:
 class GRPOWorker:
     """One rank of a GRPO run: the policy at both layouts, its optimizer, the reference weights.
 
-    The policy trains at ``train_parallel`` (tensor, pipeline with virtual stages, expert and
-    data parallel; ``state`` is that layout) and generates at ``infer_parallel`` on the same
+    The policy trains at ``train_parallel`` (tensor, pipeline with virtual stages, context,
+    expert and data parallel; ``state`` is that layout) and generates at ``infer_parallel`` on the same
     ranks; see :class:`~mcore_rl.inference_policy.InferencePolicy`.
 
     Args:
@@ -204,6 +206,8 @@ class GRPOWorker:
         self.loss_config = config.loss
         self.dp_size = state.size("dp")
         self.dp_rank = state.rank_in("dp")
+        self.cp_size = state.size("cp")
+        self.cp_rank = state.rank_in("cp")
         self.inference = InferencePolicy(
             chunks,
             state,
@@ -503,8 +507,9 @@ class GRPOWorker:
         per_minibatch = -(-groups // packing.minibatches_per_step)
         minibatches: list[Minibatch] = []
         efficiencies = []
-        # Sequence parallelism splits every row over the tensor-parallel ranks.
-        pad_multiple = math.lcm(8, layout.tp) if layout.sequence_parallel else 8
+        # Sequence parallelism splits every row over the tensor-parallel ranks, context
+        # parallelism every sequence into 2 cp chunks.
+        pad_multiple, slot_multiple = packing_multiples(layout)
         for first in range(0, groups, per_minibatch):
             last = min(groups, first + per_minibatch)
             chosen = list(range(first * group_size, last * group_size))
@@ -515,6 +520,7 @@ class GRPOWorker:
                 algorithm=packing.algorithm,
                 token_budget=packing.max_tokens_per_microbatch,
                 pad_multiple=pad_multiple,
+                slot_multiple=slot_multiple,
             )
             efficiencies.append(info.efficiency)
             mine = distribute_bins(info, self.dp_size)[self.dp_rank]
@@ -529,12 +535,19 @@ class GRPOWorker:
                 max_sequences_per_bin=packing.max_sequences_per_bin,
                 pad_id=self.tokenizer.pad_id,
             )
+            inference_logprobs = context.scatter(
+                [torch.tensor(rollouts[i].inference_logprobs) for i in chosen]
+            )
+            if self.cp_size > 1:
+                # This rank's tokens of every row; the token count stays the global one.
+                inference_logprobs = split_packed_rows(
+                    inference_logprobs, context.cu_seqlens, self.cp_size, self.cp_rank
+                )
+                context = split_packing_context(context, self.cp_size, self.cp_rank)
             minibatches.append(
                 Minibatch(
                     context=context,
-                    inference_logprobs=context.scatter(
-                        [torch.tensor(rollouts[i].inference_logprobs) for i in chosen]
-                    ),
+                    inference_logprobs=inference_logprobs,
                     num_global_tokens=float(sum(len(rollouts[i].completion_ids) for i in chosen)),
                 )
             )
