@@ -125,6 +125,10 @@ def test_model_parallel_layouts_are_accepted_except_what_is_not_built():
         GRPOConfig().replace(train_parallel={"cp": 2}, model={"batch_invariant": True})
     with pytest.raises(RLConfigError, match=r"infer_parallel\.cp=2 is not supported"):
         GRPOConfig().replace(infer_parallel={"cp": 2})
+    with pytest.raises(RLConfigError, match=r"infer_parallel\.cp_method='all_gather' is not"):
+        GRPOConfig().replace(infer_parallel={"cp_method": "all_gather"})
+    with pytest.raises(RLConfigError, match=r"cp_method='ulysses' is unknown"):
+        ParallelConfig(cp=2, cp_method="ulysses")
 
 
 def test_cli_spells_sections_with_dots():
@@ -167,6 +171,15 @@ def test_cli_reports_unsupported_layouts_without_a_traceback(capsys, args, messa
     assert message in error and "Traceback" not in error
     # One line, like every other user error of the CLI (not tyro's box).
     assert error.startswith("error: ") and len(error.strip().splitlines()) == 1, error
+
+
+def test_cli_takes_a_context_parallel_layout():
+    config = parse_grpo_args(
+        ["--train-parallel.cp", "2", "--train-parallel.cp-method", "all_gather"]
+    )
+    assert (config.train_parallel.cp, config.train_parallel.cp_method) == (2, "all_gather")
+    assert config.train_parallel.data_parallel_size(4) == 2
+    assert not config.train_parallel.same_model_layout(config.infer_parallel)
 
 
 def test_cli_takes_model_parallel_layouts():

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mcore_models.gpt.context_parallel import ContextParallelAttention
 from mcore_models.init import global_slice
 from mcore_parallel.testing import run_distributed
 from mcore_rl.config import GRPOConfig
@@ -42,7 +43,10 @@ LAYOUTS = {
     "train pp2 vp2 dp2, infer tp2 dp2": ({"pp": 2, "vp": 2}, {"tp": 2}),
     # Context parallelism: every packed sequence split over two ranks (ring attention).
     "train tp2 sp cp2, infer tp2 dp2": ({"tp": 2, "cp": 2, "sequence_parallel": True}, {"tp": 2}),
-    "train pp2 cp2, infer tp1 dp4": ({"pp": 2, "cp": 2}, {"tp": 1}),
+    "train pp2 cp2 all-gather, infer tp1 dp4": (
+        {"pp": 2, "cp": 2, "cp_method": "all_gather"},
+        {"tp": 1},
+    ),
 }
 
 
@@ -89,6 +93,12 @@ def _run_layouts(names):
             "blocks": blocks,
             "shared": inference.shared,
             "local": local,
+            "cp_methods": {
+                module.method
+                for chunk in worker.chunks
+                for module in chunk.modules()
+                if isinstance(module, ContextParallelAttention)
+            },
         }
         worker.close()
         state.destroy()
@@ -118,6 +128,10 @@ def test_layout_trains_like_data_parallel(layouts, name):
             expected = 0 if got["shared"] else got["local"]
             assert pushed.bytes_received + pushed.bytes_local == expected, (name, rank)
         assert got["shared"] == (name in SHARED)
+        # Context-parallel layouts attend over the cp ranks with the method they name.
+        train = LAYOUTS[name][0]
+        expected = {train.get("cp_method", "ring")} if train.get("cp", 1) > 1 else set()
+        assert got["cp_methods"] == expected, name
         # Every block this rank holds equals that region of the data-parallel run's weights.
         full = {key: tensor for key, (_, tensor) in reference["blocks"].items()}
         assert got["blocks"], name

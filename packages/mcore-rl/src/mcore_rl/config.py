@@ -343,8 +343,12 @@ class ParallelConfig:
     vp: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B; training only)."""
     cp: int = 1
-    """Context-parallel size (training only): every packed sequence is split over cp ranks
-    (ring attention), each sequence padded to a multiple of ``2 cp`` tokens."""
+    """Context-parallel size (training only): every packed sequence is split over cp ranks,
+    each sequence padded to a multiple of ``2 cp`` tokens."""
+    cp_method: Literal["ring", "all_gather"] = "ring"
+    """Attention over the context-parallel ranks (training only): ``ring`` passes keys and
+    values round the ring, ``all_gather`` gathers them (``mcore_models.parallelize``'s
+    ``context_parallel_method``)."""
     ep: int = 1
     """Expert-parallel size (MoE models)."""
     dp: int | None = None
@@ -354,6 +358,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check_minimums(self, {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "dp": 1})
+        _check_choices(self)
         if self.vp > 1 and self.pp == 1:
             raise RLConfigError(f"vp={self.vp} needs pp > 1 (virtual stages of a pipeline)")
         if self.sequence_parallel and self.tp == 1:
@@ -464,6 +469,11 @@ class GRPOConfig:
                     f"infer_parallel.{size}={getattr(inference, size)} is not supported: the "
                     "inference engine serves tp x pp x ep x dp layouts (vp = cp = 1)"
                 )
+        if inference.cp_method != "ring":
+            raise RLConfigError(
+                f"infer_parallel.cp_method={inference.cp_method!r} is not supported: the "
+                "inference engine runs without context parallelism"
+            )
         if inference.sequence_parallel:
             raise RLConfigError(
                 "infer_parallel.sequence_parallel=True is not supported: the inference engine "

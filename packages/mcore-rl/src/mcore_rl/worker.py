@@ -179,6 +179,7 @@ class GRPOWorker:
                 sequence_parallel=layout.sequence_parallel,
                 device=self.device,
                 batch_invariant=config.model.batch_invariant,
+                context_parallel_method=layout.cp_method,
             )
         else:
             self.tokenizer = CharTokenizer(self.task.alphabet)
@@ -192,6 +193,7 @@ class GRPOWorker:
                 virtual_stages=layout.vp,
                 sequence_parallel=layout.sequence_parallel,
                 device=self.device,
+                context_parallel_method=layout.cp_method,
             )
         self.chunks = chunks
         ddp_config = DDPConfig(
