@@ -1,16 +1,21 @@
 """Packing for context parallelism: slots of 2 cp tokens, the loss mask of the unpadded packing,
-and each cp rank's chunks of every row gathering back to the full rows (gloo, world 2)."""
+each cp rank's chunks of every row gathering back to the full rows, and a checkpoint's policy at
+cp=2 giving the whole model's log-probs (gloo, world 2)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from mcore_models import GPTConfig, GPTModel
+from mcore_models.gpt.context_parallel import ContextParallelAttention as ContextParallel
 from mcore_parallel.context_parallel import gather_sequence, position_ids
 from mcore_parallel.testing import run_distributed
 from mcore_rl.config import ParallelConfig
 from mcore_rl.context_parallel import packing_multiples, split_packed_rows, split_packing_context
 from mcore_rl.errors import PackingError
+from mcore_rl.logprobs import row_logprobs
 from mcore_rl.packing import PackingContext, pack_sequences
+from mcore_rl.policy import load_policy_chunks
 
 CP = 2
 SEQUENCES = [
@@ -125,3 +130,43 @@ def test_each_cp_rank_gets_its_chunks_and_they_gather_back_to_the_rows():
         assert result["positions_match"] and result["cu_seqlens"] and result["scatter_refused"]
     # Every loss token is on exactly one cp rank.
     assert sum(r["local_tokens"] for r in results) == int(full["loss_mask"].sum())
+
+
+def _hf_logprobs_over_cp(path):
+    # The policy loaded from a checkpoint at cp=2 with all-gather attention: each rank's
+    # log-probs of its split rows, gathered back, equal the whole model's on the full rows.
+    from mcore_parallel.state import initialize
+
+    torch.manual_seed(0)
+    state = initialize(cp=CP)
+    chunks = load_policy_chunks(path, state, dtype="float32", context_parallel_method="all_gather")
+    methods = {
+        module.method for module in chunks[0].modules() if isinstance(module, ContextParallel)
+    }
+    _, context = _context(2 * CP)
+    local = split_packing_context(context, CP, state.rank_in("cp"))
+    whole = GPTModel.from_hf(path, dtype="float32")
+    errors = []
+    with torch.no_grad():
+        for row in range(context.input_ids.shape[0]):
+            got = row_logprobs(chunks[0], local, row)
+            full = gather_sequence(
+                got, state.group("cp"), dim=1, cu_seqlens=context.cu_seqlens[row]
+            )
+            expected = row_logprobs(whole, context, row)
+            mask = context.loss_mask[row] > 0
+            errors.append(float((full - expected)[:, mask].abs().max()))
+    state.destroy()
+    return methods, errors
+
+
+def test_policy_from_a_checkpoint_gives_the_whole_model_logprobs_over_cp(tmp_path):
+    config = GPTConfig.from_name(
+        "tiny", hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=64, vocab_size=16, seed=3,
+    )  # fmt: skip
+    GPTModel(config).to_hf(tmp_path)
+    for methods, errors in run_distributed(_hf_logprobs_over_cp, CP, str(tmp_path)):
+        assert methods == {"all_gather"}
+        # fp32; attention split over ranks merges softmax pieces in another order.
+        assert max(errors) < 1e-5, errors
