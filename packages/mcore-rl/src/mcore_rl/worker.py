@@ -134,8 +134,8 @@ class GRPOWorker:
     """One rank of a GRPO run: the policy at both layouts, its optimizer, the reference weights.
 
     The policy trains at ``train_parallel`` (tensor, pipeline with virtual stages, context,
-    expert and data parallel; ``state`` is that layout) and generates at ``infer_parallel`` on the same
-    ranks; see :class:`~mcore_rl.inference_policy.InferencePolicy`.
+    expert and data parallel; ``state`` is that layout) and generates at ``infer_parallel`` on
+    the same ranks; see :class:`~mcore_rl.inference_policy.InferencePolicy`.
 
     Args:
         config: The run config.
