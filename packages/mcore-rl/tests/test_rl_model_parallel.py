@@ -33,6 +33,8 @@ TINY = {
 STEPS = 3
 SHARED = {"dp4", "train tp2 dp2, infer tp2 dp2", "train pp2 dp2, infer tp1 pp2 dp2"}
 """Layouts whose generation runs the training chunk itself."""
+LOCAL_ONLY = {"train tp2 sp cp2, infer tp2 dp2"}
+"""Layouts whose push copies locally only: every rank holds (a cp replica of) its blocks."""
 LAYOUTS = {
     # name: (train_parallel, infer_parallel)
     "dp4": ({}, {}),
@@ -127,6 +129,8 @@ def test_layout_trains_like_data_parallel(layouts, name):
         for _, _, pushed in got["steps"]:
             expected = 0 if got["shared"] else got["local"]
             assert pushed.bytes_received + pushed.bytes_local == expected, (name, rank)
+            if name in LOCAL_ONLY:
+                assert pushed.bytes_received == pushed.bytes_sent == 0, (name, rank)
         assert got["shared"] == (name in SHARED)
         # Context-parallel layouts attend over the cp ranks with the method they name.
         train = LAYOUTS[name][0]
