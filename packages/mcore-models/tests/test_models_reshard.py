@@ -3,7 +3,8 @@
 World 4: the source is the model at tp=2 x pp=2 (perturbed, as after an optimizer step); the
 destinations are the same model at tp=1 (every rank a whole replica, as for dp=4 generation)
 and at tp=2 (dp=2). After a push every destination equals the source weights gathered, and
-every rank received exactly the bytes of its destination blocks that it did not hold itself.
+every rank received exactly the bytes of its destination blocks that it did not hold itself; a
+source replicated on every rank (dp=4) is copied locally, nothing travels.
 """
 
 from __future__ import annotations
@@ -49,6 +50,20 @@ def _reshard() -> dict:
             "sent": stats.bytes_sent,
             "received": stats.bytes_received,
         }
+    # A source replicated on every rank (dp=4): each rank copies its blocks locally.
+    replicated = parallelize(GPTModel(CONFIG), initialize(tp=1))
+    _perturb([replicated])
+    infer_state = initialize(tp=2)
+    destination = parallelize(GPTModel(CONFIG.replace(seed=99)), infer_state)
+    stats = Resharder([replicated], [destination]).push()
+    _, got = gather_full_tensors([destination], infer_state, every_rank=True)
+    whole = dict(replicated.named_parameters())
+    results["replicated"] = {
+        "error": max((got[k] - whole[k]).abs().max().item() for k in got),
+        "moved": (stats.bytes_sent, stats.bytes_received),
+        "local": stats.bytes_local,
+        "held": sum(p.numel() * p.element_size() for p in destination.parameters()),
+    }
     wrong = parallelize(GPTModel(CONFIG.replace(hidden_size=32, seed=1)), initialize(tp=1))
     try:
         Resharder(source, [wrong])
@@ -71,3 +86,7 @@ def test_reshard_tp2_pp2_into_tp1_and_tp2_moves_only_the_needed_slices():
             assert entry["received_plus_local"] <= entry["held"], (layout, entry)
             assert entry["received_plus_local"] >= entry["held"] - 256 * 64 * 4, (layout, entry)
     assert "embedding.weight" in results[0]["error_message"]
+    for result in results:
+        entry = result["replicated"]
+        assert entry["error"] == 0.0 and entry["moved"] == (0, 0), entry
+        assert entry["local"] == entry["held"], entry

@@ -121,10 +121,15 @@ def test_model_parallel_layouts_are_accepted_except_what_is_not_built():
         infer_parallel={"tp": 2, "pp": 2, "ep": 2},
     )
     assert config.train_parallel.vp == 2 and config.infer_parallel.ep == 2
-    with pytest.raises(RLConfigError, match=r"train_parallel\.cp=2 is not supported yet"):
-        GRPOConfig().replace(train_parallel={"cp": 2})
+    assert GRPOConfig().replace(train_parallel={"cp": 2, "tp": 2}).train_parallel.cp == 2
+    with pytest.raises(RLConfigError, match=r"batch_invariant=True with train_parallel\.cp=2"):
+        GRPOConfig().replace(train_parallel={"cp": 2}, model={"batch_invariant": True})
     with pytest.raises(RLConfigError, match=r"infer_parallel\.cp=2 is not supported"):
         GRPOConfig().replace(infer_parallel={"cp": 2})
+    with pytest.raises(RLConfigError, match=r"infer_parallel\.cp_method='all_gather' is not"):
+        GRPOConfig().replace(infer_parallel={"cp_method": "all_gather"})
+    with pytest.raises(RLConfigError, match=r"cp_method='ulysses' is unknown"):
+        ParallelConfig(cp=2, cp_method="ulysses")
 
 
 def test_cli_spells_sections_with_dots():
@@ -148,7 +153,11 @@ def test_cli_spells_sections_with_dots():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--train-parallel.cp", "2"], "train_parallel.cp=2 is not supported yet"),
+        (["--infer-parallel.cp", "2"], "infer_parallel.cp=2 is not supported"),
+        (
+            ["--train-parallel.cp", "2", "--model.batch-invariant"],
+            "batch_invariant=True with train_parallel.cp=2",
+        ),
         (["--infer-parallel.vp", "2", "--infer-parallel.pp", "2"], "infer_parallel.vp=2"),
         (["--infer-parallel.sequence-parallel", "--infer-parallel.tp", "2"], "sequence_parallel"),
         (["--train-parallel.vp", "2"], "vp=2 needs pp > 1"),
@@ -163,6 +172,15 @@ def test_cli_reports_unsupported_layouts_without_a_traceback(capsys, args, messa
     assert message in error and "Traceback" not in error
     # One line, like every other user error of the CLI (not tyro's box).
     assert error.startswith("error: ") and len(error.strip().splitlines()) == 1, error
+
+
+def test_cli_takes_a_context_parallel_layout():
+    config = parse_grpo_args(
+        ["--train-parallel.cp", "2", "--train-parallel.cp-method", "all_gather"]
+    )
+    assert (config.train_parallel.cp, config.train_parallel.cp_method) == (2, "all_gather")
+    assert config.train_parallel.data_parallel_size(4) == 2
+    assert not config.train_parallel.same_model_layout(config.infer_parallel)
 
 
 def test_cli_takes_model_parallel_layouts():

@@ -1,11 +1,13 @@
 """GRPO with a model-parallel policy (gloo, world 4, fp32): every (training, generation) layout
-gives the rollouts, losses and final weights of the data-parallel run with the same seed; the
-weight push moves only each rank's slices; a resumed run equals the uninterrupted one."""
+(tensor, sequence, pipeline, interleaved, context parallel) gives the rollouts, losses and final
+weights of the data-parallel run with the same seed; the weight push moves only each rank's
+slices; a resumed run equals the uninterrupted one."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from mcore_models.gpt.context_parallel import ContextParallelAttention
 from mcore_models.init import global_slice
 from mcore_parallel.testing import run_distributed
 from mcore_rl.config import GRPOConfig
@@ -31,6 +33,8 @@ TINY = {
 STEPS = 3
 SHARED = {"dp4", "train tp2 dp2, infer tp2 dp2", "train pp2 dp2, infer tp1 pp2 dp2"}
 """Layouts whose generation runs the training chunk itself."""
+LOCAL_ONLY = {"train tp2 sp cp2, infer tp2 dp2"}
+"""Layouts whose push copies locally only: every rank holds (a cp replica of) its blocks."""
 LAYOUTS = {
     # name: (train_parallel, infer_parallel)
     "dp4": ({}, {}),
@@ -39,6 +43,12 @@ LAYOUTS = {
     "train pp2 dp2, infer tp1 pp2 dp2": ({"pp": 2}, {"pp": 2}),
     "train tp2 sp dp2, infer tp1 pp2 dp2": ({"tp": 2, "sequence_parallel": True}, {"pp": 2}),
     "train pp2 vp2 dp2, infer tp2 dp2": ({"pp": 2, "vp": 2}, {"tp": 2}),
+    # Context parallelism: every packed sequence split over two ranks (ring attention).
+    "train tp2 sp cp2, infer tp2 dp2": ({"tp": 2, "cp": 2, "sequence_parallel": True}, {"tp": 2}),
+    "train pp2 cp2 all-gather, infer tp1 dp4": (
+        {"pp": 2, "cp": 2, "cp_method": "all_gather"},
+        {"tp": 1},
+    ),
 }
 
 
@@ -85,6 +95,12 @@ def _run_layouts(names):
             "blocks": blocks,
             "shared": inference.shared,
             "local": local,
+            "cp_methods": {
+                module.method
+                for chunk in worker.chunks
+                for module in chunk.modules()
+                if isinstance(module, ContextParallelAttention)
+            },
         }
         worker.close()
         state.destroy()
@@ -113,7 +129,13 @@ def test_layout_trains_like_data_parallel(layouts, name):
         for _, _, pushed in got["steps"]:
             expected = 0 if got["shared"] else got["local"]
             assert pushed.bytes_received + pushed.bytes_local == expected, (name, rank)
+            if name in LOCAL_ONLY:
+                assert pushed.bytes_received == pushed.bytes_sent == 0, (name, rank)
         assert got["shared"] == (name in SHARED)
+        # Context-parallel layouts attend over the cp ranks with the method they name.
+        train = LAYOUTS[name][0]
+        expected = {train.get("cp_method", "ring")} if train.get("cp", 1) > 1 else set()
+        assert got["cp_methods"] == expected, name
         # Every block this rank holds equals that region of the data-parallel run's weights.
         full = {key: tensor for key, (_, tensor) in reference["blocks"].items()}
         assert got["blocks"], name
@@ -158,3 +180,28 @@ def test_resume_at_every_layout_reproduces_the_uninterrupted_run(tmp_path):
         assert [r["step"] for r in resumed] == [0, 1, 2], name
         # The resumed step sees the saved weights, optimizer and reference state exactly.
         assert resumed == straight, name
+
+
+CONTEXT_PARALLEL = "train cp2 dp2, infer tp1 dp4"
+"""Context x data parallel (gradients reduced over dp x cp), checked through the resume test."""
+CONTEXT_PARALLEL_LAYOUT = ({"cp": 2}, {"tp": 1})
+
+
+def _resume_context_parallel(root):
+    torch.set_num_threads(1)
+    train, infer = CONTEXT_PARALLEL_LAYOUT
+    straight = run_grpo(_config(train, infer, num_steps=3, run_dir=f"{root}/straight"))
+    run_grpo(_config(train, infer, num_steps=2, run_dir=f"{root}/split"))
+    resumed = run_grpo(_config(train, infer, num_steps=3, run_dir=f"{root}/split", resume=True))
+    return [_comparable(r) for r in straight.records], [_comparable(r) for r in resumed.records]
+
+
+def test_context_parallel_resume_reproduces_the_data_parallel_run(layouts, tmp_path):
+    straight, resumed = run_distributed(_resume_context_parallel, 4, str(tmp_path), timeout=600)[0]
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    # Checkpoint blocks of cp replicas (replica ids over dp x cp) restore the exact state.
+    assert resumed == straight, CONTEXT_PARALLEL
+    # The uninterrupted cp2 x dp2 run has the rollouts and metrics of the dp4 run.
+    for step, (record, (_, metrics, _)) in enumerate(zip(straight, layouts[0]["dp4"]["steps"])):
+        for key, value in _rollout_key(metrics).items():
+            assert record[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (key, step)

@@ -106,7 +106,8 @@ class Resharder:
     Every rank of the default process group must construct it (it exchanges block metadata)
     and call :meth:`push` together. Source and destination may be any layouts built by
     :func:`mcore_models.parallelize` (tp, pp with virtual stages, ep, etp; replicated over
-    dp/cp): of the ranks holding a source block, the one with the lowest global rank sends it.
+    dp/cp): a destination rank that holds a source block itself (a replica) copies it locally;
+    otherwise, of the ranks holding it, the one with the lowest global rank sends it.
 
     Args:
         source: This rank's chunks of the model to read (e.g. the training stages).
@@ -131,10 +132,10 @@ class Resharder:
             ([], [], {}) for _ in range(world)
         ]
         dist.all_gather_object(everyone, mine)
-        owners: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
+        holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
         for source_rank, (blocks, _, _) in enumerate(everyone):
             for block in blocks:
-                owners.setdefault((block.name, block.offset, block.shape), source_rank)
+                holders.setdefault((block.name, block.offset, block.shape), []).append(source_rank)
         sources: dict[str, tuple[Any, str]] = {}
         for _, _, described in everyone:
             sources.update(described)
@@ -150,12 +151,14 @@ class Resharder:
         for destination_rank, (_, wanted, _) in enumerate(everyone):
             for target in wanted:
                 covered = 0
-                for (name, offset, shape), source_rank in owners.items():
+                for (name, offset, shape), ranks in holders.items():
                     if name != target.name:
                         continue
                     region = _overlap(offset, shape, target)
                     if region is None:
                         continue
+                    # Replicas (data or context parallel) never travel to a rank holding one.
+                    source_rank = destination_rank if destination_rank in ranks else ranks[0]
                     covered += _numel(region)
                     transfer = _Transfer(name, region)
                     if source_rank == rank:

@@ -25,6 +25,7 @@ def build_pipeline_stages(
     layout: tuple[int, ...] | None = None,
     sequence_parallel: bool | None = None,
     device: torch.device | str | None = None,
+    context_parallel_method: str = "ring",
 ) -> list[Any]:
     """Build this rank's pipeline chunk(s) of a model, sharded and initialised.
 
@@ -40,6 +41,7 @@ def build_pipeline_stages(
             evenly.
         sequence_parallel: See :func:`parallelize`.
         device: Device of the parameters (default ``state.device``).
+        context_parallel_method: See :func:`parallelize` (GPT models under ``cp > 1``).
 
     Returns:
         This rank's chunks, first chunk first (one per virtual stage).
@@ -60,6 +62,7 @@ def build_pipeline_stages(
         state,
         sequence_parallel=sequence_parallel,
         pipeline=pipeline,
+        context_parallel_method=context_parallel_method,
     )
     chunks = result if isinstance(result, list) else [result]
     materialize(chunks, device if device is not None else state.device)

@@ -348,7 +348,12 @@ class ParallelConfig:
     vp: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B; training only)."""
     cp: int = 1
-    """Context-parallel size (training only)."""
+    """Context-parallel size (training only): every packed sequence is split over cp ranks,
+    each sequence padded to a multiple of ``2 cp`` tokens."""
+    cp_method: Literal["ring", "all_gather"] = "ring"
+    """Attention over the context-parallel ranks (training only): ``ring`` passes keys and
+    values round the ring, ``all_gather`` gathers them (``mcore_models.parallelize``'s
+    ``context_parallel_method``)."""
     ep: int = 1
     """Expert-parallel size (MoE models): experts split over ``ep`` ranks carved out of the
     data x context-parallel ranks, as in Megatron."""
@@ -362,6 +367,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check_minimums(self, {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "etp": 1, "dp": 1})
+        _check_choices(self)
         if self.vp > 1 and self.pp == 1:
             raise RLConfigError(f"vp={self.vp} needs pp > 1 (virtual stages of a pipeline)")
         if self.sequence_parallel and self.tp == 1:
@@ -454,7 +460,7 @@ class GRPOConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Greedy evaluation on held-out prompts."""
     train_parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Layout of training (tp, pp with virtual stages, ep, sequence parallelism, dp)."""
+    """Layout of training (tp, pp with virtual stages, cp, ep, sequence parallelism, dp)."""
     infer_parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Layout of generation on the same ranks (tp, pp, ep, dp); weights are resharded from
     the training layout in memory after every optimizer step."""
@@ -482,15 +488,21 @@ class GRPOConfig:
                     f"infer_parallel.{size}={getattr(inference, size)} is not supported: the "
                     "inference engine serves tp x pp x ep x dp layouts (vp = cp = 1)"
                 )
+        if inference.cp_method != "ring":
+            raise RLConfigError(
+                f"infer_parallel.cp_method={inference.cp_method!r} is not supported: the "
+                "inference engine runs without context parallelism"
+            )
         if inference.sequence_parallel:
             raise RLConfigError(
                 "infer_parallel.sequence_parallel=True is not supported: the inference engine "
                 "runs without sequence parallelism"
             )
-        if self.train_parallel.cp != 1:
+        if self.train_parallel.cp > 1 and self.model.batch_invariant:
             raise RLConfigError(
-                f"train_parallel.cp={self.train_parallel.cp} is not supported yet: GRPO "
-                "trains at tp x pp x dp (x ep) layouts"
+                f"model.batch_invariant=True with train_parallel.cp={self.train_parallel.cp} "
+                "is not supported: ring attention over the context-parallel ranks is not "
+                "batch-invariant; expected train_parallel.cp=1"
             )
         if self.data.path is not None and self.model.hf_path is None:
             raise RLConfigError(

@@ -46,6 +46,21 @@ class PackingInfo:
     """Length of every sequence."""
     algorithm: str
     """The algorithm that produced the bins."""
+    slot_multiple: int = 1
+    """Every sequence occupies a slot of its length rounded up to a multiple of this (context
+    parallelism splits every packed sequence into ``2 cp`` equal chunks); the padding at the end
+    of a slot is never a loss position."""
+
+    def slot_length(self, index: int) -> int:
+        """Tokens sequence ``index`` occupies in its bin: its length rounded up to the slot.
+
+        Args:
+            index: Sequence index (into ``lengths``).
+
+        Returns:
+            The slot length.
+        """
+        return -(-self.lengths[index] // self.slot_multiple) * self.slot_multiple
 
     @property
     def num_bins(self) -> int:
@@ -93,11 +108,13 @@ def pack_sequences(
     *,
     token_budget: int | None = None,
     pad_multiple: int = 8,
+    slot_multiple: int = 1,
 ) -> PackingInfo:
     """Packs sequences into bins of ``bin_size`` tokens.
 
     Without ``bin_size``, the bin size is the token budget (default 4096, but no more than
-    all tokens together), raised to the longest sequence and rounded up to ``pad_multiple``.
+    all tokens together), raised to the longest sequence and rounded up to ``pad_multiple``
+    (and ``slot_multiple``).
 
     - ``"ffd"``: first-fit-decreasing, at most ``11/9 OPT + 6/9`` bins (Dósa, 2007).
     - ``"mffd"``: modified FFD (Johnson and Garey, 1985): items above half a bin open bins,
@@ -112,15 +129,20 @@ def pack_sequences(
         algorithm: Which algorithm.
         token_budget: Tokens per bin wanted when ``bin_size`` is None.
         pad_multiple: The derived bin size is a multiple of this.
+        slot_multiple: Every sequence takes its length rounded up to a multiple of this
+            (``2 * cp`` under context parallelism); bins hold slots.
 
     Returns:
         The packing.
 
     Raises:
-        PackingError: If a length is not positive, a sequence is longer than ``bin_size``, a
-            limit is not positive or ``algorithm`` is unknown.
+        PackingError: If a length is not positive, a sequence (slot) is longer than
+            ``bin_size``, a limit is not positive or ``algorithm`` is unknown.
     """
-    sizes = _check_lengths(lengths)
+    real = _check_lengths(lengths)
+    if slot_multiple < 1:
+        raise PackingError(f"slot_multiple={slot_multiple} must be >= 1")
+    sizes = [-(-n // slot_multiple) * slot_multiple for n in real]
     if max_sequences_per_bin is not None and max_sequences_per_bin < 1:
         raise PackingError(f"max_sequences_per_bin={max_sequences_per_bin} must be >= 1")
     if pad_multiple < 1:
@@ -130,7 +152,8 @@ def pack_sequences(
         if token_budget is not None and token_budget < 1:
             raise PackingError(f"token_budget={token_budget} must be >= 1")
         budget = min(token_budget or DEFAULT_TOKEN_BUDGET, max(sum(sizes), 1))
-        bin_size = math.ceil(max(budget, longest) / pad_multiple) * pad_multiple
+        multiple = math.lcm(pad_multiple, slot_multiple)
+        bin_size = math.ceil(max(budget, longest) / multiple) * multiple
     elif bin_size < longest:
         raise PackingError(
             f"bin_size={bin_size} is smaller than the longest sequence ({longest} tokens)"
@@ -149,8 +172,9 @@ def pack_sequences(
     return PackingInfo(
         bins=tuple(tuple(b) for b in bins),
         bin_size=bin_size,
-        lengths=tuple(sizes),
+        lengths=tuple(real),
         algorithm=algorithm,
+        slot_multiple=slot_multiple,
     )
 
 
@@ -268,7 +292,8 @@ class PackingContext:
 
     Positions ``q`` of a packed row are prediction positions: ``target_ids[q]`` is the token
     that follows ``input_ids[q]`` in the same sequence, and ``loss_mask[q]`` is 1 when that
-    token is a completion token. Padding forms a final segment of every row.
+    token is a completion token. Padding forms a final segment of every row (and, with
+    ``info.slot_multiple > 1``, the end of every sequence's slot).
     """
 
     input_ids: torch.Tensor
@@ -292,6 +317,10 @@ class PackingContext:
     """The packing the rows come from."""
     prompt_lengths: list[int]
     """Prompt length of every sequence of the packing (indexed like ``info.lengths``)."""
+    context_parallel_size: int = 1
+    """1 for full rows; ``cp`` when the per-token tensors hold one context-parallel rank's
+    ``bin_size / cp`` tokens of every row (``cu_seqlens`` and ``max_seqlen`` stay those of the
+    full rows); see :func:`mcore_rl.context_parallel.split_packing_context`."""
 
     @classmethod
     def build(
@@ -366,12 +395,14 @@ class PackingContext:
             for k, i in enumerate(members):
                 tokens = torch.as_tensor(list(sequences[i]), dtype=torch.long)
                 n, p = len(tokens), int(prompt_lengths[i])
+                # A slot's padding (context parallelism) continues the sequence's positions.
+                slot = info.slot_length(i)
                 input_ids[row, offset : offset + n] = tokens
                 target_ids[row, offset : offset + n - 1] = tokens[1:]
-                position_ids[row, offset : offset + n] = torch.arange(n)
+                position_ids[row, offset : offset + slot] = torch.arange(slot)
                 loss_mask[row, offset + p - 1 : offset + n - 1] = 1.0
                 packed_advantages[row, offset + p - 1 : offset + n - 1] = float(advantages[i])
-                offset += n
+                offset += slot
                 cu_seqlens[row, k + 1] = offset
             position_ids[row, offset:] = torch.arange(size - offset)
         return cls(
@@ -418,13 +449,18 @@ class PackingContext:
         return out
 
     def _segments(self):
+        if self.context_parallel_size > 1:
+            raise PackingError(
+                f"context_parallel_size={self.context_parallel_size}: these rows hold one "
+                "context-parallel rank's tokens; scatter and gather work on full rows"
+            )
         for row, b in enumerate(self.bin_indices):
             if b < 0:
                 continue
             offset = 0
             for i in self.info.bins[b]:
                 yield row, b, offset, i
-                offset += self.info.lengths[i]
+                offset += self.info.slot_length(i)
 
     @property
     def num_tokens(self) -> int:

@@ -49,6 +49,7 @@ def build_policy_chunks(
     virtual_stages: int = 1,
     sequence_parallel: bool = False,
     device: torch.device | str | None = None,
+    context_parallel_method: str = "ring",
 ) -> list[GPTModel]:
     """Builds this rank's chunks of a model from scratch, sharded at ``state``'s layout.
 
@@ -61,6 +62,8 @@ def build_policy_chunks(
         virtual_stages: Chunks per pipeline rank.
         sequence_parallel: Split the sequence over the tensor-parallel ranks between layers.
         device: Device of the parameters (default ``state.device``).
+        context_parallel_method: Attention over the context-parallel ranks (``"ring"`` or
+            ``"all_gather"``) when ``state`` has ``cp > 1``.
 
     Returns:
         This rank's chunks, first stage first.
@@ -71,6 +74,7 @@ def build_policy_chunks(
         virtual_stages=virtual_stages,
         sequence_parallel=sequence_parallel,
         device=device,
+        context_parallel_method=context_parallel_method,
     )
     _mark_shared_copies(chunks)
     return chunks
@@ -85,6 +89,7 @@ def load_policy_chunks(
     sequence_parallel: bool = False,
     device: torch.device | str | None = None,
     batch_invariant: bool = False,
+    context_parallel_method: str = "ring",
 ) -> list[GPTModel]:
     """Loads this rank's chunks of a Hugging Face checkpoint, reading only its slices.
 
@@ -96,6 +101,8 @@ def load_policy_chunks(
         sequence_parallel: Split the sequence over the tensor-parallel ranks between layers.
         device: Device of the parameters (default ``state.device``).
         batch_invariant: Batch-invariant numerics (``GPTConfig.batch_invariant``).
+        context_parallel_method: Attention over the context-parallel ranks (``"ring"`` or
+            ``"all_gather"``) when ``state`` has ``cp > 1``.
 
     Returns:
         This rank's chunks, first stage first.
@@ -108,6 +115,7 @@ def load_policy_chunks(
         sequence_parallel=sequence_parallel,
         pipeline=PipelineLayout(virtual_stages=virtual_stages),
         batch_invariant=batch_invariant,
+        context_parallel_method=context_parallel_method,
     )
     chunks = _as_list(built)
     _mark_shared_copies(chunks)

@@ -31,6 +31,7 @@ from mcore_parallel.distributed.optimizer import DistributedOptimizer
 from mcore_parallel.sharding import ShardedTensor
 from mcore_rl.advantages import compute_advantages
 from mcore_rl.config import GRPOConfig
+from mcore_rl.context_parallel import packing_multiples, split_packed_rows, split_packing_context
 from mcore_rl.errors import RLConfigError, RLStateError
 from mcore_rl.hf import ChatTokenizer, PromptTokenizer, copy_tokenizer_files
 from mcore_rl.inference_policy import InferencePolicy
@@ -122,9 +123,10 @@ class Minibatch:
     """The rollouts of one optimizer step, packed into this rank's bins."""
 
     context: PackingContext
-    """Packed token ids, positions, loss mask and advantages of this rank's bins."""
+    """Packed token ids, positions, loss mask and advantages of this rank's bins (under context
+    parallelism, this rank's tokens of them)."""
     inference_logprobs: torch.Tensor
-    """Log-probs the inference engine sampled with, scattered like the tokens."""
+    """Log-probs the inference engine sampled with, scattered (and split) like the tokens."""
     num_global_tokens: float
     """Completion tokens of the minibatch over every rank (the loss normaliser)."""
     old_logprobs: torch.Tensor | None = None
@@ -139,9 +141,9 @@ class Minibatch:
 class GRPOWorker:
     """One rank of a GRPO run: the policy at both layouts, its optimizer, the reference weights.
 
-    The policy trains at ``train_parallel`` (tensor, pipeline with virtual stages, expert and
-    data parallel; ``state`` is that layout) and generates at ``infer_parallel`` on the same
-    ranks; see :class:`~mcore_rl.inference_policy.InferencePolicy`.
+    The policy trains at ``train_parallel`` (tensor, pipeline with virtual stages, context,
+    expert and data parallel; ``state`` is that layout) and generates at ``infer_parallel`` on
+    the same ranks; see :class:`~mcore_rl.inference_policy.InferencePolicy`.
 
     Args:
         config: The run config.
@@ -185,6 +187,7 @@ class GRPOWorker:
                 sequence_parallel=layout.sequence_parallel,
                 device=self.device,
                 batch_invariant=config.model.batch_invariant,
+                context_parallel_method=layout.cp_method,
             )
         else:
             self.tokenizer = CharTokenizer(self.task.alphabet)
@@ -198,6 +201,7 @@ class GRPOWorker:
                 virtual_stages=layout.vp,
                 sequence_parallel=layout.sequence_parallel,
                 device=self.device,
+                context_parallel_method=layout.cp_method,
             )
         self.chunks = chunks
         self.router_loss = RouterLoss(chunks, config.model.moe, tp_rank=state.rank_in("tp"))
@@ -213,6 +217,8 @@ class GRPOWorker:
         self.loss_config = config.loss
         self.dp_size = state.size("dp")
         self.dp_rank = state.rank_in("dp")
+        self.cp_size = state.size("cp")
+        self.cp_rank = state.rank_in("cp")
         self.inference = InferencePolicy(
             chunks,
             state,
@@ -526,8 +532,9 @@ class GRPOWorker:
         per_minibatch = -(-groups // packing.minibatches_per_step)
         minibatches: list[Minibatch] = []
         efficiencies = []
-        # Sequence parallelism splits every row over the tensor-parallel ranks.
-        pad_multiple = math.lcm(8, layout.tp) if layout.sequence_parallel else 8
+        # Sequence parallelism splits every row over the tensor-parallel ranks, context
+        # parallelism every sequence into 2 cp chunks.
+        pad_multiple, slot_multiple = packing_multiples(layout)
         for first in range(0, groups, per_minibatch):
             last = min(groups, first + per_minibatch)
             chosen = list(range(first * group_size, last * group_size))
@@ -538,6 +545,7 @@ class GRPOWorker:
                 algorithm=packing.algorithm,
                 token_budget=packing.max_tokens_per_microbatch,
                 pad_multiple=pad_multiple,
+                slot_multiple=slot_multiple,
             )
             efficiencies.append(info.efficiency)
             mine = distribute_bins(info, self.dp_size)[self.dp_rank]
@@ -552,12 +560,19 @@ class GRPOWorker:
                 max_sequences_per_bin=packing.max_sequences_per_bin,
                 pad_id=self.tokenizer.pad_id,
             )
+            inference_logprobs = context.scatter(
+                [torch.tensor(rollouts[i].inference_logprobs) for i in chosen]
+            )
+            if self.cp_size > 1:
+                # This rank's tokens of every row; the token count stays the global one.
+                inference_logprobs = split_packed_rows(
+                    inference_logprobs, context.cu_seqlens, self.cp_size, self.cp_rank
+                )
+                context = split_packing_context(context, self.cp_size, self.cp_rank)
             minibatches.append(
                 Minibatch(
                     context=context,
-                    inference_logprobs=context.scatter(
-                        [torch.tensor(rollouts[i].inference_logprobs) for i in chosen]
-                    ),
+                    inference_logprobs=inference_logprobs,
                     num_global_tokens=float(sum(len(rollouts[i].completion_ids) for i in chosen)),
                 )
             )

@@ -346,6 +346,7 @@ def load_hf(
     sequence_parallel: bool | None = None,
     pipeline: PipelineLayout | None = None,
     reader: SafetensorsReader | None = None,
+    context_parallel_method: str = "ring",
     **config_overrides: Any,
 ) -> GPTModel | list[GPTModel]:
     """Load a Hugging Face checkpoint into a new model (see :meth:`GPTModel.from_hf`).
@@ -363,6 +364,7 @@ def load_hf(
         sequence_parallel: See :func:`mcore_models.parallelize`.
         pipeline: Pipeline layout (virtual stages, layer split) under pipeline parallelism.
         reader: An open checkpoint to read from (default: opened from ``path``).
+        context_parallel_method: See :func:`mcore_models.parallelize` (``cp > 1``).
         **config_overrides: GPTConfig fields to set.
 
     Returns:
@@ -400,7 +402,13 @@ def load_hf(
     model = cls(config, device="meta")
     result: GPTModel | list[GPTModel] = model
     if state is not None:
-        result = parallelize(model, state, sequence_parallel=sequence_parallel, pipeline=pipeline)
+        result = parallelize(
+            model,
+            state,
+            sequence_parallel=sequence_parallel,
+            pipeline=pipeline,
+            context_parallel_method=context_parallel_method,
+        )
     target = device if device is not None else (state.device if state is not None else None)
     target = torch.device(target) if target is not None else torch.empty(0).device
     try:

@@ -423,6 +423,7 @@ class GPTModel(nn.Module):
         device: torch.device | str | None = None,
         sequence_parallel: bool | None = None,
         pipeline: PipelineLayout | None = None,
+        context_parallel_method: str = "ring",
         **config_overrides: Any,
     ) -> Any:
         """Load a Hugging Face Llama, Qwen2/3 (or MoE) checkpoint directory.
@@ -438,6 +439,7 @@ class GPTModel(nn.Module):
             device: Device of the parameters (default ``state.device``).
             sequence_parallel: See :func:`mcore_models.parallelize`.
             pipeline: Virtual stages / layer split under pipeline parallelism.
+            context_parallel_method: See :func:`mcore_models.parallelize` (``cp > 1``).
             **config_overrides: GPTConfig fields to set (e.g. ``attention_backend``).
 
         Returns:
@@ -459,6 +461,7 @@ class GPTModel(nn.Module):
             device=device,
             sequence_parallel=sequence_parallel,
             pipeline=pipeline,
+            context_parallel_method=context_parallel_method,
             **config_overrides,
         )
 
