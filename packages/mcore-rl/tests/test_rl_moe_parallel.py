@@ -268,6 +268,20 @@ def test_router_loss_adds_the_weighted_losses_to_the_backward():
             "capacity_factor=1.0 with train_parallel.sequence_parallel=True",
         ),
         (
+            {
+                "model": {"moe": {"num_experts": 4, "aux_loss_coeff": 0.01}},
+                "train_parallel": {"cp": 2},
+            },
+            "train_parallel.cp=2 with a MoE router loss or capacity factor",
+        ),
+        (
+            {
+                "model": {"moe": {"num_experts": 4, "capacity_factor": 1.5}},
+                "train_parallel": {"cp": 2},
+            },
+            "capacity_factor=1.5\\) would make them depend on each rank's sequence chunk",
+        ),
+        (
             {"model": {"hf_path": "/ckpt", "moe": {"num_experts": 4}}},
             "moe.num_experts=4 cannot change the shape of the checkpoint",
         ),

@@ -162,7 +162,8 @@ def check_expert_layouts(config: GRPOConfig) -> None:
     Raises:
         RLConfigError: If a layout splits experts of a dense model, ``ep`` does not divide
             ``num_experts``, ``etp`` does not divide the expert FFN width, or a capacity
-            factor meets sequence parallelism (drops would depend on the tp split).
+            factor meets sequence parallelism (drops would depend on the tp split), or router
+            losses or a capacity factor meet context parallelism.
     """
     model = config.model
     moe = model.moe
@@ -198,6 +199,14 @@ def check_expert_layouts(config: GRPOConfig) -> None:
                 "(model.moe.expert_ffn_hidden_size or model.ffn_hidden_size)"
             )
     train = config.train_parallel
+    if moe.enabled and train.cp > 1 and (moe.has_router_loss or moe.capacity_factor is not None):
+        raise RLConfigError(
+            f"train_parallel.cp={train.cp} with a MoE router loss or capacity factor "
+            f"(aux_loss_coeff={moe.aux_loss_coeff}, z_loss_coeff={moe.z_loss_coeff}, "
+            f"capacity_factor={moe.capacity_factor}) would make them depend on each rank's "
+            "sequence chunk; expected train_parallel.cp=1, or zero coefficients and dropless "
+            "routing"
+        )
     if moe.capacity_factor is not None and train.sequence_parallel:
         raise RLConfigError(
             f"model.moe.capacity_factor={moe.capacity_factor} with "
