@@ -47,11 +47,16 @@ def _generate(worker: GRPOWorker, prompts: list[list[int]], new_tokens: int) -> 
         seed=worker.config.run.seed,
     )
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, return_logprobs=True)
-    engine = InferenceEngine(worker.inference.model, config)
-    try:
-        results = engine.generate(prompts, params)
-    finally:
-        engine.close()
+    longest = max(len(p) for p in prompts) + new_tokens
+    kept = worker.inference.engine_for(longest)  # the run's long-lived engine (keep_engine)
+    if kept is not None:
+        results = kept.generate(prompts, params)
+    else:
+        engine = InferenceEngine(worker.inference.model, config)
+        try:
+            results = engine.generate(prompts, params)
+        finally:
+            engine.close()
     rng = random.Random(0)
     return [
         Rollout(

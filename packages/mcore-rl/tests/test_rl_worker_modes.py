@@ -31,8 +31,7 @@ register_task(
 )
 
 
-@pytest.fixture
-def worker():
+def _build_worker(keep_engine=True, max_new_tokens=2):
     config = GRPOConfig.from_dict(
         {
             "task": {"name": "explode-test"},
@@ -40,7 +39,8 @@ def worker():
             "rollout": {
                 "num_prompts": 2,
                 "group_size": 2,
-                "max_new_tokens": 2,
+                "max_new_tokens": max_new_tokens,
+                "keep_engine": keep_engine,
                 "offload_optimizer": True,
                 "reward_requires_stop": False,
             },
@@ -48,8 +48,14 @@ def worker():
             "run": {"progress": False, "device": "cpu"},
         }
     )
-    worker = GRPOWorker(config, init_worker_state(config))
+    return GRPOWorker(config, init_worker_state(config))
+
+
+@pytest.fixture
+def worker():
+    worker = _build_worker()
     yield worker
+    worker.close()
     dist.destroy_process_group()
 
 
@@ -76,11 +82,57 @@ def test_step_failure_restores_hooks_offload_and_weights(worker):
     assert not worker.reference._active
 
 
-def test_no_engine_or_kv_cache_survives_generation(worker):
-    worker.step(0)
+def _alive():
     gc.collect()
-    alive = [o for o in gc.get_objects() if type(o) in (InferenceEngine, PagedKVCache)]
-    assert alive == []
+    return [o for o in gc.get_objects() if type(o) in (InferenceEngine, PagedKVCache)]
+
+
+def test_no_engine_or_kv_cache_survives_generation_without_keep_engine():
+    worker = _build_worker(keep_engine=False)
+    try:
+        worker.step(0)
+        assert worker.inference.engine is None
+        assert _alive() == []
+    finally:
+        worker.close()
+        dist.destroy_process_group()
+
+
+def test_kept_engine_is_built_once_and_closed_with_the_worker(worker):
+    worker.step(0)
+    engine = worker.inference.engine
+    assert engine is not None and not engine.closed
+    for step in (1, 2):
+        worker.step(step)
+        assert worker.inference.engine is engine  # no new engine, KV cache or graphs per step
+    assert sorted(type(o).__name__ for o in _alive()) == ["InferenceEngine", "PagedKVCache"]
+    # Longer requests than its size build it again, larger (a power of two of KV blocks),
+    # never beyond the model's context.
+    length = engine.config.max_sequence_length
+    assert worker.inference.engine_for(length) is engine
+    bigger = worker.inference.engine_for(length + 1)
+    assert bigger is not engine and engine.closed
+    assert bigger.config.max_sequence_length >= length + 1
+    context = worker.inference._engine_config.max_sequence_length
+    assert worker.inference.engine_for(context).config.max_sequence_length == context
+    worker.close()
+    del engine, bigger
+    assert _alive() == []
+
+
+def test_kept_engine_gives_the_same_steps_as_an_engine_per_step():
+    # Sampling is seeded per request, so the engine's lifetime changes nothing.
+    runs = []
+    for keep in (True, False):
+        worker = _build_worker(keep_engine=keep, max_new_tokens=3)
+        try:
+            runs.append([worker.step(step) for step in range(2)])
+        finally:
+            worker.close()
+            dist.destroy_process_group()
+    for kept, fresh in zip(*runs):
+        for name in ("reward/mean", "loss", "kl", "entropy", "response/length"):
+            assert kept[name] == fresh[name], name
 
 
 def test_failed_checkpoint_save_keeps_hooks_and_weights(worker, tmp_path):

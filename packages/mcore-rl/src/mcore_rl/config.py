@@ -281,6 +281,11 @@ class RolloutConfig:
     """Most requests handed to the inference engine at once."""
     use_cuda_graphs: bool = True
     """Let the inference engine capture CUDA graphs (ignored on the CPU)."""
+    keep_engine: bool = True
+    """Keep one inference engine for the whole run when it runs the training model itself
+    (same layout): its KV cache and CUDA graphs are made once. False builds an engine every
+    step and frees it before training (the KV cache's memory is back for training, and the
+    graphs are captured again every step). A separate generation model always keeps its engine."""
     reward_requires_stop: bool = True
     """Completions cut at ``max_new_tokens`` without eos earn reward 0 (no credit for rambling)."""
     offload_optimizer: bool = False

@@ -3,8 +3,9 @@
 When the generation layout splits the model like the training layout (same tp, pp, ep, no
 virtual stages, no sequence parallelism) the engine runs the training chunk itself and nothing
 moves. Otherwise a second copy of the model is built at the generation layout on the same
-ranks (only this rank's blocks are allocated) with a long-lived :class:`InferenceEngine` over
-it; :meth:`InferencePolicy.push` copies the trained weights into it through a
+ranks (only this rank's blocks are allocated). Either way one long-lived
+:class:`InferenceEngine` (:meth:`InferencePolicy.engine_for`) generates every step, so its KV
+cache and CUDA graphs are made once; :meth:`InferencePolicy.push` copies the trained weights into it through a
 :class:`mcore_models.Resharder` plan (point-to-point, each rank receiving only its slices, never
 a whole model on one rank, never through disk), writing the parameters in place so the engine's
 captured CUDA graphs stay valid.
@@ -12,6 +13,7 @@ captured CUDA graphs stay valid.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -37,7 +39,9 @@ class InferencePolicy:
         train_state: The training layout's state.
         train_layout: The training layout.
         infer_layout: The generation layout.
-        engine_config: Config of the long-lived engine of a separate inference model.
+        engine_config: Config of the long-lived engine.
+        keep_engine: Also keep an engine when the layouts are shared (the engine then runs the
+            training chunk itself); a separate inference model always gets one.
 
     Raises:
         RLConfigError: If the generation layout does not fit the world.
@@ -50,18 +54,24 @@ class InferencePolicy:
         train_layout: ParallelConfig,
         infer_layout: ParallelConfig,
         engine_config: InferenceConfig,
+        *,
+        keep_engine: bool = True,
     ) -> None:
         world = torch.distributed.get_world_size()
         infer_layout.data_parallel_size(world)
         self.shared = train_layout.same_model_layout(infer_layout)
         """True when the engine runs the training chunk itself (nothing is resharded)."""
         self.engine: InferenceEngine | None = None
-        """The long-lived engine of a separate inference model (None when shared)."""
+        """The long-lived engine, built by :meth:`engine_for` (None before, and always when
+        the layouts are shared and ``keep_engine`` is False)."""
+        self._engine_config: InferenceConfig | None = engine_config
         self._resharder: Resharder | None = None
         self._owns_state = False
         if self.shared:
             self.state = train_state
             self.model: GPTModel = train_chunks[0]
+            if not keep_engine:
+                self._engine_config = None
             return
         self.state = initialize(
             tp=infer_layout.tp, pp=infer_layout.pp, ep=infer_layout.ep, etp=infer_layout.etp
@@ -76,7 +86,40 @@ class InferencePolicy:
             param.requires_grad_(False)
         self._resharder = Resharder(list(train_chunks), [self.model])
         self.push()
-        self.engine = InferenceEngine(self.model, engine_config, state=self.state)
+
+    def engine_for(self, sequence_length: int) -> InferenceEngine | None:
+        """The long-lived engine, sized for requests of up to ``sequence_length`` tokens.
+
+        The engine is built on the first call and kept: its KV cache (``max_batch_size``
+        sequences) and CUDA graphs are made once. Its length is ``sequence_length`` rounded up
+        to a power-of-two number of KV blocks, at most the engine config's
+        ``max_sequence_length`` (the model's context); a later call that needs more builds it
+        again, larger. Collective when the generation layout is model-parallel: every rank
+        calls it with the same length.
+
+        Args:
+            sequence_length: Prompt plus new tokens of the longest request to come.
+
+        Returns:
+            The engine, or None when the layouts are shared and ``keep_engine`` is False
+            (every rollout call then builds its own).
+        """
+        config = self._engine_config
+        if config is None:
+            return None
+        if self.engine is not None and self.engine.config.max_sequence_length >= sequence_length:
+            return self.engine
+        blocks = -(-max(sequence_length, 1) // config.block_size)
+        length = min(
+            config.max_sequence_length, (1 << (blocks - 1).bit_length()) * config.block_size
+        )
+        length = max(length, sequence_length)
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        sized = dataclasses.replace(config, max_sequence_length=length)
+        self.engine = InferenceEngine(self.model, sized, state=self.state)
+        return self.engine
 
     @property
     def dp_group(self) -> Any:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_ckpt import load, save
-from mcore_inference import HFTokenizer, InferenceConfig
+from mcore_inference import HFTokenizer, InferenceConfig, InferenceEngine
 from mcore_models import GPTConfig, GPTModel
 from mcore_models.gpt.hf import save_hf
 from mcore_parallel import ParallelState, forward_backward
@@ -225,13 +225,14 @@ class GRPOWorker:
             layout,
             config.infer_parallel,
             self._engine_config(context_length),
+            keep_engine=config.rollout.keep_engine,
         )
         self.track_live_tensors = False
         """Count live tensors at every step start (slow; used by tests on the CPU)."""
 
     def _engine_config(self, context_length: int) -> InferenceConfig:
-        # The long-lived engine of a separate inference model: every rollout of a step fits one
-        # batch (up to parallel_generation_tasks), contexts up to the prompt budget.
+        # The long-lived engine: every rollout of a step fits one batch (up to
+        # parallel_generation_tasks), contexts up to the prompt budget.
         rollout = self.config.rollout
         world = dist.get_world_size()
         replicas = self.config.infer_parallel.data_parallel_size(world)
@@ -316,9 +317,15 @@ class GRPOWorker:
                 max_new_tokens=self.config.rollout.max_new_tokens,
                 use_cuda_graphs=self.config.rollout.use_cuda_graphs,
                 dp_group=self.inference.dp_group,
-                engine=self.inference.engine,
+                engine=self._engine_for(self.eval_problems),
                 state=self.inference.state,
             )
+
+    def _engine_for(self, problems: list[Problem]) -> InferenceEngine | None:
+        # The long-lived engine, long enough for these prompts plus the new tokens (the same
+        # problems on every rank, so a collective rebuild happens on all of them).
+        longest = max((len(self.tokenizer.encode_prompt(p.prompt)) for p in problems), default=1)
+        return self.inference.engine_for(longest + self.config.rollout.max_new_tokens)
 
     def export_hf(self, directory: str | Path) -> Path:
         """Writes the policy as a Hugging Face checkpoint (collective).
@@ -413,10 +420,11 @@ class GRPOWorker:
         """
         cfg = self.config
         rollout = cfg.rollout
+        problems = self.problems_for_step(step)
         with self.generation_mode():
             return generate_rollouts(
                 self.inference.model,
-                self.problems_for_step(step),
+                problems,
                 task=self.task,
                 tokenizer=self.tokenizer,
                 group_size=rollout.group_size,
@@ -427,7 +435,7 @@ class GRPOWorker:
                 use_cuda_graphs=rollout.use_cuda_graphs,
                 dp_group=self.inference.dp_group,
                 require_stop=rollout.reward_requires_stop,
-                engine=self.inference.engine,
+                engine=self._engine_for(problems),
                 state=self.inference.state,
             )
 
