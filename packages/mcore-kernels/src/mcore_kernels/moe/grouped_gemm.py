@@ -1,0 +1,360 @@
+"""Grouped SwiGLU expert MLP: ``down_e(silu(gate_e(x)) * up_e(x))`` for every expert ``e``.
+
+The experts' rows arrive sorted by expert with the group ends on the device (no host
+synchronisation). Four Triton kernels do the work of a forward + backward pass:
+
+- gate/up projection as one GEMM with SwiGLU in its epilogue (writes the gate/up product for
+  the backward pass and the activation), optionally reading its input rows through the token
+  permutation (no permuted copy of the tokens);
+- down projection;
+- backward of the down projection with the SwiGLU backward in its epilogue (the gradient of
+  the activation never reaches memory);
+- per-expert weight gradients, reducing over each expert's rows (zero for an expert without
+  rows), and the input gradient of the gate/up projection.
+
+No kernel uses atomics, so forward and backward are bitwise reproducible. On CPU tensors (or
+with ``MCORE_KERNELS_BACKEND=torch``) :func:`grouped_swiglu_mlp_reference` runs instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mcore_kernels._backend import use_triton
+from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+
+__all__ = ["GroupedTiles", "grouped_swiglu_mlp", "grouped_swiglu_mlp_reference"]
+
+
+@dataclass(kw_only=True, slots=True)
+class GroupedTiles:
+    """Tile shape of one grouped GEMM kernel launch."""
+
+    block_m: int = 128
+    """Rows (tokens) per tile; the weight-gradient kernel's reduction step."""
+    block_n: int = 128
+    """Output columns per tile."""
+    block_k: int = 64
+    """Reduction step (output columns of the weight-gradient kernel's second dimension)."""
+    num_warps: int = 8
+    """Warps per program."""
+    num_stages: int = 3
+    """Software-pipelining depth."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise KernelShapeError(f"{name}={value} must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise KernelShapeError(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
+        if self.num_stages < 1:
+            raise KernelShapeError(f"num_stages={self.num_stages} must be >= 1")
+
+
+FORWARD_TILES = GroupedTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+"""Tiles of the forward GEMMs and of the input-gradient GEMMs."""
+SWIGLU_TILES = GroupedTiles(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3)
+"""Tiles of the gate/up GEMM with the SwiGLU epilogue (two accumulators)."""
+WEIGHT_GRAD_TILES = GroupedTiles(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
+"""Tiles of the weight-gradient GEMMs."""
+
+
+def _device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def _pow2(value: int) -> int:
+    import triton
+
+    return max(16, triton.next_power_of_2(value))
+
+
+def _rows(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    ends: torch.Tensor,
+    num_rows: int,
+    *,
+    transpose_weight: bool,
+    tiles: GroupedTiles,
+    index: torch.Tensor | None = None,
+    index_div: int = 1,
+    epilogue: int = 0,
+    aux: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row-tile GEMM of every expert: ``A[rows of e] @ W[e].T`` (``transpose_weight``) or
+    ``@ W[e]``; see :func:`~mcore_kernels.moe._grouped_gemm_triton.grouped_rows_kernel`."""
+    import triton
+
+    from mcore_kernels.moe._grouped_gemm_triton import grouped_rows_kernel
+
+    experts, w_rows, w_cols = weight.shape
+    k = a.shape[1]
+    if transpose_weight:
+        n, stride_bk, stride_bn = w_rows, 1, w_cols
+    else:
+        n, stride_bk, stride_bn = w_cols, w_cols, 1
+    up_offset = 0
+    if epilogue == 1:
+        n //= 2
+        up_offset = n
+    out_cols = n
+    out = a.new_empty(num_rows, out_cols)
+    second = a.new_empty(num_rows, 2 * n) if epilogue else None
+    if num_rows == 0 or n == 0:
+        return out, second
+    if k == 0:
+        out.zero_()
+        if second is not None:
+            second.zero_()
+        return out, second
+    grid = ((triton.cdiv(num_rows, tiles.block_m) + experts) * triton.cdiv(n, tiles.block_n),)
+    aux_arg = second if epilogue == 1 else aux
+    with _device(a):
+        grouped_rows_kernel[grid](
+            a,
+            weight,
+            out,
+            aux_arg if aux_arg is not None else out,
+            second if epilogue == 2 else out,
+            index if index is not None else ends,
+            ends,
+            experts,
+            n,
+            k,
+            a.stride(0),
+            weight.stride(0),
+            stride_bk,
+            stride_bn,
+            out.stride(0),
+            up_offset,
+            INDEX_DIV=index_div,
+            GATHER=index is not None,
+            EPILOGUE=epilogue,
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k,
+            E_PAD=_pow2(experts),
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
+    return out, second
+
+
+def _weight_grad(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    ends: torch.Tensor,
+    experts: int,
+    *,
+    tiles: GroupedTiles,
+    index: torch.Tensor | None = None,
+    index_div: int = 1,
+) -> torch.Tensor:
+    """``out[e] = G[rows of e].T @ X[rows of e]`` as ``[E, N, K]``."""
+    import triton
+
+    from mcore_kernels.moe._grouped_gemm_triton import grouped_weight_grad_kernel
+
+    n, k = g.shape[1], x.shape[1]
+    out = g.new_empty(experts, n, k)
+    if experts == 0 or n == 0 or k == 0:
+        return out
+    grid = (triton.cdiv(n, tiles.block_n) * triton.cdiv(k, tiles.block_k), experts)
+    with _device(g):
+        grouped_weight_grad_kernel[grid](
+            g,
+            x,
+            out,
+            index if index is not None else ends,
+            ends,
+            n,
+            k,
+            g.stride(0),
+            x.stride(0),
+            INDEX_DIV=index_div,
+            GATHER=index is not None,
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
+    return out
+
+
+def _sum_token_rows(grad_rows: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:
+    from mcore_kernels.moe.permute import _sum_rows
+
+    return _sum_rows(grad_rows, slots, top_k, None)
+
+
+class GroupedSwiGLUMLPFunction(torch.autograd.Function):
+    """Autograd wrapper of the grouped SwiGLU MLP kernels."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        ends: torch.Tensor,
+        index: torch.Tensor | None,
+        slots: torch.Tensor | None,
+        top_k: int,
+    ) -> torch.Tensor:
+        num_rows = x.shape[0] if index is None else index.shape[0]
+        act, pre = _rows(
+            x,
+            gate_up,
+            ends,
+            num_rows,
+            transpose_weight=True,
+            tiles=SWIGLU_TILES,
+            index=index,
+            index_div=top_k,
+            epilogue=1,
+        )
+        out, _ = _rows(act, down, ends, num_rows, transpose_weight=True, tiles=FORWARD_TILES)
+        ctx.save_for_backward(x, gate_up, down, ends, index, slots, pre, act)
+        ctx.top_k = top_k
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, gate_up, down, ends, index, slots, pre, act = ctx.saved_tensors
+        grad = grad.contiguous()
+        experts = gate_up.shape[0]
+        num_rows = grad.shape[0]
+        # Gradient of the gate/up product: the down projection's input gradient through the
+        # SwiGLU backward (epilogue 2).
+        _, grad_pre = _rows(
+            grad,
+            down,
+            ends,
+            num_rows,
+            transpose_weight=False,
+            tiles=FORWARD_TILES,
+            epilogue=2,
+            aux=pre,
+        )
+        assert grad_pre is not None
+        grad_down = _weight_grad(grad, act, ends, experts, tiles=WEIGHT_GRAD_TILES)
+        grad_gate_up = _weight_grad(
+            grad_pre, x, ends, experts, tiles=WEIGHT_GRAD_TILES, index=index, index_div=ctx.top_k
+        ).view_as(gate_up)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_rows, _ = _rows(
+                grad_pre, gate_up, ends, num_rows, transpose_weight=False, tiles=FORWARD_TILES
+            )
+            grad_x = grad_rows if slots is None else _sum_token_rows(grad_rows, slots, ctx.top_k)
+        return grad_x, grad_gate_up, grad_down, None, None, None, None
+
+
+def grouped_swiglu_mlp_reference(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    counts: torch.Tensor,
+    index: torch.Tensor | None = None,
+    top_k: int = 1,
+) -> torch.Tensor:
+    """Torch reference of :func:`grouped_swiglu_mlp` (one expert at a time; syncs the host).
+
+    Args:
+        x: ``[M, H]`` rows sorted by expert, or ``[T, H]`` tokens with ``index``.
+        gate_up: ``[E, 2F, H]`` gate rows then up rows of every expert.
+        down: ``[E, H, F]``.
+        counts: ``[E]`` rows of each expert.
+        index: ``[M]`` assignment of each row (row ``r`` reads token ``index[r] // top_k``).
+        top_k: Assignments per token.
+
+    Returns:
+        ``[M, H]`` outputs in row order.
+    """
+    rows = x if index is None else x.index_select(0, index // top_k)
+    ffn = down.shape[-1]
+    outputs = []
+    for expert, chunk in enumerate(rows.split(counts.tolist())):
+        pre = F.linear(chunk, gate_up[expert])
+        act = F.silu(pre[:, :ffn]) * pre[:, ffn:]
+        outputs.append(F.linear(act, down[expert]))
+    return torch.cat(outputs) if outputs else rows.new_zeros(rows.shape)
+
+
+def grouped_swiglu_mlp(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    index: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+    top_k: int = 1,
+) -> torch.Tensor:
+    """Every expert's SwiGLU MLP on its rows, in grouped Triton GEMMs (no host sync).
+
+    Args:
+        x: ``[M, H]`` rows sorted by expert; or, with ``index``, the ``[T, H]`` tokens, read
+            through the permutation (row ``r`` is token ``index[r] // top_k``).
+        gate_up: ``[E, 2F, H]`` gate projection rows then up projection rows of every expert
+            (``nn.Linear`` layout).
+        down: ``[E, H, F]`` down projections.
+        counts: ``[E]`` integer rows of each expert (sums to ``M``).
+        index: ``[M]`` int64 routing assignment of each row (expert order), or None.
+        slots: ``[T * top_k]`` int64 row of each assignment (the inverse of ``index``); needed
+            with ``index`` for the input gradient.
+        top_k: Assignments per token (with ``index``).
+
+    Returns:
+        ``[M, H]`` expert outputs in row order.
+
+    Raises:
+        KernelShapeError: If the shapes do not match.
+        KernelDtypeError: If the dtypes differ or an index is not int64.
+    """
+    if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        raise KernelShapeError(
+            f"x.shape={tuple(x.shape)}, gate_up.shape={tuple(gate_up.shape)}, "
+            f"down.shape={tuple(down.shape)} must be [rows, H], [E, 2F, H], [E, H, F]"
+        )
+    experts, two_ffn, hidden = gate_up.shape
+    if (
+        x.shape[1] != hidden
+        or two_ffn % 2
+        or tuple(down.shape) != (experts, hidden, two_ffn // 2)
+        or tuple(counts.shape) != (experts,)
+    ):
+        raise KernelShapeError(
+            f"x.shape={tuple(x.shape)}, gate_up.shape={tuple(gate_up.shape)}, "
+            f"down.shape={tuple(down.shape)}, counts.shape={tuple(counts.shape)}: expected "
+            "[rows, H], [E, 2F, H], [E, H, F], [E]"
+        )
+    if x.dtype != gate_up.dtype or x.dtype != down.dtype:
+        raise KernelDtypeError(
+            f"x.dtype={x.dtype}, gate_up.dtype={gate_up.dtype}, down.dtype={down.dtype} must match"
+        )
+    if index is not None:
+        if index.dim() != 1 or index.dtype != torch.int64:
+            raise KernelDtypeError(
+                f"index must be a 1-D int64 tensor, got shape {tuple(index.shape)} and dtype "
+                f"{index.dtype}"
+            )
+        if slots is None or slots.dtype != torch.int64 or slots.numel() != x.shape[0] * top_k:
+            raise KernelShapeError(
+                f"slots must be a [{x.shape[0] * top_k}] int64 tensor with index, got "
+                f"{None if slots is None else (tuple(slots.shape), slots.dtype)}"
+            )
+    if not use_triton(x, gate_up, down):
+        return grouped_swiglu_mlp_reference(x, gate_up, down, counts, index, top_k)
+    ends = counts.cumsum(0).to(torch.int32)
+    return GroupedSwiGLUMLPFunction.apply(
+        x.contiguous(), gate_up.contiguous(), down.contiguous(), ends, index, slots, top_k
+    )
