@@ -1,6 +1,7 @@
 """Triton kernels of the grouped expert GEMMs (launchers in :mod:`mcore_kernels.moe.grouped_gemm`).
 
-Rows ``ends[e-1]:ends[e]`` of the token matrix belong to expert ``e``. The row-tile kernel
+Rows ``starts[e]:ends[e]`` of the token matrix belong to expert ``e`` (consecutive groups for
+dropless routing, ``capacity``-strided ones for drop-and-pad, whose padding rows are skipped). The row-tile kernel
 covers every ``(expert, row tile, column tile)`` of a product whose weight is picked per
 expert; its grid is an upper bound on the number of row tiles (``cdiv(M, BLOCK_M) + E``), so
 the group sizes never leave the device, and each program finds its expert from the per-expert
@@ -18,13 +19,15 @@ __all__ = ["grouped_rows_kernel", "grouped_weight_grad_kernel"]
 
 
 @triton.jit
-def _locate_tile(ends_ptr, tile, num_experts, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+def _locate_tile(
+    starts_ptr, ends_ptr, tile, num_experts, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr
+):
     """Expert, first row and end row of row tile ``tile`` (expert ``num_experts`` past the
     last tile)."""
     ids = tl.arange(0, E_PAD)
     valid = ids < num_experts
     ends = tl.load(ends_ptr + ids, mask=valid, other=0).to(tl.int32)
-    starts = tl.load(ends_ptr + ids - 1, mask=valid & (ids > 0), other=0).to(tl.int32)
+    starts = tl.load(starts_ptr + ids, mask=valid, other=0).to(tl.int32)
     tiles = tl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
     cum = tl.cumsum(tiles, axis=0)
     expert = tl.sum((cum <= tile).to(tl.int32), axis=0)
@@ -43,6 +46,7 @@ def grouped_rows_kernel(
     aux_ptr,
     act_ptr,
     index_ptr,
+    starts_ptr,
     ends_ptr,
     num_experts,
     N,
@@ -78,7 +82,9 @@ def grouped_rows_kernel(
     pid = tl.program_id(0)
     tile = pid // num_n
     pid_n = pid % num_n
-    expert, row_start, row_end = _locate_tile(ends_ptr, tile, num_experts, BLOCK_M, E_PAD)
+    expert, row_start, row_end = _locate_tile(
+        starts_ptr, ends_ptr, tile, num_experts, BLOCK_M, E_PAD
+    )
     if expert < num_experts:
         rows = row_start + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
@@ -143,6 +149,7 @@ def grouped_weight_grad_kernel(
     x_ptr,
     out_ptr,
     index_ptr,
+    starts_ptr,
     ends_ptr,
     N,
     K,
@@ -161,7 +168,7 @@ def grouped_weight_grad_kernel(
     pid = tl.program_id(0)
     pid_n = pid // num_k
     pid_k = pid % num_k
-    start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0).to(tl.int32)
+    start = tl.load(starts_ptr + expert).to(tl.int32)
     end = tl.load(ends_ptr + expert).to(tl.int32)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)

@@ -75,10 +75,14 @@ def _pow2(value: int) -> int:
     return max(16, triton.next_power_of_2(value))
 
 
+Bounds = tuple[torch.Tensor, torch.Tensor]
+"""``(starts, ends)``: int32 ``[E]`` first row and end row of every expert."""
+
+
 def _rows(
     a: torch.Tensor,
     weight: torch.Tensor,
-    ends: torch.Tensor,
+    bounds: Bounds,
     num_rows: int,
     *,
     transpose_weight: bool,
@@ -87,6 +91,7 @@ def _rows(
     index_div: int = 1,
     epilogue: int = 0,
     aux: torch.Tensor | None = None,
+    zero: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Row-tile GEMM of every expert: ``A[rows of e] @ W[e].T`` (``transpose_weight``) or
     ``@ W[e]``; see :func:`~mcore_kernels.moe._grouped_gemm_triton.grouped_rows_kernel`."""
@@ -95,6 +100,7 @@ def _rows(
     from mcore_kernels.moe._grouped_gemm_triton import grouped_rows_kernel
 
     experts, w_rows, w_cols = weight.shape
+    starts, ends = bounds
     k = a.shape[1]
     if transpose_weight:
         n, stride_bk, stride_bn = w_rows, 1, w_cols
@@ -104,8 +110,8 @@ def _rows(
     if epilogue == 1:
         n //= 2
         up_offset = n
-    out_cols = n
-    out = a.new_empty(num_rows, out_cols)
+    # Rows outside every group (drop-and-pad padding) are never written: zeros with ``zero``.
+    out = a.new_zeros(num_rows, n) if zero else a.new_empty(num_rows, n)
     second = a.new_empty(num_rows, 2 * n) if epilogue else None
     if num_rows == 0 or n == 0:
         return out, second
@@ -124,6 +130,7 @@ def _rows(
             aux_arg if aux_arg is not None else out,
             second if epilogue == 2 else out,
             index if index is not None else ends,
+            starts,
             ends,
             experts,
             n,
@@ -150,7 +157,7 @@ def _rows(
 def _weight_grad(
     g: torch.Tensor,
     x: torch.Tensor,
-    ends: torch.Tensor,
+    bounds: Bounds,
     experts: int,
     *,
     tiles: GroupedTiles,
@@ -163,6 +170,7 @@ def _weight_grad(
     from mcore_kernels.moe._grouped_gemm_triton import grouped_weight_grad_kernel
 
     n, k = g.shape[1], x.shape[1]
+    starts, ends = bounds
     out = g.new_empty(experts, n, k)
     if experts == 0 or n == 0 or k == 0:
         return out
@@ -173,6 +181,7 @@ def _weight_grad(
             x,
             out,
             index if index is not None else ends,
+            starts,
             ends,
             n,
             k,
@@ -204,16 +213,19 @@ class GroupedSwiGLUMLPFunction(torch.autograd.Function):
         x: torch.Tensor,
         gate_up: torch.Tensor,
         down: torch.Tensor,
+        starts: torch.Tensor,
         ends: torch.Tensor,
+        num_rows: int,
         index: torch.Tensor | None,
         slots: torch.Tensor | None,
         top_k: int,
+        padded: bool,
     ) -> torch.Tensor:
-        num_rows = x.shape[0] if index is None else index.shape[0]
+        bounds = (starts, ends)
         act, pre = _rows(
             x,
             gate_up,
-            ends,
+            bounds,
             num_rows,
             transpose_weight=True,
             tiles=SWIGLU_TILES,
@@ -221,14 +233,18 @@ class GroupedSwiGLUMLPFunction(torch.autograd.Function):
             index_div=top_k,
             epilogue=1,
         )
-        out, _ = _rows(act, down, ends, num_rows, transpose_weight=True, tiles=FORWARD_TILES)
-        ctx.save_for_backward(x, gate_up, down, ends, index, slots, pre, act)
+        out, _ = _rows(
+            act, down, bounds, num_rows, transpose_weight=True, tiles=FORWARD_TILES, zero=padded
+        )
+        ctx.save_for_backward(x, gate_up, down, starts, ends, index, slots, pre, act)
         ctx.top_k = top_k
+        ctx.padded = padded
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, gate_up, down, ends, index, slots, pre, act = ctx.saved_tensors
+        x, gate_up, down, starts, ends, index, slots, pre, act = ctx.saved_tensors
+        bounds = (starts, ends)
         grad = grad.contiguous()
         experts = gate_up.shape[0]
         num_rows = grad.shape[0]
@@ -237,7 +253,7 @@ class GroupedSwiGLUMLPFunction(torch.autograd.Function):
         _, grad_pre = _rows(
             grad,
             down,
-            ends,
+            bounds,
             num_rows,
             transpose_weight=False,
             tiles=FORWARD_TILES,
@@ -245,17 +261,37 @@ class GroupedSwiGLUMLPFunction(torch.autograd.Function):
             aux=pre,
         )
         assert grad_pre is not None
-        grad_down = _weight_grad(grad, act, ends, experts, tiles=WEIGHT_GRAD_TILES)
+        grad_down = _weight_grad(grad, act, bounds, experts, tiles=WEIGHT_GRAD_TILES)
         grad_gate_up = _weight_grad(
-            grad_pre, x, ends, experts, tiles=WEIGHT_GRAD_TILES, index=index, index_div=ctx.top_k
-        ).view_as(gate_up)
+            grad_pre, x, bounds, experts, tiles=WEIGHT_GRAD_TILES, index=index, index_div=ctx.top_k
+        )
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_rows, _ = _rows(
-                grad_pre, gate_up, ends, num_rows, transpose_weight=False, tiles=FORWARD_TILES
+                grad_pre,
+                gate_up,
+                bounds,
+                num_rows,
+                transpose_weight=False,
+                tiles=FORWARD_TILES,
+                zero=ctx.padded and index is None,
             )
-            grad_x = grad_rows if slots is None else _sum_token_rows(grad_rows, slots, ctx.top_k)
-        return grad_x, grad_gate_up, grad_down, None, None, None, None
+            if index is not None:
+                assert slots is not None
+                grad_x = _sum_token_rows(grad_rows, slots, ctx.top_k)
+            else:
+                grad_x = grad_rows
+        return grad_x, grad_gate_up, grad_down, None, None, None, None, None, None, None
+
+
+def _row_groups(counts: torch.Tensor, capacity: int | None) -> Bounds:
+    """``(starts, ends)`` of every expert's rows."""
+    counts = counts.to(torch.int32)
+    if capacity is None:
+        ends = counts.cumsum(0, dtype=torch.int32)
+        return ends - counts, ends
+    starts = torch.arange(counts.shape[0], device=counts.device, dtype=torch.int32) * capacity
+    return starts, starts + counts
 
 
 def grouped_swiglu_mlp_reference(
@@ -263,30 +299,43 @@ def grouped_swiglu_mlp_reference(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     counts: torch.Tensor,
+    *,
+    capacity: int | None = None,
     index: torch.Tensor | None = None,
     top_k: int = 1,
 ) -> torch.Tensor:
     """Torch reference of :func:`grouped_swiglu_mlp` (one expert at a time; syncs the host).
 
     Args:
-        x: ``[M, H]`` rows sorted by expert, or ``[T, H]`` tokens with ``index``.
+        x: Rows or tokens, as for :func:`grouped_swiglu_mlp`.
         gate_up: ``[E, 2F, H]`` gate rows then up rows of every expert.
         down: ``[E, H, F]``.
         counts: ``[E]`` rows of each expert.
-        index: ``[M]`` assignment of each row (row ``r`` reads token ``index[r] // top_k``).
+        capacity: Rows reserved per expert (drop-and-pad), or None (consecutive groups).
+        index: ``[M]`` routing assignment of each row (row ``r`` reads token
+            ``index[r] // top_k``), or None.
         top_k: Assignments per token.
 
     Returns:
-        ``[M, H]`` outputs in row order.
+        ``[M, H]`` outputs in row order (zero in unused padding rows).
     """
-    rows = x if index is None else x.index_select(0, index // top_k)
+    if index is None:
+        rows = x
+    else:
+        rows = x.index_select(0, index.clamp(min=0) // top_k)
     ffn = down.shape[-1]
-    outputs = []
-    for expert, chunk in enumerate(rows.split(counts.tolist())):
+    out = rows.new_zeros(rows.shape[0], down.shape[1])
+    sizes = counts.tolist()
+    start = 0
+    for expert, size in enumerate(sizes):
+        if capacity is not None:
+            start = expert * capacity
+        chunk = rows[start : start + size]
         pre = F.linear(chunk, gate_up[expert])
         act = F.silu(pre[:, :ffn]) * pre[:, ffn:]
-        outputs.append(F.linear(act, down[expert]))
-    return torch.cat(outputs) if outputs else rows.new_zeros(rows.shape)
+        out[start : start + size] = F.linear(act, down[expert])
+        start += size
+    return out
 
 
 def grouped_swiglu_mlp(
@@ -295,22 +344,30 @@ def grouped_swiglu_mlp(
     down: torch.Tensor,
     counts: torch.Tensor,
     *,
+    capacity: int | None = None,
     index: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
     top_k: int = 1,
 ) -> torch.Tensor:
     """Every expert's SwiGLU MLP on its rows, in grouped Triton GEMMs (no host sync).
 
+    Expert ``e`` owns ``counts[e]`` rows: consecutive groups (``capacity=None``, dropless
+    routing), or the first ``counts[e]`` of its ``capacity`` rows ``e * capacity ...``
+    (drop-and-pad; the padding rows are skipped, not multiplied, and come out zero).
+
     Args:
-        x: ``[M, H]`` rows sorted by expert; or, with ``index``, the ``[T, H]`` tokens, read
-            through the permutation (row ``r`` is token ``index[r] // top_k``).
+        x: ``[M, H]`` rows; or, with ``index``, the ``[T, H]`` tokens, read through the
+            permutation (row ``r`` is token ``index[r] // top_k``).
         gate_up: ``[E, 2F, H]`` gate projection rows then up projection rows of every expert
             (``nn.Linear`` layout).
         down: ``[E, H, F]`` down projections.
-        counts: ``[E]`` integer rows of each expert (sums to ``M``).
-        index: ``[M]`` int64 routing assignment of each row (expert order), or None.
-        slots: ``[T * top_k]`` int64 row of each assignment (the inverse of ``index``); needed
-            with ``index`` for the input gradient.
+        counts: ``[E]`` integer rows used by each expert (on the device of ``x``).
+        capacity: Rows reserved per expert (``M = E * capacity``), or None (``M`` is the sum
+            of ``counts``).
+        index: ``[M]`` int64 routing assignment of each row (any value in padding rows), or
+            None.
+        slots: ``[T * top_k]`` int64 row of each assignment, -1 when dropped (the inverse of
+            ``index``); required with ``index``, for the input gradient.
         top_k: Assignments per token (with ``index``).
 
     Returns:
@@ -341,6 +398,8 @@ def grouped_swiglu_mlp(
         raise KernelDtypeError(
             f"x.dtype={x.dtype}, gate_up.dtype={gate_up.dtype}, down.dtype={down.dtype} must match"
         )
+    if capacity is not None and capacity < 0:
+        raise KernelShapeError(f"capacity={capacity} must be >= 0")
     if index is not None:
         if index.dim() != 1 or index.dtype != torch.int64:
             raise KernelDtypeError(
@@ -352,9 +411,26 @@ def grouped_swiglu_mlp(
                 f"slots must be a [{x.shape[0] * top_k}] int64 tensor with index, got "
                 f"{None if slots is None else (tuple(slots.shape), slots.dtype)}"
             )
+    num_rows = x.shape[0] if index is None else index.shape[0]
+    if capacity is not None and num_rows != experts * capacity:
+        raise KernelShapeError(
+            f"{num_rows} rows with capacity={capacity} and {experts} experts: expected "
+            f"{experts * capacity}"
+        )
     if not use_triton(x, gate_up, down):
-        return grouped_swiglu_mlp_reference(x, gate_up, down, counts, index, top_k)
-    ends = counts.cumsum(0).to(torch.int32)
+        return grouped_swiglu_mlp_reference(
+            x, gate_up, down, counts, capacity=capacity, index=index, top_k=top_k
+        )
+    starts, ends = _row_groups(counts, capacity)
     return GroupedSwiGLUMLPFunction.apply(
-        x.contiguous(), gate_up.contiguous(), down.contiguous(), ends, index, slots, top_k
+        x.contiguous(),
+        gate_up.contiguous(),
+        down.contiguous(),
+        starts,
+        ends,
+        num_rows,
+        index,
+        slots,
+        top_k,
+        capacity is not None,
     )
