@@ -60,12 +60,14 @@ def grouped_rows_kernel(
     INDEX_DIV: tl.constexpr,
     GATHER: tl.constexpr,
     EPILOGUE: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     E_PAD: tl.constexpr,
 ):
-    """``C[rows of e] = A[rows of e] @ B[e]`` with ``B[e][k, n]`` at ``b + e*stride_be +
+    """``C[rows of e] = A[rows of e] @ B[e]`` (``PRECISION``: "ieee" for float32 inputs, else
+    None, Triton's default) with ``B[e][k, n]`` at ``b + e*stride_be +
     k*stride_bk + n*stride_bn``.
 
     ``GATHER``: row ``r`` of A is row ``index[r] // INDEX_DIV`` of ``a`` (the permutation of the
@@ -106,12 +108,12 @@ def grouped_rows_kernel(
             k_ok = (k0 + ks) < K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if EPILOGUE == 1:
                 b_up = tl.load(
                     b_ptrs + up_offset * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0
                 )
-                acc_up = tl.dot(a, b_up, acc_up)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
         mask = row_ok[:, None] & col_ok[None, :]
@@ -157,6 +159,7 @@ def grouped_weight_grad_kernel(
     stride_xm,
     INDEX_DIV: tl.constexpr,
     GATHER: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -193,6 +196,6 @@ def grouped_weight_grad_kernel(
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        acc = tl.dot(g, x, acc)
+        acc = tl.dot(g, x, acc, input_precision=PRECISION)
     out = out_ptr + expert.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])

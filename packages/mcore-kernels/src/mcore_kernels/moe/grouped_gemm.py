@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 
-__all__ = ["GroupedTiles", "grouped_swiglu_mlp", "grouped_swiglu_mlp_reference"]
+__all__ = ["GroupedTiles", "grouped_swiglu_mlp", "grouped_swiglu_mlp_reference", "runs_triton"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,6 +67,25 @@ WEIGHT_GRAD_TILES = GroupedTiles(block_m=64, block_n=128, block_k=128, num_warps
 
 def _device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def _precision(tensor: torch.Tensor) -> str | None:
+    """float32 GEMMs in full precision (TF32 would change results against the references);
+    Triton's default for 16-bit inputs."""
+    return "ieee" if tensor.dtype == torch.float32 else None
+
+
+def runs_triton(x: torch.Tensor) -> bool:
+    """Whether :func:`grouped_swiglu_mlp` runs its Triton kernels on tensors like ``x``.
+
+    Args:
+        x: A tensor on the device and backend in question.
+
+    Returns:
+        True on CUDA (or with ``MCORE_KERNELS_BACKEND=triton``), False where the torch
+        reference runs instead.
+    """
+    return use_triton(x)
 
 
 def _pow2(value: int) -> int:
@@ -144,6 +163,7 @@ def _rows(
             INDEX_DIV=index_div,
             GATHER=index is not None,
             EPILOGUE=epilogue,
+            PRECISION=_precision(a),
             BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n,
             BLOCK_K=tiles.block_k,
@@ -189,6 +209,7 @@ def _weight_grad(
             x.stride(0),
             INDEX_DIV=index_div,
             GATHER=index is not None,
+            PRECISION=_precision(g),
             BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n,
             BLOCK_K=tiles.block_k,
