@@ -141,11 +141,11 @@ def test_repeated_backward_is_bitwise_equal():
 def test_bad_input_raises_typed_errors():
     gate_up, down = _weights(12)
     x, order, slots, counts = _routing(13)
-    with pytest.raises(KernelShapeError, match="gate_up.shape"):
+    with pytest.raises(KernelShapeError, match=r"gate_up\.shape"):
         grouped_swiglu_mlp(x, gate_up[:, :-1], down, counts)
-    with pytest.raises(KernelShapeError, match="counts.shape"):
+    with pytest.raises(KernelShapeError, match=r"counts\.shape"):
         grouped_swiglu_mlp(x, gate_up, down, counts[:-1])
-    with pytest.raises(KernelDtypeError, match="x.dtype"):
+    with pytest.raises(KernelDtypeError, match=r"x\.dtype"):
         grouped_swiglu_mlp(x.double(), gate_up, down, counts)
     with pytest.raises(KernelDtypeError, match="index"):
         grouped_swiglu_mlp(x, gate_up, down, counts, index=order.int(), slots=slots, top_k=2)
