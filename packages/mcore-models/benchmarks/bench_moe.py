@@ -66,6 +66,9 @@ CASES = {
 DENSE = "dense SwiGLU (same active params), separate gate/up GEMMs"
 DENSE_FUSED = "dense SwiGLU (same active params), one gate/up GEMM + fused SwiGLU"
 HF_GROUPED = "transformers sparse MoE block (grouped_mm experts)"
+LARGE = 10**8
+"""Cases with more token elements than this run fewer iterations (the whole script must stay
+within two minutes)."""
 FEW_EXPERTS = 16
 """Cases with at most this many experts also time the loops over experts (slow otherwise)."""
 SMOKE = {"smoke": dict(hidden=64, experts=4, top_k=2, ffn=32, tokens=64)}
@@ -248,6 +251,8 @@ def run_case(
         One row per implementation.
     """
     warmup, iters = (1, 1) if smoke else (2, 6)
+    if case["tokens"] * case["hidden"] > LARGE:
+        warmup, iters = 1, 3
     dtype = _dtype(device)
     generator = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(case["tokens"], case["hidden"], device=device, dtype=dtype, generator=generator)
