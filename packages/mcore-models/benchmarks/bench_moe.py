@@ -2,10 +2,10 @@
 
 Each case times ``MoELayer`` in the same run on the same GPU as its peers:
 
-- dropless and drop-and-pad (capacity factor 1.25) with the Triton grouped experts of
-  ``mcore_kernels.moe.grouped_swiglu_mlp`` (``expert_kernel="triton"``: the token gather fused
-  into the gate/up GEMM, SwiGLU in its epilogue and in the down projection's backward, padding
-  rows skipped);
+- dropless with the Triton grouped experts of ``mcore_kernels.moe.grouped_swiglu_mlp``
+  (``expert_kernel="triton"``: the token gather fused into the gate/up GEMM, SwiGLU in its
+  epilogue and in the down projection's backward; its drop-and-pad variant, which skips the
+  padding rows, runs at the same speed and is left out to keep the script short);
 - dropless with ``torch._grouped_mm`` and drop-and-pad with batched GEMMs
   (``expert_kernel="grouped_mm"``), both with the fused router/permute/combine/SwiGLU kernels;
 - dropless with the kernels' torch references (cases with few experts only: it is the slowest
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mcore_kernels.moe import grouped_swiglu_mlp, swiglu
+from mcore_kernels.moe import swiglu
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.config import expert_capacity
@@ -267,9 +267,6 @@ def run_case(
         "mcore MoELayer dropless, torch._grouped_mm, fused kernels": lambda: _moe(
             case, device, expert_kernel="grouped_mm"
         ),
-        "mcore MoELayer drop-and-pad (capacity 1.25), Triton grouped experts": lambda: _moe(
-            case, device, capacity_factor=1.25, expert_kernel="triton"
-        ),
         "mcore MoELayer drop-and-pad (capacity 1.25), batched GEMMs, fused kernels": lambda: _moe(
             case, device, capacity_factor=1.25, expert_kernel="grouped_mm"
         ),
@@ -338,7 +335,6 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     counts = torch.bincount(flat, minlength=moe.num_experts)
     factor = layer.capacity_factor
     experts = layer.experts
-    triton_experts = experts.uses_triton(x)
     capacity = (
         None if factor is None else expert_capacity(x.shape[0], moe.top_k, moe.num_experts, factor)
     )
@@ -353,15 +349,6 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
         def forward(self, rows: torch.Tensor) -> torch.Tensor:
             if capacity is None:
                 return self.experts(rows, counts)
-            if triton_experts:
-                # Only the kept rows of every expert are computed, as in the layer.
-                return grouped_swiglu_mlp(
-                    rows,
-                    self.experts.gate_up_proj.flatten(1, 2),
-                    self.experts.down_proj,
-                    counts.clamp(max=capacity),
-                    capacity=capacity,
-                )
             slots = rows.view(moe.num_experts, capacity, -1)
             return self.experts.forward_padded(slots).flatten(0, 1)
 

@@ -17,7 +17,7 @@ pytestmark = [
 ]
 
 
-def _layer(dtype: torch.dtype, expert_kernel: str = "auto") -> MoELayer:
+def _layer(dtype: torch.dtype, expert_kernel: str = "grouped_mm") -> MoELayer:
     moe = MoEConfig(
         num_experts=8, top_k=2, shared_expert_ffn_hidden_size=64, expert_kernel=expert_kernel
     )

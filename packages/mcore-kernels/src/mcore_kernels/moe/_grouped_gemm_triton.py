@@ -87,62 +87,63 @@ def grouped_rows_kernel(
     expert, row_start, row_end = _locate_tile(
         starts_ptr, ends_ptr, tile, num_experts, BLOCK_M, E_PAD
     )
-    if expert < num_experts:
-        rows = row_start + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        if GATHER:
-            src = tl.load(index_ptr + rows, mask=row_ok, other=0) // INDEX_DIV
-        else:
-            src = rows
-        src = src.to(tl.int64)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :]
-        b_base = b_ptr + expert.to(tl.int64) * stride_be
-        b_ptrs = b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if expert >= num_experts:
+        return
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    if GATHER:
+        src = tl.load(index_ptr + rows, mask=row_ok, other=0) // INDEX_DIV
+    else:
+        src = rows
+    src = src.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :]
+    b_base = b_ptr + expert.to(tl.int64) * stride_be
+    b_ptrs = b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EPILOGUE == 1:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if EPILOGUE == 1:
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + ks) < K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            if EPILOGUE == 1:
-                b_up = tl.load(
-                    b_ptrs + up_offset * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0
-                )
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_bk
-        mask = row_ok[:, None] & col_ok[None, :]
-        out_rows = rows.to(tl.int64)[:, None]
-        dtype = c_ptr.dtype.element_ty
-        if EPILOGUE == 0:
-            tl.store(c_ptr + out_rows * stride_cm + cols[None, :], acc.to(dtype), mask=mask)
-        elif EPILOGUE == 1:
-            gate = acc.to(dtype)
-            up = acc_up.to(dtype)
-            aux = aux_ptr + out_rows * (2 * N) + cols[None, :]
-            tl.store(aux, gate, mask=mask)
-            tl.store(aux + N, up, mask=mask)
-            # The activation of the rounded gate/up values, as the unfused kernels compute it.
-            g = gate.to(tl.float32)
-            silu = g / (1.0 + tl.exp(-g))
-            act = silu * up.to(tl.float32)
-            tl.store(c_ptr + out_rows * stride_cm + cols[None, :], act.to(dtype), mask=mask)
-        else:
-            aux = aux_ptr + out_rows * (2 * N) + cols[None, :]
-            g = tl.load(aux, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(aux + N, mask=mask, other=0.0).to(tl.float32)
-            d = acc.to(dtype).to(tl.float32)
-            sig = 1.0 / (1.0 + tl.exp(-g))
-            d_gate = d * u * sig * (1.0 + g * (1.0 - sig))
-            d_up = d * g * sig
-            out = act_ptr + out_rows * (2 * N) + cols[None, :]
-            tl.store(out, d_gate.to(dtype), mask=mask)
-            tl.store(out + N, d_up.to(dtype), mask=mask)
+            b_up = tl.load(
+                b_ptrs + up_offset * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0
+            )
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    mask = row_ok[:, None] & col_ok[None, :]
+    out_rows = rows.to(tl.int64)[:, None]
+    dtype = c_ptr.dtype.element_ty
+    if EPILOGUE == 0:
+        tl.store(c_ptr + out_rows * stride_cm + cols[None, :], acc.to(dtype), mask=mask)
+    elif EPILOGUE == 1:
+        gate = acc.to(dtype)
+        up = acc_up.to(dtype)
+        aux = aux_ptr + out_rows * (2 * N) + cols[None, :]
+        tl.store(aux, gate, mask=mask)
+        tl.store(aux + N, up, mask=mask)
+        # The activation of the rounded gate/up values, as the unfused kernels compute it.
+        g = gate.to(tl.float32)
+        silu = g / (1.0 + tl.exp(-g))
+        act = silu * up.to(tl.float32)
+        tl.store(c_ptr + out_rows * stride_cm + cols[None, :], act.to(dtype), mask=mask)
+    else:
+        aux = aux_ptr + out_rows * (2 * N) + cols[None, :]
+        g = tl.load(aux, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(aux + N, mask=mask, other=0.0).to(tl.float32)
+        d = acc.to(dtype).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        d_gate = d * u * sig * (1.0 + g * (1.0 - sig))
+        d_up = d * g * sig
+        out = act_ptr + out_rows * (2 * N) + cols[None, :]
+        tl.store(out, d_gate.to(dtype), mask=mask)
+        tl.store(out + N, d_up.to(dtype), mask=mask)
 
 
 @triton.jit

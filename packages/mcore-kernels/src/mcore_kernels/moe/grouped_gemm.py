@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 
-__all__ = ["GroupedTiles", "grouped_swiglu_mlp", "grouped_swiglu_mlp_reference", "runs_triton"]
+__all__ = ["GroupedTiles", "grouped_swiglu_mlp", "grouped_swiglu_mlp_reference"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,7 +59,7 @@ class GroupedTiles:
 
 FORWARD_TILES = GroupedTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 """Tiles of the forward GEMMs and of the input-gradient GEMMs."""
-SWIGLU_TILES = GroupedTiles(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3)
+SWIGLU_TILES = GroupedTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 """Tiles of the gate/up GEMM with the SwiGLU epilogue (two accumulators)."""
 WEIGHT_GRAD_TILES = GroupedTiles(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
 """Tiles of the weight-gradient GEMMs."""
@@ -73,19 +73,6 @@ def _precision(tensor: torch.Tensor) -> str | None:
     """float32 GEMMs in full precision (TF32 would change results against the references);
     Triton's default for 16-bit inputs."""
     return "ieee" if tensor.dtype == torch.float32 else None
-
-
-def runs_triton(x: torch.Tensor) -> bool:
-    """Whether :func:`grouped_swiglu_mlp` runs its Triton kernels on tensors like ``x``.
-
-    Args:
-        x: A tensor on the device and backend in question.
-
-    Returns:
-        True on CUDA (or with ``MCORE_KERNELS_BACKEND=triton``), False where the torch
-        reference runs instead.
-    """
-    return use_triton(x)
 
 
 def _pow2(value: int) -> int:

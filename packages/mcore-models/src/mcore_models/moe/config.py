@@ -15,7 +15,7 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
 """Names accepted by :attr:`MoEConfig.dispatcher`."""
 
-EXPERT_KERNELS = ("auto", "grouped_mm", "triton")
+EXPERT_KERNELS = ("grouped_mm", "triton")
 """Names accepted by :attr:`MoEConfig.expert_kernel`."""
 
 
@@ -71,12 +71,12 @@ class MoEConfig:
     grouped_gemm: bool = True
     """Compute experts with ``torch._grouped_mm`` where this torch and device provide it;
     False always uses a loop over experts."""
-    expert_kernel: str = "auto"
+    expert_kernel: str = "grouped_mm"
     """Kernels of the experts when ``grouped_gemm`` is on: "grouped_mm" (``torch._grouped_mm``
-    dropless, batched GEMMs for drop-and-pad), "triton" (``mcore_kernels``' grouped SwiGLU MLP:
-    the token gather fused into the gate/up GEMM, SwiGLU in its epilogue, drop-and-pad padding
-    rows skipped; the torch reference on CPU), or "auto" (the one measured faster for the shape,
-    on CUDA; see ``docs/benchmarks/moe.md``)."""
+    dropless, batched GEMMs for drop-and-pad; the faster on every measured shape) or "triton"
+    (``mcore_kernels``' grouped SwiGLU MLP: the token gather fused into the gate/up GEMM,
+    SwiGLU in its epilogue, drop-and-pad padding rows skipped; the torch reference on CPU).
+    See ``docs/benchmarks/moe.md``."""
     layer_step: int = 1
     """Every ``layer_step``-th layer is a MoE layer (layers ``i`` with ``(i + 1) % step == 0``)."""
     dense_layers: tuple[int, ...] = ()

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_kernels.moe import grouped_swiglu_mlp, swiglu
-from mcore_kernels.moe.grouped_gemm import runs_triton
 
 __all__ = ["GroupedExperts", "grouped_mm_supported"]
 
@@ -46,11 +45,6 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
                 supported = False
         _GROUPED_MM_PROBES[key] = supported
     return _GROUPED_MM_PROBES[key]
-
-
-def _auto_prefers_triton(num_experts: int, ffn: int) -> bool:
-    """Whether ``expert_kernel="auto"`` picks the Triton grouped MLP for this expert shape."""
-    return num_experts >= 64
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -114,7 +108,7 @@ class GroupedExperts(nn.Module):
         dtype: Dtype of the weights.
         grouped_gemm: Use grouped kernels (``torch._grouped_mm`` where available, or Triton);
             False runs a loop over experts.
-        expert_kernel: "grouped_mm", "triton" or "auto" (see ``MoEConfig.expert_kernel``).
+        expert_kernel: "grouped_mm" or "triton" (see ``MoEConfig.expert_kernel``).
         device: Device of the weights (``"meta"`` for construction without memory).
     """
 
@@ -126,7 +120,7 @@ class GroupedExperts(nn.Module):
         dtype: torch.dtype,
         *,
         grouped_gemm: bool = True,
-        expert_kernel: str = "auto",
+        expert_kernel: str = "grouped_mm",
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -159,16 +153,7 @@ class GroupedExperts(nn.Module):
             True for the Triton kernels, False for ``torch._grouped_mm`` / batched GEMMs or the
             loop over experts.
         """
-        if not self.grouped_gemm or self.expert_kernel == "grouped_mm":
-            return False
-        if self.expert_kernel == "triton":
-            return True
-        return (
-            tokens.is_cuda
-            and tokens.dtype in (torch.bfloat16, torch.float16)
-            and runs_triton(tokens)
-            and _auto_prefers_triton(self.num_experts, self.ffn_hidden_size)
-        )
+        return self.grouped_gemm and self.expert_kernel == "triton"
 
     def forward_tokens(
         self,
