@@ -291,7 +291,7 @@ def run_case(
         try:
             module = build()
             ms = _time(module, x.detach().clone(), grad, warmup, iters)
-            if profiles is not None and implementation.startswith("mcore"):
+            if profiles is not None and implementation.startswith(("mcore", "dense")):
                 title = f"{name}: {implementation}"
                 profiles.append(_profile(module, x.detach().clone(), grad, title))
             row.update(
@@ -437,7 +437,8 @@ def main(argv: list[str] | None = None) -> None:
         (out / "moe.md").write_text(_markdown(device_name, rows))
         if profiles is not None:
             header = (
-                f"Kernels of every mcore row on {device_name} (torch.profiler, two forward + "
+                f"Kernels of every mcore and dense row on {device_name} (torch.profiler, two "
+                "forward + "
                 "backward steps; the twelve kernels with the most device time).\n\n"
             )
             (out / "moe_profile.md").write_text(header + "".join(profiles))
