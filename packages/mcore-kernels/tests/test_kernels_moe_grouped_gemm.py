@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.errors import (
+    KernelDeviceError,
+    KernelDtypeError,
+    KernelShapeError,
+    KernelValueError,
+)
 from mcore_kernels.moe import grouped_swiglu_mlp
 from mcore_kernels.moe.grouped_gemm import GroupedTiles, grouped_swiglu_mlp_reference
 
@@ -153,5 +158,9 @@ def test_bad_input_raises_typed_errors():
         grouped_swiglu_mlp(x, gate_up, down, counts, index=order, top_k=2)
     with pytest.raises(KernelShapeError, match="capacity=5"):
         grouped_swiglu_mlp(x, gate_up, down, counts, capacity=5)
+    with pytest.raises(KernelDeviceError, match="one device"):
+        grouped_swiglu_mlp(x, gate_up, down, counts.to("meta"))
     with pytest.raises(KernelShapeError, match="block_n=48"):
         GroupedTiles(block_n=48)
+    with pytest.raises(KernelValueError, match="num_warps=3"):
+        GroupedTiles(num_warps=3)

@@ -26,7 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from mcore_kernels._backend import use_triton
-from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.errors import (
+    KernelDeviceError,
+    KernelDtypeError,
+    KernelShapeError,
+    KernelValueError,
+)
 
 __all__ = ["GroupedTiles", "grouped_swiglu_mlp", "grouped_swiglu_mlp_reference"]
 
@@ -52,9 +57,9 @@ class GroupedTiles:
             if value < 16 or value & (value - 1):
                 raise KernelShapeError(f"{name}={value} must be a power of two >= 16")
         if self.num_warps not in (1, 2, 4, 8, 16):
-            raise KernelShapeError(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
+            raise KernelValueError(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
         if self.num_stages < 1:
-            raise KernelShapeError(f"num_stages={self.num_stages} must be >= 1")
+            raise KernelValueError(f"num_stages={self.num_stages} must be >= 1")
 
 
 FORWARD_TILES = GroupedTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
@@ -384,6 +389,7 @@ def grouped_swiglu_mlp(
     Raises:
         KernelShapeError: If the shapes do not match.
         KernelDtypeError: If the dtypes differ or an index is not int64.
+        KernelDeviceError: If the tensors are not on one device.
     """
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
         raise KernelShapeError(
@@ -405,6 +411,12 @@ def grouped_swiglu_mlp(
     if x.dtype != gate_up.dtype or x.dtype != down.dtype:
         raise KernelDtypeError(
             f"x.dtype={x.dtype}, gate_up.dtype={gate_up.dtype}, down.dtype={down.dtype} must match"
+        )
+    tensors = [t for t in (gate_up, down, counts, index, slots) if t is not None]
+    if any(t.device != x.device for t in tensors):
+        raise KernelDeviceError(
+            f"x is on {x.device} but gate_up, down, counts, index, slots are on "
+            f"{[str(t.device) for t in tensors]}: expected one device"
         )
     if capacity is not None and capacity < 0:
         raise KernelShapeError(f"capacity={capacity} must be >= 0")
