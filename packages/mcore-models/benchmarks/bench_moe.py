@@ -1,23 +1,33 @@
 """MoE layer forward + backward throughput against a dense SwiGLU of the same active parameters.
 
-Each case times ``MoELayer`` (dropless with ``torch._grouped_mm`` and the fused
-``mcore_kernels.moe`` router/permute/combine/SwiGLU kernels, the same with the kernels' torch
-references, dropless with a loop over experts where there are few experts, and drop-and-pad
-with capacity factor 1.25) in the same run on the same GPU as its peers: a dense
-:class:`~mcore_models.gpt.mlp.SwiGLUMLP` whose FFN width is ``top_k * expert_ffn`` (the same
-active matmul parameters per token, router aside) and the equivalent sparse MoE block of
-transformers (Mixtral or Qwen3-MoE) with its ``grouped_mm`` experts kernel (and its eager
-experts where there are few experts). Inputs are bf16 ``[tokens, hidden]`` random activations;
-the backward pass gets a fixed random output gradient. Reports ms per forward + backward,
-tokens/s, active TFLOP/s (6 FLOPs per active matmul parameter and token), the throughput ratio
-to the dense layer and, for the mcore layers, the share of the layer time spent outside the
-expert GEMMs (router, permutation, combine: ``1 - experts_ms / layer_ms``, with ``experts_ms``
-the forward + backward of the experts alone on the already permuted tokens).
+Each case times ``MoELayer`` in the same run on the same GPU as its peers:
+
+- dropless with the Triton grouped experts of ``mcore_kernels.moe.grouped_swiglu_mlp``
+  (``expert_kernel="triton"``: the token gather fused into the gate/up GEMM, SwiGLU in its
+  epilogue and in the down projection's backward; its drop-and-pad variant, which skips the
+  padding rows, runs at the same speed and is left out to keep the script short);
+- dropless with ``torch._grouped_mm`` and drop-and-pad with batched GEMMs
+  (``expert_kernel="grouped_mm"``), both with the fused router/permute/combine/SwiGLU kernels;
+- dropless with the kernels' torch references (cases with few experts only: it is the slowest
+  row), and the loop over experts where there are few experts.
+
+Peers: a dense :class:`~mcore_models.gpt.mlp.SwiGLUMLP` whose FFN width is ``top_k *
+expert_ffn`` (the same active matmul parameters per token, router aside), as written (separate
+gate and up GEMMs, torch SiLU and product) and fused like the experts (one gate/up GEMM and the
+fused SwiGLU kernel); "vs dense" divides the faster of the two by the row's time. And the
+equivalent sparse MoE block of transformers (Mixtral or Qwen3-MoE) with its ``grouped_mm``
+experts kernel (and its eager experts where there are few experts). Inputs are bf16 ``[tokens,
+hidden]`` random activations; the backward pass gets a fixed random output gradient. Reports ms
+per forward + backward, tokens/s, active TFLOP/s (6 FLOPs per active matmul parameter and
+token), the ratios to dense and to transformers' grouped_mm block and, for the mcore layers,
+the share of the layer time spent outside the expert GEMMs (router, permutation, combine: ``1 -
+experts_ms / layer_ms``, with ``experts_ms`` the forward + backward of the experts alone on
+tokens already in expert order, or in their capacity slots).
 
 Run from the repository root on the GPU machine::
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
-    python3 packages/mcore-models/benchmarks/bench_moe.py --out $OUT/moe
+    python3 packages/mcore-models/benchmarks/bench_moe.py --out $OUT/moe --profile
 
 ``--smoke`` runs tiny shapes on the CPU once (a check that the script works, not a result).
 """
@@ -27,6 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+
+# Set before torch initialises CUDA: the 32k-token DeepSeek-V3 rows need 60+ GB of an 80 GB
+# H100, and the blocks freed by earlier rows would otherwise be too fragmented.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import time
 import traceback
 from collections.abc import Callable
@@ -34,8 +48,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from mcore_kernels.moe import swiglu
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.config import expert_capacity
@@ -51,9 +67,19 @@ CASES = {
     "deepseek-v3": dict(hidden=7168, experts=256, top_k=8, ffn=2048, tokens=8192),
     "deepseek-v3-32k": dict(hidden=7168, experts=256, top_k=8, ffn=2048, tokens=32768),
 }
+DENSE = "dense SwiGLU (same active params), separate gate/up GEMMs"
+DENSE_FUSED = "dense SwiGLU (same active params), one gate/up GEMM + fused SwiGLU"
+HF_GROUPED = "transformers sparse MoE block (grouped_mm experts)"
+LARGE = 10**8
+"""Cases with more token elements than this run fewer iterations (the whole script must stay
+within two minutes)."""
 FEW_EXPERTS = 16
 """Cases with at most this many experts also time the loops over experts (slow otherwise)."""
 SMOKE = {"smoke": dict(hidden=64, experts=4, top_k=2, ffn=32, tokens=64)}
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def _moe(case: dict[str, int], device: torch.device, **moe_fields: Any) -> nn.Module:
@@ -63,13 +89,39 @@ def _moe(case: dict[str, int], device: torch.device, **moe_fields: Any) -> nn.Mo
         expert_ffn_hidden_size=case["ffn"],
         **moe_fields,
     )
-    config = GPTConfig(hidden_size=case["hidden"], ffn_hidden_size=case["ffn"], moe=moe)
-    return _init(MoELayer(config, 0), device)
+    config = GPTConfig(
+        hidden_size=case["hidden"], ffn_hidden_size=case["ffn"], moe=moe, dtype=_dtype(device)
+    )
+    # Built on the device: DeepSeek-V3's 256 experts are 11G parameters.
+    return _init(MoELayer(config, 0, device=device))
 
 
 def _dense(case: dict[str, int], device: torch.device) -> nn.Module:
-    config = GPTConfig(hidden_size=case["hidden"], ffn_hidden_size=case["top_k"] * case["ffn"])
-    return _init(SwiGLUMLP(config), device)
+    config = GPTConfig(
+        hidden_size=case["hidden"],
+        ffn_hidden_size=case["top_k"] * case["ffn"],
+        dtype=_dtype(device),
+    )
+    with torch.device(device):
+        return _init(SwiGLUMLP(config))
+
+
+class FusedDenseSwiGLU(nn.Module):
+    """Dense SwiGLU computed like the experts: one gate/up GEMM, the fused SwiGLU kernel."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(2 * ffn, hidden))
+        self.down = nn.Parameter(torch.empty(hidden, ffn))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(swiglu(F.linear(x, self.gate_up)), self.down)
+
+
+def _dense_fused(case: dict[str, int], device: torch.device) -> nn.Module:
+    with torch.device(device):
+        module = FusedDenseSwiGLU(case["hidden"], case["top_k"] * case["ffn"])
+    return _init(module.to(_dtype(device)))
 
 
 def _hf_block(case: dict[str, int], device: torch.device, experts: str) -> nn.Module:
@@ -98,11 +150,17 @@ def _hf_block(case: dict[str, int], device: torch.device, experts: str) -> nn.Mo
         )
     # transformers 5 picks the experts kernel from this config attribute ("eager", "grouped_mm").
     config._experts_implementation = experts
-    return _init(Block(config), device)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(_dtype(device))
+    try:
+        with torch.device(device):
+            block = Block(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return _init(block)
 
 
-def _init(module: nn.Module, device: torch.device) -> nn.Module:
-    module = module.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
+def _init(module: nn.Module) -> nn.Module:
     with torch.no_grad():
         for param in module.parameters():
             param.normal_(0.0, 0.02)
@@ -148,18 +206,37 @@ def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, i
 
 
 def _profile(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, title: str) -> str:
-    """Top operators by device time of two forward + backward steps, as a text table."""
+    """Device kernels of two forward + backward steps, in ms per step, as Markdown."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if x.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     _time(module, x, grad, warmup=1, iters=1)
+    steps = 2
     with profile(activities=activities) as prof:
-        _time(module, x, grad, warmup=0, iters=2)
-    key = "self_cuda_time_total" if x.device.type == "cuda" else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
-    return f"== {title}\n{table}\n"
+        _time(module, x, grad, warmup=0, iters=steps)
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        on_device = event.device_type != torch.autograd.DeviceType.CPU
+        if on_device or x.device.type == "cpu":
+            entry = kernels.setdefault(event.name, [0.0, 0.0])
+            entry[0] += 1
+            entry[1] += event.time_range.elapsed_us()
+    total = sum(entry[1] for entry in kernels.values()) / steps / 1e3
+    lines = [
+        f"### {title}",
+        "",
+        f"Device time per step: {total:.3f} ms ({'kernels' if x.device.type == 'cuda' else 'CPU ops'})",
+        "",
+        "| kernel | calls / step | ms / step |",
+        "|---|---|---|",
+    ]
+    ranked = sorted(kernels.items(), key=lambda item: -item[1][1])
+    for name, (calls, micros) in ranked[:12]:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        lines.append(f"| `{short}` | {calls / steps:g} | {micros / steps / 1e3:.3f} |")
+    return "\n".join(lines) + "\n\n"
 
 
 def run_case(
@@ -177,26 +254,32 @@ def run_case(
     Returns:
         One row per implementation.
     """
-    warmup, iters = (1, 1) if smoke else (3, 10)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    warmup, iters = (1, 1) if smoke else (2, 6)
+    if case["tokens"] * case["hidden"] > LARGE:
+        warmup, iters = 1, 3
+    dtype = _dtype(device)
     generator = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(case["tokens"], case["hidden"], device=device, dtype=dtype, generator=generator)
     grad = torch.randn_like(x)
     few = case["experts"] <= FEW_EXPERTS
     builders: dict[str, Callable[[], nn.Module]] = {
-        "dense SwiGLU (same active params)": lambda: _dense(case, device),
-        "mcore MoELayer dropless, grouped GEMM, fused kernels": lambda: _moe(case, device),
-        "mcore MoELayer dropless, grouped GEMM, torch references": lambda: _backend(
-            _moe(case, device), "torch"
+        DENSE: lambda: _dense(case, device),
+        DENSE_FUSED: lambda: _dense_fused(case, device),
+        "mcore MoELayer dropless, Triton grouped experts": lambda: _moe(
+            case, device, expert_kernel="triton"
         ),
-        "mcore MoELayer drop-and-pad (capacity 1.25), fused kernels": lambda: _moe(
-            case, device, capacity_factor=1.25
+        "mcore MoELayer dropless, torch._grouped_mm, fused kernels": lambda: _moe(
+            case, device, expert_kernel="grouped_mm"
         ),
-        "transformers sparse MoE block (grouped_mm experts)": lambda: _wants_3d(
-            _hf_block(case, device, "grouped_mm")
+        "mcore MoELayer drop-and-pad (capacity 1.25), batched GEMMs, fused kernels": lambda: _moe(
+            case, device, capacity_factor=1.25, expert_kernel="grouped_mm"
         ),
+        HF_GROUPED: lambda: _wants_3d(_hf_block(case, device, "grouped_mm")),
     }
     if few:
+        builders["mcore MoELayer dropless, torch._grouped_mm, torch references"] = lambda: _backend(
+            _moe(case, device, expert_kernel="grouped_mm"), "torch"
+        )
         builders["mcore MoELayer dropless, expert loop"] = lambda: _moe(
             case, device, grouped_gemm=False
         )
@@ -208,10 +291,11 @@ def run_case(
     for implementation, build in builders.items():
         row: dict[str, Any] = {"case": name, "implementation": implementation, **case}
         module: nn.Module | None = None
+        begin = time.perf_counter()
         try:
             module = build()
             ms = _time(module, x.detach().clone(), grad, warmup, iters)
-            if profiles is not None and implementation.startswith("mcore"):
+            if profiles is not None and implementation.startswith(("mcore", "dense")):
                 title = f"{name}: {implementation}"
                 profiles.append(_profile(module, x.detach().clone(), grad, title))
             row.update(
@@ -228,12 +312,18 @@ def run_case(
         finally:
             module = None
         rows.append(row)
+        print(f"{name}: {implementation}: {time.perf_counter() - begin:.1f} s", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    dense = rows[0].get("ms")
+    times = {row["implementation"]: row.get("ms") for row in rows}
+    dense = min((t for k, t in times.items() if k in (DENSE, DENSE_FUSED) and t), default=None)
+    hf = times.get(HF_GROUPED)
     for row in rows:
-        if dense and "ms" in row:
-            row["throughput_vs_dense"] = dense / row["ms"]
+        if "ms" in row:
+            if dense:
+                row["throughput_vs_dense"] = dense / row["ms"]
+            if hf:
+                row["speedup_vs_hf_grouped_mm"] = hf / row["ms"]
     return rows
 
 
@@ -248,35 +338,30 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     permuted = x.index_select(0, order // moe.top_k).detach()
     counts = torch.bincount(flat, minlength=moe.num_experts)
     factor = layer.capacity_factor
-    if factor is None:
-        # The experts are a submodule, so that _time's zero_grad clears their gradients (else
-        # every step would add into the previous step's gradients).
-        class Experts(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.experts = layer.experts
+    experts = layer.experts
+    capacity = (
+        None if factor is None else expert_capacity(x.shape[0], moe.top_k, moe.num_experts, factor)
+    )
 
-            def forward(self, rows: torch.Tensor) -> torch.Tensor:
+    # The experts are a submodule, so that _time's zero_grad clears their gradients (else
+    # every step would add into the previous step's gradients).
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = experts
+
+        def forward(self, rows: torch.Tensor) -> torch.Tensor:
+            if capacity is None:
                 return self.experts(rows, counts)
+            slots = rows.view(moe.num_experts, capacity, -1)
+            return self.experts.forward_padded(slots).flatten(0, 1)
 
-        module: nn.Module = Experts()
+    if capacity is None:
         rows = permuted
     else:
-        capacity = expert_capacity(x.shape[0], moe.top_k, moe.num_experts, factor)
-
-        class Experts(nn.Module):  # type: ignore[no-redef]
-            def __init__(self) -> None:
-                super().__init__()
-                self.experts = layer.experts
-
-            def forward(self, rows: torch.Tensor) -> torch.Tensor:
-                slots = rows.view(moe.num_experts, capacity, -1)
-                return self.experts.forward_padded(slots).flatten(0, 1)
-
-        module = Experts()
         rows = torch.randn(moe.num_experts * capacity, x.shape[1], device=x.device, dtype=x.dtype)
     grad = torch.randn_like(rows)
-    ms = _time(module, rows.clone(), grad, warmup, iters)
+    ms = _time(Experts(), rows.clone(), grad, warmup, iters)
     layer.zero_grad(set_to_none=True)
     return ms
 
@@ -291,25 +376,29 @@ def _wants_3d(module: nn.Module) -> nn.Module:
     return module
 
 
+def _ratio(row: dict, key: str) -> str:
+    return f"{row[key]:.2f}x" if key in row else ""
+
+
 def _markdown(device_name: str, rows: list[dict]) -> str:
     lines = [
         f"MoE layer forward + backward on {device_name} (bf16 on GPU)",
         "",
         "| case | implementation | tokens | ms | tokens/s | active TFLOP/s | vs dense | "
-        "outside expert GEMMs |",
-        "|---|---|---|---|---|---|---|---|",
+        "vs transformers grouped_mm | outside expert GEMMs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "ms" not in row:
             lines.append(
                 f"| {row['case']} | {row['implementation']} | {row['tokens']} | "
-                f"error: {row['error'][:60]} | | | | |"
+                f"error: {row['error'][:60]} | | | | | |"
             )
             continue
         lines.append(
             f"| {row['case']} | {row['implementation']} | {row['tokens']} | {row['ms']:.2f} | "
             f"{row['tokens_per_s']:,.0f} | {row['active_tflops']:.0f} | "
-            f"{row.get('throughput_vs_dense', float('nan')):.2f}x | "
+            f"{_ratio(row, 'throughput_vs_dense')} | {_ratio(row, 'speedup_vs_hf_grouped_mm')} | "
             + (f"{100 * row['non_gemm_share']:.0f}% |" if "non_gemm_share" in row else "|")
         )
     return "\n".join(lines) + "\n"
@@ -326,33 +415,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run")
     parser.add_argument("--cases", nargs="*", help="case names to run (default: all)")
     parser.add_argument(
-        "--profile", action="store_true", help="also write moe_profile.txt (top operators)"
+        "--profile", action="store_true", help="also write moe_profile.md (top kernels)"
     )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     rows: list[dict] = []
     profiles: list[str] | None = [] if args.profile else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = _dtype(device)
     for name, case in (SMOKE if args.smoke else CASES).items():
         if args.cases and name not in args.cases:
             continue
         rows.extend(run_case(name, case, device, args.smoke, profiles))
+        # Written after every case, so that an interrupted run keeps what it measured.
+        result = {
+            "device": device_name,
+            "torch": torch.__version__,
+            "dtype": str(dtype).removeprefix("torch."),
+            "grouped_mm_supported": grouped_mm_supported(device, dtype),
+            "rows": rows,
+        }
+        (out / "moe.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "moe.md").write_text(_markdown(device_name, rows))
+        if profiles is not None:
+            header = (
+                f"Kernels of every mcore and dense row on {device_name} (torch.profiler, two "
+                "forward + "
+                "backward steps; the twelve kernels with the most device time).\n\n"
+            )
+            (out / "moe_profile.md").write_text(header + "".join(profiles))
         print(_markdown(device_name, rows), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    result = {
-        "device": device_name,
-        "torch": torch.__version__,
-        "dtype": str(dtype).removeprefix("torch."),
-        "grouped_mm_supported": grouped_mm_supported(device, dtype),
-        "rows": rows,
-    }
-    if profiles is not None:
-        (out / "moe_profile.txt").write_text("".join(profiles))
-    (out / "moe.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "moe.md").write_text(_markdown(device_name, rows))
-    print(_markdown(device_name, rows))
 
 
 if __name__ == "__main__":

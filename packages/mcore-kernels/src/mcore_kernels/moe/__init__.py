@@ -6,8 +6,16 @@ a kernel (or a recomputation) without atomic floating-point adds, with its torch
 """
 
 from mcore_kernels.moe import reference
+from mcore_kernels.moe.grouped_gemm import grouped_swiglu_mlp
 from mcore_kernels.moe.permute import permute_tokens, unpermute_combine
 from mcore_kernels.moe.router import moe_router
 from mcore_kernels.moe.swiglu import swiglu
 
-__all__ = ["moe_router", "permute_tokens", "reference", "swiglu", "unpermute_combine"]
+__all__ = [
+    "grouped_swiglu_mlp",
+    "moe_router",
+    "permute_tokens",
+    "reference",
+    "swiglu",
+    "unpermute_combine",
+]

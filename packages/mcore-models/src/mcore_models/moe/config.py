@@ -7,13 +7,16 @@ from dataclasses import dataclass
 
 from mcore_models.errors import ModelConfigError
 
-__all__ = ["DISPATCHERS", "ROUTER_SCORES", "MoEConfig"]
+__all__ = ["DISPATCHERS", "EXPERT_KERNELS", "ROUTER_SCORES", "MoEConfig"]
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 """Names accepted by :attr:`MoEConfig.router_score`."""
 
 DISPATCHERS = ("alltoall", "allgather")
 """Names accepted by :attr:`MoEConfig.dispatcher`."""
+
+EXPERT_KERNELS = ("grouped_mm", "triton")
+"""Names accepted by :attr:`MoEConfig.expert_kernel`."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,6 +71,12 @@ class MoEConfig:
     grouped_gemm: bool = True
     """Compute experts with ``torch._grouped_mm`` where this torch and device provide it;
     False always uses a loop over experts."""
+    expert_kernel: str = "grouped_mm"
+    """Kernels of the experts when ``grouped_gemm`` is on: "grouped_mm" (``torch._grouped_mm``
+    dropless, batched GEMMs for drop-and-pad; the faster on every measured shape) or "triton"
+    (``mcore_kernels``' grouped SwiGLU MLP: the token gather fused into the gate/up GEMM,
+    SwiGLU in its epilogue, drop-and-pad padding rows skipped; the torch reference on CPU).
+    See ``docs/benchmarks/moe.md``."""
     layer_step: int = 1
     """Every ``layer_step``-th layer is a MoE layer (layers ``i`` with ``(i + 1) % step == 0``)."""
     dense_layers: tuple[int, ...] = ()
@@ -117,6 +126,11 @@ class MoEConfig:
             raise ModelConfigError(
                 f"MoEConfig.dispatcher={self.dispatcher!r} is unknown; expected one of "
                 f"{DISPATCHERS}"
+            )
+        if self.expert_kernel not in EXPERT_KERNELS:
+            raise ModelConfigError(
+                f"MoEConfig.expert_kernel={self.expert_kernel!r} is unknown; expected one of "
+                f"{EXPERT_KERNELS}"
             )
         for name in ("aux_loss_coeff", "z_loss_coeff"):
             value = getattr(self, name)

@@ -43,6 +43,7 @@ from mcore_models.moe.permute import (
     capacity_slots,
     count,
     inverse_permutation,
+    padded_index,
     run_padded,
 )
 from mcore_parallel.tensor_parallel.mappings import (
@@ -198,15 +199,27 @@ def dispatch_and_combine(
     flat_experts = experts.reshape(-1)
     if counts is None:
         counts = count(flat_experts, num_experts)
+    # One rank holding every expert, with the Triton experts: the token gather is fused into
+    # their first GEMM (no permuted copy of the tokens).
+    fused = comm.ep_group is None and comm.etp_group is None and experts_module.uses_triton(x)
     if capacity is None:
         # Assignments in expert order; stable, so each expert sees its tokens in order.
         order = torch.argsort(flat_experts, stable=True)
         inverse = inverse_permutation(order)
-        permuted = permute_tokens(x, order // top_k, inverse, top_k)
-        outputs = _dropless_alltoall(permuted, counts, experts_module, comm)
+        if fused:
+            outputs = experts_module.forward_tokens(x, order, inverse, counts, top_k)
+        else:
+            permuted = permute_tokens(x, order // top_k, inverse, top_k)
+            outputs = _dropless_alltoall(permuted, counts, experts_module, comm)
         return unpermute_combine(outputs, weights, inverse, order), counts
     valid = torch.ones_like(flat_experts, dtype=torch.bool)
     slots = capacity_slots(flat_experts, valid, num_experts, capacity)
+    if fused:
+        fillers, kept = padded_index(slots, num_experts * capacity)
+        outputs = experts_module.forward_tokens(
+            x, fillers, kept, counts.clamp(max=capacity), top_k, capacity
+        )
+        return unpermute_combine(outputs, weights, kept, fillers), counts
     run = _padded_run(experts_module, capacity, comm, exchange=True)
     return run_padded(x, weights, slots, num_experts * capacity, run), counts
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mcore_kernels.moe import swiglu
+from mcore_kernels.moe import grouped_swiglu_mlp, swiglu
 
 __all__ = ["GroupedExperts", "grouped_mm_supported"]
 
@@ -106,7 +106,9 @@ class GroupedExperts(nn.Module):
         ffn_hidden_size: Inner width of each expert (this rank's share under expert tensor
             parallelism).
         dtype: Dtype of the weights.
-        grouped_gemm: Use ``torch._grouped_mm`` for variable-size groups where available.
+        grouped_gemm: Use grouped kernels (``torch._grouped_mm`` where available, or Triton);
+            False runs a loop over experts.
+        expert_kernel: "grouped_mm" or "triton" (see ``MoEConfig.expert_kernel``).
         device: Device of the weights (``"meta"`` for construction without memory).
     """
 
@@ -118,11 +120,13 @@ class GroupedExperts(nn.Module):
         dtype: torch.dtype,
         *,
         grouped_gemm: bool = True,
+        expert_kernel: str = "grouped_mm",
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.grouped_gemm = grouped_gemm
+        self.expert_kernel = expert_kernel
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2, ffn_hidden_size, hidden_size, dtype=dtype, device=device)
         )
@@ -139,6 +143,55 @@ class GroupedExperts(nn.Module):
         """``[E, 2 * ffn, hidden]`` view of ``gate_up_proj`` (gate rows first)."""
         return self.gate_up_proj.flatten(1, 2)
 
+    def uses_triton(self, tokens: torch.Tensor) -> bool:
+        """Whether the Triton grouped SwiGLU MLP runs these tokens (see ``expert_kernel``).
+
+        Args:
+            tokens: The tokens about to be run.
+
+        Returns:
+            True for the Triton kernels, False for ``torch._grouped_mm`` / batched GEMMs or the
+            loop over experts.
+        """
+        return self.grouped_gemm and self.expert_kernel == "triton"
+
+    def forward_tokens(
+        self,
+        x: torch.Tensor,
+        index: torch.Tensor,
+        slots: torch.Tensor,
+        counts: torch.Tensor,
+        top_k: int,
+        capacity: int | None = None,
+    ) -> torch.Tensor:
+        """Run routing assignments, reading their tokens through the permutation (Triton).
+
+        The gather of the tokens into expert order is fused into the gate/up GEMM and the
+        backward sums each token's ``top_k`` row gradients, so no permuted copy is made.
+
+        Args:
+            x: ``[T, hidden]`` tokens.
+            index: ``[R]`` int64 assignment of each expert row (token ``index[r] // top_k``).
+            slots: ``[T * top_k]`` int64 expert row of each assignment, -1 when dropped.
+            counts: ``[num_experts]`` rows used by each expert.
+            top_k: Assignments per token.
+            capacity: Rows reserved per expert (drop-and-pad, ``R = num_experts * capacity``),
+                or None (dropless, consecutive groups).
+
+        Returns:
+            ``[R, hidden]`` expert outputs (zero in padding rows).
+        """
+        return grouped_swiglu_mlp(
+            x,
+            self._gate_up_weight(),
+            self.down_proj,
+            counts,
+            capacity=capacity,
+            index=index,
+            slots=slots,
+            top_k=top_k,
+        )
+
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Run variable-size groups of tokens through their experts (dropless).
 
@@ -150,6 +203,8 @@ class GroupedExperts(nn.Module):
             ``[M, hidden]`` expert outputs in the order of ``tokens``.
         """
         ffn = self.ffn_hidden_size
+        if self.uses_triton(tokens):
+            return grouped_swiglu_mlp(tokens, self._gate_up_weight(), self.down_proj, counts)
         if self.grouped_gemm and grouped_mm_supported(tokens.device, tokens.dtype):
             offsets = counts.cumsum(0).to(torch.int32)
             gate_up = _grouped_linear(tokens, self._gate_up_weight(), offsets)
@@ -163,7 +218,9 @@ class GroupedExperts(nn.Module):
         return torch.cat(outputs) if outputs else tokens.new_zeros(tokens.shape)
 
     def forward_padded(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Run fixed-capacity groups through their experts with batched GEMMs (no host sync).
+        """Run fixed-capacity groups through their experts (no host sync).
+
+        Batched GEMMs, or the Triton grouped MLP over every slot when ``uses_triton``.
 
         Args:
             tokens: ``[num_experts, capacity, hidden]`` slots of each expert (padding is zero).
@@ -171,6 +228,17 @@ class GroupedExperts(nn.Module):
         Returns:
             ``[num_experts, capacity, hidden]`` outputs.
         """
+        if self.uses_triton(tokens):
+            experts, capacity, hidden = tokens.shape
+            full = torch.full((experts,), capacity, dtype=torch.int64, device=tokens.device)
+            out = grouped_swiglu_mlp(
+                tokens.reshape(-1, hidden),
+                self._gate_up_weight(),
+                self.down_proj,
+                full,
+                capacity=capacity,
+            )
+            return out.view(experts, capacity, -1)
         gate_up = _BatchedLinear.apply(tokens, self._gate_up_weight())
         activation = swiglu(gate_up.flatten(0, 1)).view(*gate_up.shape[:2], -1)
         return _BatchedLinear.apply(activation, self.down_proj)

@@ -59,6 +59,7 @@ class MoELayer(nn.Module):
                 ffn,
                 config.dtype,
                 grouped_gemm=moe.grouped_gemm,
+                expert_kernel=moe.expert_kernel,
             )
             self.shared_expert: SwiGLUMLP | None = None
             self.shared_expert_gate: nn.Linear | None = None

@@ -16,7 +16,14 @@ import torch
 
 from mcore_kernels.moe import permute_tokens, unpermute_combine
 
-__all__ = ["PermuteRows", "capacity_slots", "count", "inverse_permutation", "run_padded"]
+__all__ = [
+    "PermuteRows",
+    "capacity_slots",
+    "count",
+    "inverse_permutation",
+    "padded_index",
+    "run_padded",
+]
 
 
 def count(indices: torch.Tensor, size: int) -> torch.Tensor:
@@ -109,6 +116,25 @@ def capacity_slots(
     return torch.where(keep, slot, num_experts * sources * capacity)
 
 
+def padded_index(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assignment filling each slot and slot of each kept assignment (no host sync).
+
+    Args:
+        slots: ``[A]`` int64 slot of each assignment, ``num_slots`` when dropped.
+        num_slots: Number of real slots.
+
+    Returns:
+        ``(fillers, kept)``: ``[num_slots]`` int64 assignment in each slot (-1 for an empty
+        one) and ``[A]`` int64 slot of each assignment (-1 when dropped).
+    """
+    # Dropped assignments all land in one extra trash slot, so shapes never depend on the
+    # routing.
+    filler = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=slots.device)
+    filler.scatter_(0, slots, torch.arange(slots.shape[0], device=slots.device))
+    kept = torch.where(slots < num_slots, slots, -1)
+    return filler[:num_slots], kept
+
+
 def run_padded(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -131,14 +157,8 @@ def run_padded(
     Returns:
         ``[T, hidden]`` weighted sum of each token's expert outputs (dropped ones count zero).
     """
-    num_assignments = slots.shape[0]
     top_k = weights.shape[1]
-    # Which assignment fills each slot. Dropped assignments all land in one extra trash slot,
-    # so shapes never depend on the routing; empty slots read a zero row.
-    filler = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=x.device)
-    filler.scatter_(0, slots, torch.arange(num_assignments, device=x.device))
-    filler = filler[:num_slots]
+    filler, kept = padded_index(slots, num_slots)
     rows = torch.where(filler < 0, -1, filler // top_k)
-    kept = torch.where(slots < num_slots, slots, -1)
     outputs = run(permute_tokens(x, rows, kept, top_k))
     return unpermute_combine(outputs, weights, kept, filler)
