@@ -49,7 +49,7 @@ DEFAULT_SPLIT_SIZE = 256
 _MODES = {"heads": 0, "sum": 1, "dot": 2, "dot1": 3}
 
 
-@jit(do_not_specialize=["num_splits"])
+@jit(do_not_specialize=["num_splits", "stride_table_token"])
 def _paged_attention_split_kernel(
     q_ptr,
     k_ptr,
