@@ -178,10 +178,7 @@ def _paged_attention_split_kernel(
         # The merge of a single split is this division (bit for bit): no partials, no merge.
         out = acc / running_sum[:, None]
         tl.store(
-            out_ptr
-            + token * stride_out_token
-            + q_heads[:, None] * stride_out_head
-            + dims[None, :],
+            out_ptr + token * stride_out_token + q_heads[:, None] * stride_out_head + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=row_mask[:, None] & dim_mask[None, :],
         )
