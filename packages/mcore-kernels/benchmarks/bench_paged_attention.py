@@ -89,6 +89,7 @@ def _variants(group: int, sweep: bool) -> dict[str, PagedDecodeConfig | None]:
     variants["dot1-t64"] = PagedDecodeConfig(mode="dot1", tile=64)
     variants["dot-t32-s3"] = PagedDecodeConfig(mode="dot", tile=32, num_stages=3)
     variants["dot-t64-w8"] = PagedDecodeConfig(mode="dot", tile=64, num_warps=8)
+    variants["dot-t128-w8"] = PagedDecodeConfig(mode="dot", tile=128, num_warps=8)
     return variants
 
 
