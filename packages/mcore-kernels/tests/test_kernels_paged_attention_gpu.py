@@ -58,8 +58,32 @@ def test_default_config_matches_reference_in_bf16(group, head_dim):
 def test_every_mode_matches_reference_in_bf16(group):
     args = _problem([5, 300, 2000], group, 3, 72)
     modes = [PagedDecodeConfig(mode="sum", tile=16), PagedDecodeConfig(mode="dot", tile=32)]
-    if group == 1:
-        modes += [PagedDecodeConfig(mode="heads", heads=h, tile=16) for h in (1, 2, 4)]
     for config in modes:
         out = paged_attention_triton(*args, scale=0.1, config=config)
         _check(out, *args, 0.1)
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+def test_prefill_token_groups_equal_one_token_programs_bit_for_bit(group):
+    # Chunked prefill: 3 sequences x 200 tokens (positions 300..499), then 40 decode rows of
+    # other sequences; grouped launches share keys and values between a sequence's tokens.
+    block_size, seqs, chunk = 16, 3, 200
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    max_blocks = 32
+    num_blocks = (seqs + 40) * max_blocks + 1
+    order = torch.randperm(num_blocks, device="cuda", generator=generator)[: (seqs + 40) * 32]
+    seq_tables = order.reshape(seqs + 40, max_blocks).to(torch.int32)
+    rows = torch.cat([torch.arange(seqs).repeat_interleave(chunk), seqs + torch.arange(40)])
+    tables = seq_tables[rows.cuda()]
+    lens = torch.cat([torch.arange(301, 301 + chunk).repeat(seqs), 450 + torch.arange(40)])
+    shape = (num_blocks, block_size, 2, 64)
+    k_cache = torch.randn(shape, device="cuda", generator=generator).bfloat16()
+    v_cache = torch.randn(shape, device="cuda", generator=generator).bfloat16()
+    q = torch.randn((len(rows), 2 * group, 64), device="cuda", generator=generator).bfloat16()
+    args = (q, k_cache, v_cache, tables, lens.to(torch.int32).cuda())
+    grouped = paged_attention_triton(*args, scale=0.125, config=PagedDecodeConfig(prefill_tokens=1))
+    alone = paged_attention_triton(
+        *args, scale=0.125, config=PagedDecodeConfig(prefill_tokens=10**9)
+    )
+    _check(grouped, *args, 0.125)
+    assert torch.equal(grouped, alone)

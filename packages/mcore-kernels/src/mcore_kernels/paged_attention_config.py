@@ -1,24 +1,27 @@
-"""Launch configuration of the paged decode-attention kernel, chosen per attention shape.
+"""Launch configuration of the paged attention split kernel.
 
-The split kernel of :mod:`mcore_kernels.paged_attention` has several ways to form the scores
-and the weighted values of a tile of context positions; which one is fastest depends on the
-number of query heads per key/value head (the group) and on the head dimension:
+A program of the split kernel computes one split of context positions for the query heads of
+one key/value head, in tiles of ``tile`` positions with an online softmax. Its products are
+either
 
-- ``"heads"`` (multi-head attention, group 1): no matrix product at all. A program handles
-  ``heads`` key/value heads of one token (adjacent in the cache, so one load reads a longer
-  contiguous run), multiplies each key by its single query in float32 and sums over the head
-  dimension; there is no padding row.
-- ``"sum"``: one key/value head per program, the group's queries broadcast against the tile
-  in float32 (``tl.sum`` instead of ``tl.dot``): no 16-row padding, cost grows with the group.
-- ``"dot"``: one key/value head per program, tensor-core products with float32 accumulation.
-  The query-key product takes the cache's own 16-bit keys and queries (their products are exact
-  in float32); the probabilities are split into a 16-bit high part and a 16-bit remainder, two
-  products with the values, so the weighted sum keeps about 16 bits of each probability
-  instead of 8 (near float32, unlike flash attention's single rounding). The group is padded to
-  16 rows (the smallest tensor-core tile), which costs little on tensor cores.
+- ``"dot"`` (the default): tensor-core products with float32 accumulation. The query-key
+  product takes the 16-bit queries and keys themselves (their products are exact in float32);
+  for the value product the probabilities are split into a 16-bit high part and a 16-bit
+  remainder, two products, so the weighted sum keeps about 16 bits of each probability
+  instead of the 8 of a single rounding (flash attention's). The query group is padded to 16
+  rows, the smallest tensor-core tile: for multi-head attention 15 rows are padding, which
+  costs little on tensor cores, and in launches of at least ``prefill_tokens`` tokens
+  (chunked prefill) the padding rows hold the next tokens of the same sequence, which then
+  share every key and value load. With float32 inputs the products run in IEEE float32.
+- ``"sum"``: the group broadcast against the tile in float32 (``tl.sum``, no padding rows);
+  also what tiles of fewer than 16 positions run.
 
-The choice depends only on the attention shape and the dtype, never on the batch or the context
-lengths, so a token's output does not depend on the other tokens of the launch.
+On one H100 (``benchmarks/bench_paged_attention.py``) the tensor-core products were the fastest
+at every measured group size (1 to 8) and head dimension (64, 72, 128), ahead of float32
+broadcast products (with one to eight key/value heads per program) by 1.2-2.2x, and tiles of 64
+positions the best or within a few percent of it. The configuration depends only on the shape
+and the dtype, never on the batch or the context lengths, so a token's output does not depend
+on the other tokens of the launch.
 """
 
 from __future__ import annotations
@@ -29,44 +32,43 @@ import torch
 
 from mcore_kernels.errors import KernelShapeError
 
-__all__ = ["PAGED_DECODE_MODES", "PagedDecodeConfig", "paged_decode_config"]
+__all__ = ["PAGED_ATTENTION_MODES", "PagedDecodeConfig", "paged_decode_config"]
 
-PAGED_DECODE_MODES = ("heads", "sum", "dot", "dot1")
-"""Score/value product variants of the paged split kernel (see the module docstring)."""
+PAGED_ATTENTION_MODES = ("dot", "sum")
+"""Product variants of the paged split kernel (see the module docstring)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class PagedDecodeConfig:
-    """How the paged split kernel computes one tile of context positions.
+    """How the paged split kernel computes its tiles.
 
     Raises:
         KernelShapeError: If a field is out of range.
     """
 
-    mode: str
-    """One of :data:`PAGED_DECODE_MODES`."""
-    heads: int = 1
-    """Key/value heads per program (a power of two; more than 1 only with mode ``"heads"``)."""
-    tile: int = 32
-    """Context positions per loop iteration (a power of two dividing the split size)."""
+    mode: str = "dot"
+    """One of :data:`PAGED_ATTENTION_MODES`."""
+    tile: int = 64
+    """Context positions per loop iteration (a power of two; capped by the split size)."""
     num_warps: int = 4
-    """Warps per program."""
+    """Warps per program (a power of two)."""
     num_stages: int = 2
     """Software-pipelining stages of the tile loop."""
+    prefill_tokens: int = 1024
+    """Launches of at least this many tokens put consecutive tokens of one sequence into one
+    program (mode ``"dot"``); results are the same either way, only the loads differ."""
 
     def __post_init__(self) -> None:
-        if self.mode not in PAGED_DECODE_MODES:
-            raise KernelShapeError(f"mode={self.mode!r}; expected one of {PAGED_DECODE_MODES}")
-        for name in ("heads", "tile", "num_warps"):
+        if self.mode not in PAGED_ATTENTION_MODES:
+            raise KernelShapeError(f"mode={self.mode!r}; expected one of {PAGED_ATTENTION_MODES}")
+        for name in ("tile", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise KernelShapeError(f"{name}={value}; expected a power of two")
-        if self.heads > 1 and self.mode != "heads":
-            raise KernelShapeError(f"heads={self.heads} needs mode='heads', got {self.mode!r}")
-        if self.mode in ("dot", "dot1") and self.tile < 16:
-            raise KernelShapeError(f"tile={self.tile}; mode {self.mode!r} needs at least 16")
         if self.num_stages < 1:
             raise KernelShapeError(f"num_stages={self.num_stages}; expected at least 1")
+        if self.prefill_tokens < 1:
+            raise KernelShapeError(f"prefill_tokens={self.prefill_tokens}; expected at least 1")
 
 
 def paged_decode_config(
@@ -81,14 +83,8 @@ def paged_decode_config(
         dtype: Dtype of the queries and the cache.
 
     Returns:
-        The configuration.
+        The configuration: tensor-core products in tiles of 64 positions for every shape
+        measured so far (see the module docstring).
     """
-    del head_dim
-    if group == 1:
-        heads = 1
-        while heads < 4 and num_kv_heads % (2 * heads) == 0:
-            heads *= 2
-        return PagedDecodeConfig(mode="heads", heads=heads, tile=16)
-    if dtype == torch.float32 or group <= 2:
-        return PagedDecodeConfig(mode="sum", tile=16)
-    return PagedDecodeConfig(mode="dot", tile=32)
+    del group, head_dim, num_kv_heads, dtype
+    return PagedDecodeConfig()
