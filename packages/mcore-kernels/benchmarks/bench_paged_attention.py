@@ -74,22 +74,14 @@ SHAPES = (
 
 def _variants(group: int, sweep: bool) -> dict[str, PagedDecodeConfig | None]:
     """Name -> config (None: the pre-change kernel)."""
+    del group
     variants: dict[str, PagedDecodeConfig | None] = {"before": None}
-    if not sweep:
-        return variants
-    if group == 1:
-        for heads in (1, 2, 4):
-            variants[f"heads{heads}-t16"] = PagedDecodeConfig(mode="heads", heads=heads, tile=16)
-        variants["heads4-t32-w8"] = PagedDecodeConfig(mode="heads", heads=4, tile=32, num_warps=8)
-    variants["sum-t16"] = PagedDecodeConfig(mode="sum", tile=16)
-    if group > 1:
-        variants["sum-t32-w8"] = PagedDecodeConfig(mode="sum", tile=32, num_warps=8)
-    variants["dot-t32"] = PagedDecodeConfig(mode="dot", tile=32)
-    variants["dot-t64"] = PagedDecodeConfig(mode="dot", tile=64)
-    variants["dot1-t64"] = PagedDecodeConfig(mode="dot1", tile=64)
-    variants["dot-t32-s3"] = PagedDecodeConfig(mode="dot", tile=32, num_stages=3)
-    variants["dot-t64-w8"] = PagedDecodeConfig(mode="dot", tile=64, num_warps=8)
-    variants["dot-t128-w8"] = PagedDecodeConfig(mode="dot", tile=128, num_warps=8)
+    if sweep:
+        variants["sum-t16"] = PagedDecodeConfig(mode="sum", tile=16)
+        variants["dot-t32"] = PagedDecodeConfig(tile=32)
+        variants["dot-t64-w8"] = PagedDecodeConfig(tile=64, num_warps=8)
+        variants["dot-t128-w8"] = PagedDecodeConfig(tile=128, num_warps=8)
+        variants["dot-t64-s3"] = PagedDecodeConfig(tile=64, num_stages=3)
     return variants
 
 
@@ -160,6 +152,65 @@ def _all_variants(group: int, head_dim: int, sweep: bool) -> dict[str, PagedDeco
     return variants
 
 
+PREFILL_VARIANTS: dict[str, PagedDecodeConfig | None] = {
+    "before": None,
+    "default": PagedDecodeConfig(),
+    "default, one token per program": PagedDecodeConfig(prefill_tokens=2**31 - 1),
+}
+"""Variants of the chunked-prefill table (the default groups a sequence's tokens)."""
+
+
+def _prefill_cases() -> list[tuple[str, tuple[torch.Tensor, ...]]]:
+    """GRPO generation steps of the Llama-3.2-1B shape (32 heads, 8 KV heads, head_dim 64)."""
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    shape = (32 * 16 + 512 * 26 + 1, BLOCK, 8, 64)
+    k_pool = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+    v_pool = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+    order = torch.randperm(shape[0], device="cuda", generator=generator).to(torch.int32)
+    # Chunked prefill: 32 sequences x 256 prompt tokens in one step (contexts 1..256).
+    seq_tables = order[: 32 * 16].reshape(32, 16)
+    rows = torch.arange(32, device="cuda").repeat_interleave(256)
+    lens = torch.arange(1, 257, device="cuda", dtype=torch.int32).repeat(32)
+    q = torch.randn((8192, 32, 64), device="cuda", dtype=torch.bfloat16, generator=generator)
+    prefill = (q, k_pool, v_pool, seq_tables[rows], lens)
+    # Decode at batch 512, contexts 384..415.
+    tables = order[32 * 16 : 32 * 16 + 512 * 26].reshape(512, 26)
+    lens = 384 + torch.arange(512, device="cuda", dtype=torch.int32) % 32
+    q = torch.randn((512, 32, 64), device="cuda", dtype=torch.bfloat16, generator=generator)
+    decode = (q, k_pool, v_pool, tables, lens)
+    return [
+        ("prefill 8192 tokens (32 seqs x 256)", prefill),
+        ("decode batch 512, context 384-415", decode),
+    ]
+
+
+def _compile_prefill(_: int) -> str:
+    """Worker: compile the variants of the chunked-prefill table."""
+    for _name, problem in _prefill_cases():
+        for name, config in PREFILL_VARIANTS.items():
+            _run(name, config, problem, 0.125)
+    torch.cuda.synchronize()
+    return "compiled the prefill table"
+
+
+def _prefill_table(inner: int, repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for case, problem in _prefill_cases():
+        row: dict[str, Any] = {"case": case}
+        for name, config in PREFILL_VARIANTS.items():
+            ms = _graph_ms(
+                lambda name=name, config=config, problem=problem: _run(
+                    name, config, problem, 0.125
+                ),
+                inner,
+                repeats,
+            )
+            row[f"{name}_us"] = ms * 1e3
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def _copy_bandwidth() -> float:
     source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     target = torch.empty_like(source)
@@ -193,12 +244,15 @@ def main() -> None:
     if args.compile_workers > 1:
         context = multiprocessing.get_context("spawn")
         with context.Pool(args.compile_workers) as pool:
+            prefill = pool.map_async(_compile_prefill, [0])
             for line in pool.imap_unordered(_compile_one, jobs):
                 print(f"[{time.perf_counter() - started:5.1f}s] {line}", flush=True)
+            print(f"[{time.perf_counter() - started:5.1f}s] {prefill.get()[0]}", flush=True)
     bandwidth = _copy_bandwidth()
     print(f"[{time.perf_counter() - started:5.1f}s] copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
+    prefill_rows = _prefill_table(args.inner, args.repeats)
     for group, head_dim in head_configs:
         if time.perf_counter() - started > args.budget_s:
             break
@@ -262,7 +316,7 @@ def main() -> None:
             )
         del pool
         torch.cuda.empty_cache()
-        _write(args.out, bandwidth, rows, errors, started)
+        _write(args.out, bandwidth, rows, errors, prefill_rows, started)
 
 
 def _write(
@@ -270,6 +324,7 @@ def _write(
     bandwidth: float,
     rows: list[dict[str, Any]],
     errors: list[dict[str, Any]],
+    prefill_rows: list[dict[str, Any]],
     started: float,
 ) -> None:
     result = {
@@ -281,6 +336,7 @@ def _write(
         "split_size": SPLIT,
         "rows": rows,
         "errors": errors,
+        "prefill_rows": prefill_rows,
         "elapsed_s": time.perf_counter() - started,
     }
     (out / "paged_attention.json").write_text(json.dumps(result, indent=2))
@@ -309,6 +365,18 @@ def _markdown(result: dict[str, Any]) -> str:
             + " | ".join(cells)
             + " |"
         )
+    lines += [
+        "",
+        "Chunked prefill and large-batch decode, Llama-3.2-1B attention shape (32 query heads, "
+        "8 KV heads, head_dim 64), us per call:",
+        "",
+        "| step | " + " | ".join(PREFILL_VARIANTS) + " |",
+        "|---|" + "---:|" * len(PREFILL_VARIANTS),
+    ]
+    lines += [
+        f"| {row['case']} | " + " | ".join(f"{row[f'{n}_us']:.1f}" for n in PREFILL_VARIANTS) + " |"
+        for row in result["prefill_rows"]
+    ]
     lines += [
         "",
         "Against the float32 torch reference (batch 4, context 1072): largest error and the",

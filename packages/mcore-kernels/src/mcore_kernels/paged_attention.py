@@ -103,8 +103,11 @@ def _attend_rows(
         seen = active[:, None] & (positions[None, :] < ctx_rows[:, None])
         scores = tl.where(seen, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
+        # Rows that have seen no position yet (other tokens' rows, contexts ending before
+        # this split) subtract 0 instead of -inf: exact zeros rather than NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp(running_max - shift)
+        probs = tl.exp(scores - shift[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
         v_rows = (
             physical * stride_v_block + slots * stride_v_slot + kv_head * stride_v_head
