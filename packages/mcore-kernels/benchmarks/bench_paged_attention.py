@@ -11,7 +11,8 @@ of the host stays out), median of ``--repeats`` replays.
 
 Bandwidth counts the bytes the kernel must move (keys and values of every attended position,
 queries and outputs); ``of copy`` divides it by the device-to-device copy bandwidth measured in
-the same run (bytes read + written of a 1 GiB copy, after a warm-up that raises the clocks).
+the same run (bytes read + written of a 1 GiB copy, after a warm-up that raises the clocks,
+timed like ``bench_decode.py``'s).
 
 Variants: ``before`` is the split kernel as it was (query group padded to 16 rows, IEEE
 float32 ``tl.dot``); ``default`` is the configuration the package picks for the shape
@@ -220,12 +221,18 @@ def _prefill_table(inner: int, repeats: int) -> list[dict[str, Any]]:
 
 
 def _copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write), as bench_decode."""
     source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     target = torch.empty_like(source)
     for _ in range(40):  # clocks up
         target.copy_(source)
-    ms = _graph_ms(lambda: target.copy_(source), 5, 5)
-    return 2 * (1 << 30) / (ms * 1e-3)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        target.copy_(source)
+    end.record()
+    end.synchronize()
+    return 2 * (1 << 30) / (start.elapsed_time(end) / 1000 / 20)
 
 
 def main() -> None:
