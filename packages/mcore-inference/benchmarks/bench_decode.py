@@ -133,6 +133,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--preset", default="qwen2.5-0.5b")
+    parser.add_argument(
+        "--overrides",
+        default="",
+        help="GPTConfig fields changed in the preset, e.g. the gpt-583m RL policy: --preset "
+        "tiny --overrides hidden_size=1152,num_layers=24,num_attention_heads=16,"
+        "num_query_groups=16,ffn_hidden_size=4608,vocab_size=32000,"
+        "max_position_embeddings=4096,dtype=bfloat16",
+    )
+    parser.add_argument("--name", default=None, help="shape name in the result files")
     parser.add_argument("--batch-sizes", default="1,64,256,512")
     parser.add_argument("--hf-batch-sizes", default="1,64,256")
     parser.add_argument("--hf-static-batch-sizes", default="")
@@ -157,7 +166,11 @@ def main() -> None:
     hf_static_batch_sizes = {int(b) for b in args.hf_static_batch_sizes.split(",") if b}
     profile_batch_sizes = {int(b) for b in args.profile_batch_sizes.split(",") if b}
 
-    config = GPTConfig.from_name(args.preset)
+    overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
+    config = GPTConfig.from_name(
+        args.preset, **{k: v if k == "dtype" else int(v) for k, v in overrides.items()}
+    )
+    name = args.name or args.preset
     model = GPTModel(config, device=device).eval()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.kv_channels * 2
@@ -237,6 +250,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "preset": args.preset,
+        "overrides": overrides,
+        "name": name,
         "dtype": str(config.dtype),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -247,9 +262,10 @@ def main() -> None:
         "profiles": profiles,
         "elapsed_s": time.perf_counter() - started,
     }
-    (out / "decode.json").write_text(json.dumps(result, indent=2))
+    stem = "decode" if args.name is None else f"decode-{args.name}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     lines = [
-        f"Decode, {args.preset} shape (random bf16 weights), prompt {args.prompt_len}, "
+        f"Decode, {name} shape (random bf16 weights), prompt {args.prompt_len}, "
         f"{args.new_tokens} new tokens, greedy; {result['device']}, copy "
         f"{bandwidth / 1e12:.2f} TB/s.",
         "",
@@ -291,7 +307,7 @@ def main() -> None:
         ]
     lines.append("")
     lines.append(f"Benchmark wall time {result['elapsed_s']:.0f} s.")
-    (out / "decode.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["bench_rms_norm.py", "bench_token_logprobs.py"]
+BENCHMARKS = ["bench_rms_norm.py", "bench_token_logprobs.py", "bench_paged_attention.py"]
 
 
 def main() -> None:

@@ -79,7 +79,7 @@ def test_reference_matches_dense_attention_over_gathered_blocks():
     ("dtype", "block_size", "split_size", "head_dim", "heads", "atol"),
     [
         (torch.float32, 4, 8, 8, (4, 2), 1e-5),  # broadcast-sum path (tiles of 8)
-        (torch.float32, 4, 32, 8, (4, 2), 1e-5),  # tl.dot tiles spanning 8 blocks
+        (torch.float32, 4, 32, 8, (4, 2), 1e-5),  # tensor-core tiles spanning 8 blocks
         (torch.float32, 16, 32, 24, (7, 1), 1e-5),
         (torch.bfloat16, 16, 32, 16, (6, 3), 2e-2),
     ],

@@ -24,13 +24,16 @@ overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mcore_kernels import _compile
-from mcore_kernels._backend import use_triton
+from mcore_kernels._backend import _interpreting, use_triton
 from mcore_kernels._triton_utils import jit, next_power_of_2, tl, triton
 from mcore_kernels._validation import check_paged_attention_args
 from mcore_kernels.errors import KernelBackendError, KernelShapeError
+from mcore_kernels.paged_attention_config import PagedDecodeConfig, paged_decode_config
 from mcore_kernels.reference import paged_attention_reference
 
 __all__ = [
@@ -45,6 +48,91 @@ DEFAULT_SPLIT_SIZE = 256
 
 
 @jit
+def _attend_rows(
+    q,
+    ctx_rows,
+    active,
+    table,
+    k_ptr,
+    v_ptr,
+    kv_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    scale,
+    split_start,
+    length,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    DOT: tl.constexpr,
+    ALIGN: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    # Online softmax of the active rows over positions split_start .. split_start + length - 1
+    # of one block table, in tiles of TILE positions; each row sees positions < its context.
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    tiles = tl.arange(0, TILE)
+    running_max = tl.full([ROWS], float("-inf"), tl.float32)
+    running_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
+    end = split_start + length
+    for i in range(0, (length + TILE - 1) // TILE):
+        # A tile may span several KV blocks: gather each position's physical block.
+        positions = split_start + i * TILE + tiles
+        valid = positions < end
+        physical = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slots = positions % BLOCK_SIZE
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k_rows = (
+            physical * stride_k_block + slots * stride_k_slot + kv_head * stride_k_head
+        ) * ALIGN
+        k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if not DOT:
+            scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
+        elif DOT_F32:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        seen = active[:, None] & (positions[None, :] < ctx_rows[:, None])
+        scores = tl.where(seen, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        # Rows that have seen no position yet (other tokens' rows, contexts ending before
+        # this split) subtract 0 instead of -inf: exact zeros rather than NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp(running_max - shift)
+        probs = tl.exp(scores - shift[:, None])
+        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        v_rows = (
+            physical * stride_v_block + slots * stride_v_slot + kv_head * stride_v_head
+        ) * ALIGN
+        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if not DOT:
+            update = tl.sum(probs[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        else:
+            # The probabilities as a 16-bit high part plus a 16-bit remainder: two products
+            # keep about 16 bits of each probability (one rounding would keep 8).
+            high = probs.to(v.dtype)
+            low = (probs - high.to(tl.float32)).to(v.dtype)
+            if DOT_F32:
+                v32 = v.to(tl.float32)
+                update = tl.dot(high.to(tl.float32), v32, input_precision="ieee")
+                update += tl.dot(low.to(tl.float32), v32, input_precision="ieee")
+            else:
+                update = tl.dot(high, v)
+                update += tl.dot(low, v)
+        acc = acc * correction[:, None] + update
+        running_max = new_max
+    return running_max, running_sum, acc
+
+
+@jit(do_not_specialize=["num_tokens", "num_splits", "stride_table_token"])
 def _paged_attention_split_kernel(
     q_ptr,
     k_ptr,
@@ -67,101 +155,125 @@ def _paged_attention_split_kernel(
     stride_table_token,
     stride_out_token,
     stride_out_head,
+    num_tokens,
     num_q_heads,
     num_splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
+    TOKENS: tl.constexpr,
+    ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLIT_SIZE: tl.constexpr,
+    SPLIT_BLOCKS_PAD: tl.constexpr,
     TILE: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
+    DOT: tl.constexpr,
+    ALIGN: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    # Rows of the program: TOKENS consecutive tokens x GROUP_PAD query heads of one KV head,
+    # padded to ROWS (16 for tensor-core products). The cache strides arrive divided by ALIGN
+    # (their common divisor, at most 16 elements), so every row start is known ALIGN-aligned
+    # and the loads vectorise whatever the head dimension.
+    first = tl.program_id(0) * TOKENS
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    context = tl.load(context_lens_ptr + token).to(tl.int32)
-    group_offsets = tl.arange(0, GROUP_PAD)
-    dim_offsets = tl.arange(0, HEAD_DIM_PAD)
-    tile_offsets = tl.arange(0, TILE)
-    group_mask = group_offsets < GROUP
-    dim_mask = dim_offsets < HEAD_DIM
-    heads = kv_head * GROUP + group_offsets
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    member = rows // GROUP_PAD
+    tokens = first + member
+    heads = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (member < TOKENS) & (rows % GROUP_PAD < GROUP) & (tokens < num_tokens)
+    ctx_rows = tl.load(context_lens_ptr + tokens, mask=row_ok, other=0).to(tl.int32)
     q = tl.load(
-        q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dim_offsets[None, :],
-        mask=group_mask[:, None] & dim_mask[None, :],
+        q_ptr + tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
+        mask=row_ok[:, None] & dim_mask[None, :],
         other=0.0,
-    ).to(tl.float32)
-    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    running_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    )
+    if not DOT or DOT_F32:
+        q = q.to(tl.float32)
     split_start = split * SPLIT_SIZE
-    remaining = tl.minimum(tl.maximum(context - split_start, 0), SPLIT_SIZE)
-    num_tiles = (remaining + TILE - 1) // TILE
-    table = block_tables_ptr + token * stride_table_token
-    for i in range(0, num_tiles):
-        # A tile may span several KV blocks: gather each position's physical block.
-        positions = split_start + i * TILE + tile_offsets
-        valid = positions < context
-        physical = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slots = positions % BLOCK_SIZE
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(
-            k_ptr
-            + physical[:, None] * stride_k_block
-            + slots[:, None] * stride_k_slot
-            + kv_head * stride_k_head
-            + dim_offsets[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
-        v = tl.load(
-            v_ptr
-            + physical[:, None] * stride_v_block
-            + slots[:, None] * stride_v_slot
-            + kv_head * stride_v_head
-            + dim_offsets[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
-        if USE_DOT:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    remaining = tl.minimum(tl.maximum(ctx_rows - split_start, 0), SPLIT_SIZE)
+    table = block_tables_ptr + first * stride_table_token
+    if TOKENS == 1:
+        running_max, running_sum, acc = _attend_rows(
+            q, ctx_rows, row_ok, table, k_ptr, v_ptr, kv_head,
+            stride_k_block, stride_k_slot, stride_k_head,
+            stride_v_block, stride_v_slot, stride_v_head,
+            scale, split_start, tl.max(remaining, axis=0),
+            ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
+        )  # fmt: skip
+    else:
+        # Tokens of one sequence (chunked prefill) share their block table: one pass loads
+        # each key and value once for all of them. A row's arithmetic is the same as in a
+        # one-token program (its own context mask; later tiles add exact zeros), so the
+        # grouping never changes a result. Tokens whose tables differ over this split take
+        # one pass each.
+        members = tl.arange(0, TOKENS)
+        member_ctx = tl.load(
+            context_lens_ptr + first + members, mask=first + members < num_tokens, other=0
+        ).to(tl.int32)
+        member_blocks = (
+            tl.minimum(tl.maximum(member_ctx - split_start, 0), SPLIT_SIZE) + BLOCK_SIZE - 1
+        ) // BLOCK_SIZE
+        columns = tl.arange(0, SPLIT_BLOCKS_PAD)
+        needed = columns[None, :] < member_blocks[:, None]
+        first_block = split_start // BLOCK_SIZE + columns[None, :]
+        own = tl.load(
+            block_tables_ptr + (first + members)[:, None] * stride_table_token + first_block,
+            mask=needed,
+            other=0,
+        )
+        shared = tl.load(table + first_block + 0 * members[:, None], mask=needed, other=0)
+        differing = tl.sum(tl.sum((own != shared).to(tl.int32), axis=1), axis=0)
+        if differing == 0:
+            running_max, running_sum, acc = _attend_rows(
+                q, ctx_rows, row_ok, table, k_ptr, v_ptr, kv_head,
+                stride_k_block, stride_k_slot, stride_k_head,
+                stride_v_block, stride_v_slot, stride_v_head,
+                scale, split_start, tl.max(remaining, axis=0),
+                ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
+            )  # fmt: skip
         else:
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        if USE_DOT:
-            update = tl.dot(probs, v, input_precision="ieee")
-        else:
-            update = tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
-        acc = acc * correction[:, None] + update
-        running_max = new_max
-    if SINGLE_SPLIT:
+            running_max = tl.full([ROWS], float("-inf"), tl.float32)
+            running_sum = tl.zeros([ROWS], tl.float32)
+            acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
+            for m in range(0, TOKENS):
+                mine = row_ok & (member == m)
+                pass_max, pass_sum, pass_acc = _attend_rows(
+                    q, ctx_rows, mine, table + m * stride_table_token, k_ptr, v_ptr, kv_head,
+                    stride_k_block, stride_k_slot, stride_k_head,
+                    stride_v_block, stride_v_slot, stride_v_head,
+                    scale, split_start, tl.max(tl.where(mine, remaining, 0), axis=0),
+                    ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
+                )  # fmt: skip
+                running_max = tl.where(mine, pass_max, running_max)
+                running_sum = tl.where(mine, pass_sum, running_sum)
+                acc = tl.where(mine[:, None], pass_acc, acc)
+    if num_splits == 1:
         # The merge of a single split is this division (bit for bit): no partials, no merge.
         out = acc / running_sum[:, None]
         tl.store(
             out_ptr
-            + token * stride_out_token
+            + tokens[:, None] * stride_out_token
             + heads[:, None] * stride_out_head
-            + dim_offsets[None, :],
+            + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=group_mask[:, None] & dim_mask[None, :],
+            mask=row_ok[:, None] & dim_mask[None, :],
         )
-        return
-    # Row layout of the partials: [T, Hq, num_splits] (+ [D] for the outputs).
-    row = (token * num_q_heads + heads) * num_splits + split
-    tl.store(partial_max_ptr + row, running_max, mask=group_mask)
-    tl.store(partial_sum_ptr + row, running_sum, mask=group_mask)
-    tl.store(
-        partial_out_ptr + row[:, None] * HEAD_DIM + dim_offsets[None, :],
-        acc,
-        mask=group_mask[:, None] & dim_mask[None, :],
-    )
+    else:
+        # Row layout of the partials: [T, Hq, num_splits] (+ [D] for the outputs). Splits past
+        # a token's context are never read by the merge.
+        row = (tokens * num_q_heads + heads) * num_splits + split
+        tl.store(partial_max_ptr + row, running_max, mask=row_ok)
+        tl.store(partial_sum_ptr + row, running_sum, mask=row_ok)
+        tl.store(
+            partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+            acc,
+            mask=row_ok[:, None] & dim_mask[None, :],
+        )
 
 
 @jit
@@ -221,6 +333,7 @@ def paged_attention_triton(
     *,
     scale: float,
     split_size: int = DEFAULT_SPLIT_SIZE,
+    config: PagedDecodeConfig | None = None,
 ) -> torch.Tensor:
     """Split-KV Triton paged attention; launch shapes are fixed by the table width (graph-safe).
 
@@ -239,13 +352,15 @@ def paged_attention_triton(
         context_lens: Number of attended positions per token, ``[T]``, each at least 1.
         scale: Softmax scale applied to the dot products.
         split_size: Context positions per split; a multiple of the block size.
+        config: How a program computes its tiles; None picks
+            :func:`~mcore_kernels.paged_attention_config.paged_decode_config` for the shape.
 
     Returns:
         The attention output, ``[T, Hq, D]`` in ``q.dtype``.
 
     Raises:
-        KernelShapeError: If the shapes do not match or ``split_size`` is not a positive
-            multiple of the block size.
+        KernelShapeError: If the shapes do not match, ``split_size`` is not a positive
+            multiple of the block size or ``config`` does not fit the shape.
         KernelDtypeError: If a dtype is unsupported.
         KernelBackendError: If Triton is not installed.
     """
@@ -253,12 +368,14 @@ def paged_attention_triton(
         raise KernelBackendError("backend='triton' requested but triton is not installed")
     check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
-    del num_blocks_total
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if split_size <= 0 or split_size % block_size != 0:
         raise KernelShapeError(
             f"split_size={split_size}; expected a positive multiple of the block size {block_size}"
         )
+    group = num_q_heads // num_kv_heads
+    if config is None:
+        config = paged_decode_config(group, head_dim, num_kv_heads, k_cache.dtype)
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
@@ -269,21 +386,33 @@ def paged_attention_triton(
     context_lens = context_lens.contiguous()
     max_context = block_tables.shape[1] * block_size
     num_splits = max(1, -(-max_context // split_size))
-    group = num_q_heads // num_kv_heads
-    single = num_splits == 1
     # One split (short contexts, or tables cut to the step's longest context) writes the
     # output itself; the partials are then never touched.
-    partial_shape = (num_tokens, num_q_heads, 1 if single else num_splits)
+    partial_shape = (num_tokens, num_q_heads, num_splits if num_splits > 1 else 1)
     partial_out = torch.empty((*partial_shape, head_dim), dtype=torch.float32, device=q.device)
     partial_max = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
     partial_sum = torch.empty_like(partial_max)
-    head_dim_pad = max(16, next_power_of_2(head_dim))
-    # Context positions per loop iteration: a power of two dividing split_size, so the
-    # accumulation order depends on split_size only. tl.dot needs every dimension >= 16.
-    tile = min(64, split_size & -split_size)
-    use_dot = tile >= 16
-    group_pad = max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group)
-    _paged_attention_split_kernel[(num_tokens, num_kv_heads, num_splits)](
+    # Tiles of positions: a power of two dividing split_size, so the accumulation order
+    # depends on split_size and the config only; tensor-core products need 16 or more.
+    tile = min(config.tile, split_size & -split_size)
+    dot = config.mode == "dot" and tile >= 16
+    strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+    align = math.gcd(16, *strides)
+    # The tensor-core products take 16-bit operands of one dtype; anything else (float32
+    # caches, mixed dtypes, the interpreter's unusable 16-bit dot) runs them in IEEE float32.
+    dot_f32 = (
+        q.dtype != k_cache.dtype
+        or k_cache.dtype == torch.float32
+        or v_cache.dtype != k_cache.dtype
+        or _interpreting()
+    )
+    group_pad = next_power_of_2(group)
+    rows = max(16, group_pad) if dot else group_pad
+    # Large launches (chunked prefill) fill the padding rows with the next tokens; the
+    # grouping never changes a result, only how often keys and values are read.
+    tokens = rows // group_pad if dot and num_tokens >= config.prefill_tokens else 1
+    grid = (-(-num_tokens // tokens), num_kv_heads, num_splits)
+    _paged_attention_split_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -296,28 +425,30 @@ def paged_attention_triton(
         scale,
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *(stride // align for stride in strides),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        num_tokens,
         num_q_heads,
         num_splits,
         GROUP=group,
         GROUP_PAD=group_pad,
+        TOKENS=tokens,
+        ROWS=rows,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
         SPLIT_SIZE=split_size,
+        SPLIT_BLOCKS_PAD=next_power_of_2(split_size // block_size),
         TILE=tile,
-        USE_DOT=use_dot,
-        SINGLE_SPLIT=single,
+        DOT=dot,
+        ALIGN=align,
+        DOT_F32=dot_f32,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
-    if single:
+    if num_splits == 1:
         return out
     merge_splits(partial_out, partial_max, partial_sum, context_lens, out, split_size=split_size)
     return out
