@@ -457,7 +457,10 @@ class _RMSNormFunction(torch.autograd.Function):
 
 # ``Function.apply`` without the Python wrapper some torch releases put around the C++ entry
 # point (it only matters under torch.func transforms, which take the wrapped path).
-_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _RMSNormFunction)
+try:
+    _APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _RMSNormFunction)
+except (AttributeError, KeyError, TypeError):  # pragma: no cover - another torch layout
+    _APPLY = _RMSNormFunction.apply
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
