@@ -84,6 +84,45 @@ def profiler_cpu_us(fn: Callable[[], Any], calls: int = 100) -> float:
     return event.cpu_time_total / event.count
 
 
+def implementations(compiled, liger_ops) -> dict[str, Callable[..., Any]]:
+    """Every implementation as ``fn(x, residual, weight) -> (y, x + residual)``."""
+    impls: dict[str, Callable[..., Any]] = {
+        "mcore": lambda x, residual, weight: rms_norm(x, weight, EPS, residual=residual),
+        "eager": eager_add_rms_norm,
+        "compile": compiled,
+    }
+    if liger_ops is not None:
+        impls["liger"] = lambda x, residual, weight: liger_ops.LigerFusedAddRMSNormFunction.apply(
+            x, residual, weight, EPS, 0.0, "llama", False
+        )
+    return impls
+
+
+def warm(shard: int, count: int) -> None:
+    """Compile every implementation at this shard's shapes into the on-disk caches.
+
+    Triton and Inductor keep what they compile on disk; ``run_all.py --warm-jobs N`` runs N of
+    these in parallel before the timed run, which then loads instead of compiling one shape
+    after another.
+    """
+    allow_many_recompiles()
+    liger_ops, _ = load_liger()
+    impls = implementations(torch.compile(eager_add_rms_norm, dynamic=False), liger_ops)
+    for rows, hidden in shapes()[shard::count]:
+        leaves = [
+            torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2)
+        ]
+        weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        inputs = (leaves[0], leaves[1], weight)
+        for fn in impls.values():
+            with torch.no_grad():
+                fn(*inputs)
+            outputs = fn(*inputs)
+            torch.autograd.grad(outputs, inputs, [torch.ones_like(o) for o in outputs])
+    torch.cuda.synchronize()
+
+
 def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
     dtype = torch.bfloat16
 
@@ -96,15 +135,7 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
 
     # Graphs cycle through enough input sets that every call reads its tensors from memory.
     sets = [inputs() for _ in range(input_sets(4 * rows * hidden * 2))]
-    impls: dict[str, Callable[..., Any]] = {
-        "mcore": lambda x, residual, weight: rms_norm(x, weight, EPS, residual=residual),
-        "eager": eager_add_rms_norm,
-        "compile": compiled,
-    }
-    if liger_ops is not None:
-        impls["liger"] = lambda x, residual, weight: liger_ops.LigerFusedAddRMSNormFunction.apply(
-            x, residual, weight, EPS, 0.0, "llama", False
-        )
+    impls = implementations(compiled, liger_ops)
     result: dict[str, Any] = {
         "rows": rows,
         "hidden": hidden,
@@ -168,10 +199,19 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="directory for rms_norm.json and rms_norm.md")
     parser.add_argument(
-        "--out", type=Path, required=True, help="directory for rms_norm.json and rms_norm.md"
+        "--warm-shard",
+        metavar="I/N",
+        help="only compile the implementations at every N-th shape from the I-th, then exit",
     )
     args = parser.parse_args()
+    if args.warm_shard:
+        shard, count = (int(v) for v in args.warm_shard.split("/"))
+        warm(shard, count)
+        return
+    if args.out is None:
+        parser.error("--out is required")
     allow_many_recompiles()
     liger_ops, liger_missing = load_liger()
     compiled = torch.compile(eager_add_rms_norm, dynamic=False)
@@ -211,12 +251,20 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
     header = ["rows x hidden", "fwd us", "fwd % copy"]
     header += [f"fwd vs {p}" for p in peers] + ["bwd us", "bwd % copy"]
     header += [f"bwd vs {p}" for p in peers]
+    # Where mcore and Liger both stream near the copy bandwidth, a ratio cannot say more than
+    # how close each is to it: show Liger's own fraction of copy too.
+    header += ["liger fwd % copy", "liger bwd % copy"] if has_liger else []
     rows = []
     for e in results:
         row = [f"{e['rows']}x{e['hidden']}", e["fwd_us"]["mcore"], 100 * e["fwd_fraction_of_copy"]]
         row += [e["speedup_fwd"][p] for p in peers]
         row += [e["bwd_us"]["mcore"], 100 * e["bwd_fraction_of_copy"]]
         row += [e["speedup_bwd"][p] for p in peers]
+        if has_liger:
+            row += [
+                100 * e["fwd_fraction_of_copy"] * e["speedup_fwd"]["liger"] ** -1,
+                100 * e["bwd_fraction_of_copy"] * e["speedup_bwd"]["liger"] ** -1,
+            ]
         rows.append(row)
     table = (
         f"Residual add + RMSNorm, bf16, on {payload['device']} (torch {payload['torch']}, triton "
