@@ -2,13 +2,17 @@
 
 For add + RMSNorm it times the forward and the backward launchers (no autograd) of every
 candidate :class:`~mcore_kernels.rms_norm.RMSNormLaunch` at each hidden size of the benchmark
-table and several row counts, and picks per hidden size the candidate with the smallest
-geometric mean of its time relative to the fastest candidate of each row count (the number of
-rows cannot enter the choice: block shapes depend on the hidden size only, which keeps every
-row's result independent of the batch). For token log-probs it sweeps the vocabulary chunk,
-warps and pipelining depth. Writes ``launch_configs.json`` and ``launch_configs.md``, whose
-"chosen" rows are what ``LAUNCH_CONFIGS`` in ``rms_norm.py`` and ``_block_and_warps`` in
-``token_logprobs.py`` hold.
+table and the row counts 1, 256, 4096, 8192 and 16384, as GPU time under CUDA graph replay over
+enough input copies that every call reads from memory (no host launch cost, no L2 reuse).
+Per hidden size the forward takes the (rows per program, warps) with the least geometric mean
+of time / fastest time over the row counts; the backward takes its layout (rows per iteration,
+warps) the same way, each layout scored by its best grid at each row count, then that layout's
+grid cap (programs per SM) and pipelining depth by the same rule. The number of rows never
+picks a layout: block shapes depend on the hidden size only, which keeps every row's result
+independent of the batch. For token log-probs it sweeps the vocabulary chunk, warps and
+pipelining depth. Writes ``launch_configs.json`` and ``launch_configs.md``, whose "chosen" rows
+are what ``LAUNCH_CONFIGS`` in ``rms_norm.py`` and ``_block_and_warps`` in ``token_logprobs.py``
+hold.
 
 Usage: ``python3 packages/mcore-kernels/benchmarks/tune_launch_configs.py --out DIR``
 """

@@ -161,7 +161,9 @@ def on_device_of(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
         ``torch.cuda.device(tensor.device)`` for a CUDA tensor on another GPU than the current
         one, else a shared no-op context (the common case costs no device switch).
     """
-    if tensor.is_cuda and tensor.get_device() != torch.cuda.current_device():
+    # A CUDA tensor means CUDA is initialised: read the current device without the lazy-init
+    # check of ``torch.cuda.current_device()``.
+    if tensor.is_cuda and tensor.get_device() != torch._C._cuda_getDevice():
         return torch.cuda.device(tensor.device)
     return _SAME_DEVICE
 
