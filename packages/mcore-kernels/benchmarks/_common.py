@@ -27,19 +27,28 @@ def device_info() -> dict[str, Any]:
     }
 
 
-def bench_ms(fn: Callable[[], Any], *, graph: bool = False) -> float:
-    """Median milliseconds of ``fn`` by ``triton.testing.do_bench`` (or its CUDA-graph variant)."""
+def bench_ms(fn: Callable[[], Any], *, graph: bool = False, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` by ``triton.testing.do_bench`` (or its CUDA-graph variant)
+    over about ``rep`` milliseconds of calls."""
     from triton.testing import do_bench, do_bench_cudagraph
 
     if graph:
-        return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+    return float(do_bench(fn, warmup=min(25, rep), rep=rep, return_mode="median"))
 
-
-_POOL: Any = None
 
 L2_FLUSH_BYTES = 150e6
 """Bytes one graph cycles through before reusing an input set: three H100/H200 L2 caches."""
+
+
+def cuda_generator(seed: int = 0) -> torch.Generator:
+    """A CUDA generator of its own for benchmark inputs.
+
+    A graph capture that fails (a peer that cannot be captured) can leave the default CUDA
+    generator in its capture state, after which every ``torch.randn`` on the device raises;
+    inputs drawn from a private generator are unaffected.
+    """
+    return torch.Generator(device="cuda").manual_seed(seed)
 
 
 def input_sets(bytes_per_call: int, cap: int = 32) -> int:
@@ -59,9 +68,6 @@ def graph_us(make_calls: Callable[[], list[Callable[[], Any]]], min_calls: int =
     there sends its backward to the same stream) and returns one call per input set; the graph
     holds ``max(len(calls), min_calls)`` calls, cycling over the sets.
     """
-    global _POOL
-    if _POOL is None:
-        _POOL = torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -72,7 +78,7 @@ def graph_us(make_calls: Callable[[], list[Callable[[], Any]]], min_calls: int =
     count = max(len(calls), min_calls)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool=_POOL)
+        graph.capture_begin()
         try:
             for k in range(count):
                 calls[k % len(calls)]()

@@ -22,6 +22,7 @@ import torch
 from _common import (
     bench_ms,
     copy_bandwidth_tbs,
+    cuda_generator,
     device_info,
     graph_us,
     input_sets,
@@ -52,8 +53,9 @@ def shapes() -> list[tuple[int, int]]:
 
 
 def measure(rows: int, vocab: int, liger_ops) -> dict[str, Any]:
-    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 4
-    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    gen = cuda_generator(rows + vocab)
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16, generator=gen) * 4
+    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
     forward: dict[str, Callable[[torch.Tensor], Any]] = {
         "mcore": lambda z: token_logprobs(z, targets),
         "mcore-checked": lambda z: token_logprobs(z, targets, check_targets=True),

@@ -90,13 +90,13 @@ LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
         fwd_rows=2, fwd_warps=4, bwd_rows=4, bwd_warps=4, bwd_programs_per_sm=4, bwd_stages=2
     ),
     2048: RMSNormLaunch(
-        fwd_rows=1, fwd_warps=8, bwd_rows=4, bwd_warps=8, bwd_programs_per_sm=2, bwd_stages=2
+        fwd_rows=1, fwd_warps=8, bwd_rows=4, bwd_warps=8, bwd_programs_per_sm=1, bwd_stages=3
     ),
     4096: RMSNormLaunch(
-        fwd_rows=1, fwd_warps=8, bwd_rows=2, bwd_warps=8, bwd_programs_per_sm=2, bwd_stages=2
+        fwd_rows=1, fwd_warps=8, bwd_rows=2, bwd_warps=8, bwd_programs_per_sm=1, bwd_stages=3
     ),
     8192: RMSNormLaunch(
-        fwd_rows=1, fwd_warps=16, bwd_rows=1, bwd_warps=16, bwd_programs_per_sm=1, bwd_stages=3
+        fwd_rows=1, fwd_warps=16, bwd_rows=1, bwd_warps=8, bwd_programs_per_sm=1, bwd_stages=3
     ),
 }
 """Launch parameters by row block width: the entry of the smallest width ``>=`` the block is
