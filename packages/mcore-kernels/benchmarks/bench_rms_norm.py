@@ -116,6 +116,10 @@ def warm(shard: int, count: int) -> None:
     these in parallel before the timed run, which then loads instead of compiling one shape
     after another.
     """
+    import torch._inductor.config
+
+    # The shards already run in parallel: no pool of compile workers inside each.
+    torch._inductor.config.compile_threads = 1
     allow_many_recompiles()
     liger_ops, _ = load_liger()
     impls = implementations(torch.compile(eager_add_rms_norm, dynamic=False), liger_ops)
