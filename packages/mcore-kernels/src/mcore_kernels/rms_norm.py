@@ -3,8 +3,9 @@
 Forward: each program normalises ``fwd_rows`` rows held in registers; rows wider than
 ``MAX_BLOCK`` take a looped variant that streams the row twice (mean square, then normalise).
 Backward, two stages: a grid of at most ``programs_per_sm * multiprocessors`` programs walks the
-row blocks in a fixed stride, writes ``d(x)`` of every row and one float32 partial weight
-gradient per program; a second kernel sums the partials in program order and rounds once to the
+row blocks in a fixed stride, recomputes each row's ``rstd`` from the row it holds in registers
+(the forward stores it only for rows wider than ``MAX_BLOCK``), writes ``d(x)`` of every row and
+one float32 partial weight gradient per program; a second kernel sums the partials in program order and rounds once to the
 weight dtype (a single program writes the weight gradient directly). The weight gradient is
 therefore deterministic, and every block shape depends on the hidden size only, so a row's
 outputs are bitwise the same whatever the number of rows in the call.
@@ -12,11 +13,13 @@ outputs are bitwise the same whatever the number of rows in the call.
 How a launch configuration is chosen: :data:`LAUNCH_CONFIGS` maps the row block width (the
 hidden size rounded up to a power of two, at most ``MAX_BLOCK``) to the rows per forward
 program and its warps, and to the rows per backward iteration, its warps, programs per
-multiprocessor and software-pipelining depth. The numbers were chosen with the sweep of
-``benchmarks/tune_launch_configs.py`` on an H200 (which picks, per width, the least geometric
-mean of time over the fastest time across 256, 4096 and 16384 rows) and are looked up once per
-(hidden size, device) and cached, so a call does no configuration work. The number of rows
-never enters the choice. Launches go through :class:`~mcore_kernels._triton_utils.CachedLauncher`.
+multiprocessor and software-pipelining depth. The numbers come from the sweep of
+``benchmarks/tune_launch_configs.py`` (per width, the least geometric mean of GPU time over the
+fastest time across the row counts; on an H100 the defaults are within 1 % of the best
+candidate at 256 to 16384 rows) and are looked up once per (hidden size, device) and cached, so
+a call does no configuration work. The number of rows enters only the backward's grid (one
+program per row block up to the cap), never a block shape. Launches go through
+:class:`~mcore_kernels._triton_utils.CachedLauncher`.
 
 Eager calls go straight to the Triton launchers (through :class:`_RMSNormFunction` when a
 gradient is needed); only while ``torch.compile`` traces a call does it become the custom op
@@ -102,8 +105,10 @@ LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
 """Launch parameters by row block width: the entry of the smallest width ``>=`` the block is
 used (rows wider than ``MAX_BLOCK`` use the 8192 entry with one row per iteration)."""
 
-_PARTIAL_SUM_ROWS = 16
-_PARTIAL_SUM_COLS = 64
+# Tiles of the partial weight-gradient sum: 128 partial rows x 32 columns per step (H100, 132 to
+# 264 partials: 2.6-3.6 us against 3.4-5.0 us for 16 x 64; see docs/benchmarks/kernels.md).
+_PARTIAL_SUM_ROWS = 128
+_PARTIAL_SUM_COLS = 32
 
 
 @functools.lru_cache(maxsize=256)
@@ -568,13 +573,18 @@ def _plainly_valid(x: Any, weight: Any, eps: Any, residual: Any) -> bool:
             and weight.dim() == 1
             and x.dim() >= 1
             and x.shape[-1] == weight.shape[0] != 0
-            and x.device == weight.device
+            # Device indices (-1 on the CPU) compare without building torch.device objects.
+            and x.get_device() == weight.get_device()
+            and x.is_cuda == weight.is_cuda
+            and x.is_cpu == weight.is_cpu
             and (
                 residual is None
                 or (
                     residual.dtype == x.dtype
                     and residual.shape == x.shape
-                    and residual.device == x.device
+                    and residual.get_device() == x.get_device()
+                    and residual.is_cuda == x.is_cuda
+                    and residual.is_cpu == x.is_cpu
                 )
             )
         )
