@@ -35,8 +35,15 @@ def main() -> None:
         help="processes that compile the add + RMSNorm implementations in parallel first "
         "(0: compile inside the timed run, one shape after another)",
     )
+    parser.add_argument(
+        "--only",
+        choices=[name.removesuffix(".py") for name in BENCHMARKS],
+        help="run this benchmark alone (to split the run over two device calls)",
+    )
     args = parser.parse_args()
-    if args.warm_jobs > 0 and not args.only_tune:
+    if args.only:
+        BENCHMARKS[:] = [f"{args.only}.py"]
+    if args.warm_jobs > 0 and not args.only_tune and "bench_rms_norm.py" in BENCHMARKS:
         # Fills the Triton and Inductor disk caches: the timed run loads instead of compiling.
         started = time.perf_counter()
         jobs = [
