@@ -27,13 +27,75 @@ def device_info() -> dict[str, Any]:
     }
 
 
-def bench_ms(fn: Callable[[], Any], *, graph: bool = False) -> float:
-    """Median milliseconds of ``fn`` by ``triton.testing.do_bench`` (or its CUDA-graph variant)."""
+def bench_ms(fn: Callable[[], Any], *, graph: bool = False, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` by ``triton.testing.do_bench`` (or its CUDA-graph variant)
+    over about ``rep`` milliseconds of calls."""
     from triton.testing import do_bench, do_bench_cudagraph
 
     if graph:
-        return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+    return float(do_bench(fn, warmup=min(25, rep), rep=rep, return_mode="median"))
+
+
+L2_FLUSH_BYTES = 150e6
+"""Bytes one graph cycles through before reusing an input set: three H100/H200 L2 caches."""
+
+
+def cuda_generator(seed: int = 0) -> torch.Generator:
+    """A CUDA generator of its own for benchmark inputs.
+
+    A graph capture that fails (a peer that cannot be captured) can leave the default CUDA
+    generator in its capture state, after which every ``torch.randn`` on the device raises;
+    inputs drawn from a private generator are unaffected.
+    """
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def input_sets(bytes_per_call: int, cap: int = 32) -> int:
+    """Number of input sets a graph rotates through so that every call reads cold inputs.
+
+    A CUDA graph of back-to-back calls on the same tensors would time L2-resident inputs for
+    tensors smaller than the cache; cycling through enough copies reads from memory instead,
+    as ``triton.testing.do_bench`` does by flushing the cache between calls.
+    """
+    return max(1, min(cap, -(-int(L2_FLUSH_BYTES) // max(int(bytes_per_call), 1))))
+
+
+def graph_us(make_calls: Callable[[], list[Callable[[], Any]]], min_calls: int = 10) -> float:
+    """GPU microseconds per call, without host launch cost: median over replays of one graph.
+
+    ``make_calls`` runs on the capture stream (so that the autograd graph of a forward made
+    there sends its backward to the same stream) and returns one call per input set; the graph
+    holds ``max(len(calls), min_calls)`` calls, cycling over the sets.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls = make_calls()
+        for call in calls:
+            call()
+    torch.cuda.synchronize()
+    count = max(len(calls), min_calls)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            for k in range(count):
+                calls[k % len(calls)]()
+        finally:
+            graph.capture_end()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(7):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / count)
+    del graph, calls
+    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth_tbs(num_bytes: int = 2 * 2**30) -> float:

@@ -2,13 +2,17 @@
 
 For add + RMSNorm it times the forward and the backward launchers (no autograd) of every
 candidate :class:`~mcore_kernels.rms_norm.RMSNormLaunch` at each hidden size of the benchmark
-table and several row counts, and picks per hidden size the candidate with the smallest
-geometric mean of its time relative to the fastest candidate of each row count (the number of
-rows cannot enter the choice: block shapes depend on the hidden size only, which keeps every
-row's result independent of the batch). For token log-probs it sweeps the vocabulary chunk,
-warps and pipelining depth. Writes ``launch_configs.json`` and ``launch_configs.md``, whose
-"chosen" rows are what ``LAUNCH_CONFIGS`` in ``rms_norm.py`` and ``_block_and_warps`` in
-``token_logprobs.py`` hold.
+table and the row counts 1, 256, 4096, 8192 and 16384, as GPU time under CUDA graph replay over
+enough input copies that every call reads from memory (no host launch cost, no L2 reuse).
+Per hidden size the forward takes the (rows per program, warps) with the least geometric mean
+of time / fastest time over the row counts; the backward takes its layout (rows per iteration,
+warps) the same way, each layout scored by its best grid at each row count, then that layout's
+grid cap (programs per SM) and pipelining depth by the same rule. The number of rows never
+picks a layout: block shapes depend on the hidden size only, which keeps every row's result
+independent of the batch. For token log-probs it sweeps the vocabulary chunk, warps and
+pipelining depth. Writes ``launch_configs.json`` and ``launch_configs.md``, whose "chosen" rows
+are what ``LAUNCH_CONFIGS`` in ``rms_norm.py`` and ``_block_and_warps`` in ``token_logprobs.py``
+hold.
 
 Usage: ``python3 packages/mcore-kernels/benchmarks/tune_launch_configs.py --out DIR``
 """
@@ -24,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import device_info, markdown_table, write_results
+from _common import device_info, graph_us, input_sets, markdown_table, write_results
 from triton.testing import do_bench
 
 # The package exports functions named like these modules: fetch the modules themselves.
@@ -33,7 +37,16 @@ lp = importlib.import_module("mcore_kernels.token_logprobs")
 
 
 HIDDEN = (2048, 4096, 8192)
-ROWS = (256, 4096, 16384)
+ROWS = (1, 256, 4096, 8192, 16384)
+EPS = 1e-6
+
+
+def _us(make_calls) -> float | None:
+    try:
+        return graph_us(make_calls)
+    except Exception as exc:  # a candidate that does not compile (shared memory, registers)
+        print(f"skipped: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        return None
 
 
 def _ms(fn) -> float:
@@ -61,16 +74,28 @@ def _choose(times: dict[Any, dict[int, float | None]]) -> tuple[Any, float]:
     return chosen, scores[chosen]
 
 
+def layouts(hidden: int, row_choices: tuple[int, ...], warp_choices: tuple[int, ...]):
+    """(rows, warps) pairs giving each thread 8 to 64 elements of the tile."""
+    return [(r, w) for r in row_choices for w in warp_choices if 8 <= r * hidden / (w * 32) <= 64]
+
+
 def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
+    """Forward: (rows, warps) per hidden size. Backward: the layout (rows, warps) per hidden
+    size, then its grid cap (programs per SM) and pipelining depth."""
+    multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
     for hidden in HIDDEN:
         fwd: dict[tuple, dict[int, float | None]] = {}
         bwd: dict[tuple, dict[int, float | None]] = {}
         for rows in ROWS:
-            x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-            r, dy, dh = (torch.randn_like(x) for _ in range(3))
-            w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-            _, h, rstd = rms._forward(x, w, 1e-6, r, True)
-            for fwd_rows, warps in itertools.product((1, 2, 4), (4, 8, 16)):
+            bytes_per_call = 4 * rows * hidden * 2
+            sets = []
+            for _ in range(input_sets(bytes_per_call)):
+                x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+                r, dy, dh = (torch.randn_like(x) for _ in range(3))
+                w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+                _, h, _ = rms._forward(x, w, EPS, r, True)
+                sets.append((x, r, w, dy, dh, h))
+            for fwd_rows, warps in layouts(hidden, (1, 2, 4), (2, 4, 8, 16, 32)):
                 cfg = rms.RMSNormLaunch(
                     fwd_rows=fwd_rows,
                     fwd_warps=warps,
@@ -79,13 +104,19 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
                     bwd_programs_per_sm=1,
                     bwd_stages=1,
                 )
-                fwd.setdefault((fwd_rows, warps), {})[rows] = _timed(
-                    partial(rms._forward, x, w, 1e-6, r, True, cfg)
+                fwd.setdefault((fwd_rows, warps), {})[rows] = _us(
+                    lambda cfg=cfg, sets=sets: [
+                        partial(rms._forward, x, w, EPS, r, False, cfg) for x, r, w, *_ in sets
+                    ]
                 )
-            warp_choices = (4, 8) if hidden <= 2048 else (8, 16)
-            for bwd_rows, warps, per_sm, stages in itertools.product(
-                (1, 2, 4), warp_choices, (1, 2, 4), (1, 3)
+            for (bwd_rows, warps), per_sm, stages in itertools.product(
+                layouts(hidden, (1, 2, 4, 8), (4, 8, 16, 32)), (1, 2, 4, 8), (1, 2, 3)
             ):
+                blocks = -(-rows // bwd_rows)
+                if (per_sm > 1 and blocks <= multiprocessors * per_sm // 2) or (
+                    blocks == 1 and stages > 1
+                ):
+                    continue  # the same launch as a smaller candidate
                 cfg = rms.RMSNormLaunch(
                     fwd_rows=1,
                     fwd_warps=4,
@@ -94,33 +125,61 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
                     bwd_programs_per_sm=per_sm,
                     bwd_stages=stages,
                 )
-                bwd.setdefault((bwd_rows, warps, per_sm, stages), {})[rows] = _timed(
-                    partial(rms._backward, dy, dh, h, w, rstd, cfg)
+                bwd.setdefault((bwd_rows, warps, per_sm, stages), {})[rows] = _us(
+                    lambda cfg=cfg, sets=sets: [
+                        partial(rms._backward, dy, dh, h, w, None, EPS, cfg)
+                        for _, _, w, dy, dh, h in sets
+                    ]
                 )
+            sets = []
         for kind, times, names in (
             ("rms_fwd", fwd, ("rows", "warps")),
             ("rms_bwd", bwd, ("rows", "warps", "programs_per_sm", "stages")),
         ):
             for cand, per_rows in times.items():
-                for rows, ms in per_rows.items():
+                for rows, us in per_rows.items():
                     entries.append(
                         {
                             "kernel": kind,
                             "shape": f"{rows}x{hidden}",
                             **dict(zip(names, cand, strict=True)),
-                            "ms": ms,
+                            "us": us,
                         }
                     )
-            best, score = _choose(times)
-            chosen.append(
-                [
-                    kind,
-                    hidden,
-                    ", ".join(f"{n}={v}" for n, v in zip(names, best, strict=True)),
-                    score,
-                ]
-            )
-            print(kind, hidden, best, score, flush=True)
+        best, score = _choose(fwd)
+        chosen.append(["rms_fwd", hidden, f"rows={best[0]}, warps={best[1]}", score])
+        # The layout must not depend on the number of rows (batch invariance): per layout, the
+        # best grid and depth at each row count, then the layout of least geometric mean.
+        per_layout: dict[tuple, dict[int, float | None]] = {}
+        for (bwd_rows, warps, _, _), per_rows in bwd.items():
+            slot = per_layout.setdefault((bwd_rows, warps), {})
+            for rows, us in per_rows.items():
+                if us is not None and (slot.get(rows) is None or us < slot[rows]):
+                    slot[rows] = us
+        layout, score = _choose(per_layout)
+        grids = {cand[2:]: t for cand, t in bwd.items() if cand[:2] == layout}
+        # Skipped duplicates take the time of the smaller candidate they equal.
+        for (per_sm, stages), t in grids.items():
+            for rows in ROWS:
+                if t.get(rows) is None:
+                    t[rows] = min(
+                        (
+                            u[rows]
+                            for (p, s), u in grids.items()
+                            if u.get(rows) is not None and p <= per_sm and s <= stages
+                        ),
+                        default=None,
+                    )
+        grid, grid_score = _choose(grids)
+        chosen.append(
+            [
+                "rms_bwd",
+                hidden,
+                f"rows={layout[0]}, warps={layout[1]}, programs_per_sm={grid[0]}, stages={grid[1]}",
+                score * grid_score,
+            ]
+        )
+        print("rms", hidden, chosen[-2:], flush=True)
 
 
 def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -189,6 +191,31 @@ def test_rms_norm_module_triton_path_matches_torch_path(monkeypatch):
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.testing.assert_close(module(x), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("hidden", [96, 3000, 9000])
+def test_launch_config_is_chosen_by_row_width_and_rstd_kept_only_for_looped_rows(
+    triton_backend, hidden
+):
+    rms_module = importlib.import_module("mcore_kernels.rms_norm")
+    block, single, config, programs_cap = rms_module._launch(hidden, torch.device("cpu"))
+    width = min(1 << (hidden - 1).bit_length(), rms_module.MAX_BLOCK)
+    entry = rms_module.LAUNCH_CONFIGS[min(w for w in rms_module.LAUNCH_CONFIGS if w >= width)]
+    assert block == width and single == (hidden <= rms_module.MAX_BLOCK)
+    # Rows wider than MAX_BLOCK stream one row at a time; the grid cap follows the entry.
+    expected_rows = 1 if not single else entry.bwd_rows
+    assert (config.bwd_rows, config.bwd_warps) == (expected_rows, entry.bwd_warps)
+    assert programs_cap == 4 * entry.bwd_programs_per_sm  # 4 interpreter "multiprocessors"
+    x, residual, weight = _inputs((2, hidden), torch.float32, seed=hidden)
+    y, h, rstd = rms_module._forward(x, weight, 1e-6, residual, True)
+    # Rows held in registers recompute rstd in the backward: the forward stores it only for
+    # the looped variant, where it equals the reference's.
+    if single:
+        assert rstd is None
+    else:
+        expected = torch.rsqrt(h.double().pow(2).mean(-1) + 1e-6).float()
+        torch.testing.assert_close(rstd, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(y, rms_norm_reference(x, weight, 1e-6, residual=residual)[0])
 
 
 def test_empty_leading_dimension_returns_empty(triton_backend):

@@ -98,14 +98,20 @@ class CachedLauncher:
             device_index: the CUDA device of the tensors (the current device).
         """
         key: list = [num_warps, device_index, *constexprs.values()]
+        append = key.append
         for arg in args:
-            if isinstance(arg, torch.Tensor):
-                key.append(arg.dtype)
-                key.append(arg.data_ptr() & 15)
-            elif type(arg) is int:
-                key.append((arg == 1, arg & 15, arg in _INT32))
+            cls = type(arg)
+            if cls is int:
+                # One int per argument: 1 (specialised away), else the low four bits (16-byte
+                # divisibility) with a bit telling whether it fits in 32 bits.
+                append(1 if arg == 1 else (arg & 15) | (16 if arg in _INT32 else 32))
+            elif cls is float:
+                append(cls)
+            elif isinstance(arg, torch.Tensor):
+                append(arg.dtype)
+                append(arg.data_ptr() & 15)
             else:
-                key.append(type(arg))
+                append(cls)
         cache_key = tuple(key)
         entry = self._kernels.get(cache_key)
         if entry is not None and self._fast:
@@ -155,7 +161,9 @@ def on_device_of(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
         ``torch.cuda.device(tensor.device)`` for a CUDA tensor on another GPU than the current
         one, else a shared no-op context (the common case costs no device switch).
     """
-    if tensor.is_cuda and tensor.get_device() != torch.cuda.current_device():
+    # A CUDA tensor means CUDA is initialised: read the current device without the lazy-init
+    # check of ``torch.cuda.current_device()``.
+    if tensor.is_cuda and tensor.get_device() != torch._C._cuda_getDevice():
         return torch.cuda.device(tensor.device)
     return _SAME_DEVICE
 

@@ -3,8 +3,9 @@
 Forward: each program normalises ``fwd_rows`` rows held in registers; rows wider than
 ``MAX_BLOCK`` take a looped variant that streams the row twice (mean square, then normalise).
 Backward, two stages: a grid of at most ``programs_per_sm * multiprocessors`` programs walks the
-row blocks in a fixed stride, writes ``d(x)`` of every row and one float32 partial weight
-gradient per program; a second kernel sums the partials in program order and rounds once to the
+row blocks in a fixed stride, recomputes each row's ``rstd`` from the row it holds in registers
+(the forward stores it only for rows wider than ``MAX_BLOCK``), writes ``d(x)`` of every row and
+one float32 partial weight gradient per program; a second kernel sums the partials in program order and rounds once to the
 weight dtype (a single program writes the weight gradient directly). The weight gradient is
 therefore deterministic, and every block shape depends on the hidden size only, so a row's
 outputs are bitwise the same whatever the number of rows in the call.
@@ -12,11 +13,13 @@ outputs are bitwise the same whatever the number of rows in the call.
 How a launch configuration is chosen: :data:`LAUNCH_CONFIGS` maps the row block width (the
 hidden size rounded up to a power of two, at most ``MAX_BLOCK``) to the rows per forward
 program and its warps, and to the rows per backward iteration, its warps, programs per
-multiprocessor and software-pipelining depth. The numbers were chosen with the sweep of
-``benchmarks/tune_launch_configs.py`` on an H200 (which picks, per width, the least geometric
-mean of time over the fastest time across 256, 4096 and 16384 rows) and are looked up once per
-(hidden size, device) and cached, so a call does no configuration work. The number of rows
-never enters the choice. Launches go through :class:`~mcore_kernels._triton_utils.CachedLauncher`.
+multiprocessor and software-pipelining depth. The numbers come from the sweep of
+``benchmarks/tune_launch_configs.py`` (per width, the least geometric mean of GPU time over the
+fastest time across the row counts; on an H100 the defaults are within 1 % of the best
+candidate at 256 to 16384 rows) and are looked up once per (hidden size, device) and cached, so
+a call does no configuration work. The number of rows enters only the backward's grid (one
+program per row block up to the cap), never a block shape. Launches go through
+:class:`~mcore_kernels._triton_utils.CachedLauncher`.
 
 Eager calls go straight to the Triton launchers (through :class:`_RMSNormFunction` when a
 gradient is needed); only while ``torch.compile`` traces a call does it become the custom op
@@ -90,20 +93,22 @@ LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
         fwd_rows=2, fwd_warps=4, bwd_rows=4, bwd_warps=4, bwd_programs_per_sm=4, bwd_stages=2
     ),
     2048: RMSNormLaunch(
-        fwd_rows=1, fwd_warps=8, bwd_rows=4, bwd_warps=8, bwd_programs_per_sm=2, bwd_stages=2
+        fwd_rows=1, fwd_warps=8, bwd_rows=4, bwd_warps=8, bwd_programs_per_sm=1, bwd_stages=3
     ),
     4096: RMSNormLaunch(
-        fwd_rows=1, fwd_warps=8, bwd_rows=2, bwd_warps=8, bwd_programs_per_sm=2, bwd_stages=2
+        fwd_rows=1, fwd_warps=8, bwd_rows=2, bwd_warps=8, bwd_programs_per_sm=1, bwd_stages=3
     ),
     8192: RMSNormLaunch(
-        fwd_rows=1, fwd_warps=16, bwd_rows=1, bwd_warps=16, bwd_programs_per_sm=1, bwd_stages=3
+        fwd_rows=1, fwd_warps=16, bwd_rows=1, bwd_warps=8, bwd_programs_per_sm=1, bwd_stages=3
     ),
 }
 """Launch parameters by row block width: the entry of the smallest width ``>=`` the block is
 used (rows wider than ``MAX_BLOCK`` use the 8192 entry with one row per iteration)."""
 
-_PARTIAL_SUM_ROWS = 16
-_PARTIAL_SUM_COLS = 64
+# Tiles of the partial weight-gradient sum: 128 partial rows x 32 columns per step (H100, 132 to
+# 264 partials: 2.6-3.6 us against 3.4-5.0 us for 16 x 64; see docs/benchmarks/kernels.md).
+_PARTIAL_SUM_ROWS = 128
+_PARTIAL_SUM_COLS = 32
 
 
 @functools.lru_cache(maxsize=256)
@@ -216,6 +221,7 @@ def _rms_norm_bwd_kernel(
     rows,
     hidden_row_stride,
     hidden,
+    eps,
     HAS_DHIDDEN_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -247,7 +253,8 @@ def _rms_norm_bwd_kernel(
                 mask=mask,
                 other=0.0,
             ).to(tl.float32)
-            rstd = tl.load(rstd_ptr + row_ids, mask=row_mask, other=0.0)
+            # The row is in registers: recomputing its rstd costs no memory traffic.
+            rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / hidden + eps)
             normed = h * rstd[:, None]
             dyw = dy * w[None, :]
             correction = tl.sum(dyw * normed, axis=1) / hidden
@@ -321,12 +328,14 @@ def _forward(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None,
-    store_rstd: bool,
+    for_backward: bool,
     config: RMSNormLaunch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the forward: ``(y, x + residual or x, rstd)``; ``rstd`` is ``y`` unless stored.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the forward: ``(y, x + residual or x, rstd or None)``.
 
-    ``config`` overrides the table's launch parameters (the tuner's sweep).
+    ``rstd`` is stored only ``for_backward`` of rows wider than ``MAX_BLOCK`` (the backward of
+    narrower rows recomputes it). ``config`` overrides the table's launch parameters (the
+    tuner's sweep).
     """
     # Contiguous tensors go to the kernel as they are (rows of ``hidden`` elements): no
     # reshapes or views on the hot path; other layouts are copied once.
@@ -340,14 +349,15 @@ def _forward(
     rows = x.numel() // hidden
     y = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else x
-    rstd = x.new_empty(rows, dtype=torch.float32) if store_rstd else y
+    block, single, chosen, _ = _launch(hidden, x.device)
+    store_rstd = for_backward and not single
+    rstd = x.new_empty(rows, dtype=torch.float32) if store_rstd else None
     if rows > 0:
-        block, single, chosen, _ = _launch(hidden, x.device)
         config = config or chosen
         r = residual if residual is not None else x
         _FORWARD(
             (-(-rows // config.fwd_rows),),
-            (x, r, weight, y, h, rstd, rows, hidden, hidden, hidden, eps),
+            (x, r, weight, y, h, y if rstd is None else rstd, rows, hidden, hidden, hidden, eps),
             {
                 "HAS_RESIDUAL": residual is not None,
                 "STORE_RSTD": store_rstd,
@@ -366,12 +376,15 @@ def _backward(
     dhidden_out: torch.Tensor | None,
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
-    rstd: torch.Tensor,
+    rstd: torch.Tensor | None,
+    eps: float,
     config: RMSNormLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward: ``(d(hidden_states), d(weight))`` in the inputs' dtypes.
 
-    ``config`` overrides the table's launch parameters (the tuner's sweep).
+    ``rstd`` is the forward's stored statistic, needed only by rows wider than ``MAX_BLOCK``
+    (narrower rows recompute it from ``hidden_states``). ``config`` overrides the table's launch
+    parameters (the tuner's sweep).
     """
     hidden = hidden_states.shape[-1]
     h2 = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
@@ -387,6 +400,10 @@ def _backward(
     if rows == 0:
         return dx, torch.zeros_like(weight)
     block, single, chosen, cap = _launch(hidden, device)
+    if rstd is None:
+        if not single:
+            raise KernelValueError(f"rows of {hidden} > MAX_BLOCK={MAX_BLOCK} need the stored rstd")
+        rstd = dy2
     if config is not None:
         cap = device_limits(device)[0] * config.bwd_programs_per_sm
     config = config or chosen
@@ -397,7 +414,7 @@ def _backward(
     streamed = 3 if dhidden_out is not None else 2
     _BACKWARD(
         (programs,),
-        (dy2, dh2, h2, weight, rstd, dx, partial, rows, hidden, hidden),
+        (dy2, dh2, h2, weight, rstd, dx, partial, rows, hidden, hidden, eps),
         {
             "HAS_DHIDDEN_OUT": dhidden_out is not None,
             "BLOCK_M": config.bwd_rows,
@@ -425,6 +442,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, residual, eps):  # type: ignore[override]
         y, hidden_states, rstd = _forward(x, weight, eps, residual, True)
         ctx.save_for_backward(hidden_states, weight, rstd)
+        ctx.eps = eps
         ctx.has_residual = residual is not None
         # Without this, an unused output's gradient arrives as a materialised zero tensor.
         ctx.set_materialize_grads(False)
@@ -438,9 +456,17 @@ class _RMSNormFunction(torch.autograd.Function):
                 return None, None, None, None
             dy = torch.zeros_like(hidden_states)
         with on_device_of(hidden_states):
-            dh, dweight = _backward(dy, dhidden_out, hidden_states, weight, rstd)
-        dresidual = dh if ctx.has_residual and ctx.needs_input_grad[2] else None
-        return dh, dweight, dresidual, None
+            dh, dweight = _backward(dy, dhidden_out, hidden_states, weight, rstd, ctx.eps)
+        return dh, dweight, dh if ctx.has_residual and ctx.needs_input_grad[2] else None, None
+
+
+# ``Function.apply`` without the Python wrapper some torch releases put around the C++ entry
+# point (it only matters under torch.func transforms, which take the wrapped path).
+try:
+    _APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _RMSNormFunction)
+except (AttributeError, KeyError, TypeError):  # pragma: no cover - another torch layout
+    _APPLY = _RMSNormFunction.apply
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 # --- torch.compile: the custom ops -----------------------------------------------------------
@@ -457,15 +483,18 @@ def _triton_dispatch(tensor: torch.Tensor) -> bool:
 def _rms_norm_fwd_op(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    stored: torch.Tensor | None
     if _triton_dispatch(x):
         with on_device_of(x):
-            y, hidden_states, rstd = _forward(x, weight, eps, residual, True)
+            y, hidden_states, stored = _forward(x, weight, eps, residual, True)
     else:
         y, hidden_states, rstd = rms_norm_parts(x, weight, eps, residual)
+        stored = rstd.reshape(-1) if x.shape[-1] > MAX_BLOCK else None
     # Outputs of a custom op may not alias its inputs: without a residual the normalised input
-    # is ``x`` itself, which the autograd setup saves directly, and an empty tensor stands in.
+    # is ``x`` itself, which the autograd setup saves directly, and an empty tensor stands in
+    # (as for rstd, which only rows wider than MAX_BLOCK keep).
     hidden_out = hidden_states.contiguous() if residual is not None else x.new_empty(0)
-    return y.contiguous(), hidden_out, rstd.reshape(-1)
+    return y.contiguous(), hidden_out, stored if stored is not None else x.new_empty(0)
 
 
 @_compile.custom_op(
@@ -483,7 +512,9 @@ def _rms_norm_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _triton_dispatch(hidden):
         with on_device_of(hidden):
-            dx, dweight = _backward(dy, dhidden, hidden, weight, rstd)
+            dx, dweight = _backward(
+                dy, dhidden, hidden, weight, rstd if hidden.shape[-1] > MAX_BLOCK else None, eps
+            )
         return dx.contiguous(), dweight
     # The torch dispatch differentiates the one reference instead of a second formula.
     with _compile.autograd_inside_op():
@@ -497,7 +528,7 @@ def _rms_norm_bwd_op(
 
 @_rms_norm_fwd_op.register_fake
 def _rms_norm_fwd_fake(x, weight, residual, eps):
-    rows = math.prod(x.shape[:-1])
+    rows = math.prod(x.shape[:-1]) if x.shape[-1] > MAX_BLOCK else 0
     stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     hidden = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
     return x.new_empty(x.shape), hidden, x.new_empty(rows, dtype=stats_dtype)
@@ -542,13 +573,18 @@ def _plainly_valid(x: Any, weight: Any, eps: Any, residual: Any) -> bool:
             and weight.dim() == 1
             and x.dim() >= 1
             and x.shape[-1] == weight.shape[0] != 0
-            and x.device == weight.device
+            # Device indices (-1 on the CPU) compare without building torch.device objects.
+            and x.get_device() == weight.get_device()
+            and x.is_cuda == weight.is_cuda
+            and x.is_cpu == weight.is_cpu
             and (
                 residual is None
                 or (
                     residual.dtype == x.dtype
                     and residual.shape == x.shape
-                    and residual.device == x.device
+                    and residual.get_device() == x.get_device()
+                    and residual.is_cuda == x.is_cuda
+                    and residual.is_cpu == x.is_cpu
                 )
             )
         )
@@ -604,7 +640,9 @@ def rms_norm(
             or weight.requires_grad
             or (residual is not None and residual.requires_grad)
         ):
-            return _RMSNormFunction.apply(x, weight, residual, eps)
+            if _functorch_active():
+                return _RMSNormFunction.apply(x, weight, residual, eps)
+            return _APPLY(x, weight, residual, eps)
         y, hidden_states, _ = _forward(x, weight, eps, residual, False)
     return y if residual is None else (y, hidden_states)
 
