@@ -3,7 +3,8 @@
 The training forward of a packed row calls this: the forward is
 :func:`~mcore_kernels.batch_invariant.attention.attention_batch_invariant` reading the packed
 keys and values (one start row per token), so a token equals the engine's decode or prefill of
-the same sequence bitwise; the backward recomputes the attention with torch SDPA per sequence
+the same sequence bitwise; consecutive tokens of a sequence share a program (query blocks), so
+each key/value tile is loaded once for several tokens; the backward recomputes the attention with torch SDPA per sequence
 (gradients need no invariance).
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mcore_kernels.batch_invariant.attention import attention_batch_invariant
+from mcore_kernels.batch_invariant.attention import attention_batch_invariant, query_block_tokens
 from mcore_kernels.errors import KernelShapeError
 
 __all__ = ["packed_attention_batch_invariant"]
@@ -36,11 +37,15 @@ class _PackedAttention(torch.autograd.Function):
         ctx.bounds, ctx.scale = bounds, scale
         starts = torch.empty(q.shape[0], dtype=torch.int32)
         context = torch.empty(q.shape[0], dtype=torch.int32)
+        per_block = query_block_tokens(q.shape[1], k.shape[1])
+        blocks = []
         longest = 1
         for start, end in bounds:
             starts[start:end] = start
             context[start:end] = torch.arange(1, end - start + 1, dtype=torch.int32)
             longest = max(longest, end - start)
+            first = torch.arange(start, end, per_block, dtype=torch.int32)
+            blocks.append(torch.stack((first, (end - first).clamp(max=per_block)), dim=1))
         return attention_batch_invariant(
             q,
             k,
@@ -49,6 +54,7 @@ class _PackedAttention(torch.autograd.Function):
             scale=scale,
             kv_starts=starts.to(q.device, non_blocking=True),
             max_context=longest,
+            query_blocks=torch.cat(blocks).to(q.device, non_blocking=True),
         )
 
     @staticmethod
