@@ -10,6 +10,7 @@ each key/value tile is loaded once for several tokens; the backward recomputes t
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -19,6 +20,31 @@ from mcore_kernels.batch_invariant.attention import attention_batch_invariant, q
 from mcore_kernels.errors import KernelShapeError
 
 __all__ = ["packed_attention_batch_invariant"]
+
+
+@functools.lru_cache(maxsize=16)
+def _packed_layout(
+    bounds: tuple[tuple[int, int], ...], tokens: int, per_block: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Context lengths, sequence starts and query blocks of a packing, on ``device``.
+
+    Computed once per packing (every layer of a forward, and the next steps of the same
+    packing, reuse them).
+    """
+    starts = torch.empty(tokens, dtype=torch.int32)
+    context = torch.empty(tokens, dtype=torch.int32)
+    blocks = []
+    longest = 1
+    for start, end in bounds:
+        starts[start:end] = start
+        context[start:end] = torch.arange(1, end - start + 1, dtype=torch.int32)
+        longest = max(longest, end - start)
+        first = torch.arange(start, end, per_block, dtype=torch.int32)
+        blocks.append(torch.stack((first, (end - first).clamp(max=per_block)), dim=1))
+    flat = torch.cat(blocks).flatten() if blocks else torch.empty(0, dtype=torch.int32)
+    layout = torch.cat([context, starts, flat]).to(device)
+    context, starts, flat_blocks = layout.split([tokens, tokens, layout.numel() - 2 * tokens])
+    return context, starts, flat_blocks.view(-1, 2), longest
 
 
 class _PackedAttention(torch.autograd.Function):
@@ -35,26 +61,18 @@ class _PackedAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(q, k, v)
         ctx.bounds, ctx.scale = bounds, scale
-        starts = torch.empty(q.shape[0], dtype=torch.int32)
-        context = torch.empty(q.shape[0], dtype=torch.int32)
-        per_block = query_block_tokens(q.shape[1], k.shape[1])
-        blocks = []
-        longest = 1
-        for start, end in bounds:
-            starts[start:end] = start
-            context[start:end] = torch.arange(1, end - start + 1, dtype=torch.int32)
-            longest = max(longest, end - start)
-            first = torch.arange(start, end, per_block, dtype=torch.int32)
-            blocks.append(torch.stack((first, (end - first).clamp(max=per_block)), dim=1))
+        context, starts, blocks, longest = _packed_layout(
+            bounds, q.shape[0], query_block_tokens(q.shape[1], k.shape[1]), q.device
+        )
         return attention_batch_invariant(
             q,
             k,
             v,
-            context.to(q.device, non_blocking=True),
+            context,
             scale=scale,
-            kv_starts=starts.to(q.device, non_blocking=True),
+            kv_starts=starts,
             max_context=longest,
-            query_blocks=torch.cat(blocks).to(q.device, non_blocking=True),
+            query_blocks=blocks,
         )
 
     @staticmethod
