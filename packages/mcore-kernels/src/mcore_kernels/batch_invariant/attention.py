@@ -59,7 +59,7 @@ def query_block_tokens(q_heads: int, kv_heads: int) -> int:
     return max(QUERY_ROWS, next_power_of_2(group)) // group
 
 
-@jit
+@jit(do_not_specialize=["explicit_blocks"])
 def _split_kernel(
     q_ptr,
     k_ptr,
@@ -68,6 +68,7 @@ def _split_kernel(
     kv_starts_ptr,
     context_lens_ptr,
     blocks_ptr,
+    explicit_blocks,
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -101,8 +102,12 @@ def _split_kernel(
     block_index = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    first_token = tl.load(blocks_ptr + 2 * block_index).to(tl.int64)
-    block_tokens = tl.load(blocks_ptr + 2 * block_index + 1)
+    # Without explicit blocks (explicit_blocks == 0, not specialised: one binary either way)
+    # program i holds token i alone.
+    explicit = explicit_blocks != 0
+    first_token = tl.load(blocks_ptr + 2 * block_index, mask=explicit, other=0).to(tl.int64)
+    first_token = tl.where(explicit, first_token, block_index)
+    block_tokens = tl.load(blocks_ptr + 2 * block_index + 1, mask=explicit, other=1)
     rows = tl.arange(0, ROWS)
     token_in_block = rows // GROUP
     row_mask = (token_in_block < block_tokens) & (rows < (ROWS // GROUP) * GROUP)
@@ -271,9 +276,9 @@ def _launch(
     if tokens == 0:
         return out
     if query_blocks is None:
-        first = torch.arange(tokens, dtype=torch.int32, device=q.device)
-        query_blocks = torch.stack((first, torch.ones_like(first)), dim=1)
-    blocks = query_blocks.to(torch.int32).contiguous()
+        blocks, programs = context_lens, tokens
+    else:
+        blocks, programs = query_blocks.to(torch.int32).contiguous(), query_blocks.shape[0]
     paged = tables is not None
     if paged:
         assert tables is not None
@@ -297,7 +302,7 @@ def _launch(
     partial_max = q.new_empty((tokens, q_heads, num_splits), dtype=torch.float32)
     partial_sum = torch.empty_like(partial_max)
     dim_pad = max(16, next_power_of_2(dim))
-    _split_kernel[(blocks.shape[0], kv_heads, num_splits)](
+    _split_kernel[(programs, kv_heads, num_splits)](
         q,
         k4,
         v4,
@@ -305,6 +310,7 @@ def _launch(
         starts,
         context_lens.contiguous(),
         blocks,
+        int(query_blocks is not None),
         partial_out,
         partial_max,
         partial_sum,
