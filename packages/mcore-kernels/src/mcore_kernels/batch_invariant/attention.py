@@ -40,7 +40,7 @@ from mcore_kernels.errors import KernelShapeError
 
 __all__ = ["QUERY_ROWS", "SPLIT_SIZE", "TILE", "attention_batch_invariant", "query_block_tokens"]
 
-QUERY_ROWS = 16
+QUERY_ROWS = 64
 """Rows (query heads of one key/value head, times tokens) of one program's tiles."""
 
 

@@ -173,7 +173,12 @@ def _uniform_backward(
         if ctx.needs_input_grad[0]:
             grad_a = grad @ b[0].transpose(0, 1)
         if ctx.needs_input_grad[1]:
-            grad_b = (a.transpose(0, 1) @ grad)[None]
+            if b.stride(1) == 1:
+                # b is a linear layer's weight[N, K] seen as [K, N]: produce the gradient in the
+                # weight's own layout, so that accumulating it needs no transposed copy.
+                grad_b = (grad.transpose(0, 1) @ a).transpose(0, 1)[None]
+            else:
+                grad_b = (a.transpose(0, 1) @ grad)[None]
         return grad_a, grad_b
     grads = grad.reshape(groups, rows, grad.shape[-1])
     if ctx.needs_input_grad[0]:

@@ -47,6 +47,18 @@ def _packed_layout(
     return context, starts, flat_blocks.view(-1, 2), longest
 
 
+def _equal_length_runs(bounds: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int]]:
+    """``(start, length, count)`` of each run of consecutive sequences of one length."""
+    runs: list[tuple[int, int, int]] = []
+    for start, end in bounds:
+        if runs and runs[-1][1] == end - start:
+            first, length, count = runs[-1]
+            runs[-1] = (first, length, count + 1)
+        else:
+            runs.append((start, end - start, 1))
+    return runs
+
+
 class _PackedAttention(torch.autograd.Function):
     """Invariant forward; backward through torch SDPA on each sequence (recomputed)."""
 
@@ -83,8 +95,12 @@ class _PackedAttention(torch.autograd.Function):
         with torch.enable_grad(), suspended():
             inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
             pieces = []
-            for start, end in ctx.bounds:
-                sq, sk, sv = (t[start:end].transpose(0, 1)[None] for t in inputs)
+            # Runs of consecutive sequences of one length go through SDPA as one batch.
+            for start, length, count in _equal_length_runs(ctx.bounds):
+                end = start + length * count
+                sq, sk, sv = (
+                    t[start:end].unflatten(0, (count, length)).transpose(1, 2) for t in inputs
+                )
                 out = F.scaled_dot_product_attention(
                     sq,
                     sk,
@@ -93,7 +109,7 @@ class _PackedAttention(torch.autograd.Function):
                     scale=ctx.scale,
                     enable_gqa=sq.shape[1] != sk.shape[1],
                 )
-                pieces.append(out[0].transpose(0, 1))
+                pieces.append(out.transpose(1, 2).flatten(0, 1))
             recomputed = torch.cat(pieces)
             grads = torch.autograd.grad(recomputed, inputs, grad)
         return grads[0], grads[1], grads[2], None, None
