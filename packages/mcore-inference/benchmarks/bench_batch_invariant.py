@@ -57,20 +57,31 @@ def _kernel_category(name: str) -> str:
     return "other"
 
 
-def _kernel_ms(fn) -> dict[str, float]:
-    """GPU time of ``fn``'s kernels by category (torch.profiler, one call)."""
+def _kernel_ms(fn) -> tuple[dict[str, float], list[dict]]:
+    """GPU time of ``fn``'s kernels by category, and the ops with the most host time.
+
+    One profiled call (torch.profiler, CPU and CUDA activities).
+    """
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
-    for event in prof.key_averages():
-        micros = getattr(event, "device_time_total", 0.0)
-        if micros > 0:
+    events = prof.key_averages()
+    for event in events:
+        micros = getattr(event, "self_device_time_total", None)
+        if micros is None:
+            micros = event.self_cuda_time_total
+        if micros > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
             category = _kernel_category(event.key)
             totals[category] = totals.get(category, 0.0) + micros / 1e3
-    return totals
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    top = [
+        {"op": e.key[:80], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
+        for e in host
+    ]
+    return totals, top
 
 
 def _training_step(model: GPTModel, steps: int, seqs: int, length: int, *, invariant: bool) -> dict:
@@ -97,10 +108,12 @@ def _training_step(model: GPTModel, steps: int, seqs: int, length: int, *, invar
 
     for _ in range(2):
         step()
+    kernel_ms, host_ops = _kernel_ms(step)
     return {
         "step_s": statistics.median(_timed(step) for _ in range(steps)),
         "forward_s": statistics.median(_timed(forward_only) for _ in range(steps)),
-        "kernel_ms": _kernel_ms(step),
+        "kernel_ms": kernel_ms,
+        "host_ops": host_ops,
     }
 
 
@@ -277,6 +290,11 @@ def _markdown(result: dict) -> str:
             f"| {category} | {off['kernel_ms'].get(category, 0.0):.1f} | "
             f"{on['kernel_ms'].get(category, 0.0):.1f} |"
         )
+    lines.append(
+        f"| all kernels / step time | {sum(off['kernel_ms'].values()):.1f} / "
+        f"{off['step_s'] * 1e3:.1f} | {sum(on['kernel_ms'].values()):.1f} / "
+        f"{on['step_s'] * 1e3:.1f} |"
+    )
     exact = result["exactness"]
     lines += [
         "",
