@@ -349,6 +349,7 @@ def main() -> None:
         )
         print("training", enabled, train, flush=True)
     result["training"] = train
+    (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
     model.eval()
     decode = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
@@ -362,8 +363,11 @@ def main() -> None:
         decode.append(row)
         print(row, flush=True)
     result["decode"] = decode
+    (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
     largest = max(int(b) for b in args.batch_sizes.split(","))
     result["exactness"] = _exactness(model, min(largest, 64), args.prompt_len, 32)
+    print(result["exactness"], flush=True)
+    (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
     result["gemm"] = _gemm_table(config, device)
     (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
     (out / "batch_invariant.md").write_text(_markdown(result))
