@@ -351,6 +351,10 @@ def main() -> None:
     result["training"] = train
     (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
     model.eval()
+    largest = max(int(b) for b in args.batch_sizes.split(","))
+    result["exactness"] = _exactness(model, min(largest, 64), args.prompt_len, 32)
+    print(result["exactness"], flush=True)
+    (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
     decode = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         row: dict = {"batch": batch}
@@ -363,10 +367,6 @@ def main() -> None:
         decode.append(row)
         print(row, flush=True)
     result["decode"] = decode
-    (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
-    largest = max(int(b) for b in args.batch_sizes.split(","))
-    result["exactness"] = _exactness(model, min(largest, 64), args.prompt_len, 32)
-    print(result["exactness"], flush=True)
     (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
     result["gemm"] = _gemm_table(config, device)
     (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
