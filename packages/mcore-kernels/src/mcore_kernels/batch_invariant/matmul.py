@@ -3,16 +3,12 @@
 cuBLAS (and CPU BLAS) pick a different algorithm for a different number of rows ``M``: split-K
 for a skinny matrix, another tile shape, a matrix-vector path for ``M = 1``. Each changes the
 order in which a row's dot products are summed, so one row's result depends on how many other
-rows share the call. Here one Triton kernel serves dense, batched (``bmm``) and grouped (MoE
-experts) products with tile sizes fixed by the dtype alone: a row is reduced over ``K`` in
-``BLOCK_K`` chunks in ascending order into a float32 accumulator, never split across programs,
-and its value does not depend on which tile or group it shares with other rows.
-
-On the GPU a tile product is one ``tl.dot`` (tensor cores; each output element is reduced by
-the same instruction sequence wherever its row sits in the tile). The Triton interpreter runs
-``tl.dot`` through numpy's BLAS, whose edge micro-kernels make a row's rounding depend on its
-position inside the tile, so under ``TRITON_INTERPRET=1`` the tile product is an explicit
-broadcast-multiply and sum over ``K`` instead (same tiles, same order over the K blocks).
+rows share the call. Here one Triton kernel family (:mod:`mcore_kernels.batch_invariant.gemm`)
+serves dense, batched (``bmm``) and grouped (MoE experts) products with a launch configuration
+chosen from ``(N, K, dtype)`` only (:mod:`mcore_kernels.batch_invariant.gemm_configs`): a row is
+reduced over ``K`` in ascending ``BLOCK_K`` chunks into a float32 accumulator, split over ``K``
+only in pieces fixed by ``K`` whose partials are added in order, and its value does not depend
+on which tile or group it shares with other rows.
 
 All three take the second operand as ``b[G, K, N]`` (any strides) and the rows of ``a[M, K]``
 in ``G`` consecutive groups; group ``g`` is multiplied by ``b[g]``:
