@@ -46,9 +46,46 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _training_step_seconds(
-    model: GPTModel, steps: int, seqs: int, length: int, *, invariant: bool
-) -> float:
+def _kernel_category(name: str) -> str:
+    lowered = name.lower()
+    if any(t in lowered for t in ("_gemm_kernel", "_gemm_tma_kernel", "_split_sum_kernel")):
+        return "invariant GEMM"
+    if any(t in lowered for t in ("gemm", "nvjet", "xmma", "cutlass", "gemv", "matmul")):
+        return "cuBLAS GEMM"
+    if any(t in lowered for t in ("_split_kernel", "_merge_kernel", "flash", "fmha", "attention")):
+        return "attention"
+    return "other"
+
+
+def _kernel_ms(fn) -> tuple[dict[str, float], list[dict]]:
+    """GPU time of ``fn``'s kernels by category, and the ops with the most host time.
+
+    One profiled call (torch.profiler, CPU and CUDA activities).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    events = prof.key_averages()
+    for event in events:
+        micros = getattr(event, "self_device_time_total", None)
+        if micros is None:
+            micros = event.self_cuda_time_total
+        if micros > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
+            category = _kernel_category(event.key)
+            totals[category] = totals.get(category, 0.0) + micros / 1e3
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    top = [
+        {"op": e.key[:80], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
+        for e in host
+    ]
+    return totals, top
+
+
+def _training_step(model: GPTModel, steps: int, seqs: int, length: int, *, invariant: bool) -> dict:
+    """Median step and no-grad forward seconds, and one step's kernel time by category."""
     device = next(model.parameters()).device
     generator = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, seqs * length), generator=generator)
@@ -57,15 +94,27 @@ def _training_step_seconds(
     cu = torch.arange(0, seqs * length + 1, length, dtype=torch.int32, device=device)
     packed = PackedSeqParams(cu_seqlens=cu, max_seqlen=length)
 
-    def step() -> None:
+    def forward() -> torch.Tensor:
         with batch_invariant_mode(invariant):
-            logprobs = model(ids, packed_seq_params=packed, labels=labels)
-        (-logprobs.mean()).backward()
+            return model(ids, packed_seq_params=packed, labels=labels)
+
+    def step() -> None:
+        (-forward().mean()).backward()
         model.zero_grad(set_to_none=True)
+
+    def forward_only() -> None:
+        with torch.no_grad():
+            forward()
 
     for _ in range(2):
         step()
-    return statistics.median(_timed(step) for _ in range(steps))
+    kernel_ms, host_ops = _kernel_ms(step)
+    return {
+        "step_s": statistics.median(_timed(step) for _ in range(steps)),
+        "forward_s": statistics.median(_timed(forward_only) for _ in range(steps)),
+        "kernel_ms": kernel_ms,
+        "host_ops": host_ops,
+    }
 
 
 def _engine(model: GPTModel, batch: int, max_len: int, *, invariant: bool) -> InferenceEngine:
@@ -139,29 +188,62 @@ def _exactness(model: GPTModel, batch: int, prompt_len: int, new_tokens: int) ->
     }
 
 
+def _graph_ms(fn, calls: int) -> float:
+    """Milliseconds per call of ``fn`` replayed from a CUDA graph (no launch overhead)."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / calls)
+    return best
+
+
 def _gemm_table(config: GPTConfig, device: torch.device) -> list[dict]:
-    from triton.testing import do_bench
+    from mcore_kernels.batch_invariant.gemm_configs import gemm_config
 
     hidden, ffn = config.hidden_size, config.ffn_hidden_size
-    qkv = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
+    heads = config.num_attention_heads * config.kv_channels
+    kv = config.num_query_groups * config.kv_channels
     rows = []
     for name, (out_f, in_f) in {
-        "qkv": (qkv, hidden),
-        "mlp_up": (ffn, hidden),
-        "mlp_down": (hidden, ffn),
+        "q, o": (heads, hidden),
+        "k, v": (kv, hidden),
+        "gate, up": (ffn, hidden),
+        "down": (hidden, ffn),
         "lm_head": (config.vocab_size, hidden),
     }.items():
         weight = torch.randn(out_f, in_f, device=device, dtype=torch.bfloat16)
-        for m in (1, 64, 256, 8192):
+        chosen = gemm_config(out_f, in_f, torch.bfloat16, device)
+        for m in (1, 64, 256, 4096):
             x = torch.randn(m, in_f, device=device, dtype=torch.bfloat16)
-            cublas = do_bench(lambda x=x, w=weight: F.linear(x, w))
-            invariant = do_bench(lambda x=x, w=weight: linear_batch_invariant(x, w))
+            calls = 20 if m <= 256 else 3
+            with torch.no_grad():
+                cublas = _graph_ms(lambda x=x, w=weight: F.linear(x, w), calls)
+                invariant = _graph_ms(lambda x=x, w=weight: linear_batch_invariant(x, w), calls)
             rows.append(
                 {
                     "gemm": name,
                     "M": m,
                     "N": out_f,
                     "K": in_f,
+                    "config": (
+                        f"{chosen.block_m}x{chosen.block_n}x{chosen.block_k} w{chosen.warps} "
+                        f"s{chosen.stages} split{chosen.splits}" + (" tma" if chosen.tma else "")
+                    ),
                     "cublas_ms": cublas,
                     "invariant_ms": invariant,
                     "slowdown": invariant / cublas,
@@ -181,15 +263,38 @@ def _markdown(result: dict) -> str:
         "|---|---|---|---|",
     ]
     train = result["training"]
+    off, on = train["off"], train["on"]
     lines.append(
-        f"| training step ({train['tokens']} tokens, fwd+bwd) | {train['off_s'] * 1e3:.1f} ms | "
-        f"{train['on_s'] * 1e3:.1f} ms | {train['on_s'] / train['off_s']:.2f}x |"
+        f"| training step ({train['tokens']} tokens, fwd+bwd) | {off['step_s'] * 1e3:.1f} ms | "
+        f"{on['step_s'] * 1e3:.1f} ms | {on['step_s'] / off['step_s']:.2f}x |"
+    )
+    lines.append(
+        f"| training forward only (no grad) | {off['forward_s'] * 1e3:.1f} ms | "
+        f"{on['forward_s'] * 1e3:.1f} ms | {on['forward_s'] / off['forward_s']:.2f}x |"
     )
     for row in result["decode"]:
         lines.append(
             f"| decode batch {row['batch']} | {row['off_tok_s']:.0f} tok/s | "
             f"{row['on_tok_s']:.0f} tok/s | {row['off_tok_s'] / row['on_tok_s']:.2f}x |"
         )
+    categories = sorted(set(off["kernel_ms"]) | set(on["kernel_ms"]))
+    lines += [
+        "",
+        "Kernel time of one training step by kind (torch.profiler, ms):",
+        "",
+        "| kernels | off | on |",
+        "|---|---|---|",
+    ]
+    for category in categories:
+        lines.append(
+            f"| {category} | {off['kernel_ms'].get(category, 0.0):.1f} | "
+            f"{on['kernel_ms'].get(category, 0.0):.1f} |"
+        )
+    lines.append(
+        f"| all kernels / step time | {sum(off['kernel_ms'].values()):.1f} / "
+        f"{off['step_s'] * 1e3:.1f} | {sum(on['kernel_ms'].values()):.1f} / "
+        f"{on['step_s'] * 1e3:.1f} |"
+    )
     exact = result["exactness"]
     lines += [
         "",
@@ -197,13 +302,17 @@ def _markdown(result: dict) -> str:
         f"{exact['batch_vs_alone_max_abs_diff']}, max |engine - training forward| = "
         f"{exact['engine_vs_training_max_abs_diff']}.",
         "",
-        "| GEMM | M | N | K | cuBLAS ms | invariant ms | slowdown | invariant TFLOP/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "GEMMs (forward; CUDA-graph replay, so no launch overhead):",
+        "",
+        "| GEMM | M | N | K | invariant config | cuBLAS ms | invariant ms | slowdown "
+        "| invariant TFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["gemm"]:
         lines.append(
-            f"| {row['gemm']} | {row['M']} | {row['N']} | {row['K']} | {row['cublas_ms']:.4f} | "
-            f"{row['invariant_ms']:.4f} | {row['slowdown']:.2f}x | {row['invariant_tflops']:.1f} |"
+            f"| {row['gemm']} | {row['M']} | {row['N']} | {row['K']} | {row['config']} | "
+            f"{row['cublas_ms']:.4f} | {row['invariant_ms']:.4f} | {row['slowdown']:.2f}x | "
+            f"{row['invariant_tflops']:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -233,13 +342,19 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
     }
-    train = {"tokens": args.train_seqs * args.train_len}
+    train: dict = {"tokens": args.train_seqs * args.train_len}
     for enabled in (False, True):
-        train["on_s" if enabled else "off_s"] = _training_step_seconds(
+        train["on" if enabled else "off"] = _training_step(
             model, args.train_steps, args.train_seqs, args.train_len, invariant=enabled
         )
+        print("training", enabled, train, flush=True)
     result["training"] = train
+    (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
     model.eval()
+    largest = max(int(b) for b in args.batch_sizes.split(","))
+    result["exactness"] = _exactness(model, min(largest, 64), args.prompt_len, 32)
+    print(result["exactness"], flush=True)
+    (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
     decode = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         row: dict = {"batch": batch}
@@ -252,8 +367,7 @@ def main() -> None:
         decode.append(row)
         print(row, flush=True)
     result["decode"] = decode
-    largest = max(int(b) for b in args.batch_sizes.split(","))
-    result["exactness"] = _exactness(model, min(largest, 64), args.prompt_len, 32)
+    (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
     result["gemm"] = _gemm_table(config, device)
     (out / "batch_invariant.json").write_text(json.dumps(result, indent=2))
     (out / "batch_invariant.md").write_text(_markdown(result))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
+from mcore_inference.stage import _row_logprobs
 from mcore_kernels import token_logprobs
 from mcore_models import MoEConfig, PackedSeqParams, parallelize
 from mcore_models.gpt.config import GPTConfig
@@ -191,3 +192,44 @@ def test_gpu_bf16_cuda_graphs_engine_equals_training_bitwise(kind):
     training = _training_logprobs(model, prompts, graphs)
     for result, logprobs in zip(graphs, training, strict=True):
         assert logprobs == result.logprobs
+
+
+def test_engine_logprobs_come_from_the_logits_in_the_model_dtype():
+    # The engine's float32 logits are bf16 values upcast; the log-probs are computed from them
+    # in bf16, per temperature, exactly as the trainer's token_logprobs(bf16 logits, t).
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 300, generator=generator).bfloat16()
+    tokens = torch.randint(0, 300, (5,), generator=generator)
+    temperatures = [1.0, 0.5, 1.0, 2.0, 0.5]
+    values = _row_logprobs(logits.float(), tokens, temperatures, torch.bfloat16)
+    for i, temperature in enumerate(temperatures):
+        expected = token_logprobs(logits[i : i + 1], tokens[i : i + 1], temperature=temperature)
+        assert torch.equal(values[i : i + 1], expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_large_vocabulary_engine_equals_training_bitwise():
+    # A Llama-3 sized vocabulary: the log-prob kernel reads several 4096-wide chunks per row;
+    # fed float32 instead of bf16 logits, it sums them in another order (one ulp apart).
+    config = GPTConfig.from_name(
+        "tiny", vocab_size=128256, seed=1234, batch_invariant=True, dtype=torch.bfloat16
+    )
+    model = GPTModel(config, device="cuda").eval()
+    prompts = _prompts((5, 37, 3, 120, 9, 1, 64, 17), seed=4)
+    fields = dict(max_batch_size=16, max_sequence_length=256, block_size=16, use_cuda_graphs=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, return_logprobs=True)
+    results = _generate(model, prompts, greedy, **fields)
+    training = _training_logprobs(model, prompts, results)
+    for result, logprobs in zip(results, training, strict=True):
+        assert logprobs == result.logprobs
+    sampled = SamplingParams(temperature=0.7, seed=3, max_tokens=8, return_logprobs=True)
+    result = _generate(model, prompts[1:2], sampled, **fields)[0]
+    sequence = prompts[1] + result.tokens
+    with torch.no_grad():
+        hidden = model(torch.tensor([sequence], device="cuda"), return_hidden=True)[0]
+        logits = model.compute_logits(hidden, upcast=False)
+    start = len(prompts[1]) - 1
+    targets = torch.tensor(sequence[start + 1 :], device="cuda")
+    expected = token_logprobs(logits[start:-1], targets, temperature=0.7)
+    assert expected.tolist() == result.logprobs

@@ -234,10 +234,13 @@ def test_packed_attention_equals_paged_attention_bitwise(backend, dtype):
     assert torch.equal(paged, packed)
 
 
-def test_packed_attention_backward_matches_sdpa(backend):
+@pytest.mark.parametrize(
+    "bounds", [((0, 5), (5, 12)), ((0, 4), (4, 8), (8, 12))], ids=["lengths", "equal_run"]
+)
+def test_packed_attention_backward_matches_sdpa(backend, bounds):
     generator = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(12, 2, 16, generator=generator, requires_grad=True) for _ in range(3))
-    packed_attention_batch_invariant(q, k, v, [(0, 5), (5, 12)], scale=0.25).sum().backward()
+    packed_attention_batch_invariant(q, k, v, list(bounds), scale=0.25).sum().backward()
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
@@ -246,7 +249,7 @@ def test_packed_attention_backward_matches_sdpa(backend):
             F.scaled_dot_product_attention(
                 *(t[s:e].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, scale=0.25
             )[0].transpose(0, 1)
-            for s, e in ((0, 5), (5, 12))
+            for s, e in bounds
         ]
     ).sum().backward()
     for got, t in zip(grads, (q, k, v), strict=True):

@@ -683,7 +683,9 @@ class InferenceEngine:
             return reports + self._take_unreported()
         samples = None
         if logits is not None and mine is not None and self._decides_samples():
-            samples = sample_microbatch(logits, mine)
+            samples = sample_microbatch(
+                logits, mine, logits_dtype=getattr(self._runner, "hidden_dtype", None)
+            )
         if pp > 1:
             # The microbatch that moves into this stage at the next step.
             ahead = groups.pp_rank - 1

@@ -240,12 +240,17 @@ class StageRunner:
         self.model = self.kv_cache = self.block_tables = None  # type: ignore[assignment]
 
 
-def sample_microbatch(logits: torch.Tensor, microbatch: Microbatch) -> torch.Tensor:
+def sample_microbatch(
+    logits: torch.Tensor, microbatch: Microbatch, *, logits_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Sample the next token of every sampling request of a microbatch.
 
     Args:
         logits: float32 ``[n, vocab]`` logits of the sampling rows.
         microbatch: The microbatch (its ``sampling`` requests, in row order).
+        logits_dtype: The dtype the model computed the logits in before the float32 upcast
+            (its parameter dtype); the log-probs are computed from the logits in that dtype, as
+            a training forward's ``token_logprobs`` reads them (see :func:`_row_logprobs`).
 
     Returns:
         float64 ``[2, n]``: token ids and their log-probabilities (NaN where not asked), in a
@@ -271,18 +276,45 @@ def sample_microbatch(logits: torch.Tensor, microbatch: Microbatch) -> torch.Ten
         index = None if every else to_device(logprob_rows, torch.long, logits.device)
         row_logits = logits if index is None else logits.index_select(0, index)
         row_tokens = new_tokens if index is None else new_tokens.index_select(0, index)
-        # logprobs of the sampling distribution at the request's temperature (greedy: 1; a
-        # product with 1 changes no bit, so it is skipped).
-        # NOTE: multiplied by the float32 inverse, as token_logprobs(..., temperature=t) does
-        # on a training forward, so both give the same bits.
-        inverse = [1.0 / (params[i].temperature or 1.0) for i in logprob_rows]
-        scaled = row_logits.float()
-        if any(t != 1.0 for t in inverse):
-            scaled = scaled * to_device(inverse, torch.float32, logits.device)[:, None]
-        values = token_logprobs(scaled, row_tokens)
-        assert isinstance(values, torch.Tensor)
+        # logprobs of the sampling distribution at the request's temperature (greedy: 1).
+        temperatures = [params[i].temperature or 1.0 for i in logprob_rows]
+        values = _row_logprobs(row_logits, row_tokens, temperatures, logits_dtype)
         if index is None:
             samples[1].copy_(values)
         else:
             samples[1].index_copy_(0, index, values.to(torch.float64))
     return samples
+
+
+def _row_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperatures: list[float],
+    logits_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """float32 ``log_softmax(logits / t)[token]`` of every row, bitwise as a training forward.
+
+    The trainer calls ``token_logprobs(logits, targets, temperature=t)`` on the logits in the
+    model's dtype; so does this, one call per distinct temperature, on the float32 logits cast
+    back to ``logits_dtype`` (exact: they were upcast from it). Feeding the same values in
+    float32 instead would not do: the kernel's vector loads, and with them the order in which
+    a row's exponentials are summed, follow the element size (8 bf16 or 4 float32 per thread),
+    a one-ulp difference in the log-prob for a large vocabulary.
+    """
+    if logits_dtype is not None and logits_dtype != logits.dtype:
+        logits = logits.to(logits_dtype)
+    distinct = sorted(set(temperatures))
+    if len(distinct) == 1:
+        values = token_logprobs(logits, tokens, temperature=distinct[0])
+        assert isinstance(values, torch.Tensor)
+        return values
+    values = torch.empty(tokens.shape[0], dtype=torch.float32, device=logits.device)
+    for temperature in distinct:
+        rows = [i for i, t in enumerate(temperatures) if t == temperature]
+        index = to_device(rows, torch.long, logits.device)
+        part = token_logprobs(
+            logits.index_select(0, index), tokens.index_select(0, index), temperature=temperature
+        )
+        assert isinstance(part, torch.Tensor)
+        values.index_copy_(0, index, part)
+    return values

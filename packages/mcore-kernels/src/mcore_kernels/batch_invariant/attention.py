@@ -38,10 +38,28 @@ from mcore_kernels.batch_invariant.attention_reference import (
 )
 from mcore_kernels.errors import KernelShapeError
 
-__all__ = ["SPLIT_SIZE", "TILE", "attention_batch_invariant"]
+__all__ = ["QUERY_ROWS", "SPLIT_SIZE", "TILE", "attention_batch_invariant", "query_block_tokens"]
+
+QUERY_ROWS = 64
+"""Rows (query heads of one key/value head, times tokens) of one program's tiles."""
 
 
-@jit
+def query_block_tokens(q_heads: int, kv_heads: int) -> int:
+    """How many tokens of one sequence a program of the invariant attention can hold.
+
+    Args:
+        q_heads: Query heads.
+        kv_heads: Key/value heads (divides ``q_heads``).
+
+    Returns:
+        ``rows // group`` with ``group = q_heads / kv_heads`` and ``rows`` the program's
+        query rows (``QUERY_ROWS``, or the group rounded up to a power of two when larger).
+    """
+    group = q_heads // kv_heads
+    return max(QUERY_ROWS, next_power_of_2(group)) // group
+
+
+@jit(do_not_specialize=["explicit_blocks"])
 def _split_kernel(
     q_ptr,
     k_ptr,
@@ -49,6 +67,8 @@ def _split_kernel(
     tables_ptr,
     kv_starts_ptr,
     context_lens_ptr,
+    blocks_ptr,
+    explicit_blocks,
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
@@ -67,46 +87,63 @@ def _split_kernel(
     PAGED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr,
     TILE_SIZE: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
+    DOT: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    # A program holds up to ROWS // GROUP consecutive tokens of one sequence (a query block:
+    # first token, count) times the GROUP query heads of one key/value head, one row each. The
+    # keys and values of a tile are loaded once for all of them; every row is reduced exactly as
+    # it would be alone (see the module docstring).
+    block_index = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    context = tl.load(context_lens_ptr + token).to(tl.int32)
-    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    head_mask = tl.arange(0, GROUP_PAD) < GROUP
+    # Without explicit blocks (explicit_blocks == 0, not specialised: one binary either way)
+    # program i holds token i alone.
+    explicit = explicit_blocks != 0
+    first_token = tl.load(blocks_ptr + 2 * block_index, mask=explicit, other=0).to(tl.int64)
+    first_token = tl.where(explicit, first_token, block_index)
+    block_tokens = tl.load(blocks_ptr + 2 * block_index + 1, mask=explicit, other=1)
+    rows = tl.arange(0, ROWS)
+    token_in_block = rows // GROUP
+    row_mask = (token_in_block < block_tokens) & (rows < (ROWS // GROUP) * GROUP)
+    tokens = first_token + token_in_block
+    heads = kv_head * GROUP + rows % GROUP
+    context = tl.load(context_lens_ptr + tokens, mask=row_mask, other=0).to(tl.int32)
+    block_context = tl.max(context, axis=0)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
     q = tl.load(
-        q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
-        mask=head_mask[:, None] & dim_mask[None, :],
+        q_ptr + tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    running_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    running_max = tl.full([ROWS], float("-inf"), tl.float32)
+    running_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
     first = split * SPLIT
-    count = tl.minimum(tl.maximum(context - first, 0), SPLIT)
+    count = tl.minimum(tl.maximum(block_context - first, 0), SPLIT)
     offsets = tl.arange(0, TILE_SIZE)
+    if not PAGED:
+        kv_start = tl.load(kv_starts_ptr + first_token).to(tl.int64)
     for tile in range(0, tl.cdiv(count, TILE_SIZE)):
         positions = first + tile * TILE_SIZE + offsets
-        valid = positions < context
+        loaded = positions < block_context
         if PAGED:
             block = tl.load(
-                tables_ptr + token * stride_table_token + positions // BLOCK_SIZE,
-                mask=valid,
+                tables_ptr + first_token * stride_table_token + positions // BLOCK_SIZE,
+                mask=loaded,
                 other=0,
             ).to(tl.int64)
             slot = (positions % BLOCK_SIZE).to(tl.int64)
         else:
-            block = (tl.load(kv_starts_ptr + token).to(tl.int64) + positions).to(tl.int64)
+            block = kv_start + positions
             slot = tl.zeros_like(block)
-        kv_mask = valid[:, None] & dim_mask[None, :]
+        kv_mask = loaded[:, None] & dim_mask[None, :]
         k = tl.load(
             k_ptr
             + block[:, None] * stride_k_block
@@ -127,30 +164,41 @@ def _split_kernel(
         )
         if TENSOR_CORES:
             # bf16/fp16 products on tensor cores with a float32 accumulator, the numerics of
-            # flash attention; every token's tile has the same shape and row layout.
+            # flash attention; every row of every program goes through the same tile shapes.
             scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+        elif not DOT:
+            # The interpreter's tl.dot rounds a row by its position in the tile (numpy BLAS).
+            products = q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :]
+            scores = tl.sum(products, axis=2) * scale
         else:
             scores = (
                 tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
             )
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+        valid = positions[None, :] < context[:, None]
+        scores = tl.where(valid, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
+        # A row whose context ended before this tile (another token of the block still reads
+        # it) keeps its state exactly: its correction is 1 and its probabilities are 0.
+        live = new_max > float("-inf")
+        safe_max = tl.where(live, new_max, 0.0)
+        correction = tl.where(live, tl.exp(running_max - safe_max), 1.0)
+        probs = tl.exp(scores - safe_max[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
         if TENSOR_CORES:
             update = tl.dot(probs.to(q.dtype), v.to(q.dtype))
+        elif not DOT:
+            update = tl.sum(probs[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         else:
             update = tl.dot(probs, v.to(tl.float32), input_precision="ieee")
         acc = acc * correction[:, None] + update
         running_max = new_max
-    row = (token * num_q_heads + heads) * num_splits + split
-    tl.store(partial_max_ptr + row, running_max, mask=head_mask)
-    tl.store(partial_sum_ptr + row, running_sum, mask=head_mask)
+    out_rows = (tokens * num_q_heads + heads) * num_splits + split
+    tl.store(partial_max_ptr + out_rows, running_max, mask=row_mask)
+    tl.store(partial_sum_ptr + out_rows, running_sum, mask=row_mask)
     tl.store(
-        partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+        partial_out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :],
         acc,
-        mask=head_mask[:, None] & dim_mask[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
     )
 
 
@@ -220,11 +268,17 @@ def _launch(
     context_lens: torch.Tensor,
     max_context: int,
     scale: float,
+    query_blocks: torch.Tensor | None,
+    rows: int,
 ) -> torch.Tensor:
     tokens, q_heads, dim = q.shape
     out = torch.empty_like(q)
     if tokens == 0:
         return out
+    if query_blocks is None:
+        blocks, programs = context_lens, tokens
+    else:
+        blocks, programs = query_blocks.to(torch.int32).contiguous(), query_blocks.shape[0]
     paged = tables is not None
     if paged:
         assert tables is not None
@@ -248,13 +302,15 @@ def _launch(
     partial_max = q.new_empty((tokens, q_heads, num_splits), dtype=torch.float32)
     partial_sum = torch.empty_like(partial_max)
     dim_pad = max(16, next_power_of_2(dim))
-    _split_kernel[(tokens, kv_heads, num_splits)](
+    _split_kernel[(programs, kv_heads, num_splits)](
         q,
         k4,
         v4,
         table,
         starts,
         context_lens.contiguous(),
+        blocks,
+        int(query_blocks is not None),
         partial_out,
         partial_max,
         partial_sum,
@@ -273,12 +329,13 @@ def _launch(
         PAGED=paged,
         BLOCK_SIZE=block_size,
         GROUP=group,
-        GROUP_PAD=max(16, next_power_of_2(group)),
+        ROWS=rows,
         HEAD_DIM=dim,
         HEAD_DIM_PAD=dim_pad,
         SPLIT=SPLIT_SIZE,
         TILE_SIZE=TILE,
         TENSOR_CORES=q.dtype != torch.float32 and not _interpreting(),
+        DOT=not _interpreting(),
     )
     _merge_kernel[(tokens, q_heads)](
         partial_out,
@@ -305,11 +362,14 @@ def attention_batch_invariant(
     block_tables: torch.Tensor | None = None,
     kv_starts: torch.Tensor | None = None,
     max_context: int | None = None,
+    query_blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention whose value for a token never depends on the other tokens of the call.
 
     Exactly one of ``block_tables`` (paged cache) and ``kv_starts`` (packed rows) is given.
     Dispatch: Triton on CUDA, the torch reference on CPU (``MCORE_KERNELS_BACKEND`` overrides).
+    ``query_blocks`` only decides how tokens share programs (and their key/value loads), never
+    a token's value.
 
     Args:
         q: ``[T, Hq, D]`` queries (after RoPE).
@@ -321,6 +381,10 @@ def attention_batch_invariant(
         kv_starts: ``[T]`` int row of ``k`` holding position 0 of the token's sequence.
         max_context: Host-known upper bound of ``context_lens`` (default: the table width
             times the block size when paged, else ``S``); only the launch size depends on it.
+        query_blocks: ``[P, 2]`` int ``(first token, count)`` of each program's tokens:
+            consecutive rows of one sequence (one table row or start), at most
+            :func:`query_block_tokens` of them, covering every token once; default one token
+            per program.
 
     Returns:
         ``[T, Hq, D]`` in ``q.dtype``.
@@ -329,6 +393,10 @@ def attention_batch_invariant(
         KernelShapeError: If the shapes do not fit or not exactly one addressing is given.
     """
     _check(q, k, v, context_lens)
+    if query_blocks is not None and (query_blocks.dim() != 2 or query_blocks.shape[1] != 2):
+        raise KernelShapeError(
+            f"query_blocks.shape={tuple(query_blocks.shape)}; expected [P, 2] (first, count)"
+        )
     if (block_tables is None) == (kv_starts is None):
         raise KernelShapeError(
             "expected exactly one of block_tables (paged cache) and kv_starts (packed rows)"
@@ -351,7 +419,10 @@ def attention_batch_invariant(
     if use_triton(q, k, v):
         if triton is None:  # pragma: no cover - use_triton already requires it
             raise KernelShapeError("triton is not installed")
-        return _launch(q, k, v, block_tables, kv_starts, context_lens, max_context, scale)
+        rows = max(QUERY_ROWS, next_power_of_2(q.shape[1] // k.shape[-2]))
+        return _launch(
+            q, k, v, block_tables, kv_starts, context_lens, max_context, scale, query_blocks, rows
+        )
     return attention_batch_invariant_reference(
         q,
         k,

@@ -3,16 +3,12 @@
 cuBLAS (and CPU BLAS) pick a different algorithm for a different number of rows ``M``: split-K
 for a skinny matrix, another tile shape, a matrix-vector path for ``M = 1``. Each changes the
 order in which a row's dot products are summed, so one row's result depends on how many other
-rows share the call. Here one Triton kernel serves dense, batched (``bmm``) and grouped (MoE
-experts) products with tile sizes fixed by the dtype alone: a row is reduced over ``K`` in
-``BLOCK_K`` chunks in ascending order into a float32 accumulator, never split across programs,
-and its value does not depend on which tile or group it shares with other rows.
-
-On the GPU a tile product is one ``tl.dot`` (tensor cores; each output element is reduced by
-the same instruction sequence wherever its row sits in the tile). The Triton interpreter runs
-``tl.dot`` through numpy's BLAS, whose edge micro-kernels make a row's rounding depend on its
-position inside the tile, so under ``TRITON_INTERPRET=1`` the tile product is an explicit
-broadcast-multiply and sum over ``K`` instead (same tiles, same order over the K blocks).
+rows share the call. Here one Triton kernel family (:mod:`mcore_kernels.batch_invariant.gemm`)
+serves dense, batched (``bmm``) and grouped (MoE experts) products with a launch configuration
+chosen from ``(N, K, dtype)`` only (:mod:`mcore_kernels.batch_invariant.gemm_configs`): a row is
+reduced over ``K`` in ascending ``BLOCK_K`` chunks into a float32 accumulator, split over ``K``
+only in pieces fixed by ``K`` whose partials are added in order, and its value does not depend
+on which tile or group it shares with other rows.
 
 All three take the second operand as ``b[G, K, N]`` (any strides) and the rows of ``a[M, K]``
 in ``G`` consecutive groups; group ``g`` is multiplied by ``b[g]``:
@@ -33,8 +29,9 @@ from typing import Any
 
 import torch
 
-from mcore_kernels._backend import _interpreting, use_triton
-from mcore_kernels._triton_utils import jit, round_to, tl, triton
+from mcore_kernels._backend import use_triton
+from mcore_kernels.batch_invariant.gemm import launch_gemm
+from mcore_kernels.batch_invariant.gemm_configs import gemm_config
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 
 __all__ = [
@@ -50,83 +47,6 @@ REFERENCE_CHUNK_ROWS = 16
 """Rows per BLAS call of the torch reference (every call has this many rows)."""
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@jit
-def _batch_invariant_matmul_kernel(
-    a_ptr,
-    b_ptr,
-    out_ptr,
-    group_ends_ptr,
-    rows_per_group,
-    N,
-    K,
-    stride_am,
-    stride_ak,
-    stride_bg,
-    stride_bk,
-    stride_bn,
-    stride_om,
-    stride_on,
-    VARIABLE_GROUPS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
-    DOT: tl.constexpr,
-):
-    group = tl.program_id(0)
-    tile_m = tl.program_id(1)
-    tile_n = tl.program_id(2)
-    if VARIABLE_GROUPS:
-        end = tl.load(group_ends_ptr + group).to(tl.int64)
-        previous = tl.load(group_ends_ptr + tl.maximum(group - 1, 0)).to(tl.int64)
-        start = tl.where(group > 0, previous, 0)
-    else:
-        start = group.to(tl.int64) * rows_per_group
-        end = start + rows_per_group
-    first_row = start + tile_m * BLOCK_M
-    if first_row < end:
-        rows = first_row + tl.arange(0, BLOCK_M)
-        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < end
-        col_mask = cols < N
-        depth = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        b_base = b_ptr + group.to(tl.int64) * stride_bg
-        # NOTE: the reduction over K is one ascending loop with a fixed BLOCK_K (no split-K):
-        # a row's order of additions is the same in every launch.
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + depth
-            k_mask = ks < K
-            a = tl.load(
-                a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak,
-                mask=row_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                mask=k_mask[:, None] & col_mask[None, :],
-                other=0.0,
-            )
-            if not DOT:
-                acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-            elif IEEE:
-                acc += tl.dot(a, b, input_precision="ieee")
-            else:
-                acc += tl.dot(a, b)
-        tl.store(
-            out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
-            round_to(acc, out_ptr.dtype.element_ty),
-            mask=row_mask[:, None] & col_mask[None, :],
-        )
-
-
-def _tiles(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)``: a function of the dtype only, never of M."""
-    if dtype == torch.float32:
-        return 32, 64, 32, 4, 2
-    return 64, 128, 64, 4, 3
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
@@ -146,42 +66,8 @@ def _check(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
 def _launch(
     a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor | None, rows_per_group: int
 ) -> torch.Tensor:
-    num_rows, depth = a.shape
-    groups, _, width = b.shape
-    out = a.new_empty((num_rows, width))
-    if num_rows == 0 or width == 0:
-        return out
-    if depth == 0:
-        return out.zero_()
-    block_m, block_n, block_k, warps, stages = _tiles(a.dtype)
-    rows_bound = num_rows if group_ends is not None else rows_per_group
-    grid = (groups, triton.cdiv(rows_bound, block_m), triton.cdiv(width, block_n))
-    ends = group_ends if group_ends is not None else out
-    _batch_invariant_matmul_kernel[grid](
-        a,
-        b,
-        out,
-        ends,
-        rows_per_group,
-        width,
-        depth,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        b.stride(2),
-        out.stride(0),
-        out.stride(1),
-        VARIABLE_GROUPS=group_ends is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        IEEE=a.dtype == torch.float32,
-        DOT=not _interpreting(),
-        num_warps=warps,
-        num_stages=stages,
-    )
-    return out
+    config = gemm_config(b.shape[2], a.shape[1], a.dtype, a.device)
+    return launch_gemm(a, b, group_ends, rows_per_group, config)
 
 
 def _chunked_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -239,8 +125,14 @@ def _grouped_forward(
 
 
 class _InvariantMatmul(torch.autograd.Function):
-    """Forward through the invariant kernel; backward with ordinary GEMMs (any order is fine:
-    only the forward values have to match between training and inference)."""
+    """Forward through the invariant kernel; backward with ordinary GEMMs (cuBLAS on the GPU).
+
+    The backward needs no batch invariance: log-probs come from the forward, and the engine
+    never computes a gradient. It needs determinism, which cuBLAS gives for a given shape, GPU
+    and library version (the same algorithm is picked every time, and no algorithm torch uses
+    for these products reduces with atomics); the ordinary kernels are 1.5-3x faster than
+    the invariant ones.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -256,24 +148,58 @@ class _InvariantMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        from mcore_kernels.batch_invariant.mode import suspended
+
         a, b, group_ends = ctx.saved_tensors
-        groups = b.shape[0]
-        if group_ends is None:
-            size = ctx.rows_per_group
-            ends = [size * (g + 1) for g in range(groups)]
-        else:
-            ends = [int(e) for e in group_ends.tolist()]
-        grad_a = torch.zeros_like(a) if ctx.needs_input_grad[0] else None
-        grad_b = torch.zeros_like(b) if ctx.needs_input_grad[1] else None
-        start = 0
-        for g, end in enumerate(ends):
-            if end > start:
-                if grad_a is not None:
-                    grad_a[start:end] = grad[start:end] @ b[g].transpose(0, 1)
-                if grad_b is not None:
-                    grad_b[g] = a[start:end].transpose(0, 1) @ grad[start:end]
-            start = end
+        with suspended():
+            if group_ends is None:
+                grad_a, grad_b = _uniform_backward(ctx, a, b, grad)
+            else:
+                grad_a, grad_b = _grouped_backward(ctx, a, b, group_ends, grad)
         return grad_a, grad_b, None, None
+
+
+def _uniform_backward(
+    ctx: Any, a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of equal groups (dense, ``bmm``): one cuBLAS call each, no copies."""
+    groups, rows = b.shape[0], ctx.rows_per_group
+    grad_a = grad_b = None
+    if groups == 1:
+        if ctx.needs_input_grad[0]:
+            grad_a = grad @ b[0].transpose(0, 1)
+        if ctx.needs_input_grad[1]:
+            if b.stride(1) == 1:
+                # b is a linear layer's weight[N, K] seen as [K, N]: produce the gradient in the
+                # weight's own layout, so that accumulating it needs no transposed copy.
+                grad_b = (grad.transpose(0, 1) @ a).transpose(0, 1)[None]
+            else:
+                grad_b = (a.transpose(0, 1) @ grad)[None]
+        return grad_a, grad_b
+    grads = grad.reshape(groups, rows, grad.shape[-1])
+    if ctx.needs_input_grad[0]:
+        grad_a = torch.bmm(grads, b.transpose(1, 2)).reshape(a.shape)
+    if ctx.needs_input_grad[1]:
+        grad_b = torch.bmm(a.reshape(groups, rows, a.shape[-1]).transpose(1, 2), grads)
+    return grad_a, grad_b
+
+
+def _grouped_backward(
+    ctx: Any, a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of variable groups (MoE experts), one product per non-empty group."""
+    ends = [int(e) for e in group_ends.tolist()]
+    grad_a = torch.zeros_like(a) if ctx.needs_input_grad[0] else None
+    grad_b = torch.zeros_like(b) if ctx.needs_input_grad[1] else None
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            if grad_a is not None:
+                grad_a[start:end] = grad[start:end] @ b[g].transpose(0, 1)
+            if grad_b is not None:
+                grad_b[g] = a[start:end].transpose(0, 1) @ grad[start:end]
+        start = end
+    return grad_a, grad_b
 
 
 def grouped_mm_batch_invariant(

@@ -3,21 +3,60 @@
 The training forward of a packed row calls this: the forward is
 :func:`~mcore_kernels.batch_invariant.attention.attention_batch_invariant` reading the packed
 keys and values (one start row per token), so a token equals the engine's decode or prefill of
-the same sequence bitwise; the backward recomputes the attention with torch SDPA per sequence
+the same sequence bitwise; consecutive tokens of a sequence share a program (query blocks), so
+each key/value tile is loaded once for several tokens; the backward recomputes the attention with torch SDPA per sequence
 (gradients need no invariance).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from mcore_kernels.batch_invariant.attention import attention_batch_invariant
+from mcore_kernels.batch_invariant.attention import attention_batch_invariant, query_block_tokens
 from mcore_kernels.errors import KernelShapeError
 
 __all__ = ["packed_attention_batch_invariant"]
+
+
+@functools.lru_cache(maxsize=16)
+def _packed_layout(
+    bounds: tuple[tuple[int, int], ...], tokens: int, per_block: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Context lengths, sequence starts and query blocks of a packing, on ``device``.
+
+    Computed once per packing (every layer of a forward, and the next steps of the same
+    packing, reuse them).
+    """
+    starts = torch.empty(tokens, dtype=torch.int32)
+    context = torch.empty(tokens, dtype=torch.int32)
+    blocks = []
+    longest = 1
+    for start, end in bounds:
+        starts[start:end] = start
+        context[start:end] = torch.arange(1, end - start + 1, dtype=torch.int32)
+        longest = max(longest, end - start)
+        first = torch.arange(start, end, per_block, dtype=torch.int32)
+        blocks.append(torch.stack((first, (end - first).clamp(max=per_block)), dim=1))
+    flat = torch.cat(blocks).flatten() if blocks else torch.empty(0, dtype=torch.int32)
+    layout = torch.cat([context, starts, flat]).to(device)
+    context, starts, flat_blocks = layout.split([tokens, tokens, layout.numel() - 2 * tokens])
+    return context, starts, flat_blocks.view(-1, 2), longest
+
+
+def _equal_length_runs(bounds: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int]]:
+    """``(start, length, count)`` of each run of consecutive sequences of one length."""
+    runs: list[tuple[int, int, int]] = []
+    for start, end in bounds:
+        if runs and runs[-1][1] == end - start:
+            first, length, count = runs[-1]
+            runs[-1] = (first, length, count + 1)
+        else:
+            runs.append((start, end - start, 1))
+    return runs
 
 
 class _PackedAttention(torch.autograd.Function):
@@ -34,21 +73,18 @@ class _PackedAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(q, k, v)
         ctx.bounds, ctx.scale = bounds, scale
-        starts = torch.empty(q.shape[0], dtype=torch.int32)
-        context = torch.empty(q.shape[0], dtype=torch.int32)
-        longest = 1
-        for start, end in bounds:
-            starts[start:end] = start
-            context[start:end] = torch.arange(1, end - start + 1, dtype=torch.int32)
-            longest = max(longest, end - start)
+        context, starts, blocks, longest = _packed_layout(
+            bounds, q.shape[0], query_block_tokens(q.shape[1], k.shape[1]), q.device
+        )
         return attention_batch_invariant(
             q,
             k,
             v,
-            context.to(q.device, non_blocking=True),
+            context,
             scale=scale,
-            kv_starts=starts.to(q.device, non_blocking=True),
+            kv_starts=starts,
             max_context=longest,
+            query_blocks=blocks,
         )
 
     @staticmethod
@@ -59,8 +95,12 @@ class _PackedAttention(torch.autograd.Function):
         with torch.enable_grad(), suspended():
             inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
             pieces = []
-            for start, end in ctx.bounds:
-                sq, sk, sv = (t[start:end].transpose(0, 1)[None] for t in inputs)
+            # Runs of consecutive sequences of one length go through SDPA as one batch.
+            for start, length, count in _equal_length_runs(ctx.bounds):
+                end = start + length * count
+                sq, sk, sv = (
+                    t[start:end].unflatten(0, (count, length)).transpose(1, 2) for t in inputs
+                )
                 out = F.scaled_dot_product_attention(
                     sq,
                     sk,
@@ -69,7 +109,7 @@ class _PackedAttention(torch.autograd.Function):
                     scale=ctx.scale,
                     enable_gqa=sq.shape[1] != sk.shape[1],
                 )
-                pieces.append(out[0].transpose(0, 1))
+                pieces.append(out.transpose(1, 2).flatten(0, 1))
             recomputed = torch.cat(pieces)
             grads = torch.autograd.grad(recomputed, inputs, grad)
         return grads[0], grads[1], grads[2], None, None
