@@ -205,7 +205,7 @@ def run_sweep(args: argparse.Namespace, sms: int, l2_bytes: int, copy_gbs: float
                 for model, shapes in SHAPES.items() for name, (n, k) in shapes.items()}  # fmt: skip
     for rows in rows_list:
         for problem in problems.values():
-            chosen = gemv_config(rows, problem.n, problem.k, problem.weights[0].device)
+            chosen = gemv_config(rows, problem.n, problem.k, sms)
             jobs[_variant_key(rows, chosen)] = (rows, asdict(chosen), _PLAIN)
             if chosen.split_k > 1:
                 chosen = replace(chosen, reduce="second_pass")
@@ -233,7 +233,7 @@ def run_sweep(args: argparse.Namespace, sms: int, l2_bytes: int, copy_gbs: float
                 if best is None or us < best[0]:
                     best = (us, chosen)
             assert best is not None
-            default_config = gemv_config(rows, n, k, problem.weights[0].device)
+            default_config = gemv_config(rows, n, k, sms)
             default = problem.time_gemv(rows, default_config)
             second = None
             if default_config.split_k > 1:

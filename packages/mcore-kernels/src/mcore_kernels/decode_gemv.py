@@ -370,14 +370,14 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
     return tickets
 
 
-def gemv_config(rows: int, out_features: int, in_features: int, device: torch.device) -> GemvConfig:
+def gemv_config(rows: int, out_features: int, in_features: int, multiprocessors: int) -> GemvConfig:
     """The launch configuration :func:`decode_gemv` uses for a shape.
 
     Args:
         rows: ``M``, the rows of ``x``.
         out_features: ``N_out``, the output columns (``F`` for SwiGLU).
         in_features: ``K``.
-        device: The device (its multiprocessor count sizes the split).
+        multiprocessors: The device's multiprocessor count (it sizes the split).
 
     Returns:
         A :class:`GemvConfig`: vector passes for up to 4 rows, ``tl.dot`` beyond; split-K
@@ -385,9 +385,8 @@ def gemv_config(rows: int, out_features: int, in_features: int, device: torch.de
     """
     use_dot = rows > 4
     block_n = 32 if use_dot else 16
-    block_k = 128 if use_dot else 512
-    tiles = triton.cdiv(out_features, block_n) * triton.cdiv(rows, _block_m(rows, use_dot))
-    multiprocessors, _ = device_limits(device)
+    block_k = 128 if use_dot else 256
+    tiles = -(-out_features // block_n) * -(-rows // _block_m(rows, use_dot))
     steps = max(1, in_features // block_k)
     split_k = max(1, min(steps, (2 * multiprocessors) // max(tiles, 1)))
     return GemvConfig(
@@ -481,7 +480,7 @@ def decode_gemv_triton(
     if rows == 0 or n_out == 0:
         return out
     if config is None:
-        config = gemv_config(rows, n_out, k, x.device)
+        config = gemv_config(rows, n_out, k, device_limits(x.device)[0])
     block_m = _block_m(rows, config.use_dot)
     grid_n = triton.cdiv(n_out, config.block_n)
     grid_m = triton.cdiv(rows, block_m)
@@ -580,6 +579,7 @@ def decode_gemv(
         KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names an unknown backend or one that
             cannot run on these tensors.
     """
+    _check_args(x, weight, bias, norm_weight, residual, swiglu)
     if _compile.compiling():
         return _decode_gemv_op(x, weight, bias, norm_weight, float(norm_eps), swiglu, residual)
     return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual)
