@@ -254,6 +254,93 @@ def run_sweep(args: argparse.Namespace, sms: int, l2_bytes: int, copy_gbs: float
     return {"records": records, "summary": summary}
 
 
+FUSED_ROWS = (1, 16, 64)
+
+
+def _fused_timings(problem: Problem, rows: int, flags: dict[str, bool]) -> tuple[float, float]:
+    """Microseconds of one fused ``decode_gemv`` and of the torch ops it replaces."""
+    from mcore_kernels.moe.swiglu import swiglu
+    from mcore_kernels.rms_norm import rms_norm
+
+    n, k = problem.n, problem.k
+    out_n = n // 2 if flags["swiglu"] else n
+    x = problem.inputs[rows]
+    norm = torch.ones(k, device="cuda", dtype=torch.bfloat16) if flags["norm"] else None
+    bias = torch.zeros(n, device="cuda", dtype=torch.bfloat16) if flags["bias"] else None
+    residual = None
+    if flags["residual"]:
+        residual = torch.randn(rows, out_n, device="cuda", dtype=torch.bfloat16)
+
+    def fused_call(w: torch.Tensor) -> torch.Tensor:
+        return decode_gemv_triton(
+            x, w, bias, norm_weight=norm, swiglu=flags["swiglu"], residual=residual
+        )
+
+    def unfused_call(w: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x if norm is None else rms_norm(x, norm), w, bias)
+        if flags["swiglu"]:
+            y = swiglu(y)
+        return y if residual is None else y + residual
+
+    fused_us = graph_us([lambda w=w: fused_call(w) for w in problem.weights])
+    unfused_us = graph_us([lambda w=w: unfused_call(w) for w in problem.weights])
+    return fused_us, unfused_us
+
+
+def run_default(args: argparse.Namespace, sms: int, l2_bytes: int, copy_gbs: float) -> dict:
+    """The default configuration against cuBLAS, plain and with the engine's fusions."""
+    rows_list = [r for r in ROWS if r <= args.max_rows]
+    jobs = {}
+    fusions = {
+        "qkv": {**_PLAIN, "bias": True, "norm": True},
+        "o": {**_PLAIN, "residual": True},
+        "gate_up": {**_PLAIN, "norm": True, "swiglu": True},
+        "down": {**_PLAIN, "residual": True},
+    }
+    for shapes in SHAPES.values():
+        for name, (n, k) in shapes.items():
+            for rows in rows_list:
+                config = gemv_config(rows, n, k, sms)
+                jobs[(_variant_key(rows, config), "plain")] = (rows, asdict(config), _PLAIN)
+                if name in fusions and rows in FUSED_ROWS:
+                    out_n = n // 2 if fusions[name]["swiglu"] else n
+                    config = gemv_config(rows, out_n, k, sms)
+                    jobs[(_variant_key(rows, config), name)] = (rows, asdict(config), fusions[name])
+    precompile(list(jobs.values()), args.compile_workers)
+    plain, fused = [], []
+    for model, shapes in SHAPES.items():
+        for name, (n, k) in shapes.items():
+            problem = Problem(n, k, l2_bytes)
+            for rows in rows_list:
+                cublas = problem.time_cublas(rows)
+                gemv = problem.time_gemv(rows, None)
+                plain.append({"model": model, "proj": name, "rows": rows, "cublas_us": cublas,
+                              "gemv_us": gemv, "config": asdict(gemv_config(rows, n, k, sms))})  # fmt: skip
+                print(
+                    f"{model:13s} {name:8s} M={rows:2d} cuBLAS {cublas:7.1f} us "
+                    f"{problem.gbs(cublas):5.0f} GB/s | decode_gemv {gemv:7.1f} us "
+                    f"{problem.gbs(gemv):5.0f} GB/s ({100 * problem.gbs(gemv) / copy_gbs:3.0f}% copy)",
+                    flush=True,
+                )
+            if name not in fusions:
+                del problem
+                continue
+            for rows in FUSED_ROWS:
+                if rows <= args.max_rows:
+                    fused_us, unfused_us = _fused_timings(problem, rows, fusions[name])
+                    fused.append({"model": model, "proj": name, "rows": rows,
+                                  "flags": fusions[name], "fused_us": fused_us,
+                                  "unfused_us": unfused_us})  # fmt: skip
+                    print(
+                        f"{model:13s} {name:8s} M={rows:2d} fused {fused_us:6.1f} us vs "
+                        f"unfused torch {unfused_us:6.1f} us",
+                        flush=True,
+                    )
+            del problem
+            torch.cuda.empty_cache()
+    return {"plain": plain, "fused": fused}
+
+
 def _short(config: GemvConfig) -> str:
     kind = "dot" if config.use_dot else "vec"
     return f"{kind} n{config.block_n} k{config.block_k} w{config.num_warps} s{config.split_k}"
@@ -289,7 +376,33 @@ def main() -> None:
                   "default GB/s"]  # fmt: skip
         name = "decode_gemv_sweep"
     else:
-        raise SystemExit("only --sweep is implemented so far")
+        payload.update(run_default(args, sms, l2_bytes, copy_gbs))
+        rows = [
+            [p["model"], p["proj"], p["rows"], p["cublas_us"], _gbs(p, "cublas_us"),
+             p["gemv_us"], _gbs(p, "gemv_us"), 100 * _gbs(p, "gemv_us") / copy_gbs,
+             p["cublas_us"] / p["gemv_us"]]
+            for p in payload["plain"]
+        ]  # fmt: skip
+        header = ["model", "proj", "M", "cuBLAS us", "cuBLAS GB/s", "decode_gemv us",
+                  "decode_gemv GB/s", "% copy", "speedup"]  # fmt: skip
+        fused_rows = [
+            [f["model"], f["proj"], f["rows"],
+             "+".join(key for key, on in f["flags"].items() if on), f["unfused_us"],
+             f["fused_us"], f["unfused_us"] / f["fused_us"]]
+            for f in payload["fused"]
+        ]  # fmt: skip
+        name = "decode_gemv"
+        payload["seconds"] = time.perf_counter() - started
+        table = (
+            markdown_table(header, rows)
+            + "\nFused (one launch) against the torch ops it replaces:\n\n"
+        )
+        table += markdown_table(
+            ["model", "proj", "M", "fused in", "unfused us", "fused us", "speedup"], fused_rows
+        )
+        table = f"Copy bandwidth {copy_gbs:.0f} GB/s; {payload['device']['device']}.\n\n" + table
+        write_results(args.out, name, payload, table)
+        return
     payload["seconds"] = time.perf_counter() - started
     write_results(args.out, name, payload, markdown_table(header, rows))
 
