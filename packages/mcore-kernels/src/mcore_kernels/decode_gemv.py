@@ -34,7 +34,15 @@ import torch
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import device_limits, jit, next_power_of_2, round_to, tl, triton
+from mcore_kernels._triton_utils import (
+    CachedLauncher,
+    device_limits,
+    jit,
+    next_power_of_2,
+    round_to,
+    tl,
+    triton,
+)
 from mcore_kernels.errors import (
     KernelBackendError,
     KernelDtypeError,
@@ -354,6 +362,8 @@ def _sum_partials_kernel(
     )  # fmt: skip
 
 
+_GEMV = CachedLauncher(_gemv_kernel)
+_SUM_PARTIALS = CachedLauncher(_sum_partials_kernel)
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 """Ticket buffers replaced by larger ones, kept alive for the graphs that captured them."""
@@ -494,56 +504,69 @@ def decode_gemv_triton(
         tickets = _tickets(x.device, grid_n * grid_m)
     dummy = x
     interpreting = not x.is_cuda
-    _gemv_kernel[(grid_n, split_k, grid_m)](
-        x,
-        weight,
-        bias if bias is not None else dummy,
-        norm_weight if norm_weight is not None else dummy,
-        residual if residual is not None else dummy,
-        out,
-        ws,
-        tickets,
-        rows,
-        n_out,
-        k,
-        k_split,
-        split_k,
-        x.stride(0),
-        weight.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        out.stride(0),
-        float(norm_eps),
-        HAS_BIAS=bias is not None,
-        HAS_NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None,
-        SWIGLU=swiglu,
-        BLOCK_M=block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        HAS_SPLIT=split_k > 1,
-        USE_DOT=config.use_dot,
-        STORE_PARTIALS=second_pass,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreting else "tf32",
-        UPCAST_DOT=interpreting,
-        num_warps=config.num_warps,
-    )
-    if second_pass:
-        _sum_partials_kernel[(grid_n, grid_m)](
-            ws,
+    device_index = x.get_device()
+    _GEMV(
+        (grid_n, split_k, grid_m),
+        (
+            x,
+            weight,
             bias if bias is not None else dummy,
+            norm_weight if norm_weight is not None else dummy,
             residual if residual is not None else dummy,
             out,
+            ws,
+            tickets,
             rows,
             n_out,
+            k,
+            k_split,
             split_k,
+            x.stride(0),
+            weight.stride(0),
             residual.stride(0) if residual is not None else 0,
             out.stride(0),
-            HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None,
-            SWIGLU=swiglu,
-            BLOCK_M=block_m,
-            BLOCK_N=config.block_n,
-            num_warps=4,
+            float(norm_eps),
+        ),
+        {
+            "HAS_BIAS": bias is not None,
+            "HAS_NORM": norm_weight is not None,
+            "HAS_RESIDUAL": residual is not None,
+            "SWIGLU": swiglu,
+            "BLOCK_M": block_m,
+            "BLOCK_N": config.block_n,
+            "BLOCK_K": config.block_k,
+            "HAS_SPLIT": split_k > 1,
+            "USE_DOT": config.use_dot,
+            "STORE_PARTIALS": second_pass,
+            "DOT_PRECISION": "ieee" if x.dtype == torch.float32 or interpreting else "tf32",
+            "UPCAST_DOT": interpreting,
+        },
+        config.num_warps,
+        device_index,
+    )
+    if second_pass:
+        _SUM_PARTIALS(
+            (grid_n, grid_m),
+            (
+                ws,
+                bias if bias is not None else dummy,
+                residual if residual is not None else dummy,
+                out,
+                rows,
+                n_out,
+                split_k,
+                residual.stride(0) if residual is not None else 0,
+                out.stride(0),
+            ),
+            {
+                "HAS_BIAS": bias is not None,
+                "HAS_RESIDUAL": residual is not None,
+                "SWIGLU": swiglu,
+                "BLOCK_M": block_m,
+                "BLOCK_N": config.block_n,
+            },
+            4,
+            device_index,
         )
     return out
 
