@@ -254,6 +254,7 @@ def _gemv_kernel(
     STORE_PARTIALS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -269,7 +270,7 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     scales = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_NORM:
-        scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, BLOCK_K)
+        scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_begin = pid_k * K_SPLIT
@@ -540,6 +541,10 @@ def decode_gemv_triton(
             "STORE_PARTIALS": second_pass,
             "DOT_PRECISION": "ieee" if x.dtype == torch.float32 or interpreting else "tf32",
             "UPCAST_DOT": interpreting,
+            # The whole row in one pass where it fits: the prologue adds one load latency.
+            "NORM_BLOCK": min(next_power_of_2(k), max(256, 8192 // block_m))
+            if norm_weight is not None
+            else 16,
         },
         config.num_warps,
         device_index,
