@@ -90,7 +90,7 @@ def test_gemv_path_matches_model_forward_and_gemm_path(model, gemv_calls):
     expected, expected_cache = _forward(model)
     gemm, _ = _forward(model, FusedDecoder(model, gemv_max_rows=0))
     assert not gemv_calls
-    actual, cache = _forward(model, FusedDecoder(model))
+    actual, cache = _forward(model, FusedDecoder(model, gemv_max_rows=16))
     # Four projections per layer, each over the step's 9 tokens: q/k/v and gate/up read the
     # (normalised in the prologue) residual stream, o the attention, down the activation.
     config = model.config
@@ -126,28 +126,55 @@ def test_lm_head_matches_compute_logits(model, gemv_calls):
 
 
 PROMPTS = [[3, 9, 4, 7, 1], [12, 2], [5, 8, 13, 21, 34, 55, 6, 10, 11, 40, 41]]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=6, return_logprobs=True),
+    SamplingParams(temperature=0.9, top_k=12, seed=7, max_tokens=5, return_logprobs=True),
+    SamplingParams(temperature=0.0, max_tokens=7, return_logprobs=True),
+]
+
+
+def _generate(model, params, **options):
+    config = InferenceConfig(
+        max_batch_size=4,
+        max_sequence_length=32,
+        block_size=4,
+        prefill_chunk_size=4,
+        attention_split_size=8,
+        **options,
+    )
+    with InferenceEngine(model, config) as engine:
+        return [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("max_rows", [1, 16])
+def test_engine_with_gemv_steps_generates_what_the_model_forward_generates(
+    model, monkeypatch, max_rows
+):
+    # 16: every prefill chunk and decode step runs the GEMV path; 1: only single-row steps.
+    monkeypatch.setattr(fused_decode, "GEMV_MAX_ROWS", max_rows)
+    monkeypatch.setattr(fused_decode, "LM_HEAD_GEMV_MAX_ROWS", max_rows)
+    actual = _generate(model, PARAMS, fused_decode=True)
+    expected = _generate(model, PARAMS, fused_decode=False)
+    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(
+        actual, expected, strict=True
+    ):
+        assert tokens == expected_tokens
+        torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_bfloat16_graph_engine_greedy_tokens_match_the_eager_forward_on_gpu():
+@pytest.mark.parametrize("max_rows", [2, 16])
+def test_bfloat16_graph_engine_greedy_tokens_match_the_eager_forward_on_gpu(
+    monkeypatch, max_rows
+):
+    monkeypatch.setattr(fused_decode, "GEMV_MAX_ROWS", max_rows)
     model = _model(5, dtype=torch.bfloat16).cuda()
     params = SamplingParams(temperature=0.0, max_tokens=12, return_logprobs=True)
-
-    def generate(**options):
-        config = InferenceConfig(
-            max_batch_size=4,
-            max_sequence_length=32,
-            block_size=4,
-            prefill_chunk_size=4,
-            attention_split_size=8,
-            **options,
-        )
-        with InferenceEngine(model, config) as engine:
-            return [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, params)]
-
-    actual = generate(fused_decode=True)
-    expected = generate(fused_decode=False, use_cuda_graphs=False, async_token_readback=False)
+    actual = _generate(model, params, fused_decode=True)
+    expected = _generate(
+        model, params, fused_decode=False, use_cuda_graphs=False, async_token_readback=False
+    )
     for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(
         actual, expected, strict=True
     ):

@@ -71,6 +71,11 @@ DOT_TILES = ((16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 4
 """``(block_n, block_k, num_warps)`` of the tensor-core sweep."""
 WAVES = (0, 2, 4)
 """Split-K targets: no split, or about this many programs per multiprocessor."""
+REFINE_TILES = ((4, 1024, 4, None), (4, 1024, 2, None), (4, 1024, 4, 1), (4, 1024, 4, 4),
+                (4, 2048, 4, None), (4, 2048, 8, None), (8, 2048, 8, None), (2, 2048, 4, None),
+                (8, 1024, 4, 4))  # fmt: skip
+"""``(block_n, block_k, num_warps, num_stages)`` of the ``--refine`` sweep (vector path)."""
+REFINE_ROWS = (1, 2)
 
 
 def _split_for(config: GemvConfig, rows: int, n: int, k: int, waves: int, sms: int) -> int:
@@ -81,9 +86,15 @@ def _split_for(config: GemvConfig, rows: int, n: int, k: int, waves: int, sms: i
     return max(1, min(max(1, k // config.block_k), waves * sms // tiles))
 
 
-def sweep_configs(rows: int) -> list[tuple[GemvConfig, int]]:
-    """``(config without split, waves)`` pairs swept at ``rows``."""
+def sweep_configs(rows: int, refine: bool = False) -> list[tuple[GemvConfig, int]]:
+    """``(config without split, waves)`` pairs swept at ``rows`` (``refine``: the fine grid)."""
     cases: list[tuple[GemvConfig, int]] = []
+    if refine:
+        for bn, bk, warps, stages in REFINE_TILES:
+            config = GemvConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+            cases.append((config, 0))
+        cases.append((GemvConfig(block_n=4, block_k=1024, num_warps=4), 2))
+        return cases
     if rows <= 4:
         for (bn, bk, warps), waves in itertools.product(VECTOR_TILES, WAVES):
             cases.append((GemvConfig(block_n=bn, block_k=bk, num_warps=warps), waves))
@@ -138,7 +149,7 @@ _PLAIN = {"bias": False, "norm": False, "swiglu": False, "residual": False}
 def _variant_key(rows: int, config: GemvConfig) -> tuple:
     block_m = min(64, max(16, 1 << (rows - 1).bit_length())) if config.use_dot else min(4, rows)
     return (block_m, config.block_n, config.block_k, config.num_warps, config.use_dot,
-            config.split_k > 1, config.reduce)  # fmt: skip
+            config.split_k > 1, config.reduce, config.num_stages)  # fmt: skip
 
 
 def graph_us(launches: list[Callable[[], Any]], replays: int = 5) -> float:
@@ -187,6 +198,11 @@ class Problem:
         x = self.inputs[rows]
         return graph_us([lambda w=w: F.linear(x, w) for w in self.weights])
 
+    def time_copy(self) -> float:
+        """Microseconds of one copy of the weight into a buffer of its size (read + write)."""
+        target = torch.empty_like(self.weights[0])
+        return graph_us([lambda w=w: target.copy_(w) for w in self.weights])
+
     def gbs(self, us: float) -> float:
         """Weight bytes per microsecond as GB/s."""
         return self.bytes / us / 1e3
@@ -194,10 +210,10 @@ class Problem:
 
 def run_sweep(args: argparse.Namespace, sms: int, l2_bytes: int, copy_gbs: float) -> dict:
     """Time every configuration of the grid on every shape and row count."""
-    rows_list = [r for r in ROWS if r <= args.max_rows]
+    rows_list = [r for r in (REFINE_ROWS if args.refine else ROWS) if r <= args.max_rows]
     jobs = {}
     for rows in rows_list:
-        for config, waves in sweep_configs(rows):
+        for config, waves in sweep_configs(rows, args.refine):
             for split in (1, 2) if waves else (1,):
                 chosen = replace(config, split_k=split)
                 jobs[_variant_key(rows, chosen)] = (rows, asdict(chosen), _PLAIN)
@@ -222,7 +238,7 @@ def run_sweep(args: argparse.Namespace, sms: int, l2_bytes: int, copy_gbs: float
             start = time.perf_counter()
             cublas = problem.time_cublas(rows)
             best: tuple[float, GemvConfig] | None = None
-            for config, waves in sweep_configs(rows):
+            for config, waves in sweep_configs(rows, args.refine):
                 split = _split_for(config, rows, n, k, waves, sms)
                 if waves and split == 1:
                     continue
@@ -254,7 +270,7 @@ def run_sweep(args: argparse.Namespace, sms: int, l2_bytes: int, copy_gbs: float
     return {"records": records, "summary": summary}
 
 
-FUSED_ROWS = (1, 16, 64)
+FUSED_ROWS = (1, 2, 4, 16)
 
 
 def _fused_timings(problem: Problem, rows: int, flags: dict[str, bool]) -> tuple[float, float]:
@@ -311,15 +327,18 @@ def run_default(args: argparse.Namespace, sms: int, l2_bytes: int, copy_gbs: flo
     for model, shapes in SHAPES.items():
         for name, (n, k) in shapes.items():
             problem = Problem(n, k, l2_bytes)
+            copy_us = problem.time_copy()
             for rows in rows_list:
                 cublas = problem.time_cublas(rows)
                 gemv = problem.time_gemv(rows, None)
                 plain.append({"model": model, "proj": name, "rows": rows, "cublas_us": cublas,
-                              "gemv_us": gemv, "config": asdict(gemv_config(rows, n, k, sms))})  # fmt: skip
+                              "gemv_us": gemv, "same_size_copy_us": copy_us,
+                              "config": asdict(gemv_config(rows, n, k, sms))})  # fmt: skip
                 print(
                     f"{model:13s} {name:8s} M={rows:2d} cuBLAS {cublas:7.1f} us "
                     f"{problem.gbs(cublas):5.0f} GB/s | decode_gemv {gemv:7.1f} us "
-                    f"{problem.gbs(gemv):5.0f} GB/s ({100 * problem.gbs(gemv) / copy_gbs:3.0f}% copy)",
+                    f"{problem.gbs(gemv):5.0f} GB/s ({100 * problem.gbs(gemv) / copy_gbs:3.0f}% copy)"
+                    f" | same-size copy {copy_us:6.1f} us",
                     flush=True,
                 )
             if name not in fusions:
@@ -343,7 +362,10 @@ def run_default(args: argparse.Namespace, sms: int, l2_bytes: int, copy_gbs: flo
 
 def _short(config: GemvConfig) -> str:
     kind = "dot" if config.use_dot else "vec"
-    return f"{kind} n{config.block_n} k{config.block_k} w{config.num_warps} s{config.split_k}"
+    stages = "" if config.num_stages is None else f" st{config.num_stages}"
+    return (
+        f"{kind} n{config.block_n} k{config.block_k} w{config.num_warps} s{config.split_k}{stages}"
+    )
 
 
 def main() -> None:
@@ -351,6 +373,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for the result files")
     parser.add_argument("--sweep", action="store_true", help="sweep the configuration grid")
+    parser.add_argument(
+        "--refine", action="store_true", help="with --sweep: the fine vector grid at 1-2 rows"
+    )
     parser.add_argument("--max-rows", type=int, default=64, help="largest row count")
     parser.add_argument("--compile-workers", type=int, default=8)
     parser.add_argument(
@@ -374,17 +399,17 @@ def main() -> None:
         ]  # fmt: skip
         header = ["model", "proj", "M", "cuBLAS GB/s", "best GB/s", "best % copy", "best config",
                   "default GB/s"]  # fmt: skip
-        name = "decode_gemv_sweep"
+        name = "decode_gemv_refine" if args.refine else "decode_gemv_sweep"
     else:
         payload.update(run_default(args, sms, l2_bytes, copy_gbs))
         rows = [
             [p["model"], p["proj"], p["rows"], p["cublas_us"], _gbs(p, "cublas_us"),
              p["gemv_us"], _gbs(p, "gemv_us"), 100 * _gbs(p, "gemv_us") / copy_gbs,
-             p["cublas_us"] / p["gemv_us"]]
+             100 * p["same_size_copy_us"] / p["gemv_us"], p["cublas_us"] / p["gemv_us"]]
             for p in payload["plain"]
         ]  # fmt: skip
         header = ["model", "proj", "M", "cuBLAS us", "cuBLAS GB/s", "decode_gemv us",
-                  "decode_gemv GB/s", "% copy", "speedup"]  # fmt: skip
+                  "decode_gemv GB/s", "% copy BW", "% same-size copy", "speedup"]  # fmt: skip
         fused_rows = [
             [f["model"], f["proj"], f["rows"],
              "+".join(key for key, on in f["flags"].items() if on), f["unfused_us"],
@@ -400,7 +425,12 @@ def main() -> None:
         table += markdown_table(
             ["model", "proj", "M", "fused in", "unfused us", "fused us", "speedup"], fused_rows
         )
-        table = f"Copy bandwidth {copy_gbs:.0f} GB/s; {payload['device']['device']}.\n\n" + table
+        table = (
+            f"Copy bandwidth {copy_gbs:.0f} GB/s (2 GiB copy); {payload['device']['device']}. "
+            "% copy BW: the weight's bytes per second against it; % same-size copy: the time "
+            "of a graph-replayed copy of the weight (read + write, the same launch and latency "
+            "floor) over the kernel's time.\n\n" + table
+        )
         write_results(args.out, name, payload, table)
         return
     payload["seconds"] = time.perf_counter() - started

@@ -124,11 +124,14 @@ def test_default_config_and_dispatch(monkeypatch):
 
 
 def test_gemv_config_choice():
-    one_row = gemv_config(1, 896, 896, multiprocessors=132)
-    assert not one_row.use_dot and one_row.split_k > 1
-    assert gemv_config(16, 896, 896, multiprocessors=132).use_dot
-    # A projection with more tiles than programs wanted is not split.
-    assert gemv_config(1, 151936, 896, multiprocessors=132).split_k == 1
+    one_row = gemv_config(1, 896, 4864, multiprocessors=132)
+    assert not one_row.use_dot and one_row.split_k == 1
+    down = gemv_config(16, 896, 4864, multiprocessors=132)
+    assert down.use_dot and down.split_k == 4 and down.block_n == 16
+    # Wide projections: wide tiles, and no split when the tiles fill the device.
+    head = gemv_config(16, 151936, 896, multiprocessors=132)
+    assert head.use_dot and head.block_n == 64 and head.split_k == 1
+    assert gemv_config(16, 896, 4864, multiprocessors=8).split_k == 1
 
 
 def test_zero_rows_give_an_empty_result():

@@ -11,7 +11,7 @@ little data, the launches dominate. :class:`FusedDecoder` computes the same laye
 - the fused residual-add + RMSNorm the model already uses, and the fused SwiGLU of
   :mod:`mcore_kernels.moe` (one kernel reading the gate/up GEMM output once).
 
-Steps of at most ``gemv_max_rows`` tokens (decode) run every projection as
+Steps of at most ``gemv_max_rows`` tokens (decode at small batch) run every projection as
 :func:`mcore_kernels.decode_gemv.decode_gemv` instead, a kernel that streams the weight at close
 to the memory bandwidth where cuBLAS runs split-K GEMMs plus reductions, and that folds the
 work around each projection in: the input RMSNorm into the q/k/v and gate/up projections, the
@@ -56,8 +56,13 @@ __all__ = [
     "fused_decoder_unsupported_reason",
 ]
 
-GEMV_MAX_ROWS = 16
-"""Steps of at most this many tokens run the layers' projections as ``decode_gemv``."""
+GEMV_MAX_ROWS = 2
+"""Steps of at most this many tokens run the layers' projections as ``decode_gemv``.
+
+Measured on one H100 (``bench_decode_gemv.py``): up to 2 rows the kernel's vector path beats
+cuBLAS on every projection and the fused norms and epilogues save their launches; from 3 rows
+on its tensor-core path only matches cuBLAS, and its norm prologue costs more than the norm
+kernel it replaces."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
 
@@ -124,21 +129,24 @@ class FusedDecoder:
     Args:
         model: A model for which :func:`fused_decoder_unsupported_reason` is None.
         gemv_max_rows: Steps of at most this many tokens run the projections as
-            ``decode_gemv`` with the norms, SwiGLU and residual adds fused in (0: never).
+            ``decode_gemv`` with the norms, SwiGLU and residual adds fused in (0: never;
+            None: :data:`GEMV_MAX_ROWS`).
         lm_head_gemv_max_rows: :meth:`compute_logits` of at most this many rows runs the LM
-            head as ``decode_gemv`` (0: never).
+            head as ``decode_gemv`` (0: never; None: :data:`LM_HEAD_GEMV_MAX_ROWS`).
     """
 
     def __init__(
         self,
         model: Any,
         *,
-        gemv_max_rows: int = GEMV_MAX_ROWS,
-        lm_head_gemv_max_rows: int = LM_HEAD_GEMV_MAX_ROWS,
+        gemv_max_rows: int | None = None,
+        lm_head_gemv_max_rows: int | None = None,
     ) -> None:
         self.model = model
-        self.gemv_max_rows = gemv_max_rows
-        self.lm_head_gemv_max_rows = lm_head_gemv_max_rows
+        self.gemv_max_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
+        self.lm_head_gemv_max_rows = (
+            LM_HEAD_GEMV_MAX_ROWS if lm_head_gemv_max_rows is None else lm_head_gemv_max_rows
+        )
         self._layers: list[_FusedLayer] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         """``(target view in a fused buffer, source parameter)`` pairs."""

@@ -68,6 +68,8 @@ class GemvConfig:
     """Programs sharing one output tile's reduction (float32 partials, summed in order)."""
     num_warps: int = 4
     """Warps per program."""
+    num_stages: int | None = None
+    """Software-pipelining stages of the reduction loop (None: Triton's default)."""
     use_dot: bool = False
     """Tensor-core ``tl.dot`` over rows padded to 16 instead of one vector pass per row."""
     reduce: str = "ticket"
@@ -84,6 +86,8 @@ class GemvConfig:
             raise KernelValueError(
                 f"GemvConfig.block_n={self.block_n} with use_dot; expected >= 16"
             )
+        if self.num_stages is not None and self.num_stages < 1:
+            raise KernelValueError(f"GemvConfig.num_stages={self.num_stages}; expected >= 1")
         if self.split_k < 1:
             raise KernelValueError(f"GemvConfig.split_k={self.split_k}; expected >= 1")
         if self.reduce not in _REDUCES:
@@ -255,6 +259,7 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    K_ALIGNED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -275,6 +280,9 @@ def _gemv_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
+    if K_ALIGNED:
+        # K and K_SPLIT are multiples of 16: so is the end, and the tail's masks vectorise.
+        k_end = tl.multiple_of(k_end, 16)
     k_full = k_begin + ((k_end - k_begin) // BLOCK_K) * BLOCK_K
     for start in range(k_begin, k_full, BLOCK_K):
         acc, acc_up = _accumulate(
@@ -384,25 +392,29 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
 def gemv_config(rows: int, out_features: int, in_features: int, multiprocessors: int) -> GemvConfig:
     """The launch configuration :func:`decode_gemv` uses for a shape.
 
+    Chosen from a sweep on one H100 (``bench_decode_gemv.py --sweep``, the Qwen2.5-0.5B and
+    Llama-3.2-1B projections at 1..64 rows): up to 2 rows, vector passes over ``[4, 1024]``
+    weight tiles without split-K were the fastest or within a few percent of it for every
+    shape; from 3 rows on, ``tl.dot`` tiles, narrow ones (16 columns) for narrow projections
+    with a 4-way split-K over long reductions, wide ones (32 or 64 columns) for wide ones.
+
     Args:
         rows: ``M``, the rows of ``x``.
         out_features: ``N_out``, the output columns (``F`` for SwiGLU).
         in_features: ``K``.
-        multiprocessors: The device's multiprocessor count (it sizes the split).
+        multiprocessors: The device's multiprocessor count (it caps the split).
 
     Returns:
-        A :class:`GemvConfig`: vector passes for up to 4 rows, ``tl.dot`` beyond; split-K
-        until about two programs per multiprocessor.
+        A :class:`GemvConfig`.
     """
-    use_dot = rows > 4
-    block_n = 32 if use_dot else 16
-    block_k = 128 if use_dot else 256
-    tiles = -(-out_features // block_n) * -(-rows // _block_m(rows, use_dot))
-    steps = max(1, in_features // block_k)
-    split_k = max(1, min(steps, (2 * multiprocessors) // max(tiles, 1)))
-    return GemvConfig(
-        block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, use_dot=use_dot
-    )
+    if rows <= 2:
+        return GemvConfig(block_n=4, block_k=1024, num_warps=4)
+    if out_features <= 4096:
+        tiles = -(-out_features // 16) * -(-rows // _block_m(rows, True))
+        split_k = 4 if in_features >= 4096 and tiles <= multiprocessors else 1
+        return GemvConfig(block_n=16, block_k=256, split_k=split_k, num_warps=4, use_dot=True)
+    block_n = 32 if out_features < 12288 else 64
+    return GemvConfig(block_n=block_n, block_k=128, num_warps=4, use_dot=True)
 
 
 def _block_m(rows: int, use_dot: bool) -> int:
@@ -506,49 +518,51 @@ def decode_gemv_triton(
     dummy = x
     interpreting = not x.is_cuda
     device_index = x.get_device()
-    _GEMV(
-        (grid_n, split_k, grid_m),
-        (
-            x,
-            weight,
-            bias if bias is not None else dummy,
-            norm_weight if norm_weight is not None else dummy,
-            residual if residual is not None else dummy,
-            out,
-            ws,
-            tickets,
-            rows,
-            n_out,
-            k,
-            k_split,
-            split_k,
-            x.stride(0),
-            weight.stride(0),
-            residual.stride(0) if residual is not None else 0,
-            out.stride(0),
-            float(norm_eps),
-        ),
-        {
-            "HAS_BIAS": bias is not None,
-            "HAS_NORM": norm_weight is not None,
-            "HAS_RESIDUAL": residual is not None,
-            "SWIGLU": swiglu,
-            "BLOCK_M": block_m,
-            "BLOCK_N": config.block_n,
-            "BLOCK_K": config.block_k,
-            "HAS_SPLIT": split_k > 1,
-            "USE_DOT": config.use_dot,
-            "STORE_PARTIALS": second_pass,
-            "DOT_PRECISION": "ieee" if x.dtype == torch.float32 or interpreting else "tf32",
-            "UPCAST_DOT": interpreting,
-            # The whole row in one pass where it fits: the prologue adds one load latency.
-            "NORM_BLOCK": min(next_power_of_2(k), max(256, 8192 // block_m))
-            if norm_weight is not None
-            else 16,
-        },
-        config.num_warps,
-        device_index,
+    args = (
+        x,
+        weight,
+        bias if bias is not None else dummy,
+        norm_weight if norm_weight is not None else dummy,
+        residual if residual is not None else dummy,
+        out,
+        ws,
+        tickets,
+        rows,
+        n_out,
+        k,
+        k_split,
+        split_k,
+        x.stride(0),
+        weight.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        float(norm_eps),
     )
+    constexprs = {
+        "HAS_BIAS": bias is not None,
+        "HAS_NORM": norm_weight is not None,
+        "HAS_RESIDUAL": residual is not None,
+        "SWIGLU": swiglu,
+        "BLOCK_M": block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "HAS_SPLIT": split_k > 1,
+        "USE_DOT": config.use_dot,
+        "STORE_PARTIALS": second_pass,
+        "DOT_PRECISION": "ieee" if x.dtype == torch.float32 or interpreting else "tf32",
+        "UPCAST_DOT": interpreting,
+        # The whole row in one pass where it fits: the prologue adds one load latency.
+        "NORM_BLOCK": min(next_power_of_2(k), max(256, 8192 // block_m))
+        if norm_weight is not None
+        else 16,
+        "K_ALIGNED": k % 16 == 0,
+    }
+    if config.num_stages is None:
+        _GEMV((grid_n, split_k, grid_m), args, constexprs, config.num_warps, device_index)
+    else:
+        _gemv_kernel[(grid_n, split_k, grid_m)](
+            *args, **constexprs, num_warps=config.num_warps, num_stages=config.num_stages
+        )
     if second_pass:
         _SUM_PARTIALS(
             (grid_n, grid_m),
