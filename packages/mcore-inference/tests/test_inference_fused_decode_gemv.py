@@ -165,9 +165,7 @@ def test_engine_with_gemv_steps_generates_what_the_model_forward_generates(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("max_rows", [2, 16])
-def test_bfloat16_graph_engine_greedy_tokens_match_the_eager_forward_on_gpu(
-    monkeypatch, max_rows
-):
+def test_bfloat16_graph_engine_greedy_tokens_match_the_eager_forward_on_gpu(monkeypatch, max_rows):
     monkeypatch.setattr(fused_decode, "GEMV_MAX_ROWS", max_rows)
     model = _model(5, dtype=torch.bfloat16).cuda()
     params = SamplingParams(temperature=0.0, max_tokens=12, return_logprobs=True)
