@@ -102,6 +102,16 @@ def test_triton_matches_reference_float32(config, flags, rows):
 
 @needs_triton
 @pytest.mark.interpreter
+@pytest.mark.parametrize("config", ["vector", "dot_ticket"])
+def test_reduction_shorter_than_one_tile(config):
+    # K = 20 < block_k = 32: the first (and only) tile is the masked tail.
+    problem = _problem(3, FLAGS["norm_swiglu_residual"], torch.float32, k=20)
+    out = decode_gemv_triton(**problem, config=CONFIGS[config])
+    torch.testing.assert_close(out, decode_gemv_reference(**problem), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_triton_matches_reference_bfloat16(config):
     problem = _problem(3, FLAGS["norm_swiglu_residual"], torch.bfloat16, seed=1)

@@ -150,9 +150,28 @@ def _epilogue(
 
 
 @jit
+def _load_tile(w_ptr, w_rows, up_rows, k, k_end, SWIGLU: tl.constexpr, MASKED: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile (and the up tile with SwiGLU) at ``k``."""
+    k_mask = k < k_end
+    if MASKED:
+        w = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
+    else:
+        w = tl.load(w_ptr + w_rows[:, None] + k[None, :])
+    w_up = w
+    if SWIGLU:
+        if MASKED:
+            w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
+        else:
+            w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :])
+    return w, w_up
+
+
+@jit
 def _accumulate(
     acc,
     acc_up,
+    w,
+    w_up,
     x_ptr,
     w_ptr,
     norm_ptr,
@@ -173,20 +192,13 @@ def _accumulate(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    PRELOADED: tl.constexpr,
 ):
     """Add one ``BLOCK_K`` slice of the products to the accumulators (masked: the tail)."""
     dtype = x_ptr.dtype.element_ty
     k_mask = k < k_end
-    if MASKED:
-        w = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
-    else:
-        w = tl.load(w_ptr + w_rows[:, None] + k[None, :])
-    w_up = w
-    if SWIGLU:
-        if MASKED:
-            w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
-        else:
-            w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :])
+    if not PRELOADED:
+        w, w_up = _load_tile(w_ptr, w_rows, up_rows, k, k_end, SWIGLU, MASKED)
     gamma = k_mask.to(tl.float32)
     if HAS_NORM:
         gamma = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
@@ -273,28 +285,42 @@ def _gemv_kernel(
     w_rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn
     up_rows = (tl.where(n_mask, offs_n, 0) + N_OUT).to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
-    scales = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM:
-        scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     if K_ALIGNED:
         # K and K_SPLIT are multiples of 16: so is the end, and the tail's masks vectorise.
         k_end = tl.multiple_of(k_end, 16)
     k_full = k_begin + ((k_end - k_begin) // BLOCK_K) * BLOCK_K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    scales = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_NORM:
+        # The first weight tile is requested before the norm's reduction over the rows, so
+        # the two memory latencies overlap.
+        first = k_begin + offs_k
+        if k_full > k_begin:
+            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, SWIGLU, False)
+        else:
+            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, SWIGLU, True)
+        scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
+        acc, acc_up = _accumulate(
+            acc, acc_up, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
+            up_rows, first, k_end, M, stride_xm, pid_m,
+            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
+        )  # fmt: skip
+        k_begin = tl.minimum(k_begin + BLOCK_K, k_end)
+        k_full = tl.maximum(k_full, k_begin)
     for start in range(k_begin, k_full, BLOCK_K):
         acc, acc_up = _accumulate(
-            acc, acc_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows, up_rows,
-            start + offs_k, k_end, M, stride_xm, pid_m,
-            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, False, DOT_PRECISION, UPCAST_DOT,
+            acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
+            up_rows, start + offs_k, k_end, M, stride_xm, pid_m,
+            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, False, DOT_PRECISION, UPCAST_DOT, False,
         )  # fmt: skip
     if k_full < k_end:
         acc, acc_up = _accumulate(
-            acc, acc_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows, up_rows,
-            k_full + offs_k, k_end, M, stride_xm, pid_m,
-            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT,
+            acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
+            up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,
+            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, False,
         )  # fmt: skip
     if not HAS_SPLIT:
         _epilogue(
