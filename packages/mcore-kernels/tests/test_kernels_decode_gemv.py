@@ -135,7 +135,8 @@ def test_default_config_and_dispatch(monkeypatch):
 
 def test_gemv_config_choice():
     one_row = gemv_config(1, 896, 4864, multiprocessors=132)
-    assert not one_row.use_dot and one_row.split_k == 1
+    assert not one_row.use_dot and one_row.split_k == 1 and one_row.block_k == 2048
+    assert gemv_config(2, 1152, 896, multiprocessors=132).block_k == 1024
     down = gemv_config(16, 896, 4864, multiprocessors=132)
     assert down.use_dot and down.split_k == 4 and down.block_n == 16
     # Wide projections: wide tiles, and no split when the tiles fill the device.

@@ -419,8 +419,9 @@ def gemv_config(rows: int, out_features: int, in_features: int, multiprocessors:
     """The launch configuration :func:`decode_gemv` uses for a shape.
 
     Chosen from a sweep on one H100 (``bench_decode_gemv.py --sweep``, the Qwen2.5-0.5B and
-    Llama-3.2-1B projections at 1..64 rows): up to 2 rows, vector passes over ``[4, 1024]``
-    weight tiles without split-K were the fastest or within a few percent of it for every
+    Llama-3.2-1B projections at 1..64 rows, then ``--refine`` at 1 and 2 rows): up to 2 rows,
+    vector passes without split-K over ``[4, 1024]`` weight tiles (``[2, 2048]`` for
+    reductions of 2048 and more) were the fastest or within a few percent of it for every
     shape; from 3 rows on, ``tl.dot`` tiles, narrow ones (16 columns) for narrow projections
     with a 4-way split-K over long reductions, wide ones (32 or 64 columns) for wide ones.
 
@@ -434,6 +435,8 @@ def gemv_config(rows: int, out_features: int, in_features: int, multiprocessors:
         A :class:`GemvConfig`.
     """
     if rows <= 2:
+        if in_features >= 2048:
+            return GemvConfig(block_n=2, block_k=2048, num_warps=4)
         return GemvConfig(block_n=4, block_k=1024, num_warps=4)
     if out_features <= 4096:
         tiles = -(-out_features // 16) * -(-rows // _block_m(rows, True))
