@@ -131,6 +131,8 @@ class DecodeGraphRunner:
             )
         if not self._last_stage:
             return hidden[0]
+        if self._decoder is not None:
+            return self._decoder.compute_logits(hidden[0])
         return self._model.compute_logits(hidden[0])
 
     def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -11,6 +11,17 @@ little data, the launches dominate. :class:`FusedDecoder` computes the same laye
 - the fused residual-add + RMSNorm the model already uses, and the fused SwiGLU of
   :mod:`mcore_kernels.moe` (one kernel reading the gate/up GEMM output once).
 
+Steps of at most ``gemv_max_rows`` tokens (decode at small batch) run every projection as
+:func:`mcore_kernels.decode_gemv.decode_gemv` instead, a kernel that streams the weight at close
+to the memory bandwidth where cuBLAS runs split-K GEMMs plus reductions, and that folds the
+work around each projection in: the input RMSNorm into the q/k/v and gate/up projections, the
+SwiGLU into the gate/up projection's epilogue (the down projection reads the activation) and
+the residual add into the o and down projections' epilogues. A layer is then five launches
+plus the attention (q/k/v, RoPE + cache write, attention, o, gate/up, down); the LM head of those
+steps (:meth:`FusedDecoder.compute_logits`) is one more ``decode_gemv``. The values are those
+of the unfused ops up to the order of the float32 sums (the same roundings to the activation
+dtype happen at the same points), so they differ from cuBLAS's in the last bit at times.
+
 The copies follow the model, always into the same buffers, so captured CUDA graphs, which
 read them, stay valid: the engine copies every source weight again at each ``generate`` or
 ``stream`` call and after ``update_weights`` (:meth:`FusedDecoder.refresh_now`, one pass over
@@ -32,11 +43,28 @@ import torch
 import torch.nn.functional as F
 
 from mcore_inference.kv_cache import PagedKVCache
+from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
-__all__ = ["FusedDecoder", "build_fused_decoder", "fused_decoder_unsupported_reason"]
+__all__ = [
+    "GEMV_MAX_ROWS",
+    "LM_HEAD_GEMV_MAX_ROWS",
+    "FusedDecoder",
+    "build_fused_decoder",
+    "fused_decoder_unsupported_reason",
+]
+
+GEMV_MAX_ROWS = 2
+"""Steps of at most this many tokens run the layers' projections as ``decode_gemv``.
+
+Measured on one H100 (``bench_decode_gemv.py``): up to 2 rows the kernel's vector path beats
+cuBLAS on every projection and the fused norms and epilogues save their launches; from 3 rows
+on its tensor-core path only matches cuBLAS, and its norm prologue costs more than the norm
+kernel it replaces."""
+LM_HEAD_GEMV_MAX_ROWS = 16
+"""Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
 
 
 @dataclass(slots=True)
@@ -100,10 +128,25 @@ class FusedDecoder:
 
     Args:
         model: A model for which :func:`fused_decoder_unsupported_reason` is None.
+        gemv_max_rows: Steps of at most this many tokens run the projections as
+            ``decode_gemv`` with the norms, SwiGLU and residual adds fused in (0: never;
+            None: :data:`GEMV_MAX_ROWS`).
+        lm_head_gemv_max_rows: :meth:`compute_logits` of at most this many rows runs the LM
+            head as ``decode_gemv`` (0: never; None: :data:`LM_HEAD_GEMV_MAX_ROWS`).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        gemv_max_rows: int | None = None,
+        lm_head_gemv_max_rows: int | None = None,
+    ) -> None:
         self.model = model
+        self.gemv_max_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
+        self.lm_head_gemv_max_rows = (
+            LM_HEAD_GEMV_MAX_ROWS if lm_head_gemv_max_rows is None else lm_head_gemv_max_rows
+        )
         self._layers: list[_FusedLayer] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         """``(target view in a fused buffer, source parameter)`` pairs."""
@@ -176,6 +219,8 @@ class FusedDecoder:
         model = self.model
         hidden = model.embedding(input_ids[0])
         cos, sin = model.rotary(position_ids[0])
+        if hidden.shape[0] <= self.gemv_max_rows:
+            return self._gemv_layers(hidden, cos, sin, kv_cache)[None]
         residual: torch.Tensor | None = None
         for layer, fused in zip(model.layers, self._layers, strict=True):
             attention = layer.self_attention
@@ -193,6 +238,64 @@ class FusedDecoder:
             hidden = layer.mlp.down_proj(swiglu(F.linear(x, fused.gate_up_weight)))
         hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden[None]
+
+    def _gemv_layers(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
+    ) -> torch.Tensor:
+        """The layers over a few tokens: every projection one ``decode_gemv`` launch.
+
+        ``residual`` is the residual stream (the embedding, then after each block the block's
+        output plus the stream, added in the projection's epilogue); the RMSNorm before each
+        block runs in the next projection's prologue.
+        """
+        model = self.model
+        residual = hidden
+        for layer, fused in zip(model.layers, self._layers, strict=True):
+            attention, mlp = layer.self_attention, layer.mlp
+            qkv = decode_gemv(
+                residual,
+                fused.qkv_weight,
+                fused.qkv_bias,
+                norm_weight=layer.input_norm.weight,
+                norm_eps=layer.input_norm.eps,
+            )
+            q, k, v = (
+                part.unflatten(-1, (-1, attention.head_dim))
+                for part in qkv.split(fused.split, dim=-1)
+            )
+            if attention.q_norm is not None and attention.k_norm is not None:
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            out = kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
+            residual = decode_gemv(
+                out.flatten(-2),
+                attention.o_proj.weight,
+                attention.o_proj.bias,
+                residual=residual,
+            )
+            activation = decode_gemv(
+                residual,
+                fused.gate_up_weight,
+                norm_weight=layer.post_attention_norm.weight,
+                norm_eps=layer.post_attention_norm.eps,
+                swiglu=True,
+            )
+            residual = decode_gemv(activation, mlp.down_proj.weight, residual=residual)
+        return model.final_norm(residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final-normed hidden states, as ``model.compute_logits``.
+
+        Args:
+            hidden: ``[rows, hidden]`` output of this decoder.
+
+        Returns:
+            ``[rows, vocab_size]`` float32 logits; at most ``lm_head_gemv_max_rows`` rows run
+            the LM head as one ``decode_gemv``.
+        """
+        model = self.model
+        if hidden.dim() != 2 or hidden.shape[0] > self.lm_head_gemv_max_rows:
+            return model.compute_logits(hidden)
+        return decode_gemv(hidden, model.output_weight()).float()
 
 
 def build_fused_decoder(model: Any, enabled: bool) -> FusedDecoder | None:

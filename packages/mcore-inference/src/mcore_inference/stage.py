@@ -227,7 +227,10 @@ class StageRunner:
         if microbatch is None or not microbatch.sampling:
             return None, None
         rows = to_device(microbatch.sample_rows, torch.long, self.device)
-        return None, self.model.compute_logits(output[0].index_select(0, rows))
+        sampled = output[0].index_select(0, rows)
+        if self.decoder is not None and mamba_state is None:
+            return None, self.decoder.compute_logits(sampled)
+        return None, self.model.compute_logits(sampled)
 
     def close(self) -> None:
         """Drop the references to the model, cache and graphs."""

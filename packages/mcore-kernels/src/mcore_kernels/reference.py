@@ -15,6 +15,7 @@ from mcore_kernels._validation import (
     check_token_logprobs_args,
 )
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
+from mcore_kernels.errors import KernelShapeError
 
 __all__ = [
     "rms_norm_reference",
@@ -25,6 +26,7 @@ __all__ = [
     "slice_after_reference",
     "merge_reference",
     "masked_update_reference",
+    "decode_gemv_reference",
 ]
 
 
@@ -322,3 +324,55 @@ def paged_attention_reference(
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("thl,tlhd->thd", probs, values)
     return out.to(q.dtype)
+
+
+def decode_gemv_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[RMSNorm] -> x @ weight.T + bias -> [SwiGLU] -> [+ residual]`` in plain torch.
+
+    The norm is :func:`rms_norm_reference`; the projection accumulates in float32 (float64 for
+    float64 input) and rounds once to the dtype of ``x`` after the bias; SwiGLU
+    (``silu(gate) * up`` of the gate half then the up half of the output, in float32) and the
+    residual add each round once more.
+
+    Args:
+        x: ``[M, K]`` input rows.
+        weight: ``[N, K]`` weight (gate rows then up rows with ``swiglu``).
+        bias: Optional ``[N]`` bias.
+        norm_weight: Optional ``[K]`` RMSNorm weight applied to ``x`` first.
+        norm_eps: RMSNorm epsilon.
+        swiglu: Return ``silu(gate) * up`` (``[M, N // 2]``).
+        residual: Optional ``[M, N_out]`` tensor added to the result.
+
+    Returns:
+        ``[M, N_out]`` in the dtype of ``x``.
+
+    Raises:
+        KernelShapeError: If ``x`` and ``weight`` do not share ``K``.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise KernelShapeError(
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)}; expected [M, K] and [N, K]"
+        )
+    dtype = x.dtype
+    compute = _compute_dtype(dtype)
+    if norm_weight is not None:
+        x = rms_norm_reference(x, norm_weight, norm_eps)  # type: ignore[assignment]
+    y = x.to(compute) @ weight.to(compute).T
+    if bias is not None:
+        y = y + bias.to(compute)
+    y = y.to(dtype)
+    if swiglu:
+        gate, up = y.to(compute).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up).to(dtype)
+    if residual is not None:
+        y = (y.to(compute) + residual.to(compute)).to(dtype)
+    return y

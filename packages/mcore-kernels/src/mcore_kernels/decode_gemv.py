@@ -1,0 +1,711 @@
+"""Projections of a few rows (decode) as one weight-streaming kernel with fused pro- and epilogues.
+
+At decode a projection multiplies ``M`` = 1..64 rows by a ``[N, K]`` weight: the time is the
+time to read the weight once. cuBLAS runs these shapes as split-K GEMMs plus a reduction
+kernel and reaches a fraction of the memory bandwidth; this kernel streams the weight in
+``[BLOCK_N, BLOCK_K]`` tiles over enough programs to fill the GPU, and folds in the cheap work
+around the projection so a decoder layer launches fewer kernels:
+
+- prologue: RMSNorm of the input rows (``norm_weight``), computed by every program from the
+  rows themselves (they are a few KiB), so the norm kernel before the projection disappears;
+- epilogue: bias, SwiGLU over a ``[2F, K]`` gate-then-up weight (``swiglu=True``: the output
+  is the ``[M, F]`` activation, the down projection reads it directly), and a residual add.
+
+Each row's dot products run in float32; the result is rounded to the input dtype once (after
+the bias, as cuBLAS's bias epilogue does), then SwiGLU and the residual add each round once as
+the unfused ops do. Split-K (``split_k > 1``) writes float32 partials to a workspace; the last
+program of each output tile (counted with an atomic ticket) sums them in a fixed order and runs
+the epilogue, so the result does not depend on the arrival order and one launch suffices
+(``reduce="second_pass"`` runs the sum in a second kernel instead, for comparison).
+
+Shapes: ``x`` ``[M, K]`` (last dimension contiguous), ``weight`` ``[N, K]`` contiguous,
+``bias`` ``[N]``, ``norm_weight`` ``[K]``, ``residual`` ``[M, N_out]``; returns ``[M, N_out]``
+with ``N_out = N`` (``N // 2`` with ``swiglu``).
+
+Dispatch: Triton on CUDA, the torch reference on CPU; ``MCORE_KERNELS_BACKEND=torch|triton``
+overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_kernels import _compile
+from mcore_kernels._backend import use_triton
+from mcore_kernels._triton_utils import (
+    CachedLauncher,
+    device_limits,
+    jit,
+    next_power_of_2,
+    round_to,
+    tl,
+    triton,
+)
+from mcore_kernels.errors import (
+    KernelBackendError,
+    KernelDtypeError,
+    KernelShapeError,
+    KernelValueError,
+)
+from mcore_kernels.reference import decode_gemv_reference
+
+__all__ = ["GemvConfig", "decode_gemv", "decode_gemv_triton", "gemv_config"]
+
+_REDUCES = ("ticket", "second_pass")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class GemvConfig:
+    """Launch configuration of :func:`decode_gemv_triton`."""
+
+    block_n: int = 16
+    """Output columns (weight rows) per program; a power of two >= 16 with ``use_dot``."""
+    block_k: int = 512
+    """Reduction elements per loop iteration; a power of two >= 16."""
+    split_k: int = 1
+    """Programs sharing one output tile's reduction (float32 partials, summed in order)."""
+    num_warps: int = 4
+    """Warps per program."""
+    num_stages: int | None = None
+    """Software-pipelining stages of the reduction loop (None: Triton's default)."""
+    use_dot: bool = False
+    """Tensor-core ``tl.dot`` over rows padded to 16 instead of one vector pass per row."""
+    reduce: str = "ticket"
+    """Split-K sum: ``"ticket"`` (last program of a tile, one launch) or ``"second_pass"``."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise KernelValueError(f"GemvConfig.{name}={value}; expected a power of two")
+        if self.block_k < 16:
+            raise KernelValueError(f"GemvConfig.block_k={self.block_k}; expected >= 16")
+        if self.use_dot and self.block_n < 16:
+            raise KernelValueError(
+                f"GemvConfig.block_n={self.block_n} with use_dot; expected >= 16"
+            )
+        if self.num_stages is not None and self.num_stages < 1:
+            raise KernelValueError(f"GemvConfig.num_stages={self.num_stages}; expected >= 1")
+        if self.split_k < 1:
+            raise KernelValueError(f"GemvConfig.split_k={self.split_k}; expected >= 1")
+        if self.reduce not in _REDUCES:
+            raise KernelValueError(f"GemvConfig.reduce={self.reduce!r}; expected one of {_REDUCES}")
+
+
+@jit
+def _row_scales(
+    x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """``rsqrt(mean(x**2) + eps)`` of every row (float32 ``[BLOCK_M]``)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k = start + offs_k
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+            mask=m_mask[:, None] & (k < K)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        sum_sq += x * x
+    return 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps)
+
+
+@jit
+def _epilogue(
+    acc,
+    acc_up,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    offs_m,
+    offs_n,
+    m_mask,
+    N_OUT,
+    stride_rm,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """Bias, rounding, SwiGLU, residual add and the store of one ``[BLOCK_M, BLOCK_N]`` tile."""
+    n_mask = offs_n < N_OUT
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = round_to(acc, DTYPE).to(tl.float32)
+    if SWIGLU:
+        if HAS_BIAS:
+            acc_up += tl.load(bias_ptr + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)[
+                None, :
+            ]
+        up = round_to(acc_up, DTYPE).to(tl.float32)
+        y = round_to(y * tl.sigmoid(y) * up, DTYPE).to(tl.float32)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+        y = round_to(y + r.to(tl.float32), DTYPE).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to(y, DTYPE), mask=mask)
+
+
+@jit
+def _load_tile(w_ptr, w_rows, up_rows, k, k_end, SWIGLU: tl.constexpr, MASKED: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile (and the up tile with SwiGLU) at ``k``."""
+    k_mask = k < k_end
+    if MASKED:
+        w = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
+    else:
+        w = tl.load(w_ptr + w_rows[:, None] + k[None, :])
+    w_up = w
+    if SWIGLU:
+        if MASKED:
+            w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
+        else:
+            w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :])
+    return w, w_up
+
+
+@jit
+def _accumulate(
+    acc,
+    acc_up,
+    w,
+    w_up,
+    x_ptr,
+    w_ptr,
+    norm_ptr,
+    scales,
+    offs_m,
+    m_mask,
+    w_rows,
+    up_rows,
+    k,
+    k_end,
+    M,
+    stride_xm,
+    pid_m,
+    HAS_NORM: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    PRELOADED: tl.constexpr,
+):
+    """Add one ``BLOCK_K`` slice of the products to the accumulators (masked: the tail)."""
+    dtype = x_ptr.dtype.element_ty
+    k_mask = k < k_end
+    if not PRELOADED:
+        w, w_up = _load_tile(w_ptr, w_rows, up_rows, k, k_end, SWIGLU, MASKED)
+    gamma = k_mask.to(tl.float32)
+    if HAS_NORM:
+        gamma = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+    if USE_DOT:
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        if HAS_NORM:
+            x = round_to(x.to(tl.float32) * scales[:, None] * gamma[None, :], dtype)
+        if UPCAST_DOT:
+            # The interpreter's tl.dot misreads bfloat16 operands; float32 ones are exact.
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+            w_up = w_up.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        if SWIGLU:
+            acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
+    else:
+        wf = w.to(tl.float32)
+        wf_up = w_up.to(tl.float32)
+        for row in tl.static_range(BLOCK_M):
+            m = pid_m * BLOCK_M + row
+            # Rows past M re-read row M - 1; their results are never stored.
+            xr = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + k, mask=k_mask, other=0.0)
+            if HAS_NORM:
+                scale = tl.sum(tl.where(offs_m == m, scales, 0.0), axis=0)
+                xr = round_to(xr.to(tl.float32) * scale * gamma, dtype)
+            xf = xr.to(tl.float32)
+            here = offs_m[:, None] == m
+            acc = tl.where(here, acc + tl.sum(wf * xf[None, :], axis=1)[None, :], acc)
+            if SWIGLU:
+                acc_up = tl.where(
+                    here, acc_up + tl.sum(wf_up * xf[None, :], axis=1)[None, :], acc_up
+                )
+    return acc, acc_up
+
+
+@jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    norm_ptr,
+    res_ptr,
+    out_ptr,
+    ws_ptr,
+    ticket_ptr,
+    M,
+    N_OUT,
+    K,
+    K_SPLIT,
+    SPLIT_K,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_om,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_SPLIT: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    STORE_PARTIALS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    K_ALIGNED: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    dtype = x_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_OUT
+    # Rows past N_OUT read row 0 (never stored): the loads stay unmasked along N.
+    w_rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn
+    up_rows = (tl.where(n_mask, offs_n, 0) + N_OUT).to(tl.int64) * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    if K_ALIGNED:
+        # K and K_SPLIT are multiples of 16: so is the end, and the tail's masks vectorise.
+        k_end = tl.multiple_of(k_end, 16)
+    k_full = k_begin + ((k_end - k_begin) // BLOCK_K) * BLOCK_K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    scales = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_NORM:
+        # The first weight tile is requested before the norm's reduction over the rows, so
+        # the two memory latencies overlap.
+        first = k_begin + offs_k
+        if k_full > k_begin:
+            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, SWIGLU, False)
+        else:
+            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, SWIGLU, True)
+        scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
+        acc, acc_up = _accumulate(
+            acc, acc_up, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
+            up_rows, first, k_end, M, stride_xm, pid_m,
+            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
+        )  # fmt: skip
+        k_begin = tl.minimum(k_begin + BLOCK_K, k_end)
+        k_full = tl.maximum(k_full, k_begin)
+    for start in range(k_begin, k_full, BLOCK_K):
+        acc, acc_up = _accumulate(
+            acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
+            up_rows, start + offs_k, k_end, M, stride_xm, pid_m,
+            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, False, DOT_PRECISION, UPCAST_DOT, False,
+        )  # fmt: skip
+    if k_full < k_end:
+        acc, acc_up = _accumulate(
+            acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
+            up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,
+            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, False,
+        )  # fmt: skip
+    if not HAS_SPLIT:
+        _epilogue(
+            acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
+            stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+        )  # fmt: skip
+    else:
+        # Workspace [SPLIT_K, 2, M, N_OUT] float32: the gate (or only) partial, then the up one.
+        tile = offs_m[:, None] * N_OUT + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        plane = M * N_OUT
+        tl.store(ws_ptr + (pid_k * 2) * plane + tile, acc, mask=mask)
+        if SWIGLU:
+            tl.store(ws_ptr + (pid_k * 2 + 1) * plane + tile, acc_up, mask=mask)
+        if not STORE_PARTIALS:
+            # Every thread's partial is written before the ticket (release) is taken.
+            tl.debug_barrier()
+            ticket = ticket_ptr + pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(SPLIT_K):
+                    total += tl.load(
+                        ws_ptr + (s * 2) * plane + tile, mask=mask, other=0.0, cache_modifier=".cg"
+                    )
+                    if SWIGLU:
+                        total_up += tl.load(
+                            ws_ptr + (s * 2 + 1) * plane + tile,
+                            mask=mask,
+                            other=0.0,
+                            cache_modifier=".cg",
+                        )
+                _epilogue(
+                    total, total_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
+                    stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+                )  # fmt: skip
+                # Reset for the next launch (graph replays reuse the tickets).
+                tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+
+
+@jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
+def _sum_partials_kernel(
+    ws_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N_OUT,
+    SPLIT_K,
+    stride_rm,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    mask = m_mask[:, None] & (offs_n < N_OUT)[None, :]
+    tile = offs_m[:, None] * N_OUT + offs_n[None, :]
+    plane = M * N_OUT
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in range(SPLIT_K):
+        total += tl.load(ws_ptr + (s * 2) * plane + tile, mask=mask, other=0.0)
+        if SWIGLU:
+            total_up += tl.load(ws_ptr + (s * 2 + 1) * plane + tile, mask=mask, other=0.0)
+    _epilogue(
+        total, total_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
+        stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, out_ptr.dtype.element_ty,
+    )  # fmt: skip
+
+
+_GEMV = CachedLauncher(_gemv_kernel)
+_SUM_PARTIALS = CachedLauncher(_sum_partials_kernel)
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+"""Ticket buffers replaced by larger ones, kept alive for the graphs that captured them."""
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters (one per output tile) that the ticket reduction leaves zeroed."""
+    tickets = _TICKETS.get(device)
+    if tickets is None or tickets.numel() < count:
+        if tickets is not None:
+            _RETIRED.append(tickets)
+        tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _TICKETS[device] = tickets
+    return tickets
+
+
+def gemv_config(rows: int, out_features: int, in_features: int, multiprocessors: int) -> GemvConfig:
+    """The launch configuration :func:`decode_gemv` uses for a shape.
+
+    Chosen from a sweep on one H100 (``bench_decode_gemv.py --sweep``, the Qwen2.5-0.5B and
+    Llama-3.2-1B projections at 1..64 rows, then ``--refine`` at 1 and 2 rows): up to 2 rows,
+    vector passes without split-K over ``[4, 1024]`` weight tiles (``[2, 2048]`` for
+    reductions of 2048 and more) were the fastest or within a few percent of it for every
+    shape; from 3 rows on, ``tl.dot`` tiles, narrow ones (16 columns) for narrow projections
+    with a 4-way split-K over long reductions, wide ones (32 or 64 columns) for wide ones.
+
+    Args:
+        rows: ``M``, the rows of ``x``.
+        out_features: ``N_out``, the output columns (``F`` for SwiGLU).
+        in_features: ``K``.
+        multiprocessors: The device's multiprocessor count (it caps the split).
+
+    Returns:
+        A :class:`GemvConfig`.
+    """
+    if rows <= 2:
+        if in_features >= 2048:
+            return GemvConfig(block_n=2, block_k=2048, num_warps=4)
+        return GemvConfig(block_n=4, block_k=1024, num_warps=4)
+    if out_features <= 4096:
+        tiles = -(-out_features // 16) * -(-rows // _block_m(rows, True))
+        split_k = 4 if in_features >= 4096 and tiles <= multiprocessors else 1
+        return GemvConfig(block_n=16, block_k=256, split_k=split_k, num_warps=4, use_dot=True)
+    block_n = 32 if out_features < 12288 else 64
+    return GemvConfig(block_n=block_n, block_k=128, num_warps=4, use_dot=True)
+
+
+def _block_m(rows: int, use_dot: bool) -> int:
+    if use_dot:
+        return min(64, max(16, next_power_of_2(rows)))
+    return min(4, next_power_of_2(rows))
+
+
+def _check_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    swiglu: bool,
+) -> int:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise KernelShapeError(
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)}; expected [M, K] and [N, K]"
+        )
+    if x.dtype != weight.dtype or not x.dtype.is_floating_point:
+        raise KernelDtypeError(f"x {x.dtype}, weight {weight.dtype}; expected one float dtype")
+    n = weight.shape[0]
+    if swiglu and n % 2:
+        raise KernelShapeError(f"weight has {n} rows with swiglu=True; expected an even count")
+    n_out = n // 2 if swiglu else n
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise KernelShapeError(f"bias has shape {tuple(bias.shape)}; expected [{n}]")
+    if norm_weight is not None and tuple(norm_weight.shape) != (x.shape[1],):
+        raise KernelShapeError(
+            f"norm_weight has shape {tuple(norm_weight.shape)}; expected [{x.shape[1]}]"
+        )
+    if residual is not None:
+        if tuple(residual.shape) != (x.shape[0], n_out):
+            raise KernelShapeError(
+                f"residual has shape {tuple(residual.shape)}; expected [{x.shape[0]}, {n_out}]"
+            )
+        if residual.dtype != x.dtype:
+            raise KernelDtypeError(f"residual {residual.dtype}; expected {x.dtype} like x")
+    return n_out
+
+
+def decode_gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """Triton path of :func:`decode_gemv` (fixed shapes, graph-safe).
+
+    Args:
+        x: ``[M, K]`` input rows (last dimension contiguous).
+        weight: ``[N, K]`` contiguous weight.
+        bias: Optional ``[N]`` bias.
+        norm_weight: Optional ``[K]`` RMSNorm weight applied to ``x`` first.
+        norm_eps: RMSNorm epsilon.
+        swiglu: Treat ``weight`` as gate rows then up rows and return ``silu(gate) * up``.
+        residual: Optional ``[M, N_out]`` tensor added to the result.
+        config: Launch configuration; None picks :func:`gemv_config`.
+
+    Returns:
+        ``[M, N_out]`` in the dtype of ``x``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match the layout above.
+        KernelDtypeError: If a dtype is unsupported.
+        KernelBackendError: If Triton is not installed.
+    """
+    if triton is None:
+        raise KernelBackendError("backend='triton' requested but triton is not installed")
+    n_out = _check_args(x, weight, bias, norm_weight, residual, swiglu)
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise KernelShapeError(
+            f"x strides {x.stride()}, weight strides {weight.stride()}; expected a contiguous "
+            "last dimension of x and a contiguous weight"
+        )
+    if residual is not None and residual.stride(1) != 1:
+        raise KernelShapeError(f"residual strides {residual.stride()}; expected stride 1 last")
+    rows, k = x.shape
+    out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    if rows == 0 or n_out == 0:
+        return out
+    if config is None:
+        config = gemv_config(rows, n_out, k, device_limits(x.device)[0])
+    block_m = _block_m(rows, config.use_dot)
+    grid_n = triton.cdiv(n_out, config.block_n)
+    grid_m = triton.cdiv(rows, block_m)
+    k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(k, k_split)
+    second_pass = split_k > 1 and config.reduce == "second_pass"
+    ws = x
+    tickets = x
+    if split_k > 1:
+        ws = torch.empty((split_k, 2, rows, n_out), dtype=torch.float32, device=x.device)
+        tickets = _tickets(x.device, grid_n * grid_m)
+    dummy = x
+    interpreting = not x.is_cuda
+    device_index = x.get_device()
+    args = (
+        x,
+        weight,
+        bias if bias is not None else dummy,
+        norm_weight if norm_weight is not None else dummy,
+        residual if residual is not None else dummy,
+        out,
+        ws,
+        tickets,
+        rows,
+        n_out,
+        k,
+        k_split,
+        split_k,
+        x.stride(0),
+        weight.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        float(norm_eps),
+    )
+    constexprs = {
+        "HAS_BIAS": bias is not None,
+        "HAS_NORM": norm_weight is not None,
+        "HAS_RESIDUAL": residual is not None,
+        "SWIGLU": swiglu,
+        "BLOCK_M": block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "HAS_SPLIT": split_k > 1,
+        "USE_DOT": config.use_dot,
+        "STORE_PARTIALS": second_pass,
+        "DOT_PRECISION": "ieee" if x.dtype == torch.float32 or interpreting else "tf32",
+        "UPCAST_DOT": interpreting,
+        # The whole row in one pass where it fits: the prologue adds one load latency.
+        "NORM_BLOCK": min(next_power_of_2(k), max(256, 8192 // block_m))
+        if norm_weight is not None
+        else 16,
+        "K_ALIGNED": k % 16 == 0,
+    }
+    if config.num_stages is None:
+        _GEMV((grid_n, split_k, grid_m), args, constexprs, config.num_warps, device_index)
+    else:
+        _gemv_kernel[(grid_n, split_k, grid_m)](
+            *args, **constexprs, num_warps=config.num_warps, num_stages=config.num_stages
+        )
+    if second_pass:
+        _SUM_PARTIALS(
+            (grid_n, grid_m),
+            (
+                ws,
+                bias if bias is not None else dummy,
+                residual if residual is not None else dummy,
+                out,
+                rows,
+                n_out,
+                split_k,
+                residual.stride(0) if residual is not None else 0,
+                out.stride(0),
+            ),
+            {
+                "HAS_BIAS": bias is not None,
+                "HAS_RESIDUAL": residual is not None,
+                "SWIGLU": swiglu,
+                "BLOCK_M": block_m,
+                "BLOCK_N": config.block_n,
+            },
+            4,
+            device_index,
+        )
+    return out
+
+
+def decode_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[RMSNorm] -> x @ weight.T + bias -> [SwiGLU] -> [+ residual]`` of a few rows.
+
+    Args:
+        x: ``[M, K]`` input rows.
+        weight: ``[N, K]`` weight (gate rows then up rows with ``swiglu``).
+        bias: Optional ``[N]`` bias.
+        norm_weight: Optional ``[K]`` RMSNorm weight: ``x`` is normalised (float32, rounded to
+            its dtype) before the projection.
+        norm_eps: RMSNorm epsilon.
+        swiglu: Return ``silu(gate) * up`` (``[M, N // 2]``) instead of the projection.
+        residual: Optional ``[M, N_out]`` tensor added to the result (rounded once more).
+
+    Returns:
+        ``[M, N_out]`` in the dtype of ``x``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match the layout above.
+        KernelDtypeError: If a dtype is unsupported.
+        KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names an unknown backend or one that
+            cannot run on these tensors.
+    """
+    _check_args(x, weight, bias, norm_weight, residual, swiglu)
+    if _compile.compiling():
+        return _decode_gemv_op(x, weight, bias, norm_weight, float(norm_eps), swiglu, residual)
+    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual)
+
+
+def _decode_gemv_run(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    swiglu: bool,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    if use_triton(x, weight):
+        return decode_gemv_triton(
+            x,
+            weight,
+            bias,
+            norm_weight=norm_weight,
+            norm_eps=norm_eps,
+            swiglu=swiglu,
+            residual=residual,
+        )
+    return decode_gemv_reference(
+        x,
+        weight,
+        bias,
+        norm_weight=norm_weight,
+        norm_eps=norm_eps,
+        swiglu=swiglu,
+        residual=residual,
+    )
+
+
+@_compile.custom_op(
+    "decode_gemv",
+    "(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float norm_eps, bool swiglu, "
+    "Tensor? residual) -> Tensor",
+)
+def _decode_gemv_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    swiglu: bool,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual)
+
+
+def _decode_gemv_fake(x, weight, bias, norm_weight, norm_eps, swiglu, residual):  # type: ignore[no-untyped-def]
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    return x.new_empty((x.shape[0], n))
+
+
+_decode_gemv_op.register_fake(_decode_gemv_fake)
