@@ -37,10 +37,10 @@ Check on a CPU (a tiny model, a few clients and tokens)::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -111,91 +111,90 @@ def _direct(
     return rates
 
 
-async def _stream_one(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    sent = time.perf_counter()
-    first, last, tokens, gaps = None, sent, 0, []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            count = len(json.loads(line[6:])["choices"][0]["text"].split())
-            if not count:
-                continue
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                gaps += [(now - last) / count] * count
-            last, tokens = now, tokens + count
-    assert first is not None, "the stream held no token"
-    return {"ttft": first - sent, "gaps": gaps, "tokens": tokens, "end": last}
+class _Clients:
+    """Worker processes that run the streaming clients (``_serve_clients.py``)."""
 
-
-async def _serve_round(
-    url: str, prompts: list[list[int]], new_tokens: int, model_name: str
-) -> dict[str, Any]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        start = time.perf_counter()
-        results = await asyncio.gather(
-            *(
-                _stream_one(
-                    client,
-                    url,
-                    {
-                        "model": model_name,
-                        "prompt": prompt,
-                        "max_tokens": new_tokens,
-                        "temperature": 0,
-                        "stream": True,
-                        "ignore_eos": True,
-                    },
-                )
-                for prompt in prompts
+    def __init__(self, count: int) -> None:
+        script = Path(__file__).with_name("_serve_clients.py")
+        self.workers = [
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
             )
-        )
-    wall = max(r["end"] for r in results) - start
-    gaps = [g for r in results for g in r["gaps"]]
-    ttfts = [r["ttft"] for r in results]
-    tokens = sum(r["tokens"] for r in results)
-    return {
-        "tokens": tokens,
-        "tokens_per_s": tokens / wall,
-        "ttft_p50_ms": 1e3 * _percentile(ttfts, 50),
-        "ttft_p99_ms": 1e3 * _percentile(ttfts, 99),
-        "itl_p50_ms": 1e3 * _percentile(gaps, 50),
-        "itl_p99_ms": 1e3 * _percentile(gaps, 99),
-        "itl_mean_ms": 1e3 * statistics.fmean(gaps) if gaps else float("nan"),
-    }
+            for _ in range(count)
+        ]
+
+    def round(
+        self, url: str, prompts: list[list[int]], new_tokens: int, model_name: str
+    ) -> dict[str, Any]:
+        """All prompts at once, spread over the workers; throughput, TTFT and ITL."""
+        start = time.time() + 0.2
+        shares = [prompts[w :: len(self.workers)] for w in range(len(self.workers))]
+        for worker, share in zip(self.workers, shares):
+            job = {
+                "url": url,
+                "model": model_name,
+                "prompts": share,
+                "max_tokens": new_tokens,
+                "start": start,
+            }
+            assert worker.stdin is not None
+            worker.stdin.write(json.dumps(job) + "\n")
+            worker.stdin.flush()
+        results = []
+        for worker in self.workers:
+            assert worker.stdout is not None
+            line = worker.stdout.readline()
+            if not line:
+                raise RuntimeError("a client worker died")
+            results += json.loads(line)
+        wall = max(r["end"] for r in results) - min(r["sent"] for r in results)
+        gaps = [g for r in results for g in r["gaps"]]
+        ttfts = [r["ttft"] for r in results]
+        tokens = sum(r["tokens"] for r in results)
+        return {
+            "tokens": tokens,
+            "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": 1e3 * _percentile(ttfts, 50),
+            "ttft_p99_ms": 1e3 * _percentile(ttfts, 99),
+            "itl_p50_ms": 1e3 * _percentile(gaps, 50),
+            "itl_p99_ms": 1e3 * _percentile(gaps, 99),
+            "itl_mean_ms": 1e3 * statistics.fmean(gaps) if gaps else float("nan"),
+        }
+
+    def close(self) -> None:
+        for worker in self.workers:
+            assert worker.stdin is not None
+            worker.stdin.close()
+            worker.wait(30)
 
 
-def _start_server(directory: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+_LAUNCH = (
+    "import json, sys\n"
+    "from mcore_inference.serve.config import ServeConfig\n"
+    "from mcore_inference.serve.server import serve\n"
+    "sys.exit(serve(ServeConfig(**json.loads(sys.argv[1]))))\n"
+)
+
+
+def _start_server(
+    directory: Path, args: argparse.Namespace, engine_process: bool
+) -> tuple[subprocess.Popen, str]:
     config = _engine_config(args)
-    command = [
-        sys.executable,
-        "-m",
-        "mcore_inference.cli",
-        "serve",
-        "--model",
-        str(directory),
-        "--served-model-name",
-        "bench",
-        "--port",
-        "0",
-        "--device",
-        args.device,
-        "--max-batch-size",
-        str(config.max_batch_size),
-        "--max-sequence-length",
-        str(config.max_sequence_length),
-        "--block-size",
-        str(config.block_size),
-        "--max-waiting-requests",
-        str(4 * config.max_batch_size),
-    ]
+    options = {
+        "model": str(directory),
+        "served_model_name": "bench",
+        "port": 0,
+        "device": args.device,
+        "max_batch_size": config.max_batch_size,
+        "max_sequence_length": config.max_sequence_length,
+        "block_size": config.block_size,
+        "max_waiting_requests": 4 * config.max_batch_size,
+        "engine_process": engine_process,
+    }
+    command = [sys.executable, "-c", _LAUNCH, json.dumps(options)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
     assert process.stdout is not None
@@ -206,6 +205,45 @@ def _start_server(directory: Path, args: argparse.Namespace) -> tuple[subprocess
     raise RuntimeError(f"the server exited with status {process.wait()} before listening")
 
 
+def _profile(
+    process: subprocess.Popen,
+    clients: _Clients,
+    url: str,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    out: Path,
+) -> None:
+    """Sample the server's threads (and its engine process) with py-spy while it serves."""
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        print("profile: py-spy not found", flush=True)
+        return
+    target = out / f"profile_{args.current_mode}_{len(prompts)}.txt"
+    command = [
+        py_spy,
+        "record",
+        "-p",
+        str(process.pid),
+        "--subprocesses",
+        "--threads",
+        "-r",
+        "250",
+        "-f",
+        "raw",
+        "-d",
+        str(args.profile_seconds),
+        "-o",
+        str(target),
+    ]
+    spy = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rounds = 0
+    while spy.poll() is None and rounds < 50:
+        clients.round(url, prompts, args.new_tokens, "bench")
+        rounds += 1
+    output = spy.communicate(timeout=30)[0]
+    print(f"profile: {rounds} rounds, {target.name}: {output.strip()[-300:]}", flush=True)
+
+
 def main() -> None:
     """Run the benchmark and write ``serve.json`` and ``serve.md`` under ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -213,14 +251,28 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda or cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny model, few clients and tokens")
     parser.add_argument("--preset", default="qwen2.5-0.5b")
-    parser.add_argument("--concurrency", default="1,4,16,64,128,256")
+    parser.add_argument("--concurrency", default=None, help="client counts (1,4,16,64,128,256)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--modes",
+        default="process,thread",
+        help="where the server runs the engine: process (default of serve), thread, or both",
+    )
+    parser.add_argument("--client-procs", type=int, default=8, help="client worker processes")
+    parser.add_argument(
+        "--profile", default="", help="client counts at which py-spy samples the server"
+    )
+    parser.add_argument("--profile-seconds", type=int, default=3)
     args = parser.parse_args()
     if args.tiny:
-        args.preset, args.concurrency, args.new_tokens = "tiny", "1,4,16", 32
+        args.preset, args.new_tokens = "tiny", 32
+        args.concurrency = args.concurrency or "1,4,16"
         args.prompt_len = min(args.prompt_len, 16)
+    args.concurrency = args.concurrency or "1,4,16,64,128,256"
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.modes = args.modes.split(",")
+    args.profile = [int(c) for c in args.profile.split(",") if c]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
@@ -240,22 +292,44 @@ def main() -> None:
     del model
     gc.collect()
 
-    process, url = _start_server(directory, args)
     rows = []
+    clients = _Clients(args.client_procs)
     try:
-        for clients in args.concurrency:
-            batch = prompts[:clients]
-            asyncio.run(_serve_round(url, batch, 8, "bench"))  # warm-up
-            row: dict[str, Any] = {"clients": clients}
-            row.update(asyncio.run(_serve_round(url, batch, args.new_tokens, "bench")))
-            row["direct_tokens_per_s"] = direct[clients]
-            row["server_over_direct"] = row["tokens_per_s"] / direct[clients]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for mode in args.modes:
+            args.current_mode = mode
+            started = time.perf_counter()
+            process, url = _start_server(directory, args, engine_process=mode == "process")
+            print(f"{mode}: server up in {time.perf_counter() - started:.1f} s", flush=True)
+            try:
+                for count in args.concurrency:
+                    batch = prompts[:count]
+                    clients.round(url, batch, 8, "bench")  # warm-up
+                    row: dict[str, Any] = {"engine": mode, "clients": count}
+                    row.update(clients.round(url, batch, args.new_tokens, "bench"))
+                    row["direct_tokens_per_s"] = direct[count]
+                    row["server_over_direct"] = row["tokens_per_s"] / direct[count]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    _write(out, rows, args, device, dtype)
+                    if count in args.profile:
+                        _profile(process, clients, url, batch, args, out)
+            finally:
+                process.terminate()
+                process.wait(timeout=120)
     finally:
-        process.terminate()
-        process.wait(timeout=120)
+        clients.close()
+    _write(out, rows, args, device, dtype)
+    print((out / "serve.md").read_text())
 
+
+def _write(
+    out: Path,
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: str,
+) -> None:
+    """Write serve.json and serve.md (after every row: a cut-short run keeps what it measured)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {
         "benchmark": "serve",
@@ -273,18 +347,17 @@ def main() -> None:
         f"prompt {args.prompt_len}, {args.new_tokens} new tokens per streaming client, greedy; "
         f"{name}.",
         "",
-        "| clients | server tok/s | direct tok/s | server / direct | TTFT p50 ms | TTFT p99 ms "
-        "| ITL p50 ms | ITL p99 ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| engine | clients | server tok/s | direct tok/s | server / direct | TTFT p50 ms "
+        "| TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['clients']} | {row['tokens_per_s']:.0f} | {row['direct_tokens_per_s']:.0f} "
+            f"| {row['engine']} | {row['clients']} | {row['tokens_per_s']:.0f} | {row['direct_tokens_per_s']:.0f} "
             f"| {100 * row['server_over_direct']:.0f}% | {row['ttft_p50_ms']:.1f} "
             f"| {row['ttft_p99_ms']:.1f} | {row['itl_p50_ms']:.2f} | {row['itl_p99_ms']:.2f} |"
         )
     (out / "serve.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ class ServeConfig:
     """Token budget of one engine step; None keeps the engine's default."""
     use_cuda_graphs: bool = True
     """Replay CUDA graphs for decode steps on a GPU."""
+    engine_process: bool = True
+    """Run the engine in a child process of its own (the HTTP work then never holds up an
+    engine step on the GIL); False runs it on a thread of the server process."""
     max_waiting_requests: int = 256
     """Requests allowed to wait for a batch slot; beyond it new requests get 503."""
     timeout_graceful_shutdown: int = 30
@@ -76,6 +79,10 @@ class ServeConfig:
         for name in ("num_blocks", "max_tokens_per_step"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
+        if not isinstance(self.engine_process, bool):
+            raise InferenceConfigError(
+                f"engine_process={self.engine_process!r}; expected True or False"
+            )
         _check_int("max_waiting_requests", self.max_waiting_requests, 0)
         _check_int("seed", self.seed, 0)
         _check_int("timeout_graceful_shutdown", self.timeout_graceful_shutdown, 0)
