@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import itertools
 import os
 import queue
@@ -42,6 +43,9 @@ from mcore_inference.serve.engine_loop import LoopFrontend, LoopStats, RequestHa
 __all__ = ["EngineInfo", "EngineProcess", "EngineProcessError", "EngineSpec", "child_main"]
 
 _PR_SET_PDEATHSIG = 1
+_PIPE_BYTES = 1 << 20
+"""Capacity asked for the message pipe: the engine blocks only when the server is this far
+behind (the server takes every waiting message at each wake-up)."""
 
 
 class EngineProcessError(RuntimeError):
@@ -133,6 +137,12 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def _widen(descriptor: int) -> None:
+    """Give a pipe room for many steps' messages (Linux; the default holds 64 KiB)."""
+    with contextlib.suppress(OSError, AttributeError):
+        fcntl.fcntl(descriptor, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_BYTES)
+
+
 def _read_commands(connection: Connection, commands: queue.SimpleQueue[Any]) -> None:
     """Forward the server's commands to the engine thread; a closed pipe means stop."""
     try:
@@ -210,7 +220,8 @@ def _serve(engine: Any, commands: queue.SimpleQueue[Any], output: Connection) ->
                 if changed:
                     output.send(("step", [], engine_stats(engine, generated, steps)))
                 continue
-            step = engine.step_updates()
+            # The weights are this process's own and never change: checked at the first step only.
+            step = engine.step_updates(check_weights=steps == 0)
             steps += 1
             updates: list[_Update] = []
             for update in step:
@@ -301,6 +312,7 @@ class EngineProcess(LoopFrontend):
             raise RuntimeError("the engine process was already launched")
         command_read, command_write = os.pipe()
         output_read, output_write = os.pipe()
+        _widen(output_write)
         command = [
             sys.executable,
             "-m",
