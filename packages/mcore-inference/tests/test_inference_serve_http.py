@@ -171,10 +171,16 @@ def _wait_for(url, condition, what, timeout=30.0):
     pytest.fail(f"timed out waiting for {what}; last metrics: {samples}")
 
 
+def _engine_pid(lines):
+    summary = next(line for line in lines if "parameters" in line)
+    return int(summary.split("engine in process ")[1].split()[0])
+
+
 def test_startup_prints_the_address_and_the_model_summary(server):
-    _, url, lines = server
+    process, url, lines = server
     summary = next(line for line in lines if "parameters" in line)
     assert "Qwen2ForCausalLM" in summary and "2 layers" in summary and "vocab 160" in summary
+    assert _engine_pid(lines) != process.pid  # the engine runs in a child process
     assert url.startswith("http://127.0.0.1:")
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
 
@@ -470,7 +476,9 @@ def test_full_queue_answers_503_with_a_clear_body(server):
 
 
 def test_sigterm_stops_the_server_cleanly(server):
-    process, url, _ = server
+    process, url, lines = server
+    engine = _engine_pid(lines)
+    os.kill(engine, 0)  # the engine process runs
     with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body()) as response:
         lines = response.iter_lines()
         next(lines)
@@ -481,7 +489,9 @@ def test_sigterm_stops_the_server_cleanly(server):
                 pass
     assert process.wait(timeout=60) == 0
     assert "mcore-inference serve: stopped" in process.stdout.read()
-    with pytest.raises(ProcessLookupError):  # nothing is left of its process group
+    with pytest.raises(ProcessLookupError):  # nothing is left of its process group ...
         os.killpg(process.pid, 0)
+    with pytest.raises(ProcessLookupError):  # ... the engine process included
+        os.kill(engine, 0)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health")

@@ -1,0 +1,164 @@
+"""The server's engine process (``mcore_inference.serve.engine_process``) without HTTP: results
+equal ``engine.generate`` in this process, aborts free blocks in the child, stop and the death
+of the server end the child, a checkpoint that does not load is reported."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mcore_inference import InferenceConfig, InferenceEngine, RequestStatus, SamplingParams
+from mcore_inference.serve.engine_process import EngineProcess, EngineProcessError, EngineSpec
+from mcore_inference.testing import write_tiny_hf_checkpoint
+from mcore_models import GPTModel
+
+CONFIG = InferenceConfig(max_batch_size=2, max_sequence_length=256, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_hf_checkpoint(tmp_path_factory.mktemp("engine_process_ckpt"), seed=5)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the child
+
+
+def _spec(directory):
+    return EngineSpec(model=str(directory), device="cpu", dtype=None, engine=CONFIG)
+
+
+def _alive(pid):
+    """True while the process exists and is not a zombie waiting for its reaper."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+async def _until(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_results_equal_engine_generate_and_abort_frees_the_blocks(checkpoint):
+    prompts = [[5, 6, 7], [9], [1, 2, 3, 4, 5]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, return_logprobs=True)
+    with InferenceEngine(GPTModel.from_hf(checkpoint).eval(), CONFIG) as engine:
+        expected = engine.generate(prompts, params)
+        capacity = engine.allocator.capacity
+    process = EngineProcess(_spec(checkpoint), max_waiting_requests=8)
+    info = process.launch(timeout=120)
+    assert info.pid == process.pid != os.getpid()
+    assert info.kv_blocks == capacity and info.vocab_size == 160 and info.num_layers == 2
+
+    async def run():
+        process.start()
+        handles = process.submit([(p, params) for p in prompts], asyncio.Event())
+        await _until(lambda: all(h.finished for h in handles))
+        long = process.submit([([1, 2], SamplingParams(max_tokens=200))] * 3, asyncio.Event())
+        await _until(lambda: long[0].tokens and process.stats.num_running == 2)
+        assert process.stats.kv_blocks_used > 0 and process.num_waiting == 1
+        for handle in long:
+            process.abort(handle)
+        await _until(lambda: process.stats.kv_blocks_used == 0 and process.stats.num_waiting == 0)
+        await asyncio.to_thread(process.stop, 30)
+        return handles, long
+
+    try:
+        handles, long = asyncio.run(run())
+    finally:
+        process.stop(30)
+    assert [h.tokens for h in handles] == [e.tokens for e in expected]
+    assert [h.result.tokens for h in handles] == [e.tokens for e in expected]
+    for handle, reference in zip(handles, expected):
+        assert handle.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+        assert handle.result.finish_reason == reference.finish_reason
+    assert all(h.finished and h.result is None for h in long)  # aborted: no result
+    assert process.stats.generation_tokens_total >= sum(len(e.tokens) for e in expected)
+    assert not _alive(info.pid) and not process.running
+
+
+def test_stop_fails_the_open_requests_and_ends_the_child(checkpoint):
+    process = EngineProcess(_spec(checkpoint), max_waiting_requests=8)
+    pid = process.launch(timeout=120).pid
+
+    async def run():
+        process.start()
+        (handle,) = process.submit([([3, 4], SamplingParams(max_tokens=250))], asyncio.Event())
+        await _until(lambda: handle.tokens)
+        await asyncio.to_thread(process.stop, 30)
+        await _until(lambda: handle.finished)
+        return handle
+
+    handle = asyncio.run(run())
+    assert handle.result.status == RequestStatus.FAILED
+    assert "shutting down" in handle.result.error
+    assert not _alive(pid)
+
+
+_SERVER = textwrap.dedent(
+    """
+    import sys
+    import time
+
+    from mcore_inference import InferenceConfig
+    from mcore_inference.serve.engine_process import EngineProcess, EngineSpec
+
+    config = InferenceConfig(max_batch_size=2, max_sequence_length=256, block_size=4)
+    spec = EngineSpec(model=sys.argv[1], device="cpu", dtype=None, engine=config)
+    process = EngineProcess(spec, max_waiting_requests=8)
+    print(process.launch(timeout=120).pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_the_child_dies_with_a_killed_server(checkpoint):
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SERVER, str(checkpoint)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pid = int(server.stdout.readline())
+        assert _alive(pid)
+        server.send_signal(signal.SIGKILL)  # no shutdown code runs in the server
+        server.wait(10)
+        deadline = time.monotonic() + 20
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "the engine process outlived the server"
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_checkpoint_that_does_not_load_is_reported(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    process = EngineProcess(_spec(tmp_path), max_waiting_requests=8)
+    with pytest.raises(EngineProcessError, match=f"loading '{tmp_path}' failed"):
+        process.launch(timeout=120)
+    assert not _alive(process.pid)
+
+
+def test_the_child_ignores_sigint_and_sigterm_sent_to_it(checkpoint):
+    """A terminal's Ctrl-C (or a TERM sent to the whole group) is the server's to handle."""
+    process = EngineProcess(_spec(checkpoint), max_waiting_requests=8)
+    pid = process.launch(timeout=120).pid
+    try:
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert _alive(pid)
+    finally:
+        process.stop(30)
+    assert not _alive(pid)
