@@ -58,10 +58,8 @@ def checkpoint(tmp_path_factory):
     return directory
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    """The server process, its base URL and its startup lines."""
-    log = tmp_path_factory.mktemp("serve_log") / "stderr.txt"
+def _launch(checkpoint, log, *options):
+    """Start ``mcore-inference serve`` in a new session; its process, URL and startup lines."""
     command = [
         sys.executable,
         "-m",
@@ -83,6 +81,7 @@ def server(checkpoint, tmp_path_factory):
         str(MAX_WAITING),
         "--timeout-graceful-shutdown",
         "2",
+        *options,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "w") as stderr:
@@ -102,7 +101,14 @@ def server(checkpoint, tmp_path_factory):
         lines.append(line.strip())
         if "listening on" in line:
             break
-    url = line.split("listening on ")[1].split()[0]
+    return process, line.split("listening on ")[1].split()[0], lines
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    """The server process (engine in a child process), its base URL and its startup lines."""
+    log = tmp_path_factory.mktemp("serve_log") / "stderr.txt"
+    process, url, lines = _launch(checkpoint, log)
     yield process, url, lines
     if process.poll() is None:
         process.terminate()
@@ -473,6 +479,29 @@ def test_full_queue_answers_503_with_a_clear_body(server):
         ),
         "an idle engine after the disconnect",
     )
+
+
+def test_engine_on_a_thread_serves_the_same_completions(checkpoint, engine, tokenizer, tmp_path):
+    process, url, lines = _launch(checkpoint, tmp_path / "stderr.txt", "--no-engine-process")
+    try:
+        assert "engine on a thread of the server" in " ".join(lines)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        prompt = tokenizer.encode("The answer is")
+        ((ref_text, ref_finish, _),) = _reference(
+            engine, tokenizer, [prompt], _greedy(tokenizer, 12)
+        )
+        stream = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks) == ref_text
+        assert chunks[-1].choices[0].finish_reason == ref_finish
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def test_sigterm_stops_the_server_cleanly(server):
