@@ -171,6 +171,24 @@ class _Clients:
             worker.wait(30)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of a process so far (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _engine_pid(process: subprocess.Popen) -> int:
+    """The engine process of a server (its only child), or the server itself (engine thread)."""
+    try:
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return int(children[0]) if children else process.pid
+
+
 def _server_ttft(url: str) -> tuple[float, int]:
     """Sum and count of the server's time-to-first-token histogram (``/metrics``)."""
     import urllib.request
@@ -315,13 +333,22 @@ def main() -> None:
             started = time.perf_counter()
             process, url = _start_server(directory, args, engine_process=mode == "process")
             print(f"{mode}: server up in {time.perf_counter() - started:.1f} s", flush=True)
+            engine_pid = _engine_pid(process)
             try:
                 for count in args.concurrency:
                     batch = prompts[:count]
                     clients.round(url, batch, 8, "bench")  # warm-up
                     row: dict[str, Any] = {"engine": mode, "clients": count}
                     before = _server_ttft(url)
+                    cpu = [_cpu_seconds(pid) for pid in (process.pid, engine_pid)]
+                    wall = time.perf_counter()
                     row.update(clients.round(url, batch, args.new_tokens, "bench"))
+                    wall = time.perf_counter() - wall
+                    # Busy share of one core, whole client round (the HTTP process and, when
+                    # it runs apart, the engine process).
+                    row["http_cpu"] = (_cpu_seconds(process.pid) - cpu[0]) / wall
+                    if engine_pid != process.pid:
+                        row["engine_cpu"] = (_cpu_seconds(engine_pid) - cpu[1]) / wall
                     after = _server_ttft(url)
                     # Submission to the handler's first token, inside the server (no HTTP).
                     row["server_ttft_mean_ms"] = (
