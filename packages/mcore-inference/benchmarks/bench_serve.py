@@ -204,14 +204,6 @@ def _server_ttft(url: str) -> tuple[float, int]:
     return total, int(count)
 
 
-_LAUNCH = (
-    "import json, sys\n"
-    "from mcore_inference.serve.config import ServeConfig\n"
-    "from mcore_inference.serve.server import serve\n"
-    "sys.exit(serve(ServeConfig(**json.loads(sys.argv[1]))))\n"
-)
-
-
 def _start_server(
     directory: Path, args: argparse.Namespace, engine_process: bool
 ) -> tuple[subprocess.Popen, str]:
@@ -227,7 +219,8 @@ def _start_server(
         "max_waiting_requests": 4 * config.max_batch_size,
         "engine_process": engine_process,
     }
-    command = [sys.executable, "-c", _LAUNCH, json.dumps(options)]
+    launcher = Path(__file__).with_name("_serve_launch.py")
+    command = [sys.executable, str(launcher), json.dumps(options)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
     assert process.stdout is not None

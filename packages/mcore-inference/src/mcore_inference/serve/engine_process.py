@@ -277,6 +277,7 @@ class EngineProcess(LoopFrontend):
         self._keys: dict[RequestHandle, int] = {}
         self._next_key = itertools.count()
         self._reading = False
+        self._send_lock = threading.Lock()
 
     @property
     def pid(self) -> int | None:
@@ -365,8 +366,9 @@ class EngineProcess(LoopFrontend):
 
     def _send(self, message: Any) -> None:
         assert self._commands is not None
-        # A child that is gone is reported by the output pipe's EOF.
-        with contextlib.suppress(OSError):
+        # A child that is gone is reported by the output pipe's EOF. The lock keeps the stop
+        # message (sent from the shutdown's worker thread) whole next to the event loop's.
+        with self._send_lock, contextlib.suppress(OSError):
             self._commands.send(message)
 
     def _send_adds(self, handles: list[RequestHandle]) -> None:
@@ -442,7 +444,8 @@ class EngineProcess(LoopFrontend):
             return
         if self._commands is not None and not self._commands.closed:
             self._send(None)
-            self._commands.close()
+            with self._send_lock:
+                self._commands.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._process.wait(timeout)
         self._kill()
