@@ -205,8 +205,10 @@ def _server_ttft(url: str) -> tuple[float, int]:
 
 
 def _start_server(
-    directory: Path, args: argparse.Namespace, engine_process: bool
+    directory: Path, args: argparse.Namespace, mode: str
 ) -> tuple[subprocess.Popen, str]:
+    """Start the server; ``mode`` is ``process`` or ``thread`` (where the engine runs), with
+    ``-plain`` appended for asyncio and h11 even where uvloop and httptools are installed."""
     config = _engine_config(args)
     options = {
         "model": str(directory),
@@ -217,10 +219,12 @@ def _start_server(
         "max_sequence_length": config.max_sequence_length,
         "block_size": config.block_size,
         "max_waiting_requests": 4 * config.max_batch_size,
-        "engine_process": engine_process,
+        "engine_process": mode.startswith("process"),
     }
     launcher = Path(__file__).with_name("_serve_launch.py")
     command = [sys.executable, str(launcher), json.dumps(options)]
+    if mode.endswith("-plain"):
+        command.append("--plain-http")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
     assert process.stdout is not None
@@ -283,7 +287,8 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="process,thread",
-        help="where the server runs the engine: process (default of serve), thread, or both",
+        help="where the server runs the engine: process (default of serve) or thread; "
+        "a -plain suffix hides uvloop and httptools from uvicorn",
     )
     parser.add_argument("--client-procs", type=int, default=8, help="client worker processes")
     parser.add_argument(
@@ -324,7 +329,7 @@ def main() -> None:
         for mode in args.modes:
             args.current_mode = mode
             started = time.perf_counter()
-            process, url = _start_server(directory, args, engine_process=mode == "process")
+            process, url = _start_server(directory, args, mode)
             print(f"{mode}: server up in {time.perf_counter() - started:.1f} s", flush=True)
             engine_pid = _engine_pid(process)
             try:
