@@ -623,6 +623,25 @@ class InferenceEngine:
             )
         return updates
 
+    def capture_graphs(self) -> int:
+        """Capture every decode CUDA graph now rather than at the first step that needs it.
+
+        For a server (``mcore-inference serve`` does it at startup): requests arriving one by
+        one make the decode batch size pass through many buckets, and each lazy capture stalls
+        every running request. Collective over the model replica like :meth:`step`.
+
+        Returns:
+            The number of graphs captured (0 without decode graphs: on the CPU, with
+            ``use_cuda_graphs=False`` or for a hybrid model).
+
+        Raises:
+            EngineClosedError: If the engine is closed.
+        """
+        self._check_open()
+        self._revalidate_graphs()
+        graphs = self._graphs
+        return graphs.capture_all() if graphs is not None else 0
+
     def _revalidate_graphs(self, *, per_step: bool = False) -> None:
         # Once per public call, not per step: weights cannot move while the engine runs.
         if self._decoder is not None:

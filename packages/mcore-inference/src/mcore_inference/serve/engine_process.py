@@ -179,6 +179,7 @@ def child_main(commands_end: Connection, output: Connection, parent: int) -> Non
     try:
         model = GPTModel.from_hf(spec.model, dtype=spec.dtype, device=spec.device).eval()
         engine = InferenceEngine(model, spec.engine)
+        engine.capture_graphs()
     except Exception as exc:
         output.send(("failed", f"loading {spec.model!r} failed: {type(exc).__name__}: {exc}"))
         return

@@ -117,6 +117,7 @@ def load_server_state(config: ServeConfig) -> ServerState:
 
         model = GPTModel.from_hf(directory, dtype=config.dtype, device=device).eval()
         engine = InferenceEngine(model, engine_config)
+        engine.capture_graphs()
         info = EngineInfo.of(engine, os.getpid())
         loop = EngineLoop(engine, max_waiting_requests=config.max_waiting_requests)
     name = config.served_model_name or directory.resolve().name
