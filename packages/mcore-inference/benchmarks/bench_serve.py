@@ -8,26 +8,38 @@ one word, so every generated token shows up as text), ``--prompt-len`` random pr
 exactly ``--new-tokens``). For each concurrency C:
 
 - direct: ``InferenceEngine.generate`` on C prompts in this process (same engine config as the
-  server): generated tokens per second;
-- server: the server runs in a subprocess; C asyncio clients (httpx, one connection each) send
-  one streaming ``/v1/completions`` request each at the same moment. Throughput is all tokens
-  over the wall time from the first request to the last ``[DONE]``; TTFT is the time from
-  sending a request to its first token; inter-token latency (ITL) is the gap between two
-  chunks of a stream, divided evenly among the tokens of the later chunk (a server that falls
-  behind sends several tokens per chunk). p50/p99 over all requests or tokens.
+  server, every decode CUDA graph captured first as the server does): generated tokens per
+  second, and the time to the first token of ``engine.stream`` (the engine's own share of a
+  server's TTFT);
+- server: the server runs in a subprocess, with the engine in its child process (``process``,
+  the default of ``serve``) or on a thread (``thread``); ``--modes`` picks which, in turn. C
+  streaming clients (httpx, one connection each), spread over ``--client-procs`` worker
+  processes (``_serve_clients.py``: one Python process driving hundreds of streams is a
+  bottleneck of its own), send one streaming ``/v1/completions`` request each at the same
+  moment. Throughput is all tokens over the wall time from the first request to the last
+  ``[DONE]``; TTFT is the time from sending a request to its first token (the server's own
+  view, submission to first token, comes from ``/metrics``); inter-token latency (ITL) is the
+  gap between two chunks of a stream, divided evenly among the tokens of the later chunk (a
+  server that falls behind sends several tokens per chunk). p50/p99 over all requests or
+  tokens. The CPU share of the HTTP process and of the engine process over each round is
+  recorded too, and ``--profile C`` samples the server (both processes) with py-spy at C
+  clients (raw collapsed stacks, ``profile_<mode>_<C>.txt``).
 
 The overhead of the server is ``1 - server tok/s / direct tok/s`` (target: <= 10% at 64 clients).
 
-On the GPU machine (no internet): it has torch, transformers, tokenizers, httpx, anyio, h11,
-click, jinja2 and uvloop, but not starlette and uvicorn. Carry those two wheels (pure Python)::
+On the GPU machine (no internet, torch and transformers installed) carry the pure-Python wheels
+of the server and the clients (py-spy too, for ``--profile``)::
 
-    python3 -m pip download --no-deps --only-binary=:all: -d .whl starlette==1.10.0 uvicorn==0.54.0
+    python3 -m pip download --no-deps --only-binary=:all: -d .whl starlette==1.10.0 \
+        uvicorn==0.54.0 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \
+        sniffio==1.3.1 idna==3.20 certifi==2026.10.18 click==8.5.1 typing_extensions==4.16.0
 
-and run from the repository root on one GPU::
+and run from the repository root on one GPU (about 80 s on an H100)::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$(ls -d packages/*/src | paste -sd:)
-    python3 packages/mcore-inference/benchmarks/bench_serve.py --out $OUT/serve
+    python3 packages/mcore-inference/benchmarks/bench_serve.py --out $OUT/serve \
+        --concurrency 1,16,64,256 --new-tokens 128 --modes process,thread
 
 Check on a CPU (a tiny model, a few clients and tokens)::
 
