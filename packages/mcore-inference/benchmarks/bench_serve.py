@@ -230,7 +230,9 @@ def _start_server(
     directory: Path, args: argparse.Namespace, mode: str
 ) -> tuple[subprocess.Popen, str]:
     """Start the server; ``mode`` is ``process`` or ``thread`` (where the engine runs), with
-    ``-plain`` appended for asyncio and h11 even where uvloop and httptools are installed."""
+    ``-plain`` appended for asyncio and h11 even where uvloop and httptools are installed, and
+    ``-w<ms>`` for an admission window (``ServeConfig.admission_window_ms``)."""
+    parts = mode.split("-")
     config = _engine_config(args)
     options = {
         "model": str(directory),
@@ -241,11 +243,12 @@ def _start_server(
         "max_sequence_length": config.max_sequence_length,
         "block_size": config.block_size,
         "max_waiting_requests": 4 * config.max_batch_size,
-        "engine_process": mode.startswith("process"),
+        "engine_process": parts[0] == "process",
+        "admission_window_ms": next((float(p[1:]) for p in parts[1:] if p[:1] == "w"), 0.0),
     }
     launcher = Path(__file__).with_name("_serve_launch.py")
     command = [sys.executable, str(launcher), json.dumps(options)]
-    if mode.endswith("-plain"):
+    if "plain" in parts[1:]:
         command.append("--plain-http")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
@@ -310,7 +313,8 @@ def main() -> None:
         "--modes",
         default="process,thread",
         help="where the server runs the engine: process (default of serve) or thread; "
-        "a -plain suffix hides uvloop and httptools from uvicorn",
+        "a -plain suffix hides uvloop and httptools from uvicorn, -w<ms> sets an admission "
+        "window (process-w5)",
     )
     parser.add_argument("--client-procs", type=int, default=8, help="client worker processes")
     parser.add_argument(

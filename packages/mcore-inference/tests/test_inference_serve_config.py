@@ -62,6 +62,8 @@ def test_options_reach_the_config():
         ({"log_level": "loud"}, "log_level"),
         ({"served_model_name": ""}, "served_model_name"),
         ({"engine_process": "yes"}, "engine_process"),
+        ({"admission_window_ms": -1.0}, "admission_window_ms"),
+        ({"admission_window_ms": 5.0, "engine_process": False}, "admission_window_ms"),
     ],
 )
 def test_invalid_field_raises_naming_it(fields, name):

@@ -1,22 +1,30 @@
 """The server's engine process (``mcore_inference.serve.engine_process``) without HTTP: results
 equal ``engine.generate`` in this process, aborts free blocks in the child, stop and the death
-of the server end the child, a checkpoint that does not load is reported."""
+of the server end the child, a checkpoint that does not load is reported; the child's loop
+holds arrivals for its admission window."""
 
 import asyncio
 import os
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from mcore_inference import InferenceConfig, InferenceEngine, RequestStatus, SamplingParams
-from mcore_inference.serve.engine_process import EngineProcess, EngineProcessError, EngineSpec
+from mcore_inference.serve.engine_process import (
+    EngineProcess,
+    EngineProcessError,
+    EngineSpec,
+    _serve,
+)
 from mcore_inference.testing import write_tiny_hf_checkpoint
-from mcore_models import GPTModel
+from mcore_models import GPTConfig, GPTModel
 
 CONFIG = InferenceConfig(max_batch_size=2, max_sequence_length=256, block_size=4)
 
@@ -152,3 +160,60 @@ def test_a_checkpoint_that_does_not_load_is_reported(tmp_path):
     with pytest.raises(EngineProcessError, match=f"loading '{tmp_path}' failed"):
         process.launch(timeout=120)
     assert not _alive(process.pid)
+
+
+class _Messages:
+    """The child's message pipe, in this process: what ``_serve`` sends, in order."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+
+def _run_serve(window, commands_before, commands_during):
+    """``_serve`` on a thread over a CPU engine: one long request, then more commands."""
+    model = GPTModel(GPTConfig.from_name("tiny", seed=3)).eval()
+    engine = InferenceEngine(model, CONFIG)
+    commands, messages = queue.SimpleQueue(), _Messages()
+    thread = threading.Thread(target=_serve, args=(engine, commands, messages, window))
+    thread.start()
+    for command in commands_before:
+        commands.put(command)
+    deadline = time.monotonic() + 30
+    while not any(m[0] == "step" and m[1] for m in messages.sent):  # the long one decodes
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    for command in commands_during:
+        commands.put(command)
+    while engine.has_unfinished() or not commands.empty():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.05)
+    commands.put(None)
+    thread.join(30)
+    engine.close()
+    return messages.sent
+
+
+def test_admission_window_holds_arrivals_and_admits_them_together():
+    long = SamplingParams(temperature=0.0, max_tokens=16)
+    short = SamplingParams(temperature=0.0, max_tokens=3)
+    before = [("add", 0, [1, 2, 3], long)]
+    during = [("add", k, [4, 5, k], short) for k in (1, 2, 3)] + [("abort", 2)]
+    for window, joins_while_running in ((0.0, True), (60.0, False)):
+        sent = _run_serve(window, before, during)
+        steps = [m for m in sent if m[0] == "step"]
+        finals = {key: result for m in steps for key, _, _, result in m[1] if result is not None}
+        first = {
+            k: next(i for i, m in enumerate(steps) if any(u[0] == k for u in m[1])) for k in (1, 3)
+        }
+        long_done = next(i for i, m in enumerate(steps) if 0 in {u[0] for u in m[1] if u[3]})
+        # Held for a minute: admitted only once the engine ran dry, both in the same step.
+        assert (first[1] < long_done) == joins_while_running
+        if not joins_while_running:
+            assert first[1] == first[3]
+        assert set(finals) == {0, 1, 3}  # 2 was aborted (held or running): no result
+        assert all(len(finals[k].tokens) == 3 for k in (1, 3))
+        assert len(finals[0].tokens) == 16

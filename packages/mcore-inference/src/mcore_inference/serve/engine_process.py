@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -64,6 +65,9 @@ class EngineSpec:
     """Parameter dtype; None keeps the checkpoint's."""
     engine: InferenceConfig
     """The engine's configuration."""
+    admission_window_ms: float = 0.0
+    """Milliseconds that requests arriving while others run are held, to join the batch
+    together (0 admits each at once)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -191,17 +195,32 @@ def child_main(commands_end: Connection, output: Connection, parent: int) -> Non
     reader.daemon = True
     reader.start()
     with engine:
-        _serve(engine, commands, output)
+        _serve(engine, commands, output, spec.admission_window_ms / 1e3)
 
 
-def _serve(engine: Any, commands: queue.SimpleQueue[Any], output: Connection) -> None:
-    """The child's engine loop: commands, one step, one message with its updates."""
+def _serve(
+    engine: Any, commands: queue.SimpleQueue[Any], output: Connection, window: float = 0.0
+) -> None:
+    """The child's engine loop: commands, one step, one message with its updates.
+
+    Requests that arrive while others run are held for up to ``window`` seconds (counted from
+    the first one held) and then admitted together, so that a burst of arrivals costs one
+    prefill step rather than one per engine step it is spread over.
+    """
     ids: dict[int, int] = {}  # server key -> engine request id
     keys: dict[int, int] = {}  # engine request id -> server key
+    held: dict[int, tuple[list[int], Any]] = {}  # server key -> request not admitted yet
+    held_since = 0.0
     generated = steps = 0
+
+    def admit(key: int, prompt: list[int], params: Any) -> None:
+        request_id = engine.add_request(prompt, params)
+        ids[key], keys[request_id] = request_id, key
+
     try:
         while True:
-            command = commands.get() if not engine.has_unfinished() else _poll(commands)
+            busy = engine.has_unfinished()
+            command = _poll(commands) if busy or held else commands.get()
             changed = False
             while command is not _EMPTY:
                 if command is None:
@@ -209,14 +228,22 @@ def _serve(engine: Any, commands: queue.SimpleQueue[Any], output: Connection) ->
                 changed = True
                 if command[0] == "add":
                     _, key, prompt, params = command
-                    request_id = engine.add_request(prompt, params)
-                    ids[key], keys[request_id] = request_id, key
-                else:
+                    if window > 0 and busy:
+                        if not held:
+                            held_since = time.monotonic()
+                        held[key] = (prompt, params)
+                    else:
+                        admit(key, prompt, params)
+                elif held.pop(command[1], None) is None:
                     request_id = ids.pop(command[1], -1)
                     if request_id >= 0:
                         del keys[request_id]
                         engine.abort(request_id)
                 command = _poll(commands)
+            if held and (not engine.has_unfinished() or time.monotonic() - held_since >= window):
+                for key, (prompt, params) in held.items():
+                    admit(key, prompt, params)
+                held.clear()
             if not engine.has_unfinished():
                 if changed:
                     output.send(("step", [], engine_stats(engine, generated, steps)))

@@ -107,7 +107,11 @@ def load_server_state(config: ServeConfig) -> ServerState:
     loop: LoopFrontend
     if config.engine_process:
         spec = EngineSpec(
-            model=str(directory), device=device, dtype=config.dtype, engine=engine_config
+            model=str(directory),
+            device=device,
+            dtype=config.dtype,
+            engine=engine_config,
+            admission_window_ms=config.admission_window_ms,
         )
         process = EngineProcess(spec, max_waiting_requests=config.max_waiting_requests)
         info = process.launch()
