@@ -365,11 +365,10 @@ def main() -> None:
                     row: dict[str, Any] = {"engine": mode, "clients": count}
                     before = _server_ttft(url)
                     cpu = [_cpu_seconds(pid) for pid in (process.pid, engine_pid)]
-                    wall = time.perf_counter()
                     row.update(clients.round(url, batch, args.new_tokens, "bench"))
-                    wall = time.perf_counter() - wall
-                    # Busy share of one core, whole client round (the HTTP process and, when
-                    # it runs apart, the engine process).
+                    # Busy share of one core from the first request to the last token (the
+                    # HTTP process and, when it runs apart, the engine process).
+                    wall = row["tokens"] / row["tokens_per_s"]
                     row["http_cpu"] = (_cpu_seconds(process.pid) - cpu[0]) / wall
                     if engine_pid != process.pid:
                         row["engine_cpu"] = (_cpu_seconds(engine_pid) - cpu[1]) / wall
@@ -421,16 +420,19 @@ def _write(
         f"{name}.",
         "",
         "| engine | clients | server tok/s | direct tok/s | server / direct | TTFT p50 ms "
-        "| TTFT p99 ms | in-server TTFT mean ms | direct TTFT ms | ITL p50 ms | ITL p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TTFT p99 ms | in-server TTFT mean ms | direct TTFT ms | ITL p50 ms | ITL p99 ms "
+        "| HTTP CPU | engine CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
+        engine = f"{100 * row['engine_cpu']:.0f}%" if "engine_cpu" in row else "-"
         lines.append(
             f"| {row['engine']} | {row['clients']} | {row['tokens_per_s']:.0f} | {row['direct_tokens_per_s']:.0f} "
             f"| {100 * row['server_over_direct']:.0f}% | {row['ttft_p50_ms']:.1f} "
             f"| {row['ttft_p99_ms']:.1f} | {row['server_ttft_mean_ms']:.1f} "
             f"| {row['direct_ttft_ms']:.1f} "
-            f"| {row['itl_p50_ms']:.2f} | {row['itl_p99_ms']:.2f} |"
+            f"| {row['itl_p50_ms']:.2f} | {row['itl_p99_ms']:.2f} "
+            f"| {100 * row['http_cpu']:.0f}% | {engine} |"
         )
     (out / "serve.md").write_text("\n".join(lines) + "\n")
 
