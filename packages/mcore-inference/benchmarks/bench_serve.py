@@ -110,6 +110,7 @@ def _direct(
     warm = SamplingParams(temperature=0.0, max_tokens=8)
     with InferenceEngine(model, _engine_config(args)) as engine:
         engine.capture_graphs()  # as the server does at startup
+        engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # compile
         for clients in args.concurrency:
             batch = prompts[:clients]
             _sync(device)
