@@ -8,26 +8,38 @@ one word, so every generated token shows up as text), ``--prompt-len`` random pr
 exactly ``--new-tokens``). For each concurrency C:
 
 - direct: ``InferenceEngine.generate`` on C prompts in this process (same engine config as the
-  server): generated tokens per second;
-- server: the server runs in a subprocess; C asyncio clients (httpx, one connection each) send
-  one streaming ``/v1/completions`` request each at the same moment. Throughput is all tokens
-  over the wall time from the first request to the last ``[DONE]``; TTFT is the time from
-  sending a request to its first token; inter-token latency (ITL) is the gap between two
-  chunks of a stream, divided evenly among the tokens of the later chunk (a server that falls
-  behind sends several tokens per chunk). p50/p99 over all requests or tokens.
+  server, every decode CUDA graph captured first as the server does): generated tokens per
+  second, and the time to the first token of ``engine.stream`` (the engine's own share of a
+  server's TTFT);
+- server: the server runs in a subprocess, with the engine in its child process (``process``,
+  the default of ``serve``) or on a thread (``thread``); ``--modes`` picks which, in turn. C
+  streaming clients (httpx, one connection each), spread over ``--client-procs`` worker
+  processes (``_serve_clients.py``: one Python process driving hundreds of streams is a
+  bottleneck of its own), send one streaming ``/v1/completions`` request each at the same
+  moment. Throughput is all tokens over the wall time from the first request to the last
+  ``[DONE]``; TTFT is the time from sending a request to its first token (the server's own
+  view, submission to first token, comes from ``/metrics``); inter-token latency (ITL) is the
+  gap between two chunks of a stream, divided evenly among the tokens of the later chunk (a
+  server that falls behind sends several tokens per chunk). p50/p99 over all requests or
+  tokens. The CPU share of the HTTP process and of the engine process over each round is
+  recorded too, and ``--profile C`` samples the server (both processes) with py-spy at C
+  clients (raw collapsed stacks, ``profile_<mode>_<C>.txt``).
 
 The overhead of the server is ``1 - server tok/s / direct tok/s`` (target: <= 10% at 64 clients).
 
-On the GPU machine (no internet): it has torch, transformers, tokenizers, httpx, anyio, h11,
-click, jinja2 and uvloop, but not starlette and uvicorn. Carry those two wheels (pure Python)::
+On the GPU machine (no internet, torch and transformers installed) carry the pure-Python wheels
+of the server and the clients (py-spy too, for ``--profile``)::
 
-    python3 -m pip download --no-deps --only-binary=:all: -d .whl starlette==1.10.0 uvicorn==0.54.0
+    python3 -m pip download --no-deps --only-binary=:all: -d .whl starlette==1.10.0 \
+        uvicorn==0.54.0 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \
+        sniffio==1.3.1 idna==3.20 certifi==2026.10.18 click==8.5.1 typing_extensions==4.16.0
 
-and run from the repository root on one GPU::
+and run from the repository root on one GPU (about 80 s on an H100)::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$(ls -d packages/*/src | paste -sd:)
-    python3 packages/mcore-inference/benchmarks/bench_serve.py --out $OUT/serve
+    python3 packages/mcore-inference/benchmarks/bench_serve.py --out $OUT/serve \
+        --concurrency 1,16,64,256 --new-tokens 128 --modes process,thread
 
 Check on a CPU (a tiny model, a few clients and tokens)::
 
@@ -37,10 +49,10 @@ Check on a CPU (a tiny model, a few clients and tokens)::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -89,113 +101,156 @@ def _sync(device: torch.device) -> None:
 
 def _direct(
     model: GPTModel, prompts: list[list[int]], args: argparse.Namespace
-) -> dict[int, float]:
-    """Tokens per second of engine.generate for each concurrency."""
+) -> dict[int, dict[str, float]]:
+    """Tokens per second of engine.generate for each concurrency, and the time to the first
+    token of ``engine.stream`` (the engine's own share of a server's TTFT)."""
     device = next(model.parameters()).device
     rates = {}
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
+    warm = SamplingParams(temperature=0.0, max_tokens=8)
     with InferenceEngine(model, _engine_config(args)) as engine:
+        engine.capture_graphs()  # as the server does at startup
+        engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # compile
         for clients in args.concurrency:
             batch = prompts[:clients]
-            engine.generate(batch, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+            _sync(device)
+            start = time.perf_counter()
+            stream = engine.stream(batch, warm)
+            next(stream)
+            first = time.perf_counter() - start
+            for _ in stream:
+                pass
             _sync(device)
             start = time.perf_counter()
             results = engine.generate(batch, params)
             _sync(device)
             seconds = time.perf_counter() - start
-            rates[clients] = sum(len(r.tokens) for r in results) / seconds
-            print(f"direct {clients:>4} clients: {rates[clients]:.0f} tok/s", flush=True)
+            rate = sum(len(r.tokens) for r in results) / seconds
+            rates[clients] = {"tokens_per_s": rate, "ttft_ms": 1e3 * first}
+            print(f"direct {clients:>4} clients: {rate:.0f} tok/s, TTFT {1e3 * first:.1f} ms")
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rates
 
 
-async def _stream_one(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    sent = time.perf_counter()
-    first, last, tokens, gaps = None, sent, 0, []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            count = len(json.loads(line[6:])["choices"][0]["text"].split())
-            if not count:
-                continue
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                gaps += [(now - last) / count] * count
-            last, tokens = now, tokens + count
-    assert first is not None, "the stream held no token"
-    return {"ttft": first - sent, "gaps": gaps, "tokens": tokens, "end": last}
+class _Clients:
+    """Worker processes that run the streaming clients (``_serve_clients.py``)."""
 
-
-async def _serve_round(
-    url: str, prompts: list[list[int]], new_tokens: int, model_name: str
-) -> dict[str, Any]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        start = time.perf_counter()
-        results = await asyncio.gather(
-            *(
-                _stream_one(
-                    client,
-                    url,
-                    {
-                        "model": model_name,
-                        "prompt": prompt,
-                        "max_tokens": new_tokens,
-                        "temperature": 0,
-                        "stream": True,
-                        "ignore_eos": True,
-                    },
-                )
-                for prompt in prompts
+    def __init__(self, count: int) -> None:
+        script = Path(__file__).with_name("_serve_clients.py")
+        self.workers = [
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
             )
-        )
-    wall = max(r["end"] for r in results) - start
-    gaps = [g for r in results for g in r["gaps"]]
-    ttfts = [r["ttft"] for r in results]
-    tokens = sum(r["tokens"] for r in results)
-    return {
-        "tokens": tokens,
-        "tokens_per_s": tokens / wall,
-        "ttft_p50_ms": 1e3 * _percentile(ttfts, 50),
-        "ttft_p99_ms": 1e3 * _percentile(ttfts, 99),
-        "itl_p50_ms": 1e3 * _percentile(gaps, 50),
-        "itl_p99_ms": 1e3 * _percentile(gaps, 99),
-        "itl_mean_ms": 1e3 * statistics.fmean(gaps) if gaps else float("nan"),
-    }
+            for _ in range(count)
+        ]
+
+    def round(
+        self, url: str, prompts: list[list[int]], new_tokens: int, model_name: str
+    ) -> dict[str, Any]:
+        """All prompts at once, spread over the workers; throughput, TTFT and ITL."""
+        start = time.time() + 0.2
+        shares = [prompts[w :: len(self.workers)] for w in range(len(self.workers))]
+        for worker, share in zip(self.workers, shares):
+            job = {
+                "url": url,
+                "model": model_name,
+                "prompts": share,
+                "max_tokens": new_tokens,
+                "start": start,
+            }
+            assert worker.stdin is not None
+            worker.stdin.write(json.dumps(job) + "\n")
+            worker.stdin.flush()
+        results = []
+        for worker in self.workers:
+            assert worker.stdout is not None
+            line = worker.stdout.readline()
+            if not line:
+                raise RuntimeError("a client worker died")
+            results += json.loads(line)
+        wall = max(r["end"] for r in results) - min(r["sent"] for r in results)
+        gaps = [g for r in results for g in r["gaps"]]
+        ttfts = [r["ttft"] for r in results]
+        tokens = sum(r["tokens"] for r in results)
+        return {
+            "tokens": tokens,
+            "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": 1e3 * _percentile(ttfts, 50),
+            "ttft_p99_ms": 1e3 * _percentile(ttfts, 99),
+            "itl_p50_ms": 1e3 * _percentile(gaps, 50),
+            "itl_p99_ms": 1e3 * _percentile(gaps, 99),
+            "itl_mean_ms": 1e3 * statistics.fmean(gaps) if gaps else float("nan"),
+        }
+
+    def close(self) -> None:
+        for worker in self.workers:
+            assert worker.stdin is not None
+            worker.stdin.close()
+            worker.wait(30)
 
 
-def _start_server(directory: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of a process so far (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _engine_pid(process: subprocess.Popen) -> int:
+    """The engine process of a server (its only child), or the server itself (engine thread)."""
+    try:
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return int(children[0]) if children else process.pid
+
+
+def _server_ttft(url: str) -> tuple[float, int]:
+    """Sum and count of the server's time-to-first-token histogram (``/metrics``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics") as response:
+        text = response.read().decode()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("mcore_inference_time_to_first_token_seconds_sum"):
+            total = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("mcore_inference_time_to_first_token_seconds_count"):
+            count = float(line.rsplit(" ", 1)[1])
+    return total, int(count)
+
+
+def _start_server(
+    directory: Path, args: argparse.Namespace, mode: str
+) -> tuple[subprocess.Popen, str]:
+    """Start the server; ``mode`` is ``process`` or ``thread`` (where the engine runs), with
+    ``-plain`` appended for asyncio and h11 even where uvloop and httptools are installed, and
+    ``-w<ms>`` for an admission window (``ServeConfig.admission_window_ms``)."""
+    parts = mode.split("-")
     config = _engine_config(args)
-    command = [
-        sys.executable,
-        "-m",
-        "mcore_inference.cli",
-        "serve",
-        "--model",
-        str(directory),
-        "--served-model-name",
-        "bench",
-        "--port",
-        "0",
-        "--device",
-        args.device,
-        "--max-batch-size",
-        str(config.max_batch_size),
-        "--max-sequence-length",
-        str(config.max_sequence_length),
-        "--block-size",
-        str(config.block_size),
-        "--max-waiting-requests",
-        str(4 * config.max_batch_size),
-    ]
+    options = {
+        "model": str(directory),
+        "served_model_name": "bench",
+        "port": 0,
+        "device": args.device,
+        "max_batch_size": config.max_batch_size,
+        "max_sequence_length": config.max_sequence_length,
+        "block_size": config.block_size,
+        "max_waiting_requests": 4 * config.max_batch_size,
+        "engine_process": parts[0] == "process",
+        "admission_window_ms": next((float(p[1:]) for p in parts[1:] if p[:1] == "w"), 0.0),
+    }
+    launcher = Path(__file__).with_name("_serve_launch.py")
+    command = [sys.executable, str(launcher), json.dumps(options)]
+    if "plain" in parts[1:]:
+        command.append("--plain-http")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
     assert process.stdout is not None
@@ -206,6 +261,45 @@ def _start_server(directory: Path, args: argparse.Namespace) -> tuple[subprocess
     raise RuntimeError(f"the server exited with status {process.wait()} before listening")
 
 
+def _profile(
+    process: subprocess.Popen,
+    clients: _Clients,
+    url: str,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    out: Path,
+) -> None:
+    """Sample the server's threads (and its engine process) with py-spy while it serves."""
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        print("profile: py-spy not found", flush=True)
+        return
+    target = out / f"profile_{args.current_mode}_{len(prompts)}.txt"
+    command = [
+        py_spy,
+        "record",
+        "-p",
+        str(process.pid),
+        "--subprocesses",
+        "--threads",
+        "-r",
+        "250",
+        "-f",
+        "raw",
+        "-d",
+        str(args.profile_seconds),
+        "-o",
+        str(target),
+    ]
+    spy = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rounds = 0
+    while spy.poll() is None and rounds < 50:
+        clients.round(url, prompts, args.new_tokens, "bench")
+        rounds += 1
+    output = spy.communicate(timeout=30)[0]
+    print(f"profile: {rounds} rounds, {target.name}: {output.strip()[-300:]}", flush=True)
+
+
 def main() -> None:
     """Run the benchmark and write ``serve.json`` and ``serve.md`` under ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -213,14 +307,30 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda or cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny model, few clients and tokens")
     parser.add_argument("--preset", default="qwen2.5-0.5b")
-    parser.add_argument("--concurrency", default="1,4,16,64,128,256")
+    parser.add_argument("--concurrency", default=None, help="client counts (1,4,16,64,128,256)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--modes",
+        default="process,thread",
+        help="where the server runs the engine: process (default of serve) or thread; "
+        "a -plain suffix hides uvloop and httptools from uvicorn, -w<ms> sets an admission "
+        "window (process-w5)",
+    )
+    parser.add_argument("--client-procs", type=int, default=8, help="client worker processes")
+    parser.add_argument(
+        "--profile", default="", help="client counts at which py-spy samples the server"
+    )
+    parser.add_argument("--profile-seconds", type=int, default=3)
     args = parser.parse_args()
     if args.tiny:
-        args.preset, args.concurrency, args.new_tokens = "tiny", "1,4,16", 32
+        args.preset, args.new_tokens = "tiny", 32
+        args.concurrency = args.concurrency or "1,4,16"
         args.prompt_len = min(args.prompt_len, 16)
+    args.concurrency = args.concurrency or "1,4,16,64,128,256"
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.modes = args.modes.split(",")
+    args.profile = [int(c) for c in args.profile.split(",") if c]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
@@ -240,22 +350,59 @@ def main() -> None:
     del model
     gc.collect()
 
-    process, url = _start_server(directory, args)
     rows = []
+    clients = _Clients(args.client_procs)
     try:
-        for clients in args.concurrency:
-            batch = prompts[:clients]
-            asyncio.run(_serve_round(url, batch, 8, "bench"))  # warm-up
-            row: dict[str, Any] = {"clients": clients}
-            row.update(asyncio.run(_serve_round(url, batch, args.new_tokens, "bench")))
-            row["direct_tokens_per_s"] = direct[clients]
-            row["server_over_direct"] = row["tokens_per_s"] / direct[clients]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for mode in args.modes:
+            args.current_mode = mode
+            started = time.perf_counter()
+            process, url = _start_server(directory, args, mode)
+            print(f"{mode}: server up in {time.perf_counter() - started:.1f} s", flush=True)
+            engine_pid = _engine_pid(process)
+            try:
+                for count in args.concurrency:
+                    batch = prompts[:count]
+                    clients.round(url, batch, 8, "bench")  # warm-up
+                    row: dict[str, Any] = {"engine": mode, "clients": count}
+                    before = _server_ttft(url)
+                    cpu = [_cpu_seconds(pid) for pid in (process.pid, engine_pid)]
+                    row.update(clients.round(url, batch, args.new_tokens, "bench"))
+                    # Busy share of one core from the first request to the last token (the
+                    # HTTP process and, when it runs apart, the engine process).
+                    wall = row["tokens"] / row["tokens_per_s"]
+                    row["http_cpu"] = (_cpu_seconds(process.pid) - cpu[0]) / wall
+                    if engine_pid != process.pid:
+                        row["engine_cpu"] = (_cpu_seconds(engine_pid) - cpu[1]) / wall
+                    after = _server_ttft(url)
+                    # Submission to the handler's first token, inside the server (no HTTP).
+                    row["server_ttft_mean_ms"] = (
+                        1e3 * (after[0] - before[0]) / max(1, after[1] - before[1])
+                    )
+                    row["direct_tokens_per_s"] = direct[count]["tokens_per_s"]
+                    row["direct_ttft_ms"] = direct[count]["ttft_ms"]
+                    row["server_over_direct"] = row["tokens_per_s"] / row["direct_tokens_per_s"]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    _write(out, rows, args, device, dtype)
+                    if count in args.profile:
+                        _profile(process, clients, url, batch, args, out)
+            finally:
+                process.terminate()
+                process.wait(timeout=120)
     finally:
-        process.terminate()
-        process.wait(timeout=120)
+        clients.close()
+    _write(out, rows, args, device, dtype)
+    print((out / "serve.md").read_text())
 
+
+def _write(
+    out: Path,
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: str,
+) -> None:
+    """Write serve.json and serve.md (after every row: a cut-short run keeps what it measured)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {
         "benchmark": "serve",
@@ -273,18 +420,22 @@ def main() -> None:
         f"prompt {args.prompt_len}, {args.new_tokens} new tokens per streaming client, greedy; "
         f"{name}.",
         "",
-        "| clients | server tok/s | direct tok/s | server / direct | TTFT p50 ms | TTFT p99 ms "
-        "| ITL p50 ms | ITL p99 ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| engine | clients | server tok/s | direct tok/s | server / direct | TTFT p50 ms "
+        "| TTFT p99 ms | in-server TTFT mean ms | direct TTFT ms | ITL p50 ms | ITL p99 ms "
+        "| HTTP CPU | engine CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
+        engine = f"{100 * row['engine_cpu']:.0f}%" if "engine_cpu" in row else "-"
         lines.append(
-            f"| {row['clients']} | {row['tokens_per_s']:.0f} | {row['direct_tokens_per_s']:.0f} "
+            f"| {row['engine']} | {row['clients']} | {row['tokens_per_s']:.0f} | {row['direct_tokens_per_s']:.0f} "
             f"| {100 * row['server_over_direct']:.0f}% | {row['ttft_p50_ms']:.1f} "
-            f"| {row['ttft_p99_ms']:.1f} | {row['itl_p50_ms']:.2f} | {row['itl_p99_ms']:.2f} |"
+            f"| {row['ttft_p99_ms']:.1f} | {row['server_ttft_mean_ms']:.1f} "
+            f"| {row['direct_ttft_ms']:.1f} "
+            f"| {row['itl_p50_ms']:.2f} | {row['itl_p99_ms']:.2f} "
+            f"| {100 * row['http_cpu']:.0f}% | {engine} |"
         )
     (out / "serve.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -42,9 +42,11 @@ def test_options_reach_the_config():
             "x",
             "--num-blocks",
             "12",
+            "--no-engine-process",
         ]
     )
     assert (config.port, config.max_waiting_requests, config.use_cuda_graphs) == (0, 3, False)
+    assert not config.engine_process and ServeConfig(model="m").engine_process
     assert (config.served_model_name, config.num_blocks) == ("x", 12)
 
 
@@ -59,6 +61,9 @@ def test_options_reach_the_config():
         ({"timeout_graceful_shutdown": 1.5}, "timeout_graceful_shutdown"),
         ({"log_level": "loud"}, "log_level"),
         ({"served_model_name": ""}, "served_model_name"),
+        ({"engine_process": "yes"}, "engine_process"),
+        ({"admission_window_ms": -1.0}, "admission_window_ms"),
+        ({"admission_window_ms": 5.0, "engine_process": False}, "admission_window_ms"),
     ],
 )
 def test_invalid_field_raises_naming_it(fields, name):

@@ -58,10 +58,8 @@ def checkpoint(tmp_path_factory):
     return directory
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    """The server process, its base URL and its startup lines."""
-    log = tmp_path_factory.mktemp("serve_log") / "stderr.txt"
+def _launch(checkpoint, log, *options):
+    """Start ``mcore-inference serve`` in a new session; its process, URL and startup lines."""
     command = [
         sys.executable,
         "-m",
@@ -83,6 +81,7 @@ def server(checkpoint, tmp_path_factory):
         str(MAX_WAITING),
         "--timeout-graceful-shutdown",
         "2",
+        *options,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "w") as stderr:
@@ -102,7 +101,14 @@ def server(checkpoint, tmp_path_factory):
         lines.append(line.strip())
         if "listening on" in line:
             break
-    url = line.split("listening on ")[1].split()[0]
+    return process, line.split("listening on ")[1].split()[0], lines
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    """The server process (engine in a child process), its base URL and its startup lines."""
+    log = tmp_path_factory.mktemp("serve_log") / "stderr.txt"
+    process, url, lines = _launch(checkpoint, log)
     yield process, url, lines
     if process.poll() is None:
         process.terminate()
@@ -171,10 +177,16 @@ def _wait_for(url, condition, what, timeout=30.0):
     pytest.fail(f"timed out waiting for {what}; last metrics: {samples}")
 
 
+def _engine_pid(lines):
+    summary = next(line for line in lines if "parameters" in line)
+    return int(summary.split("engine in process ")[1].split()[0])
+
+
 def test_startup_prints_the_address_and_the_model_summary(server):
-    _, url, lines = server
+    process, url, lines = server
     summary = next(line for line in lines if "parameters" in line)
     assert "Qwen2ForCausalLM" in summary and "2 layers" in summary and "vocab 160" in summary
+    assert _engine_pid(lines) != process.pid  # the engine runs in a child process
     assert url.startswith("http://127.0.0.1:")
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
 
@@ -469,8 +481,33 @@ def test_full_queue_answers_503_with_a_clear_body(server):
     )
 
 
+def test_engine_on_a_thread_serves_the_same_completions(checkpoint, engine, tokenizer, tmp_path):
+    process, url, lines = _launch(checkpoint, tmp_path / "stderr.txt", "--no-engine-process")
+    try:
+        assert "engine on a thread of the server" in " ".join(lines)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        prompt = tokenizer.encode("The answer is")
+        ((ref_text, ref_finish, _),) = _reference(
+            engine, tokenizer, [prompt], _greedy(tokenizer, 12)
+        )
+        stream = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks) == ref_text
+        assert chunks[-1].choices[0].finish_reason == ref_finish
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_sigterm_stops_the_server_cleanly(server):
-    process, url, _ = server
+    process, url, lines = server
+    engine = _engine_pid(lines)
+    os.kill(engine, 0)  # the engine process runs
     with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body()) as response:
         lines = response.iter_lines()
         next(lines)
@@ -481,7 +518,9 @@ def test_sigterm_stops_the_server_cleanly(server):
                 pass
     assert process.wait(timeout=60) == 0
     assert "mcore-inference serve: stopped" in process.stdout.read()
-    with pytest.raises(ProcessLookupError):  # nothing is left of its process group
+    with pytest.raises(ProcessLookupError):  # nothing is left of its process group ...
         os.killpg(process.pid, 0)
+    with pytest.raises(ProcessLookupError):  # ... the engine process included
+        os.kill(engine, 0)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health")

@@ -201,6 +201,23 @@ class DecodeGraphRunner:
         graph.replay()
         return logits[:count]
 
+    def capture_all(self) -> int:
+        """Capture every bucket's graphs now (both block-table widths) instead of at first use.
+
+        A server calls it at startup: captured lazily, the first step of each new batch size
+        (or the first past one attention split) stalls every running request for a capture.
+
+        Returns:
+            The number of graphs captured (those captured before are kept).
+        """
+        count = 0
+        for bucket in self.batch_sizes:
+            for width in sorted({self._narrow_width, self._full_width}):
+                if (bucket, width) not in self._graphs:
+                    self._capture(bucket, width)
+                    count += 1
+        return count
+
     def _release_graphs(self) -> None:
         for graph, _ in self._graphs.values():
             graph.reset()

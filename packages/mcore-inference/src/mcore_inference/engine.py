@@ -585,12 +585,17 @@ class InferenceEngine:
         self._revalidate_graphs(per_step=True)
         return [self._snapshot(r) for r in self._step(progress=True)]
 
-    def step_updates(self) -> list[TokenUpdate]:
+    def step_updates(self, *, check_weights: bool = True) -> list[TokenUpdate]:
         """Run one engine step and report only what changed (for token streaming).
 
         Like :meth:`step`, but instead of a full snapshot of every request that progressed
         (prompt and all tokens copied at every step) each update holds the tokens generated
         since the request's previous update; the full result comes once, when it finishes.
+
+        Args:
+            check_weights: Look for changed or moved weights before the step (one pass over
+                every parameter, a measurable share of a small model's step). A serving loop
+                that owns the model and never changes it passes False after its first step.
 
         Returns:
             One update per request that got a token or finished (or failed) in this step.
@@ -599,7 +604,8 @@ class InferenceEngine:
             EngineClosedError: If the engine is closed.
         """
         self._check_open()
-        self._revalidate_graphs(per_step=True)
+        if check_weights:
+            self._revalidate_graphs(per_step=True)
         updates = []
         for request in self._step(progress=True):
             start = request.num_reported
@@ -616,6 +622,25 @@ class InferenceEngine:
                 )
             )
         return updates
+
+    def capture_graphs(self) -> int:
+        """Capture every decode CUDA graph now rather than at the first step that needs it.
+
+        For a server (``mcore-inference serve`` does it at startup): requests arriving one by
+        one make the decode batch size pass through many buckets, and each lazy capture stalls
+        every running request. Collective over the model replica like :meth:`step`.
+
+        Returns:
+            The number of graphs captured (0 without decode graphs: on the CPU, with
+            ``use_cuda_graphs=False`` or for a hybrid model).
+
+        Raises:
+            EngineClosedError: If the engine is closed.
+        """
+        self._check_open()
+        self._revalidate_graphs()
+        graphs = self._graphs
+        return graphs.capture_all() if graphs is not None else 0
 
     def _revalidate_graphs(self, *, per_step: bool = False) -> None:
         # Once per public call, not per step: weights cannot move while the engine runs.

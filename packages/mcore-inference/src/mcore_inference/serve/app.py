@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_inference.errors import TokenizerUnavailableError
-from mcore_inference.serve.engine_loop import EngineLoop, EngineLoopStoppedError, QueueFullError
+from mcore_inference.serve.engine_loop import EngineLoopStoppedError, LoopFrontend, QueueFullError
+from mcore_inference.serve.engine_process import EngineInfo
 from mcore_inference.serve.generation import GenerationError, GenerationJob, ModelLimits, Tokenizer
 from mcore_inference.serve.metrics import CONTENT_TYPE, ServerMetrics
 from mcore_inference.serve.protocol import (
@@ -50,8 +51,9 @@ __all__ = ["ServerState", "build_app"]
 class ServerState:
     """Everything the routes share."""
 
-    loop: EngineLoop
-    """The engine loop (started and stopped with the application)."""
+    loop: LoopFrontend
+    """The engine's loop, on a thread or in a child process (started and stopped with the
+    application)."""
     tokenizer: Tokenizer
     """The checkpoint's tokenizer and chat template."""
     model_name: str
@@ -64,6 +66,8 @@ class ServerState:
     """Seconds the application's shutdown waits for the engine thread."""
     created: int = field(default_factory=lambda: int(time.time()))
     """Unix time the server started (``/v1/models``)."""
+    engine_info: EngineInfo | None = None
+    """Sizes of the engine and its model (the startup line), when known."""
 
 
 def _dumps(value: Any) -> str:

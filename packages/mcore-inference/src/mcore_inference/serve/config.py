@@ -48,6 +48,14 @@ class ServeConfig:
     """Token budget of one engine step; None keeps the engine's default."""
     use_cuda_graphs: bool = True
     """Replay CUDA graphs for decode steps on a GPU."""
+    engine_process: bool = True
+    """Run the engine in a child process of its own (the HTTP work then never holds up an
+    engine step on the GIL); False runs it on a thread of the server process."""
+    admission_window_ms: float = 0.0
+    """Hold requests that arrive while others run for up to this many milliseconds, so that
+    a burst joins the batch in one prefill step instead of one per engine step (fewer mixed
+    prefill-and-decode steps, which run without CUDA graphs); 0 admits each request at once.
+    Engine process only."""
     max_waiting_requests: int = 256
     """Requests allowed to wait for a batch slot; beyond it new requests get 503."""
     timeout_graceful_shutdown: int = 30
@@ -76,6 +84,24 @@ class ServeConfig:
         for name in ("num_blocks", "max_tokens_per_step"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
+        if not isinstance(self.engine_process, bool):
+            raise InferenceConfigError(
+                f"engine_process={self.engine_process!r}; expected True or False"
+            )
+        window = self.admission_window_ms
+        if (
+            isinstance(window, bool)
+            or not isinstance(window, (int, float))
+            or not (0 <= window <= 1000)
+        ):
+            raise InferenceConfigError(
+                f"admission_window_ms={window!r}; expected a number of milliseconds in [0, 1000]"
+            )
+        if window and not self.engine_process:
+            raise InferenceConfigError(
+                f"admission_window_ms={window} needs engine_process=True (the engine thread "
+                "admits every request at once)"
+            )
         _check_int("max_waiting_requests", self.max_waiting_requests, 0)
         _check_int("seed", self.seed, 0)
         _check_int("timeout_graceful_shutdown", self.timeout_graceful_shutdown, 0)

@@ -26,12 +26,20 @@ from mcore_inference.config import SamplingParams
 from mcore_inference.engine import InferenceEngine
 from mcore_inference.request import FinishReason, GenerationResult, RequestStatus, TokenUpdate
 
-__all__ = ["EngineLoop", "EngineLoopStoppedError", "LoopStats", "QueueFullError", "RequestHandle"]
+__all__ = [
+    "EngineLoop",
+    "EngineLoopStoppedError",
+    "LoopFrontend",
+    "LoopStats",
+    "QueueFullError",
+    "RequestHandle",
+    "engine_stats",
+]
 
 _THROUGHPUT_WINDOW_S = 10
+"""Whole seconds over which :meth:`LoopFrontend.generation_tokens_per_second` averages."""
 _MAX_CATCH_UP_S = 0.05
 """Longest wait of the engine thread for the event loop to take the previous batch."""
-"""Whole seconds over which :meth:`EngineLoop.generation_tokens_per_second` averages."""
 
 
 class QueueFullError(RuntimeError):
@@ -86,50 +94,77 @@ class LoopStats:
     """Engine steps run since start."""
 
 
+def engine_stats(engine: InferenceEngine, generated: int, steps: int) -> LoopStats:
+    """The statistics of an engine as the loops publish them.
+
+    Args:
+        engine: The engine (called on its own thread).
+        generated: Tokens generated since start.
+        steps: Engine steps since start.
+
+    Returns:
+        The statistics.
+    """
+    capacity = engine.allocator.capacity
+    return LoopStats(
+        num_waiting=engine.num_waiting,
+        num_running=engine.num_active,
+        kv_blocks_used=capacity - engine.allocator.num_free,
+        kv_blocks_total=capacity,
+        generation_tokens_total=generated,
+        steps_total=steps,
+    )
+
+
 _Command = tuple[str, RequestHandle]
 
 
-class EngineLoop:
-    """Runs an engine on a thread of its own and serves requests from an asyncio event loop.
+class LoopFrontend:
+    """The event-loop side shared by :class:`EngineLoop` (engine on a thread) and
+    :class:`~mcore_inference.serve.engine_process.EngineProcess` (engine in a child process):
+    handles, back-pressure, published statistics and the token rate.
 
     Args:
-        engine: The engine; from :meth:`start` on only the loop's thread calls it.
+        max_batch_size: The engine's ``max_batch_size`` (requests beyond it wait).
         max_waiting_requests: Most requests that may wait for a batch slot.
+        kv_blocks_total: KV-cache blocks of the engine.
     """
 
-    def __init__(self, engine: InferenceEngine, *, max_waiting_requests: int) -> None:
-        self.engine = engine
+    def __init__(
+        self, *, max_batch_size: int, max_waiting_requests: int, kv_blocks_total: int
+    ) -> None:
+        self.max_batch_size = max_batch_size
         self.max_waiting_requests = max_waiting_requests
-        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._event_loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._stopping = False
         self._failure: str | None = None
         self._live = 0  # requests submitted and not finished (event-loop side)
-        self._stats = LoopStats(kv_blocks_total=engine.allocator.capacity)
-        self._generated = 0
+        self._stats = LoopStats(kv_blocks_total=kv_blocks_total)
         # Tokens generated per whole second of ``time.monotonic``, the last few seconds.
         self._window: deque[list[int]] = deque()
         self._window_lock = threading.Lock()
-        self._caught_up = threading.Event()
-        self._caught_up.set()
         self._started_at = int(time.monotonic())
-
-    # ------------------------------------------------------------------ event-loop side
 
     @property
     def running(self) -> bool:
-        """True while the thread serves requests."""
-        return (
-            self._thread is not None
-            and self._thread.is_alive()
-            and not self._stopping
-            and self._failure is None
-        )
+        """True while the engine serves requests."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Begin serving; call it from the event loop that will submit requests."""
+        raise NotImplementedError
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop serving: abort what is left and release the engine (idempotent).
+
+        Args:
+            timeout: Seconds to wait for the engine; None waits as long as it takes.
+        """
+        raise NotImplementedError
 
     @property
     def failure(self) -> str | None:
-        """Why the loop stopped by itself (an engine error), or None."""
+        """Why the engine stopped by itself (an engine error), or None."""
         return self._failure
 
     @property
@@ -141,18 +176,6 @@ class EngineLoop:
     def num_waiting(self) -> int:
         """Submitted requests without a batch slot yet (as of the latest engine iteration)."""
         return max(0, self._live - self._stats.num_running)
-
-    def start(self) -> None:
-        """Start the engine thread; call it from the event loop that will submit requests.
-
-        Raises:
-            RuntimeError: If it was started before.
-        """
-        if self._thread is not None:
-            raise RuntimeError("the engine loop was already started")
-        self._event_loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="mcore-engine-loop", daemon=True)
-        self._thread.start()
 
     def submit(
         self, requests: Sequence[tuple[list[int], SamplingParams]], notify: asyncio.Event
@@ -173,9 +196,9 @@ class EngineLoop:
         if not self.running:
             raise EngineLoopStoppedError(self._failure or "the engine loop is not running")
         # Counted against the batch size, not against the last published statistics: requests
-        # the engine thread has not picked up yet still get a free slot on its next iteration,
-        # so a burst of submissions faster than one engine step is not refused for them.
-        slots = self.engine.config.max_batch_size
+        # the engine has not picked up yet still get a free slot on its next iteration, so a
+        # burst of submissions faster than one engine step is not refused for them.
+        slots = self.max_batch_size
         waiting = max(0, self._live - slots)
         if max(0, self._live + len(requests) - slots) > self.max_waiting_requests:
             raise QueueFullError(
@@ -184,8 +207,7 @@ class EngineLoop:
             )
         handles = [RequestHandle(prompt=p, params=s, notify=notify) for p, s in requests]
         self._live += len(handles)
-        for handle in handles:
-            self._commands.put(("add", handle))
+        self._send_adds(handles)
         return handles
 
     def abort(self, handle: RequestHandle) -> None:
@@ -198,6 +220,121 @@ class EngineLoop:
             return
         handle.finished = True
         self._live -= 1
+        self._send_abort(handle)
+
+    def _send_adds(self, handles: list[RequestHandle]) -> None:
+        raise NotImplementedError
+
+    def _send_abort(self, handle: RequestHandle) -> None:
+        raise NotImplementedError
+
+    def _apply(
+        self,
+        handle: RequestHandle,
+        new_tokens: list[int],
+        new_logprobs: list[float] | None,
+        result: GenerationResult | None,
+    ) -> None:
+        """Append what the engine reported for a handle (on the event loop)."""
+        if handle.finished:
+            return
+        handle.tokens += new_tokens
+        if new_logprobs:
+            handle.logprobs += new_logprobs
+        if result is not None:
+            handle.result = result
+            handle.finished = True
+            self._live -= 1
+        handle.notify.set()
+
+    def _count_tokens(self, new_tokens: int) -> None:
+        """Add a step's tokens to the throughput window (any thread)."""
+        if not new_tokens:
+            return
+        second = int(time.monotonic())
+        with self._window_lock:
+            if self._window and self._window[-1][0] == second:
+                self._window[-1][1] += new_tokens
+            else:
+                self._window.append([second, new_tokens])
+                if len(self._window) > _THROUGHPUT_WINDOW_S + 1:
+                    self._window.popleft()
+
+    def generation_tokens_per_second(self) -> float:
+        """Tokens generated per second over the last ten whole seconds (or since start).
+
+        Returns:
+            The rate; 0 when idle for ten seconds.
+        """
+        now = int(time.monotonic())
+        span = max(1, min(_THROUGHPUT_WINDOW_S, now - self._started_at))
+        with self._window_lock:
+            tokens = sum(count for second, count in self._window if now - span <= second < now)
+        return tokens / span
+
+    @staticmethod
+    def _failed_result(prompt: list[int], request_id: int, message: str) -> GenerationResult:
+        return GenerationResult(
+            request_id=request_id,
+            prompt=prompt,
+            tokens=[],
+            logprobs=None,
+            finish_reason=FinishReason.ERROR,
+            status=RequestStatus.FAILED,
+            error=message,
+        )
+
+
+class EngineLoop(LoopFrontend):
+    """Runs an engine on a thread of its own and serves requests from an asyncio event loop.
+
+    Args:
+        engine: The engine; from :meth:`start` on only the loop's thread calls it.
+        max_waiting_requests: Most requests that may wait for a batch slot.
+    """
+
+    def __init__(self, engine: InferenceEngine, *, max_waiting_requests: int) -> None:
+        super().__init__(
+            max_batch_size=engine.config.max_batch_size,
+            max_waiting_requests=max_waiting_requests,
+            kv_blocks_total=engine.allocator.capacity,
+        )
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._generated = 0
+        self._caught_up = threading.Event()
+        self._caught_up.set()
+
+    # ------------------------------------------------------------------ event-loop side
+
+    @property
+    def running(self) -> bool:
+        """True while the thread serves requests."""
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and not self._stopping
+            and self._failure is None
+        )
+
+    def start(self) -> None:
+        """Start the engine thread; call it from the event loop that will submit requests.
+
+        Raises:
+            RuntimeError: If it was started before.
+        """
+        if self._thread is not None:
+            raise RuntimeError("the engine loop was already started")
+        self._event_loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="mcore-engine-loop", daemon=True)
+        self._thread.start()
+
+    def _send_adds(self, handles: list[RequestHandle]) -> None:
+        for handle in handles:
+            self._commands.put(("add", handle))
+
+    def _send_abort(self, handle: RequestHandle) -> None:
         self._commands.put(("abort", handle))
 
     def stop(self, timeout: float | None = None) -> None:
@@ -215,16 +352,7 @@ class EngineLoop:
 
     def _deliver(self, updates: list[tuple[RequestHandle, TokenUpdate]]) -> None:
         for handle, update in updates:
-            if handle.finished:
-                continue
-            handle.tokens += update.new_tokens
-            if update.new_logprobs:
-                handle.logprobs += update.new_logprobs
-            if update.result is not None:
-                handle.result = update.result
-                handle.finished = True
-                self._live -= 1
-            handle.notify.set()
+            self._apply(handle, update.new_tokens, update.new_logprobs, update.result)
         # Runs after the handlers just woken have taken their step (they are ahead in the
         # ready queue): the event loop has caught up with this batch.
         assert self._event_loop is not None
@@ -259,7 +387,20 @@ class EngineLoop:
         finally:
             message = self._failure or "the server is shutting down"
             if ids:
-                self._post([(h, self._failed_result(h, i, message)) for h, i in ids.items()])
+                self._post(
+                    [
+                        (
+                            h,
+                            TokenUpdate(
+                                request_id=i,
+                                new_tokens=[],
+                                new_logprobs=None,
+                                result=self._failed_result(h.prompt, i, message),
+                            ),
+                        )
+                        for h, i in ids.items()
+                    ]
+                )
                 if self._failure is None:
                     for request_id in ids.values():
                         engine.abort(request_id)
@@ -303,37 +444,11 @@ class EngineLoop:
 
     def _publish(self, engine: InferenceEngine, step: Sequence[TokenUpdate]) -> None:
         new_tokens = sum(len(update.new_tokens) for update in step)
-        if new_tokens:
-            self._generated += new_tokens
-            second = int(time.monotonic())
-            with self._window_lock:
-                if self._window and self._window[-1][0] == second:
-                    self._window[-1][1] += new_tokens
-                else:
-                    self._window.append([second, new_tokens])
-                    if len(self._window) > _THROUGHPUT_WINDOW_S + 1:
-                        self._window.popleft()
-        capacity = engine.allocator.capacity
-        self._stats = LoopStats(
-            num_waiting=engine.num_waiting,
-            num_running=engine.num_active,
-            kv_blocks_used=capacity - engine.allocator.num_free,
-            kv_blocks_total=capacity,
-            generation_tokens_total=self._generated,
-            steps_total=self._stats.steps_total + (1 if step else 0),
+        self._generated += new_tokens
+        self._count_tokens(new_tokens)
+        self._stats = engine_stats(
+            engine, self._generated, self._stats.steps_total + (1 if step else 0)
         )
-
-    def generation_tokens_per_second(self) -> float:
-        """Tokens generated per second over the last ten whole seconds (or since start).
-
-        Returns:
-            The rate; 0 when idle for ten seconds.
-        """
-        now = int(time.monotonic())
-        span = max(1, min(_THROUGHPUT_WINDOW_S, now - self._started_at))
-        with self._window_lock:
-            tokens = sum(count for second, count in self._window if now - span <= second < now)
-        return tokens / span
 
     def _post(
         self, updates: list[tuple[RequestHandle, TokenUpdate]], *, catch_up: float = 0.0
@@ -352,19 +467,6 @@ class EngineLoop:
             self._event_loop.call_soon_threadsafe(self._deliver, updates)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             self._caught_up.set()
-
-    @staticmethod
-    def _failed_result(handle: RequestHandle, request_id: int, message: str) -> TokenUpdate:
-        result = GenerationResult(
-            request_id=request_id,
-            prompt=handle.prompt,
-            tokens=[],
-            logprobs=None,
-            finish_reason=FinishReason.ERROR,
-            status=RequestStatus.FAILED,
-            error=message,
-        )
-        return TokenUpdate(request_id=request_id, new_tokens=[], new_logprobs=None, result=result)
 
     def __repr__(self) -> str:
         return f"EngineLoop(running={self.running}, stats={self._stats})"

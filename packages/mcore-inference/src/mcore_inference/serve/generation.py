@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from mcore_inference.config import SamplingParams
 from mcore_inference.request import FinishReason, RequestStatus
-from mcore_inference.serve.engine_loop import EngineLoop, RequestHandle
+from mcore_inference.serve.engine_loop import LoopFrontend, RequestHandle
 from mcore_inference.serve.protocol import GenerationOptions, ProtocolError
 from mcore_inference.serve.responses import ChoiceDelta, Usage
 from mcore_inference.serve.text import TextStream
@@ -111,7 +111,7 @@ class GenerationJob:
     def __init__(
         self,
         *,
-        loop: EngineLoop,
+        loop: LoopFrontend,
         tokenizer: Tokenizer,
         prompts: Sequence[list[int]],
         options: GenerationOptions,

@@ -12,7 +12,7 @@ import bisect
 from collections import Counter
 from collections.abc import Sequence
 
-from mcore_inference.serve.engine_loop import EngineLoop
+from mcore_inference.serve.engine_loop import LoopFrontend
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
@@ -58,7 +58,7 @@ class ServerMetrics:
         model: Served model name (a label on every sample).
     """
 
-    def __init__(self, loop: EngineLoop, model: str) -> None:
+    def __init__(self, loop: LoopFrontend, model: str) -> None:
         self._loop = loop
         self._model = model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
         self.responses: Counter[tuple[str, int]] = Counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import signal
 import socket
 import sys
@@ -25,7 +26,8 @@ from mcore_inference.engine import InferenceEngine
 from mcore_inference.errors import InferenceConfigError
 from mcore_inference.serve.app import ServerState, build_app
 from mcore_inference.serve.config import ServeConfig
-from mcore_inference.serve.engine_loop import EngineLoop
+from mcore_inference.serve.engine_loop import EngineLoop, LoopFrontend
+from mcore_inference.serve.engine_process import EngineInfo, EngineProcess, EngineSpec
 from mcore_inference.serve.generation import ModelLimits
 from mcore_inference.serve.metrics import ServerMetrics
 
@@ -41,48 +43,50 @@ def _architecture(directory: Path) -> str:
     return str(names[0])
 
 
-def model_summary(state: ServerState, engine: InferenceEngine, directory: Path) -> str:
-    """One line describing the served model and the engine's sizes.
+def model_summary(state: ServerState, info: EngineInfo, directory: Path) -> str:
+    """One line describing the served model, the engine's sizes and where the engine runs.
 
     Args:
         state: The server state.
-        engine: The engine.
+        info: The engine's sizes (:attr:`EngineProcess.info` or ``EngineInfo.of(engine)``).
         directory: The checkpoint directory.
 
     Returns:
-        The summary (architecture, parameters, shape, dtype, device, cache, batch, context).
+        The summary (architecture, parameters, shape, dtype, device, cache, batch, context,
+        engine process).
     """
-    model = engine.model
-    config = model.config
-    parameter = next(model.parameters())
-    count = sum(p.numel() for p in model.parameters())
     limits = state.limits
+    where = "on a thread of the server" if info.pid == os.getpid() else f"in process {info.pid}"
     return (
-        f"model {state.model_name!r}: {_architecture(directory)}, {count / 1e6:.2f}M parameters, "
-        f"{config.num_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_attention_heads} heads ({config.num_kv_heads} KV), vocab {config.vocab_size}, "
-        f"{str(parameter.dtype).removeprefix('torch.')} on {parameter.device}; "
+        f"model {state.model_name!r}: {_architecture(directory)}, "
+        f"{info.parameters / 1e6:.2f}M parameters, "
+        f"{info.num_layers} layers, hidden {info.hidden_size}, "
+        f"{info.num_attention_heads} heads ({info.num_kv_heads} KV), vocab {info.vocab_size}, "
+        f"{info.dtype} on {info.device}; "
         f"KV cache {limits.kv_blocks} blocks x {limits.block_size} tokens, "
-        f"batch {engine.config.max_batch_size}, context {limits.max_sequence_length} tokens"
+        f"batch {info.max_batch_size}, context {limits.max_sequence_length} tokens; "
+        f"engine {where}"
     )
 
 
 def load_server_state(config: ServeConfig) -> ServerState:
-    """Load the checkpoint and its tokenizer and build the engine, its loop and the metrics.
+    """Load the tokenizer, start the engine (in a child process unless
+    ``config.engine_process`` is False) and build the server state.
 
     Args:
         config: Server options.
 
     Returns:
-        The state the routes need (the engine loop is not started yet).
+        The state the routes need (the engine's loop is not started yet; in a child process
+        the engine is built and ready).
 
     Raises:
         InferenceConfigError: If ``config.model`` is not a directory.
         TokenizerUnavailableError: If the tokenizer cannot be loaded.
-        CheckpointFormatError: If the weights cannot be loaded.
+        CheckpointFormatError: If the weights cannot be loaded (engine on a thread).
+        EngineProcessError: If the engine process fails to load the weights or dies.
     """
     from mcore_inference.hf_tokenizer import HFTokenizer
-    from mcore_models import GPTModel
 
     directory = Path(config.model)
     if not directory.is_dir():
@@ -91,7 +95,6 @@ def load_server_state(config: ServeConfig) -> ServerState:
         )
     tokenizer = HFTokenizer(directory)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = GPTModel.from_hf(directory, dtype=config.dtype, device=device).eval()
     engine_config = InferenceConfig(
         max_batch_size=config.max_batch_size,
         max_sequence_length=config.max_sequence_length,
@@ -101,14 +104,32 @@ def load_server_state(config: ServeConfig) -> ServerState:
         use_cuda_graphs=config.use_cuda_graphs,
         seed=config.seed,
     )
-    engine = InferenceEngine(model, engine_config)
-    loop = EngineLoop(engine, max_waiting_requests=config.max_waiting_requests)
+    loop: LoopFrontend
+    if config.engine_process:
+        spec = EngineSpec(
+            model=str(directory),
+            device=device,
+            dtype=config.dtype,
+            engine=engine_config,
+            admission_window_ms=config.admission_window_ms,
+        )
+        process = EngineProcess(spec, max_waiting_requests=config.max_waiting_requests)
+        info = process.launch()
+        loop = process
+    else:
+        from mcore_models import GPTModel
+
+        model = GPTModel.from_hf(directory, dtype=config.dtype, device=device).eval()
+        engine = InferenceEngine(model, engine_config)
+        engine.capture_graphs()
+        info = EngineInfo.of(engine, os.getpid())
+        loop = EngineLoop(engine, max_waiting_requests=config.max_waiting_requests)
     name = config.served_model_name or directory.resolve().name
     limits = ModelLimits(
-        vocab_size=model.config.vocab_size,
+        vocab_size=info.vocab_size,
         max_sequence_length=config.max_sequence_length,
         block_size=config.block_size,
-        kv_blocks=engine.allocator.capacity,
+        kv_blocks=info.kv_blocks,
     )
     return ServerState(
         loop=loop,
@@ -117,6 +138,7 @@ def load_server_state(config: ServeConfig) -> ServerState:
         limits=limits,
         metrics=ServerMetrics(loop, name),
         shutdown_timeout=max(60.0, config.timeout_graceful_shutdown),
+        engine_info=info,
     )
 
 
@@ -176,10 +198,10 @@ def serve(config: ServeConfig, *, out: TextIO | None = None) -> int:
     previous = {s: signal.signal(s, signals) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         state = load_server_state(config)
-        engine = state.loop.engine
-        print(
-            f"mcore-inference serve: {model_summary(state, engine, Path(config.model))}", file=out
-        )
+        assert state.engine_info is not None
+        summary = model_summary(state, state.engine_info, Path(config.model))
+        print(f"mcore-inference serve: {summary}", file=out)
+        out.flush()
         sock = _listen(config.host, config.port)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
@@ -195,7 +217,7 @@ def serve(config: ServeConfig, *, out: TextIO | None = None) -> int:
         )
         signals.serving = True
         asyncio.run(_run(server, sock, address, out))
-        del engine, state
+        del state
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
