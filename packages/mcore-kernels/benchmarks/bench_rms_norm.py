@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._functorch.config
 import torch.nn.functional as F
 from _common import (
     allow_many_recompiles,
@@ -226,6 +227,9 @@ def main() -> None:
         help="only compile the implementations at every N-th shape from the I-th, then exit",
     )
     args = parser.parse_args()
+    # The backward is timed repeatedly on one graph (retain_graph=True), which compiled
+    # backward functions refuse when they donate buffers.
+    torch._functorch.config.donated_buffer = False
     if args.warm_shard:
         shard, count = (int(v) for v in args.warm_shard.split("/"))
         warm(shard, count)
