@@ -27,8 +27,12 @@ def _config(tmp_path, *, invariant, device="cpu", **sections):
     return GRPOConfig.from_dict(config)
 
 
-def test_token_prob_error_is_exactly_zero_in_batch_invariant_mode(tmp_path):
-    records = run_grpo(_config(tmp_path / "on", invariant=True)).records
+MOE = {"moe": {"num_experts": 4, "top_k": 2, "aux_loss_coeff": 0.01}}
+
+
+@pytest.mark.parametrize("model", [{}, MOE], ids=["dense", "moe"])
+def test_token_prob_error_is_exactly_zero_in_batch_invariant_mode(tmp_path, model):
+    records = run_grpo(_config(tmp_path / "on", invariant=True, model=model)).records
     assert [float(r["token_prob_error"]) for r in records] == [0.0, 0.0]
 
 
@@ -39,12 +43,13 @@ def test_batch_invariant_rejects_a_non_bool():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_bf16_token_prob_error_is_zero_with_cuda_graphs(tmp_path):
+@pytest.mark.parametrize("moe", [{}, MOE], ids=["dense", "moe"])
+def test_gpu_bf16_token_prob_error_is_zero_with_cuda_graphs(tmp_path, moe):
     config = _config(
         tmp_path,
         invariant=True,
         device="cuda",
-        model={"hidden_size": 256, "num_layers": 4, "dtype": "bfloat16"},
+        model={"hidden_size": 256, "num_layers": 4, "dtype": "bfloat16", **moe},
         rollout={"use_cuda_graphs": True, "num_prompts": 16, "group_size": 8},
     )
     records = run_grpo(config).records
