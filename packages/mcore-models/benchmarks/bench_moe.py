@@ -167,6 +167,18 @@ def _init(module: nn.Module) -> nn.Module:
     return module
 
 
+LAST_MEMORY: dict[str, float] = {}
+"""Peak allocated GiB and allocator events per step of the last timed GPU run."""
+
+
+def _allocator_events() -> dict[str, int]:
+    """Counters of the caching allocator whose growth means device allocations in the loop
+    (each a potential synchronisation: cudaMalloc / cudaFree or segment map / unmap)."""
+    stats = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+    return {key: int(stats.get(key, 0)) for key in keys}
+
+
 def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, iters: int) -> float:
     """Milliseconds per forward + backward (CUDA events on GPU, wall clock on CPU)."""
     inputs = x.requires_grad_(True)
@@ -192,17 +204,42 @@ def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, i
         step()
     if x.device.type == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = _allocator_events()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
             step()
         end.record()
         torch.cuda.synchronize()
+        after = _allocator_events()
+        LAST_MEMORY.clear()
+        LAST_MEMORY.update(
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+            **{key: (after[key] - before[key]) / iters for key in after},
+        )
         return start.elapsed_time(end) / iters
     begin = time.perf_counter()
     for _ in range(iters):
         step()
     return (time.perf_counter() - begin) * 1e3 / iters
+
+
+_GEMM_NAMES = ("cutlass", "nvjet", "gemm", "grouped_rows", "grouped_weight_grad", "tma_", "sm90")
+
+
+def _category(kernel: str) -> str:
+    """Kind of a device kernel for the profile summary."""
+    name = kernel.lower()
+    if any(key in name for key in _GEMM_NAMES) and "prepare_grouped" not in name:
+        return "GEMM"
+    if "swiglu" in name:
+        return "SwiGLU"
+    if any(key in name for key in ("gather_rows", "sum_rows", "weight_grad_kernel", "permute")):
+        return "permute/combine"
+    if any(key in name for key in ("router", "sort", "topk", "scan", "scatter", "softmax")):
+        return "routing"
+    return "other"
 
 
 def _profile(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, title: str) -> str:
@@ -224,10 +261,17 @@ def _profile(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, title: str)
             entry[0] += 1
             entry[1] += event.time_range.elapsed_us()
     total = sum(entry[1] for entry in kernels.values()) / steps / 1e3
+    shares: dict[str, float] = {}
+    for name, (_, micros) in kernels.items():
+        category = _category(name)
+        shares[category] = shares.get(category, 0.0) + micros / steps / 1e3
+    summary = ", ".join(f"{key} {value:.3f}" for key, value in sorted(shares.items()))
     lines = [
         f"### {title}",
         "",
         f"Device time per step: {total:.3f} ms ({'kernels' if x.device.type == 'cuda' else 'CPU ops'})",
+        "",
+        f"By kind (ms per step): {summary}",
         "",
         "| kernel | calls / step | ms / step |",
         "|---|---|---|",
@@ -240,7 +284,12 @@ def _profile(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, title: str)
 
 
 def run_case(
-    name: str, case: dict[str, int], device: torch.device, smoke: bool, profiles: list[str] | None
+    name: str,
+    case: dict[str, int],
+    device: torch.device,
+    smoke: bool,
+    profiles: list[str] | None,
+    skip: list[str] | None = None,
 ) -> list[dict]:
     """Time every implementation of one case.
 
@@ -250,6 +299,7 @@ def run_case(
         device: Device.
         smoke: Tiny single-iteration run.
         profiles: When a list, a profiler table of each mcore implementation is appended.
+        skip: Implementations whose name contains one of these words are left out.
 
     Returns:
         One row per implementation.
@@ -286,6 +336,9 @@ def run_case(
         builders["transformers sparse MoE block (eager experts)"] = lambda: _wants_3d(
             _hf_block(case, device, "eager")
         )
+    for implementation in list(builders):
+        if any(word in implementation for word in skip or ()):
+            del builders[implementation]
     active = 3 * case["hidden"] * case["ffn"] * case["top_k"]
     rows = []
     for implementation, build in builders.items():
@@ -298,6 +351,7 @@ def run_case(
             if profiles is not None and implementation.startswith(("mcore", "dense")):
                 title = f"{name}: {implementation}"
                 profiles.append(_profile(module, x.detach().clone(), grad, title))
+            row.update(LAST_MEMORY)
             row.update(
                 ms=ms,
                 tokens_per_s=case["tokens"] / ms * 1e3,
@@ -417,6 +471,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--profile", action="store_true", help="also write moe_profile.md (top kernels)"
     )
+    parser.add_argument(
+        "--skip", nargs="*", default=[], help="leave out implementations containing these words"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -428,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, case in (SMOKE if args.smoke else CASES).items():
         if args.cases and name not in args.cases:
             continue
-        rows.extend(run_case(name, case, device, args.smoke, profiles))
+        rows.extend(run_case(name, case, device, args.smoke, profiles, args.skip))
         # Written after every case, so that an interrupted run keeps what it measured.
         result = {
             "device": device_name,

@@ -74,11 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument(
+        "--cases", nargs="*", default=["mixtral-8x7b", "qwen3-30b-a3b"], help="case names"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     rows = []
     profiles: list[str] = []
-    for name in ("mixtral-8x7b", "qwen3-30b-a3b"):
+    for name in args.cases:
         case = CASES[name]
         x = torch.randn(case["tokens"], case["hidden"], device=device, dtype=torch.bfloat16)
         grad = torch.randn_like(x)

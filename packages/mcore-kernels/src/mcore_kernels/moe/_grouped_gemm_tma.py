@@ -1,0 +1,220 @@
+"""Triton grouped GEMMs whose operand tiles arrive through TMA tensor descriptors (Hopper+).
+
+Same row-group convention as :mod:`mcore_kernels.moe._grouped_gemm_triton` (rows
+``starts[e]:ends[e]`` belong to expert ``e``), but the A and B tiles are loaded by the bulk
+tensor copy engine from host-built descriptors instead of pointer arithmetic, and a
+persistent grid walks the tiles. A row tile may read rows of the next expert (TMA loads
+cannot stop at a group end); those rows are never stored (row-tile kernel) or are zeroed
+before the product (weight-gradient kernel), so every output element is still written by one
+program with the rows of its own expert, without atomics.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["tma_rows_kernel", "tma_weight_grad_kernel"]
+
+
+@triton.jit
+def _tile_of(starts_ptr, ends_ptr, tile, num_experts, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    ids = tl.arange(0, E_PAD)
+    valid = ids < num_experts
+    ends = tl.load(ends_ptr + ids, mask=valid, other=0).to(tl.int32)
+    starts = tl.load(starts_ptr + ids, mask=valid, other=0).to(tl.int32)
+    tiles = tl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(tiles, axis=0)
+    expert = tl.sum((cum <= tile).to(tl.int32), axis=0)
+    hit = ids == expert
+    first_tile = tl.sum(tl.where(hit, cum - tiles, 0), axis=0)
+    start = tl.sum(tl.where(hit, starts, 0), axis=0)
+    end = tl.sum(tl.where(hit, ends, 0), axis=0)
+    total = tl.sum(tiles, axis=0)
+    return expert, start + (tile - first_tile) * BLOCK_M, end, total
+
+
+@triton.jit
+def tma_rows_kernel(
+    a_desc,
+    b_desc,
+    c_ptr,
+    starts_ptr,
+    ends_ptr,
+    num_experts,
+    max_tiles,
+    N,
+    K,
+    stride_cm,
+    B_KMAJOR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """``C[rows of e] = A[rows of e] @ B[e]``; ``B_KMAJOR``: ``b_desc`` views ``[E * N, K]``
+    (``nn.Linear`` layout), else ``[E * K, N]``. Persistent: program ``p`` takes tiles ``p,
+    p + NUM_PROGRAMS, ...`` of the ``max_tiles * cdiv(N, BLOCK_N)`` upper bound."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    dtype = c_ptr.dtype.element_ty
+    for job in range(tl.program_id(0), max_tiles * num_n, NUM_PROGRAMS):
+        tile = job // num_n
+        pid_n = job % num_n
+        expert, row_start, row_end, total = _tile_of(
+            starts_ptr, ends_ptr, tile, num_experts, BLOCK_M, E_PAD
+        )
+        if tile < total:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = a_desc.load([row_start, k0])
+                if B_KMAJOR:
+                    b = b_desc.load([expert * N + pid_n * BLOCK_N, k0])
+                    acc = tl.dot(a, b.T, acc)
+                else:
+                    b = b_desc.load([expert * K + k0, pid_n * BLOCK_N])
+                    acc = tl.dot(a, b, acc)
+            rows = row_start + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+            ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+            tl.store(ptrs, acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def tma_weight_grad_kernel(
+    g_desc,
+    x_desc,
+    out_ptr,
+    starts_ptr,
+    ends_ptr,
+    num_experts,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """``out[e] = G[rows of e].T @ X[rows of e]`` (``[N, K]`` per expert, zero without rows);
+    persistent over the ``E * cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K)`` output tiles."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    per_expert = num_n * num_k
+    dtype = out_ptr.dtype.element_ty
+    base = tl.arange(0, BLOCK_M)
+    for job in range(tl.program_id(0), num_experts * per_expert, NUM_PROGRAMS):
+        expert = job // per_expert
+        rest = job % per_expert
+        pid_n = rest // num_k
+        pid_k = rest % num_k
+        start = tl.load(starts_ptr + expert).to(tl.int32)
+        end = tl.load(ends_ptr + expert).to(tl.int32)
+        full_end = start + ((end - start) // BLOCK_M) * BLOCK_M
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for m0 in range(start, full_end, BLOCK_M):
+            g = g_desc.load([m0, pid_n * BLOCK_N])
+            x = x_desc.load([m0, pid_k * BLOCK_K])
+            acc = tl.dot(g.T, x, acc)
+        if full_end < end:
+            g = g_desc.load([full_end, pid_n * BLOCK_N])
+            x = x_desc.load([full_end, pid_k * BLOCK_K])
+            x = tl.where((full_end + base < end)[:, None], x, tl.zeros_like(x))
+            acc = tl.dot(g.T, x, acc)
+        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        out = out_ptr + expert.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :]
+        tl.store(out, acc.to(dtype), mask=(ns < N)[:, None] & (ks < K)[None, :])
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device) -> int:
+    import torch
+
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def _set_allocator() -> None:
+    import torch
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, device="cuda", dtype=torch.int8)
+
+    triton.set_allocator(alloc)
+
+
+def tma_rows(a, weight, starts, ends, *, kmajor, bm, bn, bk, warps, stages):
+    """``out[rows of e] = a[rows of e] @ (weight[e].T if kmajor else weight[e])``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    experts = weight.shape[0]
+    if kmajor:
+        n, k = weight.shape[1], weight.shape[2]
+        b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
+    else:
+        k, n = weight.shape[1], weight.shape[2]
+        b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
+    rows = a.shape[0]
+    out = a.new_empty(rows, n)
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    max_tiles = triton.cdiv(rows, bm) + experts
+    programs = min(_num_sms(a.device), max_tiles * triton.cdiv(n, bn))
+    tma_rows_kernel[(programs,)](
+        a_desc,
+        b_desc,
+        out,
+        starts,
+        ends,
+        experts,
+        max_tiles,
+        n,
+        k,
+        out.stride(0),
+        B_KMAJOR=kmajor,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        E_PAD=max(16, triton.next_power_of_2(experts)),
+        NUM_PROGRAMS=programs,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
+
+
+def tma_weight_grad(g, x, starts, ends, *, bm, bn, bk, warps, stages):
+    """``out[e] = g[rows of e].T @ x[rows of e]`` as ``[E, N, K]``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    experts = starts.shape[0]
+    n, k = g.shape[1], x.shape[1]
+    out = g.new_empty(experts, n, k)
+    # The reduction runs over rows: tiles of ``bk`` rows, ``bm`` x ``bn`` output tiles.
+    g_desc = TensorDescriptor.from_tensor(g, [bk, bm])
+    x_desc = TensorDescriptor.from_tensor(x, [bk, bn])
+    jobs = experts * triton.cdiv(n, bm) * triton.cdiv(k, bn)
+    programs = min(_num_sms(g.device), jobs)
+    tma_weight_grad_kernel[(programs,)](
+        g_desc,
+        x_desc,
+        out,
+        starts,
+        ends,
+        experts,
+        n,
+        k,
+        BLOCK_M=bk,
+        BLOCK_N=bm,
+        BLOCK_K=bn,
+        NUM_PROGRAMS=programs,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out

@@ -1,0 +1,297 @@
+"""The six expert GEMMs of a MoE layer's forward + backward, one at a time, against dense GEMMs.
+
+For each case of ``bench_moe.py`` the tokens are routed by a random top-k router (the group
+sizes a freshly initialised layer sees) and every GEMM of the experts' forward + backward is
+timed on its own with CUDA events:
+
+- ``gate_up`` (``x @ Wgu[e].T``), ``down`` (``act @ Wd[e].T``): the forward;
+- ``d_act`` (``grad @ Wd[e]``), ``d_x`` (``grad_gate_up @ Wgu[e]``): input gradients;
+- ``w_down`` (``grad[rows of e].T @ act[rows of e]``), ``w_gate_up``: weight gradients, each
+  written in the parameter's layout.
+
+Implementations: ``torch._grouped_mm`` (the layer's default experts), a loop of cuBLAS GEMMs
+over the experts (the group sizes on the host), batched cuBLAS GEMMs on equal groups of the
+mean size (what drop-and-pad at capacity factor 1 would run), the Triton TMA grouped kernels
+of ``mcore_kernels.moe`` where they run, and the dense GEMM with the same total FLOPs (all the
+rows against one weight of the same shape: the dense layer's GEMM). Reports ms and TFLOP/s
+per GEMM. Writes ``moe_gemm.json`` and ``moe_gemm.md``.
+
+Run from the repository root on the GPU machine::
+
+    export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
+    python3 packages/mcore-models/benchmarks/bench_moe_gemm.py --out $OUT/moe
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from bench_moe import CASES  # type: ignore[import-not-found]
+
+GEMMS = ("gate_up", "down", "d_act", "d_x", "w_down", "w_gate_up")
+
+
+def _timed(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _counts(tokens: int, experts: int, top_k: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(tokens, experts, device=device, generator=generator)
+    chosen = logits.topk(top_k, dim=-1).indices.reshape(-1)
+    return torch.bincount(chosen, minlength=experts)
+
+
+class Problem:
+    """Operands of one case's expert GEMMs (tokens already in expert order)."""
+
+    def __init__(self, case: dict[str, int], device: torch.device) -> None:
+        hidden, experts, ffn = case["hidden"], case["experts"], case["ffn"]
+        self.counts = _counts(case["tokens"], experts, case["top_k"], device)
+        self.sizes = self.counts.tolist()
+        rows = sum(self.sizes)
+        self.offsets = self.counts.cumsum(0).to(torch.int32)
+        ends = self.offsets
+        self.bounds = (ends - self.counts.to(torch.int32), ends)
+        bf16 = dict(device=device, dtype=torch.bfloat16)
+        self.x = torch.randn(rows, hidden, **bf16)
+        self.act = torch.randn(rows, ffn, **bf16)
+        self.grad = torch.randn(rows, hidden, **bf16)
+        self.grad_gu = torch.randn(rows, 2 * ffn, **bf16)
+        self.w_gu = torch.empty(experts, 2 * ffn, hidden, **bf16).normal_(0.0, 0.02)
+        self.w_d = torch.empty(experts, hidden, ffn, **bf16).normal_(0.0, 0.02)
+        self.rows, self.hidden, self.ffn, self.experts = rows, hidden, ffn, experts
+
+    def flops(self, gemm: str) -> float:
+        per_row = {
+            "gate_up": 2 * self.ffn,
+            "down": self.ffn,
+            "d_act": self.ffn,
+            "d_x": 2 * self.ffn,
+        }
+        per_row.update(w_down=self.ffn, w_gate_up=2 * self.ffn)
+        return 2.0 * self.rows * self.hidden * per_row[gemm]
+
+
+def _grouped_mm(p: Problem) -> dict[str, Callable[[], object]]:
+    gmm, offs = torch._grouped_mm, p.offsets
+    return {
+        "gate_up": lambda: gmm(p.x, p.w_gu.transpose(-2, -1), offs=offs),
+        "down": lambda: gmm(p.act, p.w_d.transpose(-2, -1), offs=offs),
+        "d_act": lambda: gmm(p.grad, p.w_d, offs=offs),
+        "d_x": lambda: gmm(p.grad_gu, p.w_gu, offs=offs),
+        "w_down": lambda: gmm(p.grad.t(), p.act, offs=offs),
+        "w_gate_up": lambda: gmm(p.grad_gu.t(), p.x, offs=offs),
+    }
+
+
+def _loop(p: Problem) -> dict[str, Callable[[], object]]:
+    starts = [0]
+    for size in p.sizes:
+        starts.append(starts[-1] + size)
+    spans = [(e, starts[e], starts[e + 1]) for e in range(p.experts)]
+    out_gu = p.x.new_empty(p.rows, 2 * p.ffn)
+    out_h = p.x.new_empty(p.rows, p.hidden)
+    out_f = p.x.new_empty(p.rows, p.ffn)
+    g_d = torch.empty_like(p.w_d)
+    g_gu = torch.empty_like(p.w_gu)
+
+    def run(fn: Callable[[int, int, int], object]) -> Callable[[], None]:
+        def go() -> None:
+            for e, s, t in spans:
+                fn(e, s, t)
+
+        return go
+
+    return {
+        "gate_up": run(lambda e, s, t: torch.mm(p.x[s:t], p.w_gu[e].t(), out=out_gu[s:t])),
+        "down": run(lambda e, s, t: torch.mm(p.act[s:t], p.w_d[e].t(), out=out_h[s:t])),
+        "d_act": run(lambda e, s, t: torch.mm(p.grad[s:t], p.w_d[e], out=out_f[s:t])),
+        "d_x": run(lambda e, s, t: torch.mm(p.grad_gu[s:t], p.w_gu[e], out=out_h[s:t])),
+        "w_down": run(lambda e, s, t: torch.mm(p.grad[s:t].t(), p.act[s:t], out=g_d[e])),
+        "w_gate_up": run(lambda e, s, t: torch.mm(p.grad_gu[s:t].t(), p.x[s:t], out=g_gu[e])),
+    }
+
+
+def _batched(p: Problem) -> dict[str, Callable[[], object]]:
+    cap = p.rows // p.experts
+    m = cap * p.experts
+
+    def v(t: torch.Tensor) -> torch.Tensor:
+        return t[:m].view(p.experts, cap, -1)
+
+    return {
+        "gate_up": lambda: torch.bmm(v(p.x), p.w_gu.transpose(1, 2)),
+        "down": lambda: torch.bmm(v(p.act), p.w_d.transpose(1, 2)),
+        "d_act": lambda: torch.bmm(v(p.grad), p.w_d),
+        "d_x": lambda: torch.bmm(v(p.grad_gu), p.w_gu),
+        "w_down": lambda: torch.bmm(v(p.grad).transpose(1, 2), v(p.act)),
+        "w_gate_up": lambda: torch.bmm(v(p.grad_gu).transpose(1, 2), v(p.x)),
+    }
+
+
+def _dense(p: Problem) -> dict[str, Callable[[], object]]:
+    gu, d = p.w_gu[0], p.w_d[0]
+    return {
+        "gate_up": lambda: p.x @ gu.t(),
+        "down": lambda: p.act @ d.t(),
+        "d_act": lambda: p.grad @ d,
+        "d_x": lambda: p.grad_gu @ gu,
+        "w_down": lambda: p.grad.t() @ p.act,
+        "w_gate_up": lambda: p.grad_gu.t() @ p.x,
+    }
+
+
+def _tma(p: Problem, config: dict[str, int]) -> dict[str, Callable[[], object]]:
+    from mcore_kernels.moe._grouped_gemm_tma import tma_rows, tma_weight_grad
+
+    starts, ends = p.bounds
+    return {
+        "gate_up": lambda: tma_rows(p.x, p.w_gu, starts, ends, kmajor=True, **config),
+        "down": lambda: tma_rows(p.act, p.w_d, starts, ends, kmajor=True, **config),
+        "d_act": lambda: tma_rows(p.grad, p.w_d, starts, ends, kmajor=False, **config),
+        "d_x": lambda: tma_rows(p.grad_gu, p.w_gu, starts, ends, kmajor=False, **config),
+        "w_down": lambda: tma_weight_grad(p.grad, p.act, starts, ends, **config),
+        "w_gate_up": lambda: tma_weight_grad(p.grad_gu, p.x, starts, ends, **config),
+    }
+
+
+def run_case(
+    name: str,
+    case: dict[str, int],
+    reps: int,
+    tma_configs: list[dict],
+    emit: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Time every GEMM of one case with every implementation.
+
+    Args:
+        name: Case name.
+        case: Shapes (hidden, experts, top_k, ffn, tokens).
+        reps: Timed repetitions per GEMM.
+        tma_configs: Tile configurations of the Triton TMA kernels to try.
+        emit: Called with the rows so far after every implementation.
+
+    Returns:
+        One row per (implementation, GEMM).
+    """
+    device = torch.device("cuda")
+    p = Problem(case, device)
+    impls: dict[str, Callable[[Problem], dict]] = {
+        "dense (same FLOPs)": _dense,
+        "torch._grouped_mm": _grouped_mm,
+        "bmm, equal groups": _batched,
+    }
+    if case["experts"] <= 16:
+        impls["cuBLAS loop over experts"] = _loop
+    for config in tma_configs:
+        label = "triton TMA " + "x".join(str(config[k]) for k in ("bm", "bn", "bk"))
+        label += f" w{config['warps']} s{config['stages']}"
+        impls[label] = lambda q, c=config: _tma(q, c)
+    rows = []
+    imbalance = max(p.sizes) / (p.rows / p.experts)
+    for impl, make in impls.items():
+        begin = time.perf_counter()
+        try:
+            fns = make(p)
+        except Exception as exc:
+            rows.append({"case": name, "impl": impl, "error": repr(exc)[:200]})
+            continue
+        for gemm in GEMMS:
+            row = {"case": name, "impl": impl, "gemm": gemm, "imbalance": imbalance}
+            try:
+                ms = _timed(fns[gemm], reps)
+                row.update(ms=ms, tflops=p.flops(gemm) / ms / 1e9)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                traceback.print_exc()
+            rows.append(row)
+        print(f"{name}: {impl}: {time.perf_counter() - begin:.1f} s", flush=True)
+        if emit is not None:
+            emit(rows)
+    return rows
+
+
+def _markdown(device_name: str, rows: list[dict]) -> str:
+    lines = [
+        f"Expert GEMMs (forward + backward) on {device_name}, bf16, random top-k routing",
+        "",
+        "| case | implementation | " + " | ".join(GEMMS) + " | total ms | TFLOP/s |",
+        "|---|---|" + "---|" * (len(GEMMS) + 2),
+    ]
+    table: dict[tuple[str, str], dict[str, dict]] = {}
+    for row in rows:
+        if "gemm" in row:
+            table.setdefault((row["case"], row["impl"]), {})[row["gemm"]] = row
+    for (case, impl), cells in table.items():
+        parts = []
+        total, flops, ok = 0.0, 0.0, True
+        for gemm in GEMMS:
+            cell = cells.get(gemm, {})
+            if "ms" in cell:
+                parts.append(f"{cell['ms']:.3f} ({cell['tflops']:.0f})")
+                total += cell["ms"]
+                flops += cell["tflops"] * cell["ms"]
+            else:
+                parts.append("err")
+                ok = False
+        summary = f"{total:.3f} | {flops / total:.0f}" if ok and total else " | "
+        lines.append(f"| {case} | {impl} | " + " | ".join(parts) + f" | {summary} |")
+    lines.append("")
+    lines.append("Cells: ms (TFLOP/s). Total TFLOP/s is the FLOP-weighted mean.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the GEMM table and write ``moe_gemm.json`` / ``moe_gemm.md`` under ``--out``.
+
+    Args:
+        argv: Command-line arguments (default ``sys.argv``).
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per GEMM")
+    parser.add_argument("--tma", nargs="*", default=[], help="TMA configs bm,bn,bk,warps,stages")
+    parser.add_argument("--tma-cases", nargs="*", help="cases that run the TMA configs (all)")
+    args = parser.parse_args(argv)
+    configs = []
+    for spec in args.tma:
+        bm, bn, bk, warps, stages = (int(v) for v in spec.split(","))
+        configs.append(dict(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device_name = torch.cuda.get_device_name()
+    rows: list[dict] = []
+
+    def write(case_rows: list[dict]) -> None:
+        every = rows + case_rows
+        result = {"device": device_name, "torch": torch.__version__, "rows": every}
+        (out / "moe_gemm.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "moe_gemm.md").write_text(_markdown(device_name, every))
+
+    for name, case in CASES.items():
+        if args.cases and name not in args.cases:
+            continue
+        tma = configs if args.tma_cases is None or name in args.tma_cases else []
+        rows.extend(run_case(name, case, args.reps, tma, write))
+        torch.cuda.empty_cache()
+    print(_markdown(device_name, rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
