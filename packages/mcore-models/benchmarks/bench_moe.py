@@ -327,6 +327,9 @@ def run_case(
         HF_GROUPED: lambda: _wants_3d(_hf_block(case, device, "grouped_mm")),
     }
     if few:
+        builders["mcore MoELayer dropless, one cuBLAS GEMM per expert (host sync)"] = lambda: _moe(
+            case, device, expert_kernel="cublas"
+        )
         builders["mcore MoELayer dropless, torch._grouped_mm, torch references"] = lambda: _backend(
             _moe(case, device, expert_kernel="grouped_mm"), "torch"
         )

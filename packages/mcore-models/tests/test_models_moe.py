@@ -410,3 +410,20 @@ def test_expert_kernel_triton_on_cpu_runs_the_reference():
         torch.testing.assert_close(layer(X), _reference(layer, X), atol=1e-5, rtol=1e-5)
     assert not _layer().experts.uses_triton(X)
     assert not _layer(expert_kernel="triton", grouped_gemm=False).experts.uses_triton(X)
+
+
+def test_cublas_expert_loop_matches_token_by_token_reference_with_an_idle_expert():
+    # expert_kernel="cublas": one GEMM per expert and pass, weight gradients written per
+    # expert (zero for an expert without tokens).
+    layer = _layer(expert_kernel="cublas", num_experts=12)
+    upstream = torch.randn(X.shape, generator=torch.Generator().manual_seed(5))
+    results = []
+    for forward in (layer, lambda x: _reference(layer, x)):
+        layer.zero_grad()
+        x = X.clone().requires_grad_(True)
+        out = forward(x)
+        (out * upstream).sum().backward()
+        results.append([out.detach(), x.grad, *(p.grad.clone() for p in layer.parameters())])
+    assert int((layer.tokens_per_expert == 0).sum()) > 0, layer.tokens_per_expert
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -15,7 +15,7 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
 """Names accepted by :attr:`MoEConfig.dispatcher`."""
 
-EXPERT_KERNELS = ("grouped_mm", "triton")
+EXPERT_KERNELS = ("grouped_mm", "triton", "cublas")
 """Names accepted by :attr:`MoEConfig.expert_kernel`."""
 
 
@@ -75,7 +75,10 @@ class MoEConfig:
     """Kernels of the experts when ``grouped_gemm`` is on: "grouped_mm" (``torch._grouped_mm``
     dropless, batched GEMMs for drop-and-pad; the faster on every measured shape) or "triton"
     (``mcore_kernels``' grouped SwiGLU MLP: the token gather fused into the gate/up GEMM,
-    SwiGLU in its epilogue, drop-and-pad padding rows skipped; the torch reference on CPU).
+    SwiGLU in its epilogue, drop-and-pad padding rows skipped; the torch reference on CPU) or
+    "cublas" (dropless: one cuBLAS GEMM per expert and pass, with the group sizes copied to the
+    host once per layer call, a device sync; for few experts with many tokens each, where
+    per-expert GEMMs are as efficient as the dense one; drop-and-pad runs batched GEMMs).
     See ``docs/benchmarks/moe.md``."""
     layer_step: int = 1
     """Every ``layer_step``-th layer is a MoE layer (layers ``i`` with ``(i + 1) % step == 0``)."""

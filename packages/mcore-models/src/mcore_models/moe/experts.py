@@ -90,6 +90,50 @@ class _BatchedLinear(torch.autograd.Function):
         return grad_x, grad_weight
 
 
+class _ExpertLoopLinear(torch.autograd.Function):
+    """Rows grouped by expert (``sizes`` on the host) times ``weight[e].T``: one cuBLAS GEMM
+    per expert and per pass, every result written in place.
+
+    The weight gradient is computed expert by expert into one ``[E, N, K]`` tensor in the
+    parameter's layout (indexing the parameter per expert under autograd would instead build
+    a zero-filled gradient of the whole weight for every expert and sum them).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.sizes = sizes
+        out = x.new_empty(x.shape[0], weight.shape[1])
+        start = 0
+        for expert, size in enumerate(sizes):
+            if size:
+                rows = slice(start, start + size)
+                torch.mm(x[rows], weight[expert].t(), out=out[rows])
+            start += size
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
+        grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        start = 0
+        for expert, size in enumerate(ctx.sizes):
+            rows = slice(start, start + size)
+            if grad_x is not None and size:
+                torch.mm(grad[rows], weight[expert], out=grad_x[rows])
+            if grad_w is not None:
+                if size:
+                    torch.mm(grad[rows].t(), x[rows], out=grad_w[expert])
+                else:
+                    grad_w[expert].zero_()
+            start += size
+        return grad_x, grad_w, None
+
+
 class GroupedExperts(nn.Module):
     """``num_local_experts`` SwiGLU MLPs (``down(silu(gate(x)) * up(x))``) held as 3-D weights.
 
@@ -108,7 +152,7 @@ class GroupedExperts(nn.Module):
         dtype: Dtype of the weights.
         grouped_gemm: Use grouped kernels (``torch._grouped_mm`` where available, or Triton);
             False runs a loop over experts.
-        expert_kernel: "grouped_mm" or "triton" (see ``MoEConfig.expert_kernel``).
+        expert_kernel: "grouped_mm", "triton" or "cublas" (see ``MoEConfig.expert_kernel``).
         device: Device of the weights (``"meta"`` for construction without memory).
     """
 
@@ -205,6 +249,11 @@ class GroupedExperts(nn.Module):
         ffn = self.ffn_hidden_size
         if self.uses_triton(tokens):
             return grouped_swiglu_mlp(tokens, self._gate_up_weight(), self.down_proj, counts)
+        if self.grouped_gemm and self.expert_kernel == "cublas":
+            # NOTE: the group sizes on the host (one device sync per call) for per-expert GEMMs.
+            sizes = counts.tolist()
+            gate_up = _ExpertLoopLinear.apply(tokens, self._gate_up_weight(), sizes)
+            return _ExpertLoopLinear.apply(swiglu(gate_up), self.down_proj, sizes)
         if self.grouped_gemm and grouped_mm_supported(tokens.device, tokens.dtype):
             offsets = counts.cumsum(0).to(torch.int32)
             gate_up = _grouped_linear(tokens, self._gate_up_weight(), offsets)
