@@ -8,12 +8,21 @@ import pytest
 import torch
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
-from mcore_kernels.moe import moe_router, permute_tokens, swiglu, unpermute_combine
+from mcore_kernels.moe import (
+    moe_router,
+    permute_tokens,
+    swiglu,
+    unpermute_combine,
+    unpermute_sum,
+    weighted_swiglu,
+)
 from mcore_kernels.moe.reference import (
     moe_router_reference,
     permute_tokens_reference,
     swiglu_reference,
     unpermute_combine_reference,
+    unpermute_sum_reference,
+    weighted_swiglu_reference,
 )
 
 pytestmark = pytest.mark.interpreter
@@ -170,3 +179,53 @@ def test_swiglu_matches_reference_values_and_gradients(dtype):
         torch.testing.assert_close(mine.float(), reference.float(), **tol)
     with pytest.raises(KernelShapeError, match=r"gate_up\.shape=\(11, 5\)"):
         swiglu(torch.zeros(11, 5))
+
+
+@pytest.mark.parametrize("width", [37, 1500], ids=["one-block", "two-blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_swiglu_matches_reference_values_and_gradients(dtype, width):
+    # The row-weight gradient is a sum over the row's columns in one program (two column
+    # blocks at width 1500); a row of weight 0 still gets its weight gradient.
+    g = _generator(8)
+    gate_up = (torch.randn(6, 2 * width, generator=g) * 2).to(dtype)
+    weights = torch.rand(6, generator=g).to(dtype)
+    weights[2] = 0
+    grad = torch.randn(6, width, generator=g).to(dtype)
+    results = []
+    for fn in (weighted_swiglu, weighted_swiglu_reference):
+        leaf = gate_up.clone().requires_grad_(True)
+        wl = weights.clone().requires_grad_(True)
+        out = fn(leaf, wl)
+        out.backward(grad)
+        results.append((out.detach(), leaf.grad, wl.grad))
+    assert results[0][2].dtype == dtype and results[0][2][2] != 0
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+    for mine, reference in zip(*results):
+        torch.testing.assert_close(mine.float(), reference.float(), **tol)
+    with pytest.raises(KernelShapeError, match=r"weights\.shape=\(5,\) must be \(6,\)"):
+        weighted_swiglu(gate_up, weights[:5])
+
+
+@pytest.mark.parametrize("capacity", [None, 2], ids=["dropless", "drop-and-pad"])
+def test_unpermute_sum_matches_reference_values_and_gradients(capacity):
+    num_tokens, top_k, num_experts, hidden = 9, 2, 5, 40
+    slots, rows, fillers = _routing(num_tokens, top_k, num_experts, capacity, seed=9)
+    g = _generator(10)
+    y = torch.randn(fillers.numel(), hidden, generator=g)
+    grad = torch.randn(num_tokens, hidden, generator=g)
+    results = []
+    for combine in (
+        lambda y: unpermute_sum(y, slots, fillers, top_k),
+        lambda y: unpermute_sum_reference(y, slots, top_k),
+    ):
+        leaf = y.clone().requires_grad_(True)
+        out = combine(leaf)
+        out.backward(grad)
+        results.append((out.detach(), leaf.grad))
+    for mine, reference in zip(*results):
+        torch.testing.assert_close(mine, reference, atol=1e-6, rtol=1e-6)
+    if capacity is not None:
+        # Padding rows get no gradient.
+        assert torch.equal(results[0][1][fillers < 0], torch.zeros_like(results[0][1][fillers < 0]))
+    with pytest.raises(KernelShapeError, match="multiple of top_k=4"):
+        unpermute_sum(y, slots, fillers, 4)

@@ -321,6 +321,9 @@ def run_case(
         "mcore MoELayer dropless, torch._grouped_mm, fused kernels": lambda: _moe(
             case, device, expert_kernel="grouped_mm"
         ),
+        "mcore MoELayer dropless, torch._grouped_mm, fused kernels, weights in the combine": (
+            lambda: _moe(case, device, expert_kernel="grouped_mm", weights_in_experts=False)
+        ),
         "mcore MoELayer drop-and-pad (capacity 1.25), batched GEMMs, fused kernels": lambda: _moe(
             case, device, capacity_factor=1.25, expert_kernel="grouped_mm"
         ),
@@ -396,6 +399,9 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     counts = torch.bincount(flat, minlength=moe.num_experts)
     factor = layer.capacity_factor
     experts = layer.experts
+    # The routing weights scale the activations inside the experts on this path.
+    folded = moe.weights_in_experts and factor is None and not experts.uses_triton(x)
+    row_weights = routing.weights.reshape(-1)[order].detach() if folded else None
     capacity = (
         None if factor is None else expert_capacity(x.shape[0], moe.top_k, moe.num_experts, factor)
     )
@@ -409,7 +415,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
 
         def forward(self, rows: torch.Tensor) -> torch.Tensor:
             if capacity is None:
-                return self.experts(rows, counts)
+                return self.experts(rows, counts, row_weights)
             slots = rows.view(moe.num_experts, capacity, -1)
             return self.experts.forward_padded(slots).flatten(0, 1)
 

@@ -82,10 +82,18 @@ def test_dropless_layer_matches_token_by_token_reference(fields):
     assert int(layer.tokens_per_expert.sum()) == X.shape[0] * X.shape[1] * layer.moe_config.top_k
 
 
+@pytest.mark.parametrize("weights_in_experts", [True, False], ids=["in-experts", "in-combine"])
 @pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "drop-and-pad"])
-def test_input_and_weight_gradients_match_token_by_token_reference(capacity_factor):
-    # The dispatch has hand-written backward passes (gathers instead of atomic scatters).
-    layer = _layer(capacity_factor=capacity_factor, shared_expert_ffn_hidden_size=16)
+def test_input_and_weight_gradients_match_token_by_token_reference(
+    capacity_factor, weights_in_experts
+):
+    # The dispatch has hand-written backward passes (gathers instead of atomic scatters); the
+    # routing weights scale the experts' activations (weighted SwiGLU) or their outputs.
+    layer = _layer(
+        capacity_factor=capacity_factor,
+        shared_expert_ffn_hidden_size=16,
+        weights_in_experts=weights_in_experts,
+    )
     tokens = X.shape[0] * X.shape[1]
     capacity = None if capacity_factor is None else expert_capacity(tokens, 2, 4, capacity_factor)
     upstream = torch.randn(X.shape, generator=torch.Generator().manual_seed(3))

@@ -7,9 +7,9 @@ a kernel (or a recomputation) without atomic floating-point adds, with its torch
 
 from mcore_kernels.moe import reference
 from mcore_kernels.moe.grouped_gemm import grouped_swiglu_mlp
-from mcore_kernels.moe.permute import permute_tokens, unpermute_combine
+from mcore_kernels.moe.permute import permute_tokens, unpermute_combine, unpermute_sum
 from mcore_kernels.moe.router import moe_router
-from mcore_kernels.moe.swiglu import swiglu
+from mcore_kernels.moe.swiglu import swiglu, weighted_swiglu
 
 __all__ = [
     "grouped_swiglu_mlp",
@@ -18,4 +18,6 @@ __all__ = [
     "reference",
     "swiglu",
     "unpermute_combine",
+    "unpermute_sum",
+    "weighted_swiglu",
 ]

@@ -19,9 +19,13 @@ import torch
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
-from mcore_kernels.moe.reference import permute_tokens_reference, unpermute_combine_reference
+from mcore_kernels.moe.reference import (
+    permute_tokens_reference,
+    unpermute_combine_reference,
+    unpermute_sum_reference,
+)
 
-__all__ = ["permute_tokens", "unpermute_combine"]
+__all__ = ["permute_tokens", "unpermute_combine", "unpermute_sum"]
 
 
 def _block(hidden: int) -> int:
@@ -168,6 +172,30 @@ class UnpermuteCombineFunction(torch.autograd.Function):
         return grad_y, grad_w, None, None
 
 
+class UnpermuteSumFunction(torch.autograd.Function):
+    """Autograd wrapper of :func:`unpermute_sum`."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, y: torch.Tensor, slots: torch.Tensor, fillers: torch.Tensor, top_k: int
+    ) -> torch.Tensor:
+        ctx.save_for_backward(fillers)
+        ctx.top_k = top_k
+        ctx.triton = use_triton(y, slots, fillers)
+        if not ctx.triton:
+            return unpermute_sum_reference(y, slots, top_k)
+        return _sum_rows(y, slots, top_k, None)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (fillers,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        if not ctx.triton:
+            tokens = torch.where(fillers < 0, -1, fillers // ctx.top_k)
+            return permute_tokens_reference(grad, tokens), None, None, None
+        return _gather_rows(grad, fillers, ctx.top_k, None), None, None, None
+
+
 def _check_index(name: str, index: torch.Tensor, length: int | None = None) -> None:
     if index.dim() != 1 or index.dtype != torch.int64:
         raise KernelDtypeError(
@@ -230,3 +258,36 @@ def unpermute_combine(
     _check_index("slots", slots, weights.numel())
     _check_index("fillers", fillers, y.shape[0])
     return UnpermuteCombineFunction.apply(y.contiguous(), weights.contiguous(), slots, fillers)
+
+
+def unpermute_sum(
+    y: torch.Tensor, slots: torch.Tensor, fillers: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """Sum every token's expert outputs, already scaled by their routing weights (float32 sums).
+
+    The combine of a layer that applies the routing weights inside the experts (see
+    :func:`~mcore_kernels.moe.weighted_swiglu`): its backward is one gather, with no weight
+    gradient and no saved expert outputs.
+
+    Args:
+        y: ``[R, H]`` expert outputs, one row per buffer row.
+        slots: ``[T * top_k]`` int64 buffer row of each assignment, -1 when dropped.
+        fillers: ``[R]`` int64 assignment held by each buffer row, -1 for padding (the
+            inverse of ``slots``; used by the backward).
+        top_k: Assignments per token.
+
+    Returns:
+        ``[T, H]`` in the dtype of ``y``; differentiable in ``y``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match.
+        KernelDtypeError: If an index is not a 1-D int64 tensor.
+    """
+    if y.dim() != 2 or top_k < 1 or slots.numel() % top_k:
+        raise KernelShapeError(
+            f"y.shape={tuple(y.shape)} must be 2-D and slots ({slots.numel()} entries) a "
+            f"multiple of top_k={top_k} >= 1"
+        )
+    _check_index("slots", slots)
+    _check_index("fillers", fillers, y.shape[0])
+    return UnpermuteSumFunction.apply(y.contiguous(), slots, fillers, top_k)

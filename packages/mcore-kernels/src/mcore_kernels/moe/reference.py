@@ -18,6 +18,8 @@ __all__ = [
     "permute_tokens_reference",
     "swiglu_reference",
     "unpermute_combine_reference",
+    "unpermute_sum_reference",
+    "weighted_swiglu_reference",
 ]
 
 
@@ -101,3 +103,33 @@ def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
+def weighted_swiglu_reference(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``w[m] * silu(gate) * up`` of every row: SwiGLU with each row scaled by its routing weight.
+
+    Args:
+        gate_up: ``[M, 2F]`` output of the fused gate/up projection.
+        weights: ``[M]`` weight of each row.
+
+    Returns:
+        ``[M, F]`` in the dtype of ``gate_up`` (computed in float32).
+    """
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    out = torch.nn.functional.silu(gate) * up * weights.float().unsqueeze(-1)
+    return out.to(gate_up.dtype)
+
+
+def unpermute_sum_reference(y: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Sum of each token's expert outputs: ``out[t] = sum_j y[slots[t*k+j]]`` (float32 sums).
+
+    Args:
+        y: ``[R, H]`` expert outputs (already scaled by their routing weights).
+        slots: ``[T * top_k]`` int64 buffer row of each assignment, or -1.
+        top_k: Assignments per token.
+
+    Returns:
+        ``[T, H]`` in the dtype of ``y``.
+    """
+    rows = permute_tokens_reference(y, slots).float().view(-1, top_k, y.shape[-1])
+    return rows.sum(dim=1).to(y.dtype)

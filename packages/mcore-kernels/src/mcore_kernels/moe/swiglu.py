@@ -3,7 +3,9 @@
 The gate/up projection runs as one GEMM whose ``[M, 2F]`` output holds the gate columns then
 the up columns; one kernel reads both halves once and writes the ``[M, F]`` activation (torch
 needs three passes), and one backward kernel writes the ``[M, 2F]`` gradient from the saved
-GEMM output.
+GEMM output. :func:`weighted_swiglu` also scales every row by its routing weight (the MoE
+combine's weights moved before the down projection, which is linear): its backward gives the
+weight gradients from the same pass over the row, so the combine needs no gradient of its own.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import torch
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelShapeError
-from mcore_kernels.moe.reference import swiglu_reference
+from mcore_kernels.moe.reference import swiglu_reference, weighted_swiglu_reference
 
-__all__ = ["swiglu"]
+__all__ = ["swiglu", "weighted_swiglu"]
 
 
 def _launch(kernel: Any, gate_up: torch.Tensor, *args: torch.Tensor, out: torch.Tensor) -> None:
@@ -81,3 +83,76 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
             f"gate_up.shape={tuple(gate_up.shape)} must be [rows, 2 * ffn] (gate then up)"
         )
     return SwiGLUFunction.apply(gate_up.contiguous())
+
+
+class WeightedSwiGLUFunction(torch.autograd.Function):
+    """Autograd wrapper of the weighted SwiGLU kernels."""
+
+    @staticmethod
+    def forward(ctx: Any, gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up, weights)
+        if not use_triton(gate_up, weights):
+            return weighted_swiglu_reference(gate_up, weights)
+        from mcore_kernels.moe._triton import weighted_swiglu_forward_kernel
+
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        _launch(weighted_swiglu_forward_kernel, gate_up, weights, out=out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        if not use_triton(gate_up, weights, grad):
+            with torch.enable_grad():
+                leaf = gate_up.detach().requires_grad_(True)
+                w = weights.detach().requires_grad_(True)
+                result = torch.autograd.grad(weighted_swiglu_reference(leaf, w), (leaf, w), grad)
+            return result[0], result[1]
+        import triton
+
+        from mcore_kernels.moe._triton import weighted_swiglu_backward_kernel
+
+        out = torch.empty_like(gate_up)
+        grad_w = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        if rows and width:
+            block = min(1024, triton.next_power_of_2(width))
+            with _on(gate_up):
+                weighted_swiglu_backward_kernel[(rows,)](
+                    gate_up, weights, grad, out, grad_w, width, BLOCK=block
+                )
+        elif rows:
+            grad_w.zero_()
+        return out, grad_w.to(weights.dtype)
+
+
+def _on(tensor: torch.Tensor) -> Any:
+    import contextlib
+
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def weighted_swiglu(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``w[m] * silu(gate) * up`` of every row, fused forward and backward.
+
+    Args:
+        gate_up: ``[M, 2F]`` with the gate columns first (a contiguous copy is made if needed).
+        weights: ``[M]`` weight of each row (its gradient is returned in its dtype).
+
+    Returns:
+        ``[M, F]`` in the dtype of ``gate_up`` (computed in float32).
+
+    Raises:
+        KernelShapeError: If ``gate_up`` is not 2-D with an even number of columns or
+            ``weights`` is not ``[M]``.
+    """
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise KernelShapeError(
+            f"gate_up.shape={tuple(gate_up.shape)} must be [rows, 2 * ffn] (gate then up)"
+        )
+    if tuple(weights.shape) != (gate_up.shape[0],):
+        raise KernelShapeError(
+            f"weights.shape={tuple(weights.shape)} must be ({gate_up.shape[0]},): one per row"
+        )
+    return WeightedSwiGLUFunction.apply(gate_up.contiguous(), weights.contiguous())

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from mcore_kernels.moe import permute_tokens, unpermute_combine
+from mcore_kernels.moe import permute_tokens, unpermute_combine, unpermute_sum
 from mcore_models.moe.comm import ExpertComm, all_to_all, gather_rows, reduce_scatter_rows
 from mcore_models.moe.experts import GroupedExperts
 from mcore_models.moe.permute import (
@@ -174,6 +174,7 @@ def dispatch_and_combine(
     dispatcher: str,
     comm: ExpertComm | None = None,
     counts: torch.Tensor | None = None,
+    weights_in_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Send every token to its experts, run them, and sum their weighted outputs per token.
 
@@ -187,6 +188,9 @@ def dispatch_and_combine(
         dispatcher: "alltoall" or "allgather".
         comm: Groups of the layer, or None without expert or expert tensor parallelism.
         counts: ``[num_experts]`` int64 assignments per expert if the router counted them.
+        weights_in_experts: Dropless on one rank with non-Triton experts: the experts scale
+            their activations by the routing weights and the combine is a plain sum (see
+            ``MoEConfig.weights_in_experts``).
 
     Returns:
         ``([T, hidden]`` combined output, ``[num_experts]`` int64 assignments per expert of
@@ -208,6 +212,12 @@ def dispatch_and_combine(
         inverse = inverse_permutation(order)
         if fused:
             outputs = experts_module.forward_tokens(x, order, inverse, counts, top_k)
+        elif weights_in_experts and comm.ep_group is None and comm.etp_group is None:
+            permuted = permute_tokens(x, order // top_k, inverse, top_k)
+            # Each row's routing weight, in row order (a gather; its backward gathers back).
+            row_weights = PermuteRows.apply(weights.reshape(-1, 1), order, inverse).view(-1)
+            outputs = experts_module(permuted, counts, row_weights)
+            return unpermute_sum(outputs, inverse, order, top_k), counts
         else:
             permuted = permute_tokens(x, order // top_k, inverse, top_k)
             outputs = _dropless_alltoall(permuted, counts, experts_module, comm)

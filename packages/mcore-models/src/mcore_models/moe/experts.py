@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mcore_kernels.moe import grouped_swiglu_mlp, swiglu
+from mcore_kernels.moe import grouped_swiglu_mlp, swiglu, weighted_swiglu
+from mcore_models.errors import ModelInputError
 
 __all__ = ["GroupedExperts", "grouped_mm_supported"]
 
@@ -236,34 +237,56 @@ class GroupedExperts(nn.Module):
             top_k=top_k,
         )
 
-    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run variable-size groups of tokens through their experts (dropless).
 
         Args:
             tokens: ``[M, hidden]`` tokens sorted by expert.
             counts: ``[num_experts]`` int64 number of tokens of each expert (sums to ``M``).
+            row_weights: ``[M]`` routing weight of each row, applied to its activation before
+                the down projection (not with the Triton experts), or None.
 
         Returns:
             ``[M, hidden]`` expert outputs in the order of ``tokens``.
+
+        Raises:
+            ModelInputError: If ``row_weights`` is given to the Triton experts.
         """
         ffn = self.ffn_hidden_size
         if self.uses_triton(tokens):
+            if row_weights is not None:
+                raise ModelInputError(
+                    "row_weights is not supported by expert_kernel='triton'; expected None"
+                )
             return grouped_swiglu_mlp(tokens, self._gate_up_weight(), self.down_proj, counts)
+
+        def activation(gate_up: torch.Tensor) -> torch.Tensor:
+            if row_weights is None:
+                return swiglu(gate_up)
+            return weighted_swiglu(gate_up, row_weights)
+
         if self.grouped_gemm and self.expert_kernel == "cublas":
             # NOTE: the group sizes on the host (one device sync per call) for per-expert GEMMs.
             sizes = counts.tolist()
             gate_up = _ExpertLoopLinear.apply(tokens, self._gate_up_weight(), sizes)
-            return _ExpertLoopLinear.apply(swiglu(gate_up), self.down_proj, sizes)
+            return _ExpertLoopLinear.apply(activation(gate_up), self.down_proj, sizes)
         if self.grouped_gemm and grouped_mm_supported(tokens.device, tokens.dtype):
             offsets = counts.cumsum(0).to(torch.int32)
             gate_up = _grouped_linear(tokens, self._gate_up_weight(), offsets)
-            return _grouped_linear(swiglu(gate_up), self.down_proj, offsets)
+            return _grouped_linear(activation(gate_up), self.down_proj, offsets)
         outputs = []
         # NOTE: the loop needs the group sizes on the host (one device sync per call).
-        for expert, chunk in enumerate(tokens.split(counts.tolist())):
+        sizes = counts.tolist()
+        chunks = tokens.split(sizes)
+        scales = [None] * len(chunks) if row_weights is None else row_weights.split(sizes)
+        for expert, (chunk, scale) in enumerate(zip(chunks, scales)):
             gate_up = F.linear(chunk, self._gate_up_weight()[expert])
-            activation = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
-            outputs.append(F.linear(activation, self.down_proj[expert]))
+            hidden = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
+            if scale is not None:
+                hidden = hidden * scale.unsqueeze(-1)
+            outputs.append(F.linear(hidden, self.down_proj[expert]))
         return torch.cat(outputs) if outputs else tokens.new_zeros(tokens.shape)
 
     def forward_padded(self, tokens: torch.Tensor) -> torch.Tensor:

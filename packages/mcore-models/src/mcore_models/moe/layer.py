@@ -140,6 +140,7 @@ class MoELayer(nn.Module):
             dispatcher=self.moe_config.dispatcher,
             comm=self.comm,
             counts=routing.counts,
+            weights_in_experts=self.moe_config.weights_in_experts,
         )
         self.tokens_per_expert = counts.detach()
         if self.shared_expert is not None:
