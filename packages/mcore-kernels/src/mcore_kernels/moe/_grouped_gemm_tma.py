@@ -181,7 +181,7 @@ def tma_rows(a, weight, starts, ends, *, kmajor, bm, bn, bk, warps, stages):
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
-        E_PAD=max(16, triton.next_power_of_2(experts)),
+        E_PAD=max(256, triton.next_power_of_2(experts)),
         NUM_PROGRAMS=programs,
         num_warps=warps,
         num_stages=stages,
