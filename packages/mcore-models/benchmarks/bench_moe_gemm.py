@@ -35,6 +35,8 @@ import torch
 from bench_moe import CASES  # type: ignore[import-not-found]
 
 GEMMS = ("gate_up", "down", "d_act", "d_x", "w_down", "w_gate_up")
+FUSED = ("gate_up+swiglu", "d_act+swiglu")
+"""GEMMs with the SwiGLU forward / backward in their epilogue (Triton TMA kernels only)."""
 
 
 def _timed(fn: Callable[[], object], reps: int) -> float:
@@ -72,6 +74,7 @@ class Problem:
         self.act = torch.randn(rows, ffn, **bf16)
         self.grad = torch.randn(rows, hidden, **bf16)
         self.grad_gu = torch.randn(rows, 2 * ffn, **bf16)
+        self.row_w = torch.rand(rows, **bf16)
         self.w_gu = torch.empty(experts, 2 * ffn, hidden, **bf16).normal_(0.0, 0.02)
         self.w_d = torch.empty(experts, hidden, ffn, **bf16).normal_(0.0, 0.02)
         self.rows, self.hidden, self.ffn, self.experts = rows, hidden, ffn, experts
@@ -84,6 +87,7 @@ class Problem:
             "d_x": 2 * self.ffn,
         }
         per_row.update(w_down=self.ffn, w_gate_up=2 * self.ffn)
+        per_row.update({"gate_up+swiglu": 2 * self.ffn, "d_act+swiglu": self.ffn})
         return 2.0 * self.rows * self.hidden * per_row[gemm]
 
 
@@ -165,6 +169,20 @@ def _tma(p: Problem, config: dict[str, int]) -> dict[str, Callable[[], object]]:
         "down": lambda: tma_rows(p.act, p.w_d, starts, ends, kmajor=True, **config),
         "d_act": lambda: tma_rows(p.grad, p.w_d, starts, ends, kmajor=False, **config),
         "d_x": lambda: tma_rows(p.grad_gu, p.w_gu, starts, ends, kmajor=False, **config),
+        "gate_up+swiglu": lambda: tma_rows(
+            p.x, p.w_gu, starts, ends, kmajor=True, epilogue=1, row_weights=p.row_w, **config
+        ),
+        "d_act+swiglu": lambda: tma_rows(
+            p.grad,
+            p.w_d,
+            starts,
+            ends,
+            kmajor=False,
+            epilogue=2,
+            aux=p.grad_gu,
+            row_weights=p.row_w,
+            **config,
+        ),
         "w_down": lambda: tma_weight_grad(p.grad, p.act, starts, ends, **config),
         "w_gate_up": lambda: tma_weight_grad(p.grad_gu, p.x, starts, ends, **config),
     }
@@ -211,7 +229,7 @@ def run_case(
         except Exception as exc:
             rows.append({"case": name, "impl": impl, "error": repr(exc)[:200]})
             continue
-        for gemm in GEMMS:
+        for gemm in fns:
             row = {"case": name, "impl": impl, "gemm": gemm, "imbalance": imbalance}
             try:
                 ms = _timed(fns[gemm], reps)
@@ -250,7 +268,11 @@ def _markdown(device_name: str, rows: list[dict]) -> str:
                 parts.append("err")
                 ok = False
         summary = f"{total:.3f} | {flops / total:.0f}" if ok and total else " | "
-        lines.append(f"| {case} | {impl} | " + " | ".join(parts) + f" | {summary} |")
+        fused = [
+            f"{gemm} {cells[gemm]['ms']:.3f} ms" for gemm in FUSED if "ms" in cells.get(gemm, {})
+        ]
+        extra = f" (fused: {', '.join(fused)})" if fused else ""
+        lines.append(f"| {case} | {impl}{extra} | " + " | ".join(parts) + f" | {summary} |")
     lines.append("")
     lines.append("Cells: ms (TFLOP/s). Total TFLOP/s is the FLOP-weighted mean.")
     return "\n".join(lines) + "\n"

@@ -39,6 +39,9 @@ def tma_rows_kernel(
     a_desc,
     b_desc,
     c_ptr,
+    aux_ptr,
+    w_ptr,
+    dw_ptr,
     starts_ptr,
     ends_ptr,
     num_experts,
@@ -47,15 +50,28 @@ def tma_rows_kernel(
     K,
     stride_cm,
     B_KMAJOR: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    HAS_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     E_PAD: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """``C[rows of e] = A[rows of e] @ B[e]``; ``B_KMAJOR``: ``b_desc`` views ``[E * N, K]``
+    """``C[rows of e] = A[rows of e] @ B[e]``; ``B_KMAJOR``: ``b_desc`` views ``[E * N', K]``
     (``nn.Linear`` layout), else ``[E * K, N]``. Persistent: program ``p`` takes tiles ``p,
-    p + NUM_PROGRAMS, ...`` of the ``max_tiles * cdiv(N, BLOCK_N)`` upper bound."""
+    p + NUM_PROGRAMS, ...`` of the ``max_tiles * cdiv(N, BLOCK_N)`` upper bound.
+
+    ``EPILOGUE``:
+
+    - 0: store ``C``.
+    - 1 (SwiGLU forward; ``B_KMAJOR``, ``B[e]`` has ``2 N`` rows, gate then up): store the
+      gate/up product into ``aux`` (``[M, 2N]``) and ``(w *) silu(gate) * up`` into ``C``.
+    - 2 (SwiGLU backward): the product is the gradient of the (weighted) activation; read the
+      gate/up product from ``aux``, store its gradient into ``C`` (``[M, 2N]``) and, with
+      ``HAS_W``, this column tile's share of each row weight's gradient into
+      ``dw[row, pid_n]``.
+    """
     num_n = tl.cdiv(N, BLOCK_N)
     dtype = c_ptr.dtype.element_ty
     for job in range(tl.program_id(0), max_tiles * num_n, NUM_PROGRAMS):
@@ -66,9 +82,16 @@ def tma_rows_kernel(
         )
         if tile < total:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if EPILOGUE == 1:
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 a = a_desc.load([row_start, k0])
-                if B_KMAJOR:
+                if EPILOGUE == 1:
+                    b = b_desc.load([expert * 2 * N + pid_n * BLOCK_N, k0])
+                    acc = tl.dot(a, b.T, acc)
+                    b_up = b_desc.load([expert * 2 * N + N + pid_n * BLOCK_N, k0])
+                    acc_up = tl.dot(a, b_up.T, acc_up)
+                elif B_KMAJOR:
                     b = b_desc.load([expert * N + pid_n * BLOCK_N, k0])
                     acc = tl.dot(a, b.T, acc)
                 else:
@@ -76,9 +99,39 @@ def tma_rows_kernel(
                     acc = tl.dot(a, b, acc)
             rows = row_start + tl.arange(0, BLOCK_M)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-            ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-            tl.store(ptrs, acc.to(dtype), mask=mask)
+            row_ok = rows < row_end
+            mask = row_ok[:, None] & (cols < N)[None, :]
+            out_rows = rows.to(tl.int64)[:, None]
+            if EPILOGUE == 0:
+                tl.store(c_ptr + out_rows * stride_cm + cols[None, :], acc.to(dtype), mask=mask)
+            elif EPILOGUE == 1:
+                gate = acc.to(dtype)
+                up = acc_up.to(dtype)
+                aux = aux_ptr + out_rows * (2 * N) + cols[None, :]
+                tl.store(aux, gate, mask=mask)
+                tl.store(aux + N, up, mask=mask)
+                g = gate.to(tl.float32)
+                act = g / (1.0 + tl.exp(-g)) * up.to(tl.float32)
+                if HAS_W:
+                    weight = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+                    act = act * weight[:, None]
+                tl.store(c_ptr + out_rows * stride_cm + cols[None, :], act.to(dtype), mask=mask)
+            else:
+                aux = aux_ptr + out_rows * (2 * N) + cols[None, :]
+                g = tl.load(aux, mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(aux + N, mask=mask, other=0.0).to(tl.float32)
+                d = acc.to(dtype).to(tl.float32)
+                sig = 1.0 / (1.0 + tl.exp(-g))
+                silu = g * sig
+                if HAS_W:
+                    weight = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+                    part = tl.sum(d * silu * u, axis=1)
+                    tl.store(dw_ptr + rows.to(tl.int64) * num_n + pid_n, part, mask=row_ok)
+                    d = d * weight[:, None]
+                d_gate = d * u * sig * (1.0 + g * (1.0 - sig))
+                out = c_ptr + out_rows * (2 * N) + cols[None, :]
+                tl.store(out, d_gate.to(dtype), mask=mask)
+                tl.store(out + N, (d * silu).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -150,26 +203,60 @@ def _set_allocator() -> None:
     triton.set_allocator(alloc)
 
 
-def tma_rows(a, weight, starts, ends, *, kmajor, bm, bn, bk, warps, stages):
-    """``out[rows of e] = a[rows of e] @ (weight[e].T if kmajor else weight[e])``."""
+def tma_rows(
+    a,
+    weight,
+    starts,
+    ends,
+    *,
+    kmajor,
+    bm,
+    bn,
+    bk,
+    warps,
+    stages,
+    epilogue=0,
+    aux=None,
+    row_weights=None,
+):
+    """``out[rows of e] = a[rows of e] @ (weight[e].T if kmajor else weight[e])`` with the
+    epilogues of :func:`tma_rows_kernel`. Returns ``(out, second)``: ``second`` is the gate/up
+    product (epilogue 1) or the row-weight gradient partials (epilogue 2 with weights)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     experts = weight.shape[0]
     if kmajor:
         n, k = weight.shape[1], weight.shape[2]
-        b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
+        b_desc = TensorDescriptor.from_tensor(weight.reshape(experts * n, k), [bn, bk])
+        if epilogue == 1:
+            n //= 2
     else:
         k, n = weight.shape[1], weight.shape[2]
-        b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
+        b_desc = TensorDescriptor.from_tensor(weight.reshape(experts * k, n), [bk, bn])
     rows = a.shape[0]
-    out = a.new_empty(rows, n)
+    num_n = triton.cdiv(n, bn)
+    second = None
+    if epilogue == 2:
+        out = a.new_empty(rows, 2 * n)
+        if row_weights is not None:
+            second = torch_empty_f32(rows, num_n, a.device)
+    else:
+        out = a.new_empty(rows, n)
+        if epilogue == 1:
+            second = a.new_empty(rows, 2 * n)
+    if rows == 0:
+        return out, second
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
     max_tiles = triton.cdiv(rows, bm) + experts
-    programs = min(_num_sms(a.device), max_tiles * triton.cdiv(n, bn))
+    programs = min(_num_sms(a.device), max_tiles * num_n)
+    aux_arg = second if epilogue == 1 else aux
     tma_rows_kernel[(programs,)](
         a_desc,
         b_desc,
         out,
+        aux_arg if aux_arg is not None else out,
+        row_weights if row_weights is not None else out,
+        second if (epilogue == 2 and second is not None) else out,
         starts,
         ends,
         experts,
@@ -178,6 +265,8 @@ def tma_rows(a, weight, starts, ends, *, kmajor, bm, bn, bk, warps, stages):
         k,
         out.stride(0),
         B_KMAJOR=kmajor,
+        EPILOGUE=epilogue,
+        HAS_W=row_weights is not None,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -186,7 +275,13 @@ def tma_rows(a, weight, starts, ends, *, kmajor, bm, bn, bk, warps, stages):
         num_warps=warps,
         num_stages=stages,
     )
-    return out
+    return out, second
+
+
+def torch_empty_f32(rows, cols, device):
+    import torch
+
+    return torch.empty(rows, cols, dtype=torch.float32, device=device)
 
 
 def tma_weight_grad(g, x, starts, ends, *, bm, bn, bk, warps, stages):
