@@ -324,6 +324,9 @@ def run_case(
         "mcore MoELayer dropless, torch._grouped_mm, fused kernels, weights in the combine": (
             lambda: _moe(case, device, expert_kernel="grouped_mm", weights_in_experts=False)
         ),
+        "mcore MoELayer dropless, Triton TMA grouped GEMMs, fused kernels": lambda: _moe(
+            case, device, expert_kernel="triton_tma"
+        ),
         "mcore MoELayer drop-and-pad (capacity 1.25), batched GEMMs, fused kernels": lambda: _moe(
             case, device, capacity_factor=1.25, expert_kernel="grouped_mm"
         ),
@@ -401,6 +404,8 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     experts = layer.experts
     # The routing weights scale the activations inside the experts on this path.
     folded = moe.weights_in_experts and factor is None and not experts.uses_triton(x)
+    if layer.comm is not None and (layer.comm.ep_group is not None or layer.comm.etp_group):
+        folded = False
     row_weights = routing.weights.reshape(-1)[order].detach() if folded else None
     capacity = (
         None if factor is None else expert_capacity(x.shape[0], moe.top_k, moe.num_experts, factor)

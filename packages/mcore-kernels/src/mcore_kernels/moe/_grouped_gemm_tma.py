@@ -194,15 +194,6 @@ def _num_sms(device) -> int:
     return _NUM_SMS[index]
 
 
-def _set_allocator() -> None:
-    import torch
-
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, device="cuda", dtype=torch.int8)
-
-    triton.set_allocator(alloc)
-
-
 def tma_rows(
     a,
     weight,

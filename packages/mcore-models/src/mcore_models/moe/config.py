@@ -15,7 +15,7 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
 """Names accepted by :attr:`MoEConfig.dispatcher`."""
 
-EXPERT_KERNELS = ("grouped_mm", "triton", "cublas")
+EXPERT_KERNELS = ("grouped_mm", "triton", "triton_tma", "cublas")
 """Names accepted by :attr:`MoEConfig.expert_kernel`."""
 
 
@@ -78,7 +78,10 @@ class MoEConfig:
     SwiGLU in its epilogue, drop-and-pad padding rows skipped; the torch reference on CPU) or
     "cublas" (dropless: one cuBLAS GEMM per expert and pass, with the group sizes copied to the
     host once per layer call, a device sync; for few experts with many tokens each, where
-    per-expert GEMMs are as efficient as the dense one; drop-and-pad runs batched GEMMs).
+    per-expert GEMMs are as efficient as the dense one; drop-and-pad runs batched GEMMs) or
+    "triton_tma" (dropless: ``mcore_kernels.moe.grouped_swiglu_mlp_tma``, persistent grouped
+    GEMMs with TMA tile loads and SwiGLU in their epilogues, on GPUs of compute capability 9.0
+    or newer; elsewhere the "grouped_mm" path).
     See ``docs/benchmarks/moe.md``."""
     weights_in_experts: bool = True
     """Dropless on one rank holding every expert (no expert or expert tensor parallelism) with
