@@ -209,7 +209,7 @@ def test_weighted_swiglu_matches_reference_values_and_gradients(dtype, width):
 @pytest.mark.parametrize("capacity", [None, 2], ids=["dropless", "drop-and-pad"])
 def test_unpermute_sum_matches_reference_values_and_gradients(capacity):
     num_tokens, top_k, num_experts, hidden = 9, 2, 5, 40
-    slots, rows, fillers = _routing(num_tokens, top_k, num_experts, capacity, seed=9)
+    slots, _, fillers = _routing(num_tokens, top_k, num_experts, capacity, seed=9)
     g = _generator(10)
     y = torch.randn(fillers.numel(), hidden, generator=g)
     grad = torch.randn(num_tokens, hidden, generator=g)
