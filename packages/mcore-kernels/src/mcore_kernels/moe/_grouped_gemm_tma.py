@@ -11,6 +11,7 @@ program with the rows of its own expert, without atomics.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -183,9 +184,8 @@ def tma_weight_grad_kernel(
 _NUM_SMS: dict[int, int] = {}
 
 
-def _num_sms(device) -> int:
-    import torch
-
+def _num_sms(device: torch.device) -> int:
+    """Programs of a persistent grid: the GPU's multiprocessors (4 for the interpreter)."""
     if device.type != "cuda":
         return 4
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -195,24 +195,27 @@ def _num_sms(device) -> int:
 
 
 def tma_rows(
-    a,
-    weight,
-    starts,
-    ends,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
     *,
-    kmajor,
-    bm,
-    bn,
-    bk,
-    warps,
-    stages,
-    epilogue=0,
-    aux=None,
-    row_weights=None,
-):
+    kmajor: bool,
+    bm: int,
+    bn: int,
+    bk: int,
+    warps: int,
+    stages: int,
+    epilogue: int = 0,
+    aux: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``out[rows of e] = a[rows of e] @ (weight[e].T if kmajor else weight[e])`` with the
-    epilogues of :func:`tma_rows_kernel`. Returns ``(out, second)``: ``second`` is the gate/up
-    product (epilogue 1) or the row-weight gradient partials (epilogue 2 with weights)."""
+    epilogues of :func:`tma_rows_kernel`.
+
+    Returns ``(out, second)``: ``second`` is the gate/up product (epilogue 1), the ``[M,
+    cdiv(N, bn)]`` float32 row-weight gradient partials (epilogue 2 with weights) or None.
+    """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     experts = weight.shape[0]
@@ -230,13 +233,15 @@ def tma_rows(
     if epilogue == 2:
         out = a.new_empty(rows, 2 * n)
         if row_weights is not None:
-            second = torch_empty_f32(rows, num_n, a.device)
+            second = torch.empty(rows, num_n, dtype=torch.float32, device=a.device)
     else:
         out = a.new_empty(rows, n)
         if epilogue == 1:
             second = a.new_empty(rows, 2 * n)
-    if rows == 0:
+    if rows == 0 or n == 0:
         return out, second
+    if k == 0:
+        raise ValueError("the TMA grouped GEMM needs a reduction dimension > 0")
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
     max_tiles = triton.cdiv(rows, bm) + experts
     programs = min(_num_sms(a.device), max_tiles * num_n)
@@ -269,20 +274,29 @@ def tma_rows(
     return out, second
 
 
-def torch_empty_f32(rows, cols, device):
-    import torch
-
-    return torch.empty(rows, cols, dtype=torch.float32, device=device)
-
-
-def tma_weight_grad(g, x, starts, ends, *, bm, bn, bk, warps, stages):
-    """``out[e] = g[rows of e].T @ x[rows of e]`` as ``[E, N, K]``."""
+def tma_weight_grad(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    *,
+    bm: int,
+    bn: int,
+    bk: int,
+    warps: int,
+    stages: int,
+) -> torch.Tensor:
+    """``out[e] = g[rows of e].T @ x[rows of e]`` as ``[E, N, K]``: ``bm`` x ``bn`` output
+    tiles, ``bk`` rows per reduction step (zero for an expert without rows)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     experts = starts.shape[0]
     n, k = g.shape[1], x.shape[1]
+    if g.shape[0] == 0:
+        return g.new_zeros(experts, n, k)
     out = g.new_empty(experts, n, k)
-    # The reduction runs over rows: tiles of ``bk`` rows, ``bm`` x ``bn`` output tiles.
+    if out.numel() == 0:
+        return out
     g_desc = TensorDescriptor.from_tensor(g, [bk, bm])
     x_desc = TensorDescriptor.from_tensor(x, [bk, bn])
     jobs = experts * triton.cdiv(n, bm) * triton.cdiv(k, bn)

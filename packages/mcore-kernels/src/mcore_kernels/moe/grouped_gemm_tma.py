@@ -57,7 +57,7 @@ def tma_grouped_supported(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _cfg(tiles: GroupedTiles) -> dict[str, int]:
+def _cfg(tiles: GroupedTiles) -> dict[str, Any]:
     return dict(
         bm=tiles.block_m,
         bn=tiles.block_n,
