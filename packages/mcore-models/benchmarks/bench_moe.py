@@ -327,6 +327,9 @@ def run_case(
         "mcore MoELayer dropless, Triton TMA grouped GEMMs, fused kernels": lambda: _moe(
             case, device, expert_kernel="triton_tma"
         ),
+        "mcore MoELayer dropless, batched GEMMs padded to the largest expert (host sync)": (
+            lambda: _moe(case, device, expert_kernel="bmm")
+        ),
         "mcore MoELayer drop-and-pad (capacity 1.25), batched GEMMs, fused kernels": lambda: _moe(
             case, device, capacity_factor=1.25, expert_kernel="grouped_mm"
         ),

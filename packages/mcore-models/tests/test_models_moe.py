@@ -468,3 +468,30 @@ def test_layer_with_tma_grouped_experts_matches_token_by_token_reference(monkeyp
     ((weighted, combined),) = run_distributed(_tma_expert_errors, 1)
     assert max(weighted) < 1e-4, weighted
     assert max(combined) < 1e-4, combined
+
+
+@pytest.mark.parametrize("limit", [100.0, 1.0], ids=["padded", "too-uneven"])
+def test_bmm_dropless_pads_to_the_largest_expert_and_matches_reference(limit, monkeypatch):
+    # expert_kernel="bmm": every expert padded to the largest count (dropping nothing) and run
+    # as batched GEMMs; routing that would pad past the limit runs the grouped path instead.
+    from mcore_models.moe import dispatcher, permute
+
+    monkeypatch.setattr(permute, "PADDING_LIMIT", limit)
+    used = []
+    real = dispatcher.sorted_slots
+    monkeypatch.setattr(
+        dispatcher, "sorted_slots", lambda *args: used.append(args[2]) or real(*args)
+    )
+    layer = _layer(expert_kernel="bmm", num_experts=5)
+    upstream = torch.randn(X.shape, generator=torch.Generator().manual_seed(7))
+    results = []
+    for use_layer in (True, False):
+        layer.zero_grad()
+        x = X.clone().requires_grad_(True)
+        out = layer(x) if use_layer else _reference(layer, x)
+        (out * upstream).sum().backward()
+        results.append([out.detach(), x.grad, *(p.grad.clone() for p in layer.parameters())])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    largest = int(layer.tokens_per_expert.max())
+    assert used == ([max(8, -(-largest // 8) * 8)] if limit > 1 else [])

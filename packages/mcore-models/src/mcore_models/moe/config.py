@@ -15,7 +15,7 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
 """Names accepted by :attr:`MoEConfig.dispatcher`."""
 
-EXPERT_KERNELS = ("grouped_mm", "triton", "triton_tma", "cublas")
+EXPERT_KERNELS = ("grouped_mm", "triton", "triton_tma", "cublas", "bmm")
 """Names accepted by :attr:`MoEConfig.expert_kernel`."""
 
 
@@ -81,7 +81,10 @@ class MoEConfig:
     per-expert GEMMs are as efficient as the dense one; drop-and-pad runs batched GEMMs) or
     "triton_tma" (dropless: ``mcore_kernels.moe.grouped_swiglu_mlp_tma``, persistent grouped
     GEMMs with TMA tile loads and SwiGLU in their epilogues, on GPUs of compute capability 9.0
-    or newer; elsewhere the "grouped_mm" path).
+    or newer; elsewhere the "grouped_mm" path) or "bmm" (dropless on one rank: every expert
+    padded to the largest expert's row count, rounded up to 8, and run as batched cuBLAS
+    GEMMs like drop-and-pad, dropping nothing; the count is copied to the host, a device
+    sync; routing so uneven that this pads more than 25% runs "grouped_mm" instead).
     See ``docs/benchmarks/moe.md``."""
     weights_in_experts: bool = True
     """Dropless on one rank holding every expert (no expert or expert tensor parallelism) with

@@ -45,6 +45,7 @@ from mcore_models.moe.permute import (
     inverse_permutation,
     padded_index,
     run_padded,
+    sorted_slots,
 )
 from mcore_parallel.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -175,6 +176,7 @@ def dispatch_and_combine(
     comm: ExpertComm | None = None,
     counts: torch.Tensor | None = None,
     weights_in_experts: bool = False,
+    padded_dropless: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Send every token to its experts, run them, and sum their weighted outputs per token.
 
@@ -191,6 +193,9 @@ def dispatch_and_combine(
         weights_in_experts: Dropless on one rank with non-Triton experts: the experts scale
             their activations by the routing weights and the combine is a plain sum (see
             ``MoEConfig.weights_in_experts``).
+        padded_dropless: ``capacity`` holds every expert's assignments (see
+            :func:`~mcore_models.moe.permute.padded_capacity`): the slots come from one sort
+            and nothing is dropped.
 
     Returns:
         ``([T, hidden]`` combined output, ``[num_experts]`` int64 assignments per expert of
@@ -222,8 +227,11 @@ def dispatch_and_combine(
             permuted = permute_tokens(x, order // top_k, inverse, top_k)
             outputs = _dropless_alltoall(permuted, counts, experts_module, comm)
         return unpermute_combine(outputs, weights, inverse, order), counts
-    valid = torch.ones_like(flat_experts, dtype=torch.bool)
-    slots = capacity_slots(flat_experts, valid, num_experts, capacity)
+    if padded_dropless:
+        slots = sorted_slots(flat_experts, counts, capacity)
+    else:
+        valid = torch.ones_like(flat_experts, dtype=torch.bool)
+        slots = capacity_slots(flat_experts, valid, num_experts, capacity)
     if fused:
         fillers, kept = padded_index(slots, num_experts * capacity)
         outputs = experts_module.forward_tokens(

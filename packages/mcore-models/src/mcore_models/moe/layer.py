@@ -14,6 +14,7 @@ from mcore_models.moe.comm import ExpertComm
 from mcore_models.moe.config import MoEConfig, expert_capacity
 from mcore_models.moe.dispatcher import dispatch_and_combine
 from mcore_models.moe.experts import GroupedExperts
+from mcore_models.moe.permute import count, padded_capacity
 from mcore_models.moe.router import TopKRouter
 
 if TYPE_CHECKING:
@@ -126,10 +127,17 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         routing = self.router(tokens)
         factor = self.capacity_factor
+        moe = self.moe_config
         capacity = None
+        padded_dropless = False
         if factor is not None:
-            moe = self.moe_config
             capacity = expert_capacity(tokens.shape[0], moe.top_k, moe.num_experts, factor)
+        elif moe.expert_kernel == "bmm" and moe.grouped_gemm and self._one_rank():
+            counts = routing.counts
+            if counts is None:
+                counts = count(routing.experts.reshape(-1), moe.num_experts)
+            capacity = padded_capacity(counts, tokens.shape[0] * moe.top_k)
+            padded_dropless = capacity is not None
         output, counts = dispatch_and_combine(
             tokens,
             routing.weights,
@@ -141,6 +149,7 @@ class MoELayer(nn.Module):
             comm=self.comm,
             counts=routing.counts,
             weights_in_experts=self.moe_config.weights_in_experts,
+            padded_dropless=padded_dropless,
         )
         self.tokens_per_expert = counts.detach()
         if self.shared_expert is not None:
@@ -151,6 +160,10 @@ class MoELayer(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
             output = output + shared
         return output.view(shape)
+
+    def _one_rank(self) -> bool:
+        """Whether this rank holds every expert and routes alone (no EP / ETP groups)."""
+        return self.comm is None or (self.comm.ep_group is None and self.comm.etp_group is None)
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float) -> None:

@@ -21,9 +21,14 @@ __all__ = [
     "capacity_slots",
     "count",
     "inverse_permutation",
+    "padded_capacity",
     "padded_index",
     "run_padded",
+    "sorted_slots",
 ]
+
+PADDING_LIMIT = 1.25
+"""Most rows, relative to the routing assignments, that :func:`padded_capacity` accepts."""
 
 
 def count(indices: torch.Tensor, size: int) -> torch.Tensor:
@@ -114,6 +119,47 @@ def capacity_slots(
     keep = valid & (position < capacity)
     slot = (experts * sources + source) * capacity + position
     return torch.where(keep, slot, num_experts * sources * capacity)
+
+
+def padded_capacity(counts: torch.Tensor, assignments: int) -> int | None:
+    """Capacity that holds every expert's rows: the largest count rounded up to 8 (one host sync).
+
+    Dropless routing on batched GEMMs pads every expert to the largest expert's rows; that pays
+    only while the padding stays small, so None is returned when ``num_experts * capacity``
+    exceeds :data:`PADDING_LIMIT` times the ``assignments`` (routing too uneven).
+
+    Args:
+        counts: ``[num_experts]`` assignments per expert.
+        assignments: Total assignments (tokens times top-k).
+
+    Returns:
+        The capacity, or None.
+    """
+    largest = int(counts.max()) if counts.numel() else 0
+    capacity = max(8, -(-largest // 8) * 8)
+    if counts.numel() * capacity > PADDING_LIMIT * max(assignments, 1):
+        return None
+    return capacity
+
+
+def sorted_slots(experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Slot ``expert * capacity + position`` of every assignment when no expert overflows.
+
+    ``position`` counts the earlier assignments to the same expert in token order (as
+    :func:`capacity_slots`), here from one stable sort instead of a scan over every expert.
+
+    Args:
+        experts: ``[A]`` int64 expert of each assignment.
+        counts: ``[num_experts]`` assignments per expert, each at most ``capacity``.
+        capacity: Slots per expert.
+
+    Returns:
+        ``[A]`` int64 slots.
+    """
+    order = torch.argsort(experts, stable=True)
+    position = inverse_permutation(order)
+    starts = counts.cumsum(0) - counts
+    return experts * capacity + position - starts.index_select(0, experts)
 
 
 def padded_index(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
