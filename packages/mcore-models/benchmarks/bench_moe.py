@@ -56,6 +56,7 @@ from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.config import expert_capacity
 from mcore_models.moe.experts import grouped_mm_supported
+from mcore_models.moe.permute import padded_capacity
 
 CASES = {
     # Mixtral-8x7B layer shape (Jiang et al., 2024): 8 experts, top-2, FFN 14336.
@@ -413,6 +414,14 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     capacity = (
         None if factor is None else expert_capacity(x.shape[0], moe.top_k, moe.num_experts, factor)
     )
+    if capacity is None and moe.expert_kernel == "bmm":
+        # Dropless on batched GEMMs: the experts run the padded slots.
+        capacity = padded_capacity(counts, flat.numel())
+    slot_weights = None
+    one_rank = layer.comm is None or (layer.comm.ep_group is None and layer.comm.etp_group is None)
+    folded_slots = moe.weights_in_experts and one_rank and not experts.uses_triton(x)
+    if capacity is not None and folded_slots:
+        slot_weights = torch.rand(moe.num_experts, capacity, device=x.device, dtype=x.dtype)
 
     # The experts are a submodule, so that _time's zero_grad clears their gradients (else
     # every step would add into the previous step's gradients).
@@ -425,7 +434,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
             if capacity is None:
                 return self.experts(rows, counts, row_weights)
             slots = rows.view(moe.num_experts, capacity, -1)
-            return self.experts.forward_padded(slots).flatten(0, 1)
+            return self.experts.forward_padded(slots, slot_weights).flatten(0, 1)
 
     if capacity is None:
         rows = permuted

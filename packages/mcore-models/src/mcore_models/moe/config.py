@@ -87,12 +87,12 @@ class MoEConfig:
     sync; routing so uneven that this pads more than 25% runs "grouped_mm" instead).
     See ``docs/benchmarks/moe.md``."""
     weights_in_experts: bool = True
-    """Dropless on one rank holding every expert (no expert or expert tensor parallelism) with
-    the ``grouped_mm`` or ``cublas`` experts: scale each row's activation by its routing weight
-    in the fused SwiGLU kernel, before the down projection (which is linear, so the result is
-    the same up to rounding), and combine with a plain sum. The weight gradient then comes
-    from the SwiGLU backward pass, and the combine neither saves the expert outputs nor reads
-    them again in the backward pass. False scales in the combine, as the other paths do."""
+    """On one rank holding every expert (no expert or expert tensor parallelism), with any
+    ``expert_kernel`` but "triton": scale each row's activation by its routing weight in the
+    fused SwiGLU kernel, before the down projection (which is linear, so the result is the
+    same up to rounding), and combine with a plain sum. The weight gradient then comes from
+    the SwiGLU backward pass, and the combine neither saves the expert outputs nor reads them
+    again in the backward pass. False scales in the combine, as the other paths do."""
     layer_step: int = 1
     """Every ``layer_step``-th layer is a MoE layer (layers ``i`` with ``(i + 1) % step == 0``)."""
     dense_layers: tuple[int, ...] = ()

@@ -39,6 +39,7 @@ from mcore_kernels.moe import permute_tokens, unpermute_combine, unpermute_sum
 from mcore_models.moe.comm import ExpertComm, all_to_all, gather_rows, reduce_scatter_rows
 from mcore_models.moe.experts import GroupedExperts
 from mcore_models.moe.permute import (
+    GatherOrZero,
     PermuteRows,
     capacity_slots,
     count,
@@ -238,6 +239,15 @@ def dispatch_and_combine(
             x, fillers, kept, counts.clamp(max=capacity), top_k, capacity
         )
         return unpermute_combine(outputs, weights, kept, fillers), counts
+    if weights_in_experts and comm.ep_group is None and comm.etp_group is None:
+        # One rank: the slots' routing weights scale the activations inside the experts and
+        # the combine is a plain sum (as on the dropless path).
+        fillers, kept = padded_index(slots, num_experts * capacity)
+        rows = torch.where(fillers < 0, -1, fillers // top_k)
+        buffer = permute_tokens(x, rows, kept, top_k).view(num_experts, capacity, -1)
+        slot_weights = GatherOrZero.apply(weights.reshape(-1), fillers, kept)
+        outputs = experts_module.forward_padded(buffer, slot_weights.view(num_experts, capacity))
+        return unpermute_sum(outputs.flatten(0, 1), kept, fillers, top_k), counts
     run = _padded_run(experts_module, capacity, comm, exchange=True)
     return run_padded(x, weights, slots, num_experts * capacity, run), counts
 

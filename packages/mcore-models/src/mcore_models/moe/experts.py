@@ -304,18 +304,30 @@ class GroupedExperts(nn.Module):
             outputs.append(F.linear(hidden, self.down_proj[expert]))
         return torch.cat(outputs) if outputs else tokens.new_zeros(tokens.shape)
 
-    def forward_padded(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward_padded(
+        self, tokens: torch.Tensor, slot_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run fixed-capacity groups through their experts (no host sync).
 
         Batched GEMMs, or the Triton grouped MLP over every slot when ``uses_triton``.
 
         Args:
             tokens: ``[num_experts, capacity, hidden]`` slots of each expert (padding is zero).
+            slot_weights: ``[num_experts, capacity]`` routing weight of each slot, applied to
+                its activation before the down projection (not with the Triton experts), or
+                None.
 
         Returns:
             ``[num_experts, capacity, hidden]`` outputs.
+
+        Raises:
+            ModelInputError: If ``slot_weights`` is given to the Triton experts.
         """
         if self.uses_triton(tokens):
+            if slot_weights is not None:
+                raise ModelInputError(
+                    "slot_weights is not supported by expert_kernel='triton'; expected None"
+                )
             experts, capacity, hidden = tokens.shape
             full = torch.full((experts,), capacity, dtype=torch.int64, device=tokens.device)
             out = grouped_swiglu_mlp(
@@ -327,5 +339,8 @@ class GroupedExperts(nn.Module):
             )
             return out.view(experts, capacity, -1)
         gate_up = _BatchedLinear.apply(tokens, self._gate_up_weight())
-        activation = swiglu(gate_up.flatten(0, 1)).view(*gate_up.shape[:2], -1)
-        return _BatchedLinear.apply(activation, self.down_proj)
+        if slot_weights is None:
+            activation = swiglu(gate_up.flatten(0, 1))
+        else:
+            activation = weighted_swiglu(gate_up.flatten(0, 1), slot_weights.reshape(-1))
+        return _BatchedLinear.apply(activation.view(*gate_up.shape[:2], -1), self.down_proj)

@@ -17,6 +17,7 @@ import torch
 from mcore_kernels.moe import permute_tokens, unpermute_combine
 
 __all__ = [
+    "GatherOrZero",
     "PermuteRows",
     "capacity_slots",
     "count",
@@ -76,6 +77,30 @@ class PermuteRows(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
+
+
+class GatherOrZero(torch.autograd.Function):
+    """``values[index]`` (zero where ``index < 0``) for an injective ``index``; the backward
+    gathers through ``inverse`` (``inverse[index[i]] == i``, -1 for values never read)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, values: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return _gather_or_zero(values, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return _gather_or_zero(grad, inverse), None, None
+
+
+def _gather_or_zero(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if values.numel() == 0:
+        return values.new_zeros(index.shape)
+    picked = values.index_select(0, index.clamp(min=0))
+    return torch.where(index >= 0, picked, torch.zeros_like(picked))
 
 
 def capacity_slots(
