@@ -103,6 +103,22 @@ def _grouped_mm(p: Problem) -> dict[str, Callable[[], object]]:
     }
 
 
+def _grouped_mm_kn(p: Problem) -> dict[str, Callable[[], object]]:
+    """``torch._grouped_mm`` with the weights stored ``[E, K, N]`` (row-major B in the forward
+    pass) and the weight gradients computed in that layout."""
+    gmm, offs = torch._grouped_mm, p.offsets
+    w_gu = p.w_gu.transpose(1, 2).contiguous()
+    w_d = p.w_d.transpose(1, 2).contiguous()
+    return {
+        "gate_up": lambda: gmm(p.x, w_gu, offs=offs),
+        "down": lambda: gmm(p.act, w_d, offs=offs),
+        "d_act": lambda: gmm(p.grad, w_d.transpose(-2, -1), offs=offs),
+        "d_x": lambda: gmm(p.grad_gu, w_gu.transpose(-2, -1), offs=offs),
+        "w_down": lambda: gmm(p.act.t(), p.grad, offs=offs),
+        "w_gate_up": lambda: gmm(p.x.t(), p.grad_gu, offs=offs),
+    }
+
+
 def _loop(p: Problem) -> dict[str, Callable[[], object]]:
     starts = [0]
     for size in p.sizes:
@@ -212,6 +228,7 @@ def run_case(
     impls: dict[str, Callable[[Problem], dict]] = {
         "dense (same FLOPs)": _dense,
         "torch._grouped_mm": _grouped_mm,
+        "torch._grouped_mm, [E, K, N] weights": _grouped_mm_kn,
         "bmm, equal groups": _batched,
     }
     if case["experts"] <= 16:
