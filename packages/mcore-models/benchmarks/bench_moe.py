@@ -291,6 +291,7 @@ def run_case(
     smoke: bool,
     profiles: list[str] | None,
     skip: list[str] | None = None,
+    emit: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Time every implementation of one case.
 
@@ -301,6 +302,7 @@ def run_case(
         smoke: Tiny single-iteration run.
         profiles: When a list, a profiler table of each mcore implementation is appended.
         skip: Implementations whose name contains one of these words are left out.
+        emit: Called with the rows so far after every implementation.
 
     Returns:
         One row per implementation.
@@ -380,6 +382,8 @@ def run_case(
             module = None
         rows.append(row)
         print(f"{name}: {implementation}: {time.perf_counter() - begin:.1f} s", flush=True)
+        if emit is not None:
+            emit(rows)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     times = {row["implementation"]: row.get("ms") for row in rows}
@@ -508,28 +512,32 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = _dtype(device)
-    for name, case in (SMOKE if args.smoke else CASES).items():
-        if args.cases and name not in args.cases:
-            continue
-        rows.extend(run_case(name, case, device, args.smoke, profiles, args.skip))
-        # Written after every case, so that an interrupted run keeps what it measured.
+
+    def write(case_rows: list[dict]) -> None:
+        # Written after every row, so that an interrupted run keeps what it measured.
+        every = rows + case_rows
         result = {
             "device": device_name,
             "torch": torch.__version__,
             "dtype": str(dtype).removeprefix("torch."),
             "grouped_mm_supported": grouped_mm_supported(device, dtype),
-            "rows": rows,
+            "rows": every,
         }
         (out / "moe.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / "moe.md").write_text(_markdown(device_name, rows))
+        (out / "moe.md").write_text(_markdown(device_name, every))
         if profiles is not None:
             header = (
                 f"Kernels of every mcore and dense row on {device_name} (torch.profiler, two "
-                "forward + "
-                "backward steps; the twelve kernels with the most device time).\n\n"
+                "forward + backward steps; the twelve kernels with the most device time).\n\n"
             )
             (out / "moe_profile.md").write_text(header + "".join(profiles))
-        print(_markdown(device_name, rows), flush=True)
+
+    for name, case in (SMOKE if args.smoke else CASES).items():
+        if args.cases and name not in args.cases:
+            continue
+        rows.extend(run_case(name, case, device, args.smoke, profiles, args.skip, write))
+        write([])
+    print(_markdown(device_name, rows), flush=True)
 
 
 if __name__ == "__main__":
