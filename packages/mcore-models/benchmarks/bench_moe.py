@@ -327,9 +327,6 @@ def run_case(
         "mcore MoELayer dropless, torch._grouped_mm, fused kernels, weights in the combine": (
             lambda: _moe(case, device, expert_kernel="grouped_mm", weights_in_experts=False)
         ),
-        "mcore MoELayer dropless, Triton TMA grouped GEMMs, fused kernels": lambda: _moe(
-            case, device, expert_kernel="triton_tma"
-        ),
         "mcore MoELayer dropless, batched GEMMs padded to the largest expert (host sync)": (
             lambda: _moe(case, device, expert_kernel="bmm")
         ),

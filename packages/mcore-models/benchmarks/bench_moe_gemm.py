@@ -11,8 +11,8 @@ timed on its own with CUDA events:
 
 Implementations: ``torch._grouped_mm`` (the layer's default experts), a loop of cuBLAS GEMMs
 over the experts (the group sizes on the host), batched cuBLAS GEMMs on equal groups of the
-mean size (what drop-and-pad at capacity factor 1 would run), the Triton TMA grouped kernels
-of ``mcore_kernels.moe`` where they run, and the dense GEMM with the same total FLOPs (all the
+mean size (what drop-and-pad at capacity factor 1 would run), ``torch._grouped_mm`` with the
+weights stored ``[E, K, N]``, and the dense GEMM with the same total FLOPs (all the
 rows against one weight of the same shape: the dense layer's GEMM). Reports ms and TFLOP/s
 per GEMM. Writes ``moe_gemm.json`` and ``moe_gemm.md``.
 
@@ -35,8 +35,6 @@ import torch
 from bench_moe import CASES  # type: ignore[import-not-found]
 
 GEMMS = ("gate_up", "down", "d_act", "d_x", "w_down", "w_gate_up")
-FUSED = ("gate_up+swiglu", "d_act+swiglu")
-"""GEMMs with the SwiGLU forward / backward in their epilogue (Triton TMA kernels only)."""
 
 
 def _timed(fn: Callable[[], object], reps: int) -> float:
@@ -74,7 +72,6 @@ class Problem:
         self.act = torch.randn(rows, ffn, **bf16)
         self.grad = torch.randn(rows, hidden, **bf16)
         self.grad_gu = torch.randn(rows, 2 * ffn, **bf16)
-        self.row_w = torch.rand(rows, **bf16)
         self.w_gu = torch.empty(experts, 2 * ffn, hidden, **bf16).normal_(0.0, 0.02)
         self.w_d = torch.empty(experts, hidden, ffn, **bf16).normal_(0.0, 0.02)
         self.rows, self.hidden, self.ffn, self.experts = rows, hidden, ffn, experts
@@ -87,7 +84,6 @@ class Problem:
             "d_x": 2 * self.ffn,
         }
         per_row.update(w_down=self.ffn, w_gate_up=2 * self.ffn)
-        per_row.update({"gate_up+swiglu": 2 * self.ffn, "d_act+swiglu": self.ffn})
         return 2.0 * self.rows * self.hidden * per_row[gemm]
 
 
@@ -176,39 +172,10 @@ def _dense(p: Problem) -> dict[str, Callable[[], object]]:
     }
 
 
-def _tma(p: Problem, config: dict[str, int]) -> dict[str, Callable[[], object]]:
-    from mcore_kernels.moe._grouped_gemm_tma import tma_rows, tma_weight_grad
-
-    starts, ends = p.bounds
-    return {
-        "gate_up": lambda: tma_rows(p.x, p.w_gu, starts, ends, kmajor=True, **config),
-        "down": lambda: tma_rows(p.act, p.w_d, starts, ends, kmajor=True, **config),
-        "d_act": lambda: tma_rows(p.grad, p.w_d, starts, ends, kmajor=False, **config),
-        "d_x": lambda: tma_rows(p.grad_gu, p.w_gu, starts, ends, kmajor=False, **config),
-        "gate_up+swiglu": lambda: tma_rows(
-            p.x, p.w_gu, starts, ends, kmajor=True, epilogue=1, row_weights=p.row_w, **config
-        ),
-        "d_act+swiglu": lambda: tma_rows(
-            p.grad,
-            p.w_d,
-            starts,
-            ends,
-            kmajor=False,
-            epilogue=2,
-            aux=p.grad_gu,
-            row_weights=p.row_w,
-            **config,
-        ),
-        "w_down": lambda: tma_weight_grad(p.grad, p.act, starts, ends, **config),
-        "w_gate_up": lambda: tma_weight_grad(p.grad_gu, p.x, starts, ends, **config),
-    }
-
-
 def run_case(
     name: str,
     case: dict[str, int],
     reps: int,
-    tma_configs: list[dict],
     emit: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Time every GEMM of one case with every implementation.
@@ -217,7 +184,6 @@ def run_case(
         name: Case name.
         case: Shapes (hidden, experts, top_k, ffn, tokens).
         reps: Timed repetitions per GEMM.
-        tma_configs: Tile configurations of the Triton TMA kernels to try.
         emit: Called with the rows so far after every implementation.
 
     Returns:
@@ -233,10 +199,6 @@ def run_case(
     }
     if case["experts"] <= 16:
         impls["cuBLAS loop over experts"] = _loop
-    for config in tma_configs:
-        label = "triton TMA " + "x".join(str(config[k]) for k in ("bm", "bn", "bk"))
-        label += f" w{config['warps']} s{config['stages']}"
-        impls[label] = lambda q, c=config: _tma(q, c)
     rows = []
     imbalance = max(p.sizes) / (p.rows / p.experts)
     for impl, make in impls.items():
@@ -285,11 +247,7 @@ def _markdown(device_name: str, rows: list[dict]) -> str:
                 parts.append("err")
                 ok = False
         summary = f"{total:.3f} | {flops / total:.0f}" if ok and total else " | "
-        fused = [
-            f"{gemm} {cells[gemm]['ms']:.3f} ms" for gemm in FUSED if "ms" in cells.get(gemm, {})
-        ]
-        extra = f" (fused: {', '.join(fused)})" if fused else ""
-        lines.append(f"| {case} | {impl}{extra} | " + " | ".join(parts) + f" | {summary} |")
+        lines.append(f"| {case} | {impl} | " + " | ".join(parts) + f" | {summary} |")
     lines.append("")
     lines.append("Cells: ms (TFLOP/s). Total TFLOP/s is the FLOP-weighted mean.")
     return "\n".join(lines) + "\n"
@@ -305,13 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--cases", nargs="*", help="case names (default: all)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per GEMM")
-    parser.add_argument("--tma", nargs="*", default=[], help="TMA configs bm,bn,bk,warps,stages")
-    parser.add_argument("--tma-cases", nargs="*", help="cases that run the TMA configs (all)")
     args = parser.parse_args(argv)
-    configs = []
-    for spec in args.tma:
-        bm, bn, bk, warps, stages = (int(v) for v in spec.split(","))
-        configs.append(dict(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device_name = torch.cuda.get_device_name()
@@ -326,8 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, case in CASES.items():
         if args.cases and name not in args.cases:
             continue
-        tma = configs if args.tma_cases is None or name in args.tma_cases else []
-        rows.extend(run_case(name, case, args.reps, tma, write))
+        rows.extend(run_case(name, case, args.reps, write))
         torch.cuda.empty_cache()
     print(_markdown(device_name, rows), flush=True)
 

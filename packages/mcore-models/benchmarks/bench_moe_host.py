@@ -77,6 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--cases", nargs="*", default=["mixtral-8x7b", "qwen3-30b-a3b"], help="case names"
     )
+    parser.add_argument(
+        "--expert-kernels",
+        nargs="*",
+        default=["grouped_mm"],
+        help="MoEConfig.expert_kernel values to measure (one row each)",
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     rows = []
@@ -85,8 +91,16 @@ def main(argv: list[str] | None = None) -> None:
         case = CASES[name]
         x = torch.randn(case["tokens"], case["hidden"], device=device, dtype=torch.bfloat16)
         grad = torch.randn_like(x)
-        for label, build in (("dense", _dense), ("mcore dropless, fused kernels", _moe)):
-            module = build(case, device)
+        builds = [("dense", lambda case=case: _dense(case, device))]
+        for kernel in args.expert_kernels:
+            builds.append(
+                (
+                    f"mcore dropless, fused kernels, {kernel} experts",
+                    lambda case=case, kernel=kernel: _moe(case, device, expert_kernel=kernel),
+                )
+            )
+        for label, build in builds:
+            module = build()
             measured = _measure(module, x, grad, args.iters)
             rows.append({"case": name, "implementation": label, **measured})
             if label != "dense":

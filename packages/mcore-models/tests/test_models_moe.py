@@ -437,39 +437,6 @@ def test_cublas_expert_loop_matches_token_by_token_reference_with_an_idle_expert
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def _tma_expert_errors() -> list[list[float]]:
-    errors = []
-    for weights_in_experts in (True, False):
-        layer = _layer(
-            num_experts=12, expert_kernel="triton_tma", weights_in_experts=weights_in_experts
-        )
-        upstream = torch.randn(X.shape, generator=torch.Generator().manual_seed(6))
-        results = []
-        for use_layer in (True, False):
-            layer.zero_grad()
-            x = X.clone().requires_grad_(True)
-            out = layer(x) if use_layer else _reference(layer, x)
-            (out * upstream).sum().backward()
-            results.append([out.detach(), x.grad, *(p.grad.clone() for p in layer.parameters())])
-        assert int((layer.tokens_per_expert == 0).sum()) > 0, layer.tokens_per_expert
-        errors.append([(got - want).abs().max().item() for got, want in zip(*results)])
-    return errors
-
-
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="kernels compile for the GPU here; test_models_moe_gpu"
-)
-def test_layer_with_tma_grouped_experts_matches_token_by_token_reference(monkeypatch):
-    # expert_kernel="triton_tma" (dropless): persistent TMA grouped GEMMs with the (weighted)
-    # SwiGLU in their epilogues, an expert without tokens; through the Triton interpreter in a
-    # fresh process.
-    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ((weighted, combined),) = run_distributed(_tma_expert_errors, 1)
-    assert max(weighted) < 1e-4, weighted
-    assert max(combined) < 1e-4, combined
-
-
 @pytest.mark.parametrize("limit", [100.0, 1.0], ids=["padded", "too-uneven"])
 def test_bmm_dropless_pads_to_the_largest_expert_and_matches_reference(limit, monkeypatch):
     # expert_kernel="bmm": every expert padded to the largest count (dropping nothing) and run

@@ -7,19 +7,16 @@ a kernel (or a recomputation) without atomic floating-point adds, with its torch
 
 from mcore_kernels.moe import reference
 from mcore_kernels.moe.grouped_gemm import grouped_swiglu_mlp
-from mcore_kernels.moe.grouped_gemm_tma import grouped_swiglu_mlp_tma, tma_grouped_supported
 from mcore_kernels.moe.permute import permute_tokens, unpermute_combine, unpermute_sum
 from mcore_kernels.moe.router import moe_router
 from mcore_kernels.moe.swiglu import swiglu, weighted_swiglu
 
 __all__ = [
     "grouped_swiglu_mlp",
-    "grouped_swiglu_mlp_tma",
     "moe_router",
     "permute_tokens",
     "reference",
     "swiglu",
-    "tma_grouped_supported",
     "unpermute_combine",
     "unpermute_sum",
     "weighted_swiglu",

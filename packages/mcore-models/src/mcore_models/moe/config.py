@@ -15,7 +15,7 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
 """Names accepted by :attr:`MoEConfig.dispatcher`."""
 
-EXPERT_KERNELS = ("grouped_mm", "triton", "triton_tma", "cublas", "bmm")
+EXPERT_KERNELS = ("grouped_mm", "triton", "cublas", "bmm")
 """Names accepted by :attr:`MoEConfig.expert_kernel`."""
 
 
@@ -79,9 +79,7 @@ class MoEConfig:
     "cublas" (dropless: one cuBLAS GEMM per expert and pass, with the group sizes copied to the
     host once per layer call, a device sync; for few experts with many tokens each, where
     per-expert GEMMs are as efficient as the dense one; drop-and-pad runs batched GEMMs) or
-    "triton_tma" (dropless: ``mcore_kernels.moe.grouped_swiglu_mlp_tma``, persistent grouped
-    GEMMs with TMA tile loads and SwiGLU in their epilogues, on GPUs of compute capability 9.0
-    or newer; elsewhere the "grouped_mm" path) or "bmm" (dropless on one rank: every expert
+    "bmm" (dropless on one rank: every expert
     padded to the largest expert's row count, rounded up to 8, and run as batched cuBLAS
     GEMMs like drop-and-pad, dropping nothing; the count is copied to the host, a device
     sync; routing so uneven that this pads more than 25% runs "grouped_mm" instead).

@@ -8,13 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mcore_kernels.moe import (
-    grouped_swiglu_mlp,
-    grouped_swiglu_mlp_tma,
-    swiglu,
-    tma_grouped_supported,
-    weighted_swiglu,
-)
+from mcore_kernels.moe import grouped_swiglu_mlp, swiglu, weighted_swiglu
 from mcore_models.errors import ModelInputError
 
 __all__ = ["GroupedExperts", "grouped_mm_supported"]
@@ -159,7 +153,7 @@ class GroupedExperts(nn.Module):
         dtype: Dtype of the weights.
         grouped_gemm: Use grouped kernels (``torch._grouped_mm`` where available, or Triton);
             False runs a loop over experts.
-        expert_kernel: "grouped_mm", "triton", "triton_tma" or "cublas" (see
+        expert_kernel: "grouped_mm", "triton", "cublas" or "bmm" (see
             ``MoEConfig.expert_kernel``).
         device: Device of the weights (``"meta"`` for construction without memory).
     """
@@ -274,14 +268,6 @@ class GroupedExperts(nn.Module):
                 return swiglu(gate_up)
             return weighted_swiglu(gate_up, row_weights)
 
-        if (
-            self.grouped_gemm
-            and self.expert_kernel == "triton_tma"
-            and tma_grouped_supported(tokens, self.down_proj)
-        ):
-            return grouped_swiglu_mlp_tma(
-                tokens, self._gate_up_weight(), self.down_proj, counts, row_weights
-            )
         if self.grouped_gemm and self.expert_kernel == "cublas":
             # NOTE: the group sizes on the host (one device sync per call) for per-expert GEMMs.
             sizes = counts.tolist()
