@@ -47,8 +47,9 @@ def _generator(seed: int) -> torch.Generator:
         (16, 4, "sigmoid", True, False, 0.5),
     ],
 )
+@pytest.mark.parametrize("score_grad", [True, False], ids=["weights+scores", "weights"])
 def test_router_matches_reference_values_and_gradients(
-    num_experts, top_k, score, bias, normalize, scaling
+    num_experts, top_k, score, bias, normalize, scaling, score_grad
 ):
     g = _generator(num_experts + top_k)
     logits = torch.randn(37, num_experts, generator=g)
@@ -62,7 +63,10 @@ def test_router_matches_reference_values_and_gradients(
     for fn in (moe_router, moe_router_reference):
         leaf = logits.clone().requires_grad_(True)
         weights, experts, scores, counts = fn(leaf, top_k, **kwargs)
-        ((weights * grad_w).sum() + (scores * grad_s).sum()).backward()
+        loss = (weights * grad_w).sum()
+        if score_grad:
+            loss = loss + (scores * grad_s).sum()
+        loss.backward()
         results.append((weights.detach(), experts, scores.detach(), counts, leaf.grad))
     (w, e, s, c, dl), (rw, re, rs, rc, rdl) = results
     assert torch.equal(e, re) and torch.equal(c, rc)

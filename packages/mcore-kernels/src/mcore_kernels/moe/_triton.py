@@ -11,6 +11,7 @@ import triton.language as tl
 
 __all__ = [
     "gather_rows_kernel",
+    "router_backward_kernel",
     "router_kernel",
     "sum_rows_kernel",
     "swiglu_backward_kernel",
@@ -78,6 +79,70 @@ def router_kernel(
     offsets = rows[:, None] * TOP_K + ks[None, :]
     tl.store(weights_ptr + offsets, picked_w, mask=out_mask)
     tl.store(experts_ptr + offsets, picked_e.to(tl.int64), mask=out_mask)
+
+
+@triton.jit
+def router_backward_kernel(
+    logits_ptr,
+    experts_ptr,
+    grad_w_ptr,
+    grad_s_ptr,
+    out_ptr,
+    num_tokens,
+    num_experts,
+    scaling,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    HAS_GW: tl.constexpr,
+    HAS_GS: tl.constexpr,
+):
+    """Gradient of :func:`router_kernel`'s weights and scores with respect to the logits of
+    ``BLOCK_T`` tokens: the scores recomputed, the weights' closed-form gradient added at the
+    chosen experts (distinct per token), then the softmax or sigmoid backward."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_tokens
+    col_ok = cols < num_experts
+    mask = row_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * num_experts + cols[None, :]
+    logits = tl.load(logits_ptr + offsets, mask=mask, other=0.0)
+    logits = tl.where(col_ok[None, :], logits.to(tl.float32), float("-inf"))
+    if SIGMOID:
+        scores = tl.where(col_ok[None, :], 1.0 / (1.0 + tl.exp(-logits)), 0.0)
+    else:
+        shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = shifted / tl.sum(shifted, axis=1)[:, None]
+    if HAS_GS:
+        grad = tl.load(grad_s_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    else:
+        grad = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    if HAS_GW:
+        ks = tl.arange(0, K_PAD)
+        k_mask = row_ok[:, None] & (ks[None, :] < TOP_K)
+        k_offsets = rows[:, None] * TOP_K + ks[None, :]
+        chosen_e = tl.load(experts_ptr + k_offsets, mask=k_mask, other=0).to(tl.int32)
+        g = tl.load(grad_w_ptr + k_offsets, mask=k_mask, other=0.0).to(tl.float32) * scaling
+        chosen = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            expert = tl.sum(tl.where(ks[None, :] == j, chosen_e, 0), axis=1)
+            picked = tl.sum(tl.where(cols[None, :] == expert[:, None], scores, 0.0), axis=1)
+            chosen = tl.where(ks[None, :] == j, picked[:, None], chosen)
+        if NORMALIZE:
+            total = tl.sum(chosen, axis=1) + 1e-20
+            g = (g - (tl.sum(g * chosen, axis=1) / total)[:, None]) / total[:, None]
+        for j in tl.static_range(TOP_K):
+            expert = tl.sum(tl.where(ks[None, :] == j, chosen_e, 0), axis=1)
+            g_j = tl.sum(tl.where(ks[None, :] == j, g, 0.0), axis=1)
+            grad += tl.where(cols[None, :] == expert[:, None], g_j[:, None], 0.0)
+    if SIGMOID:
+        out = grad * scores * (1.0 - scores)
+    else:
+        out = scores * (grad - tl.sum(grad * scores, axis=1)[:, None])
+    tl.store(out_ptr + offsets, out, mask=mask)
 
 
 @triton.jit
