@@ -380,9 +380,16 @@ def run_case(
         rows.append(row)
         print(f"{name}: {implementation}: {time.perf_counter() - begin:.1f} s", flush=True)
         if emit is not None:
+            _ratios(rows)
             emit(rows)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    _ratios(rows)
+    return rows
+
+
+def _ratios(rows: list[dict]) -> None:
+    """Add "vs dense" (the faster dense peer) and "vs transformers" to one case's rows."""
     times = {row["implementation"]: row.get("ms") for row in rows}
     dense = min((t for k, t in times.items() if k in (DENSE, DENSE_FUSED) and t), default=None)
     hf = times.get(HF_GROUPED)
@@ -392,7 +399,6 @@ def run_case(
                 row["throughput_vs_dense"] = dense / row["ms"]
             if hf:
                 row["speedup_vs_hf_grouped_mm"] = hf / row["ms"]
-    return rows
 
 
 def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> float:
