@@ -472,21 +472,23 @@ def _markdown(device_name: str, rows: list[dict]) -> str:
         f"MoE layer forward + backward on {device_name} (bf16 on GPU)",
         "",
         "| case | implementation | tokens | ms | tokens/s | active TFLOP/s | vs dense | "
-        "vs transformers grouped_mm | outside expert GEMMs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "vs transformers grouped_mm | outside expert GEMMs | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "ms" not in row:
             lines.append(
                 f"| {row['case']} | {row['implementation']} | {row['tokens']} | "
-                f"error: {row['error'][:60]} | | | | | |"
+                f"error: {row['error'][:60]} | | | | | | |"
             )
             continue
+        share = f"{100 * row['non_gemm_share']:.0f}%" if "non_gemm_share" in row else ""
+        peak = f"{row['peak_gib']:.1f}" if "peak_gib" in row else ""
         lines.append(
             f"| {row['case']} | {row['implementation']} | {row['tokens']} | {row['ms']:.2f} | "
             f"{row['tokens_per_s']:,.0f} | {row['active_tflops']:.0f} | "
             f"{_ratio(row, 'throughput_vs_dense')} | {_ratio(row, 'speedup_vs_hf_grouped_mm')} | "
-            + (f"{100 * row['non_gemm_share']:.0f}% |" if "non_gemm_share" in row else "|")
+            f"{share} | {peak} |"
         )
     return "\n".join(lines) + "\n"
 
