@@ -7,7 +7,11 @@ Each case times ``MoELayer`` in the same run on the same GPU as its peers:
   epilogue and in the down projection's backward; its drop-and-pad variant, which skips the
   padding rows, runs at the same speed and is left out to keep the script short);
 - dropless with ``torch._grouped_mm`` and drop-and-pad with batched GEMMs
-  (``expert_kernel="grouped_mm"``), both with the fused router/permute/combine/SwiGLU kernels;
+  (``expert_kernel="grouped_mm"``), both with the fused router/permute/combine/SwiGLU kernels
+  and the routing weights applied inside the experts (the default), and dropless once more
+  with the weights applied in the combine (``weights_in_experts=False``);
+- dropless on batched GEMMs padded to the largest expert (``expert_kernel="bmm"``, a host
+  sync) and, with few experts, one cuBLAS GEMM per expert (``expert_kernel="cublas"``);
 - dropless with the kernels' torch references (cases with few experts only: it is the slowest
   row), and the loop over experts where there are few experts.
 
@@ -27,7 +31,8 @@ tokens already in expert order, or in their capacity slots).
 Run from the repository root on the GPU machine::
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
-    python3 packages/mcore-models/benchmarks/bench_moe.py --out $OUT/moe --profile
+    python3 packages/mcore-models/benchmarks/bench_moe.py --out $OUT/moe --profile \
+        --skip "Triton grouped"
 
 ``--smoke`` runs tiny shapes on the CPU once (a check that the script works, not a result).
 """
