@@ -133,6 +133,9 @@ class FusedDecoder:
             None: :data:`GEMV_MAX_ROWS`).
         lm_head_gemv_max_rows: :meth:`compute_logits` of at most this many rows runs the LM
             head as ``decode_gemv`` (0: never; None: :data:`LM_HEAD_GEMV_MAX_ROWS`).
+        pdl: Launch the ``decode_gemv`` kernels with programmatic dependent launch (Hopper
+            or newer; ignored elsewhere): each starts streaming its weight while the previous
+            kernel finishes.
     """
 
     def __init__(
@@ -141,8 +144,10 @@ class FusedDecoder:
         *,
         gemv_max_rows: int | None = None,
         lm_head_gemv_max_rows: int | None = None,
+        pdl: bool = False,
     ) -> None:
         self.model = model
+        self.pdl = pdl
         self.gemv_max_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
         self.lm_head_gemv_max_rows = (
             LM_HEAD_GEMV_MAX_ROWS if lm_head_gemv_max_rows is None else lm_head_gemv_max_rows
@@ -258,6 +263,7 @@ class FusedDecoder:
                 fused.qkv_bias,
                 norm_weight=layer.input_norm.weight,
                 norm_eps=layer.input_norm.eps,
+                pdl=self.pdl,
             )
             q, k, v = (
                 part.unflatten(-1, (-1, attention.head_dim))
@@ -271,6 +277,7 @@ class FusedDecoder:
                 attention.o_proj.weight,
                 attention.o_proj.bias,
                 residual=residual,
+                pdl=self.pdl,
             )
             activation = decode_gemv(
                 residual,
@@ -278,8 +285,11 @@ class FusedDecoder:
                 norm_weight=layer.post_attention_norm.weight,
                 norm_eps=layer.post_attention_norm.eps,
                 swiglu=True,
+                pdl=self.pdl,
             )
-            residual = decode_gemv(activation, mlp.down_proj.weight, residual=residual)
+            residual = decode_gemv(
+                activation, mlp.down_proj.weight, residual=residual, pdl=self.pdl
+            )
         return model.final_norm(residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -295,7 +305,7 @@ class FusedDecoder:
         model = self.model
         if hidden.dim() != 2 or hidden.shape[0] > self.lm_head_gemv_max_rows:
             return model.compute_logits(hidden)
-        return decode_gemv(hidden, model.output_weight()).float()
+        return decode_gemv(hidden, model.output_weight(), pdl=self.pdl).float()
 
 
 def build_fused_decoder(model: Any, enabled: bool) -> FusedDecoder | None:

@@ -37,8 +37,11 @@ from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
     CachedLauncher,
     device_limits,
+    gdc_launch_dependents,
+    gdc_wait,
     jit,
     next_power_of_2,
+    pdl_supported,
     round_to,
     tl,
     triton,
@@ -50,6 +53,7 @@ from mcore_kernels.errors import (
     KernelValueError,
 )
 from mcore_kernels.reference import decode_gemv_reference
+
 
 __all__ = ["GemvConfig", "decode_gemv", "decode_gemv_triton", "gemv_config"]
 
@@ -272,7 +276,11 @@ def _gemv_kernel(
     UPCAST_DOT: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     K_ALIGNED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        # Let the next kernel's programs start (and prefetch their own weights) early.
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -294,15 +302,19 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     scales = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM:
+    if HAS_NORM or USE_PDL:
         # The first weight tile is requested before the norm's reduction over the rows, so
-        # the two memory latencies overlap.
+        # the two memory latencies overlap; with programmatic dependent launch it is requested
+        # before waiting for the previous kernel (the weights do not depend on it, the rows do).
         first = k_begin + offs_k
         if k_full > k_begin:
             w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, SWIGLU, False)
         else:
             w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, SWIGLU, True)
-        scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
+        if USE_PDL:
+            gdc_wait()
+        if HAS_NORM:
+            scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
         acc, acc_up = _accumulate(
             acc, acc_up, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, first, k_end, M, stride_xm, pid_m,
@@ -398,6 +410,7 @@ def _sum_partials_kernel(
 
 
 _GEMV = CachedLauncher(_gemv_kernel)
+_GEMV_PDL = CachedLauncher(_gemv_kernel, launch_pdl=True)
 _SUM_PARTIALS = CachedLauncher(_sum_partials_kernel)
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
@@ -496,6 +509,7 @@ def decode_gemv_triton(
     swiglu: bool = False,
     residual: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Triton path of :func:`decode_gemv` (fixed shapes, graph-safe).
 
@@ -508,6 +522,9 @@ def decode_gemv_triton(
         swiglu: Treat ``weight`` as gate rows then up rows and return ``silu(gate) * up``.
         residual: Optional ``[M, N_out]`` tensor added to the result.
         config: Launch configuration; None picks :func:`gemv_config`.
+        pdl: Launch with programmatic dependent launch where the device supports it: the
+            programs start while the previous kernel runs, load their first weight tile, and
+            wait for that kernel before they read ``x``, ``residual`` or write anything.
 
     Returns:
         ``[M, N_out]`` in the dtype of ``x``.
@@ -547,6 +564,7 @@ def decode_gemv_triton(
     dummy = x
     interpreting = not x.is_cuda
     device_index = x.get_device()
+    use_pdl = pdl and pdl_supported(x.device)
     args = (
         x,
         weight,
@@ -585,12 +603,19 @@ def decode_gemv_triton(
         if norm_weight is not None
         else 16,
         "K_ALIGNED": k % 16 == 0,
+        "USE_PDL": use_pdl,
     }
     if config.num_stages is None:
-        _GEMV((grid_n, split_k, grid_m), args, constexprs, config.num_warps, device_index)
+        launcher = _GEMV_PDL if use_pdl else _GEMV
+        launcher((grid_n, split_k, grid_m), args, constexprs, config.num_warps, device_index)
     else:
+        options = {"launch_pdl": True} if use_pdl else {}
         _gemv_kernel[(grid_n, split_k, grid_m)](
-            *args, **constexprs, num_warps=config.num_warps, num_stages=config.num_stages
+            *args,
+            **constexprs,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            **options,
         )
     if second_pass:
         _SUM_PARTIALS(
@@ -628,6 +653,7 @@ def decode_gemv(
     norm_eps: float = 1e-6,
     swiglu: bool = False,
     residual: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``[RMSNorm] -> x @ weight.T + bias -> [SwiGLU] -> [+ residual]`` of a few rows.
 
@@ -640,6 +666,9 @@ def decode_gemv(
         norm_eps: RMSNorm epsilon.
         swiglu: Return ``silu(gate) * up`` (``[M, N // 2]``) instead of the projection.
         residual: Optional ``[M, N_out]`` tensor added to the result (rounded once more).
+        pdl: Launch the Triton kernel with programmatic dependent launch where the device
+            supports it (Hopper or newer): it then overlaps the previous kernel's tail. The
+            result is the same; every earlier kernel's writes are visible to it.
 
     Returns:
         ``[M, N_out]`` in the dtype of ``x``.
@@ -653,7 +682,7 @@ def decode_gemv(
     _check_args(x, weight, bias, norm_weight, residual, swiglu)
     if _compile.compiling():
         return _decode_gemv_op(x, weight, bias, norm_weight, float(norm_eps), swiglu, residual)
-    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual)
+    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual, pdl)
 
 
 def _decode_gemv_run(
@@ -664,6 +693,7 @@ def _decode_gemv_run(
     norm_eps: float,
     swiglu: bool,
     residual: torch.Tensor | None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(
@@ -674,6 +704,7 @@ def _decode_gemv_run(
             norm_eps=norm_eps,
             swiglu=swiglu,
             residual=residual,
+            pdl=pdl,
         )
     return decode_gemv_reference(
         x,
