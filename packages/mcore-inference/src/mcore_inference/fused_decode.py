@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.moe.swiglu import swiglu
+from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
@@ -133,9 +134,10 @@ class FusedDecoder:
             None: :data:`GEMV_MAX_ROWS`).
         lm_head_gemv_max_rows: :meth:`compute_logits` of at most this many rows runs the LM
             head as ``decode_gemv`` (0: never; None: :data:`LM_HEAD_GEMV_MAX_ROWS`).
-        pdl: Launch the ``decode_gemv`` kernels with programmatic dependent launch (Hopper
-            or newer; ignored elsewhere): each starts streaming its weight while the previous
-            kernel finishes.
+        pdl: Launch the decode kernels (projections, RoPE + cache write, attention) with
+            programmatic dependent launch (:mod:`mcore_kernels.pdl`; Hopper or newer, ignored
+            elsewhere): each starts, and the projections stream their weights, while the
+            previous kernel finishes.
     """
 
     def __init__(
@@ -221,6 +223,12 @@ class FusedDecoder:
         Returns:
             ``[1, T, hidden]`` final-normed hidden states (``return_hidden=True`` of the model).
         """
+        with programmatic_dependent_launch(self.pdl):
+            return self._forward(input_ids, position_ids, kv_cache)
+
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: PagedKVCache
+    ) -> torch.Tensor:
         model = self.model
         hidden = model.embedding(input_ids[0])
         cos, sin = model.rotary(position_ids[0])
@@ -263,7 +271,6 @@ class FusedDecoder:
                 fused.qkv_bias,
                 norm_weight=layer.input_norm.weight,
                 norm_eps=layer.input_norm.eps,
-                pdl=self.pdl,
             )
             q, k, v = (
                 part.unflatten(-1, (-1, attention.head_dim))
@@ -277,7 +284,6 @@ class FusedDecoder:
                 attention.o_proj.weight,
                 attention.o_proj.bias,
                 residual=residual,
-                pdl=self.pdl,
             )
             activation = decode_gemv(
                 residual,
@@ -285,11 +291,8 @@ class FusedDecoder:
                 norm_weight=layer.post_attention_norm.weight,
                 norm_eps=layer.post_attention_norm.eps,
                 swiglu=True,
-                pdl=self.pdl,
             )
-            residual = decode_gemv(
-                activation, mlp.down_proj.weight, residual=residual, pdl=self.pdl
-            )
+            residual = decode_gemv(activation, mlp.down_proj.weight, residual=residual)
         return model.final_norm(residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -305,7 +308,8 @@ class FusedDecoder:
         model = self.model
         if hidden.dim() != 2 or hidden.shape[0] > self.lm_head_gemv_max_rows:
             return model.compute_logits(hidden)
-        return decode_gemv(hidden, model.output_weight(), pdl=self.pdl).float()
+        with programmatic_dependent_launch(self.pdl):
+            return decode_gemv(hidden, model.output_weight()).float()
 
 
 def build_fused_decoder(model: Any, enabled: bool) -> FusedDecoder | None:

@@ -52,8 +52,8 @@ from mcore_kernels.errors import (
     KernelShapeError,
     KernelValueError,
 )
+from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.reference import decode_gemv_reference
-
 
 __all__ = ["GemvConfig", "decode_gemv", "decode_gemv_triton", "gemv_config"]
 
@@ -509,7 +509,7 @@ def decode_gemv_triton(
     swiglu: bool = False,
     residual: torch.Tensor | None = None,
     config: GemvConfig | None = None,
-    pdl: bool = False,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`decode_gemv` (fixed shapes, graph-safe).
 
@@ -524,7 +524,8 @@ def decode_gemv_triton(
         config: Launch configuration; None picks :func:`gemv_config`.
         pdl: Launch with programmatic dependent launch where the device supports it: the
             programs start while the previous kernel runs, load their first weight tile, and
-            wait for that kernel before they read ``x``, ``residual`` or write anything.
+            wait for that kernel before they read ``x``, ``residual`` or write anything (None:
+            inside :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
 
     Returns:
         ``[M, N_out]`` in the dtype of ``x``.
@@ -564,7 +565,7 @@ def decode_gemv_triton(
     dummy = x
     interpreting = not x.is_cuda
     device_index = x.get_device()
-    use_pdl = pdl and pdl_supported(x.device)
+    use_pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_supported(x.device)
     args = (
         x,
         weight,
@@ -653,7 +654,7 @@ def decode_gemv(
     norm_eps: float = 1e-6,
     swiglu: bool = False,
     residual: torch.Tensor | None = None,
-    pdl: bool = False,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``[RMSNorm] -> x @ weight.T + bias -> [SwiGLU] -> [+ residual]`` of a few rows.
 
@@ -668,7 +669,8 @@ def decode_gemv(
         residual: Optional ``[M, N_out]`` tensor added to the result (rounded once more).
         pdl: Launch the Triton kernel with programmatic dependent launch where the device
             supports it (Hopper or newer): it then overlaps the previous kernel's tail. The
-            result is the same; every earlier kernel's writes are visible to it.
+            result is the same; every earlier kernel's writes are visible to it. None: inside
+            :func:`mcore_kernels.pdl.programmatic_dependent_launch` only.
 
     Returns:
         ``[M, N_out]`` in the dtype of ``x``.
@@ -693,7 +695,7 @@ def _decode_gemv_run(
     norm_eps: float,
     swiglu: bool,
     residual: torch.Tensor | None,
-    pdl: bool = False,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(

@@ -30,10 +30,18 @@ import torch
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import _interpreting, use_triton
-from mcore_kernels._triton_utils import jit, next_power_of_2, tl, triton
+from mcore_kernels._triton_utils import (
+    gdc_launch_dependents,
+    gdc_wait,
+    jit,
+    next_power_of_2,
+    tl,
+    triton,
+)
 from mcore_kernels._validation import check_paged_attention_args
 from mcore_kernels.errors import KernelBackendError, KernelShapeError
 from mcore_kernels.paged_attention_config import PagedDecodeConfig, paged_decode_config
+from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.reference import paged_attention_reference
 
 __all__ = [
@@ -171,7 +179,13 @@ def _paged_attention_split_kernel(
     DOT: tl.constexpr,
     ALIGN: tl.constexpr,
     DOT_F32: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        # Programmatic dependent launch: let the next kernel start, then wait for the previous
+        # one (which wrote the queries and the new keys and values) before reading anything.
+        gdc_launch_dependents()
+        gdc_wait()
     # Rows of the program: TOKENS consecutive tokens x GROUP_PAD query heads of one KV head,
     # padded to ROWS (16 for tensor-core products). The cache strides arrive divided by ALIGN
     # (their common divisor, at most 16 elements), so every row start is known ALIGN-aligned
@@ -412,6 +426,7 @@ def paged_attention_triton(
     # grouping never changes a result, only how often keys and values are read.
     tokens = rows // group_pad if dot and num_tokens >= config.prefill_tokens else 1
     grid = (-(-num_tokens // tokens), num_kv_heads, num_splits)
+    use_pdl = pdl_enabled(q.device)
     _paged_attention_split_kernel[grid](
         q,
         k_cache,
@@ -445,8 +460,10 @@ def paged_attention_triton(
         DOT=dot,
         ALIGN=align,
         DOT_F32=dot_f32,
+        USE_PDL=use_pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     if num_splits == 1:
         return out

@@ -29,8 +29,16 @@ from __future__ import annotations
 import torch
 
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import jit, next_power_of_2, tl, triton
+from mcore_kernels._triton_utils import (
+    gdc_launch_dependents,
+    gdc_wait,
+    jit,
+    next_power_of_2,
+    tl,
+    triton,
+)
 from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
+from mcore_kernels.pdl import pdl_enabled
 
 __all__ = ["rotary_kv_write", "rotary_kv_write_reference", "rotary_kv_write_triton"]
 
@@ -73,7 +81,13 @@ def _rotary_kv_write_kernel(
     num_q_heads,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        # Programmatic dependent launch: let the next kernel start, then wait for the previous
+        # one (which wrote q, k, v and the tables) before reading anything.
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offsets = tl.arange(0, HALF_PAD)
@@ -263,6 +277,7 @@ def rotary_kv_write_triton(
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise KernelShapeError("k_cache and v_cache must have a contiguous last dimension")
     half = head_dim // 2
+    use_pdl = pdl_enabled(q.device)
     _rotary_kv_write_kernel[(num_tokens, num_q_heads + num_kv_heads)](
         q,
         k,
@@ -290,7 +305,9 @@ def rotary_kv_write_triton(
         num_q_heads,
         HALF=half,
         HALF_PAD=next_power_of_2(half),
+        USE_PDL=use_pdl,
         num_warps=1,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
 
