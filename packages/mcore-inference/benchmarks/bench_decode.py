@@ -69,7 +69,7 @@ def _timed(fn) -> float:
 
 
 def _mcore_decode_seconds(
-    model, prompts, new_tokens, *, use_cuda_graphs, fused_decode=True, profile_tokens=0
+    model, prompts, new_tokens, *, use_cuda_graphs, profile_tokens=0, **overrides
 ) -> tuple[float, float, dict | None]:
     batch, prompt_len = len(prompts), len(prompts[0])
     config = InferenceConfig(
@@ -80,7 +80,7 @@ def _mcore_decode_seconds(
         prefill_chunk_size=prompt_len,
         use_cuda_graphs=use_cuda_graphs,
         cuda_graph_batch_sizes=(batch,),
-        fused_decode=fused_decode,
+        **overrides,
     )
     with InferenceEngine(model, config) as engine:
         engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
@@ -143,8 +143,8 @@ def main() -> None:
     )
     parser.add_argument("--name", default=None, help="shape name in the result files")
     parser.add_argument("--batch-sizes", default="1,64,256,512")
-    parser.add_argument("--hf-batch-sizes", default="1,64,256")
-    parser.add_argument("--hf-static-batch-sizes", default="")
+    parser.add_argument("--hf-batch-sizes", default="1,64,256,512")
+    parser.add_argument("--hf-static-batch-sizes", default="1,64,256,512")
     parser.add_argument("--eager-batch-sizes", default="1,64")
     parser.add_argument("--profile-batch-sizes", default="1,64")
     parser.add_argument("--profile-tokens", type=int, default=32)
@@ -152,6 +152,11 @@ def main() -> None:
         "--compare-unfused",
         action="store_true",
         help="also run the engine with InferenceConfig(fused_decode=False)",
+    )
+    parser.add_argument(
+        "--compare-pdl",
+        action="store_true",
+        help="also run the engine with InferenceConfig.decode_pdl flipped from its default",
     )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -226,6 +231,15 @@ def main() -> None:
                 model, prompts, args.new_tokens, use_cuda_graphs=True, fused_decode=False
             )
             row["mcore_unfused_tokens_per_s"] = generated / unfused
+        if args.compare_pdl:
+            flipped, _, _ = _mcore_decode_seconds(
+                model,
+                prompts,
+                args.new_tokens,
+                use_cuda_graphs=True,
+                decode_pdl=not InferenceConfig().decode_pdl,
+            )
+            row["mcore_pdl_flipped_tokens_per_s"] = generated / flipped
         if batch in eager_batch_sizes:
             eager, _, _ = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=False

@@ -312,12 +312,13 @@ class FusedDecoder:
             return decode_gemv(hidden, model.output_weight()).float()
 
 
-def build_fused_decoder(model: Any, enabled: bool) -> FusedDecoder | None:
+def build_fused_decoder(model: Any, enabled: bool, *, pdl: bool = False) -> FusedDecoder | None:
     """The engine's fused decoder for ``model``, or None where it does not apply.
 
     Args:
         model: The engine's model.
         enabled: ``InferenceConfig.fused_decode``.
+        pdl: ``InferenceConfig.decode_pdl`` (see :class:`FusedDecoder`).
 
     Returns:
         A :class:`FusedDecoder`, or None when disabled or unsupported (the model's own
@@ -325,4 +326,4 @@ def build_fused_decoder(model: Any, enabled: bool) -> FusedDecoder | None:
     """
     if not enabled or fused_decoder_unsupported_reason(model) is not None:
         return None
-    return FusedDecoder(model)
+    return FusedDecoder(model, pdl=pdl)
