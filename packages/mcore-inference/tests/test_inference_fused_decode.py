@@ -187,3 +187,24 @@ def test_fused_cuda_graph_decode_matches_eager_model_forward_on_gpu():
         ):
             assert tokens == expected_tokens
             torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_pdl_gives_the_same_tokens_and_logprobs_on_gpu():
+    # On Hopper or newer the graphs' decode kernels run with programmatic dependent launch
+    # (elsewhere the flag is ignored): nothing may change, bit for bit.
+    model = _model(5, bias_and_qk_norm=True).cuda().to(torch.bfloat16)
+    results = []
+    for pdl in (False, True):
+        config = InferenceConfig(
+            max_batch_size=4,
+            max_sequence_length=32,
+            block_size=4,
+            prefill_chunk_size=4,
+            attention_split_size=8,
+            decode_pdl=pdl,
+        )
+        with InferenceEngine(model, config) as engine:
+            results.append([(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)])
+    assert results[0] == results[1]
