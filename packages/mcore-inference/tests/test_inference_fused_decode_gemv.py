@@ -119,10 +119,23 @@ def test_lm_head_matches_compute_logits(model, gemv_calls):
     expected = model.compute_logits(hidden)
     actual = FusedDecoder(model, lm_head_gemv_max_rows=5).compute_logits(hidden)
     assert gemv_calls == [(5, model.config.hidden_size)]
-    assert actual.dtype == torch.float32
+    # The model's dtype, never upcast (float32 for this model).
+    assert actual.dtype == model.output_weight().dtype
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-    FusedDecoder(model, lm_head_gemv_max_rows=4).compute_logits(hidden)
+    wide = FusedDecoder(model, lm_head_gemv_max_rows=4).compute_logits(hidden)
     assert len(gemv_calls) == 1
+    torch.testing.assert_close(wide, expected)
+
+
+def test_bfloat16_logits_stay_in_the_model_dtype():
+    model = _model(5, dtype=torch.bfloat16)
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(torch.bfloat16)
+    for rows in (4, 5):
+        actual = FusedDecoder(model, lm_head_gemv_max_rows=rows).compute_logits(hidden)
+        assert actual.dtype == torch.bfloat16
+        # Upcasting is exact: the float32 logits of the model are these values.
+        torch.testing.assert_close(actual.float(), model.compute_logits(hidden), atol=0, rtol=0)
 
 
 PROMPTS = [[3, 9, 4, 7, 1], [12, 2], [5, 8, 13, 21, 34, 55, 6, 10, 11, 40, 41]]

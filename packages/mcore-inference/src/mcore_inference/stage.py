@@ -96,7 +96,8 @@ class StageRunner:
 
         Returns:
             ``(output, logits)``: the hidden states for the next stage (a non-last stage with
-            tokens) and the float32 logits of the sampling rows (the last stage), each or None.
+            tokens) and the logits of the sampling rows (the last stage; float32, or in the
+            model's dtype with the fused decoder), each or None.
         """
         with torch.no_grad(), fused_tp_communication(self.model, self.fuse_tp_communication):
             return self._run(microbatch, received, has_work)
@@ -249,7 +250,8 @@ def sample_microbatch(
     """Sample the next token of every sampling request of a microbatch.
 
     Args:
-        logits: float32 ``[n, vocab]`` logits of the sampling rows.
+        logits: ``[n, vocab]`` logits of the sampling rows (float32, or already in
+            ``logits_dtype``).
         microbatch: The microbatch (its ``sampling`` requests, in row order).
         logits_dtype: The dtype the model computed the logits in before the float32 upcast
             (its parameter dtype); the log-probs are computed from the logits in that dtype, as
