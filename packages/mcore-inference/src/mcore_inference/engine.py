@@ -125,7 +125,10 @@ class InferenceEngine(_StepLoop):
         # Batch-invariant numerics must be those of the training forward: the model's own.
         invariant = config.batch_invariant or getattr(model_config, "batch_invariant", False)
         self._decoder: FusedDecoder | None = build_fused_decoder(
-            model, config.fused_decode and not invariant, pdl=config.decode_pdl
+            model,
+            config.fused_decode and not invariant,
+            pdl=config.decode_pdl,
+            max_positions=config.max_sequence_length,
         )
         self.mamba_states: MambaStateCache | None = None
         """Conv/SSM state slots of the Mamba layers (hybrid models only)."""
