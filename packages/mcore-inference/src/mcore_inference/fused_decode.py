@@ -46,6 +46,7 @@ from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
+from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
@@ -141,6 +142,9 @@ class FusedDecoder:
         max_positions: Positions are below this (the engine's ``max_sequence_length``): the
             RoPE cosines and sines of every position are computed once and each step looks its
             rows up (one kernel instead of four, same values). None computes them per step.
+        rope_in_projection: In the ``decode_gemv`` steps of a model without QK-norm, fold RoPE
+            and the key/value cache write into the q/k/v projection's epilogue
+            (``decode_gemv(..., rope=...)``): four launches per layer plus the attention.
     """
 
     def __init__(
@@ -151,8 +155,10 @@ class FusedDecoder:
         lm_head_gemv_max_rows: int | None = None,
         pdl: bool = False,
         max_positions: int | None = None,
+        rope_in_projection: bool = True,
     ) -> None:
         self.model = model
+        self.rope_in_projection = rope_in_projection
         self.pdl = pdl
         self.max_positions = max_positions
         self._rope_table: torch.Tensor | None = None
@@ -284,20 +290,47 @@ class FusedDecoder:
         residual = hidden
         for layer, fused in zip(model.layers, self._layers, strict=True):
             attention, mlp = layer.self_attention, layer.mlp
-            qkv = decode_gemv(
-                residual,
-                fused.qkv_weight,
-                fused.qkv_bias,
-                norm_weight=layer.input_norm.weight,
-                norm_eps=layer.input_norm.eps,
-            )
-            q, k, v = (
-                part.unflatten(-1, (-1, attention.head_dim))
-                for part in qkv.split(fused.split, dim=-1)
-            )
-            if attention.q_norm is not None and attention.k_norm is not None:
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            out = kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
+            if self.rope_in_projection and attention.q_norm is None:
+                # RoPE and the cache write in the projection's epilogue: one launch fewer.
+                keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
+                rope = RotaryCacheWrite(
+                    cos=cos,
+                    sin=sin,
+                    k_cache=keys,
+                    v_cache=values,
+                    slot_mapping=slots,
+                    num_q_heads=fused.split[0] // attention.head_dim,
+                )
+                q = decode_gemv(
+                    residual,
+                    fused.qkv_weight,
+                    fused.qkv_bias,
+                    norm_weight=layer.input_norm.weight,
+                    norm_eps=layer.input_norm.eps,
+                    rope=rope,
+                )
+                out = kv_cache.attend_stored_keys(
+                    layer.layer_idx,
+                    q.unflatten(-1, (-1, attention.head_dim)),
+                    scale=attention.scale,
+                )
+            else:
+                qkv = decode_gemv(
+                    residual,
+                    fused.qkv_weight,
+                    fused.qkv_bias,
+                    norm_weight=layer.input_norm.weight,
+                    norm_eps=layer.input_norm.eps,
+                )
+                q, k, v = (
+                    part.unflatten(-1, (-1, attention.head_dim))
+                    for part in qkv.split(fused.split, dim=-1)
+                )
+                if attention.q_norm is not None and attention.k_norm is not None:
+                    q, k = attention.q_norm(q), attention.k_norm(k)
+                out = kv_cache.attend_rotary(
+                    layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
+                )
             residual = decode_gemv(
                 out.flatten(-2),
                 attention.o_proj.weight,

@@ -28,6 +28,7 @@ overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,11 @@ from mcore_kernels.errors import (
 )
 from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.reference import decode_gemv_reference
+from mcore_kernels.rotary_kv_write import (
+    RotaryCacheWrite,
+    _flat_slots,
+    rotary_kv_write_reference,
+)
 
 __all__ = ["GemvConfig", "decode_gemv", "decode_gemv_triton", "gemv_config"]
 
@@ -154,15 +160,96 @@ def _epilogue(
 
 
 @jit
-def _load_tile(w_ptr, w_rows, up_rows, k, k_end, SWIGLU: tl.constexpr, MASKED: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_K]`` weight tile (and the up tile with SwiGLU) at ``k``."""
+def _rope_epilogue(
+    acc,
+    acc_up,
+    bias_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_cos,
+    stride_sin,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
+    offs_m,
+    offs_n,
+    m_mask,
+    N_PAIRS,
+    stride_om,
+    NUM_Q_HEADS,
+    NUM_KV_HEADS,
+    HAS_BIAS: tl.constexpr,
+    HALF: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """RoPE and the key/value cache write of a q/k/v tile of ``(first, second)``-half pairs.
+
+    Column ``c`` of the tile is pair ``offs_n[c]``: channel ``j`` and ``j + HALF`` of one head.
+    Query heads are rotated and stored to ``out`` (``[M, NUM_Q_HEADS * 2 * HALF]``), key heads
+    rotated and stored to the key cache, value heads stored to the value cache, each at the
+    row's slot, with the roundings of :func:`mcore_kernels.rotary_kv_write.rotary_kv_write`.
+    """
+    n_mask = offs_n < N_PAIRS
+    head = offs_n // HALF
+    j = offs_n % HALF
+    row = head * (2 * HALF) + j
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + row, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias_ptr + row + HALF, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    x1 = round_to(acc, DTYPE).to(tl.float32)
+    x2 = round_to(acc_up, DTYPE).to(tl.float32)
+    mask = m_mask[:, None] & n_mask[None, :]
+    # The tables are rounded to the activation dtype first, as the unfused expression does.
+    cos = tl.load(cos_ptr + offs_m[:, None] * stride_cos + j[None, :], mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + offs_m[:, None] * stride_sin + j[None, :], mask=mask, other=0.0)
+    cos = cos.to(DTYPE).to(tl.float32)
+    sin = sin.to(DTYPE).to(tl.float32)
+    first = (x1 * cos).to(DTYPE).to(tl.float32) - (x2 * sin).to(DTYPE).to(tl.float32)
+    second = (x2 * cos).to(DTYPE).to(tl.float32) + (x1 * sin).to(DTYPE).to(tl.float32)
+    first = first.to(DTYPE)
+    second = second.to(DTYPE)
+    is_query = head < NUM_Q_HEADS
+    is_key = (head >= NUM_Q_HEADS) & (head < NUM_Q_HEADS + NUM_KV_HEADS)
+    is_value = head >= NUM_Q_HEADS + NUM_KV_HEADS
+    target = out_ptr + offs_m[:, None] * stride_om + row[None, :]
+    query_mask = mask & is_query[None, :]
+    tl.store(target, first, mask=query_mask)
+    tl.store(target + HALF, second, mask=query_mask)
+    slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    kv_head = head - NUM_Q_HEADS
+    key_target = (
+        k_cache_ptr + slot[:, None] * stride_kc_slot + (kv_head * stride_kc_head + j)[None, :]
+    )
+    key_dtype = k_cache_ptr.dtype.element_ty
+    key_mask = mask & is_key[None, :]
+    tl.store(key_target, first.to(key_dtype), mask=key_mask)
+    tl.store(key_target + HALF, second.to(key_dtype), mask=key_mask)
+    value_head = kv_head - NUM_KV_HEADS
+    value_target = (
+        v_cache_ptr + slot[:, None] * stride_vc_slot + (value_head * stride_vc_head + j)[None, :]
+    )
+    value_dtype = v_cache_ptr.dtype.element_ty
+    value_mask = mask & is_value[None, :]
+    tl.store(value_target, x1.to(DTYPE).to(value_dtype), mask=value_mask)
+    tl.store(value_target + HALF, x2.to(DTYPE).to(value_dtype), mask=value_mask)
+
+
+@jit
+def _load_tile(w_ptr, w_rows, up_rows, k, k_end, PAIRED: tl.constexpr, MASKED: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile (and the paired tile: SwiGLU's up rows, RoPE's
+    second halves) at ``k``."""
     k_mask = k < k_end
     if MASKED:
         w = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
     else:
         w = tl.load(w_ptr + w_rows[:, None] + k[None, :])
     w_up = w
-    if SWIGLU:
+    if PAIRED:
         if MASKED:
             w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
         else:
@@ -190,7 +277,7 @@ def _accumulate(
     stride_xm,
     pid_m,
     HAS_NORM: tl.constexpr,
-    SWIGLU: tl.constexpr,
+    PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     USE_DOT: tl.constexpr,
     MASKED: tl.constexpr,
@@ -202,7 +289,7 @@ def _accumulate(
     dtype = x_ptr.dtype.element_ty
     k_mask = k < k_end
     if not PRELOADED:
-        w, w_up = _load_tile(w_ptr, w_rows, up_rows, k, k_end, SWIGLU, MASKED)
+        w, w_up = _load_tile(w_ptr, w_rows, up_rows, k, k_end, PAIRED, MASKED)
     gamma = k_mask.to(tl.float32)
     if HAS_NORM:
         gamma = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
@@ -220,7 +307,7 @@ def _accumulate(
             w = w.to(tl.float32)
             w_up = w_up.to(tl.float32)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-        if SWIGLU:
+        if PAIRED:
             acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
     else:
         wf = w.to(tl.float32)
@@ -235,7 +322,7 @@ def _accumulate(
             xf = xr.to(tl.float32)
             here = offs_m[:, None] == m
             acc = tl.where(here, acc + tl.sum(wf * xf[None, :], axis=1)[None, :], acc)
-            if SWIGLU:
+            if PAIRED:
                 acc_up = tl.where(
                     here, acc_up + tl.sum(wf_up * xf[None, :], axis=1)[None, :], acc_up
                 )
@@ -262,10 +349,26 @@ def _gemv_kernel(
     stride_rm,
     stride_om,
     eps,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_cos,
+    stride_sin,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
+    NUM_Q_HEADS,
+    NUM_KV_HEADS,
     HAS_BIAS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SWIGLU: tl.constexpr,
+    ROPE: tl.constexpr,
+    PAIRED: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -290,8 +393,15 @@ def _gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N_OUT
     # Rows past N_OUT read row 0 (never stored): the loads stay unmasked along N.
-    w_rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn
-    up_rows = (tl.where(n_mask, offs_n, 0) + N_OUT).to(tl.int64) * stride_wn
+    if ROPE:
+        # Columns are (first half, second half) channel pairs of the q/k/v heads.
+        pair = tl.where(n_mask, offs_n, 0)
+        first_rows = (pair // HALF) * (2 * HALF) + pair % HALF
+        w_rows = first_rows.to(tl.int64) * stride_wn
+        up_rows = (first_rows + HALF).to(tl.int64) * stride_wn
+    else:
+        w_rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn
+        up_rows = (tl.where(n_mask, offs_n, 0) + N_OUT).to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
@@ -308,9 +418,9 @@ def _gemv_kernel(
         # before waiting for the previous kernel (the weights do not depend on it, the rows do).
         first = k_begin + offs_k
         if k_full > k_begin:
-            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, SWIGLU, False)
+            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, PAIRED, False)
         else:
-            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, SWIGLU, True)
+            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, PAIRED, True)
         if USE_PDL:
             gdc_wait()
         if HAS_NORM:
@@ -318,7 +428,7 @@ def _gemv_kernel(
         acc, acc_up = _accumulate(
             acc, acc_up, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, first, k_end, M, stride_xm, pid_m,
-            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
+            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
         )  # fmt: skip
         k_begin = tl.minimum(k_begin + BLOCK_K, k_end)
         k_full = tl.maximum(k_full, k_begin)
@@ -326,26 +436,34 @@ def _gemv_kernel(
         acc, acc_up = _accumulate(
             acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, start + offs_k, k_end, M, stride_xm, pid_m,
-            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, False, DOT_PRECISION, UPCAST_DOT, False,
+            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, False, DOT_PRECISION, UPCAST_DOT, False,
         )  # fmt: skip
     if k_full < k_end:
         acc, acc_up = _accumulate(
             acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,
-            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, False,
+            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, False,
         )  # fmt: skip
     if not HAS_SPLIT:
-        _epilogue(
-            acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
-            stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
-        )  # fmt: skip
+        if ROPE:
+            _rope_epilogue(
+                acc, acc_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
+                v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
+                stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
+                NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
+            )  # fmt: skip
+        else:
+            _epilogue(
+                acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
+                stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+            )  # fmt: skip
     else:
         # Workspace [SPLIT_K, 2, M, N_OUT] float32: the gate (or only) partial, then the up one.
         tile = offs_m[:, None] * N_OUT + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         plane = M * N_OUT
         tl.store(ws_ptr + (pid_k * 2) * plane + tile, acc, mask=mask)
-        if SWIGLU:
+        if PAIRED:
             tl.store(ws_ptr + (pid_k * 2 + 1) * plane + tile, acc_up, mask=mask)
         if not STORE_PARTIALS:
             # Every thread's partial is written before the ticket (release) is taken.
@@ -359,17 +477,25 @@ def _gemv_kernel(
                     total += tl.load(
                         ws_ptr + (s * 2) * plane + tile, mask=mask, other=0.0, cache_modifier=".cg"
                     )
-                    if SWIGLU:
+                    if PAIRED:
                         total_up += tl.load(
                             ws_ptr + (s * 2 + 1) * plane + tile,
                             mask=mask,
                             other=0.0,
                             cache_modifier=".cg",
                         )
-                _epilogue(
-                    total, total_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
-                    stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
-                )  # fmt: skip
+                if ROPE:
+                    _rope_epilogue(
+                        total, total_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr,
+                        k_cache_ptr, v_cache_ptr, stride_cos, stride_sin, stride_kc_slot,
+                        stride_kc_head, stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask,
+                        N_OUT, stride_om, NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
+                    )  # fmt: skip
+                else:
+                    _epilogue(
+                        total, total_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask,
+                        N_OUT, stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+                    )  # fmt: skip
                 # Reset for the next launch (graph replays reuse the tickets).
                 tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
@@ -472,6 +598,7 @@ def _check_args(
     norm_weight: torch.Tensor | None,
     residual: torch.Tensor | None,
     swiglu: bool,
+    rope: RotaryCacheWrite | None = None,
 ) -> int:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise KernelShapeError(
@@ -496,6 +623,20 @@ def _check_args(
             )
         if residual.dtype != x.dtype:
             raise KernelDtypeError(f"residual {residual.dtype}; expected {x.dtype} like x")
+    if rope is not None:
+        heads = rope.num_q_heads + 2 * rope.num_kv_heads
+        if swiglu or residual is not None:
+            raise KernelValueError(
+                "rope with swiglu or residual; expected a plain q/k/v projection"
+            )
+        if n != heads * rope.head_dim or rope.head_dim % 2:
+            raise KernelShapeError(
+                f"weight has {n} rows with rope of {rope.num_q_heads} query and "
+                f"{rope.num_kv_heads} key/value heads of {rope.head_dim} channels; expected "
+                f"{heads * rope.head_dim} rows and an even head dim"
+            )
+        rope.check(torch.empty((x.shape[0], n), dtype=x.dtype, device="meta"))
+        return rope.num_q_heads * rope.head_dim
     return n_out
 
 
@@ -510,6 +651,7 @@ def decode_gemv_triton(
     residual: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     pdl: bool | None = None,
+    rope: RotaryCacheWrite | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`decode_gemv` (fixed shapes, graph-safe).
 
@@ -526,9 +668,11 @@ def decode_gemv_triton(
             programs start while the previous kernel runs, load their first weight tile, and
             wait for that kernel before they read ``x``, ``residual`` or write anything (None:
             inside :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
+        rope: Fold RoPE and the key/value cache write into a q/k/v projection (see
+            :func:`decode_gemv`).
 
     Returns:
-        ``[M, N_out]`` in the dtype of ``x``.
+        ``[M, N_out]`` in the dtype of ``x`` (with ``rope``, the rotated queries).
 
     Raises:
         KernelShapeError: If the shapes do not match the layout above.
@@ -537,7 +681,7 @@ def decode_gemv_triton(
     """
     if triton is None:
         raise KernelBackendError("backend='triton' requested but triton is not installed")
-    n_out = _check_args(x, weight, bias, norm_weight, residual, swiglu)
+    n_out = _check_args(x, weight, bias, norm_weight, residual, swiglu, rope)
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise KernelShapeError(
             f"x strides {x.stride()}, weight strides {weight.stride()}; expected a contiguous "
@@ -549,18 +693,25 @@ def decode_gemv_triton(
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
     if rows == 0 or n_out == 0:
         return out
+    # Output columns of the tiles: with rope, (first half, second half) channel pairs.
+    columns = n_out if rope is None else weight.shape[0] // 2
     if config is None:
-        config = gemv_config(rows, n_out, k, device_limits(x.device)[0])
+        config = gemv_config(rows, columns, k, device_limits(x.device)[0])
+        if rope is not None and not config.use_dot:
+            # A pair is two weight rows: as many rows per program as the plain projection.
+            config = dataclasses.replace(config, block_n=max(1, config.block_n // 2))
     block_m = _block_m(rows, config.use_dot)
-    grid_n = triton.cdiv(n_out, config.block_n)
+    grid_n = triton.cdiv(columns, config.block_n)
     grid_m = triton.cdiv(rows, block_m)
     k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_split)
     second_pass = split_k > 1 and config.reduce == "second_pass"
+    if second_pass and rope is not None:
+        raise KernelValueError("rope with GemvConfig.reduce='second_pass'; expected 'ticket'")
     ws = x
     tickets = x
     if split_k > 1:
-        ws = torch.empty((split_k, 2, rows, n_out), dtype=torch.float32, device=x.device)
+        ws = torch.empty((split_k, 2, rows, columns), dtype=torch.float32, device=x.device)
         tickets = _tickets(x.device, grid_n * grid_m)
     dummy = x
     interpreting = not x.is_cuda
@@ -576,7 +727,7 @@ def decode_gemv_triton(
         ws,
         tickets,
         rows,
-        n_out,
+        columns,
         k,
         k_split,
         split_k,
@@ -585,12 +736,16 @@ def decode_gemv_triton(
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
         float(norm_eps),
+        *_rope_args(rope, dummy),
     )
     constexprs = {
         "HAS_BIAS": bias is not None,
         "HAS_NORM": norm_weight is not None,
         "HAS_RESIDUAL": residual is not None,
         "SWIGLU": swiglu,
+        "ROPE": rope is not None,
+        "PAIRED": swiglu or rope is not None,
+        "HALF": rope.head_dim // 2 if rope is not None else 1,
         "BLOCK_M": block_m,
         "BLOCK_N": config.block_n,
         "BLOCK_K": config.block_k,
@@ -645,6 +800,33 @@ def decode_gemv_triton(
     return out
 
 
+def _rope_args(rope: RotaryCacheWrite | None, dummy: torch.Tensor) -> tuple:
+    """The kernel's RoPE arguments (pointers, strides, head counts); dummies without rope."""
+    if rope is None:
+        return (dummy,) * 5 + (0,) * 8
+    keys = _flat_slots(rope.k_cache, "k_cache")
+    values = _flat_slots(rope.v_cache, "v_cache")
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise KernelShapeError("k_cache and v_cache must have a contiguous last dimension")
+    if rope.cos.stride(-1) != 1 or rope.sin.stride(-1) != 1:
+        raise KernelShapeError("rope.cos and rope.sin must have a contiguous last dimension")
+    return (
+        rope.cos,
+        rope.sin,
+        rope.slot_mapping.contiguous(),
+        keys,
+        values,
+        rope.cos.stride(0),
+        rope.sin.stride(0),
+        keys.stride(0),
+        keys.stride(1),
+        values.stride(0),
+        values.stride(1),
+        rope.num_q_heads,
+        rope.num_kv_heads,
+    )
+
+
 def decode_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -655,6 +837,7 @@ def decode_gemv(
     swiglu: bool = False,
     residual: torch.Tensor | None = None,
     pdl: bool | None = None,
+    rope: RotaryCacheWrite | None = None,
 ) -> torch.Tensor:
     """``[RMSNorm] -> x @ weight.T + bias -> [SwiGLU] -> [+ residual]`` of a few rows.
 
@@ -671,17 +854,27 @@ def decode_gemv(
             supports it (Hopper or newer): it then overlaps the previous kernel's tail. The
             result is the same; every earlier kernel's writes are visible to it. None: inside
             :func:`mcore_kernels.pdl.programmatic_dependent_launch` only.
+        rope: Treat ``weight`` as a q/k/v projection (``Hq`` query, then ``Hkv`` key, then
+            ``Hkv`` value heads of ``D`` rows) and fold
+            :func:`~mcore_kernels.rotary_kv_write.rotary_kv_write` in: the queries and keys are
+            rotated, the keys and values stored in their cache slots, and the rotated queries
+            (``[M, Hq * D]``) returned; the same values as the projection followed by
+            ``rotary_kv_write``. Not with ``swiglu`` or ``residual``; not under
+            ``torch.compile``.
 
     Returns:
-        ``[M, N_out]`` in the dtype of ``x``.
+        ``[M, N_out]`` in the dtype of ``x`` (with ``rope``, the rotated queries).
 
     Raises:
         KernelShapeError: If the shapes do not match the layout above.
         KernelDtypeError: If a dtype is unsupported.
+        KernelValueError: If ``rope`` comes with ``swiglu`` or ``residual``.
         KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names an unknown backend or one that
             cannot run on these tensors.
     """
-    _check_args(x, weight, bias, norm_weight, residual, swiglu)
+    _check_args(x, weight, bias, norm_weight, residual, swiglu, rope)
+    if rope is not None:
+        return _decode_gemv_rope(x, weight, bias, norm_weight, norm_eps, pdl, rope)
     if _compile.compiling():
         return _decode_gemv_op(x, weight, bias, norm_weight, float(norm_eps), swiglu, residual)
     return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual, pdl)
@@ -717,6 +910,27 @@ def _decode_gemv_run(
         swiglu=swiglu,
         residual=residual,
     )
+
+
+def _decode_gemv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    pdl: bool | None,
+    rope: RotaryCacheWrite,
+) -> torch.Tensor:
+    if use_triton(x, weight):
+        return decode_gemv_triton(
+            x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps, pdl=pdl, rope=rope
+        )
+    qkv = decode_gemv_reference(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps)
+    q, k, v = rope.split(qkv)
+    rotated = rotary_kv_write_reference(
+        q, k, v, rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slot_mapping
+    )
+    return rotated.flatten(-2)
 
 
 @_compile.custom_op(
