@@ -272,6 +272,7 @@ def main() -> None:
         "parameter_bytes": param_bytes,
         "kv_bytes_per_token": kv_bytes_per_token,
         "copy_bandwidth_bytes_per_s": bandwidth,
+        "decode_pdl": InferenceConfig().decode_pdl,
         "rows": rows,
         "profiles": profiles,
         "elapsed_s": time.perf_counter() - started,
@@ -281,12 +282,13 @@ def main() -> None:
     lines = [
         f"Decode, {name} shape (random bf16 weights), prompt {args.prompt_len}, "
         f"{args.new_tokens} new tokens, greedy; {result['device']}, copy "
-        f"{bandwidth / 1e12:.2f} TB/s.",
+        f"{bandwidth / 1e12:.2f} TB/s; mcore with decode_pdl={result['decode_pdl']} (the PDL "
+        "column flips it).",
         "",
-        "| batch | mcore tok/s | unfused tok/s | eager tok/s | HF tok/s | vs HF | "
-        "HF static tok/s | vs HF static | roofline tok/s | of roofline | kernels/step | "
-        "GPU busy |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | mcore tok/s | roofline tok/s | of roofline | HF tok/s | vs HF | "
+        "HF static tok/s | vs HF static | PDL flipped tok/s | unfused tok/s | eager tok/s | "
+        "kernels/step | GPU busy |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def cell(row: dict, key: str, fmt: str) -> str:
@@ -296,12 +298,13 @@ def main() -> None:
     for row in rows:
         lines.append(
             f"| {row['batch']} | {row['mcore_tokens_per_s']:.0f} | "
-            f"{cell(row, 'mcore_unfused_tokens_per_s', '.0f')} | "
-            f"{cell(row, 'mcore_eager_tokens_per_s', '.0f')} | "
+            f"{row['roofline_tokens_per_s']:.0f} | {100 * row['fraction_of_roofline']:.0f}% | "
             f"{cell(row, 'hf_tokens_per_s', '.0f')} | {cell(row, 'speedup_vs_hf', '.1f')} | "
             f"{cell(row, 'hf_static_tokens_per_s', '.0f')} | "
             f"{cell(row, 'speedup_vs_hf_static', '.1f')} | "
-            f"{row['roofline_tokens_per_s']:.0f} | {100 * row['fraction_of_roofline']:.0f}% | "
+            f"{cell(row, 'mcore_pdl_flipped_tokens_per_s', '.0f')} | "
+            f"{cell(row, 'mcore_unfused_tokens_per_s', '.0f')} | "
+            f"{cell(row, 'mcore_eager_tokens_per_s', '.0f')} | "
             f"{cell(row, 'kernels_per_step', '.0f')} | {cell(row, 'gpu_busy_fraction', '.0%')} |"
         )
     for profile in profiles:
