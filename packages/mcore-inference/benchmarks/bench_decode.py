@@ -2,11 +2,13 @@
 
 Workload (docs/benchmarks/inference.md): a Qwen2.5-0.5B-shaped GPT with random bf16 weights,
 ``--prompt-len`` random prompt tokens per request, ``--new-tokens`` greedy tokens, batch sizes
-1 and 64..512. Decode time is the time of a run generating ``new_tokens + 1`` tokens minus the
-time of a run generating 1 token (prefill and first token), for both engines, on the same
-weights (exported with ``GPTModel.to_hf`` and loaded by transformers) in the same process.
-The engine is warmed up to the timed run's longest context first, so graph captures (one per
-block-table width) and kernel compilation stay out of the timed run.
+1 and 64..512. For the engine, decode time is the time of a run generating ``new_tokens + 1``
+tokens minus the time of a run generating 1 token (prefill and first token); the engine is
+warmed up to the timed run's longest context first, so graph captures (one per block-table
+width) and kernel compilation stay out of the timed run. For transformers (same weights,
+exported with ``GPTModel.to_hf``, same process), a warm-up call of the timed call's length,
+then the time between the first and the last generated token's logits (``new_tokens`` steps)
+of the timed call; ``generate`` syncs with the GPU every step, so the host clock follows it.
 
 Roofline: one decode step must read every parameter once plus the KV cache of every request
 (at the mean context length); divided by the device-to-device copy bandwidth measured in the
@@ -16,8 +18,9 @@ Profile (``--profile-batch-sizes``): kernels (GPU activities) per decode step, G
 step and the GPU busy fraction, from torch.profiler traces of a warm engine with graphs on,
 plus the kernels of most GPU time (see ``_decode_profile.py``). ``--compare-unfused`` runs
 the engine with ``InferenceConfig(fused_decode=False)`` too (the model's own forward), and
-``--hf-static-batch-sizes`` adds transformers with ``cache_implementation="static"`` (it
-compiles its forward: slow to start, off by default).
+transformers runs with its dynamic cache (``--hf-batch-sizes``) and with
+``cache_implementation="static"`` (``--hf-static-batch-sizes``: it then compiles its forward
+once per batch size, in the warm-up call).
 
 Run from the repository root on one GPU::
 
@@ -108,24 +111,49 @@ def _mcore_decode_seconds(
 
 
 def _hf_decode_seconds(hf_model, prompts, new_tokens, **generate_options) -> tuple[float, float]:
+    """``(decode, prefill)`` seconds of transformers ``generate`` for ``new_tokens + 1`` tokens.
+
+    A warm-up call with the same arguments comes first: with a static cache transformers
+    compiles its forward for the cache's shape, which depends on the generated length, so a
+    warm-up of another length would leave the compilation in the timed call. The timed call
+    stamps the host clock whenever a step's logits reach the logits processors (generate reads
+    a flag back from the GPU every step, so the host follows the GPU); decode is the time from
+    the first token's stamp to the last one's (``new_tokens`` steps), prefill the time before
+    the first stamp.
+    """
+    import transformers
+
     input_ids = torch.tensor(prompts, device="cuda")
     mask = torch.ones_like(input_ids)
 
-    def run(count: int) -> None:
+    class _Stamps(transformers.LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    def run(stamps: _Stamps | None = None) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         hf_model.generate(
             input_ids,
             attention_mask=mask,
-            max_new_tokens=count,
-            min_new_tokens=count,
+            max_new_tokens=new_tokens + 1,
+            min_new_tokens=new_tokens + 1,
             do_sample=False,
             pad_token_id=0,
+            logits_processor=transformers.LogitsProcessorList([stamps] if stamps else []),
             **generate_options,
         )
+        torch.cuda.synchronize()
+        return start
 
-    run(4)  # warm-up
-    prefill = _timed(lambda: run(1))
-    full = _timed(lambda: run(new_tokens + 1))
-    return full - prefill, prefill
+    run()  # warm-up (and compilation, with a static cache)
+    stamps = _Stamps()
+    start = run(stamps)
+    return stamps.times[-1] - stamps.times[0], stamps.times[0] - start
 
 
 def main() -> None:
