@@ -229,6 +229,7 @@ class InferenceEngine(_StepLoop):
         self._pipeline.clear()
         self._deferred = None
         self._stage_input = None
+        self._sample_buffers = None
         self._ep = None
         self._decoder = None
         if self._runner is not None:

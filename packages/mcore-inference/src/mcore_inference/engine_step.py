@@ -29,7 +29,7 @@ from mcore_inference.mamba_graphs import HybridGraphRunner
 from mcore_inference.mamba_state import MambaStateCache
 from mcore_inference.request import FinishReason, Request, RequestStatus
 from mcore_inference.scheduler import Scheduler
-from mcore_inference.stage import StageRunner, sample_microbatch
+from mcore_inference.stage import SampleBuffers, StageRunner, sample_microbatch
 from mcore_kernels.batch_invariant import batch_invariant_mode
 
 __all__ = ["build_stage_runner"]
@@ -37,6 +37,9 @@ __all__ = ["build_stage_runner"]
 
 class _StepLoop(_ResultBook):
     """The step loop (a base of ``InferenceEngine``)."""
+
+    _sample_buffers: SampleBuffers | None = None
+    """Reused device buffers of the sampled tokens (created at the first sampling step)."""
 
     @property
     def _graphs(self) -> DecodeGraphRunner | None:
@@ -117,8 +120,13 @@ class _StepLoop(_ResultBook):
             return reports + self._take_unreported()
         samples = None
         if logits is not None and mine is not None and self._decides_samples():
+            if self._sample_buffers is None:
+                self._sample_buffers = SampleBuffers(self.device)
             samples = sample_microbatch(
-                logits, mine, logits_dtype=getattr(self._runner, "hidden_dtype", None)
+                logits,
+                mine,
+                logits_dtype=getattr(self._runner, "hidden_dtype", None),
+                buffers=self._sample_buffers,
             )
         if pp > 1:
             # The microbatch that moves into this stage at the next step.
