@@ -145,6 +145,9 @@ class FusedDecoder:
         rope_in_projection: In the ``decode_gemv`` steps of a model without QK-norm, fold RoPE
             and the key/value cache write into the q/k/v projection's epilogue
             (``decode_gemv(..., rope=...)``): four launches per layer plus the attention.
+        prefetch_l2: In the ``decode_gemv`` steps, each projection requests the next
+            projection's weight into the L2 cache while it runs (``decode_gemv(...,
+            prefetch=...)``), so weight streaming runs ahead of the chain of dependent kernels.
     """
 
     def __init__(
@@ -156,9 +159,11 @@ class FusedDecoder:
         pdl: bool = False,
         max_positions: int | None = None,
         rope_in_projection: bool = True,
+        prefetch_l2: bool = False,
     ) -> None:
         self.model = model
         self.rope_in_projection = rope_in_projection
+        self.prefetch_l2 = prefetch_l2
         self.pdl = pdl
         self.max_positions = max_positions
         self._rope_table: torch.Tensor | None = None
@@ -277,6 +282,10 @@ class FusedDecoder:
         rows = table.index_select(0, positions)
         return rows[:, 0], rows[:, 1]
 
+    def _ahead(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        """``weight`` for a projection to request into L2 (None unless ``prefetch_l2``)."""
+        return weight if self.prefetch_l2 else None
+
     def _gemv_layers(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
     ) -> torch.Tensor:
@@ -288,8 +297,12 @@ class FusedDecoder:
         """
         model = self.model
         residual = hidden
-        for layer, fused in zip(model.layers, self._layers, strict=True):
+        layers = list(zip(model.layers, self._layers, strict=True))
+        for index, (layer, fused) in enumerate(layers):
             attention, mlp = layer.self_attention, layer.mlp
+            # With prefetch_l2, each projection requests the next one's weight into L2.
+            after_down = layers[index + 1][1].qkv_weight if index + 1 < len(layers) else None
+            ahead = self._ahead
             if self.rope_in_projection and attention.q_norm is None:
                 # RoPE and the cache write in the projection's epilogue: one launch fewer.
                 keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
@@ -308,6 +321,7 @@ class FusedDecoder:
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
                     rope=rope,
+                    prefetch=ahead(attention.o_proj.weight),
                 )
                 out = kv_cache.attend_stored_keys(
                     layer.layer_idx,
@@ -321,6 +335,7 @@ class FusedDecoder:
                     fused.qkv_bias,
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
+                    prefetch=ahead(attention.o_proj.weight),
                 )
                 q, k, v = (
                     part.unflatten(-1, (-1, attention.head_dim))
@@ -336,6 +351,7 @@ class FusedDecoder:
                 attention.o_proj.weight,
                 attention.o_proj.bias,
                 residual=residual,
+                prefetch=ahead(fused.gate_up_weight),
             )
             activation = decode_gemv(
                 residual,
@@ -343,8 +359,11 @@ class FusedDecoder:
                 norm_weight=layer.post_attention_norm.weight,
                 norm_eps=layer.post_attention_norm.eps,
                 swiglu=True,
+                prefetch=ahead(mlp.down_proj.weight),
             )
-            residual = decode_gemv(activation, mlp.down_proj.weight, residual=residual)
+            residual = decode_gemv(
+                activation, mlp.down_proj.weight, residual=residual, prefetch=ahead(after_down)
+            )
         return model.final_norm(residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -329,6 +329,28 @@ def _accumulate(
     return acc, acc_up
 
 
+@jit
+def _prefetch_l2(pf_ptr, PF_LINES, PF_BLOCK: tl.constexpr, LINE_ELEMENTS: tl.constexpr):
+    """Request this program's share of ``PF_LINES`` 128-byte lines at ``pf_ptr`` into L2."""
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    program = tl.program_id(0) + tl.num_programs(0) * (
+        tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
+    )
+    share = tl.cdiv(PF_LINES, programs)
+    for start in range(0, share, PF_BLOCK):
+        offsets = start + tl.arange(0, PF_BLOCK)
+        lines = tl.minimum(program * share + tl.minimum(offsets, share - 1), PF_LINES - 1)
+        addresses = pf_ptr + lines.to(tl.int64) * LINE_ELEMENTS
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+            "=r,l",
+            [addresses],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
 @jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
 def _gemv_kernel(
     x_ptr,
@@ -362,6 +384,8 @@ def _gemv_kernel(
     stride_vc_head,
     NUM_Q_HEADS,
     NUM_KV_HEADS,
+    pf_ptr,
+    PF_LINES,
     HAS_BIAS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -380,10 +404,15 @@ def _gemv_kernel(
     NORM_BLOCK: tl.constexpr,
     K_ALIGNED: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LINE_ELEMENTS: tl.constexpr,
 ):
     if USE_PDL:
         # Let the next kernel's programs start (and prefetch their own weights) early.
         gdc_launch_dependents()
+    if PREFETCH:
+        # Another tensor (the next projection's weight) towards L2 while this one streams.
+        _prefetch_l2(pf_ptr, PF_LINES, 128, LINE_ELEMENTS)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -652,6 +681,7 @@ def decode_gemv_triton(
     config: GemvConfig | None = None,
     pdl: bool | None = None,
     rope: RotaryCacheWrite | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`decode_gemv` (fixed shapes, graph-safe).
 
@@ -670,6 +700,9 @@ def decode_gemv_triton(
             inside :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
         rope: Fold RoPE and the key/value cache write into a q/k/v projection (see
             :func:`decode_gemv`).
+        prefetch: A contiguous tensor (typically the next projection's weight) whose bytes the
+            programs request into the L2 cache at their start, so the next kernel finds it
+            there; a hint without effect on the result (ignored on CPU tensors).
 
     Returns:
         ``[M, N_out]`` in the dtype of ``x`` (with ``rope``, the rotated queries).
@@ -717,6 +750,14 @@ def decode_gemv_triton(
     interpreting = not x.is_cuda
     device_index = x.get_device()
     use_pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_supported(x.device)
+    # Inline PTX: not in the interpreter; lines of a contiguous tensor on the same device.
+    use_prefetch = (
+        prefetch is not None
+        and x.is_cuda
+        and prefetch.device == x.device
+        and prefetch.is_contiguous()
+        and prefetch.nbytes >= 128
+    )
     args = (
         x,
         weight,
@@ -737,6 +778,8 @@ def decode_gemv_triton(
         out.stride(0),
         float(norm_eps),
         *_rope_args(rope, dummy),
+        prefetch if prefetch is not None and use_prefetch else dummy,
+        prefetch.nbytes // 128 if prefetch is not None and use_prefetch else 0,
     )
     constexprs = {
         "HAS_BIAS": bias is not None,
@@ -760,6 +803,10 @@ def decode_gemv_triton(
         else 16,
         "K_ALIGNED": k % 16 == 0,
         "USE_PDL": use_pdl,
+        "PREFETCH": use_prefetch,
+        "LINE_ELEMENTS": (
+            128 // prefetch.element_size() if prefetch is not None and use_prefetch else 1
+        ),
     }
     if config.num_stages is None:
         launcher = _GEMV_PDL if use_pdl else _GEMV
@@ -838,6 +885,7 @@ def decode_gemv(
     residual: torch.Tensor | None = None,
     pdl: bool | None = None,
     rope: RotaryCacheWrite | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[RMSNorm] -> x @ weight.T + bias -> [SwiGLU] -> [+ residual]`` of a few rows.
 
@@ -861,6 +909,9 @@ def decode_gemv(
             (``[M, Hq * D]``) returned; the same values as the projection followed by
             ``rotary_kv_write``. Not with ``swiglu`` or ``residual``; not under
             ``torch.compile``.
+        prefetch: A contiguous tensor (the next projection's weight, say) that the Triton
+            kernel requests into the L2 cache while it runs; a hint that changes no value
+            (ignored by the torch path and the interpreter).
 
     Returns:
         ``[M, N_out]`` in the dtype of ``x`` (with ``rope``, the rotated queries).
@@ -874,10 +925,10 @@ def decode_gemv(
     """
     _check_args(x, weight, bias, norm_weight, residual, swiglu, rope)
     if rope is not None:
-        return _decode_gemv_rope(x, weight, bias, norm_weight, norm_eps, pdl, rope)
+        return _decode_gemv_rope(x, weight, bias, norm_weight, norm_eps, pdl, rope, prefetch)
     if _compile.compiling():
         return _decode_gemv_op(x, weight, bias, norm_weight, float(norm_eps), swiglu, residual)
-    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual, pdl)
+    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual, pdl, prefetch)
 
 
 def _decode_gemv_run(
@@ -889,6 +940,7 @@ def _decode_gemv_run(
     swiglu: bool,
     residual: torch.Tensor | None,
     pdl: bool | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(
@@ -900,6 +952,7 @@ def _decode_gemv_run(
             swiglu=swiglu,
             residual=residual,
             pdl=pdl,
+            prefetch=prefetch,
         )
     return decode_gemv_reference(
         x,
@@ -920,10 +973,18 @@ def _decode_gemv_rope(
     norm_eps: float,
     pdl: bool | None,
     rope: RotaryCacheWrite,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(
-            x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps, pdl=pdl, rope=rope
+            x,
+            weight,
+            bias,
+            norm_weight=norm_weight,
+            norm_eps=norm_eps,
+            pdl=pdl,
+            rope=rope,
+            prefetch=prefetch,
         )
     qkv = decode_gemv_reference(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps)
     q, k, v = rope.split(qkv)
