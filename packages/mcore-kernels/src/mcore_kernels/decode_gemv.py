@@ -18,6 +18,13 @@ program of each output tile (counted with an atomic ticket) sums them in a fixed
 the epilogue, so the result does not depend on the arrival order and one launch suffices
 (``reduce="second_pass"`` runs the sum in a second kernel instead, for comparison).
 
+Decode-step extras: ``rope`` (a :class:`~mcore_kernels.rotary_kv_write.RotaryCacheWrite`)
+makes a q/k/v projection also rotate its queries and keys and store keys and values in their
+cache slots (tiles of (channel ``j``, channel ``j + D/2``) pairs, read like SwiGLU's gate and up
+rows); under :func:`mcore_kernels.pdl.programmatic_dependent_launch` the programs request their
+first weight tile before waiting for the previous kernel; ``prefetch`` names another tensor
+(the next projection's weight) that the programs request into L2 as they start.
+
 Shapes: ``x`` ``[M, K]`` (last dimension contiguous), ``weight`` ``[N, K]`` contiguous,
 ``bias`` ``[N]``, ``norm_weight`` ``[K]``, ``residual`` ``[M, N_out]``; returns ``[M, N_out]``
 with ``N_out = N`` (``N // 2`` with ``swiglu``).
