@@ -27,7 +27,7 @@ import torch
 
 from mcore_kernels._triton_utils import pdl_supported
 
-__all__ = ["pdl_enabled", "programmatic_dependent_launch"]
+__all__ = ["pdl_enabled", "pdl_supported", "programmatic_dependent_launch"]
 
 _REQUESTED: ContextVar[bool] = ContextVar("mcore_kernels_pdl", default=False)
 
