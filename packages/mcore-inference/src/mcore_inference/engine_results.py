@@ -27,8 +27,9 @@ class _ResultBook(_RequestBook):
             self._complete(deferred.microbatch, deferred.wait(), reports, progress=progress)
 
     def _defer(self, deferred: DeferredSamples) -> None:
+        active = RequestStatus.ACTIVE
         for column, request in enumerate(deferred.microbatch.sampling):
-            if request.status == RequestStatus.ACTIVE:
+            if request.status == active:
                 request.deferred_index = column
                 request.awaiting_token = True
                 if len(request.output) + 1 >= request.max_new_tokens:
@@ -53,9 +54,10 @@ class _ResultBook(_RequestBook):
     ) -> None:
         """Apply a microbatch that left the last stage: tokens, stop decisions, freed blocks."""
         assert self.scheduler is not None
+        active = RequestStatus.ACTIVE
         for request, _ in leaving.entries:
             request.in_flight -= 1
-            if request.in_flight == 0 and request.status != RequestStatus.ACTIVE:
+            if request.in_flight == 0 and request.status != active:
                 self.scheduler.free_blocks(request)
         if not leaving.sampling:
             return
@@ -64,7 +66,7 @@ class _ResultBook(_RequestBook):
         for request, token, logprob in zip(leaving.sampling, values[0], values[1], strict=True):
             request.awaiting_token = False
             request.deferred_index = -1
-            if request.status != RequestStatus.ACTIVE:
+            if request.status != active:
                 continue  # aborted while its tokens were in the pipeline
             output = request.output
             output.append(int(token))
