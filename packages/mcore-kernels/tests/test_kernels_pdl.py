@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore_kernels import paged_attention as paged_attention_module
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.paged_attention import paged_attention
 from mcore_kernels.pdl import pdl_enabled, programmatic_dependent_launch
@@ -48,12 +49,13 @@ def _layers(seed: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ff
     ]
 
 
-def _decode_chain(residual, layers, cache, tables, lens, cos, sin, slots, dims):
+def _decode_chain(residual, layers, cache, tables, lens, cos, sin, slots, dims, prefetch=False):
     """Three decoder layers of one token, every kernel reading the previous one's output."""
     heads, kv_heads, head_dim = dims
     keys, values = cache
     for index, layer in enumerate(layers):
-        qkv = decode_gemv(residual, layer["qkv"], norm_weight=layer["norm"])
+        ahead = layer["gate_up"] if prefetch else None
+        qkv = decode_gemv(residual, layer["qkv"], norm_weight=layer["norm"], prefetch=ahead)
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
         q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
         rotated = rotary_kv_write(q, k, v, cos, sin, keys[index], values[index], slots)
@@ -69,7 +71,13 @@ def _decode_chain(residual, layers, cache, tables, lens, cos, sin, slots, dims):
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
     reason="needs a Hopper or newer GPU",
 )
-def test_gpu_decode_chain_with_pdl_equals_plain_launches_eager_and_in_a_graph():
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "l2_prefetch"])
+def test_gpu_decode_chain_with_pdl_equals_plain_launches_eager_and_in_a_graph(
+    monkeypatch, prefetch
+):
+    # With prefetch, the attention requests its keys and values and each projection the next
+    # one's weight into L2 before waiting: hints that must change nothing.
+    monkeypatch.setattr(paged_attention_module, "PREFETCH_KV_WITH_PDL", prefetch)
     hidden, heads, kv_heads, head_dim, ffn = 256, 4, 2, 64, 512
     layers = _layers(0, hidden, heads, kv_heads, head_dim, ffn)
     block_size, blocks, context = 16, 8, 70
@@ -90,11 +98,12 @@ def test_gpu_decode_chain_with_pdl_equals_plain_launches_eager_and_in_a_graph():
     def run(pdl: bool, graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
         cache = (initial.clone(), initial.clone())
         with programmatic_dependent_launch(pdl):
-            out = _decode_chain(x, layers, cache, tables, lens, cos, sin, slots, dims)
+            chain_args = (x, layers, cache, tables, lens, cos, sin, slots, dims, prefetch and pdl)
+            out = _decode_chain(*chain_args)
             if graph:
                 captured = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(captured):
-                    out = _decode_chain(x, layers, cache, tables, lens, cos, sin, slots, dims)
+                    out = _decode_chain(*chain_args)
                 cache[0].copy_(initial)
                 cache[1].copy_(initial)
                 captured.replay()

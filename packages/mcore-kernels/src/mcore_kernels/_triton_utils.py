@@ -31,6 +31,7 @@ __all__ = [
     "next_power_of_2",
     "on_device_of",
     "pdl_supported",
+    "prefetch_l2",
     "round_to",
     "tl",
     "triton",
@@ -68,6 +69,24 @@ except ImportError:  # pragma: no cover - no triton, or a release without grid d
     @jit
     def gdc_launch_dependents():  # type: ignore[no-redef]
         """No-op stand-in: kernels call it only under programmatic dependent launch."""
+
+
+@jit
+def prefetch_l2(addresses):
+    """Request the 128-byte lines holding ``addresses`` (a tensor of pointers) into L2.
+
+    A hint (``prefetch.global.L2``): it returns no data and changes no value; L2 is coherent,
+    so a line written afterwards by another kernel is read correctly later. Inline PTX: CUDA
+    only (never reached by the interpreter).
+    """
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [addresses],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @functools.cache

@@ -50,6 +50,7 @@ from mcore_kernels._triton_utils import (
     jit,
     next_power_of_2,
     pdl_supported,
+    prefetch_l2,
     round_to,
     tl,
     triton,
@@ -337,7 +338,7 @@ def _accumulate(
 
 
 @jit
-def _prefetch_l2(pf_ptr, PF_LINES, PF_BLOCK: tl.constexpr, LINE_ELEMENTS: tl.constexpr):
+def _prefetch_lines(pf_ptr, PF_LINES, PF_BLOCK: tl.constexpr, LINE_ELEMENTS: tl.constexpr):
     """Request this program's share of ``PF_LINES`` 128-byte lines at ``pf_ptr`` into L2."""
     programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     program = tl.program_id(0) + tl.num_programs(0) * (
@@ -347,15 +348,7 @@ def _prefetch_l2(pf_ptr, PF_LINES, PF_BLOCK: tl.constexpr, LINE_ELEMENTS: tl.con
     for start in range(0, share, PF_BLOCK):
         offsets = start + tl.arange(0, PF_BLOCK)
         lines = tl.minimum(program * share + tl.minimum(offsets, share - 1), PF_LINES - 1)
-        addresses = pf_ptr + lines.to(tl.int64) * LINE_ELEMENTS
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-            "=r,l",
-            [addresses],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        prefetch_l2(pf_ptr + lines.to(tl.int64) * LINE_ELEMENTS)
 
 
 @jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
@@ -419,7 +412,7 @@ def _gemv_kernel(
         gdc_launch_dependents()
     if PREFETCH:
         # Another tensor (the next projection's weight) towards L2 while this one streams.
-        _prefetch_l2(pf_ptr, PF_LINES, 128, LINE_ELEMENTS)
+        _prefetch_lines(pf_ptr, PF_LINES, 128, LINE_ELEMENTS)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
