@@ -73,7 +73,7 @@ def _timed(fn) -> float:
 
 def _mcore_decode_seconds(
     model, prompts, new_tokens, *, use_cuda_graphs, profile_tokens=0, **overrides
-) -> tuple[float, float, dict | None]:
+) -> tuple[float, float, dict | None, list[list[int]]]:
     batch, prompt_len = len(prompts), len(prompts[0])
     config = InferenceConfig(
         max_batch_size=batch,
@@ -96,9 +96,10 @@ def _mcore_decode_seconds(
         prefill = _timed(
             lambda: engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
         )
+        results: list = []
         full = _timed(
-            lambda: engine.generate(
-                prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens + 1)
+            lambda: results.extend(
+                engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens + 1))
             )
         )
         profile = (
@@ -107,7 +108,7 @@ def _mcore_decode_seconds(
             else None
         )
     gc.collect()
-    return full - prefill, prefill, profile
+    return full - prefill, prefill, profile, [result.tokens for result in results]
 
 
 def _hf_decode_seconds(hf_model, prompts, new_tokens, **generate_options) -> tuple[float, float]:
@@ -231,7 +232,7 @@ def main() -> None:
         mean_context = args.prompt_len + args.new_tokens / 2
         step_bytes = param_bytes + batch * mean_context * kv_bytes_per_token
         roofline = batch / (step_bytes / bandwidth)
-        decode, prefill, profile = _mcore_decode_seconds(
+        decode, prefill, profile, tokens = _mcore_decode_seconds(
             model,
             prompts,
             args.new_tokens,
@@ -255,12 +256,12 @@ def main() -> None:
             row["kernels_per_step"] = profile["kernels_per_step"]
             row["gpu_busy_fraction"] = profile["gpu_busy_fraction_unprofiled"]
         if args.compare_unfused:
-            unfused, _, _ = _mcore_decode_seconds(
+            unfused, _, _, _ = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=True, fused_decode=False
             )
             row["mcore_unfused_tokens_per_s"] = generated / unfused
         if args.compare_pdl:
-            flipped, _, _ = _mcore_decode_seconds(
+            flipped, _, _, flipped_tokens = _mcore_decode_seconds(
                 model,
                 prompts,
                 args.new_tokens,
@@ -268,11 +269,14 @@ def main() -> None:
                 decode_pdl=not InferenceConfig().decode_pdl,
             )
             row["mcore_pdl_flipped_tokens_per_s"] = generated / flipped
+            row["pdl_flipped_tokens_equal"] = flipped_tokens == tokens
         if batch in eager_batch_sizes:
-            eager, _, _ = _mcore_decode_seconds(
+            eager, _, _, eager_tokens = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=False
             )
             row["mcore_eager_tokens_per_s"] = generated / eager
+            # Greedy tokens of the graph engine against the eager engine, token for token.
+            row["eager_tokens_equal"] = eager_tokens == tokens
         if hf_model is not None and batch in hf_batch_sizes:
             hf_decode, hf_prefill = _hf_decode_seconds(hf_model, prompts, args.new_tokens)
             row["hf_tokens_per_s"] = generated / hf_decode
@@ -335,6 +339,13 @@ def main() -> None:
             f"{cell(row, 'mcore_eager_tokens_per_s', '.0f')} | "
             f"{cell(row, 'kernels_per_step', '.0f')} | {cell(row, 'gpu_busy_fraction', '.0%')} |"
         )
+    for row in rows:
+        for key, what in (
+            ("eager_tokens_equal", "the eager engine (no CUDA graphs)"),
+            ("pdl_flipped_tokens_equal", "the engine with decode_pdl flipped"),
+        ):
+            if key in row:
+                lines += ["", f"Batch {row['batch']}: greedy tokens equal to {what}: {row[key]}."]
     for profile in profiles:
         lines += [
             "",
