@@ -135,14 +135,14 @@ def _hf_decode_seconds(hf_model, prompts, new_tokens, **generate_options) -> tup
             self.times.append(time.perf_counter())
             return scores
 
-    def run(stamps: _Stamps | None = None) -> float:
+    def run(stamps: _Stamps | None = None, count: int = new_tokens + 1) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
         hf_model.generate(
             input_ids,
             attention_mask=mask,
-            max_new_tokens=new_tokens + 1,
-            min_new_tokens=new_tokens + 1,
+            max_new_tokens=count,
+            min_new_tokens=count,
             do_sample=False,
             pad_token_id=0,
             logits_processor=transformers.LogitsProcessorList([stamps] if stamps else []),
@@ -151,7 +151,8 @@ def _hf_decode_seconds(hf_model, prompts, new_tokens, **generate_options) -> tup
         torch.cuda.synchronize()
         return start
 
-    run()  # warm-up (and compilation, with a static cache)
+    # Warm-up; with a static cache, of the timed length (its compilation is for that shape).
+    run(count=new_tokens + 1 if generate_options else 4)
     stamps = _Stamps()
     start = run(stamps)
     return stamps.times[-1] - stamps.times[0], stamps.times[0] - start
@@ -187,6 +188,13 @@ def main() -> None:
         action="store_true",
         help="also run the engine with InferenceConfig.decode_pdl flipped from its default",
     )
+    parser.add_argument(
+        "--hf-new-tokens",
+        type=int,
+        default=None,
+        help="tokens timed for transformers (default: --new-tokens); its step time hardly "
+        "depends on the context, so fewer steps measure the same rate in less time",
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
     args = parser.parse_args()
@@ -199,6 +207,7 @@ def main() -> None:
     eager_batch_sizes = {int(b) for b in args.eager_batch_sizes.split(",") if b}
     hf_static_batch_sizes = {int(b) for b in args.hf_static_batch_sizes.split(",") if b}
     profile_batch_sizes = {int(b) for b in args.profile_batch_sizes.split(",") if b}
+    hf_new_tokens = args.hf_new_tokens or args.new_tokens
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
     config = GPTConfig.from_name(
@@ -278,16 +287,16 @@ def main() -> None:
             # Greedy tokens of the graph engine against the eager engine, token for token.
             row["eager_tokens_equal"] = eager_tokens == tokens
         if hf_model is not None and batch in hf_batch_sizes:
-            hf_decode, hf_prefill = _hf_decode_seconds(hf_model, prompts, args.new_tokens)
-            row["hf_tokens_per_s"] = generated / hf_decode
+            hf_decode, hf_prefill = _hf_decode_seconds(hf_model, prompts, hf_new_tokens)
+            row["hf_tokens_per_s"] = batch * hf_new_tokens / hf_decode
             row["hf_prefill_s"] = hf_prefill
-            row["speedup_vs_hf"] = hf_decode / decode
+            row["speedup_vs_hf"] = row["mcore_tokens_per_s"] / row["hf_tokens_per_s"]
         if hf_model is not None and batch in hf_static_batch_sizes:
             static_decode, _ = _hf_decode_seconds(
-                hf_model, prompts, args.new_tokens, cache_implementation="static"
+                hf_model, prompts, hf_new_tokens, cache_implementation="static"
             )
-            row["hf_static_tokens_per_s"] = generated / static_decode
-            row["speedup_vs_hf_static"] = static_decode / decode
+            row["hf_static_tokens_per_s"] = batch * hf_new_tokens / static_decode
+            row["speedup_vs_hf_static"] = row["mcore_tokens_per_s"] / row["hf_static_tokens_per_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -301,6 +310,7 @@ def main() -> None:
         "dtype": str(config.dtype),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "hf_new_tokens": hf_new_tokens,
         "parameter_bytes": param_bytes,
         "kv_bytes_per_token": kv_bytes_per_token,
         "copy_bandwidth_bytes_per_s": bandwidth,
@@ -315,7 +325,7 @@ def main() -> None:
         f"Decode, {name} shape (random bf16 weights), prompt {args.prompt_len}, "
         f"{args.new_tokens} new tokens, greedy; {result['device']}, copy "
         f"{bandwidth / 1e12:.2f} TB/s; mcore with decode_pdl={result['decode_pdl']} (the PDL "
-        "column flips it).",
+        f"column flips it); transformers timed over {hf_new_tokens} steps.",
         "",
         "| batch | mcore tok/s | roofline tok/s | of roofline | HF tok/s | vs HF | "
         "HF static tok/s | vs HF static | PDL flipped tok/s | unfused tok/s | eager tok/s | "

@@ -135,7 +135,8 @@ class FusedDecoder:
             None: :data:`GEMV_MAX_ROWS`).
         lm_head_gemv_max_rows: :meth:`compute_logits` of at most this many rows runs the LM
             head as ``decode_gemv`` (0: never; None: :data:`LM_HEAD_GEMV_MAX_ROWS`).
-        pdl: Launch the decode kernels (projections, RoPE + cache write, attention) with
+        pdl: In the ``decode_gemv`` steps (and the LM head of at most
+            ``lm_head_gemv_max_rows`` rows), launch the kernels (projections, attention) with
             programmatic dependent launch (:mod:`mcore_kernels.pdl`; Hopper or newer, ignored
             elsewhere): each starts, and the projections stream their weights, while the
             previous kernel finishes.
@@ -240,17 +241,14 @@ class FusedDecoder:
         Returns:
             ``[1, T, hidden]`` final-normed hidden states (``return_hidden=True`` of the model).
         """
-        with programmatic_dependent_launch(self.pdl):
-            return self._forward(input_ids, position_ids, kv_cache)
-
-    def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: PagedKVCache
-    ) -> torch.Tensor:
         model = self.model
         hidden = model.embedding(input_ids[0])
         cos, sin = self._rotary(position_ids[0])
         if hidden.shape[0] <= self.gemv_max_rows:
-            return self._gemv_layers(hidden, cos, sin, kv_cache)[None]
+            # PDL where it was measured to pay: the chain of small decode_gemv steps (at large
+            # batch the early-started kernels would only hold multiprocessors from cuBLAS).
+            with programmatic_dependent_launch(self.pdl):
+                return self._gemv_layers(hidden, cos, sin, kv_cache)[None]
         residual: torch.Tensor | None = None
         for layer, fused in zip(model.layers, self._layers, strict=True):
             attention = layer.self_attention
