@@ -286,33 +286,72 @@ def main() -> None:
             row["mcore_eager_tokens_per_s"] = generated / eager
             # Greedy tokens of the graph engine against the eager engine, token for token.
             row["eager_tokens_equal"] = eager_tokens == tokens
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def write() -> None:
+        _write_results(out, args, rows, profiles, started, meta)
+
+    meta = {
+        "device": torch.cuda.get_device_name(device),
+        "name": name,
+        "overrides": overrides,
+        "dtype": str(config.dtype),
+        "hf_new_tokens": hf_new_tokens,
+        "parameter_bytes": param_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "bandwidth": bandwidth,
+    }
+    write()
+    # The peers after every engine row, the files rewritten after each (the compilation of
+    # transformers' static cache takes long: a cut run keeps what it measured).
+    for row in rows:
+        batch = row["batch"]
+        prompts = all_prompts[:batch]
         if hf_model is not None and batch in hf_batch_sizes:
             hf_decode, hf_prefill = _hf_decode_seconds(hf_model, prompts, hf_new_tokens)
             row["hf_tokens_per_s"] = batch * hf_new_tokens / hf_decode
             row["hf_prefill_s"] = hf_prefill
             row["speedup_vs_hf"] = row["mcore_tokens_per_s"] / row["hf_tokens_per_s"]
+            print(json.dumps({"batch": batch, "hf_tokens_per_s": row["hf_tokens_per_s"]}))
+            write()
+    for row in rows:
+        batch = row["batch"]
+        prompts = all_prompts[:batch]
         if hf_model is not None and batch in hf_static_batch_sizes:
             static_decode, _ = _hf_decode_seconds(
                 hf_model, prompts, hf_new_tokens, cache_implementation="static"
             )
             row["hf_static_tokens_per_s"] = batch * hf_new_tokens / static_decode
             row["speedup_vs_hf_static"] = row["mcore_tokens_per_s"] / row["hf_static_tokens_per_s"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            print(
+                json.dumps(
+                    {"batch": batch, "hf_static_tokens_per_s": row["hf_static_tokens_per_s"]}
+                ),
+                flush=True,
+            )
+            write()
+    print((out / f"{'decode' if args.name is None else f'decode-{args.name}'}.md").read_text())
 
+
+def _write_results(
+    out: Path, args: argparse.Namespace, rows: list, profiles: list, started: float, meta: dict
+) -> None:
+    """Write ``decode.json`` and ``decode.md`` (``decode-<name>`` when named) under ``out``."""
+    name, bandwidth, hf_new_tokens = meta["name"], meta["bandwidth"], meta["hf_new_tokens"]
     result = {
         "benchmark": "decode",
-        "device": torch.cuda.get_device_name(device),
+        "device": meta["device"],
         "torch": torch.__version__,
         "preset": args.preset,
-        "overrides": overrides,
+        "overrides": meta["overrides"],
         "name": name,
-        "dtype": str(config.dtype),
+        "dtype": meta["dtype"],
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "hf_new_tokens": hf_new_tokens,
-        "parameter_bytes": param_bytes,
-        "kv_bytes_per_token": kv_bytes_per_token,
+        "parameter_bytes": meta["parameter_bytes"],
+        "kv_bytes_per_token": meta["kv_bytes_per_token"],
         "copy_bandwidth_bytes_per_s": bandwidth,
         "decode_pdl": InferenceConfig().decode_pdl,
         "rows": rows,
@@ -374,7 +413,6 @@ def main() -> None:
     lines.append("")
     lines.append(f"Benchmark wall time {result['elapsed_s']:.0f} s.")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
