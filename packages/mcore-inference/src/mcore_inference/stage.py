@@ -277,13 +277,16 @@ class SampleBuffers:
         """
         index = self._next
         self._next = (index + 1) % self._count
-        if len(self._buffers) <= index:
-            self._buffers.append(torch.empty(0, dtype=torch.float64, device=self.device))
-            self._clean_width.append(-1)
-        if self._buffers[index].numel() < 2 * columns:
+        capacity = self._buffers[0].numel() // 2 if self._buffers else 0
+        if capacity < columns:
+            # All buffers at once, of one size: the engine's memory does not change again
+            # until a wider step comes.
             size = 2 * max(columns, 64)
-            self._buffers[index] = torch.empty(size, dtype=torch.float64, device=self.device)
-            self._clean_width[index] = -1
+            self._buffers = [
+                torch.empty(size, dtype=torch.float64, device=self.device)
+                for _ in range(self._count)
+            ]
+            self._clean_width = [-1] * self._count
         view = self._buffers[index][: 2 * columns].view(2, columns)
         return view, self._clean_width[index] == columns
 
