@@ -79,7 +79,7 @@ def profile_decode(engine: Any, prompts: list[list[int]], tokens: int, params_ty
             per_name[name][1] += sign * duration
     gpu_us = (sum(d for _, d in full) - sum(d for _, d in short)) / tokens
     wall_us = (full_wall - short_wall) * 1e6 / tokens
-    top = sorted(per_name.items(), key=lambda item: -item[1][1])[:15]
+    top = sorted(per_name.items(), key=lambda item: -item[1][1])[:25]
     return {
         "batch": len(prompts),
         "profiled_tokens": tokens,

@@ -2,11 +2,13 @@
 
 Workload (docs/benchmarks/inference.md): a Qwen2.5-0.5B-shaped GPT with random bf16 weights,
 ``--prompt-len`` random prompt tokens per request, ``--new-tokens`` greedy tokens, batch sizes
-1 and 64..512. Decode time is the time of a run generating ``new_tokens + 1`` tokens minus the
-time of a run generating 1 token (prefill and first token), for both engines, on the same
-weights (exported with ``GPTModel.to_hf`` and loaded by transformers) in the same process.
-The engine is warmed up to the timed run's longest context first, so graph captures (one per
-block-table width) and kernel compilation stay out of the timed run.
+1 and 64..512. For the engine, decode time is the time of a run generating ``new_tokens + 1``
+tokens minus the time of a run generating 1 token (prefill and first token); the engine is
+warmed up to the timed run's longest context first, so graph captures (one per block-table
+width) and kernel compilation stay out of the timed run. For transformers (same weights,
+exported with ``GPTModel.to_hf``, same process), a warm-up call of the timed call's length,
+then the time between the first and the last generated token's logits (``new_tokens`` steps)
+of the timed call; ``generate`` syncs with the GPU every step, so the host clock follows it.
 
 Roofline: one decode step must read every parameter once plus the KV cache of every request
 (at the mean context length); divided by the device-to-device copy bandwidth measured in the
@@ -16,8 +18,9 @@ Profile (``--profile-batch-sizes``): kernels (GPU activities) per decode step, G
 step and the GPU busy fraction, from torch.profiler traces of a warm engine with graphs on,
 plus the kernels of most GPU time (see ``_decode_profile.py``). ``--compare-unfused`` runs
 the engine with ``InferenceConfig(fused_decode=False)`` too (the model's own forward), and
-``--hf-static-batch-sizes`` adds transformers with ``cache_implementation="static"`` (it
-compiles its forward: slow to start, off by default).
+transformers runs with its dynamic cache (``--hf-batch-sizes``) and with
+``cache_implementation="static"`` (``--hf-static-batch-sizes``: it then compiles its forward
+once per batch size, in the warm-up call).
 
 Run from the repository root on one GPU::
 
@@ -69,8 +72,8 @@ def _timed(fn) -> float:
 
 
 def _mcore_decode_seconds(
-    model, prompts, new_tokens, *, use_cuda_graphs, fused_decode=True, profile_tokens=0
-) -> tuple[float, float, dict | None]:
+    model, prompts, new_tokens, *, use_cuda_graphs, profile_tokens=0, **overrides
+) -> tuple[float, float, dict | None, list[list[int]]]:
     batch, prompt_len = len(prompts), len(prompts[0])
     config = InferenceConfig(
         max_batch_size=batch,
@@ -80,7 +83,7 @@ def _mcore_decode_seconds(
         prefill_chunk_size=prompt_len,
         use_cuda_graphs=use_cuda_graphs,
         cuda_graph_batch_sizes=(batch,),
-        fused_decode=fused_decode,
+        **overrides,
     )
     with InferenceEngine(model, config) as engine:
         engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
@@ -93,9 +96,10 @@ def _mcore_decode_seconds(
         prefill = _timed(
             lambda: engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
         )
+        results: list = []
         full = _timed(
-            lambda: engine.generate(
-                prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens + 1)
+            lambda: results.extend(
+                engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens + 1))
             )
         )
         profile = (
@@ -104,14 +108,36 @@ def _mcore_decode_seconds(
             else None
         )
     gc.collect()
-    return full - prefill, prefill, profile
+    return full - prefill, prefill, profile, [result.tokens for result in results]
 
 
 def _hf_decode_seconds(hf_model, prompts, new_tokens, **generate_options) -> tuple[float, float]:
+    """``(decode, prefill)`` seconds of transformers ``generate`` for ``new_tokens + 1`` tokens.
+
+    A warm-up call with the same arguments comes first: with a static cache transformers
+    compiles its forward for the cache's shape, which depends on the generated length, so a
+    warm-up of another length would leave the compilation in the timed call. The timed call
+    stamps the host clock whenever a step's logits reach the logits processors (generate reads
+    a flag back from the GPU every step, so the host follows the GPU); decode is the time from
+    the first token's stamp to the last one's (``new_tokens`` steps), prefill the time before
+    the first stamp.
+    """
+    import transformers
+
     input_ids = torch.tensor(prompts, device="cuda")
     mask = torch.ones_like(input_ids)
 
-    def run(count: int) -> None:
+    class _Stamps(transformers.LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    def run(stamps: _Stamps | None = None, count: int = new_tokens + 1) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         hf_model.generate(
             input_ids,
             attention_mask=mask,
@@ -119,13 +145,17 @@ def _hf_decode_seconds(hf_model, prompts, new_tokens, **generate_options) -> tup
             min_new_tokens=count,
             do_sample=False,
             pad_token_id=0,
+            logits_processor=transformers.LogitsProcessorList([stamps] if stamps else []),
             **generate_options,
         )
+        torch.cuda.synchronize()
+        return start
 
-    run(4)  # warm-up
-    prefill = _timed(lambda: run(1))
-    full = _timed(lambda: run(new_tokens + 1))
-    return full - prefill, prefill
+    # Warm-up; with a static cache, of the timed length (its compilation is for that shape).
+    run(count=new_tokens + 1 if generate_options else 4)
+    stamps = _Stamps()
+    start = run(stamps)
+    return stamps.times[-1] - stamps.times[0], stamps.times[0] - start
 
 
 def main() -> None:
@@ -143,8 +173,8 @@ def main() -> None:
     )
     parser.add_argument("--name", default=None, help="shape name in the result files")
     parser.add_argument("--batch-sizes", default="1,64,256,512")
-    parser.add_argument("--hf-batch-sizes", default="1,64,256")
-    parser.add_argument("--hf-static-batch-sizes", default="")
+    parser.add_argument("--hf-batch-sizes", default="1,64,256,512")
+    parser.add_argument("--hf-static-batch-sizes", default="1,64,256,512")
     parser.add_argument("--eager-batch-sizes", default="1,64")
     parser.add_argument("--profile-batch-sizes", default="1,64")
     parser.add_argument("--profile-tokens", type=int, default=32)
@@ -152,6 +182,18 @@ def main() -> None:
         "--compare-unfused",
         action="store_true",
         help="also run the engine with InferenceConfig(fused_decode=False)",
+    )
+    parser.add_argument(
+        "--compare-pdl",
+        action="store_true",
+        help="also run the engine with InferenceConfig.decode_pdl flipped from its default",
+    )
+    parser.add_argument(
+        "--hf-new-tokens",
+        type=int,
+        default=None,
+        help="tokens timed for transformers (default: --new-tokens); its step time hardly "
+        "depends on the context, so fewer steps measure the same rate in less time",
     )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -165,6 +207,7 @@ def main() -> None:
     eager_batch_sizes = {int(b) for b in args.eager_batch_sizes.split(",") if b}
     hf_static_batch_sizes = {int(b) for b in args.hf_static_batch_sizes.split(",") if b}
     profile_batch_sizes = {int(b) for b in args.profile_batch_sizes.split(",") if b}
+    hf_new_tokens = args.hf_new_tokens or args.new_tokens
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
     config = GPTConfig.from_name(
@@ -198,7 +241,7 @@ def main() -> None:
         mean_context = args.prompt_len + args.new_tokens / 2
         step_bytes = param_bytes + batch * mean_context * kv_bytes_per_token
         roofline = batch / (step_bytes / bandwidth)
-        decode, prefill, profile = _mcore_decode_seconds(
+        decode, prefill, profile, tokens = _mcore_decode_seconds(
             model,
             prompts,
             args.new_tokens,
@@ -222,42 +265,95 @@ def main() -> None:
             row["kernels_per_step"] = profile["kernels_per_step"]
             row["gpu_busy_fraction"] = profile["gpu_busy_fraction_unprofiled"]
         if args.compare_unfused:
-            unfused, _, _ = _mcore_decode_seconds(
+            unfused, _, _, _ = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=True, fused_decode=False
             )
             row["mcore_unfused_tokens_per_s"] = generated / unfused
+        if args.compare_pdl:
+            flipped, _, _, flipped_tokens = _mcore_decode_seconds(
+                model,
+                prompts,
+                args.new_tokens,
+                use_cuda_graphs=True,
+                decode_pdl=not InferenceConfig().decode_pdl,
+            )
+            row["mcore_pdl_flipped_tokens_per_s"] = generated / flipped
+            row["pdl_flipped_tokens_equal"] = flipped_tokens == tokens
         if batch in eager_batch_sizes:
-            eager, _, _ = _mcore_decode_seconds(
+            eager, _, _, eager_tokens = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=False
             )
             row["mcore_eager_tokens_per_s"] = generated / eager
-        if hf_model is not None and batch in hf_batch_sizes:
-            hf_decode, hf_prefill = _hf_decode_seconds(hf_model, prompts, args.new_tokens)
-            row["hf_tokens_per_s"] = generated / hf_decode
-            row["hf_prefill_s"] = hf_prefill
-            row["speedup_vs_hf"] = hf_decode / decode
-        if hf_model is not None and batch in hf_static_batch_sizes:
-            static_decode, _ = _hf_decode_seconds(
-                hf_model, prompts, args.new_tokens, cache_implementation="static"
-            )
-            row["hf_static_tokens_per_s"] = generated / static_decode
-            row["speedup_vs_hf_static"] = static_decode / decode
+            # Greedy tokens of the graph engine against the eager engine, token for token.
+            row["eager_tokens_equal"] = eager_tokens == tokens
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    result = {
-        "benchmark": "decode",
+    def write() -> None:
+        _write_results(out, args, rows, profiles, started, meta)
+
+    meta = {
         "device": torch.cuda.get_device_name(device),
-        "torch": torch.__version__,
-        "preset": args.preset,
-        "overrides": overrides,
         "name": name,
+        "overrides": overrides,
         "dtype": str(config.dtype),
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
+        "hf_new_tokens": hf_new_tokens,
         "parameter_bytes": param_bytes,
         "kv_bytes_per_token": kv_bytes_per_token,
+        "bandwidth": bandwidth,
+    }
+    write()
+    # The peers after every engine row, the files rewritten after each (the compilation of
+    # transformers' static cache takes long: a cut run keeps what it measured).
+    for row in rows:
+        batch = row["batch"]
+        prompts = all_prompts[:batch]
+        if hf_model is not None and batch in hf_batch_sizes:
+            hf_decode, hf_prefill = _hf_decode_seconds(hf_model, prompts, hf_new_tokens)
+            row["hf_tokens_per_s"] = batch * hf_new_tokens / hf_decode
+            row["hf_prefill_s"] = hf_prefill
+            row["speedup_vs_hf"] = row["mcore_tokens_per_s"] / row["hf_tokens_per_s"]
+            print(json.dumps({"batch": batch, "hf_tokens_per_s": row["hf_tokens_per_s"]}))
+            write()
+    for row in rows:
+        batch = row["batch"]
+        prompts = all_prompts[:batch]
+        if hf_model is not None and batch in hf_static_batch_sizes:
+            static_decode, _ = _hf_decode_seconds(
+                hf_model, prompts, hf_new_tokens, cache_implementation="static"
+            )
+            row["hf_static_tokens_per_s"] = batch * hf_new_tokens / static_decode
+            row["speedup_vs_hf_static"] = row["mcore_tokens_per_s"] / row["hf_static_tokens_per_s"]
+            print(
+                json.dumps(
+                    {"batch": batch, "hf_static_tokens_per_s": row["hf_static_tokens_per_s"]}
+                ),
+                flush=True,
+            )
+            write()
+    print((out / f"{'decode' if args.name is None else f'decode-{args.name}'}.md").read_text())
+
+
+def _write_results(
+    out: Path, args: argparse.Namespace, rows: list, profiles: list, started: float, meta: dict
+) -> None:
+    """Write ``decode.json`` and ``decode.md`` (``decode-<name>`` when named) under ``out``."""
+    name, bandwidth, hf_new_tokens = meta["name"], meta["bandwidth"], meta["hf_new_tokens"]
+    result = {
+        "benchmark": "decode",
+        "device": meta["device"],
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "overrides": meta["overrides"],
+        "name": name,
+        "dtype": meta["dtype"],
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "hf_new_tokens": hf_new_tokens,
+        "parameter_bytes": meta["parameter_bytes"],
+        "kv_bytes_per_token": meta["kv_bytes_per_token"],
         "copy_bandwidth_bytes_per_s": bandwidth,
+        "decode_pdl": InferenceConfig().decode_pdl,
         "rows": rows,
         "profiles": profiles,
         "elapsed_s": time.perf_counter() - started,
@@ -267,12 +363,13 @@ def main() -> None:
     lines = [
         f"Decode, {name} shape (random bf16 weights), prompt {args.prompt_len}, "
         f"{args.new_tokens} new tokens, greedy; {result['device']}, copy "
-        f"{bandwidth / 1e12:.2f} TB/s.",
+        f"{bandwidth / 1e12:.2f} TB/s; mcore with decode_pdl={result['decode_pdl']} (the PDL "
+        f"column flips it); transformers timed over {hf_new_tokens} steps.",
         "",
-        "| batch | mcore tok/s | unfused tok/s | eager tok/s | HF tok/s | vs HF | "
-        "HF static tok/s | vs HF static | roofline tok/s | of roofline | kernels/step | "
-        "GPU busy |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | mcore tok/s | roofline tok/s | of roofline | HF tok/s | vs HF | "
+        "HF static tok/s | vs HF static | PDL flipped tok/s | unfused tok/s | eager tok/s | "
+        "kernels/step | GPU busy |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def cell(row: dict, key: str, fmt: str) -> str:
@@ -282,14 +379,22 @@ def main() -> None:
     for row in rows:
         lines.append(
             f"| {row['batch']} | {row['mcore_tokens_per_s']:.0f} | "
-            f"{cell(row, 'mcore_unfused_tokens_per_s', '.0f')} | "
-            f"{cell(row, 'mcore_eager_tokens_per_s', '.0f')} | "
+            f"{row['roofline_tokens_per_s']:.0f} | {100 * row['fraction_of_roofline']:.0f}% | "
             f"{cell(row, 'hf_tokens_per_s', '.0f')} | {cell(row, 'speedup_vs_hf', '.1f')} | "
             f"{cell(row, 'hf_static_tokens_per_s', '.0f')} | "
             f"{cell(row, 'speedup_vs_hf_static', '.1f')} | "
-            f"{row['roofline_tokens_per_s']:.0f} | {100 * row['fraction_of_roofline']:.0f}% | "
+            f"{cell(row, 'mcore_pdl_flipped_tokens_per_s', '.0f')} | "
+            f"{cell(row, 'mcore_unfused_tokens_per_s', '.0f')} | "
+            f"{cell(row, 'mcore_eager_tokens_per_s', '.0f')} | "
             f"{cell(row, 'kernels_per_step', '.0f')} | {cell(row, 'gpu_busy_fraction', '.0%')} |"
         )
+    for row in rows:
+        for key, what in (
+            ("eager_tokens_equal", "the eager engine (no CUDA graphs)"),
+            ("pdl_flipped_tokens_equal", "the engine with decode_pdl flipped"),
+        ):
+            if key in row:
+                lines += ["", f"Batch {row['batch']}: greedy tokens equal to {what}: {row[key]}."]
     for profile in profiles:
         lines += [
             "",
@@ -308,7 +413,6 @@ def main() -> None:
     lines.append("")
     lines.append(f"Benchmark wall time {result['elapsed_s']:.0f} s.")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

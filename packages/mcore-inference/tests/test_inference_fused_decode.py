@@ -110,6 +110,24 @@ def test_fused_forward_matches_model_hidden_states_and_cache_contents(model):
     torch.testing.assert_close(fused.values, reference.values, atol=1e-6, rtol=1e-6)
 
 
+def test_rope_table_lookup_equals_the_per_step_rotary(model):
+    # The engine's decoder looks the cosines and sines up in a table of every position; the
+    # values, and so the hidden states and the cache, are those computed per step, bit for bit.
+    tables = torch.tensor([[1, 2, 0], [3, 4, 0]], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2])
+    rows = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1])
+    tokens = torch.tensor([[7, 3, 9, 1, 2, 60, 4, 4, 33]])
+    outputs = []
+    for max_positions in (None, 12):
+        cache = _cache(model)
+        decoder = FusedDecoder(model, max_positions=max_positions)
+        with torch.no_grad():
+            cache.prepare_step(tables, positions, rows)
+            outputs.append((decoder(tokens, positions[None], kv_cache=cache), cache.keys))
+    assert torch.equal(outputs[0][0], outputs[1][0])
+    assert torch.equal(outputs[0][1], outputs[1][1])
+
+
 def test_update_weights_refreshes_the_fused_copies():
     target = _model(99, bias_and_qk_norm=True)
     expected = _generate(target, fused=False)
@@ -187,3 +205,24 @@ def test_fused_cuda_graph_decode_matches_eager_model_forward_on_gpu():
         ):
             assert tokens == expected_tokens
             torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_pdl_gives_the_same_tokens_and_logprobs_on_gpu():
+    # On Hopper or newer the graphs' decode kernels run with programmatic dependent launch
+    # (elsewhere the flag is ignored): nothing may change, bit for bit.
+    model = _model(5, bias_and_qk_norm=True).cuda().to(torch.bfloat16)
+    results = []
+    for pdl in (False, True):
+        config = InferenceConfig(
+            max_batch_size=4,
+            max_sequence_length=32,
+            block_size=4,
+            prefill_chunk_size=4,
+            attention_split_size=8,
+            decode_pdl=pdl,
+        )
+        with InferenceEngine(model, config) as engine:
+            results.append([(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)])
+    assert results[0] == results[1]

@@ -21,9 +21,9 @@ def _single_thread():
     torch.set_num_threads(previous)
 
 
-def _model(seed: int, *, dtype: torch.dtype = torch.float32) -> GPTModel:
+def _model(seed: int, *, dtype: torch.dtype = torch.float32, qk_norm: bool = True) -> GPTModel:
     config = GPTConfig.from_name(
-        "tiny", vocab_size=64, seed=seed, add_qkv_bias=True, qk_layernorm=True
+        "tiny", vocab_size=64, seed=seed, add_qkv_bias=True, qk_layernorm=qk_norm
     )
     model = GPTModel(config).eval()
     generator = torch.Generator().manual_seed(seed)
@@ -35,9 +35,10 @@ def _model(seed: int, *, dtype: torch.dtype = torch.float32) -> GPTModel:
     return model.to(dtype)
 
 
-@pytest.fixture(scope="module")
-def model() -> GPTModel:
-    return _model(5)
+@pytest.fixture(scope="module", params=[True, False], ids=["qk_norm", "rope_in_projection"])
+def model(request) -> GPTModel:
+    # Without QK-norm the q/k/v projection also rotates and writes the cache (rope=...).
+    return _model(5, qk_norm=request.param)
 
 
 def _cache(model: GPTModel) -> PagedKVCache:
@@ -119,10 +120,23 @@ def test_lm_head_matches_compute_logits(model, gemv_calls):
     expected = model.compute_logits(hidden)
     actual = FusedDecoder(model, lm_head_gemv_max_rows=5).compute_logits(hidden)
     assert gemv_calls == [(5, model.config.hidden_size)]
-    assert actual.dtype == torch.float32
+    # The model's dtype, never upcast (float32 for this model).
+    assert actual.dtype == model.output_weight().dtype
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-    FusedDecoder(model, lm_head_gemv_max_rows=4).compute_logits(hidden)
+    wide = FusedDecoder(model, lm_head_gemv_max_rows=4).compute_logits(hidden)
     assert len(gemv_calls) == 1
+    torch.testing.assert_close(wide, expected)
+
+
+def test_bfloat16_logits_stay_in_the_model_dtype():
+    model = _model(5, dtype=torch.bfloat16)
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(torch.bfloat16)
+    for rows in (4, 5):
+        actual = FusedDecoder(model, lm_head_gemv_max_rows=rows).compute_logits(hidden)
+        assert actual.dtype == torch.bfloat16
+        # Upcasting is exact: the float32 logits of the model are these values.
+        torch.testing.assert_close(actual.float(), model.compute_logits(hidden), atol=0, rtol=0)
 
 
 PROMPTS = [[3, 9, 4, 7, 1], [12, 2], [5, 8, 13, 21, 34, 55, 6, 10, 11, 40, 41]]
@@ -165,9 +179,12 @@ def test_engine_with_gemv_steps_generates_what_the_model_forward_generates(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("max_rows", [2, 16])
-def test_bfloat16_graph_engine_greedy_tokens_match_the_eager_forward_on_gpu(monkeypatch, max_rows):
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "rope_in_projection"])
+def test_bfloat16_graph_engine_greedy_tokens_match_the_eager_forward_on_gpu(
+    monkeypatch, max_rows, qk_norm
+):
     monkeypatch.setattr(fused_decode, "GEMV_MAX_ROWS", max_rows)
-    model = _model(5, dtype=torch.bfloat16).cuda()
+    model = _model(5, dtype=torch.bfloat16, qk_norm=qk_norm).cuda()
     params = SamplingParams(temperature=0.0, max_tokens=12, return_logprobs=True)
     actual = _generate(model, params, fused_decode=True)
     expected = _generate(

@@ -221,3 +221,15 @@ def test_gpu_bfloat16_default_config_eager_and_graph(flags, rows):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("flags", FLAGS.values(), ids=FLAGS.keys())
+def test_gpu_l2_prefetch_hint_changes_no_value(flags):
+    problem = _problem(1, flags, torch.bfloat16, n=896, k=4864, device="cuda")
+    other = torch.randn((4864, 896), device="cuda", dtype=torch.bfloat16)
+    expected = decode_gemv(**problem)
+    assert torch.equal(decode_gemv(**problem, prefetch=other), expected)
+    # A tensor smaller than one 128-byte line is not prefetched at all.
+    assert torch.equal(decode_gemv(**problem, prefetch=other[0, :8]), expected)

@@ -176,7 +176,8 @@ class DecodeGraphRunner:
                 attention split, the graph of the narrow block table runs.
 
         Returns:
-            float32 logits ``[n, vocab]``, or the stage's output hidden states ``[n, hidden]``
+            logits ``[n, vocab]`` (float32, or in the model's dtype with the fused decoder: see
+            ``FusedDecoder.compute_logits``), or the stage's output hidden states ``[n, hidden]``
             on a stage without the output layer (a view of the graph's output, valid until the
             next run).
         """

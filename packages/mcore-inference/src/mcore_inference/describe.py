@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_inference.fused_decode import fused_decoder_unsupported_reason
+from mcore_kernels.pdl import pdl_supported
 
 if TYPE_CHECKING:
     from mcore_inference.engine import InferenceEngine
@@ -172,7 +173,11 @@ def describe_engine(engine: InferenceEngine) -> dict[str, Any]:
 def _fused_decode_summary(engine: InferenceEngine) -> str:
     decoder = engine._decoder
     if decoder is not None:
-        return f"on (fused q/k/v and gate/up weight copies: {decoder.nbytes} bytes)"
+        pdl = "on" if decoder.pdl and pdl_supported(engine.device) else "off"
+        return (
+            f"on (fused q/k/v and gate/up weight copies: {decoder.nbytes} bytes; "
+            f"programmatic dependent launch {pdl})"
+        )
     if not engine.config.fused_decode:
         return "off (InferenceConfig.fused_decode=False)"
     if engine.config.batch_invariant or getattr(engine.model.config, "batch_invariant", False):

@@ -12,23 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mcore_inference.batch import Microbatch, build_microbatch
-from mcore_inference.block_allocator import BlockAllocator
+from mcore_inference.batch import Microbatch
 from mcore_inference.config import InferenceConfig, SamplingParams
-from mcore_inference.cuda_graphs import DecodeGraphRunner
 from mcore_inference.describe import describe_engine, release_symmetric_memory
-from mcore_inference.distributed import EngineGroups, RequestVerdict, request_fingerprint
-from mcore_inference.errors import EngineClosedError, InvalidRequestError, UnsupportedModelError
-from mcore_inference.expert_parallel import (
-    ExpertParallelSync,
-    find_expert_parallel_group,
-    find_expert_tensor_parallel_group,
-)
+from mcore_inference.distributed import EngineGroups
+from mcore_inference.engine_cache import build_engine_cache
+from mcore_inference.engine_step import _StepLoop, build_stage_runner
+from mcore_inference.errors import UnsupportedModelError
 from mcore_inference.fused_decode import FusedDecoder, build_fused_decoder
-from mcore_inference.intake import normalize_prompt, params_per_prompt, validate_request
 from mcore_inference.kv_cache import PagedKVCache
-from mcore_inference.latent_kv_cache import build_paged_kv_cache, kv_cache_shape
-from mcore_inference.mamba_graphs import HybridGraphRunner
 from mcore_inference.mamba_state import MambaStateCache, has_mamba_layers
 from mcore_inference.readback import DeferredSamples, SampleReadback
 from mcore_inference.request import (
@@ -39,11 +31,10 @@ from mcore_inference.request import (
     TokenUpdate,
 )
 from mcore_inference.scheduler import Scheduler
-from mcore_inference.stage import StageRunner, sample_microbatch
+from mcore_inference.stage import StageRunner
 from mcore_inference.stopping import StopCriteria
 from mcore_inference.tokenizer import load_tokenizer
 from mcore_inference.weights import WeightSource, update_weights_in_place, whole_model_names
-from mcore_kernels.batch_invariant import batch_invariant_mode
 
 if TYPE_CHECKING:
     from mcore_parallel.state import ParallelState
@@ -53,21 +44,7 @@ __all__ = ["InferenceEngine"]
 logger = logging.getLogger("mcore_inference")
 
 
-def _local_layers(model: Any) -> tuple[int, int]:
-    """``(first global layer index, number of layers)`` of a model or pipeline stage."""
-    layers = getattr(model, "layers", None)
-    if layers is None:  # a wrapper with GPTModel's forward: all layers of the config
-        return 0, model.config.num_layers
-    indices = [getattr(layer, "layer_idx", i) for i, layer in enumerate(layers)]
-    if indices and indices != list(range(indices[0], indices[0] + len(indices))):
-        raise UnsupportedModelError(
-            f"model holds layers {indices}; expected a contiguous range (one pipeline chunk "
-            "per rank: virtual pipeline stages are not served)"
-        )
-    return (indices[0] if indices else 0), len(indices)
-
-
-class InferenceEngine:
+class InferenceEngine(_StepLoop):
     """Serves generation requests on a ``GPTModel`` with continuous batching, on any layout.
 
     Each :meth:`step` admits waiting requests whose whole KV footprint (prompt plus
@@ -142,59 +119,16 @@ class InferenceEngine:
         self.device = parameter.device
         self.vocab_size: int = model_config.vocab_size
         self.groups = groups = EngineGroups(model, state, self.device)
-        first_layer, num_layers = _local_layers(model)
-        layers = getattr(model, "layers", None)
-        # A hybrid model's first layer may have no attention: take the first that has one.
-        attention = next(
-            (a for a in (getattr(x, "self_attention", None) for x in layers or []) if a),
-            None,
-        )
-        num_kv_heads, head_dim, copies = kv_cache_shape(
-            model_config, attention, config.mla_latent_kv_cache
-        )
-        # Hybrid models: KV storage only for the layers that attend.
-        attention_layers: list[int] | None = None
-        if has_mamba_layers(model) and layers is not None:
-            attention_layers = [
-                layer.layer_idx for layer in layers if getattr(layer, "self_attention", None)
-            ]
-            num_layers = len(attention_layers)
-        kv_dtype = config.kv_dtype or parameter.dtype
-        bytes_per_block = (
-            copies
-            * max(num_layers, 1)
-            * config.block_size
-            * num_kv_heads
-            * head_dim
-            * torch.empty((), dtype=kv_dtype).element_size()
-        )
-        if config.num_blocks is not None:
-            usable = config.num_blocks
-        elif config.kv_memory_bytes is not None:
-            usable = max(1, config.kv_memory_bytes // bytes_per_block)
-        else:
-            usable = config.max_batch_size * config.max_blocks_per_sequence
-        # Stages with more layers fit fewer blocks in the same budget: the replica admits alike.
-        usable = groups.agree_on_config(repr(config), usable)
-        self.allocator = BlockAllocator(usable + 1)
-        self.kv_cache: PagedKVCache | None = build_paged_kv_cache(
-            latent=copies == 1,
-            num_layers=num_layers,
-            num_blocks=usable + 1,
-            block_size=config.block_size,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=kv_dtype,
-            device=self.device,
-            split_size=config.attention_split_size,
-            first_layer=first_layer,
-            layer_indices=attention_layers,
-        )
+        self.allocator, kv_cache = build_engine_cache(model, config, groups, self.device)
+        self.kv_cache: PagedKVCache | None = kv_cache
         self.scheduler: Scheduler | None = Scheduler(config, self.allocator, self.device)
         # Batch-invariant numerics must be those of the training forward: the model's own.
         invariant = config.batch_invariant or getattr(model_config, "batch_invariant", False)
         self._decoder: FusedDecoder | None = build_fused_decoder(
-            model, config.fused_decode and not invariant
+            model,
+            config.fused_decode and not invariant,
+            pdl=config.decode_pdl,
+            max_positions=config.max_sequence_length,
         )
         self.mamba_states: MambaStateCache | None = None
         """Conv/SSM state slots of the Mamba layers (hybrid models only)."""
@@ -202,55 +136,10 @@ class InferenceEngine:
             self.mamba_states = MambaStateCache(model, config.max_batch_size, self.device)
             self.scheduler.on_admit.append(self._admit_mamba_state)
             self.scheduler.on_free.append(self._release_mamba_state)
-        graphs: DecodeGraphRunner | None = None
-        if config.use_cuda_graphs and self.device.type == "cuda" and self.mamba_states is None:
-            graphs = DecodeGraphRunner(
-                model,
-                self.kv_cache,
-                self.scheduler.block_tables,
-                self.scheduler.padding_row,
-                config.graph_batch_sizes(),
-                self._decoder,
-            )
-        ep_group = find_expert_parallel_group(model)
-        etp_group = find_expert_tensor_parallel_group(model)
-        lockstep_groups = [g for g in (ep_group, etp_group) if g is not None]
-        if lockstep_groups and self.mamba_states is not None:
-            raise UnsupportedModelError(
-                f"model={type(model).__name__} has Mamba layers and expert parallelism; "
-                "expected a hybrid model without expert-parallel MoE layers"
-            )
-        self._ep: ExpertParallelSync | None = (
-            ExpertParallelSync(model, lockstep_groups[0], self.device, tuple(lockstep_groups[1:]))
-            if lockstep_groups
-            else None
+        self._runner: StageRunner | None
+        self._runner, self._ep = build_stage_runner(
+            model, config, groups, kv_cache, self.scheduler, self._decoder, self.mamba_states
         )
-        self._runner: StageRunner | None = StageRunner(
-            model,
-            self.kv_cache,
-            self.scheduler.block_tables,
-            self.scheduler.padding_row,
-            groups,
-            self._ep,
-            graphs,
-            # Hybrid models reduce with plain all-reduces (no fused norm path).
-            config.fuse_tp_communication
-            and groups.tp_group is not None
-            and self.mamba_states is None,
-            self._decoder,
-        )
-        if self.mamba_states is not None:
-            self._runner.mamba_states = self.mamba_states
-            if config.use_cuda_graphs and self.device.type == "cuda":
-                self._runner.hybrid_graphs = HybridGraphRunner(
-                    model,
-                    self.kv_cache,
-                    self.mamba_states,
-                    self.scheduler.block_tables,
-                    self.scheduler.padding_row,
-                    config.graph_batch_sizes(),
-                    config.graph_prefill_token_counts(),
-                )
         self.tokenizer: Any = (
             load_tokenizer(config.tokenizer_path) if config.tokenizer_path is not None else None
         )
@@ -275,19 +164,7 @@ class InferenceEngine:
         self._description = describe_engine(self)
         logger.info("InferenceEngine: %s", self._description)
 
-    def _admit_mamba_state(self, request: Request) -> None:
-        assert self.mamba_states is not None
-        self.mamba_states.admit(request.request_id)
-
-    def _release_mamba_state(self, request: Request) -> None:
-        if self.mamba_states is not None:
-            self.mamba_states.release(request.request_id)
-
     # ----------------------------------------------------------------------------- lifecycle
-
-    @property
-    def _graphs(self) -> DecodeGraphRunner | None:
-        return self._runner.graphs if self._runner is not None else None
 
     @property
     def closed(self) -> bool:
@@ -324,15 +201,6 @@ class InferenceEngine:
             self.num_waiting or self.num_active or self._unreported or self._pipeline_busy()
         )
 
-    def _pipeline_busy(self) -> bool:
-        deferred = self._deferred
-        # Deferred tokens of requests that all ended (aborted) are work for nobody.
-        if deferred is not None and any(
-            request.status == RequestStatus.ACTIVE for request in deferred.microbatch.sampling
-        ):
-            return True
-        return any(microbatch is not None for microbatch in self._pipeline)
-
     def describe(self) -> dict[str, Any]:
         """How this engine runs: layout, cache, CUDA graphs and the TP communication path.
 
@@ -361,6 +229,7 @@ class InferenceEngine:
         self._pipeline.clear()
         self._deferred = None
         self._stage_input = None
+        self._sample_buffers = None
         self._ep = None
         self._decoder = None
         if self._runner is not None:
@@ -388,10 +257,6 @@ class InferenceEngine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosedError("the engine is closed; build a new InferenceEngine")
 
     # ------------------------------------------------------------------------------- weights
 
@@ -454,71 +319,6 @@ class InferenceEngine:
         self._check_open()
         return self._add_requests([prompt], [params])[0]
 
-    def _add_requests(
-        self,
-        prompts: Sequence[Any],
-        params_list: Sequence[SamplingParams | None],
-        drawn_seeds: Sequence[int] | None = None,
-    ) -> list[int]:
-        requests, verdicts = [], []
-        for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-            params = params if params is not None else SamplingParams()
-            prompt_list = normalize_prompt(prompt)
-            valid_params = isinstance(params, SamplingParams)
-            # Drawn for every request (seeded or not), so unseeded requests get the same seeds
-            # whatever the seeds of the others.
-            drawn = (
-                drawn_seeds[index] if drawn_seeds is not None else self._seed_source.getrandbits(63)
-            )
-            seed = params.seed if valid_params and params.seed is not None else drawn
-            request = Request(
-                request_id=self._next_id,
-                prompt=prompt_list if isinstance(prompt_list, list) else [],
-                params=params if valid_params else SamplingParams(),
-                seed=seed,
-                max_new_tokens=0,
-            )
-            self._next_id += 1
-            try:
-                self._validate(prompt_list, params)
-                error = None
-            except InvalidRequestError as exc:
-                error = str(exc)
-            requests.append(request)
-            verdicts.append(RequestVerdict(request_fingerprint(prompt_list, params), error))
-        decisions = self.groups.agree_on_requests(verdicts)
-        assert self.scheduler is not None
-        for request, error in zip(requests, decisions, strict=True):
-            if error is not None:
-                request.status, request.finish_reason = RequestStatus.FAILED, FinishReason.ERROR
-                request.error = error
-                self._unreported.append(request)
-                continue
-            params = request.params
-            request.max_new_tokens = min(
-                params.max_tokens, self.config.max_sequence_length - len(request.prompt)
-            )
-            if request.max_new_tokens == 0:
-                self._finish(request, FinishReason.LENGTH)
-                continue
-            self._stops[request.request_id] = StopCriteria(
-                params, self._decode if self.tokenizer is not None else None
-            )
-            self.scheduler.waiting.append(request)
-        return [request.request_id for request in requests]
-
-    def _validate(self, prompt: Any, params: Any) -> None:
-        assert self.scheduler is not None
-        validate_request(
-            prompt,
-            params,
-            vocab_size=self.vocab_size,
-            max_sequence_length=self.config.max_sequence_length,
-            has_tokenizer=self.tokenizer is not None,
-            blocks_needed=self.scheduler.blocks_needed,
-            cache_blocks=self.allocator.capacity,
-        )
-
     def abort(self, request_id: int) -> bool:
         """Stop a waiting or active request and free its blocks.
 
@@ -543,27 +343,6 @@ class InferenceEngine:
             return False
         self._finish(request, FinishReason.ABORTED)
         return True
-
-    def _finish(self, request: Request, reason: FinishReason, *, error: str | None = None) -> None:
-        if self.scheduler is not None:
-            # With deferred readback (one stage) the step still holding the request runs on
-            # the same stream as any later use of its blocks: they may be freed now.
-            keep_blocks = request.in_flight > 0 and self._readback is None
-            self.scheduler.release(request, keep_blocks=keep_blocks)
-        request.finish_reason = reason
-        request.status = (
-            RequestStatus.FAILED if reason == FinishReason.ERROR else RequestStatus.FINISHED
-        )
-        request.error = error
-        self._stops.pop(request.request_id, None)
-        self._unreported.append(request)
-
-    def _decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=False)
-
-    def _snapshot(self, request: Request) -> GenerationResult:
-        text = self._decode(request.output) if self.tokenizer is not None else None
-        return request.result(text)
 
     # --------------------------------------------------------------------------------- steps
 
@@ -606,22 +385,7 @@ class InferenceEngine:
         self._check_open()
         if check_weights:
             self._revalidate_graphs(per_step=True)
-        updates = []
-        for request in self._step(progress=True):
-            start = request.num_reported
-            request.num_reported = len(request.output)
-            done = request.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
-            updates.append(
-                TokenUpdate(
-                    request_id=request.request_id,
-                    new_tokens=request.output[start:],
-                    new_logprobs=(
-                        request.logprobs[start:] if request.params.return_logprobs else None
-                    ),
-                    result=self._snapshot(request) if done else None,
-                )
-            )
-        return updates
+        return self._token_updates(self._step(progress=True))
 
     def capture_graphs(self) -> int:
         """Capture every decode CUDA graph now rather than at the first step that needs it.
@@ -641,160 +405,6 @@ class InferenceEngine:
         self._revalidate_graphs()
         graphs = self._graphs
         return graphs.capture_all() if graphs is not None else 0
-
-    def _revalidate_graphs(self, *, per_step: bool = False) -> None:
-        # Once per public call, not per step: weights cannot move while the engine runs.
-        if self._decoder is not None:
-            # A generate/stream call copies the fused weights outright (one pass over them;
-            # broadcasts and `.data` writes do not bump version counters); a single step, which
-            # a serving loop calls per token, copies only after a counted change.
-            if per_step:
-                self._decoder.refresh()
-            else:
-                self._decoder.refresh_now()
-        graphs = self._graphs
-        if graphs is not None:
-            graphs.drop_if_weights_moved()
-
-    def _step(self, *, progress: bool) -> list[Request]:
-        """One step; returns the finished requests, plus the ones that got a token if ``progress``.
-
-        Every stage runs the microbatch at its position in ``self._pipeline`` (index = stage),
-        sends its output to the next stage while receiving its next input, and the microbatch
-        at the last stage leaves with its sampled tokens.
-        """
-        reports, self._unreported = self._unreported, []
-        assert self.scheduler is not None and self._runner is not None
-        groups = self.groups
-        pp = groups.pp_size
-        if self._deferred is not None and self._deferred.ends_by_length:
-            # Read now the tokens that end requests by length, so their blocks are free for
-            # this step's admission exactly as in the synchronous engine (same batches).
-            self._complete_deferred(reports, progress=progress)
-        self.scheduler.admit()
-        # A pipeline splits the decoding requests into one group per stage.
-        max_decode = None if pp == 1 else -(-len(self.scheduler.active) // pp)
-        batch = self.scheduler.schedule(max_decode)
-        microbatch = build_microbatch(batch) if batch else None
-        if microbatch is not None and microbatch.deferred_rows:
-            assert self._deferred is not None
-            microbatch.token_source = self._deferred.samples
-        self._pipeline.appendleft(microbatch)
-        mine = self._pipeline[groups.pp_rank] if groups.pp_rank < len(self._pipeline) else None
-        received, self._stage_input = self._stage_input, None
-        has_work = bool(self.num_waiting or self.num_active or self._pipeline_busy())
-        if mine is None and self._ep is None and pp == 1:
-            self._pipeline.pop()
-            self._complete_deferred(reports, progress=progress)
-            return reports + self._take_unreported()
-        try:
-            with batch_invariant_mode(self.config.batch_invariant):
-                output, logits = self._runner.run(mine, received, has_work=has_work)
-        except Exception as exc:  # a failed step fails its requests, never the engine
-            self._complete_deferred(reports, progress=progress)
-            if mine is None or groups.replica_size > 1 or self._ep is not None:
-                # Peers are inside collectives of this step: no recovery without them.
-                self._unreported = reports + self._unreported
-                raise
-            self._pipeline.pop()
-            message = f"step failed: {type(exc).__name__}: {exc}"
-            for request, _ in mine.entries:
-                request.in_flight -= 1
-                request.awaiting_token = False
-                if request.status == RequestStatus.ACTIVE:
-                    self._finish(request, FinishReason.ERROR, error=message)
-            if self.kv_cache is not None:
-                self.kv_cache.clear_step()
-            return reports + self._take_unreported()
-        samples = None
-        if logits is not None and mine is not None and self._decides_samples():
-            samples = sample_microbatch(
-                logits, mine, logits_dtype=getattr(self._runner, "hidden_dtype", None)
-            )
-        if pp > 1:
-            # The microbatch that moves into this stage at the next step.
-            ahead = groups.pp_rank - 1
-            following = self._pipeline[ahead] if 0 <= ahead < len(self._pipeline) else None
-            expects = following is not None and following.num_tokens > 0
-            runner = self._runner
-            self._stage_input = groups.exchange_stages(
-                output if not groups.is_last_stage and mine is not None else None,
-                (1, following.num_tokens, runner.hidden_size)
-                if expects and following is not None
-                else None,
-                runner.hidden_dtype,
-            )
-        if len(self._pipeline) == pp:
-            leaving = self._pipeline.pop()
-            if self._readback is not None and leaving is not None and leaving.sampling:
-                # Copy this step's tokens to the host in the background; read the previous
-                # step's (their copy came before this step's kernels) while the GPU works.
-                assert samples is not None
-                deferred = self._readback.start(leaving, samples)
-                self._complete_deferred(reports, progress=progress)
-                self._defer(deferred)
-            elif leaving is not None:
-                self._complete_deferred(reports, progress=progress)
-                self._complete(leaving, samples, reports, progress=progress)
-        return reports + self._take_unreported()
-
-    def _complete_deferred(self, reports: list[Request], *, progress: bool) -> None:
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            self._complete(deferred.microbatch, deferred.wait(), reports, progress=progress)
-
-    def _defer(self, deferred: DeferredSamples) -> None:
-        for column, request in enumerate(deferred.microbatch.sampling):
-            if request.status == RequestStatus.ACTIVE:
-                request.deferred_index = column
-                request.awaiting_token = True
-                if len(request.output) + 1 >= request.max_new_tokens:
-                    deferred.ends_by_length = True
-        self._deferred = deferred
-
-    def _decides_samples(self) -> bool:
-        groups = self.groups
-        return groups.replica_group is None or (torch.distributed.get_rank() == groups.sampler_rank)
-
-    def _take_unreported(self) -> list[Request]:
-        taken, self._unreported = self._unreported, []
-        return taken
-
-    def _complete(
-        self,
-        leaving: Microbatch,
-        samples: torch.Tensor | None,
-        reports: list[Request],
-        *,
-        progress: bool,
-    ) -> None:
-        """Apply a microbatch that left the last stage: tokens, stop decisions, freed blocks."""
-        assert self.scheduler is not None
-        for request, _ in leaving.entries:
-            request.in_flight -= 1
-            if request.in_flight == 0 and request.status != RequestStatus.ACTIVE:
-                self.scheduler.free_blocks(request)
-        if not leaving.sampling:
-            return
-        values = self.groups.broadcast_samples(samples, len(leaving.sampling)).tolist()
-        stops = self._stops
-        for request, token, logprob in zip(leaving.sampling, values[0], values[1], strict=True):
-            request.awaiting_token = False
-            request.deferred_index = -1
-            if request.status != RequestStatus.ACTIVE:
-                continue  # aborted while its tokens were in the pipeline
-            output = request.output
-            output.append(int(token))
-            if request.params.return_logprobs:
-                request.logprobs.append(logprob)
-            criteria = stops[request.request_id]
-            reason = criteria.check(output) if criteria.active else None
-            if reason is None and len(output) >= request.max_new_tokens:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                self._finish(request, reason)
-            elif progress:
-                reports.append(request)
 
     # ---------------------------------------------------------------------------- generation
 
@@ -826,32 +436,6 @@ class InferenceEngine:
             self._unreported.extend(others)
             if pending and not self._closed:
                 self._drop(pending)
-
-    def _drop(self, request_ids: set[int]) -> None:
-        # The caller left before these requests ended (a stream closed early, an exception):
-        # nobody will read them, so they must not keep KV blocks and run on in later steps.
-        assert self.scheduler is not None
-        for request_id in request_ids:
-            request = self.scheduler.find(request_id)
-            if request is not None:
-                self._finish(request, FinishReason.ABORTED)
-        self._unreported = [r for r in self._unreported if r.request_id not in request_ids]
-
-    def _add_share(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None,
-    ) -> list[int]:
-        """Add this replica's share of the prompts (all of them without data parallelism)."""
-        params_list = params_per_prompt(len(prompts), params)
-        if self.groups.dp_group is None:
-            return self._add_requests(list(prompts), params_list)
-        # Every replica draws every seed, so a request's seed does not depend on the split.
-        drawn = [self._seed_source.getrandbits(63) for _ in prompts]
-        share = self.groups.my_share(len(prompts))
-        return self._add_requests(
-            [prompts[i] for i in share], [params_list[i] for i in share], [drawn[i] for i in share]
-        )
 
     def generate(
         self,

@@ -45,6 +45,8 @@ import torch.nn.functional as F
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.moe.swiglu import swiglu
+from mcore_kernels.pdl import programmatic_dependent_launch
+from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
@@ -133,6 +135,20 @@ class FusedDecoder:
             None: :data:`GEMV_MAX_ROWS`).
         lm_head_gemv_max_rows: :meth:`compute_logits` of at most this many rows runs the LM
             head as ``decode_gemv`` (0: never; None: :data:`LM_HEAD_GEMV_MAX_ROWS`).
+        pdl: In the ``decode_gemv`` steps (and the LM head of at most
+            ``lm_head_gemv_max_rows`` rows), launch the kernels (projections, attention) with
+            programmatic dependent launch (:mod:`mcore_kernels.pdl`; Hopper or newer, ignored
+            elsewhere): each starts, and the projections stream their weights, while the
+            previous kernel finishes.
+        max_positions: Positions are below this (the engine's ``max_sequence_length``): the
+            RoPE cosines and sines of every position are computed once and each step looks its
+            rows up (one kernel instead of four, same values). None computes them per step.
+        rope_in_projection: In the ``decode_gemv`` steps of a model without QK-norm, fold RoPE
+            and the key/value cache write into the q/k/v projection's epilogue
+            (``decode_gemv(..., rope=...)``): four launches per layer plus the attention.
+        prefetch_l2: In the ``decode_gemv`` steps, each projection requests the next
+            projection's weight into the L2 cache while it runs (``decode_gemv(...,
+            prefetch=...)``), so weight streaming runs ahead of the chain of dependent kernels.
     """
 
     def __init__(
@@ -141,8 +157,17 @@ class FusedDecoder:
         *,
         gemv_max_rows: int | None = None,
         lm_head_gemv_max_rows: int | None = None,
+        pdl: bool = False,
+        max_positions: int | None = None,
+        rope_in_projection: bool = True,
+        prefetch_l2: bool = False,
     ) -> None:
         self.model = model
+        self.rope_in_projection = rope_in_projection
+        self.prefetch_l2 = prefetch_l2
+        self.pdl = pdl
+        self.max_positions = max_positions
+        self._rope_table: torch.Tensor | None = None
         self.gemv_max_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
         self.lm_head_gemv_max_rows = (
             LM_HEAD_GEMV_MAX_ROWS if lm_head_gemv_max_rows is None else lm_head_gemv_max_rows
@@ -218,9 +243,12 @@ class FusedDecoder:
         """
         model = self.model
         hidden = model.embedding(input_ids[0])
-        cos, sin = model.rotary(position_ids[0])
+        cos, sin = self._rotary(position_ids[0])
         if hidden.shape[0] <= self.gemv_max_rows:
-            return self._gemv_layers(hidden, cos, sin, kv_cache)[None]
+            # PDL where it was measured to pay: the chain of small decode_gemv steps (at large
+            # batch the early-started kernels would only hold multiprocessors from cuBLAS).
+            with programmatic_dependent_launch(self.pdl):
+                return self._gemv_layers(hidden, cos, sin, kv_cache)[None]
         residual: torch.Tensor | None = None
         for layer, fused in zip(model.layers, self._layers, strict=True):
             attention = layer.self_attention
@@ -239,6 +267,23 @@ class FusedDecoder:
         hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden[None]
 
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``model.rotary(positions)``, looked up in a table of every position when bounded."""
+        if self.max_positions is None:
+            return self.model.rotary(positions)
+        table = self._rope_table
+        if table is None or table.device != positions.device:
+            # Elementwise ops: each position's values are those computed for it alone.
+            every = torch.arange(self.max_positions, device=positions.device)
+            cos, sin = self.model.rotary(every)
+            table = self._rope_table = torch.stack((cos, sin), dim=1)
+        rows = table.index_select(0, positions)
+        return rows[:, 0], rows[:, 1]
+
+    def _ahead(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        """``weight`` for a projection to request into L2 (None unless ``prefetch_l2``)."""
+        return weight if self.prefetch_l2 else None
+
     def _gemv_layers(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
     ) -> torch.Tensor:
@@ -250,27 +295,61 @@ class FusedDecoder:
         """
         model = self.model
         residual = hidden
-        for layer, fused in zip(model.layers, self._layers, strict=True):
+        layers = list(zip(model.layers, self._layers, strict=True))
+        for index, (layer, fused) in enumerate(layers):
             attention, mlp = layer.self_attention, layer.mlp
-            qkv = decode_gemv(
-                residual,
-                fused.qkv_weight,
-                fused.qkv_bias,
-                norm_weight=layer.input_norm.weight,
-                norm_eps=layer.input_norm.eps,
-            )
-            q, k, v = (
-                part.unflatten(-1, (-1, attention.head_dim))
-                for part in qkv.split(fused.split, dim=-1)
-            )
-            if attention.q_norm is not None and attention.k_norm is not None:
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            out = kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
+            # With prefetch_l2, each projection requests the next one's weight into L2.
+            after_down = layers[index + 1][1].qkv_weight if index + 1 < len(layers) else None
+            ahead = self._ahead
+            if self.rope_in_projection and attention.q_norm is None:
+                # RoPE and the cache write in the projection's epilogue: one launch fewer.
+                keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
+                rope = RotaryCacheWrite(
+                    cos=cos,
+                    sin=sin,
+                    k_cache=keys,
+                    v_cache=values,
+                    slot_mapping=slots,
+                    num_q_heads=fused.split[0] // attention.head_dim,
+                )
+                q = decode_gemv(
+                    residual,
+                    fused.qkv_weight,
+                    fused.qkv_bias,
+                    norm_weight=layer.input_norm.weight,
+                    norm_eps=layer.input_norm.eps,
+                    rope=rope,
+                    prefetch=ahead(attention.o_proj.weight),
+                )
+                out = kv_cache.attend_stored_keys(
+                    layer.layer_idx,
+                    q.unflatten(-1, (-1, attention.head_dim)),
+                    scale=attention.scale,
+                )
+            else:
+                qkv = decode_gemv(
+                    residual,
+                    fused.qkv_weight,
+                    fused.qkv_bias,
+                    norm_weight=layer.input_norm.weight,
+                    norm_eps=layer.input_norm.eps,
+                    prefetch=ahead(attention.o_proj.weight),
+                )
+                q, k, v = (
+                    part.unflatten(-1, (-1, attention.head_dim))
+                    for part in qkv.split(fused.split, dim=-1)
+                )
+                if attention.q_norm is not None and attention.k_norm is not None:
+                    q, k = attention.q_norm(q), attention.k_norm(k)
+                out = kv_cache.attend_rotary(
+                    layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
+                )
             residual = decode_gemv(
                 out.flatten(-2),
                 attention.o_proj.weight,
                 attention.o_proj.bias,
                 residual=residual,
+                prefetch=ahead(fused.gate_up_weight),
             )
             activation = decode_gemv(
                 residual,
@@ -278,32 +357,46 @@ class FusedDecoder:
                 norm_weight=layer.post_attention_norm.weight,
                 norm_eps=layer.post_attention_norm.eps,
                 swiglu=True,
+                prefetch=ahead(mlp.down_proj.weight),
             )
-            residual = decode_gemv(activation, mlp.down_proj.weight, residual=residual)
+            residual = decode_gemv(
+                activation, mlp.down_proj.weight, residual=residual, prefetch=ahead(after_down)
+            )
         return model.final_norm(residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of final-normed hidden states, as ``model.compute_logits``.
+        """Logits of final-normed hidden states in the model's dtype (``upcast=False``).
+
+        The engine's sampler reads them as they are: the argmax of greedy rows is that of the
+        float32 upcast, sampled rows are upcast first, and the log-probs are computed from the
+        logits in the model's dtype anyway. Not upcasting saves a float32 copy of
+        ``[rows, vocab_size]`` (written and read again) per step: at 512 rows of a 152k
+        vocabulary, 311 MB.
 
         Args:
             hidden: ``[rows, hidden]`` output of this decoder.
 
         Returns:
-            ``[rows, vocab_size]`` float32 logits; at most ``lm_head_gemv_max_rows`` rows run
-            the LM head as one ``decode_gemv``.
+            ``[rows, vocab_size]`` logits in the dtype of the output weight; at most
+            ``lm_head_gemv_max_rows`` rows run the LM head as one ``decode_gemv``.
         """
         model = self.model
         if hidden.dim() != 2 or hidden.shape[0] > self.lm_head_gemv_max_rows:
-            return model.compute_logits(hidden)
-        return decode_gemv(hidden, model.output_weight()).float()
+            return model.compute_logits(hidden, upcast=False)
+        with programmatic_dependent_launch(self.pdl):
+            return decode_gemv(hidden, model.output_weight())
 
 
-def build_fused_decoder(model: Any, enabled: bool) -> FusedDecoder | None:
+def build_fused_decoder(
+    model: Any, enabled: bool, *, pdl: bool = False, max_positions: int | None = None
+) -> FusedDecoder | None:
     """The engine's fused decoder for ``model``, or None where it does not apply.
 
     Args:
         model: The engine's model.
         enabled: ``InferenceConfig.fused_decode``.
+        pdl: ``InferenceConfig.decode_pdl`` (see :class:`FusedDecoder`).
+        max_positions: ``InferenceConfig.max_sequence_length`` (see :class:`FusedDecoder`).
 
     Returns:
         A :class:`FusedDecoder`, or None when disabled or unsupported (the model's own
@@ -311,4 +404,4 @@ def build_fused_decoder(model: Any, enabled: bool) -> FusedDecoder | None:
     """
     if not enabled or fused_decoder_unsupported_reason(model) is not None:
         return None
-    return FusedDecoder(model)
+    return FusedDecoder(model, pdl=pdl, max_positions=max_positions)

@@ -194,6 +194,45 @@ class PagedKVCache:
         rotated = rotary_kv_write(q, k, v, cos, sin, keys, values, self._slot_mapping)
         return self._attend_stored(rotated, keys, values, scale)
 
+    def layer_write_target(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where a kernel that stores the step's keys and values itself writes them.
+
+        For a projection with the cache write folded in (``decode_gemv(..., rope=...)``);
+        :meth:`attend_stored_keys` then attends.
+
+        Args:
+            layer_idx: Global index of the decoder layer (0-based).
+
+        Returns:
+            ``(keys, values, slot_mapping)``: the layer's ``[num_blocks, block_size, Hkv, D]``
+            key and value caches and the step's ``[T]`` slots.
+
+        Raises:
+            KVCacheStepError: If no step metadata was installed.
+        """
+        self._check_step("layer_write_target", layer_idx)
+        assert self._slot_mapping is not None
+        local = self._local_index(layer_idx)
+        return self.keys[local], self.values[local], self._slot_mapping
+
+    def attend_stored_keys(self, layer_idx: int, q: torch.Tensor, *, scale: float) -> torch.Tensor:
+        """Like :meth:`attend_rotary` once the step's keys and values are in the cache.
+
+        Args:
+            layer_idx: Global index of the decoder layer (0-based).
+            q: ``[T, Hq, D]`` new queries, rotated.
+            scale: Multiplier of the query-key products.
+
+        Returns:
+            ``[T, Hq, D]`` attention output in the dtype of ``q``.
+
+        Raises:
+            KVCacheStepError: If no step metadata was installed.
+        """
+        self._check_step("attend_stored_keys", layer_idx)
+        local = self._local_index(layer_idx)
+        return self._attend_stored(q, self.keys[local], self.values[local], scale)
+
     def _local_index(self, layer_idx: int) -> int:
         # Storage index of a global layer (hybrid models store only their attention layers).
         if self._local_layer is not None:

@@ -65,6 +65,9 @@ class SampleReadback:
         self.device = device
         self._buffers: list[torch.Tensor] = []
         self._next = 0
+        # One event per buffer, recorded again at each use (creating one per step costs host
+        # time): the event of a buffer is only re-recorded once the host read that buffer.
+        self._events: list[torch.cuda.Event] = []
 
     def _buffer(self, count: int) -> torch.Tensor:
         # Two buffers in turn: the one of the previous step may still be read by the host.
@@ -94,6 +97,9 @@ class SampleReadback:
             host.copy_(samples)
             return DeferredSamples(microbatch, samples, host, None)
         host.copy_(samples, non_blocking=True)
-        event = torch.cuda.Event()
+        index = 1 - self._next  # the buffer just taken
+        while len(self._events) <= index:
+            self._events.append(torch.cuda.Event())
+        event = self._events[index]
         event.record()
         return DeferredSamples(microbatch, samples, host, event)

@@ -21,7 +21,7 @@ from mcore_inference.transfer import to_device
 from mcore_kernels import token_logprobs
 from mcore_models.mamba import MambaStepState
 
-__all__ = ["StageRunner", "sample_microbatch"]
+__all__ = ["SampleBuffers", "StageRunner", "sample_microbatch"]
 
 
 class StageRunner:
@@ -96,7 +96,8 @@ class StageRunner:
 
         Returns:
             ``(output, logits)``: the hidden states for the next stage (a non-last stage with
-            tokens) and the float32 logits of the sampling rows (the last stage), each or None.
+            tokens) and the logits of the sampling rows (the last stage; float32, or in the
+            model's dtype with the fused decoder), each or None.
         """
         with torch.no_grad(), fused_tp_communication(self.model, self.fuse_tp_communication):
             return self._run(microbatch, received, has_work)
@@ -243,17 +244,81 @@ class StageRunner:
         self.model = self.kv_cache = self.block_tables = None  # type: ignore[assignment]
 
 
+class SampleBuffers:
+    """Reused device buffers for the float64 ``[2, n]`` samples of consecutive steps.
+
+    A step's samples are read by the copy to the host (in the same step) and by the next step,
+    which feeds them to the model; every use is ordered on the one stream, so a buffer is free
+    again two steps later. Reusing them saves an allocation and a fill per step: the
+    log-probability row is refilled with NaN only when the buffer's last use had another width
+    or wrote log-probs into it. Each view is contiguous (collectives broadcast it as is).
+
+    Args:
+        device: The engine's device.
+        count: Buffers in turn (at least 3).
+    """
+
+    def __init__(self, device: torch.device, count: int = 3) -> None:
+        self.device = device
+        self._buffers: list[torch.Tensor] = []
+        self._clean_width: list[int] = []
+        """Per buffer, the width whose second row holds NaN (-1: none known)."""
+        self._count = max(3, count)
+        self._next = 0
+
+    def take(self, columns: int) -> tuple[torch.Tensor, bool]:
+        """The next buffer, as a contiguous ``[2, columns]`` view.
+
+        Args:
+            columns: Sampled rows of the step.
+
+        Returns:
+            ``(samples, clean)``: the view, and whether its second row already holds NaN.
+        """
+        index = self._next
+        self._next = (index + 1) % self._count
+        capacity = self._buffers[0].numel() // 2 if self._buffers else 0
+        if capacity < columns:
+            # All buffers at once, of one size: the engine's memory does not change again
+            # until a wider step comes.
+            size = 2 * max(columns, 64)
+            self._buffers = [
+                torch.empty(size, dtype=torch.float64, device=self.device)
+                for _ in range(self._count)
+            ]
+            self._clean_width = [-1] * self._count
+        view = self._buffers[index][: 2 * columns].view(2, columns)
+        return view, self._clean_width[index] == columns
+
+    def mark(self, samples: torch.Tensor, clean: bool) -> None:
+        """Record whether the second row of ``samples`` (a view from :meth:`take`) is NaN.
+
+        Args:
+            samples: A view returned by :meth:`take`.
+            clean: Whether its second row holds NaN in every column.
+        """
+        for index, buffer in enumerate(self._buffers):
+            if buffer.data_ptr() == samples.data_ptr():
+                self._clean_width[index] = samples.shape[1] if clean else -1
+
+
 def sample_microbatch(
-    logits: torch.Tensor, microbatch: Microbatch, *, logits_dtype: torch.dtype | None = None
+    logits: torch.Tensor,
+    microbatch: Microbatch,
+    *,
+    logits_dtype: torch.dtype | None = None,
+    buffers: SampleBuffers | None = None,
 ) -> torch.Tensor:
     """Sample the next token of every sampling request of a microbatch.
 
     Args:
-        logits: float32 ``[n, vocab]`` logits of the sampling rows.
+        logits: ``[n, vocab]`` logits of the sampling rows (float32, or already in
+            ``logits_dtype``).
         microbatch: The microbatch (its ``sampling`` requests, in row order).
         logits_dtype: The dtype the model computed the logits in before the float32 upcast
             (its parameter dtype); the log-probs are computed from the logits in that dtype, as
             a training forward's ``token_logprobs`` reads them (see :func:`_row_logprobs`).
+        buffers: Reused buffers for the result (None: a new tensor).
 
     Returns:
         float64 ``[2, n]``: token ids and their log-probabilities (NaN where not asked), in a
@@ -268,11 +333,17 @@ def sample_microbatch(
         for r, p in zip(requests, params)
     ]
     new_tokens = sample_tokens(logits, params, uniforms)
-    samples = torch.full(
-        (2, len(requests)), float("nan"), dtype=torch.float64, device=logits.device
-    )
-    samples[0] = new_tokens.to(torch.float64)
     logprob_rows = [i for i, p in enumerate(params) if p.return_logprobs]
+    if buffers is None:
+        samples = torch.full(
+            (2, len(requests)), float("nan"), dtype=torch.float64, device=logits.device
+        )
+    else:
+        samples, clean = buffers.take(len(requests))
+        if not clean and len(logprob_rows) < len(params):
+            samples[1].fill_(float("nan"))
+        buffers.mark(samples, not logprob_rows)
+    samples[0].copy_(new_tokens)
     if logprob_rows:
         # Every row (the common case) needs no gather and no scatter.
         every = len(logprob_rows) == len(params)

@@ -25,7 +25,8 @@ def to_device(
     """Copy host values to ``device`` without synchronising with it.
 
     Args:
-        values: Numbers, or a CPU tensor.
+        values: Numbers, or a CPU tensor (staged through a pinned copy; a tensor already in
+            pinned memory is uploaded as it is and must not change until the copy ran).
         dtype: Dtype of the result.
         device: Target device.
 
@@ -33,9 +34,9 @@ def to_device(
         A tensor of ``values`` on ``device`` (its copy is queued on the current stream).
     """
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    host = host.to(dtype)
+    if host.dtype != dtype:
+        host = host.to(dtype)
     if device.type != "cuda":
         return host.to(device)
-    pinned = torch.empty(host.shape, dtype=dtype, pin_memory=True)
-    pinned.copy_(host)
-    return pinned.to(device, non_blocking=True)
+    # A pinned staging copy (from the caching host allocator), then an asynchronous upload.
+    return host.pin_memory().to(device, non_blocking=True)

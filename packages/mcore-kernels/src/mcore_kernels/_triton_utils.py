@@ -25,9 +25,13 @@ __all__ = [
     "CachedLauncher",
     "as_rows",
     "device_limits",
+    "gdc_launch_dependents",
+    "gdc_wait",
     "jit",
     "next_power_of_2",
     "on_device_of",
+    "pdl_supported",
+    "prefetch_l2",
     "round_to",
     "tl",
     "triton",
@@ -51,6 +55,59 @@ def jit(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     return triton.jit(fn, **options) if triton is not None else fn
 
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAS_GDC = True
+except ImportError:  # pragma: no cover - no triton, or a release without grid dependency control
+    _HAS_GDC = False
+
+    @jit
+    def gdc_wait():  # type: ignore[no-redef]
+        """No-op stand-in: kernels call it only under programmatic dependent launch."""
+
+    @jit
+    def gdc_launch_dependents():  # type: ignore[no-redef]
+        """No-op stand-in: kernels call it only under programmatic dependent launch."""
+
+
+@jit
+def prefetch_l2(addresses):
+    """Request the 128-byte lines holding ``addresses`` (a tensor of pointers) into L2.
+
+    A hint (``prefetch.global.L2``): it returns no data and changes no value; L2 is coherent,
+    so a line written afterwards by another kernel is read correctly later. Inline PTX: CUDA
+    only (never reached by the interpreter).
+    """
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [addresses],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@functools.cache
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched with programmatic dependent launch.
+
+    Under programmatic dependent launch a kernel's programs may start while the previous kernel
+    on the stream still runs; the kernel calls ``gdc_wait()`` before it reads anything that
+    kernel wrote. It needs a Hopper or newer GPU and a Triton with grid dependency control.
+
+    Args:
+        device: The tensors' device (the CPU, i.e. the interpreter, never supports it).
+
+    Returns:
+        True on a CUDA device of compute capability 9.0 or more with such a Triton.
+    """
+    if not _HAS_GDC or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 _INT32 = range(-(2**31), 2**31)
 
 
@@ -70,12 +127,15 @@ class CachedLauncher:
 
     Args:
         fn: the ``@triton.jit`` kernel; its constexpr parameters must come after the others.
+        **launch_options: further compile options of every launch (``launch_pdl=True``: the
+            kernel is launched with programmatic dependent launch).
     """
 
-    __slots__ = ("_fast", "_fn", "_kernels", "_names")
+    __slots__ = ("_fast", "_fn", "_kernels", "_names", "_options")
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, **launch_options: Any) -> None:
         self._fn = fn
+        self._options = launch_options
         self._kernels: dict[tuple, tuple[Any, tuple]] = {}
         self._fast = True
         self._names = tuple(getattr(fn, "arg_names", ()))
@@ -133,7 +193,7 @@ class CachedLauncher:
                 return
             except Exception:
                 self._fast = False
-        kernel = self._fn[grid](*args, **constexprs, num_warps=num_warps)
+        kernel = self._fn[grid](*args, **constexprs, num_warps=num_warps, **self._options)
         if all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
             tail = tuple(constexprs[name] for name in self._names[len(args) :])
             self._kernels[cache_key] = (kernel, tail)

@@ -18,6 +18,13 @@ program of each output tile (counted with an atomic ticket) sums them in a fixed
 the epilogue, so the result does not depend on the arrival order and one launch suffices
 (``reduce="second_pass"`` runs the sum in a second kernel instead, for comparison).
 
+Decode-step extras: ``rope`` (a :class:`~mcore_kernels.rotary_kv_write.RotaryCacheWrite`)
+makes a q/k/v projection also rotate its queries and keys and store keys and values in their
+cache slots (tiles of (channel ``j``, channel ``j + D/2``) pairs, read like SwiGLU's gate and up
+rows); under :func:`mcore_kernels.pdl.programmatic_dependent_launch` the programs request their
+first weight tile before waiting for the previous kernel; ``prefetch`` names another tensor
+(the next projection's weight) that the programs request into L2 as they start.
+
 Shapes: ``x`` ``[M, K]`` (last dimension contiguous), ``weight`` ``[N, K]`` contiguous,
 ``bias`` ``[N]``, ``norm_weight`` ``[K]``, ``residual`` ``[M, N_out]``; returns ``[M, N_out]``
 with ``N_out = N`` (``N // 2`` with ``swiglu``).
@@ -28,6 +35,7 @@ overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +45,12 @@ from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
     CachedLauncher,
     device_limits,
+    gdc_launch_dependents,
+    gdc_wait,
     jit,
     next_power_of_2,
+    pdl_supported,
+    prefetch_l2,
     round_to,
     tl,
     triton,
@@ -49,7 +61,13 @@ from mcore_kernels.errors import (
     KernelShapeError,
     KernelValueError,
 )
+from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.reference import decode_gemv_reference
+from mcore_kernels.rotary_kv_write import (
+    RotaryCacheWrite,
+    _flat_slots,
+    rotary_kv_write_reference,
+)
 
 __all__ = ["GemvConfig", "decode_gemv", "decode_gemv_triton", "gemv_config"]
 
@@ -150,15 +168,96 @@ def _epilogue(
 
 
 @jit
-def _load_tile(w_ptr, w_rows, up_rows, k, k_end, SWIGLU: tl.constexpr, MASKED: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_K]`` weight tile (and the up tile with SwiGLU) at ``k``."""
+def _rope_epilogue(
+    acc,
+    acc_up,
+    bias_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_cos,
+    stride_sin,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
+    offs_m,
+    offs_n,
+    m_mask,
+    N_PAIRS,
+    stride_om,
+    NUM_Q_HEADS,
+    NUM_KV_HEADS,
+    HAS_BIAS: tl.constexpr,
+    HALF: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """RoPE and the key/value cache write of a q/k/v tile of ``(first, second)``-half pairs.
+
+    Column ``c`` of the tile is pair ``offs_n[c]``: channel ``j`` and ``j + HALF`` of one head.
+    Query heads are rotated and stored to ``out`` (``[M, NUM_Q_HEADS * 2 * HALF]``), key heads
+    rotated and stored to the key cache, value heads stored to the value cache, each at the
+    row's slot, with the roundings of :func:`mcore_kernels.rotary_kv_write.rotary_kv_write`.
+    """
+    n_mask = offs_n < N_PAIRS
+    head = offs_n // HALF
+    j = offs_n % HALF
+    row = head * (2 * HALF) + j
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + row, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias_ptr + row + HALF, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    x1 = round_to(acc, DTYPE).to(tl.float32)
+    x2 = round_to(acc_up, DTYPE).to(tl.float32)
+    mask = m_mask[:, None] & n_mask[None, :]
+    # The tables are rounded to the activation dtype first, as the unfused expression does.
+    cos = tl.load(cos_ptr + offs_m[:, None] * stride_cos + j[None, :], mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + offs_m[:, None] * stride_sin + j[None, :], mask=mask, other=0.0)
+    cos = cos.to(DTYPE).to(tl.float32)
+    sin = sin.to(DTYPE).to(tl.float32)
+    first = (x1 * cos).to(DTYPE).to(tl.float32) - (x2 * sin).to(DTYPE).to(tl.float32)
+    second = (x2 * cos).to(DTYPE).to(tl.float32) + (x1 * sin).to(DTYPE).to(tl.float32)
+    first = first.to(DTYPE)
+    second = second.to(DTYPE)
+    is_query = head < NUM_Q_HEADS
+    is_key = (head >= NUM_Q_HEADS) & (head < NUM_Q_HEADS + NUM_KV_HEADS)
+    is_value = head >= NUM_Q_HEADS + NUM_KV_HEADS
+    target = out_ptr + offs_m[:, None] * stride_om + row[None, :]
+    query_mask = mask & is_query[None, :]
+    tl.store(target, first, mask=query_mask)
+    tl.store(target + HALF, second, mask=query_mask)
+    slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    kv_head = head - NUM_Q_HEADS
+    key_target = (
+        k_cache_ptr + slot[:, None] * stride_kc_slot + (kv_head * stride_kc_head + j)[None, :]
+    )
+    key_dtype = k_cache_ptr.dtype.element_ty
+    key_mask = mask & is_key[None, :]
+    tl.store(key_target, first.to(key_dtype), mask=key_mask)
+    tl.store(key_target + HALF, second.to(key_dtype), mask=key_mask)
+    value_head = kv_head - NUM_KV_HEADS
+    value_target = (
+        v_cache_ptr + slot[:, None] * stride_vc_slot + (value_head * stride_vc_head + j)[None, :]
+    )
+    value_dtype = v_cache_ptr.dtype.element_ty
+    value_mask = mask & is_value[None, :]
+    tl.store(value_target, x1.to(DTYPE).to(value_dtype), mask=value_mask)
+    tl.store(value_target + HALF, x2.to(DTYPE).to(value_dtype), mask=value_mask)
+
+
+@jit
+def _load_tile(w_ptr, w_rows, up_rows, k, k_end, PAIRED: tl.constexpr, MASKED: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile (and the paired tile: SwiGLU's up rows, RoPE's
+    second halves) at ``k``."""
     k_mask = k < k_end
     if MASKED:
         w = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
     else:
         w = tl.load(w_ptr + w_rows[:, None] + k[None, :])
     w_up = w
-    if SWIGLU:
+    if PAIRED:
         if MASKED:
             w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
         else:
@@ -186,7 +285,7 @@ def _accumulate(
     stride_xm,
     pid_m,
     HAS_NORM: tl.constexpr,
-    SWIGLU: tl.constexpr,
+    PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     USE_DOT: tl.constexpr,
     MASKED: tl.constexpr,
@@ -198,7 +297,7 @@ def _accumulate(
     dtype = x_ptr.dtype.element_ty
     k_mask = k < k_end
     if not PRELOADED:
-        w, w_up = _load_tile(w_ptr, w_rows, up_rows, k, k_end, SWIGLU, MASKED)
+        w, w_up = _load_tile(w_ptr, w_rows, up_rows, k, k_end, PAIRED, MASKED)
     gamma = k_mask.to(tl.float32)
     if HAS_NORM:
         gamma = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
@@ -216,7 +315,7 @@ def _accumulate(
             w = w.to(tl.float32)
             w_up = w_up.to(tl.float32)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-        if SWIGLU:
+        if PAIRED:
             acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
     else:
         wf = w.to(tl.float32)
@@ -231,11 +330,25 @@ def _accumulate(
             xf = xr.to(tl.float32)
             here = offs_m[:, None] == m
             acc = tl.where(here, acc + tl.sum(wf * xf[None, :], axis=1)[None, :], acc)
-            if SWIGLU:
+            if PAIRED:
                 acc_up = tl.where(
                     here, acc_up + tl.sum(wf_up * xf[None, :], axis=1)[None, :], acc_up
                 )
     return acc, acc_up
+
+
+@jit
+def _prefetch_lines(pf_ptr, PF_LINES, PF_BLOCK: tl.constexpr, LINE_ELEMENTS: tl.constexpr):
+    """Request this program's share of ``PF_LINES`` 128-byte lines at ``pf_ptr`` into L2."""
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    program = tl.program_id(0) + tl.num_programs(0) * (
+        tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
+    )
+    share = tl.cdiv(PF_LINES, programs)
+    for start in range(0, share, PF_BLOCK):
+        offsets = start + tl.arange(0, PF_BLOCK)
+        lines = tl.minimum(program * share + tl.minimum(offsets, share - 1), PF_LINES - 1)
+        prefetch_l2(pf_ptr + lines.to(tl.int64) * LINE_ELEMENTS)
 
 
 @jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
@@ -258,10 +371,28 @@ def _gemv_kernel(
     stride_rm,
     stride_om,
     eps,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_cos,
+    stride_sin,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
+    NUM_Q_HEADS,
+    NUM_KV_HEADS,
+    pf_ptr,
+    PF_LINES,
     HAS_BIAS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SWIGLU: tl.constexpr,
+    ROPE: tl.constexpr,
+    PAIRED: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -272,7 +403,16 @@ def _gemv_kernel(
     UPCAST_DOT: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     K_ALIGNED: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LINE_ELEMENTS: tl.constexpr,
 ):
+    if USE_PDL:
+        # Let the next kernel's programs start (and prefetch their own weights) early.
+        gdc_launch_dependents()
+    if PREFETCH:
+        # Another tensor (the next projection's weight) towards L2 while this one streams.
+        _prefetch_lines(pf_ptr, PF_LINES, 128, LINE_ELEMENTS)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -282,8 +422,15 @@ def _gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N_OUT
     # Rows past N_OUT read row 0 (never stored): the loads stay unmasked along N.
-    w_rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn
-    up_rows = (tl.where(n_mask, offs_n, 0) + N_OUT).to(tl.int64) * stride_wn
+    if ROPE:
+        # Columns are (first half, second half) channel pairs of the q/k/v heads.
+        pair = tl.where(n_mask, offs_n, 0)
+        first_rows = (pair // HALF) * (2 * HALF) + pair % HALF
+        w_rows = first_rows.to(tl.int64) * stride_wn
+        up_rows = (first_rows + HALF).to(tl.int64) * stride_wn
+    else:
+        w_rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn
+        up_rows = (tl.where(n_mask, offs_n, 0) + N_OUT).to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
@@ -294,19 +441,23 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     scales = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM:
+    if HAS_NORM or USE_PDL:
         # The first weight tile is requested before the norm's reduction over the rows, so
-        # the two memory latencies overlap.
+        # the two memory latencies overlap; with programmatic dependent launch it is requested
+        # before waiting for the previous kernel (the weights do not depend on it, the rows do).
         first = k_begin + offs_k
         if k_full > k_begin:
-            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, SWIGLU, False)
+            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, PAIRED, False)
         else:
-            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, SWIGLU, True)
-        scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
+            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, PAIRED, True)
+        if USE_PDL:
+            gdc_wait()
+        if HAS_NORM:
+            scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
         acc, acc_up = _accumulate(
             acc, acc_up, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, first, k_end, M, stride_xm, pid_m,
-            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
+            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
         )  # fmt: skip
         k_begin = tl.minimum(k_begin + BLOCK_K, k_end)
         k_full = tl.maximum(k_full, k_begin)
@@ -314,26 +465,34 @@ def _gemv_kernel(
         acc, acc_up = _accumulate(
             acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, start + offs_k, k_end, M, stride_xm, pid_m,
-            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, False, DOT_PRECISION, UPCAST_DOT, False,
+            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, False, DOT_PRECISION, UPCAST_DOT, False,
         )  # fmt: skip
     if k_full < k_end:
         acc, acc_up = _accumulate(
             acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,
-            HAS_NORM, SWIGLU, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, False,
+            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, False,
         )  # fmt: skip
     if not HAS_SPLIT:
-        _epilogue(
-            acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
-            stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
-        )  # fmt: skip
+        if ROPE:
+            _rope_epilogue(
+                acc, acc_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
+                v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
+                stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
+                NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
+            )  # fmt: skip
+        else:
+            _epilogue(
+                acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
+                stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+            )  # fmt: skip
     else:
         # Workspace [SPLIT_K, 2, M, N_OUT] float32: the gate (or only) partial, then the up one.
         tile = offs_m[:, None] * N_OUT + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         plane = M * N_OUT
         tl.store(ws_ptr + (pid_k * 2) * plane + tile, acc, mask=mask)
-        if SWIGLU:
+        if PAIRED:
             tl.store(ws_ptr + (pid_k * 2 + 1) * plane + tile, acc_up, mask=mask)
         if not STORE_PARTIALS:
             # Every thread's partial is written before the ticket (release) is taken.
@@ -347,17 +506,25 @@ def _gemv_kernel(
                     total += tl.load(
                         ws_ptr + (s * 2) * plane + tile, mask=mask, other=0.0, cache_modifier=".cg"
                     )
-                    if SWIGLU:
+                    if PAIRED:
                         total_up += tl.load(
                             ws_ptr + (s * 2 + 1) * plane + tile,
                             mask=mask,
                             other=0.0,
                             cache_modifier=".cg",
                         )
-                _epilogue(
-                    total, total_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
-                    stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
-                )  # fmt: skip
+                if ROPE:
+                    _rope_epilogue(
+                        total, total_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr,
+                        k_cache_ptr, v_cache_ptr, stride_cos, stride_sin, stride_kc_slot,
+                        stride_kc_head, stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask,
+                        N_OUT, stride_om, NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
+                    )  # fmt: skip
+                else:
+                    _epilogue(
+                        total, total_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask,
+                        N_OUT, stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+                    )  # fmt: skip
                 # Reset for the next launch (graph replays reuse the tickets).
                 tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
@@ -398,6 +565,7 @@ def _sum_partials_kernel(
 
 
 _GEMV = CachedLauncher(_gemv_kernel)
+_GEMV_PDL = CachedLauncher(_gemv_kernel, launch_pdl=True)
 _SUM_PARTIALS = CachedLauncher(_sum_partials_kernel)
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
@@ -459,6 +627,7 @@ def _check_args(
     norm_weight: torch.Tensor | None,
     residual: torch.Tensor | None,
     swiglu: bool,
+    rope: RotaryCacheWrite | None = None,
 ) -> int:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise KernelShapeError(
@@ -483,6 +652,20 @@ def _check_args(
             )
         if residual.dtype != x.dtype:
             raise KernelDtypeError(f"residual {residual.dtype}; expected {x.dtype} like x")
+    if rope is not None:
+        heads = rope.num_q_heads + 2 * rope.num_kv_heads
+        if swiglu or residual is not None:
+            raise KernelValueError(
+                "rope with swiglu or residual; expected a plain q/k/v projection"
+            )
+        if n != heads * rope.head_dim or rope.head_dim % 2:
+            raise KernelShapeError(
+                f"weight has {n} rows with rope of {rope.num_q_heads} query and "
+                f"{rope.num_kv_heads} key/value heads of {rope.head_dim} channels; expected "
+                f"{heads * rope.head_dim} rows and an even head dim"
+            )
+        rope.check(torch.empty((x.shape[0], n), dtype=x.dtype, device="meta"))
+        return rope.num_q_heads * rope.head_dim
     return n_out
 
 
@@ -496,6 +679,9 @@ def decode_gemv_triton(
     swiglu: bool = False,
     residual: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    pdl: bool | None = None,
+    rope: RotaryCacheWrite | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`decode_gemv` (fixed shapes, graph-safe).
 
@@ -508,9 +694,18 @@ def decode_gemv_triton(
         swiglu: Treat ``weight`` as gate rows then up rows and return ``silu(gate) * up``.
         residual: Optional ``[M, N_out]`` tensor added to the result.
         config: Launch configuration; None picks :func:`gemv_config`.
+        pdl: Launch with programmatic dependent launch where the device supports it: the
+            programs start while the previous kernel runs, load their first weight tile, and
+            wait for that kernel before they read ``x``, ``residual`` or write anything (None:
+            inside :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
+        rope: Fold RoPE and the key/value cache write into a q/k/v projection (see
+            :func:`decode_gemv`).
+        prefetch: A contiguous tensor (typically the next projection's weight) whose bytes the
+            programs request into the L2 cache at their start, so the next kernel finds it
+            there; a hint without effect on the result (ignored on CPU tensors).
 
     Returns:
-        ``[M, N_out]`` in the dtype of ``x``.
+        ``[M, N_out]`` in the dtype of ``x`` (with ``rope``, the rotated queries).
 
     Raises:
         KernelShapeError: If the shapes do not match the layout above.
@@ -519,7 +714,7 @@ def decode_gemv_triton(
     """
     if triton is None:
         raise KernelBackendError("backend='triton' requested but triton is not installed")
-    n_out = _check_args(x, weight, bias, norm_weight, residual, swiglu)
+    n_out = _check_args(x, weight, bias, norm_weight, residual, swiglu, rope)
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise KernelShapeError(
             f"x strides {x.stride()}, weight strides {weight.stride()}; expected a contiguous "
@@ -531,22 +726,38 @@ def decode_gemv_triton(
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
     if rows == 0 or n_out == 0:
         return out
+    # Output columns of the tiles: with rope, (first half, second half) channel pairs.
+    columns = n_out if rope is None else weight.shape[0] // 2
     if config is None:
-        config = gemv_config(rows, n_out, k, device_limits(x.device)[0])
+        config = gemv_config(rows, columns, k, device_limits(x.device)[0])
+        if rope is not None and not config.use_dot:
+            # A pair is two weight rows: as many rows per program as the plain projection.
+            config = dataclasses.replace(config, block_n=max(1, config.block_n // 2))
     block_m = _block_m(rows, config.use_dot)
-    grid_n = triton.cdiv(n_out, config.block_n)
+    grid_n = triton.cdiv(columns, config.block_n)
     grid_m = triton.cdiv(rows, block_m)
     k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_split)
     second_pass = split_k > 1 and config.reduce == "second_pass"
+    if second_pass and rope is not None:
+        raise KernelValueError("rope with GemvConfig.reduce='second_pass'; expected 'ticket'")
     ws = x
     tickets = x
     if split_k > 1:
-        ws = torch.empty((split_k, 2, rows, n_out), dtype=torch.float32, device=x.device)
+        ws = torch.empty((split_k, 2, rows, columns), dtype=torch.float32, device=x.device)
         tickets = _tickets(x.device, grid_n * grid_m)
     dummy = x
     interpreting = not x.is_cuda
     device_index = x.get_device()
+    use_pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_supported(x.device)
+    # Inline PTX: not in the interpreter; lines of a contiguous tensor on the same device.
+    use_prefetch = (
+        prefetch is not None
+        and x.is_cuda
+        and prefetch.device == x.device
+        and prefetch.is_contiguous()
+        and prefetch.nbytes >= 128
+    )
     args = (
         x,
         weight,
@@ -557,7 +768,7 @@ def decode_gemv_triton(
         ws,
         tickets,
         rows,
-        n_out,
+        columns,
         k,
         k_split,
         split_k,
@@ -566,12 +777,18 @@ def decode_gemv_triton(
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
         float(norm_eps),
+        *_rope_args(rope, dummy),
+        prefetch if prefetch is not None and use_prefetch else dummy,
+        prefetch.nbytes // 128 if prefetch is not None and use_prefetch else 0,
     )
     constexprs = {
         "HAS_BIAS": bias is not None,
         "HAS_NORM": norm_weight is not None,
         "HAS_RESIDUAL": residual is not None,
         "SWIGLU": swiglu,
+        "ROPE": rope is not None,
+        "PAIRED": swiglu or rope is not None,
+        "HALF": rope.head_dim // 2 if rope is not None else 1,
         "BLOCK_M": block_m,
         "BLOCK_N": config.block_n,
         "BLOCK_K": config.block_k,
@@ -585,12 +802,23 @@ def decode_gemv_triton(
         if norm_weight is not None
         else 16,
         "K_ALIGNED": k % 16 == 0,
+        "USE_PDL": use_pdl,
+        "PREFETCH": use_prefetch,
+        "LINE_ELEMENTS": (
+            128 // prefetch.element_size() if prefetch is not None and use_prefetch else 1
+        ),
     }
     if config.num_stages is None:
-        _GEMV((grid_n, split_k, grid_m), args, constexprs, config.num_warps, device_index)
+        launcher = _GEMV_PDL if use_pdl else _GEMV
+        launcher((grid_n, split_k, grid_m), args, constexprs, config.num_warps, device_index)
     else:
+        options = {"launch_pdl": True} if use_pdl else {}
         _gemv_kernel[(grid_n, split_k, grid_m)](
-            *args, **constexprs, num_warps=config.num_warps, num_stages=config.num_stages
+            *args,
+            **constexprs,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            **options,
         )
     if second_pass:
         _SUM_PARTIALS(
@@ -619,6 +847,33 @@ def decode_gemv_triton(
     return out
 
 
+def _rope_args(rope: RotaryCacheWrite | None, dummy: torch.Tensor) -> tuple:
+    """The kernel's RoPE arguments (pointers, strides, head counts); dummies without rope."""
+    if rope is None:
+        return (dummy,) * 5 + (0,) * 8
+    keys = _flat_slots(rope.k_cache, "k_cache")
+    values = _flat_slots(rope.v_cache, "v_cache")
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise KernelShapeError("k_cache and v_cache must have a contiguous last dimension")
+    if rope.cos.stride(-1) != 1 or rope.sin.stride(-1) != 1:
+        raise KernelShapeError("rope.cos and rope.sin must have a contiguous last dimension")
+    return (
+        rope.cos,
+        rope.sin,
+        rope.slot_mapping.contiguous(),
+        keys,
+        values,
+        rope.cos.stride(0),
+        rope.sin.stride(0),
+        keys.stride(0),
+        keys.stride(1),
+        values.stride(0),
+        values.stride(1),
+        rope.num_q_heads,
+        rope.num_kv_heads,
+    )
+
+
 def decode_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -628,6 +883,9 @@ def decode_gemv(
     norm_eps: float = 1e-6,
     swiglu: bool = False,
     residual: torch.Tensor | None = None,
+    pdl: bool | None = None,
+    rope: RotaryCacheWrite | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[RMSNorm] -> x @ weight.T + bias -> [SwiGLU] -> [+ residual]`` of a few rows.
 
@@ -640,20 +898,37 @@ def decode_gemv(
         norm_eps: RMSNorm epsilon.
         swiglu: Return ``silu(gate) * up`` (``[M, N // 2]``) instead of the projection.
         residual: Optional ``[M, N_out]`` tensor added to the result (rounded once more).
+        pdl: Launch the Triton kernel with programmatic dependent launch where the device
+            supports it (Hopper or newer): it then overlaps the previous kernel's tail. The
+            result is the same; every earlier kernel's writes are visible to it. None: inside
+            :func:`mcore_kernels.pdl.programmatic_dependent_launch` only.
+        rope: Treat ``weight`` as a q/k/v projection (``Hq`` query, then ``Hkv`` key, then
+            ``Hkv`` value heads of ``D`` rows) and fold
+            :func:`~mcore_kernels.rotary_kv_write.rotary_kv_write` in: the queries and keys are
+            rotated, the keys and values stored in their cache slots, and the rotated queries
+            (``[M, Hq * D]``) returned; the same values as the projection followed by
+            ``rotary_kv_write``. Not with ``swiglu`` or ``residual``; not under
+            ``torch.compile``.
+        prefetch: A contiguous tensor (the next projection's weight, say) that the Triton
+            kernel requests into the L2 cache while it runs; a hint that changes no value
+            (ignored by the torch path and the interpreter).
 
     Returns:
-        ``[M, N_out]`` in the dtype of ``x``.
+        ``[M, N_out]`` in the dtype of ``x`` (with ``rope``, the rotated queries).
 
     Raises:
         KernelShapeError: If the shapes do not match the layout above.
         KernelDtypeError: If a dtype is unsupported.
+        KernelValueError: If ``rope`` comes with ``swiglu`` or ``residual``.
         KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names an unknown backend or one that
             cannot run on these tensors.
     """
-    _check_args(x, weight, bias, norm_weight, residual, swiglu)
+    _check_args(x, weight, bias, norm_weight, residual, swiglu, rope)
+    if rope is not None:
+        return _decode_gemv_rope(x, weight, bias, norm_weight, norm_eps, pdl, rope, prefetch)
     if _compile.compiling():
         return _decode_gemv_op(x, weight, bias, norm_weight, float(norm_eps), swiglu, residual)
-    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual)
+    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual, pdl, prefetch)
 
 
 def _decode_gemv_run(
@@ -664,6 +939,8 @@ def _decode_gemv_run(
     norm_eps: float,
     swiglu: bool,
     residual: torch.Tensor | None,
+    pdl: bool | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(
@@ -674,6 +951,8 @@ def _decode_gemv_run(
             norm_eps=norm_eps,
             swiglu=swiglu,
             residual=residual,
+            pdl=pdl,
+            prefetch=prefetch,
         )
     return decode_gemv_reference(
         x,
@@ -684,6 +963,35 @@ def _decode_gemv_run(
         swiglu=swiglu,
         residual=residual,
     )
+
+
+def _decode_gemv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    pdl: bool | None,
+    rope: RotaryCacheWrite,
+    prefetch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if use_triton(x, weight):
+        return decode_gemv_triton(
+            x,
+            weight,
+            bias,
+            norm_weight=norm_weight,
+            norm_eps=norm_eps,
+            pdl=pdl,
+            rope=rope,
+            prefetch=prefetch,
+        )
+    qkv = decode_gemv_reference(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps)
+    q, k, v = rope.split(qkv)
+    rotated = rotary_kv_write_reference(
+        q, k, v, rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slot_mapping
+    )
+    return rotated.flatten(-2)
 
 
 @_compile.custom_op(

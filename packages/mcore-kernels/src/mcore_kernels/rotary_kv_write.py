@@ -26,13 +26,102 @@ overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import jit, next_power_of_2, tl, triton
+from mcore_kernels._triton_utils import (
+    gdc_launch_dependents,
+    gdc_wait,
+    jit,
+    next_power_of_2,
+    tl,
+    triton,
+)
 from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
+from mcore_kernels.pdl import pdl_enabled
 
-__all__ = ["rotary_kv_write", "rotary_kv_write_reference", "rotary_kv_write_triton"]
+__all__ = [
+    "RotaryCacheWrite",
+    "rotary_kv_write",
+    "rotary_kv_write_reference",
+    "rotary_kv_write_triton",
+]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RotaryCacheWrite:
+    """What :func:`rotary_kv_write` needs besides q/k/v, for a projection that folds it in.
+
+    ``mcore_kernels.decode_gemv.decode_gemv(..., rope=RotaryCacheWrite(...))`` computes the
+    q/k/v projection, rotates the queries and keys, stores the keys and values in their cache
+    slots and returns the rotated queries: the projection plus :func:`rotary_kv_write` in one
+    launch.
+    """
+
+    cos: torch.Tensor
+    """float32 ``[T, D // 2]`` RoPE cosines of the tokens' positions."""
+    sin: torch.Tensor
+    """float32 ``[T, D // 2]`` RoPE sines."""
+    k_cache: torch.Tensor
+    """One layer's key cache ``[num_blocks, block_size, Hkv, D]`` (written in place)."""
+    v_cache: torch.Tensor
+    """One layer's value cache, shaped like ``k_cache`` (written in place)."""
+    slot_mapping: torch.Tensor
+    """``[T]`` flat cache slot of each token."""
+    num_q_heads: int
+    """Query heads ``Hq`` (the projection's rows are ``Hq`` query, ``Hkv`` key, ``Hkv`` value
+    heads of ``D`` rows each)."""
+
+    def __post_init__(self) -> None:
+        if self.num_q_heads < 1:
+            raise KernelShapeError(
+                f"RotaryCacheWrite.num_q_heads={self.num_q_heads}; expected >= 1"
+            )
+        if self.k_cache.dim() != 4:
+            raise KernelShapeError(
+                f"RotaryCacheWrite.k_cache has shape {tuple(self.k_cache.shape)}; expected "
+                "[num_blocks, block_size, Hkv, D]"
+            )
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads ``Hkv`` of the cache."""
+        return int(self.k_cache.shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per head ``D``."""
+        return int(self.k_cache.shape[3])
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[T, (Hq + 2 Hkv) * D]`` projection output as ``[T, H, D]`` q, k and v views.
+
+        Args:
+            qkv: The projection's output.
+
+        Returns:
+            The q, k and v views.
+        """
+        d = self.head_dim
+        q_width, kv_width = self.num_q_heads * d, self.num_kv_heads * d
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        return q.unflatten(-1, (-1, d)), k.unflatten(-1, (-1, d)), v.unflatten(-1, (-1, d))
+
+    def check(self, qkv: torch.Tensor) -> None:
+        """Check the tensors against a projection output (a meta tensor will do).
+
+        Args:
+            qkv: ``[T, (Hq + 2 Hkv) * D]``, shaped and typed like the projection's output.
+
+        Raises:
+            KernelShapeError: If the shapes do not fit :func:`rotary_kv_write`.
+            KernelDtypeError: If a dtype does not.
+        """
+        _check_args(
+            *self.split(qkv), self.cos, self.sin, self.k_cache, self.v_cache, self.slot_mapping
+        )
 
 
 @jit
@@ -73,7 +162,13 @@ def _rotary_kv_write_kernel(
     num_q_heads,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        # Programmatic dependent launch: let the next kernel start, then wait for the previous
+        # one (which wrote q, k, v and the tables) before reading anything.
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offsets = tl.arange(0, HALF_PAD)
@@ -263,6 +358,7 @@ def rotary_kv_write_triton(
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise KernelShapeError("k_cache and v_cache must have a contiguous last dimension")
     half = head_dim // 2
+    use_pdl = pdl_enabled(q.device)
     _rotary_kv_write_kernel[(num_tokens, num_q_heads + num_kv_heads)](
         q,
         k,
@@ -290,7 +386,9 @@ def rotary_kv_write_triton(
         num_q_heads,
         HALF=half,
         HALF_PAD=next_power_of_2(half),
+        USE_PDL=use_pdl,
         num_warps=1,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
 
