@@ -239,6 +239,10 @@ class InferenceEngine:
             and self.mamba_states is None,
             self._decoder,
         )
+        # Steps that prefill may replay the decode graphs (one stage, no lockstep peers).
+        self._runner.graph_mixed_steps = (
+            config.cuda_graph_mixed_steps and groups.pp_size == 1 and self._ep is None
+        )
         if self.mamba_states is not None:
             self._runner.mamba_states = self.mamba_states
             if config.use_cuda_graphs and self.device.type == "cuda":
