@@ -68,3 +68,35 @@ def test_blocks_needed_skips_the_last_generated_token():
     assert scheduler.blocks_needed(4, 1) == 1
     assert scheduler.blocks_needed(4, 2) == 2
     assert scheduler.blocks_needed(1, 0) == 1
+
+
+def test_mixed_token_cap_limits_steps_that_decode_but_not_pure_prefill():
+    scheduler = _scheduler(max_tokens_per_step=20)
+    scheduler.max_mixed_tokens = 8
+    prompts = [_request(1, 20, 5), _request(2, 4, 5)]
+    for request in prompts:
+        scheduler.waiting.append(request)
+    scheduler.admit()
+    # Nothing decodes: the whole budget of 20 (chunks of at most 6).
+    assert [(r.request_id, n) for r, n in scheduler.schedule()] == [(1, 6), (2, 4)]
+    decoding = _request(0, 3, 5)
+    decoding.num_computed, decoding.output = 3, [7]
+    scheduler.waiting.append(decoding)
+    scheduler.admit()
+    prompts[0].num_computed = prompts[1].num_computed = 0
+    # One decode: the step holds at most 8 tokens, the decode first.
+    assert [(r.request_id, n) for r, n in scheduler.schedule()] == [(0, 1), (1, 6), (2, 1)]
+
+
+def test_mixed_token_cap_never_starves_prefill_when_decodes_fill_it():
+    scheduler = _scheduler(max_tokens_per_step=10)
+    scheduler.max_mixed_tokens = 2
+    decoding = [_request(i, 3, 5) for i in range(2)]
+    for request in decoding:
+        request.num_computed, request.output = 3, [7]
+    prompt = _request(9, 5, 5)
+    for request in (*decoding, prompt):
+        scheduler.waiting.append(request)
+    scheduler.admit()
+    # The decodes alone reach the cap: the step falls back to the whole budget.
+    assert [(r.request_id, n) for r, n in scheduler.schedule()] == [(0, 1), (1, 1), (9, 5)]

@@ -55,7 +55,9 @@ class InferenceConfig:
     token count in the decode CUDA graph of the smallest bucket that holds its tokens, instead
     of eagerly. The paged attention treats every token alike (each attends to the cache up to
     its position), so the graph computes such a step as it computes decodes; a server whose
-    requests arrive one by one then runs its ramp-up in graphs, not in eager mixed steps."""
+    requests arrive one by one then runs its ramp-up in graphs, not in eager mixed steps. A step
+    that decodes then takes prefill tokens only up to the largest bucket (a step without
+    decoding requests keeps the whole ``max_tokens_per_step``)."""
     fuse_tp_communication: bool = True
     """Under tensor parallelism, reduce each layer's output with the fused reduce-scatter + add
     + RMSNorm + all-gather of mcore-kernels (symmetric memory when available, NCCL collectives

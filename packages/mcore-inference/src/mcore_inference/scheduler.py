@@ -53,6 +53,11 @@ class Scheduler:
         Mamba state slots is allocated here)."""
         self.on_free: list[Callable[[Request], None]] = []
         """Called with each request whose blocks are freed (its other state goes too)."""
+        self.max_mixed_tokens: int | None = None
+        """Most tokens of a step that also decodes, while its decoding requests leave room
+        under it (None: the whole token budget). The engine sets it to the largest decode
+        CUDA graph bucket when steps that prefill replay the graphs, so that requests arriving
+        while others decode are prefilled in graph steps rather than one large eager step."""
 
     def blocks_needed(self, prompt_len: int, new_tokens: int) -> int:
         """KV blocks of a request's whole footprint.
@@ -128,6 +133,9 @@ class Scheduler:
                     batch.append((request, 1))
             elif remaining > 1:
                 prefilling.append((request, remaining))
+        cap = self.max_mixed_tokens
+        if cap is not None and 0 < len(batch) < cap:
+            budget = min(budget, cap)
         budget -= len(batch)
         chunk = self.config.prefill_chunk_size
         for request, remaining in prefilling:

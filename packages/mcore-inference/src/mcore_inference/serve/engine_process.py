@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import gc
 import itertools
 import os
 import queue
@@ -187,6 +188,10 @@ def child_main(commands_end: Connection, output: Connection, parent: int) -> Non
     except Exception as exc:
         output.send(("failed", f"loading {spec.model!r} failed: {type(exc).__name__}: {exc}"))
         return
+    # The model, engine and graphs live as long as the process: out of the collector's
+    # generations, the full collections that per-step garbage triggers do not walk them.
+    gc.collect()
+    gc.freeze()
     output.send(("ready", EngineInfo.of(engine, os.getpid())))
     commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
     reader = threading.Thread(

@@ -199,6 +199,11 @@ def serve(config: ServeConfig, *, out: TextIO | None = None) -> int:
     try:
         state = load_server_state(config)
         assert state.engine_info is not None
+        # Everything loaded so far (torch, the app, an engine on a thread) lives as long as the
+        # server: out of the collector's generations, the full collections that the garbage of
+        # every streamed token triggers do not walk it (pauses of milliseconds otherwise).
+        gc.collect()
+        gc.freeze()
         summary = model_summary(state, state.engine_info, Path(config.model))
         print(f"mcore-inference serve: {summary}", file=out)
         out.flush()
@@ -218,6 +223,7 @@ def serve(config: ServeConfig, *, out: TextIO | None = None) -> int:
         signals.serving = True
         asyncio.run(_run(server, sock, address, out))
         del state
+        gc.unfreeze()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
