@@ -102,6 +102,7 @@ def load_server_state(config: ServeConfig) -> ServerState:
         num_blocks=config.num_blocks,
         max_tokens_per_step=config.max_tokens_per_step,
         use_cuda_graphs=config.use_cuda_graphs,
+        cuda_graph_mixed_steps=config.cuda_graph_mixed_steps,
         seed=config.seed,
     )
     loop: LoopFrontend
