@@ -64,6 +64,7 @@ from typing import Any
 import torch
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
+from mcore_inference.serve.config import ServeConfig
 from mcore_models import GPTConfig, GPTModel
 
 
@@ -87,10 +88,12 @@ def _write_checkpoint(model: GPTModel, directory: Path) -> None:
 
 
 def _engine_config(args: argparse.Namespace) -> InferenceConfig:
+    """The server's engine configuration (the direct baseline runs the same)."""
     return InferenceConfig(
         max_batch_size=max(args.concurrency),
         max_sequence_length=args.prompt_len + args.new_tokens + 16,
         block_size=16,
+        cuda_graph_mixed_steps=ServeConfig(model="-").cuda_graph_mixed_steps,
     )
 
 
@@ -231,8 +234,9 @@ def _start_server(
     directory: Path, args: argparse.Namespace, mode: str
 ) -> tuple[subprocess.Popen, str]:
     """Start the server; ``mode`` is ``process`` or ``thread`` (where the engine runs), with
-    ``-plain`` appended for asyncio and h11 even where uvloop and httptools are installed, and
-    ``-w<ms>`` for an admission window (``ServeConfig.admission_window_ms``)."""
+    ``-plain`` appended for asyncio and h11 even where uvloop and httptools are installed,
+    ``-w<ms>`` for an admission window (``ServeConfig.admission_window_ms``) and ``-eager`` for
+    steps that prefill run eagerly (``ServeConfig.cuda_graph_mixed_steps=False``)."""
     parts = mode.split("-")
     config = _engine_config(args)
     options = {
@@ -245,6 +249,7 @@ def _start_server(
         "block_size": config.block_size,
         "max_waiting_requests": 4 * config.max_batch_size,
         "engine_process": parts[0] == "process",
+        "cuda_graph_mixed_steps": config.cuda_graph_mixed_steps and "eager" not in parts[1:],
         "admission_window_ms": next((float(p[1:]) for p in parts[1:] if p[:1] == "w"), 0.0),
     }
     launcher = Path(__file__).with_name("_serve_launch.py")
@@ -315,7 +320,7 @@ def main() -> None:
         default="process,thread",
         help="where the server runs the engine: process (default of serve) or thread; "
         "a -plain suffix hides uvloop and httptools from uvicorn, -w<ms> sets an admission "
-        "window (process-w5)",
+        "window (process-w5), -eager runs steps that prefill without CUDA graphs",
     )
     parser.add_argument("--client-procs", type=int, default=8, help="client worker processes")
     parser.add_argument(
