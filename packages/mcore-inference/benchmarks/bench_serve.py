@@ -13,7 +13,8 @@ exactly ``--new-tokens``). For each concurrency C:
   server's TTFT);
 - server: the server runs in a subprocess, with the engine in its child process (``process``,
   the default of ``serve``) or on a thread (``thread``); ``--modes`` picks which, in turn. C
-  streaming clients (httpx, one connection each), spread over ``--client-procs`` worker
+  streaming clients (one connection each; ``--client raw``, the default, speaks HTTP/1.1 over
+  asyncio streams itself, ``--client httpx`` uses httpx), spread over ``--client-procs`` worker
   processes (``_serve_clients.py``: one Python process driving hundreds of streams is a
   bottleneck of its own), send one streaming ``/v1/completions`` request each at the same
   moment. Throughput is all tokens over the wall time from the first request to the last
@@ -153,7 +154,12 @@ class _Clients:
         ]
 
     def round(
-        self, url: str, prompts: list[list[int]], new_tokens: int, model_name: str
+        self,
+        url: str,
+        prompts: list[list[int]],
+        new_tokens: int,
+        model_name: str,
+        client: str = "raw",
     ) -> dict[str, Any]:
         """All prompts at once, spread over the workers; throughput, TTFT and ITL."""
         start = time.time() + 0.2
@@ -165,6 +171,7 @@ class _Clients:
                 "prompts": share,
                 "max_tokens": new_tokens,
                 "start": start,
+                "client": client,
             }
             assert worker.stdin is not None
             worker.stdin.write(json.dumps(job) + "\n")
@@ -299,7 +306,7 @@ def _profile(
     spy = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rounds = 0
     while spy.poll() is None and rounds < 50:
-        clients.round(url, prompts, args.new_tokens, "bench")
+        clients.round(url, prompts, args.new_tokens, "bench", args.client)
         rounds += 1
     output = spy.communicate(timeout=30)[0]
     print(f"profile: {rounds} rounds, {target.name}: {output.strip()[-300:]}", flush=True)
@@ -323,6 +330,12 @@ def main() -> None:
         "window (process-w5), -eager runs steps that prefill without CUDA graphs",
     )
     parser.add_argument("--client-procs", type=int, default=8, help="client worker processes")
+    parser.add_argument(
+        "--client",
+        default="raw",
+        choices=("raw", "httpx"),
+        help="streaming client: raw HTTP/1.1 over asyncio (least client-side work) or httpx",
+    )
     parser.add_argument(
         "--profile", default="", help="client counts at which py-spy samples the server"
     )
@@ -367,11 +380,11 @@ def main() -> None:
             try:
                 for count in args.concurrency:
                     batch = prompts[:count]
-                    clients.round(url, batch, 8, "bench")  # warm-up
+                    clients.round(url, batch, 8, "bench", args.client)  # warm-up
                     row: dict[str, Any] = {"engine": mode, "clients": count}
                     before = _server_ttft(url)
                     cpu = [_cpu_seconds(pid) for pid in (process.pid, engine_pid)]
-                    row.update(clients.round(url, batch, args.new_tokens, "bench"))
+                    row.update(clients.round(url, batch, args.new_tokens, "bench", args.client))
                     # Busy share of one core from the first request to the last token (the
                     # HTTP process and, when it runs apart, the engine process).
                     wall = row["tokens"] / row["tokens_per_s"]
@@ -417,13 +430,14 @@ def _write(
         "dtype": dtype,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "client": args.client,
         "rows": rows,
     }
     (out / "serve.json").write_text(json.dumps(result, indent=2))
     lines = [
         f"Serving, {args.preset} shape (random {dtype} weights), "
-        f"prompt {args.prompt_len}, {args.new_tokens} new tokens per streaming client, greedy; "
-        f"{name}.",
+        f"prompt {args.prompt_len}, {args.new_tokens} new tokens per streaming client "
+        f"({args.client} HTTP client), greedy; {name}.",
         "",
         "| engine | clients | server tok/s | direct tok/s | server / direct | TTFT p50 ms "
         "| TTFT p99 ms | in-server TTFT mean ms | direct TTFT ms | ITL p50 ms | ITL p99 ms "
