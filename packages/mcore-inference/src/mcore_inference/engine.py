@@ -244,7 +244,7 @@ class InferenceEngine:
             config.cuda_graph_mixed_steps and groups.pp_size == 1 and self._ep is None
         )
         if self._runner.graph_mixed_steps and graphs is not None:
-            self.scheduler.max_mixed_tokens = graphs.max_batch_size
+            self.scheduler.graph_step_tokens = graphs.max_batch_size
         if self.mamba_states is not None:
             self._runner.mamba_states = self.mamba_states
             if config.use_cuda_graphs and self.device.type == "cuda":
