@@ -14,7 +14,8 @@ exactly ``--new-tokens``). For each concurrency C:
 - server: the server runs in a subprocess, with the engine in its child process (``process``,
   the default of ``serve``) or on a thread (``thread``); ``--modes`` picks which, in turn. C
   streaming clients (one connection each; ``--client raw``, the default, speaks HTTP/1.1 over
-  asyncio streams itself, ``--client httpx`` uses httpx), spread over ``--client-procs`` worker
+  asyncio streams itself, ``--client httpx`` uses httpx, ``--client raw,httpx`` measures both
+  on every server), spread over ``--client-procs`` worker
   processes (``_serve_clients.py``: one Python process driving hundreds of streams is a
   bottleneck of its own), send one streaming ``/v1/completions`` request each at the same
   moment. Throughput is all tokens over the wall time from the first request to the last
@@ -306,7 +307,7 @@ def _profile(
     spy = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rounds = 0
     while spy.poll() is None and rounds < 50:
-        clients.round(url, prompts, args.new_tokens, "bench", args.client)
+        clients.round(url, prompts, args.new_tokens, "bench", args.client[0])
         rounds += 1
     output = spy.communicate(timeout=30)[0]
     print(f"profile: {rounds} rounds, {target.name}: {output.strip()[-300:]}", flush=True)
@@ -333,8 +334,8 @@ def main() -> None:
     parser.add_argument(
         "--client",
         default="raw",
-        choices=("raw", "httpx"),
-        help="streaming client: raw HTTP/1.1 over asyncio (least client-side work) or httpx",
+        help="streaming clients, comma-separated, each measured on every server: raw (HTTP/1.1 "
+        "over asyncio, the least client-side work) and/or httpx",
     )
     parser.add_argument(
         "--profile", default="", help="client counts at which py-spy samples the server"
@@ -348,6 +349,10 @@ def main() -> None:
     args.concurrency = args.concurrency or "1,4,16,64,128,256"
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.modes = args.modes.split(",")
+    args.client = args.client.split(",")
+    for kind in args.client:
+        if kind not in ("raw", "httpx"):
+            parser.error(f"--client {kind!r}; expected raw and/or httpx")
     args.profile = [int(c) for c in args.profile.split(",") if c]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -378,13 +383,13 @@ def main() -> None:
             print(f"{mode}: server up in {time.perf_counter() - started:.1f} s", flush=True)
             engine_pid = _engine_pid(process)
             try:
-                for count in args.concurrency:
+                for count, kind in [(c, k) for c in args.concurrency for k in args.client]:
                     batch = prompts[:count]
-                    clients.round(url, batch, 8, "bench", args.client)  # warm-up
-                    row: dict[str, Any] = {"engine": mode, "clients": count}
+                    clients.round(url, batch, 8, "bench", kind)  # warm-up
+                    row: dict[str, Any] = {"engine": mode, "client": kind, "clients": count}
                     before = _server_ttft(url)
                     cpu = [_cpu_seconds(pid) for pid in (process.pid, engine_pid)]
-                    row.update(clients.round(url, batch, args.new_tokens, "bench", args.client))
+                    row.update(clients.round(url, batch, args.new_tokens, "bench", kind))
                     # Busy share of one core from the first request to the last token (the
                     # HTTP process and, when it runs apart, the engine process).
                     wall = row["tokens"] / row["tokens_per_s"]
@@ -402,7 +407,7 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     _write(out, rows, args, device, dtype)
-                    if count in args.profile:
+                    if count in args.profile and kind == args.client[0]:
                         _profile(process, clients, url, batch, args, out)
             finally:
                 process.terminate()
@@ -430,24 +435,23 @@ def _write(
         "dtype": dtype,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "client": args.client,
         "rows": rows,
     }
     (out / "serve.json").write_text(json.dumps(result, indent=2))
     lines = [
         f"Serving, {args.preset} shape (random {dtype} weights), "
-        f"prompt {args.prompt_len}, {args.new_tokens} new tokens per streaming client "
-        f"({args.client} HTTP client), greedy; {name}.",
+        f"prompt {args.prompt_len}, {args.new_tokens} new tokens per streaming client, greedy; "
+        f"{name}.",
         "",
-        "| engine | clients | server tok/s | direct tok/s | server / direct | TTFT p50 ms "
+        "| engine | client | clients | server tok/s | direct tok/s | server / direct | TTFT p50 ms "
         "| TTFT p99 ms | in-server TTFT mean ms | direct TTFT ms | ITL p50 ms | ITL p99 ms "
         "| HTTP CPU | engine CPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         engine = f"{100 * row['engine_cpu']:.0f}%" if "engine_cpu" in row else "-"
         lines.append(
-            f"| {row['engine']} | {row['clients']} | {row['tokens_per_s']:.0f} | {row['direct_tokens_per_s']:.0f} "
+            f"| {row['engine']} | {row['client']} | {row['clients']} | {row['tokens_per_s']:.0f} | {row['direct_tokens_per_s']:.0f} "
             f"| {100 * row['server_over_direct']:.0f}% | {row['ttft_p50_ms']:.1f} "
             f"| {row['ttft_p99_ms']:.1f} | {row['server_ttft_mean_ms']:.1f} "
             f"| {row['direct_ttft_ms']:.1f} "
