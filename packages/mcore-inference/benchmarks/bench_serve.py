@@ -36,12 +36,13 @@ of the server and the clients (py-spy too, for ``--profile``)::
         uvicorn==0.54.0 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \
         sniffio==1.3.1 idna==3.20 certifi==2026.10.18 click==8.5.1 typing_extensions==4.16.0
 
-and run from the repository root on one GPU (about 80 s on an H100)::
+and run from the repository root on one GPU (about 90 s on an H100)::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$(ls -d packages/*/src | paste -sd:)
     python3 packages/mcore-inference/benchmarks/bench_serve.py --out $OUT/serve \
-        --concurrency 1,16,64,256 --new-tokens 128 --modes process,thread
+        --concurrency 1,16,64,256 --new-tokens 128 --modes process,process-eager \
+        --client raw,httpx
 
 Check on a CPU (a tiny model, a few clients and tokens)::
 
