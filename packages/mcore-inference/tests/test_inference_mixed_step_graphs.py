@@ -129,3 +129,36 @@ def test_steps_larger_than_the_largest_bucket_stay_eager(model):
         actual = graphed.generate(prompts, params)
     _assert_same(actual, expected)
     assert eager_steps and all(count > 8 for count in eager_steps)
+
+
+def test_single_token_prompt_chunks_next_to_a_full_graph_sample_the_right_rows(model):
+    # 7 requests decode in the 8-token graph when the 8th arrives: its 12-token prompt goes one
+    # token per step, so every entry of those steps is one token but only the decodes sample.
+    generator = torch.Generator().manual_seed(4)
+    prompts = [
+        torch.randint(0, 512, (2 if i < 7 else 12,), generator=generator).tolist() for i in range(8)
+    ]
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=24, return_logprobs=True
+        )
+        for i in range(8)
+    ]
+    config = dict(max_batch_size=8, max_tokens_per_step=8, cuda_graph_batch_sizes=(8,))
+    with InferenceEngine(model, _config(use_cuda_graphs=False, **config)) as eager:
+        expected = _staggered(eager, prompts, params)
+    with InferenceEngine(model, _config(**config)) as graphed:
+        eager_steps = _count_eager_steps(graphed)
+        runner, shapes = graphed._runner, []
+        run = runner.run
+
+        def recorded(microbatch, received, *, has_work):
+            if microbatch is not None:
+                shapes.append((microbatch.num_tokens, len(microbatch.sample_rows)))
+            return run(microbatch, received, has_work=has_work)
+
+        runner.run = recorded
+        actual = _staggered(graphed, prompts, params)
+    _assert_same(actual, expected)
+    assert eager_steps == []
+    assert (8, 7) in shapes  # seven decodes and one prompt token, in the graph

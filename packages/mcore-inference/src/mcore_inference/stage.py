@@ -144,8 +144,10 @@ class StageRunner:
                     return (output[None] if num_real else None), None
                 if not sampling:
                     return None, None
-                if not decode:  # a step that prefills: only its sampling rows
-                    assert microbatch is not None
+                assert microbatch is not None
+                if len(microbatch.sample_rows) != num_real:
+                    # Rows of prompt tokens that sample nothing (a step that prefills, also one
+                    # whose prompt chunks are single tokens): only the sampling rows.
                     rows = to_device(microbatch.sample_rows, torch.long, self.device)
                     output = output.index_select(0, rows)
                 return None, output
