@@ -13,7 +13,9 @@ exactly ``--new-tokens``). For each concurrency C:
   server's TTFT);
 - server: the server runs in a subprocess, with the engine in its child process (``process``,
   the default of ``serve``) or on a thread (``thread``); ``--modes`` picks which, in turn. C
-  streaming clients (httpx, one connection each), spread over ``--client-procs`` worker
+  streaming clients (one connection each; ``--client raw``, the default, speaks HTTP/1.1 over
+  asyncio streams itself, ``--client httpx`` uses httpx, ``--client raw,httpx`` measures both
+  on every server), spread over ``--client-procs`` worker
   processes (``_serve_clients.py``: one Python process driving hundreds of streams is a
   bottleneck of its own), send one streaming ``/v1/completions`` request each at the same
   moment. Throughput is all tokens over the wall time from the first request to the last
@@ -34,12 +36,13 @@ of the server and the clients (py-spy too, for ``--profile``)::
         uvicorn==0.54.0 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \
         sniffio==1.3.1 idna==3.20 certifi==2026.10.18 click==8.5.1 typing_extensions==4.16.0
 
-and run from the repository root on one GPU (about 80 s on an H100)::
+and run from the repository root on one GPU (about 90 s on an H100)::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$(ls -d packages/*/src | paste -sd:)
     python3 packages/mcore-inference/benchmarks/bench_serve.py --out $OUT/serve \
-        --concurrency 1,16,64,256 --new-tokens 128 --modes process,thread
+        --concurrency 1,16,64,256 --new-tokens 128 --modes process,process-eager \
+        --client raw,httpx
 
 Check on a CPU (a tiny model, a few clients and tokens)::
 
@@ -64,6 +67,7 @@ from typing import Any
 import torch
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
+from mcore_inference.serve.config import ServeConfig
 from mcore_models import GPTConfig, GPTModel
 
 
@@ -87,10 +91,12 @@ def _write_checkpoint(model: GPTModel, directory: Path) -> None:
 
 
 def _engine_config(args: argparse.Namespace) -> InferenceConfig:
+    """The server's engine configuration (the direct baseline runs the same)."""
     return InferenceConfig(
         max_batch_size=max(args.concurrency),
         max_sequence_length=args.prompt_len + args.new_tokens + 16,
         block_size=16,
+        cuda_graph_mixed_steps=ServeConfig(model="-").cuda_graph_mixed_steps,
     )
 
 
@@ -150,7 +156,12 @@ class _Clients:
         ]
 
     def round(
-        self, url: str, prompts: list[list[int]], new_tokens: int, model_name: str
+        self,
+        url: str,
+        prompts: list[list[int]],
+        new_tokens: int,
+        model_name: str,
+        client: str = "raw",
     ) -> dict[str, Any]:
         """All prompts at once, spread over the workers; throughput, TTFT and ITL."""
         start = time.time() + 0.2
@@ -162,6 +173,7 @@ class _Clients:
                 "prompts": share,
                 "max_tokens": new_tokens,
                 "start": start,
+                "client": client,
             }
             assert worker.stdin is not None
             worker.stdin.write(json.dumps(job) + "\n")
@@ -231,8 +243,9 @@ def _start_server(
     directory: Path, args: argparse.Namespace, mode: str
 ) -> tuple[subprocess.Popen, str]:
     """Start the server; ``mode`` is ``process`` or ``thread`` (where the engine runs), with
-    ``-plain`` appended for asyncio and h11 even where uvloop and httptools are installed, and
-    ``-w<ms>`` for an admission window (``ServeConfig.admission_window_ms``)."""
+    ``-plain`` appended for asyncio and h11 even where uvloop and httptools are installed,
+    ``-w<ms>`` for an admission window (``ServeConfig.admission_window_ms``) and ``-eager`` for
+    steps that prefill run eagerly (``ServeConfig.cuda_graph_mixed_steps=False``)."""
     parts = mode.split("-")
     config = _engine_config(args)
     options = {
@@ -245,6 +258,7 @@ def _start_server(
         "block_size": config.block_size,
         "max_waiting_requests": 4 * config.max_batch_size,
         "engine_process": parts[0] == "process",
+        "cuda_graph_mixed_steps": config.cuda_graph_mixed_steps and "eager" not in parts[1:],
         "admission_window_ms": next((float(p[1:]) for p in parts[1:] if p[:1] == "w"), 0.0),
     }
     launcher = Path(__file__).with_name("_serve_launch.py")
@@ -294,7 +308,7 @@ def _profile(
     spy = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rounds = 0
     while spy.poll() is None and rounds < 50:
-        clients.round(url, prompts, args.new_tokens, "bench")
+        clients.round(url, prompts, args.new_tokens, "bench", args.client[0])
         rounds += 1
     output = spy.communicate(timeout=30)[0]
     print(f"profile: {rounds} rounds, {target.name}: {output.strip()[-300:]}", flush=True)
@@ -315,9 +329,15 @@ def main() -> None:
         default="process,thread",
         help="where the server runs the engine: process (default of serve) or thread; "
         "a -plain suffix hides uvloop and httptools from uvicorn, -w<ms> sets an admission "
-        "window (process-w5)",
+        "window (process-w5), -eager runs steps that prefill without CUDA graphs",
     )
     parser.add_argument("--client-procs", type=int, default=8, help="client worker processes")
+    parser.add_argument(
+        "--client",
+        default="raw",
+        help="streaming clients, comma-separated, each measured on every server: raw (HTTP/1.1 "
+        "over asyncio, the least client-side work) and/or httpx",
+    )
     parser.add_argument(
         "--profile", default="", help="client counts at which py-spy samples the server"
     )
@@ -330,6 +350,10 @@ def main() -> None:
     args.concurrency = args.concurrency or "1,4,16,64,128,256"
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.modes = args.modes.split(",")
+    args.client = args.client.split(",")
+    for kind in args.client:
+        if kind not in ("raw", "httpx"):
+            parser.error(f"--client {kind!r}; expected raw and/or httpx")
     args.profile = [int(c) for c in args.profile.split(",") if c]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -360,13 +384,13 @@ def main() -> None:
             print(f"{mode}: server up in {time.perf_counter() - started:.1f} s", flush=True)
             engine_pid = _engine_pid(process)
             try:
-                for count in args.concurrency:
+                for count, kind in [(c, k) for c in args.concurrency for k in args.client]:
                     batch = prompts[:count]
-                    clients.round(url, batch, 8, "bench")  # warm-up
-                    row: dict[str, Any] = {"engine": mode, "clients": count}
+                    clients.round(url, batch, 8, "bench", kind)  # warm-up
+                    row: dict[str, Any] = {"engine": mode, "client": kind, "clients": count}
                     before = _server_ttft(url)
                     cpu = [_cpu_seconds(pid) for pid in (process.pid, engine_pid)]
-                    row.update(clients.round(url, batch, args.new_tokens, "bench"))
+                    row.update(clients.round(url, batch, args.new_tokens, "bench", kind))
                     # Busy share of one core from the first request to the last token (the
                     # HTTP process and, when it runs apart, the engine process).
                     wall = row["tokens"] / row["tokens_per_s"]
@@ -384,7 +408,7 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     _write(out, rows, args, device, dtype)
-                    if count in args.profile:
+                    if count in args.profile and kind == args.client[0]:
                         _profile(process, clients, url, batch, args, out)
             finally:
                 process.terminate()
@@ -420,15 +444,15 @@ def _write(
         f"prompt {args.prompt_len}, {args.new_tokens} new tokens per streaming client, greedy; "
         f"{name}.",
         "",
-        "| engine | clients | server tok/s | direct tok/s | server / direct | TTFT p50 ms "
+        "| engine | client | clients | server tok/s | direct tok/s | server / direct | TTFT p50 ms "
         "| TTFT p99 ms | in-server TTFT mean ms | direct TTFT ms | ITL p50 ms | ITL p99 ms "
         "| HTTP CPU | engine CPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         engine = f"{100 * row['engine_cpu']:.0f}%" if "engine_cpu" in row else "-"
         lines.append(
-            f"| {row['engine']} | {row['clients']} | {row['tokens_per_s']:.0f} | {row['direct_tokens_per_s']:.0f} "
+            f"| {row['engine']} | {row['client']} | {row['clients']} | {row['tokens_per_s']:.0f} | {row['direct_tokens_per_s']:.0f} "
             f"| {100 * row['server_over_direct']:.0f}% | {row['ttft_p50_ms']:.1f} "
             f"| {row['ttft_p99_ms']:.1f} | {row['server_ttft_mean_ms']:.1f} "
             f"| {row['direct_ttft_ms']:.1f} "

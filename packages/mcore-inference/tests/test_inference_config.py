@@ -20,6 +20,7 @@ from mcore_inference import InferenceConfig, InferenceConfigError
         (dict(seed=-1), "seed=-1"),
         (dict(kv_dtype="bfloat16"), "kv_dtype='bfloat16'"),
         (dict(kv_dtype=torch.int8), "kv_dtype=torch.int8"),
+        (dict(cuda_graph_mixed_steps="on"), "cuda_graph_mixed_steps='on'"),
     ],
 )
 def test_invalid_config_names_the_field_and_value(fields, message):

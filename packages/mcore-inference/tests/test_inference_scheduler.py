@@ -68,3 +68,42 @@ def test_blocks_needed_skips_the_last_generated_token():
     assert scheduler.blocks_needed(4, 1) == 1
     assert scheduler.blocks_needed(4, 2) == 2
     assert scheduler.blocks_needed(1, 0) == 1
+
+
+def _graph_scheduler(backlog_steps):
+    scheduler = _scheduler(max_tokens_per_step=20)
+    scheduler.graph_step_tokens = 8
+    scheduler.graph_backlog_steps = backlog_steps
+    for request in (_request(1, 20, 5), _request(2, 4, 5)):
+        scheduler.waiting.append(request)
+    scheduler.admit()
+    return scheduler
+
+
+def test_a_small_prompt_backlog_goes_a_graph_step_at_a_time():
+    scheduler = _graph_scheduler(backlog_steps=8)  # 24 prompt tokens fit in 8 steps of 8
+    assert [(r.request_id, n) for r, n in scheduler.schedule()] == [(1, 6), (2, 2)]
+    decoding = _request(0, 3, 5)
+    decoding.num_computed, decoding.output = 3, [7]
+    scheduler.waiting.append(decoding)
+    scheduler.admit()
+    # A decode first, then prompt tokens up to the graph's 8 tokens.
+    assert [(r.request_id, n) for r, n in scheduler.schedule()] == [(0, 1), (1, 6), (2, 1)]
+
+
+def test_a_large_prompt_backlog_takes_the_whole_budget():
+    scheduler = _graph_scheduler(backlog_steps=2)  # 24 prompt tokens > 2 steps of 8
+    assert [(r.request_id, n) for r, n in scheduler.schedule()] == [(1, 6), (2, 4)]
+
+
+def test_decodes_that_fill_the_graph_leave_the_whole_budget_to_prefill():
+    scheduler = _scheduler(max_tokens_per_step=10)
+    scheduler.graph_step_tokens = 2
+    decoding = [_request(i, 3, 5) for i in range(2)]
+    for request in decoding:
+        request.num_computed, request.output = 3, [7]
+    prompt = _request(9, 5, 5)
+    for request in (*decoding, prompt):
+        scheduler.waiting.append(request)
+    scheduler.admit()
+    assert [(r.request_id, n) for r, n in scheduler.schedule()] == [(0, 1), (1, 1), (9, 5)]

@@ -43,8 +43,10 @@ def test_options_reach_the_config():
             "--num-blocks",
             "12",
             "--no-engine-process",
+            "--no-cuda-graph-mixed-steps",
         ]
     )
+    assert not config.cuda_graph_mixed_steps and ServeConfig(model="m").cuda_graph_mixed_steps
     assert (config.port, config.max_waiting_requests, config.use_cuda_graphs) == (0, 3, False)
     assert not config.engine_process and ServeConfig(model="m").engine_process
     assert (config.served_model_name, config.num_blocks) == ("x", 12)
@@ -62,6 +64,7 @@ def test_options_reach_the_config():
         ({"log_level": "loud"}, "log_level"),
         ({"served_model_name": ""}, "served_model_name"),
         ({"engine_process": "yes"}, "engine_process"),
+        ({"cuda_graph_mixed_steps": 1}, "cuda_graph_mixed_steps"),
         ({"admission_window_ms": -1.0}, "admission_window_ms"),
         ({"admission_window_ms": 5.0, "engine_process": False}, "admission_window_ms"),
     ],

@@ -171,6 +171,17 @@ class _Messages:
     def send(self, message):
         self.sent.append(message)
 
+    def steps(self):
+        """Every step message as its list of ``(key, new_tokens, new_logprobs, result)``."""
+        unpacked = []
+        for message in self.sent:
+            if message[0] != "step":
+                continue
+            _, keys, tokens, updates, _ = message
+            singles = zip(memoryview(keys).cast("q"), memoryview(tokens).cast("q"))
+            unpacked.append([(k, [t], None, None) for k, t in singles] + list(updates))
+        return unpacked
+
 
 def _run_serve(window, commands_before, commands_during):
     """``_serve`` on a thread over a CPU engine: one long request, then more commands."""
@@ -182,7 +193,7 @@ def _run_serve(window, commands_before, commands_during):
     for command in commands_before:
         commands.put(command)
     deadline = time.monotonic() + 30
-    while not any(m[0] == "step" and m[1] for m in messages.sent):  # the long one decodes
+    while not any(messages.steps()):  # the long one decodes
         assert time.monotonic() < deadline
         time.sleep(0.005)
     for command in commands_during:
@@ -194,7 +205,7 @@ def _run_serve(window, commands_before, commands_during):
     commands.put(None)
     thread.join(30)
     engine.close()
-    return messages.sent
+    return messages.steps()
 
 
 def test_admission_window_holds_arrivals_and_admits_them_together():
@@ -203,13 +214,12 @@ def test_admission_window_holds_arrivals_and_admits_them_together():
     before = [("add", 0, [1, 2, 3], long)]
     during = [("add", k, [4, 5, k], short) for k in (1, 2, 3)] + [("abort", 2)]
     for window, joins_while_running in ((0.0, True), (60.0, False)):
-        sent = _run_serve(window, before, during)
-        steps = [m for m in sent if m[0] == "step"]
-        finals = {key: result for m in steps for key, _, _, result in m[1] if result is not None}
+        steps = _run_serve(window, before, during)
+        finals = {key: result for m in steps for key, _, _, result in m if result is not None}
         first = {
-            k: next(i for i, m in enumerate(steps) if any(u[0] == k for u in m[1])) for k in (1, 3)
+            k: next(i for i, m in enumerate(steps) if any(u[0] == k for u in m)) for k in (1, 3)
         }
-        long_done = next(i for i, m in enumerate(steps) if 0 in {u[0] for u in m[1] if u[3]})
+        long_done = next(i for i, m in enumerate(steps) if 0 in {u[0] for u in m if u[3]})
         # Held for a minute: admitted only once the engine ran dry, both in the same step.
         assert (first[1] < long_done) == joins_while_running
         if not joins_while_running:

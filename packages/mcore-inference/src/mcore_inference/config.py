@@ -49,6 +49,16 @@ class InferenceConfig:
     """Hybrid (Mamba) models: token-count buckets of the non-decode (prefill and mixed) steps
     to capture as CUDA graphs; None captures 16, 32, 64 ... up to the step's token budget, an
     empty tuple captures none (non-decode steps run eagerly)."""
+    cuda_graph_mixed_steps: bool = True
+    """Dense models on one stage without expert-parallel lockstep: run a step that prefills
+    (prompt chunks, alone or next to decoding requests) of at most the largest decode bucket's
+    token count in the decode CUDA graph of the smallest bucket that holds its tokens, instead
+    of eagerly. The paged attention treats every token alike (each attends to the cache up to
+    its position), so the graph computes such a step as it computes decodes; a server whose
+    requests arrive one by one then runs its ramp-up in graphs, not in eager mixed steps. A step
+    then takes at most the largest bucket's tokens while the prompt tokens waiting to be
+    prefilled fit in a few such steps (``mcore_inference.scheduler.GRAPH_BACKLOG_STEPS``); a
+    larger backlog is prefilled in eager steps of the whole ``max_tokens_per_step``."""
     fuse_tp_communication: bool = True
     """Under tensor parallelism, reduce each layer's output with the fused reduce-scatter + add
     + RMSNorm + all-gather of mcore-kernels (symmetric memory when available, NCCL collectives
@@ -141,6 +151,10 @@ class InferenceConfig:
         if not isinstance(self.fuse_tp_communication, bool):
             raise InferenceConfigError(
                 f"fuse_tp_communication={self.fuse_tp_communication!r}; expected True or False"
+            )
+        if not isinstance(self.cuda_graph_mixed_steps, bool):
+            raise InferenceConfigError(
+                f"cuda_graph_mixed_steps={self.cuda_graph_mixed_steps!r}; expected True or False"
             )
         if not isinstance(self.batch_invariant, bool):
             raise InferenceConfigError(

@@ -220,6 +220,12 @@ def build_stage_runner(
         config.fuse_tp_communication and groups.tp_group is not None and mamba_states is None,
         decoder,
     )
+    # Steps that prefill may replay the decode graphs (one stage, no lockstep peers).
+    runner.graph_mixed_steps = (
+        config.cuda_graph_mixed_steps and groups.pp_size == 1 and lockstep is None
+    )
+    if runner.graph_mixed_steps and graphs is not None:
+        scheduler.graph_step_tokens = graphs.max_batch_size
     if mamba_states is not None:
         runner.mamba_states = mamba_states
         if config.use_cuda_graphs and device.type == "cuda":

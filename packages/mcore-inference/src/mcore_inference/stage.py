@@ -68,6 +68,9 @@ class StageRunner:
         """State slots of a hybrid model's Mamba layers (set by the engine), else None."""
         self.hybrid_graphs: HybridGraphRunner | None = None
         """Decode and non-decode CUDA graphs of a hybrid model (set by the engine)."""
+        self.graph_mixed_steps = False
+        """Run steps that prefill in the decode graphs too, when their tokens fit a bucket (set
+        by the engine from ``InferenceConfig.cuda_graph_mixed_steps``)."""
 
     def _inputs(self, microbatch: Microbatch | None, pad_to: int) -> tuple[torch.Tensor, int, int]:
         rows = Microbatch(entries=[])
@@ -109,9 +112,10 @@ class StageRunner:
             return self._run_hybrid(microbatch, received)
         num_real = microbatch.num_tokens if microbatch is not None else 0
         graphs = self.graphs
+        decode = microbatch is None or num_real == 0 or microbatch.is_decode
         use_graphs = (
             graphs is not None
-            and (microbatch is None or num_real == 0 or microbatch.is_decode)
+            and (decode or self.graph_mixed_steps)
             and num_real <= graphs.max_batch_size
         )
         pad_to = num_real
@@ -139,7 +143,15 @@ class StageRunner:
                 output = graphs.run(inputs, received, max_context=narrow)[:num_real]
                 if not self.groups.is_last_stage:
                     return (output[None] if num_real else None), None
-                return None, output if sampling else None
+                if not sampling:
+                    return None, None
+                assert microbatch is not None
+                if len(microbatch.sample_rows) != num_real:
+                    # Rows of prompt tokens that sample nothing (a step that prefills, also one
+                    # whose prompt chunks are single tokens): only the sampling rows.
+                    rows = to_device(microbatch.sample_rows, torch.long, self.device)
+                    output = output.index_select(0, rows)
+                return None, output
             except Exception as exc:
                 # A model that cannot be captured still serves, eagerly; the warning says why.
                 warnings.warn(

@@ -48,6 +48,9 @@ class ServeConfig:
     """Token budget of one engine step; None keeps the engine's default."""
     use_cuda_graphs: bool = True
     """Replay CUDA graphs for decode steps on a GPU."""
+    cuda_graph_mixed_steps: bool = True
+    """Replay the decode graphs also for steps that prefill the requests arriving while others
+    decode (``InferenceConfig.cuda_graph_mixed_steps``); False runs those steps eagerly."""
     engine_process: bool = True
     """Run the engine in a child process of its own (the HTTP work then never holds up an
     engine step on the GIL); False runs it on a thread of the server process."""
@@ -84,6 +87,10 @@ class ServeConfig:
         for name in ("num_blocks", "max_tokens_per_step"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
+        if not isinstance(self.cuda_graph_mixed_steps, bool):
+            raise InferenceConfigError(
+                f"cuda_graph_mixed_steps={self.cuda_graph_mixed_steps!r}; expected True or False"
+            )
         if not isinstance(self.engine_process, bool):
             raise InferenceConfigError(
                 f"engine_process={self.engine_process!r}; expected True or False"

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import gc
 import itertools
 import os
 import queue
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from array import array
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -127,8 +129,11 @@ class EngineInfo:
 
 
 # Messages. Server -> child: ("add", key, prompt, params) | ("abort", key) | None (stop).
-# Child -> server: ("ready", EngineInfo) | ("step", updates, stats) | ("failed", message);
-# an update is (key, new_tokens, new_logprobs, final result or None).
+# Child -> server: ("ready", EngineInfo) | ("step", keys, tokens, updates, stats) |
+# ("failed", message). A step's requests that got exactly one token, without log-probs, and go
+# on (nearly all of them, at every step) come packed: ``keys`` and ``tokens`` are the bytes of
+# two int64 arrays (one request per entry), so a step's message costs no per-request pickling;
+# every other request is an update (key, new_tokens, new_logprobs, final result or None).
 _Update = tuple[int, list[int], list[float] | None, GenerationResult | None]
 
 
@@ -187,6 +192,10 @@ def child_main(commands_end: Connection, output: Connection, parent: int) -> Non
     except Exception as exc:
         output.send(("failed", f"loading {spec.model!r} failed: {type(exc).__name__}: {exc}"))
         return
+    # The model, engine and graphs live as long as the process: out of the collector's
+    # generations, the full collections that per-step garbage triggers do not walk them.
+    gc.collect()
+    gc.freeze()
     output.send(("ready", EngineInfo.of(engine, os.getpid())))
     commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
     reader = threading.Thread(
@@ -246,21 +255,28 @@ def _serve(
                 held.clear()
             if not engine.has_unfinished():
                 if changed:
-                    output.send(("step", [], engine_stats(engine, generated, steps)))
+                    output.send(("step", b"", b"", [], engine_stats(engine, generated, steps)))
                 continue
             # The weights are this process's own and never change: checked at the first step only.
             step = engine.step_updates(check_weights=steps == 0)
             steps += 1
+            single_keys, single_tokens = array("q"), array("q")
             updates: list[_Update] = []
             for update in step:
-                generated += len(update.new_tokens)
+                new_tokens = update.new_tokens
+                generated += len(new_tokens)
                 key = keys.get(update.request_id)
                 if key is None:  # aborted by the server: nobody waits for it
                     continue
                 if update.result is not None:
                     del keys[update.request_id], ids[key]
-                updates.append((key, update.new_tokens, update.new_logprobs, update.result))
-            output.send(("step", updates, engine_stats(engine, generated, steps)))
+                elif len(new_tokens) == 1 and update.new_logprobs is None:
+                    single_keys.append(key)
+                    single_tokens.append(new_tokens[0])
+                    continue
+                updates.append((key, new_tokens, update.new_logprobs, update.result))
+            stats = engine_stats(engine, generated, steps)
+            output.send(("step", single_keys.tobytes(), single_tokens.tobytes(), updates, stats))
     except OSError:
         return  # the server is gone (broken pipe)
     except Exception as exc:  # the engine broke: say why, the server fails the open requests
@@ -419,16 +435,25 @@ class EngineProcess(LoopFrontend):
             while output.poll():
                 message = output.recv()
                 if message[0] == "step":
-                    self._on_step(message[1], message[2])
+                    self._on_step(*message[1:])
                 elif message[0] == "failed":
                     self._failure = message[1]
                     self._fail_open(message[1])
         except (EOFError, OSError):
             self._on_exit()
 
-    def _on_step(self, updates: list[_Update], stats: LoopStats) -> None:
+    def _on_step(
+        self, single_keys: bytes, single_tokens: bytes, updates: list[_Update], stats: LoopStats
+    ) -> None:
         handles = self._handles
-        new_tokens = 0
+        new_tokens = len(single_keys) // 8
+        for key, token in zip(
+            memoryview(single_keys).cast("q"), memoryview(single_tokens).cast("q")
+        ):
+            handle = handles.get(key)
+            if handle is not None and not handle.finished:
+                handle.tokens.append(token)
+                handle.notify.set()
         for key, tokens, logprobs, result in updates:
             new_tokens += len(tokens)
             handle = handles.get(key)

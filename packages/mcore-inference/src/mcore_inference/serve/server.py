@@ -102,6 +102,7 @@ def load_server_state(config: ServeConfig) -> ServerState:
         num_blocks=config.num_blocks,
         max_tokens_per_step=config.max_tokens_per_step,
         use_cuda_graphs=config.use_cuda_graphs,
+        cuda_graph_mixed_steps=config.cuda_graph_mixed_steps,
         seed=config.seed,
     )
     loop: LoopFrontend
@@ -199,6 +200,11 @@ def serve(config: ServeConfig, *, out: TextIO | None = None) -> int:
     try:
         state = load_server_state(config)
         assert state.engine_info is not None
+        # Everything loaded so far (torch, the app, an engine on a thread) lives as long as the
+        # server: out of the collector's generations, the full collections that the garbage of
+        # every streamed token triggers do not walk it (pauses of milliseconds otherwise).
+        gc.collect()
+        gc.freeze()
         summary = model_summary(state, state.engine_info, Path(config.model))
         print(f"mcore-inference serve: {summary}", file=out)
         out.flush()
@@ -218,6 +224,7 @@ def serve(config: ServeConfig, *, out: TextIO | None = None) -> int:
         signals.serving = True
         asyncio.run(_run(server, sock, address, out))
         del state
+        gc.unfreeze()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
