@@ -58,10 +58,8 @@ def shapes() -> list[tuple[int, int]]:
     return [(rows, hidden) for hidden in (2048, 4096, 8192) for rows in (1, 256, 4096, 8192, 16384)]
 
 
-def host_us(fn: Callable[[], Any], calls: int = 300) -> float:
+def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
     """Host microseconds per call of back-to-back calls (the GPU keeps up at one row)."""
-    for _ in range(10):
-        fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
@@ -71,12 +69,10 @@ def host_us(fn: Callable[[], Any], calls: int = 300) -> float:
     return elapsed / calls * 1e6
 
 
-def profiler_cpu_us(fn: Callable[[], Any], calls: int = 50) -> float:
+def profiler_cpu_us(fn: Callable[[], Any], calls: int = 100) -> float:
     """CPU microseconds per call as ``torch.profiler`` records it (its own overhead included)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    for _ in range(10):
-        fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
@@ -85,6 +81,24 @@ def profiler_cpu_us(fn: Callable[[], Any], calls: int = 50) -> float:
     torch.cuda.synchronize()
     (event,) = [e for e in prof.key_averages() if e.key == "benchmarked_call"]
     return event.cpu_time_total / event.count
+
+
+def interleaved_median(
+    timer: Callable[[Callable[[], Any]], float], calls: dict[str, Callable[[], Any]], rounds: int
+) -> dict[str, float]:
+    """Median over ``rounds`` of ``timer(call)`` per call, the calls interleaved round by round.
+
+    One implementation after another would hand each a different stretch of the host's
+    frequency and background load; interleaving gives every implementation the same ones.
+    """
+    for call in calls.values():
+        for _ in range(20):
+            call()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            samples[name].append(timer(call))
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
 
 
 def _timed(timer: Callable[..., float], *args: Any) -> float | None:
@@ -186,36 +200,49 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
             rep=40,
         )
         del outputs
+    # The floor of this shape: a device-to-device copy moving the same bytes (read 2N, write
+    # 2N elements) in one kernel under the same graph timing, launch latency included.
+    sources = [torch.empty(2 * rows * hidden, device="cuda", dtype=dtype) for _ in sets]
+    targets = [torch.empty_like(s) for s in sources]
+    result["copy_us"] = graph_us(
+        lambda: [partial(t.copy_, s) for s, t in zip(sources, targets, strict=True)]
+    )
+    del sources, targets
     if rows == 1:
-        # Call overhead outside graphs: host time of the forward without and with autograd
-        # and of the backward, by wall clock and by the profiler's CPU time.
-        result["host_us"] = {}
-        result["profiler_cpu_us"] = {}
-        for name, fn in impls.items():
-            call = partial(fn, x, residual, weight)
-            outputs = call()
-            backward = partial(
-                torch.autograd.grad, outputs, (x, residual, weight), grads, retain_graph=True
-            )
-            with torch.no_grad():
-                fwd_host = host_us(call)
-                fwd_prof = profiler_cpu_us(call)
-            result["host_us"][name] = {
-                "fwd_no_grad": fwd_host,
-                "fwd_autograd": host_us(call),
-                "bwd": host_us(backward),
-            }
-            result["profiler_cpu_us"][name] = {
-                "fwd_no_grad": fwd_prof,
-                "fwd_autograd": profiler_cpu_us(call),
-                "bwd": profiler_cpu_us(backward),
-            }
-            del outputs
+        result.update(call_overhead(impls, x, residual, weight, grads))
     elem = rows * hidden * 2
     result["tensor_mb"] = elem / 1e6
     result["fwd_bytes"] = 4 * elem + 2 * hidden
     result["bwd_bytes"] = 4 * elem + 2 * 2 * hidden
     return result
+
+
+def call_overhead(
+    impls: dict[str, Callable[..., Any]],
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor],
+) -> dict[str, Any]:
+    """Host time per call outside graphs (one row): forward without and with autograd, and the
+    backward, by wall clock and by the profiler's CPU time; the implementations interleaved."""
+    leaves = (x, residual, weight)
+    forward = {name: partial(fn, *leaves) for name, fn in impls.items()}
+    outputs = {name: call() for name, call in forward.items()}
+    backward = {
+        name: partial(torch.autograd.grad, out, leaves, grads, retain_graph=True)
+        for name, out in outputs.items()
+    }
+    phases = {"fwd_no_grad": forward, "fwd_autograd": forward, "bwd": backward}
+    host: dict[str, dict[str, float]] = {name: {} for name in impls}
+    profiled: dict[str, dict[str, float]] = {name: {} for name in impls}
+    for phase, calls in phases.items():
+        with torch.set_grad_enabled(phase != "fwd_no_grad"):
+            for name, us in interleaved_median(host_us, calls, 7).items():
+                host[name][phase] = us
+            for name, us in interleaved_median(profiler_cpu_us, calls, 3).items():
+                profiled[name][phase] = us
+    return {"host_us": host, "profiler_cpu_us": profiled}
 
 
 def main() -> None:

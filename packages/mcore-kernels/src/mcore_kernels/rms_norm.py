@@ -162,6 +162,9 @@ def _rms_norm_fwd_kernel(
         row_mask = row_ids < rows
         col_mask = cols < hidden
         mask = row_mask[:, None] & col_mask[None, :]
+        # Every load is issued before the first reduction: loads placed after it would wait
+        # for the reduction's barrier and add a memory round trip to each program.
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + row_ids[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(
@@ -174,7 +177,6 @@ def _rms_norm_fwd_kernel(
             tl.store(hidden_out_ptr + row_ids[:, None] * hidden + cols[None, :], x, mask=mask)
         h = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / hidden + eps)
-        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         y = round_to(h * rstd[:, None] * w[None, :], y_ptr.dtype.element_ty)
         tl.store(y_ptr + row_ids[:, None] * hidden + cols[None, :], y, mask=mask)
         if STORE_RSTD:
@@ -253,6 +255,9 @@ def _rms_norm_bwd_kernel(
                 mask=mask,
                 other=0.0,
             ).to(tl.float32)
+            if HAS_DHIDDEN_OUT:
+                # Loaded before the reductions, as in the forward.
+                dh = tl.load(dhidden_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             # The row is in registers: recomputing its rstd costs no memory traffic.
             rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / hidden + eps)
             normed = h * rstd[:, None]
@@ -260,7 +265,7 @@ def _rms_norm_bwd_kernel(
             correction = tl.sum(dyw * normed, axis=1) / hidden
             dx = rstd[:, None] * (dyw - normed * correction[:, None])
             if HAS_DHIDDEN_OUT:
-                dx += tl.load(dhidden_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                dx += dh
             tl.store(dx_ptr + offs, round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
             dw += dy * normed
         total = tl.sum(dw, axis=0)
@@ -407,8 +412,13 @@ def _backward(
     if config is not None:
         cap = device_limits(device)[0] * config.bwd_programs_per_sm
     config = config or chosen
-    programs = min(-(-rows // config.bwd_rows), cap)
+    blocks = -(-rows // config.bwd_rows)
+    programs = min(blocks, cap)
     final = programs == 1 and single
+    # A pipeline overlaps one row block's loads with the previous one's reduction: with one
+    # block per program there is nothing to overlap, and its shared-memory round trip only
+    # adds latency.
+    pipelined = single and blocks > programs
     dweight = torch.empty_like(weight)
     partial = dweight if final else weight.new_empty((programs, hidden), dtype=torch.float32)
     streamed = 3 if dhidden_out is not None else 2
@@ -420,7 +430,7 @@ def _backward(
             "BLOCK_M": config.bwd_rows,
             "BLOCK": block,
             "SINGLE_BLOCK": single,
-            "NUM_STAGES": _backward_stages(config, block, streamed, device) if single else 1,
+            "NUM_STAGES": _backward_stages(config, block, streamed, device) if pipelined else 1,
             "FINAL": final,
         },
         config.bwd_warps,
