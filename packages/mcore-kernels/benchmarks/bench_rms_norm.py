@@ -69,18 +69,31 @@ def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
     return elapsed / calls * 1e6
 
 
-def profiler_cpu_us(fn: Callable[[], Any], calls: int = 100) -> float:
-    """CPU microseconds per call as ``torch.profiler`` records it (its own overhead included)."""
+def profiler_cpu_us(
+    calls: dict[str, tuple[bool, Callable[[], Any]]], per_call: int = 50, rounds: int = 3
+) -> dict[str, float]:
+    """CPU microseconds per call as ``torch.profiler`` records it (its own cost per op included).
+
+    ``calls`` maps a name to ``(grad_enabled, call)``. One profiling session per round holds
+    every call in turn (a session's start and stop cost more than the calls), each call under
+    its own ``record_function`` label; the median over the rounds.
+    """
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(calls):
-            with record_function("benchmarked_call"):
-                fn()
-    torch.cuda.synchronize()
-    (event,) = [e for e in prof.key_averages() if e.key == "benchmarked_call"]
-    return event.cpu_time_total / event.count
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for name, (grad_enabled, call) in calls.items():
+                with torch.set_grad_enabled(grad_enabled):
+                    for _ in range(per_call):
+                        with record_function(name):
+                            call()
+        torch.cuda.synchronize()
+        for event in prof.key_averages():
+            if event.key in samples:
+                samples[event.key].append(event.cpu_time_total / event.count)
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
 
 
 def interleaved_median(
@@ -241,8 +254,14 @@ def call_overhead(
         with torch.set_grad_enabled(phase != "fwd_no_grad"):
             for name, us in interleaved_median(host_us, calls, 7).items():
                 host[name][phase] = us
-            for name, us in interleaved_median(profiler_cpu_us, calls, 3).items():
-                profiled[name][phase] = us
+    labelled = {
+        f"{phase}|{name}": (phase != "fwd_no_grad", call)
+        for phase, calls in phases.items()
+        for name, call in calls.items()
+    }
+    for label, us in profiler_cpu_us(labelled).items():
+        phase, name = label.split("|")
+        profiled[name][phase] = us
     return {"host_us": host, "profiler_cpu_us": profiled}
 
 
