@@ -58,7 +58,7 @@ def shapes() -> list[tuple[int, int]]:
     return [(rows, hidden) for hidden in (2048, 4096, 8192) for rows in (1, 256, 4096, 8192, 16384)]
 
 
-def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
+def host_us(fn: Callable[[], Any], calls: int = 100) -> float:
     """Host microseconds per call of back-to-back calls (the GPU keeps up at one row)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -70,7 +70,7 @@ def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
 
 
 def profiler_cpu_us(
-    calls: dict[str, tuple[bool, Callable[[], Any]]], per_call: int = 50, rounds: int = 3
+    calls: dict[str, tuple[bool, Callable[[], Any]]], per_call: int = 40, rounds: int = 3
 ) -> dict[str, float]:
     """CPU microseconds per call as ``torch.profiler`` records it (its own cost per op included).
 
@@ -252,7 +252,7 @@ def call_overhead(
     profiled: dict[str, dict[str, float]] = {name: {} for name in impls}
     for phase, calls in phases.items():
         with torch.set_grad_enabled(phase != "fwd_no_grad"):
-            for name, us in interleaved_median(host_us, calls, 7).items():
+            for name, us in interleaved_median(host_us, calls, 5).items():
                 host[name][phase] = us
     labelled = {
         f"{phase}|{name}": (phase != "fwd_no_grad", call)
@@ -385,8 +385,8 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
     if host_rows:
         table += (
             "\nCall overhead outside graphs (one row), microseconds of host time per call: wall "
-            "clock of 200 back-to-back calls (median of 7 rounds), then the profiler's CPU time "
-            "of 100 calls (median of 3 rounds; the profiler adds its own cost per op); the "
+            "clock of 100 back-to-back calls (median of 5 rounds), then the profiler's CPU time "
+            "of 40 calls (median of 3 rounds; the profiler adds its own cost per op); the "
             "implementations interleaved round by round:\n\n"
         )
         table += markdown_table(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -156,6 +157,7 @@ def main() -> None:
     liger_ops, liger_missing = load_liger()
     copy_tbs = copy_bandwidth_tbs()
     results = []
+    started = time.perf_counter()
     for rows, vocab in shapes():
         entry = measure(rows, vocab, liger_ops)
         entry["read_once_ms"] = entry["logits_bytes"] / (copy_tbs * 1e12) * 1e3
@@ -170,7 +172,7 @@ def main() -> None:
         }
         entry["fraction_of_read_once"] = entry["read_once_ms"] / mcore
         results.append(entry)
-        print(entry, flush=True)
+        print(f"[{time.perf_counter() - started:.1f} s]", entry, flush=True)
     launchers = importlib.import_module("mcore_kernels.token_logprobs")
     payload = {
         **device_info(),
