@@ -5,13 +5,11 @@ candidate :class:`~mcore_kernels.rms_norm.RMSNormLaunch` at each hidden size of 
 table and the row counts 1, 256, 4096, 8192 and 16384, as GPU time under CUDA graph replay over
 enough input copies that every call reads from memory (no host launch cost, no L2 reuse).
 Per hidden size the forward takes the (rows per program, warps) with the least geometric mean
-of time / fastest time over the row counts, then that layout's grid (one program per row block,
-or a persistent grid and its pipelining depth) by the same rule; the backward takes its layout
-(rows per iteration, warps) the same way, each layout scored by its best grid at each row
-count, then that layout's grid cap (programs per SM) and pipelining depth. The number of rows
-never picks the warps: they fix how a row is spread over the threads, hence the order of its
-reductions, which keeps every row's result independent of the batch (the kernels themselves
-shrink a row block to the call's rows, which repeats the same row layout). For token log-probs it sweeps the vocabulary chunk, warps and
+of time / fastest time over the row counts; the backward takes its layout (rows per iteration,
+warps) the same way, each layout scored by its best grid at each row count, then that layout's
+grid cap (programs per SM) and pipelining depth by the same rule. The number of rows never
+picks a layout: block shapes depend on the hidden size only, which keeps every row's result
+independent of the batch. For token log-probs it sweeps the vocabulary chunk, warps and
 pipelining depth. Writes ``launch_configs.json`` and ``launch_configs.md``, whose "chosen" rows
 are what ``LAUNCH_CONFIGS`` in ``rms_norm.py`` and ``_block_and_warps`` in ``token_logprobs.py``
 hold.
@@ -149,42 +147,7 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
                         }
                     )
         best, score = _choose(fwd)
-        # Then the forward's grid for that layout: one program per row block, or a persistent
-        # grid of programs_per_sm programs per multiprocessor with a stages-deep row loop.
-        grids: dict[tuple, dict[int, float | None]] = {(0, 1): fwd[best]}
-        for rows in ROWS:
-            sets = _forward_sets(rows, hidden)
-            for per_sm, stages in itertools.product((1, 2, 4, 8), (1, 2, 3)):
-                if -(-rows // best[0]) <= multiprocessors * per_sm:
-                    continue  # no program would walk a second row block
-                cfg = rms.RMSNormLaunch(
-                    fwd_rows=best[0],
-                    fwd_warps=best[1],
-                    bwd_rows=1,
-                    bwd_warps=4,
-                    bwd_programs_per_sm=1,
-                    bwd_stages=1,
-                    fwd_programs_per_sm=per_sm,
-                    fwd_stages=stages,
-                )
-                grids.setdefault((per_sm, stages), {})[rows] = _us(
-                    lambda cfg=cfg, sets=sets: [
-                        partial(rms._forward, x, w, EPS, r, False, cfg) for x, r, w in sets
-                    ]
-                )
-        for per_rows in grids.values():
-            for rows in ROWS:
-                # Where no program walks a second block the launch is the default one.
-                per_rows.setdefault(rows, grids[(0, 1)].get(rows))
-        grid, grid_score = _choose(grids)
-        chosen.append(
-            [
-                "rms_fwd",
-                hidden,
-                f"rows={best[0]}, warps={best[1]}, programs_per_sm={grid[0]}, stages={grid[1]}",
-                score * grid_score,
-            ]
-        )
+        chosen.append(["rms_fwd", hidden, f"rows={best[0]}, warps={best[1]}", score])
         # The layout must not depend on the number of rows (batch invariance): per layout, the
         # best grid and depth at each row count, then the layout of least geometric mean.
         per_layout: dict[tuple, dict[int, float | None]] = {}
@@ -217,16 +180,6 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
             ]
         )
         print("rms", hidden, chosen[-2:], flush=True)
-
-
-def _forward_sets(rows: int, hidden: int) -> list[tuple[torch.Tensor, ...]]:
-    """Input copies of the forward (``x``, ``residual``, ``weight``) for L2-cold timing."""
-    sets = []
-    for _ in range(input_sets(4 * rows * hidden * 2)):
-        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-        w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
-        sets.append((x, torch.randn_like(x), w))
-    return sets
 
 
 def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:
