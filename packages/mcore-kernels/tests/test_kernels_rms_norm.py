@@ -218,28 +218,6 @@ def test_launch_config_is_chosen_by_row_width_and_rstd_kept_only_for_looped_rows
     torch.testing.assert_close(y, rms_norm_reference(x, weight, 1e-6, residual=residual)[0])
 
 
-def test_persistent_forward_matches_one_program_per_row_block(triton_backend):
-    module = importlib.import_module("mcore_kernels.rms_norm")
-    x, residual, weight = _inputs((37, 80), torch.float32, seed=10)
-    y, hidden, _ = module._forward(x, weight, 1e-6, residual, False)
-    # 19 row blocks over 4 interpreter "multiprocessors": each program walks 4 or 5 of them.
-    persistent = module.RMSNormLaunch(
-        fwd_rows=2,
-        fwd_warps=4,
-        bwd_rows=1,
-        bwd_warps=4,
-        bwd_programs_per_sm=1,
-        bwd_stages=1,
-        fwd_programs_per_sm=1,
-        fwd_stages=2,
-    )
-    y_persistent, hidden_persistent, _ = module._forward(
-        x, weight, 1e-6, residual, False, persistent
-    )
-    assert torch.equal(y_persistent, y) and torch.equal(hidden_persistent, hidden)
-    torch.testing.assert_close(y, rms_norm_reference(x, weight, 1e-6, residual=residual)[0])
-
-
 def test_empty_leading_dimension_returns_empty(triton_backend):
     x = torch.randn(0, 16, requires_grad=True)
     weight = torch.ones(16, requires_grad=True)

@@ -74,24 +74,15 @@ class RMSNormLaunch:
     bwd_stages: int
     """Software-pipelining depth of the backward's row loop, when its buffers fit in shared
     memory (else 1)."""
-    fwd_programs_per_sm: int = 0
-    """Forward programs per multiprocessor of a persistent grid that walks the row blocks
-    (0: one program per row block)."""
-    fwd_stages: int = 1
-    """Software-pipelining depth of a persistent forward's row loop."""
 
     def __post_init__(self) -> None:
         for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise KernelValueError(f"{name}={value} must be a positive power of two")
-        for name in ("bwd_programs_per_sm", "bwd_stages", "fwd_stages"):
+        for name in ("bwd_programs_per_sm", "bwd_stages"):
             if getattr(self, name) < 1:
                 raise KernelValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.fwd_programs_per_sm < 0:
-            raise KernelValueError(
-                f"fwd_programs_per_sm={self.fwd_programs_per_sm} must be >= 0 (0: no cap)"
-            )
 
 
 LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
@@ -128,8 +119,7 @@ class _Plan(NamedTuple):
     config: RMSNormLaunch
     cap: int
     forward_constexprs: tuple[dict[str, Any], ...]
-    """Constexprs of the forward, indexed by ``4 * persistent + 2 * has_residual +
-    store_rstd``."""
+    """Constexprs of the forward, indexed by ``2 * has_residual + store_rstd``."""
 
 
 def _device(index: int) -> torch.device:
@@ -159,10 +149,7 @@ def _launch(hidden: int, device_index: int) -> _Plan:
             "BLOCK_M": config.fwd_rows,
             "BLOCK": block,
             "SINGLE_BLOCK": single,
-            "PERSISTENT": persistent,
-            "NUM_STAGES": config.fwd_stages if persistent else 1,
         }
-        for persistent in (False, True)
         for has_residual in (False, True)
         for store_rstd in (False, True)
     )
@@ -174,49 +161,6 @@ def _backward_stages(config: RMSNormLaunch, block: int, streamed: int, device: t
     _, shared = device_limits(device)
     stage_bytes = config.bwd_rows * block * streamed * 2  # an upper bound of a smaller block
     return config.bwd_stages if config.bwd_stages * stage_bytes <= shared - 16 * 1024 else 1
-
-
-@jit
-def _normalise_rows(
-    x_ptr,
-    residual_ptr,
-    y_ptr,
-    hidden_out_ptr,
-    rstd_ptr,
-    w,
-    first,
-    rows,
-    x_row_stride,
-    residual_row_stride,
-    hidden,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    STORE_RSTD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    cols = tl.arange(0, BLOCK)
-    row_ids = first + tl.arange(0, BLOCK_M)
-    row_mask = row_ids < rows
-    mask = row_mask[:, None] & (cols < hidden)[None, :]
-    # Every load is issued before the first reduction: loads placed after it would wait for
-    # the reduction's barrier and add a memory round trip to each program.
-    x = tl.load(x_ptr + row_ids[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(
-            residual_ptr + row_ids[:, None] * residual_row_stride + cols[None, :],
-            mask=mask,
-            other=0.0,
-        )
-        # Rounded to the input dtype before normalising, as Hugging Face models do.
-        x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
-        tl.store(hidden_out_ptr + row_ids[:, None] * hidden + cols[None, :], x, mask=mask)
-    h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / hidden + eps)
-    y = round_to(h * rstd[:, None] * w[None, :], y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row_ids[:, None] * hidden + cols[None, :], y, mask=mask)
-    if STORE_RSTD:
-        tl.store(rstd_ptr + row_ids, rstd, mask=row_mask)
 
 
 @jit
@@ -237,59 +181,33 @@ def _rms_norm_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
 ):
     first = tl.program_id(0).to(tl.int64) * BLOCK_M
     cols = tl.arange(0, BLOCK)
     if SINGLE_BLOCK:
-        # The weight first: its load overlaps the rows' (and a persistent program's later
-        # row blocks reuse it from registers).
-        w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-        if PERSISTENT:
-            # Program p normalises row blocks p, p + P, ...; the pipeline keeps the next
-            # blocks' loads in flight during this one's reduction.
-            program = tl.program_id(0)
-            programs = tl.num_programs(0)
-            iterations = tl.cdiv(tl.cdiv(rows, BLOCK_M) - program, programs)
-            for i in tl.range(0, iterations, num_stages=NUM_STAGES):
-                _normalise_rows(
-                    x_ptr,
-                    residual_ptr,
-                    y_ptr,
-                    hidden_out_ptr,
-                    rstd_ptr,
-                    w,
-                    (program + i * programs).to(tl.int64) * BLOCK_M,
-                    rows,
-                    x_row_stride,
-                    residual_row_stride,
-                    hidden,
-                    eps,
-                    HAS_RESIDUAL,
-                    STORE_RSTD,
-                    BLOCK_M,
-                    BLOCK,
-                )
-        else:
-            _normalise_rows(
-                x_ptr,
-                residual_ptr,
-                y_ptr,
-                hidden_out_ptr,
-                rstd_ptr,
-                w,
-                first,
-                rows,
-                x_row_stride,
-                residual_row_stride,
-                hidden,
-                eps,
-                HAS_RESIDUAL,
-                STORE_RSTD,
-                BLOCK_M,
-                BLOCK,
+        row_ids = first + tl.arange(0, BLOCK_M)
+        row_mask = row_ids < rows
+        col_mask = cols < hidden
+        mask = row_mask[:, None] & col_mask[None, :]
+        # Every load is issued before the first reduction: loads placed after it would wait
+        # for the reduction's barrier and add a memory round trip to each program.
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row_ids[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(
+                residual_ptr + row_ids[:, None] * residual_row_stride + cols[None, :],
+                mask=mask,
+                other=0.0,
             )
+            # Rounded to the input dtype before normalising, as Hugging Face models do.
+            x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
+            tl.store(hidden_out_ptr + row_ids[:, None] * hidden + cols[None, :], x, mask=mask)
+        h = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / hidden + eps)
+        y = round_to(h * rstd[:, None] * w[None, :], y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row_ids[:, None] * hidden + cols[None, :], y, mask=mask)
+        if STORE_RSTD:
+            tl.store(rstd_ptr + row_ids, rstd, mask=row_mask)
     else:
         x_row = x_ptr + first * x_row_stride
         r_row = residual_ptr + first * residual_row_stride
@@ -490,29 +408,20 @@ def _forward(
     if rows == 0:
         return y, h, rstd
     has_residual = residual is not None
+    constexprs = plan.forward_constexprs[2 * has_residual + store_rstd]
     tuned = config is None
-    if config is None:
+    if tuned:
         config = plan.config
+    assert config is not None
     # A row block never holds more rows than the call (same layout of a row, fewer idle rows
     # in the tile).
     block_rows = config.fwd_rows if rows >= config.fwd_rows else next_power_of_2(rows)
-    programs = -(-rows // block_rows)
-    persistent = False
-    if config.fwd_programs_per_sm and plan.single:
-        cap = device_limits(_device(device_index))[0] * config.fwd_programs_per_sm
-        persistent = programs > cap
-        programs = min(programs, cap)
-    constexprs = plan.forward_constexprs[4 * persistent + 2 * has_residual + store_rstd]
-    if not tuned:
-        constexprs = {
-            **constexprs,
-            "NUM_STAGES": config.fwd_stages if persistent else 1,
-        }
     if block_rows != constexprs["BLOCK_M"]:
         constexprs = {**constexprs, "BLOCK_M": block_rows}
     r = residual if residual is not None else x
     stats = rstd if rstd is not None else y
     args = (x, r, weight, y, h, stats, rows, hidden, hidden, hidden, eps)
+    programs = -(-rows // block_rows)
     addresses = x.data_ptr(), r.data_ptr(), weight.data_ptr()
     if tuned and not (addresses[0] | addresses[1] | addresses[2]) & _ALIGNED:
         # Fresh outputs are aligned: the specialisation follows from what is known here.
@@ -525,7 +434,6 @@ def _forward(
             has_residual,
             store_rstd,
             block_rows,
-            persistent,
             _int_class(rows),
         )
         _FORWARD.keyed(
