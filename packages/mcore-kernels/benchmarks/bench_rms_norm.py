@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
 import time
 from collections.abc import Callable
@@ -303,6 +304,9 @@ def main() -> None:
                     if k != "mcore"
                 }
         results.append(entry)
+        # What is measured so far, should the run be cut short.
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "rms_norm.partial.json").write_text(json.dumps(results, indent=1) + "\n")
         compact = {
             key: {k: round(v, 1) if v else v for k, v in entry[key].items()}
             for key in ("fwd_us", "bwd_us", "fwd_wall_us", "bwd_wall_us")

@@ -244,6 +244,48 @@ def _add_pairs(a0, a1, b0, b1):
 
 
 @jit
+def _backward_rows(
+    dy_ptr,
+    dhidden_out_ptr,
+    hidden_ptr,
+    dx_ptr,
+    w,
+    row_ids,
+    rows,
+    hidden_row_stride,
+    hidden,
+    eps,
+    HAS_DHIDDEN_OUT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Writes d(x) of a block of rows and returns their weight-gradient terms dy * normed.
+    cols = tl.arange(0, BLOCK)
+    row_mask = row_ids < rows
+    mask = row_mask[:, None] & (cols < hidden)[None, :]
+    offs = row_ids[:, None] * hidden + cols[None, :]
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(
+        hidden_ptr + row_ids[:, None] * hidden_row_stride + cols[None, :], mask=mask, other=0.0
+    ).to(tl.float32)
+    if HAS_DHIDDEN_OUT:
+        # Loaded before the reductions, as in the forward.
+        dh = tl.load(dhidden_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # The row is in registers: recomputing its rstd costs no memory traffic. Both row sums come
+    # from one reduction (sum(dy * w * normed) = rstd * sum(dy * w * h)): a single pass through
+    # shared memory and one barrier instead of two in a row.
+    dyw = dy * w[None, :]
+    sum_sq, sum_dyw_h = tl.reduce((h * h, dyw * h), axis=1, combine_fn=_add_pairs)
+    rstd = 1.0 / tl.sqrt(sum_sq / hidden + eps)
+    normed = h * rstd[:, None]
+    correction = rstd * sum_dyw_h / hidden
+    dx = rstd[:, None] * (dyw - normed * correction[:, None])
+    if HAS_DHIDDEN_OUT:
+        dx += dh
+    tl.store(dx_ptr + offs, round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
+    return dy * normed
+
+
+@jit
 def _rms_norm_bwd_kernel(
     dy_ptr,
     dhidden_out_ptr,
@@ -267,52 +309,64 @@ def _rms_norm_bwd_kernel(
     program = tl.program_id(0)
     programs = tl.num_programs(0)
     program64 = program.to(tl.int64)
-    # Every program has at least one row block: the grid never exceeds their number.
-    iterations = tl.cdiv(tl.cdiv(rows, BLOCK_M) - program, programs)
     out_row = dweight_ptr + program64 * hidden
     cols = tl.arange(0, BLOCK)
     if SINGLE_BLOCK:
         col_mask = cols < hidden
         w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dw = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
-        # Pipelining keeps the next row blocks' loads in flight while this one is reduced.
-        for i in tl.range(0, iterations, num_stages=NUM_STAGES):
-            row_ids = (program64 + i * programs) * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_mask = row_ids < rows
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = row_ids[:, None] * hidden + cols[None, :]
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            h = tl.load(
-                hidden_ptr + row_ids[:, None] * hidden_row_stride + cols[None, :],
-                mask=mask,
-                other=0.0,
-            ).to(tl.float32)
-            if HAS_DHIDDEN_OUT:
-                # Loaded before the reductions, as in the forward.
-                dh = tl.load(dhidden_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            # The row is in registers: recomputing its rstd costs no memory traffic. Both row
-            # sums come from one reduction (sum(dy * w * normed) = rstd * sum(dy * w * h)): a
-            # single pass through shared memory and one barrier instead of two in a row.
-            dyw = dy * w[None, :]
-            sum_sq, sum_dyw_h = tl.reduce((h * h, dyw * h), axis=1, combine_fn=_add_pairs)
-            rstd = 1.0 / tl.sqrt(sum_sq / hidden + eps)
-            normed = h * rstd[:, None]
-            correction = rstd * sum_dyw_h / hidden
-            dx = rstd[:, None] * (dyw - normed * correction[:, None])
-            if HAS_DHIDDEN_OUT:
-                dx += dh
-            tl.store(dx_ptr + offs, round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
-            dw += dy * normed
-        total = tl.sum(dw, axis=0)
         if FINAL:
+            # The whole call is one row block: straight-line code, no loop to set up.
+            contribution = _backward_rows(
+                dy_ptr,
+                dhidden_out_ptr,
+                hidden_ptr,
+                dx_ptr,
+                w,
+                tl.arange(0, BLOCK_M).to(tl.int64),
+                rows,
+                hidden_row_stride,
+                hidden,
+                eps,
+                HAS_DHIDDEN_OUT,
+                BLOCK,
+            )
+            total = tl.sum(contribution, axis=0)
             tl.store(out_row + cols, round_to(total, dweight_ptr.dtype.element_ty), mask=col_mask)
         else:
-            tl.store(out_row + cols, total, mask=col_mask)
+            # Every program has at least one row block: the grid never exceeds their number.
+            iterations = tl.cdiv(tl.cdiv(rows, BLOCK_M) - program, programs)
+            dw = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
+            # Pipelining keeps the next row blocks' loads in flight while this one is reduced.
+            # (The body is _backward_rows written out: Triton 3.6 pipelines this loop as is.)
+            for i in tl.range(0, iterations, num_stages=NUM_STAGES):
+                row_ids = (program64 + i * programs) * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_mask = row_ids < rows
+                mask = row_mask[:, None] & col_mask[None, :]
+                offs = row_ids[:, None] * hidden + cols[None, :]
+                dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                h = tl.load(
+                    hidden_ptr + row_ids[:, None] * hidden_row_stride + cols[None, :],
+                    mask=mask,
+                    other=0.0,
+                ).to(tl.float32)
+                if HAS_DHIDDEN_OUT:
+                    dh = tl.load(dhidden_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                dyw = dy * w[None, :]
+                sum_sq, sum_dyw_h = tl.reduce((h * h, dyw * h), axis=1, combine_fn=_add_pairs)
+                rstd = 1.0 / tl.sqrt(sum_sq / hidden + eps)
+                normed = h * rstd[:, None]
+                correction = rstd * sum_dyw_h / hidden
+                dx = rstd[:, None] * (dyw - normed * correction[:, None])
+                if HAS_DHIDDEN_OUT:
+                    dx += dh
+                tl.store(dx_ptr + offs, round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
+                dw += dy * normed
+            tl.store(out_row + cols, tl.sum(dw, axis=0), mask=col_mask)
     else:
         for start in range(0, hidden, BLOCK):
             offs = start + cols
             tl.store(out_row + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < hidden)
-        for i in range(0, iterations):
+        for i in range(0, tl.cdiv(rows - program, programs)):
             row64 = program64 + i * programs
             rstd = tl.load(rstd_ptr + row64)
             acc = tl.zeros([BLOCK], dtype=tl.float32)
