@@ -5,21 +5,25 @@ Forward: each program normalises ``fwd_rows`` rows held in registers; rows wider
 Backward, two stages: a grid of at most ``programs_per_sm * multiprocessors`` programs walks the
 row blocks in a fixed stride, recomputes each row's ``rstd`` from the row it holds in registers
 (the forward stores it only for rows wider than ``MAX_BLOCK``), writes ``d(x)`` of every row and
-one float32 partial weight gradient per program; a second kernel sums the partials in program order and rounds once to the
-weight dtype (a single program writes the weight gradient directly). The weight gradient is
-therefore deterministic, and every block shape depends on the hidden size only, so a row's
-outputs are bitwise the same whatever the number of rows in the call.
+one float32 partial weight gradient per program; a second kernel sums the partials in program
+order and rounds once to the weight dtype (a call of one row block runs one straight-line
+program that writes the weight gradient directly). The weight gradient is therefore
+deterministic, and the warps of each kernel depend on the hidden size only, so a row's outputs
+are bitwise the same whatever the number of rows in the call. Every load of a program is issued
+before its first reduction, so small launches wait for one memory round trip, not two.
 
 How a launch configuration is chosen: :data:`LAUNCH_CONFIGS` maps the row block width (the
 hidden size rounded up to a power of two, at most ``MAX_BLOCK``) to the rows per forward
 program and its warps, and to the rows per backward iteration, its warps, programs per
 multiprocessor and software-pipelining depth. The numbers come from the sweep of
 ``benchmarks/tune_launch_configs.py`` (per width, the least geometric mean of GPU time over the
-fastest time across the row counts; on an H100 the defaults are within 1 % of the best
-candidate at 256 to 16384 rows) and are looked up once per (hidden size, device) and cached, so
-a call does no configuration work. The number of rows enters only the backward's grid (one
-program per row block up to the cap), never a block shape. Launches go through
-:class:`~mcore_kernels._triton_utils.CachedLauncher`.
+fastest time across the row counts) and are looked up once per (hidden size, device) and
+cached with the constexprs they imply. The number of rows enters three things only: a row
+block never holds more rows than the call (a one-row tile repeats the layout of a row of a
+larger tile), the backward's grid (one program per row block up to the cap) and its
+pipelining (only when a program walks several row blocks). Launches go through
+:meth:`~mcore_kernels._triton_utils.CachedLauncher.keyed` with a specialisation key built
+from what the call knows (dtypes, widths, which ints are 1 or multiples of 16).
 
 Eager calls go straight to the Triton launchers (through :class:`_RMSNormFunction` when a
 gradient is needed); only while ``torch.compile`` traces a call does it become the custom op
