@@ -8,8 +8,9 @@ Per hidden size the forward takes the (rows per program, warps) with the least g
 of time / fastest time over the row counts; the backward takes its layout (rows per iteration,
 warps) the same way, each layout scored by its best grid at each row count, then that layout's
 grid cap (programs per SM) and pipelining depth by the same rule. The number of rows never
-picks a layout: block shapes depend on the hidden size only, which keeps every row's result
-independent of the batch. For token log-probs it sweeps the vocabulary chunk, warps and
+picks the warps: they fix how a row is spread over the threads, hence the order of its
+reductions, which keeps every row's result independent of the batch (the kernels shrink a row
+block to the call's rows, which repeats the same row layout). For token log-probs it sweeps the vocabulary chunk, warps and
 pipelining depth. Writes ``launch_configs.json`` and ``launch_configs.md``, whose "chosen" rows
 are what ``LAUNCH_CONFIGS`` in ``rms_norm.py`` and ``_block_and_warps`` in ``token_logprobs.py``
 hold.

@@ -198,7 +198,7 @@ def test_launch_config_is_chosen_by_row_width_and_rstd_kept_only_for_looped_rows
     triton_backend, hidden
 ):
     rms_module = importlib.import_module("mcore_kernels.rms_norm")
-    block, single, config, programs_cap = rms_module._launch(hidden, torch.device("cpu"))
+    block, single, config, programs_cap, _ = rms_module._launch(hidden, -1)  # -1: the CPU
     width = min(1 << (hidden - 1).bit_length(), rms_module.MAX_BLOCK)
     entry = rms_module.LAUNCH_CONFIGS[min(w for w in rms_module.LAUNCH_CONFIGS if w >= width)]
     assert block == width and single == (hidden <= rms_module.MAX_BLOCK)
@@ -298,8 +298,42 @@ def test_cuda_triton_matches_reference(shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_rows_are_bitwise_batch_invariant():
-    x, residual, weight = (t.cuda() for t in _inputs((1024, 4096), torch.bfloat16, seed=8))
-    full, _ = rms_norm(x, weight, 1e-6, residual=residual)
-    few, _ = rms_norm(x[:3], weight, 1e-6, residual=residual[:3])
-    assert torch.equal(full[:3], few)
+@pytest.mark.parametrize("hidden", [2048, 4096, 8192, 9000])
+def test_cuda_rows_are_bitwise_batch_invariant(hidden):
+    # Launch parameters may follow the number of rows (grid, pipelining, rows per program for
+    # small calls): a row's output and input gradient must not.
+    x, residual, weight = (t.cuda() for t in _inputs((4096, hidden), torch.bfloat16, seed=8))
+    grad = torch.randn_like(x)
+
+    def forward_backward(rows):
+        xs = x[:rows].clone().requires_grad_()
+        y, _ = rms_norm(xs, weight, 1e-6, residual=residual[:rows])
+        y.backward(grad[:rows])
+        return y.detach(), xs.grad
+
+    y_full, dx_full = forward_backward(4096)
+    for rows in (1, 3, 256):
+        y, dx = forward_backward(rows)
+        assert torch.equal(y_full[:rows], y), rows
+        assert torch.equal(dx_full[:rows], dx), rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_cached_launches_match_the_first_launch():
+    module = importlib.import_module("mcore_kernels.rms_norm")
+    x, residual, weight = (t.cuda() for t in _inputs((5, 3000), torch.bfloat16, seed=9))
+    grad = torch.randn_like(x)
+    results = []
+    for _ in range(3):  # the first call compiles, the later ones take the cached launch
+        xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        y, hidden = rms_norm(xs, ws, 1e-6, residual=residual)
+        y.backward(grad)
+        results.append((y, hidden, xs.grad, ws.grad))
+    assert module._FORWARD._fast and module._BACKWARD._fast
+    for later in results[1:]:
+        for first, again in zip(results[0], later, strict=True):
+            assert torch.equal(first, again)
+    y_ref, hidden_ref = rms_norm_reference(x, weight, 1e-6, residual=residual)
+    assert torch.equal(results[0][1], hidden_ref)
+    torch.testing.assert_close(results[0][0], y_ref, atol=1.6e-2, rtol=1.6e-2)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -120,10 +121,14 @@ class CachedLauncher:
     of every distinct specialisation goes through that path and keeps the compiled kernel; later
     calls rebuild only the specialisation (each tensor's dtype and 16-byte alignment, each
     int's ``== 1``, ``% 16`` and 32-bit range, the constexpr values and warps) and launch the
-    binary on the current stream. Launch hooks (profilers such as Proton) see only the first
-    call. Should the compiled kernel's calling convention not be the expected one (another
-    Triton release), the first fast call raises, and this launcher falls back for good to
-    ``kernel[grid](...)``. Under ``TRITON_INTERPRET=1`` every call is interpreted.
+    binary on the current stream. Tensors reach the compiled launcher as their device
+    addresses (the integers already read for the alignment), which spares it one Python method
+    call and one CUDA driver query (``cuPointerGetAttribute``) per tensor; the public entry
+    points only launch on CUDA tensors of the current device. Launch hooks (profilers such as
+    Proton) see only the first call. Should the compiled kernel's calling convention not be the
+    expected one (another Triton release), the first fast call raises, and this launcher falls
+    back for good to ``kernel[grid](...)``. Under ``TRITON_INTERPRET=1`` every call is
+    interpreted.
 
     Args:
         fn: the ``@triton.jit`` kernel; its constexpr parameters must come after the others.
@@ -131,14 +136,65 @@ class CachedLauncher:
             kernel is launched with programmatic dependent launch).
     """
 
-    __slots__ = ("_fast", "_fn", "_kernels", "_names", "_options")
+    __slots__ = ("_fast", "_fn", "_kernels", "_keyed", "_names", "_options")
 
     def __init__(self, fn: Any, **launch_options: Any) -> None:
         self._fn = fn
         self._options = launch_options
-        self._kernels: dict[tuple, tuple[Any, tuple]] = {}
+        self._kernels: dict[tuple, tuple[Any, Any, Any, tuple]] = {}
+        self._keyed: dict[Hashable, tuple[Any, Any, Any, tuple]] = {}
         self._fast = True
         self._names = tuple(getattr(fn, "arg_names", ()))
+
+    def keyed(
+        self,
+        key: Hashable,
+        programs: int,
+        args: tuple,
+        addresses: tuple,
+        constexprs: dict[str, Any],
+        num_warps: int,
+        device_index: int,
+    ) -> None:
+        """Launch ``fn[(programs,)](...)`` under a specialisation key computed by the caller.
+
+        The hot paths know their launch better than this class can rebuild it from the
+        arguments: the caller's ``key`` replaces the per-argument walk of :meth:`__call__`.
+
+        Args:
+            key: hashable; equal keys must mean the same compiled kernel, so it must determine
+                every constexpr, the warps, the device, each tensor's dtype and 16-byte
+                alignment and each int argument's ``== 1``, ``% 16 == 0`` and 32-bit range.
+            programs: the one-dimensional grid.
+            args: the runtime arguments in signature order (for the first launch of a key).
+            addresses: ``args`` with every tensor replaced by its ``data_ptr()``.
+            constexprs: every constexpr argument by name.
+            num_warps: warps per program.
+            device_index: the CUDA device of the tensors (the current device).
+        """
+        entry = self._keyed.get(key)
+        if entry is not None and self._fast:
+            run, function, metadata, tail = entry
+            try:
+                run(
+                    programs,
+                    1,
+                    1,
+                    torch._C._cuda_getCurrentRawStream(device_index),
+                    function,
+                    metadata,
+                    None,
+                    None,
+                    None,
+                    *addresses,
+                    *tail,
+                )
+                return
+            except Exception:
+                self._fast = False
+        found = self._kernels.get(self((programs,), args, constexprs, num_warps, device_index))
+        if found is not None:
+            self._keyed[key] = found
 
     def __call__(
         self,
@@ -147,7 +203,7 @@ class CachedLauncher:
         constexprs: dict[str, Any],
         num_warps: int,
         device_index: int,
-    ) -> None:
+    ) -> tuple:
         """Launch ``fn[grid](*args, **constexprs, num_warps=num_warps)``.
 
         Args:
@@ -156,10 +212,14 @@ class CachedLauncher:
             constexprs: every constexpr argument by name.
             num_warps: warps per program.
             device_index: the CUDA device of the tensors (the current device).
+
+        Returns:
+            The specialisation key of the launch.
         """
         key: list = [num_warps, device_index, *constexprs.values()]
         append = key.append
-        for arg in args:
+        launch_args = list(args)
+        for index, arg in enumerate(args):
             cls = type(arg)
             if cls is int:
                 # One int per argument: 1 (specialised away), else the low four bits (16-byte
@@ -168,35 +228,38 @@ class CachedLauncher:
             elif cls is float:
                 append(cls)
             elif isinstance(arg, torch.Tensor):
+                address = arg.data_ptr()
                 append(arg.dtype)
-                append(arg.data_ptr() & 15)
+                append(address & 15)
+                launch_args[index] = address
             else:
                 append(cls)
         cache_key = tuple(key)
         entry = self._kernels.get(cache_key)
         if entry is not None and self._fast:
-            kernel, tail = entry
+            run, function, metadata, tail = entry
             try:
-                kernel.run(
+                run(
                     grid[0],
                     grid[1] if len(grid) > 1 else 1,
                     grid[2] if len(grid) > 2 else 1,
                     torch._C._cuda_getCurrentRawStream(device_index),
-                    kernel.function,
-                    kernel.packed_metadata,
+                    function,
+                    metadata,
                     None,
                     None,
                     None,
-                    *args,
+                    *launch_args,
                     *tail,
                 )
-                return
+                return cache_key
             except Exception:
                 self._fast = False
         kernel = self._fn[grid](*args, **constexprs, num_warps=num_warps, **self._options)
         if all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
             tail = tuple(constexprs[name] for name in self._names[len(args) :])
-            self._kernels[cache_key] = (kernel, tail)
+            self._kernels[cache_key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
+        return cache_key
 
 
 def next_power_of_2(n: int) -> int:
@@ -260,13 +323,19 @@ def as_rows(tensor: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
+# Triton decides when a kernel is defined (at import) whether it is interpreted; so does this.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1") if tl else None
+
+
 @jit
 def round_to(x, dtype: tl.constexpr):
     """Cast float32 ``x`` to ``dtype`` rounding to nearest even.
 
-    bfloat16 is rounded with integer arithmetic because the Triton interpreter truncates in its
-    own float32 to bfloat16 conversion; the result is bitwise what the GPU's conversion gives,
-    so interpreter tests check the GPU numerics.
+    Under the Triton interpreter, which truncates in its own float32 to bfloat16 conversion,
+    bfloat16 is rounded with integer arithmetic that gives bitwise what the GPU's conversion
+    gives, so interpreter tests check the GPU numerics. Compiled kernels use the GPU's
+    conversion itself (one instruction instead of eight integer operations per element, which
+    lengthen the latency of small launches).
 
     Args:
         x: float32 tensor.
@@ -275,11 +344,14 @@ def round_to(x, dtype: tl.constexpr):
     Returns:
         ``x`` in ``dtype``.
     """
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-        # NaN payloads in the low half would otherwise round up into infinity.
-        rounded = tl.where(x != x, bits | 0x400000, rounded)
-        return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    if _INTERPRETED:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+            # NaN payloads in the low half would otherwise round up into infinity.
+            rounded = tl.where(x != x, bits | 0x400000, rounded)
+            return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(dtype)
     else:
         return x.to(dtype)
