@@ -213,7 +213,9 @@ class GRPOWorker:
         )
         self.model = DistributedDataParallel(PolicyChunks(chunks), ddp_config, state)
         self.optimizer = DistributedOptimizer(self.model, config.optimizer)
-        self.reference = ReferenceWeights(self.model, optimizer=self.optimizer)
+        self.reference = ReferenceWeights(
+            self.model, optimizer=self.optimizer, on_device=config.loss.reference_on_device
+        )
         self.loss_config = config.loss
         self.dp_size = state.size("dp")
         self.dp_rank = state.rank_in("dp")
@@ -630,6 +632,7 @@ class GRPOWorker:
                 device=self.device,
                 input_tensor=input_tensor,
                 tp_group=tp_group,
+                loss_positions_only=True,
             )
 
         return forward_step
