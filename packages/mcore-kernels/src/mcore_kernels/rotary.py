@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import jit, next_power_of_2, on_device_of, tl
+from mcore_kernels._triton_utils import CachedLauncher, jit, next_power_of_2, on_device_of, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 
 __all__ = ["rotary_embedding", "rotary_embedding_reference"]
@@ -75,6 +75,9 @@ def _rotary_kernel(
     tl.store(out_ptr + base + HALF, out2.to(dtype), mask=ok)
 
 
+_ROTATE = CachedLauncher(_rotary_kernel)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
     if not use_triton(x):
         return rotary_embedding_reference(x, cos, sin if sign > 0 else -sin)
@@ -87,10 +90,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     block_d = next_power_of_2(half)
     block_h = max(1, min(next_power_of_2(heads), 4096 // block_d))
     grid = (tokens, -(-heads // block_h))
+    constexprs = {"HALF": half, "BLOCK_H": block_h, "BLOCK_D": block_d, "SIGN": sign}
     with on_device_of(x):
-        _rotary_kernel[grid](
-            x, cos, sin, out, heads, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, SIGN=sign
-        )
+        _ROTATE(grid, (x, cos, sin, out, heads), constexprs, 4, x.get_device())
     return out
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import jit, on_device_of, tl
+from mcore_kernels._triton_utils import CachedLauncher, jit, on_device_of, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 
 __all__ = ["swiglu_pair", "swiglu_pair_reference"]
@@ -61,6 +61,10 @@ def _swiglu_bwd_kernel(gate_ptr, up_ptr, grad_ptr, d_gate_ptr, d_up_ptr, n, BLOC
     tl.store(d_up_ptr + offs, d_up.to(dtype), mask=ok)
 
 
+_FORWARD = CachedLauncher(_swiglu_fwd_kernel)
+_BACKWARD = CachedLauncher(_swiglu_bwd_kernel)
+
+
 class _SwiGLUPairFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -71,7 +75,8 @@ class _SwiGLUPairFunction(torch.autograd.Function):
         n = gate.numel()
         if n:
             with on_device_of(gate):
-                _swiglu_fwd_kernel[(-(-n // _BLOCK),)](gate, up, out, n, BLOCK=_BLOCK)
+                grid = (-(-n // _BLOCK),)
+                _FORWARD(grid, (gate, up, out, n), {"BLOCK": _BLOCK}, 4, gate.get_device())
         return out
 
     @staticmethod
@@ -88,9 +93,9 @@ class _SwiGLUPairFunction(torch.autograd.Function):
         n = gate.numel()
         if n:
             with on_device_of(gate):
-                _swiglu_bwd_kernel[(-(-n // _BLOCK),)](
-                    gate, up, grad, d_gate, d_up, n, BLOCK=_BLOCK
-                )
+                args = (gate, up, grad, d_gate, d_up, n)
+                grid = (-(-n // _BLOCK),)
+                _BACKWARD(grid, args, {"BLOCK": _BLOCK}, 4, gate.get_device())
         return d_gate, d_up
 
 

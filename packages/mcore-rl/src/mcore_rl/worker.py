@@ -617,7 +617,7 @@ class GRPOWorker:
         )
         if not result.outputs:
             return None
-        return torch.stack([output[0].float().cpu() for output in result.outputs])
+        return torch.stack([output[0].float() for output in result.outputs])
 
     def _forward_step(self, context: PackingContext) -> Callable[..., Any]:
         temperature = self.config.rollout.temperature
