@@ -9,9 +9,11 @@ data-parallel rank the same number of bins with balanced token work.
 
 from __future__ import annotations
 
+import array
 import heapq
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -98,6 +100,15 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     if bad:
         raise PackingError(f"lengths hold {bad[0]}, expected every length > 0")
     return values
+
+
+def _as_tensors(sequences: Sequence[Sequence[int]]) -> Iterator[torch.Tensor]:
+    # One conversion of all the token lists (per-list tensor construction dominates packing).
+    flat = array.array("q", itertools.chain.from_iterable(sequences))
+    lengths = [len(seq) for seq in sequences]
+    if not flat:
+        return iter([torch.zeros(0, dtype=torch.long) for _ in lengths])
+    return iter(torch.frombuffer(flat, dtype=torch.int64).split(lengths))
 
 
 def pack_sequences(
@@ -388,12 +399,13 @@ class PackingContext:
         loss_mask = torch.zeros((rows, size))
         packed_advantages = torch.zeros((rows, size))
         cu_seqlens = torch.full((rows, width + 2), size, dtype=torch.int32)
-        for row, b in enumerate(chosen):
+        members_of = [info.bins[b] if b >= 0 else () for b in chosen]
+        tokens_of = _as_tensors([sequences[i] for members in members_of for i in members])
+        for row, members in enumerate(members_of):
             offset = 0
             cu_seqlens[row, 0] = 0
-            members = info.bins[b] if b >= 0 else ()
             for k, i in enumerate(members):
-                tokens = torch.as_tensor(list(sequences[i]), dtype=torch.long)
+                tokens = next(tokens_of)
                 n, p = len(tokens), int(prompt_lengths[i])
                 # A slot's padding (context parallelism) continues the sequence's positions.
                 slot = info.slot_length(i)
