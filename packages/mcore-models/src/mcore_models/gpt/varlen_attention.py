@@ -7,6 +7,12 @@ kernel once over the whole row with the sequence boundaries ``cu_seqlens``, forw
 backward. Its keyword set changed between torch releases (``is_causal`` in 2.10,
 ``window_size``/``scale``/``enable_gqa`` later), so the call is adapted to the installed
 signature once.
+
+Grouped-query attention: releases without ``enable_gqa`` (torch 2.11) accept only as many key
+heads as query heads, and repeating the keys and values per group costs a copy forward and a
+reduction backward in every layer. The flash kernel itself reads a key head per group, so
+grouped rows call the ATen flash-attention operators directly (one autograd function); should
+that call fail on some release, the repeated-heads path takes over for the rest of the process.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +29,50 @@ import torch
 __all__ = ["varlen_attention_available", "varlen_causal_attention"]
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+_native_gqa_failed = False
+
+
+class _FlashVarlenFunction(torch.autograd.Function):
+    """Causal varlen flash attention through the ATen operators (grouped heads read in place)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        scale: float,
+    ) -> torch.Tensor:
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, cu_seqlens, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_seqlens,
+            cu_seqlens,
+            ctx.max_seqlen,
+            ctx.max_seqlen,
+            0.0,
+            True,
+            rng_state,
+            unused,
+            scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, None
 
 
 @functools.cache
@@ -78,10 +129,26 @@ def varlen_causal_attention(
     Raises:
         RuntimeError: If this torch has no ``torch.nn.attention.varlen``.
     """
+    global _native_gqa_failed
     found = _varlen_function()
     if found is None:
         raise RuntimeError("torch.nn.attention.varlen is not available in this torch build")
     function, params = found
+    if q.shape[1] != k.shape[1] and "enable_gqa" not in params and not _native_gqa_failed:
+        try:
+            result = _FlashVarlenFunction.apply(q, k, v, cu_seqlens, max_seqlen, scale)
+            assert isinstance(result, torch.Tensor)
+            return result
+        except (RuntimeError, TypeError) as error:
+            # NOTE: private ATen operators; if this release's signature or kernel refuses the
+            # call, the public function with repeated key/value heads computes the same.
+            _native_gqa_failed = True
+            warnings.warn(
+                f"varlen flash attention with grouped heads failed ({type(error).__name__}: "
+                f"{error}); repeating key/value heads instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     kwargs: dict[str, Any] = {}
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)
