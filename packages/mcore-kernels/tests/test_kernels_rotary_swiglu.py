@@ -53,6 +53,16 @@ def test_rotary_matches_rotate_half_with_gradients(triton_backend, heads, dim):
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
+def test_rotary_reads_strided_token_slices_of_a_fused_projection(triton_backend):
+    g = torch.Generator().manual_seed(4)
+    fused = torch.randn(2, 5, 3 * 16 + 2 * 8, generator=g)
+    q = fused[..., :48].unflatten(-1, (3, 16))  # tokens 64 elements apart, heads packed
+    cos, sin = _tables(2, 5, 16, 5)
+    torch.testing.assert_close(
+        rotary_embedding(q, cos, sin), _eager_rotate_half(q, cos, sin), atol=1e-6, rtol=1e-5
+    )
+
+
 def test_rotary_bf16_rounds_once_like_the_reference(triton_backend):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 9, 4, 8, generator=g).bfloat16()

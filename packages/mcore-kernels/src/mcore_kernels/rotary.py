@@ -52,6 +52,7 @@ def _rotary_kernel(
     sin_ptr,
     out_ptr,
     heads,
+    x_token_stride,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -65,9 +66,10 @@ def _rotary_kernel(
     c = tl.load(cos_ptr + token * HALF + d, mask=d_ok, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + token * HALF + d, mask=d_ok, other=0.0).to(tl.float32) * SIGN
     ok = (h[:, None] < heads) & d_ok[None, :]
-    base = token * heads * 2 * HALF + h[:, None] * 2 * HALF + d[None, :]
-    x1 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + base + HALF, mask=ok, other=0.0).to(tl.float32)
+    inner = h[:, None] * 2 * HALF + d[None, :]
+    x1 = tl.load(x_ptr + token * x_token_stride + inner, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + token * x_token_stride + inner + HALF, mask=ok, other=0.0).to(tl.float32)
+    base = token * heads * 2 * HALF + inner
     out1 = x1 * c[None, :] - x2 * s[None, :]
     out2 = x2 * c[None, :] + x1 * s[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -78,13 +80,22 @@ def _rotary_kernel(
 _ROTATE = CachedLauncher(_rotary_kernel)
 
 
+def _rows_packed(x: torch.Tensor) -> bool:
+    # [B, T, H, D] with packed heads and dims, tokens at one stride (x.stride(1)) also across
+    # the batch: a slice of a fused QKV projection qualifies without a copy.
+    heads, dim = x.shape[-2], x.shape[-1]
+    if x.stride(-1) != 1 or (heads > 1 and x.stride(-2) != dim):
+        return False
+    return x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
     if not use_triton(x):
         return rotary_embedding_reference(x, cos, sin if sign > 0 else -sin)
     heads, dim = x.shape[-2], x.shape[-1]
     half = dim // 2
     tokens = x.numel() // (heads * dim)
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
     block_d = next_power_of_2(half)
@@ -92,7 +103,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     grid = (tokens, -(-heads // block_h))
     constexprs = {"HALF": half, "BLOCK_H": block_h, "BLOCK_D": block_d, "SIGN": sign}
     with on_device_of(x):
-        _ROTATE(grid, (x, cos, sin, out, heads), constexprs, 4, x.get_device())
+        args = (x, cos, sin, out, heads, x.stride(1))
+        _ROTATE(grid, args, constexprs, 4, x.get_device())
     return out
 
 
@@ -112,7 +124,8 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """Apply RoPE to queries or keys (the "rotate_half" layout), fused forward and backward.
 
     Args:
-        x: ``[B, T, H, D]`` queries or keys, ``D`` even (a contiguous copy is made if needed).
+        x: ``[B, T, H, D]`` queries or keys, ``D`` even; tokens may be strided (a slice of a
+            fused projection), other layouts are copied to contiguous memory first.
         cos: ``[B, T, D // 2]`` cosines (float32; the tables are not differentiated).
         sin: ``[B, T, D // 2]`` sines.
 
@@ -133,6 +146,6 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
         raise KernelDtypeError(f"x.dtype={x.dtype} must be a floating-point dtype")
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
-    result = _RotaryFunction.apply(x.contiguous(), cos, sin)
+    result = _RotaryFunction.apply(x if _rows_packed(x) else x.contiguous(), cos, sin)
     assert isinstance(result, torch.Tensor)
     return result

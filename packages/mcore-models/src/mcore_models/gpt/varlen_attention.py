@@ -130,6 +130,8 @@ def varlen_causal_attention(
         RuntimeError: If this torch has no ``torch.nn.attention.varlen``.
     """
     global _native_gqa_failed
+    # Values may be a strided slice of a fused QKV projection; the kernels take packed rows.
+    v = v.contiguous()
     found = _varlen_function()
     if found is None:
         raise RuntimeError("torch.nn.attention.varlen is not available in this torch build")
