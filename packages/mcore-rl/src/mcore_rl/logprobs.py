@@ -60,10 +60,13 @@ def row_logprobs(
     """
     stage = _stage(model)
     position_ids = context.position_ids[row : row + 1].to(device, non_blocking=True)
-    packed = PackedSeqParams(
-        cu_seqlens=context.cu_seqlens[row].to(device, non_blocking=True),
-        max_seqlen=context.max_seqlen,
-    )
+    cu_seqlens = context.cu_seqlens[row]
+    if context.context_parallel_size > 1:
+        # Context-parallel attention reads the full row's boundaries on the device.
+        cu_seqlens = cu_seqlens.to(device, non_blocking=True)
+    # Otherwise the boundaries stay on the host: the model reads them there (checks, the
+    # varlen attention's segment list) without a device synchronisation per row.
+    packed = PackedSeqParams(cu_seqlens=cu_seqlens, max_seqlen=context.max_seqlen)
     if input_tensor is None:
         source = context.input_ids[row : row + 1].to(device, non_blocking=True)
     else:
