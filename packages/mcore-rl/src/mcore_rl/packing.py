@@ -15,7 +15,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -102,13 +102,15 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     return values
 
 
-def _as_tensors(sequences: Sequence[Sequence[int]]) -> Iterator[torch.Tensor]:
-    # One conversion of all the token lists (per-list tensor construction dominates packing).
-    flat = array.array("q", itertools.chain.from_iterable(sequences))
+def _as_tensors(
+    sequences: Sequence[Sequence[Any]], typecode: str = "q", dtype: torch.dtype = torch.int64
+) -> Iterator[torch.Tensor]:
+    # One conversion of all the lists (per-list tensor construction dominates packing).
+    flat = array.array(typecode, itertools.chain.from_iterable(sequences))
     lengths = [len(seq) for seq in sequences]
     if not flat:
-        return iter([torch.zeros(0, dtype=torch.long) for _ in lengths])
-    return iter(torch.frombuffer(flat, dtype=torch.int64).split(lengths))
+        return iter([torch.zeros(0, dtype=dtype) for _ in lengths])
+    return iter(torch.frombuffer(flat, dtype=dtype).split(lengths))
 
 
 def pack_sequences(
@@ -430,19 +432,26 @@ class PackingContext:
             prompt_lengths=[int(p) for p in prompt_lengths],
         )
 
-    def scatter(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
+    def scatter(self, values: Sequence[torch.Tensor | Sequence[float]]) -> torch.Tensor:
         """Places per-completion-token values (e.g. inference log-probs) on the packed rows.
 
         Args:
-            values: For every sequence of the packing, one value per completion token.
+            values: For every sequence of the packing, one value per completion token (tensors,
+                or lists of floats, converted all at once).
 
         Returns:
             Float32 ``[num_bins, bin_size]``, zero outside loss positions.
         """
         out = torch.zeros(self.loss_mask.shape)
-        for row, _b, offset, i in self._segments():
+        segments = list(self._segments())
+        lists = [values[i] for *_, i in segments]
+        if all(isinstance(v, torch.Tensor) for v in lists):
+            tensors = iter([torch.as_tensor(v) for v in lists])
+        else:
+            tensors = _as_tensors(lists, "d", torch.float64)
+        for row, _b, offset, i in segments:
             p, n = self.prompt_lengths[i], self.info.lengths[i]
-            out[row, offset + p - 1 : offset + n - 1] = values[i].float()
+            out[row, offset + p - 1 : offset + n - 1] = next(tensors).float()
         return out
 
     def gather(self, packed: torch.Tensor) -> dict[int, torch.Tensor]:

@@ -570,9 +570,7 @@ class GRPOWorker:
                 max_sequences_per_bin=packing.max_sequences_per_bin,
                 pad_id=self.tokenizer.pad_id,
             )
-            inference_logprobs = context.scatter(
-                [torch.tensor(rollouts[i].inference_logprobs) for i in chosen]
-            )
+            inference_logprobs = context.scatter([rollouts[i].inference_logprobs for i in chosen])
             if self.cp_size > 1:
                 # This rank's tokens of every row; the token count stays the global one.
                 inference_logprobs = split_packed_rows(
