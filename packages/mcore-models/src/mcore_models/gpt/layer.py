@@ -13,7 +13,7 @@ from mcore_kernels.comm import fused_rs_add_rmsnorm_ag
 from mcore_models.gpt.attention_backends import AttentionMask, attend, max_attention_logits
 from mcore_models.gpt.batch_invariant import invariant_attention
 from mcore_models.gpt.config import GPTConfig
-from mcore_models.gpt.fused_ops import project_qkv, rotate_queries_keys
+from mcore_models.gpt.fused_ops import rotate_queries_keys
 from mcore_models.gpt.kv_cache import KVCache
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.gpt.rope import apply_rotary
@@ -82,11 +82,9 @@ class Attention(nn.Module):
         Returns:
             ``[B, T, hidden]`` output of the output projection (or its partial sum).
         """
-        if kv_cache is None:
-            projected = project_qkv(self.q_proj, self.k_proj, self.v_proj, x)
-        else:
-            projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in projected)
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if kv_cache is None:

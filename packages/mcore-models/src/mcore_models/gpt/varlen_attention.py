@@ -130,7 +130,7 @@ def varlen_causal_attention(
         RuntimeError: If this torch has no ``torch.nn.attention.varlen``.
     """
     global _native_gqa_failed
-    # Values may be a strided slice of a fused QKV projection; the kernels take packed rows.
+    # Values may be strided (a slice of a fused projection); the kernels take packed rows.
     v = v.contiguous()
     found = _varlen_function()
     if found is None:
