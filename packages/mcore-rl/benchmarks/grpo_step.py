@@ -9,6 +9,12 @@ The reference point is NeMo-RL's CI bound for this shape, 13.4 s per step on 4 G
 quoted in the project's benchmark targets (``BENCHMARKS.md``, row "rl"); it is quoted, not
 measured here, because NeMo-RL is not installed on the lent GPU.
 
+Every step records ``torch.cuda.memory_allocated()`` at its start (the warm-up step
+included); the result file gives the drift of the measured steps relative to the first of
+them, which must stay within 1% (nothing accumulates from step to step). The warm-up step's
+phases are reported separately: it pays for CUDA-graph capture, Triton compilation and the
+allocator's first growth.
+
 Run from the repository root::
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
@@ -87,9 +93,21 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--microbatch-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--microbatch-tokens",
+        type=int,
+        default=16384,
+        help="tokens per packed row (16384: 32 sequences, half the gradient accumulations of 8192)",
+    )
     parser.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--kl-beta", type=float, default=0.01)
+    parser.add_argument(
+        "--reference-on-host",
+        action="store_true",
+        help="keep the reference weights in pinned host memory (default: device memory)",
+    )
+    parser.add_argument("--name", default=None, help="stem of the result files")
     args = parser.parse_args()
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     model: dict[str, object] = {"name": args.model, "vocab_size": args.vocab_size, "dtype": dtype}
@@ -106,7 +124,11 @@ def main() -> None:
                 "max_new_tokens": args.new_tokens,
             },
             "packing": {"max_tokens_per_microbatch": args.microbatch_tokens},
-            "loss": {"kl_beta": 0.01, "entropy_coef": 0.1},
+            "loss": {
+                "kl_beta": args.kl_beta,
+                "entropy_coef": 0.1,
+                "reference_on_device": not args.reference_on_host,
+            },
         }
     )
     state = init_worker_state(config)
@@ -123,9 +145,13 @@ def main() -> None:
             torch.cuda.synchronize()
 
     measured = []
+    allocated: list[int] = []
+    warmup: dict[str, float] = {}
     for step in range(args.steps + 1):
         times: dict[str, float] = {}
         sync()
+        if worker.device.type == "cuda":
+            allocated.append(torch.cuda.memory_allocated())
         start = time.perf_counter()
         with worker.generation_mode():
             rollouts = _generate(worker, prompts, args.new_tokens)
@@ -139,10 +165,16 @@ def main() -> None:
         sync()
         times["push"] = time.perf_counter() - push
         times["total"] = time.perf_counter() - start
+        print(f"step {step}: " + ", ".join(f"{k} {v:.2f} s" for k, v in times.items()), flush=True)
         if step > 0:
             measured.append(times)
+        else:
+            warmup = times
     phases = list(measured[0])
     mean = {p: sum(m[p] for m in measured) / len(measured) for p in phases}
+    # Drift of the allocation at the start of every measured step against the first of them.
+    steady = allocated[1:]
+    drift = max((abs(a - steady[0]) / steady[0] for a in steady), default=0.0) if steady else 0.0
     device = torch.cuda.get_device_name() if worker.device.type == "cuda" else "cpu"
     result = {
         "device": device,
@@ -151,8 +183,13 @@ def main() -> None:
         "sequences": args.sequences,
         "tokens_per_sequence": args.prompt_tokens + args.new_tokens,
         "microbatch_tokens": args.microbatch_tokens,
+        "kl_beta": args.kl_beta,
+        "reference_on_device": not args.reference_on_host,
         "seconds": mean,
         "steps": measured,
+        "warmup_step": warmup,
+        "allocated_bytes_at_step_start": allocated,
+        "allocated_drift": drift,
         "nemo_rl_bound_s_4_gpus": NEMO_RL_BOUND_S,
         "ratio_to_nemo_rl_bound": mean["total"] / NEMO_RL_BOUND_S,
         "peak_allocated_gib": (torch.cuda.max_memory_allocated() / 2**30)
@@ -161,12 +198,22 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "results" if args.preset is None else f"results-{args.preset}"
+    stem = args.name or ("results" if args.preset is None else f"results-{args.preset}")
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    rows = ["| phase | seconds |", "|---|---|"] + [f"| {p} | {mean[p]:.2f} |" for p in phases]
+    rows = ["| phase | seconds | warm-up step |", "|---|---|---|"] + [
+        f"| {p} | {mean[p]:.2f} | {warmup.get(p, 0.0):.2f} |" for p in phases
+    ]
+    if allocated:
+        gib = ", ".join(f"{a / 2**30:.3f}" for a in allocated)
+        rows += [
+            "",
+            f"Allocated at every step start (GiB, warm-up first): {gib}; drift over the "
+            f"{len(steady)} measured steps: {drift:.3%} (bound 1%).",
+        ]
     header = (
         f"GRPO step, {args.model} (vocab {vocab}), {args.sequences} x "
-        f"{args.prompt_tokens + args.new_tokens} tokens, {device}; NeMo-RL CI bound "
+        f"{args.prompt_tokens + args.new_tokens} tokens, {device}, kl_beta {args.kl_beta}, "
+        f"reference on {'host' if args.reference_on_host else 'device'}; NeMo-RL CI bound "
         f"{NEMO_RL_BOUND_S} s on 4 GPUs (ratio {result['ratio_to_nemo_rl_bound']:.2f})\n\n"
     )
     (out / f"{stem}.md").write_text(header + "\n".join(rows) + "\n")

@@ -129,3 +129,20 @@ def test_packing_context_rejects_bin_indices_out_of_range():
     for bad in (info.num_bins, -2):
         with pytest.raises(PackingError, match=f"bin_indices holds {bad}"):
             PackingContext.build([[1, 2, 3], [1, 2]], [1, 1], [1.0, 1.0], info, bin_indices=[bad])
+
+
+def test_scatter_takes_lists_or_tensors_and_gather_returns_them():
+    sequences = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    prompts = [2, 1, 3]
+    info = pack_sequences([4, 3, 5], 8, max_sequences_per_bin=2, algorithm="ffd")
+    context = PackingContext.build(sequences, prompts, [0.5, -1.0, 2.0], info)
+    values = [
+        [0.25 * (i + 1) + j for j in range(len(s) - p)]
+        for i, (s, p) in enumerate(zip(sequences, prompts))
+    ]
+    from_lists = context.scatter(values)
+    from_tensors = context.scatter([torch.tensor(v) for v in values])
+    assert torch.equal(from_lists, from_tensors)
+    gathered = context.gather(from_lists)
+    for i, expected in enumerate(values):
+        assert gathered[i].tolist() == expected

@@ -1,4 +1,4 @@
-"""Reference weights swapped in from the host: bit-exact round trips, hooks, exceptions."""
+"""Reference weights swapped in from the host or the device: bit-exact round trips, hooks, exceptions."""
 
 import pytest
 import torch
@@ -31,14 +31,13 @@ def _context():
     return PackingContext.build(sequences, [2, 2], [1.0, -1.0], info)
 
 
-def _swap_round_trip_on_two_ranks():
-    state = initialize()
+def _swap_round_trip_on_two_ranks(state, on_device: bool):
     model = GPTModel(GPTConfig.from_name("tiny", **CONFIG))
     ddp = DistributedDataParallel(
         model, DDPConfig(use_distributed_optimizer=True, overlap_param_gather=True), state
     )
     optimizer = DistributedOptimizer(ddp, OptimizerConfig(lr=0.05))
-    reference = ReferenceWeights(ddp, optimizer=optimizer)
+    reference = ReferenceWeights(ddp, optimizer=optimizer, on_device=on_device)
     hooked_before = set(map(id, ddp.param_sync_hooks.hooked_modules()))
     context = _context()
     # Step 0: the reference is the policy, so reference log-probs equal policy log-probs.
@@ -87,9 +86,16 @@ def _swap_round_trip_on_two_ranks():
     }
 
 
+def _both_placements_on_two_ranks():
+    state = initialize()
+    return [_swap_round_trip_on_two_ranks(state, on_device) for on_device in (False, True)]
+
+
 def test_reference_swap_is_bit_exact_with_hooks_and_exceptions_on_two_ranks():
-    for result in run_distributed(_swap_round_trip_on_two_ranks, 2):
-        assert result == {key: True for key in result}, result
+    # Reference in host memory and next to the parameters (on_device), same checks.
+    for results in run_distributed(_both_placements_on_two_ranks, 2):
+        for result in results:
+            assert result == {key: True for key in result}, result
 
 
 def test_reference_state_is_validated():

@@ -55,9 +55,12 @@ class PackedSeqParams:
         Returns:
             int64 tensor ``[total_tokens]``.
         """
-        cu = self.cu_seqlens.to(device=device, dtype=torch.int64)
+        # Computed where the boundaries live (no device synchronisation for host boundaries:
+        # the output size of repeat_interleave is read on the host), then moved.
+        cu = self.cu_seqlens.to(dtype=torch.int64)
         lengths = cu[1:] - cu[:-1]
-        return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+        ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+        return ids if device is None else ids.to(device, non_blocking=True)
 
     def position_ids(self, device: torch.device | None = None) -> torch.Tensor:
         """Positions that restart at 0 at the start of every sequence.

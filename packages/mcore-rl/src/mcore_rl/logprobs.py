@@ -32,6 +32,7 @@ def row_logprobs(
     device: torch.device | str = "cpu",
     input_tensor: torch.Tensor | None = None,
     tp_group: Any = None,
+    loss_positions_only: bool = False,
 ) -> torch.Tensor:
     """Runs one packed row through the model (or a pipeline stage of it).
 
@@ -48,6 +49,10 @@ def row_logprobs(
         device: Device of the model.
         input_tensor: Hidden states from the previous pipeline stage; None on the first stage.
         tp_group: The tensor-parallel group the vocabulary is split over; None for tp = 1.
+        loss_positions_only: Project to the vocabulary only at the row's loss positions
+            (``context.loss_mask``), the completion tokens; other positions of the result are 0.
+            The output layer and the log-softmax are the largest per-token cost after the
+            decoder, and prompt positions never enter the GRPO loss or its metrics.
 
     Returns:
         On the last stage, float32 ``[2, bin_size]``: log-probs then entropies (differentiable
@@ -55,20 +60,39 @@ def row_logprobs(
     """
     stage = _stage(model)
     position_ids = context.position_ids[row : row + 1].to(device, non_blocking=True)
-    packed = PackedSeqParams(
-        cu_seqlens=context.cu_seqlens[row].to(device, non_blocking=True),
-        max_seqlen=context.max_seqlen,
-    )
+    cu_seqlens = context.cu_seqlens[row]
+    if context.context_parallel_size > 1:
+        # Context-parallel attention reads the full row's boundaries on the device.
+        cu_seqlens = cu_seqlens.to(device, non_blocking=True)
+    # Otherwise the boundaries stay on the host: the model reads them there (checks, the
+    # varlen attention's segment list) without a device synchronisation per row.
+    packed = PackedSeqParams(cu_seqlens=cu_seqlens, max_seqlen=context.max_seqlen)
     if input_tensor is None:
         source = context.input_ids[row : row + 1].to(device, non_blocking=True)
     else:
         source = input_tensor
     if not getattr(stage, "post_process", True):
         return stage(source, position_ids, packed_seq_params=packed)
-    hidden = stage(source, position_ids, packed_seq_params=packed, return_hidden=True)
-    logits = stage.compute_logits(hidden[0], gather=False, upcast=False)
-    targets = context.target_ids[row].to(device, non_blocking=True)
+    hidden = stage(source, position_ids, packed_seq_params=packed, return_hidden=True)[0]
+    targets = context.target_ids[row]
+    positions = None
+    if loss_positions_only:
+        # Host-side index (the context lives on the host): no device synchronisation.
+        chosen = context.loss_mask[row].nonzero().squeeze(1)
+        if 0 < chosen.numel() < targets.numel():
+            positions = chosen.to(device, non_blocking=True)
+            targets = targets[chosen]
+            hidden = hidden.index_select(0, positions)
+    logits = stage.compute_logits(hidden, gather=False, upcast=False)
     logprobs, entropy = token_logprobs(
-        logits, targets, temperature=temperature, return_entropy=True, group=tp_group
+        logits,
+        targets.to(device, non_blocking=True),
+        temperature=temperature,
+        return_entropy=True,
+        group=tp_group,
     )
-    return torch.stack([logprobs, entropy])
+    result = torch.stack([logprobs, entropy])
+    if positions is None:
+        return result
+    full = result.new_zeros(2, context.target_ids.shape[1])
+    return full.index_copy(1, positions, result)

@@ -25,7 +25,13 @@ class LossConfig:
     clip_high: float = 0.28
     """The ratio is clipped above at ``1 + clip_high`` (clip-higher, DAPO arXiv:2503.14476)."""
     kl_beta: float = 0.0
-    """Weight of the k3 KL penalty to the reference policy; 0 turns it off."""
+    """Weight of the k3 KL penalty to the reference policy; 0 turns it off (and skips the
+    reference forward)."""
+    reference_on_device: bool = False
+    """Keep the reference weights (and the policy's copy while they are swapped in) in device
+    memory, two more copies of the local parameters, instead of pinned host memory: the swap
+    around the reference forward then costs two device copies instead of three host
+    transfers."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus (needs ``entropy`` with grad); keeps exploration alive."""
     importance_sampling_cap: float | None = 2.0

@@ -9,11 +9,13 @@ data-parallel rank the same number of bins with balanced token work.
 
 from __future__ import annotations
 
+import array
 import heapq
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -98,6 +100,17 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     if bad:
         raise PackingError(f"lengths hold {bad[0]}, expected every length > 0")
     return values
+
+
+def _as_tensors(
+    sequences: Sequence[Sequence[Any]], typecode: str = "q", dtype: torch.dtype = torch.int64
+) -> Iterator[torch.Tensor]:
+    # One conversion of all the lists (per-list tensor construction dominates packing).
+    flat = array.array(typecode, itertools.chain.from_iterable(sequences))
+    lengths = [len(seq) for seq in sequences]
+    if not flat:
+        return iter([torch.zeros(0, dtype=dtype) for _ in lengths])
+    return iter(torch.frombuffer(flat, dtype=dtype).split(lengths))
 
 
 def pack_sequences(
@@ -388,12 +401,13 @@ class PackingContext:
         loss_mask = torch.zeros((rows, size))
         packed_advantages = torch.zeros((rows, size))
         cu_seqlens = torch.full((rows, width + 2), size, dtype=torch.int32)
-        for row, b in enumerate(chosen):
+        members_of = [info.bins[b] if b >= 0 else () for b in chosen]
+        tokens_of = _as_tensors([sequences[i] for members in members_of for i in members])
+        for row, members in enumerate(members_of):
             offset = 0
             cu_seqlens[row, 0] = 0
-            members = info.bins[b] if b >= 0 else ()
             for k, i in enumerate(members):
-                tokens = torch.as_tensor(list(sequences[i]), dtype=torch.long)
+                tokens = next(tokens_of)
                 n, p = len(tokens), int(prompt_lengths[i])
                 # A slot's padding (context parallelism) continues the sequence's positions.
                 slot = info.slot_length(i)
@@ -418,19 +432,26 @@ class PackingContext:
             prompt_lengths=[int(p) for p in prompt_lengths],
         )
 
-    def scatter(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
+    def scatter(self, values: Sequence[torch.Tensor | Sequence[float]]) -> torch.Tensor:
         """Places per-completion-token values (e.g. inference log-probs) on the packed rows.
 
         Args:
-            values: For every sequence of the packing, one value per completion token.
+            values: For every sequence of the packing, one value per completion token (tensors,
+                or lists of floats, converted all at once).
 
         Returns:
             Float32 ``[num_bins, bin_size]``, zero outside loss positions.
         """
         out = torch.zeros(self.loss_mask.shape)
-        for row, _b, offset, i in self._segments():
+        segments = list(self._segments())
+        lists = [values[i] for *_, i in segments]
+        if all(isinstance(v, torch.Tensor) for v in lists):
+            tensors = iter([torch.as_tensor(v) for v in lists])
+        else:
+            tensors = _as_tensors(lists, "d", torch.float64)
+        for row, _b, offset, i in segments:
             p, n = self.prompt_lengths[i], self.info.lengths[i]
-            out[row, offset + p - 1 : offset + n - 1] = values[i].float()
+            out[row, offset + p - 1 : offset + n - 1] = next(tensors).float()
         return out
 
     def gather(self, packed: torch.Tensor) -> dict[int, torch.Tensor]:

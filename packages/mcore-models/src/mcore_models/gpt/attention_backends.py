@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_models.errors import AttentionBackendError
+from mcore_models.gpt.varlen_attention import varlen_attention_available, varlen_causal_attention
 from mcore_models.packed_seq import PackedSeqParams
 
 __all__ = ["AttentionMask", "attend", "build_attention_mask", "max_attention_logits"]
@@ -35,6 +36,11 @@ class AttentionMask:
     """FlexAttention BlockMask (only for the "flex" backend)."""
     cu_seqlens: torch.Tensor | None = None
     """Under context parallelism: boundaries of the packed sequences of the full row."""
+    varlen_cu_seqlens: torch.Tensor | None = None
+    """int32 starts of the non-empty packed sequences on the device (CUDA "sdpa" backend): one
+    varlen flash-attention call serves the whole row."""
+    varlen_max_seqlen: int = 0
+    """Length of the longest packed sequence (with ``varlen_cu_seqlens``)."""
 
     def dense(self, device: torch.device) -> torch.Tensor:
         """Build the boolean ``[T, T]`` mask (True where a query may attend to a key).
@@ -111,6 +117,12 @@ def build_attention_mask(
         mask.segment_ids = packed_seq_params.segment_ids(device)
         cu = packed_seq_params.cu_seqlens.tolist()
         mask.segment_bounds = [(cu[i], cu[i + 1]) for i in range(len(cu) - 1) if cu[i + 1] > cu[i]]
+        if backend == "sdpa" and device.type == "cuda":
+            starts = [0] + [end for _, end in mask.segment_bounds]
+            mask.varlen_cu_seqlens = torch.tensor(starts, dtype=torch.int32).to(
+                device, non_blocking=True
+            )
+            mask.varlen_max_seqlen = max(end - start for start, end in mask.segment_bounds)
     if backend == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -140,7 +152,8 @@ def attend(
 
     Args:
         backend: "sdpa" (torch scaled_dot_product_attention: flash or memory-efficient kernels;
-            packed rows run one sequence at a time), "flex" (FlexAttention with a document
+            packed rows on CUDA in bf16/fp16 run all sequences in one varlen flash-attention
+            call, elsewhere one sequence at a time), "flex" (FlexAttention with a document
             block mask; on CPU with autograd, where FlexAttention has no backward, the eager
             kernel applies the same mask) or "eager" (explicit softmax, the reference).
         q: ``[B, T, Hq, D]`` queries.
@@ -155,6 +168,17 @@ def attend(
     Raises:
         AttentionBackendError: If the backend is unknown or its mask was not prepared.
     """
+    if (
+        backend == "sdpa"
+        and mask.varlen_cu_seqlens is not None
+        and q.shape[0] == 1
+        and v.shape[-1] == q.shape[-1]
+        and varlen_attention_available(q)
+    ):
+        out = varlen_causal_attention(
+            q[0], k[0], v[0], mask.varlen_cu_seqlens, mask.varlen_max_seqlen, scale
+        )
+        return out[None]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = q.shape[1] != k.shape[1]
     if backend == "sdpa":

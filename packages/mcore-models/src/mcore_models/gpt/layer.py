@@ -13,6 +13,7 @@ from mcore_kernels.comm import fused_rs_add_rmsnorm_ag
 from mcore_models.gpt.attention_backends import AttentionMask, attend, max_attention_logits
 from mcore_models.gpt.batch_invariant import invariant_attention
 from mcore_models.gpt.config import GPTConfig
+from mcore_models.gpt.fused_ops import rotate_queries_keys
 from mcore_models.gpt.kv_cache import KVCache
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.gpt.rope import apply_rotary
@@ -86,7 +87,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is None:
+            q, k = rotate_queries_keys(q, k, cos, sin)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             out = kv_cache.attend(self.layer_idx, q[0], k[0], v[0], scale=self.scale)[None]
         else:

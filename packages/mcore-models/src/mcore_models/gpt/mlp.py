@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_models.gpt.config import GPTConfig
+from mcore_models.gpt.fused_ops import swiglu_activation
 
 __all__ = ["SwiGLUMLP"]
 
@@ -39,7 +40,7 @@ class SwiGLUMLP(nn.Module):
         Returns:
             ``[..., hidden]`` output, or this rank's partial sum.
         """
-        activation = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        activation = swiglu_activation(self.gate_proj(x), self.up_proj(x))
         if reduce_output:
             return self.down_proj(activation)
         return F.linear(activation, self.down_proj.weight)
