@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mcore_inference import InferenceConfig, InferenceEngine, RequestStatus, SamplingParams
+from mcore_inference.testing import random_prompts
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.model import GPTModel
 
@@ -34,9 +35,7 @@ def model():
 
 
 def _prompts(count, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 40, (count,), generator=generator).tolist()
-    return [torch.randint(0, 512, (n,), generator=generator).tolist() for n in lengths]
+    return random_prompts(count, seed=seed)
 
 
 def _config(**overrides):

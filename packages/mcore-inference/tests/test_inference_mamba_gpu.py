@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
+from mcore_inference.testing import random_prompts
 from mcore_models.mamba import HybridModel, hybrid_preset
 
 pytestmark = [
@@ -38,9 +39,7 @@ def _model(dtype=torch.float32):
 
 
 def _prompts(count, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 50, (count,), generator=generator).tolist()
-    return [torch.randint(0, 512, (n,), generator=generator).tolist() for n in lengths]
+    return random_prompts(count, seed=seed, max_len=50)
 
 
 def _config(**overrides):

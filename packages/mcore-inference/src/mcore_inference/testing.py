@@ -21,6 +21,7 @@ __all__ = [
     "PRETOKENIZE_REGEX",
     "SPECIAL_TOKENS",
     "build_tiny_tokenizer",
+    "random_prompts",
     "write_tiny_tokenizer",
     "write_tiny_hf_checkpoint",
 ]
@@ -216,3 +217,24 @@ def write_tiny_hf_checkpoint(
     )
     model.save_pretrained(directory)
     return directory
+
+
+def random_prompts(
+    count: int, *, seed: int = 0, max_len: int = 40, vocab_size: int = 512
+) -> list[list[int]]:
+    """Return ``count`` random prompts of 1 to ``max_len - 1`` token ids, reproducible by seed.
+
+    Args:
+        count: Number of prompts.
+        seed: Seed of the CPU generator that draws the lengths and the tokens.
+        max_len: Exclusive upper bound of the prompt lengths.
+        vocab_size: Exclusive upper bound of the token ids.
+
+    Returns:
+        The prompts, each a list of token ids.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len, (count,), generator=generator).tolist()
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
