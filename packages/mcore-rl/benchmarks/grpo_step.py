@@ -107,6 +107,12 @@ def main() -> None:
         action="store_true",
         help="keep the reference weights in pinned host memory (default: device memory)",
     )
+    parser.add_argument(
+        "--share-prompts",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="pack each group's prompt once per row (packing.share_prompts)",
+    )
     parser.add_argument("--name", default=None, help="stem of the result files")
     args = parser.parse_args()
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -123,7 +129,10 @@ def main() -> None:
                 "group_size": args.group_size,
                 "max_new_tokens": args.new_tokens,
             },
-            "packing": {"max_tokens_per_microbatch": args.microbatch_tokens},
+            "packing": {
+                "max_tokens_per_microbatch": args.microbatch_tokens,
+                "share_prompts": args.share_prompts,
+            },
             "loss": {
                 "kl_beta": args.kl_beta,
                 "entropy_coef": 0.1,
@@ -185,6 +194,7 @@ def main() -> None:
         "microbatch_tokens": args.microbatch_tokens,
         "kl_beta": args.kl_beta,
         "reference_on_device": not args.reference_on_host,
+        "share_prompts": args.share_prompts,
         "seconds": mean,
         "steps": measured,
         "warmup_step": warmup,
@@ -213,7 +223,8 @@ def main() -> None:
     header = (
         f"GRPO step, {args.model} (vocab {vocab}), {args.sequences} x "
         f"{args.prompt_tokens + args.new_tokens} tokens, {device}, kl_beta {args.kl_beta}, "
-        f"reference on {'host' if args.reference_on_host else 'device'}; NeMo-RL CI bound "
+        f"reference on {'host' if args.reference_on_host else 'device'}, shared prompts "
+        f"{'on' if args.share_prompts else 'off'}; NeMo-RL CI bound "
         f"{NEMO_RL_BOUND_S} s on 4 GPUs (ratio {result['ratio_to_nemo_rl_bound']:.2f})\n\n"
     )
     (out / f"{stem}.md").write_text(header + "\n".join(rows) + "\n")

@@ -17,12 +17,22 @@ class PackedSeqParams:
 
     Sequence ``i`` occupies tokens ``cu_seqlens[i]:cu_seqlens[i + 1]``. Attention never crosses
     a boundary, and when no ``position_ids`` are given positions restart at 0 in each sequence.
+
+    **Shared prefixes.** With ``prefix_of``, a sequence may also attend to every token of one
+    earlier sequence of the row, its prefix: several completions of one prompt then hold the
+    prompt once (``[prompt, completion 1, completion 2, ...]``, each completion with
+    ``prefix_of`` pointing at the prompt) and each sees exactly what it would see after its
+    own copy of the prompt. The positions of such a sequence continue those of its prefix;
+    pass them as ``position_ids``.
     """
 
     cu_seqlens: torch.Tensor
     """int32 (or int64) ``[n + 1]`` cumulative sequence lengths, starting at 0."""
     max_seqlen: int
     """Length of the longest packed sequence."""
+    prefix_of: torch.Tensor | None = None
+    """Optional int ``[n]`` on the host: for every sequence, the index of the earlier sequence
+    of the row whose tokens it also attends to in full (its shared prefix), or -1 for none."""
 
     def __post_init__(self) -> None:
         cu = self.cu_seqlens
@@ -40,6 +50,25 @@ class PackedSeqParams:
                 f"max_seqlen={self.max_seqlen} is smaller than the longest sequence "
                 f"({max(lengths)})"
             )
+        prefix = self.prefix_of
+        if prefix is not None:
+            if (
+                not isinstance(prefix, torch.Tensor)
+                or prefix.dim() != 1
+                or prefix.device.type != "cpu"
+            ):
+                raise PackedSeqError(
+                    f"prefix_of={prefix!r} must be a 1-D integer tensor on the host "
+                    f"with {len(lengths)} entries (one per sequence)"
+                )
+            parents = prefix.tolist()
+            if len(parents) != len(lengths) or any(
+                not isinstance(p, int) or not -1 <= p < i for i, p in enumerate(parents)
+            ):
+                raise PackedSeqError(
+                    f"prefix_of={parents} must hold, for each of the {len(lengths)} sequences, "
+                    "-1 or the index of an earlier sequence"
+                )
 
     @property
     def total_tokens(self) -> int:

@@ -320,6 +320,12 @@ class PackingConfig:
     """Fixed ``cu_seqlens`` width of a bin; None takes the fullest bin of each step."""
     algorithm: Literal["ffd", "mffd", "next_fit"] = "ffd"
     """Bin-packing algorithm."""
+    share_prompts: bool = False
+    """Pack each group's prompt once per row, its completions attending to it
+    (:mod:`mcore_rl.shared_prompts`): the same log-probs and gradients up to rounding for
+    about half the tokens at prompts as long as the completions. Rows are then filled group
+    by group (``algorithm`` is not used). Needs ``train_parallel.cp == 1`` and
+    ``model.batch_invariant=False``."""
 
     def __post_init__(self) -> None:
         _check_minimums(
@@ -508,6 +514,15 @@ class GRPOConfig:
                 f"model.batch_invariant=True with train_parallel.cp={self.train_parallel.cp} "
                 "is not supported: ring attention over the context-parallel ranks is not "
                 "batch-invariant; expected train_parallel.cp=1"
+            )
+        if self.packing.share_prompts and (
+            self.train_parallel.cp > 1 or self.model.batch_invariant
+        ):
+            raise RLConfigError(
+                f"packing.share_prompts=True with train_parallel.cp={self.train_parallel.cp} "
+                f"and model.batch_invariant={self.model.batch_invariant} is not supported: "
+                "context-parallel and batch-invariant attention take no shared prefixes; "
+                "expected cp=1 and batch_invariant=False"
             )
         if self.data.path is not None and self.model.hf_path is None:
             raise RLConfigError(

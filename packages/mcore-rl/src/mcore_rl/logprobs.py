@@ -66,7 +66,10 @@ def row_logprobs(
         cu_seqlens = cu_seqlens.to(device, non_blocking=True)
     # Otherwise the boundaries stay on the host: the model reads them there (checks, the
     # varlen attention's segment list) without a device synchronisation per row.
-    packed = PackedSeqParams(cu_seqlens=cu_seqlens, max_seqlen=context.max_seqlen)
+    prefix_of = context.prefix_of[row] if context.prefix_of is not None else None
+    packed = PackedSeqParams(
+        cu_seqlens=cu_seqlens, max_seqlen=context.max_seqlen, prefix_of=prefix_of
+    )
     if input_tensor is None:
         source = context.input_ids[row : row + 1].to(device, non_blocking=True)
     else:

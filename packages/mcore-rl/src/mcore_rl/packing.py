@@ -330,6 +330,10 @@ class PackingContext:
     """The packing the rows come from."""
     prompt_lengths: list[int]
     """Prompt length of every sequence of the packing (indexed like ``info.lengths``)."""
+    prefix_of: torch.Tensor | None = None
+    """With shared prompts (:mod:`mcore_rl.shared_prompts`): int64 ``[num_bins,
+    max_sequences_per_bin + 1]``, per segment of a row the index (in the row) of the prefix
+    segment it also attends to, or -1; None when every sequence is packed whole."""
     context_parallel_size: int = 1
     """1 for full rows; ``cp`` when the per-token tensors hold one context-parallel rank's
     ``bin_size / cp`` tokens of every row (``cu_seqlens`` and ``max_seqlen`` stay those of the
@@ -346,6 +350,8 @@ class PackingContext:
         bin_indices: Sequence[int] | None = None,
         max_sequences_per_bin: int | None = None,
         pad_id: int = 0,
+        position_offsets: Sequence[int] | None = None,
+        prefix_of: Sequence[int] | None = None,
     ) -> PackingContext:
         """Builds the packed rows of some bins.
 
@@ -358,6 +364,10 @@ class PackingContext:
             bin_indices: Which bins to build (``-1`` for an empty bin); None for all.
             max_sequences_per_bin: Fixed ``cu_seqlens`` width; None uses the fullest bin.
             pad_id: Token id of padding.
+            position_offsets: Position of every sequence's first token (None: all 0); a
+                shared prompt's child segment continues its prompt's positions.
+            prefix_of: Per sequence, the sequence (in the same bin, earlier) whose tokens it
+                also attends to, or -1; None for no shared prefixes.
 
         Returns:
             The context.
@@ -388,6 +398,14 @@ class PackingContext:
                 f"bin_indices holds {bad[0]}, expected -1 (an empty bin) or a bin index in "
                 f"[0, {info.num_bins})"
             )
+        if position_offsets is not None and len(position_offsets) != len(info.lengths):
+            raise PackingError(
+                f"got {len(position_offsets)} position offsets, expected {len(info.lengths)}"
+            )
+        if prefix_of is not None and len(prefix_of) != len(info.lengths):
+            raise PackingError(
+                f"got {len(prefix_of)} prefix_of entries, expected {len(info.lengths)}"
+            )
         fullest = max((len(info.bins[b]) for b in chosen if b >= 0), default=1)
         width = max_sequences_per_bin or fullest
         if fullest > width:
@@ -401,6 +419,7 @@ class PackingContext:
         loss_mask = torch.zeros((rows, size))
         packed_advantages = torch.zeros((rows, size))
         cu_seqlens = torch.full((rows, width + 2), size, dtype=torch.int32)
+        parents = None if prefix_of is None else torch.full((rows, width + 1), -1)
         members_of = [info.bins[b] if b >= 0 else () for b in chosen]
         tokens_of = _as_tensors([sequences[i] for members in members_of for i in members])
         for row, members in enumerate(members_of):
@@ -413,7 +432,14 @@ class PackingContext:
                 slot = info.slot_length(i)
                 input_ids[row, offset : offset + n] = tokens
                 target_ids[row, offset : offset + n - 1] = tokens[1:]
-                position_ids[row, offset : offset + slot] = torch.arange(slot)
+                first = 0 if position_offsets is None else int(position_offsets[i])
+                position_ids[row, offset : offset + slot] = torch.arange(first, first + slot)
+                if parents is not None and prefix_of is not None and prefix_of[i] >= 0:
+                    if prefix_of[i] not in members[:k]:
+                        raise PackingError(
+                            f"sequence {i}'s prefix {prefix_of[i]} is not earlier in its bin"
+                        )
+                    parents[row, k] = members.index(prefix_of[i])
                 loss_mask[row, offset + p - 1 : offset + n - 1] = 1.0
                 packed_advantages[row, offset + p - 1 : offset + n - 1] = float(advantages[i])
                 offset += slot
@@ -430,6 +456,7 @@ class PackingContext:
             bin_indices=chosen,
             info=info,
             prompt_lengths=[int(p) for p in prompt_lengths],
+            prefix_of=parents,
         )
 
     def scatter(self, values: Sequence[torch.Tensor | Sequence[float]]) -> torch.Tensor:

@@ -7,6 +7,7 @@ attention when ``Hkv < Hq``) and return ``[B, T, Hq, D]``. Packed sequences are 
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from mcore_models.errors import AttentionBackendError
-from mcore_models.gpt.varlen_attention import varlen_attention_available, varlen_causal_attention
+from mcore_models.gpt.varlen_attention import (
+    varlen_attention_available,
+    varlen_causal_attention,
+    varlen_prefix_attention,
+)
 from mcore_models.packed_seq import PackedSeqParams
 
 __all__ = ["AttentionMask", "attend", "build_attention_mask", "max_attention_logits"]
@@ -41,6 +46,17 @@ class AttentionMask:
     varlen flash-attention call serves the whole row."""
     varlen_max_seqlen: int = 0
     """Length of the longest packed sequence (with ``varlen_cu_seqlens``)."""
+    prefix_of: torch.Tensor | None = None
+    """int64 ``[n]``: per packed sequence, the sequence whose tokens it also attends to (its
+    shared prefix, see ``PackedSeqParams.prefix_of``) or -1; None without shared prefixes."""
+    prefix_bounds: list[tuple[int, int] | None] | None = None
+    """``(start, end)`` of the prefix of every entry of ``segment_bounds`` (None: none)."""
+    varlen_cu_seqlens_k: torch.Tensor | None = None
+    """With shared prefixes: int32 starts of every sequence's gathered keys (prefix + own)."""
+    varlen_kv_index: torch.Tensor | None = None
+    """With shared prefixes: int64 token indices gathering every sequence's keys and values."""
+    varlen_max_seqlen_k: int = 0
+    """With shared prefixes: most keys of one sequence."""
 
     def dense(self, device: torch.device) -> torch.Tensor:
         """Build the boolean ``[T, T]`` mask (True where a query may attend to a key).
@@ -55,7 +71,11 @@ class AttentionMask:
         allowed = positions[:, None] >= positions[None, :]
         if self.segment_ids is not None:
             segments = self.segment_ids.to(device)
-            allowed = allowed & (segments[:, None] == segments[None, :])
+            same = segments[:, None] == segments[None, :]
+            if self.prefix_of is not None:
+                parents = self.prefix_of.to(device)[segments]
+                same = same | (parents[:, None] == segments[None, :])
+            allowed = allowed & same
         return allowed
 
 
@@ -116,28 +136,62 @@ def build_attention_mask(
     if packed_seq_params is not None:
         mask.segment_ids = packed_seq_params.segment_ids(device)
         cu = packed_seq_params.cu_seqlens.tolist()
-        mask.segment_bounds = [(cu[i], cu[i + 1]) for i in range(len(cu) - 1) if cu[i + 1] > cu[i]]
+        kept = [i for i in range(len(cu) - 1) if cu[i + 1] > cu[i]]
+        mask.segment_bounds = [(cu[i], cu[i + 1]) for i in kept]
+        if packed_seq_params.prefix_of is not None:
+            parents = packed_seq_params.prefix_of.tolist()
+            mask.prefix_of = packed_seq_params.prefix_of.to(device=device, dtype=torch.int64)
+            mask.prefix_bounds = [
+                (cu[p], cu[p + 1]) if p >= 0 and cu[p + 1] > cu[p] else None
+                for p in (parents[i] for i in kept)
+            ]
         if backend == "sdpa" and device.type == "cuda":
             starts = [0] + [end for _, end in mask.segment_bounds]
             mask.varlen_cu_seqlens = torch.tensor(starts, dtype=torch.int32).to(
                 device, non_blocking=True
             )
             mask.varlen_max_seqlen = max(end - start for start, end in mask.segment_bounds)
+            if mask.prefix_bounds is not None and any(mask.prefix_bounds):
+                _varlen_prefix_inputs(mask, device)
     if backend == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
         segments = mask.segment_ids
+        token_parents = (
+            mask.prefix_of[segments]
+            if mask.prefix_of is not None and segments is not None
+            else None
+        )
 
         def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             causal = q_idx >= kv_idx
             if segments is None:
                 return causal
-            return causal & (segments[q_idx] == segments[kv_idx])
+            same = segments[q_idx] == segments[kv_idx]
+            if token_parents is not None:
+                same = same | (token_parents[q_idx] == segments[kv_idx])
+            return causal & same
 
         mask.block_mask = create_block_mask(
             mask_mod, None, None, seq_len, seq_len, device=str(device)
         )
     return mask
+
+
+def _varlen_prefix_inputs(mask: AttentionMask, device: torch.device) -> None:
+    # Gather indices of every sequence's keys: its prefix's tokens, then its own.
+    assert mask.segment_bounds is not None and mask.prefix_bounds is not None
+    pieces, key_starts = [], [0]
+    for (start, end), prefix in zip(mask.segment_bounds, mask.prefix_bounds):
+        if prefix is not None:
+            pieces.append(torch.arange(prefix[0], prefix[1]))
+        pieces.append(torch.arange(start, end))
+        key_starts.append(key_starts[-1] + (end - start) + (prefix[1] - prefix[0] if prefix else 0))
+    mask.varlen_kv_index = torch.cat(pieces).to(device, non_blocking=True)
+    mask.varlen_cu_seqlens_k = torch.tensor(key_starts, dtype=torch.int32).to(
+        device, non_blocking=True
+    )
+    mask.varlen_max_seqlen_k = max(b - a for a, b in itertools.pairwise(key_starts))
 
 
 def attend(
@@ -175,6 +229,20 @@ def attend(
         and v.shape[-1] == q.shape[-1]
         and varlen_attention_available(q)
     ):
+        if mask.varlen_kv_index is not None:
+            assert mask.varlen_cu_seqlens_k is not None
+            out = varlen_prefix_attention(
+                q[0],
+                k[0],
+                v[0],
+                mask.varlen_cu_seqlens,
+                mask.varlen_cu_seqlens_k,
+                mask.varlen_kv_index,
+                mask.varlen_max_seqlen,
+                mask.varlen_max_seqlen_k,
+                scale,
+            )
+            return out[None]
         out = varlen_causal_attention(
             q[0], k[0], v[0], mask.varlen_cu_seqlens, mask.varlen_max_seqlen, scale
         )
@@ -185,6 +253,14 @@ def attend(
         if mask.segment_bounds is None:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
+            )
+        elif mask.prefix_bounds is not None:
+            out = torch.cat(
+                [
+                    _prefix_segment_attention(q, k, v, bounds, prefix, scale, gqa)
+                    for bounds, prefix in zip(mask.segment_bounds, mask.prefix_bounds)
+                ],
+                dim=2,
             )
         else:
             out = torch.cat(
@@ -220,6 +296,35 @@ def attend(
             f"attention_backend={backend!r} is unknown; expected 'sdpa', 'flex' or 'eager'"
         )
     return out.transpose(1, 2)
+
+
+def _prefix_segment_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: tuple[int, int],
+    prefix: tuple[int, int] | None,
+    scale: float,
+    gqa: bool,
+) -> torch.Tensor:
+    # One packed sequence ([B, H, T, D] layout) over its shared prefix (if any) and itself.
+    start, end = bounds
+    if prefix is None:
+        return F.scaled_dot_product_attention(
+            q[:, :, start:end],
+            k[:, :, start:end],
+            v[:, :, start:end],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+    keys = torch.cat([k[:, :, prefix[0] : prefix[1]], k[:, :, start:end]], dim=2)
+    values = torch.cat([v[:, :, prefix[0] : prefix[1]], v[:, :, start:end]], dim=2)
+    length, shared = end - start, prefix[1] - prefix[0]
+    allowed = torch.ones(length, shared + length, dtype=torch.bool, device=q.device).tril(shared)
+    return F.scaled_dot_product_attention(
+        q[:, :, start:end], keys, values, attn_mask=allowed, scale=scale, enable_gqa=gqa
+    )
 
 
 def _eager_attention(

@@ -58,11 +58,17 @@ def invariant_attention(
         ``[B, T, Hq, D]``.
 
     Raises:
-        ModelConfigError: Under context parallelism (a rank does not hold whole sequences).
+        ModelConfigError: Under context parallelism (a rank does not hold whole sequences)
+            or with shared prefixes.
     """
     if mask.cu_seqlens is not None:
         raise ModelConfigError(
             "batch_invariant=True is not supported with context parallelism; use cp=1"
+        )
+    if mask.prefix_of is not None:
+        raise ModelConfigError(
+            "batch_invariant=True does not support shared prefixes (packed_seq_params."
+            "prefix_of); expected packed sequences without prefix_of"
         )
     batch, seq_len = q.shape[0], q.shape[1]
     segments = mask.segment_bounds or [(0, seq_len)]

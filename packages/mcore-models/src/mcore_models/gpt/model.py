@@ -227,6 +227,11 @@ class GPTModel(nn.Module):
         seq_len = position_ids.shape[1]
         mask = None
         if self.context_parallel_size > 1:
+            if packed_seq_params is not None and packed_seq_params.prefix_of is not None:
+                raise PackedSeqError(
+                    "packed_seq_params.prefix_of (shared prefixes) is not supported with "
+                    f"context parallelism (cp={self.context_parallel_size}); expected None"
+                )
             cu = packed_seq_params.cu_seqlens if packed_seq_params is not None else None
             mask = AttentionMask(seq_len=seq_len, cu_seqlens=cu)
         elif kv_cache is None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["varlen_attention_available", "varlen_causal_attention"]
+__all__ = ["varlen_attention_available", "varlen_causal_attention", "varlen_prefix_attention"]
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 _native_gqa_failed = False
@@ -73,6 +73,109 @@ class _FlashVarlenFunction(torch.autograd.Function):
             scale=ctx.scale,
         )
         return dq, dk, dv, None, None, None
+
+
+class _FlashPrefixFunction(torch.autograd.Function):
+    """Varlen flash attention whose sequences also read a shared prefix (gathered keys/values).
+
+    The keys and values of sequence ``i`` are those of its prefix followed by its own, gathered
+    with ``kv_index``; the causal mask of the flash kernel is aligned to the bottom right when a
+    sequence has more keys than queries, so query ``j`` sees the whole prefix and its own first
+    ``j + 1`` tokens. Backward sums the gradients of every gathered copy in float32.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        kv_index: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        scale: float,
+    ) -> torch.Tensor:
+        keys, values = k.index_select(0, kv_index), v.index_select(0, kv_index)
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, keys, values, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, kv_index, rng_state, unused)
+        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, cu_q, cu_k, kv_index, rng_state, unused = ctx.saved_tensors
+        # The gathered copies are rebuilt rather than kept: they are small next to the layer.
+        keys, values = k.index_select(0, kv_index), v.index_select(0, kv_index)
+        dq, dkeys, dvalues = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(),
+            q,
+            keys,
+            values,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            ctx.max_q,
+            ctx.max_k,
+            0.0,
+            True,
+            rng_state,
+            unused,
+            scale=ctx.scale,
+        )
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        dk.index_add_(0, kv_index, dkeys.float())
+        dv.index_add_(0, kv_index, dvalues.float())
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def varlen_prefix_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    kv_index: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every packed sequence over its shared prefix and itself, in one call.
+
+    Args:
+        q: ``[T, Hq, D]`` queries of the packed row.
+        k: ``[T, Hkv, D]`` keys (``Hq`` a multiple of ``Hkv``).
+        v: ``[T, Hkv, D]`` values.
+        cu_seqlens_q: int32 ``[N + 1]`` query starts of the (non-empty) sequences, 0 to ``T``.
+        cu_seqlens_k: int32 ``[N + 1]`` starts of every sequence's keys in the gathered rows
+            (its prefix's length plus its own).
+        kv_index: int64 token indices of the gathered keys/values: for every sequence, its
+            prefix's tokens then its own.
+        max_seqlen_q: Length of the longest sequence.
+        max_seqlen_k: Most keys of one sequence (prefix included).
+        scale: Multiplier of the query-key products.
+
+    Returns:
+        ``[T, Hq, D]`` attention output.
+    """
+    result = _FlashPrefixFunction.apply(
+        q,
+        k,
+        v.contiguous(),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        kv_index,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+    )
+    assert isinstance(result, torch.Tensor)
+    return result
 
 
 @functools.cache
