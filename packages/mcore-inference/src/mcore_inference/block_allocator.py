@@ -16,7 +16,9 @@ class BlockAllocator:
     """Hands out KV blocks ``1 .. num_blocks - 1`` (block 0 is the scratch block).
 
     Allocation is all-or-nothing: a request either gets every block it asked for or the
-    allocator is left unchanged.
+    allocator is left unchanged. A block may be shared (requests whose prompts begin with the
+    same blocks of tokens, see ``InferenceConfig.share_prompt_prefixes``): :meth:`share` adds a
+    holder, and the block returns to the free list when its last holder frees it.
 
     Args:
         num_blocks: Blocks in the cache, the scratch block included (at least 2).
@@ -33,6 +35,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(1, num_blocks))
         self._used: set[int] = set()
+        self._extra_holders: dict[int, int] = {}
 
     @property
     def capacity(self) -> int:
@@ -68,11 +71,40 @@ class BlockAllocator:
         self._used.update(blocks)
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
-        """Return blocks to the free list.
+    def share(self, blocks: list[int]) -> None:
+        """Add a holder to allocated blocks (each holder frees them once).
 
         Args:
-            blocks: Blocks obtained from :meth:`allocate`, each once.
+            blocks: Allocated blocks, each once.
+
+        Raises:
+            BlockAllocatorError: If a block is not currently allocated or repeats (nothing is
+                shared then).
+        """
+        if len(set(blocks)) != len(blocks) or not self._used.issuperset(blocks):
+            raise BlockAllocatorError(
+                f"blocks={sorted(blocks)} hold a repeat or a block that is not allocated; "
+                "expected distinct blocks returned by allocate()"
+            )
+        for block in blocks:
+            self._extra_holders[block] = self._extra_holders.get(block, 0) + 1
+
+    def holders(self, block: int) -> int:
+        """Holders of a block (0 when it is free).
+
+        Args:
+            block: Block id.
+
+        Returns:
+            The count.
+        """
+        return self._extra_holders.get(block, 0) + 1 if block in self._used else 0
+
+    def free(self, blocks: list[int]) -> None:
+        """Release one hold on each block; a block without holders returns to the free list.
+
+        Args:
+            blocks: Blocks obtained from :meth:`allocate` (or :meth:`share`), each once.
 
         Raises:
             BlockAllocatorError: If a block is not currently allocated or repeats (nothing is
@@ -84,5 +116,16 @@ class BlockAllocator:
                 f"blocks={bad} are not allocated (double free or foreign block); "
                 "expected blocks returned by allocate()"
             )
-        self._used.difference_update(blocks)
-        self._free.extend(blocks)
+        extra = self._extra_holders
+        released = []
+        for block in blocks:
+            count = extra.get(block, 0)
+            if count:
+                if count == 1:
+                    del extra[block]
+                else:
+                    extra[block] = count - 1
+            else:
+                released.append(block)
+        self._used.difference_update(released)
+        self._free.extend(released)

@@ -90,6 +90,13 @@ class InferenceConfig:
     """Path of a ``tokenizer.json`` (or a directory holding one) for string stop words and text."""
     seed: int = 0
     """Seed from which requests without their own seed draw one (in arrival order)."""
+    share_prompt_prefixes: bool = False
+    """Requests whose prompts begin with the same full KV blocks of tokens share those blocks
+    (the blocks before the one holding the prompt's last token): the first admitted computes
+    them, the others wait until it has and prefill only the rest of their prompt, so a group of
+    ``n`` samples of one prompt (GRPO) prefills it about once and keeps one copy in the cache.
+    Each request still computes its prompt's last block, so its first sampled token comes from
+    its own forward. Ignored for hybrid (Mamba) models, whose state is not in the blocks."""
     batch_invariant: bool = False
     """Run every step in ``mcore_kernels.batch_invariant`` mode (also on when the model's
     ``config.batch_invariant`` is): a request's tokens and log-probs do not depend on the batch,
@@ -155,6 +162,10 @@ class InferenceConfig:
         if not isinstance(self.cuda_graph_mixed_steps, bool):
             raise InferenceConfigError(
                 f"cuda_graph_mixed_steps={self.cuda_graph_mixed_steps!r}; expected True or False"
+            )
+        if not isinstance(self.share_prompt_prefixes, bool):
+            raise InferenceConfigError(
+                f"share_prompt_prefixes={self.share_prompt_prefixes!r}; expected True or False"
             )
         if not isinstance(self.batch_invariant, bool):
             raise InferenceConfigError(

@@ -134,6 +134,7 @@ class InferenceEngine(_StepLoop):
         """Conv/SSM state slots of the Mamba layers (hybrid models only)."""
         if has_mamba_layers(model):
             self.mamba_states = MambaStateCache(model, config.max_batch_size, self.device)
+            self.scheduler.share_prefixes = False  # the Mamba state is not in the blocks
             self.scheduler.on_admit.append(self._admit_mamba_state)
             self.scheduler.on_free.append(self._release_mamba_state)
         self._runner: StageRunner | None

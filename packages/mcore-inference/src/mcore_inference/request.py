@@ -116,6 +116,12 @@ class Request:
     """Error message when failed."""
     num_reported: int = 0
     """Generated tokens already handed out by ``InferenceEngine.step_updates``."""
+    shared_tokens: int = 0
+    """Prompt tokens whose KV blocks it shares with requests of the same prompt prefix
+    (``InferenceConfig.share_prompt_prefixes``); 0 when it computes its whole prompt."""
+    prefix_source: Request | None = None
+    """The request computing the keys and values of its shared blocks, while it has not yet
+    (this request waits until then), else None."""
     deferred_index: int = -1
     """Column of its sampled, not yet read token in the engine's deferred samples (on the
     device), or -1; such a request may decode that token before the host knows it."""

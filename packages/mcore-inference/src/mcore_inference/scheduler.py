@@ -66,6 +66,10 @@ class Scheduler:
         """Most tokens of a step that runs in a CUDA graph (the largest decode bucket), set by
         the engine when steps that prefill replay the decode graphs; None: every step may take
         the whole token budget."""
+        self.share_prefixes = config.share_prompt_prefixes
+        """Share the full KV blocks of identical prompt prefixes (the engine turns it off for
+        hybrid models)."""
+        self._prefix_holders: dict[tuple[int, ...], list[Request]] = {}
         self.graph_backlog_steps = GRAPH_BACKLOG_STEPS
         """Prompt tokens waiting to be prefilled are taken a graph step at a time while they
         fit in this many graph steps (see :data:`GRAPH_BACKLOG_STEPS`)."""
@@ -90,10 +94,18 @@ class Scheduler:
         while self.waiting and self._free_slots:
             request = self.waiting[0]
             needed = self.blocks_needed(len(request.prompt), request.max_new_tokens)
-            if needed > self.allocator.num_free:
+            key, donor = self._prefix_donor(request) if self.share_prefixes else (None, None)
+            shared = (
+                donor.blocks[: len(key) // self.config.block_size]
+                if donor is not None and key is not None
+                else []
+            )
+            if needed - len(shared) > self.allocator.num_free:
                 break
             self.waiting.popleft()
-            request.blocks = self.allocator.allocate(needed)
+            request.blocks = shared + self.allocator.allocate(needed - len(shared))
+            if key is not None:
+                self._hold_prefix(request, key, donor, shared)
             request.slot = self._free_slots.pop()
             request.status = RequestStatus.ACTIVE
             self.active.append(request)
@@ -109,6 +121,52 @@ class Scheduler:
             device = self.block_tables.device
             slots = to_device([r.slot for r in admitted], torch.long, device)
             self.block_tables.index_copy_(0, slots, to_device(rows, torch.int32, device))
+
+    def _prefix_key(self, request: Request) -> tuple[int, ...] | None:
+        # The tokens of the full blocks before the one holding the prompt's last token.
+        size = self.config.block_size
+        count = (len(request.prompt) - 1) // size
+        return tuple(request.prompt[: count * size]) if count else None
+
+    def _prefix_donor(self, request: Request) -> tuple[tuple[int, ...] | None, Request | None]:
+        key = self._prefix_key(request)
+        holders = self._prefix_holders.get(key) if key is not None else None
+        return key, holders[0] if holders else None
+
+    def _hold_prefix(
+        self, request: Request, key: tuple[int, ...], donor: Request | None, shared: list[int]
+    ) -> None:
+        self._prefix_holders.setdefault(key, []).append(request)
+        request.shared_tokens = len(key)
+        if donor is None:
+            return  # the first holder computes the blocks itself
+        self.allocator.share(shared)
+        source = donor.prefix_source or donor
+        if source.num_computed < request.shared_tokens:
+            request.prefix_source = source
+        else:
+            request.num_computed = request.shared_tokens
+
+    def _drop_prefix_hold(self, request: Request) -> None:
+        if request.shared_tokens == 0:
+            return
+        key = self._prefix_key(request)
+        holders = self._prefix_holders.get(key) if key is not None else None
+        if holders is None or request not in holders:
+            return
+        holders.remove(request)
+        if not holders:
+            del self._prefix_holders[key]  # type: ignore[arg-type]
+        if request.prefix_source is None and request.num_computed < request.shared_tokens:
+            # It was computing the shared blocks and stops early (aborted): the first request
+            # waiting for them computes them instead, into the same blocks.
+            waiting = [h for h in holders or [] if h.prefix_source is request]
+            if waiting:
+                heir = waiting[0]
+                heir.prefix_source = None
+                for other in waiting[1:]:
+                    other.prefix_source = heir
+        request.prefix_source = None
 
     def schedule(self, max_decode: int | None = None) -> list[tuple[Request, int]]:
         """Pick the tokens of the next step (or pipeline microbatch).
@@ -127,6 +185,14 @@ class Scheduler:
         batch: list[tuple[Request, int]] = []
         prefilling: list[tuple[Request, int]] = []
         for request in self.active:
+            source = request.prefix_source
+            if source is not None:
+                # Its shared blocks are computed once the source's tokens up to them have been
+                # scheduled in an earlier step (they run before this step's, on every stage).
+                if source.num_computed < request.shared_tokens:
+                    continue
+                request.prefix_source = None
+                request.num_computed = request.shared_tokens
             if request.awaiting_token:
                 # Its sampled token is still on the device: it may decode that token now when
                 # the token cannot end it by length (a stop token only ends it when read, and
@@ -171,7 +237,9 @@ class Scheduler:
         """
         if request.status == RequestStatus.ACTIVE:
             self.active.remove(request)
-            if not keep_blocks:
+            if keep_blocks:
+                self._drop_prefix_hold(request)
+            else:
                 self.free_blocks(request)
         elif request.status == RequestStatus.WAITING and request in self.waiting:
             self.waiting.remove(request)
@@ -185,6 +253,7 @@ class Scheduler:
         if request.slot >= 0:
             for hook in self.on_free:
                 hook(request)
+            self._drop_prefix_hold(request)
             self.allocator.free(request.blocks)
             self._free_slots.append(request.slot)
             request.blocks, request.slot = [], -1
@@ -207,3 +276,4 @@ class Scheduler:
         """Forget every request (on engine close)."""
         self.waiting.clear()
         self.active.clear()
+        self._prefix_holders.clear()
