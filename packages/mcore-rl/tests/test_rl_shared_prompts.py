@@ -84,14 +84,17 @@ def _logprobs_and_grads(model, context, rows, weights_of):
         for i in logprobs
     )
     total.backward()
-    return {i: v.detach() for i, v in logprobs.items()}, [p.grad.clone() for p in model.parameters()]
+    return {i: v.detach() for i, v in logprobs.items()}, [
+        p.grad.clone() for p in model.parameters()
+    ]
 
 
 def test_shared_prompt_rows_give_the_logprobs_and_gradients_of_unshared_rows(model):
     sequences, prompts = _groups(1)
     g = torch.Generator().manual_seed(7)
     weights = {
-        i: torch.randn(2, len(s) - p, generator=g) for i, (s, p) in enumerate(zip(sequences, prompts))
+        i: torch.randn(2, len(s) - p, generator=g)
+        for i, (s, p) in enumerate(zip(sequences, prompts))
     }
     info = pack_sequences([len(s) for s in sequences], 32, algorithm="ffd")
     plain = PackingContext.build(sequences, prompts, [0.0] * len(sequences), info)

@@ -93,8 +93,7 @@ def pack_shared_prompts(
     packed whole (a prefix of one child saves nothing).
 
     Args:
-        sequences: Every sequence (prompt followed by completion, at least one completion
-            token).
+        sequences: Every sequence (prompt followed by completion).
         prompt_lengths: Prompt tokens of every sequence.
         token_budget: Most tokens of a row.
         pad_multiple: Row lengths are multiples of this.
@@ -104,8 +103,9 @@ def pack_shared_prompts(
         The segments and their bins.
 
     Raises:
-        PackingError: If the inputs disagree, a sequence has no completion token, a budget or
-            limit is not positive, or a sequence (with its prefix) is longer than the budget.
+        PackingError: If the inputs disagree, a prompt length is not in ``[1, tokens]``, a
+            budget or limit is not positive. Rows are at least as long as the longest prefix
+            plus child.
     """
     if len(sequences) != len(prompt_lengths):
         raise PackingError(
@@ -128,11 +128,11 @@ def pack_shared_prompts(
         order.setdefault(tuple(sequence[:p]), []).append(i)
     # (prefix length, members): a prefix of 0 tokens packs its member whole.
     units: list[tuple[int, list[int]]] = []
-    for prompt, members in order.items():
-        if len(prompt) > 1 and len(members) > 1:
-            units.append((len(prompt) - 1, members))
+    for prompt, group in order.items():
+        if len(prompt) > 1 and len(group) > 1:
+            units.append((len(prompt) - 1, group))
         else:
-            units.extend((0, [i]) for i in members)
+            units.extend((0, [i]) for i in group)
     lengths = [len(s) for s in sequences]
 
     def child_length(unit: tuple[int, list[int]], i: int) -> int:

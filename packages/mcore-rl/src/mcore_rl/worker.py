@@ -547,7 +547,7 @@ class GRPOWorker:
         groups = len(rollouts) // group_size
         per_minibatch = -(-groups // packing.minibatches_per_step)
         minibatches: list[Minibatch] = []
-        efficiencies = []
+        efficiencies: list[float] = []
         # Sequence parallelism splits every row over the tensor-parallel ranks, context
         # parallelism every sequence into 2 cp chunks.
         pad_multiple, slot_multiple = packing_multiples(layout)
