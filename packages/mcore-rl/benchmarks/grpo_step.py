@@ -51,6 +51,7 @@ def _generate(worker: GRPOWorker, prompts: list[list[int]], new_tokens: int) -> 
         max_tokens_per_step=max(8192, len(prompts)),
         use_cuda_graphs=worker.config.rollout.use_cuda_graphs,
         seed=worker.config.run.seed,
+        share_prompt_prefixes=worker.config.rollout.share_prompt_prefixes,
     )
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, return_logprobs=True)
     longest = max(len(p) for p in prompts) + new_tokens
@@ -113,6 +114,12 @@ def main() -> None:
         default=False,
         help="pack each group's prompt once per row (packing.share_prompts)",
     )
+    parser.add_argument(
+        "--share-prompt-prefixes",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the engine prefills each group's prompt once (rollout.share_prompt_prefixes)",
+    )
     parser.add_argument("--name", default=None, help="stem of the result files")
     args = parser.parse_args()
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -128,10 +135,12 @@ def main() -> None:
                 "num_prompts": args.sequences // args.group_size,
                 "group_size": args.group_size,
                 "max_new_tokens": args.new_tokens,
+                "share_prompt_prefixes": args.share_prompt_prefixes,
             },
             "packing": {
                 "max_tokens_per_microbatch": args.microbatch_tokens,
                 "share_prompts": args.share_prompts,
+                "share_prompt_prefixes": args.share_prompt_prefixes,
             },
             "loss": {
                 "kl_beta": args.kl_beta,
@@ -195,6 +204,7 @@ def main() -> None:
         "kl_beta": args.kl_beta,
         "reference_on_device": not args.reference_on_host,
         "share_prompts": args.share_prompts,
+        "share_prompt_prefixes": args.share_prompt_prefixes,
         "seconds": mean,
         "steps": measured,
         "warmup_step": warmup,
@@ -223,8 +233,9 @@ def main() -> None:
     header = (
         f"GRPO step, {args.model} (vocab {vocab}), {args.sequences} x "
         f"{args.prompt_tokens + args.new_tokens} tokens, {device}, kl_beta {args.kl_beta}, "
-        f"reference on {'host' if args.reference_on_host else 'device'}, shared prompts "
-        f"{'on' if args.share_prompts else 'off'}; NeMo-RL CI bound "
+        f"reference on {'host' if args.reference_on_host else 'device'}, shared prompts in "
+        f"training {'on' if args.share_prompts else 'off'} and in generation "
+        f"{'on' if args.share_prompt_prefixes else 'off'}; NeMo-RL CI bound "
         f"{NEMO_RL_BOUND_S} s on 4 GPUs (ratio {result['ratio_to_nemo_rl_bound']:.2f})\n\n"
     )
     (out / f"{stem}.md").write_text(header + "\n".join(rows) + "\n")

@@ -286,6 +286,10 @@ class RolloutConfig:
     (same layout): its KV cache and CUDA graphs are made once. False builds an engine every
     step and frees it before training (the KV cache's memory is back for training, and the
     graphs are captured again every step). A separate generation model always keeps its engine."""
+    share_prompt_prefixes: bool = False
+    """Let the long-lived inference engine (``keep_engine``) compute each group's prompt once:
+    its samples share the KV blocks of the prompt
+    (``mcore_inference.InferenceConfig.share_prompt_prefixes``)."""
     reward_requires_stop: bool = True
     """Completions cut at ``max_new_tokens`` without eos earn reward 0 (no credit for rambling)."""
     offload_optimizer: bool = False

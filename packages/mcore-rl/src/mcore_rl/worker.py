@@ -254,6 +254,7 @@ class GRPOWorker:
             max_tokens_per_step=max(budget, batch),
             use_cuda_graphs=rollout.use_cuda_graphs,
             seed=self.config.run.seed,
+            share_prompt_prefixes=rollout.share_prompt_prefixes,
         )
 
     def _load_prompts(self, context_length: int) -> list[Problem]:
