@@ -140,7 +140,6 @@ def main() -> None:
             "packing": {
                 "max_tokens_per_microbatch": args.microbatch_tokens,
                 "share_prompts": args.share_prompts,
-                "share_prompt_prefixes": args.share_prompt_prefixes,
             },
             "loss": {
                 "kl_beta": args.kl_beta,
