@@ -4,6 +4,9 @@ Generation runs through the mcore-inference engine (CUDA graphs on) with prompts
 ``--prompt-tokens`` random ids and no stop token, so every sequence is exactly
 ``--prompt-tokens + --new-tokens`` long; log-probs, reference log-probs (weights swapped in
 from pinned host memory) and the training step run through the same code as ``mcore-rl grpo``.
+The ``--group-size`` samples of a prompt share it, as in GRPO: by default the engine prefills
+it once (``--share-prompt-prefixes``) and the packed training rows hold it once
+(``--share-prompts``); ``--no-share-prompt-prefixes`` / ``--no-share-prompts`` measure without.
 
 The reference point is NeMo-RL's CI bound for this shape, 13.4 s per step on 4 GPUs, as
 quoted in the project's benchmark targets (``BENCHMARKS.md``, row "rl"); it is quoted, not
@@ -111,13 +114,13 @@ def main() -> None:
     parser.add_argument(
         "--share-prompts",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="pack each group's prompt once per row (packing.share_prompts)",
     )
     parser.add_argument(
         "--share-prompt-prefixes",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="the engine prefills each group's prompt once (rollout.share_prompt_prefixes)",
     )
     parser.add_argument("--name", default=None, help="stem of the result files")

@@ -286,10 +286,13 @@ class RolloutConfig:
     (same layout): its KV cache and CUDA graphs are made once. False builds an engine every
     step and frees it before training (the KV cache's memory is back for training, and the
     graphs are captured again every step). A separate generation model always keeps its engine."""
-    share_prompt_prefixes: bool = False
+    share_prompt_prefixes: bool = True
     """Let the long-lived inference engine (``keep_engine``) compute each group's prompt once:
     its samples share the KV blocks of the prompt
-    (``mcore_inference.InferenceConfig.share_prompt_prefixes``)."""
+    (``mcore_inference.InferenceConfig.share_prompt_prefixes``; 2.29 -> 1.88 s for the 512 x
+    (256 + 256) benchmark's generation on one H200). Tokens are those of the unshared engine
+    on the CPU and in the batch-invariant mode; elsewhere they differ only by the rounding that
+    any change of batch composition brings."""
     reward_requires_stop: bool = True
     """Completions cut at ``max_new_tokens`` without eos earn reward 0 (no credit for rambling)."""
     offload_optimizer: bool = False
