@@ -172,3 +172,32 @@ def test_grpo_steps_with_shared_prompts_equal_steps_without():
             assert abs(a[name] - b[name]) <= 1e-5 * max(1.0, abs(a[name])), name
     # Fewer tokens per row than one copy per sequence.
     assert shared[0]["packing/efficiency"] > 1.0
+
+
+def test_shared_prompt_rows_over_data_parallel_ranks_hold_every_completion_once():
+    from mcore_rl.shared_prompts import build_shared_prompt_rows
+
+    sequences, prompts = _groups(2)
+    logprobs = [[float(i)] * (len(s) - p) for i, (s, p) in enumerate(zip(sequences, prompts))]
+    seen: list[float] = []
+    for rank in range(2):
+        context, packed, efficiency = build_shared_prompt_rows(
+            sequences,
+            prompts,
+            [0.5] * len(sequences),
+            logprobs,
+            token_budget=16,
+            pad_multiple=4,
+            max_sequences_per_bin=4,
+            dp_size=2,
+            dp_rank=rank,
+            bin_multiple=2,
+        )
+        assert context.input_ids.shape[0] % 2 == 0 and context.prefix_of is not None
+        assert all(len(context.info.bins[b]) <= 4 for b in context.bin_indices if b >= 0)
+        seen += packed[context.loss_mask.bool()].tolist()
+        assert torch.all(context.advantages[context.loss_mask.bool()] == 0.5)
+    # Every completion token's inference log-prob (its sequence index) lands exactly once.
+    expected = [v for values in logprobs for v in values]
+    assert sorted(seen) == sorted(expected)
+    assert efficiency > 0

@@ -19,10 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mcore_rl.errors import PackingError
-from mcore_rl.packing import PackingInfo
+import torch
 
-__all__ = ["SharedPromptPacking", "pack_shared_prompts"]
+from mcore_rl.errors import PackingError
+from mcore_rl.packing import PackingContext, PackingInfo, distribute_bins
+
+__all__ = ["SharedPromptPacking", "build_shared_prompt_rows", "pack_shared_prompts"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,3 +212,71 @@ def pack_shared_prompts(
         owner=owners,
         info=info,
     )
+
+
+def build_shared_prompt_rows(
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    advantages: Sequence[float],
+    inference_logprobs: Sequence[Sequence[float]],
+    *,
+    token_budget: int,
+    pad_multiple: int = 8,
+    max_sequences_per_bin: int | None = None,
+    dp_size: int = 1,
+    dp_rank: int = 0,
+    bin_multiple: int = 1,
+    pad_id: int = 0,
+) -> tuple[PackingContext, torch.Tensor, float]:
+    """This data-parallel rank's packed rows of sequences with shared prompts.
+
+    Args:
+        sequences: Every sequence (prompt followed by completion).
+        prompt_lengths: Prompt tokens of every sequence.
+        advantages: One advantage per sequence.
+        inference_logprobs: Per sequence, the inference engine's log-prob of every completion
+            token.
+        token_budget: Most tokens of a row.
+        pad_multiple: Row lengths are multiples of this.
+        max_sequences_per_bin: Most segments in one row; None for no limit.
+        dp_size: Data-parallel ranks the rows are shared over.
+        dp_rank: This rank.
+        bin_multiple: This rank's row count is padded (with empty rows) to a multiple of this.
+        pad_id: Token id of padding.
+
+    Returns:
+        ``(context, inference log-probs on its rows, efficiency)``; the efficiency counts the
+        unshared tokens against the capacity of all rows (above 1 when prompts are shared).
+
+    Raises:
+        PackingError: If the inputs disagree (see :func:`pack_shared_prompts`).
+    """
+    if len(advantages) != len(sequences) or len(inference_logprobs) != len(sequences):
+        raise PackingError(
+            f"got {len(advantages)} advantages and {len(inference_logprobs)} log-prob lists for "
+            f"{len(sequences)} sequences; expected one of each per sequence"
+        )
+    shared = pack_shared_prompts(
+        sequences,
+        prompt_lengths,
+        token_budget=token_budget,
+        pad_multiple=pad_multiple,
+        max_sequences_per_bin=max_sequences_per_bin,
+    )
+    info = shared.info
+    mine = distribute_bins(info, dp_size)[dp_rank]
+    mine = mine + [-1] * (-len(mine) % bin_multiple)
+    context = PackingContext.build(
+        shared.segments,
+        shared.prompt_lengths,
+        [float(advantages[i]) if i >= 0 else 0.0 for i in shared.owner],
+        info,
+        bin_indices=mine,
+        max_sequences_per_bin=max_sequences_per_bin,
+        pad_id=pad_id,
+        position_offsets=shared.position_offsets,
+        prefix_of=shared.prefix_of,
+    )
+    logprobs = context.scatter([inference_logprobs[i] if i >= 0 else [] for i in shared.owner])
+    efficiency = sum(len(s) for s in sequences) / (info.num_bins * info.bin_size)
+    return context, logprobs, efficiency

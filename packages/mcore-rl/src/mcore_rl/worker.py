@@ -52,7 +52,7 @@ from mcore_rl.rewards import RewardScorer
 from mcore_rl.rollout import Rollout, evaluate_greedy, generate_rollouts
 from mcore_rl.router_loss import RouterLoss
 from mcore_rl.seeding import derive_seed
-from mcore_rl.shared_prompts import pack_shared_prompts
+from mcore_rl.shared_prompts import build_shared_prompt_rows
 from mcore_rl.tasks import DatasetTask, Problem, Task, get_task, sample_problems
 from mcore_rl.tokenizer import CharTokenizer
 
@@ -556,9 +556,26 @@ class GRPOWorker:
             last = min(groups, first + per_minibatch)
             chosen = list(range(first * group_size, last * group_size))
             sequences = [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in chosen]
-            if packing.share_prompts:
+            if packing.share_prompts:  # cp is 1 (checked by the config)
+                context, logprobs, efficiency = build_shared_prompt_rows(
+                    sequences,
+                    [len(rollouts[i].prompt_ids) for i in chosen],
+                    advantages[chosen].tolist(),
+                    [rollouts[i].inference_logprobs for i in chosen],
+                    token_budget=packing.max_tokens_per_microbatch,
+                    pad_multiple=pad_multiple,
+                    max_sequences_per_bin=packing.max_sequences_per_bin,
+                    dp_size=self.dp_size,
+                    dp_rank=self.dp_rank,
+                    bin_multiple=self._bin_multiple(),
+                    pad_id=self.tokenizer.pad_id,
+                )
+                efficiencies.append(efficiency)
+                tokens = float(sum(len(rollouts[i].completion_ids) for i in chosen))
                 minibatches.append(
-                    self._pack_shared(rollouts, chosen, sequences, advantages, efficiencies)
+                    Minibatch(
+                        context=context, inference_logprobs=logprobs, num_global_tokens=tokens
+                    )
                 )
                 continue
             info = pack_sequences(
@@ -599,48 +616,6 @@ class GRPOWorker:
         metrics["packing/efficiency"] = float(sum(efficiencies) / len(efficiencies))
         metrics["packing/bins_per_rank"] = float(minibatches[0].context.input_ids.shape[0])
         return minibatches
-
-    def _pack_shared(
-        self,
-        rollouts: list[Rollout],
-        chosen: list[int],
-        sequences: list[list[int]],
-        advantages: torch.Tensor,
-        efficiencies: list[float],
-    ) -> Minibatch:
-        # Every group's prompt once per row (packing.share_prompts); cp is 1 here.
-        packing = self.config.packing
-        pad_multiple, _ = packing_multiples(self.config.train_parallel)
-        shared = pack_shared_prompts(
-            sequences,
-            [len(rollouts[i].prompt_ids) for i in chosen],
-            token_budget=packing.max_tokens_per_microbatch,
-            pad_multiple=pad_multiple,
-            max_sequences_per_bin=packing.max_sequences_per_bin,
-        )
-        info = shared.info
-        # Efficiency against the unshared tokens: above 1 when prompts are shared.
-        efficiencies.append(sum(len(s) for s in sequences) / (info.num_bins * info.bin_size))
-        mine = distribute_bins(info, self.dp_size)[self.dp_rank]
-        mine = mine + [-1] * (-len(mine) % self._bin_multiple())
-        owner_advantages = [float(advantages[chosen[i]]) if i >= 0 else 0.0 for i in shared.owner]
-        context = PackingContext.build(
-            shared.segments,
-            shared.prompt_lengths,
-            owner_advantages,
-            info,
-            bin_indices=mine,
-            max_sequences_per_bin=packing.max_sequences_per_bin,
-            pad_id=self.tokenizer.pad_id,
-            position_offsets=shared.position_offsets,
-            prefix_of=shared.prefix_of,
-        )
-        logprobs = [rollouts[chosen[i]].inference_logprobs if i >= 0 else [] for i in shared.owner]
-        return Minibatch(
-            context=context,
-            inference_logprobs=context.scatter(logprobs),
-            num_global_tokens=float(sum(len(rollouts[i].completion_ids) for i in chosen)),
-        )
 
     def _schedule_model(self) -> Any:
         return self.chunks if len(self.chunks) > 1 else self.chunks[0]
