@@ -149,11 +149,20 @@ def run_serve(config: ServeConfig) -> int:
         config: Server options.
 
     Returns:
-        The exit status (0 after a graceful shutdown).
+        The exit status: 0 after a graceful shutdown, 2 when an option does not fit the
+        checkpoint or the machine (e.g. ``--tp``), 1 when the engine did not start; both
+        errors are printed on one line of standard error.
     """
+    from mcore_inference.serve.engine_spec import EngineProcessError
     from mcore_inference.serve.server import serve
 
-    return serve(config)
+    try:
+        return serve(config)
+    except (InferenceConfigError, EngineProcessError) as exc:
+        # Before the server listens: an option that does not fit the checkpoint or the
+        # machine (2), or an engine that did not start (1). One line, no traceback.
+        print(f"mcore-inference serve: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, InferenceConfigError) else 1
 
 
 COMMANDS: dict[str, tuple[type, Callable[[Any], int]]] = {
