@@ -1,0 +1,446 @@
+"""``mcore-inference serve --tp 2`` as a real process (two gloo engine ranks on the CPU), driven
+by the official ``openai`` client: answers equal a single-rank ``InferenceEngine.generate`` on the
+same checkpoint token for token; disconnects free the blocks on every rank; idle ranks do not
+spin; SIGTERM, a killed server and a crashed rank leave no process behind; a ``--tp`` that does
+not fit the model or the machine is refused with one clear line before the server listens.
+
+One server runs for most of the module (starting one costs the torch import in three
+processes); its SIGTERM test runs last among them.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from mcore_inference import FinishReason, InferenceConfig, InferenceEngine, SamplingParams
+from mcore_inference.errors import InferenceConfigError
+from mcore_inference.hf_tokenizer import HFTokenizer
+from mcore_inference.serve import ServeConfig
+from mcore_inference.serve.server import check_tensor_parallel
+from mcore_inference.testing import write_tiny_hf_checkpoint
+from mcore_models import GPTModel
+
+MODEL = "tiny-tp"
+MAX_BATCH = 8
+CONTEXT = 1024
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Qwen2 checkpoint (4 heads, 2 KV heads) with weights large enough for varied text."""
+    directory = write_tiny_hf_checkpoint(
+        tmp_path_factory.mktemp("serve_tp_ckpt"), hidden_size=64, intermediate_size=128
+    )
+    model = GPTModel.from_hf(directory)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                scale = 2.0 / parameter.shape[-1] ** 0.5
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+    model.to_hf(directory)
+    return directory
+
+
+def _command(checkpoint, *options):
+    return [
+        sys.executable,
+        "-m",
+        "mcore_inference.cli",
+        "serve",
+        "--model",
+        str(checkpoint),
+        "--served-model-name",
+        MODEL,
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--max-batch-size",
+        str(MAX_BATCH),
+        "--max-sequence-length",
+        str(CONTEXT),
+        "--timeout-graceful-shutdown",
+        "2",
+        *options,
+    ]
+
+
+def _launch(checkpoint, log, *options):
+    """Start ``serve`` in a new session; its process, URL, rank pids and startup lines."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(
+            _command(checkpoint, *options),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+    lines = []
+    while True:
+        line = process.stdout.readline()
+        if not line:
+            pytest.fail(f"the server exited before listening: {Path(log).read_text()}")
+        lines.append(line.strip())
+        if "listening on" in line:
+            break
+    summary = next(line for line in lines if "parameters" in line)
+    pids = [int(p) for p in summary.split("engine in processes ")[1].split(" (")[0].split(", ")]
+    return process, line.split("listening on ")[1].split()[0], pids, lines
+
+
+def _alive(pid):
+    """True while the process exists and is not a zombie waiting for its reaper."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _cpu_seconds(pid):
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _gone(pids, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _stop(process):
+    if process.poll() is None:
+        process.kill()
+        process.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    """The ``--tp 2`` server: process, base URL, rank pids, startup lines."""
+    log = tmp_path_factory.mktemp("serve_tp_log") / "stderr.txt"
+    launched = _launch(checkpoint, log, "--tp", "2")
+    yield launched
+    _stop(launched[0])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    return HFTokenizer(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    """The reference: the same checkpoint in a single-rank engine of this process."""
+    model = GPTModel.from_hf(checkpoint).eval()
+    config = InferenceConfig(max_batch_size=64, max_sequence_length=CONTEXT)
+    with InferenceEngine(model, config) as engine:
+        yield engine
+
+
+def _reference(engine, tokenizer, prompts, params):
+    results = engine.generate(prompts, params)
+    return [
+        (
+            tokenizer.decode(r.tokens),
+            "stop" if r.finish_reason == FinishReason.STOP_TOKEN else "length",
+            r,
+        )
+        for r in results
+    ]
+
+
+def _greedy(tokenizer, max_tokens, **fields):
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, stop_token_ids=tokenizer.eos_token_ids, **fields
+    )
+
+
+def _metrics(url):
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            samples[(sample.name, labels) if labels else sample.name] = sample.value
+    return samples
+
+
+def _rank_blocks(samples):
+    name = "mcore_inference_rank_kv_cache_blocks_used"
+    return [samples[(name, (("rank", str(rank)),))] for rank in range(2)]
+
+
+def _wait_for(url, condition, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        samples = _metrics(url)
+        if condition(samples):
+            return samples
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}; last metrics: {samples}")
+
+
+def _long_stream_body(n=1):
+    return {
+        "model": MODEL,
+        "prompt": "Compute",
+        "max_tokens": 900,
+        "n": n,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+
+
+def test_startup_prints_tp_every_rank_and_the_whole_model(server, checkpoint):
+    process, url, pids, lines = server
+    summary = next(line for line in lines if "parameters" in line)
+    assert "tp 2" in summary and "cpu+cpu" in summary and "4 heads (2 KV)" in summary
+    assert len(pids) == 2 and process.pid not in pids and all(_alive(pid) for pid in pids)
+    # The count is the whole model's, not rank 0's slices.
+    whole = sum(p.numel() for p in GPTModel.from_hf(checkpoint).parameters())
+    assert f"{whole / 1e6:.2f}M parameters" in summary
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    models = openai.OpenAI(base_url=f"{url}/v1", api_key="-").models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_greedy_completions_equal_single_rank_generate(client, engine, tokenizer):
+    texts = ["What is 3 + 4?", "Compute 12 * 7.", "The answer is"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    expected = _reference(engine, tokenizer, prompts, _greedy(tokenizer, 12, return_logprobs=True))
+    for text, prompt, (ref_text, ref_finish, ref) in zip(texts, prompts, expected):
+        answer = client.completions.create(
+            model=MODEL, prompt=text, max_tokens=12, temperature=0, logprobs=0
+        )
+        choice = answer.choices[0]
+        assert choice.text == ref_text and choice.finish_reason == ref_finish
+        assert answer.usage.completion_tokens == len(ref.tokens)
+        assert choice.logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks) == ref_text
+        assert chunks[-1].choices[0].finish_reason == ref_finish
+
+
+def test_greedy_chat_completion_streamed_equals_single_rank_generate(client, engine, tokenizer):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ((ref_text, ref_finish, _),) = _reference(engine, tokenizer, [prompt], _greedy(tokenizer, 10))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref_text
+    assert chunks[-1].choices[0].finish_reason == ref_finish
+
+
+def test_seeded_samples_equal_single_rank_generate(client, engine, tokenizer):
+    prompt = tokenizer.encode("Let's think step by step.")
+    params = [
+        SamplingParams(
+            temperature=0.9,
+            top_p=0.95,
+            top_k=40,
+            seed=21 + i,
+            max_tokens=10,
+            stop_token_ids=tokenizer.eos_token_ids,
+        )
+        for i in range(3)
+    ]
+    expected = _reference(engine, tokenizer, [prompt] * 3, params)
+    answer = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        n=3,
+        seed=21,
+        temperature=0.9,
+        top_p=0.95,
+        max_tokens=10,
+        extra_body={"top_k": 40},
+    )
+    assert [c.text for c in answer.choices] == [text for text, _, _ in expected]
+    assert len({c.text for c in answer.choices}) > 1
+
+
+def test_concurrent_clients_arriving_mid_step_equal_single_rank_generate(server, engine, tokenizer):
+    """Requests join and leave the batch while the ranks step: every rank must add them in
+    the same order between the same steps, or the answers (and the ranks) diverge."""
+    url = server[1]
+    texts = [f"What is {i} + {3 * i}?" for i in range(16)]
+    lengths = [3 + (i * 5) % 11 for i in range(16)]
+    prompts = [tokenizer.encode(t) for t in texts]
+    expected = [
+        _reference(engine, tokenizer, [p], _greedy(tokenizer, n))[0][:2]
+        for p, n in zip(prompts, lengths)
+    ]
+
+    async def one(client, i):
+        await asyncio.sleep(0.02 * i)
+        if i % 2:
+            answer = await client.completions.create(
+                model=MODEL, prompt=texts[i], max_tokens=lengths[i], temperature=0
+            )
+            return answer.choices[0].text, answer.choices[0].finish_reason
+        stream = await client.completions.create(
+            model=MODEL, prompt=texts[i], max_tokens=lengths[i], temperature=0, stream=True
+        )
+        chunks = [chunk.choices[0] async for chunk in stream]
+        return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    assert asyncio.run(run_all()) == expected
+    samples = _wait_for(url, lambda s: _rank_blocks(s) == [0, 0], "every rank idle")
+    assert samples["mcore_inference_requests_running"] == 0
+
+
+def test_disconnect_mid_stream_frees_the_blocks_on_every_rank(server):
+    url = server[1]
+    with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body(2)) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        next(lines)
+        # Both ranks hold the same blocks for the two running requests.
+        busy = _wait_for(
+            url, lambda s: min(_rank_blocks(s)) > 0, "blocks held on every rank", timeout=10
+        )
+        assert busy["mcore_inference_requests_running"] == 2
+    samples = _wait_for(url, lambda s: _rank_blocks(s) == [0, 0], "the blocks freed everywhere")
+    assert samples["mcore_inference_kv_cache_blocks_used"] == 0
+    aborted = samples[("mcore_inference_request_finished_total", (("finish_reason", "abort"),))]
+    assert aborted == 2
+
+
+def test_idle_ranks_do_not_spin(server):
+    pids = server[2]
+    before = [_cpu_seconds(pid) for pid in pids]
+    time.sleep(2.0)
+    used = [_cpu_seconds(pid) - start for pid, start in zip(pids, before)]
+    assert max(used) < 0.25, f"CPU seconds of idle ranks over 2 s: {used}"
+    assert httpx.get(f"{server[1]}/health").status_code == 200
+
+
+def test_sigterm_stops_the_server_and_every_rank(server):
+    process, url, pids, _ = server
+    with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body()) as response:
+        lines = response.iter_lines()
+        next(lines)
+        process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(httpx.RemoteProtocolError):
+            for _ in lines:
+                pass
+    assert process.wait(timeout=60) == 0
+    assert "mcore-inference serve: stopped" in process.stdout.read()
+    with pytest.raises(ProcessLookupError):  # nothing is left of its process group ...
+        os.killpg(process.pid, 0)
+    assert not any(_alive(pid) for pid in pids)  # ... every rank included
+
+
+def test_a_killed_server_leaves_no_rank(checkpoint, tmp_path):
+    process, url, pids, _ = _launch(checkpoint, tmp_path / "stderr.txt", "--tp", "2")
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body()) as response:
+            next(response.iter_lines())
+            process.kill()  # SIGKILL: no handler runs in the server
+            process.wait(30)
+        assert _gone(pids), f"rank processes {pids} outlived the killed server"
+    finally:
+        _stop(process)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_crashed_rank_fails_the_requests_loudly(checkpoint, tmp_path):
+    process, url, pids, _ = _launch(checkpoint, tmp_path / "stderr.txt", "--tp", "2")
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body()) as response:
+            lines = response.iter_lines()
+            next(lines)
+            os.kill(pids[1], signal.SIGKILL)
+            rest = [line for line in lines if line]
+        # The open stream ends with an error naming the rank instead of hanging.
+        errors = [json.loads(line.removeprefix("data: ")) for line in rest if "error" in line]
+        assert errors and "engine rank 1 of tp=2" in errors[-1]["error"]["message"]
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
+        again = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert again.status_code == 503 and "rank 1" in again.json()["error"]["message"]
+        assert _gone(pids)  # the server ended rank 0 too (it could wait for rank 1 for ever)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        _stop(process)
+
+
+def test_tp_that_does_not_fit_is_refused_before_listening(checkpoint):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # 3 divides neither the 4 heads nor the 2 KV heads of the model.
+    refused = subprocess.run(
+        _command(checkpoint, "--tp", "3"), capture_output=True, text=True, env=env, timeout=120
+    )
+    assert refused.returncode == 2 and "listening" not in refused.stdout
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "mcore-inference serve: error: tp=3 does not divide the model's attention heads (4); "
+        "expected a tensor-parallel size that divides each of: attention heads 4, KV heads 2, "
+        "FFN size 128, vocabulary 160"
+    )
+    zero = subprocess.run(
+        _command(checkpoint, "--tp", "0"), capture_output=True, text=True, env=env, timeout=120
+    )
+    assert zero.returncode != 0 and "tp=0; expected an integer >= 1" in zero.stderr
+
+
+def test_tp_checks_name_the_option(checkpoint):
+    with pytest.raises(InferenceConfigError, match=r"KV heads \(2\)"):
+        check_tensor_parallel(checkpoint, 4, "cpu")
+    check_tensor_parallel(checkpoint, 2, "cpu")
+    visible = torch.cuda.device_count()
+    if visible < 2:
+        with pytest.raises(InferenceConfigError, match=r"tp=2 needs 2 GPUs \(one per rank\)"):
+            check_tensor_parallel(checkpoint, 2, "cuda")
+    else:
+        check_tensor_parallel(checkpoint, 2, "cuda")
+    with pytest.raises(InferenceConfigError, match="tp=-1; expected an integer >= 1"):
+        ServeConfig(model="m", tp=-1)
+    with pytest.raises(InferenceConfigError, match="tp=2 needs engine_process=True"):
+        ServeConfig(model="m", tp=2, engine_process=False)
+    with pytest.raises(InferenceConfigError, match=r"device='cuda:1' with tp=2; expected 'cuda'"):
+        ServeConfig(model="m", tp=2, device="cuda:1")
