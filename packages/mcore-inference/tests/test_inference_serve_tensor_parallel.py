@@ -422,10 +422,17 @@ def test_tp_that_does_not_fit_is_refused_before_listening(checkpoint):
         "expected a tensor-parallel size that divides each of: attention heads 4, KV heads 2, "
         "FFN size 128, vocabulary 160"
     )
-    zero = subprocess.run(
-        _command(checkpoint, "--tp", "0"), capture_output=True, text=True, env=env, timeout=120
-    )
-    assert zero.returncode != 0 and "tp=0; expected an integer >= 1" in zero.stderr
+
+
+
+def test_tp_zero_is_refused_by_the_command_line(checkpoint, capsys):
+    from mcore_inference.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(_command(checkpoint, "--tp", "0")[3:])
+    assert exit_info.value.code != 0
+    captured = capsys.readouterr()
+    assert "tp=0; expected an integer >= 1" in captured.out + captured.err
 
 
 def test_tp_checks_name_the_option(checkpoint):
