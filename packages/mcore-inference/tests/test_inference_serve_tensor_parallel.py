@@ -424,7 +424,6 @@ def test_tp_that_does_not_fit_is_refused_before_listening(checkpoint):
     )
 
 
-
 def test_tp_zero_is_refused_by_the_command_line(checkpoint, capsys):
     from mcore_inference.cli import main
 
