@@ -203,6 +203,7 @@ def _greedy_check(
     same = single
     if tp > 1:
         from _serve_tp_reference import direct_tokens
+
         from mcore_parallel.testing import run_distributed
 
         backend = "nccl" if args.device.startswith("cuda") else "gloo"
