@@ -424,6 +424,21 @@ def test_tp_that_does_not_fit_is_refused_before_listening(checkpoint):
     )
 
 
+def test_ranks_that_fail_to_load_end_the_server_with_one_line(checkpoint, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in checkpoint.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    failed = subprocess.run(
+        _command(broken, "--tp", "2"), capture_output=True, text=True, env=env, timeout=120
+    )
+    assert failed.returncode == 1 and "listening" not in failed.stdout
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("mcore-inference serve: error: rank ") and " of tp=2: loading " in last
+
+
 def test_tp_zero_is_refused_by_the_command_line(checkpoint, capsys):
     from mcore_inference.cli import main
 
@@ -450,3 +465,29 @@ def test_tp_checks_name_the_option(checkpoint):
         ServeConfig(model="m", tp=2, engine_process=False)
     with pytest.raises(InferenceConfigError, match=r"device='cuda:1' with tp=2; expected 'cuda'"):
         ServeConfig(model="m", tp=2, device="cuda:1")
+
+
+def test_add_requests_equals_successive_add_request(checkpoint):
+    """The server's batched adds: the same ids, seeds and results as one add_request each."""
+    from mcore_inference.errors import InvalidRequestError
+
+    model = GPTModel.from_hf(checkpoint).eval()
+    prompts = [[5, 6, 7], [9], [1, 2, 3, 4]]
+    params = [SamplingParams(temperature=0.8, max_tokens=6), None, SamplingParams(max_tokens=4)]
+    config = InferenceConfig(max_batch_size=4, max_sequence_length=64, seed=3)
+
+    def run(batched):
+        with InferenceEngine(model, config) as engine:
+            if batched:
+                ids = engine.add_requests(prompts, params)
+            else:
+                ids = [engine.add_request(p, s) for p, s in zip(prompts, params)]
+            final = {}
+            while engine.has_unfinished():
+                for result in engine.step():
+                    final[result.request_id] = result.tokens
+            with pytest.raises(InvalidRequestError, match="params has 1 entries"):
+                engine.add_requests(prompts[:2], params[:1])
+        return ids, final
+
+    assert run(batched=True) == run(batched=False)
