@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -105,6 +106,10 @@ def join_ranks(placement: RankPlacement, device: str) -> tuple[ParallelState, Co
     """
     from mcore_parallel import initialize
 
+    if sys.platform.startswith("linux"):
+        # Every rank runs on this host: the control group's sockets need only the loopback
+        # device, which exists even where the host name resolves to no reachable address.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(torch.device(device))
