@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mcore_inference.testing import write_tiny_hf_checkpoint
+from mcore_models import GPTModel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,8 +26,9 @@ MAX_BATCH = 8
 CONTEXT = 256
 
 
-def _direct_tp(directory: str) -> list[list[int]]:
-    """Each prompt generated alone by a direct tp=2 engine (a rank of ``run_distributed``)."""
+def _direct_tp(directory: str, eos: tuple[int, ...]) -> list[list[int]]:
+    """Each prompt generated alone by a direct tp=2 engine (a rank of ``run_distributed``),
+    stopping at the checkpoint's end-of-sequence ids as the server does."""
     from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
     from mcore_models import GPTModel
     from mcore_parallel import initialize
@@ -34,7 +36,7 @@ def _direct_tp(directory: str) -> list[list[int]]:
     state = initialize(tp=2)
     model = GPTModel.from_hf(directory, state=state, device=state.device).eval()
     config = InferenceConfig(max_batch_size=MAX_BATCH, max_sequence_length=CONTEXT)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=eos)
     with InferenceEngine(model, config, state=state) as engine:
         engine.capture_graphs()
         tokens = [engine.generate([prompt], params)[0].tokens for prompt in PROMPTS]
@@ -57,8 +59,17 @@ def test_tp2_server_on_two_gpus_equals_a_direct_tp2_engine_and_stops_cleanly(tmp
     from mcore_parallel.testing import run_distributed
 
     directory = write_tiny_hf_checkpoint(tmp_path / "ckpt", hidden_size=64, intermediate_size=128)
-    expected = run_distributed(_direct_tp, 2, str(directory), backend="nccl", timeout=300)[0]
+    model = GPTModel.from_hf(directory)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # weights large enough for varied greedy text
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                scale = 2.0 / parameter.shape[-1] ** 0.5
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+    model.to_hf(directory)
     tokenizer = HFTokenizer(directory)
+    eos = tuple(tokenizer.eos_token_ids)
+    expected = run_distributed(_direct_tp, 2, str(directory), eos, backend="nccl", timeout=300)[0]
     command = [
         sys.executable,
         "-m",
@@ -95,11 +106,10 @@ def test_tp2_server_on_two_gpus_equals_a_direct_tp2_engine_and_stops_cleanly(tmp
                 "prompt": prompt,
                 "max_tokens": NEW_TOKENS,
                 "temperature": 0,
-                "ignore_eos": True,
             }
             answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
             assert answer["choices"][0]["text"] == tokenizer.decode(tokens)
-            assert answer["usage"]["completion_tokens"] == NEW_TOKENS
+            assert answer["usage"]["completion_tokens"] == len(tokens)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 0
         assert not any(_alive(pid) for pid in pids)
