@@ -222,6 +222,82 @@ def _long_stream_body(n=1):
     }
 
 
+class _Pipe:
+    """An engine process's message pipe, in this process: what is sent, in order."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+
+def _lockstep_rank(directory, prompts, heartbeat_s):
+    """One rank of a tp=2 engine driven as the server drives it: rank 0 runs the engine
+    process's loop (``_serve``) over a command queue, rank 1 follows its control messages."""
+    import queue
+    import threading
+
+    import torch.distributed as dist
+
+    from mcore_inference.serve import engine_worker
+    from mcore_inference.serve.engine_ranks import ControlChannel, follow
+    from mcore_parallel import initialize
+
+    torch.set_num_threads(1)
+    state = initialize(tp=2)
+    control = ControlChannel(dist.new_group(backend="gloo"), dist.get_rank())
+    model = GPTModel.from_hf(directory, state=state).eval()
+    config = InferenceConfig(max_batch_size=4, max_sequence_length=64)
+    pipe = _Pipe()
+    with InferenceEngine(model, config, state=state) as engine:
+        if control.rank > 0:
+            seen = []
+            receive = control.receive
+
+            def recording():
+                idle = not engine.has_unfinished()
+                message = receive()
+                seen.append((message, idle))
+                return message
+
+            control.receive = recording
+            follow(engine, control, pipe)
+            heartbeats = sum(m is not None and not m.adds and not m.aborts and i for m, i in seen)
+            return heartbeats, pipe.sent[-1]
+        engine_worker.HEARTBEAT_S = heartbeat_s
+        commands = queue.SimpleQueue()
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        for key, prompt in enumerate(prompts):
+            commands.put(("add", key, prompt, params))
+
+        def stop_when_done():
+            while sum(len(m[3]) for m in pipe.sent if m[0] == "step") < len(prompts):
+                time.sleep(0.01)
+            time.sleep(10 * heartbeat_s)  # idle: rank 0 sends heartbeats
+            commands.put(None)
+
+        threading.Thread(target=stop_when_done, daemon=True).start()
+        stopped = engine_worker._serve(engine, commands, pipe, 0.0, control)
+    finals = {key: r.tokens for m in pipe.sent if m[0] == "step" for key, _, _, r in m[3] if r}
+    return stopped, finals
+
+
+def test_follower_steps_with_rank_0_and_hears_heartbeats_while_idle(checkpoint, engine):
+    """The control protocol without HTTP: rank 0's answers equal a single-rank engine's, the
+    follower gets empty messages while idle (so its group never times out), and both stop."""
+    from mcore_parallel.testing import run_distributed
+
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+    (stopped, finals), (heartbeats, last) = run_distributed(
+        _lockstep_rank, 2, str(checkpoint), prompts, 0.05, timeout=120
+    )
+    expected = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    assert stopped and finals == {k: r.tokens for k, r in enumerate(expected)}
+    assert heartbeats >= 3
+    assert last == ("blocks", 1, 0)  # the follower reported its blocks freed
+
+
 def test_startup_prints_tp_every_rank_and_the_whole_model(server, checkpoint):
     process, url, pids, lines = server
     summary = next(line for line in lines if "parameters" in line)
@@ -410,14 +486,15 @@ def test_a_crashed_rank_fails_the_requests_loudly(checkpoint, tmp_path):
         _stop(process)
 
 
-def test_tp_that_does_not_fit_is_refused_before_listening(checkpoint):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    # 3 divides neither the 4 heads nor the 2 KV heads of the model.
-    refused = subprocess.run(
-        _command(checkpoint, "--tp", "3"), capture_output=True, text=True, env=env, timeout=120
-    )
-    assert refused.returncode == 2 and "listening" not in refused.stdout
-    assert refused.stderr.strip().splitlines()[-1] == (
+def test_tp_that_does_not_fit_is_refused_before_listening(checkpoint, capsys):
+    from mcore_inference.cli import main
+
+    # 3 divides neither the 4 heads nor the 2 KV heads of the model: refused before any rank
+    # starts, with one line and exit status 2.
+    assert main(_command(checkpoint, "--tp", "3")[3:]) == 2
+    captured = capsys.readouterr()
+    assert "listening" not in captured.out
+    assert captured.err.strip() == (
         "mcore-inference serve: error: tp=3 does not divide the model's attention heads (4); "
         "expected a tensor-parallel size that divides each of: attention heads 4, KV heads 2, "
         "FFN size 128, vocabulary 160"
