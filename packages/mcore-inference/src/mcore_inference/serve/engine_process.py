@@ -49,6 +49,8 @@ from mcore_inference.serve.engine_worker import _Update, child_main
 
 __all__ = ["EngineInfo", "EngineProcess", "EngineProcessError", "EngineSpec", "child_main"]
 
+_BLAME_WAIT_S = 0.25
+"""How long a failure of rank 0 waits for another rank to be seen dead (the likely cause)."""
 _PIPE_BYTES = 1 << 20
 """Capacity asked for the message pipe: the engine blocks only when the server is this far
 behind (the server takes every waiting message at each wake-up)."""
@@ -279,7 +281,7 @@ class EngineProcess(LoopFrontend):
                 if message[0] == "step":
                     self._on_step(*message[1:])
                 elif message[0] == "failed":
-                    self._fail(message[1])
+                    self._fail(self._blame(message[1]))
         except (EOFError, OSError):
             self._on_exit()
 
@@ -325,11 +327,31 @@ class EngineProcess(LoopFrontend):
         self._count_tokens(new_tokens)
         self._stats = stats
 
+    def _blame(self, message: str) -> str:
+        """Rank 0's failure, naming the other rank that died first when one did (rank 0 then
+        fails in a collective with it: the dead rank is the cause worth reporting)."""
+        if len(self._ranks) < 2:
+            return message
+        deadline = time.monotonic() + _BLAME_WAIT_S
+        while True:
+            for rank in self._ranks[1:]:
+                if rank.process.poll() is not None:
+                    return (
+                        f"engine rank {rank.rank} of tp={len(self._ranks)} (process "
+                        f"{rank.process.pid}) exited unexpectedly (status "
+                        f"{rank.process.returncode}); rank 0 then failed: {message}"
+                    )
+            if time.monotonic() >= deadline:
+                return message
+            time.sleep(0.01)
+
     def _fail(self, message: str) -> None:
-        """The engine failed: fail the open requests with ``message``; with several ranks end
-        them all (the others could wait for the failed one in a collective for ever)."""
-        self._failure = message
-        self._fail_open(message)
+        """The engine failed: fail the open requests (with the first failure's message); with
+        several ranks end them all (the others could wait for a failed one in a collective for
+        ever)."""
+        if self._failure is None:
+            self._failure = message
+        self._fail_open(self._failure)
         if len(self._ranks) > 1:
             for rank in self._ranks:
                 if rank.process.poll() is None:
@@ -342,7 +364,9 @@ class EngineProcess(LoopFrontend):
         if not self._stopping and self._failure is None:
             status = self._ranks[0].exit_status(1)
             which = " (rank 0)" if len(self._ranks) > 1 else ""
-            self._fail(f"the engine process{which} exited unexpectedly (status {status})")
+            self._fail(
+                self._blame(f"the engine process{which} exited unexpectedly (status {status})")
+            )
         self._fail_open(self._failure or "the server is shutting down")
 
     def _fail_open(self, message: str) -> None:
