@@ -16,6 +16,11 @@ size), each rank loads only its slices of the checkpoint and rank 0 prints the r
 
     torchrun --nproc-per-node 4 -m mcore_inference.cli generate --tp 2 --pp 2 \\
         --model ./Qwen2.5-0.5B --prompt "The capital of France is"
+
+``serve --tp N`` needs no torchrun: the server starts its ``N`` engine ranks itself (rank ``r``
+on GPU ``r``; see :mod:`mcore_inference.serve.engine_ranks`)::
+
+    mcore-inference serve --model ./Qwen2.5-7B-Instruct --tp 2
 """
 
 from __future__ import annotations
