@@ -1,40 +1,39 @@
 """``mcore-inference serve --tp 2`` as a real process (two gloo engine ranks on the CPU), driven
 by the official ``openai`` client: answers equal a single-rank ``InferenceEngine.generate`` on the
 same checkpoint token for token; disconnects free the blocks on every rank; idle ranks do not
-spin; SIGTERM, a killed server and a crashed rank leave no process behind; a ``--tp`` that does
-not fit the model or the machine is refused with one clear line before the server listens.
+spin; SIGTERM leaves no rank. Also the control protocol itself on two ranks (rank 0's loop and
+a follower, heartbeats while idle) and ``InferenceEngine.add_requests``. Failures are in
+``test_inference_serve_tensor_parallel_failures.py``.
 
-One server runs for most of the module (starting one costs the torch import in three
-processes); its SIGTERM test runs last among them.
+One server runs for the module (starting one costs the torch import in three processes); its
+SIGTERM test runs last.
 """
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
+from _serve_tp_helpers import (
+    CONTEXT,
+    MODEL,
+    alive,
+    cpu_seconds,
+    launch,
+    long_stream_body,
+    stop,
+    varied_checkpoint,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from mcore_inference import FinishReason, InferenceConfig, InferenceEngine, SamplingParams
-from mcore_inference.errors import InferenceConfigError
 from mcore_inference.hf_tokenizer import HFTokenizer
-from mcore_inference.serve import ServeConfig
-from mcore_inference.serve.server import check_tensor_parallel
-from mcore_inference.testing import write_tiny_hf_checkpoint
 from mcore_models import GPTModel
-
-MODEL = "tiny-tp"
-MAX_BATCH = 8
-CONTEXT = 1024
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,106 +46,16 @@ def _single_thread():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny Qwen2 checkpoint (4 heads, 2 KV heads) with weights large enough for varied text."""
-    directory = write_tiny_hf_checkpoint(
-        tmp_path_factory.mktemp("serve_tp_ckpt"), hidden_size=64, intermediate_size=128
-    )
-    model = GPTModel.from_hf(directory)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 2:
-                scale = 2.0 / parameter.shape[-1] ** 0.5
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
-    model.to_hf(directory)
-    return directory
-
-
-def _command(checkpoint, *options):
-    return [
-        sys.executable,
-        "-m",
-        "mcore_inference.cli",
-        "serve",
-        "--model",
-        str(checkpoint),
-        "--served-model-name",
-        MODEL,
-        "--port",
-        "0",
-        "--device",
-        "cpu",
-        "--max-batch-size",
-        str(MAX_BATCH),
-        "--max-sequence-length",
-        str(CONTEXT),
-        "--timeout-graceful-shutdown",
-        "2",
-        *options,
-    ]
-
-
-def _launch(checkpoint, log, *options):
-    """Start ``serve`` in a new session; its process, URL, rank pids and startup lines."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(
-            _command(checkpoint, *options),
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-    lines = []
-    while True:
-        line = process.stdout.readline()
-        if not line:
-            pytest.fail(f"the server exited before listening: {Path(log).read_text()}")
-        lines.append(line.strip())
-        if "listening on" in line:
-            break
-    summary = next(line for line in lines if "parameters" in line)
-    pids = [int(p) for p in summary.split("engine in processes ")[1].split(" (")[0].split(", ")]
-    return process, line.split("listening on ")[1].split()[0], pids, lines
-
-
-def _alive(pid):
-    """True while the process exists and is not a zombie waiting for its reaper."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
-def _cpu_seconds(pid):
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _gone(pids, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while any(_alive(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _stop(process):
-    if process.poll() is None:
-        process.kill()
-        process.wait(30)
+    return varied_checkpoint(tmp_path_factory.mktemp("serve_tp_ckpt"))
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     """The ``--tp 2`` server: process, base URL, rank pids, startup lines."""
     log = tmp_path_factory.mktemp("serve_tp_log") / "stderr.txt"
-    launched = _launch(checkpoint, log, "--tp", "2")
+    launched = launch(checkpoint, log, "--tp", "2")
     yield launched
-    _stop(launched[0])
+    stop(launched[0])
 
 
 @pytest.fixture(scope="module")
@@ -208,18 +117,6 @@ def _wait_for(url, condition, what, timeout=30.0):
             return samples
         time.sleep(0.05)
     pytest.fail(f"timed out waiting for {what}; last metrics: {samples}")
-
-
-def _long_stream_body(n=1):
-    return {
-        "model": MODEL,
-        "prompt": "Compute",
-        "max_tokens": 900,
-        "n": n,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
 
 
 class _Pipe:
@@ -302,7 +199,7 @@ def test_startup_prints_tp_every_rank_and_the_whole_model(server, checkpoint):
     process, url, pids, lines = server
     summary = next(line for line in lines if "parameters" in line)
     assert "tp 2" in summary and "cpu+cpu" in summary and "4 heads (2 KV)" in summary
-    assert len(pids) == 2 and process.pid not in pids and all(_alive(pid) for pid in pids)
+    assert len(pids) == 2 and process.pid not in pids and all(alive(pid) for pid in pids)
     # The count is the whole model's, not rank 0's slices.
     whole = sum(p.numel() for p in GPTModel.from_hf(checkpoint).parameters())
     assert f"{whole / 1e6:.2f}M parameters" in summary
@@ -409,7 +306,7 @@ def test_concurrent_clients_arriving_mid_step_equal_single_rank_generate(server,
 
 def test_disconnect_mid_stream_frees_the_blocks_on_every_rank(server):
     url = server[1]
-    with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body(2)) as response:
+    with httpx.stream("POST", f"{url}/v1/completions", json=long_stream_body(2)) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         next(lines)
@@ -426,16 +323,16 @@ def test_disconnect_mid_stream_frees_the_blocks_on_every_rank(server):
 
 def test_idle_ranks_do_not_spin(server):
     pids = server[2]
-    before = [_cpu_seconds(pid) for pid in pids]
+    before = [cpu_seconds(pid) for pid in pids]
     time.sleep(2.0)
-    used = [_cpu_seconds(pid) - start for pid, start in zip(pids, before)]
+    used = [cpu_seconds(pid) - start for pid, start in zip(pids, before)]
     assert max(used) < 0.25, f"CPU seconds of idle ranks over 2 s: {used}"
     assert httpx.get(f"{server[1]}/health").status_code == 200
 
 
 def test_sigterm_stops_the_server_and_every_rank(server):
     process, url, pids, _ = server
-    with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body()) as response:
+    with httpx.stream("POST", f"{url}/v1/completions", json=long_stream_body()) as response:
         lines = response.iter_lines()
         next(lines)
         process.send_signal(signal.SIGTERM)
@@ -446,102 +343,7 @@ def test_sigterm_stops_the_server_and_every_rank(server):
     assert "mcore-inference serve: stopped" in process.stdout.read()
     with pytest.raises(ProcessLookupError):  # nothing is left of its process group ...
         os.killpg(process.pid, 0)
-    assert not any(_alive(pid) for pid in pids)  # ... every rank included
-
-
-def test_a_killed_server_leaves_no_rank(checkpoint, tmp_path):
-    process, url, pids, _ = _launch(checkpoint, tmp_path / "stderr.txt", "--tp", "2")
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body()) as response:
-            next(response.iter_lines())
-            process.kill()  # SIGKILL: no handler runs in the server
-            process.wait(30)
-        assert _gone(pids), f"rank processes {pids} outlived the killed server"
-    finally:
-        _stop(process)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def test_a_crashed_rank_fails_the_requests_loudly(checkpoint, tmp_path):
-    process, url, pids, _ = _launch(checkpoint, tmp_path / "stderr.txt", "--tp", "2")
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body()) as response:
-            lines = response.iter_lines()
-            next(lines)
-            os.kill(pids[1], signal.SIGKILL)
-            rest = [line for line in lines if line]
-        # The open stream ends with an error naming the rank instead of hanging.
-        errors = [json.loads(line.removeprefix("data: ")) for line in rest if "error" in line]
-        assert errors and "engine rank 1 of tp=2" in errors[-1]["error"]["message"]
-        health = httpx.get(f"{url}/health")
-        assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
-        again = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
-        assert again.status_code == 503 and "rank 1" in again.json()["error"]["message"]
-        assert _gone(pids)  # the server ended rank 0 too (it could wait for rank 1 for ever)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-    finally:
-        _stop(process)
-
-
-def test_tp_that_does_not_fit_is_refused_before_listening(checkpoint, capsys):
-    from mcore_inference.cli import main
-
-    # 3 divides neither the 4 heads nor the 2 KV heads of the model: refused before any rank
-    # starts, with one line and exit status 2.
-    assert main(_command(checkpoint, "--tp", "3")[3:]) == 2
-    captured = capsys.readouterr()
-    assert "listening" not in captured.out
-    assert captured.err.strip() == (
-        "mcore-inference serve: error: tp=3 does not divide the model's attention heads (4); "
-        "expected a tensor-parallel size that divides each of: attention heads 4, KV heads 2, "
-        "FFN size 128, vocabulary 160"
-    )
-
-
-def test_ranks_that_fail_to_load_end_the_server_with_one_line(checkpoint, tmp_path):
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for file in checkpoint.iterdir():
-        (broken / file.name).write_bytes(file.read_bytes())
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    failed = subprocess.run(
-        _command(broken, "--tp", "2"), capture_output=True, text=True, env=env, timeout=120
-    )
-    assert failed.returncode == 1 and "listening" not in failed.stdout
-    last = failed.stderr.strip().splitlines()[-1]
-    assert last.startswith("mcore-inference serve: error: rank ") and " of tp=2: loading " in last
-
-
-def test_tp_zero_is_refused_by_the_command_line(checkpoint, capsys):
-    from mcore_inference.cli import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(_command(checkpoint, "--tp", "0")[3:])
-    assert exit_info.value.code != 0
-    captured = capsys.readouterr()
-    assert "tp=0; expected an integer >= 1" in captured.out + captured.err
-
-
-def test_tp_checks_name_the_option(checkpoint):
-    with pytest.raises(InferenceConfigError, match=r"KV heads \(2\)"):
-        check_tensor_parallel(checkpoint, 4, "cpu")
-    check_tensor_parallel(checkpoint, 2, "cpu")
-    visible = torch.cuda.device_count()
-    if visible < 2:
-        with pytest.raises(InferenceConfigError, match=r"tp=2 needs 2 GPUs \(one per rank\)"):
-            check_tensor_parallel(checkpoint, 2, "cuda")
-    else:
-        check_tensor_parallel(checkpoint, 2, "cuda")
-    with pytest.raises(InferenceConfigError, match="tp=-1; expected an integer >= 1"):
-        ServeConfig(model="m", tp=-1)
-    with pytest.raises(InferenceConfigError, match="tp=2 needs engine_process=True"):
-        ServeConfig(model="m", tp=2, engine_process=False)
-    with pytest.raises(InferenceConfigError, match=r"device='cuda:1' with tp=2; expected 'cuda'"):
-        ServeConfig(model="m", tp=2, device="cuda:1")
+    assert not any(alive(pid) for pid in pids)  # ... every rank included
 
 
 def test_add_requests_equals_successive_add_request(checkpoint):

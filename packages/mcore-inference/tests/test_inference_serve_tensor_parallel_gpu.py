@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from mcore_inference.testing import write_tiny_hf_checkpoint
-from mcore_models import GPTModel
+from _serve_tp_helpers import varied_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,15 +56,7 @@ def test_tp2_server_on_two_gpus_equals_a_direct_tp2_engine_and_stops_cleanly(tmp
     from mcore_inference.hf_tokenizer import HFTokenizer
     from mcore_parallel.testing import run_distributed
 
-    directory = write_tiny_hf_checkpoint(tmp_path / "ckpt", hidden_size=64, intermediate_size=128)
-    model = GPTModel.from_hf(directory)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():  # weights large enough for varied greedy text
-        for parameter in model.parameters():
-            if parameter.dim() == 2:
-                scale = 2.0 / parameter.shape[-1] ** 0.5
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
-    model.to_hf(directory)
+    directory = varied_checkpoint(tmp_path / "ckpt", seed=2)
     tokenizer = HFTokenizer(directory)
     eos = tuple(tokenizer.eos_token_ids)
     expected = run_distributed(_direct_tp, 2, str(directory), eos, backend="nccl", timeout=300)[0]
