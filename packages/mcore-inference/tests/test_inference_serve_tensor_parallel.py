@@ -129,70 +129,71 @@ class _Pipe:
         self.sent.append(message)
 
 
-def _lockstep_rank(directory, prompts, heartbeat_s):
+def _lockstep_rank(directory, prompts, fifo):
     """One rank of a tp=2 engine driven as the server drives it: rank 0 runs the engine
-    process's loop (``_serve``) over a command queue, rank 1 follows its control messages."""
+    process's loop (``_serve``) over a command queue, rank 1 follows its control messages
+    (the control pipe is a named FIFO here, since ``run_distributed`` starts both ranks)."""
     import queue
     import threading
+    from multiprocessing.connection import Connection
 
     import torch.distributed as dist
 
-    from mcore_inference.serve import engine_worker
     from mcore_inference.serve.engine_ranks import ControlChannel, follow
+    from mcore_inference.serve.engine_worker import _serve
     from mcore_parallel import initialize
 
     torch.set_num_threads(1)
     state = initialize(tp=2)
-    control = ControlChannel(dist.new_group(backend="gloo"), dist.get_rank())
+    rank = dist.get_rank()
+    end = os.open(fifo, os.O_WRONLY if rank == 0 else os.O_RDONLY)
+    control = ControlChannel(rank, [Connection(end, readable=rank > 0, writable=rank == 0)])
     model = GPTModel.from_hf(directory, state=state).eval()
     config = InferenceConfig(max_batch_size=4, max_sequence_length=64)
     pipe = _Pipe()
     with InferenceEngine(model, config, state=state) as engine:
-        if control.rank > 0:
-            seen = []
-            receive = control.receive
-
-            def recording():
-                idle = not engine.has_unfinished()
-                message = receive()
-                seen.append((message, idle))
-                return message
-
-            control.receive = recording
+        if rank > 0:
             follow(engine, control, pipe)
-            heartbeats = sum(m is not None and not m.adds and not m.aborts and i for m, i in seen)
-            return heartbeats, pipe.sent[-1]
-        engine_worker.HEARTBEAT_S = heartbeat_s
+            control.close()
+            return pipe.sent
         commands = queue.SimpleQueue()
-        params = SamplingParams(temperature=0.0, max_tokens=6)
-        for key, prompt in enumerate(prompts):
-            commands.put(("add", key, prompt, params))
+        greedy = SamplingParams(temperature=0.0, max_tokens=6)
+        long = SamplingParams(temperature=0.0, max_tokens=40)
+        commands.put(("add", 0, prompts[0], long))
 
-        def stop_when_done():
-            while sum(len(m[3]) for m in pipe.sent if m[0] == "step") < len(prompts):
-                time.sleep(0.01)
-            time.sleep(10 * heartbeat_s)  # idle: rank 0 sends heartbeats
+        def arrive_while_running():
+            while not any(m[0] == "step" and m[1] for m in pipe.sent):
+                time.sleep(0.005)
+            for key, prompt in enumerate(prompts[1:], 1):
+                commands.put(("add", key, prompt, greedy))
+            commands.put(("abort", 0))  # the long one leaves mid-way
+            while sum(len(m[3]) for m in pipe.sent if m[0] == "step") < len(prompts) - 1:
+                time.sleep(0.005)
+            time.sleep(0.3)  # idle: nothing is sent to the follower
             commands.put(None)
 
-        threading.Thread(target=stop_when_done, daemon=True).start()
-        stopped = engine_worker._serve(engine, commands, pipe, 0.0, control)
+        threading.Thread(target=arrive_while_running, daemon=True).start()
+        stopped = _serve(engine, commands, pipe, 0.0, control)
+    control.close()
     finals = {key: r.tokens for m in pipe.sent if m[0] == "step" for key, _, _, r in m[3] if r}
     return stopped, finals
 
 
-def test_follower_steps_with_rank_0_and_hears_heartbeats_while_idle(checkpoint, engine):
-    """The control protocol without HTTP: rank 0's answers equal a single-rank engine's, the
-    follower gets empty messages while idle (so its group never times out), and both stop."""
+def test_follower_steps_with_rank_0_through_arrivals_and_an_abort(checkpoint, engine, tmp_path):
+    """The control protocol without HTTP: requests arrive and one is aborted while the ranks
+    step; rank 0's answers equal a single-rank engine's, the follower ends with no KV block
+    held, and both stop when told."""
     from mcore_parallel.testing import run_distributed
 
-    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
-    (stopped, finals), (heartbeats, last) = run_distributed(
-        _lockstep_rank, 2, str(checkpoint), prompts, 0.05, timeout=120
+    fifo = tmp_path / "control"
+    os.mkfifo(fifo)
+    prompts = [[3, 4], [5, 6, 7], [9, 10], [11, 12, 13, 14]]
+    (stopped, finals), follower = run_distributed(
+        _lockstep_rank, 2, str(checkpoint), prompts, str(fifo), timeout=120
     )
-    expected = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
-    assert stopped and finals == {k: r.tokens for k, r in enumerate(expected)}
-    assert heartbeats >= 3
-    assert last == ("blocks", 1, 0)  # the follower reported its blocks freed
+    expected = engine.generate(prompts[1:], SamplingParams(temperature=0.0, max_tokens=6))
+    assert stopped and finals == {k: r.tokens for k, r in enumerate(expected, 1)}
+    assert follower[-1] == ("blocks", 1, 0)  # the follower reported its blocks freed
 
 
 def test_startup_prints_tp_every_rank_and_the_whole_model(server, checkpoint):
@@ -317,8 +318,9 @@ def test_disconnect_mid_stream_frees_the_blocks_on_every_rank(server):
         assert busy["mcore_inference_requests_running"] == 2
     samples = _wait_for(url, lambda s: _rank_blocks(s) == [0, 0], "the blocks freed everywhere")
     assert samples["mcore_inference_kv_cache_blocks_used"] == 0
+    finished = {k: v for k, v in samples.items() if "finished" in str(k)}
     aborted = samples[("mcore_inference_request_finished_total", (("finish_reason", "abort"),))]
-    assert aborted == 2
+    assert aborted == 2, finished
 
 
 def test_idle_ranks_do_not_spin(server):

@@ -78,8 +78,9 @@ class _Rank:
         return None
 
 
-def _spawn(rank: int) -> _Rank:
-    """Start one engine process with its command and message pipes."""
+def _spawn(rank: int, control_fds: tuple[int, ...] = ()) -> _Rank:
+    """Start one engine process with its command and message pipes (and the ends of the control
+    pipes it inherits)."""
     command_read, command_write = os.pipe()
     output_read, output_write = os.pipe()
     _widen(output_write)
@@ -92,7 +93,7 @@ def _spawn(rank: int) -> _Rank:
         str(os.getpid()),
     ]
     process = subprocess.Popen(
-        command, pass_fds=(command_read, output_write), stdin=subprocess.DEVNULL
+        command, pass_fds=(command_read, output_write, *control_fds), stdin=subprocess.DEVNULL
     )
     # Only the child holds these ends now: its death closes the output pipe (EOF here).
     os.close(command_read)
@@ -184,16 +185,26 @@ class EngineProcess(LoopFrontend):
         if self._process is not None:
             raise RuntimeError("the engine process was already launched")
         tp = self.spec.tp
+        # One control pipe from rank 0 to each other rank (engine_ranks.ControlChannel).
+        pipes = [os.pipe() for _ in range(tp - 1)]
+        control_fds = [tuple(w for _, w in pipes)] + [(r,) for r, _ in pipes]
         if tp > 1:
             self._store = tempfile.mkdtemp(prefix="mcore-serve-ranks-")
-        self._ranks = [_spawn(rank) for rank in range(tp)]
+        try:
+            self._ranks = [_spawn(rank, control_fds[rank]) for rank in range(tp)]
+        finally:
+            for ends in pipes:  # the ranks hold them now
+                for end in ends:
+                    os.close(end)
         first = self._ranks[0]
         self._process, self._commands, self._output = first.process, first.commands, first.output
         for rank in self._ranks:
             placement = None
             if self._store is not None:
                 store = os.path.join(self._store, "store")
-                placement = RankPlacement(rank=rank.rank, world_size=tp, store=store)
+                placement = RankPlacement(
+                    rank=rank.rank, world_size=tp, store=store, control_fds=control_fds[rank.rank]
+                )
             with contextlib.suppress(OSError):
                 rank.commands.send((self.spec, placement))
         infos = self._wait_until_ready(timeout)

@@ -23,7 +23,6 @@ from typing import Any
 from mcore_inference.request import GenerationResult
 from mcore_inference.serve.engine_loop import engine_stats
 from mcore_inference.serve.engine_ranks import (
-    HEARTBEAT_S,
     ControlChannel,
     ControlMessage,
     RankPlacement,
@@ -133,7 +132,11 @@ def child_main(commands_end: Connection, output: Connection, parent: int) -> Non
         try:
             with engine:
                 follow(engine, control, output)
-        except Exception as exc:  # rank 0 is gone, or this rank's engine broke
+        except EOFError:  # rank 0 is gone: the server reports why
+            with contextlib.suppress(OSError):
+                output.send(("failed", f"{where}rank 0 exited while this rank followed it"))
+            return
+        except Exception as exc:  # this rank's engine broke
             with contextlib.suppress(OSError):
                 output.send(("failed", f"{where}{type(exc).__name__}: {exc}"))
             return
@@ -165,8 +168,8 @@ def _serve(
     prefill step rather than one per engine step it is spread over.
 
     With ``control`` (rank 0 of several), every iteration that adds requests, aborts some or
-    steps first sends the other ranks what it is about to do (and an empty message every
-    ``HEARTBEAT_S`` seconds while idle), so that they add, abort and step in the same order.
+    steps first sends the other ranks what it is about to do, so that they add, abort and step
+    in the same order.
 
     Returns:
         True when the server asked it to stop, False when the server is gone or the engine
@@ -181,12 +184,7 @@ def _serve(
     try:
         while True:
             busy = engine.has_unfinished()
-            if busy or held:
-                command = _poll(commands)
-            elif control is None:
-                command = commands.get()
-            else:
-                command = _wait(commands, HEARTBEAT_S)
+            command = _poll(commands) if busy or held else commands.get()
             changed = False
             adds: dict[int, tuple[list[int], Any]] = {}  # server key -> request admitted now
             aborts: list[int] = []
@@ -214,7 +212,7 @@ def _serve(
             if held and (not engine.has_unfinished() or time.monotonic() - held_since >= window):
                 adds.update(held)
                 held.clear()
-            if control is not None and (adds or aborts or not changed or engine.has_unfinished()):
+            if control is not None and (adds or aborts or engine.has_unfinished()):
                 control.send(ControlMessage(aborts=tuple(aborts), adds=tuple(adds.values())))
             if adds:
                 new_ids = engine.add_requests(
@@ -261,13 +259,5 @@ def _poll(commands: queue.SimpleQueue[Any]) -> Any:
     """The next queued command (None: stop), or ``_EMPTY``."""
     try:
         return commands.get_nowait()
-    except queue.Empty:
-        return _EMPTY
-
-
-def _wait(commands: queue.SimpleQueue[Any], timeout: float) -> Any:
-    """The next command within ``timeout`` seconds (None: stop), or ``_EMPTY``."""
-    try:
-        return commands.get(timeout=timeout)
     except queue.Empty:
         return _EMPTY
