@@ -15,7 +15,7 @@ from mcore_models import GPTModel
 
 MODEL = "tiny-tp"
 MAX_BATCH = 8
-CONTEXT = 1024
+CONTEXT = 2048
 
 
 def varied_checkpoint(directory, seed=1):
@@ -127,7 +127,7 @@ def long_stream_body(n=1):
     return {
         "model": MODEL,
         "prompt": "Compute",
-        "max_tokens": 900,
+        "max_tokens": 1900,
         "n": n,
         "temperature": 0,
         "stream": True,
