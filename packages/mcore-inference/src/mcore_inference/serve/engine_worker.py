@@ -181,6 +181,10 @@ def _serve(
     held_since = 0.0
     generated = steps = 0
 
+    def admit(key: int, prompt: list[int], params: Any) -> None:
+        request_id = engine.add_request(prompt, params)
+        ids[key], keys[request_id] = request_id, key
+
     try:
         while True:
             busy = engine.has_unfinished()
@@ -200,7 +204,9 @@ def _serve(
                         if not held:
                             held_since = time.monotonic()
                         held[key] = (prompt, params)
-                    else:
+                    elif control is None:  # one rank: admitted at once, as it arrives
+                        admit(key, prompt, params)
+                    else:  # several: added after the others were told, all in one call
                         adds[key] = (prompt, params)
                 elif held.pop(command[1], None) is None and adds.pop(command[1], None) is None:
                     request_id = ids.pop(command[1], -1)
@@ -210,7 +216,11 @@ def _serve(
                         aborts.append(request_id)
                 command = _poll(commands)
             if held and (not engine.has_unfinished() or time.monotonic() - held_since >= window):
-                adds.update(held)
+                if control is None:
+                    for key, (prompt, params) in held.items():
+                        admit(key, prompt, params)
+                else:
+                    adds.update(held)
                 held.clear()
             if control is not None and (adds or aborts or engine.has_unfinished()):
                 control.send(ControlMessage(aborts=tuple(aborts), adds=tuple(adds.values())))
