@@ -29,6 +29,14 @@ exactly ``--new-tokens``). For each concurrency C:
 
 The overhead of the server is ``1 - server tok/s / direct tok/s`` (target: <= 10% at 64 clients).
 
+A ``-tp<N>`` suffix (``process-tp2``) serves the model tensor-parallel over ``N`` GPUs
+(``serve --tp N``); the direct column stays the single-GPU engine. Before the clients of a
+server, ``--greedy-check K`` sends ``K`` prompts one at a time (greedy, 32 tokens each) and
+compares the answers with the same prompts generated alone by a direct engine of the same
+tensor-parallel size (the same kernels, so equal token for token; for ``N > 1`` a ``tp = N``
+engine over ``N`` ranks, ``_serve_tp_reference.py``) and with the single-GPU engine (in
+bfloat16 a different reduction order may flip a near-tie, so this is a count, not a check).
+
 On the GPU machine (no internet, torch and transformers installed) carry the pure-Python wheels
 of the server and the clients (py-spy too, for ``--profile``)::
 
@@ -43,6 +51,11 @@ and run from the repository root on one GPU (about 90 s on an H100)::
     python3 packages/mcore-inference/benchmarks/bench_serve.py --out $OUT/serve \
         --concurrency 1,16,64,256 --new-tokens 128 --modes process,process-eager \
         --client raw,httpx
+
+and, on two GPUs, the tensor-parallel server against the single-GPU one::
+
+    python3 packages/mcore-inference/benchmarks/bench_serve.py --out $OUT/serve-tp \
+        --concurrency 1,16,64 --new-tokens 128 --modes process,process-tp2 --greedy-check 4
 
 Check on a CPU (a tiny model, a few clients and tokens)::
 
@@ -105,11 +118,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+_CHECK_TOKENS = 32
+"""Greedy tokens per prompt of ``--greedy-check``."""
+
+
 def _direct(
     model: GPTModel, prompts: list[list[int]], args: argparse.Namespace
-) -> dict[int, dict[str, float]]:
+) -> tuple[dict[int, dict[str, float]], list[list[int]]]:
     """Tokens per second of engine.generate for each concurrency, and the time to the first
-    token of ``engine.stream`` (the engine's own share of a server's TTFT)."""
+    token of ``engine.stream`` (the engine's own share of a server's TTFT); and the greedy
+    tokens of the ``--greedy-check`` prompts, each generated alone."""
     device = next(model.parameters()).device
     rates = {}
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
@@ -117,6 +135,8 @@ def _direct(
     with InferenceEngine(model, _engine_config(args)) as engine:
         engine.capture_graphs()  # as the server does at startup
         engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # compile
+        check = SamplingParams(temperature=0.0, max_tokens=_CHECK_TOKENS)
+        alone = [engine.generate([p], check)[0].tokens for p in prompts[: args.greedy_check]]
         for clients in args.concurrency:
             batch = prompts[:clients]
             _sync(device)
@@ -137,7 +157,82 @@ def _direct(
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rates
+    return rates, alone
+
+
+def _tp_size(mode: str) -> int:
+    """The ``-tp<N>`` part of a mode (1 without one)."""
+    return next((int(p[2:]) for p in mode.split("-")[1:] if p.startswith("tp")), 1)
+
+
+def _server_greedy(url: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt sent alone (non-streamed, greedy); the answers' token ids (``t<i>`` words)."""
+    import urllib.request
+
+    answers = []
+    for prompt in prompts:
+        body = {
+            "model": "bench",
+            "prompt": prompt,
+            "max_tokens": _CHECK_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        request = urllib.request.Request(
+            f"{url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            text = json.loads(response.read())["choices"][0]["text"]
+        answers.append([int(word[1:]) for word in text.split()])
+    return answers
+
+
+def _greedy_check(
+    url: str,
+    mode: str,
+    directory: Path,
+    prompts: list[list[int]],
+    single: list[list[int]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The server's greedy answers against direct engines of the same and of one GPU."""
+    tp = _tp_size(mode)
+    served = _server_greedy(url, prompts)
+    same = single
+    if tp > 1:
+        from _serve_tp_reference import direct_tokens
+
+        from mcore_parallel.testing import run_distributed
+
+        backend = "nccl" if args.device.startswith("cuda") else "gloo"
+        config = _engine_config(args)
+        same = run_distributed(
+            direct_tokens,
+            tp,
+            str(directory),
+            prompts,
+            config,
+            _CHECK_TOKENS,
+            backend=backend,
+            timeout=300,
+        )[0]
+    equal_tokens = sum(
+        next((i for i, (a, b) in enumerate(zip(s, r)) if a != b), len(r))
+        for s, r in zip(served, single)
+    )
+    check = {
+        "engine": mode,
+        "tp": tp,
+        "prompts": len(prompts),
+        "tokens_per_prompt": _CHECK_TOKENS,
+        "equal_to_direct_same_tp": sum(s == r for s, r in zip(served, same)),
+        "equal_to_direct_one_gpu": sum(s == r for s, r in zip(served, single)),
+        "leading_tokens_equal_to_one_gpu": equal_tokens,
+    }
+    print("greedy check: " + json.dumps(check), flush=True)
+    return check
 
 
 class _Clients:
@@ -260,6 +355,7 @@ def _start_server(
         "engine_process": parts[0] == "process",
         "cuda_graph_mixed_steps": config.cuda_graph_mixed_steps and "eager" not in parts[1:],
         "admission_window_ms": next((float(p[1:]) for p in parts[1:] if p[:1] == "w"), 0.0),
+        "tp": _tp_size(mode),
     }
     launcher = Path(__file__).with_name("_serve_launch.py")
     command = [sys.executable, str(launcher), json.dumps(options)]
@@ -342,6 +438,12 @@ def main() -> None:
         "--profile", default="", help="client counts at which py-spy samples the server"
     )
     parser.add_argument("--profile-seconds", type=int, default=3)
+    parser.add_argument(
+        "--greedy-check",
+        type=int,
+        default=0,
+        help="prompts each server answers alone, compared with direct engines (0: none)",
+    )
     args = parser.parse_args()
     if args.tiny:
         args.preset, args.new_tokens = "tiny", 32
@@ -370,11 +472,12 @@ def main() -> None:
     ).tolist()
     directory = Path(tempfile.mkdtemp(prefix="bench_serve_"))
     _write_checkpoint(model, directory)
-    direct = _direct(model, prompts, args)
+    direct, single = _direct(model, prompts, args)
     del model
     gc.collect()
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
     clients = _Clients(args.client_procs)
     try:
         for mode in args.modes:
@@ -384,6 +487,10 @@ def main() -> None:
             print(f"{mode}: server up in {time.perf_counter() - started:.1f} s", flush=True)
             engine_pid = _engine_pid(process)
             try:
+                if args.greedy_check:
+                    check_prompts = prompts[: args.greedy_check]
+                    checks.append(_greedy_check(url, mode, directory, check_prompts, single, args))
+                    _write(out, rows, args, device, dtype, checks)
                 for count, kind in [(c, k) for c in args.concurrency for k in args.client]:
                     batch = prompts[:count]
                     clients.round(url, batch, 8, "bench", kind)  # warm-up
@@ -407,7 +514,7 @@ def main() -> None:
                     row["server_over_direct"] = row["tokens_per_s"] / row["direct_tokens_per_s"]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    _write(out, rows, args, device, dtype)
+                    _write(out, rows, args, device, dtype, checks)
                     if count in args.profile and kind == args.client[0]:
                         _profile(process, clients, url, batch, args, out)
             finally:
@@ -415,7 +522,7 @@ def main() -> None:
                 process.wait(timeout=120)
     finally:
         clients.close()
-    _write(out, rows, args, device, dtype)
+    _write(out, rows, args, device, dtype, checks)
     print((out / "serve.md").read_text())
 
 
@@ -425,6 +532,7 @@ def _write(
     args: argparse.Namespace,
     device: torch.device,
     dtype: str,
+    checks: list[dict[str, Any]],
 ) -> None:
     """Write serve.json and serve.md (after every row: a cut-short run keeps what it measured)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -437,6 +545,7 @@ def _write(
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "rows": rows,
+        "greedy_checks": checks,
     }
     (out / "serve.json").write_text(json.dumps(result, indent=2))
     lines = [
@@ -459,6 +568,24 @@ def _write(
             f"| {row['itl_p50_ms']:.2f} | {row['itl_p99_ms']:.2f} "
             f"| {100 * row['http_cpu']:.0f}% | {engine} |"
         )
+    if checks:
+        lines += [
+            "",
+            f"Greedy check: prompts answered alone by the server, {_CHECK_TOKENS} tokens each, "
+            "against direct engines.",
+            "",
+            "| engine | tp | prompts | equal to direct, same tp | equal to direct, one GPU "
+            "| leading tokens equal to one GPU |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for check in checks:
+            total = check["prompts"] * check["tokens_per_prompt"]
+            lines.append(
+                f"| {check['engine']} | {check['tp']} | {check['prompts']} "
+                f"| {check['equal_to_direct_same_tp']}/{check['prompts']} "
+                f"| {check['equal_to_direct_one_gpu']}/{check['prompts']} "
+                f"| {check['leading_tokens_equal_to_one_gpu']}/{total} |"
+            )
     (out / "serve.md").write_text("\n".join(lines) + "\n")
 
 

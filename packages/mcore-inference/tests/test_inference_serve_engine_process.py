@@ -17,12 +17,8 @@ from pathlib import Path
 import pytest
 
 from mcore_inference import InferenceConfig, InferenceEngine, RequestStatus, SamplingParams
-from mcore_inference.serve.engine_process import (
-    EngineProcess,
-    EngineProcessError,
-    EngineSpec,
-    _serve,
-)
+from mcore_inference.serve.engine_process import EngineProcess, EngineProcessError, EngineSpec
+from mcore_inference.serve.engine_worker import _serve
 from mcore_inference.testing import write_tiny_hf_checkpoint
 from mcore_models import GPTConfig, GPTModel
 

@@ -16,6 +16,11 @@ size), each rank loads only its slices of the checkpoint and rank 0 prints the r
 
     torchrun --nproc-per-node 4 -m mcore_inference.cli generate --tp 2 --pp 2 \\
         --model ./Qwen2.5-0.5B --prompt "The capital of France is"
+
+``serve --tp N`` needs no torchrun: the server starts its ``N`` engine ranks itself (rank ``r``
+on GPU ``r``; see :mod:`mcore_inference.serve.engine_ranks`)::
+
+    mcore-inference serve --model ./Qwen2.5-7B-Instruct --tp 2
 """
 
 from __future__ import annotations
@@ -149,11 +154,20 @@ def run_serve(config: ServeConfig) -> int:
         config: Server options.
 
     Returns:
-        The exit status (0 after a graceful shutdown).
+        The exit status: 0 after a graceful shutdown, 2 when an option does not fit the
+        checkpoint or the machine (e.g. ``--tp``), 1 when the engine did not start; both
+        errors are printed on one line of standard error.
     """
+    from mcore_inference.serve.engine_spec import EngineProcessError
     from mcore_inference.serve.server import serve
 
-    return serve(config)
+    try:
+        return serve(config)
+    except (InferenceConfigError, EngineProcessError) as exc:
+        # Before the server listens: an option that does not fit the checkpoint or the
+        # machine (2), or an engine that did not start (1). One line, no traceback.
+        print(f"mcore-inference serve: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, InferenceConfigError) else 1
 
 
 COMMANDS: dict[str, tuple[type, Callable[[Any], int]]] = {

@@ -18,7 +18,7 @@ from mcore_inference.describe import describe_engine, release_symmetric_memory
 from mcore_inference.distributed import EngineGroups
 from mcore_inference.engine_cache import build_engine_cache
 from mcore_inference.engine_step import _StepLoop, build_stage_runner
-from mcore_inference.errors import UnsupportedModelError
+from mcore_inference.errors import InvalidRequestError, UnsupportedModelError
 from mcore_inference.fused_decode import FusedDecoder, build_fused_decoder
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.mamba_state import MambaStateCache, has_mamba_layers
@@ -319,6 +319,32 @@ class InferenceEngine(_StepLoop):
         """
         self._check_open()
         return self._add_requests([prompt], [params])[0]
+
+    def add_requests(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams | None]
+    ) -> list[int]:
+        """Queue several requests at once, as :meth:`add_request` does one by one.
+
+        The same ids, seeds and queue order as successive :meth:`add_request` calls; on a model
+        replica of several ranks the ranks agree on all of them in one collective.
+
+        Args:
+            prompts: Prompt token ids of each request.
+            params: Sampling parameters of each request (None: ``SamplingParams()``).
+
+        Returns:
+            The request ids, in order.
+
+        Raises:
+            EngineClosedError: If the engine is closed.
+            InvalidRequestError: If ``prompts`` and ``params`` differ in length.
+        """
+        self._check_open()
+        if len(prompts) != len(params):
+            raise InvalidRequestError(
+                f"params has {len(params)} entries; expected one per prompt ({len(prompts)})"
+            )
+        return self._add_requests(list(prompts), list(params))
 
     def abort(self, request_id: int) -> bool:
         """Stop a waiting or active request and free its blocks.

@@ -8,7 +8,10 @@ Modules, one concern each: :mod:`~mcore_inference.serve.config` (options),
 (response bodies), :mod:`~mcore_inference.serve.text` (detokenization, stop strings),
 :mod:`~mcore_inference.serve.engine_loop` (the engine on a thread, and what both placements of the
 engine share), :mod:`~mcore_inference.serve.engine_process` (the engine in a child process, the
-default), :mod:`~mcore_inference.serve.generation` (one request's choices), :mod:`~mcore_inference.serve.metrics` (Prometheus text),
+default: the server's side), :mod:`~mcore_inference.serve.engine_worker` (the child's side),
+:mod:`~mcore_inference.serve.engine_spec` (what a child is given and reports),
+:mod:`~mcore_inference.serve.engine_ranks` (the ranks of ``--tp N`` and their control channel),
+:mod:`~mcore_inference.serve.generation` (one request's choices), :mod:`~mcore_inference.serve.metrics` (Prometheus text),
 :mod:`~mcore_inference.serve.app` (routes), :mod:`~mcore_inference.serve.server` (loading and
 running).
 """

@@ -34,6 +34,11 @@ class ServeConfig:
     """TCP port to listen on; 0 picks a free one (the startup line prints it)."""
     device: str | None = None
     """Device of the model and KV cache; None picks ``cuda`` when available, else ``cpu``."""
+    tp: int = 1
+    """Tensor-parallel size: the engine runs as this many processes, rank ``r`` on GPU ``r``
+    of the visible ones (NCCL; gloo processes on the CPU), rank 0 answering the server. Must
+    divide the model's attention heads, KV heads, FFN size and vocabulary; on CUDA at most the
+    number of visible GPUs."""
     dtype: str | None = None
     """Parameter dtype (e.g. ``bfloat16``); None keeps the checkpoint's."""
     max_batch_size: int = 64
@@ -94,6 +99,16 @@ class ServeConfig:
         if not isinstance(self.engine_process, bool):
             raise InferenceConfigError(
                 f"engine_process={self.engine_process!r}; expected True or False"
+            )
+        _check_int("tp", self.tp, 1)
+        if self.tp > 1 and not self.engine_process:
+            raise InferenceConfigError(
+                f"tp={self.tp} needs engine_process=True (the ranks are engine processes)"
+            )
+        if self.tp > 1 and self.device not in (None, "cuda", "cpu"):
+            raise InferenceConfigError(
+                f"device={self.device!r} with tp={self.tp}; expected 'cuda' (rank r runs on GPU "
+                "r of the visible ones: choose them with CUDA_VISIBLE_DEVICES), 'cpu' or None"
             )
         window = self.admission_window_ms
         if (

@@ -9,7 +9,7 @@ module that defines the messages a second time under ``__main__``.
 import sys
 from multiprocessing.connection import Connection
 
-from mcore_inference.serve.engine_process import child_main
+from mcore_inference.serve.engine_worker import child_main
 
 if __name__ == "__main__":
     child_main(

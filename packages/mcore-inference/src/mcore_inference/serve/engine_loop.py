@@ -172,6 +172,14 @@ class LoopFrontend:
         """The latest published statistics."""
         return self._stats
 
+    def rank_kv_blocks_used(self) -> list[int]:
+        """KV-cache blocks held on each engine rank (one rank unless tensor-parallel).
+
+        Returns:
+            One count per rank, rank 0 first.
+        """
+        return [self._stats.kv_blocks_used]
+
     @property
     def num_waiting(self) -> int:
         """Submitted requests without a batch slot yet (as of the latest engine iteration)."""

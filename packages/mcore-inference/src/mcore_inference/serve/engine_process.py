@@ -17,133 +17,43 @@ The child never outlives the server: it stops when the server asks it to, when i
 closes (the server died) and, on Linux, when the server process dies
 (``PR_SET_PDEATHSIG``); it ignores SIGINT and SIGTERM, which the server handles (a terminal's
 Ctrl-C reaches the whole process group and must not kill the engine under in-flight requests).
+
+With ``tp > 1`` (``serve --tp N``) the engine is ``N`` such processes, all children of the
+server: rank 0 is the child described above, the other ranks follow it step by step
+(:mod:`mcore_inference.serve.engine_ranks`). The server watches every rank's message pipe: a
+rank that fails or exits fails the open requests with a message naming it, and the server ends
+the other ranks (which could otherwise wait for it in a collective for ever).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
+import dataclasses
 import fcntl
-import gc
 import itertools
 import os
-import queue
-import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from array import array
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from mcore_inference.config import InferenceConfig
-from mcore_inference.request import GenerationResult
-from mcore_inference.serve.engine_loop import LoopFrontend, LoopStats, RequestHandle, engine_stats
+from mcore_inference.serve.engine_loop import LoopFrontend, LoopStats, RequestHandle
+from mcore_inference.serve.engine_ranks import RankPlacement
+from mcore_inference.serve.engine_spec import EngineInfo, EngineProcessError, EngineSpec
+from mcore_inference.serve.engine_worker import _Update, child_main
 
 __all__ = ["EngineInfo", "EngineProcess", "EngineProcessError", "EngineSpec", "child_main"]
 
-_PR_SET_PDEATHSIG = 1
+_BLAME_WAIT_S = 0.25
+"""How long a failure of rank 0 waits for another rank to be seen dead (the likely cause)."""
 _PIPE_BYTES = 1 << 20
 """Capacity asked for the message pipe: the engine blocks only when the server is this far
 behind (the server takes every waiting message at each wake-up)."""
-
-
-class EngineProcessError(RuntimeError):
-    """The engine process could not start (the checkpoint did not load, or it died)."""
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class EngineSpec:
-    """What the child process loads and how it builds its engine."""
-
-    model: str
-    """Hugging Face checkpoint directory."""
-    device: str
-    """Device of the model and the KV cache (``cuda``, ``cuda:1``, ``cpu``)."""
-    dtype: str | None
-    """Parameter dtype; None keeps the checkpoint's."""
-    engine: InferenceConfig
-    """The engine's configuration."""
-    admission_window_ms: float = 0.0
-    """Milliseconds that requests arriving while others run are held, to join the batch
-    together (0 admits each at once)."""
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class EngineInfo:
-    """Sizes of a built engine and its model (for the startup line and request checks)."""
-
-    parameters: int
-    """Parameter count of the model."""
-    num_layers: int
-    """Transformer layers."""
-    hidden_size: int
-    """Hidden size."""
-    num_attention_heads: int
-    """Query heads."""
-    num_kv_heads: int
-    """Key/value heads."""
-    vocab_size: int
-    """Vocabulary size."""
-    dtype: str
-    """Parameter dtype (``bfloat16``)."""
-    device: str
-    """Device of the parameters."""
-    kv_blocks: int
-    """KV-cache blocks that can be handed out."""
-    max_batch_size: int
-    """The engine's ``max_batch_size``."""
-    pid: int
-    """Process that runs the engine."""
-
-    @classmethod
-    def of(cls, engine: Any, pid: int) -> EngineInfo:
-        """Describe an engine.
-
-        Args:
-            engine: An :class:`~mcore_inference.InferenceEngine`.
-            pid: The process that runs it.
-
-        Returns:
-            Its sizes.
-        """
-        model = engine.model
-        config = model.config
-        parameter = next(model.parameters())
-        return cls(
-            parameters=sum(p.numel() for p in model.parameters()),
-            num_layers=config.num_layers,
-            hidden_size=config.hidden_size,
-            num_attention_heads=config.num_attention_heads,
-            num_kv_heads=config.num_kv_heads,
-            vocab_size=config.vocab_size,
-            dtype=str(parameter.dtype).removeprefix("torch."),
-            device=str(parameter.device),
-            kv_blocks=engine.allocator.capacity,
-            max_batch_size=engine.config.max_batch_size,
-            pid=pid,
-        )
-
-
-# Messages. Server -> child: ("add", key, prompt, params) | ("abort", key) | None (stop).
-# Child -> server: ("ready", EngineInfo) | ("step", keys, tokens, updates, stats) |
-# ("failed", message). A step's requests that got exactly one token, without log-probs, and go
-# on (nearly all of them, at every step) come packed: ``keys`` and ``tokens`` are the bytes of
-# two int64 arrays (one request per entry), so a step's message costs no per-request pickling;
-# every other request is an update (key, new_tokens, new_logprobs, final result or None).
-_Update = tuple[int, list[int], list[float] | None, GenerationResult | None]
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent dies (best effort elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _widen(descriptor: int) -> None:
@@ -152,157 +62,60 @@ def _widen(descriptor: int) -> None:
         fcntl.fcntl(descriptor, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_BYTES)
 
 
-def _read_commands(connection: Connection, commands: queue.SimpleQueue[Any]) -> None:
-    """Forward the server's commands to the engine thread; a closed pipe means stop."""
-    try:
-        while True:
-            command = connection.recv()
-            commands.put(command)
-            if command is None:
-                return
-    except (EOFError, OSError):
-        commands.put(None)
+class _Rank:
+    """The server's end of one engine process: the process and its two pipes."""
+
+    def __init__(self, rank: int, process: Any, commands: Connection, output: Connection) -> None:
+        self.rank = rank
+        self.process = process
+        self.commands = commands
+        self.output = output
+        self.kv_blocks_used = 0
+
+    def exit_status(self, wait_s: float) -> int | None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return int(self.process.wait(wait_s))
+        return None
 
 
-def child_main(commands_end: Connection, output: Connection, parent: int) -> None:
-    """Entry point of the engine process: build the engine, then serve until told to stop.
-
-    Args:
-        commands_end: Read end of the command pipe (the first message is the
-            :class:`EngineSpec`).
-        output: Write end of the message pipe.
-        parent: Process id of the server (the process exits at once if it is gone).
-    """
-    _die_with_parent()
-    if os.getppid() != parent:
-        return  # the server died before the death signal was armed
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from mcore_inference.engine import InferenceEngine
-    from mcore_models import GPTModel
-
-    try:
-        spec: EngineSpec = commands_end.recv()
-    except (EOFError, OSError):
-        return
-    try:
-        model = GPTModel.from_hf(spec.model, dtype=spec.dtype, device=spec.device).eval()
-        engine = InferenceEngine(model, spec.engine)
-        engine.capture_graphs()
-    except Exception as exc:
-        output.send(("failed", f"loading {spec.model!r} failed: {type(exc).__name__}: {exc}"))
-        return
-    # The model, engine and graphs live as long as the process: out of the collector's
-    # generations, the full collections that per-step garbage triggers do not walk them.
-    gc.collect()
-    gc.freeze()
-    output.send(("ready", EngineInfo.of(engine, os.getpid())))
-    commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    reader = threading.Thread(
-        target=_read_commands, args=(commands_end, commands), name="mcore-engine-commands"
+def _spawn(rank: int, control_fds: tuple[int, ...] = ()) -> _Rank:
+    """Start one engine process with its command and message pipes (and the ends of the control
+    pipes it inherits)."""
+    command_read, command_write = os.pipe()
+    output_read, output_write = os.pipe()
+    _widen(output_write)
+    command = [
+        sys.executable,
+        "-m",
+        "mcore_inference.serve.engine_child",
+        str(command_read),
+        str(output_write),
+        str(os.getpid()),
+    ]
+    process = subprocess.Popen(
+        command, pass_fds=(command_read, output_write, *control_fds), stdin=subprocess.DEVNULL
     )
-    reader.daemon = True
-    reader.start()
-    with engine:
-        _serve(engine, commands, output, spec.admission_window_ms / 1e3)
-
-
-def _serve(
-    engine: Any, commands: queue.SimpleQueue[Any], output: Connection, window: float = 0.0
-) -> None:
-    """The child's engine loop: commands, one step, one message with its updates.
-
-    Requests that arrive while others run are held for up to ``window`` seconds (counted from
-    the first one held) and then admitted together, so that a burst of arrivals costs one
-    prefill step rather than one per engine step it is spread over.
-    """
-    ids: dict[int, int] = {}  # server key -> engine request id
-    keys: dict[int, int] = {}  # engine request id -> server key
-    held: dict[int, tuple[list[int], Any]] = {}  # server key -> request not admitted yet
-    held_since = 0.0
-    generated = steps = 0
-
-    def admit(key: int, prompt: list[int], params: Any) -> None:
-        request_id = engine.add_request(prompt, params)
-        ids[key], keys[request_id] = request_id, key
-
-    try:
-        while True:
-            busy = engine.has_unfinished()
-            command = _poll(commands) if busy or held else commands.get()
-            changed = False
-            while command is not _EMPTY:
-                if command is None:
-                    return  # asked to stop, or the server is gone
-                changed = True
-                if command[0] == "add":
-                    _, key, prompt, params = command
-                    if window > 0 and busy:
-                        if not held:
-                            held_since = time.monotonic()
-                        held[key] = (prompt, params)
-                    else:
-                        admit(key, prompt, params)
-                elif held.pop(command[1], None) is None:
-                    request_id = ids.pop(command[1], -1)
-                    if request_id >= 0:
-                        del keys[request_id]
-                        engine.abort(request_id)
-                command = _poll(commands)
-            if held and (not engine.has_unfinished() or time.monotonic() - held_since >= window):
-                for key, (prompt, params) in held.items():
-                    admit(key, prompt, params)
-                held.clear()
-            if not engine.has_unfinished():
-                if changed:
-                    output.send(("step", b"", b"", [], engine_stats(engine, generated, steps)))
-                continue
-            # The weights are this process's own and never change: checked at the first step only.
-            step = engine.step_updates(check_weights=steps == 0)
-            steps += 1
-            single_keys, single_tokens = array("q"), array("q")
-            updates: list[_Update] = []
-            for update in step:
-                new_tokens = update.new_tokens
-                generated += len(new_tokens)
-                key = keys.get(update.request_id)
-                if key is None:  # aborted by the server: nobody waits for it
-                    continue
-                if update.result is not None:
-                    del keys[update.request_id], ids[key]
-                elif len(new_tokens) == 1 and update.new_logprobs is None:
-                    single_keys.append(key)
-                    single_tokens.append(new_tokens[0])
-                    continue
-                updates.append((key, new_tokens, update.new_logprobs, update.result))
-            stats = engine_stats(engine, generated, steps)
-            output.send(("step", single_keys.tobytes(), single_tokens.tobytes(), updates, stats))
-    except OSError:
-        return  # the server is gone (broken pipe)
-    except Exception as exc:  # the engine broke: say why, the server fails the open requests
-        with contextlib.suppress(OSError):
-            output.send(("failed", f"engine loop failed: {type(exc).__name__}: {exc}"))
-
-
-_EMPTY = ("empty",)
-
-
-def _poll(commands: queue.SimpleQueue[Any]) -> Any:
-    """The next queued command (None: stop), or ``_EMPTY``."""
-    try:
-        return commands.get_nowait()
-    except queue.Empty:
-        return _EMPTY
+    # Only the child holds these ends now: its death closes the output pipe (EOF here).
+    os.close(command_read)
+    os.close(output_write)
+    return _Rank(
+        rank,
+        process,
+        Connection(command_write, readable=False),
+        Connection(output_read, writable=False),
+    )
 
 
 class EngineProcess(LoopFrontend):
-    """Runs the engine in a child process and serves requests from an asyncio event loop.
+    """Runs the engine in a child process (``spec.tp`` of them) and serves requests from an
+    asyncio event loop.
 
-    :meth:`launch` starts the process and waits until its engine is built; :meth:`start`
-    (on the event loop) begins reading its messages; :meth:`stop` stops it.
+    :meth:`launch` starts the processes and waits until their engine is built; :meth:`start`
+    (on the event loop) begins reading their messages; :meth:`stop` stops them. Rank 0 runs
+    the requests; the other ranks follow it (:mod:`mcore_inference.serve.engine_ranks`).
 
     Args:
-        spec: What the child loads.
+        spec: What the children load.
         max_waiting_requests: Most requests that may wait for a batch slot.
     """
 
@@ -314,9 +127,11 @@ class EngineProcess(LoopFrontend):
         )
         self.spec = spec
         self.info: EngineInfo | None = None
+        self._ranks: list[_Rank] = []
         self._process: Any = None
         self._commands: Connection | None = None
         self._output: Connection | None = None
+        self._store: str | None = None
         self._handles: dict[int, RequestHandle] = {}
         self._keys: dict[RequestHandle, int] = {}
         self._next_key = itertools.count()
@@ -325,12 +140,17 @@ class EngineProcess(LoopFrontend):
 
     @property
     def pid(self) -> int | None:
-        """The child's process id (None before :meth:`launch`)."""
+        """Rank 0's process id (None before :meth:`launch`)."""
         return None if self._process is None else self._process.pid
 
     @property
+    def pids(self) -> list[int]:
+        """The process id of every rank, rank 0 first (empty before :meth:`launch`)."""
+        return [rank.process.pid for rank in self._ranks]
+
+    @property
     def running(self) -> bool:
-        """True while the child serves requests."""
+        """True while the children serve requests."""
         return (
             self._reading
             and self._process is not None
@@ -339,63 +159,96 @@ class EngineProcess(LoopFrontend):
             and self._failure is None
         )
 
+    def rank_kv_blocks_used(self) -> list[int]:
+        """KV blocks held on each rank (rank 0's from its latest step, the others' as they
+        last reported them).
+
+        Returns:
+            One count per rank.
+        """
+        return [self._stats.kv_blocks_used] + [rank.kv_blocks_used for rank in self._ranks[1:]]
+
     def launch(self, timeout: float = 600.0) -> EngineInfo:
-        """Start the child process and wait until it has built its engine.
+        """Start the child processes and wait until their engine is built.
 
         Args:
             timeout: Seconds to wait for the engine.
 
         Returns:
-            The engine's sizes.
+            The engine's sizes (with every rank's process and device).
 
         Raises:
-            EngineProcessError: If the child failed to load the model, died or took longer
-                than ``timeout``.
+            EngineProcessError: If a child failed to load the model, died or took longer
+                than ``timeout`` (every child is then ended).
             RuntimeError: If it was launched before.
         """
         if self._process is not None:
             raise RuntimeError("the engine process was already launched")
-        command_read, command_write = os.pipe()
-        output_read, output_write = os.pipe()
-        _widen(output_write)
-        command = [
-            sys.executable,
-            "-m",
-            "mcore_inference.serve.engine_child",
-            str(command_read),
-            str(output_write),
-            str(os.getpid()),
-        ]
-        process = subprocess.Popen(
-            command, pass_fds=(command_read, output_write), stdin=subprocess.DEVNULL
-        )
-        # Only the child holds these ends now: its death closes the output pipe (EOF here).
-        os.close(command_read)
-        os.close(output_write)
-        self._process = process
-        self._commands = Connection(command_write, readable=False)
-        self._output = output = Connection(output_read, writable=False)
-        self._send(self.spec)
-        if not output.poll(timeout):
-            self._kill()
-            raise EngineProcessError(f"the engine process did not start within {timeout} s")
+        tp = self.spec.tp
+        # One control pipe from rank 0 to each other rank (engine_ranks.ControlChannel).
+        pipes = [os.pipe() for _ in range(tp - 1)]
+        control_fds = [tuple(w for _, w in pipes)] + [(r,) for r, _ in pipes]
+        if tp > 1:
+            self._store = tempfile.mkdtemp(prefix="mcore-serve-ranks-")
         try:
-            message = output.recv()
-        except EOFError:
-            raise EngineProcessError(
-                f"the engine process exited with status {process.wait(10)} while loading "
-                f"{self.spec.model!r}"
-            ) from None
-        if message[0] != "ready":
-            process.wait(10)
-            raise EngineProcessError(message[1])
-        info: EngineInfo = message[1]
+            self._ranks = [_spawn(rank, control_fds[rank]) for rank in range(tp)]
+        finally:
+            for ends in pipes:  # the ranks hold them now
+                for end in ends:
+                    os.close(end)
+        first = self._ranks[0]
+        self._process, self._commands, self._output = first.process, first.commands, first.output
+        for rank in self._ranks:
+            placement = None
+            if self._store is not None:
+                store = os.path.join(self._store, "store")
+                placement = RankPlacement(
+                    rank=rank.rank, world_size=tp, store=store, control_fds=control_fds[rank.rank]
+                )
+            with contextlib.suppress(OSError):
+                rank.commands.send((self.spec, placement))
+        infos = self._wait_until_ready(timeout)
+        info = dataclasses.replace(
+            infos[0],
+            pids=tuple(info.pid for info in infos),
+            devices=tuple(info.device for info in infos),
+        )
         self.info = info
         self._stats = LoopStats(kv_blocks_total=info.kv_blocks)
         return info
 
+    def _wait_until_ready(self, timeout: float) -> list[EngineInfo]:
+        """Every rank's ready message, in rank order; the first failure ends them all."""
+        infos: dict[int, EngineInfo] = {}
+        pending = {rank.output: rank for rank in self._ranks}
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready = wait(list(pending), max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._end_all()
+                raise EngineProcessError(f"the engine process did not start within {timeout} s")
+            for output in ready:
+                assert isinstance(output, Connection)
+                rank = pending.pop(output)
+                try:
+                    message = output.recv()
+                except EOFError:
+                    status = rank.exit_status(10)
+                    self._end_all()
+                    which = f" (rank {rank.rank})" if len(self._ranks) > 1 else ""
+                    raise EngineProcessError(
+                        f"the engine process{which} exited with status {status} while loading "
+                        f"{self.spec.model!r}"
+                    ) from None
+                if message[0] != "ready":
+                    rank.exit_status(10)
+                    self._end_all()
+                    raise EngineProcessError(message[1])
+                infos[rank.rank] = message[1]
+        return [infos[rank] for rank in range(len(self._ranks))]
+
     def start(self) -> None:
-        """Begin reading the child's messages; call it from the event loop that will submit.
+        """Begin reading the children's messages; call it from the event loop that will submit.
 
         Raises:
             RuntimeError: If it was not launched or was started before.
@@ -404,8 +257,10 @@ class EngineProcess(LoopFrontend):
             raise RuntimeError("launch() the engine process before starting it")
         if self._reading:
             raise RuntimeError("the engine process was already started")
-        self._event_loop = asyncio.get_running_loop()
-        self._event_loop.add_reader(self._output.fileno(), self._on_readable)
+        self._event_loop = loop = asyncio.get_running_loop()
+        loop.add_reader(self._output.fileno(), self._on_readable)
+        for rank in self._ranks[1:]:
+            loop.add_reader(rank.output.fileno(), self._on_follower_readable, rank)
         self._reading = True
 
     def _send(self, message: Any) -> None:
@@ -428,7 +283,7 @@ class EngineProcess(LoopFrontend):
             self._send(("abort", key))
 
     def _on_readable(self) -> None:
-        """Take every message waiting in the pipe, then wake the handlers once."""
+        """Take every message waiting in rank 0's pipe, then wake the handlers once."""
         output = self._output
         assert output is not None
         try:
@@ -437,10 +292,28 @@ class EngineProcess(LoopFrontend):
                 if message[0] == "step":
                     self._on_step(*message[1:])
                 elif message[0] == "failed":
-                    self._failure = message[1]
-                    self._fail_open(message[1])
+                    self._fail(self._blame(message[1]))
         except (EOFError, OSError):
             self._on_exit()
+
+    def _on_follower_readable(self, rank: _Rank) -> None:
+        """Messages of a rank other than 0: its KV blocks, a failure, or its exit."""
+        try:
+            while rank.output.poll():
+                message = rank.output.recv()
+                if message[0] == "blocks":
+                    rank.kv_blocks_used = message[2]
+                elif message[0] == "failed":
+                    self._fail(message[1])
+        except (EOFError, OSError):
+            assert self._event_loop is not None
+            self._event_loop.remove_reader(rank.output.fileno())
+            if not self._stopping and self._failure is None:
+                status = rank.exit_status(1)
+                self._fail(
+                    f"engine rank {rank.rank} of tp={len(self._ranks)} (process "
+                    f"{rank.process.pid}) exited unexpectedly (status {status})"
+                )
 
     def _on_step(
         self, single_keys: bytes, single_tokens: bytes, updates: list[_Update], stats: LoopStats
@@ -465,16 +338,46 @@ class EngineProcess(LoopFrontend):
         self._count_tokens(new_tokens)
         self._stats = stats
 
+    def _blame(self, message: str) -> str:
+        """Rank 0's failure, naming the other rank that died first when one did (rank 0 then
+        fails in a collective with it: the dead rank is the cause worth reporting)."""
+        if len(self._ranks) < 2:
+            return message
+        deadline = time.monotonic() + _BLAME_WAIT_S
+        while True:
+            for rank in self._ranks[1:]:
+                if rank.process.poll() is not None:
+                    return (
+                        f"engine rank {rank.rank} of tp={len(self._ranks)} (process "
+                        f"{rank.process.pid}) exited unexpectedly (status "
+                        f"{rank.process.returncode}); rank 0 then failed: {message}"
+                    )
+            if time.monotonic() >= deadline:
+                return message
+            time.sleep(0.01)
+
+    def _fail(self, message: str) -> None:
+        """The engine failed: fail the open requests (with the first failure's message); with
+        several ranks end them all (the others could wait for a failed one in a collective for
+        ever)."""
+        if self._failure is None:
+            self._failure = message
+        self._fail_open(self._failure)
+        if len(self._ranks) > 1:
+            for rank in self._ranks:
+                if rank.process.poll() is None:
+                    rank.process.kill()
+
     def _on_exit(self) -> None:
         assert self._event_loop is not None and self._output is not None
         self._event_loop.remove_reader(self._output.fileno())
         self._reading = False
         if not self._stopping and self._failure is None:
-            code = None
-            if self._process is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    code = self._process.wait(1)
-            self._failure = f"the engine process exited unexpectedly (status {code})"
+            status = self._ranks[0].exit_status(1)
+            which = " (rank 0)" if len(self._ranks) > 1 else ""
+            self._fail(
+                self._blame(f"the engine process{which} exited unexpectedly (status {status})")
+            )
         self._fail_open(self._failure or "the server is shutting down")
 
     def _fail_open(self, message: str) -> None:
@@ -484,13 +387,13 @@ class EngineProcess(LoopFrontend):
         self._keys.clear()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop the child (it aborts what is left and releases the GPU) and wait for it.
+        """Stop the children (they abort what is left and release the GPU) and wait for them.
 
         Idempotent; a child still alive after ``timeout`` is killed. Requests still open
         fail with "the server is shutting down".
 
         Args:
-            timeout: Seconds to wait for the child; None waits as long as it takes.
+            timeout: Seconds to wait for the children; None waits as long as it takes.
         """
         self._stopping = True
         if self._process is None:
@@ -499,18 +402,29 @@ class EngineProcess(LoopFrontend):
             self._send(None)
             with self._send_lock:
                 self._commands.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._process.wait(timeout)
-        self._kill()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for rank in self._ranks:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rank.process.wait(left)
+        self._end_all()
         loop = self._event_loop
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._fail_open, "the server is shutting down")
 
-    def _kill(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.kill()
-            self._process.wait(10)
+    def _end_all(self) -> None:
+        """Kill the children still running, wait for them, close the pipes of the other ranks
+        and remove the ranks' store."""
+        for rank in self._ranks:
+            if rank.process.poll() is None:
+                rank.process.kill()
+                rank.process.wait(10)
+        for rank in self._ranks:
+            with self._send_lock:
+                rank.commands.close()
+        if self._store is not None:
+            shutil.rmtree(self._store, ignore_errors=True)
 
     def __repr__(self) -> str:
-        return f"EngineProcess(pid={self.pid}, running={self.running}, stats={self._stats})"
+        return f"EngineProcess(pids={self.pids}, running={self.running}, stats={self._stats})"

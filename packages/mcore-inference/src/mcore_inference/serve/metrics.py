@@ -118,6 +118,13 @@ class ServerMetrics:
             full = _PREFIX + name
             lines += [f"# HELP {full}_total {doc}", f"# TYPE {full}_total counter"]
             lines.append(f"{full}_total{{{model}}} {value}")
+        full = _PREFIX + "rank_kv_cache_blocks_used"
+        lines += [
+            f"# HELP {full} KV-cache blocks held by requests on each engine rank.",
+            f"# TYPE {full} gauge",
+        ]
+        for rank, used in enumerate(self._loop.rank_kv_blocks_used()):
+            lines.append(f'{full}{{{model},rank="{rank}"}} {used}')
         full = _PREFIX + "http_responses_total"
         lines += [f"# HELP {full} HTTP answers by endpoint and status.", f"# TYPE {full} counter"]
         for (endpoint, status), count in sorted(self.responses.items()):

@@ -31,7 +31,7 @@ from mcore_inference.serve.engine_process import EngineInfo, EngineProcess, Engi
 from mcore_inference.serve.generation import ModelLimits
 from mcore_inference.serve.metrics import ServerMetrics
 
-__all__ = ["load_server_state", "model_summary", "serve"]
+__all__ = ["check_tensor_parallel", "load_server_state", "model_summary", "serve"]
 
 
 def _architecture(directory: Path) -> str:
@@ -52,21 +52,68 @@ def model_summary(state: ServerState, info: EngineInfo, directory: Path) -> str:
         directory: The checkpoint directory.
 
     Returns:
-        The summary (architecture, parameters, shape, dtype, device, cache, batch, context,
-        engine process).
+        The summary (architecture, parameters of the whole model, shape, dtype, devices,
+        tensor-parallel size, cache, batch, context, engine processes).
     """
     limits = state.limits
-    where = "on a thread of the server" if info.pid == os.getpid() else f"in process {info.pid}"
+    if info.pid == os.getpid():
+        where = "on a thread of the server"
+    elif info.tp > 1:
+        where = f"in processes {', '.join(map(str, info.pids))} (rank 0 answers the server)"
+    else:
+        where = f"in process {info.pid}"
+    devices = "+".join(info.devices) if info.tp > 1 else info.device
     return (
         f"model {state.model_name!r}: {_architecture(directory)}, "
         f"{info.parameters / 1e6:.2f}M parameters, "
         f"{info.num_layers} layers, hidden {info.hidden_size}, "
         f"{info.num_attention_heads} heads ({info.num_kv_heads} KV), vocab {info.vocab_size}, "
-        f"{info.dtype} on {info.device}; "
+        f"{info.dtype} on {devices}, tp {info.tp}; "
         f"KV cache {limits.kv_blocks} blocks x {limits.block_size} tokens, "
         f"batch {info.max_batch_size}, context {limits.max_sequence_length} tokens; "
         f"engine {where}"
     )
+
+
+def check_tensor_parallel(directory: Path, tp: int, device: str) -> None:
+    """Check ``--tp`` against the checkpoint and the machine before any rank starts.
+
+    Args:
+        directory: The checkpoint directory.
+        tp: The tensor-parallel size.
+        device: The engine's device (``cuda`` or ``cpu``).
+
+    Raises:
+        InferenceConfigError: If ``tp`` does not divide the model's attention heads, KV heads,
+            FFN size or vocabulary, or exceeds the number of visible GPUs on CUDA.
+        CheckpointFormatError: If ``config.json`` describes an unsupported architecture.
+    """
+    if tp == 1:
+        return
+    from mcore_models.gpt.hf import config_from_hf
+
+    file = directory / "config.json"
+    if file.is_file():
+        model = config_from_hf(json.loads(file.read_text()))
+        sizes = {
+            "attention heads": model.num_attention_heads,
+            "KV heads": model.num_kv_heads,
+            "FFN size": model.ffn_hidden_size,
+            "vocabulary": model.vocab_size,
+        }
+        for what, value in sizes.items():
+            if value % tp:
+                listed = ", ".join(f"{name} {size}" for name, size in sizes.items())
+                raise InferenceConfigError(
+                    f"tp={tp} does not divide the model's {what} ({value}); expected a "
+                    f"tensor-parallel size that divides each of: {listed}"
+                )
+    if device.startswith("cuda"):
+        visible = torch.cuda.device_count()
+        if tp > visible:
+            raise InferenceConfigError(
+                f"tp={tp} needs {tp} GPUs (one per rank); {visible} are visible"
+            )
 
 
 def load_server_state(config: ServeConfig) -> ServerState:
@@ -81,7 +128,8 @@ def load_server_state(config: ServeConfig) -> ServerState:
         the engine is built and ready).
 
     Raises:
-        InferenceConfigError: If ``config.model`` is not a directory.
+        InferenceConfigError: If ``config.model`` is not a directory, or ``config.tp`` does
+            not fit the model or the visible GPUs.
         TokenizerUnavailableError: If the tokenizer cannot be loaded.
         CheckpointFormatError: If the weights cannot be loaded (engine on a thread).
         EngineProcessError: If the engine process fails to load the weights or dies.
@@ -93,8 +141,9 @@ def load_server_state(config: ServeConfig) -> ServerState:
         raise InferenceConfigError(
             f"model={config.model!r}; expected a Hugging Face checkpoint directory"
         )
-    tokenizer = HFTokenizer(directory)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_tensor_parallel(directory, config.tp, device)
+    tokenizer = HFTokenizer(directory)
     engine_config = InferenceConfig(
         max_batch_size=config.max_batch_size,
         max_sequence_length=config.max_sequence_length,
@@ -113,6 +162,7 @@ def load_server_state(config: ServeConfig) -> ServerState:
             dtype=config.dtype,
             engine=engine_config,
             admission_window_ms=config.admission_window_ms,
+            tp=config.tp,
         )
         process = EngineProcess(spec, max_waiting_requests=config.max_waiting_requests)
         info = process.launch()
