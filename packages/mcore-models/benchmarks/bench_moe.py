@@ -329,6 +329,9 @@ def run_case(
         "mcore MoELayer dropless, torch._grouped_mm, fused kernels": lambda: _moe(
             case, device, expert_kernel="grouped_mm"
         ),
+        "mcore MoELayer dropless, torch._grouped_mm, fused kernels, one autograd op": lambda: _moe(
+            case, device, expert_kernel="grouped_mm", fused_experts=True
+        ),
         "mcore MoELayer dropless, torch._grouped_mm, fused kernels, weights in the combine": (
             lambda: _moe(case, device, expert_kernel="grouped_mm", weights_in_experts=False)
         ),

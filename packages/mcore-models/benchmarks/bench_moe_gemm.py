@@ -160,6 +160,103 @@ def _batched(p: Problem) -> dict[str, Callable[[], object]]:
     }
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _grouped_mm_aligned(p: Problem, align: int = 128) -> dict[str, Callable[[], object]]:
+    """``torch._grouped_mm`` with every expert's rows padded up to a multiple of ``align``
+    (zero rows: the GEMMs run aligned groups, at the cost of the padding rows)."""
+    padded = [_round_up(size, align) for size in p.sizes]
+    rows = sum(padded)
+    offs = torch.tensor(padded, device=p.x.device).cumsum(0).to(torch.int32)
+    bf16 = dict(device=p.x.device, dtype=p.x.dtype)
+    x = torch.randn(rows, p.hidden, **bf16)
+    act = torch.randn(rows, p.ffn, **bf16)
+    grad = torch.randn(rows, p.hidden, **bf16)
+    grad_gu = torch.randn(rows, 2 * p.ffn, **bf16)
+    gmm = torch._grouped_mm
+    return {
+        "gate_up": lambda: gmm(x, p.w_gu.transpose(-2, -1), offs=offs),
+        "down": lambda: gmm(act, p.w_d.transpose(-2, -1), offs=offs),
+        "d_act": lambda: gmm(grad, p.w_d, offs=offs),
+        "d_x": lambda: gmm(grad_gu, p.w_gu, offs=offs),
+        "w_down": lambda: gmm(grad.t(), act, offs=offs),
+        "w_gate_up": lambda: gmm(grad_gu.t(), x, offs=offs),
+    }
+
+
+def _split(p: Problem, capacity: int) -> dict[str, Callable[[], object]]:
+    """Each expert's first ``capacity`` rows as batched cuBLAS GEMMs on ``[E, capacity]``
+    slots, the rows past it (overflow, in expert order) as one ``torch._grouped_mm``; the
+    weight gradients: the overflow's grouped GEMM, then the batched GEMM accumulating into it
+    (``baddbmm_``, beta 1). Dropless without a host sync: ``capacity`` is fixed up front and
+    the overflow buffer has a static size (all assignments)."""
+    over = (p.counts - capacity).clamp(min=0)
+    offs = over.cumsum(0).to(torch.int32)
+    bf16 = dict(device=p.x.device, dtype=p.x.dtype)
+    e, c = p.experts, capacity
+    xs = torch.randn(e, c, p.hidden, **bf16)
+    acts = torch.randn(e, c, p.ffn, **bf16)
+    grads = torch.randn(e, c, p.hidden, **bf16)
+    grad_gus = torch.randn(e, c, 2 * p.ffn, **bf16)
+    gmm = torch._grouped_mm
+    x, act, grad, grad_gu = p.x, p.act, p.grad, p.grad_gu
+    w_gu_t, w_d_t = p.w_gu.transpose(1, 2), p.w_d.transpose(1, 2)
+
+    def gate_up() -> None:
+        torch.bmm(xs, w_gu_t)
+        gmm(x, w_gu_t, offs=offs)
+
+    def down() -> None:
+        torch.bmm(acts, w_d_t)
+        gmm(act, w_d_t, offs=offs)
+
+    def d_act() -> None:
+        torch.bmm(grads, p.w_d)
+        gmm(grad, p.w_d, offs=offs)
+
+    def d_x() -> None:
+        torch.bmm(grad_gus, p.w_gu)
+        gmm(grad_gu, p.w_gu, offs=offs)
+
+    def w_down() -> None:
+        out = gmm(grad.t(), act, offs=offs)
+        out.baddbmm_(grads.transpose(1, 2), acts)
+
+    def w_gate_up() -> None:
+        out = gmm(grad_gu.t(), x, offs=offs)
+        out.baddbmm_(grad_gus.transpose(1, 2), xs)
+
+    return {
+        "gate_up": gate_up,
+        "down": down,
+        "d_act": d_act,
+        "d_x": d_x,
+        "w_down": w_down,
+        "w_gate_up": w_gate_up,
+    }
+
+
+def _batched_max(p: Problem) -> dict[str, Callable[[], object]]:
+    """Batched cuBLAS GEMMs with every expert padded to the largest expert (rounded to 8)."""
+    cap = _round_up(max(p.sizes), 8)
+    bf16 = dict(device=p.x.device, dtype=p.x.dtype)
+    e = p.experts
+    xs = torch.randn(e, cap, p.hidden, **bf16)
+    acts = torch.randn(e, cap, p.ffn, **bf16)
+    grads = torch.randn(e, cap, p.hidden, **bf16)
+    grad_gus = torch.randn(e, cap, 2 * p.ffn, **bf16)
+    return {
+        "gate_up": lambda: torch.bmm(xs, p.w_gu.transpose(1, 2)),
+        "down": lambda: torch.bmm(acts, p.w_d.transpose(1, 2)),
+        "d_act": lambda: torch.bmm(grads, p.w_d),
+        "d_x": lambda: torch.bmm(grad_gus, p.w_gu),
+        "w_down": lambda: torch.bmm(grads.transpose(1, 2), acts),
+        "w_gate_up": lambda: torch.bmm(grad_gus.transpose(1, 2), xs),
+    }
+
+
 def _dense(p: Problem) -> dict[str, Callable[[], object]]:
     gu, d = p.w_gu[0], p.w_d[0]
     return {
@@ -177,6 +274,7 @@ def run_case(
     case: dict[str, int],
     reps: int,
     emit: Callable[[list[dict]], None] | None = None,
+    only: list[str] | None = None,
 ) -> list[dict]:
     """Time every GEMM of one case with every implementation.
 
@@ -185,6 +283,7 @@ def run_case(
         case: Shapes (hidden, experts, top_k, ffn, tokens).
         reps: Timed repetitions per GEMM.
         emit: Called with the rows so far after every implementation.
+        only: Implementations whose name contains one of these words (default: all).
 
     Returns:
         One row per (implementation, GEMM).
@@ -196,9 +295,19 @@ def run_case(
         "torch._grouped_mm": _grouped_mm,
         "torch._grouped_mm, [E, K, N] weights": _grouped_mm_kn,
         "bmm, equal groups": _batched,
+        "bmm, padded to the largest expert": _batched_max,
+        "torch._grouped_mm, groups padded to 128 rows": _grouped_mm_aligned,
+        "bmm on mean capacity (rounded down to 64) + grouped_mm overflow": lambda q: _split(
+            q, max(64, (q.rows // q.experts) // 64 * 64)
+        ),
+        "bmm on 0.9x mean capacity + grouped_mm overflow": lambda q: _split(
+            q, max(64, int(0.9 * q.rows / q.experts) // 64 * 64)
+        ),
     }
     if case["experts"] <= 16:
         impls["cuBLAS loop over experts"] = _loop
+    if only:
+        impls = {key: value for key, value in impls.items() if any(w in key for w in only)}
     rows = []
     imbalance = max(p.sizes) / (p.rows / p.experts)
     for impl, make in impls.items():
@@ -263,6 +372,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--cases", nargs="*", help="case names (default: all)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per GEMM")
+    parser.add_argument(
+        "--only", nargs="*", help="implementations containing one of these words (default: all)"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -278,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, case in CASES.items():
         if args.cases and name not in args.cases:
             continue
-        rows.extend(run_case(name, case, args.reps, write))
+        rows.extend(run_case(name, case, args.reps, write, args.only))
         torch.cuda.empty_cache()
     print(_markdown(device_name, rows), flush=True)
 

@@ -91,6 +91,12 @@ class MoEConfig:
     same up to rounding), and combine with a plain sum. The weight gradient then comes from
     the SwiGLU backward pass, and the combine neither saves the expert outputs nor reads them
     again in the backward pass. False scales in the combine, as the other paths do."""
+    fused_experts: bool = False
+    """Dropless on one rank with ``expert_kernel="grouped_mm"`` and ``weights_in_experts``, on
+    the GPU: run the token permutation, both grouped GEMMs, the weighted SwiGLU and the combine
+    as one autograd operation (:func:`mcore_kernels.moe.routed_experts`): the same kernels with
+    one autograd node instead of seven, less host work per step. Off by default until measured
+    faster (see ``docs/benchmarks/moe.md``)."""
     layer_step: int = 1
     """Every ``layer_step``-th layer is a MoE layer (layers ``i`` with ``(i + 1) % step == 0``)."""
     dense_layers: tuple[int, ...] = ()

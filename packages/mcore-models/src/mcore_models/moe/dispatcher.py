@@ -219,6 +219,8 @@ def dispatch_and_combine(
         if fused:
             outputs = experts_module.forward_tokens(x, order, inverse, counts, top_k)
         elif weights_in_experts and comm.ep_group is None and comm.etp_group is None:
+            if experts_module.fuses_routing(x):
+                return experts_module.forward_routed(x, weights, order, inverse, counts), counts
             permuted = permute_tokens(x, order // top_k, inverse, top_k)
             # Each row's routing weight, in row order (a gather; its backward gathers back).
             row_weights = PermuteRows.apply(weights.reshape(-1, 1), order, inverse).view(-1)

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mcore_kernels.moe import grouped_swiglu_mlp, swiglu, weighted_swiglu
+from mcore_kernels._backend import use_triton
+from mcore_kernels.moe import grouped_swiglu_mlp, routed_experts, swiglu, weighted_swiglu
 from mcore_models.errors import ModelInputError
 
 __all__ = ["GroupedExperts", "grouped_mm_supported"]
@@ -155,6 +156,8 @@ class GroupedExperts(nn.Module):
             False runs a loop over experts.
         expert_kernel: "grouped_mm", "triton", "cublas" or "bmm" (see
             ``MoEConfig.expert_kernel``).
+        fused: Run dropless routed assignments as one fused operation where possible (see
+            ``MoEConfig.fused_experts`` and :meth:`fuses_routing`).
         device: Device of the weights (``"meta"`` for construction without memory).
     """
 
@@ -167,12 +170,14 @@ class GroupedExperts(nn.Module):
         *,
         grouped_gemm: bool = True,
         expert_kernel: str = "grouped_mm",
+        fused: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.grouped_gemm = grouped_gemm
         self.expert_kernel = expert_kernel
+        self.fused = fused
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2, ffn_hidden_size, hidden_size, dtype=dtype, device=device)
         )
@@ -200,6 +205,52 @@ class GroupedExperts(nn.Module):
             loop over experts.
         """
         return self.grouped_gemm and self.expert_kernel == "triton"
+
+    def fuses_routing(self, tokens: torch.Tensor) -> bool:
+        """Whether :meth:`forward_routed` runs these tokens as one fused operation.
+
+        Args:
+            tokens: The tokens about to be run.
+
+        Returns:
+            True with ``fused`` on, ``expert_kernel="grouped_mm"``, the Triton kernels for
+            these tokens and ``torch._grouped_mm`` on their device.
+        """
+        return (
+            self.fused
+            and self.grouped_gemm
+            and self.expert_kernel == "grouped_mm"
+            and use_triton(tokens)
+            and grouped_mm_supported(tokens.device, tokens.dtype)
+        )
+
+    def forward_routed(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        order: torch.Tensor,
+        inverse: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> torch.Tensor:
+        """Permute, run and combine dropless routing assignments in one fused operation.
+
+        The routing weights scale each row's activation inside the experts (as with
+        ``row_weights`` in :meth:`forward`); see :func:`mcore_kernels.moe.routed_experts`.
+
+        Args:
+            x: ``[T, hidden]`` tokens.
+            weights: ``[T, top_k]`` routing weights.
+            order: ``[T * top_k]`` int64 assignment in each expert row (sorted by expert).
+            inverse: ``[T * top_k]`` int64 row of each assignment.
+            counts: ``[num_experts]`` int64 rows of each expert.
+
+        Returns:
+            ``[T, hidden]`` weighted sum of each token's expert outputs.
+        """
+        offsets = counts.cumsum(0).to(torch.int32)
+        return routed_experts(
+            x, weights, self._gate_up_weight(), self.down_proj, order, inverse, offsets
+        )
 
     def forward_tokens(
         self,
