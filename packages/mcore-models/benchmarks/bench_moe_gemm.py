@@ -115,7 +115,15 @@ def _grouped_mm_kn(p: Problem) -> dict[str, Callable[[], object]]:
     }
 
 
-def _loop(p: Problem) -> dict[str, Callable[[], object]]:
+def _loop_streams(p: Problem) -> dict[str, Callable[[], object]]:
+    """The cuBLAS loop over experts on two CUDA streams, alternating experts (one expert's
+    last partial wave of tiles overlaps the next expert's GEMM)."""
+    return _loop(p, streams=(torch.cuda.Stream(), torch.cuda.Stream()))
+
+
+def _loop(
+    p: Problem, streams: tuple[torch.cuda.Stream, ...] = ()
+) -> dict[str, Callable[[], object]]:
     starts = [0]
     for size in p.sizes:
         starts.append(starts[-1] + size)
@@ -128,8 +136,18 @@ def _loop(p: Problem) -> dict[str, Callable[[], object]]:
 
     def run(fn: Callable[[int, int, int], object]) -> Callable[[], None]:
         def go() -> None:
+            if not streams:
+                for e, s, t in spans:
+                    fn(e, s, t)
+                return
+            main = torch.cuda.current_stream()
+            for stream in streams:
+                stream.wait_stream(main)
             for e, s, t in spans:
-                fn(e, s, t)
+                with torch.cuda.stream(streams[e % len(streams)]):
+                    fn(e, s, t)
+            for stream in streams:
+                main.wait_stream(stream)
 
         return go
 
@@ -183,6 +201,32 @@ def _grouped_mm_aligned(p: Problem, align: int = 128) -> dict[str, Callable[[], 
         "d_x": lambda: gmm(grad_gu, p.w_gu, offs=offs),
         "w_down": lambda: gmm(grad.t(), act, offs=offs),
         "w_gate_up": lambda: gmm(grad_gu.t(), x, offs=offs),
+    }
+
+
+def _transposed(p: Problem, align: int = 8) -> dict[str, Callable[[], object]]:
+    """``torch._grouped_mm`` on the transposed problem: the expert weights are the M operand
+    (``W[e] @ rows.T``, weights 3-D times activations 2-D, groups along N), activations held
+    ``[features, rows]``. A tile's N then spans an expert's rows, so each weight tile is read
+    once per expert (the untransposed GEMM reads it once per M tile of rows). Every expert's
+    rows are padded to a multiple of ``align`` (group starts 16-byte aligned along the
+    contiguous dimension)."""
+    padded = [_round_up(size, align) for size in p.sizes]
+    rows = sum(padded)
+    offs = torch.tensor(padded, device=p.x.device).cumsum(0).to(torch.int32)
+    bf16 = dict(device=p.x.device, dtype=p.x.dtype)
+    x_t = torch.randn(p.hidden, rows, **bf16)
+    act_t = torch.randn(p.ffn, rows, **bf16)
+    grad_t = torch.randn(p.hidden, rows, **bf16)
+    grad_gu_t = torch.randn(2 * p.ffn, rows, **bf16)
+    gmm = torch._grouped_mm
+    return {
+        "gate_up": lambda: gmm(p.w_gu, x_t, offs=offs),
+        "down": lambda: gmm(p.w_d, act_t, offs=offs),
+        "d_act": lambda: gmm(p.w_d.transpose(-2, -1), grad_t, offs=offs),
+        "d_x": lambda: gmm(p.w_gu.transpose(-2, -1), grad_gu_t, offs=offs),
+        "w_down": lambda: gmm(grad_t, act_t.t(), offs=offs),
+        "w_gate_up": lambda: gmm(grad_gu_t, x_t.t(), offs=offs),
     }
 
 
@@ -297,6 +341,7 @@ def run_case(
         "bmm, equal groups": _batched,
         "bmm, padded to the largest expert": _batched_max,
         "torch._grouped_mm, groups padded to 128 rows": _grouped_mm_aligned,
+        "torch._grouped_mm transposed (weights as M), groups padded to 8": _transposed,
         "bmm on mean capacity (rounded down to 64) + grouped_mm overflow": lambda q: _split(
             q, max(64, (q.rows // q.experts) // 64 * 64)
         ),
@@ -306,6 +351,7 @@ def run_case(
     }
     if case["experts"] <= 16:
         impls["cuBLAS loop over experts"] = _loop
+        impls["cuBLAS loop over experts, two streams"] = _loop_streams
     if only:
         impls = {key: value for key, value in impls.items() if any(w in key for w in only)}
     rows = []
