@@ -34,32 +34,51 @@ def _block(hidden: int) -> int:
     return min(2048, triton.next_power_of_2(max(hidden, 1)))
 
 
+GATHER_ROWS = 1
+"""Rows per program of the row gather and row-sum kernels."""
+GATHER_BLOCK = 2048
+"""Most columns per program of the row gather and row-sum kernels."""
+GATHER_WARPS = 4
+"""Warps per program of the row gather and row-sum kernels."""
+
+
+def _tiles(rows: int, hidden: int) -> tuple[tuple[int, int], int, int]:
+    """Grid, rows per program and columns per program of a row gather or row sum."""
+    import triton
+
+    block = min(GATHER_BLOCK, triton.next_power_of_2(max(hidden, 1)))
+    return (triton.cdiv(rows, GATHER_ROWS), triton.cdiv(hidden, block)), GATHER_ROWS, block
+
+
 def _device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+    if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
 
 
 def _gather_rows(
     src: torch.Tensor, index: torch.Tensor, divisor: int, scale: torch.Tensor | None
 ) -> torch.Tensor:
     """``out[r] = src[index[r] // divisor] (* scale[index[r]])``, zero where ``index < 0``."""
-    import triton
-
     from mcore_kernels.moe._triton import gather_rows_kernel
 
     hidden = src.shape[1]
     out = src.new_empty(index.shape[0], hidden)
     if index.numel() and hidden:
-        block = _block(hidden)
+        grid, rows, block = _tiles(index.shape[0], hidden)
         with _device(src):
-            gather_rows_kernel[(index.shape[0], triton.cdiv(hidden, block))](
+            gather_rows_kernel[grid](
                 src,
                 index,
                 scale if scale is not None else src,
                 out,
+                index.shape[0],
                 hidden,
                 INDEX_DIV=divisor,
                 HAS_SCALE=scale is not None,
+                ROWS=rows,
                 BLOCK_H=block,
+                num_warps=GATHER_WARPS,
             )
     return out
 
@@ -68,25 +87,26 @@ def _sum_rows(
     src: torch.Tensor, slots: torch.Tensor, top_k: int, weights: torch.Tensor | None
 ) -> torch.Tensor:
     """``out[t] = sum_j (w[t, j] *) src[slots[t * top_k + j]]`` over valid slots."""
-    import triton
-
     from mcore_kernels.moe._triton import sum_rows_kernel
 
     hidden = src.shape[1]
     num_tokens = slots.shape[0] // top_k
     out = src.new_empty(num_tokens, hidden)
     if num_tokens and hidden:
-        block = _block(hidden)
+        grid, rows, block = _tiles(num_tokens, hidden)
         with _device(src):
-            sum_rows_kernel[(num_tokens, triton.cdiv(hidden, block))](
+            sum_rows_kernel[grid](
                 src,
                 slots,
                 weights if weights is not None else src,
                 out,
+                num_tokens,
                 hidden,
                 TOP_K=top_k,
                 HAS_WEIGHTS=weights is not None,
+                ROWS=rows,
                 BLOCK_H=block,
+                num_warps=GATHER_WARPS,
             )
     return out
 

@@ -12,7 +12,6 @@ backward are bitwise reproducible.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
-from mcore_kernels.moe.permute import _gather_rows, _sum_rows
+from mcore_kernels.moe.permute import _device, _gather_rows, _sum_rows
 
 __all__ = ["routed_experts", "routed_experts_reference"]
 
@@ -120,12 +119,6 @@ class RoutedExpertsFunction(torch.autograd.Function):
         if needs_w:
             grad_w = grad_flat_w.to(flat_w.dtype).view(ctx.weights_shape)
         return grad_x, grad_w, grad_gu, grad_down, None, None, None, None
-
-
-def _device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
-    if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
-        return torch.cuda.device(tensor.device)
-    return contextlib.nullcontext()
 
 
 def routed_experts_reference(
