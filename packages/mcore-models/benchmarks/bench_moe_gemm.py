@@ -204,6 +204,50 @@ def _grouped_mm_aligned(p: Problem, align: int = 128) -> dict[str, Callable[[], 
     }
 
 
+def spread_groups(weight: torch.Tensor, offsets: torch.Tensor, rows: int, limit: int = 128):
+    """The same grouped GEMM with ``f - 1`` empty groups after every expert but the last:
+    weights ``[f * (E - 1) + 1, ...]`` as a strided view whose group ``f * e`` is expert ``e``
+    (the empty groups point into expert ``e``'s weights and are never read), offsets repeated.
+    ``torch._grouped_mm`` sizes its tiles by the mean rows per group: at most ``limit`` picks its
+    64x128x128 ping-pong tiles instead of 128x256x64 (less padding in each expert's last tile,
+    epilogue overlapped with the next tile's main loop)."""
+    experts = weight.shape[0]
+    stride = weight.stride(0)
+    factor = 1
+    while experts > 1 and rows / (factor * (experts - 1) + 1) > limit:
+        factor += 1
+        # Every group's weights must start on a 16-byte boundary.
+        while stride % factor or (stride // factor) % 8:
+            factor += 1
+    groups = factor * (experts - 1) + 1
+    strided = torch.as_strided(
+        weight,
+        (groups, *weight.shape[1:]),
+        (weight.stride(0) // factor, *weight.stride()[1:]),
+        weight.storage_offset(),
+    )
+    return strided, offsets.repeat_interleave(factor)[:groups]
+
+
+def _grouped_mm_small_tiles(p: Problem) -> dict[str, Callable[[], object]]:
+    """``torch._grouped_mm`` pushed onto its small-tile kernel by empty groups (see
+    :func:`spread_groups`) for the forward and input-gradient GEMMs; the weight gradients as
+    ``torch._grouped_mm``."""
+    gmm, offs = torch._grouped_mm, p.offsets
+    gu_t, o1 = spread_groups(p.w_gu.transpose(-2, -1), offs, p.rows)
+    d_t, o2 = spread_groups(p.w_d.transpose(-2, -1), offs, p.rows)
+    d, o3 = spread_groups(p.w_d, offs, p.rows)
+    gu, o4 = spread_groups(p.w_gu, offs, p.rows)
+    return {
+        "gate_up": lambda: gmm(p.x, gu_t, offs=o1),
+        "down": lambda: gmm(p.act, d_t, offs=o2),
+        "d_act": lambda: gmm(p.grad, d, offs=o3),
+        "d_x": lambda: gmm(p.grad_gu, gu, offs=o4),
+        "w_down": lambda: gmm(p.grad.t(), p.act, offs=offs),
+        "w_gate_up": lambda: gmm(p.grad_gu.t(), p.x, offs=offs),
+    }
+
+
 def _transposed(p: Problem, align: int = 8) -> dict[str, Callable[[], object]]:
     """``torch._grouped_mm`` on the transposed problem: the expert weights are the M operand
     (``W[e] @ rows.T``, weights 3-D times activations 2-D, groups along N), activations held
@@ -341,6 +385,7 @@ def run_case(
         "bmm, equal groups": _batched,
         "bmm, padded to the largest expert": _batched_max,
         "torch._grouped_mm, groups padded to 128 rows": _grouped_mm_aligned,
+        "torch._grouped_mm, small tiles (empty groups between experts)": _grouped_mm_small_tiles,
         "torch._grouped_mm transposed (weights as M), groups padded to 8": _transposed,
         "bmm on mean capacity (rounded down to 64) + grouped_mm overflow": lambda q: _split(
             q, max(64, (q.rows // q.experts) // 64 * 64)
