@@ -461,7 +461,12 @@ def main(argv: list[str] | None = None) -> None:
     """
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        choices=list(CASES),
+        help="case names, run in this order (default: all)",
+    )
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per GEMM")
     parser.add_argument(
         "--only", nargs="*", help="implementations containing one of these words (default: all)"
@@ -478,10 +483,8 @@ def main(argv: list[str] | None = None) -> None:
         (out / "moe_gemm.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / "moe_gemm.md").write_text(_markdown(device_name, every))
 
-    for name, case in CASES.items():
-        if args.cases and name not in args.cases:
-            continue
-        rows.extend(run_case(name, case, args.reps, write, args.only))
+    for name in args.cases or list(CASES):
+        rows.extend(run_case(name, CASES[name], args.reps, write, args.only))
         torch.cuda.empty_cache()
     print(_markdown(device_name, rows), flush=True)
 
