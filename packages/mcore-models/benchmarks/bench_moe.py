@@ -332,6 +332,15 @@ def run_case(
         "mcore MoELayer dropless, torch._grouped_mm, fused kernels, one autograd op": lambda: _moe(
             case, device, expert_kernel="grouped_mm", fused_experts=True
         ),
+        "mcore MoELayer dropless, torch._grouped_mm small tiles, fused kernels, one autograd op": (
+            lambda: _moe(
+                case,
+                device,
+                expert_kernel="grouped_mm",
+                fused_experts=True,
+                grouped_mm_small_tiles=True,
+            )
+        ),
         "mcore MoELayer dropless, torch._grouped_mm, fused kernels, weights in the combine": (
             lambda: _moe(case, device, expert_kernel="grouped_mm", weights_in_experts=False)
         ),

@@ -144,7 +144,8 @@ def test_triton_grouped_experts_match_the_expert_loop_on_gpu(capacity_factor, dt
         assert error < tol, (error, got.shape)
 
 
-def test_fused_routed_experts_match_unfused_reproducible_and_without_host_sync():
+@pytest.mark.parametrize("small_tiles", [False, True], ids=["plain", "small-tiles"])
+def test_fused_routed_experts_match_unfused_reproducible_and_without_host_sync(small_tiles):
     # MoEConfig(fused_experts=True): one autograd operation for permute, grouped GEMMs,
     # weighted SwiGLU and combine; the same kernels and GEMMs as the unfused chain, so the
     # results are equal up to bf16 rounding, bitwise reproducible and free of host syncs.
@@ -155,6 +156,7 @@ def test_fused_routed_experts_match_unfused_reproducible_and_without_host_sync()
     grad = torch.randn_like(x)
     unfused = _step(layer, x, grad)
     layer.experts.fused = True
+    layer.experts.small_tiles = small_tiles
     assert layer.experts.fuses_routing(x)
     first = _step(layer, x, grad)
     torch.cuda.synchronize()

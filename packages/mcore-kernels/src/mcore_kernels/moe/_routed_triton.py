@@ -1,4 +1,4 @@
-"""Triton kernels of :mod:`mcore_kernels.moe.routed_experts`: SwiGLU reading each row's routing
+"""Triton kernels of :mod:`mcore_kernels.moe.routed`: SwiGLU reading each row's routing
 weight through the row's assignment (no gathered copy of the weights)."""
 
 from __future__ import annotations

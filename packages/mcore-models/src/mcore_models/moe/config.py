@@ -97,6 +97,11 @@ class MoEConfig:
     as one autograd operation (:func:`mcore_kernels.moe.routed_experts`): the same kernels with
     one autograd node instead of seven, less host work per step. Off by default until measured
     faster (see ``docs/benchmarks/moe.md``)."""
+    grouped_mm_small_tiles: bool = False
+    """With ``fused_experts``: run the forward and input-gradient grouped GEMMs on
+    ``torch._grouped_mm``'s small-tile kernel (64x128 tiles instead of 128x256, chosen by adding
+    empty groups between the experts; see :func:`mcore_kernels.moe.spread_groups`). Off by
+    default until measured faster."""
     layer_step: int = 1
     """Every ``layer_step``-th layer is a MoE layer (layers ``i`` with ``(i + 1) % step == 0``)."""
     dense_layers: tuple[int, ...] = ()

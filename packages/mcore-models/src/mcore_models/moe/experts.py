@@ -158,6 +158,8 @@ class GroupedExperts(nn.Module):
             ``MoEConfig.expert_kernel``).
         fused: Run dropless routed assignments as one fused operation where possible (see
             ``MoEConfig.fused_experts`` and :meth:`fuses_routing`).
+        small_tiles: In the fused operation, run the forward and input-gradient GEMMs on
+            ``torch._grouped_mm``'s small-tile kernel (``MoEConfig.grouped_mm_small_tiles``).
         device: Device of the weights (``"meta"`` for construction without memory).
     """
 
@@ -171,6 +173,7 @@ class GroupedExperts(nn.Module):
         grouped_gemm: bool = True,
         expert_kernel: str = "grouped_mm",
         fused: bool = False,
+        small_tiles: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -178,6 +181,7 @@ class GroupedExperts(nn.Module):
         self.grouped_gemm = grouped_gemm
         self.expert_kernel = expert_kernel
         self.fused = fused
+        self.small_tiles = small_tiles
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2, ffn_hidden_size, hidden_size, dtype=dtype, device=device)
         )
@@ -249,7 +253,14 @@ class GroupedExperts(nn.Module):
         """
         offsets = counts.cumsum(0).to(torch.int32)
         return routed_experts(
-            x, weights, self._gate_up_weight(), self.down_proj, order, inverse, offsets
+            x,
+            weights,
+            self._gate_up_weight(),
+            self.down_proj,
+            order,
+            inverse,
+            offsets,
+            small_tiles=self.small_tiles,
         )
 
     def forward_tokens(
