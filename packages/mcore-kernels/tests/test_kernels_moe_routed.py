@@ -86,6 +86,48 @@ def test_routed_experts_match_reference_with_empty_experts(small_tiles, monkeypa
         assert torch.count_nonzero(grads[3][expert]) == 0
 
 
+def test_routed_experts_with_dropped_assignments_match_reference():
+    # Capacity routing: each expert keeps its first 3 rows; the dropped assignments have no
+    # row (inverse -1) and the rows past the kept ones hold no assignment (order -1).
+    x, weights, w_gu, w_d, order, inverse, offsets = _problem(seed=9, empty=(2,))
+    counts = torch.diff(offsets.long(), prepend=torch.zeros(1, dtype=torch.long))
+    kept = counts.clamp(max=3)
+    starts = counts.cumsum(0) - counts
+    kept_starts = kept.cumsum(0) - kept
+    rows = torch.full_like(order, -1)
+    new_inverse = torch.full_like(inverse, -1)
+    for expert in range(counts.numel()):
+        for j in range(int(kept[expert])):
+            assignment = order[starts[expert] + j]
+            rows[kept_starts[expert] + j] = assignment
+            new_inverse[assignment] = kept_starts[expert] + j
+    kept_offsets = kept.cumsum(0).to(torch.int32)
+    assert int((new_inverse < 0).sum()) > 0
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(x.dtype)
+    out, grads = _run(
+        lambda a, b, c, d: routed_experts(a, b, c, d, rows, new_inverse, kept_offsets),
+        x,
+        weights,
+        w_gu,
+        w_d,
+        grad,
+    )
+    ref, ref_grads = _run(
+        lambda a, b, c, d: routed_experts_reference(a, b, c, d, rows, kept_offsets),
+        x,
+        weights,
+        w_gu,
+        w_d,
+        grad,
+    )
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    for name, got, want in zip(("x", "weights", "w_gate_up", "w_down"), grads, ref_grads):
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2, msg=name)
+    # A dropped assignment gets exactly zero weight gradient.
+    dropped = (new_inverse < 0).view(weights.shape)
+    assert torch.count_nonzero(grads[1][dropped]) == 0
+
+
 def test_routed_experts_backward_is_bitwise_reproducible():
     x, weights, w_gu, w_d, order, inverse, offsets = _problem(seed=5, empty=())
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(x.dtype)

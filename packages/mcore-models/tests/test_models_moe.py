@@ -375,15 +375,17 @@ def test_layer_through_the_fused_triton_kernels_matches_token_by_token_reference
     assert max(errors) < 1e-4, errors
 
 
-def _fused_routed_errors() -> list[float]:
+def _fused_routed_errors(capacity_factor: float | None) -> list[float]:
     # Experts 10 and 11 never win (their router rows are pushed far down): empty groups.
-    layer = _layer(num_experts=12, top_k=3, fused_experts=True)
+    layer = _layer(num_experts=12, top_k=3, fused_experts=True, capacity_factor=capacity_factor)
     with torch.no_grad():
         layer.router.weight[10:] = -5.0 * X.reshape(-1, HIDDEN).mean(0)
     assert layer.experts.fuses_routing(X)
+    tokens = X.shape[0] * X.shape[1]
+    capacity = None if capacity_factor is None else expert_capacity(tokens, 3, 12, capacity_factor)
     upstream = torch.randn(X.shape, generator=torch.Generator().manual_seed(5))
     results = []
-    for forward in (layer, lambda x: _reference(layer, x)):
+    for forward in (layer, lambda x: _reference(layer, x, capacity)):
         layer.zero_grad()
         x = X.clone().requires_grad_(True)
         out = forward(x)
@@ -400,14 +402,21 @@ def _fused_routed_errors() -> list[float]:
     not grouped_mm_supported(torch.device("cpu"), torch.float32),
     reason="torch._grouped_mm does not run on this CPU build",
 )
+def _fused_routed_errors_both() -> list[list[float]]:
+    return [_fused_routed_errors(None), _fused_routed_errors(0.5)]
+
+
 def test_layer_with_fused_routed_experts_matches_token_by_token_reference(monkeypatch):
     # MoEConfig(fused_experts=True): permute, grouped GEMMs, weighted SwiGLU and combine in one
     # autograd operation (Triton kernels through the interpreter, torch._grouped_mm on the
-    # CPU), with experts that get no token; outputs and every gradient against the reference.
+    # CPU), with experts that get no token; dropless, and capacity routing whose kept
+    # assignments are packed without padding rows (capacity factor 0.5 drops some).
+    # Outputs and every gradient against the reference, in one fresh process.
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    (errors,) = run_distributed(_fused_routed_errors, 1)
-    assert max(errors) < 1e-4, errors
+    ((dropless, capacity),) = run_distributed(_fused_routed_errors_both, 1)
+    assert max(dropless) < 1e-4, dropless
+    assert max(capacity) < 1e-4, capacity
 
 
 def _triton_expert_errors(capacity_factor: float | None) -> list[float]:

@@ -54,12 +54,22 @@ def _routed_swiglu_backward(
 
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty_like(gate_up)
-    grad_w = torch.zeros(weights.shape, dtype=torch.float32, device=weights.device)
+    # Assignments without a row (dropped) keep a zero gradient; one spare entry takes the
+    # rows without an assignment.
+    grad_w = torch.zeros(weights.numel() + 1, dtype=torch.float32, device=weights.device)
     if rows and width:
         routed_swiglu_backward_kernel[(rows,)](
-            gate_up, weights, order, grad, out, grad_w, width, BLOCK=_swiglu_launch_block(width)
+            gate_up,
+            weights,
+            order,
+            grad,
+            out,
+            grad_w,
+            width,
+            weights.numel(),
+            BLOCK=_swiglu_launch_block(width),
         )
-    return out, grad_w
+    return out, grad_w[:-1]
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -192,11 +202,13 @@ def routed_experts_reference(
         weights: ``[T, top_k]`` routing weights.
         w_gate_up: ``[E, 2F, H]`` gate rows then up rows of each expert.
         w_down: ``[E, H, F]``.
-        order: ``[T * top_k]`` int64 assignment in each row (rows sorted by expert).
+        order: ``[T * top_k]`` int64 assignment in each row (rows sorted by expert; -1 past
+            ``offsets[-1]``).
         offsets: ``[E]`` int32 end row of each expert's rows.
 
     Returns:
-        ``[T, H]`` sum of each token's weighted expert outputs, in the dtype of ``x``.
+        ``[T, H]`` sum of each token's weighted expert outputs (assignments in no row count
+        zero), in the dtype of ``x``.
     """
     top_k = weights.shape[1]
     ffn = w_down.shape[-1]
@@ -212,7 +224,7 @@ def routed_experts_reference(
         outputs.append(F.linear(act, w_down[expert]))
         start = end
     y = torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
-    per_assignment = torch.empty_like(y).index_copy(0, order, y)
+    per_assignment = x.new_zeros(order.shape[0], x.shape[1]).index_copy(0, order[:start], y)
     summed = per_assignment.float().view(-1, top_k, x.shape[1]).sum(dim=1)
     return summed.to(x.dtype)
 
@@ -233,8 +245,11 @@ def routed_experts(
     Assignment ``a`` is token ``a // top_k``; the rows of the experts' GEMMs are the
     assignments sorted by expert (``order``), expert ``e`` holding rows ``offsets[e-1]`` to
     ``offsets[e]``. Row ``r`` computes ``w[order[r]] * silu(x W_gate^T) * (x W_up^T)`` then its
-    down projection; each token's ``top_k`` results are summed in float32. Dropless, no host
-    synchronisation. Uses ``torch._grouped_mm`` for the GEMMs; on tensors the Triton kernels do
+    down projection; each token's ``top_k`` results are summed in float32. No host
+    synchronisation. Dropless when every assignment has a row; for capacity routing the
+    dropped assignments have none (``inverse`` -1, they count zero) and the rows past
+    ``offsets[-1]`` hold no assignment (``order`` -1): they are neither computed by the GEMMs
+    nor read. Uses ``torch._grouped_mm`` for the GEMMs; on tensors the Triton kernels do
     not handle, the per-expert torch reference runs instead (a host sync).
 
     Args:
@@ -242,8 +257,9 @@ def routed_experts(
         weights: ``[T, top_k]`` routing weights (differentiable).
         w_gate_up: ``[E, 2F, H]`` gate rows then up rows of each expert (differentiable).
         w_down: ``[E, H, F]`` down projection of each expert (differentiable).
-        order: ``[T * top_k]`` int64 assignment in each row.
-        inverse: ``[T * top_k]`` int64 row of each assignment (``inverse[order[r]] == r``).
+        order: ``[T * top_k]`` int64 assignment in each row, -1 past ``offsets[-1]``.
+        inverse: ``[T * top_k]`` int64 row of each assignment (``inverse[order[r]] == r``), -1
+            for an assignment without a row.
         offsets: ``[E]`` int32 cumulative row counts of the experts.
         small_tiles: Run the forward and input-gradient GEMMs on ``torch._grouped_mm``'s
             small-tile kernel (see :func:`spread_groups`).

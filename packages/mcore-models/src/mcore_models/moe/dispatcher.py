@@ -41,6 +41,7 @@ from mcore_models.moe.experts import GroupedExperts
 from mcore_models.moe.permute import (
     GatherOrZero,
     PermuteRows,
+    capacity_rows,
     capacity_slots,
     count,
     inverse_permutation,
@@ -230,6 +231,12 @@ def dispatch_and_combine(
             permuted = permute_tokens(x, order // top_k, inverse, top_k)
             outputs = _dropless_alltoall(permuted, counts, experts_module, comm)
         return unpermute_combine(outputs, weights, inverse, order), counts
+    one_rank = comm.ep_group is None and comm.etp_group is None
+    if not padded_dropless and weights_in_experts and one_rank and experts_module.fuses_routing(x):
+        # Capacity routing on the fused grouped experts: the kept assignments packed without
+        # padding rows, so the GEMMs skip the padding.
+        order, inverse, kept = capacity_rows(flat_experts, counts, capacity)
+        return experts_module.forward_routed(x, weights, order, inverse, kept), counts
     if padded_dropless:
         slots = sorted_slots(flat_experts, counts, capacity)
     else:
