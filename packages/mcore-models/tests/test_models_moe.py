@@ -392,6 +392,8 @@ def _fused_routed_errors(capacity_factor: float | None) -> list[float]:
         (out * upstream).sum().backward()
         results.append([out.detach(), x.grad, *(p.grad.clone() for p in layer.parameters())])
     assert int((layer.tokens_per_expert == 0).sum()) > 0, layer.tokens_per_expert
+    if capacity is not None:  # something was dropped
+        assert int((layer.tokens_per_expert > capacity).sum()) > 0, layer.tokens_per_expert
     return [(got - expected).abs().max().item() for got, expected in zip(*results)]
 
 

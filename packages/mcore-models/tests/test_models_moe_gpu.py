@@ -144,14 +144,18 @@ def test_triton_grouped_experts_match_the_expert_loop_on_gpu(capacity_factor, dt
         assert error < tol, (error, got.shape)
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "drop-and-pad"])
 @pytest.mark.parametrize("small_tiles", [False, True], ids=["plain", "small-tiles"])
-def test_fused_routed_experts_match_unfused_reproducible_and_without_host_sync(small_tiles):
+def test_fused_routed_experts_match_unfused_reproducible_and_without_host_sync(
+    small_tiles, capacity_factor
+):
     # MoEConfig(fused_experts=True): one autograd operation for permute, grouped GEMMs,
     # weighted SwiGLU and combine; the same kernels and GEMMs as the unfused chain, so the
     # results are equal up to bf16 rounding, bitwise reproducible and free of host syncs.
     if not grouped_mm_supported(torch.device("cuda"), torch.bfloat16):
         pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
     layer = _layer(torch.bfloat16)
+    layer.moe_config.capacity_factor = capacity_factor
     x = torch.randn(777, 128, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)
     unfused = _step(layer, x, grad)
