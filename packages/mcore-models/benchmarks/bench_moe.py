@@ -61,7 +61,7 @@ from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.config import expert_capacity
 from mcore_models.moe.experts import grouped_mm_supported
-from mcore_models.moe.permute import padded_capacity
+from mcore_models.moe.permute import capacity_rows, padded_capacity
 
 CASES = {
     # Mixtral-8x7B layer shape (Jiang et al., 2024): 8 experts, top-2, FFN 14336.
@@ -350,6 +350,11 @@ def run_case(
         "mcore MoELayer drop-and-pad (capacity 1.25), batched GEMMs, fused kernels": lambda: _moe(
             case, device, capacity_factor=1.25, expert_kernel="grouped_mm"
         ),
+        "mcore MoELayer drop-and-pad (capacity 1.25), fused grouped experts, padding skipped": (
+            lambda: _moe(
+                case, device, capacity_factor=1.25, expert_kernel="grouped_mm", fused_experts=True
+            )
+        ),
         HF_GROUPED: lambda: _wants_3d(_hf_block(case, device, "grouped_mm")),
     }
     if few:
@@ -441,6 +446,13 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     if capacity is None and moe.expert_kernel == "bmm":
         # Dropless on batched GEMMs: the experts run the padded slots.
         capacity = padded_capacity(counts, flat.numel())
+    if capacity is not None and experts.fuses_routing(x) and moe.weights_in_experts:
+        # Capacity routing on the fused grouped experts: the kept rows, packed (no padding).
+        kept_order, _, counts = capacity_rows(flat, counts, capacity)
+        kept = kept_order[: int(counts.sum())]
+        permuted = x.index_select(0, kept // moe.top_k).detach()
+        row_weights = routing.weights.reshape(-1)[kept].detach()
+        capacity = None
     slot_weights = None
     one_rank = layer.comm is None or (layer.comm.ep_group is None and layer.comm.etp_group is None)
     folded_slots = moe.weights_in_experts and one_rank and not experts.uses_triton(x)
