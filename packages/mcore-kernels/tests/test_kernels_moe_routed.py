@@ -8,13 +8,7 @@ import pytest
 import torch
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
-from mcore_kernels.moe import routed as routed_module
-from mcore_kernels.moe.routed import (
-    SMALL_TILE_ROWS,
-    routed_experts,
-    routed_experts_reference,
-    spread_groups,
-)
+from mcore_kernels.moe.routed import routed_experts, routed_experts_reference
 
 pytestmark = pytest.mark.interpreter
 
@@ -53,16 +47,11 @@ def _run(fn, x, weights, w_gu, w_d, grad):
     return out.detach(), [leaf.grad for leaf in leaves]
 
 
-@pytest.mark.parametrize("small_tiles", [False, True], ids=["plain", "small-tiles"])
-def test_routed_experts_match_reference_with_empty_experts(small_tiles, monkeypatch):
-    # A low threshold so that the tiny problem gets empty groups between its experts.
-    monkeypatch.setattr(routed_module, "SMALL_TILE_ROWS", 4)
+def test_routed_experts_match_reference_with_empty_experts():
     x, weights, w_gu, w_d, order, inverse, offsets = _problem()
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x.dtype)
     out, grads = _run(
-        lambda a, b, c, d: routed_experts(
-            a, b, c, d, order, inverse, offsets, small_tiles=small_tiles
-        ),
+        lambda a, b, c, d: routed_experts(a, b, c, d, order, inverse, offsets),
         x,
         weights,
         w_gu,
@@ -150,20 +139,3 @@ def test_routed_experts_reject_bad_indices():
         routed_experts(x, weights, w_gu, w_d, order, inverse, offsets.long())
     with pytest.raises(KernelShapeError, match="w_gate_up"):
         routed_experts(x, weights, w_gu[:, :, :-1], w_d, order, inverse, offsets)
-
-
-def test_spread_groups_is_the_same_grouped_gemm_with_empty_groups():
-    g = torch.Generator().manual_seed(7)
-    weight = torch.randn(5, 24, 16, generator=g)
-    counts = torch.tensor([300, 0, 211, 400, 113])
-    offsets = counts.cumsum(0).to(torch.int32)
-    rows = int(counts.sum())
-    x = torch.randn(rows, 24, generator=g)
-    spread, spread_offsets = spread_groups(weight, offsets, rows)
-    assert rows / spread.shape[0] <= SMALL_TILE_ROWS
-    assert spread.data_ptr() == weight.data_ptr()  # a view, no copy
-    expected = torch._grouped_mm(x, weight, offs=offsets)
-    torch.testing.assert_close(torch._grouped_mm(x, spread, offs=spread_offsets), expected)
-    # Already small enough: unchanged.
-    same, same_offsets = spread_groups(weight, offsets, 5 * SMALL_TILE_ROWS)
-    assert same is weight and same_offsets is offsets

@@ -10,10 +10,11 @@ timed on its own with CUDA events:
   written in the parameter's layout.
 
 Implementations: ``torch._grouped_mm`` (the layer's default experts), a loop of cuBLAS GEMMs
-over the experts (the group sizes on the host), batched cuBLAS GEMMs on equal groups of the
-mean size (what drop-and-pad at capacity factor 1 would run), ``torch._grouped_mm`` with the
-weights stored ``[E, K, N]``, and the dense GEMM with the same total FLOPs (all the
-rows against one weight of the same shape: the dense layer's GEMM). Reports ms and TFLOP/s
+over the experts (the group sizes on the host) on one stream and alternating between two,
+batched cuBLAS GEMMs on equal groups of the mean size (an idealised bound: no expert gets
+more rows than the mean) and padded to the largest expert (what ``expert_kernel="bmm"`` runs),
+``torch._grouped_mm`` with the weights stored ``[E, K, N]``, and the dense GEMM with the same
+total FLOPs (all the rows against one weight of the same shape: the dense layer's GEMM). Reports ms and TFLOP/s
 per GEMM. Writes ``moe_gemm.json`` and ``moe_gemm.md``.
 
 Run from the repository root on the GPU machine::
@@ -182,150 +183,6 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _grouped_mm_aligned(p: Problem, align: int = 128) -> dict[str, Callable[[], object]]:
-    """``torch._grouped_mm`` with every expert's rows padded up to a multiple of ``align``
-    (zero rows: the GEMMs run aligned groups, at the cost of the padding rows)."""
-    padded = [_round_up(size, align) for size in p.sizes]
-    rows = sum(padded)
-    offs = torch.tensor(padded, device=p.x.device).cumsum(0).to(torch.int32)
-    bf16 = dict(device=p.x.device, dtype=p.x.dtype)
-    x = torch.randn(rows, p.hidden, **bf16)
-    act = torch.randn(rows, p.ffn, **bf16)
-    grad = torch.randn(rows, p.hidden, **bf16)
-    grad_gu = torch.randn(rows, 2 * p.ffn, **bf16)
-    gmm = torch._grouped_mm
-    return {
-        "gate_up": lambda: gmm(x, p.w_gu.transpose(-2, -1), offs=offs),
-        "down": lambda: gmm(act, p.w_d.transpose(-2, -1), offs=offs),
-        "d_act": lambda: gmm(grad, p.w_d, offs=offs),
-        "d_x": lambda: gmm(grad_gu, p.w_gu, offs=offs),
-        "w_down": lambda: gmm(grad.t(), act, offs=offs),
-        "w_gate_up": lambda: gmm(grad_gu.t(), x, offs=offs),
-    }
-
-
-def spread_groups(weight: torch.Tensor, offsets: torch.Tensor, rows: int, limit: int = 128):
-    """The same grouped GEMM with ``f - 1`` empty groups after every expert but the last:
-    weights ``[f * (E - 1) + 1, ...]`` as a strided view whose group ``f * e`` is expert ``e``
-    (the empty groups point into expert ``e``'s weights and are never read), offsets repeated.
-    ``torch._grouped_mm`` sizes its tiles by the mean rows per group: at most ``limit`` picks its
-    64x128x128 ping-pong tiles instead of 128x256x64 (less padding in each expert's last tile,
-    epilogue overlapped with the next tile's main loop)."""
-    experts = weight.shape[0]
-    stride = weight.stride(0)
-    factor = 1
-    while experts > 1 and rows / (factor * (experts - 1) + 1) > limit:
-        factor += 1
-        # Every group's weights must start on a 16-byte boundary.
-        while stride % factor or (stride // factor) % 8:
-            factor += 1
-    groups = factor * (experts - 1) + 1
-    strided = torch.as_strided(
-        weight,
-        (groups, *weight.shape[1:]),
-        (weight.stride(0) // factor, *weight.stride()[1:]),
-        weight.storage_offset(),
-    )
-    return strided, offsets.repeat_interleave(factor)[:groups]
-
-
-def _grouped_mm_small_tiles(p: Problem) -> dict[str, Callable[[], object]]:
-    """``torch._grouped_mm`` pushed onto its small-tile kernel by empty groups (see
-    :func:`spread_groups`) for the forward and input-gradient GEMMs; the weight gradients as
-    ``torch._grouped_mm``."""
-    gmm, offs = torch._grouped_mm, p.offsets
-    gu_t, o1 = spread_groups(p.w_gu.transpose(-2, -1), offs, p.rows)
-    d_t, o2 = spread_groups(p.w_d.transpose(-2, -1), offs, p.rows)
-    d, o3 = spread_groups(p.w_d, offs, p.rows)
-    gu, o4 = spread_groups(p.w_gu, offs, p.rows)
-    return {
-        "gate_up": lambda: gmm(p.x, gu_t, offs=o1),
-        "down": lambda: gmm(p.act, d_t, offs=o2),
-        "d_act": lambda: gmm(p.grad, d, offs=o3),
-        "d_x": lambda: gmm(p.grad_gu, gu, offs=o4),
-        "w_down": lambda: gmm(p.grad.t(), p.act, offs=offs),
-        "w_gate_up": lambda: gmm(p.grad_gu.t(), p.x, offs=offs),
-    }
-
-
-def _transposed(p: Problem, align: int = 8) -> dict[str, Callable[[], object]]:
-    """``torch._grouped_mm`` on the transposed problem: the expert weights are the M operand
-    (``W[e] @ rows.T``, weights 3-D times activations 2-D, groups along N), activations held
-    ``[features, rows]``. A tile's N then spans an expert's rows, so each weight tile is read
-    once per expert (the untransposed GEMM reads it once per M tile of rows). Every expert's
-    rows are padded to a multiple of ``align`` (group starts 16-byte aligned along the
-    contiguous dimension)."""
-    padded = [_round_up(size, align) for size in p.sizes]
-    rows = sum(padded)
-    offs = torch.tensor(padded, device=p.x.device).cumsum(0).to(torch.int32)
-    bf16 = dict(device=p.x.device, dtype=p.x.dtype)
-    x_t = torch.randn(p.hidden, rows, **bf16)
-    act_t = torch.randn(p.ffn, rows, **bf16)
-    grad_t = torch.randn(p.hidden, rows, **bf16)
-    grad_gu_t = torch.randn(2 * p.ffn, rows, **bf16)
-    gmm = torch._grouped_mm
-    return {
-        "gate_up": lambda: gmm(p.w_gu, x_t, offs=offs),
-        "down": lambda: gmm(p.w_d, act_t, offs=offs),
-        "d_act": lambda: gmm(p.w_d.transpose(-2, -1), grad_t, offs=offs),
-        "d_x": lambda: gmm(p.w_gu.transpose(-2, -1), grad_gu_t, offs=offs),
-        "w_down": lambda: gmm(grad_t, act_t.t(), offs=offs),
-        "w_gate_up": lambda: gmm(grad_gu_t, x_t.t(), offs=offs),
-    }
-
-
-def _split(p: Problem, capacity: int) -> dict[str, Callable[[], object]]:
-    """Each expert's first ``capacity`` rows as batched cuBLAS GEMMs on ``[E, capacity]``
-    slots, the rows past it (overflow, in expert order) as one ``torch._grouped_mm``; the
-    weight gradients: the overflow's grouped GEMM, then the batched GEMM accumulating into it
-    (``baddbmm_``, beta 1). Dropless without a host sync: ``capacity`` is fixed up front and
-    the overflow buffer has a static size (all assignments)."""
-    over = (p.counts - capacity).clamp(min=0)
-    offs = over.cumsum(0).to(torch.int32)
-    bf16 = dict(device=p.x.device, dtype=p.x.dtype)
-    e, c = p.experts, capacity
-    xs = torch.randn(e, c, p.hidden, **bf16)
-    acts = torch.randn(e, c, p.ffn, **bf16)
-    grads = torch.randn(e, c, p.hidden, **bf16)
-    grad_gus = torch.randn(e, c, 2 * p.ffn, **bf16)
-    gmm = torch._grouped_mm
-    x, act, grad, grad_gu = p.x, p.act, p.grad, p.grad_gu
-    w_gu_t, w_d_t = p.w_gu.transpose(1, 2), p.w_d.transpose(1, 2)
-
-    def gate_up() -> None:
-        torch.bmm(xs, w_gu_t)
-        gmm(x, w_gu_t, offs=offs)
-
-    def down() -> None:
-        torch.bmm(acts, w_d_t)
-        gmm(act, w_d_t, offs=offs)
-
-    def d_act() -> None:
-        torch.bmm(grads, p.w_d)
-        gmm(grad, p.w_d, offs=offs)
-
-    def d_x() -> None:
-        torch.bmm(grad_gus, p.w_gu)
-        gmm(grad_gu, p.w_gu, offs=offs)
-
-    def w_down() -> None:
-        out = gmm(grad.t(), act, offs=offs)
-        out.baddbmm_(grads.transpose(1, 2), acts)
-
-    def w_gate_up() -> None:
-        out = gmm(grad_gu.t(), x, offs=offs)
-        out.baddbmm_(grad_gus.transpose(1, 2), xs)
-
-    return {
-        "gate_up": gate_up,
-        "down": down,
-        "d_act": d_act,
-        "d_x": d_x,
-        "w_down": w_down,
-        "w_gate_up": w_gate_up,
-    }
-
-
 def _batched_max(p: Problem) -> dict[str, Callable[[], object]]:
     """Batched cuBLAS GEMMs with every expert padded to the largest expert (rounded to 8)."""
     cap = _round_up(max(p.sizes), 8)
@@ -384,15 +241,6 @@ def run_case(
         "torch._grouped_mm, [E, K, N] weights": _grouped_mm_kn,
         "bmm, equal groups": _batched,
         "bmm, padded to the largest expert": _batched_max,
-        "torch._grouped_mm, groups padded to 128 rows": _grouped_mm_aligned,
-        "torch._grouped_mm, small tiles (empty groups between experts)": _grouped_mm_small_tiles,
-        "torch._grouped_mm transposed (weights as M), groups padded to 8": _transposed,
-        "bmm on mean capacity (rounded down to 64) + grouped_mm overflow": lambda q: _split(
-            q, max(64, (q.rows // q.experts) // 64 * 64)
-        ),
-        "bmm on 0.9x mean capacity + grouped_mm overflow": lambda q: _split(
-            q, max(64, int(0.9 * q.rows / q.experts) // 64 * 64)
-        ),
     }
     if case["experts"] <= 16:
         impls["cuBLAS loop over experts"] = _loop

@@ -8,7 +8,7 @@ a kernel (or a recomputation) without atomic floating-point adds, with its torch
 from mcore_kernels.moe import reference
 from mcore_kernels.moe.grouped_gemm import grouped_swiglu_mlp
 from mcore_kernels.moe.permute import permute_tokens, unpermute_combine, unpermute_sum
-from mcore_kernels.moe.routed import routed_experts, spread_groups
+from mcore_kernels.moe.routed import routed_experts
 from mcore_kernels.moe.router import moe_router
 from mcore_kernels.moe.swiglu import swiglu, weighted_swiglu
 
@@ -18,7 +18,6 @@ __all__ = [
     "permute_tokens",
     "reference",
     "routed_experts",
-    "spread_groups",
     "swiglu",
     "unpermute_combine",
     "unpermute_sum",

@@ -21,7 +21,7 @@ from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 from mcore_kernels.moe.permute import _device, _gather_rows, _sum_rows
 
-__all__ = ["routed_experts", "routed_experts_reference", "spread_groups"]
+__all__ = ["routed_experts", "routed_experts_reference"]
 
 
 def _swiglu_launch_block(width: int) -> int:
@@ -76,59 +76,6 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.T
     return torch._grouped_mm(a, b, offs=offsets)
 
 
-SMALL_TILE_ROWS = 128
-"""Mean rows per group at or below which ``torch._grouped_mm`` runs its small-tile kernel
-(64x128x128 tiles, ping-pong) instead of 128x256x64 tiles."""
-
-
-def spread_groups(
-    weight: torch.Tensor, offsets: torch.Tensor, rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The operands of the same grouped GEMM with empty groups between the experts.
-
-    ``torch._grouped_mm`` (2-D rows times 3-D weights) chooses its tiles from the mean rows per
-    group; with ``f - 1`` empty groups after every expert but the last, that mean drops to
-    :data:`SMALL_TILE_ROWS` or below and the small-tile kernel runs. The weights become a
-    strided view ``[f * (E - 1) + 1, ...]`` whose group ``f * e`` is expert ``e`` (the empty
-    groups point inside expert ``e``'s weights and are never read) and every offset repeats
-    ``f`` times. No copy.
-
-    Args:
-        weight: ``[E, K, N]`` weights (any strides with ``stride(0)`` covering one expert).
-        offsets: ``[E]`` int32 cumulative rows of the experts.
-        rows: Rows of the 2-D operand.
-
-    Returns:
-        ``(weights, offsets)`` to pass to ``torch._grouped_mm`` instead.
-    """
-    experts, stride = weight.shape[0], weight.stride(0)
-    factor = 1
-    while experts > 1 and rows / (factor * (experts - 1) + 1) > SMALL_TILE_ROWS:
-        factor += 1
-        # Every group's weights must start on a 16-byte boundary.
-        while stride % factor or (stride // factor * weight.element_size()) % 16:
-            factor += 1
-    if factor == 1:
-        return weight, offsets
-    groups = factor * (experts - 1) + 1
-    strided = torch.as_strided(
-        weight,
-        (groups, *weight.shape[1:]),
-        (stride // factor, *weight.stride()[1:]),
-        weight.storage_offset(),
-    )
-    return strided, offsets.repeat_interleave(factor)[:groups]
-
-
-def _grouped_rows(
-    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, small_tiles: bool
-) -> torch.Tensor:
-    """Rows of ``a`` grouped by ``offsets`` times ``b[e]``, optionally on small tiles."""
-    if small_tiles:
-        b, offsets = spread_groups(b, offsets, a.shape[0])
-    return torch._grouped_mm(a, b, offs=offsets)
-
-
 class RoutedExpertsFunction(torch.autograd.Function):
     """Autograd operation of :func:`routed_experts` (Triton kernels and ``torch._grouped_mm``)."""
 
@@ -143,20 +90,18 @@ class RoutedExpertsFunction(torch.autograd.Function):
         inverse: torch.Tensor,
         offsets: torch.Tensor,
         top_k: int,
-        small_tiles: bool,
     ) -> torch.Tensor:
         flat_w = weights.reshape(-1)
         with _device(x):
             permuted = _gather_rows(x, order, top_k, None)
-            gate_up = _grouped_rows(permuted, w_gate_up.transpose(-2, -1), offsets, small_tiles)
+            gate_up = _grouped(permuted, w_gate_up.transpose(-2, -1), offsets)
             act = _routed_swiglu(gate_up, flat_w, order)
-            y = _grouped_rows(act, w_down.transpose(-2, -1), offsets, small_tiles)
+            y = _grouped(act, w_down.transpose(-2, -1), offsets)
             out = _sum_rows(y, inverse, top_k, None)
         ctx.save_for_backward(
             flat_w, w_gate_up, w_down, order, inverse, offsets, permuted, gate_up, act
         )
         ctx.top_k = top_k
-        ctx.small_tiles = small_tiles
         ctx.weights_shape = weights.shape
         return out
 
@@ -173,18 +118,18 @@ class RoutedExpertsFunction(torch.autograd.Function):
             grad_y = _gather_rows(grad, order, top_k, None)
             if needs_down:
                 grad_down = _grouped(grad_y.t(), act, offsets)
-            grad_act = _grouped_rows(grad_y, w_down, offsets, ctx.small_tiles)
+            grad_act = _grouped(grad_y, w_down, offsets)
             del grad_y
             grad_gate_up, grad_flat_w = _routed_swiglu_backward(gate_up, flat_w, order, grad_act)
             del grad_act
             if needs_gu:
                 grad_gu = _grouped(grad_gate_up.t(), permuted, offsets)
             if needs_x:
-                grad_perm = _grouped_rows(grad_gate_up, w_gate_up, offsets, ctx.small_tiles)
+                grad_perm = _grouped(grad_gate_up, w_gate_up, offsets)
                 grad_x = _sum_rows(grad_perm, inverse, top_k, None)
         if needs_w:
             grad_w = grad_flat_w.to(flat_w.dtype).view(ctx.weights_shape)
-        return grad_x, grad_w, grad_gu, grad_down, None, None, None, None, None
+        return grad_x, grad_w, grad_gu, grad_down, None, None, None, None
 
 
 def routed_experts_reference(
@@ -237,8 +182,6 @@ def routed_experts(
     order: torch.Tensor,
     inverse: torch.Tensor,
     offsets: torch.Tensor,
-    *,
-    small_tiles: bool = False,
 ) -> torch.Tensor:
     """Run every routing assignment through its SwiGLU expert and sum each token's outputs.
 
@@ -261,8 +204,6 @@ def routed_experts(
         inverse: ``[T * top_k]`` int64 row of each assignment (``inverse[order[r]] == r``), -1
             for an assignment without a row.
         offsets: ``[E]`` int32 cumulative row counts of the experts.
-        small_tiles: Run the forward and input-gradient GEMMs on ``torch._grouped_mm``'s
-            small-tile kernel (see :func:`spread_groups`).
 
     Returns:
         ``[T, H]`` in the dtype of ``x``.
@@ -304,5 +245,4 @@ def routed_experts(
         inverse,
         offsets,
         weights.shape[1],
-        small_tiles,
     )

@@ -62,7 +62,6 @@ class MoELayer(nn.Module):
                 grouped_gemm=moe.grouped_gemm,
                 expert_kernel=moe.expert_kernel,
                 fused=moe.fused_experts,
-                small_tiles=moe.grouped_mm_small_tiles,
             )
             self.shared_expert: SwiGLUMLP | None = None
             self.shared_expert_gate: nn.Linear | None = None
