@@ -354,10 +354,10 @@ def run_case(
     if few:
         builders[
             "mcore MoELayer dropless, one cuBLAS GEMM per expert on two streams (host sync)"
-        ] = lambda: _moe(case, device, expert_kernel="cublas")
+        ] = lambda: _loop_streams(_moe(case, device, expert_kernel="cublas"), 2)
         builders[
             "mcore MoELayer dropless, one cuBLAS GEMM per expert on one stream (host sync)"
-        ] = lambda: _loop_streams(_moe(case, device, expert_kernel="cublas"), 1)
+        ] = lambda: _moe(case, device, expert_kernel="cublas")
         builders["mcore MoELayer dropless, torch references of the kernels"] = lambda: _backend(
             _moe(case, device, fused_experts=False), "torch"
         )

@@ -226,13 +226,12 @@ class GroupedExperts(nn.Module):
         self.grouped_gemm = grouped_gemm
         self.expert_kernel = expert_kernel
         self.fused = fused
-        self.loop_streams = 2
+        self.loop_streams = 1
         """CUDA streams the per-expert cuBLAS loop (``expert_kernel="cublas"``) alternates its
         forward GEMMs and the down projection's input-gradient GEMMs over (1: the current
-        stream only). On one H200 at Mixtral's shape two streams took the gate/up forward from
-        5.44 to 4.93 ms, the down forward from 2.74 to 2.51 ms and the down input gradient
-        from 2.70 to 2.48 ms, while the gate/up input gradient and both weight gradients were
-        slower on two streams (4.85 to 5.09, 2.60 to 3.07 and 5.28 to 6.27 ms) and stay on one."""
+        stream only). Two streams sped up those GEMMs one by one on an H200 at Mixtral's shape
+        (gate/up forward 5.29 to 5.06 ms, down forward 2.78 to 2.60 ms) but not the whole layer
+        (27.33 against 27.26 ms per step), so one stream is the default."""
         self._streams: tuple[torch.cuda.Stream, ...] = ()
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2, ffn_hidden_size, hidden_size, dtype=dtype, device=device)
