@@ -60,8 +60,9 @@ from mcore_kernels.moe import swiglu
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.config import expert_capacity
+from mcore_models.moe.dispatcher import PACKED_MIN_CAPACITY
 from mcore_models.moe.experts import grouped_mm_supported
-from mcore_models.moe.permute import padded_capacity
+from mcore_models.moe.permute import capacity_rows, padded_capacity
 
 CASES = {
     # Mixtral-8x7B layer shape (Jiang et al., 2024): 8 experts, top-2, FFN 14336.
@@ -76,6 +77,14 @@ CASES = {
 DENSE = "dense SwiGLU (same active params), separate gate/up GEMMs"
 DENSE_FUSED = "dense SwiGLU (same active params), one gate/up GEMM + fused SwiGLU"
 HF_GROUPED = "transformers sparse MoE block (grouped_mm experts)"
+DEFAULT = (
+    "mcore MoELayer dropless (default: one fused op of permute, torch._grouped_mm GEMMs, "
+    "SwiGLU, combine)"
+)
+DROP_AND_PAD = (
+    "mcore MoELayer drop-and-pad (capacity 1.25, default: kept rows packed for grouped GEMMs "
+    "from capacity 384, batched GEMMs over the padded slots below)"
+)
 LARGE = 10**8
 """Cases with more token elements than this run fewer iterations (the whole script must stay
 within two minutes)."""
@@ -326,26 +335,31 @@ def run_case(
         "mcore MoELayer dropless, Triton grouped experts": lambda: _moe(
             case, device, expert_kernel="triton"
         ),
-        "mcore MoELayer dropless, torch._grouped_mm, fused kernels": lambda: _moe(
-            case, device, expert_kernel="grouped_mm"
+        DEFAULT: lambda: _moe(case, device),
+        "mcore MoELayer dropless, torch._grouped_mm, separate autograd ops (fused_experts=False)": (
+            lambda: _moe(case, device, fused_experts=False)
         ),
-        "mcore MoELayer dropless, torch._grouped_mm, fused kernels, weights in the combine": (
-            lambda: _moe(case, device, expert_kernel="grouped_mm", weights_in_experts=False)
+        "mcore MoELayer dropless, torch._grouped_mm, weights in the combine": (
+            lambda: _moe(case, device, weights_in_experts=False)
         ),
         "mcore MoELayer dropless, batched GEMMs padded to the largest expert (host sync)": (
             lambda: _moe(case, device, expert_kernel="bmm")
         ),
-        "mcore MoELayer drop-and-pad (capacity 1.25), batched GEMMs, fused kernels": lambda: _moe(
-            case, device, capacity_factor=1.25, expert_kernel="grouped_mm"
+        DROP_AND_PAD: lambda: _moe(case, device, capacity_factor=1.25),
+        "mcore MoELayer drop-and-pad (capacity 1.25), batched GEMMs over the padded slots": (
+            lambda: _moe(case, device, capacity_factor=1.25, fused_experts=False)
         ),
         HF_GROUPED: lambda: _wants_3d(_hf_block(case, device, "grouped_mm")),
     }
     if few:
-        builders["mcore MoELayer dropless, one cuBLAS GEMM per expert (host sync)"] = lambda: _moe(
-            case, device, expert_kernel="cublas"
-        )
-        builders["mcore MoELayer dropless, torch._grouped_mm, torch references"] = lambda: _backend(
-            _moe(case, device, expert_kernel="grouped_mm"), "torch"
+        builders[
+            "mcore MoELayer dropless, one cuBLAS GEMM per expert on two streams (host sync)"
+        ] = lambda: _loop_streams(_moe(case, device, expert_kernel="cublas"), 2)
+        builders[
+            "mcore MoELayer dropless, one cuBLAS GEMM per expert on one stream (host sync)"
+        ] = lambda: _moe(case, device, expert_kernel="cublas")
+        builders["mcore MoELayer dropless, torch references of the kernels"] = lambda: _backend(
+            _moe(case, device, fused_experts=False), "torch"
         )
         builders["mcore MoELayer dropless, expert loop"] = lambda: _moe(
             case, device, grouped_gemm=False
@@ -429,8 +443,16 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     if capacity is None and moe.expert_kernel == "bmm":
         # Dropless on batched GEMMs: the experts run the padded slots.
         capacity = padded_capacity(counts, flat.numel())
-    slot_weights = None
     one_rank = layer.comm is None or (layer.comm.ep_group is None and layer.comm.etp_group is None)
+    packed = capacity is not None and capacity >= PACKED_MIN_CAPACITY and one_rank
+    if packed and experts.fuses_routing(x) and moe.weights_in_experts:
+        # Capacity routing on the fused grouped experts: the kept rows, packed (no padding).
+        kept_order, _, counts = capacity_rows(flat, counts, capacity)
+        kept = kept_order[: int(counts.sum())]
+        permuted = x.index_select(0, kept // moe.top_k).detach()
+        row_weights = routing.weights.reshape(-1)[kept].detach()
+        capacity = None
+    slot_weights = None
     folded_slots = moe.weights_in_experts and one_rank and not experts.uses_triton(x)
     if capacity is not None and folded_slots:
         slot_weights = torch.rand(moe.num_experts, capacity, device=x.device, dtype=x.dtype)
@@ -456,6 +478,11 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     ms = _time(Experts(), rows.clone(), grad, warmup, iters)
     layer.zero_grad(set_to_none=True)
     return ms
+
+
+def _loop_streams(layer: nn.Module, streams: int) -> nn.Module:
+    layer.experts.loop_streams = streams  # type: ignore[union-attr]
+    return layer
 
 
 def _backend(module: nn.Module, backend: str) -> nn.Module:

@@ -10,10 +10,11 @@ timed on its own with CUDA events:
   written in the parameter's layout.
 
 Implementations: ``torch._grouped_mm`` (the layer's default experts), a loop of cuBLAS GEMMs
-over the experts (the group sizes on the host), batched cuBLAS GEMMs on equal groups of the
-mean size (what drop-and-pad at capacity factor 1 would run), ``torch._grouped_mm`` with the
-weights stored ``[E, K, N]``, and the dense GEMM with the same total FLOPs (all the
-rows against one weight of the same shape: the dense layer's GEMM). Reports ms and TFLOP/s
+over the experts (the group sizes on the host) on one stream and alternating between two,
+batched cuBLAS GEMMs on equal groups of the mean size (an idealised bound: no expert gets
+more rows than the mean) and padded to the largest expert (what ``expert_kernel="bmm"`` runs),
+``torch._grouped_mm`` with the weights stored ``[E, K, N]``, and the dense GEMM with the same
+total FLOPs (all the rows against one weight of the same shape: the dense layer's GEMM). Reports ms and TFLOP/s
 per GEMM. Writes ``moe_gemm.json`` and ``moe_gemm.md``.
 
 Run from the repository root on the GPU machine::
@@ -115,7 +116,15 @@ def _grouped_mm_kn(p: Problem) -> dict[str, Callable[[], object]]:
     }
 
 
-def _loop(p: Problem) -> dict[str, Callable[[], object]]:
+def _loop_streams(p: Problem) -> dict[str, Callable[[], object]]:
+    """The cuBLAS loop over experts on two CUDA streams, alternating experts (one expert's
+    last partial wave of tiles overlaps the next expert's GEMM)."""
+    return _loop(p, streams=(torch.cuda.Stream(), torch.cuda.Stream()))
+
+
+def _loop(
+    p: Problem, streams: tuple[torch.cuda.Stream, ...] = ()
+) -> dict[str, Callable[[], object]]:
     starts = [0]
     for size in p.sizes:
         starts.append(starts[-1] + size)
@@ -128,8 +137,18 @@ def _loop(p: Problem) -> dict[str, Callable[[], object]]:
 
     def run(fn: Callable[[int, int, int], object]) -> Callable[[], None]:
         def go() -> None:
+            if not streams:
+                for e, s, t in spans:
+                    fn(e, s, t)
+                return
+            main = torch.cuda.current_stream()
+            for stream in streams:
+                stream.wait_stream(main)
             for e, s, t in spans:
-                fn(e, s, t)
+                with torch.cuda.stream(streams[e % len(streams)]):
+                    fn(e, s, t)
+            for stream in streams:
+                main.wait_stream(stream)
 
         return go
 
@@ -160,6 +179,29 @@ def _batched(p: Problem) -> dict[str, Callable[[], object]]:
     }
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _batched_max(p: Problem) -> dict[str, Callable[[], object]]:
+    """Batched cuBLAS GEMMs with every expert padded to the largest expert (rounded to 8)."""
+    cap = _round_up(max(p.sizes), 8)
+    bf16 = dict(device=p.x.device, dtype=p.x.dtype)
+    e = p.experts
+    xs = torch.randn(e, cap, p.hidden, **bf16)
+    acts = torch.randn(e, cap, p.ffn, **bf16)
+    grads = torch.randn(e, cap, p.hidden, **bf16)
+    grad_gus = torch.randn(e, cap, 2 * p.ffn, **bf16)
+    return {
+        "gate_up": lambda: torch.bmm(xs, p.w_gu.transpose(1, 2)),
+        "down": lambda: torch.bmm(acts, p.w_d.transpose(1, 2)),
+        "d_act": lambda: torch.bmm(grads, p.w_d),
+        "d_x": lambda: torch.bmm(grad_gus, p.w_gu),
+        "w_down": lambda: torch.bmm(grads.transpose(1, 2), acts),
+        "w_gate_up": lambda: torch.bmm(grad_gus.transpose(1, 2), xs),
+    }
+
+
 def _dense(p: Problem) -> dict[str, Callable[[], object]]:
     gu, d = p.w_gu[0], p.w_d[0]
     return {
@@ -177,6 +219,7 @@ def run_case(
     case: dict[str, int],
     reps: int,
     emit: Callable[[list[dict]], None] | None = None,
+    only: list[str] | None = None,
 ) -> list[dict]:
     """Time every GEMM of one case with every implementation.
 
@@ -185,6 +228,7 @@ def run_case(
         case: Shapes (hidden, experts, top_k, ffn, tokens).
         reps: Timed repetitions per GEMM.
         emit: Called with the rows so far after every implementation.
+        only: Implementations whose name contains one of these words (default: all).
 
     Returns:
         One row per (implementation, GEMM).
@@ -196,9 +240,13 @@ def run_case(
         "torch._grouped_mm": _grouped_mm,
         "torch._grouped_mm, [E, K, N] weights": _grouped_mm_kn,
         "bmm, equal groups": _batched,
+        "bmm, padded to the largest expert": _batched_max,
     }
     if case["experts"] <= 16:
         impls["cuBLAS loop over experts"] = _loop
+        impls["cuBLAS loop over experts, two streams"] = _loop_streams
+    if only:
+        impls = {key: value for key, value in impls.items() if any(w in key for w in only)}
     rows = []
     imbalance = max(p.sizes) / (p.rows / p.experts)
     for impl, make in impls.items():
@@ -261,8 +309,16 @@ def main(argv: list[str] | None = None) -> None:
     """
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        choices=list(CASES),
+        help="case names, run in this order (default: all)",
+    )
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per GEMM")
+    parser.add_argument(
+        "--only", nargs="*", help="implementations containing one of these words (default: all)"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -275,10 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         (out / "moe_gemm.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / "moe_gemm.md").write_text(_markdown(device_name, every))
 
-    for name, case in CASES.items():
-        if args.cases and name not in args.cases:
-            continue
-        rows.extend(run_case(name, case, args.reps, write))
+    for name in args.cases or list(CASES):
+        rows.extend(run_case(name, CASES[name], args.reps, write, args.only))
         torch.cuda.empty_cache()
     print(_markdown(device_name, rows), flush=True)
 

@@ -10,7 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from mcore_models import GPTConfig, GPTModel, ModelConfigError, ModelInputError
-from mcore_models.moe import MoEConfig, MoELayer, group_limited_top_k, set_decode_expert_padding
+from mcore_models.moe import (
+    MoEConfig,
+    MoELayer,
+    dispatcher,
+    group_limited_top_k,
+    set_decode_expert_padding,
+)
 from mcore_models.moe.config import expert_capacity
 from mcore_models.moe.experts import grouped_mm_supported
 from mcore_parallel.testing import run_distributed
@@ -373,6 +379,54 @@ def test_layer_through_the_fused_triton_kernels_matches_token_by_token_reference
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     (errors,) = run_distributed(_fused_kernel_errors, 1, capacity_factor)
     assert max(errors) < 1e-4, errors
+
+
+def _fused_routed_errors(capacity_factor: float | None) -> list[float]:
+    # A fresh process: pack the kept rows at any capacity (tiny shapes here).
+    dispatcher.PACKED_MIN_CAPACITY = 1
+    # Experts 10 and 11 never win (their router rows are pushed far down): empty groups.
+    layer = _layer(num_experts=12, top_k=3, fused_experts=True, capacity_factor=capacity_factor)
+    with torch.no_grad():
+        layer.router.weight[10:] = -5.0 * X.reshape(-1, HIDDEN).mean(0)
+    assert layer.experts.fuses_routing(X)
+    tokens = X.shape[0] * X.shape[1]
+    capacity = None if capacity_factor is None else expert_capacity(tokens, 3, 12, capacity_factor)
+    upstream = torch.randn(X.shape, generator=torch.Generator().manual_seed(5))
+    results = []
+    for forward in (layer, lambda x: _reference(layer, x, capacity)):
+        layer.zero_grad()
+        x = X.clone().requires_grad_(True)
+        out = forward(x)
+        (out * upstream).sum().backward()
+        results.append([out.detach(), x.grad, *(p.grad.clone() for p in layer.parameters())])
+    assert int((layer.tokens_per_expert == 0).sum()) > 0, layer.tokens_per_expert
+    if capacity is not None:  # something was dropped
+        assert int((layer.tokens_per_expert > capacity).sum()) > 0, layer.tokens_per_expert
+    return [(got - expected).abs().max().item() for got, expected in zip(*results)]
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="kernels compile for the GPU here; test_models_moe_gpu"
+)
+@pytest.mark.skipif(
+    not grouped_mm_supported(torch.device("cpu"), torch.float32),
+    reason="torch._grouped_mm does not run on this CPU build",
+)
+def _fused_routed_errors_both() -> list[list[float]]:
+    return [_fused_routed_errors(None), _fused_routed_errors(0.5)]
+
+
+def test_layer_with_fused_routed_experts_matches_token_by_token_reference(monkeypatch):
+    # MoEConfig(fused_experts=True): permute, grouped GEMMs, weighted SwiGLU and combine in one
+    # autograd operation (Triton kernels through the interpreter, torch._grouped_mm on the
+    # CPU), with experts that get no token; dropless, and capacity routing whose kept
+    # assignments are packed without padding rows (capacity factor 0.5 drops some).
+    # Outputs and every gradient against the reference, in one fresh process.
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ((dropless, capacity),) = run_distributed(_fused_routed_errors_both, 1)
+    assert max(dropless) < 1e-4, dropless
+    assert max(capacity) < 1e-4, capacity
 
 
 def _triton_expert_errors(capacity_factor: float | None) -> list[float]:

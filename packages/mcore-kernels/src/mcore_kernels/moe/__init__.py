@@ -8,6 +8,7 @@ a kernel (or a recomputation) without atomic floating-point adds, with its torch
 from mcore_kernels.moe import reference
 from mcore_kernels.moe.grouped_gemm import grouped_swiglu_mlp
 from mcore_kernels.moe.permute import permute_tokens, unpermute_combine, unpermute_sum
+from mcore_kernels.moe.routed import routed_experts
 from mcore_kernels.moe.router import moe_router
 from mcore_kernels.moe.swiglu import swiglu, weighted_swiglu
 
@@ -16,6 +17,7 @@ __all__ = [
     "moe_router",
     "permute_tokens",
     "reference",
+    "routed_experts",
     "swiglu",
     "unpermute_combine",
     "unpermute_sum",

@@ -151,26 +151,36 @@ def gather_rows_kernel(
     index_ptr,
     scale_ptr,
     out_ptr,
+    num_rows,
     hidden,
     INDEX_DIV: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """``out[r] = src[index[r] // INDEX_DIV] (* scale[index[r]])``, zero where index < 0."""
-    row = tl.program_id(0)
+    """``out[r] = src[index[r] // INDEX_DIV] (* scale[index[r]])``, zero where index < 0, for
+    ``ROWS`` rows and ``BLOCK_H`` columns."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < num_rows
     col_ok = cols < hidden
-    index = tl.load(index_ptr + row)
+    index = tl.load(index_ptr + rows, mask=row_ok, other=-1)
     valid = index >= 0
-    source = tl.where(valid, index // INDEX_DIV, 0)
-    # A row mask as a column bound (the interpreter rejects scalar-and-vector masks).
-    limit = tl.where(valid, hidden, 0)
-    values = tl.load(src_ptr + source * hidden + cols, mask=cols < limit, other=0.0)
+    source = tl.where(valid, index // INDEX_DIV, 0).to(tl.int64)
+    values = tl.load(
+        src_ptr + source[:, None] * hidden + cols[None, :],
+        mask=valid[:, None] & col_ok[None, :],
+        other=0.0,
+    )
     if HAS_SCALE:
         # Index 0 always exists; invalid rows are zero already.
-        scale = tl.load(scale_ptr + tl.where(valid, index, 0))
-        values = (values.to(tl.float32) * scale.to(tl.float32)).to(values.dtype)
-    tl.store(out_ptr + row.to(tl.int64) * hidden + cols, values, mask=col_ok)
+        scale = tl.load(scale_ptr + tl.where(valid, index, 0), mask=row_ok, other=0.0)
+        values = (values.to(tl.float32) * scale.to(tl.float32)[:, None]).to(values.dtype)
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
+        values,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit
@@ -179,28 +189,38 @@ def sum_rows_kernel(
     slots_ptr,
     weights_ptr,
     out_ptr,
+    num_tokens,
     hidden,
     TOP_K: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """``out[t] = sum_j (w[t, j] *) src[slots[t * TOP_K + j]]`` over valid slots, in float32."""
-    token = tl.program_id(0)
+    """``out[t] = sum_j (w[t, j] *) src[slots[t * TOP_K + j]]`` over valid slots, in float32,
+    for ``ROWS`` tokens and ``BLOCK_H`` columns."""
+    tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    token_ok = tokens < num_tokens
     col_ok = cols < hidden
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        slot = tl.load(slots_ptr + token * TOP_K + j)
+        slot = tl.load(slots_ptr + tokens * TOP_K + j, mask=token_ok, other=-1)
         valid = slot >= 0
         row = tl.where(valid, slot, 0).to(tl.int64)
-        limit = tl.where(valid, hidden, 0)
-        values = tl.load(src_ptr + row * hidden + cols, mask=cols < limit, other=0.0)
+        values = tl.load(
+            src_ptr + row[:, None] * hidden + cols[None, :],
+            mask=valid[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         values = values.to(tl.float32)
         if HAS_WEIGHTS:
-            values = values * tl.load(weights_ptr + token * TOP_K + j).to(tl.float32)
+            weight = tl.load(weights_ptr + tokens * TOP_K + j, mask=token_ok, other=0.0)
+            values = values * weight.to(tl.float32)[:, None]
         acc += values
     tl.store(
-        out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok
+        out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=token_ok[:, None] & col_ok[None, :],
     )
 
 

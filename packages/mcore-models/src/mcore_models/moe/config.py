@@ -91,6 +91,15 @@ class MoEConfig:
     same up to rounding), and combine with a plain sum. The weight gradient then comes from
     the SwiGLU backward pass, and the combine neither saves the expert outputs nor reads them
     again in the backward pass. False scales in the combine, as the other paths do."""
+    fused_experts: bool = True
+    """On one rank holding every expert, with ``expert_kernel="grouped_mm"``, the routing
+    weights inside the experts and the GPU kernels: run the token permutation, both grouped
+    GEMMs, the weighted SwiGLU and the combine as one autograd operation
+    (:func:`mcore_kernels.moe.routed_experts`; the same kernels with one autograd node instead
+    of seven, less host work per step). Capacity routing (drop-and-pad) then packs the kept
+    assignments without padding rows for the grouped GEMMs when the capacity is at least
+    ``PACKED_MIN_CAPACITY`` rows per expert (:mod:`mcore_models.moe.dispatcher`), and runs
+    batched GEMMs over the padded slots below it. False chains the separate operations."""
     layer_step: int = 1
     """Every ``layer_step``-th layer is a MoE layer (layers ``i`` with ``(i + 1) % step == 0``)."""
     dense_layers: tuple[int, ...] = ()

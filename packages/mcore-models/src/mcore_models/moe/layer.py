@@ -61,6 +61,7 @@ class MoELayer(nn.Module):
                 config.dtype,
                 grouped_gemm=moe.grouped_gemm,
                 expert_kernel=moe.expert_kernel,
+                fused=moe.fused_experts,
             )
             self.shared_expert: SwiGLUMLP | None = None
             self.shared_expert_gate: nn.Linear | None = None

@@ -19,6 +19,7 @@ from mcore_kernels.moe import permute_tokens, unpermute_combine
 __all__ = [
     "GatherOrZero",
     "PermuteRows",
+    "capacity_rows",
     "capacity_slots",
     "count",
     "inverse_permutation",
@@ -144,6 +145,43 @@ def capacity_slots(
     keep = valid & (position < capacity)
     slot = (experts * sources + source) * capacity + position
     return torch.where(keep, slot, num_experts * sources * capacity)
+
+
+def capacity_rows(
+    experts: torch.Tensor, counts: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compact expert-sorted rows of the assignments that capacity routing keeps (no host sync).
+
+    The same drop rule as :func:`capacity_slots` (an expert keeps its first ``capacity``
+    assignments in token order) from one stable sort, but the kept assignments are packed
+    expert after expert with no padding rows between them: a grouped GEMM then runs only the
+    kept rows, while every shape still depends on the token count alone.
+
+    Args:
+        experts: ``[A]`` int64 expert of each assignment.
+        counts: ``[num_experts]`` assignments per expert.
+        capacity: Rows each expert keeps at most.
+
+    Returns:
+        ``(order, inverse, kept)``: ``[A]`` int64 assignment in each row (-1 past the kept
+        rows), ``[A]`` int64 row of each assignment (-1 when dropped) and ``[num_experts]``
+        int64 kept rows of each expert.
+    """
+    total = experts.numel()
+    order = torch.argsort(experts, stable=True)
+    sorted_experts = experts.index_select(0, order)
+    starts = counts.cumsum(0) - counts
+    position = torch.arange(total, device=experts.device) - starts.index_select(0, sorted_experts)
+    kept = counts.clamp(max=capacity)
+    kept_starts = kept.cumsum(0) - kept
+    rows = torch.where(
+        position < capacity, kept_starts.index_select(0, sorted_experts) + position, -1
+    )
+    inverse = torch.empty_like(order).scatter_(0, order, rows)
+    # Dropped assignments all land in one extra trash row, which is cut off.
+    compact = torch.full((total + 1,), -1, dtype=torch.int64, device=experts.device)
+    compact.scatter_(0, torch.where(rows < 0, total, rows), order)
+    return compact[:total], inverse, kept
 
 
 def padded_capacity(counts: torch.Tensor, assignments: int) -> int | None:

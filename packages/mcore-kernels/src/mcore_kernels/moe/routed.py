@@ -1,0 +1,248 @@
+"""Dropless routed SwiGLU experts as one autograd operation: permute, gate/up GEMM, weighted
+SwiGLU, down GEMM and combine.
+
+The same computation as chaining :func:`~mcore_kernels.moe.permute_tokens`, two
+``torch._grouped_mm`` calls, :func:`~mcore_kernels.moe.weighted_swiglu` and
+:func:`~mcore_kernels.moe.unpermute_sum`, with one autograd node instead of seven and the
+routing weights read through each row's assignment (no gathered copy of them and no gather of
+their gradient): less host work per step, the same kernels and GEMMs on the device. Every pass
+reads through an index and writes each output element once (no atomics), so forward and
+backward are bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mcore_kernels._backend import use_triton
+from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.moe.permute import _device, _gather_rows, _sum_rows
+
+__all__ = ["routed_experts", "routed_experts_reference"]
+
+
+def _swiglu_launch_block(width: int) -> int:
+    import triton
+
+    return min(1024, triton.next_power_of_2(width))
+
+
+def _routed_swiglu(
+    gate_up: torch.Tensor, weights: torch.Tensor, order: torch.Tensor
+) -> torch.Tensor:
+    import triton
+
+    from mcore_kernels.moe._routed_triton import routed_swiglu_forward_kernel
+
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, width)
+    if rows and width:
+        block = _swiglu_launch_block(width)
+        routed_swiglu_forward_kernel[(rows, triton.cdiv(width, block))](
+            gate_up, weights, order, out, width, BLOCK=block
+        )
+    return out
+
+
+def _routed_swiglu_backward(
+    gate_up: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from mcore_kernels.moe._routed_triton import routed_swiglu_backward_kernel
+
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty_like(gate_up)
+    # Assignments without a row (dropped) keep a zero gradient; one spare entry takes the
+    # rows without an assignment.
+    grad_w = torch.zeros(weights.numel() + 1, dtype=torch.float32, device=weights.device)
+    if rows and width:
+        routed_swiglu_backward_kernel[(rows,)](
+            gate_up,
+            weights,
+            order,
+            grad,
+            out,
+            grad_w,
+            width,
+            weights.numel(),
+            BLOCK=_swiglu_launch_block(width),
+        )
+    return out, grad_w[:-1]
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offsets)
+
+
+class RoutedExpertsFunction(torch.autograd.Function):
+    """Autograd operation of :func:`routed_experts` (Triton kernels and ``torch._grouped_mm``)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        order: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        top_k: int,
+    ) -> torch.Tensor:
+        flat_w = weights.reshape(-1)
+        with _device(x):
+            permuted = _gather_rows(x, order, top_k, None)
+            gate_up = _grouped(permuted, w_gate_up.transpose(-2, -1), offsets)
+            act = _routed_swiglu(gate_up, flat_w, order)
+            y = _grouped(act, w_down.transpose(-2, -1), offsets)
+            out = _sum_rows(y, inverse, top_k, None)
+        ctx.save_for_backward(
+            flat_w, w_gate_up, w_down, order, inverse, offsets, permuted, gate_up, act
+        )
+        ctx.top_k = top_k
+        ctx.weights_shape = weights.shape
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        flat_w, w_gate_up, w_down, order, inverse, offsets, permuted, gate_up, act = (
+            ctx.saved_tensors
+        )
+        top_k = ctx.top_k
+        needs_x, needs_w, needs_gu, needs_down = ctx.needs_input_grad[:4]
+        grad = grad.contiguous()
+        grad_x = grad_w = grad_gu = grad_down = None
+        with _device(grad):
+            grad_y = _gather_rows(grad, order, top_k, None)
+            if needs_down:
+                grad_down = _grouped(grad_y.t(), act, offsets)
+            grad_act = _grouped(grad_y, w_down, offsets)
+            del grad_y
+            grad_gate_up, grad_flat_w = _routed_swiglu_backward(gate_up, flat_w, order, grad_act)
+            del grad_act
+            if needs_gu:
+                grad_gu = _grouped(grad_gate_up.t(), permuted, offsets)
+            if needs_x:
+                grad_perm = _grouped(grad_gate_up, w_gate_up, offsets)
+                grad_x = _sum_rows(grad_perm, inverse, top_k, None)
+        if needs_w:
+            grad_w = grad_flat_w.to(flat_w.dtype).view(ctx.weights_shape)
+        return grad_x, grad_w, grad_gu, grad_down, None, None, None, None
+
+
+def routed_experts_reference(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    order: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Torch reference of :func:`routed_experts`: one SwiGLU MLP per expert over its rows.
+
+    Args:
+        x: ``[T, H]`` tokens.
+        weights: ``[T, top_k]`` routing weights.
+        w_gate_up: ``[E, 2F, H]`` gate rows then up rows of each expert.
+        w_down: ``[E, H, F]``.
+        order: ``[T * top_k]`` int64 assignment in each row (rows sorted by expert; -1 past
+            ``offsets[-1]``).
+        offsets: ``[E]`` int32 end row of each expert's rows.
+
+    Returns:
+        ``[T, H]`` sum of each token's weighted expert outputs (assignments in no row count
+        zero), in the dtype of ``x``.
+    """
+    top_k = weights.shape[1]
+    ffn = w_down.shape[-1]
+    ends = offsets.tolist()
+    outputs = []
+    start = 0
+    for expert, end in enumerate(ends):
+        assignments = order[start:end]
+        rows = x.index_select(0, assignments // top_k)
+        gate, up = F.linear(rows, w_gate_up[expert]).float().split(ffn, dim=-1)
+        scale = weights.reshape(-1).index_select(0, assignments).float().unsqueeze(-1)
+        act = (F.silu(gate) * up * scale).to(x.dtype)
+        outputs.append(F.linear(act, w_down[expert]))
+        start = end
+    y = torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
+    per_assignment = x.new_zeros(order.shape[0], x.shape[1]).index_copy(0, order[:start], y)
+    summed = per_assignment.float().view(-1, top_k, x.shape[1]).sum(dim=1)
+    return summed.to(x.dtype)
+
+
+def routed_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    order: torch.Tensor,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Run every routing assignment through its SwiGLU expert and sum each token's outputs.
+
+    Assignment ``a`` is token ``a // top_k``; the rows of the experts' GEMMs are the
+    assignments sorted by expert (``order``), expert ``e`` holding rows ``offsets[e-1]`` to
+    ``offsets[e]``. Row ``r`` computes ``w[order[r]] * silu(x W_gate^T) * (x W_up^T)`` then its
+    down projection; each token's ``top_k`` results are summed in float32. No host
+    synchronisation. Dropless when every assignment has a row; for capacity routing the
+    dropped assignments have none (``inverse`` -1, they count zero) and the rows past
+    ``offsets[-1]`` hold no assignment (``order`` -1): they are neither computed by the GEMMs
+    nor read. Uses ``torch._grouped_mm`` for the GEMMs; on tensors the Triton kernels do
+    not handle, the per-expert torch reference runs instead (a host sync).
+
+    Args:
+        x: ``[T, H]`` tokens.
+        weights: ``[T, top_k]`` routing weights (differentiable).
+        w_gate_up: ``[E, 2F, H]`` gate rows then up rows of each expert (differentiable).
+        w_down: ``[E, H, F]`` down projection of each expert (differentiable).
+        order: ``[T * top_k]`` int64 assignment in each row, -1 past ``offsets[-1]``.
+        inverse: ``[T * top_k]`` int64 row of each assignment (``inverse[order[r]] == r``), -1
+            for an assignment without a row.
+        offsets: ``[E]`` int32 cumulative row counts of the experts.
+
+    Returns:
+        ``[T, H]`` in the dtype of ``x``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match.
+        KernelDtypeError: If an index has the wrong dtype.
+    """
+    if x.dim() != 2 or weights.dim() != 2 or weights.shape[0] != x.shape[0]:
+        raise KernelShapeError(
+            f"x.shape={tuple(x.shape)} and weights.shape={tuple(weights.shape)} must be "
+            "[tokens, hidden] and [tokens, top_k]"
+        )
+    experts, two_ffn, hidden = w_gate_up.shape
+    if hidden != x.shape[1] or tuple(w_down.shape) != (experts, hidden, two_ffn // 2):
+        raise KernelShapeError(
+            f"w_gate_up.shape={tuple(w_gate_up.shape)} and w_down.shape={tuple(w_down.shape)} "
+            f"must be [E, 2F, {x.shape[1]}] and [E, {x.shape[1]}, F]"
+        )
+    for name, index in (("order", order), ("inverse", inverse)):
+        if index.dtype != torch.int64 or tuple(index.shape) != (weights.numel(),):
+            raise KernelDtypeError(
+                f"{name} must be int64 of shape ({weights.numel()},), got dtype {index.dtype} "
+                f"and shape {tuple(index.shape)}"
+            )
+    if offsets.dtype != torch.int32 or tuple(offsets.shape) != (experts,):
+        raise KernelDtypeError(
+            f"offsets must be int32 of shape ({experts},), got dtype {offsets.dtype} and shape "
+            f"{tuple(offsets.shape)}"
+        )
+    if not use_triton(x):
+        return routed_experts_reference(x, weights, w_gate_up, w_down, order, offsets)
+    return RoutedExpertsFunction.apply(
+        x.contiguous(),
+        weights.contiguous(),
+        w_gate_up,
+        w_down,
+        order,
+        inverse,
+        offsets,
+        weights.shape[1],
+    )
