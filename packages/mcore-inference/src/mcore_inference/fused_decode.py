@@ -67,6 +67,13 @@ on its tensor-core path only matches cuBLAS, and its norm prologue costs more th
 kernel it replaces."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
+DECODE_ATTENTION_SPLIT_SIZE: int | None = None
+"""Context positions per split of the attention in the ``decode_gemv`` steps (None: the cache's
+``split_size``). A step of one or two tokens launches one attention program per split and
+key/value head: smaller splits spread a short context over more programs."""
+DECODE_ATTENTION_MERGE: str | None = None
+"""How the attention of the ``decode_gemv`` steps merges its splits (``"ticket"``: in the same
+launch; None: the kernel's default)."""
 
 
 @dataclass(slots=True)
@@ -149,6 +156,11 @@ class FusedDecoder:
         prefetch_l2: In the ``decode_gemv`` steps, each projection requests the next
             projection's weight into the L2 cache while it runs (``decode_gemv(...,
             prefetch=...)``), so weight streaming runs ahead of the chain of dependent kernels.
+        attention_split_size: Context positions per split of the attention in the
+            ``decode_gemv`` steps, used where it is a multiple of the cache's block size (None:
+            :data:`DECODE_ATTENTION_SPLIT_SIZE`, else the cache's ``split_size``).
+        attention_merge: How that attention merges its splits (None:
+            :data:`DECODE_ATTENTION_MERGE`).
     """
 
     def __init__(
@@ -161,8 +173,14 @@ class FusedDecoder:
         max_positions: int | None = None,
         rope_in_projection: bool = True,
         prefetch_l2: bool = False,
+        attention_split_size: int | None = None,
+        attention_merge: str | None = None,
     ) -> None:
         self.model = model
+        self.attention_split_size = (
+            DECODE_ATTENTION_SPLIT_SIZE if attention_split_size is None else attention_split_size
+        )
+        self.attention_merge = DECODE_ATTENTION_MERGE if attention_merge is None else attention_merge
         self.rope_in_projection = rope_in_projection
         self.prefetch_l2 = prefetch_l2
         self.pdl = pdl
@@ -296,6 +314,9 @@ class FusedDecoder:
         model = self.model
         residual = hidden
         layers = list(zip(model.layers, self._layers, strict=True))
+        split_size = self.attention_split_size
+        if split_size is not None and split_size % kv_cache.block_size:
+            split_size = None
         for index, (layer, fused) in enumerate(layers):
             attention, mlp = layer.self_attention, layer.mlp
             # With prefetch_l2, each projection requests the next one's weight into L2.
@@ -325,6 +346,8 @@ class FusedDecoder:
                     layer.layer_idx,
                     q.unflatten(-1, (-1, attention.head_dim)),
                     scale=attention.scale,
+                    split_size=split_size,
+                    merge=self.attention_merge,
                 )
             else:
                 qkv = decode_gemv(
