@@ -180,7 +180,9 @@ class FusedDecoder:
         self.attention_split_size = (
             DECODE_ATTENTION_SPLIT_SIZE if attention_split_size is None else attention_split_size
         )
-        self.attention_merge = DECODE_ATTENTION_MERGE if attention_merge is None else attention_merge
+        self.attention_merge = (
+            DECODE_ATTENTION_MERGE if attention_merge is None else attention_merge
+        )
         self.rope_in_projection = rope_in_projection
         self.prefetch_l2 = prefetch_l2
         self.pdl = pdl

@@ -286,7 +286,9 @@ def _merge_rows(
         acc += tl.sum(split_out * weight[:, :, None], axis=1)
     out = acc / tl.where(row_ok, total_sum, 1.0)[:, None]
     tl.store(
-        out_ptr + tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head
+        out_ptr
+        + tokens[:, None] * stride_out_token
+        + heads[:, None] * stride_out_head
         + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & dim_mask[None, :],
