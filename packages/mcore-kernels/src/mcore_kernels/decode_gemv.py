@@ -36,6 +36,7 @@ overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,12 @@ from mcore_kernels.rotary_kv_write import (
 __all__ = ["GemvConfig", "decode_gemv", "decode_gemv_triton", "gemv_config"]
 
 _REDUCES = ("ticket", "second_pass")
+PREFETCH_BULK = True
+"""``prefetch`` tensors go to L2 as bulk requests of :data:`PREFETCH_CHUNK_BYTES` where the
+device and the alignment allow (Hopper and newer), else one request per 128-byte line (one
+tensor only)."""
+PREFETCH_CHUNK_BYTES = 16384
+"""Bytes per bulk L2 prefetch request."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -351,6 +358,46 @@ def _prefetch_lines(pf_ptr, PF_LINES, PF_BLOCK: tl.constexpr, LINE_ELEMENTS: tl.
         prefetch_l2(pf_ptr + lines.to(tl.int64) * LINE_ELEMENTS)
 
 
+@jit
+def _bulk_prefetch(addresses, size):
+    """Request ``size`` bytes from each of ``addresses`` into L2 with one bulk copy each.
+
+    ``cp.async.bulk.prefetch.L2`` (Hopper and newer): a hint handled by the copy engine, one
+    instruction per chunk instead of one per 128-byte line; addresses and size 16-byte aligned.
+    Inline PTX: CUDA only.
+    """
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [addresses, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@jit
+def _prefetch_chunks(pf_ptr, PF_BYTES, CHUNK: tl.constexpr, LANES: tl.constexpr):
+    """Request this program's share of the ``PF_BYTES`` bytes at ``pf_ptr`` into L2.
+
+    Chunks of ``CHUNK`` bytes (the last one ends at the tensor's end; ``PF_BYTES >= CHUNK``).
+    """
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    program = tl.program_id(0) + tl.num_programs(0) * (
+        tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
+    )
+    chunks = tl.cdiv(PF_BYTES, CHUNK)
+    share = tl.cdiv(chunks, programs)
+    base = pf_ptr.to(tl.pointer_type(tl.int8))
+    lanes = tl.arange(0, LANES)
+    sizes = tl.full([LANES], CHUNK, tl.int32)
+    for start in range(0, share, LANES):
+        # Lanes past the share repeat its last chunk (a repeated hint costs nothing more).
+        index = program * share + tl.minimum(start + lanes, share - 1)
+        offset = tl.minimum(index.to(tl.int64) * CHUNK, PF_BYTES - CHUNK)
+        _bulk_prefetch(base + offset, sizes)
+
+
 @jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
 def _gemv_kernel(
     x_ptr,
@@ -386,6 +433,8 @@ def _gemv_kernel(
     NUM_KV_HEADS,
     pf_ptr,
     PF_LINES,
+    pf2_ptr,
+    PF2_BYTES,
     HAS_BIAS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -406,13 +455,19 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr,
+    PREFETCH_CHUNK: tl.constexpr,
 ):
     if USE_PDL:
         # Let the next kernel's programs start (and prefetch their own weights) early.
         gdc_launch_dependents()
-    if PREFETCH:
+    if PREFETCH == 1:
         # Another tensor (the next projection's weight) towards L2 while this one streams.
         _prefetch_lines(pf_ptr, PF_LINES, 128, LINE_ELEMENTS)
+    if PREFETCH == 2:
+        # Bulk requests: PF_LINES and PF2_BYTES are byte counts of one or two tensors.
+        _prefetch_chunks(pf_ptr, PF_LINES, PREFETCH_CHUNK, 16)
+        if PF2_BYTES > 0:
+            _prefetch_chunks(pf2_ptr, PF2_BYTES, PREFETCH_CHUNK, 16)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -681,7 +736,7 @@ def decode_gemv_triton(
     config: GemvConfig | None = None,
     pdl: bool | None = None,
     rope: RotaryCacheWrite | None = None,
-    prefetch: torch.Tensor | None = None,
+    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`decode_gemv` (fixed shapes, graph-safe).
 
@@ -700,9 +755,11 @@ def decode_gemv_triton(
             inside :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
         rope: Fold RoPE and the key/value cache write into a q/k/v projection (see
             :func:`decode_gemv`).
-        prefetch: A contiguous tensor (typically the next projection's weight) whose bytes the
-            programs request into the L2 cache at their start, so the next kernel finds it
-            there; a hint without effect on the result (ignored on CPU tensors).
+        prefetch: A contiguous tensor, or two (typically the weights of projections to come),
+            whose bytes the programs request into the L2 cache at their start, so later kernels
+            find them there; a hint without effect on the result (ignored on CPU tensors). Bulk
+            requests where the device allows (:data:`PREFETCH_BULK`), else line by line (the
+            first tensor only).
 
     Returns:
         ``[M, N_out]`` in the dtype of ``x`` (with ``rope``, the rotated queries).
@@ -750,14 +807,13 @@ def decode_gemv_triton(
     interpreting = not x.is_cuda
     device_index = x.get_device()
     use_pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_supported(x.device)
-    # Inline PTX: not in the interpreter; lines of a contiguous tensor on the same device.
-    use_prefetch = (
-        prefetch is not None
-        and x.is_cuda
-        and prefetch.device == x.device
-        and prefetch.is_contiguous()
-        and prefetch.nbytes >= 128
-    )
+    regions = _prefetch_regions(prefetch, x)
+    bulk = len(regions) > 0 and all(_bulk_ok(t) for t in regions)
+    if not bulk:
+        regions = regions[:1]
+    use_prefetch = len(regions) > 0
+    prefetch = regions[0] if regions else None
+    second = regions[1] if len(regions) > 1 else None
     args = (
         x,
         weight,
@@ -778,8 +834,10 @@ def decode_gemv_triton(
         out.stride(0),
         float(norm_eps),
         *_rope_args(rope, dummy),
-        prefetch if prefetch is not None and use_prefetch else dummy,
-        prefetch.nbytes // 128 if prefetch is not None and use_prefetch else 0,
+        prefetch if prefetch is not None else dummy,
+        0 if prefetch is None else prefetch.nbytes if bulk else prefetch.nbytes // 128,
+        second if second is not None else dummy,
+        second.nbytes if second is not None else 0,
     )
     constexprs = {
         "HAS_BIAS": bias is not None,
@@ -803,10 +861,9 @@ def decode_gemv_triton(
         else 16,
         "K_ALIGNED": k % 16 == 0,
         "USE_PDL": use_pdl,
-        "PREFETCH": use_prefetch,
-        "LINE_ELEMENTS": (
-            128 // prefetch.element_size() if prefetch is not None and use_prefetch else 1
-        ),
+        "PREFETCH": (2 if bulk else 1) if use_prefetch else 0,
+        "LINE_ELEMENTS": 128 // prefetch.element_size() if prefetch is not None else 1,
+        "PREFETCH_CHUNK": PREFETCH_CHUNK_BYTES,
     }
     if config.num_stages is None:
         launcher = _GEMV_PDL if use_pdl else _GEMV
@@ -847,6 +904,32 @@ def decode_gemv_triton(
     return out
 
 
+def _prefetch_regions(
+    prefetch: torch.Tensor | Sequence[torch.Tensor] | None, x: torch.Tensor
+) -> list[torch.Tensor]:
+    """The tensors to request into L2: contiguous, on ``x``'s GPU, at least one line; two at most.
+
+    Inline PTX: never in the interpreter (CPU tensors).
+    """
+    if prefetch is None or not x.is_cuda:
+        return []
+    tensors = [prefetch] if isinstance(prefetch, torch.Tensor) else list(prefetch)
+    if len(tensors) > 2:
+        raise KernelValueError(f"prefetch names {len(tensors)} tensors; expected at most 2")
+    return [t for t in tensors if t.device == x.device and t.is_contiguous() and t.nbytes >= 128]
+
+
+def _bulk_ok(tensor: torch.Tensor) -> bool:
+    """Whether bulk L2 prefetch requests can cover ``tensor`` (Hopper+, 16-byte aligned)."""
+    return (
+        PREFETCH_BULK
+        and pdl_supported(tensor.device)
+        and tensor.nbytes >= PREFETCH_CHUNK_BYTES
+        and tensor.nbytes % 16 == 0
+        and tensor.data_ptr() % 16 == 0
+    )
+
+
 def _rope_args(rope: RotaryCacheWrite | None, dummy: torch.Tensor) -> tuple:
     """The kernel's RoPE arguments (pointers, strides, head counts); dummies without rope."""
     if rope is None:
@@ -885,7 +968,7 @@ def decode_gemv(
     residual: torch.Tensor | None = None,
     pdl: bool | None = None,
     rope: RotaryCacheWrite | None = None,
-    prefetch: torch.Tensor | None = None,
+    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[RMSNorm] -> x @ weight.T + bias -> [SwiGLU] -> [+ residual]`` of a few rows.
 
@@ -909,9 +992,9 @@ def decode_gemv(
             (``[M, Hq * D]``) returned; the same values as the projection followed by
             ``rotary_kv_write``. Not with ``swiglu`` or ``residual``; not under
             ``torch.compile``.
-        prefetch: A contiguous tensor (the next projection's weight, say) that the Triton
-            kernel requests into the L2 cache while it runs; a hint that changes no value
-            (ignored by the torch path and the interpreter).
+        prefetch: A contiguous tensor or two (the next projections' weights, say) that the
+            Triton kernel requests into the L2 cache while it runs; a hint that changes no
+            value (ignored by the torch path and the interpreter).
 
     Returns:
         ``[M, N_out]`` in the dtype of ``x`` (with ``rope``, the rotated queries).
@@ -940,7 +1023,7 @@ def _decode_gemv_run(
     swiglu: bool,
     residual: torch.Tensor | None,
     pdl: bool | None = None,
-    prefetch: torch.Tensor | None = None,
+    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(
@@ -973,7 +1056,7 @@ def _decode_gemv_rope(
     norm_eps: float,
     pdl: bool | None,
     rope: RotaryCacheWrite,
-    prefetch: torch.Tensor | None = None,
+    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(
