@@ -40,7 +40,7 @@ from mcore_kernels._triton_utils import (
     triton,
 )
 from mcore_kernels._validation import check_paged_attention_args
-from mcore_kernels.errors import KernelBackendError, KernelShapeError
+from mcore_kernels.errors import KernelBackendError, KernelShapeError, KernelValueError
 from mcore_kernels.paged_attention_config import PagedDecodeConfig, paged_decode_config
 from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.reference import paged_attention_reference
@@ -580,7 +580,7 @@ def paged_attention_triton(
             f"split_size={split_size}; expected a positive multiple of the block size {block_size}"
         )
     if merge not in MERGES:
-        raise KernelShapeError(f"merge={merge!r}; expected one of {MERGES}")
+        raise KernelValueError(f"merge={merge!r}; expected one of {MERGES}")
     group = num_q_heads // num_kv_heads
     if config is None:
         config = paged_decode_config(group, head_dim, num_kv_heads, k_cache.dtype)
