@@ -400,14 +400,18 @@ def _write_results(
             "",
             f"Profile at batch {profile['batch']} ({profile['profiled_tokens']} decode steps): "
             f"{profile['kernels_per_step']:.0f} GPU activities and "
-            f"{profile['gpu_us_per_step']:.0f} us of GPU time per step; wall "
-            f"{profile['wall_us_per_step']:.0f} us per step under the profiler.",
+            f"{profile['gpu_us_per_step']:.0f} us of GPU time per step (kernels overlap under "
+            f"PDL); the GPU busy {profile['busy_span_us_per_step']:.0f} us and idle "
+            f"{profile['idle_us_per_step']:.0f} us per step; wall "
+            f"{profile['wall_us_per_step']:.0f} us per step under the profiler. Critical: how "
+            "much later each kernel makes the busy span end (they sum to the busy span).",
             "",
-            "| kernel | per step | us per step |",
-            "|---|---:|---:|",
+            "| kernel | per step | us per step | critical us per step |",
+            "|---|---:|---:|---:|",
         ]
         lines += [
-            f"| `{k['name'][:80]}` | {k['per_step']:.1f} | {k['us_per_step']:.1f} |"
+            f"| `{k['name'][:80]}` | {k['per_step']:.1f} | {k['us_per_step']:.1f} | "
+            f"{k['critical_us_per_step']:.1f} |"
             for k in profile["top_kernels"]
         ]
     lines.append("")
