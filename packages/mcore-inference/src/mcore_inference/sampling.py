@@ -14,8 +14,13 @@ import torch
 
 from mcore_inference.config import SamplingParams
 from mcore_inference.transfer import to_device
+from mcore_kernels.row_argmax import row_argmax
 
-__all__ = ["sample_tokens", "sampling_uniform", "truncate_logits"]
+__all__ = ["ROW_ARGMAX", "sample_tokens", "sampling_uniform", "truncate_logits"]
+
+ROW_ARGMAX = False
+"""Greedy rows take :func:`mcore_kernels.row_argmax.row_argmax` (one launch over every
+multiprocessor) instead of ``torch.argmax``; the same indices."""
 
 _MASK64 = (1 << 64) - 1
 
@@ -80,7 +85,7 @@ def sample_tokens(
     Returns:
         int64 ``[N]`` token ids on the logits' device.
     """
-    tokens = logits.argmax(dim=-1)
+    tokens = row_argmax(logits) if ROW_ARGMAX else logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
     if not rows:
         return tokens
