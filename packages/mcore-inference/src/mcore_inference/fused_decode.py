@@ -331,6 +331,7 @@ class FusedDecoder:
         following = self._layers[index + 1].qkv_weight if index + 1 < len(self._layers) else None
         o_weight = layer.self_attention.o_proj.weight
         down_weight = layer.mlp.down_proj.weight
+        plan: dict[str, tuple[torch.Tensor | None, ...]]
         if self.prefetch_schedule == "next":
             plan = {
                 "qkv": (o_weight,),
