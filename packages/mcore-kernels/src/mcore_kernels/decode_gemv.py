@@ -911,12 +911,20 @@ def _prefetch_regions(
 
     Inline PTX: never in the interpreter (CPU tensors).
     """
-    if prefetch is None or not x.is_cuda:
+    tensors = _prefetch_list(prefetch)
+    if not x.is_cuda:
+        return []
+    return [t for t in tensors if t.device == x.device and t.is_contiguous() and t.nbytes >= 128]
+
+
+def _prefetch_list(prefetch: torch.Tensor | Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    """``prefetch`` as a list of at most two tensors."""
+    if prefetch is None:
         return []
     tensors = [prefetch] if isinstance(prefetch, torch.Tensor) else list(prefetch)
     if len(tensors) > 2:
         raise KernelValueError(f"prefetch names {len(tensors)} tensors; expected at most 2")
-    return [t for t in tensors if t.device == x.device and t.is_contiguous() and t.nbytes >= 128]
+    return tensors
 
 
 def _bulk_ok(tensor: torch.Tensor) -> bool:
@@ -1002,11 +1010,13 @@ def decode_gemv(
     Raises:
         KernelShapeError: If the shapes do not match the layout above.
         KernelDtypeError: If a dtype is unsupported.
-        KernelValueError: If ``rope`` comes with ``swiglu`` or ``residual``.
+        KernelValueError: If ``rope`` comes with ``swiglu`` or ``residual``, or ``prefetch``
+            names more than two tensors.
         KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names an unknown backend or one that
             cannot run on these tensors.
     """
     _check_args(x, weight, bias, norm_weight, residual, swiglu, rope)
+    _prefetch_list(prefetch)
     if rope is not None:
         return _decode_gemv_rope(x, weight, bias, norm_weight, norm_eps, pdl, rope, prefetch)
     if _compile.compiling():
