@@ -458,7 +458,13 @@ class FusedDecoder:
 
 
 def build_fused_decoder(
-    model: Any, enabled: bool, *, pdl: bool = False, max_positions: int | None = None
+    model: Any,
+    enabled: bool,
+    *,
+    pdl: bool = False,
+    max_positions: int | None = None,
+    attention_split_size: int | None = None,
+    prefetch_l2: bool | None = None,
 ) -> FusedDecoder | None:
     """The engine's fused decoder for ``model``, or None where it does not apply.
 
@@ -467,6 +473,8 @@ def build_fused_decoder(
         enabled: ``InferenceConfig.fused_decode``.
         pdl: ``InferenceConfig.decode_pdl`` (see :class:`FusedDecoder`).
         max_positions: ``InferenceConfig.max_sequence_length`` (see :class:`FusedDecoder`).
+        attention_split_size: ``InferenceConfig.decode_attention_split_size``.
+        prefetch_l2: ``InferenceConfig.decode_prefetch_l2``.
 
     Returns:
         A :class:`FusedDecoder`, or None when disabled or unsupported (the model's own
@@ -474,4 +482,10 @@ def build_fused_decoder(
     """
     if not enabled or fused_decoder_unsupported_reason(model) is not None:
         return None
-    return FusedDecoder(model, pdl=pdl, max_positions=max_positions)
+    return FusedDecoder(
+        model,
+        pdl=pdl,
+        max_positions=max_positions,
+        attention_split_size=attention_split_size,
+        prefetch_l2=prefetch_l2,
+    )
