@@ -131,3 +131,75 @@ def profile_decode(engine: Any, prompts: list[list[int]], tokens: int, params_ty
             for name, (count, duration, charged) in top
         ],
     }
+
+
+def host_split(engine: Any, prompts: list[list[int]], tokens: int, params_type: Any) -> dict:
+    """Where a decode step's time goes between the host and the GPU (warm engine, graphs on).
+
+    - ``graph_us_per_step``: the GPU time of one captured decode step (forward and LM head,
+      no sampling), from back-to-back replays of the engine's graph of this batch size;
+    - ``host_us_per_step``: the host's own time per step of ``generate`` (wall time minus the
+      time it spent waiting for the GPU in the token readback's event waits);
+    - ``wait_us_per_step``: that waiting. Near zero, the host is the bottleneck: the GPU then
+      waits for the host's next launch instead.
+
+    Args:
+        engine: A warm ``InferenceEngine`` (graphs captured for ``len(prompts)``).
+        prompts: The prompts (the batch).
+        tokens: Decode steps to time.
+        params_type: ``SamplingParams``.
+
+    Returns:
+        The three times above, per decode step.
+    """
+    from mcore_inference import readback
+
+    waited = [0.0]
+    real_wait = readback.DeferredSamples.wait
+
+    def timed_wait(self: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return real_wait(self)
+        finally:
+            waited[0] += time.perf_counter() - start
+
+    def run(count: int) -> float:
+        waited[0] = 0.0
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.generate(prompts, params_type(temperature=0.0, max_tokens=count))
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    readback.DeferredSamples.wait = timed_wait  # type: ignore[method-assign]
+    try:
+        short = run(1)
+        short_wait = waited[0]
+        full = run(1 + tokens)
+        full_wait = waited[0]
+    finally:
+        readback.DeferredSamples.wait = real_wait  # type: ignore[method-assign]
+    wall_us = (full - short) * 1e6 / tokens
+    wait_us = (full_wait - short_wait) * 1e6 / tokens
+    result = {"wall_us_per_step": wall_us, "wait_us_per_step": wait_us,
+              "host_us_per_step": wall_us - wait_us}  # fmt: skip
+    graphs = getattr(getattr(engine, "_runner", None), "graphs", None)
+    entries = [
+        graph
+        for (batch, _), (graph, _) in getattr(graphs, "_graphs", {}).items()
+        if batch == len(prompts)
+    ]
+    if entries:
+        graph = entries[-1]
+        graph.replay()
+        torch.cuda.synchronize()
+        start_event = torch.cuda.Event(enable_timing=True)
+        end_event = torch.cuda.Event(enable_timing=True)
+        start_event.record()
+        for _ in range(tokens):
+            graph.replay()
+        end_event.record()
+        end_event.synchronize()
+        result["graph_us_per_step"] = start_event.elapsed_time(end_event) * 1e3 / tokens
+    return result

@@ -73,6 +73,11 @@ from mcore_kernels.rotary_kv_write import (
 __all__ = ["GemvConfig", "decode_gemv", "decode_gemv_triton", "gemv_config"]
 
 _REDUCES = ("ticket", "second_pass")
+WHOLE_ROW_MAX_K = 0
+"""At 1-2 rows, projections of one weight row per program and at most this many inputs load
+the whole row as one tile (see :func:`gemv_config`; 0: never)."""
+WHOLE_ROW_WARPS = 8
+"""Warps per program of those whole-row tiles."""
 PREFETCH_BULK = True
 """``prefetch`` tensors go to L2 as bulk requests of :data:`PREFETCH_CHUNK_BYTES` where the
 device and the alignment allow (Hopper and newer), else one request per 128-byte line (one
@@ -664,6 +669,12 @@ def gemv_config(rows: int, out_features: int, in_features: int, multiprocessors:
             # 4864): one weight row per program keeps about seven programs per multiprocessor
             # (H200: 6.1 against 7.3 us with two rows per program).
             block_n = 2 if out_features // 2 >= 4 * multiprocessors else 1
+            if block_n == 1 and in_features <= WHOLE_ROW_MAX_K:
+                # The whole weight row in one tile: under programmatic dependent launch a
+                # program loads all of its weight before waiting for the previous kernel.
+                return GemvConfig(
+                    block_n=1, block_k=next_power_of_2(in_features), num_warps=WHOLE_ROW_WARPS
+                )
             return GemvConfig(block_n=block_n, block_k=2048, num_warps=4)
         return GemvConfig(block_n=4, block_k=1024, num_warps=4)
     if out_features <= 4096:
