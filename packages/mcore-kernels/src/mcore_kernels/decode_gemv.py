@@ -73,6 +73,10 @@ from mcore_kernels.rotary_kv_write import (
 __all__ = ["GemvConfig", "decode_gemv", "decode_gemv_triton", "gemv_config"]
 
 _REDUCES = ("ticket", "second_pass")
+EARLY_LOADS = False
+"""Without split-K, request the norm weight and the bias with the first weight tile (before
+the wait of programmatic dependent launch) and the residual or the RoPE tables right after
+the wait, instead of in the epilogue after the products (the same values)."""
 WHOLE_ROW_MAX_K = 0
 """At 1-2 rows, projections of one weight row per program and at most this many inputs load
 the whole row as one tile (see :func:`gemv_config`; 0: never)."""
@@ -159,22 +163,41 @@ def _epilogue(
     HAS_RESIDUAL: tl.constexpr,
     SWIGLU: tl.constexpr,
     DTYPE: tl.constexpr,
+    pre_bias,
+    pre_bias_up,
+    pre_res,
+    PRE: tl.constexpr,
 ):
-    """Bias, rounding, SwiGLU, residual add and the store of one ``[BLOCK_M, BLOCK_N]`` tile."""
+    """Bias, rounding, SwiGLU, residual add and the store of one ``[BLOCK_M, BLOCK_N]`` tile.
+
+    With ``PRE`` the bias and residual tiles come loaded already (``pre_*``, see
+    :func:`_early_epilogue_loads`).
+    """
     n_mask = offs_n < N_OUT
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if PRE:
+            acc += pre_bias[None, :]
+        else:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = round_to(acc, DTYPE).to(tl.float32)
     if SWIGLU:
         if HAS_BIAS:
-            acc_up += tl.load(bias_ptr + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)[
-                None, :
-            ]
+            if PRE:
+                acc_up += pre_bias_up[None, :]
+            else:
+                acc_up += tl.load(bias_ptr + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)[
+                    None, :
+                ]
         up = round_to(acc_up, DTYPE).to(tl.float32)
         y = round_to(y * tl.sigmoid(y) * up, DTYPE).to(tl.float32)
     mask = m_mask[:, None] & n_mask[None, :]
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+        if PRE:
+            r = pre_res
+        else:
+            r = tl.load(
+                res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0
+            )
         y = round_to(y + r.to(tl.float32), DTYPE).to(tl.float32)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to(y, DTYPE), mask=mask)
 
@@ -206,6 +229,11 @@ def _rope_epilogue(
     HAS_BIAS: tl.constexpr,
     HALF: tl.constexpr,
     DTYPE: tl.constexpr,
+    pre_bias,
+    pre_bias_up,
+    pre_cos,
+    pre_sin,
+    PRE: tl.constexpr,
 ):
     """RoPE and the key/value cache write of a q/k/v tile of ``(first, second)``-half pairs.
 
@@ -219,14 +247,22 @@ def _rope_epilogue(
     j = offs_n % HALF
     row = head * (2 * HALF) + j
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + row, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        acc_up += tl.load(bias_ptr + row + HALF, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if PRE:
+            acc += pre_bias[None, :]
+            acc_up += pre_bias_up[None, :]
+        else:
+            acc += tl.load(bias_ptr + row, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(bias_ptr + row + HALF, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     x1 = round_to(acc, DTYPE).to(tl.float32)
     x2 = round_to(acc_up, DTYPE).to(tl.float32)
     mask = m_mask[:, None] & n_mask[None, :]
     # The tables are rounded to the activation dtype first, as the unfused expression does.
-    cos = tl.load(cos_ptr + offs_m[:, None] * stride_cos + j[None, :], mask=mask, other=0.0)
-    sin = tl.load(sin_ptr + offs_m[:, None] * stride_sin + j[None, :], mask=mask, other=0.0)
+    if PRE:
+        cos = pre_cos
+        sin = pre_sin
+    else:
+        cos = tl.load(cos_ptr + offs_m[:, None] * stride_cos + j[None, :], mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + offs_m[:, None] * stride_sin + j[None, :], mask=mask, other=0.0)
     cos = cos.to(DTYPE).to(tl.float32)
     sin = sin.to(DTYPE).to(tl.float32)
     first = (x1 * cos).to(DTYPE).to(tl.float32) - (x2 * sin).to(DTYPE).to(tl.float32)
@@ -304,6 +340,8 @@ def _accumulate(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     PRELOADED: tl.constexpr,
+    pre_gamma,
+    PRE_GAMMA: tl.constexpr,
 ):
     """Add one ``BLOCK_K`` slice of the products to the accumulators (masked: the tail)."""
     dtype = x_ptr.dtype.element_ty
@@ -312,7 +350,10 @@ def _accumulate(
         w, w_up = _load_tile(w_ptr, w_rows, up_rows, k, k_end, PAIRED, MASKED)
     gamma = k_mask.to(tl.float32)
     if HAS_NORM:
-        gamma = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        if PRE_GAMMA:
+            gamma = pre_gamma
+        else:
+            gamma = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
     if USE_DOT:
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + k[None, :],
@@ -361,6 +402,45 @@ def _prefetch_lines(pf_ptr, PF_LINES, PF_BLOCK: tl.constexpr, LINE_ELEMENTS: tl.
         offsets = start + tl.arange(0, PF_BLOCK)
         lines = tl.minimum(program * share + tl.minimum(offsets, share - 1), PF_LINES - 1)
         prefetch_l2(pf_ptr + lines.to(tl.int64) * LINE_ELEMENTS)
+
+
+@jit
+def _early_bias(bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS: tl.constexpr, ROPE: tl.constexpr,
+                SWIGLU: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """The bias of the tile's columns (and of their paired columns), float32."""
+    first = tl.zeros(offs_n.shape, tl.float32)
+    second = first
+    if HAS_BIAS:
+        if ROPE:
+            pair = tl.where(n_mask, offs_n, 0)
+            row = (pair // HALF) * (2 * HALF) + pair % HALF
+            first = tl.load(bias_ptr + row, mask=n_mask, other=0.0).to(tl.float32)
+            second = tl.load(bias_ptr + row + HALF, mask=n_mask, other=0.0).to(tl.float32)
+        else:
+            first = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if SWIGLU:
+                second = tl.load(bias_ptr + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    return first, second
+
+
+@jit
+def _early_inputs(res_ptr, cos_ptr, sin_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm,
+                  stride_cos, stride_sin, HAS_RESIDUAL: tl.constexpr, ROPE: tl.constexpr,
+                  HALF: tl.constexpr):  # fmt: skip
+    """The residual tile, or the RoPE cosines and sines of the tile's pairs."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    res = tl.zeros([offs_m.shape[0], offs_n.shape[0]], tl.float32)
+    cos = res
+    sin = res
+    if HAS_RESIDUAL:
+        res = tl.load(
+            res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0
+        ).to(tl.float32)
+    if ROPE:
+        j = offs_n % HALF
+        cos = tl.load(cos_ptr + offs_m[:, None] * stride_cos + j[None, :], mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + offs_m[:, None] * stride_sin + j[None, :], mask=mask, other=0.0)
+    return res, cos, sin
 
 
 @jit
@@ -461,6 +541,7 @@ def _gemv_kernel(
     PREFETCH: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr,
     PREFETCH_CHUNK: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     if USE_PDL:
         # Let the next kernel's programs start (and prefetch their own weights) early.
@@ -510,14 +591,30 @@ def _gemv_kernel(
             w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, PAIRED, False)
         else:
             w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, PAIRED, True)
+        gamma = scales
+        if EARLY and HAS_NORM:
+            # Constants of the step (weights) before the wait, like the weight tile.
+            gamma = tl.load(norm_ptr + first, mask=first < k_end, other=0.0).to(tl.float32)
+        if EARLY:
+            pre_bias, pre_bias_up = _early_bias(
+                bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS, ROPE, SWIGLU, HALF
+            )
         if USE_PDL:
             gdc_wait()
+        if EARLY:
+            # What the previous kernels wrote, requested at once after the wait (the
+            # epilogue would otherwise request it after the products).
+            pre_res, pre_cos, pre_sin = _early_inputs(
+                res_ptr, cos_ptr, sin_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm,
+                stride_cos, stride_sin, HAS_RESIDUAL, ROPE, HALF,
+            )  # fmt: skip
         if HAS_NORM:
             scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
         acc, acc_up = _accumulate(
             acc, acc_up, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, first, k_end, M, stride_xm, pid_m,
             HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
+            gamma, EARLY and HAS_NORM,
         )  # fmt: skip
         k_begin = tl.minimum(k_begin + BLOCK_K, k_end)
         k_full = tl.maximum(k_full, k_begin)
@@ -526,25 +623,44 @@ def _gemv_kernel(
             acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, start + offs_k, k_end, M, stride_xm, pid_m,
             HAS_NORM, PAIRED, BLOCK_M, USE_DOT, False, DOT_PRECISION, UPCAST_DOT, False,
+            scales, False,
         )  # fmt: skip
     if k_full < k_end:
         acc, acc_up = _accumulate(
             acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,
             HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, False,
+            scales, False,
         )  # fmt: skip
     if not HAS_SPLIT:
-        if ROPE:
+        if EARLY:
+            if ROPE:
+                _rope_epilogue(
+                    acc, acc_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
+                    v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
+                    stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
+                    NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
+                    pre_bias, pre_bias_up, pre_cos, pre_sin, True,
+                )  # fmt: skip
+            else:
+                _epilogue(
+                    acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
+                    stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+                    pre_bias, pre_bias_up, pre_res, True,
+                )  # fmt: skip
+        elif ROPE:
             _rope_epilogue(
                 acc, acc_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
                 v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
                 stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
                 NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
+                acc, acc, acc, acc, False,
             )  # fmt: skip
         else:
             _epilogue(
                 acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
                 stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+                acc, acc, acc, False,
             )  # fmt: skip
     else:
         # Workspace [SPLIT_K, 2, M, N_OUT] float32: the gate (or only) partial, then the up one.
@@ -579,11 +695,13 @@ def _gemv_kernel(
                         k_cache_ptr, v_cache_ptr, stride_cos, stride_sin, stride_kc_slot,
                         stride_kc_head, stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask,
                         N_OUT, stride_om, NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
+                        total, total, total, total, False,
                     )  # fmt: skip
                 else:
                     _epilogue(
                         total, total_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask,
                         N_OUT, stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+                        total, total, total, False,
                     )  # fmt: skip
                 # Reset for the next launch (graph replays reuse the tickets).
                 tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
@@ -621,6 +739,7 @@ def _sum_partials_kernel(
     _epilogue(
         total, total_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
         stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, out_ptr.dtype.element_ty,
+        total, total, total, False,
     )  # fmt: skip
 
 
@@ -651,8 +770,9 @@ def gemv_config(rows: int, out_features: int, in_features: int, multiprocessors:
     vector passes without split-K over ``[4, 1024]`` weight tiles (``[2, 2048]`` for
     reductions of 2048 and more) were the fastest or within a few percent of it for every
     shape; on one H200 one weight row per program for narrow outputs over long reductions
-    (fewer than ``8 x multiprocessors`` outputs, at least 2048 inputs); from 3 rows on, ``tl.dot`` tiles, narrow ones (16 columns) for narrow projections
-    with a 4-way split-K over long reductions, wide ones (32 or 64 columns) for wide ones.
+    (fewer than ``8 x multiprocessors`` outputs, at least 2048 inputs); from 3 rows on,
+    ``tl.dot`` tiles, narrow ones (16 columns) for narrow projections with a 4-way split-K
+    over long reductions, wide ones (32 or 64 columns) for wide ones.
 
     Args:
         rows: ``M``, the rows of ``x``.
@@ -880,6 +1000,7 @@ def decode_gemv_triton(
         "PREFETCH": (2 if bulk else 1) if use_prefetch else 0,
         "LINE_ELEMENTS": 128 // prefetch.element_size() if prefetch is not None else 1,
         "PREFETCH_CHUNK": PREFETCH_CHUNK_BYTES,
+        "EARLY": EARLY_LOADS and split_k == 1 and (norm_weight is not None or use_pdl),
     }
     if config.num_stages is None:
         launcher = _GEMV_PDL if use_pdl else _GEMV
