@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import jit, next_power_of_2, tl, triton
+from mcore_kernels._triton_utils import CachedLauncher, jit, next_power_of_2, tl, triton
 from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
 
 __all__ = ["row_argmax", "row_argmax_triton"]
@@ -93,6 +93,9 @@ def _row_argmax_kernel(
             tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
 
+_ROW_ARGMAX = CachedLauncher(_row_argmax_kernel)
+
+
 def _tickets(device: torch.device, count: int) -> torch.Tensor:
     """Zeroed int32 counters, one per row, that the kernel leaves zeroed."""
     tickets = _TICKETS.get(device)
@@ -134,27 +137,22 @@ def row_argmax_triton(x: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1:
         raise KernelShapeError(f"x strides {x.stride()}; expected a contiguous last dimension")
     rows, columns = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    if rows == 0:
-        return out
     chunks = min(_MAX_CHUNKS, -(-columns // _BLOCK))
     chunk = -(-columns // chunks)
     chunks = -(-columns // chunk)
+    # One allocation for the result and the workspace (host time counts at decode).
+    buffer = torch.empty(rows * (chunks + 1), dtype=torch.int64, device=x.device)
+    out, ws = buffer[:rows], buffer[rows:]
+    if rows == 0:
+        return out
     block = min(_BLOCK, next_power_of_2(chunk))
-    ws = torch.empty(rows * chunks, dtype=torch.int64, device=x.device)
     tickets = _tickets(x.device, rows) if chunks > 1 else ws
-    _row_argmax_kernel[(chunks, rows)](
-        x,
-        out,
-        ws,
-        tickets,
-        columns,
-        x.stride(0),
-        chunk,
-        chunks,
-        BLOCK=block,
-        CHUNKS_PAD=next_power_of_2(chunks),
-        num_warps=4,
+    _ROW_ARGMAX(
+        (chunks, rows),
+        (x, out, ws, tickets, columns, x.stride(0), chunk, chunks),
+        {"BLOCK": block, "CHUNKS_PAD": next_power_of_2(chunks)},
+        4,
+        x.get_device(),
     )
     return out
 
