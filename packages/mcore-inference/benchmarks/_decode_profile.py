@@ -6,6 +6,12 @@ token (prefill and first token) and one generating ``1 + tokens``; their differe
 one (CUPTI), so the counts hold with graphs on. The GPU busy fraction is the summed duration of
 the GPU activities (kernels, copies, sets; one stream, so they do not overlap) over the wall
 time of the same steps.
+
+Under programmatic dependent launch the kernels of a step overlap (a kernel starts while the
+previous one runs and waits for it), so summed durations exceed the wall time. Each activity
+is therefore also charged its *critical* time: how much later the GPU's busy span ends because
+of it (its end minus the latest end before it, nothing if it ends inside that span). The
+critical times of a step sum to the span the GPU is busy; the gaps between are idle time.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ import torch
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def _gpu_activities(prof: Any) -> list[tuple[str, float]]:
-    """(name, duration in us) of every GPU activity of a finished profile."""
+def _gpu_activities(prof: Any) -> list[tuple[str, float, float]]:
+    """(name, start, duration) in us of every GPU activity of a finished profile, by start."""
     handle, path = tempfile.mkstemp(suffix=".json", prefix="decode_trace_")
     os.close(handle)
     try:
@@ -33,14 +39,34 @@ def _gpu_activities(prof: Any) -> list[tuple[str, float]]:
     finally:
         os.unlink(path)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return [
-        (str(event.get("name", "?")), float(event.get("dur", 0.0)))
-        for event in events
-        if event.get("ph") == "X" and event.get("cat") in _GPU_CATEGORIES
-    ]
+    return sorted(
+        (
+            (str(event.get("name", "?")), float(event.get("ts", 0.0)), float(event.get("dur", 0.0)))
+            for event in events
+            if event.get("ph") == "X" and event.get("cat") in _GPU_CATEGORIES
+        ),
+        key=lambda activity: activity[1],
+    )
 
 
-def _profiled(run: Any) -> tuple[list[tuple[str, float]], float]:
+def _critical(activities: list[tuple[str, float, float]]) -> tuple[list[float], float]:
+    """Critical time of each activity (see the module docstring) and the idle time between."""
+    critical: list[float] = []
+    busy_end: float | None = None
+    idle = 0.0
+    for _, start, duration in activities:
+        end = start + duration
+        if busy_end is None:
+            critical.append(duration)
+            busy_end = end
+            continue
+        idle += max(0.0, start - busy_end)
+        critical.append(max(0.0, end - max(start, busy_end)))
+        busy_end = max(busy_end, end)
+    return critical, idle
+
+
+def _profiled(run: Any) -> tuple[list[tuple[str, float, float]], float]:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -63,8 +89,9 @@ def profile_decode(engine: Any, prompts: list[list[int]], tokens: int, params_ty
         params_type: ``SamplingParams`` (passed in to keep this module import-free).
 
     Returns:
-        Per decode step: kernels (GPU activities), GPU time, wall time, busy fraction, and the
-        15 kernels of most GPU time with their count and time per step.
+        Per decode step: kernels (GPU activities), GPU time, wall time, busy fraction, the
+        busy span and idle time, and the 25 kernels of most critical time with their count,
+        time and critical time per step.
     """
 
     def run(count: int) -> None:
@@ -72,14 +99,19 @@ def profile_decode(engine: Any, prompts: list[list[int]], tokens: int, params_ty
 
     short, short_wall = _profiled(lambda: run(1))
     full, full_wall = _profiled(lambda: run(1 + tokens))
-    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    idle_us = 0.0
     for sign, activities in ((1, full), (-1, short)):
-        for name, duration in activities:
+        critical, idle = _critical(activities)
+        idle_us += sign * idle
+        for (name, _, duration), charged in zip(activities, critical, strict=True):
             per_name[name][0] += sign
             per_name[name][1] += sign * duration
-    gpu_us = (sum(d for _, d in full) - sum(d for _, d in short)) / tokens
+            per_name[name][2] += sign * charged
+    gpu_us = (sum(d for _, _, d in full) - sum(d for _, _, d in short)) / tokens
     wall_us = (full_wall - short_wall) * 1e6 / tokens
-    top = sorted(per_name.items(), key=lambda item: -item[1][1])[:25]
+    busy_us = sum(entry[2] for entry in per_name.values()) / tokens
+    top = sorted(per_name.items(), key=lambda item: -item[1][2])[:25]
     return {
         "batch": len(prompts),
         "profiled_tokens": tokens,
@@ -87,12 +119,87 @@ def profile_decode(engine: Any, prompts: list[list[int]], tokens: int, params_ty
         "gpu_us_per_step": gpu_us,
         "wall_us_per_step": wall_us,
         "gpu_busy_fraction": gpu_us / wall_us if wall_us > 0 else float("nan"),
+        "busy_span_us_per_step": busy_us,
+        "idle_us_per_step": idle_us / tokens,
         "top_kernels": [
             {
                 "name": name[:120],
                 "per_step": count / tokens,
                 "us_per_step": duration / tokens,
+                "critical_us_per_step": charged / tokens,
             }
-            for name, (count, duration) in top
+            for name, (count, duration, charged) in top
         ],
     }
+
+
+def host_split(engine: Any, prompts: list[list[int]], tokens: int, params_type: Any) -> dict:
+    """Where a decode step's time goes between the host and the GPU (warm engine, graphs on).
+
+    - ``graph_us_per_step``: the GPU time of one captured decode step (forward and LM head,
+      no sampling), from back-to-back replays of the engine's graph of this batch size;
+    - ``host_us_per_step``: the host's own time per step of ``generate`` (wall time minus the
+      time it spent waiting for the GPU in the token readback's event waits);
+    - ``wait_us_per_step``: that waiting. Near zero, the host is the bottleneck: the GPU then
+      waits for the host's next launch instead.
+
+    Args:
+        engine: A warm ``InferenceEngine`` (graphs captured for ``len(prompts)``).
+        prompts: The prompts (the batch).
+        tokens: Decode steps to time.
+        params_type: ``SamplingParams``.
+
+    Returns:
+        The three times above, per decode step.
+    """
+    from mcore_inference import readback
+
+    waited = [0.0]
+    real_wait = readback.DeferredSamples.wait
+
+    def timed_wait(self: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return real_wait(self)
+        finally:
+            waited[0] += time.perf_counter() - start
+
+    def run(count: int) -> float:
+        waited[0] = 0.0
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.generate(prompts, params_type(temperature=0.0, max_tokens=count))
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    readback.DeferredSamples.wait = timed_wait  # type: ignore[method-assign]
+    try:
+        short = run(1)
+        short_wait = waited[0]
+        full = run(1 + tokens)
+        full_wait = waited[0]
+    finally:
+        readback.DeferredSamples.wait = real_wait  # type: ignore[method-assign]
+    wall_us = (full - short) * 1e6 / tokens
+    wait_us = (full_wait - short_wait) * 1e6 / tokens
+    result = {"wall_us_per_step": wall_us, "wait_us_per_step": wait_us,
+              "host_us_per_step": wall_us - wait_us}  # fmt: skip
+    graphs = getattr(getattr(engine, "_runner", None), "graphs", None)
+    entries = [
+        graph
+        for (batch, _), (graph, _) in getattr(graphs, "_graphs", {}).items()
+        if batch == len(prompts)
+    ]
+    if entries:
+        graph = entries[-1]
+        graph.replay()
+        torch.cuda.synchronize()
+        start_event = torch.cuda.Event(enable_timing=True)
+        end_event = torch.cuda.Event(enable_timing=True)
+        start_event.record()
+        for _ in range(tokens):
+            graph.replay()
+        end_event.record()
+        end_event.synchronize()
+        result["graph_us_per_step"] = start_event.elapsed_time(end_event) * 1e3 / tokens
+    return result

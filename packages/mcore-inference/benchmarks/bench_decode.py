@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from _decode_profile import profile_decode
+from _decode_profile import host_split, profile_decode
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
 from mcore_models import GPTConfig, GPTModel
@@ -72,7 +72,7 @@ def _timed(fn) -> float:
 
 
 def _mcore_decode_seconds(
-    model, prompts, new_tokens, *, use_cuda_graphs, profile_tokens=0, **overrides
+    model, prompts, new_tokens, *, use_cuda_graphs, profile_tokens=0, split=None, **overrides
 ) -> tuple[float, float, dict | None, list[list[int]]]:
     batch, prompt_len = len(prompts), len(prompts[0])
     config = InferenceConfig(
@@ -107,6 +107,8 @@ def _mcore_decode_seconds(
             if profile_tokens
             else None
         )
+        if split is not None:
+            split.update(host_split(engine, prompts, 64, SamplingParams))
     gc.collect()
     return full - prefill, prefill, profile, [result.tokens for result in results]
 
@@ -179,6 +181,12 @@ def main() -> None:
     parser.add_argument("--profile-batch-sizes", default="1,64")
     parser.add_argument("--profile-tokens", type=int, default=32)
     parser.add_argument(
+        "--host-split-batch-sizes",
+        default="1",
+        help="batch sizes whose step time is split into host time, GPU waits and the graph's "
+        "GPU time alone (see _decode_profile.host_split)",
+    )
+    parser.add_argument(
         "--compare-unfused",
         action="store_true",
         help="also run the engine with InferenceConfig(fused_decode=False)",
@@ -207,6 +215,7 @@ def main() -> None:
     eager_batch_sizes = {int(b) for b in args.eager_batch_sizes.split(",") if b}
     hf_static_batch_sizes = {int(b) for b in args.hf_static_batch_sizes.split(",") if b}
     profile_batch_sizes = {int(b) for b in args.profile_batch_sizes.split(",") if b}
+    split_batch_sizes = {int(b) for b in args.host_split_batch_sizes.split(",") if b}
     hf_new_tokens = args.hf_new_tokens or args.new_tokens
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
@@ -241,12 +250,14 @@ def main() -> None:
         mean_context = args.prompt_len + args.new_tokens / 2
         step_bytes = param_bytes + batch * mean_context * kv_bytes_per_token
         roofline = batch / (step_bytes / bandwidth)
+        split: dict | None = {} if batch in split_batch_sizes else None
         decode, prefill, profile, tokens = _mcore_decode_seconds(
             model,
             prompts,
             args.new_tokens,
             use_cuda_graphs=True,
             profile_tokens=args.profile_tokens if batch in profile_batch_sizes else 0,
+            split=split,
         )
         row = {
             "batch": batch,
@@ -256,6 +267,8 @@ def main() -> None:
             "roofline_tokens_per_s": roofline,
             "fraction_of_roofline": generated / decode / roofline,
         }
+        if split:
+            row.update({f"step_{key}": value for key, value in split.items()})
         if profile is not None:
             # Busy fraction against the unprofiled step time of the throughput run.
             profile["gpu_busy_fraction_unprofiled"] = profile["gpu_us_per_step"] / (
@@ -395,19 +408,34 @@ def _write_results(
         ):
             if key in row:
                 lines += ["", f"Batch {row['batch']}: greedy tokens equal to {what}: {row[key]}."]
+    for row in rows:
+        if "step_host_us_per_step" in row:
+            lines += [
+                "",
+                f"Batch {row['batch']}, where a step's time goes (64 steps of a warm engine): "
+                f"{row['step_wall_us_per_step']:.0f} us per step, of which the host's own work "
+                f"{row['step_host_us_per_step']:.0f} us and its waits for the GPU "
+                f"{row['step_wait_us_per_step']:.0f} us; the captured step alone (graph "
+                f"replays back to back, no sampling) takes "
+                f"{row.get('step_graph_us_per_step', float('nan')):.0f} us of GPU time.",
+            ]
     for profile in profiles:
         lines += [
             "",
             f"Profile at batch {profile['batch']} ({profile['profiled_tokens']} decode steps): "
             f"{profile['kernels_per_step']:.0f} GPU activities and "
-            f"{profile['gpu_us_per_step']:.0f} us of GPU time per step; wall "
-            f"{profile['wall_us_per_step']:.0f} us per step under the profiler.",
+            f"{profile['gpu_us_per_step']:.0f} us of GPU time per step (kernels overlap under "
+            f"PDL); the GPU busy {profile['busy_span_us_per_step']:.0f} us and idle "
+            f"{profile['idle_us_per_step']:.0f} us per step; wall "
+            f"{profile['wall_us_per_step']:.0f} us per step under the profiler. Critical: how "
+            "much later each kernel makes the busy span end (they sum to the busy span).",
             "",
-            "| kernel | per step | us per step |",
-            "|---|---:|---:|",
+            "| kernel | per step | us per step | critical us per step |",
+            "|---|---:|---:|---:|",
         ]
         lines += [
-            f"| `{k['name'][:80]}` | {k['per_step']:.1f} | {k['us_per_step']:.1f} |"
+            f"| `{k['name'][:80]}` | {k['per_step']:.1f} | {k['us_per_step']:.1f} | "
+            f"{k['critical_us_per_step']:.1f} |"
             for k in profile["top_kernels"]
         ]
     lines.append("")

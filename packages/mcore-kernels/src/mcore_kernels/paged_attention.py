@@ -40,24 +40,47 @@ from mcore_kernels._triton_utils import (
     triton,
 )
 from mcore_kernels._validation import check_paged_attention_args
-from mcore_kernels.errors import KernelBackendError, KernelShapeError
+from mcore_kernels.errors import KernelBackendError, KernelShapeError, KernelValueError
 from mcore_kernels.paged_attention_config import PagedDecodeConfig, paged_decode_config
 from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.reference import paged_attention_reference
 
 __all__ = [
+    "DEFAULT_MERGE",
     "DEFAULT_SPLIT_SIZE",
+    "MERGES",
     "paged_attention",
     "paged_attention_reference",
     "paged_attention_triton",
 ]
 
 DEFAULT_SPLIT_SIZE = 256
+"""Context positions handled by one split-KV program (a multiple of the KV block size)."""
 PREFETCH_KV_WITH_PDL = True
 """Under programmatic dependent launch, decode programs request their key and value rows into
 L2 before waiting for the previous kernel (a hint: no value changes). One H100, Qwen2.5-0.5B
 shape, batch 1 decode: 1419 against 1381 tokens/s, the same tokens."""
-"""Context positions handled by one split-KV program (a multiple of the KV block size)."""
+MERGES = ("ticket", "kernel")
+"""How :func:`paged_attention_triton` merges the splits of a token (see its ``merge``)."""
+DEFAULT_MERGE = "kernel"
+"""The merge :func:`paged_attention_triton` uses unless told otherwise."""
+MERGE_CHUNK = 8
+"""Splits the ticket merge reads per step (a fixed size: the sums do not depend on the
+launch's number of splits)."""
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+"""Ticket buffers replaced by larger ones, kept alive for the graphs that captured them."""
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters (one per token group and key/value head), left zeroed."""
+    tickets = _TICKETS.get(device)
+    if tickets is None or tickets.numel() < count:
+        if tickets is not None:
+            _RETIRED.append(tickets)
+        tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _TICKETS[device] = tickets
+    return tickets
 
 
 @jit
@@ -188,6 +211,90 @@ def _prefetch_kv(
             prefetch_l2(v_ptr + v_rows + offset)
 
 
+@jit
+def _merge_rows(
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    out_ptr,
+    tokens,
+    heads,
+    row_ok,
+    ctx_rows,
+    num_q_heads,
+    num_splits,
+    stride_out_token,
+    stride_out_head,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Merge the splits of ``ROWS`` (token, head) rows in chunks of ``CHUNK`` splits.
+
+    Only the splits that hold a row's context are read (the others count as exact zeros), in
+    chunks of a fixed size: the sums do not depend on how many splits the launch has, so a
+    table cut to the context and the full-width table give the same bits.
+    """
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    chunk = tl.arange(0, CHUNK)
+    used = tl.where(row_ok, tl.minimum((ctx_rows + SPLIT_SIZE - 1) // SPLIT_SIZE, num_splits), 0)
+    base = (tokens * num_q_heads + heads) * num_splits
+    chunks = (tl.max(used, axis=0) + CHUNK - 1) // CHUNK
+    total_max = tl.full([ROWS], float("-inf"), tl.float32)
+    for c in range(0, chunks):
+        splits = c * CHUNK + chunk
+        here = splits[None, :] < used[:, None]
+        split_max = tl.load(
+            partial_max_ptr + base[:, None] + splits[None, :],
+            mask=here,
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        total_max = tl.maximum(total_max, tl.max(split_max, axis=1))
+    # Rows without data (padding) keep a zero shift: exact zeros, no NaN.
+    shift = tl.where(total_max == float("-inf"), 0.0, total_max)
+    total_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
+    for c in range(0, chunks):
+        splits = c * CHUNK + chunk
+        here = splits[None, :] < used[:, None]
+        split_max = tl.load(
+            partial_max_ptr + base[:, None] + splits[None, :],
+            mask=here,
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        split_sum = tl.load(
+            partial_sum_ptr + base[:, None] + splits[None, :],
+            mask=here,
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        weight = tl.exp(split_max - shift[:, None])
+        total_sum += tl.sum(split_sum * weight, axis=1)
+        split_out = tl.load(
+            partial_out_ptr
+            + (base[:, None, None] + splits[None, :, None]) * HEAD_DIM
+            + dims[None, None, :],
+            mask=here[:, :, None] & dim_mask[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += tl.sum(split_out * weight[:, :, None], axis=1)
+    out = acc / tl.where(row_ok, total_sum, 1.0)[:, None]
+    tl.store(
+        out_ptr
+        + tokens[:, None] * stride_out_token
+        + heads[:, None] * stride_out_head
+        + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_mask[None, :],
+    )
+
+
 @jit(do_not_specialize=["num_tokens", "num_splits", "stride_table_token"])
 def _paged_attention_split_kernel(
     q_ptr,
@@ -199,6 +306,7 @@ def _paged_attention_split_kernel(
     partial_max_ptr,
     partial_sum_ptr,
     out_ptr,
+    ticket_ptr,
     scale,
     stride_q_token,
     stride_q_head,
@@ -230,6 +338,8 @@ def _paged_attention_split_kernel(
     USE_PDL: tl.constexpr,
     PREFETCH_KV: tl.constexpr,
     KV_LINE: tl.constexpr,
+    TICKET_MERGE: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
 ):
     if USE_PDL:
         # Programmatic dependent launch: let the next kernel start, then wait for the previous
@@ -349,6 +459,21 @@ def _paged_attention_split_kernel(
             acc,
             mask=row_ok[:, None] & dim_mask[None, :],
         )
+        if TICKET_MERGE:
+            # The last of the num_splits programs of these rows (counted with an atomic
+            # ticket) merges their splits: no second launch. Every thread's partials are
+            # written before the ticket (release) is taken.
+            tl.debug_barrier()
+            ticket = ticket_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                _merge_rows(
+                    partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, tokens, heads,
+                    row_ok, ctx_rows, num_q_heads, num_splits, stride_out_token,
+                    stride_out_head, ROWS, HEAD_DIM, HEAD_DIM_PAD, SPLIT_SIZE, MERGE_CHUNK,
+                )  # fmt: skip
+                # Reset for the next launch (graph replays reuse the tickets).
+                tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
 
 @jit
@@ -409,6 +534,7 @@ def paged_attention_triton(
     scale: float,
     split_size: int = DEFAULT_SPLIT_SIZE,
     config: PagedDecodeConfig | None = None,
+    merge: str = DEFAULT_MERGE,
 ) -> torch.Tensor:
     """Split-KV Triton paged attention; launch shapes are fixed by the table width (graph-safe).
 
@@ -429,6 +555,11 @@ def paged_attention_triton(
         split_size: Context positions per split; a multiple of the block size.
         config: How a program computes its tiles; None picks
             :func:`~mcore_kernels.paged_attention_config.paged_decode_config` for the shape.
+        merge: How several splits are merged: ``"ticket"`` (the last program of each token's
+            key/value head, counted with an atomic ticket, merges them; one launch) or
+            ``"kernel"`` (a second, merge kernel). The two sum in different orders, so they
+            may differ in the last bits; each gives the same bits whatever the table width
+            and the batch.
 
     Returns:
         The attention output, ``[T, Hq, D]`` in ``q.dtype``.
@@ -448,6 +579,8 @@ def paged_attention_triton(
         raise KernelShapeError(
             f"split_size={split_size}; expected a positive multiple of the block size {block_size}"
         )
+    if merge not in MERGES:
+        raise KernelValueError(f"merge={merge!r}; expected one of {MERGES}")
     group = num_q_heads // num_kv_heads
     if config is None:
         config = paged_decode_config(group, head_dim, num_kv_heads, k_cache.dtype)
@@ -488,6 +621,8 @@ def paged_attention_triton(
     tokens = rows // group_pad if dot and num_tokens >= config.prefill_tokens else 1
     grid = (-(-num_tokens // tokens), num_kv_heads, num_splits)
     use_pdl = pdl_enabled(q.device)
+    ticket_merge = merge == "ticket" and num_splits > 1
+    tickets = _tickets(q.device, grid[0] * grid[1]) if ticket_merge else partial_max
     _paged_attention_split_kernel[grid](
         q,
         k_cache,
@@ -498,6 +633,7 @@ def paged_attention_triton(
         partial_max,
         partial_sum,
         out,
+        tickets,
         scale,
         q.stride(0),
         q.stride(1),
@@ -524,11 +660,13 @@ def paged_attention_triton(
         USE_PDL=use_pdl,
         PREFETCH_KV=use_pdl and tokens == 1 and PREFETCH_KV_WITH_PDL,
         KV_LINE=max(1, 128 // k_cache.element_size()),
+        TICKET_MERGE=ticket_merge,
+        MERGE_CHUNK=MERGE_CHUNK,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
-    if num_splits == 1:
+    if num_splits == 1 or ticket_merge:
         return out
     merge_splits(partial_out, partial_max, partial_sum, context_lens, out, split_size=split_size)
     return out
@@ -582,6 +720,7 @@ def paged_attention(
     *,
     scale: float,
     split_size: int = DEFAULT_SPLIT_SIZE,
+    merge: str | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over a paged KV cache, dispatched to Triton or torch.
 
@@ -593,6 +732,8 @@ def paged_attention(
         context_lens: Number of attended positions per token, ``[T]``, each at least 1.
         scale: Softmax scale applied to the dot products.
         split_size: Context positions per split-KV program (Triton path).
+        merge: How the Triton path merges splits (see :func:`paged_attention_triton`; None:
+            :data:`DEFAULT_MERGE`). Under ``torch.compile`` the default merge runs.
 
     Returns:
         The attention output, ``[T, Hq, D]`` in ``q.dtype``. Under ``torch.compile`` the call
@@ -610,7 +751,9 @@ def paged_attention(
         return _paged_attention_op(
             q, k_cache, v_cache, block_tables, context_lens, float(scale), split_size
         )
-    return _paged_attention_run(q, k_cache, v_cache, block_tables, context_lens, scale, split_size)
+    return _paged_attention_run(
+        q, k_cache, v_cache, block_tables, context_lens, scale, split_size, merge
+    )
 
 
 def _paged_attention_run(
@@ -621,10 +764,18 @@ def _paged_attention_run(
     context_lens: torch.Tensor,
     scale: float,
     split_size: int,
+    merge: str | None = None,
 ) -> torch.Tensor:
     if use_triton(q, k_cache, v_cache):
         return paged_attention_triton(
-            q, k_cache, v_cache, block_tables, context_lens, scale=scale, split_size=split_size
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale=scale,
+            split_size=split_size,
+            merge=DEFAULT_MERGE if merge is None else merge,
         )
     return paged_attention_reference(
         q, k_cache, v_cache, block_tables, context_lens, scale=scale, split_size=split_size

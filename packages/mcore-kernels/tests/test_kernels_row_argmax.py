@@ -1,0 +1,59 @@
+"""row_argmax: the Triton kernel (interpreted on CPU) against ``torch.argmax``, index for index."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the kernel module's import: triton.jit reads it when decorating.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.row_argmax import row_argmax, row_argmax_triton
+
+_RUNS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not _RUNS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("rows", "columns", "dtype"),
+    [
+        (1, 5000, torch.bfloat16),
+        (3, 151, torch.float32),
+        (2, 270000, torch.bfloat16),
+        (4, 2048, torch.float16),
+    ],
+)
+def test_matches_torch_argmax_with_ties_negatives_zeros_and_nan(rows, columns, dtype):
+    generator = torch.Generator().manual_seed(rows * columns)
+    x = torch.randn(rows, columns, generator=generator).to(dtype)
+    x[0, 7] = x[0, 3] = x[0].max() + 1  # a tie: the first index wins
+    if rows > 1:
+        x[1] = -x[1].abs()  # every value negative
+        x[1, columns // 2] = -0.0
+        x[1, columns - 1] = 0.0  # -0.0 == 0.0: the first of them wins
+    if rows > 2:
+        x[2, 10] = x[2, 20] = float("nan")  # NaN is the largest: the first NaN wins
+    x = x.to(_device())
+    expected = x.argmax(dim=-1)
+    actual = row_argmax_triton(x)
+    assert actual.dtype == torch.int64
+    assert torch.equal(actual, expected)
+    # The tickets are left zeroed: a second launch gives the same indices.
+    assert torch.equal(row_argmax_triton(x), expected)
+
+
+def test_dispatch_and_bad_input():
+    x = torch.randn(2, 9)
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    with pytest.raises(KernelShapeError, match="expected"):
+        row_argmax(torch.randn(9))
+    with pytest.raises(KernelDtypeError, match="int64"):
+        row_argmax(torch.ones(2, 3, dtype=torch.int64))
