@@ -16,6 +16,7 @@ import argparse
 import importlib
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -71,30 +72,31 @@ def host_us(fn: Callable[[], Any], calls: int = 100) -> float:
 
 
 def profiler_cpu_us(
-    calls: dict[str, tuple[bool, Callable[[], Any]]], per_call: int = 40, rounds: int = 3
+    calls: dict[str, tuple[bool, Callable[[], Any]]], per_call: int = 60, warmup: int = 5
 ) -> dict[str, float]:
     """CPU microseconds per call as ``torch.profiler`` records it (its own cost per op included).
 
-    ``calls`` maps a name to ``(grad_enabled, call)``. One profiling session per round holds
-    every call in turn (a session's start and stop cost more than the calls), each call under
-    its own ``record_function`` label; the median over the rounds.
+    ``calls`` maps a name to ``(grad_enabled, call)``. One profiling session holds every call,
+    each under its own ``record_function`` label, the implementations interleaved call by call
+    (the first events of a session cost several times the later ones: whichever runs first
+    would pay that); ``warmup`` unlabelled rounds come first. The median over the individual
+    calls of each label.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
     samples: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for index in range(warmup + per_call):
             for name, (grad_enabled, call) in calls.items():
-                with torch.set_grad_enabled(grad_enabled):
-                    for _ in range(per_call):
-                        with record_function(name):
-                            call()
-        torch.cuda.synchronize()
-        for event in prof.key_averages():
-            if event.key in samples:
-                samples[event.key].append(event.cpu_time_total / event.count)
-    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+                label = name if index >= warmup else "warm-up"
+                with torch.set_grad_enabled(grad_enabled), record_function(label):
+                    call()
+    torch.cuda.synchronize()
+    for event in prof.events():
+        if event.name in samples:
+            samples[event.name].append(event.cpu_time_total)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def interleaved_median(
