@@ -401,9 +401,11 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
     if host_rows:
         table += (
             "\nCall overhead outside graphs (one row), microseconds of host time per call: wall "
-            "clock of 100 back-to-back calls (median of 5 rounds), then the profiler's CPU time "
-            "of 40 calls (median of 3 rounds; the profiler adds its own cost per op); the "
-            "implementations interleaved round by round:\n\n"
+            "clock of 100 back-to-back calls (median of 5 rounds, the implementations "
+            "interleaved round by round), then the profiler's CPU time per call (one profiling "
+            "session, 5 unlabelled warm-up rounds, then 60 calls of each implementation "
+            "interleaved call by call, each under its own ``record_function`` label; median over "
+            "the calls; the profiler adds its own cost per recorded op):\n\n"
         )
         table += markdown_table(
             ["shape", "phase"]
