@@ -186,7 +186,9 @@ def _forward_constexprs(
             "SINGLE_BLOCK": plan.single,
             "EVEN": even,
             "WIDE": wide,
-            "EVICT": evict,
+            # Eviction hints of _load: the rows evict first, the weight last (0: none).
+            "ROW_HINT": 1 if evict else 0,
+            "WEIGHT_HINT": 2 if evict else 0,
         }
     return found
 
@@ -199,12 +201,23 @@ def _backward_stages(config: RMSNormLaunch, block: int, streamed: int, device: t
 
 
 @jit
-def _load(pointers, mask, EVEN: tl.constexpr, POLICY: tl.constexpr):
-    # Masked unless the block is known to be in bounds; POLICY is an eviction hint ("": none).
+def _load(pointers, mask, EVEN: tl.constexpr, HINT: tl.constexpr):
+    # Masked unless the block is known to be in bounds; HINT 0: no eviction hint, 1: evict
+    # first, 2: evict last.
     if EVEN:
-        value = tl.load(pointers, eviction_policy=POLICY)
+        if HINT == 1:
+            value = tl.load(pointers, eviction_policy="evict_first")
+        elif HINT == 2:
+            value = tl.load(pointers, eviction_policy="evict_last")
+        else:
+            value = tl.load(pointers)
     else:
-        value = tl.load(pointers, mask=mask, other=0.0, eviction_policy=POLICY)
+        if HINT == 1:
+            value = tl.load(pointers, mask=mask, other=0.0, eviction_policy="evict_first")
+        elif HINT == 2:
+            value = tl.load(pointers, mask=mask, other=0.0, eviction_policy="evict_last")
+        else:
+            value = tl.load(pointers, mask=mask, other=0.0)
     return value
 
 
@@ -236,7 +249,8 @@ def _rms_norm_fwd_kernel(
     SINGLE_BLOCK: tl.constexpr,
     EVEN: tl.constexpr,
     WIDE: tl.constexpr,
-    EVICT: tl.constexpr,
+    ROW_HINT: tl.constexpr,
+    WEIGHT_HINT: tl.constexpr,
 ):
     # 32-bit offsets unless the tensors hold 2**31 elements or more (fewer integer operations
     # on the path to each load).
@@ -253,12 +267,12 @@ def _rms_norm_fwd_kernel(
         # Every load is issued before the first reduction: loads placed after it would wait
         # for the reduction's barrier and add a memory round trip to each program. Small calls
         # stream their rows through L2 (evict first) and keep the weight (evict last).
-        w = _load(weight_ptr + cols, col_mask, EVEN, "evict_last" if EVICT else "")
+        w = _load(weight_ptr + cols, col_mask, EVEN, WEIGHT_HINT)
         x = _load(
             x_ptr + row_ids[:, None] * x_row_stride + cols[None, :],
             mask,
             EVEN,
-            "evict_first" if EVICT else "",
+            ROW_HINT,
         )
         w = w.to(tl.float32)
         if HAS_RESIDUAL:
@@ -266,7 +280,7 @@ def _rms_norm_fwd_kernel(
                 residual_ptr + row_ids[:, None] * residual_row_stride + cols[None, :],
                 mask,
                 EVEN,
-                "evict_first" if EVICT else "",
+                ROW_HINT,
             )
             # Rounded to the input dtype before normalising, as Hugging Face models do.
             x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
