@@ -195,6 +195,19 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
         "bwd_wall_us": {},
     }
     (x, residual, weight), grads = sets[0]
+    # Every implementation against eager on the first input set (largest absolute difference
+    # of y, x + residual and the three gradients; bf16 outputs, so about one unit in the last
+    # place of the largest values is expected).
+    reference = eager_add_rms_norm(x, residual, weight)
+    reference_grads = torch.autograd.grad(reference, (x, residual, weight), grads)
+    result["max_abs_diff_vs_eager"] = {}
+    for name, fn in impls.items():
+        outputs = fn(x, residual, weight)
+        got = (*outputs, *torch.autograd.grad(outputs, (x, residual, weight), grads))
+        result["max_abs_diff_vs_eager"][name] = max(
+            (a.float() - b.float()).abs().max().item()
+            for a, b in zip(got, (*reference, *reference_grads), strict=True)
+        )
     for name, fn in impls.items():
         with torch.no_grad():
             result["fwd_us"][name] = _timed(
@@ -324,7 +337,8 @@ def main() -> None:
         }
         print(
             f"[{time.perf_counter() - started:.1f} s] {rows}x{hidden} {compact} "
-            f"host {entry.get('host_us')} profiler {entry.get('profiler_cpu_us')}",
+            f"host {entry.get('host_us')} profiler {entry.get('profiler_cpu_us')} "
+            f"max diff vs eager {entry['max_abs_diff_vs_eager']}",
             flush=True,
         )
     launchers = importlib.import_module("mcore_kernels.rms_norm")
