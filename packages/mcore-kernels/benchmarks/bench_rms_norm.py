@@ -198,12 +198,16 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
     # Every implementation against eager on the first input set (largest absolute difference
     # of y, x + residual and the three gradients; bf16 outputs, so about one unit in the last
     # place of the largest values is expected).
-    reference = eager_add_rms_norm(x, residual, weight)
-    reference_grads = torch.autograd.grad(reference, (x, residual, weight), grads)
+    # Fresh leaves: an autograd graph of the timed leaves built here, on the default stream,
+    # would tie their gradient accumulation to that stream and break the backward's capture on
+    # the graph's stream.
+    checked = [t.detach().clone().requires_grad_() for t in (x, residual, weight)]
+    reference = eager_add_rms_norm(*checked)
+    reference_grads = torch.autograd.grad(reference, checked, grads)
     result["max_abs_diff_vs_eager"] = {}
     for name, fn in impls.items():
-        outputs = fn(x, residual, weight)
-        got = (*outputs, *torch.autograd.grad(outputs, (x, residual, weight), grads))
+        outputs = fn(*checked)
+        got = (*outputs, *torch.autograd.grad(outputs, checked, grads))
         result["max_abs_diff_vs_eager"][name] = max(
             (a.float() - b.float()).abs().max().item()
             for a, b in zip(got, (*reference, *reference_grads), strict=True)
