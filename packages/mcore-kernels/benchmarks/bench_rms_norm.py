@@ -16,6 +16,7 @@ import argparse
 import importlib
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -71,30 +72,31 @@ def host_us(fn: Callable[[], Any], calls: int = 100) -> float:
 
 
 def profiler_cpu_us(
-    calls: dict[str, tuple[bool, Callable[[], Any]]], per_call: int = 40, rounds: int = 3
+    calls: dict[str, tuple[bool, Callable[[], Any]]], per_call: int = 60, warmup: int = 5
 ) -> dict[str, float]:
     """CPU microseconds per call as ``torch.profiler`` records it (its own cost per op included).
 
-    ``calls`` maps a name to ``(grad_enabled, call)``. One profiling session per round holds
-    every call in turn (a session's start and stop cost more than the calls), each call under
-    its own ``record_function`` label; the median over the rounds.
+    ``calls`` maps a name to ``(grad_enabled, call)``. One profiling session holds every call,
+    each under its own ``record_function`` label, the implementations interleaved call by call
+    (the first events of a session cost several times the later ones: whichever runs first
+    would pay that); ``warmup`` unlabelled rounds come first. The median over the individual
+    calls of each label.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
     samples: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for index in range(warmup + per_call):
             for name, (grad_enabled, call) in calls.items():
-                with torch.set_grad_enabled(grad_enabled):
-                    for _ in range(per_call):
-                        with record_function(name):
-                            call()
-        torch.cuda.synchronize()
-        for event in prof.key_averages():
-            if event.key in samples:
-                samples[event.key].append(event.cpu_time_total / event.count)
-    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+                label = name if index >= warmup else "warm-up"
+                with torch.set_grad_enabled(grad_enabled), record_function(label):
+                    call()
+    torch.cuda.synchronize()
+    for event in prof.events():
+        if event.name in samples:
+            samples[event.name].append(event.cpu_time_total)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def interleaved_median(
@@ -193,6 +195,23 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
         "bwd_wall_us": {},
     }
     (x, residual, weight), grads = sets[0]
+    # Every implementation against eager on the first input set (largest absolute difference
+    # of y, x + residual and the three gradients; bf16 outputs, so about one unit in the last
+    # place of the largest values is expected).
+    # Fresh leaves: an autograd graph of the timed leaves built here, on the default stream,
+    # would tie their gradient accumulation to that stream and break the backward's capture on
+    # the graph's stream.
+    checked = [t.detach().clone().requires_grad_() for t in (x, residual, weight)]
+    reference = eager_add_rms_norm(*checked)
+    reference_grads = torch.autograd.grad(reference, checked, grads)
+    result["max_abs_diff_vs_eager"] = {}
+    for name, fn in impls.items():
+        outputs = fn(*checked)
+        got = (*outputs, *torch.autograd.grad(outputs, checked, grads))
+        result["max_abs_diff_vs_eager"][name] = max(
+            (a.float() - b.float()).abs().max().item()
+            for a, b in zip(got, (*reference, *reference_grads), strict=True)
+        )
     for name, fn in impls.items():
         with torch.no_grad():
             result["fwd_us"][name] = _timed(
@@ -219,9 +238,18 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
     copies = [
         torch.empty(2 * rows * hidden, device="cuda", dtype=dtype) for _ in range(2 * len(sets))
     ]
-    result["copy_us"] = graph_us(
-        lambda: [partial(copies[2 * i].copy_, copies[2 * i + 1]) for i in range(len(sets))]
-    )
+    # Two copy kernels, the faster one is the floor: ``copy_`` of a large contiguous tensor
+    # is a memcpy that, inside a graph, ran at 2.4-2.6 TB/s where an elementwise kernel moving
+    # the same bytes ran at 4.2 (H200, 16384 x 8192: 397 against 254 us).
+    copy_kernels = {
+        "copy_": lambda i: partial(copies[2 * i].copy_, copies[2 * i + 1]),
+        "neg_out": lambda i: partial(torch.neg, copies[2 * i + 1], out=copies[2 * i]),
+    }
+    result["copy_kernels_us"] = {
+        name: graph_us(lambda make=make: [make(i) for i in range(len(sets))])
+        for name, make in copy_kernels.items()
+    }
+    result["copy_us"] = min(result["copy_kernels_us"].values())
     copies.clear()
     if rows == 1:
         result.update(call_overhead(impls, x, residual, weight, grads))
@@ -313,7 +341,8 @@ def main() -> None:
         }
         print(
             f"[{time.perf_counter() - started:.1f} s] {rows}x{hidden} {compact} "
-            f"host {entry.get('host_us')} profiler {entry.get('profiler_cpu_us')}",
+            f"host {entry.get('host_us')} profiler {entry.get('profiler_cpu_us')} "
+            f"max diff vs eager {entry['max_abs_diff_vs_eager']}",
             flush=True,
         )
     launchers = importlib.import_module("mcore_kernels.rms_norm")
@@ -340,10 +369,11 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
         "graph of back-to-back calls cycling through enough input copies (150 MB) that inputs "
         "come from memory, not L2; backward = ``torch.autograd.grad`` of both outputs. Ratios "
         "are peer time / mcore time (> 1: mcore faster). % copy: the bytes that must move over "
-        "the time, against the 2 GiB copy's bandwidth. Floor: a device-to-device copy of the "
-        "same bytes (read and write 2 x rows x hidden elements) under the same graph timing, "
-        "launch latency included; x floor = that copy's time / the implementation's time (1.0: "
-        "as fast as copying the same bytes once).\n"
+        "the time, against the 2 GiB copy's bandwidth. Floor: the faster of two device-to-device "
+        "copies of the same bytes (read and write 2 x rows x hidden elements: ``copy_`` and "
+        "``torch.neg(out=)``) under the same graph timing, launch latency included; x floor = "
+        "that copy's time / the implementation's time (1.0: as fast as copying the same bytes "
+        "once).\n"
     )
     for phase, title in (("fwd", "Forward"), ("bwd", "Backward")):
         header = ["rows x hidden", "mcore us", "% copy", "floor us", "mcore x floor"]
@@ -389,9 +419,11 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
     if host_rows:
         table += (
             "\nCall overhead outside graphs (one row), microseconds of host time per call: wall "
-            "clock of 100 back-to-back calls (median of 5 rounds), then the profiler's CPU time "
-            "of 40 calls (median of 3 rounds; the profiler adds its own cost per op); the "
-            "implementations interleaved round by round:\n\n"
+            "clock of 100 back-to-back calls (median of 5 rounds, the implementations "
+            "interleaved round by round), then the profiler's CPU time per call (one profiling "
+            "session, 5 unlabelled warm-up rounds, then 60 calls of each implementation "
+            "interleaved call by call, each under its own ``record_function`` label; median over "
+            "the calls; the profiler adds its own cost per recorded op):\n\n"
         )
         table += markdown_table(
             ["shape", "phase"]

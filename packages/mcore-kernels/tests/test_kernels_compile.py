@@ -19,6 +19,8 @@ from mcore_kernels import rms_norm, token_logprobs
 from mcore_kernels.comm import fused_rs_add_rmsnorm_ag
 from mcore_kernels.errors import KernelShapeError, KernelValueError
 from mcore_kernels.paged_attention import paged_attention
+from mcore_kernels.rotary import rotary_embedding
+from mcore_kernels.swiglu import swiglu_pair
 from mcore_kernels.tensor_ops import masked_update, merge, slice_after
 
 # The Triton dispatch runs the kernels through the interpreter (see conftest.py).
@@ -113,6 +115,37 @@ def test_token_logprobs_compiles_in_one_graph_with_eager_values_and_gradients(
 ):
     _check_matches_eager(
         _token_logprobs_block, _token_logprobs_inputs(dtype), backend, **TOLERANCES[dtype]
+    )
+
+
+def _rotary_swiglu_block(qkv, positions, gate, up, dim=8):
+    # RoPE tables from integer positions (not differentiated), a strided query slice of a fused
+    # projection and a contiguous key, as the GPT layer does.
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, device=qkv.device).float() / dim))
+    angles = positions[..., None].float() * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    q = qkv[..., : 3 * dim].unflatten(-1, (3, dim))
+    k = qkv[..., 3 * dim : 5 * dim].unflatten(-1, (2, dim)).contiguous()
+    return rotary_embedding(q, cos, sin), rotary_embedding(k, cos, sin), swiglu_pair(gate, up)
+
+
+def _rotary_swiglu_inputs(dtype):
+    generator = torch.Generator().manual_seed(7)
+    return (
+        torch.randn(2, 5, 40, generator=generator).to(dtype),
+        torch.randint(0, 2048, (2, 5), generator=generator),
+        torch.randn(2, 5, 12, generator=generator).to(dtype),
+        torch.randn(2, 5, 12, generator=generator).to(dtype),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rotary_and_swiglu_compile_in_one_graph_with_eager_values_and_gradients(
+    dispatch, backend, dtype
+):
+    _check_matches_eager(
+        _rotary_swiglu_block, _rotary_swiglu_inputs(dtype), backend, **TOLERANCES[dtype]
     )
 
 
@@ -218,6 +251,13 @@ def test_traced_graph_holds_opaque_ops_and_no_triton_kernel(monkeypatch):
     called = {name.split(".")[1] for name in targets_called if name.startswith("mcore_kernels.")}
     assert called == {"rms_norm_fwd", "token_logprobs_fwd", "slice_after_", "paged_attention"}
     assert not any("triton" in name for name in targets_called)
+    graphs.clear()
+    compiled = torch.compile(_rotary_swiglu_block, backend=record, fullgraph=True)
+    compiled(*_rotary_swiglu_inputs(torch.float32))
+    targets_called = [str(node.target) for node in graphs[0].graph.nodes]
+    called = {name.split(".")[1] for name in targets_called if name.startswith("mcore_kernels.")}
+    assert called == {"rotary_embedding", "swiglu_pair_fwd"}
+    assert not any("triton" in name for name in targets_called)
 
 
 # --- process groups: vocabulary-parallel log-probs and the fused TP communication -------------
@@ -287,6 +327,12 @@ def _training_block(x, weight, residual, logits, targets):
     return y * 2, hidden + 1, logprobs - 1, entropy
 
 
+def test_inductor_compiles_rotary_and_swiglu_with_eager_values_and_gradients(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _check_matches_eager(_rotary_swiglu_block, _rotary_swiglu_inputs(torch.float32), "inductor")
+
+
 @pytest.mark.parametrize(
     ("dispatch_name", "layout"),
     [("triton", "contiguous"), ("triton", "permuted"), ("torch", "permuted")],
@@ -309,11 +355,12 @@ def test_inductor_compiles_kernels_with_eager_values_and_gradients(
 # --- GPU: the Inductor path that failed on an H200 -----------------------------------------
 
 
-def _decoder_like_block(x, weight, residual, logits, targets):
+def _decoder_like_block(x, weight, residual, logits, targets, qkv, positions):
     y, hidden = rms_norm(x, weight, 1e-5, residual=residual)
     z = rms_norm(hidden, weight, 1e-5)
     logprobs, entropy = token_logprobs(logits, targets, temperature=0.9, return_entropy=True)
-    return y * 2, z, logprobs - 1, entropy
+    q, k, act = _rotary_swiglu_block(qkv, positions, y[..., :512], hidden[..., :512], 128)
+    return y * 2, z, logprobs - 1, entropy, q, k, act
 
 
 @pytest.mark.gpu
@@ -325,5 +372,7 @@ def test_cuda_inductor_compiles_triton_kernels_with_eager_values_and_gradients()
     residual = torch.randn(4, 64, 2048, generator=generator).bfloat16().cuda()
     logits = (torch.randn(4, 64, 32000, generator=generator) * 3).bfloat16().cuda()
     targets = torch.randint(0, 32000, (4, 64), generator=generator).cuda()
-    inputs = (x, weight, residual, logits[:, :-1], targets[:, :-1])
+    qkv = torch.randn(4, 64, 5 * 128, generator=generator).bfloat16().cuda()
+    positions = torch.randint(0, 4096, (4, 64), generator=generator).cuda()
+    inputs = (x, weight, residual, logits[:, :-1], targets[:, :-1], qkv, positions)
     _check_matches_eager(_decoder_like_block, inputs, "inductor", **TOLERANCES[torch.bfloat16])

@@ -198,7 +198,7 @@ def test_launch_config_is_chosen_by_row_width_and_rstd_kept_only_for_looped_rows
     triton_backend, hidden
 ):
     rms_module = importlib.import_module("mcore_kernels.rms_norm")
-    block, single, config, programs_cap, _ = rms_module._launch(hidden, -1)  # -1: the CPU
+    block, single, config, programs_cap, _, _ = rms_module._launch(hidden, -1)  # -1: the CPU
     width = min(1 << (hidden - 1).bit_length(), rms_module.MAX_BLOCK)
     entry = rms_module.LAUNCH_CONFIGS[min(w for w in rms_module.LAUNCH_CONFIGS if w >= width)]
     assert block == width and single == (hidden <= rms_module.MAX_BLOCK)
@@ -216,6 +216,24 @@ def test_launch_config_is_chosen_by_row_width_and_rstd_kept_only_for_looped_rows
         expected = torch.rsqrt(h.double().pow(2).mean(-1) + 1e-6).float()
         torch.testing.assert_close(rstd, expected, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(y, rms_norm_reference(x, weight, 1e-6, residual=residual)[0])
+
+
+@pytest.mark.parametrize("rows", [5, 8])
+def test_rows_exactly_one_block_wide_load_without_masks_and_match_the_reference(
+    triton_backend, rows
+):
+    # Width 256 holds 4 rows per forward program: 8 rows take the unmasked variant, 5 the
+    # masked one (a partial last row block).
+    rms_module = importlib.import_module("mcore_kernels.rms_norm")
+    assert rms_module._launch(256, -1).exact
+    x, residual, weight = _inputs((rows, 256), torch.bfloat16, seed=rows)
+    for res in (None, residual):
+        got = rms_norm(x, weight, 1e-6, residual=res)
+        expected = rms_norm_reference(x, weight, 1e-6, residual=res)
+        if res is None:
+            got, expected = (got,), (expected,)
+        for value, reference in zip(got, expected, strict=True):
+            torch.testing.assert_close(value.float(), reference.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_empty_leading_dimension_returns_empty(triton_backend):

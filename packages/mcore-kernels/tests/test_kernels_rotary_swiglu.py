@@ -11,8 +11,9 @@ if not torch.cuda.is_available():
 import pytest
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
-from mcore_kernels.rotary import rotary_embedding, rotary_embedding_reference
-from mcore_kernels.swiglu import swiglu_pair, swiglu_pair_reference
+from mcore_kernels.reference import rotary_embedding_reference, swiglu_pair_reference
+from mcore_kernels.rotary import rotary_embedding
+from mcore_kernels.swiglu import swiglu_pair
 
 pytestmark = pytest.mark.interpreter
 

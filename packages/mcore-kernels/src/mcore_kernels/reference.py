@@ -22,6 +22,8 @@ __all__ = [
     "rms_norm_parts",
     "token_logprobs_reference",
     "token_logprobs_parts",
+    "rotary_embedding_reference",
+    "swiglu_pair_reference",
     "paged_attention_reference",
     "slice_after_reference",
     "merge_reference",
@@ -210,6 +212,44 @@ def token_logprobs_parts(
     if expected is not None:
         entropy = torch.where(valid, lse - expected, zeros).reshape(lead_shape)
     return logprobs, entropy, lse, expected
+
+
+def rotary_embedding_reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate the two halves of every head, computed in float32 and rounded once.
+
+    The reference of :func:`mcore_kernels.rotary.rotary_embedding` (Hugging Face's
+    "rotate_half" layout).
+
+    Args:
+        x: ``[..., T, H, D]`` queries or keys.
+        cos: ``[..., T, D // 2]`` float32 cosines.
+        sin: ``[..., T, D // 2]`` float32 sines.
+
+    Returns:
+        The rotated tensor, shaped and typed like ``x``.
+    """
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def swiglu_pair_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` computed in float32 and rounded once to the input dtype.
+
+    The reference of :func:`mcore_kernels.swiglu.swiglu_pair`.
+
+    Args:
+        gate: Output of the gate projection.
+        up: Output of the up projection, shaped like ``gate``.
+
+    Returns:
+        The activation, shaped and typed like ``gate``.
+    """
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
 def slice_after_reference(inp: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

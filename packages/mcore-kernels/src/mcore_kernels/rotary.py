@@ -10,6 +10,11 @@ the tables is saved.
 Numerics: one rounding per element where the unfused bf16 chain rounds after every product,
 so results differ from it by at most about one bf16 unit in the last place; in float32 they
 agree to rounding.
+
+Eager calls go to the launcher through :class:`_RotaryFunction`; while ``torch.compile`` traces
+a call it becomes the custom op ``torch.ops.mcore_kernels.rotary_embedding`` (its backward is
+the same op by the negative angle). The torch reference is
+:func:`mcore_kernels.reference.rotary_embedding_reference`.
 """
 
 from __future__ import annotations
@@ -18,31 +23,13 @@ from typing import Any
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import CachedLauncher, jit, next_power_of_2, on_device_of, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.reference import rotary_embedding_reference
 
-__all__ = ["rotary_embedding", "rotary_embedding_reference"]
-
-
-def rotary_embedding_reference(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
-    """Rotate the two halves of every head, computed in float32 and rounded once.
-
-    Args:
-        x: ``[..., T, H, D]`` queries or keys.
-        cos: ``[..., T, D // 2]`` float32 cosines.
-        sin: ``[..., T, D // 2]`` float32 sines.
-
-    Returns:
-        The rotated tensor, shaped and typed like ``x``.
-    """
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+__all__ = ["rotary_embedding"]
 
 
 @jit
@@ -120,6 +107,33 @@ class _RotaryFunction(torch.autograd.Function):
         return _rotate(grad.contiguous(), cos, sin, -1.0), None, None
 
 
+# --- torch.compile: the custom op --------------------------------------------------------------
+
+
+@_compile.custom_op("rotary_embedding", "(Tensor x, Tensor cos, Tensor sin, float sign) -> Tensor")
+def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    return _rotate(x if _rows_packed(x) else x.contiguous(), cos, sin, sign)
+
+
+@_rotary_op.register_fake
+def _rotary_fake(x, cos, sin, sign):
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, cos, sin, sign = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.sign = sign
+
+
+def _op_backward(ctx, grad):
+    cos, sin = ctx.saved_tensors
+    return _rotary_op(grad, cos, sin, -ctx.sign), None, None, None
+
+
+_rotary_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply RoPE to queries or keys (the "rotate_half" layout), fused forward and backward.
 
@@ -131,6 +145,8 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
     Returns:
         The rotated tensor, shaped and typed like ``x`` (computed in float32, rounded once).
+        Under ``torch.compile`` the call is the opaque custom op
+        ``torch.ops.mcore_kernels.rotary_embedding`` (with a registered backward).
 
     Raises:
         KernelShapeError: If the shapes do not match or ``D`` is odd.
@@ -146,6 +162,8 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
         raise KernelDtypeError(f"x.dtype={x.dtype} must be a floating-point dtype")
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
+    if _compile.compiling():
+        return _rotary_op(x, cos, sin, 1.0)
     result = _RotaryFunction.apply(x if _rows_packed(x) else x.contiguous(), cos, sin)
     assert isinstance(result, torch.Tensor)
     return result

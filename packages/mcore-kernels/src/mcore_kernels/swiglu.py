@@ -5,6 +5,12 @@ activation for the backward) and three passes backward. Here one kernel reads bo
 writes the product, and one backward kernel reads the two saved inputs and the gradient and
 writes both input gradients. Computed in float32 and rounded once to the input dtype, like the
 fused kernels of the inference engine (``mcore_kernels.moe.swiglu`` on a fused gate/up GEMM).
+
+Eager calls go to the launchers through :class:`_SwiGLUPairFunction`; while ``torch.compile``
+traces a call it becomes the custom op ``torch.ops.mcore_kernels.swiglu_pair_fwd`` with the
+registered backward ``swiglu_pair_bwd``. The torch reference is
+:func:`mcore_kernels.reference.swiglu_pair_reference`; its autograd is the backward of the
+torch dispatch.
 """
 
 from __future__ import annotations
@@ -12,28 +18,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import CachedLauncher, jit, on_device_of, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.reference import swiglu_pair_reference
 
-__all__ = ["swiglu_pair", "swiglu_pair_reference"]
+__all__ = ["swiglu_pair"]
 
 _BLOCK = 2048
-
-
-def swiglu_pair_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` computed in float32 and rounded once to the input dtype.
-
-    Args:
-        gate: Output of the gate projection.
-        up: Output of the up projection, shaped like ``gate``.
-
-    Returns:
-        The activation, shaped and typed like ``gate``.
-    """
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
 @jit
@@ -65,38 +59,89 @@ _FORWARD = CachedLauncher(_swiglu_fwd_kernel)
 _BACKWARD = CachedLauncher(_swiglu_bwd_kernel)
 
 
+def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of contiguous inputs: the Triton kernel, or the torch reference."""
+    if not use_triton(gate):
+        return swiglu_pair_reference(gate, up)
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        with on_device_of(gate):
+            grid = (-(-n // _BLOCK),)
+            _FORWARD(grid, (gate, up, out, n), {"BLOCK": _BLOCK}, 4, gate.get_device())
+    return out
+
+
+def _backward(
+    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d gate, d up)``: the Triton kernel, or autograd of the torch reference."""
+    grad = grad.contiguous()
+    if not use_triton(gate):
+        # Also inside the custom op, where autograd does not record without this.
+        with _compile.autograd_inside_op():
+            g = gate.detach().requires_grad_(True)
+            u = up.detach().requires_grad_(True)
+            d_gate, d_up = torch.autograd.grad(swiglu_pair_reference(g, u), (g, u), grad)
+        return d_gate, d_up
+    d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+    n = gate.numel()
+    if n:
+        with on_device_of(gate):
+            args = (gate, up, grad, d_gate, d_up, n)
+            grid = (-(-n // _BLOCK),)
+            _BACKWARD(grid, args, {"BLOCK": _BLOCK}, 4, gate.get_device())
+    return d_gate, d_up
+
+
 class _SwiGLUPairFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        if not use_triton(gate):
-            return swiglu_pair_reference(gate, up)
-        out = torch.empty_like(gate)
-        n = gate.numel()
-        if n:
-            with on_device_of(gate):
-                grid = (-(-n // _BLOCK),)
-                _FORWARD(grid, (gate, up, out, n), {"BLOCK": _BLOCK}, 4, gate.get_device())
-        return out
+        return _forward(gate, up)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate, up = ctx.saved_tensors
-        grad = grad.contiguous()
-        if not use_triton(gate):
-            with torch.enable_grad():
-                g = gate.detach().requires_grad_(True)
-                u = up.detach().requires_grad_(True)
-                d_gate, d_up = torch.autograd.grad(swiglu_pair_reference(g, u), (g, u), grad)
-            return d_gate, d_up
-        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
-        n = gate.numel()
-        if n:
-            with on_device_of(gate):
-                args = (gate, up, grad, d_gate, d_up, n)
-                grid = (-(-n // _BLOCK),)
-                _BACKWARD(grid, args, {"BLOCK": _BLOCK}, 4, gate.get_device())
-        return d_gate, d_up
+        return _backward(grad, gate, up)
+
+
+# --- torch.compile: the custom ops -----------------------------------------------------------
+
+
+@_compile.custom_op("swiglu_pair_fwd", "(Tensor gate, Tensor up) -> Tensor")
+def _swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _forward(gate.contiguous(), up.contiguous())
+
+
+@_compile.custom_op("swiglu_pair_bwd", "(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)")
+def _swiglu_bwd_op(
+    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    d_gate, d_up = _backward(grad, gate.contiguous(), up.contiguous())
+    return d_gate.contiguous(), d_up.contiguous()
+
+
+@_swiglu_fwd_op.register_fake
+def _swiglu_fwd_fake(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+@_swiglu_bwd_op.register_fake
+def _swiglu_bwd_fake(grad, gate, up):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _op_backward(ctx, grad):
+    gate, up = ctx.saved_tensors
+    return _swiglu_bwd_op(grad, gate, up)
+
+
+_swiglu_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def swiglu_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -108,6 +153,8 @@ def swiglu_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
     Returns:
         The activation, shaped and typed like ``gate`` (computed in float32, rounded once).
+        Under ``torch.compile`` the call is the opaque custom op
+        ``torch.ops.mcore_kernels.swiglu_pair_fwd`` (with a registered backward).
 
     Raises:
         KernelShapeError: If the shapes differ.
@@ -121,6 +168,8 @@ def swiglu_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise KernelDtypeError(
             f"gate.dtype={gate.dtype} and up.dtype={up.dtype} must be one floating-point dtype"
         )
+    if _compile.compiling():
+        return _swiglu_fwd_op(gate, up)
     result = _SwiGLUPairFunction.apply(gate.contiguous(), up.contiguous())
     assert isinstance(result, torch.Tensor)
     return result
