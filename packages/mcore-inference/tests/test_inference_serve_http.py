@@ -11,19 +11,17 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 import torch
+from _serve_helpers import reference, start, varied_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 
-from mcore_inference import FinishReason, InferenceConfig, InferenceEngine, SamplingParams
+from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
 from mcore_inference.hf_tokenizer import HFTokenizer
-from mcore_inference.testing import write_tiny_hf_checkpoint
 from mcore_models import GPTModel
 
 MODEL = "tiny"
@@ -44,64 +42,12 @@ def _single_thread():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny Qwen2 checkpoint whose weights are large enough for varied greedy text."""
-    directory = write_tiny_hf_checkpoint(
-        tmp_path_factory.mktemp("serve_ckpt"), hidden_size=64, intermediate_size=128
-    )
-    model = GPTModel.from_hf(directory)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 2:
-                scale = 2.0 / parameter.shape[-1] ** 0.5
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
-    model.to_hf(directory)
-    return directory
+    return varied_checkpoint(tmp_path_factory.mktemp("serve_ckpt"), seed=0)
 
 
 def _launch(checkpoint, log, *options):
     """Start ``mcore-inference serve`` in a new session; its process, URL and startup lines."""
-    command = [
-        sys.executable,
-        "-m",
-        "mcore_inference.cli",
-        "serve",
-        "--model",
-        str(checkpoint),
-        "--served-model-name",
-        MODEL,
-        "--port",
-        "0",
-        "--device",
-        "cpu",
-        "--max-batch-size",
-        str(MAX_BATCH),
-        "--max-sequence-length",
-        str(CONTEXT),
-        "--max-waiting-requests",
-        str(MAX_WAITING),
-        "--timeout-graceful-shutdown",
-        "2",
-        *options,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-    lines = []
-    while True:
-        line = process.stdout.readline()
-        if not line:
-            pytest.fail(f"the server exited before listening: {log.read_text()}")
-        lines.append(line.strip())
-        if "listening on" in line:
-            break
-    return process, line.split("listening on ")[1].split()[0], lines
+    return start(checkpoint, log, "--max-waiting-requests", str(MAX_WAITING), *options, model=MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -132,19 +78,6 @@ def engine(checkpoint):
     config = InferenceConfig(max_batch_size=64, max_sequence_length=CONTEXT)
     with InferenceEngine(model, config) as engine:
         yield engine
-
-
-def _reference(engine, tokenizer, prompts, params):
-    """engine.generate, then each result's text, OpenAI finish reason and token count."""
-    results = engine.generate(prompts, params)
-    return [
-        (
-            tokenizer.decode(r.tokens),
-            "stop" if r.finish_reason == FinishReason.STOP_TOKEN else "length",
-            r,
-        )
-        for r in results
-    ]
 
 
 def _greedy(tokenizer, max_tokens, **fields):
@@ -199,7 +132,7 @@ def test_models_lists_the_served_model(client):
 def test_greedy_completions_equal_engine_generate(client, engine, tokenizer):
     texts = ["What is 3 + 4?", "Compute 12 * 7.", "The answer is"]
     prompts = [tokenizer.encode(t) for t in texts]
-    expected = _reference(engine, tokenizer, prompts, _greedy(tokenizer, 12, return_logprobs=True))
+    expected = reference(engine, tokenizer, prompts, _greedy(tokenizer, 12, return_logprobs=True))
     for text, prompt, (ref_text, ref_finish, ref) in zip(texts, prompts, expected):
         answer = client.completions.create(
             model=MODEL, prompt=text, max_tokens=12, temperature=0, logprobs=0
@@ -239,7 +172,7 @@ def test_greedy_chat_completions_equal_engine_generate(client, engine, tokenizer
         tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
         for c in conversations
     ]
-    expected = _reference(engine, tokenizer, prompts, _greedy(tokenizer, 10, return_logprobs=True))
+    expected = reference(engine, tokenizer, prompts, _greedy(tokenizer, 10, return_logprobs=True))
     for messages, prompt, (ref_text, ref_finish, ref) in zip(conversations, prompts, expected):
         answer = client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True
@@ -273,7 +206,7 @@ def test_n_seeded_samples_equal_engine_generate_with_seed_plus_index(client, eng
         )
         for i in range(3)
     ]
-    expected = _reference(engine, tokenizer, [prompt] * 3, params)
+    expected = reference(engine, tokenizer, [prompt] * 3, params)
     answer = client.completions.create(
         model=MODEL,
         prompt=prompt,
@@ -292,7 +225,7 @@ def test_n_seeded_samples_equal_engine_generate_with_seed_plus_index(client, eng
 
 def test_stop_string_ends_the_text_before_it(client, engine, tokenizer):
     prompt = tokenizer.encode("What is 5 + 8?")
-    ((free_text, _, free),) = _reference(
+    ((free_text, _, free),) = reference(
         engine, tokenizer, [prompt], SamplingParams(temperature=0.0, max_tokens=24)
     )
     # A two-character stop string whose first occurrence is well inside the text.
@@ -321,7 +254,7 @@ def test_stop_string_ends_the_text_before_it(client, engine, tokenizer):
 def test_fifty_concurrent_clients_all_finish(server, engine, tokenizer):
     url = server[1]
     texts = [f"What is {i} + {2 * i}?" for i in range(50)]
-    expected = _reference(
+    expected = reference(
         engine, tokenizer, [tokenizer.encode(t) for t in texts], _greedy(tokenizer, 6)
     )
 
@@ -487,7 +420,7 @@ def test_engine_on_a_thread_serves_the_same_completions(checkpoint, engine, toke
         assert "engine on a thread of the server" in " ".join(lines)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         prompt = tokenizer.encode("The answer is")
-        ((ref_text, ref_finish, _),) = _reference(
+        ((ref_text, ref_finish, _),) = reference(
             engine, tokenizer, [prompt], _greedy(tokenizer, 12)
         )
         stream = client.completions.create(

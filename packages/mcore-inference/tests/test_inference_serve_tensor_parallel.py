@@ -19,19 +19,20 @@ import httpx
 import openai
 import pytest
 import torch
-from _serve_tp_helpers import (
+from _serve_helpers import (
     CONTEXT,
     MODEL,
     alive,
     cpu_seconds,
     launch,
     long_stream_body,
+    reference,
     stop,
     varied_checkpoint,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from mcore_inference import FinishReason, InferenceConfig, InferenceEngine, SamplingParams
+from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
 from mcore_inference.hf_tokenizer import HFTokenizer
 from mcore_models import GPTModel
 
@@ -75,18 +76,6 @@ def engine(checkpoint):
     config = InferenceConfig(max_batch_size=64, max_sequence_length=CONTEXT)
     with InferenceEngine(model, config) as engine:
         yield engine
-
-
-def _reference(engine, tokenizer, prompts, params):
-    results = engine.generate(prompts, params)
-    return [
-        (
-            tokenizer.decode(r.tokens),
-            "stop" if r.finish_reason == FinishReason.STOP_TOKEN else "length",
-            r,
-        )
-        for r in results
-    ]
 
 
 def _greedy(tokenizer, max_tokens, **fields):
@@ -212,7 +201,7 @@ def test_startup_prints_tp_every_rank_and_the_whole_model(server, checkpoint):
 def test_greedy_completions_equal_single_rank_generate(client, engine, tokenizer):
     texts = ["What is 3 + 4?", "Compute 12 * 7.", "The answer is"]
     prompts = [tokenizer.encode(t) for t in texts]
-    expected = _reference(engine, tokenizer, prompts, _greedy(tokenizer, 12, return_logprobs=True))
+    expected = reference(engine, tokenizer, prompts, _greedy(tokenizer, 12, return_logprobs=True))
     for text, prompt, (ref_text, ref_finish, ref) in zip(texts, prompts, expected):
         answer = client.completions.create(
             model=MODEL, prompt=text, max_tokens=12, temperature=0, logprobs=0
@@ -233,7 +222,7 @@ def test_greedy_completions_equal_single_rank_generate(client, engine, tokenizer
 def test_greedy_chat_completion_streamed_equals_single_rank_generate(client, engine, tokenizer):
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ((ref_text, ref_finish, _),) = _reference(engine, tokenizer, [prompt], _greedy(tokenizer, 10))
+    ((ref_text, ref_finish, _),) = reference(engine, tokenizer, [prompt], _greedy(tokenizer, 10))
     chunks = list(
         client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True
@@ -256,7 +245,7 @@ def test_seeded_samples_equal_single_rank_generate(client, engine, tokenizer):
         )
         for i in range(3)
     ]
-    expected = _reference(engine, tokenizer, [prompt] * 3, params)
+    expected = reference(engine, tokenizer, [prompt] * 3, params)
     answer = client.completions.create(
         model=MODEL,
         prompt=prompt,
@@ -279,7 +268,7 @@ def test_concurrent_clients_arriving_mid_step_equal_single_rank_generate(server,
     lengths = [3 + (i * 5) % 11 for i in range(16)]
     prompts = [tokenizer.encode(t) for t in texts]
     expected = [
-        _reference(engine, tokenizer, [p], _greedy(tokenizer, n))[0][:2]
+        reference(engine, tokenizer, [p], _greedy(tokenizer, n))[0][:2]
         for p, n in zip(prompts, lengths)
     ]
 

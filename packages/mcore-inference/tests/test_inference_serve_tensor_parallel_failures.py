@@ -13,7 +13,7 @@ import subprocess
 import httpx
 import pytest
 import torch
-from _serve_tp_helpers import (
+from _serve_helpers import (
     MODEL,
     gone,
     launch,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _serve_tp_helpers import varied_checkpoint
+from _serve_helpers import varied_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

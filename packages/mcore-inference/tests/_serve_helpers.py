@@ -1,5 +1,5 @@
-"""Shared by the ``serve --tp`` test files: a tiny checkpoint with varied greedy text, starting
-``mcore-inference serve`` in a subprocess, and watching its processes."""
+"""Shared by the ``serve`` test files: a tiny checkpoint with varied greedy text, starting
+``mcore-inference serve`` in a subprocess, the engine reference, and watching processes."""
 
 import os
 import subprocess
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mcore_inference import FinishReason
 from mcore_inference.testing import write_tiny_hf_checkpoint
 from mcore_models import GPTModel
 
@@ -40,7 +41,7 @@ def varied_checkpoint(directory, seed=1):
     return directory
 
 
-def serve_command(checkpoint, *options):
+def serve_command(checkpoint, *options, model=MODEL):
     """The ``mcore-inference serve`` command line of the tests (CPU, a free port, ``options``)."""
     return [
         sys.executable,
@@ -50,7 +51,7 @@ def serve_command(checkpoint, *options):
         "--model",
         str(checkpoint),
         "--served-model-name",
-        MODEL,
+        model,
         "--port",
         "0",
         "--device",
@@ -65,12 +66,16 @@ def serve_command(checkpoint, *options):
     ]
 
 
-def launch(checkpoint, log, *options):
-    """Start ``serve`` in a new session; its process, URL, rank pids and startup lines."""
+def start(checkpoint, log, *options, model=MODEL):
+    """Start ``serve`` in a new session and wait until it listens.
+
+    Returns:
+        The process, its base URL and its startup lines.
+    """
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "w") as stderr:
         process = subprocess.Popen(
-            serve_command(checkpoint, *options),
+            serve_command(checkpoint, *options, model=model),
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
@@ -85,9 +90,28 @@ def launch(checkpoint, log, *options):
         lines.append(line.strip())
         if "listening on" in line:
             break
+    return process, line.split("listening on ")[1].split()[0], lines
+
+
+def launch(checkpoint, log, *options):
+    """Start ``serve`` with several engine ranks; its process, URL, rank pids and startup lines."""
+    process, url, lines = start(checkpoint, log, *options)
     summary = next(line for line in lines if "parameters" in line)
     pids = [int(p) for p in summary.split("engine in processes ")[1].split(" (")[0].split(", ")]
-    return process, line.split("listening on ")[1].split()[0], pids, lines
+    return process, url, pids, lines
+
+
+def reference(engine, tokenizer, prompts, params):
+    """engine.generate, then each result's text, OpenAI finish reason and result."""
+    results = engine.generate(prompts, params)
+    return [
+        (
+            tokenizer.decode(r.tokens),
+            "stop" if r.finish_reason == FinishReason.STOP_TOKEN else "length",
+            r,
+        )
+        for r in results
+    ]
 
 
 def alive(pid):
