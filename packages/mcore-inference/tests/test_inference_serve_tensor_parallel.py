@@ -300,11 +300,14 @@ def test_disconnect_mid_stream_frees_the_blocks_on_every_rank(server):
         assert response.status_code == 200
         lines = response.iter_lines()
         next(lines)
-        # Both ranks hold the same blocks for the two running requests.
-        busy = _wait_for(
-            url, lambda s: min(_rank_blocks(s)) > 0, "blocks held on every rank", timeout=10
+        # Both ranks hold the same blocks for the two running requests (the second choice can
+        # be admitted an engine step after the first: wait for both).
+        _wait_for(
+            url,
+            lambda s: min(_rank_blocks(s)) > 0 and s["mcore_inference_requests_running"] == 2,
+            "both choices running, blocks held on every rank",
+            timeout=20,
         )
-        assert busy["mcore_inference_requests_running"] == 2
     samples = _wait_for(url, lambda s: _rank_blocks(s) == [0, 0], "the blocks freed everywhere")
     assert samples["mcore_inference_kv_cache_blocks_used"] == 0
     finished = {k: v for k, v in samples.items() if "finished" in str(k)}
