@@ -1,20 +1,23 @@
 """Shared by the ``serve`` test files: a tiny checkpoint with varied greedy text, starting
-``mcore-inference serve`` in a subprocess, the engine reference, and watching processes."""
+``mcore-inference serve`` in a subprocess, the engine reference, reading ``/metrics`` and
+watching processes."""
 
+import dataclasses
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
-from mcore_inference import FinishReason
+from mcore_inference import FinishReason, SamplingParams
 from mcore_inference.testing import write_tiny_hf_checkpoint
 from mcore_models import GPTModel
 
-MODEL = "tiny-tp"
+MODEL = "tiny"
 MAX_BATCH = 8
 CONTEXT = 2048
 
@@ -41,8 +44,8 @@ def varied_checkpoint(directory, seed=1):
     return directory
 
 
-def serve_command(checkpoint, *options, model=MODEL):
-    """The ``mcore-inference serve`` command line of the tests (CPU, a free port, ``options``)."""
+def serve_command(checkpoint, *options, device="cpu", context=CONTEXT):
+    """The ``mcore-inference serve`` command line of the tests (a free port, ``options``)."""
     return [
         sys.executable,
         "-m",
@@ -51,31 +54,50 @@ def serve_command(checkpoint, *options, model=MODEL):
         "--model",
         str(checkpoint),
         "--served-model-name",
-        model,
+        MODEL,
         "--port",
         "0",
         "--device",
-        "cpu",
+        device,
         "--max-batch-size",
         str(MAX_BATCH),
         "--max-sequence-length",
-        str(CONTEXT),
+        str(context),
         "--timeout-graceful-shutdown",
         "2",
         *options,
     ]
 
 
-def start(checkpoint, log, *options, model=MODEL):
-    """Start ``serve`` in a new session and wait until it listens.
+@dataclasses.dataclass
+class Server:
+    """A running ``serve`` process as the tests see it."""
+
+    process: subprocess.Popen
+    """The server process (stdout still open: it prints "stopped" when it ends)."""
+    url: str
+    """Its base URL."""
+    pids: list[int]
+    """The engine's processes, rank 0 first (the server's own pid for an engine thread)."""
+    lines: list[str]
+    """Its startup lines, up to "listening on"."""
+
+    @property
+    def summary(self):
+        """The startup line describing the model and where the engine runs."""
+        return next(line for line in self.lines if "parameters" in line)
+
+
+def launch(checkpoint, log, *options, device="cpu", context=CONTEXT):
+    """Start ``serve`` in a new session (stderr to ``log``) and wait until it listens.
 
     Returns:
-        The process, its base URL and its startup lines.
+        The :class:`Server`.
     """
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "w") as stderr:
         process = subprocess.Popen(
-            serve_command(checkpoint, *options, model=model),
+            serve_command(checkpoint, *options, device=device, context=context),
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
@@ -90,15 +112,22 @@ def start(checkpoint, log, *options, model=MODEL):
         lines.append(line.strip())
         if "listening on" in line:
             break
-    return process, line.split("listening on ")[1].split()[0], lines
-
-
-def launch(checkpoint, log, *options):
-    """Start ``serve`` with several engine ranks; its process, URL, rank pids and startup lines."""
-    process, url, lines = start(checkpoint, log, *options)
     summary = next(line for line in lines if "parameters" in line)
-    pids = [int(p) for p in summary.split("engine in processes ")[1].split(" (")[0].split(", ")]
-    return process, url, pids, lines
+    if "engine in process " in summary:
+        pids = [int(summary.split("engine in process ")[1].split()[0])]
+    elif "engine in processes " in summary:
+        where = summary.split("engine in processes ")[1].split(" (")[0]
+        pids = [int(pid) for pid in where.split(", ")]
+    else:
+        pids = [process.pid]
+    return Server(process, line.split("listening on ")[1].split()[0], pids, lines)
+
+
+def greedy(tokenizer, max_tokens, **fields):
+    """Greedy sampling up to the checkpoint's end of sequence, as the server samples ``temperature=0``."""
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, stop_token_ids=tokenizer.eos_token_ids, **fields
+    )
 
 
 def reference(engine, tokenizer, prompts, params):
@@ -112,6 +141,45 @@ def reference(engine, tokenizer, prompts, params):
         )
         for r in results
     ]
+
+
+def metrics(url):
+    """Samples of ``/metrics`` by name, labels other than the model's as a sorted tuple."""
+    # Imported here: the GPU test file, which reads no metrics, runs without prometheus-client.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            samples[(sample.name, labels) if labels else sample.name] = sample.value
+    return samples
+
+
+def aborted(samples):
+    """Choices finished by an abort so far."""
+    return samples.get(("mcore_inference_request_finished_total", (("finish_reason", "abort"),)), 0)
+
+
+def rank_blocks(samples, tp):
+    """KV blocks held on each of the ``tp`` engine ranks."""
+    name = "mcore_inference_rank_kv_cache_blocks_used"
+    return [samples[(name, (("rank", str(rank)),))] for rank in range(tp)]
+
+
+def wait_for(url, condition, what, timeout=30.0):
+    """Poll ``/metrics`` until ``condition(samples)`` holds; fail naming ``what`` otherwise.
+
+    Returns:
+        The samples that met the condition.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        samples = metrics(url)
+        if condition(samples):
+            return samples
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}; last metrics: {samples}")
 
 
 def alive(pid):

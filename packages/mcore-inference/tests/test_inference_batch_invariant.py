@@ -15,14 +15,6 @@ from mcore_parallel.testing import run_distributed
 VOCAB = 256
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _model(kind, device="cpu", dtype=torch.float32, invariant=True):
     moe = MoEConfig(num_experts=4, top_k=2) if kind == "moe" else None
     config = GPTConfig.from_name(

@@ -21,15 +21,6 @@ from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.model import GPTModel
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    # Tiny matmuls only lose to thread start-up and spinning on a shared 2-core machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def model():
     return GPTModel(GPTConfig.from_name("tiny", seed=1234)).eval()
@@ -363,6 +354,28 @@ def test_params_list_length_mismatch_raises(model):
         pytest.raises(InvalidRequestError, match="2 entries"),
     ):
         engine.generate(_prompts([3, 3, 3]), [SamplingParams()] * 2)
+
+
+def test_add_requests_equals_successive_add_request(model):
+    """The server's batched adds: the same ids, seeds and results as one add_request each."""
+    prompts = [[5, 6, 7], [9], [1, 2, 3, 4]]
+    params = [SamplingParams(temperature=0.8, max_tokens=6), None, SamplingParams(max_tokens=4)]
+
+    def run(batched):
+        with InferenceEngine(model, _config(max_batch_size=4, seed=3)) as engine:
+            if batched:
+                ids = engine.add_requests(prompts, params)
+            else:
+                ids = [engine.add_request(p, s) for p, s in zip(prompts, params)]
+            final = {}
+            while engine.has_unfinished():
+                for result in engine.step():
+                    final[result.request_id] = result.tokens
+            with pytest.raises(InvalidRequestError, match="params has 1 entries"):
+                engine.add_requests(prompts[:2], params[:1])
+        return ids, final
+
+    assert run(batched=True) == run(batched=False)
 
 
 def test_moe_model_greedy_generation_equals_naive_argmax_loop():

@@ -16,15 +16,6 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 300
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    # Tiny matmuls only lose to thread start-up and spinning on a shared 2-core machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny Qwen2.5-shaped checkpoint with a word-level tokenizer.json, written to disk."""

@@ -19,14 +19,6 @@ transformers = pytest.importorskip("transformers")
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [2, 71, 82], [8, 1, 8, 2, 8, 1, 8]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def model():
     return HybridModel(hybrid_preset("tiny-hybrid", seed=7)).eval()

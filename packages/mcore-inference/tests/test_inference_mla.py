@@ -20,14 +20,6 @@ PROMPTS = [[5, 17, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [250]]
 NEW_TOKENS = 10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """The tiny-mla-moe preset (DeepSeek-V3 layout, YaRN) with decisive random weights."""

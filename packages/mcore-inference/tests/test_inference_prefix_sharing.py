@@ -19,14 +19,6 @@ from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.model import GPTModel
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def model():
     return GPTModel(GPTConfig.from_name("tiny", seed=99)).eval()

@@ -16,14 +16,6 @@ from mcore_inference import (
 from mcore_models import GPTConfig, GPTModel
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def model() -> GPTModel:
     return GPTModel(GPTConfig.from_name("tiny", vocab_size=64, seed=21)).eval()

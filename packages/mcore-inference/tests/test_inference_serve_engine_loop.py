@@ -5,20 +5,11 @@ what is left and closes the engine."""
 import asyncio
 
 import pytest
-import torch
 
 from mcore_inference import InferenceConfig, InferenceEngine, RequestStatus, SamplingParams
 from mcore_inference.serve.engine_loop import EngineLoop, EngineLoopStoppedError, QueueFullError
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.model import GPTModel
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,14 @@
 """``mcore-inference serve`` as a real process on a free port, driven by the official ``openai``
-client (and httpx for raw HTTP): answers equal ``InferenceEngine.generate`` on the same
-checkpoint; concurrency, disconnects, back-pressure, bad requests, metrics and SIGTERM.
+client (and httpx for raw HTTP), with the engine in one child process (``--tp 1``) and split over
+two gloo ranks (``--tp 2``): answers equal a single-rank ``InferenceEngine.generate`` on the same
+checkpoint token for token; concurrency, disconnects (the blocks freed on every rank),
+back-pressure, bad requests, metrics and SIGTERM (no engine process left).
 
-One server runs for the whole module (starting one costs the torch import); the SIGTERM test
-stops it and runs last.
+One server of each size runs for the whole module (starting one costs the torch import in every
+process); the SIGTERM test stops it and runs last. The tests of the HTTP front end alone (bad
+requests, a full queue) run against the ``--tp 1`` server only. ``--tp`` failures are in
+``test_inference_serve_tensor_parallel_failures.py``, the ranks' control protocol without HTTP in
+``test_inference_serve_engine_ranks.py``.
 """
 
 import asyncio
@@ -16,112 +21,73 @@ import time
 import httpx
 import openai
 import pytest
-import torch
-from _serve_helpers import reference, start, varied_checkpoint
-from prometheus_client.parser import text_string_to_metric_families
+from _serve_helpers import (
+    CONTEXT,
+    MAX_BATCH,
+    MODEL,
+    aborted,
+    alive,
+    cpu_seconds,
+    greedy,
+    launch,
+    long_stream_body,
+    metrics,
+    rank_blocks,
+    reference,
+    stop,
+    wait_for,
+)
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
 from mcore_inference.hf_tokenizer import HFTokenizer
 from mcore_models import GPTModel
 
-MODEL = "tiny"
-MAX_BATCH = 8
 MAX_WAITING = 48
-CONTEXT = 2048
+
+single_rank = pytest.mark.parametrize("server", [1], indirect=True, ids=["tp1"])
+"""For the tests of what the HTTP front end does alone, the same for every ``--tp``."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    # Tiny matmuls only lose to thread start-up and spinning on a shared 2-core machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request, serve_checkpoint, tmp_path_factory):
+    """The server with ``--tp`` of the parameter (its engine in child processes)."""
+    log = tmp_path_factory.mktemp(f"serve_tp{request.param}") / "stderr.txt"
+    options = ("--tp", str(request.param), "--max-waiting-requests", str(MAX_WAITING))
+    server = launch(serve_checkpoint, log, *options)
+    yield server
+    stop(server.process)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny Qwen2 checkpoint whose weights are large enough for varied greedy text."""
-    return varied_checkpoint(tmp_path_factory.mktemp("serve_ckpt"), seed=0)
-
-
-def _launch(checkpoint, log, *options):
-    """Start ``mcore-inference serve`` in a new session; its process, URL and startup lines."""
-    return start(checkpoint, log, "--max-waiting-requests", str(MAX_WAITING), *options, model=MODEL)
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    """The server process (engine in a child process), its base URL and its startup lines."""
-    log = tmp_path_factory.mktemp("serve_log") / "stderr.txt"
-    process, url, lines = _launch(checkpoint, log)
-    yield process, url, lines
-    if process.poll() is None:
-        process.terminate()
-        process.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(checkpoint):
-    return HFTokenizer(checkpoint)
+def tokenizer(serve_checkpoint):
+    return HFTokenizer(serve_checkpoint)
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint):
-    """The reference: the same checkpoint in an engine of this process."""
-    model = GPTModel.from_hf(checkpoint).eval()
+def engine(serve_checkpoint):
+    """The reference: the same checkpoint in a single-rank engine of this process."""
+    model = GPTModel.from_hf(serve_checkpoint).eval()
     config = InferenceConfig(max_batch_size=64, max_sequence_length=CONTEXT)
     with InferenceEngine(model, config) as engine:
         yield engine
 
 
-def _greedy(tokenizer, max_tokens, **fields):
-    return SamplingParams(
-        temperature=0.0,
-        max_tokens=max_tokens,
-        stop_token_ids=tokenizer.eos_token_ids,
-        **fields,
-    )
-
-
-def _metrics(url):
-    """Samples of /metrics by name, labels other than the model's as a sorted tuple."""
-    text = httpx.get(f"{url}/metrics").text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
-            samples[(sample.name, labels) if labels else sample.name] = sample.value
-    return samples
-
-
-def _wait_for(url, condition, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        samples = _metrics(url)
-        if condition(samples):
-            return samples
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}; last metrics: {samples}")
-
-
-def _engine_pid(lines):
-    summary = next(line for line in lines if "parameters" in line)
-    return int(summary.split("engine in process ")[1].split()[0])
-
-
-def test_startup_prints_the_address_and_the_model_summary(server):
-    process, url, lines = server
-    summary = next(line for line in lines if "parameters" in line)
+def test_startup_prints_the_address_and_the_model_summary(server, serve_checkpoint):
+    tp, summary = len(server.pids), server.summary
     assert "Qwen2ForCausalLM" in summary and "2 layers" in summary and "vocab 160" in summary
-    assert _engine_pid(lines) != process.pid  # the engine runs in a child process
-    assert url.startswith("http://127.0.0.1:")
-    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert "4 heads (2 KV)" in summary and f"on {'+'.join(['cpu'] * tp)}, tp {tp};" in summary
+    # The count is the whole model's, not rank 0's slices.
+    whole = sum(p.numel() for p in GPTModel.from_hf(serve_checkpoint).parameters())
+    assert f"{whole / 1e6:.2f}M parameters" in summary
+    # The engine runs in child processes, one per rank.
+    assert server.process.pid not in server.pids and all(alive(pid) for pid in server.pids)
+    assert server.url.startswith("http://127.0.0.1:")
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
 def test_models_lists_the_served_model(client):
@@ -132,7 +98,7 @@ def test_models_lists_the_served_model(client):
 def test_greedy_completions_equal_engine_generate(client, engine, tokenizer):
     texts = ["What is 3 + 4?", "Compute 12 * 7.", "The answer is"]
     prompts = [tokenizer.encode(t) for t in texts]
-    expected = reference(engine, tokenizer, prompts, _greedy(tokenizer, 12, return_logprobs=True))
+    expected = reference(engine, tokenizer, prompts, greedy(tokenizer, 12, return_logprobs=True))
     for text, prompt, (ref_text, ref_finish, ref) in zip(texts, prompts, expected):
         answer = client.completions.create(
             model=MODEL, prompt=text, max_tokens=12, temperature=0, logprobs=0
@@ -172,7 +138,7 @@ def test_greedy_chat_completions_equal_engine_generate(client, engine, tokenizer
         tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
         for c in conversations
     ]
-    expected = reference(engine, tokenizer, prompts, _greedy(tokenizer, 10, return_logprobs=True))
+    expected = reference(engine, tokenizer, prompts, greedy(tokenizer, 10, return_logprobs=True))
     for messages, prompt, (ref_text, ref_finish, ref) in zip(conversations, prompts, expected):
         answer = client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True
@@ -251,32 +217,38 @@ def test_stop_string_ends_the_text_before_it(client, engine, tokenizer):
             assert answer.usage.completion_tokens == used
 
 
-def test_fifty_concurrent_clients_all_finish(server, engine, tokenizer):
-    url = server[1]
+def test_fifty_concurrent_clients_arriving_mid_step_all_finish(server, engine, tokenizer):
+    """Fifty clients, half of them streaming, join and leave the batch while the engine steps:
+    with ``--tp 2`` every rank must add them in the same order between the same steps, or the
+    answers (and the ranks) diverge."""
     texts = [f"What is {i} + {2 * i}?" for i in range(50)]
-    expected = reference(
-        engine, tokenizer, [tokenizer.encode(t) for t in texts], _greedy(tokenizer, 6)
-    )
+    lengths = [3 + (i * 5) % 11 for i in range(50)]
+    prompts = [tokenizer.encode(t) for t in texts]
+    params = [greedy(tokenizer, n) for n in lengths]
+    expected = [(text, finish) for text, finish, _ in reference(engine, tokenizer, prompts, params)]
 
     async def one(client, i):
+        await asyncio.sleep(0.01 * i)
         if i % 2:
             answer = await client.completions.create(
-                model=MODEL, prompt=texts[i], max_tokens=6, temperature=0
+                model=MODEL, prompt=texts[i], max_tokens=lengths[i], temperature=0
             )
             return answer.choices[0].text, answer.choices[0].finish_reason
         stream = await client.completions.create(
-            model=MODEL, prompt=texts[i], max_tokens=6, temperature=0, stream=True
+            model=MODEL, prompt=texts[i], max_tokens=lengths[i], temperature=0, stream=True
         )
         chunks = [chunk.choices[0] async for chunk in stream]
         return "".join(c.text for c in chunks), chunks[-1].finish_reason
 
     async def run_all():
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0) as client:
+        base_url = f"{server.url}/v1"
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0) as client:
             return await asyncio.gather(*(one(client, i) for i in range(50)))
 
-    answers = asyncio.run(run_all())
-    assert answers == [(text, finish) for text, finish, _ in expected]
-    samples = _wait_for(url, lambda s: s["mcore_inference_requests_running"] == 0, "idle engine")
+    assert asyncio.run(run_all()) == expected
+    tp = len(server.pids)
+    samples = wait_for(server.url, lambda s: rank_blocks(s, tp) == [0] * tp, "every rank idle")
+    assert samples["mcore_inference_requests_running"] == 0
     assert samples["mcore_inference_kv_cache_blocks_used"] == 0
 
 
@@ -305,9 +277,10 @@ BAD_REQUESTS = [
 ]
 
 
+@single_rank
 @pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
 def test_bad_request_gets_400_naming_the_field(server, path, body, param):
-    response = httpx.post(f"{server[1]}/v1/{path}", json={"model": MODEL, **body})
+    response = httpx.post(f"{server.url}/v1/{path}", json={"model": MODEL, **body})
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param
@@ -315,6 +288,7 @@ def test_bad_request_gets_400_naming_the_field(server, path, body, param):
     assert param.split(".")[0].split("[")[0] in error["message"]
 
 
+@single_rank
 def test_openai_client_raises_bad_request_error_and_unknown_model_is_404(client, server):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
@@ -324,67 +298,58 @@ def test_openai_client_raises_bad_request_error_and_unknown_model_is_404(client,
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="other", prompt="hi")
     assert info.value.body["param"] == "model"
-    response = httpx.post(f"{server[1]}/v1/completions", content=b"{not json")
+    response = httpx.post(f"{server.url}/v1/completions", content=b"{not json")
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
 
 
-def _long_stream_body(n=1):
-    return {
-        "model": MODEL,
-        "prompt": "Compute",
-        "max_tokens": 1500,
-        "n": n,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-
-
-def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server):
-    url = server[1]
-    before = _metrics(url)
-    aborted_before = before.get(
-        ("mcore_inference_request_finished_total", (("finish_reason", "abort"),)), 0
-    )
-    with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body()) as response:
+def test_disconnect_mid_stream_aborts_and_frees_the_blocks_on_every_rank(server):
+    url, tp = server.url, len(server.pids)
+    before = metrics(url)
+    body = long_stream_body(2)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
         assert response.status_code == 200
         # NOTE: keep the line iterator alive: dropping it closes httpx's stream (a disconnect).
         lines = response.iter_lines()
         first = next(lines)
         assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
-        busy = _metrics(url)
-        assert busy["mcore_inference_requests_running"] == 1
-        assert busy["mcore_inference_kv_cache_blocks_used"] > 0
-    # The connection is closed: the server aborts the request and its blocks come back.
-    samples = _wait_for(
-        url, lambda s: s["mcore_inference_kv_cache_blocks_used"] == 0, "the blocks to be freed"
-    )
+        # Every rank holds blocks for the two running choices (the second choice can be
+        # admitted an engine step after the first: wait for both).
+        wait_for(
+            url,
+            lambda s: min(rank_blocks(s, tp)) > 0 and s["mcore_inference_requests_running"] == 2,
+            "both choices running, blocks held on every rank",
+            timeout=20,
+        )
+    # The connection is closed: the server aborts both choices and their blocks come back.
+    samples = wait_for(url, lambda s: rank_blocks(s, tp) == [0] * tp, "the blocks freed everywhere")
+    assert samples["mcore_inference_kv_cache_blocks_used"] == 0
     assert samples["mcore_inference_requests_running"] == 0
-    aborted = samples[("mcore_inference_request_finished_total", (("finish_reason", "abort"),))]
-    assert aborted == aborted_before + 1
+    assert aborted(samples) == aborted(before) + 2
     generated = samples["mcore_inference_generation_tokens_total"]
-    assert generated - before["mcore_inference_generation_tokens_total"] < 1500
+    assert generated - before["mcore_inference_generation_tokens_total"] < 2 * body["max_tokens"]
 
 
 def test_disconnect_while_waiting_for_a_plain_answer_aborts_it(server):
-    url = server[1]
-    body = dict(_long_stream_body(), stream=False)
+    body = dict(long_stream_body(), stream=False)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=0.5))
-    samples = _wait_for(
-        url, lambda s: s["mcore_inference_kv_cache_blocks_used"] == 0, "the blocks to be freed"
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=0.5))
+    samples = wait_for(
+        server.url,
+        lambda s: s["mcore_inference_kv_cache_blocks_used"] == 0,
+        "the blocks to be freed",
     )
     assert samples["mcore_inference_requests_waiting"] == 0
 
 
+@single_rank
 def test_full_queue_answers_503_with_a_clear_body(server):
-    url = server[1]
+    url = server.url
     waiting = MAX_WAITING - 8
     with httpx.stream(
-        "POST", f"{url}/v1/completions", json=_long_stream_body(MAX_BATCH + waiting)
+        "POST", f"{url}/v1/completions", json=long_stream_body(MAX_BATCH + waiting)
     ) as response:
         assert response.status_code == 200
-        _wait_for(
+        wait_for(
             url,
             lambda s: (
                 s["mcore_inference_requests_running"] == MAX_BATCH
@@ -392,19 +357,19 @@ def test_full_queue_answers_503_with_a_clear_body(server):
             ),
             "a full batch and a queue",
         )
-        over = httpx.post(f"{url}/v1/completions", json=dict(_long_stream_body(9), stream=False))
+        over = httpx.post(f"{url}/v1/completions", json=dict(long_stream_body(9), stream=False))
         assert over.status_code == 503
         assert over.headers["retry-after"] == "1"
         error = over.json()["error"]
         assert error["type"] == "server_overloaded"
         assert f"max_waiting_requests={MAX_WAITING}" in error["message"]
         # What still fits is queued (behind the long requests, first come first served).
-        with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body(8)) as fits:
+        with httpx.stream("POST", f"{url}/v1/completions", json=long_stream_body(8)) as fits:
             assert fits.status_code == 200
-            _wait_for(
+            wait_for(
                 url, lambda s: s["mcore_inference_requests_waiting"] == MAX_WAITING, "a full queue"
             )
-    _wait_for(
+    wait_for(
         url,
         lambda s: (
             s["mcore_inference_kv_cache_blocks_used"] == 0
@@ -414,34 +379,41 @@ def test_full_queue_answers_503_with_a_clear_body(server):
     )
 
 
-def test_engine_on_a_thread_serves_the_same_completions(checkpoint, engine, tokenizer, tmp_path):
-    process, url, lines = _launch(checkpoint, tmp_path / "stderr.txt", "--no-engine-process")
+@pytest.mark.parametrize("server", [2], indirect=True, ids=["tp2"])
+def test_idle_ranks_do_not_spin(server):
+    before = [cpu_seconds(pid) for pid in server.pids]
+    time.sleep(2.0)
+    used = [cpu_seconds(pid) - start for pid, start in zip(server.pids, before)]
+    assert max(used) < 0.25, f"CPU seconds of idle ranks over 2 s: {used}"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_engine_on_a_thread_serves_the_same_completions(
+    serve_checkpoint, engine, tokenizer, tmp_path
+):
+    server = launch(serve_checkpoint, tmp_path / "stderr.txt", "--no-engine-process")
     try:
-        assert "engine on a thread of the server" in " ".join(lines)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert "engine on a thread of the server" in server.summary
+        assert server.pids == [server.process.pid]
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         prompt = tokenizer.encode("The answer is")
-        ((ref_text, ref_finish, _),) = reference(
-            engine, tokenizer, [prompt], _greedy(tokenizer, 12)
-        )
+        ((ref_text, ref_finish, _),) = reference(engine, tokenizer, [prompt], greedy(tokenizer, 12))
         stream = client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True
         )
         chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks) == ref_text
         assert chunks[-1].choices[0].finish_reason == ref_finish
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=60) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        stop(server.process)
 
 
-def test_sigterm_stops_the_server_cleanly(server):
-    process, url, lines = server
-    engine = _engine_pid(lines)
-    os.kill(engine, 0)  # the engine process runs
-    with httpx.stream("POST", f"{url}/v1/completions", json=_long_stream_body()) as response:
+def test_sigterm_stops_the_server_and_every_engine_process(server):
+    process, url = server.process, server.url
+    assert all(alive(pid) for pid in server.pids)
+    with httpx.stream("POST", f"{url}/v1/completions", json=long_stream_body()) as response:
         lines = response.iter_lines()
         next(lines)
         process.send_signal(signal.SIGTERM)
@@ -453,7 +425,6 @@ def test_sigterm_stops_the_server_cleanly(server):
     assert "mcore-inference serve: stopped" in process.stdout.read()
     with pytest.raises(ProcessLookupError):  # nothing is left of its process group ...
         os.killpg(process.pid, 0)
-    with pytest.raises(ProcessLookupError):  # ... the engine process included
-        os.kill(engine, 0)
+    assert not any(alive(pid) for pid in server.pids)  # ... every engine process included
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health")

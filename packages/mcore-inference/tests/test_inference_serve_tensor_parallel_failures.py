@@ -13,28 +13,16 @@ import subprocess
 import httpx
 import pytest
 import torch
-from _serve_helpers import (
-    MODEL,
-    gone,
-    launch,
-    long_stream_body,
-    serve_command,
-    stop,
-    varied_checkpoint,
-)
+from _serve_helpers import MODEL, gone, launch, long_stream_body, serve_command, stop
 
 from mcore_inference.errors import InferenceConfigError
 from mcore_inference.serve import ServeConfig
 from mcore_inference.serve.server import check_tensor_parallel
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return varied_checkpoint(tmp_path_factory.mktemp("serve_tp_fail_ckpt"))
-
-
-def test_a_killed_server_leaves_no_rank(checkpoint, tmp_path):
-    process, url, pids, _ = launch(checkpoint, tmp_path / "stderr.txt", "--tp", "2")
+def test_a_killed_server_leaves_no_rank(serve_checkpoint, tmp_path):
+    server = launch(serve_checkpoint, tmp_path / "stderr.txt", "--tp", "2")
+    process, url, pids = server.process, server.url, server.pids
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=long_stream_body()) as response:
             next(response.iter_lines())
@@ -48,8 +36,9 @@ def test_a_killed_server_leaves_no_rank(checkpoint, tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_crashed_rank_fails_the_requests_loudly(checkpoint, tmp_path):
-    process, url, pids, _ = launch(checkpoint, tmp_path / "stderr.txt", "--tp", "2")
+def test_a_crashed_rank_fails_the_requests_loudly(serve_checkpoint, tmp_path):
+    server = launch(serve_checkpoint, tmp_path / "stderr.txt", "--tp", "2")
+    process, url, pids = server.process, server.url, server.pids
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=long_stream_body()) as response:
             lines = response.iter_lines()
@@ -70,12 +59,12 @@ def test_a_crashed_rank_fails_the_requests_loudly(checkpoint, tmp_path):
         stop(process)
 
 
-def test_tp_that_does_not_fit_is_refused_before_listening(checkpoint, capsys):
+def test_tp_that_does_not_fit_is_refused_before_listening(serve_checkpoint, capsys):
     from mcore_inference.cli import main
 
     # 3 divides neither the 4 heads nor the 2 KV heads of the model: refused before any rank
     # starts, with one line and exit status 2.
-    assert main(serve_command(checkpoint, "--tp", "3")[3:]) == 2
+    assert main(serve_command(serve_checkpoint, "--tp", "3")[3:]) == 2
     captured = capsys.readouterr()
     assert "listening" not in captured.out
     assert captured.err.strip() == (
@@ -85,10 +74,10 @@ def test_tp_that_does_not_fit_is_refused_before_listening(checkpoint, capsys):
     )
 
 
-def test_ranks_that_fail_to_load_end_the_server_with_one_line(checkpoint, tmp_path):
+def test_ranks_that_fail_to_load_end_the_server_with_one_line(serve_checkpoint, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
-    for file in checkpoint.iterdir():
+    for file in serve_checkpoint.iterdir():
         (broken / file.name).write_bytes(file.read_bytes())
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -100,26 +89,26 @@ def test_ranks_that_fail_to_load_end_the_server_with_one_line(checkpoint, tmp_pa
     assert last.startswith("mcore-inference serve: error: rank ") and " of tp=2: loading " in last
 
 
-def test_tp_zero_is_refused_by_the_command_line(checkpoint, capsys):
+def test_tp_zero_is_refused_by_the_command_line(serve_checkpoint, capsys):
     from mcore_inference.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(serve_command(checkpoint, "--tp", "0")[3:])
+        main(serve_command(serve_checkpoint, "--tp", "0")[3:])
     assert exit_info.value.code != 0
     captured = capsys.readouterr()
     assert "tp=0; expected an integer >= 1" in captured.out + captured.err
 
 
-def test_tp_checks_name_the_option(checkpoint):
+def test_tp_checks_name_the_option(serve_checkpoint):
     with pytest.raises(InferenceConfigError, match=r"KV heads \(2\)"):
-        check_tensor_parallel(checkpoint, 4, "cpu")
-    check_tensor_parallel(checkpoint, 2, "cpu")
+        check_tensor_parallel(serve_checkpoint, 4, "cpu")
+    check_tensor_parallel(serve_checkpoint, 2, "cpu")
     visible = torch.cuda.device_count()
     if visible < 2:
         with pytest.raises(InferenceConfigError, match=r"tp=2 needs 2 GPUs \(one per rank\)"):
-            check_tensor_parallel(checkpoint, 2, "cuda")
+            check_tensor_parallel(serve_checkpoint, 2, "cuda")
     else:
-        check_tensor_parallel(checkpoint, 2, "cuda")
+        check_tensor_parallel(serve_checkpoint, 2, "cuda")
     with pytest.raises(InferenceConfigError, match="tp=-1; expected an integer >= 1"):
         ServeConfig(model="m", tp=-1)
     with pytest.raises(InferenceConfigError, match="tp=2 needs engine_process=True"):

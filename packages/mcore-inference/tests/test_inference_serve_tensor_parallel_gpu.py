@@ -3,15 +3,11 @@ equal a direct ``tp=2`` engine's, token for token (same kernels, same CUDA graph
 ends the server and both ranks. Needs the ``serve`` and ``cli`` extras (no openai client).
 """
 
-import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from _serve_helpers import varied_checkpoint
+from _serve_helpers import MAX_BATCH, MODEL, alive, launch, stop, varied_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,7 +16,6 @@ pytestmark = [
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
 NEW_TOKENS = 24
-MAX_BATCH = 8
 CONTEXT = 256
 
 
@@ -42,14 +37,6 @@ def _direct_tp(directory: str, eos: tuple[int, ...]) -> list[list[int]]:
     return tokens
 
 
-def _alive(pid):
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 def test_tp2_server_on_two_gpus_equals_a_direct_tp2_engine_and_stops_cleanly(tmp_path):
     import httpx
 
@@ -60,50 +47,16 @@ def test_tp2_server_on_two_gpus_equals_a_direct_tp2_engine_and_stops_cleanly(tmp
     tokenizer = HFTokenizer(directory)
     eos = tuple(tokenizer.eos_token_ids)
     expected = run_distributed(_direct_tp, 2, str(directory), eos, backend="nccl", timeout=300)[0]
-    command = [
-        sys.executable,
-        "-m",
-        "mcore_inference.cli",
-        "serve",
-        "--model",
-        str(directory),
-        "--served-model-name",
-        "tiny",
-        "--port",
-        "0",
-        "--tp",
-        "2",
-        "--max-batch-size",
-        str(MAX_BATCH),
-        "--max-sequence-length",
-        str(CONTEXT),
-    ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    server = launch(directory, tmp_path / "stderr.txt", "--tp", "2", device="cuda", context=CONTEXT)
     try:
-        lines = []
-        for line in process.stdout:
-            lines.append(line)
-            if "listening on" in line:
-                break
-        summary = next(line for line in lines if "parameters" in line)
-        assert "cuda:0+cuda:1, tp 2" in summary
-        pids = [int(p) for p in summary.split("in processes ")[1].split(" (")[0].split(", ")]
-        url = lines[-1].split("listening on ")[1].split()[0]
+        assert "cuda:0+cuda:1, tp 2" in server.summary
         for prompt, tokens in zip(PROMPTS, expected):
-            body = {
-                "model": "tiny",
-                "prompt": prompt,
-                "max_tokens": NEW_TOKENS,
-                "temperature": 0,
-            }
-            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+            answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
             assert answer["choices"][0]["text"] == tokenizer.decode(tokens)
             assert answer["usage"]["completion_tokens"] == len(tokens)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=120) == 0
-        assert not any(_alive(pid) for pid in pids)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=120) == 0
+        assert len(server.pids) == 2 and not any(alive(pid) for pid in server.pids)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        stop(server.process)

@@ -2,9 +2,6 @@
 
 import random
 
-import pytest
-import torch
-
 from mcore_inference import (
     FinishReason,
     InferenceConfig,
@@ -16,15 +13,6 @@ from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.model import GPTModel
 
 NUM_REQUESTS = 2000
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    # Tiny matmuls only lose to thread start-up and spinning on a shared 2-core machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _random_request(rng):

@@ -20,14 +20,6 @@ PROMPTS = [[3, 9, 4, 7, 1], [12, 2]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, return_logprobs=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _engine(model: GPTModel) -> InferenceEngine:
     config = InferenceConfig(max_batch_size=4, max_sequence_length=32, block_size=4)
     return InferenceEngine(model, config)
