@@ -27,11 +27,8 @@ GPUs (NCCL, one process per GPU):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _timing import median_ms, write_result
 
 from mcore_parallel import initialize
 from mcore_parallel.context_parallel import (
@@ -50,27 +48,6 @@ from mcore_parallel.context_parallel import (
 from mcore_parallel.testing import run_distributed
 
 VARIANTS = ("gather_full", "ring", "all_gather")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_ms(step: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    median = torch.tensor([statistics.median(times)], device=device)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return float(median.item())
 
 
 def _gather_full(q, k, v, group):  # type: ignore[no-untyped-def]
@@ -115,7 +92,7 @@ def _worker(config: dict[str, Any]) -> list[dict[str, Any]]:
 
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            ms = _time_ms(step, config["warmup"], config["iters"], device)
+            ms = median_ms(step, config["warmup"], config["iters"], device)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
             rows.append({"seq": seq, "variant": name, "fwd_bwd_ms": ms, "peak_gib": peak})
     for row in rows:
@@ -179,10 +156,7 @@ def main() -> None:
         "config": config,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    args.out.with_suffix(".md").write_text(_markdown(result))
-    print(_markdown(result))
+    write_result(args.out, result, _markdown(result))
 
 
 if __name__ == "__main__":

@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _timing import median_ms, write_result
 from torch import nn
 
 from mcore_parallel.distributed import (
@@ -90,29 +88,6 @@ def _model(shapes: Shapes, device: torch.device) -> nn.Module:
         return nn.Sequential(*layers)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_ms(step: Callable[[], Any], shapes: Shapes, device: torch.device) -> float:
-    """Median milliseconds of ``step`` over the runs, the slowest rank's figure."""
-    for _ in range(shapes.warmup):
-        step()
-    _sync(device)
-    times = []
-    for _ in range(shapes.iters):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    median = torch.tensor([statistics.median(times)], device=device)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return float(median.item())
-
-
 def _variant_step(
     name: str, shapes: Shapes, device: torch.device, x: torch.Tensor
 ) -> tuple[Callable[[], None], list[Any]]:
@@ -162,7 +137,7 @@ def _worker(shapes: Shapes) -> list[dict[str, Any]]:
             torch.cuda.reset_peak_memory_stats(device)
         step, keep = _variant_step(name, shapes, device, x)
         params = sum(p.numel() for p in _parameters(keep[0]))
-        ms = _time_ms(step, shapes, device)
+        ms = median_ms(step, shapes.warmup, shapes.iters, device)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         rows.append(
             {
@@ -230,10 +205,7 @@ def main() -> None:
         "shapes": {**asdict(shapes), "dtype": "float32 + bf16 autocast"},
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    args.out.with_suffix(".md").write_text(_markdown(result))
-    print(_markdown(result))
+    write_result(args.out, result, _markdown(result))
 
 
 if __name__ == "__main__":

@@ -18,17 +18,14 @@ script, not a measurement).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from _timing import median_ms, write_result
 from torch import nn
 
 from mcore_parallel.state import initialize
@@ -48,29 +45,6 @@ class Shapes:
 
 
 SMOKE = Shapes(hidden=64, ffn=128, tokens=(16,), warmup=1, iters=2)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_ms(step: Callable[[], Any], shapes: Shapes, device: torch.device) -> float:
-    """Median milliseconds of ``step`` over the runs, the slowest rank's figure."""
-    for _ in range(shapes.warmup):
-        step()
-    _sync(device)
-    times = []
-    for _ in range(shapes.iters):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    median = torch.tensor([statistics.median(times)], device=device)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return float(median.item())
 
 
 def _mcore_mlp(state, shapes: Shapes, sequence_parallel: bool) -> nn.Module:
@@ -141,6 +115,10 @@ def _step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], t
 def _worker(shapes: Shapes) -> list[dict[str, Any]]:
     state = initialize(tp=2)
     device = state.device
+
+    def timed(step: Callable[[], Any]) -> float:
+        return median_ms(step, shapes.warmup, shapes.iters, device)
+
     rows = []
     for tokens in shapes.tokens:
         generator = torch.Generator(device="cpu").manual_seed(tokens)
@@ -158,12 +136,12 @@ def _worker(shapes: Shapes) -> list[dict[str, Any]]:
             if hasattr(y_torch, "to_local"):
                 y_torch = y_torch.to_local()
             row[f"max_abs_diff{suffix}"] = float((y_mcore - y_torch).detach().abs().max())
-            row[f"mcore{suffix}_ms"] = _time_ms(_step(mcore, x, dy), shapes, device)
-            row[f"torch_tp{suffix}_ms"] = _time_ms(_step(peer, x, dy), shapes, device)
+            row[f"mcore{suffix}_ms"] = timed(_step(mcore, x, dy))
+            row[f"torch_tp{suffix}_ms"] = timed(_step(peer, x, dy))
             del mcore, peer
         unsharded = _mcore_mlp(None, shapes, False).to(device)
         x = full_x.clone().requires_grad_()
-        row["one_gpu_ms"] = _time_ms(_step(unsharded, x, full_dy), shapes, device)
+        row["one_gpu_ms"] = timed(_step(unsharded, x, full_dy))
         row["speedup_vs_torch_tp"] = row["torch_tp_ms"] / row["mcore_ms"]
         row["speedup_vs_torch_sp"] = row["torch_tp_sp_ms"] / row["mcore_sp_ms"]
         row["speedup_vs_one_gpu"] = row["one_gpu_ms"] / row["mcore_ms"]
@@ -211,10 +189,7 @@ def main() -> None:
         "shapes": {**asdict(shapes), "dtype": "bfloat16"},
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    args.out.with_suffix(".md").write_text(_markdown(result))
-    print(_markdown(result))
+    write_result(args.out, result, _markdown(result))
 
 
 if __name__ == "__main__":
