@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import mcore_ckpt
 from mcore_ckpt.errors import CheckpointMismatchError
@@ -31,30 +30,13 @@ from mcore_parallel.distributed import (
     DistributedOptimizer,
     OptimizerConfig,
 )
+from mcore_parallel.reshard_testing import TinyTPMLP, gather_global_tensors
 from mcore_parallel.state import initialize
-from mcore_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mcore_parallel.testing import run_distributed
 
 ATOL, RTOL = 1e-6, 1e-5
 OPTIM = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
-# Tensor-parallel split dimension of each parameter (None: replicated over tp).
-TP_DIMS = {
-    "fc1.weight": 0,
-    "fc1.bias": 0,
-    "fc2.weight": 1,
-    "fc2.bias": None,
-    "norm.weight": None,
-    "norm.bias": None,
-}
-GLOBAL_SHAPES = {
-    "fc1.weight": (32, 12),
-    "fc1.bias": (32,),
-    "fc2.weight": (10, 32),
-    "fc2.bias": (10,),
-    "norm.weight": (10,),
-    "norm.bias": (10,),
-}
 SAVED_SEEDS, OTHER_SEEDS = (1, 2), (11, 12)
 DDP = {
     "bucket_size": 200,
@@ -63,19 +45,6 @@ DDP = {
     "overlap_param_gather": True,
 }
 LAYOUTS = {"tp1_dp4": 1, "tp4_dp1": 4}
-
-
-class TPMLP(nn.Module):
-    """Column-parallel -> tanh -> row-parallel -> LayerNorm (replicated over tp)."""
-
-    def __init__(self, state, seeds: tuple[int, int]) -> None:
-        super().__init__()
-        self.fc1 = ColumnParallelLinear(12, 32, state=state, gather_output=False, seed=seeds[0])
-        self.fc2 = RowParallelLinear(32, 10, state=state, input_is_parallel=True, seed=seeds[1])
-        self.norm = nn.LayerNorm(10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.fc2(torch.tanh(self.fc1(x))))
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -97,31 +66,14 @@ def train(model, optimizer, steps, state) -> None:
 
 
 def build(state, seeds, *, reshardable: bool = True):
-    model = DistributedDataParallel(TPMLP(state, seeds), DDPConfig(**DDP), state)
+    model = DistributedDataParallel(TinyTPMLP(state, seeds), DDPConfig(**DDP), state)
     config = OptimizerConfig(**OPTIM, reshardable_state_dict=reshardable)
     return model, DistributedOptimizer(model, config)
 
 
-def assemble(blocks: dict) -> dict[str, torch.Tensor]:
-    """All-gathers every rank's replica-0 blocks into full global tensors."""
-    mine = [
-        (key, leaf.global_shape, leaf.global_offset, leaf.local.detach().clone())
-        for key, leaf in blocks.items()
-        if leaf.replica_id == 0
-    ]
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, mine)
-    full: dict[str, torch.Tensor] = {}
-    for rank_blocks in gathered:
-        for key, shape, offset, local in rank_blocks:
-            tensor = full.setdefault(key, torch.full(shape, float("nan")))
-            tensor[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))] = local
-    return full
-
-
 def full_params(model, state) -> dict[str, torch.Tensor]:
     model.finish_param_sync()
-    return assemble(module_sharded_state_dict(model.module, state))
+    return gather_global_tensors(module_sharded_state_dict(model.module, state))
 
 
 def flat_state_as_full_tensors(optimizer, tp: int) -> dict[str, torch.Tensor]:
@@ -132,9 +84,9 @@ def flat_state_as_full_tensors(optimizer, tp: int) -> dict[str, torch.Tensor]:
         for key, leaf in leaves.items()
     }
     full = {}
-    for key, flat in assemble(blocks).items():
+    for key, flat in gather_global_tensors(blocks).items():
         name = key.split("/")[0]
-        dim, shape = TP_DIMS[name], list(GLOBAL_SHAPES[name])
+        dim, shape = TinyTPMLP.TP_DIMS[name], list(TinyTPMLP.GLOBAL_SHAPES[name])
         if dim is None:
             full[key] = flat.view(shape)
             continue
@@ -194,7 +146,7 @@ def test_optimizer_state_saved_tp2_dp2_loads_exactly_under_other_tp(distributed,
     for rank, result in enumerate(results):
         assert result[f"{layout}_step"] == 2
         saved, loaded = result["saved_state"], result[f"{layout}_state"]
-        assert loaded.keys() == saved.keys() and len(saved) == 3 * len(TP_DIMS)
+        assert loaded.keys() == saved.keys() and len(saved) == 3 * len(TinyTPMLP.TP_DIMS)
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), (rank, layout, key)
 
@@ -231,7 +183,7 @@ def test_reshardable_checkpoint_holds_global_tensors_readable_in_one_process(dis
             "step": None,
             "param_state": {
                 name: {key: torch.zeros(shape) for key in STATE_KEYS}
-                for name, shape in GLOBAL_SHAPES.items()
+                for name, shape in TinyTPMLP.GLOBAL_SHAPES.items()
             },
         }
     }

@@ -26,40 +26,18 @@ from mcore_parallel.distributed import (
     OptimizerConfig,
 )
 from mcore_parallel.errors import OptimizerStateError, ParallelConfigError
+from mcore_parallel.reshard_testing import TinyTPMLP, gather_global_tensors
 from mcore_parallel.sharding import set_partition_dim
-from mcore_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mcore_parallel.testing import run_distributed
 
 ATOL, RTOL = 1e-6, 1e-5
 OPTIM = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
-# Tensor-parallel split dimension of each parameter (None: replicated over tp).
-TP_DIMS = {
-    "fc1.weight": 0,
-    "fc1.bias": 0,
-    "fc2.weight": 1,
-    "fc2.bias": None,
-    "norm.weight": None,
-    "norm.bias": None,
-}
 SAVED_SEEDS, OTHER_SEEDS = (1, 2), (11, 12)
 BATCHES = 3
 # Buckets of several parameters, so that parameters straddle data-parallel shard boundaries
 # (shards are padded to 64 elements: smaller parameters would all fall into rank 0's shard).
 DDP = {"bucket_size": 200, "use_distributed_optimizer": True, "overlap_grad_reduce": True}
-
-
-class TPMLP(nn.Module):
-    """Column-parallel -> tanh -> row-parallel -> LayerNorm (replicated over tp)."""
-
-    def __init__(self, state, seeds: tuple[int, int]) -> None:
-        super().__init__()
-        self.fc1 = ColumnParallelLinear(12, 32, state=state, gather_output=False, seed=seeds[0])
-        self.fc2 = RowParallelLinear(32, 10, state=state, input_is_parallel=True, seed=seeds[1])
-        self.norm = nn.LayerNorm(10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.fc2(torch.tanh(self.fc1(x))))
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -81,26 +59,10 @@ def train(model, optimizer, steps, dp_rank, dp) -> None:
 
 
 def build(state, seeds, **optim):
-    model = DistributedDataParallel(TPMLP(state, seeds).to(state.device), DDPConfig(**DDP), state)
+    model = DistributedDataParallel(
+        TinyTPMLP(state, seeds).to(state.device), DDPConfig(**DDP), state
+    )
     return model, DistributedOptimizer(model, OptimizerConfig(**OPTIM, **optim))
-
-
-def assemble(blocks: dict) -> dict[str, torch.Tensor]:
-    """All-gathers every rank's replica-0 blocks into full global tensors (NaN where none)."""
-    mine = [
-        (key, leaf.global_shape, leaf.global_offset, leaf.local.detach().cpu().clone())
-        for key, leaf in blocks.items()
-        if leaf.replica_id == 0
-    ]
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, mine)
-    full: dict[str, torch.Tensor] = {}
-    for rank_blocks in gathered:
-        for key, shape, offset, local in rank_blocks:
-            tensor = full.setdefault(key, torch.full(shape, float("nan")))
-            index = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
-            tensor[index] = local
-    return full
 
 
 def optimizer_blocks(sd) -> dict:
@@ -143,7 +105,7 @@ def fill_blocks(sd, full: dict[str, torch.Tensor]) -> None:
 
 
 def full_params(model, state) -> dict[str, torch.Tensor]:
-    return assemble(module_sharded_state_dict(model.module, state))
+    return gather_global_tensors(module_sharded_state_dict(model.module, state))
 
 
 def reshard_checks() -> dict:
@@ -153,12 +115,12 @@ def reshard_checks() -> dict:
     model, optimizer = build(tp2, SAVED_SEEDS)
     train(model, optimizer, data[:2], tp2.dp_rank, tp2.dp_size)
     flat = optimizer.sharded_state_dict()
-    out["flat"] = assemble(optimizer_blocks(flat))
+    out["flat"] = gather_global_tensors(optimizer_blocks(flat))
     out["straddling"] = straddling(flat, model)
     out["tp_rank_shapes"] = {n: tuple(p.shape) for n, p in model.module.named_parameters()}
     saved = optimizer.sharded_state_dict(reshardable=True)
     out["saved_step"] = saved["step"]
-    out["saved"] = assemble(optimizer_blocks(saved))
+    out["saved"] = gather_global_tensors(optimizer_blocks(saved))
     out["replica_zero_counts"] = replica_zero_counts(saved)
     out["leaf_shapes_are_param_shapes"] = all(
         tuple(leaf.local.shape) == out["tp_rank_shapes"][name]
@@ -167,14 +129,15 @@ def reshard_checks() -> dict:
     )
     # Nothing of the gather may alias or disturb the live state: the flat form is unchanged.
     out["flat_unchanged"] = all(
-        torch.equal(out["flat"][k], v) for k, v in assemble(optimizer_blocks(flat)).items()
+        torch.equal(out["flat"][k], v)
+        for k, v in gather_global_tensors(optimizer_blocks(flat)).items()
     )
     train(model, optimizer, data[2:], tp2.dp_rank, tp2.dp_size)
     out["continued"] = full_params(model, tp2)
 
     # A leaf of neither the local shard's nor this rank's range size fails and changes nothing.
     target = optimizer.sharded_state_dict(reshardable=True)
-    before = assemble(optimizer_blocks(optimizer.sharded_state_dict(reshardable=True)))
+    before = gather_global_tensors(optimizer_blocks(optimizer.sharded_state_dict(reshardable=True)))
     first = next(iter(target["param_state"]))
     target["param_state"][first]["exp_avg"] = torch.zeros(1000)
     try:
@@ -182,7 +145,7 @@ def reshard_checks() -> dict:
         out["bad_leaf_error"] = None
     except OptimizerStateError as error:
         out["bad_leaf_error"] = str(error)
-    after = assemble(optimizer_blocks(optimizer.sharded_state_dict(reshardable=True)))
+    after = gather_global_tensors(optimizer_blocks(optimizer.sharded_state_dict(reshardable=True)))
     out["unchanged_after_bad_load"] = all(torch.equal(before[k], after[k]) for k in before)
     tp2.destroy()
 
@@ -196,8 +159,10 @@ def reshard_checks() -> dict:
         fill_blocks(target, out["saved"])
         target["step"] = saved["step"]
         optimizer.load_sharded_state_dict(target)
-        out[f"{name}_loaded"] = assemble(optimizer_blocks(optimizer.sharded_state_dict()))
-        out[f"{name}_loaded_flat_shards"] = assemble(
+        out[f"{name}_loaded"] = gather_global_tensors(
+            optimizer_blocks(optimizer.sharded_state_dict())
+        )
+        out[f"{name}_loaded_flat_shards"] = gather_global_tensors(
             optimizer_blocks(optimizer.sharded_state_dict(False))
         )
         out[f"{name}_weights"] = full_params(model, state)
@@ -245,9 +210,9 @@ def expert_checks(out: dict) -> None:
             flat = optimizer.sharded_state_dict()
             out["ep_straddling"] = straddling(flat, model)
             # Dim-0 chunks flattened back to back are the flattened global tensor.
-            out["ep_saved_flat"] = assemble(optimizer_blocks(flat))
+            out["ep_saved_flat"] = gather_global_tensors(optimizer_blocks(flat))
             saved = optimizer.sharded_state_dict(reshardable=True)
-            out["ep_saved"] = assemble(optimizer_blocks(saved))
+            out["ep_saved"] = gather_global_tensors(optimizer_blocks(saved))
             out["ep_replica_zero_counts"] = replica_zero_counts(saved)
         else:
             target = optimizer.sharded_state_dict(reshardable=True)
@@ -255,14 +220,14 @@ def expert_checks(out: dict) -> None:
             target["step"] = 2
             optimizer.load_sharded_state_dict(target)
             loaded = optimizer.sharded_state_dict(reshardable=True)
-            out[f"ep{ep}_loaded"] = assemble(optimizer_blocks(loaded))
+            out[f"ep{ep}_loaded"] = gather_global_tensors(optimizer_blocks(loaded))
             out[f"ep{ep}_weights"] = full_params(model, state)
         state.destroy()
 
 
 def reference():
     """Single-process AdamW: state after two steps, parameters after three."""
-    model = TPMLP(None, SAVED_SEEDS)
+    model = TinyTPMLP(None, SAVED_SEEDS)
     optimizer = torch.optim.AdamW(model.parameters(), **OPTIM)
     params = dict(model.named_parameters())
     result = {}
@@ -284,7 +249,7 @@ def flat_to_full(flat: dict[str, torch.Tensor], local_shapes: dict, tp: int) -> 
     full = {}
     for key, tensor in flat.items():
         name = key.split("/")[0]
-        dim = TP_DIMS[name]
+        dim = TinyTPMLP.TP_DIMS[name]
         if dim is None:
             full[key] = tensor.view(local_shapes[name])
             continue
@@ -322,7 +287,7 @@ def test_reshardable_state_matches_torch_adamw(results):
 def test_each_reshardable_block_is_written_by_exactly_one_rank(results):
     counts = results[0]["replica_zero_counts"]
     # Split parameters: one block per tp rank; replicated ones: a single block.
-    expected_blocks = sum((2 if dim is not None else 1) * 3 for dim in TP_DIMS.values())
+    expected_blocks = sum((2 if dim is not None else 1) * 3 for dim in TinyTPMLP.TP_DIMS.values())
     assert len(counts) == expected_blocks
     assert set(counts.values()) == {1}
 
@@ -343,7 +308,7 @@ def test_state_saved_tp2_dp2_loads_under_other_layout_exactly(results, layout):
         local_shapes = {name: tuple(t.shape) for name, t in result[f"{layout}_weights"].items()}
         tp = 4 if layout == "tp4_dp1" else 1
         local_shapes = {
-            name: tuple(s // tp if d == TP_DIMS[name] else s for d, s in enumerate(shape))
+            name: tuple(s // tp if d == TinyTPMLP.TP_DIMS[name] else s for d, s in enumerate(shape))
             for name, shape in local_shapes.items()
         }
         flat = flat_to_full(result[f"{layout}_loaded_flat_shards"], local_shapes, tp)
@@ -409,8 +374,10 @@ def gpu_reshard_checks() -> dict:
     dp2 = initialize()
     model, optimizer = build(dp2, SAVED_SEEDS)
     train(model, optimizer, data[:2], dp2.dp_rank, dp2.dp_size)
-    out["saved"] = assemble(optimizer_blocks(optimizer.sharded_state_dict(reshardable=True)))
-    out["saved_flat"] = assemble(optimizer_blocks(optimizer.sharded_state_dict()))
+    out["saved"] = gather_global_tensors(
+        optimizer_blocks(optimizer.sharded_state_dict(reshardable=True))
+    )
+    out["saved_flat"] = gather_global_tensors(optimizer_blocks(optimizer.sharded_state_dict()))
     train(model, optimizer, data[2:], dp2.dp_rank, dp2.dp_size)
     out["continued"] = full_params(model, dp2)
     dp2.destroy()
@@ -420,7 +387,9 @@ def gpu_reshard_checks() -> dict:
     fill_blocks(target, out["saved"])
     target["step"] = 2
     optimizer.load_sharded_state_dict(target)
-    out["loaded"] = assemble(optimizer_blocks(optimizer.sharded_state_dict(reshardable=True)))
+    out["loaded"] = gather_global_tensors(
+        optimizer_blocks(optimizer.sharded_state_dict(reshardable=True))
+    )
     train(model, optimizer, data[2:], tp2.dp_rank, tp2.dp_size)
     out["resharded_continued"] = full_params(model, tp2)
     tp2.destroy()
