@@ -95,6 +95,29 @@ def _chat_logprobs(delta: ChoiceDelta, logprobs: bool) -> dict[str, Any] | None:
     return {"content": content, "refusal": None}
 
 
+def _body(
+    kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+
+
+def _choice(
+    delta: ChoiceDelta, logprobs: dict[str, Any] | None, /, **content: Any
+) -> dict[str, Any]:
+    return {
+        "index": delta.index,
+        **content,
+        "logprobs": logprobs,
+        "finish_reason": delta.finish_reason,
+    }
+
+
 def completion_response(
     *,
     request_id: str,
@@ -117,22 +140,15 @@ def completion_response(
     Returns:
         The ``text_completion`` object.
     """
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": _completion_logprobs(c, logprobs),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
-        "usage": usage.as_dict(),
-    }
+    body = _body(
+        "text_completion",
+        request_id,
+        created,
+        model,
+        [_choice(c, _completion_logprobs(c, logprobs), text=c.text) for c in choices],
+    )
+    body["usage"] = usage.as_dict()
+    return body
 
 
 def completion_chunk(
@@ -158,20 +174,8 @@ def completion_chunk(
     Returns:
         The chunk object.
     """
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": delta.index,
-                "text": delta.text,
-                "logprobs": _completion_logprobs(delta, logprobs),
-                "finish_reason": delta.finish_reason,
-            }
-        ],
-    }
+    choice = _choice(delta, _completion_logprobs(delta, logprobs), text=delta.text)
+    chunk = _body("text_completion", request_id, created, model, [choice])
     if include_usage:
         chunk["usage"] = None
     return chunk
@@ -199,22 +203,13 @@ def chat_response(
     Returns:
         The ``chat.completion`` object.
     """
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(c, logprobs),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
-        "usage": usage.as_dict(),
-    }
+    answers = [
+        _choice(c, _chat_logprobs(c, logprobs), message={"role": "assistant", "content": c.text})
+        for c in choices
+    ]
+    body = _body("chat.completion", request_id, created, model, answers)
+    body["usage"] = usage.as_dict()
+    return body
 
 
 def chat_chunk(
@@ -244,20 +239,8 @@ def chat_chunk(
     message: dict[str, Any] = {"role": "assistant"} if first else {}
     if delta.text or first:
         message["content"] = delta.text
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": delta.index,
-                "delta": message,
-                "logprobs": _chat_logprobs(delta, logprobs),
-                "finish_reason": delta.finish_reason,
-            }
-        ],
-    }
+    choice = _choice(delta, _chat_logprobs(delta, logprobs), delta=message)
+    chunk = _body("chat.completion.chunk", request_id, created, model, [choice])
     if include_usage:
         chunk["usage"] = None
     return chunk
@@ -278,11 +261,8 @@ def usage_chunk(
     Returns:
         A chunk with no choices and the usage.
     """
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage.as_dict(),
-    }
+    chunk = _body(
+        "chat.completion.chunk" if chat else "text_completion", request_id, created, model, []
+    )
+    chunk["usage"] = usage.as_dict()
+    return chunk
