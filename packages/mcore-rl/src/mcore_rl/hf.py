@@ -43,11 +43,25 @@ class PromptTokenizer(Protocol):
         ...
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        """Token ids of a generation prompt."""
+        """Token ids of a generation prompt.
+
+        Args:
+            prompt: The prompt text.
+
+        Returns:
+            Its token ids, as the policy is prompted.
+        """
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of a completion, up to its first eos."""
+        """Text of a completion, up to its first eos.
+
+        Args:
+            ids: The completion's token ids.
+
+        Returns:
+            Its text.
+        """
         ...
 
 

@@ -23,27 +23,62 @@ class WorkerGroup(Protocol):
     """Whether this process writes files and prints (rank 0, or the Ray driver)."""
 
     def step(self, step: int, on_phase: PhaseCallback | None = None) -> dict[str, float]:
-        """Runs one GRPO step on every rank and returns rank 0's metrics."""
+        """Runs one GRPO step on every rank.
+
+        Args:
+            step: Index of the step (0-based).
+            on_phase: Called with the name of each phase as it starts, or None.
+
+        Returns:
+            Rank 0's metrics of the step.
+        """
         ...
 
     def save_checkpoint(self, root: Path, step: int) -> None:
-        """Saves a checkpoint of every rank."""
+        """Saves a checkpoint of every rank.
+
+        Args:
+            root: The checkpoint root (``<run_dir>/checkpoints``).
+            step: Number of completed steps.
+        """
         ...
 
     def load_checkpoint(self, root: Path) -> int:
-        """Loads the latest checkpoint on every rank and returns its step count."""
+        """Loads the latest checkpoint on every rank.
+
+        Args:
+            root: The checkpoint root.
+
+        Returns:
+            Number of completed steps it holds.
+        """
         ...
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy evaluation on the held-out prompts; rank 0's metrics."""
+        """Greedy evaluation on the held-out prompts.
+
+        Returns:
+            Rank 0's evaluation metrics.
+        """
         ...
 
     def export_hf(self, directory: Path) -> None:
-        """Writes the policy as a Hugging Face checkpoint."""
+        """Writes the policy as a Hugging Face checkpoint.
+
+        Args:
+            directory: Where to write it.
+        """
         ...
 
     def agree(self, flag: bool) -> bool:
-        """Rank 0's ``flag`` on every rank (decisions that end the loop must match)."""
+        """Rank 0's ``flag`` on every rank (decisions that end the loop must match).
+
+        Args:
+            flag: This rank's decision.
+
+        Returns:
+            Rank 0's decision.
+        """
         ...
 
     @property

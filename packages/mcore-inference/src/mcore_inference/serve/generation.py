@@ -31,11 +31,27 @@ class Tokenizer(Protocol):
     """Ids that end a completion."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Text to token ids."""
+        """Text to token ids.
+
+        Args:
+            text: The text.
+            add_special_tokens: Whether to add the tokenizer's special tokens (a BOS).
+
+        Returns:
+            The token ids.
+        """
         ...
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """Token ids to text."""
+        """Token ids to text.
+
+        Args:
+            ids: The token ids.
+            skip_special_tokens: Whether to leave special tokens out of the text.
+
+        Returns:
+            The text.
+        """
         ...
 
     def apply_chat_template(
@@ -45,7 +61,16 @@ class Tokenizer(Protocol):
         add_generation_prompt: bool = False,
         tokenize: bool = False,
     ) -> str | list[int]:
-        """Render a conversation with the checkpoint's chat template (token ids if ``tokenize``)."""
+        """Render a conversation with the checkpoint's chat template.
+
+        Args:
+            messages: The conversation, ``{"role", "content"}`` mappings.
+            add_generation_prompt: Whether to end with the start of an assistant turn.
+            tokenize: Whether to return token ids instead of text.
+
+        Returns:
+            The rendered text, or its token ids if ``tokenize``.
+        """
         ...
 
 

@@ -40,7 +40,15 @@ _TORCH_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def local_state(optimizer: DistributedOptimizer, shard: ParamShard) -> tuple[torch.Tensor, ...]:
-    """This rank's ``main_param``, ``exp_avg`` and ``exp_avg_sq`` ranges (empty if none)."""
+    """This rank's ``main_param``, ``exp_avg`` and ``exp_avg_sq`` ranges (empty if none).
+
+    Args:
+        optimizer: The optimizer holding the state.
+        shard: One parameter's part on this rank.
+
+    Returns:
+        The three flat fp32 ranges, empty tensors where this rank owns none of the parameter.
+    """
     if shard.main_param is None:
         empty = torch.empty(0, dtype=torch.float32, device=optimizer.model.device)
         return empty, empty, empty
@@ -48,7 +56,16 @@ def local_state(optimizer: DistributedOptimizer, shard: ParamShard) -> tuple[tor
 
 
 def full_local_state(optimizer: DistributedOptimizer, shard: ParamShard) -> list[torch.Tensor]:
-    """The state of the whole local parameter, flat; a collective over its dp group if sharded."""
+    """The state of the whole local parameter, flat; a collective over its dp group if sharded.
+
+    Args:
+        optimizer: The optimizer holding the state.
+        shard: One parameter's part on this rank.
+
+    Returns:
+        ``main_param``, ``exp_avg`` and ``exp_avg_sq`` of the whole local (tensor-parallel)
+        parameter, each flat.
+    """
     buffer = shard.buffer
     if buffer.num_shards == 1:
         return [t.view(-1) for t in local_state(optimizer, shard)]
