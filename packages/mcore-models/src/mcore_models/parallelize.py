@@ -18,7 +18,7 @@ rank's shards is ever allocated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -29,12 +29,16 @@ from mcore_models.materialize import materialize_module, place_parameters
 
 if TYPE_CHECKING:
     from mcore_models.gpt.model import GPTModel
+    from mcore_models.mamba.model import HybridModel
     from mcore_parallel.state import ParallelState
+
+_Model = TypeVar("_Model", "GPTModel", "HybridModel")
 
 __all__ = [
     "PipelineLayout",
     "materialize",
     "parallelize",
+    "split_stages",
     "stage_layer_ranges",
 ]
 
@@ -103,12 +107,32 @@ def stage_layer_ranges(
     return ranges
 
 
-def _split(model: GPTModel, state: ParallelState, layout: PipelineLayout) -> list[GPTModel]:
-    """This rank's pipeline chunks, made of the modules of the whole ``model``."""
+def split_stages(model: _Model, state: ParallelState, layout: PipelineLayout) -> list[_Model]:
+    """This rank's pipeline chunks of a whole model, made of the modules of ``model``.
+
+    Each chunk is a model of the same class holding its stage's layers (the modules of
+    ``model``, not copies); the first stage gets the embedding, the last the final norm and
+    output layer (a copy of a tied embedding's weight where the last stage lacks it).
+
+    Args:
+        model: A whole :class:`~mcore_models.GPTModel` or
+            :class:`~mcore_models.mamba.HybridModel`, on the meta device or materialised.
+        state: Parallel state (its pp size and rank).
+        layout: Virtual stages and layers per stage.
+
+    Returns:
+        One chunk per virtual stage, first first.
+
+    Raises:
+        ModelConfigError: If the model is already a stage or the layout does not fit.
+    """
     if not (model.pre_process and model.post_process) or len(model.layers) != (
         model.config.num_layers
     ):
-        raise ModelConfigError("parallelize splits a whole model; this one is already a stage")
+        raise ModelConfigError(
+            f"{type(model).__name__} is split into pipeline stages whole; this one is already "
+            "a stage"
+        )
     pp, rank = state.pp_size, state.pp_rank
     ranges = stage_layer_ranges(model.config.num_layers, pp, layout)
     last = len(ranges) - 1
@@ -123,7 +147,9 @@ def _split(model: GPTModel, state: ParallelState, layout: PipelineLayout) -> lis
             post_process=stage == last,
         )
         part.layers = nn.ModuleList(model.layers[i] for i in ranges[stage])
-        part.rotary = model.rotary
+        rotary = getattr(model, "rotary", None)
+        if rotary is not None:  # a GPT's rotary table, shared by its stages
+            part.rotary = rotary
         if part.pre_process:
             part.embedding = model.embedding
         if part.post_process:
@@ -133,7 +159,7 @@ def _split(model: GPTModel, state: ParallelState, layout: PipelineLayout) -> lis
             elif part.output_layer is not None and model.embedding is not None:
                 # Tied embedding on a last stage without it: start from a copy.
                 source = cast(torch.Tensor, model.embedding.weight)
-                copy = nn.Linear(source.shape[1], source.shape[0], bias=False, device=source.device)
+                copy = nn.Linear(source.shape[1], source.shape[0], bias=False, device="meta")
                 copy.weight = nn.Parameter(source.detach().clone())
                 part.output_layer = copy
         chunks.append(part)
@@ -183,7 +209,7 @@ def parallelize(
             f"context_parallel_method={context_parallel_method!r} must be 'ring' or 'all_gather'"
         )
     if state.pp_size > 1 or layout.virtual_stages > 1:
-        chunks = _split(model, state, layout)
+        chunks = split_stages(model, state, layout)
     else:
         chunks = [model]
     for chunk in chunks:
@@ -196,10 +222,10 @@ def parallelize(
 
 def _parallelize_hybrid(model: Any, state: ParallelState, layout: PipelineLayout) -> Any:
     """Pipeline split and tensor parallelism of a materialised hybrid Mamba model."""
-    from mcore_models.mamba.parallelize import parallelize_hybrid, split_hybrid_stages
+    from mcore_models.mamba.parallelize import parallelize_hybrid
 
     if state.pp_size > 1 or layout.virtual_stages > 1:
-        chunks = split_hybrid_stages(model, state, layout)
+        chunks = split_stages(model, state, layout)
     else:
         chunks = [model]
     for chunk in chunks:

@@ -15,7 +15,7 @@ the first holds the embedding, the last the final norm and output layer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -167,7 +167,8 @@ def parallelize_hybrid(model: HybridModel, state: ParallelState) -> HybridModel:
 def split_hybrid_stages(
     model: HybridModel, state: ParallelState, layout: PipelineLayout
 ) -> list[HybridModel]:
-    """This rank's pipeline chunks of a whole hybrid model, made of its modules.
+    """This rank's pipeline chunks of a whole hybrid model, made of its modules
+    (:func:`mcore_models.parallelize.split_stages` of a hybrid model).
 
     Args:
         model: A whole, materialised model.
@@ -180,36 +181,6 @@ def split_hybrid_stages(
     Raises:
         ModelConfigError: If the model is already a stage or the layout does not fit.
     """
-    from mcore_models.parallelize import stage_layer_ranges
+    from mcore_models.parallelize import split_stages
 
-    if not (model.pre_process and model.post_process) or len(model.layers) != (
-        model.config.num_layers
-    ):
-        raise ModelConfigError("split_hybrid_stages splits a whole model")
-    pp, rank = state.pp_size, state.pp_rank
-    ranges = stage_layer_ranges(model.config.num_layers, pp, layout)
-    last = len(ranges) - 1
-    chunks = []
-    for chunk in range(layout.virtual_stages):
-        stage = chunk * pp + rank
-        part = HybridModel(
-            model.config,
-            device="meta",
-            layers=ranges[stage],
-            pre_process=stage == 0,
-            post_process=stage == last,
-        )
-        part.layers = nn.ModuleList(model.layers[i] for i in ranges[stage])
-        if part.pre_process:
-            part.embedding = model.embedding
-        if part.post_process:
-            part.final_norm = model.final_norm
-            if model.output_layer is not None:
-                part.output_layer = model.output_layer
-            elif part.output_layer is not None and model.embedding is not None:
-                source = cast(torch.Tensor, model.embedding.weight)
-                copy = nn.Linear(source.shape[1], source.shape[0], bias=False, device="meta")
-                copy.weight = nn.Parameter(source.detach().clone())
-                part.output_layer = copy
-        chunks.append(part)
-    return chunks
+    return split_stages(model, state, layout)
