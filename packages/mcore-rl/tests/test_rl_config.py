@@ -25,7 +25,8 @@ from mcore_rl.errors import RLConfigError, TaskError
 from mcore_rl.loss import LossConfig
 from mcore_rl.presets import PRESETS, preset
 from mcore_rl.run import run_grpo
-from mcore_rl.worker import GRPOWorker, _model_config, build_task
+from mcore_rl.worker import GRPOWorker, build_task
+from mcore_rl.worker_config import model_config
 
 
 @pytest.mark.parametrize(
@@ -212,7 +213,7 @@ def test_presets_build_and_keep_the_main_job_defaults():
 
 def test_gpt_583m_preset_has_the_seed_report_shape():
     config = preset("gpt-583m")
-    shape = _model_config(config, config.model.vocab_size)
+    shape = model_config(config, config.model.vocab_size)
     assert (shape.num_layers, shape.hidden_size, shape.num_attention_heads) == (24, 1152, 16)
     per_layer = 4 * 1152**2 + 3 * 1152 * shape.ffn_hidden_size + 2 * 1152
     embeddings = shape.vocab_size * 1152 * (1 if shape.tie_word_embeddings else 2)

@@ -24,7 +24,8 @@ from mcore_rl.policy import load_policy_chunks
 from mcore_rl.presets import preset
 from mcore_rl.router_loss import ROUTER_LOSS_METRIC, RouterLoss
 from mcore_rl.run import run_grpo
-from mcore_rl.worker import GRPOWorker, _model_config
+from mcore_rl.worker import GRPOWorker
+from mcore_rl.worker_config import model_config
 
 MOE = {
     "num_experts": 4,
@@ -329,7 +330,7 @@ def test_cli_spells_the_moe_section_and_expert_layouts():
 
 def test_qwen3_moe_preset_has_the_published_shape():
     config = preset("qwen3-moe-30b-a3b")
-    shape = _model_config(config, config.model.vocab_size)
+    shape = model_config(config, config.model.vocab_size)
     assert shape.moe is not None and (shape.moe.num_experts, shape.moe.top_k) == (128, 8)
     assert (shape.num_layers, shape.hidden_size, shape.head_dim) == (48, 2048, 128)
     # The Qwen3-30B-A3B model card gives 30.5B parameters; tying the 151,936 x 2048 embedding
