@@ -6,31 +6,15 @@ slices; a resumed run equals the uninterrupted one."""
 import pytest
 import torch
 import torch.distributed as dist
+from _rl_layouts import TINY, parameter_blocks, rollout_key, run_steps
 
 from mcore_models.gpt.context_parallel import ContextParallelAttention
-from mcore_models.init import global_slice
 from mcore_parallel.testing import run_distributed
 from mcore_rl.config import GRPOConfig
 from mcore_rl.distributed import init_worker_state
 from mcore_rl.run import run_grpo
 from mcore_rl.worker import GRPOWorker
 
-TINY = {
-    "model": {
-        "hidden_size": 32,
-        "num_layers": 4,
-        "num_attention_heads": 4,
-        "num_query_groups": 2,
-        "ffn_hidden_size": 64,
-        # 17 characters padded to 18: ids the tokenizer lacks exist on every layout.
-        "vocab_size": 18,
-    },
-    "rollout": {"num_prompts": 4, "group_size": 3, "max_new_tokens": 3},
-    "loss": {"kl_beta": 0.05, "entropy_coef": 0.1},
-    "optimizer": {"lr": 1e-2},
-    "run": {"progress": False, "device": "cpu", "target_reward": None, "plot": False},
-}
-STEPS = 3
 SHARED = {"dp4", "train tp2 dp2, infer tp2 dp2", "train pp2 dp2, infer tp1 pp2 dp2"}
 """Layouts whose generation runs the training chunk itself."""
 LOCAL_ONLY = {"train tp2 sp cp2, infer tp2 dp2"}
@@ -58,13 +42,6 @@ def _config(train, infer, **run):
     return GRPOConfig.from_dict({**sections, "train_parallel": train, "infer_parallel": infer})
 
 
-def _rollout_key(metrics):
-    # Timings, memory and bytes moved differ by layout; so does the number of rows per rank
-    # (interleaved pipelines pad it to a multiple of pp with empty rows).
-    skip = ("time/", "memory/", "reshard/", "packing/bins_per_rank")
-    return {k: v for k, v in metrics.items() if not k.startswith(skip)}
-
-
 def _run_layouts(names):
     torch.set_num_threads(1)
     report = {}
@@ -73,21 +50,10 @@ def _run_layouts(names):
         config = _config(train, infer)
         state = init_worker_state(config)
         worker = GRPOWorker(config, state)
-        steps = []
-        for step in range(STEPS):
-            rollouts = worker.generate(step)
-            tokens = [(r.prompt_ids, r.completion_ids) for r in rollouts]
-            metrics = worker.train_on_rollouts(rollouts)
-            with worker.generation_mode():
-                pushed = worker.inference.push()
-            steps.append((tokens, metrics, pushed))
+        steps = run_steps(worker)
         worker.optimizer.start_param_sync(force_sync=True)
         with worker.optimizer.param_sync_hooks_disabled():
-            blocks = {}
-            for chunk in worker.chunks:
-                for param in chunk.parameters():
-                    where = global_slice(param)
-                    blocks[where.name] = (where.box(tuple(param.shape)), param.detach().clone())
+            blocks = parameter_blocks(worker.chunks)
             inference = worker.inference
             local = sum(p.numel() * p.element_size() for p in inference.model.parameters())
         report[name] = {
@@ -121,7 +87,7 @@ def test_layout_trains_like_data_parallel(layouts, name):
         ):
             # Sampling is seeded per request: the same rollouts on every layout.
             assert tokens == ref_tokens, (name, rank, step)
-            for key, value in _rollout_key(ref_metrics).items():
+            for key, value in rollout_key(ref_metrics).items():
                 # fp32, different reduction orders (tp splits, pipeline): 1e-5 relative.
                 assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (key, step)
         # The push writes each byte of this rank's generation blocks exactly once (received or
@@ -137,9 +103,9 @@ def test_layout_trains_like_data_parallel(layouts, name):
         expected = {train.get("cp_method", "ring")} if train.get("cp", 1) > 1 else set()
         assert got["cp_methods"] == expected, name
         # Every block this rank holds equals that region of the data-parallel run's weights.
-        full = {key: tensor for key, (_, tensor) in reference["blocks"].items()}
+        full = {key: tensor for key, (_, tensor, _) in reference["blocks"].items()}
         assert got["blocks"], name
-        for key, (box, tensor) in got["blocks"].items():
+        for key, (box, tensor, _) in got["blocks"].items():
             # Three Adam steps at lr 1e-2: near-zero gradients move by ~lr whatever their
             # rounding, so weights agree to a small fraction of lr.
             torch.testing.assert_close(tensor, full[key][box], atol=2e-4, rtol=0)
@@ -203,5 +169,5 @@ def test_context_parallel_resume_reproduces_the_data_parallel_run(layouts, tmp_p
     assert resumed == straight, CONTEXT_PARALLEL
     # The uninterrupted cp2 x dp2 run has the rollouts and metrics of the dp4 run.
     for step, (record, (_, metrics, _)) in enumerate(zip(straight, layouts[0]["dp4"]["steps"])):
-        for key, value in _rollout_key(metrics).items():
+        for key, value in rollout_key(metrics).items():
             assert record[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (key, step)

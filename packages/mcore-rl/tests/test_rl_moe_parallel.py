@@ -9,10 +9,9 @@ import math
 
 import pytest
 import torch
-from test_rl_model_parallel import STEPS, TINY, _rollout_key
+from _rl_layouts import TINY, parameter_blocks, rollout_key, run_steps
 
 from mcore_models import GPTConfig, MoEConfig, MoELayer
-from mcore_models.init import global_slice
 from mcore_parallel import initialize
 from mcore_parallel.testing import run_distributed
 from mcore_rl.cli import parse_grpo_args
@@ -67,16 +66,6 @@ def _config(train, infer, **run):
     return GRPOConfig.from_dict({**sections, "train_parallel": train, "infer_parallel": infer})
 
 
-def _blocks(chunks):
-    blocks = {}
-    for chunk in chunks:
-        for param in chunk.parameters():
-            where = global_slice(param)
-            box = where.box(tuple(param.shape))
-            blocks[where.name] = (box, param.detach().clone(), tuple(where.global_shape))
-    return blocks
-
-
 def _comparable(record):
     return {k: v for k, v in record.items() if not k.startswith(("time/", "memory/", "reshard/s"))}
 
@@ -97,17 +86,10 @@ def _run_layouts(names, export_dir, run_root):
         config = _config(train, infer)
         state = init_worker_state(config)
         worker = GRPOWorker(config, state)
-        steps = []
-        for step in range(STEPS):
-            rollouts = worker.generate(step)
-            tokens = [(r.prompt_ids, r.completion_ids) for r in rollouts]
-            metrics = worker.train_on_rollouts(rollouts)
-            with worker.generation_mode():
-                pushed = worker.inference.push()
-            steps.append((tokens, metrics, pushed))
+        steps = run_steps(worker)
         worker.optimizer.start_param_sync(force_sync=True)
         with worker.optimizer.param_sync_hooks_disabled():
-            blocks = _blocks(worker.chunks)
+            blocks = parameter_blocks(worker.chunks)
             inference = worker.inference
             local = sum(p.numel() * p.element_size() for p in inference.model.parameters())
             experts = [
@@ -128,7 +110,7 @@ def _run_layouts(names, export_dir, run_root):
         state.destroy()
     # The exported MoE policy loads at another expert layout, each rank reading its slices.
     state = initialize(ep=2)
-    report["loaded"] = _blocks(load_policy_chunks(export_dir, state, dtype="float32"))
+    report["loaded"] = parameter_blocks(load_policy_chunks(export_dir, state, dtype="float32"))
     state.destroy()
     report["resume"] = _resume(run_root)
     return report
@@ -155,7 +137,7 @@ def test_moe_layout_trains_like_data_parallel(layouts, name):
             assert tokens == ref_tokens, (name, rank, step)
             assert set(metrics) == set(reference["steps"][step][1]), name
             assert ref_metrics[ROUTER_LOSS_METRIC] > 0.0
-            for key, value in _rollout_key(ref_metrics).items():
+            for key, value in rollout_key(ref_metrics).items():
                 # fp32, different reduction orders (tp splits, expert dispatch): 1e-4 relative.
                 assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (key, step)
         # The push writes each byte of this rank's generation blocks exactly once (received or
