@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_type_hints
 
 from mcore_parallel import OptimizerConfig
+from mcore_rl._config_checks import check_choices, check_minimums
 from mcore_rl.errors import RLConfigError
 from mcore_rl.loss import LossConfig
 from mcore_rl.moe_config import MoEModelConfig, as_moe_section, check_expert_layouts
+from mcore_rl.parallel_config import ParallelConfig
 
 __all__ = [
     "DataConfig",
@@ -30,22 +32,6 @@ __all__ = [
     "RunConfig",
     "TaskConfig",
 ]
-
-
-def _check_minimums(owner: object, minimums: dict[str, int]) -> None:
-    for name, low in minimums.items():
-        value = getattr(owner, name)
-        if value is not None and value < low:
-            raise RLConfigError(f"{name}={value} must be >= {low}")
-
-
-def _check_choices(owner: object) -> None:
-    # tyro checks Literal choices on the command line; the Python API needs the same check.
-    for name, hint in get_type_hints(type(owner)).items():
-        if get_origin(hint) is Literal and getattr(owner, name) not in get_args(hint):
-            raise RLConfigError(
-                f"{name}={getattr(owner, name)!r} is unknown, expected one of {get_args(hint)}"
-            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,7 +75,7 @@ class RunConfig:
     ``mcore-rl[tensorboard]``)."""
 
     def __post_init__(self) -> None:
-        _check_minimums(
+        check_minimums(
             self,
             {
                 "num_workers": 1,
@@ -100,7 +86,7 @@ class RunConfig:
                 "cpu_threads": 1,
             },
         )
-        _check_choices(self)
+        check_choices(self)
         if self.target_reward is not None and not 0.0 < self.target_reward <= 1.0:
             raise RLConfigError(f"target_reward={self.target_reward} must be in (0, 1] or None")
         if self.resume and self.run_dir is None:
@@ -152,8 +138,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self.moe = as_moe_section(self.moe)
-        _check_minimums(self, {name: 1 for name in _SHAPE_FIELDS})
-        _check_choices(self)
+        check_minimums(self, {name: 1 for name in _SHAPE_FIELDS})
+        check_choices(self)
         if not isinstance(self.batch_invariant, bool):
             raise RLConfigError(f"batch_invariant={self.batch_invariant!r} must be True or False")
         if self.hf_path is not None:
@@ -185,7 +171,7 @@ class TaskConfig:
     def __post_init__(self) -> None:
         # The minimums of the task classes, checked here so that a bad value fails before the
         # workers are built.
-        _check_minimums(
+        check_minimums(
             self, {"max_operand": 0, "num_numbers": 2, "max_number": 1, "max_list_length": 2}
         )
 
@@ -223,7 +209,7 @@ class DataConfig:
     """Skip prompts longer than this many tokens; None: only the context bounds them."""
 
     def __post_init__(self) -> None:
-        _check_minimums(self, {"eval_size": 0, "epochs": 1, "max_prompt_tokens": 1})
+        check_minimums(self, {"eval_size": 0, "epochs": 1, "max_prompt_tokens": 1})
         if not self.prompt_field or not self.answer_field:
             raise RLConfigError(
                 f"prompt_field={self.prompt_field!r} and answer_field={self.answer_field!r} "
@@ -260,7 +246,7 @@ class RewardConfig:
                 self.weights
             ):
                 raise RLConfigError(f"weights={self.weights} must be finite, >= 0 and not all zero")
-        _check_minimums(self, {"num_workers": 0})
+        check_minimums(self, {"num_workers": 0})
         if not (math.isfinite(self.timeout) and self.timeout > 0.0):
             raise RLConfigError(f"timeout={self.timeout} must be a positive number of seconds")
 
@@ -301,7 +287,7 @@ class RolloutConfig:
     """Group baseline: mean/std (GRPO), leave-one-out, or mean only (Dr. GRPO)."""
 
     def __post_init__(self) -> None:
-        _check_minimums(
+        check_minimums(
             self,
             {
                 "num_prompts": 1,
@@ -310,7 +296,7 @@ class RolloutConfig:
                 "parallel_generation_tasks": 1,
             },
         )
-        _check_choices(self)
+        check_choices(self)
         if not (math.isfinite(self.temperature) and self.temperature > 0.0):
             raise RLConfigError(f"temperature={self.temperature} must be > 0 and finite")
 
@@ -335,11 +321,11 @@ class PackingConfig:
     ``model.batch_invariant=False``."""
 
     def __post_init__(self) -> None:
-        _check_minimums(
+        check_minimums(
             self,
             {"minibatches_per_step": 1, "max_tokens_per_microbatch": 1, "max_sequences_per_bin": 1},
         )
-        _check_choices(self)
+        check_choices(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -352,87 +338,7 @@ class EvalConfig:
     """Most held-out prompts evaluated (procedural tasks draw this many with a fixed seed)."""
 
     def __post_init__(self) -> None:
-        _check_minimums(self, {"every": 0, "num_prompts": 1})
-
-
-@dataclass(kw_only=True, slots=True)
-class ParallelConfig:
-    """Sizes of a parallel layout over the ranks of the run (tp x pp x cp x dp = world)."""
-
-    tp: int = 1
-    """Tensor-parallel size."""
-    pp: int = 1
-    """Pipeline-parallel size."""
-    vp: int = 1
-    """Model chunks per pipeline rank (interleaved 1F1B; training only)."""
-    cp: int = 1
-    """Context-parallel size (training only): every packed sequence is split over cp ranks,
-    each sequence padded to a multiple of ``2 cp`` tokens."""
-    cp_method: Literal["ring", "all_gather"] = "ring"
-    """Attention over the context-parallel ranks (training only): ``ring`` passes keys and
-    values round the ring, ``all_gather`` gathers them (``mcore_models.parallelize``'s
-    ``context_parallel_method``)."""
-    ep: int = 1
-    """Expert-parallel size (MoE models): experts split over ``ep`` ranks carved out of the
-    data x context-parallel ranks, as in Megatron."""
-    etp: int | None = None
-    """Expert tensor-parallel size (MoE models): each expert's FFN split over ``etp`` ranks;
-    None takes ``tp``. ``ep x etp`` must divide ``tp x cp x dp``."""
-    dp: int | None = None
-    """Data-parallel size; None takes what the world leaves after tp x pp x cp."""
-    sequence_parallel: bool = False
-    """Split the sequence over the tensor-parallel ranks between layers (training only)."""
-
-    def __post_init__(self) -> None:
-        _check_minimums(self, {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "etp": 1, "dp": 1})
-        _check_choices(self)
-        if self.vp > 1 and self.pp == 1:
-            raise RLConfigError(f"vp={self.vp} needs pp > 1 (virtual stages of a pipeline)")
-        if self.sequence_parallel and self.tp == 1:
-            raise RLConfigError("sequence_parallel=True needs tp > 1")
-
-    def data_parallel_size(self, world: int) -> int:
-        """The data-parallel size this layout gets on ``world`` ranks.
-
-        Args:
-            world: Number of ranks of the run.
-
-        Returns:
-            ``dp`` (given or implied).
-
-        Raises:
-            RLConfigError: If ``tp x pp x cp x dp`` does not equal ``world``.
-        """
-        model = self.tp * self.pp * self.cp
-        dp = self.dp if self.dp is not None else world // model
-        if model * dp != world or dp < 1:
-            raise RLConfigError(
-                f"tp={self.tp} x pp={self.pp} x cp={self.cp} x dp={self.dp} does not fill the "
-                f"{world} ranks of the run"
-            )
-        if (self.tp * self.cp * dp) % (self.ep * self.expert_tp):
-            raise RLConfigError(
-                f"ep={self.ep} x etp={self.expert_tp} must divide tp={self.tp} x cp={self.cp} x "
-                f"dp={dp} (experts are split over ranks of the tensor and data-parallel grid)"
-            )
-        return dp
-
-    @property
-    def expert_tp(self) -> int:
-        """The expert tensor-parallel size in effect (``etp``, or ``tp`` when None)."""
-        return self.tp if self.etp is None else self.etp
-
-    def same_model_layout(self, other: ParallelConfig) -> bool:
-        """Whether two layouts split the model the same way (tp, pp, vp, cp, ep, etp, sp).
-
-        Args:
-            other: The other layout.
-
-        Returns:
-            True when both would hold the same blocks on every rank.
-        """
-        names = ("tp", "pp", "vp", "cp", "ep", "expert_tp", "sequence_parallel")
-        return all(getattr(self, n) == getattr(other, n) for n in names)
+        check_minimums(self, {"every": 0, "num_prompts": 1})
 
 
 def _optimizer_defaults() -> OptimizerConfig:
