@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from _gather_tokens import GatherTokens
 from torch import nn
 
 from mcore_parallel import ColumnParallelLinear, RowParallelLinear, initialize
@@ -29,24 +30,6 @@ from mcore_parallel.testing import run_distributed
 
 ATOL, RTOL = 2e-6, 1e-5
 OPTIM = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-
-
-class GatherTokens(torch.autograd.Function):
-    """All-gather along rows whose backward sums the gradients and keeps this rank's rows."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        size = torch.distributed.get_world_size(group)
-        ctx.group, ctx.size, ctx.index = group, size, torch.distributed.get_rank(group)
-        parts = [torch.empty_like(x) for _ in range(size)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad.chunk(ctx.size)[ctx.index], None
 
 
 class MoENet(nn.Module):

@@ -6,6 +6,7 @@ equal single-process AdamW on the full batch; fp32, ``atol=2e-6, rtol=1e-5``.
 
 import pytest
 import torch
+from _gather_tokens import GatherTokens
 from torch import nn
 
 from mcore_parallel.distributed import (
@@ -113,25 +114,6 @@ class MoENet(nn.Module):
         # All-gathering the ep group's tokens stands in for the token dispatch of a real MoE:
         # the expert's gradient then sums contributions of every rank of the ep group.
         return self.expert(GatherTokens.apply(self.dense(x), group))
-
-
-class GatherTokens(torch.autograd.Function):
-    """All-gather along rows whose backward sums the gradients and keeps this rank's rows."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        size = torch.distributed.get_world_size(group)
-        ctx.group, ctx.size = group, size
-        ctx.index = torch.distributed.get_rank(group)
-        parts = [torch.empty_like(x) for _ in range(size)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad.chunk(ctx.size)[ctx.index], None
 
 
 def expert_grads(ep: int) -> dict[str, object]:
