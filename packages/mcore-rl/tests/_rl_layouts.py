@@ -2,6 +2,8 @@
 run config, the steps every layout runs, and what is compared across layouts."""
 
 from mcore_models.init import global_slice
+from mcore_rl.distributed import init_worker_state
+from mcore_rl.worker import GRPOWorker
 
 TINY = {
     "model": {
@@ -61,3 +63,23 @@ def parameter_blocks(chunks):
             box = where.box(tuple(param.shape))
             blocks[where.name] = (box, param.detach().clone(), tuple(where.global_shape))
     return blocks
+
+
+def train_layout(config):
+    """Builds the worker of ``config``, runs :func:`run_steps` and reads what the layout holds.
+
+    Returns:
+        The worker (still open) and its parallel state, and ``{"steps", "blocks" (see
+        :func:`parameter_blocks`), "shared" (whether generation runs the training chunks),
+        "local" (bytes of this rank's generation parameters)}``.
+    """
+    state = init_worker_state(config)
+    worker = GRPOWorker(config, state)
+    steps = run_steps(worker)
+    worker.optimizer.start_param_sync(force_sync=True)
+    with worker.optimizer.param_sync_hooks_disabled():
+        blocks = parameter_blocks(worker.chunks)
+    inference = worker.inference
+    local = sum(p.numel() * p.element_size() for p in inference.model.parameters())
+    report = {"steps": steps, "blocks": blocks, "shared": inference.shared, "local": local}
+    return worker, state, report

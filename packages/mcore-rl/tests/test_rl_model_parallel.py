@@ -6,14 +6,12 @@ slices; a resumed run equals the uninterrupted one."""
 import pytest
 import torch
 import torch.distributed as dist
-from _rl_layouts import TINY, parameter_blocks, rollout_key, run_steps
+from _rl_layouts import TINY, rollout_key, train_layout
 
 from mcore_models.gpt.context_parallel import ContextParallelAttention
 from mcore_parallel.testing import run_distributed
 from mcore_rl.config import GRPOConfig
-from mcore_rl.distributed import init_worker_state
 from mcore_rl.run import run_grpo
-from mcore_rl.worker import GRPOWorker
 
 SHARED = {"dp4", "train tp2 dp2, infer tp2 dp2", "train pp2 dp2, infer tp1 pp2 dp2"}
 """Layouts whose generation runs the training chunk itself."""
@@ -47,26 +45,12 @@ def _run_layouts(names):
     report = {}
     for name in names:
         train, infer = LAYOUTS[name]
-        config = _config(train, infer)
-        state = init_worker_state(config)
-        worker = GRPOWorker(config, state)
-        steps = run_steps(worker)
-        worker.optimizer.start_param_sync(force_sync=True)
-        with worker.optimizer.param_sync_hooks_disabled():
-            blocks = parameter_blocks(worker.chunks)
-            inference = worker.inference
-            local = sum(p.numel() * p.element_size() for p in inference.model.parameters())
-        report[name] = {
-            "steps": steps,
-            "blocks": blocks,
-            "shared": inference.shared,
-            "local": local,
-            "cp_methods": {
-                module.method
-                for chunk in worker.chunks
-                for module in chunk.modules()
-                if isinstance(module, ContextParallelAttention)
-            },
+        worker, state, report[name] = train_layout(_config(train, infer))
+        report[name]["cp_methods"] = {
+            module.method
+            for chunk in worker.chunks
+            for module in chunk.modules()
+            if isinstance(module, ContextParallelAttention)
         }
         worker.close()
         state.destroy()

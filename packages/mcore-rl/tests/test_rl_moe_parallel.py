@@ -9,21 +9,19 @@ import math
 
 import pytest
 import torch
-from _rl_layouts import TINY, parameter_blocks, rollout_key, run_steps
+from _rl_layouts import TINY, parameter_blocks, rollout_key, train_layout
 
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_parallel import initialize
 from mcore_parallel.testing import run_distributed
 from mcore_rl.cli import parse_grpo_args
 from mcore_rl.config import GRPOConfig, MoEModelConfig, ParallelConfig
-from mcore_rl.distributed import init_worker_state
 from mcore_rl.errors import RLConfigError
 from mcore_rl.moe_config import moe_config_for
 from mcore_rl.policy import load_policy_chunks
 from mcore_rl.presets import preset
 from mcore_rl.router_loss import ROUTER_LOSS_METRIC, RouterLoss
 from mcore_rl.run import run_grpo
-from mcore_rl.worker import GRPOWorker
 from mcore_rl.worker_config import model_config
 
 MOE = {
@@ -83,27 +81,12 @@ def _run_layouts(names, export_dir, run_root):
     report = {}
     for name in names:
         train, infer = LAYOUTS[name]
-        config = _config(train, infer)
-        state = init_worker_state(config)
-        worker = GRPOWorker(config, state)
-        steps = run_steps(worker)
-        worker.optimizer.start_param_sync(force_sync=True)
-        with worker.optimizer.param_sync_hooks_disabled():
-            blocks = parameter_blocks(worker.chunks)
-            inference = worker.inference
-            local = sum(p.numel() * p.element_size() for p in inference.model.parameters())
-            experts = [
-                layer.mlp.experts.num_experts
-                for layer in inference.model.layers
-                if isinstance(layer.mlp, MoELayer)
-            ]
-        report[name] = {
-            "steps": steps,
-            "blocks": blocks,
-            "shared": inference.shared,
-            "local": local,
-            "inference_experts": experts,
-        }
+        worker, state, report[name] = train_layout(_config(train, infer))
+        report[name]["inference_experts"] = [
+            layer.mlp.experts.num_experts
+            for layer in worker.inference.model.layers
+            if isinstance(layer.mlp, MoELayer)
+        ]
         if name == EXPORTED:
             worker.export_hf(export_dir)
         worker.close()
