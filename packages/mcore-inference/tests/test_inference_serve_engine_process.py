@@ -12,9 +12,9 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from _serve_helpers import alive, gone
 
 from mcore_inference import InferenceConfig, InferenceEngine, RequestStatus, SamplingParams
 from mcore_inference.serve.engine_process import EngineProcess, EngineProcessError, EngineSpec
@@ -37,15 +37,6 @@ def _one_thread(monkeypatch):
 
 def _spec(directory):
     return EngineSpec(model=str(directory), device="cpu", dtype=None, engine=CONFIG)
-
-
-def _alive(pid):
-    """True while the process exists and is not a zombie waiting for its reaper."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 async def _until(condition, timeout=30.0):
@@ -90,7 +81,7 @@ def test_results_equal_engine_generate_and_abort_frees_the_blocks(checkpoint):
         assert handle.result.finish_reason == reference.finish_reason
     assert all(h.finished and h.result is None for h in long)  # aborted: no result
     assert process.stats.generation_tokens_total >= sum(len(e.tokens) for e in expected)
-    assert not _alive(info.pid) and not process.running
+    assert not alive(info.pid) and not process.running
 
 
 def test_stop_fails_the_open_requests_and_ends_the_child(checkpoint):
@@ -104,7 +95,7 @@ def test_stop_fails_the_open_requests_and_ends_the_child(checkpoint):
         process.start()
         (handle,) = process.submit([([3, 4], SamplingParams(max_tokens=250))], asyncio.Event())
         await _until(lambda: handle.tokens)
-        assert _alive(pid) and process.running  # the signals did not end it
+        assert alive(pid) and process.running  # the signals did not end it
         await asyncio.to_thread(process.stop, 30)
         await _until(lambda: handle.finished)
         return handle
@@ -112,7 +103,7 @@ def test_stop_fails_the_open_requests_and_ends_the_child(checkpoint):
     handle = asyncio.run(run())
     assert handle.result.status == RequestStatus.FAILED
     assert "shutting down" in handle.result.error
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 _SERVER = textwrap.dedent(
@@ -138,13 +129,10 @@ def test_the_child_dies_with_a_killed_server(checkpoint):
     )
     try:
         pid = int(server.stdout.readline())
-        assert _alive(pid)
+        assert alive(pid)
         server.send_signal(signal.SIGKILL)  # no shutdown code runs in the server
         server.wait(10)
-        deadline = time.monotonic() + 20
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid), "the engine process outlived the server"
+        assert gone([pid], timeout=20), "the engine process outlived the server"
     finally:
         server.kill()
         server.wait()
@@ -155,7 +143,7 @@ def test_a_checkpoint_that_does_not_load_is_reported(tmp_path):
     process = EngineProcess(_spec(tmp_path), max_waiting_requests=8)
     with pytest.raises(EngineProcessError, match=f"loading '{tmp_path}' failed"):
         process.launch(timeout=120)
-    assert not _alive(process.pid)
+    assert not alive(process.pid)
 
 
 class _Messages:

@@ -92,7 +92,7 @@ def reference_answer(answer: str) -> str:
 
 def parse_number(text: str) -> Fraction | None:
     """Parses a number as written in an answer: ``-1,234.5``, ``$12``, ``3/4``, ``\\frac{3}{4}``,
-    ``50%`` (as 50), with surrounding text like ``x = `` or a trailing dot removed.
+    ``50%`` (as 50), with surrounding text like ``x =`` or a trailing dot removed.
 
     Args:
         text: The text.

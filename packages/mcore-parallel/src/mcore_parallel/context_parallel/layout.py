@@ -101,9 +101,9 @@ class ChunkLayout:
             rank: Context-parallel rank.
 
         Returns:
-            ``{"index": global token index, "seq": sequence id, "pos": position in its
-            sequence, "half": 0 for chunk ``rank``, 1 for chunk ``2 * cp - 1 - rank``}``, each
-            a 1-D int64 tensor of ``local_len`` elements.
+            1-D int64 tensors of ``local_len`` elements by name: ``index`` (global token
+            index), ``seq`` (sequence id), ``pos`` (position in its sequence) and ``half`` (0
+            for chunk ``rank``, 1 for chunk ``2 * cp - 1 - rank``).
         """
         if rank not in self._cache:
             index, seq, pos, half = [], [], [], []

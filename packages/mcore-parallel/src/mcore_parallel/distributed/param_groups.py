@@ -53,8 +53,8 @@ def weight_decay_param_groups(module: nn.Module, weight_decay: float) -> list[di
         weight_decay: Decay of the first group; the second (the no-decay rule's) gets 0.
 
     Returns:
-        ``[{"params": [...], "weight_decay": weight_decay}, {"params": [...],
-        "weight_decay": 0.0}]``, empty groups left out, parameters in
+        ``{"params": [...], "weight_decay": weight_decay}`` and
+        ``{"params": [...], "weight_decay": 0.0}``, empty groups left out, parameters in
         ``named_parameters()`` order.
     """
     exempt = no_weight_decay_names(module)
