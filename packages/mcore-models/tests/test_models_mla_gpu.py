@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from _bf16_parity import bf16_errors
 
 from mcore_models import GPTModel
 
@@ -67,16 +68,7 @@ def checkpoint(request, tmp_path_factory):
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(checkpoint, backend):
     hf_model, directory = checkpoint
-    ids = IDS.cuda()
-    with torch.no_grad():
-        reference = copy.deepcopy(hf_model).cuda()(ids).logits.float()
-        hf_bf16 = copy.deepcopy(hf_model).to("cuda", torch.bfloat16)(ids).logits.float()
-        model = GPTModel.from_hf(
-            directory, dtype="bfloat16", device="cuda", attention_backend=backend
-        ).eval()
-        ours = model(ids)
-    hf_error = (hf_bf16 - reference).abs().max().item()
-    our_error = (ours - reference).abs().max().item()
+    our_error, hf_error = bf16_errors(hf_model, directory, IDS.cuda(), backend)
     assert our_error <= 1.5 * hf_error + 1e-2, (our_error, hf_error)
 
 
