@@ -10,9 +10,9 @@ from functools import partial
 
 import pytest
 import torch
+from _parallel_engine import small_engine_config
 
 from mcore_inference import (
-    InferenceConfig,
     InferenceEngine,
     SamplingParams,
 )
@@ -40,20 +40,6 @@ MOE_VARIANTS = {
     "alltoall-drop-and-pad": {"dispatcher": "alltoall", "capacity_factor": 2.0},
     "allgather-drop-and-pad": {"dispatcher": "allgather", "capacity_factor": 2.0},
 }
-
-
-def _engine_config(use_cuda_graphs: bool = False) -> InferenceConfig:
-    return InferenceConfig(
-        max_batch_size=4,
-        max_sequence_length=32,
-        block_size=4,
-        attention_split_size=8,
-        # A small budget splits the longer prompts into chunks over several steps.
-        max_tokens_per_step=6,
-        prefill_chunk_size=4,
-        use_cuda_graphs=use_cuda_graphs,
-        cuda_graph_batch_sizes=(1, 2, 4),
-    )
 
 
 def _generate(engine: InferenceEngine, requests: list[tuple[list[int], int]]) -> list:
@@ -110,7 +96,7 @@ def _expert_parallel_against_single_process() -> dict:
         forwards = [0]
         hook = sharded.register_forward_pre_hook(partial(_count_call, forwards))
         got, expected = [], []
-        with InferenceEngine(sharded, _engine_config()) as engine:
+        with InferenceEngine(sharded, small_engine_config()) as engine:
             for requests in ROUNDS:
                 got.append(_generate(engine, requests[rank]))
             group_has_work_after = engine.group_has_work
@@ -118,7 +104,7 @@ def _expert_parallel_against_single_process() -> dict:
                 streamed = _stream(engine, ROUNDS[1][rank])
                 stepped = _step_loop(engine, ROUNDS[0][rank])
         hook.remove()
-        with InferenceEngine(reference, _engine_config()) as engine:
+        with InferenceEngine(reference, small_engine_config()) as engine:
             for requests in ROUNDS:
                 expected.append(_generate(engine, requests[rank]))
         if name == "alltoall-dropless":
@@ -196,11 +182,11 @@ def _graphs_against_eager_single_process() -> dict:
         reference = GPTModel(config).cuda().eval()
         sharded = parallelize(GPTModel(config, device="cuda"), state).eval()
         got, expected = [], []
-        with InferenceEngine(sharded, _engine_config(use_cuda_graphs=True)) as engine:
+        with InferenceEngine(sharded, small_engine_config(use_cuda_graphs=True)) as engine:
             for requests in ROUNDS:
                 got.append(_generate(engine, requests[rank]))
             captured = engine._graphs.captured if engine._graphs is not None else ()
-        with InferenceEngine(reference, _engine_config()) as engine:
+        with InferenceEngine(reference, small_engine_config()) as engine:
             for requests in ROUNDS:
                 expected.append(_generate(engine, requests[rank]))
         report[name] = {"got": got, "expected": expected, "captured": captured}

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _parallel_engine import small_engine_config
 
 from mcore_inference import (
-    InferenceConfig,
     InferenceEngine,
     RequestStatus,
     SamplingParams,
@@ -33,19 +33,6 @@ def _config(seed: int = 11, variant: str = "dense") -> GPTConfig:
     experts = MoEConfig(num_experts=4, top_k=2, dispatcher="alltoall") if variant == "moe" else None
     layers = 4 if variant == "deep" else 2
     return GPTConfig.from_name("tiny", vocab_size=VOCAB, seed=seed, moe=experts, num_layers=layers)
-
-
-def _engine_config() -> InferenceConfig:
-    return InferenceConfig(
-        max_batch_size=4,
-        max_sequence_length=32,
-        block_size=4,
-        attention_split_size=8,
-        # A small budget splits the longer prompts into chunks over several steps.
-        max_tokens_per_step=6,
-        prefill_chunk_size=4,
-        use_cuda_graphs=False,
-    )
 
 
 def _params(stop_word: tuple[int, ...], stop_token: int) -> list[SamplingParams]:
@@ -74,7 +61,7 @@ def _summary(results) -> list:
 def _reference(config: GPTConfig) -> tuple[list[SamplingParams], list]:
     """Stops chosen from an unstopped run, then the single-process results with them."""
     model = GPTModel(config).eval()
-    with InferenceEngine(model, _engine_config()) as engine:
+    with InferenceEngine(model, small_engine_config()) as engine:
         free = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6))
         params = _params(tuple(free[0].tokens[1:3]), free[2].tokens[1])
         return params, _summary(engine.generate(PROMPTS, params))
@@ -104,7 +91,7 @@ def _serve_layouts(layouts: list[tuple[str, dict, str]], references: dict[str, t
         prompts = [list(p) for p in PROMPTS]
         if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
             prompts[1] = [5, BAD_TOKEN]
-        with InferenceEngine(model, _engine_config(), state=state) as engine:
+        with InferenceEngine(model, small_engine_config(), state=state) as engine:
             got = _summary(engine.generate(PROMPTS, params))
             validated = _summary(engine.generate(prompts, params))
             updated = engine.update_weights(_full_weights(other))
@@ -249,11 +236,11 @@ def _update_across_layouts(direction: str, params: list, expected: list) -> dict
         shards: list = [None, None]
         torch.distributed.all_gather_object(shards, model_weight_shards(trainer))
         weights = {name: [shards[0][name], shards[1][name]] for name in shards[0]}
-        engine = InferenceEngine(GPTModel(config).eval(), _engine_config())
+        engine = InferenceEngine(GPTModel(config).eval(), small_engine_config())
     else:
         weights = _full_weights(other)
         model = parallelize(GPTModel(config), state).eval()
-        engine = InferenceEngine(model, _engine_config(), state=state)
+        engine = InferenceEngine(model, small_engine_config(), state=state)
     with engine:
         before = _summary(engine.generate(PROMPTS, params))
         engine.update_weights(weights)
@@ -267,15 +254,7 @@ def _graph_layouts() -> dict:
 
     config = _config()
     params, expected = _reference_on(config, "cuda")
-    engine_config = InferenceConfig(
-        max_batch_size=4,
-        max_sequence_length=32,
-        block_size=4,
-        attention_split_size=8,
-        max_tokens_per_step=6,
-        prefill_chunk_size=4,
-        cuda_graph_batch_sizes=(1, 2, 4),
-    )
+    engine_config = small_engine_config(use_cuda_graphs=True)
     reports = {}
     for name, sizes in (("tp2", {"tp": 2}), ("pp2", {"pp": 2})):
         state = initialize(**sizes)
@@ -299,7 +278,7 @@ def _graph_layouts() -> dict:
 
 def _reference_on(config: GPTConfig, device: str) -> tuple[list[SamplingParams], list]:
     model = GPTModel(config, device=device).eval()
-    with InferenceEngine(model, _engine_config()) as engine:
+    with InferenceEngine(model, small_engine_config()) as engine:
         free = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6))
         params = _params(tuple(free[0].tokens[1:3]), free[2].tokens[1])
         return params, _summary(engine.generate(PROMPTS, params))
