@@ -13,6 +13,7 @@ from mcore_inference.errors import BlockAllocatorError, KVCacheExhaustedError
 from mcore_inference.mamba_graphs import HybridGraphRunner
 from mcore_inference.mamba_state import StateSlotAllocator
 from mcore_models.mamba import HybridModel, hybrid_preset
+from mcore_models.testing import TINY_MAMBA2, TINY_NEMOTRON_H
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,34 +143,11 @@ def test_state_slot_allocator_refuses_double_allocation_and_overflow():
 
 def _hf_models():
     mamba = transformers.Mamba2ForCausalLM(
-        transformers.Mamba2Config(
-            vocab_size=64,
-            hidden_size=32,
-            num_heads=8,
-            head_dim=8,
-            n_groups=2,
-            state_size=16,
-            num_hidden_layers=2,
-            chunk_size=16,
-            eos_token_id=None,
-        )
+        transformers.Mamba2Config(**TINY_MAMBA2, num_hidden_layers=2, eos_token_id=None)
     )
     nemotron = transformers.NemotronHForCausalLM(
         transformers.NemotronHConfig(
-            vocab_size=64,
-            hidden_size=32,
-            mamba_num_heads=8,
-            mamba_head_dim=8,
-            n_groups=2,
-            ssm_state_size=16,
-            hybrid_override_pattern="M*M-",
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            intermediate_size=48,
-            chunk_size=16,
-            time_step_min=1e-6,
-            eos_token_id=None,
+            **{**TINY_NEMOTRON_H, "hybrid_override_pattern": "M*M-"}, eos_token_id=None
         )
     )
     return {"mamba2": mamba, "nemotron_h": nemotron}

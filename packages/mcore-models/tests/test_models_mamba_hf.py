@@ -16,35 +16,7 @@ from mcore_models import PackedSeqParams  # noqa: E402
 from mcore_models.errors import CheckpointFormatError  # noqa: E402
 from mcore_models.mamba import HybridModel  # noqa: E402
 from mcore_models.mamba.hf import hf_config_to_hybrid  # noqa: E402
-
-_MAMBA = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_heads=8,
-    head_dim=8,
-    n_groups=2,
-    state_size=16,
-    expand=2,
-    chunk_size=16,
-    conv_kernel=4,
-)
-_NEMOTRON = dict(
-    vocab_size=64,
-    hidden_size=32,
-    mamba_num_heads=8,
-    mamba_head_dim=8,
-    n_groups=2,
-    ssm_state_size=16,
-    hybrid_override_pattern="M*M-M",
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    chunk_size=16,
-    # A floor below every time step the random weights produce: transformers clamps dt at
-    # time_step_min in prefill but not in its decode step; mcore clamps in both.
-    time_step_min=1e-6,
-)
+from mcore_models.testing import TINY_MAMBA2, TINY_NEMOTRON_H  # noqa: E402
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -63,10 +35,10 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 def _checkpoint(kind: str, tmp_path_factory) -> tuple[torch.nn.Module, str]:
     if kind == "mamba2":
         hf = transformers.Mamba2ForCausalLM(
-            transformers.Mamba2Config(num_hidden_layers=3, **_MAMBA)
+            transformers.Mamba2Config(num_hidden_layers=3, **TINY_MAMBA2)
         )
     else:
-        hf = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**_NEMOTRON))
+        hf = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**TINY_NEMOTRON_H))
     _randomize(hf, seed=1 if kind == "mamba2" else 2)
     hf.eval()
     path = tmp_path_factory.mktemp(kind)
@@ -137,12 +109,12 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
 
 
 def test_nemotron_h_moe_pattern_is_refused():
-    config = transformers.NemotronHConfig(**{**_NEMOTRON, "hybrid_override_pattern": "ME"})
+    config = transformers.NemotronHConfig(**{**TINY_NEMOTRON_H, "hybrid_override_pattern": "ME"})
     with pytest.raises(CheckpointFormatError, match="MoE layers"):
         hf_config_to_hybrid(config.to_dict())
 
 
 def test_nemotron_h_time_step_floor_becomes_the_clamp():
-    config = hf_config_to_hybrid(transformers.NemotronHConfig(**_NEMOTRON).to_dict())
+    config = hf_config_to_hybrid(transformers.NemotronHConfig(**TINY_NEMOTRON_H).to_dict())
     assert config.time_step_limit == (1e-6, math.inf)
     assert config.layer_pattern == "M*M-M"
