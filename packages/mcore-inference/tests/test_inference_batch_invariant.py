@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from _engine_configs import engine_config
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
 from mcore_inference.stage import _row_logprobs
@@ -36,16 +37,8 @@ PROMPTS = _prompts((5, 11, 3, 17, 9, 1))
 
 
 def _generate(model, prompts, params=None, **overrides):
-    fields = dict(
-        max_batch_size=8,
-        max_sequence_length=64,
-        block_size=4,
-        max_tokens_per_step=24,
-        prefill_chunk_size=16,
-    )
-    fields.update(overrides)
     params = params or SamplingParams(temperature=0.0, max_tokens=6, return_logprobs=True)
-    with InferenceEngine(model, InferenceConfig(**fields)) as engine:
+    with InferenceEngine(model, engine_config(**overrides)) as engine:
         return engine.generate(prompts, params)
 
 

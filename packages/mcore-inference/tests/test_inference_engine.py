@@ -6,11 +6,11 @@ import weakref
 
 import pytest
 import torch
+from _engine_configs import engine_config
 
 from mcore_inference import (
     EngineClosedError,
     FinishReason,
-    InferenceConfig,
     InferenceEngine,
     InvalidRequestError,
     RequestStatus,
@@ -24,18 +24,6 @@ from mcore_models.gpt.model import GPTModel
 @pytest.fixture(scope="module")
 def model():
     return GPTModel(GPTConfig.from_name("tiny", seed=1234)).eval()
-
-
-def _config(**overrides):
-    fields = dict(
-        max_batch_size=8,
-        max_sequence_length=64,
-        block_size=4,
-        max_tokens_per_step=24,
-        prefill_chunk_size=16,
-    )
-    fields.update(overrides)
-    return InferenceConfig(**fields)
 
 
 def _prompts(lengths, seed=0, vocab=256):
@@ -54,7 +42,7 @@ def _naive_greedy(model, prompt, max_tokens):
 
 def test_greedy_generation_equals_naive_argmax_loop(model):
     prompts = _prompts([1, 5, 9, 17, 30])
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
     for prompt, result in zip(prompts, results):
         assert result.status == RequestStatus.FINISHED
@@ -69,7 +57,7 @@ def test_results_independent_of_arrival_order_and_batch_composition(model):
         SamplingParams(temperature=0.9, top_k=20, seed=5, max_tokens=8, return_logprobs=True),
         SamplingParams(temperature=1.1, top_p=0.8, seed=6, max_tokens=8, return_logprobs=True),
     ] * 2
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         together = engine.generate(prompts, params)
         reversed_order = engine.generate(prompts[::-1], params[::-1])[::-1]
         alone = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
@@ -82,9 +70,13 @@ def test_results_independent_of_arrival_order_and_batch_composition(model):
 def test_chunked_prefill_equals_one_shot_prefill(model):
     prompts = _prompts([23, 40, 7], seed=2)
     params = SamplingParams(temperature=0.7, seed=11, max_tokens=10, return_logprobs=True)
-    with InferenceEngine(model, _config(prefill_chunk_size=64, max_tokens_per_step=128)) as one:
+    with InferenceEngine(
+        model, engine_config(prefill_chunk_size=64, max_tokens_per_step=128)
+    ) as one:
         one_shot = one.generate(prompts, params)
-    with InferenceEngine(model, _config(prefill_chunk_size=3, max_tokens_per_step=8)) as chunked:
+    with InferenceEngine(
+        model, engine_config(prefill_chunk_size=3, max_tokens_per_step=8)
+    ) as chunked:
         pieces = chunked.generate(prompts, params)
     for a, b in zip(one_shot, pieces):
         assert a.tokens == b.tokens
@@ -94,7 +86,7 @@ def test_chunked_prefill_equals_one_shot_prefill(model):
 def test_logprobs_equal_a_training_forward_at_the_sampling_temperature(model):
     prompts = _prompts([6, 13], seed=3)
     temperature = 0.6
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         results = engine.generate(
             prompts,
             SamplingParams(temperature=temperature, seed=2, max_tokens=9, return_logprobs=True),
@@ -114,7 +106,7 @@ def test_logprobs_equal_a_training_forward_at_the_sampling_temperature(model):
 
 def test_greedy_logprobs_are_at_temperature_one(model):
     prompt = _prompts([5], seed=4)[0]
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         (result,) = engine.generate(
             [prompt], SamplingParams(temperature=0.0, max_tokens=4, return_logprobs=True)
         )
@@ -127,11 +119,11 @@ def test_greedy_logprobs_are_at_temperature_one(model):
 def test_seeded_sampling_is_reproducible_across_engines(model):
     prompts = _prompts([4, 8], seed=5)
     params = SamplingParams(temperature=1.0, seed=42, max_tokens=12)
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         first = [r.tokens for r in engine.generate(prompts, params)]
-    with InferenceEngine(model, _config(max_batch_size=2)) as engine:
+    with InferenceEngine(model, engine_config(max_batch_size=2)) as engine:
         second = [r.tokens for r in engine.generate(prompts, params)]
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         other_seed = [
             r.tokens for r in engine.generate(prompts, SamplingParams(seed=43, max_tokens=12))
         ]
@@ -145,7 +137,7 @@ def test_multi_token_stop_word_stops_only_when_all_tokens_appear_consecutively(m
     stop_word = tuple(free_run[3:5])
     # A decoy that shares the first token but not the second must not stop the request.
     decoy = (free_run[3], (free_run[4] + 1) % 256)
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         (result,) = engine.generate(
             [prompt],
             SamplingParams(temperature=0.0, max_tokens=10, stop_words=(decoy, stop_word)),
@@ -160,7 +152,7 @@ def test_multi_token_stop_word_stops_only_when_all_tokens_appear_consecutively(m
 def test_stop_token_is_kept_and_ends_the_request(model):
     prompt = _prompts([9], seed=7)[0]
     free_run = _naive_greedy(model, prompt, 6)
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         (result,) = engine.generate(
             [prompt], SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(free_run[2],))
         )
@@ -170,7 +162,7 @@ def test_stop_token_is_kept_and_ends_the_request(model):
 
 def test_max_tokens_zero_and_one(model):
     prompts = _prompts([5, 5], seed=8)
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         zero, one = engine.generate(
             prompts,
             [
@@ -186,7 +178,7 @@ def test_max_tokens_zero_and_one(model):
 
 def test_generation_stops_at_max_sequence_length(model):
     prompt = _prompts([60], seed=9)[0]
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         (result,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=50))
     assert result.finish_reason == FinishReason.LENGTH
     assert result.tokens == _naive_greedy(model, prompt, 4)
@@ -198,7 +190,7 @@ def test_bad_requests_fail_alone_with_a_message(model):
     params = [SamplingParams(temperature=0.0, max_tokens=5)] * 5 + [
         SamplingParams(stop_words=("text",))
     ]
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         results = engine.generate(prompts, params)
     assert [r.status for r in results] == [RequestStatus.FINISHED] + [RequestStatus.FAILED] * 3 + [
         RequestStatus.FINISHED,
@@ -214,7 +206,7 @@ def test_bad_requests_fail_alone_with_a_message(model):
 
 
 def test_request_larger_than_the_whole_cache_fails_alone(model):
-    with InferenceEngine(model, _config(num_blocks=4)) as engine:
+    with InferenceEngine(model, engine_config(num_blocks=4)) as engine:
         small, huge = engine.generate(
             _prompts([3, 30], seed=11), SamplingParams(temperature=0.0, max_tokens=4)
         )
@@ -226,7 +218,7 @@ def test_admission_waits_for_free_blocks_instead_of_overcommitting(model):
     prompts = _prompts([8] * 6, seed=12)
     params = SamplingParams(temperature=0.0, max_tokens=8)
     # Each request needs 4 blocks of 4 tokens; 9 usable blocks admit two at a time.
-    with InferenceEngine(model, _config(num_blocks=9)) as engine:
+    with InferenceEngine(model, engine_config(num_blocks=9)) as engine:
         for prompt in prompts:
             engine.add_request(prompt, params)
         finished = {}
@@ -243,7 +235,7 @@ def test_admission_waits_for_free_blocks_instead_of_overcommitting(model):
 
 def test_abort_frees_blocks_and_reports_aborted(model):
     prompts = _prompts([10, 10, 10], seed=13)
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         ids = [
             engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=20)) for p in prompts
         ]
@@ -267,7 +259,7 @@ def test_abort_frees_blocks_and_reports_aborted(model):
 def test_stream_yields_growing_snapshots_ending_with_the_generate_result(model):
     prompts = _prompts([4, 9], seed=14)
     params = SamplingParams(temperature=0.0, max_tokens=5)
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         snapshots = list(engine.stream(prompts, params))
         final = engine.generate(prompts, params)
     for index, expected in enumerate(final):
@@ -278,7 +270,7 @@ def test_stream_yields_growing_snapshots_ending_with_the_generate_result(model):
 
 def test_closing_a_stream_early_aborts_its_requests_and_frees_their_blocks(model):
     params = SamplingParams(temperature=0.0, max_tokens=20)
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         stream = engine.stream(_prompts([4, 9], seed=18), params)
         first = next(stream)
         assert not first.done
@@ -314,7 +306,7 @@ class _FailingOnceModel(torch.nn.Module):
 def test_failed_step_fails_its_requests_and_the_engine_goes_on(model):
     prompts = _prompts([5, 7], seed=15)
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    with InferenceEngine(_FailingOnceModel(model, fail_at=2), _config()) as engine:
+    with InferenceEngine(_FailingOnceModel(model, fail_at=2), engine_config()) as engine:
         failed = engine.generate(prompts, params)
         assert engine.allocator.num_free == engine.allocator.capacity
         later = engine.generate(prompts, params)
@@ -323,7 +315,7 @@ def test_failed_step_fails_its_requests_and_the_engine_goes_on(model):
 
 
 def test_close_releases_the_cache_and_refuses_new_work(model):
-    engine = InferenceEngine(model, _config())
+    engine = InferenceEngine(model, engine_config())
     engine.generate(_prompts([4]), SamplingParams(max_tokens=2))
     cache_ref = weakref.ref(engine.kv_cache)
     keys_ref = weakref.ref(engine.kv_cache.keys)
@@ -340,7 +332,7 @@ def test_model_modules_weights_mode_and_hooks_are_unchanged_by_generation(model)
     weights = {name: p.detach().clone() for name, p in model.state_dict().items()}
     hooks = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
     training = [m.training for m in model.modules()]
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         engine.generate(_prompts([5]), SamplingParams(max_tokens=3))
     assert [(name, type(m)) for name, m in model.named_modules()] == modules
     assert all(torch.equal(t, weights[name]) for name, t in model.state_dict().items())
@@ -350,7 +342,7 @@ def test_model_modules_weights_mode_and_hooks_are_unchanged_by_generation(model)
 
 def test_params_list_length_mismatch_raises(model):
     with (
-        InferenceEngine(model, _config()) as engine,
+        InferenceEngine(model, engine_config()) as engine,
         pytest.raises(InvalidRequestError, match="2 entries"),
     ):
         engine.generate(_prompts([3, 3, 3]), [SamplingParams()] * 2)
@@ -362,7 +354,7 @@ def test_add_requests_equals_successive_add_request(model):
     params = [SamplingParams(temperature=0.8, max_tokens=6), None, SamplingParams(max_tokens=4)]
 
     def run(batched):
-        with InferenceEngine(model, _config(max_batch_size=4, seed=3)) as engine:
+        with InferenceEngine(model, engine_config(max_batch_size=4, seed=3)) as engine:
             if batched:
                 ids = engine.add_requests(prompts, params)
             else:
@@ -382,7 +374,7 @@ def test_moe_model_greedy_generation_equals_naive_argmax_loop():
     moe = {"num_experts": 4, "top_k": 2}
     moe_model = GPTModel(GPTConfig.from_name("tiny", num_layers=2, moe=moe, seed=9)).eval()
     prompts = _prompts([4, 11], seed=16)
-    with InferenceEngine(moe_model, _config()) as engine:
+    with InferenceEngine(moe_model, engine_config()) as engine:
         results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
     for prompt, result in zip(prompts, results):
         assert result.tokens == _naive_greedy(moe_model, prompt, 6)
@@ -391,7 +383,7 @@ def test_moe_model_greedy_generation_equals_naive_argmax_loop():
 def test_tensor_prompt_is_served_like_a_list(model):
     prompt = _prompts([6], seed=17)[0]
     params = SamplingParams(temperature=0.0, max_tokens=3)
-    with InferenceEngine(model, _config()) as engine:
+    with InferenceEngine(model, engine_config()) as engine:
         as_list, as_tensor = engine.generate([prompt, torch.tensor(prompt)], params)
     assert as_tensor.status == RequestStatus.FINISHED
     assert as_tensor.tokens == as_list.tokens == _naive_greedy(model, prompt, 3)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _parallel_engine import small_engine_config
+from _engine_configs import small_engine_config
 
 from mcore_inference import (
     InferenceEngine,
