@@ -382,9 +382,7 @@ def m_grouped_mm_reference(
     return out
 
 
-def k_grouped_mm_reference(
-    g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor
-) -> torch.Tensor:
+def k_grouped_mm_reference(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Torch reference of :func:`k_grouped_mm` (float32 accumulation; syncs the host).
 
     Args:

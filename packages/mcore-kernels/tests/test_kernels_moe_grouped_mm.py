@@ -1,0 +1,193 @@
+"""Persistent grouped GEMMs (Triton, through the interpreter) against their torch references:
+the device-side tile schedule, row-grouped products in both weight layouts, the SwiGLU
+epilogue, reduction-grouped weight gradients, experts without rows, the fused routed experts
+with every GEMM on these kernels (values and gradients), bitwise repeats, and bad input.
+
+The interpreter reads bfloat16 tiles through TMA descriptors wrongly, so these tests run in
+float16; the GPU tests (``test_kernels_moe_grouped_mm_gpu.py``) cover bfloat16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
+from mcore_kernels.moe.expert_gemms import ExpertGemms
+from mcore_kernels.moe.grouped_mm import (
+    PersistentTiles,
+    k_grouped_mm,
+    k_grouped_mm_reference,
+    m_grouped_mm,
+    m_grouped_mm_reference,
+    m_grouped_swiglu,
+    tile_schedule,
+)
+from mcore_kernels.moe.routed import routed_experts, routed_experts_reference
+
+pytestmark = pytest.mark.interpreter
+
+DTYPE = torch.float16
+TILES = PersistentTiles(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+# Experts 0, 3 and 5 get no rows (first, middle, last); expert 2 spans several row tiles.
+COUNTS = [0, 5, 37, 0, 8, 0]
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _offsets(counts=COUNTS):
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DTYPE)
+
+
+def test_tile_schedule_lists_every_row_tile_of_every_expert():
+    offsets = _offsets()
+    sched = tile_schedule(offsets, int(offsets[-1]), 16)
+    max_tiles = (sched.numel() - 1) // 3
+    want = []
+    start = 0
+    for expert, count in enumerate(COUNTS):
+        want += [(expert, row, start + count) for row in range(start, start + count, 16)]
+        start += count
+    assert int(sched[-1]) == len(want)
+    got = list(zip(*(sched[i * max_tiles : i * max_tiles + len(want)].tolist() for i in range(3))))
+    assert got == want
+
+
+@pytest.mark.parametrize("transpose", [True, False])
+def test_m_grouped_mm_matches_reference(transpose):
+    offsets = _offsets()
+    rows, n, k = int(offsets[-1]), 48, 32
+    a = _randn(rows, k, seed=1)
+    w = _randn(len(COUNTS), *((n, k) if transpose else (k, n)), seed=2)
+    got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=TILES)
+    want = m_grouped_mm_reference(a, w, offsets, transpose_weight=transpose)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_m_grouped_swiglu_matches_reference():
+    offsets = _offsets()
+    rows, ffn, hidden = int(offsets[-1]), 32, 48
+    x = _randn(rows, hidden, seed=3) * 0.3
+    w = _randn(len(COUNTS), 2 * ffn, hidden, seed=4) * 0.3
+    weights = torch.rand(rows, generator=torch.Generator().manual_seed(5)).to(DTYPE)
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(6))
+    act, pre = m_grouped_swiglu(x, w, offsets, tiles=TILES, weights=weights, order=order)
+    want_pre = m_grouped_mm_reference(x, w, offsets, transpose_weight=True)
+    gate, up = want_pre.float().split(ffn, dim=-1)
+    want_act = (F.silu(gate) * up * weights[order].float()[:, None]).to(DTYPE)
+    torch.testing.assert_close(pre, want_pre, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(act, want_act, rtol=4e-3, atol=4e-3)
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(uniform):
+    offsets = _offsets()
+    rows = int(offsets[-1])
+    g, x = _randn(rows, 32, seed=7), _randn(rows, 48, seed=8)
+    tiles = PersistentTiles(
+        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, uniform=uniform
+    )
+    got = k_grouped_mm(g, x, offsets, tiles=tiles)
+    torch.testing.assert_close(got, k_grouped_mm_reference(g, x, offsets), rtol=2e-3, atol=2e-3)
+    for expert, count in enumerate(COUNTS):
+        if count == 0:
+            assert torch.count_nonzero(got[expert]) == 0
+
+
+def _routed_problem(tokens=20, hidden=32, ffn=16, experts=5, top_k=2, empty=(0, 3)):
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(tokens, hidden, generator=g).to(DTYPE)
+    allowed = torch.tensor([e for e in range(experts) if e not in empty])
+    chosen = allowed[torch.rand(tokens, allowed.numel(), generator=g).topk(top_k, -1).indices]
+    weights = torch.rand(tokens, top_k, generator=g).to(DTYPE)
+    w_gu = (torch.randn(experts, 2 * ffn, hidden, generator=g) * 0.2).to(DTYPE)
+    w_d = (torch.randn(experts, hidden, ffn, generator=g) * 0.2).to(DTYPE)
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    offsets = torch.bincount(flat, minlength=experts).cumsum(0).to(torch.int32)
+    return x, weights, w_gu, w_d, order, inverse, offsets
+
+
+ALL_TRITON = ExpertGemms(
+    gate_up=TILES,
+    swiglu_epilogue=True,
+    down=TILES,
+    d_act=TILES,
+    d_x=TILES,
+    w_down=TILES,
+    w_gate_up=PersistentTiles(
+        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, uniform=True
+    ),
+)
+
+
+def _run(fn, inputs, grad):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad)
+    return [out.detach()] + [leaf.grad for leaf in leaves]
+
+
+def test_routed_experts_on_triton_gemms_match_reference_values_and_gradients():
+    x, weights, w_gu, w_d, order, inverse, offsets = _routed_problem()
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(10)).to(DTYPE)
+    got = _run(
+        lambda *t: routed_experts(*t, order, inverse, offsets, gemms=ALL_TRITON),
+        (x, weights, w_gu, w_d),
+        grad,
+    )
+    # The reference in float32 (its autograd runs through index_select / index_copy).
+    want = _run(
+        lambda *t: routed_experts_reference(*t, order, offsets),
+        [t.float() for t in (x, weights, w_gu, w_d)],
+        grad.float(),
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
+    # Experts 0 and 3 got no token: their weight gradients are exactly zero.
+    for expert in (0, 3):
+        assert torch.count_nonzero(got[3][expert]) == 0
+        assert torch.count_nonzero(got[4][expert]) == 0
+
+
+def test_routed_experts_on_triton_gemms_are_bitwise_reproducible():
+    x, weights, w_gu, w_d, order, inverse, offsets = _routed_problem()
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(11)).to(DTYPE)
+
+    def fn(*t):
+        return routed_experts(*t, order, inverse, offsets, gemms=ALL_TRITON)
+
+    first = _run(fn, (x, weights, w_gu, w_d), grad)
+    second = _run(fn, (x, weights, w_gu, w_d), grad)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_input_raises_typed_errors():
+    offsets = _offsets()
+    rows = int(offsets[-1])
+    a, w = _randn(rows, 32), _randn(len(COUNTS), 48, 32)
+    with pytest.raises(KernelDtypeError, match="a.dtype"):
+        m_grouped_mm(a.float(), w, offsets, transpose_weight=True, tiles=TILES)
+    with pytest.raises(KernelShapeError, match="a.shape"):
+        m_grouped_mm(a, w, offsets, transpose_weight=False, tiles=TILES)
+    with pytest.raises(KernelShapeError, match="x.shape"):
+        k_grouped_mm(a, _randn(rows + 1, 16), offsets, tiles=TILES)
+    with pytest.raises(KernelShapeError, match="block_m=48"):
+        PersistentTiles(block_m=48)
+    with pytest.raises(KernelValueError, match="num_warps=3"):
+        PersistentTiles(num_warps=3)
+    with pytest.raises(KernelValueError, match="swiglu_epilogue"):
+        ExpertGemms(swiglu_epilogue=True)
+    with pytest.raises(KernelShapeError, match="weights and order"):
+        m_grouped_swiglu(a, _randn(len(COUNTS), 64, 32), offsets, tiles=TILES, weights=a[:, 0])
