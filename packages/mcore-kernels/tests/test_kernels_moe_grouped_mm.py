@@ -177,11 +177,11 @@ def test_bad_input_raises_typed_errors():
     offsets = _offsets()
     rows = int(offsets[-1])
     a, w = _randn(rows, 32), _randn(len(COUNTS), 48, 32)
-    with pytest.raises(KernelDtypeError, match="a.dtype"):
+    with pytest.raises(KernelDtypeError, match=r"a\.dtype"):
         m_grouped_mm(a.float(), w, offsets, transpose_weight=True, tiles=TILES)
-    with pytest.raises(KernelShapeError, match="a.shape"):
+    with pytest.raises(KernelShapeError, match=r"a\.shape"):
         m_grouped_mm(a, w, offsets, transpose_weight=False, tiles=TILES)
-    with pytest.raises(KernelShapeError, match="x.shape"):
+    with pytest.raises(KernelShapeError, match=r"x\.shape"):
         k_grouped_mm(a, _randn(rows + 1, 16), offsets, tiles=TILES)
     with pytest.raises(KernelShapeError, match="block_m=48"):
         PersistentTiles(block_m=48)

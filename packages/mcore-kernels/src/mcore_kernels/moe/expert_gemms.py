@@ -19,7 +19,6 @@ from dataclasses import dataclass, fields
 import torch
 
 from mcore_kernels.errors import KernelValueError
-
 from mcore_kernels.moe.grouped_mm import (
     PersistentTiles,
     k_grouped_mm,

@@ -110,9 +110,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        flat_w, w_gate_up, w_down, order, inverse, offsets, permuted, gate_up, act = (
-            ctx.saved_tensors
-        )
+        flat_w, w_gate_up, w_down, order, inverse, _, permuted, gate_up, act = ctx.saved_tensors
         top_k = ctx.top_k
         needs_x, needs_w, needs_gu, needs_down = ctx.needs_input_grad[:4]
         grad = grad.contiguous()
