@@ -11,6 +11,7 @@ from torch import nn
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels.moe import grouped_swiglu_mlp, routed_experts, swiglu, weighted_swiglu
+from mcore_kernels.moe.expert_gemms import ExpertGemms, choose_expert_gemms
 from mcore_models.errors import ModelInputError
 
 __all__ = ["GroupedExperts", "grouped_mm_supported"]
@@ -233,6 +234,10 @@ class GroupedExperts(nn.Module):
         (gate/up forward 5.29 to 5.06 ms, down forward 2.78 to 2.60 ms) but not the whole layer
         (27.33 against 27.26 ms per step), so one stream is the default."""
         self._streams: tuple[torch.cuda.Stream, ...] = ()
+        self.gemm_plan: ExpertGemms | None = None
+        """Kernel of each grouped GEMM of :meth:`forward_routed` (``torch._grouped_mm`` or the
+        persistent Triton kernels); None picks the measured fastest for the shape
+        (:func:`mcore_kernels.moe.expert_gemms.choose_expert_gemms`)."""
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2, ffn_hidden_size, hidden_size, dtype=dtype, device=device)
         )
@@ -313,6 +318,11 @@ class GroupedExperts(nn.Module):
             ``[T, hidden]`` weighted sum of each token's expert outputs.
         """
         offsets = counts.cumsum(0).to(torch.int32)
+        plan = self.gemm_plan
+        if plan is None:
+            plan = choose_expert_gemms(
+                order.shape[0], x.shape[1], self.ffn_hidden_size, self.num_experts, x.device
+            )
         return routed_experts(
             x,
             weights,
@@ -321,6 +331,7 @@ class GroupedExperts(nn.Module):
             order,
             inverse,
             offsets,
+            gemms=plan,
         )
 
     def forward_tokens(
