@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
-from mcore_kernels.moe.expert_gemms import ExpertGemms
+from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, ExpertGemms
 from mcore_kernels.moe.grouped_mm import (
     PersistentTiles,
     k_grouped_mm,
@@ -138,11 +138,17 @@ def _run(fn, inputs, grad):
     return [out.detach()] + [leaf.grad for leaf in leaves]
 
 
-def test_routed_experts_on_triton_gemms_match_reference_values_and_gradients():
+MIXED = ExpertGemms(
+    gate_up=CUBLAS_LOOP, down=TILES, d_act=CUBLAS_LOOP, d_x=TILES, w_down=CUBLAS_LOOP
+)
+
+
+@pytest.mark.parametrize("plan", [ALL_TRITON, MIXED], ids=["triton", "triton-and-loop"])
+def test_routed_experts_on_triton_gemms_match_reference_values_and_gradients(plan):
     x, weights, w_gu, w_d, order, inverse, offsets = _routed_problem()
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(10)).to(DTYPE)
     got = _run(
-        lambda *t: routed_experts(*t, order, inverse, offsets, gemms=ALL_TRITON),
+        lambda *t: routed_experts(*t, order, inverse, offsets, gemms=plan),
         (x, weights, w_gu, w_d),
         grad,
     )
@@ -189,5 +195,7 @@ def test_bad_input_raises_typed_errors():
         PersistentTiles(num_warps=3)
     with pytest.raises(KernelValueError, match="swiglu_epilogue"):
         ExpertGemms(swiglu_epilogue=True)
+    with pytest.raises(KernelValueError, match="ExpertGemms.down='cutlass'"):
+        ExpertGemms(down="cutlass")
     with pytest.raises(KernelShapeError, match="weights and order"):
         m_grouped_swiglu(a, _randn(len(COUNTS), 64, 32), offsets, tiles=TILES, weights=a[:, 0])

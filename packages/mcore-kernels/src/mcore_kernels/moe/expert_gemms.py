@@ -8,8 +8,9 @@ Rows sorted by expert, ``offsets[e]`` the end row of expert ``e``:
 - ``w_down``: ``grad[rows of e].T @ act[rows of e]``, ``w_gate_up``: ``grad_gate_up[rows of
   e].T @ x[rows of e]``.
 
-Each runs on ``torch._grouped_mm`` or on the persistent Triton kernels of
-:mod:`mcore_kernels.moe.grouped_mm`, as an :class:`ExpertGemms` plan says.
+Each runs on ``torch._grouped_mm``, on a loop of cuBLAS GEMMs over the experts, or on the
+persistent Triton kernels of :mod:`mcore_kernels.moe.grouped_mm`, as an :class:`ExpertGemms`
+plan says.
 """
 
 from __future__ import annotations
@@ -27,46 +28,68 @@ from mcore_kernels.moe.grouped_mm import (
     tile_schedule,
 )
 
-__all__ = ["ExpertGemmRunner", "ExpertGemms", "choose_expert_gemms"]
+__all__ = [
+    "CUBLAS_LOOP",
+    "GROUPED_MM",
+    "ExpertGemmRunner",
+    "ExpertGemms",
+    "GemmKernel",
+    "choose_expert_gemms",
+]
+
+
+GROUPED_MM = "grouped_mm"
+"""``torch._grouped_mm`` (no host synchronisation)."""
+CUBLAS_LOOP = "cublas_loop"
+"""One cuBLAS GEMM per expert with rows, written in place (the group sizes are read on the
+host once per layer call: one synchronisation)."""
+
+GemmKernel = PersistentTiles | str
+"""The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP` or the tiles of the
+persistent Triton kernel."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ExpertGemms:
-    """Kernel of each expert GEMM: None for ``torch._grouped_mm``, else the tiles of the
-    persistent Triton kernel."""
+    """Kernel of each expert GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP` or the
+    :class:`~mcore_kernels.moe.grouped_mm.PersistentTiles` of the persistent Triton kernel."""
 
-    gate_up: PersistentTiles | None = None
+    gate_up: GemmKernel = GROUPED_MM
     """Gate/up projection (forward)."""
     swiglu_epilogue: bool = False
-    """Compute the weighted SwiGLU in the Triton gate/up GEMM's epilogue (needs ``gate_up``)."""
-    down: PersistentTiles | None = None
+    """Compute the weighted SwiGLU in the Triton gate/up GEMM's epilogue (needs Triton tiles
+    for ``gate_up``)."""
+    down: GemmKernel = GROUPED_MM
     """Down projection (forward)."""
-    d_act: PersistentTiles | None = None
+    d_act: GemmKernel = GROUPED_MM
     """Input gradient of the down projection."""
-    d_x: PersistentTiles | None = None
+    d_x: GemmKernel = GROUPED_MM
     """Input gradient of the gate/up projection."""
-    w_down: PersistentTiles | None = None
+    w_down: GemmKernel = GROUPED_MM
     """Weight gradient of the down projection."""
-    w_gate_up: PersistentTiles | None = None
+    w_gate_up: GemmKernel = GROUPED_MM
     """Weight gradient of the gate/up projection."""
 
     def __post_init__(self) -> None:
-        if self.swiglu_epilogue and self.gate_up is None:
-            raise KernelValueError("swiglu_epilogue=True needs Triton tiles for gate_up, got None")
-
-    def uses_triton(self) -> bool:
-        """Whether any GEMM runs on the Triton kernels.
-
-        Returns:
-            True when at least one GEMM has tiles.
-        """
-        return any(isinstance(getattr(self, f.name), PersistentTiles) for f in fields(ExpertGemms))
+        for f in fields(ExpertGemms):
+            value = getattr(self, f.name)
+            if f.name != "swiglu_epilogue" and not (
+                isinstance(value, PersistentTiles) or value in (GROUPED_MM, CUBLAS_LOOP)
+            ):
+                raise KernelValueError(
+                    f"ExpertGemms.{f.name}={value!r}: expected {GROUPED_MM!r}, {CUBLAS_LOOP!r} "
+                    "or PersistentTiles"
+                )
+        if self.swiglu_epilogue and not isinstance(self.gate_up, PersistentTiles):
+            raise KernelValueError(
+                f"swiglu_epilogue=True needs Triton tiles for gate_up, got {self.gate_up!r}"
+            )
 
 
 class ExpertGemmRunner:
     """Runs the six GEMMs of one layer call as an :class:`ExpertGemms` plan says, building each
-    row-tile schedule once (per tile height) and sharing it between the forward and the
-    backward GEMMs.
+    row-tile schedule once (per tile height) and the host copy of the group ends at most once,
+    shared between the forward and the backward GEMMs.
 
     Args:
         plan: Kernel of each GEMM.
@@ -79,6 +102,7 @@ class ExpertGemmRunner:
         self.offsets = offsets
         self.num_rows = num_rows
         self._schedules: dict[int, torch.Tensor] = {}
+        self._spans: list[tuple[int, int, int]] | None = None
 
     def _schedule(self, tiles: PersistentTiles) -> torch.Tensor:
         if tiles.block_m not in self._schedules:
@@ -87,26 +111,47 @@ class ExpertGemmRunner:
             )
         return self._schedules[tiles.block_m]
 
-    def _rows(
-        self, tiles: PersistentTiles | None, a: torch.Tensor, w: torch.Tensor, transpose: bool
-    ) -> torch.Tensor:
-        if tiles is None:
-            return torch._grouped_mm(a, w.transpose(-2, -1) if transpose else w, offs=self.offsets)
-        return m_grouped_mm(
-            a,
-            w,
-            self.offsets,
-            transpose_weight=transpose,
-            tiles=tiles,
-            schedule=self._schedule(tiles),
-        )
+    def _expert_spans(self) -> list[tuple[int, int, int]]:
+        """``(expert, first row, end row)`` of every expert (one host synchronisation)."""
+        if self._spans is None:
+            # NOTE: the group ends on the host, once per layer call, for the cuBLAS loop.
+            ends = self.offsets.tolist()
+            self._spans = [(e, ends[e - 1] if e else 0, ends[e]) for e in range(len(ends))]
+        return self._spans
 
-    def _weights(
-        self, tiles: PersistentTiles | None, g: torch.Tensor, x: torch.Tensor
+    def _rows(
+        self, kernel: GemmKernel, a: torch.Tensor, w: torch.Tensor, transpose: bool
     ) -> torch.Tensor:
-        if tiles is None:
-            return torch._grouped_mm(g.t(), x, offs=self.offsets)
-        return k_grouped_mm(g, x, self.offsets, tiles=tiles)
+        if isinstance(kernel, PersistentTiles):
+            return m_grouped_mm(
+                a,
+                w,
+                self.offsets,
+                transpose_weight=transpose,
+                tiles=kernel,
+                schedule=self._schedule(kernel),
+            )
+        if kernel == CUBLAS_LOOP:
+            out = a.new_empty(a.shape[0], w.shape[1] if transpose else w.shape[2])
+            for expert, start, end in self._expert_spans():
+                if end > start:
+                    weight = w[expert].t() if transpose else w[expert]
+                    torch.mm(a[start:end], weight, out=out[start:end])
+            return out
+        return torch._grouped_mm(a, w.transpose(-2, -1) if transpose else w, offs=self.offsets)
+
+    def _weights(self, kernel: GemmKernel, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(kernel, PersistentTiles):
+            return k_grouped_mm(g, x, self.offsets, tiles=kernel)
+        if kernel == CUBLAS_LOOP:
+            out = g.new_empty(self.offsets.shape[0], g.shape[1], x.shape[1])
+            for expert, start, end in self._expert_spans():
+                if end > start:
+                    torch.mm(g[start:end].t(), x[start:end], out=out[expert])
+                else:
+                    out[expert].zero_()
+            return out
+        return torch._grouped_mm(g.t(), x, offs=self.offsets)
 
     def gate_up(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
         """``x[rows of e] @ w_gate_up[e].T``.
@@ -139,7 +184,7 @@ class ExpertGemmRunner:
             ``(act, gate_up)``: ``[M, F]`` and ``[M, 2F]``.
         """
         tiles = self.plan.gate_up
-        assert tiles is not None
+        assert isinstance(tiles, PersistentTiles)
         return m_grouped_swiglu(
             x,
             w_gate_up,
