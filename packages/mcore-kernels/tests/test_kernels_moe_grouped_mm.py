@@ -195,7 +195,7 @@ def test_bad_input_raises_typed_errors():
         PersistentTiles(num_warps=3)
     with pytest.raises(KernelValueError, match="swiglu_epilogue"):
         ExpertGemms(swiglu_epilogue=True)
-    with pytest.raises(KernelValueError, match="ExpertGemms.down='cutlass'"):
+    with pytest.raises(KernelValueError, match=r"ExpertGemms\.down='cutlass'"):
         ExpertGemms(down="cutlass")
     with pytest.raises(KernelShapeError, match="weights and order"):
         m_grouped_swiglu(a, _randn(len(COUNTS), 64, 32), offsets, tiles=TILES, weights=a[:, 0])
