@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_kernels.moe import swiglu
+from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, ExpertGemms
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.config import expert_capacity
@@ -91,6 +92,21 @@ within two minutes)."""
 FEW_EXPERTS = 16
 """Cases with at most this many experts also time the loops over experts (slow otherwise)."""
 SMOKE = {"smoke": dict(hidden=64, experts=4, top_k=2, ffn=32, tokens=64)}
+
+
+GROUPED_MM_ONLY = (
+    "mcore MoELayer dropless, fused op with every expert GEMM on torch._grouped_mm "
+    "(the default before the per-shape GEMM plan)"
+)
+FUSED_LOOP = "mcore MoELayer dropless, fused op with one cuBLAS GEMM per expert (host sync)"
+LOOP_PLAN = ExpertGemms(
+    gate_up=CUBLAS_LOOP,
+    down=CUBLAS_LOOP,
+    d_act=CUBLAS_LOOP,
+    d_x=CUBLAS_LOOP,
+    w_down=CUBLAS_LOOP,
+    w_gate_up=CUBLAS_LOOP,
+)
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -345,6 +361,7 @@ def run_case(
         "mcore MoELayer dropless, batched GEMMs padded to the largest expert (host sync)": (
             lambda: _moe(case, device, expert_kernel="bmm")
         ),
+        GROUPED_MM_ONLY: lambda: _plan(_moe(case, device), ExpertGemms()),
         DROP_AND_PAD: lambda: _moe(case, device, capacity_factor=1.25),
         "mcore MoELayer drop-and-pad (capacity 1.25), batched GEMMs over the padded slots": (
             lambda: _moe(case, device, capacity_factor=1.25, fused_experts=False)
@@ -352,6 +369,7 @@ def run_case(
         HF_GROUPED: lambda: _wants_3d(_hf_block(case, device, "grouped_mm")),
     }
     if few:
+        builders[FUSED_LOOP] = lambda: _plan(_moe(case, device), LOOP_PLAN)
         builders[
             "mcore MoELayer dropless, one cuBLAS GEMM per expert on two streams (host sync)"
         ] = lambda: _loop_streams(_moe(case, device, expert_kernel="cublas"), 2)
@@ -482,6 +500,11 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
 
 def _loop_streams(layer: nn.Module, streams: int) -> nn.Module:
     layer.experts.loop_streams = streams  # type: ignore[union-attr]
+    return layer
+
+
+def _plan(layer: nn.Module, plan: ExpertGemms) -> nn.Module:
+    layer.experts.gemm_plan = plan  # type: ignore[union-attr]
     return layer
 
 
