@@ -123,6 +123,7 @@ ALL_TRITON = ExpertGemms(
     swiglu_epilogue=True,
     down=TILES,
     d_act=TILES,
+    swiglu_backward_epilogue=True,
     d_x=TILES,
     w_down=TILES,
     w_gate_up=PersistentTiles(
@@ -195,7 +196,43 @@ def test_bad_input_raises_typed_errors():
         PersistentTiles(num_warps=3)
     with pytest.raises(KernelValueError, match="swiglu_epilogue"):
         ExpertGemms(swiglu_epilogue=True)
+    with pytest.raises(KernelValueError, match="swiglu_backward_epilogue"):
+        ExpertGemms(swiglu_backward_epilogue=True)
     with pytest.raises(KernelValueError, match=r"ExpertGemms\.down='cutlass'"):
         ExpertGemms(down="cutlass")
     with pytest.raises(KernelShapeError, match="weights and order"):
         m_grouped_swiglu(a, _randn(len(COUNTS), 64, 32), offsets, tiles=TILES, weights=a[:, 0])
+
+
+def test_routed_experts_on_triton_gemms_with_dropped_assignments_match_reference():
+    # Capacity routing: each expert keeps its first 3 rows; the dropped assignments have no
+    # row (inverse -1) and the rows past the kept ones hold no assignment (order -1).
+    x, weights, w_gu, w_d, order, inverse, offsets = _routed_problem()
+    ends = offsets.tolist()
+    rows = torch.full_like(order, -1)
+    kept_inverse = torch.full_like(inverse, -1)
+    kept_ends, start, row = [], 0, 0
+    for end in ends:
+        for assignment in order[start : min(end, start + 3)].tolist():
+            rows[row] = assignment
+            kept_inverse[assignment] = row
+            row += 1
+        kept_ends.append(row)
+        start = end
+    kept_offsets = torch.tensor(kept_ends, dtype=torch.int32)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(12)).to(DTYPE)
+    got = _run(
+        lambda *t: routed_experts(*t, rows, kept_inverse, kept_offsets, gemms=ALL_TRITON),
+        (x, weights, w_gu, w_d),
+        grad,
+    )
+    want = _run(
+        lambda *t: routed_experts_reference(*t, rows, kept_offsets),
+        [t.float() for t in (x, weights, w_gu, w_d)],
+        grad.float(),
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
+    dropped = (kept_inverse < 0).view(weights.shape)
+    assert dropped.any()
+    assert torch.count_nonzero(got[2][dropped]) == 0

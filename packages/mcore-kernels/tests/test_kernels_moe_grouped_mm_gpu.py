@@ -89,6 +89,7 @@ ALL_TRITON = ExpertGemms(
     swiglu_epilogue=True,
     down=ROWS_TILES,
     d_act=ROWS_TILES,
+    swiglu_backward_epilogue=True,
     d_x=ROWS_TILES,
     w_down=WEIGHT_TILES,
     w_gate_up=WEIGHT_TILES,

@@ -72,6 +72,7 @@ def m_grouped_kernel(
     pre_ptr,
     w_ptr,
     order_ptr,
+    dw_ptr,
     sched_ptr,
     max_tiles,
     N,
@@ -79,6 +80,7 @@ def m_grouped_kernel(
     stride_cm,
     B_NK: tl.constexpr,
     SWIGLU: tl.constexpr,
+    SWIGLU_BWD: tl.constexpr,
     HAS_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -98,6 +100,11 @@ def m_grouped_kernel(
     program computes a gate and an up tile, stores both into ``pre`` (``[M, 2N]``, kept for
     the backward pass) and ``silu(gate) * up`` into ``C`` (``[M, N]``), scaled by the row's
     routing weight ``w[order[row]]`` with ``HAS_W``.
+
+    ``SWIGLU_BWD``: the product (rounded to the dtype) is the gradient of that activation;
+    read the gate/up product from ``pre``, store its gradient into ``C`` (``[M, 2N]``) and
+    this column tile's share of each row's routing-weight gradient into ``dw[row, pid_n]``
+    (float32, ``[M, cdiv(N, BLOCK_N)]``).
     """
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -148,6 +155,22 @@ def m_grouped_kernel(
                 weight = tl.load(w_ptr + assignment, mask=row_ok, other=0.0).to(tl.float32)
                 act = act * weight[:, None]
             tl.store(c_ptr + out_rows * stride_cm + cols[None, :], act.to(dtype), mask=mask)
+        elif SWIGLU_BWD:
+            pre = pre_ptr + out_rows * (2 * N) + cols[None, :]
+            g = tl.load(pre, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(pre + N, mask=mask, other=0.0).to(tl.float32)
+            d = acc.to(dtype).to(tl.float32)
+            sig = 1.0 / (1.0 + tl.exp(-g))
+            silu = g * sig
+            if HAS_W:
+                part = tl.sum(d * silu * u, axis=1)
+                tl.store(dw_ptr + rows.to(tl.int64) * num_n + pid_n, part, mask=row_ok)
+                assignment = tl.load(order_ptr + rows, mask=row_ok, other=0)
+                weight = tl.load(w_ptr + assignment, mask=row_ok, other=0.0).to(tl.float32)
+                d = d * weight[:, None]
+            out = c_ptr + out_rows * (2 * N) + cols[None, :]
+            tl.store(out, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dtype), mask=mask)
+            tl.store(out + N, (d * silu).to(dtype), mask=mask)
         else:
             tl.store(c_ptr + out_rows * stride_cm + cols[None, :], acc.to(dtype), mask=mask)
 

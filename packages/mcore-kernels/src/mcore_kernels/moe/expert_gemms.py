@@ -25,6 +25,7 @@ from mcore_kernels.moe.grouped_mm import (
     k_grouped_mm,
     m_grouped_mm,
     m_grouped_swiglu,
+    m_grouped_swiglu_backward,
     tile_schedule,
 )
 
@@ -63,6 +64,9 @@ class ExpertGemms:
     """Down projection (forward)."""
     d_act: GemmKernel = GROUPED_MM
     """Input gradient of the down projection."""
+    swiglu_backward_epilogue: bool = False
+    """Compute the weighted SwiGLU backward in the Triton ``d_act`` GEMM's epilogue (needs
+    Triton tiles for ``d_act``)."""
     d_x: GemmKernel = GROUPED_MM
     """Input gradient of the gate/up projection."""
     w_down: GemmKernel = GROUPED_MM
@@ -73,7 +77,7 @@ class ExpertGemms:
     def __post_init__(self) -> None:
         for f in fields(ExpertGemms):
             value = getattr(self, f.name)
-            if f.name != "swiglu_epilogue" and not (
+            if not f.name.startswith("swiglu") and not (
                 isinstance(value, PersistentTiles) or value in (GROUPED_MM, CUBLAS_LOOP)
             ):
                 raise KernelValueError(
@@ -83,6 +87,10 @@ class ExpertGemms:
         if self.swiglu_epilogue and not isinstance(self.gate_up, PersistentTiles):
             raise KernelValueError(
                 f"swiglu_epilogue=True needs Triton tiles for gate_up, got {self.gate_up!r}"
+            )
+        if self.swiglu_backward_epilogue and not isinstance(self.d_act, PersistentTiles):
+            raise KernelValueError(
+                f"swiglu_backward_epilogue=True needs Triton tiles for d_act, got {self.d_act!r}"
             )
 
 
@@ -218,6 +226,47 @@ class ExpertGemmRunner:
             ``[M, F]``.
         """
         return self._rows(self.plan.d_act, grad, w_down, False)
+
+    def d_act_swiglu(
+        self,
+        grad: torch.Tensor,
+        w_down: torch.Tensor,
+        gate_up: torch.Tensor,
+        weights: torch.Tensor,
+        order: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``d_act`` GEMM with the weighted SwiGLU backward in its epilogue
+        (``swiglu_backward_epilogue``).
+
+        Args:
+            grad: ``[M, H]`` gradient of the down projection's output.
+            w_down: ``[E, H, F]``.
+            gate_up: ``[M, 2F]`` gate/up product of the forward pass.
+            weights: Routing weight of every assignment.
+            order: ``[M]`` int64 assignment of each row (-1 for a row without one).
+
+        Returns:
+            ``(grad_gate_up, grad_weights)``: ``[M, 2F]`` and the float32 gradient of every
+            routing weight (zero for an assignment without a row).
+        """
+        tiles = self.plan.d_act
+        assert isinstance(tiles, PersistentTiles)
+        grad_gate_up, row_grad = m_grouped_swiglu_backward(
+            grad,
+            w_down,
+            gate_up,
+            self.offsets,
+            tiles=tiles,
+            schedule=self._schedule(tiles),
+            weights=weights,
+            order=order,
+        )
+        assert row_grad is not None
+        count = weights.numel()
+        # Rows without an assignment (zero partials) all land on one spare entry, dropped.
+        grad_w = torch.zeros(count + 1, dtype=torch.float32, device=weights.device)
+        grad_w.index_copy_(0, torch.where(order >= 0, order, count), row_grad)
+        return grad_gate_up, grad_w[:-1]
 
     def d_x(self, grad_gate_up: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
         """``grad_gate_up[rows of e] @ w_gate_up[e]``.

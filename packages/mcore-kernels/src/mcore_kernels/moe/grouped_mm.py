@@ -27,6 +27,7 @@ __all__ = [
     "m_grouped_mm",
     "m_grouped_mm_reference",
     "m_grouped_swiglu",
+    "m_grouped_swiglu_backward",
     "tile_schedule",
 ]
 
@@ -145,6 +146,7 @@ def _m_launch(
     swiglu: bool = False,
     weights: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
+    swiglu_bwd_pre: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -167,15 +169,20 @@ def _m_launch(
         raise KernelShapeError(f"K={k} must be a multiple of block_k={tiles.block_k}")
     rows = a.shape[0]
     out_n = n // 2 if swiglu else n
-    out = a.new_empty(rows, out_n)
-    pre = a.new_empty(rows, n) if swiglu else None
+    bwd = swiglu_bwd_pre is not None
+    out = a.new_empty(rows, 2 * n if bwd else out_n)
+    # Second result: the gate/up product (forward) or the routing-weight gradient partials.
+    second = a.new_empty(rows, n) if swiglu else None
+    if bwd and weights is not None:
+        parts = triton.cdiv(n, tiles.block_n)
+        second = torch.zeros(rows, parts, dtype=torch.float32, device=a.device)
     if rows == 0 or n == 0:
-        return out, pre
+        return out, second
     if k == 0:
         out.zero_()
-        if pre is not None:
-            pre.zero_()
-        return out, pre
+        if second is not None:
+            second.zero_()
+        return out, second
     a = _tma_ready(a)
     weight = weight.contiguous()
     if schedule is None:
@@ -192,9 +199,10 @@ def _m_launch(
         a_desc,
         b_desc,
         out,
-        pre if pre is not None else out,
+        swiglu_bwd_pre if bwd else (second if second is not None else out),
         weights if weights is not None else out,
         order if order is not None else offsets,
+        second if bwd and second is not None else out,
         schedule,
         max_tiles,
         out_n,
@@ -202,6 +210,7 @@ def _m_launch(
         out.stride(0),
         B_NK=transpose_weight,
         SWIGLU=swiglu,
+        SWIGLU_BWD=bwd,
         HAS_W=weights is not None,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -212,7 +221,7 @@ def _m_launch(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    return out, pre
+    return out, second
 
 
 def m_grouped_mm(
@@ -282,6 +291,53 @@ def m_grouped_swiglu(
     act, pre = _m_launch(x, w_gate_up, offsets, True, tiles, schedule, True, weights, order)
     assert pre is not None
     return act, pre
+
+
+def m_grouped_swiglu_backward(
+    grad: torch.Tensor,
+    w_down: torch.Tensor,
+    pre: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    tiles: PersistentTiles,
+    schedule: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Input gradient of the down projection with the SwiGLU backward in its epilogue.
+
+    ``d_act[rows of e] = grad[rows of e] @ w_down[e]`` (rounded to the dtype) is the gradient
+    of ``w[order[r]] * silu(gate) * up``; the gate/up gradient is written instead of it.
+
+    Args:
+        grad: ``[M, H]`` gradient of the down projection's output.
+        w_down: ``[E, H, F]``.
+        pre: ``[M, 2F]`` gate/up product of the forward pass.
+        offsets: ``[E]`` int32 end row of each expert.
+        tiles: Tile shape.
+        schedule: :func:`tile_schedule` of ``offsets`` with ``tiles.block_m`` (built when None).
+        weights: Routing weight of every assignment, or None.
+        order: ``[M]`` int64 assignment of each row (required with ``weights``).
+
+    Returns:
+        ``(grad_gate_up, grad_row_weight)``: ``[M, 2F]`` and, with ``weights``, the float32
+        ``[M]`` gradient of each row's routing weight (rows past ``offsets[-1]`` undefined).
+
+    Raises:
+        KernelShapeError: If the shapes do not match or ``order`` is missing.
+        KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
+    """
+    if (weights is None) != (order is None):
+        raise KernelShapeError("weights and order must be given together")
+    ffn = w_down.shape[2]
+    if pre.shape != (grad.shape[0], 2 * ffn):
+        raise KernelShapeError(
+            f"pre.shape={tuple(pre.shape)}: expected ({grad.shape[0]}, {2 * ffn})"
+        )
+    out, parts = _m_launch(
+        grad, w_down, offsets, False, tiles, schedule, False, weights, order, pre.contiguous()
+    )
+    return out, None if parts is None else parts.sum(dim=1)
 
 
 def k_grouped_mm(

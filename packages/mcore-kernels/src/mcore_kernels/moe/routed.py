@@ -120,10 +120,15 @@ class RoutedExpertsFunction(torch.autograd.Function):
             grad_y = _gather_rows(grad, order, top_k, None)
             if needs_down:
                 grad_down = run.w_down(grad_y, act)
-            grad_act = run.d_act(grad_y, w_down)
+            if run.plan.swiglu_backward_epilogue:
+                grad_gate_up, grad_flat_w = run.d_act_swiglu(grad_y, w_down, gate_up, flat_w, order)
+            else:
+                grad_act = run.d_act(grad_y, w_down)
+                grad_gate_up, grad_flat_w = _routed_swiglu_backward(
+                    gate_up, flat_w, order, grad_act
+                )
+                del grad_act
             del grad_y
-            grad_gate_up, grad_flat_w = _routed_swiglu_backward(gate_up, flat_w, order, grad_act)
-            del grad_act
             if needs_gu:
                 grad_gu = run.w_gate_up(grad_gate_up, permuted)
             if needs_x:
