@@ -62,13 +62,17 @@ def test_tile_schedule_lists_every_row_tile_of_every_expert():
     assert got == want
 
 
+@pytest.mark.parametrize("tma_store", [False, True])
 @pytest.mark.parametrize("transpose", [True, False])
-def test_m_grouped_mm_matches_reference(transpose):
+def test_m_grouped_mm_matches_reference(transpose, tma_store):
     offsets = _offsets()
     rows, n, k = int(offsets[-1]), 48, 32
     a = _randn(rows, k, seed=1)
     w = _randn(len(COUNTS), *((n, k) if transpose else (k, n)), seed=2)
-    got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=TILES)
+    tiles = PersistentTiles(
+        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, tma_store=tma_store
+    )
+    got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=tiles)
     want = m_grouped_mm_reference(a, w, offsets, transpose_weight=transpose)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 

@@ -68,6 +68,7 @@ def tile_schedule_kernel(
 def m_grouped_kernel(
     a_desc,
     b_desc,
+    c_desc,
     c_ptr,
     pre_ptr,
     w_ptr,
@@ -82,6 +83,7 @@ def m_grouped_kernel(
     SWIGLU: tl.constexpr,
     SWIGLU_BWD: tl.constexpr,
     HAS_W: tl.constexpr,
+    TMA_STORE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -105,6 +107,9 @@ def m_grouped_kernel(
     read the gate/up product from ``pre``, store its gradient into ``C`` (``[M, 2N]``) and
     this column tile's share of each row's routing-weight gradient into ``dw[row, pid_n]``
     (float32, ``[M, cdiv(N, BLOCK_N)]``).
+
+    ``TMA_STORE`` (plain product): a tile whose rows all belong to its expert is stored through
+    ``c_desc`` (``[M, N]``), a partial one with masked stores.
     """
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -171,6 +176,11 @@ def m_grouped_kernel(
             out = c_ptr + out_rows * (2 * N) + cols[None, :]
             tl.store(out, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dtype), mask=mask)
             tl.store(out + N, (d * silu).to(dtype), mask=mask)
+        elif TMA_STORE:
+            if row_start + BLOCK_M <= row_end:
+                c_desc.store([row_start, n0], acc.to(dtype))
+            else:
+                tl.store(c_ptr + out_rows * stride_cm + cols[None, :], acc.to(dtype), mask=mask)
         else:
             tl.store(c_ptr + out_rows * stride_cm + cols[None, :], acc.to(dtype), mask=mask)
 

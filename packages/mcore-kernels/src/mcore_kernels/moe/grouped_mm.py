@@ -48,6 +48,9 @@ class PersistentTiles:
     """Software-pipelining depth of the operand loads."""
     flatten: bool = False
     """Flatten the job and reduction loops into one pipelined loop (:func:`m_grouped_mm`)."""
+    tma_store: bool = False
+    """:func:`m_grouped_mm`: store whole tiles through a TMA descriptor (partial ones with masked
+    stores)."""
     uniform: bool = False
     """:func:`k_grouped_mm`: mask every reduction chunk in one loop (else only the last)."""
     warp_specialize: bool = False
@@ -195,9 +198,12 @@ def _m_launch(
     else:
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
     programs = _programs(a.device, tiles, max_tiles * triton.cdiv(out_n, bn))
+    tma_store = tiles.tma_store and not swiglu and not bwd and n % bn == 0
+    c_desc = TensorDescriptor.from_tensor(out, [bm, bn]) if tma_store else b_desc
     m_grouped_kernel[(programs,)](
         a_desc,
         b_desc,
+        c_desc,
         out,
         swiglu_bwd_pre if bwd else (second if second is not None else out),
         weights if weights is not None else out,
@@ -212,6 +218,7 @@ def _m_launch(
         SWIGLU=swiglu,
         SWIGLU_BWD=bwd,
         HAS_W=weights is not None,
+        TMA_STORE=tma_store,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
