@@ -94,8 +94,7 @@ def markdown(measured: dict[tuple[str, str], dict[str, float]]) -> str:
                 f"{flops / nbytes:.0f} | {c_ms:.3f} | {m_ms:.3f} | {bound} |"
             )
         lines.append(
-            f"| {name} | all six | | | | {total_c:.3f} | {total_m:.3f} | "
-            f"floor {total_f:.3f} ms |"
+            f"| {name} | all six | | | | {total_c:.3f} | {total_m:.3f} | floor {total_f:.3f} ms |"
         )
     if measured:
         lines += [

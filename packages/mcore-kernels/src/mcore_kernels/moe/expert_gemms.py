@@ -36,6 +36,7 @@ __all__ = [
     "ExpertGemms",
     "GemmKernel",
     "choose_expert_gemms",
+    "triton_expert_gemms",
 ]
 
 
@@ -322,3 +323,28 @@ def choose_expert_gemms(
         not measured.
     """
     return ExpertGemms()
+
+
+def triton_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> ExpertGemms:
+    """Every expert GEMM on the persistent Triton kernels, with the tiles measured fastest for
+    the shape (the SwiGLU epilogues off: the plain products, to compare GEMM by GEMM).
+
+    Args:
+        rows: Routed rows (tokens x top-k).
+        hidden: Hidden size.
+        ffn: Inner width of each expert.
+        experts: Experts held.
+
+    Returns:
+        The plan.
+    """
+    rows_tiles = PersistentTiles(block_m=128, block_n=128, block_k=64, num_stages=4)
+    weight_tiles = PersistentTiles(block_m=64, block_n=128, block_k=128, num_stages=4)
+    return ExpertGemms(
+        gate_up=rows_tiles,
+        down=rows_tiles,
+        d_act=rows_tiles,
+        d_x=rows_tiles,
+        w_down=weight_tiles,
+        w_gate_up=weight_tiles,
+    )
