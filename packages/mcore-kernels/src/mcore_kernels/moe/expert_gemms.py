@@ -306,6 +306,15 @@ class ExpertGemmRunner:
         return self._weights(self.plan.w_gate_up, grad_gate_up, x)
 
 
+_MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {}
+"""Plans measured fastest on an H200, by ``(hidden, ffn, experts)``: a list of ``(largest mean
+rows per expert, plan)`` in increasing order (``bench_moe_gemm.py`` and ``bench_moe.py``)."""
+
+
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def choose_expert_gemms(
     rows: int, hidden: int, ffn: int, experts: int, device: torch.device
 ) -> ExpertGemms:
@@ -319,9 +328,16 @@ def choose_expert_gemms(
         device: Device of the tokens.
 
     Returns:
-        The plan; ``torch._grouped_mm`` for every GEMM off Hopper-class GPUs and for shapes
-        not measured.
+        The plan measured for this shape and mean rows per expert on a Hopper GPU;
+        ``torch._grouped_mm`` for every GEMM elsewhere and for shapes not measured.
     """
+    plans = _MEASURED_PLANS.get((hidden, ffn, experts))
+    if not plans or not _hopper(device):
+        return ExpertGemms()
+    mean_rows = rows // max(experts, 1)
+    for largest, plan in plans:
+        if mean_rows <= largest:
+            return plan
     return ExpertGemms()
 
 
