@@ -24,7 +24,7 @@ from mcore_kernels.moe.grouped_mm import (
     m_grouped_swiglu,
     tile_schedule,
 )
-from mcore_kernels.moe.routed import routed_experts, routed_experts_reference
+from mcore_kernels.moe.routed import grouped_experts, routed_experts, routed_experts_reference
 
 pytestmark = pytest.mark.interpreter
 
@@ -240,3 +240,26 @@ def test_routed_experts_on_triton_gemms_with_dropped_assignments_match_reference
     dropped = (kept_inverse < 0).view(weights.shape)
     assert dropped.any()
     assert torch.count_nonzero(got[2][dropped]) == 0
+
+
+def test_grouped_experts_on_rows_in_expert_order_match_reference():
+    offsets = _offsets()
+    rows = int(offsets[-1])
+    x = _randn(rows, 32, seed=13) * 0.5
+    weights = torch.rand(rows, generator=torch.Generator().manual_seed(14)).to(DTYPE)
+    w_gu = _randn(len(COUNTS), 32, 32, seed=15) * 0.2
+    w_d = _randn(len(COUNTS), 32, 16, seed=16) * 0.2
+    grad = _randn(rows, 32, seed=17)
+    got = _run(
+        lambda a, b, c, d: grouped_experts(a, b, c, d, offsets, gemms=ALL_TRITON),
+        (x, weights, w_gu, w_d),
+        grad,
+    )
+    order = torch.arange(rows)
+    want = _run(
+        lambda a, b, c, d: routed_experts_reference(a, b[:, None], c, d, order, offsets),
+        [t.float() for t in (x, weights, w_gu, w_d)],
+        grad.float(),
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)

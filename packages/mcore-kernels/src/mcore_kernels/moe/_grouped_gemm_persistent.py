@@ -12,8 +12,9 @@ Rows ``starts[e]:ends[e]`` of the row matrix belong to expert ``e``. Three kerne
   never stored.
 - :func:`k_grouped_kernel`: ``OUT[e] = G[rows of e].T @ X[rows of e]`` (the weight gradients,
   zero for an expert without rows), persistent over the ``(expert, output tile)`` jobs and
-  reducing over the rows of the expert; the last, partial row chunk is masked so that the
-  next expert's rows add nothing.
+  reducing over the rows of the expert; both operands of the last, partial row chunk are
+  masked, so that the next rows (another expert's, or rows no expert owns, which may hold
+  anything) add nothing.
 
 Every output element is written by one program, without atomics: results are bitwise
 reproducible run to run.
@@ -234,9 +235,11 @@ def k_grouped_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if UNIFORM:
             for m0 in range(start, end, BLOCK_R):
+                keep = (m0 + r < end)[:, None]
                 g = g_desc.load([m0, n0])
                 x = x_desc.load([m0, k0])
-                x = tl.where((m0 + r < end)[:, None], x, tl.zeros_like(x))
+                g = tl.where(keep, g, tl.zeros_like(g))
+                x = tl.where(keep, x, tl.zeros_like(x))
                 acc = tl.dot(g.T, x, acc)
         else:
             full_end = start + ((end - start) // BLOCK_R) * BLOCK_R
@@ -245,9 +248,11 @@ def k_grouped_kernel(
                 x = x_desc.load([m0, k0])
                 acc = tl.dot(g.T, x, acc)
             if full_end < end:
+                keep = (full_end + r < end)[:, None]
                 g = g_desc.load([full_end, n0])
                 x = x_desc.load([full_end, k0])
-                x = tl.where((full_end + r < end)[:, None], x, tl.zeros_like(x))
+                g = tl.where(keep, g, tl.zeros_like(g))
+                x = tl.where(keep, x, tl.zeros_like(x))
                 acc = tl.dot(g.T, x, acc)
         if TMA_STORE:
             out_desc.store([expert * N + n0, k0], acc.to(dtype))

@@ -22,7 +22,7 @@ from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms
 from mcore_kernels.moe.permute import _device, _gather_rows, _sum_rows
 
-__all__ = ["routed_experts", "routed_experts_reference"]
+__all__ = ["grouped_experts", "routed_experts", "routed_experts_reference"]
 
 
 def _swiglu_launch_block(width: int) -> int:
@@ -91,7 +91,8 @@ class RoutedExpertsFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         flat_w = weights.reshape(-1)
         with _device(x):
-            permuted = _gather_rows(x, order, top_k, None)
+            # top_k 0: the rows are already in expert order (no gather and no combine).
+            permuted = _gather_rows(x, order, top_k, None) if top_k else x
             run = ExpertGemmRunner(gemms, offsets, permuted.shape[0])
             if gemms.swiglu_epilogue:
                 act, gate_up = run.gate_up_swiglu(permuted, w_gate_up, flat_w, order)
@@ -99,7 +100,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
                 gate_up = run.gate_up(permuted, w_gate_up)
                 act = _routed_swiglu(gate_up, flat_w, order)
             y = run.down(act, w_down)
-            out = _sum_rows(y, inverse, top_k, None)
+            out = _sum_rows(y, inverse, top_k, None) if top_k else y
         ctx.save_for_backward(
             flat_w, w_gate_up, w_down, order, inverse, offsets, permuted, gate_up, act
         )
@@ -117,7 +118,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
         grad_x = grad_w = grad_gu = grad_down = None
         run = ctx.run
         with _device(grad):
-            grad_y = _gather_rows(grad, order, top_k, None)
+            grad_y = _gather_rows(grad, order, top_k, None) if top_k else grad
             if needs_down:
                 grad_down = run.w_down(grad_y, act)
             if run.plan.swiglu_backward_epilogue:
@@ -133,7 +134,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
                 grad_gu = run.w_gate_up(grad_gate_up, permuted)
             if needs_x:
                 grad_perm = run.d_x(grad_gate_up, w_gate_up)
-                grad_x = _sum_rows(grad_perm, inverse, top_k, None)
+                grad_x = _sum_rows(grad_perm, inverse, top_k, None) if top_k else grad_perm
         if needs_w:
             grad_w = grad_flat_w.to(flat_w.dtype).view(ctx.weights_shape)
         return grad_x, grad_w, grad_gu, grad_down, None, None, None, None, None
@@ -255,5 +256,50 @@ def routed_experts(
         inverse,
         offsets,
         weights.shape[1],
+        gemms if gemms is not None else ExpertGemms(),
+    )
+
+
+def grouped_experts(
+    rows: torch.Tensor,
+    row_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    offsets: torch.Tensor,
+    gemms: ExpertGemms | None = None,
+) -> torch.Tensor:
+    """The experts of :func:`routed_experts` alone, on rows already in expert order: ``w[r] *
+    silu(x W_gate^T) * (x W_up^T)`` then the down projection, row by row (no gather, no
+    combine).
+
+    Args:
+        rows: ``[M, H]`` rows sorted by expert.
+        row_weights: ``[M]`` routing weight of each row (differentiable).
+        w_gate_up: ``[E, 2F, H]``.
+        w_down: ``[E, H, F]``.
+        offsets: ``[E]`` int32 end row of each expert (``offsets[-1] == M``).
+        gemms: Kernel of each expert GEMM (default: ``torch._grouped_mm`` for all six).
+
+    Returns:
+        ``[M, H]`` in the dtype of ``rows``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match.
+    """
+    if rows.dim() != 2 or row_weights.shape != (rows.shape[0],):
+        raise KernelShapeError(
+            f"rows.shape={tuple(rows.shape)} and row_weights.shape={tuple(row_weights.shape)} "
+            "must be [M, hidden] and [M]"
+        )
+    index = torch.arange(rows.shape[0], device=rows.device)
+    return RoutedExpertsFunction.apply(
+        rows.contiguous(),
+        row_weights.contiguous(),
+        w_gate_up,
+        w_down,
+        index,
+        index,
+        offsets,
+        0,
         gemms if gemms is not None else ExpertGemms(),
     )
