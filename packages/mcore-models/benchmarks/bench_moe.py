@@ -58,6 +58,7 @@ from torch import nn
 
 from mcore_kernels.moe import swiglu
 from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, ExpertGemms
+from mcore_kernels.moe.routed import grouped_experts
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.config import expert_capacity
@@ -475,6 +476,9 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     if capacity is not None and folded_slots:
         slot_weights = torch.rand(moe.num_experts, capacity, device=x.device, dtype=x.dtype)
 
+    fused = experts.fuses_routing(x)
+    offsets = counts.cumsum(0).to(torch.int32)
+
     # The experts are a submodule, so that _time's zero_grad clears their gradients (else
     # every step would add into the previous step's gradients).
     class Experts(nn.Module):
@@ -483,6 +487,16 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
             self.experts = experts
 
         def forward(self, rows: torch.Tensor) -> torch.Tensor:
+            if capacity is None and fused and row_weights is not None:
+                # The layer's fused operation without its gather and combine (same GEMM plan).
+                return grouped_experts(
+                    rows,
+                    row_weights,
+                    self.experts._gate_up_weight(),
+                    self.experts.down_proj,
+                    offsets,
+                    self.experts.plan_for(rows.shape[0], rows),
+                )
             if capacity is None:
                 return self.experts(rows, counts, row_weights)
             slots = rows.view(moe.num_experts, capacity, -1)

@@ -294,6 +294,23 @@ class GroupedExperts(nn.Module):
             and grouped_mm_supported(tokens.device, tokens.dtype)
         )
 
+    def plan_for(self, rows: int, tokens: torch.Tensor) -> ExpertGemms:
+        """Kernel of each grouped GEMM of :meth:`forward_routed` for ``rows`` routed rows.
+
+        Args:
+            rows: Routed rows (tokens x top-k).
+            tokens: The tokens (for their device).
+
+        Returns:
+            ``gemm_plan`` when set, else the measured plan of this shape.
+        """
+        if self.gemm_plan is not None:
+            return self.gemm_plan
+        hidden = self.down_proj.shape[1]
+        return choose_expert_gemms(
+            rows, hidden, self.ffn_hidden_size, self.num_experts, tokens.device
+        )
+
     def forward_routed(
         self,
         x: torch.Tensor,
@@ -318,11 +335,6 @@ class GroupedExperts(nn.Module):
             ``[T, hidden]`` weighted sum of each token's expert outputs.
         """
         offsets = counts.cumsum(0).to(torch.int32)
-        plan = self.gemm_plan
-        if plan is None:
-            plan = choose_expert_gemms(
-                order.shape[0], x.shape[1], self.ffn_hidden_size, self.num_experts, x.device
-            )
         return routed_experts(
             x,
             weights,
@@ -331,7 +343,7 @@ class GroupedExperts(nn.Module):
             order,
             inverse,
             offsets,
-            gemms=plan,
+            gemms=self.plan_for(order.shape[0], x),
         )
 
     def forward_tokens(
