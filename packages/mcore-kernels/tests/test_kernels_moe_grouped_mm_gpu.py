@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_kernels.moe.expert_gemms import ExpertGemms
+from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, CUBLAS_LOOP_STREAMS, ExpertGemms
 from mcore_kernels.moe.grouped_mm import (
     PersistentTiles,
     k_grouped_mm,
@@ -96,10 +96,22 @@ ALL_TRITON = ExpertGemms(
 )
 
 
-def test_routed_experts_on_triton_gemms_match_grouped_mm_and_repeat_bitwise():
+LOOPS = ExpertGemms(
+    gate_up=CUBLAS_LOOP_STREAMS,
+    down=CUBLAS_LOOP_STREAMS,
+    d_act=CUBLAS_LOOP,
+    d_x=CUBLAS_LOOP_STREAMS,
+    w_down=CUBLAS_LOOP,
+    w_gate_up=CUBLAS_LOOP_STREAMS,
+    loop_streams=3,
+)
+
+
+@pytest.mark.parametrize("plan", [ALL_TRITON, LOOPS], ids=["triton", "cublas-loops"])
+def test_routed_experts_on_other_gemms_match_grouped_mm_and_repeat_bitwise(plan):
     want = _routed(None)
-    first = _routed(ALL_TRITON)
-    second = _routed(ALL_TRITON)
+    first = _routed(plan)
+    second = _routed(plan)
     for a, b, c in zip(first, second, want, strict=True):
         assert torch.equal(a, b)
         _close(a, c)
