@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_kernels.moe import swiglu
-from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, ExpertGemms
+from mcore_kernels.moe.expert_gemms import ExpertGemms
 from mcore_kernels.moe.routed import grouped_experts
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
@@ -99,14 +99,9 @@ GROUPED_MM_ONLY = (
     "mcore MoELayer dropless, fused op with every expert GEMM on torch._grouped_mm "
     "(the default before the per-shape GEMM plan)"
 )
-FUSED_LOOP = "mcore MoELayer dropless, fused op with one cuBLAS GEMM per expert (host sync)"
-LOOP_PLAN = ExpertGemms(
-    gate_up=CUBLAS_LOOP,
-    down=CUBLAS_LOOP,
-    d_act=CUBLAS_LOOP,
-    d_x=CUBLAS_LOOP,
-    w_down=CUBLAS_LOOP,
-    w_gate_up=CUBLAS_LOOP,
+FUSED_LOOP = (
+    "mcore MoELayer dropless, fused op with one cuBLAS GEMM per expert "
+    '(expert_kernel="cublas", host sync)'
 )
 
 
@@ -370,13 +365,10 @@ def run_case(
         HF_GROUPED: lambda: _wants_3d(_hf_block(case, device, "grouped_mm")),
     }
     if few:
-        builders[FUSED_LOOP] = lambda: _plan(_moe(case, device), LOOP_PLAN)
+        builders[FUSED_LOOP] = lambda: _moe(case, device, expert_kernel="cublas")
         builders[
-            "mcore MoELayer dropless, one cuBLAS GEMM per expert on two streams (host sync)"
-        ] = lambda: _loop_streams(_moe(case, device, expert_kernel="cublas"), 2)
-        builders[
-            "mcore MoELayer dropless, one cuBLAS GEMM per expert on one stream (host sync)"
-        ] = lambda: _moe(case, device, expert_kernel="cublas")
+            "mcore MoELayer dropless, one cuBLAS GEMM per expert, separate autograd ops (host sync)"
+        ] = lambda: _moe(case, device, expert_kernel="cublas", fused_experts=False)
         builders["mcore MoELayer dropless, torch references of the kernels"] = lambda: _backend(
             _moe(case, device, fused_experts=False), "torch"
         )
@@ -510,11 +502,6 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     ms = _time(Experts(), rows.clone(), grad, warmup, iters)
     layer.zero_grad(set_to_none=True)
     return ms
-
-
-def _loop_streams(layer: nn.Module, streams: int) -> nn.Module:
-    layer.experts.loop_streams = streams  # type: ignore[union-attr]
-    return layer
 
 
 def _plan(layer: nn.Module, plan: ExpertGemms) -> nn.Module:
