@@ -1,7 +1,8 @@
 """Persistent grouped GEMMs (Triton, through the interpreter) against their torch references:
-the device-side tile schedule, row-grouped products in both weight layouts, the SwiGLU
-epilogue, reduction-grouped weight gradients, experts without rows, the fused routed experts
-with every GEMM on these kernels (values and gradients), bitwise repeats, and bad input.
+the device-side tile schedule, row-grouped products in both weight layouts (plain and
+flattened loops), reduction-grouped weight gradients, experts without rows, the fused routed
+experts with every GEMM on these kernels or on cuBLAS loops (values and gradients, dropped
+assignments), bitwise repeats, and bad input.
 
 The interpreter reads bfloat16 tiles through TMA descriptors wrongly, so these tests run in
 float16; the GPU tests (``test_kernels_moe_grouped_mm_gpu.py``) cover bfloat16.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
 from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, CUBLAS_LOOP_STREAMS, ExpertGemms
@@ -21,7 +21,6 @@ from mcore_kernels.moe.grouped_mm import (
     k_grouped_mm_reference,
     m_grouped_mm,
     m_grouped_mm_reference,
-    m_grouped_swiglu,
     tile_schedule,
 )
 from mcore_kernels.moe.routed import grouped_experts, routed_experts, routed_experts_reference
@@ -62,45 +61,27 @@ def test_tile_schedule_lists_every_row_tile_of_every_expert():
     assert got == want
 
 
-@pytest.mark.parametrize("tma_store", [False, True])
+@pytest.mark.parametrize("flatten", [False, True])
 @pytest.mark.parametrize("transpose", [True, False])
-def test_m_grouped_mm_matches_reference(transpose, tma_store):
+def test_m_grouped_mm_matches_reference(transpose, flatten):
     offsets = _offsets()
     rows, n, k = int(offsets[-1]), 48, 32
     a = _randn(rows, k, seed=1)
     w = _randn(len(COUNTS), *((n, k) if transpose else (k, n)), seed=2)
     tiles = PersistentTiles(
-        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, tma_store=tma_store
+        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, flatten=flatten
     )
     got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=tiles)
     want = m_grouped_mm_reference(a, w, offsets, transpose_weight=transpose)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 
-def test_m_grouped_swiglu_matches_reference():
-    offsets = _offsets()
-    rows, ffn, hidden = int(offsets[-1]), 32, 48
-    x = _randn(rows, hidden, seed=3) * 0.3
-    w = _randn(len(COUNTS), 2 * ffn, hidden, seed=4) * 0.3
-    weights = torch.rand(rows, generator=torch.Generator().manual_seed(5)).to(DTYPE)
-    order = torch.randperm(rows, generator=torch.Generator().manual_seed(6))
-    act, pre = m_grouped_swiglu(x, w, offsets, tiles=TILES, weights=weights, order=order)
-    want_pre = m_grouped_mm_reference(x, w, offsets, transpose_weight=True)
-    gate, up = want_pre.float().split(ffn, dim=-1)
-    want_act = (F.silu(gate) * up * weights[order].float()[:, None]).to(DTYPE)
-    torch.testing.assert_close(pre, want_pre, rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(act, want_act, rtol=4e-3, atol=4e-3)
-
-
-@pytest.mark.parametrize("uniform", [False, True])
-def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(uniform):
+@pytest.mark.parametrize("n", [32, 40], ids=["tma-store", "masked-store"])
+def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(n):
     offsets = _offsets()
     rows = int(offsets[-1])
-    g, x = _randn(rows, 32, seed=7), _randn(rows, 48, seed=8)
-    tiles = PersistentTiles(
-        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, uniform=uniform
-    )
-    got = k_grouped_mm(g, x, offsets, tiles=tiles)
+    g, x = _randn(rows, n, seed=7), _randn(rows, 48, seed=8)
+    got = k_grouped_mm(g, x, offsets, tiles=TILES)
     torch.testing.assert_close(got, k_grouped_mm_reference(g, x, offsets), rtol=2e-3, atol=2e-3)
     for expert, count in enumerate(COUNTS):
         if count == 0:
@@ -123,16 +104,7 @@ def _routed_problem(tokens=20, hidden=32, ffn=16, experts=5, top_k=2, empty=(0, 
 
 
 ALL_TRITON = ExpertGemms(
-    gate_up=TILES,
-    swiglu_epilogue=True,
-    down=TILES,
-    d_act=TILES,
-    swiglu_backward_epilogue=True,
-    d_x=TILES,
-    w_down=TILES,
-    w_gate_up=PersistentTiles(
-        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, uniform=True
-    ),
+    gate_up=TILES, down=TILES, d_act=TILES, d_x=TILES, w_down=TILES, w_gate_up=TILES
 )
 
 
@@ -198,14 +170,10 @@ def test_bad_input_raises_typed_errors():
         PersistentTiles(block_m=48)
     with pytest.raises(KernelValueError, match="num_warps=3"):
         PersistentTiles(num_warps=3)
-    with pytest.raises(KernelValueError, match="swiglu_epilogue"):
-        ExpertGemms(swiglu_epilogue=True)
-    with pytest.raises(KernelValueError, match="swiglu_backward_epilogue"):
-        ExpertGemms(swiglu_backward_epilogue=True)
+    with pytest.raises(KernelValueError, match="loop_streams=1"):
+        ExpertGemms(loop_streams=1)
     with pytest.raises(KernelValueError, match=r"ExpertGemms\.down=.cutlass.: expected one of"):
         ExpertGemms(down="cutlass")
-    with pytest.raises(KernelShapeError, match="weights and order"):
-        m_grouped_swiglu(a, _randn(len(COUNTS), 64, 32), offsets, tiles=TILES, weights=a[:, 0])
 
 
 def test_routed_experts_on_triton_gemms_with_dropped_assignments_match_reference():

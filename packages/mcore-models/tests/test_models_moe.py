@@ -453,14 +453,7 @@ def test_layer_with_fused_routed_experts_matches_token_by_token_reference(monkey
 def _fused_other_gemm_errors() -> list[list[float]]:
     tiles = PersistentTiles(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
     triton_plan = ExpertGemms(
-        gate_up=tiles,
-        swiglu_epilogue=True,
-        down=tiles,
-        d_act=tiles,
-        swiglu_backward_epilogue=True,
-        d_x=tiles,
-        w_down=tiles,
-        w_gate_up=tiles,
+        gate_up=tiles, down=tiles, d_act=tiles, d_x=tiles, w_down=tiles, w_gate_up=tiles
     )
     return [
         _fused_routed_errors(None, expert_kernel="cublas"),
@@ -477,7 +470,7 @@ def test_layer_with_fused_experts_on_cublas_loop_and_triton_gemms_matches_refere
 ):
     # The fused routed experts with other GEMM kernels: expert_kernel="cublas" (one cuBLAS
     # GEMM per expert, here torch.mm on the CPU) and every GEMM on the persistent Triton
-    # kernels with both SwiGLU epilogues (through the interpreter). Outputs and every
+    # kernels (through the interpreter). Outputs and every
     # gradient against the token-by-token reference, experts without tokens included.
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

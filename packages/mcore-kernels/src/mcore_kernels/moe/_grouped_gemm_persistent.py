@@ -69,28 +69,18 @@ def tile_schedule_kernel(
 def m_grouped_kernel(
     a_desc,
     b_desc,
-    c_desc,
     c_ptr,
-    pre_ptr,
-    w_ptr,
-    order_ptr,
-    dw_ptr,
     sched_ptr,
     max_tiles,
     N,
     K,
     stride_cm,
     B_NK: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    SWIGLU_BWD: tl.constexpr,
-    HAS_W: tl.constexpr,
-    TMA_STORE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     """``C[rows of e] = A[rows of e] @ B[e]``.
 
@@ -98,27 +88,14 @@ def m_grouped_kernel(
     ``B_NK`` (``B[e]`` stored transposed, the ``nn.Linear`` layout) or ``[E * K, N]``.
     Program ``p`` takes jobs ``p, p + NUM_PROGRAMS, ...`` of ``tiles * cdiv(N, BLOCK_N)``,
     the column tiles of one row tile consecutive (they share the row tile through L2).
-
-    ``SWIGLU`` (with ``B_NK``): ``B[e]`` has ``2 N`` rows, the gate rows then the up rows; the
-    program computes a gate and an up tile, stores both into ``pre`` (``[M, 2N]``, kept for
-    the backward pass) and ``silu(gate) * up`` into ``C`` (``[M, N]``), scaled by the row's
-    routing weight ``w[order[row]]`` with ``HAS_W``.
-
-    ``SWIGLU_BWD``: the product (rounded to the dtype) is the gradient of that activation;
-    read the gate/up product from ``pre``, store its gradient into ``C`` (``[M, 2N]``) and
-    this column tile's share of each row's routing-weight gradient into ``dw[row, pid_n]``
-    (float32, ``[M, cdiv(N, BLOCK_N)]``).
-
-    ``TMA_STORE`` (plain product): a tile whose rows all belong to its expert is stored through
-    ``c_desc`` (``[M, N]``), a partial one with masked stores.
+    ``FLATTEN``: the job and reduction loops become one pipelined loop, so the next tile's
+    first loads overlap the current tile's epilogue.
     """
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(sched_ptr + 3 * max_tiles) * num_n
     dtype = c_ptr.dtype.element_ty
-    for job in tl.range(
-        tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
-    ):
+    for job in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
         tile = job // num_n
         pid_n = job % num_n
         expert = tl.load(sched_ptr + tile)
@@ -126,17 +103,10 @@ def m_grouped_kernel(
         row_end = tl.load(sched_ptr + 2 * max_tiles + tile)
         n0 = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if SWIGLU:
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(k_tiles):
             k0 = kk * BLOCK_K
             a = a_desc.load([row_start, k0])
-            if SWIGLU:
-                b = b_desc.load([expert * 2 * N + n0, k0])
-                acc = tl.dot(a, b.T, acc)
-                b_up = b_desc.load([expert * 2 * N + N + n0, k0])
-                acc_up = tl.dot(a, b_up.T, acc_up)
-            elif B_NK:
+            if B_NK:
                 b = b_desc.load([expert * N + n0, k0])
                 acc = tl.dot(a, b.T, acc)
             else:
@@ -144,46 +114,9 @@ def m_grouped_kernel(
                 acc = tl.dot(a, b, acc)
         rows = row_start + tl.arange(0, BLOCK_M)
         cols = n0 + tl.arange(0, BLOCK_N)
-        row_ok = rows < row_end
-        mask = row_ok[:, None] & (cols < N)[None, :]
-        out_rows = rows.to(tl.int64)[:, None]
-        if SWIGLU:
-            gate = acc.to(dtype)
-            up = acc_up.to(dtype)
-            pre = pre_ptr + out_rows * (2 * N) + cols[None, :]
-            tl.store(pre, gate, mask=mask)
-            tl.store(pre + N, up, mask=mask)
-            # The activation of the rounded gate/up values, as the unfused kernels compute it.
-            g = gate.to(tl.float32)
-            act = g / (1.0 + tl.exp(-g)) * up.to(tl.float32)
-            if HAS_W:
-                assignment = tl.load(order_ptr + rows, mask=row_ok, other=0)
-                weight = tl.load(w_ptr + assignment, mask=row_ok, other=0.0).to(tl.float32)
-                act = act * weight[:, None]
-            tl.store(c_ptr + out_rows * stride_cm + cols[None, :], act.to(dtype), mask=mask)
-        elif SWIGLU_BWD:
-            pre = pre_ptr + out_rows * (2 * N) + cols[None, :]
-            g = tl.load(pre, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(pre + N, mask=mask, other=0.0).to(tl.float32)
-            d = acc.to(dtype).to(tl.float32)
-            sig = 1.0 / (1.0 + tl.exp(-g))
-            silu = g * sig
-            if HAS_W:
-                part = tl.sum(d * silu * u, axis=1)
-                tl.store(dw_ptr + rows.to(tl.int64) * num_n + pid_n, part, mask=row_ok)
-                assignment = tl.load(order_ptr + rows, mask=row_ok, other=0)
-                weight = tl.load(w_ptr + assignment, mask=row_ok, other=0.0).to(tl.float32)
-                d = d * weight[:, None]
-            out = c_ptr + out_rows * (2 * N) + cols[None, :]
-            tl.store(out, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dtype), mask=mask)
-            tl.store(out + N, (d * silu).to(dtype), mask=mask)
-        elif TMA_STORE:
-            if row_start + BLOCK_M <= row_end:
-                c_desc.store([row_start, n0], acc.to(dtype))
-            else:
-                tl.store(c_ptr + out_rows * stride_cm + cols[None, :], acc.to(dtype), mask=mask)
-        else:
-            tl.store(c_ptr + out_rows * stride_cm + cols[None, :], acc.to(dtype), mask=mask)
+        mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+        ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        tl.store(ptrs, acc.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -202,9 +135,6 @@ def k_grouped_kernel(
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     TMA_STORE: tl.constexpr,
-    UNIFORM: tl.constexpr,
-    FLATTEN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     """``OUT[e] = G[rows of e].T @ X[rows of e]``: ``[N, K]`` per expert (``G`` ``[M, N]``,
     ``X`` ``[M, K]``), zero for an expert without rows.
@@ -212,20 +142,13 @@ def k_grouped_kernel(
     Persistent over the ``E * cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K)`` output tiles; each reduces
     over its expert's rows in chunks of ``BLOCK_R``. ``TMA_STORE``: the tile is stored through
     ``out_desc`` (``[E * N, K]``; needs ``N % BLOCK_N == 0``), else with masked stores.
-    ``UNIFORM``: one reduction loop masking every chunk (no separate last chunk).
     """
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
     per_expert = num_n * num_k
     dtype = out_ptr.dtype.element_ty
     r = tl.arange(0, BLOCK_R)
-    for job in tl.range(
-        tl.program_id(0),
-        num_experts * per_expert,
-        NUM_PROGRAMS,
-        flatten=FLATTEN,
-        warp_specialize=WARP_SPECIALIZE,
-    ):
+    for job in tl.range(tl.program_id(0), num_experts * per_expert, NUM_PROGRAMS):
         expert = job // per_expert
         rest = job % per_expert
         n0 = (rest // num_k) * BLOCK_N
@@ -233,27 +156,18 @@ def k_grouped_kernel(
         start = tl.load(starts_ptr + expert)
         end = tl.load(ends_ptr + expert)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if UNIFORM:
-            for m0 in range(start, end, BLOCK_R):
-                keep = (m0 + r < end)[:, None]
-                g = g_desc.load([m0, n0])
-                x = x_desc.load([m0, k0])
-                g = tl.where(keep, g, tl.zeros_like(g))
-                x = tl.where(keep, x, tl.zeros_like(x))
-                acc = tl.dot(g.T, x, acc)
-        else:
-            full_end = start + ((end - start) // BLOCK_R) * BLOCK_R
-            for m0 in range(start, full_end, BLOCK_R):
-                g = g_desc.load([m0, n0])
-                x = x_desc.load([m0, k0])
-                acc = tl.dot(g.T, x, acc)
-            if full_end < end:
-                keep = (full_end + r < end)[:, None]
-                g = g_desc.load([full_end, n0])
-                x = x_desc.load([full_end, k0])
-                g = tl.where(keep, g, tl.zeros_like(g))
-                x = tl.where(keep, x, tl.zeros_like(x))
-                acc = tl.dot(g.T, x, acc)
+        full_end = start + ((end - start) // BLOCK_R) * BLOCK_R
+        for m0 in range(start, full_end, BLOCK_R):
+            g = g_desc.load([m0, n0])
+            x = x_desc.load([m0, k0])
+            acc = tl.dot(g.T, x, acc)
+        if full_end < end:
+            keep = (full_end + r < end)[:, None]
+            g = g_desc.load([full_end, n0])
+            x = x_desc.load([full_end, k0])
+            g = tl.where(keep, g, tl.zeros_like(g))
+            x = tl.where(keep, x, tl.zeros_like(x))
+            acc = tl.dot(g.T, x, acc)
         if TMA_STORE:
             out_desc.store([expert * N + n0, k0], acc.to(dtype))
         else:

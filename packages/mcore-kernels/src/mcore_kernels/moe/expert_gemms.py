@@ -2,8 +2,7 @@
 
 Rows sorted by expert, ``offsets[e]`` the end row of expert ``e``:
 
-- ``gate_up``: ``x[rows of e] @ Wgu[e].T`` (optionally with the weighted SwiGLU in its
-  epilogue), ``down``: ``act[rows of e] @ Wd[e].T``;
+- ``gate_up``: ``x[rows of e] @ Wgu[e].T``, ``down``: ``act[rows of e] @ Wd[e].T``;
 - ``d_act``: ``grad[rows of e] @ Wd[e]``, ``d_x``: ``grad_gate_up[rows of e] @ Wgu[e]``;
 - ``w_down``: ``grad[rows of e].T @ act[rows of e]``, ``w_gate_up``: ``grad_gate_up[rows of
   e].T @ x[rows of e]``.
@@ -25,8 +24,6 @@ from mcore_kernels.moe.grouped_mm import (
     PersistentTiles,
     k_grouped_mm,
     m_grouped_mm,
-    m_grouped_swiglu,
-    m_grouped_swiglu_backward,
     tile_schedule,
 )
 
@@ -65,16 +62,10 @@ class ExpertGemms:
 
     gate_up: GemmKernel = GROUPED_MM
     """Gate/up projection (forward)."""
-    swiglu_epilogue: bool = False
-    """Compute the weighted SwiGLU in the Triton gate/up GEMM's epilogue (needs Triton tiles
-    for ``gate_up``)."""
     down: GemmKernel = GROUPED_MM
     """Down projection (forward)."""
     d_act: GemmKernel = GROUPED_MM
     """Input gradient of the down projection."""
-    swiglu_backward_epilogue: bool = False
-    """Compute the weighted SwiGLU backward in the Triton ``d_act`` GEMM's epilogue (needs
-    Triton tiles for ``d_act``)."""
     d_x: GemmKernel = GROUPED_MM
     """Input gradient of the gate/up projection."""
     w_down: GemmKernel = GROUPED_MM
@@ -96,17 +87,9 @@ class ExpertGemms:
                 )
         if self.loop_streams < 2:
             raise KernelValueError(f"ExpertGemms.loop_streams={self.loop_streams} must be >= 2")
-        if self.swiglu_epilogue and not isinstance(self.gate_up, PersistentTiles):
-            raise KernelValueError(
-                f"swiglu_epilogue=True needs Triton tiles for gate_up, got {self.gate_up!r}"
-            )
-        if self.swiglu_backward_epilogue and not isinstance(self.d_act, PersistentTiles):
-            raise KernelValueError(
-                f"swiglu_backward_epilogue=True needs Triton tiles for d_act, got {self.d_act!r}"
-            )
 
 
-_FLAGS = ("swiglu_epilogue", "swiglu_backward_epilogue", "loop_streams")
+_FLAGS = ("loop_streams",)
 
 _STREAMS: dict[tuple[torch.device, int], tuple[torch.cuda.Stream, ...]] = {}
 
@@ -223,36 +206,6 @@ class ExpertGemmRunner:
         """
         return self._rows(self.plan.gate_up, x, w_gate_up, True)
 
-    def gate_up_swiglu(
-        self,
-        x: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        weights: torch.Tensor,
-        order: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gate/up GEMM with the weighted SwiGLU in its epilogue (``swiglu_epilogue``).
-
-        Args:
-            x: ``[M, H]``.
-            w_gate_up: ``[E, 2F, H]``.
-            weights: Routing weight of every assignment.
-            order: ``[M]`` int64 assignment of each row.
-
-        Returns:
-            ``(act, gate_up)``: ``[M, F]`` and ``[M, 2F]``.
-        """
-        tiles = self.plan.gate_up
-        assert isinstance(tiles, PersistentTiles)
-        return m_grouped_swiglu(
-            x,
-            w_gate_up,
-            self.offsets,
-            tiles=tiles,
-            schedule=self._schedule(tiles),
-            weights=weights,
-            order=order,
-        )
-
     def down(self, act: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
         """``act[rows of e] @ w_down[e].T`` (``[M, F]``, ``[E, H, F]`` -> ``[M, H]``).
 
@@ -276,47 +229,6 @@ class ExpertGemmRunner:
             ``[M, F]``.
         """
         return self._rows(self.plan.d_act, grad, w_down, False)
-
-    def d_act_swiglu(
-        self,
-        grad: torch.Tensor,
-        w_down: torch.Tensor,
-        gate_up: torch.Tensor,
-        weights: torch.Tensor,
-        order: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``d_act`` GEMM with the weighted SwiGLU backward in its epilogue
-        (``swiglu_backward_epilogue``).
-
-        Args:
-            grad: ``[M, H]`` gradient of the down projection's output.
-            w_down: ``[E, H, F]``.
-            gate_up: ``[M, 2F]`` gate/up product of the forward pass.
-            weights: Routing weight of every assignment.
-            order: ``[M]`` int64 assignment of each row (-1 for a row without one).
-
-        Returns:
-            ``(grad_gate_up, grad_weights)``: ``[M, 2F]`` and the float32 gradient of every
-            routing weight (zero for an assignment without a row).
-        """
-        tiles = self.plan.d_act
-        assert isinstance(tiles, PersistentTiles)
-        grad_gate_up, row_grad = m_grouped_swiglu_backward(
-            grad,
-            w_down,
-            gate_up,
-            self.offsets,
-            tiles=tiles,
-            schedule=self._schedule(tiles),
-            weights=weights,
-            order=order,
-        )
-        assert row_grad is not None
-        count = weights.numel()
-        # Rows without an assignment (zero partials) all land on one spare entry, dropped.
-        grad_w = torch.zeros(count + 1, dtype=torch.float32, device=weights.device)
-        grad_w.index_copy_(0, torch.where(order >= 0, order, count), row_grad)
-        return grad_gate_up, grad_w[:-1]
 
     def d_x(self, grad_gate_up: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
         """``grad_gate_up[rows of e] @ w_gate_up[e]``.

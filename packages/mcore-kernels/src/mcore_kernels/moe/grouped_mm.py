@@ -26,8 +26,6 @@ __all__ = [
     "k_grouped_mm_reference",
     "m_grouped_mm",
     "m_grouped_mm_reference",
-    "m_grouped_swiglu",
-    "m_grouped_swiglu_backward",
     "tile_schedule",
 ]
 
@@ -48,15 +46,6 @@ class PersistentTiles:
     """Software-pipelining depth of the operand loads."""
     flatten: bool = False
     """Flatten the job and reduction loops into one pipelined loop (:func:`m_grouped_mm`)."""
-    tma_store: bool = False
-    """:func:`m_grouped_mm`: store whole tiles through a TMA descriptor (partial ones with masked
-    stores)."""
-    uniform: bool = False
-    """:func:`k_grouped_mm`: mask every reduction chunk in one loop (else only the last)."""
-    warp_specialize: bool = False
-    """Split each program into producer (TMA loads) and consumer (wgmma) warps."""
-    programs_per_sm: int = 1
-    """Persistent programs per multiprocessor."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -67,15 +56,13 @@ class PersistentTiles:
             raise KernelValueError(f"num_warps={self.num_warps} must be 4 or 8")
         if self.num_stages < 1:
             raise KernelValueError(f"num_stages={self.num_stages} must be >= 1")
-        if self.programs_per_sm < 1:
-            raise KernelValueError(f"programs_per_sm={self.programs_per_sm} must be >= 1")
 
 
 _NUM_SMS: dict[int, int] = {}
 
 
 def _programs(device: torch.device, tiles: PersistentTiles, jobs: int) -> int:
-    """Programs of a persistent grid: multiprocessors x ``programs_per_sm`` (4 off the GPU)."""
+    """Programs of a persistent grid: one per multiprocessor (4 off the GPU)."""
     if device.type != "cuda":
         sms = 4
     else:
@@ -83,7 +70,7 @@ def _programs(device: torch.device, tiles: PersistentTiles, jobs: int) -> int:
         if index not in _NUM_SMS:
             _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
         sms = _NUM_SMS[index]
-    return max(1, min(sms * tiles.programs_per_sm, jobs))
+    return max(1, min(sms, jobs))
 
 
 def _starts(offsets: torch.Tensor) -> torch.Tensor:
@@ -139,98 +126,6 @@ def _tma_ready(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _m_launch(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    offsets: torch.Tensor,
-    transpose_weight: bool,
-    tiles: PersistentTiles,
-    schedule: torch.Tensor | None,
-    swiglu: bool = False,
-    weights: torch.Tensor | None = None,
-    order: torch.Tensor | None = None,
-    swiglu_bwd_pre: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    import triton
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from mcore_kernels.moe._grouped_gemm_persistent import m_grouped_kernel
-
-    _check("a", a, 2)
-    _check("weight", weight, 3)
-    if a.dtype != weight.dtype:
-        raise KernelDtypeError(f"a.dtype={a.dtype} and weight.dtype={weight.dtype} must match")
-    experts = weight.shape[0]
-    n, k = (weight.shape[1], weight.shape[2]) if transpose_weight else weight.shape[1:][::-1]
-    if a.shape[1] != k or offsets.shape != (experts,) or k % 8 or n % 16:
-        raise KernelShapeError(
-            f"a.shape={tuple(a.shape)}, weight.shape={tuple(weight.shape)} "
-            f"(transpose_weight={transpose_weight}), offsets.shape={tuple(offsets.shape)}: "
-            "expected [M, K], [E, N, K] or [E, K, N], [E], with N a multiple of 16 and K of 8"
-        )
-    if not transpose_weight and k % tiles.block_k:
-        raise KernelShapeError(f"K={k} must be a multiple of block_k={tiles.block_k}")
-    rows = a.shape[0]
-    out_n = n // 2 if swiglu else n
-    bwd = swiglu_bwd_pre is not None
-    out = a.new_empty(rows, 2 * n if bwd else out_n)
-    # Second result: the gate/up product (forward) or the routing-weight gradient partials.
-    second = a.new_empty(rows, n) if swiglu else None
-    if bwd and weights is not None:
-        parts = triton.cdiv(n, tiles.block_n)
-        second = torch.zeros(rows, parts, dtype=torch.float32, device=a.device)
-    if rows == 0 or n == 0:
-        return out, second
-    if k == 0:
-        out.zero_()
-        if second is not None:
-            second.zero_()
-        return out, second
-    a = _tma_ready(a)
-    weight = weight.contiguous()
-    if schedule is None:
-        schedule = tile_schedule(offsets, rows, tiles.block_m)
-    max_tiles = (schedule.shape[0] - 1) // 3
-    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
-    if transpose_weight:
-        b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
-    else:
-        b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
-    programs = _programs(a.device, tiles, max_tiles * triton.cdiv(out_n, bn))
-    tma_store = tiles.tma_store and not swiglu and not bwd and n % bn == 0
-    c_desc = TensorDescriptor.from_tensor(out, [bm, bn]) if tma_store else b_desc
-    m_grouped_kernel[(programs,)](
-        a_desc,
-        b_desc,
-        c_desc,
-        out,
-        swiglu_bwd_pre if bwd else (second if second is not None else out),
-        weights if weights is not None else out,
-        order if order is not None else offsets,
-        second if bwd and second is not None else out,
-        schedule,
-        max_tiles,
-        out_n,
-        k,
-        out.stride(0),
-        B_NK=transpose_weight,
-        SWIGLU=swiglu,
-        SWIGLU_BWD=bwd,
-        HAS_W=weights is not None,
-        TMA_STORE=tma_store,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        NUM_PROGRAMS=programs,
-        FLATTEN=tiles.flatten,
-        WARP_SPECIALIZE=tiles.warp_specialize,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
-    return out, second
-
-
 def m_grouped_mm(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -260,91 +155,62 @@ def m_grouped_mm(
             (and of ``tiles.block_k`` without ``transpose_weight``).
         KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
     """
-    out, _ = _m_launch(a, weight, offsets, transpose_weight, tiles, schedule)
-    return out
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
+    from mcore_kernels.moe._grouped_gemm_persistent import m_grouped_kernel
 
-def m_grouped_swiglu(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    tiles: PersistentTiles,
-    schedule: torch.Tensor | None = None,
-    weights: torch.Tensor | None = None,
-    order: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate/up GEMM of every expert with SwiGLU in its epilogue.
-
-    Args:
-        x: ``[M, H]`` rows sorted by expert.
-        w_gate_up: ``[E, 2F, H]`` gate rows then up rows of each expert.
-        offsets: ``[E]`` int32 end row of each expert.
-        tiles: Tile shape (``block_n`` columns of the gate and of the up product each).
-        schedule: :func:`tile_schedule` of ``offsets`` with ``tiles.block_m`` (built when None).
-        weights: Routing weight of every assignment, or None.
-        order: ``[M]`` int64 assignment of each row (required with ``weights``).
-
-    Returns:
-        ``(act, pre)``: ``[M, F]`` ``w[order[r]] * silu(gate) * up`` (the gate/up product
-        rounded to the dtype first) and the ``[M, 2F]`` gate/up product.
-
-    Raises:
-        KernelShapeError: If the shapes do not match or ``order`` is missing.
-        KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
-    """
-    if (weights is None) != (order is None):
-        raise KernelShapeError("weights and order must be given together")
-    act, pre = _m_launch(x, w_gate_up, offsets, True, tiles, schedule, True, weights, order)
-    assert pre is not None
-    return act, pre
-
-
-def m_grouped_swiglu_backward(
-    grad: torch.Tensor,
-    w_down: torch.Tensor,
-    pre: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    tiles: PersistentTiles,
-    schedule: torch.Tensor | None = None,
-    weights: torch.Tensor | None = None,
-    order: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Input gradient of the down projection with the SwiGLU backward in its epilogue.
-
-    ``d_act[rows of e] = grad[rows of e] @ w_down[e]`` (rounded to the dtype) is the gradient
-    of ``w[order[r]] * silu(gate) * up``; the gate/up gradient is written instead of it.
-
-    Args:
-        grad: ``[M, H]`` gradient of the down projection's output.
-        w_down: ``[E, H, F]``.
-        pre: ``[M, 2F]`` gate/up product of the forward pass.
-        offsets: ``[E]`` int32 end row of each expert.
-        tiles: Tile shape.
-        schedule: :func:`tile_schedule` of ``offsets`` with ``tiles.block_m`` (built when None).
-        weights: Routing weight of every assignment, or None.
-        order: ``[M]`` int64 assignment of each row (required with ``weights``).
-
-    Returns:
-        ``(grad_gate_up, grad_row_weight)``: ``[M, 2F]`` and, with ``weights``, the float32
-        ``[M]`` gradient of each row's routing weight (rows past ``offsets[-1]`` undefined).
-
-    Raises:
-        KernelShapeError: If the shapes do not match or ``order`` is missing.
-        KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
-    """
-    if (weights is None) != (order is None):
-        raise KernelShapeError("weights and order must be given together")
-    ffn = w_down.shape[2]
-    if pre.shape != (grad.shape[0], 2 * ffn):
+    _check("a", a, 2)
+    _check("weight", weight, 3)
+    if a.dtype != weight.dtype:
+        raise KernelDtypeError(f"a.dtype={a.dtype} and weight.dtype={weight.dtype} must match")
+    experts = weight.shape[0]
+    n, k = (weight.shape[1], weight.shape[2]) if transpose_weight else weight.shape[1:][::-1]
+    if a.shape[1] != k or offsets.shape != (experts,) or k % 8 or n % 16:
         raise KernelShapeError(
-            f"pre.shape={tuple(pre.shape)}: expected ({grad.shape[0]}, {2 * ffn})"
+            f"a.shape={tuple(a.shape)}, weight.shape={tuple(weight.shape)} "
+            f"(transpose_weight={transpose_weight}), offsets.shape={tuple(offsets.shape)}: "
+            "expected [M, K], [E, N, K] or [E, K, N], [E], with N a multiple of 16 and K of 8"
         )
-    out, parts = _m_launch(
-        grad, w_down, offsets, False, tiles, schedule, False, weights, order, pre.contiguous()
+    if not transpose_weight and k % tiles.block_k:
+        raise KernelShapeError(f"K={k} must be a multiple of block_k={tiles.block_k}")
+    rows = a.shape[0]
+    out = a.new_empty(rows, n)
+    if rows == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    a = _tma_ready(a)
+    weight = weight.contiguous()
+    if schedule is None:
+        schedule = tile_schedule(offsets, rows, tiles.block_m)
+    max_tiles = (schedule.shape[0] - 1) // 3
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    if transpose_weight:
+        b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
+    else:
+        b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
+    programs = _programs(a.device, tiles, max_tiles * triton.cdiv(n, bn))
+    m_grouped_kernel[(programs,)](
+        a_desc,
+        b_desc,
+        out,
+        schedule,
+        max_tiles,
+        n,
+        k,
+        out.stride(0),
+        B_NK=transpose_weight,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        NUM_PROGRAMS=programs,
+        FLATTEN=tiles.flatten,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
-    return out, None if parts is None else parts.sum(dim=1)
+    return out
 
 
 def k_grouped_mm(
@@ -410,9 +276,6 @@ def k_grouped_mm(
         BLOCK_K=bk,
         NUM_PROGRAMS=programs,
         TMA_STORE=tma_store,
-        UNIFORM=tiles.uniform,
-        FLATTEN=tiles.flatten,
-        WARP_SPECIALIZE=tiles.warp_specialize,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

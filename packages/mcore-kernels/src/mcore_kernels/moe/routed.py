@@ -94,11 +94,8 @@ class RoutedExpertsFunction(torch.autograd.Function):
             # top_k 0: the rows are already in expert order (no gather and no combine).
             permuted = _gather_rows(x, order, top_k, None) if top_k else x
             run = ExpertGemmRunner(gemms, offsets, permuted.shape[0])
-            if gemms.swiglu_epilogue:
-                act, gate_up = run.gate_up_swiglu(permuted, w_gate_up, flat_w, order)
-            else:
-                gate_up = run.gate_up(permuted, w_gate_up)
-                act = _routed_swiglu(gate_up, flat_w, order)
+            gate_up = run.gate_up(permuted, w_gate_up)
+            act = _routed_swiglu(gate_up, flat_w, order)
             y = run.down(act, w_down)
             out = _sum_rows(y, inverse, top_k, None) if top_k else y
         ctx.save_for_backward(
@@ -121,15 +118,10 @@ class RoutedExpertsFunction(torch.autograd.Function):
             grad_y = _gather_rows(grad, order, top_k, None) if top_k else grad
             if needs_down:
                 grad_down = run.w_down(grad_y, act)
-            if run.plan.swiglu_backward_epilogue:
-                grad_gate_up, grad_flat_w = run.d_act_swiglu(grad_y, w_down, gate_up, flat_w, order)
-            else:
-                grad_act = run.d_act(grad_y, w_down)
-                grad_gate_up, grad_flat_w = _routed_swiglu_backward(
-                    gate_up, flat_w, order, grad_act
-                )
-                del grad_act
+            grad_act = run.d_act(grad_y, w_down)
             del grad_y
+            grad_gate_up, grad_flat_w = _routed_swiglu_backward(gate_up, flat_w, order, grad_act)
+            del grad_act
             if needs_gu:
                 grad_gu = run.w_gate_up(grad_gate_up, permuted)
             if needs_x:
