@@ -57,7 +57,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_kernels.moe import swiglu
-from mcore_kernels.moe.expert_gemms import ExpertGemms
+from mcore_kernels.moe.expert_gemms import (
+    CUBLAS_LOOP,
+    CUBLAS_LOOP_STREAMS,
+    ExpertGemms,
+)
+from mcore_kernels.moe.grouped_mm import PersistentTiles
 from mcore_kernels.moe.routed import grouped_experts
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
@@ -80,8 +85,8 @@ DENSE = "dense SwiGLU (same active params), separate gate/up GEMMs"
 DENSE_FUSED = "dense SwiGLU (same active params), one gate/up GEMM + fused SwiGLU"
 HF_GROUPED = "transformers sparse MoE block (grouped_mm experts)"
 DEFAULT = (
-    "mcore MoELayer dropless (default: one fused op of permute, torch._grouped_mm GEMMs, "
-    "SwiGLU, combine)"
+    "mcore MoELayer dropless (default: one fused op of permute, the measured GEMM plan of the "
+    "shape, SwiGLU, combine)"
 )
 DROP_AND_PAD = (
     "mcore MoELayer drop-and-pad (capacity 1.25, default: kept rows packed for grouped GEMMs "
@@ -98,6 +103,10 @@ SMOKE = {"smoke": dict(hidden=64, experts=4, top_k=2, ffn=32, tokens=64)}
 GROUPED_MM_ONLY = (
     "mcore MoELayer dropless, fused op with every expert GEMM on torch._grouped_mm "
     "(the default before the per-shape GEMM plan)"
+)
+FASTEST_WITH_LOOPS = (
+    "mcore MoELayer dropless, fused op with the fastest kernel per GEMM measured on the H200, "
+    "cuBLAS loops included (host sync)"
 )
 FUSED_LOOP = (
     "mcore MoELayer dropless, fused op with one cuBLAS GEMM per expert "
@@ -364,6 +373,8 @@ def run_case(
         ),
         HF_GROUPED: lambda: _wants_3d(_hf_block(case, device, "grouped_mm")),
     }
+    if case["experts"] == 256 and case["tokens"] <= 8192:
+        builders[FASTEST_WITH_LOOPS] = lambda: _plan(_moe(case, device), _fastest_with_loops())
     if few:
         builders[FUSED_LOOP] = lambda: _moe(case, device, expert_kernel="cublas")
         builders[
@@ -502,6 +513,21 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     ms = _time(Experts(), rows.clone(), grad, warmup, iters)
     layer.zero_grad(set_to_none=True)
     return ms
+
+
+def _fastest_with_loops() -> ExpertGemms:
+    """DeepSeek-V3 at 8192 tokens: per GEMM the fastest of ``torch._grouped_mm``, the Triton
+    kernels and the cuBLAS loops in the session-8 probes (one H200)."""
+    wide = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
+    wide3 = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True)
+    return ExpertGemms(
+        down=wide,
+        d_act=wide3,
+        d_x=CUBLAS_LOOP,
+        w_down=CUBLAS_LOOP,
+        w_gate_up=CUBLAS_LOOP_STREAMS,
+        loop_streams=4,
+    )
 
 
 def _plan(layer: nn.Module, plan: ExpertGemms) -> nn.Module:

@@ -267,9 +267,21 @@ class ExpertGemmRunner:
         return self._weights(self.plan.w_gate_up, grad_gate_up, x)
 
 
-_MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {}
-"""Plans measured fastest on an H200, by ``(hidden, ffn, experts)``: a list of ``(largest mean
-rows per expert, plan)`` in increasing order (``bench_moe_gemm.py`` and ``bench_moe.py``)."""
+_WIDE = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
+_WIDE_3 = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True)
+
+_MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {
+    # Qwen3-30B-A3B (512 rows per expert at 8192 tokens), one H200, two probes: the down
+    # projection 521-558 against 501-506 TFLOP/s on torch._grouped_mm, the gate/up input
+    # gradient 589-631 against 569-584 (the other four GEMMs were not faster on Triton).
+    (2048, 768, 128): [(1024, ExpertGemms(down=_WIDE, d_x=_WIDE))],
+    # DeepSeek-V3 (256 rows per expert at 8192 tokens): the down projection 488-498 against
+    # 424-438 TFLOP/s, its input gradient 517-536 against 473-491 (two probes).
+    (7168, 2048, 256): [(384, ExpertGemms(down=_WIDE, d_act=_WIDE_3))],
+}
+"""Plans measured faster than ``torch._grouped_mm`` on an H200 GEMM by GEMM, by ``(hidden,
+ffn, experts)``: a list of ``(largest mean rows per expert, plan)`` in increasing order. Only
+kernels without a host sync; the measurements are in ``docs/benchmarks/moe.md``."""
 
 
 def _hopper(device: torch.device) -> bool:
@@ -303,8 +315,9 @@ def choose_expert_gemms(
 
 
 def triton_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> ExpertGemms:
-    """Every expert GEMM on the persistent Triton kernels, with the tiles measured fastest for
-    the shape (the SwiGLU epilogues off: the plain products, to compare GEMM by GEMM).
+    """Every expert GEMM on the persistent Triton kernels, with the tiles measured fastest on
+    an H200 (flattened 128x256 row tiles; 64-row reduction chunks into 128x256 weight-gradient
+    tiles), to compare them GEMM by GEMM with the other kernels.
 
     Args:
         rows: Routed rows (tokens x top-k).
@@ -315,13 +328,12 @@ def triton_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> Exper
     Returns:
         The plan.
     """
-    rows_tiles = PersistentTiles(block_m=128, block_n=128, block_k=64, num_stages=4)
-    weight_tiles = PersistentTiles(block_m=64, block_n=128, block_k=128, num_stages=4)
+    weight_tiles = PersistentTiles(block_m=64, block_n=128, block_k=256, num_stages=3)
     return ExpertGemms(
-        gate_up=rows_tiles,
-        down=rows_tiles,
-        d_act=rows_tiles,
-        d_x=rows_tiles,
+        gate_up=_WIDE,
+        down=_WIDE,
+        d_act=_WIDE,
+        d_x=_WIDE,
         w_down=weight_tiles,
         w_gate_up=weight_tiles,
     )
