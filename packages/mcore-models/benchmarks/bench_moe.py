@@ -11,7 +11,11 @@ Each case times ``MoELayer`` in the same run on the same GPU as its peers:
   and the routing weights applied inside the experts (the default), and dropless once more
   with the weights applied in the combine (``weights_in_experts=False``);
 - dropless on batched GEMMs padded to the largest expert (``expert_kernel="bmm"``, a host
-  sync) and, with few experts, one cuBLAS GEMM per expert (``expert_kernel="cublas"``);
+  sync) and, with few experts, one cuBLAS GEMM per expert inside the fused operation
+  (``expert_kernel="cublas"``);
+- the default's fused operation with every GEMM on ``torch._grouped_mm`` (the default before
+  the per-shape GEMM plan of ``choose_expert_gemms``) and, at DeepSeek-V3 8k, with the fastest
+  kernel per GEMM of the session-8 probes, cuBLAS loops included (a host sync);
 - dropless with the kernels' torch references (cases with few experts only: it is the slowest
   row), and the loop over experts where there are few experts.
 
