@@ -11,7 +11,11 @@ Each case times ``MoELayer`` in the same run on the same GPU as its peers:
   and the routing weights applied inside the experts (the default), and dropless once more
   with the weights applied in the combine (``weights_in_experts=False``);
 - dropless on batched GEMMs padded to the largest expert (``expert_kernel="bmm"``, a host
-  sync) and, with few experts, one cuBLAS GEMM per expert (``expert_kernel="cublas"``);
+  sync) and, with few experts, one cuBLAS GEMM per expert inside the fused operation
+  (``expert_kernel="cublas"``);
+- the default's fused operation with every GEMM on ``torch._grouped_mm`` (the default before
+  the per-shape GEMM plan of ``choose_expert_gemms``) and, at DeepSeek-V3 8k, with the fastest
+  kernel per GEMM of the session-8 probes, cuBLAS loops included (a host sync);
 - dropless with the kernels' torch references (cases with few experts only: it is the slowest
   row), and the loop over experts where there are few experts.
 
@@ -57,6 +61,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_kernels.moe import swiglu
+from mcore_kernels.moe.expert_gemms import (
+    CUBLAS_LOOP,
+    CUBLAS_LOOP_STREAMS,
+    ExpertGemms,
+)
+from mcore_kernels.moe.grouped_mm import PersistentTiles
+from mcore_kernels.moe.routed import grouped_experts
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.config import expert_capacity
@@ -78,8 +89,8 @@ DENSE = "dense SwiGLU (same active params), separate gate/up GEMMs"
 DENSE_FUSED = "dense SwiGLU (same active params), one gate/up GEMM + fused SwiGLU"
 HF_GROUPED = "transformers sparse MoE block (grouped_mm experts)"
 DEFAULT = (
-    "mcore MoELayer dropless (default: one fused op of permute, torch._grouped_mm GEMMs, "
-    "SwiGLU, combine)"
+    "mcore MoELayer dropless (default: one fused op of permute, the measured GEMM plan of the "
+    "shape, SwiGLU, combine)"
 )
 DROP_AND_PAD = (
     "mcore MoELayer drop-and-pad (capacity 1.25, default: kept rows packed for grouped GEMMs "
@@ -91,6 +102,20 @@ within two minutes)."""
 FEW_EXPERTS = 16
 """Cases with at most this many experts also time the loops over experts (slow otherwise)."""
 SMOKE = {"smoke": dict(hidden=64, experts=4, top_k=2, ffn=32, tokens=64)}
+
+
+GROUPED_MM_ONLY = (
+    "mcore MoELayer dropless, fused op with every expert GEMM on torch._grouped_mm "
+    "(the default before the per-shape GEMM plan)"
+)
+FASTEST_WITH_LOOPS = (
+    "mcore MoELayer dropless, fused op with the fastest kernel per GEMM measured on the H200, "
+    "cuBLAS loops included (host sync)"
+)
+FUSED_LOOP = (
+    "mcore MoELayer dropless, fused op with one cuBLAS GEMM per expert "
+    '(expert_kernel="cublas", host sync)'
+)
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -345,19 +370,20 @@ def run_case(
         "mcore MoELayer dropless, batched GEMMs padded to the largest expert (host sync)": (
             lambda: _moe(case, device, expert_kernel="bmm")
         ),
+        GROUPED_MM_ONLY: lambda: _plan(_moe(case, device), ExpertGemms()),
         DROP_AND_PAD: lambda: _moe(case, device, capacity_factor=1.25),
         "mcore MoELayer drop-and-pad (capacity 1.25), batched GEMMs over the padded slots": (
             lambda: _moe(case, device, capacity_factor=1.25, fused_experts=False)
         ),
         HF_GROUPED: lambda: _wants_3d(_hf_block(case, device, "grouped_mm")),
     }
+    if case["experts"] == 256 and case["tokens"] <= 8192:
+        builders[FASTEST_WITH_LOOPS] = lambda: _plan(_moe(case, device), _fastest_with_loops())
     if few:
+        builders[FUSED_LOOP] = lambda: _moe(case, device, expert_kernel="cublas")
         builders[
-            "mcore MoELayer dropless, one cuBLAS GEMM per expert on two streams (host sync)"
-        ] = lambda: _loop_streams(_moe(case, device, expert_kernel="cublas"), 2)
-        builders[
-            "mcore MoELayer dropless, one cuBLAS GEMM per expert on one stream (host sync)"
-        ] = lambda: _moe(case, device, expert_kernel="cublas")
+            "mcore MoELayer dropless, one cuBLAS GEMM per expert, separate autograd ops (host sync)"
+        ] = lambda: _moe(case, device, expert_kernel="cublas", fused_experts=False)
         builders["mcore MoELayer dropless, torch references of the kernels"] = lambda: _backend(
             _moe(case, device, fused_experts=False), "torch"
         )
@@ -457,6 +483,9 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     if capacity is not None and folded_slots:
         slot_weights = torch.rand(moe.num_experts, capacity, device=x.device, dtype=x.dtype)
 
+    fused = experts.fuses_routing(x)
+    offsets = counts.cumsum(0).to(torch.int32)
+
     # The experts are a submodule, so that _time's zero_grad clears their gradients (else
     # every step would add into the previous step's gradients).
     class Experts(nn.Module):
@@ -465,6 +494,16 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
             self.experts = experts
 
         def forward(self, rows: torch.Tensor) -> torch.Tensor:
+            if capacity is None and fused and row_weights is not None:
+                # The layer's fused operation without its gather and combine (same GEMM plan).
+                return grouped_experts(
+                    rows,
+                    row_weights,
+                    self.experts._gate_up_weight(),
+                    self.experts.down_proj,
+                    offsets,
+                    self.experts.plan_for(rows.shape[0], rows),
+                )
             if capacity is None:
                 return self.experts(rows, counts, row_weights)
             slots = rows.view(moe.num_experts, capacity, -1)
@@ -480,8 +519,23 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     return ms
 
 
-def _loop_streams(layer: nn.Module, streams: int) -> nn.Module:
-    layer.experts.loop_streams = streams  # type: ignore[union-attr]
+def _fastest_with_loops() -> ExpertGemms:
+    """DeepSeek-V3 at 8192 tokens: per GEMM the fastest of ``torch._grouped_mm``, the Triton
+    kernels and the cuBLAS loops in the session-8 probes (one H200)."""
+    wide = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
+    wide3 = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True)
+    return ExpertGemms(
+        down=wide,
+        d_act=wide3,
+        d_x=CUBLAS_LOOP,
+        w_down=CUBLAS_LOOP,
+        w_gate_up=CUBLAS_LOOP_STREAMS,
+        loop_streams=4,
+    )
+
+
+def _plan(layer: nn.Module, plan: ExpertGemms) -> nn.Module:
+    layer.experts.gemm_plan = plan  # type: ignore[union-attr]
     return layer
 
 

@@ -9,7 +9,9 @@ timed on its own with CUDA events:
 - ``w_down`` (``grad[rows of e].T @ act[rows of e]``), ``w_gate_up``: weight gradients, each
   written in the parameter's layout.
 
-Implementations: ``torch._grouped_mm`` (the layer's default experts), a loop of cuBLAS GEMMs
+Implementations: ``torch._grouped_mm``, the persistent Triton grouped GEMMs of
+``mcore_kernels.moe.grouped_mm`` with the tiles tuned for the shape, the plan the layer runs
+(``choose_expert_gemms``: per GEMM the faster kernel, as measured by this script), a loop of cuBLAS GEMMs
 over the experts (the group sizes on the host) on one stream and alternating between two,
 batched cuBLAS GEMMs on equal groups of the mean size (an idealised bound: no expert gets
 more rows than the mean) and padded to the largest expert (what ``expert_kernel="bmm"`` runs),
@@ -35,7 +37,16 @@ from pathlib import Path
 import torch
 from bench_moe import CASES  # type: ignore[import-not-found]
 
+from mcore_kernels.moe.expert_gemms import (
+    ExpertGemmRunner,
+    ExpertGemms,
+    choose_expert_gemms,
+    triton_expert_gemms,
+)
+
 GEMMS = ("gate_up", "down", "d_act", "d_x", "w_down", "w_gate_up")
+TRITON = "persistent Triton grouped GEMMs (mcore_kernels.moe.grouped_mm, tuned tiles)"
+CHOSEN = "the layer's plan (choose_expert_gemms: the faster of the above per GEMM)"
 
 
 def _timed(fn: Callable[[], object], reps: int) -> float:
@@ -202,6 +213,27 @@ def _batched_max(p: Problem) -> dict[str, Callable[[], object]]:
     }
 
 
+def _runner(p: Problem, plan: ExpertGemms) -> dict[str, Callable[[], object]]:
+    """The six GEMMs as the fused routed experts run them under ``plan``."""
+    run = ExpertGemmRunner(plan, p.offsets, p.rows)
+    return {
+        "gate_up": lambda: run.gate_up(p.x, p.w_gu),
+        "down": lambda: run.down(p.act, p.w_d),
+        "d_act": lambda: run.d_act(p.grad, p.w_d),
+        "d_x": lambda: run.d_x(p.grad_gu, p.w_gu),
+        "w_down": lambda: run.w_down(p.grad, p.act),
+        "w_gate_up": lambda: run.w_gate_up(p.grad_gu, p.x),
+    }
+
+
+def _triton(p: Problem) -> dict[str, Callable[[], object]]:
+    return _runner(p, triton_expert_gemms(p.rows, p.hidden, p.ffn, p.experts))
+
+
+def _chosen(p: Problem) -> dict[str, Callable[[], object]]:
+    return _runner(p, choose_expert_gemms(p.rows, p.hidden, p.ffn, p.experts, p.x.device))
+
+
 def _dense(p: Problem) -> dict[str, Callable[[], object]]:
     gu, d = p.w_gu[0], p.w_d[0]
     return {
@@ -241,6 +273,8 @@ def run_case(
         "torch._grouped_mm, [E, K, N] weights": _grouped_mm_kn,
         "bmm, equal groups": _batched,
         "bmm, padded to the largest expert": _batched_max,
+        TRITON: _triton,
+        CHOSEN: _chosen,
     }
     if case["experts"] <= 16:
         impls["cuBLAS loop over experts"] = _loop

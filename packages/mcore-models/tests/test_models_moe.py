@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mcore_kernels.moe.expert_gemms import ExpertGemms
+from mcore_kernels.moe.grouped_mm import PersistentTiles
 from mcore_models import GPTConfig, GPTModel, ModelConfigError, ModelInputError
 from mcore_models.moe import (
     MoEConfig,
@@ -381,28 +383,47 @@ def test_layer_through_the_fused_triton_kernels_matches_token_by_token_reference
     assert max(errors) < 1e-4, errors
 
 
-def _fused_routed_errors(capacity_factor: float | None) -> list[float]:
+def _fused_routed_errors(
+    capacity_factor: float | None,
+    expert_kernel: str = "grouped_mm",
+    plan: ExpertGemms | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> list[float]:
     # A fresh process: pack the kept rows at any capacity (tiny shapes here).
     dispatcher.PACKED_MIN_CAPACITY = 1
     # Experts 10 and 11 never win (their router rows are pushed far down): empty groups.
-    layer = _layer(num_experts=12, top_k=3, fused_experts=True, capacity_factor=capacity_factor)
+    layer = _layer(
+        num_experts=12,
+        top_k=3,
+        fused_experts=True,
+        capacity_factor=capacity_factor,
+        expert_kernel=expert_kernel,
+    )
     with torch.no_grad():
         layer.router.weight[10:] = -5.0 * X.reshape(-1, HIDDEN).mean(0)
+    layer.to(dtype)
+    layer.experts.gemm_plan = plan
     assert layer.experts.fuses_routing(X)
     tokens = X.shape[0] * X.shape[1]
     capacity = None if capacity_factor is None else expert_capacity(tokens, 3, 12, capacity_factor)
-    upstream = torch.randn(X.shape, generator=torch.Generator().manual_seed(5))
+    upstream = torch.randn(X.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
     results = []
     for forward in (layer, lambda x: _reference(layer, x, capacity)):
         layer.zero_grad()
-        x = X.clone().requires_grad_(True)
+        x = X.to(dtype).detach().clone().requires_grad_(True)
         out = forward(x)
         (out * upstream).sum().backward()
         results.append([out.detach(), x.grad, *(p.grad.clone() for p in layer.parameters())])
     assert int((layer.tokens_per_expert == 0).sum()) > 0, layer.tokens_per_expert
     if capacity is not None:  # something was dropped
         assert int((layer.tokens_per_expert > capacity).sum()) > 0, layer.tokens_per_expert
-    return [(got - expected).abs().max().item() for got, expected in zip(*results)]
+    if dtype == torch.float32:
+        return [(got - expected).abs().max().item() for got, expected in zip(*results)]
+    # 16-bit: both sides round differently; the error relative to the largest value.
+    return [
+        ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+        for got, expected in zip(*results)
+    ]
 
 
 @pytest.mark.skipif(
@@ -427,6 +448,35 @@ def test_layer_with_fused_routed_experts_matches_token_by_token_reference(monkey
     ((dropless, capacity),) = run_distributed(_fused_routed_errors_both, 1)
     assert max(dropless) < 1e-4, dropless
     assert max(capacity) < 1e-4, capacity
+
+
+def _fused_other_gemm_errors() -> list[list[float]]:
+    tiles = PersistentTiles(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+    triton_plan = ExpertGemms(
+        gate_up=tiles, down=tiles, d_act=tiles, d_x=tiles, w_down=tiles, w_gate_up=tiles
+    )
+    return [
+        _fused_routed_errors(None, expert_kernel="cublas"),
+        # The interpreter reads bfloat16 TMA tiles wrongly: float16 for the Triton GEMMs.
+        _fused_routed_errors(None, plan=triton_plan, dtype=torch.float16),
+    ]
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="kernels compile for the GPU here; test_models_moe_gpu"
+)
+def test_layer_with_fused_experts_on_cublas_loop_and_triton_gemms_matches_reference(
+    monkeypatch,
+):
+    # The fused routed experts with other GEMM kernels: expert_kernel="cublas" (one cuBLAS
+    # GEMM per expert, here torch.mm on the CPU) and every GEMM on the persistent Triton
+    # kernels (through the interpreter). Outputs and every
+    # gradient against the token-by-token reference, experts without tokens included.
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ((loop, triton_gemms),) = run_distributed(_fused_other_gemm_errors, 1)
+    assert max(loop) < 1e-4, loop
+    assert max(triton_gemms) < 1e-2, triton_gemms
 
 
 def _triton_expert_errors(capacity_factor: float | None) -> list[float]:

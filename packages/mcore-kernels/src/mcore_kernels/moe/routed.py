@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms
 from mcore_kernels.moe.permute import _device, _gather_rows, _sum_rows
 
-__all__ = ["routed_experts", "routed_experts_reference"]
+__all__ = ["grouped_experts", "routed_experts", "routed_experts_reference"]
 
 
 def _swiglu_launch_block(width: int) -> int:
@@ -72,10 +73,6 @@ def _routed_swiglu_backward(
     return out, grad_w[:-1]
 
 
-def _grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(a, b, offs=offsets)
-
-
 class RoutedExpertsFunction(torch.autograd.Function):
     """Autograd operation of :func:`routed_experts` (Triton kernels and ``torch._grouped_mm``)."""
 
@@ -90,46 +87,49 @@ class RoutedExpertsFunction(torch.autograd.Function):
         inverse: torch.Tensor,
         offsets: torch.Tensor,
         top_k: int,
+        gemms: ExpertGemms,
     ) -> torch.Tensor:
         flat_w = weights.reshape(-1)
         with _device(x):
-            permuted = _gather_rows(x, order, top_k, None)
-            gate_up = _grouped(permuted, w_gate_up.transpose(-2, -1), offsets)
+            # top_k 0: the rows are already in expert order (no gather and no combine).
+            permuted = _gather_rows(x, order, top_k, None) if top_k else x
+            run = ExpertGemmRunner(gemms, offsets, permuted.shape[0])
+            gate_up = run.gate_up(permuted, w_gate_up)
             act = _routed_swiglu(gate_up, flat_w, order)
-            y = _grouped(act, w_down.transpose(-2, -1), offsets)
-            out = _sum_rows(y, inverse, top_k, None)
+            y = run.down(act, w_down)
+            out = _sum_rows(y, inverse, top_k, None) if top_k else y
         ctx.save_for_backward(
             flat_w, w_gate_up, w_down, order, inverse, offsets, permuted, gate_up, act
         )
         ctx.top_k = top_k
         ctx.weights_shape = weights.shape
+        ctx.run = run
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        flat_w, w_gate_up, w_down, order, inverse, offsets, permuted, gate_up, act = (
-            ctx.saved_tensors
-        )
+        flat_w, w_gate_up, w_down, order, inverse, _, permuted, gate_up, act = ctx.saved_tensors
         top_k = ctx.top_k
         needs_x, needs_w, needs_gu, needs_down = ctx.needs_input_grad[:4]
         grad = grad.contiguous()
         grad_x = grad_w = grad_gu = grad_down = None
+        run = ctx.run
         with _device(grad):
-            grad_y = _gather_rows(grad, order, top_k, None)
+            grad_y = _gather_rows(grad, order, top_k, None) if top_k else grad
             if needs_down:
-                grad_down = _grouped(grad_y.t(), act, offsets)
-            grad_act = _grouped(grad_y, w_down, offsets)
+                grad_down = run.w_down(grad_y, act)
+            grad_act = run.d_act(grad_y, w_down)
             del grad_y
             grad_gate_up, grad_flat_w = _routed_swiglu_backward(gate_up, flat_w, order, grad_act)
             del grad_act
             if needs_gu:
-                grad_gu = _grouped(grad_gate_up.t(), permuted, offsets)
+                grad_gu = run.w_gate_up(grad_gate_up, permuted)
             if needs_x:
-                grad_perm = _grouped(grad_gate_up, w_gate_up, offsets)
-                grad_x = _sum_rows(grad_perm, inverse, top_k, None)
+                grad_perm = run.d_x(grad_gate_up, w_gate_up)
+                grad_x = _sum_rows(grad_perm, inverse, top_k, None) if top_k else grad_perm
         if needs_w:
             grad_w = grad_flat_w.to(flat_w.dtype).view(ctx.weights_shape)
-        return grad_x, grad_w, grad_gu, grad_down, None, None, None, None
+        return grad_x, grad_w, grad_gu, grad_down, None, None, None, None, None
 
 
 def routed_experts_reference(
@@ -182,6 +182,7 @@ def routed_experts(
     order: torch.Tensor,
     inverse: torch.Tensor,
     offsets: torch.Tensor,
+    gemms: ExpertGemms | None = None,
 ) -> torch.Tensor:
     """Run every routing assignment through its SwiGLU expert and sum each token's outputs.
 
@@ -192,7 +193,8 @@ def routed_experts(
     synchronisation. Dropless when every assignment has a row; for capacity routing the
     dropped assignments have none (``inverse`` -1, they count zero) and the rows past
     ``offsets[-1]`` hold no assignment (``order`` -1): they are neither computed by the GEMMs
-    nor read. Uses ``torch._grouped_mm`` for the GEMMs; on tensors the Triton kernels do
+    nor read. Uses ``torch._grouped_mm`` for the GEMMs (or the persistent Triton kernels that
+    ``gemms`` names); on tensors the Triton kernels do
     not handle, the per-expert torch reference runs instead (a host sync).
 
     Args:
@@ -204,6 +206,7 @@ def routed_experts(
         inverse: ``[T * top_k]`` int64 row of each assignment (``inverse[order[r]] == r``), -1
             for an assignment without a row.
         offsets: ``[E]`` int32 cumulative row counts of the experts.
+        gemms: Kernel of each expert GEMM (default: ``torch._grouped_mm`` for all six).
 
     Returns:
         ``[T, H]`` in the dtype of ``x``.
@@ -245,4 +248,50 @@ def routed_experts(
         inverse,
         offsets,
         weights.shape[1],
+        gemms if gemms is not None else ExpertGemms(),
+    )
+
+
+def grouped_experts(
+    rows: torch.Tensor,
+    row_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    offsets: torch.Tensor,
+    gemms: ExpertGemms | None = None,
+) -> torch.Tensor:
+    """The experts of :func:`routed_experts` alone, on rows already in expert order: ``w[r] *
+    silu(x W_gate^T) * (x W_up^T)`` then the down projection, row by row (no gather, no
+    combine).
+
+    Args:
+        rows: ``[M, H]`` rows sorted by expert.
+        row_weights: ``[M]`` routing weight of each row (differentiable).
+        w_gate_up: ``[E, 2F, H]``.
+        w_down: ``[E, H, F]``.
+        offsets: ``[E]`` int32 end row of each expert (``offsets[-1] == M``).
+        gemms: Kernel of each expert GEMM (default: ``torch._grouped_mm`` for all six).
+
+    Returns:
+        ``[M, H]`` in the dtype of ``rows``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match.
+    """
+    if rows.dim() != 2 or row_weights.shape != (rows.shape[0],):
+        raise KernelShapeError(
+            f"rows.shape={tuple(rows.shape)} and row_weights.shape={tuple(row_weights.shape)} "
+            "must be [M, hidden] and [M]"
+        )
+    index = torch.arange(rows.shape[0], device=rows.device)
+    return RoutedExpertsFunction.apply(
+        rows.contiguous(),
+        row_weights.contiguous(),
+        w_gate_up,
+        w_down,
+        index,
+        index,
+        offsets,
+        0,
+        gemms if gemms is not None else ExpertGemms(),
     )

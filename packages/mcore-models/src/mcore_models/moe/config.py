@@ -78,7 +78,9 @@ class MoEConfig:
     SwiGLU in its epilogue, drop-and-pad padding rows skipped; the torch reference on CPU) or
     "cublas" (dropless: one cuBLAS GEMM per expert and pass, with the group sizes copied to the
     host once per layer call, a device sync; for few experts with many tokens each, where
-    per-expert GEMMs are as efficient as the dense one; drop-and-pad runs batched GEMMs) or
+    per-expert GEMMs are as efficient as the dense one; with ``fused_experts`` inside the
+    fused routed operation, like "grouped_mm"; drop-and-pad runs batched GEMMs below the
+    packing capacity) or
     "bmm" (dropless on one rank: every expert
     padded to the largest expert's row count, rounded up to 8, and run as batched cuBLAS
     GEMMs like drop-and-pad, dropping nothing; the count is copied to the host, a device
@@ -92,9 +94,9 @@ class MoEConfig:
     the SwiGLU backward pass, and the combine neither saves the expert outputs nor reads them
     again in the backward pass. False scales in the combine, as the other paths do."""
     fused_experts: bool = True
-    """On one rank holding every expert, with ``expert_kernel="grouped_mm"``, the routing
-    weights inside the experts and the GPU kernels: run the token permutation, both grouped
-    GEMMs, the weighted SwiGLU and the combine as one autograd operation
+    """On one rank holding every expert, with ``expert_kernel`` "grouped_mm" or "cublas", the
+    routing weights inside the experts and the GPU kernels: run the token permutation, both
+    grouped GEMMs (each on the kernel ``GroupedExperts.plan_for`` picks), the weighted SwiGLU and the combine as one autograd operation
     (:func:`mcore_kernels.moe.routed_experts`; the same kernels with one autograd node instead
     of seven, less host work per step). Capacity routing (drop-and-pad) then packs the kept
     assignments without padding rows for the grouped GEMMs when the capacity is at least

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -11,9 +10,24 @@ from torch import nn
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels.moe import grouped_swiglu_mlp, routed_experts, swiglu, weighted_swiglu
+from mcore_kernels.moe.expert_gemms import (
+    CUBLAS_LOOP,
+    ExpertGemms,
+    choose_expert_gemms,
+)
 from mcore_models.errors import ModelInputError
 
-__all__ = ["GroupedExperts", "grouped_mm_supported"]
+__all__ = ["CUBLAS_LOOP_PLAN", "GroupedExperts", "grouped_mm_supported"]
+
+CUBLAS_LOOP_PLAN = ExpertGemms(
+    gate_up=CUBLAS_LOOP,
+    down=CUBLAS_LOOP,
+    d_act=CUBLAS_LOOP,
+    d_x=CUBLAS_LOOP,
+    w_down=CUBLAS_LOOP,
+    w_gate_up=CUBLAS_LOOP,
+)
+"""The fused routed experts of ``expert_kernel="cublas"``: one cuBLAS GEMM per expert."""
 
 _GROUPED_MM_PROBES: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -99,89 +113,42 @@ class _ExpertLoopLinear(torch.autograd.Function):
 
     The weight gradient is computed expert by expert into one ``[E, N, K]`` tensor in the
     parameter's layout (indexing the parameter per expert under autograd would instead build
-    a zero-filled gradient of the whole weight for every expert and sum them). With
-    ``streams``, consecutive experts' forward GEMMs (and their input-gradient GEMMs when
-    ``stream_grad_x``) alternate between these CUDA streams, so that one expert's last partial
-    wave of tiles overlaps the next expert's GEMM.
+    a zero-filled gradient of the whole weight for every expert and sum them).
     """
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        sizes: list[int],
-        streams: tuple[torch.cuda.Stream, ...],
-        stream_grad_x: bool,
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.sizes = sizes
-        ctx.streams = streams if stream_grad_x else ()
         out = x.new_empty(x.shape[0], weight.shape[1])
-        with _Alternating(streams, x, weight, out) as on:
-            start = 0
-            for expert, size in enumerate(sizes):
-                if size:
-                    rows = slice(start, start + size)
-                    with on(expert):
-                        torch.mm(x[rows], weight[expert].t(), out=out[rows])
-                start += size
+        start = 0
+        for expert, size in enumerate(sizes):
+            if size:
+                rows = slice(start, start + size)
+                torch.mm(x[rows], weight[expert].t(), out=out[rows])
+            start += size
         return out
 
     @staticmethod
     def backward(
         ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
         grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-        if grad_x is not None:
-            with _Alternating(ctx.streams, grad, weight, grad_x) as on:
-                start = 0
-                for expert, size in enumerate(ctx.sizes):
-                    if size:
-                        rows = slice(start, start + size)
-                        with on(expert):
-                            torch.mm(grad[rows], weight[expert], out=grad_x[rows])
-                    start += size
-        if grad_w is not None:
-            start = 0
-            for expert, size in enumerate(ctx.sizes):
-                rows = slice(start, start + size)
+        start = 0
+        for expert, size in enumerate(ctx.sizes):
+            rows = slice(start, start + size)
+            if grad_x is not None and size:
+                torch.mm(grad[rows], weight[expert], out=grad_x[rows])
+            if grad_w is not None:
                 if size:
                     torch.mm(grad[rows].t(), x[rows], out=grad_w[expert])
                 else:
                     grad_w[expert].zero_()
-                start += size
-        return grad_x, grad_w, None, None, None
-
-
-class _Alternating:
-    """Context that runs work item ``i`` on ``streams[i % len(streams)]`` (the current stream
-    when there are none) and joins the streams with the current one at both ends; the tensors
-    touched on the side streams are marked as used there for the caching allocator."""
-
-    def __init__(self, streams: tuple[torch.cuda.Stream, ...], *tensors: torch.Tensor) -> None:
-        self.streams = streams
-        self.tensors = tensors
-
-    def __enter__(self) -> Any:
-        if not self.streams:
-            return lambda item: contextlib.nullcontext()
-        main = torch.cuda.current_stream()
-        for stream in self.streams:
-            stream.wait_stream(main)
-            for tensor in self.tensors:
-                tensor.record_stream(stream)
-        return lambda item: torch.cuda.stream(self.streams[item % len(self.streams)])
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.streams:
-            return
-        main = torch.cuda.current_stream()
-        for stream in self.streams:
-            main.wait_stream(stream)
+            start += size
+        return grad_x, grad_w, None
 
 
 class GroupedExperts(nn.Module):
@@ -226,29 +193,16 @@ class GroupedExperts(nn.Module):
         self.grouped_gemm = grouped_gemm
         self.expert_kernel = expert_kernel
         self.fused = fused
-        self.loop_streams = 1
-        """CUDA streams the per-expert cuBLAS loop (``expert_kernel="cublas"``) alternates its
-        forward GEMMs and the down projection's input-gradient GEMMs over (1: the current
-        stream only). Two streams sped up those GEMMs one by one on an H200 at Mixtral's shape
-        (gate/up forward 5.29 to 5.06 ms, down forward 2.78 to 2.60 ms) but not the whole layer
-        (27.33 against 27.26 ms per step), so one stream is the default."""
-        self._streams: tuple[torch.cuda.Stream, ...] = ()
+        self.gemm_plan: ExpertGemms | None = None
+        """Kernel of each grouped GEMM of :meth:`forward_routed` (``torch._grouped_mm`` or the
+        persistent Triton kernels); None picks the measured fastest for the shape
+        (:func:`mcore_kernels.moe.expert_gemms.choose_expert_gemms`)."""
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2, ffn_hidden_size, hidden_size, dtype=dtype, device=device)
         )
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, ffn_hidden_size, dtype=dtype, device=device)
         )
-
-    def _loop_streams(self, tokens: torch.Tensor) -> tuple[torch.cuda.Stream, ...]:
-        """Side streams of the per-expert cuBLAS loop (none on the CPU or with one stream)."""
-        if not tokens.is_cuda or self.loop_streams < 2:
-            return ()
-        if len(self._streams) != self.loop_streams:
-            self._streams = tuple(
-                torch.cuda.Stream(tokens.device) for _ in range(self.loop_streams)
-            )
-        return self._streams
 
     @property
     def ffn_hidden_size(self) -> int:
@@ -278,15 +232,35 @@ class GroupedExperts(nn.Module):
             tokens: The tokens about to be run.
 
         Returns:
-            True with ``fused`` on, ``expert_kernel="grouped_mm"``, the Triton kernels for
+            True with ``fused`` on, ``expert_kernel`` "grouped_mm" or "cublas", the Triton kernels for
             these tokens and ``torch._grouped_mm`` on their device.
         """
         return (
             self.fused
             and self.grouped_gemm
-            and self.expert_kernel == "grouped_mm"
+            and self.expert_kernel in ("grouped_mm", "cublas")
             and use_triton(tokens)
             and grouped_mm_supported(tokens.device, tokens.dtype)
+        )
+
+    def plan_for(self, rows: int, tokens: torch.Tensor) -> ExpertGemms:
+        """Kernel of each grouped GEMM of :meth:`forward_routed` for ``rows`` routed rows.
+
+        Args:
+            rows: Routed rows (tokens x top-k).
+            tokens: The tokens (for their device).
+
+        Returns:
+            ``gemm_plan`` when set; with ``expert_kernel="cublas"`` one cuBLAS GEMM per expert
+            for all six (a host sync); else the measured plan of this shape (no host sync).
+        """
+        if self.gemm_plan is not None:
+            return self.gemm_plan
+        if self.expert_kernel == "cublas":
+            return CUBLAS_LOOP_PLAN
+        hidden = self.down_proj.shape[1]
+        return choose_expert_gemms(
+            rows, hidden, self.ffn_hidden_size, self.num_experts, tokens.device
         )
 
     def forward_routed(
@@ -321,6 +295,7 @@ class GroupedExperts(nn.Module):
             order,
             inverse,
             offsets,
+            gemms=self.plan_for(order.shape[0], x),
         )
 
     def forward_tokens(
@@ -393,11 +368,8 @@ class GroupedExperts(nn.Module):
         if self.grouped_gemm and self.expert_kernel == "cublas":
             # NOTE: the group sizes on the host (one device sync per call) for per-expert GEMMs.
             sizes = counts.tolist()
-            streams = self._loop_streams(tokens)
-            gate_up = _ExpertLoopLinear.apply(tokens, self._gate_up_weight(), sizes, streams, False)
-            return _ExpertLoopLinear.apply(
-                activation(gate_up), self.down_proj, sizes, streams, True
-            )
+            gate_up = _ExpertLoopLinear.apply(tokens, self._gate_up_weight(), sizes)
+            return _ExpertLoopLinear.apply(activation(gate_up), self.down_proj, sizes)
         if self.grouped_gemm and grouped_mm_supported(tokens.device, tokens.dtype):
             offsets = counts.cumsum(0).to(torch.int32)
             gate_up = _grouped_linear(tokens, self._gate_up_weight(), offsets)

@@ -1,0 +1,339 @@
+"""Which kernel runs each of the six grouped GEMMs of a SwiGLU expert MLP's forward + backward.
+
+Rows sorted by expert, ``offsets[e]`` the end row of expert ``e``:
+
+- ``gate_up``: ``x[rows of e] @ Wgu[e].T``, ``down``: ``act[rows of e] @ Wd[e].T``;
+- ``d_act``: ``grad[rows of e] @ Wd[e]``, ``d_x``: ``grad_gate_up[rows of e] @ Wgu[e]``;
+- ``w_down``: ``grad[rows of e].T @ act[rows of e]``, ``w_gate_up``: ``grad_gate_up[rows of
+  e].T @ x[rows of e]``.
+
+Each runs on ``torch._grouped_mm``, on a loop of cuBLAS GEMMs over the experts, or on the
+persistent Triton kernels of :mod:`mcore_kernels.moe.grouped_mm`, as an :class:`ExpertGemms`
+plan says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from mcore_kernels.errors import KernelValueError
+from mcore_kernels.moe.grouped_mm import (
+    PersistentTiles,
+    k_grouped_mm,
+    m_grouped_mm,
+    tile_schedule,
+)
+
+__all__ = [
+    "CUBLAS_LOOP",
+    "CUBLAS_LOOP_STREAMS",
+    "GROUPED_MM",
+    "ExpertGemmRunner",
+    "ExpertGemms",
+    "GemmKernel",
+    "choose_expert_gemms",
+    "triton_expert_gemms",
+]
+
+
+GROUPED_MM = "grouped_mm"
+"""``torch._grouped_mm`` (no host synchronisation)."""
+CUBLAS_LOOP = "cublas_loop"
+"""One cuBLAS GEMM per expert with rows, written in place (the group sizes are read on the
+host once per layer call: one synchronisation)."""
+CUBLAS_LOOP_STREAMS = "cublas_loop_streams"
+""":data:`CUBLAS_LOOP` with consecutive experts' GEMMs alternating over
+:attr:`ExpertGemms.loop_streams` CUDA streams (one expert's last partial wave of tiles, or a
+GEMM too small to fill the GPU, overlaps the next expert's)."""
+LOOPS = (CUBLAS_LOOP, CUBLAS_LOOP_STREAMS)
+
+GemmKernel = PersistentTiles | str
+"""The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP` or the tiles of the
+persistent Triton kernel."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ExpertGemms:
+    """Kernel of each expert GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP` or the
+    :class:`~mcore_kernels.moe.grouped_mm.PersistentTiles` of the persistent Triton kernel."""
+
+    gate_up: GemmKernel = GROUPED_MM
+    """Gate/up projection (forward)."""
+    down: GemmKernel = GROUPED_MM
+    """Down projection (forward)."""
+    d_act: GemmKernel = GROUPED_MM
+    """Input gradient of the down projection."""
+    d_x: GemmKernel = GROUPED_MM
+    """Input gradient of the gate/up projection."""
+    w_down: GemmKernel = GROUPED_MM
+    """Weight gradient of the down projection."""
+    w_gate_up: GemmKernel = GROUPED_MM
+    """Weight gradient of the gate/up projection."""
+    loop_streams: int = 2
+    """CUDA streams of the :data:`CUBLAS_LOOP_STREAMS` GEMMs."""
+
+    def __post_init__(self) -> None:
+        for f in fields(ExpertGemms):
+            value = getattr(self, f.name)
+            if f.name in _FLAGS:
+                continue
+            if not (isinstance(value, PersistentTiles) or value in (GROUPED_MM, *LOOPS)):
+                raise KernelValueError(
+                    f"ExpertGemms.{f.name}={value!r}: expected one of {(GROUPED_MM, *LOOPS)} "
+                    "or PersistentTiles"
+                )
+        if self.loop_streams < 2:
+            raise KernelValueError(f"ExpertGemms.loop_streams={self.loop_streams} must be >= 2")
+
+
+_FLAGS = ("loop_streams",)
+
+_STREAMS: dict[tuple[torch.device, int], tuple[torch.cuda.Stream, ...]] = {}
+
+
+def _side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, ...]:
+    key = (device, count)
+    if key not in _STREAMS:
+        _STREAMS[key] = tuple(torch.cuda.Stream(device) for _ in range(count))
+    return _STREAMS[key]
+
+
+class ExpertGemmRunner:
+    """Runs the six GEMMs of one layer call as an :class:`ExpertGemms` plan says, building each
+    row-tile schedule once (per tile height) and the host copy of the group ends at most once,
+    shared between the forward and the backward GEMMs.
+
+    Args:
+        plan: Kernel of each GEMM.
+        offsets: ``[E]`` int32 end row of each expert.
+        num_rows: Rows of the grouped matrices.
+    """
+
+    def __init__(self, plan: ExpertGemms, offsets: torch.Tensor, num_rows: int) -> None:
+        self.plan = plan
+        self.offsets = offsets
+        self.num_rows = num_rows
+        self._schedules: dict[int, torch.Tensor] = {}
+        self._spans: list[tuple[int, int, int]] | None = None
+
+    def _schedule(self, tiles: PersistentTiles) -> torch.Tensor:
+        if tiles.block_m not in self._schedules:
+            self._schedules[tiles.block_m] = tile_schedule(
+                self.offsets, self.num_rows, tiles.block_m
+            )
+        return self._schedules[tiles.block_m]
+
+    def _expert_spans(self) -> list[tuple[int, int, int]]:
+        """``(expert, first row, end row)`` of every expert (one host synchronisation)."""
+        if self._spans is None:
+            # NOTE: the group ends on the host, once per layer call, for the cuBLAS loop.
+            ends = self.offsets.tolist()
+            self._spans = [(e, ends[e - 1] if e else 0, ends[e]) for e in range(len(ends))]
+        return self._spans
+
+    def _loop(
+        self, kernel: GemmKernel, one: Callable[[int, int, int], None], like: torch.Tensor
+    ) -> None:
+        """``one(expert, start, end)`` for every expert with rows, on the current stream or
+        alternating over side streams joined with it at both ends (the current stream waits
+        for them, so nothing it frees afterwards is still in use)."""
+        spans = [span for span in self._expert_spans() if span[2] > span[1]]
+        if kernel == CUBLAS_LOOP or not like.is_cuda:
+            for span in spans:
+                one(*span)
+            return
+        streams = _side_streams(like.device, self.plan.loop_streams)
+        main = torch.cuda.current_stream(like.device)
+        for stream in streams:
+            stream.wait_stream(main)
+        for i, span in enumerate(spans):
+            with torch.cuda.stream(streams[i % len(streams)]):
+                one(*span)
+        for stream in streams:
+            main.wait_stream(stream)
+
+    def _rows(
+        self, kernel: GemmKernel, a: torch.Tensor, w: torch.Tensor, transpose: bool
+    ) -> torch.Tensor:
+        if isinstance(kernel, PersistentTiles):
+            return m_grouped_mm(
+                a,
+                w,
+                self.offsets,
+                transpose_weight=transpose,
+                tiles=kernel,
+                schedule=self._schedule(kernel),
+            )
+        if kernel in LOOPS:
+            out = a.new_empty(a.shape[0], w.shape[1] if transpose else w.shape[2])
+
+            def one(expert: int, start: int, end: int) -> None:
+                weight = w[expert].t() if transpose else w[expert]
+                torch.mm(a[start:end], weight, out=out[start:end])
+
+            self._loop(kernel, one, a)
+            return out
+        return torch._grouped_mm(a, w.transpose(-2, -1) if transpose else w, offs=self.offsets)
+
+    def _weights(self, kernel: GemmKernel, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(kernel, PersistentTiles):
+            return k_grouped_mm(g, x, self.offsets, tiles=kernel)
+        if kernel in LOOPS:
+            out = g.new_empty(self.offsets.shape[0], g.shape[1], x.shape[1])
+
+            def one(expert: int, start: int, end: int) -> None:
+                torch.mm(g[start:end].t(), x[start:end], out=out[expert])
+
+            for expert, start, end in self._expert_spans():
+                if end == start:
+                    out[expert].zero_()
+            self._loop(kernel, one, g)
+            return out
+        return torch._grouped_mm(g.t(), x, offs=self.offsets)
+
+    def gate_up(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+        """``x[rows of e] @ w_gate_up[e].T``.
+
+        Args:
+            x: ``[M, H]``.
+            w_gate_up: ``[E, 2F, H]``.
+
+        Returns:
+            ``[M, 2F]``.
+        """
+        return self._rows(self.plan.gate_up, x, w_gate_up, True)
+
+    def down(self, act: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """``act[rows of e] @ w_down[e].T`` (``[M, F]``, ``[E, H, F]`` -> ``[M, H]``).
+
+        Args:
+            act: ``[M, F]``.
+            w_down: ``[E, H, F]``.
+
+        Returns:
+            ``[M, H]``.
+        """
+        return self._rows(self.plan.down, act, w_down, True)
+
+    def d_act(self, grad: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """``grad[rows of e] @ w_down[e]``.
+
+        Args:
+            grad: ``[M, H]``.
+            w_down: ``[E, H, F]``.
+
+        Returns:
+            ``[M, F]``.
+        """
+        return self._rows(self.plan.d_act, grad, w_down, False)
+
+    def d_x(self, grad_gate_up: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+        """``grad_gate_up[rows of e] @ w_gate_up[e]``.
+
+        Args:
+            grad_gate_up: ``[M, 2F]``.
+            w_gate_up: ``[E, 2F, H]``.
+
+        Returns:
+            ``[M, H]``.
+        """
+        return self._rows(self.plan.d_x, grad_gate_up, w_gate_up, False)
+
+    def w_down(self, grad: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        """``grad[rows of e].T @ act[rows of e]``.
+
+        Args:
+            grad: ``[M, H]``.
+            act: ``[M, F]``.
+
+        Returns:
+            ``[E, H, F]``.
+        """
+        return self._weights(self.plan.w_down, grad, act)
+
+    def w_gate_up(self, grad_gate_up: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``grad_gate_up[rows of e].T @ x[rows of e]``.
+
+        Args:
+            grad_gate_up: ``[M, 2F]``.
+            x: ``[M, H]``.
+
+        Returns:
+            ``[E, 2F, H]``.
+        """
+        return self._weights(self.plan.w_gate_up, grad_gate_up, x)
+
+
+_WIDE = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
+_WIDE_3 = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True)
+
+_MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {
+    # Qwen3-30B-A3B (512 rows per expert at 8192 tokens), one H200, two probes: the down
+    # projection 521-558 against 501-506 TFLOP/s on torch._grouped_mm, the gate/up input
+    # gradient 589-631 against 569-584 (the other four GEMMs were not faster on Triton).
+    (2048, 768, 128): [(1024, ExpertGemms(down=_WIDE, d_x=_WIDE))],
+    # DeepSeek-V3 (256 rows per expert at 8192 tokens): the down projection 488-498 against
+    # 424-438 TFLOP/s, its input gradient 517-536 against 473-491 (two probes).
+    (7168, 2048, 256): [(384, ExpertGemms(down=_WIDE, d_act=_WIDE_3))],
+}
+"""Plans measured faster than ``torch._grouped_mm`` on an H200 GEMM by GEMM, by ``(hidden,
+ffn, experts)``: a list of ``(largest mean rows per expert, plan)`` in increasing order. Only
+kernels without a host sync; the measurements are in ``docs/benchmarks/moe.md``."""
+
+
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def choose_expert_gemms(
+    rows: int, hidden: int, ffn: int, experts: int, device: torch.device
+) -> ExpertGemms:
+    """The measured fastest kernel of each expert GEMM for a layer shape.
+
+    Args:
+        rows: Routed rows (tokens x top-k).
+        hidden: Hidden size.
+        ffn: Inner width of each expert.
+        experts: Experts held.
+        device: Device of the tokens.
+
+    Returns:
+        The plan measured for this shape and mean rows per expert on a Hopper GPU;
+        ``torch._grouped_mm`` for every GEMM elsewhere and for shapes not measured.
+    """
+    plans = _MEASURED_PLANS.get((hidden, ffn, experts))
+    if not plans or not _hopper(device):
+        return ExpertGemms()
+    mean_rows = rows // max(experts, 1)
+    for largest, plan in plans:
+        if mean_rows <= largest:
+            return plan
+    return ExpertGemms()
+
+
+def triton_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> ExpertGemms:
+    """Every expert GEMM on the persistent Triton kernels, with the tiles measured fastest on
+    an H200 (flattened 128x256 row tiles; 64-row reduction chunks into 128x256 weight-gradient
+    tiles), to compare them GEMM by GEMM with the other kernels.
+
+    Args:
+        rows: Routed rows (tokens x top-k).
+        hidden: Hidden size.
+        ffn: Inner width of each expert.
+        experts: Experts held.
+
+    Returns:
+        The plan.
+    """
+    weight_tiles = PersistentTiles(block_m=64, block_n=128, block_k=256, num_stages=3)
+    return ExpertGemms(
+        gate_up=_WIDE,
+        down=_WIDE,
+        d_act=_WIDE,
+        d_x=_WIDE,
+        w_down=weight_tiles,
+        w_gate_up=weight_tiles,
+    )

@@ -1,0 +1,107 @@
+"""Persistent grouped GEMMs on the GPU in bfloat16: each product against ``torch._grouped_mm``
+at a fine-grained MoE shape with experts that get no rows, the fused routed experts with every
+GEMM on these kernels against the same operation on ``torch._grouped_mm`` (values and
+gradients), and two runs bitwise equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, CUBLAS_LOOP_STREAMS, ExpertGemms
+from mcore_kernels.moe.grouped_mm import (
+    PersistentTiles,
+    k_grouped_mm,
+    m_grouped_mm,
+)
+from mcore_kernels.moe.routed import routed_experts
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("needs a Hopper (or newer) GPU", allow_module_level=True)
+
+ROWS_TILES = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
+WEIGHT_TILES = PersistentTiles(block_m=64, block_n=128, block_k=256, num_stages=3)
+EXPERTS, HIDDEN, FFN = 16, 512, 256
+
+
+def _counts() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 400, (EXPERTS,), generator=g)
+    counts[[0, 7, EXPERTS - 1]] = 0
+    return counts
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    scale = want.float().abs().max().clamp(min=1e-6)
+    assert ((got.float() - want.float()).abs().max() / scale).item() < 2e-2
+
+
+def test_products_match_grouped_mm():
+    offsets = _counts().cumsum(0).to(torch.int32).cuda()
+    rows = int(offsets[-1])
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, HIDDEN, **bf16)
+    w_gu = torch.randn(EXPERTS, 2 * FFN, HIDDEN, **bf16) * 0.05
+    grad_gu = torch.randn(rows, 2 * FFN, **bf16)
+    want = torch._grouped_mm(x, w_gu.transpose(-2, -1), offs=offsets)
+    _close(m_grouped_mm(x, w_gu, offsets, transpose_weight=True, tiles=ROWS_TILES), want)
+    want = torch._grouped_mm(grad_gu, w_gu, offs=offsets)
+    _close(m_grouped_mm(grad_gu, w_gu, offsets, transpose_weight=False, tiles=ROWS_TILES), want)
+    want = torch._grouped_mm(grad_gu.t(), x, offs=offsets)
+    got = k_grouped_mm(grad_gu, x, offsets, tiles=WEIGHT_TILES)
+    _close(got, want)
+    assert torch.count_nonzero(got[[0, 7, EXPERTS - 1]]) == 0
+
+
+def _routed(gemms: ExpertGemms | None):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tokens, top_k = 512, 4
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, HIDDEN, generator=g, **bf16)
+    logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")
+    logits[:, [0, 7]] = -1e9
+    chosen = logits.topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, generator=g, **bf16)
+    w_gu = torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=g, **bf16) * 0.05
+    w_d = torch.randn(EXPERTS, HIDDEN, FFN, generator=g, **bf16) * 0.05
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device="cuda"))
+    offsets = torch.bincount(flat, minlength=EXPERTS).cumsum(0).to(torch.int32)
+    leaves = [t.requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+    out = routed_experts(*leaves, order, inverse, offsets, gemms=gemms)
+    out.backward(torch.randn(out.shape, generator=g, **bf16))
+    return [out.detach()] + [leaf.grad for leaf in leaves]
+
+
+ALL_TRITON = ExpertGemms(
+    gate_up=ROWS_TILES,
+    down=ROWS_TILES,
+    d_act=ROWS_TILES,
+    d_x=ROWS_TILES,
+    w_down=WEIGHT_TILES,
+    w_gate_up=WEIGHT_TILES,
+)
+
+
+LOOPS = ExpertGemms(
+    gate_up=CUBLAS_LOOP_STREAMS,
+    down=CUBLAS_LOOP_STREAMS,
+    d_act=CUBLAS_LOOP,
+    d_x=CUBLAS_LOOP_STREAMS,
+    w_down=CUBLAS_LOOP,
+    w_gate_up=CUBLAS_LOOP_STREAMS,
+    loop_streams=3,
+)
+
+
+@pytest.mark.parametrize("plan", [ALL_TRITON, LOOPS], ids=["triton", "cublas-loops"])
+def test_routed_experts_on_other_gemms_match_grouped_mm_and_repeat_bitwise(plan):
+    want = _routed(None)
+    first = _routed(plan)
+    second = _routed(plan)
+    for a, b, c in zip(first, second, want, strict=True):
+        assert torch.equal(a, b)
+        _close(a, c)
