@@ -67,6 +67,10 @@ DEFAULT_MERGE = "kernel"
 MERGE_CHUNK = 8
 """Splits the ticket merge reads per step (a fixed size: the sums do not depend on the
 launch's number of splits)."""
+MERGE_SPLITS_CHUNK = 32
+"""Splits the merge kernel reads at once (a fixed size: the sums do not depend on the launch's
+number of splits). One load per split in a dependent chain made the merge the larger part of a
+long-context launch (about 128 splits at 32k positions)."""
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 """Ticket buffers replaced by larger ones, kept alive for the graphs that captured them."""
@@ -490,35 +494,58 @@ def _paged_attention_merge_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLIT_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
+    # One (token, head) row. Splits past the token's context hold exact zeros (max -inf):
+    # merging them changes nothing, so only the splits that hold data are read, CHUNK at a
+    # time (independent loads, not one dependent load per split). The chunk size is fixed, so
+    # the sums depend only on the token's context, never on the launch's number of splits.
     token = tl.program_id(0)
     head = tl.program_id(1)
-    # Splits past the token's context hold exact zeros (max -inf): merging them changes
-    # nothing, so only the splits that hold data are read. The launch stays fixed.
     context = tl.load(context_lens_ptr + token).to(tl.int32)
     used_splits = tl.minimum((context + SPLIT_SIZE - 1) // SPLIT_SIZE, num_splits)
-    dim_offsets = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = dim_offsets < HEAD_DIM
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    chunk = tl.arange(0, CHUNK)
     base = (token * num_q_heads + head) * num_splits
-    # Split 0 always holds data (context_lens >= 1), so the running max is finite from here.
-    total_max = tl.load(partial_max_ptr + base)
-    total_sum = tl.load(partial_sum_ptr + base)
-    acc = tl.load(partial_out_ptr + base * HEAD_DIM + dim_offsets, mask=dim_mask, other=0.0)
-    for split in range(1, used_splits):
-        split_max = tl.load(partial_max_ptr + base + split)
-        split_sum = tl.load(partial_sum_ptr + base + split)
-        split_out = tl.load(
-            partial_out_ptr + (base + split) * HEAD_DIM + dim_offsets, mask=dim_mask, other=0.0
+    total_max = tl.full([CHUNK], float("-inf"), tl.float32)
+    for start in range(0, used_splits, CHUNK):
+        splits = start + chunk
+        total_max = tl.maximum(
+            total_max,
+            tl.load(
+                partial_max_ptr + base + splits,
+                mask=splits < used_splits,
+                other=float("-inf"),
+                cache_modifier=".cg",
+            ),
         )
-        new_max = tl.maximum(total_max, split_max)
-        old_weight = tl.exp(total_max - new_max)
-        split_weight = tl.exp(split_max - new_max)
-        total_sum = total_sum * old_weight + split_sum * split_weight
-        acc = acc * old_weight + split_out * split_weight
-        total_max = new_max
-    out = acc / total_sum
+    # Split 0 always holds data (context_lens >= 1), so the maximum is finite.
+    shift = tl.max(total_max, axis=0)
+    sums = tl.zeros([CHUNK], tl.float32)
+    acc = tl.zeros([CHUNK, HEAD_DIM_PAD], tl.float32)
+    for start in range(0, used_splits, CHUNK):
+        splits = start + chunk
+        here = splits < used_splits
+        weight = tl.exp(
+            tl.load(
+                partial_max_ptr + base + splits, mask=here, other=float("-inf"), cache_modifier=".cg"
+            )
+            - shift
+        )
+        sums += weight * tl.load(
+            partial_sum_ptr + base + splits, mask=here, other=0.0, cache_modifier=".cg"
+        )
+        split_out = tl.load(
+            partial_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+            mask=here[:, None] & dim_mask[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += split_out * weight[:, None]
+    out = tl.sum(acc, axis=0) / tl.sum(sums, axis=0)
     tl.store(
-        out_ptr + token * stride_out_token + head * stride_out_head + dim_offsets,
+        out_ptr + token * stride_out_token + head * stride_out_head + dims,
         out.to(out_ptr.dtype.element_ty),
         mask=dim_mask,
     )
@@ -687,7 +714,7 @@ def merge_splits(
     those that hold a token's context.
 
     Args:
-        partial_out: float32 ``[T, H, S, D]`` normalised partial outputs.
+        partial_out: float32 ``[T, H, S, D]`` partial outputs (probability-weighted value sums).
         partial_max: float32 ``[T, H, S]`` running maxima.
         partial_sum: float32 ``[T, H, S]`` running sums.
         context_lens: ``[T]`` attended positions per token.
@@ -708,6 +735,7 @@ def merge_splits(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
         SPLIT_SIZE=split_size,
+        CHUNK=MERGE_SPLITS_CHUNK,
     )
 
 
