@@ -529,7 +529,10 @@ def _paged_attention_merge_kernel(
         here = splits < used_splits
         weight = tl.exp(
             tl.load(
-                partial_max_ptr + base + splits, mask=here, other=float("-inf"), cache_modifier=".cg"
+                partial_max_ptr + base + splits,
+                mask=here,
+                other=float("-inf"),
+                cache_modifier=".cg",
             )
             - shift
         )
