@@ -43,7 +43,6 @@ import torch
 import torch.nn.functional as F
 
 from mcore_inference.errors import InferenceConfigError
-from mcore_inference.fused_decode_batch import NORM_LINEAR_MAX_ROWS, norm_linear_layers
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.moe.swiglu import swiglu
@@ -212,9 +211,6 @@ class FusedDecoder:
         self.max_positions = max_positions
         self._rope_table: torch.Tensor | None = None
         self.gemv_max_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
-        self.norm_linear_max_rows = NORM_LINEAR_MAX_ROWS
-        """Steps of more than ``gemv_max_rows`` and at most this many tokens run the layers
-        through :func:`mcore_inference.fused_decode_batch.norm_linear_layers`."""
         self.lm_head_gemv_max_rows = (
             LM_HEAD_GEMV_MAX_ROWS if lm_head_gemv_max_rows is None else lm_head_gemv_max_rows
         )
@@ -295,8 +291,6 @@ class FusedDecoder:
             # batch the early-started kernels would only hold multiprocessors from cuBLAS).
             with programmatic_dependent_launch(self.pdl):
                 return self._gemv_layers(hidden, cos, sin, kv_cache)[None]
-        if hidden.shape[0] <= self.norm_linear_max_rows:
-            return norm_linear_layers(self, hidden, cos, sin, kv_cache)[None]
         residual: torch.Tensor | None = None
         for layer, fused in zip(model.layers, self._layers, strict=True):
             attention = layer.self_attention
