@@ -113,15 +113,22 @@ def _attend_rows(
     DOT: tl.constexpr,
     ALIGN: tl.constexpr,
     DOT_F32: tl.constexpr,
+    KVH: tl.constexpr,
 ):
     # Online softmax of the active rows over positions split_start .. split_start + length - 1
     # of one block table, in tiles of TILE positions; each row sees positions < its context.
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = dims < HEAD_DIM
+    # With KVH > 1 the program serves KVH key/value heads (kv_head is 0): a tile holds every
+    # head's channels of a position (one contiguous row of the cache), the queries arrive
+    # block-diagonal (a row is zero outside its head's channels) and each row keeps only its
+    # head's channels of the output.
+    columns = tl.arange(0, KVH * HEAD_DIM_PAD)
+    dims = (columns // HEAD_DIM_PAD) * (stride_k_head * ALIGN) + columns % HEAD_DIM_PAD
+    dims_v = (columns // HEAD_DIM_PAD) * (stride_v_head * ALIGN) + columns % HEAD_DIM_PAD
+    dim_mask = columns % HEAD_DIM_PAD < HEAD_DIM
     tiles = tl.arange(0, TILE)
     running_max = tl.full([ROWS], float("-inf"), tl.float32)
     running_sum = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
+    acc = tl.zeros([ROWS, KVH * HEAD_DIM_PAD], tl.float32)
     end = split_start + length
     for i in range(0, (length + TILE - 1) // TILE):
         # A tile may span several KV blocks: gather each position's physical block.
@@ -152,7 +159,7 @@ def _attend_rows(
         v_rows = (
             physical * stride_v_block + slots * stride_v_slot + kv_head * stride_v_head
         ) * ALIGN
-        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_rows[:, None] + dims_v[None, :], mask=kv_mask, other=0.0)
         if not DOT:
             update = tl.sum(probs[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         else:
@@ -344,6 +351,7 @@ def _paged_attention_split_kernel(
     KV_LINE: tl.constexpr,
     TICKET_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    KVH: tl.constexpr,
 ):
     if USE_PDL:
         # Programmatic dependent launch: let the next kernel start, then wait for the previous
@@ -353,13 +361,14 @@ def _paged_attention_split_kernel(
             # The block tables and context lengths were written before the step's first
             # projection started: this program's key and value rows can be requested into
             # L2 already (a hint; the new token's row is read again after the wait).
-            _prefetch_kv(
-                k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, tl.program_id(0),
-                tl.program_id(1), tl.program_id(2) * SPLIT_SIZE, stride_table_token,
-                stride_k_block, stride_k_slot, stride_k_head,
-                stride_v_block, stride_v_slot, stride_v_head,
-                ALIGN, BLOCK_SIZE, SPLIT_SIZE, HEAD_DIM, KV_LINE,
-            )  # fmt: skip
+            for h in tl.static_range(KVH):
+                _prefetch_kv(
+                    k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, tl.program_id(0),
+                    tl.program_id(1) + h, tl.program_id(2) * SPLIT_SIZE, stride_table_token,
+                    stride_k_block, stride_k_slot, stride_k_head,
+                    stride_v_block, stride_v_slot, stride_v_head,
+                    ALIGN, BLOCK_SIZE, SPLIT_SIZE, HEAD_DIM, KV_LINE,
+                )  # fmt: skip
         gdc_wait()
     # Rows of the program: TOKENS consecutive tokens x GROUP_PAD query heads of one KV head,
     # padded to ROWS (16 for tensor-core products). The cache strides arrive divided by ALIGN
@@ -369,16 +378,32 @@ def _paged_attention_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     rows = tl.arange(0, ROWS)
-    dims = tl.arange(0, HEAD_DIM_PAD)
+    channels = tl.arange(0, KVH * HEAD_DIM_PAD)
+    dims = channels % HEAD_DIM_PAD
     dim_mask = dims < HEAD_DIM
-    member = rows // GROUP_PAD
+    if KVH == 1:
+        member = rows // GROUP_PAD
+        row_head = tl.zeros([ROWS], tl.int32)
+        heads = kv_head * GROUP + rows % GROUP_PAD
+        head_ok = rows % GROUP_PAD < GROUP
+    else:
+        # One token; the rows are the query groups of the KVH key/value heads in turn.
+        member = tl.zeros([ROWS], tl.int32)
+        row_head = rows // GROUP_PAD
+        heads = row_head * GROUP + rows % GROUP_PAD
+        head_ok = (rows % GROUP_PAD < GROUP) & (heads < num_q_heads)
     tokens = first + member
-    heads = kv_head * GROUP + rows % GROUP_PAD
-    row_ok = (member < TOKENS) & (rows % GROUP_PAD < GROUP) & (tokens < num_tokens)
+    row_ok = (member < TOKENS) & head_ok & (tokens < num_tokens)
+    # The channels a row owns: its own head's (all of them when KVH == 1).
+    owned = (
+        row_ok[:, None]
+        & dim_mask[None, :]
+        & ((channels // HEAD_DIM_PAD)[None, :] == row_head[:, None])
+    )
     ctx_rows = tl.load(context_lens_ptr + tokens, mask=row_ok, other=0).to(tl.int32)
     q = tl.load(
         q_ptr + tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
-        mask=row_ok[:, None] & dim_mask[None, :],
+        mask=owned,
         other=0.0,
     )
     if not DOT or DOT_F32:
@@ -392,7 +417,7 @@ def _paged_attention_split_kernel(
             stride_k_block, stride_k_slot, stride_k_head,
             stride_v_block, stride_v_slot, stride_v_head,
             scale, split_start, tl.max(remaining, axis=0),
-            ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
+            ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32, KVH,
         )  # fmt: skip
     else:
         # Tokens of one sequence (chunked prefill) share their block table: one pass loads
@@ -423,7 +448,7 @@ def _paged_attention_split_kernel(
                 stride_k_block, stride_k_slot, stride_k_head,
                 stride_v_block, stride_v_slot, stride_v_head,
                 scale, split_start, tl.max(remaining, axis=0),
-                ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
+                ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32, KVH,
             )  # fmt: skip
         else:
             running_max = tl.full([ROWS], float("-inf"), tl.float32)
@@ -436,7 +461,7 @@ def _paged_attention_split_kernel(
                     stride_k_block, stride_k_slot, stride_k_head,
                     stride_v_block, stride_v_slot, stride_v_head,
                     scale, split_start, tl.max(tl.where(mine, remaining, 0), axis=0),
-                    ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
+                    ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32, KVH,
                 )  # fmt: skip
                 running_max = tl.where(mine, pass_max, running_max)
                 running_sum = tl.where(mine, pass_sum, running_sum)
@@ -450,7 +475,7 @@ def _paged_attention_split_kernel(
             + heads[:, None] * stride_out_head
             + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & dim_mask[None, :],
+            mask=owned,
         )
     else:
         # Row layout of the partials: [T, Hq, num_splits] (+ [D] for the outputs). Splits past
@@ -458,11 +483,7 @@ def _paged_attention_split_kernel(
         row = (tokens * num_q_heads + heads) * num_splits + split
         tl.store(partial_max_ptr + row, running_max, mask=row_ok)
         tl.store(partial_sum_ptr + row, running_sum, mask=row_ok)
-        tl.store(
-            partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
-            acc,
-            mask=row_ok[:, None] & dim_mask[None, :],
-        )
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=owned)
         if TICKET_MERGE:
             # The last of the num_splits programs of these rows (counted with an atomic
             # ticket) merges their splits: no second launch. Every thread's partials are
@@ -649,7 +670,19 @@ def paged_attention_triton(
     # Large launches (chunked prefill) fill the padding rows with the next tokens; the
     # grouping never changes a result, only how often keys and values are read.
     tokens = rows // group_pad if dot and num_tokens >= config.prefill_tokens else 1
-    grid = (-(-num_tokens // tokens), num_kv_heads, num_splits)
+    # Decode: one program may serve every key/value head of its token, when their query
+    # groups fill the 16-row tile (Qwen2.5-0.5B: 2 x 7 heads); its loads are then whole cache
+    # rows (every head's channels of a position) and half as many programs share the work.
+    kv_per_program = (
+        num_kv_heads
+        if config.merge_kv_heads
+        and dot
+        and tokens == 1
+        and 1 < num_kv_heads <= rows // group_pad
+        and num_kv_heads & (num_kv_heads - 1) == 0
+        else 1
+    )
+    grid = (-(-num_tokens // tokens), num_kv_heads // kv_per_program, num_splits)
     use_pdl = pdl_enabled(q.device)
     ticket_merge = merge == "ticket" and num_splits > 1
     tickets = _tickets(q.device, grid[0] * grid[1]) if ticket_merge else partial_max
@@ -692,6 +725,7 @@ def paged_attention_triton(
         KV_LINE=max(1, 128 // k_cache.element_size()),
         TICKET_MERGE=ticket_merge,
         MERGE_CHUNK=MERGE_CHUNK,
+        KVH=kv_per_program,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
