@@ -132,6 +132,23 @@ def test_many_splits_and_float32_inputs_match_reference_closely():
 
 
 @needs_triton
+@pytest.mark.parametrize(("group", "num_kv_heads"), [(7, 2), (4, 4), (1, 8)])
+def test_programs_serving_every_kv_head_match_one_head_programs(group, num_kv_heads):
+    # Decode launches: one program per token serves every key/value head whose query groups
+    # fit the 16-row tile (2 x 7 -> 16 rows, 4 x 4, 8 x 1 -> 8 padded to 16); the heads' rows
+    # are block-diagonal queries over whole cache rows. Same values as one-head programs.
+    args, expected, scale = _problem(
+        [1, 8, 9, 47], group=group, num_kv_heads=num_kv_heads, head_dim=24, dtype=torch.float32
+    )
+    merged = PagedDecodeConfig(mode="dot", tile=16, merge_kv_heads=True)
+    apart = PagedDecodeConfig(mode="dot", tile=16, merge_kv_heads=False)
+    out = paged_attention_triton(*args, scale=scale, split_size=16, config=merged)
+    single = paged_attention_triton(*args, scale=scale, split_size=16, config=apart)
+    torch.testing.assert_close(out, single, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
 def test_split_probabilities_are_more_accurate_than_one_rounding():
     # The value product keeps a second bf16 part of each probability: its error is far below
     # that of rounding the probabilities once to bf16 (flash attention's value product).
