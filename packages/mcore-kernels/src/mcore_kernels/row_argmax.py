@@ -29,8 +29,6 @@ _BLOCK = 2048
 """Elements a program reduces per loop iteration."""
 _MAX_CHUNKS = 128
 """Programs per row at most (the last one reduces this many keys)."""
-_PROGRAMS = 1024
-"""Programs a launch aims at: many rows take fewer, longer chunks each (at least one)."""
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 """Ticket buffers replaced by larger ones, kept alive for the graphs that captured them."""
@@ -64,24 +62,15 @@ def _row_argmax_kernel(
     chunk = tl.program_id(0)
     row = tl.program_id(1)
     lanes = tl.arange(0, BLOCK)
-    # Per lane, the best value seen and its (first) column, compared as floats: a NaN beats
-    # every number and the first NaN stays; equal values keep the earlier column. The 64-bit
-    # keys (the costlier integer arithmetic) are built once, for the lanes' final reduction.
+    best = tl.full([BLOCK], -(2**63), tl.int64)
     start = chunk * CHUNK
-    # A lane that never improves claims (-inf, the chunk's first column): it can only win when
-    # the whole row is -inf, and then chunk 0 claims column 0, torch's answer.
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_column = tl.zeros([BLOCK], tl.int32) + start
     for offset in range(0, CHUNK, BLOCK):
         columns = start + offset + lanes
         valid = (columns < N) & (offset + lanes < CHUNK)
-        x = tl.load(
-            x_ptr + row.to(tl.int64) * stride_row + columns, mask=valid, other=float("-inf")
-        ).to(tl.float32)
-        better = valid & ((x > best) | ((x != x) & (best == best)))
-        best = tl.where(better, x, best)
-        best_column = tl.where(better, columns, best_column)
-    key = tl.max(_keys(best, best_column), axis=0)
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_row + columns, mask=valid, other=0.0)
+        keys = _keys(x.to(tl.float32), columns)
+        best = tl.maximum(best, tl.where(valid, keys, -(2**63)))
+    key = tl.max(best, axis=0)
     if CHUNKS == 1:
         tl.store(out_ptr + row, 4294967295 - (key & 4294967295))
     else:
@@ -128,9 +117,8 @@ def _check(x: torch.Tensor) -> None:
 def row_argmax_triton(x: torch.Tensor) -> torch.Tensor:
     """Triton path of :func:`row_argmax` (fixed shapes, graph-safe).
 
-    Each row is reduced by ``ceil(columns / 2048)`` programs, at most 128 and at most
-    ``ceil(1024 / rows)`` (many rows: fewer, longer chunks), one compiled kernel per power of
-    two of that count.
+    Each row is reduced by ``ceil(columns / 2048)`` programs (at most 128), one compiled kernel
+    per power of two of that count whatever the number of rows.
 
     Args:
         x: ``[rows, columns]`` floats, last dimension contiguous.
@@ -149,7 +137,7 @@ def row_argmax_triton(x: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1:
         raise KernelShapeError(f"x strides {x.stride()}; expected a contiguous last dimension")
     rows, columns = x.shape
-    chunks = min(_MAX_CHUNKS, -(-columns // _BLOCK), max(1, -(-_PROGRAMS // rows)))
+    chunks = min(_MAX_CHUNKS, -(-columns // _BLOCK))
     chunk = -(-columns // chunks)
     chunks = -(-columns // chunk)
     # One allocation for the result and the workspace (host time counts at decode).
