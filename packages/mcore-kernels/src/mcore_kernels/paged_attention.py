@@ -31,6 +31,7 @@ import torch
 from mcore_kernels import _compile
 from mcore_kernels._backend import _interpreting, use_triton
 from mcore_kernels._triton_utils import (
+    device_limits,
     gdc_launch_dependents,
     gdc_wait,
     jit,
@@ -67,6 +68,11 @@ DEFAULT_MERGE = "kernel"
 MERGE_CHUNK = 8
 """Splits the ticket merge reads per step (a fixed size: the sums do not depend on the
 launch's number of splits)."""
+AUTO_SPLIT_PROGRAMS_PER_SM = 3
+"""With ``split_size=None`` the split grows while the launch keeps at least this many programs
+per multiprocessor (see :func:`auto_split_size`)."""
+AUTO_SPLIT_MAX = 1024
+"""Largest split :func:`auto_split_size` picks."""
 MERGE_SPLITS_CHUNK = 32
 """Splits the merge kernel reads at once (a fixed size: the sums do not depend on the launch's
 number of splits). One load per split in a dependent chain made the merge the larger part of a
@@ -113,22 +119,15 @@ def _attend_rows(
     DOT: tl.constexpr,
     ALIGN: tl.constexpr,
     DOT_F32: tl.constexpr,
-    KVH: tl.constexpr,
 ):
     # Online softmax of the active rows over positions split_start .. split_start + length - 1
     # of one block table, in tiles of TILE positions; each row sees positions < its context.
-    # With KVH > 1 the program serves KVH key/value heads (kv_head is 0): a tile holds every
-    # head's channels of a position (one contiguous row of the cache), the queries arrive
-    # block-diagonal (a row is zero outside its head's channels) and each row keeps only its
-    # head's channels of the output.
-    columns = tl.arange(0, KVH * HEAD_DIM_PAD)
-    dims = (columns // HEAD_DIM_PAD) * (stride_k_head * ALIGN) + columns % HEAD_DIM_PAD
-    dims_v = (columns // HEAD_DIM_PAD) * (stride_v_head * ALIGN) + columns % HEAD_DIM_PAD
-    dim_mask = columns % HEAD_DIM_PAD < HEAD_DIM
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
     tiles = tl.arange(0, TILE)
     running_max = tl.full([ROWS], float("-inf"), tl.float32)
     running_sum = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, KVH * HEAD_DIM_PAD], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
     end = split_start + length
     for i in range(0, (length + TILE - 1) // TILE):
         # A tile may span several KV blocks: gather each position's physical block.
@@ -159,7 +158,7 @@ def _attend_rows(
         v_rows = (
             physical * stride_v_block + slots * stride_v_slot + kv_head * stride_v_head
         ) * ALIGN
-        v = tl.load(v_ptr + v_rows[:, None] + dims_v[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if not DOT:
             update = tl.sum(probs[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         else:
@@ -351,7 +350,6 @@ def _paged_attention_split_kernel(
     KV_LINE: tl.constexpr,
     TICKET_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
-    KVH: tl.constexpr,
 ):
     if USE_PDL:
         # Programmatic dependent launch: let the next kernel start, then wait for the previous
@@ -361,14 +359,13 @@ def _paged_attention_split_kernel(
             # The block tables and context lengths were written before the step's first
             # projection started: this program's key and value rows can be requested into
             # L2 already (a hint; the new token's row is read again after the wait).
-            for h in tl.static_range(KVH):
-                _prefetch_kv(
-                    k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, tl.program_id(0),
-                    tl.program_id(1) + h, tl.program_id(2) * SPLIT_SIZE, stride_table_token,
-                    stride_k_block, stride_k_slot, stride_k_head,
-                    stride_v_block, stride_v_slot, stride_v_head,
-                    ALIGN, BLOCK_SIZE, SPLIT_SIZE, HEAD_DIM, KV_LINE,
-                )  # fmt: skip
+            _prefetch_kv(
+                k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, tl.program_id(0),
+                tl.program_id(1), tl.program_id(2) * SPLIT_SIZE, stride_table_token,
+                stride_k_block, stride_k_slot, stride_k_head,
+                stride_v_block, stride_v_slot, stride_v_head,
+                ALIGN, BLOCK_SIZE, SPLIT_SIZE, HEAD_DIM, KV_LINE,
+            )  # fmt: skip
         gdc_wait()
     # Rows of the program: TOKENS consecutive tokens x GROUP_PAD query heads of one KV head,
     # padded to ROWS (16 for tensor-core products). The cache strides arrive divided by ALIGN
@@ -378,32 +375,16 @@ def _paged_attention_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     rows = tl.arange(0, ROWS)
-    channels = tl.arange(0, KVH * HEAD_DIM_PAD)
-    dims = channels % HEAD_DIM_PAD
+    dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    if KVH == 1:
-        member = rows // GROUP_PAD
-        row_head = tl.zeros([ROWS], tl.int32)
-        heads = kv_head * GROUP + rows % GROUP_PAD
-        head_ok = rows % GROUP_PAD < GROUP
-    else:
-        # One token; the rows are the query groups of the KVH key/value heads in turn.
-        member = tl.zeros([ROWS], tl.int32)
-        row_head = rows // GROUP_PAD
-        heads = row_head * GROUP + rows % GROUP_PAD
-        head_ok = (rows % GROUP_PAD < GROUP) & (heads < num_q_heads)
+    member = rows // GROUP_PAD
     tokens = first + member
-    row_ok = (member < TOKENS) & head_ok & (tokens < num_tokens)
-    # The channels a row owns: its own head's (all of them when KVH == 1).
-    owned = (
-        row_ok[:, None]
-        & dim_mask[None, :]
-        & ((channels // HEAD_DIM_PAD)[None, :] == row_head[:, None])
-    )
+    heads = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (member < TOKENS) & (rows % GROUP_PAD < GROUP) & (tokens < num_tokens)
     ctx_rows = tl.load(context_lens_ptr + tokens, mask=row_ok, other=0).to(tl.int32)
     q = tl.load(
         q_ptr + tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
-        mask=owned,
+        mask=row_ok[:, None] & dim_mask[None, :],
         other=0.0,
     )
     if not DOT or DOT_F32:
@@ -417,7 +398,7 @@ def _paged_attention_split_kernel(
             stride_k_block, stride_k_slot, stride_k_head,
             stride_v_block, stride_v_slot, stride_v_head,
             scale, split_start, tl.max(remaining, axis=0),
-            ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32, KVH,
+            ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
         )  # fmt: skip
     else:
         # Tokens of one sequence (chunked prefill) share their block table: one pass loads
@@ -448,7 +429,7 @@ def _paged_attention_split_kernel(
                 stride_k_block, stride_k_slot, stride_k_head,
                 stride_v_block, stride_v_slot, stride_v_head,
                 scale, split_start, tl.max(remaining, axis=0),
-                ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32, KVH,
+                ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
             )  # fmt: skip
         else:
             running_max = tl.full([ROWS], float("-inf"), tl.float32)
@@ -461,7 +442,7 @@ def _paged_attention_split_kernel(
                     stride_k_block, stride_k_slot, stride_k_head,
                     stride_v_block, stride_v_slot, stride_v_head,
                     scale, split_start, tl.max(tl.where(mine, remaining, 0), axis=0),
-                    ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32, KVH,
+                    ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
                 )  # fmt: skip
                 running_max = tl.where(mine, pass_max, running_max)
                 running_sum = tl.where(mine, pass_sum, running_sum)
@@ -475,7 +456,7 @@ def _paged_attention_split_kernel(
             + heads[:, None] * stride_out_head
             + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=owned,
+            mask=row_ok[:, None] & dim_mask[None, :],
         )
     else:
         # Row layout of the partials: [T, Hq, num_splits] (+ [D] for the outputs). Splits past
@@ -483,7 +464,11 @@ def _paged_attention_split_kernel(
         row = (tokens * num_q_heads + heads) * num_splits + split
         tl.store(partial_max_ptr + row, running_max, mask=row_ok)
         tl.store(partial_sum_ptr + row, running_sum, mask=row_ok)
-        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=owned)
+        tl.store(
+            partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+            acc,
+            mask=row_ok[:, None] & dim_mask[None, :],
+        )
         if TICKET_MERGE:
             # The last of the num_splits programs of these rows (counted with an atomic
             # ticket) merges their splits: no second launch. Every thread's partials are
@@ -575,6 +560,44 @@ def _paged_attention_merge_kernel(
     )
 
 
+def auto_split_size(
+    num_tokens: int,
+    num_kv_heads: int,
+    max_context: int,
+    block_size: int,
+    device: torch.device,
+) -> int:
+    """Split size of a launch with ``split_size=None``: as large as the parallelism allows.
+
+    Starts at :data:`DEFAULT_SPLIT_SIZE` (rounded up to a multiple of the block size) and
+    doubles, up to :data:`AUTO_SPLIT_MAX`, while the launch still has at least
+    :data:`AUTO_SPLIT_PROGRAMS_PER_SM` programs (one per token, key/value head and split) per
+    multiprocessor: longer splits stream their keys and values longer per program and leave
+    fewer partials to merge (long contexts over many sequences), while short contexts or few
+    sequences keep the default's parallelism. The choice depends on the launch (its token count
+    and table width), so a token's result may differ in the last bits between launches of
+    different sizes: callers that need batch invariance pass a fixed ``split_size``.
+
+    Args:
+        num_tokens: Query tokens of the launch.
+        num_kv_heads: Key/value heads of the cache.
+        max_context: Positions the block table can hold (its width times the block size).
+        block_size: Positions per cache block.
+        device: The launch's device (its multiprocessor count).
+
+    Returns:
+        The split size, a multiple of ``block_size``.
+    """
+    split = -(-DEFAULT_SPLIT_SIZE // block_size) * block_size
+    target = AUTO_SPLIT_PROGRAMS_PER_SM * device_limits(device)[0]
+    while (
+        2 * split <= max(AUTO_SPLIT_MAX, split)
+        and num_tokens * num_kv_heads * -(-max_context // (2 * split)) >= target
+    ):
+        split *= 2
+    return split
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -583,7 +606,7 @@ def paged_attention_triton(
     context_lens: torch.Tensor,
     *,
     scale: float,
-    split_size: int = DEFAULT_SPLIT_SIZE,
+    split_size: int | None = DEFAULT_SPLIT_SIZE,
     config: PagedDecodeConfig | None = None,
     merge: str = DEFAULT_MERGE,
 ) -> torch.Tensor:
@@ -603,7 +626,9 @@ def paged_attention_triton(
         block_tables: Physical block of each logical block of each token, ``[T, max_blocks]``.
         context_lens: Number of attended positions per token, ``[T]``, each at least 1.
         scale: Softmax scale applied to the dot products.
-        split_size: Context positions per split; a multiple of the block size.
+        split_size: Context positions per split; a multiple of the block size. None picks it
+            for the launch (:func:`auto_split_size`): then a token's result may differ in
+            the last bits between launches of different sizes.
         config: How a program computes its tiles; None picks
             :func:`~mcore_kernels.paged_attention_config.paged_decode_config` for the shape.
         merge: How several splits are merged: ``"ticket"`` (the last program of each token's
@@ -626,6 +651,10 @@ def paged_attention_triton(
     check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if split_size is None:
+        split_size = auto_split_size(
+            num_tokens, num_kv_heads, block_tables.shape[1] * block_size, block_size, q.device
+        )
     if split_size <= 0 or split_size % block_size != 0:
         raise KernelShapeError(
             f"split_size={split_size}; expected a positive multiple of the block size {block_size}"
@@ -670,19 +699,7 @@ def paged_attention_triton(
     # Large launches (chunked prefill) fill the padding rows with the next tokens; the
     # grouping never changes a result, only how often keys and values are read.
     tokens = rows // group_pad if dot and num_tokens >= config.prefill_tokens else 1
-    # Decode: one program may serve every key/value head of its token, when their query
-    # groups fill the 16-row tile (Qwen2.5-0.5B: 2 x 7 heads); its loads are then whole cache
-    # rows (every head's channels of a position) and half as many programs share the work.
-    kv_per_program = (
-        num_kv_heads
-        if config.merge_kv_heads
-        and dot
-        and tokens == 1
-        and 1 < num_kv_heads <= rows // group_pad
-        and num_kv_heads & (num_kv_heads - 1) == 0
-        else 1
-    )
-    grid = (-(-num_tokens // tokens), num_kv_heads // kv_per_program, num_splits)
+    grid = (-(-num_tokens // tokens), num_kv_heads, num_splits)
     use_pdl = pdl_enabled(q.device)
     ticket_merge = merge == "ticket" and num_splits > 1
     tickets = _tickets(q.device, grid[0] * grid[1]) if ticket_merge else partial_max
@@ -725,7 +742,6 @@ def paged_attention_triton(
         KV_LINE=max(1, 128 // k_cache.element_size()),
         TICKET_MERGE=ticket_merge,
         MERGE_CHUNK=MERGE_CHUNK,
-        KVH=kv_per_program,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
@@ -784,7 +800,7 @@ def paged_attention(
     context_lens: torch.Tensor,
     *,
     scale: float,
-    split_size: int = DEFAULT_SPLIT_SIZE,
+    split_size: int | None = DEFAULT_SPLIT_SIZE,
     merge: str | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over a paged KV cache, dispatched to Triton or torch.
@@ -796,7 +812,9 @@ def paged_attention(
         block_tables: Physical block of each logical block of each token, ``[T, max_blocks]``.
         context_lens: Number of attended positions per token, ``[T]``, each at least 1.
         scale: Softmax scale applied to the dot products.
-        split_size: Context positions per split-KV program (Triton path).
+        split_size: Context positions per split-KV program (Triton path); None picks it for
+            the launch (:func:`auto_split_size`; :data:`DEFAULT_SPLIT_SIZE` under
+            ``torch.compile``).
         merge: How the Triton path merges splits (see :func:`paged_attention_triton`; None:
             :data:`DEFAULT_MERGE`). Under ``torch.compile`` the default merge runs.
 
@@ -814,7 +832,13 @@ def paged_attention(
     if _compile.compiling():
         check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
         return _paged_attention_op(
-            q, k_cache, v_cache, block_tables, context_lens, float(scale), split_size
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            float(scale),
+            DEFAULT_SPLIT_SIZE if split_size is None else split_size,
         )
     return _paged_attention_run(
         q, k_cache, v_cache, block_tables, context_lens, scale, split_size, merge
@@ -828,7 +852,7 @@ def _paged_attention_run(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    split_size: int,
+    split_size: int | None,
     merge: str | None = None,
 ) -> torch.Tensor:
     if use_triton(q, k_cache, v_cache):
@@ -843,7 +867,13 @@ def _paged_attention_run(
             merge=DEFAULT_MERGE if merge is None else merge,
         )
     return paged_attention_reference(
-        q, k_cache, v_cache, block_tables, context_lens, scale=scale, split_size=split_size
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale=scale,
+        split_size=DEFAULT_SPLIT_SIZE if split_size is None else split_size,
     )
 
 

@@ -54,11 +54,6 @@ class PagedDecodeConfig:
     """Warps per program (a power of two)."""
     num_stages: int = 2
     """Software-pipelining stages of the tile loop."""
-    merge_kv_heads: bool = True
-    """In decode launches (one token per program), one program serves every key/value head of
-    its token when their query groups fit the 16-row tensor-core tile (a power-of-two number
-    of key/value heads): its tiles are whole cache rows and the launch has half (or fewer)
-    the programs; the products of a head are those of a one-head program."""
     prefill_tokens: int = 1024
     """Launches of at least this many tokens put consecutive tokens of one sequence into one
     program (mode ``"dot"``); results are the same either way, only the loads differ."""
