@@ -17,7 +17,9 @@ timed like ``bench_decode.py``'s).
 Variants: ``before`` is the split kernel as it was (query group padded to 16 rows, IEEE
 float32 ``tl.dot``); ``default`` is the configuration the package picks for the shape
 (:func:`mcore_kernels.paged_attention_config.paged_decode_config`); ``--sweep`` adds the other
-modes and tiles. A second table times a chunked-prefill step and a batch-512 decode step of
+modes and tiles; ``auto`` is the default configuration with the split picked per launch
+(``split_size=None``: :func:`mcore_kernels.paged_attention.auto_split_size`, up to 1024
+positions while the launch keeps 3 programs per multiprocessor). A second table times a chunked-prefill step and a batch-512 decode step of
 the Llama-3.2-1B attention shape, with and without the grouping of a sequence's tokens. Kernels are compiled first in ``--compile-workers``
 processes (Triton's on-disk cache), so compilation stays out of the measured loop.
 
@@ -66,6 +68,7 @@ SHAPES = (
     (1, 32768),
     (8, 4096),
     (8, 32768),
+    (64, 4096),
     (32, 1024),
     (32, 8192),
     (128, 128),
@@ -109,10 +112,11 @@ def _problem(
 
 
 def _run(name: str, config: PagedDecodeConfig | None, args: tuple, scale: float) -> torch.Tensor:
-    del name
     if config is None:
         return baseline_paged_attention(*args, scale=scale, split_size=SPLIT)
-    return paged_attention_triton(*args, scale=scale, split_size=SPLIT, config=config)
+    # "auto": the split picked per launch (split_size=None, auto_split_size).
+    split = None if name == "auto" else SPLIT
+    return paged_attention_triton(*args, scale=scale, split_size=split, config=config)
 
 
 def _graph_ms(fn: Any, inner: int, repeats: int) -> float:
@@ -158,6 +162,7 @@ def _compile_one(job: tuple[int, int, str, PagedDecodeConfig | None]) -> str:
 def _all_variants(group: int, head_dim: int, sweep: bool) -> dict[str, PagedDecodeConfig | None]:
     variants = _variants(group, sweep)
     variants["default"] = paged_decode_config(group, head_dim, _heads(group)[1], torch.bfloat16)
+    variants["auto"] = variants["default"]
     return variants
 
 

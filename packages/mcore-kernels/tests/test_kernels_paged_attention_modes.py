@@ -19,7 +19,13 @@ if not torch.cuda.is_available():
 import pytest
 
 from mcore_kernels.errors import KernelShapeError
-from mcore_kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from mcore_kernels.paged_attention import (
+    AUTO_SPLIT_MAX,
+    DEFAULT_SPLIT_SIZE,
+    auto_split_size,
+    paged_attention_reference,
+    paged_attention_triton,
+)
 from mcore_kernels.paged_attention_config import PagedDecodeConfig, paged_decode_config
 
 _RUNS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -184,3 +190,30 @@ def test_default_config_is_tensor_core_tiles_of_64():
 def test_invalid_config_raises_shape_error(fields, match):
     with pytest.raises(KernelShapeError, match=match):
         PagedDecodeConfig(**fields)
+
+
+def test_auto_split_grows_while_the_launch_keeps_its_parallelism():
+    cpu = torch.device("cpu")
+    # On the CPU (the interpreter) a device counts 4 multiprocessors: at least 12 programs.
+    # One token, 1 KV head, 2048 positions: 8 splits of 256 make only 8 programs, so the
+    # default stays.
+    assert auto_split_size(1, 1, 2048, 16, cpu) == DEFAULT_SPLIT_SIZE
+    # One token, 2 KV heads, 4096 positions: 512-position splits still give 16 programs,
+    # 1024-position splits only 8.
+    assert auto_split_size(1, 2, 4096, 16, cpu) == 2 * DEFAULT_SPLIT_SIZE
+    # Eight tokens: 1024-position splits still give 64 programs; never past the cap.
+    assert auto_split_size(8, 2, 4096, 16, cpu) == AUTO_SPLIT_MAX
+    assert auto_split_size(8, 2, 1 << 20, 16, cpu) == AUTO_SPLIT_MAX
+    # A block size that does not divide the default rounds the start up to a multiple.
+    assert auto_split_size(1, 2, 96, 48, cpu) % 48 == 0
+
+
+@needs_triton
+def test_split_size_none_is_the_auto_split():
+    args, expected, scale = _problem([3, 40, 70], group=7, num_kv_heads=2, head_dim=24)
+    q, k_cache, _, tables, _ = args
+    chosen = auto_split_size(3, 2, tables.shape[1] * k_cache.shape[1], 4, q.device)
+    auto = paged_attention_triton(*args, scale=scale, split_size=None)
+    explicit = paged_attention_triton(*args, scale=scale, split_size=chosen)
+    assert torch.equal(auto, explicit)
+    torch.testing.assert_close(auto.float(), expected, atol=2e-2, rtol=2e-2)

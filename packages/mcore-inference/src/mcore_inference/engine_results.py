@@ -61,25 +61,32 @@ class _ResultBook(_RequestBook):
                 self.scheduler.free_blocks(request)
         if not leaving.sampling:
             return
-        values = self.groups.broadcast_samples(samples, len(leaving.sampling)).tolist()
+        values = self.groups.broadcast_samples(samples, len(leaving.sampling))
+        if values.device.type != "cpu":
+            values = values.cpu()
+        # Token ids as Python ints in one conversion (float64 holds them exactly).
+        tokens = values[0].to(torch.long).tolist()
+        logprobs = values[1].tolist()
         stops = self._stops
-        for request, token, logprob in zip(leaving.sampling, values[0], values[1], strict=True):
+        length = FinishReason.LENGTH
+        report = reports.append
+        for request, token, logprob in zip(leaving.sampling, tokens, logprobs, strict=True):
             request.awaiting_token = False
             request.deferred_index = -1
             if request.status != active:
                 continue  # aborted while its tokens were in the pipeline
             output = request.output
-            output.append(int(token))
+            output.append(token)
             if request.params.return_logprobs:
                 request.logprobs.append(logprob)
             criteria = stops[request.request_id]
             reason = criteria.check(output) if criteria.active else None
             if reason is None and len(output) >= request.max_new_tokens:
-                reason = FinishReason.LENGTH
+                reason = length
             if reason is not None:
                 self._finish(request, reason)
             elif progress:
-                reports.append(request)
+                report(request)
 
     def _token_updates(self, requests: list[Request]) -> list[TokenUpdate]:
         """The tokens each request got since its previous update (a final result when done)."""

@@ -73,16 +73,18 @@ class StageRunner:
         by the engine from ``InferenceConfig.cuda_graph_mixed_steps``)."""
 
     def _inputs(self, microbatch: Microbatch | None, pad_to: int) -> tuple[torch.Tensor, int, int]:
-        rows = Microbatch(entries=[])
-        if microbatch is not None:
-            rows.tokens = list(microbatch.tokens)
-            rows.positions = list(microbatch.positions)
-            rows.table_rows = list(microbatch.table_rows)
-            rows.deferred_rows = microbatch.deferred_rows
-            rows.deferred_columns = microbatch.deferred_columns
-            rows.token_source = microbatch.token_source
-        num_real = rows.num_tokens
-        if pad_to > num_real:
+        num_real = microbatch.num_tokens if microbatch is not None else 0
+        if microbatch is not None and pad_to <= num_real:
+            rows = microbatch  # nothing to append: its lists are only read
+        else:
+            rows = Microbatch(entries=[])
+            if microbatch is not None:
+                rows.tokens = list(microbatch.tokens)
+                rows.positions = list(microbatch.positions)
+                rows.table_rows = list(microbatch.table_rows)
+                rows.deferred_rows = microbatch.deferred_rows
+                rows.deferred_columns = microbatch.deferred_columns
+                rows.token_source = microbatch.token_source
             rows.pad(pad_to - num_real, self.padding_row)
         # Known on the host: the eager attention launches only the splits that can hold data.
         return rows.inputs(self.device), num_real, max(rows.positions) + 1
@@ -340,12 +342,15 @@ def sample_microbatch(
     params = [r.params for r in requests]
     # The index of the token being sampled is the number of tokens fed after the prompt: also
     # right for a request whose previous token is still deferred (not in ``output`` yet).
-    uniforms = [
-        sampling_uniform(r.seed, r.num_computed - len(r.prompt)) if p.temperature else 0.0
-        for r, p in zip(requests, params)
-    ]
+    uniforms = [0.0] * len(requests)
+    logprob_rows = []
+    for i, p in enumerate(params):
+        if p.temperature:
+            r = requests[i]
+            uniforms[i] = sampling_uniform(r.seed, r.num_computed - len(r.prompt))
+        if p.return_logprobs:
+            logprob_rows.append(i)
     new_tokens = sample_tokens(logits, params, uniforms)
-    logprob_rows = [i for i, p in enumerate(params) if p.return_logprobs]
     if buffers is None:
         samples = torch.full(
             (2, len(requests)), float("nan"), dtype=torch.float64, device=logits.device

@@ -31,6 +31,7 @@ import torch
 from mcore_kernels import _compile
 from mcore_kernels._backend import _interpreting, use_triton
 from mcore_kernels._triton_utils import (
+    device_limits,
     gdc_launch_dependents,
     gdc_wait,
     jit,
@@ -67,6 +68,15 @@ DEFAULT_MERGE = "kernel"
 MERGE_CHUNK = 8
 """Splits the ticket merge reads per step (a fixed size: the sums do not depend on the
 launch's number of splits)."""
+AUTO_SPLIT_PROGRAMS_PER_SM = 3
+"""With ``split_size=None`` the split grows while the launch keeps at least this many programs
+per multiprocessor (see :func:`auto_split_size`)."""
+AUTO_SPLIT_MAX = 1024
+"""Largest split :func:`auto_split_size` picks."""
+MERGE_SPLITS_CHUNK = 32
+"""Splits the merge kernel reads at once (a fixed size: the sums do not depend on the launch's
+number of splits). One load per split in a dependent chain made the merge the larger part of a
+long-context launch (about 128 splits at 32k positions)."""
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 """Ticket buffers replaced by larger ones, kept alive for the graphs that captured them."""
@@ -490,38 +500,102 @@ def _paged_attention_merge_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLIT_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
+    # One (token, head) row. Splits past the token's context hold exact zeros (max -inf):
+    # merging them changes nothing, so only the splits that hold data are read, CHUNK at a
+    # time (independent loads, not one dependent load per split). The chunk size is fixed, so
+    # the sums depend only on the token's context, never on the launch's number of splits.
     token = tl.program_id(0)
     head = tl.program_id(1)
-    # Splits past the token's context hold exact zeros (max -inf): merging them changes
-    # nothing, so only the splits that hold data are read. The launch stays fixed.
     context = tl.load(context_lens_ptr + token).to(tl.int32)
     used_splits = tl.minimum((context + SPLIT_SIZE - 1) // SPLIT_SIZE, num_splits)
-    dim_offsets = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = dim_offsets < HEAD_DIM
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    chunk = tl.arange(0, CHUNK)
     base = (token * num_q_heads + head) * num_splits
-    # Split 0 always holds data (context_lens >= 1), so the running max is finite from here.
-    total_max = tl.load(partial_max_ptr + base)
-    total_sum = tl.load(partial_sum_ptr + base)
-    acc = tl.load(partial_out_ptr + base * HEAD_DIM + dim_offsets, mask=dim_mask, other=0.0)
-    for split in range(1, used_splits):
-        split_max = tl.load(partial_max_ptr + base + split)
-        split_sum = tl.load(partial_sum_ptr + base + split)
-        split_out = tl.load(
-            partial_out_ptr + (base + split) * HEAD_DIM + dim_offsets, mask=dim_mask, other=0.0
+    total_max = tl.full([CHUNK], float("-inf"), tl.float32)
+    for start in range(0, used_splits, CHUNK):
+        splits = start + chunk
+        total_max = tl.maximum(
+            total_max,
+            tl.load(
+                partial_max_ptr + base + splits,
+                mask=splits < used_splits,
+                other=float("-inf"),
+                cache_modifier=".cg",
+            ),
         )
-        new_max = tl.maximum(total_max, split_max)
-        old_weight = tl.exp(total_max - new_max)
-        split_weight = tl.exp(split_max - new_max)
-        total_sum = total_sum * old_weight + split_sum * split_weight
-        acc = acc * old_weight + split_out * split_weight
-        total_max = new_max
-    out = acc / total_sum
+    # Split 0 always holds data (context_lens >= 1), so the maximum is finite.
+    shift = tl.max(total_max, axis=0)
+    sums = tl.zeros([CHUNK], tl.float32)
+    acc = tl.zeros([CHUNK, HEAD_DIM_PAD], tl.float32)
+    for start in range(0, used_splits, CHUNK):
+        splits = start + chunk
+        here = splits < used_splits
+        weight = tl.exp(
+            tl.load(
+                partial_max_ptr + base + splits,
+                mask=here,
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            - shift
+        )
+        sums += weight * tl.load(
+            partial_sum_ptr + base + splits, mask=here, other=0.0, cache_modifier=".cg"
+        )
+        split_out = tl.load(
+            partial_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+            mask=here[:, None] & dim_mask[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += split_out * weight[:, None]
+    out = tl.sum(acc, axis=0) / tl.sum(sums, axis=0)
     tl.store(
-        out_ptr + token * stride_out_token + head * stride_out_head + dim_offsets,
+        out_ptr + token * stride_out_token + head * stride_out_head + dims,
         out.to(out_ptr.dtype.element_ty),
         mask=dim_mask,
     )
+
+
+def auto_split_size(
+    num_tokens: int,
+    num_kv_heads: int,
+    max_context: int,
+    block_size: int,
+    device: torch.device,
+) -> int:
+    """Split size of a launch with ``split_size=None``: as large as the parallelism allows.
+
+    Starts at :data:`DEFAULT_SPLIT_SIZE` (rounded up to a multiple of the block size) and
+    doubles, up to :data:`AUTO_SPLIT_MAX`, while the launch still has at least
+    :data:`AUTO_SPLIT_PROGRAMS_PER_SM` programs (one per token, key/value head and split) per
+    multiprocessor: longer splits stream their keys and values longer per program and leave
+    fewer partials to merge (long contexts over many sequences), while short contexts or few
+    sequences keep the default's parallelism. The choice depends on the launch (its token count
+    and table width), so a token's result may differ in the last bits between launches of
+    different sizes: callers that need batch invariance pass a fixed ``split_size``.
+
+    Args:
+        num_tokens: Query tokens of the launch.
+        num_kv_heads: Key/value heads of the cache.
+        max_context: Positions the block table can hold (its width times the block size).
+        block_size: Positions per cache block.
+        device: The launch's device (its multiprocessor count).
+
+    Returns:
+        The split size, a multiple of ``block_size``.
+    """
+    split = -(-DEFAULT_SPLIT_SIZE // block_size) * block_size
+    target = AUTO_SPLIT_PROGRAMS_PER_SM * device_limits(device)[0]
+    while (
+        2 * split <= max(AUTO_SPLIT_MAX, split)
+        and num_tokens * num_kv_heads * -(-max_context // (2 * split)) >= target
+    ):
+        split *= 2
+    return split
 
 
 def paged_attention_triton(
@@ -532,7 +606,7 @@ def paged_attention_triton(
     context_lens: torch.Tensor,
     *,
     scale: float,
-    split_size: int = DEFAULT_SPLIT_SIZE,
+    split_size: int | None = DEFAULT_SPLIT_SIZE,
     config: PagedDecodeConfig | None = None,
     merge: str = DEFAULT_MERGE,
 ) -> torch.Tensor:
@@ -552,7 +626,9 @@ def paged_attention_triton(
         block_tables: Physical block of each logical block of each token, ``[T, max_blocks]``.
         context_lens: Number of attended positions per token, ``[T]``, each at least 1.
         scale: Softmax scale applied to the dot products.
-        split_size: Context positions per split; a multiple of the block size.
+        split_size: Context positions per split; a multiple of the block size. None picks it
+            for the launch (:func:`auto_split_size`): then a token's result may differ in
+            the last bits between launches of different sizes.
         config: How a program computes its tiles; None picks
             :func:`~mcore_kernels.paged_attention_config.paged_decode_config` for the shape.
         merge: How several splits are merged: ``"ticket"`` (the last program of each token's
@@ -575,6 +651,10 @@ def paged_attention_triton(
     check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if split_size is None:
+        split_size = auto_split_size(
+            num_tokens, num_kv_heads, block_tables.shape[1] * block_size, block_size, q.device
+        )
     if split_size <= 0 or split_size % block_size != 0:
         raise KernelShapeError(
             f"split_size={split_size}; expected a positive multiple of the block size {block_size}"
@@ -687,7 +767,7 @@ def merge_splits(
     those that hold a token's context.
 
     Args:
-        partial_out: float32 ``[T, H, S, D]`` normalised partial outputs.
+        partial_out: float32 ``[T, H, S, D]`` partial outputs (probability-weighted value sums).
         partial_max: float32 ``[T, H, S]`` running maxima.
         partial_sum: float32 ``[T, H, S]`` running sums.
         context_lens: ``[T]`` attended positions per token.
@@ -708,6 +788,7 @@ def merge_splits(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
         SPLIT_SIZE=split_size,
+        CHUNK=MERGE_SPLITS_CHUNK,
     )
 
 
@@ -719,7 +800,7 @@ def paged_attention(
     context_lens: torch.Tensor,
     *,
     scale: float,
-    split_size: int = DEFAULT_SPLIT_SIZE,
+    split_size: int | None = DEFAULT_SPLIT_SIZE,
     merge: str | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over a paged KV cache, dispatched to Triton or torch.
@@ -731,7 +812,9 @@ def paged_attention(
         block_tables: Physical block of each logical block of each token, ``[T, max_blocks]``.
         context_lens: Number of attended positions per token, ``[T]``, each at least 1.
         scale: Softmax scale applied to the dot products.
-        split_size: Context positions per split-KV program (Triton path).
+        split_size: Context positions per split-KV program (Triton path); None picks it for
+            the launch (:func:`auto_split_size`; :data:`DEFAULT_SPLIT_SIZE` under
+            ``torch.compile``).
         merge: How the Triton path merges splits (see :func:`paged_attention_triton`; None:
             :data:`DEFAULT_MERGE`). Under ``torch.compile`` the default merge runs.
 
@@ -749,7 +832,13 @@ def paged_attention(
     if _compile.compiling():
         check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
         return _paged_attention_op(
-            q, k_cache, v_cache, block_tables, context_lens, float(scale), split_size
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            float(scale),
+            DEFAULT_SPLIT_SIZE if split_size is None else split_size,
         )
     return _paged_attention_run(
         q, k_cache, v_cache, block_tables, context_lens, scale, split_size, merge
@@ -763,7 +852,7 @@ def _paged_attention_run(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    split_size: int,
+    split_size: int | None,
     merge: str | None = None,
 ) -> torch.Tensor:
     if use_triton(q, k_cache, v_cache):
@@ -778,7 +867,13 @@ def _paged_attention_run(
             merge=DEFAULT_MERGE if merge is None else merge,
         )
     return paged_attention_reference(
-        q, k_cache, v_cache, block_tables, context_lens, scale=scale, split_size=split_size
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale=scale,
+        split_size=DEFAULT_SPLIT_SIZE if split_size is None else split_size,
     )
 
 
