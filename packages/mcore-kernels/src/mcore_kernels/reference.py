@@ -12,10 +12,10 @@ import torch.distributed as dist
 from mcore_kernels._validation import (
     check_paged_attention_args,
     check_paged_mla_attention_args,
-    check_rotary_kv_write_args,
-    flat_cache_slots,
     check_rms_norm_args,
+    check_rotary_kv_write_args,
     check_token_logprobs_args,
+    flat_cache_slots,
 )
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
 from mcore_kernels.errors import KernelShapeError
