@@ -228,7 +228,8 @@ def grouped_mm_batch_invariant(
         group_ends: ``[G]`` integer end row (exclusive) of each group, non-decreasing.
 
     Returns:
-        ``[M, N]``; rows after the last group end are zero.
+        ``[M, N]``; rows after the last group end are not written by the Triton path
+        (left as allocated) and zero on the torch path.
 
     Raises:
         KernelShapeError: If the shapes do not fit.
