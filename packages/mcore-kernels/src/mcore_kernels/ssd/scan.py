@@ -493,7 +493,11 @@ def _ssd_scan_bwd_op(
             t.detach().requires_grad_() if t is not None else None for t in (D, initial_states)
         ]
         y, final = ssd_scan_reference(
-            *inputs,
+            inputs[0],
+            inputs[1],
+            inputs[2],
+            inputs[3],
+            inputs[4],
             optional[0],
             chunk_size=chunk_size,
             cu_seqlens=cu_seqlens,
