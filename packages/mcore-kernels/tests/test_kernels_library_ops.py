@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from mcore_kernels import moe
 from mcore_kernels.batch_invariant.matmul import (
     bmm_batch_invariant,
     grouped_mm_batch_invariant,
@@ -253,3 +254,66 @@ def test_cuda_inductor_compiles_the_registered_ops_with_reference_values():
     expected_outputs, expected_grads = _value_and_grads(reference, *floats)
     _assert_close_lists(list(outputs), list(expected_outputs), atol=1e-3, rtol=1e-3)
     _assert_close_lists(grads, expected_grads, atol=1e-2, rtol=1e-2)
+
+
+# --- MoE: the ops of the autograd functions (backward: recomputation + the Function's own) ------
+
+
+def _moe_problem(device: str):
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 16, generator=generator).to(device)
+    rows = torch.tensor([0, 1, -1, 2, 0, 1], device=device)
+    slots = torch.tensor([0, 4, 1, 5, 3, -1], device=device)
+    fillers = torch.tensor([0, 2, -1, 4, 1, 3], device=device)
+    y = torch.randn(6, 16, generator=generator).to(device)
+    weights = torch.rand(3, 2, generator=generator).to(device)
+    gate_up = torch.randn(6, 32, generator=generator).to(device)
+    row_weights = torch.rand(6, generator=generator).to(device)
+    logits = torch.randn(5, 4, generator=generator).to(device)
+    return x, rows, slots, fillers, y, weights, gate_up, row_weights, logits
+
+
+def test_opcheck_moe_ops():
+    x, rows, slots, fillers, y, weights, gate_up, row_weights, logits = _moe_problem("cpu")
+    torch.library.opcheck(OPS.moe_swiglu, (gate_up,))
+    torch.library.opcheck(OPS.moe_weighted_swiglu, (gate_up, row_weights))
+    torch.library.opcheck(OPS.moe_permute_tokens, (x, rows, slots, 2))
+    torch.library.opcheck(OPS.moe_unpermute_combine, (y, weights, slots, fillers))
+    torch.library.opcheck(OPS.moe_unpermute_sum, (y, slots, fillers, 2))
+    torch.library.opcheck(OPS.moe_router, (logits, 2, "softmax", None, True, 1.0))
+
+
+def test_compiled_moe_functions_match_the_references_values_and_gradients(dispatch):
+    ref = moe.reference
+
+    x, rows, slots, fillers, y, weights, gate_up, row_weights, logits = _moe_problem(_device())
+    cases = [
+        (moe.swiglu, ref.swiglu_reference, (gate_up,)),
+        (moe.weighted_swiglu, ref.weighted_swiglu_reference, (gate_up, row_weights)),
+        (
+            lambda x: moe.permute_tokens(x, rows, slots, 2),
+            lambda x: ref.permute_tokens_reference(x, rows),
+            (x,),
+        ),
+        (
+            lambda y, w: moe.unpermute_combine(y, w, slots, fillers),
+            lambda y, w: ref.unpermute_combine_reference(y, w, slots),
+            (y, weights),
+        ),
+        (
+            lambda y: moe.unpermute_sum(y, slots, fillers, 2),
+            lambda y: ref.unpermute_sum_reference(y, slots, 2),
+            (y,),
+        ),
+        (
+            lambda z: moe.moe_router(z, 2)[::2],
+            lambda z: ref.moe_router_reference(z, 2)[::2],
+            (logits,),
+        ),
+    ]
+    for function, reference, inputs in cases:
+        compiled = torch.compile(function, backend="aot_eager", fullgraph=True)
+        outputs, grads = _value_and_grads(compiled, *inputs)
+        expected_outputs, expected_grads = _value_and_grads(reference, *inputs)
+        _assert_close_lists(list(outputs), list(expected_outputs), atol=1e-5, rtol=1e-5)
+        _assert_close_lists(grads, expected_grads, atol=1e-5, rtol=1e-5)

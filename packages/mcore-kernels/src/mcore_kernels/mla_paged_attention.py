@@ -43,6 +43,7 @@ __all__ = [
     "paged_mla_attention_triton",
 ]
 
+
 @jit
 def _paged_mla_split_kernel(
     q_latent_ptr,
