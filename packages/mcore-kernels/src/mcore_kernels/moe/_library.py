@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 
 from mcore_kernels._compile import register_function
+from mcore_kernels.moe.grouped_gemm import GroupedSwiGLUMLPFunction
 from mcore_kernels.moe.permute import (
     PermuteTokensFunction,
     UnpermuteCombineFunction,
     UnpermuteSumFunction,
 )
+from mcore_kernels.moe.routed import RoutedExpertsFunction
 from mcore_kernels.moe.router import MoERouterFunction
 from mcore_kernels.moe.swiglu import SwiGLUFunction, WeightedSwiGLUFunction
 
@@ -80,6 +82,24 @@ OPS = {
         4,
         (0,),
         _router_fake,
+    ),
+    "moe_routed_experts": register_function(
+        "moe_routed_experts",
+        RoutedExpertsFunction,
+        "Tensor x, Tensor weights, Tensor w_gate_up, Tensor w_down, Tensor order, "
+        "Tensor inverse, Tensor offsets, int top_k",
+        1,
+        (0, 1, 2, 3),
+        lambda x, *args: x.new_empty(x.shape),
+    ),
+    "moe_grouped_swiglu_mlp": register_function(
+        "moe_grouped_swiglu_mlp",
+        GroupedSwiGLUMLPFunction,
+        "Tensor x, Tensor gate_up, Tensor down, Tensor starts, Tensor ends, int num_rows, "
+        "Tensor? index, Tensor? slots, int top_k, bool padded",
+        1,
+        (0, 1, 2),
+        lambda x, gate_up, down, starts, ends, num_rows, *args: x.new_empty((num_rows, x.shape[1])),
     ),
 }
 """The forward ops by name (``torch.ops.mcore_kernels.<name>``)."""
