@@ -249,9 +249,10 @@ def rms_norm(
         check_rms_norm_args(x, weight, eps, residual)
         eps = float(eps)
         triton = x.dtype != torch.float64 and use_triton(x)
+        on_cuda, device = x.is_cuda, x.get_device()
     if not triton:
         return rms_norm_reference(x, weight, eps, residual=residual)
-    if x.is_cuda and x.get_device() != _current_device():
+    if on_cuda and device != _current_device():
         # Triton launches on the current device: make it the tensors' one, then the same call.
         with torch.cuda.device(x.device):
             return rms_norm(x, weight, eps, residual=residual)
