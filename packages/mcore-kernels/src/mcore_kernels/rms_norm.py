@@ -218,26 +218,27 @@ def rms_norm(
     try:
         device = x.get_device()
         on_cuda = x.is_cuda
+        dtype = x.dtype
+        shape = x.shape
+        hidden = shape[-1]
         plain = (
             type(eps) is float
             and 0.0 <= eps < math.inf
-            and x.dtype in _KERNEL_DTYPES
+            and dtype in _KERNEL_DTYPES
             and weight.dtype in _KERNEL_DTYPES
-            and weight.dim() == 1
-            and x.shape[-1] == weight.shape[0] != 0
+            and hidden != 0
+            and weight.shape == (hidden,)
             # Device indices (-1 on the CPU) compare without building torch.device objects;
             # on the CPU, other devices (meta) also say -1.
             and weight.get_device() == device
-            and weight.is_cuda == on_cuda
-            and (on_cuda or (x.is_cpu and weight.is_cpu))
+            and (weight.is_cuda if on_cuda else (x.is_cpu and weight.is_cpu))
             and (
                 residual is None
                 or (
-                    residual.dtype == x.dtype
-                    and residual.shape == x.shape
+                    residual.dtype == dtype
+                    and residual.shape == shape
                     and residual.get_device() == device
-                    and residual.is_cuda == on_cuda
-                    and (on_cuda or residual.is_cpu)
+                    and (residual.is_cuda if on_cuda else residual.is_cpu)
                 )
             )
         )
