@@ -50,7 +50,6 @@ class _RMSNormFunction(torch.autograd.Function):
         y, hidden_states, rstd = _forward(x, weight, eps, residual, True)
         ctx.save_for_backward(hidden_states, weight, rstd)
         ctx.eps = eps
-        ctx.has_residual = residual is not None
         # Without this, an unused output's gradient arrives as a materialised zero tensor.
         ctx.set_materialize_grads(False)
         return y if residual is None else (y, hidden_states)
@@ -67,7 +66,8 @@ class _RMSNormFunction(torch.autograd.Function):
                 dh, dweight = _backward(dy, dhidden_out, hidden_states, weight, rstd, ctx.eps)
         else:
             dh, dweight = _backward(dy, dhidden_out, hidden_states, weight, rstd, ctx.eps)
-        return dh, dweight, dh if ctx.has_residual and ctx.needs_input_grad[2] else None, None
+        # A residual of None never needs a gradient: the flag alone says whether to return it.
+        return dh, dweight, dh if ctx.needs_input_grad[2] else None, None
 
 
 # ``Function.apply`` without the Python wrapper some torch releases put around the C++ entry
