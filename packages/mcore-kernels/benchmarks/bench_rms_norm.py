@@ -72,23 +72,27 @@ def host_us(fn: Callable[[], Any], calls: int = 100) -> float:
 
 
 def profiler_cpu_us(
-    calls: dict[str, tuple[bool, Callable[[], Any]]], per_call: int = 60, warmup: int = 5
+    calls: dict[str, tuple[bool, Callable[[], Any]]], per_call: int = 96, warmup: int = 5
 ) -> dict[str, float]:
     """CPU microseconds per call as ``torch.profiler`` records it (its own cost per op included).
 
     ``calls`` maps a name to ``(grad_enabled, call)``. One profiling session holds every call,
     each under its own ``record_function`` label, the implementations interleaved call by call
     (the first events of a session cost several times the later ones: whichever runs first
-    would pay that); ``warmup`` unlabelled rounds come first. The median over the individual
-    calls of each label.
+    would pay that); ``warmup`` unlabelled rounds come first. Each round starts one call later
+    in the list, so that every call follows every other equally often (a call right after a
+    backward pays for what the autograd engine's thread still does then). The median over the
+    individual calls of each label.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
     samples: dict[str, list[float]] = {name: [] for name in calls}
+    ordered = list(calls.items())
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for index in range(warmup + per_call):
-            for name, (grad_enabled, call) in calls.items():
+            shift = index % len(ordered)
+            for name, (grad_enabled, call) in ordered[shift:] + ordered[:shift]:
                 label = name if index >= warmup else "warm-up"
                 with torch.set_grad_enabled(grad_enabled), record_function(label):
                     call()
@@ -421,9 +425,10 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
             "\nCall overhead outside graphs (one row), microseconds of host time per call: wall "
             "clock of 100 back-to-back calls (median of 5 rounds, the implementations "
             "interleaved round by round), then the profiler's CPU time per call (one profiling "
-            "session, 5 unlabelled warm-up rounds, then 60 calls of each implementation "
-            "interleaved call by call, each under its own ``record_function`` label; median over "
-            "the calls; the profiler adds its own cost per recorded op):\n\n"
+            "session, 5 unlabelled warm-up rounds, then 96 calls of each implementation "
+            "interleaved call by call, each round starting one call later so that every call "
+            "follows every other equally often, each under its own ``record_function`` label; "
+            "median over the calls; the profiler adds its own cost per recorded op):\n\n"
         )
         table += markdown_table(
             ["shape", "phase"]

@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Callable
 
 import torch
 
 from mcore_kernels.errors import KernelBackendError
 
-__all__ = ["BACKEND_ENV", "selected_backend", "use_triton"]
+__all__ = ["BACKEND_ENV", "backend_forced", "selected_backend", "use_triton"]
 
 BACKEND_ENV = "MCORE_KERNELS_BACKEND"
 """Name of the environment variable that forces a backend."""
@@ -34,6 +35,15 @@ if _ENV_DATA is not None:
         _ENV_KEY = os.environ.encodekey(BACKEND_ENV)  # type: ignore[attr-defined]
     except AttributeError:  # pragma: no cover - another Python's os.environ layout
         _ENV_DATA = None
+
+
+# ``backend_forced()``: the variable's value when set (a C-level call, no Python frame: the
+# one-row hot paths read it on every call).
+backend_forced: Callable[[], object] = (
+    functools.partial(_ENV_DATA.get, _ENV_KEY)
+    if _ENV_DATA is not None
+    else functools.partial(os.environ.get, BACKEND_ENV)
+)
 
 
 def _backend_set() -> bool:

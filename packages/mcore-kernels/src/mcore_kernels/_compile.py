@@ -25,6 +25,7 @@ __all__ = [
     "compiling",
     "custom_op",
     "group_name",
+    "register_function",
     "resolve_group",
 ]
 
@@ -101,3 +102,87 @@ def resolve_group(name: str) -> dist.ProcessGroup | None:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)  # type: ignore[arg-type]
+
+
+def register_function(
+    name: str,
+    function: type[torch.autograd.Function],
+    arguments: str,
+    outputs: int,
+    differentiable: tuple[int, ...],
+    fake: Callable,
+) -> Callable:
+    """Register an ``autograd.Function`` as the custom op ``torch.ops.mcore_kernels.<name>``.
+
+    The forward op runs ``function.apply`` without autograd; the registered backward is the op
+    ``<name>_bwd``, which runs ``function.apply`` again with autograd recording (inside the op)
+    and returns ``torch.autograd.grad`` of it, i.e. the Function's own backward after a
+    recomputation of its forward. Only ``torch.compile`` goes through these ops (eager calls
+    apply the Function directly), so the recomputation costs nothing outside compiled graphs.
+
+    Args:
+        name: op name inside the ``mcore_kernels`` namespace.
+        function: the ``autograd.Function``; every output must be a fresh tensor.
+        arguments: the op's arguments in schema form, in ``function.apply``'s order, e.g.
+            ``"Tensor x, Tensor rows, int top_k"``.
+        outputs: number of tensor outputs of ``function``.
+        differentiable: positions of the arguments that get gradients (tensors).
+        fake: the forward's fake implementation (shapes and dtypes of the outputs).
+
+    Returns:
+        The forward op.
+    """
+    returns = "Tensor" if outputs == 1 else "(" + ", ".join(["Tensor"] * outputs) + ")"
+    forward_op = custom_op(name, f"({arguments}) -> {returns}")
+
+    def forward(*args):
+        with torch.no_grad():
+            return function.apply(*args)
+
+    forward_op = forward_op(forward)
+    forward_op.register_fake(fake)
+
+    def backward_impl(grads, *args):
+        with autograd_inside_op():
+            inputs = list(args)
+            leaves = []
+            for index in differentiable:
+                inputs[index] = args[index].detach().requires_grad_()
+                leaves.append(inputs[index])
+            results = function.apply(*inputs)
+            results = results if isinstance(results, tuple) else (results,)
+            pairs = [
+                (out, grad)
+                for out, grad in zip(results, grads, strict=True)
+                if grad is not None and out.requires_grad
+            ]
+            found = torch.autograd.grad(
+                [out for out, _ in pairs], leaves, [grad for _, grad in pairs], allow_unused=True
+            )
+        return [g if g is not None else torch.zeros_like(t) for g, t in zip(found, leaves)]
+
+    backward_op = custom_op(f"{name}_bwd", f"(Tensor?[] grads, {arguments}) -> Tensor[]")(
+        backward_impl
+    )
+    backward_op.register_fake(
+        lambda grads, *args: [args[i].new_empty(args[i].shape) for i in differentiable]
+    )
+
+    def setup_context(ctx, inputs, output):
+        tensors = [i for i, arg in enumerate(inputs) if isinstance(arg, torch.Tensor)]
+        ctx.tensor_positions = tensors
+        ctx.others = [None if isinstance(arg, torch.Tensor) else arg for arg in inputs]
+        ctx.save_for_backward(*(inputs[i] for i in tensors))
+
+    def backward(ctx, *grads):
+        args = list(ctx.others)
+        for index, tensor in zip(ctx.tensor_positions, ctx.saved_tensors, strict=True):
+            args[index] = tensor
+        found = backward_op(list(grads), *args)
+        result: list = [None] * len(args)
+        for index, grad in zip(differentiable, found, strict=True):
+            result[index] = grad
+        return tuple(result)
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+    return forward_op

@@ -146,6 +146,20 @@ class CachedLauncher:
         self._fast = True
         self._names = tuple(getattr(fn, "arg_names", ()))
 
+    def entry(self, key: Hashable) -> tuple[Any, Any, Any, tuple] | None:
+        """The compiled launch cached under a :meth:`keyed` key, for a caller's own fast path.
+
+        Args:
+            key: a key passed to :meth:`keyed` before.
+
+        Returns:
+            ``(run, function, packed_metadata, constexpr tail)``, called as
+            ``run(grid_x, grid_y, grid_z, stream, function, packed_metadata, None, None, None,
+            *addresses, *tail)``; None if the key has not launched yet or the fast launch is
+            off (another Triton calling convention).
+        """
+        return self._keyed.get(key) if self._fast else None
+
     def keyed(
         self,
         key: Hashable,

@@ -26,6 +26,9 @@ __all__ = [
     "check_target_range",
     "check_paged_attention_args",
     "PAGED_ATTENTION_DTYPES",
+    "check_paged_mla_attention_args",
+    "check_rotary_kv_write_args",
+    "flat_cache_slots",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -265,3 +268,141 @@ def check_paged_attention_args(
             f"block_tables dtype {block_tables.dtype} / context_lens dtype {context_lens.dtype}; "
             "expected int32 or int64"
         )
+
+
+def check_paged_mla_attention_args(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """Validate the arguments of :func:`paged_mla_attention`.
+
+    Args:
+        q_latent: ``[T, H, R]``.
+        q_rope: ``[T, H, P]``.
+        latent_cache: ``[num_blocks, block_size, R + P]``.
+        block_tables: ``[T, max_blocks]``.
+        context_lens: ``[T]``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match this layout.
+        KernelDtypeError: If a dtype is unsupported.
+    """
+    if q_latent.dim() != 3 or q_rope.dim() != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
+        raise KernelShapeError(
+            f"q_latent {tuple(q_latent.shape)} and q_rope {tuple(q_rope.shape)}: expected "
+            "[T, H, R] and [T, H, P]"
+        )
+    num_tokens, _, rank = q_latent.shape
+    width = rank + q_rope.shape[2]
+    if latent_cache.dim() != 3 or latent_cache.shape[2] != width:
+        raise KernelShapeError(
+            f"latent_cache has shape {tuple(latent_cache.shape)}; expected [num_blocks, "
+            f"block_size, {width}] (R={rank} + P={q_rope.shape[2]})"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_tokens:
+        raise KernelShapeError(
+            f"block_tables has shape {tuple(block_tables.shape)}; expected "
+            f"[{num_tokens}, max_blocks]"
+        )
+    if context_lens.shape != (num_tokens,):
+        raise KernelShapeError(
+            f"context_lens has shape {tuple(context_lens.shape)}; expected ({num_tokens},)"
+        )
+    for name, tensor in (("q_latent", q_latent), ("q_rope", q_rope), ("cache", latent_cache)):
+        if tensor.dtype not in PAGED_ATTENTION_DTYPES:
+            raise KernelDtypeError(
+                f"{name} dtype {tensor.dtype}; expected float32, float16 or bfloat16"
+            )
+    for name, tensor in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if tensor.dtype not in (torch.int32, torch.int64):
+            raise KernelDtypeError(f"{name} dtype {tensor.dtype}; expected int32 or int64")
+
+
+def check_rotary_kv_write_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Validate the arguments of ``rotary_kv_write``.
+
+    Args:
+        q: ``[T, Hq, D]`` new queries.
+        k: ``[T, Hkv, D]`` new keys.
+        v: ``[T, Hkv, D]`` new values.
+        cos: float32 ``[T, D // 2]`` RoPE cosines.
+        sin: float32 ``[T, D // 2]`` RoPE sines.
+        k_cache: ``[num_blocks, block_size, Hkv, D]`` key cache.
+        v_cache: value cache shaped like ``k_cache``.
+        slot_mapping: ``[T]`` integer cache slot of each token.
+
+    Raises:
+        KernelShapeError: shapes do not match this layout.
+        KernelDtypeError: a dtype is unsupported.
+    """
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0]:
+        raise KernelShapeError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected [T, Hq, D] "
+            "and two [T, Hkv, D]"
+        )
+    num_tokens, _, head_dim = q.shape
+    if head_dim % 2 or k.shape[2] != head_dim:
+        raise KernelShapeError(
+            f"head dims q {head_dim}, k {k.shape[2]}; expected equal and even head dims"
+        )
+    half = (num_tokens, head_dim // 2)
+    if tuple(cos.shape) != half or tuple(sin.shape) != half:
+        raise KernelShapeError(
+            f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}; expected [T, D // 2] = {half}"
+        )
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise KernelDtypeError(f"cos {cos.dtype}, sin {sin.dtype}; expected torch.float32")
+    if q.dtype != k.dtype or q.dtype != v.dtype or not q.dtype.is_floating_point:
+        raise KernelDtypeError(
+            f"q {q.dtype}, k {k.dtype}, v {v.dtype}; expected one floating-point dtype"
+        )
+    expected_cache = (k.shape[1], head_dim)
+    if (
+        k_cache.dim() != 4
+        or k_cache.shape != v_cache.shape
+        or tuple(k_cache.shape[2:]) != expected_cache
+    ):
+        raise KernelShapeError(
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}; expected two "
+            f"[num_blocks, block_size, {expected_cache[0]}, {expected_cache[1]}]"
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
+        raise KernelShapeError(
+            f"slot_mapping has shape {tuple(slot_mapping.shape)}; expected [{num_tokens}]"
+        )
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise KernelDtypeError(f"slot_mapping has dtype {slot_mapping.dtype}; expected int64")
+
+
+def flat_cache_slots(cache: torch.Tensor, name: str) -> torch.Tensor:
+    """View one layer's cache ``[num_blocks, block_size, Hkv, D]`` as ``[slots, Hkv, D]``.
+
+    Args:
+        cache: the layer's key or value cache.
+        name: its argument name, for the error.
+
+    Returns:
+        The view.
+
+    Raises:
+        KernelShapeError: the layout admits no such view.
+    """
+    try:
+        return cache.view(-1, *cache.shape[2:])
+    except RuntimeError as error:
+        raise KernelShapeError(
+            f"{name} with strides {cache.stride()} cannot be viewed as [slots, Hkv, D]; "
+            "expected a contiguous layer of the cache"
+        ) from error

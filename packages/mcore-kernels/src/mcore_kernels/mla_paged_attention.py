@@ -14,7 +14,9 @@ Shapes:
 - ``block_tables``: ``[T, max_blocks]`` int32/int64; ``context_lens``: ``[T]`` int32/int64
 - returns ``[T, H, R]`` in ``q_latent.dtype``
 
-The Triton path follows :mod:`mcore_kernels.paged_attention`: each token's context is cut into
+The file holds the Triton kernel, its launcher, the ``torch.library`` registration and the
+entry point; the torch reference and the argument check live in :mod:`mcore_kernels.reference`
+and ``mcore_kernels._validation`` (both re-exported here). The Triton path follows :mod:`mcore_kernels.paged_attention`: each token's context is cut into
 splits of a fixed ``split_size`` (split-KV); a program handles one token, a block of heads and
 one split, and a second kernel merges the splits in a fixed order, so the result of a token does
 not depend on what else shares the launch. The launch shape depends on the table width only
@@ -26,10 +28,13 @@ from __future__ import annotations
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import jit, next_power_of_2, tl, triton
-from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
+from mcore_kernels._validation import check_paged_mla_attention_args
+from mcore_kernels.errors import KernelBackendError, KernelShapeError
 from mcore_kernels.paged_attention import DEFAULT_SPLIT_SIZE, merge_splits
+from mcore_kernels.reference import paged_mla_attention_reference
 
 __all__ = [
     "check_paged_mla_attention_args",
@@ -37,107 +42,6 @@ __all__ = [
     "paged_mla_attention_reference",
     "paged_mla_attention_triton",
 ]
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def check_paged_mla_attention_args(
-    q_latent: torch.Tensor,
-    q_rope: torch.Tensor,
-    latent_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-) -> None:
-    """Validate the arguments of :func:`paged_mla_attention`.
-
-    Args:
-        q_latent: ``[T, H, R]``.
-        q_rope: ``[T, H, P]``.
-        latent_cache: ``[num_blocks, block_size, R + P]``.
-        block_tables: ``[T, max_blocks]``.
-        context_lens: ``[T]``.
-
-    Raises:
-        KernelShapeError: If the shapes do not match this layout.
-        KernelDtypeError: If a dtype is unsupported.
-    """
-    if q_latent.dim() != 3 or q_rope.dim() != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
-        raise KernelShapeError(
-            f"q_latent {tuple(q_latent.shape)} and q_rope {tuple(q_rope.shape)}: expected "
-            "[T, H, R] and [T, H, P]"
-        )
-    num_tokens, _, rank = q_latent.shape
-    width = rank + q_rope.shape[2]
-    if latent_cache.dim() != 3 or latent_cache.shape[2] != width:
-        raise KernelShapeError(
-            f"latent_cache has shape {tuple(latent_cache.shape)}; expected [num_blocks, "
-            f"block_size, {width}] (R={rank} + P={q_rope.shape[2]})"
-        )
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_tokens:
-        raise KernelShapeError(
-            f"block_tables has shape {tuple(block_tables.shape)}; expected "
-            f"[{num_tokens}, max_blocks]"
-        )
-    if context_lens.shape != (num_tokens,):
-        raise KernelShapeError(
-            f"context_lens has shape {tuple(context_lens.shape)}; expected ({num_tokens},)"
-        )
-    for name, tensor in (("q_latent", q_latent), ("q_rope", q_rope), ("cache", latent_cache)):
-        if tensor.dtype not in _DTYPES:
-            raise KernelDtypeError(
-                f"{name} dtype {tensor.dtype}; expected float32, float16 or bfloat16"
-            )
-    for name, tensor in (("block_tables", block_tables), ("context_lens", context_lens)):
-        if tensor.dtype not in (torch.int32, torch.int64):
-            raise KernelDtypeError(f"{name} dtype {tensor.dtype}; expected int32 or int64")
-
-
-def paged_mla_attention_reference(
-    q_latent: torch.Tensor,
-    q_rope: torch.Tensor,
-    latent_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    *,
-    scale: float,
-    split_size: int = DEFAULT_SPLIT_SIZE,
-) -> torch.Tensor:
-    """Plain torch absorbed MLA attention: gather each token's rows, masked softmax in fp32.
-
-    Args:
-        q_latent: ``[T, H, R]`` no-position queries mapped into latent space.
-        q_rope: ``[T, H, P]`` rotated rotary queries.
-        latent_cache: ``[num_blocks, block_size, R + P]`` cached ``c_kv`` and rotary keys.
-        block_tables: Physical block of each logical block of each token, ``[T, max_blocks]``.
-        context_lens: Number of attended positions per token, ``[T]``, each at least 1.
-        scale: Softmax scale applied to the scores.
-        split_size: Accepted for signature parity with the Triton path (unused).
-
-    Returns:
-        ``[T, H, R]`` in ``q_latent.dtype``.
-
-    Raises:
-        KernelShapeError: If the shapes do not match the layout above.
-        KernelDtypeError: If a dtype is unsupported.
-    """
-    check_paged_mla_attention_args(q_latent, q_rope, latent_cache, block_tables, context_lens)
-    del split_size
-    num_tokens, _, rank = q_latent.shape
-    if num_tokens == 0:
-        return q_latent.new_empty(q_latent.shape)
-    block_size = latent_cache.shape[1]
-    # Host sync is fine here: the reference is the CPU path and the test oracle.
-    used_blocks = -(-int(context_lens.max()) // block_size)
-    rows = latent_cache[block_tables[:, :used_blocks].long()].float()
-    rows = rows.reshape(num_tokens, used_blocks * block_size, -1)
-    c_kv, k_rope = rows[..., :rank], rows[..., rank:]
-    scores = torch.einsum("thr,tsr->ths", q_latent.float(), c_kv)
-    scores = (scores + torch.einsum("thp,tsp->ths", q_rope.float(), k_rope)) * scale
-    positions = torch.arange(rows.shape[1], device=rows.device)
-    visible = positions[None, :] < context_lens[:, None].to(rows.device)
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    out = torch.einsum("ths,tsr->thr", torch.softmax(scores, dim=-1), c_kv)
-    return out.to(q_latent.dtype)
 
 
 @jit
@@ -370,13 +274,34 @@ def paged_mla_attention(
         split_size: Context positions per split-KV program (Triton path).
 
     Returns:
-        ``[T, H, R]`` in ``q_latent.dtype`` (inference only: no backward).
+        ``[T, H, R]`` in ``q_latent.dtype`` (inference only: no backward). Under
+        ``torch.compile`` the call is the opaque custom op
+        ``torch.ops.mcore_kernels.paged_mla_attention``.
 
     Raises:
         KernelShapeError: If the shapes do not match the layout above.
         KernelDtypeError: If a dtype is unsupported.
         KernelBackendError: If the requested backend cannot run on these tensors.
     """
+    if _compile.compiling():
+        check_paged_mla_attention_args(q_latent, q_rope, latent_cache, block_tables, context_lens)
+        return _paged_mla_attention_op(
+            q_latent, q_rope, latent_cache, block_tables, context_lens, float(scale), split_size
+        )
+    return _paged_mla_attention_run(
+        q_latent, q_rope, latent_cache, block_tables, context_lens, scale, split_size
+    )
+
+
+def _paged_mla_attention_run(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    split_size: int,
+) -> torch.Tensor:
     if use_triton(q_latent, q_rope, latent_cache):
         return paged_mla_attention_triton(
             q_latent,
@@ -396,3 +321,27 @@ def paged_mla_attention(
         scale=scale,
         split_size=split_size,
     )
+
+
+@_compile.custom_op(
+    "paged_mla_attention",
+    "(Tensor q_latent, Tensor q_rope, Tensor latent_cache, Tensor block_tables, "
+    "Tensor context_lens, float scale, int split_size) -> Tensor",
+)
+def _paged_mla_attention_op(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    split_size: int,
+) -> torch.Tensor:
+    out = _paged_mla_attention_run(
+        q_latent, q_rope, latent_cache, block_tables, context_lens, scale, split_size
+    )
+    # The fake implementation promises a contiguous result, whatever the layout of the queries.
+    return out.contiguous()
+
+
+_paged_mla_attention_op.register_fake(lambda q_latent, *args: q_latent.new_empty(q_latent.shape))

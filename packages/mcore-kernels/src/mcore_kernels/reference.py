@@ -11,8 +11,11 @@ import torch.distributed as dist
 
 from mcore_kernels._validation import (
     check_paged_attention_args,
+    check_paged_mla_attention_args,
     check_rms_norm_args,
+    check_rotary_kv_write_args,
     check_token_logprobs_args,
+    flat_cache_slots,
 )
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
 from mcore_kernels.errors import KernelShapeError
@@ -25,6 +28,8 @@ __all__ = [
     "rotary_embedding_reference",
     "swiglu_pair_reference",
     "paged_attention_reference",
+    "paged_mla_attention_reference",
+    "rotary_kv_write_reference",
     "slice_after_reference",
     "merge_reference",
     "masked_update_reference",
@@ -364,6 +369,98 @@ def paged_attention_reference(
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("thl,tlhd->thd", probs, values)
     return out.to(q.dtype)
+
+
+def paged_mla_attention_reference(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    split_size: int = 256,
+) -> torch.Tensor:
+    """Plain torch absorbed MLA attention: gather each token's rows, masked softmax in fp32.
+
+    Args:
+        q_latent: ``[T, H, R]`` no-position queries mapped into latent space.
+        q_rope: ``[T, H, P]`` rotated rotary queries.
+        latent_cache: ``[num_blocks, block_size, R + P]`` cached ``c_kv`` and rotary keys.
+        block_tables: Physical block of each logical block of each token, ``[T, max_blocks]``.
+        context_lens: Number of attended positions per token, ``[T]``, each at least 1.
+        scale: Softmax scale applied to the scores.
+        split_size: Accepted for signature parity with the Triton path (unused).
+
+    Returns:
+        ``[T, H, R]`` in ``q_latent.dtype``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match the layout above.
+        KernelDtypeError: If a dtype is unsupported.
+    """
+    check_paged_mla_attention_args(q_latent, q_rope, latent_cache, block_tables, context_lens)
+    del split_size
+    num_tokens, _, rank = q_latent.shape
+    if num_tokens == 0:
+        return q_latent.new_empty(q_latent.shape)
+    block_size = latent_cache.shape[1]
+    # Host sync is fine here: the reference is the CPU path and the test oracle.
+    used_blocks = -(-int(context_lens.max()) // block_size)
+    rows = latent_cache[block_tables[:, :used_blocks].long()].float()
+    rows = rows.reshape(num_tokens, used_blocks * block_size, -1)
+    c_kv, k_rope = rows[..., :rank], rows[..., rank:]
+    scores = torch.einsum("thr,tsr->ths", q_latent.float(), c_kv)
+    scores = (scores + torch.einsum("thp,tsp->ths", q_rope.float(), k_rope)) * scale
+    positions = torch.arange(rows.shape[1], device=rows.device)
+    visible = positions[None, :] < context_lens[:, None].to(rows.device)
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    out = torch.einsum("ths,tsr->thr", torch.softmax(scores, dim=-1), c_kv)
+    return out.to(q_latent.dtype)
+
+
+def rotary_kv_write_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Torch reference of :func:`rotary_kv_write` (the unfused ops it replaces).
+
+    Args:
+        q: ``[T, Hq, D]`` new queries.
+        k: ``[T, Hkv, D]`` new keys.
+        v: ``[T, Hkv, D]`` new values.
+        cos: float32 ``[T, D // 2]`` RoPE cosines.
+        sin: float32 ``[T, D // 2]`` RoPE sines.
+        k_cache: One layer's key cache ``[num_blocks, block_size, Hkv, D]`` (written in place).
+        v_cache: One layer's value cache, shaped like ``k_cache`` (written in place).
+        slot_mapping: ``[T]`` flat cache slot of each token.
+
+    Returns:
+        The rotated queries ``[T, Hq, D]``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match the layout above.
+        KernelDtypeError: If a dtype is unsupported.
+    """
+    check_rotary_kv_write_args(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        c = cos.to(x.dtype)[:, None]
+        s = sin.to(x.dtype)[:, None]
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    slots = slot_mapping.long()
+    flat_cache_slots(k_cache, "k_cache").index_copy_(0, slots, rotate(k).to(k_cache.dtype))
+    flat_cache_slots(v_cache, "v_cache").index_copy_(0, slots, v.to(v_cache.dtype))
+    return rotate(q)
 
 
 def decode_gemv_reference(

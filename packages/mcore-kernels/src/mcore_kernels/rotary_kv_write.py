@@ -20,7 +20,10 @@ bit. Shapes:
 - ``slot_mapping``: int64 ``[T]``, ``block * block_size + offset`` of each token
 - returns the rotated queries ``[T, Hq, D]`` (contiguous, dtype of ``q``)
 
-Dispatch: Triton on CUDA, the torch reference on CPU; ``MCORE_KERNELS_BACKEND=torch|triton``
+The file holds the Triton kernel, its launcher, the ``torch.library`` registration (the op
+``torch.ops.mcore_kernels.rotary_kv_write`` writes the caches in place) and the entry point; the
+torch reference lives in :mod:`mcore_kernels.reference` (re-exported here). Dispatch: Triton on
+CUDA, the torch reference on CPU; ``MCORE_KERNELS_BACKEND=torch|triton``
 overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
 """
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
     gdc_launch_dependents,
@@ -39,8 +43,11 @@ from mcore_kernels._triton_utils import (
     tl,
     triton,
 )
-from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
+from mcore_kernels._validation import check_rotary_kv_write_args
+from mcore_kernels._validation import flat_cache_slots as _flat_slots
+from mcore_kernels.errors import KernelBackendError, KernelShapeError
 from mcore_kernels.pdl import pdl_enabled
+from mcore_kernels.reference import rotary_kv_write_reference
 
 __all__ = [
     "RotaryCacheWrite",
@@ -119,7 +126,7 @@ class RotaryCacheWrite:
             KernelShapeError: If the shapes do not fit :func:`rotary_kv_write`.
             KernelDtypeError: If a dtype does not.
         """
-        _check_args(
+        check_rotary_kv_write_args(
             *self.split(qkv), self.cos, self.sin, self.k_cache, self.v_cache, self.slot_mapping
         )
 
@@ -207,109 +214,6 @@ def _rotary_kv_write_kernel(
         tl.store(value_target + HALF + offsets, high.to(value_dtype), mask=mask)
 
 
-def _check_args(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0]:
-        raise KernelShapeError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected [T, Hq, D] "
-            "and two [T, Hkv, D]"
-        )
-    num_tokens, _, head_dim = q.shape
-    if head_dim % 2 or k.shape[2] != head_dim:
-        raise KernelShapeError(
-            f"head dims q {head_dim}, k {k.shape[2]}; expected equal and even head dims"
-        )
-    half = (num_tokens, head_dim // 2)
-    if tuple(cos.shape) != half or tuple(sin.shape) != half:
-        raise KernelShapeError(
-            f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}; expected [T, D // 2] = {half}"
-        )
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise KernelDtypeError(f"cos {cos.dtype}, sin {sin.dtype}; expected torch.float32")
-    if q.dtype != k.dtype or q.dtype != v.dtype or not q.dtype.is_floating_point:
-        raise KernelDtypeError(
-            f"q {q.dtype}, k {k.dtype}, v {v.dtype}; expected one floating-point dtype"
-        )
-    expected_cache = (k.shape[1], head_dim)
-    if (
-        k_cache.dim() != 4
-        or k_cache.shape != v_cache.shape
-        or tuple(k_cache.shape[2:]) != expected_cache
-    ):
-        raise KernelShapeError(
-            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}; expected two "
-            f"[num_blocks, block_size, {expected_cache[0]}, {expected_cache[1]}]"
-        )
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
-        raise KernelShapeError(
-            f"slot_mapping has shape {tuple(slot_mapping.shape)}; expected [{num_tokens}]"
-        )
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise KernelDtypeError(f"slot_mapping has dtype {slot_mapping.dtype}; expected int64")
-
-
-def _flat_slots(cache: torch.Tensor, name: str) -> torch.Tensor:
-    try:
-        return cache.view(-1, *cache.shape[2:])
-    except RuntimeError as error:
-        raise KernelShapeError(
-            f"{name} with strides {cache.stride()} cannot be viewed as [slots, Hkv, D]; "
-            "expected a contiguous layer of the cache"
-        ) from error
-
-
-def rotary_kv_write_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    """Torch reference of :func:`rotary_kv_write` (the unfused ops it replaces).
-
-    Args:
-        q: ``[T, Hq, D]`` new queries.
-        k: ``[T, Hkv, D]`` new keys.
-        v: ``[T, Hkv, D]`` new values.
-        cos: float32 ``[T, D // 2]`` RoPE cosines.
-        sin: float32 ``[T, D // 2]`` RoPE sines.
-        k_cache: One layer's key cache ``[num_blocks, block_size, Hkv, D]`` (written in place).
-        v_cache: One layer's value cache, shaped like ``k_cache`` (written in place).
-        slot_mapping: ``[T]`` flat cache slot of each token.
-
-    Returns:
-        The rotated queries ``[T, Hq, D]``.
-
-    Raises:
-        KernelShapeError: If the shapes do not match the layout above.
-        KernelDtypeError: If a dtype is unsupported.
-    """
-    _check_args(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        c = cos.to(x.dtype)[:, None]
-        s = sin.to(x.dtype)[:, None]
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-    slots = slot_mapping.long()
-    _flat_slots(k_cache, "k_cache").index_copy_(0, slots, rotate(k).to(k_cache.dtype))
-    _flat_slots(v_cache, "v_cache").index_copy_(0, slots, v.to(v_cache.dtype))
-    return rotate(q)
-
-
 def rotary_kv_write_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -342,7 +246,7 @@ def rotary_kv_write_triton(
     """
     if triton is None:
         raise KernelBackendError("backend='triton' requested but triton is not installed")
-    _check_args(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    check_rotary_kv_write_args(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -417,7 +321,9 @@ def rotary_kv_write(
         slot_mapping: ``[T]`` flat cache slot (``block * block_size + offset``) of each token.
 
     Returns:
-        The rotated queries ``[T, Hq, D]`` in the dtype of ``q``.
+        The rotated queries ``[T, Hq, D]`` in the dtype of ``q``. Under ``torch.compile`` the
+        call is the custom op ``torch.ops.mcore_kernels.rotary_kv_write`` (mutating both
+        caches).
 
     Raises:
         KernelShapeError: If the shapes do not match the layout above.
@@ -425,6 +331,44 @@ def rotary_kv_write(
         KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names an unknown backend or one that
             cannot run on these tensors.
     """
+    if _compile.compiling():
+        check_rotary_kv_write_args(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return _rotary_kv_write_op(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    return _rotary_kv_write_run(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def _rotary_kv_write_run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
     if use_triton(q, k, v):
         return rotary_kv_write_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     return rotary_kv_write_reference(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+@_compile.custom_op(
+    "rotary_kv_write",
+    "(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+    "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor",
+    mutates_args=("k_cache", "v_cache"),
+)
+def _rotary_kv_write_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    return _rotary_kv_write_run(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+_rotary_kv_write_op.register_fake(lambda q, *args: q.new_empty(q.shape))

@@ -21,6 +21,11 @@ The torch reference (the CPU path) reaches the same property a different way: CP
 another path for fewer than 4 to 8 rows, so it multiplies fixed 16-row chunks (the last one
 zero-padded); every BLAS call then has the same shape and a row's value depends on its own data
 only. The two paths are each batch-invariant; they agree with each other to rounding.
+
+Eager calls go through ``_InvariantMatmul``; while ``torch.compile`` traces a call it becomes the
+custom op ``torch.ops.mcore_kernels.batch_invariant_matmul`` with the registered backward
+``batch_invariant_matmul_bwd`` (the same ordinary GEMMs). The torch reference is
+:func:`matmul_reference`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.batch_invariant.gemm import launch_gemm
 from mcore_kernels.batch_invariant.gemm_configs import gemm_config
@@ -148,15 +154,22 @@ class _InvariantMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        from mcore_kernels.batch_invariant.mode import suspended
-
         a, b, group_ends = ctx.saved_tensors
-        with suspended():
-            if group_ends is None:
-                grad_a, grad_b = _uniform_backward(ctx, a, b, grad)
-            else:
-                grad_a, grad_b = _grouped_backward(ctx, a, b, group_ends, grad)
+        grad_a, grad_b = _backward(ctx, a, b, group_ends, grad)
         return grad_a, grad_b, None, None
+
+
+def _backward(
+    ctx: Any, a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor | None, grad: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(d a, d b)`` by ordinary GEMMs (``ctx`` has ``needs_input_grad`` and
+    ``rows_per_group``), with batch-invariant mode suspended."""
+    from mcore_kernels.batch_invariant.mode import suspended
+
+    with suspended():
+        if group_ends is None:
+            return _uniform_backward(ctx, a, b, grad)
+        return _grouped_backward(ctx, a, b, group_ends, grad)
 
 
 def _uniform_backward(
@@ -215,7 +228,8 @@ def grouped_mm_batch_invariant(
         group_ends: ``[G]`` integer end row (exclusive) of each group, non-decreasing.
 
     Returns:
-        ``[M, N]``; rows after the last group end are zero.
+        ``[M, N]``; rows after the last group end are not written by the Triton path
+        (left as allocated) and zero on the torch path.
 
     Raises:
         KernelShapeError: If the shapes do not fit.
@@ -226,8 +240,7 @@ def grouped_mm_batch_invariant(
         raise KernelShapeError(
             f"group_ends.shape={tuple(group_ends.shape)}; expected [{b.shape[0]}] (one per group)"
         )
-    out = _InvariantMatmul.apply(a, b, group_ends.contiguous(), 0)
-    return out
+    return _apply(a, b, group_ends.contiguous(), 0)
 
 
 def mm_batch_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -247,7 +260,7 @@ def mm_batch_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if b.dim() != 2:
         raise KernelShapeError(f"b.shape={tuple(b.shape)}; expected [K, N]")
     _check(a, b[None], "mm_batch_invariant")
-    return _InvariantMatmul.apply(a, b[None], None, a.shape[0])
+    return _apply(a, b[None], None, a.shape[0])
 
 
 def bmm_batch_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -271,7 +284,7 @@ def bmm_batch_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     groups, rows, _ = a.shape
     flat = a.reshape(groups * rows, a.shape[2])
     _check(flat, b, "bmm_batch_invariant")
-    out = _InvariantMatmul.apply(flat, b, None, rows)
+    out = _apply(flat, b, None, rows)
     return out.view(groups, rows, b.shape[2])
 
 
@@ -302,3 +315,74 @@ def linear_batch_invariant(
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _apply(
+    a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor | None, rows_per_group: int
+) -> torch.Tensor:
+    if _compile.compiling():
+        return _matmul_op(a, b, group_ends, rows_per_group)
+    out = _InvariantMatmul.apply(a, b, group_ends, rows_per_group)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+# --- torch.compile: the custom ops -----------------------------------------------------------
+
+
+@_compile.custom_op(
+    "batch_invariant_matmul",
+    "(Tensor a, Tensor b, Tensor? group_ends, int rows_per_group) -> Tensor",
+)
+def _matmul_op(
+    a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor | None, rows_per_group: int
+) -> torch.Tensor:
+    return _grouped_forward(a, b, group_ends, rows_per_group).contiguous()
+
+
+_matmul_op.register_fake(lambda a, b, *args: a.new_empty((a.shape[0], b.shape[2])))
+
+
+class _Needs:
+    """What the backward helpers read from an autograd context."""
+
+    __slots__ = ("needs_input_grad", "rows_per_group")
+
+    def __init__(self, rows_per_group: int) -> None:
+        self.needs_input_grad = (True, True)
+        self.rows_per_group = rows_per_group
+
+
+@_compile.custom_op(
+    "batch_invariant_matmul_bwd",
+    "(Tensor grad, Tensor a, Tensor b, Tensor? group_ends, int rows_per_group) -> (Tensor, Tensor)",
+)
+def _matmul_bwd_op(
+    grad: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_ends: torch.Tensor | None,
+    rows_per_group: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_a, grad_b = _backward(_Needs(rows_per_group), a, b, group_ends, grad)
+    assert grad_a is not None and grad_b is not None
+    # Outputs may not alias inputs or each other, and take the fake implementation's layout.
+    return grad_a.contiguous().clone(), grad_b.contiguous().clone()
+
+
+_matmul_bwd_op.register_fake(lambda grad, a, b, *args: (a.new_empty(a.shape), b.new_empty(b.shape)))
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, group_ends, rows_per_group = inputs
+    ctx.save_for_backward(a, b, group_ends)
+    ctx.rows_per_group = rows_per_group
+
+
+def _op_backward(ctx, grad):
+    a, b, group_ends = ctx.saved_tensors
+    grad_a, grad_b = _matmul_bwd_op(grad, a, b, group_ends, ctx.rows_per_group)
+    return grad_a, grad_b, None, None
+
+
+_matmul_op.register_autograd(_op_backward, setup_context=_setup_context)

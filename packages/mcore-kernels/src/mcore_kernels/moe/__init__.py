@@ -5,7 +5,11 @@ a kernel (or a recomputation) without atomic floating-point adds, with its torch
 :mod:`mcore_kernels.moe.reference` (also the path for CPU tensors).
 """
 
-from mcore_kernels.moe import reference
+# ``_library`` registers the torch.library ops of the functions below (what torch.compile traces).
+from mcore_kernels.moe import (
+    _library,  # noqa: F401
+    reference,
+)
 from mcore_kernels.moe.grouped_gemm import grouped_swiglu_mlp
 from mcore_kernels.moe.permute import permute_tokens, unpermute_combine, unpermute_sum
 from mcore_kernels.moe.routed import routed_experts

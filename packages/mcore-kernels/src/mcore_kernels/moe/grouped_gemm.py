@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import (
     KernelDeviceError,
@@ -442,7 +443,10 @@ def grouped_swiglu_mlp(
             x, gate_up, down, counts, capacity=capacity, index=index, top_k=top_k
         )
     starts, ends = _row_groups(counts, capacity)
-    return GroupedSwiGLUMLPFunction.apply(
+    apply = GroupedSwiGLUMLPFunction.apply
+    if _compile.compiling():
+        apply = torch.ops.mcore_kernels.moe_grouped_swiglu_mlp
+    return apply(
         x.contiguous(),
         gate_up.contiguous(),
         down.contiguous(),

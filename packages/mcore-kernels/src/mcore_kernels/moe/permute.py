@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 from mcore_kernels.moe.reference import (
@@ -254,6 +255,8 @@ def permute_tokens(
         raise KernelShapeError(f"x.shape={tuple(x.shape)} must be [tokens, hidden]")
     _check_index("rows", rows)
     _check_index("slots", slots, x.shape[0] * top_k)
+    if _compile.compiling():
+        return torch.ops.mcore_kernels.moe_permute_tokens(x.contiguous(), rows, slots, top_k)
     return PermuteTokensFunction.apply(x.contiguous(), rows, slots, top_k)
 
 
@@ -282,6 +285,10 @@ def unpermute_combine(
         )
     _check_index("slots", slots, weights.numel())
     _check_index("fillers", fillers, y.shape[0])
+    if _compile.compiling():
+        return torch.ops.mcore_kernels.moe_unpermute_combine(
+            y.contiguous(), weights.contiguous(), slots, fillers
+        )
     return UnpermuteCombineFunction.apply(y.contiguous(), weights.contiguous(), slots, fillers)
 
 
@@ -315,4 +322,6 @@ def unpermute_sum(
         )
     _check_index("slots", slots)
     _check_index("fillers", fillers, y.shape[0])
+    if _compile.compiling():
+        return torch.ops.mcore_kernels.moe_unpermute_sum(y.contiguous(), slots, fillers, top_k)
     return UnpermuteSumFunction.apply(y.contiguous(), slots, fillers, top_k)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms
@@ -239,7 +240,10 @@ def routed_experts(
         )
     if not use_triton(x):
         return routed_experts_reference(x, weights, w_gate_up, w_down, order, offsets)
-    return RoutedExpertsFunction.apply(
+    apply = RoutedExpertsFunction.apply
+    if _compile.compiling():
+        apply = torch.ops.mcore_kernels.moe_routed_experts
+    return apply(
         x.contiguous(),
         weights.contiguous(),
         w_gate_up,

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
 from mcore_kernels.moe.reference import moe_router_reference
@@ -265,6 +266,10 @@ def moe_router(
             )
         if expert_bias.dtype != torch.float32:
             raise KernelDtypeError(f"expert_bias.dtype={expert_bias.dtype} must be torch.float32")
+    if _compile.compiling():
+        return torch.ops.mcore_kernels.moe_router(
+            logits.contiguous(), top_k, score, expert_bias, normalize, float(scaling)
+        )
     return MoERouterFunction.apply(
         logits.contiguous(), top_k, score, expert_bias, normalize, float(scaling)
     )

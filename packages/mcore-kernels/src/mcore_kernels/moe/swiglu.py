@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelShapeError
 from mcore_kernels.moe.reference import swiglu_reference, weighted_swiglu_reference
@@ -82,6 +83,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
         raise KernelShapeError(
             f"gate_up.shape={tuple(gate_up.shape)} must be [rows, 2 * ffn] (gate then up)"
         )
+    if _compile.compiling():
+        return torch.ops.mcore_kernels.moe_swiglu(gate_up.contiguous())
     return SwiGLUFunction.apply(gate_up.contiguous())
 
 
@@ -154,5 +157,9 @@ def weighted_swiglu(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     if tuple(weights.shape) != (gate_up.shape[0],):
         raise KernelShapeError(
             f"weights.shape={tuple(weights.shape)} must be ({gate_up.shape[0]},): one per row"
+        )
+    if _compile.compiling():
+        return torch.ops.mcore_kernels.moe_weighted_swiglu(
+            gate_up.contiguous(), weights.contiguous()
         )
     return WeightedSwiGLUFunction.apply(gate_up.contiguous(), weights.contiguous())

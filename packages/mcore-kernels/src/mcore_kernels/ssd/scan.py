@@ -14,6 +14,11 @@ per head and head-dim block and summed over the heads of a group and the blocks 
 ``dt``, ``A`` and ``D`` gradients per block (and sequence) and summed. All arithmetic is float32 (inputs are upcast after loading and
 matrix products run with ``input_precision="ieee"``), so results agree with the float32
 reference to rounding.
+
+Eager calls go to the launchers (through ``_SSDScanFunction`` when a gradient is needed); while
+``torch.compile`` traces a call it becomes the custom op ``torch.ops.mcore_kernels.ssd_scan_fwd``
+with the registered backward ``ssd_scan_bwd``. The torch reference is
+:func:`mcore_kernels.ssd.reference.ssd_scan_reference`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import next_power_of_2, on_device_of
 from mcore_kernels.ssd._checks import check_scan_args, default_cu_seqlens
@@ -53,12 +59,17 @@ def _launch_options(block_p: int, block_n: int) -> dict[str, int]:
     return {"num_warps": 8 if block_p * block_n >= 4096 else 4, "num_stages": 1}
 
 
-def _chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, int]:
+def _chunk_bound(tokens: int, num_seqs: int, chunk_size: int) -> int:
+    """Chunks of ``num_seqs`` sequences of ``tokens`` in all, at most (no host sync)."""
+    return -(-tokens // chunk_size) + num_seqs
+
+
+def _chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     counts = (lengths + chunk_size - 1) // chunk_size
     offsets = torch.zeros_like(cu_seqlens)
     torch.cumsum(counts, 0, out=offsets[1:])
-    return offsets, int(offsets[-1].item())
+    return offsets
 
 
 def _forward(
@@ -81,7 +92,10 @@ def _forward(
     offsets: torch.Tensor | None = None
     chunk_states: torch.Tensor | None = None
     if save_chunk_states:
-        offsets, total = _chunk_offsets(cu_seqlens, chunk_size)
+        # Room for the most chunks the sequences can have: the exact count would need a host
+        # sync, and the custom op's fake implementation needs a shape known from the inputs'.
+        offsets = _chunk_offsets(cu_seqlens, chunk_size)
+        total = _chunk_bound(x.shape[0], num_seqs, chunk_size)
         chunk_states = torch.empty((total, heads, head_dim, state_size), device=x.device)
     block_p, block_n, p_blocks = _blocks(head_dim, state_size)
     with on_device_of(x):
@@ -140,68 +154,85 @@ class _SSDScanFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, dfinal: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         x, dt, A, B, C, D, cu_seqlens, chunk_states, offsets = ctx.saved_tensors
-        tokens, heads, head_dim = x.shape
-        groups, state_size = B.shape[1], B.shape[2]
-        num_seqs = cu_seqlens.numel() - 1
-        dx = torch.empty_like(x, dtype=torch.float32)
-        block_p, block_n, p_blocks = _blocks(head_dim, state_size)
-        # Per head-dim block partial gradients, summed below.
-        ddt = torch.empty((p_blocks, tokens, heads), device=x.device)
-        db = torch.empty((p_blocks, tokens, heads, state_size), device=x.device)
-        dc = torch.empty_like(db)
-        da = torch.empty((p_blocks, num_seqs, heads), device=x.device)
-        dd = torch.empty_like(da)
-        dinit = torch.empty((num_seqs, heads, head_dim, state_size), device=x.device)
-        with on_device_of(x):
-            ssd_bwd_kernel[(num_seqs, heads, p_blocks)](
-                x,
-                dt,
-                A,
-                B,
-                C,
-                D if D is not None else A,
-                dy.contiguous(),
-                dfinal.contiguous() if dfinal is not None else dinit,
-                chunk_states,
-                cu_seqlens,
-                offsets,
-                dx,
-                ddt,
-                db,
-                dc,
-                da,
-                dd,
-                dinit,
-                tokens,
-                num_seqs,
-                heads,
-                head_dim,
-                state_size,
-                groups,
-                HEADS_PER_GROUP=heads // groups,
-                HAS_D=D is not None,
-                HAS_DFINAL=dfinal is not None,
-                CHUNK=ctx.chunk_size,
-                BLOCK_P=block_p,
-                BLOCK_N=block_n,
-                **_launch_options(block_p, block_n),
-            )
-        per_group = (p_blocks, tokens, groups, heads // groups, state_size)
-        grad_b = db.view(per_group).sum((0, 3)).to(B.dtype)
-        grad_c = dc.view(per_group).sum((0, 3)).to(C.dtype)
-        grad_d = dd.sum((0, 1)).to(D.dtype) if D is not None else None
-        grad_init = dinit.to(ctx.init_dtype) if ctx.has_init else None
-        return (
-            dx.to(x.dtype),
-            ddt.sum(0).to(dt.dtype),
-            da.sum((0, 1)).to(A.dtype),
-            grad_b,
-            grad_c,
-            grad_d,
-            grad_init,
-            None,
-            None,
+        grads = _backward(
+            dy, dfinal, x, dt, A, B, C, D, cu_seqlens, chunk_states, offsets, ctx.chunk_size
         )
+        grad_init = grads[6].to(ctx.init_dtype) if ctx.has_init else None
+        return (*grads[:6], grad_init, None, None)
+
+
+def _backward(
+    dy: torch.Tensor,
+    dfinal: torch.Tensor | None,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    chunk_states: torch.Tensor,
+    offsets: torch.Tensor,
+    chunk_size: int,
+) -> tuple[Any, ...]:
+    """Launch the backward: gradients of ``x, dt, A, B, C, D`` (None without ``D``) and the
+    float32 gradient of the initial states."""
+    tokens, heads, head_dim = x.shape
+    groups, state_size = B.shape[1], B.shape[2]
+    num_seqs = cu_seqlens.numel() - 1
+    dx = torch.empty_like(x, dtype=torch.float32)
+    block_p, block_n, p_blocks = _blocks(head_dim, state_size)
+    # Per head-dim block partial gradients, summed below.
+    ddt = torch.empty((p_blocks, tokens, heads), device=x.device)
+    db = torch.empty((p_blocks, tokens, heads, state_size), device=x.device)
+    dc = torch.empty_like(db)
+    da = torch.empty((p_blocks, num_seqs, heads), device=x.device)
+    dd = torch.empty_like(da)
+    dinit = torch.empty((num_seqs, heads, head_dim, state_size), device=x.device)
+    with on_device_of(x):
+        ssd_bwd_kernel[(num_seqs, heads, p_blocks)](
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D if D is not None else A,
+            dy.contiguous(),
+            dfinal.contiguous() if dfinal is not None else dinit,
+            chunk_states,
+            cu_seqlens,
+            offsets,
+            dx,
+            ddt,
+            db,
+            dc,
+            da,
+            dd,
+            dinit,
+            tokens,
+            num_seqs,
+            heads,
+            head_dim,
+            state_size,
+            groups,
+            HEADS_PER_GROUP=heads // groups,
+            HAS_D=D is not None,
+            HAS_DFINAL=dfinal is not None,
+            CHUNK=chunk_size,
+            BLOCK_P=block_p,
+            BLOCK_N=block_n,
+            **_launch_options(block_p, block_n),
+        )
+    per_group = (p_blocks, tokens, groups, heads // groups, state_size)
+    return (
+        dx.to(x.dtype),
+        ddt.sum(0).to(dt.dtype),
+        da.sum((0, 1)).to(A.dtype),
+        db.view(per_group).sum((0, 3)).to(B.dtype),
+        dc.view(per_group).sum((0, 3)).to(C.dtype),
+        dd.sum((0, 1)).to(D.dtype) if D is not None else None,
+        dinit,
+    )
 
 
 def ssd_scan_triton(
@@ -289,7 +320,16 @@ def ssd_scan(
         KernelShapeError: A shape does not match the layout.
         KernelValueError: ``chunk_size`` or the head/group split is invalid.
         KernelBackendError: ``MCORE_KERNELS_BACKEND`` asks for a backend that cannot run.
+
+    Under ``torch.compile`` the call is the opaque custom op
+    ``torch.ops.mcore_kernels.ssd_scan_fwd`` (with a registered backward).
     """
+    if _compile.compiling():
+        if cu_seqlens is None:
+            cu_seqlens = default_cu_seqlens(x.shape[0], x.device)
+        check_scan_args(x, dt, A, B, C, D, chunk_size, cu_seqlens, initial_states)
+        y, final, _, _ = _ssd_scan_fwd_op(x, dt, A, B, C, D, initial_states, cu_seqlens, chunk_size)
+        return y, final
     if use_triton(x):
         return ssd_scan_triton(
             x,
@@ -313,3 +353,209 @@ def ssd_scan(
         cu_seqlens=cu_seqlens,
         initial_states=initial_states,
     )
+
+
+# --- torch.compile: the custom ops -----------------------------------------------------------
+
+
+def _kernel_inputs(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    initial_states: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """The layouts the kernels take (as :func:`ssd_scan_triton` prepares them)."""
+    init = initial_states.contiguous() if initial_states is not None else None
+    return (
+        x.contiguous(),
+        dt.contiguous(),
+        A.contiguous().float(),
+        B.contiguous(),
+        C.contiguous(),
+        init,
+    )  # type: ignore[return-value]
+
+
+@_compile.custom_op(
+    "ssd_scan_fwd",
+    "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? initial_states, "
+    "Tensor cu_seqlens, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _ssd_scan_fwd_op(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    initial_states: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        x, dt, A, B, C, init = _kernel_inputs(x, dt, A, B, C, initial_states)
+        y, final, states, offsets = _forward(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            min(chunk_size, MAX_KERNEL_CHUNK),
+            cu_seqlens.contiguous(),
+            init,
+            save_chunk_states=True,
+        )
+        assert states is not None and offsets is not None
+        return y, final, states, offsets
+    y, final = ssd_scan_reference(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens,
+        initial_states=initial_states,
+    )
+    # Shapes as on the Triton path (the fake implementation cannot know which backend runs);
+    # the torch backward differentiates the reference and reads neither.
+    tokens, heads, head_dim = x.shape
+    num_seqs = cu_seqlens.shape[0] - 1
+    chunks = _chunk_bound(tokens, num_seqs, min(chunk_size, MAX_KERNEL_CHUNK))
+    states = x.new_zeros((chunks, heads, head_dim, B.shape[2]), dtype=torch.float32)
+    return y, final, states, torch.zeros_like(cu_seqlens)
+
+
+@_ssd_scan_fwd_op.register_fake
+def _ssd_scan_fwd_fake(x, dt, A, B, C, D, initial_states, cu_seqlens, chunk_size):
+    tokens, heads, head_dim = x.shape
+    num_seqs, state_size = cu_seqlens.shape[0] - 1, B.shape[2]
+    chunks = _chunk_bound(tokens, num_seqs, min(chunk_size, MAX_KERNEL_CHUNK))
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((num_seqs, heads, head_dim, state_size), dtype=torch.float32),
+        x.new_empty((chunks, heads, head_dim, state_size), dtype=torch.float32),
+        cu_seqlens.new_empty(cu_seqlens.shape),
+    )
+
+
+@_compile.custom_op(
+    "ssd_scan_bwd",
+    "(Tensor dy, Tensor? dfinal, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, "
+    "Tensor? initial_states, Tensor cu_seqlens, Tensor chunk_states, Tensor offsets, "
+    "int chunk_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _ssd_scan_bwd_op(
+    dy: torch.Tensor,
+    dfinal: torch.Tensor | None,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    initial_states: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    chunk_states: torch.Tensor,
+    offsets: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, ...]:
+    """Gradients of ``x, dt, A, B, C, D, initial_states`` (empty stand-ins for absent ones)."""
+    empty = x.new_empty(0)
+    if use_triton(x):
+        kx, kdt, kA, kB, kC, _ = _kernel_inputs(x, dt, A, B, C, None)
+        grads = _backward(
+            dy,
+            dfinal,
+            kx,
+            kdt,
+            kA,
+            kB,
+            kC,
+            D,
+            cu_seqlens.contiguous(),
+            chunk_states,
+            offsets,
+            min(chunk_size, MAX_KERNEL_CHUNK),
+        )
+        dx, ddt, da, db, dc, dd, dinit = grads
+        da = da.to(A.dtype)
+        dinit = dinit.to(initial_states.dtype) if initial_states is not None else empty
+        return dx, ddt, da, db, dc, dd if dd is not None else empty.clone(), dinit
+    # The torch dispatch differentiates the one reference instead of a second formula.
+    with _compile.autograd_inside_op():
+        inputs = [t.detach().requires_grad_() for t in (x, dt, A, B, C)]
+        optional = [
+            t.detach().requires_grad_() if t is not None else None for t in (D, initial_states)
+        ]
+        y, final = ssd_scan_reference(
+            inputs[0],
+            inputs[1],
+            inputs[2],
+            inputs[3],
+            inputs[4],
+            optional[0],
+            chunk_size=chunk_size,
+            cu_seqlens=cu_seqlens,
+            initial_states=optional[1],
+        )
+        leaves = inputs + [t for t in optional if t is not None]
+        outputs, grads_out = [y], [dy]
+        if dfinal is not None:
+            outputs.append(final)
+            grads_out.append(dfinal)
+        found = list(torch.autograd.grad(outputs, leaves, grads_out, allow_unused=True))
+    found = [
+        g if g is not None else torch.zeros_like(t) for g, t in zip(found, leaves, strict=True)
+    ]
+    result = found[:5]
+    rest = iter(found[5:])
+    for t in (D, initial_states):
+        result.append(next(rest) if t is not None else empty.clone())
+    return tuple(result)
+
+
+@_ssd_scan_bwd_op.register_fake
+def _ssd_scan_bwd_fake(dy, dfinal, x, dt, A, B, C, D, initial_states, *args):
+    def like(t):
+        return t.new_empty(t.shape) if t is not None else x.new_empty(0)
+
+    return like(x), like(dt), like(A), like(B), like(C), like(D), like(initial_states)
+
+
+def _setup_context(ctx, inputs, output):
+    x, dt, A, B, C, D, initial_states, cu_seqlens, chunk_size = inputs
+    _, _, chunk_states, offsets = output
+    ctx.save_for_backward(x, dt, A, B, C, D, initial_states, cu_seqlens, chunk_states, offsets)
+    ctx.chunk_size = chunk_size
+    ctx.has_d = D is not None
+    ctx.has_init = initial_states is not None
+
+
+def _op_backward(ctx, dy, dfinal, _dstates, _doffsets):
+    x, dt, A, B, C, D, initial_states, cu_seqlens, chunk_states, offsets = ctx.saved_tensors
+    grads = _ssd_scan_bwd_op(
+        dy,
+        dfinal,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        initial_states,
+        cu_seqlens,
+        chunk_states,
+        offsets,
+        ctx.chunk_size,
+    )
+    dd = grads[5] if ctx.has_d else None
+    dinit = grads[6] if ctx.has_init else None
+    return (*grads[:5], dd, dinit, None, None)
+
+
+_ssd_scan_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
