@@ -88,9 +88,10 @@ class RoutedExpertsFunction(torch.autograd.Function):
         inverse: torch.Tensor,
         offsets: torch.Tensor,
         top_k: int,
-        gemms: ExpertGemms,
+        gemms: ExpertGemms | None = None,
     ) -> torch.Tensor:
         flat_w = weights.reshape(-1)
+        gemms = gemms if gemms is not None else ExpertGemms()
         with _device(x):
             # top_k 0: the rows are already in expert order (no gather and no combine).
             permuted = _gather_rows(x, order, top_k, None) if top_k else x
@@ -240,20 +241,11 @@ def routed_experts(
         )
     if not use_triton(x):
         return routed_experts_reference(x, weights, w_gate_up, w_down, order, offsets)
-    apply = RoutedExpertsFunction.apply
+    args = (x.contiguous(), weights.contiguous(), w_gate_up, w_down, order, inverse, offsets)
     if _compile.compiling():
-        apply = torch.ops.mcore_kernels.moe_routed_experts
-    return apply(
-        x.contiguous(),
-        weights.contiguous(),
-        w_gate_up,
-        w_down,
-        order,
-        inverse,
-        offsets,
-        weights.shape[1],
-        gemms if gemms is not None else ExpertGemms(),
-    )
+        # A plan is not an op argument: the traced op runs the default plan (torch._grouped_mm).
+        return torch.ops.mcore_kernels.moe_routed_experts(*args, weights.shape[1])
+    return RoutedExpertsFunction.apply(*args, weights.shape[1], gemms)
 
 
 def grouped_experts(
