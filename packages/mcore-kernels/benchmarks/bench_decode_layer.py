@@ -1,0 +1,292 @@
+"""A decode step's decoder layers at batch 1: ``decode_layer_tail`` against the ``decode_gemv`` chain.
+
+Workload: the decoder layers of a Qwen2.5-0.5B-shaped model (24 layers, hidden 896, 14 query
+and 2 key/value heads of 64 channels, FFN 4864; random bf16 weights, QKV bias) for one token
+at a context of ``--context`` positions in a paged cache of 16-position blocks. Two ways,
+each captured in one CUDA graph with programmatic dependent launch and replayed back to back:
+
+- ``chain``: per layer ``decode_gemv`` q/k/v (RMSNorm, bias, RoPE, cache write), the paged
+  attention, ``decode_gemv`` o (+ residual), gate/up (RMSNorm, SwiGLU), down (+ residual): five
+  launches, as the engine's fused decoder runs today;
+- ``tail``: the first layer's q/k/v as above, then per layer the attention and one
+  ``decode_layer_tail`` launch (o, gate/up, down and the next layer's q/k/v).
+
+Both must give the same residual stream and cache up to float32 sum order (checked). The
+weights of all layers (about 715 MB) exceed the L2 cache, so each replay streams them from HBM;
+``% copy`` is the weight bytes over the step time against a device-to-device copy.
+
+Run from the repository root on one GPU::
+
+    export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
+    python3 packages/mcore-kernels/benchmarks/bench_decode_layer.py --out $OUT/kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from mcore_kernels.decode_gemv import decode_gemv
+from mcore_kernels.decode_layer import LayerTailConfig, NextProjection, decode_layer_tail
+from mcore_kernels.paged_attention import paged_attention
+from mcore_kernels.pdl import programmatic_dependent_launch
+from mcore_kernels.rotary_kv_write import RotaryCacheWrite
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 896, 14, 2, 64, 4864, 24
+BLOCK = 16
+
+
+def _copy_bandwidth() -> float:
+    source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        target.copy_(source)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * (1 << 30) * 10 / (start.elapsed_time(end) / 1000)
+
+
+def _layers(generator: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    def weight(*shape: int, scale: float = 0.03) -> torch.Tensor:
+        return (torch.randn(shape, generator=generator, device="cuda") * scale).bfloat16()
+
+    qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    return [
+        {
+            "qkv": weight(qkv, HIDDEN),
+            "qkv_bias": weight(qkv, scale=0.1),
+            "in_norm": 1 + weight(HIDDEN, scale=0.1),
+            "o": weight(HIDDEN, HEADS * HEAD_DIM),
+            "post_norm": 1 + weight(HIDDEN, scale=0.1),
+            "gate_up": weight(2 * FFN, HIDDEN),
+            "down": weight(HIDDEN, FFN, scale=0.015),
+        }
+        for _ in range(LAYERS)
+    ]
+
+
+def _step_inputs(context: int, generator: torch.Generator) -> dict:
+    blocks = -(-context // BLOCK) + 1
+    shape = (LAYERS, blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    initial = (torch.randn(shape, generator=generator, device="cuda") * 0.5).bfloat16()
+    order = torch.randperm(blocks, generator=generator, device="cuda").to(torch.int32)
+    position = context - 1
+    slot = order[position // BLOCK].long() * BLOCK + position % BLOCK
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda") / HEAD_DIM))
+    angles = (position * inv_freq)[None]
+    return {
+        "initial": initial,
+        "tables": order[None],
+        "lens": torch.tensor([context], dtype=torch.int32, device="cuda"),
+        "slots": slot.reshape(1),
+        "cos": angles.cos(),
+        "sin": angles.sin(),
+        "x": torch.randn((1, HIDDEN), generator=generator, device="cuda").bfloat16(),
+    }
+
+
+def _rope(inputs: dict, cache: tuple, index: int) -> RotaryCacheWrite:
+    return RotaryCacheWrite(
+        cos=inputs["cos"],
+        sin=inputs["sin"],
+        k_cache=cache[0][index],
+        v_cache=cache[1][index],
+        slot_mapping=inputs["slots"],
+        num_q_heads=HEADS,
+    )
+
+
+def _attend(q: torch.Tensor, inputs: dict, cache: tuple, index: int) -> torch.Tensor:
+    out = paged_attention(
+        q.unflatten(-1, (HEADS, HEAD_DIM)),
+        cache[0][index],
+        cache[1][index],
+        inputs["tables"],
+        inputs["lens"],
+        scale=HEAD_DIM**-0.5,
+    )
+    return out.flatten(-2)
+
+
+def _chain(layers: list, inputs: dict, cache: tuple) -> torch.Tensor:
+    residual = inputs["x"]
+    for index, layer in enumerate(layers):
+        q = decode_gemv(
+            residual,
+            layer["qkv"],
+            layer["qkv_bias"],
+            norm_weight=layer["in_norm"],
+            rope=_rope(inputs, cache, index),
+        )
+        out = _attend(q, inputs, cache, index)
+        residual = decode_gemv(out, layer["o"], residual=residual)
+        activation = decode_gemv(
+            residual, layer["gate_up"], norm_weight=layer["post_norm"], swiglu=True
+        )
+        residual = decode_gemv(activation, layer["down"], residual=residual)
+    return residual
+
+
+def _tail(layers: list, inputs: dict, cache: tuple, config: LayerTailConfig) -> torch.Tensor:
+    residual = inputs["x"]
+    first = layers[0]
+    q = decode_gemv(
+        residual,
+        first["qkv"],
+        first["qkv_bias"],
+        norm_weight=first["in_norm"],
+        rope=_rope(inputs, cache, 0),
+    )
+    for index, layer in enumerate(layers):
+        out = _attend(q, inputs, cache, index)
+        following = None
+        if index + 1 < len(layers):
+            nxt = layers[index + 1]
+            following = NextProjection(
+                weight=nxt["qkv"],
+                bias=nxt["qkv_bias"],
+                norm_weight=nxt["in_norm"],
+                norm_eps=1e-6,
+                rope=_rope(inputs, cache, index + 1),
+            )
+        residual, q = decode_layer_tail(
+            out,
+            residual,
+            o_weight=layer["o"],
+            post_norm_weight=layer["post_norm"],
+            gate_up_weight=layer["gate_up"],
+            down_weight=layer["down"],
+            next_qkv=following,
+            config=config,
+        )
+    return residual
+
+
+def _graph_us(fn, cache: tuple, initial: torch.Tensor, replays: int) -> tuple[float, torch.Tensor]:
+    """Microseconds per replay of ``fn`` captured under PDL, and its output after one replay."""
+    with programmatic_dependent_launch(True):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+    cache[0].copy_(initial)
+    cache[1].copy_(initial)
+    graph.replay()
+    torch.cuda.synchronize()
+    result = out.clone()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / replays, result
+
+
+def _parse_configs(text: str) -> list[LayerTailConfig]:
+    configs = []
+    for item in filter(None, text.split(";")):
+        pps, warps, bo, bgu, bd, bq = (int(v) for v in item.split(","))
+        configs.append(
+            LayerTailConfig(
+                programs_per_sm=pps,
+                num_warps=warps,
+                block_n_o=bo,
+                block_n_gate_up=bgu,
+                block_n_down=bd,
+                block_n_qkv=bq,
+            )
+        )
+    return configs or [LayerTailConfig()]
+
+
+def main() -> None:
+    """Run the benchmark and write ``decode_layer.json`` and ``decode_layer.md`` under ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--context", type=int, default=160)
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument(
+        "--configs",
+        default="",
+        help="LayerTailConfig sweep: 'programs_per_sm,warps,bn_o,bn_gate_up,bn_down,bn_qkv;...'",
+    )
+    args = parser.parse_args()
+    started = time.perf_counter()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    layers = _layers(generator)
+    inputs = _step_inputs(args.context, generator)
+    weight_bytes = sum(t.nbytes for layer in layers for t in layer.values())
+    bandwidth = _copy_bandwidth()
+    cache = (inputs["initial"].clone(), inputs["initial"].clone())
+    rows = []
+    chain_us, expected = _graph_us(
+        lambda: _chain(layers, inputs, cache), cache, inputs["initial"], args.replays
+    )
+    expected_cache = (cache[0].clone(), cache[1].clone())
+    rows.append({"way": "chain", "us": chain_us})
+    print(json.dumps(rows[-1]), flush=True)
+    for config in _parse_configs(args.configs):
+        row: dict = {"way": "tail", "config": str(config)}
+        try:
+            us, actual = _graph_us(
+                lambda config=config: _tail(layers, inputs, cache, config),
+                cache,
+                inputs["initial"],
+                args.replays,
+            )
+            row["us"] = us
+            row["max_abs_diff"] = (actual.float() - expected.float()).abs().max().item()
+            row["cache_max_abs_diff"] = max(
+                (a.float() - b.float()).abs().max().item()
+                for a, b in zip(cache, expected_cache, strict=True)
+            )
+        except Exception as error:  # a configuration that does not compile or fit
+            row["error"] = repr(error)[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for row in rows:
+        if "us" in row:
+            row["copy_fraction"] = weight_bytes / (row["us"] * 1e-6) / bandwidth
+    result = {
+        "benchmark": "decode_layer",
+        "device": torch.cuda.get_device_name(),
+        "context": args.context,
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "rows": rows,
+        "elapsed_s": time.perf_counter() - started,
+    }
+    (out_dir / "decode_layer.json").write_text(json.dumps(result, indent=2))
+    lines = [
+        f"Decoder layers of one decode token (Qwen2.5-0.5B shape, 24 layers, context "
+        f"{args.context}); {result['device']}, copy {bandwidth / 1e12:.2f} TB/s; CUDA graph "
+        "with PDL.",
+        "",
+        "| way | config | us per step | % copy | max abs diff | cache max abs diff |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['way']} | {row.get('config', '-')} | {row.get('us', float('nan')):.1f} | "
+            f"{100 * row.get('copy_fraction', float('nan')):.0f}% | "
+            f"{row.get('max_abs_diff', 0.0):.3g} | {row.get('cache_max_abs_diff', 0.0):.3g} | "
+            + (f" {row['error']}" if "error" in row else "")
+        )
+    (out_dir / "decode_layer.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Triton kernel of :func:`mcore_kernels.decode_layer.decode_layer_tail`: the o projection, the
+MLP and the next layer's q/k/v projection of one decode step in one persistent launch.
+
+Every program stays resident for the whole launch and works through the phases one after
+the other; between two phases the programs meet at a grid barrier (:func:`_grid_barrier`: an
+atomic arrival count that each program waits on), which replaces the end of one kernel and
+the start of the next. Before waiting, a program requests its first weight tile of the coming
+phase, so the weights stream while the previous phase finishes, as programmatic dependent
+launch does across kernels. Each phase is one projection of :mod:`mcore_kernels.decode_gemv`'s
+vector path (:func:`_projection_phase`), with the same prologues and epilogues.
+"""
+
+from __future__ import annotations
+
+from mcore_kernels._triton_utils import CachedLauncher, gdc_launch_dependents, gdc_wait, jit, tl
+from mcore_kernels.decode_gemv_epilogues import (
+    _early_bias,
+    _early_inputs,
+    _epilogue,
+    _rope_epilogue,
+)
+from mcore_kernels.decode_gemv_tiles import _accumulate, _load_tile, _row_scales
+
+WAIT_NONE = 0
+"""A phase that waits for nothing (the first phase of a plain launch)."""
+WAIT_GDC = 1
+"""A phase that waits for the previous kernel (the first phase under PDL)."""
+WAIT_BARRIER = 2
+"""A phase that waits for every program's previous phase (grid barrier)."""
+
+
+@jit
+def _grid_barrier(counter_ptr, target):
+    """Wait until ``target`` arrivals are counted at ``counter_ptr`` (this program's included).
+
+    Every thread's stores come before the arrival (block barrier, then a release add at GPU
+    scope). The program polls with plain volatile reads (atomics from every program would
+    queue at one L2 address), then one acquire read makes the other programs' stores visible.
+    """
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    arrived = tl.load(counter_ptr, volatile=True)
+    while arrived < target:
+        arrived = tl.load(counter_ptr, volatile=True)
+    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@jit
+def _tile_rows(tile, N_OUT, stride_wn, ROPE: tl.constexpr, HALF: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """Output columns of ``tile``, their mask and the offsets of their (and the paired) rows."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_OUT
+    safe = tl.where(n_mask, offs_n, 0)
+    if ROPE:
+        first_rows = (safe // HALF) * (2 * HALF) + safe % HALF
+        w_rows = first_rows.to(tl.int64) * stride_wn
+        up_rows = (first_rows + HALF).to(tl.int64) * stride_wn
+    else:
+        w_rows = safe.to(tl.int64) * stride_wn
+        up_rows = (safe + N_OUT).to(tl.int64) * stride_wn
+    return offs_n, n_mask, w_rows, up_rows
+
+
+@jit
+def _projection_phase(
+    x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, out_ptr, eps,
+    M, N_OUT, K, stride_xm, stride_wn, stride_rm, stride_om,
+    cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
+    stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
+    counter_ptr, target, pid, programs,
+    HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr,
+):  # fmt: skip
+    """One projection over tiles ``pid, pid + programs, ...`` of ``BLOCK_N`` output columns.
+
+    ``BLOCK_K >= K``: a tile is one load. The first tile's weights, norm weight and bias are
+    requested before the wait (``WAIT``), the inputs after it.
+    """
+    PAIRED: tl.constexpr = SWIGLU or ROPE
+    dtype = x_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n, n_mask, w_rows, up_rows = _tile_rows(pid, N_OUT, stride_wn, ROPE, HALF, BLOCK_N)
+    w, w_up = _load_tile(w_ptr, w_rows, up_rows, offs_k, K, PAIRED, True)
+    gamma = (offs_k < K).to(tl.float32)
+    if HAS_NORM:
+        gamma = tl.load(norm_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    bias, bias_up = _early_bias(bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS, ROPE, SWIGLU, HALF)
+    if WAIT == 1:
+        gdc_wait()
+    if WAIT == 2:
+        _grid_barrier(counter_ptr, target)
+    scales = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_NORM:
+        scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, BLOCK_K)
+    tiles = tl.cdiv(N_OUT, BLOCK_N)
+    for tile in range(pid, tiles, programs):
+        res, cos, sin = _early_inputs(
+            res_ptr, cos_ptr, sin_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm,
+            stride_cos, stride_sin, HAS_RESIDUAL, ROPE, HALF,
+        )  # fmt: skip
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc, acc_up = _accumulate(
+            acc, acc, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
+            up_rows, offs_k, K, M, stride_xm, 0,
+            HAS_NORM, PAIRED, BLOCK_M, False, True, "ieee", False, True, gamma, True,
+        )  # fmt: skip
+        if ROPE:
+            _rope_epilogue(
+                acc, acc_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
+                v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
+                stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
+                NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype, bias, bias_up, cos, sin, True,
+            )  # fmt: skip
+        else:
+            _epilogue(
+                acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
+                stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype, bias, bias_up,
+                res, True,
+            )  # fmt: skip
+        # The next tile's weights and bias (a tile past the end reads row 0, never stored).
+        offs_n, n_mask, w_rows, up_rows = _tile_rows(
+            tile + programs, N_OUT, stride_wn, ROPE, HALF, BLOCK_N
+        )
+        w, w_up = _load_tile(w_ptr, w_rows, up_rows, offs_k, K, PAIRED, True)
+        bias, bias_up = _early_bias(bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS, ROPE, SWIGLU, HALF)
+
+
+@jit(do_not_specialize=("M",))
+def _layer_tail_kernel(
+    attn_ptr, res_ptr, o_w_ptr, o_b_ptr, h_ptr,
+    post_norm_ptr, post_eps, gate_up_ptr, act_ptr, down_ptr, out_ptr,
+    qkv_w_ptr, qkv_b_ptr, in_norm_ptr, in_eps, q_ptr,
+    cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
+    stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
+    counter_ptr, M, ATTN, HIDDEN, FFN, PAIRS,
+    O_BIAS: tl.constexpr, NEXT: tl.constexpr, QKV_BIAS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_M: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr, BN_GU: tl.constexpr,
+    BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr, BN_QKV: tl.constexpr,
+    BK_QKV: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    if USE_PDL:
+        gdc_launch_dependents()
+    # h = attention @ o^T (+ bias) + residual
+    _projection_phase(
+        attn_ptr, o_w_ptr, o_b_ptr, post_norm_ptr, res_ptr, h_ptr, post_eps,
+        M, HIDDEN, ATTN, ATTN, ATTN, HIDDEN, HIDDEN,
+        cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
+        stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
+        counter_ptr, 0, pid, programs,
+        O_BIAS, False, True, False, False, HALF, BLOCK_M, BN_O, BK_O, 1 if USE_PDL else 0,
+    )  # fmt: skip
+    # act = swiglu(rms_norm(h) @ gate_up^T)
+    _projection_phase(
+        h_ptr, gate_up_ptr, o_b_ptr, post_norm_ptr, res_ptr, act_ptr, post_eps,
+        M, FFN, HIDDEN, HIDDEN, HIDDEN, HIDDEN, FFN,
+        cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
+        stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
+        counter_ptr, programs, pid, programs,
+        False, True, False, True, False, HALF, BLOCK_M, BN_GU, BK_GU, 2,
+    )  # fmt: skip
+    # out = act @ down^T + h
+    _projection_phase(
+        act_ptr, down_ptr, o_b_ptr, post_norm_ptr, h_ptr, out_ptr, post_eps,
+        M, HIDDEN, FFN, FFN, FFN, HIDDEN, HIDDEN,
+        cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
+        stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
+        counter_ptr, 2 * programs, pid, programs,
+        False, False, True, False, False, HALF, BLOCK_M, BN_D, BK_D, 2,
+    )  # fmt: skip
+    if NEXT:
+        # q = rope(rms_norm(out) @ qkv^T (+ bias)); keys and values into their cache slots
+        _projection_phase(
+            out_ptr, qkv_w_ptr, qkv_b_ptr, in_norm_ptr, res_ptr, q_ptr, in_eps,
+            M, PAIRS, HIDDEN, HIDDEN, HIDDEN, HIDDEN, NUM_Q_HEADS * 2 * HALF,
+            cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
+            stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS,
+            NUM_KV_HEADS, counter_ptr, 3 * programs, pid, programs,
+            QKV_BIAS, True, False, False, True, HALF, BLOCK_M, BN_QKV, BK_QKV, 2,
+        )  # fmt: skip
+    # The last program out resets the counters for the next launch (graph replays reuse them).
+    done = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if done == programs - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+_TAIL = CachedLauncher(_layer_tail_kernel)
+_TAIL_PDL = CachedLauncher(_layer_tail_kernel, launch_pdl=True)
