@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mcore_inference.fused_decode_tail import tail_layers, tail_layers_apply
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.moe.swiglu import swiglu
@@ -67,6 +68,8 @@ on its tensor-core path only matches cuBLAS, and its norm prologue costs more th
 kernel it replaces."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
+LAYER_TAIL = False
+"""Default of :class:`FusedDecoder`'s ``layer_tail``."""
 DECODE_ATTENTION_SPLIT_SIZE: int | None = None
 """Context positions per split of the attention in the ``decode_gemv`` steps (None: the cache's
 ``split_size``). A step of one or two tokens launches one attention program per split and
@@ -158,6 +161,10 @@ class FusedDecoder:
             :data:`DECODE_ATTENTION_SPLIT_SIZE`, else the cache's ``split_size``).
         attention_merge: How that attention merges its splits (None:
             :data:`DECODE_ATTENTION_MERGE`).
+        layer_tail: In the ``decode_gemv`` steps of at most four tokens of a model without
+            QK-norm, run each layer as the attention plus one persistent launch of the o
+            projection, the MLP and the next layer's q/k/v projection
+            (:mod:`mcore_inference.fused_decode_tail`; None: :data:`LAYER_TAIL`).
     """
 
     def __init__(
@@ -171,8 +178,10 @@ class FusedDecoder:
         rope_in_projection: bool = True,
         attention_split_size: int | None = None,
         attention_merge: str | None = None,
+        layer_tail: bool | None = None,
     ) -> None:
         self.model = model
+        self.layer_tail = LAYER_TAIL if layer_tail is None else layer_tail
         self.attention_split_size = (
             DECODE_ATTENTION_SPLIT_SIZE if attention_split_size is None else attention_split_size
         )
@@ -310,6 +319,17 @@ class FusedDecoder:
         split_size = self.attention_split_size
         if split_size is not None and split_size % kv_cache.block_size:
             split_size = None
+        if self.rope_in_projection and self.layer_tail and tail_layers_apply(model, len(hidden)):
+            return tail_layers(
+                model,
+                self._layers,
+                hidden,
+                cos,
+                sin,
+                kv_cache,
+                split_size=split_size,
+                merge=self.attention_merge,
+            )
         for layer, fused in layers:
             attention, mlp = layer.self_attention, layer.mlp
             if self.rope_in_projection and attention.q_norm is None:
@@ -401,6 +421,7 @@ def build_fused_decoder(
     pdl: bool = False,
     max_positions: int | None = None,
     attention_split_size: int | None = None,
+    layer_tail: bool | None = None,
 ) -> FusedDecoder | None:
     """The engine's fused decoder for ``model``, or None where it does not apply.
 
@@ -410,6 +431,7 @@ def build_fused_decoder(
         pdl: ``InferenceConfig.decode_pdl`` (see :class:`FusedDecoder`).
         max_positions: ``InferenceConfig.max_sequence_length`` (see :class:`FusedDecoder`).
         attention_split_size: ``InferenceConfig.decode_attention_split_size``.
+        layer_tail: ``InferenceConfig.decode_layer_tail`` (None: :data:`LAYER_TAIL`).
 
     Returns:
         A :class:`FusedDecoder`, or None when disabled or unsupported (the model's own
@@ -422,4 +444,5 @@ def build_fused_decoder(
         pdl=pdl,
         max_positions=max_positions,
         attention_split_size=attention_split_size,
+        layer_tail=layer_tail,
     )
