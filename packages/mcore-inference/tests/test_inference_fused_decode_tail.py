@@ -1,4 +1,5 @@
-"""The fused decoder's layer-tail path (attention + one ``decode_layer_tail`` launch per layer)
+"""The fused decoder's persistent layer kernels (``layer_kernel="tail"``: the attention kernel
+plus one ``decode_layer_tail`` launch per layer; ``"layer"``: one ``decode_layer`` launch)
 against the model's forward and the ``decode_gemv`` path, on a decode step of two requests
 after their prefill; on a GPU, greedy engine tokens against the eager engine and the
 ``decode_gemv`` path."""
@@ -79,25 +80,27 @@ def _decode_step(
 
 @pytest.fixture()
 def tail_calls(monkeypatch):
-    """Count the decoder's ``decode_layer_tail`` launches (the real function still runs)."""
+    """Count the decoder's persistent launches (the real functions still run)."""
     calls: list[bool] = []
-    real = fused_decode_tail.decode_layer_tail
+    for name in ("decode_layer_tail", "decode_layer"):
+        real = getattr(fused_decode_tail, name)
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("next_qkv") is not None)
-        return real(*args, **kwargs)
+        def counting(*args, real=real, **kwargs):
+            calls.append(kwargs.get("next_qkv") is not None)
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(fused_decode_tail, "decode_layer_tail", counting)
+        monkeypatch.setattr(fused_decode_tail, name, counting)
     return calls
 
 
-def test_tail_path_matches_model_forward_and_gemv_path(model, tail_calls):
+@pytest.mark.parametrize("mode", ["tail", "layer"])
+def test_tail_path_matches_model_forward_and_gemv_path(model, tail_calls, mode):
     # CPU tensors take the kernels' torch references (the Triton kernel is tested interpreted
     # in mcore-kernels and here on a GPU).
     expected, expected_cache = _decode_step(model, None)
-    gemv, _ = _decode_step(model, FusedDecoder(model, layer_tail=False))
+    gemv, _ = _decode_step(model, FusedDecoder(model, layer_kernel="off"))
     assert not tail_calls
-    actual, cache = _decode_step(model, FusedDecoder(model, layer_tail=True))
+    actual, cache = _decode_step(model, FusedDecoder(model, layer_kernel=mode))
     # One launch per layer; every one but the last also projects the next layer's q/k/v.
     layers = len(model.layers)
     assert tail_calls == [True] * (layers - 1) + [False]
@@ -110,7 +113,7 @@ def test_tail_path_matches_model_forward_and_gemv_path(model, tail_calls):
 def test_tail_path_is_skipped_with_qk_norm_and_past_four_tokens(tail_calls):
     qk_norm = _model(12, qk_norm=True)
     expected, _ = _decode_step(qk_norm, None)
-    actual, _ = _decode_step(qk_norm, FusedDecoder(qk_norm, layer_tail=True))
+    actual, _ = _decode_step(qk_norm, FusedDecoder(qk_norm, layer_kernel="layer"))
     assert not tail_calls, "QK-norm models keep the decode_gemv path"
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     assert fused_decode_tail.tail_layers_apply(_model(13), 4)
@@ -118,9 +121,9 @@ def test_tail_path_is_skipped_with_qk_norm_and_past_four_tokens(tail_calls):
 
 
 def test_engine_option_reaches_the_decoder(model):
-    config = InferenceConfig(max_batch_size=2, max_sequence_length=32, decode_layer_tail=True)
+    config = InferenceConfig(max_batch_size=2, max_sequence_length=32, decode_layer_kernel="layer")
     with InferenceEngine(model, config) as engine:
-        assert engine._decoder is not None and engine._decoder.layer_tail
+        assert engine._decoder is not None and engine._decoder.layer_kernel == "layer"
 
 
 @pytest.mark.gpu
@@ -128,7 +131,7 @@ def test_engine_option_reaches_the_decoder(model):
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
     reason="needs a Hopper or newer GPU",
 )
-def test_gpu_greedy_tokens_equal_eager_engine_and_gemv_path():
+def test_gpu_greedy_tokens_equal_eager_engine():
     config = GPTConfig.from_name("qwen2.5-0.5b", num_layers=4)
     model = GPTModel(config, device=torch.device("cuda")).eval()
     prompts = [[(7 * i + 3) % config.vocab_size for i in range(24)]]
@@ -141,6 +144,6 @@ def test_gpu_greedy_tokens_equal_eager_engine_and_gemv_path():
         with InferenceEngine(model, engine_config) as engine:
             return engine.generate(prompts, params)[0].tokens
 
-    graphs = generate(decode_layer_tail=True)
-    assert graphs == generate(decode_layer_tail=True, use_cuda_graphs=False)
-    assert graphs == generate(decode_layer_tail=False)
+    for mode in ("tail", "layer"):
+        graphs = generate(decode_layer_kernel=mode)
+        assert graphs == generate(decode_layer_kernel=mode, use_cuda_graphs=False)

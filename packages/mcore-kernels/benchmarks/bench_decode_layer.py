@@ -9,7 +9,9 @@ each captured in one CUDA graph with programmatic dependent launch and replayed 
   attention, ``decode_gemv`` o (+ residual), gate/up (RMSNorm, SwiGLU), down (+ residual): five
   launches, as the engine's fused decoder runs today;
 - ``tail``: the first layer's q/k/v as above, then per layer the attention and one
-  ``decode_layer_tail`` launch (o, gate/up, down and the next layer's q/k/v).
+  ``decode_layer_tail`` launch (o, gate/up, down and the next layer's q/k/v);
+- ``layer``: the first layer's q/k/v as above, then per layer one ``decode_layer`` launch (the
+  attention too).
 
 Both must give the same residual stream and cache up to float32 sum order (checked). The
 weights of all layers (about 715 MB) exceed the L2 cache, so each replay streams them from HBM;
@@ -31,7 +33,13 @@ from pathlib import Path
 import torch
 
 from mcore_kernels.decode_gemv import decode_gemv
-from mcore_kernels.decode_layer import LayerTailConfig, NextProjection, decode_layer_tail
+from mcore_kernels.decode_layer import (
+    LayerAttention,
+    LayerTailConfig,
+    NextProjection,
+    decode_layer,
+    decode_layer_tail,
+)
 from mcore_kernels.paged_attention import paged_attention
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
@@ -135,7 +143,9 @@ def _chain(layers: list, inputs: dict, cache: tuple) -> torch.Tensor:
     return residual
 
 
-def _tail(layers: list, inputs: dict, cache: tuple, config: LayerTailConfig) -> torch.Tensor:
+def _tail(
+    layers: list, inputs: dict, cache: tuple, config: LayerTailConfig, attend: bool
+) -> torch.Tensor:
     residual = inputs["x"]
     first = layers[0]
     q = decode_gemv(
@@ -146,7 +156,6 @@ def _tail(layers: list, inputs: dict, cache: tuple, config: LayerTailConfig) -> 
         rope=_rope(inputs, cache, 0),
     )
     for index, layer in enumerate(layers):
-        out = _attend(q, inputs, cache, index)
         following = None
         if index + 1 < len(layers):
             nxt = layers[index + 1]
@@ -157,16 +166,26 @@ def _tail(layers: list, inputs: dict, cache: tuple, config: LayerTailConfig) -> 
                 norm_eps=1e-6,
                 rope=_rope(inputs, cache, index + 1),
             )
-        residual, q = decode_layer_tail(
-            out,
-            residual,
-            o_weight=layer["o"],
-            post_norm_weight=layer["post_norm"],
-            gate_up_weight=layer["gate_up"],
-            down_weight=layer["down"],
-            next_qkv=following,
-            config=config,
-        )
+        weights = {
+            "o_weight": layer["o"],
+            "post_norm_weight": layer["post_norm"],
+            "gate_up_weight": layer["gate_up"],
+            "down_weight": layer["down"],
+            "next_qkv": following,
+            "config": config,
+        }
+        if attend:
+            attention = LayerAttention(
+                k_cache=cache[0][index],
+                v_cache=cache[1][index],
+                block_tables=inputs["tables"],
+                context_lens=inputs["lens"],
+                scale=HEAD_DIM**-0.5,
+            )
+            residual, q = decode_layer(q, residual, attention=attention, **weights)
+        else:
+            out = _attend(q, inputs, cache, index)
+            residual, q = decode_layer_tail(out, residual, **weights)
     return residual
 
 
@@ -215,6 +234,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--ways", default="tail,layer", help="persistent ways besides the chain")
     parser.add_argument(
         "--configs",
         default="",
@@ -237,11 +257,14 @@ def main() -> None:
     expected_cache = (cache[0].clone(), cache[1].clone())
     rows.append({"way": "chain", "us": chain_us})
     print(json.dumps(rows[-1]), flush=True)
-    for config in _parse_configs(args.configs):
-        row: dict = {"way": "tail", "config": str(config)}
+    ways = [
+        (way, config) for config in _parse_configs(args.configs) for way in args.ways.split(",")
+    ]
+    for way, config in ways:
+        row: dict = {"way": way, "config": str(config)}
         try:
             us, actual = _graph_us(
-                lambda config=config: _tail(layers, inputs, cache, config),
+                lambda config=config, way=way: _tail(layers, inputs, cache, config, way == "layer"),
                 cache,
                 inputs["initial"],
                 args.replays,

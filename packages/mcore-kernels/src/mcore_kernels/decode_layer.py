@@ -35,16 +35,44 @@ import torch
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import device_limits, next_power_of_2, pdl_supported, triton
 from mcore_kernels.decode_gemv import _rope_args
-from mcore_kernels.decode_layer_kernel import _TAIL, _TAIL_PDL, _layer_tail_kernel
+from mcore_kernels.decode_layer_kernel import _LAYER, _LAYER_PDL, _decode_layer_kernel
 from mcore_kernels.errors import KernelBackendError, KernelShapeError, KernelValueError
 from mcore_kernels.pdl import pdl_enabled
-from mcore_kernels.reference import decode_gemv_reference
+from mcore_kernels.reference import decode_gemv_reference, paged_attention_reference
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite, rotary_kv_write_reference
 
-__all__ = ["MAX_ROWS", "LayerTailConfig", "NextProjection", "decode_layer_tail"]
+__all__ = [
+    "ATTENTION_SPLIT",
+    "MAX_ROWS",
+    "LayerAttention",
+    "LayerTailConfig",
+    "NextProjection",
+    "decode_layer",
+    "decode_layer_tail",
+]
 
 MAX_ROWS = 4
-"""Most rows (tokens) :func:`decode_layer_tail` takes."""
+"""Most rows (tokens) :func:`decode_layer_tail` and :func:`decode_layer` take."""
+ATTENTION_SPLIT = 64
+"""Context positions per work item of :func:`decode_layer`'s attention."""
+MERGE_CHUNK = 4
+"""Splits merged per step of the running maximum."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LayerAttention:
+    """The layer's paged decode attention that :func:`decode_layer` folds in."""
+
+    k_cache: torch.Tensor
+    """The layer's key cache ``[num_blocks, block_size, Hkv, D]`` (``D`` a power of two >= 16)."""
+    v_cache: torch.Tensor
+    """The layer's value cache, shaped like ``k_cache``."""
+    block_tables: torch.Tensor
+    """int32 ``[M, max_blocks]`` physical block of each logical block of each token."""
+    context_lens: torch.Tensor
+    """int32 ``[M]`` positions each token attends (its own included; at least 1)."""
+    scale: float
+    """Multiplier of the query-key products."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -201,6 +229,7 @@ def decode_layer_tail(
         raise KernelBackendError("backend='triton' requested but triton is not installed")
     return _launch(
         attention_out.contiguous(),
+        None,
         residual.contiguous(),
         o_weight.contiguous(),
         o_bias,
@@ -277,6 +306,7 @@ def _counter(device: torch.device) -> torch.Tensor:
 
 def _launch(
     attention_out: torch.Tensor,
+    attention: LayerAttention | None,
     residual: torch.Tensor,
     o_weight: torch.Tensor,
     o_bias: torch.Tensor | None,
@@ -313,6 +343,7 @@ def _launch(
         rope_args = _rope_args(rope, dummy)
     if rows == 0:
         return out, q
+    attend_args, attend_constexprs = _attention_args(attention, attention_out, dummy)
     interpreting = not residual.is_cuda
     use_pdl = pdl_enabled(device) if pdl is None else pdl and pdl_supported(device)
     args = (
@@ -339,6 +370,7 @@ def _launch(
         hidden,
         ffn,
         pairs,
+        *attend_args,
     )
     constexprs = {
         "O_BIAS": o_bias is not None,
@@ -355,14 +387,15 @@ def _launch(
         "BN_QKV": config.block_n_qkv,
         "BK_QKV": max(16, next_power_of_2(hidden)),
         "USE_PDL": use_pdl,
+        **attend_constexprs,
     }
     if interpreting:
         # The interpreter runs programs one after the other: a grid barrier needs one program.
-        _layer_tail_kernel[(1,)](*args, **constexprs, num_warps=config.num_warps)
+        _decode_layer_kernel[(1,)](*args, **constexprs, num_warps=config.num_warps)
         return out, q
     device_index = residual.get_device()
     programs = _programs(args, constexprs, config, device_index)
-    launcher = _TAIL_PDL if use_pdl else _TAIL
+    launcher = _LAYER_PDL if use_pdl else _LAYER
     launcher((programs,), args, constexprs, config.num_warps, device_index)
     return out, q
 
@@ -376,7 +409,7 @@ def _programs(args: tuple, constexprs: dict, config: LayerTailConfig, device_ind
     programs = _PROGRAMS.get(key)
     if programs is None:
         options = {"launch_pdl": True} if constexprs["USE_PDL"] else {}
-        compiled = _layer_tail_kernel.warmup(
+        compiled = _decode_layer_kernel.warmup(
             *args, **constexprs, grid=(1,), num_warps=config.num_warps, **options
         )
         compiled._init_handles()
@@ -389,3 +422,173 @@ def _programs(args: tuple, constexprs: dict, config: LayerTailConfig, device_ind
         )
         _PROGRAMS[key] = programs
     return programs
+
+
+def _attention_args(
+    attention: LayerAttention | None, q: torch.Tensor, dummy: torch.Tensor
+) -> tuple[tuple, dict]:
+    """The kernel's attention arguments and constexprs (dummies without attention)."""
+    if attention is None:
+        args = (dummy,) * 7 + (1.0, 1, 0) + (0,) * 6
+        constexprs = {
+            "ATTEND": False,
+            "GROUP": 1,
+            "GROUP_PAD": 16,
+            "HEAD_DIM": 16,
+            "BLOCK_SIZE": 1,
+            "SPLIT": ATTENTION_SPLIT,
+            "CHUNK": MERGE_CHUNK,
+        }
+        return args, constexprs
+    keys, values = attention.k_cache, attention.v_cache
+    _, block_size, kv_heads, head_dim = keys.shape
+    tables = attention.block_tables
+    rows = q.shape[0]
+    q_heads = q.shape[1] // head_dim
+    splits = -(-tables.shape[1] * block_size // ATTENTION_SPLIT)
+    part_acc = torch.empty((rows, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    part_max = torch.empty((rows, q_heads, splits), dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    args = (
+        keys,
+        values,
+        tables,
+        attention.context_lens,
+        part_acc,
+        part_max,
+        part_sum,
+        float(attention.scale),
+        splits,
+        tables.stride(0),
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
+    )
+    group = q_heads // kv_heads
+    constexprs = {
+        "ATTEND": True,
+        "GROUP": group,
+        "GROUP_PAD": max(16, next_power_of_2(group)),
+        "HEAD_DIM": head_dim,
+        "BLOCK_SIZE": block_size,
+        "SPLIT": ATTENTION_SPLIT,
+        "CHUNK": MERGE_CHUNK,
+    }
+    return args, constexprs
+
+
+def _check_attention(attention: LayerAttention, q: torch.Tensor) -> None:
+    keys, values = attention.k_cache, attention.v_cache
+    if keys.dim() != 4 or values.shape != keys.shape:
+        raise KernelShapeError(
+            f"attention.k_cache {tuple(keys.shape)}, v_cache {tuple(values.shape)}; expected "
+            "two [num_blocks, block_size, Hkv, D] caches"
+        )
+    head_dim, kv_heads = keys.shape[3], keys.shape[2]
+    if head_dim < 16 or head_dim & (head_dim - 1) or keys.stride(3) != 1 or values.stride(3) != 1:
+        raise KernelShapeError(
+            f"attention caches of head dim {head_dim} (strides {keys.stride()}); expected a "
+            "contiguous power of two >= 16"
+        )
+    if q.shape[1] % (head_dim * kv_heads):
+        raise KernelShapeError(
+            f"q has {q.shape[1]} columns; expected a multiple of {kv_heads} kv heads x {head_dim}"
+        )
+    rows = q.shape[0]
+    tables, lens = attention.block_tables, attention.context_lens
+    if tables.dim() != 2 or tables.shape[0] != rows or tables.dtype != torch.int32:
+        raise KernelShapeError(
+            f"attention.block_tables {tuple(tables.shape)} {tables.dtype}; expected int32 "
+            f"[{rows}, max_blocks]"
+        )
+    if tuple(lens.shape) != (rows,) or lens.dtype != torch.int32:
+        raise KernelShapeError(
+            f"attention.context_lens {tuple(lens.shape)} {lens.dtype}; expected int32 [{rows}]"
+        )
+
+
+def decode_layer(
+    q: torch.Tensor,
+    residual: torch.Tensor,
+    *,
+    attention: LayerAttention,
+    o_weight: torch.Tensor,
+    o_bias: torch.Tensor | None = None,
+    post_norm_weight: torch.Tensor,
+    post_norm_eps: float = 1e-6,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    next_qkv: NextProjection | None = None,
+    pdl: bool | None = None,
+    config: LayerTailConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode layer from its rotated queries on: attention, then :func:`decode_layer_tail`.
+
+    The attention (``softmax(q k^T * scale) v`` over each token's cached context, the step's
+    keys and values already in the cache) runs as the kernel's first phase: work items of
+    :data:`ATTENTION_SPLIT` positions per (token, key/value head) store float32 partials, and
+    the o projection's programs merge the rows they need; one launch per layer.
+
+    Args:
+        q: ``[M, Hq * D]`` rotated queries of the layer (``M <= 4``).
+        residual: ``[M, hidden]`` residual stream entering the layer.
+        attention: The layer's cache, block tables, context lengths and scale.
+        o_weight: ``[hidden, Hq * D]`` o projection weight.
+        o_bias: Optional ``[hidden]`` o projection bias.
+        post_norm_weight: ``[hidden]`` weight of the RMSNorm before the MLP.
+        post_norm_eps: Its epsilon.
+        gate_up_weight: ``[2 F, hidden]`` gate rows then up rows.
+        down_weight: ``[hidden, F]`` down projection weight.
+        next_qkv: The next layer's q/k/v projection to fold in, or None (the last layer).
+        pdl: As for :func:`decode_layer_tail`.
+        config: As for :func:`decode_layer_tail`.
+
+    Returns:
+        ``(out, next_q)`` as :func:`decode_layer_tail` returns them.
+
+    Raises:
+        KernelShapeError: If the shapes or dtypes do not match the layouts above.
+        KernelBackendError: As for :func:`decode_layer_tail`.
+    """
+    _check(q, residual, o_weight, o_bias, post_norm_weight, gate_up_weight, down_weight, next_qkv)
+    _check_attention(attention, q)
+    if not use_triton(q, o_weight):
+        head_dim = attention.k_cache.shape[3]
+        attended = paged_attention_reference(
+            q.unflatten(-1, (-1, head_dim)),
+            attention.k_cache,
+            attention.v_cache,
+            attention.block_tables,
+            attention.context_lens,
+            scale=attention.scale,
+        )
+        return _reference(
+            attended.flatten(-2),
+            residual,
+            o_weight,
+            o_bias,
+            post_norm_weight,
+            post_norm_eps,
+            gate_up_weight,
+            down_weight,
+            next_qkv,
+        )
+    if triton is None:
+        raise KernelBackendError("backend='triton' requested but triton is not installed")
+    return _launch(
+        q.contiguous(),
+        attention,
+        residual.contiguous(),
+        o_weight.contiguous(),
+        o_bias,
+        post_norm_weight,
+        float(post_norm_eps),
+        gate_up_weight.contiguous(),
+        down_weight.contiguous(),
+        next_qkv,
+        pdl,
+        config or LayerTailConfig(),
+    )

@@ -1,5 +1,5 @@
-"""Triton kernel of :func:`mcore_kernels.decode_layer.decode_layer_tail`: the o projection, the
-MLP and the next layer's q/k/v projection of one decode step in one persistent launch.
+"""Triton kernel of :mod:`mcore_kernels.decode_layer`: a decode step's attention (optional),
+o projection, MLP and the next layer's q/k/v projection in one persistent launch.
 
 Every program stays resident for the whole launch and works through the phases one after
 the other; between two phases the programs meet at a grid barrier (:func:`_grid_barrier`: an
@@ -20,6 +20,7 @@ from mcore_kernels.decode_gemv_epilogues import (
     _rope_epilogue,
 )
 from mcore_kernels.decode_gemv_tiles import _accumulate, _load_tile, _row_scales
+from mcore_kernels.decode_layer_attention import _attention_phase, _merged_attention
 
 WAIT_NONE = 0
 """A phase that waits for nothing (the first phase of a plain launch)."""
@@ -130,39 +131,102 @@ def _projection_phase(
         bias, bias_up = _early_bias(bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS, ROPE, SWIGLU, HALF)
 
 
-@jit(do_not_specialize=("M",))
-def _layer_tail_kernel(
+@jit
+def _merged_o_phase(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
+    M, N_OUT, K, num_splits, NUM_Q_HEADS, stride_wn, stride_rm, stride_om,
+    counter_ptr, target, pid, programs,
+    HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """The o projection (+ bias + residual) of attention rows merged from split partials."""
+    dtype = out_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n, n_mask, w_rows, up_rows = _tile_rows(pid, N_OUT, stride_wn, False, 1, BLOCK_N)
+    w, _ = _load_tile(w_ptr, w_rows, up_rows, offs_k, K, False, True)
+    bias, bias_up = _early_bias(bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS, False, False, 1)
+    _grid_barrier(counter_ptr, target)
+    x = _merged_attention(
+        part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, offs_m, m_mask, num_splits,
+        NUM_Q_HEADS, dtype, HEAD_DIM, SPLIT, BLOCK_K, CHUNK,
+    )  # fmt: skip
+    tiles = tl.cdiv(N_OUT, BLOCK_N)
+    for tile in range(pid, tiles, programs):
+        res, _, _ = _early_inputs(
+            res_ptr, res_ptr, res_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm, 0, 0,
+            True, False, 1,
+        )  # fmt: skip
+        acc = tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+        _epilogue(
+            acc, acc, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT, stride_rm,
+            stride_om, HAS_BIAS, True, False, dtype, bias, bias_up, res, True,
+        )  # fmt: skip
+        offs_n, n_mask, w_rows, up_rows = _tile_rows(
+            tile + programs, N_OUT, stride_wn, False, 1, BLOCK_N
+        )
+        w, _ = _load_tile(w_ptr, w_rows, up_rows, offs_k, K, False, True)
+        bias, bias_up = _early_bias(bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS, False, False, 1)
+
+
+@jit(do_not_specialize=("M", "num_splits", "stride_table"))
+def _decode_layer_kernel(
     attn_ptr, res_ptr, o_w_ptr, o_b_ptr, h_ptr,
     post_norm_ptr, post_eps, gate_up_ptr, act_ptr, down_ptr, out_ptr,
     qkv_w_ptr, qkv_b_ptr, in_norm_ptr, in_eps, q_ptr,
     cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
     stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
     counter_ptr, M, ATTN, HIDDEN, FFN, PAIRS,
+    ak_ptr, av_ptr, table_ptr, lens_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
+    num_splits, stride_table, stride_akb, stride_aks, stride_akh, stride_avb, stride_avs,
+    stride_avh,
     O_BIAS: tl.constexpr, NEXT: tl.constexpr, QKV_BIAS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr, BN_GU: tl.constexpr,
     BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr, BN_QKV: tl.constexpr,
-    BK_QKV: tl.constexpr, USE_PDL: tl.constexpr,
+    BK_QKV: tl.constexpr, USE_PDL: tl.constexpr, ATTEND: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if USE_PDL:
         gdc_launch_dependents()
-    # h = attention @ o^T (+ bias) + residual
-    _projection_phase(
-        attn_ptr, o_w_ptr, o_b_ptr, post_norm_ptr, res_ptr, h_ptr, post_eps,
-        M, HIDDEN, ATTN, ATTN, ATTN, HIDDEN, HIDDEN,
-        cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
-        stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
-        counter_ptr, 0, pid, programs,
-        O_BIAS, False, True, False, False, HALF, BLOCK_M, BN_O, BK_O, 1 if USE_PDL else 0,
-    )  # fmt: skip
+    if ATTEND:
+        # attention of the layer's queries (attn_ptr) over the paged cache: split partials
+        if USE_PDL:
+            gdc_wait()
+        _attention_phase(
+            attn_ptr, ak_ptr, av_ptr, table_ptr, lens_ptr, part_acc_ptr, part_max_ptr,
+            part_sum_ptr, scale, M, num_splits, stride_table, stride_akb, stride_aks,
+            stride_akh, stride_avb, stride_avs, stride_avh, NUM_Q_HEADS, NUM_KV_HEADS, pid,
+            programs, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, SPLIT,
+        )  # fmt: skip
+        # h = merge(partials) @ o^T (+ bias) + residual
+        _merged_o_phase(
+            part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, o_w_ptr, o_b_ptr, res_ptr, h_ptr,
+            M, HIDDEN, ATTN, num_splits, NUM_Q_HEADS, ATTN, HIDDEN, HIDDEN,
+            counter_ptr, programs, pid, programs,
+            O_BIAS, HEAD_DIM, SPLIT, BLOCK_M, BN_O, BK_O, CHUNK,
+        )  # fmt: skip
+    else:
+        # h = attention @ o^T (+ bias) + residual
+        _projection_phase(
+            attn_ptr, o_w_ptr, o_b_ptr, post_norm_ptr, res_ptr, h_ptr, post_eps,
+            M, HIDDEN, ATTN, ATTN, ATTN, HIDDEN, HIDDEN,
+            cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
+            stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS,
+            NUM_KV_HEADS, counter_ptr, 0, pid, programs,
+            O_BIAS, False, True, False, False, HALF, BLOCK_M, BN_O, BK_O, 1 if USE_PDL else 0,
+        )  # fmt: skip
+    base = 1 if ATTEND else 0
     # act = swiglu(rms_norm(h) @ gate_up^T)
     _projection_phase(
         h_ptr, gate_up_ptr, o_b_ptr, post_norm_ptr, res_ptr, act_ptr, post_eps,
         M, FFN, HIDDEN, HIDDEN, HIDDEN, HIDDEN, FFN,
         cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
         stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
-        counter_ptr, programs, pid, programs,
+        counter_ptr, (base + 1) * programs, pid, programs,
         False, True, False, True, False, HALF, BLOCK_M, BN_GU, BK_GU, 2,
     )  # fmt: skip
     # out = act @ down^T + h
@@ -171,7 +235,7 @@ def _layer_tail_kernel(
         M, HIDDEN, FFN, FFN, FFN, HIDDEN, HIDDEN,
         cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
         stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
-        counter_ptr, 2 * programs, pid, programs,
+        counter_ptr, (base + 2) * programs, pid, programs,
         False, False, True, False, False, HALF, BLOCK_M, BN_D, BK_D, 2,
     )  # fmt: skip
     if NEXT:
@@ -181,7 +245,7 @@ def _layer_tail_kernel(
             M, PAIRS, HIDDEN, HIDDEN, HIDDEN, HIDDEN, NUM_Q_HEADS * 2 * HALF,
             cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
             stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS,
-            NUM_KV_HEADS, counter_ptr, 3 * programs, pid, programs,
+            NUM_KV_HEADS, counter_ptr, (base + 3) * programs, pid, programs,
             QKV_BIAS, True, False, False, True, HALF, BLOCK_M, BN_QKV, BK_QKV, 2,
         )  # fmt: skip
     # The last program out resets the counters for the next launch (graph replays reuse them).
@@ -191,5 +255,5 @@ def _layer_tail_kernel(
         tl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
-_TAIL = CachedLauncher(_layer_tail_kernel)
-_TAIL_PDL = CachedLauncher(_layer_tail_kernel, launch_pdl=True)
+_LAYER = CachedLauncher(_decode_layer_kernel)
+_LAYER_PDL = CachedLauncher(_decode_layer_kernel, launch_pdl=True)
