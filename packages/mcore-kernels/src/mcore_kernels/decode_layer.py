@@ -55,8 +55,9 @@ MAX_ROWS = 4
 """Most rows (tokens) :func:`decode_layer_tail` and :func:`decode_layer` take."""
 ATTENTION_SPLIT = 64
 """Context positions per work item of :func:`decode_layer`'s attention."""
-MERGE_CHUNK = 4
-"""Splits merged per step of the running maximum."""
+MERGE_CHUNK = 2
+"""Splits merged per step of the running maximum (4 needs more registers than two programs
+per multiprocessor allow at 8 warps)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
