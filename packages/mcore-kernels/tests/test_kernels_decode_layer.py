@@ -1,7 +1,8 @@
-"""decode_layer_tail: the persistent Triton kernel (interpreted on CPU, one program) against
-the chain of ``decode_gemv`` torch references it replaces, the argument checks, and on a GPU
-(every program resident, grid barriers between the phases) against the ``decode_gemv`` chain
-eagerly and replayed in a CUDA graph under programmatic dependent launch."""
+"""decode_layer_tail and decode_layer: the persistent Triton kernel (interpreted on CPU, one
+program) against the chain of torch references it replaces (paged attention, ``decode_gemv``
+projections, RoPE and the cache write), the argument checks, and on a GPU (every program
+resident, grid barriers between the phases) against the ``decode_gemv`` chain and the paged
+attention kernel, eagerly and replayed in a CUDA graph under programmatic dependent launch."""
 
 import os
 
@@ -14,10 +15,17 @@ if not torch.cuda.is_available():
 import pytest
 
 from mcore_kernels.decode_gemv import decode_gemv
-from mcore_kernels.decode_layer import LayerTailConfig, NextProjection, decode_layer_tail
+from mcore_kernels.decode_layer import (
+    LayerAttention,
+    LayerTailConfig,
+    NextProjection,
+    decode_layer,
+    decode_layer_tail,
+)
 from mcore_kernels.errors import KernelShapeError, KernelValueError
+from mcore_kernels.paged_attention import paged_attention
 from mcore_kernels.pdl import programmatic_dependent_launch
-from mcore_kernels.reference import decode_gemv_reference
+from mcore_kernels.reference import decode_gemv_reference, paged_attention_reference
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite, rotary_kv_write_reference
 
 _RUNS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -29,6 +37,8 @@ needs_hopper = pytest.mark.skipif(
 
 HIDDEN, ATTN, FFN, HQ, HKV, D = 48, 40, 72, 3, 2, 8
 """Widths that are not powers of two (masked tails), three query heads on two kv heads."""
+LAYER_SIZES = (48, 64, 72, 4, 2, 16)
+"""decode_layer's shapes: its attention needs a power-of-two head dim >= 16."""
 
 
 def _problem(rows, dtype, device, *, seed=0, o_bias=True, qkv_bias=True, sizes=None):
@@ -187,6 +197,116 @@ def test_gpu_matches_decode_gemv_chain_eager_and_in_a_pdl_graph(rows):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = _tail(problem)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, (out, q, cache), strict=True):
+        assert torch.equal(got, want), "replays (counters reused) give the eager result"
+
+
+def _attention_problem(rows, dtype, device, *, sizes=LAYER_SIZES, contexts=(150, 7, 64, 1)):
+    """A layer problem plus a paged cache whose contexts span several 64-position splits."""
+    problem = _problem(rows, dtype, device, seed=4, sizes=sizes)
+    _, _, _, hq, hkv, d = sizes
+    generator = torch.Generator().manual_seed(9)
+    block_size, blocks = 16, 24
+    lens = torch.tensor(contexts[:rows], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(blocks, generator=generator)[:12] for _ in range(rows)])
+    problem["attention"] = LayerAttention(
+        k_cache=torch.randn((blocks, block_size, hkv, d), generator=generator).to(dtype).to(device),
+        v_cache=torch.randn((blocks, block_size, hkv, d), generator=generator).to(dtype).to(device),
+        block_tables=tables.to(torch.int32).to(device),
+        context_lens=lens.to(device),
+        scale=d**-0.5,
+    )
+    problem["q"] = torch.randn((rows, hq * d), generator=generator).to(dtype).to(device)
+    return problem
+
+
+def _layer(problem, **options):
+    cache = problem["cache"].clone()
+    out, q = decode_layer(
+        problem["q"],
+        problem["residual"],
+        attention=problem["attention"],
+        o_weight=problem["o_weight"],
+        o_bias=problem["o_bias"],
+        post_norm_weight=problem["post_norm_weight"],
+        post_norm_eps=1e-6,
+        gate_up_weight=problem["gate_up_weight"],
+        down_weight=problem["down_weight"],
+        next_qkv=_next(problem, cache),
+        **options,
+    )
+    return out, q, cache
+
+
+def _layer_chain(problem, gemv, attend):
+    attention = problem["attention"]
+    head_dim = attention.k_cache.shape[3]
+    attended = attend(
+        problem["q"].unflatten(-1, (-1, head_dim)),
+        attention.k_cache,
+        attention.v_cache,
+        attention.block_tables,
+        attention.context_lens,
+        scale=attention.scale,
+    )
+    return _chain({**problem, "attention_out": attended.flatten(-2)}, gemv)
+
+
+@needs_triton
+@pytest.mark.interpreter
+@pytest.mark.parametrize("rows", [1, 3])
+def test_layer_triton_matches_paged_attention_and_chain_references(monkeypatch, rows):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    problem = _attention_problem(rows, torch.float32, "cpu")
+    out, q, cache = _layer(problem)
+    want_out, want_q, want_cache = _layer_chain(
+        problem, decode_gemv_reference, paged_attention_reference
+    )
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache, want_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_torch_path_and_bad_attention_raise(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "torch")
+    problem = _attention_problem(2, torch.float32, "cpu")
+    out, q, cache = _layer(problem)
+    want = _layer_chain(problem, decode_gemv_reference, paged_attention_reference)
+    assert all(torch.equal(a, b) for a, b in zip((out, q, cache), want, strict=True))
+    attention = problem["attention"]
+    odd = _attention_problem(1, torch.float32, "cpu", sizes=(48, 40, 72, 4, 2, 10))
+    with pytest.raises(KernelShapeError, match="head dim 10"):
+        _layer(odd)
+    lens = attention.context_lens.long()
+    with pytest.raises(KernelShapeError, match="context_lens"):
+        _layer({**problem, "attention": LayerAttention(
+            k_cache=attention.k_cache, v_cache=attention.v_cache,
+            block_tables=attention.block_tables, context_lens=lens, scale=1.0,
+        )})  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gpu_layer_matches_paged_attention_and_decode_gemv_in_a_pdl_graph(rows):
+    problem = _attention_problem(
+        rows, torch.bfloat16, "cuda", sizes=(896, 896, 4864, 14, 2, 64), contexts=(150, 190)
+    )
+    want_out, want_q, want_cache = _layer_chain(problem, decode_gemv, paged_attention)
+    out, q, cache = _layer(problem)
+    # The attention's float32 sums run in another order than the attention kernel's, and
+    # its output is rounded to bfloat16 before the projections: a few bfloat16 ulps.
+    torch.testing.assert_close(out.float(), want_out.float(), rtol=2**-6, atol=2**-5)
+    torch.testing.assert_close(q.float(), want_q.float(), rtol=2**-6, atol=2**-5)
+    torch.testing.assert_close(cache.float(), want_cache.float(), rtol=2**-6, atol=2**-5)
+    with programmatic_dependent_launch():
+        _layer(problem)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = _layer(problem)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
