@@ -214,7 +214,7 @@ def _graph_us(fn, cache: tuple, initial: torch.Tensor, replays: int) -> tuple[fl
 def _parse_configs(text: str) -> list[LayerTailConfig]:
     configs = []
     for item in filter(None, text.split(";")):
-        pps, warps, bo, bgu, bd, bq = (int(v) for v in item.split(","))
+        pps, warps, bo, bgu, bd, bq, prefetch, sleep = (int(v) for v in item.split(","))
         configs.append(
             LayerTailConfig(
                 programs_per_sm=pps,
@@ -223,6 +223,8 @@ def _parse_configs(text: str) -> list[LayerTailConfig]:
                 block_n_gate_up=bgu,
                 block_n_down=bd,
                 block_n_qkv=bq,
+                prefetch_l2=bool(prefetch),
+                barrier_sleep_ns=sleep,
             )
         )
     return configs or [LayerTailConfig()]
@@ -238,7 +240,8 @@ def main() -> None:
     parser.add_argument(
         "--configs",
         default="",
-        help="LayerTailConfig sweep: 'programs_per_sm,warps,bn_o,bn_gate_up,bn_down,bn_qkv;...'",
+        help="LayerTailConfig sweep: 'programs_per_sm,warps,bn_o,bn_gate_up,bn_down,bn_qkv,"
+        "prefetch_l2,barrier_sleep_ns;...'",
     )
     args = parser.parse_args()
     started = time.perf_counter()

@@ -55,6 +55,8 @@ MAX_ROWS = 4
 """Most rows (tokens) :func:`decode_layer_tail` and :func:`decode_layer` take."""
 ATTENTION_SPLIT = 64
 """Context positions per work item of :func:`decode_layer`'s attention."""
+PREFETCH_CHUNK_BYTES = 16384
+"""Bytes per bulk L2 request of :class:`LayerTailConfig`'s ``prefetch_l2``."""
 MERGE_CHUNK = 2
 """Splits merged per step of the running maximum (4 needs more registers than two programs
 per multiprocessor allow at 8 warps)."""
@@ -108,8 +110,17 @@ class LayerTailConfig:
     """Output columns per tile of the down projection."""
     block_n_qkv: int = 4
     """Channel pairs per tile of the q/k/v projection."""
+    barrier_sleep_ns: int = 0
+    """Nanoseconds a program sleeps between polls of a grid barrier (0: none)."""
+    prefetch_l2: bool = True
+    """Request the layer's weights into L2 at the start (bulk requests, Hopper and newer;
+    ignored elsewhere and where a weight is not 16-byte aligned or smaller than a chunk)."""
 
     def __post_init__(self) -> None:
+        if self.barrier_sleep_ns < 0:
+            raise KernelValueError(
+                f"LayerTailConfig.barrier_sleep_ns={self.barrier_sleep_ns}; expected >= 0"
+            )
         if self.programs_per_sm < 1:
             raise KernelValueError(
                 f"LayerTailConfig.programs_per_sm={self.programs_per_sm}; expected >= 1"
@@ -278,6 +289,17 @@ def _reference(
     return out, rotated.flatten(-2)
 
 
+def _prefetchable(*weights: torch.Tensor) -> bool:
+    """Whether bulk L2 requests can cover every weight (Hopper+, 16-byte aligned, a chunk)."""
+    return all(
+        pdl_supported(w.device)
+        and w.nbytes >= PREFETCH_CHUNK_BYTES
+        and w.nbytes % 16 == 0
+        and w.data_ptr() % 16 == 0
+        for w in weights
+    )
+
+
 @functools.cache
 def _resident_programs(
     device_index: int, regs: int, shared: int, num_warps: int, wanted_per_sm: int
@@ -372,6 +394,10 @@ def _launch(
         ffn,
         pairs,
         *attend_args,
+        o_weight.nbytes,
+        gate_up_weight.nbytes,
+        down_weight.nbytes,
+        qkv_weight.nbytes,
     )
     constexprs = {
         "O_BIAS": o_bias is not None,
@@ -389,6 +415,12 @@ def _launch(
         "BK_QKV": max(16, next_power_of_2(hidden)),
         "USE_PDL": use_pdl,
         **attend_constexprs,
+        "PREFETCH": config.prefetch_l2
+        and _prefetchable(
+            o_weight, gate_up_weight, down_weight, *([qkv_weight] if next_qkv is not None else [])
+        ),
+        "PREFETCH_CHUNK": PREFETCH_CHUNK_BYTES,
+        "SLEEP": 0 if interpreting else config.barrier_sleep_ns,
     }
     if interpreting:
         # The interpreter runs programs one after the other: a grid barrier needs one program.

@@ -31,20 +31,71 @@ WAIT_BARRIER = 2
 
 
 @jit
-def _grid_barrier(counter_ptr, target):
+def _backoff(nanoseconds: tl.constexpr):
+    """Sleep about ``nanoseconds`` (``nanosleep``; inline PTX: CUDA only)."""
+    tl.inline_asm_elementwise(
+        "nanosleep.u32 $1;\n\tmov.u32 $0, 0;",
+        "=r,r",
+        [tl.full([1], nanoseconds, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@jit
+def _grid_barrier(counter_ptr, target, SLEEP: tl.constexpr):
     """Wait until ``target`` arrivals are counted at ``counter_ptr`` (this program's included).
 
     Every thread's stores come before the arrival (block barrier, then a release add at GPU
-    scope). The program polls with plain volatile reads (atomics from every program would
-    queue at one L2 address), then one acquire read makes the other programs' stores visible.
+    scope); the program polls with acquire reads (atomic adds of zero), which make the other
+    programs' stores visible. One H200, 1000 barriers of 132 or 264 programs: 0.9-1.1 us
+    each; polling with volatile loads and one acquire at the end took 1.7-3.9 us.
     """
     tl.debug_barrier()
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    arrived = tl.load(counter_ptr, volatile=True)
+    arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     while arrived < target:
-        arrived = tl.load(counter_ptr, volatile=True)
-    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        if SLEEP > 0:
+            # Fewer polls queue at the counter's L2 address while the last programs arrive.
+            _backoff(SLEEP)
+        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@jit
+def _bulk_prefetch(addresses, size):
+    """Request ``size`` bytes at each of ``addresses`` into L2 (``cp.async.bulk.prefetch.L2``).
+
+    A hint served by the copy engine (Hopper and newer): one instruction per chunk; addresses
+    and size 16-byte aligned. Inline PTX: CUDA only.
+    """
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [addresses, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@jit
+def _prefetch_share(ptr, nbytes, pid, programs, CHUNK: tl.constexpr, LANES: tl.constexpr):
+    """Request this program's share of the ``nbytes`` bytes at ``ptr`` into L2.
+
+    Chunks of ``CHUNK`` bytes (``nbytes >= CHUNK``; the last chunk ends at the tensor's end,
+    lanes past the share repeat its last chunk: a repeated hint costs nothing more).
+    """
+    chunks = tl.cdiv(nbytes, CHUNK)
+    share = tl.cdiv(chunks, programs)
+    base = ptr.to(tl.pointer_type(tl.int8))
+    lanes = tl.arange(0, LANES)
+    sizes = tl.full([LANES], CHUNK, tl.int32)
+    for start in range(0, share, LANES):
+        index = pid * share + tl.minimum(start + lanes, share - 1)
+        offset = tl.minimum(index.to(tl.int64) * CHUNK, nbytes - CHUNK)
+        _bulk_prefetch(base + offset, sizes)
 
 
 @jit
@@ -73,7 +124,7 @@ def _projection_phase(
     counter_ptr, target, pid, programs,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     SWIGLU: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr, SLEEP: tl.constexpr,
 ):  # fmt: skip
     """One projection over tiles ``pid, pid + programs, ...`` of ``BLOCK_N`` output columns.
 
@@ -94,7 +145,7 @@ def _projection_phase(
     if WAIT == 1:
         gdc_wait()
     if WAIT == 2:
-        _grid_barrier(counter_ptr, target)
+        _grid_barrier(counter_ptr, target, SLEEP)
     scales = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_NORM:
         scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, BLOCK_K)
@@ -138,6 +189,7 @@ def _merged_o_phase(
     counter_ptr, target, pid, programs,
     HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+    SLEEP: tl.constexpr,
 ):  # fmt: skip
     """The o projection (+ bias + residual) of attention rows merged from split partials."""
     dtype = out_ptr.dtype.element_ty
@@ -147,7 +199,7 @@ def _merged_o_phase(
     offs_n, n_mask, w_rows, up_rows = _tile_rows(pid, N_OUT, stride_wn, False, 1, BLOCK_N)
     w, _ = _load_tile(w_ptr, w_rows, up_rows, offs_k, K, False, True)
     bias, bias_up = _early_bias(bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS, False, False, 1)
-    _grid_barrier(counter_ptr, target)
+    _grid_barrier(counter_ptr, target, SLEEP)
     x = _merged_attention(
         part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, offs_m, m_mask, num_splits,
         NUM_Q_HEADS, dtype, HEAD_DIM, SPLIT, BLOCK_K, CHUNK,
@@ -180,18 +232,28 @@ def _decode_layer_kernel(
     counter_ptr, M, ATTN, HIDDEN, FFN, PAIRS,
     ak_ptr, av_ptr, table_ptr, lens_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
     num_splits, stride_table, stride_akb, stride_aks, stride_akh, stride_avb, stride_avs,
-    stride_avh,
+    stride_avh, o_bytes, gate_up_bytes, down_bytes, qkv_bytes,
     O_BIAS: tl.constexpr, NEXT: tl.constexpr, QKV_BIAS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr, BN_GU: tl.constexpr,
     BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr, BN_QKV: tl.constexpr,
     BK_QKV: tl.constexpr, USE_PDL: tl.constexpr, ATTEND: tl.constexpr, GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr, CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
+    PREFETCH_CHUNK: tl.constexpr, SLEEP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if USE_PDL:
         gdc_launch_dependents()
+    if PREFETCH:
+        # The layer's weights towards L2 in the order of use, while the programs wait for the
+        # previous kernel and for each other: the memory streams them at its own pace and the
+        # phases read them from L2.
+        _prefetch_share(o_w_ptr, o_bytes, pid, programs, PREFETCH_CHUNK, 8)
+        _prefetch_share(gate_up_ptr, gate_up_bytes, pid, programs, PREFETCH_CHUNK, 8)
+        _prefetch_share(down_ptr, down_bytes, pid, programs, PREFETCH_CHUNK, 8)
+        if NEXT:
+            _prefetch_share(qkv_w_ptr, qkv_bytes, pid, programs, PREFETCH_CHUNK, 8)
     if ATTEND:
         # attention of the layer's queries (attn_ptr) over the paged cache: split partials
         if USE_PDL:
@@ -207,7 +269,7 @@ def _decode_layer_kernel(
             part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, o_w_ptr, o_b_ptr, res_ptr, h_ptr,
             M, HIDDEN, ATTN, num_splits, NUM_Q_HEADS, ATTN, HIDDEN, HIDDEN,
             counter_ptr, programs, pid, programs,
-            O_BIAS, HEAD_DIM, SPLIT, BLOCK_M, BN_O, BK_O, CHUNK,
+            O_BIAS, HEAD_DIM, SPLIT, BLOCK_M, BN_O, BK_O, CHUNK, SLEEP,
         )  # fmt: skip
     else:
         # h = attention @ o^T (+ bias) + residual
@@ -217,7 +279,7 @@ def _decode_layer_kernel(
             cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
             stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS,
             NUM_KV_HEADS, counter_ptr, 0, pid, programs,
-            O_BIAS, False, True, False, False, HALF, BLOCK_M, BN_O, BK_O, 1 if USE_PDL else 0,
+            O_BIAS, False, True, False, False, HALF, BLOCK_M, BN_O, BK_O, 1 if USE_PDL else 0, SLEEP,
         )  # fmt: skip
     base = 1 if ATTEND else 0
     # act = swiglu(rms_norm(h) @ gate_up^T)
@@ -227,7 +289,7 @@ def _decode_layer_kernel(
         cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
         stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
         counter_ptr, (base + 1) * programs, pid, programs,
-        False, True, False, True, False, HALF, BLOCK_M, BN_GU, BK_GU, 2,
+        False, True, False, True, False, HALF, BLOCK_M, BN_GU, BK_GU, 2, SLEEP,
     )  # fmt: skip
     # out = act @ down^T + h
     _projection_phase(
@@ -236,7 +298,7 @@ def _decode_layer_kernel(
         cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
         stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
         counter_ptr, (base + 2) * programs, pid, programs,
-        False, False, True, False, False, HALF, BLOCK_M, BN_D, BK_D, 2,
+        False, False, True, False, False, HALF, BLOCK_M, BN_D, BK_D, 2, SLEEP,
     )  # fmt: skip
     if NEXT:
         # q = rope(rms_norm(out) @ qkv^T (+ bias)); keys and values into their cache slots
@@ -246,7 +308,7 @@ def _decode_layer_kernel(
             cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
             stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS,
             NUM_KV_HEADS, counter_ptr, (base + 3) * programs, pid, programs,
-            QKV_BIAS, True, False, False, True, HALF, BLOCK_M, BN_QKV, BK_QKV, 2,
+            QKV_BIAS, True, False, False, True, HALF, BLOCK_M, BN_QKV, BK_QKV, 2, SLEEP,
         )  # fmt: skip
     # The last program out resets the counters for the next launch (graph replays reuse them).
     done = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu")
