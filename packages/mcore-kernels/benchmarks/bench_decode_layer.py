@@ -26,12 +26,14 @@ Run from the repository root on one GPU::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
 
 import torch
 
+from mcore_kernels import decode_layer as decode_layer_module
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.decode_layer import (
     LayerAttention,
@@ -211,6 +213,70 @@ def _graph_us(fn, cache: tuple, initial: torch.Tensor, replays: int) -> tuple[fl
     return start.elapsed_time(end) * 1000 / replays, result
 
 
+PHASES = ("wait", "attention", "o", "gate_up", "down", "qkv")
+"""Intervals between the kernel's clock stamps (see ``decode_layer._TIMING``)."""
+
+
+def _phase_times(
+    layers: list, inputs: dict, cache: tuple, config: LayerTailConfig, attend: bool
+) -> dict[str, float]:
+    """Microseconds of each phase of one layer's launch (median of 5 cold-L2 launches).
+
+    A phase ends when its last program passes the next stamp: the intervals between the
+    latest stamps of successive points (``wait`` counts from the earliest program start).
+    """
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    layer, nxt = layers[0], layers[1]
+    timings = []
+    for _ in range(5):
+        flush.zero_()  # evicts the layer's weights from L2
+        buffer = torch.zeros((4096, 8), dtype=torch.int64, device="cuda")
+        decode_layer_module._TIMING[:] = [buffer]
+        try:
+            following = NextProjection(
+                weight=nxt["qkv"],
+                bias=nxt["qkv_bias"],
+                norm_weight=nxt["in_norm"],
+                norm_eps=1e-6,
+                rope=_rope(inputs, cache, 1),
+            )
+            weights = {
+                "o_weight": layer["o"],
+                "post_norm_weight": layer["post_norm"],
+                "gate_up_weight": layer["gate_up"],
+                "down_weight": layer["down"],
+                "next_qkv": following,
+                "config": config,
+            }
+            q = torch.randn((1, HEADS * HEAD_DIM), device="cuda").bfloat16()
+            residual = inputs["x"]
+            with programmatic_dependent_launch(True):
+                if attend:
+                    attention = LayerAttention(
+                        k_cache=cache[0][0],
+                        v_cache=cache[1][0],
+                        block_tables=inputs["tables"],
+                        context_lens=inputs["lens"],
+                        scale=HEAD_DIM**-0.5,
+                    )
+                    decode_layer(q, residual, attention=attention, **weights)
+                else:
+                    decode_layer_tail(_attend(q, inputs, cache, 0), residual, **weights)
+            torch.cuda.synchronize()
+        finally:
+            decode_layer_module._TIMING[:] = []
+        stamps = buffer[(buffer[:, 0] > 0)].double() / 1000
+        latest = stamps.max(dim=0).values
+        points = [stamps[:, 0].min().item(), latest[1].item() if attend else None]
+        points += [latest[k].item() for k in range(2, 7)]
+        if not attend:
+            points[1] = points[0]
+            points[2] = stamps[:, 0].max().item()
+        timings.append([b - a for a, b in itertools.pairwise(points)])
+    medians = torch.tensor(timings).median(dim=0).values.tolist()
+    return dict(zip(PHASES, medians, strict=True))
+
+
 def _parse_configs(text: str) -> list[LayerTailConfig]:
     configs = []
     for item in filter(None, text.split(";")):
@@ -237,6 +303,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--ways", default="tail,layer", help="persistent ways besides the chain")
+    parser.add_argument(
+        "--phase-times",
+        action="store_true",
+        help="also time each phase of one layer's launch from the kernel's clock stamps",
+    )
     parser.add_argument(
         "--configs",
         default="",
@@ -278,6 +349,8 @@ def main() -> None:
                 (a.float() - b.float()).abs().max().item()
                 for a, b in zip(cache, expected_cache, strict=True)
             )
+            if args.phase_times:
+                row["phase_us"] = _phase_times(layers, inputs, cache, config, way == "layer")
         except Exception as error:  # a configuration that does not compile or fit
             row["error"] = repr(error)[:300]
         rows.append(row)
@@ -310,6 +383,23 @@ def main() -> None:
             f"{row.get('max_abs_diff', 0.0):.3g} | {row.get('cache_max_abs_diff', 0.0):.3g} | "
             + (f" {row['error']}" if "error" in row else "")
         )
+    timed = [row for row in rows if "phase_us" in row]
+    if timed:
+        lines += [
+            "",
+            "One layer's launch, cold L2 (median of 5): microseconds until the last program "
+            "passes each point (`wait`: from the first program's start to the PDL wait's end; "
+            "the `tail` way has no attention phase; each phase includes its grid barrier).",
+            "",
+            "| way | config | " + " | ".join(PHASES) + " |",
+            "|---|---|" + "---:|" * len(PHASES),
+        ]
+        lines += [
+            f"| {row['way']} | {row['config']} | "
+            + " | ".join(f"{row['phase_us'][phase]:.1f}" for phase in PHASES)
+            + " |"
+            for row in timed
+        ]
     (out_dir / "decode_layer.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

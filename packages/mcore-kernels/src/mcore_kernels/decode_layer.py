@@ -316,6 +316,10 @@ def _resident_programs(
     return per_sm * properties.multi_processor_count
 
 
+_TIMING: list[torch.Tensor] = []
+"""Benchmarks only: an int64 ``[programs, 8]`` tensor here makes every launch store each
+program's GPU clock at its start (0), after the PDL wait (1), after the attention phase (2),
+after the o (3), gate/up (4) and down (5) phases and at its end (6)."""
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -398,6 +402,7 @@ def _launch(
         gate_up_weight.nbytes,
         down_weight.nbytes,
         qkv_weight.nbytes,
+        _TIMING[0] if _TIMING and not interpreting else dummy,
     )
     constexprs = {
         "O_BIAS": o_bias is not None,
@@ -421,6 +426,7 @@ def _launch(
         ),
         "PREFETCH_CHUNK": PREFETCH_CHUNK_BYTES,
         "SLEEP": 0 if interpreting else config.barrier_sleep_ns,
+        "TIMING": bool(_TIMING) and not interpreting,
     }
     if interpreting:
         # The interpreter runs programs one after the other: a grid barrier needs one program.

@@ -44,6 +44,21 @@ def _backoff(nanoseconds: tl.constexpr):
 
 
 @jit
+def _stamp(timing_ptr, pid, slot: tl.constexpr, TIMING: tl.constexpr):
+    """With ``TIMING``, store the GPU clock (ns) at ``timing[pid, slot]`` (inline PTX: CUDA)."""
+    if TIMING:
+        now = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;",
+            "=l,r",
+            [tl.full([1], 0, tl.int32)],
+            dtype=tl.int64,
+            is_pure=False,
+            pack=1,
+        )
+        tl.store(timing_ptr + pid * 8 + slot + tl.arange(0, 1), now)
+
+
+@jit
 def _grid_barrier(counter_ptr, target, SLEEP: tl.constexpr):
     """Wait until ``target`` arrivals are counted at ``counter_ptr`` (this program's included).
 
@@ -232,17 +247,18 @@ def _decode_layer_kernel(
     counter_ptr, M, ATTN, HIDDEN, FFN, PAIRS,
     ak_ptr, av_ptr, table_ptr, lens_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
     num_splits, stride_table, stride_akb, stride_aks, stride_akh, stride_avb, stride_avs,
-    stride_avh, o_bytes, gate_up_bytes, down_bytes, qkv_bytes,
+    stride_avh, o_bytes, gate_up_bytes, down_bytes, qkv_bytes, timing_ptr,
     O_BIAS: tl.constexpr, NEXT: tl.constexpr, QKV_BIAS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr, BN_GU: tl.constexpr,
     BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr, BN_QKV: tl.constexpr,
     BK_QKV: tl.constexpr, USE_PDL: tl.constexpr, ATTEND: tl.constexpr, GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
-    PREFETCH_CHUNK: tl.constexpr, SLEEP: tl.constexpr,
+    PREFETCH_CHUNK: tl.constexpr, SLEEP: tl.constexpr, TIMING: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    _stamp(timing_ptr, pid, 0, TIMING)
     if USE_PDL:
         gdc_launch_dependents()
     if PREFETCH:
@@ -258,12 +274,14 @@ def _decode_layer_kernel(
         # attention of the layer's queries (attn_ptr) over the paged cache: split partials
         if USE_PDL:
             gdc_wait()
+        _stamp(timing_ptr, pid, 1, TIMING)
         _attention_phase(
             attn_ptr, ak_ptr, av_ptr, table_ptr, lens_ptr, part_acc_ptr, part_max_ptr,
             part_sum_ptr, scale, M, num_splits, stride_table, stride_akb, stride_aks,
             stride_akh, stride_avb, stride_avs, stride_avh, NUM_Q_HEADS, NUM_KV_HEADS, pid,
             programs, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, SPLIT,
         )  # fmt: skip
+        _stamp(timing_ptr, pid, 2, TIMING)
         # h = merge(partials) @ o^T (+ bias) + residual
         _merged_o_phase(
             part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, o_w_ptr, o_b_ptr, res_ptr, h_ptr,
@@ -282,6 +300,7 @@ def _decode_layer_kernel(
             O_BIAS, False, True, False, False, HALF, BLOCK_M, BN_O, BK_O, 1 if USE_PDL else 0, SLEEP,
         )  # fmt: skip
     base = 1 if ATTEND else 0
+    _stamp(timing_ptr, pid, 3, TIMING)
     # act = swiglu(rms_norm(h) @ gate_up^T)
     _projection_phase(
         h_ptr, gate_up_ptr, o_b_ptr, post_norm_ptr, res_ptr, act_ptr, post_eps,
@@ -291,6 +310,7 @@ def _decode_layer_kernel(
         counter_ptr, (base + 1) * programs, pid, programs,
         False, True, False, True, False, HALF, BLOCK_M, BN_GU, BK_GU, 2, SLEEP,
     )  # fmt: skip
+    _stamp(timing_ptr, pid, 4, TIMING)
     # out = act @ down^T + h
     _projection_phase(
         act_ptr, down_ptr, o_b_ptr, post_norm_ptr, h_ptr, out_ptr, post_eps,
@@ -300,6 +320,7 @@ def _decode_layer_kernel(
         counter_ptr, (base + 2) * programs, pid, programs,
         False, False, True, False, False, HALF, BLOCK_M, BN_D, BK_D, 2, SLEEP,
     )  # fmt: skip
+    _stamp(timing_ptr, pid, 5, TIMING)
     if NEXT:
         # q = rope(rms_norm(out) @ qkv^T (+ bias)); keys and values into their cache slots
         _projection_phase(
@@ -310,6 +331,7 @@ def _decode_layer_kernel(
             NUM_KV_HEADS, counter_ptr, (base + 3) * programs, pid, programs,
             QKV_BIAS, True, False, False, True, HALF, BLOCK_M, BN_QKV, BK_QKV, 2, SLEEP,
         )  # fmt: skip
+    _stamp(timing_ptr, pid, 6, TIMING)
     # The last program out resets the counters for the next launch (graph replays reuse them).
     done = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if done == programs - 1:
