@@ -82,7 +82,7 @@ def _decode_step(
 def tail_calls(monkeypatch):
     """Count the decoder's persistent launches (the real functions still run)."""
     calls: list[bool] = []
-    for name in ("decode_layer_tail", "decode_layer"):
+    for name in ("decode_layer_tail", "decode_layer", "decode_model"):
         real = getattr(fused_decode_tail, name)
 
         def counting(*args, real=real, **kwargs):
@@ -93,7 +93,7 @@ def tail_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("mode", ["tail", "layer"])
+@pytest.mark.parametrize("mode", ["tail", "layer", "model"])
 def test_tail_path_matches_model_forward_and_gemv_path(model, tail_calls, mode):
     # CPU tensors take the kernels' torch references (the Triton kernel is tested interpreted
     # in mcore-kernels and here on a GPU).
@@ -101,9 +101,10 @@ def test_tail_path_matches_model_forward_and_gemv_path(model, tail_calls, mode):
     gemv, _ = _decode_step(model, FusedDecoder(model, layer_kernel="off"))
     assert not tail_calls
     actual, cache = _decode_step(model, FusedDecoder(model, layer_kernel=mode))
-    # One launch per layer; every one but the last also projects the next layer's q/k/v.
+    # One launch per layer (every one but the last also projects the next layer's q/k/v), or
+    # one for the whole model.
     layers = len(model.layers)
-    assert tail_calls == [True] * (layers - 1) + [False]
+    assert tail_calls == ([False] if mode == "model" else [True] * (layers - 1) + [False])
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(actual, gemv, atol=1e-5, rtol=1e-5)
     for got, want in ((cache.keys, expected_cache.keys), (cache.values, expected_cache.values)):
@@ -144,6 +145,6 @@ def test_gpu_greedy_tokens_equal_eager_engine():
         with InferenceEngine(model, engine_config) as engine:
             return engine.generate(prompts, params)[0].tokens
 
-    for mode in ("tail", "layer"):
+    for mode in ("tail", "layer", "model"):
         graphs = generate(decode_layer_kernel=mode)
         assert graphs == generate(decode_layer_kernel=mode, use_cuda_graphs=False)

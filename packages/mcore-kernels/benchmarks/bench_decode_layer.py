@@ -11,7 +11,8 @@ each captured in one CUDA graph with programmatic dependent launch and replayed 
 - ``tail``: the first layer's q/k/v as above, then per layer the attention and one
   ``decode_layer_tail`` launch (o, gate/up, down and the next layer's q/k/v);
 - ``layer``: the first layer's q/k/v as above, then per layer one ``decode_layer`` launch (the
-  attention too).
+  attention too);
+- ``model``: the first layer's q/k/v as above, then one ``decode_model`` launch for every layer.
 
 Both must give the same residual stream and cache up to float32 sum order (checked). The
 weights of all layers (about 715 MB) exceed the L2 cache, so each replay streams them from HBM;
@@ -42,6 +43,7 @@ from mcore_kernels.decode_layer import (
     decode_layer,
     decode_layer_tail,
 )
+from mcore_kernels.decode_model import DecoderLayerWeights, decode_model
 from mcore_kernels.paged_attention import paged_attention
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
@@ -143,6 +145,44 @@ def _chain(layers: list, inputs: dict, cache: tuple) -> torch.Tensor:
         )
         residual = decode_gemv(activation, layer["down"], residual=residual)
     return residual
+
+
+def _model(layers: list, inputs: dict, cache: tuple, config: LayerTailConfig) -> torch.Tensor:
+    first = layers[0]
+    q = decode_gemv(
+        inputs["x"],
+        first["qkv"],
+        first["qkv_bias"],
+        norm_weight=first["in_norm"],
+        rope=_rope(inputs, cache, 0),
+    )
+    stacked = [
+        DecoderLayerWeights(
+            qkv_weight=layer["qkv"],
+            qkv_bias=layer["qkv_bias"],
+            input_norm_weight=layer["in_norm"],
+            o_weight=layer["o"],
+            o_bias=None,
+            post_norm_weight=layer["post_norm"],
+            gate_up_weight=layer["gate_up"],
+            down_weight=layer["down"],
+        )
+        for layer in layers
+    ]
+    return decode_model(
+        q,
+        inputs["x"],
+        layers=stacked,
+        k_cache=cache[0],
+        v_cache=cache[1],
+        block_tables=inputs["tables"],
+        context_lens=inputs["lens"],
+        slot_mapping=inputs["slots"],
+        cos=inputs["cos"],
+        sin=inputs["sin"],
+        scale=HEAD_DIM**-0.5,
+        config=config,
+    )
 
 
 def _tail(
@@ -280,7 +320,7 @@ def _phase_times(
 def _parse_configs(text: str) -> list[LayerTailConfig]:
     configs = []
     for item in filter(None, text.split(";")):
-        pps, warps, bo, bgu, bd, bq, prefetch, sleep = (int(v) for v in item.split(","))
+        pps, warps, bo, bgu, bd, bq, prefetch, sleep, *cap = (int(v) for v in item.split(","))
         configs.append(
             LayerTailConfig(
                 programs_per_sm=pps,
@@ -291,6 +331,7 @@ def _parse_configs(text: str) -> list[LayerTailConfig]:
                 block_n_qkv=bq,
                 prefetch_l2=bool(prefetch),
                 barrier_sleep_ns=sleep,
+                max_registers=cap[0] if cap else 0,
             )
         )
     return configs or [LayerTailConfig()]
@@ -302,7 +343,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--replays", type=int, default=50)
-    parser.add_argument("--ways", default="tail,layer", help="persistent ways besides the chain")
+    parser.add_argument(
+        "--ways", default="tail,layer,model", help="persistent ways besides the chain"
+    )
     parser.add_argument(
         "--phase-times",
         action="store_true",
@@ -338,7 +381,11 @@ def main() -> None:
         row: dict = {"way": way, "config": str(config)}
         try:
             us, actual = _graph_us(
-                lambda config=config, way=way: _tail(layers, inputs, cache, config, way == "layer"),
+                lambda config=config, way=way: (
+                    _model(layers, inputs, cache, config)
+                    if way == "model"
+                    else _tail(layers, inputs, cache, config, way == "layer")
+                ),
                 cache,
                 inputs["initial"],
                 args.replays,
@@ -349,7 +396,7 @@ def main() -> None:
                 (a.float() - b.float()).abs().max().item()
                 for a, b in zip(cache, expected_cache, strict=True)
             )
-            if args.phase_times:
+            if args.phase_times and way != "model":
                 row["phase_us"] = _phase_times(layers, inputs, cache, config, way == "layer")
         except Exception as error:  # a configuration that does not compile or fit
             row["error"] = repr(error)[:300]

@@ -26,11 +26,12 @@ from mcore_kernels.decode_layer import (
     decode_layer,
     decode_layer_tail,
 )
+from mcore_kernels.decode_model import DecoderLayerWeights, decode_model
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 
 __all__ = ["LAYER_MODES", "tail_layers", "tail_layers_apply"]
 
-LAYER_MODES = ("off", "tail", "layer")
+LAYER_MODES = ("off", "tail", "layer", "model")
 """The modes of :func:`tail_layers` (``"off"``: the ``decode_gemv`` chain instead)."""
 
 
@@ -52,6 +53,11 @@ def tail_layers_apply(model: Any, rows: int, mode: str = "tail") -> bool:
     if any(layer.self_attention.q_norm is not None for layer in model.layers):
         return False
     head_dim = model.layers[0].self_attention.head_dim
+    if mode == "model" and getattr(model, "layers", None) is not None:
+        # One stacked cache and alike layers (no hybrid storage map).
+        biases = {layer.self_attention.o_proj.bias is None for layer in model.layers}
+        if len(biases) != 1:
+            return False
     return mode == "tail" or (head_dim >= 16 and head_dim & (head_dim - 1) == 0)
 
 
@@ -110,6 +116,36 @@ def tail_layers(
         rope=_rope(kv_cache, first, cos, sin, first_fused.split[0]),
     )
     tables, lens = kv_cache.step_tables()
+    if mode == "model":
+        stacked = [
+            DecoderLayerWeights(
+                qkv_weight=fused.qkv_weight,
+                qkv_bias=fused.qkv_bias,
+                input_norm_weight=layer.input_norm.weight,
+                o_weight=layer.self_attention.o_proj.weight,
+                o_bias=layer.self_attention.o_proj.bias,
+                post_norm_weight=layer.post_attention_norm.weight,
+                gate_up_weight=fused.gate_up_weight,
+                down_weight=layer.mlp.down_proj.weight,
+            )
+            for layer, fused in zip(layers, fused_layers, strict=True)
+        ]
+        _, _, slots = kv_cache.layer_write_target(first.layer_idx)
+        residual = decode_model(
+            q,
+            residual,
+            layers=stacked,
+            k_cache=kv_cache.keys,
+            v_cache=kv_cache.values,
+            block_tables=tables,
+            context_lens=lens,
+            slot_mapping=slots,
+            cos=cos,
+            sin=sin,
+            scale=first.self_attention.scale,
+            norm_eps=first.input_norm.eps,
+        )
+        return model.final_norm(residual)
     for index, layer in enumerate(layers):
         attention, mlp = layer.self_attention, layer.mlp
         following = None
