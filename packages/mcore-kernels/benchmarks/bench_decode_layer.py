@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from mcore_kernels import decode_layer as decode_layer_module
+from mcore_kernels import decode_layer_launch
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.decode_layer import (
     LayerAttention,
@@ -271,7 +271,7 @@ def _phase_times(
     for _ in range(5):
         flush.zero_()  # evicts the layer's weights from L2
         buffer = torch.zeros((4096, 8), dtype=torch.int64, device="cuda")
-        decode_layer_module._TIMING[:] = [buffer]
+        decode_layer_launch._TIMING[:] = [buffer]
         try:
             following = NextProjection(
                 weight=nxt["qkv"],
@@ -304,7 +304,7 @@ def _phase_times(
                     decode_layer_tail(_attend(q, inputs, cache, 0), residual, **weights)
             torch.cuda.synchronize()
         finally:
-            decode_layer_module._TIMING[:] = []
+            decode_layer_launch._TIMING[:] = []
         stamps = buffer[(buffer[:, 0] > 0)].double() / 1000
         latest = stamps.max(dim=0).values
         points = [stamps[:, 0].min().item(), latest[1].item() if attend else None]

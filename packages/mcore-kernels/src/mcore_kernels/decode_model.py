@@ -21,7 +21,8 @@ import torch
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import next_power_of_2, pdl_supported, triton
-from mcore_kernels.decode_layer import (
+from mcore_kernels.decode_layer import _reference
+from mcore_kernels.decode_layer_config import (
     ATTENTION_SPLIT,
     MAX_ROWS,
     MERGE_CHUNK,
@@ -29,11 +30,8 @@ from mcore_kernels.decode_layer import (
     LayerAttention,
     LayerTailConfig,
     NextProjection,
-    _counter,
-    _prefetchable,
-    _reference,
-    _resident_programs,
 )
+from mcore_kernels.decode_layer_launch import _counter, _prefetchable, _resident_programs
 from mcore_kernels.decode_model_kernel import _MODEL, _MODEL_PDL, _decode_model_kernel
 from mcore_kernels.errors import KernelBackendError, KernelShapeError, KernelValueError
 from mcore_kernels.pdl import pdl_enabled
