@@ -79,16 +79,17 @@ def _grid_barrier(counter_ptr, target, SLEEP: tl.constexpr):
 
 
 @jit
-def _bulk_prefetch(addresses, size):
-    """Request ``size`` bytes at each of ``addresses`` into L2 (``cp.async.bulk.prefetch.L2``).
+def _bulk_prefetch(addresses, size, active):
+    """Request ``size`` bytes at each of ``addresses`` where ``active`` into L2.
 
-    A hint served by the copy engine (Hopper and newer): one instruction per chunk; addresses
-    and size 16-byte aligned. Inline PTX: CUDA only.
+    ``cp.async.bulk.prefetch.L2``: a hint served by the copy engine (Hopper and newer), one
+    instruction per chunk; addresses and size 16-byte aligned. Inline PTX: CUDA only.
     """
     tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r",
-        [addresses, size],
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $3, 0;\n\t"
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
+        "=r,l,r,r",
+        [addresses, size, active],
         dtype=tl.int32,
         is_pure=False,
         pack=1,
@@ -99,8 +100,11 @@ def _bulk_prefetch(addresses, size):
 def _prefetch_share(ptr, nbytes, pid, programs, CHUNK: tl.constexpr, LANES: tl.constexpr):
     """Request this program's share of the ``nbytes`` bytes at ``ptr`` into L2.
 
-    Chunks of ``CHUNK`` bytes (``nbytes >= CHUNK``; the last chunk ends at the tensor's end,
-    lanes past the share repeat its last chunk: a repeated hint costs nothing more).
+    Chunks of ``CHUNK`` bytes (``nbytes >= CHUNK``; the last chunk ends at the tensor's end).
+    ``LANES`` is the program's thread count, so each thread issues at most one request per
+    pass: a lane tensor smaller than the program is replicated over its threads, and every
+    copy would issue the request again (a 32-fold replication made such prefetches slower
+    than none).
     """
     chunks = tl.cdiv(nbytes, CHUNK)
     share = tl.cdiv(chunks, programs)
@@ -108,9 +112,10 @@ def _prefetch_share(ptr, nbytes, pid, programs, CHUNK: tl.constexpr, LANES: tl.c
     lanes = tl.arange(0, LANES)
     sizes = tl.full([LANES], CHUNK, tl.int32)
     for start in range(0, share, LANES):
-        index = pid * share + tl.minimum(start + lanes, share - 1)
+        index = pid * share + start + lanes
+        active = (start + lanes < share) & (index < chunks)
         offset = tl.minimum(index.to(tl.int64) * CHUNK, nbytes - CHUNK)
-        _bulk_prefetch(base + offset, sizes)
+        _bulk_prefetch(base + offset, sizes, active.to(tl.int32))
 
 
 @jit
@@ -255,6 +260,7 @@ def _decode_layer_kernel(
     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
     PREFETCH_CHUNK: tl.constexpr, SLEEP: tl.constexpr, TIMING: tl.constexpr,
+    THREADS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -265,11 +271,11 @@ def _decode_layer_kernel(
         # The layer's weights towards L2 in the order of use, while the programs wait for the
         # previous kernel and for each other: the memory streams them at its own pace and the
         # phases read them from L2.
-        _prefetch_share(o_w_ptr, o_bytes, pid, programs, PREFETCH_CHUNK, 8)
-        _prefetch_share(gate_up_ptr, gate_up_bytes, pid, programs, PREFETCH_CHUNK, 8)
-        _prefetch_share(down_ptr, down_bytes, pid, programs, PREFETCH_CHUNK, 8)
+        _prefetch_share(o_w_ptr, o_bytes, pid, programs, PREFETCH_CHUNK, THREADS)
+        _prefetch_share(gate_up_ptr, gate_up_bytes, pid, programs, PREFETCH_CHUNK, THREADS)
+        _prefetch_share(down_ptr, down_bytes, pid, programs, PREFETCH_CHUNK, THREADS)
         if NEXT:
-            _prefetch_share(qkv_w_ptr, qkv_bytes, pid, programs, PREFETCH_CHUNK, 8)
+            _prefetch_share(qkv_w_ptr, qkv_bytes, pid, programs, PREFETCH_CHUNK, THREADS)
     if ATTEND:
         # attention of the layer's queries (attn_ptr) over the paged cache: split partials
         if USE_PDL:

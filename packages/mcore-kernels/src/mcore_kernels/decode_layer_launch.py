@@ -158,6 +158,7 @@ def _launch(
         ),
         "PREFETCH_CHUNK": PREFETCH_CHUNK_BYTES,
         "SLEEP": 0 if interpreting else config.barrier_sleep_ns,
+        "THREADS": 32 * config.num_warps,
         "TIMING": bool(_TIMING) and not interpreting,
     }
     if interpreting:

@@ -367,6 +367,7 @@ def _launch(
         ),
         "PREFETCH_CHUNK": PREFETCH_CHUNK_BYTES,
         "SLEEP": 0 if interpreting else config.barrier_sleep_ns,
+        "THREADS": 32 * config.num_warps,
     }
     if interpreting:
         _decode_model_kernel[(1,)](*args, **constexprs, num_warps=config.num_warps)

@@ -33,18 +33,23 @@ def _address(table_ptr, layer, column: tl.constexpr, DTYPE: tl.constexpr):
 @jit
 def _prefetch_layer(table_ptr, layer, pid, programs, o_bytes, gate_up_bytes, down_bytes,
                     qkv_bytes, FIRST: tl.constexpr, SECOND: tl.constexpr, NEXT,
-                    DTYPE: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+                    DTYPE: tl.constexpr, CHUNK: tl.constexpr,
+                    THREADS: tl.constexpr):  # fmt: skip
     """Request a layer's o and gate/up weights (``FIRST``) and down and next q/k/v (``SECOND``)."""
     if FIRST:
-        _prefetch_share(_address(table_ptr, layer, 0, DTYPE), o_bytes, pid, programs, CHUNK, 8)
         _prefetch_share(
-            _address(table_ptr, layer, 3, DTYPE), gate_up_bytes, pid, programs, CHUNK, 8
+            _address(table_ptr, layer, 0, DTYPE), o_bytes, pid, programs, CHUNK, THREADS
+        )
+        _prefetch_share(
+            _address(table_ptr, layer, 3, DTYPE), gate_up_bytes, pid, programs, CHUNK, THREADS
         )
     if SECOND:
-        _prefetch_share(_address(table_ptr, layer, 4, DTYPE), down_bytes, pid, programs, CHUNK, 8)
+        _prefetch_share(
+            _address(table_ptr, layer, 4, DTYPE), down_bytes, pid, programs, CHUNK, THREADS
+        )
         if NEXT:
             _prefetch_share(
-                _address(table_ptr, layer, 5, DTYPE), qkv_bytes, pid, programs, CHUNK, 8
+                _address(table_ptr, layer, 5, DTYPE), qkv_bytes, pid, programs, CHUNK, THREADS
             )
 
 
@@ -64,7 +69,7 @@ def _decode_model_kernel(
     USE_PDL: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     CHUNK: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_CHUNK: tl.constexpr,
-    SLEEP: tl.constexpr,
+    SLEEP: tl.constexpr, THREADS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -74,7 +79,7 @@ def _decode_model_kernel(
     if PREFETCH:
         _prefetch_layer(
             weights_ptr, 0, pid, programs, o_bytes, gate_up_bytes, down_bytes, qkv_bytes,
-            True, True, NUM_LAYERS > 1, dtype, PREFETCH_CHUNK,
+            True, True, NUM_LAYERS > 1, dtype, PREFETCH_CHUNK, THREADS,
         )  # fmt: skip
     if USE_PDL:
         gdc_wait()
@@ -94,7 +99,7 @@ def _decode_model_kernel(
             if PREFETCH:
                 _prefetch_layer(
                     weights_ptr, layer, pid, programs, o_bytes, gate_up_bytes, down_bytes,
-                    qkv_bytes, False, True, nxt, dtype, PREFETCH_CHUNK,
+                    qkv_bytes, False, True, nxt, dtype, PREFETCH_CHUNK, THREADS,
                 )  # fmt: skip
         acc_ptr = part_acc_ptr + layer * partial_rows * HEAD_DIM
         max_ptr = part_max_ptr + layer * partial_rows
@@ -130,7 +135,7 @@ def _decode_model_kernel(
             if nxt:
                 _prefetch_layer(
                     weights_ptr, layer + 1, pid, programs, o_bytes, gate_up_bytes, down_bytes,
-                    qkv_bytes, True, False, False, dtype, PREFETCH_CHUNK,
+                    qkv_bytes, True, False, False, dtype, PREFETCH_CHUNK, THREADS,
                 )  # fmt: skip
         arrivals += 1
         _projection_phase(
