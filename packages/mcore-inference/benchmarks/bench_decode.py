@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from _decode_profile import host_split, profile_decode
 
-from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, fused_decode
+from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
 from mcore_models import GPTConfig, GPTModel
 
 
@@ -197,12 +197,6 @@ def main() -> None:
         help="also run the engine with InferenceConfig.decode_pdl flipped from its default",
     )
     parser.add_argument(
-        "--compare-layer-kernel",
-        default="",
-        help="also run the engine with InferenceConfig.decode_layer_kernel set to this mode "
-        "(off, tail or layer) at the batch sizes of --eager-batch-sizes",
-    )
-    parser.add_argument(
         "--hf-new-tokens",
         type=int,
         default=None,
@@ -298,17 +292,6 @@ def main() -> None:
             )
             row["mcore_pdl_flipped_tokens_per_s"] = generated / flipped
             row["pdl_flipped_tokens_equal"] = flipped_tokens == tokens
-        if args.compare_layer_kernel and batch in eager_batch_sizes:
-            other, _, _, other_tokens = _mcore_decode_seconds(
-                model,
-                prompts,
-                args.new_tokens,
-                use_cuda_graphs=True,
-                decode_layer_kernel=args.compare_layer_kernel,
-            )
-            row["layer_kernel_compared"] = args.compare_layer_kernel
-            row["mcore_layer_kernel_compared_tokens_per_s"] = generated / other
-            row["layer_kernel_compared_tokens_equal"] = other_tokens == tokens
         if batch in eager_batch_sizes:
             eager, _, _, eager_tokens = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=False
@@ -384,7 +367,6 @@ def _write_results(
         "kv_bytes_per_token": meta["kv_bytes_per_token"],
         "copy_bandwidth_bytes_per_s": bandwidth,
         "decode_pdl": InferenceConfig().decode_pdl,
-        "decode_layer_kernel": fused_decode.LAYER_KERNEL,
         "rows": rows,
         "profiles": profiles,
         "elapsed_s": time.perf_counter() - started,
@@ -426,15 +408,6 @@ def _write_results(
         ):
             if key in row:
                 lines += ["", f"Batch {row['batch']}: greedy tokens equal to {what}: {row[key]}."]
-    for row in rows:
-        if "layer_kernel_compared" in row:
-            lines += [
-                "",
-                f"Batch {row['batch']} with decode_layer_kernel="
-                f"{row['layer_kernel_compared']}: "
-                f"{row['mcore_layer_kernel_compared_tokens_per_s']:.0f} tok/s (greedy tokens "
-                f"equal: {row['layer_kernel_compared_tokens_equal']}).",
-            ]
     for row in rows:
         if "step_host_us_per_step" in row:
             lines += [

@@ -86,13 +86,6 @@ class InferenceConfig:
     steps (a multiple of ``block_size``; None: ``attention_split_size``). Such a step launches
     one attention program per split and key/value head: smaller splits spread a short context
     over more programs (see ``mcore_inference.fused_decode``)."""
-    decode_layer_kernel: str | None = None
-    """In the fused forward's steps of one or two tokens of a model without QK-norm, run the
-    o projection, the MLP and the next layer's q/k/v projection as one persistent kernel per
-    layer (``mcore_kernels.decode_layer``): ``"tail"`` after the attention kernel (two
-    launches per layer), ``"layer"`` with the attention in it (one launch), ``"off"`` one
-    launch per projection (five). None: the fused decoder's default
-    (``fused_decode.LAYER_KERNEL``)."""
     mla_latent_kv_cache: bool = True
     """For Multi-head Latent Attention models: cache each token's latent and shared rotary
     key (``kv_lora_rank + qk_rope_head_dim`` channels per layer) and decode with absorbed

@@ -42,8 +42,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mcore_inference.errors import InferenceConfigError
-from mcore_inference.fused_decode_tail import LAYER_MODES, tail_layers, tail_layers_apply
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.moe.swiglu import swiglu
@@ -69,8 +67,6 @@ on its tensor-core path only matches cuBLAS, and its norm prologue costs more th
 kernel it replaces."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
-LAYER_KERNEL = "off"
-"""Default of :class:`FusedDecoder`'s ``layer_kernel``."""
 DECODE_ATTENTION_SPLIT_SIZE: int | None = None
 """Context positions per split of the attention in the ``decode_gemv`` steps (None: the cache's
 ``split_size``). A step of one or two tokens launches one attention program per split and
@@ -162,12 +158,6 @@ class FusedDecoder:
             :data:`DECODE_ATTENTION_SPLIT_SIZE`, else the cache's ``split_size``).
         attention_merge: How that attention merges its splits (None:
             :data:`DECODE_ATTENTION_MERGE`).
-        layer_kernel: In the ``decode_gemv`` steps of at most four tokens of a model without
-            QK-norm, run the o projection, the MLP and the next layer's q/k/v projection as
-            one persistent launch per layer (``"tail"``: after the attention kernel;
-            ``"layer"``: with the attention in the same launch; ``"off"``: a launch per
-            projection; see :mod:`mcore_inference.fused_decode_tail`; None:
-            :data:`LAYER_KERNEL`).
     """
 
     def __init__(
@@ -181,14 +171,8 @@ class FusedDecoder:
         rope_in_projection: bool = True,
         attention_split_size: int | None = None,
         attention_merge: str | None = None,
-        layer_kernel: str | None = None,
     ) -> None:
         self.model = model
-        self.layer_kernel = LAYER_KERNEL if layer_kernel is None else layer_kernel
-        if self.layer_kernel not in LAYER_MODES:
-            raise InferenceConfigError(
-                f"layer_kernel={self.layer_kernel!r}; expected one of {LAYER_MODES}"
-            )
         self.attention_split_size = (
             DECODE_ATTENTION_SPLIT_SIZE if attention_split_size is None else attention_split_size
         )
@@ -326,19 +310,6 @@ class FusedDecoder:
         split_size = self.attention_split_size
         if split_size is not None and split_size % kv_cache.block_size:
             split_size = None
-        mode = self.layer_kernel
-        if self.rope_in_projection and tail_layers_apply(model, len(hidden), mode):
-            return tail_layers(
-                model,
-                self._layers,
-                hidden,
-                cos,
-                sin,
-                kv_cache,
-                split_size=split_size,
-                merge=self.attention_merge,
-                mode=mode,
-            )
         for layer, fused in layers:
             attention, mlp = layer.self_attention, layer.mlp
             if self.rope_in_projection and attention.q_norm is None:
@@ -430,7 +401,6 @@ def build_fused_decoder(
     pdl: bool = False,
     max_positions: int | None = None,
     attention_split_size: int | None = None,
-    layer_kernel: str | None = None,
 ) -> FusedDecoder | None:
     """The engine's fused decoder for ``model``, or None where it does not apply.
 
@@ -440,7 +410,6 @@ def build_fused_decoder(
         pdl: ``InferenceConfig.decode_pdl`` (see :class:`FusedDecoder`).
         max_positions: ``InferenceConfig.max_sequence_length`` (see :class:`FusedDecoder`).
         attention_split_size: ``InferenceConfig.decode_attention_split_size``.
-        layer_kernel: ``InferenceConfig.decode_layer_kernel`` (None: :data:`LAYER_KERNEL`).
 
     Returns:
         A :class:`FusedDecoder`, or None when disabled or unsupported (the model's own
@@ -453,5 +422,4 @@ def build_fused_decoder(
         pdl=pdl,
         max_positions=max_positions,
         attention_split_size=attention_split_size,
-        layer_kernel=layer_kernel,
     )

@@ -215,19 +215,6 @@ class PagedKVCache:
         local = self._local_index(layer_idx)
         return self.keys[local], self.values[local], self._slot_mapping
 
-    def step_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's block tables and context lengths, for kernels that attend themselves.
-
-        Returns:
-            ``(block_tables, context_lens)``: int32 ``[T, max_blocks]`` and ``[T]``.
-
-        Raises:
-            KVCacheStepError: If no step metadata was installed.
-        """
-        self._check_step("step_tables", self.first_layer)
-        assert self._block_tables is not None and self._context_lens is not None
-        return self._block_tables, self._context_lens
-
     def attend_stored_keys(
         self,
         layer_idx: int,
