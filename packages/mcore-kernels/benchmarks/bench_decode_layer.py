@@ -320,7 +320,7 @@ def _phase_times(
 def _parse_configs(text: str) -> list[LayerTailConfig]:
     configs = []
     for item in filter(None, text.split(";")):
-        pps, warps, bo, bgu, bd, bq, prefetch, sleep, *cap = (int(v) for v in item.split(","))
+        pps, warps, bo, bgu, bd, bq, prefetch, sleep = (int(v) for v in item.split(","))
         configs.append(
             LayerTailConfig(
                 programs_per_sm=pps,
@@ -331,7 +331,6 @@ def _parse_configs(text: str) -> list[LayerTailConfig]:
                 block_n_qkv=bq,
                 prefetch_l2=bool(prefetch),
                 barrier_sleep_ns=sleep,
-                max_registers=cap[0] if cap else 0,
             )
         )
     return configs or [LayerTailConfig()]

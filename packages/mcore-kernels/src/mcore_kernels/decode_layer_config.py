@@ -80,10 +80,6 @@ class LayerTailConfig:
     """Output columns per tile of the down projection."""
     block_n_qkv: int = 4
     """Channel pairs per tile of the q/k/v projection."""
-    max_registers: int = 0
-    """Register cap per thread of :func:`mcore_kernels.decode_model.decode_model`'s kernel
-    (``maxnreg``; 0: the compiler's choice): 128 at 8 warps fits two programs per
-    multiprocessor at the cost of spills."""
     barrier_sleep_ns: int = 0
     """Nanoseconds a program sleeps between polls of a grid barrier (0: none)."""
     prefetch_l2: bool = True
@@ -91,10 +87,6 @@ class LayerTailConfig:
     ignored elsewhere and where a weight is not 16-byte aligned or smaller than a chunk)."""
 
     def __post_init__(self) -> None:
-        if self.max_registers < 0:
-            raise KernelValueError(
-                f"LayerTailConfig.max_registers={self.max_registers}; expected >= 0"
-            )
         if self.barrier_sleep_ns < 0:
             raise KernelValueError(
                 f"LayerTailConfig.barrier_sleep_ns={self.barrier_sleep_ns}; expected >= 0"

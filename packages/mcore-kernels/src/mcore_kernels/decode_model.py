@@ -374,8 +374,6 @@ def _launch(
         return out[-1]
     device_index = residual.get_device()
     options: dict = {"launch_pdl": True} if use_pdl else {}
-    if config.max_registers:
-        options["maxnreg"] = config.max_registers
     programs = _PROGRAMS.get((device_index, config, *constexprs.values()))
     if programs is None:
         compiled = _decode_model_kernel.warmup(
@@ -390,14 +388,8 @@ def _launch(
             config.programs_per_sm,
         )
         _PROGRAMS[(device_index, config, *constexprs.values())] = programs
-    if config.max_registers:
-        # One launch per step: the plain launch path (its own options) is cheap enough.
-        _decode_model_kernel[(programs,)](
-            *args, **constexprs, num_warps=config.num_warps, **options
-        )
-    else:
-        launcher = _MODEL_PDL if use_pdl else _MODEL
-        launcher((programs,), args, constexprs, config.num_warps, device_index)
+    launcher = _MODEL_PDL if use_pdl else _MODEL
+    launcher((programs,), args, constexprs, config.num_warps, device_index)
     return out[-1]
 
 
