@@ -205,20 +205,13 @@ def test_decode_attention_split_size_must_be_a_multiple_of_the_block_size():
     assert InferenceConfig(block_size=16, decode_attention_split_size=32)
 
 
-def test_unknown_prefetch_schedule_raises_config_error(model):
-    with pytest.raises(InferenceConfigError, match="prefetch_schedule='later'"):
-        FusedDecoder(model, prefetch_schedule="later")
-
-
-def test_gemv_path_with_small_attention_splits_and_prefetch_matches_model_forward(model):
+def test_gemv_path_with_small_attention_splits_matches_model_forward(model):
     expected, _ = _forward(model)
     decoder = FusedDecoder(
         model,
         gemv_max_rows=16,
         attention_split_size=4,
         attention_merge="ticket",
-        prefetch_l2=True,
-        prefetch_schedule="ahead",
     )
     actual, _ = _forward(model, decoder)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)

@@ -13,7 +13,6 @@ if not torch.cuda.is_available():
 import pytest
 import torch.nn.functional as F
 
-from mcore_kernels import decode_gemv as decode_gemv_module
 from mcore_kernels.decode_gemv import GemvConfig, decode_gemv, decode_gemv_triton, gemv_config
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
 from mcore_kernels.reference import decode_gemv_reference
@@ -227,38 +226,3 @@ def test_gpu_bfloat16_default_config_eager_and_graph(flags, rows):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("flags", FLAGS.values(), ids=FLAGS.keys())
-def test_gpu_l2_prefetch_hint_changes_no_value(flags):
-    problem = _problem(1, flags, torch.bfloat16, n=896, k=4864, device="cuda")
-    other = torch.randn((4864, 896), device="cuda", dtype=torch.bfloat16)
-    expected = decode_gemv(**problem)
-    assert torch.equal(decode_gemv(**problem, prefetch=other), expected)
-    # A tensor smaller than one 128-byte line is not prefetched at all.
-    assert torch.equal(decode_gemv(**problem, prefetch=other[0, :8]), expected)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "lines"])
-def test_gpu_prefetch_of_two_tensors_changes_no_value(monkeypatch, bulk):
-    monkeypatch.setattr(decode_gemv_module, "PREFETCH_BULK", bulk)
-    problem = _problem(
-        1, FLAGS["norm_swiglu_residual"], torch.bfloat16, n=896, k=4864, device="cuda"
-    )
-    first = torch.randn((4864, 896), device="cuda", dtype=torch.bfloat16)
-    second = torch.randn((896, 896), device="cuda", dtype=torch.bfloat16)
-    expected = decode_gemv(**problem)
-    assert torch.equal(decode_gemv(**problem, prefetch=(first, second)), expected)
-    # A view that is not 16-byte aligned falls back to line requests.
-    assert torch.equal(decode_gemv(**problem, prefetch=first.view(-1)[1:]), expected)
-
-
-def test_more_than_two_prefetch_tensors_raise_value_error():
-    problem = _problem(1, FLAGS["plain"], torch.float32, n=8, k=16, device="cpu")
-    others = [torch.zeros(64)] * 3
-    with pytest.raises(KernelValueError, match="prefetch names 3 tensors"):
-        decode_gemv(**problem, prefetch=others)

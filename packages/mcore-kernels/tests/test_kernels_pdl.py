@@ -49,13 +49,12 @@ def _layers(seed: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ff
     ]
 
 
-def _decode_chain(residual, layers, cache, tables, lens, cos, sin, slots, dims, prefetch=False):
+def _decode_chain(residual, layers, cache, tables, lens, cos, sin, slots, dims):
     """Three decoder layers of one token, every kernel reading the previous one's output."""
     heads, kv_heads, head_dim = dims
     keys, values = cache
     for index, layer in enumerate(layers):
-        ahead = layer["gate_up"] if prefetch else None
-        qkv = decode_gemv(residual, layer["qkv"], norm_weight=layer["norm"], prefetch=ahead)
+        qkv = decode_gemv(residual, layer["qkv"], norm_weight=layer["norm"])
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
         q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
         rotated = rotary_kv_write(q, k, v, cos, sin, keys[index], values[index], slots)
@@ -75,8 +74,8 @@ def _decode_chain(residual, layers, cache, tables, lens, cos, sin, slots, dims, 
 def test_gpu_decode_chain_with_pdl_equals_plain_launches_eager_and_in_a_graph(
     monkeypatch, prefetch
 ):
-    # With prefetch, the attention requests its keys and values and each projection the next
-    # one's weight into L2 before waiting: hints that must change nothing.
+    # With prefetch, the attention requests its keys and values into L2 before waiting: a hint
+    # that must change nothing.
     monkeypatch.setattr(paged_attention_module, "PREFETCH_KV_WITH_PDL", prefetch)
     hidden, heads, kv_heads, head_dim, ffn = 256, 4, 2, 64, 512
     layers = _layers(0, hidden, heads, kv_heads, head_dim, ffn)
@@ -98,7 +97,7 @@ def test_gpu_decode_chain_with_pdl_equals_plain_launches_eager_and_in_a_graph(
     def run(pdl: bool, graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
         cache = (initial.clone(), initial.clone())
         with programmatic_dependent_launch(pdl):
-            chain_args = (x, layers, cache, tables, lens, cos, sin, slots, dims, prefetch and pdl)
+            chain_args = (x, layers, cache, tables, lens, cos, sin, slots, dims)
             out = _decode_chain(*chain_args)
             if graph:
                 captured = torch.cuda.CUDAGraph()

@@ -86,10 +86,6 @@ class InferenceConfig:
     steps (a multiple of ``block_size``; None: ``attention_split_size``). Such a step launches
     one attention program per split and key/value head: smaller splits spread a short context
     over more programs (see ``mcore_inference.fused_decode``)."""
-    decode_prefetch_l2: bool = False
-    """In the fused forward's ``decode_gemv`` steps, the projections request the weights of
-    projections to come into the L2 cache (``FusedDecoder(prefetch_l2=True)``), so the memory
-    streams them while the attention's short kernels run. A hint: results are unchanged."""
     mla_latent_kv_cache: bool = True
     """For Multi-head Latent Attention models: cache each token's latent and shared rotary
     key (``kv_lora_rank + qk_rope_head_dim`` channels per layer) and decode with absorbed

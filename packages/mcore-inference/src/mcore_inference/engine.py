@@ -130,7 +130,6 @@ class InferenceEngine(_StepLoop):
             pdl=config.decode_pdl,
             max_positions=config.max_sequence_length,
             attention_split_size=config.decode_attention_split_size,
-            prefetch_l2=config.decode_prefetch_l2,
         )
         self.mamba_states: MambaStateCache | None = None
         """Conv/SSM state slots of the Mamba layers (hybrid models only)."""

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mcore_inference.errors import InferenceConfigError
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.moe.swiglu import swiglu
@@ -68,12 +67,6 @@ on its tensor-core path only matches cuBLAS, and its norm prologue costs more th
 kernel it replaces."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
-PREFETCH_L2 = False
-"""Default of :class:`FusedDecoder`'s ``prefetch_l2``."""
-PREFETCH_SCHEDULES = ("next", "ahead")
-"""The ``prefetch_schedule`` values of :class:`FusedDecoder`."""
-PREFETCH_SCHEDULE = "ahead"
-"""Default of :class:`FusedDecoder`'s ``prefetch_schedule``."""
 DECODE_ATTENTION_SPLIT_SIZE: int | None = None
 """Context positions per split of the attention in the ``decode_gemv`` steps (None: the cache's
 ``split_size``). A step of one or two tokens launches one attention program per split and
@@ -160,15 +153,6 @@ class FusedDecoder:
         rope_in_projection: In the ``decode_gemv`` steps of a model without QK-norm, fold RoPE
             and the key/value cache write into the q/k/v projection's epilogue
             (``decode_gemv(..., rope=...)``): four launches per layer plus the attention.
-        prefetch_l2: In the ``decode_gemv`` steps, projections request the weights of
-            projections to come into the L2 cache while they run (``decode_gemv(...,
-            prefetch=...)``), so weight streaming runs ahead of the chain of dependent kernels
-            (None: :data:`PREFETCH_L2`).
-        prefetch_schedule: Which weights each projection requests (None:
-            :data:`PREFETCH_SCHEDULE`): ``"next"``, the next projection's; ``"ahead"``, the
-            q/k/v projection requests the o and gate/up weights, the o projection the down
-            weight and the gate/up projection the next layer's q/k/v weight, so the memory
-            streams the MLP's weights while the attention's short kernels run.
         attention_split_size: Context positions per split of the attention in the
             ``decode_gemv`` steps, used where it is a multiple of the cache's block size (None:
             :data:`DECODE_ATTENTION_SPLIT_SIZE`, else the cache's ``split_size``).
@@ -185,8 +169,6 @@ class FusedDecoder:
         pdl: bool = False,
         max_positions: int | None = None,
         rope_in_projection: bool = True,
-        prefetch_l2: bool | None = None,
-        prefetch_schedule: str | None = None,
         attention_split_size: int | None = None,
         attention_merge: str | None = None,
     ) -> None:
@@ -198,15 +180,6 @@ class FusedDecoder:
             DECODE_ATTENTION_MERGE if attention_merge is None else attention_merge
         )
         self.rope_in_projection = rope_in_projection
-        self.prefetch_l2 = PREFETCH_L2 if prefetch_l2 is None else prefetch_l2
-        self.prefetch_schedule = (
-            PREFETCH_SCHEDULE if prefetch_schedule is None else prefetch_schedule
-        )
-        if self.prefetch_schedule not in PREFETCH_SCHEDULES:
-            raise InferenceConfigError(
-                f"prefetch_schedule={self.prefetch_schedule!r}; expected one of "
-                f"{PREFETCH_SCHEDULES}"
-            )
         self.pdl = pdl
         self.max_positions = max_positions
         self._rope_table: torch.Tensor | None = None
@@ -322,35 +295,6 @@ class FusedDecoder:
         rows = table.index_select(0, positions)
         return rows[:, 0], rows[:, 1]
 
-    def _prefetches(self, index: int) -> dict[str, tuple[torch.Tensor, ...] | None]:
-        """What each projection of layer ``index`` requests into L2 (None: nothing)."""
-        names = ("qkv", "o", "gate_up", "down")
-        if not self.prefetch_l2:
-            return dict.fromkeys(names)
-        layer, fused = self.model.layers[index], self._layers[index]
-        following = self._layers[index + 1].qkv_weight if index + 1 < len(self._layers) else None
-        o_weight = layer.self_attention.o_proj.weight
-        down_weight = layer.mlp.down_proj.weight
-        plan: dict[str, tuple[torch.Tensor | None, ...]]
-        if self.prefetch_schedule == "next":
-            plan = {
-                "qkv": (o_weight,),
-                "o": (fused.gate_up_weight,),
-                "gate_up": (down_weight,),
-                "down": (following,),
-            }
-        else:
-            plan = {
-                "qkv": (o_weight, fused.gate_up_weight),
-                "o": (down_weight,),
-                "gate_up": (following,),
-                "down": (),
-            }
-        return {
-            name: tuple(t for t in tensors if t is not None) or None
-            for name, tensors in plan.items()
-        }
-
     def _gemv_layers(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
     ) -> torch.Tensor:
@@ -366,9 +310,8 @@ class FusedDecoder:
         split_size = self.attention_split_size
         if split_size is not None and split_size % kv_cache.block_size:
             split_size = None
-        for index, (layer, fused) in enumerate(layers):
+        for layer, fused in layers:
             attention, mlp = layer.self_attention, layer.mlp
-            prefetch = self._prefetches(index)
             if self.rope_in_projection and attention.q_norm is None:
                 # RoPE and the cache write in the projection's epilogue: one launch fewer.
                 keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
@@ -387,7 +330,6 @@ class FusedDecoder:
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
                     rope=rope,
-                    prefetch=prefetch["qkv"],
                 )
                 out = kv_cache.attend_stored_keys(
                     layer.layer_idx,
@@ -403,7 +345,6 @@ class FusedDecoder:
                     fused.qkv_bias,
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
-                    prefetch=prefetch["qkv"],
                 )
                 q, k, v = (
                     part.unflatten(-1, (-1, attention.head_dim))
@@ -419,7 +360,6 @@ class FusedDecoder:
                 attention.o_proj.weight,
                 attention.o_proj.bias,
                 residual=residual,
-                prefetch=prefetch["o"],
             )
             activation = decode_gemv(
                 residual,
@@ -427,11 +367,8 @@ class FusedDecoder:
                 norm_weight=layer.post_attention_norm.weight,
                 norm_eps=layer.post_attention_norm.eps,
                 swiglu=True,
-                prefetch=prefetch["gate_up"],
             )
-            residual = decode_gemv(
-                activation, mlp.down_proj.weight, residual=residual, prefetch=prefetch["down"]
-            )
+            residual = decode_gemv(activation, mlp.down_proj.weight, residual=residual)
         return model.final_norm(residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -464,7 +401,6 @@ def build_fused_decoder(
     pdl: bool = False,
     max_positions: int | None = None,
     attention_split_size: int | None = None,
-    prefetch_l2: bool | None = None,
 ) -> FusedDecoder | None:
     """The engine's fused decoder for ``model``, or None where it does not apply.
 
@@ -474,7 +410,6 @@ def build_fused_decoder(
         pdl: ``InferenceConfig.decode_pdl`` (see :class:`FusedDecoder`).
         max_positions: ``InferenceConfig.max_sequence_length`` (see :class:`FusedDecoder`).
         attention_split_size: ``InferenceConfig.decode_attention_split_size``.
-        prefetch_l2: ``InferenceConfig.decode_prefetch_l2``.
 
     Returns:
         A :class:`FusedDecoder`, or None when disabled or unsupported (the model's own
@@ -487,5 +422,4 @@ def build_fused_decoder(
         pdl=pdl,
         max_positions=max_positions,
         attention_split_size=attention_split_size,
-        prefetch_l2=prefetch_l2,
     )

@@ -22,8 +22,12 @@ Decode-step extras: ``rope`` (a :class:`~mcore_kernels.rotary_kv_write.RotaryCac
 makes a q/k/v projection also rotate its queries and keys and store keys and values in their
 cache slots (tiles of (channel ``j``, channel ``j + D/2``) pairs, read like SwiGLU's gate and up
 rows); under :func:`mcore_kernels.pdl.programmatic_dependent_launch` the programs request their
-first weight tile before waiting for the previous kernel; ``prefetch`` names another tensor
-(the next projection's weight) that the programs request into L2 as they start.
+first weight tile before waiting for the previous kernel.
+
+Layout: launch configurations in :mod:`~mcore_kernels.decode_gemv_config`, the main loop's
+building blocks in :mod:`~mcore_kernels.decode_gemv_tiles`, the epilogues in
+:mod:`~mcore_kernels.decode_gemv_epilogues`, the kernels in
+:mod:`~mcore_kernels.decode_gemv_kernel`; this module checks the arguments and launches.
 
 Shapes: ``x`` ``[M, K]`` (last dimension contiguous), ``weight`` ``[N, K]`` contiguous,
 ``bias`` ``[N]``, ``norm_weight`` ``[K]``, ``residual`` ``[M, N_out]``; returns ``[M, N_out]``
@@ -36,26 +40,20 @@ overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import (
-    CachedLauncher,
-    device_limits,
-    gdc_launch_dependents,
-    gdc_wait,
-    jit,
-    next_power_of_2,
-    pdl_supported,
-    prefetch_l2,
-    round_to,
-    tl,
-    triton,
+from mcore_kernels._triton_utils import device_limits, next_power_of_2, pdl_supported, triton
+from mcore_kernels.decode_gemv_config import (
+    WHOLE_ROW_MAX_K,
+    WHOLE_ROW_WARPS,
+    GemvConfig,
+    block_rows,
+    gemv_config,
 )
+from mcore_kernels.decode_gemv_kernel import _GEMV, _GEMV_PDL, _SUM_PARTIALS, _gemv_kernel, _tickets
 from mcore_kernels.errors import (
     KernelBackendError,
     KernelDtypeError,
@@ -70,748 +68,14 @@ from mcore_kernels.rotary_kv_write import (
     rotary_kv_write_reference,
 )
 
-__all__ = ["GemvConfig", "decode_gemv", "decode_gemv_triton", "gemv_config"]
-
-_REDUCES = ("ticket", "second_pass")
-EARLY_LOADS = True
-"""Without split-K, request the norm weight and the bias with the first weight tile (before
-the wait of programmatic dependent launch) and the residual or the RoPE tables right after
-the wait, instead of in the epilogue after the products (the same values). One H200, batch-1
-decode of the Qwen2.5-0.5B shape, same run: 1634 against 1580 tok/s (with
-:data:`WHOLE_ROW_MAX_K` 1652)."""
-WHOLE_ROW_MAX_K = 8192
-"""At 1-2 rows, projections of one weight row per program and at most this many inputs load
-the whole row as one tile (see :func:`gemv_config`; 0: never): under PDL a program has its
-whole weight in flight before it waits."""
-WHOLE_ROW_WARPS = 8
-"""Warps per program of those whole-row tiles."""
-PREFETCH_BULK = True
-"""``prefetch`` tensors go to L2 as bulk requests of :data:`PREFETCH_CHUNK_BYTES` where the
-device and the alignment allow (Hopper and newer), else one request per 128-byte line (one
-tensor only)."""
-PREFETCH_CHUNK_BYTES = 16384
-"""Bytes per bulk L2 prefetch request."""
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class GemvConfig:
-    """Launch configuration of :func:`decode_gemv_triton`."""
-
-    block_n: int = 16
-    """Output columns (weight rows) per program; a power of two >= 16 with ``use_dot``."""
-    block_k: int = 512
-    """Reduction elements per loop iteration; a power of two >= 16."""
-    split_k: int = 1
-    """Programs sharing one output tile's reduction (float32 partials, summed in order)."""
-    num_warps: int = 4
-    """Warps per program."""
-    num_stages: int | None = None
-    """Software-pipelining stages of the reduction loop (None: Triton's default)."""
-    use_dot: bool = False
-    """Tensor-core ``tl.dot`` over rows padded to 16 instead of one vector pass per row."""
-    reduce: str = "ticket"
-    """Split-K sum: ``"ticket"`` (last program of a tile, one launch) or ``"second_pass"``."""
-
-    def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise KernelValueError(f"GemvConfig.{name}={value}; expected a power of two")
-        if self.block_k < 16:
-            raise KernelValueError(f"GemvConfig.block_k={self.block_k}; expected >= 16")
-        if self.use_dot and self.block_n < 16:
-            raise KernelValueError(
-                f"GemvConfig.block_n={self.block_n} with use_dot; expected >= 16"
-            )
-        if self.num_stages is not None and self.num_stages < 1:
-            raise KernelValueError(f"GemvConfig.num_stages={self.num_stages}; expected >= 1")
-        if self.split_k < 1:
-            raise KernelValueError(f"GemvConfig.split_k={self.split_k}; expected >= 1")
-        if self.reduce not in _REDUCES:
-            raise KernelValueError(f"GemvConfig.reduce={self.reduce!r}; expected one of {_REDUCES}")
-
-
-@jit
-def _row_scales(
-    x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """``rsqrt(mean(x**2) + eps)`` of every row (float32 ``[BLOCK_M]``)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        k = start + offs_k
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-            mask=m_mask[:, None] & (k < K)[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        sum_sq += x * x
-    return 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps)
-
-
-@jit
-def _epilogue(
-    acc,
-    acc_up,
-    bias_ptr,
-    res_ptr,
-    out_ptr,
-    offs_m,
-    offs_n,
-    m_mask,
-    N_OUT,
-    stride_rm,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    DTYPE: tl.constexpr,
-    pre_bias,
-    pre_bias_up,
-    pre_res,
-    PRE: tl.constexpr,
-):
-    """Bias, rounding, SwiGLU, residual add and the store of one ``[BLOCK_M, BLOCK_N]`` tile.
-
-    With ``PRE`` the bias and residual tiles come loaded already (``pre_*``, see
-    :func:`_early_epilogue_loads`).
-    """
-    n_mask = offs_n < N_OUT
-    if HAS_BIAS:
-        if PRE:
-            acc += pre_bias[None, :]
-        else:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = round_to(acc, DTYPE).to(tl.float32)
-    if SWIGLU:
-        if HAS_BIAS:
-            if PRE:
-                acc_up += pre_bias_up[None, :]
-            else:
-                acc_up += tl.load(bias_ptr + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)[
-                    None, :
-                ]
-        up = round_to(acc_up, DTYPE).to(tl.float32)
-        y = round_to(y * tl.sigmoid(y) * up, DTYPE).to(tl.float32)
-    mask = m_mask[:, None] & n_mask[None, :]
-    if HAS_RESIDUAL:
-        if PRE:
-            r = pre_res
-        else:
-            r = tl.load(
-                res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0
-            )
-        y = round_to(y + r.to(tl.float32), DTYPE).to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to(y, DTYPE), mask=mask)
-
-
-@jit
-def _rope_epilogue(
-    acc,
-    acc_up,
-    bias_ptr,
-    out_ptr,
-    cos_ptr,
-    sin_ptr,
-    slot_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    stride_cos,
-    stride_sin,
-    stride_kc_slot,
-    stride_kc_head,
-    stride_vc_slot,
-    stride_vc_head,
-    offs_m,
-    offs_n,
-    m_mask,
-    N_PAIRS,
-    stride_om,
-    NUM_Q_HEADS,
-    NUM_KV_HEADS,
-    HAS_BIAS: tl.constexpr,
-    HALF: tl.constexpr,
-    DTYPE: tl.constexpr,
-    pre_bias,
-    pre_bias_up,
-    pre_cos,
-    pre_sin,
-    PRE: tl.constexpr,
-):
-    """RoPE and the key/value cache write of a q/k/v tile of ``(first, second)``-half pairs.
-
-    Column ``c`` of the tile is pair ``offs_n[c]``: channel ``j`` and ``j + HALF`` of one head.
-    Query heads are rotated and stored to ``out`` (``[M, NUM_Q_HEADS * 2 * HALF]``), key heads
-    rotated and stored to the key cache, value heads stored to the value cache, each at the
-    row's slot, with the roundings of :func:`mcore_kernels.rotary_kv_write.rotary_kv_write`.
-    """
-    n_mask = offs_n < N_PAIRS
-    head = offs_n // HALF
-    j = offs_n % HALF
-    row = head * (2 * HALF) + j
-    if HAS_BIAS:
-        if PRE:
-            acc += pre_bias[None, :]
-            acc_up += pre_bias_up[None, :]
-        else:
-            acc += tl.load(bias_ptr + row, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            acc_up += tl.load(bias_ptr + row + HALF, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    x1 = round_to(acc, DTYPE).to(tl.float32)
-    x2 = round_to(acc_up, DTYPE).to(tl.float32)
-    mask = m_mask[:, None] & n_mask[None, :]
-    # The tables are rounded to the activation dtype first, as the unfused expression does.
-    if PRE:
-        cos = pre_cos
-        sin = pre_sin
-    else:
-        cos = tl.load(cos_ptr + offs_m[:, None] * stride_cos + j[None, :], mask=mask, other=0.0)
-        sin = tl.load(sin_ptr + offs_m[:, None] * stride_sin + j[None, :], mask=mask, other=0.0)
-    cos = cos.to(DTYPE).to(tl.float32)
-    sin = sin.to(DTYPE).to(tl.float32)
-    first = (x1 * cos).to(DTYPE).to(tl.float32) - (x2 * sin).to(DTYPE).to(tl.float32)
-    second = (x2 * cos).to(DTYPE).to(tl.float32) + (x1 * sin).to(DTYPE).to(tl.float32)
-    first = first.to(DTYPE)
-    second = second.to(DTYPE)
-    is_query = head < NUM_Q_HEADS
-    is_key = (head >= NUM_Q_HEADS) & (head < NUM_Q_HEADS + NUM_KV_HEADS)
-    is_value = head >= NUM_Q_HEADS + NUM_KV_HEADS
-    target = out_ptr + offs_m[:, None] * stride_om + row[None, :]
-    query_mask = mask & is_query[None, :]
-    tl.store(target, first, mask=query_mask)
-    tl.store(target + HALF, second, mask=query_mask)
-    slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    kv_head = head - NUM_Q_HEADS
-    key_target = (
-        k_cache_ptr + slot[:, None] * stride_kc_slot + (kv_head * stride_kc_head + j)[None, :]
-    )
-    key_dtype = k_cache_ptr.dtype.element_ty
-    key_mask = mask & is_key[None, :]
-    tl.store(key_target, first.to(key_dtype), mask=key_mask)
-    tl.store(key_target + HALF, second.to(key_dtype), mask=key_mask)
-    value_head = kv_head - NUM_KV_HEADS
-    value_target = (
-        v_cache_ptr + slot[:, None] * stride_vc_slot + (value_head * stride_vc_head + j)[None, :]
-    )
-    value_dtype = v_cache_ptr.dtype.element_ty
-    value_mask = mask & is_value[None, :]
-    tl.store(value_target, x1.to(DTYPE).to(value_dtype), mask=value_mask)
-    tl.store(value_target + HALF, x2.to(DTYPE).to(value_dtype), mask=value_mask)
-
-
-@jit
-def _load_tile(w_ptr, w_rows, up_rows, k, k_end, PAIRED: tl.constexpr, MASKED: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_K]`` weight tile (and the paired tile: SwiGLU's up rows, RoPE's
-    second halves) at ``k``."""
-    k_mask = k < k_end
-    if MASKED:
-        w = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
-    else:
-        w = tl.load(w_ptr + w_rows[:, None] + k[None, :])
-    w_up = w
-    if PAIRED:
-        if MASKED:
-            w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
-        else:
-            w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :])
-    return w, w_up
-
-
-@jit
-def _accumulate(
-    acc,
-    acc_up,
-    w,
-    w_up,
-    x_ptr,
-    w_ptr,
-    norm_ptr,
-    scales,
-    offs_m,
-    m_mask,
-    w_rows,
-    up_rows,
-    k,
-    k_end,
-    M,
-    stride_xm,
-    pid_m,
-    HAS_NORM: tl.constexpr,
-    PAIRED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    PRELOADED: tl.constexpr,
-    pre_gamma,
-    PRE_GAMMA: tl.constexpr,
-):
-    """Add one ``BLOCK_K`` slice of the products to the accumulators (masked: the tail)."""
-    dtype = x_ptr.dtype.element_ty
-    k_mask = k < k_end
-    if not PRELOADED:
-        w, w_up = _load_tile(w_ptr, w_rows, up_rows, k, k_end, PAIRED, MASKED)
-    gamma = k_mask.to(tl.float32)
-    if HAS_NORM:
-        if PRE_GAMMA:
-            gamma = pre_gamma
-        else:
-            gamma = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-    if USE_DOT:
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        if HAS_NORM:
-            x = round_to(x.to(tl.float32) * scales[:, None] * gamma[None, :], dtype)
-        if UPCAST_DOT:
-            # The interpreter's tl.dot misreads bfloat16 operands; float32 ones are exact.
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-            w_up = w_up.to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-        if PAIRED:
-            acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
-    else:
-        wf = w.to(tl.float32)
-        wf_up = w_up.to(tl.float32)
-        for row in tl.static_range(BLOCK_M):
-            m = pid_m * BLOCK_M + row
-            # Rows past M re-read row M - 1; their results are never stored.
-            xr = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + k, mask=k_mask, other=0.0)
-            if HAS_NORM:
-                scale = tl.sum(tl.where(offs_m == m, scales, 0.0), axis=0)
-                xr = round_to(xr.to(tl.float32) * scale * gamma, dtype)
-            xf = xr.to(tl.float32)
-            here = offs_m[:, None] == m
-            acc = tl.where(here, acc + tl.sum(wf * xf[None, :], axis=1)[None, :], acc)
-            if PAIRED:
-                acc_up = tl.where(
-                    here, acc_up + tl.sum(wf_up * xf[None, :], axis=1)[None, :], acc_up
-                )
-    return acc, acc_up
-
-
-@jit
-def _prefetch_lines(pf_ptr, PF_LINES, PF_BLOCK: tl.constexpr, LINE_ELEMENTS: tl.constexpr):
-    """Request this program's share of ``PF_LINES`` 128-byte lines at ``pf_ptr`` into L2."""
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    program = tl.program_id(0) + tl.num_programs(0) * (
-        tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
-    )
-    share = tl.cdiv(PF_LINES, programs)
-    for start in range(0, share, PF_BLOCK):
-        offsets = start + tl.arange(0, PF_BLOCK)
-        lines = tl.minimum(program * share + tl.minimum(offsets, share - 1), PF_LINES - 1)
-        prefetch_l2(pf_ptr + lines.to(tl.int64) * LINE_ELEMENTS)
-
-
-@jit
-def _early_bias(bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS: tl.constexpr, ROPE: tl.constexpr,
-                SWIGLU: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
-    """The bias of the tile's columns (and of their paired columns), float32."""
-    first = tl.zeros(offs_n.shape, tl.float32)
-    second = first
-    if HAS_BIAS:
-        if ROPE:
-            pair = tl.where(n_mask, offs_n, 0)
-            row = (pair // HALF) * (2 * HALF) + pair % HALF
-            first = tl.load(bias_ptr + row, mask=n_mask, other=0.0).to(tl.float32)
-            second = tl.load(bias_ptr + row + HALF, mask=n_mask, other=0.0).to(tl.float32)
-        else:
-            first = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            if SWIGLU:
-                second = tl.load(bias_ptr + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    return first, second
-
-
-@jit
-def _early_inputs(res_ptr, cos_ptr, sin_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm,
-                  stride_cos, stride_sin, HAS_RESIDUAL: tl.constexpr, ROPE: tl.constexpr,
-                  HALF: tl.constexpr):  # fmt: skip
-    """The residual tile, or the RoPE cosines and sines of the tile's pairs."""
-    mask = m_mask[:, None] & n_mask[None, :]
-    res = tl.zeros([offs_m.shape[0], offs_n.shape[0]], tl.float32)
-    cos = res
-    sin = res
-    if HAS_RESIDUAL:
-        res = tl.load(
-            res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0
-        ).to(tl.float32)
-    if ROPE:
-        j = offs_n % HALF
-        cos = tl.load(cos_ptr + offs_m[:, None] * stride_cos + j[None, :], mask=mask, other=0.0)
-        sin = tl.load(sin_ptr + offs_m[:, None] * stride_sin + j[None, :], mask=mask, other=0.0)
-    return res, cos, sin
-
-
-@jit
-def _bulk_prefetch(addresses, size):
-    """Request ``size`` bytes from each of ``addresses`` into L2 with one bulk copy each.
-
-    ``cp.async.bulk.prefetch.L2`` (Hopper and newer): a hint handled by the copy engine, one
-    instruction per chunk instead of one per 128-byte line; addresses and size 16-byte aligned.
-    Inline PTX: CUDA only.
-    """
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r",
-        [addresses, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@jit
-def _prefetch_chunks(pf_ptr, PF_BYTES, CHUNK: tl.constexpr, LANES: tl.constexpr):
-    """Request this program's share of the ``PF_BYTES`` bytes at ``pf_ptr`` into L2.
-
-    Chunks of ``CHUNK`` bytes (the last one ends at the tensor's end; ``PF_BYTES >= CHUNK``).
-    """
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    program = tl.program_id(0) + tl.num_programs(0) * (
-        tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
-    )
-    chunks = tl.cdiv(PF_BYTES, CHUNK)
-    share = tl.cdiv(chunks, programs)
-    base = pf_ptr.to(tl.pointer_type(tl.int8))
-    lanes = tl.arange(0, LANES)
-    sizes = tl.full([LANES], CHUNK, tl.int32)
-    for start in range(0, share, LANES):
-        # Lanes past the share repeat its last chunk (a repeated hint costs nothing more).
-        index = program * share + tl.minimum(start + lanes, share - 1)
-        offset = tl.minimum(index.to(tl.int64) * CHUNK, PF_BYTES - CHUNK)
-        _bulk_prefetch(base + offset, sizes)
-
-
-@jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
-def _gemv_kernel(
-    x_ptr,
-    w_ptr,
-    bias_ptr,
-    norm_ptr,
-    res_ptr,
-    out_ptr,
-    ws_ptr,
-    ticket_ptr,
-    M,
-    N_OUT,
-    K,
-    K_SPLIT,
-    SPLIT_K,
-    stride_xm,
-    stride_wn,
-    stride_rm,
-    stride_om,
-    eps,
-    cos_ptr,
-    sin_ptr,
-    slot_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    stride_cos,
-    stride_sin,
-    stride_kc_slot,
-    stride_kc_head,
-    stride_vc_slot,
-    stride_vc_head,
-    NUM_Q_HEADS,
-    NUM_KV_HEADS,
-    pf_ptr,
-    PF_LINES,
-    pf2_ptr,
-    PF2_BYTES,
-    HAS_BIAS: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    ROPE: tl.constexpr,
-    PAIRED: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HAS_SPLIT: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    STORE_PARTIALS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
-    K_ALIGNED: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LINE_ELEMENTS: tl.constexpr,
-    PREFETCH_CHUNK: tl.constexpr,
-    EARLY: tl.constexpr,
-):
-    if USE_PDL:
-        # Let the next kernel's programs start (and prefetch their own weights) early.
-        gdc_launch_dependents()
-    if PREFETCH == 1:
-        # Another tensor (the next projection's weight) towards L2 while this one streams.
-        _prefetch_lines(pf_ptr, PF_LINES, 128, LINE_ELEMENTS)
-    if PREFETCH == 2:
-        # Bulk requests: PF_LINES and PF2_BYTES are byte counts of one or two tensors.
-        _prefetch_chunks(pf_ptr, PF_LINES, PREFETCH_CHUNK, 16)
-        if PF2_BYTES > 0:
-            _prefetch_chunks(pf2_ptr, PF2_BYTES, PREFETCH_CHUNK, 16)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    dtype = x_ptr.dtype.element_ty
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N_OUT
-    # Rows past N_OUT read row 0 (never stored): the loads stay unmasked along N.
-    if ROPE:
-        # Columns are (first half, second half) channel pairs of the q/k/v heads.
-        pair = tl.where(n_mask, offs_n, 0)
-        first_rows = (pair // HALF) * (2 * HALF) + pair % HALF
-        w_rows = first_rows.to(tl.int64) * stride_wn
-        up_rows = (first_rows + HALF).to(tl.int64) * stride_wn
-    else:
-        w_rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn
-        up_rows = (tl.where(n_mask, offs_n, 0) + N_OUT).to(tl.int64) * stride_wn
-    offs_k = tl.arange(0, BLOCK_K)
-    k_begin = pid_k * K_SPLIT
-    k_end = tl.minimum(k_begin + K_SPLIT, K)
-    if K_ALIGNED:
-        # K and K_SPLIT are multiples of 16: so is the end, and the tail's masks vectorise.
-        k_end = tl.multiple_of(k_end, 16)
-    k_full = k_begin + ((k_end - k_begin) // BLOCK_K) * BLOCK_K
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    scales = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM or USE_PDL:
-        # The first weight tile is requested before the norm's reduction over the rows, so
-        # the two memory latencies overlap; with programmatic dependent launch it is requested
-        # before waiting for the previous kernel (the weights do not depend on it, the rows do).
-        first = k_begin + offs_k
-        if k_full > k_begin:
-            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, PAIRED, False)
-        else:
-            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, PAIRED, True)
-        gamma = scales
-        if EARLY and HAS_NORM:
-            # Constants of the step (weights) before the wait, like the weight tile.
-            gamma = tl.load(norm_ptr + first, mask=first < k_end, other=0.0).to(tl.float32)
-        if EARLY:
-            pre_bias, pre_bias_up = _early_bias(
-                bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS, ROPE, SWIGLU, HALF
-            )
-        if USE_PDL:
-            gdc_wait()
-        if EARLY:
-            # What the previous kernels wrote, requested at once after the wait (the
-            # epilogue would otherwise request it after the products).
-            pre_res, pre_cos, pre_sin = _early_inputs(
-                res_ptr, cos_ptr, sin_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm,
-                stride_cos, stride_sin, HAS_RESIDUAL, ROPE, HALF,
-            )  # fmt: skip
-        if HAS_NORM:
-            scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
-        acc, acc_up = _accumulate(
-            acc, acc_up, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
-            up_rows, first, k_end, M, stride_xm, pid_m,
-            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
-            gamma, EARLY and HAS_NORM,
-        )  # fmt: skip
-        k_begin = tl.minimum(k_begin + BLOCK_K, k_end)
-        k_full = tl.maximum(k_full, k_begin)
-    for start in range(k_begin, k_full, BLOCK_K):
-        acc, acc_up = _accumulate(
-            acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
-            up_rows, start + offs_k, k_end, M, stride_xm, pid_m,
-            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, False, DOT_PRECISION, UPCAST_DOT, False,
-            scales, False,
-        )  # fmt: skip
-    if k_full < k_end:
-        acc, acc_up = _accumulate(
-            acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
-            up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,
-            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, False,
-            scales, False,
-        )  # fmt: skip
-    if not HAS_SPLIT:
-        if EARLY:
-            if ROPE:
-                _rope_epilogue(
-                    acc, acc_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
-                    v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
-                    stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
-                    NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
-                    pre_bias, pre_bias_up, pre_cos, pre_sin, True,
-                )  # fmt: skip
-            else:
-                _epilogue(
-                    acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
-                    stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
-                    pre_bias, pre_bias_up, pre_res, True,
-                )  # fmt: skip
-        elif ROPE:
-            _rope_epilogue(
-                acc, acc_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
-                v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
-                stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
-                NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
-                acc, acc, acc, acc, False,
-            )  # fmt: skip
-        else:
-            _epilogue(
-                acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
-                stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
-                acc, acc, acc, False,
-            )  # fmt: skip
-    else:
-        # Workspace [SPLIT_K, 2, M, N_OUT] float32: the gate (or only) partial, then the up one.
-        tile = offs_m[:, None] * N_OUT + offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        plane = M * N_OUT
-        tl.store(ws_ptr + (pid_k * 2) * plane + tile, acc, mask=mask)
-        if PAIRED:
-            tl.store(ws_ptr + (pid_k * 2 + 1) * plane + tile, acc_up, mask=mask)
-        if not STORE_PARTIALS:
-            # Every thread's partial is written before the ticket (release) is taken.
-            tl.debug_barrier()
-            ticket = ticket_ptr + pid_m * tl.num_programs(0) + pid_n
-            arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in range(SPLIT_K):
-                    total += tl.load(
-                        ws_ptr + (s * 2) * plane + tile, mask=mask, other=0.0, cache_modifier=".cg"
-                    )
-                    if PAIRED:
-                        total_up += tl.load(
-                            ws_ptr + (s * 2 + 1) * plane + tile,
-                            mask=mask,
-                            other=0.0,
-                            cache_modifier=".cg",
-                        )
-                if ROPE:
-                    _rope_epilogue(
-                        total, total_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr,
-                        k_cache_ptr, v_cache_ptr, stride_cos, stride_sin, stride_kc_slot,
-                        stride_kc_head, stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask,
-                        N_OUT, stride_om, NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
-                        total, total, total, total, False,
-                    )  # fmt: skip
-                else:
-                    _epilogue(
-                        total, total_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask,
-                        N_OUT, stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
-                        total, total, total, False,
-                    )  # fmt: skip
-                # Reset for the next launch (graph replays reuse the tickets).
-                tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-
-
-@jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
-def _sum_partials_kernel(
-    ws_ptr,
-    bias_ptr,
-    res_ptr,
-    out_ptr,
-    M,
-    N_OUT,
-    SPLIT_K,
-    stride_rm,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    mask = m_mask[:, None] & (offs_n < N_OUT)[None, :]
-    tile = offs_m[:, None] * N_OUT + offs_n[None, :]
-    plane = M * N_OUT
-    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s in range(SPLIT_K):
-        total += tl.load(ws_ptr + (s * 2) * plane + tile, mask=mask, other=0.0)
-        if SWIGLU:
-            total_up += tl.load(ws_ptr + (s * 2 + 1) * plane + tile, mask=mask, other=0.0)
-    _epilogue(
-        total, total_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
-        stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, out_ptr.dtype.element_ty,
-        total, total, total, False,
-    )  # fmt: skip
-
-
-_GEMV = CachedLauncher(_gemv_kernel)
-_GEMV_PDL = CachedLauncher(_gemv_kernel, launch_pdl=True)
-_SUM_PARTIALS = CachedLauncher(_sum_partials_kernel)
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-"""Ticket buffers replaced by larger ones, kept alive for the graphs that captured them."""
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters (one per output tile) that the ticket reduction leaves zeroed."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < count:
-        if tickets is not None:
-            _RETIRED.append(tickets)
-        tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets
-
-
-def gemv_config(rows: int, out_features: int, in_features: int, multiprocessors: int) -> GemvConfig:
-    """The launch configuration :func:`decode_gemv` uses for a shape.
-
-    Chosen from a sweep on one H100 (``bench_decode_gemv.py --sweep``, the Qwen2.5-0.5B and
-    Llama-3.2-1B projections at 1..64 rows, then ``--refine`` at 1 and 2 rows): up to 2 rows,
-    vector passes without split-K over ``[4, 1024]`` weight tiles (``[2, 2048]`` for
-    reductions of 2048 and more) were the fastest or within a few percent of it for every
-    shape; on one H200 one weight row per program for narrow outputs over long reductions
-    (fewer than ``8 x multiprocessors`` outputs, at least 2048 inputs); from 3 rows on,
-    ``tl.dot`` tiles, narrow ones (16 columns) for narrow projections with a 4-way split-K
-    over long reductions, wide ones (32 or 64 columns) for wide ones.
-
-    Args:
-        rows: ``M``, the rows of ``x``.
-        out_features: ``N_out``, the output columns (``F`` for SwiGLU).
-        in_features: ``K``.
-        multiprocessors: The device's multiprocessor count (it caps the split).
-
-    Returns:
-        A :class:`GemvConfig`.
-    """
-    if rows <= 2:
-        if in_features >= 2048:
-            # Narrow outputs over long reductions (Qwen2.5-0.5B's down projection, 896 x
-            # 4864): one weight row per program keeps about seven programs per multiprocessor
-            # (H200: 6.1 against 7.3 us with two rows per program).
-            block_n = 2 if out_features // 2 >= 4 * multiprocessors else 1
-            if block_n == 1 and in_features <= WHOLE_ROW_MAX_K:
-                # The whole weight row in one tile: under programmatic dependent launch a
-                # program loads all of its weight before waiting for the previous kernel.
-                return GemvConfig(
-                    block_n=1, block_k=next_power_of_2(in_features), num_warps=WHOLE_ROW_WARPS
-                )
-            return GemvConfig(block_n=block_n, block_k=2048, num_warps=4)
-        return GemvConfig(block_n=4, block_k=1024, num_warps=4)
-    if out_features <= 4096:
-        tiles = -(-out_features // 16) * -(-rows // _block_m(rows, True))
-        split_k = 4 if in_features >= 4096 and tiles <= multiprocessors else 1
-        return GemvConfig(block_n=16, block_k=256, split_k=split_k, num_warps=4, use_dot=True)
-    block_n = 32 if out_features < 12288 else 64
-    return GemvConfig(block_n=block_n, block_k=128, num_warps=4, use_dot=True)
-
-
-def _block_m(rows: int, use_dot: bool) -> int:
-    if use_dot:
-        return min(64, max(16, next_power_of_2(rows)))
-    return min(4, next_power_of_2(rows))
+__all__ = [
+    "WHOLE_ROW_MAX_K",
+    "WHOLE_ROW_WARPS",
+    "GemvConfig",
+    "decode_gemv",
+    "decode_gemv_triton",
+    "gemv_config",
+]
 
 
 def _check_args(
@@ -875,7 +139,6 @@ def decode_gemv_triton(
     config: GemvConfig | None = None,
     pdl: bool | None = None,
     rope: RotaryCacheWrite | None = None,
-    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`decode_gemv` (fixed shapes, graph-safe).
 
@@ -894,11 +157,6 @@ def decode_gemv_triton(
             inside :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
         rope: Fold RoPE and the key/value cache write into a q/k/v projection (see
             :func:`decode_gemv`).
-        prefetch: A contiguous tensor, or two (typically the weights of projections to come),
-            whose bytes the programs request into the L2 cache at their start, so later kernels
-            find them there; a hint without effect on the result (ignored on CPU tensors). Bulk
-            requests where the device allows (:data:`PREFETCH_BULK`), else line by line (the
-            first tensor only).
 
     Returns:
         ``[M, N_out]`` in the dtype of ``x`` (with ``rope``, the rotated queries).
@@ -929,7 +187,7 @@ def decode_gemv_triton(
         if rope is not None and not config.use_dot:
             # A pair is two weight rows: as many rows per program as the plain projection.
             config = dataclasses.replace(config, block_n=max(1, config.block_n // 2))
-    block_m = _block_m(rows, config.use_dot)
+    block_m = block_rows(rows, config.use_dot)
     grid_n = triton.cdiv(columns, config.block_n)
     grid_m = triton.cdiv(rows, block_m)
     k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
@@ -946,13 +204,6 @@ def decode_gemv_triton(
     interpreting = not x.is_cuda
     device_index = x.get_device()
     use_pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_supported(x.device)
-    regions = _prefetch_regions(prefetch, x)
-    bulk = len(regions) > 0 and all(_bulk_ok(t) for t in regions)
-    if not bulk:
-        regions = regions[:1]
-    use_prefetch = len(regions) > 0
-    prefetch = regions[0] if regions else None
-    second = regions[1] if len(regions) > 1 else None
     args = (
         x,
         weight,
@@ -973,10 +224,6 @@ def decode_gemv_triton(
         out.stride(0),
         float(norm_eps),
         *_rope_args(rope, dummy),
-        prefetch if prefetch is not None else dummy,
-        0 if prefetch is None else prefetch.nbytes if bulk else prefetch.nbytes // 128,
-        second if second is not None else dummy,
-        second.nbytes if second is not None else 0,
     )
     constexprs = {
         "HAS_BIAS": bias is not None,
@@ -1000,10 +247,10 @@ def decode_gemv_triton(
         else 16,
         "K_ALIGNED": k % 16 == 0,
         "USE_PDL": use_pdl,
-        "PREFETCH": (2 if bulk else 1) if use_prefetch else 0,
-        "LINE_ELEMENTS": 128 // prefetch.element_size() if prefetch is not None else 1,
-        "PREFETCH_CHUNK": PREFETCH_CHUNK_BYTES,
-        "EARLY": EARLY_LOADS and split_k == 1 and (norm_weight is not None or use_pdl),
+        # The norm weight and bias with the first weight tile (before the PDL wait), the
+        # residual or the RoPE tables right after it, instead of in the epilogue. One H200,
+        # batch-1 decode of the Qwen2.5-0.5B shape: 1634 against 1580 tok/s.
+        "EARLY": split_k == 1 and (norm_weight is not None or use_pdl),
     }
     if config.num_stages is None:
         launcher = _GEMV_PDL if use_pdl else _GEMV
@@ -1044,40 +291,6 @@ def decode_gemv_triton(
     return out
 
 
-def _prefetch_regions(
-    prefetch: torch.Tensor | Sequence[torch.Tensor] | None, x: torch.Tensor
-) -> list[torch.Tensor]:
-    """The tensors to request into L2: contiguous, on ``x``'s GPU, at least one line; two at most.
-
-    Inline PTX: never in the interpreter (CPU tensors).
-    """
-    tensors = _prefetch_list(prefetch)
-    if not x.is_cuda:
-        return []
-    return [t for t in tensors if t.device == x.device and t.is_contiguous() and t.nbytes >= 128]
-
-
-def _prefetch_list(prefetch: torch.Tensor | Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-    """``prefetch`` as a list of at most two tensors."""
-    if prefetch is None:
-        return []
-    tensors = [prefetch] if isinstance(prefetch, torch.Tensor) else list(prefetch)
-    if len(tensors) > 2:
-        raise KernelValueError(f"prefetch names {len(tensors)} tensors; expected at most 2")
-    return tensors
-
-
-def _bulk_ok(tensor: torch.Tensor) -> bool:
-    """Whether bulk L2 prefetch requests can cover ``tensor`` (Hopper+, 16-byte aligned)."""
-    return (
-        PREFETCH_BULK
-        and pdl_supported(tensor.device)
-        and tensor.nbytes >= PREFETCH_CHUNK_BYTES
-        and tensor.nbytes % 16 == 0
-        and tensor.data_ptr() % 16 == 0
-    )
-
-
 def _rope_args(rope: RotaryCacheWrite | None, dummy: torch.Tensor) -> tuple:
     """The kernel's RoPE arguments (pointers, strides, head counts); dummies without rope."""
     if rope is None:
@@ -1116,7 +329,6 @@ def decode_gemv(
     residual: torch.Tensor | None = None,
     pdl: bool | None = None,
     rope: RotaryCacheWrite | None = None,
-    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[RMSNorm] -> x @ weight.T + bias -> [SwiGLU] -> [+ residual]`` of a few rows.
 
@@ -1140,9 +352,6 @@ def decode_gemv(
             (``[M, Hq * D]``) returned; the same values as the projection followed by
             ``rotary_kv_write``. Not with ``swiglu`` or ``residual``; not under
             ``torch.compile``.
-        prefetch: A contiguous tensor or two (the next projections' weights, say) that the
-            Triton kernel requests into the L2 cache while it runs; a hint that changes no
-            value (ignored by the torch path and the interpreter).
 
     Returns:
         ``[M, N_out]`` in the dtype of ``x`` (with ``rope``, the rotated queries).
@@ -1150,18 +359,16 @@ def decode_gemv(
     Raises:
         KernelShapeError: If the shapes do not match the layout above.
         KernelDtypeError: If a dtype is unsupported.
-        KernelValueError: If ``rope`` comes with ``swiglu`` or ``residual``, or ``prefetch``
-            names more than two tensors.
+        KernelValueError: If ``rope`` comes with ``swiglu`` or ``residual``.
         KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names an unknown backend or one that
             cannot run on these tensors.
     """
     _check_args(x, weight, bias, norm_weight, residual, swiglu, rope)
-    _prefetch_list(prefetch)
     if rope is not None:
-        return _decode_gemv_rope(x, weight, bias, norm_weight, norm_eps, pdl, rope, prefetch)
+        return _decode_gemv_rope(x, weight, bias, norm_weight, norm_eps, pdl, rope)
     if _compile.compiling():
         return _decode_gemv_op(x, weight, bias, norm_weight, float(norm_eps), swiglu, residual)
-    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual, pdl, prefetch)
+    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual, pdl)
 
 
 def _decode_gemv_run(
@@ -1173,7 +380,6 @@ def _decode_gemv_run(
     swiglu: bool,
     residual: torch.Tensor | None,
     pdl: bool | None = None,
-    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(
@@ -1185,7 +391,6 @@ def _decode_gemv_run(
             swiglu=swiglu,
             residual=residual,
             pdl=pdl,
-            prefetch=prefetch,
         )
     return decode_gemv_reference(
         x,
@@ -1206,7 +411,6 @@ def _decode_gemv_rope(
     norm_eps: float,
     pdl: bool | None,
     rope: RotaryCacheWrite,
-    prefetch: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(
@@ -1217,7 +421,6 @@ def _decode_gemv_rope(
             norm_eps=norm_eps,
             pdl=pdl,
             rope=rope,
-            prefetch=prefetch,
         )
     qkv = decode_gemv_reference(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps)
     q, k, v = rope.split(qkv)
