@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, fused_decode
-from mcore_inference.errors import InferenceConfigError
 from mcore_inference.fused_decode import FusedDecoder
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_models import GPTConfig, GPTModel
@@ -197,24 +196,3 @@ def test_bfloat16_graph_engine_greedy_tokens_match_the_eager_forward_on_gpu(
         assert tokens == expected_tokens
         # bfloat16 activations: the projections' sums run in another order than cuBLAS's.
         torch.testing.assert_close(logprobs, expected_logprobs, atol=0.05, rtol=0)
-
-
-def test_decode_attention_split_size_must_be_a_multiple_of_the_block_size():
-    with pytest.raises(InferenceConfigError, match="decode_attention_split_size=24"):
-        InferenceConfig(block_size=16, decode_attention_split_size=24)
-    assert InferenceConfig(block_size=16, decode_attention_split_size=32)
-
-
-def test_gemv_path_with_small_attention_splits_matches_model_forward(model):
-    expected, _ = _forward(model)
-    decoder = FusedDecoder(
-        model,
-        gemv_max_rows=16,
-        attention_split_size=4,
-        attention_merge="ticket",
-    )
-    actual, _ = _forward(model, decoder)
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-    # A split size that is not a multiple of the cache's block size falls back to the cache's.
-    odd, _ = _forward(model, FusedDecoder(model, gemv_max_rows=16, attention_split_size=6))
-    torch.testing.assert_close(odd, expected, atol=1e-5, rtol=1e-5)

@@ -81,11 +81,6 @@ class InferenceConfig:
     GPUs (``mcore_kernels.pdl``): each starts, and the projections stream their weights, while
     the previous kernel finishes (one H100, Qwen2.5-0.5B shape, batch 1: 1230 against 1109
     tok/s). Results are unchanged; ignored on other devices and without ``fused_decode``."""
-    decode_attention_split_size: int | None = None
-    """Context positions per split of the attention in the fused forward's ``decode_gemv``
-    steps (a multiple of ``block_size``; None: ``attention_split_size``). Such a step launches
-    one attention program per split and key/value head: smaller splits spread a short context
-    over more programs (see ``mcore_inference.fused_decode``)."""
     mla_latent_kv_cache: bool = True
     """For Multi-head Latent Attention models: cache each token's latent and shared rotary
     key (``kv_lora_rank + qk_rope_head_dim`` channels per layer) and decode with absorbed
@@ -125,12 +120,6 @@ class InferenceConfig:
             raise InferenceConfigError(
                 f"attention_split_size={self.attention_split_size}; expected a multiple of "
                 f"block_size={self.block_size}"
-            )
-        split = self.decode_attention_split_size
-        if split is not None and (split <= 0 or split % self.block_size):
-            raise InferenceConfigError(
-                f"decode_attention_split_size={split}; expected None or a positive multiple "
-                f"of block_size={self.block_size}"
             )
         assert self.max_tokens_per_step is not None
         if self.max_tokens_per_step < self.max_batch_size:

@@ -129,7 +129,6 @@ class InferenceEngine(_StepLoop):
             config.fused_decode and not invariant,
             pdl=config.decode_pdl,
             max_positions=config.max_sequence_length,
-            attention_split_size=config.decode_attention_split_size,
         )
         self.mamba_states: MambaStateCache | None = None
         """Conv/SSM state slots of the Mamba layers (hybrid models only)."""

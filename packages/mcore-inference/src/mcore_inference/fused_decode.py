@@ -67,13 +67,6 @@ on its tensor-core path only matches cuBLAS, and its norm prologue costs more th
 kernel it replaces."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
-DECODE_ATTENTION_SPLIT_SIZE: int | None = None
-"""Context positions per split of the attention in the ``decode_gemv`` steps (None: the cache's
-``split_size``). A step of one or two tokens launches one attention program per split and
-key/value head: smaller splits spread a short context over more programs."""
-DECODE_ATTENTION_MERGE: str | None = None
-"""How the attention of the ``decode_gemv`` steps merges its splits (``"ticket"``: in the same
-launch; None: the kernel's default)."""
 
 
 @dataclass(slots=True)
@@ -153,11 +146,6 @@ class FusedDecoder:
         rope_in_projection: In the ``decode_gemv`` steps of a model without QK-norm, fold RoPE
             and the key/value cache write into the q/k/v projection's epilogue
             (``decode_gemv(..., rope=...)``): four launches per layer plus the attention.
-        attention_split_size: Context positions per split of the attention in the
-            ``decode_gemv`` steps, used where it is a multiple of the cache's block size (None:
-            :data:`DECODE_ATTENTION_SPLIT_SIZE`, else the cache's ``split_size``).
-        attention_merge: How that attention merges its splits (None:
-            :data:`DECODE_ATTENTION_MERGE`).
     """
 
     def __init__(
@@ -169,16 +157,8 @@ class FusedDecoder:
         pdl: bool = False,
         max_positions: int | None = None,
         rope_in_projection: bool = True,
-        attention_split_size: int | None = None,
-        attention_merge: str | None = None,
     ) -> None:
         self.model = model
-        self.attention_split_size = (
-            DECODE_ATTENTION_SPLIT_SIZE if attention_split_size is None else attention_split_size
-        )
-        self.attention_merge = (
-            DECODE_ATTENTION_MERGE if attention_merge is None else attention_merge
-        )
         self.rope_in_projection = rope_in_projection
         self.pdl = pdl
         self.max_positions = max_positions
@@ -307,9 +287,6 @@ class FusedDecoder:
         model = self.model
         residual = hidden
         layers = list(zip(model.layers, self._layers, strict=True))
-        split_size = self.attention_split_size
-        if split_size is not None and split_size % kv_cache.block_size:
-            split_size = None
         for layer, fused in layers:
             attention, mlp = layer.self_attention, layer.mlp
             if self.rope_in_projection and attention.q_norm is None:
@@ -335,8 +312,6 @@ class FusedDecoder:
                     layer.layer_idx,
                     q.unflatten(-1, (-1, attention.head_dim)),
                     scale=attention.scale,
-                    split_size=split_size,
-                    merge=self.attention_merge,
                 )
             else:
                 qkv = decode_gemv(
@@ -400,7 +375,6 @@ def build_fused_decoder(
     *,
     pdl: bool = False,
     max_positions: int | None = None,
-    attention_split_size: int | None = None,
 ) -> FusedDecoder | None:
     """The engine's fused decoder for ``model``, or None where it does not apply.
 
@@ -409,7 +383,6 @@ def build_fused_decoder(
         enabled: ``InferenceConfig.fused_decode``.
         pdl: ``InferenceConfig.decode_pdl`` (see :class:`FusedDecoder`).
         max_positions: ``InferenceConfig.max_sequence_length`` (see :class:`FusedDecoder`).
-        attention_split_size: ``InferenceConfig.decode_attention_split_size``.
 
     Returns:
         A :class:`FusedDecoder`, or None when disabled or unsupported (the model's own
@@ -421,5 +394,4 @@ def build_fused_decoder(
         model,
         pdl=pdl,
         max_positions=max_positions,
-        attention_split_size=attention_split_size,
     )

@@ -221,8 +221,6 @@ class PagedKVCache:
         q: torch.Tensor,
         *,
         scale: float,
-        split_size: int | None = None,
-        merge: str | None = None,
     ) -> torch.Tensor:
         """Like :meth:`attend_rotary` once the step's keys and values are in the cache.
 
@@ -230,11 +228,6 @@ class PagedKVCache:
             layer_idx: Global index of the decoder layer (0-based).
             q: ``[T, Hq, D]`` new queries, rotated.
             scale: Multiplier of the query-key products.
-            split_size: Context positions per split of the attention kernel for this call
-                (a multiple of the block size; None: the cache's ``split_size``).
-            merge: How the kernel merges the splits (see
-                :func:`mcore_kernels.paged_attention.paged_attention_triton`; None: its
-                default).
 
         Returns:
             ``[T, Hq, D]`` attention output in the dtype of ``q``.
@@ -244,9 +237,7 @@ class PagedKVCache:
         """
         self._check_step("attend_stored_keys", layer_idx)
         local = self._local_index(layer_idx)
-        return self._attend_stored(
-            q, self.keys[local], self.values[local], scale, split_size=split_size, merge=merge
-        )
+        return self._attend_stored(q, self.keys[local], self.values[local], scale)
 
     def _local_index(self, layer_idx: int) -> int:
         # Storage index of a global layer (hybrid models store only their attention layers).
@@ -267,9 +258,6 @@ class PagedKVCache:
         keys: torch.Tensor,
         values: torch.Tensor,
         scale: float,
-        *,
-        split_size: int | None = None,
-        merge: str | None = None,
     ) -> torch.Tensor:
         assert self._block_tables is not None and self._context_lens is not None
         if is_batch_invariant():
@@ -284,6 +272,5 @@ class PagedKVCache:
             self._block_tables,
             self._context_lens,
             scale=scale,
-            split_size=self.split_size if split_size is None else split_size,
-            merge=merge,
+            split_size=self.split_size,
         )
