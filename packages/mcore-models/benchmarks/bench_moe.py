@@ -2,10 +2,6 @@
 
 Each case times ``MoELayer`` in the same run on the same GPU as its peers:
 
-- dropless with the Triton grouped experts of ``mcore_kernels.moe.grouped_swiglu_mlp``
-  (``expert_kernel="triton"``: the token gather fused into the gate/up GEMM, SwiGLU in its
-  epilogue and in the down projection's backward; its drop-and-pad variant, which skips the
-  padding rows, runs at the same speed and is left out to keep the script short);
 - dropless with ``torch._grouped_mm`` and drop-and-pad with batched GEMMs
   (``expert_kernel="grouped_mm"``), both with the fused router/permute/combine/SwiGLU kernels
   and the routing weights applied inside the experts (the default), and dropless once more
@@ -35,8 +31,7 @@ tokens already in expert order, or in their capacity slots).
 Run from the repository root on the GPU machine::
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
-    python3 packages/mcore-models/benchmarks/bench_moe.py --out $OUT/moe --profile \
-        --skip "Triton grouped"
+    python3 packages/mcore-models/benchmarks/bench_moe.py --out $OUT/moe --profile
 
 ``--smoke`` runs tiny shapes on the CPU once (a check that the script works, not a result).
 """
@@ -265,7 +260,7 @@ def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, i
     return (time.perf_counter() - begin) * 1e3 / iters
 
 
-_GEMM_NAMES = ("cutlass", "nvjet", "gemm", "grouped_rows", "grouped_weight_grad", "tma_", "sm90")
+_GEMM_NAMES = ("cutlass", "nvjet", "gemm", "tma_", "sm90")
 
 
 def _category(kernel: str) -> str:
@@ -357,9 +352,6 @@ def run_case(
     builders: dict[str, Callable[[], nn.Module]] = {
         DENSE: lambda: _dense(case, device),
         DENSE_FUSED: lambda: _dense_fused(case, device),
-        "mcore MoELayer dropless, Triton grouped experts": lambda: _moe(
-            case, device, expert_kernel="triton"
-        ),
         DEFAULT: lambda: _moe(case, device),
         "mcore MoELayer dropless, torch._grouped_mm, separate autograd ops (fused_experts=False)": (
             lambda: _moe(case, device, fused_experts=False)
@@ -459,7 +451,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     factor = layer.capacity_factor
     experts = layer.experts
     # The routing weights scale the activations inside the experts on this path.
-    folded = moe.weights_in_experts and factor is None and not experts.uses_triton(x)
+    folded = moe.weights_in_experts and factor is None
     if layer.comm is not None and (layer.comm.ep_group is not None or layer.comm.etp_group):
         folded = False
     row_weights = routing.weights.reshape(-1)[order].detach() if folded else None
@@ -479,7 +471,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
         row_weights = routing.weights.reshape(-1)[kept].detach()
         capacity = None
     slot_weights = None
-    folded_slots = moe.weights_in_experts and one_rank and not experts.uses_triton(x)
+    folded_slots = moe.weights_in_experts and one_rank
     if capacity is not None and folded_slots:
         slot_weights = torch.rand(moe.num_experts, capacity, device=x.device, dtype=x.dtype)
 

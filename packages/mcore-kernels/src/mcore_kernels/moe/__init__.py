@@ -10,14 +10,12 @@ from mcore_kernels.moe import (
     _library,  # noqa: F401
     reference,
 )
-from mcore_kernels.moe.grouped_gemm import grouped_swiglu_mlp
 from mcore_kernels.moe.permute import permute_tokens, unpermute_combine, unpermute_sum
 from mcore_kernels.moe.routed import routed_experts
 from mcore_kernels.moe.router import moe_router
 from mcore_kernels.moe.swiglu import swiglu, weighted_swiglu
 
 __all__ = [
-    "grouped_swiglu_mlp",
     "moe_router",
     "permute_tokens",
     "reference",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from mcore_kernels._compile import register_function
-from mcore_kernels.moe.grouped_gemm import GroupedSwiGLUMLPFunction
 from mcore_kernels.moe.permute import (
     PermuteTokensFunction,
     UnpermuteCombineFunction,
@@ -91,15 +90,6 @@ OPS = {
         1,
         (0, 1, 2, 3),
         lambda x, *args: x.new_empty(x.shape),
-    ),
-    "moe_grouped_swiglu_mlp": register_function(
-        "moe_grouped_swiglu_mlp",
-        GroupedSwiGLUMLPFunction,
-        "Tensor x, Tensor gate_up, Tensor down, Tensor starts, Tensor ends, int num_rows, "
-        "Tensor? index, Tensor? slots, int top_k, bool padded",
-        1,
-        (0, 1, 2),
-        lambda x, gate_up, down, starts, ends, num_rows, *args: x.new_empty((num_rows, x.shape[1])),
     ),
 }
 """The forward ops by name (``torch.ops.mcore_kernels.<name>``)."""

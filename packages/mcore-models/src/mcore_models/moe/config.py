@@ -15,7 +15,7 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
 """Names accepted by :attr:`MoEConfig.dispatcher`."""
 
-EXPERT_KERNELS = ("grouped_mm", "triton", "cublas", "bmm")
+EXPERT_KERNELS = ("grouped_mm", "cublas", "bmm")
 """Names accepted by :attr:`MoEConfig.expert_kernel`."""
 
 
@@ -73,9 +73,7 @@ class MoEConfig:
     False always uses a loop over experts."""
     expert_kernel: str = "grouped_mm"
     """Kernels of the experts when ``grouped_gemm`` is on: "grouped_mm" (``torch._grouped_mm``
-    dropless, batched GEMMs for drop-and-pad; the faster on every measured shape) or "triton"
-    (``mcore_kernels``' grouped SwiGLU MLP: the token gather fused into the gate/up GEMM,
-    SwiGLU in its epilogue, drop-and-pad padding rows skipped; the torch reference on CPU) or
+    dropless, batched GEMMs for drop-and-pad; the faster on every measured shape) or
     "cublas" (dropless: one cuBLAS GEMM per expert and pass, with the group sizes copied to the
     host once per layer call, a device sync; for few experts with many tokens each, where
     per-expert GEMMs are as efficient as the dense one; with ``fused_experts`` inside the
@@ -87,8 +85,7 @@ class MoEConfig:
     sync; routing so uneven that this pads more than 25% runs "grouped_mm" instead).
     See ``docs/benchmarks/moe.md``."""
     weights_in_experts: bool = True
-    """On one rank holding every expert (no expert or expert tensor parallelism), with any
-    ``expert_kernel`` but "triton": scale each row's activation by its routing weight in the
+    """On one rank holding every expert (no expert or expert tensor parallelism), scale each row's activation by its routing weight in the
     fused SwiGLU kernel, before the down projection (which is linear, so the result is the
     same up to rounding), and combine with a plain sum. The weight gradient then comes from
     the SwiGLU backward pass, and the combine neither saves the expert outputs nor reads them

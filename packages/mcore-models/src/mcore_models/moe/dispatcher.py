@@ -201,7 +201,7 @@ def dispatch_and_combine(
         dispatcher: "alltoall" or "allgather".
         comm: Groups of the layer, or None without expert or expert tensor parallelism.
         counts: ``[num_experts]`` int64 assignments per expert if the router counted them.
-        weights_in_experts: Dropless on one rank with non-Triton experts: the experts scale
+        weights_in_experts: Dropless on one rank: the experts scale
             their activations by the routing weights and the combine is a plain sum (see
             ``MoEConfig.weights_in_experts``).
         padded_dropless: ``capacity`` holds every expert's assignments (see
@@ -219,16 +219,11 @@ def dispatch_and_combine(
     flat_experts = experts.reshape(-1)
     if counts is None:
         counts = count(flat_experts, num_experts)
-    # One rank holding every expert, with the Triton experts: the token gather is fused into
-    # their first GEMM (no permuted copy of the tokens).
-    fused = comm.ep_group is None and comm.etp_group is None and experts_module.uses_triton(x)
     if capacity is None:
         # Assignments in expert order; stable, so each expert sees its tokens in order.
         order = torch.argsort(flat_experts, stable=True)
         inverse = inverse_permutation(order)
-        if fused:
-            outputs = experts_module.forward_tokens(x, order, inverse, counts, top_k)
-        elif weights_in_experts and comm.ep_group is None and comm.etp_group is None:
+        if weights_in_experts and comm.ep_group is None and comm.etp_group is None:
             if experts_module.fuses_routing(x):
                 return experts_module.forward_routed(x, weights, order, inverse, counts), counts
             permuted = permute_tokens(x, order // top_k, inverse, top_k)
@@ -252,12 +247,6 @@ def dispatch_and_combine(
     else:
         valid = torch.ones_like(flat_experts, dtype=torch.bool)
         slots = capacity_slots(flat_experts, valid, num_experts, capacity)
-    if fused:
-        fillers, kept = padded_index(slots, num_experts * capacity)
-        outputs = experts_module.forward_tokens(
-            x, fillers, kept, counts.clamp(max=capacity), top_k, capacity
-        )
-        return unpermute_combine(outputs, weights, kept, fillers), counts
     if weights_in_experts and comm.ep_group is None and comm.etp_group is None:
         # One rank: the slots' routing weights scale the activations inside the experts and
         # the combine is a plain sum (as on the dropless path).

@@ -9,13 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_kernels._backend import use_triton
-from mcore_kernels.moe import grouped_swiglu_mlp, routed_experts, swiglu, weighted_swiglu
+from mcore_kernels.moe import routed_experts, swiglu, weighted_swiglu
 from mcore_kernels.moe.expert_gemms import (
     CUBLAS_LOOP,
     ExpertGemms,
     choose_expert_gemms,
 )
-from mcore_models.errors import ModelInputError
 
 __all__ = ["CUBLAS_LOOP_PLAN", "GroupedExperts", "grouped_mm_supported"]
 
@@ -167,9 +166,9 @@ class GroupedExperts(nn.Module):
         ffn_hidden_size: Inner width of each expert (this rank's share under expert tensor
             parallelism).
         dtype: Dtype of the weights.
-        grouped_gemm: Use grouped kernels (``torch._grouped_mm`` where available, or Triton);
-            False runs a loop over experts.
-        expert_kernel: "grouped_mm", "triton", "cublas" or "bmm" (see
+        grouped_gemm: Use grouped kernels (``torch._grouped_mm`` where available); False runs
+            a loop over experts.
+        expert_kernel: "grouped_mm", "cublas" or "bmm" (see
             ``MoEConfig.expert_kernel``).
         fused: Run dropless routed assignments as one fused operation where possible (see
             ``MoEConfig.fused_experts`` and :meth:`fuses_routing`).
@@ -212,18 +211,6 @@ class GroupedExperts(nn.Module):
     def _gate_up_weight(self) -> torch.Tensor:
         """``[E, 2 * ffn, hidden]`` view of ``gate_up_proj`` (gate rows first)."""
         return self.gate_up_proj.flatten(1, 2)
-
-    def uses_triton(self, tokens: torch.Tensor) -> bool:
-        """Whether the Triton grouped SwiGLU MLP runs these tokens (see ``expert_kernel``).
-
-        Args:
-            tokens: The tokens about to be run.
-
-        Returns:
-            True for the Triton kernels, False for ``torch._grouped_mm`` / batched GEMMs or the
-            loop over experts.
-        """
-        return self.grouped_gemm and self.expert_kernel == "triton"
 
     def fuses_routing(self, tokens: torch.Tensor) -> bool:
         """Whether :meth:`forward_routed` runs these tokens as one fused operation.
@@ -298,43 +285,6 @@ class GroupedExperts(nn.Module):
             gemms=self.plan_for(order.shape[0], x),
         )
 
-    def forward_tokens(
-        self,
-        x: torch.Tensor,
-        index: torch.Tensor,
-        slots: torch.Tensor,
-        counts: torch.Tensor,
-        top_k: int,
-        capacity: int | None = None,
-    ) -> torch.Tensor:
-        """Run routing assignments, reading their tokens through the permutation (Triton).
-
-        The gather of the tokens into expert order is fused into the gate/up GEMM and the
-        backward sums each token's ``top_k`` row gradients, so no permuted copy is made.
-
-        Args:
-            x: ``[T, hidden]`` tokens.
-            index: ``[R]`` int64 assignment of each expert row (token ``index[r] // top_k``).
-            slots: ``[T * top_k]`` int64 expert row of each assignment, -1 when dropped.
-            counts: ``[num_experts]`` rows used by each expert.
-            top_k: Assignments per token.
-            capacity: Rows reserved per expert (drop-and-pad, ``R = num_experts * capacity``),
-                or None (dropless, consecutive groups).
-
-        Returns:
-            ``[R, hidden]`` expert outputs (zero in padding rows).
-        """
-        return grouped_swiglu_mlp(
-            x,
-            self._gate_up_weight(),
-            self.down_proj,
-            counts,
-            capacity=capacity,
-            index=index,
-            slots=slots,
-            top_k=top_k,
-        )
-
     def forward(
         self, tokens: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -344,21 +294,12 @@ class GroupedExperts(nn.Module):
             tokens: ``[M, hidden]`` tokens sorted by expert.
             counts: ``[num_experts]`` int64 number of tokens of each expert (sums to ``M``).
             row_weights: ``[M]`` routing weight of each row, applied to its activation before
-                the down projection (not with the Triton experts), or None.
+                the down projection, or None.
 
         Returns:
             ``[M, hidden]`` expert outputs in the order of ``tokens``.
-
-        Raises:
-            ModelInputError: If ``row_weights`` is given to the Triton experts.
         """
         ffn = self.ffn_hidden_size
-        if self.uses_triton(tokens):
-            if row_weights is not None:
-                raise ModelInputError(
-                    "row_weights is not supported by expert_kernel='triton'; expected None"
-                )
-            return grouped_swiglu_mlp(tokens, self._gate_up_weight(), self.down_proj, counts)
 
         def activation(gate_up: torch.Tensor) -> torch.Tensor:
             if row_weights is None:
@@ -392,35 +333,16 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         """Run fixed-capacity groups through their experts (no host sync).
 
-        Batched GEMMs, or the Triton grouped MLP over every slot when ``uses_triton``.
+        Batched GEMMs over every slot.
 
         Args:
             tokens: ``[num_experts, capacity, hidden]`` slots of each expert (padding is zero).
             slot_weights: ``[num_experts, capacity]`` routing weight of each slot, applied to
-                its activation before the down projection (not with the Triton experts), or
-                None.
+                its activation before the down projection, or None.
 
         Returns:
             ``[num_experts, capacity, hidden]`` outputs.
-
-        Raises:
-            ModelInputError: If ``slot_weights`` is given to the Triton experts.
         """
-        if self.uses_triton(tokens):
-            if slot_weights is not None:
-                raise ModelInputError(
-                    "slot_weights is not supported by expert_kernel='triton'; expected None"
-                )
-            experts, capacity, hidden = tokens.shape
-            full = torch.full((experts,), capacity, dtype=torch.int64, device=tokens.device)
-            out = grouped_swiglu_mlp(
-                tokens.reshape(-1, hidden),
-                self._gate_up_weight(),
-                self.down_proj,
-                full,
-                capacity=capacity,
-            )
-            return out.view(experts, capacity, -1)
         gate_up = _BatchedLinear.apply(tokens, self._gate_up_weight())
         if slot_weights is None:
             activation = swiglu(gate_up.flatten(0, 1))
