@@ -1,11 +1,9 @@
 """Per-token log-probabilities (and entropies): Triton kernels, launchers, autograd, custom ops.
 
 Forward: one program per row streams the row's logits in chunks of ``BLOCK_V`` (a function of
-the vocabulary size only). Each thread keeps its own running maximum, running sum of
-``exp(z - max)`` and, for the entropy, running sum of ``exp(z - max) * z`` over the 16-byte
-vectors it loads, so the loop has no reduction across threads (no barrier between one chunk's
-loads and the next); the threads' statistics are combined once at the end of the row. Every
-value is upcast to float32 in registers, so no float32 copy of the logits is ever made. The per-row statistics of a
+the vocabulary size only), keeping a running maximum, the running sum of ``exp(z - max)`` and,
+for the entropy, the running sum of ``exp(z - max) * z``; every value is upcast to float32 in
+registers, so no float32 copy of the logits is ever made. The per-row statistics of a
 vocabulary shard are combined across the tensor-parallel group in torch (a few floats per row).
 
 Backward: one program per row writes ``d(logits)`` in the logits' dtype, the only logits-sized
@@ -62,33 +60,28 @@ def _block_and_warps(vocab: int, backward: bool) -> tuple[int, int]:
 
     From the sweep of ``benchmarks/tune_launch_configs.py`` on an H200 (results under
     ``benchmarks/results/nvidia-h200/launch_configs.md``): the forward streams fastest with
-    4096-wide chunks and 8 warps (its per-thread running statistics need no reduction across
-    threads inside the loop; H200, one CUDA graph: 33.2 against 35.6 us at [1024, 50257] bf16,
-    82.8 against 93.3 us at [1024, 151936], 575 against 617 us at [8192, 151936]); the backward, which also writes the gradient, with 2048-wide
+    4096-wide chunks and 4 warps; the backward, which also writes the gradient, with 2048-wide
     chunks and 16 warps (1.33 ms against 1.58 ms for 4096 and 8 warps at [8192, 151936] bf16,
     and 16-21 % faster at [1024, 151936] and [8192, 50257]).
     """
     if backward:
         block = min(next_power_of_2(vocab), 2048)
         return block, 16 if block >= 2048 else 4
-    block = min(next_power_of_2(vocab), MAX_BLOCK_V)
-    return block, 8 if block >= 4096 else 4
+    return min(next_power_of_2(vocab), MAX_BLOCK_V), 4
 
 
 @jit
 def _lse_step(z, running_max, running_sum, running_weighted, WITH_ENTROPY: tl.constexpr):
-    # z: [BLOCK_V // VEC, VEC], each row of VEC consecutive logits held by one thread; the
-    # running statistics are one per row, so these reductions stay inside a thread.
-    new_max = tl.maximum(running_max, tl.max(z, axis=1))
+    new_max = tl.maximum(running_max, tl.max(z, axis=0))
     # While every logit so far is -inf the shift is undefined; keep the sums at zero.
     shift = tl.where(new_max == -float("inf"), 0.0, new_max)
     scale = tl.exp(running_max - shift)
-    exps = tl.exp(z - shift[:, None])
-    running_sum = running_sum * scale + tl.sum(exps, axis=1)
+    exps = tl.exp(z - shift)
+    running_sum = running_sum * scale + tl.sum(exps, axis=0)
     if WITH_ENTROPY:
         # exp(-inf) * -inf would be nan: masked logits contribute nothing.
         weighted = exps * tl.where(exps > 0.0, z, 0.0)
-        running_weighted = running_weighted * scale + tl.sum(weighted, axis=1)
+        running_weighted = running_weighted * scale + tl.sum(weighted, axis=0)
     return new_max, running_sum, running_weighted
 
 
@@ -116,11 +109,10 @@ def _token_logprobs_fwd_kernel(
     lead = row_start % ALIGN
     base = logits_ptr + tl.multiple_of(row_start - lead, ALIGN)
     end = vocab + lead
-    # A chunk is [BLOCK_V // ALIGN, ALIGN]: one 16-byte vector per row of the tile.
-    cols = tl.arange(0, BLOCK_V // ALIGN)[:, None] * ALIGN + tl.arange(0, ALIGN)[None, :]
-    running_max = tl.full([BLOCK_V // ALIGN], -float("inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_V // ALIGN], tl.float32)
-    running_weighted = tl.zeros([BLOCK_V // ALIGN], tl.float32)
+    cols = tl.arange(0, BLOCK_V)
+    running_max = -float("inf")
+    running_sum = 0.0
+    running_weighted = 0.0
     # First chunk: masked below the row start (and at its end for short rows).
     head = tl.load(base + cols, mask=(cols >= lead) & (cols < end), other=-float("inf"))
     z = head.to(tl.float32) * inv_temperature
@@ -140,12 +132,7 @@ def _token_logprobs_fwd_kernel(
         running_max, running_sum, running_weighted = _lse_step(
             z, running_max, running_sum, running_weighted, WITH_ENTROPY
         )
-    # One reduction across the threads at the end of the row.
-    row_max = tl.max(running_max, axis=0)
-    shift = tl.where(row_max == -float("inf"), 0.0, row_max)
-    scale = tl.exp(running_max - shift)
-    total = tl.sum(running_sum * scale, axis=0)
-    lse = row_max + tl.log(total)
+    lse = running_max + tl.log(running_sum)
     target = tl.load(targets_ptr + row).to(tl.int64)
     valid = target != ignore_index
     local = target - vocab_start
@@ -163,8 +150,7 @@ def _token_logprobs_fwd_kernel(
     else:
         tl.store(stats_ptr + row, target_logit)
     if WITH_ENTROPY:
-        weighted_total = tl.sum(running_weighted * scale, axis=0)
-        expected = weighted_total / tl.where(total > 0.0, total, 1.0)
+        expected = running_weighted / tl.where(running_sum > 0.0, running_sum, 1.0)
         if FULL_VOCAB:
             tl.store(stats_ptr + 2 * rows + row, tl.where(valid, lse - expected, 0.0))
         tl.store(stats_ptr + 3 * rows + row, expected)
