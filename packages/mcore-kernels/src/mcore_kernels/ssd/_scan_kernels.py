@@ -8,6 +8,112 @@ __all__ = ["ssd_bwd_kernel", "ssd_fwd_kernel"]
 
 
 @jit
+def _program_tile(
+    cu_ptr,
+    a_ptr,
+    d_ptr,
+    heads,
+    head_dim,
+    state_size,
+    HEADS_PER_GROUP: tl.constexpr,
+    HAS_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """This program's sequence, head and block of state rows, with the head's parameters.
+
+    Returns ``(seq, head, p_block, group, start, end, offs_p, offs_n, mask_pn, state_off,
+    pn_off, decay_rate, skip)``: ``[start, end)`` are the sequence's tokens, ``state_off +
+    pn_off`` addresses the program's ``[BLOCK_P, BLOCK_N]`` tile of a ``[S, H, P, N]`` state,
+    ``decay_rate`` is ``A[head]`` and ``skip`` is ``D[head]`` (0 without ``D``).
+    """
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    p_block = tl.program_id(2)
+    group = head // HEADS_PER_GROUP
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    offs_p = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_pn = (offs_p < head_dim)[:, None] & (offs_n < state_size)[None, :]
+    state_off = (seq * heads + head) * head_dim * state_size
+    pn_off = offs_p[:, None] * state_size + offs_n[None, :]
+    decay_rate = tl.load(a_ptr + head).to(tl.float32)
+    skip = 0.0
+    if HAS_D:
+        skip = tl.load(d_ptr + head).to(tl.float32)
+    return (
+        seq,
+        head,
+        p_block,
+        group,
+        start,
+        end,
+        offs_p,
+        offs_n,
+        mask_pn,
+        state_off,
+        pn_off,
+        decay_rate,
+        skip,
+    )
+
+
+@jit
+def _load_state_tile(
+    ptr, offsets, mask, LOAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """A float32 ``[BLOCK_P, BLOCK_N]`` state tile: loaded when ``LOAD``, else zeros."""
+    if LOAD:
+        tile = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    else:
+        tile = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    return tile
+
+
+@jit
+def _load_chunk(
+    x_ptr,
+    dt_ptr,
+    b_ptr,
+    c_ptr,
+    c0,
+    end,
+    head,
+    group,
+    heads,
+    head_dim,
+    state_size,
+    groups,
+    offs_p,
+    offs_n,
+    decay_rate,
+    CHUNK: tl.constexpr,
+):
+    """Loads the chunk of tokens ``[c0, min(c0 + CHUNK, end))`` in float32.
+
+    Returns ``(rows, mask_l, x_off, mask_lp, mask_ln, x, dt, b, c, a, is_last, a_last)``:
+    token indices and masks, the offsets of ``x`` (also those of ``y`` and ``dy``), the
+    loaded ``x``, ``dt``, ``B``, ``C``, the running sum ``a`` of ``dt * A``, the mask of the
+    chunk's last token and ``a`` there.
+    """
+    rows = c0 + tl.arange(0, CHUNK)
+    mask_l = rows < end
+    x_off = (rows[:, None] * heads + head) * head_dim + offs_p[None, :]
+    mask_lp = mask_l[:, None] & (offs_p < head_dim)[None, :]
+    x = tl.load(x_ptr + x_off, mask=mask_lp, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + rows * heads + head, mask=mask_l, other=0.0).to(tl.float32)
+    bc_off = (rows[:, None] * groups + group) * state_size + offs_n[None, :]
+    mask_ln = mask_l[:, None] & (offs_n < state_size)[None, :]
+    b = tl.load(b_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
+    a = tl.cumsum(dt * decay_rate, axis=0)
+    is_last = rows == tl.minimum(end, c0 + CHUNK) - 1
+    a_last = tl.sum(tl.where(is_last, a, 0.0), axis=0)
+    return rows, mask_l, x_off, mask_lp, mask_ln, x, dt, b, c, a, is_last, a_last
+
+
+@jit
 def ssd_fwd_kernel(
     x_ptr,
     dt_ptr,
@@ -34,50 +140,52 @@ def ssd_fwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """Forward of one (sequence, head, head-dim block): outputs and chunk-start states."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    p_block = tl.program_id(2)
-    group = head // HEADS_PER_GROUP
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    (
+        seq,
+        head,
+        _p_block,
+        group,
+        start,
+        end,
+        offs_p,
+        offs_n,
+        mask_pn,
+        state_off,
+        pn_off,
+        decay_rate,
+        skip,
+    ) = _program_tile(
+        cu_ptr, a_ptr, d_ptr, heads, head_dim, state_size, HEADS_PER_GROUP, HAS_D, BLOCK_P, BLOCK_N
+    )
+    state = _load_state_tile(init_ptr + state_off, pn_off, mask_pn, HAS_INIT, BLOCK_P, BLOCK_N)
     offs_l = tl.arange(0, CHUNK)
-    offs_p = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p = offs_p < head_dim
-    mask_n = offs_n < state_size
-    mask_pn = mask_p[:, None] & mask_n[None, :]
-    state_off = (seq * heads + head) * head_dim * state_size
-    pn_off = offs_p[:, None] * state_size + offs_n[None, :]
-    decay_rate = tl.load(a_ptr + head).to(tl.float32)
-    skip = 0.0
-    if HAS_D:
-        skip = tl.load(d_ptr + head).to(tl.float32)
-    if HAS_INIT:
-        state = tl.load(init_ptr + state_off + pn_off, mask=mask_pn, other=0.0).to(tl.float32)
-    else:
-        state = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     chunk_base = 0
     if STORE_CHUNK_STATES:
         chunk_base = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
     num_chunks = tl.cdiv(end - start, CHUNK)
     causal = offs_l[:, None] >= offs_l[None, :]
     for ci in range(0, num_chunks):
-        c0 = start + ci * CHUNK
-        rows = c0 + offs_l
-        mask_l = rows < end
         if STORE_CHUNK_STATES:
             cs_off = ((chunk_base + ci) * heads + head) * head_dim * state_size
             tl.store(chunk_states_ptr + cs_off + pn_off, state, mask=mask_pn)
-        x_off = (rows[:, None] * heads + head) * head_dim + offs_p[None, :]
-        mask_lp = mask_l[:, None] & mask_p[None, :]
-        x = tl.load(x_ptr + x_off, mask=mask_lp, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + rows * heads + head, mask=mask_l, other=0.0).to(tl.float32)
-        bc_off = (rows[:, None] * groups + group) * state_size + offs_n[None, :]
-        mask_ln = mask_l[:, None] & mask_n[None, :]
-        b = tl.load(b_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
-        c = tl.load(c_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
-        a = tl.cumsum(dt * decay_rate, axis=0)
-        a_last = tl.sum(tl.where(rows == tl.minimum(end, c0 + CHUNK) - 1, a, 0.0), axis=0)
+        _rows, mask_l, x_off, mask_lp, _mask_ln, x, dt, b, c, a, _is_last, a_last = _load_chunk(
+            x_ptr,
+            dt_ptr,
+            b_ptr,
+            c_ptr,
+            start + ci * CHUNK,
+            end,
+            head,
+            group,
+            heads,
+            head_dim,
+            state_size,
+            groups,
+            offs_p,
+            offs_n,
+            decay_rate,
+            CHUNK,
+        )
         xdt = x * dt[:, None]
         scores = tl.dot(c, tl.trans(b), input_precision="ieee")
         diff = tl.where(causal, a[:, None] - a[None, :], 0.0)
@@ -128,28 +236,25 @@ def ssd_bwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """Backward of one (sequence, head, head-dim block), chunks in reverse order."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    p_block = tl.program_id(2)
-    group = head // HEADS_PER_GROUP
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    (
+        seq,
+        head,
+        p_block,
+        group,
+        start,
+        end,
+        offs_p,
+        offs_n,
+        mask_pn,
+        state_off,
+        pn_off,
+        decay_rate,
+        skip,
+    ) = _program_tile(
+        cu_ptr, a_ptr, d_ptr, heads, head_dim, state_size, HEADS_PER_GROUP, HAS_D, BLOCK_P, BLOCK_N
+    )
+    dstate = _load_state_tile(dfinal_ptr + state_off, pn_off, mask_pn, HAS_DFINAL, BLOCK_P, BLOCK_N)
     offs_l = tl.arange(0, CHUNK)
-    offs_p = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p = offs_p < head_dim
-    mask_n = offs_n < state_size
-    mask_pn = mask_p[:, None] & mask_n[None, :]
-    state_off = (seq * heads + head) * head_dim * state_size
-    pn_off = offs_p[:, None] * state_size + offs_n[None, :]
-    decay_rate = tl.load(a_ptr + head).to(tl.float32)
-    skip = 0.0
-    if HAS_D:
-        skip = tl.load(d_ptr + head).to(tl.float32)
-    if HAS_DFINAL:
-        dstate = tl.load(dfinal_ptr + state_off + pn_off, mask=mask_pn, other=0.0).to(tl.float32)
-    else:
-        dstate = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     chunk_base = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
     num_chunks = tl.cdiv(end - start, CHUNK)
     causal = offs_l[:, None] >= offs_l[None, :]
@@ -157,23 +262,27 @@ def ssd_bwd_kernel(
     dd_total = 0.0
     for k in range(0, num_chunks):
         ci = num_chunks - 1 - k
-        c0 = start + ci * CHUNK
-        rows = c0 + offs_l
-        mask_l = rows < end
-        is_last = rows == tl.minimum(end, c0 + CHUNK) - 1
         cs_off = ((chunk_base + ci) * heads + head) * head_dim * state_size
         s0 = tl.load(chunk_states_ptr + cs_off + pn_off, mask=mask_pn, other=0.0)
-        x_off = (rows[:, None] * heads + head) * head_dim + offs_p[None, :]
-        mask_lp = mask_l[:, None] & mask_p[None, :]
-        x = tl.load(x_ptr + x_off, mask=mask_lp, other=0.0).to(tl.float32)
+        rows, mask_l, x_off, mask_lp, mask_ln, x, dt, b, c, a, is_last, a_last = _load_chunk(
+            x_ptr,
+            dt_ptr,
+            b_ptr,
+            c_ptr,
+            start + ci * CHUNK,
+            end,
+            head,
+            group,
+            heads,
+            head_dim,
+            state_size,
+            groups,
+            offs_p,
+            offs_n,
+            decay_rate,
+            CHUNK,
+        )
         dy = tl.load(dy_ptr + x_off, mask=mask_lp, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + rows * heads + head, mask=mask_l, other=0.0).to(tl.float32)
-        bc_off = (rows[:, None] * groups + group) * state_size + offs_n[None, :]
-        mask_ln = mask_l[:, None] & mask_n[None, :]
-        b = tl.load(b_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
-        c = tl.load(c_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
-        a = tl.cumsum(dt * decay_rate, axis=0)
-        a_last = tl.sum(tl.where(is_last, a, 0.0), axis=0)
         xdt = x * dt[:, None]
         scores = tl.dot(c, tl.trans(b), input_precision="ieee")
         diff = tl.where(causal, a[:, None] - a[None, :], 0.0)
