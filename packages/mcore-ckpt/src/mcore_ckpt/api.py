@@ -6,7 +6,7 @@ import contextlib
 import datetime
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,34 @@ def _first_failure(error: BaseException) -> BaseException:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+def _run_dcp(
+    call: Callable[..., object], comm: Communicator, **storage: Any
+) -> tuple[BaseException, BaseException] | None:
+    """Runs ``dcp.save`` or ``dcp.load`` over the communicator's group.
+
+    Args:
+        call: ``dcp.save`` or ``dcp.load``.
+        comm: The communicator whose group runs the call.
+        **storage: The storage writer or reader and the planner.
+
+    Returns:
+        None on success, else ``(caught, cause)``: the exception DCP raised and the first
+        failing rank's exception inside it, for the caller to wrap.
+
+    Raises:
+        CheckpointError: The cause of the failure, when it is one of this package's errors.
+    """
+    try:
+        with _quiet_single_process():
+            call({}, process_group=comm.group, no_dist=not comm.distributed, **storage)
+    except (Exception, CheckpointException) as caught:
+        cause = _first_failure(caught)
+        if isinstance(cause, CheckpointError):
+            raise cause from caught
+        return caught, cause
+    return None
 
 
 def _check_optional_int(name: str, value: Any, minimum: int) -> None:
@@ -257,20 +285,10 @@ def _write_and_commit(
     writer = FileSystemWriter(
         temporary, single_file_per_rank=True, sync_files=True, thread_count=io_threads
     )
-    try:
-        with _quiet_single_process():
-            dcp.save(
-                {},
-                storage_writer=writer,
-                planner=planner,
-                process_group=comm.group,
-                no_dist=not comm.distributed,
-            )
-    except (Exception, CheckpointException) as caught:
-        cause = _first_failure(caught)
-        if isinstance(cause, CheckpointError):
-            raise cause from caught
-        raise CheckpointWriteError(f"writing {temporary} failed: {_describe(cause)}") from caught
+    failure = _run_dcp(dcp.save, comm, storage_writer=writer, planner=planner)
+    if failure is not None:
+        dcp_error, cause = failure
+        raise CheckpointWriteError(f"writing {temporary} failed: {_describe(cause)}") from dcp_error
 
     report: tuple[dict[str, FileInfo] | None, str | None]
     try:
@@ -380,26 +398,18 @@ def load(
     _raise_agreed(comm, error)
 
     planner = BlockLoadPlanner(blocks, object_names)
-    try:
-        with _quiet_single_process():
-            dcp.load(
-                {},
-                storage_reader=reader,
-                planner=planner,
-                process_group=comm.group,
-                no_dist=not comm.distributed,
-            )
-    except (Exception, CheckpointException) as caught:
-        cause = _first_failure(caught)
-        if isinstance(cause, CheckpointError):
-            raise cause from caught
+    failure = _run_dcp(dcp.load, comm, storage_reader=reader, planner=planner)
+    if failure is not None:
+        dcp_error, cause = failure
         try:
             check_file_checksums(info)
         except CheckpointCorruptError as culprit:
             raise CheckpointCorruptError(
                 f"{culprit} (loading failed: {_describe(cause)})"
-            ) from caught
-        raise CheckpointCorruptError(f"loading {directory} failed: {_describe(cause)}") from caught
+            ) from dcp_error
+        raise CheckpointCorruptError(
+            f"loading {directory} failed: {_describe(cause)}"
+        ) from dcp_error
     for fqn in object_names:
         entry = entries[fqn]
         entry.container[entry.key] = planner.loaded_objects[fqn]

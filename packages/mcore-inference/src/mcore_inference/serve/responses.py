@@ -96,15 +96,27 @@ def _chat_logprobs(delta: ChoiceDelta, logprobs: bool) -> dict[str, Any] | None:
 
 
 def _body(
-    kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]]
+    kind: str,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    **usage: dict[str, int] | None,
 ) -> dict[str, Any]:
+    """The response object; ``usage`` is empty (no ``usage`` key) or ``{"usage": ...}``."""
     return {
         "id": request_id,
         "object": kind,
         "created": created,
         "model": model,
         "choices": choices,
+        **usage,
     }
+
+
+def _null_usage(include_usage: bool) -> dict[str, None]:
+    """A streamed chunk's ``usage: null`` when the stream ends with a usage chunk."""
+    return {"usage": None} if include_usage else {}
 
 
 def _choice(
@@ -140,15 +152,8 @@ def completion_response(
     Returns:
         The ``text_completion`` object.
     """
-    body = _body(
-        "text_completion",
-        request_id,
-        created,
-        model,
-        [_choice(c, _completion_logprobs(c, logprobs), text=c.text) for c in choices],
-    )
-    body["usage"] = usage.as_dict()
-    return body
+    answers = [_choice(c, _completion_logprobs(c, logprobs), text=c.text) for c in choices]
+    return _body("text_completion", request_id, created, model, answers, usage=usage.as_dict())
 
 
 def completion_chunk(
@@ -175,10 +180,9 @@ def completion_chunk(
         The chunk object.
     """
     choice = _choice(delta, _completion_logprobs(delta, logprobs), text=delta.text)
-    chunk = _body("text_completion", request_id, created, model, [choice])
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
+    return _body(
+        "text_completion", request_id, created, model, [choice], **_null_usage(include_usage)
+    )
 
 
 def chat_response(
@@ -207,9 +211,7 @@ def chat_response(
         _choice(c, _chat_logprobs(c, logprobs), message={"role": "assistant", "content": c.text})
         for c in choices
     ]
-    body = _body("chat.completion", request_id, created, model, answers)
-    body["usage"] = usage.as_dict()
-    return body
+    return _body("chat.completion", request_id, created, model, answers, usage=usage.as_dict())
 
 
 def chat_chunk(
@@ -240,10 +242,9 @@ def chat_chunk(
     if delta.text or first:
         message["content"] = delta.text
     choice = _choice(delta, _chat_logprobs(delta, logprobs), delta=message)
-    chunk = _body("chat.completion.chunk", request_id, created, model, [choice])
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
+    return _body(
+        "chat.completion.chunk", request_id, created, model, [choice], **_null_usage(include_usage)
+    )
 
 
 def usage_chunk(
@@ -261,8 +262,5 @@ def usage_chunk(
     Returns:
         A chunk with no choices and the usage.
     """
-    chunk = _body(
-        "chat.completion.chunk" if chat else "text_completion", request_id, created, model, []
-    )
-    chunk["usage"] = usage.as_dict()
-    return chunk
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return _body(kind, request_id, created, model, [], usage=usage.as_dict())

@@ -8,6 +8,85 @@ __all__ = ["ssd_bwd_kernel", "ssd_fwd_kernel"]
 
 
 @jit
+def _program_ids(cu_ptr, HEADS_PER_GROUP: tl.constexpr):
+    """``(seq, head, p_block, group, start, end)``: this program's sequence, head, block of
+    state rows and group, and the sequence's tokens ``[start, end)``."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    p_block = tl.program_id(2)
+    group = head // HEADS_PER_GROUP
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    return seq, head, p_block, group, start, end
+
+
+@jit
+def _state_tile(
+    seq, head, p_block, heads, head_dim, state_size, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """``(offs_p, offs_n, mask_pn, state_off, pn_off)``: the program's rows and columns of the
+    ``[P, N]`` state; ``state_off + pn_off`` addresses its tile of a ``[S, H, P, N]`` state."""
+    offs_p = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_pn = (offs_p < head_dim)[:, None] & (offs_n < state_size)[None, :]
+    state_off = (seq * heads + head) * head_dim * state_size
+    pn_off = offs_p[:, None] * state_size + offs_n[None, :]
+    return offs_p, offs_n, mask_pn, state_off, pn_off
+
+
+@jit
+def _head_params(a_ptr, d_ptr, head, HAS_D: tl.constexpr):
+    """``(decay_rate, skip)``: ``A[head]`` and ``D[head]`` (0 without ``D``) in float32."""
+    decay_rate = tl.load(a_ptr + head).to(tl.float32)
+    skip = 0.0
+    if HAS_D:
+        skip = tl.load(d_ptr + head).to(tl.float32)
+    return decay_rate, skip
+
+
+@jit
+def _load_state_tile(
+    ptr, offsets, mask, LOAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """A float32 ``[BLOCK_P, BLOCK_N]`` state tile: loaded when ``LOAD``, else zeros."""
+    if LOAD:
+        tile = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    else:
+        tile = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    return tile
+
+
+@jit
+def _load_chunk(inputs, sizes, tile, c0, end, CHUNK: tl.constexpr):
+    """Loads the chunk of tokens ``[c0, min(c0 + CHUNK, end))`` in float32.
+
+    ``inputs`` is ``(x_ptr, dt_ptr, b_ptr, c_ptr)``, ``sizes`` is ``(heads, head_dim,
+    state_size, groups)`` and ``tile`` is ``(head, group, offs_p, offs_n, decay_rate)``.
+    Returns ``(rows, mask_l, x_off, mask_lp, mask_ln, x, dt, b, c, a, is_last, a_last)``:
+    token indices and masks, the offsets of ``x`` (also those of ``y`` and ``dy``), the
+    loaded ``x``, ``dt``, ``B``, ``C``, the running sum ``a`` of ``dt * A``, the mask of the
+    chunk's last token and ``a`` there.
+    """
+    x_ptr, dt_ptr, b_ptr, c_ptr = inputs
+    heads, head_dim, state_size, groups = sizes
+    head, group, offs_p, offs_n, decay_rate = tile
+    rows = c0 + tl.arange(0, CHUNK)
+    mask_l = rows < end
+    x_off = (rows[:, None] * heads + head) * head_dim + offs_p[None, :]
+    mask_lp = mask_l[:, None] & (offs_p < head_dim)[None, :]
+    x = tl.load(x_ptr + x_off, mask=mask_lp, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + rows * heads + head, mask=mask_l, other=0.0).to(tl.float32)
+    bc_off = (rows[:, None] * groups + group) * state_size + offs_n[None, :]
+    mask_ln = mask_l[:, None] & (offs_n < state_size)[None, :]
+    b = tl.load(b_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
+    a = tl.cumsum(dt * decay_rate, axis=0)
+    is_last = rows == tl.minimum(end, c0 + CHUNK) - 1
+    a_last = tl.sum(tl.where(is_last, a, 0.0), axis=0)
+    return rows, mask_l, x_off, mask_lp, mask_ln, x, dt, b, c, a, is_last, a_last
+
+
+@jit
 def ssd_fwd_kernel(
     x_ptr,
     dt_ptr,
@@ -34,50 +113,28 @@ def ssd_fwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """Forward of one (sequence, head, head-dim block): outputs and chunk-start states."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    p_block = tl.program_id(2)
-    group = head // HEADS_PER_GROUP
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    seq, head, p_block, group, start, end = _program_ids(cu_ptr, HEADS_PER_GROUP)
+    offs_p, offs_n, mask_pn, state_off, pn_off = _state_tile(
+        seq, head, p_block, heads, head_dim, state_size, BLOCK_P, BLOCK_N
+    )
+    decay_rate, skip = _head_params(a_ptr, d_ptr, head, HAS_D)
+    state = _load_state_tile(init_ptr + state_off, pn_off, mask_pn, HAS_INIT, BLOCK_P, BLOCK_N)
+    inputs = (x_ptr, dt_ptr, b_ptr, c_ptr)
+    sizes = (heads, head_dim, state_size, groups)
+    tile = (head, group, offs_p, offs_n, decay_rate)
     offs_l = tl.arange(0, CHUNK)
-    offs_p = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p = offs_p < head_dim
-    mask_n = offs_n < state_size
-    mask_pn = mask_p[:, None] & mask_n[None, :]
-    state_off = (seq * heads + head) * head_dim * state_size
-    pn_off = offs_p[:, None] * state_size + offs_n[None, :]
-    decay_rate = tl.load(a_ptr + head).to(tl.float32)
-    skip = 0.0
-    if HAS_D:
-        skip = tl.load(d_ptr + head).to(tl.float32)
-    if HAS_INIT:
-        state = tl.load(init_ptr + state_off + pn_off, mask=mask_pn, other=0.0).to(tl.float32)
-    else:
-        state = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     chunk_base = 0
     if STORE_CHUNK_STATES:
         chunk_base = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
     num_chunks = tl.cdiv(end - start, CHUNK)
     causal = offs_l[:, None] >= offs_l[None, :]
     for ci in range(0, num_chunks):
-        c0 = start + ci * CHUNK
-        rows = c0 + offs_l
-        mask_l = rows < end
         if STORE_CHUNK_STATES:
             cs_off = ((chunk_base + ci) * heads + head) * head_dim * state_size
             tl.store(chunk_states_ptr + cs_off + pn_off, state, mask=mask_pn)
-        x_off = (rows[:, None] * heads + head) * head_dim + offs_p[None, :]
-        mask_lp = mask_l[:, None] & mask_p[None, :]
-        x = tl.load(x_ptr + x_off, mask=mask_lp, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + rows * heads + head, mask=mask_l, other=0.0).to(tl.float32)
-        bc_off = (rows[:, None] * groups + group) * state_size + offs_n[None, :]
-        mask_ln = mask_l[:, None] & mask_n[None, :]
-        b = tl.load(b_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
-        c = tl.load(c_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
-        a = tl.cumsum(dt * decay_rate, axis=0)
-        a_last = tl.sum(tl.where(rows == tl.minimum(end, c0 + CHUNK) - 1, a, 0.0), axis=0)
+        _rows, mask_l, x_off, mask_lp, _mask_ln, x, dt, b, c, a, _is_last, a_last = _load_chunk(
+            inputs, sizes, tile, start + ci * CHUNK, end, CHUNK
+        )
         xdt = x * dt[:, None]
         scores = tl.dot(c, tl.trans(b), input_precision="ieee")
         diff = tl.where(causal, a[:, None] - a[None, :], 0.0)
@@ -128,28 +185,16 @@ def ssd_bwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """Backward of one (sequence, head, head-dim block), chunks in reverse order."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    p_block = tl.program_id(2)
-    group = head // HEADS_PER_GROUP
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    seq, head, p_block, group, start, end = _program_ids(cu_ptr, HEADS_PER_GROUP)
+    offs_p, offs_n, mask_pn, state_off, pn_off = _state_tile(
+        seq, head, p_block, heads, head_dim, state_size, BLOCK_P, BLOCK_N
+    )
+    decay_rate, skip = _head_params(a_ptr, d_ptr, head, HAS_D)
+    dstate = _load_state_tile(dfinal_ptr + state_off, pn_off, mask_pn, HAS_DFINAL, BLOCK_P, BLOCK_N)
+    inputs = (x_ptr, dt_ptr, b_ptr, c_ptr)
+    sizes = (heads, head_dim, state_size, groups)
+    tile = (head, group, offs_p, offs_n, decay_rate)
     offs_l = tl.arange(0, CHUNK)
-    offs_p = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p = offs_p < head_dim
-    mask_n = offs_n < state_size
-    mask_pn = mask_p[:, None] & mask_n[None, :]
-    state_off = (seq * heads + head) * head_dim * state_size
-    pn_off = offs_p[:, None] * state_size + offs_n[None, :]
-    decay_rate = tl.load(a_ptr + head).to(tl.float32)
-    skip = 0.0
-    if HAS_D:
-        skip = tl.load(d_ptr + head).to(tl.float32)
-    if HAS_DFINAL:
-        dstate = tl.load(dfinal_ptr + state_off + pn_off, mask=mask_pn, other=0.0).to(tl.float32)
-    else:
-        dstate = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     chunk_base = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
     num_chunks = tl.cdiv(end - start, CHUNK)
     causal = offs_l[:, None] >= offs_l[None, :]
@@ -157,23 +202,12 @@ def ssd_bwd_kernel(
     dd_total = 0.0
     for k in range(0, num_chunks):
         ci = num_chunks - 1 - k
-        c0 = start + ci * CHUNK
-        rows = c0 + offs_l
-        mask_l = rows < end
-        is_last = rows == tl.minimum(end, c0 + CHUNK) - 1
         cs_off = ((chunk_base + ci) * heads + head) * head_dim * state_size
         s0 = tl.load(chunk_states_ptr + cs_off + pn_off, mask=mask_pn, other=0.0)
-        x_off = (rows[:, None] * heads + head) * head_dim + offs_p[None, :]
-        mask_lp = mask_l[:, None] & mask_p[None, :]
-        x = tl.load(x_ptr + x_off, mask=mask_lp, other=0.0).to(tl.float32)
+        rows, mask_l, x_off, mask_lp, mask_ln, x, dt, b, c, a, is_last, a_last = _load_chunk(
+            inputs, sizes, tile, start + ci * CHUNK, end, CHUNK
+        )
         dy = tl.load(dy_ptr + x_off, mask=mask_lp, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + rows * heads + head, mask=mask_l, other=0.0).to(tl.float32)
-        bc_off = (rows[:, None] * groups + group) * state_size + offs_n[None, :]
-        mask_ln = mask_l[:, None] & mask_n[None, :]
-        b = tl.load(b_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
-        c = tl.load(c_ptr + bc_off, mask=mask_ln, other=0.0).to(tl.float32)
-        a = tl.cumsum(dt * decay_rate, axis=0)
-        a_last = tl.sum(tl.where(is_last, a, 0.0), axis=0)
         xdt = x * dt[:, None]
         scores = tl.dot(c, tl.trans(b), input_precision="ieee")
         diff = tl.where(causal, a[:, None] - a[None, :], 0.0)

@@ -235,6 +235,28 @@ def _backward(
     )
 
 
+def _kernel_inputs(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    initial_states: torch.Tensor | None,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None
+]:
+    """The layouts the kernels take (contiguous, float32 decay rates)."""
+    init = initial_states.contiguous() if initial_states is not None else None
+    return (
+        x.contiguous(),
+        dt.contiguous(),
+        A.contiguous().float(),
+        B.contiguous(),
+        C.contiguous(),
+        init,
+    )
+
+
 def ssd_scan_triton(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -270,10 +292,7 @@ def ssd_scan_triton(
         cu_seqlens = default_cu_seqlens(x.shape[0], x.device)
     check_scan_args(x, dt, A, B, C, D, chunk_size, cu_seqlens, initial_states)
     chunk_size = min(chunk_size, MAX_KERNEL_CHUNK)
-    x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
-    A = A.contiguous().float()
-    if initial_states is not None:
-        initial_states = initial_states.contiguous()
+    x, dt, A, B, C, initial_states = _kernel_inputs(x, dt, A, B, C, initial_states)
     tensors = [t for t in (x, dt, A, B, C, D, initial_states) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         result = _SSDScanFunction.apply(
@@ -330,19 +349,8 @@ def ssd_scan(
         check_scan_args(x, dt, A, B, C, D, chunk_size, cu_seqlens, initial_states)
         y, final, _, _ = _ssd_scan_fwd_op(x, dt, A, B, C, D, initial_states, cu_seqlens, chunk_size)
         return y, final
-    if use_triton(x):
-        return ssd_scan_triton(
-            x,
-            dt,
-            A,
-            B,
-            C,
-            D,
-            chunk_size=chunk_size,
-            cu_seqlens=cu_seqlens,
-            initial_states=initial_states,
-        )
-    return ssd_scan_reference(
+    scan = ssd_scan_triton if use_triton(x) else ssd_scan_reference
+    return scan(
         x,
         dt,
         A,
@@ -356,26 +364,6 @@ def ssd_scan(
 
 
 # --- torch.compile: the custom ops -----------------------------------------------------------
-
-
-def _kernel_inputs(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    initial_states: torch.Tensor | None,
-) -> tuple[torch.Tensor, ...]:
-    """The layouts the kernels take (as :func:`ssd_scan_triton` prepares them)."""
-    init = initial_states.contiguous() if initial_states is not None else None
-    return (
-        x.contiguous(),
-        dt.contiguous(),
-        A.contiguous().float(),
-        B.contiguous(),
-        C.contiguous(),
-        init,
-    )  # type: ignore[return-value]
 
 
 @_compile.custom_op(
@@ -395,18 +383,10 @@ def _ssd_scan_fwd_op(
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if use_triton(x):
-        x, dt, A, B, C, init = _kernel_inputs(x, dt, A, B, C, initial_states)
+        kx, kdt, kA, kB, kC, init = _kernel_inputs(x, dt, A, B, C, initial_states)
+        chunk, cu = min(chunk_size, MAX_KERNEL_CHUNK), cu_seqlens.contiguous()
         y, final, states, offsets = _forward(
-            x,
-            dt,
-            A,
-            B,
-            C,
-            D,
-            min(chunk_size, MAX_KERNEL_CHUNK),
-            cu_seqlens.contiguous(),
-            init,
-            save_chunk_states=True,
+            kx, kdt, kA, kB, kC, D, chunk, cu, init, save_chunk_states=True
         )
         assert states is not None and offsets is not None
         return y, final, states, offsets
@@ -468,21 +448,10 @@ def _ssd_scan_bwd_op(
     empty = x.new_empty(0)
     if use_triton(x):
         kx, kdt, kA, kB, kC, _ = _kernel_inputs(x, dt, A, B, C, None)
-        grads = _backward(
-            dy,
-            dfinal,
-            kx,
-            kdt,
-            kA,
-            kB,
-            kC,
-            D,
-            cu_seqlens.contiguous(),
-            chunk_states,
-            offsets,
-            min(chunk_size, MAX_KERNEL_CHUNK),
+        chunk, cu = min(chunk_size, MAX_KERNEL_CHUNK), cu_seqlens.contiguous()
+        dx, ddt, da, db, dc, dd, dinit = _backward(
+            dy, dfinal, kx, kdt, kA, kB, kC, D, cu, chunk_states, offsets, chunk
         )
-        dx, ddt, da, db, dc, dd, dinit = grads
         da = da.to(A.dtype)
         dinit = dinit.to(initial_states.dtype) if initial_states is not None else empty
         return dx, ddt, da, db, dc, dd if dd is not None else empty.clone(), dinit

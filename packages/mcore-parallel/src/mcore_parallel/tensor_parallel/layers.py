@@ -109,7 +109,73 @@ def _sharded_parameter(
     return param
 
 
-class ColumnParallelLinear(nn.Module):
+class _TensorParallelModule(nn.Module):
+    """Base of the layers here: the tp group, sequence-parallel settings and sharded weights."""
+
+    tp_size: int
+    sequence_parallel: bool
+    sequence_dim: int
+
+    def _init_tensor_parallel(
+        self,
+        state: ParallelState | None,
+        split: tuple[str, int],
+        sequence_parallel: bool,
+        sequence_dim: int,
+    ) -> int:
+        """Sets the tp attributes and returns the per-rank size of the split dimension.
+
+        Args:
+            state: Parallel state whose tp group splits the layer; None for a plain layer.
+            split: Name and full size of the dimension split over the tp ranks.
+            sequence_parallel: Whether the layer works on a sequence-parallel region.
+            sequence_dim: Index of the sequence dimension.
+
+        Returns:
+            The size of the split dimension on this rank.
+
+        Raises:
+            ParallelTypeError: If ``state`` is not a ParallelState or None.
+            ParallelConfigError: If the split size is not divisible by the tp size or
+                ``sequence_dim`` is negative.
+        """
+        self.tp_size, self._tp_rank, self._group = _tp(state)
+        per_rank = _check_divisible(split[0], split[1], self.tp_size)
+        self.sequence_parallel = sequence_parallel
+        self.sequence_dim = _check_int_at_least("sequence_dim", sequence_dim, 0)
+        return per_rank
+
+    def _sharded_weight(
+        self,
+        shape: tuple[int, ...],
+        partition_dim: int,
+        init: tuple[InitMethod | None, int | None],
+        factory: tuple[torch.dtype | None, torch.device | str | None],
+    ) -> nn.Parameter:
+        """Builds this rank's chunk of a weight split along ``partition_dim``.
+
+        Args:
+            shape: Full (master) shape of the weight.
+            partition_dim: Dimension split over the tp ranks.
+            init: The initialiser (None for :func:`default_init_method`) and its seed.
+            factory: The parameter's dtype and device.
+
+        Returns:
+            This rank's shard as a parameter.
+        """
+        init_method, seed = init
+        return _sharded_parameter(
+            shape,
+            partition_dim,
+            self.tp_size,
+            self._tp_rank,
+            init_method or default_init_method,
+            seed,
+            *factory,
+        )
+
+
+class ColumnParallelLinear(_TensorParallelModule):
     """``y = x A^T + b`` with ``A`` split along its output features over tensor-parallel ranks.
 
     Args:
@@ -154,25 +220,17 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.in_features = _check_positive("in_features", in_features)
         self.out_features = _check_positive("out_features", out_features)
-        tp_size, tp_rank, self._group = _tp(state)
-        self.tp_size = tp_size
-        self.out_features_per_rank = _check_divisible("out_features", out_features, tp_size)
+        self.out_features_per_rank = self._init_tensor_parallel(
+            state, ("out_features", out_features), sequence_parallel, sequence_dim
+        )
         self.gather_output = gather_output
-        self.sequence_parallel = sequence_parallel
-        self.sequence_dim = _check_int_at_least("sequence_dim", sequence_dim, 0)
-        self.weight = _sharded_parameter(
-            (out_features, in_features),
-            0,
-            tp_size,
-            tp_rank,
-            init_method or default_init_method,
-            seed,
-            dtype,
-            device,
+        factory = (dtype, device)
+        self.weight = self._sharded_weight(
+            (out_features, in_features), 0, (init_method, seed), factory
         )
         if bias:
-            self.bias: nn.Parameter | None = _sharded_parameter(
-                (out_features,), 0, tp_size, tp_rank, nn.init.zeros_, None, dtype, device
+            self.bias: nn.Parameter | None = self._sharded_weight(
+                (out_features,), 0, (nn.init.zeros_, None), factory
             )
         else:
             self.register_parameter("bias", None)
@@ -210,7 +268,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TensorParallelModule):
     """``y = x A^T + b`` with ``A`` split along its input features over tensor-parallel ranks.
 
     Each rank multiplies its chunk of the input features and the partial results are summed
@@ -265,21 +323,12 @@ class RowParallelLinear(nn.Module):
                 "sequence_parallel=True needs input_is_parallel=True (got input_is_parallel="
                 f"{input_is_parallel})"
             )
-        tp_size, tp_rank, self._group = _tp(state)
-        self.tp_size = tp_size
-        self.in_features_per_rank = _check_divisible("in_features", in_features, tp_size)
+        self.in_features_per_rank = self._init_tensor_parallel(
+            state, ("in_features", in_features), sequence_parallel, sequence_dim
+        )
         self.input_is_parallel = input_is_parallel
-        self.sequence_parallel = sequence_parallel
-        self.sequence_dim = _check_int_at_least("sequence_dim", sequence_dim, 0)
-        self.weight = _sharded_parameter(
-            (out_features, in_features),
-            1,
-            tp_size,
-            tp_rank,
-            init_method or default_init_method,
-            seed,
-            dtype,
-            device,
+        self.weight = self._sharded_weight(
+            (out_features, in_features), 1, (init_method, seed), (dtype, device)
         )
         if bias:
             self.bias: nn.Parameter | None = _sharded_parameter(
@@ -324,7 +373,7 @@ class RowParallelLinear(nn.Module):
         )
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_TensorParallelModule):
     """Embedding table split along the vocabulary over tensor-parallel ranks.
 
     Rank ``r`` holds rows ``[r * V / tp, (r + 1) * V / tp)``; each rank looks up the tokens it
@@ -364,24 +413,15 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings = _check_positive("num_embeddings", num_embeddings)
         self.embedding_dim = _check_positive("embedding_dim", embedding_dim)
-        tp_size, tp_rank, self._group = _tp(state)
-        self.tp_size = tp_size
-        per_rank = _check_divisible("num_embeddings", num_embeddings, tp_size)
-        self.vocab_start = tp_rank * per_rank
+        per_rank = self._init_tensor_parallel(
+            state, ("num_embeddings", num_embeddings), sequence_parallel, sequence_dim
+        )
+        self.vocab_start = self._tp_rank * per_rank
         """First vocabulary index held by this rank."""
         self.vocab_end = self.vocab_start + per_rank
         """One past the last vocabulary index held by this rank."""
-        self.sequence_parallel = sequence_parallel
-        self.sequence_dim = _check_int_at_least("sequence_dim", sequence_dim, 0)
-        self.weight = _sharded_parameter(
-            (num_embeddings, embedding_dim),
-            0,
-            tp_size,
-            tp_rank,
-            init_method or default_init_method,
-            seed,
-            dtype,
-            device,
+        self.weight = self._sharded_weight(
+            (num_embeddings, embedding_dim), 0, (init_method, seed), (dtype, device)
         )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
