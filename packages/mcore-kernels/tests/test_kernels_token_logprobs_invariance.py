@@ -83,9 +83,7 @@ def test_a_row_gives_the_same_bits_at_any_position_batch_size_and_entropy_flag(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("vocab", "dtype"), [*CASES, (50257, torch.bfloat16)])
-def test_cuda_a_row_gives_the_same_bits_at_any_position_batch_size_and_entropy_flag(
-    vocab, dtype
-):
+def test_cuda_a_row_gives_the_same_bits_at_any_position_batch_size_and_entropy_flag(vocab, dtype):
     _check_invariance(vocab, dtype, "cuda")
 
 

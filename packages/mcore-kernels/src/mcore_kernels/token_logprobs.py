@@ -1,10 +1,17 @@
 """Per-token log-probabilities (and entropies): Triton kernels, launchers, autograd, custom ops.
 
 Forward: one program per row streams the row's logits in chunks of ``BLOCK_V`` (a function of
-the vocabulary size only), keeping a running maximum, the running sum of ``exp(z - max)`` and,
-for the entropy, the running sum of ``exp(z - max) * z``; every value is upcast to float32 in
-registers, so no float32 copy of the logits is ever made. The per-row statistics of a
-vocabulary shard are combined across the tensor-parallel group in torch (a few floats per row).
+the vocabulary size only). Every lane of a chunk keeps its own online statistics of the logits
+it sees: the largest so far ``m``, ``sum exp(t * (z - m))`` and, for the entropy, the same sum
+weighted by ``z``, updated with one exponential per logit and no reduction across threads
+inside the loop. Values are upcast to float32 in registers, so no float32 copy of the logits is
+ever made. After the loop the lanes are rotated back to the row's own order (lane ``k`` then
+holds the terms ``k, k + BLOCK_V, ...`` of the row) and reduced once. Every sum of the row is
+therefore taken in an order fixed by the row's logits and the vocabulary size alone: a row's
+results are bitwise the same at any position in any batch, with or without the entropy, eager
+or in a CUDA graph (batch-invariant RL compares the rollout engine's log-probs with the
+trainer's to the last bit). The per-row statistics of a vocabulary shard are combined across
+the tensor-parallel group in torch (a few floats per row).
 
 Backward: one program per row writes ``d(logits)`` in the logits' dtype, the only logits-sized
 buffer of the whole computation:
@@ -13,6 +20,8 @@ buffer of the whole computation:
 Rows of a vocabulary whose size in bytes is not a multiple of 16 (GPT-2's 50257) start at
 unaligned addresses: each row is walked from the 16-byte boundary below its start, with masks
 only on its first and last chunk, so the chunks between are unmasked 16-byte vector accesses.
+A masked logit leaves a lane's statistics bitwise unchanged, which is why the rotation back by
+the row's offset from the boundary is all it takes to make the walk position independent.
 
 No host synchronisation by default: a target outside ``[0, vocab)`` that is not
 ``ignore_index`` yields a NaN log-probability (a device-side check); ``check_targets=True``
