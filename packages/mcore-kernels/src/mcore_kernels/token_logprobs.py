@@ -52,16 +52,26 @@ from mcore_kernels._validation import check_target_range, check_token_logprobs_a
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
 from mcore_kernels.reference import token_logprobs_parts, token_logprobs_reference
 
-__all__ = ["FORWARD_STAGES", "FORWARD_WARPS", "MAX_BLOCK_V", "token_logprobs"]
+__all__ = [
+    "FORWARD_BLOCK_V",
+    "FORWARD_STAGES",
+    "FORWARD_WARPS",
+    "MAX_BLOCK_V",
+    "token_logprobs",
+]
 
 MAX_BLOCK_V = 4096
 """Widest vocabulary chunk a program holds in registers at once."""
+
+FORWARD_BLOCK_V = 2048
+"""Vocabulary chunk of the forward (narrower for smaller vocabularies); it fixes the order of a
+row's sums, so it depends on nothing but the vocabulary size."""
 
 FORWARD_STAGES = 1
 """Software-pipelining depth of the forward's vocabulary loop (``tl.range(num_stages=...)``)."""
 
 FORWARD_WARPS = 8
-"""Warps of a forward program whose chunk is ``MAX_BLOCK_V`` wide."""
+"""Warps of a forward program whose chunk is ``FORWARD_BLOCK_V`` wide."""
 
 _ALIGN_BYTES = 16
 
@@ -82,13 +92,29 @@ def _block_and_warps(vocab: int, backward: bool) -> tuple[int, int]:
     if backward:
         block = max(min(next_power_of_2(vocab), 2048), 16)
         return block, 16 if block >= 2048 else 4
-    block = max(min(next_power_of_2(vocab), MAX_BLOCK_V), 16)
-    return block, FORWARD_WARPS if block >= MAX_BLOCK_V else 4
+    block = max(min(next_power_of_2(vocab), FORWARD_BLOCK_V), 16)
+    return block, FORWARD_WARPS if block >= FORWARD_BLOCK_V else 4
+
+
+# The lowest finite float32 (a constexpr: kernels read no other globals).
+_LOWEST = tl.constexpr(-3.4028234663852886e38) if tl else None
+
+
+@jit
+def _reference_update(x, ref_scaled, s, w, scale, WITH_ENTROPY: tl.constexpr):
+    # Terms relative to the lane's fixed reference: one fused multiply-add, one exponential and
+    # one add per logit (a -inf logit adds exp2(-inf) = 0).
+    e = tl.exp2(x * scale - ref_scaled)
+    s += e
+    if WITH_ENTROPY:
+        # -inf logits (zero terms) weigh the lowest float: 0 * -inf would be NaN.
+        w += e * tl.maximum(x, _LOWEST)
+    return s, w
 
 
 @jit
 def _online_update(x, m, s, w, scale, WITH_ENTROPY: tl.constexpr):
-    # Per lane: m the largest raw logit so far, s = sum exp(t * (x - m)), w = sum of the same
+    # Per lane: m the largest logit so far, s = sum exp2(scale * (x - m)), w = sum of the same
     # terms times x. One exponential per logit, of the smaller minus the larger of (m, x): the
     # old sums are rescaled by it when x is a new maximum, else it is x's own term.
     new_m = tl.maximum(m, x)
@@ -96,10 +122,47 @@ def _online_update(x, m, s, w, scale, WITH_ENTROPY: tl.constexpr):
     up = x > m
     s = tl.where(up, s * e + 1.0, s + e)
     if WITH_ENTROPY:
-        # A -inf logit has a zero term: keep 0 * -inf from making a NaN.
-        xw = tl.where(x == -float("inf"), 0.0, x)
+        xw = tl.maximum(x, _LOWEST)
         w = tl.where(up, w * e + xw, w + e * xw)
     return new_m, s, w
+
+
+@jit
+def _walk_reference(base, end, cols, lead, ref_scaled, scale, WITH_ENTROPY, BLOCK_V, NUM_STAGES):
+    s = tl.zeros([BLOCK_V], tl.float32)
+    w = tl.zeros([BLOCK_V], tl.float32)
+    # First chunk: masked below the row start (and at its end for short rows).
+    head = tl.load(base + cols, mask=(cols >= lead) & (cols < end), other=-float("inf"))
+    s, w = _reference_update(head.to(tl.float32), ref_scaled, s, w, scale, WITH_ENTROPY)
+    full_end = (end // BLOCK_V) * BLOCK_V
+    for start in tl.range(BLOCK_V, full_end, BLOCK_V, num_stages=NUM_STAGES):
+        x = tl.load(base + start + cols).to(tl.float32)
+        s, w = _reference_update(x, ref_scaled, s, w, scale, WITH_ENTROPY)
+    if (full_end >= BLOCK_V) & (full_end < end):
+        offs = full_end + cols
+        tail = tl.load(base + offs, mask=offs < end, other=-float("inf"))
+        s, w = _reference_update(tail.to(tl.float32), ref_scaled, s, w, scale, WITH_ENTROPY)
+    return s, w
+
+
+@jit
+def _walk_online(base, end, cols, lead, scale, WITH_ENTROPY, BLOCK_V):
+    # m starts at the lowest finite float (not -inf): a first term's rescale is then
+    # exp2(-huge) = 0 instead of a NaN.
+    m = tl.full([BLOCK_V], _LOWEST, tl.float32)
+    s = tl.zeros([BLOCK_V], tl.float32)
+    w = tl.zeros([BLOCK_V], tl.float32)
+    head = tl.load(base + cols, mask=(cols >= lead) & (cols < end), other=-float("inf"))
+    m, s, w = _online_update(head.to(tl.float32), m, s, w, scale, WITH_ENTROPY)
+    full_end = (end // BLOCK_V) * BLOCK_V
+    for start in tl.range(BLOCK_V, full_end, BLOCK_V):
+        x = tl.load(base + start + cols).to(tl.float32)
+        m, s, w = _online_update(x, m, s, w, scale, WITH_ENTROPY)
+    if (full_end >= BLOCK_V) & (full_end < end):
+        offs = full_end + cols
+        tail = tl.load(base + offs, mask=offs < end, other=-float("inf"))
+        m, s, w = _online_update(tail.to(tl.float32), m, s, w, scale, WITH_ENTROPY)
+    return m, s, w
 
 
 @jit(do_not_specialize=["rows"])
@@ -130,32 +193,31 @@ def _token_logprobs_fwd_kernel(
     end = vocab + lead
     cols = tl.arange(0, BLOCK_V)
     scale = inv_temperature * 1.4426950408889634
-    # Lane p sees the row's terms p - lead, p - lead + BLOCK_V, ... in that order, and only
-    # masked (-inf) logits before and after them, which leave (m, s, w) bitwise unchanged.
-    # m starts at the lowest finite float (not -inf): the first term's rescale is then
-    # exp2(-huge) = 0 instead of a NaN.
-    m = tl.full([BLOCK_V], -3.4028234663852886e38, tl.float32)
-    s = tl.zeros([BLOCK_V], tl.float32)
-    w = tl.zeros([BLOCK_V], tl.float32)
-    head = tl.load(base + cols, mask=(cols >= lead) & (cols < end), other=-float("inf"))
-    m, s, w = _online_update(head.to(tl.float32), m, s, w, scale, WITH_ENTROPY)
-    full_end = (end // BLOCK_V) * BLOCK_V
-    for start in tl.range(BLOCK_V, full_end, BLOCK_V, num_stages=NUM_STAGES):
-        x = tl.load(base + start + cols).to(tl.float32)
-        m, s, w = _online_update(x, m, s, w, scale, WITH_ENTROPY)
-    if (full_end >= BLOCK_V) & (full_end < end):
-        offs = full_end + cols
-        tail = tl.load(base + offs, mask=offs < end, other=-float("inf"))
-        m, s, w = _online_update(tail.to(tl.float32), m, s, w, scale, WITH_ENTROPY)
-    # Lane (k + lead) mod BLOCK_V holds the terms k, k + BLOCK_V, ...: rotate the lanes back so
-    # that lane k holds them whatever the row's alignment, then reduce. The reductions' inputs
-    # are then a function of the row's logits only (not of its position, the row count or the
-    # entropy flag), hence so are their results.
+    # Lane p sees the row's terms k = p - lead, p - lead + BLOCK_V, ... in that order, and only
+    # masked (-inf) logits before and after them, which leave its sums bitwise unchanged. Its
+    # reference is its first term, logit (p - lead) mod BLOCK_V of the row.
+    firsts = (cols + (BLOCK_V - lead)) % BLOCK_V
+    ref = tl.load(logits_ptr + row_start + firsts, mask=firsts < vocab, other=0.0).to(tl.float32)
+    s, w = _walk_reference(
+        base, end, cols, lead, ref * scale, scale, WITH_ENTROPY, BLOCK_V, NUM_STAGES
+    )
+    # A logit far above its lane's reference (or a -inf / NaN reference) overflows the sums:
+    # that row is walked again with a running maximum per lane (exact at any range).
+    finite = s < float("inf")
+    if WITH_ENTROPY:
+        finite = finite & (tl.abs(w) < float("inf"))
+    top = ref
+    if tl.min(finite.to(tl.int32), axis=0) == 0:
+        top, s, w = _walk_online(base, end, cols, lead, scale, WITH_ENTROPY, BLOCK_V)
+    # Rotate the lanes back so that lane k holds the terms k, k + BLOCK_V, ... whatever the
+    # row's alignment, then reduce: the reductions' inputs are a function of the row's logits
+    # only (not of its position, the row count or the entropy flag), hence so are the results.
     lanes = (cols + lead) % BLOCK_V
-    m = tl.gather(m, lanes, 0)
+    top = tl.gather(top, lanes, 0)
     s = tl.gather(s, lanes, 0)
-    row_max = tl.max(m, axis=0)
-    weights = tl.exp2((m - row_max) * scale)
+    used = cols < vocab
+    row_max = tl.max(tl.where(used, top, -float("inf")), axis=0)
+    weights = tl.where(used, tl.exp2((top - row_max) * scale), 0.0)
     total = tl.sum(s * weights, axis=0)
     lse = row_max * inv_temperature + tl.log(total)
     target = tl.load(targets_ptr + row).to(tl.int64)
