@@ -34,9 +34,11 @@ def triton_backend(monkeypatch):
 def _inputs(vocab, dtype, device, seed):
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(ROWS, vocab, generator=gen) * 4).to(dtype)
-    # A masked span and a tie for the maximum: the online statistics' special cases.
+    # A masked span, a tie for the maximum, and a ramp over 200 nats (a logit far above an
+    # earlier one of its lane): the special cases, both ways through the kernel.
     logits[0, 3:9] = -float("inf")
     logits[1, 5] = logits[1, 11] = logits[1].max() + 1
+    logits[2] += torch.linspace(-100.0, 100.0, vocab)
     targets = torch.randint(0, vocab, (ROWS,), generator=gen)
     filler = (torch.randn(16, vocab, generator=gen) * 4).to(dtype)
     return logits.to(device), targets.to(device), filler.to(device)
