@@ -63,15 +63,15 @@ __all__ = [
 MAX_BLOCK_V = 4096
 """Widest vocabulary chunk a program holds in registers at once."""
 
-FORWARD_BLOCK_V = 2048
+FORWARD_BLOCK_V = 1024
 """Vocabulary chunk of the forward (narrower for smaller vocabularies); it fixes the order of a
 row's sums, so it depends on nothing but the vocabulary size."""
 
 FORWARD_STAGES = 1
 """Software-pipelining depth of the forward's vocabulary loop (``tl.range(num_stages=...)``)."""
 
-FORWARD_WARPS = 8
-"""Warps of a forward program whose chunk is ``FORWARD_BLOCK_V`` wide."""
+FORWARD_WARPS = 4
+"""Warps of a forward program."""
 
 _ALIGN_BYTES = 16
 
@@ -83,17 +83,19 @@ def _block_and_warps(vocab: int, backward: bool) -> tuple[int, int]:
     The forward's chunk also fixes the order in which a row's terms are summed (term ``k`` of a
     row goes to lane ``k mod BLOCK_V``), so it must never depend on the number of rows. Chunks
     are at least 16 elements wide, so the chunk before a row's first 16-byte boundary is never
-    narrower than the bytes between them. From the sweep of ``benchmarks/tune_launch_configs.py``
-    on an H200 (results under ``benchmarks/results/nvidia-h200/launch_configs.md``): the
-    backward, which also writes the gradient, streams fastest with 2048-wide chunks and 16 warps
+    narrower than the bytes between them. The forward's 1024-wide chunks and 4 warps were the
+    fastest of the H200 sweep (session 9, round-2 probe, plain forward, one CUDA graph): 29.1 /
+    75.8 / 194.9 / 550.4 us at [1024 | 8192, 50257 | 151936] bf16 against 32.8 / 80.9 / 205.9 /
+    553.6 for 2048 and 8 warps, 41.6-694.5 for 2048 and 4, 38.9-555.7 for 4096 and 16, and
+    63.7-1220.6 for 4096 and 8. From the sweep of ``benchmarks/tune_launch_configs.py`` on an
+    H200 (results under ``benchmarks/results/nvidia-h200/launch_configs.md``): the backward, which also writes the gradient, streams fastest with 2048-wide chunks and 16 warps
     (1.33 ms against 1.58 ms for 4096 and 8 warps at [8192, 151936] bf16, and 16-21 % faster at
     [1024, 151936] and [8192, 50257]).
     """
     if backward:
         block = max(min(next_power_of_2(vocab), 2048), 16)
         return block, 16 if block >= 2048 else 4
-    block = max(min(next_power_of_2(vocab), FORWARD_BLOCK_V), 16)
-    return block, FORWARD_WARPS if block >= FORWARD_BLOCK_V else 4
+    return max(min(next_power_of_2(vocab), FORWARD_BLOCK_V), 16), FORWARD_WARPS
 
 
 # The lowest finite float32 (a constexpr: kernels read no other globals).
