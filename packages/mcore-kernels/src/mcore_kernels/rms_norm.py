@@ -44,30 +44,46 @@ __all__ = ["LAUNCH_CONFIGS", "MAX_BLOCK", "RMSNormLaunch", "rms_norm", "RMSNorm"
 _LAUNCH_INTERNALS = (_BACKWARD, _FORWARD, _launch)
 
 
+def _rms_norm_backward(ctx, dy, dhidden_out=None):
+    saved = ctx.saved_tensors
+    hidden_states, weight = saved[0], saved[1]
+    rstd = saved[2] if len(saved) == 3 else None
+    if dy is None:
+        if dhidden_out is None:
+            return None, None, None, None
+        dy = torch.zeros_like(hidden_states)
+    if hidden_states.is_cuda and hidden_states.get_device() != _current_device():
+        with on_device_of(hidden_states):
+            dh, dweight = _backward(dy, dhidden_out, hidden_states, weight, rstd, ctx.eps)
+    else:
+        dh, dweight = _backward(dy, dhidden_out, hidden_states, weight, rstd, ctx.eps)
+    # A residual of None never needs a gradient: the flag alone says whether to return it.
+    return dh, dweight, dh if ctx.needs_input_grad[2] else None, None
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual, eps):  # type: ignore[override]
         y, hidden_states, rstd = _forward(x, weight, eps, residual, True)
-        ctx.save_for_backward(hidden_states, weight, rstd)
+        # rstd exists only for rows wider than MAX_BLOCK (narrower rows recompute it).
+        if rstd is None:
+            ctx.save_for_backward(hidden_states, weight)
+        else:
+            ctx.save_for_backward(hidden_states, weight, rstd)
         ctx.eps = eps
         # Without this, an unused output's gradient arrives as a materialised zero tensor.
         ctx.set_materialize_grads(False)
         return y if residual is None else (y, hidden_states)
 
-    @staticmethod
-    def backward(ctx, dy, dhidden_out=None):  # type: ignore[override]
-        hidden_states, weight, rstd = ctx.saved_tensors
-        if dy is None:
-            if dhidden_out is None:
-                return None, None, None, None
-            dy = torch.zeros_like(hidden_states)
-        if hidden_states.is_cuda and hidden_states.get_device() != _current_device():
-            with on_device_of(hidden_states):
-                dh, dweight = _backward(dy, dhidden_out, hidden_states, weight, rstd, ctx.eps)
-        else:
-            dh, dweight = _backward(dy, dhidden_out, hidden_states, weight, rstd, ctx.eps)
-        # A residual of None never needs a gradient: the flag alone says whether to return it.
-        return dh, dweight, dh if ctx.needs_input_grad[2] else None, None
+    backward = staticmethod(_rms_norm_backward)  # type: ignore[assignment]
+
+
+# The autograd engine runs a Python node through its backward class's ``apply``, which in
+# torch looks the user's function up on every call (one more Python frame and a few attribute
+# reads, about 5 us of a one-row backward's 85-100 us host time on the H200 machine, round-1
+# probe of session 9): the node calls the backward directly instead.
+if isinstance(getattr(_RMSNormFunction, "_backward_cls", None), type):
+    _RMSNormFunction._backward_cls.apply = _rms_norm_backward  # type: ignore[attr-defined]
 
 
 # ``Function.apply`` without the Python wrapper some torch releases put around the C++ entry

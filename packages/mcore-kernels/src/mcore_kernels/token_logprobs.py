@@ -1,10 +1,17 @@
 """Per-token log-probabilities (and entropies): Triton kernels, launchers, autograd, custom ops.
 
 Forward: one program per row streams the row's logits in chunks of ``BLOCK_V`` (a function of
-the vocabulary size only), keeping a running maximum, the running sum of ``exp(z - max)`` and,
-for the entropy, the running sum of ``exp(z - max) * z``; every value is upcast to float32 in
-registers, so no float32 copy of the logits is ever made. The per-row statistics of a
-vocabulary shard are combined across the tensor-parallel group in torch (a few floats per row).
+the vocabulary size only). Every lane of a chunk keeps its own online statistics of the logits
+it sees: the largest so far ``m``, ``sum exp(t * (z - m))`` and, for the entropy, the same sum
+weighted by ``z``, updated with one exponential per logit and no reduction across threads
+inside the loop. Values are upcast to float32 in registers, so no float32 copy of the logits is
+ever made. After the loop the lanes are rotated back to the row's own order (lane ``k`` then
+holds the terms ``k, k + BLOCK_V, ...`` of the row) and reduced once. Every sum of the row is
+therefore taken in an order fixed by the row's logits and the vocabulary size alone: a row's
+results are bitwise the same at any position in any batch, with or without the entropy, eager
+or in a CUDA graph (batch-invariant RL compares the rollout engine's log-probs with the
+trainer's to the last bit). The per-row statistics of a vocabulary shard are combined across
+the tensor-parallel group in torch (a few floats per row).
 
 Backward: one program per row writes ``d(logits)`` in the logits' dtype, the only logits-sized
 buffer of the whole computation:
@@ -13,6 +20,8 @@ buffer of the whole computation:
 Rows of a vocabulary whose size in bytes is not a multiple of 16 (GPT-2's 50257) start at
 unaligned addresses: each row is walked from the 16-byte boundary below its start, with masks
 only on its first and last chunk, so the chunks between are unmasked 16-byte vector accesses.
+A masked logit leaves a lane's statistics bitwise unchanged, which is why the rotation back by
+the row's offset from the boundary is all it takes to make the walk position independent.
 
 No host synchronisation by default: a target outside ``[0, vocab)`` that is not
 ``ignore_index`` yields a NaN log-probability (a device-side check); ``check_targets=True``
@@ -43,13 +52,26 @@ from mcore_kernels._validation import check_target_range, check_token_logprobs_a
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
 from mcore_kernels.reference import token_logprobs_parts, token_logprobs_reference
 
-__all__ = ["FORWARD_STAGES", "MAX_BLOCK_V", "token_logprobs"]
+__all__ = [
+    "FORWARD_BLOCK_V",
+    "FORWARD_STAGES",
+    "FORWARD_WARPS",
+    "MAX_BLOCK_V",
+    "token_logprobs",
+]
 
 MAX_BLOCK_V = 4096
 """Widest vocabulary chunk a program holds in registers at once."""
 
+FORWARD_BLOCK_V = 1024
+"""Vocabulary chunk of the forward (narrower for smaller vocabularies); it fixes the order of a
+row's sums, so it depends on nothing but the vocabulary size."""
+
 FORWARD_STAGES = 1
 """Software-pipelining depth of the forward's vocabulary loop (``tl.range(num_stages=...)``)."""
+
+FORWARD_WARPS = 4
+"""Warps of a forward program."""
 
 _ALIGN_BYTES = 16
 
@@ -58,39 +80,100 @@ _ALIGN_BYTES = 16
 def _block_and_warps(vocab: int, backward: bool) -> tuple[int, int]:
     """Vocabulary chunk and warps of one program; a function of the vocabulary size only.
 
-    From the sweep of ``benchmarks/tune_launch_configs.py`` on an H200 (results under
-    ``benchmarks/results/nvidia-h200/launch_configs.md``): the forward streams fastest with
-    4096-wide chunks and 4 warps; the backward, which also writes the gradient, with 2048-wide
-    chunks and 16 warps (1.33 ms against 1.58 ms for 4096 and 8 warps at [8192, 151936] bf16,
-    and 16-21 % faster at [1024, 151936] and [8192, 50257]).
+    The forward's chunk also fixes the order in which a row's terms are summed (term ``k`` of a
+    row goes to lane ``k mod BLOCK_V``), so it must never depend on the number of rows. Chunks
+    are at least 16 elements wide, so the chunk before a row's first 16-byte boundary is never
+    narrower than the bytes between them. The forward's 1024-wide chunks and 4 warps were the
+    fastest of the H200 sweep (session 9, round-2 probe, plain forward, one CUDA graph): 29.1 /
+    75.8 / 194.9 / 550.4 us at [1024 | 8192, 50257 | 151936] bf16 against 32.8 / 80.9 / 205.9 /
+    553.6 for 2048 and 8 warps, 41.6-694.5 for 2048 and 4, 38.9-555.7 for 4096 and 16, and
+    63.7-1220.6 for 4096 and 8. From the sweep of ``benchmarks/tune_launch_configs.py`` on an
+    H200 (results under ``benchmarks/results/nvidia-h200/launch_configs.md``): the backward, which also writes the gradient, streams fastest with 2048-wide chunks and 16 warps
+    (1.33 ms against 1.58 ms for 4096 and 8 warps at [8192, 151936] bf16, and 16-21 % faster at
+    [1024, 151936] and [8192, 50257]).
     """
     if backward:
-        block = min(next_power_of_2(vocab), 2048)
+        block = max(min(next_power_of_2(vocab), 2048), 16)
         return block, 16 if block >= 2048 else 4
-    return min(next_power_of_2(vocab), MAX_BLOCK_V), 4
+    return max(min(next_power_of_2(vocab), FORWARD_BLOCK_V), 16), FORWARD_WARPS
+
+
+# The lowest finite float32 (a constexpr: kernels read no other globals).
+_LOWEST = tl.constexpr(-3.4028234663852886e38) if tl else None
 
 
 @jit
-def _lse_step(z, running_max, running_sum, running_weighted, WITH_ENTROPY: tl.constexpr):
-    new_max = tl.maximum(running_max, tl.max(z, axis=0))
-    # While every logit so far is -inf the shift is undefined; keep the sums at zero.
-    shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-    scale = tl.exp(running_max - shift)
-    exps = tl.exp(z - shift)
-    running_sum = running_sum * scale + tl.sum(exps, axis=0)
+def _reference_update(x, ref_scaled, s, w, scale, WITH_ENTROPY: tl.constexpr):
+    # Terms relative to the lane's fixed reference: one fused multiply-add, one exponential and
+    # one add per logit (a -inf logit adds exp2(-inf) = 0).
+    e = tl.exp2(x * scale - ref_scaled)
+    s += e
     if WITH_ENTROPY:
-        # exp(-inf) * -inf would be nan: masked logits contribute nothing.
-        weighted = exps * tl.where(exps > 0.0, z, 0.0)
-        running_weighted = running_weighted * scale + tl.sum(weighted, axis=0)
-    return new_max, running_sum, running_weighted
+        # -inf logits (zero terms) weigh the lowest float: 0 * -inf would be NaN.
+        w += e * tl.maximum(x, _LOWEST)
+    return s, w
 
 
 @jit
+def _online_update(x, m, s, w, scale, WITH_ENTROPY: tl.constexpr):
+    # Per lane: m the largest logit so far, s = sum exp2(scale * (x - m)), w = sum of the same
+    # terms times x. One exponential per logit, of the smaller minus the larger of (m, x): the
+    # old sums are rescaled by it when x is a new maximum, else it is x's own term.
+    new_m = tl.maximum(m, x)
+    e = tl.exp2((tl.minimum(m, x) - new_m) * scale)
+    up = x > m
+    s = tl.where(up, s * e + 1.0, s + e)
+    if WITH_ENTROPY:
+        xw = tl.maximum(x, _LOWEST)
+        w = tl.where(up, w * e + xw, w + e * xw)
+    return new_m, s, w
+
+
+@jit
+def _walk_reference(base, end, cols, lead, ref_scaled, scale, WITH_ENTROPY, BLOCK_V, NUM_STAGES):
+    s = tl.zeros([BLOCK_V], tl.float32)
+    w = tl.zeros([BLOCK_V], tl.float32)
+    # First chunk: masked below the row start (and at its end for short rows).
+    head = tl.load(base + cols, mask=(cols >= lead) & (cols < end), other=-float("inf"))
+    s, w = _reference_update(head.to(tl.float32), ref_scaled, s, w, scale, WITH_ENTROPY)
+    full_end = (end // BLOCK_V) * BLOCK_V
+    for start in tl.range(BLOCK_V, full_end, BLOCK_V, num_stages=NUM_STAGES):
+        x = tl.load(base + start + cols).to(tl.float32)
+        s, w = _reference_update(x, ref_scaled, s, w, scale, WITH_ENTROPY)
+    if (full_end >= BLOCK_V) & (full_end < end):
+        offs = full_end + cols
+        tail = tl.load(base + offs, mask=offs < end, other=-float("inf"))
+        s, w = _reference_update(tail.to(tl.float32), ref_scaled, s, w, scale, WITH_ENTROPY)
+    return s, w
+
+
+@jit
+def _walk_online(base, end, cols, lead, scale, WITH_ENTROPY, BLOCK_V):
+    # m starts at the lowest finite float (not -inf): a first term's rescale is then
+    # exp2(-huge) = 0 instead of a NaN.
+    m = tl.full([BLOCK_V], _LOWEST, tl.float32)
+    s = tl.zeros([BLOCK_V], tl.float32)
+    w = tl.zeros([BLOCK_V], tl.float32)
+    head = tl.load(base + cols, mask=(cols >= lead) & (cols < end), other=-float("inf"))
+    m, s, w = _online_update(head.to(tl.float32), m, s, w, scale, WITH_ENTROPY)
+    full_end = (end // BLOCK_V) * BLOCK_V
+    for start in tl.range(BLOCK_V, full_end, BLOCK_V):
+        x = tl.load(base + start + cols).to(tl.float32)
+        m, s, w = _online_update(x, m, s, w, scale, WITH_ENTROPY)
+    if (full_end >= BLOCK_V) & (full_end < end):
+        offs = full_end + cols
+        tail = tl.load(base + offs, mask=offs < end, other=-float("inf"))
+        m, s, w = _online_update(tail.to(tl.float32), m, s, w, scale, WITH_ENTROPY)
+    return m, s, w
+
+
+@jit(do_not_specialize=["rows"])
 def _token_logprobs_fwd_kernel(
     logits_ptr,
     targets_ptr,
     stats_ptr,
     rows,
+    first,
     row_stride,
     vocab,
     vocab_start,
@@ -105,34 +188,40 @@ def _token_logprobs_fwd_kernel(
 ):
     # stats rows: 0 log-prob (or the target logit of a shard), 1 lse, 2 entropy, 3 E[z].
     row = tl.program_id(0).to(tl.int64)
-    row_start = row * row_stride
+    # ``first``: elements from the 16-byte aligned base pointer to row 0.
+    row_start = first + row * row_stride
     lead = row_start % ALIGN
     base = logits_ptr + tl.multiple_of(row_start - lead, ALIGN)
     end = vocab + lead
     cols = tl.arange(0, BLOCK_V)
-    running_max = -float("inf")
-    running_sum = 0.0
-    running_weighted = 0.0
-    # First chunk: masked below the row start (and at its end for short rows).
-    head = tl.load(base + cols, mask=(cols >= lead) & (cols < end), other=-float("inf"))
-    z = head.to(tl.float32) * inv_temperature
-    running_max, running_sum, running_weighted = _lse_step(
-        z, running_max, running_sum, running_weighted, WITH_ENTROPY
+    scale = inv_temperature * 1.4426950408889634
+    # Lane p sees the row's terms k = p - lead, p - lead + BLOCK_V, ... in that order, and only
+    # masked (-inf) logits before and after them, which leave its sums bitwise unchanged. Its
+    # reference is its first term, logit (p - lead) mod BLOCK_V of the row.
+    firsts = (cols + (BLOCK_V - lead)) % BLOCK_V
+    ref = tl.load(logits_ptr + row_start + firsts, mask=firsts < vocab, other=0.0).to(tl.float32)
+    s, w = _walk_reference(
+        base, end, cols, lead, ref * scale, scale, WITH_ENTROPY, BLOCK_V, NUM_STAGES
     )
-    full_end = (end // BLOCK_V) * BLOCK_V
-    for start in tl.range(BLOCK_V, full_end, BLOCK_V, num_stages=NUM_STAGES):
-        z = tl.load(base + start + cols).to(tl.float32) * inv_temperature
-        running_max, running_sum, running_weighted = _lse_step(
-            z, running_max, running_sum, running_weighted, WITH_ENTROPY
-        )
-    if (full_end >= BLOCK_V) & (full_end < end):
-        offs = full_end + cols
-        tail = tl.load(base + offs, mask=offs < end, other=-float("inf"))
-        z = tail.to(tl.float32) * inv_temperature
-        running_max, running_sum, running_weighted = _lse_step(
-            z, running_max, running_sum, running_weighted, WITH_ENTROPY
-        )
-    lse = running_max + tl.log(running_sum)
+    # A logit far above its lane's reference (or a -inf / NaN reference) overflows the sums:
+    # that row is walked again with a running maximum per lane (exact at any range).
+    finite = s < float("inf")
+    if WITH_ENTROPY:
+        finite = finite & (tl.abs(w) < float("inf"))
+    top = ref
+    if tl.min(finite.to(tl.int32), axis=0) == 0:
+        top, s, w = _walk_online(base, end, cols, lead, scale, WITH_ENTROPY, BLOCK_V)
+    # Rotate the lanes back so that lane k holds the terms k, k + BLOCK_V, ... whatever the
+    # row's alignment, then reduce: the reductions' inputs are a function of the row's logits
+    # only (not of its position, the row count or the entropy flag), hence so are the results.
+    lanes = (cols + lead) % BLOCK_V
+    top = tl.gather(top, lanes, 0)
+    s = tl.gather(s, lanes, 0)
+    used = cols < vocab
+    row_max = tl.max(tl.where(used, top, -float("inf")), axis=0)
+    weights = tl.where(used, tl.exp2((top - row_max) * scale), 0.0)
+    total = tl.sum(s * weights, axis=0)
+    lse = row_max * inv_temperature + tl.log(total)
     target = tl.load(targets_ptr + row).to(tl.int64)
     valid = target != ignore_index
     local = target - vocab_start
@@ -150,7 +239,9 @@ def _token_logprobs_fwd_kernel(
     else:
         tl.store(stats_ptr + row, target_logit)
     if WITH_ENTROPY:
-        expected = running_weighted / tl.where(running_sum > 0.0, running_sum, 1.0)
+        w = tl.gather(w, lanes, 0)
+        weighted = tl.sum(w * weights, axis=0) * inv_temperature
+        expected = weighted / tl.where(total > 0.0, total, 1.0)
         if FULL_VOCAB:
             tl.store(stats_ptr + 2 * rows + row, tl.where(valid, lse - expected, 0.0))
         tl.store(stats_ptr + 3 * rows + row, expected)
@@ -262,6 +353,16 @@ def _forward(
         stages = FORWARD_STAGES
         if launch is not None:
             block, warps, stages = launch
+        size = logits.element_size()
+        # A view starting off a 16-byte boundary is launched from the boundary below it, so
+        # each row's terms meet the same lanes as in a fresh tensor (see the kernel).
+        first = (logits.data_ptr() % _ALIGN_BYTES) // size
+        if first > logits.storage_offset():
+            first = 0  # a storage that starts off the boundary: correct, only unaligned
+        if first:
+            logits = logits.as_strided(
+                logits.shape, logits.stride(), logits.storage_offset() - first
+            )
         _FORWARD(
             (rows,),
             (
@@ -269,6 +370,7 @@ def _forward(
                 targets,
                 stats,
                 rows,
+                first,
                 _row_stride(logits),
                 vocab,
                 rank * vocab,
@@ -279,7 +381,7 @@ def _forward(
             {
                 "WITH_ENTROPY": with_entropy,
                 "FULL_VOCAB": world == 1,
-                "ALIGN": _ALIGN_BYTES // logits.element_size(),
+                "ALIGN": _ALIGN_BYTES // size,
                 "BLOCK_V": block,
                 "NUM_STAGES": stages,
             },
