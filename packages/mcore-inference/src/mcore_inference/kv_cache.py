@@ -10,8 +10,11 @@ from mcore_inference.errors import InferenceConfigError, KVCacheStepError
 from mcore_kernels.batch_invariant import attention_batch_invariant, is_batch_invariant
 from mcore_kernels.paged_attention import paged_attention
 from mcore_kernels.rotary_kv_write import rotary_kv_write
+from mcore_kernels.rotary_kv_write_rows import rotary_kv_write_rows
 
 __all__ = ["PagedKVCache"]
+
+_ROWS_ROTARY = False
 
 
 class PagedKVCache:
@@ -191,7 +194,8 @@ class PagedKVCache:
         assert self._slot_mapping is not None
         local = self._local_index(layer_idx)
         keys, values = self.keys[local], self.values[local]
-        rotated = rotary_kv_write(q, k, v, cos, sin, keys, values, self._slot_mapping)
+        write = rotary_kv_write_rows if _ROWS_ROTARY and q.is_cuda else rotary_kv_write
+        rotated = write(q, k, v, cos, sin, keys, values, self._slot_mapping)
         return self._attend_stored(rotated, keys, values, scale)
 
     def layer_write_target(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
