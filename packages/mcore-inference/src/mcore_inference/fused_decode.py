@@ -65,6 +65,7 @@ Measured on one H100 (``bench_decode_gemv.py``): up to 2 rows the kernel's vecto
 cuBLAS on every projection and the fused norms and epilogues save their launches; from 3 rows
 on its tensor-core path only matches cuBLAS, and its norm prologue costs more than the norm
 kernel it replaces."""
+_PDL_CUBLAS_PATH = False
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
 
@@ -244,6 +245,13 @@ class FusedDecoder:
             # batch the early-started kernels would only hold multiprocessors from cuBLAS).
             with programmatic_dependent_launch(self.pdl):
                 return self._gemv_layers(hidden, cos, sin, kv_cache)[None]
+        with programmatic_dependent_launch(self.pdl and _PDL_CUBLAS_PATH):
+            return self._cublas_layers(hidden, cos, sin, kv_cache)
+
+    def _cublas_layers(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
+    ) -> torch.Tensor:
+        model = self.model
         residual: torch.Tensor | None = None
         for layer, fused in zip(model.layers, self._layers, strict=True):
             attention = layer.self_attention
