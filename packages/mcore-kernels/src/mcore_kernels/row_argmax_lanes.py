@@ -29,6 +29,8 @@ __all__ = ["row_argmax_lanes"]
 
 _LANES = 1024
 """Elements a program compares per loop iteration (its lanes)."""
+_WARPS = 4
+"""Warps per program."""
 _MAX_CHUNKS = 128
 """Programs per row at most (the last one reduces this many keys)."""
 _PROGRAMS_PER_MULTIPROCESSOR = 8
@@ -138,7 +140,7 @@ def row_argmax_lanes(x: torch.Tensor, *, chunks: int | None = None) -> torch.Ten
         (chunks, rows),
         (x, out, ws, tickets, columns, x.stride(0), chunk, chunks),
         {"LANES": _LANES, "CHUNKS_PAD": next_power_of_2(chunks)},
-        4,
+        _WARPS,
         x.get_device(),
     )
     return out
