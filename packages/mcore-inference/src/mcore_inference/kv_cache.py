@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from mcore_inference.errors import InferenceConfigError, KVCacheStepError
-from mcore_kernels.decode_step_metadata import decode_step_metadata
 from mcore_kernels.batch_invariant import attention_batch_invariant, is_batch_invariant
+from mcore_kernels.decode_step_metadata import decode_step_metadata
 from mcore_kernels.paged_attention import paged_attention
 from mcore_kernels.rotary_kv_write import rotary_kv_write
 from mcore_kernels.rotary_kv_write_rows import rotary_kv_write_rows
@@ -124,7 +124,9 @@ class PagedKVCache:
         if max_context is not None:
             block_tables = block_tables[:, : -(-max_context // self.block_size)]
         if _FUSED_METADATA and positions.is_cuda:
-            self.set_step(*decode_step_metadata(block_tables, positions, table_rows, self.block_size))
+            self.set_step(
+                *decode_step_metadata(block_tables, positions, table_rows, self.block_size)
+            )
             return
         tables = block_tables.index_select(0, table_rows)
         blocks = tables.gather(1, (positions // self.block_size)[:, None])[:, 0]
