@@ -15,9 +15,6 @@ from mcore_kernels.rotary_kv_write_rows import rotary_kv_write_rows
 
 __all__ = ["PagedKVCache"]
 
-_ROWS_ROTARY = False
-_FUSED_METADATA = False
-
 
 class PagedKVCache:
     """Keys and values of every layer in fixed-size blocks shared by all requests.
@@ -109,8 +106,9 @@ class PagedKVCache:
     ) -> None:
         """Derive and install the step metadata from positions and block table rows.
 
-        Pure device ops with shapes fixed by ``T`` (no host reads), so it can run inside a
-        CUDA graph.
+        Device ops with shapes fixed by ``T`` (no host reads; one launch on CUDA,
+        :func:`mcore_kernels.decode_step_metadata.decode_step_metadata`), so it can run inside
+        a CUDA graph.
 
         Args:
             block_tables: int32 ``[rows, max_blocks]`` block table of every request slot.
@@ -123,15 +121,11 @@ class PagedKVCache:
         """
         if max_context is not None:
             block_tables = block_tables[:, : -(-max_context // self.block_size)]
-        if _FUSED_METADATA and positions.is_cuda:
-            self.set_step(
-                *decode_step_metadata(block_tables, positions, table_rows, self.block_size)
-            )
-            return
-        tables = block_tables.index_select(0, table_rows)
-        blocks = tables.gather(1, (positions // self.block_size)[:, None])[:, 0]
-        slot_mapping = blocks.long() * self.block_size + positions % self.block_size
-        self.set_step(slot_mapping, tables, (positions + 1).to(torch.int32))
+        # One launch on CUDA (the torch ops elsewhere), the same integers.
+        slots, tables, lengths = decode_step_metadata(
+            block_tables, positions, table_rows, self.block_size
+        )
+        self.set_step(slots, tables, lengths)
 
     def clear_step(self) -> None:
         """Drop the references to the step metadata."""
@@ -179,7 +173,8 @@ class PagedKVCache:
         """Like :meth:`attend` for queries and keys before RoPE, rotated in the same kernel.
 
         One launch rotates the queries and keys and writes the keys and values into their
-        slots (:func:`mcore_kernels.rotary_kv_write.rotary_kv_write`), then the paged
+        slots (on CUDA :func:`mcore_kernels.rotary_kv_write_rows.rotary_kv_write_rows`, one
+        program per token, else :func:`mcore_kernels.rotary_kv_write.rotary_kv_write`), then the paged
         attention runs: the engine's fused decoder calls this instead of rotating first.
 
         Args:
@@ -201,7 +196,9 @@ class PagedKVCache:
         assert self._slot_mapping is not None
         local = self._local_index(layer_idx)
         keys, values = self.keys[local], self.values[local]
-        write = rotary_kv_write_rows if _ROWS_ROTARY and q.is_cuda else rotary_kv_write
+        # On CUDA one program per token (same bits as one per head, 1.96 against 6.13 us for 512
+        # tokens of 14 + 2 heads on one H200); the kernel library's dispatch elsewhere.
+        write = rotary_kv_write_rows if q.is_cuda else rotary_kv_write
         rotated = write(q, k, v, cos, sin, keys, values, self._slot_mapping)
         return self._attend_stored(rotated, keys, values, scale)
 
