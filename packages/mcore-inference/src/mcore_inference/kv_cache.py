@@ -11,7 +11,6 @@ from mcore_kernels.batch_invariant import attention_batch_invariant, is_batch_in
 from mcore_kernels.decode_step_metadata import decode_step_metadata
 from mcore_kernels.paged_attention import paged_attention
 from mcore_kernels.rotary_kv_write import rotary_kv_write
-from mcore_kernels.rotary_kv_write_rows import rotary_kv_write_rows
 
 __all__ = ["PagedKVCache"]
 
@@ -173,8 +172,7 @@ class PagedKVCache:
         """Like :meth:`attend` for queries and keys before RoPE, rotated in the same kernel.
 
         One launch rotates the queries and keys and writes the keys and values into their
-        slots (on CUDA :func:`mcore_kernels.rotary_kv_write_rows.rotary_kv_write_rows`, one
-        program per token, else :func:`mcore_kernels.rotary_kv_write.rotary_kv_write`), then the paged
+        slots (:func:`mcore_kernels.rotary_kv_write.rotary_kv_write`), then the paged
         attention runs: the engine's fused decoder calls this instead of rotating first.
 
         Args:
@@ -196,10 +194,7 @@ class PagedKVCache:
         assert self._slot_mapping is not None
         local = self._local_index(layer_idx)
         keys, values = self.keys[local], self.values[local]
-        # On CUDA one program per token (same bits as one per head, 1.96 against 6.13 us for 512
-        # tokens of 14 + 2 heads on one H200); the kernel library's dispatch elsewhere.
-        write = rotary_kv_write_rows if q.is_cuda else rotary_kv_write
-        rotated = write(q, k, v, cos, sin, keys, values, self._slot_mapping)
+        rotated = rotary_kv_write(q, k, v, cos, sin, keys, values, self._slot_mapping)
         return self._attend_stored(rotated, keys, values, scale)
 
     def layer_write_target(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

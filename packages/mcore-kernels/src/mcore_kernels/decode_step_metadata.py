@@ -6,8 +6,8 @@ the attention reads (``tables``) and how many positions it attends to (``context
 torch that is an ``index_select``, a ``gather`` and half a dozen elementwise kernels, each a
 launch of a few microseconds at decode; here one program per token does all of it.
 
-Integer arithmetic only: the results are exactly those of
-:func:`decode_step_metadata_reference`.
+Integer arithmetic only: the results are exactly those of the torch ops (which run where Triton
+does not).
 
 Shapes: ``block_tables`` int32 ``[rows, W]`` (any row stride, contiguous along ``W``),
 ``positions`` and ``table_rows`` integer ``[T]``; returns int64 ``slot_mapping [T]``, int32
@@ -25,30 +25,7 @@ from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import jit, next_power_of_2, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
 
-__all__ = ["decode_step_metadata", "decode_step_metadata_reference"]
-
-
-def decode_step_metadata_reference(
-    block_tables: torch.Tensor,
-    positions: torch.Tensor,
-    table_rows: torch.Tensor,
-    block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch ops :func:`decode_step_metadata` replaces.
-
-    Args:
-        block_tables: int32 ``[rows, W]`` block table.
-        positions: ``[T]`` position of each new token.
-        table_rows: ``[T]`` block-table row of each token's request.
-        block_size: Positions per cache block.
-
-    Returns:
-        ``(slot_mapping, tables, context_lens)``: int64 ``[T]``, int32 ``[T, W]``, int32 ``[T]``.
-    """
-    tables = block_tables.index_select(0, table_rows)
-    blocks = tables.gather(1, (positions // block_size)[:, None])[:, 0]
-    slot_mapping = blocks.long() * block_size + positions % block_size
-    return slot_mapping, tables, (positions + 1).to(torch.int32)
+__all__ = ["decode_step_metadata"]
 
 
 @jit
@@ -117,7 +94,10 @@ def decode_step_metadata(
     if block_size < 1:
         raise KernelValueError(f"block_size={block_size}; expected >= 1")
     if not use_triton(block_tables, positions, table_rows) or block_tables.stride(1) != 1:
-        return decode_step_metadata_reference(block_tables, positions, table_rows, block_size)
+        tables = block_tables.index_select(0, table_rows)
+        blocks = tables.gather(1, (positions // block_size)[:, None])[:, 0]
+        slot_mapping = blocks.long() * block_size + positions % block_size
+        return slot_mapping, tables, (positions + 1).to(torch.int32)
     count, width = positions.shape[0], block_tables.shape[1]
     device = positions.device
     slots = torch.empty(count, dtype=torch.int64, device=device)
