@@ -440,8 +440,7 @@ def _write_results(
         ]
         if profile.get("idle_before"):
             gaps = "; ".join(
-                f"`{k['name'][:60]}` {k['idle_us_per_step']:.1f} us"
-                for k in profile["idle_before"]
+                f"`{k['name'][:60]}` {k['idle_us_per_step']:.1f} us" for k in profile["idle_before"]
             )
             lines += ["", f"Idle time per step by the activity that ends the gap: {gaps}."]
     lines.append("")
