@@ -80,7 +80,8 @@ class InferenceConfig:
     at most two tokens, RoPE + cache write, attention) with programmatic dependent launch on
     Hopper or newer GPUs (``mcore_kernels.pdl``): each starts, and the projections stream their
     weights, while the previous kernel finishes (one H100, Qwen2.5-0.5B shape, batch 1: 1230
-    against 1109 tok/s; one H200, batch 64: 61.8k against 60.9k). Results are unchanged;
+    against 1109 tok/s; one H200, batch 64: 62.1k against 60.7k; not above
+    ``fused_decode.GEMM_PDL_MAX_ROWS`` tokens, where it was slower). Results are unchanged;
     ignored on other devices and without ``fused_decode``."""
     mla_latent_kv_cache: bool = True
     """For Multi-head Latent Attention models: cache each token's latent and shared rotary
