@@ -49,21 +49,28 @@ def _gpu_activities(prof: Any) -> list[tuple[str, float, float]]:
     )
 
 
-def _critical(activities: list[tuple[str, float, float]]) -> tuple[list[float], float]:
-    """Critical time of each activity (see the module docstring) and the idle time between."""
+def _critical(
+    activities: list[tuple[str, float, float]],
+) -> tuple[list[float], float, list[float]]:
+    """Critical time of each activity (see the module docstring), the idle time between, and
+    the idle gap right before each activity."""
     critical: list[float] = []
+    gaps: list[float] = []
     busy_end: float | None = None
     idle = 0.0
     for _, start, duration in activities:
         end = start + duration
         if busy_end is None:
             critical.append(duration)
+            gaps.append(0.0)
             busy_end = end
             continue
-        idle += max(0.0, start - busy_end)
+        gap = max(0.0, start - busy_end)
+        idle += gap
+        gaps.append(gap)
         critical.append(max(0.0, end - max(start, busy_end)))
         busy_end = max(busy_end, end)
-    return critical, idle
+    return critical, idle, gaps
 
 
 def _profiled(run: Any) -> tuple[list[tuple[str, float, float]], float]:
@@ -90,8 +97,9 @@ def profile_decode(engine: Any, prompts: list[list[int]], tokens: int, params_ty
 
     Returns:
         Per decode step: kernels (GPU activities), GPU time, wall time, busy fraction, the
-        busy span and idle time, and the 25 kernels of most critical time with their count,
-        time and critical time per step.
+        busy span and idle time, the 25 kernels of most critical time with their count, time,
+        critical time and the idle gaps right before them per step, and the 8 activities
+        preceded by the most idle time (``idle_before``).
     """
 
     def run(count: int) -> None:
@@ -99,19 +107,21 @@ def profile_decode(engine: Any, prompts: list[list[int]], tokens: int, params_ty
 
     short, short_wall = _profiled(lambda: run(1))
     full, full_wall = _profiled(lambda: run(1 + tokens))
-    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     idle_us = 0.0
     for sign, activities in ((1, full), (-1, short)):
-        critical, idle = _critical(activities)
+        critical, idle, gaps = _critical(activities)
         idle_us += sign * idle
-        for (name, _, duration), charged in zip(activities, critical, strict=True):
+        for (name, _, duration), charged, gap in zip(activities, critical, gaps, strict=True):
             per_name[name][0] += sign
             per_name[name][1] += sign * duration
             per_name[name][2] += sign * charged
+            per_name[name][3] += sign * gap
     gpu_us = (sum(d for _, _, d in full) - sum(d for _, _, d in short)) / tokens
     wall_us = (full_wall - short_wall) * 1e6 / tokens
     busy_us = sum(entry[2] for entry in per_name.values()) / tokens
     top = sorted(per_name.items(), key=lambda item: -item[1][2])[:25]
+    idle_top = sorted(per_name.items(), key=lambda item: -item[1][3])[:8]
     return {
         "batch": len(prompts),
         "profiled_tokens": tokens,
@@ -127,8 +137,13 @@ def profile_decode(engine: Any, prompts: list[list[int]], tokens: int, params_ty
                 "per_step": count / tokens,
                 "us_per_step": duration / tokens,
                 "critical_us_per_step": charged / tokens,
+                "idle_before_us_per_step": gap / tokens,
             }
-            for name, (count, duration, charged) in top
+            for name, (count, duration, charged, gap) in top
+        ],
+        "idle_before": [
+            {"name": name[:120], "per_step": count / tokens, "idle_us_per_step": gap / tokens}
+            for name, (count, _, _, gap) in idle_top
         ],
     }
 
@@ -185,13 +200,12 @@ def host_split(engine: Any, prompts: list[list[int]], tokens: int, params_type: 
     result = {"wall_us_per_step": wall_us, "wait_us_per_step": wait_us,
               "host_us_per_step": wall_us - wait_us}  # fmt: skip
     graphs = getattr(getattr(engine, "_runner", None), "graphs", None)
-    entries = [
-        graph
-        for (batch, _), (graph, _) in getattr(graphs, "_graphs", {}).items()
+    entries = {
+        width: graph
+        for (batch, width), (graph, _) in getattr(graphs, "_graphs", {}).items()
         if batch == len(prompts)
-    ]
-    if entries:
-        graph = entries[-1]
+    }
+    for width, graph in sorted(entries.items()):
         graph.replay()
         torch.cuda.synchronize()
         start_event = torch.cuda.Event(enable_timing=True)
@@ -201,5 +215,7 @@ def host_split(engine: Any, prompts: list[list[int]], tokens: int, params_type: 
             graph.replay()
         end_event.record()
         end_event.synchronize()
+        # The last (widest) table's graph, and each width's under its own key.
         result["graph_us_per_step"] = start_event.elapsed_time(end_event) * 1e3 / tokens
+        result[f"graph_us_per_step_width_{width}"] = result["graph_us_per_step"]
     return result

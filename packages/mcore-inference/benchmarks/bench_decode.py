@@ -438,6 +438,11 @@ def _write_results(
             f"{k['critical_us_per_step']:.1f} |"
             for k in profile["top_kernels"]
         ]
+        if profile.get("idle_before"):
+            gaps = "; ".join(
+                f"`{k['name'][:60]}` {k['idle_us_per_step']:.1f} us" for k in profile["idle_before"]
+            )
+            lines += ["", f"Idle time per step by the activity that ends the gap: {gaps}."]
     lines.append("")
     lines.append(f"Benchmark wall time {result['elapsed_s']:.0f} s.")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")

@@ -23,31 +23,38 @@ def _device() -> str:
 
 @needs_triton
 @pytest.mark.parametrize(
-    ("rows", "columns", "dtype"),
+    ("rows", "columns", "dtype", "chunks"),
     [
-        (1, 5000, torch.bfloat16),
-        (3, 151, torch.float32),
-        (2, 270000, torch.bfloat16),
-        (4, 2048, torch.float16),
+        (1, 5000, torch.bfloat16, None),
+        (3, 151, torch.float32, None),
+        (2, 270000, torch.bfloat16, None),
+        (4, 2048, torch.float16, 1),  # one program per row: no workspace
+        (4, 7000, torch.float32, 2),  # a partial last tile in every program
+        (4, 151, torch.bfloat16, 7),  # more programs asked than tiles: capped
     ],
 )
-def test_matches_torch_argmax_with_ties_negatives_zeros_and_nan(rows, columns, dtype):
+def test_matches_torch_argmax_with_ties_negatives_zeros_infinities_and_nan(
+    rows, columns, dtype, chunks
+):
     generator = torch.Generator().manual_seed(rows * columns)
     x = torch.randn(rows, columns, generator=generator).to(dtype)
-    x[0, 7] = x[0, 3] = x[0].max() + 1  # a tie: the first index wins
+    # A tie across lanes and programs: the first index wins.
+    x[0, columns - 3] = x[0, 7] = x[0, 3] = x[0, 4100 % columns] = x[0].max() + 1
     if rows > 1:
         x[1] = -x[1].abs()  # every value negative
         x[1, columns // 2] = -0.0
         x[1, columns - 1] = 0.0  # -0.0 == 0.0: the first of them wins
     if rows > 2:
-        x[2, 10] = x[2, 20] = float("nan")  # NaN is the largest: the first NaN wins
+        x[2, columns - 1] = x[2, 10] = x[2, 20] = float("nan")  # NaN is the largest: first wins
+    if rows > 3:
+        x[3] = float("-inf")  # every value -inf: index 0
     x = x.to(_device())
     expected = x.argmax(dim=-1)
-    actual = row_argmax_triton(x)
+    actual = row_argmax_triton(x, chunks=chunks)
     assert actual.dtype == torch.int64
     assert torch.equal(actual, expected)
     # The tickets are left zeroed: a second launch gives the same indices.
-    assert torch.equal(row_argmax_triton(x), expected)
+    assert torch.equal(row_argmax_triton(x, chunks=chunks), expected)
 
 
 def test_dispatch_and_bad_input():
@@ -57,3 +64,6 @@ def test_dispatch_and_bad_input():
         row_argmax(torch.randn(9))
     with pytest.raises(KernelDtypeError, match="int64"):
         row_argmax(torch.ones(2, 3, dtype=torch.int64))
+    if _RUNS_TRITON:
+        with pytest.raises(KernelShapeError, match="chunks=0"):
+            row_argmax_triton(torch.randn(2, 3, device=_device()), chunks=0)

@@ -51,6 +51,7 @@ from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
 __all__ = [
+    "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
     "FusedDecoder",
@@ -65,6 +66,12 @@ Measured on one H100 (``bench_decode_gemv.py``): up to 2 rows the kernel's vecto
 cuBLAS on every projection and the fused norms and epilogues save their launches; from 3 rows
 on its tensor-core path only matches cuBLAS, and its norm prologue costs more than the norm
 kernel it replaces."""
+GEMM_PDL_MAX_ROWS = 64
+"""Steps of more than ``gemv_max_rows`` and at most this many tokens launch their Triton kernels
+(RoPE + cache write, attention) between the cuBLAS GEMMs with programmatic dependent launch too.
+One H200, ``bench_decode.py``: 62.1k against 60.7k tok/s at batch 64, but 173.9k against 178.7k
+at 256 and 236.6k against 244.9k at 512 (there the early-started kernels hold multiprocessors
+that the GEMMs want)."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
 
@@ -135,11 +142,12 @@ class FusedDecoder:
             None: :data:`GEMV_MAX_ROWS`).
         lm_head_gemv_max_rows: :meth:`compute_logits` of at most this many rows runs the LM
             head as ``decode_gemv`` (0: never; None: :data:`LM_HEAD_GEMV_MAX_ROWS`).
-        pdl: In the ``decode_gemv`` steps (and the LM head of at most
-            ``lm_head_gemv_max_rows`` rows), launch the kernels (projections, attention) with
-            programmatic dependent launch (:mod:`mcore_kernels.pdl`; Hopper or newer, ignored
-            elsewhere): each starts, and the projections stream their weights, while the
-            previous kernel finishes.
+        pdl: Launch the Triton kernels of a step (the ``decode_gemv`` projections, RoPE +
+            cache write, attention; and the LM head of at most ``lm_head_gemv_max_rows`` rows)
+            with programmatic dependent launch (:mod:`mcore_kernels.pdl`; Hopper or newer,
+            ignored elsewhere): each starts, and the projections stream their weights, while
+            the previous kernel finishes. Steps of more rows than ``gemv_max_rows`` too, up to
+            :data:`GEMM_PDL_MAX_ROWS`.
         max_positions: Positions are below this (the engine's ``max_sequence_length``): the
             RoPE cosines and sines of every position are computed once and each step looks its
             rows up (one kernel instead of four, same values). None computes them per step.
@@ -239,11 +247,19 @@ class FusedDecoder:
         model = self.model
         hidden = model.embedding(input_ids[0])
         cos, sin = self._rotary(position_ids[0])
-        if hidden.shape[0] <= self.gemv_max_rows:
-            # PDL where it was measured to pay: the chain of small decode_gemv steps (at large
-            # batch the early-started kernels would only hold multiprocessors from cuBLAS).
-            with programmatic_dependent_launch(self.pdl):
+        rows = hidden.shape[0]
+        with programmatic_dependent_launch(self.pdl and rows <= GEMM_PDL_MAX_ROWS):
+            if rows <= self.gemv_max_rows:
                 return self._gemv_layers(hidden, cos, sin, kv_cache)[None]
+            return self._gemm_layers(hidden, cos, sin, kv_cache)[None]
+
+    def _gemm_layers(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
+    ) -> torch.Tensor:
+        """The layers over many tokens: cuBLAS projections between fused norm, RoPE + cache
+        write, attention and SwiGLU kernels (under PDL, the Triton ones among them start while
+        the kernel before them drains; cuBLAS's are launched plainly)."""
+        model = self.model
         residual: torch.Tensor | None = None
         for layer, fused in zip(model.layers, self._layers, strict=True):
             attention = layer.self_attention
@@ -260,7 +276,7 @@ class FusedDecoder:
             x, residual = add_rms_norm(layer.post_attention_norm, attention_out, residual)
             hidden = layer.mlp.down_proj(swiglu(F.linear(x, fused.gate_up_weight)))
         hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
-        return hidden[None]
+        return hidden
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``model.rotary(positions)``, looked up in a table of every position when bounded."""

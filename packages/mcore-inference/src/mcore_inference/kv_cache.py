@@ -8,6 +8,7 @@ import torch
 
 from mcore_inference.errors import InferenceConfigError, KVCacheStepError
 from mcore_kernels.batch_invariant import attention_batch_invariant, is_batch_invariant
+from mcore_kernels.decode_step_metadata import decode_step_metadata
 from mcore_kernels.paged_attention import paged_attention
 from mcore_kernels.rotary_kv_write import rotary_kv_write
 
@@ -104,8 +105,9 @@ class PagedKVCache:
     ) -> None:
         """Derive and install the step metadata from positions and block table rows.
 
-        Pure device ops with shapes fixed by ``T`` (no host reads), so it can run inside a
-        CUDA graph.
+        Device ops with shapes fixed by ``T`` (no host reads; one launch on CUDA,
+        :func:`mcore_kernels.decode_step_metadata.decode_step_metadata`), so it can run inside
+        a CUDA graph.
 
         Args:
             block_tables: int32 ``[rows, max_blocks]`` block table of every request slot.
@@ -118,10 +120,11 @@ class PagedKVCache:
         """
         if max_context is not None:
             block_tables = block_tables[:, : -(-max_context // self.block_size)]
-        tables = block_tables.index_select(0, table_rows)
-        blocks = tables.gather(1, (positions // self.block_size)[:, None])[:, 0]
-        slot_mapping = blocks.long() * self.block_size + positions % self.block_size
-        self.set_step(slot_mapping, tables, (positions + 1).to(torch.int32))
+        # One launch on CUDA (the torch ops elsewhere), the same integers.
+        slots, tables, lengths = decode_step_metadata(
+            block_tables, positions, table_rows, self.block_size
+        )
+        self.set_step(slots, tables, lengths)
 
     def clear_step(self) -> None:
         """Drop the references to the step metadata."""

@@ -4,8 +4,11 @@ A decode step of a decoder layer rotates its new queries and keys (RoPE, the "ro
 layout of Hugging Face) and stores the keys and values into their cache slots. Unfused that is
 about a dozen small kernels per layer (casts of the tables, slices, products, a concatenation
 per tensor, an ``index_copy_`` per cache); this kernel does all of it in one launch: one
-program per (token, head) reads the head once, writes the rotated query into a new tensor or
-the rotated key and the value straight into the token's slot.
+program per token reads its query heads as one ``[Hq, D / 2]`` tile pair and its key and value
+heads as ``[Hkv, D / 2]`` tiles, writes the rotated queries into a new tensor and the rotated
+keys and the values straight into the token's slot. (One program per (token, head), as
+before, took 6.13 against 1.96 us for 512 tokens of 14 + 2 heads on one H200: the launch of
+9,216 one-warp programs, not the bytes, set the time.)
 
 The products round to the dtype of ``q`` where the unfused expression ``x1 * cos - x2 * sin``
 does (each product, then the sum). The GPU compiler may still contract a product and the sum
@@ -166,7 +169,10 @@ def _rotary_kv_write_kernel(
     stride_kc_head,
     stride_vc_slot,
     stride_vc_head,
-    num_q_heads,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -177,41 +183,42 @@ def _rotary_kv_write_kernel(
         gdc_launch_dependents()
         gdc_wait()
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offsets = tl.arange(0, HALF_PAD)
-    mask = offsets < HALF
+    channels = tl.arange(0, HALF_PAD)[None, :]
+    channel_mask = channels < HALF
     dtype = q_ptr.dtype.element_ty
-    # The tables are rounded to the activation dtype first, as the unfused expression does.
-    cos = tl.load(cos_ptr + token * stride_cos_token + offsets, mask=mask, other=0.0)
-    sin = tl.load(sin_ptr + token * stride_sin_token + offsets, mask=mask, other=0.0)
+    cos = tl.load(cos_ptr + token * stride_cos_token + channels, mask=channel_mask, other=0.0)
+    sin = tl.load(sin_ptr + token * stride_sin_token + channels, mask=channel_mask, other=0.0)
     cos = cos.to(dtype).to(tl.float32)
     sin = sin.to(dtype).to(tl.float32)
-    if head < num_q_heads:
-        q_source = q_ptr + token * stride_q_token + head * stride_q_head
-        x1 = tl.load(q_source + offsets, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(q_source + HALF + offsets, mask=mask, other=0.0).to(tl.float32)
-        first, second = _rotate_half(x1, x2, cos, sin, dtype)
-        q_target = q_out_ptr + token * stride_out_token + head * stride_out_head
-        tl.store(q_target + offsets, first, mask=mask)
-        tl.store(q_target + HALF + offsets, second, mask=mask)
-    else:
-        kv_head = head - num_q_heads
-        slot = tl.load(slot_ptr + token).to(tl.int64)
-        k_source = k_ptr + token * stride_k_token + kv_head * stride_k_head
-        x1 = tl.load(k_source + offsets, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(k_source + HALF + offsets, mask=mask, other=0.0).to(tl.float32)
-        first, second = _rotate_half(x1, x2, cos, sin, k_ptr.dtype.element_ty)
-        cache_dtype = k_cache_ptr.dtype.element_ty
-        k_target = k_cache_ptr + slot * stride_kc_slot + kv_head * stride_kc_head
-        tl.store(k_target + offsets, first.to(cache_dtype), mask=mask)
-        tl.store(k_target + HALF + offsets, second.to(cache_dtype), mask=mask)
-        value_source = v_ptr + token * stride_v_token + kv_head * stride_v_head
-        value_target = v_cache_ptr + slot * stride_vc_slot + kv_head * stride_vc_head
-        value_dtype = v_cache_ptr.dtype.element_ty
-        low = tl.load(value_source + offsets, mask=mask, other=0.0)
-        high = tl.load(value_source + HALF + offsets, mask=mask, other=0.0)
-        tl.store(value_target + offsets, low.to(value_dtype), mask=mask)
-        tl.store(value_target + HALF + offsets, high.to(value_dtype), mask=mask)
+
+    q_heads = tl.arange(0, Q_HEADS_PAD)[:, None]
+    q_mask = (q_heads < NUM_Q_HEADS) & channel_mask
+    q_source = q_ptr + token * stride_q_token + q_heads * stride_q_head + channels
+    x1 = tl.load(q_source, mask=q_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(q_source + HALF, mask=q_mask, other=0.0).to(tl.float32)
+    first, second = _rotate_half(x1, x2, cos, sin, dtype)
+    q_target = q_out_ptr + token * stride_out_token + q_heads * stride_out_head + channels
+    tl.store(q_target, first, mask=q_mask)
+    tl.store(q_target + HALF, second, mask=q_mask)
+
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    kv_heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+    kv_mask = (kv_heads < NUM_KV_HEADS) & channel_mask
+    k_source = k_ptr + token * stride_k_token + kv_heads * stride_k_head + channels
+    y1 = tl.load(k_source, mask=kv_mask, other=0.0).to(tl.float32)
+    y2 = tl.load(k_source + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+    k_first, k_second = _rotate_half(y1, y2, cos, sin, k_ptr.dtype.element_ty)
+    cache_dtype = k_cache_ptr.dtype.element_ty
+    k_target = k_cache_ptr + slot * stride_kc_slot + kv_heads * stride_kc_head + channels
+    tl.store(k_target, k_first.to(cache_dtype), mask=kv_mask)
+    tl.store(k_target + HALF, k_second.to(cache_dtype), mask=kv_mask)
+    v_source = v_ptr + token * stride_v_token + kv_heads * stride_v_head + channels
+    v_target = v_cache_ptr + slot * stride_vc_slot + kv_heads * stride_vc_head + channels
+    value_dtype = v_cache_ptr.dtype.element_ty
+    low = tl.load(v_source, mask=kv_mask, other=0.0)
+    high = tl.load(v_source + HALF, mask=kv_mask, other=0.0)
+    tl.store(v_target, low.to(value_dtype), mask=kv_mask)
+    tl.store(v_target + HALF, high.to(value_dtype), mask=kv_mask)
 
 
 def rotary_kv_write_triton(
@@ -263,7 +270,7 @@ def rotary_kv_write_triton(
         raise KernelShapeError("k_cache and v_cache must have a contiguous last dimension")
     half = head_dim // 2
     use_pdl = pdl_enabled(q.device)
-    _rotary_kv_write_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+    _rotary_kv_write_kernel[(num_tokens,)](
         q,
         k,
         v,
@@ -287,11 +294,15 @@ def rotary_kv_write_triton(
         keys.stride(1),
         values.stride(0),
         values.stride(1),
-        num_q_heads,
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        Q_HEADS_PAD=next_power_of_2(num_q_heads),
+        KV_HEADS_PAD=next_power_of_2(num_kv_heads),
         HALF=half,
         HALF_PAD=next_power_of_2(half),
         USE_PDL=use_pdl,
-        num_warps=1,
+        # One H200, 512 tokens of 14 + 2 heads: 1.96 us with 4 warps (2.23 with 1).
+        num_warps=4,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
