@@ -114,8 +114,11 @@ def _problem(
 def _run(name: str, config: PagedDecodeConfig | None, args: tuple, scale: float) -> torch.Tensor:
     if config is None:
         return baseline_paged_attention(*args, scale=scale, split_size=SPLIT)
-    # "auto": the split picked per launch (split_size=None, auto_split_size).
+    # "auto": the split picked per launch (split_size=None, auto_split_size); "default" and
+    # "auto" leave the configuration to the package (it depends on the launch's size).
     split = None if name == "auto" else SPLIT
+    if name in ("default", "auto"):
+        config = None
     return paged_attention_triton(*args, scale=scale, split_size=split, config=config)
 
 

@@ -87,3 +87,26 @@ def test_prefill_token_groups_equal_one_token_programs_bit_for_bit(group):
     )
     _check(grouped, *args, 0.125)
     assert torch.equal(grouped, alone)
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+def test_warps_and_kv_heads_per_program_never_change_a_bit(group, head_dim):
+    # The default picks 2 warps for large decode launches and 4 otherwise; a program may also
+    # take two adjacent key/value heads. A token's output must not depend on either, so the
+    # batch (which moves a launch across the threshold) never changes a result.
+    lens = [1, 16, 17, 255, 256, 257, 1000, 4096]
+    args = _problem(lens, group, 4, head_dim)
+    scale = head_dim**-0.5
+    base = paged_attention_triton(*args, scale=scale, config=PagedDecodeConfig(num_warps=4))
+    _check(base, *args, scale)
+    for config in (
+        PagedDecodeConfig(num_warps=2),
+        PagedDecodeConfig(kv_heads=2),
+        PagedDecodeConfig(kv_heads=2, num_warps=2),
+        PagedDecodeConfig(kv_heads=4),
+    ):
+        out = paged_attention_triton(*args, scale=scale, config=config)
+        assert torch.equal(out, base), config
+    default = paged_attention_triton(*args, scale=scale)
+    assert torch.equal(default, base)

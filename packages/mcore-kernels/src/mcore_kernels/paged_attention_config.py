@@ -32,7 +32,12 @@ import torch
 
 from mcore_kernels.errors import KernelShapeError
 
-__all__ = ["PAGED_ATTENTION_MODES", "PagedDecodeConfig", "paged_decode_config"]
+__all__ = [
+    "PAGED_ATTENTION_MODES",
+    "TWO_WARPS_PROGRAMS_PER_SM",
+    "PagedDecodeConfig",
+    "paged_decode_config",
+]
 
 PAGED_ATTENTION_MODES = ("dot", "sum")
 """Product variants of the paged split kernel (see the module docstring)."""
@@ -54,6 +59,9 @@ class PagedDecodeConfig:
     """Warps per program (a power of two)."""
     num_stages: int = 2
     """Software-pipelining stages of the tile loop."""
+    kv_heads: int = 1
+    """Adjacent key/value heads per decode program (a power of two; capped by the cache's
+    heads): their rows are contiguous in the cache, so one load reads whole cache rows."""
     prefill_tokens: int = 1024
     """Launches of at least this many tokens put consecutive tokens of one sequence into one
     program (mode ``"dot"``); results are the same either way, only the loads differ."""
@@ -61,7 +69,7 @@ class PagedDecodeConfig:
     def __post_init__(self) -> None:
         if self.mode not in PAGED_ATTENTION_MODES:
             raise KernelShapeError(f"mode={self.mode!r}; expected one of {PAGED_ATTENTION_MODES}")
-        for name in ("tile", "num_warps"):
+        for name in ("tile", "num_warps", "kv_heads"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise KernelShapeError(f"{name}={value}; expected a power of two")
@@ -71,8 +79,17 @@ class PagedDecodeConfig:
             raise KernelShapeError(f"prefill_tokens={self.prefill_tokens}; expected at least 1")
 
 
+TWO_WARPS_PROGRAMS_PER_SM = 8
+"""Decode launches with at least this many programs per multiprocessor run them with 2 warps
+instead of 4 (more programs resident per multiprocessor; the same bits)."""
+
+
 def paged_decode_config(
-    group: int, head_dim: int, num_kv_heads: int, dtype: torch.dtype
+    group: int,
+    head_dim: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    programs_per_sm: float = 0.0,
 ) -> PagedDecodeConfig:
     """Default launch configuration of the paged split kernel for one attention shape.
 
@@ -81,10 +98,14 @@ def paged_decode_config(
         head_dim: Channels per head.
         num_kv_heads: Key/value heads of the cache.
         dtype: Dtype of the queries and the cache.
+        programs_per_sm: Programs of the decode launch per multiprocessor (0: unknown).
 
     Returns:
         The configuration: tensor-core products in tiles of 64 positions for every shape
-        measured so far (see the module docstring).
+        measured so far (see the module docstring), with 2 warps per program in decode
+        launches of at least :data:`TWO_WARPS_PROGRAMS_PER_SM` programs per multiprocessor.
     """
     del group, head_dim, num_kv_heads, dtype
+    if programs_per_sm >= TWO_WARPS_PROGRAMS_PER_SM:
+        return PagedDecodeConfig(num_warps=2)
     return PagedDecodeConfig()
