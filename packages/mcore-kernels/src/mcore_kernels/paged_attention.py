@@ -749,7 +749,8 @@ def paged_attention_triton(
     num_splits = max(1, -(-block_tables.shape[1] * block_size // split_size))
     if config is None:
         # Decode launches: programs per multiprocessor (one per token, key/value head, split).
-        programs = num_tokens * num_kv_heads * num_splits if num_tokens < 1024 else 0
+        decode = num_tokens < PagedDecodeConfig().prefill_tokens
+        programs = num_tokens * num_kv_heads * num_splits if decode else 0
         config = paged_decode_config(
             group, head_dim, num_kv_heads, k_cache.dtype, programs / device_limits(q.device)[0]
         )
