@@ -91,10 +91,10 @@ def test_prefill_token_groups_equal_one_token_programs_bit_for_bit(group):
 
 @pytest.mark.parametrize("group", [1, 4, 7])
 @pytest.mark.parametrize("head_dim", [64, 72, 128])
-def test_warps_and_kv_heads_per_program_never_change_a_bit(group, head_dim):
-    # The default picks 2 warps for large decode launches and 4 otherwise; a program may also
-    # take two adjacent key/value heads. A token's output must not depend on either, so the
-    # batch (which moves a launch across the threshold) never changes a result.
+def test_warps_and_register_caps_never_change_a_bit(group, head_dim):
+    # The default runs large decode launches with 2 warps and at most 128 registers per
+    # thread, small ones with 4 warps. A token's output must not depend on that choice, so
+    # the batch (which moves a launch across the threshold) never changes a result.
     lens = [1, 16, 17, 255, 256, 257, 1000, 4096]
     args = _problem(lens, group, 4, head_dim)
     scale = head_dim**-0.5
@@ -102,11 +102,13 @@ def test_warps_and_kv_heads_per_program_never_change_a_bit(group, head_dim):
     _check(base, *args, scale)
     for config in (
         PagedDecodeConfig(num_warps=2),
-        PagedDecodeConfig(kv_heads=2),
-        PagedDecodeConfig(kv_heads=2, num_warps=2),
-        PagedDecodeConfig(kv_heads=4),
+        PagedDecodeConfig(num_warps=2, max_registers=128),
+        PagedDecodeConfig(num_warps=4, max_registers=80),
     ):
         out = paged_attention_triton(*args, scale=scale, config=config)
         assert torch.equal(out, base), config
-    default = paged_attention_triton(*args, scale=scale)
-    assert torch.equal(default, base)
+    for batch in (1, 3, 8):
+        default = paged_attention_triton(
+            *(a[:batch] for a in args[:1]), *args[1:3], *(a[:batch] for a in args[3:]), scale=scale
+        )
+        assert torch.equal(default, base[:batch])

@@ -74,9 +74,6 @@ per multiprocessor (see :func:`auto_split_size`)."""
 AUTO_SPLIT_MAX = 1024
 """Largest split :func:`auto_split_size` picks."""
 MERGE_SPLITS_CHUNK = 32
-MERGE_NUM_WARPS = 4
-GRID_KV_FIRST = False
-MAX_REGISTERS = 0
 """Splits the merge kernel reads at once (a fixed size: the sums do not depend on the launch's
 number of splits). One load per split in a dependent chain made the merge the larger part of a
 long-context launch (about 128 splits at 32k positions)."""
@@ -94,38 +91,6 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
         tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
         _TICKETS[device] = tickets
     return tickets
-
-
-@jit
-def _load_tile(
-    table,
-    k_ptr,
-    v_ptr,
-    kv_head,
-    stride_k_block,
-    stride_k_slot,
-    stride_k_head,
-    stride_v_block,
-    stride_v_slot,
-    stride_v_head,
-    positions,
-    end,
-    k_cols,
-    v_cols,
-    dim_mask,
-    BLOCK_SIZE: tl.constexpr,
-    ALIGN: tl.constexpr,
-):
-    """Keys and values of ``positions`` (zeros past ``end``): each position's physical block."""
-    valid = positions < end
-    physical = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    slots = positions % BLOCK_SIZE
-    kv_mask = valid[:, None] & dim_mask[None, :]
-    k_rows = (physical * stride_k_block + slots * stride_k_slot + kv_head * stride_k_head) * ALIGN
-    v_rows = (physical * stride_v_block + slots * stride_v_slot + kv_head * stride_v_head) * ALIGN
-    k = tl.load(k_ptr + k_rows[:, None] + k_cols[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + v_rows[:, None] + v_cols[None, :], mask=kv_mask, other=0.0)
-    return k, v
 
 
 @jit
@@ -154,36 +119,27 @@ def _attend_rows(
     DOT: tl.constexpr,
     ALIGN: tl.constexpr,
     DOT_F32: tl.constexpr,
-    HEADS: tl.constexpr = 1,
 ):
     # Online softmax of the active rows over positions split_start .. split_start + length - 1
     # of one block table, in tiles of TILE positions; each row sees positions < its context.
-    # With HEADS > 1 the columns hold HEADS adjacent key/value heads (kv_head the first) and
-    # ``q`` is block-diagonal: each row is zero outside its own head's columns.
-    cols = tl.arange(0, HEADS * HEAD_DIM_PAD)
-    if HEADS == 1:
-        dims = cols
-        k_cols = dims
-        v_cols = dims
-    else:
-        dims = cols % HEAD_DIM_PAD
-        k_cols = (cols // HEAD_DIM_PAD) * (stride_k_head * ALIGN) + dims
-        v_cols = (cols // HEAD_DIM_PAD) * (stride_v_head * ALIGN) + dims
+    dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
     tiles = tl.arange(0, TILE)
     running_max = tl.full([ROWS], float("-inf"), tl.float32)
     running_sum = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEADS * HEAD_DIM_PAD], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
     end = split_start + length
     for i in range(0, (length + TILE - 1) // TILE):
         # A tile may span several KV blocks: gather each position's physical block.
         positions = split_start + i * TILE + tiles
-        k, v = _load_tile(
-            table, k_ptr, v_ptr, kv_head,
-            stride_k_block, stride_k_slot, stride_k_head,
-            stride_v_block, stride_v_slot, stride_v_head,
-            positions, end, k_cols, v_cols, dim_mask, BLOCK_SIZE, ALIGN,
-        )  # fmt: skip
+        valid = positions < end
+        physical = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slots = positions % BLOCK_SIZE
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k_rows = (
+            physical * stride_k_block + slots * stride_k_slot + kv_head * stride_k_head
+        ) * ALIGN
+        k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if not DOT:
             scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         elif DOT_F32:
@@ -199,6 +155,10 @@ def _attend_rows(
         correction = tl.exp(running_max - shift)
         probs = tl.exp(scores - shift[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        v_rows = (
+            physical * stride_v_block + slots * stride_v_slot + kv_head * stride_v_head
+        ) * ALIGN
+        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if not DOT:
             update = tl.sum(probs[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         else:
@@ -239,7 +199,6 @@ def _prefetch_kv(
     SPLIT_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     LINE: tl.constexpr,
-    HEADS: tl.constexpr,
 ):
     """Request one token's key and value rows of one split into L2 (128-byte lines)."""
     context = tl.load(context_lens_ptr + token).to(tl.int32)
@@ -257,10 +216,9 @@ def _prefetch_kv(
         v_rows = (
             physical * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
         ) * ALIGN
-        for head in tl.static_range(0, HEADS):
-            for offset in tl.static_range(0, HEAD_DIM, LINE):
-                prefetch_l2(k_ptr + k_rows + head * stride_k_head * ALIGN + offset)
-                prefetch_l2(v_ptr + v_rows + head * stride_v_head * ALIGN + offset)
+        for offset in tl.static_range(0, HEAD_DIM, LINE):
+            prefetch_l2(k_ptr + k_rows + offset)
+            prefetch_l2(v_ptr + v_rows + offset)
 
 
 @jit
@@ -392,8 +350,6 @@ def _paged_attention_split_kernel(
     KV_LINE: tl.constexpr,
     TICKET_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
-    KV_FIRST: tl.constexpr,
-    HEADS: tl.constexpr,
 ):
     if USE_PDL:
         # Programmatic dependent launch: let the next kernel start, then wait for the previous
@@ -404,62 +360,33 @@ def _paged_attention_split_kernel(
             # projection started: this program's key and value rows can be requested into
             # L2 already (a hint; the new token's row is read again after the wait).
             _prefetch_kv(
-                k_ptr, v_ptr, block_tables_ptr, context_lens_ptr,
-                tl.program_id(1) if KV_FIRST else tl.program_id(0),
-                (tl.program_id(0) if KV_FIRST else tl.program_id(1)) * HEADS,
-                tl.program_id(2) * SPLIT_SIZE,
-                stride_table_token,
+                k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, tl.program_id(0),
+                tl.program_id(1), tl.program_id(2) * SPLIT_SIZE, stride_table_token,
                 stride_k_block, stride_k_slot, stride_k_head,
                 stride_v_block, stride_v_slot, stride_v_head,
-                ALIGN, BLOCK_SIZE, SPLIT_SIZE, HEAD_DIM, KV_LINE, HEADS,
+                ALIGN, BLOCK_SIZE, SPLIT_SIZE, HEAD_DIM, KV_LINE,
             )  # fmt: skip
         gdc_wait()
     # Rows of the program: TOKENS consecutive tokens x GROUP_PAD query heads of one KV head,
     # padded to ROWS (16 for tensor-core products). The cache strides arrive divided by ALIGN
     # (their common divisor, at most 16 elements), so every row start is known ALIGN-aligned
     # and the loads vectorise whatever the head dimension.
-    if KV_FIRST:
-        # The key/value heads of a token and split next to each other in launch order: they
-        # read the halves of the same cache rows at about the same time.
-        group_id = tl.program_id(1)
-        kv_head = tl.program_id(0) * HEADS
-    else:
-        group_id = tl.program_id(0)
-        kv_head = tl.program_id(1) * HEADS
+    first = tl.program_id(0) * TOKENS
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # The program's key/value heads: HEADS adjacent ones from kv_head (one token only).
-    first = group_id * TOKENS
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    member = rows // (GROUP_PAD * HEADS)
-    row_head = (rows // GROUP_PAD) % HEADS
+    member = rows // GROUP_PAD
     tokens = first + member
-    heads = (kv_head + row_head) * GROUP + rows % GROUP_PAD
+    heads = kv_head * GROUP + rows % GROUP_PAD
     row_ok = (member < TOKENS) & (rows % GROUP_PAD < GROUP) & (tokens < num_tokens)
     ctx_rows = tl.load(context_lens_ptr + tokens, mask=row_ok, other=0).to(tl.int32)
-    if HEADS == 1:
-        q = tl.load(
-            q_ptr
-            + tokens[:, None] * stride_q_token
-            + heads[:, None] * stride_q_head
-            + dims[None, :],
-            mask=row_ok[:, None] & dim_mask[None, :],
-            other=0.0,
-        )
-    else:
-        # Block-diagonal queries: row r holds its head's query in its head's columns.
-        cols = tl.arange(0, HEADS * HEAD_DIM_PAD)
-        col_dims = cols % HEAD_DIM_PAD
-        own = (cols // HEAD_DIM_PAD)[None, :] == row_head[:, None]
-        q = tl.load(
-            q_ptr
-            + tokens[:, None] * stride_q_token
-            + heads[:, None] * stride_q_head
-            + col_dims[None, :],
-            mask=row_ok[:, None] & own & (col_dims < HEAD_DIM)[None, :],
-            other=0.0,
-        )
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
+        mask=row_ok[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
     if not DOT or DOT_F32:
         q = q.to(tl.float32)
     split_start = split * SPLIT_SIZE
@@ -471,18 +398,8 @@ def _paged_attention_split_kernel(
             stride_k_block, stride_k_slot, stride_k_head,
             stride_v_block, stride_v_slot, stride_v_head,
             scale, split_start, tl.max(remaining, axis=0),
-            ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32, HEADS,
+            ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
         )  # fmt: skip
-        if HEADS > 1:
-            # Each row keeps its own head's columns (the others add exact zeros).
-            acc = tl.sum(
-                tl.where(
-                    tl.arange(0, HEADS)[None, :, None] == row_head[:, None, None],
-                    tl.reshape(acc, [ROWS, HEADS, HEAD_DIM_PAD]),
-                    0.0,
-                ),
-                axis=1,
-            )
     else:
         # Tokens of one sequence (chunked prefill) share their block table: one pass loads
         # each key and value once for all of them. A row's arithmetic is the same as in a
@@ -557,8 +474,7 @@ def _paged_attention_split_kernel(
             # ticket) merges their splits: no second launch. Every thread's partials are
             # written before the ticket (release) is taken.
             tl.debug_barrier()
-            kv_programs = tl.num_programs(0) if KV_FIRST else tl.num_programs(1)
-            ticket = ticket_ptr + group_id * kv_programs + kv_head // HEADS
+            ticket = ticket_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
                 _merge_rows(
@@ -783,23 +699,14 @@ def paged_attention_triton(
         or _interpreting()
     )
     group_pad = next_power_of_2(group)
-    # Large launches (chunked prefill) group tokens, decode launches may group adjacent
-    # key/value heads instead (whole cache rows per load); never both.
-    heads = math.gcd(config.kv_heads, num_kv_heads) if num_tokens < config.prefill_tokens else 1
-    rows = max(16, heads * group_pad) if dot else heads * group_pad
+    rows = max(16, group_pad) if dot else group_pad
     # Large launches (chunked prefill) fill the padding rows with the next tokens; the
     # grouping never changes a result, only how often keys and values are read.
     tokens = rows // group_pad if dot and num_tokens >= config.prefill_tokens else 1
+    grid = (-(-num_tokens // tokens), num_kv_heads, num_splits)
     use_pdl = pdl_enabled(q.device)
     ticket_merge = merge == "ticket" and num_splits > 1
-    groups = -(-num_tokens // tokens)
-    kv_first = GRID_KV_FIRST and groups < 65536
-    grid = (
-        (num_kv_heads // heads, groups, num_splits)
-        if kv_first
-        else (groups, num_kv_heads // heads, num_splits)
-    )
-    tickets = _tickets(q.device, groups * (num_kv_heads // heads)) if ticket_merge else partial_max
+    tickets = _tickets(q.device, grid[0] * grid[1]) if ticket_merge else partial_max
     _paged_attention_split_kernel[grid](
         q,
         k_cache,
@@ -839,11 +746,9 @@ def paged_attention_triton(
         KV_LINE=max(1, 128 // k_cache.element_size()),
         TICKET_MERGE=ticket_merge,
         MERGE_CHUNK=MERGE_CHUNK,
-        KV_FIRST=kv_first,
-        HEADS=heads,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS else {}),
+        **({"maxnreg": config.max_registers} if config.max_registers else {}),
         **({"launch_pdl": True} if use_pdl else {}),
     )
     if num_splits == 1 or ticket_merge:
@@ -889,7 +794,6 @@ def merge_splits(
         HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
         SPLIT_SIZE=split_size,
         CHUNK=MERGE_SPLITS_CHUNK,
-        num_warps=MERGE_NUM_WARPS,
     )
 
 
