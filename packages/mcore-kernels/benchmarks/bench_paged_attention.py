@@ -15,8 +15,9 @@ the same run (bytes read + written of a 1 GiB copy, after a warm-up that raises 
 timed like ``bench_decode.py``'s).
 
 Variants: ``before`` is the split kernel as it was (query group padded to 16 rows, IEEE
-float32 ``tl.dot``); ``default`` is the configuration the package picks for the shape
-(:func:`mcore_kernels.paged_attention_config.paged_decode_config`); ``--sweep`` adds the other
+float32 ``tl.dot``); ``default`` is the configuration the package picks for the launch
+(:func:`mcore_kernels.paged_attention_config.paged_decode_config`: 2 warps and at most 128
+registers per thread from 4 programs per multiprocessor, else 4 warps); ``--sweep`` adds the other
 modes and tiles; ``auto`` is the default configuration with the split picked per launch
 (``split_size=None``: :func:`mcore_kernels.paged_attention.auto_split_size`, up to 1024
 positions while the launch keeps 3 programs per multiprocessor). A second table times a chunked-prefill step and a batch-512 decode step of
@@ -114,8 +115,11 @@ def _problem(
 def _run(name: str, config: PagedDecodeConfig | None, args: tuple, scale: float) -> torch.Tensor:
     if config is None:
         return baseline_paged_attention(*args, scale=scale, split_size=SPLIT)
-    # "auto": the split picked per launch (split_size=None, auto_split_size).
+    # "auto": the split picked per launch (split_size=None, auto_split_size); "default" and
+    # "auto" leave the configuration to the package (it depends on the launch's size).
     split = None if name == "auto" else SPLIT
+    if name in ("default", "auto"):
+        config = None
     return paged_attention_triton(*args, scale=scale, split_size=split, config=config)
 
 

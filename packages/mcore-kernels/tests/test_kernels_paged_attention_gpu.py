@@ -87,3 +87,30 @@ def test_prefill_token_groups_equal_one_token_programs_bit_for_bit(group):
     )
     _check(grouped, *args, 0.125)
     assert torch.equal(grouped, alone)
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+def test_warps_and_register_caps_never_change_a_bit(group, head_dim):
+    # The default runs large decode launches with 2 warps and at most 128 registers per
+    # thread, small ones with 4 warps. A token's output must not depend on that choice, so
+    # the batch (which moves a launch across the threshold) never changes a result.
+    lens = [1, 16, 17, 255, 256, 257, 1000, 4096]
+    args = _problem(lens, group, 4, head_dim)
+    scale = head_dim**-0.5
+    base = paged_attention_triton(*args, scale=scale, config=PagedDecodeConfig(num_warps=4))
+    _check(base, *args, scale)
+    for config in (
+        PagedDecodeConfig(num_warps=2),
+        PagedDecodeConfig(num_warps=2, max_registers=128),
+        PagedDecodeConfig(num_warps=4, max_registers=80),
+    ):
+        out = paged_attention_triton(*args, scale=scale, config=config)
+        assert torch.equal(out, base), config
+    q, k_cache, v_cache, tables, lens_t = args
+    for batch in (1, 3, 8):
+        rows = slice(0, batch)
+        default = paged_attention_triton(
+            q[rows], k_cache, v_cache, tables[rows], lens_t[rows], scale=scale
+        )
+        assert torch.equal(default, base[rows])

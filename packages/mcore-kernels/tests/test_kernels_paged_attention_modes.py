@@ -26,7 +26,11 @@ from mcore_kernels.paged_attention import (
     paged_attention_reference,
     paged_attention_triton,
 )
-from mcore_kernels.paged_attention_config import PagedDecodeConfig, paged_decode_config
+from mcore_kernels.paged_attention_config import (
+    WIDE_LAUNCH_PROGRAMS_PER_SM,
+    PagedDecodeConfig,
+    paged_decode_config,
+)
 
 _RUNS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not _RUNS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -174,7 +178,26 @@ def test_token_output_is_independent_of_the_batch(group):
 
 def test_default_config_is_tensor_core_tiles_of_64():
     config = paged_decode_config(1, 72, 16, torch.bfloat16)
-    assert (config.mode, config.tile) == ("dot", 64)
+    assert (config.mode, config.tile, config.num_warps, config.max_registers) == ("dot", 64, 4, 0)
+    # Wide decode launches: 2 warps with at most 128 registers per thread.
+    wide = paged_decode_config(7, 64, 2, torch.bfloat16, WIDE_LAUNCH_PROGRAMS_PER_SM)
+    assert (wide.tile, wide.num_warps, wide.max_registers) == (64, 2, 128)
+
+
+@needs_triton
+def test_wide_launch_gives_the_tokens_of_a_narrow_one():
+    # 12 tokens x 2 KV heads x 3 splits = 72 programs: 18 per interpreter "multiprocessor",
+    # a wide launch (2 warps); one token alone is narrow (4 warps). Same values either way.
+    args, expected, scale = _problem(
+        [40] * 12, group=7, num_kv_heads=2, head_dim=24, dtype=torch.float32
+    )
+    q, k_cache, v_cache, tables, lens = args
+    wide = paged_attention_triton(*args, scale=scale, split_size=16)
+    torch.testing.assert_close(wide, expected, atol=1e-5, rtol=1e-5)
+    alone = paged_attention_triton(
+        q[:1], k_cache, v_cache, tables[:1], lens[:1], scale=scale, split_size=16
+    )
+    torch.testing.assert_close(alone[0], wide[0], atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -185,6 +208,7 @@ def test_default_config_is_tensor_core_tiles_of_64():
         ({"num_warps": 3}, "num_warps=3; expected a power of two"),
         ({"num_stages": 0}, "num_stages=0"),
         ({"prefill_tokens": 0}, "prefill_tokens=0"),
+        ({"max_registers": 300}, "max_registers=300"),
     ],
 )
 def test_invalid_config_raises_shape_error(fields, match):

@@ -662,8 +662,14 @@ def paged_attention_triton(
     if merge not in MERGES:
         raise KernelValueError(f"merge={merge!r}; expected one of {MERGES}")
     group = num_q_heads // num_kv_heads
+    num_splits = max(1, -(-block_tables.shape[1] * block_size // split_size))
     if config is None:
-        config = paged_decode_config(group, head_dim, num_kv_heads, k_cache.dtype)
+        # Decode launches: programs per multiprocessor (one per token, key/value head, split).
+        decode = num_tokens < PagedDecodeConfig().prefill_tokens
+        programs = num_tokens * num_kv_heads * num_splits if decode else 0
+        config = paged_decode_config(
+            group, head_dim, num_kv_heads, k_cache.dtype, programs / device_limits(q.device)[0]
+        )
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
@@ -672,8 +678,6 @@ def paged_attention_triton(
         raise KernelShapeError("k_cache and v_cache must have a contiguous last dimension")
     block_tables = block_tables.contiguous()
     context_lens = context_lens.contiguous()
-    max_context = block_tables.shape[1] * block_size
-    num_splits = max(1, -(-max_context // split_size))
     # One split (short contexts, or tables cut to the step's longest context) writes the
     # output itself; the partials are then never touched.
     partial_shape = (num_tokens, num_q_heads, num_splits if num_splits > 1 else 1)
@@ -744,6 +748,7 @@ def paged_attention_triton(
         MERGE_CHUNK=MERGE_CHUNK,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"maxnreg": config.max_registers} if config.max_registers else {}),
         **({"launch_pdl": True} if use_pdl else {}),
     )
     if num_splits == 1 or ticket_merge:

@@ -32,7 +32,12 @@ import torch
 
 from mcore_kernels.errors import KernelShapeError
 
-__all__ = ["PAGED_ATTENTION_MODES", "PagedDecodeConfig", "paged_decode_config"]
+__all__ = [
+    "PAGED_ATTENTION_MODES",
+    "WIDE_LAUNCH_PROGRAMS_PER_SM",
+    "PagedDecodeConfig",
+    "paged_decode_config",
+]
 
 PAGED_ATTENTION_MODES = ("dot", "sum")
 """Product variants of the paged split kernel (see the module docstring)."""
@@ -54,6 +59,9 @@ class PagedDecodeConfig:
     """Warps per program (a power of two)."""
     num_stages: int = 2
     """Software-pipelining stages of the tile loop."""
+    max_registers: int = 0
+    """Registers per thread the compiler may use (``maxnreg``; 0: its own choice). A cap lets
+    more programs share a multiprocessor."""
     prefill_tokens: int = 1024
     """Launches of at least this many tokens put consecutive tokens of one sequence into one
     program (mode ``"dot"``); results are the same either way, only the loads differ."""
@@ -67,12 +75,28 @@ class PagedDecodeConfig:
                 raise KernelShapeError(f"{name}={value}; expected a power of two")
         if self.num_stages < 1:
             raise KernelShapeError(f"num_stages={self.num_stages}; expected at least 1")
+        if self.max_registers < 0 or self.max_registers > 255:
+            raise KernelShapeError(
+                f"max_registers={self.max_registers}; expected 0 (no cap) to 255"
+            )
         if self.prefill_tokens < 1:
             raise KernelShapeError(f"prefill_tokens={self.prefill_tokens}; expected at least 1")
 
 
+WIDE_LAUNCH_PROGRAMS_PER_SM = 4
+"""Decode launches with at least this many programs per multiprocessor run 2 warps per program
+with at most 128 registers per thread (more programs resident per multiprocessor; the same
+bits as 4 warps). One H200, Qwen2.5-0.5B heads, split 256: 8 x 32768 49.3 against 57.0 us, 4 x
+32768 27.5 against 33.1 us, 512 x 160 16.9 against 21.1 us; slower from 2 programs per
+multiprocessor down (16 x 2048 15.9 against 15.8 us, 1 x 32768 18.7 against 17.1 us)."""
+
+
 def paged_decode_config(
-    group: int, head_dim: int, num_kv_heads: int, dtype: torch.dtype
+    group: int,
+    head_dim: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    programs_per_sm: float = 0.0,
 ) -> PagedDecodeConfig:
     """Default launch configuration of the paged split kernel for one attention shape.
 
@@ -81,10 +105,16 @@ def paged_decode_config(
         head_dim: Channels per head.
         num_kv_heads: Key/value heads of the cache.
         dtype: Dtype of the queries and the cache.
+        programs_per_sm: Programs of the decode launch per multiprocessor (0: unknown or not
+            a decode launch).
 
     Returns:
         The configuration: tensor-core products in tiles of 64 positions for every shape
-        measured so far (see the module docstring).
+        measured so far (see the module docstring); 2 warps and at most 128 registers per
+        thread in decode launches of at least :data:`WIDE_LAUNCH_PROGRAMS_PER_SM` programs per
+        multiprocessor, else 4 warps.
     """
     del group, head_dim, num_kv_heads, dtype
+    if programs_per_sm >= WIDE_LAUNCH_PROGRAMS_PER_SM:
+        return PagedDecodeConfig(num_warps=2, max_registers=128)
     return PagedDecodeConfig()
