@@ -15,7 +15,7 @@ plan says.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -29,13 +29,16 @@ from mcore_kernels.moe.grouped_mm import (
 
 __all__ = [
     "CUBLAS_LOOP",
+    "CUBLAS_LOOP_PLAN",
     "CUBLAS_LOOP_STREAMS",
     "GROUPED_MM",
     "ExpertGemmRunner",
     "ExpertGemms",
     "GemmKernel",
     "choose_expert_gemms",
+    "measured_expert_gemms",
     "triton_expert_gemms",
+    "without_host_sync",
 ]
 
 
@@ -267,6 +270,17 @@ class ExpertGemmRunner:
         return self._weights(self.plan.w_gate_up, grad_gate_up, x)
 
 
+CUBLAS_LOOP_PLAN = ExpertGemms(
+    gate_up=CUBLAS_LOOP,
+    down=CUBLAS_LOOP,
+    d_act=CUBLAS_LOOP,
+    d_x=CUBLAS_LOOP,
+    w_down=CUBLAS_LOOP,
+    w_gate_up=CUBLAS_LOOP,
+)
+"""One cuBLAS GEMM per expert for all six GEMMs (the group sizes read on the host once per
+layer call)."""
+
 _WIDE = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
 _WIDE_3 = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True)
 
@@ -278,14 +292,54 @@ _MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {
     # DeepSeek-V3 (256 rows per expert at 8192 tokens): the down projection 488-498 against
     # 424-438 TFLOP/s, its input gradient 517-536 against 473-491 (two probes).
     (7168, 2048, 256): [(384, ExpertGemms(down=_WIDE, d_act=_WIDE_3))],
+    # Mixtral-8x7B (2048 rows per expert at 8192 tokens): the whole layer on the cuBLAS loop
+    # took 26.34 and 27.41 ms against 27.68 and 28.89 ms on torch._grouped_mm (two runs of
+    # session 8, one H200); fewer rows per expert were not measured.
+    (4096, 14336, 8): [(1023, ExpertGemms()), (1 << 62, CUBLAS_LOOP_PLAN)],
 }
-"""Plans measured faster than ``torch._grouped_mm`` on an H200 GEMM by GEMM, by ``(hidden,
-ffn, experts)``: a list of ``(largest mean rows per expert, plan)`` in increasing order. Only
-kernels without a host sync; the measurements are in ``docs/benchmarks/moe.md``."""
+"""Plans measured faster than ``torch._grouped_mm`` on an H200, by ``(hidden, ffn,
+experts)``: a list of ``(largest mean rows per expert, plan)`` in increasing order. The
+measurements are in ``docs/benchmarks/moe.md``."""
 
 
 def _hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def without_host_sync(plan: ExpertGemms) -> ExpertGemms:
+    """``plan`` with every cuBLAS loop (which reads the group sizes on the host) replaced by
+    ``torch._grouped_mm``.
+
+    Args:
+        plan: Any plan.
+
+    Returns:
+        A plan without host synchronisation (``plan`` itself when it has none).
+    """
+    loops = {f.name: GROUPED_MM for f in fields(ExpertGemms) if getattr(plan, f.name) in LOOPS}
+    return replace(plan, **loops) if loops else plan
+
+
+def measured_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> ExpertGemms:
+    """The plan measured fastest on an H200 for a layer shape and row count, whatever the
+    device at hand.
+
+    Args:
+        rows: Routed rows (tokens x top-k; under capacity routing the routed rows too, not
+            the padded slots: the kept rows are packed).
+        hidden: Hidden size.
+        ffn: Inner width of each expert.
+        experts: Experts held.
+
+    Returns:
+        The plan for the mean rows per expert; ``torch._grouped_mm`` for every GEMM for
+        shapes not measured.
+    """
+    mean_rows = rows // max(experts, 1)
+    for largest, plan in _MEASURED_PLANS.get((hidden, ffn, experts), ()):
+        if mean_rows <= largest:
+            return plan
+    return ExpertGemms()
 
 
 def choose_expert_gemms(
@@ -301,17 +355,16 @@ def choose_expert_gemms(
         device: Device of the tokens.
 
     Returns:
-        The plan measured for this shape and mean rows per expert on a Hopper GPU;
-        ``torch._grouped_mm`` for every GEMM elsewhere and for shapes not measured.
+        :func:`measured_expert_gemms` on a Hopper GPU, without its cuBLAS loops while the
+        current stream captures a CUDA graph (no host sync there);
+        ``torch._grouped_mm`` for every GEMM elsewhere.
     """
-    plans = _MEASURED_PLANS.get((hidden, ffn, experts))
-    if not plans or not _hopper(device):
+    if not _hopper(device):
         return ExpertGemms()
-    mean_rows = rows // max(experts, 1)
-    for largest, plan in plans:
-        if mean_rows <= largest:
-            return plan
-    return ExpertGemms()
+    plan = measured_expert_gemms(rows, hidden, ffn, experts)
+    if torch.cuda.is_current_stream_capturing():
+        return without_host_sync(plan)
+    return plan
 
 
 def triton_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> ExpertGemms:

@@ -44,6 +44,7 @@ from mcore_models.moe.permute import (
     capacity_rows,
     capacity_slots,
     count,
+    expert_order,
     inverse_permutation,
     padded_index,
     run_padded,
@@ -221,7 +222,7 @@ def dispatch_and_combine(
         counts = count(flat_experts, num_experts)
     if capacity is None:
         # Assignments in expert order; stable, so each expert sees its tokens in order.
-        order = torch.argsort(flat_experts, stable=True)
+        order = expert_order(flat_experts, num_experts - 1)
         inverse = inverse_permutation(order)
         if weights_in_experts and comm.ep_group is None and comm.etp_group is None:
             if experts_module.fuses_routing(x):
@@ -309,7 +310,7 @@ def _allgather(
         # Local assignments in expert order (stable: source-major within each expert, as the
         # all-to-all groups them); the others are skipped and read a zero row.
         keys = torch.where(valid, flat_experts, local)
-        order = torch.argsort(keys, stable=True)
+        order = expert_order(keys, local)
         local_counts = count(keys, local + 1)[:local]
         num_kept = int(local_counts.sum())
         position = inverse_permutation(order)

@@ -11,22 +11,12 @@ from torch import nn
 from mcore_kernels._backend import use_triton
 from mcore_kernels.moe import routed_experts, swiglu, weighted_swiglu
 from mcore_kernels.moe.expert_gemms import (
-    CUBLAS_LOOP,
+    CUBLAS_LOOP_PLAN,
     ExpertGemms,
     choose_expert_gemms,
 )
 
 __all__ = ["CUBLAS_LOOP_PLAN", "GroupedExperts", "grouped_mm_supported"]
-
-CUBLAS_LOOP_PLAN = ExpertGemms(
-    gate_up=CUBLAS_LOOP,
-    down=CUBLAS_LOOP,
-    d_act=CUBLAS_LOOP,
-    d_x=CUBLAS_LOOP,
-    w_down=CUBLAS_LOOP,
-    w_gate_up=CUBLAS_LOOP,
-)
-"""The fused routed experts of ``expert_kernel="cublas"``: one cuBLAS GEMM per expert."""
 
 _GROUPED_MM_PROBES: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -239,7 +229,10 @@ class GroupedExperts(nn.Module):
 
         Returns:
             ``gemm_plan`` when set; with ``expert_kernel="cublas"`` one cuBLAS GEMM per expert
-            for all six (a host sync); else the measured plan of this shape (no host sync).
+            for all six (a host sync); else the plan measured fastest for this shape and row
+            count (:func:`~mcore_kernels.moe.expert_gemms.choose_expert_gemms`: at
+            Mixtral's shape with many rows the cuBLAS loop, a host sync, except while a CUDA
+            graph is being captured).
         """
         if self.gemm_plan is not None:
             return self.gemm_plan

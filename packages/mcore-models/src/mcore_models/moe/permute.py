@@ -22,6 +22,7 @@ __all__ = [
     "capacity_rows",
     "capacity_slots",
     "count",
+    "expert_order",
     "inverse_permutation",
     "padded_capacity",
     "padded_index",
@@ -45,6 +46,26 @@ def count(indices: torch.Tensor, size: int) -> torch.Tensor:
     """
     counts = torch.zeros(size, dtype=torch.int64, device=indices.device)
     return counts.scatter_add_(0, indices, torch.ones_like(indices))
+
+
+def expert_order(experts: torch.Tensor, largest: int) -> torch.Tensor:
+    """Assignments sorted by expert, each expert's in token order (a stable sort).
+
+    The keys are cast to the narrowest integer type that holds ``num_experts`` first: the GPU
+    sort is a radix sort with one pass per key byte, eight for int64 keys, one for uint8.
+
+    Args:
+        experts: ``[A]`` int64 expert of each assignment, in ``[0, largest]``.
+        largest: Largest key (the last expert, or an extra key past the experts).
+
+    Returns:
+        ``[A]`` int64 assignment of each sorted position.
+    """
+    if largest <= torch.iinfo(torch.uint8).max:
+        experts = experts.to(torch.uint8)
+    elif largest <= torch.iinfo(torch.int16).max:
+        experts = experts.to(torch.int16)
+    return torch.argsort(experts, stable=True)
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -168,7 +189,7 @@ def capacity_rows(
         int64 kept rows of each expert.
     """
     total = experts.numel()
-    order = torch.argsort(experts, stable=True)
+    order = expert_order(experts, counts.shape[0] - 1)
     sorted_experts = experts.index_select(0, order)
     starts = counts.cumsum(0) - counts
     position = torch.arange(total, device=experts.device) - starts.index_select(0, sorted_experts)
@@ -219,7 +240,7 @@ def sorted_slots(experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> 
     Returns:
         ``[A]`` int64 slots.
     """
-    order = torch.argsort(experts, stable=True)
+    order = expert_order(experts, counts.shape[0] - 1)
     position = inverse_permutation(order)
     starts = counts.cumsum(0) - counts
     return experts * capacity + position - starts.index_select(0, experts)
