@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from mcore_kernels.moe import permute_tokens, unpermute_combine
+from mcore_kernels.moe.capacity import capacity_rows as capacity_rows_kernel
 
 __all__ = [
     "GatherOrZero",
@@ -176,7 +177,8 @@ def capacity_rows(
     The same drop rule as :func:`capacity_slots` (an expert keeps its first ``capacity``
     assignments in token order) from one stable sort, but the kept assignments are packed
     expert after expert with no padding rows between them: a grouped GEMM then runs only the
-    kept rows, while every shape still depends on the token count alone.
+    kept rows, while every shape still depends on the token count alone. After the sort, one
+    kernel (:func:`mcore_kernels.moe.capacity.capacity_rows`).
 
     Args:
         experts: ``[A]`` int64 expert of each assignment.
@@ -188,21 +190,8 @@ def capacity_rows(
         rows), ``[A]`` int64 row of each assignment (-1 when dropped) and ``[num_experts]``
         int64 kept rows of each expert.
     """
-    total = experts.numel()
     order = expert_order(experts, counts.shape[0] - 1)
-    sorted_experts = experts.index_select(0, order)
-    starts = counts.cumsum(0) - counts
-    position = torch.arange(total, device=experts.device) - starts.index_select(0, sorted_experts)
-    kept = counts.clamp(max=capacity)
-    kept_starts = kept.cumsum(0) - kept
-    rows = torch.where(
-        position < capacity, kept_starts.index_select(0, sorted_experts) + position, -1
-    )
-    inverse = torch.empty_like(order).scatter_(0, order, rows)
-    # Dropped assignments all land in one extra trash row, which is cut off.
-    compact = torch.full((total + 1,), -1, dtype=torch.int64, device=experts.device)
-    compact.scatter_(0, torch.where(rows < 0, total, rows), order)
-    return compact[:total], inverse, kept
+    return capacity_rows_kernel(experts, order, counts, capacity)
 
 
 def padded_capacity(counts: torch.Tensor, assignments: int) -> int | None:
