@@ -69,7 +69,7 @@ def test_capacity_rows_of_no_assignment():
 
 def test_capacity_rows_reject_bad_input():
     experts, order, counts = _routing(4, 20, seed=0)
-    with pytest.raises(KernelShapeError, match="order.shape"):
+    with pytest.raises(KernelShapeError, match=r"order\.shape"):
         capacity_rows(experts, order[:-1], counts, 3)
-    with pytest.raises(KernelDtypeError, match="counts.dtype"):
+    with pytest.raises(KernelDtypeError, match=r"counts\.dtype"):
         capacity_rows(experts, order, counts.int(), 3)
