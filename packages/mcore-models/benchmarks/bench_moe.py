@@ -465,7 +465,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     packed = capacity is not None and capacity >= PACKED_MIN_CAPACITY and one_rank
     if packed and experts.fuses_routing(x) and moe.weights_in_experts:
         # Capacity routing on the fused grouped experts: the kept rows, packed (no padding).
-        kept_order, _, counts = capacity_rows(flat, counts, capacity)
+        kept_order, _, counts, _ = capacity_rows(flat, counts, capacity)
         kept = kept_order[: int(counts.sum())]
         permuted = x.index_select(0, kept // moe.top_k).detach()
         row_weights = routing.weights.reshape(-1)[kept].detach()

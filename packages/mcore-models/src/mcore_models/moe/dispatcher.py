@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_kernels.moe import permute_tokens, unpermute_combine, unpermute_sum
+from mcore_kernels.moe.rows import dropless_rows
 from mcore_models.moe.comm import ExpertComm, all_to_all, gather_rows, reduce_scatter_rows
 from mcore_models.moe.experts import GroupedExperts
 from mcore_models.moe.permute import (
@@ -223,10 +224,11 @@ def dispatch_and_combine(
     if capacity is None:
         # Assignments in expert order; stable, so each expert sees its tokens in order.
         order = expert_order(flat_experts, num_experts - 1)
-        inverse = inverse_permutation(order)
+        inverse, offsets = dropless_rows(order, counts)
         if weights_in_experts and comm.ep_group is None and comm.etp_group is None:
             if experts_module.fuses_routing(x):
-                return experts_module.forward_routed(x, weights, order, inverse, counts), counts
+                output = experts_module.forward_routed(x, weights, order, inverse, counts, offsets)
+                return output, counts
             permuted = permute_tokens(x, order // top_k, inverse, top_k)
             # Each row's routing weight, in row order (a gather; its backward gathers back).
             row_weights = PermuteRows.apply(weights.reshape(-1, 1), order, inverse).view(-1)
@@ -241,8 +243,8 @@ def dispatch_and_combine(
     if packs and not padded_dropless and experts_module.fuses_routing(x):
         # Capacity routing on the fused grouped experts: the kept assignments packed without
         # padding rows, so the GEMMs skip the padding.
-        order, inverse, kept = capacity_rows(flat_experts, counts, capacity)
-        return experts_module.forward_routed(x, weights, order, inverse, kept), counts
+        order, inverse, kept, offsets = capacity_rows(flat_experts, counts, capacity)
+        return experts_module.forward_routed(x, weights, order, inverse, kept, offsets), counts
     if padded_dropless:
         slots = sorted_slots(flat_experts, counts, capacity)
     else:

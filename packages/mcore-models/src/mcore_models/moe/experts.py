@@ -250,6 +250,7 @@ class GroupedExperts(nn.Module):
         order: torch.Tensor,
         inverse: torch.Tensor,
         counts: torch.Tensor,
+        offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Permute, run and combine dropless routing assignments in one fused operation.
 
@@ -262,11 +263,13 @@ class GroupedExperts(nn.Module):
             order: ``[T * top_k]`` int64 assignment in each expert row (sorted by expert).
             inverse: ``[T * top_k]`` int64 row of each assignment.
             counts: ``[num_experts]`` int64 rows of each expert.
+            offsets: ``[num_experts]`` int32 running sum of ``counts`` if already computed.
 
         Returns:
             ``[T, hidden]`` weighted sum of each token's expert outputs.
         """
-        offsets = counts.cumsum(0).to(torch.int32)
+        if offsets is None:
+            offsets = counts.cumsum(0).to(torch.int32)
         return routed_experts(
             x,
             weights,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from mcore_kernels.moe import permute_tokens, unpermute_combine
-from mcore_kernels.moe.capacity import capacity_rows as capacity_rows_kernel
+from mcore_kernels.moe.rows import capacity_rows as capacity_rows_kernel
 
 __all__ = [
     "GatherOrZero",
@@ -171,14 +171,14 @@ def capacity_slots(
 
 def capacity_rows(
     experts: torch.Tensor, counts: torch.Tensor, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compact expert-sorted rows of the assignments that capacity routing keeps (no host sync).
 
     The same drop rule as :func:`capacity_slots` (an expert keeps its first ``capacity``
     assignments in token order) from one stable sort, but the kept assignments are packed
     expert after expert with no padding rows between them: a grouped GEMM then runs only the
     kept rows, while every shape still depends on the token count alone. After the sort, one
-    kernel (:func:`mcore_kernels.moe.capacity.capacity_rows`).
+    kernel (:func:`mcore_kernels.moe.rows.capacity_rows`).
 
     Args:
         experts: ``[A]`` int64 expert of each assignment.
@@ -186,9 +186,9 @@ def capacity_rows(
         capacity: Rows each expert keeps at most.
 
     Returns:
-        ``(order, inverse, kept)``: ``[A]`` int64 assignment in each row (-1 past the kept
-        rows), ``[A]`` int64 row of each assignment (-1 when dropped) and ``[num_experts]``
-        int64 kept rows of each expert.
+        ``(order, inverse, kept, offsets)``: ``[A]`` int64 assignment in each row (-1 past the
+        kept rows), ``[A]`` int64 row of each assignment (-1 when dropped), ``[num_experts]``
+        int64 kept rows of each expert and their int32 running sum (end row of each expert).
     """
     order = expert_order(experts, counts.shape[0] - 1)
     return capacity_rows_kernel(experts, order, counts, capacity)
