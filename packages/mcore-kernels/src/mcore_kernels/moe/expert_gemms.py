@@ -316,8 +316,10 @@ def without_host_sync(plan: ExpertGemms) -> ExpertGemms:
     Returns:
         A plan without host synchronisation (``plan`` itself when it has none).
     """
-    loops = {f.name: GROUPED_MM for f in fields(ExpertGemms) if getattr(plan, f.name) in LOOPS}
-    return replace(plan, **loops) if loops else plan
+    loops: dict[str, GemmKernel] = {
+        f.name: GROUPED_MM for f in fields(ExpertGemms) if getattr(plan, f.name) in LOOPS
+    }
+    return replace(plan, **loops) if loops else plan  # type: ignore[arg-type]
 
 
 def measured_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> ExpertGemms:
