@@ -47,22 +47,28 @@ def test_grouped_gemm_bf16_matches_expert_loop_on_gpu():
     torch.testing.assert_close(results[0][1], results[1][1], atol=5e-2, rtol=5e-2)
 
 
+def _captured(layer: MoELayer, static_x: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of ``layer(static_x)`` (warmed up outside the capture), replayed once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, static_out
+
+
 def test_cuda_graph_decode_with_expert_padding_matches_dropless_eager():
     layer = _layer(torch.float32).eval()
     static_x = torch.randn(16, 128, device="cuda")
     with torch.no_grad():
         expected = layer(static_x).clone()
         with set_decode_expert_padding(layer, True):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                layer(static_x)  # warm-up outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_out = layer(static_x)
-            graph.replay()
-            torch.cuda.synchronize()
+            graph, static_out = _captured(layer, static_x)
             torch.testing.assert_close(static_out, expected, atol=1e-4, rtol=1e-4)
             fresh = torch.randn(16, 128, device="cuda")
             static_x.copy_(fresh)
@@ -172,15 +178,6 @@ def test_mixtral_shaped_layer_loops_over_experts_eagerly_and_not_inside_a_cuda_g
     assert layer.experts.plan_for(8192 * 2, static_x) == CUBLAS_LOOP_PLAN
     with torch.no_grad():
         eager = layer(static_x).float()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            layer(static_x)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = layer(static_x)
-        graph.replay()
-        torch.cuda.synchronize()
+        _, static_out = _captured(layer, static_x)
     error = (static_out.float() - eager).norm() / eager.norm()
     assert error < 1e-2

@@ -271,12 +271,7 @@ class ExpertGemmRunner:
 
 
 CUBLAS_LOOP_PLAN = ExpertGemms(
-    gate_up=CUBLAS_LOOP,
-    down=CUBLAS_LOOP,
-    d_act=CUBLAS_LOOP,
-    d_x=CUBLAS_LOOP,
-    w_down=CUBLAS_LOOP,
-    w_gate_up=CUBLAS_LOOP,
+    **{f.name: CUBLAS_LOOP for f in fields(ExpertGemms) if f.name not in _FLAGS}  # type: ignore[arg-type]
 )
 """One cuBLAS GEMM per expert for all six GEMMs (the group sizes read on the host once per
 layer call)."""
