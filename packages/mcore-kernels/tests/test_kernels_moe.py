@@ -30,6 +30,8 @@ from mcore_kernels.moe.rows import (
     capacity_rows_reference,
     dropless_rows,
     dropless_rows_reference,
+    padded_slots,
+    padded_slots_reference,
 )
 
 pytestmark = pytest.mark.interpreter
@@ -317,3 +319,26 @@ def test_capacity_rows_reject_bad_input():
         capacity_rows(experts, order, counts.int(), 3)
     with pytest.raises(KernelDtypeError, match=r"order\.dtype"):
         dropless_rows(order.int(), counts)
+
+
+@pytest.mark.parametrize("capacity", [2, 500], ids=["drops", "no-drop"])
+def test_padded_slots_keep_the_first_assignments_of_each_key(capacity):
+    # Keys 0..6 (5 and 6 without assignments), key 7 skipped: it takes no slot.
+    keys, _, _ = _sorted_routing(8, 900, seed=3 + capacity)
+    keys[::5] = 7
+    order = torch.argsort(keys, stable=True)
+    counts = torch.bincount(keys, minlength=8)
+    fillers, kept = padded_slots(keys, order, counts, capacity)
+    want = padded_slots_reference(keys, order, counts, capacity)
+    assert torch.equal(fillers, want[0]) and torch.equal(kept, want[1])
+    seen = [0] * 8
+    rule = []
+    for key in keys.tolist():
+        rank = seen[key]
+        seen[key] += 1
+        rule.append(key * capacity + rank if rank < capacity and key < 7 else -1)
+    assert kept.tolist() == rule
+    assert fillers.numel() == 7 * capacity
+    used = kept[kept >= 0]
+    assert torch.equal(fillers[used], torch.nonzero(kept >= 0).flatten())
+    assert int((fillers >= 0).sum()) == used.numel()

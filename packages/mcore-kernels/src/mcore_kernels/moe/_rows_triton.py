@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["capacity_rows_kernel", "dropless_rows_kernel"]
+__all__ = ["capacity_rows_kernel", "dropless_rows_kernel", "padded_slots_kernel"]
 
 
 @triton.jit
@@ -80,3 +80,31 @@ def dropless_rows_kernel(
         counts = tl.load(counts_ptr + ids, mask=ids < num_experts, other=0)
         ends = tl.cumsum(counts, axis=0)
         tl.store(offsets_ptr + ids, ends.to(tl.int32), mask=ids < num_experts)
+
+
+@triton.jit
+def padded_slots_kernel(
+    order_ptr,
+    keys_ptr,
+    counts_ptr,
+    ends_ptr,
+    fillers_ptr,
+    kept_ptr,
+    total,
+    num_keys,
+    capacity,
+    BLOCK: tl.constexpr,
+):
+    """Sorted positions ``i`` of one block: assignment ``a = order[i]`` of key ``k`` is the
+    ``i - (ends[k] - counts[k])``-th of its key; kept below ``capacity`` (and for a key below
+    ``num_keys``) in slot ``k * capacity`` plus that rank. Writes ``kept[a]`` (-1 when
+    dropped) and ``fillers[slot] = a``: every element once, no atomics."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    assignment = tl.load(order_ptr + i, mask=ok, other=0)
+    key = tl.load(keys_ptr + assignment, mask=ok, other=0)
+    start = tl.load(ends_ptr + key, mask=ok, other=0) - tl.load(counts_ptr + key, mask=ok, other=0)
+    rank = i - start
+    slot = tl.where((rank < capacity) & (key < num_keys), key * capacity + rank, -1)
+    tl.store(kept_ptr + assignment, slot, mask=ok)
+    tl.store(fillers_ptr + slot, assignment, mask=ok & (slot >= 0))

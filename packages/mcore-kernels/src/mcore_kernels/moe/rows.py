@@ -6,7 +6,10 @@ kernel each, with its torch reference, no host synchronisation.
 - :func:`capacity_rows`: the same under capacity (drop-and-pad) routing. The kept assignments
   of every expert (its first ``capacity`` ones in token order) are packed with no padding rows
   between experts, so that grouped GEMMs run only the kept rows while every shape still
-  depends on the token count alone.
+  depends on the token count alone;
+- :func:`padded_slots`: the slots of capacity routing with padding: ``capacity`` slots per key
+  (an expert, or an expert and a source rank), the kept assignments of key ``k`` in slots
+  ``k * capacity`` onwards.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ __all__ = [
     "capacity_rows_reference",
     "dropless_rows",
     "dropless_rows_reference",
+    "padded_slots",
+    "padded_slots_reference",
 ]
 
 BLOCK = 1024
@@ -179,3 +184,79 @@ def capacity_rows(
             E_PAD=_e_pad(num_experts),
         )
     return compact, inverse, kept, offsets
+
+
+def padded_slots_reference(
+    keys: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`padded_slots`.
+
+    Args:
+        keys: ``[A]`` int64 key of each assignment, in ``[0, K]``.
+        order: ``[A]`` int64 stable sort of the assignments by key.
+        counts: ``[K + 1]`` int64 assignments per key.
+        capacity: Slots per key.
+
+    Returns:
+        ``(fillers, kept)`` as :func:`padded_slots`.
+    """
+    num_slots = (counts.numel() - 1) * capacity
+    sorted_keys = keys.index_select(0, order)
+    starts = counts.cumsum(0) - counts
+    rank = torch.arange(keys.numel(), device=keys.device) - starts.index_select(0, sorted_keys)
+    keep = (rank < capacity) & (sorted_keys < counts.numel() - 1)
+    slots = torch.where(keep, sorted_keys * capacity + rank, -1)
+    kept = torch.empty_like(order).scatter_(0, order, slots)
+    # Dropped assignments all land in one extra trash slot, which is cut off.
+    fillers = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=keys.device)
+    fillers.scatter_(0, torch.where(slots < 0, num_slots, slots), order)
+    return fillers[:num_slots], kept
+
+
+def padded_slots(
+    keys: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots of capacity routing with padding: each of ``K`` keys keeps its first ``capacity``
+    assignments (in the order of ``order``) in slots ``k * capacity`` onwards; key ``K`` marks
+    assignments to skip.
+
+    Args:
+        keys: ``[A]`` int64 key of each assignment, in ``[0, K]``.
+        order: ``[A]`` int64 stable sort of the assignments by key.
+        counts: ``[K + 1]`` int64 assignments per key (the skipped ones last).
+        capacity: Slots per key.
+
+    Returns:
+        ``(fillers, kept)``: ``[K * capacity]`` int64 assignment in each slot (-1 for an empty
+        one) and ``[A]`` int64 slot of each assignment (-1 when dropped or skipped).
+
+    Raises:
+        KernelShapeError: If the shapes do not match.
+        KernelDtypeError: If an index is not int64.
+    """
+    _check(order, counts, keys=keys)
+    if counts.numel() == 0:
+        raise KernelShapeError("counts.shape=(0,): expected [K + 1] with the skipped key last")
+    if not use_triton(keys, order, counts):
+        return padded_slots_reference(keys, order, counts, capacity)
+    import triton
+
+    from mcore_kernels.moe._rows_triton import padded_slots_kernel
+
+    total, num_keys = keys.numel(), counts.numel() - 1
+    fillers = torch.full((num_keys * capacity,), -1, dtype=torch.int64, device=keys.device)
+    kept = torch.empty_like(order)
+    if total:
+        padded_slots_kernel[(triton.cdiv(total, BLOCK),)](
+            order,
+            keys,
+            counts,
+            counts.cumsum(0),
+            fillers,
+            kept,
+            total,
+            num_keys,
+            capacity,
+            BLOCK=BLOCK,
+        )
+    return fillers, kept

@@ -42,6 +42,7 @@ from mcore_models.moe.experts import GroupedExperts
 from mcore_models.moe.permute import (
     GatherOrZero,
     PermuteRows,
+    capacity_fillers,
     capacity_rows,
     capacity_slots,
     count,
@@ -245,20 +246,24 @@ def dispatch_and_combine(
         # padding rows, so the GEMMs skip the padding.
         order, inverse, kept, offsets = capacity_rows(flat_experts, counts, capacity)
         return experts_module.forward_routed(x, weights, order, inverse, kept, offsets), counts
-    if padded_dropless:
-        slots = sorted_slots(flat_experts, counts, capacity)
-    else:
-        valid = torch.ones_like(flat_experts, dtype=torch.bool)
-        slots = capacity_slots(flat_experts, valid, num_experts, capacity)
     if weights_in_experts and comm.ep_group is None and comm.etp_group is None:
         # One rank: the slots' routing weights scale the activations inside the experts and
         # the combine is a plain sum (as on the dropless path).
-        fillers, kept = padded_index(slots, num_experts * capacity)
+        if padded_dropless:
+            fillers, kept = padded_index(
+                sorted_slots(flat_experts, counts, capacity), num_experts * capacity
+            )
+        else:
+            fillers, kept = capacity_fillers(flat_experts, None, num_experts, capacity)
         rows = torch.where(fillers < 0, -1, fillers // top_k)
         buffer = permute_tokens(x, rows, kept, top_k).view(num_experts, capacity, -1)
         slot_weights = GatherOrZero.apply(weights.reshape(-1), fillers, kept)
         outputs = experts_module.forward_padded(buffer, slot_weights.view(num_experts, capacity))
         return unpermute_sum(outputs.flatten(0, 1), kept, fillers, top_k), counts
+    if padded_dropless:
+        slots = sorted_slots(flat_experts, counts, capacity)
+    else:
+        slots = capacity_slots(flat_experts, None, num_experts, capacity)
     run = _padded_run(experts_module, capacity, comm, exchange=True)
     return run_padded(x, weights, slots, num_experts * capacity, run), counts
 
