@@ -39,6 +39,7 @@ Run from the repository root on the GPU machine::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -296,6 +297,13 @@ def _profile(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, title: str)
             entry[0] += 1
             entry[1] += event.time_range.elapsed_us()
     total = sum(entry[1] for entry in kernels.values()) / steps / 1e3
+    spans = sorted(
+        (event.time_range.start, event.time_range.end)
+        for event in prof.events()
+        if event.device_type != torch.autograd.DeviceType.CPU
+    )
+    # GPU idle time between consecutive kernels (the host enqueueing too slowly, or syncs).
+    idle = sum(max(0.0, nxt[0] - cur[1]) for cur, nxt in itertools.pairwise(spans)) / steps / 1e3
     shares: dict[str, float] = {}
     for name, (_, micros) in kernels.items():
         category = _category(name)
@@ -304,7 +312,8 @@ def _profile(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, title: str)
     lines = [
         f"### {title}",
         "",
-        f"Device time per step: {total:.3f} ms ({'kernels' if x.device.type == 'cuda' else 'CPU ops'})",
+        f"Device time per step: {total:.3f} ms ({'kernels' if x.device.type == 'cuda' else 'CPU ops'})"
+        + (f"; GPU idle between kernels: {idle:.3f} ms" if x.device.type == "cuda" else ""),
         "",
         f"By kind (ms per step): {summary}",
         "",
