@@ -10,8 +10,8 @@ Each case times ``MoELayer`` in the same run on the same GPU as its peers:
   sync) and, with few experts, one cuBLAS GEMM per expert inside the fused operation
   (``expert_kernel="cublas"``);
 - the default's fused operation with every GEMM on ``torch._grouped_mm`` (the default before
-  the per-shape GEMM plan of ``choose_expert_gemms``) and, at DeepSeek-V3 8k, with the fastest
-  kernel per GEMM of the session-8 probes, cuBLAS loops included (a host sync);
+  the per-shape GEMM plan of ``choose_expert_gemms``) and, at DeepSeek-V3 8k, with session 8's
+  plan (the down projection and its input gradient on Triton);
 - dropless with the kernels' torch references (cases with few experts only: it is the slowest
   row), and the loop over experts where there are few experts.
 
@@ -58,8 +58,6 @@ from torch import nn
 
 from mcore_kernels.moe import swiglu
 from mcore_kernels.moe.expert_gemms import (
-    CUBLAS_LOOP,
-    CUBLAS_LOOP_STREAMS,
     ExpertGemms,
 )
 from mcore_kernels.moe.grouped_mm import PersistentTiles
@@ -104,9 +102,9 @@ GROUPED_MM_ONLY = (
     "mcore MoELayer dropless, fused op with every expert GEMM on torch._grouped_mm "
     "(the default before the per-shape GEMM plan)"
 )
-FASTEST_WITH_LOOPS = (
-    "mcore MoELayer dropless, fused op with the fastest kernel per GEMM measured on the H200, "
-    "cuBLAS loops included (host sync)"
+SESSION8_PLAN = (
+    "mcore MoELayer dropless, fused op with session 8's GEMM plan (down projection and its "
+    "input gradient on Triton)"
 )
 FUSED_LOOP = (
     "mcore MoELayer dropless, fused op with one cuBLAS GEMM per expert "
@@ -379,7 +377,7 @@ def run_case(
         HF_GROUPED: lambda: _wants_3d(_hf_block(case, device, "grouped_mm")),
     }
     if case["experts"] == 256 and case["tokens"] <= 8192:
-        builders[FASTEST_WITH_LOOPS] = lambda: _plan(_moe(case, device), _fastest_with_loops())
+        builders[SESSION8_PLAN] = lambda: _plan(_moe(case, device), _session8_plan())
     if few:
         builders[FUSED_LOOP] = lambda: _moe(case, device, expert_kernel="cublas")
         builders[
@@ -520,19 +518,13 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     return ms
 
 
-def _fastest_with_loops() -> ExpertGemms:
-    """DeepSeek-V3 at 8192 tokens: per GEMM the fastest of ``torch._grouped_mm``, the Triton
-    kernels and the cuBLAS loops in the session-8 probes (one H200)."""
+def _session8_plan() -> ExpertGemms:
+    """DeepSeek-V3 at 8192 tokens: the default plan of session 8 (the down projection and its
+    input gradient on the persistent Triton kernels), against which this session's plan (also
+    the gate/up projection and its input gradient on Triton) is measured."""
     wide = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
     wide3 = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True)
-    return ExpertGemms(
-        down=wide,
-        d_act=wide3,
-        d_x=CUBLAS_LOOP,
-        w_down=CUBLAS_LOOP,
-        w_gate_up=CUBLAS_LOOP_STREAMS,
-        loop_streams=4,
-    )
+    return ExpertGemms(down=wide, d_act=wide3)
 
 
 def _plan(layer: nn.Module, plan: ExpertGemms) -> nn.Module:

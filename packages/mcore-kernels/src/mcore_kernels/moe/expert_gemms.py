@@ -284,9 +284,13 @@ _MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {
     # projection 521-558 against 501-506 TFLOP/s on torch._grouped_mm, the gate/up input
     # gradient 589-631 against 569-584 (the other four GEMMs were not faster on Triton).
     (2048, 768, 128): [(1024, ExpertGemms(down=_WIDE, d_x=_WIDE))],
-    # DeepSeek-V3 (256 rows per expert at 8192 tokens): the down projection 488-498 against
-    # 424-438 TFLOP/s, its input gradient 517-536 against 473-491 (two probes).
-    (7168, 2048, 256): [(384, ExpertGemms(down=_WIDE, d_act=_WIDE_3))],
+    # DeepSeek-V3 (256 rows per expert at 8192 tokens): the down projection 488-502 against
+    # 424-438 TFLOP/s, its input gradient 517-557 against 467-491 (three probes); the gate/up
+    # input gradient 495-523 against 461-478 (two); the gate/up projection 530-547 against
+    # 483-537 (two).
+    (7168, 2048, 256): [
+        (384, ExpertGemms(gate_up=_WIDE_3, down=_WIDE, d_act=_WIDE_3, d_x=_WIDE_3)),
+    ],
     # Mixtral-8x7B (2048 rows per expert at 8192 tokens): the whole layer on the cuBLAS loop
     # took 26.34 and 27.41 ms against 27.68 and 28.89 ms on torch._grouped_mm (two runs of
     # session 8, one H200); fewer rows per expert were not measured.
