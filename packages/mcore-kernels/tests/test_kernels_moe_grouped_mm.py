@@ -17,7 +17,6 @@ from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValue
 from mcore_kernels.moe.expert_gemms import (
     CUBLAS_LOOP,
     CUBLAS_LOOP_PLAN,
-    CUBLAS_LOOP_STREAMS,
     GROUPED_MM,
     ExpertGemms,
     choose_expert_gemms,
@@ -125,7 +124,7 @@ def _run(fn, inputs, grad):
 
 
 MIXED = ExpertGemms(
-    gate_up=CUBLAS_LOOP, down=TILES, d_act=CUBLAS_LOOP, d_x=TILES, w_down=CUBLAS_LOOP_STREAMS
+    gate_up=CUBLAS_LOOP, down=TILES, d_act=CUBLAS_LOOP, d_x=TILES, w_down=CUBLAS_LOOP
 )
 
 
@@ -179,8 +178,6 @@ def test_bad_input_raises_typed_errors():
         PersistentTiles(block_m=48)
     with pytest.raises(KernelValueError, match="num_warps=3"):
         PersistentTiles(num_warps=3)
-    with pytest.raises(KernelValueError, match="loop_streams=1"):
-        ExpertGemms(loop_streams=1)
     with pytest.raises(KernelValueError, match=r"ExpertGemms\.down=.cutlass.: expected one of"):
         ExpertGemms(down="cutlass")
 
@@ -261,7 +258,7 @@ def test_measured_plans_follow_the_routed_rows_per_expert():
 
 def test_without_host_sync_replaces_only_the_loops():
     assert without_host_sync(CUBLAS_LOOP_PLAN) == ExpertGemms()
-    mixed = ExpertGemms(down=TILES, d_x=CUBLAS_LOOP_STREAMS, w_down=CUBLAS_LOOP, loop_streams=3)
-    assert without_host_sync(mixed) == ExpertGemms(down=TILES, loop_streams=3)
+    mixed = ExpertGemms(down=TILES, d_x=CUBLAS_LOOP, w_down=CUBLAS_LOOP)
+    assert without_host_sync(mixed) == ExpertGemms(down=TILES)
     plain = ExpertGemms(down=TILES)
     assert without_host_sync(plain) is plain

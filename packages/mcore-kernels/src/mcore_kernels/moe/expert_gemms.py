@@ -30,7 +30,6 @@ from mcore_kernels.moe.grouped_mm import (
 __all__ = [
     "CUBLAS_LOOP",
     "CUBLAS_LOOP_PLAN",
-    "CUBLAS_LOOP_STREAMS",
     "GROUPED_MM",
     "ExpertGemmRunner",
     "ExpertGemms",
@@ -47,11 +46,6 @@ GROUPED_MM = "grouped_mm"
 CUBLAS_LOOP = "cublas_loop"
 """One cuBLAS GEMM per expert with rows, written in place (the group sizes are read on the
 host once per layer call: one synchronisation)."""
-CUBLAS_LOOP_STREAMS = "cublas_loop_streams"
-""":data:`CUBLAS_LOOP` with consecutive experts' GEMMs alternating over
-:attr:`ExpertGemms.loop_streams` CUDA streams (one expert's last partial wave of tiles, or a
-GEMM too small to fill the GPU, overlaps the next expert's)."""
-LOOPS = (CUBLAS_LOOP, CUBLAS_LOOP_STREAMS)
 
 GemmKernel = PersistentTiles | str
 """The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP` or the tiles of the
@@ -75,33 +69,15 @@ class ExpertGemms:
     """Weight gradient of the down projection."""
     w_gate_up: GemmKernel = GROUPED_MM
     """Weight gradient of the gate/up projection."""
-    loop_streams: int = 2
-    """CUDA streams of the :data:`CUBLAS_LOOP_STREAMS` GEMMs."""
 
     def __post_init__(self) -> None:
         for f in fields(ExpertGemms):
             value = getattr(self, f.name)
-            if f.name in _FLAGS:
-                continue
-            if not (isinstance(value, PersistentTiles) or value in (GROUPED_MM, *LOOPS)):
+            if not (isinstance(value, PersistentTiles) or value in (GROUPED_MM, CUBLAS_LOOP)):
                 raise KernelValueError(
-                    f"ExpertGemms.{f.name}={value!r}: expected one of {(GROUPED_MM, *LOOPS)} "
-                    "or PersistentTiles"
+                    f"ExpertGemms.{f.name}={value!r}: expected one of "
+                    f"{(GROUPED_MM, CUBLAS_LOOP)} or PersistentTiles"
                 )
-        if self.loop_streams < 2:
-            raise KernelValueError(f"ExpertGemms.loop_streams={self.loop_streams} must be >= 2")
-
-
-_FLAGS = ("loop_streams",)
-
-_STREAMS: dict[tuple[torch.device, int], tuple[torch.cuda.Stream, ...]] = {}
-
-
-def _side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, ...]:
-    key = (device, count)
-    if key not in _STREAMS:
-        _STREAMS[key] = tuple(torch.cuda.Stream(device) for _ in range(count))
-    return _STREAMS[key]
 
 
 class ExpertGemmRunner:
@@ -137,26 +113,11 @@ class ExpertGemmRunner:
             self._spans = [(e, ends[e - 1] if e else 0, ends[e]) for e in range(len(ends))]
         return self._spans
 
-    def _loop(
-        self, kernel: GemmKernel, one: Callable[[int, int, int], None], like: torch.Tensor
-    ) -> None:
-        """``one(expert, start, end)`` for every expert with rows, on the current stream or
-        alternating over side streams joined with it at both ends (the current stream waits
-        for them, so nothing it frees afterwards is still in use)."""
-        spans = [span for span in self._expert_spans() if span[2] > span[1]]
-        if kernel == CUBLAS_LOOP or not like.is_cuda:
-            for span in spans:
-                one(*span)
-            return
-        streams = _side_streams(like.device, self.plan.loop_streams)
-        main = torch.cuda.current_stream(like.device)
-        for stream in streams:
-            stream.wait_stream(main)
-        for i, span in enumerate(spans):
-            with torch.cuda.stream(streams[i % len(streams)]):
-                one(*span)
-        for stream in streams:
-            main.wait_stream(stream)
+    def _loop(self, one: Callable[[int, int, int], None]) -> None:
+        """``one(expert, start, end)`` for every expert with rows."""
+        for expert, start, end in self._expert_spans():
+            if end > start:
+                one(expert, start, end)
 
     def _rows(
         self, kernel: GemmKernel, a: torch.Tensor, w: torch.Tensor, transpose: bool
@@ -170,21 +131,21 @@ class ExpertGemmRunner:
                 tiles=kernel,
                 schedule=self._schedule(kernel),
             )
-        if kernel in LOOPS:
+        if kernel == CUBLAS_LOOP:
             out = a.new_empty(a.shape[0], w.shape[1] if transpose else w.shape[2])
 
             def one(expert: int, start: int, end: int) -> None:
                 weight = w[expert].t() if transpose else w[expert]
                 torch.mm(a[start:end], weight, out=out[start:end])
 
-            self._loop(kernel, one, a)
+            self._loop(one)
             return out
         return torch._grouped_mm(a, w.transpose(-2, -1) if transpose else w, offs=self.offsets)
 
     def _weights(self, kernel: GemmKernel, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if isinstance(kernel, PersistentTiles):
             return k_grouped_mm(g, x, self.offsets, tiles=kernel)
-        if kernel in LOOPS:
+        if kernel == CUBLAS_LOOP:
             out = g.new_empty(self.offsets.shape[0], g.shape[1], x.shape[1])
 
             def one(expert: int, start: int, end: int) -> None:
@@ -193,7 +154,7 @@ class ExpertGemmRunner:
             for expert, start, end in self._expert_spans():
                 if end == start:
                     out[expert].zero_()
-            self._loop(kernel, one, g)
+            self._loop(one)
             return out
         return torch._grouped_mm(g.t(), x, offs=self.offsets)
 
@@ -270,9 +231,7 @@ class ExpertGemmRunner:
         return self._weights(self.plan.w_gate_up, grad_gate_up, x)
 
 
-CUBLAS_LOOP_PLAN = ExpertGemms(
-    **{f.name: CUBLAS_LOOP for f in fields(ExpertGemms) if f.name not in _FLAGS}  # type: ignore[arg-type]
-)
+CUBLAS_LOOP_PLAN = ExpertGemms(**{f.name: CUBLAS_LOOP for f in fields(ExpertGemms)})
 """One cuBLAS GEMM per expert for all six GEMMs (the group sizes read on the host once per
 layer call)."""
 
@@ -315,10 +274,10 @@ def without_host_sync(plan: ExpertGemms) -> ExpertGemms:
     Returns:
         A plan without host synchronisation (``plan`` itself when it has none).
     """
-    loops: dict[str, GemmKernel] = {
-        f.name: GROUPED_MM for f in fields(ExpertGemms) if getattr(plan, f.name) in LOOPS
+    loops = {
+        f.name: GROUPED_MM for f in fields(ExpertGemms) if getattr(plan, f.name) == CUBLAS_LOOP
     }
-    return replace(plan, **loops) if loops else plan  # type: ignore[arg-type]
+    return replace(plan, **loops) if loops else plan
 
 
 def measured_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> ExpertGemms:
