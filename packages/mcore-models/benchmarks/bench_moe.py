@@ -501,7 +501,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
                     self.experts._gate_up_weight(),
                     self.experts.down_proj,
                     offsets,
-                    self.experts.plan_for(rows.shape[0], rows),
+                    self.experts.plan_for(rows.shape[0], rows, sync_free=factor is not None),
                 )
             if capacity is None:
                 return self.experts(rows, counts, row_weights)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore_kernels.moe.expert_gemms import ExpertGemms
 from mcore_models import GPTConfig, MoEConfig, MoELayer, set_decode_expert_padding
 from mcore_models.moe import dispatcher
 from mcore_models.moe.experts import CUBLAS_LOOP_PLAN, grouped_mm_supported
@@ -164,7 +165,8 @@ def test_fused_routed_experts_match_unfused_reproducible_and_without_host_sync(
 
 def test_mixtral_shaped_layer_loops_over_experts_eagerly_and_not_inside_a_cuda_graph():
     # At Mixtral's shape with 2048 rows per expert the measured plan is the cuBLAS loop, which
-    # reads the group sizes on the host; a CUDA graph capture gets torch._grouped_mm instead.
+    # reads the group sizes on the host; capacity routing and a CUDA graph capture get
+    # torch._grouped_mm instead.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the measured plans are for Hopper GPUs")
     moe = MoEConfig(num_experts=8, top_k=2)
@@ -176,6 +178,8 @@ def test_mixtral_shaped_layer_loops_over_experts_eagerly_and_not_inside_a_cuda_g
             param.normal_(0.0, 0.02)
     static_x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     assert layer.experts.plan_for(8192 * 2, static_x) == CUBLAS_LOOP_PLAN
+    # Capacity routing promises no host sync: its plan keeps torch._grouped_mm.
+    assert layer.experts.plan_for(8192 * 2, static_x, sync_free=True) == ExpertGemms()
     with torch.no_grad():
         eager = layer(static_x).float()
         _, static_out = _captured(layer, static_x)

@@ -245,7 +245,10 @@ def dispatch_and_combine(
         # Capacity routing on the fused grouped experts: the kept assignments packed without
         # padding rows, so the GEMMs skip the padding.
         order, inverse, kept, offsets = capacity_rows(flat_experts, counts, capacity)
-        return experts_module.forward_routed(x, weights, order, inverse, kept, offsets), counts
+        output = experts_module.forward_routed(
+            x, weights, order, inverse, kept, offsets, sync_free=True
+        )
+        return output, counts
     if weights_in_experts and comm.ep_group is None and comm.etp_group is None:
         # One rank: the slots' routing weights scale the activations inside the experts and
         # the combine is a plain sum (as on the dropless path).

@@ -14,6 +14,7 @@ from mcore_kernels.moe.expert_gemms import (
     CUBLAS_LOOP_PLAN,
     ExpertGemms,
     choose_expert_gemms,
+    without_host_sync,
 )
 
 __all__ = ["CUBLAS_LOOP_PLAN", "GroupedExperts", "grouped_mm_supported"]
@@ -220,28 +221,31 @@ class GroupedExperts(nn.Module):
             and grouped_mm_supported(tokens.device, tokens.dtype)
         )
 
-    def plan_for(self, rows: int, tokens: torch.Tensor) -> ExpertGemms:
+    def plan_for(self, rows: int, tokens: torch.Tensor, sync_free: bool = False) -> ExpertGemms:
         """Kernel of each grouped GEMM of :meth:`forward_routed` for ``rows`` routed rows.
 
         Args:
             rows: Routed rows (tokens x top-k).
             tokens: The tokens (for their device).
+            sync_free: Keep the measured plan free of host syncs (capacity routing, whose
+                fixed shapes promise none).
 
         Returns:
             ``gemm_plan`` when set; with ``expert_kernel="cublas"`` one cuBLAS GEMM per expert
             for all six (a host sync); else the plan measured fastest for this shape and row
             count (:func:`~mcore_kernels.moe.expert_gemms.choose_expert_gemms`: at
-            Mixtral's shape with many rows the cuBLAS loop, a host sync, except while a CUDA
-            graph is being captured).
+            Mixtral's shape with many rows the cuBLAS loop, a host sync, except with
+            ``sync_free`` or while a CUDA graph is being captured).
         """
         if self.gemm_plan is not None:
             return self.gemm_plan
         if self.expert_kernel == "cublas":
             return CUBLAS_LOOP_PLAN
         hidden = self.down_proj.shape[1]
-        return choose_expert_gemms(
+        plan = choose_expert_gemms(
             rows, hidden, self.ffn_hidden_size, self.num_experts, tokens.device
         )
+        return without_host_sync(plan) if sync_free else plan
 
     def forward_routed(
         self,
@@ -251,6 +255,7 @@ class GroupedExperts(nn.Module):
         inverse: torch.Tensor,
         counts: torch.Tensor,
         offsets: torch.Tensor | None = None,
+        sync_free: bool = False,
     ) -> torch.Tensor:
         """Permute, run and combine dropless routing assignments in one fused operation.
 
@@ -264,6 +269,7 @@ class GroupedExperts(nn.Module):
             inverse: ``[T * top_k]`` int64 row of each assignment.
             counts: ``[num_experts]`` int64 rows of each expert.
             offsets: ``[num_experts]`` int32 running sum of ``counts`` if already computed.
+            sync_free: Run a GEMM plan without host syncs (see :meth:`plan_for`).
 
         Returns:
             ``[T, hidden]`` weighted sum of each token's expert outputs.
@@ -278,7 +284,7 @@ class GroupedExperts(nn.Module):
             order,
             inverse,
             offsets,
-            gemms=self.plan_for(order.shape[0], x),
+            gemms=self.plan_for(order.shape[0], x, sync_free),
         )
 
     def forward(
