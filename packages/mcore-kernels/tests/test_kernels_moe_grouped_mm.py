@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
-from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, CUBLAS_LOOP_STREAMS, ExpertGemms
+from mcore_kernels.moe.expert_gemms import (
+    CUBLAS_LOOP,
+    CUBLAS_LOOP_PLAN,
+    GROUPED_MM,
+    ExpertGemms,
+    choose_expert_gemms,
+    measured_expert_gemms,
+    without_host_sync,
+)
 from mcore_kernels.moe.grouped_mm import (
     PersistentTiles,
     k_grouped_mm,
@@ -116,7 +124,7 @@ def _run(fn, inputs, grad):
 
 
 MIXED = ExpertGemms(
-    gate_up=CUBLAS_LOOP, down=TILES, d_act=CUBLAS_LOOP, d_x=TILES, w_down=CUBLAS_LOOP_STREAMS
+    gate_up=CUBLAS_LOOP, down=TILES, d_act=CUBLAS_LOOP, d_x=TILES, w_down=CUBLAS_LOOP
 )
 
 
@@ -170,8 +178,6 @@ def test_bad_input_raises_typed_errors():
         PersistentTiles(block_m=48)
     with pytest.raises(KernelValueError, match="num_warps=3"):
         PersistentTiles(num_warps=3)
-    with pytest.raises(KernelValueError, match="loop_streams=1"):
-        ExpertGemms(loop_streams=1)
     with pytest.raises(KernelValueError, match=r"ExpertGemms\.down=.cutlass.: expected one of"):
         ExpertGemms(down="cutlass")
 
@@ -231,3 +237,28 @@ def test_grouped_experts_on_rows_in_expert_order_match_reference():
     )
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
+
+
+def test_measured_plans_follow_the_routed_rows_per_expert():
+    qwen3 = measured_expert_gemms(8192 * 8, 2048, 768, 128)
+    assert isinstance(qwen3.down, PersistentTiles) and isinstance(qwen3.d_x, PersistentTiles)
+    assert qwen3.gate_up == GROUPED_MM and qwen3.w_down == GROUPED_MM
+    # Mixtral with 2048 rows per expert runs the cuBLAS loop; with 512 torch._grouped_mm.
+    assert measured_expert_gemms(8192 * 2, 4096, 14336, 8) == CUBLAS_LOOP_PLAN
+    assert measured_expert_gemms(2048 * 2, 4096, 14336, 8) == ExpertGemms()
+    # Capacity routing packs the kept rows, so its plan is that of the routed rows: at 16k
+    # tokens 1024 per expert (the Qwen3 plan), where the padded slots (1280 per expert at
+    # capacity factor 1.25) would be past the plan's bound.
+    assert measured_expert_gemms(16384 * 8, 2048, 768, 128) == qwen3
+    assert measured_expert_gemms(128 * 1280, 2048, 768, 128) == ExpertGemms()
+    assert measured_expert_gemms(100, 64, 32, 4) == ExpertGemms()
+    # Off a Hopper GPU every GEMM runs on torch._grouped_mm.
+    assert choose_expert_gemms(8192 * 8, 2048, 768, 128, torch.device("cpu")) == ExpertGemms()
+
+
+def test_without_host_sync_replaces_only_the_loops():
+    assert without_host_sync(CUBLAS_LOOP_PLAN) == ExpertGemms()
+    mixed = ExpertGemms(down=TILES, d_x=CUBLAS_LOOP, w_down=CUBLAS_LOOP)
+    assert without_host_sync(mixed) == ExpertGemms(down=TILES)
+    plain = ExpertGemms(down=TILES)
+    assert without_host_sync(plain) is plain

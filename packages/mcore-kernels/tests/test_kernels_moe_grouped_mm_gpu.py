@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, CUBLAS_LOOP_STREAMS, ExpertGemms
+from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, ExpertGemms
 from mcore_kernels.moe.grouped_mm import (
     PersistentTiles,
     k_grouped_mm,
@@ -87,13 +87,11 @@ ALL_TRITON = ExpertGemms(
 
 
 LOOPS = ExpertGemms(
-    gate_up=CUBLAS_LOOP_STREAMS,
-    down=CUBLAS_LOOP_STREAMS,
+    gate_up=CUBLAS_LOOP,
+    down=ROWS_TILES,
     d_act=CUBLAS_LOOP,
-    d_x=CUBLAS_LOOP_STREAMS,
     w_down=CUBLAS_LOOP,
-    w_gate_up=CUBLAS_LOOP_STREAMS,
-    loop_streams=3,
+    w_gate_up=CUBLAS_LOOP,
 )
 
 

@@ -10,8 +10,8 @@ Each case times ``MoELayer`` in the same run on the same GPU as its peers:
   sync) and, with few experts, one cuBLAS GEMM per expert inside the fused operation
   (``expert_kernel="cublas"``);
 - the default's fused operation with every GEMM on ``torch._grouped_mm`` (the default before
-  the per-shape GEMM plan of ``choose_expert_gemms``) and, at DeepSeek-V3 8k, with the fastest
-  kernel per GEMM of the session-8 probes, cuBLAS loops included (a host sync);
+  the per-shape GEMM plan of ``choose_expert_gemms``) and, at DeepSeek-V3 8k, with session 8's
+  plan (the down projection and its input gradient on Triton);
 - dropless with the kernels' torch references (cases with few experts only: it is the slowest
   row), and the loop over experts where there are few experts.
 
@@ -39,6 +39,7 @@ Run from the repository root on the GPU machine::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -57,8 +58,6 @@ from torch import nn
 
 from mcore_kernels.moe import swiglu
 from mcore_kernels.moe.expert_gemms import (
-    CUBLAS_LOOP,
-    CUBLAS_LOOP_STREAMS,
     ExpertGemms,
 )
 from mcore_kernels.moe.grouped_mm import PersistentTiles
@@ -103,9 +102,9 @@ GROUPED_MM_ONLY = (
     "mcore MoELayer dropless, fused op with every expert GEMM on torch._grouped_mm "
     "(the default before the per-shape GEMM plan)"
 )
-FASTEST_WITH_LOOPS = (
-    "mcore MoELayer dropless, fused op with the fastest kernel per GEMM measured on the H200, "
-    "cuBLAS loops included (host sync)"
+SESSION8_PLAN = (
+    "mcore MoELayer dropless, fused op with session 8's GEMM plan (down projection and its "
+    "input gradient on Triton)"
 )
 FUSED_LOOP = (
     "mcore MoELayer dropless, fused op with one cuBLAS GEMM per expert "
@@ -296,6 +295,13 @@ def _profile(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, title: str)
             entry[0] += 1
             entry[1] += event.time_range.elapsed_us()
     total = sum(entry[1] for entry in kernels.values()) / steps / 1e3
+    spans = sorted(
+        (event.time_range.start, event.time_range.end)
+        for event in prof.events()
+        if event.device_type != torch.autograd.DeviceType.CPU
+    )
+    # GPU idle time between consecutive kernels (the host enqueueing too slowly, or syncs).
+    idle = sum(max(0.0, nxt[0] - cur[1]) for cur, nxt in itertools.pairwise(spans)) / steps / 1e3
     shares: dict[str, float] = {}
     for name, (_, micros) in kernels.items():
         category = _category(name)
@@ -304,7 +310,8 @@ def _profile(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, title: str)
     lines = [
         f"### {title}",
         "",
-        f"Device time per step: {total:.3f} ms ({'kernels' if x.device.type == 'cuda' else 'CPU ops'})",
+        f"Device time per step: {total:.3f} ms ({'kernels' if x.device.type == 'cuda' else 'CPU ops'})"
+        + (f"; GPU idle between kernels: {idle:.3f} ms" if x.device.type == "cuda" else ""),
         "",
         f"By kind (ms per step): {summary}",
         "",
@@ -370,7 +377,7 @@ def run_case(
         HF_GROUPED: lambda: _wants_3d(_hf_block(case, device, "grouped_mm")),
     }
     if case["experts"] == 256 and case["tokens"] <= 8192:
-        builders[FASTEST_WITH_LOOPS] = lambda: _plan(_moe(case, device), _fastest_with_loops())
+        builders[SESSION8_PLAN] = lambda: _plan(_moe(case, device), _session8_plan())
     if few:
         builders[FUSED_LOOP] = lambda: _moe(case, device, expert_kernel="cublas")
         builders[
@@ -465,7 +472,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     packed = capacity is not None and capacity >= PACKED_MIN_CAPACITY and one_rank
     if packed and experts.fuses_routing(x) and moe.weights_in_experts:
         # Capacity routing on the fused grouped experts: the kept rows, packed (no padding).
-        kept_order, _, counts = capacity_rows(flat, counts, capacity)
+        kept_order, _, counts, _ = capacity_rows(flat, counts, capacity)
         kept = kept_order[: int(counts.sum())]
         permuted = x.index_select(0, kept // moe.top_k).detach()
         row_weights = routing.weights.reshape(-1)[kept].detach()
@@ -494,7 +501,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
                     self.experts._gate_up_weight(),
                     self.experts.down_proj,
                     offsets,
-                    self.experts.plan_for(rows.shape[0], rows),
+                    self.experts.plan_for(rows.shape[0], rows, sync_free=factor is not None),
                 )
             if capacity is None:
                 return self.experts(rows, counts, row_weights)
@@ -511,19 +518,13 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     return ms
 
 
-def _fastest_with_loops() -> ExpertGemms:
-    """DeepSeek-V3 at 8192 tokens: per GEMM the fastest of ``torch._grouped_mm``, the Triton
-    kernels and the cuBLAS loops in the session-8 probes (one H200)."""
+def _session8_plan() -> ExpertGemms:
+    """DeepSeek-V3 at 8192 tokens: the default plan of session 8 (the down projection and its
+    input gradient on the persistent Triton kernels), against which this session's plan (also
+    the gate/up projection and its input gradient on Triton) is measured."""
     wide = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
     wide3 = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True)
-    return ExpertGemms(
-        down=wide,
-        d_act=wide3,
-        d_x=CUBLAS_LOOP,
-        w_down=CUBLAS_LOOP,
-        w_gate_up=CUBLAS_LOOP_STREAMS,
-        loop_streams=4,
-    )
+    return ExpertGemms(down=wide, d_act=wide3)
 
 
 def _plan(layer: nn.Module, plan: ExpertGemms) -> nn.Module:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore_kernels.moe.expert_gemms import ExpertGemms
 from mcore_models import GPTConfig, MoEConfig, MoELayer, set_decode_expert_padding
 from mcore_models.moe import dispatcher
-from mcore_models.moe.experts import grouped_mm_supported
+from mcore_models.moe.experts import CUBLAS_LOOP_PLAN, grouped_mm_supported
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,22 +48,28 @@ def test_grouped_gemm_bf16_matches_expert_loop_on_gpu():
     torch.testing.assert_close(results[0][1], results[1][1], atol=5e-2, rtol=5e-2)
 
 
+def _captured(layer: MoELayer, static_x: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of ``layer(static_x)`` (warmed up outside the capture), replayed once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, static_out
+
+
 def test_cuda_graph_decode_with_expert_padding_matches_dropless_eager():
     layer = _layer(torch.float32).eval()
     static_x = torch.randn(16, 128, device="cuda")
     with torch.no_grad():
         expected = layer(static_x).clone()
         with set_decode_expert_padding(layer, True):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                layer(static_x)  # warm-up outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_out = layer(static_x)
-            graph.replay()
-            torch.cuda.synchronize()
+            graph, static_out = _captured(layer, static_x)
             torch.testing.assert_close(static_out, expected, atol=1e-4, rtol=1e-4)
             fresh = torch.randn(16, 128, device="cuda")
             static_x.copy_(fresh)
@@ -154,3 +161,27 @@ def test_fused_routed_experts_match_unfused_reproducible_and_without_host_sync(
     for got, expected in zip(first, unfused, strict=True):
         error = (got.float() - expected.float()).norm() / expected.float().norm()
         assert error < 1e-2, (error, got.shape)
+
+
+def test_mixtral_shaped_layer_loops_over_experts_eagerly_and_not_inside_a_cuda_graph():
+    # At Mixtral's shape with 2048 rows per expert the measured plan is the cuBLAS loop, which
+    # reads the group sizes on the host; capacity routing and a CUDA graph capture get
+    # torch._grouped_mm instead.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the measured plans are for Hopper GPUs")
+    moe = MoEConfig(num_experts=8, top_k=2)
+    config = GPTConfig(hidden_size=4096, ffn_hidden_size=14336, moe=moe, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    layer = MoELayer(config, 0, device="cuda").eval()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0.0, 0.02)
+    static_x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    assert layer.experts.plan_for(8192 * 2, static_x) == CUBLAS_LOOP_PLAN
+    # Capacity routing promises no host sync: its plan keeps torch._grouped_mm.
+    assert layer.experts.plan_for(8192 * 2, static_x, sync_free=True) == ExpertGemms()
+    with torch.no_grad():
+        eager = layer(static_x).float()
+        _, static_out = _captured(layer, static_x)
+    error = (static_out.float() - eager).norm() / eager.norm()
+    assert error < 1e-2

@@ -1,6 +1,7 @@
 """Persistent Triton grouped GEMMs for Hopper (launchers in :mod:`mcore_kernels.moe.grouped_mm`).
 
-Rows ``starts[e]:ends[e]`` of the row matrix belong to expert ``e``. Three kernels:
+Rows ``ends[e - 1]:ends[e]`` of the row matrix belong to expert ``e`` (from row 0 for the
+first). Three kernels:
 
 - :func:`tile_schedule_kernel` lists every row tile of every expert (expert, first row, end
   row) and the number of tiles, on the device: the group sizes never reach the host.
@@ -30,7 +31,6 @@ __all__ = ["k_grouped_kernel", "m_grouped_kernel", "tile_schedule_kernel"]
 
 @triton.jit
 def tile_schedule_kernel(
-    starts_ptr,
     ends_ptr,
     sched_ptr,
     num_experts,
@@ -45,7 +45,7 @@ def tile_schedule_kernel(
     ids = tl.arange(0, E_PAD)
     valid = ids < num_experts
     ends = tl.load(ends_ptr + ids, mask=valid, other=0).to(tl.int32)
-    starts = tl.load(starts_ptr + ids, mask=valid, other=0).to(tl.int32)
+    starts = tl.load(ends_ptr + ids - 1, mask=valid & (ids > 0), other=0).to(tl.int32)
     tiles = tl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
     cum = tl.cumsum(tiles, axis=0)
     first = cum - tiles
@@ -125,7 +125,6 @@ def k_grouped_kernel(
     x_desc,
     out_desc,
     out_ptr,
-    starts_ptr,
     ends_ptr,
     num_experts,
     N,
@@ -153,8 +152,8 @@ def k_grouped_kernel(
         rest = job % per_expert
         n0 = (rest // num_k) * BLOCK_N
         k0 = (rest % num_k) * BLOCK_K
-        start = tl.load(starts_ptr + expert)
         end = tl.load(ends_ptr + expert)
+        start = tl.where(expert > 0, tl.load(ends_ptr + tl.maximum(expert - 1, 0)), 0)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         full_end = start + ((end - start) // BLOCK_R) * BLOCK_R
         for m0 in range(start, full_end, BLOCK_R):

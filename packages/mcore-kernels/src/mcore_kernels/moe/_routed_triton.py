@@ -44,9 +44,10 @@ def routed_swiglu_backward_kernel(
     BLOCK: tl.constexpr,
 ):
     """Gradients of :func:`routed_swiglu_forward_kernel` for one row: ``gate_up`` (``[2F]``)
-    and the weight of the row's assignment, written at that assignment (a float32 sum over the
-    row in one program; every assignment has at most one row, so each is written once: no
-    atomics). A row without an assignment gets a zero gradient and reads nothing."""
+    and the weight of the row's assignment, written at that assignment in the weights' dtype (a
+    float32 sum over the row in one program, rounded once; every assignment has at most one
+    row, so each is written once: no atomics). A row without an assignment gets a zero
+    gradient and reads nothing."""
     row = tl.program_id(0).to(tl.int64)
     base = tl.arange(0, BLOCK)
     assignment = tl.load(order_ptr + row)
@@ -74,4 +75,5 @@ def routed_swiglu_backward_kernel(
         tl.store(out_ptr + row * 2 * width + width + cols, (scaled * silu).to(dtype), mask=ok)
     # Rows without an assignment store their zero sum in a spare last entry of grad_w, which
     # the launcher allocates and drops.
-    tl.store(grad_w_ptr + tl.where(used, assignment, num_assignments), tl.sum(acc, axis=0))
+    total = tl.sum(acc, axis=0).to(grad_w_ptr.dtype.element_ty)
+    tl.store(grad_w_ptr + tl.where(used, assignment, num_assignments), total)

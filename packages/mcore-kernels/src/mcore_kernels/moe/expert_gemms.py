@@ -15,7 +15,7 @@ plan says.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -29,13 +29,15 @@ from mcore_kernels.moe.grouped_mm import (
 
 __all__ = [
     "CUBLAS_LOOP",
-    "CUBLAS_LOOP_STREAMS",
+    "CUBLAS_LOOP_PLAN",
     "GROUPED_MM",
     "ExpertGemmRunner",
     "ExpertGemms",
     "GemmKernel",
     "choose_expert_gemms",
+    "measured_expert_gemms",
     "triton_expert_gemms",
+    "without_host_sync",
 ]
 
 
@@ -44,11 +46,6 @@ GROUPED_MM = "grouped_mm"
 CUBLAS_LOOP = "cublas_loop"
 """One cuBLAS GEMM per expert with rows, written in place (the group sizes are read on the
 host once per layer call: one synchronisation)."""
-CUBLAS_LOOP_STREAMS = "cublas_loop_streams"
-""":data:`CUBLAS_LOOP` with consecutive experts' GEMMs alternating over
-:attr:`ExpertGemms.loop_streams` CUDA streams (one expert's last partial wave of tiles, or a
-GEMM too small to fill the GPU, overlaps the next expert's)."""
-LOOPS = (CUBLAS_LOOP, CUBLAS_LOOP_STREAMS)
 
 GemmKernel = PersistentTiles | str
 """The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP` or the tiles of the
@@ -72,33 +69,15 @@ class ExpertGemms:
     """Weight gradient of the down projection."""
     w_gate_up: GemmKernel = GROUPED_MM
     """Weight gradient of the gate/up projection."""
-    loop_streams: int = 2
-    """CUDA streams of the :data:`CUBLAS_LOOP_STREAMS` GEMMs."""
 
     def __post_init__(self) -> None:
         for f in fields(ExpertGemms):
             value = getattr(self, f.name)
-            if f.name in _FLAGS:
-                continue
-            if not (isinstance(value, PersistentTiles) or value in (GROUPED_MM, *LOOPS)):
+            if not (isinstance(value, PersistentTiles) or value in (GROUPED_MM, CUBLAS_LOOP)):
                 raise KernelValueError(
-                    f"ExpertGemms.{f.name}={value!r}: expected one of {(GROUPED_MM, *LOOPS)} "
-                    "or PersistentTiles"
+                    f"ExpertGemms.{f.name}={value!r}: expected one of "
+                    f"{(GROUPED_MM, CUBLAS_LOOP)} or PersistentTiles"
                 )
-        if self.loop_streams < 2:
-            raise KernelValueError(f"ExpertGemms.loop_streams={self.loop_streams} must be >= 2")
-
-
-_FLAGS = ("loop_streams",)
-
-_STREAMS: dict[tuple[torch.device, int], tuple[torch.cuda.Stream, ...]] = {}
-
-
-def _side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, ...]:
-    key = (device, count)
-    if key not in _STREAMS:
-        _STREAMS[key] = tuple(torch.cuda.Stream(device) for _ in range(count))
-    return _STREAMS[key]
 
 
 class ExpertGemmRunner:
@@ -134,26 +113,11 @@ class ExpertGemmRunner:
             self._spans = [(e, ends[e - 1] if e else 0, ends[e]) for e in range(len(ends))]
         return self._spans
 
-    def _loop(
-        self, kernel: GemmKernel, one: Callable[[int, int, int], None], like: torch.Tensor
-    ) -> None:
-        """``one(expert, start, end)`` for every expert with rows, on the current stream or
-        alternating over side streams joined with it at both ends (the current stream waits
-        for them, so nothing it frees afterwards is still in use)."""
-        spans = [span for span in self._expert_spans() if span[2] > span[1]]
-        if kernel == CUBLAS_LOOP or not like.is_cuda:
-            for span in spans:
-                one(*span)
-            return
-        streams = _side_streams(like.device, self.plan.loop_streams)
-        main = torch.cuda.current_stream(like.device)
-        for stream in streams:
-            stream.wait_stream(main)
-        for i, span in enumerate(spans):
-            with torch.cuda.stream(streams[i % len(streams)]):
-                one(*span)
-        for stream in streams:
-            main.wait_stream(stream)
+    def _loop(self, one: Callable[[int, int, int], None]) -> None:
+        """``one(expert, start, end)`` for every expert with rows."""
+        for expert, start, end in self._expert_spans():
+            if end > start:
+                one(expert, start, end)
 
     def _rows(
         self, kernel: GemmKernel, a: torch.Tensor, w: torch.Tensor, transpose: bool
@@ -167,21 +131,21 @@ class ExpertGemmRunner:
                 tiles=kernel,
                 schedule=self._schedule(kernel),
             )
-        if kernel in LOOPS:
+        if kernel == CUBLAS_LOOP:
             out = a.new_empty(a.shape[0], w.shape[1] if transpose else w.shape[2])
 
             def one(expert: int, start: int, end: int) -> None:
                 weight = w[expert].t() if transpose else w[expert]
                 torch.mm(a[start:end], weight, out=out[start:end])
 
-            self._loop(kernel, one, a)
+            self._loop(one)
             return out
         return torch._grouped_mm(a, w.transpose(-2, -1) if transpose else w, offs=self.offsets)
 
     def _weights(self, kernel: GemmKernel, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if isinstance(kernel, PersistentTiles):
             return k_grouped_mm(g, x, self.offsets, tiles=kernel)
-        if kernel in LOOPS:
+        if kernel == CUBLAS_LOOP:
             out = g.new_empty(self.offsets.shape[0], g.shape[1], x.shape[1])
 
             def one(expert: int, start: int, end: int) -> None:
@@ -190,7 +154,7 @@ class ExpertGemmRunner:
             for expert, start, end in self._expert_spans():
                 if end == start:
                     out[expert].zero_()
-            self._loop(kernel, one, g)
+            self._loop(one)
             return out
         return torch._grouped_mm(g.t(), x, offs=self.offsets)
 
@@ -267,6 +231,10 @@ class ExpertGemmRunner:
         return self._weights(self.plan.w_gate_up, grad_gate_up, x)
 
 
+CUBLAS_LOOP_PLAN = ExpertGemms(**{f.name: CUBLAS_LOOP for f in fields(ExpertGemms)})
+"""One cuBLAS GEMM per expert for all six GEMMs (the group sizes read on the host once per
+layer call)."""
+
 _WIDE = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
 _WIDE_3 = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True)
 
@@ -275,17 +243,63 @@ _MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {
     # projection 521-558 against 501-506 TFLOP/s on torch._grouped_mm, the gate/up input
     # gradient 589-631 against 569-584 (the other four GEMMs were not faster on Triton).
     (2048, 768, 128): [(1024, ExpertGemms(down=_WIDE, d_x=_WIDE))],
-    # DeepSeek-V3 (256 rows per expert at 8192 tokens): the down projection 488-498 against
-    # 424-438 TFLOP/s, its input gradient 517-536 against 473-491 (two probes).
-    (7168, 2048, 256): [(384, ExpertGemms(down=_WIDE, d_act=_WIDE_3))],
+    # DeepSeek-V3 (256 rows per expert at 8192 tokens): the down projection 488-502 against
+    # 424-438 TFLOP/s, its input gradient 517-557 against 467-491 (three probes); the gate/up
+    # input gradient 495-523 against 461-478 (two); the gate/up projection 530-547 against
+    # 483-537 (two).
+    (7168, 2048, 256): [
+        (384, ExpertGemms(gate_up=_WIDE_3, down=_WIDE, d_act=_WIDE_3, d_x=_WIDE_3)),
+    ],
+    # Mixtral-8x7B (2048 rows per expert at 8192 tokens): the whole layer on the cuBLAS loop
+    # took 26.34 and 27.41 ms against 27.68 and 28.89 ms on torch._grouped_mm (two runs of
+    # session 8, one H200); fewer rows per expert were not measured.
+    (4096, 14336, 8): [(1023, ExpertGemms()), (1 << 62, CUBLAS_LOOP_PLAN)],
 }
-"""Plans measured faster than ``torch._grouped_mm`` on an H200 GEMM by GEMM, by ``(hidden,
-ffn, experts)``: a list of ``(largest mean rows per expert, plan)`` in increasing order. Only
-kernels without a host sync; the measurements are in ``docs/benchmarks/moe.md``."""
+"""Plans measured faster than ``torch._grouped_mm`` on an H200, by ``(hidden, ffn,
+experts)``: a list of ``(largest mean rows per expert, plan)`` in increasing order. The
+measurements are in ``docs/benchmarks/moe.md``."""
 
 
 def _hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def without_host_sync(plan: ExpertGemms) -> ExpertGemms:
+    """``plan`` with every cuBLAS loop (which reads the group sizes on the host) replaced by
+    ``torch._grouped_mm``.
+
+    Args:
+        plan: Any plan.
+
+    Returns:
+        A plan without host synchronisation (``plan`` itself when it has none).
+    """
+    loops = {
+        f.name: GROUPED_MM for f in fields(ExpertGemms) if getattr(plan, f.name) == CUBLAS_LOOP
+    }
+    return replace(plan, **loops) if loops else plan
+
+
+def measured_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> ExpertGemms:
+    """The plan measured fastest on an H200 for a layer shape and row count, whatever the
+    device at hand.
+
+    Args:
+        rows: Routed rows (tokens x top-k; under capacity routing the routed rows too, not
+            the padded slots: the kept rows are packed).
+        hidden: Hidden size.
+        ffn: Inner width of each expert.
+        experts: Experts held.
+
+    Returns:
+        The plan for the mean rows per expert; ``torch._grouped_mm`` for every GEMM for
+        shapes not measured.
+    """
+    mean_rows = rows // max(experts, 1)
+    for largest, plan in _MEASURED_PLANS.get((hidden, ffn, experts), ()):
+        if mean_rows <= largest:
+            return plan
+    return ExpertGemms()
 
 
 def choose_expert_gemms(
@@ -301,17 +315,16 @@ def choose_expert_gemms(
         device: Device of the tokens.
 
     Returns:
-        The plan measured for this shape and mean rows per expert on a Hopper GPU;
-        ``torch._grouped_mm`` for every GEMM elsewhere and for shapes not measured.
+        :func:`measured_expert_gemms` on a Hopper GPU, without its cuBLAS loops while the
+        current stream captures a CUDA graph (no host sync there);
+        ``torch._grouped_mm`` for every GEMM elsewhere.
     """
-    plans = _MEASURED_PLANS.get((hidden, ffn, experts))
-    if not plans or not _hopper(device):
+    if not _hopper(device):
         return ExpertGemms()
-    mean_rows = rows // max(experts, 1)
-    for largest, plan in plans:
-        if mean_rows <= largest:
-            return plan
-    return ExpertGemms()
+    plan = measured_expert_gemms(rows, hidden, ffn, experts)
+    if torch.cuda.is_current_stream_capturing():
+        return without_host_sync(plan)
+    return plan
 
 
 def triton_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> ExpertGemms:

@@ -73,12 +73,6 @@ def _programs(device: torch.device, tiles: PersistentTiles, jobs: int) -> int:
     return max(1, min(sms, jobs))
 
 
-def _starts(offsets: torch.Tensor) -> torch.Tensor:
-    starts = torch.zeros_like(offsets)
-    starts[1:] = offsets[:-1]
-    return starts
-
-
 def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
     """Row tiles of every expert, built on the device.
 
@@ -100,7 +94,6 @@ def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.T
     sched = torch.empty(3 * max_tiles + 1, dtype=torch.int32, device=offsets.device)
     block_t = 64
     tile_schedule_kernel[(triton.cdiv(max_tiles, block_t),)](
-        _starts(offsets),
         offsets,
         sched,
         experts,
@@ -266,7 +259,6 @@ def k_grouped_mm(
         x_desc,
         out_desc,
         out,
-        _starts(offsets),
         offsets,
         experts,
         n,

@@ -58,7 +58,7 @@ def _routed_swiglu_backward(
     out = torch.empty_like(gate_up)
     # Assignments without a row (dropped) keep a zero gradient; one spare entry takes the
     # rows without an assignment.
-    grad_w = torch.zeros(weights.numel() + 1, dtype=torch.float32, device=weights.device)
+    grad_w = torch.zeros(weights.numel() + 1, dtype=weights.dtype, device=weights.device)
     if rows and width:
         routed_swiglu_backward_kernel[(rows,)](
             gate_up,
@@ -130,7 +130,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
                 grad_perm = run.d_x(grad_gate_up, w_gate_up)
                 grad_x = _sum_rows(grad_perm, inverse, top_k, None) if top_k else grad_perm
         if needs_w:
-            grad_w = grad_flat_w.to(flat_w.dtype).view(ctx.weights_shape)
+            grad_w = grad_flat_w.view(ctx.weights_shape)
         return grad_x, grad_w, grad_gu, grad_down, None, None, None, None, None
 
 

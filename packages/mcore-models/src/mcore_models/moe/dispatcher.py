@@ -36,14 +36,17 @@ import torch
 import torch.distributed as dist
 
 from mcore_kernels.moe import permute_tokens, unpermute_combine, unpermute_sum
+from mcore_kernels.moe.rows import dropless_rows
 from mcore_models.moe.comm import ExpertComm, all_to_all, gather_rows, reduce_scatter_rows
 from mcore_models.moe.experts import GroupedExperts
 from mcore_models.moe.permute import (
     GatherOrZero,
     PermuteRows,
+    capacity_fillers,
     capacity_rows,
     capacity_slots,
     count,
+    expert_order,
     inverse_permutation,
     padded_index,
     run_padded,
@@ -221,11 +224,12 @@ def dispatch_and_combine(
         counts = count(flat_experts, num_experts)
     if capacity is None:
         # Assignments in expert order; stable, so each expert sees its tokens in order.
-        order = torch.argsort(flat_experts, stable=True)
-        inverse = inverse_permutation(order)
+        order = expert_order(flat_experts, num_experts - 1)
+        inverse, offsets = dropless_rows(order, counts)
         if weights_in_experts and comm.ep_group is None and comm.etp_group is None:
             if experts_module.fuses_routing(x):
-                return experts_module.forward_routed(x, weights, order, inverse, counts), counts
+                output = experts_module.forward_routed(x, weights, order, inverse, counts, offsets)
+                return output, counts
             permuted = permute_tokens(x, order // top_k, inverse, top_k)
             # Each row's routing weight, in row order (a gather; its backward gathers back).
             row_weights = PermuteRows.apply(weights.reshape(-1, 1), order, inverse).view(-1)
@@ -240,22 +244,29 @@ def dispatch_and_combine(
     if packs and not padded_dropless and experts_module.fuses_routing(x):
         # Capacity routing on the fused grouped experts: the kept assignments packed without
         # padding rows, so the GEMMs skip the padding.
-        order, inverse, kept = capacity_rows(flat_experts, counts, capacity)
-        return experts_module.forward_routed(x, weights, order, inverse, kept), counts
-    if padded_dropless:
-        slots = sorted_slots(flat_experts, counts, capacity)
-    else:
-        valid = torch.ones_like(flat_experts, dtype=torch.bool)
-        slots = capacity_slots(flat_experts, valid, num_experts, capacity)
+        order, inverse, kept, offsets = capacity_rows(flat_experts, counts, capacity)
+        output = experts_module.forward_routed(
+            x, weights, order, inverse, kept, offsets, sync_free=True
+        )
+        return output, counts
     if weights_in_experts and comm.ep_group is None and comm.etp_group is None:
         # One rank: the slots' routing weights scale the activations inside the experts and
         # the combine is a plain sum (as on the dropless path).
-        fillers, kept = padded_index(slots, num_experts * capacity)
+        if padded_dropless:
+            fillers, kept = padded_index(
+                sorted_slots(flat_experts, counts, capacity), num_experts * capacity
+            )
+        else:
+            fillers, kept = capacity_fillers(flat_experts, None, num_experts, capacity)
         rows = torch.where(fillers < 0, -1, fillers // top_k)
         buffer = permute_tokens(x, rows, kept, top_k).view(num_experts, capacity, -1)
         slot_weights = GatherOrZero.apply(weights.reshape(-1), fillers, kept)
         outputs = experts_module.forward_padded(buffer, slot_weights.view(num_experts, capacity))
         return unpermute_sum(outputs.flatten(0, 1), kept, fillers, top_k), counts
+    if padded_dropless:
+        slots = sorted_slots(flat_experts, counts, capacity)
+    else:
+        slots = capacity_slots(flat_experts, None, num_experts, capacity)
     run = _padded_run(experts_module, capacity, comm, exchange=True)
     return run_padded(x, weights, slots, num_experts * capacity, run), counts
 
@@ -309,7 +320,7 @@ def _allgather(
         # Local assignments in expert order (stable: source-major within each expert, as the
         # all-to-all groups them); the others are skipped and read a zero row.
         keys = torch.where(valid, flat_experts, local)
-        order = torch.argsort(keys, stable=True)
+        order = expert_order(keys, local)
         local_counts = count(keys, local + 1)[:local]
         num_kept = int(local_counts.sum())
         position = inverse_permutation(order)

@@ -11,22 +11,13 @@ from torch import nn
 from mcore_kernels._backend import use_triton
 from mcore_kernels.moe import routed_experts, swiglu, weighted_swiglu
 from mcore_kernels.moe.expert_gemms import (
-    CUBLAS_LOOP,
+    CUBLAS_LOOP_PLAN,
     ExpertGemms,
     choose_expert_gemms,
+    without_host_sync,
 )
 
 __all__ = ["CUBLAS_LOOP_PLAN", "GroupedExperts", "grouped_mm_supported"]
-
-CUBLAS_LOOP_PLAN = ExpertGemms(
-    gate_up=CUBLAS_LOOP,
-    down=CUBLAS_LOOP,
-    d_act=CUBLAS_LOOP,
-    d_x=CUBLAS_LOOP,
-    w_down=CUBLAS_LOOP,
-    w_gate_up=CUBLAS_LOOP,
-)
-"""The fused routed experts of ``expert_kernel="cublas"``: one cuBLAS GEMM per expert."""
 
 _GROUPED_MM_PROBES: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -230,25 +221,31 @@ class GroupedExperts(nn.Module):
             and grouped_mm_supported(tokens.device, tokens.dtype)
         )
 
-    def plan_for(self, rows: int, tokens: torch.Tensor) -> ExpertGemms:
+    def plan_for(self, rows: int, tokens: torch.Tensor, sync_free: bool = False) -> ExpertGemms:
         """Kernel of each grouped GEMM of :meth:`forward_routed` for ``rows`` routed rows.
 
         Args:
             rows: Routed rows (tokens x top-k).
             tokens: The tokens (for their device).
+            sync_free: Keep the measured plan free of host syncs (capacity routing, whose
+                fixed shapes promise none).
 
         Returns:
             ``gemm_plan`` when set; with ``expert_kernel="cublas"`` one cuBLAS GEMM per expert
-            for all six (a host sync); else the measured plan of this shape (no host sync).
+            for all six (a host sync); else the plan measured fastest for this shape and row
+            count (:func:`~mcore_kernels.moe.expert_gemms.choose_expert_gemms`: at
+            Mixtral's shape with many rows the cuBLAS loop, a host sync, except with
+            ``sync_free`` or while a CUDA graph is being captured).
         """
         if self.gemm_plan is not None:
             return self.gemm_plan
         if self.expert_kernel == "cublas":
             return CUBLAS_LOOP_PLAN
         hidden = self.down_proj.shape[1]
-        return choose_expert_gemms(
+        plan = choose_expert_gemms(
             rows, hidden, self.ffn_hidden_size, self.num_experts, tokens.device
         )
+        return without_host_sync(plan) if sync_free else plan
 
     def forward_routed(
         self,
@@ -257,6 +254,8 @@ class GroupedExperts(nn.Module):
         order: torch.Tensor,
         inverse: torch.Tensor,
         counts: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        sync_free: bool = False,
     ) -> torch.Tensor:
         """Permute, run and combine dropless routing assignments in one fused operation.
 
@@ -269,11 +268,14 @@ class GroupedExperts(nn.Module):
             order: ``[T * top_k]`` int64 assignment in each expert row (sorted by expert).
             inverse: ``[T * top_k]`` int64 row of each assignment.
             counts: ``[num_experts]`` int64 rows of each expert.
+            offsets: ``[num_experts]`` int32 running sum of ``counts`` if already computed.
+            sync_free: Run a GEMM plan without host syncs (see :meth:`plan_for`).
 
         Returns:
             ``[T, hidden]`` weighted sum of each token's expert outputs.
         """
-        offsets = counts.cumsum(0).to(torch.int32)
+        if offsets is None:
+            offsets = counts.cumsum(0).to(torch.int32)
         return routed_experts(
             x,
             weights,
@@ -282,7 +284,7 @@ class GroupedExperts(nn.Module):
             order,
             inverse,
             offsets,
-            gemms=self.plan_for(order.shape[0], x),
+            gemms=self.plan_for(order.shape[0], x, sync_free),
         )
 
     def forward(
