@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -15,6 +16,12 @@ nox.options.error_on_external_run = True
 nox.options.sessions = []
 
 ROOT = Path(__file__).resolve().parent
+
+# Every session writes bytecode caches, whatever the calling shell says: the tests start hundreds
+# of Python processes (ranks, Ray actors, reward pools, servers, CLI runs), and without `.pyc`
+# files each of them compiles torch's and transformers' sources again (`import torch,
+# transformers` takes 5.3 s instead of 2.7 s on the 2-core CI machine).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.path.insert(0, str(ROOT / "tools"))
 
 from workspace import PACKAGES, dependency_closure  # noqa: E402
