@@ -11,9 +11,12 @@ import os
 
 import pytest
 import torch
+from _interpreter_speedups import install
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    install()
 
 
 def pytest_configure(config):
