@@ -77,16 +77,7 @@ def graph_us(make_calls: Callable[[], list[Callable[[], Any]]], min_calls: int =
             call()
     torch.cuda.synchronize()
     count = max(len(calls), min_calls)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin()
-        try:
-            for k in range(count):
-                calls[k % len(calls)]()
-        finally:
-            graph.capture_end()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, _ = _capture(calls, count, stream)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(7):
