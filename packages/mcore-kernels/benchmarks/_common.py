@@ -71,11 +71,7 @@ def graph_us(make_calls: Callable[[], list[Callable[[], Any]]], min_calls: int =
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls = make_calls()
-        for call in calls:
-            call()
-    torch.cuda.synchronize()
+    calls = _run_once(make_calls, stream)
     count = max(len(calls), min_calls)
     graph, _ = _capture(calls, count, stream)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -88,6 +84,18 @@ def graph_us(make_calls: Callable[[], list[Callable[[], Any]]], min_calls: int =
         times.append(start.elapsed_time(end) * 1000 / count)
     del graph, calls
     return sorted(times)[len(times) // 2]
+
+
+def _run_once(
+    make_calls: Callable[[], list[Callable[[], Any]]], stream: torch.cuda.Stream
+) -> list[Callable[[], Any]]:
+    """Make the calls on ``stream`` and run each once (compilation, allocator warm-up)."""
+    with torch.cuda.stream(stream):
+        calls = make_calls()
+        for call in calls:
+            call()
+    torch.cuda.synchronize()
+    return calls
 
 
 def _capture(
@@ -138,11 +146,7 @@ def interleaved_graph_us(
     keep: list[Any] = []
     for name, make in makers.items():
         try:
-            with torch.cuda.stream(stream):
-                calls = make()
-                for call in calls:
-                    call()
-            torch.cuda.synchronize()
+            calls = _run_once(make, stream)
             # Calls per replay: a first graph measures one call, a second one is long enough.
             count = max(len(calls), min_calls)
             graph, per_call = _capture(calls, count, stream)
