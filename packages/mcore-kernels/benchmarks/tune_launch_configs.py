@@ -198,8 +198,8 @@ def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:
                     lp._forward, logits, targets, 1.0, None, False, -100, (block, warps, stages)
                 )
             )
-        for block, warps, stages in itertools.product((1024, 2048, 4096), (4, 8, 16), (1, 2, 3)):
-            bwd.setdefault((block, warps, stages), {})[index] = _timed(
+        for block, warps in itertools.product((1024, 2048, 4096), (4, 8, 16)):
+            bwd.setdefault((block, warps), {})[index] = _timed(
                 partial(
                     lp._backward,
                     grad,
@@ -211,13 +211,13 @@ def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:
                     1.0,
                     0,
                     -100,
-                    (block, warps, stages),
+                    (block, warps),
                 )
             )
         del logits
     for kind, times, names in (
         ("logprobs_fwd", fwd, ("block_v", "warps", "stages")),
-        ("logprobs_bwd", bwd, ("block_v", "warps", "stages")),
+        ("logprobs_bwd", bwd, ("block_v", "warps")),
     ):
         for cand, per_shape in times.items():
             for index, ms in per_shape.items():

@@ -73,9 +73,6 @@ FORWARD_STAGES = 1
 FORWARD_WARPS = 4
 """Warps of a forward program."""
 
-BACKWARD_STAGES = 1
-"""Software-pipelining depth of the backward's vocabulary loop (``tl.range(num_stages=...)``)."""
-
 _ALIGN_BYTES = 16
 
 
@@ -278,7 +275,6 @@ def _token_logprobs_bwd_kernel(
     WITH_ENTROPY: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
 ):
     # The gradient has the logits' strides, so both rows share one alignment.
     row = tl.program_id(0).to(tl.int64)
@@ -306,7 +302,7 @@ def _token_logprobs_bwd_kernel(
     dz = _logits_grad(z, cols, local, lse, grad_logprob, grad_entropy, expected, WITH_ENTROPY)
     tl.store(out + cols, round_to(dz * inv_temperature, out_dtype), mask=mask)
     full_end = (end // BLOCK_V) * BLOCK_V
-    for start in tl.range(BLOCK_V, full_end, BLOCK_V, num_stages=NUM_STAGES):
+    for start in tl.range(BLOCK_V, full_end, BLOCK_V):
         offs = start + cols
         z = tl.load(base + offs).to(tl.float32) * inv_temperature
         dz = _logits_grad(z, offs, local, lse, grad_logprob, grad_entropy, expected, WITH_ENTROPY)
@@ -421,11 +417,11 @@ def _backward(
     inv_temperature: float,
     vocab_start: int,
     ignore_index: int,
-    launch: tuple[int, int, int] | None = None,
+    launch: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Launch the backward: ``d(logits)`` with the logits' shape and strides.
 
-    ``launch`` overrides ``(BLOCK_V, warps, stages)`` (the tuner's sweep).
+    ``launch`` overrides ``(BLOCK_V, warps)`` (the tuner's sweep).
     """
     vocab = logits.shape[-1]
     rows = targets.numel()
@@ -446,10 +442,7 @@ def _backward(
     elif not grad_entropy.is_contiguous():
         grad_entropy = grad_entropy.contiguous()
     if rows > 0:
-        block, warps = _block_and_warps(vocab, True)
-        stages = BACKWARD_STAGES
-        if launch is not None:
-            block, warps, stages = launch
+        block, warps = launch or _block_and_warps(vocab, True)
         _BACKWARD(
             (rows,),
             (
@@ -470,7 +463,6 @@ def _backward(
                 "WITH_ENTROPY": grad_entropy is not grad_logprobs,
                 "ALIGN": _ALIGN_BYTES // logits.element_size(),
                 "BLOCK_V": block,
-                "NUM_STAGES": stages,
             },
             warps,
             logits.get_device(),
