@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from collections.abc import Callable
@@ -70,12 +71,37 @@ def graph_us(make_calls: Callable[[], list[Callable[[], Any]]], min_calls: int =
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    calls = _run_once(make_calls, stream)
+    count = max(len(calls), min_calls)
+    graph, _ = _capture(calls, count, stream)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(7):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / count)
+    del graph, calls
+    return sorted(times)[len(times) // 2]
+
+
+def _run_once(
+    make_calls: Callable[[], list[Callable[[], Any]]], stream: torch.cuda.Stream
+) -> list[Callable[[], Any]]:
+    """Make the calls on ``stream`` and run each once (compilation, allocator warm-up)."""
     with torch.cuda.stream(stream):
         calls = make_calls()
         for call in calls:
             call()
     torch.cuda.synchronize()
-    count = max(len(calls), min_calls)
+    return calls
+
+
+def _capture(
+    calls: list[Callable[[], Any]], count: int, stream: torch.cuda.Stream
+) -> tuple[torch.cuda.CUDAGraph, float]:
+    """One CUDA graph of ``count`` calls (cycling over ``calls``) and its microseconds per call."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         graph.capture_begin()
@@ -87,15 +113,78 @@ def graph_us(make_calls: Callable[[], list[Callable[[], Any]]], min_calls: int =
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / count)
-    del graph, calls
-    return sorted(times)[len(times) // 2]
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return graph, start.elapsed_time(end) * 1000 / count
+
+
+def interleaved_graph_us(
+    makers: dict[str, Callable[[], list[Callable[[], Any]]]],
+    *,
+    rounds: int = 15,
+    min_calls: int = 10,
+    min_replay_us: float = 200.0,
+) -> dict[str, dict[str, Any]]:
+    """GPU microseconds per call of several implementations timed in one interleaved loop.
+
+    Each maker runs on the capture stream and returns one call per input set (as for
+    :func:`graph_us`); each implementation becomes one CUDA graph of at least ``min_calls``
+    calls (cycling over its sets), lengthened until a replay lasts about ``min_replay_us``. The
+    graphs are then replayed round after round, one replay of each per round in an order that
+    rotates every round, with no host synchronisation between replays: the GPU never idles, so
+    every implementation runs at the same clocks and under the same background, and a
+    disturbance lands in one round of every implementation instead of all of one. Per
+    implementation: the median over the rounds (``us``), and the spread (``min``/``max``).
+    An implementation that cannot be captured is reported with ``error`` and no time.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]] = {}
+    results: dict[str, dict[str, Any]] = {}
+    keep: list[Any] = []
+    for name, make in makers.items():
+        try:
+            calls = _run_once(make, stream)
+            # Calls per replay: a first graph measures one call, a second one is long enough.
+            count = max(len(calls), min_calls)
+            graph, per_call = _capture(calls, count, stream)
+            wanted = math.ceil(min_replay_us / max(per_call, 1e-3))
+            if wanted > count:
+                count = -(-wanted // len(calls)) * len(calls)
+                del graph
+                graph, _ = _capture(calls, count, stream)
+            graphs[name] = (graph, count)
+            keep.append(calls)
+        except Exception as exc:  # a peer whose call cannot be captured in a CUDA graph
+            torch.cuda.synchronize()
+            results[name] = {"us": None, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    names = list(graphs)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)] if names else []
+        events = []
+        for name in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record()
+                graphs[name][0].replay()
+                end.record()
+            events.append((name, start, end))
+        torch.cuda.synchronize()
+        for name, start, end in events:
+            samples[name].append(start.elapsed_time(end) * 1000 / graphs[name][1])
+    for name in names:
+        times = sorted(samples[name])
+        results[name] = {
+            "us": times[len(times) // 2],
+            "min": times[0],
+            "max": times[-1],
+            "calls_per_replay": graphs[name][1],
+        }
+    del graphs, keep
+    return results
 
 
 def copy_bandwidth_tbs(num_bytes: int = 2 * 2**30) -> float:

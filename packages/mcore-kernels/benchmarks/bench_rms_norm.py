@@ -32,8 +32,8 @@ from _common import (
     copy_bandwidth_tbs,
     cuda_generator,
     device_info,
-    graph_us,
     input_sets,
+    interleaved_graph_us,
     load_liger,
     markdown_table,
     quick,
@@ -43,6 +43,8 @@ from _common import (
 from mcore_kernels import rms_norm
 
 EPS = 1e-6
+ROUNDS = 15
+"""Rounds of the interleaved graph timing (the median is reported)."""
 
 
 def eager_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
@@ -119,15 +121,6 @@ def interleaved_median(
         for name, call in calls.items():
             samples[name].append(timer(call))
     return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
-
-
-def _timed(timer: Callable[..., float], *args: Any) -> float | None:
-    """``timer(*args)``, or None (reported) when a peer cannot be timed that way."""
-    try:
-        return timer(*args)
-    except Exception as exc:  # a peer whose call cannot be captured in a CUDA graph
-        print(f"not timed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        return None
 
 
 def implementations(compiled, liger_ops) -> dict[str, Callable[..., Any]]:
@@ -216,45 +209,62 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
             (a.float() - b.float()).abs().max().item()
             for a, b in zip(got, (*reference, *reference_grads), strict=True)
         )
+    # The floor of this shape: a device-to-device copy moving the same bytes (read 2N, write
+    # 2N elements) in one kernel, launch latency included. Two copy kernels, the faster one is
+    # the floor: ``copy_`` of a large contiguous tensor is a memcpy that, inside a graph, ran at
+    # 2.4-2.6 TB/s where an elementwise kernel moving the same bytes ran at 4.2 (H200,
+    # 16384 x 8192: 397 against 254 us).
+    copies = [
+        torch.empty(2 * rows * hidden, device="cuda", dtype=dtype) for _ in range(2 * len(sets))
+    ]
+    copy_kernels = {
+        "copy_": lambda i: partial(copies[2 * i].copy_, copies[2 * i + 1]),
+        "neg_out": lambda i: partial(torch.neg, copies[2 * i + 1], out=copies[2 * i]),
+    }
+    copy_makers = {
+        f"floor:{name}": lambda make=make: [make(i) for i in range(len(sets))]
+        for name, make in copy_kernels.items()
+    }
+
+    def forward_calls(fn):
+        return [partial(fn, *s[0]) for s in sets]
+
+    def backward_calls(fn):
+        # Forwards made on the capture stream: their backwards run on it too.
+        return [
+            partial(torch.autograd.grad, fn(*leaves), leaves, g, retain_graph=True)
+            for leaves, g in sets
+        ]
+
+    # Every implementation and the copies in one interleaved loop of graph replays per phase
+    # (see ``interleaved_graph_us``): at 3-5 us per call, timing them one after another moved
+    # a result by up to 1 us between runs.
+    for phase, make_calls in (("fwd", forward_calls), ("bwd", backward_calls)):
+        makers = {name: partial(make_calls, fn) for name, fn in impls.items()}
+        with torch.set_grad_enabled(phase == "bwd"):
+            timed = interleaved_graph_us({**makers, **copy_makers}, rounds=ROUNDS)
+        result[f"{phase}_us"] = {name: timed[name]["us"] for name in impls}
+        result[f"{phase}_spread_us"] = {
+            name: [timed[name].get("min"), timed[name].get("max")] for name in timed
+        }
+        errors = {name: t["error"] for name, t in timed.items() if "error" in t}
+        if errors:
+            result[f"{phase}_not_timed"] = errors
+            print(f"{rows}x{hidden} {phase} not timed: {errors}", flush=True)
+        result[f"{phase}_copy_kernels_us"] = {
+            name: timed[f"floor:{name}"]["us"] for name in copy_kernels
+        }
+        result[f"{phase}_floor_us"] = min(result[f"{phase}_copy_kernels_us"].values())
+    copies.clear()
     for name, fn in impls.items():
         with torch.no_grad():
-            result["fwd_us"][name] = _timed(
-                graph_us, lambda fn=fn: [partial(fn, *s[0]) for s in sets]
-            )
             result["fwd_wall_us"][name] = 1e3 * bench_ms(partial(fn, x, residual, weight), rep=40)
-
-        def backward_calls(fn=fn):
-            # Forwards made on the capture stream: their backwards run on it too.
-            return [
-                partial(torch.autograd.grad, fn(*leaves), leaves, g, retain_graph=True)
-                for leaves, g in sets
-            ]
-
-        result["bwd_us"][name] = _timed(graph_us, backward_calls)
         outputs = fn(x, residual, weight)
         result["bwd_wall_us"][name] = 1e3 * bench_ms(
             partial(torch.autograd.grad, outputs, (x, residual, weight), grads, retain_graph=True),
             rep=40,
         )
         del outputs
-    # The floor of this shape: a device-to-device copy moving the same bytes (read 2N, write
-    # 2N elements) in one kernel under the same graph timing, launch latency included.
-    copies = [
-        torch.empty(2 * rows * hidden, device="cuda", dtype=dtype) for _ in range(2 * len(sets))
-    ]
-    # Two copy kernels, the faster one is the floor: ``copy_`` of a large contiguous tensor
-    # is a memcpy that, inside a graph, ran at 2.4-2.6 TB/s where an elementwise kernel moving
-    # the same bytes ran at 4.2 (H200, 16384 x 8192: 397 against 254 us).
-    copy_kernels = {
-        "copy_": lambda i: partial(copies[2 * i].copy_, copies[2 * i + 1]),
-        "neg_out": lambda i: partial(torch.neg, copies[2 * i + 1], out=copies[2 * i]),
-    }
-    result["copy_kernels_us"] = {
-        name: graph_us(lambda make=make: [make(i) for i in range(len(sets))])
-        for name, make in copy_kernels.items()
-    }
-    result["copy_us"] = min(result["copy_kernels_us"].values())
-    copies.clear()
     if rows == 1:
         result.update(call_overhead(impls, x, residual, weight, grads))
     elem = rows * hidden * 2
@@ -262,6 +272,22 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
     result["fwd_bytes"] = 4 * elem + 2 * hidden
     result["bwd_bytes"] = 4 * elem + 2 * 2 * hidden
     return result
+
+
+class _PythonFunctionFloor(torch.autograd.Function):
+    """The least a Python ``autograd.Function`` costs: mcore's forward, a backward that only
+    hands tensors it already has on (no allocation, no kernel: wrong values, timed only)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        # An input held by the node (no reference cycle): the weight's "gradient".
+        ctx.weight = weight
+        return rms_norm(x, weight, EPS, residual=residual)
+
+    @staticmethod
+    def backward(ctx, dy, dhidden):  # type: ignore[override]
+        return dy, dy, ctx.weight
 
 
 def call_overhead(
@@ -274,6 +300,8 @@ def call_overhead(
     """Host time per call outside graphs (one row): forward without and with autograd, and the
     backward, by wall clock and by the profiler's CPU time; the implementations interleaved."""
     leaves = (x, residual, weight)
+    # The Python-Function floor: what any backward written as an ``autograd.Function`` pays.
+    impls = {**impls, "python_fn_floor": _PythonFunctionFloor.apply}
     forward = {name: partial(fn, *leaves) for name, fn in impls.items()}
     outputs = {name: call() for name, call in forward.items()}
     backward = {
@@ -356,6 +384,7 @@ def main() -> None:
         # Whether the launches went through the cached compiled kernels (see CachedLauncher).
         "cached_launch": launchers._FORWARD._fast and launchers._BACKWARD._fast,
         "copy_tbs": copy_tbs,
+        "rounds": ROUNDS,
         "liger": liger_missing or "liger-kernel " + _liger_version(),
         "results": results,
     }
@@ -369,15 +398,20 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
     table = (
         f"Residual add + RMSNorm, bf16, on {payload['device']} (torch {payload['torch']}, triton "
         f"{payload['triton']}, {payload['liger']}); device-to-device copy "
-        f"{payload['copy_tbs']:.2f} TB/s (2 GiB). GPU time per call: median replay of one CUDA "
-        "graph of back-to-back calls cycling through enough input copies (150 MB) that inputs "
-        "come from memory, not L2; backward = ``torch.autograd.grad`` of both outputs. Ratios "
-        "are peer time / mcore time (> 1: mcore faster). % copy: the bytes that must move over "
-        "the time, against the 2 GiB copy's bandwidth. Floor: the faster of two device-to-device "
-        "copies of the same bytes (read and write 2 x rows x hidden elements: ``copy_`` and "
-        "``torch.neg(out=)``) under the same graph timing, launch latency included; x floor = "
-        "that copy's time / the implementation's time (1.0: as fast as copying the same bytes "
-        "once).\n"
+        f"{payload['copy_tbs']:.2f} TB/s (2 GiB). GPU time per call: each implementation is "
+        "one CUDA graph of back-to-back calls cycling through enough input copies (150 MB) "
+        "that inputs come from memory, not L2 (at least 10 calls and about 200 us per replay); "
+        f"the graphs of all implementations and of the floor copies are replayed in "
+        f"{payload.get('rounds', 15)} interleaved rounds (the order rotating each round, no "
+        "host sync between replays, so the GPU never idles) and the median round is reported "
+        "(spread under ``*_spread_us`` in the JSON); backward = ``torch.autograd.grad`` of "
+        "both outputs. Ratios are peer time / mcore time (> 1: mcore faster). % copy: the bytes "
+        "that must move over the time, against the 2 GiB copy's bandwidth. Floor: the faster "
+        "of two device-to-device copies of the same bytes (read and write 2 x rows x hidden "
+        "elements: ``copy_`` and ``torch.neg(out=)``) timed in the same interleaved loop, "
+        "launch latency included; x floor = that copy's time / the implementation's time (1.0: "
+        "as fast as copying the same bytes once; a peer at x floor >= 0.91 cannot be beaten "
+        "by 1.1x by anything that moves the bytes).\n"
     )
     for phase, title in (("fwd", "Forward"), ("bwd", "Backward")):
         header = ["rows x hidden", "mcore us", "% copy", "floor us", "mcore x floor"]
@@ -386,7 +420,7 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
         rows = []
         for e in results:
             mcore = e[f"{phase}_us"]["mcore"]
-            floor = e.get("copy_us")
+            floor = e.get(f"{phase}_floor_us")
             row = [f"{e['rows']}x{e['hidden']}", mcore, 100 * e[f"{phase}_fraction_of_copy"]]
             row += [floor, floor / mcore if floor and mcore else None]
             row += [e[f"speedup_{phase}"][p] for p in peers]
@@ -417,8 +451,8 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
         for phase in ("fwd_no_grad", "fwd_autograd", "bwd"):
             host_rows.append(
                 [f"1x{e['hidden']}", phase]
-                + [e["host_us"][k][phase] for k in ["mcore", *peers]]
-                + [e["profiler_cpu_us"][k][phase] for k in ["mcore", *peers]]
+                + [e["host_us"][k].get(phase) for k in ["mcore", *peers, "python_fn_floor"]]
+                + [e["profiler_cpu_us"][k].get(phase) for k in ["mcore", *peers, "python_fn_floor"]]
             )
     if host_rows:
         table += (
@@ -428,12 +462,16 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
             "session, 5 unlabelled warm-up rounds, then 96 calls of each implementation "
             "interleaved call by call, each round starting one call later so that every call "
             "follows every other equally often, each under its own ``record_function`` label; "
-            "median over the calls; the profiler adds its own cost per recorded op):\n\n"
+            "median over the calls; the profiler adds its own cost per recorded op). "
+            "python_fn_floor: an ``autograd.Function`` running mcore's forward whose backward "
+            "only hands the incoming gradients on (no allocation, no kernel), the least any "
+            "backward written in Python costs:\n\n"
         )
+        columns = ["mcore", *peers, "python_fn_floor"]
         table += markdown_table(
             ["shape", "phase"]
-            + [f"{k} host us" for k in ["mcore", *peers]]
-            + [f"{k} profiler us" for k in ["mcore", *peers]],
+            + [f"{k} host us" for k in columns]
+            + [f"{k} profiler us" for k in columns],
             host_rows,
         )
     return table
@@ -474,8 +512,8 @@ def targets_summary(payload: dict[str, Any], peers: list[str]) -> str:
                 # How close Liger itself is to copying the same bytes once: at 0.91 or more,
                 # 1.1x would need more than a copy of the bytes.
                 lambda e, phase=phase: (
-                    f", liger x floor {e['copy_us'] / e[f'{phase}_us']['liger']:.2f}"
-                    if e.get("copy_us") and e[f"{phase}_us"].get("liger")
+                    f", liger x floor {e[f'{phase}_floor_us'] / e[f'{phase}_us']['liger']:.2f}"
+                    if e.get(f"{phase}_floor_us") and e[f"{phase}_us"].get("liger")
                     else ""
                 ),
             )
@@ -496,6 +534,13 @@ def targets_summary(payload: dict[str, Any], peers: list[str]) -> str:
                 e["profiler_cpu_us"]["eager"][phase] / e["profiler_cpu_us"]["mcore"][phase]
             ),
             lambda v: v >= 1.0,
+            # The same ratio for a Python autograd.Function that launches nothing in its
+            # backward: below 1.0, no backward written in Python can meet the target.
+            lambda e, phase=phase: (
+                f", python_fn_floor {e['profiler_cpu_us']['eager'][phase] / floor:.3f}"
+                if (floor := e["profiler_cpu_us"].get("python_fn_floor", {}).get(phase))
+                else ""
+            ),
         )
     return "\n".join(lines) + "\n"
 

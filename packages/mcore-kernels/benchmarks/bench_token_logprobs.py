@@ -25,8 +25,8 @@ from _common import (
     copy_bandwidth_tbs,
     cuda_generator,
     device_info,
-    graph_us,
     input_sets,
+    interleaved_graph_us,
     load_liger,
     markdown_table,
     peak_extra_bytes,
@@ -35,6 +35,9 @@ from _common import (
 )
 
 from mcore_kernels import token_logprobs
+
+ROUNDS = 15
+"""Rounds of the interleaved graph timing (the median is reported)."""
 
 
 def torch_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -90,19 +93,26 @@ def measure(rows: int, vocab: int, liger_ops) -> dict[str, Any]:
     result["fwd_ms"] = {
         name: bench_ms(partial(fn, operand(name, logits))) for name, fn in forward.items()
     }
+    # Every peer in one interleaved loop of graph replays (see ``interleaved_graph_us``).
+    captured = {
+        name: (lambda fn=fn, name=name: [partial(fn, operand(name, z)) for z in copies])
+        for name, fn in forward.items()
+        # Its host synchronisation cannot be captured in a graph.
+        if name != "mcore-checked"
+    }
+    timed = interleaved_graph_us(captured, rounds=ROUNDS)
     result["fwd_gpu_us"] = {}
-    for name, fn in forward.items():
-        if name == "mcore-checked":
-            continue  # its host synchronisation cannot be captured in a graph
-        calls = [partial(fn, operand(name, z)) for z in copies]
-        try:
-            result["fwd_gpu_us"][name] = graph_us(lambda calls=calls: calls)
-        except Exception as exc:
+    result["fwd_spread_us"] = {}
+    for name, t in timed.items():
+        if t["us"] is None:
             # A peer that synchronises with the host (Liger's cross entropy reads a count back)
             # cannot be captured: its eager-mode time stands in, GPU-bound at these sizes.
-            print(f"{name}: not captured ({type(exc).__name__}), wall time used", flush=True)
+            print(f"{name}: not captured ({t['error'][:80]}), wall time used", flush=True)
             result["fwd_gpu_us"][name] = 1e3 * result["fwd_ms"][name]
             result.setdefault("wall_time_for", []).append(name)
+        else:
+            result["fwd_gpu_us"][name] = t["us"]
+            result["fwd_spread_us"][name] = [t["min"], t["max"]]
     result["fwd_extra_bytes"] = {
         name: peak_extra_bytes(partial(fn, operand(name, logits))) for name, fn in forward.items()
     }
@@ -133,38 +143,45 @@ def measure(rows: int, vocab: int, liger_ops) -> dict[str, Any]:
 
         train["liger"] = liger_train
     # GPU time of forward + backward (no host work): a graph of back-to-back
-    # ``autograd.grad`` calls over the logits copies, for every peer that can be captured.
-    result["train_gpu_us"] = {}
+    # ``autograd.grad`` calls over the logits copies per implementation, and the floor: a
+    # device-to-device copy of the bytes any forward + backward must move (read the logits in
+    # the forward, read them again and write their gradient in the backward: 3 x the logits'
+    # bytes, i.e. a copy of 1.5 x the logits), all replayed in one interleaved loop. torch /
+    # floor is then the largest ratio against torch that any implementation can reach here.
     grad_fns = {"mcore": token_logprobs, "torch": torch_logprobs}
-    for name, fn in grad_fns.items():
-        leaves = [z.detach().requires_grad_() for z in copies]
-        calls = [
+    leaves = {name: [z.detach().requires_grad_() for z in copies] for name in grad_fns}
+    floor_elements = 3 * logits.numel() // 2
+    floor_src = [torch.empty(floor_elements, device="cuda", dtype=logits.dtype) for _ in copies]
+    floor_dst = [torch.empty_like(t) for t in floor_src]
+    train_makers: dict[str, Callable[[], list[Callable[[], Any]]]] = {
+        name: lambda fn=fn, name=name: [
             partial(lambda z, fn=fn: torch.autograd.grad(fn(z, targets).sum(), z)[0], z)
-            for z in leaves
+            for z in leaves[name]
         ]
-        torch.cuda.empty_cache()
-        try:
-            result["train_gpu_us"][name] = graph_us(lambda calls=calls: calls, min_calls=4)
-        except torch.OutOfMemoryError:
-            print(f"{name}: out of memory in the graph-timed forward + backward", flush=True)
-            result["train_gpu_us"][name] = float("nan")
-        del calls, leaves
-    # The backward's floor measured: the faster of two copies of the logits (read and write
-    # the same bytes; inside a graph a large ``copy_`` is a memcpy slower than an elementwise
-    # kernel).
-    copy_out = [torch.empty_like(z) for z in copies]
-    copy_kernels = {
-        "copy_": [partial(dst.copy_, z) for dst, z in zip(copy_out, copies, strict=True)],
-        "neg_out": [
-            partial(torch.neg, z, out=dst) for dst, z in zip(copy_out, copies, strict=True)
-        ],
+        for name, fn in grad_fns.items()
     }
-    result["copy_logits_kernels_us"] = {
-        name: graph_us(lambda calls=calls: calls, min_calls=4)
-        for name, calls in copy_kernels.items()
+    train_makers["floor:copy_"] = lambda: [
+        partial(dst.copy_, src) for dst, src in zip(floor_dst, floor_src, strict=True)
+    ]
+    train_makers["floor:neg_out"] = lambda: [
+        partial(torch.neg, src, out=dst) for dst, src in zip(floor_dst, floor_src, strict=True)
+    ]
+    torch.cuda.empty_cache()
+    timed = interleaved_graph_us(train_makers, rounds=ROUNDS, min_calls=4)
+    result["train_gpu_us"] = {name: timed[name]["us"] for name in grad_fns}
+    result["train_spread_us"] = {
+        name: [t.get("min"), t.get("max")] for name, t in timed.items() if t["us"] is not None
     }
-    result["copy_logits_us"] = min(result["copy_logits_kernels_us"].values())
-    del copy_out, copy_kernels
+    for name, t in timed.items():
+        if t["us"] is None:
+            print(f"{name}: forward + backward not timed: {t['error']}", flush=True)
+    result["train_floor_kernels_us"] = {
+        name.removeprefix("floor:"): timed[name]["us"] for name in timed if "floor:" in name
+    }
+    result["train_floor_us"] = min(
+        (v for v in result["train_floor_kernels_us"].values() if v), default=None
+    )
+    train_makers.clear()
     # The torch peer materialises several logits-sized tensors: at the largest shapes it can
     # run out of memory, which is reported (NaN) rather than ending the run.
     torch.cuda.empty_cache()
@@ -261,18 +278,16 @@ def main() -> None:
             100 * e["fwd_extra_bytes"]["mcore+entropy"] / e["logits_bytes"],
         ]
         rows.append(row)
-    # The floor of any forward + backward: read the logits (forward: one read at the copy
-    # bandwidth), then read them again and write their gradient (backward: a copy of the same
-    # bytes, measured). torch / floor is the largest ratio against torch that any
-    # implementation can reach on this device.
+    # The floor of any forward + backward, measured in the same loop: a copy of the bytes it
+    # must move. torch / floor is the largest ratio against torch that any implementation can
+    # reach on this device.
     train_header = ["rows x vocab", "floor us", "mcore us", "mcore x floor", "torch us"]
     train_header += ["vs torch", "torch / floor", "mcore wall ms", "torch wall ms", "vs torch wall"]
     train_header += ["liger wall ms", "vs liger wall"] if has_liger else []
     train_header += ["mcore extra MB", "torch extra MB"]
     train_rows = []
     for e in results:
-        floor = 1e3 * e["read_once_ms"] + e["copy_logits_us"]
-        e["train_floor_us"] = floor
+        floor = e["train_floor_us"]
         gpu = e["train_gpu_us"]
         row = [
             f"{e['rows']}x{e['vocab']}",
@@ -294,20 +309,22 @@ def main() -> None:
         f"{payload['triton']}); device-to-device copy {copy_tbs:.2f} TB/s. Forward; H = with entropy; "
         "extra = peak memory allocated beyond the inputs (outputs included); mcore = the default "
         "call (no host sync); checked = ``check_targets=True`` (the opt-in range check, one host "
-        "sync). us = GPU time per call (median replay of a CUDA graph of back-to-back calls "
-        "over enough logits copies that they come from memory); wall = eager-mode "
+        "sync). us = GPU time per call (one CUDA graph of back-to-back calls over enough "
+        "logits copies that they come from memory per implementation, all replayed in "
+        f"{ROUNDS} interleaved rounds, median round); wall = eager-mode "
         "``triton.testing.do_bench`` time, host launch cost included. Ratios are peer GPU time "
         "/ mcore GPU time; a peer that cannot be captured in a graph (a host synchronisation) "
         "is timed by its wall time instead (listed under ``wall_time_for`` in the JSON).\n\n"
         + markdown_table(header, rows)
         + "\nForward + backward of the summed log-probs. us = GPU time (a CUDA graph of "
-        "back-to-back ``torch.autograd.grad`` calls over the logits copies); wall = eager-mode "
-        "``do_bench`` time, host included (Liger's cross entropy synchronises with the host and "
-        "is only timed this way). Floor = one read of the logits at the copy bandwidth "
-        "(forward) plus a measured device-to-device copy of the logits (backward: read them "
-        "again, write the gradient): any implementation that takes the upstream gradient in "
-        "the backward must move these bytes, so torch / floor caps the ratio against torch "
-        "on this device.\n\n" + markdown_table(train_header, train_rows)
+        "back-to-back ``torch.autograd.grad`` calls over the logits copies, timed in the same "
+        "interleaved loop as the floor); wall = eager-mode ``do_bench`` time, host included "
+        "(Liger's cross entropy synchronises with the host and is only timed this way). Floor "
+        "= a measured device-to-device copy of the bytes any forward + backward must move "
+        "(read the logits in the forward, read them again and write their gradient in the "
+        "backward: 3 x the logits' bytes, the faster of ``copy_`` and ``torch.neg(out=)`` of "
+        "1.5 x the logits), so torch / floor caps the ratio against torch of any "
+        "implementation on this device.\n\n" + markdown_table(train_header, train_rows)
     )
     write_results(args.out, "token_logprobs", payload, table)
 

@@ -192,13 +192,13 @@ def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:
         targets = torch.randint(0, vocab, (rows,), device="cuda")
         _, _, lse, _ = lp._forward(logits, targets, 1.0, None, False, -100)
         grad = torch.randn(rows, device="cuda")
-        for block, warps, stages in itertools.product((2048, 4096, 8192), (4, 8, 16), (1,)):
+        for block, warps, stages in itertools.product((1024, 2048, 4096), (4, 8, 16), (1,)):
             fwd.setdefault((block, warps, stages), {})[index] = _timed(
                 partial(
                     lp._forward, logits, targets, 1.0, None, False, -100, (block, warps, stages)
                 )
             )
-        for block, warps in itertools.product((2048, 4096, 8192), (4, 8, 16)):
+        for block, warps in itertools.product((1024, 2048, 4096), (4, 8, 16)):
             bwd.setdefault((block, warps), {})[index] = _timed(
                 partial(
                     lp._backward,
