@@ -74,8 +74,7 @@ def _unfused(problem):
 
 @needs_triton
 @pytest.mark.interpreter
-@pytest.mark.parametrize("contexts", [[1], [7], [5, 13]])
-@pytest.mark.parametrize("block_n", [8, 32])
+@pytest.mark.parametrize(("contexts", "block_n"), [([1], 32), ([5, 13], 8)])
 def test_attention_o_proj_matches_reference_interpreted(contexts, block_n):
     problem = _problem(contexts, dtype=torch.float32, device="cpu")
     expected = _call(attention_o_proj_reference, problem)
