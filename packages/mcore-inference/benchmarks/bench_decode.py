@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from _decode_contexts import context_sweep
 from _decode_profile import host_split, profile_decode
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, fused_decode
@@ -203,6 +204,12 @@ def main() -> None:
         "(fused_decode.ATTENTION_IN_O_PROJ) flipped from its default",
     )
     parser.add_argument(
+        "--context-sweep",
+        default="",
+        help="context lengths at which the captured batch-1 step is timed with the attention "
+        "inside the o projection and before it (see _decode_contexts.py)",
+    )
+    parser.add_argument(
         "--hf-new-tokens",
         type=int,
         default=None,
@@ -320,6 +327,9 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
+    sweep = [int(c) for c in args.context_sweep.split(",") if c]
+    meta_sweep = context_sweep(model, sweep) if sweep else []
+
     def write() -> None:
         _write_results(out, args, rows, profiles, started, meta)
 
@@ -332,6 +342,7 @@ def main() -> None:
         "parameter_bytes": param_bytes,
         "kv_bytes_per_token": kv_bytes_per_token,
         "bandwidth": bandwidth,
+        "context_sweep": meta_sweep,
     }
     write()
     # The peers after every engine row, the files rewritten after each (the compilation of
@@ -388,6 +399,7 @@ def _write_results(
         "attention_in_o_proj": fused_decode.ATTENTION_IN_O_PROJ,
         "rows": rows,
         "profiles": profiles,
+        "context_sweep": meta["context_sweep"],
         "elapsed_s": time.perf_counter() - started,
     }
     stem = "decode" if args.name is None else f"decode-{args.name}"
@@ -437,6 +449,22 @@ def _write_results(
                 f"{row['o_proj_flipped_tokens_equal']} (another summation order: they may "
                 "differ).",
             ]
+    if meta["context_sweep"]:
+        lines += [
+            "",
+            "Batch 1, GPU time of the captured step (every layer and the LM head, graph replays "
+            "back to back) by context length, with the attention inside the o projection "
+            "(`FusedDecoder(attention_in_o_proj=True)`, which applies while the context fits "
+            "in one attention split of 256) and with the attention kernel before it:",
+            "",
+            "| context | attention in o us | attention kernel us | gain | same argmax |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['context']} | {r['fused_us']:.1f} | {r['unfused_us']:.1f} | "
+            f"{r['unfused_us'] / r['fused_us']:.3f}x | {r['argmax_equal']} |"
+            for r in meta["context_sweep"]
+        ]
     for row in rows:
         if "step_host_us_per_step" in row:
             lines += [

@@ -91,7 +91,9 @@ def test_gemv_path_matches_model_forward_and_gemm_path(model, gemv_calls):
     expected, expected_cache = _forward(model)
     gemm, _ = _forward(model, FusedDecoder(model, gemv_max_rows=0))
     assert not gemv_calls
-    actual, cache = _forward(model, FusedDecoder(model, gemv_max_rows=16))
+    actual, cache = _forward(
+        model, FusedDecoder(model, gemv_max_rows=16, attention_in_o_proj=False)
+    )
     # Four projections per layer, each over the step's 9 tokens: q/k/v and gate/up read the
     # (normalised in the prologue) residual stream, o the attention, down the activation.
     config = model.config
@@ -108,10 +110,11 @@ def test_gemv_path_matches_model_forward_and_gemm_path(model, gemv_calls):
     torch.testing.assert_close(cache.values, expected_cache.values, atol=1e-6, rtol=1e-6)
 
 
-def test_attention_in_o_proj_within_one_split(model, gemv_calls, monkeypatch):
-    # Tables of 8 positions, the cache's split size: without QK-norm the attention runs
-    # inside the o projection (three decode_gemv launches per layer, not four).
-    narrow = TABLES[:, :2]
+@pytest.mark.parametrize("width", [2, 3], ids=["one_split", "two_splits"])
+def test_attention_merged_in_o_proj(model, gemv_calls, monkeypatch, width):
+    # Without QK-norm the attention's splits are merged inside the o projection (three
+    # decode_gemv launches per layer, not four), whatever the table width.
+    narrow = TABLES[:, :width]
     expected, expected_cache = _forward(model, tables=narrow)
     calls = []
     real = fused_decode.attention_o_proj
@@ -135,7 +138,7 @@ def test_attention_in_o_proj_within_one_split(model, gemv_calls, monkeypatch):
 def test_dispatch_on_the_row_count(model, gemv_calls):
     _forward(model, FusedDecoder(model, gemv_max_rows=8))
     assert not gemv_calls, "9 tokens > gemv_max_rows=8 must take the GEMM path"
-    _forward(model, FusedDecoder(model, gemv_max_rows=9))
+    _forward(model, FusedDecoder(model, gemv_max_rows=9, attention_in_o_proj=False))
     assert len(gemv_calls) == 4 * len(model.layers)
 
 

@@ -63,11 +63,17 @@ def _call(fn, problem, **options):
     )
 
 
-def _unfused(problem):
-    """The two Triton kernels the fused one replaces: paged attention, then decode_gemv."""
+def _unfused(problem, split_size):
+    """Paged attention (split kernel, merge kernel), then decode_gemv: three launches."""
     p = problem
     attended = paged_attention(
-        p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"], scale=p["scale"]
+        p["q"],
+        p["k_cache"],
+        p["v_cache"],
+        p["block_tables"],
+        p["context_lens"],
+        scale=p["scale"],
+        split_size=split_size,
     )
     return decode_gemv(attended.flatten(1), p["weight"], p["bias"], residual=p["residual"])
 
@@ -78,10 +84,11 @@ def _unfused(problem):
 def test_attention_o_proj_matches_reference_interpreted(contexts, block_n):
     problem = _problem(contexts, dtype=torch.float32, device="cpu")
     expected = _call(attention_o_proj_reference, problem)
-    got = _call(attention_o_proj, problem, block_n=block_n)
+    # Splits of 8 positions: the contexts of 13 merge two.
+    got = _call(attention_o_proj, problem, block_n=block_n, split_size=8)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    # Same bits as the two kernels it replaces (float32: every product in IEEE float32).
-    torch.testing.assert_close(got, _unfused(problem), rtol=1e-6, atol=1e-6)
+    # The merge of the paged attention, inside the projection (float32: IEEE products).
+    torch.testing.assert_close(got, _unfused(problem, 8), rtol=1e-6, atol=1e-6)
 
 
 @needs_triton
@@ -89,10 +96,13 @@ def test_attention_o_proj_matches_reference_interpreted(contexts, block_n):
 def test_attention_o_proj_bfloat16_interpreted_and_grid_independent():
     problem = _problem([9, 3], dtype=torch.bfloat16, device="cpu", seed=1)
     expected = _call(attention_o_proj_reference, problem).float()
-    narrow = _call(attention_o_proj, problem, block_n=8)
-    wide = _call(attention_o_proj, problem, block_n=32)
+    narrow = _call(attention_o_proj, problem, block_n=8, split_size=4)
+    wide = _call(attention_o_proj, problem, block_n=32, split_size=4)
     # Each output column is one program's fixed-order sum: the grid does not change a bit.
     assert torch.equal(narrow, wide)
+    # Nor does a table wider than the contexts (splits past a context are never read).
+    wider = {**problem, "block_tables": torch.cat([problem["block_tables"]] * 2, dim=1)}
+    assert torch.equal(_call(attention_o_proj, wider, block_n=8, split_size=4), narrow)
     torch.testing.assert_close(narrow.float(), expected, rtol=2e-2, atol=2e-2)
 
 
@@ -121,7 +131,7 @@ def test_gpu_attention_o_proj_matches_unfused_kernels(contexts):
         contexts, hq=14, hkv=2, d=64, n=896, block_size=16, dtype=torch.bfloat16, device="cuda"
     )
     got = _call(attention_o_proj, problem)
-    torch.testing.assert_close(got.float(), _unfused(problem).float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), _unfused(problem, 32).float(), rtol=2e-2, atol=2e-2)
     expected = _call(attention_o_proj_reference, problem).float()
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
     assert torch.equal(got, _call(attention_o_proj, problem, block_n=32))

@@ -78,8 +78,6 @@ LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
 ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
-O_PROJ_PREFETCH_MLP = False
-"""The fused attention + o projection requests the layer's gate/up and down weights into L2."""
 
 
 @dataclass(slots=True)
@@ -160,12 +158,11 @@ class FusedDecoder:
         rope_in_projection: In the ``decode_gemv`` steps of a model without QK-norm, fold RoPE
             and the key/value cache write into the q/k/v projection's epilogue
             (``decode_gemv(..., rope=...)``): four launches per layer plus the attention.
-        attention_in_o_proj: In those steps, while every context fits in one attention split
-            (the step's block table is at most ``split_size`` positions wide: the engine's
-            narrow decode graph, or an eager step cut to its longest context), compute the
-            attention inside the o projection
-            (:func:`mcore_kernels.decode_attention_gemv.attention_o_proj`): four launches per
-            layer. Never in the batch-invariant mode. None: :data:`ATTENTION_IN_O_PROJ`.
+        attention_in_o_proj: In those steps, run the attention in short splits (one tile of
+            positions per program, whatever the context) and merge them inside the o
+            projection (:func:`mcore_kernels.decode_attention_gemv.attention_o_proj`): still
+            five launches per layer, but the attention link no longer walks the context tile
+            by tile. Never in the batch-invariant mode. None: :data:`ATTENTION_IN_O_PROJ`.
     """
 
     def __init__(
@@ -319,7 +316,7 @@ class FusedDecoder:
         model = self.model
         residual = hidden
         layers = list(zip(model.layers, self._layers, strict=True))
-        in_o_proj = self._attention_fits_o_proj(kv_cache)
+        in_o_proj = self._attention_in_o_proj()
         for layer, fused in layers:
             attention = layer.self_attention
             if self.rope_in_projection and attention.q_norm is None:
@@ -343,7 +340,7 @@ class FusedDecoder:
                 )
                 if in_o_proj:
                     residual = self._attention_o_proj(
-                        attention, q, keys, values, kv_cache, residual, layer, fused
+                        attention, q, keys, values, kv_cache, residual
                     )
                     residual = self._mlp(layer, fused, residual)
                     continue
@@ -390,17 +387,14 @@ class FusedDecoder:
         )
         return decode_gemv(activation, layer.mlp.down_proj.weight, residual=residual)
 
-    def _attention_fits_o_proj(self, kv_cache: PagedKVCache) -> bool:
-        """Whether this ``decode_gemv`` step runs its attention inside the o projection.
+    def _attention_in_o_proj(self) -> bool:
+        """Whether this ``decode_gemv`` step merges its attention inside the o projection.
 
-        The decision depends only on the step's table width, which the engine's eager steps
-        and its decode graphs set alike (both at most one split wide exactly when every
-        context fits in one split), so graph and eager steps compute the same bits.
+        Every such step does (eager or captured, whatever the table width: the merge reads
+        only the splits that hold a context), so graph and eager steps compute the same bits;
+        never in the batch-invariant mode, whose attention is the training kernel's.
         """
-        if not (self.attention_in_o_proj and self.rope_in_projection) or is_batch_invariant():
-            return False
-        tables, _ = kv_cache.step_tables()
-        return tables.shape[1] * kv_cache.block_size <= kv_cache.split_size
+        return self.attention_in_o_proj and self.rope_in_projection and not is_batch_invariant()
 
     @staticmethod
     def _attention_o_proj(
@@ -410,14 +404,10 @@ class FusedDecoder:
         values: torch.Tensor,
         kv_cache: PagedKVCache,
         residual: torch.Tensor,
-        layer: Any,
-        fused: _FusedLayer,
     ) -> torch.Tensor:
-        """The attention of the rotated queries ``q`` and the o projection: one launch."""
+        """The attention of the rotated queries ``q`` and the o projection: the split kernel
+        and the projection that merges the splits."""
         tables, lengths = kv_cache.step_tables()
-        prefetch = None
-        if O_PROJ_PREFETCH_MLP:
-            prefetch = (fused.gate_up_weight, layer.mlp.down_proj.weight)
         return attention_o_proj(
             q.unflatten(-1, (-1, attention.head_dim)),
             keys,
@@ -428,7 +418,6 @@ class FusedDecoder:
             attention.o_proj.bias,
             scale=attention.scale,
             residual=residual,
-            prefetch=prefetch,
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
