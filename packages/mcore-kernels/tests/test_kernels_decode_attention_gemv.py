@@ -15,7 +15,12 @@ import pytest
 from mcore_kernels.decode_attention_gemv import attention_o_proj, attention_o_proj_reference
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
-from mcore_kernels.paged_attention import paged_attention
+from mcore_kernels.paged_attention import (
+    merge_splits,
+    paged_attention,
+    paged_attention_partials,
+    paged_attention_triton,
+)
 
 _RUNS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not _RUNS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -104,6 +109,19 @@ def test_attention_o_proj_bfloat16_interpreted_and_grid_independent():
     wider = {**problem, "block_tables": torch.cat([problem["block_tables"]] * 2, dim=1)}
     assert torch.equal(_call(attention_o_proj, wider, block_n=8, split_size=4), narrow)
     torch.testing.assert_close(narrow.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_triton
+@pytest.mark.interpreter
+def test_partials_merged_equal_the_paged_attention_bitwise():
+    # One split holds the context of 3, two that of 9: both go through the partials.
+    p = _problem([3, 9], dtype=torch.bfloat16, device="cpu", seed=2)
+    args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"])
+    partials = paged_attention_partials(*args, scale=p["scale"], split_size=8)
+    assert partials[1].shape == (2, 6, 2)
+    merged = torch.empty_like(p["q"])
+    merge_splits(*partials, p["context_lens"], merged, split_size=8)
+    assert torch.equal(merged, paged_attention_triton(*args, scale=p["scale"], split_size=8))
 
 
 def test_attention_o_proj_rejects_bad_arguments():
