@@ -57,6 +57,7 @@ from mcore_kernels.reference import decode_gemv_reference, paged_attention_refer
 
 __all__ = [
     "ATTENTION_O_PROJ_BLOCK_N",
+    "ATTENTION_O_PROJ_MERGE_CHUNK",
     "ATTENTION_O_PROJ_SPLIT",
     "ATTENTION_O_PROJ_WARPS",
     "attention_o_proj",
@@ -69,6 +70,9 @@ ATTENTION_O_PROJ_BLOCK_N = 16
 """Output columns per program of the projection (each merges every head's splits)."""
 ATTENTION_O_PROJ_WARPS = 8
 """Warps per program of the projection."""
+ATTENTION_O_PROJ_MERGE_CHUNK = MERGE_CHUNK
+"""Splits the projection's merge reads at once (a fixed size: the sums depend only on the
+token's context, never on the table width)."""
 
 
 @jit(do_not_specialize=("num_splits",))
@@ -314,7 +318,7 @@ def attention_o_proj(
         ROWS=next_power_of_2(heads),
         K_PAD=k_pad,
         SPLIT_SIZE=split_size,
-        CHUNK=MERGE_CHUNK,
+        CHUNK=ATTENTION_O_PROJ_MERGE_CHUNK,
         BLOCK_N=block_n,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
