@@ -223,6 +223,37 @@ def _prefetch_kv(
 
 
 @jit
+def _load_split_chunk(
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr, base, used, splits, dims, dim_mask,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The maxima, sums and outputs of splits ``splits`` of rows ``base`` (only those below
+    ``used``; the others read as -inf, 0 and 0)."""
+    here = splits[None, :] < used[:, None]
+    split_max = tl.load(
+        partial_max_ptr + base[:, None] + splits[None, :],
+        mask=here,
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    split_sum = tl.load(
+        partial_sum_ptr + base[:, None] + splits[None, :],
+        mask=here,
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    split_out = tl.load(
+        partial_out_ptr
+        + (base[:, None, None] + splits[None, :, None]) * HEAD_DIM
+        + dims[None, None, :],
+        mask=here[:, :, None] & dim_mask[None, None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    return split_max, split_sum, split_out
+
+
+@jit
 def _merge_rows(
     partial_out_ptr,
     partial_max_ptr,
@@ -254,8 +285,14 @@ def _merge_rows(
     used = tl.where(row_ok, tl.minimum((ctx_rows + SPLIT_SIZE - 1) // SPLIT_SIZE, num_splits), 0)
     base = (tokens * num_q_heads + heads) * num_splits
     chunks = (tl.max(used, axis=0) + CHUNK - 1) // CHUNK
-    total_max = tl.full([ROWS], float("-inf"), tl.float32)
-    for c in range(0, chunks):
+    # The first chunk's maxima, sums and outputs in one round trip (short contexts have one
+    # chunk: then nothing is read twice); the sums below run in the same order either way.
+    first_max, first_sum, first_out = _load_split_chunk(
+        partial_out_ptr, partial_max_ptr, partial_sum_ptr, base, used, chunk, dims, dim_mask,
+        HEAD_DIM,
+    )  # fmt: skip
+    total_max = tl.max(first_max, axis=1)
+    for c in range(1, chunks):
         splits = c * CHUNK + chunk
         here = splits[None, :] < used[:, None]
         split_max = tl.load(
@@ -267,33 +304,18 @@ def _merge_rows(
         total_max = tl.maximum(total_max, tl.max(split_max, axis=1))
     # Rows without data (padding) keep a zero shift: exact zeros, no NaN.
     shift = tl.where(total_max == float("-inf"), 0.0, total_max)
-    total_sum = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
-    for c in range(0, chunks):
-        splits = c * CHUNK + chunk
-        here = splits[None, :] < used[:, None]
-        split_max = tl.load(
-            partial_max_ptr + base[:, None] + splits[None, :],
-            mask=here,
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        split_sum = tl.load(
-            partial_sum_ptr + base[:, None] + splits[None, :],
-            mask=here,
-            other=0.0,
-            cache_modifier=".cg",
-        )
+    weight = tl.exp(first_max - shift[:, None])
+    total_sum = tl.zeros([ROWS], tl.float32) + tl.sum(first_sum * weight, axis=1)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32) + tl.sum(
+        first_out * weight[:, :, None], axis=1
+    )
+    for c in range(1, chunks):
+        split_max, split_sum, split_out = _load_split_chunk(
+            partial_out_ptr, partial_max_ptr, partial_sum_ptr, base, used, c * CHUNK + chunk,
+            dims, dim_mask, HEAD_DIM,
+        )  # fmt: skip
         weight = tl.exp(split_max - shift[:, None])
         total_sum += tl.sum(split_sum * weight, axis=1)
-        split_out = tl.load(
-            partial_out_ptr
-            + (base[:, None, None] + splits[None, :, None]) * HEAD_DIM
-            + dims[None, None, :],
-            mask=here[:, :, None] & dim_mask[None, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
         acc += tl.sum(split_out * weight[:, :, None], axis=1)
     out = acc / tl.where(row_ok, total_sum, 1.0)[:, None]
     tl.store(
