@@ -5,8 +5,8 @@ work) over a paged cache holding ``context`` positions, captured in a CUDA graph
 programmatic dependent launch as the engine captures it (block table one attention split wide
 where the context fits in one split, as the engine's narrow decode graph), timed over
 back-to-back replays. Each context runs twice: with the fused decoder's attention inside the o
-projection (``FusedDecoder(attention_in_o_proj=True)``, which applies while the table is one
-split wide) and with the attention kernel before the o projection; the argmax of both steps'
+projection (``FusedDecoder(attention_in_o_proj=True)``: splits of 32 positions merged by the o
+projection) and with the attention kernel before the o projection; the argmax of both steps'
 logits is compared.
 """
 

@@ -454,8 +454,9 @@ def _write_results(
             "",
             "Batch 1, GPU time of the captured step (every layer and the LM head, graph replays "
             "back to back) by context length, with the attention inside the o projection "
-            "(`FusedDecoder(attention_in_o_proj=True)`, which applies while the context fits "
-            "in one attention split of 256) and with the attention kernel before it:",
+            "(`FusedDecoder(attention_in_o_proj=True)`: the attention in splits of 32 "
+            "positions, merged by the o projection) and with the attention kernel before it "
+            "(splits of 256 walked tile by tile, a merge kernel past 256):",
             "",
             "| context | attention in o us | attention kernel us | gain | same argmax |",
             "|---:|---:|---:|---:|---:|",
