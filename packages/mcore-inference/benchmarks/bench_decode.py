@@ -38,9 +38,10 @@ import time
 from pathlib import Path
 
 import torch
+from _decode_contexts import context_sweep
 from _decode_profile import host_split, profile_decode
 
-from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
+from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, fused_decode
 from mcore_models import GPTConfig, GPTModel
 
 
@@ -197,6 +198,18 @@ def main() -> None:
         help="also run the engine with InferenceConfig.decode_pdl flipped from its default",
     )
     parser.add_argument(
+        "--compare-attention-in-o-proj",
+        default="",
+        help="batch sizes also run with the fused decoder's attention in the o projection "
+        "(fused_decode.ATTENTION_IN_O_PROJ) flipped from its default",
+    )
+    parser.add_argument(
+        "--context-sweep",
+        default="",
+        help="context lengths at which the captured batch-1 step is timed with the attention "
+        "inside the o projection and before it (see _decode_contexts.py)",
+    )
+    parser.add_argument(
         "--hf-new-tokens",
         type=int,
         default=None,
@@ -216,6 +229,7 @@ def main() -> None:
     hf_static_batch_sizes = {int(b) for b in args.hf_static_batch_sizes.split(",") if b}
     profile_batch_sizes = {int(b) for b in args.profile_batch_sizes.split(",") if b}
     split_batch_sizes = {int(b) for b in args.host_split_batch_sizes.split(",") if b}
+    o_proj_batch_sizes = {int(b) for b in args.compare_attention_in_o_proj.split(",") if b}
     hf_new_tokens = args.hf_new_tokens or args.new_tokens
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
@@ -292,6 +306,17 @@ def main() -> None:
             )
             row["mcore_pdl_flipped_tokens_per_s"] = generated / flipped
             row["pdl_flipped_tokens_equal"] = flipped_tokens == tokens
+        if batch in o_proj_batch_sizes:
+            default = fused_decode.ATTENTION_IN_O_PROJ
+            fused_decode.ATTENTION_IN_O_PROJ = not default
+            try:
+                flipped, _, _, flipped_tokens = _mcore_decode_seconds(
+                    model, prompts, args.new_tokens, use_cuda_graphs=True
+                )
+            finally:
+                fused_decode.ATTENTION_IN_O_PROJ = default
+            row["mcore_o_proj_flipped_tokens_per_s"] = generated / flipped
+            row["o_proj_flipped_tokens_equal"] = flipped_tokens == tokens
         if batch in eager_batch_sizes:
             eager, _, _, eager_tokens = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=False
@@ -301,6 +326,9 @@ def main() -> None:
             row["eager_tokens_equal"] = eager_tokens == tokens
         rows.append(row)
         print(json.dumps(row), flush=True)
+
+    sweep = [int(c) for c in args.context_sweep.split(",") if c]
+    meta_sweep = context_sweep(model, sweep) if sweep else []
 
     def write() -> None:
         _write_results(out, args, rows, profiles, started, meta)
@@ -314,6 +342,7 @@ def main() -> None:
         "parameter_bytes": param_bytes,
         "kv_bytes_per_token": kv_bytes_per_token,
         "bandwidth": bandwidth,
+        "context_sweep": meta_sweep,
     }
     write()
     # The peers after every engine row, the files rewritten after each (the compilation of
@@ -367,8 +396,10 @@ def _write_results(
         "kv_bytes_per_token": meta["kv_bytes_per_token"],
         "copy_bandwidth_bytes_per_s": bandwidth,
         "decode_pdl": InferenceConfig().decode_pdl,
+        "attention_in_o_proj": fused_decode.ATTENTION_IN_O_PROJ,
         "rows": rows,
         "profiles": profiles,
+        "context_sweep": meta["context_sweep"],
         "elapsed_s": time.perf_counter() - started,
     }
     stem = "decode" if args.name is None else f"decode-{args.name}"
@@ -408,6 +439,33 @@ def _write_results(
         ):
             if key in row:
                 lines += ["", f"Batch {row['batch']}: greedy tokens equal to {what}: {row[key]}."]
+    for row in rows:
+        if "mcore_o_proj_flipped_tokens_per_s" in row:
+            lines += [
+                "",
+                f"Batch {row['batch']}: with the fused decoder's attention in the o projection "
+                f"{'off' if result['attention_in_o_proj'] else 'on'} (the default flipped): "
+                f"{row['mcore_o_proj_flipped_tokens_per_s']:.0f} tok/s; greedy tokens equal: "
+                f"{row['o_proj_flipped_tokens_equal']} (another summation order: they may "
+                "differ).",
+            ]
+    if meta["context_sweep"]:
+        lines += [
+            "",
+            "Batch 1, GPU time of the captured step (every layer and the LM head, graph replays "
+            "back to back) by context length, with the attention inside the o projection "
+            "(`FusedDecoder(attention_in_o_proj=True)`: the attention in splits of 32 "
+            "positions, merged by the o projection) and with the attention kernel before it "
+            "(splits of 256 walked tile by tile, a merge kernel past 256):",
+            "",
+            "| context | attention in o us | attention kernel us | gain | same argmax |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['context']} | {r['fused_us']:.1f} | {r['unfused_us']:.1f} | "
+            f"{r['unfused_us'] / r['fused_us']:.3f}x | {r['argmax_equal']} |"
+            for r in meta["context_sweep"]
+        ]
     for row in rows:
         if "step_host_us_per_step" in row:
             lines += [

@@ -62,9 +62,9 @@ ROWS = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1])
 TOKENS = torch.tensor([[7, 3, 9, 1, 2, 60, 4, 4, 33]])
 
 
-def _forward(model, decoder=None):
+def _forward(model, decoder=None, tables=TABLES):
     cache = _cache(model)
-    cache.prepare_step(TABLES, POSITIONS, ROWS)
+    cache.prepare_step(tables, POSITIONS, ROWS)
     with torch.no_grad():
         if decoder is None:
             hidden = model(TOKENS, POSITIONS[None], kv_cache=cache, return_hidden=True)
@@ -91,7 +91,9 @@ def test_gemv_path_matches_model_forward_and_gemm_path(model, gemv_calls):
     expected, expected_cache = _forward(model)
     gemm, _ = _forward(model, FusedDecoder(model, gemv_max_rows=0))
     assert not gemv_calls
-    actual, cache = _forward(model, FusedDecoder(model, gemv_max_rows=16))
+    actual, cache = _forward(
+        model, FusedDecoder(model, gemv_max_rows=16, attention_in_o_proj=False)
+    )
     # Four projections per layer, each over the step's 9 tokens: q/k/v and gate/up read the
     # (normalised in the prologue) residual stream, o the attention, down the activation.
     config = model.config
@@ -108,10 +110,35 @@ def test_gemv_path_matches_model_forward_and_gemm_path(model, gemv_calls):
     torch.testing.assert_close(cache.values, expected_cache.values, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("width", [2, 3], ids=["one_split", "two_splits"])
+def test_attention_merged_in_o_proj(model, gemv_calls, monkeypatch, width):
+    # Without QK-norm the attention's splits are merged inside the o projection (three
+    # decode_gemv launches per layer, not four), whatever the table width.
+    narrow = TABLES[:, :width]
+    expected, expected_cache = _forward(model, tables=narrow)
+    calls = []
+    real = fused_decode.attention_o_proj
+    monkeypatch.setattr(
+        fused_decode, "attention_o_proj", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    actual, cache = _forward(model, FusedDecoder(model, gemv_max_rows=16), tables=narrow)
+    fused = model.layers[0].self_attention.q_norm is None
+    assert len(calls) == (len(model.layers) if fused else 0)
+    assert len(gemv_calls) == (3 if fused else 4) * len(model.layers)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.keys, expected_cache.keys, atol=1e-6, rtol=1e-6)
+    gemv_calls.clear()
+    unfused, _ = _forward(
+        model, FusedDecoder(model, gemv_max_rows=16, attention_in_o_proj=False), tables=narrow
+    )
+    assert len(gemv_calls) == 4 * len(model.layers)
+    torch.testing.assert_close(actual, unfused, atol=1e-5, rtol=1e-5)
+
+
 def test_dispatch_on_the_row_count(model, gemv_calls):
     _forward(model, FusedDecoder(model, gemv_max_rows=8))
     assert not gemv_calls, "9 tokens > gemv_max_rows=8 must take the GEMM path"
-    _forward(model, FusedDecoder(model, gemv_max_rows=9))
+    _forward(model, FusedDecoder(model, gemv_max_rows=9, attention_in_o_proj=False))
     assert len(gemv_calls) == 4 * len(model.layers)
 
 

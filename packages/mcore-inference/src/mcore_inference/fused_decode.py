@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from mcore_inference.kv_cache import PagedKVCache
+from mcore_kernels.batch_invariant import is_batch_invariant
+from mcore_kernels.decode_attention_gemv import attention_o_proj
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
@@ -74,6 +76,8 @@ at 256 and 236.6k against 244.9k at 512 (there the early-started kernels hold mu
 that the GEMMs want)."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
+ATTENTION_IN_O_PROJ = True
+"""Default of ``FusedDecoder(attention_in_o_proj=)``."""
 
 
 @dataclass(slots=True)
@@ -154,6 +158,11 @@ class FusedDecoder:
         rope_in_projection: In the ``decode_gemv`` steps of a model without QK-norm, fold RoPE
             and the key/value cache write into the q/k/v projection's epilogue
             (``decode_gemv(..., rope=...)``): four launches per layer plus the attention.
+        attention_in_o_proj: In those steps, run the attention in short splits (one tile of
+            positions per program, whatever the context) and merge them inside the o
+            projection (:func:`mcore_kernels.decode_attention_gemv.attention_o_proj`): still
+            five launches per layer, but the attention link no longer walks the context tile
+            by tile. Never in the batch-invariant mode. None: :data:`ATTENTION_IN_O_PROJ`.
     """
 
     def __init__(
@@ -165,9 +174,13 @@ class FusedDecoder:
         pdl: bool = False,
         max_positions: int | None = None,
         rope_in_projection: bool = True,
+        attention_in_o_proj: bool | None = None,
     ) -> None:
         self.model = model
         self.rope_in_projection = rope_in_projection
+        self.attention_in_o_proj = (
+            ATTENTION_IN_O_PROJ if attention_in_o_proj is None else attention_in_o_proj
+        )
         self.pdl = pdl
         self.max_positions = max_positions
         self._rope_table: torch.Tensor | None = None
@@ -303,8 +316,9 @@ class FusedDecoder:
         model = self.model
         residual = hidden
         layers = list(zip(model.layers, self._layers, strict=True))
+        in_o_proj = self._attention_in_o_proj()
         for layer, fused in layers:
-            attention, mlp = layer.self_attention, layer.mlp
+            attention = layer.self_attention
             if self.rope_in_projection and attention.q_norm is None:
                 # RoPE and the cache write in the projection's epilogue: one launch fewer.
                 keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
@@ -324,6 +338,12 @@ class FusedDecoder:
                     norm_eps=layer.input_norm.eps,
                     rope=rope,
                 )
+                if in_o_proj:
+                    residual = self._attention_o_proj(
+                        attention, q, keys, values, kv_cache, residual
+                    )
+                    residual = self._mlp(layer, fused, residual)
+                    continue
                 out = kv_cache.attend_stored_keys(
                     layer.layer_idx,
                     q.unflatten(-1, (-1, attention.head_dim)),
@@ -352,15 +372,53 @@ class FusedDecoder:
                 attention.o_proj.bias,
                 residual=residual,
             )
-            activation = decode_gemv(
-                residual,
-                fused.gate_up_weight,
-                norm_weight=layer.post_attention_norm.weight,
-                norm_eps=layer.post_attention_norm.eps,
-                swiglu=True,
-            )
-            residual = decode_gemv(activation, mlp.down_proj.weight, residual=residual)
+            residual = self._mlp(layer, fused, residual)
         return model.final_norm(residual)
+
+    @staticmethod
+    def _mlp(layer: Any, fused: _FusedLayer, residual: torch.Tensor) -> torch.Tensor:
+        """Post-attention norm, gate/up with SwiGLU, down and the residual add: two launches."""
+        activation = decode_gemv(
+            residual,
+            fused.gate_up_weight,
+            norm_weight=layer.post_attention_norm.weight,
+            norm_eps=layer.post_attention_norm.eps,
+            swiglu=True,
+        )
+        return decode_gemv(activation, layer.mlp.down_proj.weight, residual=residual)
+
+    def _attention_in_o_proj(self) -> bool:
+        """Whether this ``decode_gemv`` step merges its attention inside the o projection.
+
+        Every such step does (eager or captured, whatever the table width: the merge reads
+        only the splits that hold a context), so graph and eager steps compute the same bits;
+        never in the batch-invariant mode, whose attention is the training kernel's.
+        """
+        return self.attention_in_o_proj and self.rope_in_projection and not is_batch_invariant()
+
+    @staticmethod
+    def _attention_o_proj(
+        attention: Any,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        kv_cache: PagedKVCache,
+        residual: torch.Tensor,
+    ) -> torch.Tensor:
+        """The attention of the rotated queries ``q`` and the o projection: the split kernel
+        and the projection that merges the splits."""
+        tables, lengths = kv_cache.step_tables()
+        return attention_o_proj(
+            q.unflatten(-1, (-1, attention.head_dim)),
+            keys,
+            values,
+            tables,
+            lengths,
+            attention.o_proj.weight,
+            attention.o_proj.bias,
+            scale=attention.scale,
+            residual=residual,
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final-normed hidden states in the model's dtype (``upcast=False``).

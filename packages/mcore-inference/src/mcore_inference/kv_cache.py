@@ -242,6 +242,22 @@ class PagedKVCache:
         local = self._local_index(layer_idx)
         return self._attend_stored(q, self.keys[local], self.values[local], scale)
 
+    def step_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The installed step's block tables and context lengths, for kernels that attend
+        themselves (the fused decoder's attention in the o projection).
+
+        Returns:
+            ``(block_tables, context_lens)``: int32 ``[T, width]`` table rows (cut to the
+            step's longest context in eager steps, the graph's width in captured ones) and
+            int32 ``[T]`` attended positions.
+
+        Raises:
+            KVCacheStepError: If no step metadata was installed.
+        """
+        self._check_step("step_tables", -1)
+        assert self._block_tables is not None and self._context_lens is not None
+        return self._block_tables, self._context_lens
+
     def _local_index(self, layer_idx: int) -> int:
         # Storage index of a global layer (hybrid models store only their attention layers).
         if self._local_layer is not None:

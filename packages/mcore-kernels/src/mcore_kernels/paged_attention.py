@@ -51,6 +51,7 @@ __all__ = [
     "DEFAULT_SPLIT_SIZE",
     "MERGES",
     "paged_attention",
+    "paged_attention_partials",
     "paged_attention_reference",
     "paged_attention_triton",
 ]
@@ -222,6 +223,37 @@ def _prefetch_kv(
 
 
 @jit
+def _load_split_chunk(
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr, base, used, splits, dims, dim_mask,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The maxima, sums and outputs of splits ``splits`` of rows ``base`` (only those below
+    ``used``; the others read as -inf, 0 and 0)."""
+    here = splits[None, :] < used[:, None]
+    split_max = tl.load(
+        partial_max_ptr + base[:, None] + splits[None, :],
+        mask=here,
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    split_sum = tl.load(
+        partial_sum_ptr + base[:, None] + splits[None, :],
+        mask=here,
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    split_out = tl.load(
+        partial_out_ptr
+        + (base[:, None, None] + splits[None, :, None]) * HEAD_DIM
+        + dims[None, None, :],
+        mask=here[:, :, None] & dim_mask[None, None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    return split_max, split_sum, split_out
+
+
+@jit
 def _merge_rows(
     partial_out_ptr,
     partial_max_ptr,
@@ -253,8 +285,14 @@ def _merge_rows(
     used = tl.where(row_ok, tl.minimum((ctx_rows + SPLIT_SIZE - 1) // SPLIT_SIZE, num_splits), 0)
     base = (tokens * num_q_heads + heads) * num_splits
     chunks = (tl.max(used, axis=0) + CHUNK - 1) // CHUNK
-    total_max = tl.full([ROWS], float("-inf"), tl.float32)
-    for c in range(0, chunks):
+    # The first chunk's maxima, sums and outputs in one round trip (short contexts have one
+    # chunk: then nothing is read twice); the sums below run in the same order either way.
+    first_max, first_sum, first_out = _load_split_chunk(
+        partial_out_ptr, partial_max_ptr, partial_sum_ptr, base, used, chunk, dims, dim_mask,
+        HEAD_DIM,
+    )  # fmt: skip
+    total_max = tl.max(first_max, axis=1)
+    for c in range(1, chunks):
         splits = c * CHUNK + chunk
         here = splits[None, :] < used[:, None]
         split_max = tl.load(
@@ -266,33 +304,18 @@ def _merge_rows(
         total_max = tl.maximum(total_max, tl.max(split_max, axis=1))
     # Rows without data (padding) keep a zero shift: exact zeros, no NaN.
     shift = tl.where(total_max == float("-inf"), 0.0, total_max)
-    total_sum = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
-    for c in range(0, chunks):
-        splits = c * CHUNK + chunk
-        here = splits[None, :] < used[:, None]
-        split_max = tl.load(
-            partial_max_ptr + base[:, None] + splits[None, :],
-            mask=here,
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        split_sum = tl.load(
-            partial_sum_ptr + base[:, None] + splits[None, :],
-            mask=here,
-            other=0.0,
-            cache_modifier=".cg",
-        )
+    weight = tl.exp(first_max - shift[:, None])
+    total_sum = tl.zeros([ROWS], tl.float32) + tl.sum(first_sum * weight, axis=1)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32) + tl.sum(
+        first_out * weight[:, :, None], axis=1
+    )
+    for c in range(1, chunks):
+        split_max, split_sum, split_out = _load_split_chunk(
+            partial_out_ptr, partial_max_ptr, partial_sum_ptr, base, used, c * CHUNK + chunk,
+            dims, dim_mask, HEAD_DIM,
+        )  # fmt: skip
         weight = tl.exp(split_max - shift[:, None])
         total_sum += tl.sum(split_sum * weight, axis=1)
-        split_out = tl.load(
-            partial_out_ptr
-            + (base[:, None, None] + splits[None, :, None]) * HEAD_DIM
-            + dims[None, None, :],
-            mask=here[:, :, None] & dim_mask[None, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
         acc += tl.sum(split_out * weight[:, :, None], axis=1)
     out = acc / tl.where(row_ok, total_sum, 1.0)[:, None]
     tl.store(
@@ -350,6 +373,7 @@ def _paged_attention_split_kernel(
     KV_LINE: tl.constexpr,
     TICKET_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    PARTIALS: tl.constexpr = False,
 ):
     if USE_PDL:
         # Programmatic dependent launch: let the next kernel start, then wait for the previous
@@ -447,7 +471,7 @@ def _paged_attention_split_kernel(
                 running_max = tl.where(mine, pass_max, running_max)
                 running_sum = tl.where(mine, pass_sum, running_sum)
                 acc = tl.where(mine[:, None], pass_acc, acc)
-    if num_splits == 1:
+    if num_splits == 1 and not PARTIALS:
         # The merge of a single split is this division (bit for bit): no partials, no merge.
         out = acc / running_sum[:, None]
         tl.store(
@@ -646,6 +670,73 @@ def paged_attention_triton(
         KernelDtypeError: If a dtype is unsupported.
         KernelBackendError: If Triton is not installed.
     """
+    out, partials, num_splits, split_size = _launch_splits(
+        q, k_cache, v_cache, block_tables, context_lens, scale, split_size, config, merge, False
+    )
+    ticket_merge = merge == "ticket" and num_splits > 1
+    if q.shape[0] == 0 or num_splits == 1 or ticket_merge:
+        return out
+    merge_splits(*partials, context_lens, out, split_size=split_size)
+    return out
+
+
+def paged_attention_partials(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    split_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split kernel's unmerged partial results, for a consumer that merges them itself.
+
+    Every split that holds a token's context gets its partial, a single split included (its
+    merge is then the division the one-split kernel does, bit for bit). :func:`merge_splits`,
+    or ``_merge_rows`` inside another kernel, merges them.
+
+    Args:
+        q: Query of the new tokens, ``[T, Hq, D]``.
+        k_cache: Key cache, ``[num_blocks, block_size, Hkv, D]``, last dim contiguous.
+        v_cache: Value cache, same shape as ``k_cache``.
+        block_tables: Physical block of each logical block of each token, ``[T, max_blocks]``.
+        context_lens: Number of attended positions per token, ``[T]``, each at least 1.
+        scale: Softmax scale applied to the dot products.
+        split_size: Context positions per split; a multiple of the block size.
+
+    Returns:
+        float32 ``(partial_out [T, Hq, S, D], partial_max [T, Hq, S], partial_sum [T, Hq,
+        S])`` with ``S = ceil(max_blocks * block_size / split_size)``; splits past a token's
+        context are left unwritten.
+
+    Raises:
+        KernelShapeError: If the shapes do not match or ``split_size`` is not a positive
+            multiple of the block size.
+        KernelDtypeError: If a dtype is unsupported.
+        KernelBackendError: If Triton is not installed.
+    """
+    _, partials, _, _ = _launch_splits(
+        q, k_cache, v_cache, block_tables, context_lens, scale, split_size, None, "kernel", True
+    )
+    return partials
+
+
+def _launch_splits(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    split_size: int | None,
+    config: PagedDecodeConfig | None,
+    merge: str,
+    partials_only: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], int, int]:
+    """Launch the split kernel: ``(out, (partial_out, partial_max, partial_sum), num_splits,
+    split_size)``; ``out`` holds the result when one split holds everything or the ticket
+    merge ran (and ``partials_only`` is False)."""
     if triton is None:
         raise KernelBackendError("backend='triton' requested but triton is not installed")
     check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
@@ -671,19 +762,20 @@ def paged_attention_triton(
             group, head_dim, num_kv_heads, k_cache.dtype, programs / device_limits(q.device)[0]
         )
     out = torch.empty_like(q)
+    # One split (short contexts, or tables cut to the step's longest context) writes the
+    # output itself; the partials are then never touched.
+    partial_shape = (num_tokens, num_q_heads, num_splits if num_splits > 1 or partials_only else 1)
+    partial_out = torch.empty((*partial_shape, head_dim), dtype=torch.float32, device=q.device)
+    partial_max = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
+    partial_sum = torch.empty_like(partial_max)
+    partials = (partial_out, partial_max, partial_sum)
     if num_tokens == 0:
-        return out
+        return out, partials, num_splits, split_size
     q = q if q.stride(-1) == 1 else q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise KernelShapeError("k_cache and v_cache must have a contiguous last dimension")
     block_tables = block_tables.contiguous()
     context_lens = context_lens.contiguous()
-    # One split (short contexts, or tables cut to the step's longest context) writes the
-    # output itself; the partials are then never touched.
-    partial_shape = (num_tokens, num_q_heads, num_splits if num_splits > 1 else 1)
-    partial_out = torch.empty((*partial_shape, head_dim), dtype=torch.float32, device=q.device)
-    partial_max = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
-    partial_sum = torch.empty_like(partial_max)
     # Tiles of positions: a power of two dividing split_size, so the accumulation order
     # depends on split_size and the config only; tensor-core products need 16 or more.
     tile = min(config.tile, split_size & -split_size)
@@ -746,15 +838,13 @@ def paged_attention_triton(
         KV_LINE=max(1, 128 // k_cache.element_size()),
         TICKET_MERGE=ticket_merge,
         MERGE_CHUNK=MERGE_CHUNK,
+        PARTIALS=partials_only,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
         **({"launch_pdl": True} if use_pdl else {}),
     )
-    if num_splits == 1 or ticket_merge:
-        return out
-    merge_splits(partial_out, partial_max, partial_sum, context_lens, out, split_size=split_size)
-    return out
+    return out, partials, num_splits, split_size
 
 
 def merge_splits(
