@@ -4,6 +4,7 @@ the decode padding switch, grouped GEMM against the loop, config validation."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -460,6 +461,9 @@ def _fused_other_gemm_errors() -> list[list[float]]:
         _fused_routed_errors(None, expert_kernel="cublas"),
         # The interpreter reads bfloat16 TMA tiles wrongly: float16 for the Triton GEMMs.
         _fused_routed_errors(None, plan=triton_plan, dtype=torch.float16),
+        # Every expert's rows padded to 16 (empty rows between experts): the weight
+        # gradients on the unmasked aligned kernel.
+        _fused_routed_errors(None, plan=replace(triton_plan, row_align=16), dtype=torch.float16),
     ]
 
 
@@ -471,13 +475,15 @@ def test_layer_with_fused_experts_on_cublas_loop_and_triton_gemms_matches_refere
 ):
     # The fused routed experts with other GEMM kernels: expert_kernel="cublas" (one cuBLAS
     # GEMM per expert, here torch.mm on the CPU) and every GEMM on the persistent Triton
-    # kernels (through the interpreter). Outputs and every
+    # kernels (through the interpreter), with rows packed and with every expert's rows padded
+    # to the weight-gradient chunk. Outputs and every
     # gradient against the token-by-token reference, experts without tokens included.
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ((loop, triton_gemms),) = run_distributed(_fused_other_gemm_errors, 1)
+    ((loop, triton_gemms, aligned),) = run_distributed(_fused_other_gemm_errors, 1)
     assert max(loop) < 1e-4, loop
     assert max(triton_gemms) < 1e-2, triton_gemms
+    assert max(aligned) < 1e-2, aligned
 
 
 def test_cublas_expert_loop_matches_token_by_token_reference_with_an_idle_expert():

@@ -15,7 +15,7 @@ plan says.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,12 +28,14 @@ from mcore_kernels.moe.grouped_mm import (
 )
 
 __all__ = [
+    "BATCHED_WEIGHT_TILES",
     "CUBLAS_LOOP",
     "CUBLAS_LOOP_PLAN",
     "GROUPED_MM",
     "ExpertGemmRunner",
     "ExpertGemms",
     "GemmKernel",
+    "batched_weight_grad",
     "choose_expert_gemms",
     "measured_expert_gemms",
     "triton_expert_gemms",
@@ -50,6 +52,8 @@ host once per layer call: one synchronisation)."""
 GemmKernel = PersistentTiles | str
 """The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP` or the tiles of the
 persistent Triton kernel."""
+
+_GEMMS = ("gate_up", "down", "d_act", "d_x", "w_down", "w_gate_up")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -69,15 +73,24 @@ class ExpertGemms:
     """Weight gradient of the down projection."""
     w_gate_up: GemmKernel = GROUPED_MM
     """Weight gradient of the gate/up projection."""
+    row_align: int = 1
+    """Rows of every expert padded to a multiple of this with empty rows (the dispatcher
+    builds such rows when the plan asks for it, :func:`mcore_kernels.moe.rows.aligned_rows`):
+    the weight gradients on :class:`PersistentTiles` whose ``block_m`` divides it then run
+    without masked row chunks (``k_grouped_mm(aligned=True)``). 1: rows packed."""
 
     def __post_init__(self) -> None:
-        for f in fields(ExpertGemms):
-            value = getattr(self, f.name)
+        for name in _GEMMS:
+            value = getattr(self, name)
             if not (isinstance(value, PersistentTiles) or value in (GROUPED_MM, CUBLAS_LOOP)):
                 raise KernelValueError(
-                    f"ExpertGemms.{f.name}={value!r}: expected one of "
+                    f"ExpertGemms.{name}={value!r}: expected one of "
                     f"{(GROUPED_MM, CUBLAS_LOOP)} or PersistentTiles"
                 )
+        if self.row_align < 1 or self.row_align & (self.row_align - 1):
+            raise KernelValueError(
+                f"ExpertGemms.row_align={self.row_align}: expected a power of two >= 1"
+            )
 
 
 class ExpertGemmRunner:
@@ -144,7 +157,8 @@ class ExpertGemmRunner:
 
     def _weights(self, kernel: GemmKernel, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if isinstance(kernel, PersistentTiles):
-            return k_grouped_mm(g, x, self.offsets, tiles=kernel)
+            aligned = self.plan.row_align % kernel.block_m == 0
+            return k_grouped_mm(g, x, self.offsets, tiles=kernel, aligned=aligned)
         if kernel == CUBLAS_LOOP:
             out = g.new_empty(self.offsets.shape[0], g.shape[1], x.shape[1])
 
@@ -231,7 +245,7 @@ class ExpertGemmRunner:
         return self._weights(self.plan.w_gate_up, grad_gate_up, x)
 
 
-CUBLAS_LOOP_PLAN = ExpertGemms(**{f.name: CUBLAS_LOOP for f in fields(ExpertGemms)})
+CUBLAS_LOOP_PLAN = ExpertGemms(**dict.fromkeys(_GEMMS, CUBLAS_LOOP))
 """One cuBLAS GEMM per expert for all six GEMMs (the group sizes read on the host once per
 layer call)."""
 
@@ -274,9 +288,7 @@ def without_host_sync(plan: ExpertGemms) -> ExpertGemms:
     Returns:
         A plan without host synchronisation (``plan`` itself when it has none).
     """
-    loops = {
-        f.name: GROUPED_MM for f in fields(ExpertGemms) if getattr(plan, f.name) == CUBLAS_LOOP
-    }
+    loops = {name: GROUPED_MM for name in _GEMMS if getattr(plan, name) == CUBLAS_LOOP}
     return replace(plan, **loops) if loops else plan
 
 
@@ -350,3 +362,45 @@ def triton_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> Exper
         w_down=weight_tiles,
         w_gate_up=weight_tiles,
     )
+
+
+BATCHED_WEIGHT_TILES: dict[tuple[int, int, int], list[tuple[int, PersistentTiles]]] = {}
+"""Tiles of the aligned persistent Triton kernel measured faster than ``torch.bmm`` for the
+weight gradient of batched expert GEMMs on an H200, by ``(experts, N, K)`` (the gradient
+``[E, N, K]``): a list of ``(largest capacity, tiles)`` in increasing order."""
+
+
+def batched_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad[e].T @ x[e]`` for every expert: the weight gradient of a batched
+    ``x[e] @ weight[e].T`` over fixed-capacity slots, in the weight's layout.
+
+    Runs the aligned persistent Triton kernel (no masked chunks: every expert has the same
+    slot count) with the tiles of :data:`BATCHED_WEIGHT_TILES` on a Hopper GPU where they
+    were measured faster, ``torch.bmm`` elsewhere. Either way each output element is one
+    program's sum: bitwise reproducible.
+
+    Args:
+        grad: ``[E, C, N]`` output gradient of every slot.
+        x: ``[E, C, K]`` input of every slot.
+
+    Returns:
+        ``[E, N, K]``.
+    """
+    experts, capacity, n = grad.shape
+    k = x.shape[-1]
+    if _hopper(grad.device) and grad.dtype in (torch.bfloat16, torch.float16):
+        for largest, tiles in BATCHED_WEIGHT_TILES.get((experts, n, k), ()):
+            if capacity <= largest:
+                if capacity and capacity % tiles.block_m == 0 and n % tiles.block_n == 0:
+                    ends = torch.arange(
+                        capacity, (experts + 1) * capacity, capacity, device=grad.device
+                    )
+                    return k_grouped_mm(
+                        grad.reshape(experts * capacity, n),
+                        x.reshape(experts * capacity, k),
+                        ends.to(torch.int32),
+                        tiles=tiles,
+                        aligned=True,
+                    )
+                break
+    return torch.bmm(grad.transpose(1, 2), x)
