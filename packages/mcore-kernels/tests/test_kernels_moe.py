@@ -26,6 +26,8 @@ from mcore_kernels.moe.reference import (
     weighted_swiglu_reference,
 )
 from mcore_kernels.moe.rows import (
+    aligned_rows,
+    aligned_rows_reference,
     capacity_rows,
     capacity_rows_reference,
     dropless_rows,
@@ -299,6 +301,28 @@ def test_dropless_rows_invert_the_sort_and_end_each_expert():
     for expert, end in enumerate(offsets.tolist()):
         start = 0 if expert == 0 else offsets[expert - 1]
         assert torch.equal(order[start:end], torch.nonzero(experts == expert).flatten())
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_aligned_rows_pad_every_expert_to_the_row_multiple(align):
+    experts, order, counts = _sorted_routing(9, 700, seed=2 + align)
+    compact, inverse, offsets = aligned_rows(experts, order, counts, align)
+    want = aligned_rows_reference(experts, order, counts, align)
+    for got, ref in zip((compact, inverse, offsets), want, strict=True):
+        assert torch.equal(got, ref)
+    assert compact.numel() == 700 + 9 * (align - 1) and offsets.dtype == torch.int32
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        assert (end - start) % align == 0 and end - start - int(counts[expert]) < align
+        # The expert's assignments in token order, then empty rows.
+        mine = torch.nonzero(experts == expert).flatten()
+        assert torch.equal(compact[start : start + mine.numel()], mine)
+        assert bool((compact[start + mine.numel() : end] == -1).all())
+        start = end
+    assert bool((compact[start:] == -1).all())
+    assert torch.equal(compact[inverse], torch.arange(700))
+    with pytest.raises(KernelShapeError, match="align=0"):
+        aligned_rows(experts, order, counts, 0)
 
 
 def test_capacity_rows_of_no_assignment():
