@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, ExpertGemms
+from mcore_kernels.moe.expert_gemms import (
+    BATCHED_WEIGHT_TILES,
+    CUBLAS_LOOP,
+    ExpertGemms,
+    batched_weight_grad,
+)
 from mcore_kernels.moe.grouped_mm import (
     PersistentTiles,
     k_grouped_mm,
@@ -103,3 +108,32 @@ def test_routed_experts_on_other_gemms_match_grouped_mm_and_repeat_bitwise(plan)
     for a, b, c in zip(first, second, want, strict=True):
         assert torch.equal(a, b)
         _close(a, c)
+
+
+def test_aligned_weight_gradients_match_grouped_mm_and_repeat_bitwise():
+    # Rows padded per expert to the 64-row chunk (empty experts first, in the middle and
+    # last), then equal capacity slots through batched_weight_grad: the unmasked aligned
+    # kernel against torch._grouped_mm / torch.bmm, two runs bitwise equal.
+    counts = (_counts() + 63) // 64 * 64
+    offsets = counts.cumsum(0).to(torch.int32).cuda()
+    rows = int(offsets[-1])
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, HIDDEN, **bf16)
+    grad_gu = torch.randn(rows, 2 * FFN, **bf16)
+    want = torch._grouped_mm(grad_gu.t(), x, offs=offsets)
+    got = k_grouped_mm(grad_gu, x, offsets, tiles=WEIGHT_TILES, aligned=True)
+    _close(got, want)
+    assert torch.equal(got, k_grouped_mm(grad_gu, x, offsets, tiles=WEIGHT_TILES, aligned=True))
+    assert torch.count_nonzero(got[[0, 7, EXPERTS - 1]]) == 0
+    slots_x = torch.randn(EXPERTS, 320, HIDDEN, **bf16)
+    slots_g = torch.randn(EXPERTS, 320, 2 * FFN, **bf16)
+    want = torch.bmm(slots_g.transpose(1, 2), slots_x)
+    key = (EXPERTS, 2 * FFN, HIDDEN)
+    BATCHED_WEIGHT_TILES[key] = [(1 << 20, WEIGHT_TILES)]
+    try:
+        got = batched_weight_grad(slots_g, slots_x)
+        again = batched_weight_grad(slots_g, slots_x)
+    finally:
+        del BATCHED_WEIGHT_TILES[key]
+    _close(got, want)
+    assert torch.equal(got, again)
