@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mcore_kernels.moe.expert_gemms import ExpertGemms
+from mcore_kernels.moe.grouped_mm import PersistentTiles
 from mcore_models import GPTConfig, MoEConfig, MoELayer, set_decode_expert_padding
 from mcore_models.moe import dispatcher
 from mcore_models.moe.experts import CUBLAS_LOOP_PLAN, grouped_mm_supported
@@ -159,6 +160,34 @@ def test_fused_routed_experts_match_unfused_reproducible_and_without_host_sync(
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
     for got, expected in zip(first, unfused, strict=True):
+        error = (got.float() - expected.float()).norm() / expected.float().norm()
+        assert error < 1e-2, (error, got.shape)
+
+
+def test_rows_padded_per_expert_match_packed_rows_reproducible_and_without_host_sync():
+    # ExpertGemms.row_align: the dispatcher pads every expert's rows to 64 with empty rows and
+    # the weight gradients run on the unmasked aligned Triton kernel. Against packed rows on
+    # torch._grouped_mm: equal up to bf16 rounding, bitwise reproducible, no host sync.
+    if not grouped_mm_supported(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
+    layer = _layer(torch.bfloat16)
+    x = torch.randn(777, 128, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    assert layer.experts.fuses_routing(x)
+    layer.experts.gemm_plan = ExpertGemms()
+    packed = _step(layer, x, grad)
+    tiles = PersistentTiles(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    layer.experts.gemm_plan = ExpertGemms(w_down=tiles, w_gate_up=tiles, row_align=64)
+    first = _step(layer, x, grad)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = _step(layer, x, grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    for got, expected in zip(first, packed, strict=True):
         error = (got.float() - expected.float()).norm() / expected.float().norm()
         assert error < 1e-2, (error, got.shape)
 
