@@ -464,6 +464,7 @@ def _fused_other_gemm_errors() -> list[list[float]]:
         # Every expert's rows padded to 16 (empty rows between experts): the weight
         # gradients on the unmasked aligned kernel.
         _fused_routed_errors(None, plan=replace(triton_plan, row_align=16), dtype=torch.float16),
+        _fused_routed_errors(0.5, plan=replace(triton_plan, row_align=16), dtype=torch.float16),
     ]
 
 
@@ -476,14 +477,17 @@ def test_layer_with_fused_experts_on_cublas_loop_and_triton_gemms_matches_refere
     # The fused routed experts with other GEMM kernels: expert_kernel="cublas" (one cuBLAS
     # GEMM per expert, here torch.mm on the CPU) and every GEMM on the persistent Triton
     # kernels (through the interpreter), with rows packed and with every expert's rows padded
-    # to the weight-gradient chunk. Outputs and every
+    # to the weight-gradient chunk (dropless, and capacity routing that drops). Outputs and every
     # gradient against the token-by-token reference, experts without tokens included.
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ((loop, triton_gemms, aligned),) = run_distributed(_fused_other_gemm_errors, 1)
+    ((loop, triton_gemms, aligned, aligned_capacity),) = run_distributed(
+        _fused_other_gemm_errors, 1
+    )
     assert max(loop) < 1e-4, loop
     assert max(triton_gemms) < 1e-2, triton_gemms
     assert max(aligned) < 1e-2, aligned
+    assert max(aligned_capacity) < 1e-2, aligned_capacity
 
 
 def test_cublas_expert_loop_matches_token_by_token_reference_with_an_idle_expert():

@@ -192,7 +192,11 @@ def capacity_rows(
 
 
 def aligned_rows_reference(
-    experts: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, align: int
+    experts: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    align: int,
+    capacity: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`aligned_rows`.
 
@@ -201,46 +205,57 @@ def aligned_rows_reference(
         order: ``[A]`` int64 stable sort of the assignments by expert.
         counts: ``[E]`` int64 assignments per expert.
         align: Row multiple of every expert.
+        capacity: Assignments each expert keeps at most (None: all).
 
     Returns:
         ``(compact, inverse, offsets)`` as :func:`aligned_rows`.
     """
     total, num_experts = experts.numel(), counts.numel()
-    padded = (counts + align - 1) // align * align
+    kept = counts if capacity is None else counts.clamp(max=capacity)
+    padded = (kept + align - 1) // align * align
     sorted_experts = experts.index_select(0, order)
     rank = torch.arange(total, device=experts.device) - (counts.cumsum(0) - counts).index_select(
         0, sorted_experts
     )
     rows = (padded.cumsum(0) - padded).index_select(0, sorted_experts) + rank
+    if capacity is not None:
+        rows = torch.where(rank < capacity, rows, -1)
     inverse = torch.empty_like(order).scatter_(0, order, rows)
-    compact = torch.full(
-        (total + num_experts * (align - 1),), -1, dtype=torch.int64, device=experts.device
-    )
-    compact.scatter_(0, rows, order)
-    return compact, inverse, padded.cumsum(0).to(torch.int32)
+    # Dropped assignments all land in one extra trash row, which is cut off.
+    size = total + num_experts * (align - 1)
+    compact = torch.full((size + 1,), -1, dtype=torch.int64, device=experts.device)
+    compact.scatter_(0, torch.where(rows < 0, size, rows), order)
+    return compact[:size], inverse, padded.cumsum(0).to(torch.int32)
 
 
 def aligned_rows(
-    experts: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, align: int
+    experts: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    align: int,
+    capacity: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dropless rows of the assignments with every expert's rows padded to a multiple of
-    ``align`` (no host synchronisation: the row count is the bound ``A + E * (align - 1)``).
+    """Rows of the assignments with every expert's rows padded to a multiple of ``align``
+    (no host synchronisation: the row count is the bound ``A + E * (align - 1)``).
 
-    Expert ``e`` holds rows ``offsets[e - 1]`` to ``offsets[e]``: its assignments in order,
-    then empty rows (assignment -1) up to the next multiple of ``align``. The rows past
-    ``offsets[-1]`` are empty too. The same kernel as :func:`capacity_rows` with nothing
-    dropped and the padded counts as the kept ones.
+    Expert ``e`` holds rows ``offsets[e - 1]`` to ``offsets[e]``: its (kept) assignments in
+    order, then empty rows (assignment -1) up to the next multiple of ``align``. The rows past
+    ``offsets[-1]`` are empty too. The kernel of :func:`capacity_rows` with the padded kept
+    counts.
 
     Args:
         experts: ``[A]`` int64 expert of each assignment.
-        order: ``[A]`` int64 stable sort of the assignments by expert.
+        order: ``[A]`` int64 stable sort of the assignments by expert (each expert's in token
+            order).
         counts: ``[E]`` int64 assignments per expert.
         align: Row multiple of every expert (>= 1).
+        capacity: Capacity routing: each expert keeps its first ``capacity`` assignments, the
+            others get no row. None: dropless.
 
     Returns:
         ``(compact, inverse, offsets)``: ``[A + E * (align - 1)]`` int64 assignment in each
-        row (-1 for an empty one), ``[A]`` int64 row of each assignment and ``[E]`` int32
-        end row of each expert's padded rows.
+        row (-1 for an empty one), ``[A]`` int64 row of each assignment (-1 when dropped) and
+        ``[E]`` int32 end row of each expert's padded rows.
 
     Raises:
         KernelShapeError: If the shapes do not match or ``align < 1``.
@@ -250,13 +265,14 @@ def aligned_rows(
     if align < 1:
         raise KernelShapeError(f"align={align} must be >= 1")
     if not use_triton(experts, order, counts):
-        return aligned_rows_reference(experts, order, counts, align)
+        return aligned_rows_reference(experts, order, counts, align, capacity)
     import triton
 
     from mcore_kernels.moe._rows_triton import capacity_rows_kernel
 
     total, num_experts = experts.numel(), counts.numel()
-    padded = (counts + align - 1) // align * align
+    kept = counts if capacity is None else counts.clamp(max=capacity)
+    padded = (kept + align - 1) // align * align
     compact = torch.full(
         (total + num_experts * (align - 1),), -1, dtype=torch.int64, device=order.device
     )
@@ -275,7 +291,7 @@ def aligned_rows(
             offsets,
             total,
             num_experts,
-            max(total, 1),
+            max(total, 1) if capacity is None else capacity,
             BLOCK=BLOCK,
             E_PAD=_e_pad(num_experts),
         )

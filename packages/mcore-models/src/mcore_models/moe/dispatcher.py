@@ -253,9 +253,15 @@ def dispatch_and_combine(
     if packs and not padded_dropless and experts_module.fuses_routing(x):
         # Capacity routing on the fused grouped experts: the kept assignments packed without
         # padding rows, so the GEMMs skip the padding.
-        order, inverse, kept, offsets = capacity_rows(flat_experts, counts, capacity)
+        align = experts_module.plan_for(flat_experts.numel(), x, sync_free=True).row_align
+        if align > 1:
+            order = expert_order(flat_experts, num_experts - 1)
+            rows, inverse, offsets = aligned_rows(flat_experts, order, counts, align, capacity)
+            kept = counts.clamp(max=capacity)
+        else:
+            rows, inverse, kept, offsets = capacity_rows(flat_experts, counts, capacity)
         output = experts_module.forward_routed(
-            x, weights, order, inverse, kept, offsets, sync_free=True
+            x, weights, rows, inverse, kept, offsets, sync_free=True, row_align=align
         )
         return output, counts
     if weights_in_experts and comm.ep_group is None and comm.etp_group is None:
