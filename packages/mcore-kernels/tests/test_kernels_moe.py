@@ -308,7 +308,7 @@ def test_dropless_rows_invert_the_sort_and_end_each_expert():
 )
 def test_aligned_rows_pad_every_expert_to_the_row_multiple(align, capacity):
     experts, order, counts = _sorted_routing(9, 700, seed=2 + align)
-    compact, inverse, offsets = aligned_rows(experts, order, counts, align, capacity)
+    compact, inverse, offsets = aligned_rows(experts, order, counts, align, capacity=capacity)
     want = aligned_rows_reference(experts, order, counts, align, capacity)
     for got, ref in zip((compact, inverse, offsets), want, strict=True):
         assert torch.equal(got, ref)

@@ -477,7 +477,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
         # The fused grouped experts' rows: dropless, or the kept rows of capacity routing,
         # packed or padded per expert to the plan's row multiple (empty rows: zero input and
         # zero weight).
-        rows_order, _, offsets = aligned_rows(flat, order, counts, align, capacity)
+        rows_order, _, offsets = aligned_rows(flat, order, counts, align, capacity=capacity)
         used = rows_order >= 0
         source = torch.where(used, rows_order, 0)
         permuted = (x.index_select(0, source // moe.top_k) * used[:, None]).detach()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import torch
 
@@ -245,14 +246,7 @@ class ExpertGemmRunner:
         return self._weights(self.plan.w_gate_up, grad_gate_up, x)
 
 
-CUBLAS_LOOP_PLAN = ExpertGemms(
-    gate_up=CUBLAS_LOOP,
-    down=CUBLAS_LOOP,
-    d_act=CUBLAS_LOOP,
-    d_x=CUBLAS_LOOP,
-    w_down=CUBLAS_LOOP,
-    w_gate_up=CUBLAS_LOOP,
-)
+CUBLAS_LOOP_PLAN = ExpertGemms(**cast(dict[str, Any], dict.fromkeys(_GEMMS, CUBLAS_LOOP)))
 """One cuBLAS GEMM per expert for all six GEMMs (the group sizes read on the host once per
 layer call)."""
 
@@ -295,10 +289,8 @@ def without_host_sync(plan: ExpertGemms) -> ExpertGemms:
     Returns:
         A plan without host synchronisation (``plan`` itself when it has none).
     """
-    for name in _GEMMS:
-        if getattr(plan, name) == CUBLAS_LOOP:
-            plan = replace(plan, **{name: GROUPED_MM})  # type: ignore[arg-type]
-    return plan
+    loops = {name: GROUPED_MM for name in _GEMMS if getattr(plan, name) == CUBLAS_LOOP}
+    return replace(plan, **cast(dict[str, Any], loops)) if loops else plan
 
 
 def measured_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> ExpertGemms:

@@ -230,9 +230,8 @@ def k_grouped_mm(
         aligned: The caller guarantees that every expert's row count is a multiple of
             ``tiles.block_m`` (equal capacity slots, or rows padded per expert; not checked,
             which would sync the host): the row chunks of all tiles then run as one pipelined
-            loop without masks (:func:`~mcore_kernels.moe._grouped_gemm_persistent.
-            k_aligned_kernel`). Needs N to be a multiple of ``tiles.block_n`` (else the
-            masked kernel runs).
+            loop without masks (the ``ALIGNED`` mode of the kernel). Needs N to be a multiple
+            of ``tiles.block_n`` (else the masked loop runs).
 
     Returns:
         ``[E, N, K]``, zero for an expert without rows.
@@ -244,7 +243,7 @@ def k_grouped_mm(
     import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from mcore_kernels.moe._grouped_gemm_persistent import k_aligned_kernel, k_grouped_kernel
+    from mcore_kernels.moe._grouped_gemm_persistent import k_grouped_kernel
 
     _check("g", g, 2)
     _check("x", x, 2)
@@ -271,24 +270,6 @@ def k_grouped_mm(
     out_desc = TensorDescriptor.from_tensor(out.view(experts * n, k), [bn, bk])
     jobs = experts * triton.cdiv(n, bn) * triton.cdiv(k, bk)
     programs = _programs(g.device, tiles, jobs)
-    if aligned and tma_store:
-        k_aligned_kernel[(programs,)](
-            g_desc,
-            x_desc,
-            out_desc,
-            offsets,
-            experts,
-            n,
-            k,
-            BLOCK_R=br,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            NUM_PROGRAMS=programs,
-            JOB_BLOCK=1024,
-            num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages,
-        )
-        return out
     k_grouped_kernel[(programs,)](
         g_desc,
         x_desc,
@@ -303,6 +284,8 @@ def k_grouped_mm(
         BLOCK_K=bk,
         NUM_PROGRAMS=programs,
         TMA_STORE=tma_store,
+        ALIGNED=aligned and tma_store,
+        JOB_BLOCK=1024,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -138,6 +138,45 @@ def capacity_rows_reference(
     return compact[:total], inverse, kept, kept.cumsum(0).to(torch.int32)
 
 
+def _place_rows(
+    experts: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    rows_per_expert: torch.Tensor,
+    capacity: int,
+    compact: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run :func:`~mcore_kernels.moe._rows_triton.capacity_rows_kernel`: expert ``e`` keeps its
+    first ``capacity`` assignments, placed from row ``sum(rows_per_expert[:e])`` on and written
+    into ``compact``; returns ``(inverse, offsets)`` (the int32 running sum of
+    ``rows_per_expert``)."""
+    import triton
+
+    from mcore_kernels.moe._rows_triton import capacity_rows_kernel
+
+    total, num_experts = experts.numel(), counts.numel()
+    inverse = torch.empty_like(order)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=counts.device)
+    if num_experts:
+        capacity_rows_kernel[(max(1, triton.cdiv(total, BLOCK)),)](
+            order,
+            experts,
+            counts,
+            counts.cumsum(0),
+            rows_per_expert,
+            rows_per_expert.cumsum(0),
+            compact,
+            inverse,
+            offsets,
+            total,
+            num_experts,
+            capacity,
+            BLOCK=BLOCK,
+            E_PAD=_e_pad(num_experts),
+        )
+    return inverse, offsets
+
+
 def capacity_rows(
     experts: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,32 +201,9 @@ def capacity_rows(
     _check(order, counts, experts=experts)
     if not use_triton(experts, order, counts):
         return capacity_rows_reference(experts, order, counts, capacity)
-    import triton
-
-    from mcore_kernels.moe._rows_triton import capacity_rows_kernel
-
-    total, num_experts = experts.numel(), counts.numel()
     kept = counts.clamp(max=capacity)
     compact = torch.empty_like(order)
-    inverse = torch.empty_like(order)
-    offsets = torch.empty(num_experts, dtype=torch.int32, device=counts.device)
-    if num_experts:
-        capacity_rows_kernel[(max(1, triton.cdiv(total, BLOCK)),)](
-            order,
-            experts,
-            counts,
-            counts.cumsum(0),
-            kept,
-            kept.cumsum(0),
-            compact,
-            inverse,
-            offsets,
-            total,
-            num_experts,
-            capacity,
-            BLOCK=BLOCK,
-            E_PAD=_e_pad(num_experts),
-        )
+    inverse, offsets = _place_rows(experts, order, counts, kept, capacity, compact)
     return compact, inverse, kept, offsets
 
 
@@ -196,7 +212,7 @@ def aligned_rows_reference(
     order: torch.Tensor,
     counts: torch.Tensor,
     align: int,
-    capacity: int | None = None,
+    capacity: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`aligned_rows`.
 
@@ -233,6 +249,7 @@ def aligned_rows(
     order: torch.Tensor,
     counts: torch.Tensor,
     align: int,
+    *,
     capacity: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of the assignments with every expert's rows padded to a multiple of ``align``
@@ -266,35 +283,14 @@ def aligned_rows(
         raise KernelShapeError(f"align={align} must be >= 1")
     if not use_triton(experts, order, counts):
         return aligned_rows_reference(experts, order, counts, align, capacity)
-    import triton
-
-    from mcore_kernels.moe._rows_triton import capacity_rows_kernel
-
     total, num_experts = experts.numel(), counts.numel()
     kept = counts if capacity is None else counts.clamp(max=capacity)
     padded = (kept + align - 1) // align * align
     compact = torch.full(
         (total + num_experts * (align - 1),), -1, dtype=torch.int64, device=order.device
     )
-    inverse = torch.empty_like(order)
-    offsets = torch.empty(num_experts, dtype=torch.int32, device=counts.device)
-    if num_experts:
-        capacity_rows_kernel[(max(1, triton.cdiv(total, BLOCK)),)](
-            order,
-            experts,
-            counts,
-            counts.cumsum(0),
-            padded,
-            padded.cumsum(0),
-            compact,
-            inverse,
-            offsets,
-            total,
-            num_experts,
-            max(total, 1) if capacity is None else capacity,
-            BLOCK=BLOCK,
-            E_PAD=_e_pad(num_experts),
-        )
+    keep_all = max(total, 1) if capacity is None else capacity
+    inverse, offsets = _place_rows(experts, order, counts, padded, keep_all, compact)
     return compact, inverse, offsets
 
 

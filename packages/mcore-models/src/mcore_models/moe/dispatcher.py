@@ -256,7 +256,9 @@ def dispatch_and_combine(
         align = experts_module.plan_for(flat_experts.numel(), x, sync_free=True).row_align
         if align > 1:
             order = expert_order(flat_experts, num_experts - 1)
-            rows, inverse, offsets = aligned_rows(flat_experts, order, counts, align, capacity)
+            rows, inverse, offsets = aligned_rows(
+                flat_experts, order, counts, align, capacity=capacity
+            )
             kept = counts.clamp(max=capacity)
         else:
             rows, inverse, kept, offsets = capacity_rows(flat_experts, counts, capacity)
