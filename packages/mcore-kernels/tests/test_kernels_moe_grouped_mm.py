@@ -19,7 +19,6 @@ from mcore_kernels.moe.expert_gemms import (
     CUBLAS_LOOP_PLAN,
     GROUPED_MM,
     ExpertGemms,
-    batched_weight_grad,
     choose_expert_gemms,
     measured_expert_gemms,
     without_host_sync,
@@ -118,23 +117,6 @@ def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts)
     assert torch.equal(got, k_grouped_mm(g, x, offsets, tiles=TILES, aligned=True))
 
 
-def test_aligned_k_grouped_mm_with_more_programs_than_multiprocessors():
-    offsets = _offsets(ALIGNED_COUNTS)
-    rows = int(offsets[-1])
-    g, x = _randn(rows, 32, seed=13), _randn(rows, 64, seed=14)
-    two = PersistentTiles(
-        block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2, programs_per_sm=2
-    )
-    got = k_grouped_mm(g, x, offsets, tiles=two, aligned=True)
-    torch.testing.assert_close(got, k_grouped_mm_reference(g, x, offsets), rtol=2e-3, atol=2e-3)
-
-
-def test_batched_weight_grad_matches_bmm_off_hopper():
-    # Off a Hopper GPU (here the CPU) the batched weight gradient is torch.bmm itself.
-    grad, x = _randn(3, 16, 8, seed=15).float(), _randn(3, 16, 24, seed=16).float()
-    torch.testing.assert_close(batched_weight_grad(grad, x), torch.bmm(grad.transpose(1, 2), x))
-
-
 def _routed_problem(tokens=20, hidden=32, ffn=16, experts=5, top_k=2, empty=(0, 3)):
     g = torch.Generator().manual_seed(9)
     x = torch.randn(tokens, hidden, generator=g).to(DTYPE)
@@ -221,8 +203,6 @@ def test_bad_input_raises_typed_errors():
         ExpertGemms(down="cutlass")
     with pytest.raises(KernelValueError, match=r"ExpertGemms\.row_align=24"):
         ExpertGemms(row_align=24)
-    with pytest.raises(KernelValueError, match="programs_per_sm=3"):
-        PersistentTiles(programs_per_sm=3)
 
 
 def test_routed_experts_on_triton_gemms_with_dropped_assignments_match_reference():

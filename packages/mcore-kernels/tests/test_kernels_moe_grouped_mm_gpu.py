@@ -8,12 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_kernels.moe.expert_gemms import (
-    BATCHED_WEIGHT_TILES,
-    CUBLAS_LOOP,
-    ExpertGemms,
-    batched_weight_grad,
-)
+from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, ExpertGemms
 from mcore_kernels.moe.grouped_mm import (
     PersistentTiles,
     k_grouped_mm,
@@ -112,8 +107,7 @@ def test_routed_experts_on_other_gemms_match_grouped_mm_and_repeat_bitwise(plan)
 
 def test_aligned_weight_gradients_match_grouped_mm_and_repeat_bitwise():
     # Rows padded per expert to the 64-row chunk (empty experts first, in the middle and
-    # last), then equal capacity slots through batched_weight_grad: the unmasked aligned
-    # kernel against torch._grouped_mm / torch.bmm, two runs bitwise equal.
+    # last): the unmasked aligned kernel against torch._grouped_mm, two runs bitwise equal.
     counts = (_counts() + 63) // 64 * 64
     offsets = counts.cumsum(0).to(torch.int32).cuda()
     rows = int(offsets[-1])
@@ -125,15 +119,3 @@ def test_aligned_weight_gradients_match_grouped_mm_and_repeat_bitwise():
     _close(got, want)
     assert torch.equal(got, k_grouped_mm(grad_gu, x, offsets, tiles=WEIGHT_TILES, aligned=True))
     assert torch.count_nonzero(got[[0, 7, EXPERTS - 1]]) == 0
-    slots_x = torch.randn(EXPERTS, 320, HIDDEN, **bf16)
-    slots_g = torch.randn(EXPERTS, 320, 2 * FFN, **bf16)
-    want = torch.bmm(slots_g.transpose(1, 2), slots_x)
-    key = (EXPERTS, 2 * FFN, HIDDEN)
-    BATCHED_WEIGHT_TILES[key] = [(1 << 20, WEIGHT_TILES)]
-    try:
-        got = batched_weight_grad(slots_g, slots_x)
-        again = batched_weight_grad(slots_g, slots_x)
-    finally:
-        del BATCHED_WEIGHT_TILES[key]
-    _close(got, want)
-    assert torch.equal(got, again)

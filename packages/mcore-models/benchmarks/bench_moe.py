@@ -49,6 +49,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_kernels.moe import swiglu
-from mcore_kernels.moe.expert_gemms import (
-    ExpertGemms,
-)
+from mcore_kernels.moe.expert_gemms import GROUPED_MM, ExpertGemms, measured_expert_gemms
 from mcore_kernels.moe.grouped_mm import PersistentTiles
 from mcore_kernels.moe.routed import grouped_experts
 from mcore_kernels.moe.rows import aligned_rows
@@ -103,6 +102,12 @@ GROUPED_MM_ONLY = (
     "mcore MoELayer dropless, fused op with every expert GEMM on torch._grouped_mm "
     "(the default before the per-shape GEMM plan)"
 )
+PACKED_ROWS = (
+    "mcore MoELayer dropless, rows packed (no padding rows; weight gradients on "
+    "torch._grouped_mm: the session-9 plan)"
+)
+
+
 SESSION8_PLAN = (
     "mcore MoELayer dropless, fused op with session 8's GEMM plan (down projection and its "
     "input gradient on Triton)"
@@ -379,6 +384,11 @@ def run_case(
     }
     if case["experts"] == 256 and case["tokens"] <= 8192:
         builders[SESSION8_PLAN] = lambda: _plan(_moe(case, device), _session8_plan())
+    routed = case["tokens"] * case["top_k"]
+    plan = measured_expert_gemms(routed, case["hidden"], case["ffn"], case["experts"])
+    if plan.row_align > 1:
+        packed = replace(plan, row_align=1, w_down=GROUPED_MM, w_gate_up=GROUPED_MM)
+        builders[PACKED_ROWS] = lambda: _plan(_moe(case, device), packed)
     if few:
         builders[FUSED_LOOP] = lambda: _moe(case, device, expert_kernel="cublas")
         builders[

@@ -46,9 +46,6 @@ class PersistentTiles:
     """Software-pipelining depth of the operand loads."""
     flatten: bool = False
     """Flatten the job and reduction loops into one pipelined loop (:func:`m_grouped_mm`)."""
-    programs_per_sm: int = 1
-    """Programs of the persistent grid per multiprocessor (2 where two fit in its shared
-    memory: one program's loads and stores then overlap the other's tensor-core work)."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -59,23 +56,20 @@ class PersistentTiles:
             raise KernelValueError(f"num_warps={self.num_warps} must be 4 or 8")
         if self.num_stages < 1:
             raise KernelValueError(f"num_stages={self.num_stages} must be >= 1")
-        if self.programs_per_sm not in (1, 2):
-            raise KernelValueError(f"programs_per_sm={self.programs_per_sm} must be 1 or 2")
 
 
 _NUM_SMS: dict[int, int] = {}
 
 
 def _programs(device: torch.device, tiles: PersistentTiles, jobs: int) -> int:
-    """Programs of a persistent grid: ``tiles.programs_per_sm`` per multiprocessor (4 off the
-    GPU)."""
+    """Programs of a persistent grid: one per multiprocessor (4 off the GPU)."""
     if device.type != "cuda":
         sms = 4
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in _NUM_SMS:
             _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        sms = _NUM_SMS[index] * tiles.programs_per_sm
+        sms = _NUM_SMS[index]
     return max(1, min(sms, jobs))
 
 

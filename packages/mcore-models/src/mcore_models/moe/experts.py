@@ -14,7 +14,6 @@ from mcore_kernels.moe import routed_experts, swiglu, weighted_swiglu
 from mcore_kernels.moe.expert_gemms import (
     CUBLAS_LOOP_PLAN,
     ExpertGemms,
-    batched_weight_grad,
     choose_expert_gemms,
     without_host_sync,
 )
@@ -83,9 +82,7 @@ class _BatchedLinear(torch.autograd.Function):
     Autograd through ``torch.bmm(x, weight.transpose(1, 2))`` yields the weight gradient as a
     transposed view, which the gradient accumulation then copies into the parameter's layout
     (a strided copy of every expert weight, 36% of a drop-and-pad step on an H200); here the
-    weight gradient is computed in the parameter's layout directly
-    (:func:`~mcore_kernels.moe.expert_gemms.batched_weight_grad`: ``torch.bmm``, or the
-    persistent Triton kernel for the shapes where it was measured faster).
+    weight gradient is computed in the parameter's layout directly.
     """
 
     @staticmethod
@@ -97,7 +94,7 @@ class _BatchedLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, weight = ctx.saved_tensors
         grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
-        grad_weight = batched_weight_grad(grad, x) if ctx.needs_input_grad[1] else None
+        grad_weight = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight
 
 
