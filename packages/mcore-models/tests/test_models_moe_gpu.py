@@ -181,7 +181,7 @@ def test_rows_padded_per_expert_match_packed_rows_reproducible_and_without_host_
     assert layer.experts.fuses_routing(x)
     layer.experts.gemm_plan = ExpertGemms()
     packed = _step(layer, x, grad)
-    tiles = PersistentTiles(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    tiles = PersistentTiles(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
     layer.experts.gemm_plan = ExpertGemms(w_down=tiles, w_gate_up=tiles, row_align=64)
     first = _twice_bitwise_without_host_sync(layer, x, grad)
     for got, expected in zip(first, packed, strict=True):
