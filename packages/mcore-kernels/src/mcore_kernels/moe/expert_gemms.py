@@ -250,7 +250,8 @@ layer call)."""
 
 _WIDE = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
 _WIDE_3 = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True)
-_ALIGNED_WEIGHTS = PersistentTiles(block_m=64, block_n=128, block_k=256, num_stages=3)
+_ALIGNED = PersistentTiles(block_m=64, block_n=128, block_k=256, num_stages=3)
+_DEEPSEEK_ROWS = ExpertGemms(gate_up=_WIDE_3, down=_WIDE, d_act=_WIDE_3, d_x=_WIDE_3)
 
 _MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {
     # Qwen3-30B-A3B (512 rows per expert at 8192 tokens), one H200, two probes: the down
@@ -265,18 +266,7 @@ _MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {
     # unmasked aligned kernel: 4.65 and 8.76 ms against 5.47 and 9.60 ms for torch._grouped_mm
     # on the packed rows, the layer 42.44 against 43.13 ms (session 10, one probe).
     (7168, 2048, 256): [
-        (
-            384,
-            ExpertGemms(
-                gate_up=_WIDE_3,
-                down=_WIDE,
-                d_act=_WIDE_3,
-                d_x=_WIDE_3,
-                w_down=_ALIGNED_WEIGHTS,
-                w_gate_up=_ALIGNED_WEIGHTS,
-                row_align=64,
-            ),
-        ),
+        (384, replace(_DEEPSEEK_ROWS, w_down=_ALIGNED, w_gate_up=_ALIGNED, row_align=64)),
     ],
     # Mixtral-8x7B (2048 rows per expert at 8192 tokens): the whole layer on the cuBLAS loop
     # took 26.34 and 27.41 ms against 27.68 and 28.89 ms on torch._grouped_mm (two runs of
