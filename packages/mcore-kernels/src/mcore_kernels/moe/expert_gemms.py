@@ -264,7 +264,9 @@ _MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {
     # 483-537 (two).
     # With every expert's rows padded to 64 (row_align), both weight gradients on the
     # unmasked aligned kernel: 4.65 and 8.76 ms against 5.47 and 9.60 ms for torch._grouped_mm
-    # on the packed rows, the layer 42.44 against 43.13 ms (session 10, one probe).
+    # on the packed rows; the layer 42.44 against 43.13 ms, 40.88 against 41.38 ms and a mean
+    # of 41.63 against 41.84 ms over an alternating A/B (session 10, three runs: a small gain,
+    # inside the run-to-run spread).
     (7168, 2048, 256): [
         (384, replace(_DEEPSEEK_ROWS, w_down=_ALIGNED, w_gate_up=_ALIGNED, row_align=64)),
     ],
