@@ -26,6 +26,8 @@ from mcore_kernels.moe.reference import (
     weighted_swiglu_reference,
 )
 from mcore_kernels.moe.rows import (
+    aligned_rows,
+    aligned_rows_reference,
     capacity_rows,
     capacity_rows_reference,
     dropless_rows,
@@ -299,6 +301,33 @@ def test_dropless_rows_invert_the_sort_and_end_each_expert():
     for expert, end in enumerate(offsets.tolist()):
         start = 0 if expert == 0 else offsets[expert - 1]
         assert torch.equal(order[start:end], torch.nonzero(experts == expert).flatten())
+
+
+@pytest.mark.parametrize(
+    ("align", "capacity"), [(1, None), (16, None), (16, 40)], ids=["1", "16", "16-drops"]
+)
+def test_aligned_rows_pad_every_expert_to_the_row_multiple(align, capacity):
+    experts, order, counts = _sorted_routing(9, 700, seed=2 + align)
+    compact, inverse, offsets = aligned_rows(experts, order, counts, align, capacity=capacity)
+    want = aligned_rows_reference(experts, order, counts, align, capacity)
+    for got, ref in zip((compact, inverse, offsets), want, strict=True):
+        assert torch.equal(got, ref)
+    assert compact.numel() == 700 + 9 * (align - 1) and offsets.dtype == torch.int32
+    kept = counts if capacity is None else counts.clamp(max=capacity)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        assert (end - start) % align == 0 and end - start - int(kept[expert]) < align
+        # The expert's (first kept) assignments in token order, then empty rows.
+        mine = torch.nonzero(experts == expert).flatten()[: int(kept[expert])]
+        assert torch.equal(compact[start : start + mine.numel()], mine)
+        assert bool((compact[start + mine.numel() : end] == -1).all())
+        start = end
+    assert bool((compact[start:] == -1).all())
+    rows = inverse >= 0
+    assert int(rows.sum()) == int(kept.sum())
+    assert torch.equal(compact[inverse[rows]], torch.nonzero(rows).flatten())
+    with pytest.raises(KernelShapeError, match="align=0"):
+        aligned_rows(experts, order, counts, 0)
 
 
 def test_capacity_rows_of_no_assignment():

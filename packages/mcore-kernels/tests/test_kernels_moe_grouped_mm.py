@@ -96,6 +96,27 @@ def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(n):
             assert torch.count_nonzero(got[expert]) == 0
 
 
+# Row counts that are multiples of the 16-row chunk (rows padded per expert, or equal slots):
+# empty experts first, in the middle and last, and one of several chunks.
+ALIGNED_COUNTS = [0, 16, 48, 0, 32, 0]
+
+
+@pytest.mark.parametrize("counts", [ALIGNED_COUNTS, [32, 32, 32], [0, 0]])
+def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts):
+    offsets = _offsets(counts)
+    # Rows past the last expert (read by no chunk) hold NaN: they must not leak in.
+    rows = int(offsets[-1]) + 16
+    g, x = _randn(rows, 32, seed=11), _randn(rows, 48, seed=12)
+    g[int(offsets[-1]) :] = float("nan")
+    got = k_grouped_mm(g, x, offsets, tiles=TILES, aligned=True)
+    torch.testing.assert_close(got, k_grouped_mm_reference(g, x, offsets), rtol=2e-3, atol=2e-3)
+    for expert, count in enumerate(counts):
+        if count == 0:
+            assert torch.count_nonzero(got[expert]) == 0
+    # The same sums as the masked kernel, run to run bitwise.
+    assert torch.equal(got, k_grouped_mm(g, x, offsets, tiles=TILES, aligned=True))
+
+
 def _routed_problem(tokens=20, hidden=32, ffn=16, experts=5, top_k=2, empty=(0, 3)):
     g = torch.Generator().manual_seed(9)
     x = torch.randn(tokens, hidden, generator=g).to(DTYPE)
@@ -180,6 +201,8 @@ def test_bad_input_raises_typed_errors():
         PersistentTiles(num_warps=3)
     with pytest.raises(KernelValueError, match=r"ExpertGemms\.down=.cutlass.: expected one of"):
         ExpertGemms(down="cutlass")
+    with pytest.raises(KernelValueError, match=r"ExpertGemms\.row_align=24"):
+        ExpertGemms(row_align=24)
 
 
 def test_routed_experts_on_triton_gemms_with_dropped_assignments_match_reference():

@@ -103,3 +103,19 @@ def test_routed_experts_on_other_gemms_match_grouped_mm_and_repeat_bitwise(plan)
     for a, b, c in zip(first, second, want, strict=True):
         assert torch.equal(a, b)
         _close(a, c)
+
+
+def test_aligned_weight_gradients_match_grouped_mm_and_repeat_bitwise():
+    # Rows padded per expert to the 64-row chunk (empty experts first, in the middle and
+    # last): the unmasked aligned kernel against torch._grouped_mm, two runs bitwise equal.
+    counts = (_counts() + 63) // 64 * 64
+    offsets = counts.cumsum(0).to(torch.int32).cuda()
+    rows = int(offsets[-1])
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, HIDDEN, **bf16)
+    grad_gu = torch.randn(rows, 2 * FFN, **bf16)
+    want = torch._grouped_mm(grad_gu.t(), x, offs=offsets)
+    got = k_grouped_mm(grad_gu, x, offsets, tiles=WEIGHT_TILES, aligned=True)
+    _close(got, want)
+    assert torch.equal(got, k_grouped_mm(grad_gu, x, offsets, tiles=WEIGHT_TILES, aligned=True))
+    assert torch.count_nonzero(got[[0, 7, EXPERTS - 1]]) == 0

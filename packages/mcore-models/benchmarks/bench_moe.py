@@ -49,6 +49,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +58,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_kernels.moe import swiglu
-from mcore_kernels.moe.expert_gemms import (
-    ExpertGemms,
-)
+from mcore_kernels.moe.expert_gemms import GROUPED_MM, ExpertGemms, measured_expert_gemms
 from mcore_kernels.moe.grouped_mm import PersistentTiles
 from mcore_kernels.moe.routed import grouped_experts
+from mcore_kernels.moe.rows import aligned_rows
 from mcore_models import GPTConfig, MoEConfig, MoELayer
 from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.config import expert_capacity
 from mcore_models.moe.dispatcher import PACKED_MIN_CAPACITY
 from mcore_models.moe.experts import grouped_mm_supported
-from mcore_models.moe.permute import capacity_rows, padded_capacity
+from mcore_models.moe.permute import padded_capacity
 
 CASES = {
     # Mixtral-8x7B layer shape (Jiang et al., 2024): 8 experts, top-2, FFN 14336.
@@ -102,6 +102,12 @@ GROUPED_MM_ONLY = (
     "mcore MoELayer dropless, fused op with every expert GEMM on torch._grouped_mm "
     "(the default before the per-shape GEMM plan)"
 )
+PACKED_ROWS = (
+    "mcore MoELayer dropless, rows packed (no padding rows; weight gradients on "
+    "torch._grouped_mm: the session-9 plan)"
+)
+
+
 SESSION8_PLAN = (
     "mcore MoELayer dropless, fused op with session 8's GEMM plan (down projection and its "
     "input gradient on Triton)"
@@ -378,6 +384,11 @@ def run_case(
     }
     if case["experts"] == 256 and case["tokens"] <= 8192:
         builders[SESSION8_PLAN] = lambda: _plan(_moe(case, device), _session8_plan())
+    routed = case["tokens"] * case["top_k"]
+    plan = measured_expert_gemms(routed, case["hidden"], case["ffn"], case["experts"])
+    if plan.row_align > 1:
+        packed = replace(plan, row_align=1, w_down=GROUPED_MM, w_gate_up=GROUPED_MM)
+        builders[PACKED_ROWS] = lambda: _plan(_moe(case, device), packed)
     if few:
         builders[FUSED_LOOP] = lambda: _moe(case, device, expert_kernel="cublas")
         builders[
@@ -470,20 +481,26 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
         capacity = padded_capacity(counts, flat.numel())
     one_rank = layer.comm is None or (layer.comm.ep_group is None and layer.comm.etp_group is None)
     packed = capacity is not None and capacity >= PACKED_MIN_CAPACITY and one_rank
-    if packed and experts.fuses_routing(x) and moe.weights_in_experts:
-        # Capacity routing on the fused grouped experts: the kept rows, packed (no padding).
-        kept_order, _, counts, _ = capacity_rows(flat, counts, capacity)
-        kept = kept_order[: int(counts.sum())]
-        permuted = x.index_select(0, kept // moe.top_k).detach()
-        row_weights = routing.weights.reshape(-1)[kept].detach()
+    fused = experts.fuses_routing(x)
+    align = experts.plan_for(flat.numel(), x, sync_free=factor is not None).row_align
+    if fused and moe.weights_in_experts and one_rank and (capacity is None or packed):
+        # The fused grouped experts' rows: dropless, or the kept rows of capacity routing,
+        # packed or padded per expert to the plan's row multiple (empty rows: zero input and
+        # zero weight).
+        rows_order, _, offsets = aligned_rows(flat, order, counts, align, capacity=capacity)
+        used = rows_order >= 0
+        source = torch.where(used, rows_order, 0)
+        permuted = (x.index_select(0, source // moe.top_k) * used[:, None]).detach()
+        weights = routing.weights.reshape(-1).index_select(0, source)
+        row_weights = (weights * used).detach()
         capacity = None
     slot_weights = None
     folded_slots = moe.weights_in_experts and one_rank
     if capacity is not None and folded_slots:
         slot_weights = torch.rand(moe.num_experts, capacity, device=x.device, dtype=x.dtype)
 
-    fused = experts.fuses_routing(x)
-    offsets = counts.cumsum(0).to(torch.int32)
+    if not (fused and row_weights is not None):
+        offsets = counts.cumsum(0).to(torch.int32)
 
     # The experts are a submodule, so that _time's zero_grad clears their gradients (else
     # every step would add into the previous step's gradients).
@@ -495,13 +512,14 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
         def forward(self, rows: torch.Tensor) -> torch.Tensor:
             if capacity is None and fused and row_weights is not None:
                 # The layer's fused operation without its gather and combine (same GEMM plan).
+                plan = self.experts.plan_for(flat.numel(), rows, sync_free=factor is not None)
                 return grouped_experts(
                     rows,
                     row_weights,
                     self.experts._gate_up_weight(),
                     self.experts.down_proj,
                     offsets,
-                    self.experts.plan_for(rows.shape[0], rows, sync_free=factor is not None),
+                    plan,
                 )
             if capacity is None:
                 return self.experts(rows, counts, row_weights)

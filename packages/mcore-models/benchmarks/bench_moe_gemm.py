@@ -11,7 +11,8 @@ timed on its own with CUDA events:
 
 Implementations: ``torch._grouped_mm``, the persistent Triton grouped GEMMs of
 ``mcore_kernels.moe.grouped_mm`` with the tiles tuned for the shape, the plan the layer runs
-(``choose_expert_gemms``: per GEMM the faster kernel, as measured by this script), a loop of cuBLAS GEMMs
+(``choose_expert_gemms``: per GEMM the faster kernel, as measured by this script; on rows
+padded per expert when the plan asks for it, FLOPs counted on the routed rows), a loop of cuBLAS GEMMs
 over the experts (the group sizes on the host) on one stream and alternating between two,
 batched cuBLAS GEMMs on equal groups of the mean size (an idealised bound: no expert gets
 more rows than the mean) and padded to the largest expert (what ``expert_kernel="bmm"`` runs),
@@ -43,6 +44,7 @@ from mcore_kernels.moe.expert_gemms import (
     choose_expert_gemms,
     triton_expert_gemms,
 )
+from mcore_kernels.moe.rows import aligned_rows
 
 GEMMS = ("gate_up", "down", "d_act", "d_x", "w_down", "w_gate_up")
 TRITON = "persistent Triton grouped GEMMs (mcore_kernels.moe.grouped_mm, tuned tiles)"
@@ -231,7 +233,34 @@ def _triton(p: Problem) -> dict[str, Callable[[], object]]:
 
 
 def _chosen(p: Problem) -> dict[str, Callable[[], object]]:
-    return _runner(p, choose_expert_gemms(p.rows, p.hidden, p.ffn, p.experts, p.x.device))
+    plan = choose_expert_gemms(p.rows, p.hidden, p.ffn, p.experts, p.x.device)
+    if plan.row_align > 1:
+        return _padded(p, plan)
+    return _runner(p, plan)
+
+
+def _padded(p: Problem, plan: ExpertGemms) -> dict[str, Callable[[], object]]:
+    """The six GEMMs of ``plan`` on rows padded per expert to ``plan.row_align`` (empty rows
+    are zero), as the dispatcher lays them out for such a plan."""
+    experts = torch.repeat_interleave(torch.arange(p.experts, device=p.x.device), p.counts)
+    order = torch.arange(p.rows, device=p.x.device)
+    compact, _, offsets = aligned_rows(experts, order, p.counts, plan.row_align)
+    used = (compact >= 0)[:, None]
+    source = torch.where(compact >= 0, compact, 0)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, source) * used
+
+    padded = Problem.__new__(Problem)
+    padded.x, padded.act, padded.grad, padded.grad_gu = (
+        pad(p.x),
+        pad(p.act),
+        pad(p.grad),
+        pad(p.grad_gu),
+    )
+    padded.w_gu, padded.w_d, padded.offsets = p.w_gu, p.w_d, offsets
+    padded.rows = compact.shape[0]
+    return _runner(padded, plan)
 
 
 def _dense(p: Problem) -> dict[str, Callable[[], object]]:

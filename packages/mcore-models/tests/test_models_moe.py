@@ -427,6 +427,21 @@ def _fused_routed_errors(
     ]
 
 
+def _fused_routed_errors_both() -> list[list[float]]:
+    return [_fused_routed_errors(None), _fused_routed_errors(0.5)]
+
+
+def _fused_padded_rows_errors() -> list[list[float]]:
+    tiles = PersistentTiles(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+    # Every expert's rows padded to 16 (empty rows between experts): the weight gradients on
+    # the unmasked aligned kernel, the others on torch._grouped_mm.
+    plan = ExpertGemms(w_down=tiles, w_gate_up=tiles, row_align=16)
+    return [
+        _fused_routed_errors(None, plan=plan, dtype=torch.float16),
+        _fused_routed_errors(0.5, plan=plan, dtype=torch.float16),
+    ]
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="kernels compile for the GPU here; test_models_moe_gpu"
 )
@@ -434,21 +449,26 @@ def _fused_routed_errors(
     not grouped_mm_supported(torch.device("cpu"), torch.float32),
     reason="torch._grouped_mm does not run on this CPU build",
 )
-def _fused_routed_errors_both() -> list[list[float]]:
-    return [_fused_routed_errors(None), _fused_routed_errors(0.5)]
-
-
-def test_layer_with_fused_routed_experts_matches_token_by_token_reference(monkeypatch):
+@pytest.mark.parametrize(
+    ("errors", "tolerance"),
+    [(_fused_routed_errors_both, 1e-4), (_fused_padded_rows_errors, 1e-2)],
+    ids=["rows-packed", "rows-padded-per-expert"],
+)
+def test_layer_with_fused_routed_experts_matches_token_by_token_reference(
+    errors, tolerance, monkeypatch
+):
     # MoEConfig(fused_experts=True): permute, grouped GEMMs, weighted SwiGLU and combine in one
     # autograd operation (Triton kernels through the interpreter, torch._grouped_mm on the
     # CPU), with experts that get no token; dropless, and capacity routing whose kept
-    # assignments are packed without padding rows (capacity factor 0.5 drops some).
-    # Outputs and every gradient against the reference, in one fresh process.
+    # assignments are packed (capacity factor 0.5 drops some). Rows packed, or every expert's
+    # rows padded to 16 by empty rows (ExpertGemms.row_align; float16, the weight gradients on
+    # the unmasked aligned Triton kernel). Outputs and every gradient against the reference,
+    # in one fresh process.
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ((dropless, capacity),) = run_distributed(_fused_routed_errors_both, 1)
-    assert max(dropless) < 1e-4, dropless
-    assert max(capacity) < 1e-4, capacity
+    ((dropless, capacity),) = run_distributed(errors, 1)
+    assert max(dropless) < tolerance, dropless
+    assert max(capacity) < tolerance, capacity
 
 
 def _fused_other_gemm_errors() -> list[list[float]]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mcore_kernels.moe.expert_gemms import ExpertGemms
+from mcore_kernels.moe.grouped_mm import PersistentTiles
 from mcore_models import GPTConfig, MoEConfig, MoELayer, set_decode_expert_padding
 from mcore_models.moe import dispatcher
 from mcore_models.moe.experts import CUBLAS_LOOP_PLAN, grouped_mm_supported
@@ -88,6 +89,31 @@ def _step(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Te
     return [out.detach(), leaf.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
 
 
+def _bf16_case(tokens: int) -> tuple[MoELayer, torch.Tensor, torch.Tensor]:
+    """A bf16 layer, ``tokens`` random tokens and an output gradient (skips without
+    ``torch._grouped_mm``)."""
+    if not grouped_mm_supported(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
+    x = torch.randn(tokens, 128, device="cuda", dtype=torch.bfloat16)
+    return _layer(torch.bfloat16), x, torch.randn_like(x)
+
+
+def _twice_bitwise_without_host_sync(
+    layer: MoELayer, x: torch.Tensor, grad: torch.Tensor
+) -> list[torch.Tensor]:
+    """Two steps, the second under the sync debug mode "error"; asserts them bitwise equal."""
+    first = _step(layer, x, grad)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = _step(layer, x, grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    return first
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "drop-and-pad"])
 def test_fused_kernels_match_torch_references_on_gpu(capacity_factor, monkeypatch):
     layer = _layer(torch.float32)
@@ -115,11 +141,7 @@ def test_forward_and_backward_are_bitwise_reproducible_on_gpu(capacity_factor, e
 
 
 def test_dropless_step_does_not_synchronise_with_the_host():
-    if not grouped_mm_supported(torch.device("cuda"), torch.bfloat16):
-        pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
-    layer = _layer(torch.bfloat16)
-    x = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)
-    grad = torch.randn_like(x)
+    layer, x, grad = _bf16_case(512)
     _step(layer, x, grad)  # compile the kernels first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -136,29 +158,33 @@ def test_fused_routed_experts_match_unfused_reproducible_and_without_host_sync(
     # MoEConfig(fused_experts=True): one autograd operation for permute, grouped GEMMs,
     # weighted SwiGLU and combine; the same kernels and GEMMs as the unfused chain, so the
     # results are equal up to bf16 rounding, bitwise reproducible and free of host syncs.
-    if not grouped_mm_supported(torch.device("cuda"), torch.bfloat16):
-        pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
-    layer = _layer(torch.bfloat16)
+    layer, x, grad = _bf16_case(777)
     layer.moe_config.capacity_factor = capacity_factor
     # 777 tokens, top-2 of 8 experts: capacity 243 at factor 1.0, below the packing threshold;
     # lower it so that drop-and-pad takes the packed path here.
     monkeypatch.setattr(dispatcher, "PACKED_MIN_CAPACITY", 1)
-    x = torch.randn(777, 128, device="cuda", dtype=torch.bfloat16)
-    grad = torch.randn_like(x)
     layer.experts.fused = False
     unfused = _step(layer, x, grad)
     layer.experts.fused = True
     assert layer.experts.fuses_routing(x)
-    first = _step(layer, x, grad)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        second = _step(layer, x, grad)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for a, b in zip(first, second, strict=True):
-        assert torch.equal(a, b)
+    first = _twice_bitwise_without_host_sync(layer, x, grad)
     for got, expected in zip(first, unfused, strict=True):
+        error = (got.float() - expected.float()).norm() / expected.float().norm()
+        assert error < 1e-2, (error, got.shape)
+
+
+def test_rows_padded_per_expert_match_packed_rows_reproducible_and_without_host_sync():
+    # ExpertGemms.row_align: the dispatcher pads every expert's rows to 64 with empty rows and
+    # the weight gradients run on the unmasked aligned Triton kernel. Against packed rows on
+    # torch._grouped_mm: equal up to bf16 rounding, bitwise reproducible, no host sync.
+    layer, x, grad = _bf16_case(777)
+    assert layer.experts.fuses_routing(x)
+    layer.experts.gemm_plan = ExpertGemms()
+    packed = _step(layer, x, grad)
+    tiles = PersistentTiles(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    layer.experts.gemm_plan = ExpertGemms(w_down=tiles, w_gate_up=tiles, row_align=64)
+    first = _twice_bitwise_without_host_sync(layer, x, grad)
+    for got, expected in zip(first, packed, strict=True):
         error = (got.float() - expected.float()).norm() / expected.float().norm()
         assert error < 1e-2, (error, got.shape)
 

@@ -26,7 +26,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["k_grouped_kernel", "m_grouped_kernel", "tile_schedule_kernel"]
+__all__ = [
+    "k_grouped_kernel",
+    "m_grouped_kernel",
+    "tile_schedule_kernel",
+]
 
 
 @triton.jit
@@ -120,6 +124,19 @@ def m_grouped_kernel(
 
 
 @triton.jit
+def _weight_job(job, per_expert, num_k, ends_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Expert, first output row and column, and the expert's first and end row, of output
+    tile ``job`` of a weight gradient (``per_expert`` tiles per expert, ``num_k`` per row)."""
+    expert = job // per_expert
+    rest = job % per_expert
+    n0 = (rest // num_k) * BLOCK_N
+    k0 = (rest % num_k) * BLOCK_K
+    end = tl.load(ends_ptr + expert)
+    start = tl.where(expert > 0, tl.load(ends_ptr + tl.maximum(expert - 1, 0)), 0)
+    return expert, n0, k0, start, end
+
+
+@triton.jit
 def k_grouped_kernel(
     g_desc,
     x_desc,
@@ -134,6 +151,8 @@ def k_grouped_kernel(
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     TMA_STORE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    JOB_BLOCK: tl.constexpr,
 ):
     """``OUT[e] = G[rows of e].T @ X[rows of e]``: ``[N, K]`` per expert (``G`` ``[M, N]``,
     ``X`` ``[M, K]``), zero for an expert without rows.
@@ -141,36 +160,83 @@ def k_grouped_kernel(
     Persistent over the ``E * cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K)`` output tiles; each reduces
     over its expert's rows in chunks of ``BLOCK_R``. ``TMA_STORE``: the tile is stored through
     ``out_desc`` (``[E * N, K]``; needs ``N % BLOCK_N == 0``), else with masked stores.
+    ``ALIGNED`` (with ``TMA_STORE``): every expert's row count is a multiple of ``BLOCK_R``,
+    and the chunks run unmasked in one pipelined loop over all of the program's tiles.
     """
-    num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
-    per_expert = num_n * num_k
-    dtype = out_ptr.dtype.element_ty
-    r = tl.arange(0, BLOCK_R)
-    for job in tl.range(tl.program_id(0), num_experts * per_expert, NUM_PROGRAMS):
-        expert = job // per_expert
-        rest = job % per_expert
-        n0 = (rest // num_k) * BLOCK_N
-        k0 = (rest % num_k) * BLOCK_K
-        end = tl.load(ends_ptr + expert)
-        start = tl.where(expert > 0, tl.load(ends_ptr + tl.maximum(expert - 1, 0)), 0)
+    per_expert = tl.cdiv(N, BLOCK_N) * num_k
+    if ALIGNED:
+        # Every expert's row count is a multiple of BLOCK_R (equal capacity slots, or rows
+        # padded per expert): no chunk is partial, no operand is masked and both stay in shared
+        # memory from TMA to wgmma. The row chunks of all of this program's tiles run as one
+        # flat loop (each job's chunk count read on the device first), so the loads of a tile's
+        # first chunks are in flight while the previous tile is still in its last tl.dot and
+        # its store: the pipeline never drains between tiles. An expert without rows takes one
+        # step and stores zeros.
+        pid = tl.program_id(0)
+        total_jobs = num_experts * per_expert
+        my_jobs = tl.cdiv(total_jobs - pid, NUM_PROGRAMS)
+        # Steps of this program: the chunks of each of its jobs (at least one per job).
+        zero = pid * 0
+        steps = zero
+        for j0 in range(0, my_jobs, JOB_BLOCK):
+            i = j0 + tl.arange(0, JOB_BLOCK)
+            valid = i < my_jobs
+            e = (pid + i * NUM_PROGRAMS) // per_expert
+            e_end = tl.load(ends_ptr + e, mask=valid, other=0)
+            e_start = tl.load(ends_ptr + e - 1, mask=valid & (e > 0), other=0)
+            chunks = tl.maximum((e_end - e_start) // BLOCK_R, 1)
+            steps += tl.sum(tl.where(valid, chunks, 0), axis=0)
+        # Loop-carried scalars start as int32 tensors (their type must not change in the loop).
+        job = pid - NUM_PROGRAMS
+        chunk = zero - 1
+        num_chunks = zero
+        expert = zero
+        start = zero
+        end = zero
+        n0 = zero
+        k0 = zero
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        full_end = start + ((end - start) // BLOCK_R) * BLOCK_R
-        for m0 in range(start, full_end, BLOCK_R):
+        for _ in range(0, steps):
+            chunk = tl.where(chunk == num_chunks - 1, 0, chunk + 1)
+            if chunk == 0:
+                job += NUM_PROGRAMS
+                expert, n0, k0, start, end = _weight_job(
+                    job, per_expert, num_k, ends_ptr, BLOCK_N, BLOCK_K
+                )
+                num_chunks = tl.maximum((end - start) // BLOCK_R, 1)
+            m0 = start + chunk * BLOCK_R
             g = g_desc.load([m0, n0])
             x = x_desc.load([m0, k0])
             acc = tl.dot(g.T, x, acc)
-        if full_end < end:
-            keep = (full_end + r < end)[:, None]
-            g = g_desc.load([full_end, n0])
-            x = x_desc.load([full_end, k0])
-            g = tl.where(keep, g, tl.zeros_like(g))
-            x = tl.where(keep, x, tl.zeros_like(x))
-            acc = tl.dot(g.T, x, acc)
-        if TMA_STORE:
-            out_desc.store([expert * N + n0, k0], acc.to(dtype))
-        else:
-            ns = n0 + tl.arange(0, BLOCK_N)
-            ks = k0 + tl.arange(0, BLOCK_K)
-            ptrs = out_ptr + expert.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :]
-            tl.store(ptrs, acc.to(dtype), mask=(ns < N)[:, None] & (ks < K)[None, :])
+            if chunk == num_chunks - 1:
+                acc = tl.where(end > start, acc, tl.zeros_like(acc))
+                out_desc.store([expert * N + n0, k0], acc.to(g.dtype))
+                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        dtype = out_ptr.dtype.element_ty
+        r = tl.arange(0, BLOCK_R)
+        for job in tl.range(tl.program_id(0), num_experts * per_expert, NUM_PROGRAMS):
+            expert, n0, k0, start, end = _weight_job(
+                job, per_expert, num_k, ends_ptr, BLOCK_N, BLOCK_K
+            )
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            full_end = start + ((end - start) // BLOCK_R) * BLOCK_R
+            for m0 in range(start, full_end, BLOCK_R):
+                g = g_desc.load([m0, n0])
+                x = x_desc.load([m0, k0])
+                acc = tl.dot(g.T, x, acc)
+            if full_end < end:
+                keep = (full_end + r < end)[:, None]
+                g = g_desc.load([full_end, n0])
+                x = x_desc.load([full_end, k0])
+                g = tl.where(keep, g, tl.zeros_like(g))
+                x = tl.where(keep, x, tl.zeros_like(x))
+                acc = tl.dot(g.T, x, acc)
+            if TMA_STORE:
+                out_desc.store([expert * N + n0, k0], acc.to(dtype))
+            else:
+                ns = n0 + tl.arange(0, BLOCK_N)
+                ks = k0 + tl.arange(0, BLOCK_K)
+                ptrs = out_ptr + expert.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :]
+                tl.store(ptrs, acc.to(dtype), mask=(ns < N)[:, None] & (ks < K)[None, :])

@@ -207,7 +207,12 @@ def m_grouped_mm(
 
 
 def k_grouped_mm(
-    g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, *, tiles: PersistentTiles
+    g: torch.Tensor,
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    tiles: PersistentTiles,
+    aligned: bool = False,
 ) -> torch.Tensor:
     """Reduction-grouped GEMM: ``out[e] = g[rows of e].T @ x[rows of e]`` (weight gradients).
 
@@ -216,6 +221,11 @@ def k_grouped_mm(
         x: ``[M, K]``.
         offsets: ``[E]`` int32 end row of each expert.
         tiles: Tile shape (``block_m`` is the reduction chunk).
+        aligned: The caller guarantees that every expert's row count is a multiple of
+            ``tiles.block_m`` (equal capacity slots, or rows padded per expert; not checked,
+            which would sync the host): the row chunks of all tiles then run as one pipelined
+            loop without masks (the ``ALIGNED`` mode of the kernel). Needs N to be a multiple
+            of ``tiles.block_n`` (else the masked loop runs).
 
     Returns:
         ``[E, N, K]``, zero for an expert without rows.
@@ -268,6 +278,8 @@ def k_grouped_mm(
         BLOCK_K=bk,
         NUM_PROGRAMS=programs,
         TMA_STORE=tma_store,
+        ALIGNED=aligned and tma_store,
+        JOB_BLOCK=1024,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

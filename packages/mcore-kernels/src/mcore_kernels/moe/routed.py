@@ -149,8 +149,8 @@ def routed_experts_reference(
         weights: ``[T, top_k]`` routing weights.
         w_gate_up: ``[E, 2F, H]`` gate rows then up rows of each expert.
         w_down: ``[E, H, F]``.
-        order: ``[T * top_k]`` int64 assignment in each row (rows sorted by expert; -1 past
-            ``offsets[-1]``).
+        order: ``[M]`` int64 assignment in each row (rows sorted by expert; -1 in a row
+            without one).
         offsets: ``[E]`` int32 end row of each expert's rows.
 
     Returns:
@@ -164,6 +164,7 @@ def routed_experts_reference(
     start = 0
     for expert, end in enumerate(ends):
         assignments = order[start:end]
+        assignments = assignments[assignments >= 0]
         rows = x.index_select(0, assignments // top_k)
         gate, up = F.linear(rows, w_gate_up[expert]).float().split(ffn, dim=-1)
         scale = weights.reshape(-1).index_select(0, assignments).float().unsqueeze(-1)
@@ -171,7 +172,8 @@ def routed_experts_reference(
         outputs.append(F.linear(act, w_down[expert]))
         start = end
     y = torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
-    per_assignment = x.new_zeros(order.shape[0], x.shape[1]).index_copy(0, order[:start], y)
+    used = order[:start]
+    per_assignment = x.new_zeros(weights.numel(), x.shape[1]).index_copy(0, used[used >= 0], y)
     summed = per_assignment.float().view(-1, top_k, x.shape[1]).sum(dim=1)
     return summed.to(x.dtype)
 
@@ -204,7 +206,9 @@ def routed_experts(
         weights: ``[T, top_k]`` routing weights (differentiable).
         w_gate_up: ``[E, 2F, H]`` gate rows then up rows of each expert (differentiable).
         w_down: ``[E, H, F]`` down projection of each expert (differentiable).
-        order: ``[T * top_k]`` int64 assignment in each row, -1 past ``offsets[-1]``.
+        order: ``[M]`` int64 assignment in each row (``M >= T * top_k``), -1 in a row
+            without one: past ``offsets[-1]``, or padding between experts
+            (:func:`mcore_kernels.moe.rows.aligned_rows`).
         inverse: ``[T * top_k]`` int64 row of each assignment (``inverse[order[r]] == r``), -1
             for an assignment without a row.
         offsets: ``[E]`` int32 cumulative row counts of the experts.
@@ -229,10 +233,16 @@ def routed_experts(
             f"must be [E, 2F, {x.shape[1]}] and [E, {x.shape[1]}, F]"
         )
     for name, index in (("order", order), ("inverse", inverse)):
-        if index.dtype != torch.int64 or tuple(index.shape) != (weights.numel(),):
+        rows_ok = index.dim() == 1 and (
+            index.shape[0] >= weights.numel()
+            if name == "order"
+            else index.shape[0] == weights.numel()
+        )
+        if index.dtype != torch.int64 or not rows_ok:
+            bound = ">= " if name == "order" else ""
             raise KernelDtypeError(
-                f"{name} must be int64 of shape ({weights.numel()},), got dtype {index.dtype} "
-                f"and shape {tuple(index.shape)}"
+                f"{name} must be int64 of shape ({bound}{weights.numel()},), got dtype "
+                f"{index.dtype} and shape {tuple(index.shape)}"
             )
     if offsets.dtype != torch.int32 or tuple(offsets.shape) != (experts,):
         raise KernelDtypeError(

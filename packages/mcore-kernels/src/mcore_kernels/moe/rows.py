@@ -7,6 +7,9 @@ kernel each, with its torch reference, no host synchronisation.
   of every expert (its first ``capacity`` ones in token order) are packed with no padding rows
   between experts, so that grouped GEMMs run only the kept rows while every shape still
   depends on the token count alone;
+- :func:`aligned_rows`: dropless rows with every expert's rows padded to a multiple of
+  ``align`` by empty rows (assignment -1), so that weight-gradient kernels reduce over whole
+  row chunks;
 - :func:`padded_slots`: the slots of capacity routing with padding: ``capacity`` slots per key
   (an expert, or an expert and a source rank), the kept assignments of key ``k`` in slots
   ``k * capacity`` onwards.
@@ -20,6 +23,8 @@ from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 
 __all__ = [
+    "aligned_rows",
+    "aligned_rows_reference",
     "capacity_rows",
     "capacity_rows_reference",
     "dropless_rows",
@@ -133,6 +138,45 @@ def capacity_rows_reference(
     return compact[:total], inverse, kept, kept.cumsum(0).to(torch.int32)
 
 
+def _place_rows(
+    experts: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    rows_per_expert: torch.Tensor,
+    capacity: int,
+    compact: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run :func:`~mcore_kernels.moe._rows_triton.capacity_rows_kernel`: expert ``e`` keeps its
+    first ``capacity`` assignments, placed from row ``sum(rows_per_expert[:e])`` on and written
+    into ``compact``; returns ``(inverse, offsets)`` (the int32 running sum of
+    ``rows_per_expert``)."""
+    import triton
+
+    from mcore_kernels.moe._rows_triton import capacity_rows_kernel
+
+    total, num_experts = experts.numel(), counts.numel()
+    inverse = torch.empty_like(order)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=counts.device)
+    if num_experts:
+        capacity_rows_kernel[(max(1, triton.cdiv(total, BLOCK)),)](
+            order,
+            experts,
+            counts,
+            counts.cumsum(0),
+            rows_per_expert,
+            rows_per_expert.cumsum(0),
+            compact,
+            inverse,
+            offsets,
+            total,
+            num_experts,
+            capacity,
+            BLOCK=BLOCK,
+            E_PAD=_e_pad(num_experts),
+        )
+    return inverse, offsets
+
+
 def capacity_rows(
     experts: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,33 +201,97 @@ def capacity_rows(
     _check(order, counts, experts=experts)
     if not use_triton(experts, order, counts):
         return capacity_rows_reference(experts, order, counts, capacity)
-    import triton
-
-    from mcore_kernels.moe._rows_triton import capacity_rows_kernel
-
-    total, num_experts = experts.numel(), counts.numel()
     kept = counts.clamp(max=capacity)
     compact = torch.empty_like(order)
-    inverse = torch.empty_like(order)
-    offsets = torch.empty(num_experts, dtype=torch.int32, device=counts.device)
-    if num_experts:
-        capacity_rows_kernel[(max(1, triton.cdiv(total, BLOCK)),)](
-            order,
-            experts,
-            counts,
-            counts.cumsum(0),
-            kept,
-            kept.cumsum(0),
-            compact,
-            inverse,
-            offsets,
-            total,
-            num_experts,
-            capacity,
-            BLOCK=BLOCK,
-            E_PAD=_e_pad(num_experts),
-        )
+    inverse, offsets = _place_rows(experts, order, counts, kept, capacity, compact)
     return compact, inverse, kept, offsets
+
+
+def aligned_rows_reference(
+    experts: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    align: int,
+    capacity: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`aligned_rows`.
+
+    Args:
+        experts: ``[A]`` int64 expert of each assignment.
+        order: ``[A]`` int64 stable sort of the assignments by expert.
+        counts: ``[E]`` int64 assignments per expert.
+        align: Row multiple of every expert.
+        capacity: Assignments each expert keeps at most (None: all).
+
+    Returns:
+        ``(compact, inverse, offsets)`` as :func:`aligned_rows`.
+    """
+    total, num_experts = experts.numel(), counts.numel()
+    kept = counts if capacity is None else counts.clamp(max=capacity)
+    padded = (kept + align - 1) // align * align
+    sorted_experts = experts.index_select(0, order)
+    rank = torch.arange(total, device=experts.device) - (counts.cumsum(0) - counts).index_select(
+        0, sorted_experts
+    )
+    rows = (padded.cumsum(0) - padded).index_select(0, sorted_experts) + rank
+    if capacity is not None:
+        rows = torch.where(rank < capacity, rows, -1)
+    inverse = torch.empty_like(order).scatter_(0, order, rows)
+    # Dropped assignments all land in one extra trash row, which is cut off.
+    size = total + num_experts * (align - 1)
+    compact = torch.full((size + 1,), -1, dtype=torch.int64, device=experts.device)
+    compact.scatter_(0, torch.where(rows < 0, size, rows), order)
+    return compact[:size], inverse, padded.cumsum(0).to(torch.int32)
+
+
+def aligned_rows(
+    experts: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    align: int,
+    *,
+    capacity: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of the assignments with every expert's rows padded to a multiple of ``align``
+    (no host synchronisation: the row count is the bound ``A + E * (align - 1)``).
+
+    Expert ``e`` holds rows ``offsets[e - 1]`` to ``offsets[e]``: its (kept) assignments in
+    order, then empty rows (assignment -1) up to the next multiple of ``align``. The rows past
+    ``offsets[-1]`` are empty too. The kernel of :func:`capacity_rows` with the padded kept
+    counts.
+
+    Args:
+        experts: ``[A]`` int64 expert of each assignment.
+        order: ``[A]`` int64 stable sort of the assignments by expert (each expert's in token
+            order).
+        counts: ``[E]`` int64 assignments per expert.
+        align: Row multiple of every expert (>= 1).
+        capacity: Capacity routing: each expert keeps its first ``capacity`` assignments, the
+            others get no row. None: dropless.
+
+    Returns:
+        ``(compact, inverse, offsets)``: ``[A + E * (align - 1)]`` int64 assignment in each
+        row (-1 for an empty one), ``[A]`` int64 row of each assignment (-1 when dropped) and
+        ``[E]`` int32 end row of each expert's padded rows.
+
+    Raises:
+        KernelShapeError: If the shapes do not match or ``align < 1``.
+        KernelDtypeError: If an index is not int64.
+    """
+    _check(order, counts, experts=experts)
+    if align < 1:
+        raise KernelShapeError(f"align={align} must be >= 1")
+    if not use_triton(experts, order, counts):
+        return aligned_rows_reference(experts, order, counts, align, capacity)
+    total, num_experts = experts.numel(), counts.numel()
+    kept = counts if capacity is None else counts.clamp(max=capacity)
+    padded = (kept + align - 1) // align * align
+    compact = torch.full(
+        (total + num_experts * (align - 1),), -1, dtype=torch.int64, device=order.device
+    )
+    keep_all = max(total, 1) if capacity is None else capacity
+    inverse, offsets = _place_rows(experts, order, counts, padded, keep_all, compact)
+    return compact, inverse, offsets
 
 
 def padded_slots_reference(

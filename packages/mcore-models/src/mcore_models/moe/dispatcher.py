@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_kernels.moe import permute_tokens, unpermute_combine, unpermute_sum
-from mcore_kernels.moe.rows import dropless_rows
+from mcore_kernels.moe.rows import aligned_rows, dropless_rows
 from mcore_models.moe.comm import ExpertComm, all_to_all, gather_rows, reduce_scatter_rows
 from mcore_models.moe.experts import GroupedExperts
 from mcore_models.moe.permute import (
@@ -225,11 +225,20 @@ def dispatch_and_combine(
     if capacity is None:
         # Assignments in expert order; stable, so each expert sees its tokens in order.
         order = expert_order(flat_experts, num_experts - 1)
+        one_rank = comm.ep_group is None and comm.etp_group is None
+        if weights_in_experts and one_rank and experts_module.fuses_routing(x):
+            # The GEMM plan may ask for every expert's rows padded to a row multiple.
+            align = experts_module.plan_for(flat_experts.numel(), x).row_align
+            if align > 1:
+                rows, inverse, offsets = aligned_rows(flat_experts, order, counts, align)
+            else:
+                rows, (inverse, offsets) = order, dropless_rows(order, counts)
+            output = experts_module.forward_routed(
+                x, weights, rows, inverse, counts, offsets, row_align=align
+            )
+            return output, counts
         inverse, offsets = dropless_rows(order, counts)
-        if weights_in_experts and comm.ep_group is None and comm.etp_group is None:
-            if experts_module.fuses_routing(x):
-                output = experts_module.forward_routed(x, weights, order, inverse, counts, offsets)
-                return output, counts
+        if weights_in_experts and one_rank:
             permuted = permute_tokens(x, order // top_k, inverse, top_k)
             # Each row's routing weight, in row order (a gather; its backward gathers back).
             row_weights = PermuteRows.apply(weights.reshape(-1, 1), order, inverse).view(-1)
@@ -244,9 +253,17 @@ def dispatch_and_combine(
     if packs and not padded_dropless and experts_module.fuses_routing(x):
         # Capacity routing on the fused grouped experts: the kept assignments packed without
         # padding rows, so the GEMMs skip the padding.
-        order, inverse, kept, offsets = capacity_rows(flat_experts, counts, capacity)
+        align = experts_module.plan_for(flat_experts.numel(), x, sync_free=True).row_align
+        if align > 1:
+            order = expert_order(flat_experts, num_experts - 1)
+            rows, inverse, offsets = aligned_rows(
+                flat_experts, order, counts, align, capacity=capacity
+            )
+            kept = counts.clamp(max=capacity)
+        else:
+            rows, inverse, kept, offsets = capacity_rows(flat_experts, counts, capacity)
         output = experts_module.forward_routed(
-            x, weights, order, inverse, kept, offsets, sync_free=True
+            x, weights, rows, inverse, kept, offsets, sync_free=True, row_align=align
         )
         return output, counts
     if weights_in_experts and comm.ep_group is None and comm.etp_group is None:

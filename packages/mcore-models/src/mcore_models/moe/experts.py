@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -256,6 +257,7 @@ class GroupedExperts(nn.Module):
         counts: torch.Tensor,
         offsets: torch.Tensor | None = None,
         sync_free: bool = False,
+        row_align: int = 1,
     ) -> torch.Tensor:
         """Permute, run and combine dropless routing assignments in one fused operation.
 
@@ -265,17 +267,25 @@ class GroupedExperts(nn.Module):
         Args:
             x: ``[T, hidden]`` tokens.
             weights: ``[T, top_k]`` routing weights.
-            order: ``[T * top_k]`` int64 assignment in each expert row (sorted by expert).
+            order: ``[M]`` int64 assignment in each expert row (sorted by expert; ``M = T *
+                top_k`` unless the rows are padded, -1 in an empty row).
             inverse: ``[T * top_k]`` int64 row of each assignment.
-            counts: ``[num_experts]`` int64 rows of each expert.
-            offsets: ``[num_experts]`` int32 running sum of ``counts`` if already computed.
+            counts: ``[num_experts]`` int64 assignments of each expert.
+            offsets: ``[num_experts]`` int32 end row of each expert (the running sum of
+                ``counts`` when None).
             sync_free: Run a GEMM plan without host syncs (see :meth:`plan_for`).
+            row_align: Every expert's rows are padded to a multiple of this
+                (:func:`mcore_kernels.moe.rows.aligned_rows`); the plan's ``row_align`` is
+                set to it.
 
         Returns:
             ``[T, hidden]`` weighted sum of each token's expert outputs.
         """
         if offsets is None:
             offsets = counts.cumsum(0).to(torch.int32)
+        plan = self.plan_for(inverse.shape[0], x, sync_free)
+        if plan.row_align != row_align:
+            plan = replace(plan, row_align=row_align)
         return routed_experts(
             x,
             weights,
@@ -284,7 +294,7 @@ class GroupedExperts(nn.Module):
             order,
             inverse,
             offsets,
-            gemms=self.plan_for(order.shape[0], x, sync_free),
+            gemms=plan,
         )
 
     def forward(
