@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_inference.kv_cache import PagedKVCache
+from mcore_kernels.decode_gemm import decode_gemm
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
@@ -51,6 +52,7 @@ from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
 __all__ = [
+    "DECODE_GEMM_MAX_ROWS",
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
@@ -74,6 +76,10 @@ at 256 and 236.6k against 244.9k at 512 (there the early-started kernels hold mu
 that the GEMMs want)."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
+DECODE_GEMM_MAX_ROWS = 0
+"""Steps of more than ``gemv_max_rows`` and at most this many tokens run every projection as
+:func:`mcore_kernels.decode_gemm.decode_gemm` (a Triton GEMM with the norms, SwiGLU and residual
+adds fused in), launched with programmatic dependent launch at every such row count."""
 
 
 @dataclass(slots=True)
@@ -154,6 +160,9 @@ class FusedDecoder:
         rope_in_projection: In the ``decode_gemv`` steps of a model without QK-norm, fold RoPE
             and the key/value cache write into the q/k/v projection's epilogue
             (``decode_gemv(..., rope=...)``): four launches per layer plus the attention.
+        decode_gemm_max_rows: Steps of more than ``gemv_max_rows`` and at most this many
+            tokens run every projection as ``decode_gemm`` with the norms, SwiGLU and residual
+            adds fused in (0: never; None: :data:`DECODE_GEMM_MAX_ROWS`).
     """
 
     def __init__(
@@ -165,6 +174,7 @@ class FusedDecoder:
         pdl: bool = False,
         max_positions: int | None = None,
         rope_in_projection: bool = True,
+        decode_gemm_max_rows: int | None = None,
     ) -> None:
         self.model = model
         self.rope_in_projection = rope_in_projection
@@ -174,6 +184,9 @@ class FusedDecoder:
         self.gemv_max_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
         self.lm_head_gemv_max_rows = (
             LM_HEAD_GEMV_MAX_ROWS if lm_head_gemv_max_rows is None else lm_head_gemv_max_rows
+        )
+        self.decode_gemm_max_rows = (
+            DECODE_GEMM_MAX_ROWS if decode_gemm_max_rows is None else decode_gemm_max_rows
         )
         self._layers: list[_FusedLayer] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -248,9 +261,14 @@ class FusedDecoder:
         hidden = model.embedding(input_ids[0])
         cos, sin = self._rotary(position_ids[0])
         rows = hidden.shape[0]
+        if rows <= self.gemv_max_rows:
+            with programmatic_dependent_launch(self.pdl):
+                return self._projected_layers(hidden, cos, sin, kv_cache, decode_gemv)[None]
+        if rows <= self.decode_gemm_max_rows:
+            # No cuBLAS kernel between the Triton ones: every launch of the step takes part.
+            with programmatic_dependent_launch(self.pdl):
+                return self._projected_layers(hidden, cos, sin, kv_cache, decode_gemm)[None]
         with programmatic_dependent_launch(self.pdl and rows <= GEMM_PDL_MAX_ROWS):
-            if rows <= self.gemv_max_rows:
-                return self._gemv_layers(hidden, cos, sin, kv_cache)[None]
             return self._gemm_layers(hidden, cos, sin, kv_cache)[None]
 
     def _gemm_layers(
@@ -291,10 +309,16 @@ class FusedDecoder:
         rows = table.index_select(0, positions)
         return rows[:, 0], rows[:, 1]
 
-    def _gemv_layers(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
+    def _projected_layers(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: PagedKVCache,
+        project: Any,
     ) -> torch.Tensor:
-        """The layers over a few tokens: every projection one ``decode_gemv`` launch.
+        """The layers with every projection one launch of ``project`` (``decode_gemv`` over a
+        few tokens, ``decode_gemm`` over tens to hundreds).
 
         ``residual`` is the residual stream (the embedding, then after each block the block's
         output plus the stream, added in the projection's epilogue); the RMSNorm before each
@@ -316,7 +340,7 @@ class FusedDecoder:
                     slot_mapping=slots,
                     num_q_heads=fused.split[0] // attention.head_dim,
                 )
-                q = decode_gemv(
+                q = project(
                     residual,
                     fused.qkv_weight,
                     fused.qkv_bias,
@@ -330,7 +354,7 @@ class FusedDecoder:
                     scale=attention.scale,
                 )
             else:
-                qkv = decode_gemv(
+                qkv = project(
                     residual,
                     fused.qkv_weight,
                     fused.qkv_bias,
@@ -346,20 +370,20 @@ class FusedDecoder:
                 out = kv_cache.attend_rotary(
                     layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
                 )
-            residual = decode_gemv(
+            residual = project(
                 out.flatten(-2),
                 attention.o_proj.weight,
                 attention.o_proj.bias,
                 residual=residual,
             )
-            activation = decode_gemv(
+            activation = project(
                 residual,
                 fused.gate_up_weight,
                 norm_weight=layer.post_attention_norm.weight,
                 norm_eps=layer.post_attention_norm.eps,
                 swiglu=True,
             )
-            residual = decode_gemv(activation, mlp.down_proj.weight, residual=residual)
+            residual = project(activation, mlp.down_proj.weight, residual=residual)
         return model.final_norm(residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
