@@ -98,9 +98,9 @@ def decode_gemm(
         )  # fmt: skip
         if rope is None:
             return out
-        q, k, v = rope.split(out)
+        q, key, value = rope.split(out)
         rotated = rotary_kv_write_reference(
-            q, k, v, rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slot_mapping
+            q, key, value, rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slot_mapping
         )
         return rotated.flatten(-2)
     if triton is None:
