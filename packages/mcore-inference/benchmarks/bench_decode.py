@@ -197,17 +197,10 @@ def main() -> None:
         help="also run the engine with InferenceConfig.decode_pdl flipped from its default",
     )
     parser.add_argument(
-        "--decode-gemm-max-rows",
-        type=int,
-        default=None,
-        help="set mcore_inference.fused_decode.DECODE_GEMM_MAX_ROWS (steps of up to this many "
-        "tokens run the fused decode_gemm projections) for the whole run",
-    )
-    parser.add_argument(
         "--compare-decode-gemm",
         action="store_true",
-        help="also run the engine with the decode_gemm projections flipped (off where the run "
-        "uses them, up to 512 rows where it does not)",
+        help="also run the engine with the o projection's decode_gemm flipped "
+        "(fused_decode.O_GEMM_MAX_ROWS: 0 where the batch uses it, the batch size where not)",
     )
     parser.add_argument(
         "--hf-new-tokens",
@@ -219,8 +212,6 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
     args = parser.parse_args()
-    if args.decode_gemm_max_rows is not None:
-        fused_decode.DECODE_GEMM_MAX_ROWS = args.decode_gemm_max_rows
     started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -307,15 +298,15 @@ def main() -> None:
             )
             row["mcore_pdl_flipped_tokens_per_s"] = generated / flipped
             row["pdl_flipped_tokens_equal"] = flipped_tokens == tokens
-        if args.compare_decode_gemm:
-            default_rows = fused_decode.DECODE_GEMM_MAX_ROWS
-            fused_decode.DECODE_GEMM_MAX_ROWS = 0 if batch <= default_rows else 512
+        if args.compare_decode_gemm and batch > fused_decode.GEMV_MAX_ROWS:
+            default_rows = fused_decode.O_GEMM_MAX_ROWS
+            fused_decode.O_GEMM_MAX_ROWS = 0 if batch <= default_rows else batch
             try:
                 flipped, _, _, flipped_tokens = _mcore_decode_seconds(
                     model, prompts, args.new_tokens, use_cuda_graphs=True
                 )
             finally:
-                fused_decode.DECODE_GEMM_MAX_ROWS = default_rows
+                fused_decode.O_GEMM_MAX_ROWS = default_rows
             row["mcore_gemm_flipped_tokens_per_s"] = generated / flipped
             row["gemm_flipped_tokens_equal"] = flipped_tokens == tokens
         if batch in eager_batch_sizes:
@@ -393,7 +384,7 @@ def _write_results(
         "kv_bytes_per_token": meta["kv_bytes_per_token"],
         "copy_bandwidth_bytes_per_s": bandwidth,
         "decode_pdl": InferenceConfig().decode_pdl,
-        "decode_gemm_max_rows": fused_decode.DECODE_GEMM_MAX_ROWS,
+        "o_gemm_max_rows": fused_decode.O_GEMM_MAX_ROWS,
         "rows": rows,
         "profiles": profiles,
         "elapsed_s": time.perf_counter() - started,
@@ -432,19 +423,19 @@ def _write_results(
         for key, what in (
             ("eager_tokens_equal", "the eager engine (no CUDA graphs)"),
             ("pdl_flipped_tokens_equal", "the engine with decode_pdl flipped"),
-            ("gemm_flipped_tokens_equal", "the engine with the decode_gemm projections flipped"),
+            ("gemm_flipped_tokens_equal", "the engine with the o projection's GEMM flipped"),
         ):
             if key in row:
                 lines += ["", f"Batch {row['batch']}: greedy tokens equal to {what}: {row[key]}."]
-    gemm_rows = fused_decode.DECODE_GEMM_MAX_ROWS
+    gemm_rows = fused_decode.O_GEMM_MAX_ROWS
     for row in rows:
         if "mcore_gemm_flipped_tokens_per_s" in row:
-            used = 0 < row["batch"] <= gemm_rows
+            used = fused_decode.GEMV_MAX_ROWS < row["batch"] <= gemm_rows
             lines += [
                 "",
                 f"Batch {row['batch']}: {row['mcore_tokens_per_s']:.0f} tok/s "
-                f"{'with' if used else 'without'} the decode_gemm projections "
-                f"(DECODE_GEMM_MAX_ROWS={gemm_rows}), "
+                f"{'with' if used else 'without'} the o projection as decode_gemm "
+                f"(O_GEMM_MAX_ROWS={gemm_rows}), "
                 f"{row['mcore_gemm_flipped_tokens_per_s']:.0f} tok/s "
                 f"{'without' if used else 'with'} them.",
             ]

@@ -59,19 +59,6 @@ def test_matches_the_reference_in_float32(case):
 
 
 @interpreted
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_swiglu_input_matches_swiglu_then_projection(split_k):
-    _, weight, _, _, residual = _inputs(6, 24, 80, seed=2)
-    gate_up = torch.randn(6, 160, generator=torch.Generator().manual_seed(4))
-    gate, up = gate_up.chunk(2, dim=-1)
-    activation = torch.nn.functional.silu(gate) * up
-    config = DecodeGemmConfig(block_m=16, block_n=16, block_k=16, split_k=split_k)
-    actual = decode_gemm(gate_up, weight, swiglu_input=True, residual=residual, config=config)
-    expected = decode_gemv_reference(activation, weight, residual=residual)
-    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
-
-
-@interpreted
 def test_rows_do_not_change_each_others_values():
     x, weight, bias, norm, residual = _inputs(20, 16, 64, seed=3)
     config = DecodeGemmConfig(block_m=16, block_n=16, block_k=32, split_k=2)
@@ -113,10 +100,6 @@ def test_bad_arguments_raise():
         decode_gemm(x, weight, residual=residual[:, :8])
     with pytest.raises(KernelShapeError, match="expected"):
         decode_gemm(x[:, :16], weight)
-    with pytest.raises(KernelShapeError, match="swiglu_input"):
-        decode_gemm(x, weight, swiglu_input=True)
-    with pytest.raises(KernelValueError, match="swiglu_input with norm_weight"):
-        decode_gemm(torch.cat([x, x], dim=1), weight, swiglu_input=True, norm_weight=x[0])
     with pytest.raises(KernelValueError, match="block_n"):
         DecodeGemmConfig(block_n=24)
     with pytest.raises(KernelValueError, match="split_k"):

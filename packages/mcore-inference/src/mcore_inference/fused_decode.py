@@ -52,9 +52,9 @@ from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
 __all__ = [
-    "DECODE_GEMM_MAX_ROWS",
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
+    "O_GEMM_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
     "FusedDecoder",
     "build_fused_decoder",
@@ -76,10 +76,13 @@ at 256 and 236.6k against 244.9k at 512 (there the early-started kernels hold mu
 that the GEMMs want)."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
-DECODE_GEMM_MAX_ROWS = 0
-"""Steps of more than ``gemv_max_rows`` and at most this many tokens run every projection as
-:func:`mcore_kernels.decode_gemm.decode_gemm` (a Triton GEMM with the norms, SwiGLU and residual
-adds fused in), launched with programmatic dependent launch at every such row count."""
+O_GEMM_MAX_ROWS = 64
+"""Steps of more than ``gemv_max_rows`` and at most this many tokens run the attention output
+projection as :func:`mcore_kernels.decode_gemm.decode_gemm` (a Triton tensor-core GEMM, under
+programmatic dependent launch in these steps) with the residual add in its epilogue; the
+RMSNorm after it then runs without the add. One H200, 24 chained launches of the
+Qwen2.5-0.5B shape at 64 rows: 3.83 against 4.25 us for cuBLAS. Every other projection keeps
+cuBLAS: ``decode_gemm`` measured slower there (see the mcore-inference CHANGELOG)."""
 
 
 @dataclass(slots=True)
@@ -154,15 +157,15 @@ class FusedDecoder:
             ignored elsewhere): each starts, and the projections stream their weights, while
             the previous kernel finishes. Steps of more rows than ``gemv_max_rows`` too, up to
             :data:`GEMM_PDL_MAX_ROWS`.
+        o_gemm_max_rows: Steps of more than ``gemv_max_rows`` and at most this many tokens
+            run the o projection as ``decode_gemm`` with the residual add fused in (0: never;
+            None: :data:`O_GEMM_MAX_ROWS`).
         max_positions: Positions are below this (the engine's ``max_sequence_length``): the
             RoPE cosines and sines of every position are computed once and each step looks its
             rows up (one kernel instead of four, same values). None computes them per step.
         rope_in_projection: In the ``decode_gemv`` steps of a model without QK-norm, fold RoPE
             and the key/value cache write into the q/k/v projection's epilogue
             (``decode_gemv(..., rope=...)``): four launches per layer plus the attention.
-        decode_gemm_max_rows: Steps of more than ``gemv_max_rows`` and at most this many
-            tokens run every projection as ``decode_gemm`` with the norms, SwiGLU and residual
-            adds fused in (0: never; None: :data:`DECODE_GEMM_MAX_ROWS`).
     """
 
     def __init__(
@@ -174,7 +177,7 @@ class FusedDecoder:
         pdl: bool = False,
         max_positions: int | None = None,
         rope_in_projection: bool = True,
-        decode_gemm_max_rows: int | None = None,
+        o_gemm_max_rows: int | None = None,
     ) -> None:
         self.model = model
         self.rope_in_projection = rope_in_projection
@@ -185,9 +188,7 @@ class FusedDecoder:
         self.lm_head_gemv_max_rows = (
             LM_HEAD_GEMV_MAX_ROWS if lm_head_gemv_max_rows is None else lm_head_gemv_max_rows
         )
-        self.decode_gemm_max_rows = (
-            DECODE_GEMM_MAX_ROWS if decode_gemm_max_rows is None else decode_gemm_max_rows
-        )
+        self.o_gemm_max_rows = O_GEMM_MAX_ROWS if o_gemm_max_rows is None else o_gemm_max_rows
         self._layers: list[_FusedLayer] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         """``(target view in a fused buffer, source parameter)`` pairs."""
@@ -261,14 +262,9 @@ class FusedDecoder:
         hidden = model.embedding(input_ids[0])
         cos, sin = self._rotary(position_ids[0])
         rows = hidden.shape[0]
-        if rows <= self.gemv_max_rows:
-            with programmatic_dependent_launch(self.pdl):
-                return self._projected_layers(hidden, cos, sin, kv_cache, decode_gemv)[None]
-        if rows <= self.decode_gemm_max_rows:
-            # No cuBLAS kernel between the Triton ones: every launch of the step takes part.
-            with programmatic_dependent_launch(self.pdl):
-                return self._projected_layers(hidden, cos, sin, kv_cache, decode_gemm)[None]
         with programmatic_dependent_launch(self.pdl and rows <= GEMM_PDL_MAX_ROWS):
+            if rows <= self.gemv_max_rows:
+                return self._gemv_layers(hidden, cos, sin, kv_cache)[None]
             return self._gemm_layers(hidden, cos, sin, kv_cache)[None]
 
     def _gemm_layers(
@@ -279,6 +275,7 @@ class FusedDecoder:
         the kernel before them drains; cuBLAS's are launched plainly)."""
         model = self.model
         residual: torch.Tensor | None = None
+        o_gemm = hidden.shape[0] <= self.o_gemm_max_rows
         for layer, fused in zip(model.layers, self._layers, strict=True):
             attention = layer.self_attention
             x, residual = add_rms_norm(layer.input_norm, hidden, residual)
@@ -290,8 +287,18 @@ class FusedDecoder:
             if attention.q_norm is not None and attention.k_norm is not None:
                 q, k = attention.q_norm(q), attention.k_norm(k)
             out = kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
-            attention_out = attention.o_proj(out.flatten(-2))
-            x, residual = add_rms_norm(layer.post_attention_norm, attention_out, residual)
+            if o_gemm:
+                # The residual add in the projection's epilogue, the norm alone after it.
+                residual = decode_gemm(
+                    out.flatten(-2),
+                    attention.o_proj.weight,
+                    attention.o_proj.bias,
+                    residual=residual,
+                )
+                x = layer.post_attention_norm(residual)
+            else:
+                attention_out = attention.o_proj(out.flatten(-2))
+                x, residual = add_rms_norm(layer.post_attention_norm, attention_out, residual)
             hidden = layer.mlp.down_proj(swiglu(F.linear(x, fused.gate_up_weight)))
         hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden
@@ -309,16 +316,10 @@ class FusedDecoder:
         rows = table.index_select(0, positions)
         return rows[:, 0], rows[:, 1]
 
-    def _projected_layers(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: PagedKVCache,
-        project: Any,
+    def _gemv_layers(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
     ) -> torch.Tensor:
-        """The layers with every projection one launch of ``project`` (``decode_gemv`` over a
-        few tokens, ``decode_gemm`` over tens to hundreds).
+        """The layers over a few tokens: every projection one ``decode_gemv`` launch.
 
         ``residual`` is the residual stream (the embedding, then after each block the block's
         output plus the stream, added in the projection's epilogue); the RMSNorm before each
@@ -340,7 +341,7 @@ class FusedDecoder:
                     slot_mapping=slots,
                     num_q_heads=fused.split[0] // attention.head_dim,
                 )
-                q = project(
+                q = decode_gemv(
                     residual,
                     fused.qkv_weight,
                     fused.qkv_bias,
@@ -354,7 +355,7 @@ class FusedDecoder:
                     scale=attention.scale,
                 )
             else:
-                qkv = project(
+                qkv = decode_gemv(
                     residual,
                     fused.qkv_weight,
                     fused.qkv_bias,
@@ -370,20 +371,20 @@ class FusedDecoder:
                 out = kv_cache.attend_rotary(
                     layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
                 )
-            residual = project(
+            residual = decode_gemv(
                 out.flatten(-2),
                 attention.o_proj.weight,
                 attention.o_proj.bias,
                 residual=residual,
             )
-            activation = project(
+            activation = decode_gemv(
                 residual,
                 fused.gate_up_weight,
                 norm_weight=layer.post_attention_norm.weight,
                 norm_eps=layer.post_attention_norm.eps,
                 swiglu=True,
             )
-            residual = project(activation, mlp.down_proj.weight, residual=residual)
+            residual = decode_gemv(activation, mlp.down_proj.weight, residual=residual)
         return model.final_norm(residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,6 @@ Configurations per shape and row count: :func:`decode_gemm_config` (measured on 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import next_power_of_2, pdl_supported, triton
@@ -42,7 +41,7 @@ from mcore_kernels.decode_gemm_config import DecodeGemmConfig, decode_gemm_confi
 from mcore_kernels.decode_gemm_kernel import _DECODE_GEMM, _DECODE_GEMM_PDL
 from mcore_kernels.decode_gemv import _check_args, _rope_args
 from mcore_kernels.decode_gemv_kernel import _tickets
-from mcore_kernels.errors import KernelBackendError, KernelShapeError, KernelValueError
+from mcore_kernels.errors import KernelBackendError, KernelShapeError
 from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.reference import decode_gemv_reference
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite, rotary_kv_write_reference
@@ -58,7 +57,6 @@ def decode_gemm(
     norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
     swiglu: bool = False,
-    swiglu_input: bool = False,
     residual: torch.Tensor | None = None,
     config: DecodeGemmConfig | None = None,
     pdl: bool | None = None,
@@ -73,11 +71,6 @@ def decode_gemm(
         norm_weight: Optional ``[K]`` RMSNorm weight applied to ``x`` first.
         norm_eps: RMSNorm epsilon.
         swiglu: Return ``silu(gate) * up`` (``[M, N // 2]``).
-        swiglu_input: ``x`` is ``[M, 2K]``, a gate/up projection's output (gate columns, then
-            up columns): the product's input is its SwiGLU activation ``silu(gate) * up``,
-            computed as each input tile is loaded (rounded to the dtype of ``x`` as
-            the SwiGLU kernel rounds), so the down projection of an MLP
-            needs no SwiGLU kernel before it. Not with ``norm_weight``.
         residual: Optional ``[M, N_out]`` tensor added to the result.
         config: Launch configuration; None picks :func:`decode_gemm_config`.
         pdl: Launch with programmatic dependent launch where the device supports it (None:
@@ -97,20 +90,8 @@ def decode_gemm(
         KernelDtypeError: If the dtypes differ or are not floating point.
         KernelBackendError: If Triton is not installed.
     """
-    if swiglu_input:
-        if norm_weight is not None:
-            raise KernelValueError("swiglu_input with norm_weight; expected at most one of them")
-        if x.dim() != 2 or x.shape[-1] != 2 * weight.shape[-1]:
-            raise KernelShapeError(
-                f"x {tuple(x.shape)} with swiglu_input and weight {tuple(weight.shape)}; "
-                f"expected [M, {2 * weight.shape[-1]}]"
-            )
-    inputs = x[:, : weight.shape[-1]] if swiglu_input else x
-    n_out = _check_args(inputs, weight, bias, norm_weight, residual, swiglu, rope)
+    n_out = _check_args(x, weight, bias, norm_weight, residual, swiglu, rope)
     if not use_triton(x):
-        if swiglu_input:
-            gate, up = x.float().chunk(2, dim=-1)
-            x = (F.silu(gate) * up).to(inputs.dtype)
         out = decode_gemv_reference(
             x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps, swiglu=swiglu,
             residual=residual,
@@ -131,7 +112,7 @@ def decode_gemm(
         )
     if residual is not None and residual.stride(1) != 1:
         raise KernelShapeError(f"residual strides {residual.stride()}; expected stride 1 last")
-    rows, k = inputs.shape
+    rows, k = x.shape
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
     if rows == 0 or n_out == 0:
         return out
@@ -175,7 +156,6 @@ def decode_gemm(
         "HAS_NORM": norm_weight is not None,
         "HAS_RESIDUAL": residual is not None,
         "SWIGLU": swiglu,
-        "SWIGLU_IN": swiglu_input,
         "ROPE": rope is not None,
         "PAIRED": swiglu or rope is not None,
         "HALF": rope.head_dim // 2 if rope is not None else 1,

@@ -93,7 +93,6 @@ def _decode_gemm_kernel(
     HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SWIGLU: tl.constexpr,
-    SWIGLU_IN: tl.constexpr,
     ROPE: tl.constexpr,
     PAIRED: tl.constexpr,
     HALF: tl.constexpr,
@@ -152,17 +151,6 @@ def _decode_gemm_kernel(
             k_mask = k < k_end
             x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
-        if SWIGLU_IN:
-            # The input is the gate/up projection's output [M, 2K]: the A operand is the
-            # SwiGLU activation, computed and rounded as the SwiGLU kernel does.
-            if EVEN_K:
-                up = tl.load(x_rows + K + k[None, :], mask=m_mask[:, None], other=0.0)
-            else:
-                up = tl.load(
-                    x_rows + K + k[None, :], mask=m_mask[:, None] & (k < k_end)[None, :], other=0.0
-                )
-            gate = x.to(tl.float32)
-            x = round_to(gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32), dtype)
         if HAS_NORM:
             # The RMSNorm output, rounded as the norm kernel rounds it, is the GEMM's input.
             if EVEN_K:
