@@ -55,6 +55,7 @@ __all__ = [
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "O_GEMM_MAX_ROWS",
+    "QKV_GEMM_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
     "FusedDecoder",
     "build_fused_decoder",
@@ -83,6 +84,11 @@ programmatic dependent launch in these steps) with the residual add in its epilo
 RMSNorm after it then runs without the add. One H200, 24 chained launches of the
 Qwen2.5-0.5B shape at 64 rows: 3.83 against 4.25 us for cuBLAS. Every other projection keeps
 cuBLAS: ``decode_gemm`` measured slower there (see the mcore-inference CHANGELOG)."""
+QKV_GEMM_MAX_ROWS = 64
+"""Steps of more than ``gemv_max_rows`` and at most this many tokens of a model without
+QK-norm run the q/k/v projection as :func:`mcore_kernels.decode_gemm.decode_gemm` with RoPE
+and the key/value cache write in its epilogue (``rope=...``): the RoPE + cache-write kernel
+after the projection disappears."""
 
 
 @dataclass(slots=True)
@@ -160,6 +166,9 @@ class FusedDecoder:
         o_gemm_max_rows: Steps of more than ``gemv_max_rows`` and at most this many tokens
             run the o projection as ``decode_gemm`` with the residual add fused in (0: never;
             None: :data:`O_GEMM_MAX_ROWS`).
+        qkv_gemm_max_rows: Steps of more than ``gemv_max_rows`` and at most this many tokens
+            of a model without QK-norm run the q/k/v projection as ``decode_gemm`` with RoPE
+            and the cache write fused in (0: never; None: :data:`QKV_GEMM_MAX_ROWS`).
         max_positions: Positions are below this (the engine's ``max_sequence_length``): the
             RoPE cosines and sines of every position are computed once and each step looks its
             rows up (one kernel instead of four, same values). None computes them per step.
@@ -178,6 +187,7 @@ class FusedDecoder:
         max_positions: int | None = None,
         rope_in_projection: bool = True,
         o_gemm_max_rows: int | None = None,
+        qkv_gemm_max_rows: int | None = None,
     ) -> None:
         self.model = model
         self.rope_in_projection = rope_in_projection
@@ -189,6 +199,9 @@ class FusedDecoder:
             LM_HEAD_GEMV_MAX_ROWS if lm_head_gemv_max_rows is None else lm_head_gemv_max_rows
         )
         self.o_gemm_max_rows = O_GEMM_MAX_ROWS if o_gemm_max_rows is None else o_gemm_max_rows
+        self.qkv_gemm_max_rows = (
+            QKV_GEMM_MAX_ROWS if qkv_gemm_max_rows is None else qkv_gemm_max_rows
+        )
         self._layers: list[_FusedLayer] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         """``(target view in a fused buffer, source parameter)`` pairs."""
@@ -276,17 +289,34 @@ class FusedDecoder:
         model = self.model
         residual: torch.Tensor | None = None
         o_gemm = hidden.shape[0] <= self.o_gemm_max_rows
+        qkv_gemm = self.rope_in_projection and hidden.shape[0] <= self.qkv_gemm_max_rows
         for layer, fused in zip(model.layers, self._layers, strict=True):
             attention = layer.self_attention
             x, residual = add_rms_norm(layer.input_norm, hidden, residual)
-            qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
-            q, k, v = (
-                part.unflatten(-1, (-1, attention.head_dim))
-                for part in qkv.split(fused.split, dim=-1)
-            )
-            if attention.q_norm is not None and attention.k_norm is not None:
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            out = kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
+            if qkv_gemm and attention.q_norm is None:
+                # RoPE and the cache write in the projection's epilogue: one launch fewer.
+                q = decode_gemm(
+                    x,
+                    fused.qkv_weight,
+                    fused.qkv_bias,
+                    rope=self._rope_target(kv_cache, layer, fused, cos, sin),
+                )
+                out = kv_cache.attend_stored_keys(
+                    layer.layer_idx,
+                    q.unflatten(-1, (-1, attention.head_dim)),
+                    scale=attention.scale,
+                )
+            else:
+                qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
+                q, k, v = (
+                    part.unflatten(-1, (-1, attention.head_dim))
+                    for part in qkv.split(fused.split, dim=-1)
+                )
+                if attention.q_norm is not None and attention.k_norm is not None:
+                    q, k = attention.q_norm(q), attention.k_norm(k)
+                out = kv_cache.attend_rotary(
+                    layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
+                )
             if o_gemm:
                 # The residual add in the projection's epilogue, the norm alone after it.
                 residual = decode_gemm(
@@ -302,6 +332,21 @@ class FusedDecoder:
             hidden = layer.mlp.down_proj(swiglu(F.linear(x, fused.gate_up_weight)))
         hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden
+
+    @staticmethod
+    def _rope_target(
+        kv_cache: PagedKVCache, layer: Any, fused: _FusedLayer, cos: torch.Tensor, sin: torch.Tensor
+    ) -> RotaryCacheWrite:
+        """What a q/k/v projection needs to rotate and write this layer's keys and values."""
+        keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
+        return RotaryCacheWrite(
+            cos=cos,
+            sin=sin,
+            k_cache=keys,
+            v_cache=values,
+            slot_mapping=slots,
+            num_q_heads=fused.split[0] // layer.self_attention.head_dim,
+        )
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``model.rotary(positions)``, looked up in a table of every position when bounded."""
@@ -332,22 +377,13 @@ class FusedDecoder:
             attention, mlp = layer.self_attention, layer.mlp
             if self.rope_in_projection and attention.q_norm is None:
                 # RoPE and the cache write in the projection's epilogue: one launch fewer.
-                keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
-                rope = RotaryCacheWrite(
-                    cos=cos,
-                    sin=sin,
-                    k_cache=keys,
-                    v_cache=values,
-                    slot_mapping=slots,
-                    num_q_heads=fused.split[0] // attention.head_dim,
-                )
                 q = decode_gemv(
                     residual,
                     fused.qkv_weight,
                     fused.qkv_bias,
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
-                    rope=rope,
+                    rope=self._rope_target(kv_cache, layer, fused, cos, sin),
                 )
                 out = kv_cache.attend_stored_keys(
                     layer.layer_idx,
