@@ -7,63 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_inference_fused_decode_gemv import _forward, _generate, _model
 
-from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, fused_decode
+from mcore_inference import SamplingParams, fused_decode
 from mcore_inference.fused_decode import FusedDecoder
-from mcore_inference.kv_cache import PagedKVCache
-from mcore_models import GPTConfig, GPTModel
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def _model(seed: int, *, dtype: torch.dtype = torch.float32, qk_norm: bool = False) -> GPTModel:
-    config = GPTConfig.from_name(
-        "tiny", vocab_size=64, seed=seed, add_qkv_bias=True, qk_layernorm=qk_norm
-    )
-    model = GPTModel(config).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        # Biases start at zero and norm weights at one: give them values a slip would show.
-        for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                param.add_(0.3 * torch.randn(param.shape, generator=generator))
-    return model.to(dtype)
+from mcore_models import GPTModel
 
 
 @pytest.fixture(scope="module")
 def model() -> GPTModel:
-    return _model(5)
-
-
-TABLES = torch.tensor([[1, 2, 0], [3, 4, 0]], dtype=torch.int32)
-POSITIONS = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2])
-ROWS = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1])
-TOKENS = torch.tensor([[7, 3, 9, 1, 2, 60, 4, 4, 33]])
-
-
-def _forward(model, decoder=None):
-    config = model.config
-    cache = PagedKVCache(
-        num_layers=config.num_layers,
-        num_blocks=6,
-        block_size=4,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.kv_channels,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        split_size=8,
-    )
-    cache.prepare_step(TABLES, POSITIONS, ROWS)
-    with torch.no_grad():
-        if decoder is None:
-            return model(TOKENS, POSITIONS[None], kv_cache=cache, return_hidden=True), cache
-        return decoder(TOKENS, POSITIONS[None], kv_cache=cache), cache
+    # No QK-norm: the q/k/v projection also rotates and writes the cache.
+    return _model(5, qk_norm=False)
 
 
 @pytest.fixture()
@@ -103,25 +57,9 @@ def test_dispatch_on_the_row_count(model, gemm_calls):
     assert not gemm_calls, "9 tokens <= gemv_max_rows=9 must take the decode_gemv path"
 
 
-PROMPTS = [[3, 9, 4, 7, 1], [12, 2], [5, 8, 13, 21, 34, 55, 6, 10, 11, 40, 41]]
-
-
-def _generate(model, params, **options):
-    config = InferenceConfig(
-        max_batch_size=4,
-        max_sequence_length=32,
-        block_size=4,
-        prefill_chunk_size=4,
-        attention_split_size=8,
-        **options,
-    )
-    with InferenceEngine(model, config) as engine:
-        return [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, params)]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "plain"])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "rope_in_projection"])
 def test_bfloat16_graph_engine_greedy_tokens_match_the_eager_engine_on_gpu(monkeypatch, qk_norm):
     # Every step of more than one token (prefill chunks included) runs the o projection (and,
     # without QK-norm, the q/k/v projection) as decode_gemm.

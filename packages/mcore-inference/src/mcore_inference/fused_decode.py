@@ -294,18 +294,7 @@ class FusedDecoder:
             attention = layer.self_attention
             x, residual = add_rms_norm(layer.input_norm, hidden, residual)
             if qkv_gemm and attention.q_norm is None:
-                # RoPE and the cache write in the projection's epilogue: one launch fewer.
-                q = decode_gemm(
-                    x,
-                    fused.qkv_weight,
-                    fused.qkv_bias,
-                    rope=self._rope_target(kv_cache, layer, fused, cos, sin),
-                )
-                out = kv_cache.attend_stored_keys(
-                    layer.layer_idx,
-                    q.unflatten(-1, (-1, attention.head_dim)),
-                    scale=attention.scale,
-                )
+                out = self._attend_projected(decode_gemm, x, layer, fused, cos, sin, kv_cache)
             else:
                 qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
                 q, k, v = (
@@ -334,18 +323,32 @@ class FusedDecoder:
         return hidden
 
     @staticmethod
-    def _rope_target(
-        kv_cache: PagedKVCache, layer: Any, fused: _FusedLayer, cos: torch.Tensor, sin: torch.Tensor
-    ) -> RotaryCacheWrite:
-        """What a q/k/v projection needs to rotate and write this layer's keys and values."""
+    def _attend_projected(
+        project: Any,
+        x: torch.Tensor,
+        layer: Any,
+        fused: _FusedLayer,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: PagedKVCache,
+        **norm: Any,
+    ) -> torch.Tensor:
+        """The q/k/v projection ``project`` with RoPE and the key/value cache write in its
+        epilogue (one launch fewer than the projection and ``rotary_kv_write``), then the
+        attention over the stored keys and values."""
+        attention = layer.self_attention
         keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
-        return RotaryCacheWrite(
+        rope = RotaryCacheWrite(
             cos=cos,
             sin=sin,
             k_cache=keys,
             v_cache=values,
             slot_mapping=slots,
-            num_q_heads=fused.split[0] // layer.self_attention.head_dim,
+            num_q_heads=fused.split[0] // attention.head_dim,
+        )
+        q = project(x, fused.qkv_weight, fused.qkv_bias, rope=rope, **norm)
+        return kv_cache.attend_stored_keys(
+            layer.layer_idx, q.unflatten(-1, (-1, attention.head_dim)), scale=attention.scale
         )
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,19 +379,16 @@ class FusedDecoder:
         for layer, fused in layers:
             attention, mlp = layer.self_attention, layer.mlp
             if self.rope_in_projection and attention.q_norm is None:
-                # RoPE and the cache write in the projection's epilogue: one launch fewer.
-                q = decode_gemv(
+                out = self._attend_projected(
+                    decode_gemv,
                     residual,
-                    fused.qkv_weight,
-                    fused.qkv_bias,
+                    layer,
+                    fused,
+                    cos,
+                    sin,
+                    kv_cache,
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
-                    rope=self._rope_target(kv_cache, layer, fused, cos, sin),
-                )
-                out = kv_cache.attend_stored_keys(
-                    layer.layer_idx,
-                    q.unflatten(-1, (-1, attention.head_dim)),
-                    scale=attention.scale,
                 )
             else:
                 qkv = decode_gemv(
