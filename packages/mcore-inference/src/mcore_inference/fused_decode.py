@@ -294,18 +294,10 @@ class FusedDecoder:
             attention = layer.self_attention
             x, residual = add_rms_norm(layer.input_norm, hidden, residual)
             if qkv_gemm and attention.q_norm is None:
-                out = self._attend_projected(decode_gemm, x, layer, fused, cos, sin, kv_cache)
+                out = self._attend(x, layer, fused, cos, sin, kv_cache, decode_gemm)
             else:
                 qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
-                q, k, v = (
-                    part.unflatten(-1, (-1, attention.head_dim))
-                    for part in qkv.split(fused.split, dim=-1)
-                )
-                if attention.q_norm is not None and attention.k_norm is not None:
-                    q, k = attention.q_norm(q), attention.k_norm(k)
-                out = kv_cache.attend_rotary(
-                    layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
-                )
+                out = self._attend(qkv, layer, fused, cos, sin, kv_cache)
             if o_gemm:
                 # The residual add in the projection's epilogue, the norm alone after it.
                 residual = decode_gemm(
@@ -323,20 +315,33 @@ class FusedDecoder:
         return hidden
 
     @staticmethod
-    def _attend_projected(
-        project: Any,
+    def _attend(
         x: torch.Tensor,
         layer: Any,
         fused: _FusedLayer,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: PagedKVCache,
+        project: Any = None,
         **norm: Any,
     ) -> torch.Tensor:
-        """The q/k/v projection ``project`` with RoPE and the key/value cache write in its
-        epilogue (one launch fewer than the projection and ``rotary_kv_write``), then the
-        attention over the stored keys and values."""
+        """A layer's attention from ``x``.
+
+        Without ``project``, ``x`` is the q/k/v projection's output: QK-norm (where the layer
+        has it), then RoPE + the cache write and the attention. With ``project``
+        (``decode_gemv`` or ``decode_gemm``, ``**norm`` its norm arguments), ``x`` is the
+        projection's input and RoPE + the cache write run in its epilogue (one launch fewer),
+        then the attention over the stored keys and values.
+        """
         attention = layer.self_attention
+        if project is None:
+            q, k, v = (
+                part.unflatten(-1, (-1, attention.head_dim))
+                for part in x.split(fused.split, dim=-1)
+            )
+            if attention.q_norm is not None and attention.k_norm is not None:
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            return kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
         keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
         rope = RotaryCacheWrite(
             cos=cos,
@@ -379,14 +384,14 @@ class FusedDecoder:
         for layer, fused in layers:
             attention, mlp = layer.self_attention, layer.mlp
             if self.rope_in_projection and attention.q_norm is None:
-                out = self._attend_projected(
-                    decode_gemv,
+                out = self._attend(
                     residual,
                     layer,
                     fused,
                     cos,
                     sin,
                     kv_cache,
+                    decode_gemv,
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
                 )
@@ -398,15 +403,7 @@ class FusedDecoder:
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
                 )
-                q, k, v = (
-                    part.unflatten(-1, (-1, attention.head_dim))
-                    for part in qkv.split(fused.split, dim=-1)
-                )
-                if attention.q_norm is not None and attention.k_norm is not None:
-                    q, k = attention.q_norm(q), attention.k_norm(k)
-                out = kv_cache.attend_rotary(
-                    layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
-                )
+                out = self._attend(qkv, layer, fused, cos, sin, kv_cache)
             residual = decode_gemv(
                 out.flatten(-2),
                 attention.o_proj.weight,
