@@ -40,12 +40,8 @@ from pathlib import Path
 import torch
 from _decode_profile import host_split, profile_decode
 
-from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, fused_decode
+from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
 from mcore_models import GPTConfig, GPTModel
-
-_GEMM_KNOBS = ("O_GEMM_MAX_ROWS", "QKV_GEMM_MAX_ROWS")
-"""The ``fused_decode`` limits of the projections that run ``decode_gemm`` (flipped one at a time
-by ``--compare-decode-gemm-batch-sizes``)."""
 
 
 def _copy_bandwidth(device: torch.device) -> float:
@@ -201,13 +197,6 @@ def main() -> None:
         help="also run the engine with InferenceConfig.decode_pdl flipped from its default",
     )
     parser.add_argument(
-        "--compare-decode-gemm-batch-sizes",
-        default="",
-        help="batch sizes also run with each decode_gemm projection of fused_decode flipped, "
-        "one at a time (O_GEMM_MAX_ROWS, QKV_GEMM_MAX_ROWS: 0 where the batch uses it, the "
-        "batch size where not)",
-    )
-    parser.add_argument(
         "--hf-new-tokens",
         type=int,
         default=None,
@@ -227,9 +216,6 @@ def main() -> None:
     hf_static_batch_sizes = {int(b) for b in args.hf_static_batch_sizes.split(",") if b}
     profile_batch_sizes = {int(b) for b in args.profile_batch_sizes.split(",") if b}
     split_batch_sizes = {int(b) for b in args.host_split_batch_sizes.split(",") if b}
-    gemm_compare_batch_sizes = {
-        int(b) for b in args.compare_decode_gemm_batch_sizes.split(",") if b
-    }
     hf_new_tokens = args.hf_new_tokens or args.new_tokens
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
@@ -319,18 +305,6 @@ def main() -> None:
             )
             row["mcore_pdl_flipped_tokens_per_s"] = generated / flipped
             row["pdl_flipped_tokens_equal"] = flipped_tokens == tokens
-        if batch in gemm_compare_batch_sizes and batch > fused_decode.GEMV_MAX_ROWS:
-            for knob in _GEMM_KNOBS:
-                default_rows = getattr(fused_decode, knob)
-                setattr(fused_decode, knob, 0 if batch <= default_rows else batch)
-                try:
-                    flipped, _, _, flipped_tokens = _mcore_decode_seconds(
-                        model, prompts, args.new_tokens, use_cuda_graphs=True
-                    )
-                finally:
-                    setattr(fused_decode, knob, default_rows)
-                row[f"mcore_{knob.lower()}_flipped_tokens_per_s"] = generated / flipped
-                row[f"{knob.lower()}_flipped_tokens_equal"] = flipped_tokens == tokens
         if batch in eager_batch_sizes:
             eager, _, _, eager_tokens = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=False
@@ -394,7 +368,6 @@ def _write_results(
         "kv_bytes_per_token": meta["kv_bytes_per_token"],
         "copy_bandwidth_bytes_per_s": bandwidth,
         "decode_pdl": InferenceConfig().decode_pdl,
-        **{knob.lower(): getattr(fused_decode, knob) for knob in _GEMM_KNOBS},
         "rows": rows,
         "profiles": profiles,
         "elapsed_s": time.perf_counter() - started,
@@ -433,25 +406,9 @@ def _write_results(
         for key, what in (
             ("eager_tokens_equal", "the eager engine (no CUDA graphs)"),
             ("pdl_flipped_tokens_equal", "the engine with decode_pdl flipped"),
-            *(
-                (f"{knob.lower()}_flipped_tokens_equal", f"the engine with {knob} flipped")
-                for knob in _GEMM_KNOBS
-            ),
         ):
             if key in row:
                 lines += ["", f"Batch {row['batch']}: greedy tokens equal to {what}: {row[key]}."]
-    for row in rows:
-        for knob in _GEMM_KNOBS:
-            key = f"mcore_{knob.lower()}_flipped_tokens_per_s"
-            if key in row:
-                limit = getattr(fused_decode, knob)
-                used = fused_decode.GEMV_MAX_ROWS < row["batch"] <= limit
-                lines += [
-                    "",
-                    f"Batch {row['batch']}: {row['mcore_tokens_per_s']:.0f} tok/s with {knob}="
-                    f"{limit} (its decode_gemm projection {'on' if used else 'off'}), "
-                    f"{row[key]:.0f} tok/s with it flipped.",
-                ]
     for row in rows:
         if "step_host_us_per_step" in row:
             lines += [

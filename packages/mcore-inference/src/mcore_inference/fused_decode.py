@@ -43,7 +43,6 @@ import torch
 import torch.nn.functional as F
 
 from mcore_inference.kv_cache import PagedKVCache
-from mcore_kernels.decode_gemm import decode_gemm
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
@@ -54,8 +53,6 @@ from mcore_models.gpt.mlp import SwiGLUMLP
 __all__ = [
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
-    "O_GEMM_MAX_ROWS",
-    "QKV_GEMM_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
     "FusedDecoder",
     "build_fused_decoder",
@@ -77,18 +74,6 @@ at 256 and 236.6k against 244.9k at 512 (there the early-started kernels hold mu
 that the GEMMs want)."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
-O_GEMM_MAX_ROWS = 64
-"""Steps of more than ``gemv_max_rows`` and at most this many tokens run the attention output
-projection as :func:`mcore_kernels.decode_gemm.decode_gemm` (a Triton tensor-core GEMM, under
-programmatic dependent launch in these steps) with the residual add in its epilogue; the
-RMSNorm after it then runs without the add. One H200, 24 chained launches of the
-Qwen2.5-0.5B shape at 64 rows: 3.83 against 4.25 us for cuBLAS. Every other projection keeps
-cuBLAS: ``decode_gemm`` measured slower there (see the mcore-inference CHANGELOG)."""
-QKV_GEMM_MAX_ROWS = 64
-"""Steps of more than ``gemv_max_rows`` and at most this many tokens of a model without
-QK-norm run the q/k/v projection as :func:`mcore_kernels.decode_gemm.decode_gemm` with RoPE
-and the key/value cache write in its epilogue (``rope=...``): the RoPE + cache-write kernel
-after the projection disappears."""
 
 
 @dataclass(slots=True)
@@ -163,12 +148,6 @@ class FusedDecoder:
             ignored elsewhere): each starts, and the projections stream their weights, while
             the previous kernel finishes. Steps of more rows than ``gemv_max_rows`` too, up to
             :data:`GEMM_PDL_MAX_ROWS`.
-        o_gemm_max_rows: Steps of more than ``gemv_max_rows`` and at most this many tokens
-            run the o projection as ``decode_gemm`` with the residual add fused in (0: never;
-            None: :data:`O_GEMM_MAX_ROWS`).
-        qkv_gemm_max_rows: Steps of more than ``gemv_max_rows`` and at most this many tokens
-            of a model without QK-norm run the q/k/v projection as ``decode_gemm`` with RoPE
-            and the cache write fused in (0: never; None: :data:`QKV_GEMM_MAX_ROWS`).
         max_positions: Positions are below this (the engine's ``max_sequence_length``): the
             RoPE cosines and sines of every position are computed once and each step looks its
             rows up (one kernel instead of four, same values). None computes them per step.
@@ -186,8 +165,6 @@ class FusedDecoder:
         pdl: bool = False,
         max_positions: int | None = None,
         rope_in_projection: bool = True,
-        o_gemm_max_rows: int | None = None,
-        qkv_gemm_max_rows: int | None = None,
     ) -> None:
         self.model = model
         self.rope_in_projection = rope_in_projection
@@ -197,10 +174,6 @@ class FusedDecoder:
         self.gemv_max_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
         self.lm_head_gemv_max_rows = (
             LM_HEAD_GEMV_MAX_ROWS if lm_head_gemv_max_rows is None else lm_head_gemv_max_rows
-        )
-        self.o_gemm_max_rows = O_GEMM_MAX_ROWS if o_gemm_max_rows is None else o_gemm_max_rows
-        self.qkv_gemm_max_rows = (
-            QKV_GEMM_MAX_ROWS if qkv_gemm_max_rows is None else qkv_gemm_max_rows
         )
         self._layers: list[_FusedLayer] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -288,73 +261,22 @@ class FusedDecoder:
         the kernel before them drains; cuBLAS's are launched plainly)."""
         model = self.model
         residual: torch.Tensor | None = None
-        o_gemm = hidden.shape[0] <= self.o_gemm_max_rows
-        qkv_gemm = self.rope_in_projection and hidden.shape[0] <= self.qkv_gemm_max_rows
         for layer, fused in zip(model.layers, self._layers, strict=True):
             attention = layer.self_attention
             x, residual = add_rms_norm(layer.input_norm, hidden, residual)
-            if qkv_gemm and attention.q_norm is None:
-                out = self._attend(x, layer, fused, cos, sin, kv_cache, decode_gemm)
-            else:
-                qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
-                out = self._attend(qkv, layer, fused, cos, sin, kv_cache)
-            if o_gemm:
-                # The residual add in the projection's epilogue, the norm alone after it.
-                residual = decode_gemm(
-                    out.flatten(-2),
-                    attention.o_proj.weight,
-                    attention.o_proj.bias,
-                    residual=residual,
-                )
-                x = layer.post_attention_norm(residual)
-            else:
-                attention_out = attention.o_proj(out.flatten(-2))
-                x, residual = add_rms_norm(layer.post_attention_norm, attention_out, residual)
-            hidden = layer.mlp.down_proj(swiglu(F.linear(x, fused.gate_up_weight)))
-        hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
-        return hidden
-
-    @staticmethod
-    def _attend(
-        x: torch.Tensor,
-        layer: Any,
-        fused: _FusedLayer,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: PagedKVCache,
-        project: Any = None,
-        **norm: Any,
-    ) -> torch.Tensor:
-        """A layer's attention from ``x``.
-
-        Without ``project``, ``x`` is the q/k/v projection's output: QK-norm (where the layer
-        has it), then RoPE + the cache write and the attention. With ``project``
-        (``decode_gemv`` or ``decode_gemm``, ``**norm`` its norm arguments), ``x`` is the
-        projection's input and RoPE + the cache write run in its epilogue (one launch fewer),
-        then the attention over the stored keys and values.
-        """
-        attention = layer.self_attention
-        if project is None:
+            qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
             q, k, v = (
                 part.unflatten(-1, (-1, attention.head_dim))
-                for part in x.split(fused.split, dim=-1)
+                for part in qkv.split(fused.split, dim=-1)
             )
             if attention.q_norm is not None and attention.k_norm is not None:
                 q, k = attention.q_norm(q), attention.k_norm(k)
-            return kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
-        keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
-        rope = RotaryCacheWrite(
-            cos=cos,
-            sin=sin,
-            k_cache=keys,
-            v_cache=values,
-            slot_mapping=slots,
-            num_q_heads=fused.split[0] // attention.head_dim,
-        )
-        q = project(x, fused.qkv_weight, fused.qkv_bias, rope=rope, **norm)
-        return kv_cache.attend_stored_keys(
-            layer.layer_idx, q.unflatten(-1, (-1, attention.head_dim)), scale=attention.scale
-        )
+            out = kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
+            attention_out = attention.o_proj(out.flatten(-2))
+            x, residual = add_rms_norm(layer.post_attention_norm, attention_out, residual)
+            hidden = layer.mlp.down_proj(swiglu(F.linear(x, fused.gate_up_weight)))
+        hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
+        return hidden
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``model.rotary(positions)``, looked up in a table of every position when bounded."""
@@ -384,16 +306,28 @@ class FusedDecoder:
         for layer, fused in layers:
             attention, mlp = layer.self_attention, layer.mlp
             if self.rope_in_projection and attention.q_norm is None:
-                out = self._attend(
+                # RoPE and the cache write in the projection's epilogue: one launch fewer.
+                keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
+                rope = RotaryCacheWrite(
+                    cos=cos,
+                    sin=sin,
+                    k_cache=keys,
+                    v_cache=values,
+                    slot_mapping=slots,
+                    num_q_heads=fused.split[0] // attention.head_dim,
+                )
+                q = decode_gemv(
                     residual,
-                    layer,
-                    fused,
-                    cos,
-                    sin,
-                    kv_cache,
-                    decode_gemv,
+                    fused.qkv_weight,
+                    fused.qkv_bias,
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
+                    rope=rope,
+                )
+                out = kv_cache.attend_stored_keys(
+                    layer.layer_idx,
+                    q.unflatten(-1, (-1, attention.head_dim)),
+                    scale=attention.scale,
                 )
             else:
                 qkv = decode_gemv(
@@ -403,7 +337,15 @@ class FusedDecoder:
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
                 )
-                out = self._attend(qkv, layer, fused, cos, sin, kv_cache)
+                q, k, v = (
+                    part.unflatten(-1, (-1, attention.head_dim))
+                    for part in qkv.split(fused.split, dim=-1)
+                )
+                if attention.q_norm is not None and attention.k_norm is not None:
+                    q, k = attention.q_norm(q), attention.k_norm(k)
+                out = kv_cache.attend_rotary(
+                    layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
+                )
             residual = decode_gemv(
                 out.flatten(-2),
                 attention.o_proj.weight,
