@@ -257,6 +257,19 @@ def main() -> None:
         ).to(device)
         hf_model.eval()
 
+    def write() -> None:
+        _write_results(out, args, rows, profiles, started, meta)
+
+    meta = {
+        "device": torch.cuda.get_device_name(device),
+        "name": name,
+        "overrides": overrides,
+        "dtype": str(config.dtype),
+        "hf_new_tokens": hf_new_tokens,
+        "parameter_bytes": param_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "bandwidth": bandwidth,
+    }
     rows, profiles = [], []
     for batch in batch_sizes:
         prompts = all_prompts[:batch]
@@ -326,6 +339,7 @@ def main() -> None:
             row["eager_tokens_equal"] = eager_tokens == tokens
         rows.append(row)
         print(json.dumps(row), flush=True)
+        write()  # after every engine row: a cut run keeps what it measured
 
     sweep = [int(c) for c in args.context_sweep.split(",") if c]
     meta_sweep = context_sweep(model, sweep) if sweep else []
