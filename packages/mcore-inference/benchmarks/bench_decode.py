@@ -269,6 +269,7 @@ def main() -> None:
         "parameter_bytes": param_bytes,
         "kv_bytes_per_token": kv_bytes_per_token,
         "bandwidth": bandwidth,
+        "context_sweep": [],
     }
     rows, profiles = [], []
     for batch in batch_sizes:
@@ -342,22 +343,7 @@ def main() -> None:
         write()  # after every engine row: a cut run keeps what it measured
 
     sweep = [int(c) for c in args.context_sweep.split(",") if c]
-    meta_sweep = context_sweep(model, sweep) if sweep else []
-
-    def write() -> None:
-        _write_results(out, args, rows, profiles, started, meta)
-
-    meta = {
-        "device": torch.cuda.get_device_name(device),
-        "name": name,
-        "overrides": overrides,
-        "dtype": str(config.dtype),
-        "hf_new_tokens": hf_new_tokens,
-        "parameter_bytes": param_bytes,
-        "kv_bytes_per_token": kv_bytes_per_token,
-        "bandwidth": bandwidth,
-        "context_sweep": meta_sweep,
-    }
+    meta["context_sweep"] = context_sweep(model, sweep) if sweep else []
     write()
     # The peers after every engine row, the files rewritten after each (the compilation of
     # transformers' static cache takes long: a cut run keeps what it measured).
