@@ -121,7 +121,9 @@ def test_attention_merged_in_o_proj(model, gemv_calls, monkeypatch, width):
     monkeypatch.setattr(
         fused_decode, "attention_o_proj", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    actual, cache = _forward(model, FusedDecoder(model, gemv_max_rows=16), tables=narrow)
+    actual, cache = _forward(
+        model, FusedDecoder(model, gemv_max_rows=16, attention_in_o_proj=True), tables=narrow
+    )
     fused = model.layers[0].self_attention.q_norm is None
     assert len(calls) == (len(model.layers) if fused else 0)
     assert len(gemv_calls) == (3 if fused else 4) * len(model.layers)
@@ -187,12 +189,14 @@ def _generate(model, params, **options):
         return [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, params)]
 
 
+@pytest.mark.parametrize("in_o_proj", [False, True], ids=["attention", "attention_in_o_proj"])
 @pytest.mark.parametrize("max_rows", [1, 16])
 def test_engine_with_gemv_steps_generates_what_the_model_forward_generates(
-    model, monkeypatch, max_rows
+    model, monkeypatch, max_rows, in_o_proj
 ):
     # 16: every prefill chunk and decode step runs the GEMV path; 1: only single-row steps.
     monkeypatch.setattr(fused_decode, "GEMV_MAX_ROWS", max_rows)
+    monkeypatch.setattr(fused_decode, "ATTENTION_IN_O_PROJ", in_o_proj)
     monkeypatch.setattr(fused_decode, "LM_HEAD_GEMV_MAX_ROWS", max_rows)
     actual = _generate(model, PARAMS, fused_decode=True)
     expected = _generate(model, PARAMS, fused_decode=False)
@@ -205,12 +209,14 @@ def test_engine_with_gemv_steps_generates_what_the_model_forward_generates(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("in_o_proj", [False, True], ids=["attention", "attention_in_o_proj"])
 @pytest.mark.parametrize("max_rows", [2, 16])
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "rope_in_projection"])
 def test_bfloat16_graph_engine_greedy_tokens_match_the_eager_forward_on_gpu(
-    monkeypatch, max_rows, qk_norm
+    monkeypatch, max_rows, qk_norm, in_o_proj
 ):
     monkeypatch.setattr(fused_decode, "GEMV_MAX_ROWS", max_rows)
+    monkeypatch.setattr(fused_decode, "ATTENTION_IN_O_PROJ", in_o_proj)
     model = _model(5, dtype=torch.bfloat16, qk_norm=qk_norm).cuda()
     params = SamplingParams(temperature=0.0, max_tokens=12, return_logprobs=True)
     actual = _generate(model, params, fused_decode=True)
