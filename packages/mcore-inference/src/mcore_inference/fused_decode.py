@@ -76,11 +76,8 @@ at 256 and 236.6k against 244.9k at 512 (there the early-started kernels hold mu
 that the GEMMs want)."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
-ATTENTION_IN_O_PROJ = False
-"""Default of ``FusedDecoder(attention_in_o_proj=)``. Off: on one H200 it made batch-1 decode
-1890 tok/s against 1689, but in a serving run (the serve benchmark's direct engine, 1 then 16
-then 64 clients) the first steps after the batch-1 rows paid one-off costs of 0.4-1.6 s (16
-clients 4870 against 15771 tok/s with it off) that the engine's warm-up does not cover yet."""
+ATTENTION_IN_O_PROJ = True
+"""Default of ``FusedDecoder(attention_in_o_proj=)``."""
 
 
 @dataclass(slots=True)
