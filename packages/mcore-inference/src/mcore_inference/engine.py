@@ -34,6 +34,7 @@ from mcore_inference.scheduler import Scheduler
 from mcore_inference.stage import StageRunner
 from mcore_inference.stopping import StopCriteria
 from mcore_inference.tokenizer import load_tokenizer
+from mcore_inference.warmup import warm_up_engine
 from mcore_inference.weights import WeightSource, update_weights_in_place, whole_model_names
 
 if TYPE_CHECKING:
@@ -431,7 +432,27 @@ class InferenceEngine(_StepLoop):
         self._check_open()
         self._revalidate_graphs()
         graphs = self._graphs
-        return graphs.capture_all() if graphs is not None else 0
+        captured = graphs.capture_all() if graphs is not None else 0
+        if self.device.type == "cuda":
+            self.warm_up()
+        return captured
+
+    def warm_up(self) -> int:
+        """Run every kernel variant of the eager steps and of the sampler once.
+
+        Triton compiles a kernel per specialisation (see :mod:`mcore_inference.warmup`); a
+        compile in a step stalls every running request. :meth:`capture_graphs` calls it on a
+        CUDA device, after capturing the graphs (which compile their own variants).
+
+        Returns:
+            The number of forwards run (0 for engines whose steps are collective or stateful:
+            pipeline stages, expert-parallel lockstep, Mamba layers).
+
+        Raises:
+            EngineClosedError: If the engine is closed.
+        """
+        self._check_open()
+        return warm_up_engine(self)
 
     # ---------------------------------------------------------------------------- generation
 

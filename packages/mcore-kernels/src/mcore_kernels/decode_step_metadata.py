@@ -28,7 +28,10 @@ from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValue
 __all__ = ["decode_step_metadata"]
 
 
-@jit
+# The token count and the table width vary from step to step (eager steps cut the table to the
+# step's longest context; the positions are a row of the step's [3, T] inputs, 16-byte aligned
+# only for even T): specialising on them would compile a kernel in the request path.
+@jit(do_not_specialize=("positions_ptr", "rows_ptr", "stride_table_row", "width"))
 def _decode_step_metadata_kernel(
     tables_ptr,
     positions_ptr,
@@ -115,7 +118,8 @@ def decode_step_metadata(
         block_tables.stride(0),
         width,
         block_size,
-        BLOCK_W=min(1024, next_power_of_2(max(width, 1))),
+        # From the row stride, which a cut table keeps: one binary for every cut of it.
+        BLOCK_W=min(1024, next_power_of_2(max(width, block_tables.stride(0), 1))),
         num_warps=1,
     )
     return slots, tables, context

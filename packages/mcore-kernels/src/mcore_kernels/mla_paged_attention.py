@@ -44,7 +44,8 @@ __all__ = [
 ]
 
 
-@jit
+# The table stride and split count follow the step (see paged_attention): not specialised.
+@jit(do_not_specialize=["stride_table_token", "num_splits"])
 def _paged_mla_split_kernel(
     q_latent_ptr,
     q_rope_ptr,

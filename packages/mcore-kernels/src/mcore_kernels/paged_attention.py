@@ -510,7 +510,8 @@ def _paged_attention_split_kernel(
                 tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
 
-@jit
+# The split count follows the table width, which eager steps cut to their longest context.
+@jit(do_not_specialize=["num_splits"])
 def _paged_attention_merge_kernel(
     partial_out_ptr,
     partial_max_ptr,

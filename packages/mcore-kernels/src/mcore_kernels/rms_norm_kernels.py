@@ -38,7 +38,10 @@ def _store(pointers, value, mask, EVEN: tl.constexpr):
         tl.store(pointers, value, mask=mask)
 
 
-@jit
+# The row count (an inference step's token count) is not specialised: its `== 1` and
+# `% 16` classes would compile a kernel per class in the request path, and the row mask
+# (or EVEN) does not use them.
+@jit(do_not_specialize=["rows"])
 def _rms_norm_fwd_kernel(
     x_ptr,
     residual_ptr,

@@ -30,7 +30,6 @@ from mcore_kernels._triton_utils import (
     CachedLauncher,
     device_limits,
     jit,
-    next_power_of_2,
     tl,
     triton,
 )
@@ -181,16 +180,21 @@ def row_argmax_triton(x: torch.Tensor, *, chunks: int | None = None) -> torch.Te
     chunk = -(-columns // chunks)
     chunk = -(-chunk // _LANES) * _LANES
     chunks = -(-columns // chunk)
-    # One allocation for the result and the workspace (host time counts at decode).
-    buffer = torch.empty(rows * (chunks + 1), dtype=torch.int64, device=x.device)
-    out, ws = buffer[:rows], buffer[rows:]
+    # One allocation for the result and the workspace (host time counts at decode). The
+    # workspace starts 16-byte aligned whatever the row count: Triton specialises a kernel on
+    # its pointers' alignment, and a new specialisation is a compile in the request path.
+    start = rows + (rows & 1)
+    buffer = torch.empty(start + rows * chunks, dtype=torch.int64, device=x.device)
+    out, ws = buffer[:rows], buffer[start:]
     if rows == 0:
         return out
     tickets = _tickets(x.device, rows) if chunks > 1 else ws
     _ROW_ARGMAX(
         (chunks, rows),
         (x, out, ws, tickets, columns, x.stride(0), chunk, chunks),
-        {"LANES": _LANES, "CHUNKS_PAD": next_power_of_2(chunks)},
+        # A fixed key padding (only the row's last program reads it): one binary for every
+        # row count, where the power of two above ``chunks`` made one per band of rows.
+        {"LANES": _LANES, "CHUNKS_PAD": _MAX_CHUNKS},
         4,
         x.get_device(),
     )

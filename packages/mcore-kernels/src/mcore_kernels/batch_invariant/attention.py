@@ -59,7 +59,9 @@ def query_block_tokens(q_heads: int, kv_heads: int) -> int:
     return max(QUERY_ROWS, next_power_of_2(group)) // group
 
 
-@jit(do_not_specialize=["explicit_blocks"])
+# The table stride (eager steps cut the table to their longest context) and the split count
+# vary between steps: specialising on them would compile a kernel in the request path.
+@jit(do_not_specialize=["explicit_blocks", "stride_table_token", "num_splits"])
 def _split_kernel(
     q_ptr,
     k_ptr,
@@ -202,7 +204,7 @@ def _split_kernel(
     )
 
 
-@jit
+@jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     partial_out_ptr,
     partial_max_ptr,
