@@ -98,8 +98,7 @@ def test_nothing_compiles_after_capture_graphs_from_1_to_64_concurrent_requests(
         with SpecializationLog() as log:
             for clients in (1, 2, 3, 16, 17, 33, 64):
                 prompts = [
-                    [rng.randrange(512) for _ in range(rng.randint(1, 500))]
-                    for _ in range(clients)
+                    [rng.randrange(512) for _ in range(rng.randint(1, 500))] for _ in range(clients)
                 ]
                 params = [
                     SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 40))
