@@ -43,7 +43,7 @@ def _params(rng, count):
     return params
 
 
-def _keys_of_warm_up_and_sweep() -> tuple[set, set, set]:
+def _keys_of_warm_up_and_sweep(batch_invariant: bool) -> tuple[set, set, set]:
     """In an interpreting process: the keys of one request, of the warm-up and of a sweep."""
     from mcore_kernels.specialization_log import SpecializationLog
 
@@ -56,6 +56,7 @@ def _keys_of_warm_up_and_sweep() -> tuple[set, set, set]:
         attention_split_size=16,
         max_tokens_per_step=20,
         prefill_chunk_size=12,
+        batch_invariant=batch_invariant,
     )
     rng = random.Random(0)
     with InferenceEngine(model, config) as engine:
@@ -72,11 +73,13 @@ def _keys_of_warm_up_and_sweep() -> tuple[set, set, set]:
     return single.keys, warm.keys, sweep.keys
 
 
-def test_after_warm_up_no_step_launches_a_new_specialisation(monkeypatch):
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
+def test_after_warm_up_no_step_launches_a_new_specialisation(monkeypatch, batch_invariant):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-        single, warm, sweep = pool.submit(_keys_of_warm_up_and_sweep).result(timeout=600)
+        future = pool.submit(_keys_of_warm_up_and_sweep, batch_invariant)
+        single, warm, sweep = future.result(timeout=600)
     # The sweep needs variants a one-request run does not launch (so the check can fail) ...
     assert sweep - single
     # ... and the warm-up launched every one of them.
