@@ -56,15 +56,15 @@ def warm_up_engine(engine: InferenceEngine) -> int:
     """Run the engine's eager forward and sampler at every count of :func:`warm_up_counts`.
 
     Only for a single-stage engine without expert-parallel lockstep and Mamba layers (the
-    others' steps are collective or stateful); does nothing elsewhere.
+    others' steps are collective or stateful); does nothing elsewhere. Safe between steps
+    while requests run: the padding tokens write only into the scratch block.
 
     Args:
-        engine: An open engine with no request running.
+        engine: An open engine.
 
     Returns:
         The number of forwards run.
     """
-
     runner = engine._runner
     cache = engine.kv_cache
     scheduler = engine.scheduler
