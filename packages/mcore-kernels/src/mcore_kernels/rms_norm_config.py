@@ -139,11 +139,27 @@ _FORWARD_CONSTEXPRS: dict[tuple, dict[str, Any]] = {}
 
 
 def _forward_constexprs(
-    plan: _Plan, has_residual: bool, store_rstd: bool, block_rows: int, flags: tuple[bool, ...]
+    plan: _Plan,
+    has_residual: bool,
+    store_rstd: bool,
+    block_rows: int,
+    flags: tuple[bool, ...],
+    exact: bool = False,
 ) -> dict[str, Any]:
-    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags)
+    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact)
     found = _FORWARD_CONSTEXPRS.get(key)
-    if found is None:
+    if found is None and exact:
+        _, wide, evict = flags
+        # The specialised kernel of whole row blocks exactly one block wide.
+        found = _FORWARD_CONSTEXPRS[key] = {
+            "HAS_RESIDUAL": has_residual,
+            "BLOCK_M": block_rows,
+            "BLOCK": plan.block,
+            "WIDE": wide,
+            "ROW_HINT": 1 if evict else 0,
+            "WEIGHT_HINT": 2 if evict else 0,
+        }
+    elif found is None:
         even, wide, evict = flags
         found = _FORWARD_CONSTEXPRS[key] = {
             "HAS_RESIDUAL": has_residual,
