@@ -473,3 +473,27 @@ def test_cuda_specialised_kernels_are_bitwise_the_general_ones(rows, hidden):
             general = launch._backward(dy, dhidden, h, weight, None, 1e-6, specialise=False)
             for got, expected in zip(special, general, strict=True):
                 assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_general_kernel_calls_leave_the_fast_tables_alone(triton_backend, device):
+    # A call with specialise=False (the tests' and benchmarks' comparison) must not put the
+    # general kernel into the table that later default calls launch from.
+    launch = importlib.import_module("mcore_kernels.rms_norm_launch")
+    x, residual, weight = (t.to(device) for t in _inputs((1, 512), torch.float32, seed=3))
+    before = (dict(launch._FAST_FORWARD), dict(launch._FAST_BACKWARD))
+    launch._forward(x, weight, 1e-6, residual, False, specialise=False)
+    launch._backward(x, residual, x, weight, None, 1e-6, specialise=False)
+    assert (launch._FAST_FORWARD, launch._FAST_BACKWARD) == before

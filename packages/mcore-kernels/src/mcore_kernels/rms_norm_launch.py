@@ -205,7 +205,7 @@ def _forward(
             device_index,
         )
         entry = _FORWARD.entry(key)
-        if entry is not None and not store_rstd and type(eps) is float:
+        if entry is not None and specialise and not store_rstd and type(eps) is float:
             _FAST_FORWARD[signature] = (*entry, programs, False)
     else:
         _FORWARD((programs,), args, constexprs, config.fwd_warps, device_index)
@@ -321,7 +321,7 @@ def _backward(
         addresses = (*inputs, dx.data_ptr(), partial.data_ptr(), rows, hidden, hidden, eps)
         _BACKWARD.keyed(key, programs, args, addresses, constexprs, config.bwd_warps, device_index)
         entry = _BACKWARD.entry(key)
-        if entry is not None and final and rstd is dy2 and type(eps) is float:
+        if entry is not None and specialise and final and rstd is dy2 and type(eps) is float:
             _FAST_BACKWARD[(signature, has_dhidden)] = (*entry, programs, False)
     else:
         _BACKWARD((programs,), args, constexprs, config.bwd_warps, device_index)
