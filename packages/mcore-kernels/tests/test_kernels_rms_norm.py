@@ -379,7 +379,7 @@ def test_cuda_repeated_calls_take_the_fast_path_with_the_first_calls_results(sha
     forward_key = (shape[0], shape[1], x.get_device(), x.dtype, weight.dtype, with_residual)
     assert forward_key in launch._FAST_FORWARD
     if shape[1] <= launch.MAX_BLOCK and shape[0] == 1:
-        assert any(key[0][:2] == shape for key in launch._FAST_BACKWARD)
+        assert any(tuple(key[0]) == shape for key in launch._FAST_BACKWARD)
     for later in results[1:]:
         for first, again in zip(results[0], later, strict=True):
             assert torch.equal(first, again)
@@ -497,3 +497,30 @@ def test_general_kernel_calls_leave_the_fast_tables_alone(triton_backend, device
     launch._forward(x, weight, 1e-6, residual, False, specialise=False)
     launch._backward(x, residual, x, weight, None, 1e-6, specialise=False)
     assert before == (launch._FAST_FORWARD, launch._FAST_BACKWARD)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("hidden", [2048, 3000])
+def test_cuda_one_token_backward_takes_the_cached_launch(monkeypatch, hidden):
+    module = importlib.import_module("mcore_kernels.rms_norm")
+    taken = []
+    cached = module._backward_cached
+
+    def counting(*args):
+        result = cached(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(module, "_backward_cached", counting)
+    x, residual, weight = (t.cuda() for t in _inputs((1, hidden), torch.bfloat16, seed=hidden))
+    grads = [torch.randn_like(x) for _ in range(2)]
+    results = []
+    for _ in range(3):
+        leaves = [t.clone().requires_grad_() for t in (x, residual, weight)]
+        outs = rms_norm(leaves[0], leaves[2], 1e-6, residual=leaves[1])
+        results.append(torch.autograd.grad(outs, leaves, grads))
+    assert taken == [False, True, True]
+    for later in results[1:]:
+        for first, again in zip(results[0], later, strict=True):
+            assert torch.equal(first, again)

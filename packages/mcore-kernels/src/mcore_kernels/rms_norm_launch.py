@@ -55,11 +55,13 @@ def _int_class(value: int) -> tuple[bool, bool, bool]:
 # work of a one-row call is what it costs). Only calls without a stored rstd and with the
 # 16-byte aligned inputs the key was built for take it; the others take the full path.
 _FAST_FORWARD: dict[tuple, tuple] = {}
-# By (rows, hidden, device, dy, d(hidden), hidden and weight dtypes): the one-program backward
-# launch (calls of one row block, which write the weight gradient directly).
+# By (shape of hidden_states, device, dy, d(hidden), hidden and weight dtypes, d(hidden)
+# given?): the one-program backward launch (calls of one row block, which write the weight
+# gradient directly), with the row count, hidden size and device it was built for.
 _FAST_BACKWARD: dict[tuple, tuple] = {}
 # Read only after a CUDA launch was cached (a build without CUDA never reaches it).
 _current_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device: Any = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def _forward(
@@ -238,30 +240,16 @@ def _backward(
         dh2 = dhidden_out if dhidden_out.is_contiguous() else dhidden_out.contiguous()
     if not weight.is_contiguous():
         weight = weight.contiguous()
+    if config is None and specialise and rstd is None:
+        done = _backward_cached(dy2, dhidden_out if dhidden_out is None else dh2, h2, weight, eps)
+        if done is not None:
+            return done
     rows = h2.numel() // hidden
     dx = torch.empty_like(h2)
     if rows == 0:
         return dx, torch.zeros_like(weight)
     device_index = h2.get_device()
-    signature = (rows, hidden, device_index, dy2.dtype, dh2.dtype, h2.dtype, weight.dtype)
-    fast = None
-    if config is None and specialise and rstd is None and (dhidden_out is None) is (dh2 is dy2):
-        fast = _FAST_BACKWARD.get((signature, dhidden_out is not None))
-    if fast is not None:
-        # A call like one launched before (one program, no partial sums): allocate and launch.
-        run, function, metadata, tail, programs, exact = fast
-        dweight = torch.empty_like(weight)
-        ya, ha, xa, wa = dy2.data_ptr(), dh2.data_ptr(), h2.data_ptr(), weight.data_ptr()
-        if not (ya | ha | xa | wa) & _ALIGNED:
-            stream = _current_stream(device_index)
-            if exact:
-                run(programs, 1, 1, stream, function, metadata, None, None, None, ya, ha, xa, wa,
-                    dx.data_ptr(), dweight.data_ptr(), eps, *tail)  # fmt: skip
-            else:
-                run(programs, 1, 1, stream, function, metadata, None, None, None, ya, ha, xa, wa,
-                    ya, dx.data_ptr(), dweight.data_ptr(), rows, hidden, hidden, eps,
-                    *tail)  # fmt: skip
-            return dx, dweight
+    signature = (h2.shape, device_index, dy2.dtype, dh2.dtype, h2.dtype, weight.dtype)
     block, single, chosen, cap, exact_width, _ = _launch(hidden, device_index)
     if rstd is None:
         if not single:
@@ -322,7 +310,14 @@ def _backward(
         _BACKWARD.keyed(key, programs, args, addresses, constexprs, config.bwd_warps, device_index)
         entry = _BACKWARD.entry(key)
         if entry is not None and specialise and final and rstd is dy2 and type(eps) is float:
-            _FAST_BACKWARD[(signature, has_dhidden)] = (*entry, programs, False)
+            _FAST_BACKWARD[(*signature, has_dhidden)] = (
+                *entry,
+                programs,
+                False,
+                rows,
+                hidden,
+                device_index,
+            )
     else:
         _BACKWARD((programs,), args, constexprs, config.bwd_warps, device_index)
     if not final:
@@ -365,6 +360,62 @@ def _backward_exact(
         _BACKWARD_EXACT.keyed(key, 1, args, addresses, constexprs, warps, device_index)
         entry = _BACKWARD_EXACT.entry(key)
         if entry is not None and type(eps) is float:
-            _FAST_BACKWARD[(signature, has_dhidden)] = (*entry, 1, True)
+            _FAST_BACKWARD[(*signature, has_dhidden)] = (
+                *entry,
+                1,
+                True,
+                dy.numel() // block,
+                block,
+                device_index,
+            )
     else:
         _BACKWARD_EXACT((1,), args, constexprs, warps, device_index)
+
+
+def _backward_cached(
+    dy: torch.Tensor,
+    dhidden_out: torch.Tensor | None,
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The one-program backward of a call like one launched before, from the fast table.
+
+    Allocates the two outputs and launches the compiled kernel, nothing else; returns None when
+    the call is not in the table or its tensors are not the contiguous, 16-byte aligned ones
+    on the current device that the entry was built for (the caller then takes
+    :func:`_backward`).
+    """
+    dh = dy if dhidden_out is None else dhidden_out
+    fast = _FAST_BACKWARD.get(
+        (
+            hidden_states.shape,
+            hidden_states.get_device(),
+            dy.dtype,
+            dh.dtype,
+            hidden_states.dtype,
+            weight.dtype,
+            dhidden_out is not None,
+        )
+    )
+    if fast is None:
+        return None
+    run, function, metadata, tail, programs, exact, rows, hidden, device_index = fast
+    ya, ha, xa, wa = dy.data_ptr(), dh.data_ptr(), hidden_states.data_ptr(), weight.data_ptr()
+    if (
+        (ya | ha | xa | wa) & _ALIGNED
+        or not (dy.is_contiguous() and dh.is_contiguous() and hidden_states.is_contiguous())
+        or not weight.is_contiguous()
+        or device_index != _current_device()
+    ):
+        return None
+    dx = torch.empty_like(hidden_states)
+    dweight = torch.empty_like(weight)
+    stream = _current_stream(device_index)
+    if exact:
+        run(programs, 1, 1, stream, function, metadata, None, None, None, ya, ha, xa, wa,
+            dx.data_ptr(), dweight.data_ptr(), eps, *tail)  # fmt: skip
+    else:
+        run(programs, 1, 1, stream, function, metadata, None, None, None, ya, ha, xa, wa, ya,
+            dx.data_ptr(), dweight.data_ptr(), rows, hidden, hidden, eps, *tail)  # fmt: skip
+    return dx, dweight
