@@ -1,5 +1,5 @@
-"""The torch.library ops of row_argmax, decode_step_metadata, the SSD state update and the MoE
-row kernels, and the torch-only SSD convolutions, under ``torch.compile``.
+"""The torch.library ops of row_argmax, decode_step_metadata, attention_o_proj, the SSD state
+update and the MoE row kernels, and the torch-only SSD convolutions, under ``torch.compile``.
 
 ``torch.library.opcheck`` checks each op's schema, fake implementation and AOT dispatch; each
 public entry point compiled with ``fullgraph=True`` is then compared with its torch reference
@@ -14,10 +14,15 @@ import os
 import pytest
 import torch
 
+from mcore_kernels.decode_attention_gemv import attention_o_proj
 from mcore_kernels.decode_step_metadata import decode_step_metadata
 from mcore_kernels.moe import reference as moe_reference
 from mcore_kernels.moe.rows import aligned_rows, capacity_rows, dropless_rows, padded_slots
-from mcore_kernels.reference import decode_step_metadata_reference, row_argmax_reference
+from mcore_kernels.reference import (
+    attention_o_proj_reference,
+    decode_step_metadata_reference,
+    row_argmax_reference,
+)
 from mcore_kernels.row_argmax import row_argmax
 from mcore_kernels.ssd import (
     causal_conv1d,
@@ -59,6 +64,24 @@ def _metadata(device: str):
     positions = torch.tensor([0, 5, 17, 23])
     table_rows = torch.tensor([3, 0, 2, 1])
     return block_tables.to(device), positions.to(device), table_rows.to(device), 4
+
+
+def _attention(device: str):
+    generator = torch.Generator().manual_seed(4)
+    tokens, heads, kv_heads, dim, block_size, n = 2, 4, 2, 16, 4, 24
+    q = torch.randn(tokens, heads, dim, generator=generator)
+    k_cache, v_cache = (
+        torch.randn(7, block_size, kv_heads, dim, generator=generator) for _ in "kv"
+    )
+    tables = torch.tensor([[1, 3, 5], [2, 4, 6]], dtype=torch.int32)
+    lens = torch.tensor([9, 12], dtype=torch.int32)
+    weight = torch.randn(n, heads * dim, generator=generator) * (heads * dim) ** -0.5
+    bias, residual = (
+        torch.randn(n, generator=generator),
+        torch.randn(tokens, n, generator=generator),
+    )
+    tensors = [t.to(device) for t in (q, k_cache, v_cache, tables, lens, weight, bias, residual)]
+    return tensors, dim**-0.5
 
 
 def _state_update(device: str):
@@ -110,6 +133,13 @@ def test_opcheck_row_argmax_and_decode_step_metadata():
     torch.library.opcheck(OPS.decode_step_metadata, _metadata("cpu"))
 
 
+def test_opcheck_attention_o_proj():
+    (q, k, v, tables, lens, weight, bias, residual), scale = _attention("cpu")
+    args = (q, k, v, tables, lens, weight, bias, scale, residual, None, None, None, None)
+    torch.library.opcheck(OPS.attention_o_proj, args)
+    torch.library.opcheck(OPS.attention_o_proj, (*args[:6], None, scale, None, 8, 8, 4, False))
+
+
 def test_opcheck_ssd_state_update():
     state, *rest = _state_update("cpu")
     torch.library.opcheck(OPS.ssd_state_update_, (state, *rest))
@@ -139,6 +169,20 @@ def _check_compiled(device: str, backend: str) -> None:
         compiled(*metadata), decode_step_metadata_reference(*metadata), strict=True
     ):
         assert torch.equal(got, expected)
+    (q, k, v, tables, lens, weight, bias, residual), scale = _attention(device)
+
+    def attend(q, weight, bias, residual):
+        return attention_o_proj(
+            q, k, v, tables, lens, weight, bias, scale=scale, residual=residual, split_size=8
+        )
+
+    got = torch.compile(attend, backend=backend, fullgraph=True)(q, weight, bias, residual)
+    expected = attention_o_proj_reference(
+        q, k, v, tables, lens, weight, bias, scale=scale, residual=residual
+    )
+    # The GPU's attention products run on tensor cores (bf16 parts of float32 values).
+    tolerance = 1e-4 if device == "cpu" else 5e-3
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
     state, *rest = _state_update(device)
     expected_state = state.clone()
     expected = ssd_state_update_reference(expected_state, *rest[:6], state_indices=rest[6])

@@ -35,6 +35,7 @@ __all__ = [
     "masked_update_reference",
     "decode_gemv_reference",
     "decode_step_metadata_reference",
+    "attention_o_proj_reference",
     "row_argmax_reference",
 ]
 
@@ -549,3 +550,37 @@ def decode_step_metadata_reference(
     blocks = tables.gather(1, (positions // block_size)[:, None])[:, 0]
     slot_mapping = blocks.long() * block_size + positions % block_size
     return slot_mapping, tables, (positions + 1).to(torch.int32)
+
+
+def attention_o_proj_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    scale: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The unfused ops in plain torch: paged attention, then the projection and residual add.
+
+    Args:
+        q: ``[T, Hq, D]`` rotated queries.
+        k_cache: ``[num_blocks, block_size, Hkv, D]`` keys.
+        v_cache: Values shaped like ``k_cache``.
+        block_tables: ``[T, max_blocks]`` block table rows.
+        context_lens: ``[T]`` attended positions per token.
+        weight: ``[N, Hq * D]`` output projection.
+        bias: Optional ``[N]`` bias.
+        scale: Multiplier of the query-key products.
+        residual: Optional ``[T, N]`` tensor added to the projection.
+
+    Returns:
+        ``[T, N]`` in the dtype of ``q``.
+    """
+    attended = paged_attention_reference(
+        q, k_cache, v_cache, block_tables, context_lens, scale=scale
+    )
+    return decode_gemv_reference(attended.flatten(1), weight, bias, residual=residual)
