@@ -16,6 +16,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -56,7 +57,11 @@ def shapes() -> list[tuple[int, int]]:
     """The whole table: rows {1, 256, 4096, 8192, 16384} x hidden {2048, 4096, 8192}.
 
     It holds the training shapes of the 1B (8192 x 2048) and 8B (16384 x 4096) models.
+    ``MCORE_BENCH_SHAPES`` (``ROWSxHIDDEN`` separated by commas) picks a subset instead.
     """
+    chosen = os.environ.get("MCORE_BENCH_SHAPES")
+    if chosen:
+        return [tuple(int(v) for v in item.split("x")) for item in chosen.split(",")]  # type: ignore[misc]
     if quick():
         return [(1, 2048), (4096, 2048), (8192, 8192)]
     return [(rows, hidden) for hidden in (2048, 4096, 8192) for rows in (1, 256, 4096, 8192, 16384)]

@@ -252,6 +252,70 @@ def main() -> None:
         _write(args.out, entries, chosen)
 
 
+HOW_CHOSEN = """How the launch configuration of a call is chosen per shape (mcore-kernels 0.2)
+
+add + RMSNorm. The numerics of a row (the order of its reductions) depend on the row width
+only, so a row's result is bitwise the same whatever the number of rows in the call.
+
+1. Once per (hidden size, device), `rms_norm_config._launch` (cached) builds the plan: the row
+   block width is the hidden size rounded up to a power of two, at most `MAX_BLOCK` = 8192
+   (wider rows are streamed in 8192-wide chunks, one row per program, and the forward stores
+   `rstd` for the backward); `LAUNCH_CONFIGS` gives that width's entry (the table below).
+2. Per call, from the number of rows: a row block holds `fwd_rows` (`bwd_rows`) rows, or the
+   next power of two of the call's rows when it has fewer (the same one-row layout repeated);
+   the forward launches one program per row block; the backward launches at most
+   `bwd_programs_per_sm` x multiprocessors programs, each walking row blocks at a fixed stride
+   and writing one float32 partial weight gradient summed in program order by a second kernel
+   (one program writes the weight gradient itself), and pipelines its row loop `bwd_stages`
+   deep only when a program walks several row blocks.
+3. Which kernel: contiguous rows exactly one block wide (2048, 4096, 8192 ...) in whole row
+   blocks run specialised kernels without masks, row count or stride arguments (the forward,
+   and the backward of a call that is one row block); other shapes run the general kernels
+   (masks, 64-bit offsets only from 2**31 elements). Both give the same bits (tests on the
+   interpreter and the GPU).
+4. Loads: a forward whose `x` fits in half of the L2 cache loads its rows with the
+   evict-first hint and the weight with evict-last; larger calls load plainly.
+5. A repeated call of the same (rows, hidden, device, dtypes) reuses the compiled kernel and
+   grid from a table (no plan, key or constexpr work on the host).
+
+token log-probs: one program per row; the vocabulary chunk and warps depend on the vocabulary
+size only (`token_logprobs._block_and_warps`: forward 1024-wide chunks and 4 warps, backward
+2048-wide chunks and 16 warps).
+
+Where the numbers come from: `benchmarks/tune_launch_configs.py` times every candidate's
+launcher (no autograd) at rows 1, 256, 4096, 8192 and 16384 of each hidden size, GPU time
+under CUDA graph replay over L2-cold input copies, and picks per hidden size the candidate of
+least geometric mean of time / fastest time over the row counts (score 1.0 = fastest at every
+row count); the backward's layout first, then its grid cap and depth. The chosen rows are
+copied into `LAUNCH_CONFIGS` by hand.
+"""
+
+
+def in_use_table() -> str:
+    """The launch table the package holds now (``LAUNCH_CONFIGS``), as Markdown."""
+    rows = [
+        [
+            width,
+            c.fwd_rows,
+            c.fwd_warps,
+            c.bwd_rows,
+            c.bwd_warps,
+            c.bwd_programs_per_sm,
+            c.bwd_stages,
+        ]
+        for width, c in sorted(rms.LAUNCH_CONFIGS.items())
+    ]
+    header = [
+        "row block width",
+        "fwd rows",
+        "fwd warps",
+        "bwd rows",
+        "bwd warps",
+        "bwd programs/SM",
+    ]
+    return markdown_table([*header, "bwd stages"], rows)
+
+
 def _write(out: Path, entries: list[dict], chosen: list[list[Any]]) -> None:
     payload = {
         **device_info(),
@@ -260,8 +324,11 @@ def _write(out: Path, entries: list[dict], chosen: list[list[Any]]) -> None:
         "results": entries,
     }
     table = (
-        f"Launch-parameter sweep on {payload['device']} (bf16). Chosen per hidden size (vocabulary "
-        "for log-probs): least geometric mean of time / fastest time over the row counts "
+        HOW_CHOSEN
+        + "\n`LAUNCH_CONFIGS` when this sweep ran:\n\n"
+        + in_use_table()
+        + f"\nThis sweep on {payload['device']} (bf16): chosen per hidden size (vocabulary for "
+        "log-probs), least geometric mean of time / fastest time over the row counts "
         f"{ROWS} (score 1.0 = fastest at every row count).\n\n"
         + markdown_table(["kernel", "hidden", "chosen", "score"], chosen)
     )

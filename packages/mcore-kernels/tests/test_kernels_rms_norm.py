@@ -379,10 +379,148 @@ def test_cuda_repeated_calls_take_the_fast_path_with_the_first_calls_results(sha
     forward_key = (shape[0], shape[1], x.get_device(), x.dtype, weight.dtype, with_residual)
     assert forward_key in launch._FAST_FORWARD
     if shape[1] <= launch.MAX_BLOCK and shape[0] == 1:
-        assert any(key[0][:2] == shape for key in launch._FAST_BACKWARD)
+        assert any(tuple(key[0]) == shape for key in launch._FAST_BACKWARD)
     for later in results[1:]:
         for first, again in zip(results[0], later, strict=True):
             assert torch.equal(first, again)
     reference = rms_norm_reference(x, weight, 1e-6, residual=residual)
     reference = reference if isinstance(reference, tuple) else (reference,)
     torch.testing.assert_close(results[0][0], reference[0], atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "hidden"), [(4, 1024), (8, 256), (3, 2048)], ids=str)
+def test_specialised_forward_is_bitwise_the_general_kernel(
+    triton_backend, monkeypatch, rows, hidden, dtype
+):
+    # Whole row blocks of rows exactly one block wide run the specialised kernel (no masks, no
+    # strides): its bits must be the general kernel's, and its values the reference's.
+    launch = importlib.import_module("mcore_kernels.rms_norm_launch")
+    plan = launch._launch(hidden, -1)
+    assert plan.exact and not rows % plan.config.fwd_rows
+    launched = []
+    exact_launcher = launch._FORWARD_EXACT
+
+    class Spy:
+        def keyed(self, *args):
+            launched.append(args[0])
+            return exact_launcher.keyed(*args)
+
+        def entry(self, key):
+            return exact_launcher.entry(key)
+
+    monkeypatch.setattr(launch, "_FORWARD_EXACT", Spy())
+    x, residual, weight = _inputs((rows, hidden), dtype, seed=rows + hidden, scale=3.0)
+    for res in (None, residual):
+        launched.clear()
+        special = launch._forward(x, weight, 1e-6, res, False)
+        assert launched, "the specialised kernel did not run"
+        general = launch._forward(x, weight, 1e-6, res, False, specialise=False)
+        for got, expected in zip(special[:2], general[:2], strict=True):
+            assert torch.equal(got, expected)
+        reference = rms_norm_reference(x, weight, 1e-6, residual=res)
+        y_ref = reference if res is None else reference[0]
+        torch.testing.assert_close(special[0], y_ref, atol=ATOL[dtype], rtol=ATOL[dtype])
+        if res is not None:
+            assert torch.equal(special[1], reference[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 2048), (4, 256), (2, 1024)], ids=str)
+def test_specialised_backward_is_bitwise_the_general_kernel(triton_backend, rows, hidden, dtype):
+    # A call that is one row block of rows exactly one block wide runs the specialised
+    # one-program backward: the general kernel's bits, the reference's values.
+    launch = importlib.import_module("mcore_kernels.rms_norm_launch")
+    x, residual, weight = _inputs((rows, hidden), dtype, seed=rows * hidden, scale=2.0)
+    gen = torch.Generator().manual_seed(rows)
+    dy, dh = (torch.randn(rows, hidden, generator=gen).to(dtype) for _ in range(2))
+    hidden_states = x + residual
+    for dhidden in (None, dh):
+        special = launch._backward(dy, dhidden, hidden_states, weight, None, 1e-6)
+        general = launch._backward(dy, dhidden, hidden_states, weight, None, 1e-6, specialise=False)
+        for got, expected in zip(special, general, strict=True):
+            assert torch.equal(got, expected)
+        leaves = hidden_states.float().requires_grad_(), weight.float().requires_grad_()
+        y_ref = rms_norm_reference(leaves[0], leaves[1], 1e-6)
+        dx_ref, dw_ref = torch.autograd.grad(y_ref, leaves, dy.float())
+        if dhidden is not None:
+            dx_ref = dx_ref + dhidden.float()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(special[0].float(), dx_ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(special[1].float(), dw_ref, atol=tol * 4, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("hidden", [2048, 4096, 8192])
+@pytest.mark.parametrize("rows", [1, 2, 256, 4096])
+def test_cuda_specialised_kernels_are_bitwise_the_general_ones(rows, hidden):
+    launch = importlib.import_module("mcore_kernels.rms_norm_launch")
+    x, residual, weight = (
+        t.cuda() for t in _inputs((rows, hidden), torch.bfloat16, seed=rows + hidden, scale=3.0)
+    )
+    dy, dh = torch.randn_like(x), torch.randn_like(x)
+    for res in (None, residual):
+        for _ in range(2):  # the second call takes the cached fast launch
+            special = launch._forward(x, weight, 1e-6, res, False)
+            general = launch._forward(x, weight, 1e-6, res, False, specialise=False)
+            for got, expected in zip(special[:2], general[:2], strict=True):
+                assert torch.equal(got, expected)
+    h = x + residual
+    for dhidden in (None, dh):
+        for _ in range(2):
+            special = launch._backward(dy, dhidden, h, weight, None, 1e-6)
+            general = launch._backward(dy, dhidden, h, weight, None, 1e-6, specialise=False)
+            for got, expected in zip(special, general, strict=True):
+                assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_general_kernel_calls_leave_the_fast_tables_alone(triton_backend, device):
+    # A call with specialise=False (the tests' and benchmarks' comparison) must not put the
+    # general kernel into the table that later default calls launch from.
+    launch = importlib.import_module("mcore_kernels.rms_norm_launch")
+    x, residual, weight = (t.to(device) for t in _inputs((1, 512), torch.float32, seed=3))
+    before = (dict(launch._FAST_FORWARD), dict(launch._FAST_BACKWARD))
+    launch._forward(x, weight, 1e-6, residual, False, specialise=False)
+    launch._backward(x, residual, x, weight, None, 1e-6, specialise=False)
+    assert before == (launch._FAST_FORWARD, launch._FAST_BACKWARD)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("hidden", [2048, 3000])
+def test_cuda_one_token_backward_takes_the_cached_launch(monkeypatch, hidden):
+    module = importlib.import_module("mcore_kernels.rms_norm")
+    taken = []
+    cached = module._backward_cached
+
+    def counting(*args):
+        result = cached(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(module, "_backward_cached", counting)
+    x, residual, weight = (t.cuda() for t in _inputs((1, hidden), torch.bfloat16, seed=hidden))
+    grads = [torch.randn_like(x) for _ in range(2)]
+    results = []
+    for _ in range(3):
+        leaves = [t.clone().requires_grad_() for t in (x, residual, weight)]
+        outs = rms_norm(leaves[0], leaves[2], 1e-6, residual=leaves[1])
+        results.append(torch.autograd.grad(outs, leaves, grads))
+    assert taken[1:] == [True, True]  # the first call may have been cached by another test
+    for later in results[1:]:
+        for first, again in zip(results[0], later, strict=True):
+            assert torch.equal(first, again)

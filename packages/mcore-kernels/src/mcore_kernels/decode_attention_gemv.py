@@ -31,13 +31,17 @@ block_size, Hkv, D]``, ``block_tables`` ``[T, max_blocks]``, ``context_lens`` ``
 ``weight`` ``[N, Hq * D]``, ``bias`` ``[N]``, ``residual`` ``[T, N]``; returns ``[T, N]``.
 
 Dispatch: Triton on CUDA, the torch references on CPU (``MCORE_KERNELS_BACKEND`` overrides;
-with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
+with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors). While ``torch.compile`` traces
+a call it becomes the ``torch.library`` op ``torch.ops.mcore_kernels.attention_o_proj``, which
+runs the same dispatch when the graph runs. The torch reference,
+:func:`mcore_kernels.reference.attention_o_proj_reference`, is re-exported here.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
     gdc_launch_dependents,
@@ -53,7 +57,7 @@ from mcore_kernels.decode_gemv_epilogues import _epilogue
 from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
 from mcore_kernels.paged_attention import _merge_rows, paged_attention_partials
 from mcore_kernels.pdl import pdl_enabled, programmatic_dependent_launch
-from mcore_kernels.reference import decode_gemv_reference, paged_attention_reference
+from mcore_kernels.reference import attention_o_proj_reference
 
 __all__ = [
     "ATTENTION_O_PROJ_BLOCK_N",
@@ -149,40 +153,6 @@ def _merge_o_proj_kernel(
     )  # fmt: skip
 
 
-def attention_o_proj_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    scale: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The unfused ops in plain torch: paged attention, then the projection and residual add.
-
-    Args:
-        q: ``[T, Hq, D]`` rotated queries.
-        k_cache: ``[num_blocks, block_size, Hkv, D]`` keys.
-        v_cache: Values shaped like ``k_cache``.
-        block_tables: ``[T, max_blocks]`` block table rows.
-        context_lens: ``[T]`` attended positions per token.
-        weight: ``[N, Hq * D]`` output projection.
-        bias: Optional ``[N]`` bias.
-        scale: Multiplier of the query-key products.
-        residual: Optional ``[T, N]`` tensor added to the projection.
-
-    Returns:
-        ``[T, N]`` in the dtype of ``q``.
-    """
-    attended = paged_attention_reference(
-        q, k_cache, v_cache, block_tables, context_lens, scale=scale
-    )
-    return decode_gemv_reference(attended.flatten(1), weight, bias, residual=residual)
-
-
 def _check(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -265,6 +235,54 @@ def attention_o_proj(
         KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names a backend that cannot run here.
     """
     _check(q, k_cache, v_cache, block_tables, context_lens, weight, bias, residual)
+    if _compile.compiling():
+        return _attention_o_proj_op(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            weight,
+            bias,
+            float(scale),
+            residual,
+            split_size,
+            block_n,
+            num_warps,
+            pdl,
+        )
+    return _attention_o_proj_run(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        weight,
+        bias,
+        scale,
+        residual,
+        split_size,
+        block_n,
+        num_warps,
+        pdl,
+    )
+
+
+def _attention_o_proj_run(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    residual: torch.Tensor | None,
+    split_size: int | None,
+    block_n: int | None,
+    num_warps: int | None,
+    pdl: bool | None,
+) -> torch.Tensor:
     if not use_triton(q, k_cache, v_cache, weight):
         return attention_o_proj_reference(
             q,
@@ -329,3 +347,46 @@ def attention_o_proj(
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
+
+
+@_compile.custom_op(
+    "attention_o_proj",
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+    "Tensor weight, Tensor? bias, float scale, Tensor? residual, int? split_size, int? block_n, "
+    "int? num_warps, bool? pdl) -> Tensor",
+)
+def _attention_o_proj_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    residual: torch.Tensor | None,
+    split_size: int | None,
+    block_n: int | None,
+    num_warps: int | None,
+    pdl: bool | None,
+) -> torch.Tensor:
+    return _attention_o_proj_run(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        weight,
+        bias,
+        scale,
+        residual,
+        split_size,
+        block_n,
+        num_warps,
+        pdl,
+    )
+
+
+@_attention_o_proj_op.register_fake
+def _attention_o_proj_fake(q, k_cache, v_cache, block_tables, context_lens, weight, *rest):
+    return q.new_empty((q.shape[0], weight.shape[0]))

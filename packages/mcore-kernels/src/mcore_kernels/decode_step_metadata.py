@@ -14,16 +14,20 @@ Shapes: ``block_tables`` int32 ``[rows, W]`` (any row stride, contiguous along `
 ``tables [T, W]`` (contiguous) and int32 ``context_lens [T]``.
 
 Dispatch: Triton on CUDA, the torch reference elsewhere (with ``TRITON_INTERPRET=1`` the Triton
-path runs on CPU tensors).
+path runs on CPU tensors). While ``torch.compile`` traces a call it becomes the ``torch.library``
+op ``torch.ops.mcore_kernels.decode_step_metadata``, which runs the same dispatch when the graph
+runs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import jit, next_power_of_2, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
+from mcore_kernels.reference import decode_step_metadata_reference
 
 __all__ = ["decode_step_metadata"]
 
@@ -96,11 +100,16 @@ def decode_step_metadata(
             raise KernelDtypeError(f"{name} is {tensor.dtype}; expected an integer dtype")
     if block_size < 1:
         raise KernelValueError(f"block_size={block_size}; expected >= 1")
+    if _compile.compiling():
+        return _decode_step_metadata_op(block_tables, positions, table_rows, block_size)
+    return _decode_step_metadata_run(block_tables, positions, table_rows, block_size)
+
+
+def _decode_step_metadata_run(
+    block_tables: torch.Tensor, positions: torch.Tensor, table_rows: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if not use_triton(block_tables, positions, table_rows) or block_tables.stride(1) != 1:
-        tables = block_tables.index_select(0, table_rows)
-        blocks = tables.gather(1, (positions // block_size)[:, None])[:, 0]
-        slot_mapping = blocks.long() * block_size + positions % block_size
-        return slot_mapping, tables, (positions + 1).to(torch.int32)
+        return decode_step_metadata_reference(block_tables, positions, table_rows, block_size)
     count, width = positions.shape[0], block_tables.shape[1]
     device = positions.device
     slots = torch.empty(count, dtype=torch.int64, device=device)
@@ -123,3 +132,24 @@ def decode_step_metadata(
         num_warps=1,
     )
     return slots, tables, context
+
+
+@_compile.custom_op(
+    "decode_step_metadata",
+    "(Tensor block_tables, Tensor positions, Tensor table_rows, int block_size) "
+    "-> (Tensor, Tensor, Tensor)",
+)
+def _decode_step_metadata_op(
+    block_tables: torch.Tensor, positions: torch.Tensor, table_rows: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _decode_step_metadata_run(block_tables, positions, table_rows, block_size)
+
+
+@_decode_step_metadata_op.register_fake
+def _decode_step_metadata_fake(block_tables, positions, table_rows, block_size):
+    count, width = positions.shape[0], block_tables.shape[1]
+    return (
+        positions.new_empty(count, dtype=torch.int64),
+        block_tables.new_empty((count, width)),
+        positions.new_empty(count, dtype=torch.int32),
+    )

@@ -34,6 +34,9 @@ __all__ = [
     "merge_reference",
     "masked_update_reference",
     "decode_gemv_reference",
+    "decode_step_metadata_reference",
+    "attention_o_proj_reference",
+    "row_argmax_reference",
 ]
 
 
@@ -513,3 +516,71 @@ def decode_gemv_reference(
     if residual is not None:
         y = (y.to(compute) + residual.to(compute)).to(dtype)
     return y
+
+
+def row_argmax_reference(x: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :func:`mcore_kernels.row_argmax.row_argmax`.
+
+    Args:
+        x: ``[rows, columns]`` float values.
+
+    Returns:
+        int64 ``[rows]``: ``torch.argmax(x, dim=-1)`` (the first index of the largest value,
+        NaN counting as the largest).
+    """
+    return x.argmax(dim=-1)
+
+
+def decode_step_metadata_reference(
+    block_tables: torch.Tensor, positions: torch.Tensor, table_rows: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`mcore_kernels.decode_step_metadata.decode_step_metadata`.
+
+    Args:
+        block_tables: int32 ``[rows, W]`` block table.
+        positions: Integer ``[T]`` position of each new token.
+        table_rows: Integer ``[T]`` block-table row of each token's request.
+        block_size: Positions per cache block.
+
+    Returns:
+        ``(slot_mapping, tables, context_lens)``: int64 ``[T]``, int32 ``[T, W]`` and int32
+        ``[T]``.
+    """
+    tables = block_tables.index_select(0, table_rows)
+    blocks = tables.gather(1, (positions // block_size)[:, None])[:, 0]
+    slot_mapping = blocks.long() * block_size + positions % block_size
+    return slot_mapping, tables, (positions + 1).to(torch.int32)
+
+
+def attention_o_proj_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    scale: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The unfused ops in plain torch: paged attention, then the projection and residual add.
+
+    Args:
+        q: ``[T, Hq, D]`` rotated queries.
+        k_cache: ``[num_blocks, block_size, Hkv, D]`` keys.
+        v_cache: Values shaped like ``k_cache``.
+        block_tables: ``[T, max_blocks]`` block table rows.
+        context_lens: ``[T]`` attended positions per token.
+        weight: ``[N, Hq * D]`` output projection.
+        bias: Optional ``[N]`` bias.
+        scale: Multiplier of the query-key products.
+        residual: Optional ``[T, N]`` tensor added to the projection.
+
+    Returns:
+        ``[T, N]`` in the dtype of ``q``.
+    """
+    attended = paged_attention_reference(
+        q, k_cache, v_cache, block_tables, context_lens, scale=scale
+    )
+    return decode_gemv_reference(attended.flatten(1), weight, bias, residual=residual)

@@ -36,7 +36,7 @@ from mcore_kernels._validation import check_rms_norm_args
 from mcore_kernels.errors import KernelValueError
 from mcore_kernels.reference import rms_norm_parts, rms_norm_reference
 from mcore_kernels.rms_norm_config import LAUNCH_CONFIGS, MAX_BLOCK, RMSNormLaunch, _launch
-from mcore_kernels.rms_norm_launch import _BACKWARD, _FORWARD, _backward, _forward
+from mcore_kernels.rms_norm_launch import _BACKWARD, _FORWARD, _backward, _backward_cached, _forward
 
 __all__ = ["LAUNCH_CONFIGS", "MAX_BLOCK", "RMSNormLaunch", "rms_norm", "RMSNorm"]
 
@@ -47,6 +47,11 @@ _LAUNCH_INTERNALS = (_BACKWARD, _FORWARD, _launch)
 def _rms_norm_backward(ctx, dy, dhidden_out=None):
     saved = ctx.saved_tensors
     hidden_states, weight = saved[0], saved[1]
+    if dy is not None and len(saved) == 2:
+        # A one-token call like one seen before: two allocations and the cached launch.
+        done = _backward_cached(dy, dhidden_out, hidden_states, weight, ctx.eps)
+        if done is not None:
+            return done[0], done[1], done[0] if ctx.needs_input_grad[2] else None, None
     rstd = saved[2] if len(saved) == 3 else None
     if dy is None:
         if dhidden_out is None:

@@ -134,6 +134,43 @@ def _rms_norm_fwd_kernel(
 
 
 @jit
+def _rms_norm_fwd_exact_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    y_ptr,
+    hidden_out_ptr,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WIDE: tl.constexpr,
+    ROW_HINT: tl.constexpr,
+    WEIGHT_HINT: tl.constexpr,
+):
+    # The forward of contiguous rows exactly BLOCK wide in whole row blocks: no masks, no row
+    # count, the row stride is the constexpr width. The arithmetic is the general kernel's
+    # single-block path (same reduction layout for the same BLOCK_M, BLOCK and warps; the
+    # mean divides by the same power of two), so its outputs are bitwise the same.
+    if WIDE:
+        first = tl.program_id(0).to(tl.int64) * BLOCK_M
+    else:
+        first = tl.program_id(0) * BLOCK_M
+    cols = tl.arange(0, BLOCK)
+    offs = (first + tl.arange(0, BLOCK_M))[:, None] * BLOCK + cols[None, :]
+    w = _load(weight_ptr + cols, None, True, WEIGHT_HINT)
+    x = _load(x_ptr + offs, None, True, ROW_HINT)
+    w = w.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = _load(residual_ptr + offs, None, True, ROW_HINT)
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
+        tl.store(hidden_out_ptr + offs, x)
+    h = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / BLOCK + eps)
+    tl.store(y_ptr + offs, round_to(h * rstd[:, None] * w[None, :], y_ptr.dtype.element_ty))
+
+
+@jit
 def _add_pairs(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
@@ -288,6 +325,42 @@ def _rms_norm_bwd_kernel(
                 tl.store(dx_ptr + row64 * hidden + offs, dx_out, mask=mask)
                 dw = tl.load(out_row + offs, mask=mask, other=0.0)
                 tl.store(out_row + offs, dw + dy * normed, mask=mask)
+
+
+@jit
+def _rms_norm_bwd_exact_kernel(
+    dy_ptr,
+    dhidden_out_ptr,
+    hidden_ptr,
+    weight_ptr,
+    dx_ptr,
+    dweight_ptr,
+    eps,
+    HAS_DHIDDEN_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # The backward of a call that is one row block of contiguous rows exactly BLOCK wide (one
+    # program, which writes the weight gradient directly): no masks, no row count or strides.
+    # The arithmetic is the general kernel's one-program path, so the bits are the same.
+    cols = tl.arange(0, BLOCK)
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK + cols[None, :]
+    w = tl.load(weight_ptr + cols).to(tl.float32)
+    dy = tl.load(dy_ptr + offs).to(tl.float32)
+    h = tl.load(hidden_ptr + offs).to(tl.float32)
+    if HAS_DHIDDEN_OUT:
+        dh = tl.load(dhidden_out_ptr + offs).to(tl.float32)
+    dyw = dy * w[None, :]
+    sum_sq, sum_dyw_h = tl.reduce((h * h, dyw * h), axis=1, combine_fn=_add_pairs)
+    rstd = 1.0 / tl.sqrt(sum_sq / BLOCK + eps)
+    normed = h * rstd[:, None]
+    correction = rstd * sum_dyw_h / BLOCK
+    dx = rstd[:, None] * (dyw - normed * correction[:, None])
+    if HAS_DHIDDEN_OUT:
+        dx += dh
+    tl.store(dx_ptr + offs, round_to(dx, dx_ptr.dtype.element_ty))
+    total = tl.sum(dy * normed, axis=0)
+    tl.store(dweight_ptr + cols, round_to(total, dweight_ptr.dtype.element_ty))
 
 
 @jit

@@ -24,14 +24,18 @@ from mcore_kernels.rms_norm_config import (
     _launch,
 )
 from mcore_kernels.rms_norm_kernels import (
+    _rms_norm_bwd_exact_kernel,
     _rms_norm_bwd_kernel,
+    _rms_norm_fwd_exact_kernel,
     _rms_norm_fwd_kernel,
     _sum_partials_kernel,
 )
 
 _SUM_CONSTEXPRS = {"BLOCK_P": _PARTIAL_SUM_ROWS, "BLOCK_H": _PARTIAL_SUM_COLS}
 _FORWARD = CachedLauncher(_rms_norm_fwd_kernel)
+_FORWARD_EXACT = CachedLauncher(_rms_norm_fwd_exact_kernel)
 _BACKWARD = CachedLauncher(_rms_norm_bwd_kernel)
+_BACKWARD_EXACT = CachedLauncher(_rms_norm_bwd_exact_kernel)
 _SUM_PARTIALS = CachedLauncher(_sum_partials_kernel)
 
 
@@ -51,11 +55,13 @@ def _int_class(value: int) -> tuple[bool, bool, bool]:
 # work of a one-row call is what it costs). Only calls without a stored rstd and with the
 # 16-byte aligned inputs the key was built for take it; the others take the full path.
 _FAST_FORWARD: dict[tuple, tuple] = {}
-# By (rows, hidden, device, dy, d(hidden), hidden and weight dtypes): the one-program backward
-# launch (calls of one row block, which write the weight gradient directly).
+# By (shape of hidden_states, device, dy, d(hidden), hidden and weight dtypes, d(hidden)
+# given?): the one-program backward launch (calls of one row block, which write the weight
+# gradient directly), with the row count, hidden size and device it was built for.
 _FAST_BACKWARD: dict[tuple, tuple] = {}
 # Read only after a CUDA launch was cached (a build without CUDA never reaches it).
 _current_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device: Any = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def _forward(
@@ -65,12 +71,15 @@ def _forward(
     residual: torch.Tensor | None,
     for_backward: bool,
     config: RMSNormLaunch | None = None,
+    specialise: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the forward: ``(y, x + residual or x, rstd or None)``.
 
     ``rstd`` is stored only ``for_backward`` of rows wider than ``MAX_BLOCK`` (the backward of
     narrower rows recomputes it). ``config`` overrides the table's launch parameters (the
-    tuner's sweep).
+    tuner's sweep). Calls of whole row blocks of rows exactly one block wide run the
+    specialised kernel (no masks, no row count or strides: the bits of the general kernel);
+    ``specialise=False`` runs the general kernel for them (the tests compare the two).
     """
     # Contiguous tensors go to the kernel as they are (rows of ``hidden`` elements): no
     # reshapes or views on the hot path; other layouts are copied once.
@@ -90,17 +99,21 @@ def _forward(
     signature = (rows, hidden, device_index, x.dtype, weight.dtype, residual is not None)
     # Rows wider than MAX_BLOCK store rstd for the backward: not a launch of the fast path.
     fast = None
-    if config is None and (not for_backward or hidden <= MAX_BLOCK):
+    if config is None and specialise and (not for_backward or hidden <= MAX_BLOCK):
         fast = _FAST_FORWARD.get(signature)
     if fast is not None:
         # A call like one launched before: its compiled kernel and grid, nothing recomputed.
-        run, function, metadata, tail, programs = fast
+        run, function, metadata, tail, programs, exact = fast
         r = residual if residual is not None else x
         xa, ra, wa, ya = x.data_ptr(), r.data_ptr(), weight.data_ptr(), y.data_ptr()
         if not (xa | ra | wa) & _ALIGNED:
             stream = _current_stream(device_index)
-            run(programs, 1, 1, stream, function, metadata, None, None, None, xa, ra, wa, ya,
-                h.data_ptr(), ya, rows, hidden, hidden, hidden, eps, *tail)  # fmt: skip
+            if exact:
+                run(programs, 1, 1, stream, function, metadata, None, None, None, xa, ra, wa, ya,
+                    h.data_ptr(), eps, *tail)  # fmt: skip
+            else:
+                run(programs, 1, 1, stream, function, metadata, None, None, None, xa, ra, wa, ya,
+                    h.data_ptr(), ya, rows, hidden, hidden, hidden, eps, *tail)  # fmt: skip
             return y, h, None
     plan = _launch(hidden, device_index)
     store_rstd = for_backward and not plan.single
@@ -115,6 +128,7 @@ def _forward(
     # in the tile).
     block_rows = config.fwd_rows if rows >= config.fwd_rows else next_power_of_2(rows)
     elements = rows * hidden
+    exact = specialise and plan.exact and not rows % block_rows
     flags = (
         # No mask: whole row blocks of rows exactly one block wide.
         plan.exact and not rows % block_rows,
@@ -125,12 +139,40 @@ def _forward(
         # 2048 18.0 against 18.5 us); larger calls are 2-5 % slower with it and load plainly.
         elements * x.itemsize <= plan.streaming_bytes,
     )
-    constexprs = _forward_constexprs(plan, has_residual, store_rstd, block_rows, flags)
+    constexprs = _forward_constexprs(plan, has_residual, store_rstd, block_rows, flags, exact)
     r = residual if residual is not None else x
     stats = rstd if rstd is not None else y
-    args = (x, r, weight, y, h, stats, rows, hidden, hidden, hidden, eps)
     programs = -(-rows // block_rows)
     addresses = x.data_ptr(), r.data_ptr(), weight.data_ptr()
+    if exact:
+        # rstd is never stored here: rows of at most MAX_BLOCK recompute it in the backward.
+        args_exact = (x, r, weight, y, h, eps)
+        if tuned and not (addresses[0] | addresses[1] | addresses[2]) & _ALIGNED:
+            exact_key = (
+                hidden,
+                device_index,
+                x.dtype,
+                weight.dtype,
+                has_residual,
+                block_rows,
+                flags,
+            )
+            _FORWARD_EXACT.keyed(
+                exact_key,
+                programs,
+                args_exact,
+                (*addresses, y.data_ptr(), h.data_ptr(), eps),
+                constexprs,
+                config.fwd_warps,
+                device_index,
+            )
+            entry = _FORWARD_EXACT.entry(exact_key)
+            if entry is not None and type(eps) is float:
+                _FAST_FORWARD[signature] = (*entry, programs, True)
+        else:
+            _FORWARD_EXACT((programs,), args_exact, constexprs, config.fwd_warps, device_index)
+        return y, h, rstd
+    args = (x, r, weight, y, h, stats, rows, hidden, hidden, hidden, eps)
     if tuned and not (addresses[0] | addresses[1] | addresses[2]) & _ALIGNED:
         # Fresh outputs are aligned: the specialisation follows from what is known here.
         y_address = y.data_ptr()
@@ -165,8 +207,8 @@ def _forward(
             device_index,
         )
         entry = _FORWARD.entry(key)
-        if entry is not None and not store_rstd and type(eps) is float:
-            _FAST_FORWARD[signature] = (*entry, programs)
+        if entry is not None and specialise and not store_rstd and type(eps) is float:
+            _FAST_FORWARD[signature] = (*entry, programs, False)
     else:
         _FORWARD((programs,), args, constexprs, config.fwd_warps, device_index)
     return y, h, rstd
@@ -180,12 +222,15 @@ def _backward(
     rstd: torch.Tensor | None,
     eps: float,
     config: RMSNormLaunch | None = None,
+    specialise: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward: ``(d(hidden_states), d(weight))`` in the inputs' dtypes.
 
     ``rstd`` is the forward's stored statistic, needed only by rows wider than ``MAX_BLOCK``
     (narrower rows recompute it from ``hidden_states``). ``config`` overrides the table's launch
-    parameters (the tuner's sweep).
+    parameters (the tuner's sweep). A call that is one row block of rows exactly one block wide
+    runs the specialised one-program kernel (no masks, no row count or strides: the bits of the
+    general kernel); ``specialise=False`` runs the general kernel for it (the tests compare).
     """
     hidden = hidden_states.shape[-1]
     h2 = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
@@ -195,26 +240,17 @@ def _backward(
         dh2 = dhidden_out if dhidden_out.is_contiguous() else dhidden_out.contiguous()
     if not weight.is_contiguous():
         weight = weight.contiguous()
+    if config is None and specialise and rstd is None:
+        done = _backward_cached(dy2, dhidden_out if dhidden_out is None else dh2, h2, weight, eps)
+        if done is not None:
+            return done
     rows = h2.numel() // hidden
     dx = torch.empty_like(h2)
     if rows == 0:
         return dx, torch.zeros_like(weight)
     device_index = h2.get_device()
-    signature = (rows, hidden, device_index, dy2.dtype, dh2.dtype, h2.dtype, weight.dtype)
-    fast = None
-    if config is None and rstd is None and (dhidden_out is None) is (dh2 is dy2):
-        fast = _FAST_BACKWARD.get((signature, dhidden_out is not None))
-    if fast is not None:
-        # A call like one launched before (one program, no partial sums): allocate and launch.
-        run, function, metadata, tail, programs = fast
-        dweight = torch.empty_like(weight)
-        ya, ha, xa, wa = dy2.data_ptr(), dh2.data_ptr(), h2.data_ptr(), weight.data_ptr()
-        if not (ya | ha | xa | wa) & _ALIGNED:
-            stream = _current_stream(device_index)
-            run(programs, 1, 1, stream, function, metadata, None, None, None, ya, ha, xa, wa, ya,
-                dx.data_ptr(), dweight.data_ptr(), rows, hidden, hidden, eps, *tail)  # fmt: skip
-            return dx, dweight
-    block, single, chosen, cap, _, _ = _launch(hidden, device_index)
+    signature = (h2.shape, device_index, dy2.dtype, dh2.dtype, h2.dtype, weight.dtype)
+    block, single, chosen, cap, exact_width, _ = _launch(hidden, device_index)
     if rstd is None:
         if not single:
             raise KernelValueError(f"rows of {hidden} > MAX_BLOCK={MAX_BLOCK} need the stored rstd")
@@ -239,8 +275,12 @@ def _backward(
             config, block, 3 if dhidden_out is not None else 2, _device(device_index)
         )
     dweight = torch.empty_like(weight)
-    partial = dweight if final else weight.new_empty((programs, hidden), dtype=torch.float32)
     has_dhidden = dhidden_out is not None
+    if final and exact_width and specialise and rows == block_rows:
+        _backward_exact(dy2, dh2, h2, weight, dx, dweight, eps, has_dhidden, block_rows, block,
+                        config.bwd_warps, device_index, tuned, signature)  # fmt: skip
+        return dx, dweight
+    partial = dweight if final else weight.new_empty((programs, hidden), dtype=torch.float32)
     args = (dy2, dh2, h2, weight, rstd, dx, partial, rows, hidden, hidden, eps)
     constexprs = {
         "HAS_DHIDDEN_OUT": has_dhidden,
@@ -269,8 +309,15 @@ def _backward(
         addresses = (*inputs, dx.data_ptr(), partial.data_ptr(), rows, hidden, hidden, eps)
         _BACKWARD.keyed(key, programs, args, addresses, constexprs, config.bwd_warps, device_index)
         entry = _BACKWARD.entry(key)
-        if entry is not None and final and rstd is dy2 and type(eps) is float:
-            _FAST_BACKWARD[(signature, has_dhidden)] = (*entry, programs)
+        if entry is not None and specialise and final and rstd is dy2 and type(eps) is float:
+            _FAST_BACKWARD[(*signature, has_dhidden)] = (
+                *entry,
+                programs,
+                False,
+                rows,
+                hidden,
+                device_index,
+            )
     else:
         _BACKWARD((programs,), args, constexprs, config.bwd_warps, device_index)
     if not final:
@@ -283,4 +330,92 @@ def _backward(
             4,
             device_index,
         )
+    return dx, dweight
+
+
+def _backward_exact(
+    dy: torch.Tensor,
+    dh: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    dx: torch.Tensor,
+    dweight: torch.Tensor,
+    eps: float,
+    has_dhidden: bool,
+    block_rows: int,
+    block: int,
+    warps: int,
+    device_index: int,
+    tuned: bool,
+    signature: tuple,
+) -> None:
+    """Launch the specialised one-program backward (the call is one row block, exact width)."""
+    args = (dy, dh, h, weight, dx, dweight, eps)
+    constexprs = {"HAS_DHIDDEN_OUT": has_dhidden, "BLOCK_M": block_rows, "BLOCK": block}
+    inputs = dy.data_ptr(), dh.data_ptr(), h.data_ptr(), weight.data_ptr()
+    if tuned and not (inputs[0] | inputs[1] | inputs[2] | inputs[3]) & _ALIGNED:
+        key = (block, device_index, dy.dtype, dh.dtype, h.dtype, weight.dtype, has_dhidden,
+               block_rows)  # fmt: skip
+        addresses = (*inputs, dx.data_ptr(), dweight.data_ptr(), eps)
+        _BACKWARD_EXACT.keyed(key, 1, args, addresses, constexprs, warps, device_index)
+        entry = _BACKWARD_EXACT.entry(key)
+        if entry is not None and type(eps) is float:
+            _FAST_BACKWARD[(*signature, has_dhidden)] = (
+                *entry,
+                1,
+                True,
+                dy.numel() // block,
+                block,
+                device_index,
+            )
+    else:
+        _BACKWARD_EXACT((1,), args, constexprs, warps, device_index)
+
+
+def _backward_cached(
+    dy: torch.Tensor,
+    dhidden_out: torch.Tensor | None,
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The one-program backward of a call like one launched before, from the fast table.
+
+    Allocates the two outputs and launches the compiled kernel, nothing else; returns None when
+    the call is not in the table or its tensors are not the contiguous, 16-byte aligned ones
+    on the current device that the entry was built for (the caller then takes
+    :func:`_backward`).
+    """
+    dh = dy if dhidden_out is None else dhidden_out
+    fast = _FAST_BACKWARD.get(
+        (
+            hidden_states.shape,
+            hidden_states.get_device(),
+            dy.dtype,
+            dh.dtype,
+            hidden_states.dtype,
+            weight.dtype,
+            dhidden_out is not None,
+        )
+    )
+    if fast is None:
+        return None
+    run, function, metadata, tail, programs, exact, rows, hidden, device_index = fast
+    ya, ha, xa, wa = dy.data_ptr(), dh.data_ptr(), hidden_states.data_ptr(), weight.data_ptr()
+    if (
+        (ya | ha | xa | wa) & _ALIGNED
+        or not (dy.is_contiguous() and dh.is_contiguous() and hidden_states.is_contiguous())
+        or not weight.is_contiguous()
+        or device_index != _current_device()
+    ):
+        return None
+    dx = torch.empty_like(hidden_states)
+    dweight = torch.empty_like(weight)
+    stream = _current_stream(device_index)
+    if exact:
+        run(programs, 1, 1, stream, function, metadata, None, None, None, ya, ha, xa, wa,
+            dx.data_ptr(), dweight.data_ptr(), eps, *tail)  # fmt: skip
+    else:
+        run(programs, 1, 1, stream, function, metadata, None, None, None, ya, ha, xa, wa, ya,
+            dx.data_ptr(), dweight.data_ptr(), rows, hidden, hidden, eps, *tail)  # fmt: skip
     return dx, dweight

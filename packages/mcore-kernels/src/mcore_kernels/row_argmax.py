@@ -17,14 +17,17 @@ packs an order-preserving integer image of the float32 value in its high 32 bits
 ``2**32 - 1 - index`` in its low 32 bits, so the largest key holds the largest value and, among
 equal values, the first index.
 
-Dispatch: Triton on CUDA, ``torch.argmax`` on CPU; ``MCORE_KERNELS_BACKEND=torch|triton``
-overrides (with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
+Dispatch: Triton on CUDA, the torch reference (``torch.argmax``) on CPU;
+``MCORE_KERNELS_BACKEND=torch|triton`` overrides (with ``TRITON_INTERPRET=1`` the Triton path runs
+on CPU tensors). While ``torch.compile`` traces a call it becomes the ``torch.library`` op
+``torch.ops.mcore_kernels.row_argmax``, which runs the same dispatch when the graph runs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
     CachedLauncher,
@@ -34,6 +37,7 @@ from mcore_kernels._triton_utils import (
     triton,
 )
 from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
+from mcore_kernels.reference import row_argmax_reference
 
 __all__ = ["row_argmax", "row_argmax_triton"]
 
@@ -218,6 +222,22 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
             cannot run on ``x``.
     """
     _check(x)
+    if _compile.compiling():
+        return _row_argmax_op(x)
+    return _row_argmax_run(x)
+
+
+def _row_argmax_run(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x) and x.stride(1) == 1:
         return row_argmax_triton(x)
-    return x.argmax(dim=-1)
+    return row_argmax_reference(x)
+
+
+@_compile.custom_op("row_argmax", "(Tensor x) -> Tensor")
+def _row_argmax_op(x: torch.Tensor) -> torch.Tensor:
+    return _row_argmax_run(x)
+
+
+@_row_argmax_op.register_fake
+def _row_argmax_fake(x):
+    return x.new_empty(x.shape[0], dtype=torch.int64)

@@ -14,6 +14,10 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "aligned_rows_reference",
+    "capacity_rows_reference",
+    "dropless_rows_reference",
+    "padded_slots_reference",
     "moe_router_reference",
     "permute_tokens_reference",
     "swiglu_reference",
@@ -133,3 +137,114 @@ def unpermute_sum_reference(y: torch.Tensor, slots: torch.Tensor, top_k: int) ->
     """
     rows = permute_tokens_reference(y, slots).float().view(-1, top_k, y.shape[-1])
     return rows.sum(dim=1).to(y.dtype)
+
+
+def dropless_rows_reference(
+    order: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`dropless_rows`.
+
+    Args:
+        order: ``[A]`` int64 stable sort of the assignments by expert.
+        counts: ``[E]`` int64 assignments per expert.
+
+    Returns:
+        ``(inverse, offsets)`` as :func:`dropless_rows`.
+    """
+    positions = torch.arange(order.numel(), device=order.device)
+    inverse = torch.empty_like(order).scatter_(0, order, positions)
+    return inverse, counts.cumsum(0).to(torch.int32)
+
+
+def capacity_rows_reference(
+    experts: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`capacity_rows`.
+
+    Args:
+        experts: ``[A]`` int64 expert of each assignment.
+        order: ``[A]`` int64 stable sort of the assignments by expert.
+        counts: ``[E]`` int64 assignments per expert.
+        capacity: Rows each expert keeps at most.
+
+    Returns:
+        ``(compact, inverse, kept, offsets)`` as :func:`capacity_rows`.
+    """
+    total = experts.numel()
+    sorted_experts = experts.index_select(0, order)
+    starts = counts.cumsum(0) - counts
+    position = torch.arange(total, device=experts.device) - starts.index_select(0, sorted_experts)
+    kept = counts.clamp(max=capacity)
+    kept_starts = kept.cumsum(0) - kept
+    rows = torch.where(
+        position < capacity, kept_starts.index_select(0, sorted_experts) + position, -1
+    )
+    inverse = torch.empty_like(order).scatter_(0, order, rows)
+    # Dropped assignments all land in one extra trash row, which is cut off.
+    compact = torch.full((total + 1,), -1, dtype=torch.int64, device=experts.device)
+    compact.scatter_(0, torch.where(rows < 0, total, rows), order)
+    return compact[:total], inverse, kept, kept.cumsum(0).to(torch.int32)
+
+
+def aligned_rows_reference(
+    experts: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    align: int,
+    capacity: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`aligned_rows`.
+
+    Args:
+        experts: ``[A]`` int64 expert of each assignment.
+        order: ``[A]`` int64 stable sort of the assignments by expert.
+        counts: ``[E]`` int64 assignments per expert.
+        align: Row multiple of every expert.
+        capacity: Assignments each expert keeps at most (None: all).
+
+    Returns:
+        ``(compact, inverse, offsets)`` as :func:`aligned_rows`.
+    """
+    total, num_experts = experts.numel(), counts.numel()
+    kept = counts if capacity is None else counts.clamp(max=capacity)
+    padded = (kept + align - 1) // align * align
+    sorted_experts = experts.index_select(0, order)
+    rank = torch.arange(total, device=experts.device) - (counts.cumsum(0) - counts).index_select(
+        0, sorted_experts
+    )
+    rows = (padded.cumsum(0) - padded).index_select(0, sorted_experts) + rank
+    if capacity is not None:
+        rows = torch.where(rank < capacity, rows, -1)
+    inverse = torch.empty_like(order).scatter_(0, order, rows)
+    # Dropped assignments all land in one extra trash row, which is cut off.
+    size = total + num_experts * (align - 1)
+    compact = torch.full((size + 1,), -1, dtype=torch.int64, device=experts.device)
+    compact.scatter_(0, torch.where(rows < 0, size, rows), order)
+    return compact[:size], inverse, padded.cumsum(0).to(torch.int32)
+
+
+def padded_slots_reference(
+    keys: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`padded_slots`.
+
+    Args:
+        keys: ``[A]`` int64 key of each assignment, in ``[0, K]``.
+        order: ``[A]`` int64 stable sort of the assignments by key.
+        counts: ``[K + 1]`` int64 assignments per key.
+        capacity: Slots per key.
+
+    Returns:
+        ``(fillers, kept)`` as :func:`padded_slots`.
+    """
+    num_slots = (counts.numel() - 1) * capacity
+    sorted_keys = keys.index_select(0, order)
+    starts = counts.cumsum(0) - counts
+    rank = torch.arange(keys.numel(), device=keys.device) - starts.index_select(0, sorted_keys)
+    keep = (rank < capacity) & (sorted_keys < counts.numel() - 1)
+    slots = torch.where(keep, sorted_keys * capacity + rank, -1)
+    kept = torch.empty_like(order).scatter_(0, order, slots)
+    # Dropped assignments all land in one extra trash slot, which is cut off.
+    fillers = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=keys.device)
+    fillers.scatter_(0, torch.where(slots < 0, num_slots, slots), order)
+    return fillers[:num_slots], kept

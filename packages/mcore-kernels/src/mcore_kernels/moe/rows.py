@@ -1,5 +1,8 @@
 """Rows of the routing assignments in expert order, from the stable sort by expert: one Triton
-kernel each, with its torch reference, no host synchronisation.
+kernel each, no host synchronisation. The torch references are in
+:mod:`mcore_kernels.moe.reference` (re-exported here); while ``torch.compile`` traces a call it
+becomes the ``torch.library`` op ``torch.ops.mcore_kernels.moe_<name>`` (registered at the end of
+this module, with a fake implementation), which runs the same dispatch when the graph runs.
 
 - :func:`dropless_rows`: the row of every assignment (the inverse of the sort) and the int32
   end row of every expert, which the grouped GEMMs take;
@@ -19,8 +22,16 @@ from __future__ import annotations
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
+from mcore_kernels._triton_utils import jit, next_power_of_2, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.moe.reference import (
+    aligned_rows_reference,
+    capacity_rows_reference,
+    dropless_rows_reference,
+    padded_slots_reference,
+)
 
 __all__ = [
     "aligned_rows",
@@ -37,10 +48,110 @@ BLOCK = 1024
 """Sorted positions per program."""
 
 
-def _e_pad(num_experts: int) -> int:
-    import triton
+@jit
+def _capacity_rows_kernel(
+    order_ptr,
+    experts_ptr,
+    counts_ptr,
+    ends_ptr,
+    kept_ptr,
+    kept_ends_ptr,
+    compact_ptr,
+    inverse_ptr,
+    offsets_ptr,
+    total,
+    num_experts,
+    capacity,
+    BLOCK: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    """Sorted positions ``i`` of one block: assignment ``a = order[i]`` of expert ``e`` is the
+    ``i - (ends[e] - counts[e])``-th of its expert; kept below ``capacity``, in row
+    ``kept_ends[e] - kept[e]`` plus that rank. Writes ``inverse[a]`` (-1 when dropped),
+    ``compact[row] = a`` and -1 in ``compact[i]`` past the last kept row: every element once,
+    no atomics. Program 0 also writes the int32 ``offsets`` (``kept_ends``)."""
+    _int32_offsets(kept_ends_ptr, offsets_ptr, num_experts, E_PAD)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    assignment = tl.load(order_ptr + i, mask=ok, other=0)
+    expert = tl.load(experts_ptr + assignment, mask=ok, other=0)
+    start = tl.load(ends_ptr + expert, mask=ok, other=0) - tl.load(
+        counts_ptr + expert, mask=ok, other=0
+    )
+    kept_start = tl.load(kept_ends_ptr + expert, mask=ok, other=0) - tl.load(
+        kept_ptr + expert, mask=ok, other=0
+    )
+    rank = i - start
+    row = tl.where(rank < capacity, kept_start + rank, -1)
+    tl.store(inverse_ptr + assignment, row, mask=ok)
+    tl.store(compact_ptr + row, assignment, mask=ok & (row >= 0))
+    kept_total = tl.load(kept_ends_ptr + num_experts - 1)
+    tl.store(compact_ptr + i, tl.full((BLOCK,), -1, tl.int64), mask=ok & (i >= kept_total))
 
-    return max(16, triton.next_power_of_2(num_experts))
+
+@jit
+def _int32_offsets(ends_ptr, offsets_ptr, num_experts, E_PAD: tl.constexpr):
+    """Program 0 copies the int64 ``ends`` into the int32 ``offsets``."""
+    if tl.program_id(0) == 0:
+        ids = tl.arange(0, E_PAD)
+        ends = tl.load(ends_ptr + ids, mask=ids < num_experts, other=0)
+        tl.store(offsets_ptr + ids, ends.to(tl.int32), mask=ids < num_experts)
+
+
+@jit
+def _dropless_rows_kernel(
+    order_ptr,
+    counts_ptr,
+    inverse_ptr,
+    offsets_ptr,
+    total,
+    num_experts,
+    BLOCK: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    """``inverse[order[i]] = i`` for one block of sorted positions; program 0 also writes the
+    int32 end row of every expert (``offsets``, the running sum of ``counts``)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    assignment = tl.load(order_ptr + i, mask=ok, other=0)
+    tl.store(inverse_ptr + assignment, i, mask=ok)
+    if tl.program_id(0) == 0:
+        ids = tl.arange(0, E_PAD)
+        counts = tl.load(counts_ptr + ids, mask=ids < num_experts, other=0)
+        ends = tl.cumsum(counts, axis=0)
+        tl.store(offsets_ptr + ids, ends.to(tl.int32), mask=ids < num_experts)
+
+
+@jit
+def _padded_slots_kernel(
+    order_ptr,
+    keys_ptr,
+    counts_ptr,
+    ends_ptr,
+    fillers_ptr,
+    kept_ptr,
+    total,
+    num_keys,
+    capacity,
+    BLOCK: tl.constexpr,
+):
+    """Sorted positions ``i`` of one block: assignment ``a = order[i]`` of key ``k`` is the
+    ``i - (ends[k] - counts[k])``-th of its key; kept below ``capacity`` (and for a key below
+    ``num_keys``) in slot ``k * capacity`` plus that rank. Writes ``kept[a]`` (-1 when
+    dropped) and ``fillers[slot] = a``: every element once, no atomics."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    assignment = tl.load(order_ptr + i, mask=ok, other=0)
+    key = tl.load(keys_ptr + assignment, mask=ok, other=0)
+    start = tl.load(ends_ptr + key, mask=ok, other=0) - tl.load(counts_ptr + key, mask=ok, other=0)
+    rank = i - start
+    slot = tl.where((rank < capacity) & (key < num_keys), key * capacity + rank, -1)
+    tl.store(kept_ptr + assignment, slot, mask=ok)
+    tl.store(fillers_ptr + slot, assignment, mask=ok & (slot >= 0))
+
+
+def _e_pad(num_experts: int) -> int:
+    return max(16, next_power_of_2(num_experts))
 
 
 def _check(order: torch.Tensor, counts: torch.Tensor, **more: torch.Tensor) -> None:
@@ -59,23 +170,6 @@ def _check(order: torch.Tensor, counts: torch.Tensor, **more: torch.Tensor) -> N
             raise KernelDtypeError(f"{name}.dtype={index.dtype} must be torch.int64")
 
 
-def dropless_rows_reference(
-    order: torch.Tensor, counts: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`dropless_rows`.
-
-    Args:
-        order: ``[A]`` int64 stable sort of the assignments by expert.
-        counts: ``[E]`` int64 assignments per expert.
-
-    Returns:
-        ``(inverse, offsets)`` as :func:`dropless_rows`.
-    """
-    positions = torch.arange(order.numel(), device=order.device)
-    inverse = torch.empty_like(order).scatter_(0, order, positions)
-    return inverse, counts.cumsum(0).to(torch.int32)
-
-
 def dropless_rows(order: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row of every assignment and end row of every expert, from the sort by expert.
 
@@ -92,50 +186,18 @@ def dropless_rows(order: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tens
         KernelDtypeError: If an index is not int64.
     """
     _check(order, counts)
+    if _compile.compiling():
+        return _dropless_rows_op(order, counts)
     if not use_triton(order, counts):
         return dropless_rows_reference(order, counts)
-    import triton
-
-    from mcore_kernels.moe._rows_triton import dropless_rows_kernel
-
     total, experts = order.numel(), counts.numel()
     inverse = torch.empty_like(order)
     offsets = torch.empty(experts, dtype=torch.int32, device=counts.device)
     if experts:
-        dropless_rows_kernel[(max(1, triton.cdiv(total, BLOCK)),)](
+        _dropless_rows_kernel[(max(1, -(-total // BLOCK)),)](
             order, counts, inverse, offsets, total, experts, BLOCK=BLOCK, E_PAD=_e_pad(experts)
         )
     return inverse, offsets
-
-
-def capacity_rows_reference(
-    experts: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`capacity_rows`.
-
-    Args:
-        experts: ``[A]`` int64 expert of each assignment.
-        order: ``[A]`` int64 stable sort of the assignments by expert.
-        counts: ``[E]`` int64 assignments per expert.
-        capacity: Rows each expert keeps at most.
-
-    Returns:
-        ``(compact, inverse, kept, offsets)`` as :func:`capacity_rows`.
-    """
-    total = experts.numel()
-    sorted_experts = experts.index_select(0, order)
-    starts = counts.cumsum(0) - counts
-    position = torch.arange(total, device=experts.device) - starts.index_select(0, sorted_experts)
-    kept = counts.clamp(max=capacity)
-    kept_starts = kept.cumsum(0) - kept
-    rows = torch.where(
-        position < capacity, kept_starts.index_select(0, sorted_experts) + position, -1
-    )
-    inverse = torch.empty_like(order).scatter_(0, order, rows)
-    # Dropped assignments all land in one extra trash row, which is cut off.
-    compact = torch.full((total + 1,), -1, dtype=torch.int64, device=experts.device)
-    compact.scatter_(0, torch.where(rows < 0, total, rows), order)
-    return compact[:total], inverse, kept, kept.cumsum(0).to(torch.int32)
 
 
 def _place_rows(
@@ -146,19 +208,15 @@ def _place_rows(
     capacity: int,
     compact: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run :func:`~mcore_kernels.moe._rows_triton.capacity_rows_kernel`: expert ``e`` keeps its
+    """Run ``_capacity_rows_kernel``: expert ``e`` keeps its
     first ``capacity`` assignments, placed from row ``sum(rows_per_expert[:e])`` on and written
     into ``compact``; returns ``(inverse, offsets)`` (the int32 running sum of
     ``rows_per_expert``)."""
-    import triton
-
-    from mcore_kernels.moe._rows_triton import capacity_rows_kernel
-
     total, num_experts = experts.numel(), counts.numel()
     inverse = torch.empty_like(order)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=counts.device)
     if num_experts:
-        capacity_rows_kernel[(max(1, triton.cdiv(total, BLOCK)),)](
+        _capacity_rows_kernel[(max(1, -(-total // BLOCK)),)](
             order,
             experts,
             counts,
@@ -199,49 +257,14 @@ def capacity_rows(
         KernelDtypeError: If an index is not int64.
     """
     _check(order, counts, experts=experts)
+    if _compile.compiling():
+        return _capacity_rows_op(experts, order, counts, capacity)
     if not use_triton(experts, order, counts):
         return capacity_rows_reference(experts, order, counts, capacity)
     kept = counts.clamp(max=capacity)
     compact = torch.empty_like(order)
     inverse, offsets = _place_rows(experts, order, counts, kept, capacity, compact)
     return compact, inverse, kept, offsets
-
-
-def aligned_rows_reference(
-    experts: torch.Tensor,
-    order: torch.Tensor,
-    counts: torch.Tensor,
-    align: int,
-    capacity: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`aligned_rows`.
-
-    Args:
-        experts: ``[A]`` int64 expert of each assignment.
-        order: ``[A]`` int64 stable sort of the assignments by expert.
-        counts: ``[E]`` int64 assignments per expert.
-        align: Row multiple of every expert.
-        capacity: Assignments each expert keeps at most (None: all).
-
-    Returns:
-        ``(compact, inverse, offsets)`` as :func:`aligned_rows`.
-    """
-    total, num_experts = experts.numel(), counts.numel()
-    kept = counts if capacity is None else counts.clamp(max=capacity)
-    padded = (kept + align - 1) // align * align
-    sorted_experts = experts.index_select(0, order)
-    rank = torch.arange(total, device=experts.device) - (counts.cumsum(0) - counts).index_select(
-        0, sorted_experts
-    )
-    rows = (padded.cumsum(0) - padded).index_select(0, sorted_experts) + rank
-    if capacity is not None:
-        rows = torch.where(rank < capacity, rows, -1)
-    inverse = torch.empty_like(order).scatter_(0, order, rows)
-    # Dropped assignments all land in one extra trash row, which is cut off.
-    size = total + num_experts * (align - 1)
-    compact = torch.full((size + 1,), -1, dtype=torch.int64, device=experts.device)
-    compact.scatter_(0, torch.where(rows < 0, size, rows), order)
-    return compact[:size], inverse, padded.cumsum(0).to(torch.int32)
 
 
 def aligned_rows(
@@ -281,6 +304,8 @@ def aligned_rows(
     _check(order, counts, experts=experts)
     if align < 1:
         raise KernelShapeError(f"align={align} must be >= 1")
+    if _compile.compiling():
+        return _aligned_rows_op(experts, order, counts, align, capacity)
     if not use_triton(experts, order, counts):
         return aligned_rows_reference(experts, order, counts, align, capacity)
     total, num_experts = experts.numel(), counts.numel()
@@ -292,33 +317,6 @@ def aligned_rows(
     keep_all = max(total, 1) if capacity is None else capacity
     inverse, offsets = _place_rows(experts, order, counts, padded, keep_all, compact)
     return compact, inverse, offsets
-
-
-def padded_slots_reference(
-    keys: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`padded_slots`.
-
-    Args:
-        keys: ``[A]`` int64 key of each assignment, in ``[0, K]``.
-        order: ``[A]`` int64 stable sort of the assignments by key.
-        counts: ``[K + 1]`` int64 assignments per key.
-        capacity: Slots per key.
-
-    Returns:
-        ``(fillers, kept)`` as :func:`padded_slots`.
-    """
-    num_slots = (counts.numel() - 1) * capacity
-    sorted_keys = keys.index_select(0, order)
-    starts = counts.cumsum(0) - counts
-    rank = torch.arange(keys.numel(), device=keys.device) - starts.index_select(0, sorted_keys)
-    keep = (rank < capacity) & (sorted_keys < counts.numel() - 1)
-    slots = torch.where(keep, sorted_keys * capacity + rank, -1)
-    kept = torch.empty_like(order).scatter_(0, order, slots)
-    # Dropped assignments all land in one extra trash slot, which is cut off.
-    fillers = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=keys.device)
-    fillers.scatter_(0, torch.where(slots < 0, num_slots, slots), order)
-    return fillers[:num_slots], kept
 
 
 def padded_slots(
@@ -345,17 +343,15 @@ def padded_slots(
     _check(order, counts, keys=keys)
     if counts.numel() == 0:
         raise KernelShapeError("counts.shape=(0,): expected [K + 1] with the skipped key last")
+    if _compile.compiling():
+        return _padded_slots_op(keys, order, counts, capacity)
     if not use_triton(keys, order, counts):
         return padded_slots_reference(keys, order, counts, capacity)
-    import triton
-
-    from mcore_kernels.moe._rows_triton import padded_slots_kernel
-
     total, num_keys = keys.numel(), counts.numel() - 1
     fillers = torch.full((num_keys * capacity,), -1, dtype=torch.int64, device=keys.device)
     kept = torch.empty_like(order)
     if total:
-        padded_slots_kernel[(triton.cdiv(total, BLOCK),)](
+        _padded_slots_kernel[(-(-total // BLOCK),)](
             order,
             keys,
             counts,
@@ -368,3 +364,78 @@ def padded_slots(
             BLOCK=BLOCK,
         )
     return fillers, kept
+
+
+# --- torch.library ops: what torch.compile traces (eager calls never go through them) -----------
+
+
+@_compile.custom_op("moe_dropless_rows", "(Tensor order, Tensor counts) -> (Tensor, Tensor)")
+def _dropless_rows_op(
+    order: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return dropless_rows(order, counts)
+
+
+@_dropless_rows_op.register_fake
+def _dropless_rows_fake(order, counts):
+    return order.new_empty(order.shape), counts.new_empty(counts.shape, dtype=torch.int32)
+
+
+@_compile.custom_op(
+    "moe_capacity_rows",
+    "(Tensor experts, Tensor order, Tensor counts, int capacity) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _capacity_rows_op(
+    experts: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return capacity_rows(experts, order, counts, capacity)
+
+
+@_capacity_rows_op.register_fake
+def _capacity_rows_fake(experts, order, counts, capacity):
+    return (
+        order.new_empty(order.shape),
+        order.new_empty(order.shape),
+        counts.new_empty(counts.shape),
+        counts.new_empty(counts.shape, dtype=torch.int32),
+    )
+
+
+@_compile.custom_op(
+    "moe_aligned_rows",
+    "(Tensor experts, Tensor order, Tensor counts, int align, int? capacity) "
+    "-> (Tensor, Tensor, Tensor)",
+)
+def _aligned_rows_op(
+    experts: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    align: int,
+    capacity: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return aligned_rows(experts, order, counts, align, capacity=capacity)
+
+
+@_aligned_rows_op.register_fake
+def _aligned_rows_fake(experts, order, counts, align, capacity):
+    rows = order.shape[0] + counts.shape[0] * (align - 1)
+    return (
+        order.new_empty(rows),
+        order.new_empty(order.shape),
+        counts.new_empty(counts.shape, dtype=torch.int32),
+    )
+
+
+@_compile.custom_op(
+    "moe_padded_slots",
+    "(Tensor keys, Tensor order, Tensor counts, int capacity) -> (Tensor, Tensor)",
+)
+def _padded_slots_op(
+    keys: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return padded_slots(keys, order, counts, capacity)
+
+
+@_padded_slots_op.register_fake
+def _padded_slots_fake(keys, order, counts, capacity):
+    return order.new_empty((counts.shape[0] - 1) * capacity), order.new_empty(order.shape)

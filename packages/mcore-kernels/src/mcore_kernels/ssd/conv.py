@@ -71,7 +71,10 @@ def causal_conv1d(
             f"{(num_seqs, channels, taps - 1)}"
         )
     positions = torch.arange(tokens, device=x.device)
-    seq_of = torch.searchsorted(cu[1:], positions, right=True).clamp(max=max(num_seqs - 1, 0))
+    # Sequence of each token: the starts <= its position, less one. (Searching the whole
+    # ``cu`` rather than its slice ``cu[1:]``, which Inductor of torch 2.11 could not lower
+    # on CUDA: ``NotImplementedError: SliceView`` in ``searchsorted``.)
+    seq_of = (torch.searchsorted(cu, positions, right=True) - 1).clamp(0, max(num_seqs - 1, 0))
     offset = positions - cu[seq_of]
     history = initial_states.to(x.dtype).transpose(1, 2)  # [S, K - 1, channels]
     out = x.new_zeros((tokens, channels), dtype=torch.float32)

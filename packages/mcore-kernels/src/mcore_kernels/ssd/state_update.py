@@ -5,13 +5,16 @@ One program per (request, head) reads the request's ``[P, N]`` state slot, appli
 addressed through ``state_indices`` so that an engine keeps the states of all live requests in
 one preallocated tensor; a negative index is a padding row (CUDA-graph buckets) that reads and
 writes no slot and outputs zeros. The launch shape depends on the batch only, so the kernel is
-graph-capturable.
+graph-capturable. While ``torch.compile`` traces a call it becomes the ``torch.library`` op
+``torch.ops.mcore_kernels.ssd_state_update_`` (it writes ``state``), which runs the same dispatch
+when the graph runs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import jit, next_power_of_2, on_device_of, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
@@ -199,9 +202,51 @@ def ssd_state_update(
         KernelDtypeError: ``state`` is not float32.
         KernelBackendError: ``MCORE_KERNELS_BACKEND`` asks for a backend that cannot run.
     """
+    if _compile.compiling():
+        if state_indices is None:
+            state_indices = torch.arange(x.shape[0], device=x.device)
+        _check(state, x, dt, A, B, C, D, state_indices)
+        return _ssd_state_update_op(state, x, dt, A, B, C, D, state_indices)
+    return _ssd_state_update_run(state, x, dt, A, B, C, D, state_indices)
+
+
+def _ssd_state_update_run(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    state_indices: torch.Tensor | None,
+) -> torch.Tensor:
     if use_triton(x):
         return ssd_state_update_triton(state, x, dt, A, B, C, D, state_indices=state_indices)
     if state_indices is None:
         state_indices = torch.arange(x.shape[0], device=x.device)
     _check(state, x, dt, A, B, C, D, state_indices)
     return ssd_state_update_reference(state, x, dt, A, B, C, D, state_indices=state_indices)
+
+
+@_compile.custom_op(
+    "ssd_state_update_",
+    "(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, "
+    "Tensor state_indices) -> Tensor",
+    mutates_args=("state",),
+)
+def _ssd_state_update_op(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    return _ssd_state_update_run(state, x, dt, A, B, C, D, state_indices)
+
+
+@_ssd_state_update_op.register_fake
+def _ssd_state_update_fake(state, x, dt, A, B, C, D, state_indices):
+    return x.new_empty(x.shape)
