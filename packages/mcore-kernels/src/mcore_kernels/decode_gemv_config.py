@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from mcore_kernels._triton_utils import next_power_of_2
 from mcore_kernels.errors import KernelValueError
 
-__all__ = ["WHOLE_ROW_MAX_K", "WHOLE_ROW_WARPS", "GemvConfig", "block_rows", "gemv_config"]
+__all__ = [
+    "EARLY_TAIL",
+    "WHOLE_ROW_MAX_K",
+    "WHOLE_ROW_WARPS",
+    "GemvConfig",
+    "block_rows",
+    "gemv_config",
+]
 
 _REDUCES = ("ticket", "second_pass")
 WHOLE_ROW_MAX_K = 8192
@@ -17,6 +24,9 @@ the whole row as one tile (see :func:`gemv_config`; 0: never): under PDL a progr
 whole weight in flight before it waits."""
 WHOLE_ROW_WARPS = 8
 """Warps per program of those whole-row tiles."""
+EARLY_TAIL = True
+"""Programs whose reduction is one full ``block_k`` tile and a shorter tail (no split-K)
+request both tiles at once, before the PDL wait (False: the tail after the first products)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
