@@ -36,10 +36,13 @@ with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
+    device_limits,
     gdc_launch_dependents,
     gdc_wait,
     jit,
@@ -49,14 +52,22 @@ from mcore_kernels._triton_utils import (
     triton,
 )
 from mcore_kernels._validation import check_paged_attention_args
+from mcore_kernels.decode_attention_items import _attend_split_item, _grid_barrier
 from mcore_kernels.decode_gemv_epilogues import _epilogue
 from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
-from mcore_kernels.paged_attention import _merge_rows, paged_attention_partials
+from mcore_kernels.paged_attention import (
+    PREFETCH_KV_WITH_PDL,
+    _merge_rows,
+    _prefetch_kv,
+    paged_attention_partials,
+)
+from mcore_kernels.paged_attention_config import paged_decode_config
 from mcore_kernels.pdl import pdl_enabled, programmatic_dependent_launch
 from mcore_kernels.reference import decode_gemv_reference, paged_attention_reference
 
 __all__ = [
     "ATTENTION_O_PROJ_BLOCK_N",
+    "ATTENTION_O_PROJ_FUSED_SPLITS",
     "ATTENTION_O_PROJ_MERGE_CHUNK",
     "ATTENTION_O_PROJ_SPLIT",
     "ATTENTION_O_PROJ_WARPS",
@@ -70,6 +81,11 @@ ATTENTION_O_PROJ_BLOCK_N = 16
 """Output columns per program of the projection (each merges every head's splits)."""
 ATTENTION_O_PROJ_WARPS = 8
 """Warps per program of the projection."""
+ATTENTION_O_PROJ_FUSED_SPLITS = True
+"""The projection's programs compute the attention splits themselves, then wait for each
+other (a barrier inside the launch) before merging them: one launch instead of two. Only for
+grids of at most one program per multiprocessor (one or two tokens); otherwise, or with
+``fused_splits=False``, the paged attention's split kernel runs before the projection."""
 ATTENTION_O_PROJ_MERGE_CHUNK = 16
 """Splits the projection's merge reads at once (a fixed size: the sums depend only on the
 token's context, never on the table width). One H200, the captured batch-1 step of the
@@ -77,7 +93,7 @@ Qwen2.5-0.5B shape: 514.9 against 521.6 us with 8 at a context of 160, 517.8 aga
 at 288 (10 splits: one chunk instead of two)."""
 
 
-@jit(do_not_specialize=("num_splits",))
+@jit(do_not_specialize=("num_splits", "num_items"))
 def _merge_o_proj_kernel(
     partial_out_ptr,
     partial_max_ptr,
@@ -104,11 +120,42 @@ def _merge_o_proj_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    counter_ptr,
+    scale,
+    stride_q_token,
+    stride_q_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_table_token,
+    num_kv_heads,
+    num_items,
+    SPLITS: tl.constexpr,
+    SERIAL: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    ATT_ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    DOT: tl.constexpr,
+    ALIGN: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREFETCH_KV: tl.constexpr,
+    KV_LINE: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
     token = tl.program_id(1)
+    program = pid_n + token * tl.num_programs(0)
+    programs = tl.num_programs(0) * tl.num_programs(1)
     dtype = out_ptr.dtype.element_ty
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -120,8 +167,40 @@ def _merge_o_proj_kernel(
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if SPLITS and PREFETCH_KV:  # noqa: SIM102 (constexpr, then a runtime test)
+        # This program's first split: its key and value rows into L2 before the wait (a hint).
+        if program < num_items:
+            per_token = num_kv_heads * num_splits
+            _prefetch_kv(
+                k_ptr, v_ptr, table_ptr, ctx_ptr, program // per_token,
+                (program % per_token) // num_splits, (program % num_splits) * SPLIT_SIZE,
+                stride_table_token, stride_k_block, stride_k_slot, stride_k_head,
+                stride_v_block, stride_v_slot, stride_v_head,
+                ALIGN, BLOCK_SIZE, SPLIT_SIZE, HEAD_DIM, KV_LINE,
+            )  # fmt: skip
     if USE_PDL:
         gdc_wait()
+    if SPLITS:
+        # The attention's splits, spread over the programs (every program computes them all
+        # in the interpreter, which runs the programs one after the other), then a barrier:
+        # each program merges every split.
+        first = program
+        step = programs
+        if SERIAL:
+            first = 0
+            step = 1
+        for item in range(first, num_items, step):
+            _attend_split_item(
+                item, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, partial_out_ptr,
+                partial_max_ptr, partial_sum_ptr, scale, stride_q_token, stride_q_head,
+                stride_k_block, stride_k_slot, stride_k_head,
+                stride_v_block, stride_v_slot, stride_v_head, stride_table_token,
+                num_kv_heads, NUM_Q_HEADS, num_splits,
+                GROUP, GROUP_PAD, ATT_ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, SPLIT_SIZE,
+                TILE, DOT, ALIGN, DOT_F32,
+            )  # fmt: skip
+        if not SERIAL:
+            _grid_barrier(counter_ptr, programs)
     offs_m = tl.zeros([1], tl.int32) + token
     m_mask = offs_m >= 0
     residual = tl.zeros([1, BLOCK_N], tl.float32)
@@ -147,6 +226,126 @@ def _merge_o_proj_kernel(
         m_mask, N, stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, False, dtype,
         bias, bias, residual, True,
     )  # fmt: skip
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+"""Zeroed barrier counters per device (the kernel leaves them zeroed; one launch at a time
+per stream, and every launch of a step runs after the previous one completed)."""
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        counters = _COUNTERS[device] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counters
+
+
+def _fused_split_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    split_size: int,
+    scale: float,
+    use_pdl: bool,
+) -> dict:
+    """The projection kernel's attention arguments when it computes the splits itself, and
+    the partial buffers (``"partials"``), laid out as the split kernel's."""
+    tokens, heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if split_size <= 0 or split_size % block_size != 0:
+        raise KernelShapeError(
+            f"split_size={split_size}; expected a positive multiple of the block size {block_size}"
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise KernelShapeError("k_cache and v_cache must have a contiguous last dimension")
+    group = heads // num_kv_heads
+    num_splits = max(1, -(-block_tables.shape[1] * block_size // split_size))
+    config = paged_decode_config(group, head_dim, num_kv_heads, k_cache.dtype)
+    tile = min(config.tile, split_size & -split_size)
+    dot = config.mode == "dot" and tile >= 16
+    strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+    align = math.gcd(16, *strides)
+    interpreting = not q.is_cuda
+    dot_f32 = (
+        q.dtype != k_cache.dtype
+        or k_cache.dtype == torch.float32
+        or v_cache.dtype != k_cache.dtype
+        or interpreting
+    )
+    group_pad = next_power_of_2(group)
+    shape = (tokens, heads, num_splits)
+    partial_max = torch.empty(shape, dtype=torch.float32, device=q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    tables = block_tables.contiguous()
+    return {
+        "partials": (
+            torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device),
+            partial_max,
+            torch.empty_like(partial_max),
+        ),
+        "q_ptr": q,
+        "k_ptr": k_cache,
+        "v_ptr": v_cache,
+        "table_ptr": tables,
+        "counter_ptr": _counters(q.device),
+        "scale": float(scale),
+        "stride_q_token": q.stride(0),
+        "stride_q_head": q.stride(1),
+        **dict(zip(_KV_STRIDES, (stride // align for stride in strides), strict=True)),
+        "stride_table_token": tables.stride(0),
+        "num_kv_heads": num_kv_heads,
+        "num_items": tokens * num_kv_heads * num_splits,
+        "SERIAL": interpreting,
+        "GROUP": group,
+        "GROUP_PAD": group_pad,
+        "ATT_ROWS": max(16, group_pad) if dot else group_pad,
+        "BLOCK_SIZE": block_size,
+        "TILE": tile,
+        "DOT": dot,
+        "ALIGN": align,
+        "DOT_F32": dot_f32,
+        "PREFETCH_KV": use_pdl and PREFETCH_KV_WITH_PDL,
+        "KV_LINE": max(1, 128 // k_cache.element_size()),
+    }
+
+
+_KV_STRIDES = (
+    "stride_k_block",
+    "stride_k_slot",
+    "stride_k_head",
+    "stride_v_block",
+    "stride_v_slot",
+    "stride_v_head",
+)
+
+
+def _no_split_args(q: torch.Tensor) -> dict:
+    """Placeholders of the attention arguments when a split kernel ran before."""
+    return {
+        "q_ptr": q,
+        "k_ptr": q,
+        "v_ptr": q,
+        "table_ptr": q,
+        "counter_ptr": q,
+        "scale": 1.0,
+        **{name: 0 for name in ("stride_q_token", "stride_q_head", *_KV_STRIDES)},
+        "stride_table_token": 0,
+        "num_kv_heads": 1,
+        "num_items": 0,
+        "SERIAL": False,
+        "GROUP": 1,
+        "GROUP_PAD": 1,
+        "ATT_ROWS": 16,
+        "BLOCK_SIZE": 16,
+        "TILE": 16,
+        "DOT": False,
+        "ALIGN": 1,
+        "DOT_F32": False,
+        "PREFETCH_KV": False,
+        "KV_LINE": 64,
+    }
 
 
 def attention_o_proj_reference(
@@ -228,8 +427,9 @@ def attention_o_proj(
     block_n: int | None = None,
     num_warps: int | None = None,
     pdl: bool | None = None,
+    fused_splits: bool | None = None,
 ) -> torch.Tensor:
-    """``residual + paged_attention(q, ...).flatten(1) @ weight.T + bias`` in two launches.
+    """``residual + paged_attention(q, ...).flatten(1) @ weight.T + bias`` in one or two launches.
 
     For decode steps of a few tokens (see the module docstring): the paged attention's split
     kernel over splits of ``split_size`` positions, then the projection, whose programs merge
@@ -254,6 +454,10 @@ def attention_o_proj(
         num_warps: Warps per program (None: :data:`ATTENTION_O_PROJ_WARPS`).
         pdl: Launch both kernels with programmatic dependent launch where supported (None:
             inside :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
+        fused_splits: The projection's programs compute the splits themselves (one launch;
+            only for grids of at most one program per multiprocessor). None:
+            :data:`ATTENTION_O_PROJ_FUSED_SPLITS`. The same splits either way; the products
+            run in another program shape, so the last bits may differ between the two.
 
     Returns:
         ``[T, N]`` in the dtype of ``q``.
@@ -292,12 +496,24 @@ def attention_o_proj(
     block_n = block_n or ATTENTION_O_PROJ_BLOCK_N
     num_warps = num_warps or ATTENTION_O_PROJ_WARPS
     use_pdl = pdl_enabled(q.device) if pdl is None else pdl and pdl_supported(q.device)
-    with programmatic_dependent_launch(use_pdl):
-        partial_out, partial_max, partial_sum = paged_attention_partials(
-            q, k_cache, v_cache, block_tables, context_lens, scale=scale, split_size=split_size
-        )
-    k_pad = next_power_of_2(heads * head_dim)
     grid = (triton.cdiv(n, block_n), tokens)
+    fused = ATTENTION_O_PROJ_FUSED_SPLITS if fused_splits is None else fused_splits
+    # The barrier needs every program resident at once: at most one per multiprocessor.
+    # (The interpreter runs the programs one after the other: each computes every split.)
+    fused = fused and (not q.is_cuda or grid[0] * grid[1] <= device_limits(q.device)[0])
+    if fused:
+        attention = _fused_split_args(
+            q, k_cache, v_cache, block_tables, context_lens, split_size, scale, use_pdl
+        )
+        partial_out, partial_max, partial_sum = attention.pop("partials")
+    else:
+        with programmatic_dependent_launch(use_pdl):
+            partial_out, partial_max, partial_sum = paged_attention_partials(
+                q, k_cache, v_cache, block_tables, context_lens, scale=scale,
+                split_size=split_size,
+            )  # fmt: skip
+        attention = _no_split_args(q)
+    k_pad = next_power_of_2(heads * head_dim)
     scratch = torch.empty((tokens, grid[0], k_pad), dtype=q.dtype, device=q.device)
     _merge_o_proj_kernel[grid](
         partial_out,
@@ -325,6 +541,8 @@ def attention_o_proj(
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         USE_PDL=use_pdl,
+        SPLITS=fused,
+        **attention,
         num_warps=num_warps,
         **({"launch_pdl": True} if use_pdl else {}),
     )
