@@ -9,16 +9,22 @@ instead runs the split kernel with short splits (:data:`ATTENTION_O_PROJ_SPLIT` 
 tile each: one memory round trip per program whatever the context) and leaves the merge of the
 splits to the o projection: every program of the projection merges the partial results of
 all query heads of its token (a few KiB from L2) before its product, so the merge costs no
-launch of its own.
+launch of its own. With ``fused_splits`` (the default for one or two tokens) the split
+kernel's launch goes too: the projection's programs compute the splits themselves (one split
+program's work each, :mod:`~mcore_kernels.decode_attention_items`) and wait for each other
+before merging.
 
 Each program of the projection owns ``block_n`` output columns of one token:
 
-1. under programmatic dependent launch, before waiting for the attention: load its
-   ``[block_n, Hq * D]`` weight tile and the bias;
-2. merge the splits of every query head in a fixed order (the paged attention's merge: only
+1. under programmatic dependent launch, before waiting for the attention (or the q/k/v
+   projection): load its ``[block_n, Hq * D]`` weight tile and the bias (and request its
+   split's keys and values into L2);
+2. with ``fused_splits``: compute its splits' partial results, then wait at a barrier until
+   every program of the launch has written its own;
+3. merge the splits of every query head in a fixed order (the paged attention's merge: only
    the splits that hold the context, in chunks of a fixed size), normalise and round to the
    query dtype, into its own scratch row;
-3. read that row back as the flat ``[Hq * D]`` input and finish as
+4. read that row back as the flat ``[Hq * D]`` input and finish as
    :func:`mcore_kernels.decode_gemv.decode_gemv` does: float32 products, bias, one rounding,
    the residual add and one more rounding.
 
@@ -228,20 +234,22 @@ def _merge_o_proj_kernel(
     )  # fmt: skip
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-"""Zeroed barrier counters per device (the kernel leaves them zeroed; one launch at a time
-per stream, and every launch of a step runs after the previous one completed)."""
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+"""Zeroed barrier counters per device and projection weight (each launch leaves them zeroed;
+launches of one weight run one after the other: the layers of one model's decode step)."""
 
 
-def _counters(device: torch.device) -> torch.Tensor:
-    counters = _COUNTERS.get(device)
+def _counters(device: torch.device, weight: torch.Tensor) -> torch.Tensor:
+    key = (device, weight.data_ptr())
+    counters = _COUNTERS.get(key)
     if counters is None:
-        counters = _COUNTERS[device] = torch.zeros(2, dtype=torch.int32, device=device)
+        counters = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
     return counters
 
 
 def _fused_split_args(
     q: torch.Tensor,
+    weight: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -289,7 +297,7 @@ def _fused_split_args(
         "k_ptr": k_cache,
         "v_ptr": v_cache,
         "table_ptr": tables,
-        "counter_ptr": _counters(q.device),
+        "counter_ptr": _counters(q.device, weight),
         "scale": float(scale),
         "stride_q_token": q.stride(0),
         "stride_q_head": q.stride(1),
@@ -503,7 +511,7 @@ def attention_o_proj(
     fused = fused and (not q.is_cuda or grid[0] * grid[1] <= device_limits(q.device)[0])
     if fused:
         attention = _fused_split_args(
-            q, k_cache, v_cache, block_tables, context_lens, split_size, scale, use_pdl
+            q, weight, k_cache, v_cache, block_tables, context_lens, split_size, scale, use_pdl
         )
         partial_out, partial_max, partial_sum = attention.pop("partials")
     else:
