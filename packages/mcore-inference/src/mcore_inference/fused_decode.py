@@ -18,7 +18,10 @@ work around each projection in: the input RMSNorm into the q/k/v and gate/up pro
 SwiGLU into the gate/up projection's epilogue (the down projection reads the activation) and
 the residual add into the o and down projections' epilogues. A layer is then five launches
 plus the attention (q/k/v, RoPE + cache write, attention, o, gate/up, down); the LM head of those
-steps (:meth:`FusedDecoder.compute_logits`) is one more ``decode_gemv``. The values are those
+steps (:meth:`FusedDecoder.compute_logits`) is one more ``decode_gemv``, which in
+:meth:`FusedDecoder.logits` (the engine's path) also runs the final norm in its prologue. With
+RoPE and the cache write in the q/k/v projection's epilogue and the attention inside the o
+projection's launch (``attention_in_o_proj``), a layer of one or two tokens is four launches. The values are those
 of the unfused ops up to the order of the float32 sums (the same roundings to the activation
 dtype happen at the same points), so they differ from cuBLAS's in the last bit at times.
 
@@ -54,6 +57,7 @@ from mcore_models.gpt.mlp import SwiGLUMLP
 
 __all__ = [
     "GEMM_PDL_MAX_ROWS",
+    "FINAL_NORM_IN_LM_HEAD",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
     "FusedDecoder",
@@ -78,6 +82,10 @@ LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
 ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
+FINAL_NORM_IN_LM_HEAD = True
+""":meth:`FusedDecoder.logits` of ``decode_gemv`` steps runs the final RMSNorm in the LM head's
+prologue (no norm launch; under PDL the LM head then streams its weight while the last layer
+finishes). False: the norm kernel, then the LM head."""
 
 
 @dataclass(slots=True)
@@ -257,14 +265,67 @@ class FusedDecoder:
         Returns:
             ``[1, T, hidden]`` final-normed hidden states (``return_hidden=True`` of the model).
         """
+        return self._forward(input_ids, position_ids, kv_cache, final_norm=True)[None]
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_cache: PagedKVCache,
+        *,
+        final_norm: bool,
+    ) -> torch.Tensor:
+        """``[T, hidden]``: final-normed, or (``final_norm=False``, ``decode_gemv`` steps only)
+        the residual stream before the final norm."""
         model = self.model
         hidden = model.embedding(input_ids[0])
         cos, sin = self._rotary(position_ids[0])
         rows = hidden.shape[0]
         with programmatic_dependent_launch(self.pdl and rows <= GEMM_PDL_MAX_ROWS):
             if rows <= self.gemv_max_rows:
-                return self._gemv_layers(hidden, cos, sin, kv_cache)[None]
-            return self._gemm_layers(hidden, cos, sin, kv_cache)[None]
+                residual = self._gemv_layers(hidden, cos, sin, kv_cache)
+                return model.final_norm(residual) if final_norm else residual
+            return self._gemm_layers(hidden, cos, sin, kv_cache)
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        kv_cache: PagedKVCache,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The step's forward and the logits of its ``rows``: :meth:`__call__`, then
+        :meth:`compute_logits` of those rows, except that steps whose projections and LM head
+        both run as ``decode_gemv`` fold the final norm into the LM head's prologue
+        (:data:`FINAL_NORM_IN_LM_HEAD`). The engine's eager and captured steps both come
+        here, so they compute the same bits.
+
+        Args:
+            input_ids: ``[1, T]`` token ids.
+            position_ids: ``[1, T]`` positions.
+            kv_cache: The engine's paged cache with the step's metadata installed.
+            rows: Indices of the rows whose logits are wanted (None: every row).
+
+        Returns:
+            ``[len(rows), vocab_size]`` logits (see :meth:`compute_logits`).
+        """
+        count = input_ids.shape[1] if rows is None else rows.shape[0]
+        fold = (
+            FINAL_NORM_IN_LM_HEAD
+            and input_ids.shape[1] <= self.gemv_max_rows
+            and count <= self.lm_head_gemv_max_rows
+        )
+        hidden = self._forward(input_ids, position_ids, kv_cache, final_norm=not fold)
+        if rows is not None:
+            hidden = hidden.index_select(0, rows)
+        if not fold:
+            return self.compute_logits(hidden)
+        norm = self.model.final_norm
+        with programmatic_dependent_launch(self.pdl):
+            return decode_gemv(
+                hidden, self.model.output_weight(), norm_weight=norm.weight, norm_eps=norm.eps
+            )
 
     def _gemm_layers(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
@@ -307,7 +368,8 @@ class FusedDecoder:
     def _gemv_layers(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
     ) -> torch.Tensor:
-        """The layers over a few tokens: every projection one ``decode_gemv`` launch.
+        """The layers over a few tokens: every projection one ``decode_gemv`` launch; returns
+        the residual stream before the final norm.
 
         ``residual`` is the residual stream (the embedding, then after each block the block's
         output plus the stream, added in the projection's epilogue); the RMSNorm before each
@@ -373,7 +435,7 @@ class FusedDecoder:
                 residual=residual,
             )
             residual = self._mlp(layer, fused, residual)
-        return model.final_norm(residual)
+        return residual
 
     @staticmethod
     def _mlp(layer: Any, fused: _FusedLayer, residual: torch.Tensor) -> torch.Tensor:
