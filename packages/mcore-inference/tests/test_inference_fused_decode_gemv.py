@@ -144,6 +144,20 @@ def test_dispatch_on_the_row_count(model, gemv_calls):
     assert len(gemv_calls) == 4 * len(model.layers)
 
 
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_step_inputs_gather_embeddings_and_rope_rows(model, monkeypatch, one_launch):
+    # (On the CPU the one launch is gather_row_pairs' torch path; its kernel is tested in
+    # mcore-kernels.)
+    monkeypatch.setattr(fused_decode, "STEP_INPUTS_IN_ONE_LAUNCH", one_launch)
+    decoder = FusedDecoder(model, max_positions=12)
+    tokens, positions = torch.tensor([60, 4]), torch.tensor([11, 0])
+    hidden, cos, sin = decoder._step_inputs(tokens, positions)
+    expected_cos, expected_sin = model.rotary(positions)
+    assert torch.equal(hidden, model.embedding(tokens))
+    assert torch.equal(cos, expected_cos)
+    assert torch.equal(sin, expected_sin)
+
+
 @pytest.mark.parametrize("fold", [True, False])
 def test_logits_fold_the_final_norm_into_the_lm_head(model, gemv_calls, monkeypatch, fold):
     # FusedDecoder.logits of the 9-token step: the forward, the final norm and the LM head.

@@ -49,6 +49,7 @@ from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.batch_invariant import is_batch_invariant
 from mcore_kernels.decode_attention_gemv import attention_o_proj
 from mcore_kernels.decode_gemv import decode_gemv
+from mcore_kernels.gather_rows import gather_row_pairs
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
@@ -56,10 +57,11 @@ from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
 __all__ = [
-    "GEMM_PDL_MAX_ROWS",
     "FINAL_NORM_IN_LM_HEAD",
+    "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
+    "STEP_INPUTS_IN_ONE_LAUNCH",
     "FusedDecoder",
     "build_fused_decoder",
     "fused_decoder_unsupported_reason",
@@ -82,6 +84,10 @@ LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
 ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
+STEP_INPUTS_IN_ONE_LAUNCH = True
+"""``decode_gemv`` steps gather the token embeddings and the RoPE rows of their positions in
+one launch (under PDL: the first projection then requests its weights meanwhile). False: the
+embedding and the RoPE table lookup as two torch ops."""
 FINAL_NORM_IN_LM_HEAD = True
 """:meth:`FusedDecoder.logits` of ``decode_gemv`` steps runs the final RMSNorm in the LM head's
 prologue (no norm launch; under PDL the LM head then streams its weight while the last layer
@@ -278,14 +284,38 @@ class FusedDecoder:
         """``[T, hidden]``: final-normed, or (``final_norm=False``, ``decode_gemv`` steps only)
         the residual stream before the final norm."""
         model = self.model
-        hidden = model.embedding(input_ids[0])
-        cos, sin = self._rotary(position_ids[0])
-        rows = hidden.shape[0]
+        rows = input_ids.shape[1]
         with programmatic_dependent_launch(self.pdl and rows <= GEMM_PDL_MAX_ROWS):
             if rows <= self.gemv_max_rows:
+                hidden, cos, sin = self._step_inputs(input_ids[0], position_ids[0])
                 residual = self._gemv_layers(hidden, cos, sin, kv_cache)
                 return model.final_norm(residual) if final_norm else residual
+        hidden = model.embedding(input_ids[0])
+        cos, sin = self._rotary(position_ids[0])
+        with programmatic_dependent_launch(self.pdl and rows <= GEMM_PDL_MAX_ROWS):
             return self._gemm_layers(hidden, cos, sin, kv_cache)
+
+    def _step_inputs(
+        self, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The embeddings and the RoPE cosines and sines of a ``decode_gemv`` step: one
+        :func:`~mcore_kernels.gather_rows.gather_row_pairs` launch where the RoPE table exists
+        (:data:`STEP_INPUTS_IN_ONE_LAUNCH`), else the embedding and :meth:`_rotary`."""
+        embedding = self.model.embedding
+        if (
+            STEP_INPUTS_IN_ONE_LAUNCH
+            and self.max_positions is not None
+            and embedding.max_norm is None
+        ):
+            table = self._rope_table
+            if table is None or table.device != positions.device:
+                self._rotary(positions[:0])
+                table = self._rope_table
+            assert table is not None
+            hidden, rope = gather_row_pairs(embedding.weight, tokens, table.flatten(1), positions)
+            rope = rope.view(-1, *table.shape[1:])
+            return hidden, rope[:, 0], rope[:, 1]
+        return embedding(tokens), *self._rotary(positions)
 
     def logits(
         self,
