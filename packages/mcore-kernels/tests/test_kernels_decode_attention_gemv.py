@@ -113,23 +113,6 @@ def test_attention_o_proj_bfloat16_interpreted_and_grid_independent():
 
 @needs_triton
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("contexts", [[7], [13, 2]])
-def test_splits_inside_the_projection_equal_the_split_kernel(dtype, contexts):
-    # The projection's programs computing the splits themselves (one launch) against the
-    # split kernel before it: the same split programs, the same merge, the same bits here.
-    problem = _problem(contexts, dtype=dtype, device="cpu", seed=3)
-    wider = {**problem, "block_tables": torch.cat([problem["block_tables"]] * 2, dim=1)}
-    for p in (problem, wider):
-        fused = _call(attention_o_proj, p, block_n=8, split_size=4, fused_splits=True)
-        apart = _call(attention_o_proj, p, block_n=8, split_size=4, fused_splits=False)
-        assert torch.equal(fused, apart)
-    expected = _call(attention_o_proj_reference, problem).float()
-    torch.testing.assert_close(fused.float(), expected, rtol=2e-2, atol=2e-2)
-
-
-@needs_triton
-@pytest.mark.interpreter
 def test_partials_merged_equal_the_paged_attention_bitwise():
     # One split holds the context of 3, two that of 9: both go through the partials.
     p = _problem([3, 9], dtype=torch.bfloat16, device="cpu", seed=2)
@@ -170,31 +153,3 @@ def test_gpu_attention_o_proj_matches_unfused_kernels(contexts):
     expected = _call(attention_o_proj_reference, problem).float()
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
     assert torch.equal(got, _call(attention_o_proj, problem, block_n=32))
-    # The splits in the separate kernel: the same values up to the products' program shape.
-    apart = _call(attention_o_proj, problem, fused_splits=False)
-    torch.testing.assert_close(got.float(), apart.float(), rtol=2e-2, atol=2e-2)
-    assert torch.equal(got, _call(attention_o_proj, problem))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_attention_o_proj_graph_replays_with_pdl():
-    # Captured with programmatic dependent launch, replayed many times: the in-launch barrier
-    # leaves its counters zeroed, and every replay gives the eager result.
-    from mcore_kernels.pdl import programmatic_dependent_launch
-
-    problem = _problem(
-        [160], hq=14, hkv=2, d=64, n=896, block_size=16, dtype=torch.bfloat16, device="cuda"
-    )
-    with programmatic_dependent_launch():
-        eager = _call(attention_o_proj, problem)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            outs = [_call(attention_o_proj, problem) for _ in range(4)]
-    for _ in range(20):
-        graph.replay()
-    torch.cuda.synchronize()
-    for out in outs:
-        assert torch.equal(out, eager)

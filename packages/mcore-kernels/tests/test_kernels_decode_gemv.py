@@ -151,10 +151,13 @@ def test_default_config_and_dispatch(monkeypatch):
 
 
 def test_gemv_config_choice():
-    # Narrow output, long reduction: one weight row per program, the whole row as one tile.
+    # Narrow output, long reduction: one weight row per program, the whole row as one tile of
+    # a power of two plus the tail (both requested before the PDL wait), or as one tile.
     one_row = gemv_config(1, 896, 4864, multiprocessors=132)
     assert not one_row.use_dot and one_row.split_k == 1 and one_row.block_n == 1
-    assert one_row.block_k == 8192
+    assert one_row.block_k == 4096 and one_row.num_warps == 4
+    whole = gemv_config(1, 896, 8192, multiprocessors=132)
+    assert whole.block_k == 8192 and whole.num_warps == 8
     # Enough outputs for two rows per program (Llama-3.2-1B's down projection).
     wide = gemv_config(1, 2048, 8192, multiprocessors=132)
     assert wide.block_n == 2 and wide.block_k == 2048

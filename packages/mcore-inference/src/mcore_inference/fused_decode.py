@@ -18,10 +18,10 @@ work around each projection in: the input RMSNorm into the q/k/v and gate/up pro
 SwiGLU into the gate/up projection's epilogue (the down projection reads the activation) and
 the residual add into the o and down projections' epilogues. A layer is then five launches
 plus the attention (q/k/v, RoPE + cache write, attention, o, gate/up, down); the LM head of those
-steps (:meth:`FusedDecoder.compute_logits`) is one more ``decode_gemv``, which in
-:meth:`FusedDecoder.logits` (the engine's path) also runs the final norm in its prologue. With
-RoPE and the cache write in the q/k/v projection's epilogue and the attention inside the o
-projection's launch (``attention_in_o_proj``), a layer of one or two tokens is four launches. The values are those
+steps (:meth:`FusedDecoder.compute_logits`) is one more ``decode_gemv``. With RoPE and the
+cache write in the q/k/v projection's epilogue and the attention's merge inside the o
+projection (``attention_in_o_proj``), a layer of one or two tokens is five launches, and the
+step's embeddings and RoPE rows are one gather launch. The values are those
 of the unfused ops up to the order of the float32 sums (the same roundings to the activation
 dtype happen at the same points), so they differ from cuBLAS's in the last bit at times.
 
@@ -88,10 +88,11 @@ STEP_INPUTS_IN_ONE_LAUNCH = True
 """``decode_gemv`` steps gather the token embeddings and the RoPE rows of their positions in
 one launch (under PDL: the first projection then requests its weights meanwhile). False: the
 embedding and the RoPE table lookup as two torch ops."""
-FINAL_NORM_IN_LM_HEAD = True
+FINAL_NORM_IN_LM_HEAD = False
 """:meth:`FusedDecoder.logits` of ``decode_gemv`` steps runs the final RMSNorm in the LM head's
-prologue (no norm launch; under PDL the LM head then streams its weight while the last layer
-finishes). False: the norm kernel, then the LM head."""
+prologue (no norm launch). Off: each of the LM head's ~38k programs then reduces the row
+before its products (one H200, the captured batch-1 step of the Qwen2.5-0.5B shape: the LM
+head 87.8 us instead of about 74, the step 547.3-552.8 against 535.5 us)."""
 
 
 @dataclass(slots=True)
@@ -328,7 +329,8 @@ class FusedDecoder:
         """The step's forward and the logits of its ``rows``: :meth:`__call__`, then
         :meth:`compute_logits` of those rows, except that steps whose projections and LM head
         both run as ``decode_gemv`` fold the final norm into the LM head's prologue
-        (:data:`FINAL_NORM_IN_LM_HEAD`). The engine's eager and captured steps both come
+        (:data:`FINAL_NORM_IN_LM_HEAD`, off by default). The engine's eager and captured steps
+        both come
         here, so they compute the same bits.
 
         Args:

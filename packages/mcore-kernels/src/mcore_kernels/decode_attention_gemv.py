@@ -9,22 +9,16 @@ instead runs the split kernel with short splits (:data:`ATTENTION_O_PROJ_SPLIT` 
 tile each: one memory round trip per program whatever the context) and leaves the merge of the
 splits to the o projection: every program of the projection merges the partial results of
 all query heads of its token (a few KiB from L2) before its product, so the merge costs no
-launch of its own. With ``fused_splits`` (the default for one or two tokens) the split
-kernel's launch goes too: the projection's programs compute the splits themselves (one split
-program's work each, :mod:`~mcore_kernels.decode_attention_items`) and wait for each other
-before merging.
+launch of its own.
 
 Each program of the projection owns ``block_n`` output columns of one token:
 
-1. under programmatic dependent launch, before waiting for the attention (or the q/k/v
-   projection): load its ``[block_n, Hq * D]`` weight tile and the bias (and request its
-   split's keys and values into L2);
-2. with ``fused_splits``: compute its splits' partial results, then wait at a barrier until
-   every program of the launch has written its own;
-3. merge the splits of every query head in a fixed order (the paged attention's merge: only
+1. under programmatic dependent launch, before waiting for the attention: load its
+   ``[block_n, Hq * D]`` weight tile and the bias;
+2. merge the splits of every query head in a fixed order (the paged attention's merge: only
    the splits that hold the context, in chunks of a fixed size), normalise and round to the
    query dtype, into its own scratch row;
-4. read that row back as the flat ``[Hq * D]`` input and finish as
+3. read that row back as the flat ``[Hq * D]`` input and finish as
    :func:`mcore_kernels.decode_gemv.decode_gemv` does: float32 products, bias, one rounding,
    the residual add and one more rounding.
 
@@ -42,13 +36,10 @@ with ``TRITON_INTERPRET=1`` the Triton path runs on CPU tensors).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
-    device_limits,
     gdc_launch_dependents,
     gdc_wait,
     jit,
@@ -58,22 +49,14 @@ from mcore_kernels._triton_utils import (
     triton,
 )
 from mcore_kernels._validation import check_paged_attention_args
-from mcore_kernels.decode_attention_items import _attend_split_item, _grid_barrier
 from mcore_kernels.decode_gemv_epilogues import _epilogue
 from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
-from mcore_kernels.paged_attention import (
-    PREFETCH_KV_WITH_PDL,
-    _merge_rows,
-    _prefetch_kv,
-    paged_attention_partials,
-)
-from mcore_kernels.paged_attention_config import paged_decode_config
+from mcore_kernels.paged_attention import _merge_rows, paged_attention_partials
 from mcore_kernels.pdl import pdl_enabled, programmatic_dependent_launch
 from mcore_kernels.reference import decode_gemv_reference, paged_attention_reference
 
 __all__ = [
     "ATTENTION_O_PROJ_BLOCK_N",
-    "ATTENTION_O_PROJ_FUSED_SPLITS",
     "ATTENTION_O_PROJ_MERGE_CHUNK",
     "ATTENTION_O_PROJ_SPLIT",
     "ATTENTION_O_PROJ_WARPS",
@@ -87,11 +70,6 @@ ATTENTION_O_PROJ_BLOCK_N = 16
 """Output columns per program of the projection (each merges every head's splits)."""
 ATTENTION_O_PROJ_WARPS = 8
 """Warps per program of the projection."""
-ATTENTION_O_PROJ_FUSED_SPLITS = True
-"""The projection's programs compute the attention splits themselves, then wait for each
-other (a barrier inside the launch) before merging them: one launch instead of two. Only for
-grids of at most one program per multiprocessor (one or two tokens); otherwise, or with
-``fused_splits=False``, the paged attention's split kernel runs before the projection."""
 ATTENTION_O_PROJ_MERGE_CHUNK = 16
 """Splits the projection's merge reads at once (a fixed size: the sums depend only on the
 token's context, never on the table width). One H200, the captured batch-1 step of the
@@ -99,7 +77,7 @@ Qwen2.5-0.5B shape: 514.9 against 521.6 us with 8 at a context of 160, 517.8 aga
 at 288 (10 splits: one chunk instead of two)."""
 
 
-@jit(do_not_specialize=("num_splits", "num_items"))
+@jit(do_not_specialize=("num_splits",))
 def _merge_o_proj_kernel(
     partial_out_ptr,
     partial_max_ptr,
@@ -126,42 +104,11 @@ def _merge_o_proj_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    table_ptr,
-    counter_ptr,
-    scale,
-    stride_q_token,
-    stride_q_head,
-    stride_k_block,
-    stride_k_slot,
-    stride_k_head,
-    stride_v_block,
-    stride_v_slot,
-    stride_v_head,
-    stride_table_token,
-    num_kv_heads,
-    num_items,
-    SPLITS: tl.constexpr,
-    SERIAL: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    ATT_ROWS: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr,
-    DOT: tl.constexpr,
-    ALIGN: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    PREFETCH_KV: tl.constexpr,
-    KV_LINE: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
     token = tl.program_id(1)
-    program = pid_n + token * tl.num_programs(0)
-    programs = tl.num_programs(0) * tl.num_programs(1)
     dtype = out_ptr.dtype.element_ty
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -173,40 +120,8 @@ def _merge_o_proj_kernel(
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if SPLITS and PREFETCH_KV:  # noqa: SIM102 (constexpr, then a runtime test)
-        # This program's first split: its key and value rows into L2 before the wait (a hint).
-        if program < num_items:
-            per_token = num_kv_heads * num_splits
-            _prefetch_kv(
-                k_ptr, v_ptr, table_ptr, ctx_ptr, program // per_token,
-                (program % per_token) // num_splits, (program % num_splits) * SPLIT_SIZE,
-                stride_table_token, stride_k_block, stride_k_slot, stride_k_head,
-                stride_v_block, stride_v_slot, stride_v_head,
-                ALIGN, BLOCK_SIZE, SPLIT_SIZE, HEAD_DIM, KV_LINE,
-            )  # fmt: skip
     if USE_PDL:
         gdc_wait()
-    if SPLITS:
-        # The attention's splits, spread over the programs (every program computes them all
-        # in the interpreter, which runs the programs one after the other), then a barrier:
-        # each program merges every split.
-        first = program
-        step = programs
-        if SERIAL:
-            first = 0
-            step = 1
-        for item in range(first, num_items, step):
-            _attend_split_item(
-                item, q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, partial_out_ptr,
-                partial_max_ptr, partial_sum_ptr, scale, stride_q_token, stride_q_head,
-                stride_k_block, stride_k_slot, stride_k_head,
-                stride_v_block, stride_v_slot, stride_v_head, stride_table_token,
-                num_kv_heads, NUM_Q_HEADS, num_splits,
-                GROUP, GROUP_PAD, ATT_ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, SPLIT_SIZE,
-                TILE, DOT, ALIGN, DOT_F32,
-            )  # fmt: skip
-        if not SERIAL:
-            _grid_barrier(counter_ptr, programs)
     offs_m = tl.zeros([1], tl.int32) + token
     m_mask = offs_m >= 0
     residual = tl.zeros([1, BLOCK_N], tl.float32)
@@ -232,128 +147,6 @@ def _merge_o_proj_kernel(
         m_mask, N, stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, False, dtype,
         bias, bias, residual, True,
     )  # fmt: skip
-
-
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-"""Zeroed barrier counters per device and projection weight (each launch leaves them zeroed;
-launches of one weight run one after the other: the layers of one model's decode step)."""
-
-
-def _counters(device: torch.device, weight: torch.Tensor) -> torch.Tensor:
-    key = (device, weight.data_ptr())
-    counters = _COUNTERS.get(key)
-    if counters is None:
-        counters = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return counters
-
-
-def _fused_split_args(
-    q: torch.Tensor,
-    weight: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    split_size: int,
-    scale: float,
-    use_pdl: bool,
-) -> dict:
-    """The projection kernel's attention arguments when it computes the splits itself, and
-    the partial buffers (``"partials"``), laid out as the split kernel's."""
-    tokens, heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if split_size <= 0 or split_size % block_size != 0:
-        raise KernelShapeError(
-            f"split_size={split_size}; expected a positive multiple of the block size {block_size}"
-        )
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise KernelShapeError("k_cache and v_cache must have a contiguous last dimension")
-    group = heads // num_kv_heads
-    num_splits = max(1, -(-block_tables.shape[1] * block_size // split_size))
-    config = paged_decode_config(group, head_dim, num_kv_heads, k_cache.dtype)
-    tile = min(config.tile, split_size & -split_size)
-    dot = config.mode == "dot" and tile >= 16
-    strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
-    align = math.gcd(16, *strides)
-    interpreting = not q.is_cuda
-    dot_f32 = (
-        q.dtype != k_cache.dtype
-        or k_cache.dtype == torch.float32
-        or v_cache.dtype != k_cache.dtype
-        or interpreting
-    )
-    group_pad = next_power_of_2(group)
-    shape = (tokens, heads, num_splits)
-    partial_max = torch.empty(shape, dtype=torch.float32, device=q.device)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    tables = block_tables.contiguous()
-    return {
-        "partials": (
-            torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device),
-            partial_max,
-            torch.empty_like(partial_max),
-        ),
-        "q_ptr": q,
-        "k_ptr": k_cache,
-        "v_ptr": v_cache,
-        "table_ptr": tables,
-        "counter_ptr": _counters(q.device, weight),
-        "scale": float(scale),
-        "stride_q_token": q.stride(0),
-        "stride_q_head": q.stride(1),
-        **dict(zip(_KV_STRIDES, (stride // align for stride in strides), strict=True)),
-        "stride_table_token": tables.stride(0),
-        "num_kv_heads": num_kv_heads,
-        "num_items": tokens * num_kv_heads * num_splits,
-        "SERIAL": interpreting,
-        "GROUP": group,
-        "GROUP_PAD": group_pad,
-        "ATT_ROWS": max(16, group_pad) if dot else group_pad,
-        "BLOCK_SIZE": block_size,
-        "TILE": tile,
-        "DOT": dot,
-        "ALIGN": align,
-        "DOT_F32": dot_f32,
-        "PREFETCH_KV": use_pdl and PREFETCH_KV_WITH_PDL,
-        "KV_LINE": max(1, 128 // k_cache.element_size()),
-    }
-
-
-_KV_STRIDES = (
-    "stride_k_block",
-    "stride_k_slot",
-    "stride_k_head",
-    "stride_v_block",
-    "stride_v_slot",
-    "stride_v_head",
-)
-
-
-def _no_split_args(q: torch.Tensor) -> dict:
-    """Placeholders of the attention arguments when a split kernel ran before."""
-    return {
-        "q_ptr": q,
-        "k_ptr": q,
-        "v_ptr": q,
-        "table_ptr": q,
-        "counter_ptr": q,
-        "scale": 1.0,
-        **{name: 0 for name in ("stride_q_token", "stride_q_head", *_KV_STRIDES)},
-        "stride_table_token": 0,
-        "num_kv_heads": 1,
-        "num_items": 0,
-        "SERIAL": False,
-        "GROUP": 1,
-        "GROUP_PAD": 1,
-        "ATT_ROWS": 16,
-        "BLOCK_SIZE": 16,
-        "TILE": 16,
-        "DOT": False,
-        "ALIGN": 1,
-        "DOT_F32": False,
-        "PREFETCH_KV": False,
-        "KV_LINE": 64,
-    }
 
 
 def attention_o_proj_reference(
@@ -435,9 +228,8 @@ def attention_o_proj(
     block_n: int | None = None,
     num_warps: int | None = None,
     pdl: bool | None = None,
-    fused_splits: bool | None = None,
 ) -> torch.Tensor:
-    """``residual + paged_attention(q, ...).flatten(1) @ weight.T + bias`` in one or two launches.
+    """``residual + paged_attention(q, ...).flatten(1) @ weight.T + bias`` in two launches.
 
     For decode steps of a few tokens (see the module docstring): the paged attention's split
     kernel over splits of ``split_size`` positions, then the projection, whose programs merge
@@ -462,10 +254,6 @@ def attention_o_proj(
         num_warps: Warps per program (None: :data:`ATTENTION_O_PROJ_WARPS`).
         pdl: Launch both kernels with programmatic dependent launch where supported (None:
             inside :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
-        fused_splits: The projection's programs compute the splits themselves (one launch;
-            only for grids of at most one program per multiprocessor). None:
-            :data:`ATTENTION_O_PROJ_FUSED_SPLITS`. The same splits either way; the products
-            run in another program shape, so the last bits may differ between the two.
 
     Returns:
         ``[T, N]`` in the dtype of ``q``.
@@ -504,24 +292,12 @@ def attention_o_proj(
     block_n = block_n or ATTENTION_O_PROJ_BLOCK_N
     num_warps = num_warps or ATTENTION_O_PROJ_WARPS
     use_pdl = pdl_enabled(q.device) if pdl is None else pdl and pdl_supported(q.device)
-    grid = (triton.cdiv(n, block_n), tokens)
-    fused = ATTENTION_O_PROJ_FUSED_SPLITS if fused_splits is None else fused_splits
-    # The barrier needs every program resident at once: at most one per multiprocessor.
-    # (The interpreter runs the programs one after the other: each computes every split.)
-    fused = fused and (not q.is_cuda or grid[0] * grid[1] <= device_limits(q.device)[0])
-    if fused:
-        attention = _fused_split_args(
-            q, weight, k_cache, v_cache, block_tables, context_lens, split_size, scale, use_pdl
+    with programmatic_dependent_launch(use_pdl):
+        partial_out, partial_max, partial_sum = paged_attention_partials(
+            q, k_cache, v_cache, block_tables, context_lens, scale=scale, split_size=split_size
         )
-        partial_out, partial_max, partial_sum = attention.pop("partials")
-    else:
-        with programmatic_dependent_launch(use_pdl):
-            partial_out, partial_max, partial_sum = paged_attention_partials(
-                q, k_cache, v_cache, block_tables, context_lens, scale=scale,
-                split_size=split_size,
-            )  # fmt: skip
-        attention = _no_split_args(q)
     k_pad = next_power_of_2(heads * head_dim)
+    grid = (triton.cdiv(n, block_n), tokens)
     scratch = torch.empty((tokens, grid[0], k_pad), dtype=q.dtype, device=q.device)
     _merge_o_proj_kernel[grid](
         partial_out,
@@ -549,8 +325,6 @@ def attention_o_proj(
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         USE_PDL=use_pdl,
-        SPLITS=fused,
-        **attention,
         num_warps=num_warps,
         **({"launch_pdl": True} if use_pdl else {}),
     )
