@@ -49,6 +49,7 @@ from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.batch_invariant import is_batch_invariant
 from mcore_kernels.decode_attention_gemv import attention_o_proj
 from mcore_kernels.decode_gemv import decode_gemv
+from mcore_kernels.decode_rms_norm import decode_rms_norm
 from mcore_kernels.gather_rows import gather_row_pairs
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
@@ -58,6 +59,7 @@ from mcore_models.gpt.mlp import SwiGLUMLP
 
 __all__ = [
     "FINAL_NORM_IN_LM_HEAD",
+    "FINAL_NORM_PDL",
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
@@ -88,6 +90,10 @@ STEP_INPUTS_IN_ONE_LAUNCH = True
 """``decode_gemv`` steps gather the token embeddings and the RoPE rows of their positions in
 one launch (under PDL: the first projection then requests its weights meanwhile). False: the
 embedding and the RoPE table lookup as two torch ops."""
+FINAL_NORM_PDL = True
+"""``decode_gemv`` steps run the final RMSNorm as :func:`mcore_kernels.decode_rms_norm.
+decode_rms_norm` (a PDL participant: under ``pdl`` the LM head starts streaming its weight
+while the norm waits for the last layer). False: the model's norm module."""
 FINAL_NORM_IN_LM_HEAD = False
 """:meth:`FusedDecoder.logits` of ``decode_gemv`` steps runs the final RMSNorm in the LM head's
 prologue (no norm launch). Off: each of the LM head's ~38k programs then reduces the row
@@ -290,7 +296,12 @@ class FusedDecoder:
             if rows <= self.gemv_max_rows:
                 hidden, cos, sin = self._step_inputs(input_ids[0], position_ids[0])
                 residual = self._gemv_layers(hidden, cos, sin, kv_cache)
-                return model.final_norm(residual) if final_norm else residual
+                if not final_norm:
+                    return residual
+                norm = model.final_norm
+                if FINAL_NORM_PDL:
+                    return decode_rms_norm(residual, norm.weight, norm.eps)
+                return norm(residual)
         hidden = model.embedding(input_ids[0])
         cos, sin = self._rotary(position_ids[0])
         with programmatic_dependent_launch(self.pdl and rows <= GEMM_PDL_MAX_ROWS):
