@@ -58,6 +58,8 @@ def test_gpu_decode_rms_norm_in_a_graph_with_pdl():
 
     x, weight = _rows(2, 896, torch.bfloat16, "cuda")
     eager = decode_rms_norm(x, weight)
+    expected = rms_norm_reference(x, weight, 1e-6).float()
+    torch.testing.assert_close(eager.float(), expected, rtol=2**-7, atol=2**-7)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
