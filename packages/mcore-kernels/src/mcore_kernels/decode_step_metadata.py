@@ -22,7 +22,13 @@ from __future__ import annotations
 import torch
 
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import jit, next_power_of_2, tl
+from mcore_kernels._triton_utils import (
+    gdc_launch_dependents,
+    jit,
+    next_power_of_2,
+    pdl_supported,
+    tl,
+)
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
 
 __all__ = ["decode_step_metadata"]
@@ -40,7 +46,12 @@ def _decode_step_metadata_kernel(
     width,
     block_size,
     BLOCK_W: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:
+        # A kernel launched next with programmatic dependent launch (the step's first gather)
+        # may start now; it waits for this one before reading anything.
+        gdc_launch_dependents()
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token).to(tl.int64)
     row = tl.load(rows_ptr + token).to(tl.int64)
@@ -116,6 +127,7 @@ def decode_step_metadata(
         width,
         block_size,
         BLOCK_W=min(1024, next_power_of_2(max(width, 1))),
+        TRIGGER=pdl_supported(device),
         num_warps=1,
     )
     return slots, tables, context
