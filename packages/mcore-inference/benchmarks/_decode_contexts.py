@@ -30,8 +30,7 @@ def _captured_step_us(
 
     def step() -> torch.Tensor:
         cache.prepare_step(tables, position, row)
-        hidden = decoder(token, position[None], kv_cache=cache)
-        return decoder.compute_logits(hidden[0])
+        return decoder.logits(token, position[None], kv_cache=cache)
 
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream())

@@ -144,6 +144,42 @@ def test_dispatch_on_the_row_count(model, gemv_calls):
     assert len(gemv_calls) == 4 * len(model.layers)
 
 
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_step_inputs_gather_embeddings_and_rope_rows(model, monkeypatch, one_launch):
+    # (On the CPU the one launch is gather_row_pairs' torch path; its kernel is tested in
+    # mcore-kernels.)
+    monkeypatch.setattr(fused_decode, "STEP_INPUTS_IN_ONE_LAUNCH", one_launch)
+    decoder = FusedDecoder(model, max_positions=12)
+    tokens, positions = torch.tensor([60, 4]), torch.tensor([11, 0])
+    hidden, cos, sin = decoder._step_inputs(tokens, positions)
+    expected_cos, expected_sin = model.rotary(positions)
+    assert torch.equal(hidden, model.embedding(tokens))
+    assert torch.equal(cos, expected_cos)
+    assert torch.equal(sin, expected_sin)
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_logits_fold_the_final_norm_into_the_lm_head(model, gemv_calls, monkeypatch, fold):
+    # FusedDecoder.logits of the 9-token step: the forward, the final norm and the LM head.
+    monkeypatch.setattr(fused_decode, "FINAL_NORM_IN_LM_HEAD", fold)
+    decoder = FusedDecoder(model, gemv_max_rows=16, lm_head_gemv_max_rows=16)
+    hidden, _ = _forward(model, decoder)
+    expected = model.compute_logits(hidden[0])
+    cache = _cache(model)
+    cache.prepare_step(TABLES, POSITIONS, ROWS)
+    rows = torch.tensor([8, 5])
+    calls = len(gemv_calls)
+    with torch.no_grad():
+        every = decoder.logits(TOKENS, POSITIONS[None], kv_cache=cache)
+        picked = decoder.logits(TOKENS, POSITIONS[None], kv_cache=cache, rows=rows)
+    torch.testing.assert_close(every.float(), expected, atol=1e-5, rtol=1e-5)
+    # (The CPU reference matmuls may round differently at another row count.)
+    torch.testing.assert_close(picked, every[rows], atol=1e-6, rtol=1e-6)
+    # The LM head is the last decode_gemv of the step, with the norm in its prologue or not.
+    per_step = (len(gemv_calls) - calls) // 2
+    assert gemv_calls[calls + per_step - 1] == (9, model.config.hidden_size)
+
+
 def test_lm_head_matches_compute_logits(model, gemv_calls):
     hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     expected = model.compute_logits(hidden)

@@ -112,6 +112,23 @@ def test_reduction_shorter_than_one_tile(config):
 
 @needs_triton
 @pytest.mark.interpreter
+@pytest.mark.parametrize("flags", ["plain", "norm_swiglu_residual"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_early_tail_is_the_same_sum(monkeypatch, flags, rows):
+    # K = 50: one full tile of 32 and a tail of 18, both requested before the products.
+    from mcore_kernels import decode_gemv_config
+
+    problem = _problem(rows, FLAGS[flags], torch.float32, k=50)
+    config = GemvConfig(block_n=8, block_k=32)
+    early = decode_gemv_triton(**problem, config=config)
+    monkeypatch.setattr(decode_gemv_config, "EARLY_TAIL", False)
+    late = decode_gemv_triton(**problem, config=config)
+    assert torch.equal(early, late)
+    torch.testing.assert_close(early, decode_gemv_reference(**problem), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_triton_matches_reference_bfloat16(config):
     problem = _problem(3, FLAGS["norm_swiglu_residual"], torch.bfloat16, seed=1)
@@ -134,10 +151,13 @@ def test_default_config_and_dispatch(monkeypatch):
 
 
 def test_gemv_config_choice():
-    # Narrow output, long reduction: one weight row per program, the whole row as one tile.
+    # Narrow output, long reduction: one weight row per program, the whole row as one tile of
+    # a power of two plus the tail (both requested before the PDL wait), or as one tile.
     one_row = gemv_config(1, 896, 4864, multiprocessors=132)
     assert not one_row.use_dot and one_row.split_k == 1 and one_row.block_n == 1
-    assert one_row.block_k == 8192
+    assert one_row.block_k == 4096 and one_row.num_warps == 4
+    whole = gemv_config(1, 896, 8192, multiprocessors=132)
+    assert whole.block_k == 8192 and whole.num_warps == 8
     # Enough outputs for two rows per program (Llama-3.2-1B's down projection).
     wide = gemv_config(1, 2048, 8192, multiprocessors=132)
     assert wide.block_n == 2 and wide.block_k == 2048

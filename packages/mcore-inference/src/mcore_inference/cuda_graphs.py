@@ -123,6 +123,8 @@ class DecodeGraphRunner:
         inputs = self._inputs[:, :batch]
         self._cache.prepare_step(self._block_tables[:, :width], inputs[1], inputs[2])
         stage_input = inputs[0][None] if self._hidden is None else self._hidden[:, :batch]
+        if self._decoder is not None and self._last_stage:
+            return self._decoder.logits(stage_input, inputs[1][None], kv_cache=self._cache)
         if self._decoder is not None:
             hidden = self._decoder(stage_input, inputs[1][None], kv_cache=self._cache)
         else:

@@ -18,7 +18,10 @@ work around each projection in: the input RMSNorm into the q/k/v and gate/up pro
 SwiGLU into the gate/up projection's epilogue (the down projection reads the activation) and
 the residual add into the o and down projections' epilogues. A layer is then five launches
 plus the attention (q/k/v, RoPE + cache write, attention, o, gate/up, down); the LM head of those
-steps (:meth:`FusedDecoder.compute_logits`) is one more ``decode_gemv``. The values are those
+steps (:meth:`FusedDecoder.compute_logits`) is one more ``decode_gemv``. With RoPE and the
+cache write in the q/k/v projection's epilogue and the attention's merge inside the o
+projection (``attention_in_o_proj``), a layer of one or two tokens is five launches, and the
+step's embeddings and RoPE rows are one gather launch. The values are those
 of the unfused ops up to the order of the float32 sums (the same roundings to the activation
 dtype happen at the same points), so they differ from cuBLAS's in the last bit at times.
 
@@ -46,6 +49,8 @@ from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.batch_invariant import is_batch_invariant
 from mcore_kernels.decode_attention_gemv import attention_o_proj
 from mcore_kernels.decode_gemv import decode_gemv
+from mcore_kernels.decode_rms_norm import decode_rms_norm
+from mcore_kernels.gather_rows import gather_row_pairs
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
@@ -53,9 +58,12 @@ from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
 __all__ = [
+    "FINAL_NORM_IN_LM_HEAD",
+    "FINAL_NORM_PDL",
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
+    "STEP_INPUTS_IN_ONE_LAUNCH",
     "FusedDecoder",
     "build_fused_decoder",
     "fused_decoder_unsupported_reason",
@@ -78,6 +86,19 @@ LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
 ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
+STEP_INPUTS_IN_ONE_LAUNCH = True
+"""``decode_gemv`` steps gather the token embeddings and the RoPE rows of their positions in
+one launch (under PDL: the first projection then requests its weights meanwhile). False: the
+embedding and the RoPE table lookup as two torch ops."""
+FINAL_NORM_PDL = True
+"""``decode_gemv`` steps run the final RMSNorm as :func:`mcore_kernels.decode_rms_norm.
+decode_rms_norm` (a PDL participant: under ``pdl`` the LM head starts streaming its weight
+while the norm waits for the last layer). False: the model's norm module."""
+FINAL_NORM_IN_LM_HEAD = False
+""":meth:`FusedDecoder.logits` of ``decode_gemv`` steps runs the final RMSNorm in the LM head's
+prologue (no norm launch). Off: each of the LM head's ~38k programs then reduces the row
+before its products (one H200, the captured batch-1 step of the Qwen2.5-0.5B shape: the LM
+head 87.8 us instead of about 74, the step 547.3-552.8 against 535.5 us)."""
 
 
 @dataclass(slots=True)
@@ -257,14 +278,97 @@ class FusedDecoder:
         Returns:
             ``[1, T, hidden]`` final-normed hidden states (``return_hidden=True`` of the model).
         """
+        return self._forward(input_ids, position_ids, kv_cache, final_norm=True)[None]
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_cache: PagedKVCache,
+        *,
+        final_norm: bool,
+    ) -> torch.Tensor:
+        """``[T, hidden]``: final-normed, or (``final_norm=False``, ``decode_gemv`` steps only)
+        the residual stream before the final norm."""
         model = self.model
-        hidden = model.embedding(input_ids[0])
-        cos, sin = self._rotary(position_ids[0])
-        rows = hidden.shape[0]
+        rows = input_ids.shape[1]
         with programmatic_dependent_launch(self.pdl and rows <= GEMM_PDL_MAX_ROWS):
             if rows <= self.gemv_max_rows:
-                return self._gemv_layers(hidden, cos, sin, kv_cache)[None]
-            return self._gemm_layers(hidden, cos, sin, kv_cache)[None]
+                hidden, cos, sin = self._step_inputs(input_ids[0], position_ids[0])
+                residual = self._gemv_layers(hidden, cos, sin, kv_cache)
+                if not final_norm:
+                    return residual
+                norm = model.final_norm
+                if FINAL_NORM_PDL:
+                    return decode_rms_norm(residual, norm.weight, norm.eps)
+                return norm(residual)
+        hidden = model.embedding(input_ids[0])
+        cos, sin = self._rotary(position_ids[0])
+        with programmatic_dependent_launch(self.pdl and rows <= GEMM_PDL_MAX_ROWS):
+            return self._gemm_layers(hidden, cos, sin, kv_cache)
+
+    def _step_inputs(
+        self, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The embeddings and the RoPE cosines and sines of a ``decode_gemv`` step: one
+        :func:`~mcore_kernels.gather_rows.gather_row_pairs` launch where the RoPE table exists
+        (:data:`STEP_INPUTS_IN_ONE_LAUNCH`), else the embedding and :meth:`_rotary`."""
+        embedding = self.model.embedding
+        if (
+            STEP_INPUTS_IN_ONE_LAUNCH
+            and self.max_positions is not None
+            and embedding.max_norm is None
+        ):
+            table = self._rope_table
+            if table is None or table.device != positions.device:
+                self._rotary(positions[:0])
+                table = self._rope_table
+            assert table is not None
+            hidden, rope = gather_row_pairs(embedding.weight, tokens, table.flatten(1), positions)
+            rope = rope.view(-1, *table.shape[1:])
+            return hidden, rope[:, 0], rope[:, 1]
+        return embedding(tokens), *self._rotary(positions)
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        kv_cache: PagedKVCache,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The step's forward and the logits of its ``rows``: :meth:`__call__`, then
+        :meth:`compute_logits` of those rows, except that steps whose projections and LM head
+        both run as ``decode_gemv`` fold the final norm into the LM head's prologue
+        (:data:`FINAL_NORM_IN_LM_HEAD`, off by default). The engine's eager and captured steps
+        both come
+        here, so they compute the same bits.
+
+        Args:
+            input_ids: ``[1, T]`` token ids.
+            position_ids: ``[1, T]`` positions.
+            kv_cache: The engine's paged cache with the step's metadata installed.
+            rows: Indices of the rows whose logits are wanted (None: every row).
+
+        Returns:
+            ``[len(rows), vocab_size]`` logits (see :meth:`compute_logits`).
+        """
+        count = input_ids.shape[1] if rows is None else rows.shape[0]
+        fold = (
+            FINAL_NORM_IN_LM_HEAD
+            and input_ids.shape[1] <= self.gemv_max_rows
+            and count <= self.lm_head_gemv_max_rows
+        )
+        hidden = self._forward(input_ids, position_ids, kv_cache, final_norm=not fold)
+        if rows is not None:
+            hidden = hidden.index_select(0, rows)
+        if not fold:
+            return self.compute_logits(hidden)
+        norm = self.model.final_norm
+        with programmatic_dependent_launch(self.pdl):
+            return decode_gemv(
+                hidden, self.model.output_weight(), norm_weight=norm.weight, norm_eps=norm.eps
+            )
 
     def _gemm_layers(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
@@ -307,7 +411,8 @@ class FusedDecoder:
     def _gemv_layers(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
     ) -> torch.Tensor:
-        """The layers over a few tokens: every projection one ``decode_gemv`` launch.
+        """The layers over a few tokens: every projection one ``decode_gemv`` launch; returns
+        the residual stream before the final norm.
 
         ``residual`` is the residual stream (the embedding, then after each block the block's
         output plus the stream, added in the projection's epilogue); the RMSNorm before each
@@ -373,7 +478,7 @@ class FusedDecoder:
                 residual=residual,
             )
             residual = self._mlp(layer, fused, residual)
-        return model.final_norm(residual)
+        return residual
 
     @staticmethod
     def _mlp(layer: Any, fused: _FusedLayer, residual: torch.Tensor) -> torch.Tensor:

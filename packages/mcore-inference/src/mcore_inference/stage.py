@@ -223,6 +223,17 @@ class StageRunner:
                 hidden = torch.cat([hidden.to(self.device), padding], dim=1)
             stage_input = hidden
         self.kv_cache.prepare_step(self.block_tables, inputs[1], inputs[2], max_context=max_context)
+        sampling = groups.is_last_stage and microbatch is not None and microbatch.sampling
+        if sampling and self.decoder is not None and mamba_state is None:
+            # The forward and the LM head in one call, as the decode graphs run them.
+            assert microbatch is not None
+            rows = to_device(microbatch.sample_rows, torch.long, self.device)
+            try:
+                return None, self.decoder.logits(
+                    stage_input, inputs[1][None], kv_cache=self.kv_cache, rows=rows
+                )
+            finally:
+                self.kv_cache.clear_step()
         try:
             if self.decoder is not None and mamba_state is None:
                 output = self.decoder(stage_input, inputs[1][None], kv_cache=self.kv_cache)

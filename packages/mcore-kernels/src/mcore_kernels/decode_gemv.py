@@ -43,7 +43,7 @@ import dataclasses
 
 import torch
 
-from mcore_kernels import _compile
+from mcore_kernels import _compile, decode_gemv_config
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import device_limits, next_power_of_2, pdl_supported, triton
 from mcore_kernels.decode_gemv_config import (
@@ -192,6 +192,10 @@ def decode_gemv_triton(
     grid_m = triton.cdiv(rows, block_m)
     k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_split)
+    # One full tile and a masked tail: both requested at once (before the PDL wait).
+    early_tail = (
+        decode_gemv_config.EARLY_TAIL and split_k == 1 and config.block_k < k < 2 * config.block_k
+    )
     second_pass = split_k > 1 and config.reduce == "second_pass"
     if second_pass and rope is not None:
         raise KernelValueError("rope with GemvConfig.reduce='second_pass'; expected 'ticket'")
@@ -251,6 +255,7 @@ def decode_gemv_triton(
         # residual or the RoPE tables right after it, instead of in the epilogue. One H200,
         # batch-1 decode of the Qwen2.5-0.5B shape: 1634 against 1580 tok/s.
         "EARLY": split_k == 1 and (norm_weight is not None or use_pdl),
+        "EARLY_TAIL": early_tail,
     }
     if config.num_stages is None:
         launcher = _GEMV_PDL if use_pdl else _GEMV

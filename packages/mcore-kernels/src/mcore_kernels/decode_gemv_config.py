@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from mcore_kernels._triton_utils import next_power_of_2
 from mcore_kernels.errors import KernelValueError
 
-__all__ = ["WHOLE_ROW_MAX_K", "WHOLE_ROW_WARPS", "GemvConfig", "block_rows", "gemv_config"]
+__all__ = [
+    "EARLY_TAIL",
+    "WHOLE_ROW_MAX_K",
+    "WHOLE_ROW_WARPS",
+    "GemvConfig",
+    "block_rows",
+    "gemv_config",
+]
 
 _REDUCES = ("ticket", "second_pass")
 WHOLE_ROW_MAX_K = 8192
@@ -16,7 +23,10 @@ WHOLE_ROW_MAX_K = 8192
 the whole row as one tile (see :func:`gemv_config`; 0: never): under PDL a program has its
 whole weight in flight before it waits."""
 WHOLE_ROW_WARPS = 8
-"""Warps per program of those whole-row tiles."""
+"""Warps per program of those whole-row tiles wider than 4096 (4 up to 4096)."""
+EARLY_TAIL = True
+"""Programs whose reduction is one full ``block_k`` tile and a shorter tail (no split-K)
+request both tiles at once, before the PDL wait (False: the tail after the first products)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -85,11 +95,16 @@ def gemv_config(rows: int, out_features: int, in_features: int, multiprocessors:
             # (H200: 6.1 against 7.3 us with two rows per program).
             block_n = 2 if out_features // 2 >= 4 * multiprocessors else 1
             if block_n == 1 and in_features <= WHOLE_ROW_MAX_K:
-                # The whole weight row in one tile: under programmatic dependent launch a
-                # program loads all of its weight before waiting for the previous kernel.
-                return GemvConfig(
-                    block_n=1, block_k=next_power_of_2(in_features), num_warps=WHOLE_ROW_WARPS
-                )
+                # The whole weight row in flight before the PDL wait: one tile of the largest
+                # power of two in the row plus the tail (both requested before the wait, see
+                # EARLY_TAIL), 4 warps up to 4096 (H200, the captured batch-1 step of the
+                # Qwen2.5-0.5B shape, down 896 x 4864: 534.1 against 547.3-552.8 us with one
+                # 8192-wide tile over 8 warps).
+                block_k = next_power_of_2(in_features)
+                if block_k != in_features:
+                    block_k //= 2
+                warps = 4 if block_k <= 4096 else WHOLE_ROW_WARPS
+                return GemvConfig(block_n=1, block_k=block_k, num_warps=warps)
             return GemvConfig(block_n=block_n, block_k=2048, num_warps=4)
         return GemvConfig(block_n=4, block_k=1024, num_warps=4)
     if out_features <= 4096:

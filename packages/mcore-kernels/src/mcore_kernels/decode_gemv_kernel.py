@@ -68,6 +68,7 @@ def _gemv_kernel(
     K_ALIGNED: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY: tl.constexpr,
+    EARLY_TAIL: tl.constexpr = False,
 ):
     if USE_PDL:
         # Let the next kernel's programs start (and prefetch their own weights) early.
@@ -100,7 +101,7 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     scales = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM or USE_PDL:
+    if HAS_NORM or USE_PDL or EARLY_TAIL:
         # The first weight tile is requested before the norm's reduction over the rows, so
         # the two memory latencies overlap; with programmatic dependent launch it is requested
         # before waiting for the previous kernel (the weights do not depend on it, the rows do).
@@ -116,6 +117,14 @@ def _gemv_kernel(
         if EARLY:
             pre_bias, pre_bias_up = _early_bias(
                 bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS, ROPE, SWIGLU, HALF
+            )
+        tail_w = w
+        tail_w_up = w_up
+        if EARLY_TAIL:
+            # One full tile and a tail (set by the launcher): the tail's weights are requested
+            # before the wait too, so the program holds its whole slice of the weight.
+            tail_w, tail_w_up = _load_tile(
+                w_ptr, w_rows, up_rows, k_full + offs_k, k_end, PAIRED, True
             )
         if USE_PDL:
             gdc_wait()
@@ -143,7 +152,14 @@ def _gemv_kernel(
             HAS_NORM, PAIRED, BLOCK_M, USE_DOT, False, DOT_PRECISION, UPCAST_DOT, False,
             scales, False,
         )  # fmt: skip
-    if k_full < k_end:
+    if EARLY_TAIL:
+        acc, acc_up = _accumulate(
+            acc, acc_up, tail_w, tail_w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask,
+            w_rows, up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,
+            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
+            scales, False,
+        )  # fmt: skip
+    elif k_full < k_end:
         acc, acc_up = _accumulate(
             acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,

@@ -25,7 +25,13 @@ import torch
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import jit, next_power_of_2, tl
+from mcore_kernels._triton_utils import (
+    gdc_launch_dependents,
+    jit,
+    next_power_of_2,
+    pdl_supported,
+    tl,
+)
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
 from mcore_kernels.reference import decode_step_metadata_reference
 
@@ -47,7 +53,12 @@ def _decode_step_metadata_kernel(
     width,
     block_size,
     BLOCK_W: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:
+        # A kernel launched next with programmatic dependent launch (the step's first gather)
+        # may start now; it waits for this one before reading anything.
+        gdc_launch_dependents()
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token).to(tl.int64)
     row = tl.load(rows_ptr + token).to(tl.int64)
@@ -129,6 +140,7 @@ def _decode_step_metadata_run(
         block_size,
         # From the row stride, which a cut table keeps: one binary for every cut of it.
         BLOCK_W=min(1024, next_power_of_2(max(width, block_tables.stride(0), 1))),
+        TRIGGER=pdl_supported(device),
         num_warps=1,
     )
     return slots, tables, context
