@@ -204,6 +204,24 @@ def main() -> None:
         "(fused_decode.ATTENTION_IN_O_PROJ) flipped from its default",
     )
     parser.add_argument(
+        "--compare-weight-prefetch",
+        default="",
+        help="batch sizes also run with the fused decoder's L2 weight prefetch on "
+        "(fused_decode.WEIGHT_PREFETCH_ROWS covering them), once per --prefetch-programs value",
+    )
+    parser.add_argument("--prefetch-programs", default="32")
+    parser.add_argument(
+        "--compare-norm-pdl",
+        default="",
+        help="batch sizes also run with fused_decode.NORM_SWIGLU_PDL flipped",
+    )
+    parser.add_argument(
+        "--repeat-default",
+        default="",
+        help="batch sizes whose default engine runs a second time after the variants (the "
+        "spread of two runs of one setting)",
+    )
+    parser.add_argument(
         "--context-sweep",
         default="",
         help="context lengths at which the captured batch-1 step is timed with the attention "
@@ -230,6 +248,10 @@ def main() -> None:
     profile_batch_sizes = {int(b) for b in args.profile_batch_sizes.split(",") if b}
     split_batch_sizes = {int(b) for b in args.host_split_batch_sizes.split(",") if b}
     o_proj_batch_sizes = {int(b) for b in args.compare_attention_in_o_proj.split(",") if b}
+    prefetch_batch_sizes = {int(b) for b in args.compare_weight_prefetch.split(",") if b}
+    prefetch_programs = [int(p) for p in args.prefetch_programs.split(",") if p]
+    repeat_batch_sizes = {int(b) for b in args.repeat_default.split(",") if b}
+    norm_pdl_batch_sizes = {int(b) for b in args.compare_norm_pdl.split(",") if b}
     hf_new_tokens = args.hf_new_tokens or args.new_tokens
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
@@ -331,6 +353,35 @@ def main() -> None:
                 fused_decode.ATTENTION_IN_O_PROJ = default
             row["mcore_o_proj_flipped_tokens_per_s"] = generated / flipped
             row["o_proj_flipped_tokens_equal"] = flipped_tokens == tokens
+        for programs in prefetch_programs if batch in prefetch_batch_sizes else ():
+            saved = fused_decode.WEIGHT_PREFETCH_ROWS, fused_decode.WEIGHT_PREFETCH_PROGRAMS
+            fused_decode.WEIGHT_PREFETCH_ROWS = (fused_decode.GEMV_MAX_ROWS + 1, 1 << 20)
+            fused_decode.WEIGHT_PREFETCH_PROGRAMS = programs
+            try:
+                prefetched, _, _, prefetched_tokens = _mcore_decode_seconds(
+                    model, prompts, args.new_tokens, use_cuda_graphs=True
+                )
+            finally:
+                fused_decode.WEIGHT_PREFETCH_ROWS, fused_decode.WEIGHT_PREFETCH_PROGRAMS = saved
+            row[f"mcore_prefetch_{programs}_tokens_per_s"] = generated / prefetched
+            row[f"prefetch_{programs}_tokens_equal"] = prefetched_tokens == tokens
+            print(json.dumps({"batch": batch, "prefetch_programs": programs,
+                              "tokens_per_s": generated / prefetched}), flush=True)  # fmt: skip
+        if batch in norm_pdl_batch_sizes:
+            fused_decode.NORM_SWIGLU_PDL = not fused_decode.NORM_SWIGLU_PDL
+            try:
+                flipped, _, _, flipped_tokens = _mcore_decode_seconds(
+                    model, prompts, args.new_tokens, use_cuda_graphs=True
+                )
+            finally:
+                fused_decode.NORM_SWIGLU_PDL = not fused_decode.NORM_SWIGLU_PDL
+            row["mcore_norm_pdl_flipped_tokens_per_s"] = generated / flipped
+            row["norm_pdl_flipped_tokens_equal"] = flipped_tokens == tokens
+        if batch in repeat_batch_sizes:
+            again, _, _, _ = _mcore_decode_seconds(
+                model, prompts, args.new_tokens, use_cuda_graphs=True
+            )
+            row["mcore_repeat_tokens_per_s"] = generated / again
         if batch in eager_batch_sizes:
             eager, _, _, eager_tokens = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=False
@@ -397,6 +448,8 @@ def _write_results(
         "copy_bandwidth_bytes_per_s": bandwidth,
         "decode_pdl": InferenceConfig().decode_pdl,
         "attention_in_o_proj": fused_decode.ATTENTION_IN_O_PROJ,
+        "norm_swiglu_pdl": fused_decode.NORM_SWIGLU_PDL,
+        "weight_prefetch_rows": fused_decode.WEIGHT_PREFETCH_ROWS,
         "rows": rows,
         "profiles": profiles,
         "context_sweep": meta["context_sweep"],
@@ -448,6 +501,20 @@ def _write_results(
                 f"{row['mcore_o_proj_flipped_tokens_per_s']:.0f} tok/s; greedy tokens equal: "
                 f"{row['o_proj_flipped_tokens_equal']} (another summation order: they may "
                 "differ).",
+            ]
+    for row in rows:
+        variants = [
+            f"{key.removeprefix('mcore_').removesuffix('_tokens_per_s')} {value:.0f}"
+            for key, value in row.items()
+            if key.startswith(("mcore_prefetch_", "mcore_repeat_", "mcore_norm_pdl_"))
+        ]
+        if variants:
+            equal = {k: v for k, v in row.items() if k.startswith(("prefetch_", "norm_pdl_"))}
+            lines += [
+                "",
+                f"Batch {row['batch']}, tok/s of variants (default "
+                f"{row['mcore_tokens_per_s']:.0f}): {'; '.join(variants)}; greedy tokens "
+                f"equal to the default: {equal}.",
             ]
     if meta["context_sweep"]:
         lines += [

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, model_weight_shards
+from mcore_inference import (
+    InferenceConfig,
+    InferenceEngine,
+    SamplingParams,
+    fused_decode,
+    model_weight_shards,
+)
 from mcore_inference.fused_decode import FusedDecoder, fused_decoder_unsupported_reason
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_models import GPTConfig, GPTModel
@@ -226,3 +232,25 @@ def test_decode_pdl_gives_the_same_tokens_and_logprobs_on_gpu():
         with InferenceEngine(model, config) as engine:
             results.append([(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)])
     assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_weight_prefetch_and_norm_swiglu_pdl_change_nothing_on_gpu(monkeypatch):
+    # Three prompts: the decode steps of three tokens run the cuBLAS layers (_gemm_layers),
+    # with the L2 weight prefetch on a side stream (a hint) and the norm/SwiGLU kernels with
+    # or without PDL: tokens and log-probs must be those of the plain launches, bit for bit.
+    model = _model(5, bias_and_qk_norm=False).cuda().to(torch.bfloat16)
+    results = []
+    for prefetch, norm_pdl in ((False, False), (True, True), (True, False)):
+        monkeypatch.setattr(fused_decode, "WEIGHT_PREFETCH_ROWS", (3, 64 if prefetch else 0))
+        monkeypatch.setattr(fused_decode, "NORM_SWIGLU_PDL", norm_pdl)
+        with _engine(model.cuda(), fused=True) as engine:
+            results.append([(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)])
+    assert results[1] == results[0]
+    assert results[2] == results[0]
+
+
+def test_weight_prefetch_is_skipped_on_the_cpu(model):
+    decoder = FusedDecoder(model, weight_prefetch_rows=(1, 1 << 20))
+    assert decoder._prefetch_stream(torch.zeros(4, 8)) is None

@@ -36,6 +36,7 @@ says why another is not); everything else runs the model's forward as before.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.batch_invariant import is_batch_invariant
 from mcore_kernels.decode_attention_gemv import attention_o_proj
 from mcore_kernels.decode_gemv import decode_gemv
+from mcore_kernels.l2_prefetch import l2_prefetch
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
@@ -56,6 +58,9 @@ __all__ = [
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
+    "NORM_SWIGLU_PDL",
+    "WEIGHT_PREFETCH_PROGRAMS",
+    "WEIGHT_PREFETCH_ROWS",
     "FusedDecoder",
     "build_fused_decoder",
     "fused_decoder_unsupported_reason",
@@ -76,8 +81,17 @@ at 256 and 236.6k against 244.9k at 512 (there the early-started kernels hold mu
 that the GEMMs want)."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
+_SAME_LAUNCH = contextlib.nullcontext()
 ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
+WEIGHT_PREFETCH_ROWS = (3, 0)
+"""Default of ``FusedDecoder(weight_prefetch_rows=)``: ``(min, max)`` tokens of the steps whose
+cuBLAS projections read weights prefetched into L2 (``(3, 0)``: none)."""
+WEIGHT_PREFETCH_PROGRAMS = 32
+"""Programs of each weight prefetch launch."""
+NORM_SWIGLU_PDL = True
+"""Steps launched with PDL (up to :data:`GEMM_PDL_MAX_ROWS` tokens) launch their add + RMSNorm
+and SwiGLU kernels between the cuBLAS GEMMs with it too (False: plainly)."""
 
 
 @dataclass(slots=True)
@@ -163,6 +177,12 @@ class FusedDecoder:
             projection (:func:`mcore_kernels.decode_attention_gemv.attention_o_proj`): still
             five launches per layer, but the attention link no longer walks the context tile
             by tile. Never in the batch-invariant mode. None: :data:`ATTENTION_IN_O_PROJ`.
+        weight_prefetch_rows: ``(min, max)``: CUDA steps of that many tokens (and more than
+            ``gemv_max_rows``) request each layer's projection weights into L2 on a side
+            stream (:func:`mcore_kernels.l2_prefetch.l2_prefetch`) while the kernels before
+            those projections run: the gate/up and down weights at the start of the layer,
+            the next layer's q/k/v and o weights before its gate/up projection. The values
+            are unchanged. None: :data:`WEIGHT_PREFETCH_ROWS`.
     """
 
     def __init__(
@@ -175,8 +195,13 @@ class FusedDecoder:
         max_positions: int | None = None,
         rope_in_projection: bool = True,
         attention_in_o_proj: bool | None = None,
+        weight_prefetch_rows: tuple[int, int] | None = None,
     ) -> None:
         self.model = model
+        self.weight_prefetch_rows = (
+            WEIGHT_PREFETCH_ROWS if weight_prefetch_rows is None else weight_prefetch_rows
+        )
+        self._prefetch_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.rope_in_projection = rope_in_projection
         self.attention_in_o_proj = (
             ATTENTION_IN_O_PROJ if attention_in_o_proj is None else attention_in_o_proj
@@ -274,9 +299,16 @@ class FusedDecoder:
         the kernel before them drains; cuBLAS's are launched plainly)."""
         model = self.model
         residual: torch.Tensor | None = None
-        for layer, fused in zip(model.layers, self._layers, strict=True):
+        layers = list(zip(model.layers, self._layers, strict=True))
+        side = self._prefetch_stream(hidden)
+        if side is not None:
+            self._prefetch(side, layers[0][1].qkv_weight, layers[0][0].self_attention.o_proj)
+        for index, (layer, fused) in enumerate(layers):
             attention = layer.self_attention
-            x, residual = add_rms_norm(layer.input_norm, hidden, residual)
+            if side is not None:
+                self._prefetch(side, fused.gate_up_weight, layer.mlp.down_proj)
+            with self._norm_swiglu_launch():
+                x, residual = add_rms_norm(layer.input_norm, hidden, residual)
             qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
             q, k, v = (
                 part.unflatten(-1, (-1, attention.head_dim))
@@ -286,10 +318,43 @@ class FusedDecoder:
                 q, k = attention.q_norm(q), attention.k_norm(k)
             out = kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
             attention_out = attention.o_proj(out.flatten(-2))
-            x, residual = add_rms_norm(layer.post_attention_norm, attention_out, residual)
-            hidden = layer.mlp.down_proj(swiglu(F.linear(x, fused.gate_up_weight)))
-        hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
+            with self._norm_swiglu_launch():
+                x, residual = add_rms_norm(layer.post_attention_norm, attention_out, residual)
+            if side is not None and index + 1 < len(layers):
+                following, following_fused = layers[index + 1]
+                self._prefetch(side, following_fused.qkv_weight, following.self_attention.o_proj)
+            gate_up = F.linear(x, fused.gate_up_weight)
+            with self._norm_swiglu_launch():
+                activation = swiglu(gate_up)
+            hidden = layer.mlp.down_proj(activation)
+        if side is not None:
+            torch.cuda.current_stream(hidden.device).wait_stream(side)
+        with self._norm_swiglu_launch():
+            hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden
+
+    @staticmethod
+    def _norm_swiglu_launch() -> contextlib.AbstractContextManager:
+        """The launch setting of the add + RMSNorm and SwiGLU kernels (:data:`NORM_SWIGLU_PDL`)."""
+        return _SAME_LAUNCH if NORM_SWIGLU_PDL else programmatic_dependent_launch(False)
+
+    def _prefetch_stream(self, hidden: torch.Tensor) -> torch.cuda.Stream | None:
+        """The side stream of this step's weight prefetches, or None when it has none."""
+        low, high = self.weight_prefetch_rows
+        if hidden.device.type != "cuda" or not low <= hidden.shape[0] <= high:
+            return None
+        stream = self._prefetch_streams.get(hidden.device)
+        if stream is None:
+            stream = self._prefetch_streams[hidden.device] = torch.cuda.Stream(hidden.device)
+        return stream
+
+    @staticmethod
+    def _prefetch(side: torch.cuda.Stream, weight: torch.Tensor, linear: Any) -> None:
+        """Request ``weight`` and ``linear.weight`` into L2 on ``side``, after the work so far
+        on the current stream (the stream waits for it; a captured graph gets the same edge)."""
+        side.wait_stream(torch.cuda.current_stream(weight.device))
+        with torch.cuda.stream(side):
+            l2_prefetch(weight, linear.weight, programs=WEIGHT_PREFETCH_PROGRAMS)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``model.rotary(positions)``, looked up in a table of every position when bounded."""

@@ -139,9 +139,14 @@ _FORWARD_CONSTEXPRS: dict[tuple, dict[str, Any]] = {}
 
 
 def _forward_constexprs(
-    plan: _Plan, has_residual: bool, store_rstd: bool, block_rows: int, flags: tuple[bool, ...]
+    plan: _Plan,
+    has_residual: bool,
+    store_rstd: bool,
+    block_rows: int,
+    flags: tuple[bool, ...],
+    pdl: bool = False,
 ) -> dict[str, Any]:
-    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags)
+    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, pdl)
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None:
         even, wide, evict = flags
@@ -156,6 +161,7 @@ def _forward_constexprs(
             # Eviction hints of _load: the rows evict first, the weight last (0: none).
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
+            "USE_PDL": pdl,
         }
     return found
 
