@@ -211,6 +211,12 @@ def main() -> None:
     )
     parser.add_argument("--prefetch-programs", default="32")
     parser.add_argument(
+        "--compare-attention-split",
+        default="",
+        help="SIZE@B1/B2: batch sizes B1, B2 also run with InferenceConfig(attention_split_size"
+        "=SIZE)",
+    )
+    parser.add_argument(
         "--compare-norm-pdl",
         default="",
         help="batch sizes also run with fused_decode.NORM_SWIGLU_PDL flipped",
@@ -252,6 +258,8 @@ def main() -> None:
     prefetch_programs = [int(p) for p in args.prefetch_programs.split(",") if p]
     repeat_batch_sizes = {int(b) for b in args.repeat_default.split(",") if b}
     norm_pdl_batch_sizes = {int(b) for b in args.compare_norm_pdl.split(",") if b}
+    split_size, _, split_batches = args.compare_attention_split.partition("@")
+    attention_split_batch_sizes = {int(b) for b in split_batches.split("/") if b}
     hf_new_tokens = args.hf_new_tokens or args.new_tokens
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
@@ -377,6 +385,15 @@ def main() -> None:
                 fused_decode.NORM_SWIGLU_PDL = not fused_decode.NORM_SWIGLU_PDL
             row["mcore_norm_pdl_flipped_tokens_per_s"] = generated / flipped
             row["norm_pdl_flipped_tokens_equal"] = flipped_tokens == tokens
+        if batch in attention_split_batch_sizes:
+            other, _, _, _ = _mcore_decode_seconds(
+                model,
+                prompts,
+                args.new_tokens,
+                use_cuda_graphs=True,
+                attention_split_size=int(split_size),
+            )
+            row[f"mcore_split_{split_size}_tokens_per_s"] = generated / other
         if batch in repeat_batch_sizes:
             again, _, _, _ = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=True
@@ -506,7 +523,9 @@ def _write_results(
         variants = [
             f"{key.removeprefix('mcore_').removesuffix('_tokens_per_s')} {value:.0f}"
             for key, value in row.items()
-            if key.startswith(("mcore_prefetch_", "mcore_repeat_", "mcore_norm_pdl_"))
+            if key.startswith(
+                ("mcore_prefetch_", "mcore_repeat_", "mcore_norm_pdl_", "mcore_split_")
+            )
         ]
         if variants:
             equal = {k: v for k, v in row.items() if k.startswith(("prefetch_", "norm_pdl_"))}
