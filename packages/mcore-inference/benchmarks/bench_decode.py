@@ -217,6 +217,12 @@ def main() -> None:
         "=SIZE)",
     )
     parser.add_argument(
+        "--compare-down-splits",
+        default="",
+        help="S1/S2@B1/B2: batch sizes B1, B2 also run with the down projection in S1 (then "
+        "S2) float32 split-K partials summed by the next norm (fused_decode.DOWN_PROJ_SPLITS)",
+    )
+    parser.add_argument(
         "--compare-norm-pdl",
         default="",
         help="batch sizes also run with fused_decode.NORM_SWIGLU_PDL flipped",
@@ -260,6 +266,9 @@ def main() -> None:
     norm_pdl_batch_sizes = {int(b) for b in args.compare_norm_pdl.split(",") if b}
     split_size, _, split_batches = args.compare_attention_split.partition("@")
     attention_split_batch_sizes = {int(b) for b in split_batches.split("/") if b}
+    down_splits, _, down_batches = args.compare_down_splits.partition("@")
+    down_split_counts = [int(s) for s in down_splits.split("/") if s]
+    down_batch_sizes = {int(b) for b in down_batches.split("/") if b}
     hf_new_tokens = args.hf_new_tokens or args.new_tokens
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
@@ -385,6 +394,17 @@ def main() -> None:
                 fused_decode.NORM_SWIGLU_PDL = not fused_decode.NORM_SWIGLU_PDL
             row["mcore_norm_pdl_flipped_tokens_per_s"] = generated / flipped
             row["norm_pdl_flipped_tokens_equal"] = flipped_tokens == tokens
+        for splits in down_split_counts if batch in down_batch_sizes else ():
+            saved_splits = fused_decode.DOWN_PROJ_SPLITS
+            fused_decode.DOWN_PROJ_SPLITS = (splits, 1 << 20)
+            try:
+                other, _, _, other_tokens = _mcore_decode_seconds(
+                    model, prompts, args.new_tokens, use_cuda_graphs=True
+                )
+            finally:
+                fused_decode.DOWN_PROJ_SPLITS = saved_splits
+            row[f"mcore_down_splits_{splits}_tokens_per_s"] = generated / other
+            row[f"down_splits_{splits}_tokens_equal"] = other_tokens == tokens
         if batch in attention_split_batch_sizes:
             other, _, _, _ = _mcore_decode_seconds(
                 model,
@@ -467,6 +487,7 @@ def _write_results(
         "attention_in_o_proj": fused_decode.ATTENTION_IN_O_PROJ,
         "norm_swiglu_pdl": fused_decode.NORM_SWIGLU_PDL,
         "weight_prefetch_rows": fused_decode.WEIGHT_PREFETCH_ROWS,
+        "down_proj_splits": fused_decode.DOWN_PROJ_SPLITS,
         "rows": rows,
         "profiles": profiles,
         "context_sweep": meta["context_sweep"],
@@ -524,11 +545,21 @@ def _write_results(
             f"{key.removeprefix('mcore_').removesuffix('_tokens_per_s')} {value:.0f}"
             for key, value in row.items()
             if key.startswith(
-                ("mcore_prefetch_", "mcore_repeat_", "mcore_norm_pdl_", "mcore_split_")
+                (
+                    "mcore_prefetch_",
+                    "mcore_repeat_",
+                    "mcore_norm_pdl_",
+                    "mcore_split_",
+                    "mcore_down_splits_",
+                )
             )
         ]
         if variants:
-            equal = {k: v for k, v in row.items() if k.startswith(("prefetch_", "norm_pdl_"))}
+            equal = {
+                k: v
+                for k, v in row.items()
+                if k.startswith(("prefetch_", "norm_pdl_", "down_splits_"))
+            }
             lines += [
                 "",
                 f"Batch {row['batch']}, tok/s of variants (default "

@@ -85,6 +85,18 @@ def test_fused_engine_generates_what_the_model_forward_generates(model):
     _assert_same_generations(_generate(model, fused=True), _generate(model, fused=False))
 
 
+def test_down_projection_in_split_k_partials_generates_what_the_model_forward_generates(
+    model, monkeypatch
+):
+    # Decode steps of the three prompts (three tokens) run the cuBLAS layers; their down
+    # projections as four float32 partial products summed by the next layer's add + norm.
+    monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (4, 64))
+    with _engine(model, fused=True) as engine:
+        assert engine._decoder is not None and engine._decoder._down_splits(3) == 4
+        actual = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
+    _assert_same_generations(actual, _generate(model, fused=False))
+
+
 def _cache(model: GPTModel) -> PagedKVCache:
     config = model.config
     return PagedKVCache(
@@ -242,13 +254,24 @@ def test_weight_prefetch_and_norm_swiglu_pdl_change_nothing_on_gpu(monkeypatch):
     # or without PDL: tokens and log-probs must be those of the plain launches, bit for bit.
     model = _model(5, bias_and_qk_norm=False).cuda().to(torch.bfloat16)
     results = []
-    for prefetch, norm_pdl in ((False, False), (True, True), (True, False)):
+    for prefetch, norm_pdl, splits in ((False, False, 0), (True, True, 0), (True, False, 0)):
         monkeypatch.setattr(fused_decode, "WEIGHT_PREFETCH_ROWS", (3, 64 if prefetch else 0))
         monkeypatch.setattr(fused_decode, "NORM_SWIGLU_PDL", norm_pdl)
+        monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (splits, 64))
         with _engine(model.cuda(), fused=True) as engine:
             results.append([(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)])
     assert results[1] == results[0]
     assert results[2] == results[0]
+    # The split-K down projection under PDL and plainly: the same bits as each other (another
+    # summation order than cuBLAS's, so not necessarily those above).
+    split_results = []
+    for norm_pdl in (False, True):
+        monkeypatch.setattr(fused_decode, "NORM_SWIGLU_PDL", norm_pdl)
+        monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (4, 64))
+        with _engine(model, fused=True) as engine:
+            outputs = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
+            split_results.append(outputs)
+    assert split_results[0] == split_results[1]
 
 
 def test_weight_prefetch_is_skipped_on_the_cpu(model):

@@ -51,10 +51,12 @@ from mcore_kernels.l2_prefetch import l2_prefetch
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
+from mcore_kernels.split_sum_rms_norm import split_k_partials, split_sum_add_rms_norm
 from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
 __all__ = [
+    "DOWN_PROJ_SPLITS",
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
@@ -89,6 +91,12 @@ WEIGHT_PREFETCH_ROWS = (3, 0)
 cuBLAS projections read weights prefetched into L2 (``(3, 0)``: none)."""
 WEIGHT_PREFETCH_PROGRAMS = 32
 """Programs of each weight prefetch launch."""
+DOWN_PROJ_SPLITS = (0, 64)
+"""``(splits, max tokens)``: steps of more than ``gemv_max_rows`` and at most ``max tokens``
+tokens run the down projection as ``splits`` float32 partial products (one batched GEMM,
+:func:`mcore_kernels.split_sum_rms_norm.split_k_partials`) summed by the next add + RMSNorm
+(:func:`mcore_kernels.split_sum_rms_norm.split_sum_add_rms_norm`): one kernel fewer than
+cuBLAS's split-K GEMM, its reduction kernel and the norm. 0 splits: cuBLAS's own GEMM."""
 NORM_SWIGLU_PDL = True
 """Steps launched with PDL (up to :data:`GEMM_PDL_MAX_ROWS` tokens) launch their add + RMSNorm
 and SwiGLU kernels between the cuBLAS GEMMs with it too (False: plainly)."""
@@ -301,14 +309,20 @@ class FusedDecoder:
         residual: torch.Tensor | None = None
         layers = list(zip(model.layers, self._layers, strict=True))
         side = self._prefetch_stream(hidden)
+        splits = self._down_splits(hidden.shape[0])
+        normed: tuple[torch.Tensor, torch.Tensor] | None = None
         if side is not None:
             self._prefetch(side, layers[0][1].qkv_weight, layers[0][0].self_attention.o_proj)
         for index, (layer, fused) in enumerate(layers):
             attention = layer.self_attention
             if side is not None:
                 self._prefetch(side, fused.gate_up_weight, layer.mlp.down_proj)
-            with self._norm_swiglu_launch():
-                x, residual = add_rms_norm(layer.input_norm, hidden, residual)
+            if normed is not None:
+                # The previous layer's down projection already added and normed its output.
+                (x, residual), normed = normed, None
+            else:
+                with self._norm_swiglu_launch():
+                    x, residual = add_rms_norm(layer.input_norm, hidden, residual)
             qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
             q, k, v = (
                 part.unflatten(-1, (-1, attention.head_dim))
@@ -326,12 +340,33 @@ class FusedDecoder:
             gate_up = F.linear(x, fused.gate_up_weight)
             with self._norm_swiglu_launch():
                 activation = swiglu(gate_up)
-            hidden = layer.mlp.down_proj(activation)
+            if splits:
+                norm = layers[index + 1][0].input_norm if index + 1 < len(layers) else None
+                norm = model.final_norm if norm is None else norm
+                partials = split_k_partials(activation, layer.mlp.down_proj.weight, splits)
+                assert residual is not None
+                with self._norm_swiglu_launch():
+                    normed = split_sum_add_rms_norm(partials, residual, norm.weight, norm.eps)
+            else:
+                hidden = layer.mlp.down_proj(activation)
         if side is not None:
             torch.cuda.current_stream(hidden.device).wait_stream(side)
+        if normed is not None:
+            return normed[0]
         with self._norm_swiglu_launch():
             hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden
+
+    def _down_splits(self, rows: int) -> int:
+        """Split-K slices of this step's down projections (0: cuBLAS's own GEMM)."""
+        splits, max_rows = DOWN_PROJ_SPLITS
+        if not splits or rows > max_rows:
+            return 0
+        for layer in self.model.layers:
+            weight = layer.mlp.down_proj.weight
+            if layer.mlp.down_proj.bias is not None or weight.shape[1] % splits:
+                return 0
+        return splits
 
     @staticmethod
     def _norm_swiglu_launch() -> contextlib.AbstractContextManager:
