@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 from _decode_contexts import context_sweep
-from _decode_profile import host_split, profile_decode
+from _decode_profile import graph_replay_us, host_split, profile_decode
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, fused_decode
 from mcore_models import GPTConfig, GPTModel
@@ -70,6 +70,10 @@ def _timed(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+LAST_GRAPH_US: dict[int, float] = {}
+"""GPU time of a replay of each captured graph (by table width) of the last engine run."""
 
 
 def _mcore_decode_seconds(
@@ -110,6 +114,8 @@ def _mcore_decode_seconds(
         )
         if split is not None:
             split.update(host_split(engine, prompts, 64, SamplingParams))
+        LAST_GRAPH_US.clear()
+        LAST_GRAPH_US.update(graph_replay_us(engine, batch, 64))
     gc.collect()
     return full - prefill, prefill, profile, [result.tokens for result in results]
 
@@ -328,6 +334,7 @@ def main() -> None:
         )
         row = {
             "batch": batch,
+            "mcore_graph_us": dict(LAST_GRAPH_US),
             "mcore_tokens_per_s": generated / decode,
             "mcore_decode_s": decode,
             "mcore_prefill_s": prefill,
@@ -349,6 +356,7 @@ def main() -> None:
                 model, prompts, args.new_tokens, use_cuda_graphs=True, fused_decode=False
             )
             row["mcore_unfused_tokens_per_s"] = generated / unfused
+            row["mcore_unfused_graph_us"] = dict(LAST_GRAPH_US)
         if args.compare_pdl:
             flipped, _, _, flipped_tokens = _mcore_decode_seconds(
                 model,
@@ -358,6 +366,7 @@ def main() -> None:
                 decode_pdl=not InferenceConfig().decode_pdl,
             )
             row["mcore_pdl_flipped_tokens_per_s"] = generated / flipped
+            row["mcore_pdl_flipped_graph_us"] = dict(LAST_GRAPH_US)
             row["pdl_flipped_tokens_equal"] = flipped_tokens == tokens
         if batch in o_proj_batch_sizes:
             default = fused_decode.ATTENTION_IN_O_PROJ
@@ -369,6 +378,7 @@ def main() -> None:
             finally:
                 fused_decode.ATTENTION_IN_O_PROJ = default
             row["mcore_o_proj_flipped_tokens_per_s"] = generated / flipped
+            row["mcore_o_proj_flipped_graph_us"] = dict(LAST_GRAPH_US)
             row["o_proj_flipped_tokens_equal"] = flipped_tokens == tokens
         for programs in prefetch_programs if batch in prefetch_batch_sizes else ():
             saved = fused_decode.WEIGHT_PREFETCH_ROWS, fused_decode.WEIGHT_PREFETCH_PROGRAMS
@@ -381,6 +391,7 @@ def main() -> None:
             finally:
                 fused_decode.WEIGHT_PREFETCH_ROWS, fused_decode.WEIGHT_PREFETCH_PROGRAMS = saved
             row[f"mcore_prefetch_{programs}_tokens_per_s"] = generated / prefetched
+            row[f"mcore_prefetch_{programs}_graph_us"] = dict(LAST_GRAPH_US)
             row[f"prefetch_{programs}_tokens_equal"] = prefetched_tokens == tokens
             print(json.dumps({"batch": batch, "prefetch_programs": programs,
                               "tokens_per_s": generated / prefetched}), flush=True)  # fmt: skip
@@ -393,6 +404,7 @@ def main() -> None:
             finally:
                 fused_decode.NORM_SWIGLU_PDL = not fused_decode.NORM_SWIGLU_PDL
             row["mcore_norm_pdl_flipped_tokens_per_s"] = generated / flipped
+            row["mcore_norm_pdl_flipped_graph_us"] = dict(LAST_GRAPH_US)
             row["norm_pdl_flipped_tokens_equal"] = flipped_tokens == tokens
         for splits in down_split_counts if batch in down_batch_sizes else ():
             saved_splits = fused_decode.DOWN_PROJ_SPLITS
@@ -404,6 +416,7 @@ def main() -> None:
             finally:
                 fused_decode.DOWN_PROJ_SPLITS = saved_splits
             row[f"mcore_down_splits_{splits}_tokens_per_s"] = generated / other
+            row[f"mcore_down_splits_{splits}_graph_us"] = dict(LAST_GRAPH_US)
             row[f"down_splits_{splits}_tokens_equal"] = other_tokens == tokens
         if batch in attention_split_batch_sizes:
             other, _, _, _ = _mcore_decode_seconds(
@@ -414,16 +427,19 @@ def main() -> None:
                 attention_split_size=int(split_size),
             )
             row[f"mcore_split_{split_size}_tokens_per_s"] = generated / other
+            row[f"mcore_split_{split_size}_graph_us"] = dict(LAST_GRAPH_US)
         if batch in repeat_batch_sizes:
             again, _, _, _ = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=True
             )
             row["mcore_repeat_tokens_per_s"] = generated / again
+            row["mcore_repeat_graph_us"] = dict(LAST_GRAPH_US)
         if batch in eager_batch_sizes:
             eager, _, _, eager_tokens = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=False
             )
             row["mcore_eager_tokens_per_s"] = generated / eager
+            row["mcore_eager_graph_us"] = dict(LAST_GRAPH_US)
             # Greedy tokens of the graph engine against the eager engine, token for token.
             row["eager_tokens_equal"] = eager_tokens == tokens
         rows.append(row)
@@ -544,7 +560,8 @@ def _write_results(
         variants = [
             f"{key.removeprefix('mcore_').removesuffix('_tokens_per_s')} {value:.0f}"
             for key, value in row.items()
-            if key.startswith(
+            if key.endswith("_tokens_per_s")
+            and key.startswith(
                 (
                     "mcore_prefetch_",
                     "mcore_repeat_",
@@ -554,6 +571,18 @@ def _write_results(
                 )
             )
         ]
+        graph_times = [
+            f"{key[len('mcore_') : -len('graph_us')].rstrip('_') or 'default'} "
+            + "/".join(f"{us:.0f}" for _, us in sorted(value.items()))
+            for key, value in row.items()
+            if key.endswith("graph_us") and value
+        ]
+        if graph_times:
+            lines += [
+                "",
+                f"Batch {row['batch']}, GPU us of one captured step (replays back to back; "
+                f"narrow/full table): {'; '.join(graph_times)}.",
+            ]
         if variants:
             equal = {
                 k: v

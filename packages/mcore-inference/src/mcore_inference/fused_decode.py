@@ -91,7 +91,7 @@ WEIGHT_PREFETCH_ROWS = (3, 0)
 cuBLAS projections read weights prefetched into L2 (``(3, 0)``: none)."""
 WEIGHT_PREFETCH_PROGRAMS = 32
 """Programs of each weight prefetch launch."""
-DOWN_PROJ_SPLITS = (0, 64)
+DOWN_PROJ_SPLITS = (4, 512)
 """``(splits, max tokens)``: steps of more than ``gemv_max_rows`` and at most ``max tokens``
 tokens run the down projection as ``splits`` float32 partial products (one batched GEMM,
 :func:`mcore_kernels.split_sum_rms_norm.split_k_partials`) summed by the next add + RMSNorm
