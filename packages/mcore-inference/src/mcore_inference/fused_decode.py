@@ -97,6 +97,8 @@ tokens run the down projection as ``splits`` float32 partial products (one batch
 :func:`mcore_kernels.split_sum_rms_norm.split_k_partials`) summed by the next add + RMSNorm
 (:func:`mcore_kernels.split_sum_rms_norm.split_sum_add_rms_norm`): one kernel fewer than
 cuBLAS's split-K GEMM, its reduction kernel and the norm. 0 splits: cuBLAS's own GEMM."""
+SPLIT_SUM_MAX_HIDDEN = 8192
+"""Widest hidden size whose down projection may take the split-K path (one row per program)."""
 NORM_SWIGLU_PDL = True
 """Steps launched with PDL (up to :data:`GEMM_PDL_MAX_ROWS` tokens) launch their add + RMSNorm
 and SwiGLU kernels between the cuBLAS GEMMs with it too (False: plainly)."""
@@ -364,7 +366,10 @@ class FusedDecoder:
             return 0
         for layer in self.model.layers:
             weight = layer.mlp.down_proj.weight
+            # A row of the sum kernel lives in one program's registers: rows up to 8192 wide.
             if layer.mlp.down_proj.bias is not None or weight.shape[1] % splits:
+                return 0
+            if weight.shape[0] > SPLIT_SUM_MAX_HIDDEN:
                 return 0
         return splits
 
