@@ -10,6 +10,9 @@ little data, the launches dominate. :class:`FusedDecoder` computes the same laye
   (:func:`mcore_kernels.rotary_kv_write.rotary_kv_write`);
 - the fused residual-add + RMSNorm the model already uses, and the fused SwiGLU of
   :mod:`mcore_kernels.moe` (one kernel reading the gate/up GEMM output once).
+- in steps of up to 512 tokens, the down projection as float32 split-K partial products (one
+  batched GEMM) that the next add + RMSNorm sums (:mod:`mcore_kernels.split_sum_rms_norm`;
+  :data:`DOWN_PROJ_SPLITS`): one launch fewer than cuBLAS's split-K GEMM and its reduction.
 
 Steps of at most ``gemv_max_rows`` tokens (decode at small batch) run every projection as
 :func:`mcore_kernels.decode_gemv.decode_gemv` instead, a kernel that streams the weight at close
