@@ -229,6 +229,11 @@ def main() -> None:
         "S2) float32 split-K partials summed by the next norm (fused_decode.DOWN_PROJ_SPLITS)",
     )
     parser.add_argument(
+        "--compare-o-splits",
+        default="",
+        help="S1/S2@B1/B2: as --compare-down-splits for the o projection (O_PROJ_SPLITS)",
+    )
+    parser.add_argument(
         "--compare-norm-pdl",
         default="",
         help="batch sizes also run with fused_decode.NORM_SWIGLU_PDL flipped",
@@ -275,6 +280,9 @@ def main() -> None:
     down_splits, _, down_batches = args.compare_down_splits.partition("@")
     down_split_counts = [int(s) for s in down_splits.split("/") if s]
     down_batch_sizes = {int(b) for b in down_batches.split("/") if b}
+    o_splits, _, o_batches = args.compare_o_splits.partition("@")
+    o_split_counts = [int(s) for s in o_splits.split("/") if s]
+    o_batch_sizes = {int(b) for b in o_batches.split("/") if b}
     hf_new_tokens = args.hf_new_tokens or args.new_tokens
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
@@ -418,6 +426,18 @@ def main() -> None:
             row[f"mcore_down_splits_{splits}_tokens_per_s"] = generated / other
             row[f"mcore_down_splits_{splits}_graph_us"] = dict(LAST_GRAPH_US)
             row[f"down_splits_{splits}_tokens_equal"] = other_tokens == tokens
+        for splits in o_split_counts if batch in o_batch_sizes else ():
+            saved_splits = fused_decode.O_PROJ_SPLITS
+            fused_decode.O_PROJ_SPLITS = (splits, 1 << 20)
+            try:
+                other, _, _, other_tokens = _mcore_decode_seconds(
+                    model, prompts, args.new_tokens, use_cuda_graphs=True
+                )
+            finally:
+                fused_decode.O_PROJ_SPLITS = saved_splits
+            row[f"mcore_o_splits_{splits}_tokens_per_s"] = generated / other
+            row[f"mcore_o_splits_{splits}_graph_us"] = dict(LAST_GRAPH_US)
+            row[f"o_splits_{splits}_tokens_equal"] = other_tokens == tokens
         if batch in attention_split_batch_sizes:
             other, _, _, _ = _mcore_decode_seconds(
                 model,
@@ -568,6 +588,7 @@ def _write_results(
                     "mcore_norm_pdl_",
                     "mcore_split_",
                     "mcore_down_splits_",
+                    "mcore_o_splits_",
                 )
             )
         ]
@@ -587,7 +608,7 @@ def _write_results(
             equal = {
                 k: v
                 for k, v in row.items()
-                if k.startswith(("prefetch_", "norm_pdl_", "down_splits_"))
+                if k.startswith(("prefetch_", "norm_pdl_", "down_splits_", "o_splits_"))
             }
             lines += [
                 "",

@@ -85,14 +85,17 @@ def test_fused_engine_generates_what_the_model_forward_generates(model):
     _assert_same_generations(_generate(model, fused=True), _generate(model, fused=False))
 
 
+@pytest.mark.parametrize("o_splits", [0, 2])
 def test_down_projection_in_split_k_partials_generates_what_the_model_forward_generates(
-    model, monkeypatch
+    model, monkeypatch, o_splits
 ):
     # Decode steps of the three prompts (three tokens) run the cuBLAS layers; their down
-    # projections as four float32 partial products summed by the next layer's add + norm.
+    # projections (and o projections) as float32 partial products summed by the next add + norm.
     monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (4, 64))
+    monkeypatch.setattr(fused_decode, "O_PROJ_SPLITS", (o_splits, 64))
     with _engine(model, fused=True) as engine:
         assert engine._decoder is not None and engine._decoder._down_splits(3) == 4
+        assert engine._decoder._o_splits(3) == o_splits
         actual = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
     _assert_same_generations(actual, _generate(model, fused=False))
 

@@ -64,6 +64,7 @@ __all__ = [
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
     "NORM_SWIGLU_PDL",
+    "O_PROJ_SPLITS",
     "WEIGHT_PREFETCH_PROGRAMS",
     "WEIGHT_PREFETCH_ROWS",
     "FusedDecoder",
@@ -100,6 +101,9 @@ tokens run the down projection as ``splits`` float32 partial products (one batch
 :func:`mcore_kernels.split_sum_rms_norm.split_k_partials`) summed by the next add + RMSNorm
 (:func:`mcore_kernels.split_sum_rms_norm.split_sum_add_rms_norm`): one kernel fewer than
 cuBLAS's split-K GEMM, its reduction kernel and the norm. 0 splits: cuBLAS's own GEMM."""
+O_PROJ_SPLITS = (0, 512)
+"""``(splits, max tokens)`` of the o projection, as :data:`DOWN_PROJ_SPLITS` (the
+post-attention add + RMSNorm sums the partials). 0 splits: cuBLAS's own GEMM."""
 SPLIT_SUM_MAX_HIDDEN = 8192
 """Widest hidden size whose down projection may take the split-K path (one row per program)."""
 NORM_SWIGLU_PDL = True
@@ -315,6 +319,7 @@ class FusedDecoder:
         layers = list(zip(model.layers, self._layers, strict=True))
         side = self._prefetch_stream(hidden)
         splits = self._down_splits(hidden.shape[0])
+        o_splits = self._o_splits(hidden.shape[0])
         normed: tuple[torch.Tensor, torch.Tensor] | None = None
         if side is not None:
             self._prefetch(side, layers[0][1].qkv_weight, layers[0][0].self_attention.o_proj)
@@ -336,9 +341,15 @@ class FusedDecoder:
             if attention.q_norm is not None and attention.k_norm is not None:
                 q, k = attention.q_norm(q), attention.k_norm(k)
             out = kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
-            attention_out = attention.o_proj(out.flatten(-2))
-            with self._norm_swiglu_launch():
-                x, residual = add_rms_norm(layer.post_attention_norm, attention_out, residual)
+            norm = layer.post_attention_norm
+            if o_splits and residual is not None:
+                partials = split_k_partials(out.flatten(-2), attention.o_proj.weight, o_splits)
+                with self._norm_swiglu_launch():
+                    x, residual = split_sum_add_rms_norm(partials, residual, norm.weight, norm.eps)
+            else:
+                attention_out = attention.o_proj(out.flatten(-2))
+                with self._norm_swiglu_launch():
+                    x, residual = add_rms_norm(norm, attention_out, residual)
             if side is not None and index + 1 < len(layers):
                 following, following_fused = layers[index + 1]
                 self._prefetch(side, following_fused.qkv_weight, following.self_attention.o_proj)
@@ -361,6 +372,19 @@ class FusedDecoder:
         with self._norm_swiglu_launch():
             hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden
+
+    def _o_splits(self, rows: int) -> int:
+        """Split-K slices of this step's o projections (0: cuBLAS's own GEMM)."""
+        splits, max_rows = O_PROJ_SPLITS
+        if not splits or rows > max_rows:
+            return 0
+        for layer in self.model.layers:
+            o_proj = layer.self_attention.o_proj
+            if o_proj.bias is not None or o_proj.weight.shape[1] % splits:
+                return 0
+            if o_proj.weight.shape[0] > SPLIT_SUM_MAX_HIDDEN:
+                return 0
+        return splits
 
     def _down_splits(self, rows: int) -> int:
         """Split-K slices of this step's down projections (0: cuBLAS's own GEMM)."""
