@@ -125,6 +125,21 @@ class _FusedLayer:
     """Output widths of q, k and v."""
 
 
+def _split_k_slices(setting: tuple[int, int], rows: int, projections: list[Any]) -> int:
+    """Slices of a step's split-K projections: ``setting`` is ``(splits, max tokens)``; 0 when
+    off, past ``max tokens``, or when a projection has a bias, inputs the slices do not divide,
+    or outputs wider than :data:`SPLIT_SUM_MAX_HIDDEN` (the sum kernel holds a row in one
+    program's registers)."""
+    splits, max_rows = setting
+    if not splits or rows > max_rows:
+        return 0
+    for projection in projections:
+        outputs, inputs = projection.weight.shape
+        if projection.bias is not None or inputs % splits or outputs > SPLIT_SUM_MAX_HIDDEN:
+            return 0
+    return splits
+
+
 def fused_decoder_unsupported_reason(model: Any) -> str | None:
     """Why :class:`FusedDecoder` cannot serve ``model``, or None when it can.
 
@@ -375,30 +390,13 @@ class FusedDecoder:
 
     def _o_splits(self, rows: int) -> int:
         """Split-K slices of this step's o projections (0: cuBLAS's own GEMM)."""
-        splits, max_rows = O_PROJ_SPLITS
-        if not splits or rows > max_rows:
-            return 0
-        for layer in self.model.layers:
-            o_proj = layer.self_attention.o_proj
-            if o_proj.bias is not None or o_proj.weight.shape[1] % splits:
-                return 0
-            if o_proj.weight.shape[0] > SPLIT_SUM_MAX_HIDDEN:
-                return 0
-        return splits
+        projections = [layer.self_attention.o_proj for layer in self.model.layers]
+        return _split_k_slices(O_PROJ_SPLITS, rows, projections)
 
     def _down_splits(self, rows: int) -> int:
         """Split-K slices of this step's down projections (0: cuBLAS's own GEMM)."""
-        splits, max_rows = DOWN_PROJ_SPLITS
-        if not splits or rows > max_rows:
-            return 0
-        for layer in self.model.layers:
-            weight = layer.mlp.down_proj.weight
-            # A row of the sum kernel lives in one program's registers: rows up to 8192 wide.
-            if layer.mlp.down_proj.bias is not None or weight.shape[1] % splits:
-                return 0
-            if weight.shape[0] > SPLIT_SUM_MAX_HIDDEN:
-                return 0
-        return splits
+        projections = [layer.mlp.down_proj for layer in self.model.layers]
+        return _split_k_slices(DOWN_PROJ_SPLITS, rows, projections)
 
     @staticmethod
     def _norm_swiglu_launch() -> contextlib.AbstractContextManager:
