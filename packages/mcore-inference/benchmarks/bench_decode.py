@@ -210,35 +210,6 @@ def main() -> None:
         "(fused_decode.ATTENTION_IN_O_PROJ) flipped from its default",
     )
     parser.add_argument(
-        "--compare-weight-prefetch",
-        default="",
-        help="batch sizes also run with the fused decoder's L2 weight prefetch on "
-        "(fused_decode.WEIGHT_PREFETCH_ROWS covering them), once per --prefetch-programs value",
-    )
-    parser.add_argument("--prefetch-programs", default="32")
-    parser.add_argument(
-        "--compare-attention-split",
-        default="",
-        help="SIZE@B1/B2: batch sizes B1, B2 also run with InferenceConfig(attention_split_size"
-        "=SIZE)",
-    )
-    parser.add_argument(
-        "--compare-down-splits",
-        default="",
-        help="S1/S2@B1/B2: batch sizes B1, B2 also run with the down projection in S1 (then "
-        "S2) float32 split-K partials summed by the next norm (fused_decode.DOWN_PROJ_SPLITS)",
-    )
-    parser.add_argument(
-        "--compare-o-splits",
-        default="",
-        help="S1/S2@B1/B2: as --compare-down-splits for the o projection (O_PROJ_SPLITS)",
-    )
-    parser.add_argument(
-        "--compare-norm-pdl",
-        default="",
-        help="batch sizes also run with fused_decode.NORM_SWIGLU_PDL flipped",
-    )
-    parser.add_argument(
         "--repeat-default",
         default="",
         help="batch sizes whose default engine runs a second time after the variants (the "
@@ -271,8 +242,6 @@ def main() -> None:
     profile_batch_sizes = {int(b) for b in args.profile_batch_sizes.split(",") if b}
     split_batch_sizes = {int(b) for b in args.host_split_batch_sizes.split(",") if b}
     o_proj_batch_sizes = {int(b) for b in args.compare_attention_in_o_proj.split(",") if b}
-    prefetch_batch_sizes = {int(b) for b in args.compare_weight_prefetch.split(",") if b}
-    prefetch_programs = [int(p) for p in args.prefetch_programs.split(",") if p]
     repeat_batch_sizes = {int(b) for b in args.repeat_default.split(",") if b}
     norm_pdl_batch_sizes = {int(b) for b in args.compare_norm_pdl.split(",") if b}
     split_size, _, split_batches = args.compare_attention_split.partition("@")
@@ -388,21 +357,6 @@ def main() -> None:
             row["mcore_o_proj_flipped_tokens_per_s"] = generated / flipped
             row["mcore_o_proj_flipped_graph_us"] = dict(LAST_GRAPH_US)
             row["o_proj_flipped_tokens_equal"] = flipped_tokens == tokens
-        for programs in prefetch_programs if batch in prefetch_batch_sizes else ():
-            saved = fused_decode.WEIGHT_PREFETCH_ROWS, fused_decode.WEIGHT_PREFETCH_PROGRAMS
-            fused_decode.WEIGHT_PREFETCH_ROWS = (fused_decode.GEMV_MAX_ROWS + 1, 1 << 20)
-            fused_decode.WEIGHT_PREFETCH_PROGRAMS = programs
-            try:
-                prefetched, _, _, prefetched_tokens = _mcore_decode_seconds(
-                    model, prompts, args.new_tokens, use_cuda_graphs=True
-                )
-            finally:
-                fused_decode.WEIGHT_PREFETCH_ROWS, fused_decode.WEIGHT_PREFETCH_PROGRAMS = saved
-            row[f"mcore_prefetch_{programs}_tokens_per_s"] = generated / prefetched
-            row[f"mcore_prefetch_{programs}_graph_us"] = dict(LAST_GRAPH_US)
-            row[f"prefetch_{programs}_tokens_equal"] = prefetched_tokens == tokens
-            print(json.dumps({"batch": batch, "prefetch_programs": programs,
-                              "tokens_per_s": generated / prefetched}), flush=True)  # fmt: skip
         if batch in norm_pdl_batch_sizes:
             fused_decode.NORM_SWIGLU_PDL = not fused_decode.NORM_SWIGLU_PDL
             try:
@@ -522,7 +476,7 @@ def _write_results(
         "decode_pdl": InferenceConfig().decode_pdl,
         "attention_in_o_proj": fused_decode.ATTENTION_IN_O_PROJ,
         "norm_swiglu_pdl": fused_decode.NORM_SWIGLU_PDL,
-        "weight_prefetch_rows": fused_decode.WEIGHT_PREFETCH_ROWS,
+        "o_proj_splits": fused_decode.O_PROJ_SPLITS,
         "down_proj_splits": fused_decode.DOWN_PROJ_SPLITS,
         "rows": rows,
         "profiles": profiles,
@@ -583,7 +537,6 @@ def _write_results(
             if key.endswith("_tokens_per_s")
             and key.startswith(
                 (
-                    "mcore_prefetch_",
                     "mcore_repeat_",
                     "mcore_norm_pdl_",
                     "mcore_split_",
@@ -608,7 +561,7 @@ def _write_results(
             equal = {
                 k: v
                 for k, v in row.items()
-                if k.startswith(("prefetch_", "norm_pdl_", "down_splits_", "o_splits_"))
+                if k.startswith(("norm_pdl_", "down_splits_", "o_splits_"))
             }
             lines += [
                 "",

@@ -10,7 +10,7 @@ little data, the launches dominate. :class:`FusedDecoder` computes the same laye
   (:func:`mcore_kernels.rotary_kv_write.rotary_kv_write`);
 - the fused residual-add + RMSNorm the model already uses, and the fused SwiGLU of
   :mod:`mcore_kernels.moe` (one kernel reading the gate/up GEMM output once).
-- in steps of up to 512 tokens, the down projection as float32 split-K partial products (one
+- in steps of up to 256 tokens, the down projection as float32 split-K partial products (one
   batched GEMM) that the next add + RMSNorm sums (:mod:`mcore_kernels.split_sum_rms_norm`;
   :data:`DOWN_PROJ_SPLITS`): one launch fewer than cuBLAS's split-K GEMM and its reduction.
 
@@ -50,7 +50,6 @@ from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.batch_invariant import is_batch_invariant
 from mcore_kernels.decode_attention_gemv import attention_o_proj
 from mcore_kernels.decode_gemv import decode_gemv
-from mcore_kernels.l2_prefetch import l2_prefetch
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
@@ -65,8 +64,6 @@ __all__ = [
     "LM_HEAD_GEMV_MAX_ROWS",
     "NORM_SWIGLU_PDL",
     "O_PROJ_SPLITS",
-    "WEIGHT_PREFETCH_PROGRAMS",
-    "WEIGHT_PREFETCH_ROWS",
     "FusedDecoder",
     "build_fused_decoder",
     "fused_decoder_unsupported_reason",
@@ -90,12 +87,7 @@ LM_HEAD_GEMV_MAX_ROWS = 16
 _SAME_LAUNCH = contextlib.nullcontext()
 ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
-WEIGHT_PREFETCH_ROWS = (3, 0)
-"""Default of ``FusedDecoder(weight_prefetch_rows=)``: ``(min, max)`` tokens of the steps whose
-cuBLAS projections read weights prefetched into L2 (``(3, 0)``: none)."""
-WEIGHT_PREFETCH_PROGRAMS = 32
-"""Programs of each weight prefetch launch."""
-DOWN_PROJ_SPLITS = (4, 512)
+DOWN_PROJ_SPLITS = (4, 256)
 """``(splits, max tokens)``: steps of more than ``gemv_max_rows`` and at most ``max tokens``
 tokens run the down projection as ``splits`` float32 partial products (one batched GEMM,
 :func:`mcore_kernels.split_sum_rms_norm.split_k_partials`) summed by the next add + RMSNorm
@@ -106,9 +98,11 @@ O_PROJ_SPLITS = (0, 512)
 post-attention add + RMSNorm sums the partials). 0 splits: cuBLAS's own GEMM."""
 SPLIT_SUM_MAX_HIDDEN = 8192
 """Widest hidden size whose down projection may take the split-K path (one row per program)."""
-NORM_SWIGLU_PDL = True
-"""Steps launched with PDL (up to :data:`GEMM_PDL_MAX_ROWS` tokens) launch their add + RMSNorm
-and SwiGLU kernels between the cuBLAS GEMMs with it too (False: plainly)."""
+NORM_SWIGLU_PDL = False
+"""Whether steps launched with PDL (up to :data:`GEMM_PDL_MAX_ROWS` tokens) launch their add +
+RMSNorm and SwiGLU kernels between the cuBLAS GEMMs with it too. Off: one H200, batch 64,
+captured step at contexts near 288, 1143 us with it against 1095 without (60.7k against 58.8k
+tok/s)."""
 
 
 @dataclass(slots=True)
@@ -209,12 +203,6 @@ class FusedDecoder:
             projection (:func:`mcore_kernels.decode_attention_gemv.attention_o_proj`): still
             five launches per layer, but the attention link no longer walks the context tile
             by tile. Never in the batch-invariant mode. None: :data:`ATTENTION_IN_O_PROJ`.
-        weight_prefetch_rows: ``(min, max)``: CUDA steps of that many tokens (and more than
-            ``gemv_max_rows``) request each layer's projection weights into L2 on a side
-            stream (:func:`mcore_kernels.l2_prefetch.l2_prefetch`) while the kernels before
-            those projections run: the gate/up and down weights at the start of the layer,
-            the next layer's q/k/v and o weights before its gate/up projection. The values
-            are unchanged. None: :data:`WEIGHT_PREFETCH_ROWS`.
     """
 
     def __init__(
@@ -227,13 +215,8 @@ class FusedDecoder:
         max_positions: int | None = None,
         rope_in_projection: bool = True,
         attention_in_o_proj: bool | None = None,
-        weight_prefetch_rows: tuple[int, int] | None = None,
     ) -> None:
         self.model = model
-        self.weight_prefetch_rows = (
-            WEIGHT_PREFETCH_ROWS if weight_prefetch_rows is None else weight_prefetch_rows
-        )
-        self._prefetch_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.rope_in_projection = rope_in_projection
         self.attention_in_o_proj = (
             ATTENTION_IN_O_PROJ if attention_in_o_proj is None else attention_in_o_proj
@@ -332,16 +315,11 @@ class FusedDecoder:
         model = self.model
         residual: torch.Tensor | None = None
         layers = list(zip(model.layers, self._layers, strict=True))
-        side = self._prefetch_stream(hidden)
         splits = self._down_splits(hidden.shape[0])
         o_splits = self._o_splits(hidden.shape[0])
         normed: tuple[torch.Tensor, torch.Tensor] | None = None
-        if side is not None:
-            self._prefetch(side, layers[0][1].qkv_weight, layers[0][0].self_attention.o_proj)
         for index, (layer, fused) in enumerate(layers):
             attention = layer.self_attention
-            if side is not None:
-                self._prefetch(side, fused.gate_up_weight, layer.mlp.down_proj)
             if normed is not None:
                 # The previous layer's down projection already added and normed its output.
                 (x, residual), normed = normed, None
@@ -365,9 +343,6 @@ class FusedDecoder:
                 attention_out = attention.o_proj(out.flatten(-2))
                 with self._norm_swiglu_launch():
                     x, residual = add_rms_norm(norm, attention_out, residual)
-            if side is not None and index + 1 < len(layers):
-                following, following_fused = layers[index + 1]
-                self._prefetch(side, following_fused.qkv_weight, following.self_attention.o_proj)
             gate_up = F.linear(x, fused.gate_up_weight)
             with self._norm_swiglu_launch():
                 activation = swiglu(gate_up)
@@ -380,8 +355,6 @@ class FusedDecoder:
                     normed = split_sum_add_rms_norm(partials, residual, norm.weight, norm.eps)
             else:
                 hidden = layer.mlp.down_proj(activation)
-        if side is not None:
-            torch.cuda.current_stream(hidden.device).wait_stream(side)
         if normed is not None:
             return normed[0]
         with self._norm_swiglu_launch():
@@ -402,24 +375,6 @@ class FusedDecoder:
     def _norm_swiglu_launch() -> contextlib.AbstractContextManager:
         """The launch setting of the add + RMSNorm and SwiGLU kernels (:data:`NORM_SWIGLU_PDL`)."""
         return _SAME_LAUNCH if NORM_SWIGLU_PDL else programmatic_dependent_launch(False)
-
-    def _prefetch_stream(self, hidden: torch.Tensor) -> torch.cuda.Stream | None:
-        """The side stream of this step's weight prefetches, or None when it has none."""
-        low, high = self.weight_prefetch_rows
-        if hidden.device.type != "cuda" or not low <= hidden.shape[0] <= high:
-            return None
-        stream = self._prefetch_streams.get(hidden.device)
-        if stream is None:
-            stream = self._prefetch_streams[hidden.device] = torch.cuda.Stream(hidden.device)
-        return stream
-
-    @staticmethod
-    def _prefetch(side: torch.cuda.Stream, weight: torch.Tensor, linear: Any) -> None:
-        """Request ``weight`` and ``linear.weight`` into L2 on ``side``, after the work so far
-        on the current stream (the stream waits for it; a captured graph gets the same edge)."""
-        side.wait_stream(torch.cuda.current_stream(weight.device))
-        with torch.cuda.stream(side):
-            l2_prefetch(weight, linear.weight, programs=WEIGHT_PREFETCH_PROGRAMS)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``model.rotary(positions)``, looked up in a table of every position when bounded."""
