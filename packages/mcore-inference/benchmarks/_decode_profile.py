@@ -199,23 +199,43 @@ def host_split(engine: Any, prompts: list[list[int]], tokens: int, params_type: 
     wait_us = (full_wait - short_wait) * 1e6 / tokens
     result = {"wall_us_per_step": wall_us, "wait_us_per_step": wait_us,
               "host_us_per_step": wall_us - wait_us}  # fmt: skip
+    for width, us in graph_replay_us(engine, len(prompts), tokens).items():
+        # The last (widest) table's graph, and each width's under its own key.
+        result["graph_us_per_step"] = us
+        result[f"graph_us_per_step_width_{width}"] = us
+    return result
+
+
+def graph_replay_us(engine: Any, batch: int, steps: int) -> dict[int, float]:
+    """GPU time of one captured decode step per block-table width (back-to-back replays).
+
+    Host-independent: the replays are queued without host work between them, so the time is
+    the GPU's alone (the engine's step time also depends on the host's bookkeeping).
+
+    Args:
+        engine: A warm ``InferenceEngine`` with graphs captured for ``batch``.
+        batch: The graph bucket.
+        steps: Replays timed per width.
+
+    Returns:
+        Microseconds per replay by table width (widest last).
+    """
     graphs = getattr(getattr(engine, "_runner", None), "graphs", None)
     entries = {
         width: graph
-        for (batch, width), (graph, _) in getattr(graphs, "_graphs", {}).items()
-        if batch == len(prompts)
+        for (bucket, width), (graph, _) in getattr(graphs, "_graphs", {}).items()
+        if bucket == batch
     }
+    result: dict[int, float] = {}
     for width, graph in sorted(entries.items()):
         graph.replay()
         torch.cuda.synchronize()
         start_event = torch.cuda.Event(enable_timing=True)
         end_event = torch.cuda.Event(enable_timing=True)
         start_event.record()
-        for _ in range(tokens):
+        for _ in range(steps):
             graph.replay()
         end_event.record()
         end_event.synchronize()
-        # The last (widest) table's graph, and each width's under its own key.
-        result["graph_us_per_step"] = start_event.elapsed_time(end_event) * 1e3 / tokens
-        result[f"graph_us_per_step_width_{width}"] = result["graph_us_per_step"]
+        result[width] = start_event.elapsed_time(end_event) * 1e3 / steps
     return result

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 from _decode_contexts import context_sweep
-from _decode_profile import host_split, profile_decode
+from _decode_profile import graph_replay_us, host_split, profile_decode
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, fused_decode
 from mcore_models import GPTConfig, GPTModel
@@ -70,6 +70,10 @@ def _timed(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+LAST_GRAPH_US: dict[int, float] = {}
+"""GPU time of a replay of each captured graph (by table width) of the last engine run."""
 
 
 def _mcore_decode_seconds(
@@ -110,6 +114,8 @@ def _mcore_decode_seconds(
         )
         if split is not None:
             split.update(host_split(engine, prompts, 64, SamplingParams))
+        LAST_GRAPH_US.clear()
+        LAST_GRAPH_US.update(graph_replay_us(engine, batch, 64))
     gc.collect()
     return full - prefill, prefill, profile, [result.tokens for result in results]
 
@@ -204,6 +210,12 @@ def main() -> None:
         "(fused_decode.ATTENTION_IN_O_PROJ) flipped from its default",
     )
     parser.add_argument(
+        "--repeat-default",
+        default="",
+        help="batch sizes whose default engine runs a second time after the variants (the "
+        "spread of two runs of one setting)",
+    )
+    parser.add_argument(
         "--context-sweep",
         default="",
         help="context lengths at which the captured batch-1 step is timed with the attention "
@@ -230,6 +242,16 @@ def main() -> None:
     profile_batch_sizes = {int(b) for b in args.profile_batch_sizes.split(",") if b}
     split_batch_sizes = {int(b) for b in args.host_split_batch_sizes.split(",") if b}
     o_proj_batch_sizes = {int(b) for b in args.compare_attention_in_o_proj.split(",") if b}
+    repeat_batch_sizes = {int(b) for b in args.repeat_default.split(",") if b}
+    norm_pdl_batch_sizes = {int(b) for b in args.compare_norm_pdl.split(",") if b}
+    split_size, _, split_batches = args.compare_attention_split.partition("@")
+    attention_split_batch_sizes = {int(b) for b in split_batches.split("/") if b}
+    down_splits, _, down_batches = args.compare_down_splits.partition("@")
+    down_split_counts = [int(s) for s in down_splits.split("/") if s]
+    down_batch_sizes = {int(b) for b in down_batches.split("/") if b}
+    o_splits, _, o_batches = args.compare_o_splits.partition("@")
+    o_split_counts = [int(s) for s in o_splits.split("/") if s]
+    o_batch_sizes = {int(b) for b in o_batches.split("/") if b}
     hf_new_tokens = args.hf_new_tokens or args.new_tokens
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
@@ -289,6 +311,7 @@ def main() -> None:
         )
         row = {
             "batch": batch,
+            "mcore_graph_us": dict(LAST_GRAPH_US),
             "mcore_tokens_per_s": generated / decode,
             "mcore_decode_s": decode,
             "mcore_prefill_s": prefill,
@@ -310,6 +333,7 @@ def main() -> None:
                 model, prompts, args.new_tokens, use_cuda_graphs=True, fused_decode=False
             )
             row["mcore_unfused_tokens_per_s"] = generated / unfused
+            row["mcore_unfused_graph_us"] = dict(LAST_GRAPH_US)
         if args.compare_pdl:
             flipped, _, _, flipped_tokens = _mcore_decode_seconds(
                 model,
@@ -319,6 +343,7 @@ def main() -> None:
                 decode_pdl=not InferenceConfig().decode_pdl,
             )
             row["mcore_pdl_flipped_tokens_per_s"] = generated / flipped
+            row["mcore_pdl_flipped_graph_us"] = dict(LAST_GRAPH_US)
             row["pdl_flipped_tokens_equal"] = flipped_tokens == tokens
         if batch in o_proj_batch_sizes:
             default = fused_decode.ATTENTION_IN_O_PROJ
@@ -330,12 +355,65 @@ def main() -> None:
             finally:
                 fused_decode.ATTENTION_IN_O_PROJ = default
             row["mcore_o_proj_flipped_tokens_per_s"] = generated / flipped
+            row["mcore_o_proj_flipped_graph_us"] = dict(LAST_GRAPH_US)
             row["o_proj_flipped_tokens_equal"] = flipped_tokens == tokens
+        if batch in norm_pdl_batch_sizes:
+            fused_decode.NORM_SWIGLU_PDL = not fused_decode.NORM_SWIGLU_PDL
+            try:
+                flipped, _, _, flipped_tokens = _mcore_decode_seconds(
+                    model, prompts, args.new_tokens, use_cuda_graphs=True
+                )
+            finally:
+                fused_decode.NORM_SWIGLU_PDL = not fused_decode.NORM_SWIGLU_PDL
+            row["mcore_norm_pdl_flipped_tokens_per_s"] = generated / flipped
+            row["mcore_norm_pdl_flipped_graph_us"] = dict(LAST_GRAPH_US)
+            row["norm_pdl_flipped_tokens_equal"] = flipped_tokens == tokens
+        for splits in down_split_counts if batch in down_batch_sizes else ():
+            saved_splits = fused_decode.DOWN_PROJ_SPLITS
+            fused_decode.DOWN_PROJ_SPLITS = (splits, 1 << 20)
+            try:
+                other, _, _, other_tokens = _mcore_decode_seconds(
+                    model, prompts, args.new_tokens, use_cuda_graphs=True
+                )
+            finally:
+                fused_decode.DOWN_PROJ_SPLITS = saved_splits
+            row[f"mcore_down_splits_{splits}_tokens_per_s"] = generated / other
+            row[f"mcore_down_splits_{splits}_graph_us"] = dict(LAST_GRAPH_US)
+            row[f"down_splits_{splits}_tokens_equal"] = other_tokens == tokens
+        for splits in o_split_counts if batch in o_batch_sizes else ():
+            saved_splits = fused_decode.O_PROJ_SPLITS
+            fused_decode.O_PROJ_SPLITS = (splits, 1 << 20)
+            try:
+                other, _, _, other_tokens = _mcore_decode_seconds(
+                    model, prompts, args.new_tokens, use_cuda_graphs=True
+                )
+            finally:
+                fused_decode.O_PROJ_SPLITS = saved_splits
+            row[f"mcore_o_splits_{splits}_tokens_per_s"] = generated / other
+            row[f"mcore_o_splits_{splits}_graph_us"] = dict(LAST_GRAPH_US)
+            row[f"o_splits_{splits}_tokens_equal"] = other_tokens == tokens
+        if batch in attention_split_batch_sizes:
+            other, _, _, _ = _mcore_decode_seconds(
+                model,
+                prompts,
+                args.new_tokens,
+                use_cuda_graphs=True,
+                attention_split_size=int(split_size),
+            )
+            row[f"mcore_split_{split_size}_tokens_per_s"] = generated / other
+            row[f"mcore_split_{split_size}_graph_us"] = dict(LAST_GRAPH_US)
+        if batch in repeat_batch_sizes:
+            again, _, _, _ = _mcore_decode_seconds(
+                model, prompts, args.new_tokens, use_cuda_graphs=True
+            )
+            row["mcore_repeat_tokens_per_s"] = generated / again
+            row["mcore_repeat_graph_us"] = dict(LAST_GRAPH_US)
         if batch in eager_batch_sizes:
             eager, _, _, eager_tokens = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=False
             )
             row["mcore_eager_tokens_per_s"] = generated / eager
+            row["mcore_eager_graph_us"] = dict(LAST_GRAPH_US)
             # Greedy tokens of the graph engine against the eager engine, token for token.
             row["eager_tokens_equal"] = eager_tokens == tokens
         rows.append(row)
@@ -397,6 +475,9 @@ def _write_results(
         "copy_bandwidth_bytes_per_s": bandwidth,
         "decode_pdl": InferenceConfig().decode_pdl,
         "attention_in_o_proj": fused_decode.ATTENTION_IN_O_PROJ,
+        "norm_swiglu_pdl": fused_decode.NORM_SWIGLU_PDL,
+        "o_proj_splits": fused_decode.O_PROJ_SPLITS,
+        "down_proj_splits": fused_decode.DOWN_PROJ_SPLITS,
         "rows": rows,
         "profiles": profiles,
         "context_sweep": meta["context_sweep"],
@@ -448,6 +529,45 @@ def _write_results(
                 f"{row['mcore_o_proj_flipped_tokens_per_s']:.0f} tok/s; greedy tokens equal: "
                 f"{row['o_proj_flipped_tokens_equal']} (another summation order: they may "
                 "differ).",
+            ]
+    for row in rows:
+        variants = [
+            f"{key.removeprefix('mcore_').removesuffix('_tokens_per_s')} {value:.0f}"
+            for key, value in row.items()
+            if key.endswith("_tokens_per_s")
+            and key.startswith(
+                (
+                    "mcore_repeat_",
+                    "mcore_norm_pdl_",
+                    "mcore_split_",
+                    "mcore_down_splits_",
+                    "mcore_o_splits_",
+                )
+            )
+        ]
+        graph_times = [
+            f"{key[len('mcore_') : -len('graph_us')].rstrip('_') or 'default'} "
+            + "/".join(f"{us:.0f}" for _, us in sorted(value.items()))
+            for key, value in row.items()
+            if key.endswith("graph_us") and value
+        ]
+        if graph_times:
+            lines += [
+                "",
+                f"Batch {row['batch']}, GPU us of one captured step (replays back to back; "
+                f"narrow/full table): {'; '.join(graph_times)}.",
+            ]
+        if variants:
+            equal = {
+                k: v
+                for k, v in row.items()
+                if k.startswith(("norm_pdl_", "down_splits_", "o_splits_"))
+            }
+            lines += [
+                "",
+                f"Batch {row['batch']}, tok/s of variants (default "
+                f"{row['mcore_tokens_per_s']:.0f}): {'; '.join(variants)}; greedy tokens "
+                f"equal to the default: {equal}.",
             ]
     if meta["context_sweep"]:
         lines += [

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, model_weight_shards
+from mcore_inference import (
+    InferenceConfig,
+    InferenceEngine,
+    SamplingParams,
+    fused_decode,
+    model_weight_shards,
+)
 from mcore_inference.fused_decode import FusedDecoder, fused_decoder_unsupported_reason
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_models import GPTConfig, GPTModel
@@ -77,6 +83,21 @@ def _assert_same_generations(actual, expected) -> None:
 def test_fused_engine_generates_what_the_model_forward_generates(model):
     # Chunked prefill (chunks of 4), decode, greedy and seeded sampling, logprobs.
     _assert_same_generations(_generate(model, fused=True), _generate(model, fused=False))
+
+
+@pytest.mark.parametrize("o_splits", [0, 2])
+def test_down_projection_in_split_k_partials_generates_what_the_model_forward_generates(
+    model, monkeypatch, o_splits
+):
+    # Decode steps of the three prompts (three tokens) run the cuBLAS layers; their down
+    # projections (and o projections) as float32 partial products summed by the next add + norm.
+    monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (4, 64))
+    monkeypatch.setattr(fused_decode, "O_PROJ_SPLITS", (o_splits, 64))
+    with _engine(model, fused=True) as engine:
+        assert engine._decoder is not None and engine._decoder._down_splits(3) == 4
+        assert engine._decoder._o_splits(3) == o_splits
+        actual = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
+    _assert_same_generations(actual, _generate(model, fused=False))
 
 
 def _cache(model: GPTModel) -> PagedKVCache:
@@ -226,3 +247,21 @@ def test_decode_pdl_gives_the_same_tokens_and_logprobs_on_gpu():
         with InferenceEngine(model, config) as engine:
             results.append([(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)])
     assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_norm_swiglu_pdl_and_split_k_launches_change_nothing_on_gpu(monkeypatch):
+    # Three prompts: the decode steps of three tokens run the cuBLAS layers, with the norm,
+    # SwiGLU and split-K sum kernels launched with or without PDL: the same bits either way.
+    model = _model(5, bias_and_qk_norm=False).cuda().to(torch.bfloat16)
+    for splits in (0, 4):
+        results = []
+        for norm_pdl in (False, True):
+            monkeypatch.setattr(fused_decode, "NORM_SWIGLU_PDL", norm_pdl)
+            monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (splits, 64))
+            monkeypatch.setattr(fused_decode, "O_PROJ_SPLITS", (splits // 2, 64))
+            with _engine(model, fused=True) as engine:
+                outputs = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
+                results.append(outputs)
+        assert results[0] == results[1]

@@ -376,7 +376,8 @@ def test_cuda_repeated_calls_take_the_fast_path_with_the_first_calls_results(sha
             no_grad = rms_norm(x, weight, 1e-6, residual=residual)
         no_grad = no_grad if isinstance(no_grad, tuple) else (no_grad,)
         results.append((*outs, *no_grad, xs.grad, ws.grad))
-    forward_key = (shape[0], shape[1], x.get_device(), x.dtype, weight.dtype, with_residual)
+    # The last entry: launched without programmatic dependent launch (outside its context).
+    forward_key = (shape[0], shape[1], x.get_device(), x.dtype, weight.dtype, with_residual, False)
     assert forward_key in launch._FAST_FORWARD
     if shape[1] <= launch.MAX_BLOCK and shape[0] == 1:
         assert any(tuple(key[0]) == shape for key in launch._FAST_BACKWARD)

@@ -127,6 +127,23 @@ def build_microbatch(batch: list[tuple[Request, int]]) -> Microbatch:
     add_sample_row, add_sampling = microbatch.sample_rows.append, microbatch.sampling.append
     for request, count in batch:
         start = request.num_computed
+        column = request.deferred_index
+        if count == 1 and column >= 0 and start == len(request.prompt) + len(request.output):
+            # The steady decode row (most rows of a decode step): the token sampled in the
+            # previous step and not read yet, fed from the device (see mcore_inference.readback),
+            # and the row samples the next one. The general branch below does the same.
+            row = len(tokens)
+            add_deferred_row(row)
+            add_deferred_column(column)
+            add_token(0)
+            add_position(start)
+            add_row(request.slot)
+            add_sample_row(row)
+            add_sampling(request)
+            request.awaiting_token = True
+            request.num_computed = start + 1
+            request.in_flight += 1
+            continue
         end = start + count
         prompt, output = request.prompt, request.output
         num_tokens = len(prompt) + len(output)

@@ -39,7 +39,7 @@ class InferenceConfig:
     None means max(2048, max_batch_size)."""
     prefill_chunk_size: int = 512
     """Most prompt tokens of one request computed in one step (chunked prefill)."""
-    attention_split_size: int = 256
+    attention_split_size: int = 512
     """Context positions per split of the split-KV attention kernel (a multiple of block_size)."""
     use_cuda_graphs: bool = True
     """Replay CUDA graphs for pure-decode steps on a CUDA model (ignored on the CPU)."""

@@ -10,6 +10,9 @@ little data, the launches dominate. :class:`FusedDecoder` computes the same laye
   (:func:`mcore_kernels.rotary_kv_write.rotary_kv_write`);
 - the fused residual-add + RMSNorm the model already uses, and the fused SwiGLU of
   :mod:`mcore_kernels.moe` (one kernel reading the gate/up GEMM output once).
+- in steps of up to 256 tokens, the down projection as float32 split-K partial products (one
+  batched GEMM) that the next add + RMSNorm sums (:mod:`mcore_kernels.split_sum_rms_norm`;
+  :data:`DOWN_PROJ_SPLITS`): one launch fewer than cuBLAS's split-K GEMM and its reduction.
 
 Steps of at most ``gemv_max_rows`` tokens (decode at small batch) run every projection as
 :func:`mcore_kernels.decode_gemv.decode_gemv` instead, a kernel that streams the weight at close
@@ -39,6 +42,7 @@ says why another is not); everything else runs the model's forward as before.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,15 +58,19 @@ from mcore_kernels.gather_rows import gather_row_pairs
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
+from mcore_kernels.split_sum_rms_norm import split_k_partials, split_sum_add_rms_norm
 from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
 __all__ = [
+    "DOWN_PROJ_SPLITS",
     "FINAL_NORM_IN_LM_HEAD",
     "FINAL_NORM_PDL",
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
+    "NORM_SWIGLU_PDL",
+    "O_PROJ_SPLITS",
     "STEP_INPUTS_IN_ONE_LAUNCH",
     "FusedDecoder",
     "build_fused_decoder",
@@ -84,6 +92,7 @@ at 256 and 236.6k against 244.9k at 512 (there the early-started kernels hold mu
 that the GEMMs want)."""
 LM_HEAD_GEMV_MAX_ROWS = 16
 """Steps of at most this many sampled rows run the LM head as ``decode_gemv``."""
+_SAME_LAUNCH = contextlib.nullcontext()
 ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
 STEP_INPUTS_IN_ONE_LAUNCH = True
@@ -99,6 +108,22 @@ FINAL_NORM_IN_LM_HEAD = False
 prologue (no norm launch). Off: each of the LM head's ~38k programs then reduces the row
 before its products (one H200, the captured batch-1 step of the Qwen2.5-0.5B shape: the LM
 head 87.8 us instead of about 74, the step 547.3-552.8 against 535.5 us)."""
+DOWN_PROJ_SPLITS = (4, 256)
+"""``(splits, max tokens)``: steps of more than ``gemv_max_rows`` and at most ``max tokens``
+tokens run the down projection as ``splits`` float32 partial products (one batched GEMM,
+:func:`mcore_kernels.split_sum_rms_norm.split_k_partials`) summed by the next add + RMSNorm
+(:func:`mcore_kernels.split_sum_rms_norm.split_sum_add_rms_norm`): one kernel fewer than
+cuBLAS's split-K GEMM, its reduction kernel and the norm. 0 splits: cuBLAS's own GEMM."""
+O_PROJ_SPLITS = (0, 512)
+"""``(splits, max tokens)`` of the o projection, as :data:`DOWN_PROJ_SPLITS` (the
+post-attention add + RMSNorm sums the partials). 0 splits: cuBLAS's own GEMM."""
+SPLIT_SUM_MAX_HIDDEN = 8192
+"""Widest hidden size whose down projection may take the split-K path (one row per program)."""
+NORM_SWIGLU_PDL = False
+"""Whether steps launched with PDL (up to :data:`GEMM_PDL_MAX_ROWS` tokens) launch their add +
+RMSNorm and SwiGLU kernels between the cuBLAS GEMMs with it too. Off: one H200, batch 64,
+captured step at contexts near 288, 1143 us with it against 1095 without (58.8k against 60.7k
+tok/s)."""
 
 
 @dataclass(slots=True)
@@ -113,6 +138,21 @@ class _FusedLayer:
     """``[2 * ffn, hidden]``: the gate then the up projection weights."""
     split: tuple[int, int, int]
     """Output widths of q, k and v."""
+
+
+def _split_k_slices(setting: tuple[int, int], rows: int, projections: list[Any]) -> int:
+    """Slices of a step's split-K projections: ``setting`` is ``(splits, max tokens)``; 0 when
+    off, past ``max tokens``, or when a projection has a bias, inputs the slices do not divide,
+    or outputs wider than :data:`SPLIT_SUM_MAX_HIDDEN` (the sum kernel holds a row in one
+    program's registers)."""
+    splits, max_rows = setting
+    if not splits or rows > max_rows:
+        return 0
+    for projection in projections:
+        outputs, inputs = projection.weight.shape
+        if projection.bias is not None or inputs % splits or outputs > SPLIT_SUM_MAX_HIDDEN:
+            return 0
+    return splits
 
 
 def fused_decoder_unsupported_reason(model: Any) -> str | None:
@@ -378,9 +418,18 @@ class FusedDecoder:
         the kernel before them drains; cuBLAS's are launched plainly)."""
         model = self.model
         residual: torch.Tensor | None = None
-        for layer, fused in zip(model.layers, self._layers, strict=True):
+        layers = list(zip(model.layers, self._layers, strict=True))
+        splits = self._down_splits(hidden.shape[0])
+        o_splits = self._o_splits(hidden.shape[0])
+        normed: tuple[torch.Tensor, torch.Tensor] | None = None
+        for index, (layer, fused) in enumerate(layers):
             attention = layer.self_attention
-            x, residual = add_rms_norm(layer.input_norm, hidden, residual)
+            if normed is not None:
+                # The previous layer's down projection already added and normed its output.
+                (x, residual), normed = normed, None
+            else:
+                with self._norm_swiglu_launch():
+                    x, residual = add_rms_norm(layer.input_norm, hidden, residual)
             qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
             q, k, v = (
                 part.unflatten(-1, (-1, attention.head_dim))
@@ -389,11 +438,47 @@ class FusedDecoder:
             if attention.q_norm is not None and attention.k_norm is not None:
                 q, k = attention.q_norm(q), attention.k_norm(k)
             out = kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
-            attention_out = attention.o_proj(out.flatten(-2))
-            x, residual = add_rms_norm(layer.post_attention_norm, attention_out, residual)
-            hidden = layer.mlp.down_proj(swiglu(F.linear(x, fused.gate_up_weight)))
-        hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
+            norm = layer.post_attention_norm
+            if o_splits and residual is not None:
+                partials = split_k_partials(out.flatten(-2), attention.o_proj.weight, o_splits)
+                with self._norm_swiglu_launch():
+                    x, residual = split_sum_add_rms_norm(partials, residual, norm.weight, norm.eps)
+            else:
+                attention_out = attention.o_proj(out.flatten(-2))
+                with self._norm_swiglu_launch():
+                    x, residual = add_rms_norm(norm, attention_out, residual)
+            gate_up = F.linear(x, fused.gate_up_weight)
+            with self._norm_swiglu_launch():
+                activation = swiglu(gate_up)
+            if splits:
+                norm = layers[index + 1][0].input_norm if index + 1 < len(layers) else None
+                norm = model.final_norm if norm is None else norm
+                partials = split_k_partials(activation, layer.mlp.down_proj.weight, splits)
+                assert residual is not None
+                with self._norm_swiglu_launch():
+                    normed = split_sum_add_rms_norm(partials, residual, norm.weight, norm.eps)
+            else:
+                hidden = layer.mlp.down_proj(activation)
+        if normed is not None:
+            return normed[0]
+        with self._norm_swiglu_launch():
+            hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden
+
+    def _o_splits(self, rows: int) -> int:
+        """Split-K slices of this step's o projections (0: cuBLAS's own GEMM)."""
+        projections = [layer.self_attention.o_proj for layer in self.model.layers]
+        return _split_k_slices(O_PROJ_SPLITS, rows, projections)
+
+    def _down_splits(self, rows: int) -> int:
+        """Split-K slices of this step's down projections (0: cuBLAS's own GEMM)."""
+        projections = [layer.mlp.down_proj for layer in self.model.layers]
+        return _split_k_slices(DOWN_PROJ_SPLITS, rows, projections)
+
+    @staticmethod
+    def _norm_swiglu_launch() -> contextlib.AbstractContextManager:
+        """The launch setting of the add + RMSNorm and SwiGLU kernels (:data:`NORM_SWIGLU_PDL`)."""
+        return _SAME_LAUNCH if NORM_SWIGLU_PDL else programmatic_dependent_launch(False)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``model.rotary(positions)``, looked up in a table of every position when bounded."""

@@ -148,8 +148,9 @@ def _forward_constexprs(
     block_rows: int,
     flags: tuple[bool, ...],
     exact: bool = False,
+    pdl: bool = False,
 ) -> dict[str, Any]:
-    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact)
+    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl)
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None and exact:
         _, wide, evict = flags
@@ -175,6 +176,7 @@ def _forward_constexprs(
             # Eviction hints of _load: the rows evict first, the weight last (0: none).
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
+            "USE_PDL": pdl,
         }
     return found
 

@@ -6,7 +6,7 @@ The launchers are in :mod:`mcore_kernels.rms_norm_launch`, the public API in
 
 from __future__ import annotations
 
-from mcore_kernels._triton_utils import jit, round_to, tl
+from mcore_kernels._triton_utils import gdc_launch_dependents, gdc_wait, jit, round_to, tl
 
 
 @jit
@@ -63,7 +63,12 @@ def _rms_norm_fwd_kernel(
     WIDE: tl.constexpr,
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        # Programmatic dependent launch: the next kernel may start; the previous one's outputs
+        # are read (and ours written) only after gdc_wait (the weight is not such an output).
+        gdc_launch_dependents()
     # 32-bit offsets unless the tensors hold 2**31 elements or more (fewer integer operations
     # on the path to each load).
     if WIDE:
@@ -80,6 +85,8 @@ def _rms_norm_fwd_kernel(
         # for the reduction's barrier and add a memory round trip to each program. Small calls
         # stream their rows through L2 (evict first) and keep the weight (evict last).
         w = _load(weight_ptr + cols, col_mask, EVEN, WEIGHT_HINT)
+        if USE_PDL:
+            gdc_wait()
         x = _load(
             x_ptr + row_ids[:, None] * x_row_stride + cols[None, :],
             mask,
@@ -104,6 +111,8 @@ def _rms_norm_fwd_kernel(
         if STORE_RSTD:
             tl.store(rstd_ptr + row_ids, rstd, mask=row_mask)
     else:
+        if USE_PDL:
+            gdc_wait()
         x_row = x_ptr + first * x_row_stride
         r_row = residual_ptr + first * residual_row_stride
         h_row = hidden_out_ptr + first * hidden

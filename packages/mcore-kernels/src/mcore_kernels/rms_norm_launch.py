@@ -13,6 +13,7 @@ import torch
 
 from mcore_kernels._triton_utils import CachedLauncher, device_limits, next_power_of_2
 from mcore_kernels.errors import KernelValueError
+from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.rms_norm_config import (
     _PARTIAL_SUM_COLS,
     _PARTIAL_SUM_ROWS,
@@ -34,6 +35,8 @@ from mcore_kernels.rms_norm_kernels import (
 _SUM_CONSTEXPRS = {"BLOCK_P": _PARTIAL_SUM_ROWS, "BLOCK_H": _PARTIAL_SUM_COLS}
 _FORWARD = CachedLauncher(_rms_norm_fwd_kernel)
 _FORWARD_EXACT = CachedLauncher(_rms_norm_fwd_exact_kernel)
+# Inside mcore_kernels.pdl.programmatic_dependent_launch (the engine's decode steps).
+_FORWARD_PDL = CachedLauncher(_rms_norm_fwd_kernel, launch_pdl=True)
 _BACKWARD = CachedLauncher(_rms_norm_bwd_kernel)
 _BACKWARD_EXACT = CachedLauncher(_rms_norm_bwd_exact_kernel)
 _SUM_PARTIALS = CachedLauncher(_sum_partials_kernel)
@@ -96,7 +99,8 @@ def _forward(
     y = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else x
     device_index = x.get_device()
-    signature = (rows, hidden, device_index, x.dtype, weight.dtype, residual is not None)
+    pdl = pdl_enabled(x.device)
+    signature = (rows, hidden, device_index, x.dtype, weight.dtype, residual is not None, pdl)
     # Rows wider than MAX_BLOCK store rstd for the backward: not a launch of the fast path.
     fast = None
     if config is None and specialise and (not for_backward or hidden <= MAX_BLOCK):
@@ -128,7 +132,8 @@ def _forward(
     # in the tile).
     block_rows = config.fwd_rows if rows >= config.fwd_rows else next_power_of_2(rows)
     elements = rows * hidden
-    exact = specialise and plan.exact and not rows % block_rows
+    # PDL launches keep the general kernel (the specialised one has no grid-dependency wait).
+    exact = specialise and not pdl and plan.exact and not rows % block_rows
     flags = (
         # No mask: whole row blocks of rows exactly one block wide.
         plan.exact and not rows % block_rows,
@@ -139,7 +144,10 @@ def _forward(
         # 2048 18.0 against 18.5 us); larger calls are 2-5 % slower with it and load plainly.
         elements * x.itemsize <= plan.streaming_bytes,
     )
-    constexprs = _forward_constexprs(plan, has_residual, store_rstd, block_rows, flags, exact)
+    constexprs = _forward_constexprs(
+        plan, has_residual, store_rstd, block_rows, flags, exact=exact, pdl=pdl
+    )
+    launcher = _FORWARD_PDL if pdl else _FORWARD
     r = residual if residual is not None else x
     stats = rstd if rstd is not None else y
     programs = -(-rows // block_rows)
@@ -186,8 +194,9 @@ def _forward(
             block_rows,
             flags,
             _int_class(rows),
+            pdl,
         )
-        _FORWARD.keyed(
+        launcher.keyed(
             key,
             programs,
             args,
@@ -206,11 +215,11 @@ def _forward(
             config.fwd_warps,
             device_index,
         )
-        entry = _FORWARD.entry(key)
+        entry = launcher.entry(key)
         if entry is not None and specialise and not store_rstd and type(eps) is float:
             _FAST_FORWARD[signature] = (*entry, programs, False)
     else:
-        _FORWARD((programs,), args, constexprs, config.fwd_warps, device_index)
+        launcher((programs,), args, constexprs, config.fwd_warps, device_index)
     return y, h, rstd
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mcore_kernels._triton_utils import gdc_launch_dependents, gdc_wait
+
 __all__ = [
     "gather_rows_kernel",
     "router_backward_kernel",
@@ -253,8 +255,16 @@ def weight_grad_kernel(
 
 
 @triton.jit
-def swiglu_forward_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr):
-    """``out[m] = silu(gate_up[m, :F]) * gate_up[m, F:]`` for one row block of columns."""
+def swiglu_forward_kernel(
+    gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False
+):
+    """``out[m] = silu(gate_up[m, :F]) * gate_up[m, F:]`` for one row block of columns.
+
+    ``USE_PDL``: launched with programmatic dependent launch; wait for the previous kernel (the
+    gate/up GEMM) before reading its output or writing anything."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width

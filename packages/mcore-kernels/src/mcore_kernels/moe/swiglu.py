@@ -18,11 +18,16 @@ from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelShapeError
 from mcore_kernels.moe.reference import swiglu_reference, weighted_swiglu_reference
+from mcore_kernels.pdl import pdl_enabled
 
 __all__ = ["swiglu", "weighted_swiglu"]
 
 
-def _launch(kernel: Any, gate_up: torch.Tensor, *args: torch.Tensor, out: torch.Tensor) -> None:
+def _launch(
+    kernel: Any, gate_up: torch.Tensor, *args: torch.Tensor, out: torch.Tensor, pdl: bool = False
+) -> None:
+    """Launch a row-by-column-block kernel; ``pdl``: with programmatic dependent launch (the
+    kernel takes ``USE_PDL``)."""
     import triton
 
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
@@ -30,11 +35,12 @@ def _launch(kernel: Any, gate_up: torch.Tensor, *args: torch.Tensor, out: torch.
         return
     block = min(1024, triton.next_power_of_2(width))
     grid = (rows, triton.cdiv(width, block))
+    options: dict[str, Any] = {"USE_PDL": True, "launch_pdl": True} if pdl else {}
     if gate_up.is_cuda:
         with torch.cuda.device(gate_up.device):
-            kernel[grid](gate_up, *args, out, width, BLOCK=block)
+            kernel[grid](gate_up, *args, out, width, BLOCK=block, **options)
     else:
-        kernel[grid](gate_up, *args, out, width, BLOCK=block)
+        kernel[grid](gate_up, *args, out, width, BLOCK=block, **options)
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -48,7 +54,8 @@ class SwiGLUFunction(torch.autograd.Function):
         from mcore_kernels.moe._triton import swiglu_forward_kernel
 
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-        _launch(swiglu_forward_kernel, gate_up, out=out)
+        # Inside mcore_kernels.pdl.programmatic_dependent_launch (the engine's decode steps).
+        _launch(swiglu_forward_kernel, gate_up, out=out, pdl=pdl_enabled(gate_up.device))
         return out
 
     @staticmethod
