@@ -84,6 +84,27 @@ def test_m_grouped_mm_matches_reference(transpose, flatten):
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 
+# Tails of 1, 16 (half a tile), 17 and 31 rows after full 32-row tiles, experts without rows.
+SPLIT_COUNTS = [33, 0, 16, 49, 0, 63, 32, 0]
+
+
+@pytest.mark.parametrize("transpose", [True, False])
+def test_m_grouped_mm_split_tail_matches_reference(transpose):
+    offsets = _offsets(SPLIT_COUNTS)
+    # Rows past the last expert hold NaN: no stored row may read them.
+    rows, n, k = int(offsets[-1]), 48, 32
+    a = _randn(rows + 8, k, seed=3)
+    a[rows:] = float("nan")
+    w = _randn(len(SPLIT_COUNTS), *((n, k) if transpose else (k, n)), seed=4)
+    tiles = PersistentTiles(block_m=32, block_n=16, block_k=16, num_warps=4, split_tail=True)
+    got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=tiles)[:rows]
+    want = m_grouped_mm_reference(a[:rows], w, offsets, transpose_weight=transpose)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    plain = PersistentTiles(block_m=32, block_n=16, block_k=16, num_warps=4)
+    full = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=plain)[:rows]
+    torch.testing.assert_close(got, full, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("n", [32, 40], ids=["tma-store", "masked-store"])
 def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(n):
     offsets = _offsets()
@@ -101,20 +122,25 @@ def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(n):
 ALIGNED_COUNTS = [0, 16, 48, 0, 32, 0]
 
 
+@pytest.mark.parametrize("n", [32, 40], ids=["n-tiled", "n-partial"])
+@pytest.mark.parametrize("tma_store", [True, False], ids=["tma-store", "register-store"])
 @pytest.mark.parametrize("counts", [ALIGNED_COUNTS, [32, 32, 32], [0, 0]])
-def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts):
+def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts, tma_store, n):
     offsets = _offsets(counts)
     # Rows past the last expert (read by no chunk) hold NaN: they must not leak in.
     rows = int(offsets[-1]) + 16
-    g, x = _randn(rows, 32, seed=11), _randn(rows, 48, seed=12)
+    g, x = _randn(rows, n, seed=11), _randn(rows, 48, seed=12)
     g[int(offsets[-1]) :] = float("nan")
-    got = k_grouped_mm(g, x, offsets, tiles=TILES, aligned=True)
+    tiles = PersistentTiles(
+        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, tma_store=tma_store
+    )
+    got = k_grouped_mm(g, x, offsets, tiles=tiles, aligned=True)
     torch.testing.assert_close(got, k_grouped_mm_reference(g, x, offsets), rtol=2e-3, atol=2e-3)
     for expert, count in enumerate(counts):
         if count == 0:
             assert torch.count_nonzero(got[expert]) == 0
     # The same sums as the masked kernel, run to run bitwise.
-    assert torch.equal(got, k_grouped_mm(g, x, offsets, tiles=TILES, aligned=True))
+    assert torch.equal(got, k_grouped_mm(g, x, offsets, tiles=tiles, aligned=True))
 
 
 def _routed_problem(tokens=20, hidden=32, ffn=16, experts=5, top_k=2, empty=(0, 3)):
@@ -195,6 +221,8 @@ def test_bad_input_raises_typed_errors():
         m_grouped_mm(a, w, offsets, transpose_weight=False, tiles=TILES)
     with pytest.raises(KernelShapeError, match=r"x\.shape"):
         k_grouped_mm(a, _randn(rows + 1, 16), offsets, tiles=TILES)
+    with pytest.raises(KernelShapeError, match="split_tail"):
+        PersistentTiles(block_m=16, split_tail=True)
     with pytest.raises(KernelShapeError, match="block_m=48"):
         PersistentTiles(block_m=48)
     with pytest.raises(KernelValueError, match="num_warps=3"):

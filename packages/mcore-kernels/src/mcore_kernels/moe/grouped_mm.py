@@ -46,6 +46,12 @@ class PersistentTiles:
     """Software-pipelining depth of the operand loads."""
     flatten: bool = False
     """Flatten the job and reduction loops into one pipelined loop (:func:`m_grouped_mm`)."""
+    split_tail: bool = False
+    """:func:`m_grouped_mm`: an expert's last row tile with at most ``block_m // 2`` rows
+    runs at half height (half the multiply-adds of its rows past the expert's end)."""
+    tma_store: bool = True
+    """:func:`k_grouped_mm`: store the output tiles through a TMA descriptor where ``N`` is a
+    multiple of ``block_n`` (else, or when False, from registers with masked stores)."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -54,6 +60,8 @@ class PersistentTiles:
                 raise KernelShapeError(f"{name}={value} must be a power of two >= 16")
         if self.num_warps not in (4, 8):
             raise KernelValueError(f"num_warps={self.num_warps} must be 4 or 8")
+        if self.split_tail and self.block_m < 32:
+            raise KernelShapeError(f"split_tail needs block_m >= 32, got {self.block_m}")
         if self.num_stages < 1:
             raise KernelValueError(f"num_stages={self.num_stages} must be >= 1")
 
@@ -180,6 +188,7 @@ def m_grouped_mm(
     max_tiles = (schedule.shape[0] - 1) // 3
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    a_half_desc = TensorDescriptor.from_tensor(a, [bm // 2, bk]) if tiles.split_tail else a_desc
     if transpose_weight:
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
     else:
@@ -187,6 +196,7 @@ def m_grouped_mm(
     programs = _programs(a.device, tiles, max_tiles * triton.cdiv(n, bn))
     m_grouped_kernel[(programs,)](
         a_desc,
+        a_half_desc,
         b_desc,
         out,
         schedule,
@@ -200,6 +210,7 @@ def m_grouped_mm(
         BLOCK_K=bk,
         NUM_PROGRAMS=programs,
         FLATTEN=tiles.flatten,
+        SPLIT_TAIL=tiles.split_tail,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -260,7 +271,7 @@ def k_grouped_mm(
     br, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     g_desc = TensorDescriptor.from_tensor(g, [br, bn])
     x_desc = TensorDescriptor.from_tensor(x, [br, bk])
-    tma_store = n % bn == 0
+    n_tiled = n % bn == 0
     out_desc = TensorDescriptor.from_tensor(out.view(experts * n, k), [bn, bk])
     jobs = experts * triton.cdiv(n, bn) * triton.cdiv(k, bk)
     programs = _programs(g.device, tiles, jobs)
@@ -277,8 +288,8 @@ def k_grouped_mm(
         BLOCK_N=bn,
         BLOCK_K=bk,
         NUM_PROGRAMS=programs,
-        TMA_STORE=tma_store,
-        ALIGNED=aligned and tma_store,
+        TMA_STORE=tiles.tma_store and n_tiled,
+        ALIGNED=aligned and n_tiled,
         JOB_BLOCK=1024,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
