@@ -88,15 +88,23 @@ def test_m_grouped_mm_matches_reference(transpose, flatten):
 SPLIT_COUNTS = [33, 0, 16, 49, 0, 63, 32, 0]
 
 
+@pytest.mark.parametrize("programs_per_sm", [1, 2])
 @pytest.mark.parametrize("transpose", [True, False])
-def test_m_grouped_mm_split_tail_matches_reference(transpose):
+def test_m_grouped_mm_split_tail_matches_reference(transpose, programs_per_sm):
     offsets = _offsets(SPLIT_COUNTS)
     # Rows past the last expert hold NaN: no stored row may read them.
     rows, n, k = int(offsets[-1]), 48, 32
     a = _randn(rows + 8, k, seed=3)
     a[rows:] = float("nan")
     w = _randn(len(SPLIT_COUNTS), *((n, k) if transpose else (k, n)), seed=4)
-    tiles = PersistentTiles(block_m=32, block_n=16, block_k=16, num_warps=4, split_tail=True)
+    tiles = PersistentTiles(
+        block_m=32,
+        block_n=16,
+        block_k=16,
+        num_warps=4,
+        split_tail=True,
+        programs_per_sm=programs_per_sm,
+    )
     got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=tiles)[:rows]
     want = m_grouped_mm_reference(a[:rows], w, offsets, transpose_weight=transpose)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
@@ -221,6 +229,8 @@ def test_bad_input_raises_typed_errors():
         m_grouped_mm(a, w, offsets, transpose_weight=False, tiles=TILES)
     with pytest.raises(KernelShapeError, match=r"x\.shape"):
         k_grouped_mm(a, _randn(rows + 1, 16), offsets, tiles=TILES)
+    with pytest.raises(KernelValueError, match="programs_per_sm=3"):
+        PersistentTiles(programs_per_sm=3)
     with pytest.raises(KernelShapeError, match="split_tail"):
         PersistentTiles(block_m=16, split_tail=True)
     with pytest.raises(KernelShapeError, match="block_m=48"):

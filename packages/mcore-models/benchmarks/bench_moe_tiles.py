@@ -65,6 +65,15 @@ ROW_TILES = {
     ),
     "64x128 w4 s5": _t(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=5),
     "128x128 s4 split": _t(block_m=128, block_n=128, block_k=64, num_stages=4, split_tail=True),
+    "128x128 w4 s3 split 2/SM": _t(
+        block_m=128,
+        block_n=128,
+        block_k=64,
+        num_warps=4,
+        num_stages=3,
+        split_tail=True,
+        programs_per_sm=2,
+    ),
     "128x256 s3 split flat": _t(
         block_m=128, block_n=256, block_k=64, num_stages=3, split_tail=True, flatten=True
     ),
@@ -77,6 +86,15 @@ WEIGHT_TILES = {
     "64/256x128 s3 reg": _t(block_m=64, block_n=256, block_k=128, num_stages=3, tma_store=False),
     "64/128x256 s4 reg": _t(block_m=64, block_n=128, block_k=256, num_stages=4, tma_store=False),
     "32/128x256 s5 reg": _t(block_m=32, block_n=128, block_k=256, num_stages=5, tma_store=False),
+    "64/128x128 w4 s3 reg 2/SM": _t(
+        block_m=64,
+        block_n=128,
+        block_k=128,
+        num_warps=4,
+        num_stages=3,
+        tma_store=False,
+        programs_per_sm=2,
+    ),
     "64/128x128 w4 s4 reg": _t(
         block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4, tma_store=False
     ),

@@ -49,6 +49,9 @@ class PersistentTiles:
     split_tail: bool = False
     """:func:`m_grouped_mm`: an expert's last row tile with at most ``block_m // 2`` rows
     runs at half height (half the multiply-adds of its rows past the expert's end)."""
+    programs_per_sm: int = 1
+    """Persistent programs per multiprocessor (2: one program's epilogue can overlap the
+    other's main loop, when both fit in shared memory and registers)."""
     tma_store: bool = True
     """:func:`k_grouped_mm`: store the output tiles through a TMA descriptor where ``N`` is a
     multiple of ``block_n`` (else, or when False, from registers with masked stores)."""
@@ -62,6 +65,8 @@ class PersistentTiles:
             raise KernelValueError(f"num_warps={self.num_warps} must be 4 or 8")
         if self.split_tail and self.block_m < 32:
             raise KernelShapeError(f"split_tail needs block_m >= 32, got {self.block_m}")
+        if self.programs_per_sm not in (1, 2):
+            raise KernelValueError(f"programs_per_sm={self.programs_per_sm} must be 1 or 2")
         if self.num_stages < 1:
             raise KernelValueError(f"num_stages={self.num_stages} must be >= 1")
 
@@ -70,7 +75,8 @@ _NUM_SMS: dict[int, int] = {}
 
 
 def _programs(device: torch.device, tiles: PersistentTiles, jobs: int) -> int:
-    """Programs of a persistent grid: one per multiprocessor (4 off the GPU)."""
+    """Programs of a persistent grid: ``tiles.programs_per_sm`` per multiprocessor (4 off the
+    GPU), at most one per job."""
     if device.type != "cuda":
         sms = 4
     else:
@@ -78,7 +84,7 @@ def _programs(device: torch.device, tiles: PersistentTiles, jobs: int) -> int:
         if index not in _NUM_SMS:
             _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
         sms = _NUM_SMS[index]
-    return max(1, min(sms, jobs))
+    return max(1, min(sms * tiles.programs_per_sm, jobs))
 
 
 def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
