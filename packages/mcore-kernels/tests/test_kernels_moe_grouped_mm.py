@@ -24,6 +24,9 @@ from mcore_kernels.moe.expert_gemms import (
     without_host_sync,
 )
 from mcore_kernels.moe.grouped_mm import (
+    TILES_ALL,
+    TILES_FULL,
+    TILES_TAIL,
     PersistentTiles,
     k_grouped_mm,
     k_grouped_mm_reference,
@@ -69,6 +72,27 @@ def test_tile_schedule_lists_every_row_tile_of_every_expert():
     assert got == want
 
 
+def test_tile_schedule_parts_split_full_and_tail_tiles():
+    offsets = _offsets(SPLIT_COUNTS)
+    rows = int(offsets[-1])
+
+    def listed(part):
+        sched = tile_schedule(offsets, rows, 32, part)
+        max_tiles = (sched.numel() - 1) // 3
+        count = int(sched[-1])
+        return list(zip(*(sched[i * max_tiles : i * max_tiles + count].tolist() for i in range(3))))
+
+    full, tail, start = [], [], 0
+    for expert, count in enumerate(SPLIT_COUNTS):
+        end = start + count
+        for row in range(start, end, 32):
+            (full if end - row > 16 else tail).append((expert, row, end))
+        start = end
+    assert listed(TILES_FULL) == full
+    assert listed(TILES_TAIL) == tail
+    assert sorted(listed(TILES_ALL)) == sorted(full + tail)
+
+
 @pytest.mark.parametrize("flatten", [False, True])
 @pytest.mark.parametrize("transpose", [True, False])
 def test_m_grouped_mm_matches_reference(transpose, flatten):
@@ -88,23 +112,24 @@ def test_m_grouped_mm_matches_reference(transpose, flatten):
 SPLIT_COUNTS = [33, 0, 16, 49, 0, 63, 32, 0]
 
 
-@pytest.mark.parametrize("programs_per_sm", [1, 2])
+SPLIT_MODES = {
+    "branch": dict(split_tail=True),
+    "branch-2-per-sm": dict(split_tail=True, programs_per_sm=2),
+    "second-launch": dict(tail_launch=True),
+    "second-launch-flat": dict(tail_launch=True, flatten=True),
+}
+
+
+@pytest.mark.parametrize("mode", list(SPLIT_MODES))
 @pytest.mark.parametrize("transpose", [True, False])
-def test_m_grouped_mm_split_tail_matches_reference(transpose, programs_per_sm):
+def test_m_grouped_mm_split_tail_matches_reference(transpose, mode):
     offsets = _offsets(SPLIT_COUNTS)
     # Rows past the last expert hold NaN: no stored row may read them.
     rows, n, k = int(offsets[-1]), 48, 32
     a = _randn(rows + 8, k, seed=3)
     a[rows:] = float("nan")
     w = _randn(len(SPLIT_COUNTS), *((n, k) if transpose else (k, n)), seed=4)
-    tiles = PersistentTiles(
-        block_m=32,
-        block_n=16,
-        block_k=16,
-        num_warps=4,
-        split_tail=True,
-        programs_per_sm=programs_per_sm,
-    )
+    tiles = PersistentTiles(block_m=32, block_n=16, block_k=16, num_warps=4, **SPLIT_MODES[mode])
     got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=tiles)[:rows]
     want = m_grouped_mm_reference(a[:rows], w, offsets, transpose_weight=transpose)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
@@ -231,6 +256,10 @@ def test_bad_input_raises_typed_errors():
         k_grouped_mm(a, _randn(rows + 1, 16), offsets, tiles=TILES)
     with pytest.raises(KernelValueError, match="programs_per_sm=3"):
         PersistentTiles(programs_per_sm=3)
+    with pytest.raises(KernelValueError, match="exclude"):
+        PersistentTiles(split_tail=True, tail_launch=True)
+    with pytest.raises(KernelValueError, match="part=3"):
+        tile_schedule(offsets, rows, 16, 3)
     with pytest.raises(KernelShapeError, match="split_tail"):
         PersistentTiles(block_m=16, split_tail=True)
     with pytest.raises(KernelShapeError, match="block_m=48"):

@@ -57,12 +57,13 @@ ROW_TILES = {
     "128x256 s4 flat": _t(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True),
     "128x256 s3 split": _t(block_m=128, block_n=256, block_k=64, num_stages=3, split_tail=True),
     "128x256 s4 split": _t(block_m=128, block_n=256, block_k=64, num_stages=4, split_tail=True),
-    "128x256 s3": _t(block_m=128, block_n=256, block_k=64, num_stages=3),
-    "64x256 w4 s4": _t(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4),
-    "64x256 w8 s4": _t(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=4),
-    "64x256 w4 s4 flat": _t(
-        block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4, flatten=True
+    "128x256 s3 flat tail-launch": _t(
+        block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True, tail_launch=True
     ),
+    "128x256 s4 flat tail-launch": _t(
+        block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True, tail_launch=True
+    ),
+    "64x256 w4 s4": _t(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4),
     "64x128 w4 s5": _t(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=5),
     "128x128 s4 split": _t(block_m=128, block_n=128, block_k=64, num_stages=4, split_tail=True),
     "128x128 w4 s3 split 2/SM": _t(
@@ -73,9 +74,6 @@ ROW_TILES = {
         num_stages=3,
         split_tail=True,
         programs_per_sm=2,
-    ),
-    "128x256 s3 split flat": _t(
-        block_m=128, block_n=256, block_k=64, num_stages=3, split_tail=True, flatten=True
     ),
 }
 

@@ -22,6 +22,9 @@ import torch
 
 from mcore_kernels.errors import KernelValueError
 from mcore_kernels.moe.grouped_mm import (
+    TILES_ALL,
+    TILES_FULL,
+    TILES_TAIL,
     PersistentTiles,
     k_grouped_mm,
     m_grouped_mm,
@@ -107,15 +110,14 @@ class ExpertGemmRunner:
         self.plan = plan
         self.offsets = offsets
         self.num_rows = num_rows
-        self._schedules: dict[int, torch.Tensor] = {}
+        self._schedules: dict[tuple[int, int], torch.Tensor] = {}
         self._spans: list[tuple[int, int, int]] | None = None
 
-    def _schedule(self, tiles: PersistentTiles) -> torch.Tensor:
-        if tiles.block_m not in self._schedules:
-            self._schedules[tiles.block_m] = tile_schedule(
-                self.offsets, self.num_rows, tiles.block_m
-            )
-        return self._schedules[tiles.block_m]
+    def _schedule(self, block_m: int, part: int) -> torch.Tensor:
+        key = (block_m, part)
+        if key not in self._schedules:
+            self._schedules[key] = tile_schedule(self.offsets, self.num_rows, block_m, part)
+        return self._schedules[key]
 
     def _expert_spans(self) -> list[tuple[int, int, int]]:
         """``(expert, first row, end row)`` of every expert (one host synchronisation)."""
@@ -141,7 +143,12 @@ class ExpertGemmRunner:
                 self.offsets,
                 transpose_weight=transpose,
                 tiles=kernel,
-                schedule=self._schedule(kernel),
+                schedule=self._schedule(
+                    kernel.block_m, TILES_FULL if kernel.tail_launch else TILES_ALL
+                ),
+                tail_schedule=(
+                    self._schedule(kernel.block_m, TILES_TAIL) if kernel.tail_launch else None
+                ),
             )
         if kernel == CUBLAS_LOOP:
             out = a.new_empty(a.shape[0], w.shape[1] if transpose else w.shape[2])

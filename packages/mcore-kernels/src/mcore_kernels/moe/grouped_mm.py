@@ -21,6 +21,9 @@ import torch
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
 
 __all__ = [
+    "TILES_ALL",
+    "TILES_FULL",
+    "TILES_TAIL",
     "PersistentTiles",
     "k_grouped_mm",
     "k_grouped_mm_reference",
@@ -48,7 +51,11 @@ class PersistentTiles:
     """Flatten the job and reduction loops into one pipelined loop (:func:`m_grouped_mm`)."""
     split_tail: bool = False
     """:func:`m_grouped_mm`: an expert's last row tile with at most ``block_m // 2`` rows
-    runs at half height (half the multiply-adds of its rows past the expert's end)."""
+    runs at half height (half the multiply-adds of its rows past the expert's end), in a
+    branch of the same kernel (no flattened loop)."""
+    tail_launch: bool = False
+    """:func:`m_grouped_mm`: those half-height tail tiles run in a second launch after the
+    full-height tiles, so that both keep the loop layout that ``flatten`` asks for."""
     programs_per_sm: int = 1
     """Persistent programs per multiprocessor (2: one program's epilogue can overlap the
     other's main loop, when both fit in shared memory and registers)."""
@@ -63,8 +70,10 @@ class PersistentTiles:
                 raise KernelShapeError(f"{name}={value} must be a power of two >= 16")
         if self.num_warps not in (4, 8):
             raise KernelValueError(f"num_warps={self.num_warps} must be 4 or 8")
-        if self.split_tail and self.block_m < 32:
+        if (self.split_tail or self.tail_launch) and self.block_m < 32:
             raise KernelShapeError(f"split_tail needs block_m >= 32, got {self.block_m}")
+        if self.split_tail and self.tail_launch:
+            raise KernelValueError("split_tail and tail_launch exclude each other")
         if self.programs_per_sm not in (1, 2):
             raise KernelValueError(f"programs_per_sm={self.programs_per_sm} must be 1 or 2")
         if self.num_stages < 1:
@@ -87,18 +96,32 @@ def _programs(device: torch.device, tiles: PersistentTiles, jobs: int) -> int:
     return max(1, min(sms * tiles.programs_per_sm, jobs))
 
 
-def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
+TILES_ALL, TILES_FULL, TILES_TAIL = 0, 1, 2
+"""Parts of :func:`tile_schedule`: every row tile; those with more than ``block_m // 2`` rows;
+each expert's last tile when it has at most ``block_m // 2`` rows."""
+
+
+def tile_schedule(
+    offsets: torch.Tensor, num_rows: int, block_m: int, part: int = TILES_ALL
+) -> torch.Tensor:
     """Row tiles of every expert, built on the device.
 
     Args:
         offsets: ``[E]`` int32 end row of each expert (cumulative counts).
         num_rows: Rows of the row matrix (``offsets[-1]`` at most).
         block_m: Rows per tile.
+        part: :data:`TILES_ALL`, :data:`TILES_FULL` or :data:`TILES_TAIL` (tiles of
+            ``block_m // 2`` rows, run by a half-height launch).
 
     Returns:
         int32 ``[3 * T + 1]`` with ``T = cdiv(num_rows, block_m) + E`` (an upper bound of the
         tile count): the expert, first row and end row of each tile, then the tile count.
+
+    Raises:
+        KernelValueError: If ``part`` is not one of the three.
     """
+    if part not in (TILES_ALL, TILES_FULL, TILES_TAIL):
+        raise KernelValueError(f"part={part}: expected 0, 1 or 2")
     import triton
 
     from mcore_kernels.moe._grouped_gemm_persistent import tile_schedule_kernel
@@ -115,6 +138,7 @@ def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.T
         BLOCK_M=block_m,
         E_PAD=max(16, triton.next_power_of_2(experts)),
         BLOCK_T=block_t,
+        PART=part,
     )
     return sched
 
@@ -141,6 +165,7 @@ def m_grouped_mm(
     transpose_weight: bool,
     tiles: PersistentTiles,
     schedule: torch.Tensor | None = None,
+    tail_schedule: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row-grouped GEMM: ``out[rows of e] = a[rows of e] @ (w[e].T if transpose_weight else
     w[e])``.
@@ -152,7 +177,10 @@ def m_grouped_mm(
         offsets: ``[E]`` int32 end row of each expert.
         transpose_weight: Whether ``weight`` holds ``w[e].T``.
         tiles: Tile shape.
-        schedule: :func:`tile_schedule` of ``offsets`` with ``tiles.block_m`` (built when None).
+        schedule: :func:`tile_schedule` of ``offsets`` with ``tiles.block_m`` (built when
+            None), of the part :data:`TILES_FULL` with ``tiles.tail_launch``.
+        tail_schedule: With ``tiles.tail_launch``: the :data:`TILES_TAIL` part (built when
+            None).
 
     Returns:
         ``[M, N]`` (rows past ``offsets[-1]`` unwritten).
@@ -190,36 +218,47 @@ def m_grouped_mm(
     a = _tma_ready(a)
     weight = weight.contiguous()
     if schedule is None:
-        schedule = tile_schedule(offsets, rows, tiles.block_m)
-    max_tiles = (schedule.shape[0] - 1) // 3
+        part = TILES_FULL if tiles.tail_launch else TILES_ALL
+        schedule = tile_schedule(offsets, rows, tiles.block_m, part)
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
-    a_half_desc = TensorDescriptor.from_tensor(a, [bm // 2, bk]) if tiles.split_tail else a_desc
     if transpose_weight:
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
     else:
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
-    programs = _programs(a.device, tiles, max_tiles * triton.cdiv(n, bn))
-    m_grouped_kernel[(programs,)](
-        a_desc,
-        a_half_desc,
-        b_desc,
-        out,
-        schedule,
-        max_tiles,
-        n,
-        k,
-        out.stride(0),
-        B_NK=transpose_weight,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        NUM_PROGRAMS=programs,
-        FLATTEN=tiles.flatten,
-        SPLIT_TAIL=tiles.split_tail,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
+    launches = [(bm, schedule)]
+    if tiles.tail_launch:
+        if tail_schedule is None:
+            tail_schedule = tile_schedule(offsets, rows, bm, TILES_TAIL)
+        launches.append((bm // 2, tail_schedule))
+    for height, sched in launches:
+        max_tiles = (sched.shape[0] - 1) // 3
+        a_desc = TensorDescriptor.from_tensor(a, [height, bk])
+        a_half_desc = (
+            TensorDescriptor.from_tensor(a, [height // 2, bk]) if tiles.split_tail else a_desc
+        )
+        # The tail launch holds at most one tile per expert.
+        tiles_bound = max_tiles if height == bm else experts
+        programs = _programs(a.device, tiles, tiles_bound * triton.cdiv(n, bn))
+        m_grouped_kernel[(programs,)](
+            a_desc,
+            a_half_desc,
+            b_desc,
+            out,
+            sched,
+            max_tiles,
+            n,
+            k,
+            out.stride(0),
+            B_NK=transpose_weight,
+            BLOCK_M=height,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            NUM_PROGRAMS=programs,
+            FLATTEN=tiles.flatten,
+            SPLIT_TAIL=tiles.split_tail,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
     return out
 
 
