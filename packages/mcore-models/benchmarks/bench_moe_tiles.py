@@ -82,14 +82,13 @@ WEIGHT_TILES = {
     "64/128x256 s3 reg": _t(block_m=64, block_n=128, block_k=256, num_stages=3, tma_store=False),
     "64/256x128 s3 tma": _t(block_m=64, block_n=256, block_k=128, num_stages=3),
     "64/256x128 s3 reg": _t(block_m=64, block_n=256, block_k=128, num_stages=3, tma_store=False),
-    "64/128x256 s4 reg": _t(block_m=64, block_n=128, block_k=256, num_stages=4, tma_store=False),
     "32/128x256 s5 reg": _t(block_m=32, block_n=128, block_k=256, num_stages=5, tma_store=False),
-    "64/128x128 w4 s3 reg 2/SM": _t(
+    "64/128x128 w4 s2 reg 2/SM": _t(
         block_m=64,
         block_n=128,
         block_k=128,
         num_warps=4,
-        num_stages=3,
+        num_stages=2,
         tma_store=False,
         programs_per_sm=2,
     ),
