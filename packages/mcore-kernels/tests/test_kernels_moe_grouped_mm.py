@@ -113,8 +113,6 @@ SPLIT_COUNTS = [33, 0, 16, 49, 0, 63, 32, 0]
 
 
 SPLIT_MODES = {
-    "branch": dict(split_tail=True),
-    "branch-2-per-sm": dict(split_tail=True, programs_per_sm=2),
     "second-launch": dict(tail_launch=True),
     "second-launch-flat": dict(tail_launch=True, flatten=True),
 }
@@ -156,24 +154,20 @@ ALIGNED_COUNTS = [0, 16, 48, 0, 32, 0]
 
 
 @pytest.mark.parametrize("n", [32, 40], ids=["n-tiled", "n-partial"])
-@pytest.mark.parametrize("tma_store", [True, False], ids=["tma-store", "register-store"])
 @pytest.mark.parametrize("counts", [ALIGNED_COUNTS, [32, 32, 32], [0, 0]])
-def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts, tma_store, n):
+def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts, n):
     offsets = _offsets(counts)
     # Rows past the last expert (read by no chunk) hold NaN: they must not leak in.
     rows = int(offsets[-1]) + 16
     g, x = _randn(rows, n, seed=11), _randn(rows, 48, seed=12)
     g[int(offsets[-1]) :] = float("nan")
-    tiles = PersistentTiles(
-        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, tma_store=tma_store
-    )
-    got = k_grouped_mm(g, x, offsets, tiles=tiles, aligned=True)
+    got = k_grouped_mm(g, x, offsets, tiles=TILES, aligned=True)
     torch.testing.assert_close(got, k_grouped_mm_reference(g, x, offsets), rtol=2e-3, atol=2e-3)
     for expert, count in enumerate(counts):
         if count == 0:
             assert torch.count_nonzero(got[expert]) == 0
     # The same sums as the masked kernel, run to run bitwise.
-    assert torch.equal(got, k_grouped_mm(g, x, offsets, tiles=tiles, aligned=True))
+    assert torch.equal(got, k_grouped_mm(g, x, offsets, tiles=TILES, aligned=True))
 
 
 def _routed_problem(tokens=20, hidden=32, ffn=16, experts=5, top_k=2, empty=(0, 3)):
@@ -254,14 +248,10 @@ def test_bad_input_raises_typed_errors():
         m_grouped_mm(a, w, offsets, transpose_weight=False, tiles=TILES)
     with pytest.raises(KernelShapeError, match=r"x\.shape"):
         k_grouped_mm(a, _randn(rows + 1, 16), offsets, tiles=TILES)
-    with pytest.raises(KernelValueError, match="programs_per_sm=3"):
-        PersistentTiles(programs_per_sm=3)
-    with pytest.raises(KernelValueError, match="exclude"):
-        PersistentTiles(split_tail=True, tail_launch=True)
     with pytest.raises(KernelValueError, match="part=3"):
         tile_schedule(offsets, rows, 16, 3)
-    with pytest.raises(KernelShapeError, match="split_tail"):
-        PersistentTiles(block_m=16, split_tail=True)
+    with pytest.raises(KernelShapeError, match="tail_launch"):
+        PersistentTiles(block_m=16, tail_launch=True)
     with pytest.raises(KernelShapeError, match="block_m=48"):
         PersistentTiles(block_m=48)
     with pytest.raises(KernelValueError, match="num_warps=3"):

@@ -121,40 +121,20 @@ def test_aligned_weight_gradients_match_grouped_mm_and_repeat_bitwise():
     assert torch.count_nonzero(got[[0, 7, EXPERTS - 1]]) == 0
 
 
-SPLIT_TILES = {
-    "branch": PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, split_tail=True),
-    "second-launch": PersistentTiles(
-        block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True, tail_launch=True
-    ),
-}
-REGISTER_STORE = PersistentTiles(
-    block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3, tma_store=False
+TAIL_LAUNCH = PersistentTiles(
+    block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True, tail_launch=True
 )
 
 
-@pytest.mark.parametrize("mode", list(SPLIT_TILES))
 @pytest.mark.parametrize("transpose", [True, False])
-def test_split_tail_rows_match_grouped_mm_and_repeat_bitwise(transpose, mode):
+def test_tail_launch_rows_match_grouped_mm_and_repeat_bitwise(transpose):
     offsets = _counts().cumsum(0).to(torch.int32).cuda()
     rows = int(offsets[-1])
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     a = torch.randn(rows, HIDDEN if transpose else 2 * FFN, **bf16)
     w_gu = torch.randn(EXPERTS, 2 * FFN, HIDDEN, **bf16) * 0.05
     want = torch._grouped_mm(a, w_gu.transpose(-2, -1) if transpose else w_gu, offs=offsets)
-    got = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=SPLIT_TILES[mode])
+    got = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=TAIL_LAUNCH)
     _close(got, want)
-    again = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=SPLIT_TILES[mode])
+    again = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=TAIL_LAUNCH)
     assert torch.equal(got, again)
-
-
-def test_aligned_weight_gradient_with_register_stores_matches_grouped_mm():
-    counts = _counts() // 64 * 64
-    offsets = counts.cumsum(0).to(torch.int32).cuda()
-    rows = int(offsets[-1])
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    g, x = torch.randn(rows, 2 * FFN, **bf16), torch.randn(rows, HIDDEN, **bf16)
-    want = torch._grouped_mm(g.t(), x, offs=offsets)
-    got = k_grouped_mm(g, x, offsets, tiles=REGISTER_STORE, aligned=True)
-    _close(got, want)
-    assert torch.count_nonzero(got[counts.cuda() == 0]) == 0
-    assert torch.equal(got, k_grouped_mm(g, x, offsets, tiles=REGISTER_STORE, aligned=True))

@@ -4,9 +4,9 @@ For the fine-grained cases of ``bench_moe.py`` (Qwen3-30B-A3B, DeepSeek-V3 at 81
 the tokens are routed by the random top-k router of ``bench_moe_gemm.py`` and each expert GEMM
 is timed with a short list of tile configurations of
 :class:`~mcore_kernels.moe.grouped_mm.PersistentTiles` (row tiles: height, width, pipelining
-depth, flattened loops, half-height tail tiles; weight gradients: chunk, tile, TMA or
-register stores), next to ``torch._grouped_mm``, batched cuBLAS GEMMs on equal groups (no
-partial tile: a bound) and the dense GEMM of the same FLOPs. Rows are packed, or padded to 64
+depth, flattened loops, half-height tail tiles in a second launch; weight gradients: row
+chunk, tile, pipelining depth), next to ``torch._grouped_mm``, batched cuBLAS GEMMs on equal
+groups (no partial tile: a bound) and the dense GEMM of the same FLOPs. Rows are packed, or padded to 64
 per expert (``aligned_rows``, as the layer's plan lays them out when it asks for
 ``row_align``); FLOPs are counted on the routed rows. The winners are written into
 ``mcore_kernels.moe.expert_gemms`` by hand: nothing is tuned at run time.
@@ -55,8 +55,6 @@ def _t(**fields: object) -> PersistentTiles:
 ROW_TILES = {
     "128x256 s3 flat": _t(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True),
     "128x256 s4 flat": _t(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True),
-    "128x256 s3 split": _t(block_m=128, block_n=256, block_k=64, num_stages=3, split_tail=True),
-    "128x256 s4 split": _t(block_m=128, block_n=256, block_k=64, num_stages=4, split_tail=True),
     "128x256 s3 flat tail-launch": _t(
         block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True, tail_launch=True
     ),
@@ -65,36 +63,13 @@ ROW_TILES = {
     ),
     "64x256 w4 s4": _t(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4),
     "64x128 w4 s5": _t(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=5),
-    "128x128 s4 split": _t(block_m=128, block_n=128, block_k=64, num_stages=4, split_tail=True),
-    "128x128 w4 s3 split 2/SM": _t(
-        block_m=128,
-        block_n=128,
-        block_k=64,
-        num_warps=4,
-        num_stages=3,
-        split_tail=True,
-        programs_per_sm=2,
-    ),
 }
 
 WEIGHT_TILES = {
-    "64/128x256 s3 tma": _t(block_m=64, block_n=128, block_k=256, num_stages=3),
-    "64/128x256 s3 reg": _t(block_m=64, block_n=128, block_k=256, num_stages=3, tma_store=False),
-    "64/256x128 s3 tma": _t(block_m=64, block_n=256, block_k=128, num_stages=3),
-    "64/256x128 s3 reg": _t(block_m=64, block_n=256, block_k=128, num_stages=3, tma_store=False),
-    "32/128x256 s5 reg": _t(block_m=32, block_n=128, block_k=256, num_stages=5, tma_store=False),
-    "64/128x128 w4 s2 reg 2/SM": _t(
-        block_m=64,
-        block_n=128,
-        block_k=128,
-        num_warps=4,
-        num_stages=2,
-        tma_store=False,
-        programs_per_sm=2,
-    ),
-    "64/128x128 w4 s4 reg": _t(
-        block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4, tma_store=False
-    ),
+    "64/128x256 s3": _t(block_m=64, block_n=128, block_k=256, num_stages=3),
+    "64/256x128 s3": _t(block_m=64, block_n=256, block_k=128, num_stages=3),
+    "32/128x256 s5": _t(block_m=32, block_n=128, block_k=256, num_stages=5),
+    "64/128x128 w4 s4": _t(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4),
 }
 
 

@@ -88,45 +88,8 @@ def tile_schedule_kernel(
 
 
 @triton.jit
-def _row_tile(
-    a_desc,
-    b_desc,
-    c_ptr,
-    expert,
-    row_start,
-    row_end,
-    n0,
-    N,
-    K,
-    stride_cm,
-    B_NK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """One ``BLOCK_M x BLOCK_N`` output tile of :func:`m_grouped_kernel` (rows from
-    ``row_start``, those at or past ``row_end`` not stored)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(tl.cdiv(K, BLOCK_K)):
-        k0 = kk * BLOCK_K
-        a = a_desc.load([row_start, k0])
-        if B_NK:
-            b = b_desc.load([expert * N + n0, k0])
-            acc = tl.dot(a, b.T, acc)
-        else:
-            b = b_desc.load([expert * K + k0, n0])
-            acc = tl.dot(a, b, acc)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-    ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def m_grouped_kernel(
     a_desc,
-    a_half_desc,
     b_desc,
     c_ptr,
     sched_ptr,
@@ -140,23 +103,20 @@ def m_grouped_kernel(
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
-    SPLIT_TAIL: tl.constexpr,
 ):
     """``C[rows of e] = A[rows of e] @ B[e]``.
 
-    ``a_desc`` views ``A`` ``[M, K]`` in ``BLOCK_M``-row blocks; ``b_desc`` views the weights
-    as ``[E * N, K]`` with ``B_NK`` (``B[e]`` stored transposed, the ``nn.Linear`` layout) or
-    ``[E * K, N]``. Program ``p`` takes jobs ``p, p + NUM_PROGRAMS, ...`` of
-    ``tiles * cdiv(N, BLOCK_N)``, the column tiles of one row tile consecutive (they share the
-    row tile through L2).
+    ``a_desc`` views ``A`` ``[M, K]``; ``b_desc`` views the weights as ``[E * N, K]`` with
+    ``B_NK`` (``B[e]`` stored transposed, the ``nn.Linear`` layout) or ``[E * K, N]``.
+    Program ``p`` takes jobs ``p, p + NUM_PROGRAMS, ...`` of ``tiles * cdiv(N, BLOCK_N)``,
+    the column tiles of one row tile consecutive (they share the row tile through L2).
     ``FLATTEN``: the job and reduction loops become one pipelined loop, so the next tile's
     first loads overlap the current tile's epilogue.
-    ``SPLIT_TAIL``: a row tile of at most ``BLOCK_M // 2`` rows (an expert's last, partial
-    tile) is computed at half height, through ``a_half_desc`` (``BLOCK_M // 2``-row blocks
-    of ``A``): the multiply-adds of the rows past the expert's end are halved.
     """
     num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(sched_ptr + 3 * max_tiles) * num_n
+    dtype = c_ptr.dtype.element_ty
     for job in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
         tile = job // num_n
         pid_n = job % num_n
@@ -164,58 +124,21 @@ def m_grouped_kernel(
         row_start = tl.load(sched_ptr + max_tiles + tile)
         row_end = tl.load(sched_ptr + 2 * max_tiles + tile)
         n0 = pid_n * BLOCK_N
-        if SPLIT_TAIL:
-            if row_end - row_start <= BLOCK_M // 2:
-                _row_tile(
-                    a_half_desc,
-                    b_desc,
-                    c_ptr,
-                    expert,
-                    row_start,
-                    row_end,
-                    n0,
-                    N,
-                    K,
-                    stride_cm,
-                    B_NK,
-                    BLOCK_M // 2,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            k0 = kk * BLOCK_K
+            a = a_desc.load([row_start, k0])
+            if B_NK:
+                b = b_desc.load([expert * N + n0, k0])
+                acc = tl.dot(a, b.T, acc)
             else:
-                _row_tile(
-                    a_desc,
-                    b_desc,
-                    c_ptr,
-                    expert,
-                    row_start,
-                    row_end,
-                    n0,
-                    N,
-                    K,
-                    stride_cm,
-                    B_NK,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
-        else:
-            _row_tile(
-                a_desc,
-                b_desc,
-                c_ptr,
-                expert,
-                row_start,
-                row_end,
-                n0,
-                N,
-                K,
-                stride_cm,
-                B_NK,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-            )
+                b = b_desc.load([expert * K + k0, n0])
+                acc = tl.dot(a, b, acc)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+        ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        tl.store(ptrs, acc.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -254,9 +177,9 @@ def k_grouped_kernel(
 
     Persistent over the ``E * cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K)`` output tiles; each reduces
     over its expert's rows in chunks of ``BLOCK_R``. ``TMA_STORE``: the tile is stored through
-    ``out_desc`` (``[E * N, K]``; needs ``N % BLOCK_N == 0``), else with masked stores from
-    registers. ``ALIGNED``: every expert's row count is a multiple of ``BLOCK_R``, and the
-    chunks run unmasked in one pipelined loop over all of the program's tiles.
+    ``out_desc`` (``[E * N, K]``; needs ``N % BLOCK_N == 0``), else with masked stores.
+    ``ALIGNED`` (with ``TMA_STORE``): every expert's row count is a multiple of ``BLOCK_R``,
+    and the chunks run unmasked in one pipelined loop over all of the program's tiles.
     """
     num_k = tl.cdiv(K, BLOCK_K)
     per_expert = tl.cdiv(N, BLOCK_N) * num_k

@@ -49,19 +49,10 @@ class PersistentTiles:
     """Software-pipelining depth of the operand loads."""
     flatten: bool = False
     """Flatten the job and reduction loops into one pipelined loop (:func:`m_grouped_mm`)."""
-    split_tail: bool = False
-    """:func:`m_grouped_mm`: an expert's last row tile with at most ``block_m // 2`` rows
-    runs at half height (half the multiply-adds of its rows past the expert's end), in a
-    branch of the same kernel (no flattened loop)."""
     tail_launch: bool = False
-    """:func:`m_grouped_mm`: those half-height tail tiles run in a second launch after the
-    full-height tiles, so that both keep the loop layout that ``flatten`` asks for."""
-    programs_per_sm: int = 1
-    """Persistent programs per multiprocessor (2: one program's epilogue can overlap the
-    other's main loop, when both fit in shared memory and registers)."""
-    tma_store: bool = True
-    """:func:`k_grouped_mm`: store the output tiles through a TMA descriptor where ``N`` is a
-    multiple of ``block_n`` (else, or when False, from registers with masked stores)."""
+    """:func:`m_grouped_mm`: an expert's last row tile with at most ``block_m // 2`` rows runs
+    at half height in a second launch after the full-height tiles (both keep the loop layout
+    that ``flatten`` asks for)."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -70,12 +61,8 @@ class PersistentTiles:
                 raise KernelShapeError(f"{name}={value} must be a power of two >= 16")
         if self.num_warps not in (4, 8):
             raise KernelValueError(f"num_warps={self.num_warps} must be 4 or 8")
-        if (self.split_tail or self.tail_launch) and self.block_m < 32:
-            raise KernelShapeError(f"split_tail needs block_m >= 32, got {self.block_m}")
-        if self.split_tail and self.tail_launch:
-            raise KernelValueError("split_tail and tail_launch exclude each other")
-        if self.programs_per_sm not in (1, 2):
-            raise KernelValueError(f"programs_per_sm={self.programs_per_sm} must be 1 or 2")
+        if self.tail_launch and self.block_m < 32:
+            raise KernelShapeError(f"tail_launch needs block_m >= 32, got {self.block_m}")
         if self.num_stages < 1:
             raise KernelValueError(f"num_stages={self.num_stages} must be >= 1")
 
@@ -84,8 +71,8 @@ _NUM_SMS: dict[int, int] = {}
 
 
 def _programs(device: torch.device, tiles: PersistentTiles, jobs: int) -> int:
-    """Programs of a persistent grid: ``tiles.programs_per_sm`` per multiprocessor (4 off the
-    GPU), at most one per job."""
+    """Programs of a persistent grid: one per multiprocessor (4 off the GPU), at most one per
+    job."""
     if device.type != "cuda":
         sms = 4
     else:
@@ -93,7 +80,7 @@ def _programs(device: torch.device, tiles: PersistentTiles, jobs: int) -> int:
         if index not in _NUM_SMS:
             _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
         sms = _NUM_SMS[index]
-    return max(1, min(sms * tiles.programs_per_sm, jobs))
+    return max(1, min(sms, jobs))
 
 
 TILES_ALL, TILES_FULL, TILES_TAIL = 0, 1, 2
@@ -233,15 +220,11 @@ def m_grouped_mm(
     for height, sched in launches:
         max_tiles = (sched.shape[0] - 1) // 3
         a_desc = TensorDescriptor.from_tensor(a, [height, bk])
-        a_half_desc = (
-            TensorDescriptor.from_tensor(a, [height // 2, bk]) if tiles.split_tail else a_desc
-        )
         # The tail launch holds at most one tile per expert.
         tiles_bound = max_tiles if height == bm else experts
         programs = _programs(a.device, tiles, tiles_bound * triton.cdiv(n, bn))
         m_grouped_kernel[(programs,)](
             a_desc,
-            a_half_desc,
             b_desc,
             out,
             sched,
@@ -255,7 +238,6 @@ def m_grouped_mm(
             BLOCK_K=bk,
             NUM_PROGRAMS=programs,
             FLATTEN=tiles.flatten,
-            SPLIT_TAIL=tiles.split_tail,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
@@ -316,7 +298,7 @@ def k_grouped_mm(
     br, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     g_desc = TensorDescriptor.from_tensor(g, [br, bn])
     x_desc = TensorDescriptor.from_tensor(x, [br, bk])
-    n_tiled = n % bn == 0
+    tma_store = n % bn == 0
     out_desc = TensorDescriptor.from_tensor(out.view(experts * n, k), [bn, bk])
     jobs = experts * triton.cdiv(n, bn) * triton.cdiv(k, bk)
     programs = _programs(g.device, tiles, jobs)
@@ -333,8 +315,8 @@ def k_grouped_mm(
         BLOCK_N=bn,
         BLOCK_K=bk,
         NUM_PROGRAMS=programs,
-        TMA_STORE=tiles.tma_store and n_tiled,
-        ALIGNED=aligned and n_tiled,
+        TMA_STORE=tma_store,
+        ALIGNED=aligned and tma_store,
         JOB_BLOCK=1024,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
