@@ -320,7 +320,11 @@ def test_grouped_experts_on_rows_in_expert_order_match_reference():
 
 
 def test_measured_plans_follow_the_routed_rows_per_expert():
-    qwen3 = measured_expert_gemms(8192 * 8, 2048, 768, 128)
+    # Qwen3 at 8k tokens (512 rows per expert): all six on Triton, rows padded to 64.
+    qwen3_8k = measured_expert_gemms(8192 * 8, 2048, 768, 128)
+    assert qwen3_8k.row_align == 64
+    assert all(isinstance(getattr(qwen3_8k, g), PersistentTiles) for g in ("gate_up", "w_down"))
+    qwen3 = measured_expert_gemms(16384 * 8, 2048, 768, 128)
     assert isinstance(qwen3.down, PersistentTiles) and isinstance(qwen3.d_x, PersistentTiles)
     assert qwen3.gate_up == GROUPED_MM and qwen3.w_down == GROUPED_MM
     # Mixtral with 2048 rows per expert runs the cuBLAS loop; with 512 torch._grouped_mm.
