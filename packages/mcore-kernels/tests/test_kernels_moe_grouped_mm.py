@@ -24,9 +24,6 @@ from mcore_kernels.moe.expert_gemms import (
     without_host_sync,
 )
 from mcore_kernels.moe.grouped_mm import (
-    TILES_ALL,
-    TILES_FULL,
-    TILES_TAIL,
     PersistentTiles,
     k_grouped_mm,
     k_grouped_mm_reference,
@@ -72,27 +69,6 @@ def test_tile_schedule_lists_every_row_tile_of_every_expert():
     assert got == want
 
 
-def test_tile_schedule_parts_split_full_and_tail_tiles():
-    offsets = _offsets(SPLIT_COUNTS)
-    rows = int(offsets[-1])
-
-    def listed(part):
-        sched = tile_schedule(offsets, rows, 32, part)
-        max_tiles = (sched.numel() - 1) // 3
-        count = int(sched[-1])
-        return list(zip(*(sched[i * max_tiles : i * max_tiles + count].tolist() for i in range(3))))
-
-    full, tail, start = [], [], 0
-    for expert, count in enumerate(SPLIT_COUNTS):
-        end = start + count
-        for row in range(start, end, 32):
-            (full if end - row > 16 else tail).append((expert, row, end))
-        start = end
-    assert listed(TILES_FULL) == full
-    assert listed(TILES_TAIL) == tail
-    assert sorted(listed(TILES_ALL)) == sorted(full + tail)
-
-
 @pytest.mark.parametrize("flatten", [False, True])
 @pytest.mark.parametrize("transpose", [True, False])
 def test_m_grouped_mm_matches_reference(transpose, flatten):
@@ -106,34 +82,6 @@ def test_m_grouped_mm_matches_reference(transpose, flatten):
     got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=tiles)
     want = m_grouped_mm_reference(a, w, offsets, transpose_weight=transpose)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
-
-
-# Tails of 1, 16 (half a tile), 17 and 31 rows after full 32-row tiles, experts without rows.
-SPLIT_COUNTS = [33, 0, 16, 49, 0, 63, 32, 0]
-
-
-SPLIT_MODES = {
-    "second-launch": dict(tail_launch=True),
-    "second-launch-flat": dict(tail_launch=True, flatten=True),
-}
-
-
-@pytest.mark.parametrize("mode", list(SPLIT_MODES))
-@pytest.mark.parametrize("transpose", [True, False])
-def test_m_grouped_mm_split_tail_matches_reference(transpose, mode):
-    offsets = _offsets(SPLIT_COUNTS)
-    # Rows past the last expert hold NaN: no stored row may read them.
-    rows, n, k = int(offsets[-1]), 48, 32
-    a = _randn(rows + 8, k, seed=3)
-    a[rows:] = float("nan")
-    w = _randn(len(SPLIT_COUNTS), *((n, k) if transpose else (k, n)), seed=4)
-    tiles = PersistentTiles(block_m=32, block_n=16, block_k=16, num_warps=4, **SPLIT_MODES[mode])
-    got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=tiles)[:rows]
-    want = m_grouped_mm_reference(a[:rows], w, offsets, transpose_weight=transpose)
-    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
-    plain = PersistentTiles(block_m=32, block_n=16, block_k=16, num_warps=4)
-    full = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=plain)[:rows]
-    torch.testing.assert_close(got, full, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("n", [32, 40], ids=["tma-store", "masked-store"])
@@ -153,13 +101,12 @@ def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(n):
 ALIGNED_COUNTS = [0, 16, 48, 0, 32, 0]
 
 
-@pytest.mark.parametrize("n", [32, 40], ids=["n-tiled", "n-partial"])
 @pytest.mark.parametrize("counts", [ALIGNED_COUNTS, [32, 32, 32], [0, 0]])
-def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts, n):
+def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts):
     offsets = _offsets(counts)
     # Rows past the last expert (read by no chunk) hold NaN: they must not leak in.
     rows = int(offsets[-1]) + 16
-    g, x = _randn(rows, n, seed=11), _randn(rows, 48, seed=12)
+    g, x = _randn(rows, 32, seed=11), _randn(rows, 48, seed=12)
     g[int(offsets[-1]) :] = float("nan")
     got = k_grouped_mm(g, x, offsets, tiles=TILES, aligned=True)
     torch.testing.assert_close(got, k_grouped_mm_reference(g, x, offsets), rtol=2e-3, atol=2e-3)
@@ -248,10 +195,6 @@ def test_bad_input_raises_typed_errors():
         m_grouped_mm(a, w, offsets, transpose_weight=False, tiles=TILES)
     with pytest.raises(KernelShapeError, match=r"x\.shape"):
         k_grouped_mm(a, _randn(rows + 1, 16), offsets, tiles=TILES)
-    with pytest.raises(KernelValueError, match="part=3"):
-        tile_schedule(offsets, rows, 16, 3)
-    with pytest.raises(KernelShapeError, match="tail_launch"):
-        PersistentTiles(block_m=16, tail_launch=True)
     with pytest.raises(KernelShapeError, match="block_m=48"):
         PersistentTiles(block_m=48)
     with pytest.raises(KernelValueError, match="num_warps=3"):
@@ -320,11 +263,7 @@ def test_grouped_experts_on_rows_in_expert_order_match_reference():
 
 
 def test_measured_plans_follow_the_routed_rows_per_expert():
-    # Qwen3 at 8k tokens (512 rows per expert): all six on Triton, rows padded to 64.
-    qwen3_8k = measured_expert_gemms(8192 * 8, 2048, 768, 128)
-    assert qwen3_8k.row_align == 64
-    assert all(isinstance(getattr(qwen3_8k, g), PersistentTiles) for g in ("gate_up", "w_down"))
-    qwen3 = measured_expert_gemms(16384 * 8, 2048, 768, 128)
+    qwen3 = measured_expert_gemms(8192 * 8, 2048, 768, 128)
     assert isinstance(qwen3.down, PersistentTiles) and isinstance(qwen3.d_x, PersistentTiles)
     assert qwen3.gate_up == GROUPED_MM and qwen3.w_down == GROUPED_MM
     # Mixtral with 2048 rows per expert runs the cuBLAS loop; with 512 torch._grouped_mm.

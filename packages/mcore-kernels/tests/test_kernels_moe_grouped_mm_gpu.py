@@ -119,22 +119,3 @@ def test_aligned_weight_gradients_match_grouped_mm_and_repeat_bitwise():
     _close(got, want)
     assert torch.equal(got, k_grouped_mm(grad_gu, x, offsets, tiles=WEIGHT_TILES, aligned=True))
     assert torch.count_nonzero(got[[0, 7, EXPERTS - 1]]) == 0
-
-
-TAIL_LAUNCH = PersistentTiles(
-    block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True, tail_launch=True
-)
-
-
-@pytest.mark.parametrize("transpose", [True, False])
-def test_tail_launch_rows_match_grouped_mm_and_repeat_bitwise(transpose):
-    offsets = _counts().cumsum(0).to(torch.int32).cuda()
-    rows = int(offsets[-1])
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    a = torch.randn(rows, HIDDEN if transpose else 2 * FFN, **bf16)
-    w_gu = torch.randn(EXPERTS, 2 * FFN, HIDDEN, **bf16) * 0.05
-    want = torch._grouped_mm(a, w_gu.transpose(-2, -1) if transpose else w_gu, offs=offsets)
-    got = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=TAIL_LAUNCH)
-    _close(got, want)
-    again = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=TAIL_LAUNCH)
-    assert torch.equal(got, again)

@@ -106,10 +106,6 @@ PACKED_ROWS = (
     "mcore MoELayer dropless, rows packed (no padding rows; weight gradients on "
     "torch._grouped_mm: the session-9 plan)"
 )
-QWEN3_SESSION10 = (
-    "mcore MoELayer dropless, rows packed, the session-10 plan (down projection and the gate/up "
-    "input gradient on Triton, the other four GEMMs on torch._grouped_mm)"
-)
 
 
 SESSION8_PLAN = (
@@ -390,14 +386,9 @@ def run_case(
         builders[SESSION8_PLAN] = lambda: _plan(_moe(case, device), _session8_plan())
     routed = case["tokens"] * case["top_k"]
     plan = measured_expert_gemms(routed, case["hidden"], case["ffn"], case["experts"])
-    if plan.row_align > 1 and case["experts"] == 256:
+    if plan.row_align > 1:
         packed = replace(plan, row_align=1, w_down=GROUPED_MM, w_gate_up=GROUPED_MM)
         builders[PACKED_ROWS] = lambda: _plan(_moe(case, device), packed)
-    elif plan.row_align > 1:
-        # Qwen3: the default before session 11 (rows packed).
-        wide = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
-        session10 = ExpertGemms(down=wide, d_x=wide)
-        builders[QWEN3_SESSION10] = lambda: _plan(_moe(case, device), session10)
     if few:
         builders[FUSED_LOOP] = lambda: _moe(case, device, expert_kernel="cublas")
         builders[

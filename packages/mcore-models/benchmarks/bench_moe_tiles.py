@@ -4,11 +4,11 @@ For the fine-grained cases of ``bench_moe.py`` (Qwen3-30B-A3B, DeepSeek-V3 at 81
 the tokens are routed by the random top-k router of ``bench_moe_gemm.py`` and each expert GEMM
 is timed with a short list of tile configurations of
 :class:`~mcore_kernels.moe.grouped_mm.PersistentTiles` (row tiles: height, width, pipelining
-depth, flattened loops, half-height tail tiles in a second launch; weight gradients: row
-chunk, tile, pipelining depth), next to ``torch._grouped_mm``, batched cuBLAS GEMMs on equal
-groups (no partial tile: a bound) and the dense GEMM of the same FLOPs. Rows are packed, or padded to 64
-per expert (``aligned_rows``, as the layer's plan lays them out when it asks for
-``row_align``); FLOPs are counted on the routed rows. The winners are written into
+depth, flattened loops; weight gradients: row chunk, tile, pipelining depth), next to
+``torch._grouped_mm``, batched cuBLAS GEMMs on equal groups (no partial tile: a bound) and the
+dense GEMM of the same FLOPs. Rows are packed, or padded to 64 per expert (``aligned_rows``, as
+the layer's plan lays them out when it asks for ``row_align``); FLOPs are counted on the routed
+rows. The winners are written into
 ``mcore_kernels.moe.expert_gemms`` by hand: nothing is tuned at run time.
 
 Writes ``moe_tiles.json`` and ``moe_tiles.md`` under ``--out`` after every row and stops
@@ -55,12 +55,6 @@ def _t(**fields: object) -> PersistentTiles:
 ROW_TILES = {
     "128x256 s3 flat": _t(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True),
     "128x256 s4 flat": _t(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True),
-    "128x256 s3 flat tail-launch": _t(
-        block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True, tail_launch=True
-    ),
-    "128x256 s4 flat tail-launch": _t(
-        block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True, tail_launch=True
-    ),
     "64x256 w4 s4": _t(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4),
     "64x128 w4 s5": _t(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=5),
 }

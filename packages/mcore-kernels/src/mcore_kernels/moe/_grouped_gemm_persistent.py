@@ -42,29 +42,15 @@ def tile_schedule_kernel(
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    PART: tl.constexpr,
 ):
     """Row tile ``t`` of the schedule: ``sched[t] = expert``, ``sched[max_tiles + t] = first
     row``, ``sched[2 max_tiles + t] = end row`` (expert ``num_experts`` past the last tile);
-    ``sched[3 max_tiles]`` = number of tiles.
-
-    ``PART`` 0: every ``BLOCK_M``-row tile of every expert; 1: those with more than
-    ``BLOCK_M // 2`` rows; 2: the others (an expert's last tile, at most ``BLOCK_M // 2``
-    rows, for a half-height launch).
-    """
+    ``sched[3 max_tiles]`` = number of tiles."""
     ids = tl.arange(0, E_PAD)
     valid = ids < num_experts
     ends = tl.load(ends_ptr + ids, mask=valid, other=0).to(tl.int32)
     starts = tl.load(ends_ptr + ids - 1, mask=valid & (ids > 0), other=0).to(tl.int32)
-    count = ends - starts
-    rest = count % BLOCK_M
-    if PART == 0:
-        tiles = (count + BLOCK_M - 1) // BLOCK_M
-    elif PART == 1:
-        tiles = count // BLOCK_M + (rest > BLOCK_M // 2).to(tl.int32)
-    else:
-        tiles = ((rest > 0) & (rest <= BLOCK_M // 2)).to(tl.int32)
-    tiles = tl.where(valid, tiles, 0)
+    tiles = tl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
     cum = tl.cumsum(tiles, axis=0)
     first = cum - tiles
     pid = tl.program_id(0)
@@ -77,13 +63,9 @@ def tile_schedule_kernel(
     tile_first = tl.sum(tl.where(hit, first[None, :], 0), axis=1)
     start = tl.sum(tl.where(hit, starts[None, :], 0), axis=1)
     end = tl.sum(tl.where(hit, ends[None, :], 0), axis=1)
-    if PART == 2:
-        row = start + ((end - start) // BLOCK_M) * BLOCK_M
-    else:
-        row = start + (t - tile_first) * BLOCK_M
     ok = t < max_tiles
     tl.store(sched_ptr + t, expert, mask=ok)
-    tl.store(sched_ptr + max_tiles + t, row, mask=ok)
+    tl.store(sched_ptr + max_tiles + t, start + (t - tile_first) * BLOCK_M, mask=ok)
     tl.store(sched_ptr + 2 * max_tiles + t, end, mask=ok)
 
 

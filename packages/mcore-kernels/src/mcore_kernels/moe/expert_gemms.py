@@ -22,9 +22,6 @@ import torch
 
 from mcore_kernels.errors import KernelValueError
 from mcore_kernels.moe.grouped_mm import (
-    TILES_ALL,
-    TILES_FULL,
-    TILES_TAIL,
     PersistentTiles,
     k_grouped_mm,
     m_grouped_mm,
@@ -110,14 +107,15 @@ class ExpertGemmRunner:
         self.plan = plan
         self.offsets = offsets
         self.num_rows = num_rows
-        self._schedules: dict[tuple[int, int], torch.Tensor] = {}
+        self._schedules: dict[int, torch.Tensor] = {}
         self._spans: list[tuple[int, int, int]] | None = None
 
-    def _schedule(self, block_m: int, part: int) -> torch.Tensor:
-        key = (block_m, part)
-        if key not in self._schedules:
-            self._schedules[key] = tile_schedule(self.offsets, self.num_rows, block_m, part)
-        return self._schedules[key]
+    def _schedule(self, tiles: PersistentTiles) -> torch.Tensor:
+        if tiles.block_m not in self._schedules:
+            self._schedules[tiles.block_m] = tile_schedule(
+                self.offsets, self.num_rows, tiles.block_m
+            )
+        return self._schedules[tiles.block_m]
 
     def _expert_spans(self) -> list[tuple[int, int, int]]:
         """``(expert, first row, end row)`` of every expert (one host synchronisation)."""
@@ -143,12 +141,7 @@ class ExpertGemmRunner:
                 self.offsets,
                 transpose_weight=transpose,
                 tiles=kernel,
-                schedule=self._schedule(
-                    kernel.block_m, TILES_FULL if kernel.tail_launch else TILES_ALL
-                ),
-                tail_schedule=(
-                    self._schedule(kernel.block_m, TILES_TAIL) if kernel.tail_launch else None
-                ),
+                schedule=self._schedule(kernel),
             )
         if kernel == CUBLAS_LOOP:
             out = a.new_empty(a.shape[0], w.shape[1] if transpose else w.shape[2])
@@ -261,28 +254,10 @@ _ALIGNED = PersistentTiles(block_m=64, block_n=128, block_k=256, num_stages=3)
 _DEEPSEEK_ROWS = ExpertGemms(gate_up=_WIDE_3, down=_WIDE, d_act=_WIDE_3, d_x=_WIDE_3)
 
 _MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {
-    # Qwen3-30B-A3B (512 rows per expert at 8192 tokens), one H200. Session 11: with every
-    # expert's rows padded to 64, all six GEMMs on Triton (ms, against torch._grouped_mm on
-    # packed rows): gate_up 0.679 / 0.721, down 0.382 / 0.423, d_act 0.363 / 0.382, d_x
-    # 0.683 / 0.736, w_down 0.402 / 0.407, w_gate_up 0.748 / 0.782 (3.26 against 3.45 ms;
-    # the same tiles on packed rows 0.703-0.710, 0.390-0.394, 0.403-0.408, 0.702-0.703).
-    # Up to 1024 rows (16k tokens), measured in sessions 8-9: the down projection 521-558
-    # against 501-506 TFLOP/s, the gate/up input gradient 589-631 against 569-584.
-    (2048, 768, 128): [
-        (
-            512,
-            ExpertGemms(
-                gate_up=_WIDE,
-                down=_WIDE,
-                d_act=_WIDE,
-                d_x=_WIDE_3,
-                w_down=_ALIGNED,
-                w_gate_up=_ALIGNED,
-                row_align=64,
-            ),
-        ),
-        (1024, ExpertGemms(down=_WIDE, d_x=_WIDE)),
-    ],
+    # Qwen3-30B-A3B (512 rows per expert at 8192 tokens), one H200, two probes: the down
+    # projection 521-558 against 501-506 TFLOP/s on torch._grouped_mm, the gate/up input
+    # gradient 589-631 against 569-584 (the other four GEMMs were not faster on Triton).
+    (2048, 768, 128): [(1024, ExpertGemms(down=_WIDE, d_x=_WIDE))],
     # DeepSeek-V3 (256 rows per expert at 8192 tokens): the down projection 488-502 against
     # 424-438 TFLOP/s, its input gradient 517-557 against 467-491 (three probes); the gate/up
     # input gradient 495-523 against 461-478 (two); the gate/up projection 530-547 against

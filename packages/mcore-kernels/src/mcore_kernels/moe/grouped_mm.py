@@ -21,9 +21,6 @@ import torch
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
 
 __all__ = [
-    "TILES_ALL",
-    "TILES_FULL",
-    "TILES_TAIL",
     "PersistentTiles",
     "k_grouped_mm",
     "k_grouped_mm_reference",
@@ -49,10 +46,6 @@ class PersistentTiles:
     """Software-pipelining depth of the operand loads."""
     flatten: bool = False
     """Flatten the job and reduction loops into one pipelined loop (:func:`m_grouped_mm`)."""
-    tail_launch: bool = False
-    """:func:`m_grouped_mm`: an expert's last row tile with at most ``block_m // 2`` rows runs
-    at half height in a second launch after the full-height tiles (both keep the loop layout
-    that ``flatten`` asks for)."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -61,8 +54,6 @@ class PersistentTiles:
                 raise KernelShapeError(f"{name}={value} must be a power of two >= 16")
         if self.num_warps not in (4, 8):
             raise KernelValueError(f"num_warps={self.num_warps} must be 4 or 8")
-        if self.tail_launch and self.block_m < 32:
-            raise KernelShapeError(f"tail_launch needs block_m >= 32, got {self.block_m}")
         if self.num_stages < 1:
             raise KernelValueError(f"num_stages={self.num_stages} must be >= 1")
 
@@ -71,8 +62,7 @@ _NUM_SMS: dict[int, int] = {}
 
 
 def _programs(device: torch.device, tiles: PersistentTiles, jobs: int) -> int:
-    """Programs of a persistent grid: one per multiprocessor (4 off the GPU), at most one per
-    job."""
+    """Programs of a persistent grid: one per multiprocessor (4 off the GPU)."""
     if device.type != "cuda":
         sms = 4
     else:
@@ -83,32 +73,18 @@ def _programs(device: torch.device, tiles: PersistentTiles, jobs: int) -> int:
     return max(1, min(sms, jobs))
 
 
-TILES_ALL, TILES_FULL, TILES_TAIL = 0, 1, 2
-"""Parts of :func:`tile_schedule`: every row tile; those with more than ``block_m // 2`` rows;
-each expert's last tile when it has at most ``block_m // 2`` rows."""
-
-
-def tile_schedule(
-    offsets: torch.Tensor, num_rows: int, block_m: int, part: int = TILES_ALL
-) -> torch.Tensor:
+def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
     """Row tiles of every expert, built on the device.
 
     Args:
         offsets: ``[E]`` int32 end row of each expert (cumulative counts).
         num_rows: Rows of the row matrix (``offsets[-1]`` at most).
         block_m: Rows per tile.
-        part: :data:`TILES_ALL`, :data:`TILES_FULL` or :data:`TILES_TAIL` (tiles of
-            ``block_m // 2`` rows, run by a half-height launch).
 
     Returns:
         int32 ``[3 * T + 1]`` with ``T = cdiv(num_rows, block_m) + E`` (an upper bound of the
         tile count): the expert, first row and end row of each tile, then the tile count.
-
-    Raises:
-        KernelValueError: If ``part`` is not one of the three.
     """
-    if part not in (TILES_ALL, TILES_FULL, TILES_TAIL):
-        raise KernelValueError(f"part={part}: expected 0, 1 or 2")
     import triton
 
     from mcore_kernels.moe._grouped_gemm_persistent import tile_schedule_kernel
@@ -125,7 +101,6 @@ def tile_schedule(
         BLOCK_M=block_m,
         E_PAD=max(16, triton.next_power_of_2(experts)),
         BLOCK_T=block_t,
-        PART=part,
     )
     return sched
 
@@ -152,7 +127,6 @@ def m_grouped_mm(
     transpose_weight: bool,
     tiles: PersistentTiles,
     schedule: torch.Tensor | None = None,
-    tail_schedule: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row-grouped GEMM: ``out[rows of e] = a[rows of e] @ (w[e].T if transpose_weight else
     w[e])``.
@@ -164,10 +138,7 @@ def m_grouped_mm(
         offsets: ``[E]`` int32 end row of each expert.
         transpose_weight: Whether ``weight`` holds ``w[e].T``.
         tiles: Tile shape.
-        schedule: :func:`tile_schedule` of ``offsets`` with ``tiles.block_m`` (built when
-            None), of the part :data:`TILES_FULL` with ``tiles.tail_launch``.
-        tail_schedule: With ``tiles.tail_launch``: the :data:`TILES_TAIL` part (built when
-            None).
+        schedule: :func:`tile_schedule` of ``offsets`` with ``tiles.block_m`` (built when None).
 
     Returns:
         ``[M, N]`` (rows past ``offsets[-1]`` unwritten).
@@ -205,42 +176,33 @@ def m_grouped_mm(
     a = _tma_ready(a)
     weight = weight.contiguous()
     if schedule is None:
-        part = TILES_FULL if tiles.tail_launch else TILES_ALL
-        schedule = tile_schedule(offsets, rows, tiles.block_m, part)
+        schedule = tile_schedule(offsets, rows, tiles.block_m)
+    max_tiles = (schedule.shape[0] - 1) // 3
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
     if transpose_weight:
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
     else:
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
-    launches = [(bm, schedule)]
-    if tiles.tail_launch:
-        if tail_schedule is None:
-            tail_schedule = tile_schedule(offsets, rows, bm, TILES_TAIL)
-        launches.append((bm // 2, tail_schedule))
-    for height, sched in launches:
-        max_tiles = (sched.shape[0] - 1) // 3
-        a_desc = TensorDescriptor.from_tensor(a, [height, bk])
-        # The tail launch holds at most one tile per expert.
-        tiles_bound = max_tiles if height == bm else experts
-        programs = _programs(a.device, tiles, tiles_bound * triton.cdiv(n, bn))
-        m_grouped_kernel[(programs,)](
-            a_desc,
-            b_desc,
-            out,
-            sched,
-            max_tiles,
-            n,
-            k,
-            out.stride(0),
-            B_NK=transpose_weight,
-            BLOCK_M=height,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            NUM_PROGRAMS=programs,
-            FLATTEN=tiles.flatten,
-            num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages,
-        )
+    programs = _programs(a.device, tiles, max_tiles * triton.cdiv(n, bn))
+    m_grouped_kernel[(programs,)](
+        a_desc,
+        b_desc,
+        out,
+        schedule,
+        max_tiles,
+        n,
+        k,
+        out.stride(0),
+        B_NK=transpose_weight,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        NUM_PROGRAMS=programs,
+        FLATTEN=tiles.flatten,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
     return out
 
 
