@@ -210,6 +210,28 @@ def main() -> None:
         "(fused_decode.ATTENTION_IN_O_PROJ) flipped from its default",
     )
     parser.add_argument(
+        "--compare-attention-split",
+        default="",
+        help="SIZE@B1/B2: batch sizes B1, B2 also run with InferenceConfig(attention_split_size"
+        "=SIZE)",
+    )
+    parser.add_argument(
+        "--compare-down-splits",
+        default="",
+        help="S1/S2@B1/B2: batch sizes B1, B2 also run with the down projection in S1 (then "
+        "S2) float32 split-K partials summed by the next norm (fused_decode.DOWN_PROJ_SPLITS)",
+    )
+    parser.add_argument(
+        "--compare-o-splits",
+        default="",
+        help="S1/S2@B1/B2: as --compare-down-splits for the o projection (O_PROJ_SPLITS)",
+    )
+    parser.add_argument(
+        "--compare-norm-pdl",
+        default="",
+        help="batch sizes also run with fused_decode.NORM_SWIGLU_PDL flipped",
+    )
+    parser.add_argument(
         "--repeat-default",
         default="",
         help="batch sizes whose default engine runs a second time after the variants (the "
