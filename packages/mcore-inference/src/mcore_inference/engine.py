@@ -420,11 +420,14 @@ class InferenceEngine(_StepLoop):
 
         For a server (``mcore-inference serve`` does it at startup): requests arriving one by
         one make the decode batch size pass through many buckets, and each lazy capture stalls
-        every running request. Collective over the model replica like :meth:`step`.
+        every running request. A hybrid (Mamba) model captures its decode and non-decode
+        graphs. Then, on a CUDA device, :meth:`warm_up` runs every kernel variant of the eager
+        steps. Collective over the model replica like :meth:`step` (and over the
+        expert-parallel group).
 
         Returns:
-            The number of graphs captured (0 without decode graphs: on the CPU, with
-            ``use_cuda_graphs=False`` or for a hybrid model).
+            The number of graphs captured (0 without graphs: on the CPU, with
+            ``use_cuda_graphs=False``, or on a hybrid model's pipeline stage).
 
         Raises:
             EngineClosedError: If the engine is closed.
@@ -433,6 +436,9 @@ class InferenceEngine(_StepLoop):
         self._revalidate_graphs()
         graphs = self._graphs
         captured = graphs.capture_all() if graphs is not None else 0
+        hybrid = self._runner.hybrid_graphs if self._runner is not None else None
+        if hybrid is not None:
+            captured += hybrid.capture_all()
         if self.device.type == "cuda":
             self.warm_up()
         return captured
@@ -444,9 +450,12 @@ class InferenceEngine(_StepLoop):
         compile in a step stalls every running request. :meth:`capture_graphs` calls it on a
         CUDA device, after capturing the graphs (which compile their own variants).
 
+        Every layout is warmed (see :mod:`mcore_inference.warmup`): pipeline stages, hybrid
+        (Mamba) models, expert-parallel ranks. Collective like :meth:`step`: every rank of the
+        model replica and of the expert-parallel group calls it.
+
         Returns:
-            The number of forwards run (0 for engines whose steps are collective or stateful:
-            pipeline stages, expert-parallel lockstep, Mamba layers).
+            The number of forwards this rank ran.
 
         Raises:
             EngineClosedError: If the engine is closed.

@@ -176,6 +176,27 @@ class HybridGraphRunner:
         self._graphs[(decode, bucket)] = (graph, logits)
         return graph, logits
 
+    def capture_all(self) -> int:
+        """Capture every decode and non-decode bucket's graph now instead of at first use.
+
+        A server calls it at startup (through ``InferenceEngine.capture_graphs``): captured
+        lazily, the first step of each new bucket stalls every running request for a capture
+        and the compiles of its kernels.
+
+        Returns:
+            The number of graphs captured (those captured before are kept; 0 for a pipeline
+            stage, which runs eagerly).
+        """
+        if not self._enabled:
+            return 0
+        count = 0
+        for decode, buckets in ((True, self.batch_sizes), (False, self.token_counts)):
+            for bucket in buckets:
+                if (decode, bucket) not in self._graphs:
+                    self._capture(decode, bucket)
+                    count += 1
+        return count
+
     def bucket_of(self, microbatch: Microbatch) -> tuple[bool, int]:
         """The graph a step replays.
 
