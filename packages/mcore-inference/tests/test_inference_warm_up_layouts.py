@@ -11,6 +11,7 @@ of the sweep's keys (so the check can fail). The GPU test checks Triton's compil
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -144,7 +145,10 @@ def test_nothing_compiles_after_capture_graphs_of_a_hybrid_engine():
     from mcore_models.mamba import HybridModel, hybrid_preset
 
     model = HybridModel(hybrid_preset("tiny-hybrid", seed=7), device="cuda").eval()
-    config = small_engine_config(use_cuda_graphs=True)
+    # Non-decode graphs up to 4 tokens: steps of 5 and 6 tokens (the budget) run eagerly.
+    config = dataclasses.replace(
+        small_engine_config(use_cuda_graphs=True), cuda_graph_prefill_token_counts=(4,)
+    )
     rng = random.Random(2)
     with InferenceEngine(model, config) as engine:
         captured = engine.capture_graphs()
@@ -152,10 +156,19 @@ def test_nothing_compiles_after_capture_graphs_of_a_hybrid_engine():
         assert graphs is not None
         assert captured == len(graphs.batch_sizes) + len(graphs.token_counts)
         with SpecializationLog() as log:
-            for _ in range(6):
+            for round_ in range(8):
                 count = rng.randint(1, 4)
                 prompts = [
                     [rng.randrange(VOCAB) for _ in range(rng.randint(1, 24))] for _ in range(count)
                 ]
-                engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=4)] * count)
+                params = [
+                    SamplingParams(
+                        temperature=0.0 if i % 2 else 0.7,
+                        max_tokens=rng.randint(1, 6),
+                        return_logprobs=round_ % 2 == 0,
+                        seed=i,
+                    )
+                    for i in range(count)
+                ]
+                engine.generate(prompts, params)
     assert log.compiles == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import math
 import os
@@ -79,35 +80,61 @@ def host_us(fn: Callable[[], Any], calls: int = 100) -> float:
 
 
 def profiler_cpu_us(
-    calls: dict[str, tuple[bool, Callable[[], Any]]], per_call: int = 96, warmup: int = 5
-) -> dict[str, float]:
+    calls: dict[str, tuple[bool, Callable[[], Any]]],
+    per_call: int = 96,
+    warmup: int = 5,
+    seed: int = 20,
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """CPU microseconds per call as ``torch.profiler`` records it (its own cost per op included).
 
     ``calls`` maps a name to ``(grad_enabled, call)``. One profiling session holds every call,
     each under its own ``record_function`` label, the implementations interleaved call by call
     (the first events of a session cost several times the later ones: whichever runs first
-    would pay that); ``warmup`` unlabelled rounds come first. Each round starts one call later
-    in the list, so that every call follows every other equally often (a call right after a
-    backward pays for what the autograd engine's thread still does then). The median over the
-    individual calls of each label.
+    would pay that); ``warmup`` unlabelled rounds come first. Every round runs the calls in a
+    fresh random order (seeded), so that each call follows every other about equally often.
+    What a call costs depends on the call before it: a backward right after forwards wakes the
+    autograd engine's device thread from a longer sleep, and pays about twice what it pays
+    right after another backward (one H200, session 12). The rotation of one fixed order used
+    until this release kept every call's predecessor fixed (the first backward of the list,
+    mcore's, always came right after the last forward, and eager's right after mcore's
+    backward).
+
+    Returns:
+        The median over the individual calls of each label, and per label the medians over
+        the calls that followed a call of each phase (the label's part before ``|``).
     """
+    import random
+
     from torch.profiler import ProfilerActivity, profile, record_function
 
     samples: dict[str, list[float]] = {name: [] for name in calls}
     ordered = list(calls.items())
+    rng = random.Random(seed)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for index in range(warmup + per_call):
-            shift = index % len(ordered)
-            for name, (grad_enabled, call) in ordered[shift:] + ordered[:shift]:
+            rng.shuffle(ordered)
+            for name, (grad_enabled, call) in ordered:
                 label = name if index >= warmup else "warm-up"
                 with torch.set_grad_enabled(grad_enabled), record_function(label):
                     call()
     torch.cuda.synchronize()
-    for event in prof.events():
+    labels = sorted(
+        (e for e in prof.events() if e.name in samples or e.name == "warm-up"),
+        key=lambda e: e.time_range.start,
+    )
+    after: dict[str, dict[str, list[float]]] = {name: {} for name in calls}
+    for previous, event in itertools.pairwise(labels):
         if event.name in samples:
             samples[event.name].append(event.cpu_time_total)
-    return {name: statistics.median(v) for name, v in samples.items()}
+            phase = previous.name.split("|")[0]
+            after[event.name].setdefault(phase, []).append(event.cpu_time_total)
+    medians = {name: statistics.median(v) for name, v in samples.items()}
+    by_previous = {
+        name: {phase: statistics.median(v) for phase, v in phases.items()}
+        for name, phases in after.items()
+    }
+    return medians, by_previous
 
 
 def interleaved_median(
@@ -325,10 +352,13 @@ def call_overhead(
         for phase, calls in phases.items()
         for name, call in calls.items()
     }
-    for label, us in profiler_cpu_us(labelled).items():
+    medians, by_previous = profiler_cpu_us(labelled)
+    after: dict[str, dict[str, dict[str, float]]] = {name: {} for name in impls}
+    for label, us in medians.items():
         phase, name = label.split("|")
         profiled[name][phase] = us
-    return {"host_us": host, "profiler_cpu_us": profiled}
+        after[name][phase] = by_previous[label]
+    return {"host_us": host, "profiler_cpu_us": profiled, "profiler_cpu_us_after": after}
 
 
 def main() -> None:
