@@ -171,4 +171,5 @@ def test_nothing_compiles_after_capture_graphs_of_a_hybrid_engine():
                     for i in range(count)
                 ]
                 engine.generate(prompts, params)
+        assert len(graphs.captured) == captured  # the steps captured nothing more
     assert log.compiles == []
