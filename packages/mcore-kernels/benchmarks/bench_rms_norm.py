@@ -92,12 +92,14 @@ def profiler_cpu_us(
     (the first events of a session cost several times the later ones: whichever runs first
     would pay that); ``warmup`` unlabelled rounds come first. Every round runs the calls in a
     fresh random order (seeded), so that each call follows every other about equally often.
-    What a call costs depends on the call before it: a backward right after forwards wakes the
-    autograd engine's device thread from a longer sleep, and pays about twice what it pays
-    right after another backward (one H200, session 12). The rotation of one fixed order used
-    until this release kept every call's predecessor fixed (the first backward of the list,
-    mcore's, always came right after the last forward, and eager's right after mcore's
-    backward).
+    What a call costs depends on the call before it: the first backward after forwards waits
+    longer for the autograd engine's CUDA device thread, which slept through the forwards (one
+    H200, session 12, 1 x 4096: 132 us from the label's start to the thread's first event,
+    against 81 us right after another backward). The previous release rotated one fixed order
+    (each round starting one call later), which never changes a call's predecessor: mcore's
+    backward, first of the backwards in the list, always came right after the last forward and
+    paid that wait at every call (366 against eager's 308 us, which always came right after
+    mcore's backward); listing eager first turned it round (eager 396, mcore 282 us).
 
     Returns:
         The median over the individual calls of each label, and per label the medians over
