@@ -43,6 +43,7 @@ from _common import (
 )
 
 from mcore_kernels import rms_norm
+from mcore_kernels.pdl import pdl_supported, programmatic_dependent_launch
 
 EPS = 1e-6
 ROUNDS = 15
@@ -171,6 +172,18 @@ def implementations(compiled, liger_ops) -> dict[str, Callable[..., Any]]:
     return impls
 
 
+PDL_ROWS = 256
+"""Calls of fewer rows are also timed launched with programmatic dependent launch."""
+
+
+def mcore_pdl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
+    """mcore's forward launched with programmatic dependent launch, as the decode engine runs it
+    (``InferenceConfig.decode_pdl``): the next launch's programs may start while this kernel
+    finishes, and wait for it before reading its outputs."""
+    with programmatic_dependent_launch():
+        return rms_norm(x, weight, EPS, residual=residual)
+
+
 def warm(shard: int, count: int) -> None:
     """Compile every implementation at this shard's shapes into the on-disk caches.
 
@@ -243,6 +256,14 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
             (a.float() - b.float()).abs().max().item()
             for a, b in zip(got, (*reference, *reference_grads), strict=True)
         )
+    # One-token calls are decode steps, which the inference engine launches with PDL.
+    pdl = rows < PDL_ROWS and pdl_supported(x.device)
+    if pdl:
+        with torch.no_grad():
+            got = mcore_pdl(*checked)
+        result["max_abs_diff_vs_eager"]["mcore_pdl"] = max(
+            (a.float() - b.float()).abs().max().item() for a, b in zip(got, reference, strict=True)
+        )
     # The floor of this shape: a device-to-device copy moving the same bytes (read 2N, write
     # 2N elements) in one kernel, launch latency included. Two copy kernels, the faster one is
     # the floor: ``copy_`` of a large contiguous tensor is a memcpy that, inside a graph, ran at
@@ -275,9 +296,13 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
     # a result by up to 1 us between runs.
     for phase, make_calls in (("fwd", forward_calls), ("bwd", backward_calls)):
         makers = {name: partial(make_calls, fn) for name, fn in impls.items()}
+        if pdl and phase == "fwd":
+            makers["mcore_pdl"] = partial(make_calls, mcore_pdl)
         with torch.set_grad_enabled(phase == "bwd"):
             timed = interleaved_graph_us({**makers, **copy_makers}, rounds=ROUNDS)
         result[f"{phase}_us"] = {name: timed[name]["us"] for name in impls}
+        if "mcore_pdl" in timed:
+            result["fwd_pdl_us"] = timed["mcore_pdl"]["us"]
         result[f"{phase}_spread_us"] = {
             name: [timed[name].get("min"), timed[name].get("max")] for name in timed
         }
@@ -393,6 +418,11 @@ def main() -> None:
             mcore = entry[f"{phase}_us"]["mcore"] or math.inf
             entry[f"{phase}_tbs"] = entry[f"{phase}_bytes"] / (mcore * 1e-6) / 1e12
             entry[f"{phase}_fraction_of_copy"] = entry[f"{phase}_tbs"] / copy_tbs
+            pdl_us = entry.get("fwd_pdl_us")
+            if phase == "fwd" and pdl_us:
+                entry["speedup_fwd_pdl"] = {
+                    k: v / pdl_us if v else None for k, v in entry["fwd_us"].items() if k != "mcore"
+                }
             for timing in ("", "_wall"):
                 times = entry[f"{phase}{timing}_us"]
                 entry[f"speedup_{phase}{timing}"] = {
@@ -466,6 +496,25 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
                 row += [floor / liger if floor and liger else None]
             rows.append(row)
         table += f"\n{title}:\n\n" + markdown_table(header, rows)
+        pdl_rows = [
+            [f"{e['rows']}x{e['hidden']}", e["fwd_pdl_us"], e["fwd_us"]["mcore"] / e["fwd_pdl_us"]]
+            + [e["speedup_fwd_pdl"].get(p) for p in peers]
+            for e in results
+            if phase == "fwd" and e.get("fwd_pdl_us")
+        ]
+        if pdl_rows:
+            table += (
+                f"\nForward of fewer than {PDL_ROWS} rows launched with programmatic dependent "
+                "launch, as the decode engine launches it (``InferenceConfig.decode_pdl``; "
+                "timed in the same interleaved loop): each call's programs may start while the "
+                "previous call's kernel finishes, and wait for it before reading; the gain "
+                "needs a previous kernel that signals early (ours do; a graph of back-to-back "
+                "calls is the most favourable case). Ratios: peer / mcore with PDL.\n\n"
+                + markdown_table(
+                    ["rows x hidden", "mcore PDL us", "vs mcore"] + [f"vs {p}" for p in peers],
+                    pdl_rows,
+                )
+            )
     table += "\n" + targets_summary(payload, peers)
     wall_header = ["rows x hidden", "fwd us"] + [f"fwd vs {p}" for p in peers]
     wall_header += ["bwd us"] + [f"bwd vs {p}" for p in peers]
@@ -555,6 +604,15 @@ def targets_summary(payload: dict[str, Any], peers: list[str]) -> str:
                     if e.get(f"{phase}_floor_us") and e[f"{phase}_us"].get("liger")
                     else ""
                 ),
+            )
+    if "liger" in peers:
+        with_pdl = [e for e in results if e.get("speedup_fwd_pdl")]
+        if with_pdl:
+            verdict(
+                "fwd with PDL (as the decode engine launches it) >= 1.1x liger",
+                with_pdl,
+                lambda e: e["speedup_fwd_pdl"].get("liger") or 0.0,
+                lambda v: v >= 1.1,
             )
     big = [e for e in results if e["tensor_mb"] >= 256]
     for phase, bound in (("fwd", 0.9), ("bwd", 0.8)):
