@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 from _decode_contexts import context_sweep
-from _decode_profile import graph_replay_us, host_split, profile_decode
+from _decode_profile import graph_replay_us, host_breakdown, host_split, profile_decode
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, fused_decode
 from mcore_models import GPTConfig, GPTModel
@@ -114,6 +114,8 @@ def _mcore_decode_seconds(
         )
         if split is not None:
             split.update(host_split(engine, prompts, 64, SamplingParams))
+            phases = host_breakdown(engine, prompts, 64, SamplingParams)
+            split.update({f"phase_{key}_us": value for key, value in phases.items()})
         LAST_GRAPH_US.clear()
         LAST_GRAPH_US.update(graph_replay_us(engine, batch, 64))
     gc.collect()
@@ -192,6 +194,19 @@ def main() -> None:
         default="1",
         help="batch sizes whose step time is split into host time, GPU waits and the graph's "
         "GPU time alone (see _decode_profile.host_split)",
+    )
+    parser.add_argument(
+        "--compare-single-step",
+        default="",
+        help="batch sizes also run with InferenceConfig(multi_step_decode=1) (one decode step "
+        "per host round trip; with --host-split-batch-sizes also its host split and phases)",
+    )
+    parser.add_argument(
+        "--multi-step",
+        type=int,
+        default=None,
+        help="InferenceConfig.multi_step_decode of the default engine rows (default: the "
+        "config's default)",
     )
     parser.add_argument(
         "--compare-unfused",
@@ -275,6 +290,8 @@ def main() -> None:
     o_split_counts = [int(s) for s in o_splits.split("/") if s]
     o_batch_sizes = {int(b) for b in o_batches.split("/") if b}
     hf_new_tokens = args.hf_new_tokens or args.new_tokens
+    single_step_batch_sizes = {int(b) for b in args.compare_single_step.split(",") if b}
+    engine_defaults = {} if args.multi_step is None else {"multi_step_decode": args.multi_step}
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
     config = GPTConfig.from_name(
@@ -330,6 +347,7 @@ def main() -> None:
             use_cuda_graphs=True,
             profile_tokens=args.profile_tokens if batch in profile_batch_sizes else 0,
             split=split,
+            **engine_defaults,
         )
         row = {
             "batch": batch,
@@ -350,6 +368,21 @@ def main() -> None:
             profiles.append(profile)
             row["kernels_per_step"] = profile["kernels_per_step"]
             row["gpu_busy_fraction"] = profile["gpu_busy_fraction_unprofiled"]
+        if batch in single_step_batch_sizes:
+            single_split: dict | None = {} if batch in split_batch_sizes else None
+            single, _, _, single_tokens = _mcore_decode_seconds(
+                model,
+                prompts,
+                args.new_tokens,
+                use_cuda_graphs=True,
+                split=single_split,
+                multi_step_decode=1,
+            )
+            row["mcore_single_step_tokens_per_s"] = generated / single
+            row["mcore_single_step_graph_us"] = dict(LAST_GRAPH_US)
+            row["single_step_tokens_equal"] = single_tokens == tokens
+            if single_split:
+                row.update({f"single_step_{key}": value for key, value in single_split.items()})
         if args.compare_unfused:
             unfused, _, _, _ = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=True, fused_decode=False
@@ -496,6 +529,7 @@ def _write_results(
         "kv_bytes_per_token": meta["kv_bytes_per_token"],
         "copy_bandwidth_bytes_per_s": bandwidth,
         "decode_pdl": InferenceConfig().decode_pdl,
+        "multi_step_decode": args.multi_step or InferenceConfig().multi_step_decode,
         "attention_in_o_proj": fused_decode.ATTENTION_IN_O_PROJ,
         "norm_swiglu_pdl": fused_decode.NORM_SWIGLU_PDL,
         "o_proj_splits": fused_decode.O_PROJ_SPLITS,
@@ -619,6 +653,46 @@ def _write_results(
                 f"replays back to back, no sampling) takes "
                 f"{row.get('step_graph_us_per_step', float('nan')):.0f} us of GPU time.",
             ]
+    phase_rows = [
+        (row["batch"], label, {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix)})
+        for row in rows
+        for label, prefix in (
+            ("default", "step_phase_"),
+            ("multi_step_decode=1", "single_step_phase_"),
+        )
+        if any(k.startswith(prefix) for k in row)
+    ]
+    if phase_rows:
+        names = [key for key in phase_rows[0][2] if key != "wall_us"]
+        lines += [
+            "",
+            "Host time per decode step by phase of the step loop (us; 64 steps of a warm "
+            "engine, wall-clock timers around each phase; forward launch includes the graph "
+            "replays and, with multi-step decode, the device-side sampling of every step):",
+            "",
+            "| batch | engine | wall | " + " | ".join(n.removesuffix("_us") for n in names) + " |",
+            "|---:|---|---:|" + "---:|" * len(names),
+        ]
+        lines += [
+            f"| {batch} | {label} | {phases.get('wall_us', float('nan')):.0f} | "
+            + " | ".join(f"{phases.get(n, float('nan')):.0f}" for n in names)
+            + " |"
+            for batch, label, phases in phase_rows
+        ]
+    for row in rows:
+        if "mcore_single_step_tokens_per_s" in row:
+            lines += [
+                "",
+                f"Batch {row['batch']}: one decode step per host round trip "
+                f"(multi_step_decode=1) {row['mcore_single_step_tokens_per_s']:.0f} tok/s "
+                f"against {row['mcore_tokens_per_s']:.0f}; greedy tokens equal: "
+                f"{row['single_step_tokens_equal']}.",
+            ]
+            if "single_step_host_us_per_step" in row:
+                lines[-1] += (
+                    f" Its host work {row['single_step_host_us_per_step']:.0f} us and "
+                    f"waits {row['single_step_wait_us_per_step']:.0f} us per step."
+                )
     for profile in profiles:
         lines += [
             "",
