@@ -202,6 +202,12 @@ def main() -> None:
         "per host round trip; with --host-split-batch-sizes also its host split and phases)",
     )
     parser.add_argument(
+        "--compare-multi-step",
+        default="",
+        help="S1/S2@B1/B2: batch sizes B1, B2 also run with InferenceConfig(multi_step_decode=S1) "
+        "(then S2)",
+    )
+    parser.add_argument(
         "--multi-step",
         type=int,
         default=None,
@@ -291,6 +297,9 @@ def main() -> None:
     o_batch_sizes = {int(b) for b in o_batches.split("/") if b}
     hf_new_tokens = args.hf_new_tokens or args.new_tokens
     single_step_batch_sizes = {int(b) for b in args.compare_single_step.split(",") if b}
+    multi_steps, _, multi_batches = args.compare_multi_step.partition("@")
+    multi_step_counts = [int(s) for s in multi_steps.split("/") if s]
+    multi_step_batch_sizes = {int(b) for b in multi_batches.split("/") if b}
     engine_defaults = {} if args.multi_step is None else {"multi_step_decode": args.multi_step}
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
@@ -383,6 +392,12 @@ def main() -> None:
             row["single_step_tokens_equal"] = single_tokens == tokens
             if single_split:
                 row.update({f"single_step_{key}": value for key, value in single_split.items()})
+        for count in multi_step_counts if batch in multi_step_batch_sizes else ():
+            other, _, _, other_tokens = _mcore_decode_seconds(
+                model, prompts, args.new_tokens, use_cuda_graphs=True, multi_step_decode=count
+            )
+            row[f"mcore_multi_step_{count}_tokens_per_s"] = generated / other
+            row[f"multi_step_{count}_tokens_equal"] = other_tokens == tokens
         if args.compare_unfused:
             unfused, _, _, _ = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=True, fused_decode=False
@@ -598,6 +613,7 @@ def _write_results(
                     "mcore_split_",
                     "mcore_down_splits_",
                     "mcore_o_splits_",
+                    "mcore_multi_step_",
                 )
             )
         ]
@@ -617,7 +633,7 @@ def _write_results(
             equal = {
                 k: v
                 for k, v in row.items()
-                if k.startswith(("norm_pdl_", "down_splits_", "o_splits_"))
+                if k.startswith(("norm_pdl_", "down_splits_", "o_splits_", "multi_step_"))
             }
             lines += [
                 "",
