@@ -254,3 +254,16 @@ def test_multi_step_with_graphs_on_gpu_matches_single_steps():
     single = _run(gpu_model, prompts, stopping, steps=1)
     multi = _run(gpu_model, prompts, stopping, steps=8)
     assert [(t, r) for t, _, r in multi] == [(t, r) for t, _, r in single]
+
+
+def test_a_request_takes_one_host_round_trip_per_run(model):
+    # Prefill (first token), then runs of 8, 8 and 4 tokens, each read one round trip late
+    # (the last one at once, since it ends the request by length): 5 steps for 21 tokens
+    # instead of 22.
+    params = SamplingParams(temperature=0.0, max_tokens=21)
+    with InferenceEngine(model, _config(8)) as engine:
+        engine.add_request([3, 4, 5], params)
+        sizes = []
+        while engine.has_unfinished():
+            sizes.append(sum(len(u.new_tokens) for u in engine.step_updates()))
+    assert sizes == [0, 1, 8, 8, 4]
