@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from _decode_batch_contexts import batch_context_sweep
 from _decode_contexts import context_sweep
 from _decode_profile import graph_replay_us, host_breakdown, host_split, profile_decode
 
@@ -265,6 +266,13 @@ def main() -> None:
         "inside the o projection and before it (see _decode_contexts.py)",
     )
     parser.add_argument(
+        "--batch-context-sweep",
+        default="",
+        help="B1/B2@C1/C2: GPU time of the captured step of batch B at context C (every row), "
+        "with the context-free part and the attention's cache bandwidth fitted per batch (see "
+        "_decode_batch_contexts.py)",
+    )
+    parser.add_argument(
         "--hf-new-tokens",
         type=int,
         default=None,
@@ -340,6 +348,7 @@ def main() -> None:
         "kv_bytes_per_token": kv_bytes_per_token,
         "bandwidth": bandwidth,
         "context_sweep": [],
+        "batch_context_sweep": [],
     }
     rows, profiles = [], []
     for batch in batch_sizes:
@@ -493,6 +502,14 @@ def main() -> None:
     sweep = [int(c) for c in args.context_sweep.split(",") if c]
     meta["context_sweep"] = context_sweep(model, sweep) if sweep else []
     write()
+    sweep_batches, _, sweep_contexts = args.batch_context_sweep.partition("@")
+    if sweep_batches:
+        meta["batch_context_sweep"] = batch_context_sweep(
+            model,
+            [int(b) for b in sweep_batches.split("/") if b],
+            [int(c) for c in sweep_contexts.split("/") if c],
+        )
+        write()
     # The peers after every engine row, the files rewritten after each (the compilation of
     # transformers' static cache takes long: a cut run keeps what it measured).
     for row in rows:
@@ -552,6 +569,7 @@ def _write_results(
         "rows": rows,
         "profiles": profiles,
         "context_sweep": meta["context_sweep"],
+        "batch_context_sweep": meta["batch_context_sweep"],
         "elapsed_s": time.perf_counter() - started,
     }
     stem = "decode" if args.name is None else f"decode-{args.name}"
@@ -657,6 +675,25 @@ def _write_results(
             f"| {r['context']} | {r['fused_us']:.1f} | {r['unfused_us']:.1f} | "
             f"{r['unfused_us'] / r['fused_us']:.3f}x | {r['argmax_equal']} |"
             for r in meta["context_sweep"]
+        ]
+    if meta["batch_context_sweep"]:
+        lines += [
+            "",
+            "GPU time of the captured step (every layer and the LM head, graph replays back to "
+            "back, every row at the context) by batch and context; a line fitted per batch: the "
+            "context-free part and the cache bytes the attention reads per second (copy "
+            f"bandwidth {bandwidth / 1e12:.2f} TB/s):",
+            "",
+            "| batch | step us by context | context-free us | us per context token | "
+            "attention TB/s |",
+            "|---:|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['batch']} | "
+            + ", ".join(f"{c}: {t:.0f}" for c, t in zip(r["contexts"], r["step_us"], strict=True))
+            + f" | {r['fixed_us']:.0f} | {r['us_per_context_token']:.3f} | "
+            f"{r['attention_bytes_per_s'] / 1e12:.2f} |"
+            for r in meta["batch_context_sweep"]
         ]
     for row in rows:
         if "step_host_us_per_step" in row:
