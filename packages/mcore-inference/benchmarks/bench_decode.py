@@ -388,14 +388,27 @@ def main() -> None:
             row["gpu_busy_fraction"] = profile["gpu_busy_fraction_unprofiled"]
         if batch in single_step_batch_sizes:
             single_split: dict | None = {} if batch in split_batch_sizes else None
-            single, _, _, single_tokens = _mcore_decode_seconds(
+            single, _, single_profile, single_tokens = _mcore_decode_seconds(
                 model,
                 prompts,
                 args.new_tokens,
                 use_cuda_graphs=True,
+                profile_tokens=args.profile_tokens if batch in profile_batch_sizes else 0,
                 split=single_split,
                 multi_step_decode=1,
             )
+            if single_profile is not None:
+                row["single_step_profile"] = {
+                    key: single_profile[key]
+                    for key in (
+                        "kernels_per_step",
+                        "gpu_us_per_step",
+                        "wall_us_per_step",
+                        "busy_span_us_per_step",
+                        "idle_us_per_step",
+                        "idle_before",
+                    )
+                }
             row["mcore_single_step_tokens_per_s"] = generated / single
             row["mcore_single_step_graph_us"] = dict(LAST_GRAPH_US)
             row["single_step_tokens_equal"] = single_tokens == tokens
@@ -741,6 +754,14 @@ def _write_results(
                 f"against {row['mcore_tokens_per_s']:.0f}; greedy tokens equal: "
                 f"{row['single_step_tokens_equal']}.",
             ]
+            if "single_step_profile" in row:
+                single_profile = row["single_step_profile"]
+                lines[-1] += (
+                    f" Its profile: {single_profile['kernels_per_step']:.0f} GPU activities, "
+                    f"{single_profile['gpu_us_per_step']:.0f} us of GPU time, busy "
+                    f"{single_profile['busy_span_us_per_step']:.0f} us and idle "
+                    f"{single_profile['idle_us_per_step']:.0f} us per step."
+                )
             if "single_step_host_us_per_step" in row:
                 lines[-1] += (
                     f" Its host work {row['single_step_host_us_per_step']:.0f} us and "
