@@ -240,6 +240,7 @@ class InferenceEngine(_StepLoop):
         self._deferred = None
         self._stage_input = None
         self._sample_buffers = None
+        self._run_buffers = RunBuffers(self.device)  # the old buffers' memory goes back
         self._ep = None
         self._decoder = None
         if self._runner is not None:
