@@ -73,6 +73,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+SAMPLING: dict = {"temperature": 0.0}
+"""Sampling parameters of the engine runs besides ``max_tokens`` (``--temperature``,
+``--logprobs``; greedy by default)."""
+
 LAST_GRAPH_US: dict[int, float] = {}
 """GPU time of a replay of each captured graph (by table width) of the last engine run."""
 
@@ -92,20 +96,18 @@ def _mcore_decode_seconds(
         **overrides,
     )
     with InferenceEngine(model, config) as engine:
-        engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+        engine.generate(prompts, SamplingParams(**SAMPLING, max_tokens=4))  # warm-up
         # A second warm-up whose decode contexts reach the timed run's longest: past the first
         # attention split it captures the full-table graph and compiles the multi-split
         # attention, which would otherwise land inside the timed run (one-time costs).
         long_length = max(prompt_len, prompt_len + new_tokens - 4)
         long_prompt = (prompts[0] * (2 + new_tokens // prompt_len))[:long_length]
-        engine.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=4))
-        prefill = _timed(
-            lambda: engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
-        )
+        engine.generate([long_prompt], SamplingParams(**SAMPLING, max_tokens=4))
+        prefill = _timed(lambda: engine.generate(prompts, SamplingParams(**SAMPLING, max_tokens=1)))
         results: list = []
         full = _timed(
             lambda: results.extend(
-                engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens + 1))
+                engine.generate(prompts, SamplingParams(**SAMPLING, max_tokens=new_tokens + 1))
             )
         )
         profile = (
@@ -120,7 +122,15 @@ def _mcore_decode_seconds(
         LAST_GRAPH_US.clear()
         LAST_GRAPH_US.update(graph_replay_us(engine, batch, 64))
     gc.collect()
-    return full - prefill, prefill, profile, [result.tokens for result in results]
+    return (
+        full - prefill,
+        prefill,
+        profile,
+        [
+            (result.tokens, result.logprobs) if result.logprobs else result.tokens
+            for result in results
+        ],
+    )
 
 
 def _hf_decode_seconds(hf_model, prompts, new_tokens, **generate_options) -> tuple[float, float]:
@@ -279,10 +289,21 @@ def main() -> None:
         help="tokens timed for transformers (default: --new-tokens); its step time hardly "
         "depends on the context, so fewer steps measure the same rate in less time",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of the engine runs (0: greedy; the token comparisons then "
+        "compare seeded samples)",
+    )
+    parser.add_argument(
+        "--logprobs", action="store_true", help="the engine runs return log-probabilities"
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
     args = parser.parse_args()
     started = time.perf_counter()
+    SAMPLING.update(temperature=args.temperature, return_logprobs=args.logprobs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -575,6 +596,7 @@ def _write_results(
         "copy_bandwidth_bytes_per_s": bandwidth,
         "decode_pdl": InferenceConfig().decode_pdl,
         "multi_step_decode": args.multi_step or InferenceConfig().multi_step_decode,
+        "sampling": dict(SAMPLING),
         "attention_in_o_proj": fused_decode.ATTENTION_IN_O_PROJ,
         "norm_swiglu_pdl": fused_decode.NORM_SWIGLU_PDL,
         "o_proj_splits": fused_decode.O_PROJ_SPLITS,
