@@ -267,3 +267,61 @@ def test_a_request_takes_one_host_round_trip_per_run(model):
         while engine.has_unfinished():
             sizes.append(sum(len(u.new_tokens) for u in engine.step_updates()))
     assert sizes == [0, 1, 8, 8, 4]
+
+
+def _every_row_draws(truncate: bool, device: torch.device) -> None:
+    # Every row samples (no gather) over a large vocabulary; with top-k/top-p most of each
+    # row's cumulative sum is flat (zero probabilities), and some targets sit on its steps.
+    generator = torch.Generator().manual_seed(1)
+    vocab = 20000
+    requests = [
+        _request(
+            i,
+            prompt_len=2,
+            computed=2 + i,
+            max_new=50,
+            temperature=[0.6, 1.0, 1.7][i % 3],
+            top_k=(7 if i % 2 else 0) if truncate else 0,
+            top_p=(0.5 if i % 3 == 1 else 1.0) if truncate else 1.0,
+        )
+        for i in range(12)
+    ]
+    plan = SamplingPlan(requests, device, 3)
+    for step in range(3):
+        logits = 4 * torch.randn((len(requests), vocab), generator=generator)
+        logits[:, ::7] = logits[:, :1]  # ties
+        logits = logits.to(device)
+        out = torch.full((2, len(requests)), float("nan"), dtype=torch.float64, device=device)
+        tokens = plan.sample(logits, out, step)
+        uniforms = [
+            sampling_uniform(r.seed, r.num_computed - len(r.prompt) + step) for r in requests
+        ]
+        assert torch.equal(tokens, sample_tokens(logits, [r.params for r in requests], uniforms))
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_plan_where_every_row_draws_equals_the_single_step_sampler(truncate):
+    _every_row_draws(truncate, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("truncate", [False, True])
+def test_plan_where_every_row_draws_equals_the_single_step_sampler_on_gpu(truncate):
+    _every_row_draws(truncate, torch.device("cuda"))
+
+
+def test_binary_search_counts_the_entries_below_the_target_like_a_full_comparison():
+    generator = torch.Generator().manual_seed(2)
+    scaled = 3 * torch.randn((64, 3000), generator=generator)
+    scaled[:, 100:2000] = float("-inf")  # a long flat stretch
+    cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
+    columns = torch.randint(0, 3000, (64,), generator=generator)
+    for targets in (
+        cdf.gather(1, columns[:, None]).squeeze(1).contiguous(),  # on an entry (or a plateau)
+        torch.rand(64, generator=generator) * cdf[:, -1],
+        cdf[:, -1].contiguous(),
+        cdf[:, 0].contiguous(),
+    ):
+        expected = (cdf < targets[:, None]).sum(dim=-1)
+        assert torch.equal(torch.searchsorted(cdf, targets[:, None]).squeeze(1), expected)

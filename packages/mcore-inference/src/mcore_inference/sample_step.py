@@ -46,6 +46,7 @@ class SamplingPlan:
         self._top_k: torch.Tensor | None = None
         self._top_p: torch.Tensor | None = None
         self._uniforms: torch.Tensor | None = None
+        self._every_row_draws = len(rows) == len(params)
         if rows:
             chosen = [params[i] for i in rows]
             self._draw_rows = to_device(rows, torch.long, device)
@@ -105,15 +106,19 @@ class SamplingPlan:
         if index is None:
             return tokens
         assert self._temperatures is not None and self._uniforms is not None
-        scaled = logits.index_select(0, index).float() / self._temperatures[:, None]
+        # Every row draws (a sampling batch): no gather copy of the logits.
+        drawn = logits if self._every_row_draws else logits.index_select(0, index)
+        scaled = drawn.float() / self._temperatures[:, None]
         if self._top_k is not None and self._top_p is not None:
             scaled = truncate_logits(scaled, self._top_k, self._top_p)
         cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
         targets = self._uniforms[step] * cdf[:, -1]
         # The first token whose cumulative probability reaches the target: it has probability
-        # > 0 because targets > 0.
-        picked = (cdf < targets[:, None]).sum(dim=-1).clamp_(max=logits.shape[-1] - 1)
-        tokens[index] = picked
+        # > 0 because targets > 0. A cumulative sum of non-negative numbers never decreases, so
+        # a binary search finds the count of entries below the target (what a comparison over
+        # the whole row counts) without another pass over the vocabulary.
+        picked = torch.searchsorted(cdf, targets[:, None]).squeeze(1)
+        tokens[index] = picked.clamp_(max=logits.shape[-1] - 1)
         return tokens
 
     def row_logprobs(
