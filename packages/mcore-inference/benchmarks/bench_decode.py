@@ -42,7 +42,13 @@ from _decode_batch_contexts import batch_context_sweep
 from _decode_contexts import context_sweep
 from _decode_profile import graph_replay_us, host_breakdown, host_split, profile_decode
 
-from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, fused_decode
+from mcore_inference import (
+    InferenceConfig,
+    InferenceEngine,
+    SamplingParams,
+    fused_decode,
+    sample_step,
+)
 from mcore_models import GPTConfig, GPTModel
 
 
@@ -235,6 +241,12 @@ def main() -> None:
         "(then S2)",
     )
     parser.add_argument(
+        "--compare-full-row-sampler",
+        default="",
+        help="batch sizes also run with sample_step.BINARY_SEARCH off (the temperature "
+        "sampler's full-row comparison; only matters with --temperature > 0)",
+    )
+    parser.add_argument(
         "--multi-step",
         type=int,
         default=None,
@@ -351,6 +363,7 @@ def main() -> None:
     o_batch_sizes = {int(b) for b in o_batches.split("/") if b}
     hf_new_tokens = args.hf_new_tokens or args.new_tokens
     single_step_batch_sizes = {int(b) for b in args.compare_single_step.split(",") if b}
+    full_row_batch_sizes = {int(b) for b in args.compare_full_row_sampler.split(",") if b}
     multi_steps, _, multi_batches = args.compare_multi_step.partition("@")
     multi_step_counts = [int(s) for s in multi_steps.split("/") if s]
     multi_step_batch_sizes = {int(b) for b in multi_batches.split("/") if b}
@@ -460,6 +473,16 @@ def main() -> None:
             row["single_step_tokens_equal"] = single_tokens == tokens
             if single_split:
                 row.update({f"single_step_{key}": value for key, value in single_split.items()})
+        if batch in full_row_batch_sizes:
+            sample_step.BINARY_SEARCH = False
+            try:
+                other, _, _, other_tokens = _mcore_decode_seconds(
+                    model, prompts, args.new_tokens, use_cuda_graphs=True
+                )
+            finally:
+                sample_step.BINARY_SEARCH = True
+            row["mcore_full_row_sampler_tokens_per_s"] = generated / other
+            row["full_row_sampler_tokens_equal"] = other_tokens == tokens
         for count in multi_step_counts if batch in multi_step_batch_sizes else ():
             other, _, _, other_tokens = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=True, multi_step_decode=count
@@ -693,6 +716,7 @@ def _write_results(
                     "mcore_down_splits_",
                     "mcore_o_splits_",
                     "mcore_multi_step_",
+                    "mcore_full_row_sampler_",
                 )
             )
         ]
@@ -712,7 +736,9 @@ def _write_results(
             equal = {
                 k: v
                 for k, v in row.items()
-                if k.startswith(("norm_pdl_", "down_splits_", "o_splits_", "multi_step_"))
+                if k.startswith(
+                    ("norm_pdl_", "down_splits_", "o_splits_", "multi_step_", "full_row_sampler_")
+                )
             }
             lines += [
                 "",

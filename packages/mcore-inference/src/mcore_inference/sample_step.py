@@ -21,7 +21,12 @@ from mcore_inference.transfer import to_device
 from mcore_kernels import token_logprobs
 from mcore_kernels.row_argmax import row_argmax
 
-__all__ = ["SampleBuffers", "SamplingPlan", "sample_microbatch"]
+__all__ = ["BINARY_SEARCH", "SampleBuffers", "SamplingPlan", "sample_microbatch"]
+
+BINARY_SEARCH = True
+"""Find a drawing row's token by a binary search in its cumulative distribution; False counts
+the entries below the target over the whole row (the same index, one more pass over the
+vocabulary; kept for comparison)."""
 
 
 class SamplingPlan:
@@ -117,7 +122,10 @@ class SamplingPlan:
         # > 0 because targets > 0. A cumulative sum of non-negative numbers never decreases, so
         # a binary search finds the count of entries below the target (what a comparison over
         # the whole row counts) without another pass over the vocabulary.
-        picked = torch.searchsorted(cdf, targets[:, None]).squeeze(1)
+        if BINARY_SEARCH:
+            picked = torch.searchsorted(cdf, targets[:, None]).squeeze(1)
+        else:
+            picked = (cdf < targets[:, None]).sum(dim=-1)
         tokens[index] = picked.clamp_(max=logits.shape[-1] - 1)
         return tokens
 
