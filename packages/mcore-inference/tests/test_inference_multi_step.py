@@ -290,7 +290,8 @@ def _every_row_draws(truncate: bool, device: torch.device) -> None:
     for step in range(3):
         logits = 4 * torch.randn((len(requests), vocab), generator=generator)
         logits[:, ::7] = logits[:, :1]  # ties
-        logits = logits.to(device)
+        # bf16 logits as the fused decoder returns them (the sampler upcasts), or float32.
+        logits = logits.to(device, torch.float32 if truncate else torch.bfloat16)
         out = torch.full((2, len(requests)), float("nan"), dtype=torch.float64, device=device)
         tokens = plan.sample(logits, out, step)
         uniforms = [

@@ -113,7 +113,8 @@ class SamplingPlan:
         assert self._temperatures is not None and self._uniforms is not None
         # Every row draws (a sampling batch): no gather copy of the logits.
         drawn = logits if self._every_row_draws else logits.index_select(0, index)
-        scaled = drawn.float() / self._temperatures[:, None]
+        # float32 temperatures promote bf16 logits: the upcast and the division in one pass.
+        scaled = drawn / self._temperatures[:, None]
         if self._top_k is not None and self._top_p is not None:
             scaled = truncate_logits(scaled, self._top_k, self._top_p)
         cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
