@@ -239,3 +239,82 @@ def graph_replay_us(engine: Any, batch: int, steps: int) -> dict[int, float]:
         end_event.synchronize()
         result[width] = start_event.elapsed_time(end_event) * 1e3 / steps
     return result
+
+
+_PHASES = (
+    ("schedule", "mcore_inference.scheduler", "Scheduler", ("admit", "schedule")),
+    ("build", "mcore_inference.engine_step", None, ("build_microbatch", "plan_run")),
+    ("forward_launch", "mcore_inference.stage", "StageRunner", ("run", "run_steps")),
+    ("sample_launch", "mcore_inference.engine_step", None, ("sample_microbatch",)),
+    ("readback_start", "mcore_inference.readback", "SampleReadback", ("start",)),
+    ("gpu_wait", "mcore_inference.readback", "DeferredSamples", ("wait",)),
+    ("apply_tokens", "mcore_inference.engine_results", "_ResultBook", ("_complete",)),
+)
+"""Phases of an engine step timed by :func:`host_breakdown`: (name, module, class or None for
+a module-level function, attribute names)."""
+
+
+def host_breakdown(engine: Any, prompts: list[list[int]], tokens: int, params_type: Any) -> dict:
+    """Host microseconds per decode step in each phase of the engine's step loop.
+
+    Wraps the step loop's functions with wall-clock timers (``time.perf_counter``, about a
+    microsecond per call of overhead) and times ``generate`` of 1 and of ``1 + tokens`` tokens;
+    the difference divided by ``tokens`` is charged to each phase: scheduling (admission and
+    the choice of tokens), batch building (and multi-step run planning), the forward's launch
+    (graph replays; with multi-step decode also the device-side sampling of every step of a
+    run), the single-step sampler's launch, the start of the asynchronous readback, the waits
+    for the GPU, applying the read tokens to the requests (stop checks, reports), and the rest
+    of the loop (``other``).
+
+    Args:
+        engine: A warm ``InferenceEngine``.
+        prompts: The prompts (the batch).
+        tokens: Decode steps to time.
+        params_type: ``SamplingParams``.
+
+    Returns:
+        ``{phase: us per step}`` with ``wall`` and ``other``.
+    """
+    import importlib
+
+    spent: dict[str, float] = defaultdict(float)
+    restore: list[tuple[Any, str, Any]] = []
+
+    def wrap(name: str, function: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        return timed
+
+    for phase, module_name, class_name, attributes in _PHASES:
+        module = importlib.import_module(module_name)
+        owner = getattr(module, class_name) if class_name else module
+        for attribute in attributes:
+            if hasattr(owner, attribute):
+                original = getattr(owner, attribute)
+                restore.append((owner, attribute, original))
+                setattr(owner, attribute, wrap(phase, original))
+
+    def run(count: int) -> tuple[float, dict[str, float]]:
+        spent.clear()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.generate(prompts, params_type(temperature=0.0, max_tokens=count))
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, dict(spent)
+
+    try:
+        short, short_spent = run(1)
+        full, full_spent = run(1 + tokens)
+    finally:
+        for owner, attribute, original in reversed(restore):
+            setattr(owner, attribute, original)
+    result = {"wall": (full - short) * 1e6 / tokens}
+    for phase, *_ in _PHASES:
+        result[phase] = (full_spent.get(phase, 0.0) - short_spent.get(phase, 0.0)) * 1e6 / tokens
+    result["other"] = result["wall"] - sum(result[phase] for phase, *_ in _PHASES)
+    return result

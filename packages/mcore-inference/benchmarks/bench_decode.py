@@ -38,10 +38,17 @@ import time
 from pathlib import Path
 
 import torch
+from _decode_batch_contexts import batch_context_sweep
 from _decode_contexts import context_sweep
-from _decode_profile import graph_replay_us, host_split, profile_decode
+from _decode_profile import graph_replay_us, host_breakdown, host_split, profile_decode
 
-from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams, fused_decode
+from mcore_inference import (
+    InferenceConfig,
+    InferenceEngine,
+    SamplingParams,
+    fused_decode,
+    sample_step,
+)
 from mcore_models import GPTConfig, GPTModel
 
 
@@ -72,6 +79,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+SAMPLING: dict = {"temperature": 0.0}
+"""Sampling parameters of the engine runs besides ``max_tokens`` (``--temperature``,
+``--logprobs``; greedy by default)."""
+
+TIMING_REPEATS = 1
+"""Timed ``generate`` calls of each length per engine, the fastest kept (``--timing-repeats``)."""
+
 LAST_GRAPH_US: dict[int, float] = {}
 """GPU time of a replay of each captured graph (by table width) of the last engine run."""
 
@@ -91,22 +105,33 @@ def _mcore_decode_seconds(
         **overrides,
     )
     with InferenceEngine(model, config) as engine:
-        engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+        engine.generate(prompts, SamplingParams(**SAMPLING, max_tokens=4))  # warm-up
         # A second warm-up whose decode contexts reach the timed run's longest: past the first
         # attention split it captures the full-table graph and compiles the multi-split
         # attention, which would otherwise land inside the timed run (one-time costs).
         long_length = max(prompt_len, prompt_len + new_tokens - 4)
         long_prompt = (prompts[0] * (2 + new_tokens // prompt_len))[:long_length]
-        engine.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=4))
-        prefill = _timed(
-            lambda: engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+        engine.generate([long_prompt], SamplingParams(**SAMPLING, max_tokens=4))
+        # Best of TIMING_REPEATS for each (the tokens compared are the first full run's).
+        prefill = min(
+            _timed(lambda: engine.generate(prompts, SamplingParams(**SAMPLING, max_tokens=1)))
+            for _ in range(TIMING_REPEATS)
         )
         results: list = []
         full = _timed(
             lambda: results.extend(
-                engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens + 1))
+                engine.generate(prompts, SamplingParams(**SAMPLING, max_tokens=new_tokens + 1))
             )
         )
+        for _ in range(TIMING_REPEATS - 1):
+            full = min(
+                full,
+                _timed(
+                    lambda: engine.generate(
+                        prompts, SamplingParams(**SAMPLING, max_tokens=new_tokens + 1)
+                    )
+                ),
+            )
         profile = (
             profile_decode(engine, prompts, profile_tokens, SamplingParams)
             if profile_tokens
@@ -114,10 +139,20 @@ def _mcore_decode_seconds(
         )
         if split is not None:
             split.update(host_split(engine, prompts, 64, SamplingParams))
+            phases = host_breakdown(engine, prompts, 64, SamplingParams)
+            split.update({f"phase_{key}_us": value for key, value in phases.items()})
         LAST_GRAPH_US.clear()
         LAST_GRAPH_US.update(graph_replay_us(engine, batch, 64))
     gc.collect()
-    return full - prefill, prefill, profile, [result.tokens for result in results]
+    return (
+        full - prefill,
+        prefill,
+        profile,
+        [
+            (result.tokens, result.logprobs) if result.logprobs else result.tokens
+            for result in results
+        ],
+    )
 
 
 def _hf_decode_seconds(hf_model, prompts, new_tokens, **generate_options) -> tuple[float, float]:
@@ -194,6 +229,31 @@ def main() -> None:
         "GPU time alone (see _decode_profile.host_split)",
     )
     parser.add_argument(
+        "--compare-single-step",
+        default="",
+        help="batch sizes also run with InferenceConfig(multi_step_decode=1) (one decode step "
+        "per host round trip; with --host-split-batch-sizes also its host split and phases)",
+    )
+    parser.add_argument(
+        "--compare-multi-step",
+        default="",
+        help="S1/S2@B1/B2: batch sizes B1, B2 also run with InferenceConfig(multi_step_decode=S1) "
+        "(then S2)",
+    )
+    parser.add_argument(
+        "--compare-full-row-sampler",
+        default="",
+        help="batch sizes also run with sample_step.BINARY_SEARCH off (the temperature "
+        "sampler's full-row comparison; only matters with --temperature > 0)",
+    )
+    parser.add_argument(
+        "--multi-step",
+        type=int,
+        default=None,
+        help="InferenceConfig.multi_step_decode of the default engine rows (default: the "
+        "config's default)",
+    )
+    parser.add_argument(
         "--compare-unfused",
         action="store_true",
         help="also run the engine with InferenceConfig(fused_decode=False)",
@@ -244,16 +304,43 @@ def main() -> None:
         "inside the o projection and before it (see _decode_contexts.py)",
     )
     parser.add_argument(
+        "--batch-context-sweep",
+        default="",
+        help="B1/B2@C1/C2: GPU time of the captured step of batch B at context C (every row), "
+        "with the context-free part and the attention's cache bandwidth fitted per batch (see "
+        "_decode_batch_contexts.py)",
+    )
+    parser.add_argument(
         "--hf-new-tokens",
         type=int,
         default=None,
         help="tokens timed for transformers (default: --new-tokens); its step time hardly "
         "depends on the context, so fewer steps measure the same rate in less time",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of the engine runs (0: greedy; the token comparisons then "
+        "compare seeded samples)",
+    )
+    parser.add_argument(
+        "--logprobs", action="store_true", help="the engine runs return log-probabilities"
+    )
+    parser.add_argument(
+        "--timing-repeats",
+        type=int,
+        default=1,
+        help="timed generate calls of each length per engine, the fastest kept (the decode "
+        "time is a difference of two calls: one slow call moves it by its whole delay)",
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
     args = parser.parse_args()
     started = time.perf_counter()
+    SAMPLING.update(temperature=args.temperature, return_logprobs=args.logprobs)
+    global TIMING_REPEATS
+    TIMING_REPEATS = max(1, args.timing_repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -275,6 +362,12 @@ def main() -> None:
     o_split_counts = [int(s) for s in o_splits.split("/") if s]
     o_batch_sizes = {int(b) for b in o_batches.split("/") if b}
     hf_new_tokens = args.hf_new_tokens or args.new_tokens
+    single_step_batch_sizes = {int(b) for b in args.compare_single_step.split(",") if b}
+    full_row_batch_sizes = {int(b) for b in args.compare_full_row_sampler.split(",") if b}
+    multi_steps, _, multi_batches = args.compare_multi_step.partition("@")
+    multi_step_counts = [int(s) for s in multi_steps.split("/") if s]
+    multi_step_batch_sizes = {int(b) for b in multi_batches.split("/") if b}
+    engine_defaults = {} if args.multi_step is None else {"multi_step_decode": args.multi_step}
 
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
     config = GPTConfig.from_name(
@@ -314,6 +407,7 @@ def main() -> None:
         "kv_bytes_per_token": kv_bytes_per_token,
         "bandwidth": bandwidth,
         "context_sweep": [],
+        "batch_context_sweep": [],
     }
     rows, profiles = [], []
     for batch in batch_sizes:
@@ -330,6 +424,7 @@ def main() -> None:
             use_cuda_graphs=True,
             profile_tokens=args.profile_tokens if batch in profile_batch_sizes else 0,
             split=split,
+            **engine_defaults,
         )
         row = {
             "batch": batch,
@@ -350,6 +445,50 @@ def main() -> None:
             profiles.append(profile)
             row["kernels_per_step"] = profile["kernels_per_step"]
             row["gpu_busy_fraction"] = profile["gpu_busy_fraction_unprofiled"]
+        if batch in single_step_batch_sizes:
+            single_split: dict | None = {} if batch in split_batch_sizes else None
+            single, _, single_profile, single_tokens = _mcore_decode_seconds(
+                model,
+                prompts,
+                args.new_tokens,
+                use_cuda_graphs=True,
+                profile_tokens=args.profile_tokens if batch in profile_batch_sizes else 0,
+                split=single_split,
+                multi_step_decode=1,
+            )
+            if single_profile is not None:
+                row["single_step_profile"] = {
+                    key: single_profile[key]
+                    for key in (
+                        "kernels_per_step",
+                        "gpu_us_per_step",
+                        "wall_us_per_step",
+                        "busy_span_us_per_step",
+                        "idle_us_per_step",
+                        "idle_before",
+                    )
+                }
+            row["mcore_single_step_tokens_per_s"] = generated / single
+            row["mcore_single_step_graph_us"] = dict(LAST_GRAPH_US)
+            row["single_step_tokens_equal"] = single_tokens == tokens
+            if single_split:
+                row.update({f"single_step_{key}": value for key, value in single_split.items()})
+        if batch in full_row_batch_sizes:
+            sample_step.BINARY_SEARCH = False
+            try:
+                other, _, _, other_tokens = _mcore_decode_seconds(
+                    model, prompts, args.new_tokens, use_cuda_graphs=True
+                )
+            finally:
+                sample_step.BINARY_SEARCH = True
+            row["mcore_full_row_sampler_tokens_per_s"] = generated / other
+            row["full_row_sampler_tokens_equal"] = other_tokens == tokens
+        for count in multi_step_counts if batch in multi_step_batch_sizes else ():
+            other, _, _, other_tokens = _mcore_decode_seconds(
+                model, prompts, args.new_tokens, use_cuda_graphs=True, multi_step_decode=count
+            )
+            row[f"mcore_multi_step_{count}_tokens_per_s"] = generated / other
+            row[f"multi_step_{count}_tokens_equal"] = other_tokens == tokens
         if args.compare_unfused:
             unfused, _, _, _ = _mcore_decode_seconds(
                 model, prompts, args.new_tokens, use_cuda_graphs=True, fused_decode=False
@@ -445,6 +584,14 @@ def main() -> None:
     sweep = [int(c) for c in args.context_sweep.split(",") if c]
     meta["context_sweep"] = context_sweep(model, sweep) if sweep else []
     write()
+    sweep_batches, _, sweep_contexts = args.batch_context_sweep.partition("@")
+    if sweep_batches:
+        meta["batch_context_sweep"] = batch_context_sweep(
+            model,
+            [int(b) for b in sweep_batches.split("/") if b],
+            [int(c) for c in sweep_contexts.split("/") if c],
+        )
+        write()
     # The peers after every engine row, the files rewritten after each (the compilation of
     # transformers' static cache takes long: a cut run keeps what it measured).
     for row in rows:
@@ -496,6 +643,9 @@ def _write_results(
         "kv_bytes_per_token": meta["kv_bytes_per_token"],
         "copy_bandwidth_bytes_per_s": bandwidth,
         "decode_pdl": InferenceConfig().decode_pdl,
+        "multi_step_decode": args.multi_step or InferenceConfig().multi_step_decode,
+        "sampling": dict(SAMPLING),
+        "timing_repeats": TIMING_REPEATS,
         "attention_in_o_proj": fused_decode.ATTENTION_IN_O_PROJ,
         "norm_swiglu_pdl": fused_decode.NORM_SWIGLU_PDL,
         "o_proj_splits": fused_decode.O_PROJ_SPLITS,
@@ -503,6 +653,7 @@ def _write_results(
         "rows": rows,
         "profiles": profiles,
         "context_sweep": meta["context_sweep"],
+        "batch_context_sweep": meta["batch_context_sweep"],
         "elapsed_s": time.perf_counter() - started,
     }
     stem = "decode" if args.name is None else f"decode-{args.name}"
@@ -564,6 +715,8 @@ def _write_results(
                     "mcore_split_",
                     "mcore_down_splits_",
                     "mcore_o_splits_",
+                    "mcore_multi_step_",
+                    "mcore_full_row_sampler_",
                 )
             )
         ]
@@ -583,7 +736,9 @@ def _write_results(
             equal = {
                 k: v
                 for k, v in row.items()
-                if k.startswith(("norm_pdl_", "down_splits_", "o_splits_"))
+                if k.startswith(
+                    ("norm_pdl_", "down_splits_", "o_splits_", "multi_step_", "full_row_sampler_")
+                )
             }
             lines += [
                 "",
@@ -608,6 +763,25 @@ def _write_results(
             f"{r['unfused_us'] / r['fused_us']:.3f}x | {r['argmax_equal']} |"
             for r in meta["context_sweep"]
         ]
+    if meta["batch_context_sweep"]:
+        lines += [
+            "",
+            "GPU time of the captured step (every layer and the LM head, graph replays back to "
+            "back, every row at the context) by batch and context; a line fitted per batch: the "
+            "context-free part and the cache bytes the attention reads per second (copy "
+            f"bandwidth {bandwidth / 1e12:.2f} TB/s):",
+            "",
+            "| batch | step us by context | context-free us | us per context token | "
+            "attention TB/s |",
+            "|---:|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['batch']} | "
+            + ", ".join(f"{c}: {t:.0f}" for c, t in zip(r["contexts"], r["step_us"], strict=True))
+            + f" | {r['fixed_us']:.0f} | {r['us_per_context_token']:.3f} | "
+            f"{r['attention_bytes_per_s'] / 1e12:.2f} |"
+            for r in meta["batch_context_sweep"]
+        ]
     for row in rows:
         if "step_host_us_per_step" in row:
             lines += [
@@ -619,6 +793,54 @@ def _write_results(
                 f"replays back to back, no sampling) takes "
                 f"{row.get('step_graph_us_per_step', float('nan')):.0f} us of GPU time.",
             ]
+    phase_rows = [
+        (row["batch"], label, {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix)})
+        for row in rows
+        for label, prefix in (
+            ("default", "step_phase_"),
+            ("multi_step_decode=1", "single_step_phase_"),
+        )
+        if any(k.startswith(prefix) for k in row)
+    ]
+    if phase_rows:
+        names = [key for key in phase_rows[0][2] if key != "wall_us"]
+        lines += [
+            "",
+            "Host time per decode step by phase of the step loop (us; 64 steps of a warm "
+            "engine, wall-clock timers around each phase; forward launch includes the graph "
+            "replays and, with multi-step decode, the device-side sampling of every step):",
+            "",
+            "| batch | engine | wall | " + " | ".join(n.removesuffix("_us") for n in names) + " |",
+            "|---:|---|---:|" + "---:|" * len(names),
+        ]
+        lines += [
+            f"| {batch} | {label} | {phases.get('wall_us', float('nan')):.0f} | "
+            + " | ".join(f"{phases.get(n, float('nan')):.0f}" for n in names)
+            + " |"
+            for batch, label, phases in phase_rows
+        ]
+    for row in rows:
+        if "mcore_single_step_tokens_per_s" in row:
+            lines += [
+                "",
+                f"Batch {row['batch']}: one decode step per host round trip "
+                f"(multi_step_decode=1) {row['mcore_single_step_tokens_per_s']:.0f} tok/s "
+                f"against {row['mcore_tokens_per_s']:.0f}; greedy tokens equal: "
+                f"{row['single_step_tokens_equal']}.",
+            ]
+            if "single_step_profile" in row:
+                single_profile = row["single_step_profile"]
+                lines[-1] += (
+                    f" Its profile: {single_profile['kernels_per_step']:.0f} GPU activities, "
+                    f"{single_profile['gpu_us_per_step']:.0f} us of GPU time, busy "
+                    f"{single_profile['busy_span_us_per_step']:.0f} us and idle "
+                    f"{single_profile['idle_us_per_step']:.0f} us per step."
+                )
+            if "single_step_host_us_per_step" in row:
+                lines[-1] += (
+                    f" Its host work {row['single_step_host_us_per_step']:.0f} us and "
+                    f"waits {row['single_step_wait_us_per_step']:.0f} us per step."
+                )
     for profile in profiles:
         lines += [
             "",

@@ -5,7 +5,7 @@ import torch
 from _engine_configs import engine_config
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
-from mcore_inference.stage import _row_logprobs
+from mcore_inference.sample_step import _row_logprobs
 from mcore_kernels import token_logprobs
 from mcore_models import MoEConfig, PackedSeqParams, parallelize
 from mcore_models.gpt.config import GPTConfig

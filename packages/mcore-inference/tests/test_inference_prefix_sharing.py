@@ -61,7 +61,7 @@ def _fed_tokens(monkeypatch):
 
     def build(batch):
         microbatch = original(batch)
-        counted.append(microbatch.num_tokens)
+        counted.append(microbatch)  # its steps are known after the build (multi-step decode)
         return microbatch
 
     monkeypatch.setattr(engine_step, "build_microbatch", build)
@@ -85,7 +85,8 @@ def test_shared_prefixes_give_the_tokens_and_logprobs_of_the_unshared_engine(mod
     # Each group's full blocks before its last prompt token are fed once, not three times:
     # 2, 4 and 7 blocks of 4 tokens saved twice each.
     generated = sum(p.max_tokens - 1 for p in params)
-    assert sum(fed) == sum(len(p) for p in prompts) - 2 * 4 * (2 + 4 + 7) + generated
+    fed_tokens = sum(microbatch.num_tokens * microbatch.steps for microbatch in fed)
+    assert fed_tokens == sum(len(p) for p in prompts) - 2 * 4 * (2 + 4 + 7) + generated
 
 
 def test_followers_share_the_blocks_and_wait_for_them(model):

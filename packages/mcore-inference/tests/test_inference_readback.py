@@ -84,7 +84,10 @@ def test_stop_token_found_one_step_late_gives_the_same_results(model):
 
 
 def test_continuing_request_is_fed_its_unread_token_on_the_device(model):
-    config = InferenceConfig(max_batch_size=2, max_sequence_length=32, block_size=4)
+    # Single steps (multi-step decode would run the rest of the request in one call).
+    config = InferenceConfig(
+        max_batch_size=2, max_sequence_length=32, block_size=4, multi_step_decode=1
+    )
     with InferenceEngine(model, config) as engine:
         request_id = engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6))
         engine.step()  # prefill: samples the first token, read back later

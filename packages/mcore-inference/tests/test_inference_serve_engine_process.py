@@ -193,7 +193,8 @@ def _run_serve(window, commands_before, commands_during):
 
 
 def test_admission_window_holds_arrivals_and_admits_them_together():
-    long = SamplingParams(temperature=0.0, max_tokens=16)
+    # Long enough to still run when the others arrive (multi-step decode: 8 tokens a step).
+    long = SamplingParams(temperature=0.0, max_tokens=64)
     short = SamplingParams(temperature=0.0, max_tokens=3)
     before = [("add", 0, [1, 2, 3], long)]
     during = [("add", k, [4, 5, k], short) for k in (1, 2, 3)] + [("abort", 2)]
@@ -210,4 +211,4 @@ def test_admission_window_holds_arrivals_and_admits_them_together():
             assert first[1] == first[3]
         assert set(finals) == {0, 1, 3}  # 2 was aborted (held or running): no result
         assert all(len(finals[k].tokens) == 3 for k in (1, 3))
-        assert len(finals[0].tokens) == 16
+        assert len(finals[0].tokens) == 64

@@ -40,6 +40,10 @@ class Microbatch:
     """Column of ``token_source`` holding each of those rows' token."""
     token_source: torch.Tensor | None = None
     """float64 ``[2, n]`` samples of the previous step on the device, when rows read them."""
+    steps: int = 1
+    """Decode steps run back to back from it (multi-step decode, see
+    :mod:`mcore_inference.multi_step`): step ``j`` feeds every row the token step ``j - 1``
+    sampled, one position further; 1 for an ordinary step."""
 
     @property
     def num_tokens(self) -> int:
@@ -128,7 +132,12 @@ def build_microbatch(batch: list[tuple[Request, int]]) -> Microbatch:
     for request, count in batch:
         start = request.num_computed
         column = request.deferred_index
-        if count == 1 and column >= 0 and start == len(request.prompt) + len(request.output):
+        unread = request.unread
+        if (
+            count == 1
+            and column >= 0
+            and start == len(request.prompt) + len(request.output) + unread - 1
+        ):
             # The steady decode row (most rows of a decode step): the token sampled in the
             # previous step and not read yet, fed from the device (see mcore_inference.readback),
             # and the row samples the next one. The general branch below does the same.
@@ -147,15 +156,15 @@ def build_microbatch(batch: list[tuple[Request, int]]) -> Microbatch:
         end = start + count
         prompt, output = request.prompt, request.output
         num_tokens = len(prompt) + len(output)
-        if count == 1 and request.deferred_index >= 0 and end == num_tokens + 1:
-            # Decode of a token sampled in the previous step and not read yet: the device
-            # feeds it (see mcore_inference.readback).
+        if count == 1 and column >= 0 and end == num_tokens + unread:
+            # Decode of the newest token sampled in the previous step and not read yet: the
+            # device feeds it (see mcore_inference.readback).
             add_deferred_row(len(tokens))
-            add_deferred_column(request.deferred_index)
+            add_deferred_column(column)
             add_token(0)
             add_position(start)
             add_row(request.slot)
-            num_tokens += 1
+            num_tokens += unread
         elif count == 1 and end == num_tokens:  # decode: feed the newest token
             add_token(output[-1] if output else prompt[-1])
             add_position(start)

@@ -70,6 +70,16 @@ class InferenceConfig:
     feeding continuing requests their token on the device, so the host prepares the next step
     while the GPU runs (see ``mcore_inference.readback``); results are unchanged. Used with one
     rank per replica and one pipeline stage, without expert-parallel lockstep."""
+    multi_step_decode: int = 8
+    """Most decode steps run back to back per host round trip (see
+    ``mcore_inference.multi_step``): when every request of a decode step only continues and
+    none can reach its length limit sooner, the device feeds each step the previous step's
+    samples and the host reads the tokens of all the steps at once, so its per-step
+    bookkeeping is paid once per run. Tokens, log-probs and finish reasons are those of single
+    steps; a request that stops on a stop token or word leaves the batch when its run has been
+    read, and a request that arrives during a run waits for its end. 1 turns it off. Used where
+    ``async_token_readback`` is (one rank per replica, one stage, no expert-parallel
+    lockstep), not for hybrid (Mamba) models."""
     fused_decode: bool = True
     """Run a whole, unsharded dense ``GPTModel`` through the engine's fused forward (one GEMM
     for q/k/v and one for gate/up over weight copies the engine keeps in sync, RoPE fused with
@@ -114,6 +124,7 @@ class InferenceConfig:
             "max_tokens_per_step",
             "prefill_chunk_size",
             "attention_split_size",
+            "multi_step_decode",
         ):
             _check_positive(name, getattr(self, name), InferenceConfigError)
         if self.block_size & (self.block_size - 1):

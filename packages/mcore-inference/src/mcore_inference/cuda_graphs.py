@@ -86,6 +86,8 @@ class DecodeGraphRunner:
         self._full_width = block_tables.shape[1]
         self._narrow_width = min(self._full_width, cache.split_size // cache.block_size)
         self._weight_addresses = self._current_weight_addresses()
+        self._current: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
+        """The graph and output of the last :meth:`run` (continued by :meth:`run_next`)."""
 
     def _current_weight_addresses(self) -> tuple[int, ...]:
         tensors = [*self._model.parameters(), *self._model.buffers()]
@@ -202,6 +204,31 @@ class DecodeGraphRunner:
                 self._hidden[:, :received].copy_(hidden)
             self._hidden[:, received:bucket].zero_()
         graph.replay()
+        self._current = entry
+        return logits[:count]
+
+    def run_next(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Run the next decode step of the batch of the last :meth:`run`, in the same graph.
+
+        Multi-step decode (:mod:`mcore_inference.multi_step`): every real row is fed ``tokens``
+        one position further than in the previous step, in the same block-table row; the
+        padding rows are unchanged. No host value is uploaded. The caller keeps every row's
+        position within the graph's table width (the ``max_context`` of the first step covers
+        the whole run).
+
+        Args:
+            tokens: int64 ``[n]`` tokens of the ``n`` real rows (the previous step's samples).
+
+        Returns:
+            The graph's output for the real rows, as :meth:`run` returns it.
+        """
+        entry = self._current
+        assert entry is not None, "run_next needs a run() before it"
+        count = tokens.shape[0]
+        self._inputs[0, :count].copy_(tokens)
+        self._inputs[1, :count].add_(1)
+        graph, logits = entry
+        graph.replay()
         return logits[:count]
 
     def capture_all(self) -> int:
@@ -222,6 +249,7 @@ class DecodeGraphRunner:
         return count
 
     def _release_graphs(self) -> None:
+        self._current = None
         for graph, _ in self._graphs.values():
             graph.reset()
         self._graphs.clear()

@@ -22,6 +22,7 @@ from mcore_inference.errors import InvalidRequestError, UnsupportedModelError
 from mcore_inference.fused_decode import FusedDecoder, build_fused_decoder
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.mamba_state import MambaStateCache, has_mamba_layers
+from mcore_inference.multi_step import RunBuffers
 from mcore_inference.readback import DeferredSamples, SampleReadback
 from mcore_inference.request import (
     FinishReason,
@@ -160,6 +161,13 @@ class InferenceEngine(_StepLoop):
             else None
         )
         self._deferred: DeferredSamples | None = None
+        # Multi-step decode runs where the readback is one step late and no Mamba state moves.
+        self._multi_step = (
+            config.multi_step_decode
+            if self._readback is not None and self.mamba_states is None
+            else 1
+        )
+        self._run_buffers = RunBuffers(self.device)
         self._stage_input: torch.Tensor | None = None
         self._weight_names: set[str] | None = None
         self._closed = False
@@ -232,6 +240,7 @@ class InferenceEngine(_StepLoop):
         self._deferred = None
         self._stage_input = None
         self._sample_buffers = None
+        self._run_buffers = RunBuffers(self.device)  # the old buffers' memory goes back
         self._ep = None
         self._decoder = None
         if self._runner is not None:
@@ -558,7 +567,26 @@ class InferenceEngine(_StepLoop):
         self._check_open()
         self._revalidate_graphs()
         ids = self._add_share(prompts, params)
+        yielded: dict[int, int] = {}
         with closing(self._drive(ids, progress=True)) as steps:
             for updated in steps:
                 for request in updated:
+                    # A multi-step run brings several tokens at once: one snapshot per token.
+                    start = yielded.get(request.request_id, 0)
+                    yielded[request.request_id] = len(request.output)
+                    for count in range(start + 1, len(request.output)):
+                        yield self._partial_snapshot(request, count)
                     yield self._snapshot(request)
+
+    def _partial_snapshot(self, request: Request, count: int) -> GenerationResult:
+        """A running request's snapshot as it was with its first ``count`` tokens."""
+        tokens = request.output[:count]
+        return GenerationResult(
+            request_id=request.request_id,
+            prompt=list(request.prompt),
+            tokens=tokens,
+            logprobs=request.logprobs[:count] if request.params.return_logprobs else None,
+            finish_reason=None,
+            status=RequestStatus.ACTIVE,
+            text=self._decode(tokens) if self.tokenizer is not None else None,
+        )

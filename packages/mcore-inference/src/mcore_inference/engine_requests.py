@@ -26,6 +26,7 @@ from mcore_inference.fused_decode import FusedDecoder
 from mcore_inference.intake import normalize_prompt, params_per_prompt, validate_request
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.mamba_state import MambaStateCache
+from mcore_inference.multi_step import RunBuffers
 from mcore_inference.readback import DeferredSamples, SampleReadback
 from mcore_inference.request import FinishReason, GenerationResult, Request, RequestStatus
 from mcore_inference.scheduler import Scheduler
@@ -59,6 +60,8 @@ class _RequestBook:
     _pipeline: deque[Microbatch | None]
     _readback: SampleReadback | None
     _deferred: DeferredSamples | None
+    _multi_step: int
+    _run_buffers: RunBuffers
     _stage_input: torch.Tensor | None
     _closed: bool
 

@@ -28,11 +28,13 @@ class _ResultBook(_RequestBook):
 
     def _defer(self, deferred: DeferredSamples) -> None:
         active = RequestStatus.ACTIVE
+        steps = deferred.steps
         for column, request in enumerate(deferred.microbatch.sampling):
             if request.status == active:
                 request.deferred_index = column
                 request.awaiting_token = True
-                if len(request.output) + 1 >= request.max_new_tokens:
+                request.unread = steps
+                if len(request.output) + steps >= request.max_new_tokens:
                     deferred.ends_by_length = True
         self._deferred = deferred
 
@@ -61,6 +63,9 @@ class _ResultBook(_RequestBook):
                 self.scheduler.free_blocks(request)
         if not leaving.sampling:
             return
+        if samples is not None and samples.dim() == 3:
+            self._complete_run(leaving, samples, reports, progress=progress)
+            return
         values = self.groups.broadcast_samples(samples, len(leaving.sampling))
         if values.device.type != "cpu":
             values = values.cpu()
@@ -73,6 +78,7 @@ class _ResultBook(_RequestBook):
         for request, token, logprob in zip(leaving.sampling, tokens, logprobs, strict=True):
             request.awaiting_token = False
             request.deferred_index = -1
+            request.unread = 0
             if request.status != active:
                 continue  # aborted while its tokens were in the pipeline
             output = request.output
@@ -83,6 +89,58 @@ class _ResultBook(_RequestBook):
             reason = criteria.check(output) if criteria.active else None
             if reason is None and len(output) >= request.max_new_tokens:
                 reason = length
+            if reason is not None:
+                self._finish(request, reason)
+            elif progress:
+                report(request)
+
+    def _complete_run(
+        self, leaving: Microbatch, values: torch.Tensor, reports: list[Request], *, progress: bool
+    ) -> None:
+        """Apply the ``[steps, 2, n]`` host samples of a multi-step run, step by step per request.
+
+        Tokens after one that ends a request (stop token, stop word) were computed on the
+        device before the host knew; they are dropped, so each request gets exactly the tokens
+        of single steps.
+        """
+        # Per request: its tokens and log-probs of every step, as Python numbers in one go.
+        tokens = values[:, 0].t().to(torch.long).tolist()
+        logprobs = values[:, 1].t().tolist()
+        active = RequestStatus.ACTIVE
+        stops = self._stops
+        length = FinishReason.LENGTH
+        report = reports.append
+        for request, new_tokens, new_logprobs in zip(
+            leaving.sampling, tokens, logprobs, strict=True
+        ):
+            request.awaiting_token = False
+            request.deferred_index = -1
+            request.unread = 0
+            if request.status != active:
+                continue  # aborted while its tokens were on the device
+            output = request.output
+            keep_logprobs = request.params.return_logprobs
+            criteria = stops[request.request_id]
+            reason = None
+            if not criteria.active:
+                # No stop condition: every token up to the length limit stands.
+                room = request.max_new_tokens - len(output)
+                kept = new_tokens if room >= len(new_tokens) else new_tokens[:room]
+                output.extend(kept)
+                if keep_logprobs:
+                    request.logprobs.extend(new_logprobs[: len(kept)])
+                if len(output) >= request.max_new_tokens:
+                    reason = length
+            else:
+                for token, logprob in zip(new_tokens, new_logprobs, strict=True):
+                    output.append(token)
+                    if keep_logprobs:
+                        request.logprobs.append(logprob)
+                    reason = criteria.check(output)
+                    if reason is None and len(output) >= request.max_new_tokens:
+                        reason = length
+                    if reason is not None:
+                        break
             if reason is not None:
                 self._finish(request, reason)
             elif progress:

@@ -27,6 +27,7 @@ from mcore_inference.fused_decode import FusedDecoder
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.mamba_graphs import HybridGraphRunner
 from mcore_inference.mamba_state import MambaStateCache
+from mcore_inference.multi_step import plan_run, run_length
 from mcore_inference.request import FinishReason, Request, RequestStatus
 from mcore_inference.scheduler import Scheduler
 from mcore_inference.stage import SampleBuffers, StageRunner, sample_microbatch
@@ -91,6 +92,11 @@ class _StepLoop(_ResultBook):
         if microbatch is not None and microbatch.deferred_rows:
             assert self._deferred is not None
             microbatch.token_source = self._deferred.samples
+        plan = None
+        if microbatch is not None and self._multi_step > 1:
+            steps = run_length(microbatch, self._multi_step)
+            if steps > 1:
+                plan = plan_run(microbatch, steps, self.device)
         self._pipeline.appendleft(microbatch)
         mine = self._pipeline[groups.pp_rank] if groups.pp_rank < len(self._pipeline) else None
         received, self._stage_input = self._stage_input, None
@@ -99,9 +105,20 @@ class _StepLoop(_ResultBook):
             self._pipeline.pop()
             self._complete_deferred(reports, progress=progress)
             return reports + self._take_unreported()
+        samples = None
         try:
             with batch_invariant_mode(self.config.batch_invariant):
-                output, logits = self._runner.run(mine, received, has_work=has_work)
+                if plan is not None and mine is not None:
+                    # A multi-step run (one stage): every step sampled on the device.
+                    output, logits = None, None
+                    samples = self._run_buffers.take(
+                        mine.steps, len(mine.sampling), nan_logprobs=not plan.every_logprob
+                    )
+                    self._runner.run_steps(
+                        mine, plan, samples, logits_dtype=self._runner.hidden_dtype
+                    )
+                else:
+                    output, logits = self._runner.run(mine, received, has_work=has_work)
         except Exception as exc:  # a failed step fails its requests, never the engine
             self._complete_deferred(reports, progress=progress)
             if mine is None or groups.replica_size > 1 or self._ep is not None:
@@ -113,12 +130,12 @@ class _StepLoop(_ResultBook):
             for request, _ in mine.entries:
                 request.in_flight -= 1
                 request.awaiting_token = False
+                request.unread = 0
                 if request.status == RequestStatus.ACTIVE:
                     self._finish(request, FinishReason.ERROR, error=message)
             if self.kv_cache is not None:
                 self.kv_cache.clear_step()
             return reports + self._take_unreported()
-        samples = None
         if logits is not None and mine is not None and self._decides_samples():
             if self._sample_buffers is None:
                 self._sample_buffers = SampleBuffers(self.device)

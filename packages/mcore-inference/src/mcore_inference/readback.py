@@ -34,20 +34,27 @@ class DeferredSamples:
     microbatch: Microbatch
     """The step's microbatch (its ``sampling`` requests, in row order)."""
     samples: torch.Tensor
-    """float64 ``[2, n]`` tokens and log-probabilities on the device (fed to the next step)."""
+    """float64 ``[2, n]`` tokens and log-probabilities on the device (fed to the next step; of
+    the last step of a multi-step run)."""
     host: torch.Tensor
-    """Host copy of ``samples`` (pinned on CUDA), valid after :meth:`wait`."""
+    """Host copy of the samples (pinned on CUDA), valid after :meth:`wait`: ``[2, n]``, or
+    ``[steps, 2, n]`` for a multi-step run."""
     event: torch.cuda.Event | None
     """Recorded after the copy on CUDA; None on the CPU (the copy is then synchronous)."""
     ends_by_length: bool = False
     """Whether a token of it is a request's last by length (the engine reads it before the
     next admission)."""
 
+    @property
+    def steps(self) -> int:
+        """Steps whose samples it holds (1, or the length of a multi-step run)."""
+        return self.host.shape[0] if self.host.dim() == 3 else 1
+
     def wait(self) -> torch.Tensor:
         """Block until the host copy is complete.
 
         Returns:
-            The float64 ``[2, n]`` host tensor.
+            The float64 ``[2, n]`` (or ``[steps, 2, n]``) host tensor.
         """
         if self.event is not None:
             self.event.synchronize()
@@ -69,37 +76,40 @@ class SampleReadback:
         # time): the event of a buffer is only re-recorded once the host read that buffer.
         self._events: list[torch.cuda.Event] = []
 
-    def _buffer(self, count: int) -> torch.Tensor:
+    def _buffer(self, shape: torch.Size) -> torch.Tensor:
         # Two buffers in turn: the one of the previous step may still be read by the host.
         pinned = self.device.type == "cuda"
         if len(self._buffers) < 2:
             self._buffers.append(torch.empty(0, dtype=torch.float64))
         index, self._next = self._next, 1 - self._next
         buffer = self._buffers[index]
-        if buffer.numel() < 2 * count:
-            buffer = torch.empty(2 * count, dtype=torch.float64, pin_memory=pinned)
+        count = shape.numel()
+        if buffer.numel() < count:
+            buffer = torch.empty(count, dtype=torch.float64, pin_memory=pinned)
             self._buffers[index] = buffer
         # A contiguous prefix: the copy goes straight into pinned memory.
-        return buffer[: 2 * count].view(2, count)
+        return buffer[:count].view(shape)
 
     def start(self, microbatch: Microbatch, samples: torch.Tensor) -> DeferredSamples:
-        """Start copying a step's samples to the host.
+        """Start copying a step's (or a multi-step run's) samples to the host.
 
         Args:
             microbatch: The step's microbatch.
-            samples: Its float64 ``[2, n]`` samples on the device.
+            samples: Its float64 ``[2, n]`` samples on the device, or ``[steps, 2, n]`` of a
+                multi-step run (contiguous).
 
         Returns:
-            The deferred samples.
+            The deferred samples; their ``samples`` are the last step's ``[2, n]``.
         """
-        host = self._buffer(samples.shape[1])
+        host = self._buffer(samples.shape)
+        last = samples[-1] if samples.dim() == 3 else samples
         if self.device.type != "cuda":
             host.copy_(samples)
-            return DeferredSamples(microbatch, samples, host, None)
+            return DeferredSamples(microbatch, last, host, None)
         host.copy_(samples, non_blocking=True)
         index = 1 - self._next  # the buffer just taken
         while len(self._events) <= index:
             self._events.append(torch.cuda.Event())
         event = self._events[index]
         event.record()
-        return DeferredSamples(microbatch, samples, host, event)
+        return DeferredSamples(microbatch, last, host, event)

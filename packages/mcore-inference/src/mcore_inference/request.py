@@ -125,6 +125,10 @@ class Request:
     deferred_index: int = -1
     """Column of its sampled, not yet read token in the engine's deferred samples (on the
     device), or -1; such a request may decode that token before the host knows it."""
+    unread: int = 0
+    """Tokens sampled on the device and not read back yet (0 when none; more than 1 after a
+    multi-step decode run, see :mod:`mcore_inference.multi_step`). The newest of them is the one
+    at ``deferred_index``."""
 
     @property
     def num_tokens(self) -> int:

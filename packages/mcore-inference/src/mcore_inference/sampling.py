@@ -16,7 +16,7 @@ from mcore_inference.config import SamplingParams
 from mcore_inference.transfer import to_device
 from mcore_kernels.row_argmax import row_argmax
 
-__all__ = ["sample_tokens", "sampling_uniform", "truncate_logits"]
+__all__ = ["sample_tokens", "sampling_uniform", "sampling_uniforms", "truncate_logits"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -41,6 +41,47 @@ def sampling_uniform(seed: int, index: int) -> float:
     """
     bits = _splitmix64(_splitmix64(seed & _MASK64) ^ index)
     return ((bits >> 11) + 0.5) / float(1 << 53)
+
+
+def _signed(value: int) -> int:
+    # A 64-bit pattern as the int64 that holds it.
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(values: torch.Tensor, bits: int) -> torch.Tensor:
+    # Logical shift of int64 bit patterns (torch shifts int64 arithmetically).
+    return (values >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64_tensor(values: torch.Tensor) -> torch.Tensor:
+    # _splitmix64 on int64 tensors: additions and products wrap modulo 2**64 like the masks.
+    values = values + _signed(0x9E3779B97F4A7C15)
+    values = (values ^ _shift_right(values, 30)) * _signed(0xBF58476D1CE4E5B9)
+    values = (values ^ _shift_right(values, 27)) * _signed(0x94D049BB133111EB)
+    return values ^ _shift_right(values, 31)
+
+
+def sampling_uniforms(seeds: Sequence[int], first: Sequence[int], steps: int) -> torch.Tensor:
+    """:func:`sampling_uniform` of several requests and consecutive tokens, in one pass.
+
+    Args:
+        seeds: Each request's seed.
+        first: Index of each request's first token to draw for.
+        steps: Consecutive tokens per request.
+
+    Returns:
+        float64 ``[steps, len(seeds)]`` on the CPU: entry ``[j, i]`` equals
+        ``sampling_uniform(seeds[i], first[i] + j)`` bit for bit.
+    """
+    hashed = _splitmix64_tensor(
+        torch.tensor([_signed(seed & _MASK64) for seed in seeds], dtype=torch.long)
+    )
+    indices = (
+        torch.tensor(list(first), dtype=torch.long)[None, :]
+        + torch.arange(steps, dtype=torch.long)[:, None]
+    )
+    bits = _splitmix64_tensor(hashed[None, :] ^ indices)
+    return (_shift_right(bits, 11).double() + 0.5) / float(1 << 53)
 
 
 def truncate_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

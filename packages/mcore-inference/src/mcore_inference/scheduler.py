@@ -194,12 +194,12 @@ class Scheduler:
                 request.prefix_source = None
                 request.num_computed = request.shared_tokens
             if request.awaiting_token:
-                # Its sampled token is still on the device: it may decode that token now when
-                # the token cannot end it by length (a stop token only ends it when read, and
-                # the step it then wasted wrote inside its footprint).
+                # Its sampled tokens are still on the device: it may decode the newest now when
+                # they cannot end it by length (a stop token only ends it when read, and the
+                # step it then wasted wrote inside its footprint).
                 if (
                     request.deferred_index >= 0
-                    and len(request.output) + 1 < request.max_new_tokens
+                    and len(request.output) + request.unread < request.max_new_tokens
                     and (max_decode is None or len(batch) < max_decode)
                 ):
                     batch.append((request, 1))

@@ -16,9 +16,12 @@ from mcore_inference.fused_decode import FusedDecoder
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_inference.mamba_graphs import HybridGraphRunner
 from mcore_inference.mamba_state import MambaStateCache
-from mcore_inference.sampling import sample_tokens, sampling_uniform
+from mcore_inference.sample_step import (
+    SampleBuffers,
+    SamplingPlan,
+    sample_microbatch,
+)
 from mcore_inference.transfer import to_device
-from mcore_kernels import token_logprobs
 from mcore_models.mamba import MambaStepState
 
 __all__ = ["SampleBuffers", "StageRunner", "sample_microbatch"]
@@ -166,6 +169,59 @@ class StageRunner:
                 self.graphs = None
         return self._eager(microbatch, inputs, num_real, max_context, received)
 
+    def run_steps(
+        self,
+        microbatch: Microbatch,
+        plan: SamplingPlan,
+        samples: torch.Tensor,
+        *,
+        logits_dtype: torch.dtype | None = None,
+    ) -> None:
+        """Run a multi-step decode microbatch: ``microbatch.steps`` steps, sampled on the device.
+
+        One stage, no expert-parallel lockstep (see :mod:`mcore_inference.multi_step`). The
+        first step runs as :meth:`run` would; each further step feeds every row the token the
+        step before sampled, one position further, without host values: the decode graph of
+        the batch again (its table width chosen for the run's last position), or the eager
+        forward.
+
+        Args:
+            microbatch: A pure decode microbatch whose rows all sample.
+            plan: The sampling plan of its steps.
+            samples: float64 ``[steps, 2, n]`` receiving each step's tokens and log-probs.
+            logits_dtype: The dtype the model computed the logits in.
+        """
+        with torch.no_grad(), fused_tp_communication(self.model, self.fuse_tp_communication):
+            steps = microbatch.steps
+            inputs, num_real, max_context = self._inputs(microbatch, microbatch.num_tokens)
+            graphs = self.graphs
+            logits: torch.Tensor | None = None
+            if graphs is not None and num_real <= graphs.max_batch_size:
+                try:
+                    logits = graphs.run(inputs, max_context=max_context + steps - 1)[:num_real]
+                except Exception as exc:
+                    warnings.warn(
+                        f"CUDA graph decode failed ({type(exc).__name__}: {exc}); the engine "
+                        "decodes eagerly from now on",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    graphs.close()
+                    self.graphs = graphs = None
+            if logits is not None and graphs is not None:
+                tokens = plan.sample(logits, samples[0], 0, logits_dtype=logits_dtype)
+                for step in range(1, steps):
+                    logits = graphs.run_next(tokens)[:num_real]
+                    tokens = plan.sample(logits, samples[step], step, logits_dtype=logits_dtype)
+                return
+            for step in range(steps):
+                if step:
+                    inputs[0, :num_real].copy_(tokens)
+                    inputs[1, :num_real].add_(1)
+                _, logits = self._eager(microbatch, inputs, num_real, max_context + step, None)
+                assert logits is not None
+                tokens = plan.sample(logits, samples[step], step, logits_dtype=logits_dtype)
+
     def _run_hybrid(
         self, microbatch: Microbatch | None, received: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -267,156 +323,3 @@ class StageRunner:
             self.hybrid_graphs = None
         self.mamba_states = None
         self.model = self.kv_cache = self.block_tables = None  # type: ignore[assignment]
-
-
-class SampleBuffers:
-    """Reused device buffers for the float64 ``[2, n]`` samples of consecutive steps.
-
-    A step's samples are read by the copy to the host (in the same step) and by the next step,
-    which feeds them to the model; every use is ordered on the one stream, so a buffer is free
-    again two steps later. Reusing them saves an allocation and a fill per step: the
-    log-probability row is refilled with NaN only when the buffer's last use had another width
-    or wrote log-probs into it. Each view is contiguous (collectives broadcast it as is).
-
-    Args:
-        device: The engine's device.
-        count: Buffers in turn (at least 3).
-    """
-
-    def __init__(self, device: torch.device, count: int = 3) -> None:
-        self.device = device
-        self._buffers: list[torch.Tensor] = []
-        self._clean_width: list[int] = []
-        """Per buffer, the width whose second row holds NaN (-1: none known)."""
-        self._count = max(3, count)
-        self._next = 0
-
-    def take(self, columns: int) -> tuple[torch.Tensor, bool]:
-        """The next buffer, as a contiguous ``[2, columns]`` view.
-
-        Args:
-            columns: Sampled rows of the step.
-
-        Returns:
-            ``(samples, clean)``: the view, and whether its second row already holds NaN.
-        """
-        index = self._next
-        self._next = (index + 1) % self._count
-        capacity = self._buffers[0].numel() // 2 if self._buffers else 0
-        if capacity < columns:
-            # All buffers at once, of one size: the engine's memory does not change again
-            # until a wider step comes.
-            size = 2 * max(columns, 64)
-            self._buffers = [
-                torch.empty(size, dtype=torch.float64, device=self.device)
-                for _ in range(self._count)
-            ]
-            self._clean_width = [-1] * self._count
-        view = self._buffers[index][: 2 * columns].view(2, columns)
-        return view, self._clean_width[index] == columns
-
-    def mark(self, samples: torch.Tensor, clean: bool) -> None:
-        """Record whether the second row of ``samples`` (a view from :meth:`take`) is NaN.
-
-        Args:
-            samples: A view returned by :meth:`take`.
-            clean: Whether its second row holds NaN in every column.
-        """
-        for index, buffer in enumerate(self._buffers):
-            if buffer.data_ptr() == samples.data_ptr():
-                self._clean_width[index] = samples.shape[1] if clean else -1
-
-
-def sample_microbatch(
-    logits: torch.Tensor,
-    microbatch: Microbatch,
-    *,
-    logits_dtype: torch.dtype | None = None,
-    buffers: SampleBuffers | None = None,
-) -> torch.Tensor:
-    """Sample the next token of every sampling request of a microbatch.
-
-    Args:
-        logits: ``[n, vocab]`` logits of the sampling rows (float32, or already in
-            ``logits_dtype``).
-        microbatch: The microbatch (its ``sampling`` requests, in row order).
-        logits_dtype: The dtype the model computed the logits in before the float32 upcast
-            (its parameter dtype); the log-probs are computed from the logits in that dtype, as
-            a training forward's ``token_logprobs`` reads them (see :func:`_row_logprobs`).
-        buffers: Reused buffers for the result (None: a new tensor).
-
-    Returns:
-        float64 ``[2, n]``: token ids and their log-probabilities (NaN where not asked), in a
-        form one broadcast carries to the other ranks.
-    """
-    requests = microbatch.sampling
-    params = [r.params for r in requests]
-    # The index of the token being sampled is the number of tokens fed after the prompt: also
-    # right for a request whose previous token is still deferred (not in ``output`` yet).
-    uniforms = [0.0] * len(requests)
-    logprob_rows = []
-    for i, p in enumerate(params):
-        if p.temperature:
-            r = requests[i]
-            uniforms[i] = sampling_uniform(r.seed, r.num_computed - len(r.prompt))
-        if p.return_logprobs:
-            logprob_rows.append(i)
-    new_tokens = sample_tokens(logits, params, uniforms)
-    if buffers is None:
-        samples = torch.full(
-            (2, len(requests)), float("nan"), dtype=torch.float64, device=logits.device
-        )
-    else:
-        samples, clean = buffers.take(len(requests))
-        if not clean and len(logprob_rows) < len(params):
-            samples[1].fill_(float("nan"))
-        buffers.mark(samples, not logprob_rows)
-    samples[0].copy_(new_tokens)
-    if logprob_rows:
-        # Every row (the common case) needs no gather and no scatter.
-        every = len(logprob_rows) == len(params)
-        index = None if every else to_device(logprob_rows, torch.long, logits.device)
-        row_logits = logits if index is None else logits.index_select(0, index)
-        row_tokens = new_tokens if index is None else new_tokens.index_select(0, index)
-        # logprobs of the sampling distribution at the request's temperature (greedy: 1).
-        temperatures = [params[i].temperature or 1.0 for i in logprob_rows]
-        values = _row_logprobs(row_logits, row_tokens, temperatures, logits_dtype)
-        if index is None:
-            samples[1].copy_(values)
-        else:
-            samples[1].index_copy_(0, index, values.to(torch.float64))
-    return samples
-
-
-def _row_logprobs(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    temperatures: list[float],
-    logits_dtype: torch.dtype | None,
-) -> torch.Tensor:
-    """float32 ``log_softmax(logits / t)[token]`` of every row, bitwise as a training forward.
-
-    The trainer calls ``token_logprobs(logits, targets, temperature=t)`` on the logits in the
-    model's dtype; so does this, one call per distinct temperature, on the float32 logits cast
-    back to ``logits_dtype`` (exact: they were upcast from it). Feeding the same values in
-    float32 instead would not do: the kernel's vector loads, and with them the order in which
-    a row's exponentials are summed, follow the element size (8 bf16 or 4 float32 per thread),
-    a one-ulp difference in the log-prob for a large vocabulary.
-    """
-    if logits_dtype is not None and logits_dtype != logits.dtype:
-        logits = logits.to(logits_dtype)
-    distinct = sorted(set(temperatures))
-    if len(distinct) == 1:
-        values = token_logprobs(logits, tokens, temperature=distinct[0])
-        assert isinstance(values, torch.Tensor)
-        return values
-    values = torch.empty(tokens.shape[0], dtype=torch.float32, device=logits.device)
-    for temperature in distinct:
-        rows = [i for i, t in enumerate(temperatures) if t == temperature]
-        index = to_device(rows, torch.long, logits.device)
-        part = token_logprobs(
-            logits.index_select(0, index), tokens.index_select(0, index), temperature=temperature
-        )
-        assert isinstance(part, torch.Tensor)
-        values.index_copy_(0, index, part)
-    return values

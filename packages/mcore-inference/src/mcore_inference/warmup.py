@@ -29,8 +29,8 @@ import torch
 
 from mcore_inference.config import SamplingParams
 from mcore_inference.describe import fused_tp_communication
+from mcore_inference.sample_step import _row_logprobs
 from mcore_inference.sampling import sample_tokens
-from mcore_inference.stage import _row_logprobs
 from mcore_kernels.batch_invariant import batch_invariant_mode
 
 if TYPE_CHECKING:
