@@ -129,6 +129,33 @@ def test_early_tail_is_the_same_sum(monkeypatch, flags, rows):
 
 @needs_triton
 @pytest.mark.interpreter
+@pytest.mark.parametrize(
+    ("switch", "flags", "k"),
+    [
+        ("NORM_INPUT_ONCE", "norm_swiglu_residual", 20),
+        ("NORM_INPUT_ONCE", "norm_bias_residual", 32),
+        ("TAIL_INPUT_EARLY", "bias", 50),
+        ("TAIL_INPUT_EARLY", "plain", 50),
+    ],
+)
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_early_input_reads_give_the_same_bits(monkeypatch, switch, flags, k, rows):
+    # The input row read once right after the wait (norm: one tile holds it; no norm: a full
+    # tile and its tail) against the reads where the products need them.
+    from mcore_kernels import decode_gemv_config
+
+    problem = _problem(rows, FLAGS[flags], torch.bfloat16, k=k, seed=2)
+    config = GemvConfig(block_n=8, block_k=32)
+    early = decode_gemv_triton(**problem, config=config)
+    monkeypatch.setattr(decode_gemv_config, switch, False)
+    late = decode_gemv_triton(**problem, config=config)
+    assert torch.equal(early, late)
+    expected = decode_gemv_reference(**problem)
+    torch.testing.assert_close(early.float(), expected.float(), rtol=2**-7, atol=2**-7)
+
+
+@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_triton_matches_reference_bfloat16(config):
     problem = _problem(3, FLAGS["norm_swiglu_residual"], torch.bfloat16, seed=1)

@@ -196,6 +196,15 @@ def decode_gemv_triton(
     early_tail = (
         decode_gemv_config.EARLY_TAIL and split_k == 1 and config.block_k < k < 2 * config.block_k
     )
+    use_pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_supported(x.device)
+    early = split_k == 1 and (norm_weight is not None or use_pdl)
+    # The input slices requested right after the wait (vector tiles of one reduction pass):
+    # with a norm when the first tile holds the whole row (one read for the scales and the
+    # products), without one when a tail follows the first tile.
+    early_x = split_k == 1 and not config.use_dot and (
+        (norm_weight is not None and k <= config.block_k and decode_gemv_config.NORM_INPUT_ONCE)
+        or (norm_weight is None and early_tail and decode_gemv_config.TAIL_INPUT_EARLY)
+    )
     second_pass = split_k > 1 and config.reduce == "second_pass"
     if second_pass and rope is not None:
         raise KernelValueError("rope with GemvConfig.reduce='second_pass'; expected 'ticket'")
@@ -207,7 +216,6 @@ def decode_gemv_triton(
     dummy = x
     interpreting = not x.is_cuda
     device_index = x.get_device()
-    use_pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_supported(x.device)
     args = (
         x,
         weight,
@@ -254,8 +262,11 @@ def decode_gemv_triton(
         # The norm weight and bias with the first weight tile (before the PDL wait), the
         # residual or the RoPE tables right after it, instead of in the epilogue. One H200,
         # batch-1 decode of the Qwen2.5-0.5B shape: 1634 against 1580 tok/s.
-        "EARLY": split_k == 1 and (norm_weight is not None or use_pdl),
+        "EARLY": early,
         "EARLY_TAIL": early_tail,
+        "EARLY_X": early_x,
+        # The RoPE epilogue's cache slots requested with the cosines and sines.
+        "EARLY_SLOT": early and rope is not None and decode_gemv_config.ROPE_SLOTS_EARLY,
     }
     if config.num_stages is None:
         launcher = _GEMV_PDL if use_pdl else _GEMV

@@ -10,10 +10,17 @@ from mcore_kernels._triton_utils import CachedLauncher, gdc_launch_dependents, g
 from mcore_kernels.decode_gemv_epilogues import (
     _early_bias,
     _early_inputs,
+    _early_slots,
     _epilogue,
     _rope_epilogue,
 )
-from mcore_kernels.decode_gemv_tiles import _accumulate, _load_tile, _row_scales
+from mcore_kernels.decode_gemv_tiles import (
+    _accumulate,
+    _input_tile,
+    _load_tile,
+    _row_scales,
+    _tile_scales,
+)
 
 
 @jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
@@ -69,6 +76,8 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
     EARLY: tl.constexpr,
     EARLY_TAIL: tl.constexpr = False,
+    EARLY_X: tl.constexpr = False,
+    EARLY_SLOT: tl.constexpr = False,
 ):
     if USE_PDL:
         # Let the next kernel's programs start (and prefetch their own weights) early.
@@ -135,13 +144,30 @@ def _gemv_kernel(
                 res_ptr, cos_ptr, sin_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm,
                 stride_cos, stride_sin, HAS_RESIDUAL, ROPE, HALF,
             )  # fmt: skip
+        pre_slot = offs_m.to(tl.int64)
+        if EARLY_SLOT:
+            pre_slot = _early_slots(slot_ptr, offs_m, m_mask)
+        x_first = acc
+        x_tail = acc
+        if EARLY_X:
+            # The input slices of both tiles requested at once after the wait (set by the
+            # launcher for vector tiles: with a norm, only when the first tile holds the
+            # whole row, whose scales then come from this one read).
+            x_first = _input_tile(x_ptr, offs_m, m_mask, first, k_end, stride_xm)
+            if EARLY_TAIL:
+                x_tail = _input_tile(x_ptr, offs_m, m_mask, k_full + offs_k, k_end, stride_xm)
         if HAS_NORM:
-            scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
+            if EARLY_X:
+                scales = _tile_scales(x_first, K, eps)
+            else:
+                scales = _row_scales(
+                    x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK
+                )
         acc, acc_up = _accumulate(
             acc, acc_up, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, first, k_end, M, stride_xm, pid_m,
             HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
-            gamma, EARLY and HAS_NORM,
+            gamma, EARLY and HAS_NORM, x_first, EARLY_X,
         )  # fmt: skip
         k_begin = tl.minimum(k_begin + BLOCK_K, k_end)
         k_full = tl.maximum(k_full, k_begin)
@@ -157,7 +183,7 @@ def _gemv_kernel(
             acc, acc_up, tail_w, tail_w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask,
             w_rows, up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,
             HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
-            scales, False,
+            scales, False, x_tail, EARLY_X,
         )  # fmt: skip
     elif k_full < k_end:
         acc, acc_up = _accumulate(
@@ -174,7 +200,7 @@ def _gemv_kernel(
                     v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
                     stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
                     NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
-                    pre_bias, pre_bias_up, pre_cos, pre_sin, True,
+                    pre_bias, pre_bias_up, pre_cos, pre_sin, True, pre_slot, EARLY_SLOT,
                 )  # fmt: skip
             else:
                 _epilogue(
