@@ -201,9 +201,13 @@ def decode_gemv_triton(
     # The input slices requested right after the wait (vector tiles of one reduction pass):
     # with a norm when the first tile holds the whole row (one read for the scales and the
     # products), without one when a tail follows the first tile.
-    early_x = split_k == 1 and not config.use_dot and (
-        (norm_weight is not None and k <= config.block_k and decode_gemv_config.NORM_INPUT_ONCE)
-        or (norm_weight is None and early_tail and decode_gemv_config.TAIL_INPUT_EARLY)
+    early_x = (
+        split_k == 1
+        and not config.use_dot
+        and (
+            (norm_weight is not None and k <= config.block_k and decode_gemv_config.NORM_INPUT_ONCE)
+            or (norm_weight is None and early_tail and decode_gemv_config.TAIL_INPUT_EARLY)
+        )
     )
     second_pass = split_k > 1 and config.reduce == "second_pass"
     if second_pass and rope is not None:

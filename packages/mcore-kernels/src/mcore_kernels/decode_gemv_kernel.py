@@ -160,9 +160,7 @@ def _gemv_kernel(
             if EARLY_X:
                 scales = _tile_scales(x_first, K, eps)
             else:
-                scales = _row_scales(
-                    x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK
-                )
+                scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
         acc, acc_up = _accumulate(
             acc, acc_up, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, first, k_end, M, stride_xm, pid_m,
