@@ -198,16 +198,18 @@ def decode_gemv_triton(
     )
     use_pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_supported(x.device)
     early = split_k == 1 and (norm_weight is not None or use_pdl)
-    # The input slices requested right after the wait (vector tiles of one reduction pass):
-    # with a norm when the first tile holds the whole row (one read for the scales and the
-    # products), without one when a tail follows the first tile.
+    # Vector tiles read the input right after the wait: with a norm, the whole row once when
+    # the first tile holds it (for the scales and the products); without one, a tail's slice
+    # together with the first tile's.
+    vector = split_k == 1 and not config.use_dot
     early_x = (
-        split_k == 1
-        and not config.use_dot
-        and (
-            (norm_weight is not None and k <= config.block_k and decode_gemv_config.NORM_INPUT_ONCE)
-            or (norm_weight is None and early_tail and decode_gemv_config.TAIL_INPUT_EARLY)
-        )
+        vector
+        and norm_weight is not None
+        and k <= config.block_k
+        and decode_gemv_config.NORM_INPUT_ONCE
+    )
+    early_x_tail = (
+        vector and norm_weight is None and early_tail and decode_gemv_config.TAIL_INPUT_EARLY
     )
     second_pass = split_k > 1 and config.reduce == "second_pass"
     if second_pass and rope is not None:
@@ -269,8 +271,11 @@ def decode_gemv_triton(
         "EARLY": early,
         "EARLY_TAIL": early_tail,
         "EARLY_X": early_x,
+        "EARLY_X_TAIL": early_x_tail,
         # The RoPE epilogue's cache slots requested with the cosines and sines.
         "EARLY_SLOT": early and rope is not None and decode_gemv_config.ROPE_SLOTS_EARLY,
+        "PARTNER_LINES": _partner_lines(config, grid_n * grid_m, k, x, rope, use_pdl),
+        "LINE": 128 // x.element_size(),
     }
     if config.num_stages is None:
         launcher = _GEMV_PDL if use_pdl else _GEMV
@@ -309,6 +314,24 @@ def decode_gemv_triton(
             device_index,
         )
     return out
+
+
+def _partner_lines(
+    config: GemvConfig,
+    programs: int,
+    k: int,
+    x: torch.Tensor,
+    rope: RotaryCacheWrite | None,
+    use_pdl: bool,
+) -> int:
+    """128-byte lines per weight row that the first half of the grid prefetches for the second
+    (:data:`~mcore_kernels.decode_gemv_config.PARTNER_PREFETCH_PROGRAMS`); 0: none."""
+    low, high = decode_gemv_config.PARTNER_PREFETCH_PROGRAMS
+    if not use_pdl or config.use_dot or config.split_k > 1 or rope is not None:
+        return 0
+    if not low <= programs <= high:
+        return 0
+    return next_power_of_2(-(-k * x.element_size() // 128))
 
 
 def _rope_args(rope: RotaryCacheWrite | None, dummy: torch.Tensor) -> tuple:

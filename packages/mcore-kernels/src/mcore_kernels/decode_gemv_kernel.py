@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from mcore_kernels._triton_utils import CachedLauncher, gdc_launch_dependents, gdc_wait, jit, tl
+from mcore_kernels._triton_utils import (
+    CachedLauncher,
+    gdc_launch_dependents,
+    gdc_wait,
+    jit,
+    prefetch_l2,
+    tl,
+)
 from mcore_kernels.decode_gemv_epilogues import (
     _early_bias,
     _early_inputs,
@@ -21,6 +28,24 @@ from mcore_kernels.decode_gemv_tiles import (
     _row_scales,
     _tile_scales,
 )
+
+
+@jit
+def _prefetch_partner(w_ptr, pid_n, N_OUT, K, stride_wn, PAIRED: tl.constexpr,
+                      BLOCK_N: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):  # fmt: skip
+    """Request the weight rows (and paired rows) of program ``pid_n + ceil(grid / 2)`` into
+    L2, ``LINES`` 128-byte lines of ``LINE`` elements per row."""
+    partner = pid_n + (tl.num_programs(0) + 1) // 2
+    if partner < tl.num_programs(0):
+        columns = partner * BLOCK_N + tl.arange(0, BLOCK_N)
+        columns = tl.where(columns < N_OUT, columns, partner * BLOCK_N)
+        starts = tl.arange(0, LINES) * LINE
+        starts = tl.where(starts < K, starts, 0)
+        rows = columns.to(tl.int64) * stride_wn
+        prefetch_l2(w_ptr + rows[:, None] + starts[None, :])
+        if PAIRED:
+            up = (columns + N_OUT).to(tl.int64) * stride_wn
+            prefetch_l2(w_ptr + up[:, None] + starts[None, :])
 
 
 @jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
@@ -77,7 +102,10 @@ def _gemv_kernel(
     EARLY: tl.constexpr,
     EARLY_TAIL: tl.constexpr = False,
     EARLY_X: tl.constexpr = False,
+    EARLY_X_TAIL: tl.constexpr = False,
     EARLY_SLOT: tl.constexpr = False,
+    PARTNER_LINES: tl.constexpr = 0,
+    LINE: tl.constexpr = 64,
 ):
     if USE_PDL:
         # Let the next kernel's programs start (and prefetch their own weights) early.
@@ -85,6 +113,11 @@ def _gemv_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    if PARTNER_LINES:
+        # Programs of the first half of the grid request the weight rows of their partner in
+        # the second half into L2 before anything else (a hint, CUDA only): the programs that
+        # only start once the first ones finish then read them from L2.
+        _prefetch_partner(w_ptr, pid_n, N_OUT, K, stride_wn, PAIRED, BLOCK_N, PARTNER_LINES, LINE)
     dtype = x_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -150,12 +183,12 @@ def _gemv_kernel(
         x_first = acc
         x_tail = acc
         if EARLY_X:
-            # The input slices of both tiles requested at once after the wait (set by the
-            # launcher for vector tiles: with a norm, only when the first tile holds the
-            # whole row, whose scales then come from this one read).
+            # The whole input row (the first tile holds it) read once after the wait, for the
+            # norm's scales and the products (set by the launcher for vector tiles).
             x_first = _input_tile(x_ptr, offs_m, m_mask, first, k_end, stride_xm)
-            if EARLY_TAIL:
-                x_tail = _input_tile(x_ptr, offs_m, m_mask, k_full + offs_k, k_end, stride_xm)
+        if EARLY_X_TAIL:
+            # The tail's input slice requested with the first tile's (vector tiles).
+            x_tail = _input_tile(x_ptr, offs_m, m_mask, k_full + offs_k, k_end, stride_xm)
         if HAS_NORM:
             if EARLY_X:
                 scales = _tile_scales(x_first, K, eps)
@@ -181,7 +214,7 @@ def _gemv_kernel(
             acc, acc_up, tail_w, tail_w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask,
             w_rows, up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,
             HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
-            scales, False, x_tail, EARLY_X,
+            scales, False, x_tail, EARLY_X_TAIL,
         )  # fmt: skip
     elif k_full < k_end:
         acc, acc_up = _accumulate(

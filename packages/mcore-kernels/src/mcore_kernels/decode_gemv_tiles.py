@@ -129,8 +129,11 @@ def _accumulate(
         for row in tl.static_range(BLOCK_M):
             m = pid_m * BLOCK_M + row
             if PRE_X:
-                # The row of the loaded slice (a sum of one value and zeros: exact).
-                xr = tl.sum(tl.where((offs_m == m)[:, None], pre_x.to(tl.float32), 0.0), axis=0)
+                if BLOCK_M == 1:
+                    xr = tl.reshape(pre_x, (pre_x.shape[1],))
+                else:
+                    # The row of the loaded slice (a sum of one value and zeros: exact).
+                    xr = tl.sum(tl.where((offs_m == m)[:, None], pre_x.to(tl.float32), 0.0), axis=0)
             else:
                 # Rows past M re-read row M - 1; their results are never stored.
                 xr = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + k, mask=k_mask, other=0.0)
