@@ -273,3 +273,31 @@ def test_gpu_bfloat16_default_config_eager_and_graph(flags, rows):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+@needs_triton
+@pytest.mark.interpreter
+def test_prefetch_hint_changes_nothing():
+    # The L2 prefetch of another tensor is a hint (issued on CUDA only): the same bits.
+    problem = _problem(1, FLAGS["norm_bias_residual"], torch.float32)
+    plain = decode_gemv_triton(**problem)
+    hinted = decode_gemv_triton(**problem, prefetch=torch.ones(300, 7, device=_device()))
+    assert torch.equal(plain, hinted)
+    assert torch.equal(decode_gemv(**problem, prefetch=problem["weight"]), decode_gemv(**problem))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("partner", [(0, 0), (1, 1 << 20)], ids=["plain", "partner"])
+def test_gpu_prefetches_change_no_bit_under_pdl(monkeypatch, partner):
+    from mcore_kernels import decode_gemv_config
+
+    monkeypatch.setattr(decode_gemv_config, "PARTNER_PREFETCH_PROGRAMS", partner)
+    problem = _problem(
+        1, FLAGS["norm_swiglu_residual"], torch.bfloat16, n=896, k=4864, device="cuda"
+    )
+    expected = decode_gemv(**problem, pdl=False)
+    other = torch.randn(1000, 896, device="cuda").to(torch.bfloat16)
+    assert torch.equal(decode_gemv(**problem, pdl=True, prefetch=other), expected)
+    with pytest.raises(KernelShapeError, match="prefetch"):
+        decode_gemv(**problem, pdl=True, prefetch=other.t())

@@ -68,6 +68,7 @@ __all__ = [
     "FINAL_NORM_PDL",
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
+    "L2_PREFETCH_WEIGHTS",
     "LM_HEAD_GEMV_MAX_ROWS",
     "NORM_SWIGLU_PDL",
     "O_PROJ_SPLITS",
@@ -119,6 +120,11 @@ O_PROJ_SPLITS = (0, 512)
 post-attention add + RMSNorm sums the partials). 0 splits: cuBLAS's own GEMM."""
 SPLIT_SUM_MAX_HIDDEN = 8192
 """Widest hidden size whose down projection may take the split-K path (one row per program)."""
+L2_PREFETCH_WEIGHTS = False
+"""``decode_gemv`` steps request the gate/up weight of a layer into L2 from its q/k/v
+projection and the down weight from its gate/up projection (each program a share, before its
+own loads: ``decode_gemv(prefetch=)``), so that the larger projections read their weights
+from L2. A hint: the same values either way."""
 NORM_SWIGLU_PDL = False
 """Whether steps launched with PDL (up to :data:`GEMM_PDL_MAX_ROWS` tokens) launch their add +
 RMSNorm and SwiGLU kernels between the cuBLAS GEMMs with it too. Off: one H200, batch 64,
@@ -527,6 +533,7 @@ class FusedDecoder:
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
                     rope=rope,
+                    prefetch=fused.gate_up_weight if L2_PREFETCH_WEIGHTS else None,
                 )
                 if in_o_proj:
                     residual = self._attention_o_proj(
@@ -568,14 +575,16 @@ class FusedDecoder:
     @staticmethod
     def _mlp(layer: Any, fused: _FusedLayer, residual: torch.Tensor) -> torch.Tensor:
         """Post-attention norm, gate/up with SwiGLU, down and the residual add: two launches."""
+        down = layer.mlp.down_proj.weight
         activation = decode_gemv(
             residual,
             fused.gate_up_weight,
             norm_weight=layer.post_attention_norm.weight,
             norm_eps=layer.post_attention_norm.eps,
             swiglu=True,
+            prefetch=down if L2_PREFETCH_WEIGHTS and down.is_contiguous() else None,
         )
-        return decode_gemv(activation, layer.mlp.down_proj.weight, residual=residual)
+        return decode_gemv(activation, down, residual=residual)
 
     def _attention_in_o_proj(self) -> bool:
         """Whether this ``decode_gemv`` step merges its attention inside the o projection.

@@ -139,6 +139,7 @@ def decode_gemv_triton(
     config: GemvConfig | None = None,
     pdl: bool | None = None,
     rope: RotaryCacheWrite | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`decode_gemv` (fixed shapes, graph-safe).
 
@@ -156,6 +157,9 @@ def decode_gemv_triton(
             wait for that kernel before they read ``x``, ``residual`` or write anything (None:
             inside :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
         rope: Fold RoPE and the key/value cache write into a q/k/v projection (see
+            :func:`decode_gemv`).
+        prefetch: A contiguous tensor (the next projection's weight) whose bytes the programs
+            request into L2, an equal share each, before their own loads (see
             :func:`decode_gemv`).
 
     Returns:
@@ -242,6 +246,7 @@ def decode_gemv_triton(
         out.stride(0),
         float(norm_eps),
         *_rope_args(rope, dummy),
+        *_prefetch_args(prefetch, x),
     )
     constexprs = {
         "HAS_BIAS": bias is not None,
@@ -276,6 +281,8 @@ def decode_gemv_triton(
         "EARLY_SLOT": early and rope is not None and decode_gemv_config.ROPE_SLOTS_EARLY,
         "PARTNER_LINES": _partner_lines(config, grid_n * grid_m, k, x, rope, use_pdl),
         "LINE": 128 // x.element_size(),
+        # Lines of ``prefetch`` per program (0: none).
+        "PF_LINES": next_power_of_2(-(-args[-1] // grid_n)) if args[-1] else 0,
     }
     if config.num_stages is None:
         launcher = _GEMV_PDL if use_pdl else _GEMV
@@ -314,6 +321,19 @@ def decode_gemv_triton(
             device_index,
         )
     return out
+
+
+def _prefetch_args(prefetch: torch.Tensor | None, x: torch.Tensor) -> tuple:
+    """The kernel's prefetch arguments: the tensor and its 128-byte lines (on CUDA only; else a
+    dummy and 0)."""
+    if prefetch is None or not x.is_cuda:
+        return x, 0
+    if not prefetch.is_contiguous() or prefetch.dtype != x.dtype:
+        raise KernelShapeError(
+            f"prefetch {prefetch.dtype} with strides {prefetch.stride()}; expected a contiguous "
+            f"tensor of {x.dtype}"
+        )
+    return prefetch, -(-prefetch.numel() * prefetch.element_size() // 128)
 
 
 def _partner_lines(
@@ -372,6 +392,7 @@ def decode_gemv(
     residual: torch.Tensor | None = None,
     pdl: bool | None = None,
     rope: RotaryCacheWrite | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[RMSNorm] -> x @ weight.T + bias -> [SwiGLU] -> [+ residual]`` of a few rows.
 
@@ -395,6 +416,10 @@ def decode_gemv(
             (``[M, Hq * D]``) returned; the same values as the projection followed by
             ``rotary_kv_write``. Not with ``swiglu`` or ``residual``; not under
             ``torch.compile``.
+        prefetch: Optional contiguous tensor of the dtype of ``x`` (typically the weight of
+            a projection that follows): on CUDA the programs request its bytes into L2, an
+            equal share each, before their own weight loads, so that a later launch reads it
+            from L2. A hint: no value changes; ignored elsewhere and under ``torch.compile``.
 
     Returns:
         ``[M, N_out]`` in the dtype of ``x`` (with ``rope``, the rotated queries).
@@ -408,10 +433,10 @@ def decode_gemv(
     """
     _check_args(x, weight, bias, norm_weight, residual, swiglu, rope)
     if rope is not None:
-        return _decode_gemv_rope(x, weight, bias, norm_weight, norm_eps, pdl, rope)
+        return _decode_gemv_rope(x, weight, bias, norm_weight, norm_eps, pdl, rope, prefetch)
     if _compile.compiling():
         return _decode_gemv_op(x, weight, bias, norm_weight, float(norm_eps), swiglu, residual)
-    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual, pdl)
+    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual, pdl, prefetch)
 
 
 def _decode_gemv_run(
@@ -423,6 +448,7 @@ def _decode_gemv_run(
     swiglu: bool,
     residual: torch.Tensor | None,
     pdl: bool | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(
@@ -434,6 +460,7 @@ def _decode_gemv_run(
             swiglu=swiglu,
             residual=residual,
             pdl=pdl,
+            prefetch=prefetch,
         )
     return decode_gemv_reference(
         x,
@@ -454,6 +481,7 @@ def _decode_gemv_rope(
     norm_eps: float,
     pdl: bool | None,
     rope: RotaryCacheWrite,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(
@@ -464,6 +492,7 @@ def _decode_gemv_rope(
             norm_eps=norm_eps,
             pdl=pdl,
             rope=rope,
+            prefetch=prefetch,
         )
     qkv = decode_gemv_reference(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps)
     q, k, v = rope.split(qkv)

@@ -48,7 +48,20 @@ def _prefetch_partner(w_ptr, pid_n, N_OUT, K, stride_wn, PAIRED: tl.constexpr,
             prefetch_l2(w_ptr + up[:, None] + starts[None, :])
 
 
-@jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
+@jit
+def _prefetch_share(pf_ptr, pf_lines, pid, LINES: tl.constexpr, LINE: tl.constexpr):
+    """Request lines ``pid * LINES`` to ``pid * LINES + LINES - 1`` (of ``pf_lines`` lines of
+    ``LINE`` elements) of the tensor at ``pf_ptr`` into L2."""
+    first = pid * LINES
+    if first < pf_lines:
+        CHUNK: tl.constexpr = min(LINES, 128)
+        for chunk in tl.static_range(0, LINES, CHUNK):
+            lines = first + chunk + tl.arange(0, CHUNK)
+            lines = tl.where(lines < pf_lines, lines, first)
+            prefetch_l2(pf_ptr + lines.to(tl.int64) * LINE)
+
+
+@jit(do_not_specialize=("M", "N_OUT", "SPLIT_K", "pf_lines"))
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -81,6 +94,8 @@ def _gemv_kernel(
     stride_vc_head,
     NUM_Q_HEADS,
     NUM_KV_HEADS,
+    pf_ptr,
+    pf_lines,
     HAS_BIAS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -106,6 +121,7 @@ def _gemv_kernel(
     EARLY_SLOT: tl.constexpr = False,
     PARTNER_LINES: tl.constexpr = 0,
     LINE: tl.constexpr = 64,
+    PF_LINES: tl.constexpr = 0,
 ):
     if USE_PDL:
         # Let the next kernel's programs start (and prefetch their own weights) early.
@@ -113,6 +129,10 @@ def _gemv_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    if PF_LINES:
+        # Another weight (the next projection's) requested into L2, PF_LINES 128-byte lines
+        # per program, before this program's own loads (a hint, CUDA only).
+        _prefetch_share(pf_ptr, pf_lines, pid_n, PF_LINES, LINE)
     if PARTNER_LINES:
         # Programs of the first half of the grid request the weight rows of their partner in
         # the second half into L2 before anything else (a hint, CUDA only): the programs that
