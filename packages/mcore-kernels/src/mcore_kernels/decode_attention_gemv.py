@@ -76,15 +76,17 @@ ATTENTION_O_PROJ_BLOCK_N = 16
 """Output columns per program of the projection (each merges every head's splits)."""
 ATTENTION_O_PROJ_WARPS = 8
 """Warps per program of the projection."""
-ATTENTION_O_PROJ_IN_REGISTERS = True
+ATTENTION_O_PROJ_IN_REGISTERS = False
 """The projection multiplies the merged heads where they are, in registers (a ``[block_n,
 heads, head_dim]`` weight tile). False: through a scratch row in global memory (a store, a
 barrier and a dependent read back before the products)."""
-ATTENTION_O_PROJ_ALL_SPLITS = True
+ATTENTION_O_PROJ_ALL_SPLITS = False
 """Launches of at most :data:`ATTENTION_O_PROJ_MERGE_CHUNK` splits merge every split of the
 launch, without reading the context lengths first (the split kernel writes the exact -inf, 0
 and 0 of an empty split past a context, which the merge adds as exact zeros: the same bits).
 False: only the splits that hold the context, after a dependent read of its length."""
+ATTENTION_O_PROJ_MAX_REGISTERS = 0
+"""Registers per thread of the projection's programs (``maxnreg``; 0: the compiler's choice)."""
 ATTENTION_O_PROJ_MERGE_CHUNK = 16
 """Splits the projection's merge reads at once (a fixed size: the sums depend only on the
 token's context, never on the table width). One H200, the captured batch-1 step of the
@@ -390,6 +392,7 @@ def _attention_o_proj_run(
         and partial_max.shape[2] <= ATTENTION_O_PROJ_MERGE_CHUNK,
         num_warps=num_warps,
         **({"launch_pdl": True} if use_pdl else {}),
+        **({"maxnreg": ATTENTION_O_PROJ_MAX_REGISTERS} if ATTENTION_O_PROJ_MAX_REGISTERS else {}),
     )
     return out
 

@@ -31,11 +31,11 @@ WHOLE_ROW_WARPS = 8
 EARLY_TAIL = True
 """Programs whose reduction is one full ``block_k`` tile and a shorter tail (no split-K)
 request both tiles at once, before the PDL wait (False: the tail after the first products)."""
-NORM_INPUT_ONCE = True
+NORM_INPUT_ONCE = False
 """Vector tiles with a norm whose first tile holds the whole input row read the row once, right
 after the PDL wait, for both the norm's scales and the products (False: the scales' pass, then
 the products' read of the same row: two dependent round trips)."""
-TAIL_INPUT_EARLY = True
+TAIL_INPUT_EARLY = False
 """Vector tiles without a norm that have an early tail (:data:`EARLY_TAIL`) request the input
 slices of both tiles right after the PDL wait (False: the tail's after the first products)."""
 PARTNER_PREFETCH_PROGRAMS = (0, 0)
@@ -43,7 +43,7 @@ PARTNER_PREFETCH_PROGRAMS = (0, 0)
 RoPE) have each program of the first half of the grid request the weight rows of its partner
 in the second half into L2 before the wait, so that the programs that start only when the
 first ones finish (more programs than fit at once) read their weights from L2. ``(0, 0)``: off."""
-ROPE_SLOTS_EARLY = True
+ROPE_SLOTS_EARLY = False
 """q/k/v projections with RoPE and the cache write request the rows' cache slots right after
 the PDL wait, with the RoPE tables (False: in the epilogue, after the products)."""
 
@@ -66,6 +66,10 @@ class GemvConfig:
     """Tensor-core ``tl.dot`` over rows padded to 16 instead of one vector pass per row."""
     reduce: str = "ticket"
     """Split-K sum: ``"ticket"`` (last program of a tile, one launch) or ``"second_pass"``."""
+    max_registers: int = 0
+    """Registers per thread the compiler may use (``maxnreg``; 0: its own choice): a cap lets
+    more programs share a multiprocessor, so more of them request their weights before the
+    PDL wait."""
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -82,6 +86,10 @@ class GemvConfig:
             raise KernelValueError(f"GemvConfig.num_stages={self.num_stages}; expected >= 1")
         if self.split_k < 1:
             raise KernelValueError(f"GemvConfig.split_k={self.split_k}; expected >= 1")
+        if not 0 <= self.max_registers <= 255:
+            raise KernelValueError(
+                f"GemvConfig.max_registers={self.max_registers}; expected 0 (no cap) to 255"
+            )
         if self.reduce not in _REDUCES:
             raise KernelValueError(f"GemvConfig.reduce={self.reduce!r}; expected one of {_REDUCES}")
 

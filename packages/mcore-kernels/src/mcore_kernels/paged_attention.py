@@ -62,7 +62,7 @@ PREFETCH_KV_WITH_PDL = True
 """Under programmatic dependent launch, decode programs request their key and value rows into
 L2 before waiting for the previous kernel (a hint: no value changes). One H100, Qwen2.5-0.5B
 shape, batch 1 decode: 1419 against 1381 tokens/s, the same tokens."""
-ONE_TILE_TABLE_EARLY = True
+ONE_TILE_TABLE_EARLY = False
 """Splits of one tile (tensor-core products, one token per program) read their block-table
 entries together with the context length instead of after it (one dependent round trip less;
 the same operations and bits). False: the tile loop of every split."""
