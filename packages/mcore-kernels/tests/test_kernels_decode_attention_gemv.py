@@ -19,7 +19,6 @@ from mcore_kernels.paged_attention import (
     merge_splits,
     paged_attention,
     paged_attention_partials,
-    paged_attention_reference,
     paged_attention_triton,
 )
 
@@ -86,15 +85,8 @@ def _unfused(problem, split_size):
 
 @needs_triton
 @pytest.mark.interpreter
-@pytest.mark.parametrize("in_registers", [True, False], ids=["registers", "scratch"])
 @pytest.mark.parametrize(("contexts", "block_n"), [([1], 32), ([5, 13], 8)])
-def test_attention_o_proj_matches_reference_interpreted(
-    monkeypatch, contexts, block_n, in_registers
-):
-    # The product from the merged heads in registers, and through the scratch row.
-    from mcore_kernels import decode_attention_gemv
-
-    monkeypatch.setattr(decode_attention_gemv, "ATTENTION_O_PROJ_IN_REGISTERS", in_registers)
+def test_attention_o_proj_matches_reference_interpreted(contexts, block_n):
     problem = _problem(contexts, dtype=torch.float32, device="cpu")
     expected = _call(attention_o_proj_reference, problem)
     # Splits of 8 positions: the contexts of 13 merge two.
@@ -117,43 +109,6 @@ def test_attention_o_proj_bfloat16_interpreted_and_grid_independent():
     wider = {**problem, "block_tables": torch.cat([problem["block_tables"]] * 2, dim=1)}
     assert torch.equal(_call(attention_o_proj, wider, block_n=8, split_size=4), narrow)
     torch.testing.assert_close(narrow.float(), expected, rtol=2e-2, atol=2e-2)
-
-
-@needs_triton
-@pytest.mark.interpreter
-def test_merging_every_split_gives_the_bits_of_the_context_splits(monkeypatch):
-    # Launches of at most one merge chunk of splits merge them all (the empty ones add exact
-    # zeros) without reading the context lengths: the same bits as the context's splits only.
-    from mcore_kernels import decode_attention_gemv
-
-    problem = _problem([9, 3], dtype=torch.bfloat16, device="cpu", seed=3)
-    wider = {**problem, "block_tables": torch.cat([problem["block_tables"]] * 2, dim=1)}
-    every = _call(attention_o_proj, wider, block_n=8, split_size=4)
-    monkeypatch.setattr(decode_attention_gemv, "ATTENTION_O_PROJ_ALL_SPLITS", False)
-    assert torch.equal(_call(attention_o_proj, wider, block_n=8, split_size=4), every)
-
-
-@needs_triton
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_tile_splits_give_the_bits_of_the_tile_loop(monkeypatch, dtype):
-    # Splits of 16 positions, one tile each: the table read with the context length, the
-    # same bits as the tile loop (contexts of one block, of one split and a part, of three
-    # splits; a table wider than every context, whose extra entries are never attended).
-    from mcore_kernels import paged_attention as module
-
-    p = _problem([3, 21, 40], dtype=dtype, device="cpu", seed=4)
-    tables = torch.cat([p["block_tables"], p["block_tables"][:, :3]], dim=1)
-    args = (p["q"], p["k_cache"], p["v_cache"], tables, p["context_lens"])
-    one_tile = paged_attention_partials(*args, scale=p["scale"], split_size=16)
-    monkeypatch.setattr(module, "ONE_TILE_TABLE_EARLY", False)
-    looped = paged_attention_partials(*args, scale=p["scale"], split_size=16)
-    for new, old in zip(one_tile, looped, strict=True):
-        assert torch.equal(new, old)
-    merged = torch.empty_like(p["q"])
-    merge_splits(*one_tile, p["context_lens"], merged, split_size=16)
-    expected = paged_attention_reference(*args, scale=p["scale"])
-    torch.testing.assert_close(merged.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
 @needs_triton

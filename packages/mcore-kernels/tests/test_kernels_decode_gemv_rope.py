@@ -103,31 +103,6 @@ def test_triton_equals_projection_then_rotary_kv_write(rows, config):
     torch.testing.assert_close(cache, expected_cache, atol=1e-5, rtol=1e-5)
 
 
-@needs_triton
-@pytest.mark.parametrize("rows", [1, 3])
-def test_early_slots_and_input_give_the_same_bits(monkeypatch, rows):
-    # Cache slots with the RoPE tables and the input row read once, against the late reads.
-    from mcore_kernels import decode_gemv_config
-
-    problem = _problem(rows, torch.bfloat16, "cpu" if not torch.cuda.is_available() else "cuda")
-    outputs = []
-    for early in (True, False):
-        monkeypatch.setattr(decode_gemv_config, "ROPE_SLOTS_EARLY", early)
-        monkeypatch.setattr(decode_gemv_config, "NORM_INPUT_ONCE", early)
-        cache = problem["cache"].clone()
-        rotated = decode_gemv_triton(
-            problem["x"],
-            problem["weight"],
-            problem["bias"],
-            norm_weight=problem["norm_weight"],
-            config=GemvConfig(block_n=2, block_k=64),
-            rope=_rope(problem, cache),
-        )
-        outputs.append((rotated, cache))
-    assert torch.equal(outputs[0][0], outputs[1][0])
-    assert torch.equal(outputs[0][1], outputs[1][1])
-
-
 def test_torch_path_is_the_projection_then_rotary_kv_write(monkeypatch):
     problem = _problem(2, torch.float64, "cpu", bias=False)
     expected, expected_cache = _expected(problem, decode_gemv_reference, rotary_kv_write_reference)

@@ -64,13 +64,12 @@ from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
 __all__ = [
+    "ATTENTION_TICKET_MERGE",
     "DOWN_PROJ_SPLITS",
     "FINAL_NORM_IN_LM_HEAD",
     "FINAL_NORM_PDL",
     "GEMM_PDL_MAX_ROWS",
-    "ATTENTION_TICKET_MERGE",
     "GEMV_MAX_ROWS",
-    "L2_PREFETCH_WEIGHTS",
     "LM_HEAD_GEMV_MAX_ROWS",
     "NORM_SWIGLU_PDL",
     "O_PROJ_SPLITS",
@@ -122,11 +121,6 @@ O_PROJ_SPLITS = (0, 512)
 post-attention add + RMSNorm sums the partials). 0 splits: cuBLAS's own GEMM."""
 SPLIT_SUM_MAX_HIDDEN = 8192
 """Widest hidden size whose down projection may take the split-K path (one row per program)."""
-L2_PREFETCH_WEIGHTS = False
-"""``decode_gemv`` steps request the gate/up weight of a layer into L2 from its q/k/v
-projection and the down weight from its gate/up projection (each program a share, before its
-own loads: ``decode_gemv(prefetch=)``), so that the larger projections read their weights
-from L2. A hint: the same values either way."""
 ATTENTION_TICKET_MERGE = False
 """``decode_gemv`` steps with ``attention_in_o_proj`` run the attention splits with the ticket
 merge (the last split program of each key/value head merges) and the o projection as a plain
@@ -539,7 +533,6 @@ class FusedDecoder:
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
                     rope=rope,
-                    prefetch=fused.gate_up_weight if L2_PREFETCH_WEIGHTS else None,
                 )
                 if in_o_proj:
                     residual = self._attention_o_proj(
@@ -588,7 +581,6 @@ class FusedDecoder:
             norm_weight=layer.post_attention_norm.weight,
             norm_eps=layer.post_attention_norm.eps,
             swiglu=True,
-            prefetch=down if L2_PREFETCH_WEIGHTS and down.is_contiguous() else None,
         )
         return decode_gemv(activation, down, residual=residual)
 

@@ -55,14 +55,13 @@ from mcore_kernels._triton_utils import (
 from mcore_kernels._validation import check_paged_attention_args
 from mcore_kernels.decode_gemv_epilogues import _epilogue
 from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
-from mcore_kernels.paged_attention import _merge_rows, _merged_rows, paged_attention_partials
+from mcore_kernels.paged_attention import _merge_rows, paged_attention_partials
 from mcore_kernels.pdl import pdl_enabled, programmatic_dependent_launch
 from mcore_kernels.reference import attention_o_proj_reference
 
 __all__ = [
-    "ATTENTION_O_PROJ_ALL_SPLITS",
     "ATTENTION_O_PROJ_BLOCK_N",
-    "ATTENTION_O_PROJ_IN_REGISTERS",
+    "ATTENTION_O_PROJ_MAX_REGISTERS",
     "ATTENTION_O_PROJ_MERGE_CHUNK",
     "ATTENTION_O_PROJ_SPLIT",
     "ATTENTION_O_PROJ_WARPS",
@@ -76,15 +75,6 @@ ATTENTION_O_PROJ_BLOCK_N = 16
 """Output columns per program of the projection (each merges every head's splits)."""
 ATTENTION_O_PROJ_WARPS = 8
 """Warps per program of the projection."""
-ATTENTION_O_PROJ_IN_REGISTERS = False
-"""The projection multiplies the merged heads where they are, in registers (a ``[block_n,
-heads, head_dim]`` weight tile). False: through a scratch row in global memory (a store, a
-barrier and a dependent read back before the products)."""
-ATTENTION_O_PROJ_ALL_SPLITS = False
-"""Launches of at most :data:`ATTENTION_O_PROJ_MERGE_CHUNK` splits merge every split of the
-launch, without reading the context lengths first (the split kernel writes the exact -inf, 0
-and 0 of an empty split past a context, which the merge adds as exact zeros: the same bits).
-False: only the splits that hold the context, after a dependent read of its length."""
 ATTENTION_O_PROJ_MAX_REGISTERS = 0
 """Registers per thread of the projection's programs (``maxnreg``; 0: the compiler's choice)."""
 ATTENTION_O_PROJ_MERGE_CHUNK = 16
@@ -121,8 +111,6 @@ def _merge_o_proj_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
-    IN_REGISTERS: tl.constexpr = False,
-    ALL_SPLITS: tl.constexpr = False,
 ):
     if USE_PDL:
         gdc_launch_dependents()
@@ -134,21 +122,8 @@ def _merge_o_proj_kernel(
     offs_k = tl.arange(0, K_PAD)
     k_mask = offs_k < NUM_Q_HEADS * HEAD_DIM
     w_rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn
-    heads = tl.arange(0, ROWS)
-    row_ok = heads < NUM_Q_HEADS
     # The weight tile and the bias do not depend on the attention: requested first.
-    if IN_REGISTERS:
-        # [BLOCK_N, ROWS, HEAD_DIM_PAD]: column, head, channel (the merged rows' layout).
-        dims = tl.arange(0, HEAD_DIM_PAD)
-        inner = (heads * HEAD_DIM)[:, None] + dims[None, :]
-        inner_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
-        w = tl.load(
-            w_ptr + w_rows[:, None, None] + inner[None, :, :],
-            mask=inner_mask[None, :, :],
-            other=0.0,
-        )
-    else:
-        w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+    w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=k_mask[None, :], other=0.0)
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -161,32 +136,19 @@ def _merge_o_proj_kernel(
         residual = tl.load(
             res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=n_mask[None, :], other=0.0
         ).to(tl.float32)
-    if ALL_SPLITS:
-        # Every split of the launch (one chunk): those past the context hold the split
-        # kernel's exact -inf, 0 and 0, which add nothing; no dependent read of the length.
-        context = tl.zeros([], tl.int32) + num_splits * SPLIT_SIZE
-    else:
-        context = tl.load(ctx_ptr + token).to(tl.int32)
-    if IN_REGISTERS:
-        # Every head's merged output, rounded, multiplied where it is (no scratch round trip).
-        merged = _merged_rows(
-            partial_out_ptr, partial_max_ptr, partial_sum_ptr, tl.zeros([ROWS], tl.int32) + token,
-            heads, row_ok, tl.where(row_ok, context, 0), NUM_Q_HEADS, num_splits,
-            ROWS, HEAD_DIM, HEAD_DIM_PAD, SPLIT_SIZE, CHUNK,
-        )  # fmt: skip
-        x = merged.to(dtype).to(tl.float32)
-        products = tl.sum(tl.sum(w.to(tl.float32) * x[None, :, :], axis=2), axis=1)
-    else:
-        # Every head's merged output, rounded, into this program's scratch row ([Hq, D] flat).
-        scratch = scratch_ptr + (token * tl.num_programs(0) + pid_n) * K_PAD
-        _merge_rows(
-            partial_out_ptr, partial_max_ptr, partial_sum_ptr, scratch,
-            tl.zeros([ROWS], tl.int32) + token, heads, row_ok, tl.where(row_ok, context, 0),
-            NUM_Q_HEADS, num_splits, 0, HEAD_DIM, ROWS, HEAD_DIM, HEAD_DIM_PAD, SPLIT_SIZE, CHUNK,
-        )  # fmt: skip
-        tl.debug_barrier()
-        x = tl.load(scratch + offs_k, mask=k_mask, other=0.0)
-        products = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    heads = tl.arange(0, ROWS)
+    row_ok = heads < NUM_Q_HEADS
+    context = tl.load(ctx_ptr + token).to(tl.int32)
+    # Every head's merged output, rounded, into this program's scratch row ([Hq, D] flat).
+    scratch = scratch_ptr + (token * tl.num_programs(0) + pid_n) * K_PAD
+    _merge_rows(
+        partial_out_ptr, partial_max_ptr, partial_sum_ptr, scratch, tl.zeros([ROWS], tl.int32) + token,
+        heads, row_ok, tl.where(row_ok, context, 0), NUM_Q_HEADS, num_splits, 0, HEAD_DIM,
+        ROWS, HEAD_DIM, HEAD_DIM_PAD, SPLIT_SIZE, CHUNK,
+    )  # fmt: skip
+    tl.debug_barrier()
+    x = tl.load(scratch + offs_k, mask=k_mask, other=0.0)
+    products = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     _epilogue(
         products[None, :], products[None, :], bias_ptr, res_ptr, out_ptr, offs_m, offs_n,
         m_mask, N, stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, False, dtype,
@@ -357,10 +319,7 @@ def _attention_o_proj_run(
         )
     k_pad = next_power_of_2(heads * head_dim)
     grid = (triton.cdiv(n, block_n), tokens)
-    in_registers = ATTENTION_O_PROJ_IN_REGISTERS
-    scratch = out
-    if not in_registers:
-        scratch = torch.empty((tokens, grid[0], k_pad), dtype=q.dtype, device=q.device)
+    scratch = torch.empty((tokens, grid[0], k_pad), dtype=q.dtype, device=q.device)
     _merge_o_proj_kernel[grid](
         partial_out,
         partial_max,
@@ -387,9 +346,6 @@ def _attention_o_proj_run(
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         USE_PDL=use_pdl,
-        IN_REGISTERS=in_registers,
-        ALL_SPLITS=ATTENTION_O_PROJ_ALL_SPLITS
-        and partial_max.shape[2] <= ATTENTION_O_PROJ_MERGE_CHUNK,
         num_warps=num_warps,
         **({"launch_pdl": True} if use_pdl else {}),
         **({"maxnreg": ATTENTION_O_PROJ_MAX_REGISTERS} if ATTENTION_O_PROJ_MAX_REGISTERS else {}),

@@ -145,7 +145,6 @@ def decode_gemv_triton(
     config: GemvConfig | None = None,
     pdl: bool | None = None,
     rope: RotaryCacheWrite | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`decode_gemv` (fixed shapes, graph-safe).
 
@@ -163,9 +162,6 @@ def decode_gemv_triton(
             wait for that kernel before they read ``x``, ``residual`` or write anything (None:
             inside :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
         rope: Fold RoPE and the key/value cache write into a q/k/v projection (see
-            :func:`decode_gemv`).
-        prefetch: A contiguous tensor (the next projection's weight) whose bytes the programs
-            request into L2, an equal share each, before their own loads (see
             :func:`decode_gemv`).
 
     Returns:
@@ -206,21 +202,6 @@ def decode_gemv_triton(
     early_tail = (
         decode_gemv_config.EARLY_TAIL and split_k == 1 and config.block_k < k < 2 * config.block_k
     )
-    use_pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_supported(x.device)
-    early = split_k == 1 and (norm_weight is not None or use_pdl)
-    # Vector tiles read the input right after the wait: with a norm, the whole row once when
-    # the first tile holds it (for the scales and the products); without one, a tail's slice
-    # together with the first tile's.
-    vector = split_k == 1 and not config.use_dot
-    early_x = (
-        vector
-        and norm_weight is not None
-        and k <= config.block_k
-        and decode_gemv_config.NORM_INPUT_ONCE
-    )
-    early_x_tail = (
-        vector and norm_weight is None and early_tail and decode_gemv_config.TAIL_INPUT_EARLY
-    )
     second_pass = split_k > 1 and config.reduce == "second_pass"
     if second_pass and rope is not None:
         raise KernelValueError("rope with GemvConfig.reduce='second_pass'; expected 'ticket'")
@@ -232,6 +213,7 @@ def decode_gemv_triton(
     dummy = x
     interpreting = not x.is_cuda
     device_index = x.get_device()
+    use_pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_supported(x.device)
     args = (
         x,
         weight,
@@ -252,7 +234,6 @@ def decode_gemv_triton(
         out.stride(0),
         float(norm_eps),
         *_rope_args(rope, dummy),
-        *_prefetch_args(prefetch, x),
     )
     constexprs = {
         "HAS_BIAS": bias is not None,
@@ -279,16 +260,8 @@ def decode_gemv_triton(
         # The norm weight and bias with the first weight tile (before the PDL wait), the
         # residual or the RoPE tables right after it, instead of in the epilogue. One H200,
         # batch-1 decode of the Qwen2.5-0.5B shape: 1634 against 1580 tok/s.
-        "EARLY": early,
+        "EARLY": split_k == 1 and (norm_weight is not None or use_pdl),
         "EARLY_TAIL": early_tail,
-        "EARLY_X": early_x,
-        "EARLY_X_TAIL": early_x_tail,
-        # The RoPE epilogue's cache slots requested with the cosines and sines.
-        "EARLY_SLOT": early and rope is not None and decode_gemv_config.ROPE_SLOTS_EARLY,
-        "PARTNER_LINES": _partner_lines(config, grid_n * grid_m, k, x, rope, use_pdl),
-        "LINE": 128 // x.element_size(),
-        # Lines of ``prefetch`` per program (0: none).
-        "PF_LINES": next_power_of_2(-(-args[-1] // grid_n)) if args[-1] else 0,
     }
     if config.num_stages is None:
         launcher = _launcher(use_pdl, config.max_registers)
@@ -347,37 +320,6 @@ def _launcher(use_pdl: bool, max_registers: int) -> CachedLauncher:
     return launcher
 
 
-def _prefetch_args(prefetch: torch.Tensor | None, x: torch.Tensor) -> tuple:
-    """The kernel's prefetch arguments: the tensor and its 128-byte lines (on CUDA only; else a
-    dummy and 0)."""
-    if prefetch is None or not x.is_cuda:
-        return x, 0
-    if not prefetch.is_contiguous() or prefetch.dtype != x.dtype:
-        raise KernelShapeError(
-            f"prefetch {prefetch.dtype} with strides {prefetch.stride()}; expected a contiguous "
-            f"tensor of {x.dtype}"
-        )
-    return prefetch, -(-prefetch.numel() * prefetch.element_size() // 128)
-
-
-def _partner_lines(
-    config: GemvConfig,
-    programs: int,
-    k: int,
-    x: torch.Tensor,
-    rope: RotaryCacheWrite | None,
-    use_pdl: bool,
-) -> int:
-    """128-byte lines per weight row that the first half of the grid prefetches for the second
-    (:data:`~mcore_kernels.decode_gemv_config.PARTNER_PREFETCH_PROGRAMS`); 0: none."""
-    low, high = decode_gemv_config.PARTNER_PREFETCH_PROGRAMS
-    if not use_pdl or config.use_dot or config.split_k > 1 or rope is not None:
-        return 0
-    if not low <= programs <= high:
-        return 0
-    return next_power_of_2(-(-k * x.element_size() // 128))
-
-
 def _rope_args(rope: RotaryCacheWrite | None, dummy: torch.Tensor) -> tuple:
     """The kernel's RoPE arguments (pointers, strides, head counts); dummies without rope."""
     if rope is None:
@@ -416,7 +358,6 @@ def decode_gemv(
     residual: torch.Tensor | None = None,
     pdl: bool | None = None,
     rope: RotaryCacheWrite | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[RMSNorm] -> x @ weight.T + bias -> [SwiGLU] -> [+ residual]`` of a few rows.
 
@@ -440,10 +381,6 @@ def decode_gemv(
             (``[M, Hq * D]``) returned; the same values as the projection followed by
             ``rotary_kv_write``. Not with ``swiglu`` or ``residual``; not under
             ``torch.compile``.
-        prefetch: Optional contiguous tensor of the dtype of ``x`` (typically the weight of
-            a projection that follows): on CUDA the programs request its bytes into L2, an
-            equal share each, before their own weight loads, so that a later launch reads it
-            from L2. A hint: no value changes; ignored elsewhere and under ``torch.compile``.
 
     Returns:
         ``[M, N_out]`` in the dtype of ``x`` (with ``rope``, the rotated queries).
@@ -457,10 +394,10 @@ def decode_gemv(
     """
     _check_args(x, weight, bias, norm_weight, residual, swiglu, rope)
     if rope is not None:
-        return _decode_gemv_rope(x, weight, bias, norm_weight, norm_eps, pdl, rope, prefetch)
+        return _decode_gemv_rope(x, weight, bias, norm_weight, norm_eps, pdl, rope)
     if _compile.compiling():
         return _decode_gemv_op(x, weight, bias, norm_weight, float(norm_eps), swiglu, residual)
-    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual, pdl, prefetch)
+    return _decode_gemv_run(x, weight, bias, norm_weight, norm_eps, swiglu, residual, pdl)
 
 
 def _decode_gemv_run(
@@ -472,7 +409,6 @@ def _decode_gemv_run(
     swiglu: bool,
     residual: torch.Tensor | None,
     pdl: bool | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(
@@ -484,7 +420,6 @@ def _decode_gemv_run(
             swiglu=swiglu,
             residual=residual,
             pdl=pdl,
-            prefetch=prefetch,
         )
     return decode_gemv_reference(
         x,
@@ -505,7 +440,6 @@ def _decode_gemv_rope(
     norm_eps: float,
     pdl: bool | None,
     rope: RotaryCacheWrite,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
         return decode_gemv_triton(
@@ -516,7 +450,6 @@ def _decode_gemv_rope(
             norm_eps=norm_eps,
             pdl=pdl,
             rope=rope,
-            prefetch=prefetch,
         )
     qkv = decode_gemv_reference(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps)
     q, k, v = rope.split(qkv)

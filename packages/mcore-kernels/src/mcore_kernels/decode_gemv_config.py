@@ -10,10 +10,6 @@ from mcore_kernels.errors import KernelValueError
 
 __all__ = [
     "EARLY_TAIL",
-    "NORM_INPUT_ONCE",
-    "PARTNER_PREFETCH_PROGRAMS",
-    "ROPE_SLOTS_EARLY",
-    "TAIL_INPUT_EARLY",
     "WHOLE_ROW_MAX_K",
     "WHOLE_ROW_WARPS",
     "GemvConfig",
@@ -31,21 +27,6 @@ WHOLE_ROW_WARPS = 8
 EARLY_TAIL = True
 """Programs whose reduction is one full ``block_k`` tile and a shorter tail (no split-K)
 request both tiles at once, before the PDL wait (False: the tail after the first products)."""
-NORM_INPUT_ONCE = False
-"""Vector tiles with a norm whose first tile holds the whole input row read the row once, right
-after the PDL wait, for both the norm's scales and the products (False: the scales' pass, then
-the products' read of the same row: two dependent round trips)."""
-TAIL_INPUT_EARLY = False
-"""Vector tiles without a norm that have an early tail (:data:`EARLY_TAIL`) request the input
-slices of both tiles right after the PDL wait (False: the tail's after the first products)."""
-PARTNER_PREFETCH_PROGRAMS = (0, 0)
-"""``(low, high)``: vector-tile launches under PDL of ``low`` to ``high`` programs (no split-K, no
-RoPE) have each program of the first half of the grid request the weight rows of its partner
-in the second half into L2 before the wait, so that the programs that start only when the
-first ones finish (more programs than fit at once) read their weights from L2. ``(0, 0)``: off."""
-ROPE_SLOTS_EARLY = False
-"""q/k/v projections with RoPE and the cache write request the rows' cache slots right after
-the PDL wait, with the RoPE tables (False: in the epilogue, after the products)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -96,8 +96,6 @@ def _rope_epilogue(
     pre_cos,
     pre_sin,
     PRE: tl.constexpr,
-    pre_slot=None,
-    PRE_SLOT: tl.constexpr = False,
 ):
     """RoPE and the key/value cache write of a q/k/v tile of ``(first, second)``-half pairs.
 
@@ -105,7 +103,6 @@ def _rope_epilogue(
     Query heads are rotated and stored to ``out`` (``[M, NUM_Q_HEADS * 2 * HALF]``), key heads
     rotated and stored to the key cache, value heads stored to the value cache, each at the
     row's slot, with the roundings of :func:`mcore_kernels.rotary_kv_write.rotary_kv_write`.
-    With ``PRE_SLOT`` the rows' int64 slots come loaded already (``pre_slot``).
     """
     n_mask = offs_n < N_PAIRS
     head = offs_n // HALF
@@ -141,10 +138,7 @@ def _rope_epilogue(
     query_mask = mask & is_query[None, :]
     tl.store(target, first, mask=query_mask)
     tl.store(target + HALF, second, mask=query_mask)
-    if PRE_SLOT:
-        slot = pre_slot
-    else:
-        slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     kv_head = head - NUM_Q_HEADS
     key_target = (
         k_cache_ptr + slot[:, None] * stride_kc_slot + (kv_head * stride_kc_head + j)[None, :]
@@ -180,12 +174,6 @@ def _early_bias(bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS: tl.constexpr, ROPE: t
             if SWIGLU:
                 second = tl.load(bias_ptr + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     return first, second
-
-
-@jit
-def _early_slots(slot_ptr, offs_m, m_mask):
-    """The int64 cache slots of the tile's rows (the RoPE epilogue's stores)."""
-    return tl.load(slot_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
 
 
 @jit

@@ -6,62 +6,17 @@ from __future__ import annotations
 
 import torch
 
-from mcore_kernels._triton_utils import (
-    CachedLauncher,
-    gdc_launch_dependents,
-    gdc_wait,
-    jit,
-    prefetch_l2,
-    tl,
-)
+from mcore_kernels._triton_utils import CachedLauncher, gdc_launch_dependents, gdc_wait, jit, tl
 from mcore_kernels.decode_gemv_epilogues import (
     _early_bias,
     _early_inputs,
-    _early_slots,
     _epilogue,
     _rope_epilogue,
 )
-from mcore_kernels.decode_gemv_tiles import (
-    _accumulate,
-    _input_tile,
-    _load_tile,
-    _row_scales,
-    _tile_scales,
-)
+from mcore_kernels.decode_gemv_tiles import _accumulate, _load_tile, _row_scales
 
 
-@jit
-def _prefetch_partner(w_ptr, pid_n, N_OUT, K, stride_wn, PAIRED: tl.constexpr,
-                      BLOCK_N: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):  # fmt: skip
-    """Request the weight rows (and paired rows) of program ``pid_n + ceil(grid / 2)`` into
-    L2, ``LINES`` 128-byte lines of ``LINE`` elements per row."""
-    partner = pid_n + (tl.num_programs(0) + 1) // 2
-    if partner < tl.num_programs(0):
-        columns = partner * BLOCK_N + tl.arange(0, BLOCK_N)
-        columns = tl.where(columns < N_OUT, columns, partner * BLOCK_N)
-        starts = tl.arange(0, LINES) * LINE
-        starts = tl.where(starts < K, starts, 0)
-        rows = columns.to(tl.int64) * stride_wn
-        prefetch_l2(w_ptr + rows[:, None] + starts[None, :])
-        if PAIRED:
-            up = (columns + N_OUT).to(tl.int64) * stride_wn
-            prefetch_l2(w_ptr + up[:, None] + starts[None, :])
-
-
-@jit
-def _prefetch_share(pf_ptr, pf_lines, pid, LINES: tl.constexpr, LINE: tl.constexpr):
-    """Request lines ``pid * LINES`` to ``pid * LINES + LINES - 1`` (of ``pf_lines`` lines of
-    ``LINE`` elements) of the tensor at ``pf_ptr`` into L2."""
-    first = pid * LINES
-    if first < pf_lines:
-        CHUNK: tl.constexpr = min(LINES, 128)
-        for chunk in tl.static_range(0, LINES, CHUNK):
-            lines = first + chunk + tl.arange(0, CHUNK)
-            lines = tl.where(lines < pf_lines, lines, first)
-            prefetch_l2(pf_ptr + lines.to(tl.int64) * LINE)
-
-
-@jit(do_not_specialize=("M", "N_OUT", "SPLIT_K", "pf_lines"))
+@jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -94,8 +49,6 @@ def _gemv_kernel(
     stride_vc_head,
     NUM_Q_HEADS,
     NUM_KV_HEADS,
-    pf_ptr,
-    pf_lines,
     HAS_BIAS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -116,12 +69,6 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
     EARLY: tl.constexpr,
     EARLY_TAIL: tl.constexpr = False,
-    EARLY_X: tl.constexpr = False,
-    EARLY_X_TAIL: tl.constexpr = False,
-    EARLY_SLOT: tl.constexpr = False,
-    PARTNER_LINES: tl.constexpr = 0,
-    LINE: tl.constexpr = 64,
-    PF_LINES: tl.constexpr = 0,
 ):
     if USE_PDL:
         # Let the next kernel's programs start (and prefetch their own weights) early.
@@ -129,15 +76,6 @@ def _gemv_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    if PF_LINES:
-        # Another weight (the next projection's) requested into L2, PF_LINES 128-byte lines
-        # per program, before this program's own loads (a hint, CUDA only).
-        _prefetch_share(pf_ptr, pf_lines, pid_n, PF_LINES, LINE)
-    if PARTNER_LINES:
-        # Programs of the first half of the grid request the weight rows of their partner in
-        # the second half into L2 before anything else (a hint, CUDA only): the programs that
-        # only start once the first ones finish then read them from L2.
-        _prefetch_partner(w_ptr, pid_n, N_OUT, K, stride_wn, PAIRED, BLOCK_N, PARTNER_LINES, LINE)
     dtype = x_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -197,28 +135,13 @@ def _gemv_kernel(
                 res_ptr, cos_ptr, sin_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm,
                 stride_cos, stride_sin, HAS_RESIDUAL, ROPE, HALF,
             )  # fmt: skip
-        pre_slot = offs_m.to(tl.int64)
-        if EARLY_SLOT:
-            pre_slot = _early_slots(slot_ptr, offs_m, m_mask)
-        x_first = acc
-        x_tail = acc
-        if EARLY_X:
-            # The whole input row (the first tile holds it) read once after the wait, for the
-            # norm's scales and the products (set by the launcher for vector tiles).
-            x_first = _input_tile(x_ptr, offs_m, m_mask, first, k_end, stride_xm)
-        if EARLY_X_TAIL:
-            # The tail's input slice requested with the first tile's (vector tiles).
-            x_tail = _input_tile(x_ptr, offs_m, m_mask, k_full + offs_k, k_end, stride_xm)
         if HAS_NORM:
-            if EARLY_X:
-                scales = _tile_scales(x_first, K, eps)
-            else:
-                scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
+            scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
         acc, acc_up = _accumulate(
             acc, acc_up, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
             up_rows, first, k_end, M, stride_xm, pid_m,
             HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
-            gamma, EARLY and HAS_NORM, x_first, EARLY_X,
+            gamma, EARLY and HAS_NORM,
         )  # fmt: skip
         k_begin = tl.minimum(k_begin + BLOCK_K, k_end)
         k_full = tl.maximum(k_full, k_begin)
@@ -234,7 +157,7 @@ def _gemv_kernel(
             acc, acc_up, tail_w, tail_w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask,
             w_rows, up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,
             HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
-            scales, False, x_tail, EARLY_X_TAIL,
+            scales, False,
         )  # fmt: skip
     elif k_full < k_end:
         acc, acc_up = _accumulate(
@@ -251,7 +174,7 @@ def _gemv_kernel(
                     v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
                     stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
                     NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
-                    pre_bias, pre_bias_up, pre_cos, pre_sin, True, pre_slot, EARLY_SLOT,
+                    pre_bias, pre_bias_up, pre_cos, pre_sin, True,
                 )  # fmt: skip
             else:
                 _epilogue(

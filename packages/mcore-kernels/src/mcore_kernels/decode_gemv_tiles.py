@@ -25,24 +25,6 @@ def _row_scales(
 
 
 @jit
-def _input_tile(x_ptr, offs_m, m_mask, k, k_end, stride_xm):
-    """The ``[BLOCK_M, BLOCK_K]`` slice of the input rows at ``k`` (zeros past ``k_end``)."""
-    return tl.load(
-        x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-        mask=m_mask[:, None] & (k < k_end)[None, :],
-        other=0.0,
-    )
-
-
-@jit
-def _tile_scales(x, K, eps):
-    """``rsqrt(mean(x**2) + eps)`` of every row of a loaded ``[BLOCK_M, >= K]`` input tile
-    (zeros past ``K``), float32 ``[BLOCK_M]``: :func:`_row_scales` without a second read."""
-    xf = x.to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
-
-
-@jit
 def _load_tile(w_ptr, w_rows, up_rows, k, k_end, PAIRED: tl.constexpr, MASKED: tl.constexpr):
     """The ``[BLOCK_N, BLOCK_K]`` weight tile (and the paired tile: SwiGLU's up rows, RoPE's
     second halves) at ``k``."""
@@ -89,14 +71,8 @@ def _accumulate(
     PRELOADED: tl.constexpr,
     pre_gamma,
     PRE_GAMMA: tl.constexpr,
-    pre_x=None,
-    PRE_X: tl.constexpr = False,
 ):
-    """Add one ``BLOCK_K`` slice of the products to the accumulators (masked: the tail).
-
-    With ``PRE_X`` (vector path only) the ``[BLOCK_M, BLOCK_K]`` input slice comes loaded
-    already (``pre_x``, see :func:`_input_tile`) instead of being read here.
-    """
+    """Add one ``BLOCK_K`` slice of the products to the accumulators (masked: the tail)."""
     dtype = x_ptr.dtype.element_ty
     k_mask = k < k_end
     if not PRELOADED:
@@ -128,15 +104,8 @@ def _accumulate(
         wf_up = w_up.to(tl.float32)
         for row in tl.static_range(BLOCK_M):
             m = pid_m * BLOCK_M + row
-            if PRE_X:
-                if BLOCK_M == 1:
-                    xr = tl.reshape(pre_x, (pre_x.shape[1],))
-                else:
-                    # The row of the loaded slice (a sum of one value and zeros: exact).
-                    xr = tl.sum(tl.where((offs_m == m)[:, None], pre_x.to(tl.float32), 0.0), axis=0)
-            else:
-                # Rows past M re-read row M - 1; their results are never stored.
-                xr = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + k, mask=k_mask, other=0.0)
+            # Rows past M re-read row M - 1; their results are never stored.
+            xr = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + k, mask=k_mask, other=0.0)
             if HAS_NORM:
                 scale = tl.sum(tl.where(offs_m == m, scales, 0.0), axis=0)
                 xr = round_to(xr.to(tl.float32) * scale * gamma, dtype)

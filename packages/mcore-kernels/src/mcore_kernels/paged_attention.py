@@ -62,10 +62,6 @@ PREFETCH_KV_WITH_PDL = True
 """Under programmatic dependent launch, decode programs request their key and value rows into
 L2 before waiting for the previous kernel (a hint: no value changes). One H100, Qwen2.5-0.5B
 shape, batch 1 decode: 1419 against 1381 tokens/s, the same tokens."""
-ONE_TILE_TABLE_EARLY = False
-"""Splits of one tile (tensor-core products, one token per program) read their block-table
-entries together with the context length instead of after it (one dependent round trip less;
-the same operations and bits). False: the tile loop of every split."""
 MERGES = ("ticket", "kernel")
 """How :func:`paged_attention_triton` merges the splits of a token (see its ``merge``)."""
 DEFAULT_MERGE = "kernel"
@@ -184,77 +180,6 @@ def _attend_rows(
 
 
 @jit
-def _attend_one_tile(
-    q,
-    ctx_rows,
-    active,
-    table,
-    table_width,
-    k_ptr,
-    v_ptr,
-    kv_head,
-    stride_k_block,
-    stride_k_slot,
-    stride_k_head,
-    stride_v_block,
-    stride_v_slot,
-    stride_v_head,
-    scale,
-    split_start,
-    context,
-    ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr,
-    ALIGN: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    """:func:`_attend_rows` of a split that is one tile (tensor-core products, one token):
-    the same operations, but the tile's block-table entries are read without waiting for the
-    context length (every entry of the table row, masked by its width, not by the context;
-    positions past ``context`` are masked in the key and value reads as before). An empty
-    split gives the loop's -inf, 0 and 0."""
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = dims < HEAD_DIM
-    positions = split_start + tl.arange(0, TILE)
-    blocks = positions // BLOCK_SIZE
-    physical = tl.load(table + blocks, mask=blocks < table_width, other=0).to(tl.int64)
-    valid = positions < context
-    running_max = tl.full([ROWS], float("-inf"), tl.float32)
-    running_sum = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
-    slots = positions % BLOCK_SIZE
-    kv_mask = valid[:, None] & dim_mask[None, :]
-    k_rows = (physical * stride_k_block + slots * stride_k_slot + kv_head * stride_k_head) * ALIGN
-    k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    v_rows = (physical * stride_v_block + slots * stride_v_slot + kv_head * stride_v_head) * ALIGN
-    v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    if DOT_F32:
-        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-    else:
-        scores = tl.dot(q, tl.trans(k)) * scale
-    seen = active[:, None] & (positions[None, :] < ctx_rows[:, None])
-    scores = tl.where(seen, scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    correction = tl.exp(running_max - shift)
-    probs = tl.exp(scores - shift[:, None])
-    running_sum = running_sum * correction + tl.sum(probs, axis=1)
-    high = probs.to(v.dtype)
-    low = (probs - high.to(tl.float32)).to(v.dtype)
-    if DOT_F32:
-        v32 = v.to(tl.float32)
-        update = tl.dot(high.to(tl.float32), v32, input_precision="ieee")
-        update += tl.dot(low.to(tl.float32), v32, input_precision="ieee")
-    else:
-        update = tl.dot(high, v)
-        update += tl.dot(low, v)
-    acc = acc * correction[:, None] + update
-    return new_max, running_sum, acc
-
-
-@jit
 def _prefetch_kv(
     k_ptr,
     v_ptr,
@@ -348,42 +273,7 @@ def _merge_rows(
     SPLIT_SIZE: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Merge the splits of ``ROWS`` (token, head) rows (:func:`_merged_rows`) and store them."""
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = dims < HEAD_DIM
-    out = _merged_rows(
-        partial_out_ptr, partial_max_ptr, partial_sum_ptr, tokens, heads, row_ok, ctx_rows,
-        num_q_heads, num_splits, ROWS, HEAD_DIM, HEAD_DIM_PAD, SPLIT_SIZE, CHUNK,
-    )  # fmt: skip
-    tl.store(
-        out_ptr
-        + tokens[:, None] * stride_out_token
-        + heads[:, None] * stride_out_head
-        + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_mask[None, :],
-    )
-
-
-@jit
-def _merged_rows(
-    partial_out_ptr,
-    partial_max_ptr,
-    partial_sum_ptr,
-    tokens,
-    heads,
-    row_ok,
-    ctx_rows,
-    num_q_heads,
-    num_splits,
-    ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    SPLIT_SIZE: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """The merged float32 ``[ROWS, HEAD_DIM_PAD]`` outputs of ``ROWS`` (token, head) rows, from
-    their splits in chunks of ``CHUNK`` splits (rows not ``row_ok`` are zeros).
+    """Merge the splits of ``ROWS`` (token, head) rows in chunks of ``CHUNK`` splits.
 
     Only the splits that hold a row's context are read (the others count as exact zeros), in
     chunks of a fixed size: the sums do not depend on how many splits the launch has, so a
@@ -427,10 +317,18 @@ def _merged_rows(
         weight = tl.exp(split_max - shift[:, None])
         total_sum += tl.sum(split_sum * weight, axis=1)
         acc += tl.sum(split_out * weight[:, :, None], axis=1)
-    return acc / tl.where(row_ok, total_sum, 1.0)[:, None]
+    out = acc / tl.where(row_ok, total_sum, 1.0)[:, None]
+    tl.store(
+        out_ptr
+        + tokens[:, None] * stride_out_token
+        + heads[:, None] * stride_out_head
+        + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_mask[None, :],
+    )
 
 
-@jit(do_not_specialize=["num_tokens", "num_splits", "stride_table_token", "table_width"])
+@jit(do_not_specialize=["num_tokens", "num_splits", "stride_table_token"])
 def _paged_attention_split_kernel(
     q_ptr,
     k_ptr,
@@ -476,8 +374,6 @@ def _paged_attention_split_kernel(
     TICKET_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     PARTIALS: tl.constexpr = False,
-    ONE_TILE: tl.constexpr = False,
-    table_width=0,
 ):
     if USE_PDL:
         # Programmatic dependent launch: let the next kernel start, then wait for the previous
@@ -520,16 +416,7 @@ def _paged_attention_split_kernel(
     split_start = split * SPLIT_SIZE
     remaining = tl.minimum(tl.maximum(ctx_rows - split_start, 0), SPLIT_SIZE)
     table = block_tables_ptr + first * stride_table_token
-    if ONE_TILE:
-        # One tile per split, one token: the table entries are read with the context length.
-        running_max, running_sum, acc = _attend_one_tile(
-            q, ctx_rows, row_ok, table, table_width, k_ptr, v_ptr, kv_head,
-            stride_k_block, stride_k_slot, stride_k_head,
-            stride_v_block, stride_v_slot, stride_v_head,
-            scale, split_start, tl.max(ctx_rows, axis=0),
-            ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, ALIGN, DOT_F32,
-        )  # fmt: skip
-    elif TOKENS == 1:
+    if TOKENS == 1:
         running_max, running_sum, acc = _attend_rows(
             q, ctx_rows, row_ok, table, k_ptr, v_ptr, kv_head,
             stride_k_block, stride_k_slot, stride_k_head,
@@ -597,7 +484,7 @@ def _paged_attention_split_kernel(
         )
     else:
         # Row layout of the partials: [T, Hq, num_splits] (+ [D] for the outputs). Splits past
-        # a token's context hold -inf, 0 and 0 (exact zeros to a merge that reads them).
+        # a token's context are never read by the merge.
         row = (tokens * num_q_heads + heads) * num_splits + split
         tl.store(partial_max_ptr + row, running_max, mask=row_ok)
         tl.store(partial_sum_ptr + row, running_sum, mask=row_ok)
@@ -822,8 +709,7 @@ def paged_attention_partials(
     Returns:
         float32 ``(partial_out [T, Hq, S, D], partial_max [T, Hq, S], partial_sum [T, Hq,
         S])`` with ``S = ceil(max_blocks * block_size / split_size)``; splits past a token's
-        context hold a maximum of -inf, a sum of 0 and outputs of 0 (merging them adds exact
-        zeros).
+        context are left unwritten.
 
     Raises:
         KernelShapeError: If the shapes do not match or ``split_size`` is not a positive
@@ -912,7 +798,6 @@ def _launch_splits(
     tokens = rows // group_pad if dot and num_tokens >= config.prefill_tokens else 1
     grid = (-(-num_tokens // tokens), num_kv_heads, num_splits)
     use_pdl = pdl_enabled(q.device)
-    one_tile = ONE_TILE_TABLE_EARLY and dot and tokens == 1 and tile == split_size
     ticket_merge = merge == "ticket" and num_splits > 1
     tickets = _tickets(q.device, grid[0] * grid[1]) if ticket_merge else partial_max
     _paged_attention_split_kernel[grid](
@@ -955,8 +840,6 @@ def _launch_splits(
         TICKET_MERGE=ticket_merge,
         MERGE_CHUNK=MERGE_CHUNK,
         PARTIALS=partials_only,
-        ONE_TILE=one_tile,
-        table_width=block_tables.shape[1],
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
