@@ -204,7 +204,6 @@ def test_bad_arguments_raise(change, error, match):
         {"split_k": 0},
         {"reduce": "atomic"},
         {"use_dot": True, "block_n": 8},
-        {"max_registers": 256},
     ],
 )
 def test_config_validation(fields):

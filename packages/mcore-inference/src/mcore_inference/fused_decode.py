@@ -51,12 +51,11 @@ import torch.nn.functional as F
 
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.batch_invariant import is_batch_invariant
-from mcore_kernels.decode_attention_gemv import ATTENTION_O_PROJ_SPLIT, attention_o_proj
+from mcore_kernels.decode_attention_gemv import attention_o_proj
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.decode_rms_norm import decode_rms_norm
 from mcore_kernels.gather_rows import gather_row_pairs
 from mcore_kernels.moe.swiglu import swiglu
-from mcore_kernels.paged_attention import paged_attention_triton
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 from mcore_kernels.split_sum_rms_norm import split_k_partials, split_sum_add_rms_norm
@@ -64,7 +63,6 @@ from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
 
 __all__ = [
-    "ATTENTION_TICKET_MERGE",
     "DOWN_PROJ_SPLITS",
     "FINAL_NORM_IN_LM_HEAD",
     "FINAL_NORM_PDL",
@@ -121,10 +119,6 @@ O_PROJ_SPLITS = (0, 512)
 post-attention add + RMSNorm sums the partials). 0 splits: cuBLAS's own GEMM."""
 SPLIT_SUM_MAX_HIDDEN = 8192
 """Widest hidden size whose down projection may take the split-K path (one row per program)."""
-ATTENTION_TICKET_MERGE = False
-"""``decode_gemv`` steps with ``attention_in_o_proj`` run the attention splits with the ticket
-merge (the last split program of each key/value head merges) and the o projection as a plain
-``decode_gemv``, instead of every projection program merging the splits itself."""
 NORM_SWIGLU_PDL = False
 """Whether steps launched with PDL (up to :data:`GEMM_PDL_MAX_ROWS` tokens) launch their add +
 RMSNorm and SwiGLU kernels between the cuBLAS GEMMs with it too. Off: one H200, batch 64,
@@ -574,7 +568,6 @@ class FusedDecoder:
     @staticmethod
     def _mlp(layer: Any, fused: _FusedLayer, residual: torch.Tensor) -> torch.Tensor:
         """Post-attention norm, gate/up with SwiGLU, down and the residual add: two launches."""
-        down = layer.mlp.down_proj.weight
         activation = decode_gemv(
             residual,
             fused.gate_up_weight,
@@ -582,7 +575,7 @@ class FusedDecoder:
             norm_eps=layer.post_attention_norm.eps,
             swiglu=True,
         )
-        return decode_gemv(activation, down, residual=residual)
+        return decode_gemv(activation, layer.mlp.down_proj.weight, residual=residual)
 
     def _attention_in_o_proj(self) -> bool:
         """Whether this ``decode_gemv`` step merges its attention inside the o projection.
@@ -605,24 +598,6 @@ class FusedDecoder:
         """The attention of the rotated queries ``q`` and the o projection: the split kernel
         and the projection that merges the splits."""
         tables, lengths = kv_cache.step_tables()
-        if ATTENTION_TICKET_MERGE and q.is_cuda:
-            # The last split program of each head merges (one launch), then a plain projection.
-            attended = paged_attention_triton(
-                q.unflatten(-1, (-1, attention.head_dim)),
-                keys,
-                values,
-                tables,
-                lengths,
-                scale=attention.scale,
-                split_size=ATTENTION_O_PROJ_SPLIT,
-                merge="ticket",
-            )
-            return decode_gemv(
-                attended.flatten(-2),
-                attention.o_proj.weight,
-                attention.o_proj.bias,
-                residual=residual,
-            )
         return attention_o_proj(
             q.unflatten(-1, (-1, attention.head_dim)),
             keys,

@@ -61,7 +61,6 @@ from mcore_kernels.reference import attention_o_proj_reference
 
 __all__ = [
     "ATTENTION_O_PROJ_BLOCK_N",
-    "ATTENTION_O_PROJ_MAX_REGISTERS",
     "ATTENTION_O_PROJ_MERGE_CHUNK",
     "ATTENTION_O_PROJ_SPLIT",
     "ATTENTION_O_PROJ_WARPS",
@@ -75,8 +74,6 @@ ATTENTION_O_PROJ_BLOCK_N = 16
 """Output columns per program of the projection (each merges every head's splits)."""
 ATTENTION_O_PROJ_WARPS = 8
 """Warps per program of the projection."""
-ATTENTION_O_PROJ_MAX_REGISTERS = 0
-"""Registers per thread of the projection's programs (``maxnreg``; 0: the compiler's choice)."""
 ATTENTION_O_PROJ_MERGE_CHUNK = 16
 """Splits the projection's merge reads at once (a fixed size: the sums depend only on the
 token's context, never on the table width). One H200, the captured batch-1 step of the
@@ -348,7 +345,6 @@ def _attention_o_proj_run(
         USE_PDL=use_pdl,
         num_warps=num_warps,
         **({"launch_pdl": True} if use_pdl else {}),
-        **({"maxnreg": ATTENTION_O_PROJ_MAX_REGISTERS} if ATTENTION_O_PROJ_MAX_REGISTERS else {}),
     )
     return out
 

@@ -45,13 +45,7 @@ import torch
 
 from mcore_kernels import _compile, decode_gemv_config
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import (
-    CachedLauncher,
-    device_limits,
-    next_power_of_2,
-    pdl_supported,
-    triton,
-)
+from mcore_kernels._triton_utils import device_limits, next_power_of_2, pdl_supported, triton
 from mcore_kernels.decode_gemv_config import (
     WHOLE_ROW_MAX_K,
     WHOLE_ROW_WARPS,
@@ -264,12 +258,10 @@ def decode_gemv_triton(
         "EARLY_TAIL": early_tail,
     }
     if config.num_stages is None:
-        launcher = _launcher(use_pdl, config.max_registers)
+        launcher = _GEMV_PDL if use_pdl else _GEMV
         launcher((grid_n, split_k, grid_m), args, constexprs, config.num_warps, device_index)
     else:
-        options: dict = {"launch_pdl": True} if use_pdl else {}
-        if config.max_registers:
-            options["maxnreg"] = config.max_registers
+        options = {"launch_pdl": True} if use_pdl else {}
         _gemv_kernel[(grid_n, split_k, grid_m)](
             *args,
             **constexprs,
@@ -302,22 +294,6 @@ def decode_gemv_triton(
             device_index,
         )
     return out
-
-
-_CAPPED: dict[tuple[bool, int], CachedLauncher] = {}
-
-
-def _launcher(use_pdl: bool, max_registers: int) -> CachedLauncher:
-    """The cached launcher of the kernel under PDL or not, with a register cap or none."""
-    if not max_registers:
-        return _GEMV_PDL if use_pdl else _GEMV
-    launcher = _CAPPED.get((use_pdl, max_registers))
-    if launcher is None:
-        options: dict = {"maxnreg": max_registers}
-        if use_pdl:
-            options["launch_pdl"] = True
-        launcher = _CAPPED[(use_pdl, max_registers)] = CachedLauncher(_gemv_kernel, **options)
-    return launcher
 
 
 def _rope_args(rope: RotaryCacheWrite | None, dummy: torch.Tensor) -> tuple:

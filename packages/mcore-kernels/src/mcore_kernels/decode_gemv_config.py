@@ -47,10 +47,6 @@ class GemvConfig:
     """Tensor-core ``tl.dot`` over rows padded to 16 instead of one vector pass per row."""
     reduce: str = "ticket"
     """Split-K sum: ``"ticket"`` (last program of a tile, one launch) or ``"second_pass"``."""
-    max_registers: int = 0
-    """Registers per thread the compiler may use (``maxnreg``; 0: its own choice): a cap lets
-    more programs share a multiprocessor, so more of them request their weights before the
-    PDL wait."""
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -67,10 +63,6 @@ class GemvConfig:
             raise KernelValueError(f"GemvConfig.num_stages={self.num_stages}; expected >= 1")
         if self.split_k < 1:
             raise KernelValueError(f"GemvConfig.split_k={self.split_k}; expected >= 1")
-        if not 0 <= self.max_registers <= 255:
-            raise KernelValueError(
-                f"GemvConfig.max_registers={self.max_registers}; expected 0 (no cap) to 255"
-            )
         if self.reduce not in _REDUCES:
             raise KernelValueError(f"GemvConfig.reduce={self.reduce!r}; expected one of {_REDUCES}")
 
