@@ -10,6 +10,8 @@ float16; the GPU tests (``test_kernels_moe_grouped_mm_gpu.py``) cover bfloat16.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -69,19 +71,34 @@ def test_tile_schedule_lists_every_row_tile_of_every_expert():
     assert got == want
 
 
-@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"flatten": True},
+        {"flatten": True, "expert_columns": True},
+        {"defer": True},
+        {"defer": True, "expert_columns": True},
+    ],
+    ids=["plain", "flat", "flat-expert-columns", "deferred", "deferred-expert-columns"],
+)
 @pytest.mark.parametrize("transpose", [True, False])
-def test_m_grouped_mm_matches_reference(transpose, flatten):
+def test_m_grouped_mm_matches_reference(transpose, options):
     offsets = _offsets()
     rows, n, k = int(offsets[-1]), 48, 32
     a = _randn(rows, k, seed=1)
     w = _randn(len(COUNTS), *((n, k) if transpose else (k, n)), seed=2)
     tiles = PersistentTiles(
-        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, flatten=flatten
+        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, **options
     )
     got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=tiles)
     want = m_grouped_mm_reference(a, w, offsets, transpose_weight=transpose)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    # Every order and epilogue sums each element in the same order: bitwise the plain kernel.
+    plain = PersistentTiles(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+    torch.testing.assert_close(
+        got, m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=plain), rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("n", [32, 40], ids=["tma-store", "masked-store"])
@@ -101,19 +118,22 @@ def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(n):
 ALIGNED_COUNTS = [0, 16, 48, 0, 32, 0]
 
 
-@pytest.mark.parametrize("counts", [ALIGNED_COUNTS, [32, 32, 32], [0, 0]])
-def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts):
+@pytest.mark.parametrize("defer", [False, True], ids=["store", "deferred-store"])
+@pytest.mark.parametrize("counts", [ALIGNED_COUNTS, [32, 32, 32], [0, 0], [16]])
+def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts, defer):
     offsets = _offsets(counts)
     # Rows past the last expert (read by no chunk) hold NaN: they must not leak in.
     rows = int(offsets[-1]) + 16
     g, x = _randn(rows, 32, seed=11), _randn(rows, 48, seed=12)
     g[int(offsets[-1]) :] = float("nan")
-    got = k_grouped_mm(g, x, offsets, tiles=TILES, aligned=True)
+    tiles = replace(TILES, defer=defer)
+    got = k_grouped_mm(g, x, offsets, tiles=tiles, aligned=True)
     torch.testing.assert_close(got, k_grouped_mm_reference(g, x, offsets), rtol=2e-3, atol=2e-3)
     for expert, count in enumerate(counts):
         if count == 0:
             assert torch.count_nonzero(got[expert]) == 0
     # The same sums as the masked kernel, run to run bitwise.
+    assert torch.equal(got, k_grouped_mm(g, x, offsets, tiles=tiles, aligned=True))
     assert torch.equal(got, k_grouped_mm(g, x, offsets, tiles=TILES, aligned=True))
 
 

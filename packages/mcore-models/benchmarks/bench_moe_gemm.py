@@ -33,6 +33,7 @@ import json
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ from mcore_kernels.moe.expert_gemms import (
     choose_expert_gemms,
     triton_expert_gemms,
 )
+from mcore_kernels.moe.grouped_mm import PersistentTiles
 from mcore_kernels.moe.rows import aligned_rows
 
 GEMMS = ("gate_up", "down", "d_act", "d_x", "w_down", "w_gate_up")
@@ -263,6 +265,49 @@ def _padded(p: Problem, plan: ExpertGemms) -> dict[str, Callable[[], object]]:
     return _runner(padded, plan)
 
 
+_ROW_GEMMS = ("gate_up", "down", "d_act", "d_x")
+_WEIGHT_GEMMS = ("w_down", "w_gate_up")
+_TRITON_ROWS = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
+_TRITON_WEIGHTS = PersistentTiles(block_m=64, block_n=128, block_k=256, num_stages=3)
+
+VARIANTS: dict[str, tuple[PersistentTiles, PersistentTiles]] = {
+    "Triton base (rows: flattened 128x256, 4 stages; weights: aligned 128x256, 3 stages)": (
+        _TRITON_ROWS,
+        _TRITON_WEIGHTS,
+    ),
+    "Triton, rows 3 stages": (replace(_TRITON_ROWS, num_stages=3), _TRITON_WEIGHTS),
+    "Triton, rows in expert-column job order": (
+        replace(_TRITON_ROWS, expert_columns=True),
+        _TRITON_WEIGHTS,
+    ),
+    "Triton, deferred stores (rows 4 stages; weights 128x256, 3 stages)": (
+        replace(_TRITON_ROWS, defer=True, flatten=False),
+        replace(_TRITON_WEIGHTS, defer=True),
+    ),
+    "Triton, deferred stores (rows 3 stages; weights 128x128, 4 stages)": (
+        replace(_TRITON_ROWS, defer=True, flatten=False, num_stages=3),
+        replace(_TRITON_WEIGHTS, defer=True, block_k=128, num_stages=4),
+    ),
+    "Triton, deferred stores + expert-column order (weights 128x128, 3 stages)": (
+        replace(_TRITON_ROWS, defer=True, flatten=False, expert_columns=True),
+        replace(_TRITON_WEIGHTS, defer=True, block_k=128, num_stages=3),
+    ),
+}
+"""Kernel variants of this session (rows on packed rows, weight gradients on rows padded to
+64 per expert), named for the table: (row-GEMM tiles, weight-gradient tiles)."""
+
+
+def _variant(
+    p: Problem, rows: PersistentTiles, weights: PersistentTiles
+) -> dict[str, Callable[[], object]]:
+    """The four row GEMMs on ``rows`` (packed rows) and the two weight gradients on
+    ``weights`` (rows padded to 64 per expert, the unmasked aligned kernel)."""
+    plan = ExpertGemms(**dict.fromkeys(_ROW_GEMMS, rows), **dict.fromkeys(_WEIGHT_GEMMS, weights))
+    packed = _runner(p, plan)
+    padded = _padded(p, replace(plan, row_align=64))
+    return {gemm: packed[gemm] if gemm in _ROW_GEMMS else padded[gemm] for gemm in GEMMS}
+
+
 def _dense(p: Problem) -> dict[str, Callable[[], object]]:
     gu, d = p.w_gu[0], p.w_d[0]
     return {
@@ -305,6 +350,8 @@ def run_case(
         TRITON: _triton,
         CHOSEN: _chosen,
     }
+    for label, (rows_tiles, weight_tiles) in VARIANTS.items():
+        impls[label] = lambda q, r=rows_tiles, w=weight_tiles: _variant(q, r, w)
     if case["experts"] <= 16:
         impls["cuBLAS loop over experts"] = _loop
         impls["cuBLAS loop over experts, two streams"] = _loop_streams
@@ -332,6 +379,75 @@ def run_case(
         if emit is not None:
             emit(rows)
     return rows
+
+
+def best_plan(case: dict[str, int], rows: list[dict]) -> ExpertGemms:
+    """Per GEMM the fastest of the layer's plan and the Triton variants in ``rows``; the rows
+    padded to 64 per expert when a weight gradient runs on a variant's aligned kernel.
+
+    Args:
+        case: Shapes (hidden, experts, top_k, ffn, tokens).
+        rows: This case's rows of :func:`run_case`.
+
+    Returns:
+        The plan.
+    """
+    routed = case["tokens"] * case["top_k"]
+    plan = choose_expert_gemms(
+        routed, case["hidden"], case["ffn"], case["experts"], torch.device("cuda")
+    )
+    kernels: dict[str, tuple[float, object]] = {}
+    for row in rows:
+        if "ms" not in row:
+            continue
+        if row["impl"] == CHOSEN:
+            kernel: object = getattr(plan, row["gemm"])
+        elif row["impl"] in VARIANTS:
+            rows_tiles, weight_tiles = VARIANTS[row["impl"]]
+            kernel = rows_tiles if row["gemm"] in _ROW_GEMMS else weight_tiles
+        else:
+            continue
+        if row["gemm"] not in kernels or row["ms"] < kernels[row["gemm"]][0]:
+            kernels[row["gemm"]] = (row["ms"], kernel)
+    fields = {gemm: kernel for gemm, (_, kernel) in kernels.items()}
+    best = replace(plan, **fields)  # type: ignore[arg-type]
+    aligned = any(isinstance(getattr(best, gemm), PersistentTiles) for gemm in _WEIGHT_GEMMS)
+    return replace(best, row_align=64 if aligned else 1)
+
+
+def layer_ab(
+    name: str, case: dict[str, int], candidate: ExpertGemms, rounds: int = 3
+) -> dict[str, object]:
+    """Forward + backward of ``bench_moe.py``'s dropless layer on the shape's plan against
+    ``candidate``, alternating ``rounds`` times in one process (one layer, its plan switched).
+
+    Args:
+        name: Case name.
+        case: Shapes.
+        candidate: The plan to compare.
+        rounds: Alternations.
+
+    Returns:
+        ``{"case", "candidate", "plan_ms": [...], "candidate_ms": [...]}``.
+    """
+    from bench_moe import _moe, _time  # type: ignore[import-not-found]
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(
+        case["tokens"], case["hidden"], device=device, dtype=torch.bfloat16, generator=generator
+    )
+    grad = torch.randn_like(x)
+    layer = _moe(case, device)
+    result: dict[str, object] = {"case": name, "candidate": repr(candidate)}
+    plan_ms, candidate_ms = [], []
+    for _ in range(rounds):
+        for plan, times in ((None, plan_ms), (candidate, candidate_ms)):
+            layer.experts.gemm_plan = plan
+            times.append(_time(layer, x.detach().clone(), grad, 2, 6))
+    result.update(plan_ms=plan_ms, candidate_ms=candidate_ms)
+    print(f"{name}: layer A/B plan {plan_ms} candidate {candidate_ms}", flush=True)
+    return result
 
 
 def _markdown(device_name: str, rows: list[dict]) -> str:
@@ -382,6 +498,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--only", nargs="*", help="implementations containing one of these words (default: all)"
     )
+    parser.add_argument(
+        "--layer-ab",
+        action="store_true",
+        help="after each case, time the dropless layer on its plan against the fastest kernel "
+        "per GEMM of this run (alternating, moe_gemm_layer_ab.json)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -394,9 +516,20 @@ def main(argv: list[str] | None = None) -> None:
         (out / "moe_gemm.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / "moe_gemm.md").write_text(_markdown(device_name, every))
 
+    ab: list[dict[str, object]] = []
     for name in args.cases or list(CASES):
-        rows.extend(run_case(name, CASES[name], args.reps, write, args.only))
+        case_rows = run_case(name, CASES[name], args.reps, write, args.only)
+        rows.extend(case_rows)
         torch.cuda.empty_cache()
+        if args.layer_ab:
+            candidate = best_plan(CASES[name], case_rows)
+            try:
+                ab.append(layer_ab(name, CASES[name], candidate))
+            except Exception as exc:  # reported, not fatal
+                ab.append({"case": name, "error": f"{type(exc).__name__}: {exc}"})
+                traceback.print_exc()
+            (out / "moe_gemm_layer_ab.json").write_text(json.dumps(ab, indent=2) + "\n")
+            torch.cuda.empty_cache()
     print(_markdown(device_name, rows), flush=True)
 
 

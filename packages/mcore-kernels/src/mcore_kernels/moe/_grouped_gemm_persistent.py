@@ -79,12 +79,15 @@ def m_grouped_kernel(
     N,
     K,
     stride_cm,
+    ends_ptr,
     B_NK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
+    DEFER: tl.constexpr,
+    EXPERT_COLUMNS: tl.constexpr,
 ):
     """``C[rows of e] = A[rows of e] @ B[e]``.
 
@@ -94,18 +97,42 @@ def m_grouped_kernel(
     the column tiles of one row tile consecutive (they share the row tile through L2).
     ``FLATTEN``: the job and reduction loops become one pipelined loop, so the next tile's
     first loads overlap the current tile's epilogue.
+
+    ``DEFER``: one hand-flattened loop over the reduction steps of all of the program's jobs
+    that keeps a finished tile in registers (rounded to the output dtype) and stores it after
+    issuing the next tile's first product, so that the store runs while the tensor cores work.
+    ``EXPERT_COLUMNS``: the jobs of one expert are taken column tile by column
+    tile, its row tiles consecutive, so that the programs that read one column strip of the
+    expert's weights run side by side (``ends_ptr``: the experts' end rows).
     """
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(sched_ptr + 3 * max_tiles) * num_n
     dtype = c_ptr.dtype.element_ty
+    if DEFER:
+        _m_grouped_deferred(
+            a_desc,
+            b_desc,
+            c_ptr,
+            sched_ptr,
+            ends_ptr,
+            max_tiles,
+            N,
+            K,
+            stride_cm,
+            total,
+            B_NK,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            NUM_PROGRAMS,
+            EXPERT_COLUMNS,
+        )
+        return
     for job in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
-        tile = job // num_n
-        pid_n = job % num_n
-        expert = tl.load(sched_ptr + tile)
-        row_start = tl.load(sched_ptr + max_tiles + tile)
-        row_end = tl.load(sched_ptr + 2 * max_tiles + tile)
-        n0 = pid_n * BLOCK_N
+        expert, row_start, row_end, n0 = _m_job(
+            job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, BLOCK_N, EXPERT_COLUMNS
+        )
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(k_tiles):
             k0 = kk * BLOCK_K
@@ -121,6 +148,114 @@ def m_grouped_kernel(
         mask = (rows < row_end)[:, None] & (cols < N)[None, :]
         ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
         tl.store(ptrs, acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def _m_job(
+    job,
+    sched_ptr,
+    ends_ptr,
+    max_tiles,
+    num_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EXPERT_COLUMNS: tl.constexpr,
+):
+    """Expert, first row, end row (the expert's) and first column of row-grouped job ``job``."""
+    tile = job // num_n
+    pid_n = job % num_n
+    expert = tl.load(sched_ptr + tile)
+    row_start = tl.load(sched_ptr + max_tiles + tile)
+    row_end = tl.load(sched_ptr + 2 * max_tiles + tile)
+    if EXPERT_COLUMNS:
+        # The expert's jobs are the block [first_tile * num_n, (first_tile + tiles) * num_n):
+        # renumber the block column-major (row tiles of one column tile consecutive).
+        e_start = tl.load(ends_ptr + tl.maximum(expert - 1, 0), mask=expert > 0, other=0)
+        tiles = tl.cdiv(row_end - e_start, BLOCK_M)
+        first_tile = tile - (row_start - e_start) // BLOCK_M
+        local = job - first_tile * num_n
+        pid_n = local // tiles
+        row_start = e_start + (local % tiles) * BLOCK_M
+    return expert, row_start, row_end, pid_n * BLOCK_N
+
+
+@triton.jit
+def _m_grouped_deferred(
+    a_desc,
+    b_desc,
+    c_ptr,
+    sched_ptr,
+    ends_ptr,
+    max_tiles,
+    N,
+    K,
+    stride_cm,
+    total,
+    B_NK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    EXPERT_COLUMNS: tl.constexpr,
+):
+    """The ``DEFER`` loop of :func:`m_grouped_kernel`."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    dtype = c_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    my_jobs = tl.maximum(tl.cdiv(total - pid, NUM_PROGRAMS), 0)
+    zero = pid * 0
+    # Loop-carried scalars start as int32 tensors (their type must not change in the loop).
+    job = pid - NUM_PROGRAMS
+    kk = zero - 1
+    expert = zero
+    row_start = zero
+    row_end = zero
+    n0 = zero
+    pending = zero
+    done_start = zero
+    done_end = zero
+    done_n0 = zero
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    done = tl.zeros((BLOCK_M, BLOCK_N), dtype=dtype)
+    r = tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    for _ in range(0, my_jobs * k_tiles):
+        kk = tl.where(kk == k_tiles - 1, 0, kk + 1)
+        if kk == 0:
+            job += NUM_PROGRAMS
+            expert, row_start, row_end, n0 = _m_job(
+                job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, BLOCK_N, EXPERT_COLUMNS
+            )
+        k0 = kk * BLOCK_K
+        a = a_desc.load([row_start, k0])
+        if B_NK:
+            b = b_desc.load([expert * N + n0, k0])
+            acc = tl.dot(a, b.T, acc)
+        else:
+            b = b_desc.load([expert * K + k0, n0])
+            acc = tl.dot(a, b, acc)
+        if pending != 0:
+            # The previous tile, stored while this step's product runs.
+            rows = done_start + r
+            cols = done_n0 + c
+            mask = (rows < done_end)[:, None] & (cols < N)[None, :]
+            tl.store(
+                c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], done, mask=mask
+            )
+            pending = zero
+        if kk == k_tiles - 1:
+            done = acc.to(dtype)
+            done_start = row_start
+            done_end = row_end
+            done_n0 = n0
+            pending = zero + 1
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if pending != 0:
+        rows = done_start + r
+        cols = done_n0 + c
+        mask = (rows < done_end)[:, None] & (cols < N)[None, :]
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], done, mask=mask)
 
 
 @triton.jit
@@ -153,6 +288,7 @@ def k_grouped_kernel(
     TMA_STORE: tl.constexpr,
     ALIGNED: tl.constexpr,
     JOB_BLOCK: tl.constexpr,
+    DEFER: tl.constexpr,
 ):
     """``OUT[e] = G[rows of e].T @ X[rows of e]``: ``[N, K]`` per expert (``G`` ``[M, N]``,
     ``X`` ``[M, K]``), zero for an expert without rows.
@@ -162,6 +298,9 @@ def k_grouped_kernel(
     ``out_desc`` (``[E * N, K]``; needs ``N % BLOCK_N == 0``), else with masked stores.
     ``ALIGNED`` (with ``TMA_STORE``): every expert's row count is a multiple of ``BLOCK_R``,
     and the chunks run unmasked in one pipelined loop over all of the program's tiles.
+    ``DEFER`` (with ``ALIGNED``): a finished tile stays in registers (rounded to the output
+    dtype) and is stored after the next chunk's product is issued, so that its store runs
+    while the tensor cores work.
     """
     num_k = tl.cdiv(K, BLOCK_K)
     per_expert = tl.cdiv(N, BLOCK_N) * num_k
@@ -197,6 +336,10 @@ def k_grouped_kernel(
         n0 = zero
         k0 = zero
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        done = tl.zeros((BLOCK_N, BLOCK_K), dtype=out_ptr.dtype.element_ty)
+        pending = zero
+        done_row = zero
+        done_col = zero
         for _ in range(0, steps):
             chunk = tl.where(chunk == num_chunks - 1, 0, chunk + 1)
             if chunk == 0:
@@ -209,10 +352,29 @@ def k_grouped_kernel(
             g = g_desc.load([m0, n0])
             x = x_desc.load([m0, k0])
             acc = tl.dot(g.T, x, acc)
+            if DEFER:  # noqa: SIM102 (a constexpr branch around a runtime one)
+                if pending != 0:
+                    # The previous tile, stored while this chunk's product runs.
+                    out_desc.store([done_row, done_col], done)
+                    pending = zero
             if chunk == num_chunks - 1:
                 acc = tl.where(end > start, acc, tl.zeros_like(acc))
-                out_desc.store([expert * N + n0, k0], acc.to(g.dtype))
+                if DEFER:
+                    done = acc.to(g.dtype)
+                    done_row = expert * N + n0
+                    done_col = k0
+                    pending = zero + 1
+                else:
+                    out_desc.store([expert * N + n0, k0], acc.to(g.dtype))
                 acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if DEFER:  # noqa: SIM102 (a constexpr branch around a runtime one)
+            if pending != 0:
+                # The last tile, with pointer stores (a second TMA store would take another
+                # tile of shared memory).
+                ns = (done_row % N) + tl.arange(0, BLOCK_N)
+                ks = done_col + tl.arange(0, BLOCK_K)
+                base = out_ptr + (done_row // N).to(tl.int64) * N * K
+                tl.store(base + ns[:, None] * K + ks[None, :], done)
     else:
         dtype = out_ptr.dtype.element_ty
         r = tl.arange(0, BLOCK_R)

@@ -46,6 +46,12 @@ class PersistentTiles:
     """Software-pipelining depth of the operand loads."""
     flatten: bool = False
     """Flatten the job and reduction loops into one pipelined loop (:func:`m_grouped_mm`)."""
+    defer: bool = False
+    """Keep a finished tile in registers and store it while the next tile's first product
+    runs (:func:`m_grouped_mm`; :func:`k_grouped_mm` with ``aligned``)."""
+    expert_columns: bool = False
+    """Take each expert's row-grouped jobs column tile by column tile (its row tiles side by
+    side, sharing the weight strip they read; :func:`m_grouped_mm`)."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -194,12 +200,15 @@ def m_grouped_mm(
         n,
         k,
         out.stride(0),
+        offsets,
         B_NK=transpose_weight,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
         NUM_PROGRAMS=programs,
         FLATTEN=tiles.flatten,
+        DEFER=tiles.defer,
+        EXPERT_COLUMNS=tiles.expert_columns,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -280,6 +289,7 @@ def k_grouped_mm(
         TMA_STORE=tma_store,
         ALIGNED=aligned and tma_store,
         JOB_BLOCK=1024,
+        DEFER=tiles.defer and aligned and tma_store,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
