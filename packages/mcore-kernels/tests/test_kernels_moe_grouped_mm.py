@@ -113,6 +113,25 @@ def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(n):
             assert torch.count_nonzero(got[expert]) == 0
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["store", "deferred-store"])
+@pytest.mark.parametrize("counts", [COUNTS, [0, 0], [40]])
+def test_k_grouped_mm_on_device_descriptors_matches_reference_on_packed_rows(counts, defer):
+    # Packed rows (no padding), each expert read through descriptors made on the device:
+    # rows past an expert's end arrive as zeros; rows past the last expert hold NaN.
+    offsets = _offsets(counts)
+    rows = int(offsets[-1]) + 16
+    g, x = _randn(rows, 32, seed=13), _randn(rows, 48, seed=14)
+    g[int(offsets[-1]) :] = float("nan")
+    x[int(offsets[-1]) :] = float("nan")
+    tiles = replace(TILES, row_descriptors=True, defer=defer)
+    got = k_grouped_mm(g, x, offsets, tiles=tiles)
+    torch.testing.assert_close(got, k_grouped_mm_reference(g, x, offsets), rtol=2e-3, atol=2e-3)
+    for expert, count in enumerate(counts):
+        if count == 0:
+            assert torch.count_nonzero(got[expert]) == 0
+    assert torch.equal(got, k_grouped_mm(g, x, offsets, tiles=tiles))
+
+
 # Row counts that are multiples of the 16-row chunk (rows padded per expert, or equal slots):
 # empty experts first, in the middle and last, and one of several chunks.
 ALIGNED_COUNTS = [0, 16, 48, 0, 32, 0]

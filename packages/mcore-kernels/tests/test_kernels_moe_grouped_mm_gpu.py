@@ -163,3 +163,24 @@ def test_deferred_weight_gradients_equal_the_aligned_kernel_bitwise(block_k):
     assert torch.equal(got, k_grouped_mm(grad_gu, x, offsets, tiles=tiles, aligned=True))
     _close(got, torch._grouped_mm(grad_gu.t(), x, offs=offsets))
     assert torch.count_nonzero(got[[0, 7, EXPERTS - 1]]) == 0
+
+
+def test_weight_gradients_on_device_descriptors_match_grouped_mm_and_repeat_bitwise():
+    # Packed rows (any count per expert, experts without rows), each expert's rows read
+    # through descriptors made on the device, also from the autograd engine's thread.
+    offsets = _counts().cumsum(0).to(torch.int32).cuda()
+    rows = int(offsets[-1])
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, HIDDEN, **bf16)
+    grad_gu = torch.randn(rows, 2 * FFN, **bf16)
+    tiles = replace(WEIGHT_TILES, row_descriptors=True)
+    want = torch._grouped_mm(grad_gu.t(), x, offs=offsets)
+    got = k_grouped_mm(grad_gu, x, offsets, tiles=tiles)
+    _close(got, want)
+    assert torch.equal(got, k_grouped_mm(grad_gu, x, offsets, tiles=tiles))
+    assert torch.count_nonzero(got[[0, 7, EXPERTS - 1]]) == 0
+    plan = replace(ALL_TRITON, w_down=tiles, w_gate_up=tiles)
+    first, second, reference = _routed(plan), _routed(plan), _routed(None)
+    for a, b, c in zip(first, second, reference, strict=True):
+        assert torch.equal(a, b)
+        _close(a, c)

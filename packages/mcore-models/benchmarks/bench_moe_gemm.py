@@ -288,6 +288,18 @@ VARIANTS: dict[str, tuple[PersistentTiles, PersistentTiles]] = {
         replace(_TRITON_ROWS, defer=True, flatten=False, num_stages=3),
         replace(_TRITON_WEIGHTS, defer=True, block_k=128, num_stages=4),
     ),
+    "Triton, weights on packed rows (descriptors made on the device per expert)": (
+        _TRITON_ROWS,
+        replace(_TRITON_WEIGHTS, row_descriptors=True),
+    ),
+    "Triton, weights on packed rows, 4 stages 128x128": (
+        _TRITON_ROWS,
+        replace(_TRITON_WEIGHTS, row_descriptors=True, block_k=128, num_stages=4),
+    ),
+    "Triton, weights on packed rows, deferred stores 128x128, 4 stages": (
+        _TRITON_ROWS,
+        replace(_TRITON_WEIGHTS, row_descriptors=True, defer=True, block_k=128, num_stages=4),
+    ),
     "Triton, deferred stores + expert-column order (weights 128x128, 3 stages)": (
         replace(_TRITON_ROWS, defer=True, flatten=False, expert_columns=True),
         replace(_TRITON_WEIGHTS, defer=True, block_k=128, num_stages=3),
@@ -301,9 +313,12 @@ def _variant(
     p: Problem, rows: PersistentTiles, weights: PersistentTiles
 ) -> dict[str, Callable[[], object]]:
     """The four row GEMMs on ``rows`` (packed rows) and the two weight gradients on
-    ``weights`` (rows padded to 64 per expert, the unmasked aligned kernel)."""
+    ``weights`` (rows padded to 64 per expert, the unmasked aligned kernel; packed rows with
+    ``row_descriptors``)."""
     plan = ExpertGemms(**dict.fromkeys(_ROW_GEMMS, rows), **dict.fromkeys(_WEIGHT_GEMMS, weights))
     packed = _runner(p, plan)
+    if weights.row_descriptors:
+        return packed
     padded = _padded(p, replace(plan, row_align=64))
     return {gemm: packed[gemm] if gemm in _ROW_GEMMS else padded[gemm] for gemm in GEMMS}
 
@@ -411,7 +426,10 @@ def best_plan(case: dict[str, int], rows: list[dict]) -> ExpertGemms:
             kernels[row["gemm"]] = (row["ms"], kernel)
     fields = {gemm: kernel for gemm, (_, kernel) in kernels.items()}
     best = replace(plan, **fields)  # type: ignore[arg-type]
-    aligned = any(isinstance(getattr(best, gemm), PersistentTiles) for gemm in _WEIGHT_GEMMS)
+    aligned = any(
+        isinstance(kernel, PersistentTiles) and not kernel.row_descriptors
+        for kernel in (best.w_down, best.w_gate_up)
+    )
     return replace(best, row_align=64 if aligned else 1)
 
 

@@ -402,3 +402,104 @@ def k_grouped_kernel(
                 ks = k0 + tl.arange(0, BLOCK_K)
                 ptrs = out_ptr + expert.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :]
                 tl.store(ptrs, acc.to(dtype), mask=(ns < N)[:, None] & (ks < K)[None, :])
+
+
+@triton.jit
+def k_grouped_packed_kernel(
+    g_ptr,
+    x_ptr,
+    out_desc,
+    out_ptr,
+    ends_ptr,
+    num_experts,
+    N,
+    K,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    JOB_BLOCK: tl.constexpr,
+    DEFER: tl.constexpr,
+):
+    """``OUT[e] = G[rows of e].T @ X[rows of e]`` on packed rows (any row count per expert),
+    zero for an expert without rows.
+
+    Each output tile reads its expert's rows through tensor descriptors made on the device
+    over just those rows, so that the TMA unit fills the rows of the last chunk past the
+    expert's end with zeros: no chunk is masked, both operands stay in shared memory from TMA
+    to wgmma, and the chunks of all of the program's tiles run as one pipelined loop (as the
+    ``ALIGNED`` loop of :func:`k_grouped_kernel`, without padding rows). ``out_desc`` views the
+    output as ``[E * N, K]`` (``N % BLOCK_N == 0``). ``DEFER``: as in :func:`k_grouped_kernel`.
+    """
+    num_k = tl.cdiv(K, BLOCK_K)
+    per_expert = tl.cdiv(N, BLOCK_N) * num_k
+    pid = tl.program_id(0)
+    total_jobs = num_experts * per_expert
+    my_jobs = tl.cdiv(total_jobs - pid, NUM_PROGRAMS)
+    zero = pid * 0
+    steps = zero
+    for j0 in range(0, my_jobs, JOB_BLOCK):
+        i = j0 + tl.arange(0, JOB_BLOCK)
+        valid = i < my_jobs
+        e = (pid + i * NUM_PROGRAMS) // per_expert
+        e_end = tl.load(ends_ptr + e, mask=valid, other=0)
+        e_start = tl.load(ends_ptr + e - 1, mask=valid & (e > 0), other=0)
+        chunks = tl.maximum(tl.cdiv(e_end - e_start, BLOCK_R), 1)
+        steps += tl.sum(tl.where(valid, chunks, 0), axis=0)
+    job = pid - NUM_PROGRAMS
+    chunk = zero - 1
+    num_chunks = zero
+    expert = zero
+    start = zero
+    end = zero
+    n0 = zero
+    k0 = zero
+    g_e = tl.make_tensor_descriptor(g_ptr, [1, N], [N, 1], [BLOCK_R, BLOCK_N])
+    x_e = tl.make_tensor_descriptor(x_ptr, [1, K], [K, 1], [BLOCK_R, BLOCK_K])
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    done = tl.zeros((BLOCK_N, BLOCK_K), dtype=g_ptr.dtype.element_ty)
+    pending = zero
+    done_row = zero
+    done_col = zero
+    for _ in range(0, steps):
+        chunk = tl.where(chunk == num_chunks - 1, 0, chunk + 1)
+        if chunk == 0:
+            job += NUM_PROGRAMS
+            expert, n0, k0, start, end = _weight_job(
+                job, per_expert, num_k, ends_ptr, BLOCK_N, BLOCK_K
+            )
+            num_chunks = tl.maximum(tl.cdiv(end - start, BLOCK_R), 1)
+            # One row at least (a descriptor of no rows is not valid): an empty expert's
+            # single step is zeroed below.
+            rows = tl.maximum(end - start, 1)
+            g_e = tl.make_tensor_descriptor(
+                g_ptr + start.to(tl.int64) * N, [rows, N], [N, 1], [BLOCK_R, BLOCK_N]
+            )
+            x_e = tl.make_tensor_descriptor(
+                x_ptr + start.to(tl.int64) * K, [rows, K], [K, 1], [BLOCK_R, BLOCK_K]
+            )
+        g = g_e.load([chunk * BLOCK_R, n0])
+        x = x_e.load([chunk * BLOCK_R, k0])
+        acc = tl.dot(g.T, x, acc)
+        if DEFER:  # noqa: SIM102 (a constexpr branch around a runtime one)
+            if pending != 0:
+                out_desc.store([done_row, done_col], done)
+                pending = zero
+        if chunk == num_chunks - 1:
+            acc = tl.where(end > start, acc, tl.zeros_like(acc))
+            if DEFER:
+                done = acc.to(g.dtype)
+                done_row = expert * N + n0
+                done_col = k0
+                pending = zero + 1
+            else:
+                out_desc.store([expert * N + n0, k0], acc.to(g.dtype))
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if DEFER:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if pending != 0:
+            # The last tile, with pointer stores (a second TMA store would take another tile
+            # of shared memory).
+            ns = (done_row % N) + tl.arange(0, BLOCK_N)
+            ks = done_col + tl.arange(0, BLOCK_K)
+            base = out_ptr + (done_row // N).to(tl.int64) * N * K
+            tl.store(base + ns[:, None] * K + ks[None, :], done)

@@ -49,6 +49,10 @@ class PersistentTiles:
     defer: bool = False
     """Keep a finished tile in registers and store it while the next tile's first product
     runs (:func:`m_grouped_mm`; :func:`k_grouped_mm` with ``aligned``)."""
+    row_descriptors: bool = False
+    """Read each expert's rows through tensor descriptors made on the device over just those
+    rows (:func:`k_grouped_mm` on packed rows: the last chunk's rows past the expert's end
+    arrive as zeros, no chunk is masked, no padding rows are needed)."""
     expert_columns: bool = False
     """Take each expert's row-grouped jobs column tile by column tile (its row tiles side by
     side, sharing the weight strip they read; :func:`m_grouped_mm`)."""
@@ -109,6 +113,28 @@ def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.T
         BLOCK_T=block_t,
     )
     return sched
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch of a launch (the tensor descriptors its programs make on the device)."""
+    del alignment, stream
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Give Triton an allocator for kernels that make tensor descriptors on the device, unless
+    the caller has set one (the setting is per thread: the autograd engine's threads need
+    their own)."""
+    import triton
+
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+
+        unset = isinstance(_allocator.get(), NullAllocator)
+    except (ImportError, AttributeError):  # another Triton layout: set ours
+        unset = True
+    if unset:
+        triton.set_allocator(_scratch)
 
 
 def _check(name: str, tensor: torch.Tensor, dim: int) -> None:
@@ -267,12 +293,42 @@ def k_grouped_mm(
         return out.zero_()
     g, x = _tma_ready(g), _tma_ready(x)
     br, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    g_desc = TensorDescriptor.from_tensor(g, [br, bn])
-    x_desc = TensorDescriptor.from_tensor(x, [br, bk])
     tma_store = n % bn == 0
     out_desc = TensorDescriptor.from_tensor(out.view(experts * n, k), [bn, bk])
     jobs = experts * triton.cdiv(n, bn) * triton.cdiv(k, bk)
     programs = _programs(g.device, tiles, jobs)
+    if (
+        tiles.row_descriptors
+        and not aligned
+        and tma_store
+        and g.is_contiguous()
+        and x.is_contiguous()
+    ):
+        from mcore_kernels.moe._grouped_gemm_persistent import k_grouped_packed_kernel
+
+        if g.device.type == "cuda":
+            _ensure_allocator()
+        k_grouped_packed_kernel[(programs,)](
+            g,
+            x,
+            out_desc,
+            out,
+            offsets,
+            experts,
+            n,
+            k,
+            BLOCK_R=br,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            NUM_PROGRAMS=programs,
+            JOB_BLOCK=1024,
+            DEFER=tiles.defer,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
+        return out
+    g_desc = TensorDescriptor.from_tensor(g, [br, bn])
+    x_desc = TensorDescriptor.from_tensor(x, [br, bk])
     k_grouped_kernel[(programs,)](
         g_desc,
         x_desc,
