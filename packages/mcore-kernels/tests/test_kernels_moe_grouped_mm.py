@@ -79,8 +79,18 @@ def test_tile_schedule_lists_every_row_tile_of_every_expert():
         {"flatten": True, "expert_columns": True},
         {"defer": True},
         {"defer": True, "expert_columns": True},
+        {"tma_store": True},
+        {"tma_store": True, "expert_columns": True},
     ],
-    ids=["plain", "flat", "flat-expert-columns", "deferred", "deferred-expert-columns"],
+    ids=[
+        "plain",
+        "flat",
+        "flat-expert-columns",
+        "deferred",
+        "deferred-expert-columns",
+        "tma-store",
+        "tma-store-expert-columns",
+    ],
 )
 @pytest.mark.parametrize("transpose", [True, False])
 def test_m_grouped_mm_matches_reference(transpose, options):

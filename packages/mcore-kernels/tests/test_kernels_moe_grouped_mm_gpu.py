@@ -125,8 +125,20 @@ def test_aligned_weight_gradients_match_grouped_mm_and_repeat_bitwise():
 
 @pytest.mark.parametrize(
     "options",
-    [{"defer": True}, {"expert_columns": True}, {"defer": True, "expert_columns": True}],
-    ids=["deferred", "expert-columns", "deferred-expert-columns"],
+    [
+        {"defer": True},
+        {"expert_columns": True},
+        {"defer": True, "expert_columns": True},
+        {"tma_store": True, "num_stages": 3},
+        {"tma_store": True, "num_stages": 3, "expert_columns": True},
+    ],
+    ids=[
+        "deferred",
+        "expert-columns",
+        "deferred-expert-columns",
+        "tma-store",
+        "tma-store-expert-columns",
+    ],
 )
 def test_row_grouped_options_equal_the_plain_kernel_bitwise(options):
     # Deferred stores and the expert-column job order change when and where a tile is

@@ -1,7 +1,7 @@
 """Persistent Triton grouped GEMMs for Hopper (launchers in :mod:`mcore_kernels.moe.grouped_mm`).
 
 Rows ``ends[e - 1]:ends[e]`` of the row matrix belong to expert ``e`` (from row 0 for the
-first). Three kernels:
+first). Four kernels:
 
 - :func:`tile_schedule_kernel` lists every row tile of every expert (expert, first row, end
   row) and the number of tiles, on the device: the group sizes never reach the host.
@@ -16,6 +16,9 @@ first). Three kernels:
   reducing over the rows of the expert; both operands of the last, partial row chunk are
   masked, so that the next rows (another expert's, or rows no expert owns, which may hold
   anything) add nothing.
+- :func:`k_grouped_packed_kernel`: the same product on packed rows, each expert's rows read
+  through tensor descriptors made on the device (the last chunk's rows past the expert's end
+  arrive as zeros: no masks, no padding rows).
 
 Every output element is written by one program, without atomics: results are bitwise
 reproducible run to run.
@@ -28,6 +31,7 @@ import triton.language as tl
 
 __all__ = [
     "k_grouped_kernel",
+    "k_grouped_packed_kernel",
     "m_grouped_kernel",
     "tile_schedule_kernel",
 ]
@@ -88,6 +92,7 @@ def m_grouped_kernel(
     FLATTEN: tl.constexpr,
     DEFER: tl.constexpr,
     EXPERT_COLUMNS: tl.constexpr,
+    TMA_STORE: tl.constexpr,
 ):
     """``C[rows of e] = A[rows of e] @ B[e]``.
 
@@ -104,13 +109,16 @@ def m_grouped_kernel(
     ``EXPERT_COLUMNS``: the jobs of one expert are taken column tile by column
     tile, its row tiles consecutive, so that the programs that read one column strip of the
     expert's weights run side by side (``ends_ptr``: the experts' end rows).
+    ``TMA_STORE`` (without ``DEFER``): each tile is stored by the TMA unit through a
+    tensor descriptor made on the device over its expert's rows of ``C`` (the rows past the
+    expert's end are dropped), in the same hand-flattened loop as ``DEFER``.
     """
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(sched_ptr + 3 * max_tiles) * num_n
     dtype = c_ptr.dtype.element_ty
-    if DEFER:
-        _m_grouped_deferred(
+    if DEFER or TMA_STORE:
+        _m_grouped_flat(
             a_desc,
             b_desc,
             c_ptr,
@@ -127,6 +135,7 @@ def m_grouped_kernel(
             BLOCK_K,
             NUM_PROGRAMS,
             EXPERT_COLUMNS,
+            DEFER,
         )
         return
     for job in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
@@ -180,7 +189,7 @@ def _m_job(
 
 
 @triton.jit
-def _m_grouped_deferred(
+def _m_grouped_flat(
     a_desc,
     b_desc,
     c_ptr,
@@ -197,8 +206,9 @@ def _m_grouped_deferred(
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     EXPERT_COLUMNS: tl.constexpr,
+    DEFER: tl.constexpr,
 ):
-    """The ``DEFER`` loop of :func:`m_grouped_kernel`."""
+    """The hand-flattened loop of :func:`m_grouped_kernel` (``DEFER``, else ``TMA_STORE``)."""
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     dtype = c_ptr.dtype.element_ty
@@ -216,10 +226,12 @@ def _m_grouped_deferred(
     done_start = zero
     done_end = zero
     done_n0 = zero
+    e_start = zero
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     done = tl.zeros((BLOCK_M, BLOCK_N), dtype=dtype)
     r = tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_N)
+    c_desc = tl.make_tensor_descriptor(c_ptr, [1, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
     for _ in range(0, my_jobs * k_tiles):
         kk = tl.where(kk == k_tiles - 1, 0, kk + 1)
         if kk == 0:
@@ -227,6 +239,15 @@ def _m_grouped_deferred(
             expert, row_start, row_end, n0 = _m_job(
                 job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, BLOCK_N, EXPERT_COLUMNS
             )
+            if not DEFER:
+                # The expert's rows of C: the TMA store drops the tile's rows past its end.
+                e_start = tl.load(ends_ptr + tl.maximum(expert - 1, 0), mask=expert > 0, other=0)
+                c_desc = tl.make_tensor_descriptor(
+                    c_ptr + e_start.to(tl.int64) * stride_cm,
+                    [row_end - e_start, N],
+                    [stride_cm, 1],
+                    [BLOCK_M, BLOCK_N],
+                )
         k0 = kk * BLOCK_K
         a = a_desc.load([row_start, k0])
         if B_NK:
@@ -235,7 +256,7 @@ def _m_grouped_deferred(
         else:
             b = b_desc.load([expert * K + k0, n0])
             acc = tl.dot(a, b, acc)
-        if pending != 0:
+        if DEFER and pending != 0:
             # The previous tile, stored while this step's product runs.
             rows = done_start + r
             cols = done_n0 + c
@@ -245,13 +266,16 @@ def _m_grouped_deferred(
             )
             pending = zero
         if kk == k_tiles - 1:
-            done = acc.to(dtype)
-            done_start = row_start
-            done_end = row_end
-            done_n0 = n0
-            pending = zero + 1
+            if DEFER:
+                done = acc.to(dtype)
+                done_start = row_start
+                done_end = row_end
+                done_n0 = n0
+                pending = zero + 1
+            else:
+                c_desc.store([row_start - e_start, n0], acc.to(dtype))
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if pending != 0:
+    if DEFER and pending != 0:
         rows = done_start + r
         cols = done_n0 + c
         mask = (rows < done_end)[:, None] & (cols < N)[None, :]

@@ -53,6 +53,10 @@ class PersistentTiles:
     """Read each expert's rows through tensor descriptors made on the device over just those
     rows (:func:`k_grouped_mm` on packed rows: the last chunk's rows past the expert's end
     arrive as zeros, no chunk is masked, no padding rows are needed)."""
+    tma_store: bool = False
+    """Store each row tile with the TMA unit through a descriptor made on the device over its
+    expert's rows (:func:`m_grouped_mm`; the rows past the expert's end are dropped by the
+    TMA unit), in a hand-flattened job loop."""
     expert_columns: bool = False
     """Take each expert's row-grouped jobs column tile by column tile (its row tiles side by
     side, sharing the weight strip they read; :func:`m_grouped_mm`)."""
@@ -217,6 +221,8 @@ def m_grouped_mm(
     else:
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
     programs = _programs(a.device, tiles, max_tiles * triton.cdiv(n, bn))
+    if tiles.tma_store and a.device.type == "cuda":
+        _ensure_allocator()
     m_grouped_kernel[(programs,)](
         a_desc,
         b_desc,
@@ -235,6 +241,7 @@ def m_grouped_mm(
         FLATTEN=tiles.flatten,
         DEFER=tiles.defer,
         EXPERT_COLUMNS=tiles.expert_columns,
+        TMA_STORE=tiles.tma_store,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
