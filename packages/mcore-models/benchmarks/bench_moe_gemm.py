@@ -292,25 +292,21 @@ VARIANTS: dict[str, tuple[PersistentTiles, PersistentTiles]] = {
         replace(_TRITON_ROWS, defer=True, flatten=False),
         replace(_TRITON_WEIGHTS, defer=True),
     ),
-    "Triton, deferred stores (rows 3 stages; weights 128x128, 4 stages)": (
-        replace(_TRITON_ROWS, defer=True, flatten=False, num_stages=3),
+    "Triton, weights deferred stores 128x128, 4 stages": (
+        _TRITON_ROWS,
         replace(_TRITON_WEIGHTS, defer=True, block_k=128, num_stages=4),
     ),
     "Triton, weights on packed rows (descriptors made on the device per expert)": (
         _TRITON_ROWS,
         replace(_TRITON_WEIGHTS, row_descriptors=True),
     ),
-    "Triton, weights on packed rows, 4 stages 128x128": (
+    "Triton, weights on packed rows, 128x128, 4 stages": (
         _TRITON_ROWS,
         replace(_TRITON_WEIGHTS, row_descriptors=True, block_k=128, num_stages=4),
     ),
     "Triton, weights on packed rows, deferred stores 128x128, 4 stages": (
         _TRITON_ROWS,
         replace(_TRITON_WEIGHTS, row_descriptors=True, defer=True, block_k=128, num_stages=4),
-    ),
-    "Triton, deferred stores + expert-column order (weights 128x128, 3 stages)": (
-        replace(_TRITON_ROWS, defer=True, flatten=False, expert_columns=True),
-        replace(_TRITON_WEIGHTS, defer=True, block_k=128, num_stages=3),
     ),
 }
 """Kernel variants of this session (rows on packed rows, weight gradients on rows padded to
