@@ -280,12 +280,16 @@ VARIANTS: dict[str, tuple[PersistentTiles, PersistentTiles]] = {
         replace(_TRITON_ROWS, expert_columns=True),
         _TRITON_WEIGHTS,
     ),
-    "Triton, rows stored by TMA (descriptors made on the device; 3 stages)": (
+    "Triton, rows stored by TMA (descriptors made on the device; 4 stages)": (
+        replace(_TRITON_ROWS, tma_store=True, flatten=False),
+        _TRITON_WEIGHTS,
+    ),
+    "Triton, rows stored by TMA, 3 stages": (
         replace(_TRITON_ROWS, tma_store=True, flatten=False, num_stages=3),
         _TRITON_WEIGHTS,
     ),
-    "Triton, rows stored by TMA + expert-column order (3 stages)": (
-        replace(_TRITON_ROWS, tma_store=True, flatten=False, num_stages=3, expert_columns=True),
+    "Triton, rows stored by TMA + expert-column order (4 stages)": (
+        replace(_TRITON_ROWS, tma_store=True, flatten=False, expert_columns=True),
         _TRITON_WEIGHTS,
     ),
     "Triton, deferred stores (rows 4 stages; weights 128x256, 3 stages)": (

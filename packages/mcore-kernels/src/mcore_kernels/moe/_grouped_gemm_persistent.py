@@ -109,9 +109,10 @@ def m_grouped_kernel(
     ``EXPERT_COLUMNS``: the jobs of one expert are taken column tile by column
     tile, its row tiles consecutive, so that the programs that read one column strip of the
     expert's weights run side by side (``ends_ptr``: the experts' end rows).
-    ``TMA_STORE`` (without ``DEFER``): each tile is stored by the TMA unit through a
-    tensor descriptor made on the device over its expert's rows of ``C`` (the rows past the
-    expert's end are dropped), in the same hand-flattened loop as ``DEFER``.
+    ``TMA_STORE`` (without ``DEFER``): each tile is stored by the TMA unit, in two halves of
+    ``BLOCK_N // 2`` columns, through a tensor descriptor made on the device over its expert's
+    rows of ``C`` (the rows past the expert's end are dropped), in the same hand-flattened
+    loop as ``DEFER``.
     """
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -231,7 +232,7 @@ def _m_grouped_flat(
     done = tl.zeros((BLOCK_M, BLOCK_N), dtype=dtype)
     r = tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_N)
-    c_desc = tl.make_tensor_descriptor(c_ptr, [1, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
+    c_desc = tl.make_tensor_descriptor(c_ptr, [1, N], [stride_cm, 1], [BLOCK_M, BLOCK_N // 2])
     for _ in range(0, my_jobs * k_tiles):
         kk = tl.where(kk == k_tiles - 1, 0, kk + 1)
         if kk == 0:
@@ -246,7 +247,7 @@ def _m_grouped_flat(
                     c_ptr + e_start.to(tl.int64) * stride_cm,
                     [row_end - e_start, N],
                     [stride_cm, 1],
-                    [BLOCK_M, BLOCK_N],
+                    [BLOCK_M, BLOCK_N // 2],
                 )
         k0 = kk * BLOCK_K
         a = a_desc.load([row_start, k0])
@@ -273,7 +274,12 @@ def _m_grouped_flat(
                 done_n0 = n0
                 pending = zero + 1
             else:
-                c_desc.store([row_start - e_start, n0], acc.to(dtype))
+                # Two half-width stores: half the shared memory of one whole-tile store, which
+                # leaves room for four pipeline stages of 128x256x64 tiles.
+                out = acc.to(dtype).reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1)
+                left, right = out.split()
+                c_desc.store([row_start - e_start, n0], left)
+                c_desc.store([row_start - e_start, n0 + BLOCK_N // 2], right)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if DEFER and pending != 0:
         rows = done_start + r
