@@ -280,37 +280,21 @@ VARIANTS: dict[str, tuple[PersistentTiles, PersistentTiles]] = {
         replace(_TRITON_ROWS, expert_columns=True),
         _TRITON_WEIGHTS,
     ),
-    "Triton, rows stored by TMA (descriptors made on the device; 4 stages)": (
-        replace(_TRITON_ROWS, tma_store=True, flatten=False),
-        _TRITON_WEIGHTS,
-    ),
-    "Triton, rows stored by TMA, 3 stages": (
-        replace(_TRITON_ROWS, tma_store=True, flatten=False, num_stages=3),
+    "Triton, rows in expert-column job order, 3 stages": (
+        replace(_TRITON_ROWS, expert_columns=True, num_stages=3),
         _TRITON_WEIGHTS,
     ),
     "Triton, rows stored by TMA + expert-column order (4 stages)": (
         replace(_TRITON_ROWS, tma_store=True, flatten=False, expert_columns=True),
         _TRITON_WEIGHTS,
     ),
-    "Triton, deferred stores (rows 4 stages; weights 128x256, 3 stages)": (
-        replace(_TRITON_ROWS, defer=True, flatten=False),
-        replace(_TRITON_WEIGHTS, defer=True),
-    ),
-    "Triton, weights deferred stores 128x128, 4 stages": (
-        _TRITON_ROWS,
-        replace(_TRITON_WEIGHTS, defer=True, block_k=128, num_stages=4),
+    "Triton, rows stored by TMA + expert-column order, 3 stages": (
+        replace(_TRITON_ROWS, tma_store=True, flatten=False, expert_columns=True, num_stages=3),
+        _TRITON_WEIGHTS,
     ),
     "Triton, weights on packed rows (descriptors made on the device per expert)": (
         _TRITON_ROWS,
         replace(_TRITON_WEIGHTS, row_descriptors=True),
-    ),
-    "Triton, weights on packed rows, 128x128, 4 stages": (
-        _TRITON_ROWS,
-        replace(_TRITON_WEIGHTS, row_descriptors=True, block_k=128, num_stages=4),
-    ),
-    "Triton, weights on packed rows, deferred stores 128x128, 4 stages": (
-        _TRITON_ROWS,
-        replace(_TRITON_WEIGHTS, row_descriptors=True, defer=True, block_k=128, num_stages=4),
     ),
 }
 """Kernel variants of this session (rows on packed rows, weight gradients on rows padded to
@@ -442,19 +426,21 @@ def best_plan(case: dict[str, int], rows: list[dict]) -> ExpertGemms:
 
 
 def layer_ab(
-    name: str, case: dict[str, int], candidate: ExpertGemms, rounds: int = 3
+    name: str, case: dict[str, int], candidates: dict[str, ExpertGemms], rounds: int = 4
 ) -> dict[str, object]:
     """Forward + backward of ``bench_moe.py``'s dropless layer on the shape's plan against
-    ``candidate``, alternating ``rounds`` times in one process (one layer, its plan switched).
+    each of ``candidates``, alternating ``rounds`` times in one process (one layer, its plan
+    switched between timings).
 
     Args:
         name: Case name.
         case: Shapes.
-        candidate: The plan to compare.
+        candidates: Plans to compare, by name.
         rounds: Alternations.
 
     Returns:
-        ``{"case", "candidate", "plan_ms": [...], "candidate_ms": [...]}``.
+        ``{"case", "plans": {name: repr}, "ms": {name: [ms per round]}}`` (``"plan"``: the
+        shape's plan).
     """
     from bench_moe import _moe, _time  # type: ignore[import-not-found]
 
@@ -465,15 +451,36 @@ def layer_ab(
     )
     grad = torch.randn_like(x)
     layer = _moe(case, device)
-    result: dict[str, object] = {"case": name, "candidate": repr(candidate)}
-    plan_ms, candidate_ms = [], []
+    plans: dict[str, ExpertGemms | None] = {"plan": None, **candidates}
+    times: dict[str, list[float]] = {label: [] for label in plans}
     for _ in range(rounds):
-        for plan, times in ((None, plan_ms), (candidate, candidate_ms)):
+        for label, plan in plans.items():
             layer.experts.gemm_plan = plan
-            times.append(_time(layer, x.detach().clone(), grad, 2, 6))
-    result.update(plan_ms=plan_ms, candidate_ms=candidate_ms)
-    print(f"{name}: layer A/B plan {plan_ms} candidate {candidate_ms}", flush=True)
-    return result
+            times[label].append(_time(layer, x.detach().clone(), grad, 2, 6))
+    print(f"{name}: layer A/B {times}", flush=True)
+    return {"case": name, "plans": {k: repr(v) for k, v in plans.items()}, "ms": times}
+
+
+def expert_column_plan(case: dict[str, int]) -> ExpertGemms:
+    """The shape's plan with its Triton row GEMMs in the expert-column job order, and every
+    row GEMM on Triton (flattened 128x256 tiles, 4 stages) where the plan has none.
+
+    Args:
+        case: Shapes.
+
+    Returns:
+        The plan.
+    """
+    routed = case["tokens"] * case["top_k"]
+    plan = choose_expert_gemms(
+        routed, case["hidden"], case["ffn"], case["experts"], torch.device("cuda")
+    )
+    fields = {}
+    for gemm in _ROW_GEMMS:
+        kernel = getattr(plan, gemm)
+        tiles = kernel if isinstance(kernel, PersistentTiles) else _TRITON_ROWS
+        fields[gemm] = replace(tiles, expert_columns=True)
+    return replace(plan, **fields)  # type: ignore[arg-type]
 
 
 def _markdown(device_name: str, rows: list[dict]) -> str:
@@ -548,9 +555,12 @@ def main(argv: list[str] | None = None) -> None:
         rows.extend(case_rows)
         torch.cuda.empty_cache()
         if args.layer_ab:
-            candidate = best_plan(CASES[name], case_rows)
+            candidates = {
+                "fastest per GEMM": best_plan(CASES[name], case_rows),
+                "expert-column rows": expert_column_plan(CASES[name]),
+            }
             try:
-                ab.append(layer_ab(name, CASES[name], candidate))
+                ab.append(layer_ab(name, CASES[name], candidates))
             except Exception as exc:  # reported, not fatal
                 ab.append({"case": name, "error": f"{type(exc).__name__}: {exc}"})
                 traceback.print_exc()
