@@ -77,8 +77,6 @@ def test_tile_schedule_lists_every_row_tile_of_every_expert():
         {},
         {"flatten": True},
         {"flatten": True, "expert_columns": True},
-        {"defer": True},
-        {"defer": True, "expert_columns": True},
         {"tma_store": True},
         {"tma_store": True, "expert_columns": True},
     ],
@@ -86,8 +84,6 @@ def test_tile_schedule_lists_every_row_tile_of_every_expert():
         "plain",
         "flat",
         "flat-expert-columns",
-        "deferred",
-        "deferred-expert-columns",
         "tma-store",
         "tma-store-expert-columns",
     ],
@@ -123,9 +119,8 @@ def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(n):
             assert torch.count_nonzero(got[expert]) == 0
 
 
-@pytest.mark.parametrize("defer", [False, True], ids=["store", "deferred-store"])
 @pytest.mark.parametrize("counts", [COUNTS, [0, 0], [40]])
-def test_k_grouped_mm_on_device_descriptors_matches_reference_on_packed_rows(counts, defer):
+def test_k_grouped_mm_on_device_descriptors_matches_reference_on_packed_rows(counts):
     # Packed rows (no padding), each expert read through descriptors made on the device:
     # rows past an expert's end arrive as zeros; rows past the last expert hold NaN.
     offsets = _offsets(counts)
@@ -133,7 +128,7 @@ def test_k_grouped_mm_on_device_descriptors_matches_reference_on_packed_rows(cou
     g, x = _randn(rows, 32, seed=13), _randn(rows, 48, seed=14)
     g[int(offsets[-1]) :] = float("nan")
     x[int(offsets[-1]) :] = float("nan")
-    tiles = replace(TILES, row_descriptors=True, defer=defer)
+    tiles = replace(TILES, row_descriptors=True)
     got = k_grouped_mm(g, x, offsets, tiles=tiles)
     torch.testing.assert_close(got, k_grouped_mm_reference(g, x, offsets), rtol=2e-3, atol=2e-3)
     for expert, count in enumerate(counts):
@@ -147,22 +142,19 @@ def test_k_grouped_mm_on_device_descriptors_matches_reference_on_packed_rows(cou
 ALIGNED_COUNTS = [0, 16, 48, 0, 32, 0]
 
 
-@pytest.mark.parametrize("defer", [False, True], ids=["store", "deferred-store"])
 @pytest.mark.parametrize("counts", [ALIGNED_COUNTS, [32, 32, 32], [0, 0], [16]])
-def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts, defer):
+def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts):
     offsets = _offsets(counts)
     # Rows past the last expert (read by no chunk) hold NaN: they must not leak in.
     rows = int(offsets[-1]) + 16
     g, x = _randn(rows, 32, seed=11), _randn(rows, 48, seed=12)
     g[int(offsets[-1]) :] = float("nan")
-    tiles = replace(TILES, defer=defer)
-    got = k_grouped_mm(g, x, offsets, tiles=tiles, aligned=True)
+    got = k_grouped_mm(g, x, offsets, tiles=TILES, aligned=True)
     torch.testing.assert_close(got, k_grouped_mm_reference(g, x, offsets), rtol=2e-3, atol=2e-3)
     for expert, count in enumerate(counts):
         if count == 0:
             assert torch.count_nonzero(got[expert]) == 0
     # The same sums as the masked kernel, run to run bitwise.
-    assert torch.equal(got, k_grouped_mm(g, x, offsets, tiles=tiles, aligned=True))
     assert torch.equal(got, k_grouped_mm(g, x, offsets, tiles=TILES, aligned=True))
 
 

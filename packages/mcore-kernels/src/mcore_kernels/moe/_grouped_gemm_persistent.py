@@ -90,7 +90,6 @@ def m_grouped_kernel(
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
-    DEFER: tl.constexpr,
     EXPERT_COLUMNS: tl.constexpr,
     TMA_STORE: tl.constexpr,
 ):
@@ -103,23 +102,20 @@ def m_grouped_kernel(
     ``FLATTEN``: the job and reduction loops become one pipelined loop, so the next tile's
     first loads overlap the current tile's epilogue.
 
-    ``DEFER``: one hand-flattened loop over the reduction steps of all of the program's jobs
-    that keeps a finished tile in registers (rounded to the output dtype) and stores it after
-    issuing the next tile's first product, so that the store runs while the tensor cores work.
     ``EXPERT_COLUMNS``: the jobs of one expert are taken column tile by column
     tile, its row tiles consecutive, so that the programs that read one column strip of the
     expert's weights run side by side (``ends_ptr``: the experts' end rows).
-    ``TMA_STORE`` (without ``DEFER``): each tile is stored by the TMA unit, in two halves of
-    ``BLOCK_N // 2`` columns, through a tensor descriptor made on the device over its expert's
-    rows of ``C`` (the rows past the expert's end are dropped), in the same hand-flattened
-    loop as ``DEFER``.
+    ``TMA_STORE``: each tile is stored by the TMA unit, in two halves of ``BLOCK_N // 2``
+    columns, through a tensor descriptor made on the device over its expert's rows of ``C``
+    (the rows past the expert's end are dropped), in one hand-flattened loop over the
+    reduction steps of all of the program's jobs.
     """
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(sched_ptr + 3 * max_tiles) * num_n
     dtype = c_ptr.dtype.element_ty
-    if DEFER or TMA_STORE:
-        _m_grouped_flat(
+    if TMA_STORE:
+        _m_grouped_tma_store(
             a_desc,
             b_desc,
             c_ptr,
@@ -136,7 +132,6 @@ def m_grouped_kernel(
             BLOCK_K,
             NUM_PROGRAMS,
             EXPERT_COLUMNS,
-            DEFER,
         )
         return
     for job in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
@@ -190,7 +185,7 @@ def _m_job(
 
 
 @triton.jit
-def _m_grouped_flat(
+def _m_grouped_tma_store(
     a_desc,
     b_desc,
     c_ptr,
@@ -207,9 +202,8 @@ def _m_grouped_flat(
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     EXPERT_COLUMNS: tl.constexpr,
-    DEFER: tl.constexpr,
 ):
-    """The hand-flattened loop of :func:`m_grouped_kernel` (``DEFER``, else ``TMA_STORE``)."""
+    """The ``TMA_STORE`` loop of :func:`m_grouped_kernel`."""
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     dtype = c_ptr.dtype.element_ty
@@ -223,15 +217,8 @@ def _m_grouped_flat(
     row_start = zero
     row_end = zero
     n0 = zero
-    pending = zero
-    done_start = zero
-    done_end = zero
-    done_n0 = zero
     e_start = zero
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    done = tl.zeros((BLOCK_M, BLOCK_N), dtype=dtype)
-    r = tl.arange(0, BLOCK_M)
-    c = tl.arange(0, BLOCK_N)
     c_desc = tl.make_tensor_descriptor(c_ptr, [1, N], [stride_cm, 1], [BLOCK_M, BLOCK_N // 2])
     for _ in range(0, my_jobs * k_tiles):
         kk = tl.where(kk == k_tiles - 1, 0, kk + 1)
@@ -240,15 +227,14 @@ def _m_grouped_flat(
             expert, row_start, row_end, n0 = _m_job(
                 job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, BLOCK_N, EXPERT_COLUMNS
             )
-            if not DEFER:
-                # The expert's rows of C: the TMA store drops the tile's rows past its end.
-                e_start = tl.load(ends_ptr + tl.maximum(expert - 1, 0), mask=expert > 0, other=0)
-                c_desc = tl.make_tensor_descriptor(
-                    c_ptr + e_start.to(tl.int64) * stride_cm,
-                    [row_end - e_start, N],
-                    [stride_cm, 1],
-                    [BLOCK_M, BLOCK_N // 2],
-                )
+            # The expert's rows of C: the TMA store drops the tile's rows past its end.
+            e_start = tl.load(ends_ptr + tl.maximum(expert - 1, 0), mask=expert > 0, other=0)
+            c_desc = tl.make_tensor_descriptor(
+                c_ptr + e_start.to(tl.int64) * stride_cm,
+                [row_end - e_start, N],
+                [stride_cm, 1],
+                [BLOCK_M, BLOCK_N // 2],
+            )
         k0 = kk * BLOCK_K
         a = a_desc.load([row_start, k0])
         if B_NK:
@@ -257,35 +243,14 @@ def _m_grouped_flat(
         else:
             b = b_desc.load([expert * K + k0, n0])
             acc = tl.dot(a, b, acc)
-        if DEFER and pending != 0:
-            # The previous tile, stored while this step's product runs.
-            rows = done_start + r
-            cols = done_n0 + c
-            mask = (rows < done_end)[:, None] & (cols < N)[None, :]
-            tl.store(
-                c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], done, mask=mask
-            )
-            pending = zero
         if kk == k_tiles - 1:
-            if DEFER:
-                done = acc.to(dtype)
-                done_start = row_start
-                done_end = row_end
-                done_n0 = n0
-                pending = zero + 1
-            else:
-                # Two half-width stores: half the shared memory of one whole-tile store, which
-                # leaves room for four pipeline stages of 128x256x64 tiles.
-                out = acc.to(dtype).reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1)
-                left, right = out.split()
-                c_desc.store([row_start - e_start, n0], left)
-                c_desc.store([row_start - e_start, n0 + BLOCK_N // 2], right)
+            # Two half-width stores: half the shared memory of one whole-tile store, which
+            # leaves room for four pipeline stages of 128x256x64 tiles.
+            out = acc.to(dtype).reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1)
+            left, right = out.split()
+            c_desc.store([row_start - e_start, n0], left)
+            c_desc.store([row_start - e_start, n0 + BLOCK_N // 2], right)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if DEFER and pending != 0:
-        rows = done_start + r
-        cols = done_n0 + c
-        mask = (rows < done_end)[:, None] & (cols < N)[None, :]
-        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], done, mask=mask)
 
 
 @triton.jit
@@ -318,7 +283,6 @@ def k_grouped_kernel(
     TMA_STORE: tl.constexpr,
     ALIGNED: tl.constexpr,
     JOB_BLOCK: tl.constexpr,
-    DEFER: tl.constexpr,
 ):
     """``OUT[e] = G[rows of e].T @ X[rows of e]``: ``[N, K]`` per expert (``G`` ``[M, N]``,
     ``X`` ``[M, K]``), zero for an expert without rows.
@@ -328,9 +292,6 @@ def k_grouped_kernel(
     ``out_desc`` (``[E * N, K]``; needs ``N % BLOCK_N == 0``), else with masked stores.
     ``ALIGNED`` (with ``TMA_STORE``): every expert's row count is a multiple of ``BLOCK_R``,
     and the chunks run unmasked in one pipelined loop over all of the program's tiles.
-    ``DEFER`` (with ``ALIGNED``): a finished tile stays in registers (rounded to the output
-    dtype) and is stored after the next chunk's product is issued, so that its store runs
-    while the tensor cores work.
     """
     num_k = tl.cdiv(K, BLOCK_K)
     per_expert = tl.cdiv(N, BLOCK_N) * num_k
@@ -366,10 +327,6 @@ def k_grouped_kernel(
         n0 = zero
         k0 = zero
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        done = tl.zeros((BLOCK_N, BLOCK_K), dtype=out_ptr.dtype.element_ty)
-        pending = zero
-        done_row = zero
-        done_col = zero
         for _ in range(0, steps):
             chunk = tl.where(chunk == num_chunks - 1, 0, chunk + 1)
             if chunk == 0:
@@ -382,29 +339,10 @@ def k_grouped_kernel(
             g = g_desc.load([m0, n0])
             x = x_desc.load([m0, k0])
             acc = tl.dot(g.T, x, acc)
-            if DEFER:  # noqa: SIM102 (a constexpr branch around a runtime one)
-                if pending != 0:
-                    # The previous tile, stored while this chunk's product runs.
-                    out_desc.store([done_row, done_col], done)
-                    pending = zero
             if chunk == num_chunks - 1:
                 acc = tl.where(end > start, acc, tl.zeros_like(acc))
-                if DEFER:
-                    done = acc.to(g.dtype)
-                    done_row = expert * N + n0
-                    done_col = k0
-                    pending = zero + 1
-                else:
-                    out_desc.store([expert * N + n0, k0], acc.to(g.dtype))
+                out_desc.store([expert * N + n0, k0], acc.to(g.dtype))
                 acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if DEFER:  # noqa: SIM102 (a constexpr branch around a runtime one)
-            if pending != 0:
-                # The last tile, with pointer stores (a second TMA store would take another
-                # tile of shared memory).
-                ns = (done_row % N) + tl.arange(0, BLOCK_N)
-                ks = done_col + tl.arange(0, BLOCK_K)
-                base = out_ptr + (done_row // N).to(tl.int64) * N * K
-                tl.store(base + ns[:, None] * K + ks[None, :], done)
     else:
         dtype = out_ptr.dtype.element_ty
         r = tl.arange(0, BLOCK_R)
@@ -449,7 +387,6 @@ def k_grouped_packed_kernel(
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     JOB_BLOCK: tl.constexpr,
-    DEFER: tl.constexpr,
 ):
     """``OUT[e] = G[rows of e].T @ X[rows of e]`` on packed rows (any row count per expert),
     zero for an expert without rows.
@@ -459,7 +396,7 @@ def k_grouped_packed_kernel(
     expert's end with zeros: no chunk is masked, both operands stay in shared memory from TMA
     to wgmma, and the chunks of all of the program's tiles run as one pipelined loop (as the
     ``ALIGNED`` loop of :func:`k_grouped_kernel`, without padding rows). ``out_desc`` views the
-    output as ``[E * N, K]`` (``N % BLOCK_N == 0``). ``DEFER``: as in :func:`k_grouped_kernel`.
+    output as ``[E * N, K]`` (``N % BLOCK_N == 0``).
     """
     num_k = tl.cdiv(K, BLOCK_K)
     per_expert = tl.cdiv(N, BLOCK_N) * num_k
@@ -487,10 +424,6 @@ def k_grouped_packed_kernel(
     g_e = tl.make_tensor_descriptor(g_ptr, [1, N], [N, 1], [BLOCK_R, BLOCK_N])
     x_e = tl.make_tensor_descriptor(x_ptr, [1, K], [K, 1], [BLOCK_R, BLOCK_K])
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    done = tl.zeros((BLOCK_N, BLOCK_K), dtype=g_ptr.dtype.element_ty)
-    pending = zero
-    done_row = zero
-    done_col = zero
     for _ in range(0, steps):
         chunk = tl.where(chunk == num_chunks - 1, 0, chunk + 1)
         if chunk == 0:
@@ -511,25 +444,7 @@ def k_grouped_packed_kernel(
         g = g_e.load([chunk * BLOCK_R, n0])
         x = x_e.load([chunk * BLOCK_R, k0])
         acc = tl.dot(g.T, x, acc)
-        if DEFER:  # noqa: SIM102 (a constexpr branch around a runtime one)
-            if pending != 0:
-                out_desc.store([done_row, done_col], done)
-                pending = zero
         if chunk == num_chunks - 1:
             acc = tl.where(end > start, acc, tl.zeros_like(acc))
-            if DEFER:
-                done = acc.to(g.dtype)
-                done_row = expert * N + n0
-                done_col = k0
-                pending = zero + 1
-            else:
-                out_desc.store([expert * N + n0, k0], acc.to(g.dtype))
+            out_desc.store([expert * N + n0, k0], acc.to(g.dtype))
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if DEFER:  # noqa: SIM102 (a constexpr branch around a runtime one)
-        if pending != 0:
-            # The last tile, with pointer stores (a second TMA store would take another tile
-            # of shared memory).
-            ns = (done_row % N) + tl.arange(0, BLOCK_N)
-            ks = done_col + tl.arange(0, BLOCK_K)
-            base = out_ptr + (done_row // N).to(tl.int64) * N * K
-            tl.store(base + ns[:, None] * K + ks[None, :], done)

@@ -46,9 +46,6 @@ class PersistentTiles:
     """Software-pipelining depth of the operand loads."""
     flatten: bool = False
     """Flatten the job and reduction loops into one pipelined loop (:func:`m_grouped_mm`)."""
-    defer: bool = False
-    """Keep a finished tile in registers and store it while the next tile's first product
-    runs (:func:`m_grouped_mm`; :func:`k_grouped_mm` with ``aligned``)."""
     row_descriptors: bool = False
     """Read each expert's rows through tensor descriptors made on the device over just those
     rows (:func:`k_grouped_mm` on packed rows: the last chunk's rows past the expert's end
@@ -239,7 +236,6 @@ def m_grouped_mm(
         BLOCK_K=bk,
         NUM_PROGRAMS=programs,
         FLATTEN=tiles.flatten,
-        DEFER=tiles.defer,
         EXPERT_COLUMNS=tiles.expert_columns,
         TMA_STORE=tiles.tma_store,
         num_warps=tiles.num_warps,
@@ -329,7 +325,6 @@ def k_grouped_mm(
             BLOCK_K=bk,
             NUM_PROGRAMS=programs,
             JOB_BLOCK=1024,
-            DEFER=tiles.defer,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
@@ -352,7 +347,6 @@ def k_grouped_mm(
         TMA_STORE=tma_store,
         ALIGNED=aligned and tma_store,
         JOB_BLOCK=1024,
-        DEFER=tiles.defer and aligned and tma_store,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
