@@ -97,7 +97,21 @@ LOOPS = ExpertGemms(
 )
 
 
-@pytest.mark.parametrize("plan", [ALL_TRITON, LOOPS], ids=["triton", "cublas-loops"])
+EXPERT_COLUMNS = ExpertGemms(
+    gate_up=replace(ROWS_TILES, expert_columns=True),
+    down=replace(ROWS_TILES, expert_columns=True),
+    d_act=replace(ROWS_TILES, expert_columns=True),
+    d_x=replace(ROWS_TILES, expert_columns=True),
+    w_down=WEIGHT_TILES,
+    w_gate_up=WEIGHT_TILES,
+)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [ALL_TRITON, EXPERT_COLUMNS, LOOPS],
+    ids=["triton", "triton-expert-columns", "cublas-loops"],
+)
 def test_routed_experts_on_other_gemms_match_grouped_mm_and_repeat_bitwise(plan):
     want = _routed(None)
     first = _routed(plan)
@@ -123,29 +137,16 @@ def test_aligned_weight_gradients_match_grouped_mm_and_repeat_bitwise():
     assert torch.count_nonzero(got[[0, 7, EXPERTS - 1]]) == 0
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"expert_columns": True},
-        {"tma_store": True},
-        {"tma_store": True, "expert_columns": True},
-    ],
-    ids=[
-        "expert-columns",
-        "tma-store",
-        "tma-store-expert-columns",
-    ],
-)
-def test_row_grouped_options_equal_the_plain_kernel_bitwise(options):
-    # The expert-column job order and TMA stores change when a tile is computed and how it is
-    # written, not its sums: bitwise the plain kernel's products, and run to run.
+def test_expert_column_order_equals_the_plain_kernel_bitwise():
+    # The expert-column job order changes when a tile is computed, not its sums: bitwise the
+    # plain kernel's products (experts without rows, several row tiles), and run to run.
     offsets = _counts().cumsum(0).to(torch.int32).cuda()
     rows = int(offsets[-1])
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(rows, HIDDEN, **bf16)
     w_gu = torch.randn(EXPERTS, 2 * FFN, HIDDEN, **bf16) * 0.05
     grad_gu = torch.randn(rows, 2 * FFN, **bf16)
-    tiles = replace(ROWS_TILES, **options)
+    tiles = replace(ROWS_TILES, expert_columns=True)
     for a, transpose in ((x, True), (grad_gu, False)):
         want = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=ROWS_TILES)
         got = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=tiles)
@@ -153,24 +154,3 @@ def test_row_grouped_options_equal_the_plain_kernel_bitwise(options):
         assert torch.equal(
             got, m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=tiles)
         )
-
-
-def test_weight_gradients_on_device_descriptors_match_grouped_mm_and_repeat_bitwise():
-    # Packed rows (any count per expert, experts without rows), each expert's rows read
-    # through descriptors made on the device, also from the autograd engine's thread.
-    offsets = _counts().cumsum(0).to(torch.int32).cuda()
-    rows = int(offsets[-1])
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(rows, HIDDEN, **bf16)
-    grad_gu = torch.randn(rows, 2 * FFN, **bf16)
-    tiles = replace(WEIGHT_TILES, row_descriptors=True)
-    want = torch._grouped_mm(grad_gu.t(), x, offs=offsets)
-    got = k_grouped_mm(grad_gu, x, offsets, tiles=tiles)
-    _close(got, want)
-    assert torch.equal(got, k_grouped_mm(grad_gu, x, offsets, tiles=tiles))
-    assert torch.count_nonzero(got[[0, 7, EXPERTS - 1]]) == 0
-    plan = replace(ALL_TRITON, w_down=tiles, w_gate_up=tiles)
-    first, second, reference = _routed(plan), _routed(plan), _routed(None)
-    for a, b, c in zip(first, second, reference, strict=True):
-        assert torch.equal(a, b)
-        _close(a, c)

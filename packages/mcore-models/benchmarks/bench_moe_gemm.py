@@ -284,18 +284,6 @@ VARIANTS: dict[str, tuple[PersistentTiles, PersistentTiles]] = {
         replace(_TRITON_ROWS, expert_columns=True, num_stages=3),
         _TRITON_WEIGHTS,
     ),
-    "Triton, rows stored by TMA + expert-column order (4 stages)": (
-        replace(_TRITON_ROWS, tma_store=True, flatten=False, expert_columns=True),
-        _TRITON_WEIGHTS,
-    ),
-    "Triton, rows stored by TMA + expert-column order, 3 stages": (
-        replace(_TRITON_ROWS, tma_store=True, flatten=False, expert_columns=True, num_stages=3),
-        _TRITON_WEIGHTS,
-    ),
-    "Triton, weights on packed rows (descriptors made on the device per expert)": (
-        _TRITON_ROWS,
-        replace(_TRITON_WEIGHTS, row_descriptors=True),
-    ),
 }
 """Kernel variants of this session (rows on packed rows, weight gradients on rows padded to
 64 per expert), named for the table: (row-GEMM tiles, weight-gradient tiles)."""
@@ -305,12 +293,9 @@ def _variant(
     p: Problem, rows: PersistentTiles, weights: PersistentTiles
 ) -> dict[str, Callable[[], object]]:
     """The four row GEMMs on ``rows`` (packed rows) and the two weight gradients on
-    ``weights`` (rows padded to 64 per expert, the unmasked aligned kernel; packed rows with
-    ``row_descriptors``)."""
+    ``weights`` (rows padded to 64 per expert, the unmasked aligned kernel)."""
     plan = ExpertGemms(**dict.fromkeys(_ROW_GEMMS, rows), **dict.fromkeys(_WEIGHT_GEMMS, weights))
     packed = _runner(p, plan)
-    if weights.row_descriptors:
-        return packed
     padded = _padded(p, replace(plan, row_align=64))
     return {gemm: packed[gemm] if gemm in _ROW_GEMMS else padded[gemm] for gemm in GEMMS}
 
@@ -418,10 +403,7 @@ def best_plan(case: dict[str, int], rows: list[dict]) -> ExpertGemms:
             kernels[row["gemm"]] = (row["ms"], kernel)
     fields = {gemm: kernel for gemm, (_, kernel) in kernels.items()}
     best = replace(plan, **fields)  # type: ignore[arg-type]
-    aligned = any(
-        isinstance(kernel, PersistentTiles) and not kernel.row_descriptors
-        for kernel in (best.w_down, best.w_gate_up)
-    )
+    aligned = any(isinstance(getattr(best, gemm), PersistentTiles) for gemm in _WEIGHT_GEMMS)
     return replace(best, row_align=64 if aligned else 1)
 
 
@@ -461,26 +443,55 @@ def layer_ab(
     return {"case": name, "plans": {k: repr(v) for k, v in plans.items()}, "ms": times}
 
 
-def expert_column_plan(case: dict[str, int]) -> ExpertGemms:
-    """The shape's plan with its Triton row GEMMs in the expert-column job order, and every
-    row GEMM on Triton (flattened 128x256 tiles, 4 stages) where the plan has none.
-
-    Args:
-        case: Shapes.
-
-    Returns:
-        The plan.
-    """
+def _plan_of(case: dict[str, int]) -> ExpertGemms:
     routed = case["tokens"] * case["top_k"]
-    plan = choose_expert_gemms(
+    return choose_expert_gemms(
         routed, case["hidden"], case["ffn"], case["experts"], torch.device("cuda")
     )
+
+
+def _rows_on(plan: ExpertGemms, expert_columns: bool, default: PersistentTiles) -> ExpertGemms:
+    """``plan`` with every row GEMM on Triton (its own tiles, else ``default``) in the given
+    job order."""
     fields = {}
     for gemm in _ROW_GEMMS:
         kernel = getattr(plan, gemm)
-        tiles = kernel if isinstance(kernel, PersistentTiles) else _TRITON_ROWS
-        fields[gemm] = replace(tiles, expert_columns=True)
+        tiles = kernel if isinstance(kernel, PersistentTiles) else default
+        fields[gemm] = replace(tiles, expert_columns=expert_columns)
     return replace(plan, **fields)  # type: ignore[arg-type]
+
+
+def layer_candidates(case: dict[str, int], rows: list[dict]) -> dict[str, ExpertGemms]:
+    """Plans to time against the shape's plan at layer level (those equal to it left out).
+
+    Args:
+        case: Shapes.
+        rows: This case's rows of :func:`run_case`.
+
+    Returns:
+        By name: the plan's Triton row GEMMs in row-tile order and in expert-column order,
+        every row GEMM on Triton (flattened 128x256, 4 stages; 3 stages from 1024 rows per
+        expert) in either order, and the fastest kernel per GEMM of ``rows``.
+    """
+    plan = _plan_of(case)
+    rows_per_expert = case["tokens"] * case["top_k"] // case["experts"]
+    default = replace(_TRITON_ROWS, num_stages=3) if rows_per_expert >= 1024 else _TRITON_ROWS
+    in_row_order = {
+        gemm: replace(kernel, expert_columns=False)
+        for gemm in _ROW_GEMMS
+        if isinstance(kernel := getattr(plan, gemm), PersistentTiles)
+    }
+    candidates = {
+        "plan's Triton rows in row-tile order": replace(plan, **in_row_order),  # type: ignore[arg-type]
+        "every row GEMM on Triton, row-tile order": _rows_on(plan, False, default),
+        "every row GEMM on Triton, expert-column order": _rows_on(plan, True, default),
+        "fastest per GEMM of this run": best_plan(case, rows),
+    }
+    unique: dict[str, ExpertGemms] = {}
+    for name, candidate in candidates.items():
+        if candidate != plan and candidate not in unique.values():
+            unique[name] = candidate
+    return unique
 
 
 def _markdown(device_name: str, rows: list[dict]) -> str:
@@ -532,6 +543,9 @@ def main(argv: list[str] | None = None) -> None:
         "--only", nargs="*", help="implementations containing one of these words (default: all)"
     )
     parser.add_argument(
+        "--ab-rounds", type=int, default=4, help="alternations of the layer A/B (default 4)"
+    )
+    parser.add_argument(
         "--layer-ab",
         action="store_true",
         help="after each case, time the dropless layer on its plan against the fastest kernel "
@@ -555,12 +569,9 @@ def main(argv: list[str] | None = None) -> None:
         rows.extend(case_rows)
         torch.cuda.empty_cache()
         if args.layer_ab:
-            candidates = {
-                "fastest per GEMM": best_plan(CASES[name], case_rows),
-                "expert-column rows": expert_column_plan(CASES[name]),
-            }
+            candidates = layer_candidates(CASES[name], case_rows)
             try:
-                ab.append(layer_ab(name, CASES[name], candidates))
+                ab.append(layer_ab(name, CASES[name], candidates, args.ab_rounds))
             except Exception as exc:  # reported, not fatal
                 ab.append({"case": name, "error": f"{type(exc).__name__}: {exc}"})
                 traceback.print_exc()

@@ -1,7 +1,7 @@
 """Persistent Triton grouped GEMMs for Hopper (launchers in :mod:`mcore_kernels.moe.grouped_mm`).
 
 Rows ``ends[e - 1]:ends[e]`` of the row matrix belong to expert ``e`` (from row 0 for the
-first). Four kernels:
+first). Three kernels:
 
 - :func:`tile_schedule_kernel` lists every row tile of every expert (expert, first row, end
   row) and the number of tiles, on the device: the group sizes never reach the host.
@@ -16,9 +16,6 @@ first). Four kernels:
   reducing over the rows of the expert; both operands of the last, partial row chunk are
   masked, so that the next rows (another expert's, or rows no expert owns, which may hold
   anything) add nothing.
-- :func:`k_grouped_packed_kernel`: the same product on packed rows, each expert's rows read
-  through tensor descriptors made on the device (the last chunk's rows past the expert's end
-  arrive as zeros: no masks, no padding rows).
 
 Every output element is written by one program, without atomics: results are bitwise
 reproducible run to run.
@@ -31,7 +28,6 @@ import triton.language as tl
 
 __all__ = [
     "k_grouped_kernel",
-    "k_grouped_packed_kernel",
     "m_grouped_kernel",
     "tile_schedule_kernel",
 ]
@@ -91,7 +87,6 @@ def m_grouped_kernel(
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
     EXPERT_COLUMNS: tl.constexpr,
-    TMA_STORE: tl.constexpr,
 ):
     """``C[rows of e] = A[rows of e] @ B[e]``.
 
@@ -100,40 +95,15 @@ def m_grouped_kernel(
     Program ``p`` takes jobs ``p, p + NUM_PROGRAMS, ...`` of ``tiles * cdiv(N, BLOCK_N)``,
     the column tiles of one row tile consecutive (they share the row tile through L2).
     ``FLATTEN``: the job and reduction loops become one pipelined loop, so the next tile's
-    first loads overlap the current tile's epilogue.
-
-    ``EXPERT_COLUMNS``: the jobs of one expert are taken column tile by column
-    tile, its row tiles consecutive, so that the programs that read one column strip of the
-    expert's weights run side by side (``ends_ptr``: the experts' end rows).
-    ``TMA_STORE``: each tile is stored by the TMA unit, in two halves of ``BLOCK_N // 2``
-    columns, through a tensor descriptor made on the device over its expert's rows of ``C``
-    (the rows past the expert's end are dropped), in one hand-flattened loop over the
-    reduction steps of all of the program's jobs.
+    first loads overlap the current tile's epilogue. ``EXPERT_COLUMNS``: the jobs of one
+    expert are taken column tile by column tile, its row tiles consecutive, so that the
+    programs that read one column strip of the expert's weights run side by side and the strip
+    streams from memory once for all of them (``ends_ptr``: the experts' end rows).
     """
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(sched_ptr + 3 * max_tiles) * num_n
     dtype = c_ptr.dtype.element_ty
-    if TMA_STORE:
-        _m_grouped_tma_store(
-            a_desc,
-            b_desc,
-            c_ptr,
-            sched_ptr,
-            ends_ptr,
-            max_tiles,
-            N,
-            K,
-            stride_cm,
-            total,
-            B_NK,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            NUM_PROGRAMS,
-            EXPERT_COLUMNS,
-        )
-        return
     for job in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row_start, row_end, n0 = _m_job(
             job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, BLOCK_N, EXPERT_COLUMNS
@@ -182,75 +152,6 @@ def _m_job(
         pid_n = local // tiles
         row_start = e_start + (local % tiles) * BLOCK_M
     return expert, row_start, row_end, pid_n * BLOCK_N
-
-
-@triton.jit
-def _m_grouped_tma_store(
-    a_desc,
-    b_desc,
-    c_ptr,
-    sched_ptr,
-    ends_ptr,
-    max_tiles,
-    N,
-    K,
-    stride_cm,
-    total,
-    B_NK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-    EXPERT_COLUMNS: tl.constexpr,
-):
-    """The ``TMA_STORE`` loop of :func:`m_grouped_kernel`."""
-    num_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    dtype = c_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    my_jobs = tl.maximum(tl.cdiv(total - pid, NUM_PROGRAMS), 0)
-    zero = pid * 0
-    # Loop-carried scalars start as int32 tensors (their type must not change in the loop).
-    job = pid - NUM_PROGRAMS
-    kk = zero - 1
-    expert = zero
-    row_start = zero
-    row_end = zero
-    n0 = zero
-    e_start = zero
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    c_desc = tl.make_tensor_descriptor(c_ptr, [1, N], [stride_cm, 1], [BLOCK_M, BLOCK_N // 2])
-    for _ in range(0, my_jobs * k_tiles):
-        kk = tl.where(kk == k_tiles - 1, 0, kk + 1)
-        if kk == 0:
-            job += NUM_PROGRAMS
-            expert, row_start, row_end, n0 = _m_job(
-                job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, BLOCK_N, EXPERT_COLUMNS
-            )
-            # The expert's rows of C: the TMA store drops the tile's rows past its end.
-            e_start = tl.load(ends_ptr + tl.maximum(expert - 1, 0), mask=expert > 0, other=0)
-            c_desc = tl.make_tensor_descriptor(
-                c_ptr + e_start.to(tl.int64) * stride_cm,
-                [row_end - e_start, N],
-                [stride_cm, 1],
-                [BLOCK_M, BLOCK_N // 2],
-            )
-        k0 = kk * BLOCK_K
-        a = a_desc.load([row_start, k0])
-        if B_NK:
-            b = b_desc.load([expert * N + n0, k0])
-            acc = tl.dot(a, b.T, acc)
-        else:
-            b = b_desc.load([expert * K + k0, n0])
-            acc = tl.dot(a, b, acc)
-        if kk == k_tiles - 1:
-            # Two half-width stores: half the shared memory of one whole-tile store, which
-            # leaves room for four pipeline stages of 128x256x64 tiles.
-            out = acc.to(dtype).reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1)
-            left, right = out.split()
-            c_desc.store([row_start - e_start, n0], left)
-            c_desc.store([row_start - e_start, n0 + BLOCK_N // 2], right)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit
@@ -370,81 +271,3 @@ def k_grouped_kernel(
                 ks = k0 + tl.arange(0, BLOCK_K)
                 ptrs = out_ptr + expert.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :]
                 tl.store(ptrs, acc.to(dtype), mask=(ns < N)[:, None] & (ks < K)[None, :])
-
-
-@triton.jit
-def k_grouped_packed_kernel(
-    g_ptr,
-    x_ptr,
-    out_desc,
-    out_ptr,
-    ends_ptr,
-    num_experts,
-    N,
-    K,
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-    JOB_BLOCK: tl.constexpr,
-):
-    """``OUT[e] = G[rows of e].T @ X[rows of e]`` on packed rows (any row count per expert),
-    zero for an expert without rows.
-
-    Each output tile reads its expert's rows through tensor descriptors made on the device
-    over just those rows, so that the TMA unit fills the rows of the last chunk past the
-    expert's end with zeros: no chunk is masked, both operands stay in shared memory from TMA
-    to wgmma, and the chunks of all of the program's tiles run as one pipelined loop (as the
-    ``ALIGNED`` loop of :func:`k_grouped_kernel`, without padding rows). ``out_desc`` views the
-    output as ``[E * N, K]`` (``N % BLOCK_N == 0``).
-    """
-    num_k = tl.cdiv(K, BLOCK_K)
-    per_expert = tl.cdiv(N, BLOCK_N) * num_k
-    pid = tl.program_id(0)
-    total_jobs = num_experts * per_expert
-    my_jobs = tl.cdiv(total_jobs - pid, NUM_PROGRAMS)
-    zero = pid * 0
-    steps = zero
-    for j0 in range(0, my_jobs, JOB_BLOCK):
-        i = j0 + tl.arange(0, JOB_BLOCK)
-        valid = i < my_jobs
-        e = (pid + i * NUM_PROGRAMS) // per_expert
-        e_end = tl.load(ends_ptr + e, mask=valid, other=0)
-        e_start = tl.load(ends_ptr + e - 1, mask=valid & (e > 0), other=0)
-        chunks = tl.maximum(tl.cdiv(e_end - e_start, BLOCK_R), 1)
-        steps += tl.sum(tl.where(valid, chunks, 0), axis=0)
-    job = pid - NUM_PROGRAMS
-    chunk = zero - 1
-    num_chunks = zero
-    expert = zero
-    start = zero
-    end = zero
-    n0 = zero
-    k0 = zero
-    g_e = tl.make_tensor_descriptor(g_ptr, [1, N], [N, 1], [BLOCK_R, BLOCK_N])
-    x_e = tl.make_tensor_descriptor(x_ptr, [1, K], [K, 1], [BLOCK_R, BLOCK_K])
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for _ in range(0, steps):
-        chunk = tl.where(chunk == num_chunks - 1, 0, chunk + 1)
-        if chunk == 0:
-            job += NUM_PROGRAMS
-            expert, n0, k0, start, end = _weight_job(
-                job, per_expert, num_k, ends_ptr, BLOCK_N, BLOCK_K
-            )
-            num_chunks = tl.maximum(tl.cdiv(end - start, BLOCK_R), 1)
-            # One row at least (a descriptor of no rows is not valid): an empty expert's
-            # single step is zeroed below.
-            rows = tl.maximum(end - start, 1)
-            g_e = tl.make_tensor_descriptor(
-                g_ptr + start.to(tl.int64) * N, [rows, N], [N, 1], [BLOCK_R, BLOCK_N]
-            )
-            x_e = tl.make_tensor_descriptor(
-                x_ptr + start.to(tl.int64) * K, [rows, K], [K, 1], [BLOCK_R, BLOCK_K]
-            )
-        g = g_e.load([chunk * BLOCK_R, n0])
-        x = x_e.load([chunk * BLOCK_R, k0])
-        acc = tl.dot(g.T, x, acc)
-        if chunk == num_chunks - 1:
-            acc = tl.where(end > start, acc, tl.zeros_like(acc))
-            out_desc.store([expert * N + n0, k0], acc.to(g.dtype))
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

@@ -46,17 +46,10 @@ class PersistentTiles:
     """Software-pipelining depth of the operand loads."""
     flatten: bool = False
     """Flatten the job and reduction loops into one pipelined loop (:func:`m_grouped_mm`)."""
-    row_descriptors: bool = False
-    """Read each expert's rows through tensor descriptors made on the device over just those
-    rows (:func:`k_grouped_mm` on packed rows: the last chunk's rows past the expert's end
-    arrive as zeros, no chunk is masked, no padding rows are needed)."""
-    tma_store: bool = False
-    """Store each row tile with the TMA unit through a descriptor made on the device over its
-    expert's rows (:func:`m_grouped_mm`; the rows past the expert's end are dropped by the
-    TMA unit), in a hand-flattened job loop."""
     expert_columns: bool = False
-    """Take each expert's row-grouped jobs column tile by column tile (its row tiles side by
-    side, sharing the weight strip they read; :func:`m_grouped_mm`)."""
+    """Take each expert's row-grouped jobs column tile by column tile, its row tiles
+    consecutive (:func:`m_grouped_mm`): the programs that read one column strip of the
+    expert's weights run side by side, so the strip streams from memory once for all of them."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -114,28 +107,6 @@ def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.T
         BLOCK_T=block_t,
     )
     return sched
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch of a launch (the tensor descriptors its programs make on the device)."""
-    del alignment, stream
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator() -> None:
-    """Give Triton an allocator for kernels that make tensor descriptors on the device, unless
-    the caller has set one (the setting is per thread: the autograd engine's threads need
-    their own)."""
-    import triton
-
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
-
-        unset = isinstance(_allocator.get(), NullAllocator)
-    except (ImportError, AttributeError):  # another Triton layout: set ours
-        unset = True
-    if unset:
-        triton.set_allocator(_scratch)
 
 
 def _check(name: str, tensor: torch.Tensor, dim: int) -> None:
@@ -218,8 +189,6 @@ def m_grouped_mm(
     else:
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
     programs = _programs(a.device, tiles, max_tiles * triton.cdiv(n, bn))
-    if tiles.tma_store and a.device.type == "cuda":
-        _ensure_allocator()
     m_grouped_kernel[(programs,)](
         a_desc,
         b_desc,
@@ -237,7 +206,6 @@ def m_grouped_mm(
         NUM_PROGRAMS=programs,
         FLATTEN=tiles.flatten,
         EXPERT_COLUMNS=tiles.expert_columns,
-        TMA_STORE=tiles.tma_store,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -296,41 +264,12 @@ def k_grouped_mm(
         return out.zero_()
     g, x = _tma_ready(g), _tma_ready(x)
     br, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    g_desc = TensorDescriptor.from_tensor(g, [br, bn])
+    x_desc = TensorDescriptor.from_tensor(x, [br, bk])
     tma_store = n % bn == 0
     out_desc = TensorDescriptor.from_tensor(out.view(experts * n, k), [bn, bk])
     jobs = experts * triton.cdiv(n, bn) * triton.cdiv(k, bk)
     programs = _programs(g.device, tiles, jobs)
-    if (
-        tiles.row_descriptors
-        and not aligned
-        and tma_store
-        and g.is_contiguous()
-        and x.is_contiguous()
-    ):
-        from mcore_kernels.moe._grouped_gemm_persistent import k_grouped_packed_kernel
-
-        if g.device.type == "cuda":
-            _ensure_allocator()
-        k_grouped_packed_kernel[(programs,)](
-            g,
-            x,
-            out_desc,
-            out,
-            offsets,
-            experts,
-            n,
-            k,
-            BLOCK_R=br,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            NUM_PROGRAMS=programs,
-            JOB_BLOCK=1024,
-            num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages,
-        )
-        return out
-    g_desc = TensorDescriptor.from_tensor(g, [br, bn])
-    x_desc = TensorDescriptor.from_tensor(x, [br, bk])
     k_grouped_kernel[(programs,)](
         g_desc,
         x_desc,
