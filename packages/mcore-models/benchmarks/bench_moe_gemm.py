@@ -469,8 +469,8 @@ def layer_candidates(case: dict[str, int], rows: list[dict]) -> dict[str, Expert
         rows: This case's rows of :func:`run_case`.
 
     Returns:
-        By name: the plan's Triton row GEMMs in row-tile order and in expert-column order,
-        every row GEMM on Triton (flattened 128x256, 4 stages; 3 stages from 1024 rows per
+        By name: the plan's Triton row GEMMs in row-tile order and at 4 stages, every row GEMM
+        on Triton (flattened 128x256, 4 stages; 3 stages from 1024 rows per
         expert) in either order, and the fastest kernel per GEMM of ``rows``.
     """
     plan = _plan_of(case)
@@ -481,8 +481,14 @@ def layer_candidates(case: dict[str, int], rows: list[dict]) -> dict[str, Expert
         for gemm in _ROW_GEMMS
         if isinstance(kernel := getattr(plan, gemm), PersistentTiles)
     }
+    at_four_stages = {
+        gemm: replace(kernel, num_stages=4)
+        for gemm in _ROW_GEMMS
+        if isinstance(kernel := getattr(plan, gemm), PersistentTiles)
+    }
     candidates = {
         "plan's Triton rows in row-tile order": replace(plan, **in_row_order),  # type: ignore[arg-type]
+        "plan's Triton rows at 4 stages": replace(plan, **at_four_stages),  # type: ignore[arg-type]
         "every row GEMM on Triton, row-tile order": _rows_on(plan, False, default),
         "every row GEMM on Triton, expert-column order": _rows_on(plan, True, default),
         "fastest per GEMM of this run": best_plan(case, rows),
