@@ -18,7 +18,12 @@ batched cuBLAS GEMMs on equal groups of the mean size (an idealised bound: no ex
 more rows than the mean) and padded to the largest expert (what ``expert_kernel="bmm"`` runs),
 ``torch._grouped_mm`` with the weights stored ``[E, K, N]``, and the dense GEMM with the same
 total FLOPs (all the rows against one weight of the same shape: the dense layer's GEMM). Reports ms and TFLOP/s
-per GEMM. Writes ``moe_gemm.json`` and ``moe_gemm.md``.
+per GEMM, and the persistent Triton kernels in this session's variants (``VARIANTS``: row-tile
+and expert-column job orders at 3 and 4 stages; the weight gradients on the aligned kernel over
+rows padded to 64 per expert). Writes ``moe_gemm.json`` and ``moe_gemm.md``. With
+``--layer-ab`` each case then times ``bench_moe.py``'s dropless layer on its plan against named
+candidate plans (:func:`layer_candidates`), alternating ``--ab-rounds`` times in one process,
+into ``moe_gemm_layer_ab.json``.
 
 Run from the repository root on the GPU machine::
 
