@@ -412,12 +412,15 @@ def best_plan(case: dict[str, int], rows: list[dict]) -> ExpertGemms:
     return replace(best, row_align=64 if aligned else 1)
 
 
+DENSE_LAYER = "dense SwiGLU layer of equal active parameters (fused gate/up, fused SwiGLU)"
+
+
 def layer_ab(
     name: str, case: dict[str, int], candidates: dict[str, ExpertGemms], rounds: int = 4
 ) -> dict[str, object]:
     """Forward + backward of ``bench_moe.py``'s dropless layer on the shape's plan against
     each of ``candidates``, alternating ``rounds`` times in one process (one layer, its plan
-    switched between timings).
+    switched between timings), and of the dense layer of equal active parameters.
 
     Args:
         name: Case name.
@@ -427,9 +430,9 @@ def layer_ab(
 
     Returns:
         ``{"case", "plans": {name: repr}, "ms": {name: [ms per round]}}`` (``"plan"``: the
-        shape's plan).
+        shape's plan; :data:`DENSE_LAYER`: the dense layer).
     """
-    from bench_moe import _moe, _time  # type: ignore[import-not-found]
+    from bench_moe import _dense_fused, _moe, _time  # type: ignore[import-not-found]
 
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
@@ -438,9 +441,12 @@ def layer_ab(
     )
     grad = torch.randn_like(x)
     layer = _moe(case, device)
+    dense = _dense_fused(case, device)
     plans: dict[str, ExpertGemms | None] = {"plan": None, **candidates}
     times: dict[str, list[float]] = {label: [] for label in plans}
+    times[DENSE_LAYER] = []
     for _ in range(rounds):
+        times[DENSE_LAYER].append(_time(dense, x.detach().clone(), grad, 2, 6))
         for label, plan in plans.items():
             layer.experts.gemm_plan = plan
             times[label].append(_time(layer, x.detach().clone(), grad, 2, 6))
