@@ -278,8 +278,9 @@ def test_measured_plans_follow_the_routed_rows_per_expert():
         assert isinstance(gemm, PersistentTiles) and gemm.expert_columns
     assert deepseek.row_align == 64
     qwen3 = measured_expert_gemms(8192 * 8, 2048, 768, 128)
-    assert isinstance(qwen3.down, PersistentTiles) and isinstance(qwen3.d_x, PersistentTiles)
-    assert qwen3.gate_up == GROUPED_MM and qwen3.w_down == GROUPED_MM
+    for gemm in (qwen3.gate_up, qwen3.down, qwen3.d_act, qwen3.d_x):
+        assert isinstance(gemm, PersistentTiles) and not gemm.expert_columns
+    assert qwen3.w_down == GROUPED_MM and qwen3.w_gate_up == GROUPED_MM and qwen3.row_align == 1
     # Mixtral with 2048 rows per expert runs the cuBLAS loop; with 512 torch._grouped_mm.
     assert measured_expert_gemms(8192 * 2, 4096, 14336, 8) == CUBLAS_LOOP_PLAN
     assert measured_expert_gemms(2048 * 2, 4096, 14336, 8) == ExpertGemms()

@@ -265,10 +265,12 @@ _DEEPSEEK_ROWS = ExpertGemms(
 )
 
 _MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {
-    # Qwen3-30B-A3B (512 rows per expert at 8192 tokens), one H200, two probes: the down
-    # projection 521-558 against 501-506 TFLOP/s on torch._grouped_mm, the gate/up input
-    # gradient 589-631 against 569-584 (the other four GEMMs were not faster on Triton).
-    (2048, 768, 128): [(1024, ExpertGemms(down=_WIDE, d_x=_WIDE))],
+    # Qwen3-30B-A3B (512 rows per expert at 8192 tokens), one H200: the four row GEMMs on
+    # Triton (session 12: the gate/up projection and the down projection's input gradient
+    # moved from torch._grouped_mm). Layer forward + backward, alternating in one process:
+    # 3.99 / 4.13 / 4.08 / 4.30 / 4.25 / 4.13 ms against 4.09 / 4.33 / 4.36 / 4.56 / 4.44 /
+    # 4.54 ms for the session-11 plan (medians 4.13 against 4.40).
+    (2048, 768, 128): [(1024, ExpertGemms(gate_up=_WIDE, down=_WIDE, d_act=_WIDE, d_x=_WIDE))],
     # DeepSeek-V3 (256 rows per expert at 8192 tokens): the down projection 488-502 against
     # 424-438 TFLOP/s, its input gradient 517-557 against 467-491 (three probes); the gate/up
     # input gradient 495-523 against 461-478 (two); the gate/up projection 530-547 against
