@@ -69,19 +69,28 @@ def test_tile_schedule_lists_every_row_tile_of_every_expert():
     assert got == want
 
 
-@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"flatten": True}, {"expert_columns": True}, {"flatten": True, "expert_columns": True}],
+    ids=["plain", "flat", "expert-columns", "flat-expert-columns"],
+)
 @pytest.mark.parametrize("transpose", [True, False])
-def test_m_grouped_mm_matches_reference(transpose, flatten):
+def test_m_grouped_mm_matches_reference(transpose, options):
     offsets = _offsets()
     rows, n, k = int(offsets[-1]), 48, 32
     a = _randn(rows, k, seed=1)
     w = _randn(len(COUNTS), *((n, k) if transpose else (k, n)), seed=2)
     tiles = PersistentTiles(
-        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, flatten=flatten
+        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, **options
     )
     got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=tiles)
     want = m_grouped_mm_reference(a, w, offsets, transpose_weight=transpose)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    # Every loop and job order sums each element in the same order: bitwise the plain kernel.
+    plain = PersistentTiles(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+    torch.testing.assert_close(
+        got, m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=plain), rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("n", [32, 40], ids=["tma-store", "masked-store"])
@@ -101,7 +110,7 @@ def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(n):
 ALIGNED_COUNTS = [0, 16, 48, 0, 32, 0]
 
 
-@pytest.mark.parametrize("counts", [ALIGNED_COUNTS, [32, 32, 32], [0, 0]])
+@pytest.mark.parametrize("counts", [ALIGNED_COUNTS, [32, 32, 32], [0, 0], [16]])
 def test_aligned_k_grouped_mm_matches_reference_and_zeroes_empty_experts(counts):
     offsets = _offsets(counts)
     # Rows past the last expert (read by no chunk) hold NaN: they must not leak in.
@@ -263,9 +272,15 @@ def test_grouped_experts_on_rows_in_expert_order_match_reference():
 
 
 def test_measured_plans_follow_the_routed_rows_per_expert():
+    # DeepSeek-V3 at 8k tokens: its Triton row GEMMs take each expert's jobs column by column.
+    deepseek = measured_expert_gemms(8192 * 8, 7168, 2048, 256)
+    for gemm in (deepseek.gate_up, deepseek.down, deepseek.d_act, deepseek.d_x):
+        assert isinstance(gemm, PersistentTiles) and gemm.expert_columns
+    assert deepseek.row_align == 64
     qwen3 = measured_expert_gemms(8192 * 8, 2048, 768, 128)
-    assert isinstance(qwen3.down, PersistentTiles) and isinstance(qwen3.d_x, PersistentTiles)
-    assert qwen3.gate_up == GROUPED_MM and qwen3.w_down == GROUPED_MM
+    for gemm in (qwen3.gate_up, qwen3.down, qwen3.d_act, qwen3.d_x):
+        assert isinstance(gemm, PersistentTiles) and not gemm.expert_columns
+    assert qwen3.w_down == GROUPED_MM and qwen3.w_gate_up == GROUPED_MM and qwen3.row_align == 1
     # Mixtral with 2048 rows per expert runs the cuBLAS loop; with 512 torch._grouped_mm.
     assert measured_expert_gemms(8192 * 2, 4096, 14336, 8) == CUBLAS_LOOP_PLAN
     assert measured_expert_gemms(2048 * 2, 4096, 14336, 8) == ExpertGemms()

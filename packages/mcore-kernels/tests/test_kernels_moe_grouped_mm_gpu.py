@@ -5,6 +5,8 @@ gradients), and two runs bitwise equal."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -95,7 +97,21 @@ LOOPS = ExpertGemms(
 )
 
 
-@pytest.mark.parametrize("plan", [ALL_TRITON, LOOPS], ids=["triton", "cublas-loops"])
+EXPERT_COLUMNS = ExpertGemms(
+    gate_up=replace(ROWS_TILES, expert_columns=True),
+    down=replace(ROWS_TILES, expert_columns=True),
+    d_act=replace(ROWS_TILES, expert_columns=True),
+    d_x=replace(ROWS_TILES, expert_columns=True),
+    w_down=WEIGHT_TILES,
+    w_gate_up=WEIGHT_TILES,
+)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [ALL_TRITON, EXPERT_COLUMNS, LOOPS],
+    ids=["triton", "triton-expert-columns", "cublas-loops"],
+)
 def test_routed_experts_on_other_gemms_match_grouped_mm_and_repeat_bitwise(plan):
     want = _routed(None)
     first = _routed(plan)
@@ -119,3 +135,22 @@ def test_aligned_weight_gradients_match_grouped_mm_and_repeat_bitwise():
     _close(got, want)
     assert torch.equal(got, k_grouped_mm(grad_gu, x, offsets, tiles=WEIGHT_TILES, aligned=True))
     assert torch.count_nonzero(got[[0, 7, EXPERTS - 1]]) == 0
+
+
+def test_expert_column_order_equals_the_plain_kernel_bitwise():
+    # The expert-column job order changes when a tile is computed, not its sums: bitwise the
+    # plain kernel's products (experts without rows, several row tiles), and run to run.
+    offsets = _counts().cumsum(0).to(torch.int32).cuda()
+    rows = int(offsets[-1])
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, HIDDEN, **bf16)
+    w_gu = torch.randn(EXPERTS, 2 * FFN, HIDDEN, **bf16) * 0.05
+    grad_gu = torch.randn(rows, 2 * FFN, **bf16)
+    tiles = replace(ROWS_TILES, expert_columns=True)
+    for a, transpose in ((x, True), (grad_gu, False)):
+        want = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=ROWS_TILES)
+        got = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=tiles)
+        assert torch.equal(got, want)
+        assert torch.equal(
+            got, m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=tiles)
+        )

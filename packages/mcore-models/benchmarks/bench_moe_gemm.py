@@ -18,7 +18,12 @@ batched cuBLAS GEMMs on equal groups of the mean size (an idealised bound: no ex
 more rows than the mean) and padded to the largest expert (what ``expert_kernel="bmm"`` runs),
 ``torch._grouped_mm`` with the weights stored ``[E, K, N]``, and the dense GEMM with the same
 total FLOPs (all the rows against one weight of the same shape: the dense layer's GEMM). Reports ms and TFLOP/s
-per GEMM. Writes ``moe_gemm.json`` and ``moe_gemm.md``.
+per GEMM, and the persistent Triton kernels in this session's variants (``VARIANTS``: row-tile
+and expert-column job orders at 3 and 4 stages; the weight gradients on the aligned kernel over
+rows padded to 64 per expert). Writes ``moe_gemm.json`` and ``moe_gemm.md``. With
+``--layer-ab`` each case then times ``bench_moe.py``'s dropless layer on its plan against named
+candidate plans (:func:`layer_candidates`), alternating ``--ab-rounds`` times in one process,
+into ``moe_gemm_layer_ab.json``.
 
 Run from the repository root on the GPU machine::
 
@@ -33,6 +38,7 @@ import json
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,6 +50,7 @@ from mcore_kernels.moe.expert_gemms import (
     choose_expert_gemms,
     triton_expert_gemms,
 )
+from mcore_kernels.moe.grouped_mm import PersistentTiles
 from mcore_kernels.moe.rows import aligned_rows
 
 GEMMS = ("gate_up", "down", "d_act", "d_x", "w_down", "w_gate_up")
@@ -263,6 +270,41 @@ def _padded(p: Problem, plan: ExpertGemms) -> dict[str, Callable[[], object]]:
     return _runner(padded, plan)
 
 
+_ROW_GEMMS = ("gate_up", "down", "d_act", "d_x")
+_WEIGHT_GEMMS = ("w_down", "w_gate_up")
+_TRITON_ROWS = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
+_TRITON_WEIGHTS = PersistentTiles(block_m=64, block_n=128, block_k=256, num_stages=3)
+
+VARIANTS: dict[str, tuple[PersistentTiles, PersistentTiles]] = {
+    "Triton base (rows: flattened 128x256, 4 stages; weights: aligned 128x256, 3 stages)": (
+        _TRITON_ROWS,
+        _TRITON_WEIGHTS,
+    ),
+    "Triton, rows 3 stages": (replace(_TRITON_ROWS, num_stages=3), _TRITON_WEIGHTS),
+    "Triton, rows in expert-column job order": (
+        replace(_TRITON_ROWS, expert_columns=True),
+        _TRITON_WEIGHTS,
+    ),
+    "Triton, rows in expert-column job order, 3 stages": (
+        replace(_TRITON_ROWS, expert_columns=True, num_stages=3),
+        _TRITON_WEIGHTS,
+    ),
+}
+"""Kernel variants of this session (rows on packed rows, weight gradients on rows padded to
+64 per expert), named for the table: (row-GEMM tiles, weight-gradient tiles)."""
+
+
+def _variant(
+    p: Problem, rows: PersistentTiles, weights: PersistentTiles
+) -> dict[str, Callable[[], object]]:
+    """The four row GEMMs on ``rows`` (packed rows) and the two weight gradients on
+    ``weights`` (rows padded to 64 per expert, the unmasked aligned kernel)."""
+    plan = ExpertGemms(**dict.fromkeys(_ROW_GEMMS, rows), **dict.fromkeys(_WEIGHT_GEMMS, weights))
+    packed = _runner(p, plan)
+    padded = _padded(p, replace(plan, row_align=64))
+    return {gemm: packed[gemm] if gemm in _ROW_GEMMS else padded[gemm] for gemm in GEMMS}
+
+
 def _dense(p: Problem) -> dict[str, Callable[[], object]]:
     gu, d = p.w_gu[0], p.w_d[0]
     return {
@@ -305,6 +347,8 @@ def run_case(
         TRITON: _triton,
         CHOSEN: _chosen,
     }
+    for label, (rows_tiles, weight_tiles) in VARIANTS.items():
+        impls[label] = lambda q, r=rows_tiles, w=weight_tiles: _variant(q, r, w)
     if case["experts"] <= 16:
         impls["cuBLAS loop over experts"] = _loop
         impls["cuBLAS loop over experts, two streams"] = _loop_streams
@@ -332,6 +376,139 @@ def run_case(
         if emit is not None:
             emit(rows)
     return rows
+
+
+def best_plan(case: dict[str, int], rows: list[dict]) -> ExpertGemms:
+    """Per GEMM the fastest of the layer's plan and the Triton variants in ``rows``; the rows
+    padded to 64 per expert when a weight gradient runs on a variant's aligned kernel.
+
+    Args:
+        case: Shapes (hidden, experts, top_k, ffn, tokens).
+        rows: This case's rows of :func:`run_case`.
+
+    Returns:
+        The plan.
+    """
+    routed = case["tokens"] * case["top_k"]
+    plan = choose_expert_gemms(
+        routed, case["hidden"], case["ffn"], case["experts"], torch.device("cuda")
+    )
+    kernels: dict[str, tuple[float, object]] = {}
+    for row in rows:
+        if "ms" not in row:
+            continue
+        if row["impl"] == CHOSEN:
+            kernel: object = getattr(plan, row["gemm"])
+        elif row["impl"] in VARIANTS:
+            rows_tiles, weight_tiles = VARIANTS[row["impl"]]
+            kernel = rows_tiles if row["gemm"] in _ROW_GEMMS else weight_tiles
+        else:
+            continue
+        if row["gemm"] not in kernels or row["ms"] < kernels[row["gemm"]][0]:
+            kernels[row["gemm"]] = (row["ms"], kernel)
+    fields = {gemm: kernel for gemm, (_, kernel) in kernels.items()}
+    best = replace(plan, **fields)  # type: ignore[arg-type]
+    aligned = any(isinstance(getattr(best, gemm), PersistentTiles) for gemm in _WEIGHT_GEMMS)
+    return replace(best, row_align=64 if aligned else 1)
+
+
+DENSE_LAYER = "dense SwiGLU layer of equal active parameters (fused gate/up, fused SwiGLU)"
+
+
+def layer_ab(
+    name: str, case: dict[str, int], candidates: dict[str, ExpertGemms], rounds: int = 4
+) -> dict[str, object]:
+    """Forward + backward of ``bench_moe.py``'s dropless layer on the shape's plan against
+    each of ``candidates``, alternating ``rounds`` times in one process (one layer, its plan
+    switched between timings), and of the dense layer of equal active parameters.
+
+    Args:
+        name: Case name.
+        case: Shapes.
+        candidates: Plans to compare, by name.
+        rounds: Alternations.
+
+    Returns:
+        ``{"case", "plans": {name: repr}, "ms": {name: [ms per round]}}`` (``"plan"``: the
+        shape's plan; :data:`DENSE_LAYER`: the dense layer).
+    """
+    from bench_moe import _dense_fused, _moe, _time  # type: ignore[import-not-found]
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(
+        case["tokens"], case["hidden"], device=device, dtype=torch.bfloat16, generator=generator
+    )
+    grad = torch.randn_like(x)
+    layer = _moe(case, device)
+    dense = _dense_fused(case, device)
+    plans: dict[str, ExpertGemms | None] = {"plan": None, **candidates}
+    times: dict[str, list[float]] = {label: [] for label in plans}
+    times[DENSE_LAYER] = []
+    for _ in range(rounds):
+        times[DENSE_LAYER].append(_time(dense, x.detach().clone(), grad, 2, 6))
+        for label, plan in plans.items():
+            layer.experts.gemm_plan = plan
+            times[label].append(_time(layer, x.detach().clone(), grad, 2, 6))
+    print(f"{name}: layer A/B {times}", flush=True)
+    return {"case": name, "plans": {k: repr(v) for k, v in plans.items()}, "ms": times}
+
+
+def _plan_of(case: dict[str, int]) -> ExpertGemms:
+    routed = case["tokens"] * case["top_k"]
+    return choose_expert_gemms(
+        routed, case["hidden"], case["ffn"], case["experts"], torch.device("cuda")
+    )
+
+
+def _rows_on(plan: ExpertGemms, expert_columns: bool, default: PersistentTiles) -> ExpertGemms:
+    """``plan`` with every row GEMM on Triton (its own tiles, else ``default``) in the given
+    job order."""
+    fields = {}
+    for gemm in _ROW_GEMMS:
+        kernel = getattr(plan, gemm)
+        tiles = kernel if isinstance(kernel, PersistentTiles) else default
+        fields[gemm] = replace(tiles, expert_columns=expert_columns)
+    return replace(plan, **fields)  # type: ignore[arg-type]
+
+
+def layer_candidates(case: dict[str, int], rows: list[dict]) -> dict[str, ExpertGemms]:
+    """Plans to time against the shape's plan at layer level (those equal to it left out).
+
+    Args:
+        case: Shapes.
+        rows: This case's rows of :func:`run_case`.
+
+    Returns:
+        By name: the plan's Triton row GEMMs in row-tile order and at 4 stages, every row GEMM
+        on Triton (flattened 128x256, 4 stages; 3 stages from 1024 rows per
+        expert) in either order, and the fastest kernel per GEMM of ``rows``.
+    """
+    plan = _plan_of(case)
+    rows_per_expert = case["tokens"] * case["top_k"] // case["experts"]
+    default = replace(_TRITON_ROWS, num_stages=3) if rows_per_expert >= 1024 else _TRITON_ROWS
+    in_row_order = {
+        gemm: replace(kernel, expert_columns=False)
+        for gemm in _ROW_GEMMS
+        if isinstance(kernel := getattr(plan, gemm), PersistentTiles)
+    }
+    at_four_stages = {
+        gemm: replace(kernel, num_stages=4)
+        for gemm in _ROW_GEMMS
+        if isinstance(kernel := getattr(plan, gemm), PersistentTiles)
+    }
+    candidates = {
+        "plan's Triton rows in row-tile order": replace(plan, **in_row_order),  # type: ignore[arg-type]
+        "plan's Triton rows at 4 stages": replace(plan, **at_four_stages),  # type: ignore[arg-type]
+        "every row GEMM on Triton, row-tile order": _rows_on(plan, False, default),
+        "every row GEMM on Triton, expert-column order": _rows_on(plan, True, default),
+        "fastest per GEMM of this run": best_plan(case, rows),
+    }
+    unique: dict[str, ExpertGemms] = {}
+    for name, candidate in candidates.items():
+        if candidate != plan and candidate not in unique.values():
+            unique[name] = candidate
+    return unique
 
 
 def _markdown(device_name: str, rows: list[dict]) -> str:
@@ -382,6 +559,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--only", nargs="*", help="implementations containing one of these words (default: all)"
     )
+    parser.add_argument(
+        "--ab-rounds", type=int, default=4, help="alternations of the layer A/B (default 4)"
+    )
+    parser.add_argument(
+        "--layer-ab",
+        action="store_true",
+        help="after each case, time the dropless layer on its plan against the fastest kernel "
+        "per GEMM of this run (alternating, moe_gemm_layer_ab.json)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -394,9 +580,20 @@ def main(argv: list[str] | None = None) -> None:
         (out / "moe_gemm.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / "moe_gemm.md").write_text(_markdown(device_name, every))
 
+    ab: list[dict[str, object]] = []
     for name in args.cases or list(CASES):
-        rows.extend(run_case(name, CASES[name], args.reps, write, args.only))
+        case_rows = run_case(name, CASES[name], args.reps, write, args.only)
+        rows.extend(case_rows)
         torch.cuda.empty_cache()
+        if args.layer_ab:
+            candidates = layer_candidates(CASES[name], case_rows)
+            try:
+                ab.append(layer_ab(name, CASES[name], candidates, args.ab_rounds))
+            except Exception as exc:  # reported, not fatal
+                ab.append({"case": name, "error": f"{type(exc).__name__}: {exc}"})
+                traceback.print_exc()
+            (out / "moe_gemm_layer_ab.json").write_text(json.dumps(ab, indent=2) + "\n")
+            torch.cuda.empty_cache()
     print(_markdown(device_name, rows), flush=True)
 
 

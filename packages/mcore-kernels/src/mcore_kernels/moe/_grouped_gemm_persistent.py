@@ -79,12 +79,14 @@ def m_grouped_kernel(
     N,
     K,
     stride_cm,
+    ends_ptr,
     B_NK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
+    EXPERT_COLUMNS: tl.constexpr,
 ):
     """``C[rows of e] = A[rows of e] @ B[e]``.
 
@@ -93,19 +95,19 @@ def m_grouped_kernel(
     Program ``p`` takes jobs ``p, p + NUM_PROGRAMS, ...`` of ``tiles * cdiv(N, BLOCK_N)``,
     the column tiles of one row tile consecutive (they share the row tile through L2).
     ``FLATTEN``: the job and reduction loops become one pipelined loop, so the next tile's
-    first loads overlap the current tile's epilogue.
+    first loads overlap the current tile's epilogue. ``EXPERT_COLUMNS``: the jobs of one
+    expert are taken column tile by column tile, its row tiles consecutive, so that the
+    programs that read one column strip of the expert's weights run side by side and the strip
+    streams from memory once for all of them (``ends_ptr``: the experts' end rows).
     """
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(sched_ptr + 3 * max_tiles) * num_n
     dtype = c_ptr.dtype.element_ty
     for job in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
-        tile = job // num_n
-        pid_n = job % num_n
-        expert = tl.load(sched_ptr + tile)
-        row_start = tl.load(sched_ptr + max_tiles + tile)
-        row_end = tl.load(sched_ptr + 2 * max_tiles + tile)
-        n0 = pid_n * BLOCK_N
+        expert, row_start, row_end, n0 = _m_job(
+            job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, BLOCK_N, EXPERT_COLUMNS
+        )
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(k_tiles):
             k0 = kk * BLOCK_K
@@ -121,6 +123,35 @@ def m_grouped_kernel(
         mask = (rows < row_end)[:, None] & (cols < N)[None, :]
         ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
         tl.store(ptrs, acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def _m_job(
+    job,
+    sched_ptr,
+    ends_ptr,
+    max_tiles,
+    num_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EXPERT_COLUMNS: tl.constexpr,
+):
+    """Expert, first row, end row (the expert's) and first column of row-grouped job ``job``."""
+    tile = job // num_n
+    pid_n = job % num_n
+    expert = tl.load(sched_ptr + tile)
+    row_start = tl.load(sched_ptr + max_tiles + tile)
+    row_end = tl.load(sched_ptr + 2 * max_tiles + tile)
+    if EXPERT_COLUMNS:
+        # The expert's jobs are the block [first_tile * num_n, (first_tile + tiles) * num_n):
+        # renumber the block column-major (row tiles of one column tile consecutive).
+        e_start = tl.load(ends_ptr + tl.maximum(expert - 1, 0), mask=expert > 0, other=0)
+        tiles = tl.cdiv(row_end - e_start, BLOCK_M)
+        first_tile = tile - (row_start - e_start) // BLOCK_M
+        local = job - first_tile * num_n
+        pid_n = local // tiles
+        row_start = e_start + (local % tiles) * BLOCK_M
+    return expert, row_start, row_end, pid_n * BLOCK_N
 
 
 @triton.jit

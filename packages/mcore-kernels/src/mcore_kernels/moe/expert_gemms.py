@@ -251,13 +251,26 @@ layer call)."""
 _WIDE = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
 _WIDE_3 = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True)
 _ALIGNED = PersistentTiles(block_m=64, block_n=128, block_k=256, num_stages=3)
-_DEEPSEEK_ROWS = ExpertGemms(gate_up=_WIDE_3, down=_WIDE, d_act=_WIDE_3, d_x=_WIDE_3)
+# Each expert's jobs column tile by column tile (expert_columns): its two or three row tiles
+# read one 2-4 MB strip of its weights side by side, so the strip streams from memory once.
+# Layer forward + backward, one H200, two probes of session 12, alternating in one process:
+# 39.51 / 40.52 / 40.53 / 40.60 ms against 42.05 / 43.56 / 43.30 / 44.35 ms with the same
+# tiles in row-tile order (medians 40.52 against 43.43), and 38.85 / 44.14 / 39.49 against
+# 41.65 / 42.29 / 42.92 ms.
+_DEEPSEEK_ROWS = ExpertGemms(
+    gate_up=replace(_WIDE_3, expert_columns=True),
+    down=replace(_WIDE, expert_columns=True),
+    d_act=replace(_WIDE_3, expert_columns=True),
+    d_x=replace(_WIDE_3, expert_columns=True),
+)
 
 _MEASURED_PLANS: dict[tuple[int, int, int], list[tuple[int, ExpertGemms]]] = {
-    # Qwen3-30B-A3B (512 rows per expert at 8192 tokens), one H200, two probes: the down
-    # projection 521-558 against 501-506 TFLOP/s on torch._grouped_mm, the gate/up input
-    # gradient 589-631 against 569-584 (the other four GEMMs were not faster on Triton).
-    (2048, 768, 128): [(1024, ExpertGemms(down=_WIDE, d_x=_WIDE))],
+    # Qwen3-30B-A3B (512 rows per expert at 8192 tokens), one H200: the four row GEMMs on
+    # Triton (session 12: the gate/up projection and the down projection's input gradient
+    # moved from torch._grouped_mm). Layer forward + backward, alternating in one process:
+    # 3.99 / 4.13 / 4.08 / 4.30 / 4.25 / 4.13 ms against 4.09 / 4.33 / 4.36 / 4.56 / 4.44 /
+    # 4.54 ms for the session-11 plan (medians 4.13 against 4.40).
+    (2048, 768, 128): [(1024, ExpertGemms(gate_up=_WIDE, down=_WIDE, d_act=_WIDE, d_x=_WIDE))],
     # DeepSeek-V3 (256 rows per expert at 8192 tokens): the down projection 488-502 against
     # 424-438 TFLOP/s, its input gradient 517-557 against 467-491 (three probes); the gate/up
     # input gradient 495-523 against 461-478 (two); the gate/up projection 530-547 against

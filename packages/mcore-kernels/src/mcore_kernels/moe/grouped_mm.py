@@ -46,6 +46,10 @@ class PersistentTiles:
     """Software-pipelining depth of the operand loads."""
     flatten: bool = False
     """Flatten the job and reduction loops into one pipelined loop (:func:`m_grouped_mm`)."""
+    expert_columns: bool = False
+    """Take each expert's row-grouped jobs column tile by column tile, its row tiles
+    consecutive (:func:`m_grouped_mm`): the programs that read one column strip of the
+    expert's weights run side by side, so the strip streams from memory once for all of them."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -194,12 +198,14 @@ def m_grouped_mm(
         n,
         k,
         out.stride(0),
+        offsets,
         B_NK=transpose_weight,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
         NUM_PROGRAMS=programs,
         FLATTEN=tiles.flatten,
+        EXPERT_COLUMNS=tiles.expert_columns,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
