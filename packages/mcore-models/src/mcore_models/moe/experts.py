@@ -230,15 +230,16 @@ class GroupedExperts(nn.Module):
         Args:
             rows: Routed rows (tokens x top-k).
             tokens: The tokens (for their device).
-            sync_free: Keep the measured plan free of host syncs (capacity routing, whose
-                fixed shapes promise none).
+            sync_free: Keep the measured plan free of host syncs (for callers that must not
+                synchronise; a CUDA graph capture gets such a plan anyway).
 
         Returns:
             ``gemm_plan`` when set; with ``expert_kernel="cublas"`` one cuBLAS GEMM per expert
             for all six (a host sync); else the plan measured fastest for this shape and row
             count (:func:`~mcore_kernels.moe.expert_gemms.choose_expert_gemms`: at
-            Mixtral's shape with many rows the cuBLAS loop, a host sync, except with
-            ``sync_free`` or while a CUDA graph is being captured).
+            Mixtral's shape with many rows the cuBLAS loop, a host sync, for dropless routing
+            and capacity routing's packed kept rows alike, except with ``sync_free`` or while
+            a CUDA graph is being captured).
         """
         if self.gemm_plan is not None:
             return self.gemm_plan
