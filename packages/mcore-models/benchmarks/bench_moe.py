@@ -12,6 +12,11 @@ Each case times ``MoELayer`` in the same run on the same GPU as its peers:
 - the default's fused operation with every GEMM on ``torch._grouped_mm`` (the default before
   the per-shape GEMM plan of ``choose_expert_gemms``) and, at DeepSeek-V3 8k, with session 8's
   plan (the down projection and its input gradient on Triton);
+- where the default pads dropless routing to the largest expert (``prefers_slots``: DeepSeek-V3
+  8k), the shape's grouped GEMM plan without that padding and the padded batched GEMMs as
+  separate autograd operations (the defaults before session 12); where there are few experts,
+  drop-and-pad's packed kept rows on ``torch._grouped_mm`` without host sync (the default
+  before session 12) and drop-and-pad on batched GEMMs over every capacity slot;
 - dropless with the kernels' torch references (cases with few experts only: it is the slowest
   row), and the loop over experts where there are few experts.
 
