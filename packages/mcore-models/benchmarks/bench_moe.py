@@ -123,8 +123,8 @@ GROUPED_PLAN = (
     "expert (the default before session 12)"
 )
 BMM_UNFUSED = (
-    "mcore MoELayer dropless, batched GEMMs padded to the largest expert as separate autograd "
-    'operations (expert_kernel="bmm" before session 12)'
+    "mcore MoELayer dropless, batched GEMMs padded to the largest expert, unfused "
+    '(expert_kernel="bmm" before session 12)'
 )
 DROP_SYNC_FREE = (
     "mcore MoELayer drop-and-pad (capacity 1.25), kept rows packed on torch._grouped_mm "
