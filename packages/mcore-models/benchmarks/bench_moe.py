@@ -77,7 +77,7 @@ from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.config import expert_capacity
 from mcore_models.moe.dispatcher import PACKED_MIN_CAPACITY
 from mcore_models.moe.experts import grouped_mm_supported
-from mcore_models.moe.permute import padded_segments, segment_slots, shrunk_capacity
+from mcore_models.moe.permute import padded_segments, segment_slots
 
 CASES = {
     # Mixtral-8x7B layer shape (Jiang et al., 2024): 8 experts, top-2, FFN 14336.
@@ -516,9 +516,6 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     )
     padded_dropless = False
     segments: tuple[tuple[int, int, int], ...] = ()
-    if capacity is not None and layer._shrinks_slots(capacity, x):
-        # As the layer: slots shrunk to the largest expert when none overflows.
-        capacity = shrunk_capacity(counts, capacity)
     if capacity is None and experts.pads_dropless(flat.numel(), x):
         # Dropless on batched GEMMs: the experts run the padded slots.
         padded = padded_segments(counts, flat.numel())
