@@ -10,12 +10,11 @@ from torch import nn
 from mcore_models.errors import ModelConfigError, ModelInputError
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.mlp import SwiGLUMLP
-from mcore_models.moe import dispatcher
 from mcore_models.moe.comm import ExpertComm
 from mcore_models.moe.config import MoEConfig, expert_capacity
 from mcore_models.moe.dispatcher import dispatch_and_combine
 from mcore_models.moe.experts import GroupedExperts
-from mcore_models.moe.permute import count, padded_segments, shrunk_capacity
+from mcore_models.moe.permute import count, padded_segments
 from mcore_models.moe.router import TopKRouter
 
 if TYPE_CHECKING:
@@ -135,13 +134,6 @@ class MoELayer(nn.Module):
         segments: tuple[tuple[int, int, int], ...] | None = None
         if factor is not None:
             capacity = expert_capacity(tokens.shape[0], moe.top_k, moe.num_experts, factor)
-            if self._shrinks_slots(capacity, tokens):
-                # Batched GEMMs over the slots: no more slots than the largest expert needs
-                # (one host sync; the same assignments are dropped).
-                counts = routing.counts
-                if counts is None:
-                    counts = count(routing.experts.reshape(-1), moe.num_experts)
-                capacity = shrunk_capacity(counts, capacity)
         elif self._one_rank() and self.experts.pads_dropless(tokens.shape[0] * moe.top_k, tokens):
             # Every expert padded to the largest one for batched GEMMs (one host sync); routing
             # too uneven for that stays on the grouped kernels.
@@ -175,22 +167,6 @@ class MoELayer(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
             output = output + shared
         return output.view(shape)
-
-    def _shrinks_slots(self, capacity: int, tokens: torch.Tensor) -> bool:
-        """Whether capacity routing runs its slots on batched GEMMs in the fused operation at a
-        shape where dropless routing pads to the largest expert (eagerly: not in decode
-        padding, not while a CUDA graph is being captured)."""
-        experts = self.experts
-        rows = tokens.shape[0] * self.moe_config.top_k
-        return (
-            not self.decode_padding
-            and self._one_rank()
-            and self.moe_config.weights_in_experts
-            and experts.fuses_routing(tokens)
-            and (capacity < dispatcher.PACKED_MIN_CAPACITY or experts.expert_kernel == "bmm")
-            and experts.pads_dropless(rows, tokens)
-            and not (tokens.is_cuda and torch.cuda.is_current_stream_capturing())
-        )
 
     def _one_rank(self) -> bool:
         """Whether this rank holds every expert and routes alone (no EP / ETP groups)."""

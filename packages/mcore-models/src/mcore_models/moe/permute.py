@@ -32,7 +32,6 @@ __all__ = [
     "padded_segments",
     "run_padded",
     "segment_slots",
-    "shrunk_capacity",
     "sorted_slots",
 ]
 
@@ -252,23 +251,6 @@ def padded_capacity(counts: torch.Tensor, assignments: int) -> int | None:
     if counts.numel() * capacity > PADDING_LIMIT * max(assignments, 1):
         return None
     return capacity
-
-
-def shrunk_capacity(counts: torch.Tensor, capacity: int) -> int:
-    """The fewest slots per expert that drop exactly what ``capacity`` drops (one host sync).
-
-    Below ``capacity`` when no expert reaches it: the largest count rounded up to 8 (every
-    assignment then has a slot either way); ``capacity`` otherwise.
-
-    Args:
-        counts: ``[num_experts]`` assignments per expert.
-        capacity: Slots per expert of capacity routing.
-
-    Returns:
-        The slots per expert, at most ``capacity``.
-    """
-    largest = int(counts.max()) if counts.numel() else 0
-    return min(capacity, max(8, -(-largest // 8) * 8))
 
 
 def padded_segments(
