@@ -4,8 +4,6 @@ values, gradients of every input, experts that receive no token, and bitwise-equ
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -195,51 +193,6 @@ def test_prefers_slots_only_for_the_measured_shape_on_hopper(monkeypatch):
     assert expert_gemms.prefers_slots(8192 * 8, 7168, 2048, 256, cpu)
     assert not expert_gemms.prefers_slots(32768 * 8, 7168, 2048, 256, cpu)
     assert not expert_gemms.prefers_slots(8192 * 8, 2048, 768, 128, cpu)
-
-
-def test_routed_experts_on_batched_segments_match_reference():
-    # ExpertGemms.segments: experts 0-3 with 8 slots each, experts 4-5 with 4 (one batched GEMM
-    # per segment; every expert fits its slots, expert 2 has none).
-    x, weights, w_gu, w_d, order, inverse, offsets = _problem(seed=12, empty=(2,))
-    counts = torch.diff(offsets.long(), prepend=torch.zeros(1, dtype=torch.long))
-    segments = ((0, 4, int(counts[:4].max())), (4, 6, int(counts[4:].max())))
-    starts = [0]
-    for first, end, slots in segments:
-        starts += [starts[-1] + slots * (e - first + 1) for e in range(first, end)]
-    ends = torch.tensor(starts[1:], dtype=torch.int32)
-    fillers = torch.full((starts[-1],), -1, dtype=torch.long)
-    kept = torch.full_like(order, -1)
-    for expert in range(6):
-        begin = int(offsets[expert - 1]) if expert else 0
-        for j in range(int(counts[expert])):
-            assignment = order[begin + j]
-            fillers[starts[expert] + j] = assignment
-            kept[assignment] = starts[expert] + j
-    plan = ExpertGemms(**dict.fromkeys(("gate_up", "down", "d_act", "d_x"), BATCHED))
-    plan = replace(plan, w_down=BATCHED, w_gate_up=BATCHED, segments=segments)
-    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(8)).to(x.dtype)
-    out, grads = _run(
-        lambda a, b, c, d: routed_experts(a, b, c, d, fillers, kept, ends, gemms=plan),
-        x,
-        weights,
-        w_gu,
-        w_d,
-        grad,
-    )
-    ref, ref_grads = _run(
-        lambda a, b, c, d: routed_experts(a, b, c, d, order, inverse, offsets),
-        x,
-        weights,
-        w_gu,
-        w_d,
-        grad,
-    )
-    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
-    bad = replace(plan, segments=((0, 4, 8), (4, 6, 3)))
-    with pytest.raises(KernelShapeError, match="segments"):
-        routed_experts(x, weights, w_gu, w_d, fillers, kept, ends, gemms=bad)
 
 
 def test_batched_gemms_need_equal_slots():

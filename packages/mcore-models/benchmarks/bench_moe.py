@@ -77,7 +77,7 @@ from mcore_models.gpt.mlp import SwiGLUMLP
 from mcore_models.moe.config import expert_capacity
 from mcore_models.moe.dispatcher import PACKED_MIN_CAPACITY
 from mcore_models.moe.experts import grouped_mm_supported
-from mcore_models.moe.permute import padded_segments, segment_slots
+from mcore_models.moe.permute import padded_capacity
 
 CASES = {
     # Mixtral-8x7B layer shape (Jiang et al., 2024): 8 experts, top-2, FFN 14336.
@@ -515,14 +515,10 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
         None if factor is None else expert_capacity(x.shape[0], moe.top_k, moe.num_experts, factor)
     )
     padded_dropless = False
-    segments: tuple[tuple[int, int, int], ...] = ()
     if capacity is None and experts.pads_dropless(flat.numel(), x):
         # Dropless on batched GEMMs: the experts run the padded slots.
-        padded = padded_segments(counts, flat.numel())
-        if padded is not None:
-            segments = padded
-            capacity = max(slots for _, _, slots in segments)
-            padded_dropless = True
+        capacity = padded_capacity(counts, flat.numel())
+        padded_dropless = capacity is not None
     one_rank = layer.comm is None or (layer.comm.ep_group is None and layer.comm.etp_group is None)
     packed = (
         capacity is not None
@@ -551,15 +547,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     if capacity is not None and folded_slots:
         slot_weights = torch.rand(moe.num_experts, capacity, device=x.device, dtype=x.dtype)
 
-    num_slots = 0 if capacity is None else moe.num_experts * capacity
-    slot_plan = experts.slot_plan()
-    if slotted and padded_dropless:
-        # Every segment of experts padded to its own largest expert (as the layer does).
-        _, _, offsets = segment_slots(flat, counts, segments)
-        num_slots = sum((end - first) * slots for first, end, slots in segments)
-        row_weights = torch.rand(num_slots, device=x.device, dtype=x.dtype)
-        slot_plan = replace(slot_plan, segments=segments)
-    elif slotted:
+    if slotted:
         assert capacity is not None and slot_weights is not None
         ends = torch.arange(1, moe.num_experts + 1, device=x.device, dtype=torch.int32)
         offsets = ends * capacity
@@ -583,7 +571,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
                     self.experts._gate_up_weight(),
                     self.experts.down_proj,
                     offsets,
-                    slot_plan,
+                    self.experts.slot_plan(),
                 )
             if capacity is None and fused and row_weights is not None:
                 # The layer's fused operation without its gather and combine (same GEMM plan).
@@ -604,7 +592,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     if capacity is None:
         rows = permuted
     else:
-        rows = torch.randn(num_slots, x.shape[1], device=x.device, dtype=x.dtype)
+        rows = torch.randn(moe.num_experts * capacity, x.shape[1], device=x.device, dtype=x.dtype)
     grad = torch.randn_like(rows)
     ms = _time(Experts(), rows.clone(), grad, warmup, iters)
     layer.zero_grad(set_to_none=True)

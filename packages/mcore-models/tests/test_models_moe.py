@@ -511,23 +511,17 @@ def _fused_slot_errors() -> list[list[float]]:
     calls = []
     real = GroupedExperts.forward_slots
 
-    def spy(self, x, weights, fillers, kept, capacity=None, ends=None, segments=()):
+    def spy(self, x, weights, fillers, kept, capacity):
         calls.append((capacity, self.slot_plan().slotted))
-        return real(self, x, weights, fillers, kept, capacity, ends, segments)
+        return real(self, x, weights, fillers, kept, capacity)
 
     GroupedExperts.forward_slots = spy  # type: ignore[method-assign]
     errors = [
         _fused_routed_errors(None, expert_kernel="bmm"),
         _fused_routed_errors(0.5, expert_kernel="bmm"),
     ]
-    # Segments of 5 experts (5, 5, 2), each padded to its own largest expert.
-    permute.SLOT_CHUNK = 5
-    segmented = _fused_routed_errors(None, expert_kernel="bmm")
-    errors[0] = [max(a, b) for a, b in zip(errors[0], segmented, strict=True)]
-    # One call per layer step (the reference does not route): batched GEMMs every time.
-    assert [slotted for _, slotted in calls] == [True, True, True], calls
-    # Equal slots (one segment: the largest expert rounded up to 8), capacity 2, segments.
-    assert calls[0][0] % 8 == 0 and calls[1][0] == 2 and calls[2][0] is None, calls
+    # Two calls each (layer, then nothing for the reference): batched GEMMs every time.
+    assert [slotted for _, slotted in calls] == [True, True], calls
     return errors
 
 

@@ -87,10 +87,6 @@ class ExpertGemms:
     builds such rows when the plan asks for it, :func:`mcore_kernels.moe.rows.aligned_rows`):
     the weight gradients on :class:`PersistentTiles` whose ``block_m`` divides it then run
     without masked row chunks (``k_grouped_mm(aligned=True)``). 1: rows packed."""
-    segments: tuple[tuple[int, int, int], ...] = ()
-    """Row slots of the :data:`BATCHED` GEMMs: ``(first expert, end expert, slots per
-    expert)`` of consecutive expert segments in row order, one batched GEMM per segment
-    (the rows of dropless routing padded per segment). Empty: equal slots for all experts."""
 
     def __post_init__(self) -> None:
         for name in _GEMMS:
@@ -131,23 +127,10 @@ class ExpertGemmRunner:
         self._schedules: dict[int, torch.Tensor] = {}
         self._spans: list[tuple[int, int, int]] | None = None
         experts = offsets.shape[0]
-        self._slots = plan.segments
-        if plan.slotted and not plan.segments:
-            if experts == 0 or num_rows % experts:
-                raise KernelShapeError(
-                    f"num_rows={num_rows}: batched GEMMs need equal row slots for the "
-                    f"{experts} experts"
-                )
-            self._slots = ((0, experts, num_rows // experts),)
-        if plan.slotted:
-            firsts = [first for first, _, _ in self._slots]
-            ends = [end for _, end, _ in self._slots]
-            rows = sum((end - first) * slots for first, end, slots in self._slots)
-            if firsts != [0, *ends[:-1]] or ends[-1] != experts or rows != num_rows:
-                raise KernelShapeError(
-                    f"ExpertGemms.segments={plan.segments}: must cover the {experts} experts "
-                    f"in order and {num_rows} rows"
-                )
+        if plan.slotted and (experts == 0 or num_rows % experts):
+            raise KernelShapeError(
+                f"num_rows={num_rows}: batched GEMMs need equal row slots for the {experts} experts"
+            )
 
     def _schedule(self, tiles: PersistentTiles) -> torch.Tensor:
         if tiles.block_m not in self._schedules:
@@ -192,16 +175,8 @@ class ExpertGemmRunner:
             self._loop(one)
             return out
         if kernel == BATCHED:
-            width = w.shape[1] if transpose else w.shape[2]
-            out = a.new_empty(a.shape[0], width)
-            start = 0
-            for first, end, slots in self._slots:
-                rows = slice(start, start + (end - first) * slots)
-                weight = w[first:end].transpose(1, 2) if transpose else w[first:end]
-                grid = a[rows].view(end - first, slots, a.shape[1])
-                torch.bmm(grid, weight, out=out[rows].view(end - first, slots, width))
-                start = rows.stop
-            return out
+            slots = a.view(w.shape[0], -1, a.shape[1])
+            return torch.bmm(slots, w.transpose(1, 2) if transpose else w).view(a.shape[0], -1)
         return torch._grouped_mm(a, w.transpose(-2, -1) if transpose else w, offs=self.offsets)
 
     def _weights(self, kernel: GemmKernel, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -222,14 +197,10 @@ class ExpertGemmRunner:
         if kernel == BATCHED:
             # [E, N, K] in the parameter's layout: the slots' transposed gradient times their
             # rows (empty rows add zero).
-            out = g.new_empty(self.offsets.shape[0], g.shape[1], x.shape[1])
-            start = 0
-            for first, end, slots in self._slots:
-                rows = slice(start, start + (end - first) * slots)
-                grads = g[rows].view(end - first, slots, g.shape[1]).transpose(1, 2)
-                torch.bmm(grads, x[rows].view(end - first, slots, x.shape[1]), out=out[first:end])
-                start = rows.stop
-            return out
+            experts = self.offsets.shape[0]
+            return torch.bmm(
+                g.view(experts, -1, g.shape[1]).transpose(1, 2), x.view(experts, -1, x.shape[1])
+            )
         return torch._grouped_mm(g.t(), x, offs=self.offsets)
 
     def gate_up(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,6 @@ from mcore_models.moe.permute import (
     inverse_permutation,
     padded_index,
     run_padded,
-    segment_slots,
     sorted_slots,
 )
 from mcore_parallel.tensor_parallel.mappings import (
@@ -195,7 +194,6 @@ def dispatch_and_combine(
     counts: torch.Tensor | None = None,
     weights_in_experts: bool = False,
     padded_dropless: bool = False,
-    segments: tuple[tuple[int, int, int], ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Send every token to its experts, run them, and sum their weighted outputs per token.
 
@@ -215,9 +213,6 @@ def dispatch_and_combine(
         padded_dropless: ``capacity`` holds every expert's assignments (see
             :func:`~mcore_models.moe.permute.padded_capacity`): the slots come from one sort
             and nothing is dropped.
-        segments: With ``padded_dropless``, the expert segments of
-            :func:`~mcore_models.moe.permute.padded_segments` (``capacity`` their most slots):
-            on the fused path each segment is padded to its own slots.
 
     Returns:
         ``([T, hidden]`` combined output, ``[num_experts]`` int64 assignments per expert of
@@ -281,12 +276,6 @@ def dispatch_and_combine(
         # Equal slots per expert (the capacity, or the largest expert's rows for padded
         # dropless routing) in one fused operation on batched GEMMs: the slots' routing
         # weights are read through their assignments, the combine is a plain sum.
-        if padded_dropless and len(segments) > 1:
-            fillers, kept, ends = segment_slots(flat_experts, counts, segments)
-            output = experts_module.forward_slots(
-                x, weights, fillers, kept, ends=ends, segments=segments
-            )
-            return output, counts
         fillers, kept = capacity_fillers(flat_experts, None, num_experts, capacity)
         output = experts_module.forward_slots(x, weights, fillers, kept, capacity)
         return output, counts

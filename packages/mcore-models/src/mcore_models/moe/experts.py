@@ -293,42 +293,36 @@ class GroupedExperts(nn.Module):
         weights: torch.Tensor,
         fillers: torch.Tensor,
         kept: torch.Tensor,
-        capacity: int | None = None,
-        ends: torch.Tensor | None = None,
-        segments: tuple[tuple[int, int, int], ...] = (),
+        capacity: int,
     ) -> torch.Tensor:
-        """Permute, run and combine routing assignments in slots per expert, in one fused
+        """Permute, run and combine routing assignments in equal slots per expert, in one fused
         operation (no host sync).
 
-        Expert ``e`` owns rows ``e * capacity`` to ``(e + 1) * capacity`` (or the rows of its
-        segment, :func:`~mcore_models.moe.permute.padded_segments`); its kept assignments come
-        first, the rest of its slots are empty (zero input, zero weight, zero gradient) and
-        computed by the batched GEMMs of :meth:`slot_plan`.
+        Expert ``e`` owns rows ``e * capacity`` to ``(e + 1) * capacity``; its kept assignments
+        come first, the rest of its slots are empty (zero input, zero weight, zero gradient)
+        and computed by the batched GEMMs of :meth:`slot_plan`.
 
         Args:
             x: ``[T, hidden]`` tokens.
             weights: ``[T, top_k]`` routing weights.
-            fillers: ``[rows]`` int64 assignment in each slot, -1 when empty.
+            fillers: ``[num_experts * capacity]`` int64 assignment in each slot, -1 when empty.
             kept: ``[T * top_k]`` int64 slot of each assignment, -1 when dropped.
-            capacity: Slots of every expert (equal slots), or None with ``segments``.
-            ends: ``[num_experts]`` int32 end row of each expert, with ``segments``.
-            segments: ``(first expert, end expert, slots per expert)`` in row order; empty
-                for equal slots.
+            capacity: Slots per expert.
 
         Returns:
             ``[T, hidden]`` weighted sum of each token's expert outputs (dropped ones count
             zero).
         """
-        plan = self.slot_plan()
-        if segments:
-            assert ends is not None
-            plan = replace(plan, segments=segments)
-        else:
-            assert capacity is not None
-            first = torch.arange(1, self.num_experts + 1, dtype=torch.int32, device=x.device)
-            ends = first * capacity
+        ends = torch.arange(1, self.num_experts + 1, dtype=torch.int32, device=x.device)
         return routed_experts(
-            x, weights, self._gate_up_weight(), self.down_proj, fillers, kept, ends, gemms=plan
+            x,
+            weights,
+            self._gate_up_weight(),
+            self.down_proj,
+            fillers,
+            kept,
+            ends * capacity,
+            gemms=self.slot_plan(),
         )
 
     def forward_routed(

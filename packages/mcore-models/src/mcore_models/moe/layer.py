@@ -14,7 +14,7 @@ from mcore_models.moe.comm import ExpertComm
 from mcore_models.moe.config import MoEConfig, expert_capacity
 from mcore_models.moe.dispatcher import dispatch_and_combine
 from mcore_models.moe.experts import GroupedExperts
-from mcore_models.moe.permute import count, padded_segments
+from mcore_models.moe.permute import count, padded_capacity
 from mcore_models.moe.router import TopKRouter
 
 if TYPE_CHECKING:
@@ -131,7 +131,6 @@ class MoELayer(nn.Module):
         moe = self.moe_config
         capacity = None
         padded_dropless = False
-        segments: tuple[tuple[int, int, int], ...] | None = None
         if factor is not None:
             capacity = expert_capacity(tokens.shape[0], moe.top_k, moe.num_experts, factor)
         elif self._one_rank() and self.experts.pads_dropless(tokens.shape[0] * moe.top_k, tokens):
@@ -140,10 +139,8 @@ class MoELayer(nn.Module):
             counts = routing.counts
             if counts is None:
                 counts = count(routing.experts.reshape(-1), moe.num_experts)
-            segments = padded_segments(counts, tokens.shape[0] * moe.top_k)
-            if segments is not None:
-                capacity = max(slots for _, _, slots in segments)
-                padded_dropless = True
+            capacity = padded_capacity(counts, tokens.shape[0] * moe.top_k)
+            padded_dropless = capacity is not None
         output, counts = dispatch_and_combine(
             tokens,
             routing.weights,
@@ -156,7 +153,6 @@ class MoELayer(nn.Module):
             counts=routing.counts,
             weights_in_experts=self.moe_config.weights_in_experts,
             padded_dropless=padded_dropless,
-            segments=segments or (),
         )
         self.tokens_per_expert = counts.detach()
         if self.shared_expert is not None:

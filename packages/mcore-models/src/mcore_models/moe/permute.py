@@ -29,19 +29,12 @@ __all__ = [
     "inverse_permutation",
     "padded_capacity",
     "padded_index",
-    "padded_segments",
     "run_padded",
-    "segment_slots",
     "sorted_slots",
 ]
 
 PADDING_LIMIT = 1.25
-"""Most rows, relative to the routing assignments, that :func:`padded_capacity` and
-:func:`padded_segments` accept."""
-
-SLOT_CHUNK = 1 << 30
-"""Consecutive experts per segment of :func:`padded_segments` (each segment padded to its own
-largest expert, one batched GEMM per segment); the default makes one segment of all experts."""
+"""Most rows, relative to the routing assignments, that :func:`padded_capacity` accepts."""
 
 
 def count(indices: torch.Tensor, size: int) -> torch.Tensor:
@@ -251,72 +244,6 @@ def padded_capacity(counts: torch.Tensor, assignments: int) -> int | None:
     if counts.numel() * capacity > PADDING_LIMIT * max(assignments, 1):
         return None
     return capacity
-
-
-def padded_segments(
-    counts: torch.Tensor, assignments: int, chunk: int | None = None
-) -> tuple[tuple[int, int, int], ...] | None:
-    """Slots of dropless routing on batched GEMMs: consecutive segments of ``chunk`` experts,
-    each expert of a segment padded to the segment's largest count rounded up to 8 (one host
-    sync for the counts).
-
-    Smaller segments pad less (each to its own largest expert) for more, smaller GEMMs.
-
-    Args:
-        counts: ``[num_experts]`` assignments per expert.
-        assignments: Total assignments (tokens times top-k).
-        chunk: Experts per segment (default :data:`SLOT_CHUNK`).
-
-    Returns:
-        ``(first expert, end expert, slots per expert)`` of every segment in row order, or
-        None when the slots exceed :data:`PADDING_LIMIT` times the ``assignments``.
-    """
-    sizes = counts.tolist()
-    step = max(1, chunk or SLOT_CHUNK)
-    segments = []
-    for first in range(0, len(sizes), step):
-        end = min(first + step, len(sizes))
-        largest = max(sizes[first:end])
-        segments.append((first, end, max(8, -(-largest // 8) * 8)))
-    rows = sum((end - first) * slots for first, end, slots in segments)
-    if rows > PADDING_LIMIT * max(assignments, 1):
-        return None
-    return tuple(segments)
-
-
-def segment_slots(
-    experts: torch.Tensor, counts: torch.Tensor, segments: tuple[tuple[int, int, int], ...]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Slot of every assignment in the rows of :func:`padded_segments` (no expert overflows).
-
-    Expert ``e`` of a segment with ``s`` slots per expert owns ``s`` consecutive rows; its
-    assignments fill them in token order (a stable sort), the rest stay empty.
-
-    Args:
-        experts: ``[A]`` int64 expert of each assignment.
-        counts: ``[num_experts]`` assignments per expert, each at most its segment's slots.
-        segments: ``(first expert, end expert, slots per expert)`` in row order.
-
-    Returns:
-        ``(fillers, kept, ends)``: ``[rows]`` int64 assignment in each row (-1 when empty),
-        ``[A]`` int64 row of each assignment and ``[num_experts]`` int32 end row of each
-        expert.
-    """
-    starts: list[int] = []
-    row = 0
-    for first, end, slots in segments:
-        for _ in range(first, end):
-            starts.append(row)
-            row += slots
-    table = torch.tensor(starts, dtype=torch.int64).to(experts.device)
-    ends = torch.tensor([*starts[1:], row], dtype=torch.int32).to(experts.device)
-    order = expert_order(experts, counts.shape[0] - 1)
-    position = inverse_permutation(order)
-    first_sorted = counts.cumsum(0) - counts
-    kept = table.index_select(0, experts) + position - first_sorted.index_select(0, experts)
-    fillers = torch.full((row,), -1, dtype=torch.int64, device=experts.device)
-    fillers.scatter_(0, kept, torch.arange(kept.shape[0], device=experts.device))
-    return fillers, kept, ends
 
 
 def sorted_slots(experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
