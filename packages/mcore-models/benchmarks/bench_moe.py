@@ -528,8 +528,9 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
         and not padded_dropless
     )
     fused = experts.fuses_routing(x)
-    # Equal slots per expert in the fused operation (GroupedExperts.forward_slots).
-    slotted = fused and moe.weights_in_experts and one_rank and capacity is not None and not packed
+    # Dropless routing padded to the largest expert in the fused operation
+    # (GroupedExperts.forward_slots); drop-and-pad's slots run the separate operations.
+    slotted = fused and moe.weights_in_experts and one_rank and padded_dropless
     align = experts.plan_for(flat.numel(), x).row_align
     if fused and moe.weights_in_experts and one_rank and (capacity is None or packed):
         # The fused grouped experts' rows: dropless, or the kept rows of capacity routing,

@@ -501,8 +501,9 @@ def test_layer_with_fused_experts_on_cublas_loop_and_triton_gemms_matches_refere
 
 
 def _fused_slot_errors() -> list[list[float]]:
-    # expert_kernel="bmm" never packs: dropless pads every expert to the largest one, capacity
-    # routing keeps its padded slots; both through GroupedExperts.forward_slots.
+    # expert_kernel="bmm" never packs: dropless pads every expert to the largest one (through
+    # GroupedExperts.forward_slots), capacity routing keeps its padded slots (the separate
+    # operations).
     from mcore_models.moe import permute
     from mcore_models.moe.experts import GroupedExperts
 
@@ -520,8 +521,8 @@ def _fused_slot_errors() -> list[list[float]]:
         _fused_routed_errors(None, expert_kernel="bmm"),
         _fused_routed_errors(0.5, expert_kernel="bmm"),
     ]
-    # Two calls each (layer, then nothing for the reference): batched GEMMs every time.
-    assert [slotted for _, slotted in calls] == [True, True], calls
+    # One call for the dropless layer step (the reference does not route): batched GEMMs.
+    assert [slotted for _, slotted in calls] == [True], calls
     return errors
 
 
@@ -534,8 +535,8 @@ def _fused_slot_errors() -> list[list[float]]:
 )
 def test_layer_with_fused_experts_on_batched_slots_matches_reference(monkeypatch):
     # Equal slots per expert in the fused operation, on torch.bmm (ExpertGemms BATCHED):
-    # dropless routing padded to the largest expert, and drop-and-pad (factor 0.5 drops some)
-    # with its padded slots; experts without tokens included. Outputs and every gradient
+    # dropless routing padded to the largest expert; and drop-and-pad (factor 0.5 drops some)
+    # with expert_kernel="bmm"; experts without tokens included. Outputs and every gradient
     # against the token-by-token reference, in one fresh process (Triton interpreter).
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -83,8 +83,8 @@ class MoEConfig:
     padded to the largest expert's row count, rounded up to 8, and run as batched cuBLAS
     GEMMs like drop-and-pad, dropping nothing; the count is copied to the host, a device
     sync; routing so uneven that this pads more than 25% runs "grouped_mm" instead; with
-    ``fused_experts`` both this and drop-and-pad run their slots in the fused routed
-    operation, and capacity routing never packs its kept rows). "grouped_mm" itself pads
+    ``fused_experts`` the padded slots run in the fused routed operation; capacity routing
+    never packs its kept rows and runs batched GEMMs over its slots). "grouped_mm" itself pads
     dropless routing this way where that was measured faster (DeepSeek-V3's layer shape at up
     to 384 rows per expert on a Hopper GPU, never inside a CUDA graph capture).
     See ``docs/benchmarks/moe.md``."""
@@ -104,8 +104,8 @@ class MoEConfig:
     ``PACKED_MIN_CAPACITY`` rows per expert (:mod:`mcore_models.moe.dispatcher`; on the
     shape's measured plan, which at Mixtral's shape loops cuBLAS over the experts and reads
     the kept counts on the host, except inside a CUDA graph capture), and runs batched GEMMs
-    over the padded slots below it, in the same fused operation
-    (``GroupedExperts.forward_slots``). False chains the separate operations."""
+    over the padded slots below it (separate operations). False chains the separate
+    operations."""
     layer_step: int = 1
     """Every ``layer_step``-th layer is a MoE layer (layers ``i`` with ``(i + 1) % step == 0``)."""
     dense_layers: tuple[int, ...] = ()
