@@ -82,7 +82,7 @@ class MoEConfig:
     "bmm" (dropless on one rank: every expert
     padded to the largest expert's row count, rounded up to 8, and run as batched cuBLAS
     GEMMs like drop-and-pad, dropping nothing; the count is copied to the host, a device
-    sync; routing so uneven that this pads more than 37.5% runs "grouped_mm" instead; with
+    sync; routing so uneven that this pads more than 25% runs "grouped_mm" instead; with
     ``fused_experts`` the padded slots run in the fused routed operation; capacity routing
     never packs its kept rows and runs batched GEMMs over its slots). "grouped_mm" itself pads
     dropless routing this way where that was measured faster (DeepSeek-V3's layer shape at up
