@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.moe.expert_gemms import BATCHED, BATCHED_PLAN, ExpertGemms
 from mcore_kernels.moe.routed import routed_experts, routed_experts_reference
 
 pytestmark = pytest.mark.interpreter
@@ -115,6 +116,91 @@ def test_routed_experts_with_dropped_assignments_match_reference():
     # A dropped assignment gets exactly zero weight gradient.
     dropped = (new_inverse < 0).view(weights.shape)
     assert torch.count_nonzero(grads[1][dropped]) == 0
+
+
+def _slots(order, offsets, capacity):
+    """Equal slots of ``capacity`` rows per expert: each expert's first ``capacity`` rows, -1
+    in the empty slots; the slot of each assignment, -1 when dropped."""
+    experts = offsets.numel()
+    ends = offsets.long()
+    starts = ends - torch.diff(ends, prepend=torch.zeros(1, dtype=torch.long))
+    fillers = torch.full((experts * capacity,), -1, dtype=torch.long)
+    kept = torch.full_like(order, -1)
+    for expert in range(experts):
+        for j in range(min(capacity, int(ends[expert] - starts[expert]))):
+            assignment = order[starts[expert] + j]
+            fillers[expert * capacity + j] = assignment
+            kept[assignment] = expert * capacity + j
+    slot_ends = (torch.arange(1, experts + 1) * capacity).to(torch.int32)
+    return fillers, kept, slot_ends
+
+
+@pytest.mark.parametrize("capacity", [3, 16], ids=["drops", "holds-all"])
+def test_routed_experts_on_batched_slots_match_reference(capacity):
+    # BATCHED: one torch.bmm per GEMM over equal slots per expert (empty slots computed as
+    # zero rows). Expert 2 gets no token; at capacity 3 assignments are dropped, at 16 every
+    # expert fits (padded dropless routing).
+    x, weights, w_gu, w_d, order, inverse, offsets = _problem(seed=11, empty=(2,))
+    fillers, kept, slot_ends = _slots(order, offsets, capacity)
+    assert (int((kept < 0).sum()) > 0) == (capacity == 3)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(x.dtype)
+
+    def batched(a, b, c, d):
+        return routed_experts(a, b, c, d, fillers, kept, slot_ends, gemms=BATCHED_PLAN)
+
+    out, grads = _run(batched, x, weights, w_gu, w_d, grad)
+    ref, ref_grads = _run(
+        lambda a, b, c, d: routed_experts_reference(a, b, c, d, fillers, slot_ends),
+        x,
+        weights,
+        w_gu,
+        w_d,
+        grad,
+    )
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    for name, got, want in zip(("x", "weights", "w_gate_up", "w_down"), grads, ref_grads):
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2, msg=name)
+    assert torch.count_nonzero(grads[2][2]) == 0 and torch.count_nonzero(grads[3][2]) == 0
+    dropped = (kept < 0).view(weights.shape)
+    assert torch.count_nonzero(grads[1][dropped]) == 0
+    if capacity == 16:
+        # Nothing dropped: the same results as the packed rows on torch._grouped_mm.
+        packed, packed_grads = _run(
+            lambda a, b, c, d: routed_experts(a, b, c, d, order, inverse, offsets),
+            x,
+            weights,
+            w_gu,
+            w_d,
+            grad,
+        )
+        torch.testing.assert_close(out.float(), packed.float(), atol=3e-2, rtol=3e-2)
+        for got, want in zip(grads, packed_grads):
+            torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+    again = _run(batched, x, weights, w_gu, w_d, grad)
+    assert torch.equal(out, again[0])
+    for a, b in zip(grads, again[1]):
+        assert torch.equal(a, b)
+
+
+def test_prefers_slots_only_for_the_measured_shape_on_hopper(monkeypatch):
+    from mcore_kernels.moe import expert_gemms
+
+    cpu = torch.device("cpu")
+    assert not expert_gemms.prefers_slots(8192 * 8, 7168, 2048, 256, cpu)
+    monkeypatch.setattr(expert_gemms, "_hopper", lambda device: True)
+    # DeepSeek-V3 at 8192 tokens (256 rows per expert): yes; at 32768 tokens, or Qwen3's
+    # shape: no.
+    assert expert_gemms.prefers_slots(8192 * 8, 7168, 2048, 256, cpu)
+    assert not expert_gemms.prefers_slots(32768 * 8, 7168, 2048, 256, cpu)
+    assert not expert_gemms.prefers_slots(8192 * 8, 2048, 768, 128, cpu)
+
+
+def test_batched_gemms_need_equal_slots():
+    x, weights, w_gu, w_d, order, inverse, offsets = _problem(tokens=23)
+    with pytest.raises(KernelShapeError, match="equal row slots"):
+        routed_experts(x, weights, w_gu, w_d, order, inverse, offsets, gemms=BATCHED_PLAN)
+    assert BATCHED_PLAN.slotted and ExpertGemms(w_down=BATCHED).slotted
+    assert not ExpertGemms().slotted
 
 
 def test_routed_experts_backward_is_bitwise_reproducible():

@@ -12,6 +12,11 @@ Each case times ``MoELayer`` in the same run on the same GPU as its peers:
 - the default's fused operation with every GEMM on ``torch._grouped_mm`` (the default before
   the per-shape GEMM plan of ``choose_expert_gemms``) and, at DeepSeek-V3 8k, with session 8's
   plan (the down projection and its input gradient on Triton);
+- where the default pads dropless routing to the largest expert (``prefers_slots``: DeepSeek-V3
+  8k), the shape's grouped GEMM plan without that padding and the padded batched GEMMs as
+  separate autograd operations (the defaults before session 12); where there are few experts,
+  drop-and-pad's packed kept rows on ``torch._grouped_mm`` without host sync (the default
+  before session 12) and drop-and-pad on batched GEMMs over every capacity slot;
 - dropless with the kernels' torch references (cases with few experts only: it is the slowest
   row), and the loop over experts where there are few experts.
 
@@ -58,7 +63,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcore_kernels.moe import swiglu
-from mcore_kernels.moe.expert_gemms import GROUPED_MM, ExpertGemms, measured_expert_gemms
+from mcore_kernels.moe.expert_gemms import (
+    GROUPED_MM,
+    ExpertGemms,
+    measured_expert_gemms,
+    prefers_slots,
+)
 from mcore_kernels.moe.grouped_mm import PersistentTiles
 from mcore_kernels.moe.routed import grouped_experts
 from mcore_kernels.moe.rows import aligned_rows
@@ -105,6 +115,24 @@ GROUPED_MM_ONLY = (
 PACKED_ROWS = (
     "mcore MoELayer dropless, rows packed (no padding rows; weight gradients on "
     "torch._grouped_mm: the session-9 plan)"
+)
+
+
+GROUPED_PLAN = (
+    "mcore MoELayer dropless, the shape's grouped GEMM plan without padding to the largest "
+    "expert (the default before session 12)"
+)
+BMM_UNFUSED = (
+    "mcore MoELayer dropless, batched GEMMs padded to the largest expert, unfused "
+    '(expert_kernel="bmm" before session 12)'
+)
+DROP_SYNC_FREE = (
+    "mcore MoELayer drop-and-pad (capacity 1.25), kept rows packed on torch._grouped_mm "
+    "without host sync (the default before session 12)"
+)
+DROP_ALL_SLOTS = (
+    "mcore MoELayer drop-and-pad on every capacity slot (capacity 1.25, "
+    'expert_kernel="bmm": batched GEMMs, 1.25x the routed rows)'
 )
 
 
@@ -386,6 +414,16 @@ def run_case(
         builders[SESSION8_PLAN] = lambda: _plan(_moe(case, device), _session8_plan())
     routed = case["tokens"] * case["top_k"]
     plan = measured_expert_gemms(routed, case["hidden"], case["ffn"], case["experts"])
+    if prefers_slots(routed, case["hidden"], case["ffn"], case["experts"], device):
+        builders[GROUPED_PLAN] = lambda: _plan(_moe(case, device), plan)
+        builders[BMM_UNFUSED] = lambda: _moe(case, device, expert_kernel="bmm", fused_experts=False)
+    if few:
+        builders[DROP_SYNC_FREE] = lambda: _plan(
+            _moe(case, device, capacity_factor=1.25), ExpertGemms()
+        )
+        builders[DROP_ALL_SLOTS] = lambda: _moe(
+            case, device, capacity_factor=1.25, expert_kernel="bmm"
+        )
     if plan.row_align > 1:
         packed = replace(plan, row_align=1, w_down=GROUPED_MM, w_gate_up=GROUPED_MM)
         builders[PACKED_ROWS] = lambda: _plan(_moe(case, device), packed)
@@ -476,13 +514,24 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     capacity = (
         None if factor is None else expert_capacity(x.shape[0], moe.top_k, moe.num_experts, factor)
     )
-    if capacity is None and moe.expert_kernel == "bmm":
+    padded_dropless = False
+    if capacity is None and experts.pads_dropless(flat.numel(), x):
         # Dropless on batched GEMMs: the experts run the padded slots.
         capacity = padded_capacity(counts, flat.numel())
+        padded_dropless = capacity is not None
     one_rank = layer.comm is None or (layer.comm.ep_group is None and layer.comm.etp_group is None)
-    packed = capacity is not None and capacity >= PACKED_MIN_CAPACITY and one_rank
+    packed = (
+        capacity is not None
+        and capacity >= PACKED_MIN_CAPACITY
+        and one_rank
+        and experts.expert_kernel != "bmm"
+        and not padded_dropless
+    )
     fused = experts.fuses_routing(x)
-    align = experts.plan_for(flat.numel(), x, sync_free=factor is not None).row_align
+    # Dropless routing padded to the largest expert in the fused operation
+    # (GroupedExperts.forward_slots); drop-and-pad's slots run the separate operations.
+    slotted = fused and moe.weights_in_experts and one_rank and padded_dropless
+    align = experts.plan_for(flat.numel(), x).row_align
     if fused and moe.weights_in_experts and one_rank and (capacity is None or packed):
         # The fused grouped experts' rows: dropless, or the kept rows of capacity routing,
         # packed or padded per expert to the plan's row multiple (empty rows: zero input and
@@ -499,7 +548,12 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     if capacity is not None and folded_slots:
         slot_weights = torch.rand(moe.num_experts, capacity, device=x.device, dtype=x.dtype)
 
-    if not (fused and row_weights is not None):
+    if slotted:
+        assert capacity is not None and slot_weights is not None
+        ends = torch.arange(1, moe.num_experts + 1, device=x.device, dtype=torch.int32)
+        offsets = ends * capacity
+        row_weights = slot_weights.reshape(-1)
+    elif not (fused and row_weights is not None):
         offsets = counts.cumsum(0).to(torch.int32)
 
     # The experts are a submodule, so that _time's zero_grad clears their gradients (else
@@ -510,9 +564,19 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
             self.experts = experts
 
         def forward(self, rows: torch.Tensor) -> torch.Tensor:
+            if slotted:
+                # The layer's fused operation on equal slots, without gather and combine.
+                return grouped_experts(
+                    rows,
+                    row_weights,
+                    self.experts._gate_up_weight(),
+                    self.experts.down_proj,
+                    offsets,
+                    self.experts.slot_plan(),
+                )
             if capacity is None and fused and row_weights is not None:
                 # The layer's fused operation without its gather and combine (same GEMM plan).
-                plan = self.experts.plan_for(flat.numel(), rows, sync_free=factor is not None)
+                plan = self.experts.plan_for(flat.numel(), rows)
                 return grouped_experts(
                     rows,
                     row_weights,

@@ -500,6 +500,51 @@ def test_layer_with_fused_experts_on_cublas_loop_and_triton_gemms_matches_refere
     assert max(triton_gemms) < 1e-2, triton_gemms
 
 
+def _fused_slot_errors() -> list[list[float]]:
+    # expert_kernel="bmm" never packs: dropless pads every expert to the largest one (through
+    # GroupedExperts.forward_slots), capacity routing keeps its padded slots (the separate
+    # operations).
+    from mcore_models.moe import permute
+    from mcore_models.moe.experts import GroupedExperts
+
+    # Tiny shapes pad far more than the default limit allows.
+    permute.PADDING_LIMIT = 100.0
+    calls = []
+    real = GroupedExperts.forward_slots
+
+    def spy(self, x, weights, fillers, kept, capacity):
+        calls.append((capacity, self.slot_plan().slotted))
+        return real(self, x, weights, fillers, kept, capacity)
+
+    GroupedExperts.forward_slots = spy  # type: ignore[method-assign]
+    errors = [
+        _fused_routed_errors(None, expert_kernel="bmm"),
+        _fused_routed_errors(0.5, expert_kernel="bmm"),
+    ]
+    # One call for the dropless layer step (the reference does not route): batched GEMMs.
+    assert [slotted for _, slotted in calls] == [True], calls
+    return errors
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="kernels compile for the GPU here; test_models_moe_gpu"
+)
+@pytest.mark.skipif(
+    not grouped_mm_supported(torch.device("cpu"), torch.float32),
+    reason="torch._grouped_mm does not run on this CPU build",
+)
+def test_layer_with_fused_experts_on_batched_slots_matches_reference(monkeypatch):
+    # Equal slots per expert in the fused operation, on torch.bmm (ExpertGemms BATCHED):
+    # dropless routing padded to the largest expert; and drop-and-pad (factor 0.5 drops some)
+    # with expert_kernel="bmm"; experts without tokens included. Outputs and every gradient
+    # against the token-by-token reference, in one fresh process (Triton interpreter).
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ((dropless, capacity),) = run_distributed(_fused_slot_errors, 1)
+    assert max(dropless) < 1e-4, dropless
+    assert max(capacity) < 1e-4, capacity
+
+
 def test_cublas_expert_loop_matches_token_by_token_reference_with_an_idle_expert():
     # expert_kernel="cublas": one GEMM per expert and pass, weight gradients written per
     # expert (zero for an expert without tokens).

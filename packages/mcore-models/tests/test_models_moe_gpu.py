@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_kernels.moe.expert_gemms import ExpertGemms
+from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms
 from mcore_kernels.moe.grouped_mm import PersistentTiles
 from mcore_models import GPTConfig, MoEConfig, MoELayer, set_decode_expert_padding
 from mcore_models.moe import dispatcher
@@ -189,10 +189,57 @@ def test_rows_padded_per_expert_match_packed_rows_reproducible_and_without_host_
         assert error < 1e-2, (error, got.shape)
 
 
-def test_mixtral_shaped_layer_loops_over_experts_eagerly_and_not_inside_a_cuda_graph():
+def test_fused_batched_slots_match_separate_operations_and_are_reproducible():
+    # Dropless expert_kernel="bmm" in the fused operation (GroupedExperts.forward_slots: every
+    # expert padded to the largest one, torch.bmm for all six GEMMs) against the separate
+    # autograd operations (forward_padded) on the same slots: equal up to bf16 rounding,
+    # bitwise reproducible.
+    layer, x, grad = _bf16_case(999)
+    layer.experts.expert_kernel = "bmm"
+    calls = []
+    real = layer.experts.forward_slots
+    layer.experts.forward_slots = lambda *args: calls.append(args[-1]) or real(*args)
+    layer.experts.fused = False
+    unfused = _step(layer, x, grad)
+    assert not calls
+    layer.experts.fused = True
+    first, second = _step(layer, x, grad), _step(layer, x, grad)
+    assert len(calls) == 2
+    for a, b, expected in zip(first, second, unfused, strict=True):
+        assert torch.equal(a, b)
+        error = (a.float() - expected.float()).norm() / expected.float().norm()
+        assert error < 1e-2, (error, a.shape)
+
+
+def test_deepseek_shaped_dropless_layer_pads_to_the_largest_expert():
+    # At DeepSeek-V3's shape with 256 rows per expert, dropless routing pads every expert to
+    # the largest one for batched GEMMs (measured faster on an H200); not at 1024 rows per
+    # expert, not with a GEMM plan set, not under a CUDA graph capture.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the measured plans are for Hopper GPUs")
+    from mcore_models.moe.experts import GroupedExperts
+
+    experts = GroupedExperts(256, 7168, 2048, torch.bfloat16, fused=True, device="meta")
+    tokens = torch.zeros(4, 7168, device="cuda", dtype=torch.bfloat16)
+    assert experts.pads_dropless(8192 * 8, tokens)
+    assert not experts.pads_dropless(32768 * 8, tokens)
+    experts.gemm_plan = ExpertGemms()
+    assert not experts.pads_dropless(8192 * 8, tokens)
+    experts.gemm_plan = None
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        capturing = experts.pads_dropless(8192 * 8, tokens)
+        tokens.mul_(1.0)  # something to capture
+    assert not capturing
+
+
+def test_mixtral_shaped_layer_loops_over_experts_eagerly_and_not_inside_a_cuda_graph(
+    monkeypatch,
+):
     # At Mixtral's shape with 2048 rows per expert the measured plan is the cuBLAS loop, which
-    # reads the group sizes on the host; capacity routing and a CUDA graph capture get
-    # torch._grouped_mm instead.
+    # reads the group sizes on the host: dropless routing and the packed kept rows of capacity
+    # routing run it eagerly; a CUDA graph capture gets torch._grouped_mm instead.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the measured plans are for Hopper GPUs")
     moe = MoEConfig(num_experts=8, top_k=2)
@@ -204,10 +251,23 @@ def test_mixtral_shaped_layer_loops_over_experts_eagerly_and_not_inside_a_cuda_g
             param.normal_(0.0, 0.02)
     static_x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     assert layer.experts.plan_for(8192 * 2, static_x) == CUBLAS_LOOP_PLAN
-    # Capacity routing promises no host sync: its plan keeps torch._grouped_mm.
     assert layer.experts.plan_for(8192 * 2, static_x, sync_free=True) == ExpertGemms()
-    with torch.no_grad():
-        eager = layer(static_x).float()
-        _, static_out = _captured(layer, static_x)
-    error = (static_out.float() - eager).norm() / eager.norm()
-    assert error < 1e-2
+    loops = []
+    real = ExpertGemmRunner._expert_spans
+    monkeypatch.setattr(
+        ExpertGemmRunner,
+        "_expert_spans",
+        lambda self: (loops.append(1) if self._spans is None else None) or real(self),
+    )
+    for factor in (None, 1.25):
+        layer.moe_config.capacity_factor = factor
+        loops.clear()
+        with torch.no_grad():
+            eager = layer(static_x).float()
+            assert loops, factor
+            loops.clear()
+            _, static_out = _captured(layer, static_x)
+        # The warm-up call before the capture runs eagerly; the capture itself loops nowhere.
+        assert len(loops) == 1, (factor, loops)
+        error = (static_out.float() - eager).norm() / eager.norm()
+        assert error < 1e-2

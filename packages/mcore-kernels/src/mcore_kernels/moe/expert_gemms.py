@@ -7,9 +7,9 @@ Rows sorted by expert, ``offsets[e]`` the end row of expert ``e``:
 - ``w_down``: ``grad[rows of e].T @ act[rows of e]``, ``w_gate_up``: ``grad_gate_up[rows of
   e].T @ x[rows of e]``.
 
-Each runs on ``torch._grouped_mm``, on a loop of cuBLAS GEMMs over the experts, or on the
-persistent Triton kernels of :mod:`mcore_kernels.moe.grouped_mm`, as an :class:`ExpertGemms`
-plan says.
+Each runs on ``torch._grouped_mm``, on a loop of cuBLAS GEMMs over the experts, on one batched
+cuBLAS GEMM over equal row slots per expert, or on the persistent Triton kernels of
+:mod:`mcore_kernels.moe.grouped_mm`, as an :class:`ExpertGemms` plan says.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from mcore_kernels.errors import KernelValueError
+from mcore_kernels.errors import KernelShapeError, KernelValueError
 from mcore_kernels.moe.grouped_mm import (
     PersistentTiles,
     k_grouped_mm,
@@ -29,6 +29,8 @@ from mcore_kernels.moe.grouped_mm import (
 )
 
 __all__ = [
+    "BATCHED",
+    "BATCHED_PLAN",
     "CUBLAS_LOOP",
     "CUBLAS_LOOP_PLAN",
     "GROUPED_MM",
@@ -37,6 +39,7 @@ __all__ = [
     "GemmKernel",
     "choose_expert_gemms",
     "measured_expert_gemms",
+    "prefers_slots",
     "triton_expert_gemms",
     "without_host_sync",
 ]
@@ -48,17 +51,24 @@ CUBLAS_LOOP = "cublas_loop"
 """One cuBLAS GEMM per expert with rows, written in place (the group sizes are read on the
 host once per layer call: one synchronisation)."""
 
+BATCHED = "bmm"
+"""One batched cuBLAS GEMM (``torch.bmm``) over equal row slots: expert ``e`` owns rows ``e *
+S`` to ``(e + 1) * S`` of the ``E * S`` rows, its unused rows being empty (zero input, zero
+gradient). Only for rows laid out in such slots (capacity routing's padded slots, or dropless
+rows padded to the largest expert); no host synchronisation in the GEMMs themselves."""
+
 GemmKernel = PersistentTiles | str
-"""The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP` or the tiles of the
-persistent Triton kernel."""
+"""The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP`, :data:`BATCHED` or the
+tiles of the persistent Triton kernel."""
 
 _GEMMS = ("gate_up", "down", "d_act", "d_x", "w_down", "w_gate_up")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ExpertGemms:
-    """Kernel of each expert GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP` or the
-    :class:`~mcore_kernels.moe.grouped_mm.PersistentTiles` of the persistent Triton kernel."""
+    """Kernel of each expert GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP`, :data:`BATCHED` or
+    the :class:`~mcore_kernels.moe.grouped_mm.PersistentTiles` of the persistent Triton
+    kernel."""
 
     gate_up: GemmKernel = GROUPED_MM
     """Gate/up projection (forward)."""
@@ -81,15 +91,22 @@ class ExpertGemms:
     def __post_init__(self) -> None:
         for name in _GEMMS:
             value = getattr(self, name)
-            if not (isinstance(value, PersistentTiles) or value in (GROUPED_MM, CUBLAS_LOOP)):
+            if not (
+                isinstance(value, PersistentTiles) or value in (GROUPED_MM, CUBLAS_LOOP, BATCHED)
+            ):
                 raise KernelValueError(
                     f"ExpertGemms.{name}={value!r}: expected one of "
-                    f"{(GROUPED_MM, CUBLAS_LOOP)} or PersistentTiles"
+                    f"{(GROUPED_MM, CUBLAS_LOOP, BATCHED)} or PersistentTiles"
                 )
         if self.row_align < 1 or self.row_align & (self.row_align - 1):
             raise KernelValueError(
                 f"ExpertGemms.row_align={self.row_align}: expected a power of two >= 1"
             )
+
+    @property
+    def slotted(self) -> bool:
+        """Whether a GEMM runs :data:`BATCHED`: the rows must then be equal slots per expert."""
+        return any(getattr(self, name) == BATCHED for name in _GEMMS)
 
 
 class ExpertGemmRunner:
@@ -109,6 +126,11 @@ class ExpertGemmRunner:
         self.num_rows = num_rows
         self._schedules: dict[int, torch.Tensor] = {}
         self._spans: list[tuple[int, int, int]] | None = None
+        experts = offsets.shape[0]
+        if plan.slotted and (experts == 0 or num_rows % experts):
+            raise KernelShapeError(
+                f"num_rows={num_rows}: batched GEMMs need equal row slots for the {experts} experts"
+            )
 
     def _schedule(self, tiles: PersistentTiles) -> torch.Tensor:
         if tiles.block_m not in self._schedules:
@@ -152,6 +174,9 @@ class ExpertGemmRunner:
 
             self._loop(one)
             return out
+        if kernel == BATCHED:
+            slots = a.view(w.shape[0], -1, a.shape[1])
+            return torch.bmm(slots, w.transpose(1, 2) if transpose else w).view(a.shape[0], -1)
         return torch._grouped_mm(a, w.transpose(-2, -1) if transpose else w, offs=self.offsets)
 
     def _weights(self, kernel: GemmKernel, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -169,6 +194,13 @@ class ExpertGemmRunner:
                     out[expert].zero_()
             self._loop(one)
             return out
+        if kernel == BATCHED:
+            # [E, N, K] in the parameter's layout: the slots' transposed gradient times their
+            # rows (empty rows add zero).
+            experts = self.offsets.shape[0]
+            return torch.bmm(
+                g.view(experts, -1, g.shape[1]).transpose(1, 2), x.view(experts, -1, x.shape[1])
+            )
         return torch._grouped_mm(g.t(), x, offs=self.offsets)
 
     def gate_up(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
@@ -247,6 +279,8 @@ class ExpertGemmRunner:
 CUBLAS_LOOP_PLAN = ExpertGemms(**cast(dict[str, Any], dict.fromkeys(_GEMMS, CUBLAS_LOOP)))
 """One cuBLAS GEMM per expert for all six GEMMs (the group sizes read on the host once per
 layer call)."""
+BATCHED_PLAN = ExpertGemms(**cast(dict[str, Any], dict.fromkeys(_GEMMS, BATCHED)))
+"""Batched cuBLAS GEMMs over equal row slots per expert for all six GEMMs."""
 
 _WIDE = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
 _WIDE_3 = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True)
@@ -293,6 +327,19 @@ experts)``: a list of ``(largest mean rows per expert, plan)`` in increasing ord
 measurements are in ``docs/benchmarks/moe.md``."""
 
 
+_SLOTTED_SHAPES: dict[tuple[int, int, int], int] = {
+    # DeepSeek-V3 (256 rows per expert at 8192 tokens): dropless routing padded to the largest
+    # expert on batched cuBLAS GEMMs (expert_kernel="bmm", then separate autograd operations)
+    # took 38.02 ms against 43.30 ms for the measured plan (session 11's final run, one H200),
+    # 36.50 against 40.88 ms (session 10); its GEMMs reach 650-716 TFLOP/s on the row GEMMs at
+    # equal groups against 431-524 for the grouped kernels (docs/benchmarks/moe.md).
+    (7168, 2048, 256): 384,
+}
+"""Shapes whose dropless routing was measured faster on :data:`BATCHED_PLAN` over every expert
+padded to the largest one (a host sync) than on the measured grouped plan, by ``(hidden, ffn,
+experts)``: the largest mean rows per expert where that holds."""
+
+
 def _hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
@@ -331,6 +378,27 @@ def measured_expert_gemms(rows: int, hidden: int, ffn: int, experts: int) -> Exp
         if mean_rows <= largest:
             return plan
     return ExpertGemms()
+
+
+def prefers_slots(rows: int, hidden: int, ffn: int, experts: int, device: torch.device) -> bool:
+    """Whether dropless routing of this shape runs faster with every expert padded to the
+    largest one and :data:`BATCHED_PLAN` (measured on an H200; the padding size is read on the
+    host, so never while a CUDA graph is being captured).
+
+    Args:
+        rows: Routed rows (tokens x top-k).
+        hidden: Hidden size.
+        ffn: Inner width of each expert.
+        experts: Experts held.
+        device: Device of the tokens.
+
+    Returns:
+        True on a Hopper GPU for a measured shape and row count, outside graph captures.
+    """
+    largest = _SLOTTED_SHAPES.get((hidden, ffn, experts))
+    if largest is None or rows // max(experts, 1) > largest or not _hopper(device):
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def choose_expert_gemms(

@@ -206,9 +206,11 @@ def routed_experts(
         weights: ``[T, top_k]`` routing weights (differentiable).
         w_gate_up: ``[E, 2F, H]`` gate rows then up rows of each expert (differentiable).
         w_down: ``[E, H, F]`` down projection of each expert (differentiable).
-        order: ``[M]`` int64 assignment in each row (``M >= T * top_k``), -1 in a row
-            without one: past ``offsets[-1]``, or padding between experts
-            (:func:`mcore_kernels.moe.rows.aligned_rows`).
+        order: ``[M]`` int64 assignment in each row, -1 in a row without one: past
+            ``offsets[-1]``, padding between experts
+            (:func:`mcore_kernels.moe.rows.aligned_rows`) or an empty capacity slot (equal
+            slots per expert for the batched GEMMs of
+            :data:`~mcore_kernels.moe.expert_gemms.BATCHED`).
         inverse: ``[T * top_k]`` int64 row of each assignment (``inverse[order[r]] == r``), -1
             for an assignment without a row.
         offsets: ``[E]`` int32 cumulative row counts of the experts.
@@ -233,16 +235,12 @@ def routed_experts(
             f"must be [E, 2F, {x.shape[1]}] and [E, {x.shape[1]}, F]"
         )
     for name, index in (("order", order), ("inverse", inverse)):
-        rows_ok = index.dim() == 1 and (
-            index.shape[0] >= weights.numel()
-            if name == "order"
-            else index.shape[0] == weights.numel()
-        )
+        rows_ok = index.dim() == 1 and (name == "order" or index.shape[0] == weights.numel())
         if index.dtype != torch.int64 or not rows_ok:
-            bound = ">= " if name == "order" else ""
+            shape = "(rows,)" if name == "order" else f"({weights.numel()},)"
             raise KernelDtypeError(
-                f"{name} must be int64 of shape ({bound}{weights.numel()},), got dtype "
-                f"{index.dtype} and shape {tuple(index.shape)}"
+                f"{name} must be int64 of shape {shape}, got dtype {index.dtype} and shape "
+                f"{tuple(index.shape)}"
             )
     if offsets.dtype != torch.int32 or tuple(offsets.shape) != (experts,):
         raise KernelDtypeError(

@@ -82,7 +82,11 @@ class MoEConfig:
     "bmm" (dropless on one rank: every expert
     padded to the largest expert's row count, rounded up to 8, and run as batched cuBLAS
     GEMMs like drop-and-pad, dropping nothing; the count is copied to the host, a device
-    sync; routing so uneven that this pads more than 25% runs "grouped_mm" instead).
+    sync; routing so uneven that this pads more than 25% runs "grouped_mm" instead; with
+    ``fused_experts`` the padded slots run in the fused routed operation; capacity routing
+    never packs its kept rows and runs batched GEMMs over its slots). "grouped_mm" itself pads
+    dropless routing this way where that was measured faster (DeepSeek-V3's layer shape at up
+    to 384 rows per expert on a Hopper GPU, never inside a CUDA graph capture).
     See ``docs/benchmarks/moe.md``."""
     weights_in_experts: bool = True
     """On one rank holding every expert (no expert or expert tensor parallelism), scale each row's activation by its routing weight in the
@@ -97,8 +101,11 @@ class MoEConfig:
     (:func:`mcore_kernels.moe.routed_experts`; the same kernels with one autograd node instead
     of seven, less host work per step). Capacity routing (drop-and-pad) then packs the kept
     assignments without padding rows for the grouped GEMMs when the capacity is at least
-    ``PACKED_MIN_CAPACITY`` rows per expert (:mod:`mcore_models.moe.dispatcher`), and runs
-    batched GEMMs over the padded slots below it. False chains the separate operations."""
+    ``PACKED_MIN_CAPACITY`` rows per expert (:mod:`mcore_models.moe.dispatcher`; on the
+    shape's measured plan, which at Mixtral's shape loops cuBLAS over the experts and reads
+    the kept counts on the host, except inside a CUDA graph capture), and runs batched GEMMs
+    over the padded slots below it (separate operations). False chains the separate
+    operations."""
     layer_step: int = 1
     """Every ``layer_step``-th layer is a MoE layer (layers ``i`` with ``(i + 1) % step == 0``)."""
     dense_layers: tuple[int, ...] = ()

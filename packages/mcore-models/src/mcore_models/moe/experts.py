@@ -12,9 +12,11 @@ from torch import nn
 from mcore_kernels._backend import use_triton
 from mcore_kernels.moe import routed_experts, swiglu, weighted_swiglu
 from mcore_kernels.moe.expert_gemms import (
+    BATCHED_PLAN,
     CUBLAS_LOOP_PLAN,
     ExpertGemms,
     choose_expert_gemms,
+    prefers_slots,
     without_host_sync,
 )
 
@@ -211,13 +213,13 @@ class GroupedExperts(nn.Module):
             tokens: The tokens about to be run.
 
         Returns:
-            True with ``fused`` on, ``expert_kernel`` "grouped_mm" or "cublas", the Triton kernels for
-            these tokens and ``torch._grouped_mm`` on their device.
+            True with ``fused`` on, any ``expert_kernel``, the Triton kernels for these tokens
+            and ``torch._grouped_mm`` on their device.
         """
         return (
             self.fused
             and self.grouped_gemm
-            and self.expert_kernel in ("grouped_mm", "cublas")
+            and self.expert_kernel in ("grouped_mm", "cublas", "bmm")
             and use_triton(tokens)
             and grouped_mm_supported(tokens.device, tokens.dtype)
         )
@@ -228,15 +230,16 @@ class GroupedExperts(nn.Module):
         Args:
             rows: Routed rows (tokens x top-k).
             tokens: The tokens (for their device).
-            sync_free: Keep the measured plan free of host syncs (capacity routing, whose
-                fixed shapes promise none).
+            sync_free: Keep the measured plan free of host syncs (for callers that must not
+                synchronise; a CUDA graph capture gets such a plan anyway).
 
         Returns:
             ``gemm_plan`` when set; with ``expert_kernel="cublas"`` one cuBLAS GEMM per expert
             for all six (a host sync); else the plan measured fastest for this shape and row
             count (:func:`~mcore_kernels.moe.expert_gemms.choose_expert_gemms`: at
-            Mixtral's shape with many rows the cuBLAS loop, a host sync, except with
-            ``sync_free`` or while a CUDA graph is being captured).
+            Mixtral's shape with many rows the cuBLAS loop, a host sync, for dropless routing
+            and capacity routing's packed kept rows alike, except with ``sync_free`` or while
+            a CUDA graph is being captured).
         """
         if self.gemm_plan is not None:
             return self.gemm_plan
@@ -247,6 +250,80 @@ class GroupedExperts(nn.Module):
             rows, hidden, self.ffn_hidden_size, self.num_experts, tokens.device
         )
         return without_host_sync(plan) if sync_free else plan
+
+    def pads_dropless(self, rows: int, tokens: torch.Tensor) -> bool:
+        """Whether dropless routing of ``rows`` routed rows pads every expert to the largest one
+        and runs batched GEMMs over the slots (one host sync for the largest count).
+
+        Args:
+            rows: Routed rows (tokens x top-k).
+            tokens: The tokens (for their device).
+
+        Returns:
+            True with ``expert_kernel="bmm"``; with "grouped_mm", no ``gemm_plan`` and the
+            fused operation, where that was measured faster for the shape
+            (:func:`~mcore_kernels.moe.expert_gemms.prefers_slots`; never while a CUDA graph
+            is being captured).
+        """
+        if not self.grouped_gemm:
+            return False
+        if self.expert_kernel == "bmm":
+            return True
+        if self.expert_kernel != "grouped_mm" or self.gemm_plan is not None:
+            return False
+        hidden = self.down_proj.shape[1]
+        return self.fuses_routing(tokens) and prefers_slots(
+            rows, hidden, self.ffn_hidden_size, self.num_experts, tokens.device
+        )
+
+    def slot_plan(self) -> ExpertGemms:
+        """Kernel of each GEMM on equal row slots per expert (:meth:`forward_slots`).
+
+        Returns:
+            ``gemm_plan`` when set (its row alignment dropped), else batched cuBLAS GEMMs for
+            all six (:data:`~mcore_kernels.moe.expert_gemms.BATCHED_PLAN`).
+        """
+        if self.gemm_plan is not None:
+            return replace(self.gemm_plan, row_align=1)
+        return BATCHED_PLAN
+
+    def forward_slots(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        fillers: torch.Tensor,
+        kept: torch.Tensor,
+        capacity: int,
+    ) -> torch.Tensor:
+        """Permute, run and combine routing assignments in equal slots per expert, in one fused
+        operation (no host sync).
+
+        Expert ``e`` owns rows ``e * capacity`` to ``(e + 1) * capacity``; its kept assignments
+        come first, the rest of its slots are empty (zero input, zero weight, zero gradient)
+        and computed by the batched GEMMs of :meth:`slot_plan`.
+
+        Args:
+            x: ``[T, hidden]`` tokens.
+            weights: ``[T, top_k]`` routing weights.
+            fillers: ``[num_experts * capacity]`` int64 assignment in each slot, -1 when empty.
+            kept: ``[T * top_k]`` int64 slot of each assignment, -1 when dropped.
+            capacity: Slots per expert.
+
+        Returns:
+            ``[T, hidden]`` weighted sum of each token's expert outputs (dropped ones count
+            zero).
+        """
+        ends = torch.arange(1, self.num_experts + 1, dtype=torch.int32, device=x.device)
+        return routed_experts(
+            x,
+            weights,
+            self._gate_up_weight(),
+            self.down_proj,
+            fillers,
+            kept,
+            ends * capacity,
+            gemms=self.slot_plan(),
+        )
 
     def forward_routed(
         self,

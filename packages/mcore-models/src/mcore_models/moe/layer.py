@@ -133,7 +133,9 @@ class MoELayer(nn.Module):
         padded_dropless = False
         if factor is not None:
             capacity = expert_capacity(tokens.shape[0], moe.top_k, moe.num_experts, factor)
-        elif moe.expert_kernel == "bmm" and moe.grouped_gemm and self._one_rank():
+        elif self._one_rank() and self.experts.pads_dropless(tokens.shape[0] * moe.top_k, tokens):
+            # Every expert padded to the largest one for batched GEMMs (one host sync); routing
+            # too uneven for that stays on the grouped kernels.
             counts = routing.counts
             if counts is None:
                 counts = count(routing.experts.reshape(-1), moe.num_experts)
