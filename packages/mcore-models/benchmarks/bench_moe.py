@@ -160,6 +160,9 @@ def _moe(case: dict[str, int], device: torch.device, **moe_fields: Any) -> nn.Mo
     config = GPTConfig(
         hidden_size=case["hidden"], ffn_hidden_size=case["ffn"], moe=moe, dtype=_dtype(device)
     )
+    # Every row of a case gets the same weights, hence the same routing: the rows differ only
+    # in how they run it (the dropless slot plan depends on the largest expert's row count).
+    torch.manual_seed(0)
     # Built on the device: DeepSeek-V3's 256 experts are 11G parameters.
     return _init(MoELayer(config, 0, device=device))
 
