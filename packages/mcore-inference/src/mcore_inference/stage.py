@@ -158,16 +158,20 @@ class StageRunner:
                     output = output.index_select(0, rows)
                 return None, output
             except Exception as exc:
-                # A model that cannot be captured still serves, eagerly; the warning says why.
-                warnings.warn(
-                    f"CUDA graph decode failed ({type(exc).__name__}: {exc}); the engine "
-                    "decodes eagerly from now on",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                graphs.close()
-                self.graphs = None
+                self._drop_graphs(graphs, exc)
         return self._eager(microbatch, inputs, num_real, max_context, received)
+
+    def _drop_graphs(self, graphs: Any, exc: Exception) -> None:
+        """Decode eagerly from now on after a graph failed (a model that cannot be captured
+        still serves); the warning says why."""
+        warnings.warn(
+            f"CUDA graph decode failed ({type(exc).__name__}: {exc}); the engine "
+            "decodes eagerly from now on",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        graphs.close()
+        self.graphs = None
 
     def run_steps(
         self,
@@ -200,14 +204,8 @@ class StageRunner:
                 try:
                     logits = graphs.run(inputs, max_context=max_context + steps - 1)[:num_real]
                 except Exception as exc:
-                    warnings.warn(
-                        f"CUDA graph decode failed ({type(exc).__name__}: {exc}); the engine "
-                        "decodes eagerly from now on",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-                    graphs.close()
-                    self.graphs = graphs = None
+                    self._drop_graphs(graphs, exc)
+                    graphs = None
             if logits is not None and graphs is not None:
                 tokens = plan.sample(logits, samples[0], 0, logits_dtype=logits_dtype)
                 for step in range(1, steps):
