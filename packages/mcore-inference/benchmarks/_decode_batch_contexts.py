@@ -15,35 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from _decode_contexts import captured_replay_us
 
 from mcore_inference.fused_decode import build_fused_decoder
 from mcore_inference.kv_cache import PagedKVCache
 
 
 def _replay_us(step: Any, device: torch.device) -> float:
-    stream = torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        step()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    replays = 20
-    for _ in range(3):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / replays)
-    graph.reset()
-    return best
+    return captured_replay_us(step, device, warm_replays=3, replays=20)[0]
 
 
 def _step_us(

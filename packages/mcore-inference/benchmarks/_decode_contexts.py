@@ -32,6 +32,23 @@ def _captured_step_us(
         cache.prepare_step(tables, position, row)
         return decoder.logits(token, position[None], kv_cache=cache)
 
+    return captured_replay_us(step, device)
+
+
+def captured_replay_us(
+    step: Any, device: torch.device, *, warm_replays: int = 5, replays: int = 40
+) -> tuple[float, torch.Tensor]:
+    """Capture ``step`` in a CUDA graph and time back-to-back replays.
+
+    Args:
+        step: A callable returning a tensor; it runs twice on a side stream before capture.
+        device: The CUDA device.
+        warm_replays: Replays before timing.
+        replays: Replays per timed round (best of three rounds).
+
+    Returns:
+        The best round's microseconds per replay and a copy of the captured output.
+    """
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -40,12 +57,11 @@ def _captured_step_us(
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        logits = step()
-    for _ in range(5):
+        output = step()
+    for _ in range(warm_replays):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = float("inf")
-    replays = 40
     for _ in range(3):
         start.record()
         for _ in range(replays):
@@ -53,7 +69,7 @@ def _captured_step_us(
         end.record()
         torch.cuda.synchronize()
         best = min(best, start.elapsed_time(end) * 1000 / replays)
-    result = logits.clone()
+    result = output.clone()
     graph.reset()
     return best, result
 
