@@ -1,0 +1,551 @@
+"""Two dependent decode projections of one or two rows in one launch (:func:`decode_gemv_pair`).
+
+At batch 1 a decoder layer is a chain of dependent launches, and each link costs the wait for
+the end of the previous grid on top of the memory round trips of the work itself. This kernel
+runs two projections of the chain, the second reading the first's output, as one grid: the
+first projection's programs come first and each, after storing its output columns, adds one
+to a counter (release); the second's programs, dispatched after all of them, request their
+weight tiles, wait until the counter reaches the first projection's program count (acquire
+loads), and finish as :func:`mcore_kernels.decode_gemv.decode_gemv` does. No program waits on
+a program dispatched after it, so the wait always ends.
+
+Each projection is the vector path of ``decode_gemv`` (rows up to 2, one weight tile column
+block per program, no split-K) with the same fused pro- and epilogues: the RMSNorm of the
+input rows, bias, SwiGLU, the residual add, and for the second projection RoPE with the
+key/value cache write (``second_rope``). Sums run in float32 in the order of
+``decode_gemv``'s vector path; results equal the two ``decode_gemv`` calls up to the
+reduction layout within a tile (the pair's warps per program).
+
+Counters (:func:`pair_counters`): one int32 slot per call of a cycle of calls that run in
+slot order ``0, 1, ..., S - 1, 0, 1, ...`` on one stream (``S >= 2``). The call of slot ``s``
+counts in its slot and sets slot ``(s + 1) % S`` to zero for the next call: that slot's last
+user finished before this call's programs passed their wait for the previous kernel, and its
+next user starts counting only after this call has ended. A cycle that stops in the middle
+(an error between two calls) leaves its counters set: zero them (``counters.zero_()``) before
+the next call.
+
+Dispatch: Triton on CUDA (``TRITON_INTERPRET=1`` runs it on CPU tensors); elsewhere, or with
+``MCORE_KERNELS_BACKEND=torch``, the two ``decode_gemv`` calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore_kernels._backend import use_triton
+from mcore_kernels._triton_utils import (
+    _INTERPRETED,
+    CachedLauncher,
+    device_limits,
+    gdc_launch_dependents,
+    gdc_wait,
+    jit,
+    next_power_of_2,
+    pdl_supported,
+    tl,
+    triton,
+)
+from mcore_kernels.decode_gemv import _check_args, _rope_args, decode_gemv
+from mcore_kernels.decode_gemv_config import gemv_config
+from mcore_kernels.decode_gemv_epilogues import (
+    _early_bias,
+    _early_inputs,
+    _epilogue,
+    _rope_epilogue,
+)
+from mcore_kernels.decode_gemv_tiles import _accumulate, _load_tile, _row_scales
+from mcore_kernels.errors import KernelBackendError, KernelShapeError, KernelValueError
+from mcore_kernels.pdl import pdl_enabled
+from mcore_kernels.rotary_kv_write import RotaryCacheWrite
+
+__all__ = ["PAIR_MAX_ROWS", "PAIR_SLOT_STRIDE", "decode_gemv_pair", "pair_counters"]
+
+PAIR_MAX_ROWS = 2
+"""Most rows :func:`decode_gemv_pair` takes (the vector path of ``decode_gemv``)."""
+PAIR_SLOT_STRIDE = 32
+"""int32 elements between two counter slots (one 128-byte line each)."""
+
+
+def pair_counters(slots: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed counters for a cycle of ``slots`` :func:`decode_gemv_pair` calls.
+
+    Args:
+        slots: Calls per cycle (>= 2).
+        device: Device of the calls.
+
+    Returns:
+        An int32 tensor of ``slots * PAIR_SLOT_STRIDE`` zeros.
+
+    Raises:
+        KernelValueError: If ``slots`` < 2.
+    """
+    if slots < 2:
+        raise KernelValueError(f"slots={slots}; expected >= 2 (a call zeroes the next slot)")
+    return torch.zeros(slots * PAIR_SLOT_STRIDE, dtype=torch.int32, device=device)
+
+
+@jit
+def _load_acquire(pointers):
+    """``ld.acquire.gpu`` of each pointer (every thread that holds one acquires)."""
+    return tl.inline_asm_elementwise(
+        "ld.acquire.gpu.global.b32 $0, [$1];",
+        "=r,l",
+        [pointers],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@jit
+def _wait_count(arrive_ptr, target):
+    """Spin until the counter at ``arrive_ptr`` reaches ``target`` (acquire)."""
+    if _INTERPRETED:
+        seen = tl.atomic_add(arrive_ptr, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(arrive_ptr, 0, sem="acquire", scope="gpu")
+    else:
+        pointers = arrive_ptr + tl.zeros([1], dtype=tl.int32)
+        seen = tl.max(_load_acquire(pointers), axis=0)
+        while seen < target:
+            seen = tl.max(_load_acquire(pointers), axis=0)
+
+
+@jit
+def _stage(
+    pid_n,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    norm_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N_OUT,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_om,
+    eps,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_cos,
+    stride_sin,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
+    NUM_Q_HEADS,
+    NUM_KV_HEADS,
+    arrive_ptr,
+    reset_ptr,
+    wait_target,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    ROPE: tl.constexpr,
+    PAIRED: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    WAIT: tl.constexpr,
+    SIGNAL: tl.constexpr,
+):
+    """One program of one projection: weights before the waits, then decode_gemv's vector
+    path (first tile, middle tiles, masked tail) and epilogue; ``WAIT``: the counter wait
+    before reading ``x``; ``SIGNAL``: count this program's stores, and (program 0) zero the
+    next call's counter."""
+    dtype = x_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_OUT
+    if ROPE:
+        pair = tl.where(n_mask, offs_n, 0)
+        first_rows = (pair // HALF) * (2 * HALF) + pair % HALF
+        w_rows = first_rows.to(tl.int64) * stride_wn
+        up_rows = (first_rows + HALF).to(tl.int64) * stride_wn
+    else:
+        w_rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn
+        up_rows = (tl.where(n_mask, offs_n, 0) + N_OUT).to(tl.int64) * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    k_full: tl.constexpr = (K // BLOCK_K) * BLOCK_K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    scales = tl.zeros([BLOCK_M], dtype=tl.float32)
+    first = offs_k
+    # Everything that does not depend on the previous launches, before the waits.
+    w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, K, PAIRED, k_full == 0)
+    gamma = scales
+    if HAS_NORM:
+        gamma = tl.load(norm_ptr + first, mask=first < K, other=0.0).to(tl.float32)
+    pre_bias, pre_bias_up = _early_bias(
+        bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS, ROPE, SWIGLU, HALF
+    )
+    tail_w = w
+    tail_w_up = w_up
+    if k_full == BLOCK_K and K > BLOCK_K:
+        tail_w, tail_w_up = _load_tile(w_ptr, w_rows, up_rows, k_full + offs_k, K, PAIRED, True)
+    if WAIT:
+        _wait_count(arrive_ptr, wait_target)
+    if USE_PDL:
+        gdc_wait()
+    if SIGNAL:  # noqa: SIM102 - a constexpr and a runtime test
+        if pid_n == 0:
+            # The next call's counter: its last user has ended (see the module docstring).
+            tl.atomic_xchg(reset_ptr, 0, sem="relaxed", scope="gpu")
+    pre_res, pre_cos, pre_sin = _early_inputs(
+        res_ptr, cos_ptr, sin_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm,
+        stride_cos, stride_sin, HAS_RESIDUAL, ROPE, HALF,
+    )  # fmt: skip
+    if HAS_NORM:
+        scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
+    k_end = K
+    acc, acc_up = _accumulate(
+        acc, acc_up, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
+        up_rows, first, k_end, M, stride_xm, 0,
+        HAS_NORM, PAIRED, BLOCK_M, False, k_full == 0, "ieee", False, True,
+        gamma, HAS_NORM,
+    )  # fmt: skip
+    if k_full > BLOCK_K:
+        for start in range(BLOCK_K, k_full, BLOCK_K):
+            acc, acc_up = _accumulate(
+                acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
+                up_rows, start + offs_k, k_end, M, stride_xm, 0,
+                HAS_NORM, PAIRED, BLOCK_M, False, False, "ieee", False, False,
+                scales, False,
+            )  # fmt: skip
+    if k_full < K and k_full > 0:
+        acc, acc_up = _accumulate(
+            acc, acc_up, tail_w, tail_w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask,
+            w_rows, up_rows, k_full + offs_k, k_end, M, stride_xm, 0,
+            HAS_NORM, PAIRED, BLOCK_M, False, True, "ieee", False, k_full == BLOCK_K,
+            scales, False,
+        )  # fmt: skip
+    if ROPE:
+        _rope_epilogue(
+            acc, acc_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
+            v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
+            stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
+            NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
+            pre_bias, pre_bias_up, pre_cos, pre_sin, True,
+        )  # fmt: skip
+    else:
+        _epilogue(
+            acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
+            stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+            pre_bias, pre_bias_up, pre_res, True,
+        )  # fmt: skip
+    if SIGNAL:
+        # Every thread's stores precede the count (release), as in decode_gemv's tickets.
+        tl.debug_barrier()
+        tl.atomic_add(arrive_ptr, 1, sem="release", scope="gpu")
+
+
+@jit
+def _gemv_pair_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    norm_ptr,
+    res_ptr,
+    mid_ptr,
+    w2_ptr,
+    bias2_ptr,
+    norm2_ptr,
+    res2_ptr,
+    out_ptr,
+    M,
+    N_MID,
+    N_OUT,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_mm,
+    stride_wn2,
+    stride_rm2,
+    stride_om,
+    eps,
+    eps2,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_cos,
+    stride_sin,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
+    NUM_Q_HEADS,
+    NUM_KV_HEADS,
+    arrive_ptr,
+    reset_ptr,
+    GRID_1,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    K2: tl.constexpr,
+    HAS_BIAS2: tl.constexpr,
+    HAS_NORM2: tl.constexpr,
+    HAS_RESIDUAL2: tl.constexpr,
+    SWIGLU2: tl.constexpr,
+    ROPE2: tl.constexpr,
+    PAIRED2: tl.constexpr,
+    HALF2: tl.constexpr,
+    BLOCK_N2: tl.constexpr,
+    BLOCK_K2: tl.constexpr,
+    NORM_BLOCK2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    if pid < GRID_1:
+        _stage(
+            pid, x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, mid_ptr, M, N_MID, stride_xm,
+            stride_wn, stride_rm, stride_mm, eps,
+            x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 0, 0, 0, 0, 0, 0, 0, 0,
+            arrive_ptr, reset_ptr, 0,
+            K, HAS_BIAS, HAS_NORM, HAS_RESIDUAL, SWIGLU, False, SWIGLU, 1, BLOCK_M, BLOCK_N,
+            BLOCK_K, NORM_BLOCK, USE_PDL, False, True,
+        )  # fmt: skip
+    else:
+        _stage(
+            pid - GRID_1, mid_ptr, w2_ptr, bias2_ptr, norm2_ptr, res2_ptr, out_ptr, M, N_OUT,
+            stride_mm, stride_wn2, stride_rm2, stride_om, eps2,
+            cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
+            stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS,
+            NUM_KV_HEADS,
+            arrive_ptr, reset_ptr, GRID_1,
+            K2, HAS_BIAS2, HAS_NORM2, HAS_RESIDUAL2, SWIGLU2, ROPE2, PAIRED2, HALF2,
+            BLOCK_M, BLOCK_N2, BLOCK_K2, NORM_BLOCK2, USE_PDL, True, False,
+        )  # fmt: skip
+
+
+_PAIR = CachedLauncher(_gemv_pair_kernel)
+_PAIR_PDL = CachedLauncher(_gemv_pair_kernel, launch_pdl=True)
+
+
+def _stage_config(
+    rows: int, columns: int, k: int, rope: bool, multiprocessors: int
+) -> tuple[int, int, int]:
+    """``(block_n, block_k, warps)`` of one projection: ``decode_gemv``'s own choice."""
+    config = gemv_config(rows, columns, k, multiprocessors)
+    block_n = max(1, config.block_n // 2) if rope else config.block_n
+    return block_n, config.block_k, config.num_warps
+
+
+def decode_gemv_pair(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    second_weight: torch.Tensor,
+    *,
+    counters: torch.Tensor,
+    slot: int,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
+    second_bias: torch.Tensor | None = None,
+    second_norm_weight: torch.Tensor | None = None,
+    second_norm_eps: float = 1e-6,
+    second_swiglu: bool = False,
+    second_residual: torch.Tensor | None = None,
+    second_rope: RotaryCacheWrite | None = None,
+    pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y = decode_gemv(x, weight, ...)`` then ``decode_gemv(y, second_weight, ...)``, one launch.
+
+    Args:
+        x: ``[M, K]`` input rows, ``M <= PAIR_MAX_ROWS``.
+        weight: ``[N, K]`` weight of the first projection.
+        second_weight: ``[N2, N_out]`` weight of the second (its input is the first's output).
+        counters: :func:`pair_counters` of the cycle of calls this one belongs to.
+        slot: This call's slot in the cycle (see the module docstring).
+        bias: Optional ``[N]`` bias of the first projection.
+        norm_weight: Optional ``[K]`` RMSNorm weight applied to ``x`` first.
+        norm_eps: Its epsilon.
+        swiglu: The first projection is a gate-then-up SwiGLU (``[M, N // 2]`` output).
+        residual: Optional ``[M, N_out]`` added to the first projection's output.
+        second_bias: Optional bias of the second projection.
+        second_norm_weight: Optional RMSNorm weight applied to the first's output.
+        second_norm_eps: Its epsilon.
+        second_swiglu: The second projection is a gate-then-up SwiGLU.
+        second_residual: Optional residual added to the second projection's output.
+        second_rope: RoPE and the key/value cache write folded into the second projection
+            (``decode_gemv(..., rope=)``: it returns the rotated queries).
+        pdl: Programmatic dependent launch (None: inside
+            :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
+
+    Returns:
+        ``(first, second)``: the two projections' outputs, as the two ``decode_gemv`` calls
+        return them.
+
+    Raises:
+        KernelShapeError: If the shapes do not chain or ``M > PAIR_MAX_ROWS``.
+        KernelValueError: If ``slot`` is outside the counters or ``second_rope`` comes with
+            ``second_swiglu`` or ``second_residual``.
+        KernelDtypeError: If a dtype is unsupported.
+        KernelBackendError: If the Triton path is requested without Triton.
+    """
+    n_mid = _check_args(x, weight, bias, norm_weight, residual, swiglu)
+    if x.shape[0] > PAIR_MAX_ROWS:
+        raise KernelShapeError(f"x has {x.shape[0]} rows; expected at most {PAIR_MAX_ROWS}")
+    if second_weight.dim() != 2 or second_weight.shape[1] != n_mid:
+        raise KernelShapeError(
+            f"second_weight {tuple(second_weight.shape)}; expected [N2, {n_mid}] (the first "
+            "projection's outputs)"
+        )
+    slots = counters.numel() // PAIR_SLOT_STRIDE
+    if counters.dtype != torch.int32 or slots < 2 or not 0 <= slot < slots:
+        raise KernelValueError(
+            f"slot={slot} of int32 counters of {slots} slots; expected pair_counters(S >= 2) "
+            "and 0 <= slot < S"
+        )
+    mid_meta = torch.empty((x.shape[0], n_mid), dtype=x.dtype, device="meta")
+    _check_args(
+        mid_meta, second_weight.to("meta"), second_bias, second_norm_weight, second_residual,
+        second_swiglu, second_rope,
+    )  # fmt: skip
+    if not use_triton(x, weight):
+        first = decode_gemv(
+            x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps, swiglu=swiglu,
+            residual=residual, pdl=pdl,
+        )  # fmt: skip
+        second = decode_gemv(
+            first, second_weight, second_bias, norm_weight=second_norm_weight,
+            norm_eps=second_norm_eps, swiglu=second_swiglu, residual=second_residual, pdl=pdl,
+            rope=second_rope,
+        )  # fmt: skip
+        return first, second
+    if triton is None:
+        raise KernelBackendError("backend='triton' requested but triton is not installed")
+    return _pair_triton(
+        x, weight, second_weight, counters, slot, slots, bias, norm_weight, norm_eps, swiglu,
+        residual, second_bias, second_norm_weight, second_norm_eps, second_swiglu,
+        second_residual, second_rope, pdl,
+    )  # fmt: skip
+
+
+def _pair_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    second_weight: torch.Tensor,
+    counters: torch.Tensor,
+    slot: int,
+    slots: int,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    swiglu: bool,
+    residual: torch.Tensor | None,
+    second_bias: torch.Tensor | None,
+    second_norm_weight: torch.Tensor | None,
+    second_norm_eps: float,
+    second_swiglu: bool,
+    second_residual: torch.Tensor | None,
+    second_rope: RotaryCacheWrite | None,
+    pdl: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    for name, tensor in (("x", x), ("residual", residual), ("second_residual", second_residual)):
+        if tensor is not None and tensor.stride(-1) != 1:
+            raise KernelShapeError(f"{name} strides {tensor.stride()}; expected stride 1 last")
+    if not weight.is_contiguous() or not second_weight.is_contiguous():
+        raise KernelShapeError("weight and second_weight must be contiguous")
+    rows, k = x.shape
+    n_mid = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    mid = torch.empty((rows, n_mid), dtype=x.dtype, device=x.device)
+    n2 = second_weight.shape[0]
+    columns2 = n2 // 2 if (second_swiglu or second_rope is not None) else n2
+    n_out = second_rope.num_q_heads * second_rope.head_dim if second_rope else columns2
+    out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return mid, out
+    multiprocessors = device_limits(x.device)[0]
+    block_n, block_k, warps = _stage_config(rows, n_mid, k, False, multiprocessors)
+    block_n2, block_k2, warps2 = _stage_config(
+        rows, columns2, n_mid, second_rope is not None, multiprocessors
+    )
+    grid_1 = triton.cdiv(n_mid, block_n)
+    grid_2 = triton.cdiv(columns2, block_n2)
+    block_m = min(4, next_power_of_2(rows))
+    dummy = x
+    use_pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_supported(x.device)
+    arrive = counters[slot * PAIR_SLOT_STRIDE :]
+    reset = counters[((slot + 1) % slots) * PAIR_SLOT_STRIDE :]
+    args = (
+        x,
+        weight,
+        bias if bias is not None else dummy,
+        norm_weight if norm_weight is not None else dummy,
+        residual if residual is not None else dummy,
+        mid,
+        second_weight,
+        second_bias if second_bias is not None else dummy,
+        second_norm_weight if second_norm_weight is not None else dummy,
+        second_residual if second_residual is not None else dummy,
+        out,
+        rows,
+        n_mid,
+        columns2,
+        x.stride(0),
+        weight.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        mid.stride(0),
+        second_weight.stride(0),
+        second_residual.stride(0) if second_residual is not None else 0,
+        out.stride(0),
+        float(norm_eps),
+        float(second_norm_eps),
+        *_rope_args(second_rope, dummy),
+        arrive,
+        reset,
+        grid_1,
+    )
+
+    def norm_block(width: int) -> int:
+        return min(next_power_of_2(width), max(256, 8192 // block_m))
+
+    constexprs = {
+        "K": k,
+        "HAS_BIAS": bias is not None,
+        "HAS_NORM": norm_weight is not None,
+        "HAS_RESIDUAL": residual is not None,
+        "SWIGLU": swiglu,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "NORM_BLOCK": norm_block(k) if norm_weight is not None else 16,
+        "K2": n_mid,
+        "HAS_BIAS2": second_bias is not None,
+        "HAS_NORM2": second_norm_weight is not None,
+        "HAS_RESIDUAL2": second_residual is not None,
+        "SWIGLU2": second_swiglu,
+        "ROPE2": second_rope is not None,
+        "PAIRED2": second_swiglu or second_rope is not None,
+        "HALF2": second_rope.head_dim // 2 if second_rope is not None else 1,
+        "BLOCK_N2": block_n2,
+        "BLOCK_K2": block_k2,
+        "NORM_BLOCK2": norm_block(n_mid) if second_norm_weight is not None else 16,
+        "BLOCK_M": block_m,
+        "USE_PDL": use_pdl,
+    }
+    launcher = _PAIR_PDL if use_pdl else _PAIR
+    launcher((grid_1 + grid_2, 1, 1), args, constexprs, max(warps, warps2), x.get_device())
+    return mid, out
