@@ -58,12 +58,16 @@ from mcore_kernels.errors import KernelBackendError, KernelShapeError, KernelVal
 from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 
-__all__ = ["PAIR_MAX_ROWS", "PAIR_SLOT_STRIDE", "decode_gemv_pair", "pair_counters"]
+__all__ = ["PAIR_MAX_ROWS", "PAIR_SLOT_STRIDE", "PAIR_WAIT", "decode_gemv_pair", "pair_counters"]
 
 PAIR_MAX_ROWS = 2
 """Most rows :func:`decode_gemv_pair` takes (the vector path of ``decode_gemv``)."""
 PAIR_SLOT_STRIDE = 32
 """int32 elements between two counter slots (one 128-byte line each)."""
+PAIR_WAIT = "load"
+"""How the second projection's programs wait: ``"load"`` (every thread polls with acquire
+loads) or ``"atomic"`` (one thread per program polls with an acquire atomic add of 0)."""
+_WAITS = ("load", "atomic")
 
 
 def pair_counters(slots: int, device: torch.device | str) -> torch.Tensor:
@@ -98,9 +102,9 @@ def _load_acquire(pointers):
 
 
 @jit
-def _wait_count(arrive_ptr, target):
+def _wait_count(arrive_ptr, target, WAIT_ATOMIC: tl.constexpr):
     """Spin until the counter at ``arrive_ptr`` reaches ``target`` (acquire)."""
-    if _INTERPRETED:
+    if _INTERPRETED or WAIT_ATOMIC:
         seen = tl.atomic_add(arrive_ptr, 0, sem="acquire", scope="gpu")
         while seen < target:
             seen = tl.atomic_add(arrive_ptr, 0, sem="acquire", scope="gpu")
@@ -158,6 +162,7 @@ def _stage(
     USE_PDL: tl.constexpr,
     WAIT: tl.constexpr,
     SIGNAL: tl.constexpr,
+    WAIT_ATOMIC: tl.constexpr,
 ):
     """One program of one projection: weights before the waits, then decode_gemv's vector
     path (first tile, middle tiles, masked tail) and epilogue; ``WAIT``: the counter wait
@@ -195,7 +200,7 @@ def _stage(
     if k_full == BLOCK_K and K > BLOCK_K:
         tail_w, tail_w_up = _load_tile(w_ptr, w_rows, up_rows, k_full + offs_k, K, PAIRED, True)
     if WAIT:
-        _wait_count(arrive_ptr, wait_target)
+        _wait_count(arrive_ptr, wait_target, WAIT_ATOMIC)
     if USE_PDL:
         gdc_wait()
     if SIGNAL:  # noqa: SIM102 - a constexpr and a runtime test
@@ -312,6 +317,7 @@ def _gemv_pair_kernel(
     NORM_BLOCK2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     USE_PDL: tl.constexpr,
+    WAIT_ATOMIC: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()
@@ -323,7 +329,7 @@ def _gemv_pair_kernel(
             x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 0, 0, 0, 0, 0, 0, 0, 0,
             arrive_ptr, reset_ptr, 0,
             K, HAS_BIAS, HAS_NORM, HAS_RESIDUAL, SWIGLU, False, SWIGLU, 1, BLOCK_M, BLOCK_N,
-            BLOCK_K, NORM_BLOCK, USE_PDL, False, True,
+            BLOCK_K, NORM_BLOCK, USE_PDL, False, True, WAIT_ATOMIC,
         )  # fmt: skip
     else:
         _stage(
@@ -334,7 +340,7 @@ def _gemv_pair_kernel(
             NUM_KV_HEADS,
             arrive_ptr, reset_ptr, GRID_1,
             K2, HAS_BIAS2, HAS_NORM2, HAS_RESIDUAL2, SWIGLU2, ROPE2, PAIRED2, HALF2,
-            BLOCK_M, BLOCK_N2, BLOCK_K2, NORM_BLOCK2, USE_PDL, True, False,
+            BLOCK_M, BLOCK_N2, BLOCK_K2, NORM_BLOCK2, USE_PDL, True, False, WAIT_ATOMIC,
         )  # fmt: skip
 
 
@@ -437,6 +443,8 @@ def decode_gemv_pair(
         return first, second
     if triton is None:
         raise KernelBackendError("backend='triton' requested but triton is not installed")
+    if PAIR_WAIT not in _WAITS:
+        raise KernelValueError(f"PAIR_WAIT={PAIR_WAIT!r}; expected one of {_WAITS}")
     return _pair_triton(
         x, weight, second_weight, counters, slot, slots, bias, norm_weight, norm_eps, swiglu,
         residual, second_bias, second_norm_weight, second_norm_eps, second_swiglu,
@@ -545,6 +553,7 @@ def _pair_triton(
         "NORM_BLOCK2": norm_block(n_mid) if second_norm_weight is not None else 16,
         "BLOCK_M": block_m,
         "USE_PDL": use_pdl,
+        "WAIT_ATOMIC": PAIR_WAIT == "atomic",
     }
     launcher = _PAIR_PDL if use_pdl else _PAIR
     launcher((grid_1 + grid_2, 1, 1), args, constexprs, max(warps, warps2), x.get_device())
