@@ -17,6 +17,7 @@ from mcore_kernels import decode_gemv_config
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.decode_gemv_pair import (
     PAIR_SLOT_STRIDE,
+    GemvStage,
     decode_gemv_pair,
     pair_counters,
 )
@@ -152,6 +153,67 @@ def test_bfloat16_is_bitwise_the_two_decode_gemv_launches(triton_backend):
 
 @needs_triton
 @pytest.mark.interpreter
+@pytest.mark.parametrize("rows", [1, 2])
+def test_three_projections_mlp_then_next_qkv(triton_backend, rows):
+    # gate/up + SwiGLU, down + residual, then the next layer's normed q/k/v with RoPE.
+    f32 = {"dtype": torch.float32}
+    p = _mlp_problem(rows, 32, 40, 32, dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    n = (HQ + 2 * HKV) * D
+    qkv_weight = _rand(g, n, 32, scale=32**-0.5, **f32)
+    qkv_bias = _rand(g, n, **f32)
+    norm = 1 + _rand(g, 32, scale=0.1, **f32)
+    angles = torch.rand(rows, D // 2, generator=g) * 6
+    cache = _rand(g, 2, 4, 4, HKV, D, **f32)
+    slots = torch.randperm(16, generator=g)[:rows]
+
+    def rope(target):
+        return RotaryCacheWrite(
+            cos=angles.cos(),
+            sin=angles.sin(),
+            k_cache=target[0],
+            v_cache=target[1],
+            slot_mapping=slots,
+            num_q_heads=HQ,
+        )
+
+    counters = pair_counters(2, "cpu")
+    actual_cache = cache.clone()
+    activation, out, q = decode_gemv_pair(
+        p["x"],
+        p["gate_up"],
+        p["down"],
+        counters=counters,
+        slot=0,
+        norm_weight=p["norm"],
+        swiglu=True,
+        second_residual=p["residual"],
+        third=GemvStage(qkv_weight, qkv_bias, norm, rope=rope(actual_cache)),
+    )
+    expected_activation = decode_gemv_reference(
+        p["x"], p["gate_up"], norm_weight=p["norm"], swiglu=True
+    )
+    expected = decode_gemv_reference(expected_activation, p["down"], residual=p["residual"])
+    qkv = decode_gemv_reference(expected, qkv_weight, qkv_bias, norm_weight=norm)
+    expected_cache = cache.clone()
+    split = rope(expected_cache)
+    expected_q = rotary_kv_write_reference(
+        *split.split(qkv), split.cos, split.sin, expected_cache[0], expected_cache[1], slots
+    ).flatten(-2)
+    for actual, wanted in (
+        (activation, expected_activation),
+        (out, expected),
+        (q, expected_q),
+        (actual_cache, expected_cache),
+    ):
+        torch.testing.assert_close(actual, wanted, atol=1e-5, rtol=1e-5)
+    # Both counts of slot 0: 10 gate/up programs (40 columns by 4), then 8 down programs.
+    half = PAIR_SLOT_STRIDE // 2
+    assert counters[0].item() == 10 and counters[half].item() == 8
+
+
+@needs_triton
+@pytest.mark.interpreter
 def test_a_cycle_of_calls_zeroes_each_next_slot(triton_backend):
     p = _mlp_problem(1, 40, 24, 48)
     counters = pair_counters(3, "cpu")
@@ -183,8 +245,27 @@ def test_bad_arguments_raise():
         _mlp_pair(p, counters, slot=2)
     with pytest.raises(KernelShapeError, match="at most 2"):
         _mlp_pair({**p, "x": p["x"].repeat(3, 1)}, counters)
-    with pytest.raises(KernelShapeError, match="second_weight"):
+    with pytest.raises(KernelShapeError, match="projection 2"):
         _mlp_pair({**p, "down": p["down"][:, :10]}, counters)
+    with pytest.raises(KernelValueError, match="RoPE last"):
+        rope = RotaryCacheWrite(
+            cos=torch.ones(1, 4),
+            sin=torch.zeros(1, 4),
+            k_cache=torch.zeros(4, 4, HKV, D),
+            v_cache=torch.zeros(4, 4, HKV, D),
+            slot_mapping=torch.zeros(1, dtype=torch.long),
+            num_q_heads=HQ,
+        )
+        decode_gemv_pair(
+            p["x"],
+            p["gate_up"],
+            torch.zeros((HQ + 2 * HKV) * D, 24, dtype=torch.bfloat16),
+            counters=counters,
+            slot=0,
+            swiglu=True,
+            second_rope=rope,
+            third=GemvStage(torch.zeros(8, HQ * D, dtype=torch.bfloat16)),
+        )
     with pytest.raises(KernelShapeError, match="residual"):
         _mlp_pair({**p, "residual": p["residual"][:, :10]}, counters)
 

@@ -30,6 +30,8 @@ Dispatch: Triton on CUDA (``TRITON_INTERPRET=1`` runs it on CPU tensors); elsewh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mcore_kernels._backend import use_triton
@@ -58,16 +60,44 @@ from mcore_kernels.errors import KernelBackendError, KernelShapeError, KernelVal
 from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 
-__all__ = ["PAIR_MAX_ROWS", "PAIR_SLOT_STRIDE", "PAIR_WAIT", "decode_gemv_pair", "pair_counters"]
+__all__ = [
+    "PAIR_MAX_ROWS",
+    "PAIR_SLOT_STRIDE",
+    "PAIR_WAIT",
+    "GemvStage",
+    "decode_gemv_pair",
+    "pair_counters",
+]
 
 PAIR_MAX_ROWS = 2
 """Most rows :func:`decode_gemv_pair` takes (the vector path of ``decode_gemv``)."""
-PAIR_SLOT_STRIDE = 32
-"""int32 elements between two counter slots (one 128-byte line each)."""
+PAIR_SLOT_STRIDE = 64
+"""int32 elements between two counter slots (two 128-byte lines each: the first and the
+second projection's counts)."""
 PAIR_WAIT = "load"
 """How the second projection's programs wait: ``"load"`` (every thread polls with acquire
 loads) or ``"atomic"`` (one thread per program polls with an acquire atomic add of 0)."""
 _WAITS = ("load", "atomic")
+
+
+@dataclass(frozen=True, slots=True)
+class GemvStage:
+    """One projection of a :func:`decode_gemv_pair` launch (``decode_gemv``'s arguments)."""
+
+    weight: torch.Tensor
+    """``[N, K]`` weight; ``K`` is the previous projection's output width."""
+    bias: torch.Tensor | None = None
+    """Optional ``[N]`` bias."""
+    norm_weight: torch.Tensor | None = None
+    """Optional RMSNorm weight applied to the input rows first."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    swiglu: bool = False
+    """Gate-then-up SwiGLU (``[M, N // 2]`` output)."""
+    residual: torch.Tensor | None = None
+    """Optional ``[M, N_out]`` tensor added to the output."""
+    rope: RotaryCacheWrite | None = None
+    """RoPE and the key/value cache write folded in (the last projection only)."""
 
 
 def pair_counters(slots: int, device: torch.device | str) -> torch.Tensor:
@@ -144,8 +174,10 @@ def _stage(
     stride_vc_head,
     NUM_Q_HEADS,
     NUM_KV_HEADS,
-    arrive_ptr,
+    wait_ptr,
+    signal_ptr,
     reset_ptr,
+    reset2_ptr,
     wait_target,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -162,6 +194,7 @@ def _stage(
     USE_PDL: tl.constexpr,
     WAIT: tl.constexpr,
     SIGNAL: tl.constexpr,
+    RESET: tl.constexpr,
     WAIT_ATOMIC: tl.constexpr,
 ):
     """One program of one projection: weights before the waits, then decode_gemv's vector
@@ -200,13 +233,14 @@ def _stage(
     if k_full == BLOCK_K and K > BLOCK_K:
         tail_w, tail_w_up = _load_tile(w_ptr, w_rows, up_rows, k_full + offs_k, K, PAIRED, True)
     if WAIT:
-        _wait_count(arrive_ptr, wait_target, WAIT_ATOMIC)
+        _wait_count(wait_ptr, wait_target, WAIT_ATOMIC)
     if USE_PDL:
         gdc_wait()
-    if SIGNAL:  # noqa: SIM102 - a constexpr and a runtime test
+    if RESET:  # noqa: SIM102 - a constexpr and a runtime test
         if pid_n == 0:
-            # The next call's counter: its last user has ended (see the module docstring).
+            # The next call's counters: their last user has ended (see the module docstring).
             tl.atomic_xchg(reset_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(reset2_ptr, 0, sem="relaxed", scope="gpu")
     pre_res, pre_cos, pre_sin = _early_inputs(
         res_ptr, cos_ptr, sin_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm,
         stride_cos, stride_sin, HAS_RESIDUAL, ROPE, HALF,
@@ -252,7 +286,7 @@ def _stage(
     if SIGNAL:
         # Every thread's stores precede the count (release), as in decode_gemv's tickets.
         tl.debug_barrier()
-        tl.atomic_add(arrive_ptr, 1, sem="release", scope="gpu")
+        tl.atomic_add(signal_ptr, 1, sem="release", scope="gpu")
 
 
 @jit
@@ -268,9 +302,15 @@ def _gemv_pair_kernel(
     norm2_ptr,
     res2_ptr,
     out_ptr,
+    w3_ptr,
+    bias3_ptr,
+    norm3_ptr,
+    res3_ptr,
+    out3_ptr,
     M,
     N_MID,
     N_OUT,
+    N_OUT3,
     stride_xm,
     stride_wn,
     stride_rm,
@@ -278,8 +318,12 @@ def _gemv_pair_kernel(
     stride_wn2,
     stride_rm2,
     stride_om,
+    stride_wn3,
+    stride_rm3,
+    stride_om3,
     eps,
     eps2,
+    eps3,
     cos_ptr,
     sin_ptr,
     slot_ptr,
@@ -294,8 +338,11 @@ def _gemv_pair_kernel(
     NUM_Q_HEADS,
     NUM_KV_HEADS,
     arrive_ptr,
+    arrive2_ptr,
     reset_ptr,
+    reset2_ptr,
     GRID_1,
+    GRID_2,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_NORM: tl.constexpr,
@@ -311,10 +358,21 @@ def _gemv_pair_kernel(
     SWIGLU2: tl.constexpr,
     ROPE2: tl.constexpr,
     PAIRED2: tl.constexpr,
-    HALF2: tl.constexpr,
     BLOCK_N2: tl.constexpr,
     BLOCK_K2: tl.constexpr,
     NORM_BLOCK2: tl.constexpr,
+    THREE: tl.constexpr,
+    K3: tl.constexpr,
+    HAS_BIAS3: tl.constexpr,
+    HAS_NORM3: tl.constexpr,
+    HAS_RESIDUAL3: tl.constexpr,
+    SWIGLU3: tl.constexpr,
+    ROPE3: tl.constexpr,
+    PAIRED3: tl.constexpr,
+    BLOCK_N3: tl.constexpr,
+    BLOCK_K3: tl.constexpr,
+    NORM_BLOCK3: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK_M: tl.constexpr,
     USE_PDL: tl.constexpr,
     WAIT_ATOMIC: tl.constexpr,
@@ -327,21 +385,34 @@ def _gemv_pair_kernel(
             pid, x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, mid_ptr, M, N_MID, stride_xm,
             stride_wn, stride_rm, stride_mm, eps,
             x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 0, 0, 0, 0, 0, 0, 0, 0,
-            arrive_ptr, reset_ptr, 0,
+            arrive_ptr, arrive_ptr, reset_ptr, reset2_ptr, 0,
             K, HAS_BIAS, HAS_NORM, HAS_RESIDUAL, SWIGLU, False, SWIGLU, 1, BLOCK_M, BLOCK_N,
-            BLOCK_K, NORM_BLOCK, USE_PDL, False, True, WAIT_ATOMIC,
+            BLOCK_K, NORM_BLOCK, USE_PDL, False, True, True, WAIT_ATOMIC,
         )  # fmt: skip
-    else:
+    elif pid < GRID_1 + GRID_2:
         _stage(
             pid - GRID_1, mid_ptr, w2_ptr, bias2_ptr, norm2_ptr, res2_ptr, out_ptr, M, N_OUT,
             stride_mm, stride_wn2, stride_rm2, stride_om, eps2,
             cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
             stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS,
             NUM_KV_HEADS,
-            arrive_ptr, reset_ptr, GRID_1,
-            K2, HAS_BIAS2, HAS_NORM2, HAS_RESIDUAL2, SWIGLU2, ROPE2, PAIRED2, HALF2,
-            BLOCK_M, BLOCK_N2, BLOCK_K2, NORM_BLOCK2, USE_PDL, True, False, WAIT_ATOMIC,
+            arrive_ptr, arrive2_ptr, reset_ptr, reset2_ptr, GRID_1,
+            K2, HAS_BIAS2, HAS_NORM2, HAS_RESIDUAL2, SWIGLU2, ROPE2, PAIRED2, HALF,
+            BLOCK_M, BLOCK_N2, BLOCK_K2, NORM_BLOCK2, USE_PDL, True, THREE, False, WAIT_ATOMIC,
         )  # fmt: skip
+    else:
+        if THREE:
+            _stage(
+                pid - GRID_1 - GRID_2, out_ptr, w3_ptr, bias3_ptr, norm3_ptr, res3_ptr, out3_ptr,
+                M, N_OUT3, stride_om, stride_wn3, stride_rm3, stride_om3, eps3,
+                cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin,
+                stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS,
+                NUM_KV_HEADS,
+                arrive2_ptr, arrive2_ptr, reset_ptr, reset2_ptr, GRID_2,
+                K3, HAS_BIAS3, HAS_NORM3, HAS_RESIDUAL3, SWIGLU3, ROPE3, PAIRED3, HALF,
+                BLOCK_M, BLOCK_N3, BLOCK_K3, NORM_BLOCK3, USE_PDL, True, False, False,
+                WAIT_ATOMIC,
+            )  # fmt: skip
 
 
 _PAIR = CachedLauncher(_gemv_pair_kernel)
@@ -375,8 +446,9 @@ def decode_gemv_pair(
     second_swiglu: bool = False,
     second_residual: torch.Tensor | None = None,
     second_rope: RotaryCacheWrite | None = None,
+    third: GemvStage | None = None,
     pdl: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """``y = decode_gemv(x, weight, ...)`` then ``decode_gemv(y, second_weight, ...)``, one launch.
 
     Args:
@@ -396,165 +468,217 @@ def decode_gemv_pair(
         second_swiglu: The second projection is a gate-then-up SwiGLU.
         second_residual: Optional residual added to the second projection's output.
         second_rope: RoPE and the key/value cache write folded into the second projection
-            (``decode_gemv(..., rope=)``: it returns the rotated queries).
+            (``decode_gemv(..., rope=)``: it returns the rotated queries). Not with ``third``.
+        third: A third projection of the second's output in the same launch (its programs
+            wait on a second counter of the slot).
         pdl: Programmatic dependent launch (None: inside
             :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
 
     Returns:
-        ``(first, second)``: the two projections' outputs, as the two ``decode_gemv`` calls
+        The projections' outputs (two, or three with ``third``), as the ``decode_gemv`` calls
         return them.
 
     Raises:
         KernelShapeError: If the shapes do not chain or ``M > PAIR_MAX_ROWS``.
-        KernelValueError: If ``slot`` is outside the counters or ``second_rope`` comes with
-            ``second_swiglu`` or ``second_residual``.
+        KernelValueError: If ``slot`` is outside the counters, ``second_rope`` comes with
+            ``third``, or a ``rope`` with ``swiglu`` or a residual.
         KernelDtypeError: If a dtype is unsupported.
         KernelBackendError: If the Triton path is requested without Triton.
     """
-    n_mid = _check_args(x, weight, bias, norm_weight, residual, swiglu)
+    first = GemvStage(weight, bias, norm_weight, norm_eps, swiglu, residual)
+    second = GemvStage(
+        second_weight, second_bias, second_norm_weight, second_norm_eps, second_swiglu,
+        second_residual, second_rope,
+    )  # fmt: skip
+    stages = [first, second] if third is None else [first, second, third]
     if x.shape[0] > PAIR_MAX_ROWS:
         raise KernelShapeError(f"x has {x.shape[0]} rows; expected at most {PAIR_MAX_ROWS}")
-    if second_weight.dim() != 2 or second_weight.shape[1] != n_mid:
-        raise KernelShapeError(
-            f"second_weight {tuple(second_weight.shape)}; expected [N2, {n_mid}] (the first "
-            "projection's outputs)"
-        )
+    if third is not None and second_rope is not None:
+        raise KernelValueError("second_rope with a third projection; expected RoPE last")
+    if first.rope is not None:
+        raise KernelValueError("the first projection cannot take rope")
+    inputs = x
+    for index, stage in enumerate(stages):
+        if index and (stage.weight.dim() != 2 or stage.weight.shape[1] != inputs.shape[1]):
+            raise KernelShapeError(
+                f"projection {index + 1} weight {tuple(stage.weight.shape)}; expected "
+                f"[N, {inputs.shape[1]}] (the previous projection's outputs)"
+            )
+        width = _check_args(
+            inputs, stage.weight.to("meta") if index else stage.weight, stage.bias,
+            stage.norm_weight, stage.residual, stage.swiglu, stage.rope,
+        )  # fmt: skip
+        inputs = torch.empty((x.shape[0], width), dtype=x.dtype, device="meta")
     slots = counters.numel() // PAIR_SLOT_STRIDE
     if counters.dtype != torch.int32 or slots < 2 or not 0 <= slot < slots:
         raise KernelValueError(
             f"slot={slot} of int32 counters of {slots} slots; expected pair_counters(S >= 2) "
             "and 0 <= slot < S"
         )
-    mid_meta = torch.empty((x.shape[0], n_mid), dtype=x.dtype, device="meta")
-    _check_args(
-        mid_meta, second_weight.to("meta"), second_bias, second_norm_weight, second_residual,
-        second_swiglu, second_rope,
-    )  # fmt: skip
     if not use_triton(x, weight):
-        first = decode_gemv(
-            x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps, swiglu=swiglu,
-            residual=residual, pdl=pdl,
-        )  # fmt: skip
-        second = decode_gemv(
-            first, second_weight, second_bias, norm_weight=second_norm_weight,
-            norm_eps=second_norm_eps, swiglu=second_swiglu, residual=second_residual, pdl=pdl,
-            rope=second_rope,
-        )  # fmt: skip
-        return first, second
+        outputs = []
+        inputs = x
+        for stage in stages:
+            inputs = decode_gemv(
+                inputs, stage.weight, stage.bias, norm_weight=stage.norm_weight,
+                norm_eps=stage.norm_eps, swiglu=stage.swiglu, residual=stage.residual, pdl=pdl,
+                rope=stage.rope,
+            )  # fmt: skip
+            outputs.append(inputs)
+        return tuple(outputs)
     if triton is None:
         raise KernelBackendError("backend='triton' requested but triton is not installed")
     if PAIR_WAIT not in _WAITS:
         raise KernelValueError(f"PAIR_WAIT={PAIR_WAIT!r}; expected one of {_WAITS}")
-    return _pair_triton(
-        x, weight, second_weight, counters, slot, slots, bias, norm_weight, norm_eps, swiglu,
-        residual, second_bias, second_norm_weight, second_norm_eps, second_swiglu,
-        second_residual, second_rope, pdl,
-    )  # fmt: skip
+    return _pair_triton(x, stages, counters, slot, slots, pdl)
+
+
+def _stage_args(stage: GemvStage | None, rows: int, x: torch.Tensor, multiprocessors: int):  # type: ignore[no-untyped-def]
+    """``(tensors, out, columns, strides, eps, constexprs, grid, warps)`` of one stage."""
+    if stage is None:
+        dummy = x
+        return (dummy,) * 4, dummy, 0, (0, 0, 0), 0.0, _stage_constexprs(None, 1, 16, 16, 1), 0, 1
+    k = x.shape[1]
+    weight = stage.weight
+    if not weight.is_contiguous():
+        raise KernelShapeError("every projection's weight must be contiguous")
+    if stage.residual is not None and stage.residual.stride(-1) != 1:
+        raise KernelShapeError(
+            f"residual strides {stage.residual.stride()}; expected stride 1 last"
+        )
+    n = weight.shape[0]
+    columns = n // 2 if (stage.swiglu or stage.rope is not None) else n
+    n_out = stage.rope.num_q_heads * stage.rope.head_dim if stage.rope is not None else columns
+    out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = _stage_config(
+        rows, columns, k, stage.rope is not None, multiprocessors
+    )
+    block_m = min(4, next_power_of_2(rows))
+    norm_block = (
+        min(next_power_of_2(k), max(256, 8192 // block_m)) if stage.norm_weight is not None else 16
+    )
+    tensors = tuple(
+        t if t is not None else x for t in (stage.bias, stage.norm_weight, stage.residual)
+    )
+    strides = (
+        weight.stride(0),
+        stage.residual.stride(0) if stage.residual is not None else 0,
+        out.stride(0),
+    )
+    constexprs = _stage_constexprs(stage, k, block_n, block_k, norm_block)
+    return (
+        (weight, *tensors),
+        out,
+        columns,
+        strides,
+        float(stage.norm_eps),
+        constexprs,
+        triton.cdiv(columns, block_n),
+        warps,
+    )
+
+
+def _stage_constexprs(
+    stage: GemvStage | None, k: int, block_n: int, block_k: int, norm_block: int
+) -> tuple:
+    if stage is None:
+        return (16, False, False, False, False, False, False, 1, 16, 16)
+    rope = stage.rope is not None
+    return (
+        k,
+        stage.bias is not None,
+        stage.norm_weight is not None,
+        stage.residual is not None,
+        stage.swiglu,
+        rope,
+        stage.swiglu or rope,
+        block_n,
+        block_k,
+        norm_block,
+    )
 
 
 def _pair_triton(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    second_weight: torch.Tensor,
+    stages: list[GemvStage],
     counters: torch.Tensor,
     slot: int,
     slots: int,
-    bias: torch.Tensor | None,
-    norm_weight: torch.Tensor | None,
-    norm_eps: float,
-    swiglu: bool,
-    residual: torch.Tensor | None,
-    second_bias: torch.Tensor | None,
-    second_norm_weight: torch.Tensor | None,
-    second_norm_eps: float,
-    second_swiglu: bool,
-    second_residual: torch.Tensor | None,
-    second_rope: RotaryCacheWrite | None,
     pdl: bool | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    for name, tensor in (("x", x), ("residual", residual), ("second_residual", second_residual)):
-        if tensor is not None and tensor.stride(-1) != 1:
-            raise KernelShapeError(f"{name} strides {tensor.stride()}; expected stride 1 last")
-    if not weight.is_contiguous() or not second_weight.is_contiguous():
-        raise KernelShapeError("weight and second_weight must be contiguous")
-    rows, k = x.shape
-    n_mid = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    mid = torch.empty((rows, n_mid), dtype=x.dtype, device=x.device)
-    n2 = second_weight.shape[0]
-    columns2 = n2 // 2 if (second_swiglu or second_rope is not None) else n2
-    n_out = second_rope.num_q_heads * second_rope.head_dim if second_rope else columns2
-    out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
-    if rows == 0:
-        return mid, out
+) -> tuple[torch.Tensor, ...]:
+    if x.stride(-1) != 1:
+        raise KernelShapeError(f"x strides {x.stride()}; expected stride 1 last")
+    rows = x.shape[0]
     multiprocessors = device_limits(x.device)[0]
-    block_n, block_k, warps = _stage_config(rows, n_mid, k, False, multiprocessors)
-    block_n2, block_k2, warps2 = _stage_config(
-        rows, columns2, n_mid, second_rope is not None, multiprocessors
-    )
-    grid_1 = triton.cdiv(n_mid, block_n)
-    grid_2 = triton.cdiv(columns2, block_n2)
-    block_m = min(4, next_power_of_2(rows))
-    dummy = x
+    parts = []
+    inputs = x
+    for stage in stages:
+        part = _stage_args(stage, rows, inputs, multiprocessors)
+        parts.append(part)
+        inputs = part[1]
+    outputs = tuple(part[1] for part in parts)
+    if rows == 0:
+        return outputs
+    three = len(stages) == 3
+    if not three:
+        parts.append(_stage_args(None, rows, x, multiprocessors))
+    (t1, mid, n_mid, s1, eps1, c1, grid_1, w1) = parts[0]
+    (t2, out2, n_out2, s2, eps2, c2, grid_2, w2) = parts[1]
+    (t3, out3, n_out3, s3, eps3, c3, grid_3, w3) = parts[2]
+    rope = next((stage.rope for stage in stages if stage.rope is not None), None)
     use_pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_supported(x.device)
-    arrive = counters[slot * PAIR_SLOT_STRIDE :]
-    reset = counters[((slot + 1) % slots) * PAIR_SLOT_STRIDE :]
+    base = slot * PAIR_SLOT_STRIDE
+    following = ((slot + 1) % slots) * PAIR_SLOT_STRIDE
+    half = PAIR_SLOT_STRIDE // 2
     args = (
-        x,
-        weight,
-        bias if bias is not None else dummy,
-        norm_weight if norm_weight is not None else dummy,
-        residual if residual is not None else dummy,
-        mid,
-        second_weight,
-        second_bias if second_bias is not None else dummy,
-        second_norm_weight if second_norm_weight is not None else dummy,
-        second_residual if second_residual is not None else dummy,
-        out,
-        rows,
-        n_mid,
-        columns2,
-        x.stride(0),
-        weight.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        mid.stride(0),
-        second_weight.stride(0),
-        second_residual.stride(0) if second_residual is not None else 0,
-        out.stride(0),
-        float(norm_eps),
-        float(second_norm_eps),
-        *_rope_args(second_rope, dummy),
-        arrive,
-        reset,
-        grid_1,
+        x, *t1[:1], *t1[1:], mid,
+        *t2[:1], *t2[1:], out2,
+        *t3[:1], *t3[1:], out3,
+        rows, n_mid, n_out2, n_out3,
+        x.stride(0), s1[0], s1[1], s1[2],
+        s2[0], s2[1], s2[2],
+        s3[0], s3[1], s3[2],
+        eps1, eps2, eps3,
+        *_rope_args(rope, x),
+        counters[base:], counters[base + half :], counters[following:],
+        counters[following + half :],
+        grid_1, grid_2,
+    )  # fmt: skip
+    names1 = (
+        "K",
+        "HAS_BIAS",
+        "HAS_NORM",
+        "HAS_RESIDUAL",
+        "SWIGLU",
+        None,
+        None,
+        "BLOCK_N",
+        "BLOCK_K",
+        "NORM_BLOCK",
     )
-
-    def norm_block(width: int) -> int:
-        return min(next_power_of_2(width), max(256, 8192 // block_m))
-
-    constexprs = {
-        "K": k,
-        "HAS_BIAS": bias is not None,
-        "HAS_NORM": norm_weight is not None,
-        "HAS_RESIDUAL": residual is not None,
-        "SWIGLU": swiglu,
-        "BLOCK_N": block_n,
-        "BLOCK_K": block_k,
-        "NORM_BLOCK": norm_block(k) if norm_weight is not None else 16,
-        "K2": n_mid,
-        "HAS_BIAS2": second_bias is not None,
-        "HAS_NORM2": second_norm_weight is not None,
-        "HAS_RESIDUAL2": second_residual is not None,
-        "SWIGLU2": second_swiglu,
-        "ROPE2": second_rope is not None,
-        "PAIRED2": second_swiglu or second_rope is not None,
-        "HALF2": second_rope.head_dim // 2 if second_rope is not None else 1,
-        "BLOCK_N2": block_n2,
-        "BLOCK_K2": block_k2,
-        "NORM_BLOCK2": norm_block(n_mid) if second_norm_weight is not None else 16,
-        "BLOCK_M": block_m,
-        "USE_PDL": use_pdl,
-        "WAIT_ATOMIC": PAIR_WAIT == "atomic",
-    }
+    constexprs = {name: value for name, value in zip(names1, c1, strict=True) if name}
+    for suffix, values in (("2", c2), ("3", c3)):
+        names = (
+            "K",
+            "HAS_BIAS",
+            "HAS_NORM",
+            "HAS_RESIDUAL",
+            "SWIGLU",
+            "ROPE",
+            "PAIRED",
+            "BLOCK_N",
+            "BLOCK_K",
+            "NORM_BLOCK",
+        )
+        constexprs.update({name + suffix: value for name, value in zip(names, values, strict=True)})
+    constexprs.update(
+        THREE=three,
+        HALF=rope.head_dim // 2 if rope is not None else 1,
+        BLOCK_M=min(4, next_power_of_2(rows)),
+        USE_PDL=use_pdl,
+        WAIT_ATOMIC=PAIR_WAIT == "atomic",
+    )
     launcher = _PAIR_PDL if use_pdl else _PAIR
-    launcher((grid_1 + grid_2, 1, 1), args, constexprs, max(warps, warps2), x.get_device())
-    return mid, out
+    grid = grid_1 + grid_2 + (grid_3 if three else 0)
+    launcher((grid, 1, 1), args, constexprs, max(w1, w2, w3), x.get_device())
+    return outputs
