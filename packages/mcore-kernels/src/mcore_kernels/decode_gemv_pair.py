@@ -78,6 +78,8 @@ PAIR_WAIT = "load"
 """How the second projection's programs wait: ``"load"`` (every thread polls with acquire
 loads) or ``"atomic"`` (one thread per program polls with an acquire atomic add of 0)."""
 _WAITS = ("load", "atomic")
+PAIR_WAIT_SLEEP_NS = 0
+"""Nanoseconds a waiting program sleeps between two polls of the counter (0: none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,16 +134,33 @@ def _load_acquire(pointers):
 
 
 @jit
-def _wait_count(arrive_ptr, target, WAIT_ATOMIC: tl.constexpr):
+def _sleep(value, NS: tl.constexpr):
+    """``value`` after ``nanosleep`` of about ``NS`` ns (fewer polls of a counter)."""
+    return tl.inline_asm_elementwise(
+        f"nanosleep.u32 {NS};\n\tmov.b32 $0, $1;",
+        "=r,r",
+        [value],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@jit
+def _wait_count(arrive_ptr, target, WAIT_ATOMIC: tl.constexpr, SLEEP_NS: tl.constexpr):
     """Spin until the counter at ``arrive_ptr`` reaches ``target`` (acquire)."""
     if _INTERPRETED or WAIT_ATOMIC:
         seen = tl.atomic_add(arrive_ptr, 0, sem="acquire", scope="gpu")
         while seen < target:
+            if SLEEP_NS > 0:
+                seen = _sleep(seen, SLEEP_NS)
             seen = tl.atomic_add(arrive_ptr, 0, sem="acquire", scope="gpu")
     else:
         pointers = arrive_ptr + tl.zeros([1], dtype=tl.int32)
         seen = tl.max(_load_acquire(pointers), axis=0)
         while seen < target:
+            if SLEEP_NS > 0:
+                seen = _sleep(seen, SLEEP_NS)
             seen = tl.max(_load_acquire(pointers), axis=0)
 
 
@@ -196,6 +215,7 @@ def _stage(
     SIGNAL: tl.constexpr,
     RESET: tl.constexpr,
     WAIT_ATOMIC: tl.constexpr,
+    SLEEP_NS: tl.constexpr,
 ):
     """One program of one projection: weights before the waits, then decode_gemv's vector
     path (first tile, middle tiles, masked tail) and epilogue; ``WAIT``: the counter wait
@@ -233,7 +253,7 @@ def _stage(
     if k_full == BLOCK_K and K > BLOCK_K:
         tail_w, tail_w_up = _load_tile(w_ptr, w_rows, up_rows, k_full + offs_k, K, PAIRED, True)
     if WAIT:
-        _wait_count(wait_ptr, wait_target, WAIT_ATOMIC)
+        _wait_count(wait_ptr, wait_target, WAIT_ATOMIC, SLEEP_NS)
     if USE_PDL:
         gdc_wait()
     if RESET:  # noqa: SIM102 - a constexpr and a runtime test
@@ -376,6 +396,7 @@ def _gemv_pair_kernel(
     BLOCK_M: tl.constexpr,
     USE_PDL: tl.constexpr,
     WAIT_ATOMIC: tl.constexpr,
+    SLEEP_NS: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()
@@ -387,7 +408,7 @@ def _gemv_pair_kernel(
             x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 0, 0, 0, 0, 0, 0, 0, 0,
             arrive_ptr, arrive_ptr, reset_ptr, reset2_ptr, 0,
             K, HAS_BIAS, HAS_NORM, HAS_RESIDUAL, SWIGLU, False, SWIGLU, 1, BLOCK_M, BLOCK_N,
-            BLOCK_K, NORM_BLOCK, USE_PDL, False, True, True, WAIT_ATOMIC,
+            BLOCK_K, NORM_BLOCK, USE_PDL, False, True, True, WAIT_ATOMIC, SLEEP_NS,
         )  # fmt: skip
     elif pid < GRID_1 + GRID_2:
         _stage(
@@ -398,7 +419,7 @@ def _gemv_pair_kernel(
             NUM_KV_HEADS,
             arrive_ptr, arrive2_ptr, reset_ptr, reset2_ptr, GRID_1,
             K2, HAS_BIAS2, HAS_NORM2, HAS_RESIDUAL2, SWIGLU2, ROPE2, PAIRED2, HALF,
-            BLOCK_M, BLOCK_N2, BLOCK_K2, NORM_BLOCK2, USE_PDL, True, THREE, False, WAIT_ATOMIC,
+            BLOCK_M, BLOCK_N2, BLOCK_K2, NORM_BLOCK2, USE_PDL, True, THREE, False, WAIT_ATOMIC, SLEEP_NS,
         )  # fmt: skip
     else:
         if THREE:
@@ -411,7 +432,7 @@ def _gemv_pair_kernel(
                 arrive2_ptr, arrive2_ptr, reset_ptr, reset2_ptr, GRID_2,
                 K3, HAS_BIAS3, HAS_NORM3, HAS_RESIDUAL3, SWIGLU3, ROPE3, PAIRED3, HALF,
                 BLOCK_M, BLOCK_N3, BLOCK_K3, NORM_BLOCK3, USE_PDL, True, False, False,
-                WAIT_ATOMIC,
+                WAIT_ATOMIC, SLEEP_NS,
             )  # fmt: skip
 
 
@@ -677,6 +698,7 @@ def _pair_triton(
         BLOCK_M=min(4, next_power_of_2(rows)),
         USE_PDL=use_pdl,
         WAIT_ATOMIC=PAIR_WAIT == "atomic",
+        SLEEP_NS=0 if not x.is_cuda else PAIR_WAIT_SLEEP_NS,
     )
     launcher = _PAIR_PDL if use_pdl else _PAIR
     grid = grid_1 + grid_2 + (grid_3 if three else 0)
