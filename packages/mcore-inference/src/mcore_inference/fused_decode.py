@@ -49,7 +49,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mcore_inference.fused_decode_pairs import gemv_layers_paired, paired_layers_supported
 from mcore_inference.kv_cache import PagedKVCache
 from mcore_kernels.batch_invariant import is_batch_invariant
 from mcore_kernels.decode_attention_gemv import attention_o_proj
@@ -72,7 +71,6 @@ __all__ = [
     "LM_HEAD_GEMV_MAX_ROWS",
     "NORM_SWIGLU_PDL",
     "O_PROJ_SPLITS",
-    "PAIRED_LAUNCHES",
     "STEP_INPUTS_IN_ONE_LAUNCH",
     "FusedDecoder",
     "build_fused_decoder",
@@ -126,10 +124,6 @@ NORM_SWIGLU_PDL = False
 RMSNorm and SwiGLU kernels between the cuBLAS GEMMs with it too. Off: one H200, batch 64,
 captured step at contexts near 288, 1143 us with it against 1095 without (58.8k against 60.7k
 tok/s)."""
-PAIRED_LAUNCHES = "none"
-"""Steps of one or two tokens run two dependent projections per launch
-(:mod:`mcore_inference.fused_decode_pairs`): ``"mlp"`` (gate/up and down of a layer),
-``"down_qkv"`` (a layer's down and the next layer's q/k/v) or ``"none"``."""
 
 
 @dataclass(slots=True)
@@ -256,8 +250,6 @@ class FusedDecoder:
             LM_HEAD_GEMV_MAX_ROWS if lm_head_gemv_max_rows is None else lm_head_gemv_max_rows
         )
         self._layers: list[_FusedLayer] = []
-        self._pair_counters: torch.Tensor | None = None
-        """Counters of the paired launches (:data:`PAIRED_LAUNCHES`), made at first use."""
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         """``(target view in a fused buffer, source parameter)`` pairs."""
         for layer in model.layers:
@@ -343,10 +335,7 @@ class FusedDecoder:
         with programmatic_dependent_launch(self.pdl and rows <= GEMM_PDL_MAX_ROWS):
             if rows <= self.gemv_max_rows:
                 hidden, cos, sin = self._step_inputs(input_ids[0], position_ids[0])
-                if paired_layers_supported(self, PAIRED_LAUNCHES, rows):
-                    residual = gemv_layers_paired(self, hidden, cos, sin, kv_cache, PAIRED_LAUNCHES)
-                else:
-                    residual = self._gemv_layers(hidden, cos, sin, kv_cache)
+                residual = self._gemv_layers(hidden, cos, sin, kv_cache)
                 if not final_norm:
                     return residual
                 norm = model.final_norm
