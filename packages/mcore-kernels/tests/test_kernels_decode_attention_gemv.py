@@ -12,7 +12,11 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from mcore_kernels.decode_attention_gemv import attention_o_proj, attention_o_proj_reference
+from mcore_kernels.decode_attention_gemv import (
+    ATTENTION_O_PROJ_SPLIT,
+    attention_o_proj,
+    attention_o_proj_reference,
+)
 from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 from mcore_kernels.paged_attention import (
@@ -122,6 +126,18 @@ def test_partials_merged_equal_the_paged_attention_bitwise():
     merged = torch.empty_like(p["q"])
     merge_splits(*partials, p["context_lens"], merged, split_size=8)
     assert torch.equal(merged, paged_attention_triton(*args, scale=p["scale"], split_size=8))
+
+
+@needs_triton
+@pytest.mark.interpreter
+def test_default_split_over_engine_blocks_matches_reference_interpreted():
+    # The engine's 16-position blocks and the default split size (32): a context of 600 spans
+    # 19 splits, more than one merge chunk (16), one of 40 two.
+    problem = _problem([600, 40], block_size=16, dtype=torch.float32, device="cpu", seed=3)
+    expected = _call(attention_o_proj_reference, problem)
+    got = _call(attention_o_proj, problem)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, _unfused(problem, ATTENTION_O_PROJ_SPLIT), rtol=1e-6, atol=1e-6)
 
 
 def test_attention_o_proj_rejects_bad_arguments():
