@@ -93,46 +93,6 @@ def test_m_grouped_mm_matches_reference(transpose, options):
     )
 
 
-# Experts without rows (first, middle, last), rows an exact multiple of the 32-row tile (32,
-# 64), tails of at most 16 rows (5, 16 + 32, 1) and of more (20, 50).
-TAIL_COUNTS = [0, 32, 5, 48, 0, 20, 64, 50, 1, 0]
-
-
-@pytest.mark.parametrize("expert_columns", [False, True], ids=["row-tiles", "expert-columns"])
-@pytest.mark.parametrize("transpose", [True, False])
-def test_m_grouped_mm_tail_tiles_match_reference(transpose, expert_columns):
-    offsets = _offsets(TAIL_COUNTS)
-    rows, n, k = int(offsets[-1]), 48, 32
-    a = _randn(rows, k, seed=3)
-    w = _randn(len(TAIL_COUNTS), *((n, k) if transpose else (k, n)), seed=4)
-    base = PersistentTiles(
-        block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=2, flatten=True
-    )
-    tiles = PersistentTiles(
-        block_m=32,
-        block_n=16,
-        block_k=16,
-        num_warps=4,
-        num_stages=2,
-        flatten=True,
-        expert_columns=expert_columns,
-        tail_m=16,
-    )
-    got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=tiles)
-    want = m_grouped_mm_reference(a, w, offsets, transpose_weight=transpose)
-    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
-    # A tail tile sums each element in the same order as a full one: bitwise the plain kernel.
-    plain = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=base)
-    torch.testing.assert_close(got, plain, rtol=0, atol=0)
-
-
-def test_tail_m_must_be_a_smaller_power_of_two():
-    for tail_m in (8, 24, 128, 256):
-        with pytest.raises(KernelShapeError, match="tail_m"):
-            PersistentTiles(block_m=128, tail_m=tail_m)
-    assert PersistentTiles(block_m=128, tail_m=64).tail_m == 64
-
-
 @pytest.mark.parametrize("n", [32, 40], ids=["tma-store", "masked-store"])
 def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(n):
     offsets = _offsets()

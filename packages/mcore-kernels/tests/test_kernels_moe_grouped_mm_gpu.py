@@ -154,26 +154,3 @@ def test_expert_column_order_equals_the_plain_kernel_bitwise():
         assert torch.equal(
             got, m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=tiles)
         )
-
-
-@pytest.mark.parametrize("expert_columns", [False, True], ids=["row-tiles", "expert-columns"])
-def test_tail_tiles_match_grouped_mm_and_repeat_bitwise(expert_columns):
-    # 64-row tail tiles: experts without rows, rows an exact multiple of 128, tails of at most
-    # 64 rows and of more; against torch._grouped_mm and the full-height kernel, and run to run.
-    counts = _counts()
-    counts[1], counts[2], counts[3], counts[4] = 256, 128 + 64, 128 + 65, 1
-    offsets = counts.cumsum(0).to(torch.int32).cuda()
-    rows = int(offsets[-1])
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(rows, HIDDEN, **bf16)
-    w_gu = torch.randn(EXPERTS, 2 * FFN, HIDDEN, **bf16) * 0.05
-    grad_gu = torch.randn(rows, 2 * FFN, **bf16)
-    tiles = replace(ROWS_TILES, num_stages=3, tail_m=64, expert_columns=expert_columns)
-    for a, transpose in ((x, True), (grad_gu, False)):
-        got = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=tiles)
-        want = torch._grouped_mm(a, w_gu.transpose(-2, -1) if transpose else w_gu, offs=offsets)
-        _close(got, want)
-        full = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=ROWS_TILES)
-        assert torch.equal(got, full)
-        again = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=tiles)
-        assert torch.equal(got, again)

@@ -70,45 +70,8 @@ def tile_schedule_kernel(
 
 
 @triton.jit
-def _row_tile(
-    a_desc,
-    b_desc,
-    c_ptr,
-    expert,
-    row_start,
-    row_end,
-    n0,
-    N,
-    K,
-    stride_cm,
-    B_NK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """One ``BLOCK_M x BLOCK_N`` output tile of :func:`m_grouped_kernel` (rows from
-    ``row_start``; those at or past ``row_end`` are not stored)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(tl.cdiv(K, BLOCK_K)):
-        k0 = kk * BLOCK_K
-        a = a_desc.load([row_start, k0])
-        if B_NK:
-            b = b_desc.load([expert * N + n0, k0])
-            acc = tl.dot(a, b.T, acc)
-        else:
-            b = b_desc.load([expert * K + k0, n0])
-            acc = tl.dot(a, b, acc)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-    ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def m_grouped_kernel(
     a_desc,
-    a_tail_desc,
     b_desc,
     c_ptr,
     sched_ptr,
@@ -124,7 +87,6 @@ def m_grouped_kernel(
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
     EXPERT_COLUMNS: tl.constexpr,
-    TAIL_M: tl.constexpr,
 ):
     """``C[rows of e] = A[rows of e] @ B[e]``.
 
@@ -137,68 +99,30 @@ def m_grouped_kernel(
     expert are taken column tile by column tile, its row tiles consecutive, so that the
     programs that read one column strip of the expert's weights run side by side and the strip
     streams from memory once for all of them (``ends_ptr``: the experts' end rows).
-    ``TAIL_M`` (> 0, without ``FLATTEN``): a row tile of at most ``TAIL_M`` rows (an expert's
-    last, partial tile) is computed ``TAIL_M`` rows high through ``a_tail_desc`` (``TAIL_M``-row
-    blocks of ``A``), so the multiply-adds of the rows past the expert's end shrink; the
-    tail tile keeps its place in the job order, next to its expert's other row tiles.
     """
     num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(sched_ptr + 3 * max_tiles) * num_n
+    dtype = c_ptr.dtype.element_ty
     for job in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row_start, row_end, n0 = _m_job(
             job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, BLOCK_N, EXPERT_COLUMNS
         )
-        if TAIL_M > 0:
-            if row_end - row_start <= TAIL_M:
-                _row_tile(
-                    a_tail_desc,
-                    b_desc,
-                    c_ptr,
-                    expert,
-                    row_start,
-                    row_end,
-                    n0,
-                    N,
-                    K,
-                    stride_cm,
-                    B_NK,
-                    TAIL_M,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            k0 = kk * BLOCK_K
+            a = a_desc.load([row_start, k0])
+            if B_NK:
+                b = b_desc.load([expert * N + n0, k0])
+                acc = tl.dot(a, b.T, acc)
             else:
-                _row_tile(
-                    a_desc,
-                    b_desc,
-                    c_ptr,
-                    expert,
-                    row_start,
-                    row_end,
-                    n0,
-                    N,
-                    K,
-                    stride_cm,
-                    B_NK,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(tl.cdiv(K, BLOCK_K)):
-                k0 = kk * BLOCK_K
-                a = a_desc.load([row_start, k0])
-                if B_NK:
-                    b = b_desc.load([expert * N + n0, k0])
-                    acc = tl.dot(a, b.T, acc)
-                else:
-                    b = b_desc.load([expert * K + k0, n0])
-                    acc = tl.dot(a, b, acc)
-            rows = row_start + tl.arange(0, BLOCK_M)
-            cols = n0 + tl.arange(0, BLOCK_N)
-            mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-            ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-            tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+                b = b_desc.load([expert * K + k0, n0])
+                acc = tl.dot(a, b, acc)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+        ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        tl.store(ptrs, acc.to(dtype), mask=mask)
 
 
 @triton.jit

@@ -50,24 +50,12 @@ class PersistentTiles:
     """Take each expert's row-grouped jobs column tile by column tile, its row tiles
     consecutive (:func:`m_grouped_mm`): the programs that read one column strip of the
     expert's weights run side by side, so the strip streams from memory once for all of them."""
-    tail_m: int = 0
-    """Rows of a tail tile (:func:`m_grouped_mm`; 0: none): an expert's last row tile of at
-    most ``tail_m`` rows is computed ``tail_m`` rows high, so that fewer multiply-adds go to
-    the rows past the expert's end. A power of two >= 16 below ``block_m``; the loops are then
-    not flattened (two tile heights)."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise KernelShapeError(f"{name}={value} must be a power of two >= 16")
-        if self.tail_m and (
-            self.tail_m < 16 or self.tail_m & (self.tail_m - 1) or self.tail_m >= self.block_m
-        ):
-            raise KernelShapeError(
-                f"tail_m={self.tail_m} must be 0 or a power of two >= 16 below "
-                f"block_m={self.block_m}"
-            )
         if self.num_warps not in (4, 8):
             raise KernelValueError(f"num_warps={self.num_warps} must be 4 or 8")
         if self.num_stages < 1:
@@ -196,8 +184,6 @@ def m_grouped_mm(
     max_tiles = (schedule.shape[0] - 1) // 3
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
-    tail_m = tiles.tail_m
-    a_tail_desc = TensorDescriptor.from_tensor(a, [tail_m, bk]) if tail_m else a_desc
     if transpose_weight:
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
     else:
@@ -205,7 +191,6 @@ def m_grouped_mm(
     programs = _programs(a.device, tiles, max_tiles * triton.cdiv(n, bn))
     m_grouped_kernel[(programs,)](
         a_desc,
-        a_tail_desc,
         b_desc,
         out,
         schedule,
@@ -219,9 +204,8 @@ def m_grouped_mm(
         BLOCK_N=bn,
         BLOCK_K=bk,
         NUM_PROGRAMS=programs,
-        FLATTEN=tiles.flatten and not tail_m,
+        FLATTEN=tiles.flatten,
         EXPERT_COLUMNS=tiles.expert_columns,
-        TAIL_M=tail_m,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
