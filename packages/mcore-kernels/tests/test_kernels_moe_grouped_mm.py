@@ -93,51 +93,6 @@ def test_m_grouped_mm_matches_reference(transpose, options):
     )
 
 
-# Experts without rows (first, middle, last), rows an exact multiple of the 16-row tile (16,
-# 32) and partial last tiles (5, 20, 37, 1).
-HALVES_COUNTS = [0, 16, 5, 37, 0, 20, 32, 1, 0]
-
-
-@pytest.mark.parametrize("n", [64, 48], ids=["whole-tiles", "half-tile-past-n"])
-@pytest.mark.parametrize(
-    "options",
-    [{}, {"flatten": True}, {"flatten": True, "expert_columns": True}],
-    ids=["plain", "flat", "flat-expert-columns"],
-)
-@pytest.mark.parametrize("transpose", [True, False])
-def test_m_grouped_mm_column_halves_match_reference(transpose, options, n):
-    offsets = _offsets(HALVES_COUNTS)
-    rows, k = int(offsets[-1]), 32
-    a = _randn(rows, k, seed=5)
-    w = _randn(len(HALVES_COUNTS), *((n, k) if transpose else (k, n)), seed=6)
-    tiles = PersistentTiles(
-        block_m=16,
-        block_n=32,
-        block_k=16,
-        num_warps=4,
-        num_stages=2,
-        column_halves=True,
-        **options,
-    )
-    got = m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=tiles)
-    want = m_grouped_mm_reference(a, w, offsets, transpose_weight=transpose)
-    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
-    # Each element is summed in the same order as in a whole-width tile: bitwise the plain
-    # kernel's products.
-    plain = PersistentTiles(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
-    torch.testing.assert_close(
-        got, m_grouped_mm(a, w, offsets, transpose_weight=transpose, tiles=plain), rtol=0, atol=0
-    )
-
-
-def test_block_n_beyond_one_box_needs_column_halves():
-    with pytest.raises(KernelShapeError, match="block_n=512"):
-        PersistentTiles(block_m=64, block_n=512)
-    with pytest.raises(KernelShapeError, match="block_n=1024"):
-        PersistentTiles(block_m=64, block_n=1024, column_halves=True)
-    assert PersistentTiles(block_m=64, block_n=512, column_halves=True).block_n == 512
-
-
 @pytest.mark.parametrize("n", [32, 40], ids=["tma-store", "masked-store"])
 def test_k_grouped_mm_matches_reference_and_zeroes_empty_experts(n):
     offsets = _offsets()

@@ -154,33 +154,3 @@ def test_expert_column_order_equals_the_plain_kernel_bitwise():
         assert torch.equal(
             got, m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=tiles)
         )
-
-
-@pytest.mark.parametrize("expert_columns", [False, True], ids=["row-tiles", "expert-columns"])
-def test_column_halves_match_grouped_mm_and_repeat_bitwise(expert_columns):
-    # 64 x 512 tiles in two column halves: experts without rows, rows an exact multiple of 64,
-    # partial last tiles; against torch._grouped_mm and the 128 x 256 kernel, and run to run.
-    counts = _counts()
-    counts[1], counts[2], counts[3] = 128, 64 + 1, 1
-    offsets = counts.cumsum(0).to(torch.int32).cuda()
-    rows = int(offsets[-1])
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(rows, HIDDEN, **bf16)
-    w_gu = torch.randn(EXPERTS, 2 * FFN, HIDDEN, **bf16) * 0.05
-    grad_gu = torch.randn(rows, 2 * FFN, **bf16)
-    tiles = PersistentTiles(
-        block_m=64,
-        block_n=512,
-        block_k=64,
-        num_stages=3,
-        column_halves=True,
-        expert_columns=expert_columns,
-    )
-    for a, transpose in ((x, True), (grad_gu, False)):
-        got = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=tiles)
-        want = torch._grouped_mm(a, w_gu.transpose(-2, -1) if transpose else w_gu, offs=offsets)
-        _close(got, want)
-        full = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=ROWS_TILES)
-        assert torch.equal(got, full)
-        again = m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=tiles)
-        assert torch.equal(got, again)

@@ -87,7 +87,6 @@ def m_grouped_kernel(
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
     EXPERT_COLUMNS: tl.constexpr,
-    HALVES: tl.constexpr,
 ):
     """``C[rows of e] = A[rows of e] @ B[e]``.
 
@@ -100,105 +99,30 @@ def m_grouped_kernel(
     expert are taken column tile by column tile, its row tiles consecutive, so that the
     programs that read one column strip of the expert's weights run side by side and the strip
     streams from memory once for all of them (``ends_ptr``: the experts' end rows).
-    ``HALVES``: the tile's columns are two halves of ``BLOCK_N // 2`` (``b_desc`` reads half a
-    tile), each step two weight loads and two products into two accumulators that share the
-    row operand: tiles wider than one TMA box (256), e.g. 64 x 512 tiles, which hold as many
-    accumulators as 128 x 256 ones but waste half as many rows in an expert's last tile.
     """
-    if HALVES:
-        _m_halves(
-            a_desc,
-            b_desc,
-            c_ptr,
-            sched_ptr,
-            max_tiles,
-            N,
-            K,
-            stride_cm,
-            ends_ptr,
-            B_NK,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            NUM_PROGRAMS,
-            FLATTEN,
-            EXPERT_COLUMNS,
-        )
-    else:
-        num_n = tl.cdiv(N, BLOCK_N)
-        k_tiles = tl.cdiv(K, BLOCK_K)
-        total = tl.load(sched_ptr + 3 * max_tiles) * num_n
-        dtype = c_ptr.dtype.element_ty
-        for job in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
-            expert, row_start, row_end, n0 = _m_job(
-                job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, BLOCK_N, EXPERT_COLUMNS
-            )
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(k_tiles):
-                k0 = kk * BLOCK_K
-                a = a_desc.load([row_start, k0])
-                if B_NK:
-                    b = b_desc.load([expert * N + n0, k0])
-                    acc = tl.dot(a, b.T, acc)
-                else:
-                    b = b_desc.load([expert * K + k0, n0])
-                    acc = tl.dot(a, b, acc)
-            rows = row_start + tl.arange(0, BLOCK_M)
-            cols = n0 + tl.arange(0, BLOCK_N)
-            mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-            ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-            tl.store(ptrs, acc.to(dtype), mask=mask)
-
-
-@triton.jit
-def _m_halves(
-    a_desc,
-    b_desc,
-    c_ptr,
-    sched_ptr,
-    max_tiles,
-    N,
-    K,
-    stride_cm,
-    ends_ptr,
-    B_NK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
-    EXPERT_COLUMNS: tl.constexpr,
-):
-    """:func:`m_grouped_kernel` with each tile's columns in two halves (``HALVES``)."""
-    HALF: tl.constexpr = BLOCK_N // 2
     num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(sched_ptr + 3 * max_tiles) * num_n
     dtype = c_ptr.dtype.element_ty
     for job in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row_start, row_end, n0 = _m_job(
             job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, BLOCK_N, EXPERT_COLUMNS
         )
-        acc0 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-        acc1 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-        for kk in range(tl.cdiv(K, BLOCK_K)):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
             k0 = kk * BLOCK_K
             a = a_desc.load([row_start, k0])
             if B_NK:
-                b0 = b_desc.load([expert * N + n0, k0])
-                b1 = b_desc.load([expert * N + n0 + HALF, k0])
-                acc0 = tl.dot(a, b0.T, acc0)
-                acc1 = tl.dot(a, b1.T, acc1)
+                b = b_desc.load([expert * N + n0, k0])
+                acc = tl.dot(a, b.T, acc)
             else:
-                b0 = b_desc.load([expert * K + k0, n0])
-                b1 = b_desc.load([expert * K + k0, n0 + HALF])
-                acc0 = tl.dot(a, b0, acc0)
-                acc1 = tl.dot(a, b1, acc1)
+                b = b_desc.load([expert * K + k0, n0])
+                acc = tl.dot(a, b, acc)
         rows = row_start + tl.arange(0, BLOCK_M)
-        cols = n0 + tl.arange(0, HALF)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = (rows < row_end)[:, None] & (cols < N)[None, :]
         ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-        keep = (rows < row_end)[:, None]
-        tl.store(ptrs, acc0.to(dtype), mask=keep & (cols < N)[None, :])
-        tl.store(ptrs + HALF, acc1.to(dtype), mask=keep & (cols + HALF < N)[None, :])
+        tl.store(ptrs, acc.to(dtype), mask=mask)
 
 
 @triton.jit

@@ -50,23 +50,12 @@ class PersistentTiles:
     """Take each expert's row-grouped jobs column tile by column tile, its row tiles
     consecutive (:func:`m_grouped_mm`): the programs that read one column strip of the
     expert's weights run side by side, so the strip streams from memory once for all of them."""
-    column_halves: bool = False
-    """Compute each tile's columns as two halves of ``block_n // 2`` (:func:`m_grouped_mm`):
-    two weight loads and two products per step sharing the row operand, for tiles wider than
-    one TMA box (``block_n`` up to 512), e.g. 64 x 512 tiles: as many accumulators as 128 x 256
-    ones, half as many rows wasted in each expert's last, partial row tile."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise KernelShapeError(f"{name}={value} must be a power of two >= 16")
-        if self.block_n > (512 if self.column_halves else 256) or (
-            self.column_halves and self.block_n < 32
-        ):
-            raise KernelShapeError(
-                f"block_n={self.block_n} must be at most 256, or 32 to 512 with column_halves"
-            )
         if self.num_warps not in (4, 8):
             raise KernelValueError(f"num_warps={self.num_warps} must be 4 or 8")
         if self.num_stages < 1:
@@ -195,11 +184,10 @@ def m_grouped_mm(
     max_tiles = (schedule.shape[0] - 1) // 3
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
-    box_n = bn // 2 if tiles.column_halves else bn
     if transpose_weight:
-        b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [box_n, bk])
+        b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
     else:
-        b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, box_n])
+        b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
     programs = _programs(a.device, tiles, max_tiles * triton.cdiv(n, bn))
     m_grouped_kernel[(programs,)](
         a_desc,
@@ -218,7 +206,6 @@ def m_grouped_mm(
         NUM_PROGRAMS=programs,
         FLATTEN=tiles.flatten,
         EXPERT_COLUMNS=tiles.expert_columns,
-        HALVES=tiles.column_halves,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
