@@ -13,6 +13,7 @@ Usage: ``python3 packages/mcore-kernels/benchmarks/bench_rms_norm.py --out DIR``
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import itertools
 import json
@@ -213,8 +214,38 @@ def warm(shard: int, count: int) -> None:
     torch.cuda.synchronize()
 
 
+def inductor_kernels() -> dict[int, dict[str, Any]]:
+    """Every Triton kernel Inductor has loaded in this process, by object id: name, the launch
+    configuration its autotuner kept, registers per thread and spills.
+
+    ``torch.compile``'s time at a shape follows the configuration it picked there (its
+    reductions are autotuned when first run and the choice is cached on disk); the benchmark
+    records it next to the times.
+    """
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except ImportError:  # another torch layout: nothing recorded
+        return {}
+    found: dict[int, dict[str, Any]] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), CachingAutotuner):
+            continue
+        try:
+            launchers = list(getattr(obj, "launchers", None) or [])
+            found[id(obj)] = {
+                "kernel": getattr(getattr(obj, "fn", None), "__name__", "?"),
+                "configs": [str(getattr(launcher, "config", None)) for launcher in launchers],
+                "registers": [getattr(launcher, "n_regs", None) for launcher in launchers],
+                "spills": [getattr(launcher, "n_spills", None) for launcher in launchers],
+            }
+        except Exception:  # a record, never a reason to lose the run
+            continue
+    return found
+
+
 def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
     dtype = torch.bfloat16
+    known_kernels = set(inductor_kernels())
     gen = cuda_generator(rows + hidden)
 
     def randn(*shape):
@@ -324,6 +355,10 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
             rep=40,
         )
         del outputs
+    # The kernels torch.compile loaded for this shape (forward and backward graphs).
+    result["compile_kernels"] = [
+        kernel for key, kernel in inductor_kernels().items() if key not in known_kernels
+    ]
     if rows == 1:
         result.update(call_overhead(impls, x, residual, weight, grads))
     elem = rows * hidden * 2

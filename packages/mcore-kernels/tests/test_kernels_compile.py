@@ -376,3 +376,22 @@ def test_cuda_inductor_compiles_triton_kernels_with_eager_values_and_gradients()
     positions = torch.randint(0, 4096, (4, 64), generator=generator).cuda()
     inputs = (x, weight, residual, logits[:, :-1], targets[:, :-1], qkv, positions)
     _check_matches_eager(_decoder_like_block, inputs, "inductor", **TOLERANCES[torch.bfloat16])
+
+
+def test_backend_decision_traces_without_looking_the_triton_package_up(monkeypatch):
+    # Dynamo refuses to trace importlib.util.find_spec (moe.routed_experts broke its graph on
+    # CUDA): the decision reads whether Triton is installed from a value looked up at import.
+    import importlib.util
+
+    from mcore_kernels._backend import use_triton
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the backend decision looked the triton package up")
+
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    monkeypatch.setattr(importlib.util, "find_spec", refuse)
+    x = torch.ones(3)
+    compiled = torch.compile(
+        lambda t: t * 2 if use_triton(t) else t + 1, backend="eager", fullgraph=True
+    )
+    torch.testing.assert_close(compiled(x), x * 2)

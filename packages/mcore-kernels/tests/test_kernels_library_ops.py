@@ -128,24 +128,37 @@ def dispatch(request, monkeypatch):
     return request.param
 
 
-def test_compiled_paged_mla_attention_and_rotary_kv_write_match_the_references(dispatch):
-    device = _device()
+def check_mla_and_rope(device: str, backend, scale: float = 1.0) -> None:
+    """Compiled paged MLA attention and RoPE cache write against their references.
+
+    ``scale`` multiplies the tolerances (GPU products run on tensor cores).
+    """
     mla = _mla_inputs(device)
     compiled = torch.compile(
-        lambda *args: paged_mla_attention(*args, scale=0.3), backend="aot_eager", fullgraph=True
+        lambda *args: paged_mla_attention(*args, scale=0.3), backend=backend, fullgraph=True
     )
-    torch.testing.assert_close(compiled(*mla), paged_mla_attention_reference(*mla, scale=0.3))
+    torch.testing.assert_close(
+        compiled(*mla),
+        paged_mla_attention_reference(*mla, scale=0.3),
+        atol=1e-5 * scale,
+        rtol=1.3e-6 * scale,
+    )
     rope = _rope_inputs(device)
     expected_caches = [t.clone() for t in rope[5:7]]
     expected = rotary_kv_write_reference(*rope[:5], *expected_caches, rope[7])
-    actual = torch.compile(rotary_kv_write, backend="aot_eager", fullgraph=True)(*rope)
+    actual = torch.compile(rotary_kv_write, backend=backend, fullgraph=True)(*rope)
     # The kernel rounds like the unfused ops up to a fused multiply-add (see its module).
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-6)
     _assert_close_lists(list(rope[5:7]), expected_caches, atol=1e-6, rtol=1e-6)
 
 
-def test_compiled_ssd_scan_matches_the_reference_values_and_gradients(dispatch):
-    floats, cu_seqlens = _ssd_inputs(_device())
+def test_compiled_paged_mla_attention_and_rotary_kv_write_match_the_references(dispatch):
+    check_mla_and_rope(_device(), "aot_eager")
+
+
+def check_ssd_scan(device: str, backend, scale: float = 1.0) -> None:
+    """Compiled SSD scan against its reference, values and gradients."""
+    floats, cu_seqlens = _ssd_inputs(device)
 
     def scan(x, dt, decay, b, c, skip, init):
         return ssd_scan(
@@ -157,15 +170,21 @@ def test_compiled_ssd_scan_matches_the_reference_values_and_gradients(dispatch):
             x, dt, decay, b, c, skip, chunk_size=16, cu_seqlens=cu_seqlens, initial_states=init
         )
 
-    compiled = torch.compile(scan, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(scan, backend=backend, fullgraph=True)
     outputs, grads = _value_and_grads(compiled, *floats)
     expected_outputs, expected_grads = _value_and_grads(reference, *floats)
-    _assert_close_lists(list(outputs), list(expected_outputs), atol=1e-4, rtol=1e-4)
-    _assert_close_lists(grads, expected_grads, atol=1e-3, rtol=1e-3)
+    tolerance = 1e-4 * scale
+    _assert_close_lists(list(outputs), list(expected_outputs), atol=tolerance, rtol=tolerance)
+    _assert_close_lists(grads, expected_grads, atol=10 * tolerance, rtol=10 * tolerance)
 
 
-def test_compiled_batch_invariant_ops_match_the_references_values_and_gradients(dispatch):
-    device = _device()
+def test_compiled_ssd_scan_matches_the_reference_values_and_gradients(dispatch):
+    check_ssd_scan(_device(), "aot_eager")
+
+
+def check_batch_invariant_matmuls(device: str, backend, scale: float = 1.0) -> None:
+    """Compiled batch-invariant grouped and batched matmuls: values and gradients."""
+    tolerance = 1e-4 * scale
     generator = torch.Generator().manual_seed(4)
     a = torch.randn(20, 32, generator=generator).to(device)
     b = torch.randn(3, 32, 16, generator=generator).to(device)
@@ -175,24 +194,28 @@ def test_compiled_batch_invariant_ops_match_the_references_values_and_gradients(
     def grouped(a, b):
         return grouped_mm_batch_invariant(a, b, ends)
 
-    compiled = torch.compile(grouped, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(grouped, backend=backend, fullgraph=True)
     outputs, grads = _value_and_grads(compiled, a, b)
-    torch.testing.assert_close(outputs[0], matmul_reference(a, b, ends), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        outputs[0], matmul_reference(a, b, ends), atol=tolerance, rtol=tolerance
+    )
     # The backward is ordinary GEMMs: autograd of the plain grouped product is the oracle.
     _, expected_grads = _value_and_grads(lambda a, b: _plain_grouped(a, b, ends), a, b)
-    _assert_close_lists(grads, expected_grads, atol=1e-4, rtol=1e-4)
+    _assert_close_lists(grads, expected_grads, atol=tolerance, rtol=tolerance)
 
     def batched(a, b):
         return bmm_batch_invariant(a[:18].view(3, 6, 32), b)
 
-    outputs, grads = _value_and_grads(
-        torch.compile(batched, backend="aot_eager", fullgraph=True), a, b
-    )
+    outputs, grads = _value_and_grads(torch.compile(batched, backend=backend, fullgraph=True), a, b)
     expected_outputs, expected_grads = _value_and_grads(
         lambda a, b: torch.bmm(a[:18].view(3, 6, 32), b), a, b
     )
-    torch.testing.assert_close(outputs[0], expected_outputs[0], atol=1e-4, rtol=1e-4)
-    _assert_close_lists(grads, expected_grads, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outputs[0], expected_outputs[0], atol=tolerance, rtol=tolerance)
+    _assert_close_lists(grads, expected_grads, atol=tolerance, rtol=tolerance)
+
+
+def test_compiled_batch_invariant_ops_match_the_references_values_and_gradients(dispatch):
+    check_batch_invariant_matmuls(_device(), "aot_eager")
 
 
 def _plain_grouped(a, b, ends):
@@ -204,8 +227,9 @@ def _plain_grouped(a, b, ends):
     return torch.cat(pieces)
 
 
-def test_compiled_packed_attention_matches_causal_sdpa_values_and_gradients(dispatch):
-    device = _device()
+def check_packed_attention(device: str, backend, scale: float = 1.0) -> None:
+    """Compiled batch-invariant packed attention against causal SDPA: values and gradients."""
+    tolerance = 1e-4 * scale
     generator = torch.Generator().manual_seed(5)
     q = torch.randn(9, 4, 16, generator=generator).to(device)
     k, v = (torch.randn(9, 2, 16, generator=generator).to(device) for _ in "kv")
@@ -225,11 +249,15 @@ def test_compiled_packed_attention_matches_causal_sdpa_values_and_gradients(disp
         return torch.cat(pieces)
 
     outputs, grads = _value_and_grads(
-        torch.compile(packed, backend="aot_eager", fullgraph=True), q, k, v
+        torch.compile(packed, backend=backend, fullgraph=True), q, k, v
     )
     expected_outputs, expected_grads = _value_and_grads(sdpa, q, k, v)
-    torch.testing.assert_close(outputs[0], expected_outputs[0], atol=1e-4, rtol=1e-4)
-    _assert_close_lists(grads, expected_grads, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outputs[0], expected_outputs[0], atol=tolerance, rtol=tolerance)
+    _assert_close_lists(grads, expected_grads, atol=tolerance, rtol=tolerance)
+
+
+def test_compiled_packed_attention_matches_causal_sdpa_values_and_gradients(dispatch):
+    check_packed_attention(_device(), "aot_eager")
 
 
 @pytest.mark.gpu
@@ -283,10 +311,11 @@ def test_opcheck_moe_ops():
     torch.library.opcheck(OPS.moe_router, (logits, 2, "softmax", None, True, 1.0))
 
 
-def test_compiled_moe_functions_match_the_references_values_and_gradients(dispatch):
+def check_moe_functions(device: str, backend, scale: float = 1.0) -> None:
+    """Compiled MoE autograd functions against their references: values and gradients."""
     ref = moe.reference
-
-    x, rows, slots, fillers, y, weights, gate_up, row_weights, logits = _moe_problem(_device())
+    tolerance = 1e-5 * scale
+    x, rows, slots, fillers, y, weights, gate_up, row_weights, logits = _moe_problem(device)
     cases = [
         (moe.swiglu, ref.swiglu_reference, (gate_up,)),
         (moe.weighted_swiglu, ref.weighted_swiglu_reference, (gate_up, row_weights)),
@@ -312,20 +341,21 @@ def test_compiled_moe_functions_match_the_references_values_and_gradients(dispat
         ),
     ]
     for function, reference, inputs in cases:
-        compiled = torch.compile(function, backend="aot_eager", fullgraph=True)
+        compiled = torch.compile(function, backend=backend, fullgraph=True)
         outputs, grads = _value_and_grads(compiled, *inputs)
         expected_outputs, expected_grads = _value_and_grads(reference, *inputs)
-        _assert_close_lists(list(outputs), list(expected_outputs), atol=1e-5, rtol=1e-5)
-        _assert_close_lists(grads, expected_grads, atol=1e-5, rtol=1e-5)
+        _assert_close_lists(list(outputs), list(expected_outputs), atol=tolerance, rtol=tolerance)
+        _assert_close_lists(grads, expected_grads, atol=tolerance, rtol=tolerance)
 
 
-def test_compiled_routed_experts_match_eager_values_and_gradients(monkeypatch):
-    # Only the Triton dispatch goes through the autograd functions (the torch one runs the
-    # per-expert references directly).
-    if _device() == "cpu" and not _INTERPRETED:
-        pytest.skip("the Triton dispatch on CPU needs TRITON_INTERPRET=1")
-    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
-    device = _device()
+def test_compiled_moe_functions_match_the_references_values_and_gradients(dispatch):
+    check_moe_functions(_device(), "aot_eager")
+
+
+def check_routed_experts(device: str, backend, scale: float = 1.0) -> None:
+    """Compiled routed experts against eager, values and gradients (Triton dispatch: the torch
+    one runs the per-expert references directly, not the autograd functions)."""
+    tolerance = 1e-5 * scale
     generator = torch.Generator().manual_seed(7)
     tokens, hidden, ffn, experts, top_k = 8, 32, 16, 3, 2
     x = torch.randn(tokens, hidden, generator=generator).to(device)
@@ -344,8 +374,15 @@ def test_compiled_routed_experts_match_eager_values_and_gradients(monkeypatch):
         ),
     ]
     for function, inputs in cases:
-        compiled = torch.compile(function, backend="aot_eager", fullgraph=True)
+        compiled = torch.compile(function, backend=backend, fullgraph=True)
         outputs, grads = _value_and_grads(compiled, *inputs)
         expected_outputs, expected_grads = _value_and_grads(function, *inputs)
-        _assert_close_lists(list(outputs), list(expected_outputs), atol=1e-5, rtol=1e-5)
-        _assert_close_lists(grads, expected_grads, atol=1e-5, rtol=1e-5)
+        _assert_close_lists(list(outputs), list(expected_outputs), atol=tolerance, rtol=tolerance)
+        _assert_close_lists(grads, expected_grads, atol=tolerance, rtol=tolerance)
+
+
+def test_compiled_routed_experts_match_eager_values_and_gradients(monkeypatch):
+    if _device() == "cpu" and not _INTERPRETED:
+        pytest.skip("the Triton dispatch on CPU needs TRITON_INTERPRET=1")
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    check_routed_experts(_device(), "aot_eager")

@@ -53,9 +53,13 @@ def _backend_set() -> bool:
     return bool(os.environ.get(BACKEND_ENV))
 
 
-@functools.lru_cache(maxsize=1)
+# Looked up once at import: ``torch.compile`` traces the dispatch decision, and Dynamo refuses to
+# trace ``importlib.util.find_spec`` (a graph break in ``moe.routed_experts`` on CUDA).
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+
 def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_FOUND
 
 
 def _interpreting() -> bool:
