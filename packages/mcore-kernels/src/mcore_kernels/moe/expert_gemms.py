@@ -118,12 +118,22 @@ class ExpertGemmRunner:
         plan: Kernel of each GEMM.
         offsets: ``[E]`` int32 end row of each expert.
         num_rows: Rows of the grouped matrices.
+        host_ends: Returns ``offsets`` as a host list (for the cuBLAS loops), e.g. from a copy
+            started earlier on the stream so that the wait overlaps queued kernels; None
+            reads ``offsets`` on the host when first needed (a synchronisation).
     """
 
-    def __init__(self, plan: ExpertGemms, offsets: torch.Tensor, num_rows: int) -> None:
+    def __init__(
+        self,
+        plan: ExpertGemms,
+        offsets: torch.Tensor,
+        num_rows: int,
+        host_ends: Callable[[], list[int]] | None = None,
+    ) -> None:
         self.plan = plan
         self.offsets = offsets
         self.num_rows = num_rows
+        self._host_ends = host_ends
         self._schedules: dict[int, torch.Tensor] = {}
         self._spans: list[tuple[int, int, int]] | None = None
         experts = offsets.shape[0]
@@ -143,7 +153,7 @@ class ExpertGemmRunner:
         """``(expert, first row, end row)`` of every expert (one host synchronisation)."""
         if self._spans is None:
             # NOTE: the group ends on the host, once per layer call, for the cuBLAS loop.
-            ends = self.offsets.tolist()
+            ends = self._host_ends() if self._host_ends is not None else self.offsets.tolist()
             self._spans = [(e, ends[e - 1] if e else 0, ends[e]) for e in range(len(ends))]
         return self._spans
 
