@@ -271,3 +271,34 @@ def test_mixtral_shaped_layer_loops_over_experts_eagerly_and_not_inside_a_cuda_g
         assert len(loops) == 1, (factor, loops)
         error = (static_out.float() - eager).norm() / eager.norm()
         assert error < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("expert_kernel", "capacity_factor"),
+    [("cublas", None), ("cublas", 1.0), ("bmm", None)],
+    ids=["loop-dropless", "loop-packed-capacity", "bmm-padded-dropless"],
+)
+def test_early_host_counts_change_no_bit(expert_kernel, capacity_factor, monkeypatch):
+    # The routing counts copied to the host right after the router (HostCounts) for the cuBLAS
+    # loops (dropless, capacity routing's packed kept rows) and the padding to the largest
+    # expert (whose sort the dispatch then reuses): outputs and every gradient bitwise equal to
+    # reading them when needed, and the loops take their rows from the early copy.
+    from mcore_models.moe import host_counts
+
+    layer, x, grad = _bf16_case(777)
+    layer.experts.expert_kernel = expert_kernel
+    layer.moe_config.capacity_factor = capacity_factor
+    monkeypatch.setattr(dispatcher, "PACKED_MIN_CAPACITY", 1)
+    reads = []
+    real = host_counts.HostCounts.values
+    monkeypatch.setattr(
+        host_counts.HostCounts, "values", lambda self: reads.append(1) or real(self)
+    )
+    monkeypatch.setattr(host_counts, "EARLY", False)
+    late = _step(layer, x, grad)
+    assert not reads
+    monkeypatch.setattr(host_counts, "EARLY", True)
+    early = _step(layer, x, grad)
+    assert reads
+    for a, b in zip(early, late, strict=True):
+        assert torch.equal(a, b)
