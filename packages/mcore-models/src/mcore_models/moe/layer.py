@@ -144,10 +144,11 @@ class MoELayer(nn.Module):
                 counts = count(routing.experts.reshape(-1), moe.num_experts)
             largest = None
             if host_counts.EARLY:
-                # The largest count's copy queued first and the sort after it: the host waits
-                # while the sort runs, and the dispatch reuses the sort.
+                # The counts' copy queued first and the sort after it: the host waits for the
+                # largest count while the sort runs, and the fused dispatch reuses the sort.
                 host = HostCounts(counts)
-                order = expert_order(routing.experts.reshape(-1), moe.num_experts - 1)
+                if moe.weights_in_experts and self.experts.fuses_routing(tokens):
+                    order = expert_order(routing.experts.reshape(-1), moe.num_experts - 1)
                 largest = host.largest()
             capacity = padded_capacity(counts, tokens.shape[0] * moe.top_k, largest)
             padded_dropless = capacity is not None
