@@ -302,3 +302,22 @@ def test_early_host_counts_change_no_bit(expert_kernel, capacity_factor, monkeyp
     assert reads
     for a, b in zip(early, late, strict=True):
         assert torch.equal(a, b)
+
+
+def test_router_kernel_weights_in_bf16_equal_the_cast_float32_weights_on_gpu():
+    # The router kernel stores the weights in bf16 itself (round to nearest even): bitwise the
+    # cast of its float32 weights, with the same logits gradient; counts int64.
+    from mcore_kernels.moe import moe_router
+
+    logits = torch.randn(4099, 128, device="cuda")
+    grad = torch.randn(4099, 8, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for dtype in (torch.bfloat16, None):
+        leaf = logits.clone().requires_grad_(True)
+        weights, experts, _, counts = moe_router(leaf, 8, weights_dtype=dtype)
+        weights = weights.to(torch.bfloat16)
+        (weights * grad).sum().backward()
+        results.append((weights.detach(), experts, counts, leaf.grad))
+    assert results[0][2].dtype == torch.int64
+    for got, expected in zip(*results, strict=True):
+        assert torch.equal(got, expected)
