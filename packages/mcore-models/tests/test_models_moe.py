@@ -3,7 +3,6 @@ the decode padding switch, grouped GEMM against the loop, config validation."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -579,62 +578,6 @@ def test_host_counts_ends_and_largest_match_the_device_counts():
     assert host.largest() == 5
     assert padded_capacity(counts, 100, host.largest()) == padded_capacity(counts, 100) == 8
     assert HostCounts(torch.zeros(0, dtype=torch.int64)).largest() == 0
-
-
-def _shrunk_slot_errors() -> list[list[float]]:
-    # Capacity routing on the fused batched slots (as at DeepSeek-V3's shape on an H200; here
-    # forced): the slots shrink to the largest expert (rounded up to 8) when no expert
-    # overflows, else they stay at the capacity and the separate operations drop as before.
-    from mcore_models.moe.experts import GroupedExperts
-
-    GroupedExperts.pads_dropless = lambda self, rows, tokens: True  # type: ignore[method-assign]
-    dispatcher.PACKED_MIN_CAPACITY = 1 << 30
-    calls = []
-    real = GroupedExperts.forward_slots
-
-    def spy(self, x, weights, fillers, kept, capacity):
-        calls.append(capacity)
-        return real(self, x, weights, fillers, kept, capacity)
-
-    GroupedExperts.forward_slots = spy  # type: ignore[method-assign]
-    errors = []
-    tokens = X.shape[0] * X.shape[1]
-    for factor in (8.0, 0.5):
-        layer = _layer(num_experts=12, top_k=3, fused_experts=True, capacity_factor=factor)
-        with torch.no_grad():
-            layer.router.weight[10:] = -5.0 * X.reshape(-1, HIDDEN).mean(0)
-        capacity = expert_capacity(tokens, 3, 12, factor)
-        upstream = torch.randn(X.shape, generator=torch.Generator().manual_seed(5))
-        results = []
-        for forward in (layer, functools.partial(_reference, layer, capacity=capacity)):
-            layer.zero_grad()
-            x = X.clone().requires_grad_(True)
-            out = forward(x)
-            (out * upstream).sum().backward()
-            results.append([out.detach(), x.grad, *(p.grad.clone() for p in layer.parameters())])
-        largest = int(layer.tokens_per_expert.max())
-        assert int((layer.tokens_per_expert == 0).sum()) > 0
-        if factor > 1:
-            assert -(-largest // 8) * 8 < capacity and calls == [-(-largest // 8) * 8], calls
-        else:
-            assert largest > capacity and len(calls) == 1, (largest, capacity, calls)
-        errors.append([(got - want).abs().max().item() for got, want in zip(*results)])
-    return errors
-
-
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="kernels compile for the GPU here; test_models_moe_gpu"
-)
-@pytest.mark.skipif(
-    not grouped_mm_supported(torch.device("cpu"), torch.float32),
-    reason="torch._grouped_mm does not run on this CPU build",
-)
-def test_capacity_slots_shrink_to_the_largest_expert_and_match_reference(monkeypatch):
-    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ((shrunk, overflowing),) = run_distributed(_shrunk_slot_errors, 1)
-    assert max(shrunk) < 1e-4, shrunk
-    assert max(overflowing) < 1e-4, overflowing
 
 
 def test_cublas_expert_loop_matches_token_by_token_reference_with_an_idle_expert():

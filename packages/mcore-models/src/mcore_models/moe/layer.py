@@ -10,7 +10,7 @@ from torch import nn
 from mcore_models.errors import ModelConfigError, ModelInputError
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.mlp import SwiGLUMLP
-from mcore_models.moe import dispatcher, host_counts
+from mcore_models.moe import host_counts
 from mcore_models.moe.comm import ExpertComm
 from mcore_models.moe.config import MoEConfig, expert_capacity
 from mcore_models.moe.dispatcher import dispatch_and_combine
@@ -23,10 +23,6 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 __all__ = ["MoELayer"]
-
-SHRINK_SLOTS = True
-"""Capacity routing on batched slots shrinks every expert's slots to the largest expert's
-assignments when none overflows (see ``MoELayer._shrinks_slots``)."""
 
 
 class MoELayer(nn.Module):
@@ -140,18 +136,6 @@ class MoELayer(nn.Module):
         order = None
         if factor is not None:
             capacity = expert_capacity(tokens.shape[0], moe.top_k, moe.num_experts, factor)
-            if self._shrinks_slots(tokens, capacity):
-                # The padded slots shrunk to the largest expert when no expert overflows (one
-                # host read of the counts, queued after the router, waited for while the sort
-                # runs): the kept assignments are all of them, as in dropless routing.
-                counts = routing.counts
-                if counts is None:
-                    counts = count(routing.experts.reshape(-1), moe.num_experts)
-                host = HostCounts(counts)
-                order = expert_order(routing.experts.reshape(-1), moe.num_experts - 1)
-                largest = -(-max(host.largest(), 1) // 8) * 8
-                if largest < capacity:
-                    capacity, padded_dropless = largest, True
         elif self._one_rank() and self.experts.pads_dropless(tokens.shape[0] * moe.top_k, tokens):
             # Every expert padded to the largest one for batched GEMMs (one host sync); routing
             # too uneven for that stays on the grouped kernels.
@@ -191,24 +175,6 @@ class MoELayer(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
             output = output + shared
         return output.view(shape)
-
-    def _shrinks_slots(self, tokens: torch.Tensor, capacity: int) -> bool:
-        """Whether capacity routing's padded slots may shrink to the largest expert.
-
-        Eagerly only (a host read of the counts; never during a CUDA graph capture nor in
-        decode padding), on one rank, on the fused operation's batched slots, for the shapes
-        whose dropless routing pads to the largest expert
-        (:meth:`~mcore_models.moe.experts.GroupedExperts.pads_dropless`)."""
-        moe = self.moe_config
-        return (
-            SHRINK_SLOTS
-            and not self.decode_padding
-            and self._one_rank()
-            and moe.weights_in_experts
-            and capacity < dispatcher.PACKED_MIN_CAPACITY
-            and self.experts.expert_kernel == "grouped_mm"
-            and self.experts.pads_dropless(tokens.shape[0] * moe.top_k, tokens)
-        )
 
     def _one_rank(self) -> bool:
         """Whether this rank holds every expert and routes alone (no EP / ETP groups)."""
