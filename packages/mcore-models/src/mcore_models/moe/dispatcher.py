@@ -225,9 +225,9 @@ def dispatch_and_combine(
         padded_dropless: ``capacity`` holds every expert's assignments (see
             :func:`~mcore_models.moe.permute.padded_capacity`): the slots come from one sort
             and nothing is dropped.
-        order: With ``padded_dropless``, the caller's stable sort of the assignments by expert
-            (:func:`~mcore_models.moe.permute.expert_order`), reused for the slots; None sorts
-            here.
+        order: The caller's stable sort of the assignments by expert
+            (:func:`~mcore_models.moe.permute.expert_order`), reused by dropless routing (its
+            rows, or the slots with ``padded_dropless``); None sorts here.
 
     Returns:
         ``([T, hidden]`` combined output, ``[num_experts]`` int64 assignments per expert of
@@ -248,7 +248,8 @@ def dispatch_and_combine(
             align = plan.row_align
             host = _host_counts(plan, counts)
             # Assignments in expert order; stable, so each expert sees its tokens in order.
-            order = expert_order(flat_experts, num_experts - 1)
+            if order is None:
+                order = expert_order(flat_experts, num_experts - 1)
             if align > 1:
                 rows, inverse, offsets = aligned_rows(flat_experts, order, counts, align)
             else:
@@ -264,7 +265,8 @@ def dispatch_and_combine(
                 host_ends=None if host is None else host.ends,
             )
             return output, counts
-        order = expert_order(flat_experts, num_experts - 1)
+        if order is None:
+            order = expert_order(flat_experts, num_experts - 1)
         inverse, offsets = dropless_rows(order, counts)
         if weights_in_experts and one_rank:
             permuted = permute_tokens(x, order // top_k, inverse, top_k)

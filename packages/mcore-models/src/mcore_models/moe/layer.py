@@ -145,7 +145,8 @@ class MoELayer(nn.Module):
             largest = None
             if host_counts.EARLY:
                 # The counts' copy queued first and the sort after it: the host waits for the
-                # largest count while the sort runs, and the fused dispatch reuses the sort.
+                # largest count while the sort runs, and the dispatch reuses the sort (for the
+                # slots, or the rows when the routing is too uneven to pad).
                 host = HostCounts(counts)
                 if moe.weights_in_experts and self.experts.fuses_routing(tokens):
                     order = expert_order(routing.experts.reshape(-1), moe.num_experts - 1)
@@ -164,7 +165,7 @@ class MoELayer(nn.Module):
             counts=routing.counts,
             weights_in_experts=self.moe_config.weights_in_experts,
             padded_dropless=padded_dropless,
-            order=order if padded_dropless else None,
+            order=order,
         )
         self.tokens_per_expert = counts.detach()
         if self.shared_expert is not None:
