@@ -168,7 +168,7 @@ class ExpertGemmRunner:
         earlier: the wait then overlaps this GEMM)."""
         if not LOOP_PREFIX or self._spans is not None or self._host_ends is None or experts < 2:
             return 0
-        return min(self.num_rows // experts, self.num_rows)
+        return self.num_rows // experts
 
     def _loop(self, one: Callable[[int, int, int], None]) -> None:
         """``one(expert, start, end)`` for every expert with rows."""
