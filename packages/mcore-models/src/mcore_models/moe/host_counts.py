@@ -31,8 +31,9 @@ class HostCounts:
         if counts.device.type == "cuda":
             self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
             self._host.copy_(counts, non_blocking=True)
+            # The copy runs on the counts' device's current stream: the event goes there too.
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(counts.device))
         else:
             self._host = counts
         self._values: list[int] | None = None
