@@ -87,6 +87,33 @@ def test_router_matches_reference_values_and_gradients(
     torch.testing.assert_close(dl, rdl, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch"])
+def test_router_weights_in_their_final_dtype_equal_the_cast_float32_weights(
+    dtype, kernel, monkeypatch
+):
+    # weights_dtype: the kernel stores the weights rounded once to bf16/fp16 and reads their
+    # gradient in that dtype; bitwise the cast of the float32 weights, and the same logits
+    # gradient as backpropagating through that cast. Counts int64 and exact.
+    if not kernel:
+        monkeypatch.setenv("MCORE_KERNELS_BACKEND", "torch")
+    g = _generator(3)
+    logits = torch.randn(45, 12, generator=g)
+    logits[:, :2] -= 50.0
+    grad_w = torch.randn(45, 3, generator=g).to(dtype)
+    results = []
+    for weights_dtype in (dtype, None):
+        leaf = logits.clone().requires_grad_(True)
+        weights, experts, _, counts = moe_router(leaf, 3, weights_dtype=weights_dtype)
+        weights = weights.to(dtype)
+        assert weights.dtype == dtype and counts.dtype == torch.int64
+        (weights * grad_w).sum().backward()
+        results.append((weights.detach(), experts, counts, leaf.grad))
+    for got, expected in zip(*results, strict=True):
+        assert torch.equal(got, expected)
+    assert int(results[0][2][:2].sum()) == 0 and int(results[0][2].sum()) == 45 * 3
+
+
 def test_router_rejects_bad_arguments():
     logits = torch.randn(4, 8)
     with pytest.raises(KernelValueError, match="top_k=9"):

@@ -225,3 +225,35 @@ def test_routed_experts_reject_bad_indices():
         routed_experts(x, weights, w_gu, w_d, order, inverse, offsets.long())
     with pytest.raises(KernelShapeError, match="w_gate_up"):
         routed_experts(x, weights, w_gu[:, :, :-1], w_d, order, inverse, offsets)
+
+
+@pytest.mark.parametrize(
+    "sizes", [[0, 9, 3, 12], [20, 1, 0, 7], [7, 7, 7, 7]], ids=["first-empty", "first-long", "even"]
+)
+def test_cublas_loop_speculative_first_expert_prefix_equals_the_plain_loop(sizes):
+    # With the group ends coming through host_ends, the first cuBLAS loop starts with expert
+    # 0's GEMM over the mean rows per expert before reading the ends; rows of that prefix past
+    # expert 0 are rewritten by their own expert. Every row GEMM against the per-expert
+    # product, the first expert empty, longer and as long as the prefix; the backward's loops
+    # (ends known by then) run plainly.
+    from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP_PLAN, ExpertGemmRunner
+
+    g = torch.Generator().manual_seed(0)
+    rows, experts = sum(sizes), len(sizes)
+    a = torch.randn(rows, 8, generator=g)
+    w = torch.randn(experts, 5, 8, generator=g)
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    ends = offsets.tolist()
+    waited = []
+    runner = ExpertGemmRunner(
+        CUBLAS_LOOP_PLAN, offsets, rows, lambda: waited.append(1) or list(ends)
+    )
+    assert runner._prefix_rows(experts) == rows // experts
+    out = runner.gate_up(a, w)
+    assert waited == [1] and runner._prefix_rows(experts) == 0
+    start = 0
+    for expert, end in enumerate(ends):
+        torch.testing.assert_close(out[start:end], a[start:end] @ w[expert].T)
+        start = end
+    plain = ExpertGemmRunner(CUBLAS_LOOP_PLAN, offsets, rows).gate_up(a, w)
+    assert torch.equal(out, plain)

@@ -476,11 +476,28 @@ def _fused_other_gemm_errors() -> list[list[float]]:
     triton_plan = ExpertGemms(
         gate_up=tiles, down=tiles, d_act=tiles, d_x=tiles, w_down=tiles, w_gate_up=tiles
     )
-    return [
-        _fused_routed_errors(None, expert_kernel="cublas"),
+    from mcore_models.moe import dispatcher, host_counts
+
+    # The cuBLAS loops read each expert's rows on the host through HostCounts (the copy queued
+    # after the router): dropless, and capacity routing's packed kept rows (packed here from
+    # any capacity), whose ends count at most `capacity` rows per expert.
+    ends = []
+    real = host_counts.HostCounts.ends
+
+    def spy(self, capacity=None):
+        ends.append(capacity)
+        return real(self, capacity)
+
+    host_counts.HostCounts.ends = spy  # type: ignore[method-assign]
+    dispatcher.PACKED_MIN_CAPACITY = 0
+    errors = [
+        _fused_routed_errors(None, expert_kernel="cublas")
+        + _fused_routed_errors(0.5, expert_kernel="cublas"),
         # The interpreter reads bfloat16 TMA tiles wrongly: float16 for the Triton GEMMs.
         _fused_routed_errors(None, plan=triton_plan, dtype=torch.float16),
     ]
+    assert len(ends) == 2 and ends[0] is None and ends[1] is not None, ends
+    return errors
 
 
 @pytest.mark.skipif(
@@ -523,6 +540,10 @@ def _fused_slot_errors() -> list[list[float]]:
     ]
     # One call for the dropless layer step (the reference does not route): batched GEMMs.
     assert [slotted for _, slotted in calls] == [True], calls
+    # Routing too uneven to pad: the grouped rows, from the sort made for the padding decision.
+    permute.PADDING_LIMIT = 1.0
+    errors[0] += _fused_routed_errors(None, expert_kernel="bmm")
+    assert len(calls) == 1, calls
     return errors
 
 
@@ -543,6 +564,24 @@ def test_layer_with_fused_experts_on_batched_slots_matches_reference(monkeypatch
     ((dropless, capacity),) = run_distributed(_fused_slot_errors, 1)
     assert max(dropless) < 1e-4, dropless
     assert max(capacity) < 1e-4, capacity
+
+
+def test_host_counts_ends_and_largest_match_the_device_counts():
+    # HostCounts on the host: the running sum of the (kept) counts, as capacity_rows' offsets,
+    # and the largest count, as padded_capacity reads it; an expert without rows included.
+    from mcore_models.moe.host_counts import HostCounts
+    from mcore_models.moe.permute import capacity_rows, padded_capacity
+
+    experts = torch.tensor([3, 0, 3, 3, 1, 0, 3, 1, 3], dtype=torch.int64)
+    counts = torch.bincount(experts, minlength=5)
+    host = HostCounts(counts)
+    assert host.values() == [2, 2, 0, 5, 0]
+    assert host.ends() == counts.cumsum(0).tolist()
+    offsets = capacity_rows(experts, counts, 3)[3]
+    assert host.ends(3) == offsets.tolist() == [2, 4, 4, 7, 7]
+    assert host.largest() == 5
+    assert padded_capacity(counts, 100, host.largest()) == padded_capacity(counts, 100) == 8
+    assert HostCounts(torch.zeros(0, dtype=torch.int64)).largest() == 0
 
 
 def test_cublas_expert_loop_matches_token_by_token_reference_with_an_idle_expert():

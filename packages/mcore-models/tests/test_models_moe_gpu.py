@@ -271,3 +271,63 @@ def test_mixtral_shaped_layer_loops_over_experts_eagerly_and_not_inside_a_cuda_g
         assert len(loops) == 1, (factor, loops)
         error = (static_out.float() - eager).norm() / eager.norm()
         assert error < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("expert_kernel", "capacity_factor"),
+    [("cublas", None), ("cublas", 1.0), ("bmm", None)],
+    ids=["loop-dropless", "loop-packed-capacity", "bmm-padded-dropless"],
+)
+def test_early_host_counts_change_no_bit(expert_kernel, capacity_factor, monkeypatch):
+    # The routing counts copied to the host right after the router (HostCounts) for the cuBLAS
+    # loops (dropless, capacity routing's packed kept rows) and the padding to the largest
+    # expert (whose sort the dispatch then reuses): outputs and every gradient bitwise equal to
+    # reading them when needed, and the loops take their rows from the early copy.
+    from mcore_kernels.moe import expert_gemms
+    from mcore_models.moe import host_counts
+
+    layer, x, grad = _bf16_case(777)
+    layer.experts.expert_kernel = expert_kernel
+    layer.moe_config.capacity_factor = capacity_factor
+    monkeypatch.setattr(dispatcher, "PACKED_MIN_CAPACITY", 1)
+    reads = []
+    real = host_counts.HostCounts.values
+    monkeypatch.setattr(
+        host_counts.HostCounts, "values", lambda self: reads.append(1) or real(self)
+    )
+    monkeypatch.setattr(host_counts, "EARLY", False)
+    late = _step(layer, x, grad)
+    assert not reads
+    monkeypatch.setattr(host_counts, "EARLY", True)
+    monkeypatch.setattr(expert_gemms, "LOOP_PREFIX", False)
+    early = _step(layer, x, grad)
+    assert reads
+    for a, b in zip(early, late, strict=True):
+        assert torch.equal(a, b)
+    # With the first expert's speculative prefix GEMM (cuBLAS loops): the first expert's rows
+    # may come from two GEMMs, so equal up to rounding, and reproducible.
+    monkeypatch.setattr(expert_gemms, "LOOP_PREFIX", True)
+    first, second = _step(layer, x, grad), _step(layer, x, grad)
+    for a, b, expected in zip(first, second, late, strict=True):
+        assert torch.equal(a, b)
+        error = (a.float() - expected.float()).norm() / expected.float().norm()
+        assert error < 1e-2, (error, a.shape)
+
+
+def test_router_kernel_weights_in_bf16_equal_the_cast_float32_weights_on_gpu():
+    # The router kernel stores the weights in bf16 itself (round to nearest even): bitwise the
+    # cast of its float32 weights, with the same logits gradient; counts int64.
+    from mcore_kernels.moe import moe_router
+
+    logits = torch.randn(4099, 128, device="cuda")
+    grad = torch.randn(4099, 8, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for dtype in (torch.bfloat16, None):
+        leaf = logits.clone().requires_grad_(True)
+        weights, experts, _, counts = moe_router(leaf, 8, weights_dtype=dtype)
+        weights = weights.to(torch.bfloat16)
+        (weights * grad).sum().backward()
+        results.append((weights.detach(), experts, counts, leaf.grad))
+    assert results[0][2].dtype == torch.int64
+    for got, expected in zip(*results, strict=True):
+        assert torch.equal(got, expected)

@@ -42,8 +42,10 @@ def router_kernel(
     SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    WEIGHTS_BF16: tl.constexpr = False,
 ):
-    """Scores, top-k, weights and counts of ``BLOCK_T`` tokens (one row of logits each)."""
+    """Scores, top-k, weights and counts of ``BLOCK_T`` tokens (one row of logits each); the
+    weights stored in the dtype of ``weights_ptr``."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
@@ -79,7 +81,18 @@ def router_kernel(
     picked_w = picked_w * scaling
     out_mask = row_ok[:, None] & (ks[None, :] < TOP_K)
     offsets = rows[:, None] * TOP_K + ks[None, :]
-    tl.store(weights_ptr + offsets, picked_w, mask=out_mask)
+    if WEIGHTS_BF16:
+        # Rounded to the nearest bf16, ties to even, as torch's cast (written out in integer
+        # operations: the interpreter's float cast truncates). The weights are finite.
+        bits = picked_w.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        tl.store(
+            weights_ptr + offsets,
+            (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+            mask=out_mask,
+        )
+    else:
+        tl.store(weights_ptr + offsets, picked_w.to(weights_ptr.dtype.element_ty), mask=out_mask)
     tl.store(experts_ptr + offsets, picked_e.to(tl.int64), mask=out_mask)
 
 

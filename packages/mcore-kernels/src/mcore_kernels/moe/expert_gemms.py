@@ -57,6 +57,11 @@ S`` to ``(e + 1) * S`` of the ``E * S`` rows, its unused rows being empty (zero 
 gradient). Only for rows laid out in such slots (capacity routing's padded slots, or dropless
 rows padded to the largest expert); no host synchronisation in the GEMMs themselves."""
 
+LOOP_PREFIX = True
+"""The first cuBLAS loop of a layer call whose group ends come through ``host_ends`` starts
+with the first expert's GEMM over the mean rows per expert before the host waits for the ends
+(:meth:`ExpertGemmRunner._prefix_rows`)."""
+
 GemmKernel = PersistentTiles | str
 """The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP`, :data:`BATCHED` or the
 tiles of the persistent Triton kernel."""
@@ -118,12 +123,22 @@ class ExpertGemmRunner:
         plan: Kernel of each GEMM.
         offsets: ``[E]`` int32 end row of each expert.
         num_rows: Rows of the grouped matrices.
+        host_ends: Returns ``offsets`` as a host list (for the cuBLAS loops), e.g. from a copy
+            started earlier on the stream so that the wait overlaps queued kernels; None
+            reads ``offsets`` on the host when first needed (a synchronisation).
     """
 
-    def __init__(self, plan: ExpertGemms, offsets: torch.Tensor, num_rows: int) -> None:
+    def __init__(
+        self,
+        plan: ExpertGemms,
+        offsets: torch.Tensor,
+        num_rows: int,
+        host_ends: Callable[[], list[int]] | None = None,
+    ) -> None:
         self.plan = plan
         self.offsets = offsets
         self.num_rows = num_rows
+        self._host_ends = host_ends
         self._schedules: dict[int, torch.Tensor] = {}
         self._spans: list[tuple[int, int, int]] | None = None
         experts = offsets.shape[0]
@@ -143,9 +158,17 @@ class ExpertGemmRunner:
         """``(expert, first row, end row)`` of every expert (one host synchronisation)."""
         if self._spans is None:
             # NOTE: the group ends on the host, once per layer call, for the cuBLAS loop.
-            ends = self.offsets.tolist()
+            ends = self._host_ends() if self._host_ends is not None else self.offsets.tolist()
             self._spans = [(e, ends[e - 1] if e else 0, ends[e]) for e in range(len(ends))]
         return self._spans
+
+    def _prefix_rows(self, experts: int) -> int:
+        """Rows of the speculative first-expert GEMM (0: none): only while the group ends
+        are not yet on the host and arrive through ``host_ends`` (whose copy was queued
+        earlier: the wait then overlaps this GEMM)."""
+        if not LOOP_PREFIX or self._spans is not None or self._host_ends is None or experts < 2:
+            return 0
+        return self.num_rows // experts
 
     def _loop(self, one: Callable[[int, int, int], None]) -> None:
         """``one(expert, start, end)`` for every expert with rows."""
@@ -172,6 +195,19 @@ class ExpertGemmRunner:
                 weight = w[expert].t() if transpose else w[expert]
                 torch.mm(a[start:end], weight, out=out[start:end])
 
+            prefix = self._prefix_rows(w.shape[0])
+            if prefix:
+                # Before the host waits for the group ends: the first expert's GEMM over a
+                # fixed prefix of the mean rows per expert, so the GPU computes while the
+                # host waits and launches the rest. Rows of the prefix past the first expert
+                # are rewritten by their own expert's GEMM later on the stream.
+                one(0, 0, prefix)
+                for expert, start, end in self._expert_spans():
+                    if expert == 0:
+                        start = prefix
+                    if end > start:
+                        one(expert, start, end)
+                return out
             self._loop(one)
             return out
         if kernel == BATCHED:

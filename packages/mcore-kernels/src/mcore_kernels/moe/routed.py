@@ -12,6 +12,7 @@ backward are bitwise reproducible.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,13 +90,14 @@ class RoutedExpertsFunction(torch.autograd.Function):
         offsets: torch.Tensor,
         top_k: int,
         gemms: ExpertGemms | None = None,
+        host_ends: Callable[[], list[int]] | None = None,
     ) -> torch.Tensor:
         flat_w = weights.reshape(-1)
         gemms = gemms if gemms is not None else ExpertGemms()
         with _device(x):
             # top_k 0: the rows are already in expert order (no gather and no combine).
             permuted = _gather_rows(x, order, top_k, None) if top_k else x
-            run = ExpertGemmRunner(gemms, offsets, permuted.shape[0])
+            run = ExpertGemmRunner(gemms, offsets, permuted.shape[0], host_ends)
             gate_up = run.gate_up(permuted, w_gate_up)
             act = _routed_swiglu(gate_up, flat_w, order)
             y = run.down(act, w_down)
@@ -131,7 +133,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
                 grad_x = _sum_rows(grad_perm, inverse, top_k, None) if top_k else grad_perm
         if needs_w:
             grad_w = grad_flat_w.view(ctx.weights_shape)
-        return grad_x, grad_w, grad_gu, grad_down, None, None, None, None, None
+        return grad_x, grad_w, grad_gu, grad_down, None, None, None, None, None, None
 
 
 def routed_experts_reference(
@@ -187,6 +189,7 @@ def routed_experts(
     inverse: torch.Tensor,
     offsets: torch.Tensor,
     gemms: ExpertGemms | None = None,
+    host_ends: Callable[[], list[int]] | None = None,
 ) -> torch.Tensor:
     """Run every routing assignment through its SwiGLU expert and sum each token's outputs.
 
@@ -215,6 +218,10 @@ def routed_experts(
             for an assignment without a row.
         offsets: ``[E]`` int32 cumulative row counts of the experts.
         gemms: Kernel of each expert GEMM (default: ``torch._grouped_mm`` for all six).
+        host_ends: For plans with cuBLAS loops: returns ``offsets`` as a host list (e.g. from
+            a copy started on the stream earlier, so the host waits while the gather and other
+            queued kernels run); None reads ``offsets`` on the host when the first loop needs
+            it.
 
     Returns:
         ``[T, H]`` in the dtype of ``x``.
@@ -253,7 +260,7 @@ def routed_experts(
     if _compile.compiling():
         # A plan is not an op argument: the traced op runs the default plan (torch._grouped_mm).
         return torch.ops.mcore_kernels.moe_routed_experts(*args, weights.shape[1])
-    return RoutedExpertsFunction.apply(*args, weights.shape[1], gemms)
+    return RoutedExpertsFunction.apply(*args, weights.shape[1], gemms, host_ends)
 
 
 def grouped_experts(

@@ -33,16 +33,19 @@ def _triton_router(
     expert_bias: torch.Tensor | None,
     normalize: bool,
     scaling: float,
+    weights_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     import triton
 
     from mcore_kernels.moe._triton import router_kernel
 
     num_tokens, num_experts = logits.shape
-    weights = logits.new_empty(num_tokens, top_k)
+    # The weights stored in their final dtype and the counts as int64 by the kernel: no cast
+    # kernels after it (nor the weights' cast back in the backward pass).
+    weights = logits.new_empty(num_tokens, top_k, dtype=weights_dtype)
     experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     scores = torch.empty_like(logits)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=logits.device)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=logits.device)
     block_e = triton.next_power_of_2(num_experts)
     block_t = max(1, min(64, 4096 // block_e))
     grid = (triton.cdiv(num_tokens, block_t),)
@@ -65,8 +68,9 @@ def _triton_router(
                 SIGMOID=score == "sigmoid",
                 HAS_BIAS=expert_bias is not None,
                 NORMALIZE=normalize,
+                WEIGHTS_BF16=weights_dtype == torch.bfloat16,
             )
-    return weights, experts, scores, counts.to(torch.int64)
+    return weights, experts, scores, counts
 
 
 def _triton_logits_grad(
@@ -125,10 +129,12 @@ class MoERouterFunction(torch.autograd.Function):
         expert_bias: torch.Tensor | None,
         normalize: bool,
         scaling: float,
+        weights_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         tensors = (logits,) if expert_bias is None else (logits, expert_bias)
+        dtype = weights_dtype or logits.dtype
         if use_triton(*tensors):
-            out = _triton_router(logits, top_k, score, expert_bias, normalize, scaling)
+            out = _triton_router(logits, top_k, score, expert_bias, normalize, scaling, dtype)
         else:
             with torch.no_grad():
                 out = moe_router_reference(
@@ -139,6 +145,7 @@ class MoERouterFunction(torch.autograd.Function):
                     normalize=normalize,
                     scaling=scaling,
                 )
+            out = (out[0].to(dtype), *out[1:])
         ctx.save_for_backward(logits, out[1])
         ctx.score, ctx.normalize, ctx.scaling = score, normalize, scaling
         ctx.mark_non_differentiable(out[1], out[3])
@@ -151,10 +158,10 @@ class MoERouterFunction(torch.autograd.Function):
         grad_experts: Any,
         grad_scores: torch.Tensor | None,
         grad_counts: Any,
-    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
         logits, experts = ctx.saved_tensors
         if grad_weights is None and grad_scores is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         return (
             router_logits_grad(
                 logits,
@@ -165,6 +172,7 @@ class MoERouterFunction(torch.autograd.Function):
                 normalize=ctx.normalize,
                 scaling=ctx.scaling,
             ),
+            None,
             None,
             None,
             None,
@@ -230,6 +238,7 @@ def moe_router(
     expert_bias: torch.Tensor | None = None,
     normalize: bool = True,
     scaling: float = 1.0,
+    weights_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Route tokens: scores, top-k experts, routing weights and expert counts in one kernel.
 
@@ -240,10 +249,13 @@ def moe_router(
         expert_bias: ``[E]`` float32 bias added to the scores for the choice only, or None.
         normalize: Rescale each token's ``top_k`` weights to sum to one.
         scaling: Factor applied to the weights last.
+        weights_dtype: Dtype of the returned weights (computed in float32, rounded once when
+            stored; their gradient is read in this dtype); None keeps float32.
 
     Returns:
-        ``(weights [T, top_k] float32, experts [T, top_k] int64 best first, scores [T, E]
-        float32, counts [E] int64)``; weights and scores are differentiable in ``logits``.
+        ``(weights [T, top_k] float32 (or weights_dtype), experts [T, top_k] int64 best first,
+        scores [T, E] float32, counts [E] int64)``; weights and scores are differentiable in
+        ``logits``.
 
     Raises:
         KernelShapeError: If ``logits`` is not 2-D or ``expert_bias`` is not ``[E]``.
@@ -267,9 +279,10 @@ def moe_router(
         if expert_bias.dtype != torch.float32:
             raise KernelDtypeError(f"expert_bias.dtype={expert_bias.dtype} must be torch.float32")
     if _compile.compiling():
-        return torch.ops.mcore_kernels.moe_router(
+        weights, *rest = torch.ops.mcore_kernels.moe_router(
             logits.contiguous(), top_k, score, expert_bias, normalize, float(scaling)
         )
+        return (weights if weights_dtype is None else weights.to(weights_dtype), *rest)
     return MoERouterFunction.apply(
-        logits.contiguous(), top_k, score, expert_bias, normalize, float(scaling)
+        logits.contiguous(), top_k, score, expert_bias, normalize, float(scaling), weights_dtype
     )

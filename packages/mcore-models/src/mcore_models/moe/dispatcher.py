@@ -37,11 +37,15 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from mcore_kernels.moe import permute_tokens, unpermute_combine, unpermute_sum
-from mcore_kernels.moe.rows import aligned_rows, dropless_rows
+from mcore_kernels.moe.expert_gemms import ExpertGemms, without_host_sync
+from mcore_kernels.moe.rows import aligned_rows, dropless_rows, padded_slots
+from mcore_models.moe import host_counts
 from mcore_models.moe.comm import ExpertComm, all_to_all, gather_rows, reduce_scatter_rows
 from mcore_models.moe.experts import GroupedExperts
+from mcore_models.moe.host_counts import HostCounts
 from mcore_models.moe.permute import (
     GatherOrZero,
     PermuteRows,
@@ -72,6 +76,13 @@ over the padded slots run instead: on one H200 at DeepSeek-V3's layer shape with
 GEMMs on every assignment (``torch._grouped_mm`` at 444 TFLOP/s there, its 128-row tiles
 streaming an expert's weights once per 128 rows); at Qwen3-30B-A3B's shape (capacity 640) the
 packed grouped GEMMs took 4.51 ms against 5.30 ms for the batched ones."""
+
+
+def _host_counts(plan: ExpertGemms, counts: torch.Tensor) -> HostCounts | None:
+    """The counts' early copy to the host when ``plan`` loops over experts on packed rows."""
+    if not host_counts.EARLY or plan.row_align != 1 or without_host_sync(plan) == plan:
+        return None
+    return HostCounts(counts)
 
 
 def _regroup_index(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -194,6 +205,7 @@ def dispatch_and_combine(
     counts: torch.Tensor | None = None,
     weights_in_experts: bool = False,
     padded_dropless: bool = False,
+    order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Send every token to its experts, run them, and sum their weighted outputs per token.
 
@@ -213,6 +225,9 @@ def dispatch_and_combine(
         padded_dropless: ``capacity`` holds every expert's assignments (see
             :func:`~mcore_models.moe.permute.padded_capacity`): the slots come from one sort
             and nothing is dropped.
+        order: The caller's stable sort of the assignments by expert
+            (:func:`~mcore_models.moe.permute.expert_order`), reused by dropless routing (its
+            rows, or the slots with ``padded_dropless``); None sorts here.
 
     Returns:
         ``([T, hidden]`` combined output, ``[num_experts]`` int64 assignments per expert of
@@ -226,20 +241,32 @@ def dispatch_and_combine(
     if counts is None:
         counts = count(flat_experts, num_experts)
     if capacity is None:
-        # Assignments in expert order; stable, so each expert sees its tokens in order.
-        order = expert_order(flat_experts, num_experts - 1)
         one_rank = comm.ep_group is None and comm.etp_group is None
         if weights_in_experts and one_rank and experts_module.fuses_routing(x):
             # The GEMM plan may ask for every expert's rows padded to a row multiple.
-            align = experts_module.plan_for(flat_experts.numel(), x).row_align
+            plan = experts_module.plan_for(flat_experts.numel(), x)
+            align = plan.row_align
+            host = _host_counts(plan, counts)
+            # Assignments in expert order; stable, so each expert sees its tokens in order.
+            if order is None:
+                order = expert_order(flat_experts, num_experts - 1)
             if align > 1:
                 rows, inverse, offsets = aligned_rows(flat_experts, order, counts, align)
             else:
                 rows, (inverse, offsets) = order, dropless_rows(order, counts)
             output = experts_module.forward_routed(
-                x, weights, rows, inverse, counts, offsets, row_align=align
+                x,
+                weights,
+                rows,
+                inverse,
+                counts,
+                offsets,
+                row_align=align,
+                host_ends=None if host is None else host.ends,
             )
             return output, counts
+        if order is None:
+            order = expert_order(flat_experts, num_experts - 1)
         inverse, offsets = dropless_rows(order, counts)
         if weights_in_experts and one_rank:
             permuted = permute_tokens(x, order // top_k, inverse, top_k)
@@ -259,7 +286,9 @@ def dispatch_and_combine(
         # padding rows, so the GEMMs skip the padding. The plan is the dropless one of the
         # shape (at Mixtral's the cuBLAS loop, which reads the kept counts on the host; never
         # while a CUDA graph is being captured).
-        align = experts_module.plan_for(flat_experts.numel(), x).row_align
+        plan = experts_module.plan_for(flat_experts.numel(), x)
+        align = plan.row_align
+        host = _host_counts(plan, counts)
         if align > 1:
             order = expert_order(flat_experts, num_experts - 1)
             rows, inverse, offsets = aligned_rows(
@@ -269,7 +298,14 @@ def dispatch_and_combine(
         else:
             rows, inverse, kept, offsets = capacity_rows(flat_experts, counts, capacity)
         output = experts_module.forward_routed(
-            x, weights, rows, inverse, kept, offsets, row_align=align
+            x,
+            weights,
+            rows,
+            inverse,
+            kept,
+            offsets,
+            row_align=align,
+            host_ends=None if host is None else lambda: host.ends(capacity),
         )
         return output, counts
     if fused and padded_dropless:
@@ -278,7 +314,11 @@ def dispatch_and_combine(
         # sum. (Drop-and-pad's slots run the separate operations below: the fused operation
         # measured no faster there, 39.4-40.7 against 39.1-40.3 ms per step at DeepSeek-V3 8k
         # on one H200.)
-        fillers, kept = capacity_fillers(flat_experts, None, num_experts, capacity)
+        if order is None:
+            fillers, kept = capacity_fillers(flat_experts, None, num_experts, capacity)
+        else:
+            # capacity_fillers' slots from the caller's sort (no key is skipped here).
+            fillers, kept = padded_slots(flat_experts, order, F.pad(counts, (0, 1)), capacity)
         output = experts_module.forward_slots(x, weights, fillers, kept, capacity)
         return output, counts
     if weights_in_experts and comm.ep_group is None and comm.etp_group is None:

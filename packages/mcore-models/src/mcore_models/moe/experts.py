@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -335,6 +336,7 @@ class GroupedExperts(nn.Module):
         offsets: torch.Tensor | None = None,
         sync_free: bool = False,
         row_align: int = 1,
+        host_ends: Callable[[], list[int]] | None = None,
     ) -> torch.Tensor:
         """Permute, run and combine dropless routing assignments in one fused operation.
 
@@ -372,6 +374,7 @@ class GroupedExperts(nn.Module):
             inverse,
             offsets,
             gemms=plan,
+            host_ends=host_ends,
         )
 
     def forward(

@@ -10,11 +10,13 @@ from torch import nn
 from mcore_models.errors import ModelConfigError, ModelInputError
 from mcore_models.gpt.config import GPTConfig
 from mcore_models.gpt.mlp import SwiGLUMLP
+from mcore_models.moe import host_counts
 from mcore_models.moe.comm import ExpertComm
 from mcore_models.moe.config import MoEConfig, expert_capacity
 from mcore_models.moe.dispatcher import dispatch_and_combine
 from mcore_models.moe.experts import GroupedExperts
-from mcore_models.moe.permute import count, padded_capacity
+from mcore_models.moe.host_counts import HostCounts
+from mcore_models.moe.permute import count, expert_order, padded_capacity
 from mcore_models.moe.router import TopKRouter
 
 if TYPE_CHECKING:
@@ -131,6 +133,7 @@ class MoELayer(nn.Module):
         moe = self.moe_config
         capacity = None
         padded_dropless = False
+        order = None
         if factor is not None:
             capacity = expert_capacity(tokens.shape[0], moe.top_k, moe.num_experts, factor)
         elif self._one_rank() and self.experts.pads_dropless(tokens.shape[0] * moe.top_k, tokens):
@@ -139,7 +142,16 @@ class MoELayer(nn.Module):
             counts = routing.counts
             if counts is None:
                 counts = count(routing.experts.reshape(-1), moe.num_experts)
-            capacity = padded_capacity(counts, tokens.shape[0] * moe.top_k)
+            largest = None
+            if host_counts.EARLY:
+                # The counts' copy queued first and the sort after it: the host waits for the
+                # largest count while the sort runs, and the dispatch reuses the sort (for the
+                # slots, or the rows when the routing is too uneven to pad).
+                host = HostCounts(counts)
+                if moe.weights_in_experts and self.experts.fuses_routing(tokens):
+                    order = expert_order(routing.experts.reshape(-1), moe.num_experts - 1)
+                largest = host.largest()
+            capacity = padded_capacity(counts, tokens.shape[0] * moe.top_k, largest)
             padded_dropless = capacity is not None
         output, counts = dispatch_and_combine(
             tokens,
@@ -153,6 +165,7 @@ class MoELayer(nn.Module):
             counts=routing.counts,
             weights_in_experts=self.moe_config.weights_in_experts,
             padded_dropless=padded_dropless,
+            order=order,
         )
         self.tokens_per_expert = counts.detach()
         if self.shared_expert is not None:

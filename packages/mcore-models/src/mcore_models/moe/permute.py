@@ -228,7 +228,9 @@ def capacity_rows(
     return capacity_rows_kernel(experts, order, counts, capacity)
 
 
-def padded_capacity(counts: torch.Tensor, assignments: int) -> int | None:
+def padded_capacity(
+    counts: torch.Tensor, assignments: int, largest: int | None = None
+) -> int | None:
     """Capacity that holds every expert's rows: the largest count rounded up to 8 (one host sync).
 
     Dropless routing on batched GEMMs pads every expert to the largest expert's rows; that pays
@@ -238,11 +240,13 @@ def padded_capacity(counts: torch.Tensor, assignments: int) -> int | None:
     Args:
         counts: ``[num_experts]`` assignments per expert.
         assignments: Total assignments (tokens times top-k).
+        largest: The largest count when already on the host (then ``counts`` is not read).
 
     Returns:
         The capacity, or None.
     """
-    largest = int(counts.max()) if counts.numel() else 0
+    if largest is None:
+        largest = int(counts.max()) if counts.numel() else 0
     capacity = max(8, -(-largest // 8) * 8)
     if counts.numel() * capacity > PADDING_LIMIT * max(assignments, 1):
         return None

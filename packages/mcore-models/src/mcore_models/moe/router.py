@@ -205,6 +205,7 @@ class TopKRouter(nn.Module):
                 expert_bias=self.expert_bias,
                 normalize=config.normalize_top_k,
                 scaling=config.router_scaling_factor,
+                weights_dtype=x.dtype,
             )
         else:
             weights, experts, scores = self._route_grouped(logits)
