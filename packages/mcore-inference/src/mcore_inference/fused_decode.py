@@ -56,6 +56,7 @@ from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.decode_rms_norm import decode_rms_norm
 from mcore_kernels.gather_rows import gather_row_pairs
 from mcore_kernels.moe.swiglu import swiglu
+from mcore_kernels.normed_swiglu import normed_swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 from mcore_kernels.split_sum_rms_norm import split_k_partials, split_sum_add_rms_norm
@@ -69,6 +70,7 @@ __all__ = [
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
+    "MLP_NORM_IN_WEIGHTS",
     "NORM_SWIGLU_PDL",
     "O_PROJ_SPLITS",
     "STEP_INPUTS_IN_ONE_LAUNCH",
@@ -125,6 +127,14 @@ RMSNorm and SwiGLU kernels between the cuBLAS GEMMs with it too. Off: one H200, 
 captured step at contexts near 288, 1143 us with it against 1095 without (58.8k against 60.7k
 tok/s)."""
 
+MLP_NORM_IN_WEIGHTS = True
+"""Steps of more than ``gemv_max_rows`` tokens drop the post-attention add + RMSNorm launch:
+the o projection adds the residual stream inside its GEMM (``torch.addmm``), the gate/up GEMM
+reads that sum with the norm weight folded into a copy of its weight (``gate_up_folded``), and
+the SwiGLU kernel scales each row by the norm's ``rstd``
+(:func:`mcore_kernels.normed_swiglu.normed_swiglu`). Costs a second gate/up weight copy
+(``2 * ffn * hidden`` elements a layer). Only for layers whose o projection has no bias."""
+
 
 @dataclass(slots=True)
 class _FusedLayer:
@@ -138,6 +148,9 @@ class _FusedLayer:
     """``[2 * ffn, hidden]``: the gate then the up projection weights."""
     split: tuple[int, int, int]
     """Output widths of q, k and v."""
+    gate_up_folded: torch.Tensor | None = None
+    """``gate_up_weight`` times the post-attention norm weight (per input column), or None
+    (see :data:`MLP_NORM_IN_WEIGHTS`)."""
 
 
 def _split_k_slices(setting: tuple[int, int], rows: int, projections: list[Any]) -> int:
@@ -252,6 +265,8 @@ class FusedDecoder:
         self._layers: list[_FusedLayer] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         """``(target view in a fused buffer, source parameter)`` pairs."""
+        self._folds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """``(folded buffer, fused weight, norm weight)``: ``weight * norm`` per input column."""
         for layer in model.layers:
             attention, mlp = layer.self_attention, layer.mlp
             sources = (attention.q_proj, attention.k_proj, attention.v_proj)
@@ -261,7 +276,13 @@ class FusedDecoder:
             if attention.q_proj.bias is not None:
                 qkv_bias = self._fuse([p.bias for p in sources])
             gate_up_weight = self._fuse([mlp.gate_proj.weight, mlp.up_proj.weight])
-            self._layers.append(_FusedLayer(qkv_weight, qkv_bias, gate_up_weight, split))  # type: ignore[arg-type]
+            folded = None
+            if MLP_NORM_IN_WEIGHTS and attention.o_proj.bias is None:
+                folded = torch.empty_like(gate_up_weight)
+                self._folds.append((folded, gate_up_weight, layer.post_attention_norm.weight))
+            fused = _FusedLayer(qkv_weight, qkv_bias, gate_up_weight, split, folded)  # type: ignore[arg-type]
+            self._layers.append(fused)
+        self._fold_weights()
         self._signature = self._source_signature()
 
     def _fuse(self, parameters: list[torch.Tensor]) -> torch.Tensor:
@@ -275,12 +296,20 @@ class FusedDecoder:
         return buffer
 
     def _source_signature(self) -> tuple[tuple[int, int], ...]:
-        return tuple((source._version, source.data_ptr()) for _, source in self._copies)
+        sources = [source for _, source in self._copies] + [norm for _, _, norm in self._folds]
+        return tuple((source._version, source.data_ptr()) for source in sources)
+
+    def _fold_weights(self) -> None:
+        """Recompute the norm-folded weight copies from the fused ones (one rounding each)."""
+        with torch.no_grad():
+            for folded, weight, norm in self._folds:
+                torch.mul(weight, norm.detach().to(weight.dtype), out=folded)
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the fused weight copies."""
-        return sum(target.nbytes for target, _ in self._copies)
+        """Device bytes of the fused weight copies (the norm-folded ones included)."""
+        copies = sum(target.nbytes for target, _ in self._copies)
+        return copies + sum(folded.nbytes for folded, _, _ in self._folds)
 
     def refresh(self) -> bool:
         """Copy the model's weights again if any changed since the last copy.
@@ -303,6 +332,7 @@ class FusedDecoder:
         with torch.no_grad():
             for target, source in self._copies:
                 target.copy_(source)
+        self._fold_weights()
         self._signature = self._source_signature()
 
     def __call__(
@@ -439,17 +469,27 @@ class FusedDecoder:
                 q, k = attention.q_norm(q), attention.k_norm(k)
             out = kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
             norm = layer.post_attention_norm
-            if o_splits and residual is not None:
-                partials = split_k_partials(out.flatten(-2), attention.o_proj.weight, o_splits)
+            if fused.gate_up_folded is not None and not o_splits and residual is not None:
+                # The residual add in the o projection's GEMM, the norm in the gate/up weight
+                # and the SwiGLU's row scale (MLP_NORM_IN_WEIGHTS): no norm launch.
+                residual = torch.addmm(residual, out.flatten(-2), attention.o_proj.weight.t())
+                gate_up = F.linear(residual, fused.gate_up_folded)
                 with self._norm_swiglu_launch():
-                    x, residual = split_sum_add_rms_norm(partials, residual, norm.weight, norm.eps)
+                    activation = normed_swiglu(gate_up, residual, norm.eps)
             else:
-                attention_out = attention.o_proj(out.flatten(-2))
+                if o_splits and residual is not None:
+                    partials = split_k_partials(out.flatten(-2), attention.o_proj.weight, o_splits)
+                    with self._norm_swiglu_launch():
+                        x, residual = split_sum_add_rms_norm(
+                            partials, residual, norm.weight, norm.eps
+                        )
+                else:
+                    attention_out = attention.o_proj(out.flatten(-2))
+                    with self._norm_swiglu_launch():
+                        x, residual = add_rms_norm(norm, attention_out, residual)
+                gate_up = F.linear(x, fused.gate_up_weight)
                 with self._norm_swiglu_launch():
-                    x, residual = add_rms_norm(norm, attention_out, residual)
-            gate_up = F.linear(x, fused.gate_up_weight)
-            with self._norm_swiglu_launch():
-                activation = swiglu(gate_up)
+                    activation = swiglu(gate_up)
             if splits:
                 norm = layers[index + 1][0].input_norm if index + 1 < len(layers) else None
                 norm = model.final_norm if norm is None else norm
