@@ -21,6 +21,7 @@ import torch
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
+    CachedLauncher,
     gdc_launch_dependents,
     gdc_wait,
     jit,
@@ -156,6 +157,10 @@ def _normed_rotary_kv_write_kernel(
     tl.store(v_target + HALF, high.to(value_dtype), mask=kv_mask)
 
 
+_LAUNCHER = CachedLauncher(_normed_rotary_kv_write_kernel)
+_LAUNCHER_PDL = CachedLauncher(_normed_rotary_kv_write_kernel, launch_pdl=True)
+
+
 def _split(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int):
     q, k, v = qkv.split(
         [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
@@ -234,37 +239,40 @@ def normed_rotary_kv_write(
         raise KernelShapeError("k_cache and v_cache must have a contiguous last dimension")
     use_pdl = pdl_enabled(qkv.device)
     half = head_dim // 2
+    args = (
+        qkv,
+        x,
+        qkv if bias is None else bias.contiguous(),
+        cos,
+        sin,
+        out,
+        keys,
+        values,
+        slot_mapping.contiguous(),
+        qkv.stride(0),
+        x.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        keys.stride(0),
+        keys.stride(1),
+        values.stride(0),
+        values.stride(1),
+        x.shape[1],
+        float(eps),
+    )
+    constexprs = {
+        "NUM_Q_HEADS": num_q_heads,
+        "NUM_KV_HEADS": num_kv_heads,
+        "Q_HEADS_PAD": next_power_of_2(num_q_heads),
+        "KV_HEADS_PAD": next_power_of_2(num_kv_heads),
+        "HALF": half,
+        "HALF_PAD": next_power_of_2(half),
+        "HIDDEN_BLOCK": next_power_of_2(x.shape[1]),
+        "HAS_BIAS": bias is not None,
+        "USE_PDL": use_pdl,
+    }
     with on_device_of(qkv):
-        _normed_rotary_kv_write_kernel[(tokens,)](
-            qkv,
-            x,
-            qkv if bias is None else bias.contiguous(),
-            cos,
-            sin,
-            out,
-            keys,
-            values,
-            slot_mapping.contiguous(),
-            qkv.stride(0),
-            x.stride(0),
-            cos.stride(0),
-            sin.stride(0),
-            keys.stride(0),
-            keys.stride(1),
-            values.stride(0),
-            values.stride(1),
-            x.shape[1],
-            float(eps),
-            NUM_Q_HEADS=num_q_heads,
-            NUM_KV_HEADS=num_kv_heads,
-            Q_HEADS_PAD=next_power_of_2(num_q_heads),
-            KV_HEADS_PAD=next_power_of_2(num_kv_heads),
-            HALF=half,
-            HALF_PAD=next_power_of_2(half),
-            HIDDEN_BLOCK=next_power_of_2(x.shape[1]),
-            HAS_BIAS=bias is not None,
-            USE_PDL=use_pdl,
-            num_warps=4,
-            **({"launch_pdl": True} if use_pdl else {}),
+        (_LAUNCHER_PDL if use_pdl else _LAUNCHER)(
+            (tokens,), args, constexprs, 4, qkv.get_device() if qkv.is_cuda else 0
         )
     return out
