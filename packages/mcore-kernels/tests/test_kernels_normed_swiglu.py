@@ -49,27 +49,7 @@ def test_kernel_matches_reference(triton_backend, rows, hidden, ffn):
     expected = normed_swiglu_reference(gate_up, x, 1e-5)
     assert actual.shape == (rows, ffn) and actual.dtype == torch.bfloat16
     # Triton's exp against torch's: at most one bf16 ulp apart.
-    torch.testing.assert_close(actual, expected, atol=4 * 2**-6, rtol=1.6e-2)
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-def test_split_k_partials_are_summed_and_rounded_first(triton_backend, splits):
-    from mcore_kernels.split_sum_rms_norm import split_k_partials
-
-    x, weight, norm_weight = _inputs(4, 48, 40, seed=splits)
-    folded = (weight * norm_weight).to(torch.bfloat16)
-    partials = split_k_partials(x, folded, splits) if splits > 1 else None
-    if partials is None:
-        partials = (x.float() @ folded.float().T)[None]
-    total = partials[0]
-    for part in partials[1:]:
-        total = total + part
-    expected = normed_swiglu_reference(total.to(torch.bfloat16), x, 1e-6)
-    reference = normed_swiglu_reference(partials, x, 1e-6)
-    assert torch.equal(reference, expected)
-    actual = normed_swiglu(partials, x, 1e-6)
-    assert actual.dtype == torch.bfloat16
-    torch.testing.assert_close(actual, expected, atol=4 * 2**-6, rtol=1.6e-2)
+    torch.testing.assert_close(actual, expected, atol=1e-2, rtol=8e-3)
 
 
 def test_bf16_result_is_close_to_the_unfolded_path():
@@ -89,6 +69,3 @@ def test_shape_and_dtype_errors_name_the_argument():
         normed_swiglu(torch.zeros(2, 8), torch.zeros(3, 8), 1e-6)
     with pytest.raises(KernelDtypeError, match=r"gate_up\.dtype"):
         normed_swiglu(torch.zeros(2, 8, dtype=torch.int32), x, 1e-6)
-    with pytest.raises(KernelDtypeError, match="partials"):
-        normed_swiglu(torch.zeros(2, 2, 8, dtype=torch.bfloat16), x, 1e-6)
-    assert normed_swiglu(torch.zeros(0, 8), torch.zeros(0, 8), 1e-6).shape == (0, 4)

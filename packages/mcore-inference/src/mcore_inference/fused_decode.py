@@ -69,7 +69,6 @@ __all__ = [
     "FINAL_NORM_IN_LM_HEAD",
     "FINAL_NORM_PDL",
     "GEMM_PDL_MAX_ROWS",
-    "GATE_UP_SPLITS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
     "MLP_NORM_IN_WEIGHTS",
@@ -122,10 +121,6 @@ cuBLAS's split-K GEMM, its reduction kernel and the norm. 0 splits: cuBLAS's own
 O_PROJ_SPLITS = (0, 512)
 """``(splits, max tokens)`` of the o projection, as :data:`DOWN_PROJ_SPLITS` (the
 post-attention add + RMSNorm sums the partials). 0 splits: cuBLAS's own GEMM."""
-GATE_UP_SPLITS = (0, 64)
-"""``(splits, max tokens)`` of the norm-folded gate/up projection (:data:`MLP_NORM_IN_WEIGHTS`):
-float32 split-K partial products (one batched GEMM) that
-:func:`mcore_kernels.normed_swiglu.normed_swiglu` sums. 0 splits: cuBLAS's own GEMM."""
 SPLIT_SUM_MAX_HIDDEN = 8192
 """Widest hidden size whose down projection may take the split-K path (one row per program)."""
 NORM_SWIGLU_PDL = False
@@ -479,9 +474,6 @@ class FusedDecoder:
         layers = list(zip(model.layers, self._layers, strict=True))
         splits = self._down_splits(hidden.shape[0])
         o_splits = self._o_splits(hidden.shape[0])
-        gate_up_splits, max_rows = GATE_UP_SPLITS
-        if hidden.shape[0] > max_rows or model.config.hidden_size % max(gate_up_splits, 1):
-            gate_up_splits = 0
         fold_qkv = not splits and all(fused.qkv_folded is not None for _, fused in layers)
         normed: tuple[torch.Tensor, torch.Tensor] | None = None
         for index, (layer, fused) in enumerate(layers):
@@ -511,10 +503,7 @@ class FusedDecoder:
                 # The residual add in the o projection's GEMM, the norm in the gate/up weight
                 # and the SwiGLU's row scale (MLP_NORM_IN_WEIGHTS): no norm launch.
                 residual = torch.addmm(residual, out.flatten(-2), attention.o_proj.weight.t())
-                if gate_up_splits:
-                    gate_up = split_k_partials(residual, fused.gate_up_folded, gate_up_splits)
-                else:
-                    gate_up = F.linear(residual, fused.gate_up_folded)
+                gate_up = F.linear(residual, fused.gate_up_folded)
                 with self._norm_swiglu_launch():
                     activation = normed_swiglu(gate_up, residual, norm.eps)
             else:

@@ -28,35 +28,23 @@ _BLOCK = 1024
 """Output columns per program (one row per program row of the grid)."""
 
 
-def normed_swiglu_reference(
-    gate_up: torch.Tensor, x: torch.Tensor, eps: float, dtype: torch.dtype | None = None
-) -> torch.Tensor:
+def normed_swiglu_reference(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
     """Torch reference of :func:`normed_swiglu` (float32 math, one rounding at the end).
 
     Args:
-        gate_up: ``[M, 2F]`` product of ``x`` with the norm-folded gate then up weights, or
-            float32 ``[S, M, 2F]`` split-K partials of it (summed in order, then rounded to
-            ``dtype`` as a GEMM rounds its output).
+        gate_up: ``[M, 2F]`` product of ``x`` with the norm-folded gate then up weights.
         x: ``[M, H]`` rows the product was computed from.
         eps: The folded norm's epsilon.
-        dtype: Dtype of the result (None: that of ``gate_up``, or of ``x`` for partials).
 
     Returns:
-        ``[M, F]``.
+        ``[M, F]`` in the dtype of ``gate_up``.
     """
-    if gate_up.dim() == 3:
-        dtype = x.dtype if dtype is None else dtype
-        total = gate_up[0]
-        for part in gate_up[1:]:
-            total = total + part
-        gate_up = total.to(dtype)
-    dtype = gate_up.dtype if dtype is None else dtype
     h = x.float()
     rstd = 1.0 / torch.sqrt((h * h).sum(-1, keepdim=True) / h.shape[-1] + eps)
     gate, up = gate_up.float().chunk(2, dim=-1)
     gate = gate * rstd
     up = up * rstd
-    return (gate / (1.0 + torch.exp(-gate)) * up).to(dtype)
+    return (gate / (1.0 + torch.exp(-gate)) * up).to(gate_up.dtype)
 
 
 @jit
@@ -67,10 +55,8 @@ def _normed_swiglu_kernel(
     width,
     hidden,
     eps,
-    stride_split,
     BLOCK: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr,
-    SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     columns = tl.arange(0, HIDDEN_BLOCK)
@@ -79,18 +65,8 @@ def _normed_swiglu_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
     source = gate_up_ptr + row * 2 * width
-    gate = tl.load(source + cols, mask=ok, other=0.0)
-    up = tl.load(source + width + cols, mask=ok, other=0.0)
-    dtype = out_ptr.dtype.element_ty
-    if SPLITS > 0:
-        # float32 split-K partials, summed in split order and rounded as a GEMM output.
-        for split in tl.static_range(1, SPLITS):
-            gate += tl.load(source + split * stride_split + cols, mask=ok, other=0.0)
-            up += tl.load(source + split * stride_split + width + cols, mask=ok, other=0.0)
-        gate = gate.to(dtype)
-        up = up.to(dtype)
-    gate = gate.to(tl.float32) * rstd
-    up = up.to(tl.float32) * rstd
+    gate = tl.load(source + cols, mask=ok, other=0.0).to(tl.float32) * rstd
+    up = tl.load(source + width + cols, mask=ok, other=0.0).to(tl.float32) * rstd
     out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -105,53 +81,42 @@ def normed_swiglu(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.T
     ``W``) this is ``swiglu(rms_norm(x, w, eps) @ W.T)`` up to rounding.
 
     Args:
-        gate_up: ``[M, 2F]`` contiguous product, the gate columns first; or float32
-            ``[S, M, 2F]`` split-K partials of it (``mcore_kernels.split_sum_rms_norm.
-            split_k_partials``), summed in split order and rounded to the dtype of ``x``
-            first, as a GEMM rounds its output.
+        gate_up: ``[M, 2F]`` contiguous product, the gate columns first.
         x: ``[M, H]`` contiguous rows the product was computed from (the residual stream).
         eps: The folded norm's epsilon.
 
     Returns:
-        ``[M, F]`` activation in the dtype of ``gate_up`` (of ``x`` for partials; computed in
-        float32).
+        ``[M, F]`` activation in the dtype of ``gate_up`` (computed in float32).
 
     Raises:
-        KernelShapeError: If ``gate_up`` is not ``[M, 2F]`` / ``[S, M, 2F]`` or ``x`` not
-            ``[M, H]``.
-        KernelDtypeError: If the inputs are not floating point or partials not float32.
+        KernelShapeError: If ``gate_up`` is not ``[M, 2F]`` or ``x`` not ``[M, H]``.
+        KernelDtypeError: If the inputs are not floating point.
     """
-    partials = gate_up.dim() == 3
-    if gate_up.dim() not in (2, 3) or gate_up.shape[-1] % 2 or (partials and not gate_up.shape[0]):
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise KernelShapeError(
-            f"gate_up.shape={tuple(gate_up.shape)}; expected [rows, 2 * ffn] (gate then up) "
-            "or [splits, rows, 2 * ffn]"
+            f"gate_up.shape={tuple(gate_up.shape)}; expected [rows, 2 * ffn] (gate then up)"
         )
-    rows = gate_up.shape[-2]
-    if x.dim() != 2 or x.shape[0] != rows or x.shape[1] == 0:
-        raise KernelShapeError(f"x.shape={tuple(x.shape)}; expected [{rows}, hidden >= 1]")
+    if x.dim() != 2 or x.shape[0] != gate_up.shape[0] or x.shape[1] == 0:
+        raise KernelShapeError(
+            f"x.shape={tuple(x.shape)}; expected [{gate_up.shape[0]}, hidden >= 1]"
+        )
     if not (gate_up.dtype.is_floating_point and x.dtype.is_floating_point):
         raise KernelDtypeError(
             f"gate_up.dtype={gate_up.dtype}, x.dtype={x.dtype}; expected floating point"
         )
-    if partials and gate_up.dtype != torch.float32:
-        raise KernelDtypeError(
-            f"gate_up.dtype={gate_up.dtype}; split-K partials must be torch.float32"
-        )
     if not use_triton(gate_up, x):
         return normed_swiglu_reference(gate_up, x, eps)
     gate_up, x = gate_up.contiguous(), x.contiguous()
-    width = gate_up.shape[-1] // 2
-    out = torch.empty((rows, width), dtype=x.dtype if partials else gate_up.dtype, device=x.device)
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, width)
     if rows == 0 or width == 0:
         return out
     block = min(_BLOCK, next_power_of_2(width))
-    splits = gate_up.shape[0] if partials else 0
     with on_device_of(gate_up):
         _LAUNCHER(
             (rows, -(-width // block)),
-            (gate_up, x, out, width, x.shape[1], float(eps), rows * 2 * width),
-            {"BLOCK": block, "HIDDEN_BLOCK": next_power_of_2(x.shape[1]), "SPLITS": splits},
+            (gate_up, x, out, width, x.shape[1], float(eps)),
+            {"BLOCK": block, "HIDDEN_BLOCK": next_power_of_2(x.shape[1])},
             4,
             gate_up.get_device() if gate_up.is_cuda else 0,
         )
