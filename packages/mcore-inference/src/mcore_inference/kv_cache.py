@@ -12,14 +12,7 @@ from mcore_kernels.decode_step_metadata import decode_step_metadata
 from mcore_kernels.paged_attention import paged_attention
 from mcore_kernels.rotary_kv_write import rotary_kv_write
 
-__all__ = ["DECODE_ATTENTION_SPLIT", "PagedKVCache"]
-
-DECODE_ATTENTION_SPLIT = (0, 64)
-"""``(split size, max tokens)``: steps of 3 to ``max tokens`` tokens run the paged attention in
-splits of ``split size`` positions merged inside the launch (``merge="ticket"``: the last
-program of each token's key/value head merges), so that more programs share a short context;
-0: the cache's ``split_size`` with the separate merge kernel (one split at the engine's
-contexts). Results depend on the split size, never on the batch or the table width."""
+__all__ = ["PagedKVCache"]
 
 
 class PagedKVCache:
@@ -290,18 +283,6 @@ class PagedKVCache:
             # The kernel of the packed training forward: same per-token reduction order.
             return attention_batch_invariant(
                 q, keys, values, self._context_lens, scale=scale, block_tables=self._block_tables
-            )
-        split, max_tokens = DECODE_ATTENTION_SPLIT
-        if split and split % self.block_size == 0 and 3 <= q.shape[0] <= max_tokens:
-            return paged_attention(
-                q,
-                keys,
-                values,
-                self._block_tables,
-                self._context_lens,
-                scale=scale,
-                split_size=split,
-                merge="ticket",
             )
         return paged_attention(
             q,
