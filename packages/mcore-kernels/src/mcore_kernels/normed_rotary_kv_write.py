@@ -105,26 +105,35 @@ def _normed_rotary_kv_write_kernel(
         gdc_launch_dependents()
         gdc_wait()
     token = tl.program_id(0).to(tl.int64)
-    columns = tl.arange(0, HIDDEN_BLOCK)
-    h = tl.load(x_ptr + token * stride_x_token + columns, mask=columns < hidden, other=0.0)
-    h = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
-
     head_dim = 2 * HALF
     channels = tl.arange(0, HALF_PAD)[None, :]
     channel_mask = channels < HALF
     dtype = qkv_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + token * stride_cos_token + channels, mask=channel_mask, other=0.0)
-    sin = tl.load(sin_ptr + token * stride_sin_token + channels, mask=channel_mask, other=0.0)
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
     row = qkv_ptr + token * stride_qkv_token
-
     q_heads = tl.arange(0, Q_HEADS_PAD)[:, None]
     q_mask = (q_heads < NUM_Q_HEADS) & channel_mask
     q_offsets = q_heads * head_dim + channels
+    kv_heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+    kv_mask = (kv_heads < NUM_KV_HEADS) & channel_mask
+    k_offsets = NUM_Q_HEADS * head_dim + kv_heads * head_dim + channels
+    v_offsets = k_offsets + NUM_KV_HEADS * head_dim
+    # Every load of the token first: they are in flight while its row scale is reduced.
     x1 = tl.load(row + q_offsets, mask=q_mask, other=0.0)
     x2 = tl.load(row + q_offsets + HALF, mask=q_mask, other=0.0)
+    y1 = tl.load(row + k_offsets, mask=kv_mask, other=0.0)
+    y2 = tl.load(row + k_offsets + HALF, mask=kv_mask, other=0.0)
+    low = tl.load(row + v_offsets, mask=kv_mask, other=0.0)
+    high = tl.load(row + v_offsets + HALF, mask=kv_mask, other=0.0)
+    cos = tl.load(cos_ptr + token * stride_cos_token + channels, mask=channel_mask, other=0.0)
+    sin = tl.load(sin_ptr + token * stride_sin_token + channels, mask=channel_mask, other=0.0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    columns = tl.arange(0, HIDDEN_BLOCK)
+    h = tl.load(x_ptr + token * stride_x_token + columns, mask=columns < hidden, other=0.0)
+    h = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
+
     x1 = _finish(x1, rstd, bias_ptr, q_offsets, q_mask, HAS_BIAS, dtype)
     x2 = _finish(x2, rstd, bias_ptr, q_offsets + HALF, q_mask, HAS_BIAS, dtype)
     first, second = _rotate_half(x1, x2, cos, sin, dtype)
@@ -132,12 +141,6 @@ def _normed_rotary_kv_write_kernel(
     tl.store(q_target, first, mask=q_mask)
     tl.store(q_target + HALF, second, mask=q_mask)
 
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    kv_heads = tl.arange(0, KV_HEADS_PAD)[:, None]
-    kv_mask = (kv_heads < NUM_KV_HEADS) & channel_mask
-    k_offsets = NUM_Q_HEADS * head_dim + kv_heads * head_dim + channels
-    y1 = tl.load(row + k_offsets, mask=kv_mask, other=0.0)
-    y2 = tl.load(row + k_offsets + HALF, mask=kv_mask, other=0.0)
     y1 = _finish(y1, rstd, bias_ptr, k_offsets, kv_mask, HAS_BIAS, dtype)
     y2 = _finish(y2, rstd, bias_ptr, k_offsets + HALF, kv_mask, HAS_BIAS, dtype)
     k_first, k_second = _rotate_half(y1, y2, cos, sin, dtype)
@@ -146,9 +149,6 @@ def _normed_rotary_kv_write_kernel(
     tl.store(k_target, k_first.to(cache_dtype), mask=kv_mask)
     tl.store(k_target + HALF, k_second.to(cache_dtype), mask=kv_mask)
 
-    v_offsets = k_offsets + NUM_KV_HEADS * head_dim
-    low = tl.load(row + v_offsets, mask=kv_mask, other=0.0)
-    high = tl.load(row + v_offsets + HALF, mask=kv_mask, other=0.0)
     low = _finish(low, rstd, bias_ptr, v_offsets, kv_mask, HAS_BIAS, dtype)
     high = _finish(high, rstd, bias_ptr, v_offsets + HALF, kv_mask, HAS_BIAS, dtype)
     value_dtype = v_cache_ptr.dtype.element_ty
@@ -161,7 +161,10 @@ _LAUNCHER = CachedLauncher(_normed_rotary_kv_write_kernel)
 _LAUNCHER_PDL = CachedLauncher(_normed_rotary_kv_write_kernel, launch_pdl=True)
 
 
-def _split(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int):
+def _split(
+    qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[T, (Hq + 2 Hkv) * D]`` as ``[T, H, D]`` q, k and v views."""
     q, k, v = qkv.split(
         [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
     )

@@ -59,14 +59,17 @@ def _normed_swiglu_kernel(
     HIDDEN_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    columns = tl.arange(0, HIDDEN_BLOCK)
-    h = tl.load(x_ptr + row * hidden + columns, mask=columns < hidden, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
     source = gate_up_ptr + row * 2 * width
-    gate = tl.load(source + cols, mask=ok, other=0.0).to(tl.float32) * rstd
-    up = tl.load(source + width + cols, mask=ok, other=0.0).to(tl.float32) * rstd
+    # The product's loads first: they are in flight while the row's scale is reduced.
+    gate = tl.load(source + cols, mask=ok, other=0.0)
+    up = tl.load(source + width + cols, mask=ok, other=0.0)
+    columns = tl.arange(0, HIDDEN_BLOCK)
+    h = tl.load(x_ptr + row * hidden + columns, mask=columns < hidden, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
+    gate = gate.to(tl.float32) * rstd
+    up = up.to(tl.float32) * rstd
     out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
