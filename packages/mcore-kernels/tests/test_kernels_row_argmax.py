@@ -33,9 +33,14 @@ def _device() -> str:
         (4, 151, torch.bfloat16, 7),  # more programs asked than tiles: capped
     ],
 )
+@pytest.mark.parametrize("prefetch", [False, True])
 def test_matches_torch_argmax_with_ties_negatives_zeros_infinities_and_nan(
-    rows, columns, dtype, chunks
+    rows, columns, dtype, chunks, prefetch, monkeypatch
 ):
+    # prefetch: the loop of many-row launches that loads each tile one iteration ahead.
+    from mcore_kernels import row_argmax as module
+
+    monkeypatch.setattr(module, "_PREFETCH_MIN_ROWS", 1 if prefetch else 0)
     generator = torch.Generator().manual_seed(rows * columns)
     x = torch.randn(rows, columns, generator=generator).to(dtype)
     # A tie across lanes and programs: the first index wins.
@@ -55,6 +60,16 @@ def test_matches_torch_argmax_with_ties_negatives_zeros_infinities_and_nan(
     assert torch.equal(actual, expected)
     # The tickets are left zeroed: a second launch gives the same indices.
     assert torch.equal(row_argmax_triton(x, chunks=chunks), expected)
+
+
+def test_many_rows_take_their_own_programs_per_row(monkeypatch):
+    from mcore_kernels import row_argmax as module
+
+    monkeypatch.setattr(module, "_MANY_ROWS_CHUNKS", (8, 256))
+    assert module._chunks(512, 151936, 132) == 8
+    assert module._chunks(64, 151936, 132) == 17
+    monkeypatch.setattr(module, "_MANY_ROWS_CHUNKS", (0, 256))
+    assert module._chunks(512, 151936, 132) == 16
 
 
 def test_dispatch_and_bad_input():
