@@ -33,14 +33,9 @@ def _device() -> str:
         (4, 151, torch.bfloat16, 7),  # more programs asked than tiles: capped
     ],
 )
-@pytest.mark.parametrize("prefetch", [False, True])
 def test_matches_torch_argmax_with_ties_negatives_zeros_infinities_and_nan(
-    rows, columns, dtype, chunks, prefetch, monkeypatch
+    rows, columns, dtype, chunks
 ):
-    # prefetch: the loop of many-row launches that loads each tile one iteration ahead.
-    from mcore_kernels import row_argmax as module
-
-    monkeypatch.setattr(module, "_PREFETCH_MIN_ROWS", 1 if prefetch else 0)
     generator = torch.Generator().manual_seed(rows * columns)
     x = torch.randn(rows, columns, generator=generator).to(dtype)
     # A tie across lanes and programs: the first index wins.
@@ -65,8 +60,9 @@ def test_matches_torch_argmax_with_ties_negatives_zeros_infinities_and_nan(
 def test_many_rows_take_their_own_programs_per_row(monkeypatch):
     from mcore_kernels import row_argmax as module
 
-    monkeypatch.setattr(module, "_MANY_ROWS_CHUNKS", (8, 256))
+    assert module._MANY_ROWS_CHUNKS == (8, 256)
     assert module._chunks(512, 151936, 132) == 8
+    assert module._chunks(255, 151936, 132) == 16
     assert module._chunks(64, 151936, 132) == 17
     monkeypatch.setattr(module, "_MANY_ROWS_CHUNKS", (0, 256))
     assert module._chunks(512, 151936, 132) == 16
