@@ -13,6 +13,11 @@ little data, the launches dominate. :class:`FusedDecoder` computes the same laye
 - in steps of up to 256 tokens, the down projection as float32 split-K partial products (one
   batched GEMM) that the next add + RMSNorm sums (:mod:`mcore_kernels.split_sum_rms_norm`;
   :data:`DOWN_PROJ_SPLITS`): one launch fewer than cuBLAS's split-K GEMM and its reduction.
+- the RMSNorm weights folded into weight copies (:data:`MLP_NORM_IN_WEIGHTS`, and past 256
+  tokens :data:`QKV_NORM_IN_WEIGHTS`): the GEMM that ends a block adds the residual stream
+  (``torch.addmm``), the next projection reads that sum, and the kernel after it applies the
+  row's ``rstd`` (:mod:`mcore_kernels.normed_swiglu`,
+  :mod:`mcore_kernels.normed_rotary_kv_write`): no norm launch in those places.
 
 Steps of at most ``gemv_max_rows`` tokens (decode at small batch) run every projection as
 :func:`mcore_kernels.decode_gemv.decode_gemv` instead, a kernel that streams the weight at close
