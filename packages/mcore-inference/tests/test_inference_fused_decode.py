@@ -131,6 +131,50 @@ def test_fused_forward_matches_model_hidden_states_and_cache_contents(model):
     torch.testing.assert_close(fused.values, reference.values, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("down_splits", [(0, 64), (4, 64)])
+@pytest.mark.parametrize("fold", [False, True])
+def test_norms_folded_into_weights_match_the_model(model, monkeypatch, down_splits, fold):
+    # MLP_NORM_IN_WEIGHTS / QKV_NORM_IN_WEIGHTS: the norms live in weight copies and row
+    # scales (the q/k/v one only where the down projection is cuBLAS's own GEMM and the model
+    # has no QK-norm); the hidden states, the cache and the generations stay the model's.
+    monkeypatch.setattr(fused_decode, "MLP_NORM_IN_WEIGHTS", fold)
+    monkeypatch.setattr(fused_decode, "QKV_NORM_IN_WEIGHTS", fold)
+    monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", down_splits)
+    decoder = FusedDecoder(model)
+    qk_norm = model.layers[0].self_attention.q_norm is not None
+    assert all((f.gate_up_folded is not None) == fold for f in decoder._layers)
+    assert all((f.qkv_folded is not None) == (fold and not qk_norm) for f in decoder._layers)
+    tables = torch.tensor([[1, 2, 0], [3, 4, 0]], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2])
+    rows = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1])
+    tokens = torch.tensor([[7, 3, 9, 1, 2, 60, 4, 4, 33]])
+    reference, fused = _cache(model), _cache(model)
+    with torch.no_grad():
+        reference.prepare_step(tables, positions, rows)
+        expected = model(tokens, positions[None], kv_cache=reference, return_hidden=True)
+        fused.prepare_step(tables, positions, rows)
+        actual = decoder(tokens, positions[None], kv_cache=fused)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused.keys, reference.keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused.values, reference.values, atol=1e-5, rtol=1e-5)
+    _assert_same_generations(_generate(model, fused=True), _generate(model, fused=False))
+
+
+def test_folded_weights_follow_norm_weight_changes():
+    model = _model(6, bias_and_qk_norm=False)
+    decoder = FusedDecoder(model)
+    layer, fused = model.layers[0], decoder._layers[0]
+    assert fused.qkv_folded is not None and fused.gate_up_folded is not None
+    with torch.no_grad():
+        layer.input_norm.weight.mul_(2.0)
+        layer.post_attention_norm.weight.add_(0.5)
+    assert decoder.refresh()
+    torch.testing.assert_close(fused.qkv_folded, fused.qkv_weight * layer.input_norm.weight)
+    torch.testing.assert_close(
+        fused.gate_up_folded, fused.gate_up_weight * layer.post_attention_norm.weight
+    )
+
+
 def test_rope_table_lookup_equals_the_per_step_rotary(model):
     # The engine's decoder looks the cosines and sines up in a table of every position; the
     # values, and so the hidden states and the cache, are those computed per step, bit for bit.
@@ -265,3 +309,31 @@ def test_norm_swiglu_pdl_and_split_k_launches_change_nothing_on_gpu(monkeypatch)
                 outputs = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
                 results.append(outputs)
         assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_norm_kernels_in_graphs_match_eager_on_gpu(monkeypatch, dtype):
+    # The Triton kernels of the folded norms (normed_swiglu, normed_rotary_kv_write) in the
+    # captured decode steps: the fused eager engine's tokens and log-probs bit for bit; in
+    # float32 also the model forward's tokens.
+    monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (0, 64))
+    model = _model(5, bias_and_qk_norm=False).cuda().to(dtype)
+    results = []
+    for graphs in (True, False):
+        config = InferenceConfig(
+            max_batch_size=4,
+            max_sequence_length=32,
+            block_size=4,
+            prefill_chunk_size=4,
+            attention_split_size=8,
+            use_cuda_graphs=graphs,
+        )
+        with InferenceEngine(model, config) as engine:
+            decoder = engine._decoder
+            assert decoder is not None and decoder._layers[0].qkv_folded is not None
+            results.append([(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)])
+    assert results[0] == results[1]
+    if dtype == torch.float32:
+        _assert_same_generations(results[0], _generate(model, fused=False))

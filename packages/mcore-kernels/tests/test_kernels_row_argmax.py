@@ -57,6 +57,17 @@ def test_matches_torch_argmax_with_ties_negatives_zeros_infinities_and_nan(
     assert torch.equal(row_argmax_triton(x, chunks=chunks), expected)
 
 
+def test_many_rows_take_their_own_programs_per_row(monkeypatch):
+    from mcore_kernels import row_argmax as module
+
+    assert module._MANY_ROWS_CHUNKS == (8, 256)
+    assert module._chunks(512, 151936, 132) == 8
+    assert module._chunks(255, 151936, 132) == 16
+    assert module._chunks(64, 151936, 132) == 17
+    monkeypatch.setattr(module, "_MANY_ROWS_CHUNKS", (0, 256))
+    assert module._chunks(512, 151936, 132) == 16
+
+
 def test_dispatch_and_bad_input():
     x = torch.randn(2, 9)
     assert torch.equal(row_argmax(x), x.argmax(dim=-1))

@@ -13,6 +13,11 @@ little data, the launches dominate. :class:`FusedDecoder` computes the same laye
 - in steps of up to 256 tokens, the down projection as float32 split-K partial products (one
   batched GEMM) that the next add + RMSNorm sums (:mod:`mcore_kernels.split_sum_rms_norm`;
   :data:`DOWN_PROJ_SPLITS`): one launch fewer than cuBLAS's split-K GEMM and its reduction.
+- the RMSNorm weights folded into weight copies (:data:`MLP_NORM_IN_WEIGHTS`, and past 256
+  tokens :data:`QKV_NORM_IN_WEIGHTS`): the GEMM that ends a block adds the residual stream
+  (``torch.addmm``), the next projection reads that sum, and the kernel after it applies the
+  row's ``rstd`` (:mod:`mcore_kernels.normed_swiglu`,
+  :mod:`mcore_kernels.normed_rotary_kv_write`): no norm launch in those places.
 
 Steps of at most ``gemv_max_rows`` tokens (decode at small batch) run every projection as
 :func:`mcore_kernels.decode_gemv.decode_gemv` instead, a kernel that streams the weight at close
@@ -56,6 +61,8 @@ from mcore_kernels.decode_gemv import decode_gemv
 from mcore_kernels.decode_rms_norm import decode_rms_norm
 from mcore_kernels.gather_rows import gather_row_pairs
 from mcore_kernels.moe.swiglu import swiglu
+from mcore_kernels.normed_rotary_kv_write import normed_rotary_kv_write
+from mcore_kernels.normed_swiglu import normed_swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 from mcore_kernels.split_sum_rms_norm import split_k_partials, split_sum_add_rms_norm
@@ -69,8 +76,10 @@ __all__ = [
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
+    "MLP_NORM_IN_WEIGHTS",
     "NORM_SWIGLU_PDL",
     "O_PROJ_SPLITS",
+    "QKV_NORM_IN_WEIGHTS",
     "STEP_INPUTS_IN_ONE_LAUNCH",
     "FusedDecoder",
     "build_fused_decoder",
@@ -125,6 +134,23 @@ RMSNorm and SwiGLU kernels between the cuBLAS GEMMs with it too. Off: one H200, 
 captured step at contexts near 288, 1143 us with it against 1095 without (58.8k against 60.7k
 tok/s)."""
 
+MLP_NORM_IN_WEIGHTS = True
+"""Steps of more than ``gemv_max_rows`` tokens drop the post-attention add + RMSNorm launch:
+the o projection adds the residual stream inside its GEMM (``torch.addmm``), the gate/up GEMM
+reads that sum with the norm weight folded into a copy of its weight (``gate_up_folded``), and
+the SwiGLU kernel scales each row by the norm's ``rstd``
+(:func:`mcore_kernels.normed_swiglu.normed_swiglu`). Costs a second gate/up weight copy
+(``2 * ffn * hidden`` elements a layer). Only for layers whose o projection has no bias."""
+
+QKV_NORM_IN_WEIGHTS = True
+"""Steps of more than ``gemv_max_rows`` tokens whose down projection is cuBLAS's own GEMM (past
+``DOWN_PROJ_SPLITS``' token count) drop the input add + RMSNorm launch too: the down (and o)
+projection adds the residual stream inside its GEMM, the q/k/v GEMM reads that sum with the
+input norm weight folded into a copy of its weight (``qkv_folded``), and the RoPE + cache write
+kernel finishes the projection (row scale, bias;
+:func:`mcore_kernels.normed_rotary_kv_write.normed_rotary_kv_write`). Models without QK-norm
+and without an o or down projection bias."""
+
 
 @dataclass(slots=True)
 class _FusedLayer:
@@ -138,6 +164,12 @@ class _FusedLayer:
     """``[2 * ffn, hidden]``: the gate then the up projection weights."""
     split: tuple[int, int, int]
     """Output widths of q, k and v."""
+    qkv_folded: torch.Tensor | None = None
+    """``qkv_weight`` times the input norm weight (per input column), or None (see
+    :data:`QKV_NORM_IN_WEIGHTS`)."""
+    gate_up_folded: torch.Tensor | None = None
+    """``gate_up_weight`` times the post-attention norm weight (per input column), or None
+    (see :data:`MLP_NORM_IN_WEIGHTS`)."""
 
 
 def _split_k_slices(setting: tuple[int, int], rows: int, projections: list[Any]) -> int:
@@ -252,6 +284,8 @@ class FusedDecoder:
         self._layers: list[_FusedLayer] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         """``(target view in a fused buffer, source parameter)`` pairs."""
+        self._folds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """``(folded buffer, fused weight, norm weight)``: ``weight * norm`` per input column."""
         for layer in model.layers:
             attention, mlp = layer.self_attention, layer.mlp
             sources = (attention.q_proj, attention.k_proj, attention.v_proj)
@@ -261,7 +295,17 @@ class FusedDecoder:
             if attention.q_proj.bias is not None:
                 qkv_bias = self._fuse([p.bias for p in sources])
             gate_up_weight = self._fuse([mlp.gate_proj.weight, mlp.up_proj.weight])
-            self._layers.append(_FusedLayer(qkv_weight, qkv_bias, gate_up_weight, split))  # type: ignore[arg-type]
+            qkv_folded = folded = None
+            no_bias = attention.o_proj.bias is None and mlp.down_proj.bias is None
+            if QKV_NORM_IN_WEIGHTS and no_bias and attention.q_norm is None:
+                qkv_folded = torch.empty_like(qkv_weight)
+                self._folds.append((qkv_folded, qkv_weight, layer.input_norm.weight))
+            if MLP_NORM_IN_WEIGHTS and attention.o_proj.bias is None:
+                folded = torch.empty_like(gate_up_weight)
+                self._folds.append((folded, gate_up_weight, layer.post_attention_norm.weight))
+            fused = _FusedLayer(qkv_weight, qkv_bias, gate_up_weight, split, qkv_folded, folded)  # type: ignore[arg-type]
+            self._layers.append(fused)
+        self._fold_weights()
         self._signature = self._source_signature()
 
     def _fuse(self, parameters: list[torch.Tensor]) -> torch.Tensor:
@@ -275,12 +319,20 @@ class FusedDecoder:
         return buffer
 
     def _source_signature(self) -> tuple[tuple[int, int], ...]:
-        return tuple((source._version, source.data_ptr()) for _, source in self._copies)
+        sources = [source for _, source in self._copies] + [norm for _, _, norm in self._folds]
+        return tuple((source._version, source.data_ptr()) for source in sources)
+
+    def _fold_weights(self) -> None:
+        """Recompute the norm-folded weight copies from the fused ones (one rounding each)."""
+        with torch.no_grad():
+            for folded, weight, norm in self._folds:
+                torch.mul(weight, norm.detach().to(weight.dtype), out=folded)
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the fused weight copies."""
-        return sum(target.nbytes for target, _ in self._copies)
+        """Device bytes of the fused weight copies (the norm-folded ones included)."""
+        copies = sum(target.nbytes for target, _ in self._copies)
+        return copies + sum(folded.nbytes for folded, _, _ in self._folds)
 
     def refresh(self) -> bool:
         """Copy the model's weights again if any changed since the last copy.
@@ -303,6 +355,7 @@ class FusedDecoder:
         with torch.no_grad():
             for target, source in self._copies:
                 target.copy_(source)
+        self._fold_weights()
         self._signature = self._source_signature()
 
     def __call__(
@@ -415,55 +468,112 @@ class FusedDecoder:
     ) -> torch.Tensor:
         """The layers over many tokens: cuBLAS projections between fused norm, RoPE + cache
         write, attention and SwiGLU kernels (under PDL, the Triton ones among them start while
-        the kernel before them drains; cuBLAS's are launched plainly)."""
+        the kernel before them drains; cuBLAS's are launched plainly).
+
+        ``residual`` is the residual stream. With :data:`QKV_NORM_IN_WEIGHTS` (steps whose
+        down projection is cuBLAS's own GEMM) every GEMM that ends a block adds it in place
+        (``torch.addmm``) and the input norm lives in the q/k/v weight copy and the RoPE
+        kernel: no norm launch before the q/k/v projection."""
         model = self.model
         residual: torch.Tensor | None = None
         layers = list(zip(model.layers, self._layers, strict=True))
         splits = self._down_splits(hidden.shape[0])
         o_splits = self._o_splits(hidden.shape[0])
+        fold_qkv = not splits and all(fused.qkv_folded is not None for _, fused in layers)
         normed: tuple[torch.Tensor, torch.Tensor] | None = None
         for index, (layer, fused) in enumerate(layers):
             attention = layer.self_attention
-            if normed is not None:
-                # The previous layer's down projection already added and normed its output.
-                (x, residual), normed = normed, None
+            if fold_qkv:
+                residual = hidden if residual is None else residual
+                out = self._folded_qkv_attention(layer, fused, residual, cos, sin, kv_cache)
             else:
-                with self._norm_swiglu_launch():
-                    x, residual = add_rms_norm(layer.input_norm, hidden, residual)
-            qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
-            q, k, v = (
-                part.unflatten(-1, (-1, attention.head_dim))
-                for part in qkv.split(fused.split, dim=-1)
-            )
-            if attention.q_norm is not None and attention.k_norm is not None:
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            out = kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
+                if normed is not None:
+                    # The previous layer's down projection already added and normed its output.
+                    (x, residual), normed = normed, None
+                else:
+                    with self._norm_swiglu_launch():
+                        x, residual = add_rms_norm(layer.input_norm, hidden, residual)
+                qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
+                q, k, v = (
+                    part.unflatten(-1, (-1, attention.head_dim))
+                    for part in qkv.split(fused.split, dim=-1)
+                )
+                if attention.q_norm is not None and attention.k_norm is not None:
+                    q, k = attention.q_norm(q), attention.k_norm(k)
+                out = kv_cache.attend_rotary(
+                    layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
+                )
             norm = layer.post_attention_norm
-            if o_splits and residual is not None:
-                partials = split_k_partials(out.flatten(-2), attention.o_proj.weight, o_splits)
+            if fused.gate_up_folded is not None and not o_splits and residual is not None:
+                # The residual add in the o projection's GEMM, the norm in the gate/up weight
+                # and the SwiGLU's row scale (MLP_NORM_IN_WEIGHTS): no norm launch.
+                residual = torch.addmm(residual, out.flatten(-2), attention.o_proj.weight.t())
+                gate_up = F.linear(residual, fused.gate_up_folded)
                 with self._norm_swiglu_launch():
-                    x, residual = split_sum_add_rms_norm(partials, residual, norm.weight, norm.eps)
+                    activation = normed_swiglu(gate_up, residual, norm.eps)
             else:
-                attention_out = attention.o_proj(out.flatten(-2))
+                if o_splits and residual is not None:
+                    partials = split_k_partials(out.flatten(-2), attention.o_proj.weight, o_splits)
+                    with self._norm_swiglu_launch():
+                        x, residual = split_sum_add_rms_norm(
+                            partials, residual, norm.weight, norm.eps
+                        )
+                else:
+                    attention_out = attention.o_proj(out.flatten(-2))
+                    with self._norm_swiglu_launch():
+                        x, residual = add_rms_norm(norm, attention_out, residual)
+                gate_up = F.linear(x, fused.gate_up_weight)
                 with self._norm_swiglu_launch():
-                    x, residual = add_rms_norm(norm, attention_out, residual)
-            gate_up = F.linear(x, fused.gate_up_weight)
-            with self._norm_swiglu_launch():
-                activation = swiglu(gate_up)
+                    activation = swiglu(gate_up)
+            assert residual is not None
             if splits:
                 norm = layers[index + 1][0].input_norm if index + 1 < len(layers) else None
                 norm = model.final_norm if norm is None else norm
                 partials = split_k_partials(activation, layer.mlp.down_proj.weight, splits)
-                assert residual is not None
                 with self._norm_swiglu_launch():
                     normed = split_sum_add_rms_norm(partials, residual, norm.weight, norm.eps)
+            elif fold_qkv:
+                residual = torch.addmm(residual, activation, layer.mlp.down_proj.weight.t())
             else:
                 hidden = layer.mlp.down_proj(activation)
         if normed is not None:
             return normed[0]
         with self._norm_swiglu_launch():
+            if fold_qkv:
+                return model.final_norm(residual)
             hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden
+
+    @staticmethod
+    def _folded_qkv_attention(
+        layer: Any,
+        fused: _FusedLayer,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """The q/k/v projection of the un-normalised stream with the input norm folded into
+        the weight, finished (row scale, bias), rotated and written to the cache by one
+        kernel, then the attention (:data:`QKV_NORM_IN_WEIGHTS`)."""
+        attention = layer.self_attention
+        assert fused.qkv_folded is not None
+        qkv = F.linear(residual, fused.qkv_folded)
+        keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
+        norm = layer.input_norm
+        q = normed_rotary_kv_write(
+            qkv,
+            residual,
+            norm.eps,
+            fused.qkv_bias,
+            cos,
+            sin,
+            keys,
+            values,
+            slots,
+            fused.split[0] // attention.head_dim,
+        )
+        return kv_cache.attend_stored_keys(layer.layer_idx, q, scale=attention.scale)
 
     def _o_splits(self, rows: int) -> int:
         """Split-K slices of this step's o projections (0: cuBLAS's own GEMM)."""
