@@ -41,6 +41,13 @@ def _problem(tokens=24, hidden=32, ffn=16, experts=6, top_k=2, empty=(1, 4), see
     return x, weights, w_gu, w_d, order, inverse, offsets
 
 
+def _assert_close_to_reference(out, grads, ref, ref_grads):
+    # Output and the four gradients against the torch reference's (bf16 tolerances).
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    for name, got, want in zip(("x", "weights", "w_gate_up", "w_down"), grads, ref_grads):
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2, msg=name)
+
+
 def _run(fn, x, weights, w_gu, w_d, grad):
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
     out = fn(*leaves)
@@ -67,9 +74,7 @@ def test_routed_experts_match_reference_with_empty_experts():
         w_d,
         grad,
     )
-    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
-    for name, got, want in zip(("x", "weights", "w_gate_up", "w_down"), grads, ref_grads):
-        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2, msg=name)
+    _assert_close_to_reference(out, grads, ref, ref_grads)
     # Experts 1 and 4 got no rows: their weight gradients are exactly zero.
     for expert in (1, 4):
         assert torch.count_nonzero(grads[2][expert]) == 0
@@ -110,9 +115,7 @@ def test_routed_experts_with_dropped_assignments_match_reference():
         w_d,
         grad,
     )
-    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
-    for name, got, want in zip(("x", "weights", "w_gate_up", "w_down"), grads, ref_grads):
-        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2, msg=name)
+    _assert_close_to_reference(out, grads, ref, ref_grads)
     # A dropped assignment gets exactly zero weight gradient.
     dropped = (new_inverse < 0).view(weights.shape)
     assert torch.count_nonzero(grads[1][dropped]) == 0
@@ -157,9 +160,7 @@ def test_routed_experts_on_batched_slots_match_reference(capacity):
         w_d,
         grad,
     )
-    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
-    for name, got, want in zip(("x", "weights", "w_gate_up", "w_down"), grads, ref_grads):
-        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2, msg=name)
+    _assert_close_to_reference(out, grads, ref, ref_grads)
     assert torch.count_nonzero(grads[2][2]) == 0 and torch.count_nonzero(grads[3][2]) == 0
     dropped = (kept < 0).view(weights.shape)
     assert torch.count_nonzero(grads[1][dropped]) == 0

@@ -170,9 +170,12 @@ class ExpertGemmRunner:
             return 0
         return self.num_rows // experts
 
-    def _loop(self, one: Callable[[int, int, int], None]) -> None:
-        """``one(expert, start, end)`` for every expert with rows."""
+    def _loop(self, one: Callable[[int, int, int], None], done: int = 0) -> None:
+        """``one(expert, start, end)`` for every expert with rows, the first expert's from row
+        ``done`` on (its rows before ``done`` already computed)."""
         for expert, start, end in self._expert_spans():
+            if expert == 0:
+                start = max(start, done)
             if end > start:
                 one(expert, start, end)
 
@@ -202,13 +205,7 @@ class ExpertGemmRunner:
                 # host waits and launches the rest. Rows of the prefix past the first expert
                 # are rewritten by their own expert's GEMM later on the stream.
                 one(0, 0, prefix)
-                for expert, start, end in self._expert_spans():
-                    if expert == 0:
-                        start = prefix
-                    if end > start:
-                        one(expert, start, end)
-                return out
-            self._loop(one)
+            self._loop(one, done=prefix)
             return out
         if kernel == BATCHED:
             slots = a.view(w.shape[0], -1, a.shape[1])
