@@ -202,3 +202,30 @@ def test_graphs_stay_valid_after_update_weights(model):
         assert torch.allclose(
             torch.tensor(got.logprobs), torch.tensor(reference.logprobs), atol=1e-3
         )
+
+
+def test_graph_argmax_is_the_row_argmax_of_its_logits_and_feeds_multi_step(model, monkeypatch):
+    # ARGMAX_IN_GRAPH: the graph's greedy tokens equal row_argmax of its logits; engines with
+    # and without it (one step per round trip and multi-step runs) generate the same tokens.
+    from mcore_inference import cuda_graphs
+    from mcore_kernels.row_argmax import row_argmax
+
+    prompts = _prompts(6, seed=9)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, return_logprobs=True)
+    results = {}
+    for in_graph in (False, True):
+        monkeypatch.setattr(cuda_graphs, "ARGMAX_IN_GRAPH", in_graph)
+        for steps in (1, 8):
+            with InferenceEngine(model, _config(multi_step_decode=steps)) as engine:
+                outputs = engine.generate(prompts, greedy)
+                graphs = engine._graphs
+                assert graphs is not None and graphs.captured
+                argmax = graphs.argmax(len(prompts))
+                assert (argmax is None) == (not in_graph)
+                if argmax is not None:
+                    entry = graphs._current
+                    assert entry is not None
+                    logits = entry.output[: len(prompts)]
+                    assert torch.equal(argmax, row_argmax(logits))
+            results[in_graph, steps] = [(r.tokens, r.logprobs) for r in outputs]
+    assert len({str(v) for v in results.values()}) == 1
