@@ -143,12 +143,16 @@ class DecodeGraphRunner:
         """Batch sizes captured so far."""
         return tuple(sorted({batch for batch, _ in self._graphs}))
 
-    def _forward(self, batch: int, width: int) -> torch.Tensor:
+    def _forward(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's output, and its greedy tokens where the fused decoder's LM head
+        computes them (steps of many rows: :data:`mcore_inference.lm_head.LM_HEAD_SLICES`)."""
         inputs = self._inputs[:, :batch]
         self._cache.prepare_step(self._block_tables[:, :width], inputs[1], inputs[2])
         stage_input = inputs[0][None] if self._hidden is None else self._hidden[:, :batch]
         if self._decoder is not None and self._last_stage:
-            return self._decoder.logits(stage_input, inputs[1][None], kv_cache=self._cache)
+            return self._decoder.logits_and_argmax(
+                stage_input, inputs[1][None], kv_cache=self._cache
+            )
         if self._decoder is not None:
             hidden = self._decoder(stage_input, inputs[1][None], kv_cache=self._cache)
         else:
@@ -156,20 +160,22 @@ class DecodeGraphRunner:
                 stage_input, inputs[1][None], kv_cache=self._cache, return_hidden=True
             )
         if not self._last_stage:
-            return hidden[0]
+            return hidden[0], None
         if self._decoder is not None:
-            return self._decoder.compute_logits(hidden[0])
-        return self._model.compute_logits(hidden[0])
+            return self._decoder.compute_logits(hidden[0]), None
+        return self._model.compute_logits(hidden[0]), None
 
     def _forward_and_argmax(
         self, batch: int, width: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`_forward`, then (:data:`ARGMAX_IN_GRAPH`, last stage) the greedy tokens,
-        also written into the token input for the next step of a run."""
-        output = self._forward(batch, width)
-        if not (ARGMAX_IN_GRAPH and self._last_stage and output.dim() == 2):
-            return output, None
-        tokens = row_argmax(output)
+        """:meth:`_forward`, then (its LM head's, or with :data:`ARGMAX_IN_GRAPH` on the last
+        stage a :func:`~mcore_kernels.row_argmax.row_argmax`) the greedy tokens, also written
+        into the token input for the next step of a run."""
+        output, tokens = self._forward(batch, width)
+        if tokens is None:
+            if not (ARGMAX_IN_GRAPH and self._last_stage and output.dim() == 2):
+                return output, None
+            tokens = row_argmax(output)
         self._inputs[0, :batch].copy_(tokens)
         return output, tokens
 
