@@ -15,6 +15,8 @@ the largest value).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from mcore_kernels.row_argmax_slices import SlicedRowArgmax
@@ -107,7 +109,7 @@ class SlicedLMHead:
         bounds = slice_bounds(vocab, self.slices, SLICE_ALIGN)
         hidden = hidden.contiguous()
         logits = hidden.new_empty((rows, vocab))
-        spans = list(zip(bounds, bounds[1:]))
+        spans = list(itertools.pairwise(bounds))
         if not argmax or rows == 0:
             for start, end in spans:
                 torch.mm(hidden, weight[start:end].t(), out=logits[:, start:end])

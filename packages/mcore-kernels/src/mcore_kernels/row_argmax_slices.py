@@ -20,6 +20,8 @@ slice reduced once) merges them (the same tie rule). With ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from mcore_kernels._backend import use_triton
@@ -128,7 +130,7 @@ class SlicedRowArgmax:
         bounds = tuple(int(b) for b in bounds)
         if rows < 1:
             raise KernelShapeError(f"rows={rows}; expected >= 1")
-        if len(bounds) < 2 or bounds[0] != 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        if len(bounds) < 2 or bounds[0] != 0 or any(a >= b for a, b in itertools.pairwise(bounds)):
             raise KernelShapeError(f"bounds={bounds}; expected increasing from 0, two at least")
         if programs_per_slice < 1:
             raise KernelShapeError(f"programs_per_slice={programs_per_slice}; expected >= 1")
@@ -138,7 +140,7 @@ class SlicedRowArgmax:
         self._chunks: list[tuple[int, int, int]] = []
         """Per slice: ``(programs, columns per program, first workspace slot)``."""
         slot = 0
-        for start, end in zip(bounds, bounds[1:]):
+        for start, end in itertools.pairwise(bounds):
             width = end - start
             programs = max(1, min(programs_per_slice, -(-width // _LANES)))
             chunk = -(-width // programs)
