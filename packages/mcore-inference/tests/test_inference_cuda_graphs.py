@@ -229,3 +229,42 @@ def test_graph_argmax_is_the_row_argmax_of_its_logits_and_feeds_multi_step(model
                     assert torch.equal(argmax, row_argmax(logits))
             results[in_graph, steps] = [(r.tokens, r.logprobs) for r in outputs]
     assert len({str(v) for v in results.values()}) == 1
+
+
+def test_sliced_lm_head_graphs_equal_eager_and_one_step_per_round_trip(model, monkeypatch):
+    # LM_HEAD_SLICES from one row: every decode graph runs the LM head in slices with the
+    # argmax per slice on a side stream and hands its tokens to the sampler. Greedy and
+    # drawing rows, log-probs: graphs (multi-step and one step per round trip) equal eager.
+    from mcore_inference import fused_decode, lm_head
+    from mcore_kernels.row_argmax import row_argmax
+
+    monkeypatch.setattr(lm_head, "LM_HEAD_SLICES", (3, 1))
+    monkeypatch.setattr(lm_head, "SLICE_ALIGN", 128)
+    monkeypatch.setattr(fused_decode, "LM_HEAD_GEMV_MAX_ROWS", 0)
+    prompts = _prompts(6, seed=11)
+    results = {}
+    for graphs, steps in ((False, 1), (True, 1), (True, 8)):
+        for params in (
+            SamplingParams(temperature=0.0, max_tokens=20, return_logprobs=True),
+            _mixed_params(6),
+        ):
+            config = _config(use_cuda_graphs=graphs, multi_step_decode=steps)
+            with InferenceEngine(model, config) as engine:
+                outputs = engine.generate(prompts, params)
+                assert engine._decoder is not None and engine._decoder._sliced_head is not None
+                runner = engine._graphs
+                if graphs:
+                    assert runner is not None
+                    argmax = runner.argmax(len(prompts))
+                    entry = runner._current
+                    assert argmax is not None and entry is not None
+                    assert torch.equal(argmax, row_argmax(entry.output[: len(prompts)]))
+            results[graphs, steps, isinstance(params, list)] = [
+                (r.tokens, r.logprobs) for r in outputs
+            ]
+    for drawing in (False, True):
+        eager = results[False, 1, drawing]
+        for key in ((True, 1, drawing), (True, 8, drawing)):
+            for (tokens, logprobs), (expected, expected_logprobs) in zip(results[key], eager):
+                assert tokens == expected
+                torch.testing.assert_close(logprobs, expected_logprobs, atol=2e-3, rtol=0)
