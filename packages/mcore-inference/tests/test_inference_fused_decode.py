@@ -160,6 +160,31 @@ def test_norms_folded_into_weights_match_the_model(model, monkeypatch, down_spli
     _assert_same_generations(_generate(model, fused=True), _generate(model, fused=False))
 
 
+@pytest.mark.parametrize("down_splits", [(0, 64), (4, 64)])
+def test_residual_add_in_place_computes_the_same_bits(model, monkeypatch, down_splits):
+    # RESIDUAL_ADD_IN_PLACE: the o and down GEMMs add into the residual stream itself instead
+    # of a copy of it; the hidden states and the cache are bitwise those of the copies.
+    monkeypatch.setattr(fused_decode, "MLP_NORM_IN_WEIGHTS", True)
+    monkeypatch.setattr(fused_decode, "QKV_NORM_IN_WEIGHTS", True)
+    monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", down_splits)
+    decoder = FusedDecoder(model)
+    tables = torch.tensor([[1, 2, 0], [3, 4, 0]], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2])
+    rows = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1])
+    tokens = torch.tensor([[7, 3, 9, 1, 2, 60, 4, 4, 33]])
+    results = []
+    for in_place in (False, True):
+        monkeypatch.setattr(fused_decode, "RESIDUAL_ADD_IN_PLACE", in_place)
+        cache = _cache(model)
+        with torch.no_grad():
+            cache.prepare_step(tables, positions, rows)
+            results.append((decoder(tokens, positions[None], kv_cache=cache), cache))
+    (copied, copied_cache), (in_place_hidden, in_place_cache) = results
+    assert torch.equal(in_place_hidden, copied)
+    assert torch.equal(in_place_cache.keys, copied_cache.keys)
+    assert torch.equal(in_place_cache.values, copied_cache.values)
+
+
 def test_folded_weights_follow_norm_weight_changes():
     model = _model(6, bias_and_qk_norm=False)
     decoder = FusedDecoder(model)
