@@ -221,10 +221,9 @@ def graph_replay_us(engine: Any, batch: int, steps: int) -> dict[int, float]:
         Microseconds per replay by table width (widest last).
     """
     graphs = getattr(getattr(engine, "_runner", None), "graphs", None)
-    # Since session 13 a captured step ends with the greedy argmax (ARGMAX_IN_GRAPH).
     entries = {
-        width: entry.graph
-        for (bucket, width), entry in getattr(graphs, "_graphs", {}).items()
+        width: graph
+        for (bucket, width), (graph, _) in getattr(graphs, "_graphs", {}).items()
         if bucket == batch
     }
     result: dict[int, float] = {}

@@ -228,29 +228,6 @@ def test_sampling_plan_equals_the_single_step_sampler():
         assert all(v != v for i, v in enumerate(out[1].tolist()) if i not in rows)
 
 
-def test_plan_takes_a_decode_graph_s_argmax_and_leaves_it_unchanged():
-    # A decode graph's greedy tokens (ARGMAX_IN_GRAPH) replace the sampler's own argmax: the
-    # same samples; a greedy plan returns the graph's tensor itself (run_next then skips the
-    # copy into the graph's input), a drawing plan a copy with the drawn rows replaced.
-    generator = torch.Generator().manual_seed(5)
-    greedy = [_request(i, prompt_len=3, computed=4, max_new=9, temperature=0.0) for i in range(4)]
-    mixed = [
-        _request(i, prompt_len=3, computed=4, max_new=9, temperature=[0.0, 0.9][i % 2])
-        for i in range(4)
-    ]
-    for requests in (greedy, mixed):
-        plan = SamplingPlan(requests, torch.device("cpu"), 2)
-        for step in range(2):
-            logits = torch.randn((4, 50), generator=generator).to(torch.bfloat16)
-            argmax = logits.float().argmax(-1)
-            kept = argmax.clone()
-            expected = plan.tokens(logits, step)
-            tokens = plan.tokens(logits, step, argmax)
-            assert torch.equal(tokens, expected)
-            assert torch.equal(argmax, kept)
-            assert (tokens is argmax) == (requests is greedy)
-
-
 def test_vectorized_uniforms_equal_the_scalar_hash():
     rng = random.Random(0)
     seeds = [rng.getrandbits(63) for _ in range(200)] + [0, 1, 2**63, 2**64 - 1, 2**70 + 5]

@@ -9,38 +9,17 @@ graph, buffer and the pool, so their memory returns to the allocator.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mcore_inference.fused_decode import FusedDecoder
 from mcore_inference.kv_cache import PagedKVCache
-from mcore_kernels.row_argmax import row_argmax
 from mcore_models.moe import set_decode_expert_padding
 
-__all__ = ["ARGMAX_IN_GRAPH", "DecodeGraphRunner"]
-
-ARGMAX_IN_GRAPH = False
-"""The decode graphs of the last stage end with the greedy argmax of every row's logits
-(:func:`mcore_kernels.row_argmax.row_argmax`) and write it into the graph's token input: a
-step whose rows all sample takes its greedy tokens from the graph (no launch of its own), and
-the next step of a multi-step run is fed them without a copy. The sampler computed that
-argmax for every sampling row anyway (a drawing row's token replaces it). Steps that prefill
-in the graph (``cuda_graph_mixed_steps``) reduce their prompt rows too, unused."""
+__all__ = ["DecodeGraphRunner"]
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-@dataclass(slots=True)
-class _Captured:
-    """One captured graph and its static outputs."""
-
-    graph: torch.cuda.CUDAGraph
-    output: torch.Tensor
-    """Logits (or the stage's hidden states) of every row of the bucket."""
-    argmax: torch.Tensor | None
-    """int64 greedy token of every row (:data:`ARGMAX_IN_GRAPH`), else None."""
 
 
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
@@ -61,9 +40,8 @@ class DecodeGraphRunner:
     rows) and derives the cache metadata inside the graph. On a pipeline stage without the
     embedding it also reads a static ``[1, bucket, hidden]`` buffer of the previous stage's
     hidden states, and a stage without the output layer returns hidden states, not logits. Padded rows read token 0 at
-    position 0 (in the later steps of a multi-step run, their own greedy token) through the
-    table row ``padding_row``, which must stay all scratch blocks, so they write only into the
-    scratch block and never touch a request's cache.
+    position 0 through the table row ``padding_row``, which must stay all scratch blocks, so
+    they write only into the scratch block and never touch a request's cache.
 
     Args:
         model: A ``GPTModel`` on a CUDA device.
@@ -103,13 +81,13 @@ class DecodeGraphRunner:
             )
         self._last_stage = bool(getattr(model, "post_process", True))
         self._pool: Any = torch.cuda.graph_pool_handle()
-        self._graphs: dict[tuple[int, int], _Captured] = {}
-        """``(bucket, block-table width)`` -> graph and its outputs."""
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        """``(bucket, block-table width)`` -> graph and its output."""
         self._full_width = block_tables.shape[1]
         self._narrow_width = min(self._full_width, cache.split_size // cache.block_size)
         self._weight_addresses = self._current_weight_addresses()
-        self._current: _Captured | None = None
-        """The graph and outputs of the last :meth:`run` (continued by :meth:`run_next`)."""
+        self._current: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
+        """The graph and output of the last :meth:`run` (continued by :meth:`run_next`)."""
 
     def _current_weight_addresses(self) -> tuple[int, ...]:
         tensors = [*self._model.parameters(), *self._model.buffers()]
@@ -143,16 +121,12 @@ class DecodeGraphRunner:
         """Batch sizes captured so far."""
         return tuple(sorted({batch for batch, _ in self._graphs}))
 
-    def _forward(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's output, and its greedy tokens where the fused decoder's LM head
-        computes them (steps of many rows: :data:`mcore_inference.lm_head.LM_HEAD_SLICES`)."""
+    def _forward(self, batch: int, width: int) -> torch.Tensor:
         inputs = self._inputs[:, :batch]
         self._cache.prepare_step(self._block_tables[:, :width], inputs[1], inputs[2])
         stage_input = inputs[0][None] if self._hidden is None else self._hidden[:, :batch]
         if self._decoder is not None and self._last_stage:
-            return self._decoder.logits_and_argmax(
-                stage_input, inputs[1][None], kv_cache=self._cache
-            )
+            return self._decoder.logits(stage_input, inputs[1][None], kv_cache=self._cache)
         if self._decoder is not None:
             hidden = self._decoder(stage_input, inputs[1][None], kv_cache=self._cache)
         else:
@@ -160,26 +134,12 @@ class DecodeGraphRunner:
                 stage_input, inputs[1][None], kv_cache=self._cache, return_hidden=True
             )
         if not self._last_stage:
-            return hidden[0], None
+            return hidden[0]
         if self._decoder is not None:
-            return self._decoder.compute_logits(hidden[0]), None
-        return self._model.compute_logits(hidden[0]), None
+            return self._decoder.compute_logits(hidden[0])
+        return self._model.compute_logits(hidden[0])
 
-    def _forward_and_argmax(
-        self, batch: int, width: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`_forward`, then (its LM head's, or with :data:`ARGMAX_IN_GRAPH` on the last
-        stage a :func:`~mcore_kernels.row_argmax.row_argmax`) the greedy tokens, also written
-        into the token input for the next step of a run."""
-        output, tokens = self._forward(batch, width)
-        if tokens is None:
-            if not (ARGMAX_IN_GRAPH and self._last_stage and output.dim() == 2):
-                return output, None
-            tokens = row_argmax(output)
-        self._inputs[0, :batch].copy_(tokens)
-        return output, tokens
-
-    def _capture(self, batch: int, width: int) -> _Captured:
+    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm up outside the graph (lazy initialisation and Triton compilation must not be
         # recorded); padded inputs make the warm-up write only into the scratch block.
         self._inputs.copy_(self._padding)
@@ -193,15 +153,15 @@ class DecodeGraphRunner:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward_and_argmax(batch, width)
+                    self._forward(batch, width)
             torch.cuda.current_stream().wait_stream(stream)
             try:
                 with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    output, argmax = self._forward_and_argmax(batch, width)
+                    logits = self._forward(batch, width)
             finally:
                 self._cache.clear_step()
-        entry = self._graphs[batch, width] = _Captured(graph, output, argmax)
-        return entry
+        self._graphs[batch, width] = (graph, logits)
+        return graph, logits
 
     def run(
         self,
@@ -233,6 +193,7 @@ class DecodeGraphRunner:
         entry = self._graphs.get((bucket, width))
         if entry is None:
             entry = self._capture(bucket, width)
+        graph, logits = entry
         self._inputs[:, :count].copy_(inputs)
         if count < bucket:
             self._inputs[:, count:bucket].copy_(self._padding[:, count:bucket])
@@ -242,34 +203,18 @@ class DecodeGraphRunner:
                 received = hidden.shape[1]
                 self._hidden[:, :received].copy_(hidden)
             self._hidden[:, received:bucket].zero_()
-        entry.graph.replay()
+        graph.replay()
         self._current = entry
-        return entry.output[:count]
-
-    def argmax(self, count: int) -> torch.Tensor | None:
-        """The greedy tokens of the first ``count`` rows of the last replay, or None.
-
-        Args:
-            count: Real rows of the step.
-
-        Returns:
-            int64 ``[count]`` (a view of the graph's output, valid until the next replay), or
-            None without :data:`ARGMAX_IN_GRAPH` or on a stage without the output layer.
-        """
-        entry = self._current
-        if entry is None or entry.argmax is None:
-            return None
-        return entry.argmax[:count]
+        return logits[:count]
 
     def run_next(self, tokens: torch.Tensor) -> torch.Tensor:
         """Run the next decode step of the batch of the last :meth:`run`, in the same graph.
 
         Multi-step decode (:mod:`mcore_inference.multi_step`): every real row is fed ``tokens``
         one position further than in the previous step, in the same block-table row; the
-        padding rows keep their positions. No host value is uploaded. The caller keeps every
-        row's position within the graph's table width (the ``max_context`` of the first step
-        covers the whole run). Tokens that are the graph's own greedy tokens (:meth:`argmax`,
-        the same storage) are in its token input already: no copy.
+        padding rows are unchanged. No host value is uploaded. The caller keeps every row's
+        position within the graph's table width (the ``max_context`` of the first step covers
+        the whole run).
 
         Args:
             tokens: int64 ``[n]`` tokens of the ``n`` real rows (the previous step's samples).
@@ -280,11 +225,11 @@ class DecodeGraphRunner:
         entry = self._current
         assert entry is not None, "run_next needs a run() before it"
         count = tokens.shape[0]
-        if entry.argmax is None or tokens.data_ptr() != entry.argmax.data_ptr():
-            self._inputs[0, :count].copy_(tokens)
+        self._inputs[0, :count].copy_(tokens)
         self._inputs[1, :count].add_(1)
-        entry.graph.replay()
-        return entry.output[:count]
+        graph, logits = entry
+        graph.replay()
+        return logits[:count]
 
     def capture_all(self) -> int:
         """Capture every bucket's graphs now (both block-table widths) instead of at first use.
@@ -305,8 +250,8 @@ class DecodeGraphRunner:
 
     def _release_graphs(self) -> None:
         self._current = None
-        for entry in self._graphs.values():
-            entry.graph.reset()
+        for graph, _ in self._graphs.values():
+            graph.reset()
         self._graphs.clear()
 
     def close(self) -> None:

@@ -144,7 +144,6 @@ class _StepLoop(_ResultBook):
                 mine,
                 logits_dtype=getattr(self._runner, "hidden_dtype", None),
                 buffers=self._sample_buffers,
-                argmax=self._runner.last_argmax,
             )
         if pp > 1:
             # The microbatch that moves into this stage at the next step.

@@ -54,9 +54,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mcore_inference import lm_head
 from mcore_inference.kv_cache import PagedKVCache
-from mcore_inference.lm_head import SlicedLMHead
 from mcore_kernels.batch_invariant import is_batch_invariant
 from mcore_kernels.decode_attention_gemv import attention_o_proj
 from mcore_kernels.decode_gemv import decode_gemv
@@ -299,8 +297,6 @@ class FusedDecoder:
         self.lm_head_gemv_max_rows = (
             LM_HEAD_GEMV_MAX_ROWS if lm_head_gemv_max_rows is None else lm_head_gemv_max_rows
         )
-        self._sliced_head: SlicedLMHead | None = None
-        """The LM head of steps of many rows (:data:`mcore_inference.lm_head.LM_HEAD_SLICES`)."""
         self._layers: list[_FusedLayer] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         """``(target view in a fused buffer, source parameter)`` pairs."""
@@ -454,7 +450,8 @@ class FusedDecoder:
         :meth:`compute_logits` of those rows, except that steps whose projections and LM head
         both run as ``decode_gemv`` fold the final norm into the LM head's prologue
         (:data:`FINAL_NORM_IN_LM_HEAD`, off by default). The engine's eager and captured steps
-        both come here, so they compute the same bits.
+        both come
+        here, so they compute the same bits.
 
         Args:
             input_ids: ``[1, T]`` token ids.
@@ -464,40 +461,6 @@ class FusedDecoder:
 
         Returns:
             ``[len(rows), vocab_size]`` logits (see :meth:`compute_logits`).
-        """
-        logits, _ = self.logits_and_argmax(
-            input_ids, position_ids, kv_cache=kv_cache, rows=rows, argmax=False
-        )
-        return logits
-
-    def logits_and_argmax(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        *,
-        kv_cache: PagedKVCache,
-        rows: torch.Tensor | None = None,
-        argmax: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`logits`, and the greedy tokens where the LM head computes them on the way.
-
-        Steps of at least :data:`mcore_inference.lm_head.LM_HEAD_SLICES` rows run the LM head
-        in vocabulary slices and, with ``argmax``, reduce each slice's argmax beside the next
-        slice's GEMM (:class:`mcore_inference.lm_head.SlicedLMHead`); the logits are the same
-        bits with or without ``argmax``.
-
-        Args:
-            input_ids: ``[1, T]`` token ids.
-            position_ids: ``[1, T]`` positions.
-            kv_cache: The engine's paged cache with the step's metadata installed.
-            rows: Indices of the rows whose logits are wanted (None: every row).
-            argmax: Ask for the greedy tokens.
-
-        Returns:
-            The logits of :meth:`logits` and int64 ``[len(rows)]`` greedy tokens (the first
-            index of each row's largest logit; a buffer reused by the next step of as many
-            rows), or None where the LM head does not compute them (then the caller reduces
-            the logits itself).
         """
         count = input_ids.shape[1] if rows is None else rows.shape[0]
         fold = (
@@ -509,13 +472,12 @@ class FusedDecoder:
         if rows is not None:
             hidden = hidden.index_select(0, rows)
         if not fold:
-            return self._lm_head(hidden, argmax)
+            return self.compute_logits(hidden)
         norm = self.model.final_norm
         with programmatic_dependent_launch(self.pdl):
-            logits = decode_gemv(
+            return decode_gemv(
                 hidden, self.model.output_weight(), norm_weight=norm.weight, norm_eps=norm.eps
             )
-        return logits, None
 
     def _gemm_layers(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache
@@ -790,29 +752,11 @@ class FusedDecoder:
             ``[rows, vocab_size]`` logits in the dtype of the output weight; at most
             ``lm_head_gemv_max_rows`` rows run the LM head as one ``decode_gemv``.
         """
-        return self._lm_head(hidden, False)[0]
-
-    def _lm_head(
-        self, hidden: torch.Tensor, argmax: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`compute_logits`, in vocabulary slices with the argmax from
-        :data:`mcore_inference.lm_head.LM_HEAD_SLICES` rows (see :meth:`logits_and_argmax`)."""
         model = self.model
         if hidden.dim() != 2 or hidden.shape[0] > self.lm_head_gemv_max_rows:
-            slices, min_rows = lm_head.LM_HEAD_SLICES
-            if (
-                slices > 1
-                and hidden.dim() == 2
-                and hidden.shape[0] >= min_rows
-                and isinstance(model.logits_gather, torch.nn.Identity)
-            ):
-                head = self._sliced_head
-                if head is None or head.slices != slices:
-                    head = self._sliced_head = SlicedLMHead(slices)
-                return head(model.logits_input(hidden), model.output_weight(), argmax=argmax)
-            return model.compute_logits(hidden, upcast=False), None
+            return model.compute_logits(hidden, upcast=False)
         with programmatic_dependent_launch(self.pdl):
-            return decode_gemv(hidden, model.output_weight()), None
+            return decode_gemv(hidden, model.output_weight())
 
 
 def build_fused_decoder(

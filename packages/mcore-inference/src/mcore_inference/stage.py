@@ -71,9 +71,6 @@ class StageRunner:
         """State slots of a hybrid model's Mamba layers (set by the engine), else None."""
         self.hybrid_graphs: HybridGraphRunner | None = None
         """Decode and non-decode CUDA graphs of a hybrid model (set by the engine)."""
-        self.last_argmax: torch.Tensor | None = None
-        """The greedy tokens of the sampling rows of the last :meth:`run` when its decode
-        graph computed them (every row samples), else None: the sampler's argmax."""
         self.graph_mixed_steps = False
         """Run steps that prefill in the decode graphs too, when their tokens fit a bucket (set
         by the engine from ``InferenceConfig.cuda_graph_mixed_steps``)."""
@@ -116,7 +113,6 @@ class StageRunner:
     def _run(
         self, microbatch: Microbatch | None, received: torch.Tensor | None, has_work: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        self.last_argmax = None
         if self.mamba_states is not None:
             return self._run_hybrid(microbatch, received)
         num_real = microbatch.num_tokens if microbatch is not None else 0
@@ -160,8 +156,6 @@ class StageRunner:
                     # whose prompt chunks are single tokens): only the sampling rows.
                     rows = to_device(microbatch.sample_rows, torch.long, self.device)
                     output = output.index_select(0, rows)
-                else:
-                    self.last_argmax = graphs.argmax(num_real)
                 return None, output
             except Exception as exc:
                 self._drop_graphs(graphs, exc)
@@ -213,19 +207,10 @@ class StageRunner:
                     self._drop_graphs(graphs, exc)
                     graphs = None
             if logits is not None and graphs is not None:
-                # The graph's greedy tokens (ARGMAX_IN_GRAPH) are also its next token input.
-                tokens = plan.sample(
-                    logits, samples[0], 0, logits_dtype=logits_dtype, argmax=graphs.argmax(num_real)
-                )
+                tokens = plan.sample(logits, samples[0], 0, logits_dtype=logits_dtype)
                 for step in range(1, steps):
                     logits = graphs.run_next(tokens)[:num_real]
-                    tokens = plan.sample(
-                        logits,
-                        samples[step],
-                        step,
-                        logits_dtype=logits_dtype,
-                        argmax=graphs.argmax(num_real),
-                    )
+                    tokens = plan.sample(logits, samples[step], step, logits_dtype=logits_dtype)
                 return
             for step in range(steps):
                 if step:
