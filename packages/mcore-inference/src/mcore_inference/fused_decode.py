@@ -15,8 +15,9 @@ little data, the launches dominate. :class:`FusedDecoder` computes the same laye
   :data:`DOWN_PROJ_SPLITS`): one launch fewer than cuBLAS's split-K GEMM and its reduction.
 - the RMSNorm weights folded into weight copies (:data:`MLP_NORM_IN_WEIGHTS`, and past 256
   tokens :data:`QKV_NORM_IN_WEIGHTS`): the GEMM that ends a block adds the residual stream
-  (``torch.addmm``), the next projection reads that sum, and the kernel after it applies the
-  row's ``rstd`` (:mod:`mcore_kernels.normed_swiglu`,
+  (``addmm_`` into the stream itself: :data:`RESIDUAL_ADD_IN_PLACE`), the next projection
+  reads that sum, and the kernel after it applies the row's ``rstd``
+  (:mod:`mcore_kernels.normed_swiglu`,
   :mod:`mcore_kernels.normed_rotary_kv_write`): no norm launch in those places.
 
 Steps of at most ``gemv_max_rows`` tokens (decode at small batch) run every projection as
@@ -488,8 +489,8 @@ class FusedDecoder:
 
         ``residual`` is the residual stream. With :data:`QKV_NORM_IN_WEIGHTS` (steps whose
         down projection is cuBLAS's own GEMM) every GEMM that ends a block adds it in place
-        (``torch.addmm``) and the input norm lives in the q/k/v weight copy and the RoPE
-        kernel: no norm launch before the q/k/v projection."""
+        (``addmm_``, :data:`RESIDUAL_ADD_IN_PLACE`) and the input norm lives in the q/k/v
+        weight copy and the RoPE kernel: no norm launch before the q/k/v projection."""
         model = self.model
         residual: torch.Tensor | None = None
         layers = list(zip(model.layers, self._layers, strict=True))
