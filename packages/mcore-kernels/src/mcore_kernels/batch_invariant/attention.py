@@ -31,7 +31,7 @@ import torch
 
 from mcore_kernels._backend import _interpreting, use_triton
 from mcore_kernels._triton_utils import jit, next_power_of_2, round_to, tl, triton
-from mcore_kernels.batch_invariant.attention_reference import (
+from mcore_kernels.batch_invariant.reference import (
     SPLIT_SIZE,
     TILE,
     attention_batch_invariant_reference,

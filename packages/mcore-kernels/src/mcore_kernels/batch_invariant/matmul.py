@@ -25,7 +25,7 @@ only. The two paths are each batch-invariant; they agree with each other to roun
 Eager calls go through ``_InvariantMatmul``; while ``torch.compile`` traces a call it becomes the
 custom op ``torch.ops.mcore_kernels.batch_invariant_matmul`` with the registered backward
 ``batch_invariant_matmul_bwd`` (the same ordinary GEMMs). The torch reference is
-:func:`matmul_reference`.
+:func:`mcore_kernels.batch_invariant.reference.matmul_reference`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.batch_invariant.gemm import launch_gemm
 from mcore_kernels.batch_invariant.gemm_configs import gemm_config
+from mcore_kernels.batch_invariant.reference import REFERENCE_CHUNK_ROWS, matmul_reference
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 
 __all__ = [
@@ -48,9 +49,6 @@ __all__ = [
     "matmul_reference",
     "mm_batch_invariant",
 ]
-
-REFERENCE_CHUNK_ROWS = 16
-"""Rows per BLAS call of the torch reference (every call has this many rows)."""
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -74,49 +72,6 @@ def _launch(
 ) -> torch.Tensor:
     config = gemm_config(b.shape[2], a.shape[1], a.dtype, a.device)
     return launch_gemm(a, b, group_ends, rows_per_group, config)
-
-
-def _chunked_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` as fixed ``REFERENCE_CHUNK_ROWS``-row BLAS calls (the CPU-invariant product)."""
-    rows = a.shape[0]
-    pad = -rows % REFERENCE_CHUNK_ROWS
-    if pad:
-        a = torch.cat([a, a.new_zeros((pad, a.shape[1]))])
-    chunks = [chunk @ b for chunk in a.split(REFERENCE_CHUNK_ROWS)]
-    out = torch.cat(chunks) if chunks else a.new_empty((0, b.shape[1]))
-    return out[:rows]
-
-
-def matmul_reference(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    group_ends: torch.Tensor | None = None,
-    rows_per_group: int | None = None,
-) -> torch.Tensor:
-    """Torch reference of the grouped batch-invariant product.
-
-    Args:
-        a: ``[M, K]`` rows.
-        b: ``[G, K, N]`` one matrix per group.
-        group_ends: ``[G]`` end row of each group (variable groups), or None.
-        rows_per_group: Rows of every group when ``group_ends`` is None (default ``M / G``).
-
-    Returns:
-        ``[M, N]`` in ``a.dtype``.
-    """
-    groups = b.shape[0]
-    if group_ends is None:
-        size = rows_per_group if rows_per_group is not None else a.shape[0] // max(groups, 1)
-        ends = [size * (g + 1) for g in range(groups)]
-    else:
-        ends = [int(e) for e in group_ends.tolist()]
-    pieces, start = [], 0
-    for g, end in enumerate(ends):
-        pieces.append(_chunked_mm(a[start:end], b[g]))
-        start = end
-    if start < a.shape[0]:
-        pieces.append(a.new_zeros((a.shape[0] - start, b.shape[2])))
-    return torch.cat(pieces) if pieces else a.new_empty((0, b.shape[2]))
 
 
 def _grouped_forward(

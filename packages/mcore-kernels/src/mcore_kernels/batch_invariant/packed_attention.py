@@ -11,7 +11,7 @@ Eager calls go through ``_PackedAttention``; while ``torch.compile`` traces a ca
 custom op ``torch.ops.mcore_kernels.packed_attention_batch_invariant`` with the registered
 backward ``packed_attention_batch_invariant_bwd`` (the same SDPA recomputation). The torch
 reference of the forward is
-:func:`~mcore_kernels.batch_invariant.attention_reference.attention_reference`, which
+:func:`~mcore_kernels.batch_invariant.reference.attention_batch_invariant_reference`, which
 :func:`~mcore_kernels.batch_invariant.attention.attention_batch_invariant` runs on the CPU.
 """
 
