@@ -40,6 +40,7 @@ __all__ = [
     "normed_swiglu_reference",
     "split_sum_add_rms_norm_reference",
     "normed_qkv_reference",
+    "gather_row_pairs_reference",
 ]
 
 
@@ -641,3 +642,20 @@ def normed_swiglu_reference(gate_up: torch.Tensor, x: torch.Tensor, eps: float) 
     gate = gate * rstd
     up = up * rstd
     return (gate / (1.0 + torch.exp(-gate)) * up).to(gate_up.dtype)
+
+
+def gather_row_pairs_reference(
+    a: torch.Tensor, a_index: torch.Tensor, b: torch.Tensor, b_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`mcore_kernels.gather_rows.gather_row_pairs` (exact copies).
+
+    Args:
+        a: ``[rows_a, cols_a]`` table.
+        a_index: Integer ``[T]`` rows of ``a``.
+        b: ``[rows_b, cols_b]`` table.
+        b_index: Integer ``[T]`` rows of ``b``.
+
+    Returns:
+        ``(a.index_select(0, a_index), b.index_select(0, b_index))``.
+    """
+    return a.index_select(0, a_index), b.index_select(0, b_index)
