@@ -717,6 +717,7 @@ def _forward(
     r = residual if residual is not None else x
     stats = rstd if rstd is not None else y
     programs = -(-rows // block_rows)
+    args: tuple
     if exact:
         # rstd is never stored here: rows of at most MAX_BLOCK recompute it in the backward.
         launcher, args = _FORWARD_EXACT, (x, r, weight, y, h, eps)
@@ -805,6 +806,7 @@ def _backward(
     has_dhidden = dhidden_out is not None
     exact = final and exact_width and specialise and rows == block_rows
     partial = dweight if final else weight.new_empty((programs, hidden), dtype=torch.float32)
+    args: tuple
     if exact:
         # One program of rows exactly one block wide: no masks, no row count or strides.
         launcher, args = _BACKWARD_EXACT, (dy2, dh2, h2, weight, dx, dweight, eps)
