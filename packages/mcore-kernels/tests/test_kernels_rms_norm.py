@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 
 import pytest
@@ -425,42 +424,6 @@ def test_specialised_forward_is_bitwise_the_general_kernel(
         torch.testing.assert_close(special[0], y_ref, atol=ATOL[dtype], rtol=ATOL[dtype])
         if res is not None:
             assert torch.equal(special[1], reference[1])
-
-
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-            ],
-        ),
-    ],
-)
-@pytest.mark.parametrize(("rows", "hidden"), [(1, 2048), (2, 1024), (1, 256)], ids=str)
-def test_forward_split_over_programs_is_bitwise_one_program(
-    triton_backend, monkeypatch, device, rows, hidden
-):
-    # fwd_split programs share a row block: each reduces all of it and stores its share of the
-    # columns, so the outputs are bitwise those of one program per row block.
-    module = importlib.import_module("mcore_kernels.rms_norm")
-    if device == "cuda":
-        monkeypatch.delenv("TRITON_INTERPRET")
-    x, residual, weight = (
-        t.to(device) for t in _inputs((rows, hidden), torch.bfloat16, seed=rows + hidden, scale=3.0)
-    )
-    width = min(w for w in module.LAUNCH_CONFIGS if w >= hidden)
-    base = module.LAUNCH_CONFIGS[width]
-    for res in (None, residual):
-        expected = module._forward(x, weight, 1e-6, res, False, config=base)
-        for split in (2, 4):
-            config = dataclasses.replace(base, fwd_split=split)
-            got = module._forward(x, weight, 1e-6, res, False, config=config)
-            for value, reference in zip(got[:2], expected[:2], strict=True):
-                assert torch.equal(value, reference), (split, res is None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -86,14 +86,9 @@ class RMSNormLaunch:
     bwd_stages: int
     """Software-pipelining depth of the backward's row loop, when its buffers fit in shared
     memory (else 1)."""
-    fwd_split: int = 1
-    """Programs each forward row block is spread over in calls of rows exactly one block wide
-    with at most one row block per ``fwd_split`` multiprocessors: every program reduces the
-    whole row block (the arithmetic of one program, so the same bits) and stores only its
-    ``1 / fwd_split`` share of the columns."""
 
     def __post_init__(self) -> None:
-        for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps", "fwd_split"):
+        for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise KernelValueError(f"{name}={value} must be a positive power of two")
@@ -195,9 +190,8 @@ def _forward_constexprs(
     flags: tuple[bool, ...],
     exact: bool = False,
     pdl: bool = False,
-    split: int = 1,
 ) -> dict[str, Any]:
-    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl, split)
+    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl)
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None and exact:
         _, wide, evict = flags
@@ -209,7 +203,6 @@ def _forward_constexprs(
             "WIDE": wide,
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
-            "SPLIT": split,
         }
     elif found is None:
         even, wide, evict = flags
@@ -377,46 +370,27 @@ def _rms_norm_fwd_exact_kernel(
     WIDE: tl.constexpr,
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     # The forward of contiguous rows exactly BLOCK wide in whole row blocks: no masks, no row
     # count, the row stride is the constexpr width. The arithmetic is the general kernel's
     # single-block path (same reduction layout for the same BLOCK_M, BLOCK and warps; the
-    # mean divides by the same power of two), so its outputs are bitwise the same. With
-    # SPLIT > 1, SPLIT programs share a row block: each reduces all of it and stores (and
-    # loads the weight of) only its share of the columns.
-    block_id = tl.program_id(0)
-    if SPLIT > 1:
-        block_id = block_id // SPLIT
+    # mean divides by the same power of two), so its outputs are bitwise the same.
     if WIDE:
-        first = block_id.to(tl.int64) * BLOCK_M
+        first = tl.program_id(0).to(tl.int64) * BLOCK_M
     else:
-        first = block_id * BLOCK_M
+        first = tl.program_id(0) * BLOCK_M
     cols = tl.arange(0, BLOCK)
     offs = (first + tl.arange(0, BLOCK_M))[:, None] * BLOCK + cols[None, :]
-    if SPLIT > 1:
-        share = cols // (BLOCK // SPLIT) == tl.program_id(0) % SPLIT
-        w = _load(weight_ptr + cols, share, False, WEIGHT_HINT)
-        share = share[None, :]
-    else:
-        w = _load(weight_ptr + cols, None, True, WEIGHT_HINT)
+    w = _load(weight_ptr + cols, None, True, WEIGHT_HINT)
     x = _load(x_ptr + offs, None, True, ROW_HINT)
     w = w.to(tl.float32)
     if HAS_RESIDUAL:
         r = _load(residual_ptr + offs, None, True, ROW_HINT)
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
-        if SPLIT > 1:
-            tl.store(hidden_out_ptr + offs, x, mask=share)
-        else:
-            tl.store(hidden_out_ptr + offs, x)
+        tl.store(hidden_out_ptr + offs, x)
     h = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / BLOCK + eps)
-    y_pointers = y_ptr + offs
-    y = round_to(h * rstd[:, None] * w[None, :], y_ptr.dtype.element_ty)
-    if SPLIT > 1:
-        tl.store(y_pointers, y, mask=share)
-    else:
-        tl.store(y_pointers, y)
+    tl.store(y_ptr + offs, round_to(h * rstd[:, None] * w[None, :], y_ptr.dtype.element_ty))
 
 
 @jit
@@ -737,16 +711,12 @@ def _forward(
         # 2048 18.0 against 18.5 us); larger calls are 2-5 % slower with it and load plainly.
         elements * x.itemsize <= plan.streaming_bytes,
     )
-    programs = -(-rows // block_rows)
-    # Few row blocks: each spread over fwd_split programs, while they fit on the device at once.
-    split = config.fwd_split if exact else 1
-    if split > 1 and programs * split > device_limits(_device(device_index))[0]:
-        split = 1
     constexprs = _forward_constexprs(
-        plan, has_residual, store_rstd, block_rows, flags, exact=exact, pdl=pdl, split=split
+        plan, has_residual, store_rstd, block_rows, flags, exact=exact, pdl=pdl
     )
     r = residual if residual is not None else x
     stats = rstd if rstd is not None else y
+    programs = -(-rows // block_rows)
     args: tuple
     if exact:
         # rstd is never stored here: rows of at most MAX_BLOCK recompute it in the backward.
@@ -761,14 +731,14 @@ def _forward(
         stats_address = stats.data_ptr() if store_rstd else y_address
         tail = (eps,) if exact else (stats_address, rows, hidden, hidden, hidden, eps)
         key = (hidden, device_index, x.dtype, weight.dtype, has_residual, store_rstd, block_rows,
-               flags, _int_class(rows), pdl, split)  # fmt: skip
-        launcher.keyed(key, programs * split, args, (*addresses, y_address, h.data_ptr(), *tail),
+               flags, _int_class(rows), pdl)  # fmt: skip
+        launcher.keyed(key, programs, args, (*addresses, y_address, h.data_ptr(), *tail),
                        constexprs, config.fwd_warps, device_index)  # fmt: skip
         entry = launcher.entry(key)
         if entry is not None and specialise and not store_rstd and type(eps) is float:
-            _FAST_FORWARD[signature] = (*entry, programs * split, exact)
+            _FAST_FORWARD[signature] = (*entry, programs, exact)
     else:
-        launcher((programs * split,), args, constexprs, config.fwd_warps, device_index)
+        launcher((programs,), args, constexprs, config.fwd_warps, device_index)
     return y, h, rstd
 
 
