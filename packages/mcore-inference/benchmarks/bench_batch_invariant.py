@@ -213,7 +213,7 @@ def _graph_ms(fn, calls: int) -> float:
 
 
 def _gemm_table(config: GPTConfig, device: torch.device) -> list[dict]:
-    from mcore_kernels.batch_invariant.gemm_configs import gemm_config
+    from mcore_kernels.batch_invariant.matmul import gemm_config
 
     hidden, ffn = config.hidden_size, config.ffn_hidden_size
     heads = config.num_attention_heads * config.kv_channels

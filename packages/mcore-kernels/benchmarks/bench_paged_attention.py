@@ -16,7 +16,7 @@ timed like ``bench_decode.py``'s).
 
 Variants: ``before`` is the split kernel as it was (query group padded to 16 rows, IEEE
 float32 ``tl.dot``); ``default`` is the configuration the package picks for the launch
-(:func:`mcore_kernels.paged_attention_config.paged_decode_config`: 2 warps and at most 128
+(:func:`mcore_kernels.paged_attention.paged_decode_config`: 2 warps and at most 128
 registers per thread from 4 programs per multiprocessor, else 4 warps); ``--sweep`` adds the other
 modes and tiles; ``auto`` is the default configuration with the split picked per launch
 (``split_size=None``: :func:`mcore_kernels.paged_attention.auto_split_size`, up to 1024
@@ -47,8 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import device_info
 from _paged_attention_baseline import baseline_paged_attention
 
-from mcore_kernels.paged_attention import paged_attention_reference, paged_attention_triton
-from mcore_kernels.paged_attention_config import PagedDecodeConfig, paged_decode_config
+from mcore_kernels.paged_attention import (
+    PagedDecodeConfig,
+    paged_attention_reference,
+    paged_attention_triton,
+    paged_decode_config,
+)
 
 BLOCK = 16
 SPLIT = 256

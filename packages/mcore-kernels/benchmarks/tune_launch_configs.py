@@ -257,7 +257,7 @@ HOW_CHOSEN = """How the launch configuration of a call is chosen per shape (mcor
 add + RMSNorm. The numerics of a row (the order of its reductions) depend on the row width
 only, so a row's result is bitwise the same whatever the number of rows in the call.
 
-1. Once per (hidden size, device), `rms_norm_config._launch` (cached) builds the plan: the row
+1. Once per (hidden size, device), `rms_norm._launch` (cached) builds the plan: the row
    block width is the hidden size rounded up to a power of two, at most `MAX_BLOCK` = 8192
    (wider rows are streamed in 8192-wide chunks, one row per program, and the forward stores
    `rstd` for the backward); `LAUNCH_CONFIGS` gives that width's entry (the table below).

@@ -8,8 +8,7 @@ import torch.nn.functional as F
 
 from mcore_kernels import KernelShapeError
 from mcore_kernels.batch_invariant import linear_batch_invariant
-from mcore_kernels.batch_invariant.gemm import GemmConfig, launch_gemm
-from mcore_kernels.batch_invariant.gemm_configs import gemm_config
+from mcore_kernels.batch_invariant.matmul import GemmConfig, gemm_config, launch_gemm
 
 CONFIGS = {
     "tiles": GemmConfig(block_m=16, block_n=32, block_k=32, warps=4, stages=2),

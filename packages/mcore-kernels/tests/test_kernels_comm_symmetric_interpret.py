@@ -46,7 +46,7 @@ def _expected(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _symmetric_buffers(world: int, hidden: int, dtype: torch.dtype, barriers: int) -> dict:
-    from mcore_kernels.comm.symmetric_kernels import SIGNAL_PAD_SLOTS
+    from mcore_kernels.comm.symmetric import SIGNAL_PAD_SLOTS
 
     staging = [torch.zeros(_CAPACITY_ROWS, hidden, dtype=dtype) for _ in range(world)]
     output = [torch.zeros(2, _CAPACITY_ROWS, hidden, dtype=dtype) for _ in range(world)]
@@ -69,7 +69,7 @@ def _symmetric_buffers(world: int, hidden: int, dtype: torch.dtype, barriers: in
 
 
 def _run_one_shot(case: dict, world: int) -> tuple[list, dict]:
-    from mcore_kernels.comm.symmetric_kernels import launch_one_shot
+    from mcore_kernels.comm.symmetric import launch_one_shot
 
     tokens, hidden = case["residual"].shape
     buffers = _symmetric_buffers(world, hidden, case["residual"].dtype, barriers=2)
@@ -96,7 +96,7 @@ def _run_one_shot(case: dict, world: int) -> tuple[list, dict]:
 
 
 def _run_two_shot(case: dict, world: int) -> tuple[list, dict]:
-    from mcore_kernels.comm.symmetric_kernels import launch_two_shot
+    from mcore_kernels.comm.symmetric import launch_two_shot
 
     tokens, hidden = case["residual"].shape
     buffers = _symmetric_buffers(world, hidden, case["residual"].dtype, barriers=2)
@@ -201,10 +201,10 @@ def test_staging_buffer_holds_this_ranks_partial_after_the_call() -> None:
 def test_programs_that_loop_over_several_rows_cover_every_token_once(
     strategy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mcore_kernels.comm import symmetric_kernels
+    from mcore_kernels.comm import symmetric
 
     # Fewer programs than rows, as on a GPU with more tokens than MAX_PROGRAMS.
-    monkeypatch.setattr(symmetric_kernels, "MAX_PROGRAMS", 2)
+    monkeypatch.setattr(symmetric, "MAX_PROGRAMS", 2)
     world, tokens = 2, 7
     case = _peers(world, tokens, 24, torch.bfloat16, seed=13)
     expected_normed, expected_residual = _expected(case)

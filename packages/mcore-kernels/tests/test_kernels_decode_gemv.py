@@ -2,6 +2,7 @@
 checked against the unfused torch ops it stands for; dispatch, errors, the custom op; and a GPU
 run in bfloat16 (eager, split-K determinism, CUDA graph replay)."""
 
+import importlib
 import os
 
 import torch
@@ -116,12 +117,12 @@ def test_reduction_shorter_than_one_tile(config):
 @pytest.mark.parametrize("rows", [1, 3])
 def test_early_tail_is_the_same_sum(monkeypatch, flags, rows):
     # K = 50: one full tile of 32 and a tail of 18, both requested before the products.
-    from mcore_kernels import decode_gemv_config
+    gemv_module = importlib.import_module("mcore_kernels.decode_gemv")
 
     problem = _problem(rows, FLAGS[flags], torch.float32, k=50)
     config = GemvConfig(block_n=8, block_k=32)
     early = decode_gemv_triton(**problem, config=config)
-    monkeypatch.setattr(decode_gemv_config, "EARLY_TAIL", False)
+    monkeypatch.setattr(gemv_module, "EARLY_TAIL", False)
     late = decode_gemv_triton(**problem, config=config)
     assert torch.equal(early, late)
     torch.testing.assert_close(early, decode_gemv_reference(**problem), rtol=1e-5, atol=1e-5)

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from mcore_kernels import moe
+from mcore_kernels.batch_invariant.attention import packed_attention_batch_invariant
 from mcore_kernels.batch_invariant.matmul import (
     bmm_batch_invariant,
     grouped_mm_batch_invariant,
     matmul_reference,
 )
-from mcore_kernels.batch_invariant.packed_attention import packed_attention_batch_invariant
 from mcore_kernels.mla_paged_attention import paged_mla_attention
 from mcore_kernels.reference import paged_mla_attention_reference, rotary_kv_write_reference
 from mcore_kernels.rotary_kv_write import rotary_kv_write

@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 import pytest
 
 from mcore_kernels.errors import KernelShapeError
-from mcore_kernels.normed_rotary_kv_write import normed_qkv_reference, normed_rotary_kv_write
+from mcore_kernels.normed_rotary_kv_write import normed_rotary_kv_write
+from mcore_kernels.reference import normed_qkv_reference
 from mcore_kernels.rms_norm import rms_norm
 from mcore_kernels.rotary_kv_write import rotary_kv_write_reference
 

@@ -12,7 +12,8 @@ import pytest
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 from mcore_kernels.moe.swiglu import swiglu
-from mcore_kernels.normed_swiglu import normed_swiglu, normed_swiglu_reference
+from mcore_kernels.normed_swiglu import normed_swiglu
+from mcore_kernels.reference import normed_swiglu_reference
 from mcore_kernels.rms_norm import rms_norm
 
 pytestmark = pytest.mark.interpreter

@@ -10,8 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_kernels.paged_attention import paged_attention_reference, paged_attention_triton
-from mcore_kernels.paged_attention_config import PagedDecodeConfig
+from mcore_kernels.paged_attention import (
+    PagedDecodeConfig,
+    paged_attention_reference,
+    paged_attention_triton,
+)
 
 pytestmark = [
     pytest.mark.gpu,

@@ -22,13 +22,11 @@ from mcore_kernels.errors import KernelShapeError
 from mcore_kernels.paged_attention import (
     AUTO_SPLIT_MAX,
     DEFAULT_SPLIT_SIZE,
+    WIDE_LAUNCH_PROGRAMS_PER_SM,
+    PagedDecodeConfig,
     auto_split_size,
     paged_attention_reference,
     paged_attention_triton,
-)
-from mcore_kernels.paged_attention_config import (
-    WIDE_LAUNCH_PROGRAMS_PER_SM,
-    PagedDecodeConfig,
     paged_decode_config,
 )
 

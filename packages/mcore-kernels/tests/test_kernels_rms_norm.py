@@ -362,7 +362,7 @@ def test_cuda_cached_launches_match_the_first_launch():
 @pytest.mark.parametrize("shape", [(1, 2048), (1, 8192), (1, 9000), (3, 64)], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_cuda_repeated_calls_take_the_fast_path_with_the_first_calls_results(shape, with_residual):
-    launch = importlib.import_module("mcore_kernels.rms_norm_launch")
+    launch = importlib.import_module("mcore_kernels.rms_norm")
     x, residual, weight = (t.cuda() for t in _inputs(shape, torch.bfloat16, seed=shape[1]))
     residual = residual if with_residual else None
     grads = [torch.randn_like(x) for _ in range(2)]
@@ -396,7 +396,7 @@ def test_specialised_forward_is_bitwise_the_general_kernel(
 ):
     # Whole row blocks of rows exactly one block wide run the specialised kernel (no masks, no
     # strides): its bits must be the general kernel's, and its values the reference's.
-    launch = importlib.import_module("mcore_kernels.rms_norm_launch")
+    launch = importlib.import_module("mcore_kernels.rms_norm")
     plan = launch._launch(hidden, -1)
     assert plan.exact and not rows % plan.config.fwd_rows
     launched = []
@@ -431,7 +431,7 @@ def test_specialised_forward_is_bitwise_the_general_kernel(
 def test_specialised_backward_is_bitwise_the_general_kernel(triton_backend, rows, hidden, dtype):
     # A call that is one row block of rows exactly one block wide runs the specialised
     # one-program backward: the general kernel's bits, the reference's values.
-    launch = importlib.import_module("mcore_kernels.rms_norm_launch")
+    launch = importlib.import_module("mcore_kernels.rms_norm")
     x, residual, weight = _inputs((rows, hidden), dtype, seed=rows * hidden, scale=2.0)
     gen = torch.Generator().manual_seed(rows)
     dy, dh = (torch.randn(rows, hidden, generator=gen).to(dtype) for _ in range(2))
@@ -456,7 +456,7 @@ def test_specialised_backward_is_bitwise_the_general_kernel(triton_backend, rows
 @pytest.mark.parametrize("hidden", [2048, 4096, 8192])
 @pytest.mark.parametrize("rows", [1, 2, 256, 4096])
 def test_cuda_specialised_kernels_are_bitwise_the_general_ones(rows, hidden):
-    launch = importlib.import_module("mcore_kernels.rms_norm_launch")
+    launch = importlib.import_module("mcore_kernels.rms_norm")
     x, residual, weight = (
         t.cuda() for t in _inputs((rows, hidden), torch.bfloat16, seed=rows + hidden, scale=3.0)
     )
@@ -492,7 +492,7 @@ def test_cuda_specialised_kernels_are_bitwise_the_general_ones(rows, hidden):
 def test_general_kernel_calls_leave_the_fast_tables_alone(triton_backend, device):
     # A call with specialise=False (the tests' and benchmarks' comparison) must not put the
     # general kernel into the table that later default calls launch from.
-    launch = importlib.import_module("mcore_kernels.rms_norm_launch")
+    launch = importlib.import_module("mcore_kernels.rms_norm")
     x, residual, weight = (t.to(device) for t in _inputs((1, 512), torch.float32, seed=3))
     before = (dict(launch._FAST_FORWARD), dict(launch._FAST_BACKWARD))
     launch._forward(x, weight, 1e-6, residual, False, specialise=False)
@@ -521,7 +521,8 @@ def test_cuda_one_token_backward_takes_the_cached_launch(monkeypatch, hidden):
         leaves = [t.clone().requires_grad_() for t in (x, residual, weight)]
         outs = rms_norm(leaves[0], leaves[2], 1e-6, residual=leaves[1])
         results.append(torch.autograd.grad(outs, leaves, grads))
-    assert taken[1:] == [True, True]  # the first call may have been cached by another test
+    # The first backward may have been cached by another test; the later two are.
+    assert taken[-2:] == [True, True]
     for later in results[1:]:
         for first, again in zip(results[0], later, strict=True):
             assert torch.equal(first, again)

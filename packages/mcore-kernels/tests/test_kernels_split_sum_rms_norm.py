@@ -11,12 +11,9 @@ if not torch.cuda.is_available():
 import pytest
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
+from mcore_kernels.reference import split_sum_add_rms_norm_reference
 from mcore_kernels.rms_norm import rms_norm
-from mcore_kernels.split_sum_rms_norm import (
-    split_k_partials,
-    split_sum_add_rms_norm,
-    split_sum_add_rms_norm_reference,
-)
+from mcore_kernels.split_sum_rms_norm import split_k_partials, split_sum_add_rms_norm
 
 pytestmark = pytest.mark.interpreter
 

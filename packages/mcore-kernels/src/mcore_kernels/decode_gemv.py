@@ -24,10 +24,11 @@ cache slots (tiles of (channel ``j``, channel ``j + D/2``) pairs, read like SwiG
 rows); under :func:`mcore_kernels.pdl.programmatic_dependent_launch` the programs request their
 first weight tile before waiting for the previous kernel.
 
-Layout: launch configurations in :mod:`~mcore_kernels.decode_gemv_config`, the main loop's
-building blocks in :mod:`~mcore_kernels.decode_gemv_tiles`, the epilogues in
-:mod:`~mcore_kernels.decode_gemv_epilogues`, the kernels in
-:mod:`~mcore_kernels.decode_gemv_kernel`; this module checks the arguments and launches.
+Layout: this module holds, top to bottom, the launch configurations and their choice per shape
+(:func:`gemv_config`), the main loop's Triton building blocks, the kernels with their cached
+launchers, the argument checks, the launch, the ``torch.library`` registration and the entry
+point. The epilogues are in :mod:`~mcore_kernels.decode_gemv_epilogues`, shared with the fused
+attention + output projection of :mod:`~mcore_kernels.decode_attention_gemv`.
 
 Shapes: ``x`` ``[M, K]`` (last dimension contiguous), ``weight`` ``[N, K]`` contiguous,
 ``bias`` ``[N]``, ``norm_weight`` ``[K]``, ``residual`` ``[M, N_out]``; returns ``[M, N_out]``
@@ -43,17 +44,26 @@ import dataclasses
 
 import torch
 
-from mcore_kernels import _compile, decode_gemv_config
+from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import device_limits, next_power_of_2, pdl_supported, triton
-from mcore_kernels.decode_gemv_config import (
-    WHOLE_ROW_MAX_K,
-    WHOLE_ROW_WARPS,
-    GemvConfig,
-    block_rows,
-    gemv_config,
+from mcore_kernels._triton_utils import (
+    CachedLauncher,
+    device_limits,
+    gdc_launch_dependents,
+    gdc_wait,
+    jit,
+    next_power_of_2,
+    pdl_supported,
+    round_to,
+    tl,
+    triton,
 )
-from mcore_kernels.decode_gemv_kernel import _GEMV, _GEMV_PDL, _SUM_PARTIALS, _gemv_kernel, _tickets
+from mcore_kernels.decode_gemv_epilogues import (
+    _early_bias,
+    _early_inputs,
+    _epilogue,
+    _rope_epilogue,
+)
 from mcore_kernels.errors import (
     KernelBackendError,
     KernelDtypeError,
@@ -69,13 +79,520 @@ from mcore_kernels.rotary_kv_write import (
 )
 
 __all__ = [
+    "EARLY_TAIL",
     "WHOLE_ROW_MAX_K",
     "WHOLE_ROW_WARPS",
     "GemvConfig",
+    "block_rows",
     "decode_gemv",
     "decode_gemv_triton",
     "gemv_config",
 ]
+
+# --- launch configurations ----------------------------------------------------------------------
+
+_REDUCES = ("ticket", "second_pass")
+WHOLE_ROW_MAX_K = 8192
+"""At 1-2 rows, projections of one weight row per program and at most this many inputs load
+the whole row as one tile (see :func:`gemv_config`; 0: never): under PDL a program has its
+whole weight in flight before it waits."""
+WHOLE_ROW_WARPS = 8
+"""Warps per program of those whole-row tiles wider than 4096 (4 up to 4096)."""
+EARLY_TAIL = True
+"""Programs whose reduction is one full ``block_k`` tile and a shorter tail (no split-K)
+request both tiles at once, before the PDL wait (False: the tail after the first products)."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class GemvConfig:
+    """Launch configuration of :func:`decode_gemv_triton`."""
+
+    block_n: int = 16
+    """Output columns (weight rows) per program; a power of two >= 16 with ``use_dot``."""
+    block_k: int = 512
+    """Reduction elements per loop iteration; a power of two >= 16."""
+    split_k: int = 1
+    """Programs sharing one output tile's reduction (float32 partials, summed in order)."""
+    num_warps: int = 4
+    """Warps per program."""
+    num_stages: int | None = None
+    """Software-pipelining stages of the reduction loop (None: Triton's default)."""
+    use_dot: bool = False
+    """Tensor-core ``tl.dot`` over rows padded to 16 instead of one vector pass per row."""
+    reduce: str = "ticket"
+    """Split-K sum: ``"ticket"`` (last program of a tile, one launch) or ``"second_pass"``."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise KernelValueError(f"GemvConfig.{name}={value}; expected a power of two")
+        if self.block_k < 16:
+            raise KernelValueError(f"GemvConfig.block_k={self.block_k}; expected >= 16")
+        if self.use_dot and self.block_n < 16:
+            raise KernelValueError(
+                f"GemvConfig.block_n={self.block_n} with use_dot; expected >= 16"
+            )
+        if self.num_stages is not None and self.num_stages < 1:
+            raise KernelValueError(f"GemvConfig.num_stages={self.num_stages}; expected >= 1")
+        if self.split_k < 1:
+            raise KernelValueError(f"GemvConfig.split_k={self.split_k}; expected >= 1")
+        if self.reduce not in _REDUCES:
+            raise KernelValueError(f"GemvConfig.reduce={self.reduce!r}; expected one of {_REDUCES}")
+
+
+def gemv_config(rows: int, out_features: int, in_features: int, multiprocessors: int) -> GemvConfig:
+    """The launch configuration :func:`decode_gemv` uses for a shape.
+
+    Chosen from a sweep on one H100 (``bench_decode_gemv.py --sweep``, the Qwen2.5-0.5B and
+    Llama-3.2-1B projections at 1..64 rows, then ``--refine`` at 1 and 2 rows): up to 2 rows,
+    vector passes without split-K over ``[4, 1024]`` weight tiles (``[2, 2048]`` for
+    reductions of 2048 and more) were the fastest or within a few percent of it for every
+    shape; on one H200 one weight row per program for narrow outputs over long reductions
+    (fewer than ``8 x multiprocessors`` outputs, at least 2048 inputs); from 3 rows on,
+    ``tl.dot`` tiles, narrow ones (16 columns) for narrow projections with a 4-way split-K
+    over long reductions, wide ones (32 or 64 columns) for wide ones.
+
+    Args:
+        rows: ``M``, the rows of ``x``.
+        out_features: ``N_out``, the output columns (``F`` for SwiGLU).
+        in_features: ``K``.
+        multiprocessors: The device's multiprocessor count (it caps the split).
+
+    Returns:
+        A :class:`GemvConfig`.
+    """
+    if rows <= 2:
+        if in_features >= 2048:
+            # Narrow outputs over long reductions (Qwen2.5-0.5B's down projection, 896 x
+            # 4864): one weight row per program keeps about seven programs per multiprocessor
+            # (H200: 6.1 against 7.3 us with two rows per program).
+            block_n = 2 if out_features // 2 >= 4 * multiprocessors else 1
+            if block_n == 1 and in_features <= WHOLE_ROW_MAX_K:
+                # The whole weight row in flight before the PDL wait: one tile of the largest
+                # power of two in the row plus the tail (both requested before the wait, see
+                # EARLY_TAIL), 4 warps up to 4096 (H200, the captured batch-1 step of the
+                # Qwen2.5-0.5B shape, down 896 x 4864: 534.1 against 547.3-552.8 us with one
+                # 8192-wide tile over 8 warps).
+                block_k = next_power_of_2(in_features)
+                if block_k != in_features:
+                    block_k //= 2
+                warps = 4 if block_k <= 4096 else WHOLE_ROW_WARPS
+                return GemvConfig(block_n=1, block_k=block_k, num_warps=warps)
+            return GemvConfig(block_n=block_n, block_k=2048, num_warps=4)
+        return GemvConfig(block_n=4, block_k=1024, num_warps=4)
+    if out_features <= 4096:
+        tiles = -(-out_features // 16) * -(-rows // block_rows(rows, True))
+        split_k = 4 if in_features >= 4096 and tiles <= multiprocessors else 1
+        return GemvConfig(block_n=16, block_k=256, split_k=split_k, num_warps=4, use_dot=True)
+    block_n = 32 if out_features < 12288 else 64
+    return GemvConfig(block_n=block_n, block_k=128, num_warps=4, use_dot=True)
+
+
+def block_rows(rows: int, use_dot: bool) -> int:
+    """Rows of ``x`` per program: up to 4 for the vector path, 16..64 for ``tl.dot`` tiles."""
+    if use_dot:
+        return min(64, max(16, next_power_of_2(rows)))
+    return min(4, next_power_of_2(rows))
+
+
+# --- Triton kernels: the main loop's building blocks, the kernels and their launchers -------------
+
+
+@jit
+def _row_scales(
+    x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """``rsqrt(mean(x**2) + eps)`` of every row (float32 ``[BLOCK_M]``)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k = start + offs_k
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+            mask=m_mask[:, None] & (k < K)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        sum_sq += x * x
+    return 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps)
+
+
+@jit
+def _load_tile(w_ptr, w_rows, up_rows, k, k_end, PAIRED: tl.constexpr, MASKED: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile (and the paired tile: SwiGLU's up rows, RoPE's
+    second halves) at ``k``."""
+    k_mask = k < k_end
+    if MASKED:
+        w = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
+    else:
+        w = tl.load(w_ptr + w_rows[:, None] + k[None, :])
+    w_up = w
+    if PAIRED:
+        if MASKED:
+            w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :], mask=k_mask[None, :], other=0.0)
+        else:
+            w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :])
+    return w, w_up
+
+
+@jit
+def _accumulate(
+    acc,
+    acc_up,
+    w,
+    w_up,
+    x_ptr,
+    w_ptr,
+    norm_ptr,
+    scales,
+    offs_m,
+    m_mask,
+    w_rows,
+    up_rows,
+    k,
+    k_end,
+    M,
+    stride_xm,
+    pid_m,
+    HAS_NORM: tl.constexpr,
+    PAIRED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    PRELOADED: tl.constexpr,
+    pre_gamma,
+    PRE_GAMMA: tl.constexpr,
+):
+    """Add one ``BLOCK_K`` slice of the products to the accumulators (masked: the tail)."""
+    dtype = x_ptr.dtype.element_ty
+    k_mask = k < k_end
+    if not PRELOADED:
+        w, w_up = _load_tile(w_ptr, w_rows, up_rows, k, k_end, PAIRED, MASKED)
+    gamma = k_mask.to(tl.float32)
+    if HAS_NORM:
+        if PRE_GAMMA:
+            gamma = pre_gamma
+        else:
+            gamma = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+    if USE_DOT:
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        if HAS_NORM:
+            x = round_to(x.to(tl.float32) * scales[:, None] * gamma[None, :], dtype)
+        if UPCAST_DOT:
+            # The interpreter's tl.dot misreads bfloat16 operands; float32 ones are exact.
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+            w_up = w_up.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        if PAIRED:
+            acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
+    else:
+        wf = w.to(tl.float32)
+        wf_up = w_up.to(tl.float32)
+        for row in tl.static_range(BLOCK_M):
+            m = pid_m * BLOCK_M + row
+            # Rows past M re-read row M - 1; their results are never stored.
+            xr = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + k, mask=k_mask, other=0.0)
+            if HAS_NORM:
+                scale = tl.sum(tl.where(offs_m == m, scales, 0.0), axis=0)
+                xr = round_to(xr.to(tl.float32) * scale * gamma, dtype)
+            xf = xr.to(tl.float32)
+            here = offs_m[:, None] == m
+            acc = tl.where(here, acc + tl.sum(wf * xf[None, :], axis=1)[None, :], acc)
+            if PAIRED:
+                acc_up = tl.where(
+                    here, acc_up + tl.sum(wf_up * xf[None, :], axis=1)[None, :], acc_up
+                )
+    return acc, acc_up
+
+
+@jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    norm_ptr,
+    res_ptr,
+    out_ptr,
+    ws_ptr,
+    ticket_ptr,
+    M,
+    N_OUT,
+    K,
+    K_SPLIT,
+    SPLIT_K,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_om,
+    eps,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_cos,
+    stride_sin,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
+    NUM_Q_HEADS,
+    NUM_KV_HEADS,
+    HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    ROPE: tl.constexpr,
+    PAIRED: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_SPLIT: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    STORE_PARTIALS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    K_ALIGNED: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    EARLY: tl.constexpr,
+    EARLY_TAIL: tl.constexpr = False,
+):
+    if USE_PDL:
+        # Let the next kernel's programs start (and prefetch their own weights) early.
+        gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    dtype = x_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_OUT
+    # Rows past N_OUT read row 0 (never stored): the loads stay unmasked along N.
+    if ROPE:
+        # Columns are (first half, second half) channel pairs of the q/k/v heads.
+        pair = tl.where(n_mask, offs_n, 0)
+        first_rows = (pair // HALF) * (2 * HALF) + pair % HALF
+        w_rows = first_rows.to(tl.int64) * stride_wn
+        up_rows = (first_rows + HALF).to(tl.int64) * stride_wn
+    else:
+        w_rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn
+        up_rows = (tl.where(n_mask, offs_n, 0) + N_OUT).to(tl.int64) * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    if K_ALIGNED:
+        # K and K_SPLIT are multiples of 16: so is the end, and the tail's masks vectorise.
+        k_end = tl.multiple_of(k_end, 16)
+    k_full = k_begin + ((k_end - k_begin) // BLOCK_K) * BLOCK_K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    scales = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_NORM or USE_PDL or EARLY_TAIL:
+        # The first weight tile is requested before the norm's reduction over the rows, so
+        # the two memory latencies overlap; with programmatic dependent launch it is requested
+        # before waiting for the previous kernel (the weights do not depend on it, the rows do).
+        first = k_begin + offs_k
+        if k_full > k_begin:
+            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, PAIRED, False)
+        else:
+            w, w_up = _load_tile(w_ptr, w_rows, up_rows, first, k_end, PAIRED, True)
+        gamma = scales
+        if EARLY and HAS_NORM:
+            # Constants of the step (weights) before the wait, like the weight tile.
+            gamma = tl.load(norm_ptr + first, mask=first < k_end, other=0.0).to(tl.float32)
+        if EARLY:
+            pre_bias, pre_bias_up = _early_bias(
+                bias_ptr, offs_n, n_mask, N_OUT, HAS_BIAS, ROPE, SWIGLU, HALF
+            )
+        tail_w = w
+        tail_w_up = w_up
+        if EARLY_TAIL:
+            # One full tile and a tail (set by the launcher): the tail's weights are requested
+            # before the wait too, so the program holds its whole slice of the weight.
+            tail_w, tail_w_up = _load_tile(
+                w_ptr, w_rows, up_rows, k_full + offs_k, k_end, PAIRED, True
+            )
+        if USE_PDL:
+            gdc_wait()
+        if EARLY:
+            # What the previous kernels wrote, requested at once after the wait (the
+            # epilogue would otherwise request it after the products).
+            pre_res, pre_cos, pre_sin = _early_inputs(
+                res_ptr, cos_ptr, sin_ptr, offs_m, offs_n, m_mask, n_mask, stride_rm,
+                stride_cos, stride_sin, HAS_RESIDUAL, ROPE, HALF,
+            )  # fmt: skip
+        if HAS_NORM:
+            scales = _row_scales(x_ptr, offs_m, m_mask, K, stride_xm, eps, BLOCK_M, NORM_BLOCK)
+        acc, acc_up = _accumulate(
+            acc, acc_up, w, w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
+            up_rows, first, k_end, M, stride_xm, pid_m,
+            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
+            gamma, EARLY and HAS_NORM,
+        )  # fmt: skip
+        k_begin = tl.minimum(k_begin + BLOCK_K, k_end)
+        k_full = tl.maximum(k_full, k_begin)
+    for start in range(k_begin, k_full, BLOCK_K):
+        acc, acc_up = _accumulate(
+            acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
+            up_rows, start + offs_k, k_end, M, stride_xm, pid_m,
+            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, False, DOT_PRECISION, UPCAST_DOT, False,
+            scales, False,
+        )  # fmt: skip
+    if EARLY_TAIL:
+        acc, acc_up = _accumulate(
+            acc, acc_up, tail_w, tail_w_up, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask,
+            w_rows, up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,
+            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, True,
+            scales, False,
+        )  # fmt: skip
+    elif k_full < k_end:
+        acc, acc_up = _accumulate(
+            acc, acc_up, acc, acc, x_ptr, w_ptr, norm_ptr, scales, offs_m, m_mask, w_rows,
+            up_rows, k_full + offs_k, k_end, M, stride_xm, pid_m,
+            HAS_NORM, PAIRED, BLOCK_M, USE_DOT, True, DOT_PRECISION, UPCAST_DOT, False,
+            scales, False,
+        )  # fmt: skip
+    if not HAS_SPLIT:
+        if EARLY:
+            if ROPE:
+                _rope_epilogue(
+                    acc, acc_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
+                    v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
+                    stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
+                    NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
+                    pre_bias, pre_bias_up, pre_cos, pre_sin, True,
+                )  # fmt: skip
+            else:
+                _epilogue(
+                    acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
+                    stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+                    pre_bias, pre_bias_up, pre_res, True,
+                )  # fmt: skip
+        elif ROPE:
+            _rope_epilogue(
+                acc, acc_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
+                v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
+                stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
+                NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
+                acc, acc, acc, acc, False,
+            )  # fmt: skip
+        else:
+            _epilogue(
+                acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
+                stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+                acc, acc, acc, False,
+            )  # fmt: skip
+    else:
+        # Workspace [SPLIT_K, 2, M, N_OUT] float32: the gate (or only) partial, then the up one.
+        tile = offs_m[:, None] * N_OUT + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        plane = M * N_OUT
+        tl.store(ws_ptr + (pid_k * 2) * plane + tile, acc, mask=mask)
+        if PAIRED:
+            tl.store(ws_ptr + (pid_k * 2 + 1) * plane + tile, acc_up, mask=mask)
+        if not STORE_PARTIALS:
+            # Every thread's partial is written before the ticket (release) is taken.
+            tl.debug_barrier()
+            ticket = ticket_ptr + pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(SPLIT_K):
+                    total += tl.load(
+                        ws_ptr + (s * 2) * plane + tile, mask=mask, other=0.0, cache_modifier=".cg"
+                    )
+                    if PAIRED:
+                        total_up += tl.load(
+                            ws_ptr + (s * 2 + 1) * plane + tile,
+                            mask=mask,
+                            other=0.0,
+                            cache_modifier=".cg",
+                        )
+                if ROPE:
+                    _rope_epilogue(
+                        total, total_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr,
+                        k_cache_ptr, v_cache_ptr, stride_cos, stride_sin, stride_kc_slot,
+                        stride_kc_head, stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask,
+                        N_OUT, stride_om, NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
+                        total, total, total, total, False,
+                    )  # fmt: skip
+                else:
+                    _epilogue(
+                        total, total_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask,
+                        N_OUT, stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
+                        total, total, total, False,
+                    )  # fmt: skip
+                # Reset for the next launch (graph replays reuse the tickets).
+                tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+
+
+@jit(do_not_specialize=("M", "N_OUT", "SPLIT_K"))
+def _sum_partials_kernel(
+    ws_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N_OUT,
+    SPLIT_K,
+    stride_rm,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    mask = m_mask[:, None] & (offs_n < N_OUT)[None, :]
+    tile = offs_m[:, None] * N_OUT + offs_n[None, :]
+    plane = M * N_OUT
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in range(SPLIT_K):
+        total += tl.load(ws_ptr + (s * 2) * plane + tile, mask=mask, other=0.0)
+        if SWIGLU:
+            total_up += tl.load(ws_ptr + (s * 2 + 1) * plane + tile, mask=mask, other=0.0)
+    _epilogue(
+        total, total_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
+        stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, out_ptr.dtype.element_ty,
+        total, total, total, False,
+    )  # fmt: skip
+
+
+_GEMV = CachedLauncher(_gemv_kernel)
+_GEMV_PDL = CachedLauncher(_gemv_kernel, launch_pdl=True)
+_SUM_PARTIALS = CachedLauncher(_sum_partials_kernel)
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+"""Ticket buffers replaced by larger ones, kept alive for the graphs that captured them."""
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters (one per output tile) that the ticket reduction leaves zeroed."""
+    tickets = _TICKETS.get(device)
+    if tickets is None or tickets.numel() < count:
+        if tickets is not None:
+            _RETIRED.append(tickets)
+        tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _TICKETS[device] = tickets
+    return tickets
+
+
+# --- argument checks, launch, registration, entry point ------------------------------------------
 
 
 def _check_args(
@@ -193,9 +710,7 @@ def decode_gemv_triton(
     k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_split)
     # One full tile and a masked tail: both requested at once (before the PDL wait).
-    early_tail = (
-        decode_gemv_config.EARLY_TAIL and split_k == 1 and config.block_k < k < 2 * config.block_k
-    )
+    early_tail = EARLY_TAIL and split_k == 1 and config.block_k < k < 2 * config.block_k
     second_pass = split_k > 1 and config.reduce == "second_pass"
     if second_pass and rope is not None:
         raise KernelValueError("rope with GemvConfig.reduce='second_pass'; expected 'ticket'")

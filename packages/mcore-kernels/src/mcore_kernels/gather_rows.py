@@ -27,6 +27,7 @@ from mcore_kernels._triton_utils import (
 )
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 from mcore_kernels.pdl import pdl_enabled
+from mcore_kernels.reference import gather_row_pairs_reference
 
 __all__ = ["gather_row_pairs"]
 
@@ -111,7 +112,7 @@ def gather_row_pairs(
             "length"
         )
     if not use_triton(a, a_index, b, b_index) or a.stride(1) != 1 or b.stride(1) != 1:
-        return a.index_select(0, a_index), b.index_select(0, b_index)
+        return gather_row_pairs_reference(a, a_index, b, b_index)
     count = a_index.shape[0]
     a_out = torch.empty((count, a.shape[1]), dtype=a.dtype, device=a.device)
     b_out = torch.empty((count, b.shape[1]), dtype=b.dtype, device=b.device)

@@ -33,32 +33,10 @@ from mcore_kernels._validation import check_rotary_kv_write_args
 from mcore_kernels._validation import flat_cache_slots as _flat_slots
 from mcore_kernels.errors import KernelShapeError
 from mcore_kernels.pdl import pdl_enabled
-from mcore_kernels.reference import rotary_kv_write_reference
+from mcore_kernels.reference import normed_qkv_reference, rotary_kv_write_reference
 from mcore_kernels.rotary_kv_write import _rotate_half
 
 __all__ = ["normed_qkv_reference", "normed_rotary_kv_write"]
-
-
-def normed_qkv_reference(
-    qkv: torch.Tensor, x: torch.Tensor, eps: float, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``rstd(x) * qkv + bias`` in float32, rounded once to the dtype of ``qkv``.
-
-    Args:
-        qkv: ``[T, N]`` product of ``x`` with the norm-folded q/k/v weight.
-        x: ``[T, H]`` rows the product was computed from.
-        eps: The folded norm's epsilon.
-        bias: ``[N]`` projection bias, or None.
-
-    Returns:
-        ``[T, N]`` in the dtype of ``qkv``: the projection of the normed rows.
-    """
-    h = x.float()
-    rstd = 1.0 / torch.sqrt((h * h).sum(-1, keepdim=True) / h.shape[-1] + eps)
-    out = qkv.float() * rstd
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(qkv.dtype)
 
 
 @jit

@@ -21,30 +21,12 @@ import torch
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import CachedLauncher, jit, next_power_of_2, on_device_of, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.reference import normed_swiglu_reference
 
 __all__ = ["normed_swiglu", "normed_swiglu_reference"]
 
 _BLOCK = 1024
 """Output columns per program (one row per program row of the grid)."""
-
-
-def normed_swiglu_reference(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Torch reference of :func:`normed_swiglu` (float32 math, one rounding at the end).
-
-    Args:
-        gate_up: ``[M, 2F]`` product of ``x`` with the norm-folded gate then up weights.
-        x: ``[M, H]`` rows the product was computed from.
-        eps: The folded norm's epsilon.
-
-    Returns:
-        ``[M, F]`` in the dtype of ``gate_up``.
-    """
-    h = x.float()
-    rstd = 1.0 / torch.sqrt((h * h).sum(-1, keepdim=True) / h.shape[-1] + eps)
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    gate = gate * rstd
-    up = up * rstd
-    return (gate / (1.0 + torch.exp(-gate)) * up).to(gate_up.dtype)
 
 
 @jit

@@ -37,6 +37,10 @@ __all__ = [
     "decode_step_metadata_reference",
     "attention_o_proj_reference",
     "row_argmax_reference",
+    "normed_swiglu_reference",
+    "split_sum_add_rms_norm_reference",
+    "normed_qkv_reference",
+    "gather_row_pairs_reference",
 ]
 
 
@@ -584,3 +588,74 @@ def attention_o_proj_reference(
         q, k_cache, v_cache, block_tables, context_lens, scale=scale
     )
     return decode_gemv_reference(attended.flatten(1), weight, bias, residual=residual)
+
+
+def split_sum_add_rms_norm_reference(
+    partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`split_sum_add_rms_norm` (same roundings, same sum order)."""
+    total = partials[0]
+    for part in partials[1:]:
+        total = total + part
+    hidden = (total.to(residual.dtype).float() + residual.float()).to(residual.dtype)
+    h = hidden.float()
+    rstd = 1.0 / torch.sqrt((h * h).sum(-1, keepdim=True) / h.shape[-1] + eps)
+    return (h * rstd * weight.float()).to(residual.dtype), hidden
+
+
+def normed_qkv_reference(
+    qkv: torch.Tensor, x: torch.Tensor, eps: float, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``rstd(x) * qkv + bias`` in float32, rounded once to the dtype of ``qkv``.
+
+    Args:
+        qkv: ``[T, N]`` product of ``x`` with the norm-folded q/k/v weight.
+        x: ``[T, H]`` rows the product was computed from.
+        eps: The folded norm's epsilon.
+        bias: ``[N]`` projection bias, or None.
+
+    Returns:
+        ``[T, N]`` in the dtype of ``qkv``: the projection of the normed rows.
+    """
+    h = x.float()
+    rstd = 1.0 / torch.sqrt((h * h).sum(-1, keepdim=True) / h.shape[-1] + eps)
+    out = qkv.float() * rstd
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(qkv.dtype)
+
+
+def normed_swiglu_reference(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Torch reference of :func:`normed_swiglu` (float32 math, one rounding at the end).
+
+    Args:
+        gate_up: ``[M, 2F]`` product of ``x`` with the norm-folded gate then up weights.
+        x: ``[M, H]`` rows the product was computed from.
+        eps: The folded norm's epsilon.
+
+    Returns:
+        ``[M, F]`` in the dtype of ``gate_up``.
+    """
+    h = x.float()
+    rstd = 1.0 / torch.sqrt((h * h).sum(-1, keepdim=True) / h.shape[-1] + eps)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate = gate * rstd
+    up = up * rstd
+    return (gate / (1.0 + torch.exp(-gate)) * up).to(gate_up.dtype)
+
+
+def gather_row_pairs_reference(
+    a: torch.Tensor, a_index: torch.Tensor, b: torch.Tensor, b_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`mcore_kernels.gather_rows.gather_row_pairs` (exact copies).
+
+    Args:
+        a: ``[rows_a, cols_a]`` table.
+        a_index: Integer ``[T]`` rows of ``a``.
+        b: ``[rows_b, cols_b]`` table.
+        b_index: Integer ``[T]`` rows of ``b``.
+
+    Returns:
+        ``(a.index_select(0, a_index), b.index_select(0, b_index))``.
+    """
+    return a.index_select(0, a_index), b.index_select(0, b_index)

@@ -30,6 +30,7 @@ from mcore_kernels._triton_utils import (
 )
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
 from mcore_kernels.pdl import pdl_enabled
+from mcore_kernels.reference import split_sum_add_rms_norm_reference
 
 __all__ = ["split_k_partials", "split_sum_add_rms_norm", "split_sum_add_rms_norm_reference"]
 
@@ -69,19 +70,6 @@ def split_k_partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torc
     if x.is_cuda:
         return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.bmm(a.float(), b.float())
-
-
-def split_sum_add_rms_norm_reference(
-    partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`split_sum_add_rms_norm` (same roundings, same sum order)."""
-    total = partials[0]
-    for part in partials[1:]:
-        total = total + part
-    hidden = (total.to(residual.dtype).float() + residual.float()).to(residual.dtype)
-    h = hidden.float()
-    rstd = 1.0 / torch.sqrt((h * h).sum(-1, keepdim=True) / h.shape[-1] + eps)
-    return (h * rstd * weight.float()).to(residual.dtype), hidden
 
 
 @jit

@@ -7,8 +7,12 @@ inner sizes only, so the inference engine's incremental decode and the trainer's
 give bitwise-identical results (see the user guide, "Batch-invariant mode").
 """
 
-from mcore_kernels.batch_invariant.attention import SPLIT_SIZE, TILE, attention_batch_invariant
-from mcore_kernels.batch_invariant.attention_reference import attention_batch_invariant_reference
+from mcore_kernels.batch_invariant.attention import (
+    SPLIT_SIZE,
+    TILE,
+    attention_batch_invariant,
+    packed_attention_batch_invariant,
+)
 from mcore_kernels.batch_invariant.matmul import (
     bmm_batch_invariant,
     grouped_mm_batch_invariant,
@@ -17,7 +21,7 @@ from mcore_kernels.batch_invariant.matmul import (
     mm_batch_invariant,
 )
 from mcore_kernels.batch_invariant.mode import batch_invariant_mode, is_batch_invariant
-from mcore_kernels.batch_invariant.packed_attention import packed_attention_batch_invariant
+from mcore_kernels.batch_invariant.reference import attention_batch_invariant_reference
 
 __all__ = [
     "SPLIT_SIZE",

@@ -19,6 +19,8 @@ import torch
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
+from mcore_kernels._compile import register_function
+from mcore_kernels._triton_utils import jit, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 from mcore_kernels.moe.reference import (
     permute_tokens_reference,
@@ -27,6 +29,113 @@ from mcore_kernels.moe.reference import (
 )
 
 __all__ = ["permute_tokens", "unpermute_combine", "unpermute_sum"]
+
+
+@jit
+def gather_rows_kernel(
+    src_ptr,
+    index_ptr,
+    scale_ptr,
+    out_ptr,
+    num_rows,
+    hidden,
+    INDEX_DIV: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[r] = src[index[r] // INDEX_DIV] (* scale[index[r]])``, zero where index < 0, for
+    ``ROWS`` rows and ``BLOCK_H`` columns."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < num_rows
+    col_ok = cols < hidden
+    index = tl.load(index_ptr + rows, mask=row_ok, other=-1)
+    valid = index >= 0
+    source = tl.where(valid, index // INDEX_DIV, 0).to(tl.int64)
+    values = tl.load(
+        src_ptr + source[:, None] * hidden + cols[None, :],
+        mask=valid[:, None] & col_ok[None, :],
+        other=0.0,
+    )
+    if HAS_SCALE:
+        # Index 0 always exists; invalid rows are zero already.
+        scale = tl.load(scale_ptr + tl.where(valid, index, 0), mask=row_ok, other=0.0)
+        values = (values.to(tl.float32) * scale.to(tl.float32)[:, None]).to(values.dtype)
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
+        values,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+@jit
+def sum_rows_kernel(
+    src_ptr,
+    slots_ptr,
+    weights_ptr,
+    out_ptr,
+    num_tokens,
+    hidden,
+    TOP_K: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[t] = sum_j (w[t, j] *) src[slots[t * TOP_K + j]]`` over valid slots, in float32,
+    for ``ROWS`` tokens and ``BLOCK_H`` columns."""
+    tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    token_ok = tokens < num_tokens
+    col_ok = cols < hidden
+    acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(slots_ptr + tokens * TOP_K + j, mask=token_ok, other=-1)
+        valid = slot >= 0
+        row = tl.where(valid, slot, 0).to(tl.int64)
+        values = tl.load(
+            src_ptr + row[:, None] * hidden + cols[None, :],
+            mask=valid[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        values = values.to(tl.float32)
+        if HAS_WEIGHTS:
+            weight = tl.load(weights_ptr + tokens * TOP_K + j, mask=token_ok, other=0.0)
+            values = values * weight.to(tl.float32)[:, None]
+        acc += values
+    tl.store(
+        out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=token_ok[:, None] & col_ok[None, :],
+    )
+
+
+@jit
+def weight_grad_kernel(
+    grad_ptr,
+    y_ptr,
+    slots_ptr,
+    out_ptr,
+    hidden,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[t, j] = dot(grad[t], y[slots[t * TOP_K + j]])`` (zero for dropped slots)."""
+    token = tl.program_id(0)
+    base = tl.arange(0, BLOCK_H)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(slots_ptr + token * TOP_K + j)
+        valid = slot >= 0
+        row = tl.where(valid, slot, 0).to(tl.int64)
+        limit = tl.where(valid, hidden, 0)
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_H):
+            cols = start + base
+            col_ok = cols < hidden
+            g = tl.load(grad_ptr + token.to(tl.int64) * hidden + cols, mask=col_ok, other=0.0)
+            y = tl.load(y_ptr + row * hidden + cols, mask=cols < limit, other=0.0)
+            acc += g.to(tl.float32) * y.to(tl.float32)
+        tl.store(out_ptr + token * TOP_K + j, tl.sum(acc, axis=0))
 
 
 def _block(hidden: int) -> int:
@@ -66,8 +175,6 @@ def _gather_rows(
     src: torch.Tensor, index: torch.Tensor, divisor: int, scale: torch.Tensor | None
 ) -> torch.Tensor:
     """``out[r] = src[index[r] // divisor] (* scale[index[r]])``, zero where ``index < 0``."""
-    from mcore_kernels.moe._triton import gather_rows_kernel
-
     hidden = src.shape[1]
     out = src.new_empty(index.shape[0], hidden)
     if index.numel() and hidden:
@@ -93,8 +200,6 @@ def _sum_rows(
     src: torch.Tensor, slots: torch.Tensor, top_k: int, weights: torch.Tensor | None
 ) -> torch.Tensor:
     """``out[t] = sum_j (w[t, j] *) src[slots[t * top_k + j]]`` over valid slots."""
-    from mcore_kernels.moe._triton import sum_rows_kernel
-
     hidden = src.shape[1]
     num_tokens = slots.shape[0] // top_k
     out = src.new_empty(num_tokens, hidden)
@@ -179,8 +284,6 @@ class UnpermuteCombineFunction(torch.autograd.Function):
                 rows = permute_tokens_reference(y, slots).float().view(*weights.shape, y.shape[-1])
                 grad_w = (rows * grad.float().unsqueeze(1)).sum(-1).to(weights.dtype)
             return grad_y, grad_w, None, None
-        from mcore_kernels.moe._triton import weight_grad_kernel
-
         if ctx.needs_input_grad[0]:
             if weights.numel():
                 grad_y = _gather_rows(grad, fillers, top_k, weights.reshape(-1))
@@ -325,3 +428,32 @@ def unpermute_sum(
     if _compile.compiling():
         return torch.ops.mcore_kernels.moe_unpermute_sum(y.contiguous(), slots, fillers, top_k)
     return UnpermuteSumFunction.apply(y.contiguous(), slots, fillers, top_k)
+
+
+# --- torch.library: the op torch.compile traces (forward, and its backward through the
+# Function's own gradients; see mcore_kernels._compile.register_function) ---------------
+
+register_function(
+    "moe_permute_tokens",
+    PermuteTokensFunction,
+    "Tensor x, Tensor rows, Tensor slots, int top_k",
+    1,
+    (0,),
+    lambda x, rows, slots, top_k: x.new_empty((rows.shape[0], x.shape[1])),
+)
+register_function(
+    "moe_unpermute_combine",
+    UnpermuteCombineFunction,
+    "Tensor y, Tensor weights, Tensor slots, Tensor fillers",
+    1,
+    (0, 1),
+    lambda y, weights, slots, fillers: y.new_empty((weights.shape[0], y.shape[1])),
+)
+register_function(
+    "moe_unpermute_sum",
+    UnpermuteSumFunction,
+    "Tensor y, Tensor slots, Tensor fillers, int top_k",
+    1,
+    (0,),
+    lambda y, slots, fillers, top_k: y.new_empty((slots.shape[0] // top_k, y.shape[1])),
+)

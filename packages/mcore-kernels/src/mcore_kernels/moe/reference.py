@@ -12,8 +12,12 @@ buffer row ``r`` and ``fillers[r]`` the assignment it holds (-1 for an empty pad
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
+    "k_grouped_mm_reference",
+    "m_grouped_mm_reference",
+    "routed_experts_reference",
     "aligned_rows_reference",
     "capacity_rows_reference",
     "dropless_rows_reference",
@@ -248,3 +252,92 @@ def padded_slots_reference(
     fillers = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=keys.device)
     fillers.scatter_(0, torch.where(slots < 0, num_slots, slots), order)
     return fillers[:num_slots], kept
+
+
+def routed_experts_reference(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    order: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Torch reference of :func:`routed_experts`: one SwiGLU MLP per expert over its rows.
+
+    Args:
+        x: ``[T, H]`` tokens.
+        weights: ``[T, top_k]`` routing weights.
+        w_gate_up: ``[E, 2F, H]`` gate rows then up rows of each expert.
+        w_down: ``[E, H, F]``.
+        order: ``[M]`` int64 assignment in each row (rows sorted by expert; -1 in a row
+            without one).
+        offsets: ``[E]`` int32 end row of each expert's rows.
+
+    Returns:
+        ``[T, H]`` sum of each token's weighted expert outputs (assignments in no row count
+        zero), in the dtype of ``x``.
+    """
+    top_k = weights.shape[1]
+    ffn = w_down.shape[-1]
+    ends = offsets.tolist()
+    outputs = []
+    start = 0
+    for expert, end in enumerate(ends):
+        assignments = order[start:end]
+        assignments = assignments[assignments >= 0]
+        rows = x.index_select(0, assignments // top_k)
+        gate, up = F.linear(rows, w_gate_up[expert]).float().split(ffn, dim=-1)
+        scale = weights.reshape(-1).index_select(0, assignments).float().unsqueeze(-1)
+        act = (F.silu(gate) * up * scale).to(x.dtype)
+        outputs.append(F.linear(act, w_down[expert]))
+        start = end
+    y = torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
+    used = order[:start]
+    per_assignment = x.new_zeros(weights.numel(), x.shape[1]).index_copy(0, used[used >= 0], y)
+    summed = per_assignment.float().view(-1, top_k, x.shape[1]).sum(dim=1)
+    return summed.to(x.dtype)
+
+
+def m_grouped_mm_reference(
+    a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, transpose_weight: bool
+) -> torch.Tensor:
+    """Torch reference of :func:`m_grouped_mm` (one expert at a time, float32 accumulation;
+    syncs the host; rows past ``offsets[-1]`` are zero).
+
+    Args:
+        a: ``[M, K]``.
+        weight: ``[E, N, K]`` or ``[E, K, N]``.
+        offsets: ``[E]`` end row of each expert.
+        transpose_weight: Whether ``weight`` holds ``w[e].T``.
+
+    Returns:
+        ``[M, N]`` in the dtype of ``a``.
+    """
+    n = weight.shape[1] if transpose_weight else weight.shape[2]
+    out = torch.zeros(a.shape[0], n, dtype=a.dtype, device=a.device)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        w = weight[expert].float()
+        w = w.t() if transpose_weight else w
+        out[start:end] = (a[start:end].float() @ w).to(a.dtype)
+        start = end
+    return out
+
+
+def k_grouped_mm_reference(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :func:`k_grouped_mm` (float32 accumulation; syncs the host).
+
+    Args:
+        g: ``[M, N]``.
+        x: ``[M, K]``.
+        offsets: ``[E]`` end row of each expert.
+
+    Returns:
+        ``[E, N, K]`` in the dtype of ``g``.
+    """
+    out = []
+    start = 0
+    for end in offsets.tolist():
+        out.append((g[start:end].float().t() @ x[start:end].float()).to(g.dtype))
+        start = end
+    return torch.stack(out)

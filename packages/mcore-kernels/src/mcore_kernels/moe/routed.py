@@ -16,15 +16,87 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
+from mcore_kernels._compile import register_function
+from mcore_kernels._triton_utils import jit, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
 from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms
 from mcore_kernels.moe.permute import _device, _gather_rows, _sum_rows
+from mcore_kernels.moe.reference import routed_experts_reference
 
 __all__ = ["grouped_experts", "routed_experts", "routed_experts_reference"]
+
+
+@jit
+def routed_swiglu_forward_kernel(
+    gate_up_ptr, w_ptr, order_ptr, out_ptr, width, BLOCK: tl.constexpr
+):
+    """``out[m] = w[order[m]] * silu(gate_up[m, :F]) * gate_up[m, F:]`` for one row block of
+    columns (``w`` holds one weight per assignment, ``order[m]`` the assignment of row ``m``;
+    a row without one, ``order[m] < 0``, is written as zeros without reading ``gate_up``)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    assignment = tl.load(order_ptr + row)
+    used = assignment >= 0
+    # A row mask as a column bound (the interpreter rejects scalar-and-vector masks).
+    limit = tl.where(used, width, 0)
+    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=cols < limit, other=0.0)
+    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=cols < limit, other=0.0)
+    weight = tl.load(w_ptr + tl.where(used, assignment, 0)).to(tl.float32)
+    gate = gate.to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32) * tl.where(used, weight, 0.0)
+    tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@jit
+def routed_swiglu_backward_kernel(
+    gate_up_ptr,
+    w_ptr,
+    order_ptr,
+    grad_ptr,
+    out_ptr,
+    grad_w_ptr,
+    width,
+    num_assignments,
+    BLOCK: tl.constexpr,
+):
+    """Gradients of :func:`routed_swiglu_forward_kernel` for one row: ``gate_up`` (``[2F]``)
+    and the weight of the row's assignment, written at that assignment in the weights' dtype (a
+    float32 sum over the row in one program, rounded once; every assignment has at most one
+    row, so each is written once: no atomics). A row without an assignment gets a zero
+    gradient and reads nothing."""
+    row = tl.program_id(0).to(tl.int64)
+    base = tl.arange(0, BLOCK)
+    assignment = tl.load(order_ptr + row)
+    used = assignment >= 0
+    limit = tl.where(used, width, 0)
+    weight = tl.load(w_ptr + tl.where(used, assignment, 0)).to(tl.float32)
+    weight = tl.where(used, weight, 0.0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    for start in range(0, width, BLOCK):
+        cols = start + base
+        ok = cols < width
+        read = cols < limit
+        gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=read, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=read, other=0.0).to(
+            tl.float32
+        )
+        grad = tl.load(grad_ptr + row * width + cols, mask=read, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-gate))
+        silu = gate * sig
+        acc += grad * silu * up
+        scaled = grad * weight
+        d_gate = scaled * up * sig * (1.0 + gate * (1.0 - sig))
+        tl.store(out_ptr + row * 2 * width + cols, d_gate.to(dtype), mask=ok)
+        tl.store(out_ptr + row * 2 * width + width + cols, (scaled * silu).to(dtype), mask=ok)
+    # Rows without an assignment store their zero sum in a spare last entry of grad_w, which
+    # the launcher allocates and drops.
+    total = tl.sum(acc, axis=0).to(grad_w_ptr.dtype.element_ty)
+    tl.store(grad_w_ptr + tl.where(used, assignment, num_assignments), total)
 
 
 def _swiglu_launch_block(width: int) -> int:
@@ -37,8 +109,6 @@ def _routed_swiglu(
     gate_up: torch.Tensor, weights: torch.Tensor, order: torch.Tensor
 ) -> torch.Tensor:
     import triton
-
-    from mcore_kernels.moe._routed_triton import routed_swiglu_forward_kernel
 
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, width)
@@ -53,8 +123,6 @@ def _routed_swiglu(
 def _routed_swiglu_backward(
     gate_up: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, grad: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from mcore_kernels.moe._routed_triton import routed_swiglu_backward_kernel
-
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty_like(gate_up)
     # Assignments without a row (dropped) keep a zero gradient; one spare entry takes the
@@ -134,50 +202,6 @@ class RoutedExpertsFunction(torch.autograd.Function):
         if needs_w:
             grad_w = grad_flat_w.view(ctx.weights_shape)
         return grad_x, grad_w, grad_gu, grad_down, None, None, None, None, None, None
-
-
-def routed_experts_reference(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    order: torch.Tensor,
-    offsets: torch.Tensor,
-) -> torch.Tensor:
-    """Torch reference of :func:`routed_experts`: one SwiGLU MLP per expert over its rows.
-
-    Args:
-        x: ``[T, H]`` tokens.
-        weights: ``[T, top_k]`` routing weights.
-        w_gate_up: ``[E, 2F, H]`` gate rows then up rows of each expert.
-        w_down: ``[E, H, F]``.
-        order: ``[M]`` int64 assignment in each row (rows sorted by expert; -1 in a row
-            without one).
-        offsets: ``[E]`` int32 end row of each expert's rows.
-
-    Returns:
-        ``[T, H]`` sum of each token's weighted expert outputs (assignments in no row count
-        zero), in the dtype of ``x``.
-    """
-    top_k = weights.shape[1]
-    ffn = w_down.shape[-1]
-    ends = offsets.tolist()
-    outputs = []
-    start = 0
-    for expert, end in enumerate(ends):
-        assignments = order[start:end]
-        assignments = assignments[assignments >= 0]
-        rows = x.index_select(0, assignments // top_k)
-        gate, up = F.linear(rows, w_gate_up[expert]).float().split(ffn, dim=-1)
-        scale = weights.reshape(-1).index_select(0, assignments).float().unsqueeze(-1)
-        act = (F.silu(gate) * up * scale).to(x.dtype)
-        outputs.append(F.linear(act, w_down[expert]))
-        start = end
-    y = torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
-    used = order[:start]
-    per_assignment = x.new_zeros(weights.numel(), x.shape[1]).index_copy(0, used[used >= 0], y)
-    summed = per_assignment.float().view(-1, top_k, x.shape[1]).sum(dim=1)
-    return summed.to(x.dtype)
 
 
 def routed_experts(
@@ -306,3 +330,17 @@ def grouped_experts(
         0,
         gemms if gemms is not None else ExpertGemms(),
     )
+
+
+# --- torch.library: the op torch.compile traces (forward, and its backward through the
+# Function's own gradients; see mcore_kernels._compile.register_function) ---------------
+
+register_function(
+    "moe_routed_experts",
+    RoutedExpertsFunction,
+    "Tensor x, Tensor weights, Tensor w_gate_up, Tensor w_down, Tensor order, "
+    "Tensor inverse, Tensor offsets, int top_k",
+    1,
+    (0, 1, 2, 3),
+    lambda x, *args: x.new_empty(x.shape),
+)

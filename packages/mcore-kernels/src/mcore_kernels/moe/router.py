@@ -18,12 +18,150 @@ import torch
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
+from mcore_kernels._compile import register_function
+from mcore_kernels._triton_utils import jit, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
 from mcore_kernels.moe.reference import moe_router_reference
 
 __all__ = ["moe_router"]
 
 _SCORES = ("softmax", "sigmoid")
+
+
+@jit
+def router_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    experts_ptr,
+    scores_ptr,
+    counts_ptr,
+    num_tokens,
+    num_experts,
+    scaling,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    WEIGHTS_BF16: tl.constexpr = False,
+):
+    """Scores, top-k, weights and counts of ``BLOCK_T`` tokens (one row of logits each); the
+    weights stored in the dtype of ``weights_ptr``."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_tokens
+    col_ok = cols < num_experts
+    mask = row_ok[:, None] & col_ok[None, :]
+    logits = tl.load(logits_ptr + rows[:, None] * num_experts + cols[None, :], mask=mask, other=0.0)
+    logits = tl.where(col_ok[None, :], logits.to(tl.float32), float("-inf"))
+    if SIGMOID:
+        scores = tl.where(col_ok[None, :], 1.0 / (1.0 + tl.exp(-logits)), 0.0)
+    else:
+        shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = shifted / tl.sum(shifted, axis=1)[:, None]
+    tl.store(scores_ptr + rows[:, None] * num_experts + cols[None, :], scores, mask=mask)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    choice = tl.where(col_ok[None, :], choice, float("-inf"))
+    ks = tl.arange(0, K_PAD)
+    picked_w = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    picked_e = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=1)
+        # First column holding the maximum (torch.topk's order for distinct scores).
+        index = tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        hit = cols[None, :] == index[:, None]
+        weight = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        picked_w = tl.where(ks[None, :] == j, weight[:, None], picked_w)
+        picked_e = tl.where(ks[None, :] == j, index[:, None], picked_e)
+        tl.atomic_add(counts_ptr + index, 1, mask=row_ok)
+        choice = tl.where(hit, float("-inf"), choice)
+    if NORMALIZE:
+        picked_w = picked_w / (tl.sum(picked_w, axis=1)[:, None] + 1e-20)
+    picked_w = picked_w * scaling
+    out_mask = row_ok[:, None] & (ks[None, :] < TOP_K)
+    offsets = rows[:, None] * TOP_K + ks[None, :]
+    if WEIGHTS_BF16:
+        # Rounded to the nearest bf16, ties to even, as torch's cast (written out in integer
+        # operations: the interpreter's float cast truncates). The weights are finite.
+        bits = picked_w.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        tl.store(
+            weights_ptr + offsets,
+            (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+            mask=out_mask,
+        )
+    else:
+        tl.store(weights_ptr + offsets, picked_w.to(weights_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(experts_ptr + offsets, picked_e.to(tl.int64), mask=out_mask)
+
+
+@jit
+def router_backward_kernel(
+    logits_ptr,
+    experts_ptr,
+    grad_w_ptr,
+    grad_s_ptr,
+    out_ptr,
+    num_tokens,
+    num_experts,
+    scaling,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    HAS_GW: tl.constexpr,
+    HAS_GS: tl.constexpr,
+):
+    """Gradient of :func:`router_kernel`'s weights and scores with respect to the logits of
+    ``BLOCK_T`` tokens: the scores recomputed, the weights' closed-form gradient added at the
+    chosen experts (distinct per token), then the softmax or sigmoid backward."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_tokens
+    col_ok = cols < num_experts
+    mask = row_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * num_experts + cols[None, :]
+    logits = tl.load(logits_ptr + offsets, mask=mask, other=0.0)
+    logits = tl.where(col_ok[None, :], logits.to(tl.float32), float("-inf"))
+    if SIGMOID:
+        scores = tl.where(col_ok[None, :], 1.0 / (1.0 + tl.exp(-logits)), 0.0)
+    else:
+        shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = shifted / tl.sum(shifted, axis=1)[:, None]
+    if HAS_GS:
+        grad = tl.load(grad_s_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    else:
+        grad = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    if HAS_GW:
+        ks = tl.arange(0, K_PAD)
+        k_mask = row_ok[:, None] & (ks[None, :] < TOP_K)
+        k_offsets = rows[:, None] * TOP_K + ks[None, :]
+        chosen_e = tl.load(experts_ptr + k_offsets, mask=k_mask, other=0).to(tl.int32)
+        g = tl.load(grad_w_ptr + k_offsets, mask=k_mask, other=0.0).to(tl.float32) * scaling
+        chosen = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            expert = tl.sum(tl.where(ks[None, :] == j, chosen_e, 0), axis=1)
+            picked = tl.sum(tl.where(cols[None, :] == expert[:, None], scores, 0.0), axis=1)
+            chosen = tl.where(ks[None, :] == j, picked[:, None], chosen)
+        if NORMALIZE:
+            total = tl.sum(chosen, axis=1) + 1e-20
+            g = (g - (tl.sum(g * chosen, axis=1) / total)[:, None]) / total[:, None]
+        for j in tl.static_range(TOP_K):
+            expert = tl.sum(tl.where(ks[None, :] == j, chosen_e, 0), axis=1)
+            g_j = tl.sum(tl.where(ks[None, :] == j, g, 0.0), axis=1)
+            grad += tl.where(cols[None, :] == expert[:, None], g_j[:, None], 0.0)
+    if SIGMOID:
+        out = grad * scores * (1.0 - scores)
+    else:
+        out = scores * (grad - tl.sum(grad * scores, axis=1)[:, None])
+    tl.store(out_ptr + offsets, out, mask=mask)
 
 
 def _triton_router(
@@ -36,8 +174,6 @@ def _triton_router(
     weights_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     import triton
-
-    from mcore_kernels.moe._triton import router_kernel
 
     num_tokens, num_experts = logits.shape
     # The weights stored in their final dtype and the counts as int64 by the kernel: no cast
@@ -84,8 +220,6 @@ def _triton_logits_grad(
 ) -> torch.Tensor:
     """:func:`router_logits_grad` in one kernel (one launch instead of about fifteen)."""
     import triton
-
-    from mcore_kernels.moe._triton import router_backward_kernel
 
     num_tokens, num_experts = logits.shape
     top_k = experts.shape[1]
@@ -286,3 +420,27 @@ def moe_router(
     return MoERouterFunction.apply(
         logits.contiguous(), top_k, score, expert_bias, normalize, float(scaling), weights_dtype
     )
+
+
+# --- torch.library: the op torch.compile traces (forward, and its backward through the
+# Function's own gradients; see mcore_kernels._compile.register_function) ---------------
+
+
+def _router_fake(logits, top_k, score, expert_bias, normalize, scaling):
+    tokens, experts = logits.shape
+    return (
+        logits.new_empty((tokens, top_k)),
+        logits.new_empty((tokens, top_k), dtype=torch.int64),
+        logits.new_empty((tokens, experts)),
+        logits.new_empty((experts,), dtype=torch.int64),
+    )
+
+
+register_function(
+    "moe_router",
+    MoERouterFunction,
+    "Tensor logits, int top_k, str score, Tensor? expert_bias, bool normalize, float scaling",
+    4,
+    (0,),
+    _router_fake,
+)

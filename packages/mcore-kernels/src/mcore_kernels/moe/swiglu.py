@@ -16,11 +16,93 @@ import torch
 
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
+from mcore_kernels._compile import register_function
+from mcore_kernels._triton_utils import gdc_launch_dependents, gdc_wait, jit, tl
 from mcore_kernels.errors import KernelShapeError
 from mcore_kernels.moe.reference import swiglu_reference, weighted_swiglu_reference
 from mcore_kernels.pdl import pdl_enabled
 
 __all__ = ["swiglu", "weighted_swiglu"]
+
+
+@jit
+def swiglu_forward_kernel(
+    gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False
+):
+    """``out[m] = silu(gate_up[m, :F]) * gate_up[m, F:]`` for one row block of columns.
+
+    ``USE_PDL``: launched with programmatic dependent launch; wait for the previous kernel (the
+    gate/up GEMM) before reading its output or writing anything."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=ok, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@jit
+def swiglu_backward_kernel(gate_up_ptr, grad_ptr, out_ptr, width, BLOCK: tl.constexpr):
+    """Gradient of :func:`swiglu_forward_kernel` with respect to ``gate_up``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=ok, other=0.0).to(tl.float32)
+    grad = tl.load(grad_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    silu = gate * sig
+    d_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = grad * silu
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * 2 * width + cols, d_gate.to(dtype), mask=ok)
+    tl.store(out_ptr + row * 2 * width + width + cols, d_up.to(dtype), mask=ok)
+
+
+@jit
+def weighted_swiglu_forward_kernel(gate_up_ptr, w_ptr, out_ptr, width, BLOCK: tl.constexpr):
+    """``out[m] = w[m] * silu(gate_up[m, :F]) * gate_up[m, F:]`` for one row block of columns."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=ok, other=0.0).to(tl.float32)
+    weight = tl.load(w_ptr + row).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up * weight
+    tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@jit
+def weighted_swiglu_backward_kernel(
+    gate_up_ptr, w_ptr, grad_ptr, out_ptr, grad_w_ptr, width, BLOCK: tl.constexpr
+):
+    """Gradients of :func:`weighted_swiglu_forward_kernel` for one row: ``gate_up`` (``[2F]``)
+    and the row weight (a float32 sum over the row's columns in one program: no atomics)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = tl.arange(0, BLOCK)
+    weight = tl.load(w_ptr + row).to(tl.float32)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    for start in range(0, width, BLOCK):
+        cols = start + base
+        ok = cols < width
+        gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=ok, other=0.0).to(
+            tl.float32
+        )
+        grad = tl.load(grad_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-gate))
+        silu = gate * sig
+        acc += grad * silu * up
+        scaled = grad * weight
+        d_gate = scaled * up * sig * (1.0 + gate * (1.0 - sig))
+        tl.store(out_ptr + row * 2 * width + cols, d_gate.to(dtype), mask=ok)
+        tl.store(out_ptr + row * 2 * width + width + cols, (scaled * silu).to(dtype), mask=ok)
+    tl.store(grad_w_ptr + row, tl.sum(acc, axis=0))
 
 
 def _launch(
@@ -51,8 +133,6 @@ class SwiGLUFunction(torch.autograd.Function):
         ctx.save_for_backward(gate_up)
         if not use_triton(gate_up):
             return swiglu_reference(gate_up)
-        from mcore_kernels.moe._triton import swiglu_forward_kernel
-
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
         # Inside mcore_kernels.pdl.programmatic_dependent_launch (the engine's decode steps).
         _launch(swiglu_forward_kernel, gate_up, out=out, pdl=pdl_enabled(gate_up.device))
@@ -67,8 +147,6 @@ class SwiGLUFunction(torch.autograd.Function):
                 leaf = gate_up.detach().requires_grad_(True)
                 (result,) = torch.autograd.grad(swiglu_reference(leaf), leaf, grad)
             return result
-        from mcore_kernels.moe._triton import swiglu_backward_kernel
-
         out = torch.empty_like(gate_up)
         _launch(swiglu_backward_kernel, gate_up, grad, out=out)
         return out
@@ -103,8 +181,6 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
         ctx.save_for_backward(gate_up, weights)
         if not use_triton(gate_up, weights):
             return weighted_swiglu_reference(gate_up, weights)
-        from mcore_kernels.moe._triton import weighted_swiglu_forward_kernel
-
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
         _launch(weighted_swiglu_forward_kernel, gate_up, weights, out=out)
         return out
@@ -120,8 +196,6 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
                 result = torch.autograd.grad(weighted_swiglu_reference(leaf, w), (leaf, w), grad)
             return result[0], result[1]
         import triton
-
-        from mcore_kernels.moe._triton import weighted_swiglu_backward_kernel
 
         out = torch.empty_like(gate_up)
         grad_w = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)
@@ -170,3 +244,22 @@ def weighted_swiglu(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
             gate_up.contiguous(), weights.contiguous()
         )
     return WeightedSwiGLUFunction.apply(gate_up.contiguous(), weights.contiguous())
+
+
+# --- torch.library: the op torch.compile traces (forward, and its backward through the
+# Function's own gradients; see mcore_kernels._compile.register_function) ---------------
+
+
+def _half_width(gate_up: torch.Tensor, *args: object) -> torch.Tensor:
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+register_function("moe_swiglu", SwiGLUFunction, "Tensor gate_up", 1, (0,), _half_width)
+register_function(
+    "moe_weighted_swiglu",
+    WeightedSwiGLUFunction,
+    "Tensor gate_up, Tensor weights",
+    1,
+    (0, 1),
+    _half_width,
+)

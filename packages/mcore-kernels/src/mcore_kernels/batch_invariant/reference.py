@@ -1,21 +1,30 @@
-"""Torch reference of the batch-invariant attention (the CPU path).
+"""Torch references of the batch-invariant ops (their CPU paths): attention and the GEMMs.
 
-It runs the kernel's algorithm with torch ops: the same splits of ``SPLIT_SIZE`` positions, the
+The attention reference runs the kernel's algorithm with torch ops: the same splits of ``SPLIT_SIZE`` positions, the
 same tiles of ``TILE`` (both defined here and used by the Triton kernel), the same online softmax
 and in-order merge, every token through the same fixed-shape reductions, so a token's value does
-not depend on the other tokens of the call.
+not depend on the other tokens of the call. The GEMMs' reference multiplies fixed
+``REFERENCE_CHUNK_ROWS``-row chunks (see :mod:`mcore_kernels.batch_invariant.matmul`).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["SPLIT_SIZE", "TILE", "attention_batch_invariant_reference"]
+__all__ = [
+    "REFERENCE_CHUNK_ROWS",
+    "SPLIT_SIZE",
+    "TILE",
+    "attention_batch_invariant_reference",
+    "matmul_reference",
+]
 
 SPLIT_SIZE = 512
 """Context positions per split-KV program (fixed: part of the numerics of the mode)."""
 TILE = 32
 """Context positions per loop iteration inside a split."""
+REFERENCE_CHUNK_ROWS = 16
+"""Rows per BLAS call of the GEMMs' reference (every call has this many rows)."""
 
 
 def _gather_kv(
@@ -113,3 +122,46 @@ def attention_batch_invariant_reference(
         acc = acc * keep[..., None] + split_acc * take[..., None]
         total_max = new_max
     return (acc / total_sum[..., None]).reshape(tokens, q_heads, dim).to(q.dtype)
+
+
+def _chunked_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as fixed ``REFERENCE_CHUNK_ROWS``-row BLAS calls (the CPU-invariant product)."""
+    rows = a.shape[0]
+    pad = -rows % REFERENCE_CHUNK_ROWS
+    if pad:
+        a = torch.cat([a, a.new_zeros((pad, a.shape[1]))])
+    chunks = [chunk @ b for chunk in a.split(REFERENCE_CHUNK_ROWS)]
+    out = torch.cat(chunks) if chunks else a.new_empty((0, b.shape[1]))
+    return out[:rows]
+
+
+def matmul_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_ends: torch.Tensor | None = None,
+    rows_per_group: int | None = None,
+) -> torch.Tensor:
+    """Torch reference of the grouped batch-invariant product.
+
+    Args:
+        a: ``[M, K]`` rows.
+        b: ``[G, K, N]`` one matrix per group.
+        group_ends: ``[G]`` end row of each group (variable groups), or None.
+        rows_per_group: Rows of every group when ``group_ends`` is None (default ``M / G``).
+
+    Returns:
+        ``[M, N]`` in ``a.dtype``.
+    """
+    groups = b.shape[0]
+    if group_ends is None:
+        size = rows_per_group if rows_per_group is not None else a.shape[0] // max(groups, 1)
+        ends = [size * (g + 1) for g in range(groups)]
+    else:
+        ends = [int(e) for e in group_ends.tolist()]
+    pieces, start = [], 0
+    for g, end in enumerate(ends):
+        pieces.append(_chunked_mm(a[start:end], b[g]))
+        start = end
+    if start < a.shape[0]:
+        pieces.append(a.new_zeros((a.shape[0] - start, b.shape[2])))
+    return torch.cat(pieces) if pieces else a.new_empty((0, b.shape[2]))
