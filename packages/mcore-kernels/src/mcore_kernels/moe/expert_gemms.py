@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -40,6 +40,7 @@ __all__ = [
     "choose_expert_gemms",
     "measured_expert_gemms",
     "prefers_slots",
+    "run_beside",
     "triton_expert_gemms",
     "without_host_sync",
 ]
@@ -61,6 +62,17 @@ LOOP_PREFIX = True
 """The first cuBLAS loop of a layer call whose group ends come through ``host_ends`` starts
 with the first expert's GEMM over the mean rows per expert before the host waits for the ends
 (:meth:`ExpertGemmRunner._prefix_rows`)."""
+
+SIDE_STREAM = True
+"""The weight gradient of a backward pass on cuBLAS kernels (:data:`CUBLAS_LOOP` or
+:data:`BATCHED`) runs on a second CUDA stream beside the pass's input gradient
+(:func:`run_beside`), so that one GEMM's last partial wave of tiles and its output stores
+overlap the other's products. Each GEMM computes the same products in the same order either
+way: the results are bitwise the same."""
+
+_SIDE_KINDS = (CUBLAS_LOOP, BATCHED)
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_T = TypeVar("_T")
 
 GemmKernel = PersistentTiles | str
 """The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP`, :data:`BATCHED` or the
@@ -114,6 +126,49 @@ class ExpertGemms:
         return any(getattr(self, name) == BATCHED for name in _GEMMS)
 
 
+def run_beside(
+    side: Callable[[], torch.Tensor],
+    main: Callable[[], _T],
+    device: torch.device,
+    enabled: bool = True,
+) -> tuple[torch.Tensor, _T]:
+    """``(side(), main())``, with ``side`` enqueued on a second CUDA stream of ``device`` and
+    ``main`` on the current stream, joined before returning (the current stream waits for the
+    second one, and ``side``'s result is marked as used by the current stream).
+
+    Sequential (``side`` first) off CUDA, while the current stream captures a CUDA graph, when
+    ``enabled`` is False or :data:`SIDE_STREAM` is off. Neither call may free a tensor that the
+    other reads (they share the caller's operands, which live until the join).
+
+    Args:
+        side: Enqueues work returning one tensor (e.g. a weight gradient).
+        main: Enqueues the other work (e.g. the input gradient of the same pass).
+        device: Device of the work.
+        enabled: False runs both on the current stream.
+
+    Returns:
+        The two results.
+    """
+    if (
+        not (enabled and SIDE_STREAM)
+        or device.type != "cuda"
+        or torch.cuda.is_current_stream_capturing()
+    ):
+        return side(), main()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    current = torch.cuda.current_stream(index)
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        first = side()
+    second = main()
+    current.wait_stream(stream)
+    first.record_stream(current)
+    return first, second
+
+
 class ExpertGemmRunner:
     """Runs the six GEMMs of one layer call as an :class:`ExpertGemms` plan says, building each
     row-tile schedule once (per tile height) and the host copy of the group ends at most once,
@@ -146,6 +201,20 @@ class ExpertGemmRunner:
             raise KernelShapeError(
                 f"num_rows={num_rows}: batched GEMMs need equal row slots for the {experts} experts"
             )
+
+    def side_stream(self, weight_gemm: str, row_gemm: str) -> bool:
+        """Whether a weight gradient and the input gradient beside it both run on cuBLAS
+        kernels, which :func:`run_beside` then overlaps on two streams (the persistent Triton
+        kernels hold every multiprocessor: nothing to overlap).
+
+        Args:
+            weight_gemm: ``"w_down"`` or ``"w_gate_up"``.
+            row_gemm: ``"d_act"`` or ``"d_x"``.
+
+        Returns:
+            True when both kernels are :data:`CUBLAS_LOOP` or :data:`BATCHED`.
+        """
+        return all(getattr(self.plan, name) in _SIDE_KINDS for name in (weight_gemm, row_gemm))
 
     def _schedule(self, tiles: PersistentTiles) -> torch.Tensor:
         if tiles.block_m not in self._schedules:

@@ -18,6 +18,7 @@ from mcore_kernels.moe.expert_gemms import (
     ExpertGemms,
     choose_expert_gemms,
     prefers_slots,
+    run_beside,
     without_host_sync,
 )
 
@@ -96,8 +97,17 @@ class _BatchedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, weight = ctx.saved_tensors
-        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
+        needs_x, needs_weight = ctx.needs_input_grad[:2]
+        if needs_x and needs_weight:
+            # The weight gradient on a second stream beside the input gradient (run_beside).
+            grad_weight, grad_x = run_beside(
+                lambda: torch.bmm(grad.transpose(1, 2), x),
+                lambda: torch.bmm(grad, weight),
+                grad.device,
+            )
+            return grad_x, grad_weight
+        grad_x = torch.bmm(grad, weight) if needs_x else None
+        grad_weight = torch.bmm(grad.transpose(1, 2), x) if needs_weight else None
         return grad_x, grad_weight
 
 
