@@ -258,3 +258,65 @@ def test_cublas_loop_speculative_first_expert_prefix_equals_the_plain_loop(sizes
         start = end
     plain = ExpertGemmRunner(CUBLAS_LOOP_PLAN, offsets, rows).gate_up(a, w)
     assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("frozen", ["none", "x", "w_gate_up", "w_down"])
+def test_routed_experts_on_cublas_loops_match_reference_whatever_needs_a_gradient(frozen):
+    # CUBLAS_LOOP_PLAN: the backward pairs each weight gradient with its pass's input gradient
+    # (run_beside: a second stream on CUDA, one after the other here); every combination of
+    # needed gradients against the reference, expert 1 and 4 without tokens.
+    from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP_PLAN
+
+    x, weights, w_gu, w_d, order, inverse, offsets = _problem(seed=8)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(9)).to(x.dtype)
+    index = {"x": 0, "w_gate_up": 2, "w_down": 3}.get(frozen)
+
+    def run(fn):
+        leaves = [
+            t.detach().clone().requires_grad_(i != index)
+            for i, t in enumerate((x, weights, w_gu, w_d))
+        ]
+        out = fn(*leaves)
+        out.backward(grad)
+        return out.detach(), [leaf.grad for leaf in leaves]
+
+    out, grads = run(
+        lambda a, b, c, d: routed_experts(
+            a, b, c, d, order, inverse, offsets, gemms=CUBLAS_LOOP_PLAN
+        )
+    )
+    ref, ref_grads = run(lambda a, b, c, d: routed_experts_reference(a, b, c, d, order, offsets))
+    if index is not None:
+        assert grads[index] is None and ref_grads[index] is None
+        grads[index] = ref_grads[index] = torch.zeros(1)
+    _assert_close_to_reference(out, grads, ref, ref_grads)
+    if frozen != "w_gate_up":
+        assert torch.count_nonzero(grads[2][1]) == 0 and torch.count_nonzero(grads[2][4]) == 0
+
+
+def test_run_beside_pairs_cublas_kernels_only_and_is_sequential_off_cuda():
+    from mcore_kernels.moe.expert_gemms import (
+        BATCHED,
+        CUBLAS_LOOP,
+        CUBLAS_LOOP_PLAN,
+        ExpertGemmRunner,
+        run_beside,
+    )
+    from mcore_kernels.moe.grouped_mm import PersistentTiles
+
+    offsets = torch.tensor([4, 8], dtype=torch.int32)
+    assert ExpertGemmRunner(CUBLAS_LOOP_PLAN, offsets, 8).side_stream("w_down", "d_act")
+    assert ExpertGemmRunner(BATCHED_PLAN, offsets, 8).side_stream("w_gate_up", "d_x")
+    mixed = ExpertGemms(w_down=CUBLAS_LOOP, d_act=BATCHED)
+    assert ExpertGemmRunner(mixed, offsets, 8).side_stream("w_down", "d_act")
+    assert not ExpertGemmRunner(mixed, offsets, 8).side_stream("w_gate_up", "d_x")
+    tiles = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3)
+    triton_rows = ExpertGemms(w_down=CUBLAS_LOOP, d_act=tiles)
+    assert not ExpertGemmRunner(triton_rows, offsets, 8).side_stream("w_down", "d_act")
+    calls = []
+    first, second = run_beside(
+        lambda: calls.append("side") or torch.ones(2),
+        lambda: calls.append("main") or 3,
+        torch.device("cpu"),
+    )
+    assert calls == ["side", "main"] and torch.equal(first, torch.ones(2)) and second == 3
