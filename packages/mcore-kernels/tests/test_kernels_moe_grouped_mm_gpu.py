@@ -169,3 +169,19 @@ def test_weight_gradients_beside_the_input_gradients_equal_one_stream_bitwise(mo
     second = _routed(CUBLAS_LOOP_PLAN)
     for a, b, c in zip(first, second, want, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_cublas_loops_alternating_streams_equal_one_stream_bitwise(monkeypatch):
+    # LOOP_STREAMS: every other expert's GEMM on a second stream, with and without the side
+    # stream of the weight gradients.
+    from mcore_kernels.moe import expert_gemms
+    from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP_PLAN
+
+    monkeypatch.setattr(expert_gemms, "SIDE_STREAM", False)
+    want = _routed(CUBLAS_LOOP_PLAN)
+    monkeypatch.setattr(expert_gemms, "LOOP_STREAMS", True)
+    for side in (False, True):
+        monkeypatch.setattr(expert_gemms, "SIDE_STREAM", side)
+        got = _routed(CUBLAS_LOOP_PLAN)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)

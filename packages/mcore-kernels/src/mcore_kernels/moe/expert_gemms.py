@@ -70,9 +70,25 @@ SIDE_STREAM = True
 overlap the other's products. Each GEMM computes the same products in the same order either
 way: the results are bitwise the same."""
 
+LOOP_STREAMS = False
+"""The GEMMs of a cuBLAS loop alternate between the current CUDA stream and a second one
+(expert by expert), so that one expert's last partial wave of tiles overlaps the next
+expert's GEMM. Bitwise the same results."""
+
 _SIDE_KINDS = (CUBLAS_LOOP, BATCHED)
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
 _T = TypeVar("_T")
+
+
+def _second_stream(current: torch.cuda.Stream) -> torch.cuda.Stream:
+    """A stream of ``current``'s device paired with ``current`` (one per current stream, made
+    once)."""
+    key = (current.device_index, current.cuda_stream)
+    stream = _SIDE_STREAMS.get(key)
+    if stream is None:
+        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(current.device_index)
+    return stream
+
 
 GemmKernel = PersistentTiles | str
 """The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP`, :data:`BATCHED` or the
@@ -155,11 +171,8 @@ def run_beside(
         or torch.cuda.is_current_stream_capturing()
     ):
         return side(), main()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    current = torch.cuda.current_stream(index)
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    current = torch.cuda.current_stream(device)
+    stream = _second_stream(current)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         first = side()
@@ -242,11 +255,34 @@ class ExpertGemmRunner:
     def _loop(self, one: Callable[[int, int, int], None], done: int = 0) -> None:
         """``one(expert, start, end)`` for every expert with rows, the first expert's from row
         ``done`` on (its rows before ``done`` already computed)."""
-        for expert, start, end in self._expert_spans():
-            if expert == 0:
-                start = max(start, done)
-            if end > start:
-                one(expert, start, end)
+        spans = [
+            (expert, max(start, done) if expert == 0 else start, end)
+            for expert, start, end in self._expert_spans()
+        ]
+        spans = [span for span in spans if span[2] > span[1]]
+        device = self.offsets.device
+        if (
+            not LOOP_STREAMS
+            or len(spans) < 2
+            or device.type != "cuda"
+            or torch.cuda.is_current_stream_capturing()
+        ):
+            for span in spans:
+                one(*span)
+            return
+        # Every other expert on a second stream, ordered after everything enqueued so far
+        # (the speculative prefix included) and joined at the end; each GEMM writes its own
+        # rows (or expert) of the output.
+        current = torch.cuda.current_stream(device)
+        second = _second_stream(current)
+        second.wait_stream(current)
+        for position, span in enumerate(spans):
+            if position % 2:
+                with torch.cuda.stream(second):
+                    one(*span)
+            else:
+                one(*span)
+        current.wait_stream(second)
 
     def _rows(
         self, kernel: GemmKernel, a: torch.Tensor, w: torch.Tensor, transpose: bool
