@@ -263,7 +263,7 @@ def test_cublas_loop_speculative_first_expert_prefix_equals_the_plain_loop(sizes
 @pytest.mark.parametrize("frozen", ["none", "x", "w_gate_up", "w_down"])
 def test_routed_experts_on_cublas_loops_match_reference_whatever_needs_a_gradient(frozen):
     # CUBLAS_LOOP_PLAN: the backward pairs each weight gradient with its pass's input gradient
-    # (run_beside: a second stream on CUDA, one after the other here); every combination of
+    # (SideStream: a second stream on CUDA, in call order here); every combination of
     # needed gradients against the reference, expert 1 and 4 without tokens.
     from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP_PLAN
 

@@ -37,6 +37,7 @@ __all__ = [
     "ExpertGemmRunner",
     "ExpertGemms",
     "GemmKernel",
+    "SideStream",
     "choose_expert_gemms",
     "measured_expert_gemms",
     "prefers_slots",
@@ -142,6 +143,64 @@ class ExpertGemms:
         return any(getattr(self, name) == BATCHED for name in _GEMMS)
 
 
+class SideStream:
+    """Work enqueued on a second CUDA stream beside the current one, joined by :meth:`join`.
+
+    Inactive (everything runs on the current stream, in call order) off CUDA, while the
+    current stream captures a CUDA graph, when ``enabled`` is False or :data:`SIDE_STREAM` is
+    off.
+
+    Args:
+        device: Device of the work.
+        enabled: False makes it inactive.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.active = (
+            enabled
+            and SIDE_STREAM
+            and device.type == "cuda"
+            and not torch.cuda.is_current_stream_capturing()
+        )
+        self._results: list[torch.Tensor] = []
+        if self.active:
+            self._current = torch.cuda.current_stream(device)
+            self._stream = _second_stream(self._current)
+
+    def run(self, fn: Callable[[], torch.Tensor], *reads: torch.Tensor) -> torch.Tensor:
+        """Enqueue ``fn`` on the second stream after everything enqueued so far on the current
+        one.
+
+        Args:
+            fn: Enqueues work returning one tensor.
+            *reads: Tensors of the current stream that ``fn`` reads: the caching allocator
+                keeps their memory until the second stream is done with them, even if the
+                caller frees them before :meth:`join`.
+
+        Returns:
+            ``fn()``'s result, valid on the current stream after :meth:`join`.
+        """
+        if not self.active:
+            return fn()
+        self._stream.wait_stream(self._current)
+        with torch.cuda.stream(self._stream):
+            out = fn()
+        for tensor in reads:
+            tensor.record_stream(self._stream)
+        self._results.append(out)
+        return out
+
+    def join(self) -> None:
+        """Make the current stream wait for the second one; the results of :meth:`run` are
+        then used by the current stream."""
+        if not self.active:
+            return
+        self._current.wait_stream(self._stream)
+        for tensor in self._results:
+            tensor.record_stream(self._current)
+        self._results.clear()
+
+
 def run_beside(
     side: Callable[[], torch.Tensor],
     main: Callable[[], _T],
@@ -149,12 +208,11 @@ def run_beside(
     enabled: bool = True,
 ) -> tuple[torch.Tensor, _T]:
     """``(side(), main())``, with ``side`` enqueued on a second CUDA stream of ``device`` and
-    ``main`` on the current stream, joined before returning (the current stream waits for the
-    second one, and ``side``'s result is marked as used by the current stream).
+    ``main`` on the current stream, joined before returning (:class:`SideStream`).
 
-    Sequential (``side`` first) off CUDA, while the current stream captures a CUDA graph, when
-    ``enabled`` is False or :data:`SIDE_STREAM` is off. Neither call may free a tensor that the
-    other reads (they share the caller's operands, which live until the join).
+    Sequential (``side`` first) where :class:`SideStream` is inactive. Neither call may free a
+    tensor that the other reads (they share the caller's operands, which live until the
+    join).
 
     Args:
         side: Enqueues work returning one tensor (e.g. a weight gradient).
@@ -165,20 +223,10 @@ def run_beside(
     Returns:
         The two results.
     """
-    if (
-        not (enabled and SIDE_STREAM)
-        or device.type != "cuda"
-        or torch.cuda.is_current_stream_capturing()
-    ):
-        return side(), main()
-    current = torch.cuda.current_stream(device)
-    stream = _second_stream(current)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        first = side()
+    stream = SideStream(device, enabled)
+    first = stream.run(side)
     second = main()
-    current.wait_stream(stream)
-    first.record_stream(current)
+    stream.join()
     return first, second
 
 
