@@ -100,12 +100,12 @@ class _BatchedLinear(torch.autograd.Function):
         needs_x, needs_weight = ctx.needs_input_grad[:2]
         if needs_x and needs_weight:
             # The weight gradient on a second stream beside the input gradient (run_beside).
-            grad_weight, grad_x = run_beside(
+            pair = run_beside(
                 lambda: torch.bmm(grad.transpose(1, 2), x),
                 lambda: torch.bmm(grad, weight),
                 grad.device,
             )
-            return grad_x, grad_weight
+            return pair[1], pair[0]
         grad_x = torch.bmm(grad, weight) if needs_x else None
         grad_weight = torch.bmm(grad.transpose(1, 2), x) if needs_weight else None
         return grad_x, grad_weight
