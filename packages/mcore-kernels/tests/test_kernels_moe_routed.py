@@ -294,29 +294,31 @@ def test_routed_experts_on_cublas_loops_match_reference_whatever_needs_a_gradien
         assert torch.count_nonzero(grads[2][1]) == 0 and torch.count_nonzero(grads[2][4]) == 0
 
 
-def test_run_beside_pairs_cublas_kernels_only_and_is_sequential_off_cuda():
+def test_side_stream_pairs_cublas_loops_only_and_is_inactive_off_cuda():
     from mcore_kernels.moe.expert_gemms import (
         BATCHED,
         CUBLAS_LOOP,
         CUBLAS_LOOP_PLAN,
         ExpertGemmRunner,
-        run_beside,
+        SideStream,
+        batched_weight_gradient,
     )
     from mcore_kernels.moe.grouped_mm import PersistentTiles
 
     offsets = torch.tensor([4, 8], dtype=torch.int32)
     assert ExpertGemmRunner(CUBLAS_LOOP_PLAN, offsets, 8).side_stream("w_down", "d_act")
-    assert ExpertGemmRunner(BATCHED_PLAN, offsets, 8).side_stream("w_gate_up", "d_x")
-    mixed = ExpertGemms(w_down=CUBLAS_LOOP, d_act=BATCHED)
+    assert not ExpertGemmRunner(BATCHED_PLAN, offsets, 8).side_stream("w_gate_up", "d_x")
+    mixed = ExpertGemms(w_down=CUBLAS_LOOP, d_act=CUBLAS_LOOP, d_x=BATCHED)
     assert ExpertGemmRunner(mixed, offsets, 8).side_stream("w_down", "d_act")
     assert not ExpertGemmRunner(mixed, offsets, 8).side_stream("w_gate_up", "d_x")
     tiles = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3)
     triton_rows = ExpertGemms(w_down=CUBLAS_LOOP, d_act=tiles)
     assert not ExpertGemmRunner(triton_rows, offsets, 8).side_stream("w_down", "d_act")
-    calls = []
-    first, second = run_beside(
-        lambda: calls.append("side") or torch.ones(2),
-        lambda: calls.append("main") or 3,
-        torch.device("cpu"),
-    )
-    assert calls == ["side", "main"] and torch.equal(first, torch.ones(2)) and second == 3
+    side = SideStream(torch.device("cpu"))
+    assert not side.active
+    with side.launching(torch.ones(1)):
+        pass
+    side.join()
+    g = torch.Generator().manual_seed(0)
+    grad, x = torch.randn(3, 5, 4, generator=g), torch.randn(3, 5, 6, generator=g)
+    torch.testing.assert_close(batched_weight_gradient(grad, x), torch.bmm(grad.mT, x))

@@ -544,10 +544,6 @@ def _fused_slot_errors() -> list[list[float]]:
     permute.PADDING_LIMIT = 1.0
     errors[0] += _fused_routed_errors(None, expert_kernel="bmm")
     assert len(calls) == 1, calls
-    # dispatcher.FUSED_CAPACITY_SLOTS: capacity routing's slots in the fused operation too.
-    dispatcher.FUSED_CAPACITY_SLOTS = True
-    errors[1] += _fused_routed_errors(0.5, expert_kernel="bmm")
-    assert [slotted for _, slotted in calls] == [True, True], calls
     return errors
 
 
@@ -561,8 +557,7 @@ def _fused_slot_errors() -> list[list[float]]:
 def test_layer_with_fused_experts_on_batched_slots_matches_reference(monkeypatch):
     # Equal slots per expert in the fused operation, on torch.bmm (ExpertGemms BATCHED):
     # dropless routing padded to the largest expert; and drop-and-pad (factor 0.5 drops some)
-    # with expert_kernel="bmm", in the separate operations and (FUSED_CAPACITY_SLOTS) in the
-    # fused one; experts without tokens included. Outputs and every gradient
+    # with expert_kernel="bmm"; experts without tokens included. Outputs and every gradient
     # against the token-by-token reference, in one fresh process (Triton interpreter).
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

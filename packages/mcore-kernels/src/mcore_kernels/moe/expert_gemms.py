@@ -14,9 +14,10 @@ cuBLAS GEMM over equal row slots per expert, or on the persistent Triton kernels
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 
@@ -38,10 +39,10 @@ __all__ = [
     "ExpertGemms",
     "GemmKernel",
     "SideStream",
+    "batched_weight_gradient",
     "choose_expert_gemms",
     "measured_expert_gemms",
     "prefers_slots",
-    "run_beside",
     "triton_expert_gemms",
     "without_host_sync",
 ]
@@ -65,20 +66,20 @@ with the first expert's GEMM over the mean rows per expert before the host waits
 (:meth:`ExpertGemmRunner._prefix_rows`)."""
 
 SIDE_STREAM = True
-"""The weight gradient of a backward pass on cuBLAS kernels (:data:`CUBLAS_LOOP` or
-:data:`BATCHED`) runs on a second CUDA stream beside the pass's input gradient
-(:func:`run_beside`), so that one GEMM's last partial wave of tiles and its output stores
+"""The weight gradients of the backward pass, where they and the input gradients beside them
+run on cuBLAS loops (:data:`CUBLAS_LOOP`), are launched on a second CUDA stream
+(:class:`SideStream`) while the input gradients, the SwiGLU backward and the combine's sum
+run on the current one, so that one GEMM's last partial wave of tiles and its output stores
 overlap the other's products. Each GEMM computes the same products in the same order either
 way: the results are bitwise the same."""
 
-LOOP_STREAMS = False
-"""The GEMMs of a cuBLAS loop alternate between the current CUDA stream and a second one
-(expert by expert), so that one expert's last partial wave of tiles overlaps the next
-expert's GEMM. Bitwise the same results."""
+BATCHED_WEIGHTS_CUBLASLT = True
+"""The weight gradients of :data:`BATCHED` GEMMs (``torch.bmm`` over equal slots) run
+through cuBLASLt (:func:`batched_weight_gradient`), whose heuristic picks another kernel than
+cuBLAS's for these shapes."""
 
-_SIDE_KINDS = (CUBLAS_LOOP, BATCHED)
+_SIDE_KINDS = (CUBLAS_LOOP,)
 _SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
-_T = TypeVar("_T")
 
 
 def _second_stream(current: torch.cuda.Stream) -> torch.cuda.Stream:
@@ -89,6 +90,36 @@ def _second_stream(current: torch.cuda.Stream) -> torch.cuda.Stream:
     if stream is None:
         stream = _SIDE_STREAMS[key] = torch.cuda.Stream(current.device_index)
     return stream
+
+
+@contextmanager
+def _cublaslt(enabled: bool) -> Iterator[None]:
+    """cuBLASLt as torch's preferred BLAS library inside the block (where ``enabled``)."""
+    if not enabled:
+        yield
+        return
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
+def batched_weight_gradient(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad[e].T @ x[e]`` for every slot batch ``e`` (the weight gradient of a batched
+    linear layer, in the weight's ``[E, N, K]`` layout), through cuBLASLt on CUDA when
+    :data:`BATCHED_WEIGHTS_CUBLASLT` is on.
+
+    Args:
+        grad: ``[E, S, N]`` output gradient of the slots.
+        x: ``[E, S, K]`` inputs of the slots.
+
+    Returns:
+        ``[E, N, K]``.
+    """
+    with _cublaslt(BATCHED_WEIGHTS_CUBLASLT and grad.device.type == "cuda"):
+        return torch.bmm(grad.transpose(1, 2), x)
 
 
 GemmKernel = PersistentTiles | str
@@ -144,11 +175,13 @@ class ExpertGemms:
 
 
 class SideStream:
-    """Work enqueued on a second CUDA stream beside the current one, joined by :meth:`join`.
+    """Work launched on a second CUDA stream beside the current one (:meth:`launching`),
+    joined by :meth:`join`.
 
     Inactive (everything runs on the current stream, in call order) off CUDA, while the
     current stream captures a CUDA graph, when ``enabled`` is False or :data:`SIDE_STREAM` is
-    off.
+    off. The work must write into tensors allocated on the current stream (so that the
+    caching allocator keeps one pool), and the caller must not use them before :meth:`join`.
 
     Args:
         device: Device of the work.
@@ -162,72 +195,33 @@ class SideStream:
             and device.type == "cuda"
             and not torch.cuda.is_current_stream_capturing()
         )
-        self._results: list[torch.Tensor] = []
         if self.active:
             self._current = torch.cuda.current_stream(device)
             self._stream = _second_stream(self._current)
 
-    def run(self, fn: Callable[[], torch.Tensor], *reads: torch.Tensor) -> torch.Tensor:
-        """Enqueue ``fn`` on the second stream after everything enqueued so far on the current
-        one.
+    @contextmanager
+    def launching(self, *reads: torch.Tensor) -> Iterator[None]:
+        """Launch the work of the ``with`` block on the second stream, after everything
+        launched so far on the current one.
 
         Args:
-            fn: Enqueues work returning one tensor.
-            *reads: Tensors of the current stream that ``fn`` reads: the caching allocator
+            *reads: Tensors of the current stream that the work reads: the caching allocator
                 keeps their memory until the second stream is done with them, even if the
                 caller frees them before :meth:`join`.
-
-        Returns:
-            ``fn()``'s result, valid on the current stream after :meth:`join`.
         """
         if not self.active:
-            return fn()
+            yield
+            return
         self._stream.wait_stream(self._current)
         with torch.cuda.stream(self._stream):
-            out = fn()
+            yield
         for tensor in reads:
             tensor.record_stream(self._stream)
-        self._results.append(out)
-        return out
 
     def join(self) -> None:
-        """Make the current stream wait for the second one; the results of :meth:`run` are
-        then used by the current stream."""
-        if not self.active:
-            return
-        self._current.wait_stream(self._stream)
-        for tensor in self._results:
-            tensor.record_stream(self._current)
-        self._results.clear()
-
-
-def run_beside(
-    side: Callable[[], torch.Tensor],
-    main: Callable[[], _T],
-    device: torch.device,
-    enabled: bool = True,
-) -> tuple[torch.Tensor, _T]:
-    """``(side(), main())``, with ``side`` enqueued on a second CUDA stream of ``device`` and
-    ``main`` on the current stream, joined before returning (:class:`SideStream`).
-
-    Sequential (``side`` first) where :class:`SideStream` is inactive. Neither call may free a
-    tensor that the other reads (they share the caller's operands, which live until the
-    join).
-
-    Args:
-        side: Enqueues work returning one tensor (e.g. a weight gradient).
-        main: Enqueues the other work (e.g. the input gradient of the same pass).
-        device: Device of the work.
-        enabled: False runs both on the current stream.
-
-    Returns:
-        The two results.
-    """
-    stream = SideStream(device, enabled)
-    first = stream.run(side)
-    second = main()
-    stream.join()
-    return first, second
+        """Make the current stream wait for the work launched on the second one."""
+        if self.active:
+            self._current.wait_stream(self._stream)
 
 
 class ExpertGemmRunner:
@@ -265,15 +259,16 @@ class ExpertGemmRunner:
 
     def side_stream(self, weight_gemm: str, row_gemm: str) -> bool:
         """Whether a weight gradient and the input gradient beside it both run on cuBLAS
-        kernels, which :func:`run_beside` then overlaps on two streams (the persistent Triton
-        kernels hold every multiprocessor: nothing to overlap).
+        loops, which :class:`SideStream` then overlaps on two streams (measured at Mixtral's
+        shape; the batched GEMMs gained nothing, the persistent Triton kernels hold every
+        multiprocessor).
 
         Args:
             weight_gemm: ``"w_down"`` or ``"w_gate_up"``.
             row_gemm: ``"d_act"`` or ``"d_x"``.
 
         Returns:
-            True when both kernels are :data:`CUBLAS_LOOP` or :data:`BATCHED`.
+            True when both kernels are :data:`CUBLAS_LOOP`.
         """
         return all(getattr(self.plan, name) in _SIDE_KINDS for name in (weight_gemm, row_gemm))
 
@@ -303,34 +298,11 @@ class ExpertGemmRunner:
     def _loop(self, one: Callable[[int, int, int], None], done: int = 0) -> None:
         """``one(expert, start, end)`` for every expert with rows, the first expert's from row
         ``done`` on (its rows before ``done`` already computed)."""
-        spans = [
-            (expert, max(start, done) if expert == 0 else start, end)
-            for expert, start, end in self._expert_spans()
-        ]
-        spans = [span for span in spans if span[2] > span[1]]
-        device = self.offsets.device
-        if (
-            not LOOP_STREAMS
-            or len(spans) < 2
-            or device.type != "cuda"
-            or torch.cuda.is_current_stream_capturing()
-        ):
-            for span in spans:
-                one(*span)
-            return
-        # Every other expert on a second stream, ordered after everything enqueued so far
-        # (the speculative prefix included) and joined at the end; each GEMM writes its own
-        # rows (or expert) of the output.
-        current = torch.cuda.current_stream(device)
-        second = _second_stream(current)
-        second.wait_stream(current)
-        for position, span in enumerate(spans):
-            if position % 2:
-                with torch.cuda.stream(second):
-                    one(*span)
-            else:
-                one(*span)
-        current.wait_stream(second)
+        for expert, start, end in self._expert_spans():
+            if expert == 0:
+                start = max(start, done)
+            if end > start:
+                one(expert, start, end)
 
     def _rows(
         self, kernel: GemmKernel, a: torch.Tensor, w: torch.Tensor, transpose: bool
@@ -365,7 +337,13 @@ class ExpertGemmRunner:
             return torch.bmm(slots, w.transpose(1, 2) if transpose else w).view(a.shape[0], -1)
         return torch._grouped_mm(a, w.transpose(-2, -1) if transpose else w, offs=self.offsets)
 
-    def _weights(self, kernel: GemmKernel, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _weights(
+        self,
+        kernel: GemmKernel,
+        g: torch.Tensor,
+        x: torch.Tensor,
+        side: SideStream | None,
+    ) -> torch.Tensor:
         if isinstance(kernel, PersistentTiles):
             aligned = self.plan.row_align % kernel.block_m == 0
             return k_grouped_mm(g, x, self.offsets, tiles=kernel, aligned=aligned)
@@ -378,14 +356,20 @@ class ExpertGemmRunner:
             for expert, start, end in self._expert_spans():
                 if end == start:
                     out[expert].zero_()
-            self._loop(one)
+            if side is None:
+                self._loop(one)
+            else:
+                # The output is allocated on the current stream, the GEMMs launched on the
+                # second one.
+                with side.launching(g, x):
+                    self._loop(one)
             return out
         if kernel == BATCHED:
             # [E, N, K] in the parameter's layout: the slots' transposed gradient times their
             # rows (empty rows add zero).
             experts = self.offsets.shape[0]
-            return torch.bmm(
-                g.view(experts, -1, g.shape[1]).transpose(1, 2), x.view(experts, -1, x.shape[1])
+            return batched_weight_gradient(
+                g.view(experts, -1, g.shape[1]), x.view(experts, -1, x.shape[1])
             )
         return torch._grouped_mm(g.t(), x, offs=self.offsets)
 
@@ -437,29 +421,36 @@ class ExpertGemmRunner:
         """
         return self._rows(self.plan.d_x, grad_gate_up, w_gate_up, False)
 
-    def w_down(self, grad: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    def w_down(
+        self, grad: torch.Tensor, act: torch.Tensor, side: SideStream | None = None
+    ) -> torch.Tensor:
         """``grad[rows of e].T @ act[rows of e]``.
 
         Args:
             grad: ``[M, H]``.
             act: ``[M, F]``.
+            side: Where given, a cuBLAS loop's GEMMs are launched on its second stream (the
+                result is valid on the current stream after ``side.join()``).
 
         Returns:
             ``[E, H, F]``.
         """
-        return self._weights(self.plan.w_down, grad, act)
+        return self._weights(self.plan.w_down, grad, act, side)
 
-    def w_gate_up(self, grad_gate_up: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def w_gate_up(
+        self, grad_gate_up: torch.Tensor, x: torch.Tensor, side: SideStream | None = None
+    ) -> torch.Tensor:
         """``grad_gate_up[rows of e].T @ x[rows of e]``.
 
         Args:
             grad_gate_up: ``[M, 2F]``.
             x: ``[M, H]``.
+            side: As for :meth:`w_down`.
 
         Returns:
             ``[E, 2F, H]``.
         """
-        return self._weights(self.plan.w_gate_up, grad_gate_up, x)
+        return self._weights(self.plan.w_gate_up, grad_gate_up, x, side)
 
 
 CUBLAS_LOOP_PLAN = ExpertGemms(**cast(dict[str, Any], dict.fromkeys(_GEMMS, CUBLAS_LOOP)))

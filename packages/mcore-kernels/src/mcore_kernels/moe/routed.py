@@ -13,7 +13,6 @@ backward are bitwise reproducible.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -122,7 +121,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
         with _device(grad):
             grad_y = _gather_rows(grad, order, top_k, None) if top_k else grad
             # Where the weight gradients and the input gradients beside them all run on
-            # cuBLAS kernels, the weight gradients go on a second stream (in order, each after
+            # cuBLAS loops, the weight gradients' GEMMs go on a second stream (each loop after
             # the current stream's work so far) while the input gradients, the SwiGLU backward
             # and the sum continue here; one join at the end.
             side = SideStream(
@@ -130,13 +129,13 @@ class RoutedExpertsFunction(torch.autograd.Function):
                 run.side_stream("w_down", "d_act") and run.side_stream("w_gate_up", "d_x"),
             )
             if needs_down:
-                grad_down = side.run(partial(run.w_down, grad_y, act), grad_y)
+                grad_down = run.w_down(grad_y, act, side)
             grad_act = run.d_act(grad_y, w_down)
             del grad_y
             grad_gate_up, grad_flat_w = _routed_swiglu_backward(gate_up, flat_w, order, grad_act)
             del grad_act
             if needs_gu:
-                grad_gu = side.run(partial(run.w_gate_up, grad_gate_up, permuted), grad_gate_up)
+                grad_gu = run.w_gate_up(grad_gate_up, permuted, side)
             if needs_x:
                 grad_perm = run.d_x(grad_gate_up, w_gate_up)
                 grad_x = _sum_rows(grad_perm, inverse, top_k, None) if top_k else grad_perm

@@ -77,11 +77,6 @@ GEMMs on every assignment (``torch._grouped_mm`` at 444 TFLOP/s there, its 128-r
 streaming an expert's weights once per 128 rows); at Qwen3-30B-A3B's shape (capacity 640) the
 packed grouped GEMMs took 4.51 ms against 5.30 ms for the batched ones."""
 
-FUSED_CAPACITY_SLOTS = False
-"""Capacity routing's padded slots (capacities below :data:`PACKED_MIN_CAPACITY`) on one rank
-run in the fused routed operation (``GroupedExperts.forward_slots``: its backward puts both
-weight gradients on a second CUDA stream) instead of the separate batched operations."""
-
 
 def _host_counts(plan: ExpertGemms, counts: torch.Tensor) -> HostCounts | None:
     """The counts' early copy to the host when ``plan`` loops over experts on packed rows."""
@@ -313,7 +308,7 @@ def dispatch_and_combine(
             host_ends=None if host is None else lambda: host.ends(capacity),
         )
         return output, counts
-    if fused and (padded_dropless or (FUSED_CAPACITY_SLOTS and not packs)):
+    if fused and padded_dropless:
         # Every expert padded to the largest one, in one fused operation on batched GEMMs: the
         # slots' routing weights are read through their assignments, the combine is a plain
         # sum. (Drop-and-pad's slots run the separate operations below: the fused operation

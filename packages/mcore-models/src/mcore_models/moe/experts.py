@@ -16,9 +16,9 @@ from mcore_kernels.moe.expert_gemms import (
     BATCHED_PLAN,
     CUBLAS_LOOP_PLAN,
     ExpertGemms,
+    batched_weight_gradient,
     choose_expert_gemms,
     prefers_slots,
-    run_beside,
     without_host_sync,
 )
 
@@ -97,17 +97,8 @@ class _BatchedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, weight = ctx.saved_tensors
-        needs_x, needs_weight = ctx.needs_input_grad[:2]
-        if needs_x and needs_weight:
-            # The weight gradient on a second stream beside the input gradient (run_beside).
-            pair = run_beside(
-                lambda: torch.bmm(grad.transpose(1, 2), x),
-                lambda: torch.bmm(grad, weight),
-                grad.device,
-            )
-            return pair[1], pair[0]
-        grad_x = torch.bmm(grad, weight) if needs_x else None
-        grad_weight = torch.bmm(grad.transpose(1, 2), x) if needs_weight else None
+        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_weight = batched_weight_gradient(grad, x) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight
 
 
