@@ -169,27 +169,3 @@ def test_weight_gradients_beside_the_input_gradients_equal_one_stream_bitwise(mo
     second = _routed(CUBLAS_LOOP_PLAN)
     for a, b, c in zip(first, second, want, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
-
-
-def test_batched_weight_gradient_through_cublaslt_matches_cublas_and_repeats_bitwise(
-    monkeypatch,
-):
-    # BATCHED_WEIGHTS_CUBLASLT: the slots' weight gradient through cuBLASLt against cuBLAS
-    # (torch.bmm as it is), empty slots (zero rows) included; twice bitwise equal.
-    from mcore_kernels.moe import expert_gemms
-    from mcore_kernels.moe.expert_gemms import batched_weight_gradient
-
-    g = torch.Generator(device="cuda").manual_seed(2)
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    grad = torch.randn(EXPERTS, 320, 2 * FFN, generator=g, **bf16)
-    x = torch.randn(EXPERTS, 320, HIDDEN, generator=g, **bf16)
-    grad[:, 250:] = 0
-    x[:, 250:] = 0
-    want = torch.bmm(grad.transpose(1, 2), x)
-    before = torch.backends.cuda.preferred_blas_library()
-    monkeypatch.setattr(expert_gemms, "BATCHED_WEIGHTS_CUBLASLT", True)
-    first = batched_weight_gradient(grad, x)
-    second = batched_weight_gradient(grad, x)
-    assert torch.equal(first, second)
-    _close(first, want)
-    assert torch.backends.cuda.preferred_blas_library() == before

@@ -301,7 +301,6 @@ def test_side_stream_pairs_cublas_loops_only_and_is_inactive_off_cuda():
         CUBLAS_LOOP_PLAN,
         ExpertGemmRunner,
         SideStream,
-        batched_weight_gradient,
     )
     from mcore_kernels.moe.grouped_mm import PersistentTiles
 
@@ -319,6 +318,3 @@ def test_side_stream_pairs_cublas_loops_only_and_is_inactive_off_cuda():
     with side.launching(torch.ones(1)):
         pass
     side.join()
-    g = torch.Generator().manual_seed(0)
-    grad, x = torch.randn(3, 5, 4, generator=g), torch.randn(3, 5, 6, generator=g)
-    torch.testing.assert_close(batched_weight_gradient(grad, x), torch.bmm(grad.mT, x))

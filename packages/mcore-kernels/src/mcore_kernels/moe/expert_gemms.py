@@ -39,7 +39,6 @@ __all__ = [
     "ExpertGemms",
     "GemmKernel",
     "SideStream",
-    "batched_weight_gradient",
     "choose_expert_gemms",
     "measured_expert_gemms",
     "prefers_slots",
@@ -73,11 +72,6 @@ run on the current one, so that one GEMM's last partial wave of tiles and its ou
 overlap the other's products. Each GEMM computes the same products in the same order either
 way: the results are bitwise the same."""
 
-BATCHED_WEIGHTS_CUBLASLT = True
-"""The weight gradients of :data:`BATCHED` GEMMs (``torch.bmm`` over equal slots) run
-through cuBLASLt (:func:`batched_weight_gradient`), whose heuristic picks another kernel than
-cuBLAS's for these shapes."""
-
 _SIDE_KINDS = (CUBLAS_LOOP,)
 _SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
 
@@ -90,36 +84,6 @@ def _second_stream(current: torch.cuda.Stream) -> torch.cuda.Stream:
     if stream is None:
         stream = _SIDE_STREAMS[key] = torch.cuda.Stream(current.device_index)
     return stream
-
-
-@contextmanager
-def _cublaslt(enabled: bool) -> Iterator[None]:
-    """cuBLASLt as torch's preferred BLAS library inside the block (where ``enabled``)."""
-    if not enabled:
-        yield
-        return
-    previous = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(previous)
-
-
-def batched_weight_gradient(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``grad[e].T @ x[e]`` for every slot batch ``e`` (the weight gradient of a batched
-    linear layer, in the weight's ``[E, N, K]`` layout), through cuBLASLt on CUDA when
-    :data:`BATCHED_WEIGHTS_CUBLASLT` is on.
-
-    Args:
-        grad: ``[E, S, N]`` output gradient of the slots.
-        x: ``[E, S, K]`` inputs of the slots.
-
-    Returns:
-        ``[E, N, K]``.
-    """
-    with _cublaslt(BATCHED_WEIGHTS_CUBLASLT and grad.device.type == "cuda"):
-        return torch.bmm(grad.transpose(1, 2), x)
 
 
 GemmKernel = PersistentTiles | str
@@ -368,8 +332,8 @@ class ExpertGemmRunner:
             # [E, N, K] in the parameter's layout: the slots' transposed gradient times their
             # rows (empty rows add zero).
             experts = self.offsets.shape[0]
-            return batched_weight_gradient(
-                g.view(experts, -1, g.shape[1]), x.view(experts, -1, x.shape[1])
+            return torch.bmm(
+                g.view(experts, -1, g.shape[1]).transpose(1, 2), x.view(experts, -1, x.shape[1])
             )
         return torch._grouped_mm(g.t(), x, offs=self.offsets)
 

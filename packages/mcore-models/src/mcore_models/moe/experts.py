@@ -16,7 +16,6 @@ from mcore_kernels.moe.expert_gemms import (
     BATCHED_PLAN,
     CUBLAS_LOOP_PLAN,
     ExpertGemms,
-    batched_weight_gradient,
     choose_expert_gemms,
     prefers_slots,
     without_host_sync,
@@ -98,7 +97,7 @@ class _BatchedLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, weight = ctx.saved_tensors
         grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
-        grad_weight = batched_weight_gradient(grad, x) if ctx.needs_input_grad[1] else None
+        grad_weight = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight
 
 
