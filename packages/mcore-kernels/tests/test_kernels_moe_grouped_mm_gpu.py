@@ -154,18 +154,3 @@ def test_expert_column_order_equals_the_plain_kernel_bitwise():
         assert torch.equal(
             got, m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=tiles)
         )
-
-
-def test_weight_gradients_beside_the_input_gradients_equal_one_stream_bitwise(monkeypatch):
-    # CUBLAS_LOOP_PLAN: every weight gradient on a second stream beside its pass's input
-    # gradient (run_beside), against both on the current stream; twice.
-    from mcore_kernels.moe import expert_gemms
-    from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP_PLAN
-
-    monkeypatch.setattr(expert_gemms, "SIDE_STREAM", False)
-    want = _routed(CUBLAS_LOOP_PLAN)
-    monkeypatch.setattr(expert_gemms, "SIDE_STREAM", True)
-    first = _routed(CUBLAS_LOOP_PLAN)
-    second = _routed(CUBLAS_LOOP_PLAN)
-    for a, b, c in zip(first, second, want, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)

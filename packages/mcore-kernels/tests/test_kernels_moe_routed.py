@@ -262,9 +262,8 @@ def test_cublas_loop_speculative_first_expert_prefix_equals_the_plain_loop(sizes
 
 @pytest.mark.parametrize("frozen", ["none", "x", "w_gate_up", "w_down"])
 def test_routed_experts_on_cublas_loops_match_reference_whatever_needs_a_gradient(frozen):
-    # CUBLAS_LOOP_PLAN: the backward pairs each weight gradient with its pass's input gradient
-    # (SideStream: a second stream on CUDA, in call order here); every combination of
-    # needed gradients against the reference, expert 1 and 4 without tokens.
+    # CUBLAS_LOOP_PLAN (one GEMM per expert, the group ends read on the host): every
+    # combination of needed gradients against the reference, experts 1 and 4 without tokens.
     from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP_PLAN
 
     x, weights, w_gu, w_d, order, inverse, offsets = _problem(seed=8)
@@ -292,29 +291,3 @@ def test_routed_experts_on_cublas_loops_match_reference_whatever_needs_a_gradien
     _assert_close_to_reference(out, grads, ref, ref_grads)
     if frozen != "w_gate_up":
         assert torch.count_nonzero(grads[2][1]) == 0 and torch.count_nonzero(grads[2][4]) == 0
-
-
-def test_side_stream_pairs_cublas_loops_only_and_is_inactive_off_cuda():
-    from mcore_kernels.moe.expert_gemms import (
-        BATCHED,
-        CUBLAS_LOOP,
-        CUBLAS_LOOP_PLAN,
-        ExpertGemmRunner,
-        SideStream,
-    )
-    from mcore_kernels.moe.grouped_mm import PersistentTiles
-
-    offsets = torch.tensor([4, 8], dtype=torch.int32)
-    assert ExpertGemmRunner(CUBLAS_LOOP_PLAN, offsets, 8).side_stream("w_down", "d_act")
-    assert not ExpertGemmRunner(BATCHED_PLAN, offsets, 8).side_stream("w_gate_up", "d_x")
-    mixed = ExpertGemms(w_down=CUBLAS_LOOP, d_act=CUBLAS_LOOP, d_x=BATCHED)
-    assert ExpertGemmRunner(mixed, offsets, 8).side_stream("w_down", "d_act")
-    assert not ExpertGemmRunner(mixed, offsets, 8).side_stream("w_gate_up", "d_x")
-    tiles = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3)
-    triton_rows = ExpertGemms(w_down=CUBLAS_LOOP, d_act=tiles)
-    assert not ExpertGemmRunner(triton_rows, offsets, 8).side_stream("w_down", "d_act")
-    side = SideStream(torch.device("cpu"))
-    assert not side.active
-    with side.launching(torch.ones(1)):
-        pass
-    side.join()

@@ -14,8 +14,7 @@ cuBLAS GEMM over equal row slots per expert, or on the persistent Triton kernels
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -38,7 +37,6 @@ __all__ = [
     "ExpertGemmRunner",
     "ExpertGemms",
     "GemmKernel",
-    "SideStream",
     "choose_expert_gemms",
     "measured_expert_gemms",
     "prefers_slots",
@@ -63,28 +61,6 @@ LOOP_PREFIX = True
 """The first cuBLAS loop of a layer call whose group ends come through ``host_ends`` starts
 with the first expert's GEMM over the mean rows per expert before the host waits for the ends
 (:meth:`ExpertGemmRunner._prefix_rows`)."""
-
-SIDE_STREAM = True
-"""The weight gradients of the backward pass, where they and the input gradients beside them
-run on cuBLAS loops (:data:`CUBLAS_LOOP`), are launched on a second CUDA stream
-(:class:`SideStream`) while the input gradients, the SwiGLU backward and the combine's sum
-run on the current one, so that one GEMM's last partial wave of tiles and its output stores
-overlap the other's products. Each GEMM computes the same products in the same order either
-way: the results are bitwise the same."""
-
-_SIDE_KINDS = (CUBLAS_LOOP,)
-_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
-
-
-def _second_stream(current: torch.cuda.Stream) -> torch.cuda.Stream:
-    """A stream of ``current``'s device paired with ``current`` (one per current stream, made
-    once)."""
-    key = (current.device_index, current.cuda_stream)
-    stream = _SIDE_STREAMS.get(key)
-    if stream is None:
-        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(current.device_index)
-    return stream
-
 
 GemmKernel = PersistentTiles | str
 """The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP`, :data:`BATCHED` or the
@@ -138,56 +114,6 @@ class ExpertGemms:
         return any(getattr(self, name) == BATCHED for name in _GEMMS)
 
 
-class SideStream:
-    """Work launched on a second CUDA stream beside the current one (:meth:`launching`),
-    joined by :meth:`join`.
-
-    Inactive (everything runs on the current stream, in call order) off CUDA, while the
-    current stream captures a CUDA graph, when ``enabled`` is False or :data:`SIDE_STREAM` is
-    off. The work must write into tensors allocated on the current stream (so that the
-    caching allocator keeps one pool), and the caller must not use them before :meth:`join`.
-
-    Args:
-        device: Device of the work.
-        enabled: False makes it inactive.
-    """
-
-    def __init__(self, device: torch.device, enabled: bool = True) -> None:
-        self.active = (
-            enabled
-            and SIDE_STREAM
-            and device.type == "cuda"
-            and not torch.cuda.is_current_stream_capturing()
-        )
-        if self.active:
-            self._current = torch.cuda.current_stream(device)
-            self._stream = _second_stream(self._current)
-
-    @contextmanager
-    def launching(self, *reads: torch.Tensor) -> Iterator[None]:
-        """Launch the work of the ``with`` block on the second stream, after everything
-        launched so far on the current one.
-
-        Args:
-            *reads: Tensors of the current stream that the work reads: the caching allocator
-                keeps their memory until the second stream is done with them, even if the
-                caller frees them before :meth:`join`.
-        """
-        if not self.active:
-            yield
-            return
-        self._stream.wait_stream(self._current)
-        with torch.cuda.stream(self._stream):
-            yield
-        for tensor in reads:
-            tensor.record_stream(self._stream)
-
-    def join(self) -> None:
-        """Make the current stream wait for the work launched on the second one."""
-        if self.active:
-            self._current.wait_stream(self._stream)
-
-
 class ExpertGemmRunner:
     """Runs the six GEMMs of one layer call as an :class:`ExpertGemms` plan says, building each
     row-tile schedule once (per tile height) and the host copy of the group ends at most once,
@@ -220,21 +146,6 @@ class ExpertGemmRunner:
             raise KernelShapeError(
                 f"num_rows={num_rows}: batched GEMMs need equal row slots for the {experts} experts"
             )
-
-    def side_stream(self, weight_gemm: str, row_gemm: str) -> bool:
-        """Whether a weight gradient and the input gradient beside it both run on cuBLAS
-        loops, which :class:`SideStream` then overlaps on two streams (measured at Mixtral's
-        shape; the batched GEMMs gained nothing, the persistent Triton kernels hold every
-        multiprocessor).
-
-        Args:
-            weight_gemm: ``"w_down"`` or ``"w_gate_up"``.
-            row_gemm: ``"d_act"`` or ``"d_x"``.
-
-        Returns:
-            True when both kernels are :data:`CUBLAS_LOOP`.
-        """
-        return all(getattr(self.plan, name) in _SIDE_KINDS for name in (weight_gemm, row_gemm))
 
     def _schedule(self, tiles: PersistentTiles) -> torch.Tensor:
         if tiles.block_m not in self._schedules:
@@ -301,13 +212,7 @@ class ExpertGemmRunner:
             return torch.bmm(slots, w.transpose(1, 2) if transpose else w).view(a.shape[0], -1)
         return torch._grouped_mm(a, w.transpose(-2, -1) if transpose else w, offs=self.offsets)
 
-    def _weights(
-        self,
-        kernel: GemmKernel,
-        g: torch.Tensor,
-        x: torch.Tensor,
-        side: SideStream | None,
-    ) -> torch.Tensor:
+    def _weights(self, kernel: GemmKernel, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if isinstance(kernel, PersistentTiles):
             aligned = self.plan.row_align % kernel.block_m == 0
             return k_grouped_mm(g, x, self.offsets, tiles=kernel, aligned=aligned)
@@ -320,13 +225,7 @@ class ExpertGemmRunner:
             for expert, start, end in self._expert_spans():
                 if end == start:
                     out[expert].zero_()
-            if side is None:
-                self._loop(one)
-            else:
-                # The output is allocated on the current stream, the GEMMs launched on the
-                # second one.
-                with side.launching(g, x):
-                    self._loop(one)
+            self._loop(one)
             return out
         if kernel == BATCHED:
             # [E, N, K] in the parameter's layout: the slots' transposed gradient times their
@@ -385,36 +284,29 @@ class ExpertGemmRunner:
         """
         return self._rows(self.plan.d_x, grad_gate_up, w_gate_up, False)
 
-    def w_down(
-        self, grad: torch.Tensor, act: torch.Tensor, side: SideStream | None = None
-    ) -> torch.Tensor:
+    def w_down(self, grad: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
         """``grad[rows of e].T @ act[rows of e]``.
 
         Args:
             grad: ``[M, H]``.
             act: ``[M, F]``.
-            side: Where given, a cuBLAS loop's GEMMs are launched on its second stream (the
-                result is valid on the current stream after ``side.join()``).
 
         Returns:
             ``[E, H, F]``.
         """
-        return self._weights(self.plan.w_down, grad, act, side)
+        return self._weights(self.plan.w_down, grad, act)
 
-    def w_gate_up(
-        self, grad_gate_up: torch.Tensor, x: torch.Tensor, side: SideStream | None = None
-    ) -> torch.Tensor:
+    def w_gate_up(self, grad_gate_up: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``grad_gate_up[rows of e].T @ x[rows of e]``.
 
         Args:
             grad_gate_up: ``[M, 2F]``.
             x: ``[M, H]``.
-            side: As for :meth:`w_down`.
 
         Returns:
             ``[E, 2F, H]``.
         """
-        return self._weights(self.plan.w_gate_up, grad_gate_up, x, side)
+        return self._weights(self.plan.w_gate_up, grad_gate_up, x)
 
 
 CUBLAS_LOOP_PLAN = ExpertGemms(**cast(dict[str, Any], dict.fromkeys(_GEMMS, CUBLAS_LOOP)))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
-from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms, SideStream
+from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms
 from mcore_kernels.moe.permute import _device, _gather_rows, _sum_rows
 
 __all__ = ["grouped_experts", "routed_experts", "routed_experts_reference"]
@@ -120,26 +120,17 @@ class RoutedExpertsFunction(torch.autograd.Function):
         run = ctx.run
         with _device(grad):
             grad_y = _gather_rows(grad, order, top_k, None) if top_k else grad
-            # Where the weight gradients and the input gradients beside them all run on
-            # cuBLAS loops, the weight gradients' GEMMs go on a second stream (each loop after
-            # the current stream's work so far) while the input gradients, the SwiGLU backward
-            # and the sum continue here; one join at the end.
-            side = SideStream(
-                grad.device,
-                run.side_stream("w_down", "d_act") and run.side_stream("w_gate_up", "d_x"),
-            )
             if needs_down:
-                grad_down = run.w_down(grad_y, act, side)
+                grad_down = run.w_down(grad_y, act)
             grad_act = run.d_act(grad_y, w_down)
             del grad_y
             grad_gate_up, grad_flat_w = _routed_swiglu_backward(gate_up, flat_w, order, grad_act)
             del grad_act
             if needs_gu:
-                grad_gu = run.w_gate_up(grad_gate_up, permuted, side)
+                grad_gu = run.w_gate_up(grad_gate_up, permuted)
             if needs_x:
                 grad_perm = run.d_x(grad_gate_up, w_gate_up)
                 grad_x = _sum_rows(grad_perm, inverse, top_k, None) if top_k else grad_perm
-            side.join()
         if needs_w:
             grad_w = grad_flat_w.view(ctx.weights_shape)
         return grad_x, grad_w, grad_gu, grad_down, None, None, None, None, None, None
