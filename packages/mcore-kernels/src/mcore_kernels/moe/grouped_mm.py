@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
+from mcore_kernels.moe._launch import launch
 
 __all__ = [
     "PersistentTiles",
@@ -97,14 +98,12 @@ def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.T
     max_tiles = triton.cdiv(num_rows, block_m) + experts
     sched = torch.empty(3 * max_tiles + 1, dtype=torch.int32, device=offsets.device)
     block_t = 64
-    tile_schedule_kernel[(triton.cdiv(max_tiles, block_t),)](
-        offsets,
-        sched,
-        experts,
-        max_tiles,
-        BLOCK_M=block_m,
-        E_PAD=max(16, triton.next_power_of_2(experts)),
-        BLOCK_T=block_t,
+    launch(
+        tile_schedule_kernel,
+        (triton.cdiv(max_tiles, block_t),),
+        (offsets, sched, experts, max_tiles),
+        dict(BLOCK_M=block_m, E_PAD=max(16, triton.next_power_of_2(experts)), BLOCK_T=block_t),
+        device=offsets.device,
     )
     return sched
 
@@ -189,23 +188,20 @@ def m_grouped_mm(
     else:
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
     programs = _programs(a.device, tiles, max_tiles * triton.cdiv(n, bn))
-    m_grouped_kernel[(programs,)](
-        a_desc,
-        b_desc,
-        out,
-        schedule,
-        max_tiles,
-        n,
-        k,
-        out.stride(0),
-        offsets,
-        B_NK=transpose_weight,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        NUM_PROGRAMS=programs,
-        FLATTEN=tiles.flatten,
-        EXPERT_COLUMNS=tiles.expert_columns,
+    launch(
+        m_grouped_kernel,
+        (programs,),
+        (a_desc, b_desc, out, schedule, max_tiles, n, k, out.stride(0), offsets),
+        dict(
+            B_NK=transpose_weight,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            NUM_PROGRAMS=programs,
+            FLATTEN=tiles.flatten,
+            EXPERT_COLUMNS=tiles.expert_columns,
+        ),
+        device=a.device,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -270,22 +266,20 @@ def k_grouped_mm(
     out_desc = TensorDescriptor.from_tensor(out.view(experts * n, k), [bn, bk])
     jobs = experts * triton.cdiv(n, bn) * triton.cdiv(k, bk)
     programs = _programs(g.device, tiles, jobs)
-    k_grouped_kernel[(programs,)](
-        g_desc,
-        x_desc,
-        out_desc,
-        out,
-        offsets,
-        experts,
-        n,
-        k,
-        BLOCK_R=br,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        NUM_PROGRAMS=programs,
-        TMA_STORE=tma_store,
-        ALIGNED=aligned and tma_store,
-        JOB_BLOCK=1024,
+    launch(
+        k_grouped_kernel,
+        (programs,),
+        (g_desc, x_desc, out_desc, out, offsets, experts, n, k),
+        dict(
+            BLOCK_R=br,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            NUM_PROGRAMS=programs,
+            TMA_STORE=tma_store,
+            ALIGNED=aligned and tma_store,
+            JOB_BLOCK=1024,
+        ),
+        device=g.device,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

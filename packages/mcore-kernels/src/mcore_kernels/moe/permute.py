@@ -20,6 +20,7 @@ import torch
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.moe._launch import launch
 from mcore_kernels.moe.reference import (
     permute_tokens_reference,
     unpermute_combine_reference,
@@ -73,17 +74,12 @@ def _gather_rows(
     if index.numel() and hidden:
         grid, rows, block, warps = _tiles(index.shape[0], hidden, GATHER_TILE)
         with _device(src):
-            gather_rows_kernel[grid](
-                src,
-                index,
-                scale if scale is not None else src,
-                out,
-                index.shape[0],
-                hidden,
-                INDEX_DIV=divisor,
-                HAS_SCALE=scale is not None,
-                ROWS=rows,
-                BLOCK_H=block,
+            launch(
+                gather_rows_kernel,
+                grid,
+                (src, index, scale if scale is not None else src, out, index.shape[0], hidden),
+                dict(INDEX_DIV=divisor, HAS_SCALE=scale is not None, ROWS=rows, BLOCK_H=block),
+                device=src.device,
                 num_warps=warps,
             )
     return out
@@ -101,17 +97,12 @@ def _sum_rows(
     if num_tokens and hidden:
         grid, rows, block, warps = _tiles(num_tokens, hidden, SUM_TILE)
         with _device(src):
-            sum_rows_kernel[grid](
-                src,
-                slots,
-                weights if weights is not None else src,
-                out,
-                num_tokens,
-                hidden,
-                TOP_K=top_k,
-                HAS_WEIGHTS=weights is not None,
-                ROWS=rows,
-                BLOCK_H=block,
+            launch(
+                sum_rows_kernel,
+                grid,
+                (src, slots, weights if weights is not None else src, out, num_tokens, hidden),
+                dict(TOP_K=top_k, HAS_WEIGHTS=weights is not None, ROWS=rows, BLOCK_H=block),
+                device=src.device,
                 num_warps=warps,
             )
     return out

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.moe._launch import launch
 from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms
 from mcore_kernels.moe.permute import _device, _gather_rows, _sum_rows
 
@@ -44,8 +45,12 @@ def _routed_swiglu(
     out = gate_up.new_empty(rows, width)
     if rows and width:
         block = _swiglu_launch_block(width)
-        routed_swiglu_forward_kernel[(rows, triton.cdiv(width, block))](
-            gate_up, weights, order, out, width, BLOCK=block
+        launch(
+            routed_swiglu_forward_kernel,
+            (rows, triton.cdiv(width, block)),
+            (gate_up, weights, order, out, width),
+            dict(BLOCK=block),
+            device=gate_up.device,
         )
     return out
 
@@ -61,16 +66,12 @@ def _routed_swiglu_backward(
     # rows without an assignment.
     grad_w = torch.zeros(weights.numel() + 1, dtype=weights.dtype, device=weights.device)
     if rows and width:
-        routed_swiglu_backward_kernel[(rows,)](
-            gate_up,
-            weights,
-            order,
-            grad,
-            out,
-            grad_w,
-            width,
-            weights.numel(),
-            BLOCK=_swiglu_launch_block(width),
+        launch(
+            routed_swiglu_backward_kernel,
+            (rows,),
+            (gate_up, weights, order, grad, out, grad_w, width, weights.numel()),
+            dict(BLOCK=_swiglu_launch_block(width)),
+            device=gate_up.device,
         )
     return out, grad_w[:-1]
 

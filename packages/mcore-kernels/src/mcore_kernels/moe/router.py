@@ -19,6 +19,7 @@ import torch
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
+from mcore_kernels.moe._launch import launch
 from mcore_kernels.moe.reference import moe_router_reference
 
 __all__ = ["moe_router"]
@@ -51,24 +52,31 @@ def _triton_router(
     grid = (triton.cdiv(num_tokens, block_t),)
     if num_tokens:
         with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
-            router_kernel[grid](
-                logits,
-                expert_bias if expert_bias is not None else logits,
-                weights,
-                experts,
-                scores,
-                counts,
-                num_tokens,
-                num_experts,
-                float(scaling),
-                TOP_K=top_k,
-                K_PAD=triton.next_power_of_2(top_k),
-                BLOCK_T=block_t,
-                BLOCK_E=block_e,
-                SIGMOID=score == "sigmoid",
-                HAS_BIAS=expert_bias is not None,
-                NORMALIZE=normalize,
-                WEIGHTS_BF16=weights_dtype == torch.bfloat16,
+            launch(
+                router_kernel,
+                grid,
+                (
+                    logits,
+                    expert_bias if expert_bias is not None else logits,
+                    weights,
+                    experts,
+                    scores,
+                    counts,
+                    num_tokens,
+                    num_experts,
+                    float(scaling),
+                ),
+                dict(
+                    TOP_K=top_k,
+                    K_PAD=triton.next_power_of_2(top_k),
+                    BLOCK_T=block_t,
+                    BLOCK_E=block_e,
+                    SIGMOID=score == "sigmoid",
+                    HAS_BIAS=expert_bias is not None,
+                    NORMALIZE=normalize,
+                    WEIGHTS_BF16=weights_dtype == torch.bfloat16,
+                ),
+                device=logits.device,
             )
     return weights, experts, scores, counts
 
@@ -96,23 +104,30 @@ def _triton_logits_grad(
     block_t = max(1, min(64, 4096 // block_e))
     if num_tokens:
         with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
-            router_backward_kernel[(triton.cdiv(num_tokens, block_t),)](
-                logits,
-                experts,
-                grad_w if grad_w is not None else logits,
-                grad_s if grad_s is not None else logits,
-                out,
-                num_tokens,
-                num_experts,
-                float(scaling),
-                TOP_K=top_k,
-                K_PAD=triton.next_power_of_2(top_k),
-                BLOCK_T=block_t,
-                BLOCK_E=block_e,
-                SIGMOID=score == "sigmoid",
-                NORMALIZE=normalize,
-                HAS_GW=grad_w is not None,
-                HAS_GS=grad_s is not None,
+            launch(
+                router_backward_kernel,
+                (triton.cdiv(num_tokens, block_t),),
+                (
+                    logits,
+                    experts,
+                    grad_w if grad_w is not None else logits,
+                    grad_s if grad_s is not None else logits,
+                    out,
+                    num_tokens,
+                    num_experts,
+                    float(scaling),
+                ),
+                dict(
+                    TOP_K=top_k,
+                    K_PAD=triton.next_power_of_2(top_k),
+                    BLOCK_T=block_t,
+                    BLOCK_E=block_e,
+                    SIGMOID=score == "sigmoid",
+                    NORMALIZE=normalize,
+                    HAS_GW=grad_w is not None,
+                    HAS_GS=grad_s is not None,
+                ),
+                device=logits.device,
             )
     return out
 
