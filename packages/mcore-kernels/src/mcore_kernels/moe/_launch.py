@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from mcore_kernels._triton_utils import CachedLauncher
+from mcore_kernels._triton_utils import CachedLauncher, next_power_of_2
 
-__all__ = ["CACHED_LAUNCH", "launch"]
+__all__ = ["CACHED_LAUNCH", "cdiv", "launch", "next_power_of_2"]
 
 CACHED_LAUNCH = True
 """Launch the MoE kernels on CUDA tensors through a :class:`CachedLauncher` (False: through
@@ -25,6 +25,20 @@ CACHED_LAUNCH = True
 
 # By the kernel's id, with the kernel itself to tell a reused id apart.
 _LAUNCHERS: dict[int, tuple[Any, CachedLauncher]] = {}
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ``b`` (``triton.cdiv`` is a constexpr function in Triton
+    3.6: a few microseconds of host time per call from Python).
+
+    Args:
+        a: Dividend.
+        b: Positive divisor.
+
+    Returns:
+        The rounded-up quotient.
+    """
+    return -(-a // b)
 
 
 def launch(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
-from mcore_kernels.moe._launch import launch
+from mcore_kernels.moe._launch import cdiv, launch, next_power_of_2
 
 __all__ = [
     "PersistentTiles",
@@ -90,19 +90,17 @@ def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.T
         int32 ``[3 * T + 1]`` with ``T = cdiv(num_rows, block_m) + E`` (an upper bound of the
         tile count): the expert, first row and end row of each tile, then the tile count.
     """
-    import triton
-
     from mcore_kernels.moe._grouped_gemm_persistent import tile_schedule_kernel
 
     experts = offsets.shape[0]
-    max_tiles = triton.cdiv(num_rows, block_m) + experts
+    max_tiles = cdiv(num_rows, block_m) + experts
     sched = torch.empty(3 * max_tiles + 1, dtype=torch.int32, device=offsets.device)
     block_t = 64
     launch(
         tile_schedule_kernel,
-        (triton.cdiv(max_tiles, block_t),),
+        (cdiv(max_tiles, block_t),),
         (offsets, sched, experts, max_tiles),
-        dict(BLOCK_M=block_m, E_PAD=max(16, triton.next_power_of_2(experts)), BLOCK_T=block_t),
+        dict(BLOCK_M=block_m, E_PAD=max(16, next_power_of_2(experts)), BLOCK_T=block_t),
         device=offsets.device,
     )
     return sched
@@ -151,7 +149,6 @@ def m_grouped_mm(
             (and of ``tiles.block_k`` without ``transpose_weight``).
         KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
     """
-    import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from mcore_kernels.moe._grouped_gemm_persistent import m_grouped_kernel
@@ -187,7 +184,7 @@ def m_grouped_mm(
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
     else:
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
-    programs = _programs(a.device, tiles, max_tiles * triton.cdiv(n, bn))
+    programs = _programs(a.device, tiles, max_tiles * cdiv(n, bn))
     launch(
         m_grouped_kernel,
         (programs,),
@@ -236,7 +233,6 @@ def k_grouped_mm(
         KernelShapeError: If the shapes do not match or a dimension is not a multiple of 8.
         KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
     """
-    import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from mcore_kernels.moe._grouped_gemm_persistent import k_grouped_kernel
@@ -264,7 +260,7 @@ def k_grouped_mm(
     x_desc = TensorDescriptor.from_tensor(x, [br, bk])
     tma_store = n % bn == 0
     out_desc = TensorDescriptor.from_tensor(out.view(experts * n, k), [bn, bk])
-    jobs = experts * triton.cdiv(n, bn) * triton.cdiv(k, bk)
+    jobs = experts * cdiv(n, bn) * cdiv(k, bk)
     programs = _programs(g.device, tiles, jobs)
     launch(
         k_grouped_kernel,

@@ -20,7 +20,7 @@ import torch
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
-from mcore_kernels.moe._launch import launch
+from mcore_kernels.moe._launch import cdiv, launch, next_power_of_2
 from mcore_kernels.moe.reference import (
     permute_tokens_reference,
     unpermute_combine_reference,
@@ -31,9 +31,7 @@ __all__ = ["permute_tokens", "unpermute_combine", "unpermute_sum"]
 
 
 def _block(hidden: int) -> int:
-    import triton
-
-    return min(2048, triton.next_power_of_2(max(hidden, 1)))
+    return min(2048, next_power_of_2(max(hidden, 1)))
 
 
 GATHER_TILE = (8, 256, 4)
@@ -49,11 +47,9 @@ def _tiles(
     rows: int, hidden: int, tile: tuple[int, int, int]
 ) -> tuple[tuple[int, int], int, int, int]:
     """Grid, rows, columns and warps per program of a row gather or row sum."""
-    import triton
-
     per_program, columns, warps = tile
-    block = min(columns, triton.next_power_of_2(max(hidden, 1)))
-    grid = (triton.cdiv(rows, per_program), triton.cdiv(hidden, block))
+    block = min(columns, next_power_of_2(max(hidden, 1)))
+    grid = (cdiv(rows, per_program), cdiv(hidden, block))
     return grid, per_program, block, warps
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
-from mcore_kernels.moe._launch import launch
+from mcore_kernels.moe._launch import cdiv, launch, next_power_of_2
 from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms
 from mcore_kernels.moe.permute import _device, _gather_rows, _sum_rows
 
@@ -29,16 +29,12 @@ __all__ = ["grouped_experts", "routed_experts", "routed_experts_reference"]
 
 
 def _swiglu_launch_block(width: int) -> int:
-    import triton
-
-    return min(1024, triton.next_power_of_2(width))
+    return min(1024, next_power_of_2(width))
 
 
 def _routed_swiglu(
     gate_up: torch.Tensor, weights: torch.Tensor, order: torch.Tensor
 ) -> torch.Tensor:
-    import triton
-
     from mcore_kernels.moe._routed_triton import routed_swiglu_forward_kernel
 
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
@@ -47,7 +43,7 @@ def _routed_swiglu(
         block = _swiglu_launch_block(width)
         launch(
             routed_swiglu_forward_kernel,
-            (rows, triton.cdiv(width, block)),
+            (rows, cdiv(width, block)),
             (gate_up, weights, order, out, width),
             dict(BLOCK=block),
             device=gate_up.device,

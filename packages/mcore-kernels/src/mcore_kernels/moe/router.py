@@ -19,7 +19,7 @@ import torch
 from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
-from mcore_kernels.moe._launch import launch
+from mcore_kernels.moe._launch import cdiv, launch, next_power_of_2
 from mcore_kernels.moe.reference import moe_router_reference
 
 __all__ = ["moe_router"]
@@ -36,8 +36,6 @@ def _triton_router(
     scaling: float,
     weights_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    import triton
-
     from mcore_kernels.moe._triton import router_kernel
 
     num_tokens, num_experts = logits.shape
@@ -47,9 +45,9 @@ def _triton_router(
     experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     scores = torch.empty_like(logits)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=logits.device)
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     block_t = max(1, min(64, 4096 // block_e))
-    grid = (triton.cdiv(num_tokens, block_t),)
+    grid = (cdiv(num_tokens, block_t),)
     if num_tokens:
         with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
             launch(
@@ -68,7 +66,7 @@ def _triton_router(
                 ),
                 dict(
                     TOP_K=top_k,
-                    K_PAD=triton.next_power_of_2(top_k),
+                    K_PAD=next_power_of_2(top_k),
                     BLOCK_T=block_t,
                     BLOCK_E=block_e,
                     SIGMOID=score == "sigmoid",
@@ -91,8 +89,6 @@ def _triton_logits_grad(
     scaling: float,
 ) -> torch.Tensor:
     """:func:`router_logits_grad` in one kernel (one launch instead of about fifteen)."""
-    import triton
-
     from mcore_kernels.moe._triton import router_backward_kernel
 
     num_tokens, num_experts = logits.shape
@@ -100,13 +96,13 @@ def _triton_logits_grad(
     out = torch.empty_like(logits)
     grad_w = None if grad_weights is None else grad_weights.contiguous()
     grad_s = None if grad_scores is None else grad_scores.contiguous()
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     block_t = max(1, min(64, 4096 // block_e))
     if num_tokens:
         with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
             launch(
                 router_backward_kernel,
-                (triton.cdiv(num_tokens, block_t),),
+                (cdiv(num_tokens, block_t),),
                 (
                     logits,
                     experts,
@@ -119,7 +115,7 @@ def _triton_logits_grad(
                 ),
                 dict(
                     TOP_K=top_k,
-                    K_PAD=triton.next_power_of_2(top_k),
+                    K_PAD=next_power_of_2(top_k),
                     BLOCK_T=block_t,
                     BLOCK_E=block_e,
                     SIGMOID=score == "sigmoid",
