@@ -113,3 +113,42 @@ def test_a_launcher_that_rejects_the_call_falls_back_for_good(stream):
     # third went straight to fn[grid].
     assert len(fn.compiled) == 3
     assert fn.log == []
+
+
+def test_host_tensor_descriptors_key_on_dtype_block_and_padding_and_pass_through(stream):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    fn = _FakeJit()
+    launcher = CachedLauncher(fn)
+    a = torch.zeros(64, 32)
+    out = torch.zeros(64)
+
+    def desc(t, block, padding="zero"):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, padding)
+
+    first = desc(a, [16, 16])
+    launcher((4,), (first, out, 64, 0.5), {"BLOCK": 16}, 4, 0)
+    # Another tensor of the same dtype, the same block: the kept kernel, the descriptor itself
+    # handed to the compiled launcher (which encodes it).
+    other = desc(torch.zeros(128, 32), [16, 16])
+    launcher((4,), (other, out, 64, 0.5), {"BLOCK": 16}, 4, 0)
+    assert len(fn.compiled) == 1
+    assert fn.log[0][1][9] is other
+    # Each of these is another specialisation: block shape, dtype, padding.
+    launcher((4,), (desc(a, [16, 32]), out, 64, 0.5), {"BLOCK": 16}, 4, 0)
+    launcher((4,), (desc(a.half(), [16, 16]), out, 64, 0.5), {"BLOCK": 16}, 4, 0)
+    launcher((4,), (desc(a, [16, 16], "nan"), out, 64, 0.5), {"BLOCK": 16}, 4, 0)
+    assert len(fn.compiled) == 4
+
+
+def test_num_stages_is_part_of_the_key_and_reaches_the_compiler(stream):
+    fn = _FakeJit()
+    launcher = CachedLauncher(fn)
+    x, out = torch.zeros(64), torch.zeros(64)
+    launcher((4,), (x, out, 64, 0.5), {"BLOCK": 16}, 4, 0)
+    launcher((4,), (x, out, 64, 0.5), {"BLOCK": 16}, 4, 0, num_stages=3)
+    launcher((4,), (x, out, 64, 0.5), {"BLOCK": 16}, 4, 0, num_stages=3)
+    assert len(fn.compiled) == 2
+    assert "num_stages" not in fn.compiled[0][2]
+    assert fn.compiled[1][2]["num_stages"] == 3
+    assert len(fn.log) == 1

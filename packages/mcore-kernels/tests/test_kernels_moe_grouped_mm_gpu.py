@@ -154,3 +154,37 @@ def test_expert_column_order_equals_the_plain_kernel_bitwise():
         assert torch.equal(
             got, m_grouped_mm(a, w_gu, offsets, transpose_weight=transpose, tiles=tiles)
         )
+
+
+def test_cached_launches_match_the_jit_path_bitwise(monkeypatch):
+    """The kept compiled kernels (``moe._launch``) on new tensors of every call (other
+    addresses, other row counts, a new descriptor each call) give the ``kernel[grid]`` path's
+    results bit for bit: gathers, row sums, both grouped GEMMs and the fused routed experts."""
+    from mcore_kernels.moe import _launch
+
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    w_gu = torch.randn(EXPERTS, 2 * FFN, HIDDEN, **bf16) * 0.05
+
+    def products(scale: float, extra_rows: int) -> list[torch.Tensor]:
+        counts = _counts()
+        counts[3] += extra_rows
+        offsets = counts.cumsum(0).to(torch.int32).cuda()
+        rows = int(offsets[-1])
+        x = torch.randn(rows, HIDDEN, **bf16) * scale
+        grad_gu = torch.randn(rows, 2 * FFN, **bf16)
+        return [
+            m_grouped_mm(x, w_gu, offsets, transpose_weight=True, tiles=ROWS_TILES),
+            m_grouped_mm(grad_gu, w_gu, offsets, transpose_weight=False, tiles=ROWS_TILES),
+            k_grouped_mm(grad_gu, x, offsets, tiles=WEIGHT_TILES),
+        ]
+
+    results = {}
+    for cached in (False, True):
+        monkeypatch.setattr(_launch, "CACHED_LAUNCH", cached)
+        torch.manual_seed(1)
+        # Three calls: the first compiles (or finds) the kernels, the next reuse them on
+        # tensors at other addresses and of other sizes.
+        results[cached] = [t for extra in (0, 37, 5) for t in products(1.0 + extra, extra)]
+        results[cached] += _routed(ALL_TRITON)
+    for a, b in zip(results[False], results[True], strict=True):
+        assert torch.equal(a, b)

@@ -22,6 +22,11 @@ except ImportError:  # pragma: no cover - triton is a linux-only dependency
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover - no triton, or a release without host descriptors
+    _TensorDescriptor = None
+
 __all__ = [
     "CachedLauncher",
     "as_rows",
@@ -121,7 +126,9 @@ class CachedLauncher:
     of every distinct specialisation goes through that path and keeps the compiled kernel; later
     calls rebuild only the specialisation (each tensor's dtype and 16-byte alignment, each
     int's ``== 1``, ``% 16`` and 32-bit range, the constexpr values and warps) and launch the
-    binary on the current stream. Tensors reach the compiled launcher as their device
+    binary on the current stream. A host tensor descriptor (``TensorDescriptor``) counts by its
+    base's dtype, block shape and padding (what Triton specialises it on) and reaches the
+    compiled launcher as it is (its launcher encodes the TMA descriptor). Tensors reach the compiled launcher as their device
     addresses (the integers already read for the alignment), which spares it one Python method
     call and one CUDA driver query (``cuPointerGetAttribute``) per tensor; the public entry
     points only launch on CUDA tensors of the current device. Launch hooks (profilers such as
@@ -217,6 +224,7 @@ class CachedLauncher:
         constexprs: dict[str, Any],
         num_warps: int,
         device_index: int,
+        num_stages: int | None = None,
     ) -> tuple:
         """Launch ``fn[grid](*args, **constexprs, num_warps=num_warps)``.
 
@@ -226,11 +234,12 @@ class CachedLauncher:
             constexprs: every constexpr argument by name.
             num_warps: warps per program.
             device_index: the CUDA device of the tensors (the current device).
+            num_stages: software-pipelining depth (None: Triton's default).
 
         Returns:
             The specialisation key of the launch.
         """
-        key: list = [num_warps, device_index, *constexprs.values()]
+        key: list = [num_warps, num_stages, device_index, *constexprs.values()]
         append = key.append
         launch_args = list(args)
         for index, arg in enumerate(args):
@@ -246,6 +255,11 @@ class CachedLauncher:
                 append(arg.dtype)
                 append(address & 15)
                 launch_args[index] = address
+            elif cls is _TensorDescriptor:
+                append(cls)
+                append(arg.base.dtype)
+                append(tuple(arg.block_shape))
+                append(arg.padding)
             else:
                 append(cls)
         cache_key = tuple(key)
@@ -269,7 +283,10 @@ class CachedLauncher:
                 return cache_key
             except Exception:
                 self._fast = False
-        kernel = self._fn[grid](*args, **constexprs, num_warps=num_warps, **self._options)
+        options = (
+            self._options if num_stages is None else {**self._options, "num_stages": num_stages}
+        )
+        kernel = self._fn[grid](*args, **constexprs, num_warps=num_warps, **options)
         if all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
             tail = tuple(constexprs[name] for name in self._names[len(args) :])
             self._kernels[cache_key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)

@@ -14,6 +14,7 @@ cuBLAS GEMM over equal row slots per expert, or on the persistent Triton kernels
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
@@ -373,8 +374,17 @@ padded to the largest one (a host sync) than on the measured grouped plan, by ``
 experts)``: the largest mean rows per expert where that holds."""
 
 
+@functools.cache
+def _hopper_index(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
 def _hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    # The capability cached per device index: the layer asks two or three times per step,
+    # before its first GEMM is launched (time the GPU waits for at the start of a step).
+    if device.type != "cuda":
+        return False
+    return _hopper_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def without_host_sync(plan: ExpertGemms) -> ExpertGemms:

@@ -20,6 +20,7 @@ import torch
 
 from mcore_kernels._triton_utils import jit, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
+from mcore_kernels.moe._launch import cdiv, launch, next_power_of_2
 from mcore_kernels.moe.reference import k_grouped_mm_reference, m_grouped_mm_reference
 
 __all__ = [
@@ -331,20 +332,17 @@ def tile_schedule(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.T
         int32 ``[3 * T + 1]`` with ``T = cdiv(num_rows, block_m) + E`` (an upper bound of the
         tile count): the expert, first row and end row of each tile, then the tile count.
     """
-    import triton
 
     experts = offsets.shape[0]
-    max_tiles = triton.cdiv(num_rows, block_m) + experts
+    max_tiles = cdiv(num_rows, block_m) + experts
     sched = torch.empty(3 * max_tiles + 1, dtype=torch.int32, device=offsets.device)
     block_t = 64
-    tile_schedule_kernel[(triton.cdiv(max_tiles, block_t),)](
-        offsets,
-        sched,
-        experts,
-        max_tiles,
-        BLOCK_M=block_m,
-        E_PAD=max(16, triton.next_power_of_2(experts)),
-        BLOCK_T=block_t,
+    launch(
+        tile_schedule_kernel,
+        (cdiv(max_tiles, block_t),),
+        (offsets, sched, experts, max_tiles),
+        dict(BLOCK_M=block_m, E_PAD=max(16, next_power_of_2(experts)), BLOCK_T=block_t),
+        device=offsets.device,
     )
     return sched
 
@@ -392,7 +390,6 @@ def m_grouped_mm(
             (and of ``tiles.block_k`` without ``transpose_weight``).
         KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
     """
-    import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     _check("a", a, 2)
@@ -426,24 +423,21 @@ def m_grouped_mm(
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
     else:
         b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
-    programs = _programs(a.device, tiles, max_tiles * triton.cdiv(n, bn))
-    m_grouped_kernel[(programs,)](
-        a_desc,
-        b_desc,
-        out,
-        schedule,
-        max_tiles,
-        n,
-        k,
-        out.stride(0),
-        offsets,
-        B_NK=transpose_weight,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        NUM_PROGRAMS=programs,
-        FLATTEN=tiles.flatten,
-        EXPERT_COLUMNS=tiles.expert_columns,
+    programs = _programs(a.device, tiles, max_tiles * cdiv(n, bn))
+    launch(
+        m_grouped_kernel,
+        (programs,),
+        (a_desc, b_desc, out, schedule, max_tiles, n, k, out.stride(0), offsets),
+        dict(
+            B_NK=transpose_weight,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            NUM_PROGRAMS=programs,
+            FLATTEN=tiles.flatten,
+            EXPERT_COLUMNS=tiles.expert_columns,
+        ),
+        device=a.device,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -478,7 +472,6 @@ def k_grouped_mm(
         KernelShapeError: If the shapes do not match or a dimension is not a multiple of 8.
         KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
     """
-    import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     _check("g", g, 2)
@@ -504,24 +497,22 @@ def k_grouped_mm(
     x_desc = TensorDescriptor.from_tensor(x, [br, bk])
     tma_store = n % bn == 0
     out_desc = TensorDescriptor.from_tensor(out.view(experts * n, k), [bn, bk])
-    jobs = experts * triton.cdiv(n, bn) * triton.cdiv(k, bk)
+    jobs = experts * cdiv(n, bn) * cdiv(k, bk)
     programs = _programs(g.device, tiles, jobs)
-    k_grouped_kernel[(programs,)](
-        g_desc,
-        x_desc,
-        out_desc,
-        out,
-        offsets,
-        experts,
-        n,
-        k,
-        BLOCK_R=br,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        NUM_PROGRAMS=programs,
-        TMA_STORE=tma_store,
-        ALIGNED=aligned and tma_store,
-        JOB_BLOCK=1024,
+    launch(
+        k_grouped_kernel,
+        (programs,),
+        (g_desc, x_desc, out_desc, out, offsets, experts, n, k),
+        dict(
+            BLOCK_R=br,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            NUM_PROGRAMS=programs,
+            TMA_STORE=tma_store,
+            ALIGNED=aligned and tma_store,
+            JOB_BLOCK=1024,
+        ),
+        device=g.device,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -22,6 +22,7 @@ from mcore_kernels._backend import use_triton
 from mcore_kernels._compile import register_function
 from mcore_kernels._triton_utils import jit, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.moe._launch import cdiv, launch, next_power_of_2
 from mcore_kernels.moe.reference import (
     permute_tokens_reference,
     unpermute_combine_reference,
@@ -139,9 +140,7 @@ def weight_grad_kernel(
 
 
 def _block(hidden: int) -> int:
-    import triton
-
-    return min(2048, triton.next_power_of_2(max(hidden, 1)))
+    return min(2048, next_power_of_2(max(hidden, 1)))
 
 
 GATHER_TILE = (8, 256, 4)
@@ -157,11 +156,9 @@ def _tiles(
     rows: int, hidden: int, tile: tuple[int, int, int]
 ) -> tuple[tuple[int, int], int, int, int]:
     """Grid, rows, columns and warps per program of a row gather or row sum."""
-    import triton
-
     per_program, columns, warps = tile
-    block = min(columns, triton.next_power_of_2(max(hidden, 1)))
-    grid = (triton.cdiv(rows, per_program), triton.cdiv(hidden, block))
+    block = min(columns, next_power_of_2(max(hidden, 1)))
+    grid = (cdiv(rows, per_program), cdiv(hidden, block))
     return grid, per_program, block, warps
 
 
@@ -180,17 +177,12 @@ def _gather_rows(
     if index.numel() and hidden:
         grid, rows, block, warps = _tiles(index.shape[0], hidden, GATHER_TILE)
         with _device(src):
-            gather_rows_kernel[grid](
-                src,
-                index,
-                scale if scale is not None else src,
-                out,
-                index.shape[0],
-                hidden,
-                INDEX_DIV=divisor,
-                HAS_SCALE=scale is not None,
-                ROWS=rows,
-                BLOCK_H=block,
+            launch(
+                gather_rows_kernel,
+                grid,
+                (src, index, scale if scale is not None else src, out, index.shape[0], hidden),
+                dict(INDEX_DIV=divisor, HAS_SCALE=scale is not None, ROWS=rows, BLOCK_H=block),
+                device=src.device,
                 num_warps=warps,
             )
     return out
@@ -206,17 +198,12 @@ def _sum_rows(
     if num_tokens and hidden:
         grid, rows, block, warps = _tiles(num_tokens, hidden, SUM_TILE)
         with _device(src):
-            sum_rows_kernel[grid](
-                src,
-                slots,
-                weights if weights is not None else src,
-                out,
-                num_tokens,
-                hidden,
-                TOP_K=top_k,
-                HAS_WEIGHTS=weights is not None,
-                ROWS=rows,
-                BLOCK_H=block,
+            launch(
+                sum_rows_kernel,
+                grid,
+                (src, slots, weights if weights is not None else src, out, num_tokens, hidden),
+                dict(TOP_K=top_k, HAS_WEIGHTS=weights is not None, ROWS=rows, BLOCK_H=block),
+                device=src.device,
                 num_warps=warps,
             )
     return out

@@ -22,6 +22,7 @@ from mcore_kernels._backend import use_triton
 from mcore_kernels._compile import register_function
 from mcore_kernels._triton_utils import jit, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.moe._launch import cdiv, launch, next_power_of_2
 from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms
 from mcore_kernels.moe.permute import _device, _gather_rows, _sum_rows
 from mcore_kernels.moe.reference import routed_experts_reference
@@ -100,22 +101,23 @@ def routed_swiglu_backward_kernel(
 
 
 def _swiglu_launch_block(width: int) -> int:
-    import triton
-
-    return min(1024, triton.next_power_of_2(width))
+    return min(1024, next_power_of_2(width))
 
 
 def _routed_swiglu(
     gate_up: torch.Tensor, weights: torch.Tensor, order: torch.Tensor
 ) -> torch.Tensor:
-    import triton
 
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, width)
     if rows and width:
         block = _swiglu_launch_block(width)
-        routed_swiglu_forward_kernel[(rows, triton.cdiv(width, block))](
-            gate_up, weights, order, out, width, BLOCK=block
+        launch(
+            routed_swiglu_forward_kernel,
+            (rows, cdiv(width, block)),
+            (gate_up, weights, order, out, width),
+            dict(BLOCK=block),
+            device=gate_up.device,
         )
     return out
 
@@ -129,16 +131,12 @@ def _routed_swiglu_backward(
     # rows without an assignment.
     grad_w = torch.zeros(weights.numel() + 1, dtype=weights.dtype, device=weights.device)
     if rows and width:
-        routed_swiglu_backward_kernel[(rows,)](
-            gate_up,
-            weights,
-            order,
-            grad,
-            out,
-            grad_w,
-            width,
-            weights.numel(),
-            BLOCK=_swiglu_launch_block(width),
+        launch(
+            routed_swiglu_backward_kernel,
+            (rows,),
+            (gate_up, weights, order, grad, out, grad_w, width, weights.numel()),
+            dict(BLOCK=_swiglu_launch_block(width)),
+            device=gate_up.device,
         )
     return out, grad_w[:-1]
 

@@ -21,6 +21,7 @@ from mcore_kernels._backend import use_triton
 from mcore_kernels._compile import register_function
 from mcore_kernels._triton_utils import jit, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
+from mcore_kernels.moe._launch import cdiv, launch, next_power_of_2
 from mcore_kernels.moe.reference import moe_router_reference
 
 __all__ = ["moe_router"]
@@ -173,7 +174,6 @@ def _triton_router(
     scaling: float,
     weights_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    import triton
 
     num_tokens, num_experts = logits.shape
     # The weights stored in their final dtype and the counts as int64 by the kernel: no cast
@@ -182,29 +182,36 @@ def _triton_router(
     experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     scores = torch.empty_like(logits)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=logits.device)
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     block_t = max(1, min(64, 4096 // block_e))
-    grid = (triton.cdiv(num_tokens, block_t),)
+    grid = (cdiv(num_tokens, block_t),)
     if num_tokens:
         with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
-            router_kernel[grid](
-                logits,
-                expert_bias if expert_bias is not None else logits,
-                weights,
-                experts,
-                scores,
-                counts,
-                num_tokens,
-                num_experts,
-                float(scaling),
-                TOP_K=top_k,
-                K_PAD=triton.next_power_of_2(top_k),
-                BLOCK_T=block_t,
-                BLOCK_E=block_e,
-                SIGMOID=score == "sigmoid",
-                HAS_BIAS=expert_bias is not None,
-                NORMALIZE=normalize,
-                WEIGHTS_BF16=weights_dtype == torch.bfloat16,
+            launch(
+                router_kernel,
+                grid,
+                (
+                    logits,
+                    expert_bias if expert_bias is not None else logits,
+                    weights,
+                    experts,
+                    scores,
+                    counts,
+                    num_tokens,
+                    num_experts,
+                    float(scaling),
+                ),
+                dict(
+                    TOP_K=top_k,
+                    K_PAD=next_power_of_2(top_k),
+                    BLOCK_T=block_t,
+                    BLOCK_E=block_e,
+                    SIGMOID=score == "sigmoid",
+                    HAS_BIAS=expert_bias is not None,
+                    NORMALIZE=normalize,
+                    WEIGHTS_BF16=weights_dtype == torch.bfloat16,
+                ),
+                device=logits.device,
             )
     return weights, experts, scores, counts
 
@@ -219,34 +226,40 @@ def _triton_logits_grad(
     scaling: float,
 ) -> torch.Tensor:
     """:func:`router_logits_grad` in one kernel (one launch instead of about fifteen)."""
-    import triton
 
     num_tokens, num_experts = logits.shape
     top_k = experts.shape[1]
     out = torch.empty_like(logits)
     grad_w = None if grad_weights is None else grad_weights.contiguous()
     grad_s = None if grad_scores is None else grad_scores.contiguous()
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     block_t = max(1, min(64, 4096 // block_e))
     if num_tokens:
         with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
-            router_backward_kernel[(triton.cdiv(num_tokens, block_t),)](
-                logits,
-                experts,
-                grad_w if grad_w is not None else logits,
-                grad_s if grad_s is not None else logits,
-                out,
-                num_tokens,
-                num_experts,
-                float(scaling),
-                TOP_K=top_k,
-                K_PAD=triton.next_power_of_2(top_k),
-                BLOCK_T=block_t,
-                BLOCK_E=block_e,
-                SIGMOID=score == "sigmoid",
-                NORMALIZE=normalize,
-                HAS_GW=grad_w is not None,
-                HAS_GS=grad_s is not None,
+            launch(
+                router_backward_kernel,
+                (cdiv(num_tokens, block_t),),
+                (
+                    logits,
+                    experts,
+                    grad_w if grad_w is not None else logits,
+                    grad_s if grad_s is not None else logits,
+                    out,
+                    num_tokens,
+                    num_experts,
+                    float(scaling),
+                ),
+                dict(
+                    TOP_K=top_k,
+                    K_PAD=next_power_of_2(top_k),
+                    BLOCK_T=block_t,
+                    BLOCK_E=block_e,
+                    SIGMOID=score == "sigmoid",
+                    NORMALIZE=normalize,
+                    HAS_GW=grad_w is not None,
+                    HAS_GS=grad_s is not None,
+                ),
+                device=logits.device,
             )
     return out
 

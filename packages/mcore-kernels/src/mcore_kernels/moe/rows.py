@@ -26,6 +26,7 @@ from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import jit, next_power_of_2, tl
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.moe._launch import launch
 from mcore_kernels.moe.reference import (
     aligned_rows_reference,
     capacity_rows_reference,
@@ -194,8 +195,12 @@ def dropless_rows(order: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tens
     inverse = torch.empty_like(order)
     offsets = torch.empty(experts, dtype=torch.int32, device=counts.device)
     if experts:
-        _dropless_rows_kernel[(max(1, -(-total // BLOCK)),)](
-            order, counts, inverse, offsets, total, experts, BLOCK=BLOCK, E_PAD=_e_pad(experts)
+        launch(
+            _dropless_rows_kernel,
+            (max(1, -(-total // BLOCK)),),
+            (order, counts, inverse, offsets, total, experts),
+            dict(BLOCK=BLOCK, E_PAD=_e_pad(experts)),
+            device=order.device,
         )
     return inverse, offsets
 
@@ -216,21 +221,25 @@ def _place_rows(
     inverse = torch.empty_like(order)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=counts.device)
     if num_experts:
-        _capacity_rows_kernel[(max(1, -(-total // BLOCK)),)](
-            order,
-            experts,
-            counts,
-            counts.cumsum(0),
-            rows_per_expert,
-            rows_per_expert.cumsum(0),
-            compact,
-            inverse,
-            offsets,
-            total,
-            num_experts,
-            capacity,
-            BLOCK=BLOCK,
-            E_PAD=_e_pad(num_experts),
+        launch(
+            _capacity_rows_kernel,
+            (max(1, -(-total // BLOCK)),),
+            (
+                order,
+                experts,
+                counts,
+                counts.cumsum(0),
+                rows_per_expert,
+                rows_per_expert.cumsum(0),
+                compact,
+                inverse,
+                offsets,
+                total,
+                num_experts,
+                capacity,
+            ),
+            dict(BLOCK=BLOCK, E_PAD=_e_pad(num_experts)),
+            device=order.device,
         )
     return inverse, offsets
 

@@ -273,9 +273,10 @@ class GroupedExperts(nn.Module):
         if self.expert_kernel != "grouped_mm" or self.gemm_plan is not None:
             return False
         hidden = self.down_proj.shape[1]
-        return self.fuses_routing(tokens) and prefers_slots(
+        # The shape lookup first: for the shapes without a slot plan it answers alone.
+        return prefers_slots(
             rows, hidden, self.ffn_hidden_size, self.num_experts, tokens.device
-        )
+        ) and self.fuses_routing(tokens)
 
     def slot_plan(self) -> ExpertGemms:
         """Kernel of each GEMM on equal row slots per expert (:meth:`forward_slots`).
