@@ -65,6 +65,7 @@ from mcore_kernels.normed_rotary_kv_write import normed_rotary_kv_write
 from mcore_kernels.normed_swiglu import normed_swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
+from mcore_kernels.skinny_gemm import SkinnyGemmConfig, skinny_gemm
 from mcore_kernels.split_sum_rms_norm import split_k_partials, split_sum_add_rms_norm
 from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
@@ -80,6 +81,8 @@ __all__ = [
     "NORM_SWIGLU_PDL",
     "O_PROJ_SPLITS",
     "QKV_NORM_IN_WEIGHTS",
+    "SKINNY_GEMM",
+    "SKINNY_GEMM_MAX_ROWS",
     "STEP_INPUTS_IN_ONE_LAUNCH",
     "FusedDecoder",
     "build_fused_decoder",
@@ -150,6 +153,21 @@ input norm weight folded into a copy of its weight (``qkv_folded``), and the RoP
 kernel finishes the projection (row scale, bias;
 :func:`mcore_kernels.normed_rotary_kv_write.normed_rotary_kv_write`). Models without QK-norm
 and without an o or down projection bias."""
+
+SKINNY_GEMM_MAX_ROWS = 64
+"""Steps of more than ``gemv_max_rows`` and at most this many tokens run the projections named
+in :data:`SKINNY_GEMM` as :func:`mcore_kernels.skinny_gemm.skinny_gemm` instead of cuBLAS."""
+
+SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {
+    "qkv": None,
+    "o": None,
+    "gate_up": None,
+    "down": None,
+}
+"""Per projection of the many-token layers (``qkv``, ``o``, ``gate_up``, ``down``): ``(tile
+shape, splits)`` of :func:`~mcore_kernels.skinny_gemm.skinny_gemm` in steps of up to
+:data:`SKINNY_GEMM_MAX_ROWS` tokens, or None for cuBLAS. ``splits`` counts only for ``down``
+on the split-K path (its float32 partials go to the next add + RMSNorm)."""
 
 
 @dataclass(slots=True)
@@ -493,7 +511,7 @@ class FusedDecoder:
                 else:
                     with self._norm_swiglu_launch():
                         x, residual = add_rms_norm(layer.input_norm, hidden, residual)
-                qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
+                qkv = self._linear("qkv", x, fused.qkv_weight, fused.qkv_bias)
                 q, k, v = (
                     part.unflatten(-1, (-1, attention.head_dim))
                     for part in qkv.split(fused.split, dim=-1)
@@ -507,8 +525,10 @@ class FusedDecoder:
             if fused.gate_up_folded is not None and not o_splits and residual is not None:
                 # The residual add in the o projection's GEMM, the norm in the gate/up weight
                 # and the SwiGLU's row scale (MLP_NORM_IN_WEIGHTS): no norm launch.
-                residual = torch.addmm(residual, out.flatten(-2), attention.o_proj.weight.t())
-                gate_up = F.linear(residual, fused.gate_up_folded)
+                residual = self._linear(
+                    "o", out.flatten(-2), attention.o_proj.weight, residual=residual
+                )
+                gate_up = self._linear("gate_up", residual, fused.gate_up_folded)
                 with self._norm_swiglu_launch():
                     activation = normed_swiglu(gate_up, residual, norm.eps)
             else:
@@ -529,7 +549,7 @@ class FusedDecoder:
             if splits:
                 norm = layers[index + 1][0].input_norm if index + 1 < len(layers) else None
                 norm = model.final_norm if norm is None else norm
-                partials = split_k_partials(activation, layer.mlp.down_proj.weight, splits)
+                partials = self._down_partials(activation, layer.mlp.down_proj.weight, splits)
                 with self._norm_swiglu_launch():
                     normed = split_sum_add_rms_norm(partials, residual, norm.weight, norm.eps)
             elif fold_qkv:
@@ -543,6 +563,38 @@ class FusedDecoder:
                 return model.final_norm(residual)
             hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden
+
+    def _skinny(self, name: str, rows: int) -> tuple[SkinnyGemmConfig, int] | None:
+        """The :data:`SKINNY_GEMM` setting of projection ``name`` for a step of ``rows``."""
+        if rows <= self.gemv_max_rows or rows > SKINNY_GEMM_MAX_ROWS:
+            return None
+        return SKINNY_GEMM.get(name)
+
+    def _linear(
+        self,
+        name: str,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``residual + x @ weight.T + bias`` by cuBLAS or :func:`skinny_gemm` (:data:`SKINNY_GEMM`)."""
+        setting = self._skinny(name, x.shape[0])
+        if setting is not None:
+            return skinny_gemm(x, weight, bias=bias, residual=residual, config=setting[0])
+        if residual is not None:
+            out = torch.addmm(residual, x, weight.t())
+            return out if bias is None else out + bias
+        return F.linear(x, weight, bias)
+
+    def _down_partials(self, x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+        """float32 split-K partials of the down projection (cuBLAS's batched GEMM, or
+        :func:`skinny_gemm` with its own split count)."""
+        setting = self._skinny("down", x.shape[0])
+        if setting is not None:
+            return skinny_gemm(x, weight, splits=setting[1], config=setting[0])
+        return split_k_partials(x, weight, splits)
 
     @staticmethod
     def _folded_qkv_attention(

@@ -1,0 +1,294 @@
+"""``x @ weight.T`` for a few dozen rows with the weight on the tensor cores' wide side.
+
+A decode step of 64 tokens multiplies a ``[64, K]`` activation by ``nn.Linear`` weights of
+``N`` = 900 to 10 000 rows. A GEMM tiled the usual way puts the tokens on the MMA's M side
+(64 or 128 rows per tile) and gets few tiles; here the product is computed transposed,
+``out.T[N, M] = weight[N, K] @ x.T[K, M]``: each program owns ``BLOCK_N`` weight rows (the MMA's
+M side) and every token (its N side), streams its weight slab through a deep pipeline of TMA
+copies (``num_stages``) and writes ``out[M, N]`` row-major (the transpose happens in
+registers, so the consumer sees the ordinary layout). With ``splits > 1`` the programs of one
+output tile split K and store float32 partial products ``[splits, M, N]`` (the layout of
+:func:`mcore_kernels.split_sum_rms_norm.split_k_partials`, summed by its norm kernel).
+
+Under programmatic dependent launch (:mod:`mcore_kernels.pdl`) a program may request its weight
+slab into L2 (``prefetch=True``) before it waits for the previous kernel: the weights never
+depend on it.
+
+Epilogues: a bias and a residual (``residual + x @ weight.T``, one rounding of the float32
+sum, as ``torch.addmm`` with ``beta = 1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_kernels._triton_utils import (
+    gdc_launch_dependents,
+    gdc_wait,
+    jit,
+    next_power_of_2,
+    on_device_of,
+    prefetch_l2,
+    tl,
+    triton,
+)
+from mcore_kernels.errors import (
+    KernelBackendError,
+    KernelDtypeError,
+    KernelShapeError,
+    KernelValueError,
+)
+from mcore_kernels.pdl import pdl_enabled
+
+__all__ = ["SkinnyGemmConfig", "skinny_gemm", "skinny_gemm_reference"]
+
+
+@dataclass(frozen=True, slots=True)
+class SkinnyGemmConfig:
+    """Tile shape of :func:`skinny_gemm`.
+
+    Attributes:
+        block_n: Weight rows per program (the MMA's M side: 64 or 128 for wgmma).
+        block_k: Input columns per pipeline stage.
+        num_stages: TMA copies in flight per program.
+        num_warps: Warps per program.
+        prefetch: Under PDL, request the program's weight slab into L2 before waiting.
+    """
+
+    block_n: int = 64
+    block_k: int = 128
+    num_stages: int = 6
+    num_warps: int = 4
+    prefetch: bool = False
+
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def skinny_gemm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    splits: int = 1,
+) -> torch.Tensor:
+    """Torch reference of :func:`skinny_gemm` (float32 products, the same roundings).
+
+    Args:
+        x: ``[M, K]`` activations.
+        weight: ``[N, K]`` weight.
+        bias: Optional ``[N]``.
+        residual: Optional ``[M, N]`` added before the rounding.
+        splits: Float32 partials over this many K slices of whole ``block_k`` blocks (see
+            :func:`skinny_gemm`); 1: one rounded output.
+
+    Returns:
+        ``[M, N]`` in the dtype of ``x``, or float32 ``[splits, M, N]``.
+    """
+    if splits > 1:
+        bounds = _split_bounds(x.shape[1], splits, SkinnyGemmConfig().block_k)
+        return torch.stack([x[:, a:b].float() @ weight[:, a:b].float().T for a, b in bounds])
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out = out + bias.float()
+    if residual is not None:
+        out = out + residual.float()
+    return out.to(x.dtype)
+
+
+def _split_bounds(inputs: int, splits: int, block_k: int) -> list[tuple[int, int]]:
+    """K slices of a split product: whole ``block_k`` blocks, the same count per slice but
+    the last."""
+    blocks = -(-inputs // block_k)
+    per_split = -(-blocks // splits) * block_k
+    return [(s * per_split, min((s + 1) * per_split, inputs)) for s in range(splits)]
+
+
+@jit
+def _skinny_gemm_kernel(
+    w_desc,
+    x_desc,
+    w_ptr,
+    out_ptr,
+    bias_ptr,
+    residual_ptr,
+    rows,
+    outputs,
+    inputs,
+    stride_out_split,
+    stride_out_row,
+    stride_residual_row,
+    k_per_split,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    tile_n = tl.program_id(0)
+    split = tl.program_id(1)
+    tile_m = tl.program_id(2)
+    n0 = tile_n * BLOCK_N
+    m0 = tile_m * BLOCK_M
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, inputs)
+    if USE_PDL:
+        gdc_launch_dependents()
+        if PREFETCH_LINES > 0:
+            # The weights do not depend on the previous kernel: request this program's slab
+            # (one address per 128-byte line; clamped to the slab) while it drains.
+            lines = tl.arange(0, PREFETCH_LINES)
+            line_rows = n0 + lines // (PREFETCH_LINES // BLOCK_N)
+            line_cols = k_begin + (lines % (PREFETCH_LINES // BLOCK_N)) * 64
+            line_cols = tl.minimum(line_cols, k_end - 1)
+            line_rows = tl.minimum(line_rows, outputs - 1)
+            prefetch_l2(w_ptr + line_rows.to(tl.int64) * inputs + line_cols)
+        gdc_wait()
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        w = w_desc.load([n0, k])
+        x = x_desc.load([m0, k])
+        acc = tl.dot(w, tl.trans(x), acc)
+    result = tl.trans(acc)
+    offs_m = m0 + tl.arange(0, BLOCK_M)[:, None]
+    offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]
+    mask = (offs_m < rows) & (offs_n < outputs)
+    if PARTIALS:
+        target = out_ptr + split * stride_out_split + offs_m * stride_out_row + offs_n
+        tl.store(target, result, mask=mask)
+    else:
+        if HAS_BIAS:
+            result += tl.load(bias_ptr + offs_n, mask=offs_n < outputs, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            residual = tl.load(
+                residual_ptr + offs_m * stride_residual_row + offs_n, mask=mask, other=0.0
+            )
+            result += residual.to(tl.float32)
+        target = out_ptr + offs_m * stride_out_row + offs_n
+        tl.store(target, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    splits: int,
+) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise KernelShapeError(
+            f"x.shape={tuple(x.shape)}, weight.shape={tuple(weight.shape)}: expected [M, K] "
+            "and [N, K]"
+        )
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise KernelDtypeError(
+            f"x.dtype={x.dtype}, weight.dtype={weight.dtype}: expected one of {_DTYPES}, equal"
+        )
+    if x.shape[1] % 8:
+        raise KernelShapeError(f"x.shape={tuple(x.shape)}: K must be a multiple of 8 (TMA)")
+    if splits < 1:
+        raise KernelValueError(f"splits={splits}; expected at least 1")
+    if splits > 1 and (bias is not None or residual is not None):
+        raise KernelValueError("splits > 1 writes float32 partials: no bias or residual")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise KernelShapeError(f"bias.shape={tuple(bias.shape)}; expected ({weight.shape[0]},)")
+    if residual is not None and residual.shape != (x.shape[0], weight.shape[0]):
+        raise KernelShapeError(
+            f"residual.shape={tuple(residual.shape)}; expected ({x.shape[0]}, {weight.shape[0]})"
+        )
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    splits: int = 1,
+    config: SkinnyGemmConfig | None = None,
+) -> torch.Tensor:
+    """``residual + x @ weight.T + bias`` with the weight rows on the MMA's M side.
+
+    Args:
+        x: ``[M, K]`` bf16 or fp16 activations (K a multiple of 8).
+        weight: ``[N, K]`` weight of the same dtype (an ``nn.Linear`` weight).
+        bias: Optional ``[N]`` bias.
+        residual: Optional ``[M, N]`` added to the float32 product before its one rounding.
+        splits: 1: the rounded ``[M, N]`` product; more: float32 partial products
+            ``[splits, M, N]`` over K slices of whole ``config.block_k`` blocks (no bias or
+            residual; sum them in slice order).
+        config: Tile shape (None: :class:`SkinnyGemmConfig` defaults).
+
+    Returns:
+        ``[M, N]`` in the dtype of ``x``, or float32 ``[splits, M, N]``.
+
+    Raises:
+        KernelShapeError: If the shapes do not match.
+        KernelDtypeError: If a dtype is unsupported or the dtypes differ.
+        KernelValueError: If ``splits`` is below 1, or above 1 with a bias or residual.
+        KernelBackendError: If Triton is not installed.
+    """
+    if triton is None:
+        raise KernelBackendError("skinny_gemm needs triton")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _check(x, weight, bias, residual, splits)
+    config = config or SkinnyGemmConfig()
+    rows, inputs = x.shape
+    outputs = weight.shape[0]
+    if splits > 1:
+        out = torch.empty((splits, rows, outputs), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((rows, outputs), dtype=x.dtype, device=x.device)
+    if rows == 0 or outputs == 0:
+        return out
+    x = x if x.stride(-1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 else x.contiguous()
+    weight = weight.contiguous()
+    if residual is not None:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    block_m = max(16, min(128, next_power_of_2(rows)))
+    block_n, block_k = config.block_n, config.block_k
+    bounds = _split_bounds(inputs, splits, block_k)
+    k_per_split = bounds[0][1] - bounds[0][0]
+    w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+    use_pdl = pdl_enabled(x.device)
+    lines = 0
+    if use_pdl and config.prefetch:
+        lines = block_n * next_power_of_2(-(-k_per_split // 64))
+    grid = (triton.cdiv(outputs, block_n), splits, triton.cdiv(rows, block_m))
+    with on_device_of(x):
+        _skinny_gemm_kernel[grid](
+            w_desc,
+            x_desc,
+            weight,
+            out,
+            bias if bias is not None else out,
+            residual if residual is not None else out,
+            rows,
+            outputs,
+            inputs,
+            out.stride(0) if splits > 1 else 0,
+            out.stride(-2),
+            residual.stride(0) if residual is not None else 0,
+            k_per_split,
+            BLOCK_N=block_n,
+            BLOCK_M=block_m,
+            BLOCK_K=block_k,
+            NUM_STAGES=config.num_stages,
+            PARTIALS=splits > 1,
+            HAS_BIAS=bias is not None,
+            HAS_RESIDUAL=residual is not None,
+            PREFETCH_LINES=lines,
+            USE_PDL=use_pdl,
+            num_warps=config.num_warps,
+            **({"launch_pdl": True} if use_pdl else {}),
+        )
+    return out
