@@ -347,3 +347,27 @@ def test_folded_norm_kernels_in_graphs_match_eager_on_gpu(monkeypatch, dtype):
             torch.testing.assert_close(
                 torch.tensor(graph_logprobs), torch.tensor(eager_logprobs), atol=3e-2, rtol=0
             )
+
+
+@pytest.mark.parametrize("qkv", ["qkv", "qkv_rope"])
+def test_skinny_gemm_projections_generate_what_the_model_forward_generates(monkeypatch, qkv):
+    # SKINNY_GEMM: the decode steps of the three prompts (three rows) run q/k/v (with RoPE and
+    # the cache write in its epilogue for "qkv_rope"), o, gate/up and the down partials as
+    # skinny_gemm (its torch reference on the CPU; the kernel has tests of its own).
+    from mcore_kernels.skinny_gemm import SkinnyGemmConfig
+
+    config = GPTConfig.from_name("tiny", vocab_size=64, seed=8, head_dim=32)
+    model = GPTModel(config).eval()
+    setting = (SkinnyGemmConfig(block_k=32), 3)
+    skinny = {"qkv": None, "qkv_rope": None, "o": setting, "gate_up": setting, "down": setting}
+    skinny[qkv] = setting
+    monkeypatch.setattr(fused_decode, "SKINNY_GEMM", skinny)
+    monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (4, 64))
+    calls = []
+    real = fused_decode.skinny_gemm
+    monkeypatch.setattr(
+        fused_decode, "skinny_gemm", lambda *a, **k: calls.append(k.get("rope")) or real(*a, **k)
+    )
+    actual = _generate(model, fused=True)
+    assert len(calls) > 0 and any(rope is not None for rope in calls) == (qkv == "qkv_rope")
+    _assert_same_generations(actual, _generate(model, fused=False))

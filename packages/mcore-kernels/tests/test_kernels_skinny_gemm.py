@@ -15,9 +15,18 @@ if not torch.cuda.is_available():
 import pytest
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
+from mcore_kernels.reference import rotary_kv_write_reference
+from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 from mcore_kernels.skinny_gemm import SkinnyGemmConfig, skinny_gemm, skinny_gemm_reference
 
-pytestmark = pytest.mark.interpreter
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("triton_backend")]
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
 
 _SMALL = SkinnyGemmConfig(block_n=64, block_k=64, num_stages=2)
 
@@ -64,10 +73,8 @@ def test_split_partials_are_the_products_of_whole_k_blocks(splits):
     config = SkinnyGemmConfig(block_n=64, block_k=128, num_stages=2)
     partials = skinny_gemm(x, weight, splits=splits, config=config)
     assert partials.shape == (splits, 9, 64) and partials.dtype == torch.float32
-    torch.testing.assert_close(
-        partials.sum(0), x.float() @ weight.float().T, atol=1e-3, rtol=1e-3
-    )
-    expected = skinny_gemm_reference(x, weight, splits=splits)
+    torch.testing.assert_close(partials.sum(0), x.float() @ weight.float().T, atol=1e-3, rtol=1e-3)
+    expected = skinny_gemm_reference(x, weight, splits=splits, block_k=128)
     torch.testing.assert_close(partials, expected, atol=1e-3, rtol=1e-3)
     if splits == 5:
         # 3 blocks of 128 over 5 slices: the slices past the last block are zero.
@@ -90,3 +97,54 @@ def test_errors_name_the_argument():
         skinny_gemm(x, weight, residual=residual[:2])
     with pytest.raises(KernelShapeError, match="multiple of 8"):
         skinny_gemm(x[:, :60], weight[:, :60])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_rope_epilogue_rotates_queries_and_keys_and_writes_the_cache(bias):
+    tokens, q_heads, kv_heads, head_dim, inputs = 7, 4, 2, 64, 128
+    x, weight, bias_values, _ = _inputs(tokens, (q_heads + 2 * kv_heads) * head_dim, inputs, 4)
+    g = torch.Generator().manual_seed(5)
+    angles = 6.0 * torch.rand(tokens, head_dim // 2, generator=g)
+    slots = torch.tensor([3, 5, 0, 9, 15, 1, 2])
+
+    def rope():
+        cache = torch.zeros(4, 4, kv_heads, head_dim).half()
+        return RotaryCacheWrite(
+            cos=angles.cos(),
+            sin=angles.sin(),
+            k_cache=cache,
+            v_cache=cache.clone(),
+            slot_mapping=slots,
+            num_q_heads=q_heads,
+        )
+
+    actual, expected = rope(), rope()
+    b = bias_values if bias else None
+    q = skinny_gemm(x, weight, bias=b, rope=actual, config=_SMALL)
+    # The unfused path: the projection rounded, then the RoPE + cache-write kernel's reference.
+    qkv = (x.float() @ weight.float().T + (b.float() if bias else 0.0)).half()
+    parts = expected.split(qkv)
+    reference_q = rotary_kv_write_reference(
+        *parts, expected.cos, expected.sin, expected.k_cache, expected.v_cache, slots
+    )
+    _close(q, reference_q.flatten(1))
+    _close(actual.k_cache, expected.k_cache)
+    _close(actual.v_cache, expected.v_cache)
+    assert actual.k_cache[3, 3].abs().sum() > 0 and actual.v_cache[0, 0].abs().sum() > 0
+
+
+def test_rope_needs_whole_heads():
+    x, weight, _, residual = _inputs(3, 6 * 64, 64)
+    cache = torch.zeros(2, 4, 2, 64).half()
+    rope = RotaryCacheWrite(
+        cos=torch.ones(3, 32),
+        sin=torch.zeros(3, 32),
+        k_cache=cache,
+        v_cache=cache,
+        slot_mapping=torch.arange(3),
+        num_q_heads=4,
+    )
+    with pytest.raises(KernelShapeError, match="heads"):
+        skinny_gemm(x, weight[:-64], rope=rope)
+    with pytest.raises(KernelValueError, match="residual"):
+        skinny_gemm(x, weight, rope=rope, residual=residual)

@@ -160,6 +160,7 @@ in :data:`SKINNY_GEMM` as :func:`mcore_kernels.skinny_gemm.skinny_gemm` instead 
 
 SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {
     "qkv": None,
+    "qkv_rope": None,
     "o": None,
     "gate_up": None,
     "down": None,
@@ -167,7 +168,9 @@ SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {
 """Per projection of the many-token layers (``qkv``, ``o``, ``gate_up``, ``down``): ``(tile
 shape, splits)`` of :func:`~mcore_kernels.skinny_gemm.skinny_gemm` in steps of up to
 :data:`SKINNY_GEMM_MAX_ROWS` tokens, or None for cuBLAS. ``splits`` counts only for ``down``
-on the split-K path (its float32 partials go to the next add + RMSNorm)."""
+on the split-K path (its float32 partials go to the next add + RMSNorm). ``qkv_rope`` (models
+without QK-norm; before ``qkv``): the q/k/v projection with RoPE and the cache write in its
+epilogue, no ``rotary_kv_write`` launch."""
 
 
 @dataclass(slots=True)
@@ -511,16 +514,28 @@ class FusedDecoder:
                 else:
                     with self._norm_swiglu_launch():
                         x, residual = add_rms_norm(layer.input_norm, hidden, residual)
-                qkv = self._linear("qkv", x, fused.qkv_weight, fused.qkv_bias)
-                q, k, v = (
-                    part.unflatten(-1, (-1, attention.head_dim))
-                    for part in qkv.split(fused.split, dim=-1)
-                )
-                if attention.q_norm is not None and attention.k_norm is not None:
-                    q, k = attention.q_norm(q), attention.k_norm(k)
-                out = kv_cache.attend_rotary(
-                    layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
-                )
+                rope_setting = self._skinny("qkv_rope", x)
+                head_dim = attention.head_dim
+                if (
+                    rope_setting is not None
+                    and attention.q_norm is None
+                    and head_dim >= 32
+                    and head_dim & (head_dim - 1) == 0
+                ):
+                    out = self._skinny_qkv_attention(
+                        layer, fused, x, cos, sin, kv_cache, rope_setting[0]
+                    )
+                else:
+                    qkv = self._linear("qkv", x, fused.qkv_weight, fused.qkv_bias)
+                    q, k, v = (
+                        part.unflatten(-1, (-1, attention.head_dim))
+                        for part in qkv.split(fused.split, dim=-1)
+                    )
+                    if attention.q_norm is not None and attention.k_norm is not None:
+                        q, k = attention.q_norm(q), attention.k_norm(k)
+                    out = kv_cache.attend_rotary(
+                        layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
+                    )
             norm = layer.post_attention_norm
             if fused.gate_up_folded is not None and not o_splits and residual is not None:
                 # The residual add in the o projection's GEMM, the norm in the gate/up weight
@@ -564,9 +579,14 @@ class FusedDecoder:
             hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden
 
-    def _skinny(self, name: str, rows: int) -> tuple[SkinnyGemmConfig, int] | None:
-        """The :data:`SKINNY_GEMM` setting of projection ``name`` for a step of ``rows``."""
+    def _skinny(self, name: str, x: torch.Tensor) -> tuple[SkinnyGemmConfig, int] | None:
+        """The :data:`SKINNY_GEMM` setting of projection ``name`` for a step's input ``x``:
+        None past the row bounds, or on a GPU for inputs the kernel does not take (a dtype
+        other than bf16/fp16, inputs not a multiple of 8)."""
+        rows, inputs = x.shape
         if rows <= self.gemv_max_rows or rows > SKINNY_GEMM_MAX_ROWS:
+            return None
+        if x.is_cuda and (x.dtype not in (torch.bfloat16, torch.float16) or inputs % 8):
             return None
         return SKINNY_GEMM.get(name)
 
@@ -580,7 +600,7 @@ class FusedDecoder:
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``residual + x @ weight.T + bias`` by cuBLAS or :func:`skinny_gemm` (:data:`SKINNY_GEMM`)."""
-        setting = self._skinny(name, x.shape[0])
+        setting = self._skinny(name, x)
         if setting is not None:
             return skinny_gemm(x, weight, bias=bias, residual=residual, config=setting[0])
         if residual is not None:
@@ -588,10 +608,37 @@ class FusedDecoder:
             return out if bias is None else out + bias
         return F.linear(x, weight, bias)
 
+    @staticmethod
+    def _skinny_qkv_attention(
+        layer: Any,
+        fused: _FusedLayer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: PagedKVCache,
+        config: SkinnyGemmConfig,
+    ) -> torch.Tensor:
+        """The q/k/v projection with RoPE and the cache write in its epilogue
+        (:func:`skinny_gemm` with ``rope=``), then the attention of the stored keys."""
+        attention = layer.self_attention
+        keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
+        rope = RotaryCacheWrite(
+            cos=cos,
+            sin=sin,
+            k_cache=keys,
+            v_cache=values,
+            slot_mapping=slots,
+            num_q_heads=fused.split[0] // attention.head_dim,
+        )
+        q = skinny_gemm(x, fused.qkv_weight, bias=fused.qkv_bias, rope=rope, config=config)
+        return kv_cache.attend_stored_keys(
+            layer.layer_idx, q.unflatten(-1, (-1, attention.head_dim)), scale=attention.scale
+        )
+
     def _down_partials(self, x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
         """float32 split-K partials of the down projection (cuBLAS's batched GEMM, or
         :func:`skinny_gemm` with its own split count)."""
-        setting = self._skinny("down", x.shape[0])
+        setting = self._skinny("down", x)
         if setting is not None:
             return skinny_gemm(x, weight, splits=setting[1], config=setting[0])
         return split_k_partials(x, weight, splits)

@@ -15,7 +15,11 @@ slab into L2 (``prefetch=True``) before it waits for the previous kernel: the we
 depend on it.
 
 Epilogues: a bias and a residual (``residual + x @ weight.T``, one rounding of the float32
-sum, as ``torch.addmm`` with ``beta = 1``).
+sum, as ``torch.addmm`` with ``beta = 1``); for a q/k/v projection, RoPE and the key/value
+cache write (``rope=``: each program owns one head of ``D`` weight rows, rounds the projection
+(plus bias) to the activation dtype, rotates query and key heads as
+:func:`mcore_kernels.rotary_kv_write.rotary_kv_write` does, stores keys and values in their
+cache slots and returns the rotated queries): the projection and that kernel in one launch.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
     gdc_launch_dependents,
     gdc_wait,
@@ -34,6 +39,7 @@ from mcore_kernels._triton_utils import (
     tl,
     triton,
 )
+from mcore_kernels._validation import flat_cache_slots as _flat_slots
 from mcore_kernels.errors import (
     KernelBackendError,
     KernelDtypeError,
@@ -41,6 +47,7 @@ from mcore_kernels.errors import (
     KernelValueError,
 )
 from mcore_kernels.pdl import pdl_enabled
+from mcore_kernels.rotary_kv_write import RotaryCacheWrite, _rotate_half
 
 __all__ = ["SkinnyGemmConfig", "skinny_gemm", "skinny_gemm_reference"]
 
@@ -74,6 +81,8 @@ def skinny_gemm_reference(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     splits: int = 1,
+    rope: RotaryCacheWrite | None = None,
+    block_k: int | None = None,
 ) -> torch.Tensor:
     """Torch reference of :func:`skinny_gemm` (float32 products, the same roundings).
 
@@ -84,12 +93,24 @@ def skinny_gemm_reference(
         residual: Optional ``[M, N]`` added before the rounding.
         splits: Float32 partials over this many K slices of whole ``block_k`` blocks (see
             :func:`skinny_gemm`); 1: one rounded output.
+        rope: RoPE and the cache write of a q/k/v projection (see :func:`skinny_gemm`).
+        block_k: The K block of the slices (None: :class:`SkinnyGemmConfig`'s default).
 
     Returns:
-        ``[M, N]`` in the dtype of ``x``, or float32 ``[splits, M, N]``.
+        ``[M, N]`` in the dtype of ``x``, float32 ``[splits, M, N]``, or with ``rope`` the
+        rotated queries ``[M, Hq * D]``.
     """
+    if rope is not None:
+        from mcore_kernels.reference import rotary_kv_write_reference
+
+        qkv = skinny_gemm_reference(x, weight, bias=bias)
+        q, k, v = rope.split(qkv)
+        rotated = rotary_kv_write_reference(
+            q, k, v, rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slot_mapping
+        )
+        return rotated.flatten(1)
     if splits > 1:
-        bounds = _split_bounds(x.shape[1], splits, SkinnyGemmConfig().block_k)
+        bounds = _split_bounds(x.shape[1], splits, block_k or SkinnyGemmConfig().block_k)
         return torch.stack([x[:, a:b].float() @ weight[:, a:b].float().T for a, b in bounds])
     out = x.float() @ weight.float().T
     if bias is not None:
@@ -108,6 +129,66 @@ def _split_bounds(inputs: int, splits: int, block_k: int) -> list[tuple[int, int
 
 
 @jit
+def _rope_epilogue(
+    acc,
+    head,
+    m0,
+    rows,
+    q_ptr,
+    bias_ptr,
+    stride_q_row,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_cos,
+    stride_sin,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+):
+    """One head's ``[D, tokens]`` product: round (plus bias) like the projection output, then
+    rotate and store the query, or rotate and store the key, or store the value."""
+    dtype = q_ptr.dtype.element_ty
+    HALF: tl.constexpr = HEAD_DIM // 2
+    channels = tl.arange(0, HEAD_DIM)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + head * HEAD_DIM + channels).to(tl.float32)[:, None]
+    values = acc.to(dtype)
+    tokens = m0 + tl.arange(0, BLOCK_M)[None, :]
+    token_mask = tokens < rows
+    half = tl.arange(0, HALF)[:, None]
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+        pair = tl.permute(tl.reshape(values.to(tl.float32), (2, HALF, BLOCK_M)), (1, 2, 0))
+        x1, x2 = tl.split(pair)
+        cos = tl.load(cos_ptr + tokens * stride_cos + half, mask=token_mask, other=0.0)
+        sin = tl.load(sin_ptr + tokens * stride_sin + half, mask=token_mask, other=0.0)
+        cos = cos.to(dtype).to(tl.float32)
+        sin = sin.to(dtype).to(tl.float32)
+        first, second = _rotate_half(x1, x2, cos, sin, dtype)
+        if head < NUM_Q_HEADS:
+            target = q_ptr + tokens * stride_q_row + head * HEAD_DIM + half
+        else:
+            slots = tl.load(slot_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
+            kv_head = head - NUM_Q_HEADS
+            target = k_cache_ptr + slots * stride_kc_slot + kv_head * stride_kc_head + half
+        tl.store(target, first, mask=token_mask)
+        tl.store(target + HALF, second, mask=token_mask)
+    else:
+        slots = tl.load(slot_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
+        kv_head = head - NUM_Q_HEADS - NUM_KV_HEADS
+        target = v_cache_ptr + slots * stride_vc_slot + kv_head * stride_vc_head
+        tl.store(target + channels[:, None], values, mask=token_mask)
+
+
+@jit
 def _skinny_gemm_kernel(
     w_desc,
     x_desc,
@@ -122,6 +203,17 @@ def _skinny_gemm_kernel(
     stride_out_row,
     stride_residual_row,
     k_per_split,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_cos,
+    stride_sin,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -130,6 +222,9 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
+    ROPE: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     tile_n = tl.program_id(0)
@@ -160,7 +255,33 @@ def _skinny_gemm_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)[:, None]
     offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]
     mask = (offs_m < rows) & (offs_n < outputs)
-    if PARTIALS:
+    if ROPE:
+        _rope_epilogue(
+            acc,
+            tile_n,
+            m0,
+            rows,
+            out_ptr,
+            bias_ptr,
+            stride_out_row,
+            cos_ptr,
+            sin_ptr,
+            k_cache_ptr,
+            v_cache_ptr,
+            slot_ptr,
+            stride_cos,
+            stride_sin,
+            stride_kc_slot,
+            stride_kc_head,
+            stride_vc_slot,
+            stride_vc_head,
+            BLOCK_N,
+            BLOCK_M,
+            HAS_BIAS,
+            NUM_Q_HEADS,
+            NUM_KV_HEADS,
+        )
+    elif PARTIALS:
         target = out_ptr + split * stride_out_split + offs_m * stride_out_row + offs_n
         tl.store(target, result, mask=mask)
     else:
@@ -181,13 +302,15 @@ def _check(
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
     splits: int,
+    *,
+    triton_path: bool = True,
 ) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise KernelShapeError(
             f"x.shape={tuple(x.shape)}, weight.shape={tuple(weight.shape)}: expected [M, K] "
             "and [N, K]"
         )
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+    if (triton_path and x.dtype not in _DTYPES) or weight.dtype != x.dtype:
         raise KernelDtypeError(
             f"x.dtype={x.dtype}, weight.dtype={weight.dtype}: expected one of {_DTYPES}, equal"
         )
@@ -205,6 +328,26 @@ def _check(
         )
 
 
+def _check_rope(
+    rope: RotaryCacheWrite,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None,
+    splits: int,
+) -> None:
+    heads = rope.num_q_heads + 2 * rope.num_kv_heads
+    if residual is not None or splits != 1:
+        raise KernelValueError("rope= takes no residual and one split")
+    if weight.shape[0] != heads * rope.head_dim or rope.head_dim % 32:
+        raise KernelShapeError(
+            f"weight.shape={tuple(weight.shape)}: expected {heads} heads of "
+            f"rope.head_dim={rope.head_dim} rows (a multiple of 32)"
+        )
+    rope.check(torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device="meta"))
+    if rope.cos.stride(-1) != 1 or rope.sin.stride(-1) != 1:
+        raise KernelShapeError("rope.cos and rope.sin must have a contiguous last dimension")
+
+
 def skinny_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -212,6 +355,7 @@ def skinny_gemm(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     splits: int = 1,
+    rope: RotaryCacheWrite | None = None,
     config: SkinnyGemmConfig | None = None,
 ) -> torch.Tensor:
     """``residual + x @ weight.T + bias`` with the weight rows on the MMA's M side.
@@ -224,17 +368,33 @@ def skinny_gemm(
         splits: 1: the rounded ``[M, N]`` product; more: float32 partial products
             ``[splits, M, N]`` over K slices of whole ``config.block_k`` blocks (no bias or
             residual; sum them in slice order).
+        rope: For a q/k/v projection (``N = (Hq + 2 Hkv) * D`` rows: query, key, value
+            heads): rotate the query and key heads of the rounded product (plus bias) and
+            store keys and values in their cache slots (one head per program: ``block_n``
+            becomes ``D``); no residual, one split.
         config: Tile shape (None: :class:`SkinnyGemmConfig` defaults).
 
     Returns:
-        ``[M, N]`` in the dtype of ``x``, or float32 ``[splits, M, N]``.
+        ``[M, N]`` in the dtype of ``x``, float32 ``[splits, M, N]``, or with ``rope`` the
+        rotated queries ``[M, Hq * D]``.
 
     Raises:
         KernelShapeError: If the shapes do not match.
         KernelDtypeError: If a dtype is unsupported or the dtypes differ.
         KernelValueError: If ``splits`` is below 1, or above 1 with a bias or residual.
         KernelBackendError: If Triton is not installed.
+
+    Dispatch: Triton on CUDA, :func:`skinny_gemm_reference` on CPU (``MCORE_KERNELS_BACKEND``
+    overrides, as for the other kernels; the Triton path takes 16-bit dtypes only).
     """
+    if not use_triton(x, weight):
+        _check(x, weight, bias, residual, splits, triton_path=False)
+        if rope is not None:
+            _check_rope(rope, x, weight, residual, splits)
+        block_k = (config or SkinnyGemmConfig()).block_k
+        return skinny_gemm_reference(
+            x, weight, bias=bias, residual=residual, splits=splits, rope=rope, block_k=block_k
+        )
     if triton is None:
         raise KernelBackendError("skinny_gemm needs triton")
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -243,7 +403,12 @@ def skinny_gemm(
     config = config or SkinnyGemmConfig()
     rows, inputs = x.shape
     outputs = weight.shape[0]
-    if splits > 1:
+    block_n = config.block_n
+    if rope is not None:
+        _check_rope(rope, x, weight, residual, splits)
+        block_n = rope.head_dim
+        out = torch.empty((rows, rope.num_q_heads * rope.head_dim), dtype=x.dtype, device=x.device)
+    elif splits > 1:
         out = torch.empty((splits, rows, outputs), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((rows, outputs), dtype=x.dtype, device=x.device)
@@ -254,7 +419,7 @@ def skinny_gemm(
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     block_m = max(16, min(128, next_power_of_2(rows)))
-    block_n, block_k = config.block_n, config.block_k
+    block_k = config.block_k
     bounds = _split_bounds(inputs, splits, block_k)
     k_per_split = bounds[0][1] - bounds[0][0]
     w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
@@ -264,6 +429,15 @@ def skinny_gemm(
     if use_pdl and config.prefetch:
         lines = block_n * next_power_of_2(-(-k_per_split // 64))
     grid = (triton.cdiv(outputs, block_n), splits, triton.cdiv(rows, block_m))
+    if rope is not None:
+        keys = _flat_slots(rope.k_cache, "rope.k_cache")
+        values = _flat_slots(rope.v_cache, "rope.v_cache")
+        cos, sin, slots = rope.cos, rope.sin, rope.slot_mapping
+        cache_strides = (keys.stride(0), keys.stride(1), values.stride(0), values.stride(1))
+        heads = (rope.num_q_heads, rope.num_kv_heads)
+    else:
+        keys = values = cos = sin = slots = out
+        cache_strides, heads = (0, 0, 0, 0), (0, 0)
     with on_device_of(x):
         _skinny_gemm_kernel[grid](
             w_desc,
@@ -279,6 +453,14 @@ def skinny_gemm(
             out.stride(-2),
             residual.stride(0) if residual is not None else 0,
             k_per_split,
+            cos,
+            sin,
+            keys,
+            values,
+            slots,
+            cos.stride(0),
+            sin.stride(0),
+            *cache_strides,
             BLOCK_N=block_n,
             BLOCK_M=block_m,
             BLOCK_K=block_k,
@@ -287,6 +469,9 @@ def skinny_gemm(
             HAS_BIAS=bias is not None,
             HAS_RESIDUAL=residual is not None,
             PREFETCH_LINES=lines,
+            ROPE=rope is not None,
+            NUM_Q_HEADS=heads[0],
+            NUM_KV_HEADS=heads[1],
             USE_PDL=use_pdl,
             num_warps=config.num_warps,
             **({"launch_pdl": True} if use_pdl else {}),
