@@ -83,17 +83,17 @@ def test_split_partials_are_the_products_of_whole_k_blocks(splits):
 
 def test_errors_name_the_argument():
     x, weight, bias, residual = _inputs(4, 64, 64)
-    with pytest.raises(KernelShapeError, match="weight.shape"):
+    with pytest.raises(KernelShapeError, match=r"weight\.shape"):
         skinny_gemm(x, weight[:, :32])
-    with pytest.raises(KernelDtypeError, match="weight.dtype"):
+    with pytest.raises(KernelDtypeError, match=r"weight\.dtype"):
         skinny_gemm(x, weight.float())
     with pytest.raises(KernelValueError, match="splits"):
         skinny_gemm(x, weight, splits=0)
     with pytest.raises(KernelValueError, match="splits"):
         skinny_gemm(x, weight, splits=2, bias=bias)
-    with pytest.raises(KernelShapeError, match="bias.shape"):
+    with pytest.raises(KernelShapeError, match=r"bias\.shape"):
         skinny_gemm(x, weight, bias=bias[:3])
-    with pytest.raises(KernelShapeError, match="residual.shape"):
+    with pytest.raises(KernelShapeError, match=r"residual\.shape"):
         skinny_gemm(x, weight, residual=residual[:2])
     with pytest.raises(KernelShapeError, match="multiple of 8"):
         skinny_gemm(x[:, :60], weight[:, :60])
