@@ -164,13 +164,15 @@ SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {
     "o": None,
     "gate_up": None,
     "down": None,
+    "lm_head": None,
 }
 """Per projection of the many-token layers (``qkv``, ``o``, ``gate_up``, ``down``): ``(tile
 shape, splits)`` of :func:`~mcore_kernels.skinny_gemm.skinny_gemm` in steps of up to
 :data:`SKINNY_GEMM_MAX_ROWS` tokens, or None for cuBLAS. ``splits`` counts only for ``down``
 on the split-K path (its float32 partials go to the next add + RMSNorm). ``qkv_rope`` (models
 without QK-norm; before ``qkv``): the q/k/v projection with RoPE and the cache write in its
-epilogue, no ``rotary_kv_write`` launch."""
+epilogue, no ``rotary_kv_write`` launch. ``lm_head``: :meth:`FusedDecoder.compute_logits` of
+more than ``lm_head_gemv_max_rows`` rows."""
 
 
 @dataclass(slots=True)
@@ -837,6 +839,10 @@ class FusedDecoder:
         """
         model = self.model
         if hidden.dim() != 2 or hidden.shape[0] > self.lm_head_gemv_max_rows:
+            setting = self._skinny("lm_head", hidden) if hidden.dim() == 2 else None
+            if setting is not None:
+                weight = model.output_weight()
+                return skinny_gemm(model.logits_input(hidden), weight, config=setting[0])
             return model.compute_logits(hidden, upcast=False)
         with programmatic_dependent_launch(self.pdl):
             return decode_gemv(hidden, model.output_weight())
