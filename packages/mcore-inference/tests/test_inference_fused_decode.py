@@ -349,32 +349,34 @@ def test_folded_norm_kernels_in_graphs_match_eager_on_gpu(monkeypatch, dtype):
             )
 
 
-@pytest.mark.parametrize("qkv", ["qkv", "qkv_rope"])
-def test_skinny_gemm_projections_generate_what_the_model_forward_generates(monkeypatch, qkv):
+@pytest.mark.parametrize(("qkv", "mlp"), [("qkv", "gate_up"), ("qkv_rope", "gate_up_swiglu")])
+def test_skinny_gemm_projections_generate_what_the_model_forward_generates(monkeypatch, qkv, mlp):
     # SKINNY_GEMM: the decode steps of the three prompts (three rows) run q/k/v (with RoPE and
-    # the cache write in its epilogue for "qkv_rope"), o, gate/up and the down partials as
-    # skinny_gemm, and their LM head too (its torch reference on the CPU; the kernel has tests
-    # of its own).
+    # the cache write in its epilogue for "qkv_rope"), o, gate/up (with the SwiGLU and the
+    # norm's row scale in its epilogue for "gate_up_swiglu"), the down partials and the LM
+    # head as skinny_gemm (its torch reference on the CPU; the kernel has tests of its own).
     from mcore_kernels.skinny_gemm import SkinnyGemmConfig
 
     config = GPTConfig.from_name("tiny", vocab_size=64, seed=8, head_dim=32)
     model = GPTModel(config).eval()
     setting = (SkinnyGemmConfig(block_k=32), 3)
-    skinny = {"qkv": None, "qkv_rope": None, "o": setting, "gate_up": setting, "down": setting}
+    skinny = dict.fromkeys(("qkv", "qkv_rope", "gate_up", "gate_up_swiglu"))
+    skinny.update({qkv: setting, mlp: setting, "o": setting, "down": setting})
     skinny["lm_head"] = setting
-    skinny[qkv] = setting
     monkeypatch.setattr(fused_decode, "SKINNY_GEMM", skinny)
     monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (4, 64))
     monkeypatch.setattr(fused_decode, "LM_HEAD_GEMV_MAX_ROWS", 2)
-    calls, shapes = [], []
+    calls = []
     real = fused_decode.skinny_gemm
-    monkeypatch.setattr(
-        fused_decode,
-        "skinny_gemm",
-        lambda *a, **k: calls.append(k.get("rope")) or shapes.append(a[1].shape) or real(*a, **k),
-    )
+
+    def spy(x, weight, **kwargs):
+        calls.append((weight.shape, kwargs))
+        return real(x, weight, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "skinny_gemm", spy)
     actual = _generate(model, fused=True)
-    assert len(calls) > 0 and any(rope is not None for rope in calls) == (qkv == "qkv_rope")
-    vocab = [shape for shape in shapes if shape[0] == config.vocab_size]
-    assert vocab, "the LM head of the three-row steps ran as skinny_gemm"
+    assert any(k.get("rope") is not None for _, k in calls) == (qkv == "qkv_rope")
+    assert any(k.get("swiglu_norm_eps") is not None for _, k in calls) == (mlp == "gate_up_swiglu")
+    assert any(k.get("splits", 1) == 3 for _, k in calls), "the down partials"
+    assert any(shape[0] == config.vocab_size for shape, _ in calls), "the LM head"
     _assert_same_generations(actual, _generate(model, fused=False))

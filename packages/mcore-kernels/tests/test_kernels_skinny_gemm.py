@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
+from mcore_kernels.normed_swiglu import normed_swiglu_reference
 from mcore_kernels.reference import rotary_kv_write_reference
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 from mcore_kernels.skinny_gemm import SkinnyGemmConfig, skinny_gemm, skinny_gemm_reference
@@ -148,3 +149,16 @@ def test_rope_needs_whole_heads():
         skinny_gemm(x, weight[:-64], rope=rope)
     with pytest.raises(KernelValueError, match="residual"):
         skinny_gemm(x, weight, rope=rope, residual=residual)
+
+
+@pytest.mark.parametrize(("rows", "ffn", "inputs"), [(5, 96, 192), (64, 64, 128)])
+def test_swiglu_epilogue_is_normed_swiglu_of_the_rounded_product(rows, ffn, inputs):
+    x, weight, _, _ = _inputs(rows, 2 * ffn, inputs, seed=6)
+    x = (3.0 * x.float()).half()
+    actual = skinny_gemm(x, weight, swiglu_norm_eps=1e-6, config=_SMALL)
+    product = (x.float() @ weight.float().T).half()
+    _close(actual, normed_swiglu_reference(product, x, 1e-6))
+    with pytest.raises(KernelValueError, match="swiglu_norm_eps"):
+        skinny_gemm(x, weight, swiglu_norm_eps=1e-6, splits=2)
+    with pytest.raises(KernelShapeError, match="gate then up"):
+        skinny_gemm(x, weight[:-1], swiglu_norm_eps=1e-6)

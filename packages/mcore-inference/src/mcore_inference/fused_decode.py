@@ -163,6 +163,7 @@ SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {
     "qkv_rope": None,
     "o": None,
     "gate_up": None,
+    "gate_up_swiglu": None,
     "down": None,
     "lm_head": None,
 }
@@ -172,7 +173,9 @@ shape, splits)`` of :func:`~mcore_kernels.skinny_gemm.skinny_gemm` in steps of u
 on the split-K path (its float32 partials go to the next add + RMSNorm). ``qkv_rope`` (models
 without QK-norm; before ``qkv``): the q/k/v projection with RoPE and the cache write in its
 epilogue, no ``rotary_kv_write`` launch. ``lm_head``: :meth:`FusedDecoder.compute_logits` of
-more than ``lm_head_gemv_max_rows`` rows."""
+more than ``lm_head_gemv_max_rows`` rows. ``gate_up_swiglu`` (before ``gate_up``; the
+norm-folded MLP of :data:`MLP_NORM_IN_WEIGHTS`): the gate/up projection with the SwiGLU and
+the norm's row scale in its epilogue, no ``normed_swiglu`` launch."""
 
 
 @dataclass(slots=True)
@@ -545,9 +548,19 @@ class FusedDecoder:
                 residual = self._linear(
                     "o", out.flatten(-2), attention.o_proj.weight, residual=residual
                 )
-                gate_up = self._linear("gate_up", residual, fused.gate_up_folded)
-                with self._norm_swiglu_launch():
-                    activation = normed_swiglu(gate_up, residual, norm.eps)
+                swiglu_setting = self._skinny("gate_up_swiglu", residual)
+                if swiglu_setting is not None:
+                    # The SwiGLU and the norm's row scale in the GEMM's epilogue: one launch.
+                    activation = skinny_gemm(
+                        residual,
+                        fused.gate_up_folded,
+                        swiglu_norm_eps=norm.eps,
+                        config=swiglu_setting[0],
+                    )
+                else:
+                    gate_up = self._linear("gate_up", residual, fused.gate_up_folded)
+                    with self._norm_swiglu_launch():
+                        activation = normed_swiglu(gate_up, residual, norm.eps)
             else:
                 if o_splits and residual is not None:
                     partials = split_k_partials(out.flatten(-2), attention.o_proj.weight, o_splits)

@@ -46,6 +46,7 @@ from mcore_kernels.errors import (
     KernelShapeError,
     KernelValueError,
 )
+from mcore_kernels.normed_swiglu import normed_swiglu_reference
 from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite, _rotate_half
 
@@ -214,6 +215,7 @@ def _skinny_gemm_kernel(
     stride_kc_head,
     stride_vc_slot,
     stride_vc_head,
+    norm_eps,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -225,6 +227,7 @@ def _skinny_gemm_kernel(
     ROPE: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
+    SWIGLU: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     tile_n = tl.program_id(0)
@@ -247,10 +250,18 @@ def _skinny_gemm_kernel(
             prefetch_l2(w_ptr + line_rows.to(tl.int64) * inputs + line_cols)
         gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         w = w_desc.load([n0, k])
         x = x_desc.load([m0, k])
         acc = tl.dot(w, tl.trans(x), acc)
+        if SWIGLU:
+            # The up rows of the same features, and the rows' sum of squares for the norm.
+            w_up = w_desc.load([outputs + n0, k])
+            acc_up = tl.dot(w_up, tl.trans(x), acc_up)
+            h = x.to(tl.float32)
+            squares += tl.sum(h * h, axis=1)
     result = tl.trans(acc)
     offs_m = m0 + tl.arange(0, BLOCK_M)[:, None]
     offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]
@@ -281,6 +292,15 @@ def _skinny_gemm_kernel(
             NUM_Q_HEADS,
             NUM_KV_HEADS,
         )
+    elif SWIGLU:
+        # normed_swiglu of the rounded products: silu(r * gate) * (r * up), r the row's rstd.
+        rstd = 1.0 / tl.sqrt(squares / inputs + norm_eps)
+        dtype = out_ptr.dtype.element_ty
+        gate = result.to(dtype).to(tl.float32) * rstd[:, None]
+        up = tl.trans(acc_up).to(dtype).to(tl.float32) * rstd[:, None]
+        activation = gate / (1.0 + tl.exp(-gate)) * up
+        target = out_ptr + offs_m * stride_out_row + offs_n
+        tl.store(target, activation.to(dtype), mask=mask)
     elif PARTIALS:
         target = out_ptr + split * stride_out_split + offs_m * stride_out_row + offs_n
         tl.store(target, result, mask=mask)
@@ -348,6 +368,21 @@ def _check_rope(
         raise KernelShapeError("rope.cos and rope.sin must have a contiguous last dimension")
 
 
+def _check_swiglu(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    splits: int,
+    rope: RotaryCacheWrite | None,
+) -> None:
+    if bias is not None or residual is not None or rope is not None or splits != 1:
+        raise KernelValueError("swiglu_norm_eps takes no bias, residual or rope and one split")
+    if weight.shape[0] % 2:
+        raise KernelShapeError(
+            f"weight.shape={tuple(weight.shape)}: expected [2 * ffn, K] (gate then up rows)"
+        )
+
+
 def skinny_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -356,6 +391,7 @@ def skinny_gemm(
     residual: torch.Tensor | None = None,
     splits: int = 1,
     rope: RotaryCacheWrite | None = None,
+    swiglu_norm_eps: float | None = None,
     config: SkinnyGemmConfig | None = None,
 ) -> torch.Tensor:
     """``residual + x @ weight.T + bias`` with the weight rows on the MMA's M side.
@@ -372,11 +408,17 @@ def skinny_gemm(
             heads): rotate the query and key heads of the rounded product (plus bias) and
             store keys and values in their cache slots (one head per program: ``block_n``
             becomes ``D``); no residual, one split.
+        swiglu_norm_eps: For a gate/up projection whose RMSNorm weight is folded into
+            ``weight`` (``[2F, K]``, gate rows first): return
+            :func:`mcore_kernels.normed_swiglu.normed_swiglu` of the rounded product with this
+            epsilon, ``[M, F]`` (each program multiplies ``block_n`` gate and the same up rows
+            and sums the squares of its input rows for the norm's ``rstd``); no bias, residual
+            or rope, one split.
         config: Tile shape (None: :class:`SkinnyGemmConfig` defaults).
 
     Returns:
-        ``[M, N]`` in the dtype of ``x``, float32 ``[splits, M, N]``, or with ``rope`` the
-        rotated queries ``[M, Hq * D]``.
+        ``[M, N]`` in the dtype of ``x``, float32 ``[splits, M, N]``, with ``rope`` the
+        rotated queries ``[M, Hq * D]``, with ``swiglu_norm_eps`` the activation ``[M, N / 2]``.
 
     Raises:
         KernelShapeError: If the shapes do not match.
@@ -387,10 +429,16 @@ def skinny_gemm(
     Dispatch: Triton on CUDA, :func:`skinny_gemm_reference` on CPU (``MCORE_KERNELS_BACKEND``
     overrides, as for the other kernels; the Triton path takes 16-bit dtypes only).
     """
+    swiglu = swiglu_norm_eps is not None
     if not use_triton(x, weight):
         _check(x, weight, bias, residual, splits, triton_path=False)
         if rope is not None:
             _check_rope(rope, x, weight, residual, splits)
+        if swiglu:
+            _check_swiglu(weight, bias, residual, splits, rope)
+            return normed_swiglu_reference(
+                skinny_gemm_reference(x, weight), x, float(swiglu_norm_eps)
+            )
         block_k = (config or SkinnyGemmConfig()).block_k
         return skinny_gemm_reference(
             x, weight, bias=bias, residual=residual, splits=splits, rope=rope, block_k=block_k
@@ -404,7 +452,11 @@ def skinny_gemm(
     rows, inputs = x.shape
     outputs = weight.shape[0]
     block_n = config.block_n
-    if rope is not None:
+    if swiglu:
+        _check_swiglu(weight, bias, residual, splits, rope)
+        outputs //= 2
+        out = torch.empty((rows, outputs), dtype=x.dtype, device=x.device)
+    elif rope is not None:
         _check_rope(rope, x, weight, residual, splits)
         block_n = rope.head_dim
         out = torch.empty((rows, rope.num_q_heads * rope.head_dim), dtype=x.dtype, device=x.device)
@@ -461,6 +513,7 @@ def skinny_gemm(
             cos.stride(0),
             sin.stride(0),
             *cache_strides,
+            float(swiglu_norm_eps) if swiglu else 0.0,
             BLOCK_N=block_n,
             BLOCK_M=block_m,
             BLOCK_K=block_k,
@@ -472,6 +525,7 @@ def skinny_gemm(
             ROPE=rope is not None,
             NUM_Q_HEADS=heads[0],
             NUM_KV_HEADS=heads[1],
+            SWIGLU=swiglu,
             USE_PDL=use_pdl,
             num_warps=config.num_warps,
             **({"launch_pdl": True} if use_pdl else {}),
