@@ -430,15 +430,14 @@ def skinny_gemm(
     overrides, as for the other kernels; the Triton path takes 16-bit dtypes only).
     """
     swiglu = swiglu_norm_eps is not None
+    eps = 0.0 if swiglu_norm_eps is None else float(swiglu_norm_eps)
     if not use_triton(x, weight):
         _check(x, weight, bias, residual, splits, triton_path=False)
         if rope is not None:
             _check_rope(rope, x, weight, residual, splits)
         if swiglu:
             _check_swiglu(weight, bias, residual, splits, rope)
-            return normed_swiglu_reference(
-                skinny_gemm_reference(x, weight), x, float(swiglu_norm_eps)
-            )
+            return normed_swiglu_reference(skinny_gemm_reference(x, weight), x, eps)
         block_k = (config or SkinnyGemmConfig()).block_k
         return skinny_gemm_reference(
             x, weight, bias=bias, residual=residual, splits=splits, rope=rope, block_k=block_k
@@ -513,7 +512,7 @@ def skinny_gemm(
             cos.stride(0),
             sin.stride(0),
             *cache_strides,
-            float(swiglu_norm_eps) if swiglu else 0.0,
+            eps,
             BLOCK_N=block_n,
             BLOCK_M=block_m,
             BLOCK_K=block_k,
