@@ -175,18 +175,22 @@ def _rope_epilogue(
         sin = sin.to(dtype).to(tl.float32)
         first, second = _rotate_half(x1, x2, cos, sin, dtype)
         if head < NUM_Q_HEADS:
-            target = q_ptr + tokens * stride_q_row + head * HEAD_DIM + half
+            q_target = q_ptr + tokens * stride_q_row + head * HEAD_DIM + half
+            tl.store(q_target, first, mask=token_mask)
+            tl.store(q_target + HALF, second, mask=token_mask)
         else:
-            slots = tl.load(slot_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
-            kv_head = head - NUM_Q_HEADS
-            target = k_cache_ptr + slots * stride_kc_slot + kv_head * stride_kc_head + half
-        tl.store(target, first, mask=token_mask)
-        tl.store(target + HALF, second, mask=token_mask)
+            key_slots = tl.load(slot_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
+            key_head = head - NUM_Q_HEADS
+            k_target = k_cache_ptr + key_slots * stride_kc_slot + key_head * stride_kc_head + half
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(k_target, first.to(cache_dtype), mask=token_mask)
+            tl.store(k_target + HALF, second.to(cache_dtype), mask=token_mask)
     else:
-        slots = tl.load(slot_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
-        kv_head = head - NUM_Q_HEADS - NUM_KV_HEADS
-        target = v_cache_ptr + slots * stride_vc_slot + kv_head * stride_vc_head
-        tl.store(target + channels[:, None], values, mask=token_mask)
+        value_slots = tl.load(slot_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
+        value_head = head - NUM_Q_HEADS - NUM_KV_HEADS
+        v_target = v_cache_ptr + value_slots * stride_vc_slot + value_head * stride_vc_head
+        value_dtype = v_cache_ptr.dtype.element_ty
+        tl.store(v_target + channels[:, None], values.to(value_dtype), mask=token_mask)
 
 
 @jit
