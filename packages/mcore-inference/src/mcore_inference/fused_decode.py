@@ -158,10 +158,14 @@ SKINNY_GEMM_MAX_ROWS = 64
 """Steps of more than ``gemv_max_rows`` and at most this many tokens run the projections named
 in :data:`SKINNY_GEMM` as :func:`mcore_kernels.skinny_gemm.skinny_gemm` instead of cuBLAS."""
 
+_SKINNY_SMALL = (SkinnyGemmConfig(block_n=64, block_k=128, num_stages=4, prefetch=True), 1)
+"""The q/k/v and o projections' tiles: 18 and 14 programs of 64 weight rows for the
+Qwen2.5-0.5B shape, each requesting its weight slab into L2 before it waits under PDL."""
+
 SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {
-    "qkv": None,
-    "qkv_rope": None,
-    "o": None,
+    "qkv": _SKINNY_SMALL,
+    "qkv_rope": _SKINNY_SMALL,
+    "o": _SKINNY_SMALL,
     "gate_up": None,
     "gate_up_swiglu": None,
     "down": None,
@@ -175,7 +179,15 @@ without QK-norm; before ``qkv``): the q/k/v projection with RoPE and the cache w
 epilogue, no ``rotary_kv_write`` launch. ``lm_head``: :meth:`FusedDecoder.compute_logits` of
 more than ``lm_head_gemv_max_rows`` rows. ``gate_up_swiglu`` (before ``gate_up``; the
 norm-folded MLP of :data:`MLP_NORM_IN_WEIGHTS`): the gate/up projection with the SwiGLU and
-the norm's row scale in its epilogue, no ``normed_swiglu`` launch."""
+the norm's row scale in its epilogue, no ``normed_swiglu`` launch.
+
+Defaults (one H200, Qwen2.5-0.5B shape, 64 rows, captured step at context 160, same run):
+``qkv_rope`` and ``o`` 873.2 / 874.0 us against 1002.2 / 1005.6 for cuBLAS (the o
+projection's residual in the epilogue also drops ``torch.addmm``'s copy of the residual,
+1.1 us a layer; RoPE + the cache write drop ``rotary_kv_write``), ``qkv`` and ``o`` 920.6 /
+920.1 (943.0 / 943.8 without the L2 prefetch); engine 71.5k against 61.6-62.5k tok/s. The
+gate/up (with or without the SwiGLU epilogue), down and LM head tiles measured slower than or
+even with cuBLAS there (docs/benchmarks/inference.md, session 14)."""
 
 
 @dataclass(slots=True)

@@ -442,7 +442,7 @@ def skinny_gemm(
         if swiglu:
             _check_swiglu(weight, bias, residual, splits, rope)
             return normed_swiglu_reference(skinny_gemm_reference(x, weight), x, eps)
-        block_k = (config or SkinnyGemmConfig()).block_k
+        block_k = min((config or SkinnyGemmConfig()).block_k, max(16, next_power_of_2(x.shape[1])))
         return skinny_gemm_reference(
             x, weight, bias=bias, residual=residual, splits=splits, rope=rope, block_k=block_k
         )
@@ -474,7 +474,8 @@ def skinny_gemm(
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     block_m = max(16, min(128, next_power_of_2(rows)))
-    block_k = config.block_k
+    # Narrow inputs: no tile wider than the inputs (16 columns at least, TMA's minimum).
+    block_k = min(config.block_k, max(16, next_power_of_2(inputs)))
     bounds = _split_bounds(inputs, splits, block_k)
     k_per_split = bounds[0][1] - bounds[0][0]
     w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
