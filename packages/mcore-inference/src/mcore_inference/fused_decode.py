@@ -608,10 +608,11 @@ class FusedDecoder:
 
     def _skinny(self, name: str, x: torch.Tensor) -> tuple[SkinnyGemmConfig, int] | None:
         """The :data:`SKINNY_GEMM` setting of projection ``name`` for a step's input ``x``:
-        None past the row bounds, or on a GPU for inputs the kernel does not take (a dtype
-        other than bf16/fp16, inputs not a multiple of 8)."""
+        None past the row bounds, in the batch-invariant mode, or on a GPU for inputs the
+        kernel does not take (a dtype other than bf16/fp16, inputs not a multiple of 8)."""
         rows, inputs = x.shape
-        if rows <= self.gemv_max_rows or rows > SKINNY_GEMM_MAX_ROWS:
+        if rows <= self.gemv_max_rows or rows > SKINNY_GEMM_MAX_ROWS or is_batch_invariant():
+            # The batch-invariant mode keeps its own GEMMs (the same bits at every row count).
             return None
         if x.is_cuda and (x.dtype not in (torch.bfloat16, torch.float16) or inputs % 8):
             return None
