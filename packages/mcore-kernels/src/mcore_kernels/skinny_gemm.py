@@ -19,7 +19,20 @@ sum, as ``torch.addmm`` with ``beta = 1``); for a q/k/v projection, RoPE and the
 cache write (``rope=``: each program owns one head of ``D`` weight rows, rounds the projection
 (plus bias) to the activation dtype, rotates query and key heads as
 :func:`mcore_kernels.rotary_kv_write.rotary_kv_write` does, stores keys and values in their
-cache slots and returns the rotated queries): the projection and that kernel in one launch.
+cache slots and returns the rotated queries): the projection and that kernel in one launch;
+for a gate/up projection whose RMSNorm weight is folded into the weight, the normed SwiGLU
+(``swiglu_norm_eps=``: each program multiplies its gate rows and the matching up rows and sums
+the squares of the input tiles it streams for the row's ``rstd``;
+:func:`mcore_kernels.normed_swiglu.normed_swiglu` of the rounded product).
+
+Measured on one H200 (Qwen2.5-0.5B shapes, 64 rows, chains of 24 launches over distinct
+weights): the q/k/v and o projections of 14-18 programs beat cuBLAS (4.00 against 4.79 us with
+the bias, 3.82 against 5.65 for ``addmm`` with the residual); the gate/up, down and LM head
+shapes only match it (``mcore_inference.fused_decode.SKINNY_GEMM`` uses the first two).
+
+Dispatch: Triton on CUDA tensors, the torch reference on the CPU (``MCORE_KERNELS_BACKEND``
+overrides; under ``TRITON_INTERPRET=1`` use float16: the interpreter of Triton 3.9 hands
+bfloat16 TMA loads to ``tl.dot`` as raw integers).
 """
 
 from __future__ import annotations
