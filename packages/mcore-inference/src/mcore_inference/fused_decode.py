@@ -131,11 +131,14 @@ O_PROJ_SPLITS = (0, 512)
 post-attention add + RMSNorm sums the partials). 0 splits: cuBLAS's own GEMM."""
 SPLIT_SUM_MAX_HIDDEN = 8192
 """Widest hidden size whose down projection may take the split-K path (one row per program)."""
-NORM_SWIGLU_PDL = False
+NORM_SWIGLU_PDL = True
 """Whether steps launched with PDL (up to :data:`GEMM_PDL_MAX_ROWS` tokens) launch their add +
-RMSNorm and SwiGLU kernels between the cuBLAS GEMMs with it too. Off: one H200, batch 64,
-captured step at contexts near 288, 1143 us with it against 1095 without (58.8k against 60.7k
-tok/s)."""
+RMSNorm and SwiGLU kernels between the GEMMs with it too (the split-K sum + norm takes part;
+the next ``skinny_gemm`` then requests its weights while it runs). Session 11, with cuBLAS
+GEMMs around them: slower (one H200, batch 64, captured step at contexts near 288, 1143 us
+against 1095). Session 14, with the :data:`SKINNY_GEMM` defaults: 857.4 against 873.4-874.4
+us at context 160, and with the gate/up ``skinny_gemm`` too 828.4-829.1 (engine 75.0-75.2k
+against 71.5-71.6k tok/s)."""
 
 MLP_NORM_IN_WEIGHTS = True
 """Steps of more than ``gemv_max_rows`` tokens drop the post-attention add + RMSNorm launch:
@@ -166,7 +169,7 @@ SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {
     "qkv": _SKINNY_SMALL,
     "qkv_rope": _SKINNY_SMALL,
     "o": _SKINNY_SMALL,
-    "gate_up": None,
+    "gate_up": (SkinnyGemmConfig(block_n=64, block_k=64, num_stages=4, prefetch=True), 1),
     "gate_up_swiglu": None,
     "down": None,
     "lm_head": None,
@@ -185,9 +188,12 @@ Defaults (one H200, Qwen2.5-0.5B shape, 64 rows, captured step at context 160, s
 ``qkv_rope`` and ``o`` 873.2 / 874.0 us against 1002.2 / 1005.6 for cuBLAS (the o
 projection's residual in the epilogue also drops ``torch.addmm``'s copy of the residual,
 1.1 us a layer; RoPE + the cache write drop ``rotary_kv_write``), ``qkv`` and ``o`` 920.6 /
-920.1 (943.0 / 943.8 without the L2 prefetch); engine 71.5k against 61.6-62.5k tok/s. The
-gate/up (with or without the SwiGLU epilogue), down and LM head tiles measured slower than or
-even with cuBLAS there (docs/benchmarks/inference.md, session 14)."""
+920.1 (943.0 / 943.8 without the L2 prefetch); engine 71.5k against 61.6-62.5k tok/s. With
+``gate_up`` in 64 x 64 tiles and :data:`NORM_SWIGLU_PDL` (the split-K sum + norm before the
+q/k/v projection and the o projection before gate/up both let the next projection prefetch):
+828.4 / 829.1 us, engine 75.0 / 75.2k tok/s (30.7 % of the roofline). The SwiGLU epilogue,
+the down partials and the LM head measured slower than or even with cuBLAS there
+(docs/benchmarks/inference.md, session 14)."""
 
 
 @dataclass(slots=True)
