@@ -318,10 +318,11 @@ def test_folded_norm_kernels_in_graphs_match_eager_on_gpu(monkeypatch, dtype):
     # The Triton kernels of the folded norms (normed_swiglu, normed_rotary_kv_write) in the
     # captured decode steps against the fused eager engine: in float32 tokens and log-probs bit
     # for bit and the model forward's tokens; in bfloat16 the same tokens and log-probs within
-    # 3e-2, two bfloat16 ulps at |log-prob| < 4 (captured steps run the padded row bucket, so
-    # cuBLAS may pick another kernel for the residual-adding projections than the eager step at
-    # the exact row count: measured on an H200, graph and eager log-probs differ by 2e-4 to
-    # 2e-3 in bfloat16, with or without the folds).
+    # 3e-2, two bfloat16 ulps at |log-prob| < 4. Graphs of every row count the prompts reach
+    # (1-3) and no mixed-step graphs: a captured step padded to a larger bucket lets cuBLAS
+    # pick another kernel than the eager step at the exact row count (measured on an H200:
+    # graph and eager log-probs 2e-4 to 2e-3 apart in bfloat16, enough to flip a near-tie of
+    # this random model's greedy tokens once the skinny_gemm projections changed the values).
     monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (0, 64))
     model = _model(5, bias_and_qk_norm=False).cuda().to(dtype)
     results = []
@@ -333,6 +334,8 @@ def test_folded_norm_kernels_in_graphs_match_eager_on_gpu(monkeypatch, dtype):
             prefill_chunk_size=4,
             attention_split_size=8,
             use_cuda_graphs=graphs,
+            cuda_graph_batch_sizes=(1, 2, 3),
+            cuda_graph_mixed_steps=False,
         )
         with InferenceEngine(model, config) as engine:
             decoder = engine._decoder
@@ -388,9 +391,9 @@ def test_skinny_gemm_projections_generate_what_the_model_forward_generates(monke
     reason="needs a Hopper (or newer) GPU",
 )
 def test_skinny_gemm_projections_in_graphs_match_eager_on_gpu(monkeypatch):
-    # The default SKINNY_GEMM (q/k/v with RoPE + cache write, o with the residual) in bfloat16
-    # captured decode steps against the fused eager engine: the same tokens, log-probs within
-    # two bfloat16 ulps (see the folded-norm test above for the cuBLAS kernels' part).
+    # The default SKINNY_GEMM (q/k/v with RoPE + cache write, o with the residual, gate/up) in
+    # bfloat16 captured decode steps against the fused eager engine: the same tokens, log-probs
+    # within two bfloat16 ulps (graphs of the exact row counts: see the folded-norm test above).
     config = GPTConfig.from_name("tiny", vocab_size=64, seed=9, head_dim=64)
     model = GPTModel(config).eval().cuda().to(torch.bfloat16)
     ropes = []
@@ -410,6 +413,8 @@ def test_skinny_gemm_projections_in_graphs_match_eager_on_gpu(monkeypatch):
             prefill_chunk_size=4,
             attention_split_size=8,
             use_cuda_graphs=graphs,
+            cuda_graph_batch_sizes=(1, 2, 3),
+            cuda_graph_mixed_steps=False,
         )
         with InferenceEngine(model, engine_config) as engine:
             results.append([(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)])
