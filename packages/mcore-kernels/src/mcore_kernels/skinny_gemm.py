@@ -28,7 +28,8 @@ the squares of the input tiles it streams for the row's ``rstd``;
 Measured on one H200 (Qwen2.5-0.5B shapes, 64 rows, chains of 24 launches over distinct
 weights): the q/k/v and o projections of 14-18 programs beat cuBLAS (4.00 against 4.79 us with
 the bias, 3.82 against 5.65 for ``addmm`` with the residual); the gate/up, down and LM head
-shapes only match it (``mcore_inference.fused_decode.SKINNY_GEMM`` uses the first two).
+shapes only match it alone (``mcore_inference.fused_decode.SKINNY_GEMM`` uses q/k/v, o and
+gate/up, which gains in the decode step from its early L2 prefetch).
 
 Dispatch: Triton on CUDA tensors, the torch reference on the CPU (``MCORE_KERNELS_BACKEND``
 overrides; under ``TRITON_INTERPRET=1`` use float16: the interpreter of Triton 3.9 hands
