@@ -343,10 +343,11 @@ def test_folded_norm_kernels_in_graphs_match_eager_on_gpu(monkeypatch, dtype):
     # The Triton kernels of the folded norms (normed_swiglu, normed_rotary_kv_write) in the
     # captured decode steps against the fused eager engine: in float32 tokens and log-probs bit
     # for bit and the model forward's tokens; in bfloat16 the same tokens and log-probs within
-    # 3e-2, two bfloat16 ulps at |log-prob| < 4 (captured steps run the padded row bucket, so
-    # cuBLAS may pick another kernel for the residual-adding projections than the eager step at
-    # the exact row count: measured on an H200, graph and eager log-probs differ by 2e-4 to
-    # 2e-3 in bfloat16, with or without the folds).
+    # 3e-2, two bfloat16 ulps at |log-prob| < 4. Graphs of every row count the prompts reach
+    # (1-3) and no mixed-step graphs: a captured step padded to a larger bucket lets cuBLAS
+    # pick another kernel than the eager step at the exact row count (measured on an H200:
+    # graph and eager log-probs 2e-4 to 2e-3 apart in bfloat16, enough to flip a near-tie of
+    # this random model's greedy tokens once the skinny_gemm projections changed the values).
     monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (0, 64))
     model = _model(5, bias_and_qk_norm=False).cuda().to(dtype)
     results = []
@@ -358,6 +359,8 @@ def test_folded_norm_kernels_in_graphs_match_eager_on_gpu(monkeypatch, dtype):
             prefill_chunk_size=4,
             attention_split_size=8,
             use_cuda_graphs=graphs,
+            cuda_graph_batch_sizes=(1, 2, 3),
+            cuda_graph_mixed_steps=False,
         )
         with InferenceEngine(model, config) as engine:
             decoder = engine._decoder
@@ -372,3 +375,77 @@ def test_folded_norm_kernels_in_graphs_match_eager_on_gpu(monkeypatch, dtype):
             torch.testing.assert_close(
                 torch.tensor(graph_logprobs), torch.tensor(eager_logprobs), atol=3e-2, rtol=0
             )
+
+
+@pytest.mark.parametrize(("qkv", "mlp"), [("qkv", "gate_up"), ("qkv_rope", "gate_up_swiglu")])
+def test_skinny_gemm_projections_generate_what_the_model_forward_generates(monkeypatch, qkv, mlp):
+    # SKINNY_GEMM: the decode steps of the three prompts (three rows) run q/k/v (with RoPE and
+    # the cache write in its epilogue for "qkv_rope"), o, gate/up (with the SwiGLU and the
+    # norm's row scale in its epilogue for "gate_up_swiglu"), the down partials and the LM
+    # head as skinny_gemm (its torch reference on the CPU; the kernel has tests of its own).
+    from mcore_kernels.skinny_gemm import SkinnyGemmConfig
+
+    config = GPTConfig.from_name("tiny", vocab_size=64, seed=8, head_dim=32)
+    model = GPTModel(config).eval()
+    setting = (SkinnyGemmConfig(block_k=32), 3)
+    skinny = dict.fromkeys(("qkv", "qkv_rope", "gate_up", "gate_up_swiglu"))
+    skinny.update({qkv: setting, mlp: setting, "o": setting, "down": setting})
+    skinny["lm_head"] = setting
+    monkeypatch.setattr(fused_decode, "SKINNY_GEMM", skinny)
+    monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (4, 64))
+    monkeypatch.setattr(fused_decode, "LM_HEAD_GEMV_MAX_ROWS", 2)
+    calls = []
+    real = fused_decode.skinny_gemm
+
+    def spy(x, weight, **kwargs):
+        calls.append((weight.shape, kwargs))
+        return real(x, weight, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "skinny_gemm", spy)
+    actual = _generate(model, fused=True)
+    assert any(k.get("rope") is not None for _, k in calls) == (qkv == "qkv_rope")
+    assert any(k.get("swiglu_norm_eps") is not None for _, k in calls) == (mlp == "gate_up_swiglu")
+    assert any(k.get("splits", 1) == 3 for _, k in calls), "the down partials"
+    assert any(shape[0] == config.vocab_size for shape, _ in calls), "the LM head"
+    _assert_same_generations(actual, _generate(model, fused=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="needs a Hopper (or newer) GPU",
+)
+def test_skinny_gemm_projections_in_graphs_match_eager_on_gpu(monkeypatch):
+    # The default SKINNY_GEMM (q/k/v with RoPE + cache write, o with the residual, gate/up) in
+    # bfloat16 captured decode steps against the fused eager engine: the same tokens, log-probs
+    # within two bfloat16 ulps (graphs of the exact row counts: see the folded-norm test above).
+    config = GPTConfig.from_name("tiny", vocab_size=64, seed=9, head_dim=64)
+    model = GPTModel(config).eval().cuda().to(torch.bfloat16)
+    ropes = []
+    real = fused_decode.skinny_gemm
+
+    def spy(x, weight, **kwargs):
+        ropes.append(kwargs.get("rope") is not None)
+        return real(x, weight, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "skinny_gemm", spy)
+    results = []
+    for graphs in (True, False):
+        engine_config = InferenceConfig(
+            max_batch_size=4,
+            max_sequence_length=32,
+            block_size=4,
+            prefill_chunk_size=4,
+            attention_split_size=8,
+            use_cuda_graphs=graphs,
+            cuda_graph_batch_sizes=(1, 2, 3),
+            cuda_graph_mixed_steps=False,
+        )
+        with InferenceEngine(model, engine_config) as engine:
+            results.append([(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)])
+    assert any(ropes)
+    assert [tokens for tokens, _ in results[0]] == [tokens for tokens, _ in results[1]]
+    for (_, graph_logprobs), (_, eager_logprobs) in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(
+            torch.tensor(graph_logprobs), torch.tensor(eager_logprobs), atol=3e-2, rtol=0
+        )

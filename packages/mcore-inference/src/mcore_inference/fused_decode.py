@@ -66,6 +66,7 @@ from mcore_kernels.normed_rotary_kv_write import normed_rotary_kv_write
 from mcore_kernels.normed_swiglu import normed_swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
+from mcore_kernels.skinny_gemm import SkinnyGemmConfig, skinny_gemm
 from mcore_kernels.split_sum_rms_norm import split_k_partials, split_sum_add_rms_norm
 from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
 from mcore_models.gpt.mlp import SwiGLUMLP
@@ -82,6 +83,8 @@ __all__ = [
     "O_PROJ_SPLITS",
     "QKV_NORM_IN_WEIGHTS",
     "RESIDUAL_ADD_IN_PLACE",
+    "SKINNY_GEMM",
+    "SKINNY_GEMM_MAX_ROWS",
     "STEP_INPUTS_IN_ONE_LAUNCH",
     "FusedDecoder",
     "build_fused_decoder",
@@ -136,11 +139,14 @@ RESIDUAL_ADD_IN_PLACE = True
 (``addmm_``): ``torch.addmm`` into a new tensor first copies the stream there, one copy
 launch per GEMM (one H200, the captured 512-row step of the Qwen2.5-0.5B shape: 48 copies,
 79 us of a 1913 us step). The same GEMM and bits either way."""
-NORM_SWIGLU_PDL = False
+NORM_SWIGLU_PDL = True
 """Whether steps launched with PDL (up to :data:`GEMM_PDL_MAX_ROWS` tokens) launch their add +
-RMSNorm and SwiGLU kernels between the cuBLAS GEMMs with it too. Off: one H200, batch 64,
-captured step at contexts near 288, 1143 us with it against 1095 without (58.8k against 60.7k
-tok/s)."""
+RMSNorm and SwiGLU kernels between the GEMMs with it too (the split-K sum + norm takes part;
+the next ``skinny_gemm`` then requests its weights while it runs). Session 11, with cuBLAS
+GEMMs around them: slower (one H200, batch 64, captured step at contexts near 288, 1143 us
+against 1095). Session 14, with the :data:`SKINNY_GEMM` defaults: 857.4 against 873.4-874.4
+us at context 160, and with the gate/up ``skinny_gemm`` too 828.4-829.1 (engine 75.0-75.2k
+against 71.5-71.6k tok/s)."""
 
 MLP_NORM_IN_WEIGHTS = True
 """Steps of more than ``gemv_max_rows`` tokens drop the post-attention add + RMSNorm launch:
@@ -158,6 +164,44 @@ input norm weight folded into a copy of its weight (``qkv_folded``), and the RoP
 kernel finishes the projection (row scale, bias;
 :func:`mcore_kernels.normed_rotary_kv_write.normed_rotary_kv_write`). Models without QK-norm
 and without an o or down projection bias."""
+
+SKINNY_GEMM_MAX_ROWS = 64
+"""Steps of more than ``gemv_max_rows`` and at most this many tokens run the projections named
+in :data:`SKINNY_GEMM` as :func:`mcore_kernels.skinny_gemm.skinny_gemm` instead of cuBLAS."""
+
+_SKINNY_SMALL = (SkinnyGemmConfig(block_n=64, block_k=128, num_stages=4, prefetch=True), 1)
+"""The q/k/v and o projections' tiles: 18 and 14 programs of 64 weight rows for the
+Qwen2.5-0.5B shape, each requesting its weight slab into L2 before it waits under PDL."""
+
+SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {
+    "qkv": _SKINNY_SMALL,
+    "qkv_rope": _SKINNY_SMALL,
+    "o": _SKINNY_SMALL,
+    "gate_up": (SkinnyGemmConfig(block_n=64, block_k=64, num_stages=4, prefetch=True), 1),
+    "gate_up_swiglu": None,
+    "down": None,
+    "lm_head": None,
+}
+"""Per projection of the many-token layers (``qkv``, ``o``, ``gate_up``, ``down``): ``(tile
+shape, splits)`` of :func:`~mcore_kernels.skinny_gemm.skinny_gemm` in steps of up to
+:data:`SKINNY_GEMM_MAX_ROWS` tokens, or None for cuBLAS. ``splits`` counts only for ``down``
+on the split-K path (its float32 partials go to the next add + RMSNorm). ``qkv_rope`` (models
+without QK-norm; before ``qkv``): the q/k/v projection with RoPE and the cache write in its
+epilogue, no ``rotary_kv_write`` launch. ``lm_head``: :meth:`FusedDecoder.compute_logits` of
+more than ``lm_head_gemv_max_rows`` rows. ``gate_up_swiglu`` (before ``gate_up``; the
+norm-folded MLP of :data:`MLP_NORM_IN_WEIGHTS`): the gate/up projection with the SwiGLU and
+the norm's row scale in its epilogue, no ``normed_swiglu`` launch.
+
+Defaults (one H200, Qwen2.5-0.5B shape, 64 rows, captured step at context 160, same run):
+``qkv_rope`` and ``o`` 873.2 / 874.0 us against 1002.2 / 1005.6 for cuBLAS (the o
+projection's residual in the epilogue also drops ``torch.addmm``'s copy of the residual,
+1.1 us a layer; RoPE + the cache write drop ``rotary_kv_write``), ``qkv`` and ``o`` 920.6 /
+920.1 (943.0 / 943.8 without the L2 prefetch); engine 71.5k against 61.6-62.5k tok/s. With
+``gate_up`` in 64 x 64 tiles and :data:`NORM_SWIGLU_PDL` (the split-K sum + norm before the
+q/k/v projection and the o projection before gate/up both let the next projection prefetch):
+828.4 / 829.1 us, engine 75.0 / 75.2k tok/s (30.7 % of the roofline). The SwiGLU epilogue,
+the down partials and the LM head measured slower than or even with cuBLAS there
+(docs/benchmarks/inference.md, session 14)."""
 
 
 @dataclass(slots=True)
@@ -510,24 +554,48 @@ class FusedDecoder:
                 else:
                     with self._norm_swiglu_launch():
                         x, residual = add_rms_norm(layer.input_norm, hidden, residual)
-                qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
-                q, k, v = (
-                    part.unflatten(-1, (-1, attention.head_dim))
-                    for part in qkv.split(fused.split, dim=-1)
-                )
-                if attention.q_norm is not None and attention.k_norm is not None:
-                    q, k = attention.q_norm(q), attention.k_norm(k)
-                out = kv_cache.attend_rotary(
-                    layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
-                )
+                rope_setting = self._skinny("qkv_rope", x)
+                head_dim = attention.head_dim
+                if (
+                    rope_setting is not None
+                    and attention.q_norm is None
+                    and head_dim >= 32
+                    and head_dim & (head_dim - 1) == 0
+                ):
+                    out = self._skinny_qkv_attention(
+                        layer, fused, x, cos, sin, kv_cache, rope_setting[0]
+                    )
+                else:
+                    qkv = self._linear("qkv", x, fused.qkv_weight, fused.qkv_bias)
+                    q, k, v = (
+                        part.unflatten(-1, (-1, attention.head_dim))
+                        for part in qkv.split(fused.split, dim=-1)
+                    )
+                    if attention.q_norm is not None and attention.k_norm is not None:
+                        q, k = attention.q_norm(q), attention.k_norm(k)
+                    out = kv_cache.attend_rotary(
+                        layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
+                    )
             norm = layer.post_attention_norm
             if fused.gate_up_folded is not None and not o_splits and residual is not None:
                 # The residual add in the o projection's GEMM, the norm in the gate/up weight
                 # and the SwiGLU's row scale (MLP_NORM_IN_WEIGHTS): no norm launch.
-                residual = _add_product(residual, out.flatten(-2), attention.o_proj.weight)
-                gate_up = F.linear(residual, fused.gate_up_folded)
-                with self._norm_swiglu_launch():
-                    activation = normed_swiglu(gate_up, residual, norm.eps)
+                residual = self._linear(
+                    "o", out.flatten(-2), attention.o_proj.weight, residual=residual
+                )
+                swiglu_setting = self._skinny("gate_up_swiglu", residual)
+                if swiglu_setting is not None:
+                    # The SwiGLU and the norm's row scale in the GEMM's epilogue: one launch.
+                    activation = skinny_gemm(
+                        residual,
+                        fused.gate_up_folded,
+                        swiglu_norm_eps=norm.eps,
+                        config=swiglu_setting[0],
+                    )
+                else:
+                    gate_up = self._linear("gate_up", residual, fused.gate_up_folded)
+                    with self._norm_swiglu_launch():
+                        activation = normed_swiglu(gate_up, residual, norm.eps)
             else:
                 if o_splits and residual is not None:
                     partials = split_k_partials(out.flatten(-2), attention.o_proj.weight, o_splits)
@@ -546,7 +614,7 @@ class FusedDecoder:
             if splits:
                 norm = layers[index + 1][0].input_norm if index + 1 < len(layers) else None
                 norm = model.final_norm if norm is None else norm
-                partials = split_k_partials(activation, layer.mlp.down_proj.weight, splits)
+                partials = self._down_partials(activation, layer.mlp.down_proj.weight, splits)
                 with self._norm_swiglu_launch():
                     normed = split_sum_add_rms_norm(partials, residual, norm.weight, norm.eps)
             elif fold_qkv:
@@ -560,6 +628,71 @@ class FusedDecoder:
                 return model.final_norm(residual)
             hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden
+
+    def _skinny(self, name: str, x: torch.Tensor) -> tuple[SkinnyGemmConfig, int] | None:
+        """The :data:`SKINNY_GEMM` setting of projection ``name`` for a step's input ``x``:
+        None past the row bounds, in the batch-invariant mode, or on a GPU for inputs the
+        kernel does not take (a dtype other than bf16/fp16, inputs not a multiple of 8)."""
+        rows, inputs = x.shape
+        if rows <= self.gemv_max_rows or rows > SKINNY_GEMM_MAX_ROWS or is_batch_invariant():
+            # The batch-invariant mode keeps its own GEMMs (the same bits at every row count).
+            return None
+        if x.is_cuda and (x.dtype not in (torch.bfloat16, torch.float16) or inputs % 8):
+            return None
+        return SKINNY_GEMM.get(name)
+
+    def _linear(
+        self,
+        name: str,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``residual + x @ weight.T + bias`` by cuBLAS or :func:`skinny_gemm` (:data:`SKINNY_GEMM`)."""
+        setting = self._skinny(name, x)
+        if setting is not None:
+            return skinny_gemm(x, weight, bias=bias, residual=residual, config=setting[0])
+        if residual is not None:
+            out = _add_product(residual, x, weight)
+            return out if bias is None else out + bias
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def _skinny_qkv_attention(
+        layer: Any,
+        fused: _FusedLayer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: PagedKVCache,
+        config: SkinnyGemmConfig,
+    ) -> torch.Tensor:
+        """The q/k/v projection with RoPE and the cache write in its epilogue
+        (:func:`skinny_gemm` with ``rope=``), then the attention of the stored keys."""
+        attention = layer.self_attention
+        keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
+        rope = RotaryCacheWrite(
+            cos=cos,
+            sin=sin,
+            k_cache=keys,
+            v_cache=values,
+            slot_mapping=slots,
+            num_q_heads=fused.split[0] // attention.head_dim,
+        )
+        q = skinny_gemm(x, fused.qkv_weight, bias=fused.qkv_bias, rope=rope, config=config)
+        return kv_cache.attend_stored_keys(
+            layer.layer_idx, q.unflatten(-1, (-1, attention.head_dim)), scale=attention.scale
+        )
+
+    def _down_partials(self, x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+        """float32 split-K partials of the down projection (cuBLAS's batched GEMM, or
+        :func:`skinny_gemm` with its own split count)."""
+        setting = self._skinny("down", x)
+        if setting is not None:
+            return skinny_gemm(x, weight, splits=setting[1], config=setting[0])
+        return split_k_partials(x, weight, splits)
 
     @staticmethod
     def _folded_qkv_attention(
@@ -755,6 +888,10 @@ class FusedDecoder:
         """
         model = self.model
         if hidden.dim() != 2 or hidden.shape[0] > self.lm_head_gemv_max_rows:
+            setting = self._skinny("lm_head", hidden) if hidden.dim() == 2 else None
+            if setting is not None:
+                weight = model.output_weight()
+                return skinny_gemm(model.logits_input(hidden), weight, config=setting[0])
             return model.compute_logits(hidden, upcast=False)
         with programmatic_dependent_launch(self.pdl):
             return decode_gemv(hidden, model.output_weight())
