@@ -6,6 +6,8 @@ float64 (for ``torch.autograd.gradcheck``) and differentiate through torch autog
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
@@ -19,6 +21,9 @@ from mcore_kernels._validation import (
 )
 from mcore_kernels._vocab_parallel import combine_shard_stats, group_rank_and_size
 from mcore_kernels.errors import KernelShapeError
+
+if TYPE_CHECKING:
+    from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 
 __all__ = [
     "rms_norm_reference",
@@ -41,6 +46,7 @@ __all__ = [
     "split_sum_add_rms_norm_reference",
     "normed_qkv_reference",
     "gather_row_pairs_reference",
+    "skinny_gemm_reference",
 ]
 
 
@@ -659,3 +665,49 @@ def gather_row_pairs_reference(
         ``(a.index_select(0, a_index), b.index_select(0, b_index))``.
     """
     return a.index_select(0, a_index), b.index_select(0, b_index)
+
+
+def skinny_gemm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    splits: int = 1,
+    rope: RotaryCacheWrite | None = None,
+    block_k: int | None = None,
+) -> torch.Tensor:
+    """Torch reference of :func:`skinny_gemm` (float32 products, the same roundings).
+
+    Args:
+        x: ``[M, K]`` activations.
+        weight: ``[N, K]`` weight.
+        bias: Optional ``[N]``.
+        residual: Optional ``[M, N]`` added before the rounding.
+        splits: Float32 partials over this many K slices of whole ``block_k`` blocks (see
+            :func:`skinny_gemm`); 1: one rounded output.
+        rope: RoPE and the cache write of a q/k/v projection (see :func:`skinny_gemm`).
+        block_k: The K block of the slices (None: :class:`SkinnyGemmConfig`'s default).
+
+    Returns:
+        ``[M, N]`` in the dtype of ``x``, float32 ``[splits, M, N]``, or with ``rope`` the
+        rotated queries ``[M, Hq * D]``.
+    """
+    from mcore_kernels.skinny_gemm import SkinnyGemmConfig, _split_bounds
+
+    if rope is not None:
+        qkv = skinny_gemm_reference(x, weight, bias=bias)
+        q, k, v = rope.split(qkv)
+        rotated = rotary_kv_write_reference(
+            q, k, v, rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slot_mapping
+        )
+        return rotated.flatten(1)
+    if splits > 1:
+        bounds = _split_bounds(x.shape[1], splits, block_k or SkinnyGemmConfig().block_k)
+        return torch.stack([x[:, a:b].float() @ weight[:, a:b].float().T for a, b in bounds])
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out = out + bias.float()
+    if residual is not None:
+        out = out + residual.float()
+    return out.to(x.dtype)
