@@ -336,6 +336,38 @@ def test_norm_swiglu_pdl_and_split_k_launches_change_nothing_on_gpu(monkeypatch)
         assert results[0] == results[1]
 
 
+def _graph_and_eager_generations(model, check=None):
+    """Tokens and log-probs of PROMPTS from the fused engine with CUDA graphs of every row count
+    the prompts reach (1-3, no mixed-step graphs) and without graphs; ``check(engine)`` runs on
+    each engine before it generates."""
+    results = []
+    for graphs in (True, False):
+        config = InferenceConfig(
+            max_batch_size=4,
+            max_sequence_length=32,
+            block_size=4,
+            prefill_chunk_size=4,
+            attention_split_size=8,
+            use_cuda_graphs=graphs,
+            cuda_graph_batch_sizes=(1, 2, 3),
+            cuda_graph_mixed_steps=False,
+        )
+        with InferenceEngine(model, config) as engine:
+            if check is not None:
+                check(engine)
+            results.append([(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)])
+    return results
+
+
+def _assert_same_tokens_close_logprobs(graph, eager):
+    """The same tokens; log-probs within 3e-2 (two bfloat16 ulps at |log-prob| < 4)."""
+    assert [tokens for tokens, _ in graph] == [tokens for tokens, _ in eager]
+    for (_, graph_logprobs), (_, eager_logprobs) in zip(graph, eager, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(graph_logprobs), torch.tensor(eager_logprobs), atol=3e-2, rtol=0
+        )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -350,31 +382,17 @@ def test_folded_norm_kernels_in_graphs_match_eager_on_gpu(monkeypatch, dtype):
     # this random model's greedy tokens once the skinny_gemm projections changed the values).
     monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (0, 64))
     model = _model(5, bias_and_qk_norm=False).cuda().to(dtype)
-    results = []
-    for graphs in (True, False):
-        config = InferenceConfig(
-            max_batch_size=4,
-            max_sequence_length=32,
-            block_size=4,
-            prefill_chunk_size=4,
-            attention_split_size=8,
-            use_cuda_graphs=graphs,
-            cuda_graph_batch_sizes=(1, 2, 3),
-            cuda_graph_mixed_steps=False,
-        )
-        with InferenceEngine(model, config) as engine:
-            decoder = engine._decoder
-            assert decoder is not None and decoder._layers[0].qkv_folded is not None
-            results.append([(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)])
+
+    def folded(engine):
+        decoder = engine._decoder
+        assert decoder is not None and decoder._layers[0].qkv_folded is not None
+
+    results = _graph_and_eager_generations(model, folded)
     if dtype == torch.float32:
         assert results[0] == results[1]
         _assert_same_generations(results[0], _generate(model, fused=False))
     else:
-        assert [tokens for tokens, _ in results[0]] == [tokens for tokens, _ in results[1]]
-        for (_, graph_logprobs), (_, eager_logprobs) in zip(results[0], results[1], strict=True):
-            torch.testing.assert_close(
-                torch.tensor(graph_logprobs), torch.tensor(eager_logprobs), atol=3e-2, rtol=0
-            )
+        _assert_same_tokens_close_logprobs(*results)
 
 
 @pytest.mark.parametrize(("qkv", "mlp"), [("qkv", "gate_up"), ("qkv_rope", "gate_up_swiglu")])
@@ -429,23 +447,6 @@ def test_skinny_gemm_projections_in_graphs_match_eager_on_gpu(monkeypatch):
         return real(x, weight, **kwargs)
 
     monkeypatch.setattr(fused_decode, "skinny_gemm", spy)
-    results = []
-    for graphs in (True, False):
-        engine_config = InferenceConfig(
-            max_batch_size=4,
-            max_sequence_length=32,
-            block_size=4,
-            prefill_chunk_size=4,
-            attention_split_size=8,
-            use_cuda_graphs=graphs,
-            cuda_graph_batch_sizes=(1, 2, 3),
-            cuda_graph_mixed_steps=False,
-        )
-        with InferenceEngine(model, engine_config) as engine:
-            results.append([(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)])
+    results = _graph_and_eager_generations(model)
     assert any(ropes)
-    assert [tokens for tokens, _ in results[0]] == [tokens for tokens, _ in results[1]]
-    for (_, graph_logprobs), (_, eager_logprobs) in zip(results[0], results[1], strict=True):
-        torch.testing.assert_close(
-            torch.tensor(graph_logprobs), torch.tensor(eager_logprobs), atol=3e-2, rtol=0
-        )
+    _assert_same_tokens_close_logprobs(*results)
