@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_inference.kv_cache import PagedKVCache
+from mcore_kernels._backend import use_triton
 from mcore_kernels.batch_invariant import is_batch_invariant
 from mcore_kernels.decode_attention_gemv import attention_o_proj
 from mcore_kernels.decode_gemv import decode_gemv
@@ -631,13 +632,14 @@ class FusedDecoder:
 
     def _skinny(self, name: str, x: torch.Tensor) -> tuple[SkinnyGemmConfig, int] | None:
         """The :data:`SKINNY_GEMM` setting of projection ``name`` for a step's input ``x``:
-        None past the row bounds, in the batch-invariant mode, or on a GPU for inputs the
-        kernel does not take (a dtype other than bf16/fp16, inputs not a multiple of 8)."""
+        None past the row bounds, in the batch-invariant mode, or, where the Triton kernel
+        would run (a GPU, or ``MCORE_KERNELS_BACKEND=triton`` under the interpreter), for inputs
+        it does not take (a dtype other than bf16/fp16, inputs not a multiple of 8)."""
         rows, inputs = x.shape
         if rows <= self.gemv_max_rows or rows > SKINNY_GEMM_MAX_ROWS or is_batch_invariant():
             # The batch-invariant mode keeps its own GEMMs (the same bits at every row count).
             return None
-        if x.is_cuda and (x.dtype not in (torch.bfloat16, torch.float16) or inputs % 8):
+        if (x.dtype not in (torch.bfloat16, torch.float16) or inputs % 8) and use_triton(x):
             return None
         return SKINNY_GEMM.get(name)
 
