@@ -3,6 +3,8 @@ fused SwiGLU) against the model's own forward, and its weight copies against wei
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -114,18 +116,28 @@ def _cache(model: GPTModel) -> PagedKVCache:
     )
 
 
-def test_fused_forward_matches_model_hidden_states_and_cache_contents(model):
-    # Two requests of 6 and 3 tokens in rows 0 and 1 of the block table.
+def _two_request_step(model, forward):
+    """One prefill step of two requests (6 and 3 tokens in rows 0 and 1 of the block table) on a
+    fresh cache: ``forward(tokens, position_ids, kv_cache=cache)``'s output and the cache."""
     tables = torch.tensor([[1, 2, 0], [3, 4, 0]], dtype=torch.int32)
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2])
     rows = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1])
     tokens = torch.tensor([[7, 3, 9, 1, 2, 60, 4, 4, 33]])
-    reference, fused = _cache(model), _cache(model)
+    cache = _cache(model)
     with torch.no_grad():
-        reference.prepare_step(tables, positions, rows)
-        expected = model(tokens, positions[None], kv_cache=reference, return_hidden=True)
-        fused.prepare_step(tables, positions, rows)
-        actual = FusedDecoder(model)(tokens, positions[None], kv_cache=fused)
+        cache.prepare_step(tables, positions, rows)
+        return forward(tokens, positions[None], kv_cache=cache), cache
+
+
+def _model_step(model):
+    """:func:`_two_request_step` of the model's own forward (the reference)."""
+    return _two_request_step(model, functools.partial(model, return_hidden=True))
+
+
+def test_fused_forward_matches_model_hidden_states_and_cache_contents(model):
+    expected, reference = _model_step(model)
+    decoder = FusedDecoder(model)
+    actual, fused = _two_request_step(model, decoder)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused.keys, reference.keys, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(fused.values, reference.values, atol=1e-6, rtol=1e-6)
@@ -144,16 +156,8 @@ def test_norms_folded_into_weights_match_the_model(model, monkeypatch, down_spli
     qk_norm = model.layers[0].self_attention.q_norm is not None
     assert all((f.gate_up_folded is not None) == fold for f in decoder._layers)
     assert all((f.qkv_folded is not None) == (fold and not qk_norm) for f in decoder._layers)
-    tables = torch.tensor([[1, 2, 0], [3, 4, 0]], dtype=torch.int32)
-    positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2])
-    rows = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1])
-    tokens = torch.tensor([[7, 3, 9, 1, 2, 60, 4, 4, 33]])
-    reference, fused = _cache(model), _cache(model)
-    with torch.no_grad():
-        reference.prepare_step(tables, positions, rows)
-        expected = model(tokens, positions[None], kv_cache=reference, return_hidden=True)
-        fused.prepare_step(tables, positions, rows)
-        actual = decoder(tokens, positions[None], kv_cache=fused)
+    expected, reference = _model_step(model)
+    actual, fused = _two_request_step(model, decoder)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused.keys, reference.keys, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused.values, reference.values, atol=1e-5, rtol=1e-5)
@@ -168,17 +172,10 @@ def test_residual_add_in_place_computes_the_same_bits(model, monkeypatch, down_s
     monkeypatch.setattr(fused_decode, "QKV_NORM_IN_WEIGHTS", True)
     monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", down_splits)
     decoder = FusedDecoder(model)
-    tables = torch.tensor([[1, 2, 0], [3, 4, 0]], dtype=torch.int32)
-    positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2])
-    rows = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1])
-    tokens = torch.tensor([[7, 3, 9, 1, 2, 60, 4, 4, 33]])
     results = []
     for in_place in (False, True):
         monkeypatch.setattr(fused_decode, "RESIDUAL_ADD_IN_PLACE", in_place)
-        cache = _cache(model)
-        with torch.no_grad():
-            cache.prepare_step(tables, positions, rows)
-            results.append((decoder(tokens, positions[None], kv_cache=cache), cache))
+        results.append(_two_request_step(model, decoder))
     (copied, copied_cache), (in_place_hidden, in_place_cache) = results
     assert torch.equal(in_place_hidden, copied)
     assert torch.equal(in_place_cache.keys, copied_cache.keys)
@@ -203,17 +200,11 @@ def test_folded_weights_follow_norm_weight_changes():
 def test_rope_table_lookup_equals_the_per_step_rotary(model):
     # The engine's decoder looks the cosines and sines up in a table of every position; the
     # values, and so the hidden states and the cache, are those computed per step, bit for bit.
-    tables = torch.tensor([[1, 2, 0], [3, 4, 0]], dtype=torch.int32)
-    positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2])
-    rows = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1])
-    tokens = torch.tensor([[7, 3, 9, 1, 2, 60, 4, 4, 33]])
     outputs = []
     for max_positions in (None, 12):
-        cache = _cache(model)
         decoder = FusedDecoder(model, max_positions=max_positions)
-        with torch.no_grad():
-            cache.prepare_step(tables, positions, rows)
-            outputs.append((decoder(tokens, positions[None], kv_cache=cache), cache.keys))
+        hidden, cache = _two_request_step(model, decoder)
+        outputs.append((hidden, cache.keys))
     assert torch.equal(outputs[0][0], outputs[1][0])
     assert torch.equal(outputs[0][1], outputs[1][1])
 
