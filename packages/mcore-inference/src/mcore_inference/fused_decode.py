@@ -568,15 +568,7 @@ class FusedDecoder:
                     )
                 else:
                     qkv = self._linear("qkv", x, fused.qkv_weight, fused.qkv_bias)
-                    q, k, v = (
-                        part.unflatten(-1, (-1, attention.head_dim))
-                        for part in qkv.split(fused.split, dim=-1)
-                    )
-                    if attention.q_norm is not None and attention.k_norm is not None:
-                        q, k = attention.q_norm(q), attention.k_norm(k)
-                    out = kv_cache.attend_rotary(
-                        layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
-                    )
+                    out = self._attend_qkv(layer, fused, qkv, cos, sin, kv_cache)
             norm = layer.post_attention_norm
             if fused.gate_up_folded is not None and not o_splits and residual is not None:
                 # The residual add in the o projection's GEMM, the norm in the gate/up weight
@@ -809,15 +801,7 @@ class FusedDecoder:
                     norm_weight=layer.input_norm.weight,
                     norm_eps=layer.input_norm.eps,
                 )
-                q, k, v = (
-                    part.unflatten(-1, (-1, attention.head_dim))
-                    for part in qkv.split(fused.split, dim=-1)
-                )
-                if attention.q_norm is not None and attention.k_norm is not None:
-                    q, k = attention.q_norm(q), attention.k_norm(k)
-                out = kv_cache.attend_rotary(
-                    layer.layer_idx, q, k, v, cos, sin, scale=attention.scale
-                )
+                out = self._attend_qkv(layer, fused, qkv, cos, sin, kv_cache)
             residual = decode_gemv(
                 out.flatten(-2),
                 attention.o_proj.weight,
@@ -826,6 +810,24 @@ class FusedDecoder:
             )
             residual = self._mlp(layer, fused, residual)
         return residual
+
+    @staticmethod
+    def _attend_qkv(
+        layer: Any,
+        fused: _FusedLayer,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: Any,
+    ) -> torch.Tensor:
+        """Split a q/k/v projection into heads, apply the q/k norms if any, RoPE, store, attend."""
+        attention = layer.self_attention
+        q, k, v = (
+            part.unflatten(-1, (-1, attention.head_dim)) for part in qkv.split(fused.split, dim=-1)
+        )
+        if attention.q_norm is not None and attention.k_norm is not None:
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        return kv_cache.attend_rotary(layer.layer_idx, q, k, v, cos, sin, scale=attention.scale)
 
     @staticmethod
     def _mlp(layer: Any, fused: _FusedLayer, residual: torch.Tensor) -> torch.Tensor:

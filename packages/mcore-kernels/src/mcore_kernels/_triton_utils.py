@@ -293,6 +293,44 @@ class CachedLauncher:
         return cache_key
 
 
+class TicketPool:
+    """Zeroed int32 counters per device for kernels whose last program of a group does the final work.
+
+    A kernel takes a ticket with an atomic add per program of a group; the program that arrives
+    last does the group's reduction and sets the counter back to zero, so the buffer is zeroed
+    again after every launch and CUDA graph replays can reuse it. Each op keeps its own pool:
+    under programmatic dependent launch two ops' kernels can overlap, and shared counters would
+    mix their tickets. A buffer replaced by a larger one is kept alive, because graphs captured
+    earlier still point at it.
+
+    Args:
+        minimum: the smallest buffer allocated (counters), so that small launches share one.
+    """
+
+    def __init__(self, minimum: int = 4096) -> None:
+        self._minimum = minimum
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []
+
+    def get(self, device: torch.device, count: int) -> torch.Tensor:
+        """Return at least ``count`` zeroed int32 counters on ``device``.
+
+        Args:
+            device: the device of the launch.
+            count: counters the launch uses (one per group of programs).
+
+        Returns:
+            A 1-D int32 tensor of ``>= count`` zeros (left zeroed by every complete launch).
+        """
+        tickets = self._buffers.get(device)
+        if tickets is None or tickets.numel() < count:
+            if tickets is not None:
+                self._retired.append(tickets)
+            tickets = torch.zeros(max(count, self._minimum), dtype=torch.int32, device=device)
+            self._buffers[device] = tickets
+        return tickets
+
+
 def next_power_of_2(n: int) -> int:
     """Return the smallest power of two ``>= n`` (1 for ``n <= 1``).
 

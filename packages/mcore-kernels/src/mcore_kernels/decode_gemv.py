@@ -48,6 +48,7 @@ from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
     CachedLauncher,
+    TicketPool,
     device_limits,
     gdc_launch_dependents,
     gdc_wait,
@@ -576,20 +577,8 @@ def _sum_partials_kernel(
 _GEMV = CachedLauncher(_gemv_kernel)
 _GEMV_PDL = CachedLauncher(_gemv_kernel, launch_pdl=True)
 _SUM_PARTIALS = CachedLauncher(_sum_partials_kernel)
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-"""Ticket buffers replaced by larger ones, kept alive for the graphs that captured them."""
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters (one per output tile) that the ticket reduction leaves zeroed."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < count:
-        if tickets is not None:
-            _RETIRED.append(tickets)
-        tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets
+_TICKETS = TicketPool()
+"""Zeroed counters of the ticket reduction (this op's own: see ``TicketPool``)."""
 
 
 # --- argument checks, launch, registration, entry point ------------------------------------------
@@ -718,7 +707,7 @@ def decode_gemv_triton(
     tickets = x
     if split_k > 1:
         ws = torch.empty((split_k, 2, rows, columns), dtype=torch.float32, device=x.device)
-        tickets = _tickets(x.device, grid_n * grid_m)
+        tickets = _TICKETS.get(x.device, grid_n * grid_m)
     dummy = x
     interpreting = not x.is_cuda
     device_index = x.get_device()

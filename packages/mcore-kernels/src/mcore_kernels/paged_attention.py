@@ -57,6 +57,7 @@ import torch
 from mcore_kernels import _compile
 from mcore_kernels._backend import _interpreting, use_triton
 from mcore_kernels._triton_utils import (
+    TicketPool,
     device_limits,
     gdc_launch_dependents,
     gdc_wait,
@@ -188,20 +189,8 @@ MERGE_SPLITS_CHUNK = 32
 """Splits the merge kernel reads at once (a fixed size: the sums do not depend on the launch's
 number of splits). One load per split in a dependent chain made the merge the larger part of a
 long-context launch (about 128 splits at 32k positions)."""
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-"""Ticket buffers replaced by larger ones, kept alive for the graphs that captured them."""
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters (one per token group and key/value head), left zeroed."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < count:
-        if tickets is not None:
-            _RETIRED.append(tickets)
-        tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets
+_TICKETS = TicketPool()
+"""Zeroed counters of the ticket reduction (this op's own: see ``TicketPool``)."""
 
 
 @jit
@@ -909,7 +898,7 @@ def _launch_splits(
     grid = (-(-num_tokens // tokens), num_kv_heads, num_splits)
     use_pdl = pdl_enabled(q.device)
     ticket_merge = merge == "ticket" and num_splits > 1
-    tickets = _tickets(q.device, grid[0] * grid[1]) if ticket_merge else partial_max
+    tickets = _TICKETS.get(q.device, grid[0] * grid[1]) if ticket_merge else partial_max
     _paged_attention_split_kernel[grid](
         q,
         k_cache,

@@ -31,6 +31,7 @@ from mcore_kernels import _compile
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
     CachedLauncher,
+    TicketPool,
     device_limits,
     jit,
     tl,
@@ -55,9 +56,8 @@ against 69.9 us and 62.7 against 63.8 us on two hosts (4 a row 61.5, 12 63.1); 2
 against 35.7 us."""
 _PROGRAMS_PER_MULTIPROCESSOR = 8
 """Programs launched per multiprocessor at least (few rows: more programs per row)."""
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-"""Ticket buffers replaced by larger ones, kept alive for the graphs that captured them."""
+_TICKETS = TicketPool(1024)
+"""Zeroed counters of the ticket reduction (this op's own: see ``TicketPool``)."""
 
 
 @jit
@@ -134,17 +134,6 @@ def _row_argmax_kernel(
 _ROW_ARGMAX = CachedLauncher(_row_argmax_kernel)
 
 
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per row, that the kernel leaves zeroed."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < count:
-        if tickets is not None:
-            _RETIRED.append(tickets)
-        tickets = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets
-
-
 def _check(x: torch.Tensor) -> None:
     if x.dim() != 2 or x.shape[1] == 0:
         raise KernelShapeError(f"x has shape {tuple(x.shape)}; expected [rows, columns >= 1]")
@@ -200,7 +189,7 @@ def row_argmax_triton(x: torch.Tensor, *, chunks: int | None = None) -> torch.Te
     out, ws = buffer[:rows], buffer[start:]
     if rows == 0:
         return out
-    tickets = _tickets(x.device, rows) if chunks > 1 else ws
+    tickets = _TICKETS.get(x.device, rows) if chunks > 1 else ws
     _ROW_ARGMAX(
         (chunks, rows),
         (x, out, ws, tickets, columns, x.stride(0), chunk, chunks),
