@@ -112,3 +112,43 @@ def test_first_minibatch_reuses_the_training_forward_as_old_logprobs(minibatches
         assert reused[name] == pytest.approx(recomputed[name], rel=1e-6, abs=1e-7), name
     for name, value in recomputed_params.items():
         torch.testing.assert_close(reused_params[name], value, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
+def test_reference_pass_runs_only_when_kl_beta_is_positive(kl_beta, monkeypatch):
+    # kl_beta = 0: no reference weights swapped in and no forward-only pass at all (the first
+    # minibatch's old log-probs come from its training forward).
+    config = GRPOConfig.from_dict(
+        {
+            **TINY,
+            "loss": {"kl_beta": kl_beta, "entropy_coef": 0.1},
+            "packing": {"max_tokens_per_microbatch": 16},
+        }
+    )
+    worker = GRPOWorker(config, init_worker_state(config))
+    calls = {"reference": 0, "forward": 0}
+    use_reference_weights = worker.reference.use_reference_weights
+    forward_logprobs = worker.trainer.forward_logprobs
+
+    def counted_reference():
+        calls["reference"] += 1
+        return use_reference_weights()
+
+    def counted_forward(*args, **kwargs):
+        calls["forward"] += 1
+        return forward_logprobs(*args, **kwargs)
+
+    monkeypatch.setattr(worker.reference, "use_reference_weights", counted_reference)
+    monkeypatch.setattr(worker.trainer, "forward_logprobs", counted_forward)
+    times: dict[str, float] = {}
+    phases: list[str] = []
+    try:
+        worker.train_on_rollouts(_fixed_rollouts(worker.tokenizer.vocab_size), times, phases.append)
+    finally:
+        dist.destroy_process_group()
+    if kl_beta > 0.0:
+        assert phases == ["logprobs", "reference", "train"] and "reference" in times
+        assert calls["reference"] == 1 and calls["forward"] >= 1
+    else:
+        assert phases == ["logprobs", "train"] and "reference" not in times
+        assert calls == {"reference": 0, "forward": 0}
