@@ -110,3 +110,32 @@ def test_shape_errors_name_the_argument():
         normed_rotary_kv_write(qkv, x[1:], 1e-6, b, cos, sin, k_cache, v_cache, slots, 4)
     with pytest.raises(KernelShapeError, match=r"bias\.shape"):
         normed_rotary_kv_write(qkv, x, 1e-6, b[1:], cos, sin, k_cache, v_cache, slots, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 7, 32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gpu_kernel_matches_reference(tokens, bias):
+    # The decode engine's q/k/v shape (Qwen2.5-0.5B: 14 query and 2 key/value heads of 64,
+    # hidden 896), bf16.
+    x, weight, norm_weight, b, cos, sin, k_cache, v_cache, slots = (
+        t if t is None else t.cuda()
+        for t in _problem(tokens, 14, 2, 64, 896, torch.bfloat16, bias=bias, seed=tokens)
+    )
+    b = None if b is None else b.to(torch.bfloat16)
+    qkv = (x.float() @ (weight * norm_weight).T).to(torch.bfloat16)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    expected = rotary_kv_write_reference(
+        *_split(normed_qkv_reference(qkv, x, 1e-6, b), 14, 2, 64),
+        cos,
+        sin,
+        k_expected,
+        v_expected,
+        slots,
+    )
+    actual = normed_rotary_kv_write(qkv, x, 1e-6, b, cos, sin, k_cache, v_cache, slots, 14)
+    tolerance = {"rtol": 1.6e-2, "atol": 4 * 2**-6}
+    torch.testing.assert_close(actual, expected, **tolerance)
+    torch.testing.assert_close(k_cache, k_expected, **tolerance)
+    torch.testing.assert_close(v_cache, v_expected, **tolerance)

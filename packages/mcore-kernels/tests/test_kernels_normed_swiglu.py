@@ -70,3 +70,20 @@ def test_shape_and_dtype_errors_name_the_argument():
         normed_swiglu(torch.zeros(2, 8), torch.zeros(3, 8), 1e-6)
     with pytest.raises(KernelDtypeError, match=r"gate_up\.dtype"):
         normed_swiglu(torch.zeros(2, 8, dtype=torch.int32), x, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 3, 64, 512])
+def test_gpu_kernel_matches_reference(rows):
+    # The decode engine's gate/up shape (Qwen2.5-0.5B: hidden 896, FFN 4864), bf16.
+    x, weight, norm_weight = _inputs(rows, 896, 4864, seed=rows)
+    x = x.cuda()
+    folded = (weight * norm_weight).to(device="cuda", dtype=torch.bfloat16)
+    gate_up = x @ folded.T
+    actual = normed_swiglu(gate_up, x, 1e-6)
+    expected = normed_swiglu_reference(gate_up, x, 1e-6)
+    assert actual.shape == (rows, 4864) and actual.dtype == torch.bfloat16
+    torch.testing.assert_close(actual, expected, atol=4 * 2**-6, rtol=1.6e-2)
+    # A row's result does not depend on the other rows of the call.
+    torch.testing.assert_close(normed_swiglu(gate_up[:1], x[:1], 1e-6), actual[:1], atol=0, rtol=0)
