@@ -198,3 +198,14 @@ def test_config_from_hf_reads_the_transformers_4_rope_layout():
     config = config_from_hf(legacy)
     assert config.rope_theta == 500000.0
     assert config.rope_scaling is not None and config.rope_scaling.factor == 32.0
+
+
+def test_from_hf_takes_the_state_by_position_or_keyword(hf_checkpoint):
+    # The public contract is ``GPTModel.from_hf(dir, state=None)``: both call forms load the
+    # same weights.
+    _, _, directory = hf_checkpoint
+    by_position = GPTModel.from_hf(directory, None).state_dict()
+    by_keyword = GPTModel.from_hf(directory, state=None).state_dict()
+    assert by_position.keys() == by_keyword.keys()
+    for name, tensor in by_position.items():
+        assert torch.equal(tensor, by_keyword[name]), name

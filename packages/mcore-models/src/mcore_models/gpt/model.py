@@ -422,8 +422,8 @@ class GPTModel(nn.Module):
     def from_hf(
         cls,
         path: str | os.PathLike[str],
-        *,
         state: ParallelState | None = None,
+        *,
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
         sequence_parallel: bool | None = None,
