@@ -65,6 +65,7 @@ from mcore_kernels.gather_rows import gather_row_pairs
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.normed_rotary_kv_write import normed_rotary_kv_write
 from mcore_kernels.normed_swiglu import normed_swiglu
+from mcore_kernels.packed_gemv import packed_gemv, packed_gemv_supports
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 from mcore_kernels.skinny_gemm import SkinnyGemmConfig, skinny_gemm
@@ -82,6 +83,7 @@ __all__ = [
     "MLP_NORM_IN_WEIGHTS",
     "NORM_SWIGLU_PDL",
     "O_PROJ_SPLITS",
+    "PACKED_GATE_UP",
     "QKV_NORM_IN_WEIGHTS",
     "RESIDUAL_ADD_IN_PLACE",
     "SKINNY_GEMM",
@@ -110,6 +112,11 @@ LM_HEAD_GEMV_MAX_ROWS = 16
 _SAME_LAUNCH = contextlib.nullcontext()
 ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
+PACKED_GATE_UP = True
+"""``decode_gemv`` steps of bfloat16 models run the gate/up projection (norm, SwiGLU) as
+:func:`mcore_kernels.packed_gemv.packed_gemv`, whose programs keep their weight tiles packed
+while they wait for the previous kernel (fewer registers: more programs have their weights in
+flight before the o projection ends). False: ``decode_gemv``."""
 STEP_INPUTS_IN_ONE_LAUNCH = True
 """``decode_gemv`` steps gather the token embeddings and the RoPE rows of their positions in
 one launch (under PDL: the first projection then requests its weights meanwhile). False: the
@@ -832,13 +839,27 @@ class FusedDecoder:
     @staticmethod
     def _mlp(layer: Any, fused: _FusedLayer, residual: torch.Tensor) -> torch.Tensor:
         """Post-attention norm, gate/up with SwiGLU, down and the residual add: two launches."""
-        activation = decode_gemv(
-            residual,
-            fused.gate_up_weight,
-            norm_weight=layer.post_attention_norm.weight,
-            norm_eps=layer.post_attention_norm.eps,
-            swiglu=True,
-        )
+        norm = layer.post_attention_norm
+        if (
+            PACKED_GATE_UP
+            and not is_batch_invariant()
+            and packed_gemv_supports(residual, fused.gate_up_weight)
+        ):
+            activation = packed_gemv(
+                residual,
+                fused.gate_up_weight,
+                norm_weight=norm.weight,
+                norm_eps=norm.eps,
+                swiglu=True,
+            )
+        else:
+            activation = decode_gemv(
+                residual,
+                fused.gate_up_weight,
+                norm_weight=norm.weight,
+                norm_eps=norm.eps,
+                swiglu=True,
+            )
         return decode_gemv(activation, layer.mlp.down_proj.weight, residual=residual)
 
     def _attention_in_o_proj(self) -> bool:

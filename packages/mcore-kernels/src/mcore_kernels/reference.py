@@ -39,6 +39,7 @@ __all__ = [
     "merge_reference",
     "masked_update_reference",
     "decode_gemv_reference",
+    "packed_gemv_reference",
     "decode_step_metadata_reference",
     "attention_o_proj_reference",
     "row_argmax_reference",
@@ -526,6 +527,41 @@ def decode_gemv_reference(
     if residual is not None:
         y = (y.to(compute) + residual.to(compute)).to(dtype)
     return y
+
+
+def packed_gemv_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[RMSNorm] -> x @ weight.T -> [SwiGLU] -> [+ residual]``: the packed-weight decode
+    projection (:mod:`mcore_kernels.packed_gemv`) in plain torch.
+
+    The arithmetic of :func:`decode_gemv_reference` without a bias: the norm in float32
+    rounded to the dtype of ``x``, float32 products rounded once, SwiGLU and the residual add
+    rounded once more each.
+
+    Args:
+        x: ``[M, K]`` input rows.
+        weight: ``[N, K]`` weight (gate rows then up rows with ``swiglu``).
+        norm_weight: Optional ``[K]`` RMSNorm weight applied to ``x`` first.
+        norm_eps: RMSNorm epsilon.
+        swiglu: Return ``silu(gate) * up`` (``[M, N // 2]``).
+        residual: Optional ``[M, N_out]`` tensor added to the result.
+
+    Returns:
+        ``[M, N_out]`` in the dtype of ``x``.
+
+    Raises:
+        KernelShapeError: If ``x`` and ``weight`` do not share ``K``.
+    """
+    return decode_gemv_reference(
+        x, weight, norm_weight=norm_weight, norm_eps=norm_eps, swiglu=swiglu, residual=residual
+    )
 
 
 def row_argmax_reference(x: torch.Tensor) -> torch.Tensor:
