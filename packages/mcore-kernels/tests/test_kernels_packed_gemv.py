@@ -69,6 +69,9 @@ def _close(got, expected):
 def test_packed_gemv_matches_reference(rows, flags, block_n):
     problem = _problem(rows, **flags)
     got = packed_gemv_triton(**problem, config=PackedGemvConfig(block_n=block_n), pdl=False)
+    if rows == 1 and block_n == 8:
+        # The public entry point (Triton backend on CUDA or under the interpreter) agrees.
+        torch.testing.assert_close(packed_gemv(**problem, config=PackedGemvConfig(block_n=8)), got)
     expected = packed_gemv_reference(**problem)
     assert got.shape == expected.shape and got.dtype == torch.bfloat16
     _close(got, expected)
@@ -136,7 +139,8 @@ def test_packed_gemv_custom_op_matches(monkeypatch):
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
     problem = _problem(1, norm=True, swiglu=True)
     op = torch.ops.mcore_kernels.packed_gemv
-    got = op(problem["x"], problem["weight"], problem["norm_weight"], 1e-6, True, None, False)
+    args = (problem["x"], problem["weight"], problem["norm_weight"], 1e-6, True, None, 8, 4, False)
+    got = op(*args)
     _close(got, packed_gemv_reference(**problem))
 
 

@@ -65,7 +65,7 @@ from mcore_kernels.gather_rows import gather_row_pairs
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.normed_rotary_kv_write import normed_rotary_kv_write
 from mcore_kernels.normed_swiglu import normed_swiglu
-from mcore_kernels.packed_gemv import packed_gemv, packed_gemv_supports
+from mcore_kernels.packed_gemv import PackedGemvConfig, packed_gemv, packed_gemv_supports
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 from mcore_kernels.skinny_gemm import SkinnyGemmConfig, skinny_gemm
@@ -83,7 +83,7 @@ __all__ = [
     "MLP_NORM_IN_WEIGHTS",
     "NORM_SWIGLU_PDL",
     "O_PROJ_SPLITS",
-    "PACKED_GATE_UP",
+    "PACKED_GEMV",
     "QKV_NORM_IN_WEIGHTS",
     "RESIDUAL_ADD_IN_PLACE",
     "SKINNY_GEMM",
@@ -112,11 +112,16 @@ LM_HEAD_GEMV_MAX_ROWS = 16
 _SAME_LAUNCH = contextlib.nullcontext()
 ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
-PACKED_GATE_UP = True
-"""``decode_gemv`` steps of bfloat16 models run the gate/up projection (norm, SwiGLU) as
+PACKED_GEMV: dict[str, PackedGemvConfig | None] = {
+    "gate_up": PackedGemvConfig(block_n=4),
+    "down": None,
+    "lm_head": None,
+}
+"""Per projection of ``decode_gemv`` steps of bfloat16 models (``gate_up`` with the norm and
+SwiGLU, ``down`` with the residual add, ``lm_head``): the launch configuration of
 :func:`mcore_kernels.packed_gemv.packed_gemv`, whose programs keep their weight tiles packed
 while they wait for the previous kernel (fewer registers: more programs have their weights in
-flight before the o projection ends). False: ``decode_gemv``."""
+flight before that kernel ends), or None for ``decode_gemv``."""
 STEP_INPUTS_IN_ONE_LAUNCH = True
 """``decode_gemv`` steps gather the token embeddings and the RoPE rows of their positions in
 one launch (under PDL: the first projection then requests its weights meanwhile). False: the
@@ -840,27 +845,15 @@ class FusedDecoder:
     def _mlp(layer: Any, fused: _FusedLayer, residual: torch.Tensor) -> torch.Tensor:
         """Post-attention norm, gate/up with SwiGLU, down and the residual add: two launches."""
         norm = layer.post_attention_norm
-        if (
-            PACKED_GATE_UP
-            and not is_batch_invariant()
-            and packed_gemv_supports(residual, fused.gate_up_weight)
-        ):
-            activation = packed_gemv(
-                residual,
-                fused.gate_up_weight,
-                norm_weight=norm.weight,
-                norm_eps=norm.eps,
-                swiglu=True,
-            )
-        else:
-            activation = decode_gemv(
-                residual,
-                fused.gate_up_weight,
-                norm_weight=norm.weight,
-                norm_eps=norm.eps,
-                swiglu=True,
-            )
-        return decode_gemv(activation, layer.mlp.down_proj.weight, residual=residual)
+        activation = _gemv(
+            "gate_up",
+            residual,
+            fused.gate_up_weight,
+            norm_weight=norm.weight,
+            norm_eps=norm.eps,
+            swiglu=True,
+        )
+        return _gemv("down", activation, layer.mlp.down_proj.weight, residual=residual)
 
     def _attention_in_o_proj(self) -> bool:
         """Whether this ``decode_gemv`` step merges its attention inside the o projection.
@@ -919,7 +912,36 @@ class FusedDecoder:
                 return skinny_gemm(model.logits_input(hidden), weight, config=setting[0])
             return model.compute_logits(hidden, upcast=False)
         with programmatic_dependent_launch(self.pdl):
-            return decode_gemv(hidden, model.output_weight())
+            return _gemv("lm_head", hidden, model.output_weight())
+
+
+def _gemv(
+    name: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A bias-free projection of a ``decode_gemv`` step: :func:`packed_gemv` where
+    :data:`PACKED_GEMV` names a configuration for ``name`` and the kernel takes the operands
+    (bfloat16, 1-4 rows; not in the batch-invariant mode), else ``decode_gemv``."""
+    config = PACKED_GEMV.get(name)
+    if config is not None and not is_batch_invariant() and packed_gemv_supports(x, weight):
+        return packed_gemv(
+            x,
+            weight,
+            norm_weight=norm_weight,
+            norm_eps=norm_eps,
+            swiglu=swiglu,
+            residual=residual,
+            config=config,
+        )
+    return decode_gemv(
+        x, weight, norm_weight=norm_weight, norm_eps=norm_eps, swiglu=swiglu, residual=residual
+    )
 
 
 def build_fused_decoder(

@@ -321,6 +321,7 @@ def packed_gemv(
     norm_eps: float = 1e-6,
     swiglu: bool = False,
     residual: torch.Tensor | None = None,
+    config: PackedGemvConfig | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """``[RMSNorm] -> x @ weight.T -> [SwiGLU] -> [+ residual]`` of 1-4 bfloat16 rows.
@@ -336,6 +337,8 @@ def packed_gemv(
         norm_eps: RMSNorm epsilon.
         swiglu: Return ``silu(gate) * up`` (``[M, N // 2]``) instead of the projection.
         residual: Optional ``[M, N_out]`` tensor added to the result (rounded once more).
+        config: Launch configuration of the Triton path (None: :class:`PackedGemvConfig`'s
+            defaults).
         pdl: Launch with programmatic dependent launch where the device supports it (None:
             inside :func:`mcore_kernels.pdl.programmatic_dependent_launch` only).
 
@@ -350,9 +353,20 @@ def packed_gemv(
         KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names a backend that cannot run here.
     """
     _check(x, weight, norm_weight, residual, swiglu)
+    config = config or PackedGemvConfig()
     if _compile.compiling():
-        return _packed_gemv_op(x, weight, norm_weight, float(norm_eps), swiglu, residual, pdl)
-    return _packed_gemv_run(x, weight, norm_weight, norm_eps, swiglu, residual, pdl)
+        return _packed_gemv_op(
+            x,
+            weight,
+            norm_weight,
+            float(norm_eps),
+            swiglu,
+            residual,
+            config.block_n,
+            config.num_warps,
+            pdl,
+        )
+    return _packed_gemv_run(x, weight, norm_weight, norm_eps, swiglu, residual, config, pdl)
 
 
 def _packed_gemv_run(
@@ -362,6 +376,7 @@ def _packed_gemv_run(
     norm_eps: float,
     swiglu: bool,
     residual: torch.Tensor | None,
+    config: PackedGemvConfig,
     pdl: bool | None,
 ) -> torch.Tensor:
     if use_triton(x, weight):
@@ -372,6 +387,7 @@ def _packed_gemv_run(
             norm_eps=norm_eps,
             swiglu=swiglu,
             residual=residual,
+            config=config,
             pdl=pdl,
         )
     return packed_gemv_reference(
@@ -382,7 +398,7 @@ def _packed_gemv_run(
 @_compile.custom_op(
     "packed_gemv",
     "(Tensor x, Tensor weight, Tensor? norm_weight, float norm_eps, bool swiglu, "
-    "Tensor? residual, bool? pdl) -> Tensor",
+    "Tensor? residual, int block_n, int num_warps, bool? pdl) -> Tensor",
 )
 def _packed_gemv_op(
     x: torch.Tensor,
@@ -391,12 +407,15 @@ def _packed_gemv_op(
     norm_eps: float,
     swiglu: bool,
     residual: torch.Tensor | None,
+    block_n: int,
+    num_warps: int,
     pdl: bool | None,
 ) -> torch.Tensor:
-    return _packed_gemv_run(x, weight, norm_weight, norm_eps, swiglu, residual, pdl)
+    config = PackedGemvConfig(block_n=block_n, num_warps=num_warps)
+    return _packed_gemv_run(x, weight, norm_weight, norm_eps, swiglu, residual, config, pdl)
 
 
 @_packed_gemv_op.register_fake
-def _packed_gemv_fake(x, weight, norm_weight, norm_eps, swiglu, residual, pdl):  # type: ignore[no-untyped-def]
+def _packed_gemv_fake(x, weight, norm_weight, norm_eps, swiglu, residual, *rest):  # type: ignore[no-untyped-def]
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     return x.new_empty((x.shape[0], n))
