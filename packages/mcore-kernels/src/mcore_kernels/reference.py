@@ -40,6 +40,7 @@ __all__ = [
     "masked_update_reference",
     "decode_gemv_reference",
     "packed_gemv_reference",
+    "greedy_feed_reference",
     "decode_step_metadata_reference",
     "attention_o_proj_reference",
     "row_argmax_reference",
@@ -575,6 +576,27 @@ def row_argmax_reference(x: torch.Tensor) -> torch.Tensor:
         NaN counting as the largest).
     """
     return x.argmax(dim=-1)
+
+
+def greedy_feed_reference(
+    x: torch.Tensor, samples: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Torch reference of :func:`mcore_kernels.row_argmax.greedy_feed`.
+
+    Args:
+        x: ``[rows, columns]`` float values.
+        samples: float64 ``[rows]``: receives the indices.
+        tokens: int64 ``[rows]``: receives the indices.
+        positions: int64 ``[rows]``: incremented by one.
+
+    Returns:
+        int64 ``[rows]``: ``torch.argmax(x, dim=-1)``.
+    """
+    index = x.argmax(dim=-1)
+    samples.copy_(index)
+    tokens.copy_(index)
+    positions.add_(1)
+    return index
 
 
 def decode_step_metadata_reference(
