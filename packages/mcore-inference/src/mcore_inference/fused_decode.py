@@ -113,7 +113,7 @@ _SAME_LAUNCH = contextlib.nullcontext()
 ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
 PACKED_GEMV: dict[str, PackedGemvConfig | None] = {
-    "gate_up": PackedGemvConfig(block_n=4),
+    "gate_up": PackedGemvConfig(block_n=8),
     "down": None,
     "lm_head": None,
 }
