@@ -144,6 +144,18 @@ def test_packed_gemv_custom_op_matches(monkeypatch):
     _close(got, packed_gemv_reference(**problem))
 
 
+def test_opcheck_packed_gemv(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "torch")
+    problem = _problem(2, norm=True, swiglu=True, residual=True)
+    args = (problem["x"], problem["weight"], problem["norm_weight"], 1e-6, True)
+    torch.library.opcheck(
+        torch.ops.mcore_kernels.packed_gemv, (*args, problem["residual"], 4, 4, None)
+    )
+    torch.library.opcheck(
+        torch.ops.mcore_kernels.packed_gemv, (*args[:2], None, 1e-6, False, None, 8, 4, False)
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_packed_gemv_in_a_graph_with_pdl():

@@ -122,3 +122,9 @@ def test_greedy_feed_reference_path_and_checks(monkeypatch):
         greedy_feed(x, samples, tokens.int(), positions)
     with pytest.raises(KernelShapeError, match="positions"):
         greedy_feed(x, samples, tokens, torch.zeros(2, 2, dtype=torch.int64)[:, 0])
+
+
+def test_opcheck_greedy_feed(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "torch")
+    x = torch.randn(2, 50)
+    torch.library.opcheck(torch.ops.mcore_kernels.greedy_feed, (x, *_feed_buffers(2, "cpu")))
