@@ -444,9 +444,9 @@ def test_skinny_gemm_projections_in_graphs_match_eager_on_gpu(monkeypatch):
 
 
 def test_packed_gemv_setting_dispatch(monkeypatch):
-    # PACKED_GEMV: a named projection of 1-4 bfloat16 rows runs packed_gemv with its
-    # configuration; float32 rows, more than four rows, the batch-invariant mode or no
-    # configuration run decode_gemv. (The kernel's values: mcore-kernels' packed_gemv tests.)
+    # PACKED_GEMV: a named projection of bfloat16 rows, at most the setting's rows, runs
+    # packed_gemv with its configuration; more rows, float32 rows, the batch-invariant mode or
+    # no setting run decode_gemv. (The kernel's values: mcore-kernels' packed_gemv tests.)
     from mcore_kernels.batch_invariant import batch_invariant_mode
     from mcore_kernels.decode_gemv import decode_gemv
     from mcore_kernels.packed_gemv import PackedGemvConfig
@@ -460,7 +460,7 @@ def test_packed_gemv_setting_dispatch(monkeypatch):
 
     monkeypatch.setattr(fused_decode, "packed_gemv", packed)
     config = PackedGemvConfig(block_n=8)
-    monkeypatch.setitem(fused_decode.PACKED_GEMV, "gate_up", config)
+    monkeypatch.setitem(fused_decode.PACKED_GEMV, "gate_up", (config, 2))
     monkeypatch.setitem(fused_decode.PACKED_GEMV, "down", None)
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(24, 32, generator=generator) * 0.2).to(torch.bfloat16)
@@ -471,9 +471,9 @@ def test_packed_gemv_setting_dispatch(monkeypatch):
     assert torch.equal(fused_decode._gemv("gate_up", x, weight, **kwargs), expected)
     assert calls == [config]
     assert torch.equal(fused_decode._gemv("down", x, weight, **kwargs), expected)
-    five = x.repeat(3, 1)[:5]
+    three = x.repeat(2, 1)[:3]  # past the setting's two rows (packed_gemv would take it)
     assert torch.equal(
-        fused_decode._gemv("gate_up", five, weight, **kwargs), expected.repeat(3, 1)[:5]
+        fused_decode._gemv("gate_up", three, weight, **kwargs), expected.repeat(2, 1)[:3]
     )
     assert torch.equal(
         fused_decode._gemv("gate_up", x.float(), weight.float(), swiglu=True),

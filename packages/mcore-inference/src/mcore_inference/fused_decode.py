@@ -112,16 +112,22 @@ LM_HEAD_GEMV_MAX_ROWS = 16
 _SAME_LAUNCH = contextlib.nullcontext()
 ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
-PACKED_GEMV: dict[str, PackedGemvConfig | None] = {
-    "gate_up": PackedGemvConfig(block_n=8),
+PACKED_GEMV: dict[str, tuple[PackedGemvConfig, int] | None] = {
+    "gate_up": (PackedGemvConfig(block_n=8), 1),
     "down": None,
     "lm_head": None,
 }
 """Per projection of ``decode_gemv`` steps of bfloat16 models (``gate_up`` with the norm and
-SwiGLU, ``down`` with the residual add, ``lm_head``): the launch configuration of
+SwiGLU, ``down`` with the residual add, ``lm_head``): ``(launch configuration, max rows)`` of
 :func:`mcore_kernels.packed_gemv.packed_gemv`, whose programs keep their weight tiles packed
 while they wait for the previous kernel (fewer registers: more programs have their weights in
-flight before that kernel ends), or None for ``decode_gemv``."""
+flight before that kernel ends), or None for ``decode_gemv``.
+
+One H200, Qwen2.5-0.5B shape (docs/benchmarks/inference.md, session 15): gate/up in 8-row
+programs, captured batch-1 step 444.6-449.3 us against 487.0-493.9 with ``decode_gemv`` at a
+context of 160, 453.7-454.4 against 494.0-495.0 at 288 (4-row programs 452.0-453.0 at 160); at
+two rows slower (engine 2684 against 2786 tok/s: 168 registers a thread), hence one row. The LM
+head in packed programs measured even in the step (451.7 against 452.0 us)."""
 STEP_INPUTS_IN_ONE_LAUNCH = True
 """``decode_gemv`` steps gather the token embeddings and the RoPE rows of their positions in
 one launch (under PDL: the first projection then requests its weights meanwhile). False: the
@@ -926,10 +932,16 @@ def _gemv(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A bias-free projection of a ``decode_gemv`` step: :func:`packed_gemv` where
-    :data:`PACKED_GEMV` names a configuration for ``name`` and the kernel takes the operands
-    (bfloat16, 1-4 rows; not in the batch-invariant mode), else ``decode_gemv``."""
-    config = PACKED_GEMV.get(name)
-    if config is not None and not is_batch_invariant() and packed_gemv_supports(x, weight):
+    :data:`PACKED_GEMV` names a setting for ``name``, the step has at most its rows and the
+    kernel takes the operands (bfloat16; not in the batch-invariant mode), else
+    ``decode_gemv``."""
+    setting = PACKED_GEMV.get(name)
+    if (
+        setting is not None
+        and x.shape[0] <= setting[1]
+        and not is_batch_invariant()
+        and packed_gemv_supports(x, weight)
+    ):
         return packed_gemv(
             x,
             weight,
@@ -937,7 +949,7 @@ def _gemv(
             norm_eps=norm_eps,
             swiglu=swiglu,
             residual=residual,
-            config=config,
+            config=setting[0],
         )
     return decode_gemv(
         x, weight, norm_weight=norm_weight, norm_eps=norm_eps, swiglu=swiglu, residual=residual

@@ -64,7 +64,7 @@ __all__ = [
     "packed_gemv_supports",
 ]
 
-PACKED_GEMV_MAX_K = 4096
+PACKED_GEMV_MAX_K = 8192
 """Longest reduction held as one tile (longer ones: :func:`packed_gemv_supports` is False)."""
 PACKED_GEMV_MAX_ROWS = 4
 """Most rows of ``x`` per call (the kernel unrolls a pass per row)."""
