@@ -171,3 +171,13 @@ def test_gpu_packed_gemv_in_a_graph_with_pdl():
     torch.cuda.synchronize()
     assert torch.equal(eager, captured)
     _close(eager, packed_gemv_reference(**problem))
+
+
+@needs_triton
+@pytest.mark.interpreter
+def test_packed_gemv_long_reduction_with_residual():
+    # The down projection's shape class: K past 4096 (4864: 2432 of 4096 words), one column
+    # per program, the residual add.
+    problem = _problem(1, residual=True, n=3, k=4864, seed=5)
+    got = packed_gemv_triton(**problem, config=PackedGemvConfig(block_n=1), pdl=False)
+    _close(got, packed_gemv_reference(**problem))
