@@ -31,7 +31,8 @@ GREEDY_FEED = True
 """A multi-step run whose rows are all greedy without log-probs samples each step and feeds the
 next one in one launch (:func:`mcore_kernels.row_argmax.greedy_feed`: the argmax, the float64
 sample, the next token and position) instead of four (argmax, sample copy, token copy, position
-add). The same tokens either way."""
+add). The same tokens either way. One H200, batch 1 of the Qwen2.5-0.5B shape with the packed
+gate/up: 2161 against 2147 tok/s (4-row programs), 2136 / 2170 against 2129 (8-row)."""
 
 
 class SamplingPlan:

@@ -8,7 +8,10 @@ programs a multiprocessor, and only 660 programs have their weights in flight be
 previous kernel ends; the rest load theirs afterwards, a second wave. This kernel loads the
 weight as 32-bit words (two bfloat16 values each), keeps them packed while it waits, and
 unpacks each word next to its products (a shift or a mask makes a bfloat16 a float32): the
-same tile takes 56 registers a thread.
+same tile takes 56 registers a thread, and 8-row programs (608 of them) 96, five a
+multiprocessor: every program has its weights in flight before the wait. One H200, the
+captured batch-1 step of that shape: 444.6-449.3 against 487.0-493.9 us with ``decode_gemv``
+(docs/benchmarks/inference.md, session 15).
 
 Each program owns ``block_n`` output columns and the whole reduction (``K`` up to
 :data:`PACKED_GEMV_MAX_K`, one tile): under PDL it requests its weight rows (gate and up rows
