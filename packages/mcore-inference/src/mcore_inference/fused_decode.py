@@ -117,7 +117,7 @@ ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
 PACKED_GEMV: dict[str, tuple[PackedGemvConfig, int] | None] = {
     "gate_up": (PackedGemvConfig(block_n=8), 1),
-    "down": None,
+    "down": (PackedGemvConfig(block_n=1), 1),
     "lm_head": None,
 }
 """Per projection of ``decode_gemv`` steps of bfloat16 models (``gate_up`` with the norm and
@@ -129,8 +129,10 @@ flight before that kernel ends), or None for ``decode_gemv``.
 One H200, Qwen2.5-0.5B shape (docs/benchmarks/inference.md, session 15): gate/up in 8-row
 programs, captured batch-1 step 444.6-449.3 us against 487.0-493.9 with ``decode_gemv`` at a
 context of 160, 453.7-454.4 against 494.0-495.0 at 288 (4-row programs 452.0-453.0 at 160); at
-two rows slower (engine 2684 against 2786 tok/s: 168 registers a thread), hence one row. The LM
-head in packed programs measured even in the step (451.7 against 452.0 us)."""
+two rows slower (engine 2684 against 2786 tok/s: 168 registers a thread), hence one row. The
+down projection packed (one row a program, 40 registers against 56) on top: 446.4 / 444.4
+against 447.5 / 447.9 us at 160, 447.9 against 453.2 / 453.5 at 288. The LM head in packed
+programs measured even in the step (451.7 against 452.0 us)."""
 STEP_INPUTS_IN_ONE_LAUNCH = True
 """``decode_gemv`` steps gather the token embeddings and the RoPE rows of their positions in
 one launch (under PDL: the first projection then requests its weights meanwhile). False: the
