@@ -28,7 +28,7 @@ SwiGLU into the gate/up projection's epilogue (the down projection reads the act
 the residual add into the o and down projections' epilogues. A layer is then five launches
 plus the attention (q/k/v, RoPE + cache write, attention, o, gate/up, down); the LM head of those
 steps (:meth:`FusedDecoder.compute_logits`) is one more ``decode_gemv``. The projections named
-in :data:`PACKED_GEMV` (the gate/up projection of one-token bfloat16 steps) run as
+in :data:`PACKED_GEMV` (gate/up and down of one-token bfloat16 steps) run as
 :func:`mcore_kernels.packed_gemv.packed_gemv` instead, the same arithmetic with the weight
 tiles held packed over the programmatic-dependent-launch wait. With RoPE and the
 cache write in the q/k/v projection's epilogue and the attention's merge inside the o
