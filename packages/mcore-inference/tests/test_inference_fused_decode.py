@@ -441,3 +441,44 @@ def test_skinny_gemm_projections_in_graphs_match_eager_on_gpu(monkeypatch):
     results = _graph_and_eager_generations(model)
     assert any(ropes)
     _assert_same_tokens_close_logprobs(*results)
+
+
+def test_packed_gemv_setting_dispatch(monkeypatch):
+    # PACKED_GEMV: a named projection of bfloat16 rows, at most the setting's rows, runs
+    # packed_gemv with its configuration; more rows, float32 rows, the batch-invariant mode or
+    # no setting run decode_gemv. (The kernel's values: mcore-kernels' packed_gemv tests.)
+    from mcore_kernels.batch_invariant import batch_invariant_mode
+    from mcore_kernels.decode_gemv import decode_gemv
+    from mcore_kernels.packed_gemv import PackedGemvConfig
+    from mcore_kernels.reference import packed_gemv_reference
+
+    calls = []
+
+    def packed(x, weight, *, config, **kwargs):
+        calls.append(config)
+        return packed_gemv_reference(x, weight, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "packed_gemv", packed)
+    config = PackedGemvConfig(block_n=8)
+    monkeypatch.setitem(fused_decode.PACKED_GEMV, "gate_up", (config, 2))
+    monkeypatch.setitem(fused_decode.PACKED_GEMV, "down", None)
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(24, 32, generator=generator) * 0.2).to(torch.bfloat16)
+    norm_weight = (1 + 0.1 * torch.randn(32, generator=generator)).to(torch.bfloat16)
+    kwargs = dict(norm_weight=norm_weight, norm_eps=1e-6, swiglu=True)
+    x = torch.randn(2, 32, generator=generator).to(torch.bfloat16)
+    expected = decode_gemv(x, weight, **kwargs)
+    assert torch.equal(fused_decode._gemv("gate_up", x, weight, **kwargs), expected)
+    assert calls == [config]
+    assert torch.equal(fused_decode._gemv("down", x, weight, **kwargs), expected)
+    three = x.repeat(2, 1)[:3]  # past the setting's two rows (packed_gemv would take it)
+    assert torch.equal(
+        fused_decode._gemv("gate_up", three, weight, **kwargs), expected.repeat(2, 1)[:3]
+    )
+    assert torch.equal(
+        fused_decode._gemv("gate_up", x.float(), weight.float(), swiglu=True),
+        decode_gemv(x.float(), weight.float(), swiglu=True),
+    )
+    with batch_invariant_mode():
+        fused_decode._gemv("gate_up", x, weight, **kwargs)
+    assert calls == [config]

@@ -326,3 +326,33 @@ def test_binary_search_counts_the_entries_below_the_target_like_a_full_compariso
     ):
         expected = (cdf < targets[:, None]).sum(dim=-1)
         assert torch.equal(torch.searchsorted(cdf, targets[:, None]).squeeze(1), expected)
+
+
+@pytest.mark.parametrize("greedy_feed", [False, True])
+@pytest.mark.parametrize("mixed", [False, True], ids=["greedy", "greedy_and_drawing"])
+def test_sample_feeds_the_next_step_inputs(monkeypatch, greedy_feed, mixed):
+    # feed=: the sampled tokens land in the next step's token row and the positions advance by
+    # one, whether the argmax's launch does it (GREEDY_FEED, greedy rows without log-probs) or
+    # the copies after it; the tokens and samples are those of a plan without feed.
+    from mcore_inference import sample_step
+
+    monkeypatch.setattr(sample_step, "GREEDY_FEED", greedy_feed)
+    temperatures = [0.0, 0.8, 0.0] if mixed else [0.0, 0.0, 0.0]
+    requests = [
+        _request(i, prompt_len=3, computed=3, max_new=8, temperature=t, return_logprobs=False)
+        for i, t in enumerate(temperatures)
+    ]
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn((3, 40), generator=generator)
+    plain = SamplingPlan(requests, torch.device("cpu"), 2)
+    fed = SamplingPlan(requests, torch.device("cpu"), 2)
+    out = torch.full((2, 3), float("nan"), dtype=torch.float64)
+    expected_out = out.clone()
+    next_tokens = torch.zeros(3, dtype=torch.int64)
+    positions = torch.tensor([5, 9, 2])
+    expected = plain.sample(logits, expected_out, 1)
+    tokens = fed.sample(logits, out, 1, feed=(next_tokens, positions))
+    assert torch.equal(tokens, expected)
+    assert torch.equal(out[0], expected_out[0])
+    assert torch.equal(next_tokens, expected)
+    assert positions.tolist() == [6, 10, 3]

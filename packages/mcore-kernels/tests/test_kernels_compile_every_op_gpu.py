@@ -120,6 +120,30 @@ def _decode(backend) -> None:
     torch.testing.assert_close(
         compiled(problem), decode_gemv_reference(**problem), atol=2e-2, rtol=2e-2
     )
+    _packed_gemv_and_greedy_feed(backend)
+
+
+def _packed_gemv_and_greedy_feed(backend) -> None:
+    from test_kernels_packed_gemv import _problem as packed_problem
+
+    from mcore_kernels.packed_gemv import packed_gemv
+    from mcore_kernels.reference import packed_gemv_reference
+    from mcore_kernels.row_argmax import greedy_feed
+
+    problem = packed_problem(1, norm=True, swiglu=True, residual=True)
+    compiled = torch.compile(lambda p: packed_gemv(**p), backend=backend, fullgraph=True)
+    torch.testing.assert_close(
+        compiled(problem).float(), packed_gemv_reference(**problem).float(), atol=2e-2, rtol=2e-2
+    )
+    logits = torch.randn(3, 5000, device="cuda")
+    samples = torch.zeros(3, dtype=torch.float64, device="cuda")
+    tokens = torch.zeros(3, dtype=torch.int64, device="cuda")
+    positions = torch.arange(3, device="cuda")
+    index = torch.compile(greedy_feed, backend=backend, fullgraph=True)(
+        logits, samples, tokens, positions
+    )
+    assert torch.equal(index, logits.argmax(dim=-1)) and torch.equal(tokens, index)
+    assert torch.equal(samples, index.double()) and positions.tolist() == [1, 2, 3]
 
 
 def _attention_and_scan(backend) -> None:
@@ -198,6 +222,8 @@ CHECKS: dict[str, tuple[Callable[[Any], None], frozenset[str]]] = {
                 "moe_aligned_rows",
                 "moe_padded_slots",
                 "decode_gemv",
+                "packed_gemv",
+                "greedy_feed",
             }
         ),
     ),

@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 import pytest
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
-from mcore_kernels.row_argmax import row_argmax, row_argmax_triton
+from mcore_kernels.reference import greedy_feed_reference
+from mcore_kernels.row_argmax import greedy_feed, row_argmax, row_argmax_triton
 
 _RUNS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not _RUNS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -78,3 +79,52 @@ def test_dispatch_and_bad_input():
     if _RUNS_TRITON:
         with pytest.raises(KernelShapeError, match="chunks=0"):
             row_argmax_triton(torch.randn(2, 3, device=_device()), chunks=0)
+
+
+def _feed_buffers(rows, device):
+    samples = torch.full((rows,), float("nan"), dtype=torch.float64, device=device)
+    tokens = torch.full((rows,), -1, dtype=torch.int64, device=device)
+    positions = torch.arange(rows, dtype=torch.int64, device=device) * 7 + 3
+    return samples, tokens, positions
+
+
+@needs_triton
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("rows", "columns"), [(1, 5000), (3, 1500)])
+def test_greedy_feed_writes_the_next_step_inputs(monkeypatch, rows, columns):
+    # One program per row (1500 columns) and several with the ticket reduction (5000).
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    device = _device()
+    generator = torch.Generator().manual_seed(rows + columns)
+    x = torch.randn(rows, columns, generator=generator).to(torch.bfloat16).to(device)
+    got = _feed_buffers(rows, device)
+    expected = _feed_buffers(rows, device)
+    index = greedy_feed(x, *got)
+    expected_index = greedy_feed_reference(x, *expected)
+    assert torch.equal(index, expected_index)
+    assert torch.equal(index, x.argmax(dim=-1))
+    for buffer, reference in zip(got, expected, strict=True):
+        assert torch.equal(buffer, reference)
+    assert torch.equal(got[2], torch.arange(rows, device=device) * 7 + 4)
+
+
+def test_greedy_feed_reference_path_and_checks(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "torch")
+    x = torch.randn(2, 50)
+    samples, tokens, positions = _feed_buffers(2, "cpu")
+    index = greedy_feed(x, samples, tokens, positions)
+    assert torch.equal(index, x.argmax(dim=-1))
+    assert torch.equal(samples, index.double()) and torch.equal(tokens, index)
+    assert positions.tolist() == [4, 11]
+    with pytest.raises(KernelShapeError, match="samples"):
+        greedy_feed(x, samples[:1], tokens, positions)
+    with pytest.raises(KernelDtypeError, match="tokens"):
+        greedy_feed(x, samples, tokens.int(), positions)
+    with pytest.raises(KernelShapeError, match="positions"):
+        greedy_feed(x, samples, tokens, torch.zeros(2, 2, dtype=torch.int64)[:, 0])
+
+
+def test_opcheck_greedy_feed(monkeypatch):
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "torch")
+    x = torch.randn(2, 50)
+    torch.library.opcheck(torch.ops.mcore_kernels.greedy_feed, (x, *_feed_buffers(2, "cpu")))

@@ -207,7 +207,19 @@ class DecodeGraphRunner:
         self._current = entry
         return logits[:count]
 
-    def run_next(self, tokens: torch.Tensor) -> torch.Tensor:
+    def next_inputs(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graph's token and position rows of the first ``count`` rows, for a sampler that
+        feeds the next step itself (see :meth:`run_next`'s ``fed``).
+
+        Args:
+            count: Real rows of the run.
+
+        Returns:
+            int64 ``[count]`` views: the tokens, then the positions.
+        """
+        return self._inputs[0, :count], self._inputs[1, :count]
+
+    def run_next(self, tokens: torch.Tensor, *, fed: bool = False) -> torch.Tensor:
         """Run the next decode step of the batch of the last :meth:`run`, in the same graph.
 
         Multi-step decode (:mod:`mcore_inference.multi_step`): every real row is fed ``tokens``
@@ -218,6 +230,8 @@ class DecodeGraphRunner:
 
         Args:
             tokens: int64 ``[n]`` tokens of the ``n`` real rows (the previous step's samples).
+            fed: The sampler already wrote ``tokens`` into :meth:`next_inputs` and advanced
+                the positions (``SamplingPlan.sample``'s ``feed``): no copies here.
 
         Returns:
             The graph's output for the real rows, as :meth:`run` returns it.
@@ -225,8 +239,9 @@ class DecodeGraphRunner:
         entry = self._current
         assert entry is not None, "run_next needs a run() before it"
         count = tokens.shape[0]
-        self._inputs[0, :count].copy_(tokens)
-        self._inputs[1, :count].add_(1)
+        if not fed:
+            self._inputs[0, :count].copy_(tokens)
+            self._inputs[1, :count].add_(1)
         graph, logits = entry
         graph.replay()
         return logits[:count]

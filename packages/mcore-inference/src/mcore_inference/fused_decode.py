@@ -27,7 +27,10 @@ work around each projection in: the input RMSNorm into the q/k/v and gate/up pro
 SwiGLU into the gate/up projection's epilogue (the down projection reads the activation) and
 the residual add into the o and down projections' epilogues. A layer is then five launches
 plus the attention (q/k/v, RoPE + cache write, attention, o, gate/up, down); the LM head of those
-steps (:meth:`FusedDecoder.compute_logits`) is one more ``decode_gemv``. With RoPE and the
+steps (:meth:`FusedDecoder.compute_logits`) is one more ``decode_gemv``. The projections named
+in :data:`PACKED_GEMV` (gate/up and down of one-token bfloat16 steps) run as
+:func:`mcore_kernels.packed_gemv.packed_gemv` instead, the same arithmetic with the weight
+tiles held packed over the programmatic-dependent-launch wait. With RoPE and the
 cache write in the q/k/v projection's epilogue and the attention's merge inside the o
 projection (``attention_in_o_proj``), a layer of one or two tokens is five launches, and the
 step's embeddings and RoPE rows are one gather launch. The values are those
@@ -65,6 +68,7 @@ from mcore_kernels.gather_rows import gather_row_pairs
 from mcore_kernels.moe.swiglu import swiglu
 from mcore_kernels.normed_rotary_kv_write import normed_rotary_kv_write
 from mcore_kernels.normed_swiglu import normed_swiglu
+from mcore_kernels.packed_gemv import PackedGemvConfig, packed_gemv, packed_gemv_supports
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 from mcore_kernels.skinny_gemm import SkinnyGemmConfig, skinny_gemm
@@ -82,6 +86,7 @@ __all__ = [
     "MLP_NORM_IN_WEIGHTS",
     "NORM_SWIGLU_PDL",
     "O_PROJ_SPLITS",
+    "PACKED_GEMV",
     "QKV_NORM_IN_WEIGHTS",
     "RESIDUAL_ADD_IN_PLACE",
     "SKINNY_GEMM",
@@ -110,6 +115,24 @@ LM_HEAD_GEMV_MAX_ROWS = 16
 _SAME_LAUNCH = contextlib.nullcontext()
 ATTENTION_IN_O_PROJ = True
 """Default of ``FusedDecoder(attention_in_o_proj=)``."""
+PACKED_GEMV: dict[str, tuple[PackedGemvConfig, int] | None] = {
+    "gate_up": (PackedGemvConfig(block_n=8), 1),
+    "down": (PackedGemvConfig(block_n=1), 1),
+    "lm_head": None,
+}
+"""Per projection of ``decode_gemv`` steps of bfloat16 models (``gate_up`` with the norm and
+SwiGLU, ``down`` with the residual add, ``lm_head``): ``(launch configuration, max rows)`` of
+:func:`mcore_kernels.packed_gemv.packed_gemv`, whose programs keep their weight tiles packed
+while they wait for the previous kernel (fewer registers: more programs have their weights in
+flight before that kernel ends), or None for ``decode_gemv``.
+
+One H200, Qwen2.5-0.5B shape (docs/benchmarks/inference.md, session 15): gate/up in 8-row
+programs, captured batch-1 step 444.6-449.3 us against 487.0-493.9 with ``decode_gemv`` at a
+context of 160, 453.7-454.4 against 494.0-495.0 at 288 (4-row programs 452.0-453.0 at 160); at
+two rows slower (engine 2684 against 2786 tok/s: 168 registers a thread), hence one row. The
+down projection packed (one row a program, 40 registers against 56) on top: 446.4 / 444.4
+against 447.5 / 447.9 us at 160, 447.9 against 453.2 / 453.5 at 288. The LM head in packed
+programs measured even in the step (451.7 against 452.0 us)."""
 STEP_INPUTS_IN_ONE_LAUNCH = True
 """``decode_gemv`` steps gather the token embeddings and the RoPE rows of their positions in
 one launch (under PDL: the first projection then requests its weights meanwhile). False: the
@@ -832,14 +855,16 @@ class FusedDecoder:
     @staticmethod
     def _mlp(layer: Any, fused: _FusedLayer, residual: torch.Tensor) -> torch.Tensor:
         """Post-attention norm, gate/up with SwiGLU, down and the residual add: two launches."""
-        activation = decode_gemv(
+        norm = layer.post_attention_norm
+        activation = _gemv(
+            "gate_up",
             residual,
             fused.gate_up_weight,
-            norm_weight=layer.post_attention_norm.weight,
-            norm_eps=layer.post_attention_norm.eps,
+            norm_weight=norm.weight,
+            norm_eps=norm.eps,
             swiglu=True,
         )
-        return decode_gemv(activation, layer.mlp.down_proj.weight, residual=residual)
+        return _gemv("down", activation, layer.mlp.down_proj.weight, residual=residual)
 
     def _attention_in_o_proj(self) -> bool:
         """Whether this ``decode_gemv`` step merges its attention inside the o projection.
@@ -898,7 +923,42 @@ class FusedDecoder:
                 return skinny_gemm(model.logits_input(hidden), weight, config=setting[0])
             return model.compute_logits(hidden, upcast=False)
         with programmatic_dependent_launch(self.pdl):
-            return decode_gemv(hidden, model.output_weight())
+            return _gemv("lm_head", hidden, model.output_weight())
+
+
+def _gemv(
+    name: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A bias-free projection of a ``decode_gemv`` step: :func:`packed_gemv` where
+    :data:`PACKED_GEMV` names a setting for ``name``, the step has at most its rows and the
+    kernel takes the operands (bfloat16; not in the batch-invariant mode), else
+    ``decode_gemv``."""
+    setting = PACKED_GEMV.get(name)
+    if (
+        setting is not None
+        and x.shape[0] <= setting[1]
+        and not is_batch_invariant()
+        and packed_gemv_supports(x, weight)
+    ):
+        return packed_gemv(
+            x,
+            weight,
+            norm_weight=norm_weight,
+            norm_eps=norm_eps,
+            swiglu=swiglu,
+            residual=residual,
+            config=setting[0],
+        )
+    return decode_gemv(
+        x, weight, norm_weight=norm_weight, norm_eps=norm_eps, swiglu=swiglu, residual=residual
+    )
 
 
 def build_fused_decoder(

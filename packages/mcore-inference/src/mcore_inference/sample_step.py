@@ -19,14 +19,20 @@ from mcore_inference.request import Request
 from mcore_inference.sampling import sampling_uniforms, truncate_logits
 from mcore_inference.transfer import to_device
 from mcore_kernels import token_logprobs
-from mcore_kernels.row_argmax import row_argmax
+from mcore_kernels.row_argmax import greedy_feed, row_argmax
 
-__all__ = ["BINARY_SEARCH", "SampleBuffers", "SamplingPlan", "sample_microbatch"]
+__all__ = ["BINARY_SEARCH", "GREEDY_FEED", "SampleBuffers", "SamplingPlan", "sample_microbatch"]
 
 BINARY_SEARCH = True
 """Find a drawing row's token by a binary search in its cumulative distribution; False counts
 the entries below the target over the whole row (the same index, one more pass over the
 vocabulary; kept for comparison)."""
+GREEDY_FEED = True
+"""A multi-step run whose rows are all greedy without log-probs samples each step and feeds the
+next one in one launch (:func:`mcore_kernels.row_argmax.greedy_feed`: the argmax, the float64
+sample, the next token and position) instead of four (argmax, sample copy, token copy, position
+add). The same tokens either way. One H200, batch 1 of the Qwen2.5-0.5B shape with the packed
+gate/up: 2161 against 2147 tok/s (4-row programs), 2136 / 2170 against 2129 (8-row)."""
 
 
 class SamplingPlan:
@@ -178,6 +184,7 @@ class SamplingPlan:
         step: int = 0,
         *,
         logits_dtype: torch.dtype | None = None,
+        feed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Sample step ``step`` into ``out`` (tokens, then log-probs of the rows that ask).
 
@@ -188,10 +195,16 @@ class SamplingPlan:
             step: Index of the step in the plan.
             logits_dtype: The dtype the model computed the logits in (see
                 :meth:`row_logprobs`).
+            feed: int64 ``[N]`` token and position rows of the next step's inputs (a
+                multi-step run): the tokens are written there and the positions advanced by
+                one (:data:`GREEDY_FEED`: in the argmax's launch where every row is greedy
+                without log-probs).
 
         Returns:
             int64 ``[N]``: the sampled tokens.
         """
+        if feed is not None and GREEDY_FEED and self._draw_rows is None and not self.logprobs:
+            return greedy_feed(logits, out[0], feed[0], feed[1])
         new_tokens = self.tokens(logits, step)
         out[0].copy_(new_tokens)
         if self.logprobs:
@@ -200,6 +213,9 @@ class SamplingPlan:
                 out[1].copy_(values)
             else:
                 out[1].index_copy_(0, self._logprob_rows, values.to(torch.float64))
+        if feed is not None:
+            feed[0].copy_(new_tokens)
+            feed[1].add_(1)
         return new_tokens
 
 

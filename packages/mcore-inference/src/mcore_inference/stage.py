@@ -207,10 +207,14 @@ class StageRunner:
                     self._drop_graphs(graphs, exc)
                     graphs = None
             if logits is not None and graphs is not None:
-                tokens = plan.sample(logits, samples[0], 0, logits_dtype=logits_dtype)
-                for step in range(1, steps):
-                    logits = graphs.run_next(tokens)[:num_real]
-                    tokens = plan.sample(logits, samples[step], step, logits_dtype=logits_dtype)
+                for step in range(steps):
+                    # Every step but the last writes the next one's tokens and positions.
+                    feed = graphs.next_inputs(num_real) if step + 1 < steps else None
+                    tokens = plan.sample(
+                        logits, samples[step], step, logits_dtype=logits_dtype, feed=feed
+                    )
+                    if feed is not None:
+                        logits = graphs.run_next(tokens, fed=True)[:num_real]
                 return
             for step in range(steps):
                 if step:

@@ -10,7 +10,8 @@ graphs) compile their buckets' variants when captured; this module runs the rest
 eager forward of this rank's stage (prefill, mixed and large decode steps) at token counts on
 both sides of every threshold (1 to 5, each power of two and the next count, the graph buckets,
 the step budget) over a one-block and a full-width table, and on the last stage the sampler
-(argmax, log-probs) at those row counts up to ``max_batch_size``.
+(argmax, log-probs, and with multi-step decode the argmax that feeds the next step) at those
+row counts up to ``max_batch_size``.
 
 Every engine layout is covered: a pipeline stage after the first runs on zero hidden states
 (no stage exchanges anything), a hybrid model runs both its decode and its non-decode Mamba
@@ -32,6 +33,7 @@ from mcore_inference.describe import fused_tp_communication
 from mcore_inference.sample_step import _row_logprobs
 from mcore_inference.sampling import sample_tokens
 from mcore_kernels.batch_invariant import batch_invariant_mode
+from mcore_kernels.row_argmax import greedy_feed
 
 if TYPE_CHECKING:
     from mcore_inference.engine import InferenceEngine
@@ -136,6 +138,14 @@ def warm_up_engine(engine: InferenceEngine) -> int:
                 logits = runner.model.compute_logits(rows)
             tokens = sample_tokens(logits, [greedy] * count, [0.0] * count)
             _row_logprobs(logits, tokens, [1.0] * count, runner.hidden_dtype)
+            if runner.graphs is not None and config.multi_step_decode > 1:
+                # Multi-step graph runs of greedy rows feed the next step from the argmax
+                # (``GREEDY_FEED``): the graphs' input rows and a samples row, same layouts.
+                feed = torch.zeros(
+                    (3, runner.graphs.batch_sizes[-1]), dtype=torch.long, device=device
+                )
+                samples = torch.empty((2, count), dtype=torch.float64, device=device)
+                greedy_feed(logits, samples[0], feed[0, :count], feed[1, :count])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return forwards

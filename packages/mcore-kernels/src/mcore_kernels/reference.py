@@ -39,6 +39,8 @@ __all__ = [
     "merge_reference",
     "masked_update_reference",
     "decode_gemv_reference",
+    "packed_gemv_reference",
+    "greedy_feed_reference",
     "decode_step_metadata_reference",
     "attention_o_proj_reference",
     "row_argmax_reference",
@@ -528,6 +530,41 @@ def decode_gemv_reference(
     return y
 
 
+def packed_gemv_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[RMSNorm] -> x @ weight.T -> [SwiGLU] -> [+ residual]``: the packed-weight decode
+    projection (:mod:`mcore_kernels.packed_gemv`) in plain torch.
+
+    The arithmetic of :func:`decode_gemv_reference` without a bias: the norm in float32
+    rounded to the dtype of ``x``, float32 products rounded once, SwiGLU and the residual add
+    rounded once more each.
+
+    Args:
+        x: ``[M, K]`` input rows.
+        weight: ``[N, K]`` weight (gate rows then up rows with ``swiglu``).
+        norm_weight: Optional ``[K]`` RMSNorm weight applied to ``x`` first.
+        norm_eps: RMSNorm epsilon.
+        swiglu: Return ``silu(gate) * up`` (``[M, N // 2]``).
+        residual: Optional ``[M, N_out]`` tensor added to the result.
+
+    Returns:
+        ``[M, N_out]`` in the dtype of ``x``.
+
+    Raises:
+        KernelShapeError: If ``x`` and ``weight`` do not share ``K``.
+    """
+    return decode_gemv_reference(
+        x, weight, norm_weight=norm_weight, norm_eps=norm_eps, swiglu=swiglu, residual=residual
+    )
+
+
 def row_argmax_reference(x: torch.Tensor) -> torch.Tensor:
     """Torch reference of :func:`mcore_kernels.row_argmax.row_argmax`.
 
@@ -539,6 +576,27 @@ def row_argmax_reference(x: torch.Tensor) -> torch.Tensor:
         NaN counting as the largest).
     """
     return x.argmax(dim=-1)
+
+
+def greedy_feed_reference(
+    x: torch.Tensor, samples: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Torch reference of :func:`mcore_kernels.row_argmax.greedy_feed`.
+
+    Args:
+        x: ``[rows, columns]`` float values.
+        samples: float64 ``[rows]``: receives the indices.
+        tokens: int64 ``[rows]``: receives the indices.
+        positions: int64 ``[rows]``: incremented by one.
+
+    Returns:
+        int64 ``[rows]``: ``torch.argmax(x, dim=-1)``.
+    """
+    index = x.argmax(dim=-1)
+    samples.copy_(index)
+    tokens.copy_(index)
+    positions.add_(1)
+    return index
 
 
 def decode_step_metadata_reference(

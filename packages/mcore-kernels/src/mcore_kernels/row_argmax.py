@@ -38,9 +38,9 @@ from mcore_kernels._triton_utils import (
     triton,
 )
 from mcore_kernels.errors import KernelBackendError, KernelDtypeError, KernelShapeError
-from mcore_kernels.reference import row_argmax_reference
+from mcore_kernels.reference import greedy_feed_reference, row_argmax_reference
 
-__all__ = ["row_argmax", "row_argmax_triton"]
+__all__ = ["greedy_feed", "row_argmax", "row_argmax_triton"]
 
 _LANES = 2048
 """Elements a program compares per loop iteration (its lanes)."""
@@ -72,18 +72,34 @@ def _keys(x, offsets):
     return (ordered.to(tl.int64) << 32) | low
 
 
+@jit
+def _store_index(out_ptr, samples_ptr, tokens_ptr, positions_ptr, row, index, FEED: tl.constexpr):
+    """Store a row's index; with ``FEED`` also as float64 into ``samples``, into ``tokens``, and
+    advance ``positions`` by one (the next decode step's inputs)."""
+    index = index.to(tl.int64)
+    tl.store(out_ptr + row, index)
+    if FEED:
+        tl.store(samples_ptr + row, index.to(tl.float64))
+        tl.store(tokens_ptr + row, index)
+        tl.store(positions_ptr + row, tl.load(positions_ptr + row) + 1)
+
+
 @jit(do_not_specialize=("N", "stride_row", "CHUNK", "CHUNKS"))
 def _row_argmax_kernel(
     x_ptr,
     out_ptr,
     ws_ptr,
     ticket_ptr,
+    samples_ptr,
+    tokens_ptr,
+    positions_ptr,
     N,
     stride_row,
     CHUNK,
     CHUNKS,
     LANES: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,
+    FEED: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     row = tl.program_id(1)
@@ -110,7 +126,7 @@ def _row_argmax_kernel(
     value = tl.where(any_nan, float("nan"), top)
     key = tl.max(_keys(tl.full([1], 0.0, tl.float32) + value, tl.full([1], 0, tl.int32) + first))
     if CHUNKS == 1:
-        tl.store(out_ptr + row, first.to(tl.int64))
+        _store_index(out_ptr, samples_ptr, tokens_ptr, positions_ptr, row, first, FEED)
     else:
         tl.store(ws_ptr + row * CHUNKS + chunk, key)
         # Every program's key is written before its ticket (release) is taken.
@@ -126,7 +142,10 @@ def _row_argmax_kernel(
                 cache_modifier=".cg",
             )
             best_key = tl.max(keys, axis=0)
-            tl.store(out_ptr + row, 4294967295 - (best_key & 4294967295))
+            _store_index(
+                out_ptr, samples_ptr, tokens_ptr, positions_ptr, row,
+                4294967295 - (best_key & 4294967295), FEED,
+            )  # fmt: skip
             # Reset for the next launch (graph replays reuse the tickets).
             tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
@@ -150,13 +169,19 @@ def _chunks(rows: int, columns: int, multiprocessors: int) -> int:
     return max(1, min(_MAX_CHUNKS, wanted, -(-columns // _LANES)))
 
 
-def row_argmax_triton(x: torch.Tensor, *, chunks: int | None = None) -> torch.Tensor:
+def row_argmax_triton(
+    x: torch.Tensor,
+    *,
+    chunks: int | None = None,
+    feed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Triton path of :func:`row_argmax` (fixed shapes, graph-safe).
 
     Args:
         x: ``[rows, columns]`` floats, last dimension contiguous.
         chunks: Programs per row (None: 16, or more to launch 8 per multiprocessor; at most
             128 and one per 2048 columns).
+        feed: ``(samples, tokens, positions)`` of :func:`greedy_feed` (checked there), or None.
 
     Returns:
         int64 ``[rows]`` indices.
@@ -190,12 +215,13 @@ def row_argmax_triton(x: torch.Tensor, *, chunks: int | None = None) -> torch.Te
     if rows == 0:
         return out
     tickets = _TICKETS.get(x.device, rows) if chunks > 1 else ws
+    samples, tokens, positions = feed if feed is not None else (ws, ws, ws)
     _ROW_ARGMAX(
         (chunks, rows),
-        (x, out, ws, tickets, columns, x.stride(0), chunk, chunks),
+        (x, out, ws, tickets, samples, tokens, positions, columns, x.stride(0), chunk, chunks),
         # A fixed key padding (only the row's last program reads it): one binary for every
         # row count, where the power of two above ``chunks`` made one per band of rows.
-        {"LANES": _LANES, "CHUNKS_PAD": _MAX_CHUNKS},
+        {"LANES": _LANES, "CHUNKS_PAD": _MAX_CHUNKS, "FEED": feed is not None},
         4,
         x.get_device(),
     )
@@ -237,4 +263,72 @@ def _row_argmax_op(x: torch.Tensor) -> torch.Tensor:
 
 @_row_argmax_op.register_fake
 def _row_argmax_fake(x):
+    return x.new_empty(x.shape[0], dtype=torch.int64)
+
+
+def greedy_feed(
+    x: torch.Tensor, samples: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """:func:`row_argmax` that also writes the next decode step's inputs, in the same launch.
+
+    A multi-step decode run of greedy rows (:mod:`mcore_inference.multi_step`) stores each
+    step's tokens as float64 samples and feeds them to the next step one position further:
+    three more small launches a step after the argmax. Here the program that finishes a row
+    writes them all.
+
+    Args:
+        x: ``[rows, columns]`` float32, float16 or bfloat16 values.
+        samples: float64 ``[rows]``: receives the indices.
+        tokens: int64 ``[rows]``: receives the indices.
+        positions: int64 ``[rows]``: each incremented by one.
+
+    Returns:
+        int64 ``[rows]``: the indices of :func:`row_argmax`.
+
+    Raises:
+        KernelShapeError: If ``x`` is not a non-empty matrix, or an output is not ``[rows]``.
+        KernelDtypeError: If ``x`` is not float32, float16 or bfloat16, or an output has
+            another dtype than the above.
+        KernelBackendError: If ``MCORE_KERNELS_BACKEND`` names a backend that cannot run here.
+    """
+    _check(x)
+    rows = x.shape[0]
+    for name, tensor, dtype in (
+        ("samples", samples, torch.float64),
+        ("tokens", tokens, torch.int64),
+        ("positions", positions, torch.int64),
+    ):
+        if tuple(tensor.shape) != (rows,) or (rows > 1 and tensor.stride(0) != 1):
+            raise KernelShapeError(
+                f"{name} has shape {tuple(tensor.shape)} strides {tensor.stride()}; expected "
+                f"a contiguous [{rows}]"
+            )
+        if tensor.dtype != dtype:
+            raise KernelDtypeError(f"{name} {tensor.dtype}; expected {dtype}")
+    if _compile.compiling():
+        return _greedy_feed_op(x, samples, tokens, positions)
+    return _greedy_feed_run(x, samples, tokens, positions)
+
+
+def _greedy_feed_run(
+    x: torch.Tensor, samples: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    if use_triton(x) and x.stride(1) == 1:
+        return row_argmax_triton(x, feed=(samples, tokens, positions))
+    return greedy_feed_reference(x, samples, tokens, positions)
+
+
+@_compile.custom_op(
+    "greedy_feed",
+    "(Tensor x, Tensor(a!) samples, Tensor(b!) tokens, Tensor(c!) positions) -> Tensor",
+    mutates_args=("samples", "tokens", "positions"),
+)
+def _greedy_feed_op(
+    x: torch.Tensor, samples: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    return _greedy_feed_run(x, samples, tokens, positions)
+
+
+@_greedy_feed_op.register_fake
+def _greedy_feed_fake(x, samples, tokens, positions):
     return x.new_empty(x.shape[0], dtype=torch.int64)
