@@ -55,6 +55,13 @@ def test_product_matches_torch(rows, outputs, inputs):
     _close(skinny_gemm(x, weight, config=_SMALL), expected)
 
 
+def test_prefetch_next_is_a_hint_only():
+    x, weight, _, residual = _inputs(7, 64, 64, seed=3)
+    plain = skinny_gemm(x, weight, residual=residual, config=_SMALL)
+    ahead = skinny_gemm(x, weight, residual=residual, prefetch_next=weight.t(), config=_SMALL)
+    assert torch.equal(plain, ahead)
+
+
 def test_bias_and_residual_round_once():
     x, weight, bias, residual = _inputs(20, 130, 128, seed=1)
     actual = skinny_gemm(x, weight, bias=bias, residual=residual, config=_SMALL)

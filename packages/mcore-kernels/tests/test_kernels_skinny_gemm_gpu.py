@@ -81,3 +81,19 @@ def test_rope_and_swiglu_epilogues_match_torch():
     activation = skinny_gemm(x, gate_up, swiglu_norm_eps=1e-6, config=CONFIG)
     product = (x.float() @ gate_up.float().T).bfloat16()
     _close(activation, normed_swiglu_reference(product, x, 1e-6))
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_prefetch_next_changes_no_bit(early):
+    torch.manual_seed(2)
+    x = _tensor(ROWS, HIDDEN)
+    weight = _tensor(HIDDEN, HIDDEN, scale=HIDDEN**-0.5)
+    residual = _tensor(ROWS, HIDDEN)
+    following = _tensor(2 * FFN, HIDDEN)
+    config = SkinnyGemmConfig(
+        block_n=64, block_k=128, num_stages=4, prefetch=True, prefetch_next_early=early
+    )
+    with programmatic_dependent_launch(True):
+        plain = skinny_gemm(x, weight, residual=residual, config=config)
+        ahead = skinny_gemm(x, weight, residual=residual, prefetch_next=following, config=config)
+    assert torch.equal(plain, ahead)

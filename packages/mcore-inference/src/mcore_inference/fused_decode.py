@@ -81,7 +81,9 @@ __all__ = [
     "LM_HEAD_GEMV_MAX_ROWS",
     "MLP_NORM_IN_WEIGHTS",
     "NORM_SWIGLU_PDL",
+    "NORMED_SWIGLU_PDL",
     "O_PROJ_SPLITS",
+    "PREFETCH_AHEAD",
     "QKV_NORM_IN_WEIGHTS",
     "RESIDUAL_ADD_IN_PLACE",
     "SKINNY_GEMM",
@@ -148,6 +150,18 @@ GEMMs around them: slower (one H200, batch 64, captured step at contexts near 28
 against 1095). Session 14, with the :data:`SKINNY_GEMM` defaults: 857.4 against 873.4-874.4
 us at context 160, and with the gate/up ``skinny_gemm`` too 828.4-829.1 (engine 75.0-75.2k
 against 71.5-71.6k tok/s)."""
+
+NORMED_SWIGLU_PDL = True
+"""Whether the ``normed_swiglu`` kernel of the steps under :data:`NORM_SWIGLU_PDL` is launched
+with PDL too (it takes part since session 15: it starts while the gate/up projection drains,
+and a down ``skinny_gemm`` behind it may request its weights meanwhile)."""
+
+PREFETCH_AHEAD: tuple[str, ...] = ("gate_up", "down")
+"""Weights that an earlier :data:`SKINNY_GEMM` projection of the same layer requests into L2
+(``skinny_gemm(prefetch_next=)``) in steps of up to :data:`SKINNY_GEMM_MAX_ROWS` tokens:
+``"gate_up"`` by the q/k/v projection (its 18 programs are latency-bound; the attention and the
+o projection run while the 17 MB arrive), ``"down"`` by the o projection. The projections then
+read their weights from L2. Only where the requesting projection runs as ``skinny_gemm``."""
 
 MLP_NORM_IN_WEIGHTS = True
 """Steps of more than ``gemv_max_rows`` tokens drop the post-attention add + RMSNorm launch:
@@ -556,6 +570,9 @@ class FusedDecoder:
                     with self._norm_swiglu_launch():
                         x, residual = add_rms_norm(layer.input_norm, hidden, residual)
                 rope_setting = self._skinny("qkv_rope", x)
+                ahead = None
+                if "gate_up" in PREFETCH_AHEAD and fused.gate_up_folded is not None:
+                    ahead = fused.gate_up_folded
                 head_dim = attention.head_dim
                 if (
                     rope_setting is not None
@@ -564,17 +581,24 @@ class FusedDecoder:
                     and head_dim & (head_dim - 1) == 0
                 ):
                     out = self._skinny_qkv_attention(
-                        layer, fused, x, cos, sin, kv_cache, rope_setting[0]
+                        layer, fused, x, cos, sin, kv_cache, rope_setting[0], ahead
                     )
                 else:
-                    qkv = self._linear("qkv", x, fused.qkv_weight, fused.qkv_bias)
+                    qkv = self._linear(
+                        "qkv", x, fused.qkv_weight, fused.qkv_bias, prefetch_next=ahead
+                    )
                     out = self._attend_qkv(layer, fused, qkv, cos, sin, kv_cache)
             norm = layer.post_attention_norm
             if fused.gate_up_folded is not None and not o_splits and residual is not None:
                 # The residual add in the o projection's GEMM, the norm in the gate/up weight
                 # and the SwiGLU's row scale (MLP_NORM_IN_WEIGHTS): no norm launch.
+                down_ahead = layer.mlp.down_proj.weight if "down" in PREFETCH_AHEAD else None
                 residual = self._linear(
-                    "o", out.flatten(-2), attention.o_proj.weight, residual=residual
+                    "o",
+                    out.flatten(-2),
+                    attention.o_proj.weight,
+                    residual=residual,
+                    prefetch_next=down_ahead,
                 )
                 swiglu_setting = self._skinny("gate_up_swiglu", residual)
                 if swiglu_setting is not None:
@@ -587,7 +611,7 @@ class FusedDecoder:
                     )
                 else:
                     gate_up = self._linear("gate_up", residual, fused.gate_up_folded)
-                    with self._norm_swiglu_launch():
+                    with self._norm_swiglu_launch(NORMED_SWIGLU_PDL):
                         activation = normed_swiglu(gate_up, residual, norm.eps)
             else:
                 if o_splits and residual is not None:
@@ -643,11 +667,20 @@ class FusedDecoder:
         bias: torch.Tensor | None = None,
         *,
         residual: torch.Tensor | None = None,
+        prefetch_next: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``residual + x @ weight.T + bias`` by cuBLAS or :func:`skinny_gemm` (:data:`SKINNY_GEMM`)."""
+        """``residual + x @ weight.T + bias`` by cuBLAS or :func:`skinny_gemm` (:data:`SKINNY_GEMM`;
+        it requests ``prefetch_next`` into L2, see :data:`PREFETCH_AHEAD`)."""
         setting = self._skinny(name, x)
         if setting is not None:
-            return skinny_gemm(x, weight, bias=bias, residual=residual, config=setting[0])
+            return skinny_gemm(
+                x,
+                weight,
+                bias=bias,
+                residual=residual,
+                prefetch_next=prefetch_next,
+                config=setting[0],
+            )
         if residual is not None:
             out = _add_product(residual, x, weight)
             return out if bias is None else out + bias
@@ -662,9 +695,11 @@ class FusedDecoder:
         sin: torch.Tensor,
         kv_cache: PagedKVCache,
         config: SkinnyGemmConfig,
+        prefetch_next: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The q/k/v projection with RoPE and the cache write in its epilogue
-        (:func:`skinny_gemm` with ``rope=``), then the attention of the stored keys."""
+        (:func:`skinny_gemm` with ``rope=``; it requests ``prefetch_next`` into L2), then the
+        attention of the stored keys."""
         attention = layer.self_attention
         keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
         rope = RotaryCacheWrite(
@@ -675,7 +710,14 @@ class FusedDecoder:
             slot_mapping=slots,
             num_q_heads=fused.split[0] // attention.head_dim,
         )
-        q = skinny_gemm(x, fused.qkv_weight, bias=fused.qkv_bias, rope=rope, config=config)
+        q = skinny_gemm(
+            x,
+            fused.qkv_weight,
+            bias=fused.qkv_bias,
+            rope=rope,
+            prefetch_next=prefetch_next,
+            config=config,
+        )
         return kv_cache.attend_stored_keys(
             layer.layer_idx, q.unflatten(-1, (-1, attention.head_dim)), scale=attention.scale
         )
@@ -730,9 +772,12 @@ class FusedDecoder:
         return _split_k_slices(DOWN_PROJ_SPLITS, rows, projections)
 
     @staticmethod
-    def _norm_swiglu_launch() -> contextlib.AbstractContextManager:
-        """The launch setting of the add + RMSNorm and SwiGLU kernels (:data:`NORM_SWIGLU_PDL`)."""
-        return _SAME_LAUNCH if NORM_SWIGLU_PDL else programmatic_dependent_launch(False)
+    def _norm_swiglu_launch(enabled: bool = True) -> contextlib.AbstractContextManager:
+        """The launch setting of the add + RMSNorm and SwiGLU kernels (:data:`NORM_SWIGLU_PDL`;
+        ``enabled=False``: plain launches whatever it says)."""
+        if NORM_SWIGLU_PDL and enabled:
+            return _SAME_LAUNCH
+        return programmatic_dependent_launch(False)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``model.rotary(positions)``, looked up in a table of every position when bounded."""

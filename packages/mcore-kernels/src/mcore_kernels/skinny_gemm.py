@@ -133,6 +133,19 @@ def _rope_epilogue(
 
 
 @jit
+def _prefetch_share(next_ptr, next_lines, per_program, CHUNK: tl.constexpr, LINE: tl.constexpr):
+    """Request this program's share of another tensor's 128-byte lines (``LINE`` elements
+    each; ``per_program`` consecutive lines per program, in launch order) into L2."""
+    split_row = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+    program = split_row * tl.num_programs(0) + tl.program_id(0)
+    first = program * per_program
+    end = tl.minimum(first + per_program, next_lines)
+    for start in range(first, end, CHUNK):
+        lines = tl.minimum(start + tl.arange(0, CHUNK), end - 1)
+        prefetch_l2(next_ptr + lines.to(tl.int64) * LINE)
+
+
+@jit
 def skinny_gemm_kernel(
     w_desc,
     x_desc,
@@ -159,6 +172,9 @@ def skinny_gemm_kernel(
     stride_vc_slot,
     stride_vc_head,
     norm_eps,
+    next_ptr,
+    next_lines,
+    next_lines_per_program,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -172,6 +188,9 @@ def skinny_gemm_kernel(
     NUM_KV_HEADS: tl.constexpr,
     SWIGLU: tl.constexpr,
     USE_PDL: tl.constexpr,
+    NEXT_CHUNK: tl.constexpr,
+    NEXT_EARLY: tl.constexpr,
+    NEXT_LINE: tl.constexpr,
 ):
     tile_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -191,6 +210,8 @@ def skinny_gemm_kernel(
             line_cols = tl.minimum(line_cols, k_end - 1)
             line_rows = tl.minimum(line_rows, outputs - 1)
             prefetch_l2(w_ptr + line_rows.to(tl.int64) * inputs + line_cols)
+        if NEXT_CHUNK > 0 and NEXT_EARLY:
+            _prefetch_share(next_ptr, next_lines, next_lines_per_program, NEXT_CHUNK, NEXT_LINE)
         gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -205,6 +226,8 @@ def skinny_gemm_kernel(
             acc_up = tl.dot(w_up, tl.trans(x), acc_up)
             h = x.to(tl.float32)
             squares += tl.sum(h * h, axis=1)
+    if NEXT_CHUNK > 0 and not NEXT_EARLY:
+        _prefetch_share(next_ptr, next_lines, next_lines_per_program, NEXT_CHUNK, NEXT_LINE)
     result = tl.trans(acc)
     offs_m = m0 + tl.arange(0, BLOCK_M)[:, None]
     offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]
@@ -269,6 +292,8 @@ class SkinnyGemmConfig:
         num_stages: TMA copies in flight per program.
         num_warps: Warps per program.
         prefetch: Under PDL, request the program's weight slab into L2 before waiting.
+        prefetch_next_early: With ``prefetch_next=``, request that tensor's lines before
+            waiting for the previous kernel (under PDL) instead of after the main loop.
     """
 
     block_n: int = 64
@@ -276,6 +301,7 @@ class SkinnyGemmConfig:
     num_stages: int = 6
     num_warps: int = 4
     prefetch: bool = False
+    prefetch_next_early: bool = False
 
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -365,6 +391,7 @@ def skinny_gemm(
     splits: int = 1,
     rope: RotaryCacheWrite | None = None,
     swiglu_norm_eps: float | None = None,
+    prefetch_next: torch.Tensor | None = None,
     config: SkinnyGemmConfig | None = None,
 ) -> torch.Tensor:
     """``residual + x @ weight.T + bias`` with the weight rows on the MMA's M side.
@@ -387,6 +414,11 @@ def skinny_gemm(
             epsilon, ``[M, F]`` (each program multiplies ``block_n`` gate and the same up rows
             and sums the squares of its input rows for the norm's ``rstd``); no bias, residual
             or rope, one split.
+        prefetch_next: Optional contiguous tensor (the next projection's weight) whose
+            128-byte lines the programs request into L2, each a consecutive share, after
+            their main loop (or, with ``config.prefetch_next_early`` under PDL, before
+            waiting): the kernel after the next one then reads it from L2. A hint: no value
+            changes; ignored off CUDA.
         config: Tile shape (None: :class:`SkinnyGemmConfig` defaults).
 
     Returns:
@@ -454,6 +486,15 @@ def skinny_gemm(
     if use_pdl and config.prefetch:
         lines = block_n * next_power_of_2(-(-k_per_split // 64))
     grid = (triton.cdiv(outputs, block_n), splits, triton.cdiv(rows, block_m))
+    next_tensor, next_lines, next_share, next_chunk, next_line = out, 0, 0, 0, 1
+    if prefetch_next is not None and x.is_cuda and prefetch_next.numel():
+        if not prefetch_next.is_contiguous():
+            raise KernelShapeError("prefetch_next must be contiguous")
+        next_tensor = prefetch_next
+        next_line = max(1, 128 // prefetch_next.element_size())
+        next_lines = -(-prefetch_next.numel() // next_line)
+        next_share = -(-next_lines // (grid[0] * grid[1] * grid[2]))
+        next_chunk = min(1024, next_power_of_2(next_share))
     if rope is not None:
         keys = _flat_slots(rope.k_cache, "rope.k_cache")
         values = _flat_slots(rope.v_cache, "rope.v_cache")
@@ -487,6 +528,9 @@ def skinny_gemm(
             sin.stride(0),
             *cache_strides,
             eps,
+            next_tensor,
+            next_lines,
+            next_share,
             BLOCK_N=block_n,
             BLOCK_M=block_m,
             BLOCK_K=block_k,
@@ -500,6 +544,9 @@ def skinny_gemm(
             NUM_KV_HEADS=heads[1],
             SWIGLU=swiglu,
             USE_PDL=use_pdl,
+            NEXT_CHUNK=next_chunk,
+            NEXT_EARLY=config.prefetch_next_early and use_pdl,
+            NEXT_LINE=next_line,
             num_warps=config.num_warps,
             **({"launch_pdl": True} if use_pdl else {}),
         )
