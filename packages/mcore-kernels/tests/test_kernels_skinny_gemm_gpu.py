@@ -97,3 +97,18 @@ def test_prefetch_next_changes_no_bit(early):
         plain = skinny_gemm(x, weight, residual=residual, config=config)
         ahead = skinny_gemm(x, weight, residual=residual, prefetch_next=following, config=config)
     assert torch.equal(plain, ahead)
+
+
+@pytest.mark.parametrize("k_splits", [2, 3])
+def test_k_splits_match_torch_and_repeat_bitwise(k_splits):
+    torch.manual_seed(3)
+    x = _tensor(ROWS, FFN)
+    weight = _tensor(HIDDEN, FFN, scale=FFN**-0.5)
+    residual = _tensor(ROWS, HIDDEN)
+    config = SkinnyGemmConfig(
+        block_n=64, block_k=128, num_stages=4, prefetch=True, k_splits=k_splits
+    )
+    with programmatic_dependent_launch(True):
+        outs = [skinny_gemm(x, weight, residual=residual, config=config) for _ in range(3)]
+    _close(outs[0], (x.float() @ weight.float().T + residual.float()).bfloat16())
+    assert all(torch.equal(outs[0], out) for out in outs[1:])

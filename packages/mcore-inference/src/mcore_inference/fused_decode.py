@@ -194,6 +194,7 @@ SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {
     "o": _SKINNY_SMALL,
     "gate_up": (SkinnyGemmConfig(block_n=64, block_k=64, num_stages=4, prefetch=True), 1),
     "gate_up_swiglu": None,
+    "down_residual": None,
     "down": None,
     "lm_head": None,
 }
@@ -205,7 +206,11 @@ without QK-norm; before ``qkv``): the q/k/v projection with RoPE and the cache w
 epilogue, no ``rotary_kv_write`` launch. ``lm_head``: :meth:`FusedDecoder.compute_logits` of
 more than ``lm_head_gemv_max_rows`` rows. ``gate_up_swiglu`` (before ``gate_up``; the
 norm-folded MLP of :data:`MLP_NORM_IN_WEIGHTS`): the gate/up projection with the SwiGLU and
-the norm's row scale in its epilogue, no ``normed_swiglu`` launch.
+the norm's row scale in its epilogue, no ``normed_swiglu`` launch. ``down_residual`` (before
+``down``; steps on the split-K path): the down projection with the residual stream added in its
+epilogue (``SkinnyGemmConfig.k_splits`` programs per tile sum their K slices in the launch),
+then the next RMSNorm alone (:func:`mcore_kernels.decode_rms_norm.decode_rms_norm`) instead of
+the float32 partials and the split-K sum + add + norm.
 
 Defaults (one H200, Qwen2.5-0.5B shape, 64 rows, captured step at context 160, same run):
 ``qkv_rope`` and ``o`` 873.2 / 874.0 us against 1002.2 / 1005.6 for cuBLAS (the o
@@ -628,7 +633,21 @@ class FusedDecoder:
                 with self._norm_swiglu_launch():
                     activation = swiglu(gate_up)
             assert residual is not None
-            if splits:
+            down_setting = self._skinny("down_residual", activation) if splits else None
+            if down_setting is not None:
+                # The residual add in the down projection's epilogue (its split-K slices summed
+                # in the launch), then the next norm alone: a PDL launch either way.
+                norm = layers[index + 1][0].input_norm if index + 1 < len(layers) else None
+                norm = model.final_norm if norm is None else norm
+                residual = skinny_gemm(
+                    activation,
+                    layer.mlp.down_proj.weight,
+                    residual=residual,
+                    config=down_setting[0],
+                )
+                with self._norm_swiglu_launch():
+                    normed = (decode_rms_norm(residual, norm.weight, norm.eps), residual)
+            elif splits:
                 norm = layers[index + 1][0].input_norm if index + 1 < len(layers) else None
                 norm = model.final_norm if norm is None else norm
                 partials = self._down_partials(activation, layer.mlp.down_proj.weight, splits)
