@@ -156,7 +156,7 @@ NORMED_SWIGLU_PDL = True
 with PDL too (it takes part since session 15: it starts while the gate/up projection drains,
 and a down ``skinny_gemm`` behind it may request its weights meanwhile)."""
 
-PREFETCH_AHEAD: tuple[str, ...] = ("gate_up", "down")
+PREFETCH_AHEAD: tuple[str, ...] = ()
 """Weights that an earlier :data:`SKINNY_GEMM` projection of the same layer requests into L2
 (``skinny_gemm(prefetch_next=)``) in steps of up to :data:`SKINNY_GEMM_MAX_ROWS` tokens:
 ``"gate_up"`` by the q/k/v projection (its 18 programs are latency-bound; the attention and the
