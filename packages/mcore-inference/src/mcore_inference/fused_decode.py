@@ -626,7 +626,12 @@ class FusedDecoder:
                         config=swiglu_setting[0],
                     )
                 else:
-                    gate_up = self._linear("gate_up", residual, fused.gate_up_folded)
+                    down_by_gate_up = None
+                    if "down_by_gate_up" in PREFETCH_AHEAD:
+                        down_by_gate_up = layer.mlp.down_proj.weight
+                    gate_up = self._linear(
+                        "gate_up", residual, fused.gate_up_folded, prefetch_next=down_by_gate_up
+                    )
                     with self._norm_swiglu_launch(NORMED_SWIGLU_PDL):
                         activation = normed_swiglu(gate_up, residual, norm.eps)
             else:
