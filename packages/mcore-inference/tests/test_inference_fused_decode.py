@@ -392,7 +392,6 @@ def test_folded_norm_kernels_in_graphs_match_eager_on_gpu(monkeypatch, dtype):
         ("qkv", "gate_up", "down"),
         ("qkv_rope", "gate_up_swiglu", "down"),
         ("qkv_rope", "gate_up", "down_residual"),
-        ("qkv_rope_norm", "gate_up", "down_residual"),
     ],
 )
 def test_skinny_gemm_projections_generate_what_the_model_forward_generates(
@@ -402,16 +401,13 @@ def test_skinny_gemm_projections_generate_what_the_model_forward_generates(
     # the cache write in its epilogue for "qkv_rope"), o, gate/up (with the SwiGLU and the
     # norm's row scale in its epilogue for "gate_up_swiglu"), the down partials and the LM
     # head as skinny_gemm (its torch reference on the CPU; the kernel has tests of its own);
-    # "down_residual": the down projection adds the residual stream, the next norm runs alone;
-    # "qkv_rope_norm" with it: that norm folded into the q/k/v weight and epilogue instead.
+    # "down_residual": the down projection adds the residual stream, the next norm runs alone.
     from mcore_kernels.skinny_gemm import SkinnyGemmConfig
 
     config = GPTConfig.from_name("tiny", vocab_size=64, seed=8, head_dim=32)
     model = GPTModel(config).eval()
     setting = (SkinnyGemmConfig(block_k=32), 3)
-    skinny = dict.fromkeys(
-        ("qkv", "qkv_rope", "qkv_rope_norm", "gate_up", "gate_up_swiglu", "down_residual")
-    )
+    skinny = dict.fromkeys(("qkv", "qkv_rope", "gate_up", "gate_up_swiglu", "down_residual"))
     skinny.update({qkv: setting, mlp: setting, "o": setting, "down": setting})
     skinny[down] = (SkinnyGemmConfig(block_k=32, k_splits=2), 1) if down != "down" else setting
     skinny["lm_head"] = setting
@@ -427,8 +423,7 @@ def test_skinny_gemm_projections_generate_what_the_model_forward_generates(
 
     monkeypatch.setattr(fused_decode, "skinny_gemm", spy)
     actual = _generate(model, fused=True)
-    assert any(k.get("rope") is not None for _, k in calls) == (qkv != "qkv")
-    assert any(k.get("rope_norm_eps") is not None for _, k in calls) == (qkv == "qkv_rope_norm")
+    assert any(k.get("rope") is not None for _, k in calls) == (qkv == "qkv_rope")
     assert any(k.get("swiglu_norm_eps") is not None for _, k in calls) == (mlp == "gate_up_swiglu")
     if down == "down":
         assert any(k.get("splits", 1) == 3 for _, k in calls), "the down partials"

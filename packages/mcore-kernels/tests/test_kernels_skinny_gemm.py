@@ -16,7 +16,7 @@ import pytest
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
 from mcore_kernels.normed_swiglu import normed_swiglu_reference
-from mcore_kernels.reference import normed_qkv_reference, rotary_kv_write_reference
+from mcore_kernels.reference import rotary_kv_write_reference
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 from mcore_kernels.skinny_gemm import SkinnyGemmConfig, skinny_gemm, skinny_gemm_reference
 
@@ -120,15 +120,10 @@ def test_k_splits_sum_the_slices_in_one_launch(k_splits):
         skinny_gemm(x, torch.cat([weight, weight]), swiglu_norm_eps=1e-6, config=config)
     with pytest.raises(KernelValueError, match="k_splits"):
         skinny_gemm(x, weight, config=SkinnyGemmConfig(k_splits=0))
-    with pytest.raises(KernelValueError, match="rope_norm_eps"):
-        skinny_gemm(x, weight, rope_norm_eps=1e-6)
 
 
-@pytest.mark.parametrize(
-    ("bias", "k_splits", "norm"),
-    [(False, 1, False), (True, 1, False), (True, 2, False), (True, 1, True)],
-)
-def test_rope_epilogue_rotates_queries_and_keys_and_writes_the_cache(bias, k_splits, norm):
+@pytest.mark.parametrize(("bias", "k_splits"), [(False, 1), (True, 1), (True, 2)])
+def test_rope_epilogue_rotates_queries_and_keys_and_writes_the_cache(bias, k_splits):
     tokens, q_heads, kv_heads, head_dim, inputs = 7, 4, 2, 64, 128
     x, weight, bias_values, _ = _inputs(tokens, (q_heads + 2 * kv_heads) * head_dim, inputs, 4)
     g = torch.Generator().manual_seed(5)
@@ -149,13 +144,9 @@ def test_rope_epilogue_rotates_queries_and_keys_and_writes_the_cache(bias, k_spl
     actual, expected = rope(), rope()
     b = bias_values if bias else None
     config = SkinnyGemmConfig(block_n=64, block_k=64, num_stages=2, k_splits=k_splits)
-    eps = 1e-5 if norm else None
-    q = skinny_gemm(x, weight, bias=b, rope=actual, rope_norm_eps=eps, config=config)
+    q = skinny_gemm(x, weight, bias=b, rope=actual, config=config)
     # The unfused path: the projection rounded, then the RoPE + cache-write kernel's reference.
     qkv = (x.float() @ weight.float().T + (b.float() if bias else 0.0)).half()
-    if norm:
-        # The folded norm: the rounded product, scaled by each row's rstd, plus the bias.
-        qkv = normed_qkv_reference((x.float() @ weight.float().T).half(), x, 1e-5, b)
     parts = expected.split(qkv)
     reference_q = rotary_kv_write_reference(
         *parts, expected.cos, expected.sin, expected.k_cache, expected.v_cache, slots

@@ -194,7 +194,6 @@ SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {
     "o": _SKINNY_SMALL,
     "gate_up": (SkinnyGemmConfig(block_n=64, block_k=64, num_stages=4, prefetch=True), 1),
     "gate_up_swiglu": None,
-    "qkv_rope_norm": None,
     "down_residual": None,
     "down": None,
     "lm_head": None,
@@ -211,10 +210,7 @@ the norm's row scale in its epilogue, no ``normed_swiglu`` launch. ``down_residu
 ``down``; steps on the split-K path): the down projection with the residual stream added in its
 epilogue (``SkinnyGemmConfig.k_splits`` programs per tile sum their K slices in the launch),
 then the next RMSNorm alone (:func:`mcore_kernels.decode_rms_norm.decode_rms_norm`) instead of
-the float32 partials and the split-K sum + add + norm. ``qkv_rope_norm`` (with
-``down_residual``): the q/k/v projection of ``qkv_rope`` reading the residual stream with the
-input norm folded into its weight (:data:`QKV_NORM_IN_WEIGHTS`' copy) and each row's ``rstd``
-applied in its epilogue (``skinny_gemm(rope_norm_eps=)``): no norm launch between the layers.
+the float32 partials and the split-K sum + add + norm.
 
 Defaults (one H200, Qwen2.5-0.5B shape, 64 rows, captured step at context 160, same run):
 ``qkv_rope`` and ``o`` 873.2 / 874.0 us against 1002.2 / 1005.6 for cuBLAS (the o
@@ -565,22 +561,12 @@ class FusedDecoder:
         splits = self._down_splits(hidden.shape[0])
         o_splits = self._o_splits(hidden.shape[0])
         fold_qkv = not splits and all(fused.qkv_folded is not None for _, fused in layers)
-        norm_in_qkv = self._skinny_norm_in_qkv(hidden, splits, o_splits)
         normed: tuple[torch.Tensor, torch.Tensor] | None = None
         for index, (layer, fused) in enumerate(layers):
             attention = layer.self_attention
-            ahead = None
-            if "gate_up" in PREFETCH_AHEAD and fused.gate_up_folded is not None:
-                ahead = fused.gate_up_folded
             if fold_qkv:
                 residual = hidden if residual is None else residual
                 out = self._folded_qkv_attention(layer, fused, residual, cos, sin, kv_cache)
-            elif norm_in_qkv is not None:
-                # The input norm folded into the q/k/v weight and the epilogue's row scale.
-                residual = hidden if residual is None else residual
-                out = self._skinny_qkv_attention(
-                    layer, fused, residual, cos, sin, kv_cache, norm_in_qkv, ahead, normed=True
-                )
             else:
                 if normed is not None:
                     # The previous layer's down projection already added and normed its output.
@@ -589,6 +575,9 @@ class FusedDecoder:
                     with self._norm_swiglu_launch():
                         x, residual = add_rms_norm(layer.input_norm, hidden, residual)
                 rope_setting = self._skinny("qkv_rope", x)
+                ahead = None
+                if "gate_up" in PREFETCH_AHEAD and fused.gate_up_folded is not None:
+                    ahead = fused.gate_up_folded
                 head_dim = attention.head_dim
                 if (
                     rope_setting is not None
@@ -661,9 +650,8 @@ class FusedDecoder:
                     residual=residual,
                     config=down_setting[0],
                 )
-                if norm_in_qkv is None:
-                    with self._norm_swiglu_launch():
-                        normed = (decode_rms_norm(residual, norm.weight, norm.eps), residual)
+                with self._norm_swiglu_launch():
+                    normed = (decode_rms_norm(residual, norm.weight, norm.eps), residual)
             elif splits:
                 norm = layers[index + 1][0].input_norm if index + 1 < len(layers) else None
                 norm = model.final_norm if norm is None else norm
@@ -679,10 +667,6 @@ class FusedDecoder:
         with self._norm_swiglu_launch():
             if fold_qkv:
                 return model.final_norm(residual)
-            if norm_in_qkv is not None:
-                assert residual is not None
-                final = model.final_norm
-                return decode_rms_norm(residual, final.weight, final.eps)
             hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden
 
@@ -736,13 +720,10 @@ class FusedDecoder:
         kv_cache: PagedKVCache,
         config: SkinnyGemmConfig,
         prefetch_next: torch.Tensor | None = None,
-        *,
-        normed: bool = False,
     ) -> torch.Tensor:
         """The q/k/v projection with RoPE and the cache write in its epilogue
         (:func:`skinny_gemm` with ``rope=``; it requests ``prefetch_next`` into L2), then the
-        attention of the stored keys. ``normed``: ``x`` is the residual stream, the weight the
-        input-norm-folded copy, and the epilogue scales each row by its ``rstd``."""
+        attention of the stored keys."""
         attention = layer.self_attention
         keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
         rope = RotaryCacheWrite(
@@ -753,44 +734,17 @@ class FusedDecoder:
             slot_mapping=slots,
             num_q_heads=fused.split[0] // attention.head_dim,
         )
-        weight = fused.qkv_folded if normed else fused.qkv_weight
-        assert weight is not None
         q = skinny_gemm(
             x,
-            weight,
+            fused.qkv_weight,
             bias=fused.qkv_bias,
             rope=rope,
-            rope_norm_eps=layer.input_norm.eps if normed else None,
             prefetch_next=prefetch_next,
             config=config,
         )
         return kv_cache.attend_stored_keys(
             layer.layer_idx, q.unflatten(-1, (-1, attention.head_dim)), scale=attention.scale
         )
-
-    def _skinny_norm_in_qkv(
-        self, hidden: torch.Tensor, splits: int, o_splits: int
-    ) -> SkinnyGemmConfig | None:
-        """The ``qkv_rope_norm`` tile shape where this step folds every input norm into the
-        q/k/v ``skinny_gemm`` (:data:`SKINNY_GEMM`): the down projections add the residual
-        (``down_residual``) and the o projections too, every layer has the folded q/k/v copy,
-        no QK-norm and a power-of-two head size of at least 32; else None."""
-        setting = self._skinny("qkv_rope_norm", hidden)
-        if setting is None or not splits or o_splits:
-            return None
-        if self._skinny("down_residual", hidden) is None:
-            return None
-        for layer, fused in zip(self.model.layers, self._layers, strict=True):
-            head_dim = layer.self_attention.head_dim
-            if (
-                fused.qkv_folded is None
-                or fused.gate_up_folded is None
-                or layer.self_attention.q_norm is not None
-                or head_dim < 32
-                or head_dim & (head_dim - 1)
-            ):
-                return None
-        return setting[0]
 
     def _down_partials(self, x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
         """float32 split-K partials of the down projection (cuBLAS's batched GEMM, or

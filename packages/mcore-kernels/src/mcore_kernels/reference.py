@@ -676,7 +676,6 @@ def skinny_gemm_reference(
     splits: int = 1,
     rope: RotaryCacheWrite | None = None,
     block_k: int | None = None,
-    norm_eps: float | None = None,
 ) -> torch.Tensor:
     """Torch reference of :func:`skinny_gemm` (float32 products, the same roundings).
 
@@ -689,9 +688,6 @@ def skinny_gemm_reference(
             :func:`skinny_gemm`); 1: one rounded output.
         rope: RoPE and the cache write of a q/k/v projection (see :func:`skinny_gemm`).
         block_k: The K block of the slices (None: :class:`SkinnyGemmConfig`'s default).
-        norm_eps: With ``rope``: the rounded product scaled by each row's ``rstd(x)`` before
-            the bias (``rope_norm_eps`` of :func:`skinny_gemm`, see
-            :func:`normed_qkv_reference`).
 
     Returns:
         ``[M, N]`` in the dtype of ``x``, float32 ``[splits, M, N]``, or with ``rope`` the
@@ -700,10 +696,7 @@ def skinny_gemm_reference(
     from mcore_kernels.skinny_gemm import SkinnyGemmConfig, _split_bounds
 
     if rope is not None:
-        if norm_eps is not None:
-            qkv = normed_qkv_reference(skinny_gemm_reference(x, weight), x, norm_eps, bias)
-        else:
-            qkv = skinny_gemm_reference(x, weight, bias=bias)
+        qkv = skinny_gemm_reference(x, weight, bias=bias)
         q, k, v = rope.split(qkv)
         rotated = rotary_kv_write_reference(
             q, k, v, rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slot_mapping

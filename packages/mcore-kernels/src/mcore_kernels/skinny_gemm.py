@@ -94,18 +94,12 @@ def _rope_epilogue(
     HAS_BIAS: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
-    rstd,
-    ROW_NORM: tl.constexpr,
 ):
     """One head's ``[D, tokens]`` product: round (plus bias) like the projection output, then
-    rotate and store the query, or rotate and store the key, or store the value. With
-    ``ROW_NORM`` the rounded product is scaled by each token's ``rstd`` first (the input norm
-    folded into the weight), as :func:`mcore_kernels.normed_rotary_kv_write` finishes it."""
+    rotate and store the query, or rotate and store the key, or store the value."""
     dtype = q_ptr.dtype.element_ty
     HALF: tl.constexpr = HEAD_DIM // 2
     channels = tl.arange(0, HEAD_DIM)
-    if ROW_NORM:
-        acc = acc.to(dtype).to(tl.float32) * rstd[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + head * HEAD_DIM + channels).to(tl.float32)[:, None]
     values = acc.to(dtype)
@@ -196,7 +190,6 @@ def skinny_gemm_kernel(
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     SWIGLU: tl.constexpr,
-    ROW_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
     NEXT_CHUNK: tl.constexpr,
     NEXT_EARLY: tl.constexpr,
@@ -232,11 +225,9 @@ def skinny_gemm_kernel(
         x = x_desc.load([m0, k])
         acc = tl.dot(w, tl.trans(x), acc)
         if SWIGLU:
-            # The up rows of the same features.
+            # The up rows of the same features, and the rows' sum of squares for the norm.
             w_up = w_desc.load([outputs + n0, k])
             acc_up = tl.dot(w_up, tl.trans(x), acc_up)
-        if SWIGLU or ROW_NORM:
-            # The rows' sum of squares for the folded norm's rstd.
             h = x.to(tl.float32)
             squares += tl.sum(h * h, axis=1)
     if NEXT_CHUNK > 0 and not NEXT_EARLY:
@@ -269,9 +260,6 @@ def skinny_gemm_kernel(
             # Reset for the next launch (graph replays reuse the tickets).
             tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
         rows = tl.where(arrived == TICKET_SPLITS - 1, rows, 0)
-    rstd = squares
-    if SWIGLU or ROW_NORM:
-        rstd = 1.0 / tl.sqrt(squares / inputs + norm_eps)
     result = tl.trans(acc)
     offs_m = m0 + tl.arange(0, BLOCK_M)[:, None]
     offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]
@@ -301,11 +289,10 @@ def skinny_gemm_kernel(
             HAS_BIAS,
             NUM_Q_HEADS,
             NUM_KV_HEADS,
-            rstd,
-            ROW_NORM,
         )
     elif SWIGLU:
         # normed_swiglu of the rounded products: silu(r * gate) * (r * up), r the row's rstd.
+        rstd = 1.0 / tl.sqrt(squares / inputs + norm_eps)
         dtype = out_ptr.dtype.element_ty
         gate = result.to(dtype).to(tl.float32) * rstd[:, None]
         up = tl.trans(acc_up).to(dtype).to(tl.float32) * rstd[:, None]
@@ -419,13 +406,13 @@ def _check_rope(
         raise KernelShapeError("rope.cos and rope.sin must have a contiguous last dimension")
 
 
-def _check_k_splits(config: SkinnyGemmConfig | None, splits: int, normed: bool) -> None:
+def _check_k_splits(config: SkinnyGemmConfig | None, splits: int, swiglu: bool) -> None:
     k_splits = 1 if config is None else config.k_splits
     if k_splits < 1:
         raise KernelValueError(f"config.k_splits={k_splits}; expected at least 1")
-    if k_splits > 1 and (splits > 1 or normed):
+    if k_splits > 1 and (splits > 1 or swiglu):
         raise KernelValueError(
-            f"config.k_splits={k_splits} takes neither splits > 1 nor a norm eps"
+            f"config.k_splits={k_splits} takes neither splits > 1 nor swiglu_norm_eps"
         )
 
 
@@ -453,7 +440,6 @@ def skinny_gemm(
     splits: int = 1,
     rope: RotaryCacheWrite | None = None,
     swiglu_norm_eps: float | None = None,
-    rope_norm_eps: float | None = None,
     prefetch_next: torch.Tensor | None = None,
     config: SkinnyGemmConfig | None = None,
 ) -> torch.Tensor:
@@ -477,11 +463,6 @@ def skinny_gemm(
             epsilon, ``[M, F]`` (each program multiplies ``block_n`` gate and the same up rows
             and sums the squares of its input rows for the norm's ``rstd``); no bias, residual
             or rope, one split.
-        rope_norm_eps: With ``rope``, for a q/k/v weight with the input RMSNorm weight folded
-            in: scale each token's rounded product by ``rstd(x)`` (this epsilon; the squares
-            summed from the input tiles the program streams) before the bias, as
-            :func:`mcore_kernels.normed_rotary_kv_write.normed_rotary_kv_write` finishes it
-            (``x`` is then the un-normalised residual stream); ``config.k_splits`` 1.
         prefetch_next: Optional contiguous tensor (the next projection's weight) whose
             128-byte lines the programs request into L2, each a consecutive share, after
             their main loop (or, with ``config.prefetch_next_early`` under PDL, before
@@ -504,11 +485,8 @@ def skinny_gemm(
     overrides, as for the other kernels; the Triton path takes 16-bit dtypes only).
     """
     swiglu = swiglu_norm_eps is not None
-    rope_norm = rope_norm_eps is not None
-    eps = float(swiglu_norm_eps if swiglu_norm_eps is not None else rope_norm_eps or 0.0)
-    _check_k_splits(config, splits, swiglu or rope_norm)
-    if rope_norm and rope is None:
-        raise KernelValueError("rope_norm_eps needs rope=")
+    eps = 0.0 if swiglu_norm_eps is None else float(swiglu_norm_eps)
+    _check_k_splits(config, splits, swiglu)
     if not use_triton(x, weight):
         _check(x, weight, bias, residual, splits, triton_path=False)
         if rope is not None:
@@ -518,14 +496,7 @@ def skinny_gemm(
             return normed_swiglu_reference(skinny_gemm_reference(x, weight), x, eps)
         block_k = min((config or SkinnyGemmConfig()).block_k, max(16, next_power_of_2(x.shape[1])))
         return skinny_gemm_reference(
-            x,
-            weight,
-            bias=bias,
-            residual=residual,
-            splits=splits,
-            rope=rope,
-            block_k=block_k,
-            norm_eps=rope_norm_eps,
+            x, weight, bias=bias, residual=residual, splits=splits, rope=rope, block_k=block_k
         )
     if triton is None:
         raise KernelBackendError("skinny_gemm needs triton")
@@ -632,7 +603,6 @@ def skinny_gemm(
             NUM_Q_HEADS=heads[0],
             NUM_KV_HEADS=heads[1],
             SWIGLU=swiglu,
-            ROW_NORM=rope_norm,
             USE_PDL=use_pdl,
             NEXT_CHUNK=next_chunk,
             NEXT_EARLY=config.prefetch_next_early and use_pdl,
