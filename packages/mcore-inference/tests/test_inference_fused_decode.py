@@ -313,18 +313,20 @@ def test_decode_pdl_gives_the_same_tokens_and_logprobs_on_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_norm_swiglu_pdl_and_split_k_launches_change_nothing_on_gpu(monkeypatch):
     # Three prompts: the decode steps of three tokens run the cuBLAS layers, with the norm,
-    # SwiGLU and split-K sum kernels launched with or without PDL: the same bits either way.
+    # SwiGLU and split-K sum kernels (and normed_swiglu: NORMED_SWIGLU_PDL) launched with or
+    # without PDL: the same bits either way.
     model = _model(5, bias_and_qk_norm=False).cuda().to(torch.bfloat16)
     for splits in (0, 4):
         results = []
-        for norm_pdl in (False, True):
+        for norm_pdl, normed_pdl in ((False, False), (True, False), (True, True)):
             monkeypatch.setattr(fused_decode, "NORM_SWIGLU_PDL", norm_pdl)
+            monkeypatch.setattr(fused_decode, "NORMED_SWIGLU_PDL", normed_pdl)
             monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (splits, 64))
             monkeypatch.setattr(fused_decode, "O_PROJ_SPLITS", (splits // 2, 64))
             with _engine(model, fused=True) as engine:
                 outputs = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
                 results.append(outputs)
-        assert results[0] == results[1]
+        assert results[0] == results[1] == results[2]
 
 
 def _graph_and_eager_generations(model, check=None):
@@ -386,30 +388,19 @@ def test_folded_norm_kernels_in_graphs_match_eager_on_gpu(monkeypatch, dtype):
         _assert_same_tokens_close_logprobs(*results)
 
 
-@pytest.mark.parametrize(
-    ("qkv", "mlp", "down"),
-    [
-        ("qkv", "gate_up", "down"),
-        ("qkv_rope", "gate_up_swiglu", "down"),
-        ("qkv_rope", "gate_up", "down_residual"),
-    ],
-)
-def test_skinny_gemm_projections_generate_what_the_model_forward_generates(
-    monkeypatch, qkv, mlp, down
-):
+@pytest.mark.parametrize(("qkv", "mlp"), [("qkv", "gate_up"), ("qkv_rope", "gate_up_swiglu")])
+def test_skinny_gemm_projections_generate_what_the_model_forward_generates(monkeypatch, qkv, mlp):
     # SKINNY_GEMM: the decode steps of the three prompts (three rows) run q/k/v (with RoPE and
     # the cache write in its epilogue for "qkv_rope"), o, gate/up (with the SwiGLU and the
     # norm's row scale in its epilogue for "gate_up_swiglu"), the down partials and the LM
-    # head as skinny_gemm (its torch reference on the CPU; the kernel has tests of its own);
-    # "down_residual": the down projection adds the residual stream, the next norm runs alone.
+    # head as skinny_gemm (its torch reference on the CPU; the kernel has tests of its own).
     from mcore_kernels.skinny_gemm import SkinnyGemmConfig
 
     config = GPTConfig.from_name("tiny", vocab_size=64, seed=8, head_dim=32)
     model = GPTModel(config).eval()
     setting = (SkinnyGemmConfig(block_k=32), 3)
-    skinny = dict.fromkeys(("qkv", "qkv_rope", "gate_up", "gate_up_swiglu", "down_residual"))
+    skinny = dict.fromkeys(("qkv", "qkv_rope", "gate_up", "gate_up_swiglu"))
     skinny.update({qkv: setting, mlp: setting, "o": setting, "down": setting})
-    skinny[down] = (SkinnyGemmConfig(block_k=32, k_splits=2), 1) if down != "down" else setting
     skinny["lm_head"] = setting
     monkeypatch.setattr(fused_decode, "SKINNY_GEMM", skinny)
     monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (4, 64))
@@ -425,11 +416,7 @@ def test_skinny_gemm_projections_generate_what_the_model_forward_generates(
     actual = _generate(model, fused=True)
     assert any(k.get("rope") is not None for _, k in calls) == (qkv == "qkv_rope")
     assert any(k.get("swiglu_norm_eps") is not None for _, k in calls) == (mlp == "gate_up_swiglu")
-    if down == "down":
-        assert any(k.get("splits", 1) == 3 for _, k in calls), "the down partials"
-    else:
-        ffn = config.ffn_hidden_size
-        assert any(s[1] == ffn and k.get("residual") is not None for s, k in calls), "the down"
+    assert any(k.get("splits", 1) == 3 for _, k in calls), "the down partials"
     assert any(shape[0] == config.vocab_size for shape, _ in calls), "the LM head"
     _assert_same_generations(actual, _generate(model, fused=False))
 

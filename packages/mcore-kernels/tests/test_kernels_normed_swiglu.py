@@ -70,3 +70,19 @@ def test_shape_and_dtype_errors_name_the_argument():
         normed_swiglu(torch.zeros(2, 8), torch.zeros(3, 8), 1e-6)
     with pytest.raises(KernelDtypeError, match=r"gate_up\.dtype"):
         normed_swiglu(torch.zeros(2, 8, dtype=torch.int32), x, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pdl_launch_changes_no_bit_on_gpu():
+    from mcore_kernels.pdl import programmatic_dependent_launch
+
+    torch.manual_seed(0)
+    gate_up = torch.randn(64, 2 * 4864, device="cuda").to(torch.bfloat16)
+    x = (3.0 * torch.randn(64, 896, device="cuda")).to(torch.bfloat16)
+    plain = normed_swiglu(gate_up, x, 1e-6)
+    with programmatic_dependent_launch(True):
+        early = normed_swiglu(gate_up, x, 1e-6)
+    assert torch.equal(plain, early)
+    expected = normed_swiglu_reference(gate_up, x, 1e-6)
+    torch.testing.assert_close(plain.float(), expected.float(), atol=2e-2, rtol=1.6e-2)

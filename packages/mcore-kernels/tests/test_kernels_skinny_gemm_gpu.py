@@ -81,34 +81,3 @@ def test_rope_and_swiglu_epilogues_match_torch():
     activation = skinny_gemm(x, gate_up, swiglu_norm_eps=1e-6, config=CONFIG)
     product = (x.float() @ gate_up.float().T).bfloat16()
     _close(activation, normed_swiglu_reference(product, x, 1e-6))
-
-
-@pytest.mark.parametrize("early", [False, True])
-def test_prefetch_next_changes_no_bit(early):
-    torch.manual_seed(2)
-    x = _tensor(ROWS, HIDDEN)
-    weight = _tensor(HIDDEN, HIDDEN, scale=HIDDEN**-0.5)
-    residual = _tensor(ROWS, HIDDEN)
-    following = _tensor(2 * FFN, HIDDEN)
-    config = SkinnyGemmConfig(
-        block_n=64, block_k=128, num_stages=4, prefetch=True, prefetch_next_early=early
-    )
-    with programmatic_dependent_launch(True):
-        plain = skinny_gemm(x, weight, residual=residual, config=config)
-        ahead = skinny_gemm(x, weight, residual=residual, prefetch_next=following, config=config)
-    assert torch.equal(plain, ahead)
-
-
-@pytest.mark.parametrize("k_splits", [2, 3])
-def test_k_splits_match_torch_and_repeat_bitwise(k_splits):
-    torch.manual_seed(3)
-    x = _tensor(ROWS, FFN)
-    weight = _tensor(HIDDEN, FFN, scale=FFN**-0.5)
-    residual = _tensor(ROWS, HIDDEN)
-    config = SkinnyGemmConfig(
-        block_n=64, block_k=128, num_stages=4, prefetch=True, k_splits=k_splits
-    )
-    with programmatic_dependent_launch(True):
-        outs = [skinny_gemm(x, weight, residual=residual, config=config) for _ in range(3)]
-    _close(outs[0], (x.float() @ weight.float().T + residual.float()).bfloat16())
-    assert all(torch.equal(outs[0], out) for out in outs[1:])

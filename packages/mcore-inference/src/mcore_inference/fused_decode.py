@@ -83,7 +83,6 @@ __all__ = [
     "NORM_SWIGLU_PDL",
     "NORMED_SWIGLU_PDL",
     "O_PROJ_SPLITS",
-    "PREFETCH_AHEAD",
     "QKV_NORM_IN_WEIGHTS",
     "RESIDUAL_ADD_IN_PLACE",
     "SKINNY_GEMM",
@@ -153,15 +152,10 @@ against 71.5-71.6k tok/s)."""
 
 NORMED_SWIGLU_PDL = True
 """Whether the ``normed_swiglu`` kernel of the steps under :data:`NORM_SWIGLU_PDL` is launched
-with PDL too (it takes part since session 15: it starts while the gate/up projection drains,
-and a down ``skinny_gemm`` behind it may request its weights meanwhile)."""
-
-PREFETCH_AHEAD: tuple[str, ...] = ()
-"""Weights that an earlier :data:`SKINNY_GEMM` projection of the same layer requests into L2
-(``skinny_gemm(prefetch_next=)``) in steps of up to :data:`SKINNY_GEMM_MAX_ROWS` tokens:
-``"gate_up"`` by the q/k/v projection (its 18 programs are latency-bound; the attention and the
-o projection run while the 17 MB arrive), ``"down"`` by the o projection. The projections then
-read their weights from L2. Only where the requesting projection runs as ``skinny_gemm``."""
+with PDL too (it takes part since session 15): it starts while the gate/up projection drains
+and lets the down projection start likewise. One H200, Qwen2.5-0.5B shape, captured 64-row
+step: 820.0-824.1 against 831.1-844.1 us at context 160 and 918.9-920.1 against 931.2-931.7 at
+288 (rounds 0-1 of session 15; engine 75.7-76.1k against 74.2-75.0k tok/s in the same runs)."""
 
 MLP_NORM_IN_WEIGHTS = True
 """Steps of more than ``gemv_max_rows`` tokens drop the post-attention add + RMSNorm launch:
@@ -194,7 +188,6 @@ SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {
     "o": _SKINNY_SMALL,
     "gate_up": (SkinnyGemmConfig(block_n=64, block_k=64, num_stages=4, prefetch=True), 1),
     "gate_up_swiglu": None,
-    "down_residual": None,
     "down": None,
     "lm_head": None,
 }
@@ -206,11 +199,7 @@ without QK-norm; before ``qkv``): the q/k/v projection with RoPE and the cache w
 epilogue, no ``rotary_kv_write`` launch. ``lm_head``: :meth:`FusedDecoder.compute_logits` of
 more than ``lm_head_gemv_max_rows`` rows. ``gate_up_swiglu`` (before ``gate_up``; the
 norm-folded MLP of :data:`MLP_NORM_IN_WEIGHTS`): the gate/up projection with the SwiGLU and
-the norm's row scale in its epilogue, no ``normed_swiglu`` launch. ``down_residual`` (before
-``down``; steps on the split-K path): the down projection with the residual stream added in its
-epilogue (``SkinnyGemmConfig.k_splits`` programs per tile sum their K slices in the launch),
-then the next RMSNorm alone (:func:`mcore_kernels.decode_rms_norm.decode_rms_norm`) instead of
-the float32 partials and the split-K sum + add + norm.
+the norm's row scale in its epilogue, no ``normed_swiglu`` launch.
 
 Defaults (one H200, Qwen2.5-0.5B shape, 64 rows, captured step at context 160, same run):
 ``qkv_rope`` and ``o`` 873.2 / 874.0 us against 1002.2 / 1005.6 for cuBLAS (the o
@@ -575,9 +564,6 @@ class FusedDecoder:
                     with self._norm_swiglu_launch():
                         x, residual = add_rms_norm(layer.input_norm, hidden, residual)
                 rope_setting = self._skinny("qkv_rope", x)
-                ahead = None
-                if "gate_up" in PREFETCH_AHEAD and fused.gate_up_folded is not None:
-                    ahead = fused.gate_up_folded
                 head_dim = attention.head_dim
                 if (
                     rope_setting is not None
@@ -586,24 +572,17 @@ class FusedDecoder:
                     and head_dim & (head_dim - 1) == 0
                 ):
                     out = self._skinny_qkv_attention(
-                        layer, fused, x, cos, sin, kv_cache, rope_setting[0], ahead
+                        layer, fused, x, cos, sin, kv_cache, rope_setting[0]
                     )
                 else:
-                    qkv = self._linear(
-                        "qkv", x, fused.qkv_weight, fused.qkv_bias, prefetch_next=ahead
-                    )
+                    qkv = self._linear("qkv", x, fused.qkv_weight, fused.qkv_bias)
                     out = self._attend_qkv(layer, fused, qkv, cos, sin, kv_cache)
             norm = layer.post_attention_norm
             if fused.gate_up_folded is not None and not o_splits and residual is not None:
                 # The residual add in the o projection's GEMM, the norm in the gate/up weight
                 # and the SwiGLU's row scale (MLP_NORM_IN_WEIGHTS): no norm launch.
-                down_ahead = layer.mlp.down_proj.weight if "down" in PREFETCH_AHEAD else None
                 residual = self._linear(
-                    "o",
-                    out.flatten(-2),
-                    attention.o_proj.weight,
-                    residual=residual,
-                    prefetch_next=down_ahead,
+                    "o", out.flatten(-2), attention.o_proj.weight, residual=residual
                 )
                 swiglu_setting = self._skinny("gate_up_swiglu", residual)
                 if swiglu_setting is not None:
@@ -615,12 +594,7 @@ class FusedDecoder:
                         config=swiglu_setting[0],
                     )
                 else:
-                    down_by_gate_up = None
-                    if "down_by_gate_up" in PREFETCH_AHEAD:
-                        down_by_gate_up = layer.mlp.down_proj.weight
-                    gate_up = self._linear(
-                        "gate_up", residual, fused.gate_up_folded, prefetch_next=down_by_gate_up
-                    )
+                    gate_up = self._linear("gate_up", residual, fused.gate_up_folded)
                     with self._norm_swiglu_launch(NORMED_SWIGLU_PDL):
                         activation = normed_swiglu(gate_up, residual, norm.eps)
             else:
@@ -638,21 +612,7 @@ class FusedDecoder:
                 with self._norm_swiglu_launch():
                     activation = swiglu(gate_up)
             assert residual is not None
-            down_setting = self._skinny("down_residual", activation) if splits else None
-            if down_setting is not None:
-                # The residual add in the down projection's epilogue (its split-K slices summed
-                # in the launch), then the next norm alone: a PDL launch either way.
-                norm = layers[index + 1][0].input_norm if index + 1 < len(layers) else None
-                norm = model.final_norm if norm is None else norm
-                residual = skinny_gemm(
-                    activation,
-                    layer.mlp.down_proj.weight,
-                    residual=residual,
-                    config=down_setting[0],
-                )
-                with self._norm_swiglu_launch():
-                    normed = (decode_rms_norm(residual, norm.weight, norm.eps), residual)
-            elif splits:
+            if splits:
                 norm = layers[index + 1][0].input_norm if index + 1 < len(layers) else None
                 norm = model.final_norm if norm is None else norm
                 partials = self._down_partials(activation, layer.mlp.down_proj.weight, splits)
@@ -691,20 +651,11 @@ class FusedDecoder:
         bias: torch.Tensor | None = None,
         *,
         residual: torch.Tensor | None = None,
-        prefetch_next: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``residual + x @ weight.T + bias`` by cuBLAS or :func:`skinny_gemm` (:data:`SKINNY_GEMM`;
-        it requests ``prefetch_next`` into L2, see :data:`PREFETCH_AHEAD`)."""
+        """``residual + x @ weight.T + bias`` by cuBLAS or :func:`skinny_gemm` (:data:`SKINNY_GEMM`)."""
         setting = self._skinny(name, x)
         if setting is not None:
-            return skinny_gemm(
-                x,
-                weight,
-                bias=bias,
-                residual=residual,
-                prefetch_next=prefetch_next,
-                config=setting[0],
-            )
+            return skinny_gemm(x, weight, bias=bias, residual=residual, config=setting[0])
         if residual is not None:
             out = _add_product(residual, x, weight)
             return out if bias is None else out + bias
@@ -719,11 +670,9 @@ class FusedDecoder:
         sin: torch.Tensor,
         kv_cache: PagedKVCache,
         config: SkinnyGemmConfig,
-        prefetch_next: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The q/k/v projection with RoPE and the cache write in its epilogue
-        (:func:`skinny_gemm` with ``rope=``; it requests ``prefetch_next`` into L2), then the
-        attention of the stored keys."""
+        (:func:`skinny_gemm` with ``rope=``), then the attention of the stored keys."""
         attention = layer.self_attention
         keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
         rope = RotaryCacheWrite(
@@ -734,14 +683,7 @@ class FusedDecoder:
             slot_mapping=slots,
             num_q_heads=fused.split[0] // attention.head_dim,
         )
-        q = skinny_gemm(
-            x,
-            fused.qkv_weight,
-            bias=fused.qkv_bias,
-            rope=rope,
-            prefetch_next=prefetch_next,
-            config=config,
-        )
+        q = skinny_gemm(x, fused.qkv_weight, bias=fused.qkv_bias, rope=rope, config=config)
         return kv_cache.attend_stored_keys(
             layer.layer_idx, q.unflatten(-1, (-1, attention.head_dim)), scale=attention.scale
         )

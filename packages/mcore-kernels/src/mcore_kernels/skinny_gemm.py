@@ -44,7 +44,6 @@ import torch
 
 from mcore_kernels._backend import use_triton
 from mcore_kernels._triton_utils import (
-    TicketPool,
     gdc_launch_dependents,
     gdc_wait,
     jit,
@@ -134,19 +133,6 @@ def _rope_epilogue(
 
 
 @jit
-def _prefetch_share(next_ptr, next_lines, per_program, CHUNK: tl.constexpr, LINE: tl.constexpr):
-    """Request this program's share of another tensor's 128-byte lines (``LINE`` elements
-    each; ``per_program`` consecutive lines per program, in launch order) into L2."""
-    split_row = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
-    program = split_row * tl.num_programs(0) + tl.program_id(0)
-    first = program * per_program
-    end = tl.minimum(first + per_program, next_lines)
-    for start in range(first, end, CHUNK):
-        lines = tl.minimum(start + tl.arange(0, CHUNK), end - 1)
-        prefetch_l2(next_ptr + lines.to(tl.int64) * LINE)
-
-
-@jit
 def skinny_gemm_kernel(
     w_desc,
     x_desc,
@@ -173,11 +159,6 @@ def skinny_gemm_kernel(
     stride_vc_slot,
     stride_vc_head,
     norm_eps,
-    next_ptr,
-    next_lines,
-    next_lines_per_program,
-    workspace_ptr,
-    ticket_ptr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -191,10 +172,6 @@ def skinny_gemm_kernel(
     NUM_KV_HEADS: tl.constexpr,
     SWIGLU: tl.constexpr,
     USE_PDL: tl.constexpr,
-    NEXT_CHUNK: tl.constexpr,
-    NEXT_EARLY: tl.constexpr,
-    NEXT_LINE: tl.constexpr,
-    TICKET_SPLITS: tl.constexpr,
 ):
     tile_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -214,8 +191,6 @@ def skinny_gemm_kernel(
             line_cols = tl.minimum(line_cols, k_end - 1)
             line_rows = tl.minimum(line_rows, outputs - 1)
             prefetch_l2(w_ptr + line_rows.to(tl.int64) * inputs + line_cols)
-        if NEXT_CHUNK > 0 and NEXT_EARLY:
-            _prefetch_share(next_ptr, next_lines, next_lines_per_program, NEXT_CHUNK, NEXT_LINE)
         gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -230,36 +205,6 @@ def skinny_gemm_kernel(
             acc_up = tl.dot(w_up, tl.trans(x), acc_up)
             h = x.to(tl.float32)
             squares += tl.sum(h * h, axis=1)
-    if NEXT_CHUNK > 0 and not NEXT_EARLY:
-        _prefetch_share(next_ptr, next_lines, next_lines_per_program, NEXT_CHUNK, NEXT_LINE)
-    if TICKET_SPLITS > 1:
-        # Split K in one launch: every program stores its float32 product in the workspace
-        # [splits, n, m] and takes a ticket; the last of the tile's programs sums the splits in
-        # order (the same bits whoever arrives last) and runs the epilogue. The others run it
-        # with every mask off (rows = 0): no loads, no stores.
-        padded_m = tl.num_programs(2) * BLOCK_M
-        stride_split = tl.num_programs(0) * BLOCK_N * padded_m
-        tile = (
-            (n0 + tl.arange(0, BLOCK_N))[:, None] * padded_m + m0 + tl.arange(0, BLOCK_M)[None, :]
-        )
-        tl.store(workspace_ptr + split * stride_split + tile, acc)
-        # Every thread's partials are written before the ticket (release) is taken.
-        tl.debug_barrier()
-        ticket = ticket_ptr + tile_m * tl.num_programs(0) + tile_n
-        arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
-        last = (tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32) + arrived) == TICKET_SPLITS - 1
-        acc = tl.load(workspace_ptr + tile, mask=last, other=0.0, cache_modifier=".cg")
-        for other in tl.static_range(1, TICKET_SPLITS):
-            acc += tl.load(
-                workspace_ptr + other * stride_split + tile,
-                mask=last,
-                other=0.0,
-                cache_modifier=".cg",
-            )
-        if arrived == TICKET_SPLITS - 1:
-            # Reset for the next launch (graph replays reuse the tickets).
-            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-        rows = tl.where(arrived == TICKET_SPLITS - 1, rows, 0)
     result = tl.trans(acc)
     offs_m = m0 + tl.arange(0, BLOCK_M)[:, None]
     offs_n = n0 + tl.arange(0, BLOCK_N)[None, :]
@@ -324,12 +269,6 @@ class SkinnyGemmConfig:
         num_stages: TMA copies in flight per program.
         num_warps: Warps per program.
         prefetch: Under PDL, request the program's weight slab into L2 before waiting.
-        prefetch_next_early: With ``prefetch_next=``, request that tensor's lines before
-            waiting for the previous kernel (under PDL) instead of after the main loop.
-        k_splits: Programs per output tile, each over a K slice of whole ``block_k`` blocks:
-            the last to finish (an atomic ticket) sums their float32 products in slice order
-            and runs the epilogue (bias, residual, rope); more programs for narrow outputs.
-            Not with ``splits > 1`` or ``swiglu_norm_eps``.
     """
 
     block_n: int = 64
@@ -337,13 +276,9 @@ class SkinnyGemmConfig:
     num_stages: int = 6
     num_warps: int = 4
     prefetch: bool = False
-    prefetch_next_early: bool = False
-    k_splits: int = 1
 
 
 _DTYPES = (torch.bfloat16, torch.float16)
-_TICKETS = TicketPool()
-"""Zeroed counters of the ``k_splits`` reduction (this op's own: see ``TicketPool``)."""
 
 
 def _split_bounds(inputs: int, splits: int, block_k: int) -> list[tuple[int, int]]:
@@ -406,16 +341,6 @@ def _check_rope(
         raise KernelShapeError("rope.cos and rope.sin must have a contiguous last dimension")
 
 
-def _check_k_splits(config: SkinnyGemmConfig | None, splits: int, swiglu: bool) -> None:
-    k_splits = 1 if config is None else config.k_splits
-    if k_splits < 1:
-        raise KernelValueError(f"config.k_splits={k_splits}; expected at least 1")
-    if k_splits > 1 and (splits > 1 or swiglu):
-        raise KernelValueError(
-            f"config.k_splits={k_splits} takes neither splits > 1 nor swiglu_norm_eps"
-        )
-
-
 def _check_swiglu(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -440,7 +365,6 @@ def skinny_gemm(
     splits: int = 1,
     rope: RotaryCacheWrite | None = None,
     swiglu_norm_eps: float | None = None,
-    prefetch_next: torch.Tensor | None = None,
     config: SkinnyGemmConfig | None = None,
 ) -> torch.Tensor:
     """``residual + x @ weight.T + bias`` with the weight rows on the MMA's M side.
@@ -463,11 +387,6 @@ def skinny_gemm(
             epsilon, ``[M, F]`` (each program multiplies ``block_n`` gate and the same up rows
             and sums the squares of its input rows for the norm's ``rstd``); no bias, residual
             or rope, one split.
-        prefetch_next: Optional contiguous tensor (the next projection's weight) whose
-            128-byte lines the programs request into L2, each a consecutive share, after
-            their main loop (or, with ``config.prefetch_next_early`` under PDL, before
-            waiting): the kernel after the next one then reads it from L2. A hint: no value
-            changes; ignored off CUDA.
         config: Tile shape (None: :class:`SkinnyGemmConfig` defaults).
 
     Returns:
@@ -477,8 +396,7 @@ def skinny_gemm(
     Raises:
         KernelShapeError: If the shapes do not match.
         KernelDtypeError: If a dtype is unsupported or the dtypes differ.
-        KernelValueError: If ``splits`` is below 1, or above 1 with a bias or residual, or
-            ``config.k_splits`` is below 1 or above 1 with ``splits > 1`` or SwiGLU.
+        KernelValueError: If ``splits`` is below 1, or above 1 with a bias or residual.
         KernelBackendError: If Triton is not installed.
 
     Dispatch: Triton on CUDA, :func:`skinny_gemm_reference` on CPU (``MCORE_KERNELS_BACKEND``
@@ -486,7 +404,6 @@ def skinny_gemm(
     """
     swiglu = swiglu_norm_eps is not None
     eps = 0.0 if swiglu_norm_eps is None else float(swiglu_norm_eps)
-    _check_k_splits(config, splits, swiglu)
     if not use_triton(x, weight):
         _check(x, weight, bias, residual, splits, triton_path=False)
         if rope is not None:
@@ -528,8 +445,7 @@ def skinny_gemm(
     block_m = max(16, min(128, next_power_of_2(rows)))
     # Narrow inputs: no tile wider than the inputs (16 columns at least, TMA's minimum).
     block_k = min(config.block_k, max(16, next_power_of_2(inputs)))
-    k_splits = config.k_splits
-    bounds = _split_bounds(inputs, max(splits, k_splits), block_k)
+    bounds = _split_bounds(inputs, splits, block_k)
     k_per_split = bounds[0][1] - bounds[0][0]
     w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
@@ -537,22 +453,7 @@ def skinny_gemm(
     lines = 0
     if use_pdl and config.prefetch:
         lines = block_n * next_power_of_2(-(-k_per_split // 64))
-    grid = (triton.cdiv(outputs, block_n), max(splits, k_splits), triton.cdiv(rows, block_m))
-    workspace = tickets = out
-    if k_splits > 1:
-        workspace = torch.empty(
-            (k_splits, grid[0] * block_n, grid[2] * block_m), dtype=torch.float32, device=x.device
-        )
-        tickets = _TICKETS.get(x.device, grid[0] * grid[2])
-    next_tensor, next_lines, next_share, next_chunk, next_line = out, 0, 0, 0, 1
-    if prefetch_next is not None and x.is_cuda and prefetch_next.numel():
-        if not prefetch_next.is_contiguous():
-            raise KernelShapeError("prefetch_next must be contiguous")
-        next_tensor = prefetch_next
-        next_line = max(1, 128 // prefetch_next.element_size())
-        next_lines = -(-prefetch_next.numel() // next_line)
-        next_share = -(-next_lines // (grid[0] * grid[1] * grid[2]))
-        next_chunk = min(1024, next_power_of_2(next_share))
+    grid = (triton.cdiv(outputs, block_n), splits, triton.cdiv(rows, block_m))
     if rope is not None:
         keys = _flat_slots(rope.k_cache, "rope.k_cache")
         values = _flat_slots(rope.v_cache, "rope.v_cache")
@@ -586,11 +487,6 @@ def skinny_gemm(
             sin.stride(0),
             *cache_strides,
             eps,
-            next_tensor,
-            next_lines,
-            next_share,
-            workspace,
-            tickets,
             BLOCK_N=block_n,
             BLOCK_M=block_m,
             BLOCK_K=block_k,
@@ -604,10 +500,6 @@ def skinny_gemm(
             NUM_KV_HEADS=heads[1],
             SWIGLU=swiglu,
             USE_PDL=use_pdl,
-            NEXT_CHUNK=next_chunk,
-            NEXT_EARLY=config.prefetch_next_early and use_pdl,
-            NEXT_LINE=next_line,
-            TICKET_SPLITS=k_splits,
             num_warps=config.num_warps,
             **({"launch_pdl": True} if use_pdl else {}),
         )
