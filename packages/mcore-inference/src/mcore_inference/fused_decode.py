@@ -155,7 +155,7 @@ NORMED_SWIGLU_PDL = True
 with PDL too (it takes part since session 15): it starts while the gate/up projection drains
 and lets the down projection start likewise. One H200, Qwen2.5-0.5B shape, captured 64-row
 step: 820.0-824.1 against 831.1-844.1 us at context 160 and 918.9-920.1 against 931.2-931.7 at
-288 (rounds 0-1 of session 15; engine 75.7-76.1k against 74.2-75.0k tok/s in the same runs)."""
+288 (rounds 0-1 of session 15; engine 74.7-76.1k against 72.1-75.0k tok/s in the same runs)."""
 
 MLP_NORM_IN_WEIGHTS = True
 """Steps of more than ``gemv_max_rows`` tokens drop the post-attention add + RMSNorm launch:
