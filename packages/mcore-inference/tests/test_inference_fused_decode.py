@@ -313,18 +313,20 @@ def test_decode_pdl_gives_the_same_tokens_and_logprobs_on_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_norm_swiglu_pdl_and_split_k_launches_change_nothing_on_gpu(monkeypatch):
     # Three prompts: the decode steps of three tokens run the cuBLAS layers, with the norm,
-    # SwiGLU and split-K sum kernels launched with or without PDL: the same bits either way.
+    # SwiGLU and split-K sum kernels (and normed_swiglu: NORMED_SWIGLU_PDL) launched with or
+    # without PDL: the same bits either way.
     model = _model(5, bias_and_qk_norm=False).cuda().to(torch.bfloat16)
     for splits in (0, 4):
         results = []
-        for norm_pdl in (False, True):
+        for norm_pdl, normed_pdl in ((False, False), (True, False), (True, True)):
             monkeypatch.setattr(fused_decode, "NORM_SWIGLU_PDL", norm_pdl)
+            monkeypatch.setattr(fused_decode, "NORMED_SWIGLU_PDL", normed_pdl)
             monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (splits, 64))
             monkeypatch.setattr(fused_decode, "O_PROJ_SPLITS", (splits // 2, 64))
             with _engine(model, fused=True) as engine:
                 outputs = [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
                 results.append(outputs)
-        assert results[0] == results[1]
+        assert results[0] == results[1] == results[2]
 
 
 def _graph_and_eager_generations(model, check=None):

@@ -87,3 +87,19 @@ def test_gpu_kernel_matches_reference(rows):
     torch.testing.assert_close(actual, expected, atol=4 * 2**-6, rtol=1.6e-2)
     # A row's result does not depend on the other rows of the call.
     torch.testing.assert_close(normed_swiglu(gate_up[:1], x[:1], 1e-6), actual[:1], atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pdl_launch_changes_no_bit_on_gpu():
+    from mcore_kernels.pdl import programmatic_dependent_launch
+
+    torch.manual_seed(0)
+    gate_up = torch.randn(64, 2 * 4864, device="cuda").to(torch.bfloat16)
+    x = (3.0 * torch.randn(64, 896, device="cuda")).to(torch.bfloat16)
+    plain = normed_swiglu(gate_up, x, 1e-6)
+    with programmatic_dependent_launch(True):
+        early = normed_swiglu(gate_up, x, 1e-6)
+    assert torch.equal(plain, early)
+    expected = normed_swiglu_reference(gate_up, x, 1e-6)
+    torch.testing.assert_close(plain.float(), expected.float(), atol=2e-2, rtol=1.6e-2)

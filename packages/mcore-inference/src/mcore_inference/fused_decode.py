@@ -85,6 +85,7 @@ __all__ = [
     "LM_HEAD_GEMV_MAX_ROWS",
     "MLP_NORM_IN_WEIGHTS",
     "NORM_SWIGLU_PDL",
+    "NORMED_SWIGLU_PDL",
     "O_PROJ_SPLITS",
     "PACKED_GEMV",
     "QKV_NORM_IN_WEIGHTS",
@@ -171,6 +172,13 @@ GEMMs around them: slower (one H200, batch 64, captured step at contexts near 28
 against 1095). Session 14, with the :data:`SKINNY_GEMM` defaults: 857.4 against 873.4-874.4
 us at context 160, and with the gate/up ``skinny_gemm`` too 828.4-829.1 (engine 75.0-75.2k
 against 71.5-71.6k tok/s)."""
+
+NORMED_SWIGLU_PDL = True
+"""Whether the ``normed_swiglu`` kernel of the steps under :data:`NORM_SWIGLU_PDL` is launched
+with PDL too (it takes part since session 15): it starts while the gate/up projection drains
+and lets the down projection start likewise. One H200, Qwen2.5-0.5B shape, captured 64-row
+step: 820.0-824.1 against 831.1-844.1 us at context 160 and 918.9-920.1 against 931.2-931.7 at
+288 (rounds 0-1 of session 15; engine 74.7-76.1k against 72.1-75.0k tok/s in the same runs)."""
 
 MLP_NORM_IN_WEIGHTS = True
 """Steps of more than ``gemv_max_rows`` tokens drop the post-attention add + RMSNorm launch:
@@ -610,7 +618,7 @@ class FusedDecoder:
                     )
                 else:
                     gate_up = self._linear("gate_up", residual, fused.gate_up_folded)
-                    with self._norm_swiglu_launch():
+                    with self._norm_swiglu_launch(NORMED_SWIGLU_PDL):
                         activation = normed_swiglu(gate_up, residual, norm.eps)
             else:
                 if o_splits and residual is not None:
@@ -753,9 +761,12 @@ class FusedDecoder:
         return _split_k_slices(DOWN_PROJ_SPLITS, rows, projections)
 
     @staticmethod
-    def _norm_swiglu_launch() -> contextlib.AbstractContextManager:
-        """The launch setting of the add + RMSNorm and SwiGLU kernels (:data:`NORM_SWIGLU_PDL`)."""
-        return _SAME_LAUNCH if NORM_SWIGLU_PDL else programmatic_dependent_launch(False)
+    def _norm_swiglu_launch(enabled: bool = True) -> contextlib.AbstractContextManager:
+        """The launch setting of the add + RMSNorm and SwiGLU kernels (:data:`NORM_SWIGLU_PDL`;
+        ``enabled=False``: plain launches whatever it says)."""
+        if NORM_SWIGLU_PDL and enabled:
+            return _SAME_LAUNCH
+        return programmatic_dependent_launch(False)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``model.rotary(positions)``, looked up in a table of every position when bounded."""

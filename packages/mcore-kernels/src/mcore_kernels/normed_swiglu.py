@@ -19,8 +19,17 @@ from __future__ import annotations
 import torch
 
 from mcore_kernels._backend import use_triton
-from mcore_kernels._triton_utils import CachedLauncher, jit, next_power_of_2, on_device_of, tl
+from mcore_kernels._triton_utils import (
+    CachedLauncher,
+    gdc_launch_dependents,
+    gdc_wait,
+    jit,
+    next_power_of_2,
+    on_device_of,
+    tl,
+)
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
+from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.reference import normed_swiglu_reference
 
 __all__ = ["normed_swiglu", "normed_swiglu_reference"]
@@ -39,10 +48,14 @@ def _normed_swiglu_kernel(
     eps,
     BLOCK: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     source = gate_up_ptr + row * 2 * width
     # The product's loads first: they are in flight while the row's scale is reduced.
     gate = tl.load(source + cols, mask=ok, other=0.0)
@@ -57,6 +70,7 @@ def _normed_swiglu_kernel(
 
 
 _LAUNCHER = CachedLauncher(_normed_swiglu_kernel)
+_LAUNCHER_PDL = CachedLauncher(_normed_swiglu_kernel, launch_pdl=True)
 
 
 def normed_swiglu(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,6 +90,10 @@ def normed_swiglu(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.T
     Raises:
         KernelShapeError: If ``gate_up`` is not ``[M, 2F]`` or ``x`` not ``[M, H]``.
         KernelDtypeError: If the inputs are not floating point.
+
+    Inside :func:`mcore_kernels.pdl.programmatic_dependent_launch` (on a device that supports
+    it) the kernel is launched with programmatic dependent launch: it starts while the
+    previous kernel drains and lets the next one start likewise.
     """
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise KernelShapeError(
@@ -97,11 +115,12 @@ def normed_swiglu(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.T
     if rows == 0 or width == 0:
         return out
     block = min(_BLOCK, next_power_of_2(width))
+    pdl = pdl_enabled(gate_up.device)
     with on_device_of(gate_up):
-        _LAUNCHER(
+        (_LAUNCHER_PDL if pdl else _LAUNCHER)(
             (rows, -(-width // block)),
             (gate_up, x, out, width, x.shape[1], float(eps)),
-            {"BLOCK": block, "HIDDEN_BLOCK": next_power_of_2(x.shape[1])},
+            {"BLOCK": block, "HIDDEN_BLOCK": next_power_of_2(x.shape[1]), "USE_PDL": pdl},
             4,
             gate_up.get_device() if gate_up.is_cuda else 0,
         )
