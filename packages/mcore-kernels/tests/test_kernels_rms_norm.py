@@ -603,6 +603,20 @@ def test_multi_program_backward_fast_table_launches_what_the_general_path_launch
     assert launches[0][2] == "untuned"
 
 
+def test_backward_fast_table_starts_again_past_its_limit(monkeypatch):
+    launch = importlib.import_module("mcore_kernels.rms_norm")
+    launches: list = []
+    monkeypatch.setattr(launch, "_BACKWARD", _RecordedLaunches("bwd", launches))
+    monkeypatch.setattr(launch, "_SUM_PARTIALS", _RecordedLaunches("sum", launches))
+    monkeypatch.setattr(launch, "_FAST_BACKWARD", {})
+    monkeypatch.setattr(launch, "_FAST_BACKWARD_LIMIT", 2)
+    weight = torch.ones(256)
+    for rows in (16, 24, 32):  # three shapes of several programs
+        h = torch.randn(rows, 256)
+        launch._backward(h, None, h, weight, None, 1e-6)
+    assert [key[0][0] for key in launch._FAST_BACKWARD] == [32]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("rows", "hidden"), [(256, 4096), (4096, 2048), (300, 3000)], ids=str)
