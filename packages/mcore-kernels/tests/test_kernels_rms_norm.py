@@ -526,3 +526,120 @@ def test_cuda_one_token_backward_takes_the_cached_launch(monkeypatch, hidden):
     for later in results[1:]:
         for first, again in zip(results[0], later, strict=True):
             assert torch.equal(first, again)
+
+
+class _RecordedLaunches:
+    """Stand-in of a CachedLauncher: records each launch, and its "compiled" entries record too.
+
+    The interpreter caches no compiled launch, so the CPU test of the backward's fast table
+    gives it entries whose ``run`` records the grid and runtime arguments it is called with
+    (an empty constexpr tail: the recorded arguments are what the kernel receives).
+    """
+
+    def __init__(self, name, launches):
+        self.name, self.launches, self.entries = name, launches, {}
+
+    def _run(self, grid, _y, _z, _stream, _function, _metadata, *rest):
+        self.launches.append((self.name, grid, rest[3:]))
+
+    def keyed(self, key, programs, args, addresses, constexprs, num_warps, device_index):
+        self.launches.append((self.name, programs, addresses))
+        self.entries[key] = (self._run, None, None, ())
+
+    def entry(self, key):
+        return self.entries.get(key)
+
+    def __call__(self, grid, args, constexprs, num_warps, device_index):
+        self.launches.append((self.name, grid[0], "untuned"))
+
+
+def test_multi_program_backward_fast_table_launches_what_the_general_path_launched(monkeypatch):
+    # A backward of several programs (each writes float32 partials, a second kernel sums them)
+    # seen before runs from the fast table: the same two kernels with the same grids and
+    # arguments as the general path's launches, so the same bits (the GPU test below compares
+    # them); inputs the entry was not built for fall back to the general path.
+    launch = importlib.import_module("mcore_kernels.rms_norm")
+    launches: list = []
+    monkeypatch.setattr(launch, "_BACKWARD", _RecordedLaunches("bwd", launches))
+    monkeypatch.setattr(launch, "_SUM_PARTIALS", _RecordedLaunches("sum", launches))
+    monkeypatch.setattr(launch, "_FAST_BACKWARD", {})
+    monkeypatch.setattr(launch, "_current_device", lambda: -1)
+    monkeypatch.setattr(launch, "_current_stream", lambda device_index: 0)
+    rows, hidden = 64, 2048  # 16 row blocks over the CPU's cap of 4 programs
+    x, residual, weight = _inputs((rows, hidden), torch.bfloat16, seed=11)
+    h = x + residual
+    dy, dh = torch.randn_like(h), torch.randn_like(h)
+    for dhidden in (None, dh):
+        launches.clear()
+        general = launch._backward(dy, dhidden, h, weight, None, 1e-6)
+        (_, programs, first), (_, columns, sums) = launches
+        assert programs > 1 and columns == -(-hidden // launch._PARTIAL_SUM_COLS)
+        template = launch._FAST_BACKWARD[
+            (h.shape, -1, dy.dtype, dy.dtype, h.dtype, weight.dtype, dhidden is not None)
+        ][-1][-1]
+        partial = torch.empty_like(template)
+        assert partial.shape == (programs, hidden) and partial.dtype == torch.float32
+        assert partial.is_contiguous()
+        launches.clear()
+        fast = launch._backward_cached(dy, dhidden, h, weight, 1e-6)
+        assert fast is not None
+        (name, grid, again), (sum_name, sum_grid, sums_again) = launches
+        assert (name, grid, sum_name, sum_grid) == ("bwd", programs, "sum", columns)
+        assert again[:5] == first[:5] and again[7:] == first[7:]
+        assert again[5] == fast[0].data_ptr() and again[6] == sums_again[0]
+        assert sums_again[1] == fast[1].data_ptr() and sums_again[2:] == sums[2:]
+        assert sums[:2] == (first[6], general[1].data_ptr())
+        # Misaligned, non-contiguous, another dtype: not the entry's call.
+        misaligned = torch.empty(rows * hidden + 1, dtype=dy.dtype)[1:].view(rows, hidden)
+        misaligned.copy_(dy)
+        strided = dy.t().contiguous().t()
+        for other in (misaligned, strided, dy.float()):
+            launches.clear()
+            assert launch._backward_cached(other, dhidden, h, weight, 1e-6) is None
+            assert not launches
+    # The general path of a misaligned call launches without a key (nothing cached).
+    launches.clear()
+    launch._backward(misaligned, None, h, weight, None, 1e-6)
+    assert launches[0][2] == "untuned"
+
+
+def test_backward_fast_table_starts_again_past_its_limit(monkeypatch):
+    launch = importlib.import_module("mcore_kernels.rms_norm")
+    launches: list = []
+    monkeypatch.setattr(launch, "_BACKWARD", _RecordedLaunches("bwd", launches))
+    monkeypatch.setattr(launch, "_SUM_PARTIALS", _RecordedLaunches("sum", launches))
+    monkeypatch.setattr(launch, "_FAST_BACKWARD", {})
+    monkeypatch.setattr(launch, "_FAST_BACKWARD_LIMIT", 2)
+    weight = torch.ones(256)
+    for rows in (16, 24, 32):  # three shapes of several programs
+        h = torch.randn(rows, 256)
+        launch._backward(h, None, h, weight, None, 1e-6)
+    assert [key[0][0] for key in launch._FAST_BACKWARD] == [32]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("rows", "hidden"), [(256, 4096), (4096, 2048), (300, 3000)], ids=str)
+def test_cuda_multi_program_backward_fast_table_gives_the_general_paths_bits(
+    monkeypatch, rows, hidden
+):
+    launch = importlib.import_module("mcore_kernels.rms_norm")
+    monkeypatch.setattr(launch, "_FAST_BACKWARD", {})
+    x, residual, weight = (t.cuda() for t in _inputs((rows, hidden), torch.bfloat16, seed=rows))
+    h = x + residual
+    dy, dh = torch.randn_like(h), torch.randn_like(h)
+    for dhidden in (None, dh):
+        general = launch._backward(dy, dhidden, h, weight, None, 1e-6)
+        key = (h.shape, h.get_device(), *(torch.bfloat16,) * 4, dhidden is not None)
+        assert launch._FAST_BACKWARD[key][-1] is not None  # the entry of several programs
+        for _ in range(2):
+            fast = launch._backward_cached(dy, dhidden, h, weight, 1e-6)
+            assert fast is not None
+            for got, expected in zip(fast, general, strict=True):
+                assert torch.equal(got, expected)
+        leaves = h.float().requires_grad_(), weight.float().requires_grad_()
+        dx_ref, dw_ref = torch.autograd.grad(rms_norm_reference(*leaves, 1e-6), leaves, dy.float())
+        if dhidden is not None:
+            dx_ref = dx_ref + dhidden.float()
+        torch.testing.assert_close(fast[0].float(), dx_ref, atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(fast[1].float(), dw_ref, atol=0.5, rtol=2e-2)

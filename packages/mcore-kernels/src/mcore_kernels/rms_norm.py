@@ -626,9 +626,14 @@ def _int_class(value: int) -> tuple[bool, bool, bool]:
 # 16-byte aligned inputs the key was built for take it; the others take the full path.
 _FAST_FORWARD: dict[tuple, tuple] = {}
 # By (shape of hidden_states, device, dy, d(hidden), hidden and weight dtypes, d(hidden)
-# given?): the one-program backward launch (calls of one row block, which write the weight
-# gradient directly), with the row count, hidden size and device it was built for.
+# given?): the backward's compiled launch with its grid, the row count, hidden size and device
+# it was built for, and for calls of several programs the partial sum's compiled launch, its
+# grid and a template of the float32 partials (one element expanded to programs x hidden:
+# ``empty_like`` of it is a contiguous buffer, for about half the host time of ``new_empty``).
+# Keyed by shape, so a training run of varying lengths adds entries: past the limit the table
+# starts again (the calls it drops refill it through the general path).
 _FAST_BACKWARD: dict[tuple, tuple] = {}
+_FAST_BACKWARD_LIMIT = 4096
 # Read only for CUDA tensors (a build without CUDA never reaches them).
 _current_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device: Any = getattr(torch._C, "_cuda_getDevice", lambda: -1)
@@ -823,6 +828,7 @@ def _backward(
             "FINAL": final,
         }
     inputs = dy2.data_ptr(), dh2.data_ptr(), h2.data_ptr(), weight.data_ptr(), rstd.data_ptr()
+    fast = None
     if tuned and not (inputs[0] | inputs[1] | inputs[2] | inputs[3] | inputs[4]) & _ALIGNED:
         key = (hidden, device_index, dy2.dtype, dh2.dtype, h2.dtype, weight.dtype, rstd.dtype,
                has_dhidden, block_rows, stages, final, _int_class(rows))  # fmt: skip
@@ -830,21 +836,35 @@ def _backward(
         addresses = (*inputs[: 4 if exact else 5], dx.data_ptr(), partial.data_ptr(), *tail)
         launcher.keyed(key, programs, args, addresses, constexprs, config.bwd_warps, device_index)
         entry = launcher.entry(key)
-        if entry is not None and specialise and final and rstd is dy2 and type(eps) is float:
+        if entry is not None and specialise and rstd is dy2 and type(eps) is float:
             fast = (*entry, programs, exact, rows, hidden, device_index)
-            _FAST_BACKWARD[(*signature, has_dhidden)] = fast
     else:
         launcher((programs,), args, constexprs, config.bwd_warps, device_index)
+    sums = None
     if not final:
+        sum_key = (hidden, device_index, weight.dtype, _int_class(programs))
+        columns = -(-hidden // _PARTIAL_SUM_COLS)
         _SUM_PARTIALS.keyed(
-            (hidden, device_index, weight.dtype, _int_class(programs)),
-            -(-hidden // _PARTIAL_SUM_COLS),
+            sum_key,
+            columns,
             (partial, dweight, programs, hidden),
             (partial.data_ptr(), dweight.data_ptr(), programs, hidden),
             _SUM_CONSTEXPRS,
             4,
             device_index,
         )
+        sum_entry = _SUM_PARTIALS.entry(sum_key) if fast is not None else None
+        # Not while a CUDA graph is captured: the template would hold a block of its pool.
+        if sum_entry is None or (h2.is_cuda and torch.cuda.is_current_stream_capturing()):
+            fast = None
+        else:
+            sums = (*sum_entry, columns, partial.new_empty(1).expand(programs, hidden))
+    if fast is not None:
+        # Later calls of this shape launch the same kernels with the same arguments (fresh
+        # outputs are aligned like these): the same bits, from _backward_cached.
+        if len(_FAST_BACKWARD) >= _FAST_BACKWARD_LIMIT:
+            _FAST_BACKWARD.clear()
+        _FAST_BACKWARD[(*signature, has_dhidden)] = (*fast, sums)
     return dx, dweight
 
 
@@ -855,12 +875,12 @@ def _backward_cached(
     weight: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The one-program backward of a call like one launched before, from the fast table.
+    """The backward of a call like one launched before, from the fast table.
 
-    Allocates the two outputs and launches the compiled kernel, nothing else; returns None when
-    the call is not in the table or its tensors are not the contiguous, 16-byte aligned ones
-    on the current device that the entry was built for (the caller then takes
-    :func:`_backward`).
+    Allocates the outputs (and the float32 partials of a call of several programs) and
+    launches the compiled kernels, nothing else; returns None when the call is not in the
+    table or its tensors are not the contiguous, 16-byte aligned ones on the current device
+    that the entry was built for (the caller then takes :func:`_backward`).
     """
     dh = dy if dhidden_out is None else dhidden_out
     fast = _FAST_BACKWARD.get(
@@ -876,7 +896,7 @@ def _backward_cached(
     )
     if fast is None:
         return None
-    run, function, metadata, tail, programs, exact, rows, hidden, device_index = fast
+    run, function, metadata, tail, programs, exact, rows, hidden, device_index, sums = fast
     ya, ha, xa, wa = dy.data_ptr(), dh.data_ptr(), hidden_states.data_ptr(), weight.data_ptr()
     if (
         (ya | ha | xa | wa) & _ALIGNED
@@ -891,9 +911,19 @@ def _backward_cached(
     if exact:
         run(programs, 1, 1, stream, function, metadata, None, None, None, ya, ha, xa, wa,
             dx.data_ptr(), dweight.data_ptr(), eps, *tail)  # fmt: skip
-    else:
+    elif sums is None:
         run(programs, 1, 1, stream, function, metadata, None, None, None, ya, ha, xa, wa, ya,
             dx.data_ptr(), dweight.data_ptr(), rows, hidden, hidden, eps, *tail)  # fmt: skip
+    else:
+        # Several programs: one float32 partial row each, then their sum in program order.
+        sum_run, sum_function, sum_metadata, sum_tail, columns, template = sums
+        # Held until the launches are queued (a block freed earlier could go to another thread).
+        partial = torch.empty_like(template)
+        pa = partial.data_ptr()
+        run(programs, 1, 1, stream, function, metadata, None, None, None, ya, ha, xa, wa, ya,
+            dx.data_ptr(), pa, rows, hidden, hidden, eps, *tail)  # fmt: skip
+        sum_run(columns, 1, 1, stream, sum_function, sum_metadata, None, None, None, pa,
+                dweight.data_ptr(), programs, hidden, *sum_tail)  # fmt: skip
     return dx, dweight
 
 
