@@ -86,6 +86,8 @@ __all__ = [
     "RESIDUAL_ADD_IN_PLACE",
     "SKINNY_GEMM",
     "SKINNY_GEMM_MAX_ROWS",
+    "WIDE_SKINNY_GEMM",
+    "WIDE_SKINNY_GEMM_MAX_ROWS",
     "STEP_INPUTS_IN_ONE_LAUNCH",
     "FusedDecoder",
     "build_fused_decoder",
@@ -203,6 +205,16 @@ q/k/v projection and the o projection before gate/up both let the next projectio
 828.4 / 829.1 us, engine 75.0 / 75.2k tok/s (30.7 % of the roofline). The SwiGLU epilogue,
 the down partials and the LM head measured slower than or even with cuBLAS there
 (docs/benchmarks/inference.md, session 14)."""
+
+WIDE_SKINNY_GEMM_MAX_ROWS = 512
+"""Steps of more than :data:`SKINNY_GEMM_MAX_ROWS` and at most this many tokens take their
+:func:`~mcore_kernels.skinny_gemm.skinny_gemm` settings from :data:`WIDE_SKINNY_GEMM`."""
+
+WIDE_SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {}
+"""The :data:`SKINNY_GEMM` settings of steps of more than :data:`SKINNY_GEMM_MAX_ROWS` and at
+most :data:`WIDE_SKINNY_GEMM_MAX_ROWS` tokens (a projection not named runs on cuBLAS).
+``down_residual``: the down projection that adds the residual stream
+(:data:`QKV_NORM_IN_WEIGHTS` steps)."""
 
 
 @dataclass(slots=True)
@@ -611,7 +623,9 @@ class FusedDecoder:
                 with self._norm_swiglu_launch():
                     normed = split_sum_add_rms_norm(partials, residual, norm.weight, norm.eps)
             elif fold_qkv:
-                residual = _add_product(residual, activation, layer.mlp.down_proj.weight)
+                residual = self._linear(
+                    "down_residual", activation, layer.mlp.down_proj.weight, residual=residual
+                )
             else:
                 hidden = layer.mlp.down_proj(activation)
         if normed is not None:
@@ -628,11 +642,13 @@ class FusedDecoder:
         would run (a GPU, or ``MCORE_KERNELS_BACKEND=triton`` under the interpreter), for inputs
         it does not take (a dtype other than bf16/fp16, inputs not a multiple of 8)."""
         rows, inputs = x.shape
-        if rows <= self.gemv_max_rows or rows > SKINNY_GEMM_MAX_ROWS or is_batch_invariant():
+        if rows <= self.gemv_max_rows or rows > WIDE_SKINNY_GEMM_MAX_ROWS or is_batch_invariant():
             # The batch-invariant mode keeps its own GEMMs (the same bits at every row count).
             return None
         if (x.dtype not in (torch.bfloat16, torch.float16) or inputs % 8) and use_triton(x):
             return None
+        if rows > SKINNY_GEMM_MAX_ROWS:
+            return WIDE_SKINNY_GEMM.get(name)
         return SKINNY_GEMM.get(name)
 
     def _linear(
@@ -688,8 +704,8 @@ class FusedDecoder:
             return skinny_gemm(x, weight, splits=setting[1], config=setting[0])
         return split_k_partials(x, weight, splits)
 
-    @staticmethod
     def _folded_qkv_attention(
+        self,
         layer: Any,
         fused: _FusedLayer,
         residual: torch.Tensor,
@@ -702,7 +718,7 @@ class FusedDecoder:
         kernel, then the attention (:data:`QKV_NORM_IN_WEIGHTS`)."""
         attention = layer.self_attention
         assert fused.qkv_folded is not None
-        qkv = F.linear(residual, fused.qkv_folded)
+        qkv = self._linear("qkv", residual, fused.qkv_folded)
         keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
         norm = layer.input_norm
         q = normed_rotary_kv_write(
