@@ -76,6 +76,7 @@ __all__ = [
     "DOWN_PROJ_SPLITS",
     "FINAL_NORM_IN_LM_HEAD",
     "FINAL_NORM_PDL",
+    "GATE_UP_TRANSPOSED_MIN_ROWS",
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
@@ -215,6 +216,12 @@ WIDE_SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {}
 most :data:`WIDE_SKINNY_GEMM_MAX_ROWS` tokens (a projection not named runs on cuBLAS).
 ``down_residual``: the down projection that adds the residual stream
 (:data:`QKV_NORM_IN_WEIGHTS` steps)."""
+
+GATE_UP_TRANSPOSED_MIN_ROWS = 0
+"""Steps of at least this many tokens (0: none) compute the norm-folded gate/up product
+(:data:`MLP_NORM_IN_WEIGHTS`) as ``weight @ x.T`` by cuBLAS, which then picks other tiles than
+for ``x @ weight.T``; :func:`~mcore_kernels.normed_swiglu.normed_swiglu` reads the column-major
+product."""
 
 
 @dataclass(slots=True)
@@ -598,7 +605,7 @@ class FusedDecoder:
                         config=swiglu_setting[0],
                     )
                 else:
-                    gate_up = self._linear("gate_up", residual, fused.gate_up_folded)
+                    gate_up = self._gate_up_folded(residual, fused.gate_up_folded)
                     with self._norm_swiglu_launch():
                         activation = normed_swiglu(gate_up, residual, norm.eps)
             else:
@@ -668,6 +675,20 @@ class FusedDecoder:
             out = _add_product(residual, x, weight)
             return out if bias is None else out + bias
         return F.linear(x, weight, bias)
+
+    def _gate_up_folded(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The norm-folded gate/up product of the stream: :meth:`_linear`, or from
+        :data:`GATE_UP_TRANSPOSED_MIN_ROWS` rows cuBLAS's ``weight @ residual.T`` handed over as
+        its column-major transpose (``normed_swiglu`` reads that layout)."""
+        rows = residual.shape[0]
+        if (
+            GATE_UP_TRANSPOSED_MIN_ROWS
+            and rows >= GATE_UP_TRANSPOSED_MIN_ROWS
+            and self._skinny("gate_up", residual) is None
+            and not is_batch_invariant()
+        ):
+            return torch.mm(weight, residual.t()).t()
+        return self._linear("gate_up", residual, weight)
 
     @staticmethod
     def _skinny_qkv_attention(
