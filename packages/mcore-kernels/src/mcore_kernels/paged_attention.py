@@ -118,6 +118,9 @@ class PagedDecodeConfig:
     prefetch_ahead: bool = False
     """Each tile of a decode program requests the next tile's key and value rows into L2
     before its own loads (a hint: no value changes)."""
+    early_values: bool = False
+    """Load each tile's values right after its keys, before the query-key product (both
+    loads in flight at once; the same values)."""
 
     def __post_init__(self) -> None:
         if self.mode not in PAGED_ATTENTION_MODES:
@@ -227,6 +230,7 @@ def _attend_rows(
     DOT_F32: tl.constexpr,
     PREFETCH_AHEAD: tl.constexpr = False,
     KV_LINE: tl.constexpr = 64,
+    EARLY_V: tl.constexpr = False,
 ):
     # Online softmax of the active rows over positions split_start .. split_start + length - 1
     # of one block table, in tiles of TILE positions; each row sees positions < its context.
@@ -241,11 +245,25 @@ def _attend_rows(
         # A tile may span several KV blocks: gather each position's physical block.
         positions = split_start + i * TILE + tiles
         valid = positions < end
+        physical = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         if PREFETCH_AHEAD:
-            # The next tile's key and value rows into L2 while this one is loaded and used.
+            # The next tile's blocks, loaded with this tile's (their lines are requested below).
             ahead = positions + TILE
             ahead_ok = ahead < end
             ahead_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead_ok, other=0)
+        slots = positions % BLOCK_SIZE
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k_rows = (
+            physical * stride_k_block + slots * stride_k_slot + kv_head * stride_k_head
+        ) * ALIGN
+        k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v_rows = (
+            physical * stride_v_block + slots * stride_v_slot + kv_head * stride_v_head
+        ) * ALIGN
+        if EARLY_V:
+            v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if PREFETCH_AHEAD:
+            # The next tile's key and value rows into L2 while this one's are in flight.
             ahead_slot = tl.where(ahead_ok, ahead % BLOCK_SIZE, 0)
             ahead_block = tl.where(ahead_ok, ahead_block, 0).to(tl.int64)
             ahead_k = (
@@ -257,13 +275,6 @@ def _attend_rows(
             for offset in tl.static_range(0, HEAD_DIM, KV_LINE):
                 prefetch_l2(k_ptr + ahead_k + offset)
                 prefetch_l2(v_ptr + ahead_v + offset)
-        physical = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slots = positions % BLOCK_SIZE
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k_rows = (
-            physical * stride_k_block + slots * stride_k_slot + kv_head * stride_k_head
-        ) * ALIGN
-        k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if not DOT:
             scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         elif DOT_F32:
@@ -279,10 +290,8 @@ def _attend_rows(
         correction = tl.exp(running_max - shift)
         probs = tl.exp(scores - shift[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        v_rows = (
-            physical * stride_v_block + slots * stride_v_slot + kv_head * stride_v_head
-        ) * ALIGN
-        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if not EARLY_V:
+            v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if not DOT:
             update = tl.sum(probs[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         else:
@@ -498,6 +507,7 @@ def _paged_attention_split_kernel(
     MERGE_CHUNK: tl.constexpr,
     PARTIALS: tl.constexpr = False,
     PREFETCH_AHEAD: tl.constexpr = False,
+    EARLY_V: tl.constexpr = False,
 ):
     if USE_PDL:
         # Programmatic dependent launch: let the next kernel start, then wait for the previous
@@ -557,7 +567,7 @@ def _paged_attention_split_kernel(
             stride_v_block, stride_v_slot, stride_v_head,
             scale, split_start, tl.max(remaining, axis=0),
             ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
-            PREFETCH_AHEAD, KV_LINE,
+            PREFETCH_AHEAD, KV_LINE, EARLY_V,
         )  # fmt: skip
     else:
         # Tokens of one sequence (chunked prefill) share their block table: one pass loads
@@ -589,7 +599,7 @@ def _paged_attention_split_kernel(
                 stride_v_block, stride_v_slot, stride_v_head,
                 scale, split_start, tl.max(remaining, axis=0),
                 ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
-                PREFETCH_AHEAD, KV_LINE,
+                PREFETCH_AHEAD, KV_LINE, EARLY_V,
             )  # fmt: skip
         else:
             running_max = tl.full([ROWS], float("-inf"), tl.float32)
@@ -603,7 +613,7 @@ def _paged_attention_split_kernel(
                     stride_v_block, stride_v_slot, stride_v_head,
                     scale, split_start, tl.max(tl.where(mine, remaining, 0), axis=0),
                     ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
-                    PREFETCH_AHEAD, KV_LINE,
+                    PREFETCH_AHEAD, KV_LINE, EARLY_V,
                 )  # fmt: skip
                 running_max = tl.where(mine, pass_max, running_max)
                 running_sum = tl.where(mine, pass_sum, running_sum)
@@ -980,6 +990,7 @@ def _launch_splits(
         MERGE_CHUNK=MERGE_CHUNK,
         PARTIALS=partials_only,
         PREFETCH_AHEAD=config.prefetch_ahead and tokens == 1 and not _interpreting(),
+        EARLY_V=config.early_values,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
