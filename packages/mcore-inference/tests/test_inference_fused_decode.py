@@ -454,6 +454,29 @@ def test_wide_step_settings_generate_what_the_model_forward_generates(monkeypatc
     _assert_same_generations(actual, _generate(model, fused=False))
 
 
+@pytest.mark.parametrize("folded", [False, True])
+def test_rotary_in_attention_generates_what_the_model_forward_generates(monkeypatch, folded):
+    # ROTARY_IN_ATTENTION_MIN_ROWS: the three-row decode steps rotate, store and attend in one
+    # rotary_paged_attention call (its torch reference on the CPU), after the norm-folded
+    # q/k/v projection (DOWN_PROJ_SPLITS off) or the plain one (with its bias).
+    config = GPTConfig.from_name("tiny", vocab_size=64, seed=8, head_dim=32)
+    model = GPTModel(config).eval()
+    monkeypatch.setattr(fused_decode, "ROTARY_IN_ATTENTION_MIN_ROWS", 3)
+    monkeypatch.setattr(fused_decode, "SKINNY_GEMM_MAX_ROWS", 2)  # cuBLAS's q/k/v, as past 64
+    monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (0, 64) if folded else (4, 64))
+    calls = []
+    real = fused_decode.rotary_paged_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("norm_input") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "rotary_paged_attention", spy)
+    actual = _generate(model, fused=True)
+    assert calls and all(normed == folded for normed in calls)
+    _assert_same_generations(actual, _generate(model, fused=False))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),

@@ -67,6 +67,7 @@ from mcore_kernels.normed_rotary_kv_write import normed_rotary_kv_write
 from mcore_kernels.normed_swiglu import normed_swiglu
 from mcore_kernels.pdl import programmatic_dependent_launch
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
+from mcore_kernels.rotary_paged_attention import rotary_paged_attention
 from mcore_kernels.skinny_gemm import SkinnyGemmConfig, skinny_gemm
 from mcore_kernels.split_sum_rms_norm import split_k_partials, split_sum_add_rms_norm
 from mcore_models.gpt.layer import Attention, DecoderLayer, add_rms_norm
@@ -85,6 +86,7 @@ __all__ = [
     "O_PROJ_SPLITS",
     "QKV_NORM_IN_WEIGHTS",
     "RESIDUAL_ADD_IN_PLACE",
+    "ROTARY_IN_ATTENTION_MIN_ROWS",
     "SKINNY_GEMM",
     "SKINNY_GEMM_MAX_ROWS",
     "WIDE_SKINNY_GEMM",
@@ -217,6 +219,13 @@ most :data:`WIDE_SKINNY_GEMM_MAX_ROWS` tokens (a projection not named runs on cu
 ``down_residual``: the down projection that adds the residual stream
 (:data:`QKV_NORM_IN_WEIGHTS` steps)."""
 
+ROTARY_IN_ATTENTION_MIN_ROWS = 65
+"""Steps of at least this many tokens (0: none) whose contexts fit one attention split run
+RoPE and the cache write inside the attention launch
+(:func:`mcore_kernels.rotary_paged_attention.rotary_paged_attention`: each program finishes,
+rotates and stores its own heads, then attends) instead of ``rotary_kv_write`` /
+``normed_rotary_kv_write`` and the paged attention: one launch fewer per layer."""
+
 GATE_UP_TRANSPOSED_MIN_ROWS = 0
 """Steps of at least this many tokens (0: none) compute the norm-folded gate/up product
 (:data:`MLP_NORM_IN_WEIGHTS`) as ``weight @ x.T`` by cuBLAS, which then picks other tiles than
@@ -296,6 +305,23 @@ def fused_decoder_unsupported_reason(model: Any) -> str | None:
         if any(type(p) is not torch.nn.Linear for p in (*projections, mlp.gate_proj, mlp.up_proj)):
             return f"layer {layer.layer_idx} has sharded or custom projections"
     return None
+
+
+def _rotary_in_attention(
+    kv_cache: PagedKVCache, qkv: torch.Tensor, keys: torch.Tensor, head_dim: int
+) -> bool:
+    """Whether a step's RoPE and cache write run inside its attention
+    (:data:`ROTARY_IN_ATTENTION_MIN_ROWS`): enough rows, every context within one attention
+    split (the step's table as wide as one split at most: then eager and captured steps of
+    the same contexts both take this path), a power-of-two head dimension of at least 32,
+    not the batch-invariant mode (its attention is the training kernel's)."""
+    rows = qkv.shape[0]
+    if not ROTARY_IN_ATTENTION_MIN_ROWS or rows < ROTARY_IN_ATTENTION_MIN_ROWS:
+        return False
+    if head_dim < 32 or head_dim & (head_dim - 1) or is_batch_invariant():
+        return False
+    tables, _ = kv_cache.step_tables()
+    return tables.shape[1] * keys.shape[1] <= kv_cache.split_size
 
 
 def _add_product(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -587,7 +613,25 @@ class FusedDecoder:
                     )
                 else:
                     qkv = self._linear("qkv", x, fused.qkv_weight, fused.qkv_bias)
-                    out = self._attend_qkv(layer, fused, qkv, cos, sin, kv_cache)
+                    keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
+                    if attention.q_norm is None and _rotary_in_attention(
+                        kv_cache, qkv, keys, head_dim
+                    ):
+                        tables, lengths = kv_cache.step_tables()
+                        out = rotary_paged_attention(
+                            qkv,
+                            cos,
+                            sin,
+                            keys,
+                            values,
+                            slots,
+                            tables,
+                            lengths,
+                            num_q_heads=fused.split[0] // head_dim,
+                            scale=attention.scale,
+                        )
+                    else:
+                        out = self._attend_qkv(layer, fused, qkv, cos, sin, kv_cache)
             norm = layer.post_attention_norm
             if fused.gate_up_folded is not None and not o_splits and residual is not None:
                 # The residual add in the o projection's GEMM, the norm in the gate/up weight
@@ -742,6 +786,22 @@ class FusedDecoder:
         qkv = self._linear("qkv", residual, fused.qkv_folded)
         keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
         norm = layer.input_norm
+        if _rotary_in_attention(kv_cache, qkv, keys, attention.head_dim):
+            tables, lengths = kv_cache.step_tables()
+            return rotary_paged_attention(
+                qkv,
+                cos,
+                sin,
+                keys,
+                values,
+                slots,
+                tables,
+                lengths,
+                num_q_heads=fused.split[0] // attention.head_dim,
+                scale=attention.scale,
+                norm_input=(residual, norm.eps),
+                bias=fused.qkv_bias,
+            )
         q = normed_rotary_kv_write(
             qkv,
             residual,
