@@ -113,3 +113,34 @@ def test_shape_errors_name_the_argument():
         rotary_paged_attention(qkv, *args, num_q_heads=2, scale=1.0, bias=bias)
     with pytest.raises(KernelShapeError, match=r"context_lens\.shape"):
         rotary_paged_attention(qkv, *args[:-1], lens[:1], num_q_heads=2, scale=1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("normed", [False, True])
+def test_gpu_kernel_matches_the_two_kernels_in_bf16(normed):
+    # 512 decode tokens of Qwen2.5-0.5B heads (14 query, 2 key/value, 64 channels): the
+    # standalone RoPE + cache write kernel, then the paged attention of one split.
+    from mcore_kernels.paged_attention import paged_attention
+    from mcore_kernels.rotary_kv_write import rotary_kv_write
+
+    contexts = torch.randint(1, 193, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    x, qkv, bias, cos, sin, k_cache, v_cache, slots, tables, lens = (
+        t.cuda() for t in _problem(contexts, 14, 2, 64, 896, torch.bfloat16, block=16)
+    )
+    caches = (k_cache.clone(), v_cache.clone())
+    norm = dict(norm_input=(x, 1e-6), bias=bias) if normed else {}
+    actual = rotary_paged_attention(
+        qkv, cos, sin, k_cache, v_cache, slots, tables, lens, num_q_heads=14, scale=0.125, **norm
+    )
+    if normed:
+        q = normed_rotary_kv_write(qkv, x, 1e-6, bias, cos, sin, *caches, slots, 14)
+    else:
+        q, k, v = (t.unflatten(-1, (-1, 64)) for t in qkv.split([896, 128, 128], dim=-1))
+        q = rotary_kv_write(q, k, v, cos, sin, *caches, slots)
+    expected = paged_attention(q, *caches, tables, lens, scale=0.125, split_size=512)
+    # The row scale's float32 sum may round in another order: one bf16 ulp at most.
+    torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(k_cache.float(), caches[0].float(), atol=2e-2, rtol=2e-2)
+    if not normed:
+        assert torch.equal(actual, expected) and torch.equal(k_cache, caches[0])
