@@ -219,7 +219,7 @@ most :data:`WIDE_SKINNY_GEMM_MAX_ROWS` tokens (a projection not named runs on cu
 ``down_residual``: the down projection that adds the residual stream
 (:data:`QKV_NORM_IN_WEIGHTS` steps)."""
 
-ROTARY_IN_ATTENTION_MIN_ROWS = 65
+ROTARY_IN_ATTENTION_MIN_ROWS = 0
 """Steps of at least this many tokens (0: none) whose contexts fit one attention split run
 RoPE and the cache write inside the attention launch
 (:func:`mcore_kernels.rotary_paged_attention.rotary_paged_attention`: each program finishes,
