@@ -419,41 +419,6 @@ def test_skinny_gemm_projections_generate_what_the_model_forward_generates(monke
     _assert_same_generations(actual, _generate(model, fused=False))
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_wide_step_settings_generate_what_the_model_forward_generates(monkeypatch, transposed):
-    # The settings of steps past SKINNY_GEMM_MAX_ROWS (here 2, so the three-row decode steps
-    # take them) on the folded-norm path (DOWN_PROJ_SPLITS off): WIDE_SKINNY_GEMM's q/k/v,
-    # o and residual-adding down projections as skinny_gemm (its torch reference on the CPU),
-    # or the gate/up product computed transposed (GATE_UP_TRANSPOSED_MIN_ROWS).
-    from mcore_kernels.skinny_gemm import SkinnyGemmConfig
-
-    config = GPTConfig.from_name("tiny", vocab_size=64, seed=8, head_dim=32)
-    model = GPTModel(config).eval()
-    setting = (SkinnyGemmConfig(block_k=32), 1)
-    wide = {} if transposed else dict.fromkeys(("qkv", "o", "down_residual"), setting)
-    monkeypatch.setattr(fused_decode, "SKINNY_GEMM_MAX_ROWS", 2)
-    monkeypatch.setattr(fused_decode, "WIDE_SKINNY_GEMM", wide)
-    monkeypatch.setattr(fused_decode, "GATE_UP_TRANSPOSED_MIN_ROWS", 3 if transposed else 0)
-    monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (0, 64))
-    calls, products = [], []
-    real, real_swiglu = fused_decode.skinny_gemm, fused_decode.normed_swiglu
-
-    def spy(x, weight, **kwargs):
-        calls.append(weight.shape)
-        return real(x, weight, **kwargs)
-
-    def swiglu_spy(gate_up, x, eps):
-        products.append(gate_up.stride())
-        return real_swiglu(gate_up, x, eps)
-
-    monkeypatch.setattr(fused_decode, "skinny_gemm", spy)
-    monkeypatch.setattr(fused_decode, "normed_swiglu", swiglu_spy)
-    actual = _generate(model, fused=True)
-    assert bool(calls) != transposed
-    assert any(stride[0] == 1 for stride in products) == transposed
-    _assert_same_generations(actual, _generate(model, fused=False))
-
-
 @pytest.mark.parametrize("folded", [False, True])
 def test_rotary_in_attention_generates_what_the_model_forward_generates(monkeypatch, folded):
     # ROTARY_IN_ATTENTION_MIN_ROWS: the three-row decode steps rotate, store and attend in one

@@ -70,19 +70,3 @@ def test_shape_and_dtype_errors_name_the_argument():
         normed_swiglu(torch.zeros(2, 8), torch.zeros(3, 8), 1e-6)
     with pytest.raises(KernelDtypeError, match=r"gate_up\.dtype"):
         normed_swiglu(torch.zeros(2, 8, dtype=torch.int32), x, 1e-6)
-
-
-@pytest.mark.parametrize(("rows", "hidden", "ffn"), [(3, 48, 40), (70, 40, 200)])
-def test_column_major_product_gives_the_row_major_result(triton_backend, rows, hidden, ffn):
-    # weight @ x.T stored [2F, M] and handed over as its transpose: the column-major kernel
-    # computes each element as the row-major one does (its row scale's sum may round in
-    # another order: one bf16 ulp at most).
-    x, weight, norm_weight = _inputs(rows, hidden, ffn, seed=rows)
-    folded = (weight * norm_weight).to(torch.bfloat16)
-    product_t = (folded.float() @ x.float().T).to(torch.bfloat16)
-    actual = normed_swiglu(product_t.t(), x, 1e-5)
-    assert actual.shape == (rows, ffn) and actual.is_contiguous()
-    expected = normed_swiglu(product_t.t().contiguous(), x, 1e-5)
-    torch.testing.assert_close(actual, expected, atol=2**-8, rtol=2**-7)
-    reference = normed_swiglu_reference(product_t.t(), x, 1e-5)
-    torch.testing.assert_close(actual, reference, atol=4 * 2**-6, rtol=1.6e-2)

@@ -107,10 +107,6 @@ def test_warps_and_register_caps_never_change_a_bit(group, head_dim):
         PagedDecodeConfig(num_warps=2),
         PagedDecodeConfig(num_warps=2, max_registers=128),
         PagedDecodeConfig(num_warps=4, max_registers=80),
-        # The L2 requests are hints: the same bits.
-        PagedDecodeConfig(num_warps=4, prefetch_split=True),
-        PagedDecodeConfig(num_warps=2, max_registers=128, prefetch_ahead=True),
-        PagedDecodeConfig(num_warps=2, max_registers=128, early_values=True),
     ):
         out = paged_attention_triton(*args, scale=scale, config=config)
         assert torch.equal(out, base), config

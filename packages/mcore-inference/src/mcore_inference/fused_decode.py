@@ -77,7 +77,6 @@ __all__ = [
     "DOWN_PROJ_SPLITS",
     "FINAL_NORM_IN_LM_HEAD",
     "FINAL_NORM_PDL",
-    "GATE_UP_TRANSPOSED_MIN_ROWS",
     "GEMM_PDL_MAX_ROWS",
     "GEMV_MAX_ROWS",
     "LM_HEAD_GEMV_MAX_ROWS",
@@ -89,8 +88,6 @@ __all__ = [
     "ROTARY_IN_ATTENTION_MIN_ROWS",
     "SKINNY_GEMM",
     "SKINNY_GEMM_MAX_ROWS",
-    "WIDE_SKINNY_GEMM",
-    "WIDE_SKINNY_GEMM_MAX_ROWS",
     "STEP_INPUTS_IN_ONE_LAUNCH",
     "FusedDecoder",
     "build_fused_decoder",
@@ -209,28 +206,12 @@ q/k/v projection and the o projection before gate/up both let the next projectio
 the down partials and the LM head measured slower than or even with cuBLAS there
 (docs/benchmarks/inference.md, session 14)."""
 
-WIDE_SKINNY_GEMM_MAX_ROWS = 512
-"""Steps of more than :data:`SKINNY_GEMM_MAX_ROWS` and at most this many tokens take their
-:func:`~mcore_kernels.skinny_gemm.skinny_gemm` settings from :data:`WIDE_SKINNY_GEMM`."""
-
-WIDE_SKINNY_GEMM: dict[str, tuple[SkinnyGemmConfig, int] | None] = {}
-"""The :data:`SKINNY_GEMM` settings of steps of more than :data:`SKINNY_GEMM_MAX_ROWS` and at
-most :data:`WIDE_SKINNY_GEMM_MAX_ROWS` tokens (a projection not named runs on cuBLAS).
-``down_residual``: the down projection that adds the residual stream
-(:data:`QKV_NORM_IN_WEIGHTS` steps)."""
-
 ROTARY_IN_ATTENTION_MIN_ROWS = 0
 """Steps of at least this many tokens (0: none) whose contexts fit one attention split run
 RoPE and the cache write inside the attention launch
 (:func:`mcore_kernels.rotary_paged_attention.rotary_paged_attention`: each program finishes,
 rotates and stores its own heads, then attends) instead of ``rotary_kv_write`` /
 ``normed_rotary_kv_write`` and the paged attention: one launch fewer per layer."""
-
-GATE_UP_TRANSPOSED_MIN_ROWS = 0
-"""Steps of at least this many tokens (0: none) compute the norm-folded gate/up product
-(:data:`MLP_NORM_IN_WEIGHTS`) as ``weight @ x.T`` by cuBLAS, which then picks other tiles than
-for ``x @ weight.T``; :func:`~mcore_kernels.normed_swiglu.normed_swiglu` reads the column-major
-product."""
 
 
 @dataclass(slots=True)
@@ -307,21 +288,18 @@ def fused_decoder_unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def _rotary_in_attention(
-    kv_cache: PagedKVCache, qkv: torch.Tensor, keys: torch.Tensor, head_dim: int
-) -> bool:
+def _rotary_in_attention(kv_cache: PagedKVCache, rows: int, head_dim: int) -> bool:
     """Whether a step's RoPE and cache write run inside its attention
     (:data:`ROTARY_IN_ATTENTION_MIN_ROWS`): enough rows, every context within one attention
     split (the step's table as wide as one split at most: then eager and captured steps of
     the same contexts both take this path), a power-of-two head dimension of at least 32,
     not the batch-invariant mode (its attention is the training kernel's)."""
-    rows = qkv.shape[0]
     if not ROTARY_IN_ATTENTION_MIN_ROWS or rows < ROTARY_IN_ATTENTION_MIN_ROWS:
         return False
     if head_dim < 32 or head_dim & (head_dim - 1) or is_batch_invariant():
         return False
     tables, _ = kv_cache.step_tables()
-    return tables.shape[1] * keys.shape[1] <= kv_cache.split_size
+    return tables.shape[1] * kv_cache.block_size <= kv_cache.split_size
 
 
 def _add_product(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -613,10 +591,10 @@ class FusedDecoder:
                     )
                 else:
                     qkv = self._linear("qkv", x, fused.qkv_weight, fused.qkv_bias)
-                    keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
                     if attention.q_norm is None and _rotary_in_attention(
-                        kv_cache, qkv, keys, head_dim
+                        kv_cache, qkv.shape[0], head_dim
                     ):
+                        keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
                         tables, lengths = kv_cache.step_tables()
                         out = rotary_paged_attention(
                             qkv,
@@ -649,7 +627,7 @@ class FusedDecoder:
                         config=swiglu_setting[0],
                     )
                 else:
-                    gate_up = self._gate_up_folded(residual, fused.gate_up_folded)
+                    gate_up = self._linear("gate_up", residual, fused.gate_up_folded)
                     with self._norm_swiglu_launch():
                         activation = normed_swiglu(gate_up, residual, norm.eps)
             else:
@@ -674,9 +652,7 @@ class FusedDecoder:
                 with self._norm_swiglu_launch():
                     normed = split_sum_add_rms_norm(partials, residual, norm.weight, norm.eps)
             elif fold_qkv:
-                residual = self._linear(
-                    "down_residual", activation, layer.mlp.down_proj.weight, residual=residual
-                )
+                residual = _add_product(residual, activation, layer.mlp.down_proj.weight)
             else:
                 hidden = layer.mlp.down_proj(activation)
         if normed is not None:
@@ -693,13 +669,11 @@ class FusedDecoder:
         would run (a GPU, or ``MCORE_KERNELS_BACKEND=triton`` under the interpreter), for inputs
         it does not take (a dtype other than bf16/fp16, inputs not a multiple of 8)."""
         rows, inputs = x.shape
-        if rows <= self.gemv_max_rows or rows > WIDE_SKINNY_GEMM_MAX_ROWS or is_batch_invariant():
+        if rows <= self.gemv_max_rows or rows > SKINNY_GEMM_MAX_ROWS or is_batch_invariant():
             # The batch-invariant mode keeps its own GEMMs (the same bits at every row count).
             return None
         if (x.dtype not in (torch.bfloat16, torch.float16) or inputs % 8) and use_triton(x):
             return None
-        if rows > SKINNY_GEMM_MAX_ROWS:
-            return WIDE_SKINNY_GEMM.get(name)
         return SKINNY_GEMM.get(name)
 
     def _linear(
@@ -719,20 +693,6 @@ class FusedDecoder:
             out = _add_product(residual, x, weight)
             return out if bias is None else out + bias
         return F.linear(x, weight, bias)
-
-    def _gate_up_folded(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The norm-folded gate/up product of the stream: :meth:`_linear`, or from
-        :data:`GATE_UP_TRANSPOSED_MIN_ROWS` rows cuBLAS's ``weight @ residual.T`` handed over as
-        its column-major transpose (``normed_swiglu`` reads that layout)."""
-        rows = residual.shape[0]
-        if (
-            GATE_UP_TRANSPOSED_MIN_ROWS
-            and rows >= GATE_UP_TRANSPOSED_MIN_ROWS
-            and self._skinny("gate_up", residual) is None
-            and not is_batch_invariant()
-        ):
-            return torch.mm(weight, residual.t()).t()
-        return self._linear("gate_up", residual, weight)
 
     @staticmethod
     def _skinny_qkv_attention(
@@ -769,8 +729,8 @@ class FusedDecoder:
             return skinny_gemm(x, weight, splits=setting[1], config=setting[0])
         return split_k_partials(x, weight, splits)
 
+    @staticmethod
     def _folded_qkv_attention(
-        self,
         layer: Any,
         fused: _FusedLayer,
         residual: torch.Tensor,
@@ -783,10 +743,10 @@ class FusedDecoder:
         kernel, then the attention (:data:`QKV_NORM_IN_WEIGHTS`)."""
         attention = layer.self_attention
         assert fused.qkv_folded is not None
-        qkv = self._linear("qkv", residual, fused.qkv_folded)
+        qkv = F.linear(residual, fused.qkv_folded)
         keys, values, slots = kv_cache.layer_write_target(layer.layer_idx)
         norm = layer.input_norm
-        if _rotary_in_attention(kv_cache, qkv, keys, attention.head_dim):
+        if _rotary_in_attention(kv_cache, qkv.shape[0], attention.head_dim):
             tables, lengths = kv_cache.step_tables()
             return rotary_paged_attention(
                 qkv,

@@ -56,49 +56,7 @@ def _normed_swiglu_kernel(
     tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@jit
-def _normed_swiglu_columns_kernel(
-    gate_up_ptr,
-    x_ptr,
-    out_ptr,
-    rows,
-    width,
-    hidden,
-    eps,
-    BLOCK_F: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    HIDDEN_BLOCK: tl.constexpr,
-):
-    # The product stored column-major (``[2F, M]``: a feature's rows contiguous): a program
-    # owns BLOCK_F features of BLOCK_M rows, loads them along the rows and stores the
-    # activation row-major (the layout change goes through shared memory).
-    features = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
-    members = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ok = (features < width)[:, None] & (members < rows)[None, :]
-    source = gate_up_ptr + features.to(tl.int64)[:, None] * rows + members[None, :]
-    gate = tl.load(source, mask=ok, other=0.0)
-    up = tl.load(source + width * rows, mask=ok, other=0.0)
-    columns = tl.arange(0, HIDDEN_BLOCK)
-    h = tl.load(
-        x_ptr + members.to(tl.int64)[:, None] * hidden + columns[None, :],
-        mask=(members < rows)[:, None] & (columns < hidden)[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / hidden + eps)
-    gate = gate.to(tl.float32) * rstd[None, :]
-    up = up.to(tl.float32) * rstd[None, :]
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(
-        out_ptr + members.to(tl.int64)[None, :] * width + features[:, None],
-        out.to(out_ptr.dtype.element_ty),
-        mask=ok,
-    )
-
-
 _LAUNCHER = CachedLauncher(_normed_swiglu_kernel)
-_COLUMNS_LAUNCHER = CachedLauncher(_normed_swiglu_columns_kernel)
-COLUMNS_TILE = (128, 64)
-"""``(features, rows)`` per program of the column-major path."""
 
 
 def normed_swiglu(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,9 +66,7 @@ def normed_swiglu(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.T
     ``W``) this is ``swiglu(rms_norm(x, w, eps) @ W.T)`` up to rounding.
 
     Args:
-        gate_up: ``[M, 2F]`` product, the gate columns first: row-major, or column-major (the
-            transpose of a contiguous ``[2F, M]`` product such as ``weight @ x.T``; each
-            program then reads tiles of features by rows).
+        gate_up: ``[M, 2F]`` contiguous product, the gate columns first.
         x: ``[M, H]`` contiguous rows the product was computed from (the residual stream).
         eps: The folded norm's epsilon.
 
@@ -135,27 +91,10 @@ def normed_swiglu(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.T
         )
     if not use_triton(gate_up, x):
         return normed_swiglu_reference(gate_up, x, eps)
+    gate_up, x = gate_up.contiguous(), x.contiguous()
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-    columns = rows > 1 and gate_up.stride() == (1, rows)
-    gate_up, x = (gate_up if columns else gate_up.contiguous()), x.contiguous()
     out = gate_up.new_empty(rows, width)
     if rows == 0 or width == 0:
-        return out
-    if columns:
-        block_f, block_m = COLUMNS_TILE
-        block_m = min(block_m, next_power_of_2(rows))
-        with on_device_of(gate_up):
-            _COLUMNS_LAUNCHER(
-                (-(-width // block_f), -(-rows // block_m)),
-                (gate_up, x, out, rows, width, x.shape[1], float(eps)),
-                {
-                    "BLOCK_F": block_f,
-                    "BLOCK_M": block_m,
-                    "HIDDEN_BLOCK": next_power_of_2(x.shape[1]),
-                },
-                4,
-                gate_up.get_device() if gate_up.is_cuda else 0,
-            )
         return out
     block = min(_BLOCK, next_power_of_2(width))
     with on_device_of(gate_up):

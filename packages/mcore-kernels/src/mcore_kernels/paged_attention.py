@@ -112,15 +112,6 @@ class PagedDecodeConfig:
     prefill_tokens: int = 1024
     """Launches of at least this many tokens put consecutive tokens of one sequence into one
     program (mode ``"dot"``); results are the same either way, only the loads differ."""
-    prefetch_split: bool = False
-    """Decode programs request their split's key and value rows into L2 before the tile loop
-    (also without programmatic dependent launch; a hint: no value changes)."""
-    prefetch_ahead: bool = False
-    """Each tile of a decode program requests the next tile's key and value rows into L2
-    before its own loads (a hint: no value changes)."""
-    early_values: bool = False
-    """Load each tile's values right after its keys, before the query-key product (both
-    loads in flight at once; the same values)."""
 
     def __post_init__(self) -> None:
         if self.mode not in PAGED_ATTENTION_MODES:
@@ -228,9 +219,6 @@ def _attend_rows(
     DOT: tl.constexpr,
     ALIGN: tl.constexpr,
     DOT_F32: tl.constexpr,
-    PREFETCH_AHEAD: tl.constexpr = False,
-    KV_LINE: tl.constexpr = 64,
-    EARLY_V: tl.constexpr = False,
 ):
     # Online softmax of the active rows over positions split_start .. split_start + length - 1
     # of one block table, in tiles of TILE positions; each row sees positions < its context.
@@ -246,35 +234,12 @@ def _attend_rows(
         positions = split_start + i * TILE + tiles
         valid = positions < end
         physical = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        if PREFETCH_AHEAD:
-            # The next tile's blocks, loaded with this tile's (their lines are requested below).
-            ahead = positions + TILE
-            ahead_ok = ahead < end
-            ahead_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead_ok, other=0)
         slots = positions % BLOCK_SIZE
         kv_mask = valid[:, None] & dim_mask[None, :]
         k_rows = (
             physical * stride_k_block + slots * stride_k_slot + kv_head * stride_k_head
         ) * ALIGN
         k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v_rows = (
-            physical * stride_v_block + slots * stride_v_slot + kv_head * stride_v_head
-        ) * ALIGN
-        if EARLY_V:
-            v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if PREFETCH_AHEAD:
-            # The next tile's key and value rows into L2 while this one's are in flight.
-            ahead_slot = tl.where(ahead_ok, ahead % BLOCK_SIZE, 0)
-            ahead_block = tl.where(ahead_ok, ahead_block, 0).to(tl.int64)
-            ahead_k = (
-                ahead_block * stride_k_block + ahead_slot * stride_k_slot + kv_head * stride_k_head
-            ) * ALIGN
-            ahead_v = (
-                ahead_block * stride_v_block + ahead_slot * stride_v_slot + kv_head * stride_v_head
-            ) * ALIGN
-            for offset in tl.static_range(0, HEAD_DIM, KV_LINE):
-                prefetch_l2(k_ptr + ahead_k + offset)
-                prefetch_l2(v_ptr + ahead_v + offset)
         if not DOT:
             scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         elif DOT_F32:
@@ -290,8 +255,10 @@ def _attend_rows(
         correction = tl.exp(running_max - shift)
         probs = tl.exp(scores - shift[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        if not EARLY_V:
-            v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v_rows = (
+            physical * stride_v_block + slots * stride_v_slot + kv_head * stride_v_head
+        ) * ALIGN
+        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if not DOT:
             update = tl.sum(probs[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         else:
@@ -506,8 +473,6 @@ def _paged_attention_split_kernel(
     TICKET_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     PARTIALS: tl.constexpr = False,
-    PREFETCH_AHEAD: tl.constexpr = False,
-    EARLY_V: tl.constexpr = False,
 ):
     if USE_PDL:
         # Programmatic dependent launch: let the next kernel start, then wait for the previous
@@ -525,16 +490,6 @@ def _paged_attention_split_kernel(
                 ALIGN, BLOCK_SIZE, SPLIT_SIZE, HEAD_DIM, KV_LINE,
             )  # fmt: skip
         gdc_wait()
-    elif PREFETCH_KV:
-        # Without PDL (the previous kernel has finished): the split's rows into L2 before the
-        # tile loop reads them.
-        _prefetch_kv(
-            k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, tl.program_id(0),
-            tl.program_id(1), tl.program_id(2) * SPLIT_SIZE, stride_table_token,
-            stride_k_block, stride_k_slot, stride_k_head,
-            stride_v_block, stride_v_slot, stride_v_head,
-            ALIGN, BLOCK_SIZE, SPLIT_SIZE, HEAD_DIM, KV_LINE,
-        )  # fmt: skip
     # Rows of the program: TOKENS consecutive tokens x GROUP_PAD query heads of one KV head,
     # padded to ROWS (16 for tensor-core products). The cache strides arrive divided by ALIGN
     # (their common divisor, at most 16 elements), so every row start is known ALIGN-aligned
@@ -567,7 +522,6 @@ def _paged_attention_split_kernel(
             stride_v_block, stride_v_slot, stride_v_head,
             scale, split_start, tl.max(remaining, axis=0),
             ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
-            PREFETCH_AHEAD, KV_LINE, EARLY_V,
         )  # fmt: skip
     else:
         # Tokens of one sequence (chunked prefill) share their block table: one pass loads
@@ -599,7 +553,6 @@ def _paged_attention_split_kernel(
                 stride_v_block, stride_v_slot, stride_v_head,
                 scale, split_start, tl.max(remaining, axis=0),
                 ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
-                PREFETCH_AHEAD, KV_LINE, EARLY_V,
             )  # fmt: skip
         else:
             running_max = tl.full([ROWS], float("-inf"), tl.float32)
@@ -613,7 +566,6 @@ def _paged_attention_split_kernel(
                     stride_v_block, stride_v_slot, stride_v_head,
                     scale, split_start, tl.max(tl.where(mine, remaining, 0), axis=0),
                     ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT, ALIGN, DOT_F32,
-                    PREFETCH_AHEAD, KV_LINE, EARLY_V,
                 )  # fmt: skip
                 running_max = tl.where(mine, pass_max, running_max)
                 running_sum = tl.where(mine, pass_sum, running_sum)
@@ -982,15 +934,11 @@ def _launch_splits(
         ALIGN=align,
         DOT_F32=dot_f32,
         USE_PDL=use_pdl,
-        PREFETCH_KV=tokens == 1
-        and not _interpreting()
-        and ((use_pdl and PREFETCH_KV_WITH_PDL) or config.prefetch_split),
+        PREFETCH_KV=use_pdl and tokens == 1 and PREFETCH_KV_WITH_PDL,
         KV_LINE=max(1, 128 // k_cache.element_size()),
         TICKET_MERGE=ticket_merge,
         MERGE_CHUNK=MERGE_CHUNK,
         PARTIALS=partials_only,
-        PREFETCH_AHEAD=config.prefetch_ahead and tokens == 1 and not _interpreting(),
-        EARLY_V=config.early_values,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
