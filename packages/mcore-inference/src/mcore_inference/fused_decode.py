@@ -290,11 +290,15 @@ def fused_decoder_unsupported_reason(model: Any) -> str | None:
 
 def _rotary_in_attention(kv_cache: PagedKVCache, rows: int, head_dim: int) -> bool:
     """Whether a step's RoPE and cache write run inside its attention
-    (:data:`ROTARY_IN_ATTENTION_MIN_ROWS`): enough rows, every context within one attention
+    (:data:`ROTARY_IN_ATTENTION_MIN_ROWS`): enough rows, a decode step (every sequence one
+    token: ``PagedKVCache.one_token_per_sequence``), every context within one attention
     split (the step's table as wide as one split at most: then eager and captured steps of
     the same contexts both take this path), a power-of-two head dimension of at least 32,
     not the batch-invariant mode (its attention is the training kernel's)."""
     if not ROTARY_IN_ATTENTION_MIN_ROWS or rows < ROTARY_IN_ATTENTION_MIN_ROWS:
+        return False
+    if not getattr(kv_cache, "one_token_per_sequence", False):
+        # A step that prefills: its tokens read keys other tokens of the launch write.
         return False
     if head_dim < 32 or head_dim & (head_dim - 1) or is_batch_invariant():
         return False
@@ -662,6 +666,20 @@ class FusedDecoder:
                 return model.final_norm(residual)
             hidden, _ = add_rms_norm(model.final_norm, hidden, residual)
         return hidden
+
+    @staticmethod
+    def one_token_per_sequence_matters(rows: int) -> bool:
+        """Whether steps of ``rows`` tokens compute differently when every sequence feeds one
+        token (:data:`ROTARY_IN_ATTENTION_MIN_ROWS`): CUDA graphs then keep decode steps apart
+        from steps that prefill.
+
+        Args:
+            rows: Tokens of the step.
+
+        Returns:
+            True where decode steps of that size may take the rotary-in-attention path.
+        """
+        return bool(ROTARY_IN_ATTENTION_MIN_ROWS) and rows >= ROTARY_IN_ATTENTION_MIN_ROWS
 
     def _skinny(self, name: str, x: torch.Tensor) -> tuple[SkinnyGemmConfig, int] | None:
         """The :data:`SKINNY_GEMM` setting of projection ``name`` for a step's input ``x``:
