@@ -206,7 +206,7 @@ q/k/v projection and the o projection before gate/up both let the next projectio
 the down partials and the LM head measured slower than or even with cuBLAS there
 (docs/benchmarks/inference.md, session 14)."""
 
-ROTARY_IN_ATTENTION_MIN_ROWS = 0
+ROTARY_IN_ATTENTION_MIN_ROWS = 65
 """Steps of at least this many tokens (0: none) whose contexts fit one attention split run
 RoPE and the cache write inside the attention launch
 (:func:`mcore_kernels.rotary_paged_attention.rotary_paged_attention`: each program finishes,
