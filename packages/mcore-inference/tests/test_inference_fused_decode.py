@@ -267,7 +267,7 @@ def test_fused_cuda_graph_decode_matches_eager_model_forward_on_gpu():
         actual = [[(r.tokens, r.logprobs) for r in engine.generate(*call)] for call in calls]
         graphs = engine._graphs
         assert graphs is not None and graphs.captured
-        assert len({width for _, width in graphs._graphs}) == 2
+        assert len({width for _, width, _ in graphs._graphs}) == 2
     config = InferenceConfig(
         max_batch_size=4,
         max_sequence_length=32,
