@@ -221,9 +221,10 @@ def graph_replay_us(engine: Any, batch: int, steps: int) -> dict[int, float]:
         Microseconds per replay by table width (widest last).
     """
     graphs = getattr(getattr(engine, "_runner", None), "graphs", None)
+    # Keys are (bucket, width, decode): the decode step's graph where a bucket has two.
     entries = {
         width: graph
-        for (bucket, width), (graph, _) in getattr(graphs, "_graphs", {}).items()
+        for (bucket, width, _), (graph, _) in sorted(getattr(graphs, "_graphs", {}).items())
         if bucket == batch
     }
     result: dict[int, float] = {}

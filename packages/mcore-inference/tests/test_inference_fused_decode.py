@@ -58,8 +58,8 @@ def model(request) -> GPTModel:
     return _model(5, bias_and_qk_norm=request.param)
 
 
-def _engine(model: GPTModel, *, fused: bool) -> InferenceEngine:
-    config = InferenceConfig(
+def _engine(model: GPTModel, *, fused: bool, **overrides) -> InferenceEngine:
+    fields = dict(
         max_batch_size=4,
         max_sequence_length=32,
         block_size=4,
@@ -67,11 +67,11 @@ def _engine(model: GPTModel, *, fused: bool) -> InferenceEngine:
         attention_split_size=8,
         fused_decode=fused,
     )
-    return InferenceEngine(model, config)
+    return InferenceEngine(model, InferenceConfig(**{**fields, **overrides}))
 
 
-def _generate(model: GPTModel, *, fused: bool) -> list[tuple[list[int], list[float]]]:
-    with _engine(model, fused=fused) as engine:
+def _generate(model: GPTModel, *, fused: bool, **overrides) -> list[tuple[list[int], list[float]]]:
+    with _engine(model, fused=fused, **overrides) as engine:
         assert (engine._decoder is not None) == fused
         return [(r.tokens, r.logprobs) for r in engine.generate(PROMPTS, PARAMS)]
 
@@ -267,7 +267,7 @@ def test_fused_cuda_graph_decode_matches_eager_model_forward_on_gpu():
         actual = [[(r.tokens, r.logprobs) for r in engine.generate(*call)] for call in calls]
         graphs = engine._graphs
         assert graphs is not None and graphs.captured
-        assert len({width for _, width in graphs._graphs}) == 2
+        assert len({width for _, width, _ in graphs._graphs}) == 2
     config = InferenceConfig(
         max_batch_size=4,
         max_sequence_length=32,
@@ -418,6 +418,31 @@ def test_skinny_gemm_projections_generate_what_the_model_forward_generates(monke
     assert any(k.get("swiglu_norm_eps") is not None for _, k in calls) == (mlp == "gate_up_swiglu")
     assert any(k.get("splits", 1) == 3 for _, k in calls), "the down partials"
     assert any(shape[0] == config.vocab_size for shape, _ in calls), "the LM head"
+    _assert_same_generations(actual, _generate(model, fused=False))
+
+
+@pytest.mark.parametrize("folded", [False, True])
+def test_rotary_in_attention_generates_what_the_model_forward_generates(monkeypatch, folded):
+    # ROTARY_IN_ATTENTION_MIN_ROWS: the three-row decode steps rotate, store and attend in one
+    # rotary_paged_attention call (its torch reference on the CPU), after the norm-folded
+    # q/k/v projection (DOWN_PROJ_SPLITS off) or the plain one (with its bias).
+    config = GPTConfig.from_name("tiny", vocab_size=64, seed=8, head_dim=32)
+    model = GPTModel(config).eval()
+    monkeypatch.setattr(fused_decode, "ROTARY_IN_ATTENTION_MIN_ROWS", 3)
+    monkeypatch.setattr(fused_decode, "SKINNY_GEMM_MAX_ROWS", 2)  # cuBLAS's q/k/v, as past 64
+    monkeypatch.setattr(fused_decode, "DOWN_PROJ_SPLITS", (0, 64) if folded else (4, 64))
+    calls = []
+    real = fused_decode.rotary_paged_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("norm_input") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "rotary_paged_attention", spy)
+    # One attention split holds every context; the prefill steps keep the two kernels (their
+    # tokens read keys that other tokens of the step write).
+    actual = _generate(model, fused=True, attention_split_size=32)
+    assert calls and all(normed == folded for normed in calls)
     _assert_same_generations(actual, _generate(model, fused=False))
 
 

@@ -81,8 +81,10 @@ class DecodeGraphRunner:
             )
         self._last_stage = bool(getattr(model, "post_process", True))
         self._pool: Any = torch.cuda.graph_pool_handle()
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        """``(bucket, block-table width)`` -> graph and its output."""
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        """``(bucket, block-table width, decode)`` -> graph and its output. ``decode``: the
+        graph's steps feed every sequence one token (only separate from the graphs of mixed
+        steps where the decoder computes them differently: :meth:`_decode_key`)."""
         self._full_width = block_tables.shape[1]
         self._narrow_width = min(self._full_width, cache.split_size // cache.block_size)
         self._weight_addresses = self._current_weight_addresses()
@@ -119,11 +121,20 @@ class DecodeGraphRunner:
     @property
     def captured(self) -> tuple[int, ...]:
         """Batch sizes captured so far."""
-        return tuple(sorted({batch for batch, _ in self._graphs}))
+        return tuple(sorted({batch for batch, _, _ in self._graphs}))
 
-    def _forward(self, batch: int, width: int) -> torch.Tensor:
+    def _decode_key(self, batch: int, decode: bool) -> bool:
+        """Whether a step of ``batch`` tokens takes a graph of its own when it is a decode step:
+        only where the fused decoder runs such steps differently
+        (``FusedDecoder.one_token_per_sequence_matters``)."""
+        decoder = self._decoder
+        return decode and decoder is not None and decoder.one_token_per_sequence_matters(batch)
+
+    def _forward(self, batch: int, width: int, decode: bool = False) -> torch.Tensor:
         inputs = self._inputs[:, :batch]
-        self._cache.prepare_step(self._block_tables[:, :width], inputs[1], inputs[2])
+        self._cache.prepare_step(
+            self._block_tables[:, :width], inputs[1], inputs[2], one_token_per_sequence=decode
+        )
         stage_input = inputs[0][None] if self._hidden is None else self._hidden[:, :batch]
         if self._decoder is not None and self._last_stage:
             return self._decoder.logits(stage_input, inputs[1][None], kv_cache=self._cache)
@@ -139,7 +150,9 @@ class DecodeGraphRunner:
             return self._decoder.compute_logits(hidden[0])
         return self._model.compute_logits(hidden[0])
 
-    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(
+        self, batch: int, width: int, decode: bool = False
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm up outside the graph (lazy initialisation and Triton compilation must not be
         # recorded); padded inputs make the warm-up write only into the scratch block.
         self._inputs.copy_(self._padding)
@@ -153,14 +166,14 @@ class DecodeGraphRunner:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(batch, width)
+                    self._forward(batch, width, decode)
             torch.cuda.current_stream().wait_stream(stream)
             try:
                 with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    logits = self._forward(batch, width)
+                    logits = self._forward(batch, width, decode)
             finally:
                 self._cache.clear_step()
-        self._graphs[batch, width] = (graph, logits)
+        self._graphs[batch, width, decode] = (graph, logits)
         return graph, logits
 
     def run(
@@ -169,6 +182,7 @@ class DecodeGraphRunner:
         hidden: torch.Tensor | None = None,
         *,
         max_context: int | None = None,
+        decode: bool = False,
     ) -> torch.Tensor:
         """Run one decode step of ``n <= max_batch_size`` tokens through a graph.
 
@@ -178,6 +192,8 @@ class DecodeGraphRunner:
                 are padding rows), on a stage without the embedding.
             max_context: The step's largest position + 1 when known on the host: within one
                 attention split, the graph of the narrow block table runs.
+            decode: Every sequence feeds one token (padding rows aside): a step that
+                prefills passes False (see :meth:`_decode_key`).
 
         Returns:
             logits ``[n, vocab]`` (float32, or in the model's dtype with the fused decoder: see
@@ -190,9 +206,10 @@ class DecodeGraphRunner:
         width = self._full_width
         if max_context is not None and max_context <= self._narrow_width * self._cache.block_size:
             width = self._narrow_width
-        entry = self._graphs.get((bucket, width))
+        key = self._decode_key(bucket, decode)
+        entry = self._graphs.get((bucket, width, key))
         if entry is None:
-            entry = self._capture(bucket, width)
+            entry = self._capture(bucket, width, key)
         graph, logits = entry
         self._inputs[:, :count].copy_(inputs)
         if count < bucket:
@@ -257,9 +274,10 @@ class DecodeGraphRunner:
         """
         count = 0
         for bucket in self.batch_sizes:
+            key = self._decode_key(bucket, True)
             for width in sorted({self._narrow_width, self._full_width}):
-                if (bucket, width) not in self._graphs:
-                    self._capture(bucket, width)
+                if (bucket, width, key) not in self._graphs:
+                    self._capture(bucket, width, key)
                     count += 1
         return count
 

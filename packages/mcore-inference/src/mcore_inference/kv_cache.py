@@ -74,6 +74,10 @@ class PagedKVCache:
         self._slot_mapping: torch.Tensor | None = None
         self._block_tables: torch.Tensor | None = None
         self._context_lens: torch.Tensor | None = None
+        self.one_token_per_sequence = False
+        """Whether the installed step feeds every sequence at most one token (a decode step:
+        no token attends to a position another token of the step writes). Set by
+        :meth:`set_step`; kernels that write and read the cache in one launch need it."""
 
     @property
     def nbytes(self) -> int:
@@ -81,7 +85,12 @@ class PagedKVCache:
         return self.keys.nbytes + self.values.nbytes
 
     def set_step(
-        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+        self,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        *,
+        one_token_per_sequence: bool = False,
     ) -> None:
         """Install the metadata of the next forward.
 
@@ -90,10 +99,13 @@ class PagedKVCache:
                 token.
             block_tables: int32 ``[T, max_blocks]`` block table row of each token's request.
             context_lens: int32 ``[T]`` positions each token attends to (its position + 1).
+            one_token_per_sequence: Every sequence feeds at most one token of the step (see
+                :attr:`one_token_per_sequence`).
         """
         self._slot_mapping = slot_mapping
         self._block_tables = block_tables
         self._context_lens = context_lens
+        self.one_token_per_sequence = one_token_per_sequence
 
     def prepare_step(
         self,
@@ -102,6 +114,7 @@ class PagedKVCache:
         table_rows: torch.Tensor,
         *,
         max_context: int | None = None,
+        one_token_per_sequence: bool = False,
     ) -> None:
         """Derive and install the step metadata from positions and block table rows.
 
@@ -117,6 +130,7 @@ class PagedKVCache:
                 steps): the tables are cut to the blocks it needs, so the attention launches
                 only the splits that can hold data. Results do not change (empty splits add
                 exact zeros).
+            one_token_per_sequence: Every sequence feeds at most one token of the step.
         """
         if max_context is not None:
             block_tables = block_tables[:, : -(-max_context // self.block_size)]
@@ -124,11 +138,12 @@ class PagedKVCache:
         slots, tables, lengths = decode_step_metadata(
             block_tables, positions, table_rows, self.block_size
         )
-        self.set_step(slots, tables, lengths)
+        self.set_step(slots, tables, lengths, one_token_per_sequence=one_token_per_sequence)
 
     def clear_step(self) -> None:
         """Drop the references to the step metadata."""
         self._slot_mapping = self._block_tables = self._context_lens = None
+        self.one_token_per_sequence = False
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float

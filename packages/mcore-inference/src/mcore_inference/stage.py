@@ -145,7 +145,7 @@ class StageRunner:
             try:
                 # Expert-parallel peers keep one graph per bucket (their contexts differ).
                 narrow = max_context if self.lockstep is None else None
-                output = graphs.run(inputs, received, max_context=narrow)[:num_real]
+                output = graphs.run(inputs, received, max_context=narrow, decode=decode)[:num_real]
                 if not self.groups.is_last_stage:
                     return (output[None] if num_real else None), None
                 if not sampling:
@@ -202,7 +202,9 @@ class StageRunner:
             logits: torch.Tensor | None = None
             if graphs is not None and num_real <= graphs.max_batch_size:
                 try:
-                    logits = graphs.run(inputs, max_context=max_context + steps - 1)[:num_real]
+                    logits = graphs.run(inputs, max_context=max_context + steps - 1, decode=True)[
+                        :num_real
+                    ]
                 except Exception as exc:
                     self._drop_graphs(graphs, exc)
                     graphs = None
@@ -280,7 +282,13 @@ class StageRunner:
                 )
                 hidden = torch.cat([hidden.to(self.device), padding], dim=1)
             stage_input = hidden
-        self.kv_cache.prepare_step(self.block_tables, inputs[1], inputs[2], max_context=max_context)
+        self.kv_cache.prepare_step(
+            self.block_tables,
+            inputs[1],
+            inputs[2],
+            max_context=max_context,
+            one_token_per_sequence=microbatch is not None and microbatch.is_decode,
+        )
         sampling = groups.is_last_stage and microbatch is not None and microbatch.sampling
         if sampling and self.decoder is not None and mamba_state is None:
             # The forward and the LM head in one call, as the decode graphs run them.

@@ -769,3 +769,62 @@ def skinny_gemm_reference(
     if residual is not None:
         out = out + residual.float()
     return out.to(x.dtype)
+
+
+def rotary_paged_attention_reference(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    num_q_heads: int,
+    scale: float,
+    norm_input: tuple[torch.Tensor, float] | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch reference of :func:`mcore_kernels.rotary_paged_attention.rotary_paged_attention`.
+
+    Finishes a norm-folded projection (:func:`normed_qkv_reference`) when ``norm_input`` is
+    given, rotates and stores like :func:`rotary_kv_write_reference`, then attends like
+    :func:`paged_attention_reference`.
+
+    Args:
+        qkv: ``[T, (Hq + 2 Hkv) * D]`` q/k/v projection output.
+        cos: float32 ``[T, D // 2]`` RoPE cosines.
+        sin: float32 ``[T, D // 2]`` RoPE sines.
+        k_cache: One layer's key cache ``[num_blocks, block_size, Hkv, D]`` (written in place).
+        v_cache: One layer's value cache, shaped like ``k_cache`` (written in place).
+        slot_mapping: ``[T]`` flat cache slot of each token.
+        block_tables: int32 ``[T, max_blocks]`` block table rows.
+        context_lens: int32 ``[T]`` attended positions (the new token included).
+        num_q_heads: Query heads ``Hq``.
+        scale: Multiplier of the query-key products.
+        norm_input: ``(x, eps)``: ``qkv`` is ``x @ (W * w).T`` of the residual rows ``x``.
+        bias: ``[(Hq + 2 Hkv) * D]`` q/k/v bias (only with ``norm_input``), or None.
+
+    Returns:
+        ``[T, Hq, D]`` attention output in the dtype of ``qkv``.
+    """
+    num_kv_heads, head_dim = int(k_cache.shape[2]), int(k_cache.shape[3])
+    if norm_input is not None:
+        qkv = normed_qkv_reference(qkv, norm_input[0], norm_input[1], bias)
+    q, k, v = qkv.split(
+        [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+    )
+    rotated = rotary_kv_write_reference(
+        q.unflatten(-1, (-1, head_dim)),
+        k.unflatten(-1, (-1, head_dim)),
+        v.unflatten(-1, (-1, head_dim)),
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+    )
+    return paged_attention_reference(
+        rotated, k_cache, v_cache, block_tables, context_lens, scale=scale
+    )
