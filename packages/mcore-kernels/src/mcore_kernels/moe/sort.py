@@ -49,7 +49,9 @@ def _block_counts_kernel(
     expert = tl.load(experts_ptr + i, mask=i < total, other=-1)
     ids = tl.arange(0, E_PAD)
     hits = tl.sum((expert[:, None] == ids[None, :]).to(tl.int32), axis=0)
-    tl.store(block_counts_ptr + block.to(tl.int64) * num_experts + ids, hits, mask=ids < num_experts)
+    tl.store(
+        block_counts_ptr + block.to(tl.int64) * num_experts + ids, hits, mask=ids < num_experts
+    )
 
 
 @jit
