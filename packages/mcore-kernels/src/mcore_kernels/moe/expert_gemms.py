@@ -26,6 +26,7 @@ from mcore_kernels.moe.grouped_mm import (
     PersistentTiles,
     k_grouped_mm,
     m_grouped_mm,
+    m_grouped_swiglu,
     tile_schedule,
 )
 
@@ -62,6 +63,11 @@ LOOP_PREFIX = True
 """The first cuBLAS loop of a layer call whose group ends come through ``host_ends`` starts
 with the first expert's GEMM over the mean rows per expert before the host waits for the ends
 (:meth:`ExpertGemmRunner._prefix_rows`)."""
+
+SWIGLU_EPILOGUE = True
+"""A gate/up projection on the persistent Triton kernel computes the routed SwiGLU in its
+epilogue (:func:`~mcore_kernels.moe.grouped_mm.m_grouped_swiglu`) instead of a separate pass
+over its output; False: the separate pass, the path before (for A/B timings)."""
 
 GemmKernel = PersistentTiles | str
 """The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP`, :data:`BATCHED` or the
@@ -248,6 +254,33 @@ class ExpertGemmRunner:
             ``[M, 2F]``.
         """
         return self._rows(self.plan.gate_up, x, w_gate_up, True)
+
+    def gate_up_swiglu(
+        self, x: torch.Tensor, w_gate_up: torch.Tensor, weights: torch.Tensor, order: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The gate/up projection with the routed SwiGLU in its epilogue, where the plan runs it
+        on the persistent Triton kernel (:data:`SWIGLU_EPILOGUE`).
+
+        Args:
+            x: ``[M, H]``.
+            w_gate_up: ``[E, 2F, H]``.
+            weights: ``[A]`` routing weight of each assignment.
+            order: ``[M]`` int64 assignment of each row (-1: none).
+
+        Returns:
+            ``(gate_up [M, 2F], act [M, F])``, or None where the plan's kernel has no such
+            epilogue (the caller runs :meth:`gate_up` and the SwiGLU).
+        """
+        tiles = self.plan.gate_up
+        if (
+            not SWIGLU_EPILOGUE
+            or not isinstance(tiles, PersistentTiles)
+            or w_gate_up.shape[1] % tiles.block_n
+        ):
+            return None
+        return m_grouped_swiglu(
+            x, w_gate_up, self.offsets, weights, order, tiles=tiles, schedule=self._schedule(tiles)
+        )
 
     def down(self, act: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
         """``act[rows of e] @ w_down[e].T`` (``[M, F]``, ``[E, H, F]`` -> ``[M, H]``).
