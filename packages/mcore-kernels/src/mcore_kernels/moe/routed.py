@@ -157,13 +157,16 @@ class RoutedExpertsFunction(torch.autograd.Function):
         top_k: int,
         gemms: ExpertGemms | None = None,
         host_ends: Callable[[], list[int]] | None = None,
+        slot_counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         flat_w = weights.reshape(-1)
         gemms = gemms if gemms is not None else ExpertGemms()
         with _device(x):
             # top_k 0: the rows are already in expert order (no gather and no combine).
             permuted = _gather_rows(x, order, top_k, None) if top_k else x
-            run = ExpertGemmRunner(gemms, offsets, permuted.shape[0], host_ends)
+            run = ExpertGemmRunner(
+                gemms, offsets, permuted.shape[0], host_ends, slot_counts, flat_w.numel()
+            )
             fused = run.gate_up_swiglu(permuted, w_gate_up, flat_w, order)
             if fused is None:
                 gate_up = run.gate_up(permuted, w_gate_up)
@@ -203,7 +206,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
                 grad_x = _sum_rows(grad_perm, inverse, top_k, None) if top_k else grad_perm
         if needs_w:
             grad_w = grad_flat_w.view(ctx.weights_shape)
-        return grad_x, grad_w, grad_gu, grad_down, None, None, None, None, None, None
+        return grad_x, grad_w, grad_gu, grad_down, None, None, None, None, None, None, None
 
 
 def routed_experts(
@@ -216,6 +219,7 @@ def routed_experts(
     offsets: torch.Tensor,
     gemms: ExpertGemms | None = None,
     host_ends: Callable[[], list[int]] | None = None,
+    slot_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run every routing assignment through its SwiGLU expert and sum each token's outputs.
 
@@ -248,6 +252,10 @@ def routed_experts(
             a copy started on the stream earlier, so the host waits while the gather and other
             queued kernels run); None reads ``offsets`` on the host when the first loop needs
             it.
+        slot_counts: For plans on equal row slots (``offsets`` then ends every ``M / E``
+            rows): ``[E]`` int64 used slots of each expert (its assignments come first), with
+            which the :data:`~mcore_kernels.moe.expert_gemms.PACKED` weight gradients reduce
+            over the used slots only.
 
     Returns:
         ``[T, H]`` in the dtype of ``x``.
@@ -286,7 +294,7 @@ def routed_experts(
     if _compile.compiling():
         # A plan is not an op argument: the traced op runs the default plan (torch._grouped_mm).
         return torch.ops.mcore_kernels.moe_routed_experts(*args, weights.shape[1])
-    return RoutedExpertsFunction.apply(*args, weights.shape[1], gemms, host_ends)
+    return RoutedExpertsFunction.apply(*args, weights.shape[1], gemms, host_ends, slot_counts)
 
 
 def grouped_experts(
