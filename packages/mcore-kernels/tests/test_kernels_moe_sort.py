@@ -85,8 +85,10 @@ def test_expert_rows_match_the_reference_and_the_rule(num_experts, assignments, 
 
 
 def test_expert_rows_across_many_blocks_of_block_counts(monkeypatch):
-    # More blocks than one step of the prefix loop sums: small blocks, several prefix steps.
+    # More blocks than one step of the prefix loop sums, several chunks per block: small
+    # blocks and chunks, several prefix steps.
     monkeypatch.setattr(sort, "BLOCK", 16)
+    monkeypatch.setattr(sort, "CHUNK", 4)
     monkeypatch.setattr(sort, "PREFIX_ROWS", 4)
     experts, counts = _routing(11, 300, seed=7)
     for capacity in (None, 12):

@@ -32,7 +32,10 @@ from mcore_kernels.moe.reference import expert_rows_reference
 __all__ = ["expert_rows", "expert_rows_reference"]
 
 BLOCK = 256
-"""Assignments per program of both kernels (the rank inside a block compares every pair)."""
+"""Assignments per program of both kernels."""
+
+CHUNK = 32
+"""Assignments ranked at a time inside a block (every pair of a chunk is compared)."""
 
 PREFIX_ROWS = 32
 """Rows of block counts summed per step of the second kernel's prefix loop."""
@@ -40,15 +43,23 @@ PREFIX_ROWS = 32
 
 @jit
 def _block_counts_kernel(
-    experts_ptr, block_counts_ptr, total, num_experts, BLOCK: tl.constexpr, E_PAD: tl.constexpr
+    experts_ptr,
+    block_counts_ptr,
+    total,
+    num_experts,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    E_PAD: tl.constexpr,
 ):
     """``block_counts[b, e]``: assignments of expert ``e`` among assignments ``b * BLOCK`` to
-    ``(b + 1) * BLOCK`` (int32, one row per program)."""
+    ``(b + 1) * BLOCK`` (int32, one row per program; counted ``CHUNK`` assignments at a time)."""
     block = tl.program_id(0)
-    i = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    expert = tl.load(experts_ptr + i, mask=i < total, other=-1)
     ids = tl.arange(0, E_PAD)
-    hits = tl.sum((expert[:, None] == ids[None, :]).to(tl.int32), axis=0)
+    hits = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c in tl.static_range(0, BLOCK, CHUNK):
+        i = block.to(tl.int64) * BLOCK + c + tl.arange(0, CHUNK)
+        expert = tl.load(experts_ptr + i, mask=i < total, other=-1)
+        hits += tl.sum((expert[:, None] == ids[None, :]).to(tl.int32), axis=0)
     tl.store(
         block_counts_ptr + block.to(tl.int64) * num_experts + ids, hits, mask=ids < num_experts
     )
@@ -67,6 +78,7 @@ def _expert_rows_kernel(
     num_experts,
     capacity,
     BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
     E_PAD: tl.constexpr,
     PREFIX_ROWS: tl.constexpr,
 ):
@@ -74,7 +86,8 @@ def _expert_rows_kernel(
     in its expert (the assignments of ``e`` in the blocks before plus the earlier ones of this
     block); kept below ``capacity``, in row ``kept_start[e] + r``, else dropped (-1). Writes
     ``inverse[i]`` and ``order[row] = i``, and -1 in ``order[i]`` from the last kept row on;
-    program 0 also writes ``kept`` (int64) and ``offsets`` (int32 end rows)."""
+    program 0 also writes ``kept`` (int64) and ``offsets`` (int32 end rows). The block is
+    ranked ``CHUNK`` assignments at a time, with a running count per expert."""
     block = tl.program_id(0)
     ids = tl.arange(0, E_PAD)
     id_ok = ids < num_experts
@@ -82,10 +95,11 @@ def _expert_rows_kernel(
     kept = tl.minimum(counts, capacity)
     ends = tl.cumsum(kept, axis=0)
     starts = ends - kept
+    kept_total = tl.sum(kept, axis=0)
     if block == 0:
         tl.store(kept_ptr + ids, kept, mask=id_ok)
         tl.store(offsets_ptr + ids, ends.to(tl.int32), mask=id_ok)
-    # Assignments of every expert in the blocks before this one.
+    # Assignments of every expert before this chunk: the blocks before, then the chunks before.
     before = tl.zeros((E_PAD,), dtype=tl.int32)
     prev = tl.arange(0, PREFIX_ROWS)
     for r0 in range(0, block, PREFIX_ROWS):
@@ -96,21 +110,22 @@ def _expert_rows_kernel(
             other=0,
         )
         before += tl.sum(rows, axis=0)
-    offs = tl.arange(0, BLOCK)
-    i = block.to(tl.int64) * BLOCK + offs
-    ok = i < total
-    expert = tl.load(experts_ptr + i, mask=ok, other=-1)
-    # Rank among the earlier assignments of the block with the same expert (token order).
-    same = (expert[:, None] == expert[None, :]) & (offs[None, :] < offs[:, None])
-    rank = tl.sum(same.to(tl.int32), axis=1)
-    hit = expert[:, None] == ids[None, :]
-    rank += tl.sum(tl.where(hit, before[None, :], 0), axis=1)
-    start = tl.sum(tl.where(hit, starts[None, :], 0), axis=1)
-    row = tl.where(rank < capacity, start + rank, -1)
-    tl.store(inverse_ptr + i, row, mask=ok)
-    tl.store(order_ptr + row, i, mask=ok & (row >= 0))
-    kept_total = tl.sum(kept, axis=0)
-    tl.store(order_ptr + i, tl.full((BLOCK,), -1, tl.int64), mask=ok & (i >= kept_total))
+    offs = tl.arange(0, CHUNK)
+    for c in tl.static_range(0, BLOCK, CHUNK):
+        i = block.to(tl.int64) * BLOCK + c + offs
+        ok = i < total
+        expert = tl.load(experts_ptr + i, mask=ok, other=-1)
+        # Rank among the earlier assignments of the chunk with the same expert (token order).
+        same = (expert[:, None] == expert[None, :]) & (offs[None, :] < offs[:, None])
+        rank = tl.sum(same.to(tl.int32), axis=1)
+        hit = expert[:, None] == ids[None, :]
+        rank += tl.sum(tl.where(hit, before[None, :], 0), axis=1)
+        start = tl.sum(tl.where(hit, starts[None, :], 0), axis=1)
+        row = tl.where(rank < capacity, start + rank, -1)
+        tl.store(inverse_ptr + i, row, mask=ok)
+        tl.store(order_ptr + row, i, mask=ok & (row >= 0))
+        tl.store(order_ptr + i, tl.full((CHUNK,), -1, tl.int64), mask=ok & (i >= kept_total))
+        before += tl.sum(hit.to(tl.int32), axis=0)
 
 
 def _check(experts: torch.Tensor, counts: torch.Tensor, capacity: int | None) -> None:
@@ -170,7 +185,7 @@ def expert_rows(
         _block_counts_kernel,
         (blocks,),
         (experts, block_counts, total, num_experts),
-        dict(BLOCK=BLOCK, E_PAD=e_pad),
+        dict(BLOCK=BLOCK, CHUNK=min(CHUNK, BLOCK), E_PAD=e_pad),
         device=experts.device,
     )
     launch(
@@ -188,7 +203,7 @@ def expert_rows(
             num_experts,
             max(total, 1) if capacity is None else capacity,
         ),
-        dict(BLOCK=BLOCK, E_PAD=e_pad, PREFIX_ROWS=PREFIX_ROWS),
+        dict(BLOCK=BLOCK, CHUNK=min(CHUNK, BLOCK), E_PAD=e_pad, PREFIX_ROWS=PREFIX_ROWS),
         device=experts.device,
     )
     return order, inverse, kept, offsets
