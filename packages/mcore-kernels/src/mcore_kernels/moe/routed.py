@@ -304,6 +304,7 @@ def grouped_experts(
     w_down: torch.Tensor,
     offsets: torch.Tensor,
     gemms: ExpertGemms | None = None,
+    slot_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts of :func:`routed_experts` alone, on rows already in expert order: ``w[r] *
     silu(x W_gate^T) * (x W_up^T)`` then the down projection, row by row (no gather, no
@@ -316,6 +317,7 @@ def grouped_experts(
         w_down: ``[E, H, F]``.
         offsets: ``[E]`` int32 end row of each expert (``offsets[-1] == M``).
         gemms: Kernel of each expert GEMM (default: ``torch._grouped_mm`` for all six).
+        slot_counts: As in :func:`routed_experts` (rows in equal slots per expert).
 
     Returns:
         ``[M, H]`` in the dtype of ``rows``.
@@ -339,6 +341,8 @@ def grouped_experts(
         offsets,
         0,
         gemms if gemms is not None else ExpertGemms(),
+        None,
+        slot_counts,
     )
 
 
