@@ -10,13 +10,10 @@ float16; the GPU tests (``test_kernels_moe_grouped_mm_gpu.py``) cover bfloat16.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError, KernelValueError
-from mcore_kernels.moe import expert_gemms
 from mcore_kernels.moe.expert_gemms import (
     CUBLAS_LOOP,
     CUBLAS_LOOP_PLAN,
@@ -32,16 +29,9 @@ from mcore_kernels.moe.grouped_mm import (
     k_grouped_mm_reference,
     m_grouped_mm,
     m_grouped_mm_reference,
-    m_grouped_swiglu,
     tile_schedule,
 )
-from mcore_kernels.moe.reference import m_grouped_swiglu_reference
-from mcore_kernels.moe.routed import (
-    _routed_swiglu,
-    grouped_experts,
-    routed_experts,
-    routed_experts_reference,
-)
+from mcore_kernels.moe.routed import grouped_experts, routed_experts, routed_experts_reference
 
 pytestmark = pytest.mark.interpreter
 
@@ -189,65 +179,6 @@ def test_routed_experts_on_triton_gemms_match_reference_values_and_gradients(pla
     for expert in (0, 3):
         assert torch.count_nonzero(got[3][expert]) == 0
         assert torch.count_nonzero(got[4][expert]) == 0
-
-
-@pytest.mark.parametrize(
-    "tiles", [TILES, replace(TILES, flatten=True, expert_columns=True)], ids=["plain", "flat-cols"]
-)
-def test_m_grouped_swiglu_equals_the_gemm_then_the_routed_swiglu(tiles):
-    # The epilogue's SwiGLU from the rounded gate/up values, zero for rows without an
-    # assignment (here rows 6 and 20: padding rows inside experts), experts without rows.
-    offsets = _offsets()
-    rows = int(offsets[-1])
-    a = _randn(rows, 32, seed=21) * 0.5
-    w_gu = _randn(len(COUNTS), 64, 32, seed=22) * 0.3
-    order = torch.randperm(rows, generator=torch.Generator().manual_seed(23))
-    order[[6, 20]] = -1
-    weights = torch.rand(rows, generator=torch.Generator().manual_seed(24)).to(DTYPE)
-    gate_up, act = m_grouped_swiglu(a, w_gu, offsets, weights, order, tiles=tiles)
-    want = m_grouped_mm(a, w_gu, offsets, transpose_weight=True, tiles=tiles)
-    assert torch.equal(gate_up, want)
-    assert torch.equal(act, _routed_swiglu(want, weights, order))
-    assert torch.count_nonzero(act[[6, 20]]) == 0
-    ref_gate_up, ref_act = m_grouped_swiglu_reference(
-        a.float(), w_gu.float(), offsets, weights.float(), order
-    )
-    torch.testing.assert_close(gate_up.float(), ref_gate_up, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(act.float(), ref_act, rtol=2e-2, atol=2e-2)
-    with pytest.raises(KernelShapeError, match=r"order\.shape=\(49,\)"):
-        m_grouped_swiglu(a, w_gu, offsets, weights, order[:-1], tiles=tiles)
-    with pytest.raises(KernelShapeError, match="multiple of block_n=32"):
-        m_grouped_swiglu(a, w_gu[:, :48], offsets, weights, order, tiles=replace(tiles, block_n=32))
-
-
-@pytest.mark.parametrize("dropped", [False, True], ids=["dropless", "dropped"])
-def test_routed_experts_swiglu_epilogue_is_bitwise_the_separate_pass(dropped, monkeypatch):
-    x, weights, w_gu, w_d, order, inverse, offsets = _routed_problem()
-    if dropped:
-        # Every expert keeps its first 3 rows, packed; the rows past them hold no assignment.
-        keep = torch.full_like(order, -1)
-        kept_inverse = torch.full_like(inverse, -1)
-        ends, start, row = [], 0, 0
-        for end in offsets.tolist():
-            for assignment in order[start : min(end, start + 3)].tolist():
-                keep[row], kept_inverse[assignment] = assignment, row
-                row += 1
-            ends.append(row)
-            start = end
-        order, inverse, offsets = keep, kept_inverse, torch.tensor(ends, dtype=torch.int32)
-    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(25)).to(DTYPE)
-    results = []
-    for epilogue in (True, False):
-        monkeypatch.setattr(expert_gemms, "SWIGLU_EPILOGUE", epilogue)
-        results.append(
-            _run(
-                lambda *t: routed_experts(*t, order, inverse, offsets, gemms=ALL_TRITON),
-                (x, weights, w_gu, w_d),
-                grad,
-            )
-        )
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
 
 
 def test_routed_experts_on_triton_gemms_are_bitwise_reproducible():

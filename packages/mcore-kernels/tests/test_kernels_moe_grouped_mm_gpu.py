@@ -1,7 +1,7 @@
 """Persistent grouped GEMMs on the GPU in bfloat16: each product against ``torch._grouped_mm``
 at a fine-grained MoE shape with experts that get no rows, the fused routed experts with every
 GEMM on these kernels against the same operation on ``torch._grouped_mm`` (values and
-gradients), the SwiGLU epilogue against the separate pass, and two runs bitwise equal."""
+gradients), and two runs bitwise equal."""
 
 from __future__ import annotations
 
@@ -10,15 +10,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mcore_kernels.moe import expert_gemms
 from mcore_kernels.moe.expert_gemms import CUBLAS_LOOP, ExpertGemms
 from mcore_kernels.moe.grouped_mm import (
     PersistentTiles,
     k_grouped_mm,
     m_grouped_mm,
-    m_grouped_swiglu,
 )
-from mcore_kernels.moe.routed import _routed_swiglu, routed_experts
+from mcore_kernels.moe.routed import routed_experts
 
 pytestmark = pytest.mark.gpu
 
@@ -121,35 +119,6 @@ def test_routed_experts_on_other_gemms_match_grouped_mm_and_repeat_bitwise(plan)
     for a, b, c in zip(first, second, want, strict=True):
         assert torch.equal(a, b)
         _close(a, c)
-
-
-@pytest.mark.parametrize("expert_columns", [False, True], ids=["rows", "expert-columns"])
-def test_swiglu_epilogue_equals_the_gemm_then_the_routed_swiglu_bitwise(
-    expert_columns, monkeypatch
-):
-    # bf16, experts without rows, rows without an assignment: the epilogue's gate/up values and
-    # SwiGLU bitwise those of the GEMM and the separate pass; the fused routed experts with and
-    # without it bitwise equal (values and gradients).
-    offsets = _counts().cumsum(0).to(torch.int32).cuda()
-    rows = int(offsets[-1])
-    g = torch.Generator(device="cuda").manual_seed(2)
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(rows, HIDDEN, generator=g, **bf16)
-    w_gu = torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=g, **bf16) * 0.05
-    weights = torch.rand(rows, generator=g, **bf16)
-    order = torch.randperm(rows, generator=g, device="cuda")
-    order[::17] = -1
-    tiles = replace(ROWS_TILES, expert_columns=expert_columns)
-    gate_up, act = m_grouped_swiglu(x, w_gu, offsets, weights, order, tiles=tiles)
-    want = m_grouped_mm(x, w_gu, offsets, transpose_weight=True, tiles=tiles)
-    assert torch.equal(gate_up, want)
-    assert torch.equal(act, _routed_swiglu(want, weights, order))
-    results = []
-    for epilogue in (True, False):
-        monkeypatch.setattr(expert_gemms, "SWIGLU_EPILOGUE", epilogue)
-        results.append(_routed(EXPERT_COLUMNS if expert_columns else ALL_TRITON))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
 
 
 def test_aligned_weight_gradients_match_grouped_mm_and_repeat_bitwise():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
-from mcore_kernels.moe.expert_gemms import BATCHED, BATCHED_PLAN, PACKED_SLOTS_PLAN, ExpertGemms
+from mcore_kernels.moe.expert_gemms import BATCHED, BATCHED_PLAN, ExpertGemms
 from mcore_kernels.moe.routed import routed_experts, routed_experts_reference
 
 pytestmark = pytest.mark.interpreter
@@ -138,25 +138,18 @@ def _slots(order, offsets, capacity):
     return fillers, kept, slot_ends
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed-weight-grads"])
 @pytest.mark.parametrize("capacity", [3, 16], ids=["drops", "holds-all"])
-def test_routed_experts_on_batched_slots_match_reference(capacity, packed):
+def test_routed_experts_on_batched_slots_match_reference(capacity):
     # BATCHED: one torch.bmm per GEMM over equal slots per expert (empty slots computed as
-    # zero rows); PACKED_SLOTS_PLAN: the weight gradients on torch._grouped_mm over the used
-    # slots gathered into packed rows. Expert 2 gets no token; at capacity 3 assignments are
-    # dropped (packed rows past the used ones), at 16 every expert fits (padded dropless).
+    # zero rows). Expert 2 gets no token; at capacity 3 assignments are dropped, at 16 every
+    # expert fits (padded dropless routing).
     x, weights, w_gu, w_d, order, inverse, offsets = _problem(seed=11, empty=(2,))
     fillers, kept, slot_ends = _slots(order, offsets, capacity)
     assert (int((kept < 0).sum()) > 0) == (capacity == 3)
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(x.dtype)
-    counts = torch.diff(offsets.long(), prepend=torch.zeros(1, dtype=torch.long))
-    plan = PACKED_SLOTS_PLAN if packed else BATCHED_PLAN
-    slot_counts = counts.clamp(max=capacity) if packed else None
 
     def batched(a, b, c, d):
-        return routed_experts(
-            a, b, c, d, fillers, kept, slot_ends, gemms=plan, slot_counts=slot_counts
-        )
+        return routed_experts(a, b, c, d, fillers, kept, slot_ends, gemms=BATCHED_PLAN)
 
     out, grads = _run(batched, x, weights, w_gu, w_d, grad)
     ref, ref_grads = _run(

@@ -545,14 +545,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
     fused = experts.fuses_routing(x)
     # Dropless routing padded to the largest expert in the fused operation
     # (GroupedExperts.forward_slots); drop-and-pad's slots run the separate operations.
-    # Capacity routing's slots too where the layer runs them in the fused operation (in
-    # training, while the slot plan packs the weight gradients' used slots).
-    slotted = (
-        fused
-        and moe.weights_in_experts
-        and one_rank
-        and (padded_dropless or (capacity is not None and not packed and experts.packs_slots()))
-    )
+    slotted = fused and moe.weights_in_experts and one_rank and padded_dropless
     align = experts.plan_for(flat.numel(), x).row_align
     if fused and moe.weights_in_experts and one_rank and (capacity is None or packed):
         # The fused grouped experts' rows: dropless, or the kept rows of capacity routing,
@@ -595,7 +588,6 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
                     self.experts.down_proj,
                     offsets,
                     self.experts.slot_plan(),
-                    slot_counts=counts.clamp(max=capacity),
                 )
             if capacity is None and fused and row_weights is not None:
                 # The layer's fused operation without its gather and combine (same GEMM plan).

@@ -518,9 +518,9 @@ def test_layer_with_fused_experts_on_cublas_loop_and_triton_gemms_matches_refere
 
 
 def _fused_slot_errors() -> list[list[float]]:
-    # expert_kernel="bmm" never packs: dropless pads every expert to the largest one, and
-    # capacity routing in training keeps its padded slots, both through
-    # GroupedExperts.forward_slots (the weight gradients over the used slots packed).
+    # expert_kernel="bmm" never packs: dropless pads every expert to the largest one (through
+    # GroupedExperts.forward_slots), capacity routing keeps its padded slots (the separate
+    # operations).
     from mcore_models.moe import permute
     from mcore_models.moe.experts import GroupedExperts
 
@@ -529,22 +529,21 @@ def _fused_slot_errors() -> list[list[float]]:
     calls = []
     real = GroupedExperts.forward_slots
 
-    def spy(self, x, weights, fillers, kept, capacity, counts=None):
-        calls.append((capacity, self.slot_plan().slotted, counts is not None))
-        return real(self, x, weights, fillers, kept, capacity, counts)
+    def spy(self, x, weights, fillers, kept, capacity):
+        calls.append((capacity, self.slot_plan().slotted))
+        return real(self, x, weights, fillers, kept, capacity)
 
     GroupedExperts.forward_slots = spy  # type: ignore[method-assign]
     errors = [
         _fused_routed_errors(None, expert_kernel="bmm"),
         _fused_routed_errors(0.5, expert_kernel="bmm"),
     ]
-    # One call for each layer step (the reference does not route): batched row GEMMs, the
-    # slots' counts given.
-    assert [(slotted, counted) for _, slotted, counted in calls] == [(True, True)] * 2, calls
+    # One call for the dropless layer step (the reference does not route): batched GEMMs.
+    assert [slotted for _, slotted in calls] == [True], calls
     # Routing too uneven to pad: the grouped rows, from the sort made for the padding decision.
     permute.PADDING_LIMIT = 1.0
     errors[0] += _fused_routed_errors(None, expert_kernel="bmm")
-    assert len(calls) == 2, calls
+    assert len(calls) == 1, calls
     return errors
 
 

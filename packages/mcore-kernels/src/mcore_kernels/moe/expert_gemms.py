@@ -26,15 +26,12 @@ from mcore_kernels.moe.grouped_mm import (
     PersistentTiles,
     k_grouped_mm,
     m_grouped_mm,
-    m_grouped_swiglu,
     tile_schedule,
 )
 
 __all__ = [
     "BATCHED",
     "BATCHED_PLAN",
-    "PACKED",
-    "PACKED_SLOTS_PLAN",
     "CUBLAS_LOOP",
     "CUBLAS_LOOP_PLAN",
     "GROUPED_MM",
@@ -61,25 +58,14 @@ S`` to ``(e + 1) * S`` of the ``E * S`` rows, its unused rows being empty (zero 
 gradient). Only for rows laid out in such slots (capacity routing's padded slots, or dropless
 rows padded to the largest expert); no host synchronisation in the GEMMs themselves."""
 
-PACKED = "packed_grouped_mm"
-"""For the weight gradients of a plan on equal row slots (:data:`BATCHED` row GEMMs):
-``torch._grouped_mm`` over each expert's used slots gathered into packed rows, so that the
-reduction skips the empty slots (:class:`ExpertGemmRunner`'s ``slot_counts``); without slot
-counts, :data:`BATCHED`."""
-
 LOOP_PREFIX = True
 """The first cuBLAS loop of a layer call whose group ends come through ``host_ends`` starts
 with the first expert's GEMM over the mean rows per expert before the host waits for the ends
 (:meth:`ExpertGemmRunner._prefix_rows`)."""
 
-SWIGLU_EPILOGUE = True
-"""A gate/up projection on the persistent Triton kernel computes the routed SwiGLU in its
-epilogue (:func:`~mcore_kernels.moe.grouped_mm.m_grouped_swiglu`) instead of a separate pass
-over its output; False: the separate pass, the path before (for A/B timings)."""
-
 GemmKernel = PersistentTiles | str
-"""The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP`, :data:`BATCHED`,
-:data:`PACKED` (weight gradients) or the tiles of the persistent Triton kernel."""
+"""The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP`, :data:`BATCHED` or the
+tiles of the persistent Triton kernel."""
 
 _GEMMS = ("gate_up", "down", "d_act", "d_x", "w_down", "w_gate_up")
 
@@ -111,12 +97,12 @@ class ExpertGemms:
     def __post_init__(self) -> None:
         for name in _GEMMS:
             value = getattr(self, name)
-            kinds: tuple[str, ...] = (GROUPED_MM, CUBLAS_LOOP, BATCHED)
-            if name in ("w_down", "w_gate_up"):
-                kinds += (PACKED,)
-            if not (isinstance(value, PersistentTiles) or value in kinds):
+            if not (
+                isinstance(value, PersistentTiles) or value in (GROUPED_MM, CUBLAS_LOOP, BATCHED)
+            ):
                 raise KernelValueError(
-                    f"ExpertGemms.{name}={value!r}: expected one of {kinds} or PersistentTiles"
+                    f"ExpertGemms.{name}={value!r}: expected one of "
+                    f"{(GROUPED_MM, CUBLAS_LOOP, BATCHED)} or PersistentTiles"
                 )
         if self.row_align < 1 or self.row_align & (self.row_align - 1):
             raise KernelValueError(
@@ -141,10 +127,6 @@ class ExpertGemmRunner:
         host_ends: Returns ``offsets`` as a host list (for the cuBLAS loops), e.g. from a copy
             started earlier on the stream so that the wait overlaps queued kernels; None
             reads ``offsets`` on the host when first needed (a synchronisation).
-        slot_counts: For plans on equal row slots: ``[E]`` int64 used (leading) slots of each
-            expert, which :data:`PACKED` weight gradients gather into packed rows.
-        packed_rows: Rows of the packed matrices (the most used slots there can be, e.g. the
-            routing assignments); default ``num_rows``.
     """
 
     def __init__(
@@ -153,16 +135,11 @@ class ExpertGemmRunner:
         offsets: torch.Tensor,
         num_rows: int,
         host_ends: Callable[[], list[int]] | None = None,
-        slot_counts: torch.Tensor | None = None,
-        packed_rows: int | None = None,
     ) -> None:
         self.plan = plan
         self.offsets = offsets
         self.num_rows = num_rows
         self._host_ends = host_ends
-        self._slot_counts = slot_counts
-        self._packed_rows = num_rows if packed_rows is None else packed_rows
-        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._schedules: dict[int, torch.Tensor] = {}
         self._spans: list[tuple[int, int, int]] | None = None
         experts = offsets.shape[0]
@@ -236,32 +213,7 @@ class ExpertGemmRunner:
             return torch.bmm(slots, w.transpose(1, 2) if transpose else w).view(a.shape[0], -1)
         return torch._grouped_mm(a, w.transpose(-2, -1) if transpose else w, offs=self.offsets)
 
-    def _packing(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(index, ends)``: the slot row of every packed row (expert after expert, each
-        expert's used slots in order; row 0 for the rows past the last used slot, which no
-        group covers) and the int32 end row of each expert's packed rows. Built on the device
-        once per layer call (no host synchronisation)."""
-        if self._packed is None:
-            assert self._slot_counts is not None
-            counts = self._slot_counts
-            experts = counts.shape[0]
-            slots = self.num_rows // experts
-            ends = counts.cumsum(0)
-            rows = torch.arange(self._packed_rows, device=counts.device)
-            expert = torch.searchsorted(ends, rows, right=True).clamp_(max=experts - 1)
-            index = rows + (expert * slots - (ends - counts).index_select(0, expert))
-            index = torch.where(rows < ends[-1], index, 0)
-            self._packed = index, ends.to(torch.int32)
-        return self._packed
-
     def _weights(self, kernel: GemmKernel, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if kernel == PACKED and self._slot_counts is not None:
-            index, ends = self._packing()
-            return torch._grouped_mm(
-                g.index_select(0, index).t(), x.index_select(0, index), offs=ends
-            )
-        if kernel == PACKED:
-            kernel = BATCHED
         if isinstance(kernel, PersistentTiles):
             aligned = self.plan.row_align % kernel.block_m == 0
             return k_grouped_mm(g, x, self.offsets, tiles=kernel, aligned=aligned)
@@ -296,33 +248,6 @@ class ExpertGemmRunner:
             ``[M, 2F]``.
         """
         return self._rows(self.plan.gate_up, x, w_gate_up, True)
-
-    def gate_up_swiglu(
-        self, x: torch.Tensor, w_gate_up: torch.Tensor, weights: torch.Tensor, order: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The gate/up projection with the routed SwiGLU in its epilogue, where the plan runs it
-        on the persistent Triton kernel (:data:`SWIGLU_EPILOGUE`).
-
-        Args:
-            x: ``[M, H]``.
-            w_gate_up: ``[E, 2F, H]``.
-            weights: ``[A]`` routing weight of each assignment.
-            order: ``[M]`` int64 assignment of each row (-1: none).
-
-        Returns:
-            ``(gate_up [M, 2F], act [M, F])``, or None where the plan's kernel has no such
-            epilogue (the caller runs :meth:`gate_up` and the SwiGLU).
-        """
-        tiles = self.plan.gate_up
-        if (
-            not SWIGLU_EPILOGUE
-            or not isinstance(tiles, PersistentTiles)
-            or w_gate_up.shape[1] % tiles.block_n
-        ):
-            return None
-        return m_grouped_swiglu(
-            x, w_gate_up, self.offsets, weights, order, tiles=tiles, schedule=self._schedule(tiles)
-        )
 
     def down(self, act: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
         """``act[rows of e] @ w_down[e].T`` (``[M, F]``, ``[E, H, F]`` -> ``[M, H]``).
@@ -390,9 +315,6 @@ CUBLAS_LOOP_PLAN = ExpertGemms(**cast(dict[str, Any], dict.fromkeys(_GEMMS, CUBL
 layer call)."""
 BATCHED_PLAN = ExpertGemms(**cast(dict[str, Any], dict.fromkeys(_GEMMS, BATCHED)))
 """Batched cuBLAS GEMMs over equal row slots per expert for all six GEMMs."""
-PACKED_SLOTS_PLAN = replace(BATCHED_PLAN, w_down=PACKED, w_gate_up=PACKED)
-"""Batched cuBLAS GEMMs over equal row slots per expert for the four row GEMMs, the weight
-gradients on ``torch._grouped_mm`` over the used slots packed (:data:`PACKED`)."""
 
 _WIDE = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
 _WIDE_3 = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=3, flatten=True)

@@ -29,7 +29,6 @@ __all__ = [
     "k_grouped_mm_reference",
     "m_grouped_mm",
     "m_grouped_mm_reference",
-    "m_grouped_swiglu",
     "tile_schedule",
 ]
 
@@ -81,9 +80,6 @@ def m_grouped_kernel(
     K,
     stride_cm,
     ends_ptr,
-    act_ptr,
-    w_ptr,
-    order_ptr,
     B_NK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -91,8 +87,6 @@ def m_grouped_kernel(
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
     EXPERT_COLUMNS: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    HALF: tl.constexpr,
 ):
     """``C[rows of e] = A[rows of e] @ B[e]``.
 
@@ -105,73 +99,30 @@ def m_grouped_kernel(
     expert are taken column tile by column tile, its row tiles consecutive, so that the
     programs that read one column strip of the expert's weights run side by side and the strip
     streams from memory once for all of them (``ends_ptr``: the experts' end rows).
-
-    ``SWIGLU`` (with ``B_NK``; ``N`` is then the SwiGLU width ``F`` and ``B[e]`` holds ``2F``
-    rows, gate rows first): a job computes ``BLOCK_N / 2`` gate columns and the matching up
-    columns (two weight boxes of ``BLOCK_N / 2`` rows, read through ``b_desc``), stores both
-    into ``C`` (``[M, 2F]``) and, in the same epilogue, ``act[m] = w[order[m]] * silu(gate) *
-    up`` from the stored (rounded) values into ``act_ptr`` (``[M, F]``; zero for a row
-    without an assignment): the routed SwiGLU without a pass over ``C``. ``HALF`` is
-    ``BLOCK_N // 2``.
     """
-    if SWIGLU:
-        num_n = tl.cdiv(N, HALF)
-    else:
-        num_n = tl.cdiv(N, BLOCK_N)
+    num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.load(sched_ptr + 3 * max_tiles) * num_n
     dtype = c_ptr.dtype.element_ty
     for job in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
-        if SWIGLU:
-            expert, row_start, row_end, n0 = _m_job(
-                job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, HALF, EXPERT_COLUMNS
-            )
-            acc_g = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-            for kk in range(k_tiles):
-                k0 = kk * BLOCK_K
-                a = a_desc.load([row_start, k0])
-                b_g = b_desc.load([expert * 2 * N + n0, k0])
-                b_u = b_desc.load([expert * 2 * N + N + n0, k0])
-                acc_g = tl.dot(a, b_g.T, acc_g)
-                acc_u = tl.dot(a, b_u.T, acc_u)
-            rows = row_start + tl.arange(0, BLOCK_M)
-            cols = n0 + tl.arange(0, HALF)
-            row_ok = rows < row_end
-            mask = row_ok[:, None] & (cols < N)[None, :]
-            wide = rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-            gate = acc_g.to(dtype)
-            up = acc_u.to(dtype)
-            tl.store(c_ptr + wide, gate, mask=mask)
-            tl.store(c_ptr + wide + N, up, mask=mask)
-            assignment = tl.load(order_ptr + rows, mask=row_ok, other=-1)
-            used = assignment >= 0
-            weight = tl.load(w_ptr + tl.where(used, assignment, 0), mask=row_ok, other=0.0)
-            weight = tl.where(used, weight.to(tl.float32), 0.0)
-            g = gate.to(tl.float32)
-            act = g / (1.0 + tl.exp(-g)) * up.to(tl.float32) * weight[:, None]
-            act = tl.where(used[:, None], act, 0.0)
-            narrow = rows.to(tl.int64)[:, None] * N + cols[None, :]
-            tl.store(act_ptr + narrow, act.to(dtype), mask=mask)
-        else:
-            expert, row_start, row_end, n0 = _m_job(
-                job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, BLOCK_N, EXPERT_COLUMNS
-            )
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(k_tiles):
-                k0 = kk * BLOCK_K
-                a = a_desc.load([row_start, k0])
-                if B_NK:
-                    b = b_desc.load([expert * N + n0, k0])
-                    acc = tl.dot(a, b.T, acc)
-                else:
-                    b = b_desc.load([expert * K + k0, n0])
-                    acc = tl.dot(a, b, acc)
-            rows = row_start + tl.arange(0, BLOCK_M)
-            cols = n0 + tl.arange(0, BLOCK_N)
-            mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-            ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-            tl.store(ptrs, acc.to(dtype), mask=mask)
+        expert, row_start, row_end, n0 = _m_job(
+            job, sched_ptr, ends_ptr, max_tiles, num_n, BLOCK_M, BLOCK_N, EXPERT_COLUMNS
+        )
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            k0 = kk * BLOCK_K
+            a = a_desc.load([row_start, k0])
+            if B_NK:
+                b = b_desc.load([expert * N + n0, k0])
+                acc = tl.dot(a, b.T, acc)
+            else:
+                b = b_desc.load([expert * K + k0, n0])
+                acc = tl.dot(a, b, acc)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+        ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        tl.store(ptrs, acc.to(dtype), mask=mask)
 
 
 @jit
@@ -439,76 +390,8 @@ def m_grouped_mm(
             (and of ``tiles.block_k`` without ``transpose_weight``).
         KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
     """
-    _check_m(a, weight, offsets, transpose_weight, tiles)
-    n = weight.shape[1] if transpose_weight else weight.shape[2]
-    out = a.new_empty(a.shape[0], n)
-    if a.shape[0] == 0 or n == 0:
-        return out
-    if a.shape[1] == 0:
-        return out.zero_()
-    _launch_m(a, weight, offsets, transpose_weight, tiles, schedule, out, None)
-    return out
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-
-def m_grouped_swiglu(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    offsets: torch.Tensor,
-    weights: torch.Tensor,
-    order: torch.Tensor,
-    *,
-    tiles: PersistentTiles,
-    schedule: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate/up GEMM of routed SwiGLU experts with the weighted SwiGLU in its epilogue:
-    ``gate_up[rows of e] = a[rows of e] @ w[e].T`` and ``act[m] = weights[order[m]] *
-    silu(gate_up[m, :F]) * gate_up[m, F:]`` (computed from the rounded ``gate_up``, as
-    :func:`mcore_kernels.moe.routed.routed_experts` computes it in a separate pass; zero for a
-    row whose ``order`` is negative).
-
-    Args:
-        a: ``[M, K]`` rows sorted by expert.
-        weight: ``[E, 2F, K]`` gate rows then up rows of each expert (``nn.Linear`` layout).
-        offsets: ``[E]`` int32 end row of each expert.
-        weights: ``[A]`` routing weight of each assignment.
-        order: ``[M]`` int64 assignment of each row (-1: none).
-        tiles: Tile shape; each job computes ``block_n / 2`` gate and as many up columns.
-        schedule: :func:`tile_schedule` of ``offsets`` with ``tiles.block_m`` (built when None).
-
-    Returns:
-        ``(gate_up [M, 2F], act [M, F])`` (rows past ``offsets[-1]`` unwritten).
-
-    Raises:
-        KernelShapeError: If the shapes do not match, or F is not a multiple of
-            ``tiles.block_n / 2``.
-        KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
-    """
-    _check_m(a, weight, offsets, True, tiles)
-    two_f = weight.shape[1]
-    if two_f % tiles.block_n or order.shape != (a.shape[0],):
-        raise KernelShapeError(
-            f"weight.shape={tuple(weight.shape)}, order.shape={tuple(order.shape)}: the gate/up "
-            f"width must be a multiple of block_n={tiles.block_n} (F of block_n / 2) and order "
-            f"[{a.shape[0]}]"
-        )
-    out = a.new_empty(a.shape[0], two_f)
-    act = a.new_empty(a.shape[0], two_f // 2)
-    if a.shape[0] == 0 or two_f == 0:
-        return out, act
-    if a.shape[1] == 0:
-        # No reduction: gate_up is zero and so is its SwiGLU.
-        return out.zero_(), act.zero_()
-    _launch_m(a, weight, offsets, True, tiles, schedule, out, (act, weights, order))
-    return out, act
-
-
-def _check_m(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    offsets: torch.Tensor,
-    transpose_weight: bool,
-    tiles: PersistentTiles,
-) -> None:
     _check("a", a, 2)
     _check("weight", weight, 3)
     if a.dtype != weight.dtype:
@@ -523,24 +406,12 @@ def _check_m(
         )
     if not transpose_weight and k % tiles.block_k:
         raise KernelShapeError(f"K={k} must be a multiple of block_k={tiles.block_k}")
-
-
-def _launch_m(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    offsets: torch.Tensor,
-    transpose_weight: bool,
-    tiles: PersistentTiles,
-    schedule: torch.Tensor | None,
-    out: torch.Tensor,
-    swiglu: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-) -> None:
-    """Launch :func:`m_grouped_kernel` into ``out`` (``swiglu``: ``(act, weights, order)``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    experts = weight.shape[0]
-    n, k = (weight.shape[1], weight.shape[2]) if transpose_weight else weight.shape[1:][::-1]
     rows = a.shape[0]
+    out = a.new_empty(rows, n)
+    if rows == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
     a = _tma_ready(a)
     weight = weight.contiguous()
     if schedule is None:
@@ -548,36 +419,15 @@ def _launch_m(
     max_tiles = (schedule.shape[0] - 1) // 3
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
-    if swiglu is not None:
-        # Two boxes of block_n / 2 weight rows per step: the gate columns and the up columns.
-        b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn // 2, bk])
-        act, w, order = swiglu
-        columns = n // 2
+    if transpose_weight:
+        b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
     else:
-        if transpose_weight:
-            b_desc = TensorDescriptor.from_tensor(weight.view(experts * n, k), [bn, bk])
-        else:
-            b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
-        act, w, order = out, out, offsets
-        columns = n
+        b_desc = TensorDescriptor.from_tensor(weight.view(experts * k, n), [bk, bn])
     programs = _programs(a.device, tiles, max_tiles * cdiv(n, bn))
     launch(
         m_grouped_kernel,
         (programs,),
-        (
-            a_desc,
-            b_desc,
-            out,
-            schedule,
-            max_tiles,
-            columns,
-            k,
-            out.stride(0),
-            offsets,
-            act,
-            w,
-            order,
-        ),
+        (a_desc, b_desc, out, schedule, max_tiles, n, k, out.stride(0), offsets),
         dict(
             B_NK=transpose_weight,
             BLOCK_M=bm,
@@ -586,13 +436,12 @@ def _launch_m(
             NUM_PROGRAMS=programs,
             FLATTEN=tiles.flatten,
             EXPERT_COLUMNS=tiles.expert_columns,
-            SWIGLU=swiglu is not None,
-            HALF=bn // 2,
         ),
         device=a.device,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+    return out
 
 
 def k_grouped_mm(

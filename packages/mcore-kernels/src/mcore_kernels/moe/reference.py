@@ -17,7 +17,6 @@ import torch.nn.functional as F
 __all__ = [
     "k_grouped_mm_reference",
     "m_grouped_mm_reference",
-    "m_grouped_swiglu_reference",
     "routed_experts_reference",
     "aligned_rows_reference",
     "capacity_rows_reference",
@@ -344,33 +343,6 @@ def m_grouped_mm_reference(
         out[start:end] = (a[start:end].float() @ w).to(a.dtype)
         start = end
     return out
-
-
-def m_grouped_swiglu_reference(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    offsets: torch.Tensor,
-    weights: torch.Tensor,
-    order: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`mcore_kernels.moe.grouped_mm.m_grouped_swiglu`: the gate/up
-    GEMM, then ``weights[order[m]] * silu(gate) * up`` row by row (zero where ``order < 0``).
-
-    Args:
-        a: ``[M, K]``.
-        weight: ``[E, 2F, K]``.
-        offsets: ``[E]`` end row of each expert.
-        weights: ``[A]`` routing weight of each assignment.
-        order: ``[M]`` assignment of each row, or -1.
-
-    Returns:
-        ``(gate_up [M, 2F], act [M, F])``.
-    """
-    gate_up = m_grouped_mm_reference(a, weight, offsets, transpose_weight=True)
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    scale = torch.where(order >= 0, weights.float()[order.clamp(min=0)], 0.0)
-    act = F.silu(gate) * up * scale[:, None]
-    return gate_up, act.to(gate_up.dtype)
 
 
 def k_grouped_mm_reference(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -157,22 +157,15 @@ class RoutedExpertsFunction(torch.autograd.Function):
         top_k: int,
         gemms: ExpertGemms | None = None,
         host_ends: Callable[[], list[int]] | None = None,
-        slot_counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         flat_w = weights.reshape(-1)
         gemms = gemms if gemms is not None else ExpertGemms()
         with _device(x):
             # top_k 0: the rows are already in expert order (no gather and no combine).
             permuted = _gather_rows(x, order, top_k, None) if top_k else x
-            run = ExpertGemmRunner(
-                gemms, offsets, permuted.shape[0], host_ends, slot_counts, flat_w.numel()
-            )
-            fused = run.gate_up_swiglu(permuted, w_gate_up, flat_w, order)
-            if fused is None:
-                gate_up = run.gate_up(permuted, w_gate_up)
-                act = _routed_swiglu(gate_up, flat_w, order)
-            else:
-                gate_up, act = fused
+            run = ExpertGemmRunner(gemms, offsets, permuted.shape[0], host_ends)
+            gate_up = run.gate_up(permuted, w_gate_up)
+            act = _routed_swiglu(gate_up, flat_w, order)
             y = run.down(act, w_down)
             out = _sum_rows(y, inverse, top_k, None) if top_k else y
         ctx.save_for_backward(
@@ -206,7 +199,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
                 grad_x = _sum_rows(grad_perm, inverse, top_k, None) if top_k else grad_perm
         if needs_w:
             grad_w = grad_flat_w.view(ctx.weights_shape)
-        return grad_x, grad_w, grad_gu, grad_down, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_gu, grad_down, None, None, None, None, None, None
 
 
 def routed_experts(
@@ -219,7 +212,6 @@ def routed_experts(
     offsets: torch.Tensor,
     gemms: ExpertGemms | None = None,
     host_ends: Callable[[], list[int]] | None = None,
-    slot_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run every routing assignment through its SwiGLU expert and sum each token's outputs.
 
@@ -252,10 +244,6 @@ def routed_experts(
             a copy started on the stream earlier, so the host waits while the gather and other
             queued kernels run); None reads ``offsets`` on the host when the first loop needs
             it.
-        slot_counts: For plans on equal row slots (``offsets`` then ends every ``M / E``
-            rows): ``[E]`` int64 used slots of each expert (its assignments come first), with
-            which the :data:`~mcore_kernels.moe.expert_gemms.PACKED` weight gradients reduce
-            over the used slots only.
 
     Returns:
         ``[T, H]`` in the dtype of ``x``.
@@ -294,7 +282,7 @@ def routed_experts(
     if _compile.compiling():
         # A plan is not an op argument: the traced op runs the default plan (torch._grouped_mm).
         return torch.ops.mcore_kernels.moe_routed_experts(*args, weights.shape[1])
-    return RoutedExpertsFunction.apply(*args, weights.shape[1], gemms, host_ends, slot_counts)
+    return RoutedExpertsFunction.apply(*args, weights.shape[1], gemms, host_ends)
 
 
 def grouped_experts(
@@ -304,7 +292,6 @@ def grouped_experts(
     w_down: torch.Tensor,
     offsets: torch.Tensor,
     gemms: ExpertGemms | None = None,
-    slot_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts of :func:`routed_experts` alone, on rows already in expert order: ``w[r] *
     silu(x W_gate^T) * (x W_up^T)`` then the down projection, row by row (no gather, no
@@ -317,7 +304,6 @@ def grouped_experts(
         w_down: ``[E, H, F]``.
         offsets: ``[E]`` int32 end row of each expert (``offsets[-1] == M``).
         gemms: Kernel of each expert GEMM (default: ``torch._grouped_mm`` for all six).
-        slot_counts: As in :func:`routed_experts` (rows in equal slots per expert).
 
     Returns:
         ``[M, H]`` in the dtype of ``rows``.
@@ -341,8 +327,6 @@ def grouped_experts(
         offsets,
         0,
         gemms if gemms is not None else ExpertGemms(),
-        None,
-        slot_counts,
     )
 
 

@@ -320,19 +320,18 @@ def dispatch_and_combine(
             host_ends=None if host is None else lambda: host.ends(capacity),
         )
         return output, counts
-    if fused and (padded_dropless or (torch.is_grad_enabled() and experts_module.packs_slots())):
-        # Every expert padded to the largest one (or drop-and-pad's slots, in training where
-        # the weight gradients reduce over the used slots only), in one fused operation on
-        # batched GEMMs: the slots' routing weights are read through their assignments, the
-        # combine is a plain sum. (Drop-and-pad's slots on batched GEMMs alone run the separate
-        # operations below: the fused operation measured no faster there, 39.4-40.7 against
-        # 39.1-40.3 ms per step at DeepSeek-V3 8k on one H200.)
+    if fused and padded_dropless:
+        # Every expert padded to the largest one, in one fused operation on batched GEMMs: the
+        # slots' routing weights are read through their assignments, the combine is a plain
+        # sum. (Drop-and-pad's slots run the separate operations below: the fused operation
+        # measured no faster there, 39.4-40.7 against 39.1-40.3 ms per step at DeepSeek-V3 8k
+        # on one H200.)
         if order is None:
             fillers, kept = capacity_fillers(flat_experts, None, num_experts, capacity)
         else:
             # capacity_fillers' slots from the caller's sort (no key is skipped here).
             fillers, kept = padded_slots(flat_experts, order, F.pad(counts, (0, 1)), capacity)
-        output = experts_module.forward_slots(x, weights, fillers, kept, capacity, counts)
+        output = experts_module.forward_slots(x, weights, fillers, kept, capacity)
         return output, counts
     if weights_in_experts and comm.ep_group is None and comm.etp_group is None:
         # One rank: the slots' routing weights scale the activations inside the experts and

@@ -15,7 +15,6 @@ from mcore_kernels.moe import routed_experts, swiglu, weighted_swiglu
 from mcore_kernels.moe.expert_gemms import (
     BATCHED_PLAN,
     CUBLAS_LOOP_PLAN,
-    PACKED_SLOTS_PLAN,
     ExpertGemms,
     choose_expert_gemms,
     prefers_slots,
@@ -25,12 +24,6 @@ from mcore_kernels.moe.expert_gemms import (
 __all__ = ["CUBLAS_LOOP_PLAN", "GroupedExperts", "grouped_mm_supported"]
 
 _GROUPED_MM_PROBES: dict[tuple[str, torch.dtype], bool] = {}
-
-PACKED_SLOT_WEIGHTS = True
-"""The weight gradients of :meth:`GroupedExperts.forward_slots` reduce over each expert's used
-slots gathered into packed rows (``torch._grouped_mm``) instead of over every slot (batched
-cuBLAS GEMMs): :data:`~mcore_kernels.moe.expert_gemms.PACKED_SLOTS_PLAN`. False: every GEMM
-batched over the slots, the plan before (for A/B timings)."""
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -285,26 +278,16 @@ class GroupedExperts(nn.Module):
             rows, hidden, self.ffn_hidden_size, self.num_experts, tokens.device
         ) and self.fuses_routing(tokens)
 
-    def packs_slots(self) -> bool:
-        """Whether :meth:`slot_plan` reduces the weight gradients over the used slots packed.
-
-        Returns:
-            True without a ``gemm_plan`` while :data:`PACKED_SLOT_WEIGHTS` is on.
-        """
-        return self.gemm_plan is None and PACKED_SLOT_WEIGHTS
-
     def slot_plan(self) -> ExpertGemms:
         """Kernel of each GEMM on equal row slots per expert (:meth:`forward_slots`).
 
         Returns:
             ``gemm_plan`` when set (its row alignment dropped), else batched cuBLAS GEMMs for
-            the row GEMMs and ``torch._grouped_mm`` over the used slots packed for the weight
-            gradients (:data:`~mcore_kernels.moe.expert_gemms.PACKED_SLOTS_PLAN`; with
-            :data:`PACKED_SLOT_WEIGHTS` off, batched GEMMs for all six).
+            all six (:data:`~mcore_kernels.moe.expert_gemms.BATCHED_PLAN`).
         """
         if self.gemm_plan is not None:
             return replace(self.gemm_plan, row_align=1)
-        return PACKED_SLOTS_PLAN if PACKED_SLOT_WEIGHTS else BATCHED_PLAN
+        return BATCHED_PLAN
 
     def forward_slots(
         self,
@@ -313,7 +296,6 @@ class GroupedExperts(nn.Module):
         fillers: torch.Tensor,
         kept: torch.Tensor,
         capacity: int,
-        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Permute, run and combine routing assignments in equal slots per expert, in one fused
         operation (no host sync).
@@ -328,9 +310,6 @@ class GroupedExperts(nn.Module):
             fillers: ``[num_experts * capacity]`` int64 assignment in each slot, -1 when empty.
             kept: ``[T * top_k]`` int64 slot of each assignment, -1 when dropped.
             capacity: Slots per expert.
-            counts: ``[num_experts]`` int64 assignments of each expert (before any drop): the
-                weight gradients of the plan then reduce over the used slots only; None over
-                every slot.
 
         Returns:
             ``[T, hidden]`` weighted sum of each token's expert outputs (dropped ones count
@@ -346,7 +325,6 @@ class GroupedExperts(nn.Module):
             kept,
             ends * capacity,
             gemms=self.slot_plan(),
-            slot_counts=None if counts is None else counts.clamp(max=capacity),
         )
 
     def forward_routed(
