@@ -10,9 +10,9 @@ counts of the blocks before it and ranks each assignment among the earlier ones 
 with the same expert. Every output element is written once by one program (no atomics), so the
 result is deterministic and equal to a stable sort followed by
 :func:`~mcore_kernels.moe.rows.dropless_rows` or :func:`~mcore_kernels.moe.rows.capacity_rows`.
-At the Qwen3-30B-A3B layer shape this replaces seven kernels per step (the keys' cast, the
-radix sort's fill, copy, memset and passes, the row kernel; under capacity routing also the
-clamp and two running sums) by two, and their host launches.
+At the Qwen3-30B-A3B layer shape this replaces about ten kernels per step (the keys' cast,
+the radix sort's fills, copies, memset and passes, the row kernel; under capacity routing also
+the clamp and two running sums) by two, and their host launches.
 
 :func:`expert_rows_reference` is the torch reference. While ``torch.compile`` traces a call it
 becomes the ``torch.library`` op ``torch.ops.mcore_kernels.moe_expert_rows``.
