@@ -88,7 +88,7 @@ class RouterLoss:
             return None
         assert isinstance(router, TopKRouter)
         section = self.section
-        loss = output.scores.new_zeros(())
+        loss = output.logits.new_zeros(())
         if section.aux_loss_coeff > 0.0:
             loss = loss + load_balancing_loss(
                 output.scores,

@@ -21,7 +21,6 @@ __all__ = [
     "aligned_rows_reference",
     "capacity_rows_reference",
     "dropless_rows_reference",
-    "expert_rows_reference",
     "padded_slots_reference",
     "moe_router_reference",
     "permute_tokens_reference",
@@ -189,26 +188,6 @@ def capacity_rows_reference(
     compact = torch.full((total + 1,), -1, dtype=torch.int64, device=experts.device)
     compact.scatter_(0, torch.where(rows < 0, total, rows), order)
     return compact[:total], inverse, kept, kept.cumsum(0).to(torch.int32)
-
-
-def expert_rows_reference(
-    experts: torch.Tensor, counts: torch.Tensor, capacity: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`mcore_kernels.moe.sort.expert_rows`: a stable sort by expert,
-    then the rows of :func:`capacity_rows_reference` (every assignment kept when ``capacity``
-    is None).
-
-    Args:
-        experts: ``[A]`` int64 expert of each assignment.
-        counts: ``[E]`` int64 assignments per expert.
-        capacity: Rows each expert keeps at most, or None (dropless).
-
-    Returns:
-        ``(order, inverse, kept, offsets)`` as :func:`~mcore_kernels.moe.sort.expert_rows`.
-    """
-    order = torch.argsort(experts, stable=True)
-    keep = max(experts.numel(), 1) if capacity is None else capacity
-    return capacity_rows_reference(experts, order, counts, keep)
 
 
 def aligned_rows_reference(

@@ -87,7 +87,15 @@ def router_kernel(
     out_mask = row_ok[:, None] & (ks[None, :] < TOP_K)
     offsets = rows[:, None] * TOP_K + ks[None, :]
     if WEIGHTS_BF16:
-        tl.store(weights_ptr + offsets, _round_bf16(picked_w), mask=out_mask)
+        # Rounded to the nearest bf16, ties to even, as torch's cast (written out in integer
+        # operations: the interpreter's float cast truncates). The weights are finite.
+        bits = picked_w.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        tl.store(
+            weights_ptr + offsets,
+            (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+            mask=out_mask,
+        )
     else:
         tl.store(weights_ptr + offsets, picked_w.to(weights_ptr.dtype.element_ty), mask=out_mask)
     tl.store(experts_ptr + offsets, picked_e.to(tl.int64), mask=out_mask)
@@ -111,12 +119,10 @@ def router_backward_kernel(
     NORMALIZE: tl.constexpr,
     HAS_GW: tl.constexpr,
     HAS_GS: tl.constexpr,
-    OUT_BF16: tl.constexpr = False,
 ):
     """Gradient of :func:`router_kernel`'s weights and scores with respect to the logits of
     ``BLOCK_T`` tokens: the scores recomputed, the weights' closed-form gradient added at the
-    chosen experts (distinct per token), then the softmax or sigmoid backward (computed in
-    float32, stored in the dtype of the logits)."""
+    chosen experts (distinct per token), then the softmax or sigmoid backward."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
@@ -156,19 +162,7 @@ def router_backward_kernel(
         out = grad * scores * (1.0 - scores)
     else:
         out = scores * (grad - tl.sum(grad * scores, axis=1)[:, None])
-    if OUT_BF16:
-        tl.store(out_ptr + offsets, _round_bf16(out), mask=mask)
-    else:
-        tl.store(out_ptr + offsets, out, mask=mask)
-
-
-@jit
-def _round_bf16(values):
-    """``values`` (float32) rounded to the nearest bf16, ties to even, as torch's cast (written
-    out in integer operations: the interpreter's float cast truncates). Finite values."""
-    bits = values.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    tl.store(out_ptr + offsets, out, mask=mask)
 
 
 def _triton_router(
@@ -186,7 +180,7 @@ def _triton_router(
     # kernels after it (nor the weights' cast back in the backward pass).
     weights = logits.new_empty(num_tokens, top_k, dtype=weights_dtype)
     experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
-    scores = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    scores = torch.empty_like(logits)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=logits.device)
     block_e = next_power_of_2(num_experts)
     block_t = max(1, min(64, 4096 // block_e))
@@ -264,7 +258,6 @@ def _triton_logits_grad(
                     NORMALIZE=normalize,
                     HAS_GW=grad_w is not None,
                     HAS_GS=grad_s is not None,
-                    OUT_BF16=logits.dtype == torch.bfloat16,
                 ),
                 device=logits.device,
             )
@@ -286,13 +279,13 @@ class MoERouterFunction(torch.autograd.Function):
         weights_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         tensors = (logits,) if expert_bias is None else (logits, expert_bias)
-        dtype = weights_dtype or torch.float32
+        dtype = weights_dtype or logits.dtype
         if use_triton(*tensors):
             out = _triton_router(logits, top_k, score, expert_bias, normalize, scaling, dtype)
         else:
             with torch.no_grad():
                 out = moe_router_reference(
-                    logits.float(),
+                    logits,
                     top_k,
                     score=score,
                     expert_bias=expert_bias,
@@ -355,7 +348,7 @@ def router_logits_grad(
     little host time.
 
     Args:
-        logits: ``[T, E]`` float32 or bf16 logits.
+        logits: ``[T, E]`` float32 logits.
         experts: ``[T, top_k]`` chosen experts.
         grad_weights: ``[T, top_k]`` gradient of the weights, or None.
         grad_scores: ``[T, E]`` gradient of the scores, or None.
@@ -364,14 +357,12 @@ def router_logits_grad(
         scaling: The weights' scaling factor.
 
     Returns:
-        ``[T, E]`` gradient of the logits, computed in float32 and returned in their dtype.
+        ``[T, E]`` float32 gradient of the logits.
     """
     if use_triton(logits, experts):
         return _triton_logits_grad(
             logits, experts, grad_weights, grad_scores, score, normalize, scaling
         )
-    dtype = logits.dtype
-    logits = logits.float()
     scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
     grad = torch.zeros_like(scores) if grad_scores is None else grad_scores.float().clone()
     if grad_weights is not None:
@@ -382,10 +373,8 @@ def router_logits_grad(
             g = (g - (g * chosen / total).sum(dim=-1, keepdim=True)) / total
         grad = grad + torch.zeros_like(scores).scatter_(1, experts, g)
     if score == "softmax":
-        out = scores * (grad - (grad * scores).sum(dim=-1, keepdim=True))
-    else:
-        out = grad * scores * (1.0 - scores)
-    return out.to(dtype)
+        return scores * (grad - (grad * scores).sum(dim=-1, keepdim=True))
+    return grad * scores * (1.0 - scores)
 
 
 def moe_router(
@@ -401,9 +390,7 @@ def moe_router(
     """Route tokens: scores, top-k experts, routing weights and expert counts in one kernel.
 
     Args:
-        logits: ``[T, E]`` float32 or bf16 router logits (contiguous); bf16 logits (the
-            router GEMM's output) are read as they are, with no float32 copy of them and none
-            of their gradient, which is returned in bf16 (rounded once from float32).
+        logits: ``[T, E]`` float32 router logits (contiguous).
         top_k: Experts per token (``1 <= top_k <= E``).
         score: "softmax" or "sigmoid".
         expert_bias: ``[E]`` float32 bias added to the scores for the choice only, or None.
@@ -419,16 +406,13 @@ def moe_router(
 
     Raises:
         KernelShapeError: If ``logits`` is not 2-D or ``expert_bias`` is not ``[E]``.
-        KernelDtypeError: If ``logits`` is neither float32 nor bf16, or ``expert_bias`` is not
-            float32.
+        KernelDtypeError: If ``logits`` or ``expert_bias`` is not float32.
         KernelValueError: If ``top_k`` or ``score`` is invalid.
     """
     if logits.dim() != 2:
         raise KernelShapeError(f"logits.shape={tuple(logits.shape)} must be [tokens, experts]")
-    if logits.dtype not in (torch.float32, torch.bfloat16):
-        raise KernelDtypeError(
-            f"logits.dtype={logits.dtype} must be torch.float32 or torch.bfloat16"
-        )
+    if logits.dtype != torch.float32:
+        raise KernelDtypeError(f"logits.dtype={logits.dtype} must be torch.float32")
     num_experts = logits.shape[1]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise KernelValueError(f"top_k={top_k!r} must be an int in [1, {num_experts}]")
@@ -458,9 +442,9 @@ def moe_router(
 def _router_fake(logits, top_k, score, expert_bias, normalize, scaling):
     tokens, experts = logits.shape
     return (
-        logits.new_empty((tokens, top_k), dtype=torch.float32),
+        logits.new_empty((tokens, top_k)),
         logits.new_empty((tokens, top_k), dtype=torch.int64),
-        logits.new_empty((tokens, experts), dtype=torch.float32),
+        logits.new_empty((tokens, experts)),
         logits.new_empty((experts,), dtype=torch.int64),
     )
 

@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from mcore_kernels.moe import permute_tokens, unpermute_combine, unpermute_sum
 from mcore_kernels.moe.expert_gemms import ExpertGemms, without_host_sync
 from mcore_kernels.moe.rows import aligned_rows, dropless_rows, padded_slots
-from mcore_kernels.moe.sort import expert_rows
 from mcore_models.moe import host_counts
 from mcore_models.moe.comm import ExpertComm, all_to_all, gather_rows, reduce_scatter_rows
 from mcore_models.moe.experts import GroupedExperts
@@ -68,12 +67,6 @@ from mcore_parallel.tensor_parallel.mappings import (
 __all__ = ["all_to_all", "dispatch_and_combine"]
 
 _NO_COMM = ExpertComm()
-
-COUNTING_SORT = True
-"""Place the assignments of the fused grouped experts (dropless, and capacity routing's packed
-kept rows) by the counting sort of :func:`mcore_kernels.moe.sort.expert_rows` (two kernels); False:
-the radix sort of :func:`~mcore_models.moe.permute.expert_order` and a row kernel, the path
-before (for A/B timings)."""
 
 PACKED_MIN_CAPACITY = 384
 """Capacity (rows per expert) from which capacity routing on the fused grouped experts packs
@@ -255,15 +248,12 @@ def dispatch_and_combine(
             align = plan.row_align
             host = _host_counts(plan, counts)
             # Assignments in expert order; stable, so each expert sees its tokens in order.
-            if align == 1 and order is None and COUNTING_SORT:
-                rows, inverse, _, offsets = expert_rows(flat_experts, counts)
+            if order is None:
+                order = expert_order(flat_experts, num_experts - 1)
+            if align > 1:
+                rows, inverse, offsets = aligned_rows(flat_experts, order, counts, align)
             else:
-                if order is None:
-                    order = expert_order(flat_experts, num_experts - 1)
-                if align > 1:
-                    rows, inverse, offsets = aligned_rows(flat_experts, order, counts, align)
-                else:
-                    rows, (inverse, offsets) = order, dropless_rows(order, counts)
+                rows, (inverse, offsets) = order, dropless_rows(order, counts)
             output = experts_module.forward_routed(
                 x,
                 weights,
@@ -305,8 +295,6 @@ def dispatch_and_combine(
                 flat_experts, order, counts, align, capacity=capacity
             )
             kept = counts.clamp(max=capacity)
-        elif COUNTING_SORT:
-            rows, inverse, kept, offsets = expert_rows(flat_experts, counts, capacity)
         else:
             rows, inverse, kept, offsets = capacity_rows(flat_experts, counts, capacity)
         output = experts_module.forward_routed(

@@ -15,11 +15,6 @@ from mcore_models.moe.config import MoEConfig
 
 __all__ = ["RouterOutput", "TopKRouter", "group_limited_top_k", "load_balancing_loss", "z_loss"]
 
-BF16_LOGITS = True
-"""The fused router reads the router GEMM's bf16 logits as they are (no float32 copy of them,
-none of their gradient: two kernels fewer per training step); False casts them to float32
-first, the path before (for A/B timings). The layer's own z-loss keeps the float32 logits."""
-
 
 @dataclass(slots=True)
 class RouterOutput:
@@ -30,8 +25,7 @@ class RouterOutput:
     experts: torch.Tensor
     """``[T, top_k]`` int64 indices of the chosen experts."""
     logits: torch.Tensor
-    """``[T, num_experts]`` router logits: float32, or the router weight's bf16 where the fused
-    router reads them as they are (:data:`BF16_LOGITS`; the losses compute in float32)."""
+    """``[T, num_experts]`` float32 router logits."""
     scores: torch.Tensor
     """``[T, num_experts]`` float32 scores (softmax or sigmoid of the logits)."""
     counts: torch.Tensor | None = None
@@ -93,7 +87,7 @@ def z_loss(
     """Router z-loss (Zoph et al., 2022, ST-MoE eq. 5): ``coeff * mean(logsumexp(logits)^2)``.
 
     Args:
-        logits: ``[T, E]`` router logits (float32, or bf16: computed in float32).
+        logits: ``[T, E]`` float32 router logits.
         coeff: Loss coefficient.
         group: As in :func:`load_balancing_loss`: the mean runs over the group's tokens and
             this rank returns its share.
@@ -102,7 +96,7 @@ def z_loss(
         Scalar float32 loss (this rank's share with ``group``).
     """
     total = _global_tokens(logits.shape[0], logits.device, group)
-    return coeff * torch.logsumexp(logits.float(), dim=-1).square().sum() / total
+    return coeff * torch.logsumexp(logits, dim=-1).square().sum() / total
 
 
 def group_limited_top_k(
@@ -200,14 +194,9 @@ class TopKRouter(nn.Module):
             The routing decision.
         """
         config = self.config
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight).float()
         counts = None
-        fused = config.router_num_groups == 1
-        if not (fused and BF16_LOGITS and logits.dtype == torch.bfloat16) or (
-            config.z_loss_coeff > 0 and torch.is_grad_enabled()
-        ):
-            logits = logits.float()
-        if fused:
+        if config.router_num_groups == 1:
             # One fused kernel: scores, top-k, weights, counts (torch reference on the CPU).
             weights, experts, scores, counts = moe_router(
                 logits,
