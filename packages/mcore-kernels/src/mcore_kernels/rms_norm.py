@@ -46,6 +46,7 @@ from torch import nn
 from mcore_kernels import _compile
 from mcore_kernels._backend import _triton_available, backend_forced, use_triton
 from mcore_kernels._triton_utils import (
+    _INTERPRETED,
     CachedLauncher,
     device_limits,
     gdc_launch_dependents,
@@ -86,15 +87,30 @@ class RMSNormLaunch:
     bwd_stages: int
     """Software-pipelining depth of the backward's row loop, when its buffers fit in shared
     memory (else 1)."""
+    row_warps: int = 0
+    """Warps of the one-row forward kernel (calls of one 2-byte row exactly one block wide);
+    0: those calls run the forward kernel of every other call. It must be at most
+    ``fwd_warps``: the kernel replays the order of the ``fwd_warps`` layout's reduction, so the
+    row's bits are those of the same row in any call."""
+    row_programs: int = 1
+    """Programs sharing that one row: each reduces the whole row and stores its share of the
+    columns."""
 
     def __post_init__(self) -> None:
-        for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps"):
+        for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps", "row_programs"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise KernelValueError(f"{name}={value} must be a positive power of two")
         for name in ("bwd_programs_per_sm", "bwd_stages"):
             if getattr(self, name) < 1:
                 raise KernelValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.row_warps and (
+            self.row_warps & (self.row_warps - 1) or self.row_warps > self.fwd_warps
+        ):
+            raise KernelValueError(
+                f"row_warps={self.row_warps} must be 0 or a power of two <= "
+                f"fwd_warps={self.fwd_warps}"
+            )
 
 
 LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
@@ -105,16 +121,37 @@ LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
         fwd_rows=2, fwd_warps=4, bwd_rows=4, bwd_warps=4, bwd_programs_per_sm=4, bwd_stages=2
     ),
     2048: RMSNormLaunch(
-        fwd_rows=1, fwd_warps=8, bwd_rows=4, bwd_warps=8, bwd_programs_per_sm=1, bwd_stages=3
+        fwd_rows=1,
+        fwd_warps=8,
+        bwd_rows=4,
+        bwd_warps=8,
+        bwd_programs_per_sm=1,
+        bwd_stages=3,
+        row_warps=1,
+        row_programs=1,
     ),
     # 16 forward warps (8 before session 11): the specialised kernel, one H200, GPU time in one
     # interleaved loop, 256 / 4096 / 16384 rows: 3.32 / 34.7 / 131.2 us against 3.38 / 35.3 /
     # 131.5 with 8 warps and 3.36 / 35.1 / 131.7 with 4.
     4096: RMSNormLaunch(
-        fwd_rows=1, fwd_warps=16, bwd_rows=2, bwd_warps=8, bwd_programs_per_sm=1, bwd_stages=3
+        fwd_rows=1,
+        fwd_warps=16,
+        bwd_rows=2,
+        bwd_warps=8,
+        bwd_programs_per_sm=1,
+        bwd_stages=3,
+        row_warps=2,
+        row_programs=2,
     ),
     8192: RMSNormLaunch(
-        fwd_rows=1, fwd_warps=16, bwd_rows=1, bwd_warps=8, bwd_programs_per_sm=1, bwd_stages=3
+        fwd_rows=1,
+        fwd_warps=16,
+        bwd_rows=1,
+        bwd_warps=8,
+        bwd_programs_per_sm=1,
+        bwd_stages=3,
+        row_warps=4,
+        row_programs=4,
     ),
 }
 """Launch parameters by row block width: the entry of the smallest width ``>=`` the block is
@@ -394,6 +431,80 @@ def _rms_norm_fwd_exact_kernel(
 
 
 @jit
+def _table_order_sum(squares, BLOCK: tl.constexpr, TABLE_WARPS: tl.constexpr):
+    # The sum over a [1, BLOCK] row of float32 values in the order ``tl.sum`` reduces it on
+    # TABLE_WARPS warps with a thread holding 8 consecutive elements per 16-byte vector of a
+    # 2-byte row (column = ((rep * TABLE_WARPS + warp) * 32 + lane) * 8 + e), on any number of
+    # warps: each thread's registers in register order (e, then rep), the 32 lanes by the
+    # shuffle butterfly, then the warps by a butterfly whose first step pairs warps half the
+    # warps apart. Returns a [1] tensor.
+    REPS: tl.constexpr = BLOCK // (TABLE_WARPS * 256)
+    tl.static_assert(REPS >= 1)
+    s = tl.reshape(squares, [REPS, TABLE_WARPS, 32, 8])
+    s = tl.permute(s, (1, 2, 0, 3))
+    s = tl.reshape(s, [TABLE_WARPS, 32, REPS * 8])
+    s = tl.sum(s, axis=2)
+    s = tl.sum(s, axis=1)
+    # Each level adds pairs of partial sums (a + b = b + a: no order inside a pair).
+    if TABLE_WARPS >= 32:
+        s = tl.sum(tl.reshape(s, [2, 16]), axis=0)
+    if TABLE_WARPS >= 16:
+        s = tl.sum(tl.reshape(s, [2, 8]), axis=0)
+    if TABLE_WARPS >= 8:
+        s = tl.sum(tl.reshape(s, [2, 4]), axis=0)
+    if TABLE_WARPS >= 4:
+        s = tl.sum(tl.reshape(s, [2, 2]), axis=0)
+    if TABLE_WARPS >= 2:
+        s = tl.sum(tl.reshape(s, [2, 1]), axis=0)
+    return s
+
+
+@jit
+def _rms_norm_fwd_row_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    y_ptr,
+    hidden_out_ptr,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TABLE_WARPS: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+    ROW_HINT: tl.constexpr,
+    WEIGHT_HINT: tl.constexpr,
+):
+    # One 2-byte row exactly BLOCK wide on PROGRAMS programs of fewer warps than the table's
+    # TABLE_WARPS: what bounds a one-row call is one program's chain of load, reduction and
+    # store, and a reduction over fewer warps has fewer (or no) barriers. Every program loads
+    # and reduces the whole row in the order of the TABLE_WARPS layout (the bits of the same
+    # row in any other call) and stores its 1 / PROGRAMS of the columns.
+    cols = tl.arange(0, BLOCK)
+    offs = tl.arange(0, 1)[:, None] * BLOCK + cols[None, :]
+    if PROGRAMS > 1:
+        mine = (cols // (BLOCK // PROGRAMS) == tl.program_id(0))[None, :]
+    else:
+        mine = None
+    w = _load(weight_ptr + offs, mine, PROGRAMS == 1, WEIGHT_HINT)
+    x = _load(x_ptr + offs, None, True, ROW_HINT)
+    w = w.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = _load(residual_ptr + offs, None, True, ROW_HINT)
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
+        _store(hidden_out_ptr + offs, x, mine, PROGRAMS == 1)
+    h = x.to(tl.float32)
+    if _INTERPRETED:
+        # The interpreter's tl.sum is numpy's, the same for any warps: that of the table's
+        # kernel on the same [1, BLOCK] row.
+        total = tl.sum(h * h, axis=1)
+    else:
+        total = _table_order_sum(h * h, BLOCK, TABLE_WARPS)
+    rstd = 1.0 / tl.sqrt(total / BLOCK + eps)
+    y = round_to(h * rstd[:, None] * w, y_ptr.dtype.element_ty)
+    _store(y_ptr + offs, y, mine, PROGRAMS == 1)
+
+
+@jit
 def _add_pairs(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
@@ -602,6 +713,7 @@ def _sum_partials_kernel(
 _SUM_CONSTEXPRS = {"BLOCK_P": _PARTIAL_SUM_ROWS, "BLOCK_H": _PARTIAL_SUM_COLS}
 _FORWARD = CachedLauncher(_rms_norm_fwd_kernel)
 _FORWARD_EXACT = CachedLauncher(_rms_norm_fwd_exact_kernel)
+_FORWARD_ROW = CachedLauncher(_rms_norm_fwd_row_kernel)
 # Inside mcore_kernels.pdl.programmatic_dependent_launch (the engine's decode steps).
 _FORWARD_PDL = CachedLauncher(_rms_norm_fwd_kernel, launch_pdl=True)
 _BACKWARD = CachedLauncher(_rms_norm_bwd_kernel)
@@ -717,8 +829,15 @@ def _forward(
     r = residual if residual is not None else x
     stats = rstd if rstd is not None else y
     programs = -(-rows // block_rows)
+    warps = config.fwd_warps
     args: tuple
-    if exact:
+    if exact and rows == 1 and config.row_warps and x.itemsize == 2:
+        # One row: the one-row kernel (fewer warps, the row over row_programs programs; the
+        # bits of the table's layout).
+        launcher, args = _FORWARD_ROW, (x, r, weight, y, h, eps)
+        constexprs = _row_constexprs(plan, config, has_residual, flags[2])
+        programs, warps = config.row_programs, config.row_warps
+    elif exact:
         # rstd is never stored here: rows of at most MAX_BLOCK recompute it in the backward.
         launcher, args = _FORWARD_EXACT, (x, r, weight, y, h, eps)
     else:
@@ -733,13 +852,30 @@ def _forward(
         key = (hidden, device_index, x.dtype, weight.dtype, has_residual, store_rstd, block_rows,
                flags, _int_class(rows), pdl)  # fmt: skip
         launcher.keyed(key, programs, args, (*addresses, y_address, h.data_ptr(), *tail),
-                       constexprs, config.fwd_warps, device_index)  # fmt: skip
+                       constexprs, warps, device_index)  # fmt: skip
         entry = launcher.entry(key)
         if entry is not None and specialise and not store_rstd and type(eps) is float:
             _FAST_FORWARD[signature] = (*entry, programs, exact)
     else:
-        launcher((programs,), args, constexprs, config.fwd_warps, device_index)
+        launcher((programs,), args, constexprs, warps, device_index)
     return y, h, rstd
+
+
+def _row_constexprs(
+    plan: _Plan, config: RMSNormLaunch, has_residual: bool, evict: bool
+) -> dict[str, Any]:
+    key = ("row", plan.block, config.fwd_warps, config.row_programs, has_residual, evict)
+    found = _FORWARD_CONSTEXPRS.get(key)
+    if found is None:
+        found = _FORWARD_CONSTEXPRS[key] = {
+            "HAS_RESIDUAL": has_residual,
+            "BLOCK": plan.block,
+            "TABLE_WARPS": config.fwd_warps,
+            "PROGRAMS": config.row_programs,
+            "ROW_HINT": 1 if evict else 0,
+            "WEIGHT_HINT": 2 if evict else 0,
+        }
+    return found
 
 
 def _backward(
