@@ -5,7 +5,8 @@ candidate :class:`~mcore_kernels.rms_norm.RMSNormLaunch` at each hidden size of 
 table and the row counts 1, 256, 4096, 8192 and 16384, as GPU time under CUDA graph replay over
 enough input copies that every call reads from memory (no host launch cost, no L2 reuse).
 Per hidden size the forward takes the (rows per program, warps) with the least geometric mean
-of time / fastest time over the row counts; the backward takes its layout (rows per iteration,
+of time / fastest time over the row counts, then the one-row kernel's warps and programs per
+row the fastest at one row; the backward takes its layout (rows per iteration,
 warps) the same way, each layout scored by its best grid at each row count, then that layout's
 grid cap (programs per SM) and pipelining depth by the same rule. The number of rows never
 picks the warps: they fix how a row is spread over the threads, hence the order of its
@@ -149,6 +150,7 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
                     )
         best, score = _choose(fwd)
         chosen.append(["rms_fwd", hidden, f"rows={best[0]}, warps={best[1]}", score])
+        sweep_one_row(hidden, best, entries, chosen)
         # The layout must not depend on the number of rows (batch invariance): per layout, the
         # best grid and depth at each row count, then the layout of least geometric mean.
         per_layout: dict[tuple, dict[int, float | None]] = {}
@@ -181,6 +183,61 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
             ]
         )
         print("rms", hidden, chosen[-2:], flush=True)
+
+
+def sweep_one_row(
+    hidden: int, layout: tuple[int, int], entries: list[dict], chosen: list[list[Any]]
+) -> None:
+    """The one-row forward of a chosen layout: the one-row kernel's warps (fewer than the
+    layout's, whose reduction order it replays; 0 = the layout's own kernel) and programs per
+    row, timed at one bf16 row; the fastest is kept."""
+    fwd_rows, fwd_warps = layout
+    sets = []
+    for _ in range(input_sets(4 * hidden * 2)):
+        x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+        w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+        sets.append((x, torch.randn_like(x), w))
+    times: dict[tuple[int, int], float | None] = {}
+    warp_choices = [0] + [w for w in (1, 2, 4, 8, 16) if w <= fwd_warps]
+    for row_warps, programs in itertools.product(warp_choices, (1, 2, 4, 8)):
+        if (row_warps == 0 and programs > 1) or hidden % (fwd_warps * 256):
+            continue  # the layout's own kernel runs one program; widths it cannot replay
+        cfg = rms.RMSNormLaunch(
+            fwd_rows=fwd_rows,
+            fwd_warps=fwd_warps,
+            bwd_rows=1,
+            bwd_warps=4,
+            bwd_programs_per_sm=1,
+            bwd_stages=1,
+            row_warps=row_warps,
+            row_programs=programs,
+        )
+        times[(row_warps, programs)] = _us(
+            lambda cfg=cfg: [partial(rms._forward, x, w, EPS, r, False, cfg) for x, r, w in sets]
+        )
+        entries.append(
+            {
+                "kernel": "rms_fwd_one_row",
+                "shape": f"1x{hidden}",
+                "row_warps": row_warps,
+                "row_programs": programs,
+                "us": times[(row_warps, programs)],
+            }
+        )
+    timed = {cand: us for cand, us in times.items() if us is not None}
+    if not timed:
+        return
+    best = min(timed, key=timed.__getitem__)
+    # Score: the chosen time over the layout's own kernel's (below 1.0: the one-row kernel wins).
+    own = timed.get((0, 1))
+    chosen.append(
+        [
+            "rms_fwd_one_row",
+            hidden,
+            f"row_warps={best[0]}, row_programs={best[1]}",
+            timed[best] / own if own else 1.0,
+        ]
+    )
 
 
 def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:
@@ -275,7 +332,14 @@ only, so a row's result is bitwise the same whatever the number of rows in the c
    interpreter and the GPU).
 4. Loads: a forward whose `x` fits in half of the L2 cache loads its rows with the
    evict-first hint and the weight with evict-last; larger calls load plainly.
-5. A repeated call of the same (rows, hidden, device, dtypes) reuses the compiled kernel and
+5. One 2-byte row exactly one block wide (a decode step, a one-token call) runs the one-row
+   kernel when the entry's `row_warps` is set: `row_programs` programs of `row_warps` warps
+   (fewer than `fwd_warps`), each loading and reducing the whole row and storing its share of
+   the columns. Its sum of squares replays the order of the `fwd_warps` layout's reduction
+   (each thread's registers, the lane butterfly, then the warps pairwise, half the warps
+   apart first), so the row's bits are those of the same row in any other call (GPU tests:
+   one row against the same row of 4096).
+6. A repeated call of the same (rows, hidden, device, dtypes) reuses the compiled kernel and
    grid from a table (no plan, key or constexpr work on the host).
 
 token log-probs: one program per row; the vocabulary chunk and warps depend on the vocabulary
@@ -286,8 +350,11 @@ Where the numbers come from: `benchmarks/tune_launch_configs.py` times every can
 launcher (no autograd) at rows 1, 256, 4096, 8192 and 16384 of each hidden size, GPU time
 under CUDA graph replay over L2-cold input copies, and picks per hidden size the candidate of
 least geometric mean of time / fastest time over the row counts (score 1.0 = fastest at every
-row count); the backward's layout first, then its grid cap and depth. The chosen rows are
-copied into `LAUNCH_CONFIGS` by hand.
+row count); the backward's layout first, then its grid cap and depth. For the chosen forward
+layout it then times the one-row kernel at one bf16 row for every `row_warps` (0: the layout's
+own kernel; 1 up to `fwd_warps`) and `row_programs` (1, 2, 4, 8) and keeps the fastest
+("rms_fwd_one_row": its time over the layout's own kernel's). The chosen rows are copied into
+`LAUNCH_CONFIGS` by hand.
 """
 
 
@@ -302,6 +369,8 @@ def in_use_table() -> str:
             c.bwd_warps,
             c.bwd_programs_per_sm,
             c.bwd_stages,
+            c.row_warps,
+            c.row_programs,
         ]
         for width, c in sorted(rms.LAUNCH_CONFIGS.items())
     ]
@@ -313,7 +382,7 @@ def in_use_table() -> str:
         "bwd warps",
         "bwd programs/SM",
     ]
-    return markdown_table([*header, "bwd stages"], rows)
+    return markdown_table([*header, "bwd stages", "one-row warps", "one-row programs"], rows)
 
 
 def _write(out: Path, entries: list[dict], chosen: list[list[Any]]) -> None:

@@ -831,9 +831,15 @@ def _forward(
     programs = -(-rows // block_rows)
     warps = config.fwd_warps
     args: tuple
-    if exact and rows == 1 and config.row_warps and x.itemsize == 2:
+    if (
+        exact
+        and rows == 1
+        and config.row_warps
+        and x.itemsize == 2
+        and not plan.block % (config.fwd_warps * 256)
+    ):
         # One row: the one-row kernel (fewer warps, the row over row_programs programs; the
-        # bits of the table's layout).
+        # bits of the table's layout, whose warps all lie along the row: 8 elements a thread).
         launcher, args = _FORWARD_ROW, (x, r, weight, y, h, eps)
         constexprs = _row_constexprs(plan, config, has_residual, flags[2])
         programs, warps = config.row_programs, config.row_warps
