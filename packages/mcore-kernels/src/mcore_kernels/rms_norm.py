@@ -23,10 +23,15 @@ and its warps, and to the rows per backward iteration, its warps, programs per m
 and software-pipelining depth. The numbers come from the sweep of
 ``benchmarks/tune_launch_configs.py`` (per width, the least geometric mean of GPU time over the
 fastest time across the row counts) and are looked up once per (hidden size, device) and cached
-with the constexprs they imply. The number of rows enters three things only: a row block never
+with the constexprs they imply. The number of rows enters four things only: a row block never
 holds more rows than the call (a one-row tile repeats the layout of a row of a larger tile), the
 backward's grid (one program per row block up to the cap) and its pipelining (only when a
-program walks several row blocks).
+program walks several row blocks), and a call of one 2-byte row exactly one block wide runs
+the one-row kernel where the entry sets ``row_warps``: ``row_programs`` programs of
+``row_warps`` warps, each reducing the whole row in the order of the ``fwd_warps`` layout's
+reduction (so the row's bits are those of the same row in any call) and storing its share of
+the columns; a one-row call waits on one program's chain of loads, reduction and stores, and a
+reduction on fewer warps crosses fewer barriers.
 
 Eager calls go straight to the Triton launchers (through :class:`_RMSNormFunction` when a
 gradient is needed); only while ``torch.compile`` traces a call does it become the custom op
