@@ -476,6 +476,7 @@ def _rms_norm_fwd_row_kernel(
     BLOCK: tl.constexpr,
     TABLE_WARPS: tl.constexpr,
     PROGRAMS: tl.constexpr,
+    NATIVE: tl.constexpr,
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
 ):
@@ -498,9 +499,9 @@ def _rms_norm_fwd_row_kernel(
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
         _store(hidden_out_ptr + offs, x, mine, PROGRAMS == 1)
     h = x.to(tl.float32)
-    if _INTERPRETED:
-        # The interpreter's tl.sum is numpy's, the same for any warps: that of the table's
-        # kernel on the same [1, BLOCK] row.
+    if _INTERPRETED or NATIVE:
+        # The table's own layout (or the interpreter, whose tl.sum is numpy's for any warps):
+        # the table kernel's reduction itself.
         total = tl.sum(h * h, axis=1)
     else:
         total = _table_order_sum(h * h, BLOCK, TABLE_WARPS)
@@ -875,7 +876,8 @@ def _forward(
 def _row_constexprs(
     plan: _Plan, config: RMSNormLaunch, has_residual: bool, evict: bool
 ) -> dict[str, Any]:
-    key = ("row", plan.block, config.fwd_warps, config.row_programs, has_residual, evict)
+    key = ("row", plan.block, config.fwd_warps, config.row_warps, config.row_programs,
+           has_residual, evict)  # fmt: skip
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None:
         found = _FORWARD_CONSTEXPRS[key] = {
@@ -883,6 +885,8 @@ def _row_constexprs(
             "BLOCK": plan.block,
             "TABLE_WARPS": config.fwd_warps,
             "PROGRAMS": config.row_programs,
+            # On the table's own warps the row needs no replay of its order.
+            "NATIVE": config.row_warps == config.fwd_warps,
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
         }
