@@ -5,8 +5,8 @@ candidate :class:`~mcore_kernels.rms_norm.RMSNormLaunch` at each hidden size of 
 table and the row counts 1, 256, 4096, 8192 and 16384, as GPU time under CUDA graph replay over
 enough input copies that every call reads from memory (no host launch cost, no L2 reuse).
 Per hidden size the forward takes the (rows per program, warps) with the least geometric mean
-of time / fastest time over the row counts, then the one-row kernel's warps and programs per
-row the fastest at one row; the backward takes its layout (rows per iteration,
+of time / fastest time over the row counts, then the number of programs sharing a one-row call
+the fastest at one row; the backward takes its layout (rows per iteration,
 warps) the same way, each layout scored by its best grid at each row count, then that layout's
 grid cap (programs per SM) and pipelining depth by the same rule. The number of rows never
 picks the warps: they fix how a row is spread over the threads, hence the order of its
@@ -188,20 +188,17 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
 def sweep_one_row(
     hidden: int, layout: tuple[int, int], entries: list[dict], chosen: list[list[Any]]
 ) -> None:
-    """The one-row forward of a chosen layout: the one-row kernel's warps (fewer than the
-    layout's, whose reduction order it replays; 0 = the layout's own kernel) and programs per
-    row, timed at one bf16 row; the fastest is kept."""
+    """The one-row forward of a chosen layout: how many programs share the row (each reduces
+    the whole row with the layout, the same bits, and stores its share), timed at one bf16 row;
+    the fastest is kept."""
     fwd_rows, fwd_warps = layout
     sets = []
     for _ in range(input_sets(4 * hidden * 2)):
         x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
         w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
         sets.append((x, torch.randn_like(x), w))
-    times: dict[tuple[int, int], float | None] = {}
-    warp_choices = [0] + [w for w in (1, 2, 4, 8, 16) if w <= fwd_warps]
-    for row_warps, programs in itertools.product(warp_choices, (1, 2, 4, 8)):
-        if (row_warps == 0 and programs > 1) or hidden % (fwd_warps * 256):
-            continue  # the layout's own kernel runs one program; widths it cannot replay
+    times: dict[int, float] = {}
+    for programs in (1, 2, 4, 8):
         cfg = rms.RMSNormLaunch(
             fwd_rows=fwd_rows,
             fwd_warps=fwd_warps,
@@ -209,35 +206,28 @@ def sweep_one_row(
             bwd_warps=4,
             bwd_programs_per_sm=1,
             bwd_stages=1,
-            row_warps=row_warps,
             row_programs=programs,
         )
-        times[(row_warps, programs)] = _us(
+        us = _us(
             lambda cfg=cfg: [partial(rms._forward, x, w, EPS, r, False, cfg) for x, r, w in sets]
         )
         entries.append(
             {
                 "kernel": "rms_fwd_one_row",
                 "shape": f"1x{hidden}",
-                "row_warps": row_warps,
                 "row_programs": programs,
-                "us": times[(row_warps, programs)],
+                "us": us,
             }
         )
-    timed = {cand: us for cand, us in times.items() if us is not None}
-    if not timed:
-        return
-    best = min(timed, key=timed.__getitem__)
-    # Score: the chosen time over the layout's own kernel's (below 1.0: the one-row kernel wins).
-    own = timed.get((0, 1))
-    chosen.append(
-        [
-            "rms_fwd_one_row",
-            hidden,
-            f"row_warps={best[0]}, row_programs={best[1]}",
-            timed[best] / own if own else 1.0,
-        ]
-    )
+        if us is not None:
+            times[programs] = us
+    if times:
+        best = min(times, key=times.__getitem__)
+        # Score: the chosen time over one program's (below 1.0: sharing the row wins).
+        own = times.get(1)
+        chosen.append(
+            ["rms_fwd_one_row", hidden, f"row_programs={best}", times[best] / own if own else 1.0]
+        )
 
 
 def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:
@@ -332,13 +322,9 @@ only, so a row's result is bitwise the same whatever the number of rows in the c
    interpreter and the GPU).
 4. Loads: a forward whose `x` fits in half of the L2 cache loads its rows with the
    evict-first hint and the weight with evict-last; larger calls load plainly.
-5. One 2-byte row exactly one block wide (a decode step, a one-token call) runs the one-row
-   kernel when the entry's `row_warps` is set: `row_programs` programs of `row_warps` warps
-   (fewer than `fwd_warps`), each loading and reducing the whole row and storing its share of
-   the columns. Its sum of squares replays the order of the `fwd_warps` layout's reduction
-   (each thread's registers, the lane butterfly, then the warps pairwise, half the warps
-   apart first), so the row's bits are those of the same row in any other call (GPU tests:
-   one row against the same row of 4096).
+5. One row exactly one block wide (a decode step, a one-token call) runs on `row_programs`
+   programs of the entry's layout: each loads and reduces the whole row (the same bits) and
+   stores its share of the columns; 1 is the specialised kernel's single program.
 6. A repeated call of the same (rows, hidden, device, dtypes) reuses the compiled kernel and
    grid from a table (no plan, key or constexpr work on the host).
 
@@ -351,9 +337,8 @@ launcher (no autograd) at rows 1, 256, 4096, 8192 and 16384 of each hidden size,
 under CUDA graph replay over L2-cold input copies, and picks per hidden size the candidate of
 least geometric mean of time / fastest time over the row counts (score 1.0 = fastest at every
 row count); the backward's layout first, then its grid cap and depth. For the chosen forward
-layout it then times the one-row kernel at one bf16 row for every `row_warps` (0: the layout's
-own kernel; 1 up to `fwd_warps`) and `row_programs` (1, 2, 4, 8) and keeps the fastest
-("rms_fwd_one_row": its time over the layout's own kernel's). The chosen rows are copied into
+layout it then times one bf16 row on 1, 2, 4 and 8 programs and keeps the fastest
+("rms_fwd_one_row": its time over one program's). The chosen rows are copied into
 `LAUNCH_CONFIGS` by hand.
 """
 
@@ -369,7 +354,6 @@ def in_use_table() -> str:
             c.bwd_warps,
             c.bwd_programs_per_sm,
             c.bwd_stages,
-            c.row_warps,
             c.row_programs,
         ]
         for width, c in sorted(rms.LAUNCH_CONFIGS.items())
@@ -382,7 +366,7 @@ def in_use_table() -> str:
         "bwd warps",
         "bwd programs/SM",
     ]
-    return markdown_table([*header, "bwd stages", "one-row warps", "one-row programs"], rows)
+    return markdown_table([*header, "bwd stages", "one-row programs"], rows)
 
 
 def _write(out: Path, entries: list[dict], chosen: list[list[Any]]) -> None:

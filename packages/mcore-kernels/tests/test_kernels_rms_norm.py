@@ -426,13 +426,14 @@ def test_specialised_forward_is_bitwise_the_general_kernel(
             assert torch.equal(special[1], reference[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [2048, 8192])
-def test_one_row_kernel_is_bitwise_the_general_kernel(triton_backend, monkeypatch, hidden):
-    # One 2-byte row exactly one block wide runs the one-row kernel (fewer warps, the row
-    # shared by row_programs programs): the general kernel's bits, the reference's values.
+def test_one_row_kernel_is_bitwise_the_general_kernel(triton_backend, monkeypatch, hidden, dtype):
+    # One row exactly one block wide runs on row_programs programs, each reducing the whole
+    # row and storing its share: the general kernel's bits, the reference's values.
     launch = importlib.import_module("mcore_kernels.rms_norm")
     config = launch._launch(hidden, -1).config
-    assert config.row_warps
+    assert config.row_programs > 1
     launched = []
     row_launcher = launch._FORWARD_ROW
 
@@ -445,7 +446,7 @@ def test_one_row_kernel_is_bitwise_the_general_kernel(triton_backend, monkeypatc
             return row_launcher.entry(key)
 
     monkeypatch.setattr(launch, "_FORWARD_ROW", Spy())
-    x, residual, weight = _inputs((1, hidden), torch.bfloat16, seed=hidden, scale=3.0)
+    x, residual, weight = _inputs((1, hidden), dtype, seed=hidden, scale=3.0)
     for res in (None, residual):
         launched.clear()
         special = launch._forward(x, weight, 1e-6, res, False)
@@ -455,30 +456,27 @@ def test_one_row_kernel_is_bitwise_the_general_kernel(triton_backend, monkeypatc
             assert torch.equal(got, expected)
         reference = rms_norm_reference(x, weight, 1e-6, residual=res)
         y_ref = reference if res is None else reference[0]
-        torch.testing.assert_close(special[0], y_ref, atol=ATOL[torch.bfloat16], rtol=1e-2)
+        torch.testing.assert_close(special[0], y_ref, atol=ATOL[dtype], rtol=ATOL[dtype])
         if res is not None:
             assert torch.equal(special[1], reference[1])
-    # float32 rows keep the table's kernel (the one-row kernel replays 2-byte layouts only).
+    # Two rows take the specialised many-row kernel.
     launched.clear()
-    launch._forward(x.float(), weight.float(), 1e-6, residual.float(), False)
+    launch._forward(x.expand(2, hidden).contiguous(), weight, 1e-6, None, False)
     assert not launched
 
 
-@pytest.mark.parametrize(
-    ("fields", "fragment"),
-    [
-        ({"row_warps": 3}, "row_warps=3"),
-        ({"row_warps": 16}, "row_warps=16"),
-        ({"row_programs": 3}, "row_programs=3"),
-    ],
-    ids=str,
-)
-def test_launch_rejects_bad_one_row_fields(fields, fragment):
+def test_launch_rejects_row_programs_not_a_power_of_two():
     launch = importlib.import_module("mcore_kernels.rms_norm")
-    base = {"fwd_rows": 1, "fwd_warps": 8, "bwd_rows": 1, "bwd_warps": 8,
-            "bwd_programs_per_sm": 1, "bwd_stages": 1}  # fmt: skip
-    with pytest.raises(KernelValueError, match=fragment):
-        launch.RMSNormLaunch(**base, **fields)
+    with pytest.raises(KernelValueError, match="row_programs=3"):
+        launch.RMSNormLaunch(
+            fwd_rows=1,
+            fwd_warps=8,
+            bwd_rows=1,
+            bwd_warps=8,
+            bwd_programs_per_sm=1,
+            bwd_stages=1,
+            row_programs=3,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -26,12 +26,10 @@ fastest time across the row counts) and are looked up once per (hidden size, dev
 with the constexprs they imply. The number of rows enters four things only: a row block never
 holds more rows than the call (a one-row tile repeats the layout of a row of a larger tile), the
 backward's grid (one program per row block up to the cap) and its pipelining (only when a
-program walks several row blocks), and a call of one 2-byte row exactly one block wide runs
-the one-row kernel where the entry sets ``row_warps``: ``row_programs`` programs of
-``row_warps`` warps, each reducing the whole row in the order of the ``fwd_warps`` layout's
-reduction (so the row's bits are those of the same row in any call) and storing its share of
-the columns; a one-row call waits on one program's chain of loads, reduction and stores, and a
-reduction on fewer warps crosses fewer barriers.
+program walks several row blocks), and a call of one row exactly one block wide, which
+``row_programs`` programs share: each loads and reduces the whole row with the entry's layout
+(the same bits) and stores its share of the columns (a one-row call waits on one program's
+chain of loads, reduction and stores, and on the stores of one SM).
 
 Eager calls go straight to the Triton launchers (through :class:`_RMSNormFunction` when a
 gradient is needed); only while ``torch.compile`` traces a call does it become the custom op
@@ -51,7 +49,6 @@ from torch import nn
 from mcore_kernels import _compile
 from mcore_kernels._backend import _triton_available, backend_forced, use_triton
 from mcore_kernels._triton_utils import (
-    _INTERPRETED,
     CachedLauncher,
     device_limits,
     gdc_launch_dependents,
@@ -92,14 +89,10 @@ class RMSNormLaunch:
     bwd_stages: int
     """Software-pipelining depth of the backward's row loop, when its buffers fit in shared
     memory (else 1)."""
-    row_warps: int = 0
-    """Warps of the one-row forward kernel (calls of one 2-byte row exactly one block wide);
-    0: those calls run the forward kernel of every other call. It must be at most
-    ``fwd_warps``: the kernel replays the order of the ``fwd_warps`` layout's reduction, so the
-    row's bits are those of the same row in any call."""
     row_programs: int = 1
-    """Programs sharing that one row: each reduces the whole row and stores its share of the
-    columns."""
+    """Programs sharing a call of one row exactly one block wide (a decode step, a one-token
+    call): each loads and reduces the whole row with this entry's layout (the bits of
+    the same row in any call) and stores its share of the columns. 1: one program."""
 
     def __post_init__(self) -> None:
         for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps", "row_programs"):
@@ -109,13 +102,6 @@ class RMSNormLaunch:
         for name in ("bwd_programs_per_sm", "bwd_stages"):
             if getattr(self, name) < 1:
                 raise KernelValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.row_warps and (
-            self.row_warps & (self.row_warps - 1) or self.row_warps > self.fwd_warps
-        ):
-            raise KernelValueError(
-                f"row_warps={self.row_warps} must be 0 or a power of two <= "
-                f"fwd_warps={self.fwd_warps}"
-            )
 
 
 LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
@@ -132,8 +118,7 @@ LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
         bwd_warps=8,
         bwd_programs_per_sm=1,
         bwd_stages=3,
-        row_warps=1,
-        row_programs=1,
+        row_programs=4,
     ),
     # 16 forward warps (8 before session 11): the specialised kernel, one H200, GPU time in one
     # interleaved loop, 256 / 4096 / 16384 rows: 3.32 / 34.7 / 131.2 us against 3.38 / 35.3 /
@@ -145,8 +130,7 @@ LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
         bwd_warps=8,
         bwd_programs_per_sm=1,
         bwd_stages=3,
-        row_warps=2,
-        row_programs=2,
+        row_programs=4,
     ),
     8192: RMSNormLaunch(
         fwd_rows=1,
@@ -155,7 +139,6 @@ LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
         bwd_warps=8,
         bwd_programs_per_sm=1,
         bwd_stages=3,
-        row_warps=4,
         row_programs=4,
     ),
 }
@@ -436,35 +419,6 @@ def _rms_norm_fwd_exact_kernel(
 
 
 @jit
-def _table_order_sum(squares, BLOCK: tl.constexpr, TABLE_WARPS: tl.constexpr):
-    # The sum over a [1, BLOCK] row of float32 values in the order ``tl.sum`` reduces it on
-    # TABLE_WARPS warps with a thread holding 8 consecutive elements per 16-byte vector of a
-    # 2-byte row (column = ((rep * TABLE_WARPS + warp) * 32 + lane) * 8 + e), on any number of
-    # warps: each thread's registers in register order (e, then rep), the 32 lanes by the
-    # shuffle butterfly, then the warps by a butterfly whose first step pairs warps half the
-    # warps apart. Returns a [1] tensor.
-    REPS: tl.constexpr = BLOCK // (TABLE_WARPS * 256)
-    tl.static_assert(REPS >= 1)
-    s = tl.reshape(squares, [REPS, TABLE_WARPS, 32, 8])
-    s = tl.permute(s, (1, 2, 0, 3))
-    s = tl.reshape(s, [TABLE_WARPS, 32, REPS * 8])
-    s = tl.sum(s, axis=2)
-    s = tl.sum(s, axis=1)
-    # Each level adds pairs of partial sums (a + b = b + a: no order inside a pair).
-    if TABLE_WARPS >= 32:
-        s = tl.sum(tl.reshape(s, [2, 16]), axis=0)
-    if TABLE_WARPS >= 16:
-        s = tl.sum(tl.reshape(s, [2, 8]), axis=0)
-    if TABLE_WARPS >= 8:
-        s = tl.sum(tl.reshape(s, [2, 4]), axis=0)
-    if TABLE_WARPS >= 4:
-        s = tl.sum(tl.reshape(s, [2, 2]), axis=0)
-    if TABLE_WARPS >= 2:
-        s = tl.sum(tl.reshape(s, [2, 1]), axis=0)
-    return s
-
-
-@jit
 def _rms_norm_fwd_row_kernel(
     x_ptr,
     residual_ptr,
@@ -474,40 +428,29 @@ def _rms_norm_fwd_row_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    TABLE_WARPS: tl.constexpr,
     PROGRAMS: tl.constexpr,
-    NATIVE: tl.constexpr,
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
 ):
-    # One 2-byte row exactly BLOCK wide on PROGRAMS programs of fewer warps than the table's
-    # TABLE_WARPS: what bounds a one-row call is one program's chain of load, reduction and
-    # store, and a reduction over fewer warps has fewer (or no) barriers. Every program loads
-    # and reduces the whole row in the order of the TABLE_WARPS layout (the bits of the same
-    # row in any other call) and stores its 1 / PROGRAMS of the columns.
+    # One row exactly BLOCK wide on PROGRAMS programs of the specialised kernel's layout (same
+    # warps, same arithmetic: its bits): what bounds a one-row call is one program's chain of
+    # loads, reduction and stores, and the stores of one SM; every program loads and reduces
+    # the whole row and stores its 1 / PROGRAMS of the columns (loading only that share of
+    # the weight).
     cols = tl.arange(0, BLOCK)
     offs = tl.arange(0, 1)[:, None] * BLOCK + cols[None, :]
-    if PROGRAMS > 1:
-        mine = (cols // (BLOCK // PROGRAMS) == tl.program_id(0))[None, :]
-    else:
-        mine = None
-    w = _load(weight_ptr + offs, mine, PROGRAMS == 1, WEIGHT_HINT)
+    mine = (cols // (BLOCK // PROGRAMS) == tl.program_id(0))[None, :]
+    w = _load(weight_ptr + offs, mine, False, WEIGHT_HINT)
     x = _load(x_ptr + offs, None, True, ROW_HINT)
     w = w.to(tl.float32)
     if HAS_RESIDUAL:
         r = _load(residual_ptr + offs, None, True, ROW_HINT)
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
-        _store(hidden_out_ptr + offs, x, mine, PROGRAMS == 1)
+        tl.store(hidden_out_ptr + offs, x, mask=mine)
     h = x.to(tl.float32)
-    if _INTERPRETED or NATIVE:
-        # The table's own layout (or the interpreter, whose tl.sum is numpy's for any warps):
-        # the table kernel's reduction itself.
-        total = tl.sum(h * h, axis=1)
-    else:
-        total = _table_order_sum(h * h, BLOCK, TABLE_WARPS)
-    rstd = 1.0 / tl.sqrt(total / BLOCK + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / BLOCK + eps)
     y = round_to(h * rstd[:, None] * w, y_ptr.dtype.element_ty)
-    _store(y_ptr + offs, y, mine, PROGRAMS == 1)
+    tl.store(y_ptr + offs, y, mask=mine)
 
 
 @jit
@@ -835,20 +778,12 @@ def _forward(
     r = residual if residual is not None else x
     stats = rstd if rstd is not None else y
     programs = -(-rows // block_rows)
-    warps = config.fwd_warps
     args: tuple
-    if (
-        exact
-        and rows == 1
-        and config.row_warps
-        and x.itemsize == 2
-        and not plan.block % (config.fwd_warps * 256)
-    ):
-        # One row: the one-row kernel (fewer warps, the row over row_programs programs; the
-        # bits of the table's layout, whose warps all lie along the row: 8 elements a thread).
+    if exact and rows == 1 and config.row_programs > 1:
+        # One row: its columns' stores shared by row_programs programs (the same bits).
         launcher, args = _FORWARD_ROW, (x, r, weight, y, h, eps)
         constexprs = _row_constexprs(plan, config, has_residual, flags[2])
-        programs, warps = config.row_programs, config.row_warps
+        programs = config.row_programs
     elif exact:
         # rstd is never stored here: rows of at most MAX_BLOCK recompute it in the backward.
         launcher, args = _FORWARD_EXACT, (x, r, weight, y, h, eps)
@@ -864,29 +799,25 @@ def _forward(
         key = (hidden, device_index, x.dtype, weight.dtype, has_residual, store_rstd, block_rows,
                flags, _int_class(rows), pdl)  # fmt: skip
         launcher.keyed(key, programs, args, (*addresses, y_address, h.data_ptr(), *tail),
-                       constexprs, warps, device_index)  # fmt: skip
+                       constexprs, config.fwd_warps, device_index)  # fmt: skip
         entry = launcher.entry(key)
         if entry is not None and specialise and not store_rstd and type(eps) is float:
             _FAST_FORWARD[signature] = (*entry, programs, exact)
     else:
-        launcher((programs,), args, constexprs, warps, device_index)
+        launcher((programs,), args, constexprs, config.fwd_warps, device_index)
     return y, h, rstd
 
 
 def _row_constexprs(
     plan: _Plan, config: RMSNormLaunch, has_residual: bool, evict: bool
 ) -> dict[str, Any]:
-    key = ("row", plan.block, config.fwd_warps, config.row_warps, config.row_programs,
-           has_residual, evict)  # fmt: skip
+    key = ("row", plan.block, config.row_programs, has_residual, evict)
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None:
         found = _FORWARD_CONSTEXPRS[key] = {
             "HAS_RESIDUAL": has_residual,
             "BLOCK": plan.block,
-            "TABLE_WARPS": config.fwd_warps,
             "PROGRAMS": config.row_programs,
-            # On the table's own warps the row needs no replay of its order.
-            "NATIVE": config.row_warps == config.fwd_warps,
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
         }
