@@ -329,8 +329,15 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
         makers = {name: partial(make_calls, fn) for name, fn in impls.items()}
         if pdl and phase == "fwd":
             makers["mcore_pdl"] = partial(make_calls, mcore_pdl)
+        loaded = set(inductor_kernels())
         with torch.set_grad_enabled(phase == "bwd"):
             timed = interleaved_graph_us({**makers, **copy_makers}, rounds=ROUNDS)
+        if phase == "fwd":
+            # The forward phase runs without autograd: its compile peer is the inference
+            # graph, whose kernels load here (the training graph's loaded for the check above).
+            result["compile_fwd_kernels"] = [
+                kernel for key, kernel in inductor_kernels().items() if key not in loaded
+            ]
         result[f"{phase}_us"] = {name: timed[name]["us"] for name in impls}
         if "mcore_pdl" in timed:
             result["fwd_pdl_us"] = timed["mcore_pdl"]["us"]
@@ -625,6 +632,9 @@ def targets_summary(payload: dict[str, Any], peers: list[str]) -> str:
                 results,
                 lambda e, phase=phase, peer=peer: e[f"speedup_{phase}"][peer] or 0.0,
                 lambda v: v >= 1.0,
+                # Which kernel compile's autotuner kept for the forward (it moves between
+                # processes at some shapes: docs/benchmarks/kernels.md, session 15).
+                (lambda e: _compile_fwd_config(e)) if (phase, peer) == ("fwd", "compile") else None,
             )
         if "liger" in peers:
             verdict(
@@ -675,6 +685,15 @@ def targets_summary(payload: dict[str, Any], peers: list[str]) -> str:
             ),
         )
     return "\n".join(lines) + "\n"
+
+
+def _compile_fwd_config(entry: dict[str, Any]) -> str:
+    """The launch configuration of compile's forward kernel at a shape, for the summary."""
+    configs = [c for k in entry.get("compile_fwd_kernels", []) for c in k.get("configs", [])]
+    if not configs:
+        return ""
+    short = "; ".join(c.split(", num_ctas")[0] for c in configs)
+    return f", compile's kernel {short}"
 
 
 def _liger_version() -> str:
