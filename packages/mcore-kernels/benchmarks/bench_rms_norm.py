@@ -331,7 +331,9 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
             makers["mcore_pdl"] = partial(make_calls, mcore_pdl)
         loaded = set(inductor_kernels())
         with torch.set_grad_enabled(phase == "bwd"):
-            timed = interleaved_graph_us({**makers, **copy_makers}, rounds=ROUNDS)
+            # Every replay starts from the same L2 state (the implementations read the same
+            # input sets: see interleaved_graph_us).
+            timed = interleaved_graph_us({**makers, **copy_makers}, rounds=ROUNDS, flush_l2=True)
         if phase == "fwd":
             # The forward phase runs without autograd: its compile peer is the inference
             # graph, whose kernels load here (the training graph's loaded for the check above).
@@ -512,7 +514,9 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
         "that inputs come from memory, not L2 (at least 10 calls and about 200 us per replay); "
         f"the graphs of all implementations and of the floor copies are replayed in "
         f"{payload.get('rounds', 15)} interleaved rounds (the order rotating each round, no "
-        "host sync between replays, so the GPU never idles) and the median round is reported "
+        "host sync between replays, so the GPU never idles; before each replay, outside its "
+        "timing, a read of three times the L2 size gives every replay the same L2 state) and "
+        "the median round is reported "
         "(spread under ``*_spread_us`` in the JSON); backward = ``torch.autograd.grad`` of "
         "both outputs. Ratios are peer time / mcore time (> 1: mcore faster). % copy: the bytes "
         "that must move over the time, against the 2 GiB copy's bandwidth. Floor: the faster "
