@@ -811,6 +811,7 @@ def _forward(
 def _row_constexprs(
     plan: _Plan, config: RMSNormLaunch, has_residual: bool, evict: bool
 ) -> dict[str, Any]:
+    """Constexprs of the one-row kernel (cached beside the forward's)."""
     key = ("row", plan.block, config.row_programs, has_residual, evict)
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None:
