@@ -325,12 +325,28 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
     # Every implementation and the copies in one interleaved loop of graph replays per phase
     # (see ``interleaved_graph_us``): at 3-5 us per call, timing them one after another moved
     # a result by up to 1 us between runs.
+    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0)
+    cycle_bytes = len(sets) * 4 * rows * hidden * 2
     for phase, make_calls in (("fwd", forward_calls), ("bwd", backward_calls)):
         makers = {name: partial(make_calls, fn) for name, fn in impls.items()}
         if pdl and phase == "fwd":
             makers["mcore_pdl"] = partial(make_calls, mcore_pdl)
+        loaded = set(inductor_kernels())
         with torch.set_grad_enabled(phase == "bwd"):
-            timed = interleaved_graph_us({**makers, **copy_makers}, rounds=ROUNDS)
+            # Where a graph's input sets outgrow L2 (the inputs are meant to come from
+            # memory), every replay starts from the same L2 state: the implementations read the
+            # same sets (see interleaved_graph_us). Smaller cycles (one row: 32 sets of a few
+            # KB) stay in L2 for every implementation, and a flush would only make each
+            # replay's first pass over them cold.
+            timed = interleaved_graph_us(
+                {**makers, **copy_makers}, rounds=ROUNDS, flush_l2=cycle_bytes > l2_bytes
+            )
+        if phase == "fwd":
+            # The forward phase runs without autograd: its compile peer is the inference
+            # graph, whose kernels load here (the training graph's loaded for the check above).
+            result["compile_fwd_kernels"] = [
+                kernel for key, kernel in inductor_kernels().items() if key not in loaded
+            ]
         result[f"{phase}_us"] = {name: timed[name]["us"] for name in impls}
         if "mcore_pdl" in timed:
             result["fwd_pdl_us"] = timed["mcore_pdl"]["us"]
@@ -505,7 +521,10 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
         "that inputs come from memory, not L2 (at least 10 calls and about 200 us per replay); "
         f"the graphs of all implementations and of the floor copies are replayed in "
         f"{payload.get('rounds', 15)} interleaved rounds (the order rotating each round, no "
-        "host sync between replays, so the GPU never idles) and the median round is reported "
+        "host sync between replays, so the GPU never idles; where the input sets outgrow L2, "
+        "before each replay, outside its timing, a read of three times the L2 size gives every "
+        "replay the same L2 state) and "
+        "the median round is reported "
         "(spread under ``*_spread_us`` in the JSON); backward = ``torch.autograd.grad`` of "
         "both outputs. Ratios are peer time / mcore time (> 1: mcore faster). % copy: the bytes "
         "that must move over the time, against the 2 GiB copy's bandwidth. Floor: the faster "
@@ -625,6 +644,9 @@ def targets_summary(payload: dict[str, Any], peers: list[str]) -> str:
                 results,
                 lambda e, phase=phase, peer=peer: e[f"speedup_{phase}"][peer] or 0.0,
                 lambda v: v >= 1.0,
+                # Which kernel compile's autotuner kept for the forward (it moves between
+                # processes at some shapes: docs/benchmarks/kernels.md, session 15).
+                (lambda e: _compile_fwd_config(e)) if (phase, peer) == ("fwd", "compile") else None,
             )
         if "liger" in peers:
             verdict(
@@ -675,6 +697,15 @@ def targets_summary(payload: dict[str, Any], peers: list[str]) -> str:
             ),
         )
     return "\n".join(lines) + "\n"
+
+
+def _compile_fwd_config(entry: dict[str, Any]) -> str:
+    """The launch configuration of compile's forward kernel at a shape, for the summary."""
+    configs = [c for k in entry.get("compile_fwd_kernels", []) for c in k.get("configs", [])]
+    if not configs:
+        return ""
+    short = "; ".join(c.split(", num_ctas")[0] for c in configs)
+    return f", compile's kernel {short}"
 
 
 def _liger_version() -> str:

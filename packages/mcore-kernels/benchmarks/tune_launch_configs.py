@@ -5,7 +5,8 @@ candidate :class:`~mcore_kernels.rms_norm.RMSNormLaunch` at each hidden size of 
 table and the row counts 1, 256, 4096, 8192 and 16384, as GPU time under CUDA graph replay over
 enough input copies that every call reads from memory (no host launch cost, no L2 reuse).
 Per hidden size the forward takes the (rows per program, warps) with the least geometric mean
-of time / fastest time over the row counts; the backward takes its layout (rows per iteration,
+of time / fastest time over the row counts, then the number of programs sharing a one-row call
+the fastest at one row; the backward takes its layout (rows per iteration,
 warps) the same way, each layout scored by its best grid at each row count, then that layout's
 grid cap (programs per SM) and pipelining depth by the same rule. The number of rows never
 picks the warps: they fix how a row is spread over the threads, hence the order of its
@@ -149,6 +150,7 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
                     )
         best, score = _choose(fwd)
         chosen.append(["rms_fwd", hidden, f"rows={best[0]}, warps={best[1]}", score])
+        sweep_one_row(hidden, best, entries, chosen)
         # The layout must not depend on the number of rows (batch invariance): per layout, the
         # best grid and depth at each row count, then the layout of least geometric mean.
         per_layout: dict[tuple, dict[int, float | None]] = {}
@@ -181,6 +183,51 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
             ]
         )
         print("rms", hidden, chosen[-2:], flush=True)
+
+
+def sweep_one_row(
+    hidden: int, layout: tuple[int, int], entries: list[dict], chosen: list[list[Any]]
+) -> None:
+    """The one-row forward of a chosen layout: how many programs share the row (each reduces
+    the whole row with the layout, the same bits, and stores its share), timed at one bf16 row;
+    the fastest is kept."""
+    fwd_rows, fwd_warps = layout
+    sets = []
+    for _ in range(input_sets(4 * hidden * 2)):
+        x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+        w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+        sets.append((x, torch.randn_like(x), w))
+    times: dict[int, float] = {}
+    for programs in (1, 2, 4, 8):
+        cfg = rms.RMSNormLaunch(
+            fwd_rows=fwd_rows,
+            fwd_warps=fwd_warps,
+            bwd_rows=1,
+            bwd_warps=4,
+            bwd_programs_per_sm=1,
+            bwd_stages=1,
+            row_programs=programs,
+        )
+        us = _us(
+            lambda cfg=cfg: [partial(rms._forward, x, w, EPS, r, False, cfg) for x, r, w in sets]
+        )
+        entries.append(
+            {
+                "kernel": "rms_fwd_one_row",
+                "shape": f"1x{hidden}",
+                "row_programs": programs,
+                "us": us,
+            }
+        )
+        if us is not None:
+            times[programs] = us
+    if times:
+        best = min(times, key=times.__getitem__)
+        # Score: the chosen time over one program's (below 1.0: sharing the row wins).
+        own = times.get(1)
+        chosen.append(
+            ["rms_fwd_one_row", hidden, f"row_programs={best}", times[best] / own if own else 1.0]
+        )
 
 
 def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:
@@ -275,7 +322,10 @@ only, so a row's result is bitwise the same whatever the number of rows in the c
    interpreter and the GPU).
 4. Loads: a forward whose `x` fits in half of the L2 cache loads its rows with the
    evict-first hint and the weight with evict-last; larger calls load plainly.
-5. A repeated call of the same (rows, hidden, device, dtypes) reuses the compiled kernel and
+5. One row exactly one block wide (a decode step, a one-token call) runs on `row_programs`
+   programs of the entry's layout: each loads and reduces the whole row (the same bits) and
+   stores its share of the columns; 1 is the specialised kernel's single program.
+6. A repeated call of the same (rows, hidden, device, dtypes) reuses the compiled kernel and
    grid from a table (no plan, key or constexpr work on the host).
 
 token log-probs: one program per row; the vocabulary chunk and warps depend on the vocabulary
@@ -286,8 +336,10 @@ Where the numbers come from: `benchmarks/tune_launch_configs.py` times every can
 launcher (no autograd) at rows 1, 256, 4096, 8192 and 16384 of each hidden size, GPU time
 under CUDA graph replay over L2-cold input copies, and picks per hidden size the candidate of
 least geometric mean of time / fastest time over the row counts (score 1.0 = fastest at every
-row count); the backward's layout first, then its grid cap and depth. The chosen rows are
-copied into `LAUNCH_CONFIGS` by hand.
+row count); the backward's layout first, then its grid cap and depth. For the chosen forward
+layout it then times one bf16 row on 1, 2, 4 and 8 programs and keeps the fastest
+("rms_fwd_one_row": its time over one program's). The chosen rows are copied into
+`LAUNCH_CONFIGS` by hand.
 """
 
 
@@ -302,6 +354,7 @@ def in_use_table() -> str:
             c.bwd_warps,
             c.bwd_programs_per_sm,
             c.bwd_stages,
+            c.row_programs,
         ]
         for width, c in sorted(rms.LAUNCH_CONFIGS.items())
     ]
@@ -313,7 +366,7 @@ def in_use_table() -> str:
         "bwd warps",
         "bwd programs/SM",
     ]
-    return markdown_table([*header, "bwd stages"], rows)
+    return markdown_table([*header, "bwd stages", "one-row programs"], rows)
 
 
 def _write(out: Path, entries: list[dict], chosen: list[list[Any]]) -> None:

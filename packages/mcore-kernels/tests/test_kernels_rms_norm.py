@@ -427,6 +427,59 @@ def test_specialised_forward_is_bitwise_the_general_kernel(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [2048, 8192])
+def test_one_row_kernel_is_bitwise_the_general_kernel(triton_backend, monkeypatch, hidden, dtype):
+    # One row exactly one block wide runs on row_programs programs, each reducing the whole
+    # row and storing its share: the general kernel's bits, the reference's values.
+    launch = importlib.import_module("mcore_kernels.rms_norm")
+    config = launch._launch(hidden, -1).config
+    assert config.row_programs > 1
+    launched = []
+    row_launcher = launch._FORWARD_ROW
+
+    class Spy:
+        def keyed(self, *args):
+            launched.append(args[1])  # the grid
+            return row_launcher.keyed(*args)
+
+        def entry(self, key):
+            return row_launcher.entry(key)
+
+    monkeypatch.setattr(launch, "_FORWARD_ROW", Spy())
+    x, residual, weight = _inputs((1, hidden), dtype, seed=hidden, scale=3.0)
+    for res in (None, residual):
+        launched.clear()
+        special = launch._forward(x, weight, 1e-6, res, False)
+        assert launched == [config.row_programs]
+        general = launch._forward(x, weight, 1e-6, res, False, specialise=False)
+        for got, expected in zip(special[:2], general[:2], strict=True):
+            assert torch.equal(got, expected)
+        reference = rms_norm_reference(x, weight, 1e-6, residual=res)
+        y_ref = reference if res is None else reference[0]
+        torch.testing.assert_close(special[0], y_ref, atol=ATOL[dtype], rtol=ATOL[dtype])
+        if res is not None:
+            assert torch.equal(special[1], reference[1])
+    # Two rows take the specialised many-row kernel.
+    launched.clear()
+    launch._forward(x.expand(2, hidden).contiguous(), weight, 1e-6, None, False)
+    assert not launched
+
+
+def test_launch_rejects_row_programs_not_a_power_of_two():
+    launch = importlib.import_module("mcore_kernels.rms_norm")
+    with pytest.raises(KernelValueError, match="row_programs=3"):
+        launch.RMSNormLaunch(
+            fwd_rows=1,
+            fwd_warps=8,
+            bwd_rows=1,
+            bwd_warps=8,
+            bwd_programs_per_sm=1,
+            bwd_stages=1,
+            row_programs=3,
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "hidden"), [(1, 2048), (4, 256), (2, 1024)], ids=str)
 def test_specialised_backward_is_bitwise_the_general_kernel(triton_backend, rows, hidden, dtype):
     # A call that is one row block of rows exactly one block wide runs the specialised

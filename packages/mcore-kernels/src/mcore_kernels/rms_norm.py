@@ -23,10 +23,13 @@ and its warps, and to the rows per backward iteration, its warps, programs per m
 and software-pipelining depth. The numbers come from the sweep of
 ``benchmarks/tune_launch_configs.py`` (per width, the least geometric mean of GPU time over the
 fastest time across the row counts) and are looked up once per (hidden size, device) and cached
-with the constexprs they imply. The number of rows enters three things only: a row block never
+with the constexprs they imply. The number of rows enters four things only: a row block never
 holds more rows than the call (a one-row tile repeats the layout of a row of a larger tile), the
 backward's grid (one program per row block up to the cap) and its pipelining (only when a
-program walks several row blocks).
+program walks several row blocks), and a call of one row exactly one block wide, which
+``row_programs`` programs share: each loads and reduces the whole row with the entry's layout
+(the same bits) and stores its share of the columns (a one-row call waits on one program's
+chain of loads, reduction and stores, and on the stores of one SM).
 
 Eager calls go straight to the Triton launchers (through :class:`_RMSNormFunction` when a
 gradient is needed); only while ``torch.compile`` traces a call does it become the custom op
@@ -86,9 +89,13 @@ class RMSNormLaunch:
     bwd_stages: int
     """Software-pipelining depth of the backward's row loop, when its buffers fit in shared
     memory (else 1)."""
+    row_programs: int = 1
+    """Programs sharing a call of one row exactly one block wide (a decode step, a one-token
+    call): each loads and reduces the whole row with this entry's layout (the bits of
+    the same row in any call) and stores its share of the columns. 1: one program."""
 
     def __post_init__(self) -> None:
-        for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps"):
+        for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps", "row_programs"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise KernelValueError(f"{name}={value} must be a positive power of two")
@@ -105,16 +112,34 @@ LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
         fwd_rows=2, fwd_warps=4, bwd_rows=4, bwd_warps=4, bwd_programs_per_sm=4, bwd_stages=2
     ),
     2048: RMSNormLaunch(
-        fwd_rows=1, fwd_warps=8, bwd_rows=4, bwd_warps=8, bwd_programs_per_sm=1, bwd_stages=3
+        fwd_rows=1,
+        fwd_warps=8,
+        bwd_rows=4,
+        bwd_warps=8,
+        bwd_programs_per_sm=1,
+        bwd_stages=3,
+        row_programs=4,
     ),
     # 16 forward warps (8 before session 11): the specialised kernel, one H200, GPU time in one
     # interleaved loop, 256 / 4096 / 16384 rows: 3.32 / 34.7 / 131.2 us against 3.38 / 35.3 /
     # 131.5 with 8 warps and 3.36 / 35.1 / 131.7 with 4.
     4096: RMSNormLaunch(
-        fwd_rows=1, fwd_warps=16, bwd_rows=2, bwd_warps=8, bwd_programs_per_sm=1, bwd_stages=3
+        fwd_rows=1,
+        fwd_warps=16,
+        bwd_rows=2,
+        bwd_warps=8,
+        bwd_programs_per_sm=1,
+        bwd_stages=3,
+        row_programs=4,
     ),
     8192: RMSNormLaunch(
-        fwd_rows=1, fwd_warps=16, bwd_rows=1, bwd_warps=8, bwd_programs_per_sm=1, bwd_stages=3
+        fwd_rows=1,
+        fwd_warps=16,
+        bwd_rows=1,
+        bwd_warps=8,
+        bwd_programs_per_sm=1,
+        bwd_stages=3,
+        row_programs=4,
     ),
 }
 """Launch parameters by row block width: the entry of the smallest width ``>=`` the block is
@@ -394,6 +419,41 @@ def _rms_norm_fwd_exact_kernel(
 
 
 @jit
+def _rms_norm_fwd_row_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    y_ptr,
+    hidden_out_ptr,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+    ROW_HINT: tl.constexpr,
+    WEIGHT_HINT: tl.constexpr,
+):
+    # One row exactly BLOCK wide on PROGRAMS programs of the specialised kernel's layout (same
+    # warps, same arithmetic: its bits): what bounds a one-row call is one program's chain of
+    # loads, reduction and stores, and the stores of one SM; every program loads and reduces
+    # the whole row and stores its 1 / PROGRAMS of the columns (loading only that share of
+    # the weight).
+    cols = tl.arange(0, BLOCK)
+    offs = tl.arange(0, 1)[:, None] * BLOCK + cols[None, :]
+    mine = (cols // (BLOCK // PROGRAMS) == tl.program_id(0))[None, :]
+    w = _load(weight_ptr + offs, mine, False, WEIGHT_HINT)
+    x = _load(x_ptr + offs, None, True, ROW_HINT)
+    w = w.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = _load(residual_ptr + offs, None, True, ROW_HINT)
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
+        tl.store(hidden_out_ptr + offs, x, mask=mine)
+    h = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / BLOCK + eps)
+    y = round_to(h * rstd[:, None] * w, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs, y, mask=mine)
+
+
+@jit
 def _add_pairs(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
@@ -602,6 +662,7 @@ def _sum_partials_kernel(
 _SUM_CONSTEXPRS = {"BLOCK_P": _PARTIAL_SUM_ROWS, "BLOCK_H": _PARTIAL_SUM_COLS}
 _FORWARD = CachedLauncher(_rms_norm_fwd_kernel)
 _FORWARD_EXACT = CachedLauncher(_rms_norm_fwd_exact_kernel)
+_FORWARD_ROW = CachedLauncher(_rms_norm_fwd_row_kernel)
 # Inside mcore_kernels.pdl.programmatic_dependent_launch (the engine's decode steps).
 _FORWARD_PDL = CachedLauncher(_rms_norm_fwd_kernel, launch_pdl=True)
 _BACKWARD = CachedLauncher(_rms_norm_bwd_kernel)
@@ -723,7 +784,12 @@ def _forward(
     stats = rstd if rstd is not None else y
     programs = -(-rows // block_rows)
     args: tuple
-    if exact:
+    if exact and rows == 1 and config.row_programs > 1:
+        # One row: its columns' stores shared by row_programs programs (the same bits).
+        launcher, args = _FORWARD_ROW, (x, r, weight, y, h, eps)
+        constexprs = _row_constexprs(plan, config, has_residual, flags[2])
+        programs = config.row_programs
+    elif exact:
         # rstd is never stored here: rows of at most MAX_BLOCK recompute it in the backward.
         launcher, args = _FORWARD_EXACT, (x, r, weight, y, h, eps)
     else:
@@ -745,6 +811,23 @@ def _forward(
     else:
         launcher((programs,), args, constexprs, config.fwd_warps, device_index)
     return y, h, rstd
+
+
+def _row_constexprs(
+    plan: _Plan, config: RMSNormLaunch, has_residual: bool, evict: bool
+) -> dict[str, Any]:
+    """Constexprs of the one-row kernel (cached beside the forward's)."""
+    key = ("row", plan.block, config.row_programs, has_residual, evict)
+    found = _FORWARD_CONSTEXPRS.get(key)
+    if found is None:
+        found = _FORWARD_CONSTEXPRS[key] = {
+            "HAS_RESIDUAL": has_residual,
+            "BLOCK": plan.block,
+            "PROGRAMS": config.row_programs,
+            "ROW_HINT": 1 if evict else 0,
+            "WEIGHT_HINT": 2 if evict else 0,
+        }
+    return found
 
 
 def _backward(
