@@ -58,15 +58,17 @@ def _params() -> list[SamplingParams]:
     ]
 
 
-def _start_steady_decode(engine: InferenceEngine) -> None:
+def _start_steady_decode(engine: InferenceEngine, multi_step: int) -> None:
     for i, params in enumerate(_params()):
         engine.add_request([3 + i, 4, 5, 6 + i], params)
-    assert engine.scheduler is not None
-    while len(engine.scheduler.active) < 3:
-        engine.step_updates()
-    # Prefill done and every request decoding, with tokens read back one step late.
-    for _ in range(2):
-        engine.step_updates()
+    # Prefill done and every request decoding, with tokens read back one step late: a round
+    # trip that brings every request a full run of tokens (how many round trips that takes
+    # depends on the device's step timing, not on what the test checks).
+    for _ in range(40):
+        counts = [len(u.new_tokens) for u in engine.step_updates()]
+        if len(counts) == 3 and all(count == multi_step for count in counts):
+            return
+    raise AssertionError("the three requests never reached steady decode steps")
 
 
 def _steady_decode_reads(multi_step: int) -> dict[str, Any]:
@@ -92,7 +94,7 @@ def _steady_decode_reads(multi_step: int) -> dict[str, Any]:
         max_batch_size=4, max_sequence_length=128, block_size=4, multi_step_decode=multi_step
     )
     with InferenceEngine(model, config) as engine:
-        _start_steady_decode(engine)
+        _start_steady_decode(engine, multi_step)
         counts["start"] = counts["wait"] = 0
         tokens = 0
         with HostReadProbe() as probe:
@@ -132,7 +134,7 @@ def test_steady_decode_steps_with_graphs_never_synchronise_on_gpu(multi_step):
     )
     with InferenceEngine(model, config) as engine:
         engine.capture_graphs()
-        _start_steady_decode(engine)
+        _start_steady_decode(engine, multi_step)
         torch.cuda.synchronize()
         tokens = 0
         torch.cuda.set_sync_debug_mode("error")

@@ -143,4 +143,7 @@ def test_gpu_kernel_matches_the_two_kernels_in_bf16(normed):
     torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(k_cache.float(), caches[0].float(), atol=2e-2, rtol=2e-2)
     if not normed:
-        assert torch.equal(actual, expected) and torch.equal(k_cache, caches[0])
+        # RoPE and the cache write run the two-kernel path's arithmetic: the same bits. The
+        # attention agrees to bf16 rounding only: at 512 tokens paged_attention's own launch
+        # may stack several tokens in one program's products (another summation order).
+        assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])

@@ -50,17 +50,18 @@ def test_twenty_steps_with_cuda_graphs_keep_step_start_memory_within_one_percent
     assert kl[0] < 1e-3 and max(kl[1:]) > 1e-3, kl
 
 
-def _kept_engine_captures(device: str, steps: int) -> tuple[list[tuple[int, int]], bool]:
+def _kept_engine_captures(device: str, steps: int) -> tuple[list[tuple], bool]:
     """Decode graphs captured over ``steps`` GRPO steps of one worker, and whether its engine
     stayed the same object."""
     from mcore_inference.cuda_graphs import DecodeGraphRunner
 
-    captures: list[tuple[int, int]] = []
+    captures: list[tuple] = []
     capture = DecodeGraphRunner._capture
 
-    def counted(self, batch, width):
-        captures.append((batch, width))
-        return capture(self, batch, width)
+    def counted(self, batch, width, *args, **kwargs):
+        # The key of a graph: bucket, width and the runner's other arguments (decode steps).
+        captures.append((batch, width, *args, *sorted(kwargs.items())))
+        return capture(self, batch, width, *args, **kwargs)
 
     config = GRPOConfig.from_dict(
         {
