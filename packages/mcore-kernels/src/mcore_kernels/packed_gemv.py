@@ -48,6 +48,7 @@ from mcore_kernels._triton_utils import (
     tl,
     triton,
 )
+from mcore_kernels.decode_gemv import _check_args
 from mcore_kernels.decode_gemv_epilogues import _epilogue
 from mcore_kernels.errors import (
     KernelBackendError,
@@ -209,28 +210,8 @@ def _check(
     residual: torch.Tensor | None,
     swiglu: bool,
 ) -> int:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise KernelShapeError(
-            f"x {tuple(x.shape)}, weight {tuple(weight.shape)}; expected [M, K] and [N, K]"
-        )
-    if x.dtype != weight.dtype or not x.dtype.is_floating_point:
-        raise KernelDtypeError(f"x {x.dtype}, weight {weight.dtype}; expected one float dtype")
-    n = weight.shape[0]
-    if swiglu and n % 2:
-        raise KernelShapeError(f"weight has {n} rows with swiglu=True; expected an even count")
-    n_out = n // 2 if swiglu else n
-    if norm_weight is not None and tuple(norm_weight.shape) != (x.shape[1],):
-        raise KernelShapeError(
-            f"norm_weight has shape {tuple(norm_weight.shape)}; expected [{x.shape[1]}]"
-        )
-    if residual is not None:
-        if tuple(residual.shape) != (x.shape[0], n_out):
-            raise KernelShapeError(
-                f"residual has shape {tuple(residual.shape)}; expected [{x.shape[0]}, {n_out}]"
-            )
-        if residual.dtype != x.dtype:
-            raise KernelDtypeError(f"residual {residual.dtype}; expected {x.dtype} like x")
-    return n_out
+    # decode_gemv's argument checks without a bias (the same messages for the same inputs).
+    return _check_args(x, weight, None, norm_weight, residual, swiglu)
 
 
 def packed_gemv_triton(
