@@ -278,6 +278,22 @@ class MoERouterFunction(torch.autograd.Function):
         scaling: float,
         weights_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scores, top-k experts, routing weights and expert counts of :func:`moe_router`.
+
+        Args:
+            ctx: Autograd context; keeps the logits, the chosen experts and the routing options.
+            logits: ``[T, E]`` float32 router logits.
+            top_k: Experts per token.
+            score: "softmax" or "sigmoid".
+            expert_bias: ``[E]`` float32 bias added to the scores for the choice only, or None.
+            normalize: Rescale each token's ``top_k`` weights to sum to one.
+            scaling: Factor applied to the weights last.
+            weights_dtype: Dtype of the returned weights; None keeps the logits' dtype.
+
+        Returns:
+            ``(weights [T, top_k], experts [T, top_k] int64, scores [T, E] float32, counts [E]
+            int64)``; experts and counts are not differentiable.
+        """
         tensors = (logits,) if expert_bias is None else (logits, expert_bias)
         dtype = weights_dtype or logits.dtype
         if use_triton(*tensors):
@@ -306,6 +322,19 @@ class MoERouterFunction(torch.autograd.Function):
         grad_scores: torch.Tensor | None,
         grad_counts: Any,
     ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
+        """Gradient of the logits from those of the weights and the scores.
+
+        Args:
+            ctx: Autograd context saved by :meth:`forward`.
+            grad_weights: ``[T, top_k]`` gradient of the weights, or None.
+            grad_experts: Unused (the experts are not differentiable).
+            grad_scores: ``[T, E]`` gradient of the scores, or None.
+            grad_counts: Unused (the counts are not differentiable).
+
+        Returns:
+            ``(grad_logits [T, E] float32 or None, None, None, None, None, None, None)``; None
+            when neither the weights nor the scores have a gradient.
+        """
         logits, experts = ctx.saved_tensors
         if grad_weights is None and grad_scores is None:
             return None, None, None, None, None, None, None

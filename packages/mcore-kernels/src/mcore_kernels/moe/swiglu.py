@@ -130,6 +130,15 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of every row (with PDL inside a programmatic-launch region).
+
+        Args:
+            ctx: Autograd context; keeps ``gate_up`` for the backward.
+            gate_up: ``[M, 2F]`` contiguous, the gate columns first.
+
+        Returns:
+            ``[M, F]`` in the dtype of ``gate_up``.
+        """
         ctx.save_for_backward(gate_up)
         if not use_triton(gate_up):
             return swiglu_reference(gate_up)
@@ -140,6 +149,15 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        """Gradient of ``gate_up`` from the saved input, computed in float32.
+
+        Args:
+            ctx: Autograd context saved by :meth:`forward`.
+            grad: ``[M, F]`` gradient of the activation.
+
+        Returns:
+            ``[M, 2F]`` gradient of ``gate_up`` in its dtype.
+        """
         (gate_up,) = ctx.saved_tensors
         grad = grad.contiguous()
         if not use_triton(gate_up, grad):
@@ -178,6 +196,16 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``w[m] * silu(gate) * up`` of every row.
+
+        Args:
+            ctx: Autograd context; keeps ``gate_up`` and ``weights`` for the backward.
+            gate_up: ``[M, 2F]`` contiguous, the gate columns first.
+            weights: ``[M]`` contiguous weight of each row.
+
+        Returns:
+            ``[M, F]`` in the dtype of ``gate_up``.
+        """
         ctx.save_for_backward(gate_up, weights)
         if not use_triton(gate_up, weights):
             return weighted_swiglu_reference(gate_up, weights)
@@ -187,6 +215,15 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of ``gate_up`` and of the row weights in one pass over each row.
+
+        Args:
+            ctx: Autograd context saved by :meth:`forward`.
+            grad: ``[M, F]`` gradient of the activation.
+
+        Returns:
+            ``(grad_gate_up [M, 2F], grad_weights [M])`` in the dtypes of the inputs.
+        """
         gate_up, weights = ctx.saved_tensors
         grad = grad.contiguous()
         if not use_triton(gate_up, weights, grad):
