@@ -26,6 +26,7 @@ from mcore_kernels.moe._launch import cdiv, launch, next_power_of_2
 from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms
 from mcore_kernels.moe.permute import _device, _gather_rows, _sum_rows
 from mcore_kernels.moe.reference import routed_experts_reference
+from mcore_kernels.moe.swiglu import _weighted_swiglu_grad_block
 
 __all__ = ["grouped_experts", "routed_experts", "routed_experts_reference"]
 
@@ -77,23 +78,13 @@ def routed_swiglu_backward_kernel(
     weight = tl.load(w_ptr + tl.where(used, assignment, 0)).to(tl.float32)
     weight = tl.where(used, weight, 0.0)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    dtype = out_ptr.dtype.element_ty
     for start in range(0, width, BLOCK):
         cols = start + base
         ok = cols < width
         read = cols < limit
-        gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=read, other=0.0).to(tl.float32)
-        up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=read, other=0.0).to(
-            tl.float32
+        acc = _weighted_swiglu_grad_block(
+            gate_up_ptr, grad_ptr, out_ptr, row, width, cols, read, ok, weight, acc
         )
-        grad = tl.load(grad_ptr + row * width + cols, mask=read, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-gate))
-        silu = gate * sig
-        acc += grad * silu * up
-        scaled = grad * weight
-        d_gate = scaled * up * sig * (1.0 + gate * (1.0 - sig))
-        tl.store(out_ptr + row * 2 * width + cols, d_gate.to(dtype), mask=ok)
-        tl.store(out_ptr + row * 2 * width + width + cols, (scaled * silu).to(dtype), mask=ok)
     # Rows without an assignment store their zero sum in a spare last entry of grad_w, which
     # the launcher allocates and drops.
     total = tl.sum(acc, axis=0).to(grad_w_ptr.dtype.element_ty)
