@@ -104,21 +104,43 @@ class RMSNormLaunch:
                 raise KernelValueError(f"{name}={getattr(self, name)} must be >= 1")
 
 
-# Row block width: (fwd_rows, fwd_warps, bwd_rows, bwd_warps, bwd_programs_per_sm, bwd_stages,
-# row_programs), the fields of RMSNormLaunch in order. 4096: 16 forward warps (8 before session
-# 11): the specialised kernel, one H200, GPU time in one interleaved loop, 256 / 4096 / 16384
-# rows: 3.32 / 34.7 / 131.2 us against 3.38 / 35.3 / 131.5 with 8 warps and 3.36 / 35.1 / 131.7
-# with 4.
-_LAUNCH_TABLE = {
-    256: (4, 4, 8, 4, 4, 2, 1),
-    1024: (2, 4, 4, 4, 4, 2, 1),
-    2048: (1, 8, 4, 8, 1, 3, 4),
-    4096: (1, 16, 2, 8, 1, 3, 4),
-    8192: (1, 16, 1, 8, 1, 3, 4),
-}
 LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
-    width: RMSNormLaunch(**dict(zip(RMSNormLaunch.__dataclass_fields__, row, strict=True)))
-    for width, row in _LAUNCH_TABLE.items()
+    256: RMSNormLaunch(
+        fwd_rows=4, fwd_warps=4, bwd_rows=8, bwd_warps=4, bwd_programs_per_sm=4, bwd_stages=2
+    ),
+    1024: RMSNormLaunch(
+        fwd_rows=2, fwd_warps=4, bwd_rows=4, bwd_warps=4, bwd_programs_per_sm=4, bwd_stages=2
+    ),
+    2048: RMSNormLaunch(
+        fwd_rows=1,
+        fwd_warps=8,
+        bwd_rows=4,
+        bwd_warps=8,
+        bwd_programs_per_sm=1,
+        bwd_stages=3,
+        row_programs=4,
+    ),
+    # 16 forward warps (8 before session 11): the specialised kernel, one H200, GPU time in one
+    # interleaved loop, 256 / 4096 / 16384 rows: 3.32 / 34.7 / 131.2 us against 3.38 / 35.3 /
+    # 131.5 with 8 warps and 3.36 / 35.1 / 131.7 with 4.
+    4096: RMSNormLaunch(
+        fwd_rows=1,
+        fwd_warps=16,
+        bwd_rows=2,
+        bwd_warps=8,
+        bwd_programs_per_sm=1,
+        bwd_stages=3,
+        row_programs=4,
+    ),
+    8192: RMSNormLaunch(
+        fwd_rows=1,
+        fwd_warps=16,
+        bwd_rows=1,
+        bwd_warps=8,
+        bwd_programs_per_sm=1,
+        bwd_stages=3,
+        row_programs=4,
+    ),
 }
 """Launch parameters by row block width: the entry of the smallest width ``>=`` the block is
 used (rows wider than ``MAX_BLOCK`` use the 8192 entry with one row per iteration)."""
