@@ -13,40 +13,16 @@ from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mcore_inference import InferenceConfig, InferenceEngine, SamplingParams
+from mcore_kernels.testing import HostReadProbe
 from mcore_models import GPTConfig, GPTModel
 
 STEADY_STEPS = 4
-
-
-class HostReadProbe(TorchDispatchMode):
-    """Records every aten op that copies a device value to the host (a sync on CUDA)."""
-
-    READS: ClassVar[set] = {
-        torch.ops.aten._local_scalar_dense.default,
-        torch.ops.aten.nonzero.default,
-        torch.ops.aten.is_nonzero.default,
-        torch.ops.aten.equal.default,
-        torch.ops.aten.allclose.default,
-        torch.ops.aten.masked_select.default,
-        torch.ops.aten.unique_consecutive.default,
-        torch.ops.aten.repeat_interleave.Tensor,
-    }
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
-            self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _params() -> list[SamplingParams]:
@@ -101,13 +77,6 @@ def _steady_decode_reads(multi_step: int) -> dict[str, Any]:
             for _ in range(STEADY_STEPS):
                 tokens += sum(len(u.new_tokens) for u in engine.step_updates())
     return {"reads": probe.seen, "tokens": tokens, **counts}
-
-
-def test_probe_sees_a_scalar_read():
-    with HostReadProbe() as probe:
-        assert int(torch.arange(3).sum()) == 3
-        assert bool(torch.ones(2).any())
-    assert probe.seen == [str(torch.ops.aten._local_scalar_dense.default)] * 2
 
 
 @pytest.mark.parametrize("multi_step", [1, 8])

@@ -4,13 +4,11 @@
 from __future__ import annotations
 
 import os
-from typing import ClassVar
 
 import pytest
 import torch
 import torch.distributed as dist
 from _kernels_spawn import run_ranks
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mcore_kernels
 from mcore_kernels import token_logprobs
@@ -21,6 +19,7 @@ from mcore_kernels.errors import (
     KernelValueError,
 )
 from mcore_kernels.reference import token_logprobs_reference
+from mcore_kernels.testing import HostReadProbe
 
 # Every CPU test here may run the Triton kernels through the interpreter (see conftest.py).
 pytestmark = pytest.mark.interpreter
@@ -216,29 +215,6 @@ def test_out_of_range_target_gives_nan_by_default_and_raises_when_checked(monkey
     torch.testing.assert_close(entropy, _entropy(logits).float(), atol=2e-5, rtol=1e-5)
 
 
-class _HostSyncProbe(TorchDispatchMode):
-    """Fails on every aten op that copies a device value to the host (a sync on CUDA)."""
-
-    SYNCING: ClassVar[set] = {
-        torch.ops.aten._local_scalar_dense.default,
-        torch.ops.aten.nonzero.default,
-        torch.ops.aten.is_nonzero.default,
-        torch.ops.aten.equal.default,
-        torch.ops.aten.allclose.default,
-        torch.ops.aten.masked_select.default,
-        torch.ops.aten.unique_consecutive.default,
-    }
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.SYNCING:
-            self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_default_call_reads_nothing_back_to_the_host(monkeypatch, backend):
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", backend)
@@ -246,11 +222,11 @@ def test_default_call_reads_nothing_back_to_the_host(monkeypatch, backend):
     logits, targets = _logits_and_targets((2, 3), 300, torch.float32, seed=21)
     targets[0, 1] = -100
     leaf = logits.clone().requires_grad_()
-    with _HostSyncProbe() as probe:
+    with HostReadProbe() as probe:
         logprobs, entropy = token_logprobs(leaf, targets, temperature=0.9, return_entropy=True)
         (logprobs.sum() + entropy.sum()).backward()
     assert probe.seen == []
-    with _HostSyncProbe() as probe:
+    with HostReadProbe() as probe:
         token_logprobs(logits, targets, check_targets=True)
     # The probe does see the opt-in check's read.
     assert probe.seen

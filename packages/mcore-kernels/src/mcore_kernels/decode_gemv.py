@@ -398,6 +398,7 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     scales = tl.zeros([BLOCK_M], dtype=tl.float32)
+    pre_bias, pre_bias_up, pre_res, pre_cos, pre_sin = acc, acc, acc, acc, acc
     if HAS_NORM or USE_PDL or EARLY_TAIL:
         # The first weight tile is requested before the norm's reduction over the rows, so
         # the two memory latencies overlap; with programmatic dependent launch it is requested
@@ -464,34 +465,21 @@ def _gemv_kernel(
             scales, False,
         )  # fmt: skip
     if not HAS_SPLIT:
-        if EARLY:
-            if ROPE:
-                _rope_epilogue(
-                    acc, acc_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
-                    v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
-                    stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
-                    NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
-                    pre_bias, pre_bias_up, pre_cos, pre_sin, True,
-                )  # fmt: skip
-            else:
-                _epilogue(
-                    acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
-                    stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
-                    pre_bias, pre_bias_up, pre_res, True,
-                )  # fmt: skip
-        elif ROPE:
+        # Without EARLY the epilogues load the bias, residual and rotary tiles themselves (the
+        # pre_* placeholders are not read).
+        if ROPE:
             _rope_epilogue(
                 acc, acc_up, bias_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
                 v_cache_ptr, stride_cos, stride_sin, stride_kc_slot, stride_kc_head,
                 stride_vc_slot, stride_vc_head, offs_m, offs_n, m_mask, N_OUT, stride_om,
                 NUM_Q_HEADS, NUM_KV_HEADS, HAS_BIAS, HALF, dtype,
-                acc, acc, acc, acc, False,
+                pre_bias, pre_bias_up, pre_cos, pre_sin, EARLY,
             )  # fmt: skip
         else:
             _epilogue(
                 acc, acc_up, bias_ptr, res_ptr, out_ptr, offs_m, offs_n, m_mask, N_OUT,
                 stride_rm, stride_om, HAS_BIAS, HAS_RESIDUAL, SWIGLU, dtype,
-                acc, acc, acc, False,
+                pre_bias, pre_bias_up, pre_res, EARLY,
             )  # fmt: skip
     else:
         # Workspace [SPLIT_K, 2, M, N_OUT] float32: the gate (or only) partial, then the up one.

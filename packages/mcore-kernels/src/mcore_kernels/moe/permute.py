@@ -216,6 +216,18 @@ class PermuteTokensFunction(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, top_k: int
     ) -> torch.Tensor:
+        """Copies every token into the buffer rows of its assignments.
+
+        Args:
+            ctx: Autograd context; keeps ``slots`` and ``top_k`` for the backward.
+            x: ``[T, H]`` tokens.
+            rows: ``[R]`` int64 token of each buffer row, -1 for a zero padding row.
+            slots: ``[T * top_k]`` int64 buffer row of each assignment, -1 when dropped.
+            top_k: Assignments per token.
+
+        Returns:
+            ``[R, H]`` buffer in the dtype of ``x``.
+        """
         ctx.save_for_backward(slots)
         ctx.top_k = top_k
         ctx.triton = use_triton(x, rows, slots)
@@ -225,6 +237,15 @@ class PermuteTokensFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        """Sums each token's ``top_k`` buffer-row gradients through ``slots``.
+
+        Args:
+            ctx: Autograd context saved by :meth:`forward`.
+            grad: ``[R, H]`` gradient of the buffer.
+
+        Returns:
+            ``(grad_x [T, H], None, None, None)``: no gradient for the indices or ``top_k``.
+        """
         (slots,) = ctx.saved_tensors
         grad = grad.contiguous()
         if not ctx.triton:
@@ -246,6 +267,18 @@ class UnpermuteCombineFunction(torch.autograd.Function):
         slots: torch.Tensor,
         fillers: torch.Tensor,
     ) -> torch.Tensor:
+        """Sums every token's expert outputs with its routing weights (float32 sums).
+
+        Args:
+            ctx: Autograd context; keeps all four inputs for the backward.
+            y: ``[R, H]`` expert outputs, one row per buffer row.
+            weights: ``[T, top_k]`` routing weights.
+            slots: ``[T * top_k]`` int64 buffer row of each assignment, -1 when dropped.
+            fillers: ``[R]`` int64 assignment held by each buffer row, -1 for padding.
+
+        Returns:
+            ``[T, H]`` in the dtype of ``y``.
+        """
         ctx.save_for_backward(y, weights, slots, fillers)
         ctx.triton = use_triton(y, weights, slots, fillers)
         if not ctx.triton:
@@ -256,6 +289,17 @@ class UnpermuteCombineFunction(torch.autograd.Function):
     def backward(
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        """Gradients of the expert outputs (the token's gradient scaled by the row's weight,
+        zero for padding rows) and of the weights (dot products of each row with its token's
+        gradient), each only when needed.
+
+        Args:
+            ctx: Autograd context saved by :meth:`forward`.
+            grad: ``[T, H]`` gradient of the combined tokens.
+
+        Returns:
+            ``(grad_y [R, H] or None, grad_weights [T, top_k] or None, None, None)``.
+        """
         y, weights, slots, fillers = ctx.saved_tensors
         grad = grad.contiguous()
         top_k = weights.shape[1]
@@ -295,6 +339,18 @@ class UnpermuteSumFunction(torch.autograd.Function):
     def forward(
         ctx: Any, y: torch.Tensor, slots: torch.Tensor, fillers: torch.Tensor, top_k: int
     ) -> torch.Tensor:
+        """Sums every token's expert outputs, already weighted (float32 sums).
+
+        Args:
+            ctx: Autograd context; keeps ``fillers`` and ``top_k`` for the backward.
+            y: ``[R, H]`` expert outputs, one row per buffer row.
+            slots: ``[T * top_k]`` int64 buffer row of each assignment, -1 when dropped.
+            fillers: ``[R]`` int64 assignment held by each buffer row, -1 for padding.
+            top_k: Assignments per token.
+
+        Returns:
+            ``[T, H]`` in the dtype of ``y``.
+        """
         ctx.save_for_backward(fillers)
         ctx.top_k = top_k
         ctx.triton = use_triton(y, slots, fillers)
@@ -304,6 +360,15 @@ class UnpermuteSumFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        """Gathers each buffer row's gradient from its token (zero for padding rows).
+
+        Args:
+            ctx: Autograd context saved by :meth:`forward`.
+            grad: ``[T, H]`` gradient of the summed tokens.
+
+        Returns:
+            ``(grad_y [R, H], None, None, None)``.
+        """
         (fillers,) = ctx.saved_tensors
         grad = grad.contiguous()
         if not ctx.triton:

@@ -26,6 +26,7 @@ from mcore_kernels.moe._launch import cdiv, launch, next_power_of_2
 from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms
 from mcore_kernels.moe.permute import _device, _gather_rows, _sum_rows
 from mcore_kernels.moe.reference import routed_experts_reference
+from mcore_kernels.moe.swiglu import _weighted_swiglu_grad_block
 
 __all__ = ["grouped_experts", "routed_experts", "routed_experts_reference"]
 
@@ -77,23 +78,13 @@ def routed_swiglu_backward_kernel(
     weight = tl.load(w_ptr + tl.where(used, assignment, 0)).to(tl.float32)
     weight = tl.where(used, weight, 0.0)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    dtype = out_ptr.dtype.element_ty
     for start in range(0, width, BLOCK):
         cols = start + base
         ok = cols < width
         read = cols < limit
-        gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=read, other=0.0).to(tl.float32)
-        up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=read, other=0.0).to(
-            tl.float32
+        acc = _weighted_swiglu_grad_block(
+            gate_up_ptr, grad_ptr, out_ptr, row, width, cols, read, ok, weight, acc
         )
-        grad = tl.load(grad_ptr + row * width + cols, mask=read, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-gate))
-        silu = gate * sig
-        acc += grad * silu * up
-        scaled = grad * weight
-        d_gate = scaled * up * sig * (1.0 + gate * (1.0 - sig))
-        tl.store(out_ptr + row * 2 * width + cols, d_gate.to(dtype), mask=ok)
-        tl.store(out_ptr + row * 2 * width + width + cols, (scaled * silu).to(dtype), mask=ok)
     # Rows without an assignment store their zero sum in a spare last entry of grad_w, which
     # the launcher allocates and drops.
     total = tl.sum(acc, axis=0).to(grad_w_ptr.dtype.element_ty)
@@ -158,6 +149,25 @@ class RoutedExpertsFunction(torch.autograd.Function):
         gemms: ExpertGemms | None = None,
         host_ends: Callable[[], list[int]] | None = None,
     ) -> torch.Tensor:
+        """Gather, gate/up GEMM, weighted SwiGLU, down GEMM and sum of :func:`routed_experts`.
+
+        Args:
+            ctx: Autograd context; keeps the inputs, the gathered rows, the gate/up output and the
+                activation, and the GEMM runner for the backward.
+            x: ``[T, H]`` tokens (already in expert order when ``top_k`` is 0).
+            weights: ``[T, top_k]`` routing weights.
+            w_gate_up: ``[E, 2F, H]`` gate rows then up rows of each expert.
+            w_down: ``[E, H, F]`` down projection of each expert.
+            order: ``[M]`` int64 assignment in each row, -1 in a row without one.
+            inverse: ``[T * top_k]`` int64 row of each assignment, -1 for one without a row.
+            offsets: ``[E]`` int32 cumulative row counts of the experts.
+            top_k: Assignments per token; 0 when ``x`` is already the ``[M, H]`` expert rows.
+            gemms: Kernel of each expert GEMM, or None for ``torch._grouped_mm`` everywhere.
+            host_ends: Returns ``offsets`` as a host list for cuBLAS loops, or None.
+
+        Returns:
+            ``[T, H]`` (``[M, H]`` when ``top_k`` is 0) in the dtype of ``x``.
+        """
         flat_w = weights.reshape(-1)
         gemms = gemms if gemms is not None else ExpertGemms()
         with _device(x):
@@ -178,6 +188,16 @@ class RoutedExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """Gradients of the tokens, routing weights and both expert weights, each only when needed.
+
+        Args:
+            ctx: Autograd context saved by :meth:`forward`.
+            grad: Gradient of the output, shaped like it.
+
+        Returns:
+            ``(grad_x, grad_weights, grad_w_gate_up, grad_w_down)`` (each None when not needed)
+            followed by None for the six non-differentiable inputs.
+        """
         flat_w, w_gate_up, w_down, order, inverse, _, permuted, gate_up, act = ctx.saved_tensors
         top_k = ctx.top_k
         needs_x, needs_w, needs_gu, needs_down = ctx.needs_input_grad[:4]

@@ -165,6 +165,36 @@ def router_backward_kernel(
     tl.store(out_ptr + offsets, out, mask=mask)
 
 
+def _launch_token_blocks(
+    kernel: Any, tensors: tuple, scaling: float, top_k: int, score: str, **constexprs: Any
+) -> None:
+    """Launch :func:`router_kernel` or :func:`router_backward_kernel` on blocks of ``BLOCK_T``
+    tokens by ``BLOCK_E`` experts (at most 4096 elements and 64 tokens), nothing without
+    tokens: ``tensors`` (the logits first) then the sizes and ``scaling``; its own
+    ``constexprs`` after the shared ones."""
+    logits = tensors[0]
+    num_tokens, num_experts = logits.shape
+    if not num_tokens:
+        return
+    block_e = next_power_of_2(num_experts)
+    block_t = max(1, min(64, 4096 // block_e))
+    with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
+        launch(
+            kernel,
+            (cdiv(num_tokens, block_t),),
+            (*tensors, num_tokens, num_experts, float(scaling)),
+            dict(
+                TOP_K=top_k,
+                K_PAD=next_power_of_2(top_k),
+                BLOCK_T=block_t,
+                BLOCK_E=block_e,
+                SIGMOID=score == "sigmoid",
+                **constexprs,
+            ),
+            device=logits.device,
+        )
+
+
 def _triton_router(
     logits: torch.Tensor,
     top_k: int,
@@ -182,37 +212,17 @@ def _triton_router(
     experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     scores = torch.empty_like(logits)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=logits.device)
-    block_e = next_power_of_2(num_experts)
-    block_t = max(1, min(64, 4096 // block_e))
-    grid = (cdiv(num_tokens, block_t),)
-    if num_tokens:
-        with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
-            launch(
-                router_kernel,
-                grid,
-                (
-                    logits,
-                    expert_bias if expert_bias is not None else logits,
-                    weights,
-                    experts,
-                    scores,
-                    counts,
-                    num_tokens,
-                    num_experts,
-                    float(scaling),
-                ),
-                dict(
-                    TOP_K=top_k,
-                    K_PAD=next_power_of_2(top_k),
-                    BLOCK_T=block_t,
-                    BLOCK_E=block_e,
-                    SIGMOID=score == "sigmoid",
-                    HAS_BIAS=expert_bias is not None,
-                    NORMALIZE=normalize,
-                    WEIGHTS_BF16=weights_dtype == torch.bfloat16,
-                ),
-                device=logits.device,
-            )
+    bias = expert_bias if expert_bias is not None else logits
+    _launch_token_blocks(
+        router_kernel,
+        (logits, bias, weights, experts, scores, counts),
+        scaling,
+        top_k,
+        score,
+        HAS_BIAS=expert_bias is not None,
+        NORMALIZE=normalize,
+        WEIGHTS_BF16=weights_dtype == torch.bfloat16,
+    )
     return weights, experts, scores, counts
 
 
@@ -227,40 +237,25 @@ def _triton_logits_grad(
 ) -> torch.Tensor:
     """:func:`router_logits_grad` in one kernel (one launch instead of about fifteen)."""
 
-    num_tokens, num_experts = logits.shape
-    top_k = experts.shape[1]
     out = torch.empty_like(logits)
     grad_w = None if grad_weights is None else grad_weights.contiguous()
     grad_s = None if grad_scores is None else grad_scores.contiguous()
-    block_e = next_power_of_2(num_experts)
-    block_t = max(1, min(64, 4096 // block_e))
-    if num_tokens:
-        with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
-            launch(
-                router_backward_kernel,
-                (cdiv(num_tokens, block_t),),
-                (
-                    logits,
-                    experts,
-                    grad_w if grad_w is not None else logits,
-                    grad_s if grad_s is not None else logits,
-                    out,
-                    num_tokens,
-                    num_experts,
-                    float(scaling),
-                ),
-                dict(
-                    TOP_K=top_k,
-                    K_PAD=next_power_of_2(top_k),
-                    BLOCK_T=block_t,
-                    BLOCK_E=block_e,
-                    SIGMOID=score == "sigmoid",
-                    NORMALIZE=normalize,
-                    HAS_GW=grad_w is not None,
-                    HAS_GS=grad_s is not None,
-                ),
-                device=logits.device,
-            )
+    _launch_token_blocks(
+        router_backward_kernel,
+        (
+            logits,
+            experts,
+            grad_w if grad_w is not None else logits,
+            grad_s if grad_s is not None else logits,
+            out,
+        ),
+        scaling,
+        experts.shape[1],
+        score,
+        NORMALIZE=normalize,
+        HAS_GW=grad_w is not None,
+        HAS_GS=grad_s is not None,
+    )
     return out
 
 
@@ -278,6 +273,22 @@ class MoERouterFunction(torch.autograd.Function):
         scaling: float,
         weights_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scores, top-k experts, routing weights and expert counts of :func:`moe_router`.
+
+        Args:
+            ctx: Autograd context; keeps the logits, the chosen experts and the routing options.
+            logits: ``[T, E]`` float32 router logits.
+            top_k: Experts per token.
+            score: "softmax" or "sigmoid".
+            expert_bias: ``[E]`` float32 bias added to the scores for the choice only, or None.
+            normalize: Rescale each token's ``top_k`` weights to sum to one.
+            scaling: Factor applied to the weights last.
+            weights_dtype: Dtype of the returned weights; None keeps the logits' dtype.
+
+        Returns:
+            ``(weights [T, top_k], experts [T, top_k] int64, scores [T, E] float32, counts [E]
+            int64)``; experts and counts are not differentiable.
+        """
         tensors = (logits,) if expert_bias is None else (logits, expert_bias)
         dtype = weights_dtype or logits.dtype
         if use_triton(*tensors):
@@ -306,6 +317,19 @@ class MoERouterFunction(torch.autograd.Function):
         grad_scores: torch.Tensor | None,
         grad_counts: Any,
     ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
+        """Gradient of the logits from those of the weights and the scores.
+
+        Args:
+            ctx: Autograd context saved by :meth:`forward`.
+            grad_weights: ``[T, top_k]`` gradient of the weights, or None.
+            grad_experts: Unused (the experts are not differentiable).
+            grad_scores: ``[T, E]`` gradient of the scores, or None.
+            grad_counts: Unused (the counts are not differentiable).
+
+        Returns:
+            ``(grad_logits [T, E] float32 or None, None, None, None, None, None, None)``; None
+            when neither the weights nor the scores have a gradient.
+        """
         logits, experts = ctx.saved_tensors
         if grad_weights is None and grad_scores is None:
             return None, None, None, None, None, None, None

@@ -26,6 +26,35 @@ __all__ = ["swiglu", "weighted_swiglu"]
 
 
 @jit
+def _gate_up(gate_up_ptr, row, width, cols, mask):
+    """Columns ``cols`` of row ``row``'s gate and up halves of a ``[M, 2F]`` GEMM output, in
+    float32 (zero where ``mask`` is false)."""
+    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=mask, other=0.0).to(tl.float32)
+    return gate, up
+
+
+@jit
+def _weighted_swiglu_grad_block(
+    gate_up_ptr, grad_ptr, out_ptr, row, width, cols, read, ok, weight, acc
+):
+    """One column block of the gradient of ``weight * silu(gate) * up`` for row ``row``: stores
+    the ``gate_up`` gradient at ``cols`` (where ``ok``; what ``read`` masks out reads as zero)
+    and returns ``acc`` plus ``grad * silu(gate) * up``, the block's weight-gradient terms."""
+    gate, up = _gate_up(gate_up_ptr, row, width, cols, read)
+    grad = tl.load(grad_ptr + row * width + cols, mask=read, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    silu = gate * sig
+    acc += grad * silu * up
+    scaled = grad * weight
+    d_gate = scaled * up * sig * (1.0 + gate * (1.0 - sig))
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * 2 * width + cols, d_gate.to(dtype), mask=ok)
+    tl.store(out_ptr + row * 2 * width + width + cols, (scaled * silu).to(dtype), mask=ok)
+    return acc
+
+
+@jit
 def swiglu_forward_kernel(
     gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False
 ):
@@ -39,8 +68,7 @@ def swiglu_forward_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
-    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=ok, other=0.0).to(tl.float32)
+    gate, up = _gate_up(gate_up_ptr, row, width, cols, ok)
     out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -51,8 +79,7 @@ def swiglu_backward_kernel(gate_up_ptr, grad_ptr, out_ptr, width, BLOCK: tl.cons
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
-    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=ok, other=0.0).to(tl.float32)
+    gate, up = _gate_up(gate_up_ptr, row, width, cols, ok)
     grad = tl.load(grad_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-gate))
     silu = gate * sig
@@ -69,8 +96,7 @@ def weighted_swiglu_forward_kernel(gate_up_ptr, w_ptr, out_ptr, width, BLOCK: tl
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
-    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=ok, other=0.0).to(tl.float32)
+    gate, up = _gate_up(gate_up_ptr, row, width, cols, ok)
     weight = tl.load(w_ptr + row).to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up * weight
     tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
@@ -86,22 +112,12 @@ def weighted_swiglu_backward_kernel(
     base = tl.arange(0, BLOCK)
     weight = tl.load(w_ptr + row).to(tl.float32)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    dtype = out_ptr.dtype.element_ty
     for start in range(0, width, BLOCK):
         cols = start + base
         ok = cols < width
-        gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=ok, other=0.0).to(
-            tl.float32
+        acc = _weighted_swiglu_grad_block(
+            gate_up_ptr, grad_ptr, out_ptr, row, width, cols, ok, ok, weight, acc
         )
-        grad = tl.load(grad_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-gate))
-        silu = gate * sig
-        acc += grad * silu * up
-        scaled = grad * weight
-        d_gate = scaled * up * sig * (1.0 + gate * (1.0 - sig))
-        tl.store(out_ptr + row * 2 * width + cols, d_gate.to(dtype), mask=ok)
-        tl.store(out_ptr + row * 2 * width + width + cols, (scaled * silu).to(dtype), mask=ok)
     tl.store(grad_w_ptr + row, tl.sum(acc, axis=0))
 
 
@@ -130,6 +146,15 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of every row (with PDL inside a programmatic-launch region).
+
+        Args:
+            ctx: Autograd context; keeps ``gate_up`` for the backward.
+            gate_up: ``[M, 2F]`` contiguous, the gate columns first.
+
+        Returns:
+            ``[M, F]`` in the dtype of ``gate_up``.
+        """
         ctx.save_for_backward(gate_up)
         if not use_triton(gate_up):
             return swiglu_reference(gate_up)
@@ -140,6 +165,15 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        """Gradient of ``gate_up`` from the saved input, computed in float32.
+
+        Args:
+            ctx: Autograd context saved by :meth:`forward`.
+            grad: ``[M, F]`` gradient of the activation.
+
+        Returns:
+            ``[M, 2F]`` gradient of ``gate_up`` in its dtype.
+        """
         (gate_up,) = ctx.saved_tensors
         grad = grad.contiguous()
         if not use_triton(gate_up, grad):
@@ -178,6 +212,16 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``w[m] * silu(gate) * up`` of every row.
+
+        Args:
+            ctx: Autograd context; keeps ``gate_up`` and ``weights`` for the backward.
+            gate_up: ``[M, 2F]`` contiguous, the gate columns first.
+            weights: ``[M]`` contiguous weight of each row.
+
+        Returns:
+            ``[M, F]`` in the dtype of ``gate_up``.
+        """
         ctx.save_for_backward(gate_up, weights)
         if not use_triton(gate_up, weights):
             return weighted_swiglu_reference(gate_up, weights)
@@ -187,6 +231,15 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of ``gate_up`` and of the row weights in one pass over each row.
+
+        Args:
+            ctx: Autograd context saved by :meth:`forward`.
+            grad: ``[M, F]`` gradient of the activation.
+
+        Returns:
+            ``(grad_gate_up [M, 2F], grad_weights [M])`` in the dtypes of the inputs.
+        """
         gate_up, weights = ctx.saved_tensors
         grad = grad.contiguous()
         if not use_triton(gate_up, weights, grad):

@@ -98,11 +98,31 @@ class PermuteRows(torch.autograd.Function):
     def forward(
         ctx: Any, rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor
     ) -> torch.Tensor:
+        """Selects ``rows[index]``.
+
+        Args:
+            ctx: Autograd context; keeps ``inverse`` for the backward.
+            rows: ``[N, ...]`` rows to permute.
+            index: ``[N]`` int64 permutation.
+            inverse: ``[N]`` int64 inverse permutation of ``index``.
+
+        Returns:
+            ``[N, ...]`` permuted rows.
+        """
         ctx.save_for_backward(inverse)
         return rows.index_select(0, index)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        """Gathers the gradient back through the inverse permutation.
+
+        Args:
+            ctx: Autograd context saved by :meth:`forward`.
+            grad: ``[N, ...]`` gradient of the permuted rows.
+
+        Returns:
+            ``(grad_rows [N, ...], None, None)``.
+        """
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
 
@@ -115,11 +135,32 @@ class GatherOrZero(torch.autograd.Function):
     def forward(
         ctx: Any, values: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor
     ) -> torch.Tensor:
+        """Selects ``values[index]``, zero where ``index < 0``.
+
+        Args:
+            ctx: Autograd context; keeps ``inverse`` for the backward.
+            values: ``[N, ...]`` values to read.
+            index: ``[M]`` int64 injective index into ``values``, -1 for a zero row.
+            inverse: ``[N]`` int64 position that reads each value (``inverse[index[i]] == i``), -1
+                for a value never read.
+
+        Returns:
+            ``[M, ...]`` gathered rows.
+        """
         ctx.save_for_backward(inverse)
         return _gather_or_zero(values, index)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        """Gathers the gradient through ``inverse`` (zero for values never read).
+
+        Args:
+            ctx: Autograd context saved by :meth:`forward`.
+            grad: ``[M, ...]`` gradient of the gathered rows.
+
+        Returns:
+            ``(grad_values [N, ...], None, None)``.
+        """
         (inverse,) = ctx.saved_tensors
         return _gather_or_zero(grad, inverse), None, None
 
