@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mcore_kernels.errors import KernelDtypeError, KernelShapeError
-from mcore_kernels.moe import expert_gemms, grouped_swiglu_grad
+from mcore_kernels.moe import expert_gemms
 from mcore_kernels.moe.expert_gemms import ExpertGemms
 from mcore_kernels.moe.grouped_mm import PersistentTiles, m_grouped_mm
 from mcore_kernels.moe.grouped_swiglu_grad import (
@@ -77,9 +77,7 @@ def test_m_grouped_swiglu_backward_matches_reference():
     assert torch.count_nonzero(got_w[~in_rows]) == 0
 
 
-@pytest.mark.parametrize("reload", [False, True], ids=["registers", "reload"])
-def test_m_grouped_swiglu_backward_equals_the_gemm_then_the_separate_pass(monkeypatch, reload):
-    monkeypatch.setattr(grouped_swiglu_grad, "RELOAD", reload)
+def test_m_grouped_swiglu_backward_equals_the_gemm_then_the_separate_pass():
     grad, w_down, offsets, gate_up, weights, order = _problem()
     got_gu, got_w = m_grouped_swiglu_backward(
         grad, w_down, offsets, gate_up, weights, order, tiles=TILES

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_kernels.moe import grouped_swiglu_grad
 from mcore_kernels.moe.grouped_mm import PersistentTiles, m_grouped_mm
 from mcore_kernels.moe.grouped_swiglu_grad import m_grouped_swiglu_backward
 from mcore_kernels.moe.routed import _routed_swiglu_backward
@@ -22,9 +21,7 @@ TILES = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flat
 EXPERTS, HIDDEN, FFN = 16, 512, 768
 
 
-@pytest.mark.parametrize("reload", [False, True], ids=["registers", "reload"])
-def test_epilogue_matches_the_gemm_then_the_separate_pass_and_repeats_bitwise(monkeypatch, reload):
-    monkeypatch.setattr(grouped_swiglu_grad, "RELOAD", reload)
+def test_epilogue_matches_the_gemm_then_the_separate_pass_and_repeats_bitwise():
     g = torch.Generator().manual_seed(0)
     counts = torch.randint(0, 400, (EXPERTS,), generator=g)
     counts[[0, 7, EXPERTS - 1]] = 0

@@ -32,10 +32,6 @@ from mcore_kernels.moe.reference import m_grouped_swiglu_backward_reference
 
 __all__ = ["m_grouped_swiglu_backward", "m_grouped_swiglu_backward_reference"]
 
-RELOAD = False
-"""Store each rounded ``grad_act`` tile and read it back a quarter at a time in the epilogue
-(an ``[M, F]`` buffer, read from L2) instead of splitting it in registers (for A/B timings)."""
-
 
 @jit
 def m_grouped_swiglu_grad_kernel(
@@ -46,7 +42,6 @@ def m_grouped_swiglu_grad_kernel(
     order_ptr,
     out_ptr,
     partial_ptr,
-    act_ptr,
     sched_ptr,
     max_tiles,
     N,
@@ -58,16 +53,13 @@ def m_grouped_swiglu_grad_kernel(
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
     EXPERT_COLUMNS: tl.constexpr,
-    RELOAD: tl.constexpr,
 ):
     """Tile of ``g = A[rows of e] @ B[e]`` (``b_desc`` views ``B`` as ``[E * K, N]``), rounded
     to the output dtype, then for each row ``m`` with assignment ``a = order[m]`` and gate and
     up values ``x``, ``u`` (``gate_up[m, :N]``, ``gate_up[m, N:]``): ``out[m, :N] = w[a] g u
     s (1 + x (1 - s))`` and ``out[m, N:] = w[a] g silu(x)`` with ``s = sigmoid(x)``, and the
     tile's float32 part of ``sum_n g silu(x) u`` at ``partial[m, column tile]``. A row without
-    an assignment (``order[m] < 0``) gets zeros and reads no gate/up values. ``RELOAD``: the
-    rounded tile is stored at ``act`` (``[M, N]``) and read back a quarter at a time (from L2),
-    instead of being split in registers."""
+    an assignment (``order[m] < 0``) gets zeros and reads no gate/up values."""
     N = tl.multiple_of(N, 16)
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -92,74 +84,23 @@ def m_grouped_swiglu_grad_kernel(
         base = rows.to(tl.int64) * (2 * N)
         # The separate pass reads the GEMM's rounded output; the epilogue runs in four column
         # quarters (fewer live registers).
-        if RELOAD:
-            cols = n0 + tl.arange(0, BLOCK_N)
-            act_offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-            keep = in_rows[:, None] & (cols < N)[None, :]
-            tl.store(act_ptr + act_offs, acc.to(dtype), mask=keep)
-            # The quarters are read by other threads of the program than wrote them.
-            tl.debug_barrier()
-            # A loop, not unrolled: one quarter's values live at a time.
-            part = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for quarter in tl.range(0, 4, num_stages=1):
-                part += _swiglu_grad_reload(
-                    act_ptr,
-                    quarter,
-                    n0,
-                    gate_up_ptr,
-                    out_ptr,
-                    base,
-                    used,
-                    in_rows,
-                    weight,
-                    N,
-                    BLOCK_N,
-                )
-        else:
-            g = acc.to(dtype)
-            lo, hi = tl.split(tl.permute(tl.reshape(g, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            q0, q1 = tl.split(tl.permute(tl.reshape(lo, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
-            q2, q3 = tl.split(tl.permute(tl.reshape(hi, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
-            part = _swiglu_grad_part(
-                q0, 0, n0, gate_up_ptr, out_ptr, base, used, in_rows, weight, N, BLOCK_N
-            )
-            part += _swiglu_grad_part(
-                q1, 1, n0, gate_up_ptr, out_ptr, base, used, in_rows, weight, N, BLOCK_N
-            )
-            part += _swiglu_grad_part(
-                q2, 2, n0, gate_up_ptr, out_ptr, base, used, in_rows, weight, N, BLOCK_N
-            )
-            part += _swiglu_grad_part(
-                q3, 3, n0, gate_up_ptr, out_ptr, base, used, in_rows, weight, N, BLOCK_N
-            )
+        g = acc.to(dtype)
+        lo, hi = tl.split(tl.permute(tl.reshape(g, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        q0, q1 = tl.split(tl.permute(tl.reshape(lo, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
+        q2, q3 = tl.split(tl.permute(tl.reshape(hi, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
+        part = _swiglu_grad_part(
+            q0, 0, n0, gate_up_ptr, out_ptr, base, used, in_rows, weight, N, BLOCK_N
+        )
+        part += _swiglu_grad_part(
+            q1, 1, n0, gate_up_ptr, out_ptr, base, used, in_rows, weight, N, BLOCK_N
+        )
+        part += _swiglu_grad_part(
+            q2, 2, n0, gate_up_ptr, out_ptr, base, used, in_rows, weight, N, BLOCK_N
+        )
+        part += _swiglu_grad_part(
+            q3, 3, n0, gate_up_ptr, out_ptr, base, used, in_rows, weight, N, BLOCK_N
+        )
         tl.store(partial_ptr + rows.to(tl.int64) * num_n + n0 // BLOCK_N, part, mask=in_rows)
-
-
-@jit
-def _swiglu_grad_reload(
-    act_ptr,
-    quarter,
-    n0,
-    gate_up_ptr,
-    out_ptr,
-    base,
-    used,
-    in_rows,
-    weight,
-    N,
-    BLOCK_N: tl.constexpr,
-):
-    """:func:`_swiglu_grad_part` on column quarter ``quarter`` read back from ``act``."""
-    WIDTH: tl.constexpr = BLOCK_N // 4
-    cols = tl.max_contiguous(
-        tl.multiple_of(n0 + quarter * WIDTH + tl.arange(0, WIDTH), WIDTH), WIDTH
-    )
-    rows_base = tl.multiple_of(base // 2, 16)
-    read = used[:, None] & (cols < N)[None, :]
-    g = tl.load(act_ptr + rows_base[:, None] + cols[None, :], mask=read, other=0.0)
-    return _swiglu_grad_part(
-        g, quarter, n0, gate_up_ptr, out_ptr, base, used, in_rows, weight, N, BLOCK_N
-    )
 
 
 @jit
@@ -303,7 +244,6 @@ def m_grouped_swiglu_backward(
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     num_n = cdiv(ffn, bn)
     partial = torch.empty(rows, num_n, dtype=torch.float32, device=grad.device)
-    act = grad.new_empty(rows, ffn) if RELOAD else partial
     a_desc = TensorDescriptor.from_tensor(grad, [bm, bk])
     b_desc = TensorDescriptor.from_tensor(w_down.view(experts * hidden, ffn), [bk, bn])
     programs = _programs(grad.device, tiles, max_tiles * num_n)
@@ -318,7 +258,6 @@ def m_grouped_swiglu_backward(
             order,
             out,
             partial,
-            act,
             schedule,
             max_tiles,
             ffn,
@@ -332,7 +271,6 @@ def m_grouped_swiglu_backward(
             NUM_PROGRAMS=programs,
             FLATTEN=tiles.flatten,
             EXPERT_COLUMNS=tiles.expert_columns,
-            RELOAD=RELOAD,
         ),
         device=grad.device,
         num_warps=tiles.num_warps,
