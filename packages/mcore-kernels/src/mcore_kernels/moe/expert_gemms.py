@@ -28,7 +28,6 @@ from mcore_kernels.moe.grouped_mm import (
     m_grouped_mm,
     tile_schedule,
 )
-from mcore_kernels.moe.grouped_swiglu_grad import m_grouped_swiglu_backward
 
 __all__ = [
     "BATCHED",
@@ -63,11 +62,6 @@ LOOP_PREFIX = True
 """The first cuBLAS loop of a layer call whose group ends come through ``host_ends`` starts
 with the first expert's GEMM over the mean rows per expert before the host waits for the ends
 (:meth:`ExpertGemmRunner._prefix_rows`)."""
-
-SWIGLU_GRAD_IN_D_ACT = True
-"""Where the plan's ``d_act`` GEMM runs on the persistent Triton kernel, the routed SwiGLU's
-backward runs in its epilogue (:meth:`ExpertGemmRunner.d_act_swiglu`; False: the GEMM, then
-the separate pass, for A/B timings)."""
 
 GemmKernel = PersistentTiles | str
 """The kernel of one GEMM: :data:`GROUPED_MM`, :data:`CUBLAS_LOOP`, :data:`BATCHED` or the
@@ -278,46 +272,6 @@ class ExpertGemmRunner:
             ``[M, F]``.
         """
         return self._rows(self.plan.d_act, grad, w_down, False)
-
-    def d_act_swiglu(
-        self,
-        grad: torch.Tensor,
-        w_down: torch.Tensor,
-        gate_up: torch.Tensor,
-        weights: torch.Tensor,
-        order: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The ``d_act`` GEMM with the routed weighted SwiGLU's backward in its epilogue
-        (:func:`~mcore_kernels.moe.grouped_swiglu_grad.m_grouped_swiglu_backward`), where the
-        plan runs ``d_act`` on the persistent Triton kernel and :data:`SWIGLU_GRAD_IN_D_ACT`
-        is set.
-
-        Args:
-            grad: ``[M, H]`` gradient of the down projection's output.
-            w_down: ``[E, H, F]``.
-            gate_up: ``[M, 2F]`` gate/up projection of the forward.
-            weights: ``[A]`` routing weight of each assignment.
-            order: ``[M]`` int64 assignment of each row (-1: none).
-
-        Returns:
-            ``(grad_gate_up, grad_weights)``, or None where the plan's ``d_act`` is another
-            kernel (the caller then runs :meth:`d_act` and the separate pass).
-        """
-        kernel = self.plan.d_act
-        if not (SWIGLU_GRAD_IN_D_ACT and isinstance(kernel, PersistentTiles)):
-            return None
-        if w_down.shape[1] % kernel.block_k or w_down.shape[2] % 16:
-            return None
-        return m_grouped_swiglu_backward(
-            grad,
-            w_down,
-            self.offsets,
-            gate_up,
-            weights,
-            order,
-            tiles=kernel,
-            schedule=self._schedule(kernel),
-        )
 
     def d_x(self, grad_gate_up: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
         """``grad_gate_up[rows of e] @ w_gate_up[e]``.

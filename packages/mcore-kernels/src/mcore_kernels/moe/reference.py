@@ -17,7 +17,6 @@ import torch.nn.functional as F
 __all__ = [
     "k_grouped_mm_reference",
     "m_grouped_mm_reference",
-    "m_grouped_swiglu_backward_reference",
     "routed_experts_reference",
     "aligned_rows_reference",
     "capacity_rows_reference",
@@ -323,49 +322,6 @@ def m_grouped_mm_reference(
         out[start:end] = (a[start:end].float() @ w).to(a.dtype)
         start = end
     return out
-
-
-def m_grouped_swiglu_backward_reference(
-    grad: torch.Tensor,
-    w_down: torch.Tensor,
-    offsets: torch.Tensor,
-    gate_up: torch.Tensor,
-    weights: torch.Tensor,
-    order: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`~mcore_kernels.moe.grouped_swiglu_grad.m_grouped_swiglu_backward`
-    (syncs the host; rows past ``offsets[-1]`` are zero).
-
-    Args:
-        grad: ``[M, H]`` gradient of the down projection's output, rows sorted by expert.
-        w_down: ``[E, H, F]``.
-        offsets: ``[E]`` end row of each expert.
-        gate_up: ``[M, 2F]`` gate/up projection of the forward.
-        weights: ``[A]`` routing weight of each assignment.
-        order: ``[M]`` int64 assignment of each row, -1 in a row without one.
-
-    Returns:
-        ``grad_gate_up`` ``[M, 2F]`` in the dtype of ``gate_up`` and the weights' gradient
-        ``[A]`` in their dtype (float32 arithmetic on the rounded down-projection gradient).
-    """
-    grad_act = m_grouped_mm_reference(grad, w_down, offsets, transpose_weight=False).float()
-    used = order >= 0
-    end = int(offsets[-1]) if offsets.numel() else 0
-    used[end:] = False
-    safe = torch.where(used, order, 0)
-    w = torch.where(used, weights.index_select(0, safe).float(), 0.0).unsqueeze(-1)
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    mask = used.unsqueeze(-1)
-    gate, up = torch.where(mask, gate, 0.0), torch.where(mask, up, 0.0)
-    grad_act = torch.where(mask, grad_act, 0.0)
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    d_gate = grad_act * w * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = grad_act * w * silu
-    grad_gate_up = torch.cat([d_gate, d_up], dim=-1).to(gate_up.dtype)
-    grad_w = torch.zeros(weights.shape[0], dtype=torch.float32, device=weights.device)
-    grad_w[order[used]] = (grad_act * silu * up).sum(dim=-1)[used]
-    return grad_gate_up, grad_w.to(weights.dtype)
 
 
 def k_grouped_mm_reference(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
