@@ -321,7 +321,10 @@ def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, i
     (returned). A window started on an idle GPU makes its first step wait for the host to
     queue the step's first kernels (at Qwen3-30B-A3B about 1 ms, 0.2 ms per step of a 6-step
     window) while a layer inside a model is queued while the GPU still runs the layers before
-    it; the steady-state window measures that case, for every row alike.
+    it; the steady-state window measures that case, for every row alike. It also runs long
+    enough to use up the clock headroom that the synchronised settling steps leave a layer
+    whose GPU idles during each step's host fill (one H200, Qwen3-30B-A3B: 1650-1700 MHz in the
+    old window against about 1550 MHz sustained; docs/benchmarks/moe.md, session 16).
     """
     step = _stepper(module, x, grad)
     for _ in range(warmup):
