@@ -365,7 +365,7 @@ def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, i
     return ms
 
 
-_GEMM_NAMES = ("cutlass", "nvjet", "gemm", "tma_", "sm90")
+_GEMM_NAMES = ("cutlass", "nvjet", "gemm", "tma_", "sm90", "m_grouped_kernel", "k_grouped_kernel")
 
 
 def _category(kernel: str) -> str:
