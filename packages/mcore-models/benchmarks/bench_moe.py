@@ -33,6 +33,13 @@ the share of the layer time spent outside the expert GEMMs (router, permutation,
 experts_ms / layer_ms``, with ``experts_ms`` the forward + backward of the experts alone on
 tokens already in expert order, or in their capacity slots).
 
+Every row is timed twice after 0.5 s of untimed steps (``_time``): in the steady state (the
+reported ``ms``: ``LEAD_STEPS`` untimed steps queued without a synchronisation, then at least
+``MIN_WINDOW_MS`` of timed steps, as a layer runs inside a model whose host queues it while
+the GPU still runs the layers before it) and, as ``ms_from_idle``, over the case's step count
+started right after a synchronisation (the measure until session 15, whose first step waits
+for the host to queue its first kernels); the ratios come for both.
+
 Run from the repository root on the GPU machine::
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
@@ -46,6 +53,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 
 # Set before torch initialises CUDA: the 32k-token DeepSeek-V3 rows need 60+ GB of an 80 GB
@@ -148,6 +156,12 @@ FUSED_LOOP = (
 
 WARMUP_SECONDS = 0.5
 """Seconds of untimed steps before each timed window on a GPU (steady clocks for every row)."""
+LEAD_STEPS = 2
+"""Untimed steps queued without a synchronisation right before the steady-state window, so
+that its first timed step starts with the host already ahead of the GPU."""
+MIN_WINDOW_MS = 100.0
+"""The steady-state window times at least this many milliseconds of steps (and at least the
+case's step count), estimated from the window started on an idle GPU."""
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -254,8 +268,14 @@ def _allocator_events() -> dict[str, int]:
     return {key: int(stats.get(key, 0)) for key in keys}
 
 
-def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, iters: int) -> float:
-    """Milliseconds per forward + backward (CUDA events on GPU, wall clock on CPU)."""
+LAST_WINDOWS: dict[str, float] = {}
+"""The two windows of the last timed GPU run: ``from_idle_ms`` (per step, the window started
+right after a synchronisation) and ``steady_steps`` (steps in the steady-state window)."""
+
+
+def _stepper(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    """One forward + backward of ``module`` on ``x`` with output gradient ``grad``, the
+    parameter and input gradients cleared after it."""
     inputs = x.requires_grad_(True)
     shaped = inputs if not getattr(module, "wants_3d", False) else inputs[None]
     backend = getattr(module, "kernel_backend", None)
@@ -275,6 +295,38 @@ def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, i
             else:
                 os.environ["MCORE_KERNELS_BACKEND"] = previous
 
+    return step
+
+
+def _window(step: Callable[[], None], steps: int) -> float:
+    """Milliseconds per step of ``steps`` steps between two CUDA events (no synchronisation
+    before the start event: the caller decides what the GPU is doing then)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, iters: int) -> float:
+    """Milliseconds per forward + backward in the steady state (CUDA events on GPU, wall clock
+    on CPU).
+
+    On a GPU, after :data:`WARMUP_SECONDS` of steps, two windows: ``iters`` steps started right
+    after a synchronisation (the window of sessions 8 to 15, kept in
+    ``LAST_WINDOWS["from_idle_ms"]``), then, after :data:`LEAD_STEPS` untimed steps queued
+    without a synchronisation, at least ``iters`` steps and :data:`MIN_WINDOW_MS`
+    (returned). A window started on an idle GPU makes its first step wait for the host to
+    queue the step's first kernels (at Qwen3-30B-A3B about 1 ms, 0.2 ms per step of a 6-step
+    window) while a layer inside a model is queued while the GPU still runs the layers before
+    it; the steady-state window measures that case, for every row alike. It also runs long
+    enough to use up the clock headroom that the synchronised settling steps leave a layer
+    whose GPU idles during each step's host fill (one H200, Qwen3-30B-A3B: 1650-1700 MHz in the
+    old window against about 1550 MHz sustained; docs/benchmarks/moe.md, session 16).
+    """
+    step = _stepper(module, x, grad)
     for _ in range(warmup):
         step()
     if x.device.type == "cuda":
@@ -289,26 +341,31 @@ def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, i
             torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = _allocator_events()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
+        from_idle = _window(step, iters)
+        steady_steps = max(iters, math.ceil(MIN_WINDOW_MS / max(from_idle, 1e-3)))
+        for _ in range(LEAD_STEPS):
             step()
-        end.record()
-        torch.cuda.synchronize()
+        ms = _window(step, steady_steps)
         after = _allocator_events()
+        counted = iters + LEAD_STEPS + steady_steps
         LAST_MEMORY.clear()
         LAST_MEMORY.update(
             peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-            **{key: (after[key] - before[key]) / iters for key in after},
+            **{key: (after[key] - before[key]) / counted for key in after},
         )
-        return start.elapsed_time(end) / iters
+        LAST_WINDOWS.clear()
+        LAST_WINDOWS.update(from_idle_ms=from_idle, steady_steps=steady_steps)
+        return ms
     begin = time.perf_counter()
     for _ in range(iters):
         step()
-    return (time.perf_counter() - begin) * 1e3 / iters
+    ms = (time.perf_counter() - begin) * 1e3 / iters
+    LAST_WINDOWS.clear()
+    LAST_WINDOWS.update(from_idle_ms=ms, steady_steps=iters)
+    return ms
 
 
-_GEMM_NAMES = ("cutlass", "nvjet", "gemm", "tma_", "sm90")
+_GEMM_NAMES = ("cutlass", "nvjet", "gemm", "tma_", "sm90", "m_grouped_kernel", "k_grouped_kernel")
 
 
 def _category(kernel: str) -> str:
@@ -332,10 +389,16 @@ def _profile(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, title: str)
     activities = [ProfilerActivity.CPU]
     if x.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
+    # Steady clocks first; the profiled steps themselves are only these two (until session 15
+    # the profile also recorded _time's 0.5 s of settling steps, divided by two).
     _time(module, x, grad, warmup=1, iters=1)
+    step = _stepper(module, x, grad)
     steps = 2
     with profile(activities=activities) as prof:
-        _time(module, x, grad, warmup=0, iters=steps)
+        for _ in range(steps):
+            step()
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
     for event in prof.events():
         on_device = event.device_type != torch.autograd.DeviceType.CPU
@@ -468,10 +531,15 @@ def run_case(
         try:
             module = build()
             ms = _time(module, x.detach().clone(), grad, warmup, iters)
+            # Kept before the profile and the experts' timing run _time again.
+            row.update(LAST_MEMORY)
+            row.update(
+                ms_from_idle=LAST_WINDOWS["from_idle_ms"],
+                steady_steps=LAST_WINDOWS["steady_steps"],
+            )
             if profiles is not None and implementation.startswith(("mcore", "dense")):
                 title = f"{name}: {implementation}"
                 profiles.append(_profile(module, x.detach().clone(), grad, title))
-            row.update(LAST_MEMORY)
             row.update(
                 ms=ms,
                 tokens_per_s=case["tokens"] / ms * 1e3,
@@ -497,16 +565,18 @@ def run_case(
 
 
 def _ratios(rows: list[dict]) -> None:
-    """Add "vs dense" (the faster dense peer) and "vs transformers" to one case's rows."""
-    times = {row["implementation"]: row.get("ms") for row in rows}
-    dense = min((t for k, t in times.items() if k in (DENSE, DENSE_FUSED) and t), default=None)
-    hf = times.get(HF_GROUPED)
-    for row in rows:
-        if "ms" in row:
-            if dense:
-                row["throughput_vs_dense"] = dense / row["ms"]
-            if hf:
-                row["speedup_vs_hf_grouped_mm"] = hf / row["ms"]
+    """Add "vs dense" (the faster dense peer) and "vs transformers" to one case's rows, for
+    the steady-state windows and (``*_from_idle``) for the windows started on an idle GPU."""
+    for key, suffix in (("ms", ""), ("ms_from_idle", "_from_idle")):
+        times = {row["implementation"]: row.get(key) for row in rows}
+        dense = min((t for k, t in times.items() if k in (DENSE, DENSE_FUSED) and t), default=None)
+        hf = times.get(HF_GROUPED)
+        for row in rows:
+            if key in row:
+                if dense:
+                    row["throughput_vs_dense" + suffix] = dense / row[key]
+                if hf:
+                    row["speedup_vs_hf_grouped_mm" + suffix] = hf / row[key]
 
 
 def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> float:
@@ -647,24 +717,32 @@ def _markdown(device_name: str, rows: list[dict]) -> str:
     lines = [
         f"MoE layer forward + backward on {device_name} (bf16 on GPU)",
         "",
-        "| case | implementation | tokens | ms | tokens/s | active TFLOP/s | vs dense | "
-        "vs transformers grouped_mm | outside expert GEMMs | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "ms, tokens/s, active TFLOP/s and the ratios: steady-state windows (untimed steps "
+        'queued first, at least 100 ms timed); "from idle": the window started right after a '
+        "synchronisation (the benchmark's measure until session 15).",
+        "",
+        "| case | implementation | tokens | ms | ms from idle | tokens/s | active TFLOP/s | "
+        "vs dense | vs dense from idle | vs transformers grouped_mm | "
+        "vs transformers from idle | outside expert GEMMs | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "ms" not in row:
             lines.append(
                 f"| {row['case']} | {row['implementation']} | {row['tokens']} | "
-                f"error: {row['error'][:60]} | | | | | | |"
+                f"error: {row['error'][:60]} | | | | | | | | | |"
             )
             continue
         share = f"{100 * row['non_gemm_share']:.0f}%" if "non_gemm_share" in row else ""
         peak = f"{row['peak_gib']:.1f}" if "peak_gib" in row else ""
+        idle = f"{row['ms_from_idle']:.2f}" if "ms_from_idle" in row else ""
         lines.append(
             f"| {row['case']} | {row['implementation']} | {row['tokens']} | {row['ms']:.2f} | "
-            f"{row['tokens_per_s']:,.0f} | {row['active_tflops']:.0f} | "
-            f"{_ratio(row, 'throughput_vs_dense')} | {_ratio(row, 'speedup_vs_hf_grouped_mm')} | "
-            f"{share} | {peak} |"
+            f"{idle} | {row['tokens_per_s']:,.0f} | {row['active_tflops']:.0f} | "
+            f"{_ratio(row, 'throughput_vs_dense')} | "
+            f"{_ratio(row, 'throughput_vs_dense_from_idle')} | "
+            f"{_ratio(row, 'speedup_vs_hf_grouped_mm')} | "
+            f"{_ratio(row, 'speedup_vs_hf_grouped_mm_from_idle')} | {share} | {peak} |"
         )
     return "\n".join(lines) + "\n"
 
