@@ -30,8 +30,9 @@ TILES = [
     GluonWeightTiles(mode="strip", stages=2),
     GluonWeightTiles(block_r=32, stages=6),
     GluonWeightTiles(mode="pingpong", block_r=32, stages=5),
+    GluonWeightTiles(stages=4, epilogue_split=2),
 ]
-IDS = ["cooperative", "pingpong", "strip", "cooperative-32-rows", "pingpong-32-rows"]
+IDS = ["cooperative", "pingpong", "strip", "cooperative-32-rows", "pingpong-32-rows", "halves"]
 BF16 = dict(device="cuda", dtype=torch.bfloat16)
 
 

@@ -136,11 +136,25 @@ def _loader(
 
 @gluon.jit
 def _epilogue(acc, c_smem, out_desc, row, col, SYNC: gl.constexpr):
-    # The previous tile's store (from this buffer) had a whole tile of products to drain.
-    tma.store_wait(0)
-    c_smem.store(acc.to(out_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(out_desc, [row, col], c_smem)
+    WIDTH: gl.constexpr = c_smem.shape[1]
+    if acc.shape[1] == WIDTH:
+        # The previous tile's store (from this buffer) had a whole tile of products to drain.
+        tma.store_wait(0)
+        c_smem.store(acc.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row, col], c_smem)
+    else:
+        # Two half-width stores through one buffer (half the shared memory; the second
+        # waits for the first one's read of the buffer).
+        left, right = acc.reshape([acc.shape[0], 2, WIDTH]).permute((0, 2, 1)).split()
+        tma.store_wait(0)
+        c_smem.store(left.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row, col], c_smem)
+        tma.store_wait(0)
+        c_smem.store(right.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row, col + WIDTH], c_smem)
     if SYNC:
         tma.store_wait(0)
 
@@ -643,6 +657,9 @@ class GluonWeightTiles:
     """Registers per thread of the product warpgroups."""
     loader_regs: int = 24
     """Registers per thread of the load warps."""
+    epilogue_split: int = 1
+    """1: each warpgroup stores its tile through a buffer of the tile; 2: in two half-width
+    stores through one half-size buffer (shared memory for a fourth stage)."""
     sync_store: bool = False
     """Wait for each tile's store at once (as Triton's descriptor stores do) instead of at
     the next epilogue: a measurement switch (cooperative and ping-pong modes)."""
@@ -654,6 +671,8 @@ class GluonWeightTiles:
             value = getattr(self, name)
             if value < 16 or value > 256 or value & (value - 1):
                 raise KernelShapeError(f"{name}={value} must be a power of two in [16, 256]")
+        if self.epilogue_split not in (1, 2):
+            raise KernelValueError(f"epilogue_split={self.epilogue_split} must be 1 or 2")
         if self.stages < 1 or self.strip_cap < 1:
             raise KernelValueError(
                 f"stages={self.stages} and strip_cap={self.strip_cap} must be >= 1"
@@ -721,7 +740,7 @@ def _launch(
         x_block,
         gl.NVMMASharedLayout.get_default_for(x_block, dtype),
     )
-    o_block = [tiles.block_n, tiles.block_k]
+    o_block = [tiles.block_n, tiles.block_k // tiles.epilogue_split]
     out_desc = TensorDescriptor.from_tensor(
         out.view(experts * n, k), o_block, gl.NVMMASharedLayout.get_default_for(o_block, dtype)
     )
