@@ -774,7 +774,7 @@ def gluon_k_grouped_mm(
     x: torch.Tensor,
     offsets: torch.Tensor,
     *,
-    tiles: GluonWeightTiles = DEFAULT_TILES,
+    tiles: GluonWeightTiles | None = None,
 ) -> torch.Tensor:
     """Weight gradients ``out[e] = g[rows of e].T @ x[rows of e]`` on packed rows whose count
     per expert is a multiple of ``tiles.block_r`` (rows padded per expert; not checked, which
@@ -785,7 +785,7 @@ def gluon_k_grouped_mm(
         x: ``[M, K]`` (K a multiple of :attr:`GluonWeightTiles.tile_k`).
         offsets: ``[E]`` int32 end row of each expert.
         tiles: Tile shape and mode (strip mode: at most ``tiles.strip_cap`` chunks per
-            expert).
+            expert); None: :data:`DEFAULT_TILES`.
 
     Returns:
         ``[E, N, K]``, zero for an expert without rows.
@@ -795,6 +795,7 @@ def gluon_k_grouped_mm(
         KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
         KernelDeviceError: If a tensor is not on a GPU.
     """
+    tiles = DEFAULT_TILES if tiles is None else tiles
     _check(g, x, tiles)
     if offsets.dim() != 1 or offsets.dtype != torch.int32:
         raise KernelShapeError(
