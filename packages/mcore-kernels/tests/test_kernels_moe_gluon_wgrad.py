@@ -41,7 +41,7 @@ def test_arguments_are_checked():
 
 def test_batched_weight_gradients_of_cpu_tensors_stay_on_bmm(monkeypatch):
     experts, slot_rows, n, k = 2, 24, 128, 256
-    monkeypatch.setattr(expert_gemms, "_GLUON_SHAPES", frozenset({(n, k, experts)}))
+    monkeypatch.setattr(expert_gemms, "_GLUON_SLOT_SHAPES", frozenset({(n, k, experts)}))
     offsets = (torch.arange(1, experts + 1) * slot_rows).to(torch.int32)
     g = torch.randn(experts * slot_rows, n)
     x = torch.randn(experts * slot_rows, k)

@@ -59,10 +59,10 @@ gradient). Only for rows laid out in such slots (capacity routing's padded slots
 rows padded to the largest expert); no host synchronisation in the GEMMs themselves."""
 
 GLUON_WEIGHTS = True
-"""On a Hopper GPU, the weight gradients of the shapes listed in :data:`_GLUON_SHAPES` run on
-the warp-specialised Gluon kernels (:mod:`mcore_kernels.moe.gluon_wgrad`): the
-:data:`BATCHED` ones (equal slots) instead of ``torch.bmm``, and those of
-:class:`PersistentTiles` on rows padded per expert (``row_align``) instead of the aligned
+"""On a Hopper GPU, the weight gradients of the listed shapes run on the warp-specialised Gluon
+kernels (:mod:`mcore_kernels.moe.gluon_wgrad`): the :data:`BATCHED` ones (equal slots) of
+:data:`_GLUON_SLOT_SHAPES` instead of ``torch.bmm``, and those of :class:`PersistentTiles` on
+rows padded per expert (``row_align``) of :data:`_GLUON_ALIGNED_SHAPES` instead of the aligned
 Triton kernel."""
 
 GLUON_TILES: Any = None
@@ -393,16 +393,27 @@ padded to the largest one (a host sync) than on the measured grouped plan, by ``
 experts)``: the largest mean rows per expert where that holds."""
 
 
-_GLUON_SHAPES: frozenset[tuple[int, int, int]] = frozenset(
+_GLUON_SLOT_SHAPES: frozenset[tuple[int, int, int]] = frozenset(
     {
         # DeepSeek-V3 (hidden 7168, expert width 2048, 256 experts): w_gate_up ([E, 4096,
-        # 7168]) and w_down ([E, 7168, 2048]).
+        # 7168]) over 312-320 slots, 8.89-8.96 ms against 9.36-9.45 ms for bmm (session 16,
+        # r0); w_down stays on bmm (4.40-4.46 against 4.13-4.25 ms).
+        (4096, 7168, 256),
+    }
+)
+"""Weight-gradient shapes ``(columns of g, columns of x, experts)`` whose equal-slot GEMMs run
+on the Gluon kernel (see :data:`GLUON_WEIGHTS`)."""
+
+_GLUON_ALIGNED_SHAPES: frozenset[tuple[int, int, int]] = frozenset(
+    {
+        # DeepSeek-V3 on rows padded to 64 per expert: w_gate_up 8.18 against 9.55 ms and
+        # w_down 4.04 against 4.82 ms for the aligned Triton kernel (session 16, r0).
         (4096, 7168, 256),
         (7168, 2048, 256),
     }
 )
-"""Weight-gradient shapes ``(columns of g, columns of x, experts)`` that run on the Gluon
-kernels (see :data:`GLUON_WEIGHTS`)."""
+"""Weight-gradient shapes whose GEMMs on rows padded per expert run on the Gluon kernel
+instead of the aligned Triton kernel (see :data:`GLUON_WEIGHTS`)."""
 
 
 @functools.cache
@@ -423,9 +434,10 @@ def _gluon_weights(g: torch.Tensor, x: torch.Tensor, experts: int, row_align: in
         tiles = GLUON_TILES if GLUON_TILES is not None else DEFAULT_TILES
         if row_align % tiles.block_r:
             return False
+    shapes = _GLUON_ALIGNED_SHAPES if row_align else _GLUON_SLOT_SHAPES
     return (
         GLUON_WEIGHTS
-        and (g.shape[1], x.shape[1], experts) in _GLUON_SHAPES
+        and (g.shape[1], x.shape[1], experts) in shapes
         and g.dtype in (torch.bfloat16, torch.float16)
         and x.dtype == g.dtype
         and _hopper(g.device)
