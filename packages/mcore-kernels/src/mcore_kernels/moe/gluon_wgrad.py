@@ -19,7 +19,9 @@ next epilogue, just before the buffer is rewritten). Modes:
 - strip: cooperative tiles, a program takes (expert, ``block_n`` columns of ``g``) strips and
   keeps the strip's ``g`` chunks in shared memory while it sweeps all column tiles of ``x``.
 
-Gluon kernels need an sm_90 GPU (they do not run under the Triton interpreter).
+Gluon kernels need an sm_90 GPU (they do not run under the Triton interpreter); the torch
+reference of both layouts is :func:`mcore_kernels.moe.reference.k_grouped_mm_reference` (equal
+slots: ``offsets = (e + 1) * S``).
 """
 
 from __future__ import annotations
