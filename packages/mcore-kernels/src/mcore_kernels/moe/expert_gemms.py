@@ -58,6 +58,17 @@ S`` to ``(e + 1) * S`` of the ``E * S`` rows, its unused rows being empty (zero 
 gradient). Only for rows laid out in such slots (capacity routing's padded slots, or dropless
 rows padded to the largest expert); no host synchronisation in the GEMMs themselves."""
 
+GLUON_WEIGHTS = True
+"""On a Hopper GPU, the weight gradients of the listed shapes run on the warp-specialised Gluon
+kernels (:mod:`mcore_kernels.moe.gluon_wgrad`): the :data:`BATCHED` ones (equal slots) of
+:data:`_GLUON_SLOT_SHAPES` instead of ``torch.bmm``, and those of :class:`PersistentTiles` on
+rows padded per expert (``row_align``) of :data:`_GLUON_ALIGNED_SHAPES` instead of the aligned
+Triton kernel."""
+
+GLUON_TILES: Any = None
+"""Tiles of those Gluon weight gradients
+(:class:`~mcore_kernels.moe.gluon_wgrad.GluonWeightTiles`); None: the kernel's defaults."""
+
 LOOP_PREFIX = True
 """The first cuBLAS loop of a layer call whose group ends come through ``host_ends`` starts
 with the first expert's GEMM over the mean rows per expert before the host waits for the ends
@@ -216,6 +227,10 @@ class ExpertGemmRunner:
     def _weights(self, kernel: GemmKernel, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if isinstance(kernel, PersistentTiles):
             aligned = self.plan.row_align % kernel.block_m == 0
+            if aligned and _gluon_weights(g, x, self.offsets.shape[0], self.plan.row_align):
+                from mcore_kernels.moe.gluon_wgrad import gluon_k_grouped_mm
+
+                return gluon_k_grouped_mm(g, x, self.offsets, tiles=GLUON_TILES)
             return k_grouped_mm(g, x, self.offsets, tiles=kernel, aligned=aligned)
         if kernel == CUBLAS_LOOP:
             out = g.new_empty(self.offsets.shape[0], g.shape[1], x.shape[1])
@@ -232,6 +247,10 @@ class ExpertGemmRunner:
             # [E, N, K] in the parameter's layout: the slots' transposed gradient times their
             # rows (empty rows add zero).
             experts = self.offsets.shape[0]
+            if _gluon_weights(g, x, experts):
+                from mcore_kernels.moe.gluon_wgrad import gluon_slot_k_grouped_mm
+
+                return gluon_slot_k_grouped_mm(g, x, experts, tiles=GLUON_TILES)
             return torch.bmm(
                 g.view(experts, -1, g.shape[1]).transpose(1, 2), x.view(experts, -1, x.shape[1])
             )
@@ -372,6 +391,60 @@ _SLOTTED_SHAPES: dict[tuple[int, int, int], int] = {
 """Shapes whose dropless routing was measured faster on :data:`BATCHED_PLAN` over every expert
 padded to the largest one (a host sync) than on the measured grouped plan, by ``(hidden, ffn,
 experts)``: the largest mean rows per expert where that holds."""
+
+
+_GLUON_SLOT_SHAPES: frozenset[tuple[int, int, int]] = frozenset(
+    {
+        # DeepSeek-V3 (hidden 7168, expert width 2048, 256 experts): w_gate_up ([E, 4096,
+        # 7168]) over 312-320 slots, 8.89-8.96 ms against 9.36-9.45 ms for bmm (session 16,
+        # r0); the 8k layer 38.05 against 40.66 ms dropless and 39.77 against 40.53 ms
+        # drop-and-pad (r2, medians of five alternating windows, bitwise the same
+        # gradients). w_down stays on bmm (4.40-4.46 against 4.13-4.25 ms; no layer gain).
+        (4096, 7168, 256),
+    }
+)
+"""Weight-gradient shapes ``(columns of g, columns of x, experts)`` whose equal-slot GEMMs run
+on the Gluon kernel (see :data:`GLUON_WEIGHTS`)."""
+
+_GLUON_ALIGNED_SHAPES: frozenset[tuple[int, int, int]] = frozenset(
+    {
+        # DeepSeek-V3 on rows padded to 64 per expert: w_gate_up 8.18 against 9.55 ms and
+        # w_down 4.04 against 4.82 ms for the aligned Triton kernel (session 16, r0).
+        (4096, 7168, 256),
+        (7168, 2048, 256),
+    }
+)
+"""Weight-gradient shapes whose GEMMs on rows padded per expert run on the Gluon kernel
+instead of the aligned Triton kernel (see :data:`GLUON_WEIGHTS`)."""
+
+
+@functools.cache
+def _gluon_ready() -> bool:
+    try:
+        import mcore_kernels.moe.gluon_wgrad  # noqa: F401
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return False
+    return True
+
+
+def _gluon_weights(g: torch.Tensor, x: torch.Tensor, experts: int, row_align: int = 0) -> bool:
+    """Whether the weight gradient ``g.T @ x`` (equal slots, or rows padded per expert to
+    ``row_align``) runs on the Gluon kernels."""
+    if row_align:
+        from mcore_kernels.moe.gluon_wgrad import DEFAULT_TILES
+
+        tiles = GLUON_TILES if GLUON_TILES is not None else DEFAULT_TILES
+        if row_align % tiles.block_r:
+            return False
+    shapes = _GLUON_ALIGNED_SHAPES if row_align else _GLUON_SLOT_SHAPES
+    return (
+        GLUON_WEIGHTS
+        and (g.shape[1], x.shape[1], experts) in shapes
+        and g.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype == g.dtype
+        and _hopper(g.device)
+        and _gluon_ready()
+    )
 
 
 @functools.cache

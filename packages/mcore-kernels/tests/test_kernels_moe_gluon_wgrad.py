@@ -1,0 +1,50 @@
+"""Gluon weight-gradient kernels off the GPU: argument checks (typed errors naming the
+argument), and the batched weight gradients of CPU tensors staying on ``torch.bmm``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_kernels.errors import KernelDeviceError, KernelShapeError, KernelValueError
+from mcore_kernels.moe import expert_gemms
+from mcore_kernels.moe.expert_gemms import BATCHED_PLAN, ExpertGemmRunner
+from mcore_kernels.moe.gluon_wgrad import (
+    GluonWeightTiles,
+    gluon_k_grouped_mm,
+    gluon_slot_k_grouped_mm,
+)
+
+
+def test_tiles_are_checked():
+    with pytest.raises(KernelValueError, match="mode"):
+        GluonWeightTiles(mode="split")
+    with pytest.raises(KernelShapeError, match="block_n"):
+        GluonWeightTiles(block_n=96)
+    with pytest.raises(KernelValueError, match="stages"):
+        GluonWeightTiles(stages=0)
+    assert GluonWeightTiles().tile_k == 256
+    assert GluonWeightTiles(mode="pingpong").tile_k == 128
+
+
+def test_arguments_are_checked():
+    g = torch.zeros(128, 128, dtype=torch.bfloat16)
+    x = torch.zeros(128, 256, dtype=torch.bfloat16)
+    offsets = torch.tensor([64, 128], dtype=torch.int32)
+    with pytest.raises(KernelDeviceError, match=r"g\.device"):
+        gluon_k_grouped_mm(g, x, offsets)
+    with pytest.raises(KernelShapeError, match="K of 256"):
+        gluon_k_grouped_mm(g, x[:, :128], offsets)
+    with pytest.raises(KernelShapeError, match=r"x\.shape"):
+        gluon_slot_k_grouped_mm(g, x[:64], 2)
+
+
+def test_batched_weight_gradients_of_cpu_tensors_stay_on_bmm(monkeypatch):
+    experts, slot_rows, n, k = 2, 24, 128, 256
+    monkeypatch.setattr(expert_gemms, "_GLUON_SLOT_SHAPES", frozenset({(n, k, experts)}))
+    offsets = (torch.arange(1, experts + 1) * slot_rows).to(torch.int32)
+    g = torch.randn(experts * slot_rows, n)
+    x = torch.randn(experts * slot_rows, k)
+    got = ExpertGemmRunner(BATCHED_PLAN, offsets, experts * slot_rows).w_down(g, x)
+    want = torch.bmm(g.view(experts, slot_rows, n).transpose(1, 2), x.view(experts, slot_rows, k))
+    assert torch.equal(got, want)
