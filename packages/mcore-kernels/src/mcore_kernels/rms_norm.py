@@ -49,6 +49,7 @@ from torch import nn
 from mcore_kernels import _compile
 from mcore_kernels._backend import _triton_available, backend_forced, use_triton
 from mcore_kernels._triton_utils import (
+    _INTERPRETED,
     CachedLauncher,
     device_limits,
     gdc_launch_dependents,
@@ -215,8 +216,9 @@ def _forward_constexprs(
     flags: tuple[bool, ...],
     exact: bool = False,
     pdl: bool = False,
+    warps: int = 0,
 ) -> dict[str, Any]:
-    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl)
+    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl, warps)
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None and exact:
         _, wide, evict = flags
@@ -228,6 +230,8 @@ def _forward_constexprs(
             "WIDE": wide,
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
+            # One row per program: its sum of squares gathers the warps' sums in every warp.
+            "SUM_WARPS": warps if block_rows == 1 else 0,
         }
     elif found is None:
         even, wide, evict = flags
@@ -267,6 +271,46 @@ def _load(pointers, mask, EVEN: tl.constexpr, HINT: tl.constexpr):
     else:
         value = tl.load(pointers, mask=mask, other=0.0, eviction_policy=policy)
     return value
+
+
+@jit
+def _row_sum_of_squares(h, BLOCK: tl.constexpr, WARPS: tl.constexpr, VECTOR: tl.constexpr):
+    # Sum of squares of one row ``h`` ([1, BLOCK] float32 in the layout of 16-byte loads on
+    # WARPS warps: thread t of warp w holds VECTOR columns from (c * WARPS + w) * 32 * VECTOR +
+    # t * VECTOR for each of the row's chunks c), as a [1] tensor. It adds in the order of
+    # ``tl.sum(h * h, axis=1)`` under Triton 3.6 (each thread's elements in column order, the
+    # lanes' butterfly, then the warps' sums in a butterfly with the warps half apart first),
+    # so its bits are the same; it only moves the warps' sums differently. ``tl.sum`` stores
+    # them to shared memory, lets eight lanes of warp 0 reduce them and broadcasts the result
+    # through shared memory again (two barriers); here every lane of every warp gathers the
+    # sums and reduces them itself (one barrier, about 0.03 us less at one row).
+    CHUNKS: tl.constexpr = BLOCK // (WARPS * 32 * VECTOR)
+    if CHUNKS == 1:
+        warp_rows = tl.reshape(h * h, [WARPS, BLOCK // WARPS])
+    else:
+        by_chunk = tl.reshape(h * h, [CHUNKS, WARPS, 32 * VECTOR])
+        warp_rows = tl.reshape(tl.permute(by_chunk, (1, 0, 2)), [WARPS, BLOCK // WARPS])
+    warp_sums = tl.sum(warp_rows, axis=1)
+    # The gather's result has the layout of its index (every lane holds one warp's sum), so
+    # the last sum is a butterfly inside each warp.
+    return tl.expand_dims(tl.sum(tl.gather(warp_sums, tl.arange(0, WARPS), 0), axis=0), 0)
+
+
+@jit
+def _sum_of_squares(h, x_dtype: tl.constexpr, SUM_WARPS: tl.constexpr):
+    # Per row of ``h`` ([rows, BLOCK] float32): ``tl.sum(h * h, axis=1)``, or with the same
+    # bits _row_sum_of_squares for one row of a 16-bit dtype (SUM_WARPS: the launch's warps,
+    # 0: plain). A thread's loads are 16 bytes wide (8 elements), or narrower when the row
+    # gives each thread fewer elements. The interpreter always takes ``tl.sum`` (its sums are
+    # NumPy's).
+    plain: tl.constexpr = _INTERPRETED or SUM_WARPS == 0 or x_dtype.primitive_bitwidth != 16
+    if plain or h.shape[0] != 1 or h.shape[1] < 32 * SUM_WARPS:
+        total = tl.sum(h * h, axis=1)
+    else:
+        BLOCK: tl.constexpr = h.shape[1]
+        VECTOR: tl.constexpr = 8 if BLOCK >= 256 * SUM_WARPS else BLOCK // (32 * SUM_WARPS)
+        total = _row_sum_of_squares(h, BLOCK, SUM_WARPS, VECTOR)
+    return total
 
 
 @jit
@@ -395,6 +439,7 @@ def _rms_norm_fwd_exact_kernel(
     WIDE: tl.constexpr,
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
+    SUM_WARPS: tl.constexpr,
 ):
     # The forward of contiguous rows exactly BLOCK wide in whole row blocks: no masks, no row
     # count, the row stride is the constexpr width. The arithmetic is the general kernel's
@@ -414,7 +459,7 @@ def _rms_norm_fwd_exact_kernel(
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
         tl.store(hidden_out_ptr + offs, x)
     h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / BLOCK + eps)
+    rstd = 1.0 / tl.sqrt(_sum_of_squares(h, x_ptr.dtype.element_ty, SUM_WARPS) / BLOCK + eps)
     tl.store(y_ptr + offs, round_to(h * rstd[:, None] * w[None, :], y_ptr.dtype.element_ty))
 
 
@@ -431,6 +476,7 @@ def _rms_norm_fwd_row_kernel(
     PROGRAMS: tl.constexpr,
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
+    SUM_WARPS: tl.constexpr,
 ):
     # One row exactly BLOCK wide on PROGRAMS programs of the specialised kernel's layout (same
     # warps, same arithmetic: its bits): what bounds a one-row call is one program's chain of
@@ -448,7 +494,7 @@ def _rms_norm_fwd_row_kernel(
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
         tl.store(hidden_out_ptr + offs, x, mask=mine)
     h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / BLOCK + eps)
+    rstd = 1.0 / tl.sqrt(_sum_of_squares(h, x_ptr.dtype.element_ty, SUM_WARPS) / BLOCK + eps)
     y = round_to(h * rstd[:, None] * w, y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs, y, mask=mine)
 
@@ -778,7 +824,14 @@ def _forward(
         elements * x.itemsize <= plan.streaming_bytes,
     )
     constexprs = _forward_constexprs(
-        plan, has_residual, store_rstd, block_rows, flags, exact=exact, pdl=pdl
+        plan,
+        has_residual,
+        store_rstd,
+        block_rows,
+        flags,
+        exact=exact,
+        pdl=pdl,
+        warps=config.fwd_warps,
     )
     r = residual if residual is not None else x
     stats = rstd if rstd is not None else y
@@ -817,7 +870,7 @@ def _row_constexprs(
     plan: _Plan, config: RMSNormLaunch, has_residual: bool, evict: bool
 ) -> dict[str, Any]:
     """Constexprs of the one-row kernel (cached beside the forward's)."""
-    key = ("row", plan.block, config.row_programs, has_residual, evict)
+    key = ("row", plan.block, config.row_programs, has_residual, evict, config.fwd_warps)
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None:
         found = _FORWARD_CONSTEXPRS[key] = {
@@ -826,6 +879,7 @@ def _row_constexprs(
             "PROGRAMS": config.row_programs,
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
+            "SUM_WARPS": config.fwd_warps,
         }
     return found
 
