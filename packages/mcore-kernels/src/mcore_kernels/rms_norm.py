@@ -230,7 +230,8 @@ def _forward_constexprs(
             "WIDE": wide,
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
-            # One row per program: its sum of squares gathers the warps' sums in every warp.
+            # One row per program: its sum of squares gathers the warps' sums in every warp
+            # (warps: the launch's, 0 for tl.sum).
             "SUM_WARPS": warps if block_rows == 1 else 0,
         }
     elif found is None:
@@ -823,6 +824,12 @@ def _forward(
         # 2048 18.0 against 18.5 us); larger calls are 2-5 % slower with it and load plainly.
         elements * x.itemsize <= plan.streaming_bytes,
     )
+    r = residual if residual is not None else x
+    addresses = x.data_ptr(), r.data_ptr(), weight.data_ptr()
+    aligned = not (addresses[0] | addresses[1] | addresses[2]) & _ALIGNED
+    # The gathered sum of squares (the bits of tl.sum) follows the layout of 16-byte loads,
+    # which Triton gives aligned inputs only: other calls keep tl.sum (0 warps).
+    sum_warps = config.fwd_warps if aligned else 0
     constexprs = _forward_constexprs(
         plan,
         has_residual,
@@ -831,16 +838,15 @@ def _forward(
         flags,
         exact=exact,
         pdl=pdl,
-        warps=config.fwd_warps,
+        warps=sum_warps,
     )
-    r = residual if residual is not None else x
     stats = rstd if rstd is not None else y
     programs = -(-rows // block_rows)
     args: tuple
     if exact and rows == 1 and config.row_programs > 1:
         # One row: its columns' stores shared by row_programs programs (the same bits).
         launcher, args = _FORWARD_ROW, (x, r, weight, y, h, eps)
-        constexprs = _row_constexprs(plan, config, has_residual, flags[2])
+        constexprs = _row_constexprs(plan, config, has_residual, flags[2], sum_warps)
         programs = config.row_programs
     elif exact:
         # rstd is never stored here: rows of at most MAX_BLOCK recompute it in the backward.
@@ -848,8 +854,7 @@ def _forward(
     else:
         launcher = _FORWARD_PDL if pdl else _FORWARD
         args = (x, r, weight, y, h, stats, rows, hidden, hidden, hidden, eps)
-    addresses = x.data_ptr(), r.data_ptr(), weight.data_ptr()
-    if tuned and not (addresses[0] | addresses[1] | addresses[2]) & _ALIGNED:
+    if tuned and aligned:
         # Fresh outputs are aligned: the specialisation follows from what is known here.
         y_address = y.data_ptr()
         stats_address = stats.data_ptr() if store_rstd else y_address
@@ -867,10 +872,10 @@ def _forward(
 
 
 def _row_constexprs(
-    plan: _Plan, config: RMSNormLaunch, has_residual: bool, evict: bool
+    plan: _Plan, config: RMSNormLaunch, has_residual: bool, evict: bool, sum_warps: int
 ) -> dict[str, Any]:
     """Constexprs of the one-row kernel (cached beside the forward's)."""
-    key = ("row", plan.block, config.row_programs, has_residual, evict, config.fwd_warps)
+    key = ("row", plan.block, config.row_programs, has_residual, evict, sum_warps)
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None:
         found = _FORWARD_CONSTEXPRS[key] = {
@@ -879,7 +884,7 @@ def _row_constexprs(
             "PROGRAMS": config.row_programs,
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
-            "SUM_WARPS": config.fwd_warps,
+            "SUM_WARPS": sum_warps,
         }
     return found
 
