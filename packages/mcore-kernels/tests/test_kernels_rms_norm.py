@@ -492,7 +492,7 @@ def test_gathered_row_sum_of_squares_sums_the_row(triton_backend, block, warps, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(("hidden", "warps"), [(2048, 4), (2048, 8), (2048, 16), (4096, 8),
                                                (4096, 16), (4096, 32), (8192, 8), (8192, 16),
                                                (8192, 32)])  # fmt: skip
