@@ -325,6 +325,8 @@ only, so a row's result is bitwise the same whatever the number of rows in the c
 5. One row exactly one block wide (a decode step, a one-token call) runs on `row_programs`
    programs of the entry's layout: each loads and reduces the whole row (the same bits) and
    stores its share of the columns; 1 is the specialised kernel's single program.
+   `fwd_max_registers` (0: ptxas chooses) caps the registers of the specialised forward's
+   threads (ptxas `maxnreg`: another schedule, the same arithmetic); 64 at width 8192.
 6. A repeated call of the same (rows, hidden, device, dtypes) reuses the compiled kernel and
    grid from a table (no plan, key or constexpr work on the host).
 
@@ -355,6 +357,7 @@ def in_use_table() -> str:
             c.bwd_programs_per_sm,
             c.bwd_stages,
             c.row_programs,
+            c.fwd_max_registers,
         ]
         for width, c in sorted(rms.LAUNCH_CONFIGS.items())
     ]
@@ -366,7 +369,9 @@ def in_use_table() -> str:
         "bwd warps",
         "bwd programs/SM",
     ]
-    return markdown_table([*header, "bwd stages", "one-row programs"], rows)
+    return markdown_table(
+        [*header, "bwd stages", "one-row programs", "fwd register cap (0: none)"], rows
+    )
 
 
 def _write(out: Path, entries: list[dict], chosen: list[list[Any]]) -> None:

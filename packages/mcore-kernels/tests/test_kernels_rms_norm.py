@@ -517,6 +517,30 @@ def test_cuda_gathered_sum_keeps_the_general_bits(hidden, warps, dtype):
         assert torch.equal(one[1][0], general[1][row])
 
 
+def test_launch_rejects_a_register_cap_out_of_range():
+    launch = importlib.import_module("mcore_kernels.rms_norm")
+    base = launch.LAUNCH_CONFIGS[8192]
+    with pytest.raises(KernelValueError, match="fwd_max_registers=8"):
+        dataclasses.replace(base, fwd_max_registers=8)
+    assert dataclasses.replace(base, fwd_max_registers=0).fwd_max_registers == 0
+
+
+def test_register_capped_specialised_forward_keeps_the_general_bits(triton_backend):
+    # The 8192 entry caps the specialised forward's registers (a ptxas option: the schedule
+    # changes, not the arithmetic); its launcher compiles with maxnreg, the bits are the
+    # general kernel's.
+    launch = importlib.import_module("mcore_kernels.rms_norm")
+    cap = launch._launch(8192, -1).config.fwd_max_registers
+    assert cap == 64
+    x, residual, weight = _inputs((3, 8192), torch.bfloat16, seed=64, scale=3.0)
+    special = launch._forward(x, weight, 1e-6, residual, False)
+    assert launch._FORWARD_EXACT_CAPPED[cap]._options == {"maxnreg": cap}
+    general = launch._forward(x, weight, 1e-6, residual, False, specialise=False)
+    for got, expected in zip(special[:2], general[:2], strict=True):
+        assert torch.equal(got, expected)
+    assert launch._exact_launcher(0) is launch._FORWARD_EXACT
+
+
 def test_launch_rejects_row_programs_not_a_power_of_two():
     launch = importlib.import_module("mcore_kernels.rms_norm")
     with pytest.raises(KernelValueError, match="row_programs=3"):

@@ -94,6 +94,10 @@ class RMSNormLaunch:
     """Programs sharing a call of one row exactly one block wide (a decode step, a one-token
     call): each loads and reduces the whole row with this entry's layout (the bits of
     the same row in any call) and stores its share of the columns. 1: one program."""
+    fwd_max_registers: int = 0
+    """Registers a thread of the specialised forward (whole row blocks exactly one block wide)
+    may use, passed to ptxas (``maxnreg``); 0: ptxas chooses. The machine code's schedule
+    changes, never its arithmetic (the same bits)."""
 
     def __post_init__(self) -> None:
         for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps", "row_programs"):
@@ -103,6 +107,10 @@ class RMSNormLaunch:
         for name in ("bwd_programs_per_sm", "bwd_stages"):
             if getattr(self, name) < 1:
                 raise KernelValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.fwd_max_registers and not 24 <= self.fwd_max_registers <= 255:
+            raise KernelValueError(
+                f"fwd_max_registers={self.fwd_max_registers} must be 0 or in [24, 255]"
+            )
 
 
 LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
@@ -133,6 +141,9 @@ LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
         bwd_stages=3,
         row_programs=4,
     ),
+    # A cap of 64 registers (ptxas took 40): one H200, session 16 probe r1, 256 x 8192 5.11-5.12
+    # against 5.17-5.18 us (1.028-1.033x torch.compile); session 13: 66.8 / 257.0 against 67.1
+    # / 259.1 us at 4096 / 16384 x 8192.
     8192: RMSNormLaunch(
         fwd_rows=1,
         fwd_warps=16,
@@ -141,6 +152,7 @@ LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
         bwd_programs_per_sm=1,
         bwd_stages=3,
         row_programs=4,
+        fwd_max_registers=64,
     ),
 }
 """Launch parameters by row block width: the entry of the smallest width ``>=`` the block is
@@ -484,10 +496,16 @@ def _rms_norm_fwd_row_kernel(
     # loads, reduction and stores, and the stores of one SM; every program loads and reduces
     # the whole row and stores its 1 / PROGRAMS of the columns (loading only that share of
     # the weight).
+    # The row's offsets count from the program's row (0 here, the launch has PROGRAMS programs)
+    # and the share from its rest: the same addresses and arithmetic, and, measured on one H200
+    # (session 16, probe r1), 0.01 us less per call at 1 x 2048 than offsets without the row
+    # (the machine code is scheduled differently).
+    program = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    offs = tl.arange(0, 1)[:, None] * BLOCK + cols[None, :]
-    mine = (cols // (BLOCK // PROGRAMS) == tl.program_id(0))[None, :]
-    w = _load(weight_ptr + offs, mine, False, WEIGHT_HINT)
+    columns = tl.arange(0, 1)[:, None] * BLOCK + cols[None, :]
+    offs = (program // PROGRAMS) * BLOCK + columns
+    mine = ((cols // (BLOCK // PROGRAMS)) == program % PROGRAMS)[None, :]
+    w = _load(weight_ptr + columns, mine, False, WEIGHT_HINT)
     x = _load(x_ptr + offs, None, True, ROW_HINT)
     w = w.to(tl.float32)
     if HAS_RESIDUAL:
@@ -709,6 +727,21 @@ def _sum_partials_kernel(
 _SUM_CONSTEXPRS = {"BLOCK_P": _PARTIAL_SUM_ROWS, "BLOCK_H": _PARTIAL_SUM_COLS}
 _FORWARD = CachedLauncher(_rms_norm_fwd_kernel)
 _FORWARD_EXACT = CachedLauncher(_rms_norm_fwd_exact_kernel)
+# The specialised forward compiled under a register cap, one launcher per cap.
+_FORWARD_EXACT_CAPPED: dict[int, CachedLauncher] = {}
+
+
+def _exact_launcher(max_registers: int) -> CachedLauncher:
+    if not max_registers:
+        return _FORWARD_EXACT
+    launcher = _FORWARD_EXACT_CAPPED.get(max_registers)
+    if launcher is None:
+        launcher = _FORWARD_EXACT_CAPPED[max_registers] = CachedLauncher(
+            _rms_norm_fwd_exact_kernel, maxnreg=max_registers
+        )
+    return launcher
+
+
 _FORWARD_ROW = CachedLauncher(_rms_norm_fwd_row_kernel)
 # Inside mcore_kernels.pdl.programmatic_dependent_launch (the engine's decode steps).
 _FORWARD_PDL = CachedLauncher(_rms_norm_fwd_kernel, launch_pdl=True)
@@ -850,7 +883,8 @@ def _forward(
         programs = config.row_programs
     elif exact:
         # rstd is never stored here: rows of at most MAX_BLOCK recompute it in the backward.
-        launcher, args = _FORWARD_EXACT, (x, r, weight, y, h, eps)
+        launcher = _exact_launcher(config.fwd_max_registers)
+        args = (x, r, weight, y, h, eps)
     else:
         launcher = _FORWARD_PDL if pdl else _FORWARD
         args = (x, r, weight, y, h, stats, rows, hidden, hidden, hidden, eps)
