@@ -18,9 +18,9 @@ are bitwise the same whatever the number of rows in the call. Every load of a pr
 before its first reduction, so small launches wait for one memory round trip, not two.
 
 How a launch is chosen per shape: :data:`LAUNCH_CONFIGS` maps the row block width (the hidden
-size rounded up to a power of two, at most :data:`MAX_BLOCK`) to the rows per forward program
-and its warps, and to the rows per backward iteration, its warps, programs per multiprocessor
-and software-pipelining depth. The numbers come from the sweep of
+size rounded up to a power of two, at most :data:`MAX_BLOCK`) to the rows per forward program,
+its warps and the register cap of the specialised forward, and to the rows per backward
+iteration, its warps, programs per multiprocessor and software-pipelining depth. The numbers come from the sweep of
 ``benchmarks/tune_launch_configs.py`` (per width, the least geometric mean of GPU time over the
 fastest time across the row counts) and are looked up once per (hidden size, device) and cached
 with the constexprs they imply. The number of rows enters four things only: a row block never
