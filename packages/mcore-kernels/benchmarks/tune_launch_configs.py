@@ -151,6 +151,7 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
         best, score = _choose(fwd)
         chosen.append(["rms_fwd", hidden, f"rows={best[0]}, warps={best[1]}", score])
         sweep_one_row(hidden, best, entries, chosen)
+        sweep_register_cap(hidden, best, entries, chosen)
         # The layout must not depend on the number of rows (batch invariance): per layout, the
         # best grid and depth at each row count, then the layout of least geometric mean.
         per_layout: dict[tuple, dict[int, float | None]] = {}
@@ -228,6 +229,54 @@ def sweep_one_row(
         chosen.append(
             ["rms_fwd_one_row", hidden, f"row_programs={best}", times[best] / own if own else 1.0]
         )
+
+
+REGISTER_CAPS = (0, 48, 64, 80)
+"""ptxas register caps of the specialised forward timed per chosen layout (0: none)."""
+
+
+def sweep_register_cap(
+    hidden: int, layout: tuple[int, int], entries: list[dict], chosen: list[list[Any]]
+) -> None:
+    """The specialised forward of a chosen layout under each register cap (another schedule,
+    the same arithmetic), timed at 256, 4096 and 16384 bf16 rows; the cap of least geometric
+    mean of time / fastest time is kept."""
+    fwd_rows, fwd_warps = layout
+    times: dict[int, dict[int, float | None]] = {cap: {} for cap in REGISTER_CAPS}
+    for rows in (256, 4096, 16384):
+        sets = []
+        for _ in range(input_sets(4 * rows * hidden * 2)):
+            x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+            w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+            sets.append((x, torch.randn_like(x), w))
+        for cap in REGISTER_CAPS:
+            cfg = rms.RMSNormLaunch(
+                fwd_rows=fwd_rows,
+                fwd_warps=fwd_warps,
+                bwd_rows=1,
+                bwd_warps=4,
+                bwd_programs_per_sm=1,
+                bwd_stages=1,
+                fwd_max_registers=cap,
+            )
+            us = _us(
+                lambda cfg=cfg, sets=sets: [
+                    partial(rms._forward, x, w, EPS, r, False, cfg) for x, r, w in sets
+                ]
+            )
+            times[cap][rows] = us
+            entries.append(
+                {
+                    "kernel": "rms_fwd_register_cap",
+                    "shape": f"{rows}x{hidden}",
+                    "fwd_max_registers": cap,
+                    "us": us,
+                }
+            )
+        sets = []
+    if all(all(t is not None for t in per_rows.values()) for per_rows in times.values()):
+        best, score = _choose(times)
+        chosen.append(["rms_fwd_register_cap", hidden, f"fwd_max_registers={best}", score])
 
 
 def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:
@@ -325,6 +374,10 @@ only, so a row's result is bitwise the same whatever the number of rows in the c
 5. One row exactly one block wide (a decode step, a one-token call) runs on `row_programs`
    programs of the entry's layout: each loads and reduces the whole row (the same bits) and
    stores its share of the columns; 1 is the specialised kernel's single program.
+   `fwd_max_registers` (0: ptxas chooses) caps the registers of the specialised forward's
+   threads (ptxas `maxnreg`: another schedule, the same arithmetic); 64 at width 8192. The
+   tuner times caps 0 / 48 / 64 / 80 for the chosen forward layout at 256, 4096 and 16384 rows
+   ("rms_fwd_register_cap").
 6. A repeated call of the same (rows, hidden, device, dtypes) reuses the compiled kernel and
    grid from a table (no plan, key or constexpr work on the host).
 
@@ -355,6 +408,7 @@ def in_use_table() -> str:
             c.bwd_programs_per_sm,
             c.bwd_stages,
             c.row_programs,
+            c.fwd_max_registers,
         ]
         for width, c in sorted(rms.LAUNCH_CONFIGS.items())
     ]
@@ -366,7 +420,9 @@ def in_use_table() -> str:
         "bwd warps",
         "bwd programs/SM",
     ]
-    return markdown_table([*header, "bwd stages", "one-row programs"], rows)
+    return markdown_table(
+        [*header, "bwd stages", "one-row programs", "fwd register cap (0: none)"], rows
+    )
 
 
 def _write(out: Path, entries: list[dict], chosen: list[list[Any]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 import mcore_kernels
 from mcore_kernels import RMSNorm, rms_norm
+from mcore_kernels._triton_utils import jit, tl
 from mcore_kernels.errors import (
     KernelBackendError,
     KernelDeviceError,
@@ -463,6 +465,80 @@ def test_one_row_kernel_is_bitwise_the_general_kernel(triton_backend, monkeypatc
     launched.clear()
     launch._forward(x.expand(2, hidden).contiguous(), weight, 1e-6, None, False)
     assert not launched
+
+
+_row_sum_of_squares = importlib.import_module("mcore_kernels.rms_norm")._row_sum_of_squares
+
+
+@jit
+def _row_sum_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, WARPS: tl.constexpr, VECTOR: tl.constexpr):
+    h = tl.load(x_ptr + tl.arange(0, 1)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :])
+    tl.store(out_ptr + tl.arange(0, 1), _row_sum_of_squares(h, BLOCK, WARPS, VECTOR))
+
+
+@pytest.mark.parametrize(
+    ("block", "warps", "vector"), [(2048, 8, 8), (8192, 16, 8), (2048, 4, 8), (256, 4, 2)]
+)
+def test_gathered_row_sum_of_squares_sums_the_row(triton_backend, block, warps, vector):
+    # The one-barrier reduction of one row (the warps' sums gathered in every warp) computes
+    # the row's sum of squares for one chunk per thread and several (2048 on 4 warps); its bits
+    # against tl.sum are checked on the GPU (test_cuda_gathered_sum_keeps_the_general_bits).
+    x = torch.randn(1, block, generator=torch.Generator().manual_seed(block + warps))
+    out = torch.empty(1)
+    _row_sum_kernel[(1,)](x, out, BLOCK=block, WARPS=warps, VECTOR=vector)
+    expected = (x.double() ** 2).sum()
+    torch.testing.assert_close(out[0].double(), expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("hidden", "warps"), [(2048, 4), (2048, 8), (2048, 16), (4096, 8),
+                                               (4096, 16), (4096, 32), (8192, 8), (8192, 16),
+                                               (8192, 32)])  # fmt: skip
+def test_cuda_gathered_sum_keeps_the_general_bits(hidden, warps, dtype):
+    # One row per program (the specialised kernel, the one-row kernel) sums the squares with the
+    # warps' sums gathered in every warp; the general kernel with tl.sum. Same tree, same bits,
+    # for the table's warps and others.
+    launch = importlib.import_module("mcore_kernels.rms_norm")
+    config = dataclasses.replace(launch._launch(hidden, 0).config, fwd_warps=warps)
+    x, residual, weight = (
+        t.cuda() for t in _inputs((256, hidden), dtype, seed=hidden + warps, scale=3.0)
+    )
+    x *= torch.exp2(torch.randint(-8, 9, (256, 1), device="cuda")).to(dtype)
+    general = launch._forward(x, weight, 1e-6, residual, False, config, specialise=False)
+    special = launch._forward(x, weight, 1e-6, residual, False, config)
+    assert torch.equal(special[0], general[0])
+    for row in (0, 77, 255):
+        one = launch._forward(
+            x[row : row + 1], weight, 1e-6, residual[row : row + 1], False, config
+        )
+        assert torch.equal(one[0][0], general[0][row])
+        assert torch.equal(one[1][0], general[1][row])
+
+
+def test_launch_rejects_a_register_cap_out_of_range():
+    launch = importlib.import_module("mcore_kernels.rms_norm")
+    base = launch.LAUNCH_CONFIGS[8192]
+    with pytest.raises(KernelValueError, match="fwd_max_registers=8"):
+        dataclasses.replace(base, fwd_max_registers=8)
+    assert dataclasses.replace(base, fwd_max_registers=0).fwd_max_registers == 0
+
+
+def test_register_capped_specialised_forward_keeps_the_general_bits(triton_backend):
+    # The 8192 entry caps the specialised forward's registers (a ptxas option: the schedule
+    # changes, not the arithmetic); its launcher compiles with maxnreg, the bits are the
+    # general kernel's.
+    launch = importlib.import_module("mcore_kernels.rms_norm")
+    cap = launch._launch(8192, -1).config.fwd_max_registers
+    assert cap == 64
+    x, residual, weight = _inputs((3, 8192), torch.bfloat16, seed=64, scale=3.0)
+    special = launch._forward(x, weight, 1e-6, residual, False)
+    assert launch._FORWARD_EXACT_CAPPED[cap]._options == {"maxnreg": cap}
+    general = launch._forward(x, weight, 1e-6, residual, False, specialise=False)
+    for got, expected in zip(special[:2], general[:2], strict=True):
+        assert torch.equal(got, expected)
+    assert launch._exact_launcher(0) is launch._FORWARD_EXACT
 
 
 def test_launch_rejects_row_programs_not_a_power_of_two():

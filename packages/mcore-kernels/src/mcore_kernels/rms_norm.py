@@ -18,9 +18,9 @@ are bitwise the same whatever the number of rows in the call. Every load of a pr
 before its first reduction, so small launches wait for one memory round trip, not two.
 
 How a launch is chosen per shape: :data:`LAUNCH_CONFIGS` maps the row block width (the hidden
-size rounded up to a power of two, at most :data:`MAX_BLOCK`) to the rows per forward program
-and its warps, and to the rows per backward iteration, its warps, programs per multiprocessor
-and software-pipelining depth. The numbers come from the sweep of
+size rounded up to a power of two, at most :data:`MAX_BLOCK`) to the rows per forward program,
+its warps and the register cap of the specialised forward, and to the rows per backward
+iteration, its warps, programs per multiprocessor and software-pipelining depth. The numbers come from the sweep of
 ``benchmarks/tune_launch_configs.py`` (per width, the least geometric mean of GPU time over the
 fastest time across the row counts) and are looked up once per (hidden size, device) and cached
 with the constexprs they imply. The number of rows enters four things only: a row block never
@@ -49,6 +49,7 @@ from torch import nn
 from mcore_kernels import _compile
 from mcore_kernels._backend import _triton_available, backend_forced, use_triton
 from mcore_kernels._triton_utils import (
+    _INTERPRETED,
     CachedLauncher,
     device_limits,
     gdc_launch_dependents,
@@ -93,6 +94,10 @@ class RMSNormLaunch:
     """Programs sharing a call of one row exactly one block wide (a decode step, a one-token
     call): each loads and reduces the whole row with this entry's layout (the bits of
     the same row in any call) and stores its share of the columns. 1: one program."""
+    fwd_max_registers: int = 0
+    """Registers a thread of the specialised forward (whole row blocks exactly one block wide)
+    may use, passed to ptxas (``maxnreg``); 0: ptxas chooses. The machine code's schedule
+    changes, never its arithmetic (the same bits)."""
 
     def __post_init__(self) -> None:
         for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps", "row_programs"):
@@ -102,6 +107,10 @@ class RMSNormLaunch:
         for name in ("bwd_programs_per_sm", "bwd_stages"):
             if getattr(self, name) < 1:
                 raise KernelValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.fwd_max_registers and not 24 <= self.fwd_max_registers <= 255:
+            raise KernelValueError(
+                f"fwd_max_registers={self.fwd_max_registers} must be 0 or in [24, 255]"
+            )
 
 
 LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
@@ -132,6 +141,9 @@ LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
         bwd_stages=3,
         row_programs=4,
     ),
+    # A cap of 64 registers (ptxas took 40): one H200, session 16 probe r1, 256 x 8192 5.11-5.12
+    # against 5.17-5.18 us (1.028-1.033x torch.compile); session 13: 66.8 / 257.0 against 67.1
+    # / 259.1 us at 4096 / 16384 x 8192.
     8192: RMSNormLaunch(
         fwd_rows=1,
         fwd_warps=16,
@@ -140,6 +152,7 @@ LAUNCH_CONFIGS: dict[int, RMSNormLaunch] = {
         bwd_programs_per_sm=1,
         bwd_stages=3,
         row_programs=4,
+        fwd_max_registers=64,
     ),
 }
 """Launch parameters by row block width: the entry of the smallest width ``>=`` the block is
@@ -215,8 +228,9 @@ def _forward_constexprs(
     flags: tuple[bool, ...],
     exact: bool = False,
     pdl: bool = False,
+    warps: int = 0,
 ) -> dict[str, Any]:
-    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl)
+    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl, warps)
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None and exact:
         _, wide, evict = flags
@@ -228,6 +242,9 @@ def _forward_constexprs(
             "WIDE": wide,
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
+            # One row per program: its sum of squares gathers the warps' sums in every warp
+            # (warps: the launch's, 0 for tl.sum).
+            "SUM_WARPS": warps if block_rows == 1 else 0,
         }
     elif found is None:
         even, wide, evict = flags
@@ -267,6 +284,46 @@ def _load(pointers, mask, EVEN: tl.constexpr, HINT: tl.constexpr):
     else:
         value = tl.load(pointers, mask=mask, other=0.0, eviction_policy=policy)
     return value
+
+
+@jit
+def _row_sum_of_squares(h, BLOCK: tl.constexpr, WARPS: tl.constexpr, VECTOR: tl.constexpr):
+    # Sum of squares of one row ``h`` ([1, BLOCK] float32 in the layout of 16-byte loads on
+    # WARPS warps: thread t of warp w holds VECTOR columns from (c * WARPS + w) * 32 * VECTOR +
+    # t * VECTOR for each of the row's chunks c), as a [1] tensor. It adds in the order of
+    # ``tl.sum(h * h, axis=1)`` under Triton 3.6 (each thread's elements in column order, the
+    # lanes' butterfly, then the warps' sums in a butterfly with the warps half apart first),
+    # so its bits are the same; it only moves the warps' sums differently. ``tl.sum`` stores
+    # them to shared memory, lets eight lanes of warp 0 reduce them and broadcasts the result
+    # through shared memory again (two barriers); here every lane of every warp gathers the
+    # sums and reduces them itself (one barrier, about 0.03 us less at one row).
+    CHUNKS: tl.constexpr = BLOCK // (WARPS * 32 * VECTOR)
+    if CHUNKS == 1:
+        warp_rows = tl.reshape(h * h, [WARPS, BLOCK // WARPS])
+    else:
+        by_chunk = tl.reshape(h * h, [CHUNKS, WARPS, 32 * VECTOR])
+        warp_rows = tl.reshape(tl.permute(by_chunk, (1, 0, 2)), [WARPS, BLOCK // WARPS])
+    warp_sums = tl.sum(warp_rows, axis=1)
+    # The gather's result has the layout of its index (every lane holds one warp's sum), so
+    # the last sum is a butterfly inside each warp.
+    return tl.expand_dims(tl.sum(tl.gather(warp_sums, tl.arange(0, WARPS), 0), axis=0), 0)
+
+
+@jit
+def _sum_of_squares(h, x_dtype: tl.constexpr, SUM_WARPS: tl.constexpr):
+    # Per row of ``h`` ([rows, BLOCK] float32): ``tl.sum(h * h, axis=1)``, or with the same
+    # bits _row_sum_of_squares for one row of a 16-bit dtype (SUM_WARPS: the launch's warps,
+    # 0: plain). A thread's loads are 16 bytes wide (8 elements), or narrower when the row
+    # gives each thread fewer elements. The interpreter always takes ``tl.sum`` (its sums are
+    # NumPy's).
+    plain: tl.constexpr = _INTERPRETED or SUM_WARPS == 0 or x_dtype.primitive_bitwidth != 16
+    if plain or h.shape[0] != 1 or h.shape[1] < 32 * SUM_WARPS:
+        total = tl.sum(h * h, axis=1)
+    else:
+        BLOCK: tl.constexpr = h.shape[1]
+        VECTOR: tl.constexpr = 8 if BLOCK >= 256 * SUM_WARPS else BLOCK // (32 * SUM_WARPS)
+        total = _row_sum_of_squares(h, BLOCK, SUM_WARPS, VECTOR)
+    return total
 
 
 @jit
@@ -395,6 +452,7 @@ def _rms_norm_fwd_exact_kernel(
     WIDE: tl.constexpr,
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
+    SUM_WARPS: tl.constexpr,
 ):
     # The forward of contiguous rows exactly BLOCK wide in whole row blocks: no masks, no row
     # count, the row stride is the constexpr width. The arithmetic is the general kernel's
@@ -414,7 +472,7 @@ def _rms_norm_fwd_exact_kernel(
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
         tl.store(hidden_out_ptr + offs, x)
     h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / BLOCK + eps)
+    rstd = 1.0 / tl.sqrt(_sum_of_squares(h, x_ptr.dtype.element_ty, SUM_WARPS) / BLOCK + eps)
     tl.store(y_ptr + offs, round_to(h * rstd[:, None] * w[None, :], y_ptr.dtype.element_ty))
 
 
@@ -431,16 +489,23 @@ def _rms_norm_fwd_row_kernel(
     PROGRAMS: tl.constexpr,
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
+    SUM_WARPS: tl.constexpr,
 ):
     # One row exactly BLOCK wide on PROGRAMS programs of the specialised kernel's layout (same
     # warps, same arithmetic: its bits): what bounds a one-row call is one program's chain of
     # loads, reduction and stores, and the stores of one SM; every program loads and reduces
     # the whole row and stores its 1 / PROGRAMS of the columns (loading only that share of
     # the weight).
+    # The row's offsets count from the program's row (0 here, the launch has PROGRAMS programs)
+    # and the share from its rest: the same addresses and arithmetic, and, measured on one H200
+    # (session 16, probe r1), 0.01 us less per call at 1 x 2048 than offsets without the row
+    # (the machine code is scheduled differently).
+    program = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    offs = tl.arange(0, 1)[:, None] * BLOCK + cols[None, :]
-    mine = (cols // (BLOCK // PROGRAMS) == tl.program_id(0))[None, :]
-    w = _load(weight_ptr + offs, mine, False, WEIGHT_HINT)
+    columns = tl.arange(0, 1)[:, None] * BLOCK + cols[None, :]
+    offs = (program // PROGRAMS) * BLOCK + columns
+    mine = ((cols // (BLOCK // PROGRAMS)) == program % PROGRAMS)[None, :]
+    w = _load(weight_ptr + columns, mine, False, WEIGHT_HINT)
     x = _load(x_ptr + offs, None, True, ROW_HINT)
     w = w.to(tl.float32)
     if HAS_RESIDUAL:
@@ -448,7 +513,7 @@ def _rms_norm_fwd_row_kernel(
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
         tl.store(hidden_out_ptr + offs, x, mask=mine)
     h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / BLOCK + eps)
+    rstd = 1.0 / tl.sqrt(_sum_of_squares(h, x_ptr.dtype.element_ty, SUM_WARPS) / BLOCK + eps)
     y = round_to(h * rstd[:, None] * w, y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs, y, mask=mine)
 
@@ -662,6 +727,21 @@ def _sum_partials_kernel(
 _SUM_CONSTEXPRS = {"BLOCK_P": _PARTIAL_SUM_ROWS, "BLOCK_H": _PARTIAL_SUM_COLS}
 _FORWARD = CachedLauncher(_rms_norm_fwd_kernel)
 _FORWARD_EXACT = CachedLauncher(_rms_norm_fwd_exact_kernel)
+# The specialised forward compiled under a register cap, one launcher per cap.
+_FORWARD_EXACT_CAPPED: dict[int, CachedLauncher] = {}
+
+
+def _exact_launcher(max_registers: int) -> CachedLauncher:
+    if not max_registers:
+        return _FORWARD_EXACT
+    launcher = _FORWARD_EXACT_CAPPED.get(max_registers)
+    if launcher is None:
+        launcher = _FORWARD_EXACT_CAPPED[max_registers] = CachedLauncher(
+            _rms_norm_fwd_exact_kernel, maxnreg=max_registers
+        )
+    return launcher
+
+
 _FORWARD_ROW = CachedLauncher(_rms_norm_fwd_row_kernel)
 # Inside mcore_kernels.pdl.programmatic_dependent_launch (the engine's decode steps).
 _FORWARD_PDL = CachedLauncher(_rms_norm_fwd_kernel, launch_pdl=True)
@@ -777,26 +857,38 @@ def _forward(
         # 2048 18.0 against 18.5 us); larger calls are 2-5 % slower with it and load plainly.
         elements * x.itemsize <= plan.streaming_bytes,
     )
-    constexprs = _forward_constexprs(
-        plan, has_residual, store_rstd, block_rows, flags, exact=exact, pdl=pdl
-    )
     r = residual if residual is not None else x
+    addresses = x.data_ptr(), r.data_ptr(), weight.data_ptr()
+    aligned = not (addresses[0] | addresses[1] | addresses[2]) & _ALIGNED
+    # The gathered sum of squares (the bits of tl.sum) follows the layout of 16-byte loads,
+    # which Triton gives aligned inputs only: other calls keep tl.sum (0 warps).
+    sum_warps = config.fwd_warps if aligned else 0
+    constexprs = _forward_constexprs(
+        plan,
+        has_residual,
+        store_rstd,
+        block_rows,
+        flags,
+        exact=exact,
+        pdl=pdl,
+        warps=sum_warps,
+    )
     stats = rstd if rstd is not None else y
     programs = -(-rows // block_rows)
     args: tuple
     if exact and rows == 1 and config.row_programs > 1:
         # One row: its columns' stores shared by row_programs programs (the same bits).
         launcher, args = _FORWARD_ROW, (x, r, weight, y, h, eps)
-        constexprs = _row_constexprs(plan, config, has_residual, flags[2])
+        constexprs = _row_constexprs(plan, config, has_residual, flags[2], sum_warps)
         programs = config.row_programs
     elif exact:
         # rstd is never stored here: rows of at most MAX_BLOCK recompute it in the backward.
-        launcher, args = _FORWARD_EXACT, (x, r, weight, y, h, eps)
+        launcher = _exact_launcher(config.fwd_max_registers)
+        args = (x, r, weight, y, h, eps)
     else:
         launcher = _FORWARD_PDL if pdl else _FORWARD
         args = (x, r, weight, y, h, stats, rows, hidden, hidden, hidden, eps)
-    addresses = x.data_ptr(), r.data_ptr(), weight.data_ptr()
-    if tuned and not (addresses[0] | addresses[1] | addresses[2]) & _ALIGNED:
+    if tuned and aligned:
         # Fresh outputs are aligned: the specialisation follows from what is known here.
         y_address = y.data_ptr()
         stats_address = stats.data_ptr() if store_rstd else y_address
@@ -814,10 +906,10 @@ def _forward(
 
 
 def _row_constexprs(
-    plan: _Plan, config: RMSNormLaunch, has_residual: bool, evict: bool
+    plan: _Plan, config: RMSNormLaunch, has_residual: bool, evict: bool, sum_warps: int
 ) -> dict[str, Any]:
     """Constexprs of the one-row kernel (cached beside the forward's)."""
-    key = ("row", plan.block, config.row_programs, has_residual, evict)
+    key = ("row", plan.block, config.row_programs, has_residual, evict, sum_warps)
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None:
         found = _FORWARD_CONSTEXPRS[key] = {
@@ -826,6 +918,7 @@ def _row_constexprs(
             "PROGRAMS": config.row_programs,
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
+            "SUM_WARPS": sum_warps,
         }
     return found
 
