@@ -67,9 +67,13 @@ def test_kernel_matches_reference_and_writes_the_cache(triton_backend, normed, d
     assert actual.shape == (3, 6, 32) and actual.dtype == dtype
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(actual.float(), expected.float(), **tol)
-    # The new keys and values in their slots: those of the standalone kernels' references.
+    # The new keys and values in their slots: those of the standalone kernels' references;
+    # without the folded norm (whose row scale sums in another order) bit for bit, as the
+    # rotation rounds every product and sum as the torch expression does.
     torch.testing.assert_close(k_cache.float(), caches[0].float(), **tol)
     torch.testing.assert_close(v_cache.float(), caches[1].float(), **tol)
+    if not normed:
+        assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
 
 
 def test_normed_path_equals_normed_rotary_kv_write_then_attention(triton_backend):
@@ -142,8 +146,11 @@ def test_gpu_kernel_matches_the_two_kernels_in_bf16(normed):
     # The row scale's float32 sum may round in another order: one bf16 ulp at most.
     torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(k_cache.float(), caches[0].float(), atol=2e-2, rtol=2e-2)
-    # Values are stored as they come: the same bits.
-    assert torch.equal(v_cache, caches[1])
-    # Not asserted bit for bit: on an H200 (session 15's final run) the plain path's rotated
-    # keys differed from rotary_kv_write's within the tolerance above (cause not found), and
-    # paged_attention's own launch at 512 tokens may stack tokens in one program's products.
+    torch.testing.assert_close(v_cache.float(), caches[1].float(), atol=2e-2, rtol=2e-2)
+    if not normed:
+        # RoPE and the cache write round as rotary_kv_write rounds (one shared rotation that
+        # the compiler cannot contract), values are stored as they come: the same bits. The
+        # attention agrees to bf16 rounding only: at 512 tokens paged_attention's own launch
+        # may stack several tokens in one program's products (another summation order). With
+        # the folded norm the values too carry the row scale (another order of its sum).
+        assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])

@@ -38,6 +38,7 @@ __all__ = [
     "on_device_of",
     "pdl_supported",
     "prefetch_l2",
+    "rotate_half_rounded",
     "round_to",
     "tl",
     "triton",
@@ -424,3 +425,68 @@ def round_to(x, dtype: tl.constexpr):
             return x.to(dtype)
     else:
         return x.to(dtype)
+
+
+@jit
+def _mul_rn(x, y):
+    """``x * y`` in float32, rounded to nearest even, never fused or flushed to zero."""
+    if _INTERPRETED:
+        return x * y
+    else:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@jit
+def _sub_rn(x, y):
+    """``x - y`` in float32, rounded to nearest even, never fused or flushed to zero."""
+    if _INTERPRETED:
+        return x - y
+    else:
+        return tl.inline_asm_elementwise(
+            "sub.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@jit
+def _add_rn(x, y):
+    """``x + y`` in float32, rounded to nearest even, never fused or flushed to zero."""
+    if _INTERPRETED:
+        return x + y
+    else:
+        return tl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@jit
+def rotate_half_rounded(x1, x2, cos, sin, DTYPE: tl.constexpr):
+    """RoPE of a pair of half-head tiles as the unfused ``DTYPE`` expression rounds.
+
+    ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` with the tables, each of the four products
+    and both sums rounded to ``DTYPE`` (to nearest even), as torch computes the expression on
+    ``DTYPE`` tensors: bitwise the same in every kernel that calls this and as the torch
+    reference. Compiled kernels compute in float32 with inline ``mul.rn``/``sub.rn``/``add.rn``
+    (PTX the compiler never contracts, subnormals kept): with plain ``*`` and ``-`` LLVM turned
+    each sum into one multiply-add of ``DTYPE`` that skips the rounding of one product, and
+    which product depended on the kernel around it (the keys of two kernels differed by one
+    ulp on an H200).
+
+    Args:
+        x1: float32 first halves (values of ``DTYPE``).
+        x2: float32 second halves, shaped like ``x1``.
+        cos: float32 cosines, broadcastable to ``x1`` (rounded to ``DTYPE`` here).
+        sin: float32 sines, like ``cos``.
+        DTYPE: The activation dtype.
+
+    Returns:
+        The rotated first and second halves in ``DTYPE``.
+    """
+    c = tl.broadcast_to(round_to(cos, DTYPE).to(tl.float32), x1.shape)
+    s = tl.broadcast_to(round_to(sin, DTYPE).to(tl.float32), x1.shape)
+    a = round_to(_mul_rn(x1, c), DTYPE).to(tl.float32)
+    b = round_to(_mul_rn(x2, s), DTYPE).to(tl.float32)
+    e = round_to(_mul_rn(x2, c), DTYPE).to(tl.float32)
+    f = round_to(_mul_rn(x1, s), DTYPE).to(tl.float32)
+    return round_to(_sub_rn(a, b), DTYPE), round_to(_add_rn(e, f), DTYPE)

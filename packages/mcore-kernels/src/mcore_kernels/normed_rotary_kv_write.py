@@ -27,6 +27,7 @@ from mcore_kernels._triton_utils import (
     jit,
     next_power_of_2,
     on_device_of,
+    rotate_half_rounded,
     tl,
 )
 from mcore_kernels._validation import check_rotary_kv_write_args
@@ -34,7 +35,6 @@ from mcore_kernels._validation import flat_cache_slots as _flat_slots
 from mcore_kernels.errors import KernelShapeError
 from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.reference import normed_qkv_reference, rotary_kv_write_reference
-from mcore_kernels.rotary_kv_write import _rotate_half
 
 __all__ = ["normed_qkv_reference", "normed_rotary_kv_write"]
 
@@ -109,19 +109,17 @@ def _normed_rotary_kv_write_kernel(
     h = tl.load(x_ptr + token * stride_x_token + columns, mask=columns < hidden, other=0.0)
     h = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
 
     x1 = _finish(x1, rstd, bias_ptr, q_offsets, q_mask, HAS_BIAS, dtype)
     x2 = _finish(x2, rstd, bias_ptr, q_offsets + HALF, q_mask, HAS_BIAS, dtype)
-    first, second = _rotate_half(x1, x2, cos, sin, dtype)
+    first, second = rotate_half_rounded(x1, x2, cos, sin, dtype)
     q_target = q_out_ptr + token * (NUM_Q_HEADS * head_dim) + q_offsets
     tl.store(q_target, first, mask=q_mask)
     tl.store(q_target + HALF, second, mask=q_mask)
 
     y1 = _finish(y1, rstd, bias_ptr, k_offsets, kv_mask, HAS_BIAS, dtype)
     y2 = _finish(y2, rstd, bias_ptr, k_offsets + HALF, kv_mask, HAS_BIAS, dtype)
-    k_first, k_second = _rotate_half(y1, y2, cos, sin, dtype)
+    k_first, k_second = rotate_half_rounded(y1, y2, cos, sin, dtype)
     cache_dtype = k_cache_ptr.dtype.element_ty
     k_target = k_cache_ptr + slot * stride_kc_slot + kv_heads * stride_kc_head + channels
     tl.store(k_target, k_first.to(cache_dtype), mask=kv_mask)

@@ -11,10 +11,9 @@ before, took 6.13 against 1.96 us for 512 tokens of 14 + 2 heads on one H200: th
 9,216 one-warp programs, not the bytes, set the time.)
 
 The products round to the dtype of ``q`` where the unfused expression ``x1 * cos - x2 * sin``
-does (each product, then the sum). The GPU compiler may still contract a product and the sum
-into one fused multiply-add, so the results agree with the torch reference to the rounding of
-the products and of the result in that dtype (about one ulp of ``|x1| + |x2|``), not bit for
-bit. Shapes:
+does (the tables, each product, then the sum), in the rotation every RoPE kernel of the package
+shares (:func:`mcore_kernels._triton_utils.rotate_half_rounded`, which the compiler cannot
+contract into fused multiply-adds): the torch reference's bits. Shapes:
 
 - ``q``: ``[T, Hq, D]``; ``k``, ``v``: ``[T, Hkv, D]`` (strided views of a fused projection are
   fine; the last dimension must be contiguous)
@@ -43,6 +42,7 @@ from mcore_kernels._triton_utils import (
     gdc_wait,
     jit,
     next_power_of_2,
+    rotate_half_rounded,
     tl,
     triton,
 )
@@ -135,16 +135,6 @@ class RotaryCacheWrite:
 
 
 @jit
-def _rotate_half(x1, x2, cos, sin, DTYPE: tl.constexpr):
-    """``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` rounded to ``DTYPE`` after each op."""
-    a = (x1 * cos).to(DTYPE).to(tl.float32)
-    b = (x2 * sin).to(DTYPE).to(tl.float32)
-    c = (x2 * cos).to(DTYPE).to(tl.float32)
-    d = (x1 * sin).to(DTYPE).to(tl.float32)
-    return (a - b).to(DTYPE), (c + d).to(DTYPE)
-
-
-@jit
 def _rotary_kv_write_kernel(
     q_ptr,
     k_ptr,
@@ -188,15 +178,13 @@ def _rotary_kv_write_kernel(
     dtype = q_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + token * stride_cos_token + channels, mask=channel_mask, other=0.0)
     sin = tl.load(sin_ptr + token * stride_sin_token + channels, mask=channel_mask, other=0.0)
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
 
     q_heads = tl.arange(0, Q_HEADS_PAD)[:, None]
     q_mask = (q_heads < NUM_Q_HEADS) & channel_mask
     q_source = q_ptr + token * stride_q_token + q_heads * stride_q_head + channels
     x1 = tl.load(q_source, mask=q_mask, other=0.0).to(tl.float32)
     x2 = tl.load(q_source + HALF, mask=q_mask, other=0.0).to(tl.float32)
-    first, second = _rotate_half(x1, x2, cos, sin, dtype)
+    first, second = rotate_half_rounded(x1, x2, cos, sin, dtype)
     q_target = q_out_ptr + token * stride_out_token + q_heads * stride_out_head + channels
     tl.store(q_target, first, mask=q_mask)
     tl.store(q_target + HALF, second, mask=q_mask)
@@ -207,7 +195,7 @@ def _rotary_kv_write_kernel(
     k_source = k_ptr + token * stride_k_token + kv_heads * stride_k_head + channels
     y1 = tl.load(k_source, mask=kv_mask, other=0.0).to(tl.float32)
     y2 = tl.load(k_source + HALF, mask=kv_mask, other=0.0).to(tl.float32)
-    k_first, k_second = _rotate_half(y1, y2, cos, sin, k_ptr.dtype.element_ty)
+    k_first, k_second = rotate_half_rounded(y1, y2, cos, sin, k_ptr.dtype.element_ty)
     cache_dtype = k_cache_ptr.dtype.element_ty
     k_target = k_cache_ptr + slot * stride_kc_slot + kv_heads * stride_kc_head + channels
     tl.store(k_target, k_first.to(cache_dtype), mask=kv_mask)

@@ -33,13 +33,19 @@ import math
 import torch
 
 from mcore_kernels._backend import _interpreting, use_triton
-from mcore_kernels._triton_utils import device_limits, jit, next_power_of_2, on_device_of, tl
+from mcore_kernels._triton_utils import (
+    device_limits,
+    jit,
+    next_power_of_2,
+    on_device_of,
+    rotate_half_rounded,
+    tl,
+)
 from mcore_kernels._validation import check_rotary_kv_write_args
 from mcore_kernels.errors import KernelShapeError
 from mcore_kernels.normed_rotary_kv_write import _finish
 from mcore_kernels.paged_attention import PagedDecodeConfig, _attend_rows, paged_decode_config
 from mcore_kernels.reference import rotary_paged_attention_reference
-from mcore_kernels.rotary_kv_write import _rotate_half
 
 __all__ = ["rotary_paged_attention", "rotary_paged_attention_reference"]
 
@@ -106,8 +112,6 @@ def _rotary_paged_attention_kernel(
     cos = tl.load(cos_ptr + token * stride_cos_token + channels)
     sin = tl.load(sin_ptr + token * stride_sin_token + channels)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
     if NORMED:
         columns = tl.arange(0, HIDDEN_BLOCK)
         h = tl.load(x_ptr + token * stride_x_token + columns, mask=columns < hidden, other=0.0)
@@ -122,12 +126,12 @@ def _rotary_paged_attention_kernel(
     else:
         x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
         y1, y2 = y1.to(tl.float32), y2.to(tl.float32)
-    first, second = _rotate_half(x1, x2, cos, sin, dtype)
+    first, second = rotate_half_rounded(x1, x2, cos, sin, dtype)
     # The rotated queries go to this program's rows of the output, read back below.
     q_target = out_ptr + token * (NUM_Q_HEADS * HEAD_DIM) + q_offsets
     tl.store(q_target, first, mask=q_mask)
     tl.store(q_target + HALF, second, mask=q_mask)
-    k_first, k_second = _rotate_half(y1, y2, cos, sin, dtype)
+    k_first, k_second = rotate_half_rounded(y1, y2, cos, sin, dtype)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     k_target = (

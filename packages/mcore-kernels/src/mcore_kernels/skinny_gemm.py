@@ -50,6 +50,7 @@ from mcore_kernels._triton_utils import (
     next_power_of_2,
     on_device_of,
     prefetch_l2,
+    rotate_half_rounded,
     tl,
     triton,
 )
@@ -63,7 +64,7 @@ from mcore_kernels.errors import (
 from mcore_kernels.normed_swiglu import normed_swiglu_reference
 from mcore_kernels.pdl import pdl_enabled
 from mcore_kernels.reference import skinny_gemm_reference
-from mcore_kernels.rotary_kv_write import RotaryCacheWrite, _rotate_half
+from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 
 __all__ = ["SkinnyGemmConfig", "skinny_gemm", "skinny_gemm_reference"]
 
@@ -110,9 +111,7 @@ def _rope_epilogue(
         x1, x2 = tl.split(pair)
         cos = tl.load(cos_ptr + tokens * stride_cos + half, mask=token_mask, other=0.0)
         sin = tl.load(sin_ptr + tokens * stride_sin + half, mask=token_mask, other=0.0)
-        cos = cos.to(dtype).to(tl.float32)
-        sin = sin.to(dtype).to(tl.float32)
-        first, second = _rotate_half(x1, x2, cos, sin, dtype)
+        first, second = rotate_half_rounded(x1, x2, cos, sin, dtype)
         if head < NUM_Q_HEADS:
             q_target = q_ptr + tokens * stride_q_row + head * HEAD_DIM + half
             tl.store(q_target, first, mask=token_mask)
