@@ -5,7 +5,7 @@ store of a tile (:func:`_epilogue`), RoPE with the key/value cache write
 
 from __future__ import annotations
 
-from mcore_kernels._triton_utils import jit, rotate_half_rounded, round_to, tl
+from mcore_kernels._triton_utils import jit, round_to, tl
 
 
 @jit
@@ -118,15 +118,19 @@ def _rope_epilogue(
     x1 = round_to(acc, DTYPE).to(tl.float32)
     x2 = round_to(acc_up, DTYPE).to(tl.float32)
     mask = m_mask[:, None] & n_mask[None, :]
-    # The tables are rounded to the activation dtype in the rotation, as the unfused
-    # expression does.
+    # The tables are rounded to the activation dtype first, as the unfused expression does.
     if PRE:
         cos = pre_cos
         sin = pre_sin
     else:
         cos = tl.load(cos_ptr + offs_m[:, None] * stride_cos + j[None, :], mask=mask, other=0.0)
         sin = tl.load(sin_ptr + offs_m[:, None] * stride_sin + j[None, :], mask=mask, other=0.0)
-    first, second = rotate_half_rounded(x1, x2, cos, sin, DTYPE)
+    cos = cos.to(DTYPE).to(tl.float32)
+    sin = sin.to(DTYPE).to(tl.float32)
+    first = (x1 * cos).to(DTYPE).to(tl.float32) - (x2 * sin).to(DTYPE).to(tl.float32)
+    second = (x2 * cos).to(DTYPE).to(tl.float32) + (x1 * sin).to(DTYPE).to(tl.float32)
+    first = first.to(DTYPE)
+    second = second.to(DTYPE)
     is_query = head < NUM_Q_HEADS
     is_key = (head >= NUM_Q_HEADS) & (head < NUM_Q_HEADS + NUM_KV_HEADS)
     is_value = head >= NUM_Q_HEADS + NUM_KV_HEADS

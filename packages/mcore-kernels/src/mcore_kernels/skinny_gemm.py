@@ -50,7 +50,6 @@ from mcore_kernels._triton_utils import (
     next_power_of_2,
     on_device_of,
     prefetch_l2,
-    rotate_half_rounded,
     tl,
     triton,
 )
@@ -67,6 +66,23 @@ from mcore_kernels.reference import skinny_gemm_reference
 from mcore_kernels.rotary_kv_write import RotaryCacheWrite
 
 __all__ = ["SkinnyGemmConfig", "skinny_gemm", "skinny_gemm_reference"]
+
+
+@jit
+def _rotate_half_contractable(x1, x2, cos, sin, DTYPE: tl.constexpr):
+    """``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` rounded to ``DTYPE`` after each op, as
+    written; the compiler may contract a product into the sum (one rounding fewer).
+
+    The 1-64-row decode epilogues keep this form (session 16: the explicitly rounded
+    ``rotate_half_rounded`` cost the 64-row decode step about 1.5 %), so their rotated keys may
+    differ from ``rotary_kv_write``'s by one ulp; each batch size runs one kernel for every
+    step, graphs and eager alike.
+    """
+    a = (x1 * cos).to(DTYPE).to(tl.float32)
+    b = (x2 * sin).to(DTYPE).to(tl.float32)
+    c = (x2 * cos).to(DTYPE).to(tl.float32)
+    d = (x1 * sin).to(DTYPE).to(tl.float32)
+    return (a - b).to(DTYPE), (c + d).to(DTYPE)
 
 
 @jit
@@ -111,7 +127,9 @@ def _rope_epilogue(
         x1, x2 = tl.split(pair)
         cos = tl.load(cos_ptr + tokens * stride_cos + half, mask=token_mask, other=0.0)
         sin = tl.load(sin_ptr + tokens * stride_sin + half, mask=token_mask, other=0.0)
-        first, second = rotate_half_rounded(x1, x2, cos, sin, dtype)
+        cos = cos.to(dtype).to(tl.float32)
+        sin = sin.to(dtype).to(tl.float32)
+        first, second = _rotate_half_contractable(x1, x2, cos, sin, dtype)
         if head < NUM_Q_HEADS:
             q_target = q_ptr + tokens * stride_q_row + head * HEAD_DIM + half
             tl.store(q_target, first, mask=token_mask)
