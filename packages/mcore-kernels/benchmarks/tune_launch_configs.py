@@ -186,29 +186,42 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
         print("rms", hidden, chosen[-2:], flush=True)
 
 
+def _forward_sets(rows: int, hidden: int) -> list[tuple[torch.Tensor, ...]]:
+    """Enough bf16 ``(x, residual, weight)`` input sets of ``rows x hidden`` that a cycle
+    through them reads from memory, not L2."""
+    sets = []
+    for _ in range(input_sets(4 * rows * hidden * 2)):
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+        sets.append((x, torch.randn_like(x), w))
+    return sets
+
+
+def _forward_launch(layout: tuple[int, int], **fields: int) -> rms.RMSNormLaunch:
+    """A launch configuration timed forward only: the forward ``layout`` (rows, warps) and
+    ``fields``, the backward fields at their smallest."""
+    fwd_rows, fwd_warps = layout
+    return rms.RMSNormLaunch(
+        fwd_rows=fwd_rows,
+        fwd_warps=fwd_warps,
+        bwd_rows=1,
+        bwd_warps=4,
+        bwd_programs_per_sm=1,
+        bwd_stages=1,
+        **fields,
+    )
+
+
 def sweep_one_row(
     hidden: int, layout: tuple[int, int], entries: list[dict], chosen: list[list[Any]]
 ) -> None:
     """The one-row forward of a chosen layout: how many programs share the row (each reduces
     the whole row with the layout, the same bits, and stores its share), timed at one bf16 row;
     the fastest is kept."""
-    fwd_rows, fwd_warps = layout
-    sets = []
-    for _ in range(input_sets(4 * hidden * 2)):
-        x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
-        w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
-        sets.append((x, torch.randn_like(x), w))
+    sets = _forward_sets(1, hidden)
     times: dict[int, float] = {}
     for programs in (1, 2, 4, 8):
-        cfg = rms.RMSNormLaunch(
-            fwd_rows=fwd_rows,
-            fwd_warps=fwd_warps,
-            bwd_rows=1,
-            bwd_warps=4,
-            bwd_programs_per_sm=1,
-            bwd_stages=1,
-            row_programs=programs,
-        )
+        cfg = _forward_launch(layout, row_programs=programs)
         us = _us(
             lambda cfg=cfg: [partial(rms._forward, x, w, EPS, r, False, cfg) for x, r, w in sets]
         )
@@ -241,24 +254,11 @@ def sweep_register_cap(
     """The specialised forward of a chosen layout under each register cap (another schedule,
     the same arithmetic), timed at 256, 4096 and 16384 bf16 rows; the cap of least geometric
     mean of time / fastest time is kept."""
-    fwd_rows, fwd_warps = layout
     times: dict[int, dict[int, float | None]] = {cap: {} for cap in REGISTER_CAPS}
     for rows in (256, 4096, 16384):
-        sets = []
-        for _ in range(input_sets(4 * rows * hidden * 2)):
-            x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-            w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
-            sets.append((x, torch.randn_like(x), w))
+        sets = _forward_sets(rows, hidden)
         for cap in REGISTER_CAPS:
-            cfg = rms.RMSNormLaunch(
-                fwd_rows=fwd_rows,
-                fwd_warps=fwd_warps,
-                bwd_rows=1,
-                bwd_warps=4,
-                bwd_programs_per_sm=1,
-                bwd_stages=1,
-                fwd_max_registers=cap,
-            )
+            cfg = _forward_launch(layout, fwd_max_registers=cap)
             us = _us(
                 lambda cfg=cfg, sets=sets: [
                     partial(rms._forward, x, w, EPS, r, False, cfg) for x, r, w in sets
