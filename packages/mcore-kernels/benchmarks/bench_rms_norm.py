@@ -42,6 +42,7 @@ from _common import (
     quick,
     write_results,
 )
+from _move_floor import move_floor_calls
 
 from mcore_kernels import rms_norm
 from mcore_kernels.pdl import pdl_supported, programmatic_dependent_launch
@@ -311,6 +312,14 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
         f"floor:{name}": lambda make=make: [make(i) for i in range(len(sets))]
         for name, make in copy_kernels.items()
     }
+    # The move-only floor of the forward (``_move_floor``): x and the residual read, two fresh
+    # outputs written, nothing computed, over its launch space; the fastest configuration is
+    # the floor. Timed in the forward's loop like the implementations (same sets, same L2
+    # state).
+    move_makers = {
+        name: lambda fn=fn: [partial(fn, *s[0]) for s in sets]
+        for name, fn in move_floor_calls(rows, hidden).items()
+    }
 
     def forward_calls(fn):
         return [partial(fn, *s[0]) for s in sets]
@@ -329,6 +338,8 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
     cycle_bytes = len(sets) * 4 * rows * hidden * 2
     for phase, make_calls in (("fwd", forward_calls), ("bwd", backward_calls)):
         makers = {name: partial(make_calls, fn) for name, fn in impls.items()}
+        if phase == "fwd":
+            makers.update(move_makers)
         if pdl and phase == "fwd":
             makers["mcore_pdl"] = partial(make_calls, mcore_pdl)
         loaded = set(inductor_kernels())
@@ -361,6 +372,13 @@ def measure(rows: int, hidden: int, compiled, liger_ops) -> dict[str, Any]:
             name: timed[f"floor:{name}"]["us"] for name in copy_kernels
         }
         result[f"{phase}_floor_us"] = min(result[f"{phase}_copy_kernels_us"].values())
+        moves = {name[5:]: timed[name]["us"] for name in move_makers if name in timed}
+        timed_moves = {name: us for name, us in moves.items() if us}
+        if phase == "fwd" and timed_moves:
+            best = min(timed_moves, key=timed_moves.__getitem__)
+            result["fwd_move_kernels_us"] = moves
+            result["fwd_move_floor_us"] = timed_moves[best]
+            result["fwd_move_floor_config"] = best
     copies.clear()
     for name, fn in impls.items():
         with torch.no_grad():
@@ -532,12 +550,23 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
         "elements: ``copy_`` and ``torch.neg(out=)``) timed in the same interleaved loop, "
         "launch latency included; x floor = that copy's time / the implementation's time (1.0: "
         "as fast as copying the same bytes once; a peer at x floor >= 0.91 cannot be beaten "
-        "by 1.1x by anything that moves the bytes).\n"
+        "by 1.1x by anything that moves the bytes). Move floor (forward): the fastest "
+        "configuration of a Triton kernel that reads ``x`` and the residual and writes two "
+        "fresh outputs of the same size with no arithmetic (``_move_floor.py``: programs of a "
+        "quarter of a row to four rows, 2-32 warps, 8-32 elements per thread, the forward's "
+        "eviction hints), timed in the forward's interleaved loop with the same input sets and "
+        "L2 state; its configuration as elements per program x warps; x move = its time / the "
+        "implementation's (a peer at x move >= 0.91 cannot be beaten by 1.1x by any kernel "
+        "that moves the forward's bytes in one launch, as far as this launch space measures).\n"
     )
     for phase, title in (("fwd", "Forward"), ("bwd", "Backward")):
         header = ["rows x hidden", "mcore us", "% copy", "floor us", "mcore x floor"]
         header += [f"vs {p}" for p in peers]
         header += ["liger x floor"] if has_liger else []
+        moved = phase == "fwd" and any(e.get("fwd_move_floor_us") for e in results)
+        if moved:
+            header += ["move floor us", "move config", "mcore x move"]
+            header += ["liger x move"] if has_liger else []
         rows = []
         for e in results:
             mcore = e[f"{phase}_us"]["mcore"]
@@ -545,9 +574,17 @@ def render(payload: dict[str, Any], has_liger: bool) -> str:
             row = [f"{e['rows']}x{e['hidden']}", mcore, 100 * e[f"{phase}_fraction_of_copy"]]
             row += [floor, floor / mcore if floor and mcore else None]
             row += [e[f"speedup_{phase}"][p] for p in peers]
+            liger = e[f"{phase}_us"].get("liger")
             if has_liger:
-                liger = e[f"{phase}_us"].get("liger")
                 row += [floor / liger if floor and liger else None]
+            if moved:
+                move = e.get("fwd_move_floor_us")
+                row += [
+                    move,
+                    e.get("fwd_move_floor_config"),
+                    move / mcore if move and mcore else None,
+                ]
+                row += [move / liger if move and liger else None] if has_liger else []
             rows.append(row)
         table += f"\n{title}:\n\n" + markdown_table(header, rows)
         pdl_rows = [
@@ -656,11 +693,7 @@ def targets_summary(payload: dict[str, Any], peers: list[str]) -> str:
                 lambda v: v >= 1.1,
                 # How close Liger itself is to copying the same bytes once: at 0.91 or more,
                 # 1.1x would need more than a copy of the bytes.
-                lambda e, phase=phase: (
-                    f", liger x floor {e[f'{phase}_floor_us'] / e[f'{phase}_us']['liger']:.2f}"
-                    if e.get(f"{phase}_floor_us") and e[f"{phase}_us"].get("liger")
-                    else ""
-                ),
+                lambda e, phase=phase: _liger_floors(e, phase),
             )
     if "liger" in peers:
         with_pdl = [e for e in results if e.get("speedup_fwd_pdl")]
@@ -697,6 +730,20 @@ def targets_summary(payload: dict[str, Any], peers: list[str]) -> str:
             ),
         )
     return "\n".join(lines) + "\n"
+
+
+def _liger_floors(entry: dict[str, Any], phase: str) -> str:
+    """How close Liger is to the floors at a shape (copy, and the forward's move-only kernel),
+    for the summary's misses: at 0.91 or more, 1.1x would need more than moving the bytes."""
+    liger = entry[f"{phase}_us"].get("liger")
+    if not liger:
+        return ""
+    text = ""
+    if entry.get(f"{phase}_floor_us"):
+        text += f", liger x floor {entry[f'{phase}_floor_us'] / liger:.2f}"
+    if phase == "fwd" and entry.get("fwd_move_floor_us"):
+        text += f", liger x move floor {entry['fwd_move_floor_us'] / liger:.3f}"
+    return text
 
 
 def _compile_fwd_config(entry: dict[str, Any]) -> str:
