@@ -212,6 +212,10 @@ def warm(shard: int, count: int) -> None:
                 fn(*inputs)
             outputs = fn(*inputs)
             torch.autograd.grad(outputs, inputs, [torch.ones_like(o) for o in outputs])
+        # The move-only floor's kernels (forward only).
+        with torch.no_grad():
+            for fn in move_floor_calls(rows, hidden).values():
+                fn(*inputs)
     torch.cuda.synchronize()
 
 
