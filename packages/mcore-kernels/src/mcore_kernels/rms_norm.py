@@ -98,6 +98,10 @@ class RMSNormLaunch:
     """Registers a thread of the specialised forward (whole row blocks exactly one block wide)
     may use, passed to ptxas (``maxnreg``); 0: ptxas chooses. The machine code's schedule
     changes, never its arithmetic (the same bits)."""
+    fwd_weight_first: bool = False
+    """The specialised and one-row forward kernels issue the weight's load before the rows'
+    loads, held there by a barrier of the program's threads (ptxas otherwise issues it only
+    once the rows have arrived). The order of the loads changes, never the arithmetic."""
 
     def __post_init__(self) -> None:
         for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps", "row_programs"):
@@ -229,8 +233,10 @@ def _forward_constexprs(
     exact: bool = False,
     pdl: bool = False,
     warps: int = 0,
+    weight_first: bool = False,
 ) -> dict[str, Any]:
-    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl, warps)
+    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl, warps,
+           weight_first)  # fmt: skip
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None and exact:
         _, wide, evict = flags
@@ -245,6 +251,7 @@ def _forward_constexprs(
             # One row per program: its sum of squares gathers the warps' sums in every warp
             # (warps: the launch's, 0 for tl.sum).
             "SUM_WARPS": warps if block_rows == 1 else 0,
+            "WEIGHT_FIRST": weight_first,
         }
     elif found is None:
         even, wide, evict = flags
@@ -453,6 +460,7 @@ def _rms_norm_fwd_exact_kernel(
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
     SUM_WARPS: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr = False,
 ):
     # The forward of contiguous rows exactly BLOCK wide in whole row blocks: no masks, no row
     # count, the row stride is the constexpr width. The arithmetic is the general kernel's
@@ -465,6 +473,9 @@ def _rms_norm_fwd_exact_kernel(
     cols = tl.arange(0, BLOCK)
     offs = (first + tl.arange(0, BLOCK_M))[:, None] * BLOCK + cols[None, :]
     w = _load(weight_ptr + cols, None, True, WEIGHT_HINT)
+    if WEIGHT_FIRST:
+        # Loads are not moved across a barrier: the weight's is issued before the rows'.
+        tl.debug_barrier()
     x = _load(x_ptr + offs, None, True, ROW_HINT)
     w = w.to(tl.float32)
     if HAS_RESIDUAL:
@@ -490,6 +501,7 @@ def _rms_norm_fwd_row_kernel(
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
     SUM_WARPS: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr = False,
 ):
     # One row exactly BLOCK wide on PROGRAMS programs of the specialised kernel's layout (same
     # warps, same arithmetic: its bits): what bounds a one-row call is one program's chain of
@@ -506,6 +518,8 @@ def _rms_norm_fwd_row_kernel(
     offs = (program // PROGRAMS) * BLOCK + columns
     mine = ((cols // (BLOCK // PROGRAMS)) == program % PROGRAMS)[None, :]
     w = _load(weight_ptr + columns, mine, False, WEIGHT_HINT)
+    if WEIGHT_FIRST:
+        tl.debug_barrier()
     x = _load(x_ptr + offs, None, True, ROW_HINT)
     w = w.to(tl.float32)
     if HAS_RESIDUAL:
@@ -872,6 +886,7 @@ def _forward(
         exact=exact,
         pdl=pdl,
         warps=sum_warps,
+        weight_first=config.fwd_weight_first,
     )
     stats = rstd if rstd is not None else y
     programs = -(-rows // block_rows)
@@ -909,7 +924,8 @@ def _row_constexprs(
     plan: _Plan, config: RMSNormLaunch, has_residual: bool, evict: bool, sum_warps: int
 ) -> dict[str, Any]:
     """Constexprs of the one-row kernel (cached beside the forward's)."""
-    key = ("row", plan.block, config.row_programs, has_residual, evict, sum_warps)
+    key = ("row", plan.block, config.row_programs, has_residual, evict, sum_warps,
+           config.fwd_weight_first)  # fmt: skip
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None:
         found = _FORWARD_CONSTEXPRS[key] = {
@@ -919,6 +935,7 @@ def _row_constexprs(
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
             "SUM_WARPS": sum_warps,
+            "WEIGHT_FIRST": config.fwd_weight_first,
         }
     return found
 
