@@ -152,6 +152,7 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
         chosen.append(["rms_fwd", hidden, f"rows={best[0]}, warps={best[1]}", score])
         sweep_one_row(hidden, best, entries, chosen)
         sweep_register_cap(hidden, best, entries, chosen)
+        sweep_weight_first(hidden, best, entries, chosen)
         # The layout must not depend on the number of rows (batch invariance): per layout, the
         # best grid and depth at each row count, then the layout of least geometric mean.
         per_layout: dict[tuple, dict[int, float | None]] = {}
@@ -277,6 +278,40 @@ def sweep_register_cap(
     if all(all(t is not None for t in per_rows.values()) for per_rows in times.values()):
         best, score = _choose(times)
         chosen.append(["rms_fwd_register_cap", hidden, f"fwd_max_registers={best}", score])
+
+
+def sweep_weight_first(
+    hidden: int, layout: tuple[int, int], entries: list[dict], chosen: list[list[Any]]
+) -> None:
+    """The specialised and one-row forward of a chosen layout with the weight's load issued
+    first (behind a barrier) or where ptxas puts it, timed at 1, 256 and 4096 bf16 rows (the
+    table's register cap and row programs); the order of least geometric mean of time / fastest
+    time is kept."""
+    entry = rms.LAUNCH_CONFIGS[min(w for w in rms.LAUNCH_CONFIGS if w >= hidden)]
+    fields = {"row_programs": entry.row_programs, "fwd_max_registers": entry.fwd_max_registers}
+    times: dict[bool, dict[int, float | None]] = {False: {}, True: {}}
+    for rows in (1, 256, 4096):
+        sets = _forward_sets(rows, hidden)
+        for first in (False, True):
+            cfg = _forward_launch(layout, fwd_weight_first=first, **fields)
+            us = _us(
+                lambda cfg=cfg, sets=sets: [
+                    partial(rms._forward, x, w, EPS, r, False, cfg) for x, r, w in sets
+                ]
+            )
+            times[first][rows] = us
+            entries.append(
+                {
+                    "kernel": "rms_fwd_weight_first",
+                    "shape": f"{rows}x{hidden}",
+                    "fwd_weight_first": first,
+                    "us": us,
+                }
+            )
+        sets = []
+    if all(all(t is not None for t in per_rows.values()) for per_rows in times.values()):
+        best, score = _choose(times)
+        chosen.append(["rms_fwd_weight_first", hidden, f"fwd_weight_first={best}", score])
 
 
 def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:
