@@ -294,42 +294,62 @@ def _load(pointers, mask, EVEN: tl.constexpr, HINT: tl.constexpr):
 
 
 @jit
-def _row_sum_of_squares(h, BLOCK: tl.constexpr, WARPS: tl.constexpr, VECTOR: tl.constexpr):
+def _row_sum_of_squares(
+    h, BLOCK: tl.constexpr, WARPS: tl.constexpr, VECTOR: tl.constexpr, ORDER: tl.constexpr = 0
+):
     # Sum of squares of one row ``h`` ([1, BLOCK] float32 in the layout of 16-byte loads on
     # WARPS warps: thread t of warp w holds VECTOR columns from (c * WARPS + w) * 32 * VECTOR +
     # t * VECTOR for each of the row's chunks c), as a [1] tensor. It adds in the order of
-    # ``tl.sum(h * h, axis=1)`` under Triton 3.6 (each thread's elements in column order, the
-    # lanes' butterfly, then the warps' sums in a butterfly with the warps half apart first),
-    # so its bits are the same; it only moves the warps' sums differently. ``tl.sum`` stores
-    # them to shared memory, lets eight lanes of warp 0 reduce them and broadcasts the result
-    # through shared memory again (two barriers); here every lane of every warp gathers the
-    # sums and reduces them itself (one barrier, about 0.03 us less at one row).
-    CHUNKS: tl.constexpr = BLOCK // (WARPS * 32 * VECTOR)
-    if CHUNKS == 1:
-        warp_rows = tl.reshape(h * h, [WARPS, BLOCK // WARPS])
+    # ``tl.sum(h * h, axis=1)`` under Triton 3.6 on ORDER warps (0: WARPS): each thread's
+    # elements in column order, the lanes' butterfly, then the warps' sums in a butterfly with
+    # the warps half apart first, so its bits are those of that reduction; it only moves the
+    # warps' sums differently. ``tl.sum`` stores them to shared memory, lets eight lanes of
+    # warp 0 reduce them and broadcasts the result through shared memory again (two barriers);
+    # here every lane of every warp gathers the sums and reduces them itself (one barrier,
+    # about 0.03 us less at one row).
+    # ORDER = F * WARPS (F = 2 or 4, VECTOR = 8) replays the order of ORDER warps on WARPS:
+    # ORDER-warp thread (j * WARPS + w, t) holds the columns this layout gives thread (w, t) in
+    # its chunks c * F + j; its chain over them, its lanes' butterfly, then the butterfly's
+    # first log2(F) levels (warps ORDER / 2 ... WARPS apart: pairs of j, in registers) and the
+    # last ones across the WARPS warps.
+    F: tl.constexpr = ORDER // WARPS if ORDER else 1
+    if F == 1:
+        CHUNKS: tl.constexpr = BLOCK // (WARPS * 32 * VECTOR)
+        if CHUNKS == 1:
+            warp_rows = tl.reshape(h * h, [WARPS, BLOCK // WARPS])
+        else:
+            by_chunk = tl.reshape(h * h, [CHUNKS, WARPS, 32 * VECTOR])
+            warp_rows = tl.reshape(tl.permute(by_chunk, (1, 0, 2)), [WARPS, BLOCK // WARPS])
+        warp_sums = tl.sum(warp_rows, axis=1)
     else:
-        by_chunk = tl.reshape(h * h, [CHUNKS, WARPS, 32 * VECTOR])
-        warp_rows = tl.reshape(tl.permute(by_chunk, (1, 0, 2)), [WARPS, BLOCK // WARPS])
-    warp_sums = tl.sum(warp_rows, axis=1)
+        ORDER_CHUNKS: tl.constexpr = BLOCK // (ORDER * 32 * VECTOR)
+        split = tl.reshape(h * h, [ORDER_CHUNKS, F, WARPS, 32 * VECTOR])
+        threads = tl.reshape(
+            tl.permute(split, (1, 2, 0, 3)), [F, WARPS, ORDER_CHUNKS * 32 * VECTOR]
+        )
+        thread_sums = tl.sum(threads, axis=2)
+        if F == 4:
+            thread_sums = tl.sum(tl.reshape(thread_sums, [2, 2, WARPS]), axis=0)
+        warp_sums = tl.sum(thread_sums, axis=0)
     # The gather's result has the layout of its index (every lane holds one warp's sum), so
     # the last sum is a butterfly inside each warp.
     return tl.expand_dims(tl.sum(tl.gather(warp_sums, tl.arange(0, WARPS), 0), axis=0), 0)
 
 
 @jit
-def _sum_of_squares(h, x_dtype: tl.constexpr, SUM_WARPS: tl.constexpr):
+def _sum_of_squares(h, x_dtype: tl.constexpr, SUM_WARPS: tl.constexpr, SUM_ORDER: tl.constexpr = 0):
     # Per row of ``h`` ([rows, BLOCK] float32): ``tl.sum(h * h, axis=1)``, or with the same
     # bits _row_sum_of_squares for one row of a 16-bit dtype (SUM_WARPS: the launch's warps,
-    # 0: plain). A thread's loads are 16 bytes wide (8 elements), or narrower when the row
-    # gives each thread fewer elements. The interpreter always takes ``tl.sum`` (its sums are
-    # NumPy's).
+    # 0: plain; SUM_ORDER: the warps whose reduction order is replayed, 0: SUM_WARPS). A
+    # thread's loads are 16 bytes wide (8 elements), or narrower when the row gives each thread
+    # fewer elements. The interpreter always takes ``tl.sum`` (its sums are NumPy's).
     plain: tl.constexpr = _INTERPRETED or SUM_WARPS == 0 or x_dtype.primitive_bitwidth != 16
     if plain or h.shape[0] != 1 or h.shape[1] < 32 * SUM_WARPS:
         total = tl.sum(h * h, axis=1)
     else:
         BLOCK: tl.constexpr = h.shape[1]
         VECTOR: tl.constexpr = 8 if BLOCK >= 256 * SUM_WARPS else BLOCK // (32 * SUM_WARPS)
-        total = _row_sum_of_squares(h, BLOCK, SUM_WARPS, VECTOR)
+        total = _row_sum_of_squares(h, BLOCK, SUM_WARPS, VECTOR, SUM_ORDER)
     return total
 
 
@@ -461,6 +481,7 @@ def _rms_norm_fwd_exact_kernel(
     WEIGHT_HINT: tl.constexpr,
     SUM_WARPS: tl.constexpr,
     WEIGHT_FIRST: tl.constexpr = False,
+    SUM_ORDER: tl.constexpr = 0,
 ):
     # The forward of contiguous rows exactly BLOCK wide in whole row blocks: no masks, no row
     # count, the row stride is the constexpr width. The arithmetic is the general kernel's
@@ -483,7 +504,9 @@ def _rms_norm_fwd_exact_kernel(
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
         tl.store(hidden_out_ptr + offs, x)
     h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(_sum_of_squares(h, x_ptr.dtype.element_ty, SUM_WARPS) / BLOCK + eps)
+    rstd = 1.0 / tl.sqrt(
+        _sum_of_squares(h, x_ptr.dtype.element_ty, SUM_WARPS, SUM_ORDER) / BLOCK + eps
+    )
     tl.store(y_ptr + offs, round_to(h * rstd[:, None] * w[None, :], y_ptr.dtype.element_ty))
 
 
@@ -502,6 +525,7 @@ def _rms_norm_fwd_row_kernel(
     WEIGHT_HINT: tl.constexpr,
     SUM_WARPS: tl.constexpr,
     WEIGHT_FIRST: tl.constexpr = False,
+    SUM_ORDER: tl.constexpr = 0,
 ):
     # One row exactly BLOCK wide on PROGRAMS programs of the specialised kernel's layout (same
     # warps, same arithmetic: its bits): what bounds a one-row call is one program's chain of
@@ -527,7 +551,9 @@ def _rms_norm_fwd_row_kernel(
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
         tl.store(hidden_out_ptr + offs, x, mask=mine)
     h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(_sum_of_squares(h, x_ptr.dtype.element_ty, SUM_WARPS) / BLOCK + eps)
+    rstd = 1.0 / tl.sqrt(
+        _sum_of_squares(h, x_ptr.dtype.element_ty, SUM_WARPS, SUM_ORDER) / BLOCK + eps
+    )
     y = round_to(h * rstd[:, None] * w, y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs, y, mask=mine)
 
