@@ -98,6 +98,11 @@ class RMSNormLaunch:
     """Registers a thread of the specialised forward (whole row blocks exactly one block wide)
     may use, passed to ptxas (``maxnreg``); 0: ptxas chooses. The machine code's schedule
     changes, never its arithmetic (the same bits)."""
+    fwd_run_warps: int = 0
+    """Warps the specialised forward runs on with one row per program, replaying the reduction
+    order of ``fwd_warps`` (each thread chains the columns a ``fwd_warps`` thread would, the
+    first levels of the warps' butterfly add in registers: the same bits); 0: ``fwd_warps``.
+    Taken by aligned 16-bit rows (the gathered reduction), other calls run ``fwd_warps``."""
     fwd_weight_first: bool = False
     """The specialised and one-row forward kernels issue the weight's load before the rows'
     loads, held there by a barrier of the program's threads (ptxas otherwise issues it only
@@ -111,6 +116,12 @@ class RMSNormLaunch:
         for name in ("bwd_programs_per_sm", "bwd_stages"):
             if getattr(self, name) < 1:
                 raise KernelValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.fwd_run_warps and self.fwd_warps // self.fwd_run_warps not in (1, 2, 4):
+            raise KernelValueError(
+                f"fwd_run_warps={self.fwd_run_warps} must be 0 or fwd_warps / 1, 2 or 4"
+            )
+        if self.fwd_run_warps and self.fwd_run_warps & (self.fwd_run_warps - 1):
+            raise KernelValueError(f"fwd_run_warps={self.fwd_run_warps} must be a power of two")
         if self.fwd_max_registers and not 24 <= self.fwd_max_registers <= 255:
             raise KernelValueError(
                 f"fwd_max_registers={self.fwd_max_registers} must be 0 or in [24, 255]"
@@ -234,9 +245,10 @@ def _forward_constexprs(
     pdl: bool = False,
     warps: int = 0,
     weight_first: bool = False,
+    order: int = 0,
 ) -> dict[str, Any]:
     key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl, warps,
-           weight_first)  # fmt: skip
+           weight_first, order)  # fmt: skip
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None and exact:
         _, wide, evict = flags
@@ -252,6 +264,7 @@ def _forward_constexprs(
             # (warps: the launch's, 0 for tl.sum).
             "SUM_WARPS": warps if block_rows == 1 else 0,
             "WEIGHT_FIRST": weight_first,
+            "SUM_ORDER": order,
         }
     elif found is None:
         even, wide, evict = flags
@@ -903,6 +916,21 @@ def _forward(
     # The gathered sum of squares (the bits of tl.sum) follows the layout of 16-byte loads,
     # which Triton gives aligned inputs only: other calls keep tl.sum (0 warps).
     sum_warps = config.fwd_warps if aligned else 0
+    one_row = exact and rows == 1 and config.row_programs > 1
+    warps, order = config.fwd_warps, 0
+    if (
+        config.fwd_run_warps
+        and exact
+        and not one_row
+        and block_rows == 1
+        and sum_warps
+        and x.itemsize == 2
+        and plan.block >= 256 * config.fwd_warps
+    ):
+        # One row per program on fewer warps, replaying the reduction of fwd_warps (the same
+        # bits); only the gathered reduction of aligned 16-bit rows can replay it.
+        warps = sum_warps = config.fwd_run_warps
+        order = config.fwd_warps
     constexprs = _forward_constexprs(
         plan,
         has_residual,
@@ -913,11 +941,12 @@ def _forward(
         pdl=pdl,
         warps=sum_warps,
         weight_first=config.fwd_weight_first,
+        order=order,
     )
     stats = rstd if rstd is not None else y
     programs = -(-rows // block_rows)
     args: tuple
-    if exact and rows == 1 and config.row_programs > 1:
+    if one_row:
         # One row: its columns' stores shared by row_programs programs (the same bits).
         launcher, args = _FORWARD_ROW, (x, r, weight, y, h, eps)
         constexprs = _row_constexprs(plan, config, has_residual, flags[2], sum_warps)
@@ -937,12 +966,12 @@ def _forward(
         key = (hidden, device_index, x.dtype, weight.dtype, has_residual, store_rstd, block_rows,
                flags, _int_class(rows), pdl)  # fmt: skip
         launcher.keyed(key, programs, args, (*addresses, y_address, h.data_ptr(), *tail),
-                       constexprs, config.fwd_warps, device_index)  # fmt: skip
+                       constexprs, warps, device_index)  # fmt: skip
         entry = launcher.entry(key)
         if entry is not None and specialise and not store_rstd and type(eps) is float:
             _FAST_FORWARD[signature] = (*entry, programs, exact)
     else:
-        launcher((programs,), args, constexprs, config.fwd_warps, device_index)
+        launcher((programs,), args, constexprs, warps, device_index)
     return y, h, rstd
 
 
