@@ -153,7 +153,6 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
         sweep_one_row(hidden, best, entries, chosen)
         sweep_register_cap(hidden, best, entries, chosen)
         sweep_run_warps(hidden, best, entries, chosen)
-        sweep_weight_first(hidden, best, entries, chosen)
         # The layout must not depend on the number of rows (batch invariance): per layout, the
         # best grid and depth at each row count, then the layout of least geometric mean.
         per_layout: dict[tuple, dict[int, float | None]] = {}
@@ -320,40 +319,6 @@ def sweep_run_warps(
         chosen.append(["rms_fwd_run_warps", hidden, f"fwd_run_warps={best}", score])
 
 
-def sweep_weight_first(
-    hidden: int, layout: tuple[int, int], entries: list[dict], chosen: list[list[Any]]
-) -> None:
-    """The specialised and one-row forward of a chosen layout with the weight's load issued
-    first (behind a barrier) or where ptxas puts it, timed at 1, 256 and 4096 bf16 rows (the
-    table's register cap and row programs); the order of least geometric mean of time / fastest
-    time is kept."""
-    entry = rms.LAUNCH_CONFIGS[min(w for w in rms.LAUNCH_CONFIGS if w >= hidden)]
-    fields = {"row_programs": entry.row_programs, "fwd_max_registers": entry.fwd_max_registers}
-    times: dict[bool, dict[int, float | None]] = {False: {}, True: {}}
-    for rows in (1, 256, 4096):
-        sets = _forward_sets(rows, hidden)
-        for first in (False, True):
-            cfg = _forward_launch(layout, fwd_weight_first=first, **fields)
-            us = _us(
-                lambda cfg=cfg, sets=sets: [
-                    partial(rms._forward, x, w, EPS, r, False, cfg) for x, r, w in sets
-                ]
-            )
-            times[first][rows] = us
-            entries.append(
-                {
-                    "kernel": "rms_fwd_weight_first",
-                    "shape": f"{rows}x{hidden}",
-                    "fwd_weight_first": first,
-                    "us": us,
-                }
-            )
-        sets = []
-    if all(all(t is not None for t in per_rows.values()) for per_rows in times.values()):
-        best, score = _choose(times)
-        chosen.append(["rms_fwd_weight_first", hidden, f"fwd_weight_first={best}", score])
-
-
 def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:
     shapes = ((1024, 151936), (8192, 151936), (8192, 50257))
     fwd: dict[tuple, dict[int, float | None]] = {}
@@ -485,7 +450,6 @@ def in_use_table() -> str:
             c.row_programs,
             c.fwd_max_registers,
             c.fwd_run_warps,
-            c.fwd_weight_first,
         ]
         for width, c in sorted(rms.LAUNCH_CONFIGS.items())
     ]
@@ -504,7 +468,6 @@ def in_use_table() -> str:
             "one-row programs",
             "fwd register cap (0: none)",
             "fwd run warps (0: fwd warps)",
-            "fwd weight first",
         ],
         rows,
     )

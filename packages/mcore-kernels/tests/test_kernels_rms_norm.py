@@ -541,20 +541,6 @@ def test_register_capped_specialised_forward_keeps_the_general_bits(triton_backe
     assert launch._exact_launcher(0) is launch._FORWARD_EXACT
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_weight_first_forward_keeps_the_general_bits(triton_backend, rows):
-    # fwd_weight_first puts a barrier after the weight's load in the specialised (3 rows) and
-    # one-row (1 row) kernels: the loads' order changes, not the arithmetic.
-    launch = importlib.import_module("mcore_kernels.rms_norm")
-    config = dataclasses.replace(launch._launch(2048, -1).config, fwd_weight_first=True)
-    x, residual, weight = _inputs((rows, 2048), torch.bfloat16, seed=17 + rows, scale=3.0)
-    for res in (None, residual):
-        first = launch._forward(x, weight, 1e-6, res, False, config)
-        general = launch._forward(x, weight, 1e-6, res, False, specialise=False)
-        for got, expected in zip(first[:2], general[:2], strict=True):
-            assert torch.equal(got, expected)
-
-
 def test_launch_rejects_run_warps_that_cannot_replay_the_order():
     launch = importlib.import_module("mcore_kernels.rms_norm")
     base = launch.LAUNCH_CONFIGS[4096]

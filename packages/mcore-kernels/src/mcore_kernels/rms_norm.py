@@ -103,10 +103,6 @@ class RMSNormLaunch:
     order of ``fwd_warps`` (each thread chains the columns a ``fwd_warps`` thread would, the
     first levels of the warps' butterfly add in registers: the same bits); 0: ``fwd_warps``.
     Taken by aligned 16-bit rows (the gathered reduction), other calls run ``fwd_warps``."""
-    fwd_weight_first: bool = False
-    """The specialised and one-row forward kernels issue the weight's load before the rows'
-    loads, held there by a barrier of the program's threads (ptxas otherwise issues it only
-    once the rows have arrived). The order of the loads changes, never the arithmetic."""
 
     def __post_init__(self) -> None:
         for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps", "row_programs"):
@@ -244,11 +240,10 @@ def _forward_constexprs(
     exact: bool = False,
     pdl: bool = False,
     warps: int = 0,
-    weight_first: bool = False,
     order: int = 0,
 ) -> dict[str, Any]:
     key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl, warps,
-           weight_first, order)  # fmt: skip
+           order)  # fmt: skip
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None and exact:
         _, wide, evict = flags
@@ -263,7 +258,6 @@ def _forward_constexprs(
             # One row per program: its sum of squares gathers the warps' sums in every warp
             # (warps: the launch's, 0 for tl.sum).
             "SUM_WARPS": warps if block_rows == 1 else 0,
-            "WEIGHT_FIRST": weight_first,
             "SUM_ORDER": order,
         }
     elif found is None:
@@ -493,7 +487,6 @@ def _rms_norm_fwd_exact_kernel(
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
     SUM_WARPS: tl.constexpr,
-    WEIGHT_FIRST: tl.constexpr = False,
     SUM_ORDER: tl.constexpr = 0,
 ):
     # The forward of contiguous rows exactly BLOCK wide in whole row blocks: no masks, no row
@@ -507,9 +500,6 @@ def _rms_norm_fwd_exact_kernel(
     cols = tl.arange(0, BLOCK)
     offs = (first + tl.arange(0, BLOCK_M))[:, None] * BLOCK + cols[None, :]
     w = _load(weight_ptr + cols, None, True, WEIGHT_HINT)
-    if WEIGHT_FIRST:
-        # Loads are not moved across a barrier: the weight's is issued before the rows'.
-        tl.debug_barrier()
     x = _load(x_ptr + offs, None, True, ROW_HINT)
     w = w.to(tl.float32)
     if HAS_RESIDUAL:
@@ -537,7 +527,6 @@ def _rms_norm_fwd_row_kernel(
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
     SUM_WARPS: tl.constexpr,
-    WEIGHT_FIRST: tl.constexpr = False,
     SUM_ORDER: tl.constexpr = 0,
 ):
     # One row exactly BLOCK wide on PROGRAMS programs of the specialised kernel's layout (same
@@ -555,8 +544,6 @@ def _rms_norm_fwd_row_kernel(
     offs = (program // PROGRAMS) * BLOCK + columns
     mine = ((cols // (BLOCK // PROGRAMS)) == program % PROGRAMS)[None, :]
     w = _load(weight_ptr + columns, mine, False, WEIGHT_HINT)
-    if WEIGHT_FIRST:
-        tl.debug_barrier()
     x = _load(x_ptr + offs, None, True, ROW_HINT)
     w = w.to(tl.float32)
     if HAS_RESIDUAL:
@@ -940,7 +927,6 @@ def _forward(
         exact=exact,
         pdl=pdl,
         warps=sum_warps,
-        weight_first=config.fwd_weight_first,
         order=order,
     )
     stats = rstd if rstd is not None else y
@@ -979,8 +965,7 @@ def _row_constexprs(
     plan: _Plan, config: RMSNormLaunch, has_residual: bool, evict: bool, sum_warps: int
 ) -> dict[str, Any]:
     """Constexprs of the one-row kernel (cached beside the forward's)."""
-    key = ("row", plan.block, config.row_programs, has_residual, evict, sum_warps,
-           config.fwd_weight_first)  # fmt: skip
+    key = ("row", plan.block, config.row_programs, has_residual, evict, sum_warps)
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None:
         found = _FORWARD_CONSTEXPRS[key] = {
@@ -990,7 +975,6 @@ def _row_constexprs(
             "ROW_HINT": 1 if evict else 0,
             "WEIGHT_HINT": 2 if evict else 0,
             "SUM_WARPS": sum_warps,
-            "WEIGHT_FIRST": config.fwd_weight_first,
         }
     return found
 
