@@ -152,7 +152,6 @@ def sweep_rms(entries: list[dict], chosen: list[list[Any]]) -> None:
         chosen.append(["rms_fwd", hidden, f"rows={best[0]}, warps={best[1]}", score])
         sweep_one_row(hidden, best, entries, chosen)
         sweep_register_cap(hidden, best, entries, chosen)
-        sweep_run_warps(hidden, best, entries, chosen)
         # The layout must not depend on the number of rows (batch invariance): per layout, the
         # best grid and depth at each row count, then the layout of least geometric mean.
         per_layout: dict[tuple, dict[int, float | None]] = {}
@@ -278,45 +277,6 @@ def sweep_register_cap(
     if all(all(t is not None for t in per_rows.values()) for per_rows in times.values()):
         best, score = _choose(times)
         chosen.append(["rms_fwd_register_cap", hidden, f"fwd_max_registers={best}", score])
-
-
-def sweep_run_warps(
-    hidden: int, layout: tuple[int, int], entries: list[dict], chosen: list[list[Any]]
-) -> None:
-    """The specialised forward of a chosen one-row-per-program layout on its warps, half or a
-    quarter of them, replaying the layout's reduction order (the same bits), timed at 256,
-    4096 and 16384 bf16 rows under the table's register cap; the warps of least geometric mean
-    of time / fastest time are kept."""
-    fwd_rows, warps = layout
-    if fwd_rows != 1 or hidden < 256 * warps:
-        return
-    entry = rms.LAUNCH_CONFIGS[min(w for w in rms.LAUNCH_CONFIGS if w >= hidden)]
-    runs = [warps // f for f in (1, 2, 4) if warps // f >= 1]
-    times: dict[int, dict[int, float | None]] = {run: {} for run in runs}
-    for rows in (256, 4096, 16384):
-        sets = _forward_sets(rows, hidden)
-        for run in runs:
-            cfg = _forward_launch(
-                layout, fwd_run_warps=run, fwd_max_registers=entry.fwd_max_registers
-            )
-            us = _us(
-                lambda cfg=cfg, sets=sets: [
-                    partial(rms._forward, x, w, EPS, r, False, cfg) for x, r, w in sets
-                ]
-            )
-            times[run][rows] = us
-            entries.append(
-                {
-                    "kernel": "rms_fwd_run_warps",
-                    "shape": f"{rows}x{hidden}",
-                    "run_warps": run,
-                    "us": us,
-                }
-            )
-        sets = []
-    if all(all(t is not None for t in per_rows.values()) for per_rows in times.values()):
-        best, score = _choose(times)
-        chosen.append(["rms_fwd_run_warps", hidden, f"fwd_run_warps={best}", score])
 
 
 def sweep_logprobs(entries: list[dict], chosen: list[list[Any]]) -> None:
@@ -449,7 +409,6 @@ def in_use_table() -> str:
             c.bwd_stages,
             c.row_programs,
             c.fwd_max_registers,
-            c.fwd_run_warps,
         ]
         for width, c in sorted(rms.LAUNCH_CONFIGS.items())
     ]
@@ -462,14 +421,7 @@ def in_use_table() -> str:
         "bwd programs/SM",
     ]
     return markdown_table(
-        [
-            *header,
-            "bwd stages",
-            "one-row programs",
-            "fwd register cap (0: none)",
-            "fwd run warps (0: fwd warps)",
-        ],
-        rows,
+        [*header, "bwd stages", "one-row programs", "fwd register cap (0: none)"], rows
     )
 
 

@@ -541,55 +541,6 @@ def test_register_capped_specialised_forward_keeps_the_general_bits(triton_backe
     assert launch._exact_launcher(0) is launch._FORWARD_EXACT
 
 
-def test_launch_rejects_run_warps_that_cannot_replay_the_order():
-    launch = importlib.import_module("mcore_kernels.rms_norm")
-    base = launch.LAUNCH_CONFIGS[4096]
-    assert base.fwd_warps == 16
-    for bad in (32, 2, 3):
-        with pytest.raises(KernelValueError, match=f"fwd_run_warps={bad}"):
-            dataclasses.replace(base, fwd_run_warps=bad)
-    assert dataclasses.replace(base, fwd_run_warps=4).fwd_run_warps == 4
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_on_run_warps_keeps_the_general_bits(triton_backend, dtype):
-    # fwd_run_warps runs the specialised forward (one row per program) on fewer warps, its
-    # gathered reduction replaying the order of fwd_warps (on the interpreter every reduction
-    # is NumPy's: this checks the launch path; the bits on the GPU are
-    # test_cuda_run_warps_keep_the_general_bits). float32 rows keep fwd_warps.
-    launch = importlib.import_module("mcore_kernels.rms_norm")
-    config = dataclasses.replace(launch._launch(4096, -1).config, fwd_run_warps=8)
-    x, residual, weight = _inputs((3, 4096), dtype, seed=31, scale=3.0)
-    for res in (None, residual):
-        run = launch._forward(x, weight, 1e-6, res, False, config)
-        general = launch._forward(x, weight, 1e-6, res, False, specialise=False)
-        for got, expected in zip(run[:2], general[:2], strict=True):
-            assert torch.equal(got, expected)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize(("hidden", "warps", "run"), [(2048, 8, 4), (2048, 8, 2), (4096, 16, 8),
-                                                      (4096, 16, 4), (8192, 16, 8), (8192, 16, 4),
-                                                      (8192, 32, 16)])  # fmt: skip
-def test_cuda_run_warps_keep_the_general_bits(hidden, warps, run, dtype):
-    # The specialised forward on `run` warps replays the reduction of `warps` warps: the bits
-    # of the general kernel on `warps` warps, row by row, whatever the rows' scale.
-    launch = importlib.import_module("mcore_kernels.rms_norm")
-    config = dataclasses.replace(
-        launch._launch(hidden, 0).config, fwd_warps=warps, fwd_run_warps=run
-    )
-    x, residual, weight = (
-        t.cuda() for t in _inputs((256, hidden), dtype, seed=hidden + warps + run, scale=3.0)
-    )
-    x *= torch.exp2(torch.randint(-8, 9, (256, 1), device="cuda")).to(dtype)
-    general = launch._forward(x, weight, 1e-6, residual, False, config, specialise=False)
-    special = launch._forward(x, weight, 1e-6, residual, False, config)
-    assert torch.equal(special[0], general[0])
-    assert torch.equal(special[1], general[1])
-
-
 def test_launch_rejects_row_programs_not_a_power_of_two():
     launch = importlib.import_module("mcore_kernels.rms_norm")
     with pytest.raises(KernelValueError, match="row_programs=3"):

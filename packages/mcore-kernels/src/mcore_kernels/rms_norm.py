@@ -98,11 +98,6 @@ class RMSNormLaunch:
     """Registers a thread of the specialised forward (whole row blocks exactly one block wide)
     may use, passed to ptxas (``maxnreg``); 0: ptxas chooses. The machine code's schedule
     changes, never its arithmetic (the same bits)."""
-    fwd_run_warps: int = 0
-    """Warps the specialised forward runs on with one row per program, replaying the reduction
-    order of ``fwd_warps`` (each thread chains the columns a ``fwd_warps`` thread would, the
-    first levels of the warps' butterfly add in registers: the same bits); 0: ``fwd_warps``.
-    Taken by aligned 16-bit rows (the gathered reduction), other calls run ``fwd_warps``."""
 
     def __post_init__(self) -> None:
         for name in ("fwd_rows", "fwd_warps", "bwd_rows", "bwd_warps", "row_programs"):
@@ -112,12 +107,6 @@ class RMSNormLaunch:
         for name in ("bwd_programs_per_sm", "bwd_stages"):
             if getattr(self, name) < 1:
                 raise KernelValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.fwd_run_warps and self.fwd_warps // self.fwd_run_warps not in (1, 2, 4):
-            raise KernelValueError(
-                f"fwd_run_warps={self.fwd_run_warps} must be 0 or fwd_warps / 1, 2 or 4"
-            )
-        if self.fwd_run_warps and self.fwd_run_warps & (self.fwd_run_warps - 1):
-            raise KernelValueError(f"fwd_run_warps={self.fwd_run_warps} must be a power of two")
         if self.fwd_max_registers and not 24 <= self.fwd_max_registers <= 255:
             raise KernelValueError(
                 f"fwd_max_registers={self.fwd_max_registers} must be 0 or in [24, 255]"
@@ -240,10 +229,8 @@ def _forward_constexprs(
     exact: bool = False,
     pdl: bool = False,
     warps: int = 0,
-    order: int = 0,
 ) -> dict[str, Any]:
-    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl, warps,
-           order)  # fmt: skip
+    key = (plan.block, plan.single, has_residual, store_rstd, block_rows, flags, exact, pdl, warps)
     found = _FORWARD_CONSTEXPRS.get(key)
     if found is None and exact:
         _, wide, evict = flags
@@ -258,7 +245,6 @@ def _forward_constexprs(
             # One row per program: its sum of squares gathers the warps' sums in every warp
             # (warps: the launch's, 0 for tl.sum).
             "SUM_WARPS": warps if block_rows == 1 else 0,
-            "SUM_ORDER": order,
         }
     elif found is None:
         even, wide, evict = flags
@@ -301,62 +287,42 @@ def _load(pointers, mask, EVEN: tl.constexpr, HINT: tl.constexpr):
 
 
 @jit
-def _row_sum_of_squares(
-    h, BLOCK: tl.constexpr, WARPS: tl.constexpr, VECTOR: tl.constexpr, ORDER: tl.constexpr = 0
-):
+def _row_sum_of_squares(h, BLOCK: tl.constexpr, WARPS: tl.constexpr, VECTOR: tl.constexpr):
     # Sum of squares of one row ``h`` ([1, BLOCK] float32 in the layout of 16-byte loads on
     # WARPS warps: thread t of warp w holds VECTOR columns from (c * WARPS + w) * 32 * VECTOR +
     # t * VECTOR for each of the row's chunks c), as a [1] tensor. It adds in the order of
-    # ``tl.sum(h * h, axis=1)`` under Triton 3.6 on ORDER warps (0: WARPS): each thread's
-    # elements in column order, the lanes' butterfly, then the warps' sums in a butterfly with
-    # the warps half apart first, so its bits are those of that reduction; it only moves the
-    # warps' sums differently. ``tl.sum`` stores them to shared memory, lets eight lanes of
-    # warp 0 reduce them and broadcasts the result through shared memory again (two barriers);
-    # here every lane of every warp gathers the sums and reduces them itself (one barrier,
-    # about 0.03 us less at one row).
-    # ORDER = F * WARPS (F = 2 or 4, VECTOR = 8) replays the order of ORDER warps on WARPS:
-    # ORDER-warp thread (j * WARPS + w, t) holds the columns this layout gives thread (w, t) in
-    # its chunks c * F + j; its chain over them, its lanes' butterfly, then the butterfly's
-    # first log2(F) levels (warps ORDER / 2 ... WARPS apart: pairs of j, in registers) and the
-    # last ones across the WARPS warps.
-    F: tl.constexpr = ORDER // WARPS if ORDER else 1
-    if F == 1:
-        CHUNKS: tl.constexpr = BLOCK // (WARPS * 32 * VECTOR)
-        if CHUNKS == 1:
-            warp_rows = tl.reshape(h * h, [WARPS, BLOCK // WARPS])
-        else:
-            by_chunk = tl.reshape(h * h, [CHUNKS, WARPS, 32 * VECTOR])
-            warp_rows = tl.reshape(tl.permute(by_chunk, (1, 0, 2)), [WARPS, BLOCK // WARPS])
-        warp_sums = tl.sum(warp_rows, axis=1)
+    # ``tl.sum(h * h, axis=1)`` under Triton 3.6 (each thread's elements in column order, the
+    # lanes' butterfly, then the warps' sums in a butterfly with the warps half apart first),
+    # so its bits are the same; it only moves the warps' sums differently. ``tl.sum`` stores
+    # them to shared memory, lets eight lanes of warp 0 reduce them and broadcasts the result
+    # through shared memory again (two barriers); here every lane of every warp gathers the
+    # sums and reduces them itself (one barrier, about 0.03 us less at one row).
+    CHUNKS: tl.constexpr = BLOCK // (WARPS * 32 * VECTOR)
+    if CHUNKS == 1:
+        warp_rows = tl.reshape(h * h, [WARPS, BLOCK // WARPS])
     else:
-        ORDER_CHUNKS: tl.constexpr = BLOCK // (ORDER * 32 * VECTOR)
-        split = tl.reshape(h * h, [ORDER_CHUNKS, F, WARPS, 32 * VECTOR])
-        threads = tl.reshape(
-            tl.permute(split, (1, 2, 0, 3)), [F, WARPS, ORDER_CHUNKS * 32 * VECTOR]
-        )
-        thread_sums = tl.sum(threads, axis=2)
-        if F == 4:
-            thread_sums = tl.sum(tl.reshape(thread_sums, [2, 2, WARPS]), axis=0)
-        warp_sums = tl.sum(thread_sums, axis=0)
+        by_chunk = tl.reshape(h * h, [CHUNKS, WARPS, 32 * VECTOR])
+        warp_rows = tl.reshape(tl.permute(by_chunk, (1, 0, 2)), [WARPS, BLOCK // WARPS])
+    warp_sums = tl.sum(warp_rows, axis=1)
     # The gather's result has the layout of its index (every lane holds one warp's sum), so
     # the last sum is a butterfly inside each warp.
     return tl.expand_dims(tl.sum(tl.gather(warp_sums, tl.arange(0, WARPS), 0), axis=0), 0)
 
 
 @jit
-def _sum_of_squares(h, x_dtype: tl.constexpr, SUM_WARPS: tl.constexpr, SUM_ORDER: tl.constexpr = 0):
+def _sum_of_squares(h, x_dtype: tl.constexpr, SUM_WARPS: tl.constexpr):
     # Per row of ``h`` ([rows, BLOCK] float32): ``tl.sum(h * h, axis=1)``, or with the same
     # bits _row_sum_of_squares for one row of a 16-bit dtype (SUM_WARPS: the launch's warps,
-    # 0: plain; SUM_ORDER: the warps whose reduction order is replayed, 0: SUM_WARPS). A
-    # thread's loads are 16 bytes wide (8 elements), or narrower when the row gives each thread
-    # fewer elements. The interpreter always takes ``tl.sum`` (its sums are NumPy's).
+    # 0: plain). A thread's loads are 16 bytes wide (8 elements), or narrower when the row
+    # gives each thread fewer elements. The interpreter always takes ``tl.sum`` (its sums are
+    # NumPy's).
     plain: tl.constexpr = _INTERPRETED or SUM_WARPS == 0 or x_dtype.primitive_bitwidth != 16
     if plain or h.shape[0] != 1 or h.shape[1] < 32 * SUM_WARPS:
         total = tl.sum(h * h, axis=1)
     else:
         BLOCK: tl.constexpr = h.shape[1]
         VECTOR: tl.constexpr = 8 if BLOCK >= 256 * SUM_WARPS else BLOCK // (32 * SUM_WARPS)
-        total = _row_sum_of_squares(h, BLOCK, SUM_WARPS, VECTOR, SUM_ORDER)
+        total = _row_sum_of_squares(h, BLOCK, SUM_WARPS, VECTOR)
     return total
 
 
@@ -487,7 +453,6 @@ def _rms_norm_fwd_exact_kernel(
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
     SUM_WARPS: tl.constexpr,
-    SUM_ORDER: tl.constexpr = 0,
 ):
     # The forward of contiguous rows exactly BLOCK wide in whole row blocks: no masks, no row
     # count, the row stride is the constexpr width. The arithmetic is the general kernel's
@@ -507,9 +472,7 @@ def _rms_norm_fwd_exact_kernel(
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
         tl.store(hidden_out_ptr + offs, x)
     h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(
-        _sum_of_squares(h, x_ptr.dtype.element_ty, SUM_WARPS, SUM_ORDER) / BLOCK + eps
-    )
+    rstd = 1.0 / tl.sqrt(_sum_of_squares(h, x_ptr.dtype.element_ty, SUM_WARPS) / BLOCK + eps)
     tl.store(y_ptr + offs, round_to(h * rstd[:, None] * w[None, :], y_ptr.dtype.element_ty))
 
 
@@ -527,7 +490,6 @@ def _rms_norm_fwd_row_kernel(
     ROW_HINT: tl.constexpr,
     WEIGHT_HINT: tl.constexpr,
     SUM_WARPS: tl.constexpr,
-    SUM_ORDER: tl.constexpr = 0,
 ):
     # One row exactly BLOCK wide on PROGRAMS programs of the specialised kernel's layout (same
     # warps, same arithmetic: its bits): what bounds a one-row call is one program's chain of
@@ -551,9 +513,7 @@ def _rms_norm_fwd_row_kernel(
         x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
         tl.store(hidden_out_ptr + offs, x, mask=mine)
     h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(
-        _sum_of_squares(h, x_ptr.dtype.element_ty, SUM_WARPS, SUM_ORDER) / BLOCK + eps
-    )
+    rstd = 1.0 / tl.sqrt(_sum_of_squares(h, x_ptr.dtype.element_ty, SUM_WARPS) / BLOCK + eps)
     y = round_to(h * rstd[:, None] * w, y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs, y, mask=mine)
 
@@ -903,21 +863,6 @@ def _forward(
     # The gathered sum of squares (the bits of tl.sum) follows the layout of 16-byte loads,
     # which Triton gives aligned inputs only: other calls keep tl.sum (0 warps).
     sum_warps = config.fwd_warps if aligned else 0
-    one_row = exact and rows == 1 and config.row_programs > 1
-    warps, order = config.fwd_warps, 0
-    if (
-        config.fwd_run_warps
-        and exact
-        and not one_row
-        and block_rows == 1
-        and sum_warps
-        and x.itemsize == 2
-        and plan.block >= 256 * config.fwd_warps
-    ):
-        # One row per program on fewer warps, replaying the reduction of fwd_warps (the same
-        # bits); only the gathered reduction of aligned 16-bit rows can replay it.
-        warps = sum_warps = config.fwd_run_warps
-        order = config.fwd_warps
     constexprs = _forward_constexprs(
         plan,
         has_residual,
@@ -927,12 +872,11 @@ def _forward(
         exact=exact,
         pdl=pdl,
         warps=sum_warps,
-        order=order,
     )
     stats = rstd if rstd is not None else y
     programs = -(-rows // block_rows)
     args: tuple
-    if one_row:
+    if exact and rows == 1 and config.row_programs > 1:
         # One row: its columns' stores shared by row_programs programs (the same bits).
         launcher, args = _FORWARD_ROW, (x, r, weight, y, h, eps)
         constexprs = _row_constexprs(plan, config, has_residual, flags[2], sum_warps)
@@ -952,12 +896,12 @@ def _forward(
         key = (hidden, device_index, x.dtype, weight.dtype, has_residual, store_rstd, block_rows,
                flags, _int_class(rows), pdl)  # fmt: skip
         launcher.keyed(key, programs, args, (*addresses, y_address, h.data_ptr(), *tail),
-                       constexprs, warps, device_index)  # fmt: skip
+                       constexprs, config.fwd_warps, device_index)  # fmt: skip
         entry = launcher.entry(key)
         if entry is not None and specialise and not store_rstd and type(eps) is float:
             _FAST_FORWARD[signature] = (*entry, programs, exact)
     else:
-        launcher((programs,), args, constexprs, warps, device_index)
+        launcher((programs,), args, constexprs, config.fwd_warps, device_index)
     return y, h, rstd
 
 
