@@ -5,7 +5,8 @@ Peers measured in the same run: torch eager (``x + residual`` then ``F.rms_norm`
 when installed. Effective bandwidth counts the bytes that must move (forward: read ``x``,
 ``residual``, write ``x + residual`` and ``y``; backward: read ``dy``, ``d(x + residual)``,
 ``x + residual``, write ``dx``) and is compared with a device-to-device copy measured in the same
-run.
+run. The forward also has a move-only floor: the fastest launch configuration of a kernel that
+moves its bytes with no arithmetic (``_move_floor.py``), timed in the same loop.
 
 Usage: ``python3 packages/mcore-kernels/benchmarks/bench_rms_norm.py --out DIR``
 """
