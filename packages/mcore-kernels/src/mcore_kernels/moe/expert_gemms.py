@@ -61,9 +61,10 @@ rows padded to the largest expert); no host synchronisation in the GEMMs themsel
 GLUON_WEIGHTS = True
 """On a Hopper GPU, the weight gradients of the listed shapes run on the warp-specialised Gluon
 kernels (:mod:`mcore_kernels.moe.gluon_wgrad`): the :data:`BATCHED` ones (equal slots) of
-:data:`_GLUON_SLOT_SHAPES` instead of ``torch.bmm``, and those of :class:`PersistentTiles` on
-rows padded per expert (``row_align``) of :data:`_GLUON_ALIGNED_SHAPES` instead of the aligned
-Triton kernel."""
+:data:`_GLUON_SLOT_SHAPES` instead of ``torch.bmm``, those of :class:`PersistentTiles` on rows
+padded per expert (``row_align``) of :data:`_GLUON_ALIGNED_SHAPES` instead of the aligned
+Triton kernel, and the :data:`GROUPED_MM` ones on packed rows of :data:`_GLUON_PACKED_SHAPES`
+instead of ``torch._grouped_mm``."""
 
 GLUON_TILES: Any = None
 """Tiles of those Gluon weight gradients
@@ -254,6 +255,10 @@ class ExpertGemmRunner:
             return torch.bmm(
                 g.view(experts, -1, g.shape[1]).transpose(1, 2), x.view(experts, -1, x.shape[1])
             )
+        if _gluon_weights(g, x, self.offsets.shape[0], packed=True):
+            from mcore_kernels.moe.gluon_wgrad import gluon_k_grouped_mm
+
+            return gluon_k_grouped_mm(g, x, self.offsets, tiles=GLUON_TILES, aligned=False)
         return torch._grouped_mm(g.t(), x, offs=self.offsets)
 
     def gate_up(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
@@ -417,6 +422,18 @@ _GLUON_ALIGNED_SHAPES: frozenset[tuple[int, int, int]] = frozenset(
 """Weight-gradient shapes whose GEMMs on rows padded per expert run on the Gluon kernel
 instead of the aligned Triton kernel (see :data:`GLUON_WEIGHTS`)."""
 
+_GLUON_PACKED_SHAPES: frozenset[tuple[int, int, int]] = frozenset(
+    {
+        # Qwen3-30B-A3B (hidden 2048, expert width 768, 128 experts) on packed rows (dropless,
+        # and capacity routing's packed kept rows): w_down ([E, 2048, 768]) and w_gate_up
+        # ([E, 1536, 2048]) instead of torch._grouped_mm.
+        (2048, 768, 128),
+        (1536, 2048, 128),
+    }
+)
+"""Weight-gradient shapes whose :data:`GROUPED_MM` GEMMs (packed rows, any count per expert)
+run on the Gluon kernel with masked last chunks (see :data:`GLUON_WEIGHTS`)."""
+
 
 @functools.cache
 def _gluon_ready() -> bool:
@@ -427,16 +444,21 @@ def _gluon_ready() -> bool:
     return True
 
 
-def _gluon_weights(g: torch.Tensor, x: torch.Tensor, experts: int, row_align: int = 0) -> bool:
-    """Whether the weight gradient ``g.T @ x`` (equal slots, or rows padded per expert to
-    ``row_align``) runs on the Gluon kernels."""
+def _gluon_weights(
+    g: torch.Tensor, x: torch.Tensor, experts: int, row_align: int = 0, packed: bool = False
+) -> bool:
+    """Whether the weight gradient ``g.T @ x`` (equal slots, rows padded per expert to
+    ``row_align``, or ``packed`` rows of any count) runs on the Gluon kernels."""
     if row_align:
         from mcore_kernels.moe.gluon_wgrad import DEFAULT_TILES
 
         tiles = GLUON_TILES if GLUON_TILES is not None else DEFAULT_TILES
         if row_align % tiles.block_r:
             return False
-    shapes = _GLUON_ALIGNED_SHAPES if row_align else _GLUON_SLOT_SHAPES
+    if packed:
+        shapes = _GLUON_PACKED_SHAPES
+    else:
+        shapes = _GLUON_ALIGNED_SHAPES if row_align else _GLUON_SLOT_SHAPES
     return (
         GLUON_WEIGHTS
         and (g.shape[1], x.shape[1], experts) in shapes
