@@ -16,7 +16,10 @@ next epilogue, just before the buffer is rewritten). Modes:
 - cooperative: the two warpgroups share each stage's ``g`` chunk and take one half each of the
   tile's columns (a ``block_n x 2 block_k`` tile per program);
 - ping-pong: the two warpgroups take alternate tiles of the program (``block_n x block_k``
-  each, one ring and one load warp each), so one's epilogue runs beside the other's products.
+  each, one ring and one load warp each), so one's epilogue runs beside the other's products;
+- ordered: ping-pong with the products in turns (mbarriers): a warpgroup starts a tile's
+  products when the other's previous tile's products have retired, so the tensor cores serve
+  one warpgroup at a time and each epilogue runs while the other warpgroup multiplies.
 
 Gluon kernels need an sm_90 GPU (they do not run under the Triton interpreter); the torch
 reference of both layouts is :func:`mcore_kernels.moe.reference.k_grouped_mm_reference` (equal
@@ -64,6 +67,17 @@ def _row_layout(columns):
     """A blocked layout of 4 warps over ``[rows, columns]`` (8 contiguous elements a thread)."""
     across = min(32, max(1, columns // 8))
     return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
+
+
+_FLAG_BITS = {"pingpong": 0, "slots": 1, "masked": 2, "ordered": 3, "sync_store": 4}
+"""Bits of the kernel's ``FLAGS``: ping-pong tiles, equal slots, packed rows with masked last
+chunks, ping-pong products in turns, each store waited for at once."""
+
+
+@gluon.constexpr_function
+def _has(flags, name):
+    """Whether the ``FLAGS`` bit ``name`` (see :data:`_FLAG_BITS`) is set."""
+    return bool(flags >> _FLAG_BITS[name] & 1)
 
 
 @gluon.jit
@@ -114,10 +128,11 @@ def _loader(
     args,
     RID: gl.constexpr,
     STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    SLOTS: gl.constexpr,
+    FLAGS: gl.constexpr,
 ):
-    a_bufs, b_bufs, ready, empty, ends_ptr, num_experts, slot_rows, N, K = args
+    PINGPONG: gl.constexpr = _has(FLAGS, "pingpong")
+    SLOTS: gl.constexpr = _has(FLAGS, "slots")
+    a_bufs, b_bufs, ready, empty, _turns, ends_ptr, num_experts, slot_rows, N, K = args
     BLOCK_R: gl.constexpr = g_desc.block_type.shape[-2]
     BLOCK_N: gl.constexpr = g_desc.block_type.shape[-1]
     SUB_K: gl.constexpr = x_desc.block_type.shape[-1]
@@ -178,12 +193,13 @@ def _consumer(
     args,
     CID: gl.constexpr,
     STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    SLOTS: gl.constexpr,
-    MASKED: gl.constexpr,
-    SYNC_STORE: gl.constexpr,
+    FLAGS: gl.constexpr,
 ):
-    a_bufs, b_bufs, ready, empty, ends_ptr, num_experts, slot_rows, N, K = args
+    PINGPONG: gl.constexpr = _has(FLAGS, "pingpong")
+    SLOTS: gl.constexpr = _has(FLAGS, "slots")
+    MASKED: gl.constexpr = _has(FLAGS, "masked")
+    ORDERED: gl.constexpr = _has(FLAGS, "ordered")
+    a_bufs, b_bufs, ready, empty, turns, ends_ptr, num_experts, slot_rows, N, K = args
     BLOCK_R: gl.constexpr = a_bufs.type.shape[-2]
     BLOCK_N: gl.constexpr = a_bufs.type.shape[-1]
     SUB_K: gl.constexpr = b_bufs.type.shape[-1]
@@ -199,6 +215,7 @@ def _consumer(
     num_k = gl.cdiv(K, BLOCK_K)
     per_expert = gl.cdiv(N, BLOCK_N) * num_k
     counter = 0
+    tile = 0
     step = gl.num_programs(0) * RINGS
     for job in range(gl.program_id(0) + gl.num_programs(0) * RID, num_experts * per_expert, step):
         expert = job // per_expert
@@ -208,6 +225,10 @@ def _consumer(
         chunks = gl.cdiv(count, BLOCK_R)
         acc = gl.zeros([BLOCK_N, SUB_K], gl.float32, layout)
         prev = 0
+        if ORDERED:
+            # Products in turns: this tile's start after the other warpgroup's previous tile's
+            # products retired (warpgroup 0 starts), so each epilogue runs beside products.
+            mbarrier.wait(turns.index(CID), (tile & 1) ^ (1 - CID))
         for c in range(chunks):
             s = RID * STAGES + counter % STAGES
             mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
@@ -230,7 +251,12 @@ def _consumer(
             counter += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(prev), count=1, pred=chunks > 0)
-        _epilogue(acc, c_smem, out_desc, expert * N + n0, k0 + B_OFF * SUB_K, SYNC_STORE)
+        if ORDERED:
+            mbarrier.arrive(turns.index(1 - CID), count=1)
+        tile += 1  # noqa: SIM113 (a loop-carried scalar)
+        _epilogue(
+            acc, c_smem, out_desc, expert * N + n0, k0 + B_OFF * SUB_K, _has(FLAGS, "sync_store")
+        )
     tma.store_wait(0)
 
 
@@ -245,15 +271,14 @@ def gluon_wgrad_kernel(
     N,
     K,
     STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    SLOTS: gl.constexpr,
-    MASKED: gl.constexpr,
-    SYNC_STORE: gl.constexpr,
+    FLAGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
 ):
-    """``OUT[e] = G[rows of e].T @ X[rows of e]``, cooperative or ping-pong tiles."""
+    """``OUT[e] = G[rows of e].T @ X[rows of e]``, cooperative or ping-pong tiles (``FLAGS``:
+    see :data:`_FLAG_BITS`)."""
     dtype: gl.constexpr = g_desc.dtype
+    PINGPONG: gl.constexpr = _has(FLAGS, "pingpong")
     SPLIT: gl.constexpr = 1 if PINGPONG else 2
     RINGS: gl.constexpr = 2 if PINGPONG else 1
     a_bufs = gl.allocate_shared_memory(
@@ -267,25 +292,22 @@ def gluon_wgrad_kernel(
     )
     ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(RINGS * STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1 if PINGPONG else 2)
-    args = (a_bufs, b_bufs, ready, empty, ends_ptr, num_experts, slot_rows, N, K)
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+    args = (a_bufs, b_bufs, ready, empty, turns, ends_ptr, num_experts, slot_rows, N, K)
     # Partitions: consumer 0 (the default warps), consumer 1 (4 warps), the loader of ring 0
     # (1 warp) and, in ping-pong mode, the loader of ring 1 (1 warp).
     if PINGPONG:
         gl.warp_specialize(
             [
-                (
-                    _consumer,
-                    (out_desc, c_bufs, args, 0, STAGES, PINGPONG, SLOTS, MASKED, SYNC_STORE),
-                ),
-                (
-                    _consumer,
-                    (out_desc, c_bufs, args, 1, STAGES, PINGPONG, SLOTS, MASKED, SYNC_STORE),
-                ),
-                (_loader, (g_desc, x_desc, args, 0, STAGES, PINGPONG, SLOTS)),
-                (_loader, (g_desc, x_desc, args, 1, STAGES, PINGPONG, SLOTS)),
+                (_consumer, (out_desc, c_bufs, args, 0, STAGES, FLAGS)),
+                (_consumer, (out_desc, c_bufs, args, 1, STAGES, FLAGS)),
+                (_loader, (g_desc, x_desc, args, 0, STAGES, FLAGS)),
+                (_loader, (g_desc, x_desc, args, 1, STAGES, FLAGS)),
             ],
             [4, 1, 1],
             [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
@@ -293,15 +315,9 @@ def gluon_wgrad_kernel(
     else:
         gl.warp_specialize(
             [
-                (
-                    _consumer,
-                    (out_desc, c_bufs, args, 0, STAGES, PINGPONG, SLOTS, MASKED, SYNC_STORE),
-                ),
-                (
-                    _consumer,
-                    (out_desc, c_bufs, args, 1, STAGES, PINGPONG, SLOTS, MASKED, SYNC_STORE),
-                ),
-                (_loader, (g_desc, x_desc, args, 0, STAGES, PINGPONG, SLOTS)),
+                (_consumer, (out_desc, c_bufs, args, 0, STAGES, FLAGS)),
+                (_consumer, (out_desc, c_bufs, args, 1, STAGES, FLAGS)),
+                (_loader, (g_desc, x_desc, args, 0, STAGES, FLAGS)),
             ],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
@@ -313,7 +329,7 @@ class GluonWeightTiles:
     """Tile shape and mode of the Gluon weight-gradient kernels."""
 
     mode: str = "cooperative"
-    """``"cooperative"`` or ``"pingpong"`` (see the module docstring)."""
+    """``"cooperative"``, ``"pingpong"`` or ``"ordered"`` (see the module docstring)."""
     block_r: int = 64
     """Rows per reduction chunk."""
     block_n: int = 128
@@ -348,10 +364,10 @@ class GluonWeightTiles:
     @property
     def tile_k(self) -> int:
         """Output columns per tile."""
-        return self.block_k * (1 if self.mode == "pingpong" else 2)
+        return self.block_k * (2 if self.mode == "cooperative" else 1)
 
 
-_MODES = ("cooperative", "pingpong")
+_MODES = ("cooperative", "pingpong", "ordered")
 DEFAULT_TILES = GluonWeightTiles()
 """The tiles measured fastest (cooperative 128 x 256 tiles, 64-row chunks, 3 stages)."""
 _NUM_SMS: dict[int, int] = {}
@@ -417,6 +433,13 @@ def _launch(
     if index not in _NUM_SMS:
         _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     programs = max(1, min(_NUM_SMS[index], experts * (n // tiles.block_n) * (k // tiles.tile_k)))
+    flags = {
+        "pingpong": tiles.mode != "cooperative",
+        "slots": slots,
+        "masked": masked,
+        "ordered": tiles.mode == "ordered",
+        "sync_store": tiles.sync_store,
+    }
     gluon_wgrad_kernel[(programs,)](
         g_desc,
         x_desc,
@@ -427,10 +450,7 @@ def _launch(
         n,
         k,
         STAGES=tiles.stages,
-        PINGPONG=tiles.mode == "pingpong",
-        SLOTS=slots,
-        MASKED=masked,
-        SYNC_STORE=tiles.sync_store,
+        FLAGS=sum(1 << _FLAG_BITS[name] for name, on in flags.items() if on),
         CONSUMER_REGS=tiles.consumer_regs,
         LOADER_REGS=tiles.loader_regs,
         num_warps=4,
