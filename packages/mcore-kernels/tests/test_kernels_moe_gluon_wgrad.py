@@ -28,7 +28,6 @@ def test_tiles_are_checked():
         GluonWeightTiles(mode="strip")
     assert GluonWeightTiles().tile_k == 256
     assert GluonWeightTiles(mode="pingpong").tile_k == 128
-    assert GluonWeightTiles(mode="ordered").tile_k == 128
 
 
 def test_arguments_are_checked():

@@ -30,8 +30,6 @@ TILES = [
     GluonWeightTiles(block_r=32, stages=6),
     GluonWeightTiles(mode="pingpong", block_r=32, stages=5),
     GluonWeightTiles(stages=4, epilogue_split=2),
-    GluonWeightTiles(mode="ordered", stages=2),
-    GluonWeightTiles(mode="ordered", block_r=32, stages=5),
 ]
 IDS = [
     "cooperative",
@@ -39,8 +37,6 @@ IDS = [
     "cooperative-32-rows",
     "pingpong-32-rows",
     "halves",
-    "ordered",
-    "ordered-32-rows",
 ]
 BF16 = dict(device="cuda", dtype=torch.bfloat16)
 

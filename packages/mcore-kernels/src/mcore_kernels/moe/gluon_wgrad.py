@@ -16,10 +16,7 @@ next epilogue, just before the buffer is rewritten). Modes:
 - cooperative: the two warpgroups share each stage's ``g`` chunk and take one half each of the
   tile's columns (a ``block_n x 2 block_k`` tile per program);
 - ping-pong: the two warpgroups take alternate tiles of the program (``block_n x block_k``
-  each, one ring and one load warp each), so one's epilogue runs beside the other's products;
-- ordered: ping-pong with the products in turns (mbarriers): a warpgroup starts a tile's
-  products when the other's previous tile's products have retired, so the tensor cores serve
-  one warpgroup at a time and each epilogue runs while the other warpgroup multiplies.
+  each, one ring and one load warp each), so one's epilogue runs beside the other's products.
 
 Gluon kernels need an sm_90 GPU (they do not run under the Triton interpreter); the torch
 reference of both layouts is :func:`mcore_kernels.moe.reference.k_grouped_mm_reference` (equal
@@ -69,9 +66,9 @@ def _row_layout(columns):
     return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
 
 
-_FLAG_BITS = {"pingpong": 0, "slots": 1, "masked": 2, "ordered": 3, "sync_store": 4}
+_FLAG_BITS = {"pingpong": 0, "slots": 1, "masked": 2, "sync_store": 3}
 """Bits of the kernel's ``FLAGS``: ping-pong tiles, equal slots, packed rows with masked last
-chunks, ping-pong products in turns, each store waited for at once."""
+chunks, each store waited for at once."""
 
 
 @gluon.constexpr_function
@@ -132,7 +129,7 @@ def _loader(
 ):
     PINGPONG: gl.constexpr = _has(FLAGS, "pingpong")
     SLOTS: gl.constexpr = _has(FLAGS, "slots")
-    a_bufs, b_bufs, ready, empty, _turns, ends_ptr, num_experts, slot_rows, N, K = args
+    a_bufs, b_bufs, ready, empty, ends_ptr, num_experts, slot_rows, N, K = args
     BLOCK_R: gl.constexpr = g_desc.block_type.shape[-2]
     BLOCK_N: gl.constexpr = g_desc.block_type.shape[-1]
     SUB_K: gl.constexpr = x_desc.block_type.shape[-1]
@@ -198,8 +195,7 @@ def _consumer(
     PINGPONG: gl.constexpr = _has(FLAGS, "pingpong")
     SLOTS: gl.constexpr = _has(FLAGS, "slots")
     MASKED: gl.constexpr = _has(FLAGS, "masked")
-    ORDERED: gl.constexpr = _has(FLAGS, "ordered")
-    a_bufs, b_bufs, ready, empty, turns, ends_ptr, num_experts, slot_rows, N, K = args
+    a_bufs, b_bufs, ready, empty, ends_ptr, num_experts, slot_rows, N, K = args
     BLOCK_R: gl.constexpr = a_bufs.type.shape[-2]
     BLOCK_N: gl.constexpr = a_bufs.type.shape[-1]
     SUB_K: gl.constexpr = b_bufs.type.shape[-1]
@@ -215,7 +211,6 @@ def _consumer(
     num_k = gl.cdiv(K, BLOCK_K)
     per_expert = gl.cdiv(N, BLOCK_N) * num_k
     counter = 0
-    tile = 0
     step = gl.num_programs(0) * RINGS
     for job in range(gl.program_id(0) + gl.num_programs(0) * RID, num_experts * per_expert, step):
         expert = job // per_expert
@@ -225,10 +220,6 @@ def _consumer(
         chunks = gl.cdiv(count, BLOCK_R)
         acc = gl.zeros([BLOCK_N, SUB_K], gl.float32, layout)
         prev = 0
-        if ORDERED:
-            # Products in turns: this tile's start after the other warpgroup's previous tile's
-            # products retired (warpgroup 0 starts), so each epilogue runs beside products.
-            mbarrier.wait(turns.index(CID), (tile & 1) ^ (1 - CID))
         for c in range(chunks):
             s = RID * STAGES + counter % STAGES
             mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
@@ -251,9 +242,6 @@ def _consumer(
             counter += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(prev), count=1, pred=chunks > 0)
-        if ORDERED:
-            mbarrier.arrive(turns.index(1 - CID), count=1)
-        tile += 1  # noqa: SIM113 (a loop-carried scalar)
         _epilogue(
             acc, c_smem, out_desc, expert * N + n0, k0 + B_OFF * SUB_K, _has(FLAGS, "sync_store")
         )
@@ -292,13 +280,10 @@ def gluon_wgrad_kernel(
     )
     ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(RINGS * STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1 if PINGPONG else 2)
-    for i in gl.static_range(2):
-        mbarrier.init(turns.index(i), count=1)
-    args = (a_bufs, b_bufs, ready, empty, turns, ends_ptr, num_experts, slot_rows, N, K)
+    args = (a_bufs, b_bufs, ready, empty, ends_ptr, num_experts, slot_rows, N, K)
     # Partitions: consumer 0 (the default warps), consumer 1 (4 warps), the loader of ring 0
     # (1 warp) and, in ping-pong mode, the loader of ring 1 (1 warp).
     if PINGPONG:
@@ -329,7 +314,7 @@ class GluonWeightTiles:
     """Tile shape and mode of the Gluon weight-gradient kernels."""
 
     mode: str = "cooperative"
-    """``"cooperative"``, ``"pingpong"`` or ``"ordered"`` (see the module docstring)."""
+    """``"cooperative"`` or ``"pingpong"`` (see the module docstring)."""
     block_r: int = 64
     """Rows per reduction chunk."""
     block_n: int = 128
@@ -367,7 +352,7 @@ class GluonWeightTiles:
         return self.block_k * (2 if self.mode == "cooperative" else 1)
 
 
-_MODES = ("cooperative", "pingpong", "ordered")
+_MODES = ("cooperative", "pingpong")
 DEFAULT_TILES = GluonWeightTiles()
 """The tiles measured fastest (cooperative 128 x 256 tiles, 64-row chunks, 3 stages)."""
 _NUM_SMS: dict[int, int] = {}
@@ -437,7 +422,6 @@ def _launch(
         "pingpong": tiles.mode != "cooperative",
         "slots": slots,
         "masked": masked,
-        "ordered": tiles.mode == "ordered",
         "sync_store": tiles.sync_store,
     }
     gluon_wgrad_kernel[(programs,)](
