@@ -44,7 +44,7 @@ def test_arguments_are_checked():
 
 def test_batched_weight_gradients_of_cpu_tensors_stay_on_bmm(monkeypatch):
     experts, slot_rows, n, k = 2, 24, 128, 256
-    monkeypatch.setattr(expert_gemms, "_GLUON_SLOT_SHAPES", frozenset({(n, k, experts)}))
+    monkeypatch.setattr(expert_gemms, "_GLUON_SLOT_SHAPES", {(n, k, experts): ()})
     offsets = (torch.arange(1, experts + 1) * slot_rows).to(torch.int32)
     g = torch.randn(experts * slot_rows, n)
     x = torch.randn(experts * slot_rows, k)
@@ -56,7 +56,7 @@ def test_batched_weight_gradients_of_cpu_tensors_stay_on_bmm(monkeypatch):
 def test_packed_weight_gradients_of_cpu_tensors_stay_on_grouped_mm(monkeypatch):
     counts = torch.tensor([5, 0, 11])
     n, k = 128, 256
-    monkeypatch.setattr(expert_gemms, "_GLUON_PACKED_SHAPES", frozenset({(n, k, 3)}))
+    monkeypatch.setattr(expert_gemms, "_GLUON_PACKED_SHAPES", {(n, k, 3): ()})
     offsets = counts.cumsum(0).to(torch.int32)
     g = torch.randn(16, n, dtype=torch.bfloat16)
     x = torch.randn(16, k, dtype=torch.bfloat16)

@@ -97,7 +97,7 @@ def test_slots_match_batched_product(tiles, slot_rows):
 
 def test_batched_weight_gradients_of_a_listed_shape_run_on_gluon(monkeypatch):
     experts, slot_rows, n, k = 4, 320, 256, 512
-    monkeypatch.setattr(expert_gemms, "_GLUON_SLOT_SHAPES", frozenset({(n, k, experts)}))
+    monkeypatch.setattr(expert_gemms, "_GLUON_SLOT_SHAPES", {(n, k, experts): ()})
     offsets = (torch.arange(1, experts + 1) * slot_rows).to(torch.int32).cuda()
     g = torch.randn(experts * slot_rows, n, **BF16)
     x = torch.randn(experts * slot_rows, k, **BF16)
@@ -113,7 +113,7 @@ def test_aligned_weight_gradients_of_a_listed_shape_run_on_gluon(monkeypatch):
     counts = torch.tensor([128, 0, 320, 64])
     offsets = counts.cumsum(0).to(torch.int32).cuda()
     rows = int(counts.sum())
-    monkeypatch.setattr(expert_gemms, "_GLUON_ALIGNED_SHAPES", frozenset({(n, k, 4)}))
+    monkeypatch.setattr(expert_gemms, "_GLUON_ALIGNED_SHAPES", {(n, k, 4): ()})
     tiles = PersistentTiles(block_m=64, block_n=128, block_k=256, num_stages=3)
     plan = ExpertGemms(w_down=tiles, w_gate_up=tiles, row_align=64)
     g = torch.randn(rows, n, **BF16)
@@ -128,7 +128,7 @@ def test_packed_weight_gradients_of_a_listed_shape_run_on_gluon(monkeypatch):
     counts = torch.tensor([130, 0, 321, 57])
     offsets = counts.cumsum(0).to(torch.int32).cuda()
     rows = int(counts.sum())
-    monkeypatch.setattr(expert_gemms, "_GLUON_PACKED_SHAPES", frozenset({(n, k, 4)}))
+    monkeypatch.setattr(expert_gemms, "_GLUON_PACKED_SHAPES", {(n, k, 4): ()})
     g = torch.randn(rows, n, **BF16)
     x = torch.randn(rows, k, **BF16)
     runner = ExpertGemmRunner(ExpertGemms(), offsets, rows)

@@ -25,6 +25,7 @@ slots: ``offsets = (e + 1) * S``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -376,6 +377,12 @@ def _check(g: torch.Tensor, x: torch.Tensor, tiles: GluonWeightTiles) -> None:
             raise KernelDeviceError(f"{name}.device={tensor.device}: Gluon kernels need a GPU")
 
 
+@functools.cache
+def _layout(block: tuple[int, ...], dtype: object) -> object:
+    """The shared-memory layout of a TMA block (cached: it is built on every launch)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
 def _launch(
     g: torch.Tensor,
     x: torch.Tensor,
@@ -402,16 +409,16 @@ def _launch(
     g_desc = TensorDescriptor.from_tensor(
         g.view(experts, slot_rows, n) if slots else g,
         g_block,
-        gl.NVMMASharedLayout.get_default_for(g_block, dtype),
+        _layout(tuple(g_block), dtype),
     )
     x_desc = TensorDescriptor.from_tensor(
         x.view(experts, slot_rows, k) if slots else x,
         x_block,
-        gl.NVMMASharedLayout.get_default_for(x_block, dtype),
+        _layout(tuple(x_block), dtype),
     )
     o_block = [tiles.block_n, tiles.block_k // tiles.epilogue_split]
     out_desc = TensorDescriptor.from_tensor(
-        out.view(experts * n, k), o_block, gl.NVMMASharedLayout.get_default_for(o_block, dtype)
+        out.view(experts * n, k), o_block, _layout(tuple(o_block), dtype)
     )
     ends = offsets if offsets is not None else out  # not read with slots
     index = g.device.index if g.device.index is not None else torch.cuda.current_device()
