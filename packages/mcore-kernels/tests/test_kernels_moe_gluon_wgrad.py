@@ -18,16 +18,11 @@ from mcore_kernels.moe.gluon_wgrad import (
 
 
 def test_tiles_are_checked():
-    with pytest.raises(KernelValueError, match="mode"):
-        GluonWeightTiles(mode="split")
     with pytest.raises(KernelShapeError, match="block_n"):
         GluonWeightTiles(block_n=96)
     with pytest.raises(KernelValueError, match="stages"):
         GluonWeightTiles(stages=0)
-    with pytest.raises(KernelValueError, match="mode"):
-        GluonWeightTiles(mode="strip")
     assert GluonWeightTiles().tile_k == 256
-    assert GluonWeightTiles(mode="pingpong").tile_k == 128
 
 
 def test_arguments_are_checked():

@@ -1,7 +1,7 @@
 """Gluon weight-gradient kernels on a Hopper GPU in bfloat16: packed rows padded to 64 per
 expert (experts without rows among them), packed rows of any count (masked last chunks, rows
 past the last expert, non-finite rows of a neighbouring expert) and equal slots with a partial
-last chunk, in every mode, against the torch reference; two runs bitwise equal; the batched,
+last chunk, in each tile shape, against the torch reference; two runs bitwise equal; the batched,
 aligned and packed weight gradients of a listed shape taken by the Gluon kernel."""
 
 from __future__ import annotations
@@ -25,19 +25,11 @@ from mcore_kernels.moe.grouped_mm import PersistentTiles  # noqa: E402
 from mcore_kernels.moe.reference import k_grouped_mm_reference  # noqa: E402
 
 TILES = [
-    GluonWeightTiles(mode="cooperative"),
-    GluonWeightTiles(mode="pingpong", stages=2),
+    GluonWeightTiles(),
     GluonWeightTiles(block_r=32, stages=6),
-    GluonWeightTiles(mode="pingpong", block_r=32, stages=5),
-    GluonWeightTiles(stages=4, epilogue_split=2),
+    GluonWeightTiles(stages=2, sync_store=True),
 ]
-IDS = [
-    "cooperative",
-    "pingpong",
-    "cooperative-32-rows",
-    "pingpong-32-rows",
-    "halves",
-]
+IDS = ["64-rows", "32-rows", "2-stages-sync-store"]
 BF16 = dict(device="cuda", dtype=torch.bfloat16)
 
 

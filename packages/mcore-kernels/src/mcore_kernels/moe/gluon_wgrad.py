@@ -9,14 +9,10 @@ through 3-D descriptors ``[E, S, N]``).
 
 A load warp streams the row chunks of every output tile of the program through a ring of
 shared-memory stages (TMA, mbarriers) and runs ahead across tile boundaries; two warpgroups
-run the wgmma products. Each tile's epilogue goes registers -> shared memory -> TMA store and
-is not waited for: the store drains while the next tile's products run (the wait comes at the
-next epilogue, just before the buffer is rewritten). Modes:
-
-- cooperative: the two warpgroups share each stage's ``g`` chunk and take one half each of the
-  tile's columns (a ``block_n x 2 block_k`` tile per program);
-- ping-pong: the two warpgroups take alternate tiles of the program (``block_n x block_k``
-  each, one ring and one load warp each), so one's epilogue runs beside the other's products.
+share each stage's ``g`` chunk and run the wgmma products of one half each of the tile's
+columns (a ``block_n x 2 block_k`` tile per program). Each tile's epilogue goes registers ->
+shared memory -> TMA store and is not waited for: the store drains while the next tile's
+products run (the wait comes at the next epilogue, just before the buffer is rewritten).
 
 Gluon kernels need an sm_90 GPU (they do not run under the Triton interpreter); the torch
 reference of both layouts is :func:`mcore_kernels.moe.reference.k_grouped_mm_reference` (equal
@@ -67,17 +63,6 @@ def _row_layout(columns):
     return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
 
 
-_FLAG_BITS = {"pingpong": 0, "slots": 1, "masked": 2, "sync_store": 3}
-"""Bits of the kernel's ``FLAGS``: ping-pong tiles, equal slots, packed rows with masked last
-chunks, each store waited for at once."""
-
-
-@gluon.constexpr_function
-def _has(flags, name):
-    """Whether the ``FLAGS`` bit ``name`` (see :data:`_FLAG_BITS`) is set."""
-    return bool(flags >> _FLAG_BITS[name] & 1)
-
-
 @gluon.jit
 def _rows(expert, ends_ptr, slot_rows, BLOCK_R: gl.constexpr, SLOTS: gl.constexpr):
     """First row (inside the slot with ``SLOTS``) and row count of ``expert``."""
@@ -120,68 +105,30 @@ def _zero_rows(buf, valid):
 
 
 @gluon.jit
-def _loader(
-    g_desc,
-    x_desc,
-    args,
-    RID: gl.constexpr,
-    STAGES: gl.constexpr,
-    FLAGS: gl.constexpr,
-):
-    PINGPONG: gl.constexpr = _has(FLAGS, "pingpong")
-    SLOTS: gl.constexpr = _has(FLAGS, "slots")
+def _loader(g_desc, x_desc, args, STAGES: gl.constexpr, SLOTS: gl.constexpr):
     a_bufs, b_bufs, ready, empty, ends_ptr, num_experts, slot_rows, N, K = args
     BLOCK_R: gl.constexpr = g_desc.block_type.shape[-2]
     BLOCK_N: gl.constexpr = g_desc.block_type.shape[-1]
     SUB_K: gl.constexpr = x_desc.block_type.shape[-1]
-    SPLIT: gl.constexpr = 1 if PINGPONG else 2
-    RINGS: gl.constexpr = 2 if PINGPONG else 1
-    BLOCK_K: gl.constexpr = SUB_K * SPLIT
-    num_k = gl.cdiv(K, BLOCK_K)
+    num_k = gl.cdiv(K, 2 * SUB_K)
     per_expert = gl.cdiv(N, BLOCK_N) * num_k
-    nbytes: gl.constexpr = g_desc.block_type.nbytes + SPLIT * x_desc.block_type.nbytes
+    nbytes: gl.constexpr = g_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
     counter = 0
-    step = gl.num_programs(0) * RINGS
-    for job in range(gl.program_id(0) + gl.num_programs(0) * RID, num_experts * per_expert, step):
+    for job in range(gl.program_id(0), num_experts * per_expert, gl.num_programs(0)):
         expert = job // per_expert
         n0 = (job % per_expert // num_k) * BLOCK_N
-        k0 = (job % num_k) * BLOCK_K
+        k0 = (job % num_k) * 2 * SUB_K
         row0, count = _rows(expert, ends_ptr, slot_rows, BLOCK_R, SLOTS)
         for c in range(gl.cdiv(count, BLOCK_R)):
-            s = RID * STAGES + counter % STAGES
+            s = counter % STAGES
             mbarrier.wait(empty.index(s), ((counter // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
             m0 = row0 + c * BLOCK_R
             _load(g_desc, expert, m0, n0, bar, a_bufs.index(s), SLOTS)
-            for h in gl.static_range(SPLIT):
-                _load(x_desc, expert, m0, k0 + h * SUB_K, bar, b_bufs.index(s * SPLIT + h), SLOTS)
+            _load(x_desc, expert, m0, k0, bar, b_bufs.index(2 * s), SLOTS)
+            _load(x_desc, expert, m0, k0 + SUB_K, bar, b_bufs.index(2 * s + 1), SLOTS)
             counter += 1
-
-
-@gluon.jit
-def _epilogue(acc, c_smem, out_desc, row, col, SYNC: gl.constexpr):
-    WIDTH: gl.constexpr = c_smem.shape[1]
-    if acc.shape[1] == WIDTH:
-        # The previous tile's store (from this buffer) had a whole tile of products to drain.
-        tma.store_wait(0)
-        c_smem.store(acc.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [row, col], c_smem)
-    else:
-        # Two half-width stores through one buffer (half the shared memory; the second
-        # waits for the first one's read of the buffer).
-        left, right = acc.reshape([acc.shape[0], 2, WIDTH]).permute((0, 2, 1)).split()
-        tma.store_wait(0)
-        c_smem.store(left.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [row, col], c_smem)
-        tma.store_wait(0)
-        c_smem.store(right.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [row, col + WIDTH], c_smem)
-    if SYNC:
-        tma.store_wait(0)
 
 
 @gluon.jit
@@ -191,41 +138,34 @@ def _consumer(
     args,
     CID: gl.constexpr,
     STAGES: gl.constexpr,
-    FLAGS: gl.constexpr,
+    SLOTS: gl.constexpr,
+    MASKED: gl.constexpr,
+    SYNC_STORE: gl.constexpr,
 ):
-    PINGPONG: gl.constexpr = _has(FLAGS, "pingpong")
-    SLOTS: gl.constexpr = _has(FLAGS, "slots")
-    MASKED: gl.constexpr = _has(FLAGS, "masked")
     a_bufs, b_bufs, ready, empty, ends_ptr, num_experts, slot_rows, N, K = args
     BLOCK_R: gl.constexpr = a_bufs.type.shape[-2]
     BLOCK_N: gl.constexpr = a_bufs.type.shape[-1]
     SUB_K: gl.constexpr = b_bufs.type.shape[-1]
-    SPLIT: gl.constexpr = 1 if PINGPONG else 2
-    BLOCK_K: gl.constexpr = SUB_K * SPLIT
-    B_OFF: gl.constexpr = 0 if PINGPONG else CID
-    RID: gl.constexpr = CID if PINGPONG else 0
-    RINGS: gl.constexpr = 2 if PINGPONG else 1
     layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_K, 16]
     )
     c_smem = c_bufs.index(CID)
-    num_k = gl.cdiv(K, BLOCK_K)
+    num_k = gl.cdiv(K, 2 * SUB_K)
     per_expert = gl.cdiv(N, BLOCK_N) * num_k
     counter = 0
-    step = gl.num_programs(0) * RINGS
-    for job in range(gl.program_id(0) + gl.num_programs(0) * RID, num_experts * per_expert, step):
+    for job in range(gl.program_id(0), num_experts * per_expert, gl.num_programs(0)):
         expert = job // per_expert
         n0 = (job % per_expert // num_k) * BLOCK_N
-        k0 = (job % num_k) * BLOCK_K
+        k0 = (job % num_k) * 2 * SUB_K + CID * SUB_K
         count = _rows(expert, ends_ptr, slot_rows, BLOCK_R, SLOTS)[1]
         chunks = gl.cdiv(count, BLOCK_R)
         acc = gl.zeros([BLOCK_N, SUB_K], gl.float32, layout)
         prev = 0
         for c in range(chunks):
-            s = RID * STAGES + counter % STAGES
+            s = counter % STAGES
             mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
             a = _operand(a_bufs.index(s), SLOTS)
-            b = _operand(b_bufs.index(s * SPLIT + B_OFF), SLOTS)
+            b = _operand(b_bufs.index(2 * s + CID), SLOTS)
             if MASKED:
                 tail = count - c * BLOCK_R
                 if tail < BLOCK_R:
@@ -243,9 +183,13 @@ def _consumer(
             counter += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(prev), count=1, pred=chunks > 0)
-        _epilogue(
-            acc, c_smem, out_desc, expert * N + n0, k0 + B_OFF * SUB_K, _has(FLAGS, "sync_store")
-        )
+        # The previous tile's store (from this buffer) had a whole tile of products to drain.
+        tma.store_wait(0)
+        c_smem.store(acc.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [expert * N + n0, k0], c_smem)
+        if SYNC_STORE:
+            tma.store_wait(0)
     tma.store_wait(0)
 
 
@@ -260,102 +204,77 @@ def gluon_wgrad_kernel(
     N,
     K,
     STAGES: gl.constexpr,
-    FLAGS: gl.constexpr,
+    SLOTS: gl.constexpr,
+    MASKED: gl.constexpr,
+    SYNC_STORE: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
 ):
-    """``OUT[e] = G[rows of e].T @ X[rows of e]``, cooperative or ping-pong tiles (``FLAGS``:
-    see :data:`_FLAG_BITS`)."""
+    """``OUT[e] = G[rows of e].T @ X[rows of e]`` (see the module docstring)."""
     dtype: gl.constexpr = g_desc.dtype
-    PINGPONG: gl.constexpr = _has(FLAGS, "pingpong")
-    SPLIT: gl.constexpr = 1 if PINGPONG else 2
-    RINGS: gl.constexpr = 2 if PINGPONG else 1
     a_bufs = gl.allocate_shared_memory(
-        dtype, _stacked(RINGS * STAGES, g_desc.block_type.shape), g_desc.layout
+        dtype, _stacked(STAGES, g_desc.block_type.shape), g_desc.layout
     )
     b_bufs = gl.allocate_shared_memory(
-        dtype, _stacked(RINGS * STAGES * SPLIT, x_desc.block_type.shape), x_desc.layout
+        dtype, _stacked(2 * STAGES, x_desc.block_type.shape), x_desc.layout
     )
     c_bufs = gl.allocate_shared_memory(
         dtype, _stacked(2, out_desc.block_type.shape), out_desc.layout
     )
-    ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(RINGS * STAGES):
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1 if PINGPONG else 2)
+        mbarrier.init(empty.index(i), count=2)
     args = (a_bufs, b_bufs, ready, empty, ends_ptr, num_experts, slot_rows, N, K)
-    # Partitions: consumer 0 (the default warps), consumer 1 (4 warps), the loader of ring 0
-    # (1 warp) and, in ping-pong mode, the loader of ring 1 (1 warp).
-    if PINGPONG:
-        gl.warp_specialize(
-            [
-                (_consumer, (out_desc, c_bufs, args, 0, STAGES, FLAGS)),
-                (_consumer, (out_desc, c_bufs, args, 1, STAGES, FLAGS)),
-                (_loader, (g_desc, x_desc, args, 0, STAGES, FLAGS)),
-                (_loader, (g_desc, x_desc, args, 1, STAGES, FLAGS)),
-            ],
-            [4, 1, 1],
-            [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (_consumer, (out_desc, c_bufs, args, 0, STAGES, FLAGS)),
-                (_consumer, (out_desc, c_bufs, args, 1, STAGES, FLAGS)),
-                (_loader, (g_desc, x_desc, args, 0, STAGES, FLAGS)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, LOADER_REGS],
-        )
+    # Partitions: consumer 0 (the default warps), consumer 1 (4 warps), the loader (1 warp).
+    gl.warp_specialize(
+        [
+            (_consumer, (out_desc, c_bufs, args, 0, STAGES, SLOTS, MASKED, SYNC_STORE)),
+            (_consumer, (out_desc, c_bufs, args, 1, STAGES, SLOTS, MASKED, SYNC_STORE)),
+            (_loader, (g_desc, x_desc, args, STAGES, SLOTS)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class GluonWeightTiles:
-    """Tile shape and mode of the Gluon weight-gradient kernels."""
+    """Tile shape of the Gluon weight-gradient kernel."""
 
-    mode: str = "cooperative"
-    """``"cooperative"`` or ``"pingpong"`` (see the module docstring)."""
     block_r: int = 64
     """Rows per reduction chunk."""
     block_n: int = 128
     """Output rows per tile (columns of ``g``)."""
     block_k: int = 128
-    """Output columns per warpgroup (columns of ``x``): a cooperative tile is twice as wide."""
+    """Output columns per warpgroup (columns of ``x``): a tile is twice as wide."""
     stages: int = 3
-    """Shared-memory stages of the operand ring (per warpgroup in ping-pong mode)."""
+    """Shared-memory stages of the operand ring."""
     consumer_regs: int = 232
     """Registers per thread of the product warpgroups."""
     loader_regs: int = 24
-    """Registers per thread of the load warps."""
-    epilogue_split: int = 1
-    """1: each warpgroup stores its tile through a buffer of the tile; 2: in two half-width
-    stores through one half-size buffer (shared memory for a fourth stage)."""
+    """Registers per thread of the load warp."""
     sync_store: bool = False
     """Wait for each tile's store at once (as Triton's descriptor stores do) instead of at
     the next epilogue: a measurement switch."""
 
     def __post_init__(self) -> None:
-        if self.mode not in _MODES:
-            raise KernelValueError(f"mode={self.mode!r} must be one of {_MODES}")
         for name in ("block_r", "block_n", "block_k"):
             value = getattr(self, name)
             if value < 16 or value > 256 or value & (value - 1):
                 raise KernelShapeError(f"{name}={value} must be a power of two in [16, 256]")
-        if self.epilogue_split not in (1, 2):
-            raise KernelValueError(f"epilogue_split={self.epilogue_split} must be 1 or 2")
         if self.stages < 1:
             raise KernelValueError(f"stages={self.stages} must be >= 1")
 
     @property
     def tile_k(self) -> int:
         """Output columns per tile."""
-        return self.block_k * (2 if self.mode == "cooperative" else 1)
+        return 2 * self.block_k
 
 
-_MODES = ("cooperative", "pingpong")
 DEFAULT_TILES = GluonWeightTiles()
-"""The tiles measured fastest (cooperative 128 x 256 tiles, 64-row chunks, 3 stages)."""
+"""128 x 256 tiles, 64-row chunks, 3 stages (the DeepSeek-V3 tiles of session 16)."""
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -416,7 +335,7 @@ def _launch(
         x_block,
         _layout(tuple(x_block), dtype),
     )
-    o_block = [tiles.block_n, tiles.block_k // tiles.epilogue_split]
+    o_block = [tiles.block_n, tiles.block_k]
     out_desc = TensorDescriptor.from_tensor(
         out.view(experts * n, k), o_block, _layout(tuple(o_block), dtype)
     )
@@ -425,12 +344,6 @@ def _launch(
     if index not in _NUM_SMS:
         _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     programs = max(1, min(_NUM_SMS[index], experts * (n // tiles.block_n) * (k // tiles.tile_k)))
-    flags = {
-        "pingpong": tiles.mode != "cooperative",
-        "slots": slots,
-        "masked": masked,
-        "sync_store": tiles.sync_store,
-    }
     gluon_wgrad_kernel[(programs,)](
         g_desc,
         x_desc,
@@ -441,7 +354,9 @@ def _launch(
         n,
         k,
         STAGES=tiles.stages,
-        FLAGS=sum(1 << _FLAG_BITS[name] for name, on in flags.items() if on),
+        SLOTS=slots,
+        MASKED=masked,
+        SYNC_STORE=tiles.sync_store,
         CONSUMER_REGS=tiles.consumer_regs,
         LOADER_REGS=tiles.loader_regs,
         num_warps=4,
@@ -464,7 +379,7 @@ def gluon_k_grouped_mm(
         g: ``[M, N]`` CUDA rows sorted by expert (N a multiple of ``tiles.block_n``).
         x: ``[M, K]`` (K a multiple of :attr:`GluonWeightTiles.tile_k`).
         offsets: ``[E]`` int32 end row of each expert.
-        tiles: Tile shape and mode; None: :data:`DEFAULT_TILES`.
+        tiles: Tile shape; None: :data:`DEFAULT_TILES`.
         aligned: Every expert's row count is a multiple of ``tiles.block_r`` (rows padded per
             expert; not checked, which would sync the host). False: any counts, the rows of
             each expert's last chunk past its end zeroed in shared memory before its product.
@@ -502,7 +417,7 @@ def gluon_slot_k_grouped_mm(
             ``tiles.block_n``).
         x: ``[M, K]`` (K a multiple of :attr:`GluonWeightTiles.tile_k`).
         experts: Slots (experts).
-        tiles: Tile shape and mode; None: :data:`DEFAULT_TILES`.
+        tiles: Tile shape; None: :data:`DEFAULT_TILES`.
 
     Returns:
         ``[E, N, K]``.
