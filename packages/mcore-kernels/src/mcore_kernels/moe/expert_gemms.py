@@ -437,9 +437,9 @@ _GLUON_PACKED_SHAPES: dict[tuple[int, int, int], GluonFields] = {
     # capacity routing's packed kept rows; 467-563 rows per expert at 8192 tokens), instead of
     # torch._grouped_mm, one H200 (session 17, r1; windows of 8 queued calls, medians of 4):
     # w_down ([E, 2048, 768]) 0.366 against 0.418 ms, w_gate_up ([E, 1536, 2048]) 0.727
-    # against 0.906 ms (64-row chunks x 3 stages: 0.409 / 0.833). The layer, medians of seven
-    # alternating windows: dropless 4.267 against 4.468 ms, drop-and-pad 4.232 against 4.545
-    # ms; every gradient bitwise the same.
+    # against 0.906 ms (64-row chunks x 3 stages: 0.409 / 0.833). The layer, medians of nine
+    # alternating windows (r2): dropless 4.166 against 4.444 ms, drop-and-pad 4.202 against
+    # 4.465 ms; every gradient bitwise the same.
     (2048, 768, 128): _SHORT_ROWS,
     (1536, 2048, 128): _SHORT_ROWS,
 }
