@@ -61,13 +61,15 @@ rows padded to the largest expert); no host synchronisation in the GEMMs themsel
 GLUON_WEIGHTS = True
 """On a Hopper GPU, the weight gradients of the listed shapes run on the warp-specialised Gluon
 kernels (:mod:`mcore_kernels.moe.gluon_wgrad`): the :data:`BATCHED` ones (equal slots) of
-:data:`_GLUON_SLOT_SHAPES` instead of ``torch.bmm``, and those of :class:`PersistentTiles` on
-rows padded per expert (``row_align``) of :data:`_GLUON_ALIGNED_SHAPES` instead of the aligned
-Triton kernel."""
+:data:`_GLUON_SLOT_SHAPES` instead of ``torch.bmm``, those of :class:`PersistentTiles` on rows
+padded per expert (``row_align``) of :data:`_GLUON_ALIGNED_SHAPES` instead of the aligned
+Triton kernel, and the :data:`GROUPED_MM` ones on packed rows of :data:`_GLUON_PACKED_SHAPES`
+instead of ``torch._grouped_mm``."""
 
 GLUON_TILES: Any = None
-"""Tiles of those Gluon weight gradients
-(:class:`~mcore_kernels.moe.gluon_wgrad.GluonWeightTiles`); None: the kernel's defaults."""
+"""Tiles of all those Gluon weight gradients
+(:class:`~mcore_kernels.moe.gluon_wgrad.GluonWeightTiles`, a measurement switch); None: the
+tiles listed with each shape."""
 
 LOOP_PREFIX = True
 """The first cuBLAS loop of a layer call whose group ends come through ``host_ends`` starts
@@ -227,10 +229,13 @@ class ExpertGemmRunner:
     def _weights(self, kernel: GemmKernel, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if isinstance(kernel, PersistentTiles):
             aligned = self.plan.row_align % kernel.block_m == 0
-            if aligned and _gluon_weights(g, x, self.offsets.shape[0], self.plan.row_align):
+            experts = self.offsets.shape[0]
+            align = self.plan.row_align
+            tiles = _gluon_tiles(g, x, experts, _GLUON_ALIGNED_SHAPES, align) if aligned else None
+            if tiles is not None:
                 from mcore_kernels.moe.gluon_wgrad import gluon_k_grouped_mm
 
-                return gluon_k_grouped_mm(g, x, self.offsets, tiles=GLUON_TILES)
+                return gluon_k_grouped_mm(g, x, self.offsets, tiles=tiles)
             return k_grouped_mm(g, x, self.offsets, tiles=kernel, aligned=aligned)
         if kernel == CUBLAS_LOOP:
             out = g.new_empty(self.offsets.shape[0], g.shape[1], x.shape[1])
@@ -247,13 +252,19 @@ class ExpertGemmRunner:
             # [E, N, K] in the parameter's layout: the slots' transposed gradient times their
             # rows (empty rows add zero).
             experts = self.offsets.shape[0]
-            if _gluon_weights(g, x, experts):
+            tiles = _gluon_tiles(g, x, experts, _GLUON_SLOT_SHAPES)
+            if tiles is not None:
                 from mcore_kernels.moe.gluon_wgrad import gluon_slot_k_grouped_mm
 
-                return gluon_slot_k_grouped_mm(g, x, experts, tiles=GLUON_TILES)
+                return gluon_slot_k_grouped_mm(g, x, experts, tiles=tiles)
             return torch.bmm(
                 g.view(experts, -1, g.shape[1]).transpose(1, 2), x.view(experts, -1, x.shape[1])
             )
+        tiles = _gluon_tiles(g, x, self.offsets.shape[0], _GLUON_PACKED_SHAPES)
+        if tiles is not None:
+            from mcore_kernels.moe.gluon_wgrad import gluon_k_grouped_mm
+
+            return gluon_k_grouped_mm(g, x, self.offsets, tiles=tiles, aligned=False)
         return torch._grouped_mm(g.t(), x, offs=self.offsets)
 
     def gate_up(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
@@ -393,29 +404,48 @@ padded to the largest one (a host sync) than on the measured grouped plan, by ``
 experts)``: the largest mean rows per expert where that holds."""
 
 
-_GLUON_SLOT_SHAPES: frozenset[tuple[int, int, int]] = frozenset(
-    {
-        # DeepSeek-V3 (hidden 7168, expert width 2048, 256 experts): w_gate_up ([E, 4096,
-        # 7168]) over 312-320 slots, 8.89-8.96 ms against 9.36-9.45 ms for bmm (session 16,
-        # r0); the 8k layer 38.05 against 40.66 ms dropless and 39.77 against 40.53 ms
-        # drop-and-pad (r2, medians of five alternating windows, bitwise the same
-        # gradients). w_down stays on bmm (4.40-4.46 against 4.13-4.25 ms; no layer gain).
-        (4096, 7168, 256),
-    }
-)
-"""Weight-gradient shapes ``(columns of g, columns of x, experts)`` whose equal-slot GEMMs run
-on the Gluon kernel (see :data:`GLUON_WEIGHTS`)."""
+GluonFields = tuple[tuple[str, Any], ...]
+"""Fields of a :class:`~mcore_kernels.moe.gluon_wgrad.GluonWeightTiles` as ``(name, value)``
+pairs (empty: the kernel's defaults)."""
 
-_GLUON_ALIGNED_SHAPES: frozenset[tuple[int, int, int]] = frozenset(
-    {
-        # DeepSeek-V3 on rows padded to 64 per expert: w_gate_up 8.18 against 9.55 ms and
-        # w_down 4.04 against 4.82 ms for the aligned Triton kernel (session 16, r0).
-        (4096, 7168, 256),
-        (7168, 2048, 256),
-    }
-)
+_SHORT_ROWS: GluonFields = (("block_r", 32), ("stages", 6))
+"""32-row chunks through 6 stages: half the wasted rows in each expert's last chunk, the same
+bytes in flight as 3 stages of 64 rows."""
+
+_GLUON_SLOT_SHAPES: dict[tuple[int, int, int], GluonFields] = {
+    # DeepSeek-V3 (hidden 7168, expert width 2048, 256 experts): w_gate_up ([E, 4096, 7168])
+    # over 312-320 slots, 8.89-8.96 ms against 9.36-9.45 ms for bmm (session 16, r0); the 8k
+    # layer 38.05 against 40.66 ms dropless and 39.77 against 40.53 ms drop-and-pad (r2,
+    # medians of five alternating windows, bitwise the same gradients). w_down stays on bmm
+    # (4.40-4.46 against 4.13-4.25 ms; no layer gain).
+    (4096, 7168, 256): (),
+}
+"""Weight-gradient shapes ``(columns of g, columns of x, experts)`` whose equal-slot GEMMs run
+on the Gluon kernel, with their tiles (see :data:`GLUON_WEIGHTS`)."""
+
+_GLUON_ALIGNED_SHAPES: dict[tuple[int, int, int], GluonFields] = {
+    # DeepSeek-V3 on rows padded to 64 per expert: w_gate_up 8.18 against 9.55 ms and w_down
+    # 4.04 against 4.82 ms for the aligned Triton kernel (session 16, r0).
+    (4096, 7168, 256): (),
+    (7168, 2048, 256): (),
+}
 """Weight-gradient shapes whose GEMMs on rows padded per expert run on the Gluon kernel
-instead of the aligned Triton kernel (see :data:`GLUON_WEIGHTS`)."""
+instead of the aligned Triton kernel, with their tiles (see :data:`GLUON_WEIGHTS`)."""
+
+_GLUON_PACKED_SHAPES: dict[tuple[int, int, int], GluonFields] = {
+    # Qwen3-30B-A3B (hidden 2048, expert width 768, 128 experts) on packed rows (dropless, and
+    # capacity routing's packed kept rows; 467-563 rows per expert at 8192 tokens), instead of
+    # torch._grouped_mm, one H200 (session 17, r1; windows of 8 queued calls, medians of 4):
+    # w_down ([E, 2048, 768]) 0.366 against 0.418 ms, w_gate_up ([E, 1536, 2048]) 0.727
+    # against 0.906 ms (64-row chunks x 3 stages: 0.409 / 0.833). The layer, medians of nine
+    # alternating windows (r2): dropless 4.166 against 4.444 ms, drop-and-pad 4.202 against
+    # 4.465 ms; every gradient bitwise the same.
+    (2048, 768, 128): _SHORT_ROWS,
+    (1536, 2048, 128): _SHORT_ROWS,
+}
+"""Weight-gradient shapes whose :data:`GROUPED_MM` GEMMs (packed rows, any count per expert)
+run on the Gluon kernel with masked last chunks, with their tiles (see
+:data:`GLUON_WEIGHTS`)."""
 
 
 @functools.cache
@@ -427,24 +457,34 @@ def _gluon_ready() -> bool:
     return True
 
 
-def _gluon_weights(g: torch.Tensor, x: torch.Tensor, experts: int, row_align: int = 0) -> bool:
-    """Whether the weight gradient ``g.T @ x`` (equal slots, or rows padded per expert to
-    ``row_align``) runs on the Gluon kernels."""
-    if row_align:
-        from mcore_kernels.moe.gluon_wgrad import DEFAULT_TILES
+@functools.cache
+def _tiles(fields: GluonFields) -> Any:
+    from mcore_kernels.moe.gluon_wgrad import GluonWeightTiles
 
-        tiles = GLUON_TILES if GLUON_TILES is not None else DEFAULT_TILES
-        if row_align % tiles.block_r:
-            return False
-    shapes = _GLUON_ALIGNED_SHAPES if row_align else _GLUON_SLOT_SHAPES
-    return (
-        GLUON_WEIGHTS
-        and (g.shape[1], x.shape[1], experts) in shapes
-        and g.dtype in (torch.bfloat16, torch.float16)
-        and x.dtype == g.dtype
-        and _hopper(g.device)
-        and _gluon_ready()
-    )
+    return GluonWeightTiles(**dict(fields))
+
+
+def _gluon_tiles(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    experts: int,
+    shapes: dict[tuple[int, int, int], GluonFields],
+    row_align: int = 0,
+) -> Any:
+    """The :class:`~mcore_kernels.moe.gluon_wgrad.GluonWeightTiles` with which the weight
+    gradient ``g.T @ x`` of a shape listed in ``shapes`` runs on the Gluon kernels (rows padded
+    per expert to ``row_align``: a multiple of the tiles' chunk), or None."""
+    fields = shapes.get((g.shape[1], x.shape[1], experts)) if GLUON_WEIGHTS else None
+    if (
+        fields is None
+        or g.dtype not in (torch.bfloat16, torch.float16)
+        or x.dtype != g.dtype
+        or not _hopper(g.device)
+        or not _gluon_ready()
+    ):
+        return None
+    tiles = GLUON_TILES if GLUON_TILES is not None else _tiles(fields)
+    return None if row_align and row_align % tiles.block_r else tiles
 
 
 @functools.cache

@@ -1,23 +1,18 @@
 """Expert weight gradients in Gluon (Hopper): warp-specialised persistent kernels.
 
 ``out[e] = g[rows of e].T @ x[rows of e]`` (``[E, N, K]``) for rows sorted by expert, either
-packed with every expert's row count a multiple of ``block_r`` (rows padded per expert: the
-input of the aligned Triton kernel), or in equal slots of ``S`` rows per expert (``S`` a
-multiple of 8; the slot's last partial chunk is zero-filled by the TMA unit through 3-D
-descriptors ``[E, S, N]``).
+packed (every expert's row count a multiple of ``block_r``: rows padded per expert, the input
+of the aligned Triton kernel; or any counts, the rows of an expert's last chunk past its end
+zeroed in shared memory before that chunk's product), or in equal slots of ``S`` rows per
+expert (``S`` a multiple of 8; the slot's last partial chunk is zero-filled by the TMA unit
+through 3-D descriptors ``[E, S, N]``).
 
 A load warp streams the row chunks of every output tile of the program through a ring of
 shared-memory stages (TMA, mbarriers) and runs ahead across tile boundaries; two warpgroups
-run the wgmma products. Each tile's epilogue goes registers -> shared memory -> TMA store and
-is not waited for: the store drains while the next tile's products run (the wait comes at the
-next epilogue, just before the buffer is rewritten). Modes:
-
-- cooperative: the two warpgroups share each stage's ``g`` chunk and take one half each of the
-  tile's columns (a ``block_n x 2 block_k`` tile per program);
-- ping-pong: the two warpgroups take alternate tiles of the program (``block_n x block_k``
-  each, one ring and one load warp each), so one's epilogue runs beside the other's products;
-- strip: cooperative tiles, a program takes (expert, ``block_n`` columns of ``g``) strips and
-  keeps the strip's ``g`` chunks in shared memory while it sweeps all column tiles of ``x``.
+share each stage's ``g`` chunk and run the wgmma products of one half each of the tile's
+columns (a ``block_n x 2 block_k`` tile per program). Each tile's epilogue goes registers ->
+shared memory -> TMA store and is not waited for: the store drains while the next tile's
+products run (the wait comes at the next epilogue, just before the buffer is rewritten).
 
 Gluon kernels need an sm_90 GPU (they do not run under the Triton interpreter); the torch
 reference of both layouts is :func:`mcore_kernels.moe.reference.k_grouped_mm_reference` (equal
@@ -26,6 +21,7 @@ slots: ``offsets = (e + 1) * S``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,18 +56,25 @@ def _stacked(count, shape):
     return [count, *shape]
 
 
+@gluon.constexpr_function
+def _row_layout(columns):
+    """A blocked layout of 4 warps over ``[rows, columns]`` (8 contiguous elements a thread)."""
+    across = min(32, max(1, columns // 8))
+    return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
+
+
 @gluon.jit
 def _rows(expert, ends_ptr, slot_rows, BLOCK_R: gl.constexpr, SLOTS: gl.constexpr):
-    """First row (inside the slot with ``SLOTS``) and row chunks of ``expert``."""
+    """First row (inside the slot with ``SLOTS``) and row count of ``expert``."""
     if SLOTS:
         row0 = expert * 0
-        chunks = gl.cdiv(slot_rows, BLOCK_R) + expert * 0
+        count = slot_rows + expert * 0
     else:
         end = gl.load(ends_ptr + expert)
         prev = gl.load(ends_ptr + gl.maximum(expert - 1, 0))
         row0 = gl.where(expert > 0, prev, 0)
-        chunks = (end - row0) // BLOCK_R
-    return row0, chunks
+        count = end - row0
+    return row0, count
 
 
 @gluon.jit
@@ -92,121 +95,86 @@ def _operand(buf, SLOTS: gl.constexpr):
 
 
 @gluon.jit
-def _loader(
-    g_desc,
-    x_desc,
-    a_bufs,
-    b_bufs,
-    ready,
-    empty,
-    ends_ptr,
-    num_experts,
-    slot_rows,
-    N,
-    K,
-    SPLIT: gl.constexpr,
-    RID: gl.constexpr,
-    RINGS: gl.constexpr,
-    STAGES: gl.constexpr,
-    SLOTS: gl.constexpr,
-):
+def _zero_rows(buf, valid):
+    """Zero the rows of a ``[rows, columns]`` stage buffer from row ``valid`` on."""
+    layout: gl.constexpr = _row_layout(buf.shape[1])
+    rows = gl.arange(0, buf.shape[0], layout=gl.SliceLayout(1, layout))
+    keep = gl.expand_dims(rows < valid, 1)
+    tile = buf.load(layout)
+    buf.store(gl.where(keep, tile, gl.zeros_like(tile)))
+
+
+@gluon.jit
+def _loader(g_desc, x_desc, args, STAGES: gl.constexpr, SLOTS: gl.constexpr):
+    a_bufs, b_bufs, ready, empty, ends_ptr, num_experts, slot_rows, N, K = args
     BLOCK_R: gl.constexpr = g_desc.block_type.shape[-2]
     BLOCK_N: gl.constexpr = g_desc.block_type.shape[-1]
     SUB_K: gl.constexpr = x_desc.block_type.shape[-1]
-    BLOCK_K: gl.constexpr = SUB_K * SPLIT
-    num_k = gl.cdiv(K, BLOCK_K)
+    num_k = gl.cdiv(K, 2 * SUB_K)
     per_expert = gl.cdiv(N, BLOCK_N) * num_k
-    nbytes: gl.constexpr = g_desc.block_type.nbytes + SPLIT * x_desc.block_type.nbytes
+    nbytes: gl.constexpr = g_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
     counter = 0
-    step = gl.num_programs(0) * RINGS
-    for job in range(gl.program_id(0) + RID * gl.num_programs(0), num_experts * per_expert, step):
+    for job in range(gl.program_id(0), num_experts * per_expert, gl.num_programs(0)):
         expert = job // per_expert
         n0 = (job % per_expert // num_k) * BLOCK_N
-        k0 = (job % num_k) * BLOCK_K
-        row0, chunks = _rows(expert, ends_ptr, slot_rows, BLOCK_R, SLOTS)
-        for c in range(chunks):
-            s = RID * STAGES + counter % STAGES
+        k0 = (job % num_k) * 2 * SUB_K
+        row0, count = _rows(expert, ends_ptr, slot_rows, BLOCK_R, SLOTS)
+        for c in range(gl.cdiv(count, BLOCK_R)):
+            s = counter % STAGES
             mbarrier.wait(empty.index(s), ((counter // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
             m0 = row0 + c * BLOCK_R
             _load(g_desc, expert, m0, n0, bar, a_bufs.index(s), SLOTS)
-            for h in gl.static_range(SPLIT):
-                _load(x_desc, expert, m0, k0 + h * SUB_K, bar, b_bufs.index(s * SPLIT + h), SLOTS)
+            _load(x_desc, expert, m0, k0, bar, b_bufs.index(2 * s), SLOTS)
+            _load(x_desc, expert, m0, k0 + SUB_K, bar, b_bufs.index(2 * s + 1), SLOTS)
             counter += 1
 
 
 @gluon.jit
-def _epilogue(acc, c_smem, out_desc, row, col, SYNC: gl.constexpr):
-    WIDTH: gl.constexpr = c_smem.shape[1]
-    if acc.shape[1] == WIDTH:
-        # The previous tile's store (from this buffer) had a whole tile of products to drain.
-        tma.store_wait(0)
-        c_smem.store(acc.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [row, col], c_smem)
-    else:
-        # Two half-width stores through one buffer (half the shared memory; the second
-        # waits for the first one's read of the buffer).
-        left, right = acc.reshape([acc.shape[0], 2, WIDTH]).permute((0, 2, 1)).split()
-        tma.store_wait(0)
-        c_smem.store(left.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [row, col], c_smem)
-        tma.store_wait(0)
-        c_smem.store(right.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [row, col + WIDTH], c_smem)
-    if SYNC:
-        tma.store_wait(0)
-
-
-@gluon.jit
 def _consumer(
-    CID: gl.constexpr,
     out_desc,
-    a_bufs,
-    b_bufs,
-    c_smem,
-    ready,
-    empty,
-    ends_ptr,
-    num_experts,
-    slot_rows,
-    N,
-    K,
-    PINGPONG: gl.constexpr,
+    c_bufs,
+    args,
+    CID: gl.constexpr,
     STAGES: gl.constexpr,
     SLOTS: gl.constexpr,
+    MASKED: gl.constexpr,
     SYNC_STORE: gl.constexpr,
 ):
+    a_bufs, b_bufs, ready, empty, ends_ptr, num_experts, slot_rows, N, K = args
     BLOCK_R: gl.constexpr = a_bufs.type.shape[-2]
     BLOCK_N: gl.constexpr = a_bufs.type.shape[-1]
     SUB_K: gl.constexpr = b_bufs.type.shape[-1]
-    SPLIT: gl.constexpr = 1 if PINGPONG else 2
-    BLOCK_K: gl.constexpr = SUB_K * SPLIT
-    B_OFF: gl.constexpr = 0 if PINGPONG else CID
-    RID: gl.constexpr = CID if PINGPONG else 0
-    RINGS: gl.constexpr = 2 if PINGPONG else 1
     layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_K, 16]
     )
-    num_k = gl.cdiv(K, BLOCK_K)
+    c_smem = c_bufs.index(CID)
+    num_k = gl.cdiv(K, 2 * SUB_K)
     per_expert = gl.cdiv(N, BLOCK_N) * num_k
     counter = 0
-    step = gl.num_programs(0) * RINGS
-    for job in range(gl.program_id(0) + RID * gl.num_programs(0), num_experts * per_expert, step):
+    for job in range(gl.program_id(0), num_experts * per_expert, gl.num_programs(0)):
         expert = job // per_expert
         n0 = (job % per_expert // num_k) * BLOCK_N
-        k0 = (job % num_k) * BLOCK_K
-        _, chunks = _rows(expert, ends_ptr, slot_rows, BLOCK_R, SLOTS)
+        k0 = (job % num_k) * 2 * SUB_K + CID * SUB_K
+        count = _rows(expert, ends_ptr, slot_rows, BLOCK_R, SLOTS)[1]
+        chunks = gl.cdiv(count, BLOCK_R)
         acc = gl.zeros([BLOCK_N, SUB_K], gl.float32, layout)
         prev = 0
         for c in range(chunks):
-            s = RID * STAGES + counter % STAGES
+            s = counter % STAGES
             mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
             a = _operand(a_bufs.index(s), SLOTS)
-            b = _operand(b_bufs.index(s * SPLIT + B_OFF), SLOTS)
+            b = _operand(b_bufs.index(2 * s + CID), SLOTS)
+            if MASKED:
+                tail = count - c * BLOCK_R
+                if tail < BLOCK_R:
+                    # The chunk runs into the next expert's rows: zero them in both operands
+                    # (both warpgroups write the same zeros to the shared g chunk).
+                    _zero_rows(a, tail)
+                    _zero_rows(b, tail)
+                    fence_async_shared()
+                    gl.thread_barrier()
             acc = warpgroup_mma(a.permute((1, 0)), b, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             # The product of the previous chunk has retired: its stage goes back to the loader.
@@ -215,7 +183,13 @@ def _consumer(
             counter += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(prev), count=1, pred=chunks > 0)
-        _epilogue(acc, c_smem, out_desc, expert * N + n0, k0 + B_OFF * SUB_K, SYNC_STORE)
+        # The previous tile's store (from this buffer) had a whole tile of products to drain.
+        tma.store_wait(0)
+        c_smem.store(acc.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [expert * N + n0, k0], c_smem)
+        if SYNC_STORE:
+            tma.store_wait(0)
     tma.store_wait(0)
 
 
@@ -230,408 +204,35 @@ def gluon_wgrad_kernel(
     N,
     K,
     STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr,
     SLOTS: gl.constexpr,
+    MASKED: gl.constexpr,
     SYNC_STORE: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
 ):
-    """``OUT[e] = G[rows of e].T @ X[rows of e]``, cooperative or ping-pong tiles."""
-    dtype: gl.constexpr = g_desc.dtype
-    SPLIT: gl.constexpr = 1 if PINGPONG else 2
-    RINGS: gl.constexpr = 2 if PINGPONG else 1
-    a_bufs = gl.allocate_shared_memory(
-        dtype,
-        _stacked(RINGS * STAGES, g_desc.block_type.shape),
-        g_desc.layout,
-    )
-    b_bufs = gl.allocate_shared_memory(
-        dtype,
-        _stacked(RINGS * STAGES * SPLIT, x_desc.block_type.shape),
-        x_desc.layout,
-    )
-    c0 = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
-    c1 = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(RINGS * STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1 if PINGPONG else 2)
-    # Partitions: consumer 0 (the default warps), consumer 1 (4 warps), the loader of ring 0
-    # (1 warp) and, in ping-pong mode, the loader of ring 1 (1 warp).
-    if PINGPONG:
-        gl.warp_specialize(
-            [
-                (
-                    _consumer,
-                    (
-                        0,
-                        out_desc,
-                        a_bufs,
-                        b_bufs,
-                        c0,
-                        ready,
-                        empty,
-                        ends_ptr,
-                        num_experts,
-                        slot_rows,
-                        N,
-                        K,
-                        PINGPONG,
-                        STAGES,
-                        SLOTS,
-                        SYNC_STORE,
-                    ),
-                ),
-                (
-                    _consumer,
-                    (
-                        1,
-                        out_desc,
-                        a_bufs,
-                        b_bufs,
-                        c1,
-                        ready,
-                        empty,
-                        ends_ptr,
-                        num_experts,
-                        slot_rows,
-                        N,
-                        K,
-                        PINGPONG,
-                        STAGES,
-                        SLOTS,
-                        SYNC_STORE,
-                    ),
-                ),
-                (
-                    _loader,
-                    (
-                        g_desc,
-                        x_desc,
-                        a_bufs,
-                        b_bufs,
-                        ready,
-                        empty,
-                        ends_ptr,
-                        num_experts,
-                        slot_rows,
-                        N,
-                        K,
-                        SPLIT,
-                        0,
-                        RINGS,
-                        STAGES,
-                        SLOTS,
-                    ),
-                ),
-                (
-                    _loader,
-                    (
-                        g_desc,
-                        x_desc,
-                        a_bufs,
-                        b_bufs,
-                        ready,
-                        empty,
-                        ends_ptr,
-                        num_experts,
-                        slot_rows,
-                        N,
-                        K,
-                        SPLIT,
-                        1,
-                        RINGS,
-                        STAGES,
-                        SLOTS,
-                    ),
-                ),
-            ],
-            [4, 1, 1],
-            [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (
-                    _consumer,
-                    (
-                        0,
-                        out_desc,
-                        a_bufs,
-                        b_bufs,
-                        c0,
-                        ready,
-                        empty,
-                        ends_ptr,
-                        num_experts,
-                        slot_rows,
-                        N,
-                        K,
-                        PINGPONG,
-                        STAGES,
-                        SLOTS,
-                        SYNC_STORE,
-                    ),
-                ),
-                (
-                    _consumer,
-                    (
-                        1,
-                        out_desc,
-                        a_bufs,
-                        b_bufs,
-                        c1,
-                        ready,
-                        empty,
-                        ends_ptr,
-                        num_experts,
-                        slot_rows,
-                        N,
-                        K,
-                        PINGPONG,
-                        STAGES,
-                        SLOTS,
-                        SYNC_STORE,
-                    ),
-                ),
-                (
-                    _loader,
-                    (
-                        g_desc,
-                        x_desc,
-                        a_bufs,
-                        b_bufs,
-                        ready,
-                        empty,
-                        ends_ptr,
-                        num_experts,
-                        slot_rows,
-                        N,
-                        K,
-                        SPLIT,
-                        0,
-                        RINGS,
-                        STAGES,
-                        SLOTS,
-                    ),
-                ),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, LOADER_REGS],
-        )
-
-
-@gluon.jit
-def _strip_loader(
-    g_desc,
-    x_desc,
-    a_bufs,
-    b_bufs,
-    a_ready,
-    a_empty,
-    ready,
-    empty,
-    ends_ptr,
-    num_experts,
-    slot_rows,
-    N,
-    K,
-    STAGES: gl.constexpr,
-    SLOTS: gl.constexpr,
-):
-    BLOCK_R: gl.constexpr = g_desc.block_type.shape[-2]
-    BLOCK_N: gl.constexpr = g_desc.block_type.shape[-1]
-    SUB_K: gl.constexpr = x_desc.block_type.shape[-1]
-    CAP: gl.constexpr = a_bufs.type.shape[0]
-    num_k = gl.cdiv(K, 2 * SUB_K)
-    num_n = gl.cdiv(N, BLOCK_N)
-    a_bytes: gl.constexpr = CAP * g_desc.block_type.nbytes
-    x_bytes: gl.constexpr = 2 * x_desc.block_type.nbytes
-    counter = 0
-    strip_count = 0
-    for strip in range(gl.program_id(0), num_experts * num_n, gl.num_programs(0)):
-        expert = strip // num_n
-        n0 = (strip % num_n) * BLOCK_N
-        row0, chunks = _rows(expert, ends_ptr, slot_rows, BLOCK_R, SLOTS)
-        # The strip's g columns stay in shared memory for all of its column tiles (all CAP
-        # chunks are loaded; those past the expert's rows are not used).
-        mbarrier.wait(a_empty, (strip_count & 1) ^ 1)
-        mbarrier.expect(a_ready, a_bytes)
-        for slot in gl.static_range(CAP):
-            _load(g_desc, expert, row0 + slot * BLOCK_R, n0, a_ready, a_bufs.index(slot), SLOTS)
-        for kt in range(num_k):
-            k0 = kt * 2 * SUB_K
-            for c in range(chunks):
-                s = counter % STAGES
-                mbarrier.wait(empty.index(s), ((counter // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, x_bytes)
-                m0 = row0 + c * BLOCK_R
-                _load(x_desc, expert, m0, k0, bar, b_bufs.index(2 * s), SLOTS)
-                _load(x_desc, expert, m0, k0 + SUB_K, bar, b_bufs.index(2 * s + 1), SLOTS)
-                counter += 1
-        strip_count += 1  # noqa: SIM113 (a loop-carried scalar)
-
-
-@gluon.jit
-def _strip_consumer(
-    CID: gl.constexpr,
-    out_desc,
-    a_bufs,
-    b_bufs,
-    c_smem,
-    a_ready,
-    a_empty,
-    ready,
-    empty,
-    ends_ptr,
-    num_experts,
-    slot_rows,
-    N,
-    K,
-    STAGES: gl.constexpr,
-    SLOTS: gl.constexpr,
-):
-    BLOCK_R: gl.constexpr = a_bufs.type.shape[-2]
-    BLOCK_N: gl.constexpr = a_bufs.type.shape[-1]
-    SUB_K: gl.constexpr = b_bufs.type.shape[-1]
-    layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_K, 16]
-    )
-    num_k = gl.cdiv(K, 2 * SUB_K)
-    num_n = gl.cdiv(N, BLOCK_N)
-    counter = 0
-    strip_count = 0
-    for strip in range(gl.program_id(0), num_experts * num_n, gl.num_programs(0)):
-        expert = strip // num_n
-        n0 = (strip % num_n) * BLOCK_N
-        _, chunks = _rows(expert, ends_ptr, slot_rows, BLOCK_R, SLOTS)
-        mbarrier.wait(a_ready, strip_count & 1)
-        for kt in range(num_k):
-            acc = gl.zeros([BLOCK_N, SUB_K], gl.float32, layout)
-            prev = 0
-            for c in range(chunks):
-                s = counter % STAGES
-                mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
-                a = _operand(a_bufs.index(c), SLOTS)
-                b = _operand(b_bufs.index(2 * s + CID), SLOTS)
-                acc = warpgroup_mma(a.permute((1, 0)), b, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index(prev), count=1, pred=c > 0)
-                prev = s
-                counter += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(prev), count=1, pred=chunks > 0)
-            _epilogue(acc, c_smem, out_desc, expert * N + n0, kt * 2 * SUB_K + CID * SUB_K, False)
-        mbarrier.arrive(a_empty, count=1)
-        strip_count += 1  # noqa: SIM113 (a loop-carried scalar)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def gluon_wgrad_strip_kernel(
-    g_desc,
-    x_desc,
-    out_desc,
-    ends_ptr,
-    num_experts,
-    slot_rows,
-    N,
-    K,
-    CAP: gl.constexpr,
-    STAGES: gl.constexpr,
-    SLOTS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr,
-):
-    """Strip mode (see the module docstring): at most ``CAP`` row chunks per expert."""
+    """``OUT[e] = G[rows of e].T @ X[rows of e]`` (see the module docstring)."""
     dtype: gl.constexpr = g_desc.dtype
     a_bufs = gl.allocate_shared_memory(
-        dtype,
-        _stacked(CAP, g_desc.block_type.shape),
-        g_desc.layout,
+        dtype, _stacked(STAGES, g_desc.block_type.shape), g_desc.layout
     )
     b_bufs = gl.allocate_shared_memory(
-        dtype,
-        _stacked(2 * STAGES, x_desc.block_type.shape),
-        x_desc.layout,
+        dtype, _stacked(2 * STAGES, x_desc.block_type.shape), x_desc.layout
     )
-    c0 = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
-    c1 = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    c_bufs = gl.allocate_shared_memory(
+        dtype, _stacked(2, out_desc.block_type.shape), out_desc.layout
+    )
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    a_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    a_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    mbarrier.init(a_ready, count=1)
-    mbarrier.init(a_empty, count=2)
+    args = (a_bufs, b_bufs, ready, empty, ends_ptr, num_experts, slot_rows, N, K)
+    # Partitions: consumer 0 (the default warps), consumer 1 (4 warps), the loader (1 warp).
     gl.warp_specialize(
         [
-            (
-                _strip_consumer,
-                (
-                    0,
-                    out_desc,
-                    a_bufs,
-                    b_bufs,
-                    c0,
-                    a_ready,
-                    a_empty,
-                    ready,
-                    empty,
-                    ends_ptr,
-                    num_experts,
-                    slot_rows,
-                    N,
-                    K,
-                    STAGES,
-                    SLOTS,
-                ),
-            ),
-            (
-                _strip_consumer,
-                (
-                    1,
-                    out_desc,
-                    a_bufs,
-                    b_bufs,
-                    c1,
-                    a_ready,
-                    a_empty,
-                    ready,
-                    empty,
-                    ends_ptr,
-                    num_experts,
-                    slot_rows,
-                    N,
-                    K,
-                    STAGES,
-                    SLOTS,
-                ),
-            ),
-            (
-                _strip_loader,
-                (
-                    g_desc,
-                    x_desc,
-                    a_bufs,
-                    b_bufs,
-                    a_ready,
-                    a_empty,
-                    ready,
-                    empty,
-                    ends_ptr,
-                    num_experts,
-                    slot_rows,
-                    N,
-                    K,
-                    STAGES,
-                    SLOTS,
-                ),
-            ),
+            (_consumer, (out_desc, c_bufs, args, 0, STAGES, SLOTS, MASKED, SYNC_STORE)),
+            (_consumer, (out_desc, c_bufs, args, 1, STAGES, SLOTS, MASKED, SYNC_STORE)),
+            (_loader, (g_desc, x_desc, args, STAGES, SLOTS)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
@@ -640,55 +241,40 @@ def gluon_wgrad_strip_kernel(
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class GluonWeightTiles:
-    """Tile shape and mode of the Gluon weight-gradient kernels."""
+    """Tile shape of the Gluon weight-gradient kernel."""
 
-    mode: str = "cooperative"
-    """``"cooperative"``, ``"pingpong"`` or ``"strip"`` (see the module docstring)."""
     block_r: int = 64
     """Rows per reduction chunk."""
     block_n: int = 128
     """Output rows per tile (columns of ``g``)."""
     block_k: int = 128
-    """Output columns per warpgroup (columns of ``x``): a cooperative or strip tile is twice
-    as wide."""
+    """Output columns per warpgroup (columns of ``x``): a tile is twice as wide."""
     stages: int = 3
-    """Shared-memory stages of the operand ring (per warpgroup in ping-pong mode)."""
-    strip_cap: int = 5
-    """Strip mode: the most row chunks per expert (``g`` chunks kept in shared memory)."""
+    """Shared-memory stages of the operand ring."""
     consumer_regs: int = 232
     """Registers per thread of the product warpgroups."""
     loader_regs: int = 24
-    """Registers per thread of the load warps."""
-    epilogue_split: int = 1
-    """1: each warpgroup stores its tile through a buffer of the tile; 2: in two half-width
-    stores through one half-size buffer (shared memory for a fourth stage)."""
+    """Registers per thread of the load warp."""
     sync_store: bool = False
     """Wait for each tile's store at once (as Triton's descriptor stores do) instead of at
-    the next epilogue: a measurement switch (cooperative and ping-pong modes)."""
+    the next epilogue: a measurement switch."""
 
     def __post_init__(self) -> None:
-        if self.mode not in _MODES:
-            raise KernelValueError(f"mode={self.mode!r} must be one of {_MODES}")
         for name in ("block_r", "block_n", "block_k"):
             value = getattr(self, name)
             if value < 16 or value > 256 or value & (value - 1):
                 raise KernelShapeError(f"{name}={value} must be a power of two in [16, 256]")
-        if self.epilogue_split not in (1, 2):
-            raise KernelValueError(f"epilogue_split={self.epilogue_split} must be 1 or 2")
-        if self.stages < 1 or self.strip_cap < 1:
-            raise KernelValueError(
-                f"stages={self.stages} and strip_cap={self.strip_cap} must be >= 1"
-            )
+        if self.stages < 1:
+            raise KernelValueError(f"stages={self.stages} must be >= 1")
 
     @property
     def tile_k(self) -> int:
         """Output columns per tile."""
-        return self.block_k * (1 if self.mode == "pingpong" else 2)
+        return 2 * self.block_k
 
 
-_MODES = ("cooperative", "pingpong", "strip")
 DEFAULT_TILES = GluonWeightTiles()
-"""The tiles measured fastest (cooperative 128 x 256 tiles, 64-row chunks, 3 stages)."""
+"""128 x 256 tiles, 64-row chunks, 3 stages (the DeepSeek-V3 tiles of session 16)."""
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -710,6 +296,12 @@ def _check(g: torch.Tensor, x: torch.Tensor, tiles: GluonWeightTiles) -> None:
             raise KernelDeviceError(f"{name}.device={tensor.device}: Gluon kernels need a GPU")
 
 
+@functools.cache
+def _layout(block: tuple[int, ...], dtype: object) -> object:
+    """The shared-memory layout of a TMA block (cached: it is built on every launch)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
 def _launch(
     g: torch.Tensor,
     x: torch.Tensor,
@@ -717,6 +309,7 @@ def _launch(
     experts: int,
     slot_rows: int,
     tiles: GluonWeightTiles,
+    masked: bool = False,
 ) -> torch.Tensor:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -735,38 +328,38 @@ def _launch(
     g_desc = TensorDescriptor.from_tensor(
         g.view(experts, slot_rows, n) if slots else g,
         g_block,
-        gl.NVMMASharedLayout.get_default_for(g_block, dtype),
+        _layout(tuple(g_block), dtype),
     )
     x_desc = TensorDescriptor.from_tensor(
         x.view(experts, slot_rows, k) if slots else x,
         x_block,
-        gl.NVMMASharedLayout.get_default_for(x_block, dtype),
+        _layout(tuple(x_block), dtype),
     )
-    o_block = [tiles.block_n, tiles.block_k // tiles.epilogue_split]
+    o_block = [tiles.block_n, tiles.block_k]
     out_desc = TensorDescriptor.from_tensor(
-        out.view(experts * n, k), o_block, gl.NVMMASharedLayout.get_default_for(o_block, dtype)
+        out.view(experts * n, k), o_block, _layout(tuple(o_block), dtype)
     )
     ends = offsets if offsets is not None else out  # not read with slots
     index = g.device.index if g.device.index is not None else torch.cuda.current_device()
     if index not in _NUM_SMS:
         _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    regs = dict(CONSUMER_REGS=tiles.consumer_regs, LOADER_REGS=tiles.loader_regs)
-    args = (g_desc, x_desc, out_desc, ends, experts, slot_rows, n, k)
-    if tiles.mode == "strip":
-        programs = max(1, min(_NUM_SMS[index], experts * (n // tiles.block_n)))
-        gluon_wgrad_strip_kernel[(programs,)](
-            *args, CAP=tiles.strip_cap, STAGES=tiles.stages, SLOTS=slots, num_warps=4, **regs
-        )
-        return out
     programs = max(1, min(_NUM_SMS[index], experts * (n // tiles.block_n) * (k // tiles.tile_k)))
     gluon_wgrad_kernel[(programs,)](
-        *args,
+        g_desc,
+        x_desc,
+        out_desc,
+        ends,
+        experts,
+        slot_rows,
+        n,
+        k,
         STAGES=tiles.stages,
-        PINGPONG=tiles.mode == "pingpong",
         SLOTS=slots,
+        MASKED=masked,
         SYNC_STORE=tiles.sync_store,
+        CONSUMER_REGS=tiles.consumer_regs,
+        LOADER_REGS=tiles.loader_regs,
         num_warps=4,
-        **regs,
     )
     return out
 
@@ -777,17 +370,19 @@ def gluon_k_grouped_mm(
     offsets: torch.Tensor,
     *,
     tiles: GluonWeightTiles | None = None,
+    aligned: bool = True,
 ) -> torch.Tensor:
-    """Weight gradients ``out[e] = g[rows of e].T @ x[rows of e]`` on packed rows whose count
-    per expert is a multiple of ``tiles.block_r`` (rows padded per expert; not checked, which
-    would sync the host).
+    """Weight gradients ``out[e] = g[rows of e].T @ x[rows of e]`` on packed rows sorted by
+    expert.
 
     Args:
         g: ``[M, N]`` CUDA rows sorted by expert (N a multiple of ``tiles.block_n``).
         x: ``[M, K]`` (K a multiple of :attr:`GluonWeightTiles.tile_k`).
         offsets: ``[E]`` int32 end row of each expert.
-        tiles: Tile shape and mode (strip mode: at most ``tiles.strip_cap`` chunks per
-            expert); None: :data:`DEFAULT_TILES`.
+        tiles: Tile shape; None: :data:`DEFAULT_TILES`.
+        aligned: Every expert's row count is a multiple of ``tiles.block_r`` (rows padded per
+            expert; not checked, which would sync the host). False: any counts, the rows of
+            each expert's last chunk past its end zeroed in shared memory before its product.
 
     Returns:
         ``[E, N, K]``, zero for an expert without rows.
@@ -804,7 +399,7 @@ def gluon_k_grouped_mm(
             f"offsets.shape={tuple(offsets.shape)}, offsets.dtype={offsets.dtype}: expected "
             "[E] int32"
         )
-    return _launch(g, x, offsets, offsets.shape[0], 0, tiles)
+    return _launch(g, x, offsets, offsets.shape[0], 0, tiles, masked=not aligned)
 
 
 def gluon_slot_k_grouped_mm(
@@ -822,15 +417,13 @@ def gluon_slot_k_grouped_mm(
             ``tiles.block_n``).
         x: ``[M, K]`` (K a multiple of :attr:`GluonWeightTiles.tile_k`).
         experts: Slots (experts).
-        tiles: Tile shape and mode (strip mode: ``S`` at most ``tiles.strip_cap *
-            tiles.block_r``); None: :data:`DEFAULT_TILES`.
+        tiles: Tile shape; None: :data:`DEFAULT_TILES`.
 
     Returns:
         ``[E, N, K]``.
 
     Raises:
-        KernelShapeError: If the shapes do not match, M is not ``experts`` equal slots or the
-            slots are too long for strip mode.
+        KernelShapeError: If the shapes do not match or M is not ``experts`` equal slots.
         KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
         KernelDeviceError: If a tensor is not on a GPU.
     """
@@ -840,11 +433,6 @@ def gluon_slot_k_grouped_mm(
     if experts < 1 or rows % experts:
         raise KernelShapeError(f"g.shape={tuple(g.shape)}: {experts} equal slots expected")
     slot_rows = rows // experts
-    if tiles.mode == "strip" and slot_rows > tiles.strip_cap * tiles.block_r:
-        raise KernelShapeError(
-            f"slots of {slot_rows} rows exceed strip_cap={tiles.strip_cap} chunks of "
-            f"{tiles.block_r}"
-        )
     if slot_rows == 0:
         return g.new_zeros(experts, g.shape[1], x.shape[1])
     return _launch(g, x, None, experts, slot_rows, tiles)
