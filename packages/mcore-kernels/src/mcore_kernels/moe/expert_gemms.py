@@ -65,6 +65,12 @@ kernels (:mod:`mcore_kernels.moe.gluon_wgrad`): the :data:`BATCHED` ones (equal 
 rows padded per expert (``row_align``) of :data:`_GLUON_ALIGNED_SHAPES` instead of the aligned
 Triton kernel."""
 
+GLUON_D_ACT = False
+"""On a Hopper GPU, the down projection's input gradient of the shapes in
+:data:`_GLUON_D_ACT_SHAPES` runs on the warp-specialised Gluon kernel with the routed SwiGLU
+backward in its epilogue (:func:`mcore_kernels.moe.gluon_grouped.gluon_d_act_swiglu`, through
+:meth:`ExpertGemmRunner.d_act_swiglu`) instead of the GEMM followed by the separate pass."""
+
 GLUON_TILES: Any = None
 """Tiles of those Gluon weight gradients
 (:class:`~mcore_kernels.moe.gluon_wgrad.GluonWeightTiles`); None: the kernel's defaults."""
@@ -304,6 +310,47 @@ class ExpertGemmRunner:
         """
         return self._rows(self.plan.d_x, grad_gate_up, w_gate_up, False)
 
+    def d_act_swiglu(
+        self,
+        grad: torch.Tensor,
+        w_down: torch.Tensor,
+        gate_up: torch.Tensor,
+        weights: torch.Tensor,
+        order: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The routed SwiGLU's gradients straight from ``grad[rows of e] @ w_down[e]`` on the
+        Gluon kernel (:data:`GLUON_D_ACT`), or None where it does not run (the caller then runs
+        :meth:`d_act` and the separate pass).
+
+        Args:
+            grad: ``[M, H]``.
+            w_down: ``[E, H, F]``.
+            gate_up: ``[M, 2F]`` saved gate/up output.
+            weights: ``[A]`` routing weight of each assignment.
+            order: ``[M]`` int64 assignment of each row (-1: none).
+
+        Returns:
+            ``(grad_gate_up, grad_weights)`` or None.
+        """
+        experts, hidden, ffn = w_down.shape
+        if not (
+            GLUON_D_ACT
+            and isinstance(self.plan.d_act, PersistentTiles)
+            and (hidden, ffn, experts) in _GLUON_D_ACT_SHAPES
+            and grad.dtype in (torch.bfloat16, torch.float16)
+            and w_down.dtype == grad.dtype
+            and gate_up.dtype == grad.dtype
+            and _hopper(grad.device)
+            and _gluon_grouped_ready()
+        ):
+            return None
+        from mcore_kernels.moe.gluon_grouped import BLOCK_M, gluon_d_act_swiglu
+
+        schedule = self._schedule(PersistentTiles(block_m=BLOCK_M))
+        return gluon_d_act_swiglu(
+            grad, w_down, self.offsets, gate_up, weights, order, schedule=schedule
+        )
+
     def w_down(self, grad: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
         """``grad[rows of e].T @ act[rows of e]``.
 
@@ -416,6 +463,25 @@ _GLUON_ALIGNED_SHAPES: frozenset[tuple[int, int, int]] = frozenset(
 )
 """Weight-gradient shapes whose GEMMs on rows padded per expert run on the Gluon kernel
 instead of the aligned Triton kernel (see :data:`GLUON_WEIGHTS`)."""
+
+
+_GLUON_D_ACT_SHAPES: frozenset[tuple[int, int, int]] = frozenset(
+    {
+        # Qwen3-30B-A3B (hidden 2048, expert width 768, 128 experts).
+        (2048, 768, 128),
+    }
+)
+"""Layer shapes ``(hidden, ffn, experts)`` whose d_act GEMM runs with the SwiGLU backward in its
+epilogue (see :data:`GLUON_D_ACT`)."""
+
+
+@functools.cache
+def _gluon_grouped_ready() -> bool:
+    try:
+        import mcore_kernels.moe.gluon_grouped  # noqa: F401
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return False
+    return True
 
 
 @functools.cache

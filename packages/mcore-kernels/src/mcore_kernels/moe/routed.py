@@ -208,10 +208,13 @@ class RoutedExpertsFunction(torch.autograd.Function):
             grad_y = _gather_rows(grad, order, top_k, None) if top_k else grad
             if needs_down:
                 grad_down = run.w_down(grad_y, act)
-            grad_act = run.d_act(grad_y, w_down)
+            fused = run.d_act_swiglu(grad_y, w_down, gate_up, flat_w, order)
+            if fused is None:
+                grad_act = run.d_act(grad_y, w_down)
+                fused = _routed_swiglu_backward(gate_up, flat_w, order, grad_act)
+                del grad_act
             del grad_y
-            grad_gate_up, grad_flat_w = _routed_swiglu_backward(gate_up, flat_w, order, grad_act)
-            del grad_act
+            grad_gate_up, grad_flat_w = fused
             if needs_gu:
                 grad_gu = run.w_gate_up(grad_gate_up, permuted)
             if needs_x:

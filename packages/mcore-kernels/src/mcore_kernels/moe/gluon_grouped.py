@@ -1,0 +1,466 @@
+"""The down projection's input gradient with the routed SwiGLU backward in its epilogue (Gluon,
+Hopper): a warp-specialised persistent row-grouped GEMM.
+
+``grad_act[rows of e] = grad[rows of e] @ w_down[e]`` (``w_down`` ``[E, H, F]``) is never
+stored: each ``128 x 256`` tile goes from the product warpgroups' registers, rounded to the
+GEMM output's dtype, to shared memory, and an epilogue partition applies the routed SwiGLU
+backward of :func:`mcore_kernels.moe.routed._routed_swiglu_backward` to it (the saved gate/up
+output and the routing weight of each row's assignment loaded from memory, the gate and up
+gradients stored) while the product warpgroups run the next tile. Partitions:
+
+- the epilogue (the default 4 warps): per tile, rows in chunks of ``EPI_ROWS``; each row's
+  part of its routing weight's gradient (the float32 sum of ``grad * silu(gate) * up`` over
+  the tile's columns) goes to a ``[M, F / 256]`` float32 buffer;
+- two product warpgroups (64 rows of the tile each, wgmma from shared memory);
+- one load warp (TMA, a ring of ``STAGES`` shared-memory stages, mbarriers), running ahead
+  across tiles.
+
+A small Triton kernel then adds each row's column-tile parts in a fixed order and writes the
+weight gradient at the row's assignment (one write per assignment: no atomics, reproducible),
+and zeroes the gate/up gradient of the rows past the last expert (as the separate pass does).
+The gate and up gradients are bitwise those of the GEMM followed by the separate pass (the
+same rounded ``grad_act``, the same float32 expressions); the weight gradient sums the same
+terms in another order (a rounding apart).
+
+Gluon kernels need an sm_90 GPU (they do not run under the Triton interpreter): the torch
+reference is the GEMM (:func:`mcore_kernels.moe.grouped_mm.m_grouped_mm_reference`) followed by
+:func:`mcore_kernels.moe.reference.weighted_swiglu_reference`'s gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from mcore_kernels._triton_utils import jit, tl
+from mcore_kernels.errors import KernelDeviceError, KernelDtypeError, KernelShapeError
+from mcore_kernels.moe._launch import cdiv, launch
+from mcore_kernels.moe.grouped_mm import tile_schedule
+
+__all__ = ["BLOCK_M", "BLOCK_N", "gluon_d_act_swiglu"]
+
+BLOCK_M = 128
+"""Rows per tile (two product warpgroups of 64 rows): the :func:`tile_schedule` height."""
+BLOCK_N = 256
+"""Columns of ``grad_act`` per tile (the expert width must be a multiple)."""
+BLOCK_K = 64
+"""Reduction step."""
+STAGES = 3
+"""Shared-memory stages of the operand ring."""
+EPI_ROWS = 8
+"""Rows per epilogue chunk."""
+EPI_WARPS = 2
+"""Warps of the epilogue partition."""
+WORKER_REGS = 152
+"""Registers per thread of the epilogue and load warps (one warpgroup: the same count)."""
+
+
+@gluon.constexpr_function
+def _stacked(count, shape):
+    """The shape of ``count`` buffers of ``shape``."""
+    return [count, *shape]
+
+
+@gluon.jit
+def _job(job, sched_ptr, max_tiles, num_n):
+    """Expert, first row, end row and first column of job ``job`` (the column tiles of one
+    row tile consecutive)."""
+    tile = job // num_n
+    expert = gl.load(sched_ptr + tile)
+    row_start = gl.load(sched_ptr + max_tiles + tile)
+    row_end = gl.load(sched_ptr + 2 * max_tiles + tile)
+    return expert, row_start, row_end, job % num_n
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sched_ptr, max_tiles, N, K):
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    NUM_STAGES: gl.constexpr = b_bufs.type.shape[0]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    num_n = N // BN
+    k_tiles = K // BK
+    total = gl.load(sched_ptr + 3 * max_tiles) * num_n
+    counter = 0
+    for job in range(gl.program_id(0), total, gl.num_programs(0)):
+        expert, row_start, _, pid_n = _job(job, sched_ptr, max_tiles, num_n)
+        for kk in range(k_tiles):
+            s = counter % NUM_STAGES
+            mbarrier.wait(empty.index(s), ((counter // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            k0 = kk * BK
+            tma.async_copy_global_to_shared(a_desc, [row_start, k0], bar, a_bufs.index(s))
+            tma.async_copy_global_to_shared(
+                b_desc, [expert * K + k0, pid_n * BN], bar, b_bufs.index(s)
+            )
+            counter += 1
+
+
+@gluon.jit
+def _products(a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty, sched_ptr, max_tiles, N, K):
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[2]
+    NUM_STAGES: gl.constexpr = b_bufs.type.shape[0]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16]
+    )
+    num_n = N // BN
+    k_tiles = K // BK
+    total = gl.load(sched_ptr + 3 * max_tiles) * num_n
+    counter = 0
+    tiles = 0
+    for _job_id in range(gl.program_id(0), total, gl.num_programs(0)):
+        acc = gl.zeros([BM, BN], gl.float32, layout)
+        prev = 0
+        for kk in range(k_tiles):
+            s = counter % NUM_STAGES
+            mbarrier.wait(ready.index(s), (counter // NUM_STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # The product of the previous step has retired: its stage goes back to the loader.
+            mbarrier.arrive(empty.index(prev), pred=kk > 0)
+            prev = s
+            counter += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(prev), pred=k_tiles > 0)
+        # The epilogue has read the previous tile out of the buffer.
+        mbarrier.wait(c_empty, (tiles & 1) ^ 1)
+        c_bufs.store(acc.to(c_bufs.dtype))
+        gl.thread_barrier()
+        mbarrier.arrive(c_ready)
+        tiles += 1  # noqa: SIM113 (a loop-carried scalar)
+
+
+@gluon.jit
+def _epilogue(
+    c_bufs,
+    c_ready,
+    c_empty,
+    sched_ptr,
+    max_tiles,
+    gate_up_ptr,
+    w_ptr,
+    order_ptr,
+    out_ptr,
+    part_ptr,
+    N,
+    EPI_ROWS_: gl.constexpr,
+    EPI_WARPS: gl.constexpr,
+):
+    BM: gl.constexpr = c_bufs.type.shape[0]
+    BN: gl.constexpr = c_bufs.type.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8],
+        threads_per_warp=[1, 32],
+        warps_per_cta=[EPI_WARPS, 1],
+        order=[1, 0],
+    )
+    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, layout)
+    num_n = N // BN
+    total = gl.load(sched_ptr + 3 * max_tiles) * num_n
+    dtype: gl.constexpr = c_bufs.dtype
+    # The tile's rows in chunks (the same bytes: the swizzle repeats every 8 rows).
+    chunk_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    chunks = c_bufs._reinterpret(dtype, [BM // EPI_ROWS_, EPI_ROWS_, BN], chunk_layout)
+    tiles = 0
+    for job in range(gl.program_id(0), total, gl.num_programs(0)):
+        _, row_start, row_end, pid_n = _job(job, sched_ptr, max_tiles, num_n)
+        cols = pid_n * BN + gl.arange(0, BN, layout=cols_layout)
+        mbarrier.wait(c_ready, tiles & 1)
+        for i in range(BM // EPI_ROWS_):
+            rows = row_start + i * EPI_ROWS_ + gl.arange(0, EPI_ROWS_, layout=rows_layout)
+            valid = rows < row_end
+            assignment = gl.load(order_ptr + rows, mask=valid, other=-1)
+            used = assignment >= 0
+            weight = gl.load(w_ptr + gl.where(used, assignment, 0), mask=used, other=0.0)
+            weight = gl.where(used, weight.to(gl.float32), 0.0)
+            base = rows.to(gl.int64)[:, None] * (2 * N) + cols[None, :]
+            read = used[:, None] & (cols < N)[None, :]
+            store = valid[:, None] & (cols < N)[None, :]
+            grad = chunks.index(i).load(layout).to(gl.float32)
+            grad = gl.where(read, grad, 0.0)
+            gate = gl.load(gate_up_ptr + base, mask=read, other=0.0).to(gl.float32)
+            up = gl.load(gate_up_ptr + base + N, mask=read, other=0.0).to(gl.float32)
+            sig = 1.0 / (1.0 + gl.exp(-gate))
+            silu = gate * sig
+            part = gl.sum(grad * silu * up, axis=1)
+            scaled = grad * weight[:, None]
+            d_gate = scaled * up * sig * (1.0 + gate * (1.0 - sig))
+            gl.store(out_ptr + base, d_gate.to(dtype), mask=store)
+            gl.store(out_ptr + base + N, (scaled * silu).to(dtype), mask=store)
+            gl.store(part_ptr + rows.to(gl.int64) * num_n + pid_n, part, mask=valid)
+        mbarrier.arrive(c_empty)
+        tiles += 1  # noqa: SIM113 (a loop-carried scalar)
+
+
+@gluon.jit
+def gluon_d_act_swiglu_kernel(
+    a_desc,
+    b_desc,
+    sched_ptr,
+    max_tiles,
+    gate_up_ptr,
+    w_ptr,
+    order_ptr,
+    out_ptr,
+    part_ptr,
+    N,
+    K,
+    NUM_STAGES: gl.constexpr,
+    EPI_ROWS_: gl.constexpr,
+    EPI_WARPS_: gl.constexpr,
+    WORKER_REGS_: gl.constexpr,
+):
+    """The gate/up gradient of the routed SwiGLU from ``grad @ w_down[e]`` (see the module
+    docstring); ``a_desc`` views ``grad`` ``[M, K]`` in ``[64, BLOCK_K]`` boxes, ``b_desc``
+    the weights as ``[E * K, N]`` in ``[BLOCK_K, BLOCK_N]`` boxes."""
+    dtype: gl.constexpr = a_desc.dtype
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(
+        dtype, _stacked(NUM_STAGES, a_desc.block_type.shape), a_desc.layout
+    )
+    b_bufs = gl.allocate_shared_memory(
+        dtype, _stacked(NUM_STAGES, b_desc.block_type.shape), b_desc.layout
+    )
+    # 16-byte vectors swizzled over 8 rows: the products' stores are free of bank conflicts.
+    c_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    c_bufs = gl.allocate_shared_memory(dtype, [BM, BN], c_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(c_ready, count=1)
+    mbarrier.init(c_empty, count=1)
+    # Partitions: the products (the kernel's 8 warps), the epilogue, the load warp.
+    gl.warp_specialize(
+        [
+            (
+                _products,
+                (
+                    a_bufs,
+                    b_bufs,
+                    c_bufs,
+                    ready,
+                    empty,
+                    c_ready,
+                    c_empty,
+                    sched_ptr,
+                    max_tiles,
+                    N,
+                    K,
+                ),
+            ),
+            (
+                _epilogue,
+                (
+                    c_bufs,
+                    c_ready,
+                    c_empty,
+                    sched_ptr,
+                    max_tiles,
+                    gate_up_ptr,
+                    w_ptr,
+                    order_ptr,
+                    out_ptr,
+                    part_ptr,
+                    N,
+                    EPI_ROWS_,
+                    EPI_WARPS_,
+                ),
+            ),
+            (
+                _loader,
+                (a_desc, b_desc, a_bufs, b_bufs, ready, empty, sched_ptr, max_tiles, N, K),
+            ),
+        ],
+        [EPI_WARPS_, 1],
+        [WORKER_REGS_, WORKER_REGS_],
+    )
+
+
+@jit
+def d_act_swiglu_finish_kernel(
+    part_ptr,
+    order_ptr,
+    ends_ptr,
+    num_experts,
+    grad_w_ptr,
+    out_ptr,
+    rows,
+    width2,
+    num_assignments,
+    NUM_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Each row's weight gradient (its ``NUM_N`` column-tile parts added in order) written at
+    its assignment (rows without one: a spare last entry); the ``width2`` gate/up gradient
+    columns of the rows past the last expert zeroed."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_rows = r < rows
+    last = tl.load(ends_ptr + num_experts - 1)
+    computed = in_rows & (r < last)
+    assignment = tl.load(order_ptr + r, mask=computed, other=-1)
+    used = assignment >= 0
+    total = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for j in tl.static_range(NUM_N):
+        total += tl.load(part_ptr + r.to(tl.int64) * NUM_N + j, mask=used, other=0.0)
+    target = tl.where(used, assignment, num_assignments)
+    tl.store(grad_w_ptr + target, total.to(grad_w_ptr.dtype.element_ty), mask=in_rows)
+    tail = in_rows & (r >= last)
+    c = tl.arange(0, BLOCK_C)
+    dtype = out_ptr.dtype.element_ty
+    for c0 in range(0, width2, BLOCK_C):
+        cols = c0 + c
+        mask = tail[:, None] & (cols < width2)[None, :]
+        ptrs = out_ptr + r.to(tl.int64)[:, None] * width2 + cols[None, :]
+        tl.store(ptrs, tl.zeros((BLOCK_R, BLOCK_C), dtype=dtype), mask=mask)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _check(
+    grad: torch.Tensor,
+    w_down: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up: torch.Tensor,
+    weights: torch.Tensor,
+    order: torch.Tensor,
+) -> None:
+    for name, tensor in (("grad", grad), ("w_down", w_down), ("gate_up", gate_up)):
+        if tensor.dtype not in (torch.bfloat16, torch.float16) or tensor.dtype != grad.dtype:
+            raise KernelDtypeError(
+                f"{name}.dtype={tensor.dtype}: grad, w_down and gate_up must share one 16-bit dtype"
+            )
+        if tensor.device.type != "cuda":
+            raise KernelDeviceError(f"{name}.device={tensor.device}: Gluon kernels need a GPU")
+    rows, hidden = grad.shape
+    experts, _, ffn = w_down.shape
+    if (
+        tuple(w_down.shape) != (experts, hidden, ffn)
+        or tuple(gate_up.shape) != (rows, 2 * ffn)
+        or ffn % BLOCK_N
+        or hidden % BLOCK_K
+        or tuple(offsets.shape) != (experts,)
+        or offsets.dtype != torch.int32
+        or tuple(order.shape) != (rows,)
+        or order.dtype != torch.int64
+        or weights.dim() != 1
+    ):
+        raise KernelShapeError(
+            f"grad.shape={tuple(grad.shape)}, w_down.shape={tuple(w_down.shape)}, "
+            f"gate_up.shape={tuple(gate_up.shape)}, offsets={tuple(offsets.shape)} "
+            f"{offsets.dtype}, order={tuple(order.shape)} {order.dtype}, "
+            f"weights={tuple(weights.shape)}: expected [M, H], [E, H, F], [M, 2F], [E] int32, "
+            f"[M] int64 and 1-D weights, with F a multiple of {BLOCK_N} and H of {BLOCK_K}"
+        )
+
+
+def gluon_d_act_swiglu(
+    grad: torch.Tensor,
+    w_down: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up: torch.Tensor,
+    weights: torch.Tensor,
+    order: torch.Tensor,
+    *,
+    schedule: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of the routed SwiGLU's input and of its routing weights from the down
+    projection's output gradient, without storing ``grad_act = grad[rows of e] @ w_down[e]``.
+
+    Args:
+        grad: ``[M, H]`` CUDA gradient of the down projection's output, rows sorted by expert.
+        w_down: ``[E, H, F]`` down projection of each expert (F a multiple of
+            :data:`BLOCK_N`, H of 64).
+        offsets: ``[E]`` int32 end row of each expert.
+        gate_up: ``[M, 2F]`` saved gate/up GEMM output (gate columns first).
+        weights: ``[A]`` routing weight of each assignment.
+        order: ``[M]`` int64 assignment of each row, -1 for a row without one.
+        schedule: :func:`~mcore_kernels.moe.grouped_mm.tile_schedule` of ``offsets`` with
+            :data:`BLOCK_M` rows per tile (built when None).
+
+    Returns:
+        ``(grad_gate_up [M, 2F], grad_weights [A])``: bitwise the gate/up gradient of the GEMM
+        followed by the separate routed SwiGLU backward (rows past the last expert zero), the
+        weight gradient in the weights' dtype (zero for an assignment without a row).
+
+    Raises:
+        KernelShapeError: If the shapes do not match or are not tile multiples.
+        KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
+        KernelDeviceError: If a tensor is not on a GPU.
+    """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _check(grad, w_down, offsets, gate_up, weights, order)
+    rows, hidden = grad.shape
+    experts, _, ffn = w_down.shape
+    out = torch.empty_like(gate_up)
+    grad_w = torch.zeros(weights.numel() + 1, dtype=weights.dtype, device=weights.device)
+    if rows == 0 or ffn == 0:
+        return out, grad_w[:-1]
+    grad, w_down, gate_up = grad.contiguous(), w_down.contiguous(), gate_up.contiguous()
+    weights, order = weights.contiguous(), order.contiguous()
+    if schedule is None:
+        schedule = tile_schedule(offsets, rows, BLOCK_M)
+    max_tiles = (schedule.shape[0] - 1) // 3
+    num_n = ffn // BLOCK_N
+    part = torch.empty(rows * num_n, dtype=torch.float32, device=grad.device)
+    dtype = gl.bfloat16 if grad.dtype == torch.bfloat16 else gl.float16
+    a_block = [BLOCK_M, BLOCK_K]
+    b_block = [BLOCK_K, BLOCK_N]
+    a_desc = TensorDescriptor.from_tensor(
+        grad, a_block, gl.NVMMASharedLayout.get_default_for(a_block, dtype)
+    )
+    b_desc = TensorDescriptor.from_tensor(
+        w_down.view(experts * hidden, ffn),
+        b_block,
+        gl.NVMMASharedLayout.get_default_for(b_block, dtype),
+    )
+    index = grad.device.index if grad.device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    programs = max(1, min(_NUM_SMS[index], max_tiles * num_n))
+    with torch.cuda.device(grad.device):
+        gluon_d_act_swiglu_kernel[(programs,)](
+            a_desc,
+            b_desc,
+            schedule,
+            max_tiles,
+            gate_up,
+            weights,
+            order,
+            out,
+            part,
+            ffn,
+            hidden,
+            NUM_STAGES=STAGES,
+            EPI_ROWS_=EPI_ROWS,
+            EPI_WARPS_=EPI_WARPS,
+            WORKER_REGS_=WORKER_REGS,
+            num_warps=8,
+        )
+    block_r = 64
+    launch(
+        d_act_swiglu_finish_kernel,
+        (cdiv(rows, block_r),),
+        (part, order, offsets, experts, grad_w, out, rows, 2 * ffn, weights.numel()),
+        dict(NUM_N=num_n, BLOCK_R=block_r, BLOCK_C=64),
+        device=grad.device,
+    )
+    return out, grad_w[:-1]
