@@ -347,8 +347,11 @@ def _check(
             raise KernelDtypeError(
                 f"{name}.dtype={tensor.dtype}: grad, w_down and gate_up must share one 16-bit dtype"
             )
-        if tensor.device.type != "cuda":
-            raise KernelDeviceError(f"{name}.device={tensor.device}: Gluon kernels need a GPU")
+    if grad.dim() != 2 or w_down.dim() != 3:
+        raise KernelShapeError(
+            f"grad.shape={tuple(grad.shape)} and w_down.shape={tuple(w_down.shape)} must be "
+            "[M, H] and [E, H, F]"
+        )
     rows, hidden = grad.shape
     experts, _, ffn = w_down.shape
     if (
@@ -369,6 +372,9 @@ def _check(
             f"weights={tuple(weights.shape)}: expected [M, H], [E, H, F], [M, 2F], [E] int32, "
             f"[M] int64 and 1-D weights, with F a multiple of {BLOCK_N} and H of {BLOCK_K}"
         )
+    for name, tensor in (("grad", grad), ("w_down", w_down), ("gate_up", gate_up)):
+        if tensor.device.type != "cuda":
+            raise KernelDeviceError(f"{name}.device={tensor.device}: Gluon kernels need a GPU")
 
 
 def gluon_d_act_swiglu(
