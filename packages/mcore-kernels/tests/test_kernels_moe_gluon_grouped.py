@@ -49,3 +49,31 @@ def test_cpu_backward_stays_on_the_separate_pass(monkeypatch):
     plan = ExpertGemms(d_act=PersistentTiles(block_m=128, block_n=256))
     run = ExpertGemmRunner(plan, offsets, grad.shape[0])
     assert run.d_act_swiglu(grad, w_down, gate_up, weights, order) is None
+
+
+def test_finish_kernel_adds_parts_in_order_and_zeroes_the_tail():
+    from mcore_kernels.moe._launch import launch
+    from mcore_kernels.moe.gluon_grouped import d_act_swiglu_finish_kernel
+
+    rows, num_n, width2 = 70, 3, 48
+    offsets = torch.tensor([20, 20, 61], dtype=torch.int32)
+    order = torch.full((rows,), -1, dtype=torch.int64)
+    order[:61] = torch.randperm(80)[:61]
+    order[5] = -1
+    part = torch.randn(rows * num_n)
+    grad_w = torch.zeros(81)
+    out = torch.ones(rows, width2, dtype=torch.bfloat16)
+    launch(
+        d_act_swiglu_finish_kernel,
+        (3,),
+        (part, order, offsets, 3, grad_w, out, rows, width2, 80),
+        dict(NUM_N=num_n, BLOCK_R=32, BLOCK_C=32),
+        device=part.device,
+    )
+    parts = part.view(rows, num_n)
+    want = torch.zeros(80)
+    for r in range(61):
+        if order[r] >= 0:
+            want[order[r]] = (parts[r, 0] + parts[r, 1]) + parts[r, 2]
+    assert torch.equal(grad_w[:80], want)
+    assert torch.count_nonzero(out[61:]) == 0 and torch.all(out[:61] == 1)

@@ -54,12 +54,20 @@ BLOCK_K = 64
 """Reduction step."""
 STAGES = 3
 """Shared-memory stages of the operand ring."""
-EPI_ROWS = 8
+EPI_ROWS = 4
 """Rows per epilogue chunk."""
 EPI_WARPS = 2
 """Warps of the epilogue partition."""
 WORKER_REGS = 152
 """Registers per thread of the epilogue and load warps (one warpgroup: the same count)."""
+
+
+@gluon.constexpr_function
+def _tile_layout(epi_rows):
+    """Shared layout of the ``grad_act`` tile: 16-byte vectors swizzled over ``min(8,
+    epi_rows)`` rows, so that the product warps store it with few bank conflicts and its row
+    chunks of ``epi_rows`` rows are the same bytes viewed as ``[chunks, epi_rows, columns]``."""
+    return gl.SwizzledSharedLayout(8, 1, min(8, epi_rows), order=[1, 0])
 
 
 @gluon.constexpr_function
@@ -169,9 +177,8 @@ def _epilogue(
     num_n = N // BN
     total = gl.load(sched_ptr + 3 * max_tiles) * num_n
     dtype: gl.constexpr = c_bufs.dtype
-    # The tile's rows in chunks (the same bytes: the swizzle repeats every 8 rows).
-    chunk_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
-    chunks = c_bufs._reinterpret(dtype, [BM // EPI_ROWS_, EPI_ROWS_, BN], chunk_layout)
+    # The tile's rows in chunks (the same bytes: the swizzle repeats within a chunk).
+    chunks = c_bufs._reinterpret(dtype, [BM // EPI_ROWS_, EPI_ROWS_, BN], _tile_layout(EPI_ROWS_))
     tiles = 0
     for job in range(gl.program_id(0), total, gl.num_programs(0)):
         _, row_start, row_end, pid_n = _job(job, sched_ptr, max_tiles, num_n)
@@ -233,9 +240,7 @@ def gluon_d_act_swiglu_kernel(
     b_bufs = gl.allocate_shared_memory(
         dtype, _stacked(NUM_STAGES, b_desc.block_type.shape), b_desc.layout
     )
-    # 16-byte vectors swizzled over 8 rows: the products' stores are free of bank conflicts.
-    c_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
-    c_bufs = gl.allocate_shared_memory(dtype, [BM, BN], c_layout)
+    c_bufs = gl.allocate_shared_memory(dtype, [BM, BN], _tile_layout(EPI_ROWS_))
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -322,13 +327,14 @@ def d_act_swiglu_finish_kernel(
     target = tl.where(used, assignment, num_assignments)
     tl.store(grad_w_ptr + target, total.to(grad_w_ptr.dtype.element_ty), mask=in_rows)
     tail = in_rows & (r >= last)
-    c = tl.arange(0, BLOCK_C)
-    dtype = out_ptr.dtype.element_ty
-    for c0 in range(0, width2, BLOCK_C):
-        cols = c0 + c
-        mask = tail[:, None] & (cols < width2)[None, :]
-        ptrs = out_ptr + r.to(tl.int64)[:, None] * width2 + cols[None, :]
-        tl.store(ptrs, tl.zeros((BLOCK_R, BLOCK_C), dtype=dtype), mask=mask)
+    if tl.max(tail.to(tl.int32), axis=0) > 0:
+        c = tl.arange(0, BLOCK_C)
+        dtype = out_ptr.dtype.element_ty
+        for c0 in range(0, width2, BLOCK_C):
+            cols = c0 + c
+            mask = tail[:, None] & (cols < width2)[None, :]
+            ptrs = out_ptr + r.to(tl.int64)[:, None] * width2 + cols[None, :]
+            tl.store(ptrs, tl.zeros((BLOCK_R, BLOCK_C), dtype=dtype), mask=mask)
 
 
 _NUM_SMS: dict[int, int] = {}
