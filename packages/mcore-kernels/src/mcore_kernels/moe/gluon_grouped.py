@@ -56,6 +56,8 @@ STAGES = 3
 """Shared-memory stages of the operand ring."""
 EPI_ROWS = 4
 """Rows per epilogue chunk."""
+PREFETCH = True
+"""The epilogue issues each row chunk's loads one chunk ahead."""
 EPI_WARPS = 2
 """Warps of the epilogue partition."""
 WORKER_REGS = 152
@@ -149,6 +151,22 @@ def _products(a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty, sched_ptr,
 
 
 @gluon.jit
+def _chunk_loads(gate_up_ptr, w_ptr, order_ptr, rows, row_end, cols, N):
+    """What the epilogue reads from memory for rows ``rows`` (those below ``row_end``): each
+    row's assignment (-1 outside) and routing weight, and its gate and up values at ``cols``
+    (zero for a row without an assignment)."""
+    valid = rows < row_end
+    assignment = gl.load(order_ptr + rows, mask=valid, other=-1)
+    used = assignment >= 0
+    weight = gl.load(w_ptr + gl.where(used, assignment, 0), mask=used, other=0.0)
+    read = used[:, None] & (cols < N)[None, :]
+    base = rows.to(gl.int64)[:, None] * (2 * N) + cols[None, :]
+    gate = gl.load(gate_up_ptr + base, mask=read, other=0.0)
+    up = gl.load(gate_up_ptr + base + N, mask=read, other=0.0)
+    return assignment, weight, gate, up
+
+
+@gluon.jit
 def _epilogue(
     c_bufs,
     c_ready,
@@ -163,9 +181,11 @@ def _epilogue(
     N,
     EPI_ROWS_: gl.constexpr,
     EPI_WARPS: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):
     BM: gl.constexpr = c_bufs.type.shape[0]
     BN: gl.constexpr = c_bufs.type.shape[1]
+    CHUNKS: gl.constexpr = BM // EPI_ROWS_
     layout: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 8],
         threads_per_warp=[1, 32],
@@ -178,34 +198,50 @@ def _epilogue(
     total = gl.load(sched_ptr + 3 * max_tiles) * num_n
     dtype: gl.constexpr = c_bufs.dtype
     # The tile's rows in chunks (the same bytes: the swizzle repeats within a chunk).
-    chunks = c_bufs._reinterpret(dtype, [BM // EPI_ROWS_, EPI_ROWS_, BN], _tile_layout(EPI_ROWS_))
+    chunks = c_bufs._reinterpret(dtype, [CHUNKS, EPI_ROWS_, BN], _tile_layout(EPI_ROWS_))
+    offs = gl.arange(0, EPI_ROWS_, layout=rows_layout)
     tiles = 0
     for job in range(gl.program_id(0), total, gl.num_programs(0)):
         _, row_start, row_end, pid_n = _job(job, sched_ptr, max_tiles, num_n)
         cols = pid_n * BN + gl.arange(0, BN, layout=cols_layout)
+        # The first chunk's loads do not wait for the products (PREFETCH: each chunk's loads
+        # are issued one chunk ahead, so two chunks of loads are in flight).
+        assignment, weight, gate, up = _chunk_loads(
+            gate_up_ptr, w_ptr, order_ptr, row_start + offs, row_end, cols, N
+        )
         mbarrier.wait(c_ready, tiles & 1)
-        for i in range(BM // EPI_ROWS_):
-            rows = row_start + i * EPI_ROWS_ + gl.arange(0, EPI_ROWS_, layout=rows_layout)
+        for i in range(CHUNKS):
+            rows = row_start + i * EPI_ROWS_ + offs
+            if PREFETCH:
+                # The next chunk (none after the last: every row masked).
+                next_end = gl.where(i + 1 < CHUNKS, row_end, 0)
+                n_assignment, n_weight, n_gate, n_up = _chunk_loads(
+                    gate_up_ptr, w_ptr, order_ptr, rows + EPI_ROWS_, next_end, cols, N
+                )
+            elif i > 0:
+                assignment, weight, gate, up = _chunk_loads(
+                    gate_up_ptr, w_ptr, order_ptr, rows, row_end, cols, N
+                )
             valid = rows < row_end
-            assignment = gl.load(order_ptr + rows, mask=valid, other=-1)
             used = assignment >= 0
-            weight = gl.load(w_ptr + gl.where(used, assignment, 0), mask=used, other=0.0)
-            weight = gl.where(used, weight.to(gl.float32), 0.0)
-            base = rows.to(gl.int64)[:, None] * (2 * N) + cols[None, :]
             read = used[:, None] & (cols < N)[None, :]
             store = valid[:, None] & (cols < N)[None, :]
+            base = rows.to(gl.int64)[:, None] * (2 * N) + cols[None, :]
             grad = chunks.index(i).load(layout).to(gl.float32)
             grad = gl.where(read, grad, 0.0)
-            gate = gl.load(gate_up_ptr + base, mask=read, other=0.0).to(gl.float32)
-            up = gl.load(gate_up_ptr + base + N, mask=read, other=0.0).to(gl.float32)
-            sig = 1.0 / (1.0 + gl.exp(-gate))
-            silu = gate * sig
-            part = gl.sum(grad * silu * up, axis=1)
-            scaled = grad * weight[:, None]
-            d_gate = scaled * up * sig * (1.0 + gate * (1.0 - sig))
+            w32 = gl.where(used, weight.to(gl.float32), 0.0)
+            g32 = gate.to(gl.float32)
+            u32 = up.to(gl.float32)
+            sig = 1.0 / (1.0 + gl.exp(-g32))
+            silu = g32 * sig
+            part = gl.sum(grad * silu * u32, axis=1)
+            scaled = grad * w32[:, None]
+            d_gate = scaled * u32 * sig * (1.0 + g32 * (1.0 - sig))
             gl.store(out_ptr + base, d_gate.to(dtype), mask=store)
             gl.store(out_ptr + base + N, (scaled * silu).to(dtype), mask=store)
             gl.store(part_ptr + rows.to(gl.int64) * num_n + pid_n, part, mask=valid)
+            if PREFETCH:
+                assignment, weight, gate, up = n_assignment, n_weight, n_gate, n_up
         mbarrier.arrive(c_empty)
         tiles += 1  # noqa: SIM113 (a loop-carried scalar)
 
@@ -227,6 +263,7 @@ def gluon_d_act_swiglu_kernel(
     EPI_ROWS_: gl.constexpr,
     EPI_WARPS_: gl.constexpr,
     WORKER_REGS_: gl.constexpr,
+    PREFETCH_: gl.constexpr,
 ):
     """The gate/up gradient of the routed SwiGLU from ``grad @ w_down[e]`` (see the module
     docstring); ``a_desc`` views ``grad`` ``[M, K]`` in ``[64, BLOCK_K]`` boxes, ``b_desc``
@@ -285,6 +322,7 @@ def gluon_d_act_swiglu_kernel(
                     N,
                     EPI_ROWS_,
                     EPI_WARPS_,
+                    PREFETCH_,
                 ),
             ),
             (
@@ -465,6 +503,7 @@ def gluon_d_act_swiglu(
             EPI_ROWS_=EPI_ROWS,
             EPI_WARPS_=EPI_WARPS,
             WORKER_REGS_=WORKER_REGS,
+            PREFETCH_=PREFETCH,
             num_warps=8,
         )
     block_r = 64
