@@ -56,6 +56,9 @@ STAGES = 3
 """Shared-memory stages of the operand ring."""
 EPI_ROWS = 4
 """Rows per epilogue chunk."""
+TILE_BUFFERS = 1
+"""Shared-memory buffers of the ``grad_act`` tile between the products and the epilogue (2:
+the products run two tiles ahead of the epilogue; needs ``STAGES`` 2 at 64-wide steps)."""
 PREFETCH = True
 """The epilogue issues each row chunk's loads one chunk ahead."""
 EPI_WARPS = 2
@@ -120,6 +123,7 @@ def _products(a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty, sched_ptr,
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[2]
     NUM_STAGES: gl.constexpr = b_bufs.type.shape[0]
+    NUM_C: gl.constexpr = c_bufs.type.shape[0]
     layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16]
     )
@@ -143,10 +147,11 @@ def _products(a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty, sched_ptr,
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(prev), pred=k_tiles > 0)
         # The epilogue has read the previous tile out of the buffer.
-        mbarrier.wait(c_empty, (tiles & 1) ^ 1)
-        c_bufs.store(acc.to(c_bufs.dtype))
+        buf = tiles % NUM_C
+        mbarrier.wait(c_empty.index(buf), ((tiles // NUM_C) & 1) ^ 1)
+        c_bufs.index(buf).store(acc.to(c_bufs.dtype))
         gl.thread_barrier()
-        mbarrier.arrive(c_ready)
+        mbarrier.arrive(c_ready.index(buf))
         tiles += 1  # noqa: SIM113 (a loop-carried scalar)
 
 
@@ -183,8 +188,9 @@ def _epilogue(
     EPI_WARPS: gl.constexpr,
     PREFETCH: gl.constexpr,
 ):
-    BM: gl.constexpr = c_bufs.type.shape[0]
-    BN: gl.constexpr = c_bufs.type.shape[1]
+    NUM_C: gl.constexpr = c_bufs.type.shape[0]
+    BM: gl.constexpr = c_bufs.type.shape[1]
+    BN: gl.constexpr = c_bufs.type.shape[2]
     CHUNKS: gl.constexpr = BM // EPI_ROWS_
     layout: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 8],
@@ -198,7 +204,7 @@ def _epilogue(
     total = gl.load(sched_ptr + 3 * max_tiles) * num_n
     dtype: gl.constexpr = c_bufs.dtype
     # The tile's rows in chunks (the same bytes: the swizzle repeats within a chunk).
-    chunks = c_bufs._reinterpret(dtype, [CHUNKS, EPI_ROWS_, BN], _tile_layout(EPI_ROWS_))
+    chunks = c_bufs._reinterpret(dtype, [NUM_C * CHUNKS, EPI_ROWS_, BN], _tile_layout(EPI_ROWS_))
     offs = gl.arange(0, EPI_ROWS_, layout=rows_layout)
     tiles = 0
     for job in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -209,7 +215,8 @@ def _epilogue(
         assignment, weight, gate, up = _chunk_loads(
             gate_up_ptr, w_ptr, order_ptr, row_start + offs, row_end, cols, N
         )
-        mbarrier.wait(c_ready, tiles & 1)
+        buf = tiles % NUM_C
+        mbarrier.wait(c_ready.index(buf), (tiles // NUM_C) & 1)
         for i in range(CHUNKS):
             rows = row_start + i * EPI_ROWS_ + offs
             if PREFETCH:
@@ -227,7 +234,7 @@ def _epilogue(
             read = used[:, None] & (cols < N)[None, :]
             store = valid[:, None] & (cols < N)[None, :]
             base = rows.to(gl.int64)[:, None] * (2 * N) + cols[None, :]
-            grad = chunks.index(i).load(layout).to(gl.float32)
+            grad = chunks.index(buf * CHUNKS + i).load(layout).to(gl.float32)
             grad = gl.where(read, grad, 0.0)
             w32 = gl.where(used, weight.to(gl.float32), 0.0)
             g32 = gate.to(gl.float32)
@@ -242,7 +249,7 @@ def _epilogue(
             gl.store(part_ptr + rows.to(gl.int64) * num_n + pid_n, part, mask=valid)
             if PREFETCH:
                 assignment, weight, gate, up = n_assignment, n_weight, n_gate, n_up
-        mbarrier.arrive(c_empty)
+        mbarrier.arrive(c_empty.index(buf))
         tiles += 1  # noqa: SIM113 (a loop-carried scalar)
 
 
@@ -264,9 +271,10 @@ def gluon_d_act_swiglu_kernel(
     EPI_WARPS_: gl.constexpr,
     WORKER_REGS_: gl.constexpr,
     PREFETCH_: gl.constexpr,
+    NUM_C_: gl.constexpr,
 ):
     """The gate/up gradient of the routed SwiGLU from ``grad @ w_down[e]`` (see the module
-    docstring); ``a_desc`` views ``grad`` ``[M, K]`` in ``[64, BLOCK_K]`` boxes, ``b_desc``
+    docstring); ``a_desc`` views ``grad`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes, ``b_desc``
     the weights as ``[E * K, N]`` in ``[BLOCK_K, BLOCK_N]`` boxes."""
     dtype: gl.constexpr = a_desc.dtype
     BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -277,16 +285,17 @@ def gluon_d_act_swiglu_kernel(
     b_bufs = gl.allocate_shared_memory(
         dtype, _stacked(NUM_STAGES, b_desc.block_type.shape), b_desc.layout
     )
-    c_bufs = gl.allocate_shared_memory(dtype, [BM, BN], _tile_layout(EPI_ROWS_))
+    c_bufs = gl.allocate_shared_memory(dtype, [NUM_C_, BM, BN], _tile_layout(EPI_ROWS_))
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [NUM_C_, 1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [NUM_C_, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(c_ready, count=1)
-    mbarrier.init(c_empty, count=1)
+    for i in gl.static_range(NUM_C_):
+        mbarrier.init(c_ready.index(i), count=1)
+        mbarrier.init(c_empty.index(i), count=1)
     # Partitions: the products (the kernel's 8 warps), the epilogue, the load warp.
     gl.warp_specialize(
         [
@@ -504,6 +513,7 @@ def gluon_d_act_swiglu(
             EPI_WARPS_=EPI_WARPS,
             WORKER_REGS_=WORKER_REGS,
             PREFETCH_=PREFETCH,
+            NUM_C_=TILE_BUFFERS,
             num_warps=8,
         )
     block_r = 64
