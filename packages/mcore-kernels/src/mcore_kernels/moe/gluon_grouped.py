@@ -93,12 +93,21 @@ def _job(job, sched_ptr, max_tiles, num_n):
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sched_ptr, max_tiles, N, K):
+def _loader(
+    a_desc, b_desc, a_bufs, b_bufs, ready, empty, sched_ptr, max_tiles, N, K, GATE_UP: gl.constexpr
+):
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[1]
     NUM_STAGES: gl.constexpr = b_bufs.type.shape[0]
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    num_n = N // BN
+    if GATE_UP:
+        # Weights [E * 2F, K] (gate rows, then up rows): a job's 128 gate and 128 up rows go
+        # to the two halves of one [256, BK] stage.
+        HN: gl.constexpr = b_desc.block_type.shape[0]
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
+        num_n = N // HN
+    else:
+        BN: gl.constexpr = b_desc.block_type.shape[1]
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        num_n = N // BN
     k_tiles = K // BK
     total = gl.load(sched_ptr + 3 * max_tiles) * num_n
     counter = 0
@@ -111,23 +120,48 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sched_ptr, max_tiles, 
             mbarrier.expect(bar, nbytes)
             k0 = kk * BK
             tma.async_copy_global_to_shared(a_desc, [row_start, k0], bar, a_bufs.index(s))
-            tma.async_copy_global_to_shared(
-                b_desc, [expert * K + k0, pid_n * BN], bar, b_bufs.index(s)
-            )
+            if GATE_UP:
+                row = expert * 2 * N + pid_n * HN
+                stage = b_bufs.index(s)
+                tma.async_copy_global_to_shared(b_desc, [row, k0], bar, stage.slice(0, HN))
+                tma.async_copy_global_to_shared(b_desc, [row + N, k0], bar, stage.slice(HN, HN))
+            else:
+                tma.async_copy_global_to_shared(
+                    b_desc, [expert * K + k0, pid_n * BN], bar, b_bufs.index(s)
+                )
             counter += 1
 
 
 @gluon.jit
-def _products(a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty, sched_ptr, max_tiles, N, K):
+def _products(
+    a_bufs,
+    b_bufs,
+    c_bufs,
+    ready,
+    empty,
+    c_ready,
+    c_empty,
+    sched_ptr,
+    max_tiles,
+    N,
+    K,
+    GATE_UP: gl.constexpr,
+):
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
-    BN: gl.constexpr = b_bufs.type.shape[2]
     NUM_STAGES: gl.constexpr = b_bufs.type.shape[0]
-    NUM_C: gl.constexpr = c_bufs.type.shape[0]
+    if GATE_UP:
+        # b stages [256, BK] (gate rows then up rows), the tile's halves in two buffers.
+        BN: gl.constexpr = b_bufs.type.shape[1]
+        NUM_C: gl.constexpr = c_bufs.type.shape[0] // 2
+        num_n = N // (BN // 2)
+    else:
+        BN: gl.constexpr = b_bufs.type.shape[2]
+        NUM_C: gl.constexpr = c_bufs.type.shape[0]
+        num_n = N // BN
     layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16]
     )
-    num_n = N // BN
     k_tiles = K // BK
     total = gl.load(sched_ptr + 3 * max_tiles) * num_n
     counter = 0
@@ -138,7 +172,11 @@ def _products(a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty, sched_ptr,
         for kk in range(k_tiles):
             s = counter % NUM_STAGES
             mbarrier.wait(ready.index(s), (counter // NUM_STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            if GATE_UP:
+                b = b_bufs.index(s).permute((1, 0))
+            else:
+                b = b_bufs.index(s)
+            acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             # The product of the previous step has retired: its stage goes back to the loader.
             mbarrier.arrive(empty.index(prev), pred=kk > 0)
@@ -149,7 +187,12 @@ def _products(a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty, sched_ptr,
         # The epilogue has read the previous tile out of the buffer.
         buf = tiles % NUM_C
         mbarrier.wait(c_empty.index(buf), ((tiles // NUM_C) & 1) ^ 1)
-        c_bufs.index(buf).store(acc.to(c_bufs.dtype))
+        if GATE_UP:
+            gate, up = acc.reshape([BM, 2, BN // 2]).permute((0, 2, 1)).split()
+            c_bufs.index(2 * buf).store(gate.to(c_bufs.dtype))
+            c_bufs.index(2 * buf + 1).store(up.to(c_bufs.dtype))
+        else:
+            c_bufs.index(buf).store(acc.to(c_bufs.dtype))
         gl.thread_barrier()
         mbarrier.arrive(c_ready.index(buf))
         tiles += 1  # noqa: SIM113 (a loop-carried scalar)
@@ -313,6 +356,7 @@ def gluon_d_act_swiglu_kernel(
                     max_tiles,
                     N,
                     K,
+                    False,
                 ),
             ),
             (
@@ -336,7 +380,7 @@ def gluon_d_act_swiglu_kernel(
             ),
             (
                 _loader,
-                (a_desc, b_desc, a_bufs, b_bufs, ready, empty, sched_ptr, max_tiles, N, K),
+                (a_desc, b_desc, a_bufs, b_bufs, ready, empty, sched_ptr, max_tiles, N, K, False),
             ),
         ],
         [EPI_WARPS_, 1],
