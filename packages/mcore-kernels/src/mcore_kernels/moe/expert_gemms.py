@@ -71,6 +71,12 @@ GLUON_D_ACT = False
 backward in its epilogue (:func:`mcore_kernels.moe.gluon_grouped.gluon_d_act_swiglu`, through
 :meth:`ExpertGemmRunner.d_act_swiglu`) instead of the GEMM followed by the separate pass."""
 
+GLUON_GATE_UP = False
+"""On a Hopper GPU, the gate/up projection of the shapes in :data:`_GLUON_D_ACT_SHAPES` runs on
+the warp-specialised Gluon kernel with the routed SwiGLU in its epilogue
+(:func:`mcore_kernels.moe.gluon_grouped.gluon_gate_up_swiglu`, through
+:meth:`ExpertGemmRunner.gate_up_swiglu`) instead of the GEMM followed by the separate pass."""
+
 GLUON_TILES: Any = None
 """Tiles of those Gluon weight gradients
 (:class:`~mcore_kernels.moe.gluon_wgrad.GluonWeightTiles`); None: the kernel's defaults."""
@@ -310,6 +316,50 @@ class ExpertGemmRunner:
         """
         return self._rows(self.plan.d_x, grad_gate_up, w_gate_up, False)
 
+    def _gluon_rows(
+        self, switch: bool, kernel: GemmKernel, x: torch.Tensor, w: torch.Tensor, shape: tuple
+    ) -> bool:
+        """Whether a row GEMM of the layer shape ``(hidden, ffn, experts)`` runs on a Gluon
+        kernel with the routed SwiGLU in its epilogue."""
+        return (
+            switch
+            and isinstance(kernel, PersistentTiles)
+            and shape in _GLUON_D_ACT_SHAPES
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == x.dtype
+            and _hopper(x.device)
+            and _gluon_grouped_ready()
+        )
+
+    def gate_up_swiglu(
+        self,
+        x: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        weights: torch.Tensor,
+        order: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The gate/up projection and the routed SwiGLU of its output on the Gluon kernel
+        (:data:`GLUON_GATE_UP`), or None where it does not run (the caller then runs
+        :meth:`gate_up` and the separate pass).
+
+        Args:
+            x: ``[M, H]``.
+            w_gate_up: ``[E, 2F, H]``.
+            weights: ``[A]`` routing weight of each assignment.
+            order: ``[M]`` int64 assignment of each row (-1: none).
+
+        Returns:
+            ``(gate_up [M, 2F], act [M, F])`` or None.
+        """
+        experts, two_ffn, hidden = w_gate_up.shape
+        shape = (hidden, two_ffn // 2, experts)
+        if not self._gluon_rows(GLUON_GATE_UP, self.plan.gate_up, x, w_gate_up, shape):
+            return None
+        from mcore_kernels.moe.gluon_grouped import BLOCK_M, gluon_gate_up_swiglu
+
+        schedule = self._schedule(PersistentTiles(block_m=BLOCK_M))
+        return gluon_gate_up_swiglu(x, w_gate_up, self.offsets, weights, order, schedule=schedule)
+
     def d_act_swiglu(
         self,
         grad: torch.Tensor,
@@ -333,15 +383,9 @@ class ExpertGemmRunner:
             ``(grad_gate_up, grad_weights)`` or None.
         """
         experts, hidden, ffn = w_down.shape
-        if not (
-            GLUON_D_ACT
-            and isinstance(self.plan.d_act, PersistentTiles)
-            and (hidden, ffn, experts) in _GLUON_D_ACT_SHAPES
-            and grad.dtype in (torch.bfloat16, torch.float16)
-            and w_down.dtype == grad.dtype
-            and gate_up.dtype == grad.dtype
-            and _hopper(grad.device)
-            and _gluon_grouped_ready()
+        shape = (hidden, ffn, experts)
+        if gate_up.dtype != grad.dtype or not self._gluon_rows(
+            GLUON_D_ACT, self.plan.d_act, grad, w_down, shape
         ):
             return None
         from mcore_kernels.moe.gluon_grouped import BLOCK_M, gluon_d_act_swiglu
@@ -471,8 +515,8 @@ _GLUON_D_ACT_SHAPES: frozenset[tuple[int, int, int]] = frozenset(
         (2048, 768, 128),
     }
 )
-"""Layer shapes ``(hidden, ffn, experts)`` whose d_act GEMM runs with the SwiGLU backward in its
-epilogue (see :data:`GLUON_D_ACT`)."""
+"""Layer shapes ``(hidden, ffn, experts)`` whose gate/up and d_act GEMMs run with the routed
+SwiGLU (backward) in their epilogues (see :data:`GLUON_GATE_UP` and :data:`GLUON_D_ACT`)."""
 
 
 @functools.cache

@@ -44,7 +44,7 @@ from mcore_kernels.errors import KernelDeviceError, KernelDtypeError, KernelShap
 from mcore_kernels.moe._launch import cdiv, launch
 from mcore_kernels.moe.grouped_mm import tile_schedule
 
-__all__ = ["BLOCK_M", "BLOCK_N", "gluon_d_act_swiglu"]
+__all__ = ["BLOCK_M", "BLOCK_N", "gluon_d_act_swiglu", "gluon_gate_up_swiglu"]
 
 BLOCK_M = 128
 """Rows per tile (two product warpgroups of 64 rows): the :func:`tile_schedule` height."""
@@ -55,7 +55,9 @@ BLOCK_K = 64
 STAGES = 3
 """Shared-memory stages of the operand ring."""
 EPI_ROWS = 4
-"""Rows per epilogue chunk."""
+"""Rows per epilogue chunk (the d_act kernel)."""
+FORWARD_ROWS = 8
+"""Rows per epilogue chunk of the gate/up kernel (half-width tiles)."""
 TILE_BUFFERS = 1
 """Shared-memory buffers of the ``grad_act`` tile between the products and the epilogue (2:
 the products run two tiles ahead of the epilogue; needs ``STAGES`` 2 at 64-wide steps)."""
@@ -73,6 +75,12 @@ def _tile_layout(epi_rows):
     epi_rows)`` rows, so that the product warps store it with few bank conflicts and its row
     chunks of ``epi_rows`` rows are the same bytes viewed as ``[chunks, epi_rows, columns]``."""
     return gl.SwizzledSharedLayout(8, 1, min(8, epi_rows), order=[1, 0])
+
+
+@gluon.constexpr_function
+def _pick(flag, when_true, when_false):
+    """``when_true`` if ``flag`` else ``when_false`` (constexprs)."""
+    return when_true if flag else when_false
 
 
 @gluon.constexpr_function
@@ -98,16 +106,14 @@ def _loader(
 ):
     BK: gl.constexpr = a_desc.block_type.shape[1]
     NUM_STAGES: gl.constexpr = b_bufs.type.shape[0]
-    if GATE_UP:
-        # Weights [E * 2F, K] (gate rows, then up rows): a job's 128 gate and 128 up rows go
-        # to the two halves of one [256, BK] stage.
-        HN: gl.constexpr = b_desc.block_type.shape[0]
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
-        num_n = N // HN
-    else:
-        BN: gl.constexpr = b_desc.block_type.shape[1]
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-        num_n = N // BN
+    # GATE_UP: weights [E * 2F, K] (gate rows, then up rows): a job's 128 gate and 128 up rows
+    # go to the two halves of one [256, BK] stage.
+    HN: gl.constexpr = b_desc.block_type.shape[0]
+    BN: gl.constexpr = _pick(GATE_UP, HN, b_desc.block_type.shape[1])
+    nbytes: gl.constexpr = (
+        a_desc.block_type.nbytes + _pick(GATE_UP, 2, 1) * b_desc.block_type.nbytes
+    )
+    num_n = N // BN
     k_tiles = K // BK
     total = gl.load(sched_ptr + 3 * max_tiles) * num_n
     counter = 0
@@ -150,15 +156,10 @@ def _products(
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     NUM_STAGES: gl.constexpr = b_bufs.type.shape[0]
-    if GATE_UP:
-        # b stages [256, BK] (gate rows then up rows), the tile's halves in two buffers.
-        BN: gl.constexpr = b_bufs.type.shape[1]
-        NUM_C: gl.constexpr = c_bufs.type.shape[0] // 2
-        num_n = N // (BN // 2)
-    else:
-        BN: gl.constexpr = b_bufs.type.shape[2]
-        NUM_C: gl.constexpr = c_bufs.type.shape[0]
-        num_n = N // BN
+    # GATE_UP: b stages [256, BK] (gate rows then up rows), the tile's halves in two buffers.
+    BN: gl.constexpr = _pick(GATE_UP, b_bufs.type.shape[1], b_bufs.type.shape[2])
+    NUM_C: gl.constexpr = _pick(GATE_UP, c_bufs.type.shape[0] // 2, c_bufs.type.shape[0])
+    num_n = N // _pick(GATE_UP, BN // 2, BN)
     layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 16]
     )
@@ -388,6 +389,171 @@ def gluon_d_act_swiglu_kernel(
     )
 
 
+@gluon.jit
+def _epilogue_forward(
+    c_bufs,
+    c_ready,
+    c_empty,
+    sched_ptr,
+    max_tiles,
+    gate_up_ptr,
+    act_ptr,
+    w_ptr,
+    order_ptr,
+    N,
+    ROWS: gl.constexpr,
+    EPI_WARPS: gl.constexpr,
+):
+    NUM_C: gl.constexpr = c_bufs.type.shape[0] // 2
+    BM: gl.constexpr = c_bufs.type.shape[1]
+    HN: gl.constexpr = c_bufs.type.shape[2]
+    CHUNKS: gl.constexpr = BM // ROWS
+    layout: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8],
+        threads_per_warp=[32 // (HN // 8), HN // 8],
+        warps_per_cta=[EPI_WARPS, 1],
+        order=[1, 0],
+    )
+    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, layout)
+    num_n = N // HN
+    total = gl.load(sched_ptr + 3 * max_tiles) * num_n
+    dtype: gl.constexpr = c_bufs.dtype
+    # Chunk j of half h of buffer b: index (2 b + h) * CHUNKS + j.
+    chunks = c_bufs._reinterpret(dtype, [2 * NUM_C * CHUNKS, ROWS, HN], _tile_layout(ROWS))
+    offs = gl.arange(0, ROWS, layout=rows_layout)
+    tiles = 0
+    for job in range(gl.program_id(0), total, gl.num_programs(0)):
+        _, row_start, row_end, pid_n = _job(job, sched_ptr, max_tiles, num_n)
+        cols = pid_n * HN + gl.arange(0, HN, layout=cols_layout)
+        buf = tiles % NUM_C
+        mbarrier.wait(c_ready.index(buf), (tiles // NUM_C) & 1)
+        for i in range(CHUNKS):
+            rows = row_start + i * ROWS + offs
+            valid = rows < row_end
+            assignment = gl.load(order_ptr + rows, mask=valid, other=-1)
+            used = assignment >= 0
+            weight = gl.load(w_ptr + gl.where(used, assignment, 0), mask=used, other=0.0)
+            w32 = gl.where(used, weight.to(gl.float32), 0.0)
+            store = valid[:, None] & (cols < N)[None, :]
+            read = used[:, None] & (cols < N)[None, :]
+            gate = chunks.index(2 * buf * CHUNKS + i).load(layout)
+            up = chunks.index((2 * buf + 1) * CHUNKS + i).load(layout)
+            base = rows.to(gl.int64)[:, None] * (2 * N) + cols[None, :]
+            gl.store(gate_up_ptr + base, gate, mask=store)
+            gl.store(gate_up_ptr + base + N, up, mask=store)
+            g32 = gl.where(read, gate.to(gl.float32), 0.0)
+            u32 = gl.where(read, up.to(gl.float32), 0.0)
+            act = g32 / (1.0 + gl.exp(-g32)) * u32 * w32[:, None]
+            out = rows.to(gl.int64)[:, None] * N + cols[None, :]
+            gl.store(act_ptr + out, act.to(dtype), mask=store)
+        mbarrier.arrive(c_empty.index(buf))
+        tiles += 1  # noqa: SIM113 (a loop-carried scalar)
+
+
+@gluon.jit
+def gluon_gate_up_swiglu_kernel(
+    a_desc,
+    b_desc,
+    sched_ptr,
+    max_tiles,
+    gate_up_ptr,
+    act_ptr,
+    w_ptr,
+    order_ptr,
+    N,
+    K,
+    NUM_STAGES: gl.constexpr,
+    ROWS: gl.constexpr,
+    EPI_WARPS_: gl.constexpr,
+    WORKER_REGS_: gl.constexpr,
+    NUM_C_: gl.constexpr,
+):
+    """The gate/up projection and the routed SwiGLU (see :func:`gluon_gate_up_swiglu`);
+    ``a_desc`` views ``x`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes, ``b_desc`` the weights
+    as ``[E * 2N, K]`` in ``[BLOCK_N / 2, BLOCK_K]`` boxes."""
+    dtype: gl.constexpr = a_desc.dtype
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    HN: gl.constexpr = b_desc.block_type.shape[0]
+    a_bufs = gl.allocate_shared_memory(
+        dtype, _stacked(NUM_STAGES, a_desc.block_type.shape), a_desc.layout
+    )
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, 2 * HN, BK], b_desc.layout)
+    c_bufs = gl.allocate_shared_memory(dtype, [2 * NUM_C_, BM, HN], _tile_layout(ROWS))
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [NUM_C_, 1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [NUM_C_, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(NUM_C_):
+        mbarrier.init(c_ready.index(i), count=1)
+        mbarrier.init(c_empty.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (
+                _products,
+                (
+                    a_bufs,
+                    b_bufs,
+                    c_bufs,
+                    ready,
+                    empty,
+                    c_ready,
+                    c_empty,
+                    sched_ptr,
+                    max_tiles,
+                    N,
+                    K,
+                    True,
+                ),
+            ),
+            (
+                _epilogue_forward,
+                (
+                    c_bufs,
+                    c_ready,
+                    c_empty,
+                    sched_ptr,
+                    max_tiles,
+                    gate_up_ptr,
+                    act_ptr,
+                    w_ptr,
+                    order_ptr,
+                    N,
+                    ROWS,
+                    EPI_WARPS_,
+                ),
+            ),
+            (
+                _loader,
+                (a_desc, b_desc, a_bufs, b_bufs, ready, empty, sched_ptr, max_tiles, N, K, True),
+            ),
+        ],
+        [EPI_WARPS_, 1],
+        [WORKER_REGS_, WORKER_REGS_],
+    )
+
+
+@jit
+def zero_tail_rows_kernel(
+    out_ptr, ends_ptr, num_experts, rows, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    """Zero the ``width`` columns of the rows of ``out`` past the last expert's end row."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    tail = (r < rows) & (r >= tl.load(ends_ptr + num_experts - 1))
+    if tl.max(tail.to(tl.int32), axis=0) > 0:
+        c = tl.arange(0, BLOCK_C)
+        dtype = out_ptr.dtype.element_ty
+        for c0 in range(0, width, BLOCK_C):
+            cols = c0 + c
+            mask = tail[:, None] & (cols < width)[None, :]
+            ptrs = out_ptr + r.to(tl.int64)[:, None] * width + cols[None, :]
+            tl.store(ptrs, tl.zeros((BLOCK_R, BLOCK_C), dtype=dtype), mask=mask)
+
+
 @jit
 def d_act_swiglu_finish_kernel(
     part_ptr,
@@ -569,3 +735,124 @@ def gluon_d_act_swiglu(
         device=grad.device,
     )
     return out, grad_w[:-1]
+
+
+def gluon_gate_up_swiglu(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor,
+    order: torch.Tensor,
+    *,
+    schedule: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate/up projection ``x[rows of e] @ w_gate_up[e].T`` and the routed SwiGLU of its
+    rounded output in the epilogue: ``act[m] = w[order[m]] * silu(gate) * up``.
+
+    Args:
+        x: ``[M, H]`` CUDA rows sorted by expert.
+        w_gate_up: ``[E, 2F, H]`` gate rows then up rows of each expert (F a multiple of
+            ``BLOCK_N / 2``, H of 64).
+        offsets: ``[E]`` int32 end row of each expert.
+        weights: ``[A]`` routing weight of each assignment.
+        order: ``[M]`` int64 assignment of each row, -1 for a row without one.
+        schedule: :func:`~mcore_kernels.moe.grouped_mm.tile_schedule` of ``offsets`` with
+            :data:`BLOCK_M` rows per tile (built when None).
+
+    Returns:
+        ``(gate_up [M, 2F], act [M, F])``: bitwise the GEMM's output (rows past the last
+        expert unwritten, as the GEMM leaves them) and the separate routed SwiGLU pass's
+        (rows without an assignment or past the last expert zero).
+
+    Raises:
+        KernelShapeError: If the shapes do not match or are not tile multiples.
+        KernelDtypeError: If a dtype is not 16-bit or the dtypes differ.
+        KernelDeviceError: If a tensor is not on a GPU.
+    """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    half = BLOCK_N // 2
+    if w_gate_up.dim() != 3 or x.dim() != 2:
+        raise KernelShapeError(
+            f"x.shape={tuple(x.shape)} and w_gate_up.shape={tuple(w_gate_up.shape)} must be "
+            "[M, H] and [E, 2F, H]"
+        )
+    experts, two_ffn, hidden = w_gate_up.shape
+    rows = x.shape[0]
+    for name, tensor in (("x", x), ("w_gate_up", w_gate_up)):
+        if tensor.dtype not in (torch.bfloat16, torch.float16) or tensor.dtype != x.dtype:
+            raise KernelDtypeError(
+                f"{name}.dtype={tensor.dtype}: x and w_gate_up must share one 16-bit dtype"
+            )
+    if (
+        x.shape[1] != hidden
+        or two_ffn % BLOCK_N
+        or hidden % BLOCK_K
+        or tuple(offsets.shape) != (experts,)
+        or offsets.dtype != torch.int32
+        or tuple(order.shape) != (rows,)
+        or order.dtype != torch.int64
+        or weights.dim() != 1
+    ):
+        raise KernelShapeError(
+            f"x.shape={tuple(x.shape)}, w_gate_up.shape={tuple(w_gate_up.shape)}, "
+            f"offsets={tuple(offsets.shape)} {offsets.dtype}, order={tuple(order.shape)} "
+            f"{order.dtype}, weights={tuple(weights.shape)}: expected [M, H], [E, 2F, H], [E] "
+            f"int32, [M] int64 and 1-D weights, with F a multiple of {half} and H of {BLOCK_K}"
+        )
+    for name, tensor in (("x", x), ("w_gate_up", w_gate_up)):
+        if tensor.device.type != "cuda":
+            raise KernelDeviceError(f"{name}.device={tensor.device}: Gluon kernels need a GPU")
+    ffn = two_ffn // 2
+    gate_up = x.new_empty(rows, two_ffn)
+    act = x.new_empty(rows, ffn)
+    if rows == 0 or ffn == 0:
+        return gate_up, act
+    x, w_gate_up = x.contiguous(), w_gate_up.contiguous()
+    weights, order = weights.contiguous(), order.contiguous()
+    if schedule is None:
+        schedule = tile_schedule(offsets, rows, BLOCK_M)
+    max_tiles = (schedule.shape[0] - 1) // 3
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    a_block = [BLOCK_M, BLOCK_K]
+    b_block = [half, BLOCK_K]
+    a_desc = TensorDescriptor.from_tensor(
+        x, a_block, gl.NVMMASharedLayout.get_default_for(a_block, dtype)
+    )
+    b_desc = TensorDescriptor.from_tensor(
+        w_gate_up.view(experts * two_ffn, hidden),
+        b_block,
+        gl.NVMMASharedLayout.get_default_for(b_block, dtype),
+    )
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    programs = max(1, min(_NUM_SMS[index], max_tiles * (ffn // half)))
+    with torch.cuda.device(x.device):
+        gluon_gate_up_swiglu_kernel[(programs,)](
+            a_desc,
+            b_desc,
+            schedule,
+            max_tiles,
+            gate_up,
+            act,
+            weights,
+            order,
+            ffn,
+            hidden,
+            NUM_STAGES=STAGES,
+            ROWS=FORWARD_ROWS,
+            EPI_WARPS_=EPI_WARPS,
+            WORKER_REGS_=WORKER_REGS,
+            NUM_C_=TILE_BUFFERS,
+            num_warps=8,
+        )
+    block_r = 64
+    launch(
+        zero_tail_rows_kernel,
+        (cdiv(rows, block_r),),
+        (act, offsets, experts, rows, ffn),
+        dict(BLOCK_R=block_r, BLOCK_C=64),
+        device=x.device,
+    )
+    return gate_up, act

@@ -174,8 +174,11 @@ class RoutedExpertsFunction(torch.autograd.Function):
             # top_k 0: the rows are already in expert order (no gather and no combine).
             permuted = _gather_rows(x, order, top_k, None) if top_k else x
             run = ExpertGemmRunner(gemms, offsets, permuted.shape[0], host_ends)
-            gate_up = run.gate_up(permuted, w_gate_up)
-            act = _routed_swiglu(gate_up, flat_w, order)
+            fused = run.gate_up_swiglu(permuted, w_gate_up, flat_w, order)
+            if fused is None:
+                gate_up = run.gate_up(permuted, w_gate_up)
+                fused = gate_up, _routed_swiglu(gate_up, flat_w, order)
+            gate_up, act = fused
             y = run.down(act, w_down)
             out = _sum_rows(y, inverse, top_k, None) if top_k else y
         ctx.save_for_backward(
