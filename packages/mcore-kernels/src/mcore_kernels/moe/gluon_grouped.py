@@ -61,6 +61,9 @@ FORWARD_ROWS = 8
 TILE_BUFFERS = 1
 """Shared-memory buffers of the ``grad_act`` tile between the products and the epilogue (2:
 the products run two tiles ahead of the epilogue; needs ``STAGES`` 2 at 64-wide steps)."""
+EPILOGUE_WORK = True
+"""False: the d_act kernel's epilogue only hands the tile buffers back (no SwiGLU backward, no
+output): a measurement switch for the products' and loads' time alone."""
 PREFETCH = True
 """The epilogue issues each row chunk's loads one chunk ahead."""
 EPI_WARPS = 2
@@ -200,19 +203,43 @@ def _products(
 
 
 @gluon.jit
-def _chunk_loads(gate_up_ptr, w_ptr, order_ptr, rows, row_end, cols, N):
-    """What the epilogue reads from memory for rows ``rows`` (those below ``row_end``): each
-    row's assignment (-1 outside) and routing weight, and its gate and up values at ``cols``
-    (zero for a row without an assignment)."""
-    valid = rows < row_end
-    assignment = gl.load(order_ptr + rows, mask=valid, other=-1)
-    used = assignment >= 0
-    weight = gl.load(w_ptr + gl.where(used, assignment, 0), mask=used, other=0.0)
+def _chunk_loads(gate_up_ptr, rows, used, cols, N):
+    """The gate and up values of rows ``rows`` at ``cols`` (zero where ``used`` is false)."""
     read = used[:, None] & (cols < N)[None, :]
     base = rows.to(gl.int64)[:, None] * (2 * N) + cols[None, :]
     gate = gl.load(gate_up_ptr + base, mask=read, other=0.0)
     up = gl.load(gate_up_ptr + base + N, mask=read, other=0.0)
-    return assignment, weight, gate, up
+    return gate, up
+
+
+@gluon.jit
+def _row_table(
+    w_ptr,
+    order_ptr,
+    row_start,
+    row_end,
+    weights,
+    flags,
+    CHUNKS: gl.constexpr,
+    ROWS: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    """Store each row's routing weight (float32, zero without an assignment) in ``weights``
+    and whether it has an assignment (1.0 / 0.0) in ``flags``, ``[CHUNKS, ROWS]`` each: the
+    order -> weight loads of a tile are issued together, not once per row chunk."""
+    layout: gl.constexpr = gl.BlockedLayout([1, ROWS], [32, 1], [WARPS, 1], [1, 0])
+    r = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, layout))[:, None] * ROWS
+    rows = row_start + r + gl.arange(0, ROWS, layout=gl.SliceLayout(0, layout))[None, :]
+    valid = rows < row_end
+    assignment = gl.load(order_ptr + rows, mask=valid, other=-1)
+    used = assignment >= 0
+    weight = gl.load(w_ptr + gl.where(used, assignment, 0), mask=used, other=0.0)
+    weight = gl.where(used, weight.to(gl.float32), 0.0)
+    # The previous tile's reads of the table are done.
+    gl.thread_barrier()
+    weights.store(weight)
+    flags.store(gl.where(used, 1.0, 0.0))
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -220,6 +247,8 @@ def _epilogue(
     c_bufs,
     c_ready,
     c_empty,
+    weights,
+    flags,
     sched_ptr,
     max_tiles,
     gate_up_ptr,
@@ -231,6 +260,7 @@ def _epilogue(
     EPI_ROWS_: gl.constexpr,
     EPI_WARPS: gl.constexpr,
     PREFETCH: gl.constexpr,
+    WORK: gl.constexpr,
 ):
     NUM_C: gl.constexpr = c_bufs.type.shape[0]
     BM: gl.constexpr = c_bufs.type.shape[1]
@@ -250,49 +280,54 @@ def _epilogue(
     # The tile's rows in chunks (the same bytes: the swizzle repeats within a chunk).
     chunks = c_bufs._reinterpret(dtype, [NUM_C * CHUNKS, EPI_ROWS_, BN], _tile_layout(EPI_ROWS_))
     offs = gl.arange(0, EPI_ROWS_, layout=rows_layout)
+    # The row tables as one [EPI_ROWS] buffer per chunk (the same bytes).
+    chunk_rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    weight_rows = weights._reinterpret(gl.float32, [CHUNKS, EPI_ROWS_], chunk_rows)
+    flag_rows = flags._reinterpret(gl.float32, [CHUNKS, EPI_ROWS_], chunk_rows)
     tiles = 0
     for job in range(gl.program_id(0), total, gl.num_programs(0)):
         _, row_start, row_end, pid_n = _job(job, sched_ptr, max_tiles, num_n)
         cols = pid_n * BN + gl.arange(0, BN, layout=cols_layout)
-        # The first chunk's loads do not wait for the products (PREFETCH: each chunk's loads
-        # are issued one chunk ahead, so two chunks of loads are in flight).
-        assignment, weight, gate, up = _chunk_loads(
-            gate_up_ptr, w_ptr, order_ptr, row_start + offs, row_end, cols, N
-        )
         buf = tiles % NUM_C
+        if WORK:
+            _row_table(
+                w_ptr, order_ptr, row_start, row_end, weights, flags, CHUNKS, EPI_ROWS_, EPI_WARPS
+            )
+            # The first chunk's loads do not wait for the products (PREFETCH: each chunk's
+            # loads are issued one chunk ahead).
+            gate, up = _chunk_loads(
+                gate_up_ptr, row_start + offs, flag_rows.index(0).load(rows_layout) != 0.0, cols, N
+            )
         mbarrier.wait(c_ready.index(buf), (tiles // NUM_C) & 1)
-        for i in range(CHUNKS):
-            rows = row_start + i * EPI_ROWS_ + offs
-            if PREFETCH:
-                # The next chunk (none after the last: every row masked).
-                next_end = gl.where(i + 1 < CHUNKS, row_end, 0)
-                n_assignment, n_weight, n_gate, n_up = _chunk_loads(
-                    gate_up_ptr, w_ptr, order_ptr, rows + EPI_ROWS_, next_end, cols, N
-                )
-            elif i > 0:
-                assignment, weight, gate, up = _chunk_loads(
-                    gate_up_ptr, w_ptr, order_ptr, rows, row_end, cols, N
-                )
-            valid = rows < row_end
-            used = assignment >= 0
-            read = used[:, None] & (cols < N)[None, :]
-            store = valid[:, None] & (cols < N)[None, :]
-            base = rows.to(gl.int64)[:, None] * (2 * N) + cols[None, :]
-            grad = chunks.index(buf * CHUNKS + i).load(layout).to(gl.float32)
-            grad = gl.where(read, grad, 0.0)
-            w32 = gl.where(used, weight.to(gl.float32), 0.0)
-            g32 = gate.to(gl.float32)
-            u32 = up.to(gl.float32)
-            sig = 1.0 / (1.0 + gl.exp(-g32))
-            silu = g32 * sig
-            part = gl.sum(grad * silu * u32, axis=1)
-            scaled = grad * w32[:, None]
-            d_gate = scaled * u32 * sig * (1.0 + g32 * (1.0 - sig))
-            gl.store(out_ptr + base, d_gate.to(dtype), mask=store)
-            gl.store(out_ptr + base + N, (scaled * silu).to(dtype), mask=store)
-            gl.store(part_ptr + rows.to(gl.int64) * num_n + pid_n, part, mask=valid)
-            if PREFETCH:
-                assignment, weight, gate, up = n_assignment, n_weight, n_gate, n_up
+        if WORK:
+            for i in range(CHUNKS):
+                rows = row_start + i * EPI_ROWS_ + offs
+                used = flag_rows.index(i).load(rows_layout) != 0.0
+                w32 = weight_rows.index(i).load(rows_layout)
+                if PREFETCH:
+                    nxt = gl.minimum(i + 1, CHUNKS - 1)
+                    n_used = (flag_rows.index(nxt).load(rows_layout) != 0.0) & (i + 1 < CHUNKS)
+                    n_gate, n_up = _chunk_loads(gate_up_ptr, rows + EPI_ROWS_, n_used, cols, N)
+                elif i > 0:
+                    gate, up = _chunk_loads(gate_up_ptr, rows, used, cols, N)
+                valid = rows < row_end
+                read = used[:, None] & (cols < N)[None, :]
+                store = valid[:, None] & (cols < N)[None, :]
+                base = rows.to(gl.int64)[:, None] * (2 * N) + cols[None, :]
+                grad = chunks.index(buf * CHUNKS + i).load(layout).to(gl.float32)
+                grad = gl.where(read, grad, 0.0)
+                g32 = gate.to(gl.float32)
+                u32 = up.to(gl.float32)
+                sig = 1.0 / (1.0 + gl.exp(-g32))
+                silu = g32 * sig
+                part = gl.sum(grad * silu * u32, axis=1)
+                scaled = grad * w32[:, None]
+                d_gate = scaled * u32 * sig * (1.0 + g32 * (1.0 - sig))
+                gl.store(out_ptr + base, d_gate.to(dtype), mask=store)
+                gl.store(out_ptr + base + N, (scaled * silu).to(dtype), mask=store)
+                gl.store(part_ptr + rows.to(gl.int64) * num_n + pid_n, part, mask=valid)
+                if PREFETCH:
+                    gate, up = n_gate, n_up
         mbarrier.arrive(c_empty.index(buf))
         tiles += 1  # noqa: SIM113 (a loop-carried scalar)
 
@@ -316,6 +351,7 @@ def gluon_d_act_swiglu_kernel(
     WORKER_REGS_: gl.constexpr,
     PREFETCH_: gl.constexpr,
     NUM_C_: gl.constexpr,
+    WORK_: gl.constexpr,
 ):
     """The gate/up gradient of the routed SwiGLU from ``grad @ w_down[e]`` (see the module
     docstring); ``a_desc`` views ``grad`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes, ``b_desc``
@@ -330,6 +366,10 @@ def gluon_d_act_swiglu_kernel(
         dtype, _stacked(NUM_STAGES, b_desc.block_type.shape), b_desc.layout
     )
     c_bufs = gl.allocate_shared_memory(dtype, [NUM_C_, BM, BN], _tile_layout(EPI_ROWS_))
+    # Per row of the tile: its routing weight, and 1.0 / 0.0 for an assignment / none.
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    weights = gl.allocate_shared_memory(gl.float32, [BM // EPI_ROWS_, EPI_ROWS_], row_layout)
+    flags = gl.allocate_shared_memory(gl.float32, [BM // EPI_ROWS_, EPI_ROWS_], row_layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     c_ready = gl.allocate_shared_memory(gl.int64, [NUM_C_, 1], mbarrier.MBarrierLayout())
@@ -366,6 +406,8 @@ def gluon_d_act_swiglu_kernel(
                     c_bufs,
                     c_ready,
                     c_empty,
+                    weights,
+                    flags,
                     sched_ptr,
                     max_tiles,
                     gate_up_ptr,
@@ -377,6 +419,7 @@ def gluon_d_act_swiglu_kernel(
                     EPI_ROWS_,
                     EPI_WARPS_,
                     PREFETCH_,
+                    WORK_,
                 ),
             ),
             (
@@ -724,6 +767,7 @@ def gluon_d_act_swiglu(
             WORKER_REGS_=WORKER_REGS,
             PREFETCH_=PREFETCH,
             NUM_C_=TILE_BUFFERS,
+            WORK_=EPILOGUE_WORK,
             num_warps=8,
         )
     block_r = 64
