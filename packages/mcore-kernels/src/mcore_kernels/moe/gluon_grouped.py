@@ -748,19 +748,12 @@ def gluon_d_act_swiglu(
     if index not in _NUM_SMS:
         _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     programs = max(1, min(_NUM_SMS[index], max_tiles * num_n))
-    with torch.cuda.device(grad.device):
-        gluon_d_act_swiglu_kernel[(programs,)](
-            a_desc,
-            b_desc,
-            schedule,
-            max_tiles,
-            gate_up,
-            weights,
-            order,
-            out,
-            part,
-            ffn,
-            hidden,
+    # Through a CachedLauncher (the compiled kernel launched directly after the first call).
+    launch(
+        gluon_d_act_swiglu_kernel,
+        (programs,),
+        (a_desc, b_desc, schedule, max_tiles, gate_up, weights, order, out, part, ffn, hidden),
+        dict(
             NUM_STAGES=STAGES,
             EPI_ROWS_=EPI_ROWS,
             EPI_WARPS_=EPI_WARPS,
@@ -768,8 +761,10 @@ def gluon_d_act_swiglu(
             PREFETCH_=PREFETCH,
             NUM_C_=TILE_BUFFERS,
             WORK_=EPILOGUE_WORK,
-            num_warps=8,
-        )
+        ),
+        device=grad.device,
+        num_warps=8,
+    )
     block_r = 64
     launch(
         d_act_swiglu_finish_kernel,
@@ -872,25 +867,20 @@ def gluon_gate_up_swiglu(
     if index not in _NUM_SMS:
         _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     programs = max(1, min(_NUM_SMS[index], max_tiles * (ffn // half)))
-    with torch.cuda.device(x.device):
-        gluon_gate_up_swiglu_kernel[(programs,)](
-            a_desc,
-            b_desc,
-            schedule,
-            max_tiles,
-            gate_up,
-            act,
-            weights,
-            order,
-            ffn,
-            hidden,
+    launch(
+        gluon_gate_up_swiglu_kernel,
+        (programs,),
+        (a_desc, b_desc, schedule, max_tiles, gate_up, act, weights, order, ffn, hidden),
+        dict(
             NUM_STAGES=STAGES,
             ROWS=FORWARD_ROWS,
             EPI_WARPS_=EPI_WARPS,
             WORKER_REGS_=WORKER_REGS,
             NUM_C_=TILE_BUFFERS,
-            num_warps=8,
-        )
+        ),
+        device=x.device,
+        num_warps=8,
+    )
     block_r = 64
     launch(
         zero_tail_rows_kernel,
