@@ -64,8 +64,8 @@ the products run two tiles ahead of the epilogue; needs ``STAGES`` 2 at 64-wide 
 EPILOGUE_WORK = True
 """False: the d_act kernel's epilogue only hands the tile buffers back (no SwiGLU backward, no
 output): a measurement switch for the products' and loads' time alone."""
-PREFETCH = True
-"""The epilogue issues each row chunk's loads one chunk ahead."""
+PREFETCH = 1
+"""The d_act epilogue issues each row chunk's loads this many chunks ahead (0, 1 or 2)."""
 EPI_WARPS = 2
 """Warps of the epilogue partition."""
 WORKER_REGS = 152
@@ -293,21 +293,32 @@ def _epilogue(
             _row_table(
                 w_ptr, order_ptr, row_start, row_end, weights, flags, CHUNKS, EPI_ROWS_, EPI_WARPS
             )
-            # The first chunk's loads do not wait for the products (PREFETCH: each chunk's
-            # loads are issued one chunk ahead).
+            # The first chunks' loads do not wait for the products (PREFETCH: each chunk's
+            # loads are issued that many chunks ahead).
             gate, up = _chunk_loads(
                 gate_up_ptr, row_start + offs, flag_rows.index(0).load(rows_layout) != 0.0, cols, N
             )
+            if PREFETCH == 2:
+                gate1, up1 = _chunk_loads(
+                    gate_up_ptr,
+                    row_start + EPI_ROWS_ + offs,
+                    flag_rows.index(1).load(rows_layout) != 0.0,
+                    cols,
+                    N,
+                )
         mbarrier.wait(c_ready.index(buf), (tiles // NUM_C) & 1)
         if WORK:
             for i in range(CHUNKS):
                 rows = row_start + i * EPI_ROWS_ + offs
                 used = flag_rows.index(i).load(rows_layout) != 0.0
                 w32 = weight_rows.index(i).load(rows_layout)
-                if PREFETCH:
-                    nxt = gl.minimum(i + 1, CHUNKS - 1)
-                    n_used = (flag_rows.index(nxt).load(rows_layout) != 0.0) & (i + 1 < CHUNKS)
-                    n_gate, n_up = _chunk_loads(gate_up_ptr, rows + EPI_ROWS_, n_used, cols, N)
+                if PREFETCH > 0:
+                    ahead = i + PREFETCH
+                    nxt = gl.minimum(ahead, CHUNKS - 1)
+                    n_used = (flag_rows.index(nxt).load(rows_layout) != 0.0) & (ahead < CHUNKS)
+                    n_gate, n_up = _chunk_loads(
+                        gate_up_ptr, rows + PREFETCH * EPI_ROWS_, n_used, cols, N
+                    )
                 elif i > 0:
                     gate, up = _chunk_loads(gate_up_ptr, rows, used, cols, N)
                 valid = rows < row_end
@@ -326,7 +337,10 @@ def _epilogue(
                 gl.store(out_ptr + base, d_gate.to(dtype), mask=store)
                 gl.store(out_ptr + base + N, (scaled * silu).to(dtype), mask=store)
                 gl.store(part_ptr + rows.to(gl.int64) * num_n + pid_n, part, mask=valid)
-                if PREFETCH:
+                if PREFETCH == 2:
+                    gate, up = gate1, up1
+                    gate1, up1 = n_gate, n_up
+                elif PREFETCH == 1:
                     gate, up = n_gate, n_up
         mbarrier.arrive(c_empty.index(buf))
         tiles += 1  # noqa: SIM113 (a loop-carried scalar)
