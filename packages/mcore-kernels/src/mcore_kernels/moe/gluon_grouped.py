@@ -49,7 +49,11 @@ __all__ = ["BLOCK_M", "BLOCK_N", "gluon_d_act_swiglu", "gluon_gate_up_swiglu"]
 BLOCK_M = 128
 """Rows per tile (two product warpgroups of 64 rows): the :func:`tile_schedule` height."""
 BLOCK_N = 256
-"""Columns of ``grad_act`` per tile (the expert width must be a multiple)."""
+"""Columns of the gate/up output per tile (128 gate and 128 up columns; the expert width must
+be a multiple of half of it)."""
+D_ACT_BLOCK_N = 256
+"""Columns of ``grad_act`` per tile of the d_act kernel (the expert width must be a
+multiple)."""
 BLOCK_K = 64
 """Reduction step."""
 STAGES = 3
@@ -268,7 +272,7 @@ def _epilogue(
     CHUNKS: gl.constexpr = BM // EPI_ROWS_
     layout: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 8],
-        threads_per_warp=[1, 32],
+        threads_per_warp=[32 // (BN // 8), BN // 8],
         warps_per_cta=[EPI_WARPS, 1],
         order=[1, 0],
     )
@@ -366,10 +370,12 @@ def gluon_d_act_swiglu_kernel(
     PREFETCH_: gl.constexpr,
     NUM_C_: gl.constexpr,
     WORK_: gl.constexpr,
+    TILE_N_: gl.constexpr,
 ):
     """The gate/up gradient of the routed SwiGLU from ``grad @ w_down[e]`` (see the module
     docstring); ``a_desc`` views ``grad`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes, ``b_desc``
-    the weights as ``[E * K, N]`` in ``[BLOCK_K, BLOCK_N]`` boxes."""
+    the weights as ``[E * K, N]`` in ``[BLOCK_K, TILE_N_]`` boxes (``TILE_N_`` keys the cached
+    launch)."""
     dtype: gl.constexpr = a_desc.dtype
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[1]
@@ -677,7 +683,7 @@ def _check(
     if (
         tuple(w_down.shape) != (experts, hidden, ffn)
         or tuple(gate_up.shape) != (rows, 2 * ffn)
-        or ffn % BLOCK_N
+        or ffn % D_ACT_BLOCK_N
         or hidden % BLOCK_K
         or tuple(offsets.shape) != (experts,)
         or offsets.dtype != torch.int32
@@ -690,7 +696,7 @@ def _check(
             f"gate_up.shape={tuple(gate_up.shape)}, offsets={tuple(offsets.shape)} "
             f"{offsets.dtype}, order={tuple(order.shape)} {order.dtype}, "
             f"weights={tuple(weights.shape)}: expected [M, H], [E, H, F], [M, 2F], [E] int32, "
-            f"[M] int64 and 1-D weights, with F a multiple of {BLOCK_N} and H of {BLOCK_K}"
+            f"[M] int64 and 1-D weights, with F a multiple of {D_ACT_BLOCK_N} and H of {BLOCK_K}"
         )
     for name, tensor in (("grad", grad), ("w_down", w_down), ("gate_up", gate_up)):
         if tensor.device.type != "cuda":
@@ -713,7 +719,7 @@ def gluon_d_act_swiglu(
     Args:
         grad: ``[M, H]`` CUDA gradient of the down projection's output, rows sorted by expert.
         w_down: ``[E, H, F]`` down projection of each expert (F a multiple of
-            :data:`BLOCK_N`, H of 64).
+            :data:`D_ACT_BLOCK_N`, H of 64).
         offsets: ``[E]`` int32 end row of each expert.
         gate_up: ``[M, 2F]`` saved gate/up GEMM output (gate columns first).
         weights: ``[A]`` routing weight of each assignment.
@@ -745,11 +751,11 @@ def gluon_d_act_swiglu(
     if schedule is None:
         schedule = tile_schedule(offsets, rows, BLOCK_M)
     max_tiles = (schedule.shape[0] - 1) // 3
-    num_n = ffn // BLOCK_N
+    num_n = ffn // D_ACT_BLOCK_N
     part = torch.empty(rows * num_n, dtype=torch.float32, device=grad.device)
     dtype = gl.bfloat16 if grad.dtype == torch.bfloat16 else gl.float16
     a_block = [BLOCK_M, BLOCK_K]
-    b_block = [BLOCK_K, BLOCK_N]
+    b_block = [BLOCK_K, D_ACT_BLOCK_N]
     a_desc = TensorDescriptor.from_tensor(
         grad, a_block, gl.NVMMASharedLayout.get_default_for(a_block, dtype)
     )
@@ -775,6 +781,7 @@ def gluon_d_act_swiglu(
             PREFETCH_=PREFETCH,
             NUM_C_=TILE_BUFFERS,
             WORK_=EPILOGUE_WORK,
+            TILE_N_=D_ACT_BLOCK_N,
         ),
         device=grad.device,
         num_warps=8,
