@@ -16,9 +16,13 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 
 from mcore_kernels.moe import expert_gemms  # noqa: E402
 from mcore_kernels.moe.expert_gemms import ExpertGemms  # noqa: E402
-from mcore_kernels.moe.gluon_grouped import gluon_d_act_swiglu  # noqa: E402
+from mcore_kernels.moe.gluon_grouped import gluon_d_act_swiglu, gluon_gate_up_swiglu  # noqa: E402
 from mcore_kernels.moe.grouped_mm import PersistentTiles, m_grouped_mm  # noqa: E402
-from mcore_kernels.moe.routed import _routed_swiglu_backward, routed_experts  # noqa: E402
+from mcore_kernels.moe.routed import (  # noqa: E402
+    _routed_swiglu,
+    _routed_swiglu_backward,
+    routed_experts,
+)
 
 WIDE = PersistentTiles(block_m=128, block_n=256, block_k=64, num_stages=4, flatten=True)
 
@@ -68,6 +72,22 @@ def test_matches_gemm_and_separate_pass_and_repeats_bitwise(case):
     assert torch.equal(again_gu, got_gu) and torch.equal(again_w, got_w)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_gate_up_matches_gemm_and_separate_pass_and_repeats_bitwise(case):
+    grad, w_down, offsets, _, weights, order = _inputs(**CASES[case])
+    experts, hidden, ffn = w_down.shape
+    x = grad
+    w_gate_up = torch.randn(experts, 2 * ffn, hidden, device="cuda", dtype=torch.bfloat16) * 0.05
+    want_gu = m_grouped_mm(x, w_gate_up, offsets, transpose_weight=True, tiles=WIDE)
+    want_act = _routed_swiglu(want_gu, weights, order)
+    got_gu, got_act = gluon_gate_up_swiglu(x, w_gate_up, offsets, weights, order)
+    last = int(offsets[-1])
+    assert torch.equal(got_gu[:last], want_gu[:last])
+    assert torch.equal(got_act, want_act)
+    again_gu, again_act = gluon_gate_up_swiglu(x, w_gate_up, offsets, weights, order)
+    assert torch.equal(again_gu[:last], got_gu[:last]) and torch.equal(again_act, got_act)
+
+
 def test_fused_experts_with_the_switch(monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(1)
     tokens, top_k, experts, hidden, ffn = 512, 4, 8, 256, 256
@@ -87,6 +107,7 @@ def test_fused_experts_with_the_switch(monkeypatch):
 
     def run(on):
         monkeypatch.setattr(expert_gemms, "GLUON_D_ACT", on)
+        monkeypatch.setattr(expert_gemms, "GLUON_GATE_UP", on)
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
         out = routed_experts(*leaves, order, inverse, offsets, gemms=plan)
         out.backward(dy)
