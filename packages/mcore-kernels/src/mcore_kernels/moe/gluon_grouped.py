@@ -62,6 +62,10 @@ EPI_ROWS = 4
 """Rows per epilogue chunk (the d_act kernel)."""
 FORWARD_ROWS = 8
 """Rows per epilogue chunk of the gate/up kernel (half-width tiles)."""
+FORWARD_STAGES = 3
+"""Shared-memory stages of the gate/up kernel's operand ring."""
+FORWARD_EPI_WARPS = 2
+"""Warps of the gate/up kernel's epilogue partition."""
 TILE_BUFFERS = 1
 """Shared-memory buffers of the ``grad_act`` tile between the products and the epilogue (2:
 the products run two tiles ahead of the epilogue; needs ``STAGES`` 2 at 64-wide steps)."""
@@ -893,11 +897,11 @@ def gluon_gate_up_swiglu(
         (programs,),
         (a_desc, b_desc, schedule, max_tiles, gate_up, act, weights, order, ffn, hidden),
         dict(
-            NUM_STAGES=STAGES,
+            NUM_STAGES=FORWARD_STAGES,
             ROWS=FORWARD_ROWS,
-            EPI_WARPS_=EPI_WARPS,
+            EPI_WARPS_=FORWARD_EPI_WARPS,
             WORKER_REGS_=WORKER_REGS,
-            NUM_C_=TILE_BUFFERS,
+            NUM_C_=1,
         ),
         device=x.device,
         num_warps=8,
