@@ -1,30 +1,37 @@
-"""The down projection's input gradient with the routed SwiGLU backward in its epilogue (Gluon,
-Hopper): a warp-specialised persistent row-grouped GEMM.
+"""The routed SwiGLU in the epilogues of warp-specialised persistent row-grouped GEMMs (Gluon,
+Hopper): the gate/up projection with the SwiGLU forward, and the down projection's input
+gradient with the SwiGLU backward.
 
-``grad_act[rows of e] = grad[rows of e] @ w_down[e]`` (``w_down`` ``[E, H, F]``) is never
-stored: each ``128 x 256`` tile goes from the product warpgroups' registers, rounded to the
-GEMM output's dtype, to shared memory, and an epilogue partition applies the routed SwiGLU
-backward of :func:`mcore_kernels.moe.routed._routed_swiglu_backward` to it (the saved gate/up
-output and the routing weight of each row's assignment loaded from memory, the gate and up
-gradients stored) while the product warpgroups run the next tile. Partitions:
+Both kernels take the row tiles of :func:`~mcore_kernels.moe.grouped_mm.tile_schedule` (128
+rows) and run three partitions:
 
-- the epilogue (the default 4 warps): per tile, rows in chunks of ``EPI_ROWS``; each row's
-  part of its routing weight's gradient (the float32 sum of ``grad * silu(gate) * up`` over
-  the tile's columns) goes to a ``[M, F / 256]`` float32 buffer;
-- two product warpgroups (64 rows of the tile each, wgmma from shared memory);
-- one load warp (TMA, a ring of ``STAGES`` shared-memory stages, mbarriers), running ahead
-  across tiles.
+- the products (the kernel's 8 warps: two warpgroups of 64 rows, wgmma from shared memory),
+  which round each finished tile to the output dtype into shared memory and go on with the
+  next tile;
+- the epilogue, which applies the SwiGLU (or its backward) to that tile while the products run
+  the next one, in row chunks;
+- one load warp (TMA, a ring of shared-memory stages, mbarriers), running ahead across tiles.
 
-A small Triton kernel then adds each row's column-tile parts in a fixed order and writes the
-weight gradient at the row's assignment (one write per assignment: no atomics, reproducible),
-and zeroes the gate/up gradient of the rows past the last expert (as the separate pass does).
-The gate and up gradients are bitwise those of the GEMM followed by the separate pass (the
-same rounded ``grad_act``, the same float32 expressions); the weight gradient sums the same
-terms in another order (a rounding apart).
+:func:`gluon_gate_up_swiglu`: ``x[rows of e] @ w_gate_up[e].T`` with each job's 128 gate and
+128 up rows in one 256-wide operand; the epilogue (``FORWARD_EPI_WARPS``) stores the gate/up
+output and ``w[order[m]] * silu(gate) * up`` of the rounded values.
+
+:func:`gluon_d_act_swiglu`: ``grad_act[rows of e] = grad[rows of e] @ w_down[e]`` is never
+stored; the epilogue (``EPI_WARPS``) loads each tile's routing weights once, applies the routed
+SwiGLU backward of :func:`mcore_kernels.moe.routed._routed_swiglu_backward` (the gate and up
+gradients stored) and writes each row's part of its routing weight's gradient (the float32 sum
+of ``grad * silu(gate) * up`` over the tile's columns) to a ``[M, F / D_ACT_BLOCK_N]`` buffer.
+A small Triton kernel then adds each row's parts in a fixed order and writes the weight
+gradient at the row's assignment (one write per assignment: no atomics, reproducible), and
+zeroes the gate/up gradient of the rows past the last expert (as the separate pass does).
+
+The outputs are bitwise those of the GEMM followed by the separate pass (the same rounded GEMM
+output, the same float32 expressions), except the routing weights' gradient, which sums the
+same terms in another order (a rounding apart).
 
 Gluon kernels need an sm_90 GPU (they do not run under the Triton interpreter): the torch
-reference is the GEMM (:func:`mcore_kernels.moe.grouped_mm.m_grouped_mm_reference`) followed by
-:func:`mcore_kernels.moe.reference.weighted_swiglu_reference`'s gradient.
+references are the GEMMs (:func:`mcore_kernels.moe.grouped_mm.m_grouped_mm_reference`) and
+:func:`mcore_kernels.moe.reference.weighted_swiglu_reference` and its gradient.
 """
 
 from __future__ import annotations
@@ -51,14 +58,15 @@ BLOCK_M = 128
 BLOCK_N = 256
 """Columns of the gate/up output per tile (128 gate and 128 up columns; the expert width must
 be a multiple of half of it)."""
-D_ACT_BLOCK_N = 256
-"""Columns of ``grad_act`` per tile of the d_act kernel (the expert width must be a
-multiple)."""
+D_ACT_BLOCK_N = 128
+"""Columns of ``grad_act`` per tile of the d_act kernel (the expert width must be a multiple):
+128 leaves registers for a 4-warp epilogue (16 warps of 128 registers); 256 needs 168
+registers per product thread and allows a 2-warp epilogue only."""
 BLOCK_K = 64
 """Reduction step."""
-STAGES = 3
-"""Shared-memory stages of the operand ring."""
-EPI_ROWS = 4
+STAGES = 4
+"""Shared-memory stages of the d_act kernel's operand ring."""
+EPI_ROWS = 8
 """Rows per epilogue chunk (the d_act kernel)."""
 FORWARD_ROWS = 8
 """Rows per epilogue chunk of the gate/up kernel (half-width tiles)."""
@@ -68,14 +76,14 @@ FORWARD_EPI_WARPS = 2
 """Warps of the gate/up kernel's epilogue partition."""
 TILE_BUFFERS = 1
 """Shared-memory buffers of the ``grad_act`` tile between the products and the epilogue (2:
-the products run two tiles ahead of the epilogue; needs ``STAGES`` 2 at 64-wide steps)."""
+the products run two tiles ahead of the epilogue; the d_act kernel)."""
 EPILOGUE_WORK = True
 """False: the d_act kernel's epilogue only hands the tile buffers back (no SwiGLU backward, no
 output): a measurement switch for the products' and loads' time alone."""
 PREFETCH = 1
 """The d_act epilogue issues each row chunk's loads this many chunks ahead (0, 1 or 2)."""
-EPI_WARPS = 2
-"""Warps of the epilogue partition."""
+EPI_WARPS = 4
+"""Warps of the d_act kernel's epilogue partition."""
 WORKER_REGS = 152
 """Registers per thread of the epilogue and load warps (one warpgroup: the same count)."""
 
