@@ -174,8 +174,11 @@ class RoutedExpertsFunction(torch.autograd.Function):
             # top_k 0: the rows are already in expert order (no gather and no combine).
             permuted = _gather_rows(x, order, top_k, None) if top_k else x
             run = ExpertGemmRunner(gemms, offsets, permuted.shape[0], host_ends)
-            gate_up = run.gate_up(permuted, w_gate_up)
-            act = _routed_swiglu(gate_up, flat_w, order)
+            fused = run.gate_up_swiglu(permuted, w_gate_up, flat_w, order)
+            if fused is None:
+                gate_up = run.gate_up(permuted, w_gate_up)
+                fused = gate_up, _routed_swiglu(gate_up, flat_w, order)
+            gate_up, act = fused
             y = run.down(act, w_down)
             out = _sum_rows(y, inverse, top_k, None) if top_k else y
         ctx.save_for_backward(
@@ -208,10 +211,13 @@ class RoutedExpertsFunction(torch.autograd.Function):
             grad_y = _gather_rows(grad, order, top_k, None) if top_k else grad
             if needs_down:
                 grad_down = run.w_down(grad_y, act)
-            grad_act = run.d_act(grad_y, w_down)
+            fused = run.d_act_swiglu(grad_y, w_down, gate_up, flat_w, order)
+            if fused is None:
+                grad_act = run.d_act(grad_y, w_down)
+                fused = _routed_swiglu_backward(gate_up, flat_w, order, grad_act)
+                del grad_act
             del grad_y
-            grad_gate_up, grad_flat_w = _routed_swiglu_backward(gate_up, flat_w, order, grad_act)
-            del grad_act
+            grad_gate_up, grad_flat_w = fused
             if needs_gu:
                 grad_gu = run.w_gate_up(grad_gate_up, permuted)
             if needs_x:
