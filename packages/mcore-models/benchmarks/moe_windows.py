@@ -126,7 +126,7 @@ class ClockSampler:
         """A started sampler of ``device``'s SM clock, or None where NVML cannot read it.
 
         Args:
-            device: A CUDA device (found in NVML by its PCI bus id).
+            device: A CUDA device (found in NVML by its PCI bus id, else its UUID).
             interval: Seconds between reads.
 
         Returns:
@@ -139,9 +139,18 @@ class ClockSampler:
             if library.nvmlInit_v2() != 0:
                 return None
             props = torch.cuda.get_device_properties(device)
-            bus_id = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
             handle = ctypes.c_void_p()
-            if library.nvmlDeviceGetHandleByPciBusId_v2(bus_id.encode(), ctypes.byref(handle)):
+            if hasattr(props, "pci_bus_id"):
+                bus_id = (
+                    f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+                )
+                failed = library.nvmlDeviceGetHandleByPciBusId_v2(
+                    bus_id.encode(), ctypes.byref(handle)
+                )
+            else:
+                uuid = f"GPU-{props.uuid}"
+                failed = library.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle))
+            if failed:
                 return None
         except (OSError, AttributeError):
             return None
