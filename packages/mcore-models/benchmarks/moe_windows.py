@@ -157,8 +157,12 @@ class ClockSampler:
         sampler = cls(library, handle, interval)
         if sampler.read() is None:
             return None
-        sampler._thread.start()
+        sampler.start()
         return sampler
+
+    def start(self) -> None:
+        """Start reading on the thread."""
+        self._thread.start()
 
     def read(self) -> int | None:
         """The SM clock now, in MHz (None if NVML reports an error)."""

@@ -4,11 +4,13 @@ smoke shape timed in rounds (timing itself is not checked: only the bookkeeping)
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import itertools
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,35 @@ def test_round_ratios_divide_the_faster_peer_of_each_round() -> None:
         moe_windows.round_ratios([[1.0, 2.0]], layer)
     with pytest.raises(ValueError, match="peers is empty"):
         moe_windows.round_ratios([], layer)
+
+
+class _FakeNvml:
+    """Answers ``nvmlDeviceGetClockInfo`` with a fixed SM clock (or an error code)."""
+
+    def __init__(self, mhz: int, status: int = 0) -> None:
+        self.mhz, self.status, self.calls = mhz, status, 0
+
+    def nvmlDeviceGetClockInfo(self, handle, clock_type: int, out) -> int:
+        assert clock_type == moe_windows.NVML_CLOCK_SM
+        self.calls += 1
+        out._obj.value = self.mhz
+        return self.status
+
+
+def test_clock_sampler_averages_the_samples_inside_a_window() -> None:
+    library = _FakeNvml(1500)
+    sampler = moe_windows.ClockSampler(library, ctypes.c_void_p(), interval=0.001)
+    assert sampler.read() == 1500
+    begin = time.perf_counter()
+    sampler.start()
+    time.sleep(0.05)
+    sampler.close()
+    end = time.perf_counter()
+    assert library.calls > 2
+    assert sampler.mean(begin, end) == 1500
+    assert sampler.mean(end + 1.0, end + 2.0) is None
+    assert moe_windows.ClockSampler(_FakeNvml(1500, status=3), None, 0.01).read() is None
+    assert moe_windows.ClockSampler.open(torch.device("cpu")) is None
 
 
 class _Broken(nn.Linear):
