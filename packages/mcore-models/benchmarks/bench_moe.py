@@ -565,8 +565,13 @@ def _rotate_case(
             rows[implementation] = row
         publish()
 
-    # Published after every round (the last round's fields are the result).
-    rotate(modules, x, grad, warmup, iters, rounds, clock=CLOCK, emit=update)
+    try:
+        # Published after every round (the last round's fields are the result).
+        rotate(modules, x, grad, warmup, iters, rounds, clock=CLOCK, emit=update)
+    except Exception as exc:  # e.g. out of memory in the settle: the rows say so
+        for implementation in modules:
+            rows[implementation].setdefault("error", f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
     print(
         f"{name}: {len(modules)} ratio rows, {rounds} rounds: {time.perf_counter() - begin:.1f} s",
         flush=True,
