@@ -182,6 +182,10 @@ ROUNDS = 5
 """Rounds of windows of the ratio rows (the ``--rounds`` default)."""
 LARGE_ROUNDS = 3
 """At most this many rounds in cases above :data:`LARGE` (windows of 0.3-0.6 s each)."""
+EXPERTS_ALONE = " [experts alone]"
+"""Suffix of the rotation's entries that time a ratio row's experts alone (its
+``experts_ms``: the same rounds as the layer, so that ``non_gemm_share`` compares windows of
+the same clocks)."""
 CLOCK: ClockSampler | None = None
 """SM clock sampler of the run's GPU (set by :func:`main`; None where NVML cannot read it)."""
 
@@ -484,8 +488,10 @@ def run_case(
         )
         for implementation in rotated:
             module = modules.pop(implementation, None)
-            if module is not None and "error" not in rows[implementation]:
-                _extras(rows[implementation], module, name, x, grad, warmup, iters, profiles)
+            row = rows[implementation]
+            if module is not None and "error" not in row:
+                experts = "experts_ms" not in row
+                _extras(row, module, name, x, grad, warmup, iters, profiles, experts)
             module = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -556,22 +562,54 @@ def _rotate_case(
             torch.cuda.empty_cache()
     if not modules:
         return modules
+    timed_modules = dict(modules)
+    experts_inputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for implementation, module in modules.items():
+        if isinstance(module, MoELayer) and module.experts.grouped_gemm:
+            try:
+                experts, rows_in, grad_out = _experts_alone(module, x)
+            except Exception:  # the row keeps no experts_ms
+                traceback.print_exc()
+                continue
+            timed_modules[implementation + EXPERTS_ALONE] = experts
+            experts_inputs[implementation + EXPERTS_ALONE] = (rows_in, grad_out)
 
     def update(timed: dict[str, dict[str, Any]]) -> None:
         for implementation, fields in timed.items():
-            row = {"case": name, "implementation": implementation, **case, **fields}
-            if "error" not in fields:
-                row.update(_speeds(case, fields["ms"]))
-            rows[implementation] = row
+            if implementation in modules:
+                row = {"case": name, "implementation": implementation, **case, **fields}
+                if "error" not in fields:
+                    row.update(_speeds(case, fields["ms"]))
+                rows[implementation] = row
+        for implementation in modules:
+            experts = timed.get(implementation + EXPERTS_ALONE, {})
+            if "ms" in experts and "ms" in rows[implementation]:
+                rows[implementation].update(
+                    experts_ms=experts["ms"],
+                    experts_windows_ms=experts["windows_ms"],
+                    non_gemm_share=1.0 - experts["ms"] / rows[implementation]["ms"],
+                )
         publish()
 
     try:
         # Published after every round (the last round's fields are the result).
-        rotate(modules, x, grad, warmup, iters, rounds, clock=CLOCK, emit=update)
+        rotate(
+            timed_modules,
+            x,
+            grad,
+            warmup,
+            iters,
+            rounds,
+            clock=CLOCK,
+            emit=update,
+            inputs=experts_inputs,
+        )
     except Exception as exc:  # e.g. out of memory in the settle: the rows say so
         for implementation in modules:
             rows[implementation].setdefault("error", f"{type(exc).__name__}: {exc}")
         traceback.print_exc()
+    for module in timed_modules.values():
+        module.zero_grad(set_to_none=True)
     print(
         f"{name}: {len(modules)} ratio rows, {rounds} rounds: {time.perf_counter() - begin:.1f} s",
         flush=True,
@@ -620,14 +658,16 @@ def _extras(
     warmup: int,
     iters: int,
     profiles: list[str] | None,
+    experts: bool = True,
 ) -> None:
-    """The profile of a timed row (``profiles``) and, for MoE layers, the experts alone."""
+    """The profile of a timed row (``profiles``) and, for MoE layers with ``experts``, the
+    experts alone."""
     implementation = row["implementation"]
     try:
         if profiles is not None and implementation.startswith(("mcore", "dense")):
             title = f"{name}: {implementation}"
             profiles.append(_profile(module, x.detach().clone(), grad, title))
-        if isinstance(module, MoELayer) and module.experts.grouped_gemm:
+        if experts and isinstance(module, MoELayer) and module.experts.grouped_gemm:
             experts_ms = _time_experts(module, x, warmup, iters)
             row.update(experts_ms=experts_ms, non_gemm_share=1.0 - experts_ms / row["ms"])
     except Exception as exc:
@@ -724,6 +764,17 @@ def _ratios(rows: list[dict]) -> None:
 def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> float:
     """Milliseconds per forward + backward of the layer's experts alone, on the tokens already
     permuted into expert order (dropless) or into their capacity slots (drop-and-pad)."""
+    experts, rows, grad = _experts_alone(layer, x)
+    ms = _time(experts, rows, grad, warmup, iters)
+    layer.zero_grad(set_to_none=True)
+    return ms
+
+
+def _experts_alone(
+    layer: MoELayer, x: torch.Tensor
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The layer's experts as a module of their own, with its input (the tokens of ``x``
+    already permuted into expert order, or capacity slots) and an output gradient."""
     moe = layer.moe_config
     with torch.no_grad():
         routing = layer.router(x)
@@ -821,10 +872,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
         rows = permuted
     else:
         rows = torch.randn(moe.num_experts * capacity, x.shape[1], device=x.device, dtype=x.dtype)
-    grad = torch.randn_like(rows)
-    ms = _time(Experts(), rows.clone(), grad, warmup, iters)
-    layer.zero_grad(set_to_none=True)
-    return ms
+    return Experts(), rows, torch.randn_like(rows)
 
 
 def _session8_plan() -> ExpertGemms:

@@ -371,6 +371,7 @@ def rotate(
     rounds: int,
     clock: ClockSampler | None = None,
     emit: Callable[[dict[str, dict[str, Any]]], None] | None = None,
+    inputs: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Time layers together: one settle of continuous load, then rounds of windows.
 
@@ -392,6 +393,7 @@ def rotate(
         rounds: Number of rounds.
         clock: Sampler whose mean SM clock is recorded per window.
         emit: Called with the row fields so far after every round.
+        inputs: Input and output gradient of the layers that do not take ``x`` and ``grad``.
 
     Returns:
         Per layer: ``ms`` (median of the steady-state windows), ``ms_min``, ``ms_max``,
@@ -404,7 +406,11 @@ def rotate(
     """
     cuda = x.device.type == "cuda"
     names = list(modules)
-    steps = {name: stepper(module, x.detach().clone(), grad) for name, module in modules.items()}
+    own = {name: (inputs or {}).get(name, (x, grad)) for name in names}
+    steps = {
+        name: stepper(module, own[name][0].detach().clone(), own[name][1])
+        for name, module in modules.items()
+    }
     logs: dict[str, dict[str, Any]] = {
         name: {
             "windows_ms": [],
@@ -424,10 +430,10 @@ def rotate(
     running = [name for name in names if "error" not in logs[name]]
     if cuda and running:
         settle([steps[name] for name in running], SETTLE_SECONDS)
-    input_bytes = 3 * x.numel() * x.element_size()
+    input_bytes = {name: 3 * own[name][0].numel() * own[name][0].element_size() for name in names}
 
     def summaries() -> dict[str, dict[str, Any]]:
-        return {name: _summary(logs[name], modules[name], input_bytes) for name in names}
+        return {name: _summary(logs[name], modules[name], input_bytes[name]) for name in names}
 
     for order in rotation(len(names), rounds):
         for index in order:
