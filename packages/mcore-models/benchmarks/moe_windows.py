@@ -393,7 +393,8 @@ def rotate(
         rounds: Number of rounds.
         clock: Sampler whose mean SM clock is recorded per window.
         emit: Called with the row fields so far after every round.
-        inputs: Input and output gradient of the layers that do not take ``x`` and ``grad``.
+        inputs: Input and output gradient of the layers that do not take ``x`` and ``grad``
+            (used in place: the input is made to require a gradient).
 
     Returns:
         Per layer: ``ms`` (median of the steady-state windows), ``ms_min``, ``ms_max``,
@@ -406,11 +407,9 @@ def rotate(
     """
     cuda = x.device.type == "cuda"
     names = list(modules)
-    own = {name: (inputs or {}).get(name, (x, grad)) for name in names}
-    steps = {
-        name: stepper(module, own[name][0].detach().clone(), own[name][1])
-        for name, module in modules.items()
-    }
+    # Every layer gets its own copy of x; the given inputs are the caller's to use as they are.
+    own = {name: (inputs or {}).get(name, (x.detach().clone(), grad)) for name in names}
+    steps = {name: stepper(module, *own[name]) for name, module in modules.items()}
     logs: dict[str, dict[str, Any]] = {
         name: {
             "windows_ms": [],
