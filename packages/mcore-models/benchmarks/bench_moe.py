@@ -34,7 +34,8 @@ experts_ms / layer_ms``, with ``experts_ms`` the forward + backward of the exper
 tokens already in expert order, or in their capacity slots).
 
 The rows the issue's ratios read (:data:`RATIO_ROWS`: both dense layers, our dropless and
-drop-and-pad defaults, transformers' ``grouped_mm`` block) are built together and timed by
+drop-and-pad defaults, transformers' ``grouped_mm`` block, and below 32k tokens the two
+defaults' experts alone for their ``experts_ms``) are built together and timed by
 ``moe_windows.rotate``: 2 s of continuous load through all of them, then ``--rounds`` (5; 3 at
 32k tokens) rounds that visit each layer once in a rotated order, each visit two windows: the
 case's step count started right after a synchronisation (``ms_from_idle``, the measure until
