@@ -33,12 +33,22 @@ the share of the layer time spent outside the expert GEMMs (router, permutation,
 experts_ms / layer_ms``, with ``experts_ms`` the forward + backward of the experts alone on
 tokens already in expert order, or in their capacity slots).
 
-Every row is timed twice after 0.5 s of untimed steps (``_time``): in the steady state (the
-reported ``ms``: ``LEAD_STEPS`` untimed steps queued without a synchronisation, then at least
-``MIN_WINDOW_MS`` of timed steps, as a layer runs inside a model whose host queues it while
-the GPU still runs the layers before it) and, as ``ms_from_idle``, over the case's step count
-started right after a synchronisation (the measure until session 15, whose first step waits
-for the host to queue its first kernels); the ratios come for both.
+The rows the issue's ratios read (:data:`RATIO_ROWS`: both dense layers, our dropless and
+drop-and-pad defaults, transformers' ``grouped_mm`` block, and below 32k tokens the two
+defaults' experts alone for their ``experts_ms``) are built together and timed by
+``moe_windows.rotate``: 2 s of continuous load through all of them, then ``--rounds`` (5; 3 at
+32k tokens) rounds that visit each layer once in a rotated order, each visit two windows: the
+case's step count started right after a synchronisation (``ms_from_idle``, the measure until
+session 15, whose first step waits for the host to queue its first kernels) and, after
+``LEAD_STEPS`` untimed steps queued without a synchronisation, at least ``MIN_WINDOW_MS`` of
+timed steps (the steady state, as a layer runs inside a model whose host queues it while the
+GPU still runs the layers before it). ``ms`` is the median of a row's steady windows, the
+ratios divide medians, and ``moe.json`` keeps every window (``windows_ms``,
+``windows_ms_from_idle``), each round's own ratio (``throughput_vs_dense_rounds``) and, where
+NVML can be read, each window's mean SM clock (``windows_sm_mhz``, median ``sm_mhz``): the
+H200 runs these layers at its power limit, where one window's clock depends on what ran just
+before it. Every other row is built and timed alone by :func:`_time` (0.5 s of synchronised
+steps, then the same two windows once).
 
 Run from the repository root on the GPU machine::
 
@@ -68,6 +78,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from moe_windows import (  # type: ignore[import-not-found]
+    LEAD_STEPS,
+    MIN_WINDOW_MS,
+    ClockSampler,
+    allocator_events,
+    rotate,
+    round_ratios,
+    stepper,
+    window,
+)
 from torch import nn
 
 from mcore_kernels.moe import swiglu
@@ -156,12 +176,19 @@ FUSED_LOOP = (
 
 WARMUP_SECONDS = 0.5
 """Seconds of untimed steps before each timed window on a GPU (steady clocks for every row)."""
-LEAD_STEPS = 2
-"""Untimed steps queued without a synchronisation right before the steady-state window, so
-that its first timed step starts with the host already ahead of the GPU."""
-MIN_WINDOW_MS = 100.0
-"""The steady-state window times at least this many milliseconds of steps (and at least the
-case's step count), estimated from the window started on an idle GPU."""
+RATIO_ROWS = (DENSE, DENSE_FUSED, DEFAULT, DROP_AND_PAD, HF_GROUPED)
+"""The rows whose ratios the issue's targets read: built together and timed in rotated rounds
+of windows (:func:`moe_windows.rotate`); the other rows get one :func:`_time` each."""
+ROUNDS = 5
+"""Rounds of windows of the ratio rows (the ``--rounds`` default)."""
+LARGE_ROUNDS = 3
+"""At most this many rounds in cases above :data:`LARGE` (windows of 0.3-0.6 s each)."""
+EXPERTS_ALONE = " [experts alone]"
+"""Suffix of the rotation's entries that time a ratio row's experts alone (its
+``experts_ms``: the same rounds as the layer, so that ``non_gemm_share`` compares windows of
+the same clocks)."""
+CLOCK: ClockSampler | None = None
+"""SM clock sampler of the run's GPU (set by :func:`main`; None where NVML cannot read it)."""
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -260,54 +287,10 @@ LAST_MEMORY: dict[str, float] = {}
 """Peak allocated GiB and allocator events per step of the last timed GPU run."""
 
 
-def _allocator_events() -> dict[str, int]:
-    """Counters of the caching allocator whose growth means device allocations in the loop
-    (each a potential synchronisation: cudaMalloc / cudaFree or segment map / unmap)."""
-    stats = torch.cuda.memory_stats()
-    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free")
-    return {key: int(stats.get(key, 0)) for key in keys}
-
-
 LAST_WINDOWS: dict[str, float] = {}
 """The two windows of the last timed GPU run: ``from_idle_ms`` (per step, the window started
-right after a synchronisation) and ``steady_steps`` (steps in the steady-state window)."""
-
-
-def _stepper(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
-    """One forward + backward of ``module`` on ``x`` with output gradient ``grad``, the
-    parameter and input gradients cleared after it."""
-    inputs = x.requires_grad_(True)
-    shaped = inputs if not getattr(module, "wants_3d", False) else inputs[None]
-    backend = getattr(module, "kernel_backend", None)
-    previous = os.environ.get("MCORE_KERNELS_BACKEND")
-
-    def step() -> None:
-        if backend is not None:
-            os.environ["MCORE_KERNELS_BACKEND"] = backend
-        out = module(shaped)
-        out = out.reshape(grad.shape)
-        out.backward(grad)
-        module.zero_grad(set_to_none=True)
-        inputs.grad = None
-        if backend is not None:
-            if previous is None:
-                os.environ.pop("MCORE_KERNELS_BACKEND", None)
-            else:
-                os.environ["MCORE_KERNELS_BACKEND"] = previous
-
-    return step
-
-
-def _window(step: Callable[[], None], steps: int) -> float:
-    """Milliseconds per step of ``steps`` steps between two CUDA events (no synchronisation
-    before the start event: the caller decides what the GPU is doing then)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+right after a synchronisation), ``steady_steps`` (steps in the steady-state window) and, with
+:data:`CLOCK`, ``sm_mhz`` (the steady window's mean SM clock)."""
 
 
 def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, iters: int) -> float:
@@ -326,7 +309,7 @@ def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, i
     whose GPU idles during each step's host fill (one H200, Qwen3-30B-A3B: 1650-1700 MHz in the
     old window against about 1550 MHz sustained; docs/benchmarks/moe.md, session 16).
     """
-    step = _stepper(module, x, grad)
+    step = stepper(module, x, grad)
     for _ in range(warmup):
         step()
     if x.device.type == "cuda":
@@ -340,13 +323,15 @@ def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, i
             step()
             torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        before = _allocator_events()
-        from_idle = _window(step, iters)
+        before = allocator_events()
+        from_idle = window(step, iters)
         steady_steps = max(iters, math.ceil(MIN_WINDOW_MS / max(from_idle, 1e-3)))
         for _ in range(LEAD_STEPS):
             step()
-        ms = _window(step, steady_steps)
-        after = _allocator_events()
+        queued = time.perf_counter()
+        ms = window(step, steady_steps)
+        mhz = CLOCK.mean(queued, time.perf_counter()) if CLOCK is not None else None
+        after = allocator_events()
         counted = iters + LEAD_STEPS + steady_steps
         LAST_MEMORY.clear()
         LAST_MEMORY.update(
@@ -355,6 +340,8 @@ def _time(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, warmup: int, i
         )
         LAST_WINDOWS.clear()
         LAST_WINDOWS.update(from_idle_ms=from_idle, steady_steps=steady_steps)
+        if mhz is not None:
+            LAST_WINDOWS["sm_mhz"] = mhz
         return ms
     begin = time.perf_counter()
     for _ in range(iters):
@@ -392,7 +379,7 @@ def _profile(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, title: str)
     # Steady clocks first; the profiled steps themselves are only these two (until session 15
     # the profile also recorded _time's 0.5 s of settling steps, divided by two).
     _time(module, x, grad, warmup=1, iters=1)
-    step = _stepper(module, x, grad)
+    step = stepper(module, x, grad)
     steps = 2
     with profile(activities=activities) as prof:
         for _ in range(steps):
@@ -445,8 +432,14 @@ def run_case(
     profiles: list[str] | None,
     skip: list[str] | None = None,
     emit: Callable[[list[dict]], None] | None = None,
+    rounds: int = ROUNDS,
+    only: list[str] | None = None,
 ) -> list[dict]:
     """Time every implementation of one case.
+
+    The rows of :data:`RATIO_ROWS` are built together and timed in ``rounds`` rotated rounds
+    of windows (:func:`moe_windows.rotate`; ``ms`` is the median of their steady-state
+    windows); every other row is built and timed alone by :func:`_time`.
 
     Args:
         name: Case name.
@@ -455,18 +448,239 @@ def run_case(
         smoke: Tiny single-iteration run.
         profiles: When a list, a profiler table of each mcore implementation is appended.
         skip: Implementations whose name contains one of these words are left out.
-        emit: Called with the rows so far after every implementation.
+        emit: Called with the rows so far after every implementation (and every round).
+        rounds: Rounds of the ratio rows (at most :data:`LARGE_ROUNDS` above :data:`LARGE`);
+            0 times them alone like the other rows.
+        only: When given, only implementations whose name contains one of these words run.
 
     Returns:
-        One row per implementation.
+        One row per implementation, in the order of the builders.
     """
     warmup, iters = (1, 1) if smoke else (2, 6)
     if case["tokens"] * case["hidden"] > LARGE:
         warmup, iters = 1, 3
+        rounds = min(rounds, LARGE_ROUNDS)
     dtype = _dtype(device)
     generator = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(case["tokens"], case["hidden"], device=device, dtype=dtype, generator=generator)
     grad = torch.randn_like(x)
+    builders = _builders(case, device)
+    for implementation in list(builders):
+        left_out = any(word in implementation for word in skip or ())
+        if only:
+            left_out = left_out or not any(word in implementation for word in only)
+        if left_out:
+            del builders[implementation]
+    rows: dict[str, dict[str, Any]] = {}
+
+    def ordered() -> list[dict]:
+        done = [rows[implementation] for implementation in builders if implementation in rows]
+        _ratios(done)
+        return done
+
+    def publish() -> None:
+        if emit is not None:
+            emit(ordered())
+
+    rotated = [key for key in builders if key in RATIO_ROWS] if rounds > 0 else []
+    if rotated:
+        modules = _rotate_case(
+            name, case, rotated, builders, rows, (x, grad), (warmup, iters), rounds, publish
+        )
+        for implementation in rotated:
+            module = modules.pop(implementation, None)
+            row = rows[implementation]
+            if module is not None and "error" not in row:
+                experts = "experts_ms" not in row
+                _extras(row, module, name, x, grad, warmup, iters, profiles, experts)
+            module = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            publish()
+    for implementation, build in builders.items():
+        if implementation in rows:
+            continue
+        row: dict[str, Any] = {"case": name, "implementation": implementation, **case}
+        begin = time.perf_counter()
+        try:
+            module = build()
+            ms = _time(module, x.detach().clone(), grad, warmup, iters)
+            # Kept before the profile and the experts' timing run _time again.
+            row.update(LAST_MEMORY)
+            windows = dict(LAST_WINDOWS)
+            row.update(ms_from_idle=windows.pop("from_idle_ms"), **windows)
+            row.update(_speeds(case, ms))
+            _extras(row, module, name, x, grad, warmup, iters, profiles)
+        except Exception as exc:  # a peer that cannot run here is reported, not fatal
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        finally:
+            module = None
+        rows[implementation] = row
+        print(f"{name}: {implementation}: {time.perf_counter() - begin:.1f} s", flush=True)
+        publish()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return ordered()
+
+
+def _rotate_case(
+    name: str,
+    case: dict[str, int],
+    rotated: list[str],
+    builders: dict[str, Callable[[], nn.Module]],
+    rows: dict[str, dict[str, Any]],
+    inputs: tuple[torch.Tensor, torch.Tensor],
+    steps: tuple[int, int],
+    rounds: int,
+    publish: Callable[[], None],
+) -> dict[str, nn.Module]:
+    """Build the ratio rows of one case, time them in rotated rounds and put their rows in
+    ``rows`` (``publish`` after every round). MoE layers of equal shapes share one set of
+    weights: two DeepSeek-V3 layers and transformers' block would hold 63 GiB of parameters.
+
+    Returns:
+        The modules that ran, for the profile and the experts' timing.
+    """
+    x, grad = inputs
+    warmup, iters = steps
+    begin = time.perf_counter()
+    modules: dict[str, nn.Module] = {}
+    for implementation in rotated:
+        row: dict[str, Any] = {"case": name, "implementation": implementation, **case}
+        rows[implementation] = row
+        try:
+            module = builders[implementation]()
+            for other in modules.values():
+                if _share_weights(module, other):
+                    break
+            modules[implementation] = module
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        module = None
+        if x.device.type == "cuda":
+            torch.cuda.empty_cache()
+    if not modules:
+        return modules
+    timed_modules = dict(modules)
+    experts_inputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    # At 32k tokens the experts' inputs would add 17 GB to the resident layers: there they are
+    # timed alone after the rounds (_extras), as the other rows' experts are.
+    large = case["tokens"] * case["hidden"] > LARGE
+    for implementation, module in modules.items():
+        if not large and isinstance(module, MoELayer) and module.experts.grouped_gemm:
+            try:
+                experts, rows_in, grad_out = _experts_alone(module, x)
+            except Exception:  # the row keeps no experts_ms
+                traceback.print_exc()
+                continue
+            timed_modules[implementation + EXPERTS_ALONE] = experts
+            experts_inputs[implementation + EXPERTS_ALONE] = (rows_in, grad_out)
+
+    def update(timed: dict[str, dict[str, Any]]) -> None:
+        for implementation, fields in timed.items():
+            if implementation in modules:
+                row = {"case": name, "implementation": implementation, **case, **fields}
+                if "error" not in fields:
+                    row.update(_speeds(case, fields["ms"]))
+                rows[implementation] = row
+        for implementation in modules:
+            experts = timed.get(implementation + EXPERTS_ALONE, {})
+            if "ms" in experts and "ms" in rows[implementation]:
+                rows[implementation].update(
+                    experts_ms=experts["ms"],
+                    experts_windows_ms=experts["windows_ms"],
+                    non_gemm_share=1.0 - experts["ms"] / rows[implementation]["ms"],
+                )
+        publish()
+
+    try:
+        # Published after every round (the last round's fields are the result).
+        rotate(
+            timed_modules,
+            x,
+            grad,
+            warmup,
+            iters,
+            rounds,
+            clock=CLOCK,
+            emit=update,
+            inputs=experts_inputs,
+        )
+    except Exception as exc:  # e.g. out of memory in the settle: the rows say so
+        for implementation in modules:
+            rows[implementation].setdefault("error", f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+    for module in timed_modules.values():
+        module.zero_grad(set_to_none=True)
+    print(
+        f"{name}: {len(modules)} ratio rows, {rounds} rounds: {time.perf_counter() - begin:.1f} s",
+        flush=True,
+    )
+    return modules
+
+
+def _share_weights(module: nn.Module, source: nn.Module) -> bool:
+    """Make two MoE layers of equal parameter shapes share ``source``'s parameters (the
+    benchmark builds every layer of a case with the same seed: the values are the same).
+
+    Returns:
+        Whether the parameters are now shared.
+    """
+    if not (isinstance(module, MoELayer) and isinstance(source, MoELayer)):
+        return False
+    mine = dict(module.named_parameters())
+    theirs = dict(source.named_parameters())
+    if mine.keys() != theirs.keys() or any(
+        mine[key].shape != theirs[key].shape or mine[key].dtype != theirs[key].dtype for key in mine
+    ):
+        return False
+    for key in mine:
+        owner_name, _, attribute = key.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        setattr(owner, attribute, theirs[key])
+    return True
+
+
+def _speeds(case: dict[str, int], ms: float) -> dict[str, float]:
+    """``ms``, tokens/s and active TFLOP/s (6 FLOPs per active matmul parameter and token)."""
+    active = 3 * case["hidden"] * case["ffn"] * case["top_k"]
+    return {
+        "ms": ms,
+        "tokens_per_s": case["tokens"] / ms * 1e3,
+        "active_tflops": 6 * active * case["tokens"] / ms / 1e9,
+    }
+
+
+def _extras(
+    row: dict[str, Any],
+    module: nn.Module,
+    name: str,
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    warmup: int,
+    iters: int,
+    profiles: list[str] | None,
+    experts: bool = True,
+) -> None:
+    """The profile of a timed row (``profiles``) and, for MoE layers with ``experts``, the
+    experts alone."""
+    implementation = row["implementation"]
+    try:
+        if profiles is not None and implementation.startswith(("mcore", "dense")):
+            title = f"{name}: {implementation}"
+            profiles.append(_profile(module, x.detach().clone(), grad, title))
+        if experts and isinstance(module, MoELayer) and module.experts.grouped_gemm:
+            experts_ms = _time_experts(module, x, warmup, iters)
+            row.update(experts_ms=experts_ms, non_gemm_share=1.0 - experts_ms / row["ms"])
+    except Exception as exc:
+        row["extras_error"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+
+
+def _builders(case: dict[str, int], device: torch.device) -> dict[str, Callable[[], nn.Module]]:
+    """Every implementation of one case, by row name."""
     few = case["experts"] <= FEW_EXPERTS
     builders: dict[str, Callable[[], nn.Module]] = {
         DENSE: lambda: _dense(case, device),
@@ -519,54 +733,16 @@ def run_case(
         builders["transformers sparse MoE block (eager experts)"] = lambda: _wants_3d(
             _hf_block(case, device, "eager")
         )
-    for implementation in list(builders):
-        if any(word in implementation for word in skip or ()):
-            del builders[implementation]
-    active = 3 * case["hidden"] * case["ffn"] * case["top_k"]
-    rows = []
-    for implementation, build in builders.items():
-        row: dict[str, Any] = {"case": name, "implementation": implementation, **case}
-        module: nn.Module | None = None
-        begin = time.perf_counter()
-        try:
-            module = build()
-            ms = _time(module, x.detach().clone(), grad, warmup, iters)
-            # Kept before the profile and the experts' timing run _time again.
-            row.update(LAST_MEMORY)
-            row.update(
-                ms_from_idle=LAST_WINDOWS["from_idle_ms"],
-                steady_steps=LAST_WINDOWS["steady_steps"],
-            )
-            if profiles is not None and implementation.startswith(("mcore", "dense")):
-                title = f"{name}: {implementation}"
-                profiles.append(_profile(module, x.detach().clone(), grad, title))
-            row.update(
-                ms=ms,
-                tokens_per_s=case["tokens"] / ms * 1e3,
-                active_tflops=6 * active * case["tokens"] / ms / 1e9,
-            )
-            if isinstance(module, MoELayer) and module.experts.grouped_gemm:
-                experts_ms = _time_experts(module, x, warmup, iters)
-                row.update(experts_ms=experts_ms, non_gemm_share=1.0 - experts_ms / ms)
-        except Exception as exc:  # a peer that cannot run here is reported, not fatal
-            row["error"] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-        finally:
-            module = None
-        rows.append(row)
-        print(f"{name}: {implementation}: {time.perf_counter() - begin:.1f} s", flush=True)
-        if emit is not None:
-            _ratios(rows)
-            emit(rows)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    _ratios(rows)
-    return rows
+    return builders
 
 
 def _ratios(rows: list[dict]) -> None:
     """Add "vs dense" (the faster dense peer) and "vs transformers" to one case's rows, for
-    the steady-state windows and (``*_from_idle``) for the windows started on an idle GPU."""
+    the steady-state windows and (``*_from_idle``) for the windows started on an idle GPU.
+
+    Rows timed in rounds also get each round's ratios (``throughput_vs_dense_rounds``,
+    ``speedup_vs_hf_grouped_mm_rounds``: the round's windows divided, the dense peer the
+    faster of the two in that round); the plain ratios divide the medians."""
     for key, suffix in (("ms", ""), ("ms_from_idle", "_from_idle")):
         times = {row["implementation"]: row.get(key) for row in rows}
         dense = min((t for k, t in times.items() if k in (DENSE, DENSE_FUSED) and t), default=None)
@@ -577,11 +753,32 @@ def _ratios(rows: list[dict]) -> None:
                     row["throughput_vs_dense" + suffix] = dense / row[key]
                 if hf:
                     row["speedup_vs_hf_grouped_mm" + suffix] = hf / row[key]
+    windows = {row["implementation"]: row["windows_ms"] for row in rows if "windows_ms" in row}
+    peers = {
+        "throughput_vs_dense_rounds": [windows[k] for k in (DENSE, DENSE_FUSED) if k in windows],
+        "speedup_vs_hf_grouped_mm_rounds": [windows[k] for k in (HF_GROUPED,) if k in windows],
+    }
+    for row in rows:
+        for field, peer in peers.items():
+            mine = row.get("windows_ms")
+            if peer and mine and all(len(times) == len(mine) for times in peer):
+                row[field] = round_ratios(peer, mine)
 
 
 def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> float:
     """Milliseconds per forward + backward of the layer's experts alone, on the tokens already
     permuted into expert order (dropless) or into their capacity slots (drop-and-pad)."""
+    experts, rows, grad = _experts_alone(layer, x)
+    ms = _time(experts, rows, grad, warmup, iters)
+    layer.zero_grad(set_to_none=True)
+    return ms
+
+
+def _experts_alone(
+    layer: MoELayer, x: torch.Tensor
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The layer's experts as a module of their own, with its input (the tokens of ``x``
+    already permuted into expert order, or capacity slots) and an output gradient."""
     moe = layer.moe_config
     with torch.no_grad():
         routing = layer.router(x)
@@ -679,10 +876,7 @@ def _time_experts(layer: MoELayer, x: torch.Tensor, warmup: int, iters: int) -> 
         rows = permuted
     else:
         rows = torch.randn(moe.num_experts * capacity, x.shape[1], device=x.device, dtype=x.dtype)
-    grad = torch.randn_like(rows)
-    ms = _time(Experts(), rows.clone(), grad, warmup, iters)
-    layer.zero_grad(set_to_none=True)
-    return ms
+    return Experts(), rows, torch.randn_like(rows)
 
 
 def _session8_plan() -> ExpertGemms:
@@ -710,7 +904,15 @@ def _wants_3d(module: nn.Module) -> nn.Module:
 
 
 def _ratio(row: dict, key: str) -> str:
-    return f"{row[key]:.2f}x" if key in row else ""
+    return f"{row[key]:.3f}x" if key in row else ""
+
+
+def _range(row: dict, key: str, unit: str = "", digits: int = 2) -> str:
+    """``min-max`` of a row's per-round list ``key`` (empty for rows timed once)."""
+    values = [value for value in row.get(key) or () if value is not None]
+    if not values:
+        return ""
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}{unit}"
 
 
 def _markdown(device_name: str, rows: list[dict]) -> str:
@@ -719,27 +921,39 @@ def _markdown(device_name: str, rows: list[dict]) -> str:
         "",
         "ms, tokens/s, active TFLOP/s and the ratios: steady-state windows (untimed steps "
         'queued first, at least 100 ms timed); "from idle": the window started right after a '
-        "synchronisation (the benchmark's measure until session 15).",
+        "synchronisation (the benchmark's measure until session 15). The rows with a round "
+        "count (the dense layers, our dropless and drop-and-pad defaults, transformers' "
+        "grouped_mm block) were built together and timed in rotated rounds after 2 s of "
+        "continuous load: ms is the median of their windows, the ratios divide the medians, "
+        '"rounds" gives the range of the windows and of each round\'s own ratio; the other '
+        "rows were timed once each. SM MHz: the GPU's mean SM clock during the steady "
+        "window(s) (median over the rounds).",
         "",
-        "| case | implementation | tokens | ms | ms from idle | tokens/s | active TFLOP/s | "
-        "vs dense | vs dense from idle | vs transformers grouped_mm | "
-        "vs transformers from idle | outside expert GEMMs | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | implementation | tokens | ms | rounds: ms | SM MHz | ms from idle | "
+        "tokens/s | active TFLOP/s | vs dense | rounds: vs dense | vs dense from idle | "
+        "vs transformers grouped_mm | vs transformers from idle | outside expert GEMMs | "
+        "peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "ms" not in row:
             lines.append(
                 f"| {row['case']} | {row['implementation']} | {row['tokens']} | "
-                f"error: {row['error'][:60]} | | | | | | | | | |"
+                f"error: {row.get('error', '')[:60]} |" + " |" * 12
             )
             continue
         share = f"{100 * row['non_gemm_share']:.0f}%" if "non_gemm_share" in row else ""
         peak = f"{row['peak_gib']:.1f}" if "peak_gib" in row else ""
         idle = f"{row['ms_from_idle']:.2f}" if "ms_from_idle" in row else ""
+        mhz = f"{row['sm_mhz']:.0f}" if "sm_mhz" in row else ""
+        windows = _range(row, "windows_ms")
+        if windows:
+            windows += f" ({row['rounds']})"
         lines.append(
             f"| {row['case']} | {row['implementation']} | {row['tokens']} | {row['ms']:.2f} | "
-            f"{idle} | {row['tokens_per_s']:,.0f} | {row['active_tflops']:.0f} | "
-            f"{_ratio(row, 'throughput_vs_dense')} | "
+            f"{windows} | {mhz} | {idle} | {row['tokens_per_s']:,.0f} | "
+            f"{row['active_tflops']:.0f} | {_ratio(row, 'throughput_vs_dense')} | "
+            f"{_range(row, 'throughput_vs_dense_rounds', 'x', 3)} | "
             f"{_ratio(row, 'throughput_vs_dense_from_idle')} | "
             f"{_ratio(row, 'speedup_vs_hf_grouped_mm')} | "
             f"{_ratio(row, 'speedup_vs_hf_grouped_mm_from_idle')} | {share} | {peak} |"
@@ -763,7 +977,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--skip", nargs="*", default=[], help="leave out implementations containing these words"
     )
+    parser.add_argument(
+        "--only", nargs="*", default=[], help="run only implementations containing these words"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help="rotated rounds of the ratio rows (at most 3 at 32k tokens; 0: one window each)",
+    )
     args = parser.parse_args(argv)
+    if args.rounds < 0:
+        parser.error(f"--rounds={args.rounds} must be at least 0")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     rows: list[dict] = []
@@ -771,6 +996,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = _dtype(device)
+    global CLOCK
+    CLOCK = ClockSampler.open(device)
 
     def write(case_rows: list[dict]) -> None:
         # Written after every row, so that an interrupted run keeps what it measured.
@@ -780,6 +1007,8 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch.__version__,
             "dtype": str(dtype).removeprefix("torch."),
             "grouped_mm_supported": grouped_mm_supported(device, dtype),
+            "rounds": args.rounds,
+            "sm_clock_sampled": CLOCK is not None,
             "rows": every,
         }
         (out / "moe.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -794,8 +1023,22 @@ def main(argv: list[str] | None = None) -> None:
     for name, case in (SMOKE if args.smoke else CASES).items():
         if args.cases and name not in args.cases:
             continue
-        rows.extend(run_case(name, case, device, args.smoke, profiles, args.skip, write))
+        rows.extend(
+            run_case(
+                name,
+                case,
+                device,
+                args.smoke,
+                profiles,
+                args.skip,
+                write,
+                rounds=args.rounds,
+                only=args.only,
+            )
+        )
         write([])
+    if CLOCK is not None:
+        CLOCK.close()
     print(_markdown(device_name, rows), flush=True)
 
 
