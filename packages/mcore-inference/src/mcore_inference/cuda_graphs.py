@@ -263,22 +263,31 @@ class DecodeGraphRunner:
         graph.replay()
         return logits[:count]
 
-    def capture_all(self) -> int:
+    def capture_all(self, *, mixed_steps: bool = False) -> int:
         """Capture every bucket's graphs now (both block-table widths) instead of at first use.
 
         A server calls it at startup: captured lazily, the first step of each new batch size
         (or the first past one attention split) stalls every running request for a capture.
+
+        Args:
+            mixed_steps: Steps that prefill replay these graphs too
+                (``InferenceConfig.cuda_graph_mixed_steps``): also capture the graphs of such
+                steps at the buckets where decode steps take graphs of their own
+                (:meth:`_decode_key`), so that no prefill captures one while requests wait.
 
         Returns:
             The number of graphs captured (those captured before are kept).
         """
         count = 0
         for bucket in self.batch_sizes:
-            key = self._decode_key(bucket, True)
-            for width in sorted({self._narrow_width, self._full_width}):
-                if (bucket, width, key) not in self._graphs:
-                    self._capture(bucket, width, key)
-                    count += 1
+            keys = {self._decode_key(bucket, True)}
+            if mixed_steps:
+                keys.add(self._decode_key(bucket, False))
+            for key in sorted(keys, reverse=True):
+                for width in sorted({self._narrow_width, self._full_width}):
+                    if (bucket, width, key) not in self._graphs:
+                        self._capture(bucket, width, key)
+                        count += 1
         return count
 
     def _release_graphs(self) -> None:

@@ -429,8 +429,10 @@ class InferenceEngine(_StepLoop):
 
         For a server (``mcore-inference serve`` does it at startup): requests arriving one by
         one make the decode batch size pass through many buckets, and each lazy capture stalls
-        every running request. A hybrid (Mamba) model captures its decode and non-decode
-        graphs. Then, on a CUDA device, :meth:`warm_up` runs every kernel variant of the eager
+        every running request. With ``cuda_graph_mixed_steps`` the graphs that steps which
+        prefill replay are captured too, where they are not the decode graphs (buckets of
+        ``fused_decode.ROTARY_IN_ATTENTION_MIN_ROWS`` rows and more). A hybrid (Mamba) model
+        captures its decode and non-decode graphs. Then, on a CUDA device, :meth:`warm_up` runs every kernel variant of the eager
         steps. Collective over the model replica like :meth:`step` (and over the
         expert-parallel group).
 
@@ -444,7 +446,9 @@ class InferenceEngine(_StepLoop):
         self._check_open()
         self._revalidate_graphs()
         graphs = self._graphs
-        captured = graphs.capture_all() if graphs is not None else 0
+        # Steps that prefill replay the decode graphs where the runner lets them.
+        mixed = self._runner is not None and self._runner.graph_mixed_steps
+        captured = graphs.capture_all(mixed_steps=mixed) if graphs is not None else 0
         hybrid = self._runner.hybrid_graphs if self._runner is not None else None
         if hybrid is not None:
             captured += hybrid.capture_all()
