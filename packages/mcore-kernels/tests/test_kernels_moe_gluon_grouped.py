@@ -10,7 +10,7 @@ import torch
 from mcore_kernels.errors import KernelDeviceError, KernelDtypeError, KernelShapeError
 from mcore_kernels.moe import expert_gemms
 from mcore_kernels.moe.expert_gemms import ExpertGemmRunner, ExpertGemms
-from mcore_kernels.moe.gluon_grouped import gluon_d_act_swiglu
+from mcore_kernels.moe.gluon_d_act import gluon_d_act_swiglu
 from mcore_kernels.moe.grouped_mm import PersistentTiles
 
 
@@ -53,7 +53,7 @@ def test_cpu_backward_stays_on_the_separate_pass(monkeypatch):
 
 def test_finish_kernel_adds_parts_in_order_and_zeroes_the_tail():
     from mcore_kernels.moe._launch import launch
-    from mcore_kernels.moe.gluon_grouped import d_act_swiglu_finish_kernel
+    from mcore_kernels.moe.gluon_d_act import d_act_swiglu_finish_kernel
 
     rows, num_n, width2 = 70, 3, 48
     offsets = torch.tensor([20, 20, 61], dtype=torch.int32)

@@ -16,7 +16,8 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 
 from mcore_kernels.moe import expert_gemms  # noqa: E402
 from mcore_kernels.moe.expert_gemms import ExpertGemms  # noqa: E402
-from mcore_kernels.moe.gluon_grouped import gluon_d_act_swiglu, gluon_gate_up_swiglu  # noqa: E402
+from mcore_kernels.moe.gluon_d_act import gluon_d_act_swiglu  # noqa: E402
+from mcore_kernels.moe.gluon_grouped import gluon_gate_up_swiglu  # noqa: E402
 from mcore_kernels.moe.grouped_mm import PersistentTiles, m_grouped_mm  # noqa: E402
 from mcore_kernels.moe.routed import (  # noqa: E402
     _routed_swiglu,

@@ -69,7 +69,7 @@ instead of ``torch._grouped_mm``."""
 GLUON_D_ACT = False
 """On a Hopper GPU, the down projection's input gradient of the shapes in
 :data:`_GLUON_D_ACT_SHAPES` runs on the warp-specialised Gluon kernel with the routed SwiGLU
-backward in its epilogue (:func:`mcore_kernels.moe.gluon_grouped.gluon_d_act_swiglu`, through
+backward in its epilogue (:func:`mcore_kernels.moe.gluon_d_act.gluon_d_act_swiglu`, through
 :meth:`ExpertGemmRunner.d_act_swiglu`) instead of the GEMM followed by the separate pass (the
 same gate/up gradient; the routing weights' gradient adds its terms in another order). Off:
 no layer gain measured at Qwen3-30B-A3B on one H200 (session 17: with 128-column tiles and a
@@ -407,7 +407,8 @@ class ExpertGemmRunner:
             GLUON_D_ACT, self.plan.d_act, grad, w_down, shape
         ):
             return None
-        from mcore_kernels.moe.gluon_grouped import BLOCK_M, gluon_d_act_swiglu
+        from mcore_kernels.moe.gluon_d_act import gluon_d_act_swiglu
+        from mcore_kernels.moe.gluon_grouped import BLOCK_M
 
         schedule = self._schedule(PersistentTiles(block_m=BLOCK_M))
         return gluon_d_act_swiglu(
