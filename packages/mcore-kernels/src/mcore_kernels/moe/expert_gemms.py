@@ -15,6 +15,7 @@ cuBLAS GEMM over equal row slots per expert, or on the persistent Triton kernels
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
@@ -347,7 +348,7 @@ class ExpertGemmRunner:
             and x.dtype in (torch.bfloat16, torch.float16)
             and w.dtype == x.dtype
             and _hopper(x.device)
-            and _gluon_grouped_ready()
+            and _gluon_ready("gluon_grouped")
         )
 
     def gate_up_swiglu(
@@ -559,19 +560,12 @@ SwiGLU (backward) in their epilogues (see :data:`GLUON_GATE_UP` and :data:`GLUON
 
 
 @functools.cache
-def _gluon_grouped_ready() -> bool:
+def _gluon_ready(module: str = "gluon_wgrad") -> bool:
+    """Whether ``mcore_kernels.moe.<module>`` imports (False on a Triton without Gluon's Hopper
+    API)."""
     try:
-        import mcore_kernels.moe.gluon_grouped  # noqa: F401
-    except ImportError:  # a Triton without Gluon's Hopper API
-        return False
-    return True
-
-
-@functools.cache
-def _gluon_ready() -> bool:
-    try:
-        import mcore_kernels.moe.gluon_wgrad  # noqa: F401
-    except ImportError:  # a Triton without Gluon's Hopper API
+        importlib.import_module(f"mcore_kernels.moe.{module}")
+    except ImportError:
         return False
     return True
 
