@@ -433,8 +433,8 @@ class InferenceEngine(_StepLoop):
         prefill replay are captured too, where they are not the decode graphs (buckets of
         ``fused_decode.ROTARY_IN_ATTENTION_MIN_ROWS`` rows and more). A hybrid (Mamba) model
         captures its decode and non-decode graphs. Then, on a CUDA device, :meth:`warm_up` runs
-        every kernel variant of the eager steps. Collective over the model replica like :meth:`step` (and over the
-        expert-parallel group).
+        every kernel variant of the eager steps. Collective over the model replica like
+        :meth:`step` (and over the expert-parallel group).
 
         Returns:
             The number of graphs captured (0 without graphs: on the CPU, with
